@@ -1,0 +1,16 @@
+"""specbuild runtime: load a specbuild bundle and decode speculatively. Needs onnxruntime, numpy, tokenizers; never torch."""
+
+from .decode import Generation, SpeculativeDecoder, Stats
+from .errors import BundleError, RequestError, SpecbuildError
+from .manifest import Manifest, load_manifest
+
+__all__ = [
+    "BundleError",
+    "Generation",
+    "Manifest",
+    "RequestError",
+    "SpecbuildError",
+    "SpeculativeDecoder",
+    "Stats",
+    "load_manifest",
+]

@@ -1,0 +1,160 @@
+"""The `specbuild` command line: verbs for build pipelines (compile, verify) and for people (generate, inspect)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from specbuild_runtime.errors import SpecbuildError
+
+from . import __version__
+
+existing_dir = click.Path(exists=False, file_okay=False, path_type=Path)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="specbuild")
+@click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
+    """Compile a draft/target pair of Hugging Face checkpoints into a speculative-decoding bundle, and run it."""
+    ctx.obj = {"debug": debug}
+
+
+@cli.command("compile")
+@click.option("--target", type=existing_dir, help="Target checkpoint folder (config.json, *.safetensors, tokenizer).")
+@click.option("--draft", type=existing_dir, help="Draft checkpoint folder; must share the target's tokenizer.")
+@click.option("--output", "-o", type=existing_dir, help="Bundle folder to write (written atomically).")
+@click.option("--gamma", type=int, help="Default number of draft tokens per round.  [default: 4]")
+@click.option("--max-seq-len", type=int, help="Context length the KV cache is allocated for.  [default: min(2048, target's)]")
+@click.option("--recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="TOML recipe with these settings; options override it.")
+@click.option("--overwrite", is_flag=True, default=None, help="Replace an existing bundle at --output.")
+def compile_cmd(recipe, **options) -> None:
+    """Build an engine bundle: both models as ONNX, greedy verification inside the target's graph."""
+    from .compiler import compile_bundle
+    from .recipe import resolve_settings
+
+    settings = resolve_settings(recipe, **options)
+    manifest = compile_bundle(settings)
+    target, draft = manifest.engines["target"], manifest.engines["draft"]
+    click.echo(
+        f"wrote {settings.output}: target {target.architecture} {target.parameters / 1e6:.1f}M params, "
+        f"draft {draft.architecture} {draft.parameters / 1e6:.1f}M params, gamma {manifest.gamma}, "
+        f"max-seq-len {manifest.max_seq_len}"
+    )
+
+
+@cli.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--prompt", "-p", required=True, help="Text to continue.")
+@click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True, help="Stop after this many new tokens.")
+@click.option("--gamma", type=int, help="Draft tokens per round; 0 decodes with the target alone.  [default: the bundle's]")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, stats) instead of streaming text.")
+def generate(bundle, prompt, max_new_tokens, gamma, as_json) -> None:
+    """Continue a prompt with speculative greedy decoding."""
+    from specbuild_runtime import SpeculativeDecoder, Stats
+
+    decoder = SpeculativeDecoder(bundle)
+    stats = Stats(gamma=decoder.manifest.gamma if gamma is None else gamma)
+    prompt_ids = decoder.encode(prompt)
+    if as_json:
+        ids = list(decoder.stream(prompt_ids, max_new_tokens, stats=stats))
+        click.echo(json.dumps({
+            "text": decoder.tokenizer.decode(ids),
+            "token_ids": ids,
+            "prompt_token_ids": prompt_ids,
+            "stats": stats.to_dict(),
+        }))
+        return
+    click.echo(prompt, nl=False)
+    ids, shown = [], ""
+    for token in decoder.stream(prompt_ids, max_new_tokens, stats=stats):
+        ids.append(token)
+        text = decoder.tokenizer.decode(ids)
+        click.echo(text[len(shown):], nl=False)
+        shown = text
+    click.echo()
+    click.echo(_stats_line(stats), err=True)
+
+
+def _stats_line(stats) -> str:
+    s = stats.to_dict()
+    line = f"{s['generated_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s, ttft {s['ttft_ms']:.1f} ms"
+    if stats.gamma:
+        line += f", gamma {stats.gamma}, acceptance {s['acceptance_rate']:.2f}, {s['mean_accepted_tokens']:.2f} tokens/round"
+    return line
+
+
+@cli.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+def inspect(bundle, as_json) -> None:
+    """Show what a bundle holds: engines, shapes, settings, and whether its files are intact."""
+    from specbuild_runtime.manifest import load_manifest
+
+    manifest = load_manifest(bundle)
+    if as_json:
+        click.echo(manifest.to_json())
+        return
+    click.echo(f"bundle     {bundle}  (format v{manifest.format_version}, {manifest.created_by}, files intact)")
+    click.echo(f"gamma      {manifest.gamma} (default)   max-seq-len {manifest.max_seq_len}   eos {manifest.eos_token_ids}")
+    for role, e in manifest.engines.items():
+        s = e.shape
+        click.echo(
+            f"{role:<10} {e.architecture} {e.parameters / 1e6:.2f}M params, {e.weight_bytes / 2**20:.1f} MiB, "
+            f"{e.backend} {e.precision} quant={e.quantization}; layers {s.num_layers}, hidden {s.hidden_size}, "
+            f"heads {s.num_heads}/{s.num_kv_heads} kv, vocab {s.vocab_size}"
+        )
+        click.echo(f"{'':<10} from {e.source['path']} (sha256 {e.source['sha256'][:12]}…)")
+
+
+@cli.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--target", required=True, type=existing_dir, help="The target checkpoint the bundle was built from.")
+@click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help='JSONL file, one {"prompt": "..."} per line.')
+@click.option("--max-new-tokens", "-n", type=int, default=64, show_default=True)
+@click.option("--gamma", type=int, help="Draft tokens per round.  [default: the bundle's]")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def verify(bundle, target, prompts, max_new_tokens, gamma, as_json) -> None:
+    """Gate a bundle: its greedy output must equal transformers' on every prompt (exit 1 if not)."""
+    from .verify import verify_bundle
+
+    report = verify_bundle(bundle, target, prompts, max_new_tokens, gamma)
+    if as_json:
+        click.echo(json.dumps(report))
+    elif report["identical"]:
+        click.echo(f"identical: {report['prompts']} prompts, {report['tokens']} tokens match transformers")
+    else:
+        d = report["divergence"]
+        click.echo(
+            f"DIVERGED on prompt {d['prompt_index']} ({d['prompt'][:40]!r}) at generated token {d['position']}: "
+            f"bundle {d['bundle_token']} vs transformers {d['transformers_token']}"
+        )
+    if not report["identical"]:
+        sys.exit(1)
+
+
+def main() -> None:
+    debug = "--debug" in sys.argv
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except SpecbuildError as exc:
+        if debug:
+            raise
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    except OSError as exc:
+        if debug:
+            raise
+        click.echo(f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), err=True)
+        sys.exit(1)

@@ -1,0 +1,58 @@
+"""`specbuild compile` as a straight line of stages: load & validate -> build graphs -> verify -> write bundle."""
+
+from __future__ import annotations
+
+from tqdm import tqdm
+
+from specbuild_runtime.engine import Engine
+from specbuild_runtime.manifest import TOKENIZER_DIR, Manifest
+
+from . import __version__
+from .bundle import staged_bundle, write_manifest
+from .checkpoint import eos_token_ids, load_checkpoint, validate_pair
+from .export import check_context, export_engine
+from .recipe import DEFAULT_MAX_SEQ_LEN, CompileSettings
+
+
+def compile_bundle(settings: CompileSettings, show_progress: bool = True) -> Manifest:
+    stages = tqdm(total=5, desc="compile", unit="stage", disable=not show_progress, leave=False)
+
+    def stage(name: str) -> None:
+        stages.set_description(name)
+
+    stage("loading checkpoints")
+    target = load_checkpoint(settings.target, "target")
+    draft = load_checkpoint(settings.draft, "draft")
+    validate_pair(target, draft)
+    max_seq_len = settings.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, target.spec.max_position_embeddings)
+    check_context(target, "target", max_seq_len)
+    check_context(draft, "draft", max_seq_len)
+    stages.update()
+
+    with staged_bundle(settings.output, settings.overwrite) as folder:
+        engines = {}
+        for role, ckpt in (("target", target), ("draft", draft)):
+            stage(f"building {role} engine")
+            engines[role] = export_engine(ckpt, role, folder, max_seq_len)
+            stages.update()
+        target.tokenizer.save_pretrained(folder / TOKENIZER_DIR)
+
+        stage("verifying engines")
+        for info in engines.values():
+            # A one-token prefill proves each engine loads and runs before the bundle is published.
+            Engine(folder / info.file, info, max_seq_len).step([0], total_len=1)
+        stages.update()
+
+        stage("writing bundle")
+        manifest = Manifest(
+            engines=engines,
+            max_seq_len=max_seq_len,
+            gamma=settings.gamma,
+            eos_token_ids=eos_token_ids(target),
+            files={},
+            created_by=f"specbuild {__version__}",
+        )
+        write_manifest(folder, manifest)
+        stages.update()
+    stages.close()
+    return manifest

@@ -1,0 +1,52 @@
+"""Stage 2b: turn one validated checkpoint into an ONNX engine file inside the bundle being built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+
+from specbuild_runtime.errors import UnsupportedModelError
+from specbuild_runtime.manifest import EngineInfo
+
+from .checkpoint import Checkpoint
+from .graphs import build_decoder
+
+
+def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
+    spec = ckpt.spec
+    if max_seq_len > spec.max_position_embeddings:
+        raise UnsupportedModelError(
+            f"--max-seq-len {max_seq_len} exceeds the {role}'s max_position_embeddings "
+            f"({spec.max_position_embeddings}); use --max-seq-len {spec.max_position_embeddings} or less"
+        )
+    if spec.sliding_window and max_seq_len > spec.sliding_window:
+        raise UnsupportedModelError(
+            f"--max-seq-len {max_seq_len} exceeds the {role}'s sliding window ({spec.sliding_window}); "
+            f"sliding-window attention is not built yet, so use --max-seq-len {spec.sliding_window} or less"
+        )
+
+
+def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int) -> EngineInfo:
+    """Writes {role}.onnx (+ {role}.onnx.data with the weights) and describes it."""
+    weights = ckpt.tensors()
+    parameters = sum(w.size for name, w in weights.items() if not name.endswith("rotary_emb.inv_freq"))
+    model = build_decoder(ckpt.spec, weights, ckpt.config, max_seq_len)
+    del weights
+    file = f"{role}.onnx"
+    # External data keeps the graph file small and lifts protobuf's 2 GB limit on large targets.
+    onnx.save_model(model, folder / file, save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=f"{file}.data")
+    onnx.checker.check_model(str(folder / file))
+    return EngineInfo(
+        role=role,
+        backend="onnx",
+        file=file,
+        architecture=ckpt.spec.architecture,
+        precision="fp32",
+        quantization="none",
+        shape=ckpt.spec.shape,
+        parameters=int(parameters),
+        weight_bytes=(folder / f"{file}.data").stat().st_size,
+        source={"path": str(ckpt.path.resolve()), "sha256": ckpt.digest()},
+    )

@@ -1,0 +1,60 @@
+"""Recipes: the settings of a repeatable build, in TOML. Command-line options override them.
+
+    [compile]
+    target = "checkpoints/target"   # paths are relative to the recipe file
+    draft = "checkpoints/draft"
+    output = "bundles/demo"
+    gamma = 4
+    max_seq_len = 1024
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from specbuild_runtime.errors import SpecbuildError
+
+DEFAULT_GAMMA = 4
+DEFAULT_MAX_SEQ_LEN = 2048
+
+
+@dataclass
+class CompileSettings:
+    target: Path
+    draft: Path
+    output: Path
+    gamma: int = DEFAULT_GAMMA
+    max_seq_len: int | None = None  # None: min(DEFAULT_MAX_SEQ_LEN, the target's max positions)
+    overwrite: bool = False
+
+
+PATH_FIELDS = {"target", "draft", "output"}
+
+
+def read_recipe(path: Path) -> dict:
+    """The [compile] table of a recipe, with paths resolved against the recipe's folder."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SpecbuildError(f"recipe {path} cannot be read: {exc}") from None
+    table = data.get("compile", {})
+    known = {f.name for f in fields(CompileSettings)}
+    unknown = set(table) - known
+    if unknown:
+        raise SpecbuildError(f"recipe {path}: unknown [compile] keys {sorted(unknown)}; known keys are {sorted(known)}")
+    return {k: (path.parent / v if k in PATH_FIELDS else v) for k, v in table.items()}
+
+
+def resolve_settings(recipe: Path | None, **options) -> CompileSettings:
+    """Recipe values first, then every command-line option that was given."""
+    values = read_recipe(recipe) if recipe else {}
+    values.update({k: v for k, v in options.items() if v is not None})
+    missing = [k for k in ("target", "draft", "output") if k not in values]
+    if missing:
+        raise SpecbuildError(f"missing {', '.join('--' + m for m in missing)} (give them as options or in a recipe)")
+    settings = CompileSettings(**{**values, **{k: Path(values[k]) for k in PATH_FIELDS}})
+    if settings.gamma < 1:
+        raise SpecbuildError("--gamma must be at least 1 (the bundle's default draft length)")
+    return settings

@@ -1,0 +1,68 @@
+"""`specbuild verify`: decode greedily with the bundle and with transformers; report the first divergence."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specbuild_runtime.errors import SpecbuildError
+
+
+def read_prompts(path: Path) -> list[str]:
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            prompts.append(json.loads(line)["prompt"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise SpecbuildError(f'{path}:{number} is not a JSON object with a "prompt" field') from None
+    if not prompts:
+        raise SpecbuildError(f"{path} has no prompts")
+    return prompts
+
+
+def transformers_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: list[int]) -> list[int]:
+    import torch
+
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+            eos_token_id=eos_token_ids or None, pad_token_id=eos_token_ids[0] if eos_token_ids else 0,
+        )
+    return out[0, len(prompt_ids):].tolist()
+
+
+def load_reference(target: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, local_files_only=True, trust_remote_code=False)
+    return model.eval()
+
+
+def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens: int, gamma: int | None) -> dict:
+    from specbuild_runtime import SpeculativeDecoder
+
+    prompts = read_prompts(prompts_file)
+    decoder = SpeculativeDecoder(bundle)
+    model = load_reference(target)
+    eos = sorted(decoder.eos_token_ids)
+    tokens = 0
+    for index, prompt in enumerate(prompts):
+        prompt_ids = decoder.encode(prompt)
+        ours = decoder.generate(prompt_ids, max_new_tokens, gamma).token_ids
+        theirs = transformers_greedy(model, prompt_ids, max_new_tokens, eos)
+        if ours != theirs:
+            position = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            return {
+                "identical": False, "prompts": len(prompts), "tokens": tokens,
+                "divergence": {
+                    "prompt_index": index, "prompt": prompt, "position": position,
+                    "bundle_token": ours[position] if position < len(ours) else None,
+                    "transformers_token": theirs[position] if position < len(theirs) else None,
+                },
+            }
+        tokens += len(ours)
+    return {"identical": True, "prompts": len(prompts), "tokens": tokens}

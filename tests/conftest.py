@@ -1,0 +1,109 @@
+"""Tiny real checkpoints built in a tmp dir: random weights, a real byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+VOCAB = 320
+EOS = "<|endoftext|>"
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+
+PROMPTS = [
+    "def add(a, b):\n    return",
+    "import os",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n",
+    "x",
+    "for i in range(10):\n    print(i)\n",
+    "# Copyright 2024\n\"\"\"Utilities for parsing configuration files.\"\"\"\n\nimport json\nimport re\n",
+    "while True:",
+    "try:\n    import json\nexcept ImportError:\n    json = None\n",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n",
+    "return self",
+    "if __name__ == '__main__':\n    main()",
+]
+
+
+def make_tokenizer(vocab_size: int = VOCAB, text_files: tuple[str, ...] = ("textwrap.py", "shlex.py")):
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train([str(stdlib / f) for f in text_files], trainer)
+    return tf.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=EOS)
+
+
+def make_checkpoint(folder: Path, architecture: str, tokenizer, seed: int = 0, **overrides) -> Path:
+    torch.manual_seed(seed)
+    vocab = overrides.pop("vocab_size", len(tokenizer))
+    eos = tokenizer.eos_token_id
+    if architecture == "gpt2":
+        config = tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, vocab_size=vocab,
+                               bos_token_id=eos, eos_token_id=eos, **overrides)
+        model = tf.GPT2LMHeadModel(config)
+    else:
+        config_cls, model_cls = {
+            "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+            "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+            "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        }[architecture]
+        config = config_cls(**{**TINY, "vocab_size": vocab, "bos_token_id": eos, "eos_token_id": eos, **overrides})
+        model = model_cls(config)
+    # Random init puts logits near zero; a larger scale gives decisive argmaxes, so float noise
+    # (1e-7) between engines cannot flip a near-tie.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    model.eval().save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory, tokenizer):
+    """checkpoints(arch, seed) -> folder, cached for the session."""
+    made = {}
+
+    def get(architecture: str, seed: int = 0, **overrides) -> Path:
+        key = (architecture, seed, tuple(sorted(overrides.items())))
+        if key not in made:
+            folder = tmp_path_factory.mktemp(f"{architecture}-{seed}")
+            made[key] = make_checkpoint(folder, architecture, tokenizer, seed, **overrides)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def bundles(tmp_path_factory, checkpoints):
+    """bundles(arch, draft_seed) -> compiled bundle folder; draft_seed 0 makes draft = target."""
+    from specbuild.compiler import compile_bundle
+    from specbuild.recipe import CompileSettings
+
+    made = {}
+
+    def get(architecture: str, draft_seed: int = 0, max_seq_len: int = 256) -> Path:
+        key = (architecture, draft_seed, max_seq_len)
+        if key not in made:
+            out = tmp_path_factory.mktemp("bundles") / f"{architecture}-{draft_seed}"
+            settings = CompileSettings(target=checkpoints(architecture, 0), draft=checkpoints(architecture, draft_seed),
+                                       output=out, max_seq_len=max_seq_len)
+            compile_bundle(settings, show_progress=False)
+            made[key] = out
+        return made[key]
+
+    return get
