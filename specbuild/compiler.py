@@ -14,9 +14,13 @@ from .export import check_context, export_engine
 from .recipe import DEFAULT_MAX_SEQ_LEN, CompileSettings
 
 
-def compile_bundle(settings: CompileSettings, show_progress: bool = True) -> Manifest:
-    stages = tqdm(total=5, desc="compile", unit="stage", disable=not show_progress, leave=False)
+def compile_bundle(settings: CompileSettings, show_progress: bool | None = None) -> Manifest:
+    """show_progress None: a progress bar on a terminal only (build logs stay clean)."""
+    with tqdm(total=5, unit="stage", disable=None if show_progress is None else not show_progress, leave=False) as stages:
+        return _compile(settings, stages)
 
+
+def _compile(settings: CompileSettings, stages: tqdm) -> Manifest:
     def stage(name: str) -> None:
         stages.set_description(name)
 
@@ -54,5 +58,4 @@ def compile_bundle(settings: CompileSettings, show_progress: bool = True) -> Man
         )
         write_manifest(folder, manifest)
         stages.update()
-    stages.close()
     return manifest

@@ -1,0 +1,76 @@
+"""Speculative greedy output equals transformers' greedy generate(), token for token."""
+
+import pytest
+
+from conftest import PROMPTS
+from specbuild.verify import load_reference, transformers_greedy
+from specbuild_runtime import SpeculativeDecoder
+
+ARCHITECTURES = ["llama", "qwen2", "mistral", "gpt2"]
+NEW_TOKENS = 23  # not a multiple of γ+1 for any γ tested: max-new-tokens lands inside a round
+
+
+@pytest.fixture(scope="module")
+def references():
+    cache = {}
+
+    def get(architecture, folder, tokenizer):
+        if architecture not in cache:
+            model = load_reference(folder)
+            cache[architecture] = {
+                p: transformers_greedy(model, tokenizer(p)["input_ids"], NEW_TOKENS, [tokenizer.eos_token_id])
+                for p in PROMPTS
+            }
+        return cache[architecture]
+
+    return get
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("draft", ["same", "unrelated"])
+def test_speculative_greedy_equals_transformers(architecture, draft, bundles, checkpoints, tokenizer, references):
+    decoder = SpeculativeDecoder(bundles(architecture, draft_seed=0 if draft == "same" else 1))
+    expected = references(architecture, checkpoints(architecture), tokenizer)
+    for gamma in (0, 1, 3, 8):
+        for prompt in PROMPTS:
+            result = decoder.generate(tokenizer(prompt)["input_ids"], NEW_TOKENS, gamma)
+            assert result.token_ids == expected[prompt], (gamma, prompt)
+            if gamma and draft == "same":
+                assert result.stats.acceptance_rate == 1.0
+
+
+def test_unrelated_draft_is_mostly_rejected(bundles, tokenizer):
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    result = decoder.generate(tokenizer(PROMPTS[2])["input_ids"], 40, gamma=4)
+    assert result.stats.acceptance_rate < 0.3
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 8])
+def test_eos_inside_a_round_stops_exactly_where_transformers_stops(gamma, bundles, checkpoints, tokenizer):
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=0))
+    model = load_reference(checkpoints("llama"))
+    for prompt in PROMPTS[:4]:
+        ids = tokenizer(prompt)["input_ids"]
+        free = transformers_greedy(model, ids, 30, [])
+        eos = free[5]  # a token the target emits mid-sequence, likely mid-round
+        expected = transformers_greedy(model, ids, 30, [eos])
+        decoder.eos_token_ids = {eos}
+        result = decoder.generate(ids, 30, gamma)
+        assert result.token_ids == expected
+        assert result.token_ids[-1] == eos and result.stats.finish_reason == "eos"
+
+
+def test_stream_yields_the_same_tokens_as_generate(bundles, tokenizer):
+    decoder = SpeculativeDecoder(bundles("gpt2", draft_seed=0))
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    assert list(decoder.stream(ids, 17, gamma=3)) == decoder.generate(ids, 17, gamma=3).token_ids
+
+
+def test_generation_stops_at_the_end_of_the_context(bundles, checkpoints, tokenizer):
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=0, max_seq_len=64))
+    ids = tokenizer(PROMPTS[2])["input_ids"]
+    result = decoder.generate(ids, 200, gamma=8)
+    assert result.stats.finish_reason == "context"
+    assert len(ids) + len(result.token_ids) == 64 + 1  # the last token needs no cache slot
+    expected = transformers_greedy(load_reference(checkpoints("llama")), ids, len(result.token_ids), [tokenizer.eos_token_id])
+    assert result.token_ids == expected
