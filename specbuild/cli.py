@@ -15,6 +15,19 @@ from . import __version__
 existing_dir = click.Path(exists=False, file_okay=False, path_type=Path)
 
 
+class GammaType(click.ParamType):
+    """'auto' or a whole number >= 0."""
+
+    name = "auto|N"
+
+    def convert(self, value, param, ctx):
+        if value == "auto" or isinstance(value, int):
+            return value
+        if str(value).isdigit():
+            return int(value)
+        self.fail(f"{value!r} is not 'auto' or a whole number >= 0", param, ctx)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="specbuild")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
@@ -28,7 +41,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--target", type=existing_dir, help="Target checkpoint folder (config.json, *.safetensors, tokenizer).")
 @click.option("--draft", type=existing_dir, help="Draft checkpoint folder; must share the target's tokenizer.")
 @click.option("--output", "-o", type=existing_dir, help="Bundle folder to write (written atomically).")
-@click.option("--gamma", type=int, help="Default number of draft tokens per round.  [default: 4]")
+@click.option("--gamma", type=int, help="Most draft tokens per round when the runtime adapts γ.  [default: 8]")
 @click.option("--max-seq-len", type=int, help="Context length the KV cache is allocated for.  [default: min(2048, target's)]")
 @click.option("--recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="TOML recipe with these settings; options override it.")
 @click.option("--overwrite", is_flag=True, default=None, help="Replace an existing bundle at --output.")
@@ -42,7 +55,7 @@ def compile_cmd(recipe, **options) -> None:
     target, draft = manifest.engines["target"], manifest.engines["draft"]
     click.echo(
         f"wrote {settings.output}: target {target.architecture} {target.parameters / 1e6:.1f}M params, "
-        f"draft {draft.architecture} {draft.parameters / 1e6:.1f}M params, gamma {manifest.gamma}, "
+        f"draft {draft.architecture} {draft.parameters / 1e6:.1f}M params, max gamma {manifest.gamma}, "
         f"max-seq-len {manifest.max_seq_len}"
     )
 
@@ -51,14 +64,15 @@ def compile_cmd(recipe, **options) -> None:
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--prompt", "-p", required=True, help="Text to continue.")
 @click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True, help="Stop after this many new tokens.")
-@click.option("--gamma", type=int, help="Draft tokens per round; 0 decodes with the target alone.  [default: the bundle's]")
+@click.option("--gamma", type=GammaType(), default="auto", show_default=True,
+              help="Draft tokens per round: 'auto' adapts to the draft's acceptance, 0 is the target alone.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, stats) instead of streaming text.")
 def generate(bundle, prompt, max_new_tokens, gamma, as_json) -> None:
     """Continue a prompt with speculative greedy decoding."""
     from specbuild_runtime import SpeculativeDecoder, Stats
 
     decoder = SpeculativeDecoder(bundle)
-    stats = Stats(gamma=decoder.manifest.gamma if gamma is None else gamma)
+    stats = Stats(gamma=gamma)
     prompt_ids = decoder.encode(prompt)
     if as_json:
         ids = list(decoder.stream(prompt_ids, max_new_tokens, stats=stats))
@@ -83,7 +97,7 @@ def generate(bundle, prompt, max_new_tokens, gamma, as_json) -> None:
 def _stats_line(stats) -> str:
     s = stats.to_dict()
     line = f"{s['generated_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s, ttft {s['ttft_ms']:.1f} ms"
-    if stats.gamma:
+    if stats.drafted:
         line += f", gamma {stats.gamma}, acceptance {s['acceptance_rate']:.2f}, {s['mean_accepted_tokens']:.2f} tokens/round"
     return line
 
@@ -100,7 +114,7 @@ def inspect(bundle, as_json) -> None:
         click.echo(manifest.to_json())
         return
     click.echo(f"bundle     {bundle}  (format v{manifest.format_version}, {manifest.created_by}, files intact)")
-    click.echo(f"gamma      {manifest.gamma} (default)   max-seq-len {manifest.max_seq_len}   eos {manifest.eos_token_ids}")
+    click.echo(f"max gamma  {manifest.gamma} (adaptive)   max-seq-len {manifest.max_seq_len}   eos {manifest.eos_token_ids}")
     for role, e in manifest.engines.items():
         s = e.shape
         click.echo(
@@ -117,7 +131,7 @@ def inspect(bundle, as_json) -> None:
 @click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help='JSONL file, one {"prompt": "..."} per line.')
 @click.option("--max-new-tokens", "-n", type=int, default=64, show_default=True)
-@click.option("--gamma", type=int, help="Draft tokens per round.  [default: the bundle's]")
+@click.option("--gamma", type=GammaType(), default="auto", show_default=True, help="Draft tokens per round.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def verify(bundle, target, prompts, max_new_tokens, gamma, as_json) -> None:
     """Gate a bundle: its greedy output must equal transformers' on every prompt (exit 1 if not)."""

@@ -4,7 +4,7 @@
     target = "checkpoints/target"   # paths are relative to the recipe file
     draft = "checkpoints/draft"
     output = "bundles/demo"
-    gamma = 4
+    gamma = 8                       # most drafts per round in adaptive mode
     max_seq_len = 1024
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from specbuild_runtime.errors import SpecbuildError
 
-DEFAULT_GAMMA = 4
+DEFAULT_GAMMA = 8
 DEFAULT_MAX_SEQ_LEN = 2048
 
 

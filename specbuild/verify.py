@@ -42,7 +42,7 @@ def load_reference(target: Path):
     return model.eval()
 
 
-def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens: int, gamma: int | None) -> dict:
+def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens: int, gamma: int | str) -> dict:
     from specbuild_runtime import SpeculativeDecoder
 
     prompts = read_prompts(prompts_file)

@@ -17,13 +17,16 @@ from tokenizers import Tokenizer
 from .engine import Engine
 from .errors import RequestError
 from .manifest import TOKENIZER_DIR, load_manifest
+from .policy import AdaptiveGamma, FixedGamma
+
+AUTO = "auto"
 
 
 @dataclass
 class Stats:
     """What one generate() call measured. α and τ are over verification rounds (γ > 0) only."""
 
-    gamma: int
+    gamma: int | str  # a fixed γ, or "auto"
     prompt_tokens: int = 0
     generated_tokens: int = 0
     rounds: int = 0  # target calls after the prompt
@@ -32,6 +35,10 @@ class Stats:
     accepted_at: list[int] = field(default_factory=list)  # rounds whose draft j was accepted
     proposed_at: list[int] = field(default_factory=list)  # rounds that proposed a draft at j
     token_times: list[float] = field(default_factory=list)  # seconds since the call began
+    gamma_rounds: dict[int, int] = field(default_factory=dict)  # γ used -> rounds
+    draft_seconds: float = 0.0
+    draft_steps: int = 0
+    target_seconds: float = 0.0  # rounds only, the prompt's call excluded
     finish_reason: str = ""
 
     @property
@@ -72,6 +79,9 @@ class Stats:
             "ttft_ms": round(self.ttft_ms, 3),
             "itl_ms_p50": round(self.itl_ms(50), 3),
             "itl_ms_p95": round(self.itl_ms(95), 3),
+            "gamma_rounds": dict(sorted(self.gamma_rounds.items())),
+            "draft_step_ms": round(1e3 * self.draft_seconds / self.draft_steps, 4) if self.draft_steps else 0.0,
+            "target_step_ms": round(1e3 * self.target_seconds / self.rounds, 4) if self.rounds else 0.0,
             "finish_reason": self.finish_reason,
         }
 
@@ -88,7 +98,8 @@ class SpeculativeDecoder:
     """Loads a bundle (checking its manifest and digests) and decodes with it.
 
         decoder = SpeculativeDecoder("bundle/")
-        result = decoder.generate("def fib(n):", max_new_tokens=64)        # γ from the bundle
+        result = decoder.generate("def fib(n):", max_new_tokens=64)        # γ adapts (gamma="auto")
+        result = decoder.generate("def fib(n):", gamma=4)                  # fixed γ
         for token_id in decoder.stream("def fib(n):", gamma=0): ...       # target only
     """
 
@@ -101,30 +112,38 @@ class SpeculativeDecoder:
         engines = self.manifest.engines
         self.target = Engine(self.root / engines["target"].file, engines["target"], self.max_seq_len, device)
         self.draft = Engine(self.root / engines["draft"].file, engines["draft"], self.max_seq_len, device)
+        # One adaptive policy per decoder: what it learns about this pair carries over to later requests.
+        self.adaptive = AdaptiveGamma(
+            max_gamma=self.manifest.gamma,
+            draft_cost=engines["draft"].weight_bytes / engines["target"].weight_bytes,
+        )
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 
-    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, gamma: int | None = None) -> Generation:
-        stats = Stats(gamma=self.manifest.gamma if gamma is None else gamma)
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, gamma: int | str = AUTO) -> Generation:
+        stats = Stats(gamma=gamma)
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         tokens = list(self._decode(prompt_ids, max_new_tokens, stats))
         return Generation(self.tokenizer.decode(tokens), tokens, prompt_ids, stats)
 
-    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, gamma: int | None = None,
+    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, gamma: int | str = AUTO,
                stats: Stats | None = None) -> Iterator[int]:
         """Yields generated token ids as the target accepts them; pass a Stats to read measurements."""
-        stats = stats or Stats(gamma=self.manifest.gamma if gamma is None else gamma)
+        stats = stats or Stats(gamma=gamma)
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         return self._decode(prompt_ids, max_new_tokens, stats)
 
     def _decode(self, prompt: list[int], max_new_tokens: int, stats: Stats) -> Iterator[int]:
         self._check_request(prompt, max_new_tokens, stats.gamma)
-        gamma, max_len = stats.gamma, self.max_seq_len
+        policy = self.adaptive if stats.gamma == AUTO else FixedGamma(stats.gamma)
+        max_len = self.max_seq_len
+        positions = self.adaptive.max_gamma if stats.gamma == AUTO else stats.gamma
         stats.prompt_tokens = len(prompt)
-        stats.accepted_at = [0] * gamma
-        stats.proposed_at = [0] * gamma
-        start = time.perf_counter()
+        stats.accepted_at = [0] * positions
+        stats.proposed_at = [0] * positions
+        clock = time.perf_counter
+        start = clock()
         ids = list(prompt)
         # Cache lengths: the target holds ids[:-1] after each round; the draft lags and catches up.
         _, token = self.target.step(ids, total_len=len(ids))
@@ -134,7 +153,7 @@ class SpeculativeDecoder:
             for token in new_tokens:
                 ids.append(token)
                 stats.generated_tokens += 1
-                stats.token_times.append(time.perf_counter() - start)
+                stats.token_times.append(clock() - start)
                 yield token
                 if token in self.eos_token_ids:
                     stats.finish_reason = "eos"
@@ -146,7 +165,8 @@ class SpeculativeDecoder:
                 stats.finish_reason = "context"
                 return
             # No more drafts than the request or the cache has room for.
-            k = min(gamma, max_new_tokens - stats.generated_tokens - 1, max_len - len(ids))
+            k = policy.choose(min(max_new_tokens - stats.generated_tokens - 1, max_len - len(ids)))
+            t0 = clock()
             drafts = []
             if k > 0:
                 _, draft = self.draft.step(ids[draft_len:], total_len=len(ids))
@@ -155,17 +175,24 @@ class SpeculativeDecoder:
                     _, draft = self.draft.step([draft], total_len=len(ids) + j)
                     drafts.append(draft)
                 draft_len = len(ids) + k - 1
+            t1 = clock()
             accepted, token = self.target.step([ids[-1], *drafts], total_len=len(ids) + k, num_drafts=k)
+            t2 = clock()
             draft_len = min(draft_len, len(ids) + accepted)
+            policy.observe(k, accepted, t1 - t0, t2 - t1)
             stats.rounds += 1
+            stats.gamma_rounds[k] = stats.gamma_rounds.get(k, 0) + 1
             stats.drafted += k
             stats.accepted += accepted
+            stats.draft_seconds += t1 - t0
+            stats.draft_steps += k
+            stats.target_seconds += t2 - t1
             for j in range(k):
                 stats.proposed_at[j] += 1
                 stats.accepted_at[j] += j < accepted
             new_tokens = [*drafts[:accepted], token]
 
-    def _check_request(self, prompt: list[int], max_new_tokens: int, gamma: int) -> None:
+    def _check_request(self, prompt: list[int], max_new_tokens: int, gamma: int | str) -> None:
         if not prompt:
             raise RequestError("the prompt is empty; give at least one token of text")
         if len(prompt) > self.max_seq_len:
@@ -175,5 +202,5 @@ class SpeculativeDecoder:
             )
         if max_new_tokens < 1:
             raise RequestError("max_new_tokens must be at least 1")
-        if gamma < 0:
-            raise RequestError("gamma must be 0 (target only) or more")
+        if gamma != AUTO and not (isinstance(gamma, int) and gamma >= 0):
+            raise RequestError(f"gamma must be {AUTO!r} or a whole number >= 0 (0 = target only), not {gamma!r}")

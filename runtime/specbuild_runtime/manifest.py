@@ -60,7 +60,7 @@ class EngineInfo:
 class Manifest:
     engines: dict[str, EngineInfo]
     max_seq_len: int
-    gamma: int
+    gamma: int  # the most drafts per round the runtime's adaptive mode uses
     eos_token_ids: list[int]
     files: dict[str, str]  # relative path -> sha256
     created_by: str = ""

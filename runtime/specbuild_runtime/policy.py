@@ -1,0 +1,73 @@
+"""How many tokens to draft each round: a fixed γ, or one chosen from what the decoder observes.
+
+With per-draft acceptance α, a round with γ drafts yields E(γ) = (1 - α^(γ+1)) / (1 - α) tokens
+(Leviathan et al. 2023) and costs γ draft steps plus one target call over γ+1 tokens. Measured in
+target single-token steps that is 1 + γ·c + γ·κ, where c = draft step / target step and κ is the
+extra cost of each additional token in a target call. AdaptiveGamma picks the γ (0 = target only)
+with the most tokens per unit of cost, and while it sits at 0 it still drafts one token every
+PROBE_EVERY rounds so it notices when the draft starts agreeing again.
+"""
+
+from __future__ import annotations
+
+PROBE_EVERY = 8
+DECAY = 0.7  # weight of the past in every running estimate: adapts within a few rounds
+
+
+class FixedGamma:
+    def __init__(self, gamma: int):
+        self.gamma = gamma
+
+    def choose(self, limit: int) -> int:
+        return min(self.gamma, limit)
+
+    def observe(self, drafted: int, accepted: int, draft_seconds: float, target_seconds: float) -> None:
+        pass
+
+
+class AdaptiveGamma:
+    """Keeps running estimates of α, c and κ across calls (a warm decoder starts from what it learned)."""
+
+    def __init__(self, max_gamma: int, draft_cost: float):
+        self.max_gamma = max_gamma
+        self.successes, self.failures = 1.2, 0.8  # prior α = 0.6: try speculation first
+        self.draft_cost = draft_cost  # c, until measured: the engines' weight-byte ratio
+        self.extra_token_cost = 0.05  # κ
+        self.target_step: float | None = None  # seconds of a one-token target call
+        self.rounds_at_zero = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.successes / (self.successes + self.failures)
+
+    def expected_speedup(self, gamma: int) -> float:
+        a = min(self.alpha, 0.999)
+        tokens = (1 - a ** (gamma + 1)) / (1 - a)
+        return tokens / (1 + gamma * (self.draft_cost + self.extra_token_cost))
+
+    def choose(self, limit: int) -> int:
+        best = max(range(min(self.max_gamma, limit) + 1), key=self.expected_speedup)
+        if best == 0 and limit > 0:
+            self.rounds_at_zero += 1
+            if self.rounds_at_zero % PROBE_EVERY == 0:
+                return 1
+        return best
+
+    def observe(self, drafted: int, accepted: int, draft_seconds: float, target_seconds: float) -> None:
+        if drafted == 0:
+            self.target_step = _ema(self.target_step, target_seconds)
+            return
+        # Drafts are accepted as a run: `accepted` successes, then one failure unless all were accepted.
+        self.successes = DECAY * self.successes + accepted
+        self.failures = DECAY * self.failures + (accepted < drafted)
+        if self.target_step is None:
+            # No one-token call seen yet: split the call's time with the current κ.
+            self.target_step = target_seconds / (1 + drafted * self.extra_token_cost)
+        else:
+            extra = (target_seconds / self.target_step - 1) / drafted
+            self.extra_token_cost = _ema(self.extra_token_cost, max(extra, 0.0))
+        self.draft_cost = _ema(self.draft_cost, draft_seconds / drafted / self.target_step)
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else DECAY * old + (1 - DECAY) * new

@@ -1,0 +1,46 @@
+"""Adaptive γ: speculate while the draft agrees, fall back to the target alone when it does not."""
+
+from specbuild_runtime import SpeculativeDecoder
+from specbuild_runtime.policy import PROBE_EVERY, AdaptiveGamma
+
+from conftest import PROMPTS
+
+
+def run_rounds(policy, alpha_pattern, rounds=60, draft_cost=0.1, extra_token_cost=0.03):
+    """Feeds the policy rounds where each draft is accepted per alpha_pattern(round); returns γ chosen."""
+    chosen = []
+    for r in range(rounds):
+        k = policy.choose(limit=100)
+        accepted = 0
+        while accepted < k and alpha_pattern(r, accepted):
+            accepted += 1
+        policy.observe(k, accepted, draft_seconds=k * draft_cost, target_seconds=1 + k * extra_token_cost)
+        chosen.append(k)
+    return chosen
+
+
+def test_policy_drafts_the_most_when_every_draft_is_accepted():
+    chosen = run_rounds(AdaptiveGamma(max_gamma=8, draft_cost=0.1), lambda r, j: True)
+    assert chosen[-10:] == [8] * 10
+
+
+def test_policy_falls_back_to_target_only_and_probes_when_drafts_are_rejected():
+    chosen = run_rounds(AdaptiveGamma(max_gamma=8, draft_cost=0.1), lambda r, j: False, rounds=80)
+    tail = chosen[-4 * PROBE_EVERY:]
+    assert set(tail) == {0, 1} and tail.count(1) == 4  # target only, one probe every PROBE_EVERY rounds
+
+
+def test_policy_recovers_when_the_draft_starts_agreeing():
+    chosen = run_rounds(AdaptiveGamma(max_gamma=8, draft_cost=0.1), lambda r, j: r >= 40, rounds=120)
+    assert chosen[30:40].count(0) >= 8 and min(chosen[-10:]) >= 6
+
+
+def test_expensive_drafts_are_not_used_even_when_they_agree_half_the_time():
+    chosen = run_rounds(AdaptiveGamma(max_gamma=8, draft_cost=0.9), lambda r, j: (r + j) % 2 == 0, draft_cost=0.9)
+    assert chosen[-20:].count(0) >= 16
+
+
+def test_auto_mode_uses_the_target_alone_with_an_unrelated_draft(bundles, tokenizer):
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    result = decoder.generate(tokenizer(PROMPTS[2])["input_ids"], 120, gamma="auto")
+    assert result.stats.gamma_rounds.get(0, 0) >= 0.7 * result.stats.rounds
