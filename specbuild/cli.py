@@ -13,6 +13,7 @@ from specbuild_runtime.errors import SpecbuildError
 from . import __version__
 
 existing_dir = click.Path(exists=False, file_okay=False, path_type=Path)
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts" / "code.jsonl"
 
 
 class GammaType(click.ParamType):
@@ -150,6 +151,33 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json) -> None:
         )
     if not report["identical"]:
         sys.exit(1)
+
+
+@cli.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help='JSONL file, one {"prompt": "..."} per line.  [default: the bundled code prompts]')
+@click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True)
+@click.option("--gamma", "gammas", default="1,2,4,8", show_default=True, help="Fixed γ values to measure beside target-only and auto.")
+@click.option("--peers", default="", help="Comma-separated peers to measure on the source checkpoints: transformers.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the full report here.")
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot here (needs matplotlib).")
+def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out) -> None:
+    """Measure speculative vs target-only decoding (and peers) side by side, with the theoretical bound."""
+    from . import bench as benchmark
+    from .verify import read_prompts
+
+    try:
+        gamma_list = [int(g) for g in gammas.split(",") if g.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{gammas!r} is not a comma-separated list of whole numbers", param_hint="--gamma") from None
+    report = benchmark.bench(bundle, read_prompts(prompts or DEFAULT_PROMPTS), max_new_tokens, gamma_list,
+                             [p.strip() for p in peers.split(",") if p.strip()])
+    click.echo(benchmark.format_table(report))
+    if json_out:
+        json_out.write_text(json.dumps(report, indent=2))
+    if plot_out:
+        benchmark.plot(report, plot_out)
 
 
 def main() -> None:

@@ -1,0 +1,231 @@
+"""`specbuild bench`: speculative vs target-only decoding (and peers) measured side by side in one process.
+
+Every mode decodes every prompt after one warm-up request; ratios taken within one run are what to trust
+on a shared machine, absolute times are rough.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from specbuild_runtime import SpeculativeDecoder
+from specbuild_runtime.decode import AUTO, Stats
+
+
+def measure_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """This machine's memory read bandwidth in GB/s: the ceiling for decoding a model larger than cache."""
+    data = np.ones(megabytes * 2**20 // 8, dtype=np.float64)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.nbytes / best / 1e9
+
+
+@dataclass
+class ModeResult:
+    system: str
+    gamma: int | str
+    tokens: int = 0
+    decode_seconds: float = 0.0
+    ttft_ms: list[float] = field(default_factory=list)
+    gaps_ms: list[float] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    accepted_at: np.ndarray | None = None
+    proposed_at: np.ndarray | None = None
+    draft_seconds: float = 0.0
+    draft_steps: int = 0
+    target_seconds: float = 0.0
+    outputs: list[list[int]] = field(default_factory=list)
+    matches_target: bool | None = None
+
+    def add(self, stats: Stats, ids: list[int]) -> None:
+        self.outputs.append(ids)
+        times = np.array(stats.token_times)
+        self.tokens += len(times) - 1
+        self.decode_seconds += times[-1] - times[0] if len(times) > 1 else 0.0
+        self.ttft_ms.append(stats.ttft_ms)
+        self.gaps_ms.extend((1e3 * np.diff(times)).tolist())
+        self.drafted += stats.drafted
+        self.accepted += stats.accepted
+        self.rounds += stats.rounds
+        self.draft_seconds += stats.draft_seconds
+        self.draft_steps += stats.draft_steps
+        self.target_seconds += stats.target_seconds
+        acc, prop = np.array(stats.accepted_at, float), np.array(stats.proposed_at, float)
+        self.accepted_at = acc if self.accepted_at is None else self.accepted_at + acc
+        self.proposed_at = prop if self.proposed_at is None else self.proposed_at + prop
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def to_dict(self) -> dict:
+        per_position = (self.accepted_at / np.maximum(self.proposed_at, 1)).round(4).tolist() if self.drafted else []
+        return {
+            "system": self.system,
+            "gamma": self.gamma,
+            "tokens_per_second": round(self.tokens_per_second, 2),
+            "ttft_ms": round(float(np.mean(self.ttft_ms)), 3) if self.ttft_ms else None,
+            "itl_ms_p50": round(float(np.percentile(self.gaps_ms, 50)), 3) if self.gaps_ms else None,
+            "itl_ms_p95": round(float(np.percentile(self.gaps_ms, 95)), 3) if self.gaps_ms else None,
+            "acceptance_rate": round(self.alpha, 4),
+            "mean_accepted_tokens": round(self.tokens / self.rounds, 4) if self.rounds else None,
+            "per_position_acceptance": per_position,
+            "draft_step_ms": round(1e3 * self.draft_seconds / self.draft_steps, 4) if self.draft_steps else None,
+            "target_call_ms": round(1e3 * self.target_seconds / self.rounds, 4) if self.rounds else None,
+            "matches_target": self.matches_target,
+        }
+
+
+def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int, gamma: int | str) -> ModeResult:
+    result = ModeResult("specbuild", gamma)
+    decoder.generate(prompts[0], max_new_tokens, gamma)  # warm-up: first-run allocations, policy state
+    for ids in prompts:
+        stats = Stats(gamma=gamma)
+        tokens = list(decoder.stream(ids, max_new_tokens, stats=stats))
+        result.add(stats, tokens)
+    return result
+
+
+def theoretical_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
+    """Leviathan et al.: expected speed-up (1 − α^(γ+1)) / ((1 − α)(γc + 1))."""
+    alpha = min(alpha, 0.9999)
+    return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * cost_ratio + 1))
+
+
+def context_latency(decoder: SpeculativeDecoder, contexts=(64, 1024), steps: int = 100) -> dict:
+    """Target one-token call time at each context length (cache filled by a prefill, then reused in place)."""
+    engine = decoder.target
+    out = {}
+    for ctx in contexts:
+        if ctx + 1 > decoder.max_seq_len:
+            continue
+        engine.step([1] * ctx, total_len=ctx)
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step([1], total_len=ctx + 1)  # the same slot each time: context stays ctx
+            times.append(time.perf_counter() - start)
+        out[ctx] = 1e3 * float(np.median(times))
+    return out
+
+
+def predicted_context_growth(decoder: SpeculativeDecoder, short: int, long: int) -> float:
+    """Per-token time ratio long/short if a step costs its bytes read: weights + the valid part of the cache."""
+    info = decoder.manifest.engines["target"]
+    s = info.shape
+    kv_bytes_per_position = 2 * s.num_layers * s.num_kv_heads * s.head_dim * 4
+    return (info.weight_bytes + kv_bytes_per_position * long) / (info.weight_bytes + kv_bytes_per_position * short)
+
+
+def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[int], peers: list[str]) -> dict:
+    decoder = SpeculativeDecoder(bundle)
+    prompt_ids = [decoder.encode(p) for p in prompts]
+    bandwidth = measure_bandwidth()
+    modes = [run_ours(decoder, prompt_ids, max_new_tokens, g) for g in [0, *gammas, AUTO]]
+    baseline = modes[0]
+    for mode in modes:
+        mode.matches_target = mode.outputs == baseline.outputs
+    target_step = baseline.target_seconds / baseline.rounds
+    rows = []
+    for mode in modes:
+        row = mode.to_dict()
+        row["speedup"] = round(mode.tokens_per_second / baseline.tokens_per_second, 3)
+        if isinstance(mode.gamma, int) and mode.gamma > 0:
+            c = (mode.draft_seconds / mode.draft_steps) / target_step
+            row["cost_ratio_c"] = round(c, 4)
+            row["theoretical_speedup"] = round(theoretical_speedup(mode.alpha, mode.gamma, c), 3)
+            row["efficiency"] = round(row["speedup"] / row["theoretical_speedup"], 3)
+        rows.append(row)
+    target_info = decoder.manifest.engines["target"]
+    achieved = target_info.weight_bytes / target_step / 1e9
+    latency = context_latency(decoder)
+    report = {
+        "bundle": str(bundle),
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "machine_bandwidth_gbs": round(bandwidth, 2),
+        "target_weight_mb": round(target_info.weight_bytes / 1e6, 2),
+        "draft_weight_mb": round(decoder.manifest.engines["draft"].weight_bytes / 1e6, 2),
+        "target_bandwidth_gbs": round(achieved, 2),
+        "target_bandwidth_fraction": round(achieved / bandwidth, 3),
+        "results": rows,
+    }
+    if len(latency) == 2:
+        short, long = sorted(latency)
+        report["context_latency_ms"] = {str(k): round(v, 4) for k, v in latency.items()}
+        report["context_growth_measured"] = round(latency[long] / latency[short], 3)
+        report["context_growth_predicted"] = round(predicted_context_growth(decoder, short, long), 3)
+    if peers:
+        from .peers import run_peers
+
+        report["peers"] = run_peers(peers, decoder, prompt_ids, max_new_tokens, gammas, baseline)
+    return report
+
+
+def format_table(report: dict) -> str:
+    header = f"{'system':<28}{'γ':>5}{'tok/s':>9}{'speedup':>9}{'α':>7}{'τ':>6}{'theory':>8}{'eff':>6}{'ttft ms':>9}{'itl p50/p95 ms':>16}  exact"
+    lines = [header, "-" * len(header)]
+    for row in report["results"] + report.get("peers", []):
+        def fmt(key, spec):
+            value = row.get(key)
+            return format(value, spec) if isinstance(value, (int, float)) and value is not None else "-"
+        itl = f"{fmt('itl_ms_p50', '.2f')}/{fmt('itl_ms_p95', '.2f')}"
+        exact = {True: "yes", False: "NO", None: "-"}[row.get("matches_target")]
+        lines.append(
+            f"{row['system']:<28}{str(row['gamma']):>5}{fmt('tokens_per_second', '.1f'):>9}{fmt('speedup', '.2f'):>9}"
+            f"{fmt('acceptance_rate', '.2f'):>7}{fmt('mean_accepted_tokens', '.2f'):>6}{fmt('theoretical_speedup', '.2f'):>8}"
+            f"{fmt('efficiency', '.2f'):>6}{fmt('ttft_ms', '.1f'):>9}{itl:>16}  {exact}"
+        )
+    lines.append(
+        f"target {report['target_weight_mb']} MB, draft {report['draft_weight_mb']} MB; target-only reads "
+        f"{report['target_bandwidth_gbs']} GB/s of this machine's {report['machine_bandwidth_gbs']} GB/s "
+        f"({100 * report['target_bandwidth_fraction']:.0f}%)"
+    )
+    if "context_latency_ms" in report:
+        lat = report["context_latency_ms"]
+        lines.append(
+            f"target step: {' vs '.join(f'{v:.3f} ms at context {k}' for k, v in lat.items())}: "
+            f"x{report['context_growth_measured']} measured, x{report['context_growth_predicted']} predicted from bytes read"
+        )
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    systems: dict[str, list[dict]] = {}
+    for row in report["results"] + report.get("peers", []):
+        systems.setdefault(row["system"], []).append(row)
+    for system, rows in systems.items():
+        fixed = [r for r in rows if isinstance(r["gamma"], int)]
+        if fixed:
+            left.plot([r["gamma"] for r in fixed], [r["tokens_per_second"] for r in fixed], "o-", label=system)
+            right.plot([r["gamma"] for r in fixed], [r.get("speedup") or 0 for r in fixed], "o-", label=system)
+        for r in rows:
+            if r["gamma"] == AUTO:
+                left.axhline(r["tokens_per_second"], ls="--", color="gray", label=f"{system} auto")
+                right.axhline(r["speedup"], ls="--", color="gray", label=f"{system} auto")
+    left.set(xlabel="γ (drafts per round; 0 = target only)", ylabel="decode tokens/s", title="Throughput")
+    right.set(xlabel="γ", ylabel="speed-up over specbuild target-only", title="Speed-up")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
