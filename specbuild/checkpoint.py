@@ -174,6 +174,11 @@ def _spec(config, architecture: str, path: Path, role: str) -> ModelSpec:
             max_position_embeddings=config.max_position_embeddings,
             sliding_window=getattr(config, "sliding_window", None) if use_sliding else None,
         )
+        if head_dim % 16:
+            raise UnsupportedModelError(
+                f"{role} checkpoint {path}: head_dim {head_dim} is not a multiple of 16, which onnxruntime's "
+                "rotary attention kernel requires"
+            )
         if architecture == "Qwen2ForCausalLM" and any(
             t != "full_attention" for t in (getattr(config, "layer_types", None) or [])
         ):

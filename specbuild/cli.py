@@ -13,6 +13,22 @@ from specbuild_runtime.errors import SpecbuildError
 from . import __version__
 
 existing_dir = click.Path(exists=False, file_okay=False, path_type=Path)
+
+
+def sampling_options(command):
+    """--temperature/--top-k/--top-p/--seed, named as in the Python API."""
+    for option in reversed([
+        click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+                     help="0 decodes greedily; above 0 samples, losslessly, from the target's distribution."),
+        click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="Sample from the k most likely tokens (0 = all)."),
+        click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True,
+                     help="Sample from the smallest set of tokens holding this much probability."),
+        click.option("--seed", type=int, help="Seed for sampling; with a fixed --gamma it reproduces a run exactly."),
+    ]):
+        command = option(command)
+    return command
+
+
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts" / "code.jsonl"
 
 
@@ -68,15 +84,16 @@ def compile_cmd(recipe, **options) -> None:
 @click.option("--gamma", type=GammaType(), default="auto", show_default=True,
               help="Draft tokens per round: 'auto' adapts to the draft's acceptance, 0 is the target alone.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, stats) instead of streaming text.")
-def generate(bundle, prompt, max_new_tokens, gamma, as_json) -> None:
-    """Continue a prompt with speculative greedy decoding."""
+@sampling_options
+def generate(bundle, prompt, max_new_tokens, gamma, as_json, **sampling) -> None:
+    """Continue a prompt with speculative decoding (greedy, or sampling with --temperature)."""
     from specbuild_runtime import SpeculativeDecoder, Stats
 
     decoder = SpeculativeDecoder(bundle)
     stats = Stats(gamma=gamma)
     prompt_ids = decoder.encode(prompt)
     if as_json:
-        ids = list(decoder.stream(prompt_ids, max_new_tokens, stats=stats))
+        ids = list(decoder.stream(prompt_ids, max_new_tokens, stats=stats, **sampling))
         click.echo(json.dumps({
             "text": decoder.tokenizer.decode(ids),
             "token_ids": ids,
@@ -86,7 +103,7 @@ def generate(bundle, prompt, max_new_tokens, gamma, as_json) -> None:
         return
     click.echo(prompt, nl=False)
     ids, shown = [], ""
-    for token in decoder.stream(prompt_ids, max_new_tokens, stats=stats):
+    for token in decoder.stream(prompt_ids, max_new_tokens, stats=stats, **sampling):
         ids.append(token)
         text = decoder.tokenizer.decode(ids)
         click.echo(text[len(shown):], nl=False)
@@ -162,7 +179,9 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json) -> None:
 @click.option("--peers", default="", help="Comma-separated peers to measure on the source checkpoints: transformers.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the full report here.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot here (needs matplotlib).")
-def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out) -> None:
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Sample at this temperature (seeded per prompt) instead of greedy decoding.")
+def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, temperature) -> None:
     """Measure speculative vs target-only decoding (and peers) side by side, with the theoretical bound."""
     from . import bench as benchmark
     from .verify import read_prompts
@@ -172,12 +191,40 @@ def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out) ->
     except ValueError:
         raise click.BadParameter(f"{gammas!r} is not a comma-separated list of whole numbers", param_hint="--gamma") from None
     report = benchmark.bench(bundle, read_prompts(prompts or DEFAULT_PROMPTS), max_new_tokens, gamma_list,
-                             [p.strip() for p in peers.split(",") if p.strip()])
+                             [p.strip() for p in peers.split(",") if p.strip()], temperature)
     click.echo(benchmark.format_table(report))
     if json_out:
         json_out.write_text(json.dumps(report, indent=2))
     if plot_out:
         benchmark.plot(report, plot_out)
+
+
+@cli.command()
+@click.option("--cache", type=existing_dir, default=Path(".cache/demo"), show_default=True,
+              help="Where the demo pair and its bundle are kept between runs.")
+@click.option("--recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Pair recipe.  [default: recipes/demo.toml]")
+@click.option("--prompt", "-p", help="Code to complete.  [default: the first of 8 bundled code prompts]")
+@click.option("--max-new-tokens", "-n", type=int, default=96, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def demo(cache, recipe, prompt, max_new_tokens, as_json) -> None:
+    """Make (once) a small real code-model pair, compile it, and show speculation beating the target alone."""
+    from .demo import DEMO_RECIPE, run_demo
+
+    summary = run_demo(cache, recipe or DEMO_RECIPE, prompt, max_new_tokens)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    click.echo(summary["prompt"] + click.style(summary["completion"], fg="green"))
+    click.echo("-" * 60)
+    click.echo(
+        f"acceptance α {summary['acceptance_rate']:.2f}, {summary['mean_accepted_tokens']:.2f} tokens per target call "
+        f"(adaptive γ), over {summary['prompts']} prompts"
+    )
+    click.echo(
+        f"target only {summary['target_only_tokens_per_second']:.0f} tok/s -> speculative "
+        f"{summary['speculative_tokens_per_second']:.0f} tok/s: {summary['speedup']:.2f}x, output "
+        + ("identical to the target's" if summary["identical_to_target"] else "DIFFERENT from the target's (a bug)")
+    )
 
 
 def main() -> None:

@@ -10,6 +10,8 @@ Shapes: S = tokens fed this call, D = num_drafts, H = hidden, V = vocab, KV = kv
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -26,25 +28,35 @@ MS = "com.microsoft"
 class GraphBuilder:
     """Collects nodes and initializers; every op call returns its output name(s)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, parent: "GraphBuilder | None" = None):
         self.name = name
         self.nodes: list[onnx.NodeProto] = []
-        self.initializers: list[onnx.TensorProto] = []
+        # A branch (If subgraph) keeps its constants in the main graph and shares its name counter.
+        self.initializers: list[onnx.TensorProto] = parent.initializers if parent else []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
-        self._count = 0
+        self._counter = parent._counter if parent else itertools.count(1)
+
+    def branch(self, name: str) -> "GraphBuilder":
+        return GraphBuilder(name, parent=self)
+
+    def graph(self) -> onnx.GraphProto:
+        return helper.make_graph(self.nodes, self.name, self.inputs, self.outputs,
+                                 [] if self._is_branch else self.initializers)
+
+    @property
+    def _is_branch(self) -> bool:
+        return self.name.startswith("branch.")
 
     def weight(self, name: str, array: np.ndarray) -> str:
         self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
         return name
 
     def const(self, values, dtype=np.int64) -> str:
-        self._count += 1
-        return self.weight(f"const.{self._count}", np.asarray(values, dtype=dtype))
+        return self.weight(f"const.{next(self._counter)}", np.asarray(values, dtype=dtype))
 
     def op(self, op_type: str, *inputs: str, outputs: int = 1, domain: str = "", name: str | None = None, **attrs):
-        self._count += 1
-        node_name = name or f"{op_type}.{self._count}"
+        node_name = name or f"{op_type}.{next(self._counter)}"
         outs = [f"{node_name}/out{i}" for i in range(outputs)]
         self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=node_name, domain=domain, **attrs))
         return outs[0] if outputs == 1 else outs
@@ -58,9 +70,8 @@ class GraphBuilder:
         self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
 
     def model(self) -> onnx.ModelProto:
-        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
         return helper.make_model(
-            graph,
+            self.graph(),
             opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
             ir_version=IR_VERSION,
             producer_name="specbuild",
@@ -79,6 +90,13 @@ def build_decoder(
     input_ids = g.input("input_ids", TensorProto.INT64, [1, "S"])
     total_len = g.input("total_len", TensorProto.INT32, [])
     num_drafts = g.input("num_drafts", TensorProto.INT64, [])
+    sampling = SamplingInputs(
+        temperature=g.input("temperature", TensorProto.FLOAT, []),
+        top_k=g.input("top_k", TensorProto.INT64, []),
+        top_p=g.input("top_p", TensorProto.FLOAT, []),
+        draft_probs=g.input("draft_probs", TensorProto.FLOAT, ["D", shape.vocab_size]),
+        uniforms=g.input("uniforms", TensorProto.FLOAT, ["D+1"]),
+    )
     kv_shape = [1, shape.num_kv_heads, max_seq_len, shape.head_dim]
     past = [
         (g.input(f"past_key.{i}", TensorProto.FLOAT, kv_shape), g.input(f"past_value.{i}", TensorProto.FLOAT, kv_shape))
@@ -95,11 +113,12 @@ def build_decoder(
         lm_head = "model.embed_tokens.weight" if spec.tie_word_embeddings else g.weight(
             "lm_head.weight", weights["lm_head.weight"]
         )
-    accepted, next_token, logits = _greedy_verification(g, hidden, input_ids, num_drafts, lm_head, shape)
+    accepted, next_token, probs, logits = _verification(g, hidden, input_ids, num_drafts, lm_head, shape, sampling)
     if with_logits:
         g.output(logits, "logits", TensorProto.FLOAT, ["D+1", shape.vocab_size])
     g.output(accepted, "accepted", TensorProto.INT64, [])
     g.output(next_token, "next_token", TensorProto.INT64, [])
+    g.output(probs, "probs", TensorProto.FLOAT, ["V or 0"])
     for i, (key, value) in enumerate(presents):
         g.output(key, f"present_key.{i}", TensorProto.FLOAT, kv_shape)
         g.output(value, f"present_value.{i}", TensorProto.FLOAT, kv_shape)
@@ -228,23 +247,98 @@ def _gpt2_body(g, spec: ModelSpec, w: dict, input_ids: str, total_len: str, att:
     return normed, presents
 
 
-def _greedy_verification(g, hidden: str, input_ids: str, num_drafts: str, lm_head: str, shape: ModelShape):
-    """The last D+1 hidden states -> (accepted drafts, next token); logits never leave the graph.
+class SamplingInputs:
+    def __init__(self, temperature: str, top_k: str, top_p: str, draft_probs: str, uniforms: str):
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.draft_probs, self.uniforms = draft_probs, uniforms
 
-    preds[j] is the model's greedy token after input position S-D-1+j. Draft j (input position
-    S-D+j) is accepted while it equals preds[j] for every earlier j too; next_token = preds[accepted].
+
+def _verification(g, hidden: str, input_ids: str, num_drafts: str, lm_head: str, shape: ModelShape,
+                  sampling: SamplingInputs):
+    """The last D+1 hidden states -> (accepted drafts, next token, its distribution); logits stay inside.
+
+    Row j of the logits is the model's view after input position S-D-1+j, so it judges draft j (input
+    position S-D+j). temperature 0 takes the greedy branch, anything above the sampling branch.
     """
     drafts_1d = g.op("Reshape", num_drafts, g.const([1]))
     seq_1d = g.op("Shape", input_ids, start=1, end=2)
     tail = g.op("Slice", hidden, g.op("Neg", g.op("Add", drafts_1d, g.const([1]))), g.const([2**62]), g.const([1]))
     tail_2d = g.op("Reshape", tail, g.const([-1, shape.hidden_size]))  # [D+1, H]
     logits = g.op("Gemm", tail_2d, lm_head, transB=1)  # [D+1, V]
+    drafts = g.op("Slice", g.op("Reshape", input_ids, g.const([-1])), g.op("Sub", seq_1d, drafts_1d), seq_1d)  # [D]
+    greedy = g.branch("branch.greedy")
+    _greedy_tail(greedy, logits, drafts, drafts_1d)
+    sample = g.branch("branch.sampling")
+    _sampling_tail(sample, logits, drafts, drafts_1d, num_drafts, sampling)
+    is_sampling = g.op("Greater", sampling.temperature, g.const(0.0, np.float32))
+    accepted, next_token, probs = g.op("If", is_sampling, outputs=3, then_branch=sample.graph(), else_branch=greedy.graph())
+    return accepted, next_token, probs, logits
+
+
+def _leading_true(g, flags: str) -> str:
+    """How many leading elements of a bool vector are true (0 for an empty one)."""
+    failures_so_far = g.op("CumSum", g.op("Cast", g.op("Not", flags), to=TensorProto.INT64), g.const(0))
+    return g.op("ReduceSum", g.op("Cast", g.op("Equal", failures_so_far, g.const(0)), to=TensorProto.INT64), keepdims=0)
+
+
+def _branch_outputs(g, accepted: str, next_token: str, probs: str) -> None:
+    # Both branches must agree on scalar outputs; some reductions here come out as [1] in onnxruntime.
+    scalar = g.const([], np.int64)
+    g.output(g.op("Reshape", accepted, scalar), f"{g.name}.accepted", TensorProto.INT64, [])
+    g.output(g.op("Reshape", next_token, scalar), f"{g.name}.next_token", TensorProto.INT64, [])
+    g.output(probs, f"{g.name}.probs", TensorProto.FLOAT, None)
+
+
+def _greedy_tail(g, logits: str, drafts: str, drafts_1d: str) -> None:
+    """Draft j is accepted while it equals the argmax of row j (and every earlier one did too)."""
     preds = g.op("ArgMax", logits, axis=-1, keepdims=0)  # [D+1]
-    drafts = g.op("Slice", g.op("Reshape", input_ids, g.const([-1])), g.op("Sub", seq_1d, drafts_1d), seq_1d)
-    matches = g.op("Equal", g.op("Slice", preds, g.const([0]), drafts_1d), drafts)  # [D]
-    mismatches_so_far = g.op("CumSum", g.op("Cast", g.op("Not", matches), to=TensorProto.INT64), g.const(0))
-    accepted = g.op("ReduceSum", g.op("Cast", g.op("Equal", mismatches_so_far, g.const(0)), to=TensorProto.INT64), keepdims=0)
-    return accepted, g.op("Gather", preds, accepted), logits
+    accepted = _leading_true(g, g.op("Equal", g.op("Slice", preds, g.const([0]), drafts_1d), drafts))
+    _branch_outputs(g, accepted, g.op("Gather", preds, accepted), g.const([], np.float32))
+
+
+def _sampling_tail(g, logits: str, drafts: str, drafts_1d: str, num_drafts: str, s: SamplingInputs) -> None:
+    """Speculative sampling (Leviathan et al. 2023): accept draft x with probability min(1, p(x)/q(x)),
+    i.e. when u·q(x) < p(x); resample the first rejected position from norm(max(0, p − q)), or sample
+    the bonus token from p when every draft is accepted. uniforms[:D] judge the drafts, uniforms[D]
+    draws the next token; q rows (draft_probs) come from the draft engine's own `probs` output.
+    """
+    probs = _transformed_probs(g, logits, s)  # [D+1, V]
+    p_drafts = g.op("Slice", probs, g.const([0]), drafts_1d, g.const([0]))  # [D, V]
+    index = g.op("Unsqueeze", drafts, g.const([1]))  # [D, 1]
+    p_x = g.op("Reshape", g.op("GatherElements", p_drafts, index, axis=1), g.const([-1]))
+    q_x = g.op("Reshape", g.op("GatherElements", s.draft_probs, index, axis=1), g.const([-1]))
+    u_accept = g.op("Slice", s.uniforms, g.const([0]), drafts_1d)
+    accepted = _leading_true(g, g.op("Less", g.op("Mul", u_accept, q_x), p_x))
+    # Row `accepted` of [max(0, p − q) for each draft; p after the last draft] is where the next token comes from.
+    residual = g.op("Relu", g.op("Sub", p_drafts, s.draft_probs))
+    rows = g.op("Concat", residual, g.op("Slice", probs, drafts_1d, g.const([2**62]), g.const([0])), axis=0)
+    row = g.op("Gather", rows, accepted)  # [V]
+    p_row = g.op("Gather", probs, accepted)
+    # Float rounding can leave a rejected row with no mass; p itself is then the only sensible choice.
+    row = g.op("Where", g.op("Greater", g.op("ReduceSum", row, keepdims=0), g.const(0.0, np.float32)), row, p_row)
+    cdf = g.op("CumSum", row, g.const(0))
+    u_next = g.op("Mul", g.op("Gather", s.uniforms, num_drafts), g.op("Gather", cdf, g.const(-1)))
+    vocab_last = g.op("Sub", g.op("Squeeze", g.op("Shape", cdf), g.const([0])), g.const(1))
+    next_token = g.op("Min", g.op("ReduceSum", g.op("Cast", g.op("LessOrEqual", cdf, u_next), to=TensorProto.INT64), keepdims=0), vocab_last)
+    _branch_outputs(g, accepted, next_token, p_row)
+
+
+def _transformed_probs(g, logits: str, s: SamplingInputs) -> str:
+    """softmax(logits / temperature) restricted to the top_k tokens (0 = all) and the top_p nucleus (1 = all)."""
+    scaled = g.op("Div", logits, s.temperature)
+    vocab = g.op("Shape", logits, start=1, end=2)
+    top_k = g.op("Reshape", s.top_k, g.const([1]))
+    k = g.op("Where", g.op("Greater", top_k, g.const([0])), g.op("Min", top_k, vocab), vocab)
+    kth = g.op("Slice", g.op("TopK", scaled, k, outputs=2, axis=-1)[0], g.const([-1]), g.const([2**62]), g.const([1]))
+    neg_inf = g.const(-np.inf, np.float32)
+    probs = g.op("Softmax", g.op("Where", g.op("Less", scaled, kth), neg_inf, scaled), axis=-1)
+    # Nucleus: keep the most probable tokens until the mass before a token reaches top_p.
+    ranked = g.op("TopK", probs, vocab, outputs=2, axis=-1)[0]
+    mass_before = g.op("Sub", g.op("CumSum", ranked, g.const(1)), ranked)
+    kept = g.op("Less", mass_before, s.top_p)
+    threshold = g.op("ReduceMin", g.op("Where", kept, ranked, g.const(2.0, np.float32)), g.const([1]), keepdims=1)
+    probs = g.op("Where", g.op("Less", probs, threshold), g.const(0.0, np.float32), probs)
+    return g.op("Div", probs, g.op("ReduceSum", probs, g.const([1]), keepdims=1))
 
 
 def rotary_tables(config, max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:

@@ -86,6 +86,27 @@ class Stats:
         }
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0 is greedy; a seed makes a sampled run reproducible (with a fixed γ)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def check(self) -> None:
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0 (0 = greedy), not {self.temperature}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0 (0 = no limit), not {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], not {self.top_p}")
+
+
+GREEDY = Sampling()
+
+
 @dataclass
 class Generation:
     text: str
@@ -121,21 +142,30 @@ class SpeculativeDecoder:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 
-    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, gamma: int | str = AUTO) -> Generation:
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, gamma: int | str = AUTO,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> Generation:
         stats = Stats(gamma=gamma)
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        tokens = list(self._decode(prompt_ids, max_new_tokens, stats))
+        sampling = Sampling(temperature, top_k, top_p, seed)
+        tokens = list(self._decode(prompt_ids, max_new_tokens, stats, sampling))
         return Generation(self.tokenizer.decode(tokens), tokens, prompt_ids, stats)
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 128, gamma: int | str = AUTO,
-               stats: Stats | None = None) -> Iterator[int]:
+               stats: Stats | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               seed: int | None = None) -> Iterator[int]:
         """Yields generated token ids as the target accepts them; pass a Stats to read measurements."""
         stats = stats or Stats(gamma=gamma)
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return self._decode(prompt_ids, max_new_tokens, stats)
+        return self._decode(prompt_ids, max_new_tokens, stats, Sampling(temperature, top_k, top_p, seed))
 
-    def _decode(self, prompt: list[int], max_new_tokens: int, stats: Stats) -> Iterator[int]:
+    def _decode(self, prompt: list[int], max_new_tokens: int, stats: Stats, sampling: Sampling = GREEDY) -> Iterator[int]:
         self._check_request(prompt, max_new_tokens, stats.gamma)
+        sampling.check()
+        for engine in (self.target, self.draft):
+            engine.configure(sampling.temperature, sampling.top_k, sampling.top_p)
+        rng = np.random.default_rng(sampling.seed)
+        uniforms = (lambda n: self._uniforms(rng, n)) if sampling.temperature > 0 else (lambda n: None)
+        target_vocab = self.target.vocab_size
         policy = self.adaptive if stats.gamma == AUTO else FixedGamma(stats.gamma)
         max_len = self.max_seq_len
         positions = self.adaptive.max_gamma if stats.gamma == AUTO else stats.gamma
@@ -146,7 +176,7 @@ class SpeculativeDecoder:
         start = clock()
         ids = list(prompt)
         # Cache lengths: the target holds ids[:-1] after each round; the draft lags and catches up.
-        _, token = self.target.step(ids, total_len=len(ids))
+        _, token = self.target.step(ids, total_len=len(ids), uniforms=uniforms(1))
         new_tokens = [token]
         draft_len = 0
         while True:
@@ -167,16 +197,13 @@ class SpeculativeDecoder:
             # No more drafts than the request or the cache has room for.
             k = policy.choose(min(max_new_tokens - stats.generated_tokens - 1, max_len - len(ids)))
             t0 = clock()
-            drafts = []
-            if k > 0:
-                _, draft = self.draft.step(ids[draft_len:], total_len=len(ids))
-                drafts.append(draft)
-                for j in range(1, k):
-                    _, draft = self.draft.step([draft], total_len=len(ids) + j)
-                    drafts.append(draft)
-                draft_len = len(ids) + k - 1
+            drafts, draft_probs = self._draft(ids[draft_len:], len(ids), k, uniforms, target_vocab)
+            if drafts:
+                draft_len = len(ids) + len(drafts) - 1
+            k = len(drafts)
             t1 = clock()
-            accepted, token = self.target.step([ids[-1], *drafts], total_len=len(ids) + k, num_drafts=k)
+            accepted, token = self.target.step([ids[-1], *drafts], total_len=len(ids) + k, num_drafts=k,
+                                               draft_probs=draft_probs, uniforms=uniforms(k + 1))
             t2 = clock()
             draft_len = min(draft_len, len(ids) + accepted)
             policy.observe(k, accepted, t1 - t0, t2 - t1)
@@ -191,6 +218,25 @@ class SpeculativeDecoder:
                 stats.proposed_at[j] += 1
                 stats.accepted_at[j] += j < accepted
             new_tokens = [*drafts[:accepted], token]
+
+    @staticmethod
+    def _uniforms(rng: np.random.Generator, n: int) -> np.ndarray:
+        """n uniforms in [0, 1): n-1 to judge drafts, the last to draw the next token."""
+        return rng.random(n, dtype=np.float32)
+
+    def _draft(self, feed: list[int], total_len: int, k: int, uniforms, target_vocab: int):
+        """Up to k draft tokens and, when sampling, their distributions q as [drafts, target V]."""
+        drafts = []
+        q = np.zeros((k, target_vocab), np.float32) if self.draft.sampling else None
+        width = min(target_vocab, self.draft.vocab_size)
+        for j in range(k):
+            _, token = self.draft.step(feed if j == 0 else [drafts[-1]], total_len=total_len + j, uniforms=uniforms(1))
+            if token >= target_vocab:  # a padding row of a larger draft table: the target has no such token
+                break
+            drafts.append(token)
+            if q is not None:
+                q[j, :width] = self.draft.probs[:width]  # the engine reuses its buffer on the next step
+        return drafts, (None if q is None else q[: len(drafts)])
 
     def _check_request(self, prompt: list[int], max_new_tokens: int, gamma: int | str) -> None:
         if not prompt:

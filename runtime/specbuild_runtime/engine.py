@@ -42,14 +42,35 @@ class Engine:
         self._next_token = np.zeros((), np.int64)
         self.binding.bind_ortvalue_output("accepted", ort.OrtValue.ortvalue_from_numpy(self._accepted))
         self.binding.bind_ortvalue_output("next_token", ort.OrtValue.ortvalue_from_numpy(self._next_token))
+        # The distribution the next token was sampled from ([V] when sampling, [0] when greedy).
+        self.probs = np.zeros(self.vocab_size, np.float32)
+        self._probs_value = ort.OrtValue.ortvalue_from_numpy(self.probs)
+        self._no_probs = ort.OrtValue.ortvalue_from_numpy(np.zeros(0, np.float32))
+        self._no_drafts = np.zeros((0, self.vocab_size), np.float32)
+        self.configure(temperature=0.0)
 
-    def step(self, tokens: list[int], total_len: int, num_drafts: int = 0) -> tuple[int, int]:
+    def configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0) -> None:
+        """Greedy at temperature 0; otherwise sampling from softmax(logits/temperature) within top-k/top-p."""
+        self.sampling = temperature > 0
+        self.binding.bind_cpu_input("temperature", np.array(temperature, dtype=np.float32))
+        self.binding.bind_cpu_input("top_k", np.array(top_k, dtype=np.int64))
+        self.binding.bind_cpu_input("top_p", np.array(top_p, dtype=np.float32))
+        self.binding.bind_ortvalue_output("probs", self._probs_value if self.sampling else self._no_probs)
+        self.binding.bind_cpu_input("draft_probs", self._no_drafts)
+        self.binding.bind_cpu_input("uniforms", np.zeros(1, np.float32))
+
+    def step(self, tokens: list[int], total_len: int, num_drafts: int = 0,
+             draft_probs: np.ndarray | None = None, uniforms: np.ndarray | None = None) -> tuple[int, int]:
         """Feed tokens at positions total_len-len(tokens)..total_len-1; the last num_drafts are drafts.
 
-        Returns (how many drafts match this model's greedy choice, its greedy token after them).
+        Greedy: returns (how many drafts equal this model's argmax, its argmax after them). Sampling:
+        draft_probs [num_drafts, V] are the draft's distributions and uniforms [num_drafts+1] the random
+        numbers; returns (accepted drafts, the token sampled after them), with `probs` its distribution.
         """
-        ids = np.minimum(np.asarray(tokens, dtype=np.int64), self.vocab_size - 1)[None]
-        self.binding.bind_cpu_input("input_ids", ids)
+        self.binding.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64)[None])
+        if self.sampling:
+            self.binding.bind_cpu_input("uniforms", uniforms)
+            self.binding.bind_cpu_input("draft_probs", self._no_drafts if draft_probs is None else draft_probs)
         self.binding.bind_cpu_input("total_len", np.array(total_len, dtype=np.int32))
         self.binding.bind_cpu_input("num_drafts", np.array(num_drafts, dtype=np.int64))
         self.session.run_with_iobinding(self.binding)
