@@ -200,6 +200,48 @@ def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, te
 
 
 @cli.command()
+@click.option("--target", required=True, type=existing_dir, help="Target checkpoint folder (any supported architecture).")
+@click.option("--output", "-o", required=True, type=existing_dir, help="Where to write the draft checkpoint (atomically).")
+@click.option("--init", type=existing_dir, help="Start from this draft checkpoint (same tokenizer) instead of a new one.")
+@click.option("--draft-config", "draft_config", multiple=True, metavar="KEY=VALUE",
+              help="Config overrides for a new draft, e.g. num_hidden_layers=2 (repeatable).  [default: <= 1/10 of the target]")
+@click.option("--minutes", type=float, default=5.0, show_default=True, help="Training time budget.")
+@click.option("--data", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Folder of text to distill on (*.py, *.txt, *.md).  [default: the Python standard library]")
+@click.option("--gamma", type=int, default=4, show_default=True, help="γ at which acceptance is reported.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def distill(target, output, init, draft_config, minutes, data, gamma, as_json) -> None:
+    """Train a draft on the target's own predictions so that it agrees with the target more often."""
+    from .distill import distill as run_distill
+
+    if init and draft_config:
+        raise click.UsageError("give either --init or --draft-config, not both")
+    overrides = dict(_key_value(item) for item in draft_config) or None
+    files = sorted(p for p in data.rglob("*") if p.suffix in {".py", ".txt", ".md"}) if data else None
+    if data and not files:
+        raise click.BadParameter(f"{data} holds no *.py, *.txt or *.md files", param_hint="--data")
+    report = run_distill(target, output, draft_config=overrides, init=init, minutes=minutes, data_files=files, gamma=gamma)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo(
+        f"wrote {output}: draft {report['draft_parameters'] / 1e6:.2f}M params "
+        f"({report['draft_parameters'] / report['target_parameters']:.1%} of the target); acceptance at gamma {gamma}: "
+        f"{report['alpha_before']:.2f} before -> {report['alpha_after']:.2f} after {report['seconds'] / 60:.1f} min"
+    )
+
+
+def _key_value(item: str) -> tuple[str, object]:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--draft-config")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+@cli.command()
 @click.option("--cache", type=existing_dir, default=Path(".cache/demo"), show_default=True,
               help="Where the demo pair and its bundle are kept between runs.")
 @click.option("--recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Pair recipe.  [default: recipes/demo.toml]")
