@@ -106,13 +106,11 @@ def theoretical_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
     return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * cost_ratio + 1))
 
 
-def context_latency(decoder: SpeculativeDecoder, contexts=(64, 1024), steps: int = 100) -> dict:
-    """Target one-token call time at each context length (cache filled by a prefill, then reused in place)."""
+def context_latency(decoder: SpeculativeDecoder, short: int = 64, long: int = 1024, steps: int = 100) -> dict:
+    """Target one-token call time at a short and a long context (the long one capped by the bundle's)."""
     engine = decoder.target
     out = {}
-    for ctx in contexts:
-        if ctx + 1 > decoder.max_seq_len:
-            continue
+    for ctx in (short, min(long, decoder.max_seq_len - 1)):
         engine.step([1] * ctx, total_len=ctx)
         times = []
         for _ in range(steps):

@@ -1,0 +1,41 @@
+"""`specbuild bench` runs every mode side by side and reports what it promises (not how fast: no timing asserts)."""
+
+import json
+
+from test_cli import specbuild
+
+from specbuild.bench import theoretical_speedup
+
+
+def test_theoretical_speedup_matches_leviathan_et_al():
+    assert theoretical_speedup(0.0, 4, 0.0) == 1.0
+    assert abs(theoretical_speedup(0.8, 4, 0.05) - (1 - 0.8**5) / (0.2 * 1.2)) < 1e-12
+
+
+def test_bench_reports_every_mode_and_writes_json_and_plot(bundles, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "import os"}\n')
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    result = specbuild("bench", bundles("llama", 0), "--prompts", prompts, "-n", 12, "--gamma", "1,3",
+                       "--json", out, "--plot", png, check=True)
+    assert "speedup" in result.stdout and "context 64" in result.stdout
+    report = json.loads(out.read_text())
+    rows = {str(r["gamma"]): r for r in report["results"]}
+    assert set(rows) == {"0", "1", "3", "auto"}
+    assert all(r["matches_target"] for r in rows.values())
+    assert rows["3"]["acceptance_rate"] == 1.0  # draft = target
+    assert {"theoretical_speedup", "efficiency", "cost_ratio_c"} <= set(rows["3"])
+    assert {"machine_bandwidth_gbs", "target_bandwidth_fraction", "context_growth_measured",
+            "context_growth_predicted"} <= set(report)
+    assert png.stat().st_size > 10_000
+
+
+def test_bench_with_transformers_peers_checks_their_output(bundles, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    out = tmp_path / "bench.json"
+    specbuild("bench", bundles("gpt2", 1), "--prompts", prompts, "-n", 8, "--gamma", "2", "--peers", "transformers",
+              "--json", out, check=True)
+    peers = json.loads(out.read_text())["peers"]
+    assert [(p["system"], p["gamma"]) for p in peers] == [("transformers", 0), ("transformers assisted", 2)]
+    assert all(p["matches_target"] for p in peers)
