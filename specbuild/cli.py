@@ -61,6 +61,14 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--gamma", type=int, help="Most draft tokens per round when the runtime adapts γ.  [default: 8]")
 @click.option("--max-seq-len", type=int, help="Context length the KV cache is allocated for.  [default: min(2048, target's)]")
 @click.option("--recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="TOML recipe with these settings; options override it.")
+@click.option("--quantize", type=click.Choice(["none", "int8", "int4"]), help="Weight quantization of both engines.  [default: none]")
+@click.option("--target-quantize", type=click.Choice(["none", "int8", "int4"]), help="Override --quantize for the target.")
+@click.option("--draft-quantize", type=click.Choice(["none", "int8", "int4"]), help="Override --quantize for the draft.")
+@click.option("--block-size", type=int, help="Quantization block size along the input dimension.  [default: 32]")
+@click.option("--accuracy-level", type=click.IntRange(0, 4),
+              help="MatMulNBits compute type; 4 (int8 compute) is faster but not exact across batch sizes.  [default: 0]")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), help="Float type of the engines (fp16/bf16 for GPU).  [default: fp32]")
+@click.option("--quality-report/--no-quality-report", default=None, help="Measure quantized engines against fp32 into the manifest.  [default: on]")
 @click.option("--overwrite", is_flag=True, default=None, help="Replace an existing bundle at --output.")
 def compile_cmd(recipe, **options) -> None:
     """Build an engine bundle: both models as ONNX, greedy verification inside the target's graph."""
@@ -141,6 +149,14 @@ def inspect(bundle, as_json) -> None:
             f"heads {s.num_heads}/{s.num_kv_heads} kv, vocab {s.vocab_size}"
         )
         click.echo(f"{'':<10} from {e.source['path']} (sha256 {e.source['sha256'][:12]}…)")
+        if e.quality:
+            q = e.quality
+            click.echo(
+                f"{'':<10} quality vs fp32: size {q['size_ratio']:.0%}, perplexity {q['quant']['perplexity']:.2f} vs "
+                f"{q['fp32']['perplexity']:.2f}, greedy agreement {q['greedy_agreement']:.1%} "
+                f"({q['greedy_identical_prompts']}/{q['prompts']} prompts identical), "
+                f"{q['quant']['tokens_per_second']:.0f} vs {q['fp32']['tokens_per_second']:.0f} tok/s"
+            )
 
 
 @cli.command()

@@ -11,6 +11,7 @@ from . import __version__
 from .bundle import staged_bundle, write_manifest
 from .checkpoint import eos_token_ids, load_checkpoint, validate_pair
 from .export import check_context, export_engine
+from .shrink import shrink_engine
 from .recipe import DEFAULT_MAX_SEQ_LEN, CompileSettings
 
 
@@ -38,6 +39,7 @@ def _compile(settings: CompileSettings, stages: tqdm) -> Manifest:
         for role, ckpt in (("target", target), ("draft", draft)):
             stage(f"building {role} engine")
             engines[role] = export_engine(ckpt, role, folder, max_seq_len)
+            engines[role] = shrink_engine(folder, engines[role], settings, target.tokenizer, stage)
             stages.update()
         target.tokenizer.save_pretrained(folder / TOKENIZER_DIR)
 

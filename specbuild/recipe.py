@@ -6,6 +6,8 @@
     output = "bundles/demo"
     gamma = 8                       # most drafts per round in adaptive mode
     max_seq_len = 1024
+    quantize = "none"               # none | int8 | int4; target_quantize / draft_quantize override it
+    precision = "fp32"              # fp16 / bf16 for GPU targets
 """
 
 from __future__ import annotations
@@ -27,7 +29,18 @@ class CompileSettings:
     output: Path
     gamma: int = DEFAULT_GAMMA
     max_seq_len: int | None = None  # None: min(DEFAULT_MAX_SEQ_LEN, the target's max positions)
+    quantize: str = "none"  # both engines, unless overridden per engine below
+    target_quantize: str | None = None
+    draft_quantize: str | None = None
+    block_size: int = 32
+    accuracy_level: int | None = None
+    precision: str = "fp32"
+    quality_report: bool = True
     overwrite: bool = False
+
+    def quantization(self, role: str) -> str:
+        own = self.target_quantize if role == "target" else self.draft_quantize
+        return own or self.quantize
 
 
 PATH_FIELDS = {"target", "draft", "output"}

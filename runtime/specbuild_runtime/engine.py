@@ -11,6 +11,7 @@ from .errors import BundleError
 from .manifest import EngineInfo
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+CACHE_TYPES = {"fp32": np.float32, "fp16": np.float16}  # bf16 caches need a GPU binding numpy cannot express
 
 
 class Engine:
@@ -19,6 +20,8 @@ class Engine:
     def __init__(self, path: Path, info: EngineInfo, max_seq_len: int, device: str = "cpu", threads: int = 0):
         self.info = info
         self.vocab_size = info.shape.vocab_size
+        if info.precision not in CACHE_TYPES:
+            raise BundleError(f"engine {path} is {info.precision}; this runtime runs {', '.join(CACHE_TYPES)} engines")
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.log_severity_level = 3
@@ -34,7 +37,7 @@ class Engine:
         self.cache = []
         for i in range(shape.num_layers):
             for kind in ("key", "value"):
-                buffer = ort.OrtValue.ortvalue_from_shape_and_type(kv_shape, np.float32, device, 0)
+                buffer = ort.OrtValue.ortvalue_from_shape_and_type(kv_shape, CACHE_TYPES[info.precision], device, 0)
                 self.binding.bind_ortvalue_input(f"past_{kind}.{i}", buffer)
                 self.binding.bind_ortvalue_output(f"present_{kind}.{i}", buffer)
                 self.cache.append(buffer)

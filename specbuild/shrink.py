@@ -1,0 +1,51 @@
+"""Stage 3: quantize and/or convert the precision of one freshly exported engine, with a quality report."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from specbuild_runtime.manifest import EngineInfo
+
+from .quantize import convert_precision, quality_report, quantize_engine
+from .recipe import CompileSettings
+
+QUALITY_PROMPTS = Path(__file__).resolve().parent / "prompts" / "code.jsonl"
+QUALITY_HELDOUT_TOKENS = 4096
+
+
+def shrink_engine(folder: Path, info: EngineInfo, settings: CompileSettings, tokenizer, stage) -> EngineInfo:
+    mode = settings.quantization(info.role)
+    if mode != "none":
+        stage(f"quantizing {info.role} engine ({mode})")
+        if settings.quality_report:
+            with tempfile.TemporaryDirectory() as reference:
+                # The fp32 engine, kept aside only to measure what quantization changed.
+                for name in (info.file, f"{info.file}.data"):
+                    shutil.copy2(folder / name, Path(reference) / name)
+                fp32 = info
+                info = quantize_engine(folder, info, mode, settings.block_size, settings.accuracy_level)
+                stage(f"measuring {info.role} engine quality")
+                prompts, heldout = quality_texts(tokenizer)
+                info.quality = quality_report(Path(reference), fp32, folder, info, prompts, heldout)
+        else:
+            info = quantize_engine(folder, info, mode, settings.block_size, settings.accuracy_level)
+    if settings.precision != "fp32":
+        stage(f"converting {info.role} engine to {settings.precision}")
+        info = convert_precision(folder, info, settings.precision)
+    return info
+
+
+def quality_texts(tokenizer) -> tuple[list[list[int]], list[int]]:
+    """Code prompts shipped with specbuild, and held-out Python source (the demo pair never trains on it)."""
+    from .train import corpus_files, read_source
+    from .verify import read_prompts
+
+    prompts = [tokenizer(p)["input_ids"] for p in read_prompts(QUALITY_PROMPTS)[:8]]
+    heldout: list[int] = []
+    for path in corpus_files()[1]:
+        heldout += tokenizer(read_source(path))["input_ids"]
+        if len(heldout) >= QUALITY_HELDOUT_TOKENS:
+            break
+    return prompts, heldout[:QUALITY_HELDOUT_TOKENS]

@@ -1,0 +1,169 @@
+"""Quantized and half-precision engines: speculative output still equals the (quantized) target's own greedy."""
+
+import shutil
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from conftest import PROMPTS
+from specbuild.bundle import write_manifest
+from specbuild.compiler import compile_bundle
+from specbuild.quantize import MAX_IR_VERSION, convert_precision, quality_report, quantize_engine
+from specbuild.recipe import CompileSettings
+from specbuild_runtime import SpecbuildError, SpeculativeDecoder, load_manifest
+
+NEW_TOKENS = 23
+# hidden 128: MatMulNBits' K (the input width of every linear layer: 128 or the MLP's 256) is a multiple
+# of the block size 32 (the quantizer would pad it otherwise), and the weights dominate the file.
+WIDE = dict(hidden_size=128, intermediate_size=256)
+
+
+@pytest.fixture(scope="module")
+def fp32_bundle(tmp_path_factory, checkpoints):
+    """target: a hidden-128 Llama; draft: the same checkpoint, kept fp32 (so a quantized target
+    accepts most drafts but not all, exercising both paths)."""
+    out = tmp_path_factory.mktemp("quantize") / "fp32"
+    target = checkpoints("llama", 0, **WIDE)
+    compile_bundle(CompileSettings(target=target, draft=target, output=out, max_seq_len=256), show_progress=False)
+    return out
+
+
+def quantized_copy(source, folder, transform):
+    """Copy a bundle, transform its target engine in place, rewrite the manifest (digests)."""
+    shutil.copytree(source, folder)
+    manifest = load_manifest(folder)
+    manifest.engines["target"] = transform(folder, manifest.engines["target"])
+    write_manifest(folder, manifest)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def quantized(fp32_bundle, tmp_path_factory):
+    made = {}
+
+    def get(mode, **options):
+        key = (mode, tuple(sorted(options.items())))
+        if key not in made:
+            folder = tmp_path_factory.mktemp("quantize") / f"{mode}-{len(made)}"
+            made[key] = quantized_copy(fp32_bundle, folder, lambda f, info: quantize_engine(f, info, mode, **options))
+        return made[key]
+
+    return get
+
+
+VARIANTS = [("int4", {}), ("int8", {})]
+IDS = ["int4", "int8"]
+
+
+@pytest.mark.parametrize("mode,options", VARIANTS, ids=IDS)
+def test_speculative_output_equals_the_quantized_targets_own_greedy(mode, options, quantized, tokenizer):
+    decoder = SpeculativeDecoder(quantized(mode, **options))  # also checks the rewritten manifest's digests
+    assert decoder.manifest.engines["target"].quantization == mode
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        expected = decoder.generate(ids, NEW_TOKENS, gamma=0).token_ids
+        for gamma in (1, 3, 8):
+            assert decoder.generate(ids, NEW_TOKENS, gamma).token_ids == expected, (mode, gamma, prompt)
+
+
+def test_int4_data_file_is_under_30_percent_of_fp32(fp32_bundle, quantized):
+    folder = quantized("int4")
+    fp32_bytes = (fp32_bundle / "target.onnx.data").stat().st_size
+    int4_bytes = (folder / "target.onnx.data").stat().st_size
+    assert int4_bytes < 0.3 * fp32_bytes
+    assert load_manifest(folder).engines["target"].weight_bytes == int4_bytes
+
+
+@pytest.mark.parametrize("mode,options", VARIANTS, ids=IDS)
+def test_quantized_engine_keeps_its_io_and_a_loadable_ir_version(mode, options, fp32_bundle, quantized):
+    def io(path):
+        graph = onnx.load(str(path), load_external_data=False).graph
+        return [(v.name, v.type.tensor_type.elem_type) for v in [*graph.input, *graph.output]]
+
+    path = quantized(mode, **options) / "target.onnx"
+    assert io(path) == io(fp32_bundle / "target.onnx")
+    model = onnx.load(str(path), load_external_data=False)
+    assert model.ir_version <= MAX_IR_VERSION
+    ops = {node.op_type for node in model.graph.node}
+    assert "Gemm" not in ops  # the LM head is quantized too
+    assert "MatMulNBits" in ops
+    assert ("GatherBlockQuantized" in ops) == (mode == "int4")
+
+
+def test_dynamic_int8_is_refused_for_the_target(fp32_bundle, tmp_path):
+    shutil.copytree(fp32_bundle, tmp_path / "b")
+    info = load_manifest(tmp_path / "b").engines["target"]
+    with pytest.raises(SpecbuildError, match="dynamic int8"):
+        quantize_engine(tmp_path / "b", info, "int8", int8_method="dynamic")
+
+
+def test_dynamic_int8_draft_keeps_speculative_output_equal_to_greedy(fp32_bundle, tmp_path, tokenizer):
+    folder = tmp_path / "b"
+    shutil.copytree(fp32_bundle, folder)
+    manifest = load_manifest(folder)
+    manifest.engines["draft"] = quantize_engine(folder, manifest.engines["draft"], "int8", int8_method="dynamic")
+    write_manifest(folder, manifest)
+    decoder = SpeculativeDecoder(folder)
+    assert decoder.manifest.engines["draft"].quantization == "int8"
+    for prompt in PROMPTS[:4]:
+        ids = tokenizer(prompt)["input_ids"]
+        assert decoder.generate(ids, NEW_TOKENS, 3).token_ids == decoder.generate(ids, NEW_TOKENS, 0).token_ids
+
+
+def test_quantizing_to_none_changes_nothing(fp32_bundle):
+    info = load_manifest(fp32_bundle).engines["target"]
+    assert quantize_engine(fp32_bundle, info, "none") is info
+    load_manifest(fp32_bundle)  # digests still match
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_half_precision_engine_passes_the_onnx_checker_with_half_kv_cache(precision, fp32_bundle, tmp_path):
+    folder = quantized_copy(fp32_bundle, tmp_path / precision, lambda f, info: convert_precision(f, info, precision))
+    info = load_manifest(folder).engines["target"]
+    assert info.precision == precision
+    assert info.weight_bytes < 0.55 * (fp32_bundle / "target.onnx.data").stat().st_size
+    onnx.checker.check_model(str(folder / "target.onnx"))
+    graph = onnx.load(str(folder / "target.onnx"), load_external_data=False).graph
+    half = {"fp16": onnx.TensorProto.FLOAT16, "bf16": onnx.TensorProto.BFLOAT16}[precision]
+    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output]}
+    assert {types[n] for n in types if n.startswith(("past_", "present_"))} == {half}
+    assert types["input_ids"] == onnx.TensorProto.INT64 and types["next_token"] == onnx.TensorProto.INT64
+
+
+def test_fp16_engine_runs_on_the_cpu_provider(fp32_bundle, tmp_path):
+    folder = quantized_copy(fp32_bundle, tmp_path / "fp16", lambda f, info: convert_precision(f, info, "fp16"))
+    session = ort.InferenceSession(str(folder / "target.onnx"), providers=["CPUExecutionProvider"])
+    feeds = {"input_ids": np.array([[1, 2, 3]], np.int64), "total_len": np.array(3, np.int32),
+             "num_drafts": np.array(2, np.int64)}
+    greedy = {"temperature": np.array(0.0, np.float32), "top_k": np.array(0, np.int64),
+              "top_p": np.array(1.0, np.float32), "uniforms": np.zeros(1, np.float32),
+              "draft_probs": np.zeros((0, 320), np.float32)}
+    feeds.update({v.name: greedy[v.name] for v in session.get_inputs() if v.name in greedy})
+    for value in session.get_inputs():
+        if value.name.startswith("past_"):
+            feeds[value.name] = np.zeros(value.shape, np.float16)
+    accepted, next_token = session.run(["accepted", "next_token"], feeds)
+    assert 0 <= accepted <= 2 and 0 <= next_token < 320
+
+
+def test_quality_report_of_an_engine_against_itself_is_perfect(fp32_bundle, tokenizer):
+    info = load_manifest(fp32_bundle).engines["target"]
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    heldout = tokenizer(PROMPTS[5] * 3)["input_ids"]
+    report = quality_report(fp32_bundle, info, fp32_bundle, info, prompts, heldout, new_tokens=16)
+    assert report["fp32"]["perplexity"] == pytest.approx(report["quant"]["perplexity"])
+    assert report["greedy_agreement"] == report["heldout_top1_agreement"] == report["teacher_forced_agreement"] == 1.0
+    assert report["greedy_identical_prompts"] == 2 and report["size_ratio"] == 1.0
+
+
+def test_quality_report_measures_an_int4_engine(fp32_bundle, quantized, tokenizer):
+    folder = quantized("int4")
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    heldout = tokenizer(PROMPTS[5] * 3)["input_ids"]
+    report = quality_report(fp32_bundle, load_manifest(fp32_bundle).engines["target"],
+                            folder, load_manifest(folder).engines["target"], prompts, heldout, new_tokens=16)
+    assert report["quant"]["quantization"] == "int4" and report["size_ratio"] < 0.4
+    assert 1.0 < report["quant"]["perplexity"] < float("inf")
+    assert 0.0 <= report["greedy_agreement"] <= 1.0 and report["quant"]["tokens_per_second"] > 0
