@@ -67,6 +67,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from specbuild_runtime.engine import Engine
 from specbuild_runtime.errors import SpecbuildError
 from specbuild_runtime.manifest import EngineInfo
 
@@ -390,14 +391,15 @@ def quality_report(
         (does not compound divergences).
     tokens_per_second: greedy decode of `new_tokens` tokens, prompt excluded, median over prompts.
     """
-    ref = _Runner(Path(fp32_folder), fp32_info)
-    quant = _Runner(Path(quant_folder), quant_info)
-    ref_logits, quant_logits = _Runner(Path(fp32_folder), fp32_info, logits=True), _Runner(Path(quant_folder), quant_info, logits=True)
+    ref = _engine(Path(fp32_folder), fp32_info)
+    quant = _engine(Path(quant_folder), quant_info)
+    ref_logits, quant_logits = _engine(Path(fp32_folder), fp32_info, logits=True), _engine(Path(quant_folder), quant_info, logits=True)
+    max_seq_len = _max_seq_len(ref)
 
     report = {"new_tokens": new_tokens, "prompts": len(prompts_ids), "heldout_tokens": len(heldout_ids)}
     nll = {"fp32": [], "quant": []}
     same_top1 = []
-    window = ref.max_seq_len
+    window = max_seq_len
     for start in range(0, max(len(heldout_ids) - 1, 0), window):
         chunk = heldout_ids[start:start + window]
         if len(chunk) < 2:
@@ -405,7 +407,7 @@ def quality_report(
         targets = np.asarray(chunk[1:])
         argmaxes = []
         for key, runner in (("fp32", ref_logits), ("quant", quant_logits)):
-            logits = runner.logits(chunk)[:-1].astype(np.float64)  # [S-1, V]: predictions of chunk[1:]
+            logits = _logits(runner, chunk)[:-1].astype(np.float64)  # [S-1, V]: predictions of chunk[1:]
             logits -= logits.max(axis=-1, keepdims=True)
             log_probs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
             nll[key].extend(-log_probs[np.arange(len(targets)), targets])
@@ -414,17 +416,17 @@ def quality_report(
 
     agreement, identical, teacher_forced, speeds = [], 0, [], {"fp32": [], "quant": []}
     for prompt in prompts_ids:
-        budget = min(new_tokens, ref.max_seq_len - len(prompt) + 1)
+        budget = min(new_tokens, max_seq_len - len(prompt) + 1)
         if budget < 1:
             continue
-        ref_tokens, ref_speed = ref.greedy(prompt, budget)
-        quant_tokens, quant_speed = quant.greedy(prompt, budget)
+        ref_tokens, ref_speed = _greedy(ref, prompt, budget)
+        quant_tokens, quant_speed = _greedy(quant, prompt, budget)
         speeds["fp32"].append(ref_speed)
         speeds["quant"].append(quant_speed)
         agreement.append(float(np.mean(np.asarray(ref_tokens) == np.asarray(quant_tokens))))
         identical += ref_tokens == quant_tokens
-        if len(prompt) + budget - 1 <= ref.max_seq_len:
-            along = quant_logits.logits(prompt + ref_tokens[:-1])[len(prompt) - 1:].argmax(-1)
+        if len(prompt) + budget - 1 <= max_seq_len:
+            along = _logits(quant_logits, prompt + ref_tokens[:-1])[len(prompt) - 1:].argmax(-1)
             teacher_forced.extend(along == np.asarray(ref_tokens))
 
     for key, folder, info in (("fp32", fp32_folder, fp32_info), ("quant", quant_folder, quant_info)):
@@ -445,77 +447,35 @@ def quality_report(
     return report
 
 
-class _Runner:
-    """An engine session for measurements: like specbuild_runtime.Engine at temperature 0 (KV buffers
-    bound in place), but allocating the cache in the engine's own float type, optionally with `logits`.
+def _engine(folder: Path, info: EngineInfo, logits: bool = False) -> Engine:
+    """A runtime Engine over an engine file; with logits=True its graph gains an fp32 `logits` [D+1, V]
+    output (a Cast of ArgMax's input), built in memory with the weights read from the folder."""
+    path = folder / info.file
+    model = onnx.load(str(path), load_external_data=False)
+    max_seq_len = next(i for i in model.graph.input if i.name.startswith("past_key.")).type.tensor_type.shape.dim[2].dim_value
+    if not logits:
+        return Engine(path, info, max_seq_len)
+    argmax = next(node for node in _nodes(model.graph) if node.op_type == "ArgMax")
+    model.graph.node.append(helper.make_node("Cast", [argmax.input[0]], ["logits"], name="logits", to=TensorProto.FLOAT))
+    model.graph.output.append(helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["D+1", info.shape.vocab_size]))
+    return Engine(path, info, max_seq_len, model_bytes=model.SerializeToString(), extra_outputs=("logits",))
 
-    With logits=True the graph gets one extra output, `logits` [D+1, V] fp32: a Cast of ArgMax's input.
-    The graph is built in memory; its weights are read from the engine's folder as they are.
-    """
 
-    def __init__(self, folder: Path, info: EngineInfo, logits: bool = False):
-        import onnxruntime as ort
+def _max_seq_len(engine: Engine) -> int:
+    return engine.cache[0].shape()[2]
 
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        path = folder / info.file
-        if logits:
-            model = onnx.load(str(path), load_external_data=False)
-            argmax = next(node for node in _nodes(model.graph) if node.op_type == "ArgMax")
-            model.graph.node.append(helper.make_node("Cast", [argmax.input[0]], ["logits"], name="logits",
-                                                     to=TensorProto.FLOAT))
-            model.graph.output.append(helper.make_tensor_value_info("logits", TensorProto.FLOAT,
-                                                                    ["D+1", info.shape.vocab_size]))
-            options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
-            self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        else:
-            self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        self.vocab_size = info.shape.vocab_size
-        self.binding = self.session.io_binding()
-        past = next(i for i in self.session.get_inputs() if i.name.startswith("past_key."))
-        self.max_seq_len = past.shape[2]
-        dtype = {"tensor(float)": np.float32, "tensor(float16)": np.float16}[past.type]
-        self.cache = []
-        for i in range(info.shape.num_layers):
-            for kind in ("key", "value"):
-                buffer = ort.OrtValue.ortvalue_from_shape_and_type(past.shape, dtype, "cpu", 0)
-                self.binding.bind_ortvalue_input(f"past_{kind}.{i}", buffer)
-                self.binding.bind_ortvalue_output(f"present_{kind}.{i}", buffer)
-                self.cache.append(buffer)
-        self._accepted, self._next_token = np.zeros((), np.int64), np.zeros((), np.int64)
-        self.binding.bind_ortvalue_output("accepted", ort.OrtValue.ortvalue_from_numpy(self._accepted))
-        self.binding.bind_ortvalue_output("next_token", ort.OrtValue.ortvalue_from_numpy(self._next_token))
-        # Greedy settings for the sampling inputs, if the graph has them; other outputs go unread.
-        greedy_inputs = {"temperature": np.array(0.0, np.float32), "top_k": np.array(0, np.int64),
-                         "top_p": np.array(1.0, np.float32), "uniforms": np.zeros(1, np.float32),
-                         "draft_probs": np.zeros((0, self.vocab_size), np.float32)}
-        for value in self.session.get_inputs():
-            if value.name in greedy_inputs:
-                self.binding.bind_cpu_input(value.name, greedy_inputs[value.name])
-        self._other_outputs = [v.name for v in self.session.get_outputs()
-                               if v.name not in ("accepted", "next_token") and not v.name.startswith("present_")]
 
-    def step(self, tokens: list[int], total_len: int, num_drafts: int = 0) -> int:
-        ids = np.minimum(np.asarray(tokens, dtype=np.int64), self.vocab_size - 1)[None]
-        self.binding.bind_cpu_input("input_ids", ids)
-        self.binding.bind_cpu_input("total_len", np.array(total_len, dtype=np.int32))
-        self.binding.bind_cpu_input("num_drafts", np.array(num_drafts, dtype=np.int64))
-        for name in self._other_outputs:  # rebound each call: their shapes change with S
-            self.binding.bind_output(name, "cpu")
-        self.session.run_with_iobinding(self.binding)
-        return int(self._next_token)
+def _logits(engine: Engine, ids: list[int]) -> np.ndarray:
+    """[S, V] fp32 logits at every position of ids, from an empty cache."""
+    engine.step(ids, total_len=len(ids), num_drafts=len(ids) - 1)
+    return engine.output("logits")
 
-    def logits(self, ids: list[int]) -> np.ndarray:
-        """[S, V] fp32 logits at every position of ids, from an empty cache."""
-        self.step(ids, total_len=len(ids), num_drafts=len(ids) - 1)
-        outputs = dict(zip([v.name for v in self.session.get_outputs()], self.binding.get_outputs()))
-        return outputs["logits"].numpy()
 
-    def greedy(self, prompt: list[int], count: int) -> tuple[list[int], float]:
-        """count greedy tokens after prompt, and the decode speed (tokens/s after the first token)."""
-        tokens = [self.step(prompt, total_len=len(prompt))]
-        first = time.perf_counter()
-        while len(tokens) < count:
-            tokens.append(self.step([tokens[-1]], total_len=len(prompt) + len(tokens)))
-        elapsed = time.perf_counter() - first
-        return tokens, (len(tokens) - 1) / elapsed if len(tokens) > 1 else 0.0
+def _greedy(engine: Engine, prompt: list[int], count: int) -> tuple[list[int], float]:
+    """count greedy tokens after prompt, and the decode speed (tokens/s after the first token)."""
+    tokens = [engine.step(prompt, total_len=len(prompt))[1]]
+    first = time.perf_counter()
+    while len(tokens) < count:
+        tokens.append(engine.step([tokens[-1]], total_len=len(prompt) + len(tokens))[1])
+    elapsed = time.perf_counter() - first
+    return tokens, (len(tokens) - 1) / elapsed if len(tokens) > 1 else 0.0

@@ -41,6 +41,18 @@ class Stats:
     target_seconds: float = 0.0  # rounds only, the prompt's call excluded
     finish_reason: str = ""
 
+    def record_round(self, drafted: int, accepted: int, draft_seconds: float, target_seconds: float) -> None:
+        self.rounds += 1
+        self.gamma_rounds[drafted] = self.gamma_rounds.get(drafted, 0) + 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.draft_seconds += draft_seconds
+        self.draft_steps += drafted
+        self.target_seconds += target_seconds
+        for j in range(drafted):
+            self.proposed_at[j] += 1
+            self.accepted_at[j] += j < accepted
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
@@ -207,16 +219,7 @@ class SpeculativeDecoder:
             t2 = clock()
             draft_len = min(draft_len, len(ids) + accepted)
             policy.observe(k, accepted, t1 - t0, t2 - t1)
-            stats.rounds += 1
-            stats.gamma_rounds[k] = stats.gamma_rounds.get(k, 0) + 1
-            stats.drafted += k
-            stats.accepted += accepted
-            stats.draft_seconds += t1 - t0
-            stats.draft_steps += k
-            stats.target_seconds += t2 - t1
-            for j in range(k):
-                stats.proposed_at[j] += 1
-                stats.accepted_at[j] += j < accepted
+            stats.record_round(k, accepted, t1 - t0, t2 - t1)
             new_tokens = [*drafts[:accepted], token]
 
     @staticmethod

@@ -17,7 +17,10 @@ CACHE_TYPES = {"fp32": np.float32, "fp16": np.float16}  # bf16 caches need a GPU
 class Engine:
     """Runs one decoder call: feed tokens, get (accepted drafts, next token); the cache stays in place."""
 
-    def __init__(self, path: Path, info: EngineInfo, max_seq_len: int, device: str = "cpu", threads: int = 0):
+    def __init__(self, path: Path, info: EngineInfo, max_seq_len: int, device: str = "cpu", threads: int = 0,
+                 model_bytes: bytes | None = None, extra_outputs: tuple[str, ...] = ()):
+        """model_bytes: an in-memory variant of the engine file (e.g. with extra outputs to measure
+        with) whose external weights stay next to `path`."""
         self.info = info
         self.vocab_size = info.shape.vocab_size
         if info.precision not in CACHE_TYPES:
@@ -25,12 +28,18 @@ class Engine:
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.log_severity_level = 3
+        source = str(path)
+        if model_bytes is not None:
+            options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(Path(path).parent))
+            source = model_bytes
         try:
-            self.session = ort.InferenceSession(str(path), options, providers=[PROVIDERS[device]])
+            self.session = ort.InferenceSession(source, options, providers=[PROVIDERS[device]])
         except Exception as exc:  # onnxruntime raises its own untyped exceptions
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise BundleError(f"cannot load engine {path}: {first_line}; rebuild the bundle with `specbuild compile`") from None
         self.binding = self.session.io_binding()
+        self.extra_outputs = extra_outputs
+        self._output_index = {o.name: i for i, o in enumerate(self.session.get_outputs())}
         shape = info.shape
         kv_shape = (1, shape.num_kv_heads, max_seq_len, shape.head_dim)
         # Past and present name the same buffer: GroupQueryAttention writes new positions in place.
@@ -71,6 +80,8 @@ class Engine:
         numbers; returns (accepted drafts, the token sampled after them), with `probs` its distribution.
         """
         self.binding.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64)[None])
+        for name in self.extra_outputs:  # their shapes change with the call: onnxruntime allocates them
+            self.binding.bind_output(name)
         if self.sampling:
             self.binding.bind_cpu_input("uniforms", uniforms)
             self.binding.bind_cpu_input("draft_probs", self._no_drafts if draft_probs is None else draft_probs)
@@ -78,3 +89,7 @@ class Engine:
         self.binding.bind_cpu_input("num_drafts", np.array(num_drafts, dtype=np.int64))
         self.session.run_with_iobinding(self.binding)
         return int(self._accepted), int(self._next_token)
+
+    def output(self, name: str) -> np.ndarray:
+        """One of extra_outputs after the last step."""
+        return self.binding.get_outputs()[self._output_index[name]].numpy()
