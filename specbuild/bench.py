@@ -37,6 +37,7 @@ class ModeResult:
     gaps_ms: list[float] = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
+    rejected: int = 0
     rounds: int = 0
     accepted_at: np.ndarray | None = None
     proposed_at: np.ndarray | None = None
@@ -55,6 +56,7 @@ class ModeResult:
         self.gaps_ms.extend((1e3 * np.diff(times)).tolist())
         self.drafted += stats.drafted
         self.accepted += stats.accepted
+        self.rejected += stats.rejected
         self.rounds += stats.rounds
         self.draft_seconds += stats.draft_seconds
         self.draft_steps += stats.draft_steps
@@ -71,6 +73,13 @@ class ModeResult:
     def alpha(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
+    @property
+    def token_acceptance(self) -> float:
+        """Leviathan et al.'s α: the chance that a judged draft is accepted (drafts after a rejection
+        are never judged, so accepted/drafted understates it)."""
+        judged = self.accepted + self.rejected
+        return self.accepted / judged if judged else 0.0
+
     def to_dict(self) -> dict:
         per_position = (self.accepted_at / np.maximum(self.proposed_at, 1)).round(4).tolist() if self.drafted else []
         return {
@@ -81,6 +90,7 @@ class ModeResult:
             "itl_ms_p50": round(float(np.percentile(self.gaps_ms, 50)), 3) if self.gaps_ms else None,
             "itl_ms_p95": round(float(np.percentile(self.gaps_ms, 95)), 3) if self.gaps_ms else None,
             "acceptance_rate": round(self.alpha, 4),
+            "token_acceptance": round(self.token_acceptance, 4),
             "mean_accepted_tokens": round(self.tokens / self.rounds, 4) if self.rounds else None,
             "per_position_acceptance": per_position,
             "draft_step_ms": round(1e3 * self.draft_seconds / self.draft_steps, 4) if self.draft_steps else None,
@@ -133,7 +143,7 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
           temperature: float = 0.0) -> dict:
     """Sampled runs (temperature > 0) differ token-wise between modes by design: `matches_target` then says
     nothing, and α/speed-up are the figures to read."""
-    decoder = SpeculativeDecoder(bundle)
+    decoder = SpeculativeDecoder(bundle, shared_thread_pool=True)
     prompt_ids = [decoder.encode(p) for p in prompts]
     bandwidth = measure_bandwidth()
     modes = [run_ours(decoder, prompt_ids, max_new_tokens, g, temperature) for g in [0, *gammas, AUTO]]
@@ -148,7 +158,7 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
         if isinstance(mode.gamma, int) and mode.gamma > 0:
             c = (mode.draft_seconds / mode.draft_steps) / target_step
             row["cost_ratio_c"] = round(c, 4)
-            row["theoretical_speedup"] = round(theoretical_speedup(mode.alpha, mode.gamma, c), 3)
+            row["theoretical_speedup"] = round(theoretical_speedup(mode.token_acceptance, mode.gamma, c), 3)
             row["efficiency"] = round(row["speedup"] / row["theoretical_speedup"], 3)
         rows.append(row)
     target_info = decoder.manifest.engines["target"]

@@ -97,7 +97,7 @@ def generate(bundle, prompt, max_new_tokens, gamma, as_json, **sampling) -> None
     """Continue a prompt with speculative decoding (greedy, or sampling with --temperature)."""
     from specbuild_runtime import SpeculativeDecoder, Stats
 
-    decoder = SpeculativeDecoder(bundle)
+    decoder = SpeculativeDecoder(bundle, shared_thread_pool=True)
     stats = Stats(gamma=gamma)
     prompt_ids = decoder.encode(prompt)
     if as_json:

@@ -56,7 +56,7 @@ def run_demo(cache: Path, recipe: Path, prompt: str | None, max_new_tokens: int)
     pair, bundle = cache / "pair", cache / "bundle"
     ensure_pair(recipe, pair)
     ensure_bundle(recipe, pair, bundle)
-    decoder = SpeculativeDecoder(bundle)
+    decoder = SpeculativeDecoder(bundle, shared_thread_pool=True)
     texts = [prompt] if prompt else read_prompts(PROMPTS)[:8]
     prompts = [decoder.encode(t) for t in texts]
     target_speed, target_results = measure(decoder, prompts, max_new_tokens, 0)

@@ -46,7 +46,7 @@ def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens
     from specbuild_runtime import SpeculativeDecoder
 
     prompts = read_prompts(prompts_file)
-    decoder = SpeculativeDecoder(bundle)
+    decoder = SpeculativeDecoder(bundle, shared_thread_pool=True)
     model = load_reference(target)
     eos = sorted(decoder.eos_token_ids)
     tokens = 0

@@ -20,15 +20,20 @@ def run_graph(model_proto, spec):
             buffer = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, shape.num_kv_heads, MAX_LEN, shape.head_dim), np.float32))
             binding.bind_ortvalue_input(f"past_{kind}.{i}", buffer)
             binding.bind_ortvalue_output(f"present_{kind}.{i}", buffer)
+    greedy = {"temperature": np.array(0.0, np.float32), "top_k": np.array(0), "top_p": np.array(1.0, np.float32),
+              "draft_probs": np.zeros((0, shape.vocab_size), np.float32), "uniforms": np.zeros(1, np.float32)}
+    for name, value in greedy.items():
+        binding.bind_cpu_input(name, value)
 
     def step(tokens, total_len, num_drafts):
-        for name in ("accepted", "next_token", "logits"):
+        for name in ("accepted", "next_token", "probs", "logits"):
             binding.bind_output(name)
         binding.bind_cpu_input("input_ids", np.array([tokens], np.int64))
         binding.bind_cpu_input("total_len", np.array(total_len, np.int32))
         binding.bind_cpu_input("num_drafts", np.array(num_drafts, np.int64))
         session.run_with_iobinding(binding)
-        accepted, next_token, logits = (o.numpy() for o in binding.get_outputs()[-3:])
+        # IO binding returns outputs in the order they were first bound: the caches, then these four.
+        accepted, next_token, _, logits = (o.numpy() for o in binding.get_outputs()[-4:])
         return int(accepted), int(next_token), logits
 
     return step

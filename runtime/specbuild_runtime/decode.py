@@ -14,7 +14,7 @@ from typing import Iterator
 import numpy as np
 from tokenizers import Tokenizer
 
-from .engine import Engine
+from .engine import Engine, use_shared_thread_pool
 from .errors import RequestError
 from .manifest import TOKENIZER_DIR, load_manifest
 from .policy import AdaptiveGamma, FixedGamma
@@ -32,6 +32,7 @@ class Stats:
     rounds: int = 0  # target calls after the prompt
     drafted: int = 0
     accepted: int = 0
+    rejected: int = 0  # rounds that ended on a rejected draft (drafts after it were never judged)
     accepted_at: list[int] = field(default_factory=list)  # rounds whose draft j was accepted
     proposed_at: list[int] = field(default_factory=list)  # rounds that proposed a draft at j
     token_times: list[float] = field(default_factory=list)  # seconds since the call began
@@ -46,6 +47,7 @@ class Stats:
         self.gamma_rounds[drafted] = self.gamma_rounds.get(drafted, 0) + 1
         self.drafted += drafted
         self.accepted += accepted
+        self.rejected += accepted < drafted
         self.draft_seconds += draft_seconds
         self.draft_steps += drafted
         self.target_seconds += target_seconds
@@ -136,7 +138,12 @@ class SpeculativeDecoder:
         for token_id in decoder.stream("def fib(n):", gamma=0): ...       # target only
     """
 
-    def __init__(self, bundle: str | Path, device: str = "cpu", check_digests: bool = True):
+    def __init__(self, bundle: str | Path, device: str = "cpu", check_digests: bool = True,
+                 shared_thread_pool: bool = False):
+        """shared_thread_pool: faster, but changes every onnxruntime session of the process
+        (see engine.use_shared_thread_pool); for processes that only decode."""
+        if shared_thread_pool:
+            use_shared_thread_pool()
         self.root = Path(bundle)
         self.manifest = load_manifest(self.root, check_digests=check_digests)
         self.max_seq_len = self.manifest.max_seq_len
