@@ -119,6 +119,7 @@ def theoretical_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
 def context_latency(decoder: SpeculativeDecoder, short: int = 64, long: int = 1024, steps: int = 100) -> dict:
     """Target one-token call time at a short and a long context (the long one capped by the bundle's)."""
     engine = decoder.target
+    engine.configure(temperature=0.0)
     out = {}
     for ctx in (short, min(long, decoder.max_seq_len - 1)):
         engine.step([1] * ctx, total_len=ctx)
