@@ -324,21 +324,37 @@ def _sampling_tail(g, logits: str, drafts: str, drafts_1d: str, num_drafts: str,
 
 
 def _transformed_probs(g, logits: str, s: SamplingInputs) -> str:
-    """softmax(logits / temperature) restricted to the top_k tokens (0 = all) and the top_p nucleus (1 = all)."""
+    """softmax(logits / temperature) restricted to the top_k tokens (0 = all) and the top_p nucleus (1 = all).
+
+    Each restriction sorts the vocabulary, so each sits behind an If and costs nothing when it is off.
+    """
     scaled = g.op("Div", logits, s.temperature)
     vocab = g.op("Shape", logits, start=1, end=2)
     top_k = g.op("Reshape", s.top_k, g.const([1]))
-    k = g.op("Where", g.op("Greater", top_k, g.const([0])), g.op("Min", top_k, vocab), vocab)
-    kth = g.op("Slice", g.op("TopK", scaled, k, outputs=2, axis=-1)[0], g.const([-1]), g.const([2**62]), g.const([1]))
-    neg_inf = g.const(-np.inf, np.float32)
-    probs = g.op("Softmax", g.op("Where", g.op("Less", scaled, kth), neg_inf, scaled), axis=-1)
+    use_top_k = g.op("Squeeze", g.op("And", g.op("Greater", top_k, g.const([0])), g.op("Less", top_k, vocab)), g.const([0]))
+    keep_k = g.branch("branch.top_k")
+    kth = keep_k.op("Slice", keep_k.op("TopK", scaled, top_k, outputs=2, axis=-1)[0], keep_k.const([-1]),
+                    keep_k.const([2**62]), keep_k.const([1]))
+    masked = keep_k.op("Where", keep_k.op("Less", scaled, kth), keep_k.const(-np.inf, np.float32), scaled)
+    keep_k.output(masked, "branch.top_k.scaled", TensorProto.FLOAT, None)
+    all_k = g.branch("branch.all_k")
+    all_k.output(scaled, "branch.all_k.scaled", TensorProto.FLOAT, None)
+    scaled = g.op("If", use_top_k, then_branch=keep_k.graph(), else_branch=all_k.graph())
+    probs = g.op("Softmax", scaled, axis=-1)
     # Nucleus: keep the most probable tokens until the mass before a token reaches top_p.
-    ranked = g.op("TopK", probs, vocab, outputs=2, axis=-1)[0]
-    mass_before = g.op("Sub", g.op("CumSum", ranked, g.const(1)), ranked)
-    kept = g.op("Less", mass_before, s.top_p)
-    threshold = g.op("ReduceMin", g.op("Where", kept, ranked, g.const(2.0, np.float32)), g.const([1]), keepdims=1)
-    probs = g.op("Where", g.op("Less", probs, threshold), g.const(0.0, np.float32), probs)
-    return g.op("Div", probs, g.op("ReduceSum", probs, g.const([1]), keepdims=1))
+    nucleus = g.branch("branch.top_p")
+    ranked = nucleus.op("TopK", probs, vocab, outputs=2, axis=-1)[0]
+    mass_before = nucleus.op("Sub", nucleus.op("CumSum", ranked, nucleus.const(1)), ranked)
+    kept = nucleus.op("Less", mass_before, s.top_p)
+    threshold = nucleus.op("ReduceMin", nucleus.op("Where", kept, ranked, nucleus.const(2.0, np.float32)),
+                           nucleus.const([1]), keepdims=1)
+    trimmed = nucleus.op("Where", nucleus.op("Less", probs, threshold), nucleus.const(0.0, np.float32), probs)
+    trimmed = nucleus.op("Div", trimmed, nucleus.op("ReduceSum", trimmed, nucleus.const([1]), keepdims=1))
+    nucleus.output(trimmed, "branch.top_p.probs", TensorProto.FLOAT, None)
+    everything = g.branch("branch.all_p")
+    everything.output(probs, "branch.all_p.probs", TensorProto.FLOAT, None)
+    use_top_p = g.op("Less", s.top_p, g.const(1.0, np.float32))
+    return g.op("If", use_top_p, then_branch=nucleus.graph(), else_branch=everything.graph())
 
 
 def rotary_tables(config, max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
