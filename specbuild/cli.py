@@ -192,7 +192,7 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json) -> None:
               help='JSONL file, one {"prompt": "..."} per line.  [default: the bundled code prompts]')
 @click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True)
 @click.option("--gamma", "gammas", default="1,2,4,8", show_default=True, help="Fixed γ values to measure beside target-only and auto.")
-@click.option("--peers", default="", help="Comma-separated peers to measure on the source checkpoints: transformers.")
+@click.option("--peers", default="", help="Comma-separated peers to measure on the source checkpoints: transformers, onnxruntime-genai.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the full report here.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot here (needs matplotlib).")
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,

@@ -6,7 +6,14 @@ excluded the same way as for specbuild, and each peer's output is checked agains
 
 from __future__ import annotations
 
+import copy
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from specbuild_runtime.errors import SpecbuildError
 
@@ -21,7 +28,7 @@ def run_peers(peers: list[str], decoder, prompts: list[list[int]], max_new_token
     if "transformers" in peers:
         rows += _transformers(decoder, prompts, max_new_tokens, gammas)
     if "onnxruntime-genai" in peers:
-        rows.append({"system": "onnxruntime-genai", "gamma": "-", "note": "not built yet in specbuild bench"})
+        rows += _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas)
     for row in rows:
         outputs = row.pop("outputs", None)
         if outputs is not None:
@@ -75,4 +82,56 @@ def _transformers(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
         draft.generation_config.num_assistant_tokens = gamma
         speed, outputs = _timed_decode(lambda ids, n: generate(ids, n, assistant_model=draft), prompts, max_new_tokens)
         rows.append({"system": "transformers assisted", "gamma": gamma, "tokens_per_second": round(speed, 2), "outputs": outputs})
+    return rows
+
+
+def _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
+    """onnxruntime-genai at the same precision (fp32): its model builder on the source checkpoints, then
+    target-only and its draft-model speculative decoding with max_draft_tokens = γ."""
+    try:
+        import onnxruntime_genai as og
+    except ImportError:
+        raise SpecbuildError("the onnxruntime-genai peer needs `pip install onnxruntime-genai`") from None
+    engines = decoder.manifest.engines
+    with tempfile.TemporaryDirectory() as work:
+        work = Path(work)
+        for role in ("target", "draft"):
+            built = subprocess.run(
+                [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", engines[role].source["path"],
+                 "-o", str(work / role), "-p", "fp32", "-e", "cpu"], capture_output=True, text=True)
+            if built.returncode:
+                raise SpecbuildError(f"onnxruntime-genai's model builder failed on the {role}: {built.stderr.strip()[-300:]}")
+
+        def generator_for(folder: Path):
+            model = og.Model(str(folder))
+
+            def generate(ids, n):
+                params = og.GeneratorParams(model)
+                params.set_search_options(max_length=len(ids) + n, do_sample=False)
+                generator = og.Generator(model, params)
+                generator.append_tokens(ids)
+                while not generator.is_done():
+                    generator.generate_next_token()
+                return [int(t) for t in generator.get_sequence(0)[len(ids):]]
+
+            return generate
+
+        speed, outputs = _timed_decode(generator_for(work / "target"), prompts, max_new_tokens)
+        rows = [{"system": "onnxruntime-genai", "gamma": 0, "tokens_per_second": round(speed, 2), "outputs": outputs}]
+        # Its speculative config: the target's, typed "speculative", with the draft's decoder block;
+        # every model file must sit inside the config's folder.
+        speculative = work / "speculative"
+        shutil.copytree(work / "target", speculative)
+        shutil.copytree(work / "draft", speculative / "draft")
+        config = json.loads((work / "target" / "genai_config.json").read_text())
+        draft_decoder = json.loads((work / "draft" / "genai_config.json").read_text())["model"]["decoder"]
+        for gamma in gammas:
+            spec = copy.deepcopy(config)
+            spec["model"]["type"] = "speculative"
+            spec["model"]["draft"] = {**draft_decoder, "filename": "draft/" + draft_decoder["filename"]}
+            spec["speculative"] = {"max_draft_tokens": gamma}
+            (speculative / "genai_config.json").write_text(json.dumps(spec, indent=1))
+            speed, outputs = _timed_decode(generator_for(speculative), prompts, max_new_tokens)
+            rows.append({"system": "onnxruntime-genai speculative", "gamma": gamma,
+                         "tokens_per_second": round(speed, 2), "outputs": outputs})
     return rows

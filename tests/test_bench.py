@@ -39,3 +39,14 @@ def test_bench_with_transformers_peers_checks_their_output(bundles, tmp_path):
     peers = json.loads(out.read_text())["peers"]
     assert [(p["system"], p["gamma"]) for p in peers] == [("transformers", 0), ("transformers assisted", 2)]
     assert all(p["matches_target"] for p in peers)
+
+
+def test_bench_with_onnxruntime_genai_peer_checks_its_output(bundles, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    out = tmp_path / "bench.json"
+    specbuild("bench", bundles("llama", 1), "--prompts", prompts, "-n", 8, "--gamma", "2",
+              "--peers", "onnxruntime-genai", "--json", out, check=True)
+    peers = json.loads(out.read_text())["peers"]
+    assert [(p["system"], p["gamma"]) for p in peers] == [("onnxruntime-genai", 0), ("onnxruntime-genai speculative", 2)]
+    assert all(p["matches_target"] for p in peers)
