@@ -74,6 +74,11 @@ class ModeResult:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def tau(self) -> float:
+        """Tokens per target call after the prompt."""
+        return self.tokens / self.rounds if self.rounds else 0.0
+
+    @property
     def token_acceptance(self) -> float:
         """Leviathan et al.'s α: the chance that a judged draft is accepted (drafts after a rejection
         are never judged, so accepted/drafted understates it)."""
@@ -91,7 +96,7 @@ class ModeResult:
             "itl_ms_p95": round(float(np.percentile(self.gaps_ms, 95)), 3) if self.gaps_ms else None,
             "acceptance_rate": round(self.alpha, 4),
             "token_acceptance": round(self.token_acceptance, 4),
-            "mean_accepted_tokens": round(self.tokens / self.rounds, 4) if self.rounds else None,
+            "mean_accepted_tokens": round(self.tau, 4) if self.rounds else None,
             "per_position_acceptance": per_position,
             "draft_step_ms": round(1e3 * self.draft_seconds / self.draft_steps, 4) if self.draft_steps else None,
             "target_call_ms": round(1e3 * self.target_seconds / self.rounds, 4) if self.rounds else None,

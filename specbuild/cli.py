@@ -29,7 +29,6 @@ def sampling_options(command):
     return command
 
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts" / "code.jsonl"
 
 
 class GammaType(click.ParamType):
@@ -200,13 +199,13 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json) -> None:
 def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, temperature) -> None:
     """Measure speculative vs target-only decoding (and peers) side by side, with the theoretical bound."""
     from . import bench as benchmark
-    from .verify import read_prompts
+    from .verify import CODE_PROMPTS, read_prompts
 
     try:
         gamma_list = [int(g) for g in gammas.split(",") if g.strip()]
     except ValueError:
         raise click.BadParameter(f"{gammas!r} is not a comma-separated list of whole numbers", param_hint="--gamma") from None
-    report = benchmark.bench(bundle, read_prompts(prompts or DEFAULT_PROMPTS), max_new_tokens, gamma_list,
+    report = benchmark.bench(bundle, read_prompts(prompts or CODE_PROMPTS), max_new_tokens, gamma_list,
                              [p.strip() for p in peers.split(",") if p.strip()], temperature)
     click.echo(benchmark.format_table(report))
     if json_out:

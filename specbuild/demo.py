@@ -12,12 +12,12 @@ from specbuild_runtime import SpeculativeDecoder
 from specbuild_runtime.errors import BundleError
 from specbuild_runtime.manifest import load_manifest
 
+from .bench import run_ours
 from .compiler import compile_bundle
 from .recipe import read_recipe, resolve_settings
-from .verify import read_prompts
+from .verify import CODE_PROMPTS, read_prompts
 
 DEMO_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo.toml"
-PROMPTS = Path(__file__).resolve().parent / "prompts" / "code.jsonl"
 
 
 def ensure_pair(recipe: Path, pair: Path) -> None:
@@ -43,37 +43,24 @@ def ensure_bundle(recipe: Path, pair: Path, bundle: Path) -> None:
     compile_bundle(settings)
 
 
-def measure(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int, gamma) -> tuple[float, list]:
-    """Decode tokens/s over all prompts (prompt excluded) and the results, after one warm-up request."""
-    decoder.generate(prompts[0], max_new_tokens, gamma)
-    results = [decoder.generate(p, max_new_tokens, gamma) for p in prompts]
-    tokens = sum(len(r.stats.token_times) - 1 for r in results)
-    seconds = sum(r.stats.token_times[-1] - r.stats.token_times[0] for r in results)
-    return tokens / seconds, results
-
-
 def run_demo(cache: Path, recipe: Path, prompt: str | None, max_new_tokens: int) -> dict:
     pair, bundle = cache / "pair", cache / "bundle"
     ensure_pair(recipe, pair)
     ensure_bundle(recipe, pair, bundle)
     decoder = SpeculativeDecoder(bundle, shared_thread_pool=True)
-    texts = [prompt] if prompt else read_prompts(PROMPTS)[:8]
+    texts = [prompt] if prompt else read_prompts(CODE_PROMPTS)[:8]
     prompts = [decoder.encode(t) for t in texts]
-    target_speed, target_results = measure(decoder, prompts, max_new_tokens, 0)
-    spec_speed, spec_results = measure(decoder, prompts, max_new_tokens, "auto")
-    drafted = sum(r.stats.drafted for r in spec_results)
-    accepted = sum(r.stats.accepted for r in spec_results)
-    rounds = sum(r.stats.rounds for r in spec_results)
-    emitted = sum(r.stats.generated_tokens - 1 for r in spec_results)
+    target_only = run_ours(decoder, prompts, max_new_tokens, 0)
+    speculative = run_ours(decoder, prompts, max_new_tokens, "auto")
     summary = {
         "prompt": texts[0],
-        "completion": spec_results[0].text,
-        "identical_to_target": [r.token_ids for r in spec_results] == [r.token_ids for r in target_results],
-        "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
-        "mean_accepted_tokens": round(emitted / rounds, 3) if rounds else 0.0,
-        "target_only_tokens_per_second": round(target_speed, 1),
-        "speculative_tokens_per_second": round(spec_speed, 1),
-        "speedup": round(spec_speed / target_speed, 2),
+        "completion": decoder.tokenizer.decode(speculative.outputs[0]),
+        "identical_to_target": speculative.outputs == target_only.outputs,
+        "acceptance_rate": round(speculative.alpha, 3),
+        "mean_accepted_tokens": round(speculative.tau, 3),
+        "target_only_tokens_per_second": round(target_only.tokens_per_second, 1),
+        "speculative_tokens_per_second": round(speculative.tokens_per_second, 1),
+        "speedup": round(speculative.tokens_per_second / target_only.tokens_per_second, 2),
         "prompts": len(prompts),
         "bundle": str(bundle),
     }

@@ -11,7 +11,6 @@ from specbuild_runtime.manifest import EngineInfo
 from .quantize import convert_precision, quality_report, quantize_engine
 from .recipe import CompileSettings
 
-QUALITY_PROMPTS = Path(__file__).resolve().parent / "prompts" / "code.jsonl"
 QUALITY_HELDOUT_TOKENS = 4096
 
 
@@ -40,9 +39,9 @@ def shrink_engine(folder: Path, info: EngineInfo, settings: CompileSettings, tok
 def quality_texts(tokenizer) -> tuple[list[list[int]], list[int]]:
     """Code prompts shipped with specbuild, and held-out Python source (the demo pair never trains on it)."""
     from .train import corpus_files, read_source
-    from .verify import read_prompts
+    from .verify import CODE_PROMPTS, read_prompts
 
-    prompts = [tokenizer(p)["input_ids"] for p in read_prompts(QUALITY_PROMPTS)[:8]]
+    prompts = [tokenizer(p)["input_ids"] for p in read_prompts(CODE_PROMPTS)[:8]]
     heldout: list[int] = []
     for path in corpus_files()[1]:
         heldout += tokenizer(read_source(path))["input_ids"]

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from specbuild_runtime.errors import SpecbuildError
 
+CODE_PROMPTS = Path(__file__).resolve().parent / "prompts" / "code.jsonl"  # shipped with specbuild
+
 
 def read_prompts(path: Path) -> list[str]:
     prompts = []

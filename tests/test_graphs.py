@@ -1,40 +1,28 @@
 """Each architecture's ONNX graph reproduces transformers' logits, through prefill, verification and rollback."""
 
+from pathlib import Path
+
 import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
 
 from specbuild.checkpoint import load_checkpoint
 from specbuild.graphs import build_decoder
+from specbuild_runtime.engine import Engine
+from specbuild_runtime.manifest import EngineInfo
 
 MAX_LEN = 64
 
 
 def run_graph(model_proto, spec):
-    session = ort.InferenceSession(model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    binding = session.io_binding()
-    shape = spec.shape
-    for i in range(shape.num_layers):
-        for kind in ("key", "value"):
-            buffer = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, shape.num_kv_heads, MAX_LEN, shape.head_dim), np.float32))
-            binding.bind_ortvalue_input(f"past_{kind}.{i}", buffer)
-            binding.bind_ortvalue_output(f"present_{kind}.{i}", buffer)
-    greedy = {"temperature": np.array(0.0, np.float32), "top_k": np.array(0), "top_p": np.array(1.0, np.float32),
-              "draft_probs": np.zeros((0, shape.vocab_size), np.float32), "uniforms": np.zeros(1, np.float32)}
-    for name, value in greedy.items():
-        binding.bind_cpu_input(name, value)
+    """The graph in the runtime's Engine (in-place KV cache), with the test-only `logits` output."""
+    info = EngineInfo(role="target", backend="onnx", file="graph.onnx", architecture=spec.architecture,
+                      precision="fp32", quantization="none", shape=spec.shape, parameters=0, weight_bytes=0, source={})
+    engine = Engine(Path("graph.onnx"), info, MAX_LEN, model_bytes=model_proto.SerializeToString(), extra_outputs=("logits",))
 
     def step(tokens, total_len, num_drafts):
-        for name in ("accepted", "next_token", "probs", "logits"):
-            binding.bind_output(name)
-        binding.bind_cpu_input("input_ids", np.array([tokens], np.int64))
-        binding.bind_cpu_input("total_len", np.array(total_len, np.int32))
-        binding.bind_cpu_input("num_drafts", np.array(num_drafts, np.int64))
-        session.run_with_iobinding(binding)
-        # IO binding returns outputs in the order they were first bound: the caches, then these four.
-        accepted, next_token, _, logits = (o.numpy() for o in binding.get_outputs()[-4:])
-        return int(accepted), int(next_token), logits
+        accepted, next_token = engine.step(tokens, total_len, num_drafts)
+        return accepted, next_token, engine.output("logits")
 
     return step
 
