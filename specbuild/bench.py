@@ -104,15 +104,19 @@ class ModeResult:
         }
 
 
-def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int, gamma: int | str,
-             temperature: float = 0.0) -> ModeResult:
-    result = ModeResult("specbuild", gamma)
-    decoder.generate(prompts[0], max_new_tokens, gamma)  # warm-up: first-run allocations, policy state
+def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int,
+             gammas: list[int | str], temperature: float = 0.0) -> list[ModeResult]:
+    """Every mode (a γ, 0 or "auto") decodes every prompt. Modes take turns prompt by prompt, so a change
+    in the machine's speed during the run (a shared machine drifts by ±15%) falls on all of them alike."""
+    results = [ModeResult("specbuild", gamma) for gamma in gammas]
+    for gamma in gammas:  # warm-up: first-run allocations, policy state
+        decoder.generate(prompts[0], max_new_tokens, gamma)
     for seed, ids in enumerate(prompts):
-        stats = Stats(gamma=gamma)
-        tokens = list(decoder.stream(ids, max_new_tokens, stats=stats, temperature=temperature, seed=seed))
-        result.add(stats, tokens)
-    return result
+        for result in results:
+            stats = Stats(gamma=result.gamma)
+            tokens = list(decoder.stream(ids, max_new_tokens, stats=stats, temperature=temperature, seed=seed))
+            result.add(stats, tokens)
+    return results
 
 
 def theoretical_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
@@ -121,20 +125,24 @@ def theoretical_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
     return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * cost_ratio + 1))
 
 
-def context_latency(decoder: SpeculativeDecoder, short: int = 64, long: int = 1024, steps: int = 100) -> dict:
-    """Target one-token call time at a short and a long context (the long one capped by the bundle's)."""
+def context_latency(decoder: SpeculativeDecoder, short: int = 64, long: int = 1024, steps: int = 200) -> dict:
+    """Target one-token call time at a short and a long context (the long one capped by the bundle's).
+
+    One prefill fills the cache to the long context; the two contexts then take turns call by call
+    (total_len alone sets how much cache a call reads), so drift in the machine's speed hits both alike.
+    """
     engine = decoder.target
     engine.configure(temperature=0.0)
-    out = {}
-    for ctx in (short, min(long, decoder.max_seq_len - 1)):
-        engine.step([1] * ctx, total_len=ctx)
-        times = []
-        for _ in range(steps):
+    long = min(long, decoder.max_seq_len - 1)
+    short = min(short, long)
+    engine.step([1] * long, total_len=long)
+    times: dict[int, list[float]] = {short: [], long: []}
+    for _ in range(steps):
+        for ctx in (short, long):
             start = time.perf_counter()
-            engine.step([1], total_len=ctx + 1)  # the same slot each time: context stays ctx
-            times.append(time.perf_counter() - start)
-        out[ctx] = 1e3 * float(np.median(times))
-    return out
+            engine.step([1], total_len=ctx + 1)
+            times[ctx].append(time.perf_counter() - start)
+    return {ctx: 1e3 * float(np.median(t)) for ctx, t in times.items()}
 
 
 def predicted_context_growth(decoder: SpeculativeDecoder, short: int, long: int) -> float:
@@ -152,7 +160,7 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
     decoder = SpeculativeDecoder(bundle, shared_thread_pool=True)
     prompt_ids = [decoder.encode(p) for p in prompts]
     bandwidth = measure_bandwidth()
-    modes = [run_ours(decoder, prompt_ids, max_new_tokens, g, temperature) for g in [0, *gammas, AUTO]]
+    modes = run_ours(decoder, prompt_ids, max_new_tokens, [0, *gammas, AUTO], temperature)
     baseline = modes[0]
     for mode in modes:
         mode.matches_target = mode.outputs == baseline.outputs if temperature == 0 else None

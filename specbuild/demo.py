@@ -50,8 +50,7 @@ def run_demo(cache: Path, recipe: Path, prompt: str | None, max_new_tokens: int)
     decoder = SpeculativeDecoder(bundle, shared_thread_pool=True)
     texts = [prompt] if prompt else read_prompts(CODE_PROMPTS)[:8]
     prompts = [decoder.encode(t) for t in texts]
-    target_only = run_ours(decoder, prompts, max_new_tokens, 0)
-    speculative = run_ours(decoder, prompts, max_new_tokens, "auto")
+    target_only, speculative = run_ours(decoder, prompts, max_new_tokens, [0, "auto"])
     summary = {
         "prompt": texts[0],
         "completion": decoder.tokenizer.decode(speculative.outputs[0]),

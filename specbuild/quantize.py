@@ -32,13 +32,15 @@ Quantization policy (weights only; activations, norms, rotary tables and the KV 
     stopped equalling greedy output (measured). MatMulNBits at the default accuracy level keeps
     activations fp32, so rows stay independent. Hence dynamic int8 is refused for the target and allowed for the draft,
     whose numbers only decide acceptance.
-  * accuracy_level is MatMulNBits' compute type; None means DEFAULT_ACCURACY_LEVEL = 0 (fp32 compute).
-    Level 4 (int8 compute of the activations) is 2-2.5x faster on this CPU but, in onnxruntime 1.31,
-    NOT row-consistent: a row's result depends on how many rows share the call (measured: logits of
-    rows past the 16th of a call differ by up to 0.03 (int4) / 0.18 (int8) from one-row calls; at level
-    0 the difference is 2e-5, like fp32). Speculative output then stops equalling the target's greedy
-    output (seen with int8 at level 4). Use level 4 for the draft, or for the target only if exact
-    equality with the target's own greedy decoding may be given up.
+  * accuracy_level is MatMulNBits' compute type; None means DEFAULT_ACCURACY_LEVELS: 0 (fp32 compute)
+    for the target, 4 (int8 compute) for the draft. Level 4 is 2-3x faster per one-token call on this
+    CPU but quantizes each row's activations to int8, and rounding turns the ~1e-6 differences every fp32
+    path has between a one-token call and a multi-token call (attention, GEMM vs GEMV) into jumps of up
+    to ~1e-2 in the logits (measured on the demo target at every call size, 2 to 32 rows). A near-tied
+    argmax then flips: speculative output is no longer guaranteed to equal the target's own greedy
+    output. At level 0 the same comparison stays at 1e-5, like fp32. The draft's numbers only decide
+    how many drafts are accepted, so it takes level 4 (a 1 MB int4 draft made speculation ~10% faster
+    than the fp32 draft on the demo pair); the target takes level 4 only when asked.
   * 8 bit MatMulNBits at level 0 runs a slow fallback on this CPU (~15x slower than fp32), so int8 is
     exact but not worth it on CPU; int4 at level 0 is ~1.3x slower than fp32 per call here, at ~19% size.
 
@@ -75,7 +77,9 @@ MODES = ("none", "int8", "int4")
 PRECISIONS = ("fp32", "fp16", "bf16")
 INT8_METHODS = ("matmulnbits", "dynamic")
 DEFAULT_INT8_METHOD = "matmulnbits"
-DEFAULT_ACCURACY_LEVEL = 0  # MatMulNBits fp32 compute: the only row-consistent one (see module docstring)
+# MatMulNBits compute type when none is asked for: fp32 for the target, the only row-consistent one;
+# int8 for the draft, whose numbers decide only how many drafts are accepted (see module docstring).
+DEFAULT_ACCURACY_LEVELS = {"target": 0, "draft": 4}
 MAX_IR_VERSION = 13  # onnxruntime 1.31 loads at most IR 13
 
 
@@ -156,7 +160,7 @@ def quantize_engine(
         if mode == "int8" and int8_method == "dynamic":
             model = _quantize_dynamic(model)
         else:
-            level = DEFAULT_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
+            level = DEFAULT_ACCURACY_LEVELS[info.role] if accuracy_level is None else accuracy_level
             model = _quantize_nbits(model, bits=4 if mode == "int4" else 8, block_size=block_size,
                                     accuracy_level=level)
     _save(model, folder, info, ir_version)

@@ -1,7 +1,7 @@
 """Adaptive γ: speculate while the draft agrees, fall back to the target alone when it does not."""
 
 from specbuild_runtime import SpeculativeDecoder
-from specbuild_runtime.policy import PROBE_EVERY, AdaptiveGamma
+from specbuild_runtime.policy import MAX_PROBE_EVERY, PROBE_EVERY, AdaptiveGamma
 
 from conftest import PROMPTS
 
@@ -24,10 +24,14 @@ def test_policy_drafts_the_most_when_every_draft_is_accepted():
     assert chosen[-10:] == [8] * 10
 
 
-def test_policy_falls_back_to_target_only_and_probes_when_drafts_are_rejected():
-    chosen = run_rounds(AdaptiveGamma(max_gamma=8, draft_cost=0.1), lambda r, j: False, rounds=80)
-    tail = chosen[-4 * PROBE_EVERY:]
-    assert set(tail) == {0, 1} and tail.count(1) == 4  # target only, one probe every PROBE_EVERY rounds
+def test_policy_falls_back_to_target_only_and_probes_less_often_while_drafts_are_rejected():
+    chosen = run_rounds(AdaptiveGamma(max_gamma=8, draft_cost=0.1), lambda r, j: False, rounds=400)
+    fallback = chosen.index(0)
+    assert fallback < 10 and set(chosen[fallback:]) == {0, 1}
+    probes = [r for r in range(fallback, len(chosen)) if chosen[r] == 1]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes[0] - fallback == PROBE_EVERY - 1
+    assert gaps[:2] == [2 * PROBE_EVERY, 4 * PROBE_EVERY] and set(gaps[2:]) == {MAX_PROBE_EVERY}
 
 
 def test_policy_recovers_when_the_draft_starts_agreeing():

@@ -215,6 +215,9 @@ class SpeculativeDecoder:
                 return
             # No more drafts than the request or the cache has room for.
             k = policy.choose(min(max_new_tokens - stats.generated_tokens - 1, max_len - len(ids)))
+            # A normal round feeds the draft the target's token (and the last accepted draft); more means
+            # it is catching up on the prompt or on rounds without drafts.
+            caught_up = len(ids) - draft_len > 2
             t0 = clock()
             drafts, draft_probs = self._draft(ids[draft_len:], len(ids), k, uniforms, target_vocab)
             if drafts:
@@ -225,7 +228,7 @@ class SpeculativeDecoder:
                                                draft_probs=draft_probs, uniforms=uniforms(k + 1))
             t2 = clock()
             draft_len = min(draft_len, len(ids) + accepted)
-            policy.observe(k, accepted, t1 - t0, t2 - t1)
+            policy.observe(k, accepted, t1 - t0, t2 - t1, caught_up)
             stats.record_round(k, accepted, t1 - t0, t2 - t1)
             new_tokens = [*drafts[:accepted], token]
 

@@ -11,6 +11,7 @@ from .errors import BundleError
 from .manifest import EngineInfo
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+MAX_REUSED_IDS = 64  # calls of up to this many tokens (drafting, verifying) reuse one buffer per length
 CACHE_TYPES = {"fp32": np.float32, "fp16": np.float16}  # bf16 caches need a GPU binding numpy cannot express
 
 
@@ -75,6 +76,12 @@ class Engine:
                 self.binding.bind_ortvalue_input(f"past_{kind}.{i}", buffer)
                 self.binding.bind_ortvalue_output(f"present_{kind}.{i}", buffer)
                 self.cache.append(buffer)
+        # Per-call inputs live in buffers bound once and written in place: binding fresh numpy arrays
+        # every call cost ~100 us, a third of a draft step.
+        self._total_len = self._bound_input("total_len", np.zeros((), np.int32))
+        self._num_drafts = self._bound_input("num_drafts", np.zeros((), np.int64))
+        self._input_ids: dict[int, tuple[np.ndarray, ort.OrtValue]] = {}  # tokens per call -> buffer
+        self._bound_ids = 0
         self._accepted = np.zeros((), np.int64)
         self._next_token = np.zeros((), np.int64)
         self.binding.bind_ortvalue_output("accepted", ort.OrtValue.ortvalue_from_numpy(self._accepted))
@@ -104,16 +111,36 @@ class Engine:
         draft_probs [num_drafts, V] are the draft's distributions and uniforms [num_drafts+1] the random
         numbers; returns (accepted drafts, the token sampled after them), with `probs` its distribution.
         """
-        self.binding.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64)[None])
+        self._bind_tokens(tokens)
         for name in self.extra_outputs:  # their shapes change with the call: onnxruntime allocates them
             self.binding.bind_output(name)
         if self.sampling:
             self.binding.bind_cpu_input("uniforms", uniforms)
             self.binding.bind_cpu_input("draft_probs", self._no_drafts if draft_probs is None else draft_probs)
-        self.binding.bind_cpu_input("total_len", np.array(total_len, dtype=np.int32))
-        self.binding.bind_cpu_input("num_drafts", np.array(num_drafts, dtype=np.int64))
+        self._total_len[()] = total_len
+        self._num_drafts[()] = num_drafts
         self.session.run_with_iobinding(self.binding)
         return int(self._accepted), int(self._next_token)
+
+    def _bound_input(self, name: str, buffer: np.ndarray) -> np.ndarray:
+        """Bind buffer as input name; writes to it are what the next call reads (a CPU OrtValue shares it)."""
+        self.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(buffer))
+        return buffer
+
+    def _bind_tokens(self, tokens: list[int]) -> None:
+        count = len(tokens)
+        if count > MAX_REUSED_IDS:  # a prompt: one call, a buffer of its own
+            self.binding.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64)[None])
+            self._bound_ids = 0
+            return
+        if count not in self._input_ids:
+            buffer = np.zeros((1, count), np.int64)
+            self._input_ids[count] = (buffer, ort.OrtValue.ortvalue_from_numpy(buffer))
+        buffer, value = self._input_ids[count]
+        buffer[0] = tokens
+        if self._bound_ids != count:
+            self.binding.bind_ortvalue_input("input_ids", value)
+            self._bound_ids = count
 
     def output(self, name: str) -> np.ndarray:
         """One of extra_outputs after the last step (bound last, so they come last, in binding order)."""
