@@ -25,7 +25,7 @@ def ensure_pair(recipe: Path, pair: Path) -> None:
 
     if (pair / "target" / "config.json").is_file() and (pair / "draft" / "config.json").is_file():
         return
-    click.echo(f"Making the demo pair in {pair} (once; about 20 minutes on 2 cores) ...", err=True)
+    click.echo(f"Making the demo pair in {pair} (once; about 30 minutes on 2 cores) ...", err=True)
     make_demo_pair(pair, **read_pair_recipe(recipe))
 
 

@@ -48,3 +48,13 @@ def test_auto_mode_uses_the_target_alone_with_an_unrelated_draft(bundles, tokeni
     decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
     result = decoder.generate(tokenizer(PROMPTS[2])["input_ids"], 120, gamma="auto")
     assert result.stats.gamma_rounds.get(0, 0) >= 0.7 * result.stats.rounds
+
+
+def test_catch_up_calls_and_noisy_timings_do_not_stop_speculation():
+    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
+    run_rounds(policy, lambda r, j: True, rounds=20)
+    draft_cost = policy.draft_cost
+    policy.observe(1, 1, draft_seconds=5.0, target_seconds=1.0, caught_up=True)  # the draft read a prompt
+    assert policy.draft_cost == draft_cost
+    policy.observe(1, 1, draft_seconds=0.1, target_seconds=3.0)  # one slow call (the machine hiccuped)
+    assert policy.extra_token_cost < 0.2 and policy.choose(limit=100) >= 4
