@@ -156,6 +156,7 @@ def inspect(bundle, as_json) -> None:
                 f"{q['fp32']['perplexity']:.2f}, greedy agreement {q['greedy_agreement']:.1%} "
                 f"({q['greedy_identical_prompts']}/{q['prompts']} prompts identical), "
                 f"{q['quant']['tokens_per_second']:.0f} vs {q['fp32']['tokens_per_second']:.0f} tok/s"
+                + (f", α at γ={q['alpha']['gamma']} {q['alpha']['quant']:.2f} vs {q['alpha']['fp32']:.2f}" if "alpha" in q else "")
             )
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 from tqdm import tqdm
 
 from specbuild_runtime.engine import Engine
@@ -11,7 +14,7 @@ from . import __version__
 from .bundle import staged_bundle, write_manifest
 from .checkpoint import eos_token_ids, load_checkpoint, validate_pair
 from .export import check_context, export_engine
-from .shrink import shrink_engine
+from .shrink import report_acceptance_change, shrink_engine
 from .recipe import DEFAULT_MAX_SEQ_LEN, CompileSettings
 
 
@@ -34,13 +37,14 @@ def _compile(settings: CompileSettings, stages: tqdm) -> Manifest:
     check_context(draft, "draft", max_seq_len)
     stages.update()
 
-    with staged_bundle(settings.output, settings.overwrite) as folder:
-        engines = {}
+    with staged_bundle(settings.output, settings.overwrite) as folder, tempfile.TemporaryDirectory() as fp32_copies:
+        engines, exported = {}, {}
         for role, ckpt in (("target", target), ("draft", draft)):
             stage(f"building {role} engine")
-            engines[role] = export_engine(ckpt, role, folder, max_seq_len)
-            engines[role] = shrink_engine(folder, engines[role], settings, target.tokenizer, stage)
+            exported[role] = export_engine(ckpt, role, folder, max_seq_len)
+            engines[role] = shrink_engine(folder, exported[role], settings, target.tokenizer, stage, Path(fp32_copies))
             stages.update()
+        report_acceptance_change(folder, engines, Path(fp32_copies), exported, target.tokenizer)
         target.tokenizer.save_pretrained(folder / TOKENIZER_DIR)
 
         stage("verifying engines")

@@ -451,6 +451,30 @@ def quality_report(
     return report
 
 
+ALPHA_GAMMA = 4  # drafts per round at which a quality report measures acceptance
+
+
+def pair_acceptance(target_folder: Path, target: EngineInfo, draft_folder: Path, draft: EngineInfo,
+                    prompts_ids: list[list[int]], gamma: int = ALPHA_GAMMA, new_tokens: int = 64) -> float:
+    """Greedy speculative acceptance α (accepted / drafted) of this pair at a fixed γ, exactly as decoding
+    would see it: the draft's argmax along the target's own greedy continuation of each prompt."""
+    from .distill import rounds  # exact greedy round accounting; the compiler may import torch
+
+    target_engine = _engine(Path(target_folder), target)
+    draft_logits = _engine(Path(draft_folder), draft, logits=True)
+    max_seq_len = _max_seq_len(target_engine)
+    accepted = drafted = 0
+    for prompt in prompts_ids:
+        budget = min(new_tokens, max_seq_len - len(prompt))
+        if budget < 2:
+            continue
+        tokens, _ = _greedy(target_engine, prompt, budget)
+        guesses = _logits(draft_logits, prompt + tokens[:-1])[len(prompt) - 1:].argmax(-1)
+        a, d = rounds(list(guesses == np.asarray(tokens)), gamma)
+        accepted, drafted = accepted + a, drafted + d
+    return accepted / drafted if drafted else 0.0
+
+
 def _engine(folder: Path, info: EngineInfo, logits: bool = False) -> Engine:
     """A runtime Engine over an engine file; with logits=True its graph gains an fp32 `logits` [D+1, V]
     output (a Cast of ArgMax's input), built in memory with the weights read from the folder."""

@@ -3,37 +3,52 @@
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 
 from specbuild_runtime.manifest import EngineInfo
 
-from .quantize import convert_precision, quality_report, quantize_engine
+from .quantize import ALPHA_GAMMA, convert_precision, pair_acceptance, quality_report, quantize_engine
 from .recipe import CompileSettings
 
 QUALITY_HELDOUT_TOKENS = 4096
 
 
-def shrink_engine(folder: Path, info: EngineInfo, settings: CompileSettings, tokenizer, stage) -> EngineInfo:
+def shrink_engine(folder: Path, info: EngineInfo, settings: CompileSettings, tokenizer, stage,
+                  reference: Path) -> EngineInfo:
+    """reference: where the fp32 engine is kept aside to measure what quantization changed."""
     mode = settings.quantization(info.role)
     if mode != "none":
         stage(f"quantizing {info.role} engine ({mode})")
         if settings.quality_report:
-            with tempfile.TemporaryDirectory() as reference:
-                # The fp32 engine, kept aside only to measure what quantization changed.
-                for name in (info.file, f"{info.file}.data"):
-                    shutil.copy2(folder / name, Path(reference) / name)
-                fp32 = info
-                info = quantize_engine(folder, info, mode, settings.block_size, settings.accuracy_level)
-                stage(f"measuring {info.role} engine quality")
-                prompts, heldout = quality_texts(tokenizer)
-                info.quality = quality_report(Path(reference), fp32, folder, info, prompts, heldout)
+            for name in (info.file, f"{info.file}.data"):
+                shutil.copy2(folder / name, reference / name)
+            fp32 = info
+            info = quantize_engine(folder, info, mode, settings.block_size, settings.accuracy_level)
+            stage(f"measuring {info.role} engine quality")
+            prompts, heldout = quality_texts(tokenizer)
+            info.quality = quality_report(reference, fp32, folder, info, prompts, heldout)
         else:
             info = quantize_engine(folder, info, mode, settings.block_size, settings.accuracy_level)
     if settings.precision != "fp32":
         stage(f"converting {info.role} engine to {settings.precision}")
         info = convert_precision(folder, info, settings.precision)
     return info
+
+
+def report_acceptance_change(folder: Path, engines: dict[str, EngineInfo], reference: Path,
+                             fp32: dict[str, EngineInfo], tokenizer) -> None:
+    """Add to each quantized engine's quality report the pair's greedy acceptance α with and without
+    quantization (the other engine as built): what quantization did to the speed-up."""
+    measured = [role for role, info in engines.items() if info.quality]
+    if not measured:
+        return
+    prompts, _ = quality_texts(tokenizer)
+    built = pair_acceptance(folder, engines["target"], folder, engines["draft"], prompts)
+    for role in measured:
+        other = "draft" if role == "target" else "target"
+        places = {role: (reference, fp32[role]), other: (folder, engines[other])}
+        before = pair_acceptance(*places["target"], *places["draft"], prompts)
+        engines[role].quality["alpha"] = {"gamma": ALPHA_GAMMA, "fp32": before, "quant": built}
 
 
 def quality_texts(tokenizer) -> tuple[list[list[int]], list[int]]:

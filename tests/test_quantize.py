@@ -167,3 +167,15 @@ def test_quality_report_measures_an_int4_engine(fp32_bundle, quantized, tokenize
     assert report["quant"]["quantization"] == "int4" and report["size_ratio"] < 0.4
     assert 1.0 < report["quant"]["perplexity"] < float("inf")
     assert 0.0 <= report["greedy_agreement"] <= 1.0 and report["quant"]["tokens_per_second"] > 0
+
+
+def test_compile_reports_quality_and_acceptance_of_a_quantized_draft(checkpoints, tmp_path):
+    """The draft is the target's own checkpoint, so the fp32 pair accepts every draft; int4 may cost some."""
+    target = checkpoints("llama", 0, **WIDE)
+    out = tmp_path / "bundle"
+    manifest = compile_bundle(CompileSettings(target=target, draft=target, output=out, max_seq_len=256,
+                                              draft_quantize="int4"), show_progress=False)
+    quality = manifest.engines["draft"].quality
+    assert manifest.engines["target"].quality == {} and quality["quant"]["quantization"] == "int4"
+    assert quality["alpha"]["fp32"] == 1.0 and 0.0 < quality["alpha"]["quant"] <= 1.0
+    assert load_manifest(out).engines["draft"].quality == quality
