@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from specbuild_runtime.engine import can_run
 from specbuild_runtime.manifest import EngineInfo
 
 from .quantize import ALPHA_GAMMA, convert_precision, pair_acceptance, quality_report, quantize_engine
@@ -40,7 +41,7 @@ def report_acceptance_change(folder: Path, engines: dict[str, EngineInfo], refer
     """Add to each quantized engine's quality report the pair's greedy acceptance α with and without
     quantization (the other engine as built): what quantization did to the speed-up."""
     measured = [role for role, info in engines.items() if info.quality]
-    if not measured:
+    if not measured or not all(map(can_run, engines.values())):
         return
     prompts, _ = quality_texts(tokenizer)
     built = pair_acceptance(folder, engines["target"], folder, engines["draft"], prompts)

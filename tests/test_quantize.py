@@ -179,3 +179,11 @@ def test_compile_reports_quality_and_acceptance_of_a_quantized_draft(checkpoints
     assert manifest.engines["target"].quality == {} and quality["quant"]["quantization"] == "int4"
     assert quality["alpha"]["fp32"] == 1.0 and 0.0 < quality["alpha"]["quant"] <= 1.0
     assert load_manifest(out).engines["draft"].quality == quality
+
+
+def test_compile_writes_a_bf16_bundle_it_cannot_run_here(checkpoints, tmp_path):
+    target = checkpoints("llama", 0, **WIDE)
+    manifest = compile_bundle(CompileSettings(target=target, draft=target, output=tmp_path / "bf16", max_seq_len=64,
+                                              precision="bf16"), show_progress=False)
+    assert {info.precision for info in manifest.engines.values()} == {"bf16"}
+    onnx.checker.check_model(str(tmp_path / "bf16" / "target.onnx"))

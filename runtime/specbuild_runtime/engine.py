@@ -15,6 +15,11 @@ MAX_REUSED_IDS = 64  # calls of up to this many tokens (drafting, verifying) reu
 CACHE_TYPES = {"fp32": np.float32, "fp16": np.float16}  # bf16 caches need a GPU binding numpy cannot express
 
 
+def can_run(info: EngineInfo) -> bool:
+    """Whether this runtime runs the engine: numpy has no bf16 to bind a bf16 engine's cache with."""
+    return info.precision in CACHE_TYPES
+
+
 def use_shared_thread_pool() -> bool:
     """Make every onnxruntime session in this process share one intra-op thread pool (opt-in).
 
@@ -45,7 +50,7 @@ class Engine:
         with) whose external weights stay next to `path`."""
         self.info = info
         self.vocab_size = info.shape.vocab_size
-        if info.precision not in CACHE_TYPES:
+        if not can_run(info):
             raise BundleError(f"engine {path} is {info.precision}; this runtime runs {', '.join(CACHE_TYPES)} engines")
         options = ort.SessionOptions()
         if _SHARED_POOL:
