@@ -150,14 +150,22 @@ def inspect(bundle, as_json) -> None:
         )
         click.echo(f"{'':<10} from {e.source['path']} (sha256 {e.source['sha256'][:12]}…)")
         if e.quality:
-            q = e.quality
-            click.echo(
-                f"{'':<10} quality vs fp32: size {q['size_ratio']:.0%}, perplexity {q['quant']['perplexity']:.2f} vs "
-                f"{q['fp32']['perplexity']:.2f}, greedy agreement {q['greedy_agreement']:.1%} "
-                f"({q['greedy_identical_prompts']}/{q['prompts']} prompts identical), "
-                f"{q['quant']['tokens_per_second']:.0f} vs {q['fp32']['tokens_per_second']:.0f} tok/s"
-                + (f", α at γ={q['alpha']['gamma']} {q['alpha']['quant']:.2f} vs {q['alpha']['fp32']:.2f}" if "alpha" in q else "")
-            )
+            click.echo(f"{'':<10} quality vs fp32: {quality_line(e.quality)}")
+
+
+def quality_line(q: dict) -> str:
+    agreement = f"greedy agreement {q['greedy_agreement']:.1%} ({q['greedy_identical_prompts']}/{q['prompts']} prompts identical"
+    if q.get("teacher_forced_agreement") is not None:
+        agreement += f"; {q['teacher_forced_agreement']:.1%} teacher-forced"
+    parts = [
+        f"size {q['size_ratio']:.0%}",
+        f"perplexity {q['quant']['perplexity']:.2f} vs {q['fp32']['perplexity']:.2f}",
+        agreement + ")",
+        f"{q['quant']['tokens_per_second']:.0f} vs {q['fp32']['tokens_per_second']:.0f} tok/s",
+    ]
+    if "alpha" in q:
+        parts.append(f"α at γ={q['alpha']['gamma']} {q['alpha']['quant']:.2f} vs {q['alpha']['fp32']:.2f}")
+    return ", ".join(parts)
 
 
 @cli.command()
