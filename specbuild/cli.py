@@ -281,7 +281,12 @@ def demo(cache, recipe, prompt, max_new_tokens, as_json) -> None:
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return
-    click.echo(summary["prompt"] + click.style(summary["completion"], fg="green"))
+    completion = summary["completion"]
+    if completion.strip():
+        click.echo(summary["prompt"] + click.style(completion, fg="green"))
+    else:  # a screen of nothing looks like a hang or a bug; say what it is
+        click.echo(summary["prompt"] + click.style(f"[{len(completion)} whitespace characters]", fg="green"))
+        click.echo("(the demo target, trained for minutes on 2 cores, often completes with blank lines; try --prompt)")
     click.echo("-" * 60)
     click.echo(
         f"acceptance α {summary['acceptance_rate']:.2f}, {summary['mean_accepted_tokens']:.2f} tokens per target call "
