@@ -14,6 +14,7 @@ import numpy as np
 
 from specbuild_runtime import SpeculativeDecoder
 from specbuild_runtime.decode import AUTO, Stats
+from specbuild_runtime.engine import CACHE_TYPES
 
 
 def measure_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
@@ -149,7 +150,7 @@ def predicted_context_growth(decoder: SpeculativeDecoder, short: int, long: int)
     """Per-token time ratio long/short if a step costs its bytes read: weights + the valid part of the cache."""
     info = decoder.manifest.engines["target"]
     s = info.shape
-    kv_bytes_per_position = 2 * s.num_layers * s.num_kv_heads * s.head_dim * 4
+    kv_bytes_per_position = 2 * s.num_layers * s.num_kv_heads * s.head_dim * np.dtype(CACHE_TYPES[info.precision]).itemsize
     return (info.weight_bytes + kv_bytes_per_position * long) / (info.weight_bytes + kv_bytes_per_position * short)
 
 

@@ -14,7 +14,7 @@ from . import __version__
 from .bundle import staged_bundle, write_manifest
 from .checkpoint import eos_token_ids, load_checkpoint, validate_pair
 from .export import check_context, export_engine
-from .shrink import report_acceptance_change, shrink_engine
+from .shrink import quality_texts, report_acceptance_change, shrink_engine
 from .recipe import DEFAULT_MAX_SEQ_LEN, CompileSettings
 
 
@@ -37,14 +37,17 @@ def _compile(settings: CompileSettings, stages: tqdm) -> Manifest:
     check_context(draft, "draft", max_seq_len)
     stages.update()
 
-    with staged_bundle(settings.output, settings.overwrite) as folder, tempfile.TemporaryDirectory() as fp32_copies:
-        engines, exported = {}, {}
+    measured = settings.quality_report and any(settings.quantization(role) != "none" for role in ("target", "draft"))
+    texts = quality_texts(target.tokenizer) if measured else None
+    with staged_bundle(settings.output, settings.overwrite) as folder, tempfile.TemporaryDirectory() as scratch:
+        engines, exported, fp32_copies = {}, {}, Path(scratch)
         for role, ckpt in (("target", target), ("draft", draft)):
             stage(f"building {role} engine")
             exported[role] = export_engine(ckpt, role, folder, max_seq_len)
-            engines[role] = shrink_engine(folder, exported[role], settings, target.tokenizer, stage, Path(fp32_copies))
+            engines[role] = shrink_engine(folder, exported[role], settings, texts, stage, fp32_copies)
             stages.update()
-        report_acceptance_change(folder, engines, Path(fp32_copies), exported, target.tokenizer)
+        if texts:
+            report_acceptance_change(folder, engines, fp32_copies, exported, texts[0])
         target.tokenizer.save_pretrained(folder / TOKENIZER_DIR)
 
         stage("verifying engines")

@@ -244,8 +244,7 @@ def _quantize_dynamic(model: onnx.ModelProto) -> onnx.ModelProto:
                          use_external_data_format=True,
                          extra_options={"MatMulConstBOnly": True, "DefaultTensorType": TensorProto.FLOAT})
         out = onnx.load(str(target), load_external_data=True)
-    _drop_unused_initializers(out.graph)
-    _sort_topologically(out.graph)  # it appends the LM head's new nodes after the If that reads them
+    _drop_unused_initializers(out.graph)  # _save sorts the nodes it appends for the LM head
     return out
 
 

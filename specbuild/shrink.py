@@ -5,31 +5,30 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from specbuild_runtime.engine import can_run
 from specbuild_runtime.manifest import EngineInfo
 
 from .quantize import ALPHA_GAMMA, convert_precision, pair_acceptance, quality_report, quantize_engine
 from .recipe import CompileSettings
 
 QUALITY_HELDOUT_TOKENS = 4096
+QualityTexts = tuple[list[list[int]], list[int]]  # code prompts, held-out token ids
 
 
-def shrink_engine(folder: Path, info: EngineInfo, settings: CompileSettings, tokenizer, stage,
+def shrink_engine(folder: Path, info: EngineInfo, settings: CompileSettings, texts: QualityTexts | None, stage,
                   reference: Path) -> EngineInfo:
-    """reference: where the fp32 engine is kept aside to measure what quantization changed."""
+    """texts: what the quality report measures on (None: no report); reference: where the fp32 engine is
+    kept aside to measure what quantization changed."""
     mode = settings.quantization(info.role)
     if mode != "none":
         stage(f"quantizing {info.role} engine ({mode})")
-        if settings.quality_report:
+        fp32 = info
+        if texts:
             for name in (info.file, f"{info.file}.data"):
                 shutil.copy2(folder / name, reference / name)
-            fp32 = info
-            info = quantize_engine(folder, info, mode, settings.block_size, settings.accuracy_level)
+        info = quantize_engine(folder, info, mode, settings.block_size, settings.accuracy_level)
+        if texts:
             stage(f"measuring {info.role} engine quality")
-            prompts, heldout = quality_texts(tokenizer)
-            info.quality = quality_report(reference, fp32, folder, info, prompts, heldout)
-        else:
-            info = quantize_engine(folder, info, mode, settings.block_size, settings.accuracy_level)
+            info.quality = quality_report(reference, fp32, folder, info, *texts)
     if settings.precision != "fp32":
         stage(f"converting {info.role} engine to {settings.precision}")
         info = convert_precision(folder, info, settings.precision)
@@ -37,13 +36,12 @@ def shrink_engine(folder: Path, info: EngineInfo, settings: CompileSettings, tok
 
 
 def report_acceptance_change(folder: Path, engines: dict[str, EngineInfo], reference: Path,
-                             fp32: dict[str, EngineInfo], tokenizer) -> None:
+                             fp32: dict[str, EngineInfo], prompts: list[list[int]]) -> None:
     """Add to each quantized engine's quality report the pair's greedy acceptance α with and without
     quantization (the other engine as built): what quantization did to the speed-up."""
     measured = [role for role, info in engines.items() if info.quality]
-    if not measured or not all(map(can_run, engines.values())):
+    if not measured:  # (a quantized engine cannot be converted to bf16: every measured pair runs here)
         return
-    prompts, _ = quality_texts(tokenizer)
     built = pair_acceptance(folder, engines["target"], folder, engines["draft"], prompts)
     for role in measured:
         other = "draft" if role == "target" else "target"
@@ -52,7 +50,7 @@ def report_acceptance_change(folder: Path, engines: dict[str, EngineInfo], refer
         engines[role].quality["alpha"] = {"gamma": ALPHA_GAMMA, "fp32": before, "quant": built}
 
 
-def quality_texts(tokenizer) -> tuple[list[list[int]], list[int]]:
+def quality_texts(tokenizer) -> QualityTexts:
     """Code prompts shipped with specbuild, and held-out Python source (the demo pair never trains on it)."""
     from .train import corpus_files, read_source
     from .verify import CODE_PROMPTS, read_prompts

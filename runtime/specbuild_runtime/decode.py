@@ -118,9 +118,6 @@ class Sampling:
             raise RequestError(f"top_p must be in (0, 1], not {self.top_p}")
 
 
-GREEDY = Sampling()
-
-
 @dataclass
 class Generation:
     text: str
@@ -152,6 +149,7 @@ class SpeculativeDecoder:
         engines = self.manifest.engines
         self.target = Engine(self.root / engines["target"].file, engines["target"], self.max_seq_len, device)
         self.draft = Engine(self.root / engines["draft"].file, engines["draft"], self.max_seq_len, device)
+        self._draft_width = min(self.target.vocab_size, self.draft.vocab_size)  # columns of q a draft fills
         # One adaptive policy per decoder: what it learns about this pair carries over to later requests.
         self.adaptive = AdaptiveGamma(
             max_gamma=self.manifest.gamma,
@@ -177,20 +175,20 @@ class SpeculativeDecoder:
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         return self._decode(prompt_ids, max_new_tokens, stats, Sampling(temperature, top_k, top_p, seed))
 
-    def _decode(self, prompt: list[int], max_new_tokens: int, stats: Stats, sampling: Sampling = GREEDY) -> Iterator[int]:
+    def _decode(self, prompt: list[int], max_new_tokens: int, stats: Stats, sampling: Sampling) -> Iterator[int]:
         self._check_request(prompt, max_new_tokens, stats.gamma)
         sampling.check()
         for engine in (self.target, self.draft):
             engine.configure(sampling.temperature, sampling.top_k, sampling.top_p)
         rng = np.random.default_rng(sampling.seed)
         uniforms = (lambda n: self._uniforms(rng, n)) if sampling.temperature > 0 else (lambda n: None)
-        target_vocab = self.target.vocab_size
         policy = self.adaptive if stats.gamma == AUTO else FixedGamma(stats.gamma)
         max_len = self.max_seq_len
         positions = self.adaptive.max_gamma if stats.gamma == AUTO else stats.gamma
         stats.prompt_tokens = len(prompt)
         stats.accepted_at = [0] * positions
         stats.proposed_at = [0] * positions
+        q = np.zeros((positions, self.target.vocab_size), np.float32) if sampling.temperature > 0 else None
         clock = time.perf_counter
         start = clock()
         ids = list(prompt)
@@ -219,7 +217,7 @@ class SpeculativeDecoder:
             # it is catching up on the prompt or on rounds without drafts.
             caught_up = len(ids) - draft_len > 2
             t0 = clock()
-            drafts, draft_probs = self._draft(ids[draft_len:], len(ids), k, uniforms, target_vocab)
+            drafts, draft_probs = self._draft(ids[draft_len:], len(ids), k, uniforms, q)
             if drafts:
                 draft_len = len(ids) + len(drafts) - 1
             k = len(drafts)
@@ -237,18 +235,17 @@ class SpeculativeDecoder:
         """n uniforms in [0, 1): n-1 to judge drafts, the last to draw the next token."""
         return rng.random(n, dtype=np.float32)
 
-    def _draft(self, feed: list[int], total_len: int, k: int, uniforms, target_vocab: int):
-        """Up to k draft tokens and, when sampling, their distributions q as [drafts, target V]."""
+    def _draft(self, feed: list[int], total_len: int, k: int, uniforms, q: np.ndarray | None):
+        """Up to k draft tokens and, when sampling, their distributions q[:drafts] (q: [γ, target V],
+        zeros past the draft's vocabulary, reused every round)."""
         drafts = []
-        q = np.zeros((k, target_vocab), np.float32) if self.draft.sampling else None
-        width = min(target_vocab, self.draft.vocab_size)
         for j in range(k):
             _, token = self.draft.step(feed if j == 0 else [drafts[-1]], total_len=total_len + j, uniforms=uniforms(1))
-            if token >= target_vocab:  # a padding row of a larger draft table: the target has no such token
+            if token >= self.target.vocab_size:  # a padding row of a larger draft table: the target has no such token
                 break
             drafts.append(token)
             if q is not None:
-                q[j, :width] = self.draft.probs[:width]  # the engine reuses its buffer on the next step
+                q[j, :self._draft_width] = self.draft.probs[:self._draft_width]  # the engine reuses its buffer
         return drafts, (None if q is None else q[: len(drafts)])
 
     def _check_request(self, prompt: list[int], max_new_tokens: int, gamma: int | str) -> None:
