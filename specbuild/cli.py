@@ -65,8 +65,8 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--draft-quantize", type=click.Choice(["none", "int8", "int4"]), help="Override --quantize for the draft.")
 @click.option("--block-size", type=int, help="Quantization block size along the input dimension.  [default: 32]")
 @click.option("--accuracy-level", type=click.IntRange(0, 4),
-              help="MatMulNBits compute type of both engines; 4 (int8 compute) is faster but lets the target's "
-                   "verification differ from its own greedy decoding on near-ties.  [default: 0 target, 4 draft]")
+              help="MatMulNBits compute type of quantized engines: 4 = int8 compute (fast on CPU), 0 = fp32. "
+                   "Both keep speculative output identical to the target's own.  [default: 4]")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), help="Float type of the engines (fp16/bf16 for GPU).  [default: fp32]")
 @click.option("--quality-report/--no-quality-report", default=None, help="Measure quantized engines against fp32 into the manifest.  [default: on]")
 @click.option("--overwrite", is_flag=True, default=None, help="Replace an existing bundle at --output.")

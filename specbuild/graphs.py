@@ -262,9 +262,14 @@ def _verification(g, hidden: str, input_ids: str, num_drafts: str, lm_head: str,
     """
     drafts_1d = g.op("Reshape", num_drafts, g.const([1]))
     seq_1d = g.op("Shape", input_ids, start=1, end=2)
-    tail = g.op("Slice", hidden, g.op("Neg", g.op("Add", drafts_1d, g.const([1]))), g.const([2**62]), g.const([1]))
-    tail_2d = g.op("Reshape", tail, g.const([-1, shape.hidden_size]))  # [D+1, H]
-    logits = g.op("Gemm", tail_2d, lm_head, transB=1)  # [D+1, V]
+    rows_1d = g.op("Add", drafts_1d, g.const([1]))
+    # The head never runs on one row alone (see the runtime's Engine): at least
+    # two, the first then dropped, so every logit comes from the same multi-row kernel.
+    head_rows = g.op("Max", rows_1d, g.const([2]))
+    tail = g.op("Slice", hidden, g.op("Neg", head_rows), g.const([2**62]), g.const([1]))
+    tail_2d = g.op("Reshape", tail, g.const([-1, shape.hidden_size]))  # [max(D+1, 2), H], fewer in a 1-token call
+    head = g.op("Gemm", tail_2d, lm_head, transB=1)
+    logits = g.op("Slice", head, g.op("Neg", rows_1d), g.const([2**62]), g.const([0]))  # [D+1, V]
     drafts = g.op("Slice", g.op("Reshape", input_ids, g.const([-1])), g.op("Sub", seq_1d, drafts_1d), seq_1d)  # [D]
     greedy = g.branch("branch.greedy")
     _greedy_tail(greedy, logits, drafts, drafts_1d)

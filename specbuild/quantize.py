@@ -25,24 +25,22 @@ Quantization policy (weights only; activations, norms, rotary tables and the KV 
   * MatMulNBits pads K up to a multiple of block_size, so any hidden size works; block_size must be a
     power of two >= 16 (the Gather packing asserts it).
   * int8 default is 8 bit MatMulNBits, although quantize_dynamic (int8_method="dynamic") was faster
-    on this 2-core AVX-512 CPU for the ~11M demo Llama (per call, 1 token: ~equal; 5 tokens: dynamic
-    ~1.7x faster). quantize_dynamic quantizes the activations with ONE scale per tensor, i.e. over all S
-    tokens of a call, so a token's logits depend on which other tokens share the call: the target's
-    verification of γ drafts then differs from its own one-token greedy steps, and speculative output
-    stopped equalling greedy output (measured). MatMulNBits at the default accuracy level keeps
-    activations fp32, so rows stay independent. Hence dynamic int8 is refused for the target and allowed for the draft,
-    whose numbers only decide acceptance.
-  * accuracy_level is MatMulNBits' compute type; None means DEFAULT_ACCURACY_LEVELS: 0 (fp32 compute)
-    for the target, 4 (int8 compute) for the draft. Level 4 is 2-3x faster per one-token call on this
-    CPU but quantizes each row's activations to int8, and rounding turns the ~1e-6 differences every fp32
-    path has between a one-token call and a multi-token call (attention, GEMM vs GEMV) into jumps of up
-    to ~1e-2 in the logits (measured on the demo target at every call size, 2 to 32 rows). A near-tied
-    argmax then flips: speculative output is no longer guaranteed to equal the target's own greedy
-    output. At level 0 the same comparison stays at 1e-5, like fp32. The draft's numbers only decide
-    how many drafts are accepted, so it takes level 4 (a 1 MB int4 draft made speculation ~10% faster
-    than the fp32 draft on the demo pair); the target takes level 4 only when asked.
-  * 8 bit MatMulNBits at level 0 runs a slow fallback on this CPU (~15x slower than fp32), so int8 is
-    exact but not worth it on CPU; int4 at level 0 is ~1.3x slower than fp32 per call here, at ~19% size.
+    for the ~11M demo Llama (per call, 1 token: ~equal; 5 tokens: dynamic ~1.7x faster). quantize_dynamic
+    quantizes the activations with ONE scale per tensor, i.e. over all S tokens of a call, so a token's
+    logits depend on which other tokens share the call: the target's verification of γ drafts then
+    differs from its own greedy steps, and speculative output stopped equalling greedy output (measured).
+    Hence dynamic int8 is refused for the target and allowed for the draft, whose numbers only decide
+    acceptance.
+  * accuracy_level is MatMulNBits' compute type, default 4 (int8 compute, activations quantized per row
+    and block) for both engines. It is the fast one on this AVX2 CPU: an int4 target decodes 2.2x faster
+    than at level 0 (fp32 compute, slower than the fp32 model here). Row by row it is as exact as level 0:
+    MatMulNBits at any level gives a row the same bits in every call of two or more rows, and the
+    runtime never lets a target row be computed alone (see specbuild_runtime.engine.Engine), so
+    speculative output equals the quantized target's own greedy output bit for bit at either level.
+    (Without that rule level 4 was the risky one: a one-row call differs by ~1e-6 before rounding and
+    int8 rounding turned it into logit jumps of up to ~1e-2.)
+  * 8 bit MatMulNBits at level 0 runs a slow fallback on this CPU (~8x slower than fp32); at level 4 an
+    int8 target decodes about as fast as fp32 here, at 44% of the size.
 
 Half precision (convert_precision, for GPU targets): weights and activations become fp16 (bf16), and so
 do the KV cache inputs/outputs `past_*`/`present_*` — they must, because GroupQueryAttention writes into
@@ -77,9 +75,7 @@ MODES = ("none", "int8", "int4")
 PRECISIONS = ("fp32", "fp16", "bf16")
 INT8_METHODS = ("matmulnbits", "dynamic")
 DEFAULT_INT8_METHOD = "matmulnbits"
-# MatMulNBits compute type when none is asked for: fp32 for the target, the only row-consistent one;
-# int8 for the draft, whose numbers decide only how many drafts are accepted (see module docstring).
-DEFAULT_ACCURACY_LEVELS = {"target": 0, "draft": 4}
+DEFAULT_ACCURACY_LEVEL = 4  # MatMulNBits int8 compute: the fast one, exact row by row (see module docstring)
 MAX_IR_VERSION = 13  # onnxruntime 1.31 loads at most IR 13
 
 
@@ -160,7 +156,7 @@ def quantize_engine(
         if mode == "int8" and int8_method == "dynamic":
             model = _quantize_dynamic(model)
         else:
-            level = DEFAULT_ACCURACY_LEVELS[info.role] if accuracy_level is None else accuracy_level
+            level = DEFAULT_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
             model = _quantize_nbits(model, bits=4 if mode == "int4" else 8, block_size=block_size,
                                     accuracy_level=level)
     _save(model, folder, info, ir_version)

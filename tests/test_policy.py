@@ -14,7 +14,7 @@ def run_rounds(policy, alpha_pattern, rounds=60, draft_cost=0.1, extra_token_cos
         accepted = 0
         while accepted < k and alpha_pattern(r, accepted):
             accepted += 1
-        policy.observe(k, accepted, draft_seconds=k * draft_cost, target_seconds=1 + k * extra_token_cost)
+        policy.observe(k, accepted, draft_seconds=k * draft_cost, target_seconds=1 + max(k - 1, 0) * extra_token_cost)
         chosen.append(k)
     return chosen
 
@@ -56,5 +56,5 @@ def test_catch_up_calls_and_noisy_timings_do_not_stop_speculation():
     draft_cost = policy.draft_cost
     policy.observe(1, 1, draft_seconds=5.0, target_seconds=1.0, caught_up=True)  # the draft read a prompt
     assert policy.draft_cost == draft_cost
-    policy.observe(1, 1, draft_seconds=0.1, target_seconds=3.0)  # one slow call (the machine hiccuped)
+    policy.observe(4, 4, draft_seconds=0.4, target_seconds=3.0)  # one slow call (the machine hiccuped)
     assert policy.extra_token_cost < 0.2 and policy.choose(limit=100) >= 4

@@ -10,7 +10,7 @@ import pytest
 from conftest import PROMPTS
 from specbuild.bundle import write_manifest
 from specbuild.compiler import compile_bundle
-from specbuild.quantize import MAX_IR_VERSION, convert_precision, quality_report, quantize_engine
+from specbuild.quantize import MAX_IR_VERSION, _engine, convert_precision, quality_report, quantize_engine
 from specbuild.recipe import CompileSettings
 from specbuild_runtime import SpecbuildError, SpeculativeDecoder, load_manifest
 
@@ -187,3 +187,43 @@ def test_compile_writes_a_bf16_bundle_it_cannot_run_here(checkpoints, tmp_path):
                                               precision="bf16"), show_progress=False)
     assert {info.precision for info in manifest.engines.values()} == {"bf16"}
     onnx.checker.check_model(str(tmp_path / "bf16" / "target.onnx"))
+
+
+GROUPINGS = [("none", {}), ("int4", {}), ("int4", {"accuracy_level": 0}), ("int8", {})]
+
+
+def logits_batched_and_one_by_one(folder, prompt, rounds, never_alone=True):
+    """The target's logits for every token of `rounds`, fed as verification calls (one per round) and
+    fed one token per call, each from the same prompt."""
+    info = load_manifest(folder).engines["target"]
+    batched, one_by_one = _engine(folder, info, logits=True), _engine(folder, info, logits=True)
+    one_by_one._never_alone = never_alone
+    for engine in (batched, one_by_one):
+        engine.step(prompt, len(prompt))
+    total, verified, single = len(prompt), [], []
+    for tokens in rounds:
+        batched.step(tokens, total + len(tokens), num_drafts=len(tokens) - 1)
+        verified.append(batched.output("logits"))
+        for token in tokens:
+            total += 1
+            one_by_one.step([token], total)
+            single.append(one_by_one.output("logits"))
+    return np.concatenate(verified), np.concatenate(single)
+
+
+@pytest.mark.parametrize("mode,options", GROUPINGS, ids=["fp32", "int4", "int4-level0", "int8"])
+def test_target_logits_are_the_same_bits_however_rows_are_grouped_into_calls(mode, options, fp32_bundle, quantized):
+    folder = fp32_bundle if mode == "none" else quantized(mode, **options)
+    rng = np.random.default_rng(0)
+    for prompt_len in (1, 2, 9, 40):  # 1: the prompt's row is computed alone, then re-fed
+        prompt = rng.integers(1, 300, prompt_len).tolist()
+        rounds = [rng.integers(1, 300, 5).tolist(), rng.integers(1, 300, 9).tolist()]
+        verified, single = logits_batched_and_one_by_one(folder, prompt, rounds)
+        assert np.array_equal(verified, single), (mode, options, prompt_len)
+
+
+def test_one_token_calls_without_a_re_fed_row_would_differ(quantized):
+    """The control: onnxruntime's one-row kernels round differently, so the rule above is needed."""
+    prompt, rounds = list(range(5, 45)), [list(range(50, 55)), list(range(60, 69))]
+    verified, single = logits_batched_and_one_by_one(quantized("int4"), prompt, rounds, never_alone=False)
+    assert not np.array_equal(verified, single)

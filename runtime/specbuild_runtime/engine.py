@@ -42,7 +42,17 @@ _SHARED_POOL: bool | None = None
 
 
 class Engine:
-    """Runs one decoder call: feed tokens, get (accepted drafts, next token); the cache stays in place."""
+    """Runs one decoder call: feed tokens, get (accepted drafts, next token); the cache stays in place.
+
+    A target never computes a row alone. onnxruntime's CPU kernels (MatMul, MatMulNBits at every
+    accuracy level) give a row bitwise the same result in any call of two or more rows, but a different
+    one (~1e-6, amplified to ~1e-2 by int8 compute) in a call of one. Verification runs many rows, and
+    decoding without drafts one, so a one-token target call also re-feeds the token before it, which
+    rewrites that position's cache with the same bits; the graph's head likewise runs on two rows or more.
+    Then what the target says does not depend on how its rows were grouped into calls, and speculative
+    output equals target-only output by construction (tests/test_quantize.py checks the bits). The
+    first call of a one-token prompt has no row before it; the next call re-feeds that row instead.
+    """
 
     def __init__(self, path: Path, info: EngineInfo, max_seq_len: int, device: str = "cpu",
                  model_bytes: bytes | None = None, extra_outputs: tuple[str, ...] = ()):
@@ -87,6 +97,9 @@ class Engine:
         self._num_drafts = self._bound_input("num_drafts", np.zeros((), np.int64))
         self._input_ids: dict[int, tuple[np.ndarray, ort.OrtValue]] = {}  # tokens per call -> buffer
         self._bound_ids = 0
+        self._never_alone = info.role == "target"  # a draft's rows only decide acceptance: it keeps its speed
+        self._fed = np.zeros(max_seq_len, np.int64)  # the token at each cache position, to re-feed one
+        self._alone: int | None = None  # the position of a row computed alone, while it is the last one
         self._accepted = np.zeros((), np.int64)
         self._next_token = np.zeros((), np.int64)
         self.binding.bind_ortvalue_output("accepted", ort.OrtValue.ortvalue_from_numpy(self._accepted))
@@ -116,6 +129,12 @@ class Engine:
         draft_probs [num_drafts, V] are the draft's distributions and uniforms [num_drafts+1] the random
         numbers; returns (accepted drafts, the token sampled after them), with `probs` its distribution.
         """
+        start = total_len - len(tokens)
+        if self._never_alone and start > 0 and (len(tokens) == 1 or self._alone == start - 1):
+            start -= 1
+            tokens = [int(self._fed[start]), *tokens]
+        self._alone = start if len(tokens) == 1 else None
+        self._fed[start:total_len] = tokens
         self._bind_tokens(tokens)
         for name in self.extra_outputs:  # their shapes change with the call: onnxruntime allocates them
             self.binding.bind_output(name)

@@ -1,9 +1,11 @@
 """How many tokens to draft each round: a fixed γ, or one chosen from what the decoder observes.
 
 With per-draft acceptance α, a round with γ drafts yields E(γ) = (1 - α^(γ+1)) / (1 - α) tokens
-(Leviathan et al. 2023) and costs γ draft steps plus one target call over γ+1 tokens. Measured in
-target single-token steps that is 1 + γ·c + γ·κ, where c = draft step / target step and κ is the
-extra cost of each additional token in a target call. AdaptiveGamma picks the γ (0 = target only)
+(Leviathan et al. 2023) and costs γ draft steps plus one target call over γ+1 tokens, but never fewer
+than two: the target re-feeds the token before a lone one (see engine.Engine), so a round without drafts
+costs as much as a round with one. Measured in target calls without drafts that is
+1 + γ·c + max(γ-1, 0)·κ, where c = draft step / target step and κ is the extra cost of each further
+token in a target call. AdaptiveGamma picks the γ (0 = target only)
 with the most tokens per unit of cost. While it sits at 0 it still drafts one token now and then (a probe)
 so it notices when the draft starts agreeing again: first after PROBE_EVERY rounds, and each rejected
 probe doubles the wait up to MAX_PROBE_EVERY. A probe costs a cold draft call that catches up on the
@@ -43,7 +45,7 @@ class AdaptiveGamma:
         self.successes, self.failures = 1.2, 0.8  # prior α = 0.6: try speculation first
         self.draft_cost = draft_cost  # c, until measured: the engines' weight-byte ratio
         self.extra_token_cost = 0.05  # κ
-        self.target_step: float | None = None  # seconds of a one-token target call
+        self.target_step: float | None = None  # seconds of a target call without drafts
         self.rounds_at_zero = 0  # since speculation stopped or the last probe
         self.probe_every = PROBE_EVERY
         self.probing = False
@@ -55,7 +57,7 @@ class AdaptiveGamma:
     def expected_speedup(self, gamma: int) -> float:
         a = min(self.alpha, 0.999)
         tokens = (1 - a ** (gamma + 1)) / (1 - a)
-        return tokens / (1 + gamma * (self.draft_cost + self.extra_token_cost))
+        return tokens / (1 + gamma * self.draft_cost + max(gamma - 1, 0) * self.extra_token_cost)
 
     def choose(self, limit: int) -> int:
         best = max(range(min(self.max_gamma, limit) + 1), key=self.expected_speedup)
@@ -82,10 +84,10 @@ class AdaptiveGamma:
         self.successes = DECAY * self.successes + accepted
         self.failures = DECAY * self.failures + (accepted < drafted)
         if self.target_step is None:
-            # No one-token call seen yet: split the call's time with the current κ.
-            self.target_step = target_seconds / (1 + drafted * self.extra_token_cost)
-        else:
-            extra = (target_seconds / self.target_step - 1) / drafted
+            # No call without drafts seen yet: split the call's time with the current κ.
+            self.target_step = target_seconds / (1 + (drafted - 1) * self.extra_token_cost)
+        elif drafted > 1:
+            extra = (target_seconds / self.target_step - 1) / (drafted - 1)
             self.extra_token_cost = _ema(self.extra_token_cost, max(extra, 0.0), COST_DECAY)
         if not caught_up:
             self.draft_cost = _ema(self.draft_cost, draft_seconds / drafted / self.target_step, COST_DECAY)
