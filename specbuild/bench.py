@@ -127,7 +127,8 @@ def theoretical_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
 
 
 def context_latency(decoder: SpeculativeDecoder, short: int = 64, long: int = 1024, steps: int = 200) -> dict:
-    """Target one-token call time at a short and a long context (the long one capped by the bundle's).
+    """Time of a target call for one new token (two rows: it re-feeds the one before) at a short and a
+    long context (the long one capped by the bundle's).
 
     One prefill fills the cache to the long context; the two contexts then take turns call by call
     (total_len alone sets how much cache a call reads), so drift in the machine's speed hits both alike.
