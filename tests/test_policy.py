@@ -1,7 +1,9 @@
 """Adaptive γ: speculate while the draft agrees, fall back to the target alone when it does not."""
 
 from specbuild_runtime import SpeculativeDecoder
-from specbuild_runtime.policy import MAX_PROBE_EVERY, PROBE_EVERY, AdaptiveGamma
+import random
+
+from specbuild_runtime.policy import GREEDY_DECAY, MAX_PROBE_EVERY, PROBE_EVERY, SAMPLING_DECAY, AdaptiveGamma
 
 from conftest import PROMPTS
 
@@ -58,3 +60,16 @@ def test_catch_up_calls_and_noisy_timings_do_not_stop_speculation():
     assert policy.draft_cost == draft_cost
     policy.observe(4, 4, draft_seconds=0.4, target_seconds=3.0)  # one slow call (the machine hiccuped)
     assert policy.extra_token_cost < 0.2 and policy.choose(limit=100) >= 4
+
+
+def test_sampling_policy_does_not_chase_coin_flips():
+    """Acceptance drawn independently per draft (as sampling mostly is): the slower α estimate keeps γ
+    steadier than the greedy one, which follows every lucky or unlucky round."""
+    def spread(decay):
+        flips = random.Random(0)
+        chosen = run_rounds(AdaptiveGamma(8, 0.1, alpha_decay=decay), lambda r, j: flips.random() < 0.7, rounds=400)
+        steady = chosen[50:]
+        mean = sum(steady) / len(steady)
+        return sum((k - mean) ** 2 for k in steady) / len(steady)
+
+    assert spread(SAMPLING_DECAY) < 0.5 * spread(GREEDY_DECAY)

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from .engine import Engine, use_shared_thread_pool
 from .errors import RequestError
 from .manifest import TOKENIZER_DIR, load_manifest
-from .policy import AdaptiveGamma, FixedGamma
+from .policy import GREEDY_DECAY, SAMPLING_DECAY, AdaptiveGamma, FixedGamma
 
 AUTO = "auto"
 
@@ -150,11 +150,12 @@ class SpeculativeDecoder:
         self.target = Engine(self.root / engines["target"].file, engines["target"], self.max_seq_len, device)
         self.draft = Engine(self.root / engines["draft"].file, engines["draft"], self.max_seq_len, device)
         self._draft_width = min(self.target.vocab_size, self.draft.vocab_size)  # columns of q a draft fills
-        # One adaptive policy per decoder: what it learns about this pair carries over to later requests.
-        self.adaptive = AdaptiveGamma(
-            max_gamma=self.manifest.gamma,
-            draft_cost=engines["draft"].weight_bytes / engines["target"].weight_bytes,
-        )
+        # Adaptive policies live as long as the decoder: what they learn about this pair carries over to
+        # later requests. Greedy and sampled decoding accept drafts differently, so each has its own.
+        draft_cost = engines["draft"].weight_bytes / engines["target"].weight_bytes
+        self.policies = {sampling: AdaptiveGamma(self.manifest.gamma, draft_cost,
+                                                 SAMPLING_DECAY if sampling else GREEDY_DECAY)
+                         for sampling in (False, True)}
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -182,9 +183,9 @@ class SpeculativeDecoder:
             engine.configure(sampling.temperature, sampling.top_k, sampling.top_p)
         rng = np.random.default_rng(sampling.seed)
         uniforms = (lambda n: self._uniforms(rng, n)) if sampling.temperature > 0 else (lambda n: None)
-        policy = self.adaptive if stats.gamma == AUTO else FixedGamma(stats.gamma)
+        policy = self.policies[sampling.temperature > 0] if stats.gamma == AUTO else FixedGamma(stats.gamma)
         max_len = self.max_seq_len
-        positions = self.adaptive.max_gamma if stats.gamma == AUTO else stats.gamma
+        positions = self.manifest.gamma if stats.gamma == AUTO else stats.gamma
         stats.prompt_tokens = len(prompt)
         stats.accepted_at = [0] * positions
         stats.proposed_at = [0] * positions
