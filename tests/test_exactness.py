@@ -74,3 +74,16 @@ def test_generation_stops_at_the_end_of_the_context(bundles, checkpoints, tokeni
     assert len(ids) + len(result.token_ids) == 64 + 1  # the last token needs no cache slot
     expected = transformers_greedy(load_reference(checkpoints("llama")), ids, len(result.token_ids), [tokenizer.eos_token_id])
     assert result.token_ids == expected
+
+
+def test_free_guesses_in_rounds_without_drafts_keep_the_targets_output(bundles, tokenizer):
+    """An unrelated draft keeps auto at γ = 0, where the second target row checks the token that followed
+    the last token before: accepted or not, the output stays the target's own."""
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    guessed = accepted = 0
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        auto = decoder.generate(ids, 60, gamma="auto")
+        assert auto.token_ids == decoder.generate(ids, 60, gamma=0).token_ids, prompt
+        guessed, accepted = guessed + auto.stats.guessed, accepted + auto.stats.guesses_accepted
+    assert guessed > 100 and 0 < accepted < guessed

@@ -39,6 +39,8 @@ class Stats:
     gamma_rounds: dict[int, int] = field(default_factory=dict)  # γ used -> rounds
     draft_seconds: float = 0.0
     draft_steps: int = 0
+    guessed: int = 0  # rounds without drafts whose second target row checked a free guess (see _decode)
+    guesses_accepted: int = 0
     target_seconds: float = 0.0  # rounds only, the prompt's call excluded
     finish_reason: str = ""
 
@@ -94,6 +96,8 @@ class Stats:
             "itl_ms_p50": round(self.itl_ms(50), 3),
             "itl_ms_p95": round(self.itl_ms(95), 3),
             "gamma_rounds": dict(sorted(self.gamma_rounds.items())),
+            "guessed": self.guessed,
+            "guesses_accepted": self.guesses_accepted,
             "draft_step_ms": round(1e3 * self.draft_seconds / self.draft_steps, 4) if self.draft_steps else 0.0,
             "target_step_ms": round(1e3 * self.target_seconds / self.rounds, 4) if self.rounds else 0.0,
             "finish_reason": self.finish_reason,
@@ -197,8 +201,12 @@ class SpeculativeDecoder:
         _, token = self.target.step(ids, total_len=len(ids), uniforms=uniforms(1))
         new_tokens = [token]
         draft_len = 0
+        # Auto mode, greedy: the token that last followed each token, for free guesses (see below).
+        follows = dict(zip(ids, ids[1:])) if stats.gamma == AUTO and sampling.temperature == 0 else None
         while True:
             for token in new_tokens:
+                if follows is not None:
+                    follows[ids[-1]] = token
                 ids.append(token)
                 stats.generated_tokens += 1
                 stats.token_times.append(clock() - start)
@@ -213,7 +221,8 @@ class SpeculativeDecoder:
                 stats.finish_reason = "context"
                 return
             # No more drafts than the request or the cache has room for.
-            k = policy.choose(min(max_new_tokens - stats.generated_tokens - 1, max_len - len(ids)))
+            room = min(max_new_tokens - stats.generated_tokens - 1, max_len - len(ids))
+            k = policy.choose(room)
             # A normal round feeds the draft the target's token (and the last accepted draft); more means
             # it is catching up on the prompt or on rounds without drafts.
             caught_up = len(ids) - draft_len > 2
@@ -222,14 +231,22 @@ class SpeculativeDecoder:
             if drafts:
                 draft_len = len(ids) + len(drafts) - 1
             k = len(drafts)
+            # A target call never computes one row alone (see Engine), so a round without drafts pays for
+            # two rows anyway: let the second check a free guess, the token that followed this one last time.
+            guess = follows.get(ids[-1]) if follows is not None and not drafts and room > 0 else None
+            proposed = drafts if guess is None else [guess]
             t1 = clock()
-            accepted, token = self.target.step([ids[-1], *drafts], total_len=len(ids) + k, num_drafts=k,
-                                               draft_probs=draft_probs, uniforms=uniforms(k + 1))
+            accepted, token = self.target.step([ids[-1], *proposed], total_len=len(ids) + len(proposed),
+                                               num_drafts=len(proposed), draft_probs=draft_probs,
+                                               uniforms=uniforms(len(proposed) + 1))
             t2 = clock()
             draft_len = min(draft_len, len(ids) + accepted)
-            policy.observe(k, accepted, t1 - t0, t2 - t1, caught_up)
-            stats.record_round(k, accepted, t1 - t0, t2 - t1)
-            new_tokens = [*drafts[:accepted], token]
+            drafts_accepted = 0 if guess is not None else accepted  # the policy judges the draft model
+            policy.observe(k, drafts_accepted, t1 - t0, t2 - t1, caught_up)
+            stats.record_round(k, drafts_accepted, t1 - t0, t2 - t1)
+            stats.guessed += guess is not None
+            stats.guesses_accepted += accepted if guess is not None else 0
+            new_tokens = [*proposed[:accepted], token]
 
     @staticmethod
     def _uniforms(rng: np.random.Generator, n: int) -> np.ndarray:
