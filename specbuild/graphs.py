@@ -263,8 +263,8 @@ def _verification(g, hidden: str, input_ids: str, num_drafts: str, lm_head: str,
     drafts_1d = g.op("Reshape", num_drafts, g.const([1]))
     seq_1d = g.op("Shape", input_ids, start=1, end=2)
     rows_1d = g.op("Add", drafts_1d, g.const([1]))
-    # The head never runs on one row alone (see the runtime's Engine): at least
-    # two, the first then dropped, so every logit comes from the same multi-row kernel.
+    # The head never runs on one row alone (see the runtime's Engine): at least two, the first then
+    # dropped, so every logit comes from the same multi-row kernel.
     head_rows = g.op("Max", rows_1d, g.const([2]))
     tail = g.op("Slice", hidden, g.op("Neg", head_rows), g.const([2**62]), g.const([1]))
     tail_2d = g.op("Reshape", tail, g.const([-1, shape.hidden_size]))  # [max(D+1, 2), H], fewer in a 1-token call

@@ -241,12 +241,13 @@ class SpeculativeDecoder:
                                                uniforms=uniforms(len(proposed) + 1))
             t2 = clock()
             draft_len = min(draft_len, len(ids) + accepted)
-            drafts_accepted = 0 if guess is not None else accepted  # the policy judges the draft model
-            policy.observe(k, drafts_accepted, t1 - t0, t2 - t1, caught_up)
-            stats.record_round(k, drafts_accepted, t1 - t0, t2 - t1)
-            stats.guessed += guess is not None
-            stats.guesses_accepted += accepted if guess is not None else 0
             new_tokens = [*proposed[:accepted], token]
+            if guess is not None:  # the policy and α judge the draft model, which drafted nothing
+                stats.guessed += 1
+                stats.guesses_accepted += accepted
+                accepted = 0
+            policy.observe(k, accepted, t1 - t0, t2 - t1, caught_up)
+            stats.record_round(k, accepted, t1 - t0, t2 - t1)
 
     @staticmethod
     def _uniforms(rng: np.random.Generator, n: int) -> np.ndarray:
