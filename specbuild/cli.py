@@ -72,7 +72,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--overwrite", is_flag=True, default=None, help="Replace an existing bundle at --output.")
 def compile_cmd(recipe, **options) -> None:
     """Build an engine bundle: both models as ONNX, greedy verification inside the target's graph."""
-    from .compiler import compile_bundle
+    from .compile import compile_bundle
     from .recipe import resolve_settings
 
     settings = resolve_settings(recipe, **options)
@@ -209,7 +209,7 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json) -> None:
 def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, temperature) -> None:
     """Measure speculative vs target-only decoding (and peers) side by side, with the theoretical bound."""
     from . import bench as benchmark
-    from .verify import CODE_PROMPTS, read_prompts
+    from .texts import CODE_PROMPTS, read_prompts
 
     try:
         gamma_list = [int(g) for g in gammas.split(",") if g.strip()]
@@ -237,7 +237,7 @@ def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, te
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def distill(target, output, init, draft_config, minutes, data, gamma, as_json) -> None:
     """Train a draft on the target's own predictions so that it agrees with the target more often."""
-    from .distill import distill as run_distill
+    from .train.distill import distill as run_distill
 
     if init and draft_config:
         raise click.UsageError("give either --init or --draft-config, not both")

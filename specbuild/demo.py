@@ -13,15 +13,15 @@ from specbuild_runtime.errors import BundleError
 from specbuild_runtime.manifest import load_manifest
 
 from .bench import run_ours
-from .compiler import compile_bundle
+from .compile import compile_bundle
 from .recipe import resolve_settings
-from .verify import CODE_PROMPTS, read_prompts
+from .texts import CODE_PROMPTS, read_prompts
 
 DEMO_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo.toml"
 
 
 def ensure_pair(recipe: Path, pair: Path) -> None:
-    from .train import make_demo_pair, read_pair_recipe
+    from .train.demo_pair import make_demo_pair, read_pair_recipe
 
     if (pair / "target" / "config.json").is_file() and (pair / "draft" / "config.json").is_file():
         return

@@ -46,17 +46,22 @@ class CompileSettings:
 PATH_FIELDS = {"target", "draft", "output"}
 
 
-def read_recipe(path: Path) -> dict:
-    """The [compile] table of a recipe, with paths resolved against the recipe's folder."""
+def read_table(path: Path, name: str, known: set[str]) -> dict:
+    """Table [name] of a TOML recipe; unknown keys are an error that lists the known ones."""
     try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise SpecbuildError(f"recipe {path} cannot be read: {exc}") from None
-    table = data.get("compile", {})
-    known = {f.name for f in fields(CompileSettings)}
+    table = data.get(name, {})
     unknown = set(table) - known
     if unknown:
-        raise SpecbuildError(f"recipe {path}: unknown [compile] keys {sorted(unknown)}; known keys are {sorted(known)}")
+        raise SpecbuildError(f"recipe {path}: unknown [{name}] keys {sorted(unknown)}; known keys are {sorted(known)}")
+    return table
+
+
+def read_recipe(path: Path) -> dict:
+    """The [compile] table of a recipe, with paths resolved against the recipe's folder."""
+    table = read_table(path, "compile", {f.name for f in fields(CompileSettings)})
     return {k: (path.parent / v if k in PATH_FIELDS else v) for k, v in table.items()}
 
 

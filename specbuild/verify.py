@@ -2,26 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from specbuild_runtime.errors import SpecbuildError
-
-CODE_PROMPTS = Path(__file__).resolve().parent / "prompts" / "code.jsonl"  # shipped with specbuild
-
-
-def read_prompts(path: Path) -> list[str]:
-    prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            prompts.append(json.loads(line)["prompt"])
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise SpecbuildError(f'{path}:{number} is not a JSON object with a "prompt" field') from None
-    if not prompts:
-        raise SpecbuildError(f"{path} has no prompts")
-    return prompts
+from .texts import read_prompts
 
 
 def transformers_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: list[int]) -> list[int]:

@@ -91,7 +91,7 @@ def checkpoints(tmp_path_factory, tokenizer):
 @pytest.fixture(scope="session")
 def bundles(tmp_path_factory, checkpoints):
     """bundles(arch, draft_seed) -> compiled bundle folder; draft_seed 0 makes draft = target."""
-    from specbuild.compiler import compile_bundle
+    from specbuild.compile import compile_bundle
     from specbuild.recipe import CompileSettings
 
     made = {}

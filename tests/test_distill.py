@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specbuild.distill import acceptance_rate, distill, heldout_prompts, load_model, rounds
-from specbuild.train import corpus_files, llama, parameter_count, save_checkpoint, train_tokenizer
-from specbuild_runtime.errors import CheckpointError
+from specbuild.acceptance import rounds
+from specbuild.errors import CheckpointError
+from specbuild.texts import corpus_files
+from specbuild.train.distill import acceptance_rate, distill, heldout_prompts, load_model
+from specbuild.train.train import llama, parameter_count, save_checkpoint, train_tokenizer
 
 TINY = {
     "hidden_size": 64,

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from specbuild.checkpoint import load_checkpoint
-from specbuild.graphs import build_decoder
+from specbuild.compile.load import load_checkpoint
+from specbuild.compile.graphs import build_decoder
 from specbuild_runtime.engine import Engine
 from specbuild_runtime.manifest import EngineInfo
 

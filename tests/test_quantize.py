@@ -8,9 +8,11 @@ import onnxruntime as ort
 import pytest
 
 from conftest import PROMPTS
-from specbuild.bundle import write_manifest
-from specbuild.compiler import compile_bundle
-from specbuild.quantize import MAX_IR_VERSION, _engine, convert_precision, quality_report, quantize_engine
+from specbuild.compile.bundle import write_manifest
+from specbuild.compile import compile_bundle
+from specbuild.compile.precision import convert_precision
+from specbuild.compile.quality import _engine, quality_report
+from specbuild.compile.quantize import MAX_IR_VERSION, quantize_engine
 from specbuild.recipe import CompileSettings
 from specbuild_runtime import SpecbuildError, SpeculativeDecoder, load_manifest
 

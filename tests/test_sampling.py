@@ -8,7 +8,7 @@ from scipy.stats import chi2
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from conftest import PROMPTS
-from specbuild.compiler import compile_bundle
+from specbuild.compile import compile_bundle
 from specbuild.recipe import CompileSettings
 from specbuild_runtime import SpeculativeDecoder
 

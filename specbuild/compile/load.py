@@ -12,8 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from specbuild_runtime.errors import CheckpointError, PairMismatchError, UnsupportedModelError
 from specbuild_runtime.manifest import ModelShape
+
+from ..errors import CheckpointError, PairMismatchError, UnsupportedModelError
 
 # architecture -> graph family; the Llama family differs only in flags read from config.json.
 ARCHITECTURES = {

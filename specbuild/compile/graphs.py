@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from specbuild_runtime.manifest import ModelShape
 
-from .checkpoint import ModelSpec
+from .load import ModelSpec
 
 OPSET = 23  # RMSNormalization
 IR_VERSION = 10  # onnxruntime 1.31 loads IR <= 13; onnx 1.23 would write 14

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import onnx
 
-from specbuild_runtime.errors import UnsupportedModelError
 from specbuild_runtime.manifest import EngineInfo
 
-from .checkpoint import Checkpoint
+from ..errors import UnsupportedModelError
 from .graphs import build_decoder
+from .load import Checkpoint
 
 
 def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:

@@ -1,20 +1,11 @@
-"""Make a real, small code-model pair (target + draft) from the Python standard library, with no download.
-
-The pair shares one byte-level BPE tokenizer, so it compiles into a bundle like any Hugging Face pair,
-and it is trained for minutes on a CPU, so demos and benchmarks need no model hub.
-"""
+"""Training with transformers on a CPU: tokenizer, training loop, held-out loss, checkpoint folders."""
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-import json
 import math
 import os
 import shutil
-import sysconfig
 import time
-import tomllib
 from pathlib import Path
 from typing import Callable
 
@@ -23,47 +14,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from ..texts import read_source
+
 EOS = "<|endoftext|>"
-EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test"}
-HELDOUT_EVERY = 20  # one file in twenty (by path hash) is held out: ~5%
-TARGET_EVAL_TOKENS = 50_000  # the target evaluates at ~2.5k tokens/s on 2 cores; this keeps it to ~20 s
-
-# Shapes of the demo pair: a ~11M-parameter target and a draft with under a tenth of its parameters.
-TARGET_SHAPE = {
-    "hidden_size": 384,
-    "intermediate_size": 1024,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 6,
-    "num_key_value_heads": 2,
-}
-DRAFT_SHAPE = {
-    "hidden_size": 128,
-    "intermediate_size": 344,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
-
-
-def corpus_files() -> tuple[list[Path], list[Path]]:
-    """(train, held-out) .py files of the running Python's standard library, without its tests."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    train, heldout = [], []
-    for path in sorted(root.rglob("*.py")):
-        relative = path.relative_to(root)
-        if EXCLUDED_DIRS & set(relative.parts[:-1]) or not path.is_file():
-            continue
-        # Hashing the path (not the contents) keeps the split stable across Python patch releases.
-        bucket = int(hashlib.sha1(relative.as_posix().encode()).hexdigest(), 16) % HELDOUT_EVERY
-        (heldout if bucket == 0 else train).append(path)
-    return train, heldout
-
-
-def read_source(path: Path) -> str:
-    # A few stdlib files hold deliberately odd bytes; replacing them beats dropping the file.
-    return path.read_text(encoding="utf-8", errors="replace")
-
-
 def train_tokenizer(files: list[Path], vocab_size: int = 4096, max_chars: int = 6_000_000):
     """A byte-level BPE (GPT-2 style) tokenizer with <|endoftext|> as id 0 and as bos, eos and pad.
 
@@ -219,99 +172,3 @@ def llama(shape: dict, tokenizer, max_positions: int = 2048, seed: int = 0):
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
-
-
-def read_pair_recipe(path: Path) -> dict:
-    """The [pair] table of a recipe as keyword arguments of make_demo_pair."""
-    from specbuild_runtime.errors import SpecbuildError
-
-    try:
-        table = tomllib.loads(Path(path).read_text()).get("pair", {})
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise SpecbuildError(f"recipe {path} cannot be read: {exc}") from None
-    known = set(inspect.signature(make_demo_pair).parameters) - {"out_dir"}
-    unknown = set(table) - known
-    if unknown:
-        raise SpecbuildError(f"recipe {path}: unknown [pair] keys {sorted(unknown)}; known keys are {sorted(known)}")
-    return table
-
-
-def make_demo_pair(
-    out_dir: Path,
-    *,
-    target_minutes: float = 12.0,
-    draft_minutes: float = 2.0,
-    distill_minutes: float = 4.0,
-    vocab_size: int = 4096,
-    seq_len: int = 256,
-    batch_size: int = 16,
-    lr: float = 2e-3,
-    distill_lr: float = 1e-3,
-    gamma: int = 4,
-    target: dict | None = None,
-    draft: dict | None = None,
-    seed: int = 0,
-) -> dict:
-    """Train a target, pre-train a draft, distill the draft from the target; write out_dir/{target,draft}.
-
-    target and draft are LlamaConfig overrides of TARGET_SHAPE and DRAFT_SHAPE. Returns the report
-    also written to out_dir/report.json.
-    """
-    # distill builds on this module's training loop, so it can only be imported once this module is.
-    from .distill import distill
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    train_files, heldout_files = corpus_files()
-    started = time.monotonic()
-    tokenizer = train_tokenizer(train_files, vocab_size)
-    train_ids, heldout_ids = encode_corpus(tokenizer, train_files), encode_corpus(tokenizer, heldout_files)
-    report = {
-        "corpus": {
-            "train_files": len(train_files),
-            "heldout_files": len(heldout_files),
-            "train_tokens": int(len(train_ids)),
-            "heldout_tokens": int(len(heldout_ids)),
-            "vocab_size": len(tokenizer),
-            "tokenizer_seconds": round(time.monotonic() - started, 1),
-        }
-    }
-    common = {"batch_size": batch_size, "seq_len": seq_len, "seed": seed}
-
-    target_model = llama({**TARGET_SHAPE, **(target or {})}, tokenizer, seed=seed)
-    target_run = train_model(target_model, train_ids, minutes=target_minutes, lr=lr, desc="target", **common)
-    report["target"] = {
-        "parameters": parameter_count(target_model),
-        "training": target_run,
-        "tokens_per_second": round(target_run["tokens"] / target_run["seconds"]),
-        "heldout_loss": heldout_loss(target_model, heldout_ids, seq_len, TARGET_EVAL_TOKENS),
-    }
-    save_checkpoint(target_model, tokenizer, out_dir / "target")
-    del target_model
-
-    draft_model = llama({**DRAFT_SHAPE, **(draft or {})}, tokenizer, seed=seed + 1)
-    draft_run = train_model(draft_model, train_ids, minutes=draft_minutes, lr=lr, desc="draft", **common)
-    pretrained = out_dir / ".draft-pretrained"
-    save_checkpoint(draft_model, tokenizer, pretrained)
-    distilled = distill(
-        out_dir / "target",
-        out_dir / "draft",
-        init=pretrained,
-        minutes=distill_minutes,
-        data_files=train_files,
-        heldout_files=heldout_files,
-        lr=distill_lr,
-        gamma=gamma,
-        **common,
-    )
-    shutil.rmtree(pretrained)
-    report["draft"] = {
-        "parameters": parameter_count(draft_model),
-        "parameter_ratio": round(parameter_count(draft_model) / report["target"]["parameters"], 4),
-        "training": draft_run,
-        "tokens_per_second": round(draft_run["tokens"] / draft_run["seconds"]),
-        "distillation": distilled,
-    }
-    report["total_seconds"] = round(time.monotonic() - started, 1)
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    return report

@@ -1,21 +1,25 @@
-"""`specbuild compile` as a straight line of stages: load & validate -> build graphs -> verify -> write bundle."""
+"""`specbuild compile` as a straight line of stages: load & validate -> build graphs -> quantize/precision
+-> verify -> write bundle."""
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 
 from tqdm import tqdm
 
 from specbuild_runtime.engine import Engine, can_run
-from specbuild_runtime.manifest import TOKENIZER_DIR, Manifest
+from specbuild_runtime.manifest import TOKENIZER_DIR, EngineInfo, Manifest
 
-from . import __version__
+from .. import __version__
+from ..recipe import DEFAULT_MAX_SEQ_LEN, CompileSettings
 from .bundle import staged_bundle, write_manifest
-from .checkpoint import eos_token_ids, load_checkpoint, validate_pair
 from .export import check_context, export_engine
-from .shrink import quality_texts, report_acceptance_change, shrink_engine
-from .recipe import DEFAULT_MAX_SEQ_LEN, CompileSettings
+from .load import eos_token_ids, load_checkpoint, validate_pair
+from .precision import convert_precision
+from .quality import QualityTexts, quality_report, quality_texts, report_acceptance_change
+from .quantize import quantize_engine
 
 
 def compile_bundle(settings: CompileSettings, show_progress: bool | None = None) -> Manifest:
@@ -70,3 +74,23 @@ def _compile(settings: CompileSettings, stages: tqdm) -> Manifest:
         stages.update()
     return manifest
 
+
+def shrink_engine(folder: Path, info: EngineInfo, settings: CompileSettings, texts: QualityTexts | None, stage,
+                  reference: Path) -> EngineInfo:
+    """texts: what the quality report measures on (None: no report); reference: where the fp32 engine is
+    kept aside to measure what quantization changed."""
+    mode = settings.quantization(info.role)
+    if mode != "none":
+        stage(f"quantizing {info.role} engine ({mode})")
+        fp32 = info
+        if texts:
+            for name in (info.file, f"{info.file}.data"):
+                shutil.copy2(folder / name, reference / name)
+        info = quantize_engine(folder, info, mode, settings.block_size, settings.accuracy_level)
+        if texts:
+            stage(f"measuring {info.role} engine quality")
+            info.quality = quality_report(reference, fp32, folder, info, *texts)
+    if settings.precision != "fp32":
+        stage(f"converting {info.role} engine to {settings.precision}")
+        info = convert_precision(folder, info, settings.precision)
+    return info

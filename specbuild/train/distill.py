@@ -15,31 +15,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specbuild_runtime.errors import CheckpointError
-
-from .train import corpus_files, encode_corpus, heldout_loss, parameter_count, read_source, save_checkpoint, train_model
+from ..acceptance import rounds
+from ..errors import CheckpointError
+from ..texts import corpus_files, read_source
+from .train import encode_corpus, heldout_loss, parameter_count, save_checkpoint, train_model
 
 DRAFT_SHARE = 0.1  # a default draft has at most this share of the target's parameters, where the vocabulary allows
-
-
-def rounds(agreement: list[bool], gamma: int) -> tuple[int, int]:
-    """(accepted, drafted) when greedy speculative decoding produces these tokens.
-
-    agreement[i] says whether the draft's greedy choice equals the target's token i given the
-    target's earlier tokens. A round at position p drafts min(gamma, remaining - 1) tokens (the
-    target always adds one token of its own), accepts the leading agreements, and the next round
-    starts after the accepted tokens and the target's own token.
-    """
-    accepted = drafted = position = 0
-    while position < len(agreement):
-        draft_length = min(gamma, len(agreement) - position - 1)
-        run = 0
-        while run < draft_length and agreement[position + run]:
-            run += 1
-        accepted += run
-        drafted += draft_length
-        position += run + 1
-    return accepted, drafted
 
 
 @torch.no_grad()

@@ -1,0 +1,180 @@
+"""Stage 3c: what a quantized engine costs against its fp32 original, measured into the manifest."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from specbuild_runtime.engine import Engine
+from specbuild_runtime.manifest import EngineInfo
+
+from ..acceptance import rounds
+from ..texts import CODE_PROMPTS, corpus_files, read_prompts, read_source
+from .quantize import _nodes
+
+QUALITY_HELDOUT_TOKENS = 4096
+QualityTexts = tuple[list[list[int]], list[int]]  # code prompts, held-out token ids
+
+
+def report_acceptance_change(folder: Path, engines: dict[str, EngineInfo], reference: Path,
+                             fp32: dict[str, EngineInfo], prompts: list[list[int]]) -> None:
+    """Add to each quantized engine's quality report the pair's greedy acceptance α with and without
+    quantization (the other engine as built): what quantization did to the speed-up."""
+    measured = [role for role, info in engines.items() if info.quality]
+    if not measured:  # (a quantized engine cannot be converted to bf16: every measured pair runs here)
+        return
+    built = pair_acceptance(folder, engines["target"], folder, engines["draft"], prompts)
+    for role in measured:
+        other = "draft" if role == "target" else "target"
+        places = {role: (reference, fp32[role]), other: (folder, engines[other])}
+        before = pair_acceptance(*places["target"], *places["draft"], prompts)
+        engines[role].quality["alpha"] = {"gamma": ALPHA_GAMMA, "fp32": before, "quant": built}
+
+
+def quality_texts(tokenizer) -> QualityTexts:
+    """Code prompts shipped with specbuild, and held-out Python source (the demo pair never trains on it)."""
+    prompts = [tokenizer(p)["input_ids"] for p in read_prompts(CODE_PROMPTS)[:8]]
+    heldout: list[int] = []
+    for path in corpus_files()[1]:
+        heldout += tokenizer(read_source(path))["input_ids"]
+        if len(heldout) >= QUALITY_HELDOUT_TOKENS:
+            break
+    return prompts, heldout[:QUALITY_HELDOUT_TOKENS]
+
+
+def quality_report(
+    fp32_folder: Path,
+    fp32_info: EngineInfo,
+    quant_folder: Path,
+    quant_info: EngineInfo,
+    prompts_ids: list[list[int]],
+    heldout_ids: list[int],
+    new_tokens: int = 64,
+) -> dict:
+    """Size, held-out perplexity, greedy agreement and decode speed of `quant` next to `fp32`.
+
+    perplexity: teacher-forced over heldout_ids in windows of the engine's max_seq_len (each window
+        from an empty cache; its first token is context only).
+    heldout_top1_agreement: share of held-out positions where both engines' argmax agree.
+    greedy_agreement: per prompt, the first `new_tokens` greedy tokens of each engine compared position
+        by position (free running: after the first divergence the two continue from different text),
+        averaged over prompts; greedy_identical_prompts counts prompts with identical continuations.
+    teacher_forced_agreement: the quantized engine's argmax along the fp32 engine's continuation
+        (does not compound divergences).
+    tokens_per_second: greedy decode of `new_tokens` tokens, prompt excluded, median over prompts.
+    """
+    ref = _engine(Path(fp32_folder), fp32_info)
+    quant = _engine(Path(quant_folder), quant_info)
+    ref_logits, quant_logits = _engine(Path(fp32_folder), fp32_info, logits=True), _engine(Path(quant_folder), quant_info, logits=True)
+    max_seq_len = _max_seq_len(ref)
+
+    report = {"new_tokens": new_tokens, "prompts": len(prompts_ids), "heldout_tokens": len(heldout_ids)}
+    nll = {"fp32": [], "quant": []}
+    same_top1 = []
+    window = max_seq_len
+    for start in range(0, max(len(heldout_ids) - 1, 0), window):
+        chunk = heldout_ids[start:start + window]
+        if len(chunk) < 2:
+            break
+        targets = np.asarray(chunk[1:])
+        argmaxes = []
+        for key, runner in (("fp32", ref_logits), ("quant", quant_logits)):
+            logits = _logits(runner, chunk)[:-1].astype(np.float64)  # [S-1, V]: predictions of chunk[1:]
+            logits -= logits.max(axis=-1, keepdims=True)
+            log_probs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+            nll[key].extend(-log_probs[np.arange(len(targets)), targets])
+            argmaxes.append(logits.argmax(-1))
+        same_top1.extend(argmaxes[0] == argmaxes[1])
+
+    agreement, identical, teacher_forced, speeds = [], 0, [], {"fp32": [], "quant": []}
+    for prompt in prompts_ids:
+        budget = min(new_tokens, max_seq_len - len(prompt) + 1)
+        if budget < 1:
+            continue
+        ref_tokens, ref_speed = _greedy(ref, prompt, budget)
+        quant_tokens, quant_speed = _greedy(quant, prompt, budget)
+        speeds["fp32"].append(ref_speed)
+        speeds["quant"].append(quant_speed)
+        agreement.append(float(np.mean(np.asarray(ref_tokens) == np.asarray(quant_tokens))))
+        identical += ref_tokens == quant_tokens
+        if len(prompt) + budget - 1 <= max_seq_len:
+            along = _logits(quant_logits, prompt + ref_tokens[:-1])[len(prompt) - 1:].argmax(-1)
+            teacher_forced.extend(along == np.asarray(ref_tokens))
+
+    for key, folder, info in (("fp32", fp32_folder, fp32_info), ("quant", quant_folder, quant_info)):
+        folder = Path(folder)
+        report[key] = {
+            "precision": info.precision,
+            "quantization": info.quantization,
+            "bytes_on_disk": sum((folder / name).stat().st_size for name in (info.file, f"{info.file}.data")
+                                 if (folder / name).exists()),
+            "perplexity": float(np.exp(np.mean(nll[key]))) if nll[key] else None,
+            "tokens_per_second": float(np.median(speeds[key])) if speeds[key] else None,
+        }
+    report["size_ratio"] = report["quant"]["bytes_on_disk"] / report["fp32"]["bytes_on_disk"]
+    report["heldout_top1_agreement"] = float(np.mean(same_top1)) if same_top1 else None
+    report["greedy_agreement"] = float(np.mean(agreement)) if agreement else None
+    report["greedy_identical_prompts"] = int(identical)
+    report["teacher_forced_agreement"] = float(np.mean(teacher_forced)) if teacher_forced else None
+    return report
+
+
+ALPHA_GAMMA = 4  # drafts per round at which a quality report measures acceptance
+
+
+def pair_acceptance(target_folder: Path, target: EngineInfo, draft_folder: Path, draft: EngineInfo,
+                    prompts_ids: list[list[int]], gamma: int = ALPHA_GAMMA, new_tokens: int = 64) -> float:
+    """Greedy speculative acceptance α (accepted / drafted) of this pair at a fixed γ, exactly as decoding
+    would see it: the draft's argmax along the target's own greedy continuation of each prompt."""
+
+    target_engine = _engine(Path(target_folder), target)
+    draft_logits = _engine(Path(draft_folder), draft, logits=True)
+    max_seq_len = _max_seq_len(target_engine)
+    accepted = drafted = 0
+    for prompt in prompts_ids:
+        budget = min(new_tokens, max_seq_len - len(prompt))
+        if budget < 2:
+            continue
+        tokens, _ = _greedy(target_engine, prompt, budget)
+        guesses = _logits(draft_logits, prompt + tokens[:-1])[len(prompt) - 1:].argmax(-1)
+        a, d = rounds(list(guesses == np.asarray(tokens)), gamma)
+        accepted, drafted = accepted + a, drafted + d
+    return accepted / drafted if drafted else 0.0
+
+
+def _engine(folder: Path, info: EngineInfo, logits: bool = False) -> Engine:
+    """A runtime Engine over an engine file; with logits=True its graph gains an fp32 `logits` [D+1, V]
+    output (a Cast of ArgMax's input), built in memory with the weights read from the folder."""
+    path = folder / info.file
+    model = onnx.load(str(path), load_external_data=False)
+    max_seq_len = next(i for i in model.graph.input if i.name.startswith("past_key.")).type.tensor_type.shape.dim[2].dim_value
+    if not logits:
+        return Engine(path, info, max_seq_len)
+    argmax = next(node for node in _nodes(model.graph) if node.op_type == "ArgMax")
+    model.graph.node.append(helper.make_node("Cast", [argmax.input[0]], ["logits"], name="logits", to=TensorProto.FLOAT))
+    model.graph.output.append(helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["D+1", info.shape.vocab_size]))
+    return Engine(path, info, max_seq_len, model_bytes=model.SerializeToString(), extra_outputs=("logits",))
+
+
+def _max_seq_len(engine: Engine) -> int:
+    return engine.cache[0].shape()[2]
+
+
+def _logits(engine: Engine, ids: list[int]) -> np.ndarray:
+    """[S, V] fp32 logits at every position of ids, from an empty cache."""
+    engine.step(ids, total_len=len(ids), num_drafts=len(ids) - 1)
+    return engine.output("logits")
+
+
+def _greedy(engine: Engine, prompt: list[int], count: int) -> tuple[list[int], float]:
+    """count greedy tokens after prompt, and the decode speed (tokens/s after the first token)."""
+    tokens = [engine.step(prompt, total_len=len(prompt))[1]]
+    first = time.perf_counter()
+    while len(tokens) < count:
+        tokens.append(engine.step([tokens[-1]], total_len=len(prompt) + len(tokens))[1])
+    elapsed = time.perf_counter() - first
+    return tokens, (len(tokens) - 1) / elapsed if len(tokens) > 1 else 0.0

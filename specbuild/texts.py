@@ -1,0 +1,52 @@
+"""Where text comes from: the prompts shipped with specbuild and the Python standard library's source.
+
+Both the compiler (quality reports) and training (the demo pair, distillation) read text; this module
+is the one place they get it from, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sysconfig
+from pathlib import Path
+
+from specbuild_runtime.errors import SpecbuildError
+
+CODE_PROMPTS = Path(__file__).resolve().parent / "prompts" / "code.jsonl"  # shipped with specbuild
+EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test"}
+HELDOUT_EVERY = 20  # one file in twenty (by path hash) is held out: ~5%
+
+
+def read_prompts(path: Path) -> list[str]:
+    """The "prompt" field of every line of a JSONL file."""
+    prompts = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            prompts.append(json.loads(line)["prompt"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise SpecbuildError(f'{path}:{number} is not a JSON object with a "prompt" field') from None
+    if not prompts:
+        raise SpecbuildError(f"{path} has no prompts")
+    return prompts
+
+
+def corpus_files() -> tuple[list[Path], list[Path]]:
+    """(train, held-out) .py files of the running Python's standard library, without its tests."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train, heldout = [], []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if EXCLUDED_DIRS & set(relative.parts[:-1]) or not path.is_file():
+            continue
+        # Hashing the path (not the contents) keeps the split stable across Python patch releases.
+        bucket = int(hashlib.sha1(relative.as_posix().encode()).hexdigest(), 16) % HELDOUT_EVERY
+        (heldout if bucket == 0 else train).append(path)
+    return train, heldout
+
+
+def read_source(path: Path) -> str:
+    # A few stdlib files hold deliberately odd bytes; replacing them beats dropping the file.
+    return path.read_text(encoding="utf-8", errors="replace")
