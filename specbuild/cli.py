@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from specbuild_runtime.errors import SpecbuildError
+from specbuild_runtime.serve.cli import serve_command
 
 from . import __version__
 
@@ -297,6 +298,9 @@ def demo(cache, recipe, prompt, max_new_tokens, as_json) -> None:
         f"{summary['speculative_tokens_per_second']:.0f} tok/s: {summary['speedup']:.2f}x, output "
         + ("identical to the target's" if summary["identical_to_target"] else "DIFFERENT from the target's (a bug)")
     )
+
+
+cli.add_command(serve_command)  # defined in the runtime, which a torch-free service installs alone
 
 
 def main() -> None:
