@@ -15,6 +15,7 @@ from specbuild.compile.quality import _engine, quality_report
 from specbuild.compile.quantize import MAX_IR_VERSION, quantize_engine
 from specbuild.recipe import CompileSettings
 from specbuild_runtime import SpecbuildError, SpeculativeDecoder, load_manifest
+from specbuild_runtime.slot import AS_FED, NEVER_ALONE
 
 NEW_TOKENS = 23
 # hidden 128: MatMulNBits' K (the input width of every linear layer: 128 or the MLP's 256) is a multiple
@@ -199,7 +200,7 @@ def logits_batched_and_one_by_one(folder, prompt, rounds, never_alone=True):
     fed one token per call, each from the same prompt."""
     info = load_manifest(folder).engines["target"]
     batched, one_by_one = _engine(folder, info, logits=True), _engine(folder, info, logits=True)
-    one_by_one._never_alone = never_alone
+    one_by_one.rows = NEVER_ALONE if never_alone else AS_FED
     for engine in (batched, one_by_one):
         engine.step(prompt, len(prompt))
     total, verified, single = len(prompt), [], []
