@@ -94,6 +94,7 @@ class Engine:
         # Per-call inputs live in buffers bound once and written in place: binding fresh numpy arrays
         # every call cost ~100 us, a third of a draft step.
         self._total_len = self._bound_input("total_len", np.zeros((), np.int32))
+        self._seqlens_k = self._bound_input("seqlens_k", np.zeros(1, np.int32))  # total_len - 1
         self._num_drafts = self._bound_input("num_drafts", np.zeros((), np.int64))
         self._input_ids: dict[int, tuple[np.ndarray, ort.OrtValue]] = {}  # tokens per call -> buffer
         self._bound_ids = 0
@@ -142,6 +143,7 @@ class Engine:
             self.binding.bind_cpu_input("uniforms", uniforms)
             self.binding.bind_cpu_input("draft_probs", self._no_drafts if draft_probs is None else draft_probs)
         self._total_len[()] = total_len
+        self._seqlens_k[0] = total_len - 1
         self._num_drafts[()] = num_drafts
         self.session.run_with_iobinding(self.binding)
         return int(self._accepted), int(self._next_token)
