@@ -139,6 +139,7 @@ def test_fp16_engine_runs_on_the_cpu_provider(fp32_bundle, tmp_path):
     folder = quantized_copy(fp32_bundle, tmp_path / "fp16", lambda f, info: convert_precision(f, info, "fp16"))
     session = ort.InferenceSession(str(folder / "target.onnx"), providers=["CPUExecutionProvider"])
     feeds = {"input_ids": np.array([[1, 2, 3]], np.int64), "total_len": np.array(3, np.int32),
+             "seqlens_k": np.array([2], np.int32),
              "num_drafts": np.array(2, np.int64)}
     greedy = {"temperature": np.array(0.0, np.float32), "top_k": np.array(0, np.int64),
               "top_p": np.array(1.0, np.float32), "uniforms": np.zeros(1, np.float32),

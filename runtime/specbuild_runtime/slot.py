@@ -95,6 +95,7 @@ class EngineSlot:
         # Per-call inputs are bound once and written in place: binding fresh arrays every call cost
         # ~100 us on the CPU, a third of a draft step.
         self._total_len = self._input("total_len", np.zeros((), np.int32))
+        self._seqlens_k = self._input("seqlens_k", np.zeros(1, np.int32))  # total_len - 1
         self._num_drafts = self._input("num_drafts", np.zeros((), np.int64))
         self._temperature = self._input("temperature", np.zeros((), np.float32))
         self._top_k = self._input("top_k", np.zeros((), np.int64))
@@ -155,9 +156,10 @@ class EngineSlot:
     def _run(self, first: int, total_len: int, num_drafts: int, uniforms: np.ndarray | None, probs_row: int):
         self._bind_ids(self._fed[first:total_len])
         self._total_len.host[()] = total_len
+        self._seqlens_k.host[0] = total_len - 1
         self._num_drafts.host[()] = num_drafts
-        self._total_len.push()
-        self._num_drafts.push()
+        for buffer in (self._total_len, self._seqlens_k, self._num_drafts):
+            buffer.push()
         if self.sampling:
             self._bind_uniforms(num_drafts + 1, uniforms)
             if self._draft_probs is not None:

@@ -155,7 +155,8 @@ def utf8(name: str, text: str) -> None:
 
 
 # The engine I/O contract (see manifest.py) beyond the KV buffers: name -> ONNX type.
-INPUTS = {"input_ids": "tensor(int64)", "total_len": "tensor(int32)", "num_drafts": "tensor(int64)",
+INPUTS = {"input_ids": "tensor(int64)", "seqlens_k": "tensor(int32)", "total_len": "tensor(int32)",
+          "num_drafts": "tensor(int64)",
           "temperature": "tensor(float)", "top_k": "tensor(int64)", "top_p": "tensor(float)",
           "draft_probs": "tensor(float)", "uniforms": "tensor(float)"}
 OUTPUTS = {"accepted": "tensor(int64)", "next_token": "tensor(int64)", "probs": "tensor(float)"}

@@ -48,7 +48,7 @@ def _compile(settings: CompileSettings, stages: tqdm) -> Manifest:
         engines, exported, fp32_copies = {}, {}, Path(scratch)
         for role, ckpt in (("target", target), ("draft", draft)):
             stage(f"building {role} engine")
-            exported[role] = export_engine(ckpt, role, folder, max_seq_len)
+            exported[role] = export_engine(ckpt, role, folder, max_seq_len, target.spec.shape.vocab_size)
             engines[role] = shrink_engine(folder, exported[role], settings, texts, stage, fp32_copies)
             stages.update()
         if texts:

@@ -15,7 +15,7 @@ from specbuild_runtime.manifest import EngineInfo
 
 from ..acceptance import rounds
 from ..texts import CODE_PROMPTS, corpus_files, read_prompts, read_source
-from .quantize import _nodes
+from .graphs import LOGITS
 
 QUALITY_HELDOUT_TOKENS = 4096
 QualityTexts = tuple[list[list[int]], list[int]]  # code prompts, held-out token ids
@@ -149,16 +149,15 @@ def pair_acceptance(target_folder: Path, target: EngineInfo, draft_folder: Path,
 
 def _engine(folder: Path, info: EngineInfo, logits: bool = False) -> EngineSlot:
     """An engine file run as the runtime decodes with it (a target's rows never alone); with logits=True
-    its graph gains an fp32 `logits` [D+1, V] output (a Cast of ArgMax's input), built in memory with the
-    weights read from the folder and read after a step with .output("logits")."""
+    its graph gains an fp32 `logits` [D+1, V] output (a Cast of the graph's own logits), built in memory
+    with the weights read from the folder and read after a step with .output("logits")."""
     path = folder / info.file
     model = onnx.load(str(path), load_external_data=False)
     max_seq_len = next(i for i in model.graph.input if i.name.startswith("past_key.")).type.tensor_type.shape.dim[2].dim_value
     rows = NEVER_ALONE if info.role == "target" else AS_FED
     if not logits:
         return EngineSlot(Engine(path, info, max_seq_len), rows)
-    argmax = next(node for node in _nodes(model.graph) if node.op_type == "ArgMax")
-    model.graph.node.append(helper.make_node("Cast", [argmax.input[0]], ["logits"], name="logits", to=TensorProto.FLOAT))
+    model.graph.node.append(helper.make_node("Cast", [LOGITS], ["logits"], name="logits.fp32", to=TensorProto.FLOAT))
     model.graph.output.append(helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["D+1", info.shape.vocab_size]))
     return EngineSlot(Engine(path, info, max_seq_len, graph=model.SerializeToString()), rows)
 
