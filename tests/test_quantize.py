@@ -15,6 +15,7 @@ from specbuild.compile.quality import _engine, quality_report
 from specbuild.compile.quantize import MAX_IR_VERSION, quantize_engine
 from specbuild.recipe import CompileSettings
 from specbuild_runtime import SpecbuildError, SpeculativeDecoder, load_manifest
+from specbuild_runtime.slot import AS_FED, NEVER_ALONE
 
 NEW_TOKENS = 23
 # hidden 128: MatMulNBits' K (the input width of every linear layer: 128 or the MLP's 256) is a multiple
@@ -138,6 +139,7 @@ def test_fp16_engine_runs_on_the_cpu_provider(fp32_bundle, tmp_path):
     folder = quantized_copy(fp32_bundle, tmp_path / "fp16", lambda f, info: convert_precision(f, info, "fp16"))
     session = ort.InferenceSession(str(folder / "target.onnx"), providers=["CPUExecutionProvider"])
     feeds = {"input_ids": np.array([[1, 2, 3]], np.int64), "total_len": np.array(3, np.int32),
+             "seqlens_k": np.array([2], np.int32),
              "num_drafts": np.array(2, np.int64)}
     greedy = {"temperature": np.array(0.0, np.float32), "top_k": np.array(0, np.int64),
               "top_p": np.array(1.0, np.float32), "uniforms": np.zeros(1, np.float32),
@@ -199,7 +201,7 @@ def logits_batched_and_one_by_one(folder, prompt, rounds, never_alone=True):
     fed one token per call, each from the same prompt."""
     info = load_manifest(folder).engines["target"]
     batched, one_by_one = _engine(folder, info, logits=True), _engine(folder, info, logits=True)
-    one_by_one._never_alone = never_alone
+    one_by_one.rows = NEVER_ALONE if never_alone else AS_FED
     for engine in (batched, one_by_one):
         engine.step(prompt, len(prompt))
     total, verified, single = len(prompt), [], []

@@ -14,7 +14,6 @@ import numpy as np
 
 from specbuild_runtime import SpeculativeDecoder
 from specbuild_runtime.decode import AUTO, Stats
-from specbuild_runtime.engine import CACHE_TYPES
 
 
 def measure_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
@@ -114,8 +113,8 @@ def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_toke
         decoder.generate(prompts[0], max_new_tokens, gamma)
     for seed, ids in enumerate(prompts):
         for result in results:
-            stats = Stats(gamma=result.gamma)
-            tokens = list(decoder.stream(ids, max_new_tokens, stats=stats, temperature=temperature, seed=seed))
+            stats = Stats()
+            tokens = list(decoder.stream(ids, max_new_tokens, result.gamma, temperature=temperature, seed=seed, stats=stats))
             result.add(stats, tokens)
     return results
 
@@ -133,17 +132,18 @@ def context_latency(decoder: SpeculativeDecoder, short: int = 64, long: int = 10
     One prefill fills the cache to the long context; the two contexts then take turns call by call
     (total_len alone sets how much cache a call reads), so drift in the machine's speed hits both alike.
     """
-    engine = decoder.target
-    engine.configure(temperature=0.0)
     long = min(long, decoder.max_seq_len - 1)
     short = min(short, long)
-    engine.step([1] * long, total_len=long)
     times: dict[int, list[float]] = {short: [], long: []}
-    for _ in range(steps):
-        for ctx in (short, long):
-            start = time.perf_counter()
-            engine.step([1], total_len=ctx + 1)
-            times[ctx].append(time.perf_counter() - start)
+    with decoder.slots.take() as slot:
+        engine = slot.target
+        engine.configure(temperature=0.0)
+        engine.step([1] * long, total_len=long)
+        for _ in range(steps):
+            for ctx in (short, long):
+                start = time.perf_counter()
+                engine.step([1], total_len=ctx + 1)
+                times[ctx].append(time.perf_counter() - start)
     return {ctx: 1e3 * float(np.median(t)) for ctx, t in times.items()}
 
 
@@ -151,15 +151,15 @@ def predicted_context_growth(decoder: SpeculativeDecoder, short: int, long: int)
     """Per-token time ratio long/short if a step costs its bytes read: weights + the valid part of the cache."""
     info = decoder.manifest.engines["target"]
     s = info.shape
-    kv_bytes_per_position = 2 * s.num_layers * s.num_kv_heads * s.head_dim * np.dtype(CACHE_TYPES[info.precision]).itemsize
+    kv_bytes_per_position = 2 * s.num_layers * s.num_kv_heads * s.head_dim * (4 if info.precision == "fp32" else 2)
     return (info.weight_bytes + kv_bytes_per_position * long) / (info.weight_bytes + kv_bytes_per_position * short)
 
 
 def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[int], peers: list[str],
-          temperature: float = 0.0) -> dict:
+          temperature: float = 0.0, device: str = "cpu") -> dict:
     """Sampled runs (temperature > 0) differ token-wise between modes by design: `matches_target` then says
     nothing, and α/speed-up are the figures to read."""
-    decoder = SpeculativeDecoder(bundle, shared_thread_pool=True)
+    decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True)
     prompt_ids = [decoder.encode(p) for p in prompts]
     bandwidth = measure_bandwidth()
     modes = run_ours(decoder, prompt_ids, max_new_tokens, [0, *gammas, AUTO], temperature)

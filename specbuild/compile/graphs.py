@@ -23,6 +23,8 @@ from .load import ModelSpec
 OPSET = 23  # RMSNormalization
 IR_VERSION = 10  # onnxruntime 1.31 loads IR <= 13; onnx 1.23 would write 14
 MS = "com.microsoft"
+LOGITS_NODE = "logits"  # its output LOGITS is the [D+1, V] logits every decision is made from
+LOGITS = f"{LOGITS_NODE}/out0"
 
 
 class GraphBuilder:
@@ -88,6 +90,9 @@ def build_decoder(
     g = GraphBuilder(f"specbuild-{spec.architecture}")
     shape = spec.shape
     input_ids = g.input("input_ids", TensorProto.INT64, [1, "S"])
+    # GroupQueryAttention's two length inputs, both fed by the runtime: the CUDA provider wants them as
+    # plain graph inputs (computed in the graph they would sit on the CPU, between GPU nodes).
+    seqlens_k = g.input("seqlens_k", TensorProto.INT32, [1])  # = total_len - 1
     total_len = g.input("total_len", TensorProto.INT32, [])
     num_drafts = g.input("num_drafts", TensorProto.INT64, [])
     sampling = SamplingInputs(
@@ -102,8 +107,6 @@ def build_decoder(
         (g.input(f"past_key.{i}", TensorProto.FLOAT, kv_shape), g.input(f"past_value.{i}", TensorProto.FLOAT, kv_shape))
         for i in range(shape.num_layers)
     ]
-    # GroupQueryAttention reads the valid cache length as seqlens_k = total_len - 1, shape [1].
-    seqlens_k = g.op("Reshape", g.op("Sub", total_len, g.const(1, np.int32)), g.const([1]))
     attention = AttentionInputs(seqlens_k, total_len, past)
     if spec.family == "gpt2":
         hidden, presents = _gpt2_body(g, spec, weights, input_ids, total_len, attention)
@@ -269,7 +272,7 @@ def _verification(g, hidden: str, input_ids: str, num_drafts: str, lm_head: str,
     tail = g.op("Slice", hidden, g.op("Neg", head_rows), g.const([2**62]), g.const([1]))
     tail_2d = g.op("Reshape", tail, g.const([-1, shape.hidden_size]))  # [max(D+1, 2), H], fewer in a 1-token call
     head = g.op("Gemm", tail_2d, lm_head, transB=1)
-    logits = g.op("Slice", head, g.op("Neg", rows_1d), g.const([2**62]), g.const([0]))  # [D+1, V]
+    logits = g.op("Slice", head, g.op("Neg", rows_1d), g.const([2**62]), g.const([0]), name=LOGITS_NODE)  # [D+1, V]
     drafts = g.op("Slice", g.op("Reshape", input_ids, g.const([-1])), g.op("Sub", seq_1d, drafts_1d), seq_1d)  # [D]
     greedy = g.branch("branch.greedy")
     _greedy_tail(greedy, logits, drafts, drafts_1d)
@@ -281,9 +284,13 @@ def _verification(g, hidden: str, input_ids: str, num_drafts: str, lm_head: str,
 
 
 def _leading_true(g, flags: str) -> str:
-    """How many leading elements of a bool vector are true (0 for an empty one)."""
-    failures_so_far = g.op("CumSum", g.op("Cast", g.op("Not", flags), to=TensorProto.INT64), g.const(0))
-    return g.op("ReduceSum", g.op("Cast", g.op("Equal", failures_so_far, g.const(0)), to=TensorProto.INT64), keepdims=0)
+    """How many leading elements of a bool vector are true (0 for an empty one).
+
+    The first false element of flags + [false] (ArgMax returns the first maximum): no reduction over
+    the empty vector of a call without drafts, which the CUDA provider refuses.
+    """
+    failures = g.op("Cast", g.op("Concat", g.op("Not", flags), g.const([True], np.bool_), axis=0), to=TensorProto.FLOAT)
+    return g.op("ArgMax", failures, axis=0, keepdims=0)
 
 
 def _branch_outputs(g, accepted: str, next_token: str, probs: str) -> None:

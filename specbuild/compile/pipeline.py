@@ -10,6 +10,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specbuild_runtime.engine import Engine, can_run
+from specbuild_runtime.slot import EngineSlot
 from specbuild_runtime.manifest import TOKENIZER_DIR, EngineInfo, Manifest
 
 from .. import __version__
@@ -47,7 +48,7 @@ def _compile(settings: CompileSettings, stages: tqdm) -> Manifest:
         engines, exported, fp32_copies = {}, {}, Path(scratch)
         for role, ckpt in (("target", target), ("draft", draft)):
             stage(f"building {role} engine")
-            exported[role] = export_engine(ckpt, role, folder, max_seq_len)
+            exported[role] = export_engine(ckpt, role, folder, max_seq_len, target.spec.shape.vocab_size)
             engines[role] = shrink_engine(folder, exported[role], settings, texts, stage, fp32_copies)
             stages.update()
         if texts:
@@ -58,7 +59,7 @@ def _compile(settings: CompileSettings, stages: tqdm) -> Manifest:
         for info in filter(can_run, engines.values()):
             # A one-token prefill proves each engine loads and runs before the bundle is published (a
             # bf16 one passed the ONNX checker when it was written; it runs only on a GPU runtime).
-            Engine(folder / info.file, info, max_seq_len).step([0], total_len=1)
+            EngineSlot(Engine(folder / info.file, info, max_seq_len)).step([0], total_len=1)
         stages.update()
 
         stage("writing bundle")

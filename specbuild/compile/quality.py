@@ -10,11 +10,12 @@ import onnx
 from onnx import TensorProto, helper
 
 from specbuild_runtime.engine import Engine
+from specbuild_runtime.slot import AS_FED, NEVER_ALONE, EngineSlot
 from specbuild_runtime.manifest import EngineInfo
 
 from ..acceptance import rounds
 from ..texts import CODE_PROMPTS, corpus_files, read_prompts, read_source
-from .quantize import _nodes
+from .graphs import LOGITS
 
 QUALITY_HELDOUT_TOKENS = 4096
 QualityTexts = tuple[list[list[int]], list[int]]  # code prompts, held-out token ids
@@ -146,31 +147,32 @@ def pair_acceptance(target_folder: Path, target: EngineInfo, draft_folder: Path,
     return accepted / drafted if drafted else 0.0
 
 
-def _engine(folder: Path, info: EngineInfo, logits: bool = False) -> Engine:
-    """A runtime Engine over an engine file; with logits=True its graph gains an fp32 `logits` [D+1, V]
-    output (a Cast of ArgMax's input), built in memory with the weights read from the folder."""
+def _engine(folder: Path, info: EngineInfo, logits: bool = False) -> EngineSlot:
+    """An engine file run as the runtime decodes with it (a target's rows never alone); with logits=True
+    its graph gains an fp32 `logits` [D+1, V] output (a Cast of the graph's own logits), built in memory
+    with the weights read from the folder and read after a step with .output("logits")."""
     path = folder / info.file
     model = onnx.load(str(path), load_external_data=False)
     max_seq_len = next(i for i in model.graph.input if i.name.startswith("past_key.")).type.tensor_type.shape.dim[2].dim_value
+    rows = NEVER_ALONE if info.role == "target" else AS_FED
     if not logits:
-        return Engine(path, info, max_seq_len)
-    argmax = next(node for node in _nodes(model.graph) if node.op_type == "ArgMax")
-    model.graph.node.append(helper.make_node("Cast", [argmax.input[0]], ["logits"], name="logits", to=TensorProto.FLOAT))
+        return EngineSlot(Engine(path, info, max_seq_len), rows)
+    model.graph.node.append(helper.make_node("Cast", [LOGITS], ["logits"], name="logits.fp32", to=TensorProto.FLOAT))
     model.graph.output.append(helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["D+1", info.shape.vocab_size]))
-    return Engine(path, info, max_seq_len, model_bytes=model.SerializeToString(), extra_outputs=("logits",))
+    return EngineSlot(Engine(path, info, max_seq_len, graph=model.SerializeToString()), rows)
 
 
-def _max_seq_len(engine: Engine) -> int:
+def _max_seq_len(engine: EngineSlot) -> int:
     return engine.cache[0].shape()[2]
 
 
-def _logits(engine: Engine, ids: list[int]) -> np.ndarray:
+def _logits(engine: EngineSlot, ids: list[int]) -> np.ndarray:
     """[S, V] fp32 logits at every position of ids, from an empty cache."""
     engine.step(ids, total_len=len(ids), num_drafts=len(ids) - 1)
     return engine.output("logits")
 
 
-def _greedy(engine: Engine, prompt: list[int], count: int) -> tuple[list[int], float]:
+def _greedy(engine: EngineSlot, prompt: list[int], count: int) -> tuple[list[int], float]:
     """count greedy tokens after prompt, and the decode speed (tokens/s after the first token)."""
     tokens = [engine.step(prompt, total_len=len(prompt))[1]]
     first = time.perf_counter()
