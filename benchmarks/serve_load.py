@@ -35,7 +35,6 @@ TARGET_SHAPE = {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layer
                 "num_key_value_heads": 2}
 DRAFT_LAYERS = 2
 DAMPING = 0.1  # scale of o_proj/down_proj in layers DRAFT_LAYERS.. of the target
-MAX_TOKENS = 96
 
 
 def make_pair(out: Path, damping: float = DAMPING, max_seq_len: int = 1024) -> Path:
@@ -64,30 +63,38 @@ def make_pair(out: Path, damping: float = DAMPING, max_seq_len: int = 1024) -> P
     return out / "bundle"
 
 
-def workload(prompts: list[str]) -> list[dict]:
+def workload(args) -> list[dict]:
     """One request per prompt and setting: greedy with adaptive γ, and seeded sampling with a fixed γ."""
+    from specbuild.texts import CODE_PROMPTS, read_prompts
+
     jobs = []
-    for i, prompt in enumerate(prompts):
-        jobs.append({"prompt": prompt, "max_tokens": MAX_TOKENS})
-        jobs.append({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.8, "top_p": 0.95, "seed": i, "gamma": 4})
+    for i, prompt in enumerate(read_prompts(CODE_PROMPTS)[: args.prompts]):
+        jobs.append({"prompt": prompt, "max_tokens": args.max_tokens})
+        jobs.append({"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0.8, "top_p": 0.95, "seed": i, "gamma": 4})
     return jobs
 
 
-def expected_outputs(bundle: Path, jobs: list[dict]) -> list[str]:
+def expected_outputs(bundle: Path, jobs: list[dict]) -> tuple[list[str], float]:
+    """Each job's text from SpeculativeDecoder.generate, one after another in this process, and the tokens/s
+    of doing so (what one request at a time gets without the server)."""
     from specbuild_runtime import SpeculativeDecoder
 
     decoder = SpeculativeDecoder(bundle, shared_thread_pool=True)
     runtime_names = {"max_tokens": "max_new_tokens"}
-    return [decoder.generate(**{runtime_names.get(k, k): v for k, v in job.items()}).text for job in jobs]
+    start = time.perf_counter()
+    generations = [decoder.generate(**{runtime_names.get(k, k): v for k, v in job.items()}) for job in jobs]
+    speed = sum(len(g.token_ids) for g in generations) / (time.perf_counter() - start)
+    return [g.text for g in generations], round(speed, 1)
 
 
 @contextmanager
-def serving(bundle: Path, parallel: int, *options: str):
+def serving(bundle: Path, parallel: int, threads: int = 0):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    threads_option = ["--threads", str(threads)] if threads else []
     process = subprocess.Popen([sys.executable, "-m", "specbuild", "serve", str(bundle), "--port", str(port),
-                                "--parallel", str(parallel), "--max-queue", "1024", *options],
+                                "--parallel", str(parallel), "--max-queue", "1024", *threads_option],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -127,24 +134,26 @@ async def one_request(http: httpx.AsyncClient, url: str, job: dict) -> dict:
                     text.append(event["choices"][0]["text"])
                 elif event.get("usage"):
                     usage = event["usage"]
-    return {"text": "".join(text), "failure": failure, "tokens": usage["completion_tokens"] if usage else 0,
-            "ttft": arrivals[0] - start if arrivals else None, "gaps": np.diff(arrivals).tolist(), "end": time.perf_counter()}
+    tokens = usage["completion_tokens"] if usage else 0
+    return {"text": "".join(text), "failure": failure, "tokens": tokens, "ttft": arrivals[0] - start if arrivals else None,
+            "gaps": np.diff(arrivals).tolist(),  # between text chunks: tokens of one round arrive together
+            "tpot": (arrivals[-1] - arrivals[0]) / (tokens - 1) if tokens > 1 and arrivals else None}
 
 
 async def drive(url: str, jobs: list[dict], expected: list[str], clients: int, until) -> dict:
     """`clients` concurrent clients, each sending requests back to back (client c starts at job c) while
-    until(requests so far) is false; every response is checked against its expected text."""
+    until(requests sent so far) is false; every response is checked against its expected text."""
     results, mismatches, failures = [], [], []
-    done = 0
+    sent = 0
 
     async def client(c: int, http: httpx.AsyncClient) -> None:
-        nonlocal done
+        nonlocal sent
         i = c
-        while not until(done):
+        while not until(sent):
             job = i % len(jobs)
-            result = await one_request(http, url, jobs[job])
-            done += 1
+            sent += 1
             i += clients
+            result = await one_request(http, url, jobs[job])
             if result["failure"]:
                 failures.append(result["failure"])
             elif result["text"] != expected[job]:
@@ -158,12 +167,14 @@ async def drive(url: str, jobs: list[dict], expected: list[str], clients: int, u
     seconds = time.perf_counter() - start
     tokens = sum(r["tokens"] for r in results)
     ttft = [r["ttft"] for r in results if r["ttft"] is not None]
+    tpot = [r["tpot"] for r in results if r["tpot"] is not None]
     gaps = [g for r in results for g in r["gaps"]]
     return {
         "requests": len(results), "failed": len(failures), "mismatched": len(mismatches), "failures": failures[:5],
         "seconds": round(seconds, 2), "tokens": tokens, "tokens_per_second": round(tokens / seconds, 1),
         "ttft_ms_p50": round(1e3 * float(np.percentile(ttft, 50)), 1), "ttft_ms_p95": round(1e3 * float(np.percentile(ttft, 95)), 1),
         "itl_ms_p50": round(1e3 * float(np.percentile(gaps, 50)), 2), "itl_ms_p95": round(1e3 * float(np.percentile(gaps, 95)), 2),
+        "tpot_ms_p50": round(1e3 * float(np.percentile(tpot, 50)), 2), "tpot_ms_p95": round(1e3 * float(np.percentile(tpot, 95)), 2),
     }
 
 
@@ -175,15 +186,15 @@ def rss_bytes(pid: int) -> int:
 
 
 def throughput(args) -> dict:
-    jobs = workload(prompts(args))
-    expected = expected_outputs(args.bundle, jobs)
+    jobs = workload(args)
+    expected, sequential = expected_outputs(args.bundle, jobs)
+    print(f"in-process sequential generate: {sequential} tok/s", flush=True)
     settings = [(p, t) for p in args.parallel for t in args.threads]
     runs: dict[str, list[dict]] = {}
     for round_ in range(args.rounds):
         for parallel, threads in settings:
             name = f"parallel={parallel}" + (f",threads={threads}" if threads else "")
-            options = ["--threads", str(threads)] if threads else []
-            with serving(args.bundle, parallel, *options) as (_, url):
+            with serving(args.bundle, parallel, threads) as (_, url):
                 asyncio.run(drive(url, jobs[:args.clients], expected[:args.clients], args.clients, lambda n: n >= args.clients))  # warm-up
                 result = asyncio.run(drive(url, jobs, expected, args.clients, lambda n: n >= args.requests))
             runs.setdefault(name, []).append(result)
@@ -191,20 +202,20 @@ def throughput(args) -> dict:
     base = sum(r["tokens_per_second"] for r in runs[next(iter(runs))])
     summary = {name: {"tokens_per_second": [r["tokens_per_second"] for r in rs],
                       "ratio_to_first": round(sum(r["tokens_per_second"] for r in rs) / base, 3),
-                      **{k: rs[-1][k] for k in ("ttft_ms_p50", "ttft_ms_p95", "itl_ms_p50", "itl_ms_p95")},
+                      **{k: rs[-1][k] for k in ("ttft_ms_p50", "ttft_ms_p95", "itl_ms_p50", "itl_ms_p95", "tpot_ms_p50", "tpot_ms_p95")},
                       "failed": sum(r["failed"] for r in rs), "mismatched": sum(r["mismatched"] for r in rs)}
                for name, rs in runs.items()}
     for name, s in summary.items():
         print(f"{name:>22}: {s['ratio_to_first']:.2f}x the first setting, {s}")
-    return {"clients": args.clients, "requests": args.requests, "max_tokens": MAX_TOKENS, "summary": summary, "runs": runs}
+    return {"clients": args.clients, "requests": args.requests, "max_tokens": args.max_tokens,
+            "sequential_generate_tokens_per_second": sequential, "summary": summary, "runs": runs}
 
 
 def soak(args) -> dict:
-    jobs = workload(prompts(args))
-    expected = expected_outputs(args.bundle, jobs)
+    jobs = workload(args)
+    expected, _ = expected_outputs(args.bundle, jobs)
     parallel = args.parallel[0]
-    options = ["--threads", str(args.threads[0])] if args.threads[0] else []
-    with serving(args.bundle, parallel, *options) as (process, url):
+    with serving(args.bundle, parallel, args.threads[0]) as (process, url):
         samples = []
         start = time.monotonic()
 
@@ -239,13 +250,8 @@ def soak(args) -> dict:
 
 def format_result(r: dict) -> str:
     return (f"{r['requests']} requests, {r['failed']} failed, {r['mismatched']} mismatched, {r['tokens_per_second']} tok/s, "
-            f"TTFT p50/p95 {r['ttft_ms_p50']}/{r['ttft_ms_p95']} ms, ITL p50/p95 {r['itl_ms_p50']}/{r['itl_ms_p95']} ms")
-
-
-def prompts(args) -> list[str]:
-    from specbuild.texts import CODE_PROMPTS, read_prompts
-
-    return read_prompts(CODE_PROMPTS)[: args.prompts]
+            f"TTFT p50/p95 {r['ttft_ms_p50']}/{r['ttft_ms_p95']} ms, ITL p50/p95 {r['itl_ms_p50']}/{r['itl_ms_p95']} ms, "
+            f"TPOT p50/p95 {r['tpot_ms_p50']}/{r['tpot_ms_p95']} ms")
 
 
 def main() -> None:
@@ -259,9 +265,10 @@ def main() -> None:
         command.add_argument("bundle", type=Path)
         command.add_argument("--parallel", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
         command.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[0],
-                             help="onnxruntime intra-op threads per setting (0: the server's default)")
+                             help="the server's --threads per setting (0: its default, cores / --parallel)")
         command.add_argument("--clients", type=int, default=16)
-        command.add_argument("--prompts", type=int, default=24)
+        command.add_argument("--prompts", type=int, default=24, help="code prompts; each is sent greedy and sampled")
+        command.add_argument("--max-tokens", type=int, default=96)
         command.add_argument("--json", type=Path)
     commands.choices["throughput"].add_argument("--requests", type=int, default=96)
     commands.choices["throughput"].add_argument("--rounds", type=int, default=2)

@@ -286,6 +286,16 @@ def test_sigterm_ends_in_flight_streams_cleanly_and_exits(bundle, tmp_path):
     assert "Traceback" not in log.read_text()
 
 
+@pytest.mark.parametrize("command", [
+    [sys.executable, "-m", "specbuild", "serve"],
+    [sys.executable, "-c", "import sys; from specbuild_runtime.serve.cli import main; sys.argv[0] = 'specbuild-serve'; main()"],
+], ids=["specbuild serve", "specbuild-serve"])
+def test_a_missing_bundle_is_a_one_line_error(command, tmp_path):
+    result = subprocess.run([*command, str(tmp_path / "nothing"), "--port", str(free_port())], capture_output=True, text=True)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: ") and "nothing" in lines[0]
+
+
 # --- A busy server, in-process -------------------------------------------------------------------------------
 
 

@@ -105,7 +105,7 @@ class Scheduler:
     def stop(self, job: Job, reason: str) -> None:
         """Stop a job that has not finished: its iterator raises Stopped(reason); a running one frees its slot
         after the delta it is decoding. A no-op for a job already stopped or finished."""
-        if job.halt.is_set():
+        if job.halt.is_set() or job.done:
             return
         job.halt.set()
         if job.timer:
@@ -123,10 +123,6 @@ class Scheduler:
     async def close(self) -> None:
         self._stop_all("shutdown")
         await asyncio.to_thread(self._workers.shutdown)  # each worker returns after at most one more delta
-
-    @property
-    def idle(self) -> bool:
-        return not self._running and not self._queue
 
     def _stop_all(self, reason: str) -> None:
         for job in [*self._queue, *self._running]:
