@@ -376,12 +376,24 @@ def test_full_queue_answers_429_with_retry_after(bundle, reference):
     assert results[0].status_code == 200 and results[0].json()["choices"][0]["text"] == expected
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_slot_for_the_next_request(bundle, reference):
+@contextmanager
+def raw_post(url: str, path: str, body: dict):
+    """A POST written on a bare socket, which leaving the block closes without reading the reply."""
+    host, port = url.removeprefix("http://").split(":")
+    content = json.dumps(body).encode()
+    with socket.create_connection((host, int(port))) as connection:
+        connection.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                           f"Content-Length: {len(content)}\r\n\r\n".encode() + content)
+        yield
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_client_that_leaves_frees_its_slot_for_the_next_request(bundle, reference, stream):
     expected = reference.generate(PROMPTS[1], max_new_tokens=24).text
+    cancelled = ("specbuild_requests_total", (("endpoint", "completions"), ("outcome", "cancelled")))
     with in_process(bundle) as (url, decoder, _):
-        with streaming(url, max_tokens=200):
-            assert decoder.paused.acquire(timeout=60)
-        cancelled = ("specbuild_requests_total", (("endpoint", "completions"), ("outcome", "cancelled")))
+        with raw_post(url, "/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 200, "stream": stream}):
+            assert decoder.paused.acquire(timeout=60)  # decoding, and holding the only slot
         wait_until(lambda: metric_values(url).get(cancelled) == 1, "the server saw the client leave")
         decoder.go.set()
         wait_until(lambda: metric_values(url)[("specbuild_slots_busy", ())] == 0, "the slot was freed")

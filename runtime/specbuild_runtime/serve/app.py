@@ -140,12 +140,12 @@ class Server:
         leaving = asyncio.ensure_future(_disconnected(http))
         try:
             await asyncio.wait({collecting, leaving}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
+        finally:  # also when this handler is cancelled
             leaving.cancel()
             if not collecting.done():
                 collecting.cancel()
                 self.scheduler.stop(job, "cancelled")
-        if collecting.cancelled():
+        if not collecting.done():
             raise Stopped("cancelled")
         return collecting.result()
 
