@@ -193,3 +193,11 @@ def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int) -
     width = inputs["draft_probs"][1][-1]
     if width != shape.vocab_size:
         fail(f"'draft_probs' has {width} columns, the manifest's vocabulary is {shape.vocab_size}")
+
+
+def check_vocabularies(target, draft) -> None:
+    """A draft proposes only tokens the target has: the compiler cuts a larger draft table to the
+    target's vocabulary (format 2), so a larger one means an edited or foreign bundle."""
+    if draft.vocab_size > target.vocab_size:
+        raise BundleError(f"the draft engine {draft.path} has a vocabulary of {draft.vocab_size}, larger than the "
+                          f"target's {target.vocab_size}; rebuild the bundle with `specbuild compile`")
