@@ -2,13 +2,16 @@
 
 import gc
 import threading
+from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import PROMPTS
 from specbuild_runtime import RequestError, SpeculativeDecoder, Stats
 
-# (prompt, settings): greedy with adaptive and fixed γ, and seeded sampling (fixed γ: which γ a round
+# (prompt, options): greedy with adaptive and fixed γ, and seeded sampling (fixed γ: which γ a round
 # uses changes which random numbers judge which draft, so only a fixed γ reproduces a sampled run).
 REQUESTS = [
     (PROMPTS[0], dict(gamma="auto")),
@@ -31,7 +34,7 @@ def bundle(bundles):
 @pytest.fixture(scope="module")
 def sequential(bundle):
     decoder = SpeculativeDecoder(bundle)
-    return [decoder.generate(prompt, NEW_TOKENS, **settings).token_ids for prompt, settings in REQUESTS]
+    return [decoder.generate(prompt, NEW_TOKENS, **options).token_ids for prompt, options in REQUESTS]
 
 
 def test_eight_threads_on_one_decoder_get_their_sequential_outputs(bundle, sequential):
@@ -40,9 +43,9 @@ def test_eight_threads_on_one_decoder_get_their_sequential_outputs(bundle, seque
     start = threading.Barrier(len(REQUESTS))
 
     def run(i):
-        prompt, settings = REQUESTS[i]
+        prompt, options = REQUESTS[i]
         start.wait()
-        results[i] = [decoder.generate(prompt, NEW_TOKENS, **settings).token_ids for _ in range(2)]
+        results[i] = [decoder.generate(prompt, NEW_TOKENS, **options).token_ids for _ in range(2)]
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(REQUESTS))]
     for t in threads:
@@ -55,7 +58,7 @@ def test_eight_threads_on_one_decoder_get_their_sequential_outputs(bundle, seque
 
 def test_interleaved_streams_in_one_thread_each_decode_as_alone(bundle, sequential):
     decoder = SpeculativeDecoder(bundle, parallel=2)
-    a, b = (decoder.stream(prompt, NEW_TOKENS, **settings) for prompt, settings in (REQUESTS[1], REQUESTS[4]))
+    a, b = (decoder.stream(prompt, NEW_TOKENS, **options) for prompt, options in (REQUESTS[1], REQUESTS[4]))
     got = [[], []]
     for _ in range(NEW_TOKENS):  # alternate token by token
         for tokens, stream in zip(got, (a, b)):
@@ -154,3 +157,31 @@ def test_streamed_text_joins_to_exactly_the_generated_text(bundle, free_text):
     # streaming must hold back: had it sent the replacement character, the join would differ.
     assert any(decoder.tokenizer.decode(free.token_ids[:n]).endswith("\ufffd")
                for free in free_text.values() for n in range(1, len(free.token_ids)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 8).flatmap(lambda d: st.tuples(st.just(d), st.integers(0, d))), max_size=40))
+def test_stats_count_rounds_as_a_plain_reference_does(rounds):
+    stats = Stats(accepted_at=[0] * 8, proposed_at=[0] * 8)
+    for drafted, accepted in rounds:
+        stats.record_round(drafted, accepted, draft_seconds=0.001 * drafted, target_seconds=0.002)
+    drafted, accepted = sum(d for d, _ in rounds), sum(a for _, a in rounds)
+    assert (stats.rounds, stats.drafted, stats.accepted, stats.draft_steps) == (len(rounds), drafted, accepted, drafted)
+    assert stats.rejected == sum(a < d for d, a in rounds)
+    assert stats.gamma_rounds == dict(Counter(d for d, _ in rounds))
+    assert stats.proposed_at == [sum(d > j for d, _ in rounds) for j in range(8)]
+    assert stats.accepted_at == [sum(a > j for _, a in rounds) for j in range(8)]
+    assert stats.acceptance_rate == (accepted / drafted if drafted else 0.0)
+    assert stats.target_seconds == pytest.approx(0.002 * len(rounds))
+
+
+def test_a_runs_stats_add_up_to_its_tokens(bundle):
+    decoder = SpeculativeDecoder(bundle)
+    for prompt, options in REQUESTS:
+        result = decoder.generate(prompt, NEW_TOKENS, **options)
+        s = result.stats
+        # Each round emits its accepted drafts (or accepted guess) and one token of the target's own; the
+        # last round may be cut short by max_new_tokens.
+        emitted = s.accepted + s.guesses_accepted + s.rounds
+        assert s.generated_tokens == len(result.token_ids) and emitted >= s.generated_tokens - 1 > emitted - 9
+        assert s.rounds == sum(s.gamma_rounds.values()) and s.prompt_tokens == len(result.prompt_token_ids)

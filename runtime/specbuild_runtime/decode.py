@@ -22,7 +22,7 @@ from .manifest import TOKENIZER_DIR, load_manifest
 from .policy import GREEDY_DECAY, SAMPLING_DECAY, AdaptiveGamma, Costs, FixedGamma
 from .slot import NEVER_ALONE, Rows, Slot, SlotPool, fixed_rows
 from .text import TextStream
-from .validation import AUTO, Prompt, Request, check_request, whole
+from .validation import AUTO, Prompt, Request, check_request, check_vocabularies, whole
 
 
 @dataclass
@@ -158,6 +158,7 @@ class SpeculativeDecoder:
             self.device = "cpu"  # the CUDA provider is installed but could not start: "auto" takes the CPU
             self.target, self.draft = self._engines()
         self.vocab_size = self.target.vocab_size
+        check_vocabularies(self.target, self.draft)
         rows = target_rows or (fixed_rows(self.max_gamma) if self.device == "cuda" else NEVER_ALONE)
         self.slots = SlotPool([Slot(i, self.target, self.draft, rows, self.max_gamma) for i in range(parallel)])
         # Adaptive γ: the costs of a round describe the machine and are shared; α follows the text a slot
@@ -305,7 +306,5 @@ class SpeculativeDecoder:
         for j in range(k):
             _, token = draft.step(feed if j == 0 else [drafts[-1]], total_len=total_len + j, uniforms=uniforms(1),
                                   probs_row=j)
-            if token >= self.vocab_size:  # a padding row of a larger draft table: the target has no such token
-                break
             drafts.append(token)
         return drafts

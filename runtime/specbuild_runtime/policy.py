@@ -3,7 +3,7 @@
 With per-draft acceptance α, a round with γ drafts yields E(γ) = (1 - α^(γ+1)) / (1 - α) tokens
 (Leviathan et al. 2023) and costs γ draft steps plus one target call over γ+1 tokens, but never fewer
 than two: the target re-feeds the token before a lone one (see slot.Rows), so a round without drafts
-costs as much as a round with one (on a GPU every target call computes max γ + 1 rows, and κ measures 0). Measured in target calls without drafts that is
+costs as much as a round with one (on a GPU every target call computes max γ + 1 rows, so κ should measure ~0). Measured in target calls without drafts that is
 1 + γ·c + max(γ-1, 0)·κ, where c = draft step / target step and κ is the extra cost of each further
 token in a target call. AdaptiveGamma picks the γ (0 = target only)
 with the most tokens per unit of cost. While it sits at 0 it still drafts one token now and then (a probe)

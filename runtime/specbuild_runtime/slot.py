@@ -57,7 +57,7 @@ class Buffer:
     the OrtValue is a copy that push() updates in place and pull() reads back."""
 
     def __init__(self, host: np.ndarray, device: str):
-        self.host = host
+        self.host, self.device = host, device
         self.value = ort.OrtValue.ortvalue_from_numpy(host, device, 0)
         self.shared = device == "cpu"
 
@@ -102,6 +102,9 @@ class EngineSlot:
         self._top_p = self._input("top_p", np.ones((), np.float32))
         self._accepted = self._output("accepted", np.zeros((), np.int64))
         self._next_token = self._output("next_token", np.zeros((), np.int64))
+        # On the CPU each buffer is its OrtValue's memory: nothing is copied per call.
+        self._copies = not all(b.shared for b in (self._total_len, self._seqlens_k, self._num_drafts,
+                                                   self._accepted, self._next_token))
         self._ids: dict[int, Buffer] = {}  # tokens per call -> buffer
         self._uniforms: dict[int, Buffer] = {}  # drafts + 1 -> buffer
         self._bound = {"input_ids": 0, "uniforms": 0, "draft_probs": -1}  # the size each is bound at
@@ -111,7 +114,7 @@ class EngineSlot:
                        False: Buffer(np.zeros(0, np.float32), device)}
         self._probs_rows, self._draft_probs = probs_rows, draft_probs
         self._no_drafts = Buffer(np.zeros((0, engine.vocab_size), np.float32), engine.input_devices["draft_probs"])
-        self._fed = np.zeros(engine.max_seq_len, np.int64)  # the token at each cache position, to re-feed
+        self._fed = [0] * engine.max_seq_len  # the token at each cache position, to re-feed (a list: cheaper per call)
         self._redo_from = engine.max_seq_len  # the next call starts no later than this (see Rows)
         self.configure(temperature=0.0)
 
@@ -158,8 +161,9 @@ class EngineSlot:
         self._total_len.host[()] = total_len
         self._seqlens_k.host[0] = total_len - 1
         self._num_drafts.host[()] = num_drafts
-        for buffer in (self._total_len, self._seqlens_k, self._num_drafts):
-            buffer.push()
+        if self._copies:
+            for buffer in (self._total_len, self._seqlens_k, self._num_drafts):
+                buffer.push()
         if self.sampling:
             self._bind_uniforms(num_drafts + 1, uniforms)
             if self._draft_probs is not None:
@@ -169,7 +173,10 @@ class EngineSlot:
         for name in self.engine.extra_outputs:  # their shapes change with the call: onnxruntime allocates them
             self.binding.bind_output(name, self.engine.device)
         self.engine.session.run_with_iobinding(self.binding)
-        return int(self._accepted.pull()), int(self._next_token.pull())
+        if self._copies:
+            self._accepted.pull()
+            self._next_token.pull()
+        return int(self._accepted.host), int(self._next_token.host)
 
     def _input(self, name: str, host: np.ndarray) -> Buffer:
         buffer = Buffer(host, self.engine.input_devices[name])
@@ -181,10 +188,10 @@ class EngineSlot:
         self.binding.bind_ortvalue_output(name, buffer.value)
         return buffer
 
-    def _bind_ids(self, tokens: np.ndarray) -> None:
+    def _bind_ids(self, tokens: list[int]) -> None:
         count = len(tokens)
         if count > MAX_REUSED_IDS:  # a prompt: one call, a buffer of its own (kept while it is bound)
-            self._prompt = Buffer(tokens[None].copy(), self.engine.input_devices["input_ids"])
+            self._prompt = Buffer(np.array([tokens], np.int64), self.engine.input_devices["input_ids"])
             self.binding.bind_ortvalue_input("input_ids", self._prompt.value)
             self._bound["input_ids"] = 0
             return
@@ -192,7 +199,8 @@ class EngineSlot:
             self._ids[count] = Buffer(np.zeros((1, count), np.int64), self.engine.input_devices["input_ids"])
         buffer = self._ids[count]
         buffer.host[0] = tokens
-        buffer.push()
+        if self._copies:
+            buffer.push()
         if self._bound["input_ids"] != count:
             self.binding.bind_ortvalue_input("input_ids", buffer.value)
             self._bound["input_ids"] = count
@@ -212,13 +220,13 @@ class EngineSlot:
         """Bind input name to the first count rows of rows (a view: no copy, on any device)."""
         if self._bound[name] != count:
             width = rows.host.shape[1]
-            self.binding.bind_input(name, self.engine.input_devices[name], 0, np.float32, [count, width], rows.value.data_ptr())
+            self.binding.bind_input(name, rows.device, 0, np.float32, [count, width], rows.value.data_ptr())
             self._bound[name] = count
 
     def _bind_row(self, name: str, rows: Buffer, row: int) -> None:
         """Bind output name ([V] of this engine's vocabulary) to the start of row `row` of rows."""
         row_bytes = rows.host.shape[1] * rows.host.itemsize
-        self.binding.bind_output(name, self.engine.device, 0, np.float32, [self.engine.vocab_size],
+        self.binding.bind_output(name, rows.device, 0, np.float32, [self.engine.vocab_size],
                                  rows.value.data_ptr() + row * row_bytes)
 
 

@@ -18,6 +18,8 @@ from .errors import BundleError, RequestError
 
 AUTO = "auto"
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 Prompt = Union[str, Sequence[int], np.ndarray]
 
 
@@ -64,8 +66,8 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
         gamma = whole("gamma", gamma, low=0, high=max_gamma,
                       hint=f" (this bundle's most drafts per round; 0 = target only, {AUTO!r} adapts)")
     temperature = real("temperature", temperature)
-    if temperature < 0:
-        raise RequestError(f"temperature must be >= 0 (0 = greedy), not {temperature}")
+    if temperature < 0 or 0 < temperature < FLOAT32_TINY:  # logits / a subnormal temperature overflow to NaN
+        raise RequestError(f"temperature must be 0 (greedy) or from {FLOAT32_TINY:.3g} up, not {temperature}")
     top_p = real("top_p", top_p)
     if not 0 < top_p <= 1:
         raise RequestError(f"top_p must be in (0, 1], not {top_p}")
@@ -142,7 +144,7 @@ def real(name: str, value) -> float:
     """A finite real number that float32 (the engines' type for it) can hold."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise RequestError(f"{name} must be a number, not {value!r} ({type(value).__name__})")
-    if not math.isfinite(value) or abs(value) > np.finfo(np.float32).max:
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
         raise RequestError(f"{name} must be a finite number, not {value}")
     return float(value)
 
@@ -193,3 +195,11 @@ def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int) -
     width = inputs["draft_probs"][1][-1]
     if width != shape.vocab_size:
         fail(f"'draft_probs' has {width} columns, the manifest's vocabulary is {shape.vocab_size}")
+
+
+def check_vocabularies(target, draft) -> None:
+    """A draft proposes only tokens the target has: the compiler cuts a larger draft table to the
+    target's vocabulary (format 2), so a larger one means an edited or foreign bundle."""
+    if draft.vocab_size > target.vocab_size:
+        raise BundleError(f"the draft engine {draft.path} has a vocabulary of {draft.vocab_size}, larger than the "
+                          f"target's {target.vocab_size}; rebuild the bundle with `specbuild compile`")
