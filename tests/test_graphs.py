@@ -8,6 +8,7 @@ import torch
 
 import onnx_ir as ir
 
+from conftest import ARCHITECTURES
 from specbuild.compile.graphs import build_decoder
 from specbuild.compile.load import load_checkpoint
 from specbuild.compile.precision import Numerics
@@ -32,7 +33,7 @@ def run_graph(ckpt):
     return step
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("architecture", [*ARCHITECTURES, "gpt2"])
 def test_graph_logits_match_transformers_through_prefill_verify_and_rollback(architecture, checkpoints):
     from transformers import AutoModelForCausalLM
 

@@ -54,7 +54,6 @@ class ModelSpec:
     qk_norm: bool = False  # an RMS norm on each q and k head (Qwen3, Gemma 3)
     attention_softcap: float | None = None  # cap·tanh(scores/cap) (Gemma 2)
     final_softcap: float | None = None  # the same on the logits (Gemma 2)
-    longrope_original_length: int | None = None  # LongRoPE's switch from short to long factors (Phi)
 
 
 # safetensors dtype -> numpy dtype (bf16 and fp8 from ml_dtypes, which numpy lacks)
@@ -328,7 +327,6 @@ def _rope_model_spec(config, architecture: str, family: str, path: Path, role: s
         qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
         attention_softcap=getattr(config, "attn_logit_softcapping", None),
         final_softcap=getattr(config, "final_logit_softcapping", None),
-        longrope_original_length=rope.get("original_max_position_embeddings") if rope.get("rope_type") == "longrope" else None,
     )
 
 

@@ -28,17 +28,17 @@ from .quality import measure_quality, quality_texts
 
 def compile_bundle(settings: CompileSettings, show_progress: bool | None = None) -> Manifest:
     """show_progress None: progress bars on a terminal only (build logs stay clean)."""
-    started = time.perf_counter()
-    _reset_peak_memory()
-    with tqdm(total=5, unit="stage", disable=None if show_progress is None else not show_progress, leave=False) as stages:
-        return _compile(settings, stages, show_progress, started)
+    with tqdm(total=len(STAGES), unit="stage", disable=None if show_progress is None else not show_progress,
+              leave=False) as bar:
+        return _compile(settings, _Stages(bar), show_progress)
 
 
-def _compile(settings: CompileSettings, stages: tqdm, show_progress: bool | None, started: float) -> Manifest:
-    def stage(name: str) -> None:
-        stages.set_description(name)
+STAGES = ("loading checkpoints", "writing engines", "measuring quantized engines", "running each engine once",
+          "writing the bundle")
 
-    stage("loading checkpoints")
+
+def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool | None) -> Manifest:
+    stages.start("loading checkpoints")
     target = load_checkpoint(settings.target, "target")
     draft = load_checkpoint(settings.draft, "draft")
     validate_pair(target, draft)
@@ -52,41 +52,29 @@ def _compile(settings: CompileSettings, stages: tqdm, show_progress: bool | None
                 for role in checkpoints}
     measured = settings.quality_report and any(n.quantization != "none" for n in numerics.values())
     texts = quality_texts(target.tokenizer) if measured else None
-    stages.update()
 
     with staged_bundle(settings.output, settings.overwrite) as folder, _scratch(folder) as scratch:
-        engines = {}
-        for role, ckpt in checkpoints.items():
-            stage(f"writing the {role} engine")
-            engines[role] = export_engine(ckpt, role, folder, max_seq_len, numerics[role],
-                                          vocab_size=target.spec.shape.vocab_size, show_progress=show_progress)
-        stages.update()
+        stages.start("writing engines")
+        engines = {role: export_engine(ckpt, role, folder, max_seq_len, numerics[role],
+                                       vocab_size=target.spec.shape.vocab_size, show_progress=show_progress)
+                   for role, ckpt in checkpoints.items()}
 
+        stages.start("measuring quantized engines")
         if texts:
-            stage("measuring quantized engines")
             measure_quality(folder, scratch, engines, checkpoints, max_seq_len, texts)
-        stages.update()
 
-        stage("running each engine once")
+        stages.start("running each engine once")
         for info in filter(can_run, engines.values()):
             # A one-token prefill proves each engine loads and runs before the bundle is published (a
             # bf16 one passed the ONNX checker when it was written; it runs only on a GPU runtime).
             Engine(folder / info.file, info, max_seq_len).step([0], total_len=1)
-        stages.update()
 
-        stage("writing the bundle")
+        stages.start("writing the bundle")
         target.tokenizer.save_pretrained(folder / TOKENIZER_DIR)
-        manifest = Manifest(
-            engines=engines,
-            max_seq_len=max_seq_len,
-            gamma=settings.gamma,
-            eos_token_ids=eos,
-            files={},
-            created_by=f"specbuild {__version__}",
-            build={"seconds": round(time.perf_counter() - started, 1), "peak_rss_bytes": _peak_memory()},
-        )
+        manifest = Manifest(engines=engines, max_seq_len=max_seq_len, gamma=settings.gamma, eos_token_ids=eos,
+                            files={}, created_by=f"specbuild {__version__}")
+        manifest.build = stages.finish()  # all but the bundle's digests, which write_manifest takes next
         write_manifest(folder, manifest)
-        stages.update()
     return manifest
 
 
@@ -111,15 +99,41 @@ def _scratch(staging: Path) -> Iterator[Path]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _reset_peak_memory() -> None:
-    """Start the process's peak-RSS counter afresh (Linux), so the manifest's figure is this compile's
-    even in a process that did other work before it."""
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")
+class _Stages:
+    """The progress bar's stage names, and each stage's seconds and peak resident memory for the manifest.
+
+    The peak is the process's own high-water mark (VmHWM), started afresh at each stage where the OS
+    allows it (Linux: /proc/self/clear_refs), so the figures are this compile's even in a process that did
+    other work before it; elsewhere it is the process's lifetime peak (ru_maxrss).
+    """
+
+    def __init__(self, bar: tqdm):
+        self.bar, self.started = bar, time.perf_counter()
+        self.current: tuple[str, float] | None = None
+        self.record: dict[str, dict] = {}
+
+    def start(self, name: str) -> None:
+        self._close()
+        self.bar.set_description(name)
+        with contextlib.suppress(OSError):
+            Path("/proc/self/clear_refs").write_text("5")
+        self.current = (name, time.perf_counter())
+
+    def finish(self) -> dict:
+        self._close()
+        return {"seconds": round(time.perf_counter() - self.started, 1),
+                "peak_rss_bytes": max(stage["peak_rss_bytes"] for stage in self.record.values()),
+                "stages": self.record}
+
+    def _close(self) -> None:
+        if self.current:
+            name, began = self.current
+            self.record[name] = {"seconds": round(time.perf_counter() - began, 1), "peak_rss_bytes": _peak_memory()}
+            self.bar.update()
+        self.current = None
 
 
 def _peak_memory() -> int:
-    """Peak resident memory of this process since _reset_peak_memory (where the OS allows the reset)."""
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):

@@ -84,15 +84,16 @@ def attention(g: GraphBuilder, att: Attention, layer: int, q: ir.Value, k: ir.Va
     (or q alone: packed [S, (H+2KV)·hd]) -> [S, H·hd] and the present K/V.
 
     rotary: cos/sin tables [max_seq_len, rotary_dim/2], applied inside the op (rotate-half, to the first
-    rotary_dim of each head). window: transformers' sliding window, the number of positions a query sees
-    including its own; the op's local_window_size counts the positions before it, so it is window - 1.
+    rotary_dim of each head). window: transformers' sliding window (a query sees the `window` positions
+    up to and including its own). onnxruntime 1.32's local_window_size is the same number: measured
+    against transformers past the window (tests/test_graphs.py), window - 1 and window + 1 are both wrong.
     """
     batched = [g.op("Unsqueeze", t, g.const([0])) if t is not None else None for t in (q, k, v)]  # GQA wants [1, S, ·]
     attrs = dict(num_heads=att.num_heads, kv_num_heads=att.num_kv_heads, scale=float(scale))
     if rotary:
         attrs.update(do_rotary=1, rotary_interleaved=0)
     if window:
-        attrs["local_window_size"] = window - 1
+        attrs["local_window_size"] = window
     if softcap:
         attrs["softcap"] = float(softcap)
     past_key, past_value = att.past[layer]

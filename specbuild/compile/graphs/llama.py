@@ -1,10 +1,10 @@
-"""Llama and the models that are Llama with a twist: Mistral and Qwen2 (sliding windows), Qwen3 (an RMS
-norm on each q and k head), Phi-3 / Phi-4-mini (q, k, v and gate, up stored fused; LongRoPE; partial
-rotary). Pre-norm decoder layers: x + attention(norm(x)), then x + mlp(norm(x))."""
+"""Llama and the models that are Llama with a twist: Llama 3.x (rope scaling, tied embeddings), Mistral
+and Qwen2 (sliding windows), Qwen3 (an RMS norm on each q and k head), Phi-3 / Phi-4-mini (q, k, v and
+gate, up stored fused; LongRoPE; partial rotary). Pre-norm decoder layers: x + attention(norm(x)), then
+x + mlp(norm(x))."""
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 
 from ..load import ModelSpec
@@ -17,7 +17,7 @@ def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_se
     """ids [S] -> (final normed hidden [S, H], each layer's present K/V, the LM head's weight)."""
     shape, eps = spec.shape, spec.norm_eps
     fused = spec.architecture == "Phi3ForCausalLM"
-    rotary = _rotary(g, spec, att, max_seq_len)
+    rotary = _rotary(g, spec, max_seq_len)
     embed = w("model.embed_tokens.weight", rows=vocab_size)
     x = embedding(g, ids, embed)  # [S, H]
     normed, residual = rms_norm(g, x, w("model.layers.0.input_layernorm.weight"), eps), x
@@ -58,22 +58,15 @@ def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_se
     return normed, presents, head
 
 
-def _rotary(g: GraphBuilder, spec: ModelSpec, att: Attention, max_seq_len: int) -> tuple[ir.Value, ir.Value]:
-    """The cos/sin tables. LongRoPE (Phi) has two sets: transformers uses the long factors in a call whose
-    length passes original_max_position_embeddings and the short ones otherwise, so the engine picks per
-    call by total_len the same way (keys already cached keep the rotation they were written with, as in
-    transformers' cache)."""
+def _rotary(g: GraphBuilder, spec: ModelSpec, max_seq_len: int) -> tuple[ir.Value, ir.Value]:
+    """The cos/sin tables, as transformers computes them for one call over max_seq_len tokens.
+
+    LongRoPE (Phi) switches from short to long factors for a call longer than
+    original_max_position_embeddings. The table depends on position only, never on how rows are grouped
+    into calls (which the exactness of speculation needs), so a bundle whose max_seq_len is within the
+    original length uses the short factors throughout, exactly as transformers decodes there; a longer
+    one uses the long factors throughout, as transformers does for a prompt that long (transformers
+    switches mid-sequence when decoding past the boundary, keeping the keys it cached with the short ones).
+    """
     module = rotary_module(spec.architecture, g.ckpt.config)
-    dtype, original = g.numerics.dtype, spec.longrope_original_length
-    if not original or max_seq_len <= original:
-        return rotary_tables(g, ["all"], spec.rotary_dim, max_seq_len, lambda: rope(module, max_seq_len, dtype))
-
-    def short_and_long():
-        # short covers the positions a short call reaches (< original); padded with long's rows to one shape.
-        short, long = rope(module, original, dtype), rope(module, max_seq_len, dtype)
-        return (*(np.concatenate([s, l[original:]]) for s, l in zip(short, long)), *long)
-
-    short_cos, short_sin, long_cos, long_sin = rotary_tables(g, ["short", "long"], spec.rotary_dim, max_seq_len,
-                                                             short_and_long)
-    past_original = g.op("Greater", att.total_len, g.const(original, np.int32))
-    return g.op("Where", past_original, long_cos, short_cos), g.op("Where", past_original, long_sin, short_sin)
+    return rotary_tables(g, ["all"], spec.rotary_dim, max_seq_len, lambda: rope(module, max_seq_len, g.numerics.dtype))
