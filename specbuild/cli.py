@@ -115,8 +115,9 @@ def generate(bundle, prompt, max_new_tokens, gamma, as_json, device, **sampling)
         }))
         return
     stats = Stats()
+    deltas = decoder.stream_text(prompt, max_new_tokens, gamma, stats=stats, **sampling)  # checks the request
     click.echo(prompt, nl=False)
-    for delta in decoder.stream_text(prompt, max_new_tokens, gamma, stats=stats, **sampling):
+    for delta in deltas:
         click.echo(delta, nl=False)
     click.echo()
     click.echo(_stats_line(stats, gamma), err=True)
