@@ -43,7 +43,7 @@ def _compile(settings: CompileSettings, stages: tqdm) -> Manifest:
 
     measured = settings.quality_report and any(settings.quantization(role) != "none" for role in ("target", "draft"))
     texts = quality_texts(target.tokenizer) if measured else None
-    with staged_bundle(settings.output, settings.overwrite) as folder, tempfile.TemporaryDirectory() as scratch:
+    with staged_bundle(settings.output, settings.overwrite, settings.inputs()) as folder, tempfile.TemporaryDirectory() as scratch:
         engines, exported, fp32_copies = {}, {}, Path(scratch)
         for role, ckpt in (("target", target), ("draft", draft)):
             stage(f"building {role} engine")
