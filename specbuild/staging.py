@@ -45,6 +45,7 @@ def staged_folder(output: Path, check: Callable[[Path], None] = lambda output: N
         staging = output.parent / f".{output.name}.partial-{os.getpid()}"
         scratch = scratch_folder(staging)
         try:
+            shutil.rmtree(staging, ignore_errors=True)  # this process's own, from an earlier failed call
             staging.mkdir()
             yield staging
             shutil.rmtree(scratch, ignore_errors=True)
