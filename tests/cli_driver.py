@@ -1,10 +1,14 @@
-"""Runs many `specbuild` command lines in one process (one start-up instead of one each) for the tests.
+"""Runs `specbuild` command lines for the tests in one long-lived process: one start-up (imports, lazy
+imports of the first compile: ~8 s) for the whole session instead of one per command.
 
-stdin: a JSON list of argument lists (or {"python": source} to exec, e.g. a README example). stdout: a
-JSON list of {"status", "stdout", "stderr", "opened"},
-stderr captured at the file-descriptor level, so what libraries write there directly is seen too;
-"opened": the files under $WATCH_OPENS (if set) that the command opened, as Python's audit hook saw it.
+Each request is a JSON line {"entries": [...], "cwd": folder or null, "watch": folder or null}; an entry
+is an argument list, or {"python": source} to exec (a README example). The reply is a JSON line: one
+{"status", "stdout", "stderr", "opened"} per entry. stderr is captured at the file-descriptor level, so
+what libraries write there directly is seen too; "opened" lists the files under "watch" the entry opened
+(Python's audit hook), e.g. a pickle no command may touch.
 """
+
+from __future__ import annotations
 
 import contextlib
 import io
@@ -17,16 +21,17 @@ import traceback
 
 from specbuild.cli import main
 
-WATCHED = os.environ.get("WATCH_OPENS")
+watched: str | None = None
 opened: list[str] = []
 
 
 def watch(event: str, args: tuple) -> None:
-    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)) and os.fsdecode(args[0]).startswith(WATCHED):
+    if (event == "open" and watched and isinstance(args[0], (str, bytes, os.PathLike))
+            and os.fsdecode(args[0]).startswith(watched)):
         opened.append(os.fsdecode(args[0]))
 
 
-def run(args: list[str] | dict) -> dict:
+def run(entry: list[str] | dict) -> dict:
     opened.clear()
     out = io.StringIO()
     with tempfile.TemporaryFile() as err:
@@ -35,10 +40,10 @@ def run(args: list[str] | dict) -> dict:
         os.dup2(err.fileno(), 2)
         try:
             with contextlib.redirect_stdout(out):
-                if isinstance(args, dict):
-                    exec(compile(args["python"], "<example>", "exec"), {"__name__": "__example__"})
+                if isinstance(entry, dict):
+                    exec(compile(entry["python"], "<example>", "exec"), {"__name__": "__example__"})
                 else:
-                    main(args)
+                    main(entry)
             status = 0
         except SystemExit as exc:
             status = exc.code if isinstance(exc.code, int) else 1
@@ -54,17 +59,39 @@ def run(args: list[str] | dict) -> dict:
                 "opened": list(opened)}
 
 
-def run_in_one_process(argument_lists: list, watch_opens: str | None = None, cwd=None) -> list[dict]:
-    """For the tests: run this driver on argument_lists in a fresh process."""
-    env = {**os.environ, **({"WATCH_OPENS": watch_opens} if watch_opens else {})}
-    result = subprocess.run([sys.executable, __file__], input=json.dumps(argument_lists), capture_output=True,
-                            text=True, env=env, cwd=cwd)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
+class Driver:
+    """The tests' handle on a driver process (conftest's session fixture `cli`)."""
+
+    def __init__(self):
+        self.process = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+
+    def run(self, entries: list, cwd=None, watch=None) -> list[dict]:
+        request = {"entries": entries, "cwd": str(cwd) if cwd else None, "watch": str(watch) if watch else None}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        reply = self.process.stdout.readline()
+        assert reply, "the CLI driver died (see the test's stderr)"
+        return json.loads(reply)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def serve() -> None:
+    global watched
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # what anything writes to fd 1 goes to stderr, not into the replies
+    sys.addaudithook(watch)
+    home = os.getcwd()
+    for line in sys.stdin:
+        request = json.loads(line)
+        watched = request["watch"]
+        os.chdir(request["cwd"] or home)
+        replies.write(json.dumps([run(entry) for entry in request["entries"]]) + "\n")
+        replies.flush()
 
 
 if __name__ == "__main__":
-    if WATCHED:
-        sys.addaudithook(watch)
-    results = [run(args) for args in json.load(sys.stdin)]
-    json.dump(results, sys.__stdout__)
+    serve()

@@ -107,3 +107,14 @@ def bundles(tmp_path_factory, checkpoints):
         return made[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def cli():
+    """One process that runs `specbuild` command lines for every test that asks: cli.run(entries, cwd,
+    watch) (tests/cli_driver.py); the imports are paid once."""
+    from cli_driver import Driver
+
+    driver = Driver()
+    yield driver
+    driver.close()

@@ -2,7 +2,7 @@
 
 CASES is the table; the README's troubleshooting table is generated from it (`python
 tests/test_bad_inputs.py` prints it) and a test checks the README holds exactly that. Command-line
-cases all run in one subprocess (tests/cli_driver.py), so the table costs one start-up, not one each.
+cases run in the session's CLI process (tests/cli_driver.py), so the table costs no start-up of its own.
 Cases that pass only once another engineer's branch is merged are marked with what they need.
 
 Pickles: some cases plant a malicious `pytorch_model.bin` (unpickling it writes a marker file; the
@@ -24,8 +24,6 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-
-from cli_driver import run_in_one_process
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -151,6 +149,18 @@ def source_only_a_pickle(paths: dict) -> None:
     (paths["bundle"] / "manifest.json").write_text(json.dumps(manifest))
 
 
+def falcon(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["FalconForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def other_tokenizer(paths: dict) -> None:
+    from conftest import make_checkpoint, make_tokenizer
+
+    paths["draft"] = make_checkpoint(Path(paths["tmp"]) / "other", "llama", make_tokenizer(300, ("argparse.py",)))
+
+
 def malformed_generation_config(folder: Path) -> None:
     (folder / "generation_config.json").write_text('{"eos_token_id": ')
 
@@ -256,6 +266,17 @@ CASES = [
          ["verify", "{bundle}", "--target", "{target}", "--prompts", "{prompts}", "-n", "4"], 0, "",
          "Nothing: the pickle is never opened.",
          setup=lambda paths: (a_copy_of("target", plant_pickle)(paths), write_file("prompts", PROMPT)(paths))),
+    Case("a checkpoint folder that does not exist", compile_args(), 1, "is not a folder",
+         "Pass a Hugging Face checkpoint folder.", setup=lambda paths: shutil.rmtree(paths["target"])),
+    Case("a checkpoint without `config.json`", compile_args(), 1, "has no config.json",
+         "Pass a Hugging Face checkpoint folder.", setup=a_copy_of("target", lambda f: (f / "config.json").unlink())),
+    Case("a checkpoint without weights", compile_args(), 1, "has no *.safetensors weights",
+         "Pass a complete checkpoint folder.",
+         setup=a_copy_of("target", lambda f: next(f.glob("*.safetensors")).unlink())),
+    Case("an architecture without a graph builder", compile_args(), 1, "specbuild supports",
+         "Use a Llama, Qwen2, Mistral or GPT-2 checkpoint.", setup=a_copy_of("target", falcon)),
+    Case("a draft with another tokenizer", compile_args(), 1, "different tokenizers",
+         "Use a draft trained with the target's tokenizer (`specbuild distill` makes one).", setup=other_tokenizer),
     Case("truncated `*.safetensors`", compile_args(), 1, "model.safetensors",
          "Download or copy the checkpoint again.", setup=a_copy_of("draft", truncate_weights), needs="compile"),
     Case("corrupt `*.safetensors` header", compile_args(), 1, "model.safetensors",
@@ -271,6 +292,11 @@ CASES = [
          "Pass the folder `specbuild compile` wrote."),
     Case("a bundle file changed after compiling", ["generate", "{bundle}", "-p", "x", "-n", "4"], 1, "corrupted",
          "Rebuild the bundle with `specbuild compile`.", setup=a_copy_of("bundle", corrupt_bundle_weights)),
+    Case("a bundle whose `manifest.json` is not JSON", ["generate", "{bundle}", "-p", "x"], 1, "is not valid JSON",
+         "Rebuild the bundle with `specbuild compile`.",
+         setup=a_copy_of("bundle", lambda f: (f / "manifest.json").write_text("{ not json"))),
+    Case("a bundle missing an engine file", ["generate", "{bundle}", "-p", "x"], 1, "draft.onnx is missing",
+         "Rebuild the bundle with `specbuild compile`.", setup=a_copy_of("bundle", lambda f: (f / "draft.onnx").unlink())),
     Case("an edited `manifest.json` (shapes that do not match the engines)", ["generate", "{bundle}", "-p", "x", "-n", "4"],
          1, "manifest", "Rebuild the bundle; never edit a manifest by hand.",
          setup=a_copy_of("bundle", edit_manifest_vocab), needs="runtime"),
@@ -333,8 +359,8 @@ def params(kind_is_cli: bool):
 
 
 @pytest.fixture(scope="module")
-def cli_results(tmp_path_factory, checkpoints, bundles):
-    """Every CLI case prepared in its own folder, then all run in one subprocess: {case id: result}."""
+def cli_results(tmp_path_factory, checkpoints, bundles, cli):
+    """Every CLI case prepared in its own folder, then all run in the CLI process: {case id: result}."""
     cases, held = [], []
     for case in (c for c in CASES if c.args is not None):
         tmp = tmp_path_factory.mktemp(case.id[:40])
@@ -348,7 +374,7 @@ def cli_results(tmp_path_factory, checkpoints, bundles):
         before = snapshot(paths)
         cases.append((case, [a.format(**paths) for a in case.args], paths, before))
     try:
-        results = run_in_one_process([args for _, args, _, _ in cases], watch_opens=str(tmp_path_factory.getbasetemp()))
+        results = cli.run([args for _, args, _, _ in cases], watch=tmp_path_factory.getbasetemp())
     finally:
         for lock in held:
             lock.close()

@@ -1,7 +1,7 @@
 """The README's examples run, in order, against tiny checkpoints made here.
 
 A fenced block right after `<!-- example -->` is run: `bash` blocks line by line as `specbuild` command
-lines (through its entry point, all in one process: tests/cli_driver.py; shell syntax is refused, so
+lines (through its entry point, in one process: tests/cli_driver.py; shell syntax is refused, so
 what runs is what a shell would run), `python` blocks with exec. `<!-- example: FILE -->` writes the
 block to FILE first. They run in a folder holding `checkpoints/target` and `checkpoints/draft`.
 """
@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from cli_driver import run_in_one_process
 from conftest import make_checkpoint
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -37,7 +36,7 @@ def commands(body: str) -> list[list[str]]:
 
 
 @pytest.fixture(scope="module")
-def ran(tmp_path_factory, tokenizer):
+def ran(tmp_path_factory, tokenizer, cli):
     """Every example's entries run in one process in a fresh folder: {README line: [results]}."""
     folder = tmp_path_factory.mktemp("readme")
     # 2048 positions: the README's recipe asks for max_seq_len 1024.
@@ -51,7 +50,7 @@ def ran(tmp_path_factory, tokenizer):
         batch = commands(example["body"]) if example["language"] == "bash" else [{"python": example["body"]}]
         entries += batch
         owners += [example["line"]] * len(batch)
-    results = run_in_one_process(entries, cwd=folder)
+    results = cli.run(entries, cwd=folder)
     by_example = {}
     for line, result in zip(owners, results):
         by_example.setdefault(line, []).append(result)
