@@ -26,7 +26,9 @@ def load_reference(path: Path, role: str = "target"):
     no remote code."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()  # a bar per load on stderr, where a pipeline reads one-line errors
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True,
                                                      local_files_only=True, trust_remote_code=False)

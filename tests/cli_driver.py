@@ -64,7 +64,8 @@ class Driver:
 
     def __init__(self):
         self.process = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                                        text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false",
+                                                                      "OMP_NUM_THREADS": "1"})  # as conftest
 
     def run(self, entries: list, cwd=None, watch=None) -> list[dict]:
         request = {"entries": entries, "cwd": str(cwd) if cwd else None, "watch": str(watch) if watch else None}

@@ -114,10 +114,18 @@ def test_dynamic_int8_draft_keeps_speculative_output_equal_to_greedy(fp32_bundle
         assert decoder.generate(ids, NEW_TOKENS, 3).token_ids == decoder.generate(ids, NEW_TOKENS, 0).token_ids
 
 
-def test_quantizing_to_none_changes_nothing(fp32_bundle):
-    info = load_manifest(fp32_bundle).engines["target"]
-    assert quantize_engine(fp32_bundle, info, "none") is info
-    load_manifest(fp32_bundle)  # digests still match
+def test_quantizing_to_none_changes_nothing(fp32_bundle, checkpoints, tmp_path):
+    """--quantize int4 --target-quantize none: the draft is quantized, the target's engine is the very
+    bytes an unquantized compile writes."""
+    target = checkpoints("llama", 0, **WIDE)
+    manifest = compile_bundle(CompileSettings(target=target, draft=target, output=tmp_path / "b", max_seq_len=256,
+                                              quantize="int4", target_quantize="none", quality_report=False),
+                              show_progress=False)
+    fp32 = load_manifest(fp32_bundle)
+    assert manifest.engines["target"].quantization == "none" and manifest.engines["draft"].quantization == "int4"
+    for name in ("target.onnx", "target.onnx.data"):
+        assert manifest.files[name] == fp32.files[name], name
+    assert manifest.files["draft.onnx.data"] != fp32.files["draft.onnx.data"]
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
