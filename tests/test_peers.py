@@ -13,17 +13,20 @@ def test_the_assisted_peer_drafts_gamma_tokens_every_round(checkpoints, tokenize
 
     def counted(self, input_ids, *args, **kwargs):
         candidates, logits = get_candidates(self, input_ids, *args, **kwargs)
-        drafted.append(candidates.shape[1] - input_ids.shape[1])
+        drafted.append((candidates.shape[1] - input_ids.shape[1], input_ids.shape[1]))
         return candidates, logits
 
     monkeypatch.setattr(AssistedCandidateGenerator, "get_candidates", counted)
     target, draft = load_reference(checkpoints("llama")), load_reference(checkpoints("llama", 1), "draft")
     ids = tokenizer(PROMPTS[2])["input_ids"]
-    fixed_gamma(draft, 3)
-    transformers_greedy(target, ids, 40, [], assistant_model=draft)
-    fixed = drafted[:-2]  # the last rounds draft no more than the tokens left
-    drafted.clear()
-    draft.generation_config.assistant_confidence_threshold = 0.4  # transformers' default: the control
-    transformers_greedy(target, ids, 40, [], assistant_model=draft)
-    assert len(fixed) > 5 and set(fixed) == {3}, fixed
-    assert min(drafted[:-2]) < 3, drafted  # with the threshold on, unsure drafts stop early
+    runs = {}
+    for threshold in ("off", 0.4):  # 0.4 is transformers' default: the control
+        fixed_gamma(draft, 3)
+        if threshold != "off":
+            draft.generation_config.assistant_confidence_threshold = threshold
+        drafted.clear()
+        transformers_greedy(target, ids, 40, [], assistant_model=draft)
+        # Drafting stops at 3 or at the tokens left before max_new_tokens, whichever comes first.
+        runs[threshold] = [n == min(3, len(ids) + 40 - length - 1) for n, length in drafted]
+    assert len(runs["off"]) > 5 and all(runs["off"]), runs
+    assert not all(runs[0.4]), runs  # with the threshold on, unsure drafts stop early
