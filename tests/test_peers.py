@@ -25,8 +25,8 @@ def test_the_assisted_peer_drafts_gamma_tokens_every_round(checkpoints, tokenize
         if threshold != "off":
             draft.generation_config.assistant_confidence_threshold = threshold
         drafted.clear()
-        transformers_greedy(target, ids, 40, [], assistant_model=draft)
+        transformers_greedy(target, ids, 16, [], assistant_model=draft)
         # Drafting stops at 3 or at the tokens left before max_new_tokens, whichever comes first.
-        runs[threshold] = [n == min(3, len(ids) + 40 - length - 1) for n, length in drafted]
+        runs[threshold] = [n == min(3, len(ids) + 16 - length - 1) for n, length in drafted]
     assert len(runs["off"]) > 5 and all(runs["off"]), runs
     assert not all(runs[0.4]), runs  # with the threshold on, unsure drafts stop early
