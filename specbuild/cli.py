@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from specbuild_runtime.engine import DEVICES
 from specbuild_runtime.errors import SpecbuildError
 
 from . import __version__
@@ -23,6 +24,9 @@ from .recipe import MAX_GAMMA, PRECISIONS, QUANTIZATIONS, setting_problem
 EXIT_INPUT, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 existing_dir = click.Path(exists=False, file_okay=False, path_type=Path)
+device_option = click.option(
+    "--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
+    help="Where the engines run: cuda needs onnxruntime-gpu (pip install ./runtime[gpu]); auto takes CUDA if present.")
 
 
 class Setting(click.ParamType):
@@ -153,39 +157,37 @@ def compile_cmd(recipe, **options) -> None:
 @click.option("--gamma", type=GammaType(), default="auto", show_default=True,
               help="Draft tokens per round: 'auto' adapts to the draft's acceptance, 0 is the target alone.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, stats) instead of streaming text.")
+@device_option
 @sampling_options
-def generate(bundle, prompt, max_new_tokens, gamma, as_json, **sampling) -> None:
+def generate(bundle, prompt, max_new_tokens, gamma, as_json, device, **sampling) -> None:
     """Continue a prompt with speculative decoding (greedy, or sampling with --temperature)."""
     from specbuild_runtime import SpeculativeDecoder, Stats
 
-    decoder = SpeculativeDecoder(bundle, shared_thread_pool=True)
-    stats = Stats(gamma=gamma)
-    prompt_ids = decoder.encode(prompt)
+    decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True)
     if as_json:
-        ids = list(decoder.stream(prompt_ids, max_new_tokens, stats=stats, **sampling))
+        result = decoder.generate(prompt, max_new_tokens, gamma, **sampling)
         click.echo(json.dumps({
-            "text": decoder.tokenizer.decode(ids),
-            "token_ids": ids,
-            "prompt_token_ids": prompt_ids,
-            "stats": stats.to_dict(),
+            "text": result.text,
+            "token_ids": result.token_ids,
+            "prompt_token_ids": result.prompt_token_ids,
+            "gamma": gamma,
+            "stats": result.stats.to_dict(),
         }))
         return
+    stats = Stats()
+    deltas = decoder.stream_text(prompt, max_new_tokens, gamma, stats=stats, **sampling)  # checks the request
     click.echo(prompt, nl=False)
-    ids, shown = [], ""
-    for token in decoder.stream(prompt_ids, max_new_tokens, stats=stats, **sampling):
-        ids.append(token)
-        text = decoder.tokenizer.decode(ids)
-        click.echo(text[len(shown):], nl=False)
-        shown = text
+    for delta in deltas:
+        click.echo(delta, nl=False)
     click.echo()
-    click.echo(_stats_line(stats), err=True)
+    click.echo(_stats_line(stats, gamma), err=True)
 
 
-def _stats_line(stats) -> str:
+def _stats_line(stats, gamma) -> str:
     s = stats.to_dict()
     line = f"{s['generated_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s, ttft {s['ttft_ms']:.1f} ms"
     if stats.drafted:
-        line += f", gamma {stats.gamma}, acceptance {s['acceptance_rate']:.2f}, {s['mean_accepted_tokens']:.2f} tokens/round"
+        line += f", gamma {gamma}, acceptance {s['acceptance_rate']:.2f}, {s['mean_accepted_tokens']:.2f} tokens/round"
     return line
 
 
@@ -237,11 +239,12 @@ def quality_line(q: dict) -> str:
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--gamma", type=GammaType(), default="auto", show_default=True, help="Draft tokens per round.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def verify(bundle, target, prompts, max_new_tokens, gamma, as_json) -> None:
+@device_option
+def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device) -> None:
     """Gate a bundle: its greedy output must equal transformers' on every prompt (exit 1 if not)."""
     from .verify import verify_bundle
 
-    report = verify_bundle(bundle, target, prompts, max_new_tokens, gamma)
+    report = verify_bundle(bundle, target, prompts, max_new_tokens, gamma, device)
     if as_json:
         click.echo(json.dumps(report))
     elif report["identical"]:
@@ -270,12 +273,14 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json) -> None:
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot here (needs matplotlib).")
 @click.option("--temperature", type=Finite(min=0), default=0.0, show_default=True,
               help="Sample at this temperature (seeded per prompt) instead of greedy decoding.")
-def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, temperature) -> None:
+@device_option
+def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, temperature, device) -> None:
     """Measure speculative vs target-only decoding (and peers) side by side, with the theoretical bound."""
     from . import bench as benchmark
     from .texts import CODE_PROMPTS, read_prompts
 
-    report = benchmark.bench(bundle, read_prompts(prompts or CODE_PROMPTS), max_new_tokens, gammas, peers, temperature)
+    report = benchmark.bench(bundle, read_prompts(prompts or CODE_PROMPTS), max_new_tokens, gammas, peers, temperature,
+                             device)
     click.echo(benchmark.format_table(report))
     if json_out:
         json_out.write_text(json.dumps(report, indent=2))

@@ -39,11 +39,13 @@ def load_reference(path: Path, role: str = "target"):
     return model.eval()
 
 
-def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens: int, gamma: int | str) -> dict:
+def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens: int, gamma: int | str,
+                  device: str = "cpu") -> dict:
+    """device: where the bundle runs; transformers runs on the CPU in fp32."""
     from specbuild_runtime import SpeculativeDecoder
 
     prompts = read_prompts(prompts_file)
-    decoder = SpeculativeDecoder(bundle, shared_thread_pool=True)
+    decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True)
     model = load_reference(target)
     eos = sorted(decoder.eos_token_ids)
     tokens = 0

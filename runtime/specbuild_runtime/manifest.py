@@ -6,14 +6,29 @@ A bundle is a folder:
     draft.onnx(.data)       draft engine: same I/O, fed num_drafts = 0
     tokenizer/              the tokenizer both models share (tokenizer.json + HF side files)
 
-Engine I/O (both engines; KV buffers are [1, kv_heads, max_seq_len, head_dim], bound in place):
+Engine I/O, format version 2 (both engines; this docstring is the written contract between the compiler
+and the runtime). S = tokens fed this call, D = num_drafts, V = the engine's vocabulary, F = the engine's
+float type (fp32, fp16 or bf16; see EngineInfo.precision):
     in   input_ids      int64 [1, S]    last accepted token(s) followed by num_drafts draft tokens
+         seqlens_k      int32 [1]       total_len - 1 (GroupQueryAttention's form; fed, not computed, so
+                                        no length arithmetic sits between device nodes)
          total_len      int32 []        tokens in the cache after this call (past + S)
          num_drafts     int64 []        how many of the S tokens are drafts to verify
-         past_key.{i}, past_value.{i}   the shared KV buffers
-    out  accepted       int64 []        leading drafts that equal the model's own greedy choice
-         next_token     int64 []        the model's greedy token after the accepted drafts
+         temperature    f32 []          0 = greedy; above 0 sample from softmax(logits / temperature)
+         top_k          int64 []        keep the k most probable tokens (0 = all)
+         top_p          f32 []          keep the smallest nucleus with this mass (1 = all)
+         draft_probs    f32 [D, V]      the draft's distribution q at each draft (sampling; [0, V] greedy)
+         uniforms       f32 [D+1]       random numbers: D to judge the drafts, one to draw the next token
+         past_key.{i}, past_value.{i}   F [1, kv_heads, max_seq_len, head_dim], the KV buffers, bound
+                                        in place (the same buffers as the present outputs)
+    out  accepted       int64 []        leading drafts accepted (greedy: equal to the model's argmax)
+         next_token     int64 []        the model's token after the accepted drafts
+         probs          f32 [V] / [0]   the distribution next_token was drawn from; [0] when greedy
          present_key.{i}, present_value.{i}   the same buffers, written at positions past..total-1
+Logits and every sampling decision are computed in fp32 whatever F is. No node reduces over an empty
+tensor (a call without drafts runs on the CUDA provider too). A draft whose embedding table has padding
+rows beyond the target's vocabulary is cut to the target's V by the compiler; a smaller draft table
+stays as is and the runtime zero-pads its q to the target's V.
 """
 
 from __future__ import annotations
@@ -26,7 +41,7 @@ from pathlib import Path
 from .errors import BundleError
 
 FORMAT = "specbuild-bundle"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 
@@ -54,6 +69,7 @@ class EngineInfo:
     weight_bytes: int
     source: dict  # {"path": ..., "sha256": digest over the checkpoint's config+weights}
     quality: dict = field(default_factory=dict)
+    source_dtype: str = ""  # the checkpoint's float type ("fp32" | "fp16" | "bf16"); precision is the engine's
 
 
 @dataclass
@@ -64,6 +80,8 @@ class Manifest:
     eos_token_ids: list[int]
     files: dict[str, str]  # relative path -> sha256
     created_by: str = ""
+    # how the compile went: {"seconds", "peak_rss_bytes", "stages": {stage: {"seconds", "peak_rss_bytes"}}}
+    build: dict = field(default_factory=dict)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 

@@ -14,19 +14,44 @@ import numpy as np
 
 from specbuild_runtime import SpeculativeDecoder
 from specbuild_runtime.decode import AUTO, Stats
-from specbuild_runtime.engine import CACHE_TYPES
+from specbuild_runtime.engine import PROVIDERS
 from specbuild_runtime.errors import SpecbuildError
 
 
-def measure_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
-    """This machine's memory read bandwidth in GB/s: the ceiling for decoding a model larger than cache."""
+def measure_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 5) -> float:
+    """The memory bandwidth in GB/s that decoding a model larger than the caches is bound by. CPU: numpy
+    reading an array. CUDA: onnxruntime copying a device tensor with a one-node graph, the way the engines
+    see the GPU's memory (bytes read + written over time)."""
     data = np.ones(megabytes * 2**20 // 8, dtype=np.float64)
+    if device == "cpu":
+        run, moved = data.sum, data.nbytes
+    else:
+        run, moved = _device_copy(data, device), 2 * data.nbytes
+    run()  # warm-up: allocations, kernel loading
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        data.sum()
+        run()
         best = min(best, time.perf_counter() - start)
-    return data.nbytes / best / 1e9
+    return moved / best / 1e9
+
+
+def _device_copy(data: np.ndarray, device: str):
+    """A call that copies data's size on the device: an Identity graph, input and output bound there
+    (run_with_iobinding returns when the device is done)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    shape = list(data.shape)
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "copy",
+                              [helper.make_tensor_value_info("x", TensorProto.DOUBLE, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.DOUBLE, shape)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    session = ort.InferenceSession(model.SerializeToString(), providers=[PROVIDERS[device]])
+    binding = session.io_binding()
+    binding.bind_ortvalue_input("x", ort.OrtValue.ortvalue_from_numpy(data, device, 0))
+    binding.bind_ortvalue_output("y", ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float64, device, 0))
+    return lambda: session.run_with_iobinding(binding)
 
 
 @dataclass
@@ -105,8 +130,8 @@ def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_toke
         decoder.generate(prompts[0], max_new_tokens, gamma)
     for seed, ids in enumerate(prompts):
         for result in results:
-            stats = Stats(gamma=result.gamma)
-            tokens = list(decoder.stream(ids, max_new_tokens, stats=stats, temperature=temperature, seed=seed))
+            stats = Stats()
+            tokens = list(decoder.stream(ids, max_new_tokens, result.gamma, temperature=temperature, seed=seed, stats=stats))
             result.add(stats, tokens)
     return results
 
@@ -126,17 +151,18 @@ def context_latency(decoder: SpeculativeDecoder, short: int = 64, long: int = 10
     One prefill fills the cache to the long context; the two contexts then take turns call by call
     (total_len alone sets how much cache a call reads), so drift in the machine's speed hits both alike.
     """
-    engine = decoder.target
-    engine.configure(temperature=0.0)
     long = min(long, decoder.max_seq_len - 1)
     short = min(short, long)
-    engine.step([1] * long, total_len=long)
     times: dict[int, list[float]] = {short: [], long: []}
-    for _ in range(steps):
-        for ctx in (short, long):
-            start = time.perf_counter()
-            engine.step([1], total_len=ctx + 1)
-            times[ctx].append(time.perf_counter() - start)
+    with decoder.slots.take() as slot:
+        engine = slot.target
+        engine.configure(temperature=0.0)
+        engine.step([1] * long, total_len=long)
+        for _ in range(steps):
+            for ctx in (short, long):
+                start = time.perf_counter()
+                engine.step([1], total_len=ctx + 1)
+                times[ctx].append(time.perf_counter() - start)
     return {ctx: 1e3 * float(np.median(t)) for ctx, t in times.items()}
 
 
@@ -144,17 +170,17 @@ def predicted_context_growth(decoder: SpeculativeDecoder, short: int, long: int)
     """Per-token time ratio long/short if a step costs its bytes read: weights + the valid part of the cache."""
     info = decoder.manifest.engines["target"]
     s = info.shape
-    kv_bytes_per_position = 2 * s.num_layers * s.num_kv_heads * s.head_dim * np.dtype(CACHE_TYPES[info.precision]).itemsize
+    kv_bytes_per_position = 2 * s.num_layers * s.num_kv_heads * s.head_dim * (4 if info.precision == "fp32" else 2)
     return (info.weight_bytes + kv_bytes_per_position * long) / (info.weight_bytes + kv_bytes_per_position * short)
 
 
 def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[int], peers: list[str],
-          temperature: float = 0.0) -> dict:
+          temperature: float = 0.0, device: str = "cpu") -> dict:
     """Sampled runs (temperature > 0) differ token-wise between modes by design: `matches_target` then says
     nothing, and α/speed-up are the figures to read."""
-    decoder = SpeculativeDecoder(bundle, shared_thread_pool=True)
+    decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True)
     prompt_ids = [decoder.encode(p) for p in prompts]
-    bandwidth = measure_bandwidth()
+    bandwidth = measure_bandwidth(decoder.device)
     modes = run_ours(decoder, prompt_ids, max_new_tokens, [0, *gammas, AUTO], temperature)
     baseline = modes[0]
     for mode in modes:
@@ -181,7 +207,9 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
-        "machine_bandwidth_gbs": round(bandwidth, 2),
+        "device": decoder.device,
+        "machine_bandwidth_gbs": round(bandwidth, 2),  # cpu: numpy read; cuda: onnxruntime copy (read + write)
+        "target_call_ms": round(1e3 * target_step, 4),
         "target_weight_mb": round(target_info.weight_bytes / 1e6, 2),
         "draft_weight_mb": round(decoder.manifest.engines["draft"].weight_bytes / 1e6, 2),
         "target_bandwidth_gbs": round(achieved, 2),
@@ -215,8 +243,9 @@ def format_table(report: dict) -> str:
             f"{fmt('efficiency', '.2f'):>6}{fmt('ttft_ms', '.1f'):>9}{itl:>16}  {exact}"
         )
     lines.append(
-        f"target {report['target_weight_mb']} MB, draft {report['draft_weight_mb']} MB; target-only reads "
-        f"{report['target_bandwidth_gbs']} GB/s of this machine's {report['machine_bandwidth_gbs']} GB/s "
+        f"target {report['target_weight_mb']} MB, draft {report['draft_weight_mb']} MB; on {report['device']}, a "
+        f"target-only call takes {report['target_call_ms']:.3f} ms and reads the weights at "
+        f"{report['target_bandwidth_gbs']} GB/s of the measured {report['machine_bandwidth_gbs']} GB/s "
         f"({100 * report['target_bandwidth_fraction']:.0f}%)"
     )
     if "context_latency_ms" in report:

@@ -7,20 +7,27 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from specbuild_runtime.manifest import ModelShape
 
 from ..errors import CheckpointError, PairMismatchError, UnsupportedModelError
 
-# architecture -> graph family; the Llama family differs only in flags read from config.json.
+# architecture -> graph builder (specbuild/compile/graphs/<family>.py)
 ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
+    "LlamaForCausalLM": "llama",  # Llama 2, Llama 3.x (rope scaling, tied embeddings)
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+    "Phi3ForCausalLM": "llama",  # Phi-3, Phi-3.5-mini, Phi-4-mini
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",  # Gemma 3 text (1B; the larger ones are multimodal)
     "GPT2LMHeadModel": "gpt2",
 }
 SUPPORTED_ACTIVATIONS = {"silu", "gelu_new", "gelu_pytorch_tanh", "gelu"}
@@ -28,7 +35,7 @@ SUPPORTED_ACTIVATIONS = {"silu", "gelu_new", "gelu_pytorch_tanh", "gelu"}
 
 @dataclass
 class ModelSpec:
-    """Everything the graph builder needs to know about a model, as plain data."""
+    """Everything the graph builders need to know about a model, as plain data."""
 
     architecture: str
     family: str
@@ -40,7 +47,34 @@ class ModelSpec:
     mlp_bias: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
-    sliding_window: int | None
+    layer_types: list[str]  # per layer: "full_attention" or "sliding_attention"
+    sliding_windows: list[int | None]  # per layer: positions a query sees, its own included (None: all)
+    attention_scale: float  # of q·k before softmax
+    rotary_dim: int  # leading dims of each head that rope rotates (0: no rope)
+    qk_norm: bool = False  # an RMS norm on each q and k head (Qwen3, Gemma 3)
+    attention_softcap: float | None = None  # cap·tanh(scores/cap) (Gemma 2)
+    final_softcap: float | None = None  # the same on the logits (Gemma 2)
+
+
+# safetensors dtype -> numpy dtype (bf16 and fp8 from ml_dtypes, which numpy lacks)
+SAFETENSORS_DTYPES = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+}
+INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lies: its shard, stored dtype and shape, and its bytes' absolute offsets."""
+
+    file: Path
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
 
 
 @dataclass
@@ -50,6 +84,55 @@ class Checkpoint:
     config: object  # transformers.PretrainedConfig, kept for rotary tables
     tokenizer: object  # transformers.PreTrainedTokenizerFast
     weight_files: list[Path]
+    entries: dict[str, TensorEntry]  # every stored tensor, from the shards' headers
+
+    def tensor_names(self) -> list[str]:
+        return list(self.entries)
+
+    def entry(self, name: str) -> TensorEntry:
+        """The stored dtype and shape of a tensor without reading it."""
+        entry = self.entries.get(name)
+        if entry is None:
+            where = self.path / INDEX if (self.path / INDEX).is_file() else self.path
+            raise CheckpointError(
+                f"{where} has no tensor {name!r}, which a {self.spec.architecture} needs; the checkpoint is "
+                "incomplete or not the architecture its config.json names"
+            )
+        return entry
+
+    def tensor(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """One tensor in its stored dtype, read from its shard on demand; rows=(start, stop) reads only
+        those rows (along the first axis).
+
+        Read with one read into a fresh array instead of through the safetensors library: the library
+        maps the whole shard (its pages then count in this process's memory until the shard is closed)
+        and its numpy reader has no bf16.
+        """
+        entry = self.entry(name)
+        start, stop = rows if rows is not None else (0, entry.shape[0] if entry.shape else 1)
+        row_bytes = (entry.end - entry.start) // max(entry.shape[0], 1) if entry.shape else entry.end - entry.start
+        array = np.empty((stop - start, *entry.shape[1:]) if entry.shape else (), entry.dtype)
+        view = memoryview(array.reshape(-1).view(np.uint8))
+        with open(entry.file, "rb") as f:
+            f.seek(entry.start + start * row_bytes)
+            done = 0
+            while done < len(view):
+                count = f.readinto(view[done:])
+                if not count:
+                    raise CheckpointError(f"{entry.file} is truncated (tensor {name!r} ends past the end of the "
+                                          "file); download or save the checkpoint again")
+                done += count
+        return array
+
+    def float_dtype(self) -> np.dtype:
+        """The float type most of the weights' bytes are stored in."""
+        totals: dict[np.dtype, int] = {}
+        for entry in self.entries.values():
+            if entry.dtype.kind == "f" or entry.dtype.kind == "V":  # ml_dtypes' bf16 and fp8 are kind V
+                totals[entry.dtype] = totals.get(entry.dtype, 0) + entry.end - entry.start
+        if not totals:
+            raise CheckpointError(f"{self.path} has no float weights")
+        return max(totals, key=totals.get)
 
     def digest(self) -> str:
         """sha256 over config.json and the weight files: identifies the source of an engine."""
@@ -60,17 +143,6 @@ class Checkpoint:
                 while block := f.read(1 << 22):
                     h.update(block)
         return h.hexdigest()
-
-    def tensors(self) -> dict[str, np.ndarray]:
-        """All weights as float32 numpy arrays, read with safetensors (bf16 goes through torch)."""
-        from safetensors import safe_open
-
-        out = {}
-        for path in self.weight_files:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    out[name] = f.get_tensor(name).float().numpy()
-        return out
 
 
 def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
@@ -87,15 +159,37 @@ def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
     architecture = (raw.get("architectures") or ["<none>"])[0]
     if architecture not in ARCHITECTURES:
         raise UnsupportedModelError(
-            f"{role} checkpoint {path} is a {architecture}; specbuild supports {', '.join(sorted(ARCHITECTURES))}"
+            f"{role} checkpoint {path} is a {architecture}{_kind(architecture, raw)}, which specbuild does not "
+            f"compile; it supports {', '.join(sorted(ARCHITECTURES))}"
         )
     weight_files = _weight_files(path, role)
+    entries = _entries(weight_files, path)
     config = _load_config(path, role)
     tokenizer = _load_tokenizer(path, role)
-    return Checkpoint(path, _spec(config, architecture, path, role), config, tokenizer, weight_files)
+    return Checkpoint(path, _spec(config, architecture, path, role), config, tokenizer, weight_files, entries)
+
+
+def _kind(architecture: str, config: dict) -> str:
+    if "num_experts" in config or "num_local_experts" in config or "Moe" in architecture:
+        return " (mixture of experts)"
+    if "vision_config" in config or "audio_config" in config or "ConditionalGeneration" in architecture:
+        return " (multimodal)"
+    return ""
 
 
 def _weight_files(path: Path, role: str) -> list[Path]:
+    """The shards model.safetensors.index.json names, or else every *.safetensors in the folder."""
+    index = path / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index} is not a safetensors index ({type(exc).__name__}: {exc})") from None
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names {missing[0]}, which is not in {path}; the download is incomplete")
+        return [path / n for n in names]
     files = sorted(path.glob("*.safetensors"))
     if files:
         return files
@@ -105,6 +199,41 @@ def _weight_files(path: Path, role: str) -> list[Path]:
             "Re-save it with `model.save_pretrained(dir, safe_serialization=True)`"
         )
     raise CheckpointError(f"{role} checkpoint {path} has no *.safetensors weights")
+
+
+def _entries(files: list[Path], folder: Path) -> dict[str, TensorEntry]:
+    """Every tensor's entry, from the shards' headers (8-byte length, then JSON; see the safetensors spec).
+
+    Checked against each file's size, so a truncated download fails here, before anything is built.
+    """
+    entries: dict[str, TensorEntry] = {}
+    for file in files:
+        size = file.stat().st_size
+        try:
+            with open(file, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                if length > size - 8:
+                    raise ValueError(f"its header claims {length} bytes, the file has {size}")
+                header = json.loads(f.read(length))
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+                if dtype is None:
+                    raise ValueError(f"tensor {name!r} has dtype {info['dtype']}, which specbuild does not read")
+                begin, end = (8 + length + int(o) for o in info["data_offsets"])
+                shape = tuple(int(d) for d in info["shape"])
+                if end - begin != dtype.itemsize * math.prod(shape) or end > size:
+                    raise ValueError(f"tensor {name!r} needs bytes {begin}..{end}, the file has {size}")
+                if name in entries:
+                    raise ValueError(f"tensor {name!r} is also in {entries[name].file.name}")
+                entries[name] = TensorEntry(file, dtype, shape, begin, end)
+        except (struct.error, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{file} is truncated or corrupt (unreadable header: {type(exc).__name__}); "
+                                  "download or save the checkpoint again") from None
+        except ValueError as exc:
+            raise CheckpointError(f"{file} is truncated or corrupt ({exc}); download or save the checkpoint again") from None
+    return entries
 
 
 def _load_config(path: Path, role: str):
@@ -134,11 +263,13 @@ def _load_tokenizer(path: Path, role: str):
 def _spec(config, architecture: str, path: Path, role: str) -> ModelSpec:
     family = ARCHITECTURES[architecture]
     if family == "gpt2":
-        hidden, heads = config.n_embd, config.n_head
+        if config.scale_attn_by_inverse_layer_idx or config.reorder_and_upcast_attn:
+            raise UnsupportedModelError(f"{role} checkpoint {path}: GPT-2 attention variants are not supported")
+        hidden, heads, layers = config.n_embd, config.n_head, config.n_layer
         spec = ModelSpec(
             architecture=architecture,
             family=family,
-            shape=ModelShape(config.n_layer, hidden, heads, heads, hidden // heads, config.vocab_size),
+            shape=ModelShape(layers, hidden, heads, heads, hidden // heads, config.vocab_size),
             intermediate_size=config.n_inner or 4 * hidden,
             norm_eps=config.layer_norm_epsilon,
             hidden_act=config.activation_function,
@@ -146,47 +277,57 @@ def _spec(config, architecture: str, path: Path, role: str) -> ModelSpec:
             mlp_bias=True,
             tie_word_embeddings=True,
             max_position_embeddings=config.n_positions,
-            sliding_window=None,
+            layer_types=["full_attention"] * layers,
+            sliding_windows=[None] * layers,
+            attention_scale=(hidden // heads) ** -0.5,
+            rotary_dim=0,
         )
-        if config.scale_attn_by_inverse_layer_idx or config.reorder_and_upcast_attn:
-            raise UnsupportedModelError(f"{role} checkpoint {path}: GPT-2 attention variants are not supported")
     else:
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        use_sliding = getattr(config, "use_sliding_window", True)
-        spec = ModelSpec(
-            architecture=architecture,
-            family=family,
-            shape=ModelShape(
-                config.num_hidden_layers,
-                config.hidden_size,
-                heads,
-                getattr(config, "num_key_value_heads", None) or heads,
-                head_dim,
-                config.vocab_size,
-            ),
-            intermediate_size=config.intermediate_size,
-            norm_eps=config.rms_norm_eps,
-            hidden_act=config.hidden_act,
-            # Qwen2 always has q/k/v biases; Llama and Mistral say so in attention_bias.
-            attention_bias=architecture == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False)),
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            tie_word_embeddings=bool(config.tie_word_embeddings),
-            max_position_embeddings=config.max_position_embeddings,
-            sliding_window=getattr(config, "sliding_window", None) if use_sliding else None,
-        )
-        if head_dim % 16:
-            raise UnsupportedModelError(
-                f"{role} checkpoint {path}: head_dim {head_dim} is not a multiple of 16, which onnxruntime's "
-                "rotary attention kernel requires"
-            )
-        if architecture == "Qwen2ForCausalLM" and any(
-            t != "full_attention" for t in (getattr(config, "layer_types", None) or [])
-        ):
-            raise UnsupportedModelError(f"{role} checkpoint {path}: Qwen2 per-layer sliding windows are not supported")
+        spec = _rope_model_spec(config, architecture, family, path, role)
     if spec.hidden_act not in SUPPORTED_ACTIVATIONS:
         raise UnsupportedModelError(f"{role} checkpoint {path}: activation {spec.hidden_act!r} is not supported")
     return spec
+
+
+def _rope_model_spec(config, architecture: str, family: str, path: Path, role: str) -> ModelSpec:
+    """Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3: config.json names the same things alike, almost."""
+    heads, layers = config.num_attention_heads, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3 keeps one set per layer type
+    rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    if head_dim % 16 or rotary_dim % 16:
+        raise UnsupportedModelError(
+            f"{role} checkpoint {path}: head_dim {head_dim} (rotary part {rotary_dim}) is not a multiple of 16, "
+            "which onnxruntime's rotary attention kernel requires"
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(f"{role} checkpoint {path}: bidirectional attention (an embedding model) cannot decode")
+    # layer_types (Qwen2/3, Gemma) says which layers slide; Mistral and Phi-3 slide everywhere if they slide.
+    window = getattr(config, "sliding_window", None)
+    layer_types = list(getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * layers)
+    gemma = family == "gemma"
+    return ModelSpec(
+        architecture=architecture,
+        family=family,
+        shape=ModelShape(layers, config.hidden_size, heads, getattr(config, "num_key_value_heads", None) or heads,
+                         head_dim, config.vocab_size),
+        intermediate_size=config.intermediate_size,
+        norm_eps=config.rms_norm_eps,
+        hidden_act=config.hidden_activation if gemma else config.hidden_act,
+        # Qwen2 always has q/k/v biases; Llama and Mistral say so in attention_bias.
+        attention_bias=architecture == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False)),
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        tie_word_embeddings=bool(config.tie_word_embeddings),
+        max_position_embeddings=config.max_position_embeddings,
+        layer_types=layer_types,
+        sliding_windows=[window if kind == "sliding_attention" and window else None for kind in layer_types],
+        attention_scale=(config.query_pre_attn_scalar if gemma else head_dim) ** -0.5,
+        rotary_dim=rotary_dim,
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+        attention_softcap=getattr(config, "attn_logit_softcapping", None),
+        final_softcap=getattr(config, "final_logit_softcapping", None),
+    )
 
 
 def validate_pair(target: Checkpoint, draft: Checkpoint) -> None:
@@ -232,9 +373,17 @@ def eos_token_ids(ckpt: Checkpoint) -> list[int]:
     gen_path = ckpt.path / "generation_config.json"
     eos = None
     if gen_path.is_file():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        try:
+            eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+            raise CheckpointError(f"{gen_path} is not a JSON object ({type(exc).__name__}: {exc}); fix or "
+                                  "remove it") from None
     if eos is None:
         eos = getattr(ckpt.config, "eos_token_id", None)
     if eos is None:
         return []
-    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in ids):
+        raise CheckpointError(f"{ckpt.path}: eos_token_id {eos!r} is not a token id or a list of them; fix "
+                              "generation_config.json or config.json")
+    return ids
