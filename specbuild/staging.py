@@ -52,13 +52,19 @@ def staged_folder(output: Path, check: Callable[[Path], None] = lambda output: N
             _make_readable(staging)
             _publish(staging, output)
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            if _disk_full(exc, output.parent):
                 raise OutputError(f"no space left on the disk of {output.parent} while writing {output.name} "
                                   "(nothing was written); free some space or choose another output") from None
             raise
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _disk_full(exc: OSError, folder: Path) -> bool:
+    """ENOSPC, or a short write that says no errno (numpy's tofile: "N requested and M written") while
+    the disk has under a MiB left (checked before the staging folder is removed)."""
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT) or (exc.errno is None and shutil.disk_usage(folder).free < 2**20)
 
 
 @contextmanager

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from conftest import PROMPTS, make_checkpoint
+from test_bad_inputs import drop_a_tensor
 
 
 def specbuild(*args, check=False):
@@ -56,8 +57,8 @@ def test_verify_reports_identical_and_exits_nonzero_on_divergence(bundles, check
 
 
 def test_a_failure_while_building_leaves_no_partial_bundle(checkpoints, tmp_path, monkeypatch):
-    """The draft's weights are truncated: reading them fails while the target's engine already sits in
-    the staging folder (the spy proves the failure came inside staging, not before it)."""
+    """The draft lacks a tensor: building its engine fails while the target's engine already sits in the
+    staging folder (the spy proves the failure came inside staging, not before it)."""
     from contextlib import contextmanager
 
     from specbuild.compile import compile_bundle, pipeline
@@ -65,8 +66,7 @@ def test_a_failure_while_building_leaves_no_partial_bundle(checkpoints, tmp_path
 
     draft = tmp_path / "draft"
     shutil.copytree(checkpoints("llama", 1), draft)
-    weights = draft / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    drop_a_tensor(draft)
     staged, at_failure = pipeline.staged_bundle, []
 
     @contextmanager

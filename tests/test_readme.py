@@ -6,7 +6,6 @@ what runs is what a shell would run), `python` blocks with exec. `<!-- example: 
 block to FILE first. They run in a folder holding `checkpoints/target` and `checkpoints/draft`.
 """
 
-import importlib.util
 import re
 import shlex
 from pathlib import Path
@@ -57,14 +56,7 @@ def ran(tmp_path_factory, tokenizer, cli):
     return by_example
 
 
-def _needs_runtime(example) -> tuple:
-    """The Python examples use the runtime's API as the team fixed it (e.g. `Stats()`)."""
-    if example["language"] == "python" and importlib.util.find_spec("specbuild_runtime.validation") is None:
-        return (pytest.mark.xfail(strict=True, reason="passes once the runtime branch (Stats reshaped) is merged"),)
-    return ()
-
-
-@pytest.mark.parametrize("example", [pytest.param(e, id=f"line-{e['line']}-{e['language']}", marks=_needs_runtime(e))
+@pytest.mark.parametrize("example", [pytest.param(e, id=f"line-{e['line']}-{e['language']}")
                                      for e in examples() if not e["file"]])
 def test_readme_example_runs(example, ran):
     for result in ran[example["line"]]:
