@@ -103,7 +103,7 @@ def kill_pass(output: Path, mode: str, first_point: int, stride: int) -> list[di
     """Kill at every stride-th point until the new bundle is published, then at every point from the last
     one before that to the end (where the output path changes hands)."""
     compile_bundle(settings(output, OLD_GAMMA, False), show_progress=False)
-    records = []
+    records: dict[int, dict] = {}
 
     def kill_at(point: int) -> dict:
         def overwrite():
@@ -117,17 +117,17 @@ def kill_pass(output: Path, mode: str, first_point: int, stride: int) -> list[di
             refused = False
         except SpecbuildError:
             refused = True
-        records.append({"point": point, "status": status, "after_kill": after_kill, "refused": refused,
-                        "after_next_compile": state(output)})
-        return records[-1]
+        records[point] = {"point": point, "status": status, "after_kill": after_kill, "refused": refused,
+                          "after_next_compile": state(output)}
+        return records[point]
 
     point = first_point
     while (r := kill_at(point))["status"] == -signal.SIGKILL and r["after_kill"]["output"] == OLD_GAMMA:
         point += stride
-    point = max(first_point, point - stride + 1) if r["status"] == -signal.SIGKILL else point
-    while kill_at(point)["status"] == -signal.SIGKILL:  # until the compile finishes before the point
+    point = max(first_point, point - stride + 1)
+    while (records.get(point) or kill_at(point))["status"] == -signal.SIGKILL:  # until the compile ends first
         point += 1
-    return sorted(records, key=lambda r: r["point"])
+    return [records[p] for p in sorted(records)]
 
 
 def fill_the_disk() -> dict | None:
