@@ -105,7 +105,7 @@ RULES: dict[str, Callable[[object], str | None]] = {
     "output": _path,
     "recipe": _path,
     "gamma": _whole(1, MAX_GAMMA),
-    "max_seq_len": _whole(1),
+    "max_seq_len": _whole(2),  # room for a prompt token and one generated token
     "quantize": _one_of(*QUANTIZATIONS),
     "target_quantize": _one_of(*QUANTIZATIONS),
     "draft_quantize": _one_of(*QUANTIZATIONS),

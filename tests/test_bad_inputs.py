@@ -212,7 +212,7 @@ CASES = [
          "γ is the most drafts per round: 1 to 32 (speculation stops paying long before)."),
     Case("`--gamma 0`", compile_args("{tmp}/bundle", "--gamma", "0"), 2, "from 1 to 32",
          "Give 1 to 32; target-only decoding is `generate --gamma 0`."),
-    Case("`--max-seq-len 0` or `-5`", compile_args("{tmp}/bundle", "--max-seq-len", "-5"), 2, "1 or more",
+    Case("`--max-seq-len 0` or `-5`", compile_args("{tmp}/bundle", "--max-seq-len", "-5"), 2, "2 or more",
          "Give the context length to allocate, or leave it out for min(2048, the target's)."),
     Case("`--max-seq-len` beyond the model's positions", compile_args("{tmp}/bundle", "--max-seq-len", "4096"), 1,
          "max_position_embeddings", "Use the largest length the message names, or less."),
