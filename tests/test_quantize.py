@@ -98,6 +98,16 @@ def test_quantizing_slices_of_rows_gives_onnxruntimes_bits_for_the_whole_tensor(
         assert np.array_equal(got, want)
 
 
+def test_quantizing_to_none_changes_nothing(bundle):
+    """--quantize int4 --target-quantize none: the draft is quantized, the target's engine is the very
+    bytes an unquantized compile writes."""
+    mixed, fp32 = load_manifest(bundle(quantize="int4", target_quantize="none")), load_manifest(bundle())
+    assert mixed.engines["target"].quantization == "none" and mixed.engines["draft"].quantization == "int4"
+    for name in ("target.onnx", "target.onnx.data"):
+        assert mixed.files[name] == fp32.files[name], name
+    assert mixed.files["draft.onnx.data"] != fp32.files["draft.onnx.data"]
+
+
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_half_precision_engine_passes_the_onnx_checker_with_half_kv_cache(precision, bundle):
     folder = bundle(precision=precision)

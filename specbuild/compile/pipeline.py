@@ -54,7 +54,7 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
     measured = settings.quality_report and any(n.quantization != "none" for n in numerics.values())
     texts = quality_texts(target.tokenizer) if measured else None
 
-    with staged_bundle(settings.output, settings.overwrite) as folder, _scratch(folder) as scratch:
+    with staged_bundle(settings.output, settings.overwrite, settings.inputs()) as folder, _scratch(folder) as scratch:
         stages.start("writing engines")
         engines = {role: export_engine(ckpt, role, folder, max_seq_len, numerics[role],
                                        vocab_size=target.spec.shape.vocab_size, show_progress=show_progress)
