@@ -30,6 +30,12 @@ SAMPLING_DECAY = 0.9
 # swung κ between 0 and 0.2 and pushed auto into target-only rounds it lost on (30-40% of rounds on the
 # demo pair, where auto then trailed fixed γ = 4 by 5-15%; with this slow one it beats it).
 COST_DECAY = 0.95
+# A call stretched by preemption on a shared machine once raised κ from 0.03 to 1.09 and c to 1.35 within
+# one request, after which auto never drafted again: its probes draft one token, which updates neither κ
+# (rounds of two drafts or more) nor c (a probe's draft call also catches up on missed tokens). So one
+# sample may pull an estimate at most as far as OUTLIER times the estimate (plus a floor, for estimates
+# near 0) would: a real change still shows within ~15 calls, one stray call moves it by a few per cent.
+OUTLIER = 3.0
 
 
 class FixedGamma:
@@ -58,16 +64,16 @@ class Costs:
     def observe(self, drafted: int, draft_seconds: float, target_seconds: float, caught_up: bool) -> None:
         with self.lock:
             if drafted == 0:
-                self.target_step = _ema(self.target_step, target_seconds, COST_DECAY)
+                self.target_step = _ema(self.target_step, target_seconds)
                 return
             if self.target_step is None:
                 # No call without drafts seen yet: split the call's time with the current κ.
                 self.target_step = target_seconds / (1 + (drafted - 1) * self.extra_token_cost)
             elif drafted > 1:
                 extra = (target_seconds / self.target_step - 1) / (drafted - 1)
-                self.extra_token_cost = _ema(self.extra_token_cost, max(extra, 0.0), COST_DECAY)
+                self.extra_token_cost = _ema(self.extra_token_cost, max(extra, 0.0), floor=0.05)
             if not caught_up:
-                self.draft_cost = _ema(self.draft_cost, draft_seconds / drafted / self.target_step, COST_DECAY)
+                self.draft_cost = _ema(self.draft_cost, draft_seconds / drafted / self.target_step, floor=0.05)
 
 
 class AdaptiveGamma:
@@ -127,5 +133,8 @@ class AdaptiveGamma:
         self.costs.observe(drafted, draft_seconds, target_seconds, caught_up)
 
 
-def _ema(old: float | None, new: float, decay: float) -> float:
-    return new if old is None else decay * old + (1 - decay) * new
+def _ema(old: float | None, new: float, floor: float = 0.0) -> float:
+    """The slow cost average, a sample clipped to OUTLIER times the estimate (+ floor)."""
+    if old is None:
+        return new
+    return COST_DECAY * old + (1 - COST_DECAY) * min(new, OUTLIER * old + floor)
