@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import resource
 import shutil
 import struct
 import subprocess
@@ -122,21 +123,28 @@ def tokenizer():
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
 
 
-def measured(command: list[str], log: Path) -> dict:
-    """Run command in a process of its own: wall seconds, peak RSS (the kernel's ru_maxrss), exit code."""
-    started = time.perf_counter()
+def measured(command: list[str], log: Path, memory_limit: int | None = None) -> dict:
+    """Run command in a process of its own: wall seconds, peak RSS (the kernel's ru_maxrss), exit code,
+    the load average around it. memory_limit caps its address space, so a run that would not fit this
+    shared machine fails by itself instead of waking the OOM killer."""
+    def limit():
+        if memory_limit:
+            resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
+
+    load_before, started = os.getloadavg()[0], time.perf_counter()
     with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=limit)
         _, status, usage = os.wait4(process.pid, 0)
     return {"seconds": round(time.perf_counter() - started, 1), "peak_rss_bytes": usage.ru_maxrss * 1024,
-            "exit_code": os.waitstatus_to_exitcode(status), "log": str(log)}
+            "exit_code": os.waitstatus_to_exitcode(status), "load_average": [load_before, os.getloadavg()[0]],
+            "log": str(log), **({"address_space_limit_bytes": memory_limit} if memory_limit else {})}
 
 
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def run(shape: str, precision: str, scratch: Path, builder: bool, keep: bool, tok) -> dict:
+def run(shape: str, precision: str, scratch: Path, builder: bool, keep: bool, tok, builder_limit: int | None) -> dict:
     config = json.loads((CONFIGS / f"{shape}.json").read_text())
     target, draft = scratch / f"{shape}-target", scratch / f"{shape}-draft"
     made = time.perf_counter()
@@ -169,7 +177,7 @@ def run(shape: str, precision: str, scratch: Path, builder: bool, keep: bool, to
         provider = "cuda" if precision in ("fp16", "bf16") else "cpu"
         theirs = measured([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(target), "-o", str(out),
                            "-p", precision, "-e", provider, "-c", str(scratch / "builder-cache")],
-                          scratch / f"{shape}-{precision}-builder.log")
+                          scratch / f"{shape}-{precision}-builder.log", builder_limit)
         theirs["execution_provider"] = provider
         if theirs["exit_code"] == 0:
             theirs["output_bytes"] = folder_bytes(out)
@@ -189,6 +197,8 @@ def main() -> None:
     parser.add_argument("--precisions", default="fp16", help="comma-separated: fp32, fp16, bf16, int8, int4")
     parser.add_argument("--builder", action=argparse.BooleanOptionalAction, default=True,
                         help="also run onnxruntime-genai's model builder on the same checkpoint")
+    parser.add_argument("--builder-memory-limit-gb", type=float,
+                        help="cap the builder's address space (it holds whole models in memory)")
     parser.add_argument("--keep", action="store_true", help="keep checkpoints and bundles (default: delete them)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
@@ -198,7 +208,8 @@ def main() -> None:
     results = []
     for shape in args.shapes.split(","):
         for precision in args.precisions.split(","):
-            result = run(shape, precision, args.scratch, args.builder, args.keep, tok)
+            limit = int(args.builder_memory_limit_gb * 2**30) if args.builder_memory_limit_gb else None
+            result = run(shape, precision, args.scratch, args.builder, args.keep, tok, limit)
             results.append(result)
             print(json.dumps(result), flush=True)
         if not args.keep:

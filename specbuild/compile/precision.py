@@ -76,7 +76,3 @@ def convert_into(rows: np.ndarray, out: np.ndarray, plus_one: bool = False) -> N
     1 + w, added in fp32 as transformers does; those are 1-D and small)."""
     precision_name(rows.dtype)  # refuses fp8 and integer tensors with a clear error
     out[...] = rows.astype(np.float32) + 1.0 if plus_one else rows
-
-
-def rows_per_chunk(row_bytes: int) -> int:
-    return max(1, CHUNK_BYTES // max(row_bytes, 1))

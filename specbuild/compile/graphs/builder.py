@@ -17,8 +17,8 @@ import numpy as np
 import onnx_ir as ir
 
 from ..load import Checkpoint
-from ..precision import Numerics, convert_into, rows_per_chunk
-from ..quantize import QuantizedRows, quantize_rows
+from ..precision import CHUNK_BYTES, Numerics, convert_into
+from ..quantize import QUANTIZE_CHUNK_BYTES, QuantizedRows, quantize_rows
 
 OPSET = 23  # RMSNormalization
 IR_VERSION = 10  # onnxruntime 1.31 loads IR <= 13; onnx 1.23 would write 14
@@ -59,16 +59,20 @@ class Weight:
             offset += count
         return np.concatenate(parts)
 
-    def chunks(self, ckpt: Checkpoint):
-        """(start, stop, rows) over the whole weight, a few MB at a time."""
-        shape = self.shape(ckpt)
-        if len(shape) == 1:
-            yield 0, shape[0], np.concatenate([ckpt.tensor(name) for name in self.names])
+    def chunks(self, ckpt: Checkpoint, chunk_bytes: int = CHUNK_BYTES):
+        """(start, stop, rows) over the whole weight, chunk_bytes of it at a time, each slice read straight
+        from the one checkpoint tensor it lies in."""
+        if self.conv1d or len(self.shape(ckpt)) == 1:  # small: GPT-2's Conv1D weights, norms, biases
+            yield 0, self.shape(ckpt)[0], self.read(ckpt, 0, self.shape(ckpt)[0])
             return
-        step = rows_per_chunk(shape[1] * ckpt.entry(self.names[0]).dtype.itemsize)
-        for start in range(0, shape[0], step):
-            stop = min(start + step, shape[0])
-            yield start, stop, self.read(ckpt, start, stop)
+        offset, end = 0, self.shape(ckpt)[0]
+        for name in self.names:
+            entry = ckpt.entry(name)
+            step = max(1, chunk_bytes // (entry.shape[1] * entry.dtype.itemsize))
+            for start in range(0, min(entry.shape[0], end - offset), step):
+                stop = min(start + step, entry.shape[0], end - offset)
+                yield offset + start, offset + stop, ckpt.tensor(name, rows=(start, stop))
+            offset += entry.shape[0]
 
 
 def w(*names: str, **options) -> Weight:
@@ -169,7 +173,7 @@ class GraphBuilder:
 
     def _quantize(self, weight: Weight, q: QuantizedRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         packed, scales, zero_points = q.empty()
-        for start, stop, rows in weight.chunks(self.ckpt):
+        for start, stop, rows in weight.chunks(self.ckpt, QUANTIZE_CHUNK_BYTES):
             quantize_rows(rows, q, packed[start:stop], scales[start:stop], zero_points[start:stop])
         return packed, scales.astype(self.numerics.dtype), zero_points
 
