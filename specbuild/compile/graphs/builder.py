@@ -46,26 +46,14 @@ class Weight:
         rows = sum(s[0] for s in shapes)
         return (min(rows, self.rows or rows), shapes[0][1])
 
-    def read(self, ckpt: Checkpoint, start: int, stop: int) -> np.ndarray:
-        """Rows start..stop in the checkpoint's own dtype."""
-        if len(self.names) == 1 and not self.conv1d:
-            return ckpt.tensor(self.names[0], rows=(start, stop))
-        parts, offset = [], 0
-        for name in self.names:
-            count = ckpt.entry(name).shape[-1 if self.conv1d else 0]
-            lo, hi = max(start - offset, 0), min(stop - offset, count)
-            if lo < hi:
-                parts.append(ckpt.tensor(name).T[lo:hi] if self.conv1d else ckpt.tensor(name, rows=(lo, hi)))
-            offset += count
-        return np.concatenate(parts)
-
     def chunks(self, ckpt: Checkpoint, chunk_bytes: int = CHUNK_BYTES):
         """(start, stop, rows) over the whole weight, chunk_bytes of it at a time, each slice read straight
         from the one checkpoint tensor it lies in."""
+        end = self.shape(ckpt)[0]
         if self.conv1d or len(self.shape(ckpt)) == 1:  # small: GPT-2's Conv1D weights, norms, biases
-            yield 0, self.shape(ckpt)[0], self.read(ckpt, 0, self.shape(ckpt)[0])
+            yield 0, end, np.concatenate([ckpt.tensor(n).T if self.conv1d else ckpt.tensor(n) for n in self.names])
             return
-        offset, end = 0, self.shape(ckpt)[0]
+        offset = 0
         for name in self.names:
             entry = ckpt.entry(name)
             step = max(1, chunk_bytes // (entry.shape[1] * entry.dtype.itemsize))
