@@ -5,6 +5,7 @@ import onnx
 import pytest
 
 from conftest import PROMPTS
+from specbuild.cli import quality_line
 from specbuild.compile import compile_bundle, quality
 from specbuild.compile.quality import _engine, quality_report
 from specbuild.compile.quantize import QuantizedRows, quantize_rows
@@ -161,6 +162,7 @@ def test_quality_report_is_skipped_above_its_size_limit(wide, tmp_path, monkeypa
     manifest = compile_bundle(CompileSettings(target=wide, draft=wide, output=tmp_path / "b", max_seq_len=64,
                                               draft_quantize="int4"), show_progress=False)
     assert "fp32 reference would be" in manifest.engines["draft"].quality["skipped"]
+    assert quality_line(manifest.engines["draft"].quality).startswith("not measured: its fp32 reference")
 
 
 def test_compile_writes_a_bf16_bundle_it_cannot_run_here(wide, tmp_path):
