@@ -1,6 +1,5 @@
 """Reading checkpoints: one tensor at a time, in its stored dtype, from the right shard; bad files are one-line errors."""
 
-import json
 import shutil
 
 import ml_dtypes
