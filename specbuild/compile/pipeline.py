@@ -88,12 +88,14 @@ def run_once(path: Path, info: EngineInfo, max_seq_len: int) -> None:
     (measured: a 1.2 GB fp16 engine peaked at 3.6 GB, 2.2 GB in priority order), beyond the compile's
     memory bound. They are for GPUs; the test suite decodes small fp16 bundles end to end. Graph
     optimizations are off, so loading maps the weights without reading them (and does not fold an fp32
-    copy of every fp16 weight).
+    copy of every fp16 weight), and so is prepacking, which copies every weight into the kernels' own
+    layout: worth it for the thousands of calls of decoding, not for one.
     """
     if info.precision == "bf16":
         return
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.add_session_config_entry("session.disable_prepacking", "1")
     options.log_severity_level = 3
     shape, vocab = info.shape, info.shape.vocab_size
     try:
