@@ -167,7 +167,9 @@ def quality_line(q: dict) -> str:
         agreement + ")",
         f"{q['quant']['tokens_per_second']:.0f} vs {q['fp32']['tokens_per_second']:.0f} tok/s",
     ]
-    if "alpha" in q:
+    if "skipped" in q.get("alpha", {}):
+        parts.append(f"α not measured: {q['alpha']['skipped']}")
+    elif "alpha" in q:
         parts.append(f"α at γ={q['alpha']['gamma']} {q['alpha']['quant']:.2f} vs {q['alpha']['fp32']:.2f}")
     return ", ".join(parts)
 

@@ -165,6 +165,18 @@ def test_quality_report_is_skipped_above_its_size_limit(wide, tmp_path, monkeypa
     assert quality_line(manifest.engines["draft"].quality).startswith("not measured: its fp32 reference")
 
 
+def test_a_small_quantized_draft_is_measured_without_decoding_a_large_target(checkpoints, wide, tmp_path, monkeypatch):
+    small = checkpoints("llama")  # hidden 64: its fp32 reference is about a quarter of the wide target's
+    limit = 4 * 150_000
+    monkeypatch.setattr(quality, "QUALITY_MAX_REFERENCE_BYTES", limit)
+    manifest = compile_bundle(CompileSettings(target=wide, draft=small, output=tmp_path / "b", max_seq_len=64,
+                                              draft_quantize="int4"), show_progress=False)
+    assert 4 * manifest.engines["target"].parameters > limit >= 4 * manifest.engines["draft"].parameters
+    report = manifest.engines["draft"].quality
+    assert report["quant"]["quantization"] == "int4" and "fp32 reference would be" in report["alpha"]["skipped"]
+    assert "α not measured" in quality_line(report)
+
+
 def test_compile_writes_a_bf16_bundle_it_cannot_run_here(wide, tmp_path):
     manifest = compile_bundle(CompileSettings(target=wide, draft=wide, output=tmp_path / "bf16", max_seq_len=64,
                                               precision="bf16"), show_progress=False)

@@ -31,25 +31,38 @@ QualityTexts = tuple[list[list[int]], list[int]]  # code prompts, held-out token
 def measure_quality(folder: Path, scratch: Path, engines: dict[str, EngineInfo], checkpoints: dict,
                     max_seq_len: int, texts: QualityTexts) -> None:
     """Write each quantized engine's quality report (see quality_report) into its EngineInfo, against an
-    fp32 engine of the same checkpoint written to scratch; then the pair's acceptance with and without
-    quantization (report_acceptance_change)."""
+    fp32 engine of the same checkpoint written to scratch; then, if the whole pair is small enough to
+    decode here, the pair's acceptance with and without quantization (report_acceptance_change)."""
     prompts, heldout = texts
     references = {}
     for role, info in engines.items():
         if info.quantization == "none":
             continue
-        reference_bytes = 4 * info.parameters
-        if not can_run(info):
-            info.quality = {"skipped": f"a {info.precision} engine does not run on this runtime's CPU provider"}
-        elif reference_bytes > QUALITY_MAX_REFERENCE_BYTES:
-            info.quality = {"skipped": f"its fp32 reference would be {reference_bytes / 1e9:.1f} GB; reports are "
-                                       f"measured up to {QUALITY_MAX_REFERENCE_BYTES / 1e9:.1f} GB"}
-        else:
-            references[role] = export_engine(checkpoints[role], role, scratch, max_seq_len, Numerics(),
-                                             vocab_size=info.shape.vocab_size)
-            info.quality = quality_report(scratch, references[role], folder, info, prompts, heldout)
-    if references:
+        too_large = _too_large_to_measure(info)
+        if too_large:
+            info.quality = {"skipped": too_large}
+            continue
+        references[role] = export_engine(checkpoints[role], role, scratch, max_seq_len, Numerics(),
+                                         vocab_size=info.shape.vocab_size)
+        info.quality = quality_report(scratch, references[role], folder, info, prompts, heldout)
+    if not references:
+        return
+    too_large = next(filter(None, map(_too_large_to_measure, engines.values())), None)
+    if too_large:  # measuring α decodes with both engines: a large target would take hours on the CPU
+        for role in references:
+            engines[role].quality["alpha"] = {"skipped": f"the pair's other engine: {too_large}"}
+    else:
         report_acceptance_change(folder, engines, scratch, references, prompts)
+
+
+def _too_large_to_measure(info: EngineInfo) -> str | None:
+    """Why an engine is not decoded for a report, if it is not."""
+    if not can_run(info):
+        return f"a {info.precision} engine does not run on this runtime's CPU provider"
+    if 4 * info.parameters > QUALITY_MAX_REFERENCE_BYTES:
+        return (f"its fp32 reference would be {4 * info.parameters / 1e9:.2f} GB; reports are measured up to "
+                f"{QUALITY_MAX_REFERENCE_BYTES / 1e9:.2f} GB")
+    return None
 
 
 def report_acceptance_change(folder: Path, engines: dict[str, EngineInfo], reference: Path,
