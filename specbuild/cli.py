@@ -205,11 +205,13 @@ def inspect(bundle, as_json) -> None:
         return
     click.echo(f"bundle     {bundle}  (format v{manifest.format_version}, {manifest.created_by}, files intact)")
     click.echo(f"max gamma  {manifest.gamma} (adaptive)   max-seq-len {manifest.max_seq_len}   eos {manifest.eos_token_ids}")
+    if manifest.build:
+        click.echo(f"compiled   in {manifest.build['seconds']:.0f} s, peak memory {manifest.build['peak_rss_bytes'] / 2**30:.2f} GiB")
     for role, e in manifest.engines.items():
         s = e.shape
         click.echo(
             f"{role:<10} {e.architecture} {e.parameters / 1e6:.2f}M params, {e.weight_bytes / 2**20:.1f} MiB, "
-            f"{e.backend} {e.precision} quant={e.quantization}; layers {s.num_layers}, hidden {s.hidden_size}, "
+            f"{e.backend} {e.precision} (from {e.source_dtype or '?'}) quant={e.quantization}; layers {s.num_layers}, hidden {s.hidden_size}, "
             f"heads {s.num_heads}/{s.num_kv_heads} kv, vocab {s.vocab_size}"
         )
         click.echo(f"{'':<10} from {e.source['path']} (sha256 {e.source['sha256'][:12]}…)")
@@ -218,6 +220,8 @@ def inspect(bundle, as_json) -> None:
 
 
 def quality_line(q: dict) -> str:
+    if "skipped" in q:
+        return f"not measured: {q['skipped']}"
     agreement = f"greedy agreement {q['greedy_agreement']:.1%} ({q['greedy_identical_prompts']}/{q['prompts']} prompts identical"
     if q.get("teacher_forced_agreement") is not None:
         agreement += f"; {q['teacher_forced_agreement']:.1%} teacher-forced"
@@ -227,7 +231,9 @@ def quality_line(q: dict) -> str:
         agreement + ")",
         f"{q['quant']['tokens_per_second']:.0f} vs {q['fp32']['tokens_per_second']:.0f} tok/s",
     ]
-    if "alpha" in q:
+    if "skipped" in q.get("alpha", {}):
+        parts.append(f"α not measured: {q['alpha']['skipped']}")
+    elif "alpha" in q:
         parts.append(f"α at γ={q['alpha']['gamma']} {q['alpha']['quant']:.2f} vs {q['alpha']['fp32']:.2f}")
     return ", ".join(parts)
 

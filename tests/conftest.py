@@ -93,6 +93,27 @@ def make_checkpoint(folder: Path, architecture: str, tokenizer, seed: int = 0, *
     return folder
 
 
+def save_bf16_shards(source: Path, folder: Path) -> dict:
+    """Copy a checkpoint folder with its weights in bf16, split in two shards with an index, as large
+    checkpoints come. Returns the bf16 tensors by name."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, folder)
+    (folder / "model.safetensors").unlink()
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(source / "model.safetensors").items()}
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, members in shards.items():
+        save_file({n: tensors[n] for n in members}, folder / file)
+    weight_map = {n: file for file, members in shards.items() for n in members}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return tensors
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return make_tokenizer()

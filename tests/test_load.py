@@ -1,34 +1,22 @@
 """Reading checkpoints: one tensor at a time, in its stored dtype, from the right shard; bad files are one-line errors."""
 
-import json
 import shutil
 
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from conftest import save_bf16_shards
 from specbuild.compile.load import eos_token_ids, load_checkpoint
 from specbuild.errors import CheckpointError
 
 
 @pytest.fixture
 def sharded(checkpoints, tmp_path):
-    """The tiny Llama re-saved as bf16 in two shards with an index, as large checkpoints come."""
-    source = checkpoints("llama")
     folder = tmp_path / "sharded"
-    shutil.copytree(source, folder)
-    (folder / "model.safetensors").unlink()
-    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(source / "model.safetensors").items()}
-    names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
-    for file, members in shards.items():
-        save_file({n: tensors[n] for n in members}, folder / file)
-    weight_map = {n: file for file, members in shards.items() for n in members}
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return folder, tensors
+    return folder, save_bf16_shards(checkpoints("llama"), folder)
 
 
 def test_tensors_come_from_the_shard_the_index_names_in_their_stored_dtype(sharded):

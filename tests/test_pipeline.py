@@ -1,9 +1,18 @@
 """The compile pipeline end to end: what it writes into the bundle and what it refuses."""
 
-from conftest import PROMPTS
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import numpy_helper
+
+from conftest import PROMPTS, save_bf16_shards
 from specbuild.compile import compile_bundle
+from specbuild.compile.graphs import build_decoder
+from specbuild.compile.load import load_checkpoint
+from specbuild.compile.precision import Numerics
 from specbuild.recipe import CompileSettings
-from specbuild_runtime import SpeculativeDecoder
+from specbuild_runtime import SpecbuildError, SpeculativeDecoder
 
 
 def test_a_draft_with_padding_rows_is_cut_to_the_targets_vocabulary(checkpoints, tokenizer, tmp_path):
@@ -18,3 +27,39 @@ def test_a_draft_with_padding_rows_is_cut_to_the_targets_vocabulary(checkpoints,
     assert decoder.generate(ids, 12, gamma=4).token_ids == decoder.generate(ids, 12, gamma=0).token_ids
     sampled = decoder.generate(ids, 12, gamma=4, temperature=1.0, seed=0).token_ids
     assert all(0 <= t < vocab for t in sampled)
+
+
+def test_no_weight_is_read_until_the_engine_is_written_and_each_once(checkpoints):
+    ckpt = load_checkpoint(checkpoints("llama"), "target")
+    made = []
+    model = build_decoder(ckpt, Numerics(), 64, progress=made.append)
+    assert made == []
+    tensors = [v.const_value for v in model.graph.initializers.values()]
+    lazy = [t for t in tensors if isinstance(t, ir.LazyTensor)]
+    assert all(t.nbytes < 1024 for t in tensors if not isinstance(t, ir.LazyTensor))  # constants, not weights
+    assert sum(t.nbytes for t in lazy) > 0.9 * sum(e.end - e.start for e in ckpt.entries.values())
+    for tensor in lazy:
+        tensor.tobytes()
+    assert len(made) == len(lazy) and sum(made) == sum(t.nbytes for t in lazy)
+
+
+def test_a_bf16_checkpoint_becomes_an_fp16_engine_with_the_same_weights(checkpoints, tmp_path):
+    tensors = save_bf16_shards(checkpoints("llama"), tmp_path / "bf16")
+    manifest = compile_bundle(CompileSettings(target=tmp_path / "bf16", draft=tmp_path / "bf16", output=tmp_path / "b",
+                                              max_seq_len=64, precision="fp16"), show_progress=False)
+    info = manifest.engines["target"]
+    assert (info.source_dtype, info.precision) == ("bf16", "fp16")
+    assert manifest.build["peak_rss_bytes"] > 0 and "writing engines" in manifest.build["stages"]
+    engine = onnx.load(str(tmp_path / "b" / "target.onnx"))
+    stored = {t.name: numpy_helper.to_array(t) for t in engine.graph.initializer}
+    name = "model.layers.1.mlp.down_proj.weight"
+    expected = tensors[name].float().numpy().astype(np.float16)
+    assert stored[name].dtype == np.float16 and np.array_equal(stored[name], expected)
+
+
+@pytest.mark.parametrize("max_seq_len", [0, -5, 1])
+def test_a_context_too_short_to_generate_is_refused_before_anything_is_written(max_seq_len, checkpoints, tmp_path):
+    with pytest.raises(SpecbuildError, match="max-seq-len"):
+        compile_bundle(CompileSettings(target=checkpoints("llama"), draft=checkpoints("llama"), output=tmp_path / "b",
+                                       max_seq_len=max_seq_len), show_progress=False)
+    assert list(tmp_path.iterdir()) == []

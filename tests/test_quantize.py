@@ -5,6 +5,7 @@ import onnx
 import pytest
 
 from conftest import PROMPTS
+from specbuild.cli import quality_line
 from specbuild.compile import compile_bundle, quality
 from specbuild.compile.quality import _engine, quality_report
 from specbuild.compile.quantize import QuantizedRows, quantize_rows
@@ -172,6 +173,19 @@ def test_quality_report_is_skipped_above_its_size_limit(wide, tmp_path, monkeypa
     manifest = compile_bundle(CompileSettings(target=wide, draft=wide, output=tmp_path / "b", max_seq_len=64,
                                               draft_quantize="int4"), show_progress=False)
     assert "fp32 reference would be" in manifest.engines["draft"].quality["skipped"]
+    assert quality_line(manifest.engines["draft"].quality).startswith("not measured: its fp32 reference")
+
+
+def test_a_small_quantized_draft_is_measured_without_decoding_a_large_target(checkpoints, wide, tmp_path, monkeypatch):
+    small = checkpoints("llama")  # hidden 64: its fp32 reference is about a quarter of the wide target's
+    limit = 4 * 150_000
+    monkeypatch.setattr(quality, "QUALITY_MAX_REFERENCE_BYTES", limit)
+    manifest = compile_bundle(CompileSettings(target=wide, draft=small, output=tmp_path / "b", max_seq_len=64,
+                                              draft_quantize="int4"), show_progress=False)
+    assert 4 * manifest.engines["target"].parameters > limit >= 4 * manifest.engines["draft"].parameters
+    report = manifest.engines["draft"].quality
+    assert report["quant"]["quantization"] == "int4" and "fp32 reference would be" in report["alpha"]["skipped"]
+    assert "α not measured" in quality_line(report)
 
 
 def test_compile_writes_a_bf16_bundle_it_cannot_run_here(wide, tmp_path):
@@ -188,7 +202,7 @@ def logits_batched_and_one_by_one(folder, prompt, rounds, never_alone=True):
     """The target's logits for every token of `rounds`, fed as verification calls (one per round) and
     fed one token per call, each from the same prompt."""
     info = load_manifest(folder).engines["target"]
-    batched, one_by_one = _engine(folder, info, logits=True), _engine(folder, info, logits=True)
+    (batched, _), (one_by_one, _) = _engine(folder, info), _engine(folder, info)
     one_by_one.rows = NEVER_ALONE if never_alone else AS_FED
     for engine in (batched, one_by_one):
         engine.step(prompt, len(prompt))

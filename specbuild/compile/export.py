@@ -8,6 +8,7 @@ tensor, not by the model (onnx_ir 1.1+: `ir.save` with external data writes tens
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,11 @@ from .precision import Numerics, precision_name
 # Large tensors start at a multiple of 64 KiB in the data file, so onnxruntime can map them from the
 # file instead of copying them (it maps external data only at an allocation-granularity offset).
 ALIGNMENT = 1 << 16
+# Two writer threads: one makes the next tensor (numpy casts and onnxruntime's quantizer release the GIL)
+# while the other writes one; the tensors made and not yet written stay within IN_FLIGHT_BYTES (plus
+# one larger than that, alone).
+WORKERS = 2
+IN_FLIGHT_BYTES = 256 << 20
 
 
 def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
@@ -47,12 +53,17 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
     spec = ckpt.spec
     vocab = min(spec.shape.vocab_size, vocab_size or spec.shape.vocab_size)
     file = f"{role}.onnx"
-    with tqdm(unit="B", unit_scale=True, desc=f"writing {role} ({numerics.precision}, {numerics.quantization})",
-              disable=None if show_progress is None else not show_progress, leave=False) as bar:
+    # The checkpoint's digest reads every weight file once more: on a thread of its own it overlaps the
+    # stream (hashlib and file reads release the GIL) instead of adding to it.
+    with ThreadPoolExecutor(1) as pool, tqdm(unit="B", unit_scale=True, leave=False,
+                                             desc=f"writing {role} ({numerics.precision}, {numerics.quantization})",
+                                             disable=None if show_progress is None else not show_progress) as bar:
+        digest = pool.submit(ckpt.digest)
         model = build_decoder(ckpt, numerics, max_seq_len, vocab, progress=bar.update)
         bar.total = sum(value.const_value.nbytes for value in model.graph.initializers.values()
                         if isinstance(value.const_value, ir.LazyTensor))
-        ir.save(model, folder / file, external_data=f"{file}.data", alignment=ALIGNMENT)
+        ir.save(model, folder / file, external_data=f"{file}.data", alignment=ALIGNMENT, max_workers=WORKERS,
+                max_in_flight_bytes=IN_FLIGHT_BYTES)
     onnx.checker.check_model(str(folder / file))
     return EngineInfo(
         role=role,
@@ -65,6 +76,6 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
         parameters=sum(int(np.prod(entry.shape)) for name, entry in ckpt.entries.items()
                        if not name.endswith("rotary_emb.inv_freq")),
         weight_bytes=(folder / f"{file}.data").stat().st_size,
-        source={"path": str(ckpt.path.resolve()), "sha256": ckpt.digest()},
+        source={"path": str(ckpt.path.resolve()), "sha256": digest.result()},
         source_dtype=precision_name(ckpt.float_dtype()),
     )

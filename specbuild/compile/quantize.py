@@ -40,6 +40,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# Rows quantized per kernel call: onnxruntime's kernel walks the [k, m] layout column by column, and ran
+# 2x faster on 2 MB slices than on 64 MB ones here (45 vs 22 M parameters/s).
+QUANTIZE_CHUNK_BYTES = 2 << 20
+
 
 @dataclass(frozen=True)
 class QuantizedRows:

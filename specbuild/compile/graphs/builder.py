@@ -17,8 +17,8 @@ import numpy as np
 import onnx_ir as ir
 
 from ..load import Checkpoint
-from ..precision import Numerics, convert_rows, rows_per_chunk
-from ..quantize import QuantizedRows, quantize_rows
+from ..precision import CHUNK_BYTES, Numerics, convert_into
+from ..quantize import QUANTIZE_CHUNK_BYTES, QuantizedRows, quantize_rows
 
 OPSET = 23  # RMSNormalization
 IR_VERSION = 10  # onnxruntime 1.31 loads IR <= 13; onnx 1.23 would write 14
@@ -46,29 +46,21 @@ class Weight:
         rows = sum(s[0] for s in shapes)
         return (min(rows, self.rows or rows), shapes[0][1])
 
-    def read(self, ckpt: Checkpoint, start: int, stop: int) -> np.ndarray:
-        """Rows start..stop in the checkpoint's own dtype."""
-        if len(self.names) == 1 and not self.conv1d:
-            return ckpt.tensor(self.names[0], rows=(start, stop))
-        parts, offset = [], 0
-        for name in self.names:
-            count = ckpt.entry(name).shape[-1 if self.conv1d else 0]
-            lo, hi = max(start - offset, 0), min(stop - offset, count)
-            if lo < hi:
-                parts.append(ckpt.tensor(name).T[lo:hi] if self.conv1d else ckpt.tensor(name, rows=(lo, hi)))
-            offset += count
-        return np.concatenate(parts)
-
-    def chunks(self, ckpt: Checkpoint):
-        """(start, stop, rows) over the whole weight, a few MB at a time."""
-        shape = self.shape(ckpt)
-        if len(shape) == 1:
-            yield 0, shape[0], np.concatenate([ckpt.tensor(name) for name in self.names])
+    def chunks(self, ckpt: Checkpoint, chunk_bytes: int = CHUNK_BYTES):
+        """(start, stop, rows) over the whole weight, chunk_bytes of it at a time, each slice read straight
+        from the one checkpoint tensor it lies in."""
+        end = self.shape(ckpt)[0]
+        if self.conv1d or len(self.shape(ckpt)) == 1:  # small: GPT-2's Conv1D weights, norms, biases
+            yield 0, end, np.concatenate([ckpt.tensor(n).T if self.conv1d else ckpt.tensor(n) for n in self.names])
             return
-        step = rows_per_chunk(shape[1] * ckpt.entry(self.names[0]).dtype.itemsize)
-        for start in range(0, shape[0], step):
-            stop = min(start + step, shape[0])
-            yield start, stop, self.read(ckpt, start, stop)
+        offset = 0
+        for name in self.names:
+            entry = ckpt.entry(name)
+            step = max(1, chunk_bytes // (entry.shape[1] * entry.dtype.itemsize))
+            for start in range(0, min(entry.shape[0], end - offset), step):
+                stop = min(start + step, entry.shape[0], end - offset)
+                yield offset + start, offset + stop, ckpt.tensor(name, rows=(start, stop))
+            offset += entry.shape[0]
 
 
 def w(*names: str, **options) -> Weight:
@@ -147,7 +139,7 @@ class GraphBuilder:
             def make() -> tuple[np.ndarray]:
                 out = np.empty(shape, dtype)
                 for start, stop, rows in weight.chunks(self.ckpt):
-                    out[start:stop] = convert_rows(rows, dtype, weight.plus_one)
+                    convert_into(rows, out[start:stop], weight.plus_one)
                 return (out,)
 
             self.computed([(name, self.numerics.ir_type, shape)], make)
@@ -169,7 +161,7 @@ class GraphBuilder:
 
     def _quantize(self, weight: Weight, q: QuantizedRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         packed, scales, zero_points = q.empty()
-        for start, stop, rows in weight.chunks(self.ckpt):
+        for start, stop, rows in weight.chunks(self.ckpt, QUANTIZE_CHUNK_BYTES):
             quantize_rows(rows, q, packed[start:stop], scales[start:stop], zero_points[start:stop])
         return packed, scales.astype(self.numerics.dtype), zero_points
 

@@ -11,7 +11,7 @@ import onnx_ir as ir
 from ..load import ModelSpec
 from .builder import GraphBuilder, w
 from .layers import (Attention, attention, embedding, gated_mlp, head_norm, linear, rms_norm, rope, rotary_module,
-                     rotary_tables, skip_rms_norm)
+                     rotary_tables, skip_rms_norm, vocab_table)
 
 
 def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_seq_len: int, vocab_size: int):
@@ -19,7 +19,7 @@ def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_se
     shape, eps = spec.shape, spec.norm_eps
     norm = lambda name: w(name, plus_one=True)  # noqa: E731 (every Gemma norm scales by 1 + w)
     rotary = _rotary(g, spec, max_seq_len)
-    embed = w("model.embed_tokens.weight", rows=vocab_size)
+    embed = vocab_table(g, "model.embed_tokens.weight", vocab_size)
     # transformers scales by sqrt(H) rounded to the weights' type, as here to the engine's.
     x = g.op("Mul", embedding(g, ids, embed), g.const(shape.hidden_size**0.5, g.numerics.dtype))  # [S, H]
     normed, residual = rms_norm(g, x, norm("model.layers.0.input_layernorm.weight"), eps), x
@@ -46,7 +46,7 @@ def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_se
         last = i == shape.num_layers - 1
         normed, residual = skip_rms_norm(g, mlp, residual,
                                          norm("model.norm.weight" if last else f"model.layers.{i + 1}.input_layernorm.weight"), eps)
-    head = embed if spec.tie_word_embeddings else w("lm_head.weight", rows=vocab_size)
+    head = embed if spec.tie_word_embeddings else vocab_table(g, "lm_head.weight", vocab_size)
     return normed, presents, head
 
 

@@ -6,7 +6,7 @@ import onnx_ir as ir
 
 from ..load import ModelSpec
 from .builder import GraphBuilder, w
-from .layers import Attention, activation, attention, embedding, linear, skip_layer_norm
+from .layers import Attention, activation, attention, embedding, linear, skip_layer_norm, vocab_table
 
 
 def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_seq_len: int, vocab_size: int):
@@ -18,7 +18,7 @@ def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_se
     total = g.op("Reshape", g.op("Cast", att.total_len, to=ir.DataType.INT64), g.const([1]))
     past_len = g.op("Sub", total, g.op("Shape", ids))
     positions = g.op("Slice", g.weight(w(t + "wpe.weight")), past_len, total)  # [S, H]
-    wte = w(t + "wte.weight", rows=vocab_size)
+    wte = vocab_table(g, t + "wte.weight", vocab_size)
     # SkipLayerNormalization adds the two embeddings and normalizes in one op.
     normed, residual = skip_layer_norm(g, embedding(g, ids, wte), positions, w(t + "h.0.ln_1.weight"),
                                        w(t + "h.0.ln_1.bias"), eps)

@@ -7,7 +7,12 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from .builder import MS, GraphBuilder, Weight
+from .builder import MS, GraphBuilder, Weight, w
+
+
+def vocab_table(g: GraphBuilder, name: str, vocab_size: int) -> Weight:
+    """A [V, H] table (embedding or LM head), cut to vocab_size rows when it has more (a draft's padding)."""
+    return w(name, rows=vocab_size if g.ckpt.entry(name).shape[0] > vocab_size else None)
 
 
 def embedding(g: GraphBuilder, ids: ir.Value, table: Weight) -> ir.Value:

@@ -10,7 +10,7 @@ import onnx_ir as ir
 from ..load import ModelSpec
 from .builder import GraphBuilder, w
 from .layers import (Attention, attention, embedding, gated_mlp, head_norm, linear, rms_norm, rope, rotary_module,
-                     rotary_tables, skip_rms_norm)
+                     rotary_tables, skip_rms_norm, vocab_table)
 
 
 def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_seq_len: int, vocab_size: int):
@@ -18,7 +18,7 @@ def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_se
     shape, eps = spec.shape, spec.norm_eps
     fused = spec.architecture == "Phi3ForCausalLM"
     rotary = _rotary(g, spec, max_seq_len)
-    embed = w("model.embed_tokens.weight", rows=vocab_size)
+    embed = vocab_table(g, "model.embed_tokens.weight", vocab_size)
     x = embedding(g, ids, embed)  # [S, H]
     normed, residual = rms_norm(g, x, w("model.layers.0.input_layernorm.weight"), eps), x
     presents = []
@@ -54,7 +54,7 @@ def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_se
         last = i == shape.num_layers - 1
         next_norm = "model.norm.weight" if last else f"model.layers.{i + 1}.input_layernorm.weight"
         normed, residual = skip_rms_norm(g, mlp, residual, w(next_norm), eps)
-    head = embed if spec.tie_word_embeddings else w("lm_head.weight", rows=vocab_size)
+    head = embed if spec.tie_word_embeddings else vocab_table(g, "lm_head.weight", vocab_size)
     return normed, presents, head
 
 
