@@ -14,3 +14,7 @@ class UnsupportedModelError(CheckpointError):
 
 class PairMismatchError(CheckpointError):
     """The draft and the target cannot be paired (different tokenizers)."""
+
+
+class ExternalToolError(SpecbuildError):
+    """A tool the compiler runs (trtllm-build) failed."""

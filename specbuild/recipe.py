@@ -8,6 +8,8 @@
     max_seq_len = 1024
     quantize = "none"               # none | int8 | int4; target_quantize / draft_quantize override it
     precision = "fp32"              # fp16 / bf16 for GPU targets
+    backend = "onnx"                # onnx | tensorrt-llm | all
+    tp = 1                          # tensor-parallel ranks of the TensorRT-LLM checkpoints
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from specbuild_runtime.errors import SpecbuildError
 
 DEFAULT_GAMMA = 8
 DEFAULT_MAX_SEQ_LEN = 2048
+BACKENDS = ("onnx", "tensorrt-llm", "all")
 
 
 @dataclass
@@ -37,6 +40,8 @@ class CompileSettings:
     precision: str = "fp32"
     quality_report: bool = True
     overwrite: bool = False
+    backend: str = "onnx"  # "onnx" | "tensorrt-llm" | "all"
+    tp: int = 1  # tensor-parallel ranks of the TensorRT-LLM export
 
     def quantization(self, role: str) -> str:
         own = self.target_quantize if role == "target" else self.draft_quantize
@@ -75,4 +80,10 @@ def resolve_settings(recipe: Path | None, **options) -> CompileSettings:
     settings = CompileSettings(**{**values, **{k: Path(values[k]) for k in PATH_FIELDS}})
     if settings.gamma < 1:
         raise SpecbuildError("--gamma must be at least 1 (the bundle's default draft length)")
+    if settings.backend not in BACKENDS:
+        raise SpecbuildError(f"backend {settings.backend!r} is not one of {', '.join(BACKENDS)}")
+    if settings.tp < 1:
+        raise SpecbuildError(f"--tp must be at least 1, not {settings.tp}")
+    if settings.tp > 1 and settings.backend == "onnx":
+        raise SpecbuildError(f"--tp {settings.tp} splits the TensorRT-LLM export; add --backend tensorrt-llm or all")
     return settings

@@ -54,6 +54,7 @@ def make_checkpoint(folder: Path, architecture: str, tokenizer, seed: int = 0, *
             "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
             "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
             "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+            "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         }[architecture]
         config = config_cls(**{**TINY, "vocab_size": vocab, "bos_token_id": eos, "eos_token_id": eos, **overrides})
         model = model_cls(config)

@@ -146,7 +146,7 @@ class SpeculativeDecoder:
         if shared_thread_pool:
             use_shared_thread_pool()
         self.root = Path(bundle)
-        self.manifest = load_manifest(self.root, check_digests=check_digests)
+        self.manifest = load_manifest(self.root, check_digests=check_digests, require_engines=True)
         self.max_seq_len = self.manifest.max_seq_len
         self.eos_token_ids = set(self.manifest.eos_token_ids)
         self.tokenizer = Tokenizer.from_file(str(self.root / TOKENIZER_DIR / "tokenizer.json"))

@@ -73,14 +73,30 @@ class EngineInfo:
 
 
 @dataclass
+class TensorRTLLMPart:
+    """What `specbuild compile --backend tensorrt-llm|all` adds (this runtime does not run it): TensorRT-LLM
+    checkpoints under tensorrt-llm/{target,draft}/ (config.json, rank{r}.safetensors) and the plans that
+    build, run and serve them, with the draft length measured for this pair."""
+
+    tp_size: int
+    checkpoints: dict[str, dict]  # role -> {"dir", "architecture", "dtype", "quant_algo", "vocab_size",
+    #   "parameters", "weight_bytes", "source", "ranks": [{"file", "attention_heads", "kv_heads",
+    #   "ffn_columns", "lm_head_rows"}]}: which source heads/columns/rows each rank holds
+    plans: dict[str, str]  # "build" | "run" | "llm_api" | "vllm" -> bundle-relative path
+    gamma: dict  # {"gamma", "alpha", "cost_ratio", "expected_speedup", "method", "weight_byte_ratio"}
+    engines: str | None = None  # where trtllm-build wrote the engines, when compile ran it
+
+
+@dataclass
 class Manifest:
-    engines: dict[str, EngineInfo]
+    engines: dict[str, EngineInfo]  # the ONNX engines; empty in a TensorRT-LLM-only bundle
     max_seq_len: int
     gamma: int  # the most drafts per round the runtime's adaptive mode uses
     eos_token_ids: list[int]
     files: dict[str, str]  # relative path -> sha256
     created_by: str = ""
     build: dict = field(default_factory=dict)  # how the compile went: {"seconds", "peak_rss_bytes"}
+    tensorrt_llm: TensorRTLLMPart | None = None
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
@@ -93,7 +109,17 @@ class Manifest:
             role: EngineInfo(**{**info, "shape": ModelShape(**info["shape"])})
             for role, info in data["engines"].items()
         }
-        return cls(**{**data, "engines": engines})
+        trtllm = data.get("tensorrt_llm") and TensorRTLLMPart(**data["tensorrt_llm"])
+        return cls(**{**data, "engines": engines, "tensorrt_llm": trtllm})
+
+
+def require_onnx_engines(root: Path, manifest: Manifest) -> None:
+    """This runtime runs the ONNX engines; a bundle compiled with --backend tensorrt-llm alone has none."""
+    if not manifest.engines:
+        plans = manifest.tensorrt_llm.plans if manifest.tensorrt_llm else {}
+        raise BundleError(f"{root} holds only a TensorRT-LLM export, which this runtime does not run: build and run it "
+                          f"with {root / plans.get('build', '')} and {root / plans.get('run', '')} (README, TensorRT-LLM), "
+                          "or compile with --backend onnx or all")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -113,8 +139,9 @@ def bundle_files(root: Path) -> dict[str, str]:
     }
 
 
-def load_manifest(root: str | Path, check_digests: bool = True) -> Manifest:
-    """Read and check a bundle's manifest; every failure is a one-line BundleError."""
+def load_manifest(root: str | Path, check_digests: bool = True, require_engines: bool = False) -> Manifest:
+    """Read and check a bundle's manifest; every failure is a one-line BundleError. require_engines: the
+    caller runs the ONNX engines (a TensorRT-LLM-only bundle is refused)."""
     root = Path(root)
     path = root / MANIFEST
     if not path.is_file():
@@ -134,6 +161,8 @@ def load_manifest(root: str | Path, check_digests: bool = True) -> Manifest:
         manifest = Manifest.from_dict(data)
     except (KeyError, TypeError) as exc:
         raise BundleError(f"{path} is incomplete ({exc}); rebuild the bundle with `specbuild compile`") from None
+    if require_engines:
+        require_onnx_engines(root, manifest)
     if check_digests:
         verify_digests(root, manifest)
     return manifest

@@ -61,6 +61,25 @@ class Checkpoint:
                     h.update(block)
         return h.hexdigest()
 
+    def tensor_names(self) -> list[str]:
+        from safetensors import safe_open
+
+        names = []
+        for path in self.weight_files:
+            with safe_open(str(path), framework="numpy") as f:
+                names += f.keys()
+        return names
+
+    def tensor(self, name: str) -> np.ndarray:
+        """One tensor in its stored dtype (bf16 as ml_dtypes.bfloat16), read on demand."""
+        from safetensors import safe_open
+
+        for path in self.weight_files:
+            with safe_open(str(path), framework="numpy") as f:
+                if name in f.keys():
+                    return f.get_tensor(name)
+        raise CheckpointError(f"{self.path} has no tensor {name!r}")
+
     def tensors(self) -> dict[str, np.ndarray]:
         """All weights as float32 numpy arrays, read with safetensors (bf16 goes through torch)."""
         from safetensors import safe_open

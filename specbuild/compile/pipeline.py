@@ -14,6 +14,7 @@ from specbuild_runtime.manifest import TOKENIZER_DIR, EngineInfo, Manifest
 
 from .. import __version__
 from ..recipe import DEFAULT_MAX_SEQ_LEN, CompileSettings
+from . import tensorrt_llm
 from .bundle import staged_bundle, write_manifest
 from .export import check_context, export_engine
 from .load import eos_token_ids, load_checkpoint, validate_pair
@@ -39,13 +40,16 @@ def _compile(settings: CompileSettings, stages: tqdm) -> Manifest:
     max_seq_len = settings.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, target.spec.max_position_embeddings)
     check_context(target, "target", max_seq_len)
     check_context(draft, "draft", max_seq_len)
+    if settings.backend != "onnx":
+        tensorrt_llm.check_pair(settings, target, draft)
     stages.update()
 
-    measured = settings.quality_report and any(settings.quantization(role) != "none" for role in ("target", "draft"))
+    onnx = settings.backend != "tensorrt-llm"
+    measured = onnx and settings.quality_report and any(settings.quantization(role) != "none" for role in ("target", "draft"))
     texts = quality_texts(target.tokenizer) if measured else None
     with staged_bundle(settings.output, settings.overwrite) as folder, tempfile.TemporaryDirectory() as scratch:
         engines, exported, fp32_copies = {}, {}, Path(scratch)
-        for role, ckpt in (("target", target), ("draft", draft)):
+        for role, ckpt in (("target", target), ("draft", draft)) if onnx else ():
             stage(f"building {role} engine")
             exported[role] = export_engine(ckpt, role, folder, max_seq_len, target.spec.shape.vocab_size)
             engines[role] = shrink_engine(folder, exported[role], settings, texts, stage, fp32_copies)
@@ -60,6 +64,8 @@ def _compile(settings: CompileSettings, stages: tqdm) -> Manifest:
             # bf16 one passed the ONNX checker when it was written; it runs only on a GPU runtime).
             Engine(folder / info.file, info, max_seq_len).step([0], total_len=1)
         stages.update()
+        trtllm = (tensorrt_llm.export_pair(settings, target, draft, folder, Path(scratch), engines, max_seq_len)
+                  if settings.backend != "onnx" else None)
 
         stage("writing bundle")
         manifest = Manifest(
@@ -69,6 +75,7 @@ def _compile(settings: CompileSettings, stages: tqdm) -> Manifest:
             eos_token_ids=eos_token_ids(target),
             files={},
             created_by=f"specbuild {__version__}",
+            tensorrt_llm=trtllm,
         )
         write_manifest(folder, manifest)
         stages.update()
