@@ -15,7 +15,7 @@ import torch
 import transformers as tf
 from safetensors.numpy import load_file, save_file
 
-from conftest import PROMPTS, TINY, make_checkpoint
+from conftest import PROMPTS, make_checkpoint
 from specbuild.compile import compile_bundle, gamma, tensorrt_llm
 from specbuild.compile import tensorrt_llm_reference as reference
 from specbuild.compile.load import load_checkpoint

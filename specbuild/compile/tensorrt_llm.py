@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shlex
 import shutil
 import subprocess
@@ -44,8 +43,7 @@ from .load import Checkpoint
 
 FOLDER = "tensorrt-llm"
 VLLM_PLAN = "vllm/serve.sh"
-DTYPES = {"fp32": ("float32", np.float32, "F32"), "fp16": ("float16", np.float16, "F16"),
-          "bf16": ("bfloat16", ml_dtypes.bfloat16, "BF16")}
+DTYPES = {"fp32": ("float32", np.float32), "fp16": ("float16", np.float16), "bf16": ("bfloat16", ml_dtypes.bfloat16)}
 # Weight-only quantization is left to trtllm-build: with quant_algo set, PretrainedModel.from_checkpoint's
 # preprocess_weights quantizes every float weight whose name has one of these parts per output channel
 # (models/convert_utils.py weight_only_quantize_dict); lm_head and the embeddings stay in the float type.
@@ -139,9 +137,11 @@ def check_exportable(ckpt: Checkpoint, role: str, tp: int) -> None:
                                         "heads per rank, where TensorRT-LLM's q/k-normalised attention reads the fused "
                                         "qkv in another layout than its Qwen converter writes; choose a --tp that "
                                         "leaves fewer key/value than query heads per rank")
-    if architecture == "GPT2LMHeadModel" and ckpt.spec.hidden_act not in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
-        raise UnsupportedModelError(f"{role} checkpoint {ckpt.path}: GPT-2 activation {ckpt.spec.hidden_act!r}; "
-                                    "TensorRT-LLM computes every GELU with the tanh approximation (functional.py gelu)")
+    # functional.py ACT2FN: every GELU is the tanh approximation; the gated families' converters pass silu.
+    activations = ("gelu_new", "gelu_pytorch_tanh") if ckpt.spec.family == "gpt2" else ("silu",)
+    if ckpt.spec.hidden_act not in activations:
+        raise UnsupportedModelError(f"{role} checkpoint {ckpt.path}: activation {ckpt.spec.hidden_act!r}; --backend "
+                                    f"tensorrt-llm exports {architecture} with {' or '.join(activations)}")
     rotary(ckpt)  # refuses a rope scaling TensorRT-LLM would compute differently
 
 
@@ -193,7 +193,7 @@ def write_checkpoint(ckpt: Checkpoint, out: Path, scratch: Path, tp: int, vocab:
     """config.json and rank{r}.safetensors in `out`, reading the source one tensor at a time."""
     spec, shape = ckpt.spec, ckpt.spec.shape
     layout = Layout(tp, shape.num_heads, shape.num_kv_heads, shape.head_dim, spec.intermediate_size, vocab)
-    dtype_name, dtype, _ = DTYPES[precision]
+    dtype_name, dtype = DTYPES[precision]
     config = trtllm_config(ckpt, layout, dtype_name, QUANT_ALGOS[quantization])
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -500,7 +500,7 @@ exec vllm serve {shlex.quote(str(target.path.resolve()))} --tensor-parallel-size
 
 def run_build(script: Path) -> str:
     """Runs build.sh (trtllm-build is on PATH); the engines land in the bundle, beside the checkpoints."""
-    result = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=os.environ.copy())
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     if result.returncode:
         last = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-1]
         raise ExternalToolError(f"trtllm-build failed (exit {result.returncode}) running {script.name}: {last}; "
