@@ -33,7 +33,7 @@ def test_graph_logits_match_transformers_through_prefill_verify_and_rollback(arc
 
     folder = checkpoints(architecture)
     ckpt = load_checkpoint(folder, "target")
-    step = run_graph(build_decoder(ckpt.spec, ckpt.tensors(), ckpt.config, MAX_LEN, with_logits=True), ckpt.spec)
+    step = run_graph(build_decoder(ckpt.spec, {n: ckpt.tensor(n).astype(np.float32) for n in ckpt.tensor_names()}, ckpt.config, MAX_LEN, with_logits=True), ckpt.spec)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     ids = torch.randint(0, ckpt.spec.shape.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -51,7 +51,7 @@ def test_graph_logits_match_transformers_through_prefill_verify_and_rollback(arc
 
 def test_verification_counts_leading_matching_drafts(checkpoints):
     ckpt = load_checkpoint(checkpoints("llama"), "target")
-    step = run_graph(build_decoder(ckpt.spec, ckpt.tensors(), ckpt.config, MAX_LEN, with_logits=True), ckpt.spec)
+    step = run_graph(build_decoder(ckpt.spec, {n: ckpt.tensor(n).astype(np.float32) for n in ckpt.tensor_names()}, ckpt.config, MAX_LEN, with_logits=True), ckpt.spec)
     prompt = [5, 17, 42]
     greedy = []
     total = 3

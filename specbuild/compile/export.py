@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 from specbuild_runtime.manifest import EngineInfo
@@ -36,7 +37,7 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, v
     vocab_size: the target's; a larger table (a draft's padding rows) is cut to it, so the draft never
     proposes a token the target does not have and its q is a distribution over the shared vocabulary.
     """
-    weights = ckpt.tensors()
+    weights = {name: ckpt.tensor(name).astype(np.float32) for name in ckpt.tensor_names()}
     parameters = sum(w.size for name, w in weights.items() if not name.endswith("rotary_emb.inv_freq"))
     spec = ckpt.spec
     if spec.shape.vocab_size > vocab_size:

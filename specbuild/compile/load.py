@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from specbuild_runtime.manifest import ModelShape
@@ -43,6 +46,27 @@ class ModelSpec:
     sliding_window: int | None
 
 
+# safetensors dtype -> numpy dtype (bf16 and fp8 from ml_dtypes, which numpy lacks)
+SAFETENSORS_DTYPES = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+}
+INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lies: its shard, stored dtype and shape, and its bytes' absolute offsets."""
+
+    file: Path
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
 @dataclass
 class Checkpoint:
     path: Path
@@ -50,6 +74,42 @@ class Checkpoint:
     config: object  # transformers.PretrainedConfig, kept for rotary tables
     tokenizer: object  # transformers.PreTrainedTokenizerFast
     weight_files: list[Path]
+    entries: dict[str, TensorEntry]  # every stored tensor, from the shards' headers
+
+    def tensor_names(self) -> list[str]:
+        return list(self.entries)
+
+    def entry(self, name: str) -> TensorEntry:
+        """The stored dtype and shape of a tensor without reading it."""
+        entry = self.entries.get(name)
+        if entry is None:
+            where = self.path / INDEX if (self.path / INDEX).is_file() else self.path
+            raise CheckpointError(
+                f"{where} has no tensor {name!r}, which a {self.spec.architecture} needs; the checkpoint is "
+                "incomplete or not the architecture its config.json names"
+            )
+        return entry
+
+    def tensor(self, name: str) -> np.ndarray:
+        """One tensor in its stored dtype, read from its shard on demand.
+
+        Read with one read into a fresh array instead of through the safetensors library: the library
+        maps the whole shard (its pages then count in this process's memory until the shard is closed)
+        and its numpy reader has no bf16.
+        """
+        entry = self.entry(name)
+        array = np.empty(entry.shape, entry.dtype)
+        view = memoryview(array.reshape(-1).view(np.uint8))
+        with open(entry.file, "rb") as f:
+            f.seek(entry.start)
+            done = 0
+            while done < len(view):
+                count = f.readinto(view[done:])
+                if not count:
+                    raise CheckpointError(f"{entry.file} is truncated (tensor {name!r} ends past the end of the "
+                                          "file); download or save the checkpoint again")
+                done += count
+        return array
 
     def digest(self) -> str:
         """sha256 over config.json and the weight files: identifies the source of an engine."""
@@ -60,36 +120,6 @@ class Checkpoint:
                 while block := f.read(1 << 22):
                     h.update(block)
         return h.hexdigest()
-
-    def tensor_names(self) -> list[str]:
-        from safetensors import safe_open
-
-        names = []
-        for path in self.weight_files:
-            with safe_open(str(path), framework="numpy") as f:
-                names += f.keys()
-        return names
-
-    def tensor(self, name: str) -> np.ndarray:
-        """One tensor in its stored dtype (bf16 as ml_dtypes.bfloat16), read on demand."""
-        from safetensors import safe_open
-
-        for path in self.weight_files:
-            with safe_open(str(path), framework="numpy") as f:
-                if name in f.keys():
-                    return f.get_tensor(name)
-        raise CheckpointError(f"{self.path} has no tensor {name!r}")
-
-    def tensors(self) -> dict[str, np.ndarray]:
-        """All weights as float32 numpy arrays, read with safetensors (bf16 goes through torch)."""
-        from safetensors import safe_open
-
-        out = {}
-        for path in self.weight_files:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    out[name] = f.get_tensor(name).float().numpy()
-        return out
 
 
 def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
@@ -109,12 +139,25 @@ def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
             f"{role} checkpoint {path} is a {architecture}; specbuild supports {', '.join(sorted(ARCHITECTURES))}"
         )
     weight_files = _weight_files(path, role)
+    entries = _entries(weight_files, path)
     config = _load_config(path, role)
     tokenizer = _load_tokenizer(path, role)
-    return Checkpoint(path, _spec(config, architecture, path, role), config, tokenizer, weight_files)
+    return Checkpoint(path, _spec(config, architecture, path, role), config, tokenizer, weight_files, entries)
 
 
 def _weight_files(path: Path, role: str) -> list[Path]:
+    """The shards model.safetensors.index.json names, or else every *.safetensors in the folder."""
+    index = path / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index} is not a safetensors index ({type(exc).__name__}: {exc})") from None
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names {missing[0]}, which is not in {path}; the download is incomplete")
+        return [path / n for n in names]
     files = sorted(path.glob("*.safetensors"))
     if files:
         return files
@@ -124,6 +167,41 @@ def _weight_files(path: Path, role: str) -> list[Path]:
             "Re-save it with `model.save_pretrained(dir, safe_serialization=True)`"
         )
     raise CheckpointError(f"{role} checkpoint {path} has no *.safetensors weights")
+
+
+def _entries(files: list[Path], folder: Path) -> dict[str, TensorEntry]:
+    """Every tensor's entry, from the shards' headers (8-byte length, then JSON; see the safetensors spec).
+
+    Checked against each file's size, so a truncated download fails here, before anything is built.
+    """
+    entries: dict[str, TensorEntry] = {}
+    for file in files:
+        size = file.stat().st_size
+        try:
+            with open(file, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                if length > size - 8:
+                    raise ValueError(f"its header claims {length} bytes, the file has {size}")
+                header = json.loads(f.read(length))
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+                if dtype is None:
+                    raise ValueError(f"tensor {name!r} has dtype {info['dtype']}, which specbuild does not read")
+                begin, end = (8 + length + int(o) for o in info["data_offsets"])
+                shape = tuple(int(d) for d in info["shape"])
+                if end - begin != dtype.itemsize * math.prod(shape) or end > size:
+                    raise ValueError(f"tensor {name!r} needs bytes {begin}..{end}, the file has {size}")
+                if name in entries:
+                    raise ValueError(f"tensor {name!r} is also in {entries[name].file.name}")
+                entries[name] = TensorEntry(file, dtype, shape, begin, end)
+        except (struct.error, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{file} is truncated or corrupt (unreadable header: {type(exc).__name__}); "
+                                  "download or save the checkpoint again") from None
+        except ValueError as exc:
+            raise CheckpointError(f"{file} is truncated or corrupt ({exc}); download or save the checkpoint again") from None
+    return entries
 
 
 def _load_config(path: Path, role: str):
@@ -251,9 +329,17 @@ def eos_token_ids(ckpt: Checkpoint) -> list[int]:
     gen_path = ckpt.path / "generation_config.json"
     eos = None
     if gen_path.is_file():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        try:
+            eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+            raise CheckpointError(f"{gen_path} is not a JSON object ({type(exc).__name__}: {exc}); fix or "
+                                  "remove it") from None
     if eos is None:
         eos = getattr(ckpt.config, "eos_token_id", None)
     if eos is None:
         return []
-    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in ids):
+        raise CheckpointError(f"{ckpt.path}: eos_token_id {eos!r} is not a token id or a list of them; fix "
+                              "generation_config.json or config.json")
+    return ids
