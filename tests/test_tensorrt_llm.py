@@ -20,9 +20,9 @@ from specbuild.compile import compile_bundle, gamma, tensorrt_llm
 from specbuild.compile import tensorrt_llm_reference as reference
 from specbuild.compile.load import load_checkpoint
 from specbuild.errors import ExternalToolError, UnsupportedModelError
-from specbuild.recipe import CompileSettings
+from specbuild.recipe import CompileSettings, resolve_settings
 from specbuild_runtime import SpeculativeDecoder
-from specbuild_runtime.errors import BundleError
+from specbuild_runtime.errors import BundleError, SpecbuildError
 from specbuild_runtime.manifest import load_manifest
 
 TARGET_VOCAB = 330  # the tokenizer's 320 tokens and padding rows; 330 is no multiple of 4 (lm_head pads for tp)
@@ -31,7 +31,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 FAMILIES = {  # name -> (conftest architecture, config overrides); TINY has 4 heads and 2 KV heads
     "llama": ("llama", {}),
     "mistral": ("mistral", {}),
-    "qwen2": ("qwen2", {}),
+    "qwen2": ("qwen2", {}),  # q/k/v biases
+    "llama-biases": ("llama", {"attention_bias": True, "mlp_bias": True}),  # row-parallel biases too
     "qwen3": ("qwen3", {"head_dim": 16}),
     "llama3-rope": ("llama", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}),
     "linear-rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
@@ -183,6 +184,12 @@ def test_weight_only_quantization_is_left_to_trtllm_build_on_float_weights(pairs
     checkpoint = export(pairs("llama")[0], tmp_path / "t", 1, precision="fp16", quantization="int4")
     assert json.loads((checkpoint / "config.json").read_text())["quantization"]["quant_algo"] == "W4A16"
     assert {t.dtype for t in load_file(checkpoint / "rank0.safetensors").values()} == {np.dtype(np.float16)}
+
+
+def test_tp_without_a_tensorrt_llm_backend_is_refused(pairs):
+    target, draft = pairs("llama")
+    with pytest.raises(SpecbuildError, match="--tp 2 splits the TensorRT-LLM export; add --backend"):
+        resolve_settings(None, target=target, draft=draft, output=Path("b"), tp=2)
 
 
 def test_recommended_gamma_maximises_the_speedup_bound():

@@ -179,9 +179,12 @@ def export_pair(settings: CompileSettings, target: Checkpoint, draft: Checkpoint
     when it is on PATH. engines: the ONNX engines built beside (they measure γ), or none."""
     check_pair(settings, target, draft)
     vocab, tp = target.spec.shape.vocab_size, settings.tp
-    checkpoints = {role: write_checkpoint(ckpt, folder / FOLDER / role, scratch, tp, vocab, settings.precision,
-                                          settings.quantization(role))
-                   for role, ckpt in (("target", target), ("draft", draft))}
+    checkpoints = {}
+    for role, ckpt in (("target", target), ("draft", draft)):
+        checkpoints[role] = write_checkpoint(ckpt, folder / FOLDER / role, scratch, tp, vocab, settings.precision,
+                                             settings.quantization(role))
+        # the ONNX engine hashed the same source already
+        checkpoints[role]["source"] = engines[role].source if role in engines else source(ckpt)
     recommended = measure_gamma(folder, engines, target, draft, checkpoints, max_seq_len, settings.gamma)
     plans = write_plans(folder, recommended["gamma"], tp, max_seq_len, settings.precision, target, draft)
     built = run_build(folder / plans["build"]) if shutil.which("trtllm-build") else None
@@ -221,9 +224,12 @@ def write_checkpoint(ckpt: Checkpoint, out: Path, scratch: Path, tp: int, vocab:
         # what a decoding step reads over all ranks once trtllm-build has quantized: the cost ratio
         # the plans use when no engine was timed
         "weight_bytes": int(step_bytes),
-        "source": {"path": str(ckpt.path.resolve()), "sha256": ckpt.digest()},
         "ranks": [{**rank, "file": f"{FOLDER}/{out.name}/{rank['file']}"} for rank in layout.ranks()],
     }
+
+
+def source(ckpt: Checkpoint) -> dict:
+    return {"path": str(ckpt.path.resolve()), "sha256": ckpt.digest()}
 
 
 def trtllm_config(ckpt: Checkpoint, layout: Layout, dtype: str, quant_algo: str | None) -> dict:
