@@ -5,6 +5,9 @@ A bundle is a folder:
     target.onnx(.data)      target engine: greedy verification built in
     draft.onnx(.data)       draft engine: same I/O, fed num_drafts = 0
     tokenizer/              the tokenizer both models share (tokenizer.json + HF side files)
+    tensorrt-llm/, vllm/    compiled with --backend tensorrt-llm or all: TensorRT-LLM checkpoints and the
+                            plans to build, run and serve them (TensorRTLLMPart); no .onnx files with
+                            tensorrt-llm alone
 
 Engine I/O, format version 2 (both engines; this docstring is the written contract between the compiler
 and the runtime). S = tokens fed this call, D = num_drafts, V = the engine's vocabulary, F = the engine's
