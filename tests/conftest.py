@@ -15,6 +15,28 @@ EOS = "<|endoftext|>"
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512)
 
+# name -> (config, model, settings over TINY): the families specbuild compiles, in tiny form. Windows of
+# 8 positions so that short tests decode well past them.
+ARCHITECTURES = {
+    "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+    "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
+    "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {}),
+    "llama3": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(tie_word_embeddings=True, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16))),
+    "mistral-window": (tf.MistralConfig, tf.MistralForCausalLM, dict(sliding_window=8)),
+    "qwen2-window": (tf.Qwen2Config, tf.Qwen2ForCausalLM, dict(num_hidden_layers=3, use_sliding_window=True,
+                                                                 sliding_window=8, max_window_layers=1)),
+    "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(head_dim=16)),
+    "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, dict(
+        num_attention_heads=2, num_key_value_heads=1, partial_rotary_factor=0.5, sliding_window=12,
+        original_max_position_embeddings=256, rope_scaling=dict(rope_type="longrope", short_factor=[1.0 + 0.1 * i for i in range(8)],
+                                                               long_factor=[2.0 + 0.5 * i for i in range(8)]))),
+    "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, dict(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=16,
+                                                          sliding_window=8)),
+    "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, dict(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=16,
+                                                               sliding_window=8, sliding_window_pattern=2)),
+}
+
 PROMPTS = [
     "def add(a, b):\n    return",
     "import os",
@@ -50,20 +72,18 @@ def make_checkpoint(folder: Path, architecture: str, tokenizer, seed: int = 0, *
                                bos_token_id=eos, eos_token_id=eos, **overrides)
         model = tf.GPT2LMHeadModel(config)
     else:
-        config_cls, model_cls = {
-            "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
-            "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-            "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
-            "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
-        }[architecture]
-        config = config_cls(**{**TINY, "vocab_size": vocab, "bos_token_id": eos, "eos_token_id": eos, **overrides})
+        config_cls, model_cls, own = ARCHITECTURES[architecture]
+        config = config_cls(**{**TINY, "vocab_size": vocab, "bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos,
+                               **own, **overrides})
         model = model_cls(config)
     # Random init puts logits near zero; a larger scale gives decisive argmaxes, so float noise
     # (1e-7) between engines cannot flip a near-tie.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.2)
+            elif "norm" in name and architecture not in ("llama", "qwen2", "mistral", "gpt2"):
+                p.add_(torch.randn_like(p) * 0.2)  # norms must visibly count (Gemma's start at zero)
     model.eval().save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return folder

@@ -6,19 +6,25 @@ import numpy as np
 import pytest
 import torch
 
-from specbuild.compile.load import load_checkpoint
+import onnx_ir as ir
+
+from conftest import ARCHITECTURES
 from specbuild.compile.graphs import build_decoder
+from specbuild.compile.load import load_checkpoint
+from specbuild.compile.precision import Numerics
 from specbuild_runtime.engine import Engine
 from specbuild_runtime.manifest import EngineInfo
 
 MAX_LEN = 64
 
 
-def run_graph(model_proto, spec):
+def run_graph(ckpt):
     """The graph in the runtime's Engine (in-place KV cache), with the test-only `logits` output."""
+    spec = ckpt.spec
+    model_bytes = ir.serde.serialize_model(build_decoder(ckpt, Numerics(), MAX_LEN, with_logits=True)).SerializeToString()
     info = EngineInfo(role="target", backend="onnx", file="graph.onnx", architecture=spec.architecture,
                       precision="fp32", quantization="none", shape=spec.shape, parameters=0, weight_bytes=0, source={})
-    engine = Engine(Path("graph.onnx"), info, MAX_LEN, model_bytes=model_proto.SerializeToString(), extra_outputs=("logits",))
+    engine = Engine(Path("graph.onnx"), info, MAX_LEN, model_bytes=model_bytes, extra_outputs=("logits",))
 
     def step(tokens, total_len, num_drafts):
         accepted, next_token = engine.step(tokens, total_len, num_drafts)
@@ -27,13 +33,13 @@ def run_graph(model_proto, spec):
     return step
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("architecture", [*ARCHITECTURES, "gpt2"])
 def test_graph_logits_match_transformers_through_prefill_verify_and_rollback(architecture, checkpoints):
     from transformers import AutoModelForCausalLM
 
     folder = checkpoints(architecture)
     ckpt = load_checkpoint(folder, "target")
-    step = run_graph(build_decoder(ckpt.spec, {n: ckpt.tensor(n).astype(np.float32) for n in ckpt.tensor_names()}, ckpt.config, MAX_LEN, with_logits=True), ckpt.spec)
+    step = run_graph(ckpt)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     ids = torch.randint(0, ckpt.spec.shape.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -51,7 +57,7 @@ def test_graph_logits_match_transformers_through_prefill_verify_and_rollback(arc
 
 def test_verification_counts_leading_matching_drafts(checkpoints):
     ckpt = load_checkpoint(checkpoints("llama"), "target")
-    step = run_graph(build_decoder(ckpt.spec, {n: ckpt.tensor(n).astype(np.float32) for n in ckpt.tensor_names()}, ckpt.config, MAX_LEN, with_logits=True), ckpt.spec)
+    step = run_graph(ckpt)
     prompt = [5, 17, 42]
     greedy = []
     total = 3

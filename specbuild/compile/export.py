@@ -1,4 +1,9 @@
-"""Stage 2b: turn one validated checkpoint into an ONNX engine file inside the bundle being built."""
+"""Stage 2b: write one checkpoint as an ONNX engine inside the bundle being built, streaming its weights.
+
+The graph holds lazy tensors (graphs/builder.py); onnx_ir's writer evaluates them one at a time,
+appends each to `{role}.onnx.data` and drops it, so the memory a compile needs is set by its largest
+tensor, not by the model (onnx_ir 1.1+: `ir.save` with external data writes tensor by tensor).
+"""
 
 from __future__ import annotations
 
@@ -7,14 +12,19 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
+from tqdm import tqdm
 
 from specbuild_runtime.manifest import EngineInfo
 
 from ..errors import UnsupportedModelError
 from .graphs import build_decoder
 from .load import Checkpoint
+from .precision import Numerics, precision_name
 
-VOCAB_TABLES = ("model.embed_tokens.weight", "lm_head.weight", "transformer.wte.weight")  # rows = tokens
+# Large tensors start at a multiple of 64 KiB in the data file, so onnxruntime can map them from the
+# file instead of copying them (it maps external data only at an allocation-granularity offset).
+ALIGNMENT = 1 << 16
 
 
 def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
@@ -24,43 +34,37 @@ def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
             f"--max-seq-len {max_seq_len} exceeds the {role}'s max_position_embeddings "
             f"({spec.max_position_embeddings}); use --max-seq-len {spec.max_position_embeddings} or less"
         )
-    if spec.sliding_window and max_seq_len > spec.sliding_window:
-        raise UnsupportedModelError(
-            f"--max-seq-len {max_seq_len} exceeds the {role}'s sliding window ({spec.sliding_window}); "
-            f"sliding-window attention is not built yet, so use --max-seq-len {spec.sliding_window} or less"
-        )
 
 
-def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, vocab_size: int) -> EngineInfo:
+def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, numerics: Numerics,
+                  vocab_size: int | None = None, show_progress: bool | None = None) -> EngineInfo:
     """Writes {role}.onnx (+ {role}.onnx.data with the weights) and describes it.
 
     vocab_size: the target's; a larger table (a draft's padding rows) is cut to it, so the draft never
     proposes a token the target does not have and its q is a distribution over the shared vocabulary.
+    show_progress: a bar per engine with bytes/s and ETA (None: on a terminal only).
     """
-    weights = {name: ckpt.tensor(name).astype(np.float32) for name in ckpt.tensor_names()}
-    parameters = sum(w.size for name, w in weights.items() if not name.endswith("rotary_emb.inv_freq"))
     spec = ckpt.spec
-    if spec.shape.vocab_size > vocab_size:
-        spec = dataclasses.replace(spec, shape=dataclasses.replace(spec.shape, vocab_size=vocab_size))
-        for name in VOCAB_TABLES:
-            if name in weights:
-                weights[name] = weights[name][:vocab_size]
-    model = build_decoder(spec, weights, ckpt.config, max_seq_len)
-    del weights
+    vocab = min(spec.shape.vocab_size, vocab_size or spec.shape.vocab_size)
     file = f"{role}.onnx"
-    # External data keeps the graph file small and lifts protobuf's 2 GB limit on large targets.
-    onnx.save_model(model, folder / file, save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=f"{file}.data")
+    with tqdm(unit="B", unit_scale=True, desc=f"writing {role} ({numerics.precision}, {numerics.quantization})",
+              disable=None if show_progress is None else not show_progress, leave=False) as bar:
+        model = build_decoder(ckpt, numerics, max_seq_len, vocab, progress=bar.update)
+        bar.total = sum(value.const_value.nbytes for value in model.graph.initializers.values()
+                        if isinstance(value.const_value, ir.LazyTensor))
+        ir.save(model, folder / file, external_data=f"{file}.data", alignment=ALIGNMENT)
     onnx.checker.check_model(str(folder / file))
     return EngineInfo(
         role=role,
         backend="onnx",
         file=file,
-        architecture=ckpt.spec.architecture,
-        precision="fp32",
-        quantization="none",
-        shape=spec.shape,
-        parameters=int(parameters),
+        architecture=spec.architecture,
+        precision=numerics.precision,
+        quantization=numerics.quantization,
+        shape=dataclasses.replace(spec.shape, vocab_size=vocab),
+        parameters=sum(int(np.prod(entry.shape)) for name, entry in ckpt.entries.items()
+                       if not name.endswith("rotary_emb.inv_freq")),
         weight_bytes=(folder / f"{file}.data").stat().st_size,
         source={"path": str(ckpt.path.resolve()), "sha256": ckpt.digest()},
+        source_dtype=precision_name(ckpt.float_dtype()),
     )

@@ -19,11 +19,15 @@ from specbuild_runtime.manifest import ModelShape
 
 from ..errors import CheckpointError, PairMismatchError, UnsupportedModelError
 
-# architecture -> graph family; the Llama family differs only in flags read from config.json.
+# architecture -> graph builder (specbuild/compile/graphs/<family>.py)
 ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
+    "LlamaForCausalLM": "llama",  # Llama 2, Llama 3.x (rope scaling, tied embeddings)
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+    "Phi3ForCausalLM": "llama",  # Phi-3, Phi-3.5-mini, Phi-4-mini
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",  # Gemma 3 text (1B; the larger ones are multimodal)
     "GPT2LMHeadModel": "gpt2",
 }
 SUPPORTED_ACTIVATIONS = {"silu", "gelu_new", "gelu_pytorch_tanh", "gelu"}
@@ -31,7 +35,7 @@ SUPPORTED_ACTIVATIONS = {"silu", "gelu_new", "gelu_pytorch_tanh", "gelu"}
 
 @dataclass
 class ModelSpec:
-    """Everything the graph builder needs to know about a model, as plain data."""
+    """Everything the graph builders need to know about a model, as plain data."""
 
     architecture: str
     family: str
@@ -43,7 +47,13 @@ class ModelSpec:
     mlp_bias: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
-    sliding_window: int | None
+    layer_types: list[str]  # per layer: "full_attention" or "sliding_attention"
+    sliding_windows: list[int | None]  # per layer: positions a query sees, its own included (None: all)
+    attention_scale: float  # of q·k before softmax
+    rotary_dim: int  # leading dims of each head that rope rotates (0: no rope)
+    qk_norm: bool = False  # an RMS norm on each q and k head (Qwen3, Gemma 3)
+    attention_softcap: float | None = None  # cap·tanh(scores/cap) (Gemma 2)
+    final_softcap: float | None = None  # the same on the logits (Gemma 2)
 
 
 # safetensors dtype -> numpy dtype (bf16 and fp8 from ml_dtypes, which numpy lacks)
@@ -90,18 +100,21 @@ class Checkpoint:
             )
         return entry
 
-    def tensor(self, name: str) -> np.ndarray:
-        """One tensor in its stored dtype, read from its shard on demand.
+    def tensor(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """One tensor in its stored dtype, read from its shard on demand; rows=(start, stop) reads only
+        those rows (along the first axis).
 
         Read with one read into a fresh array instead of through the safetensors library: the library
         maps the whole shard (its pages then count in this process's memory until the shard is closed)
         and its numpy reader has no bf16.
         """
         entry = self.entry(name)
-        array = np.empty(entry.shape, entry.dtype)
+        start, stop = rows if rows is not None else (0, entry.shape[0] if entry.shape else 1)
+        row_bytes = (entry.end - entry.start) // max(entry.shape[0], 1) if entry.shape else entry.end - entry.start
+        array = np.empty((stop - start, *entry.shape[1:]) if entry.shape else (), entry.dtype)
         view = memoryview(array.reshape(-1).view(np.uint8))
         with open(entry.file, "rb") as f:
-            f.seek(entry.start)
+            f.seek(entry.start + start * row_bytes)
             done = 0
             while done < len(view):
                 count = f.readinto(view[done:])
@@ -110,6 +123,16 @@ class Checkpoint:
                                           "file); download or save the checkpoint again")
                 done += count
         return array
+
+    def float_dtype(self) -> np.dtype:
+        """The float type most of the weights' bytes are stored in."""
+        totals: dict[np.dtype, int] = {}
+        for entry in self.entries.values():
+            if entry.dtype.kind == "f" or entry.dtype.kind == "V":  # ml_dtypes' bf16 and fp8 are kind V
+                totals[entry.dtype] = totals.get(entry.dtype, 0) + entry.end - entry.start
+        if not totals:
+            raise CheckpointError(f"{self.path} has no float weights")
+        return max(totals, key=totals.get)
 
     def digest(self) -> str:
         """sha256 over config.json and the weight files: identifies the source of an engine."""
@@ -136,13 +159,22 @@ def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
     architecture = (raw.get("architectures") or ["<none>"])[0]
     if architecture not in ARCHITECTURES:
         raise UnsupportedModelError(
-            f"{role} checkpoint {path} is a {architecture}; specbuild supports {', '.join(sorted(ARCHITECTURES))}"
+            f"{role} checkpoint {path} is a {architecture}{_kind(architecture, raw)}, which specbuild does not "
+            f"compile; it supports {', '.join(sorted(ARCHITECTURES))}"
         )
     weight_files = _weight_files(path, role)
     entries = _entries(weight_files, path)
     config = _load_config(path, role)
     tokenizer = _load_tokenizer(path, role)
     return Checkpoint(path, _spec(config, architecture, path, role), config, tokenizer, weight_files, entries)
+
+
+def _kind(architecture: str, config: dict) -> str:
+    if "num_experts" in config or "num_local_experts" in config or "Moe" in architecture:
+        return " (mixture of experts)"
+    if "vision_config" in config or "audio_config" in config or "ConditionalGeneration" in architecture:
+        return " (multimodal)"
+    return ""
 
 
 def _weight_files(path: Path, role: str) -> list[Path]:
@@ -231,11 +263,13 @@ def _load_tokenizer(path: Path, role: str):
 def _spec(config, architecture: str, path: Path, role: str) -> ModelSpec:
     family = ARCHITECTURES[architecture]
     if family == "gpt2":
-        hidden, heads = config.n_embd, config.n_head
+        if config.scale_attn_by_inverse_layer_idx or config.reorder_and_upcast_attn:
+            raise UnsupportedModelError(f"{role} checkpoint {path}: GPT-2 attention variants are not supported")
+        hidden, heads, layers = config.n_embd, config.n_head, config.n_layer
         spec = ModelSpec(
             architecture=architecture,
             family=family,
-            shape=ModelShape(config.n_layer, hidden, heads, heads, hidden // heads, config.vocab_size),
+            shape=ModelShape(layers, hidden, heads, heads, hidden // heads, config.vocab_size),
             intermediate_size=config.n_inner or 4 * hidden,
             norm_eps=config.layer_norm_epsilon,
             hidden_act=config.activation_function,
@@ -243,47 +277,57 @@ def _spec(config, architecture: str, path: Path, role: str) -> ModelSpec:
             mlp_bias=True,
             tie_word_embeddings=True,
             max_position_embeddings=config.n_positions,
-            sliding_window=None,
+            layer_types=["full_attention"] * layers,
+            sliding_windows=[None] * layers,
+            attention_scale=(hidden // heads) ** -0.5,
+            rotary_dim=0,
         )
-        if config.scale_attn_by_inverse_layer_idx or config.reorder_and_upcast_attn:
-            raise UnsupportedModelError(f"{role} checkpoint {path}: GPT-2 attention variants are not supported")
     else:
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        use_sliding = getattr(config, "use_sliding_window", True)
-        spec = ModelSpec(
-            architecture=architecture,
-            family=family,
-            shape=ModelShape(
-                config.num_hidden_layers,
-                config.hidden_size,
-                heads,
-                getattr(config, "num_key_value_heads", None) or heads,
-                head_dim,
-                config.vocab_size,
-            ),
-            intermediate_size=config.intermediate_size,
-            norm_eps=config.rms_norm_eps,
-            hidden_act=config.hidden_act,
-            # Qwen2 always has q/k/v biases; Llama and Mistral say so in attention_bias.
-            attention_bias=architecture == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False)),
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            tie_word_embeddings=bool(config.tie_word_embeddings),
-            max_position_embeddings=config.max_position_embeddings,
-            sliding_window=getattr(config, "sliding_window", None) if use_sliding else None,
-        )
-        if head_dim % 16:
-            raise UnsupportedModelError(
-                f"{role} checkpoint {path}: head_dim {head_dim} is not a multiple of 16, which onnxruntime's "
-                "rotary attention kernel requires"
-            )
-        if architecture == "Qwen2ForCausalLM" and any(
-            t != "full_attention" for t in (getattr(config, "layer_types", None) or [])
-        ):
-            raise UnsupportedModelError(f"{role} checkpoint {path}: Qwen2 per-layer sliding windows are not supported")
+        spec = _rope_model_spec(config, architecture, family, path, role)
     if spec.hidden_act not in SUPPORTED_ACTIVATIONS:
         raise UnsupportedModelError(f"{role} checkpoint {path}: activation {spec.hidden_act!r} is not supported")
     return spec
+
+
+def _rope_model_spec(config, architecture: str, family: str, path: Path, role: str) -> ModelSpec:
+    """Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3: config.json names the same things alike, almost."""
+    heads, layers = config.num_attention_heads, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3 keeps one set per layer type
+    rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    if head_dim % 16 or rotary_dim % 16:
+        raise UnsupportedModelError(
+            f"{role} checkpoint {path}: head_dim {head_dim} (rotary part {rotary_dim}) is not a multiple of 16, "
+            "which onnxruntime's rotary attention kernel requires"
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(f"{role} checkpoint {path}: bidirectional attention (an embedding model) cannot decode")
+    # layer_types (Qwen2/3, Gemma) says which layers slide; Mistral and Phi-3 slide everywhere if they slide.
+    window = getattr(config, "sliding_window", None)
+    layer_types = list(getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * layers)
+    gemma = family == "gemma"
+    return ModelSpec(
+        architecture=architecture,
+        family=family,
+        shape=ModelShape(layers, config.hidden_size, heads, getattr(config, "num_key_value_heads", None) or heads,
+                         head_dim, config.vocab_size),
+        intermediate_size=config.intermediate_size,
+        norm_eps=config.rms_norm_eps,
+        hidden_act=config.hidden_activation if gemma else config.hidden_act,
+        # Qwen2 always has q/k/v biases; Llama and Mistral say so in attention_bias.
+        attention_bias=architecture == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False)),
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        tie_word_embeddings=bool(config.tie_word_embeddings),
+        max_position_embeddings=config.max_position_embeddings,
+        layer_types=layer_types,
+        sliding_windows=[window if kind == "sliding_attention" and window else None for kind in layer_types],
+        attention_scale=(config.query_pre_attn_scalar if gemma else head_dim) ** -0.5,
+        rotary_dim=rotary_dim,
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+        attention_softcap=getattr(config, "attn_logit_softcapping", None),
+        final_softcap=getattr(config, "final_logit_softcapping", None),
+    )
 
 
 def validate_pair(target: Checkpoint, draft: Checkpoint) -> None:

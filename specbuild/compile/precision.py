@@ -1,105 +1,83 @@
-"""Stage 3b (optional): convert an exported engine to half precision in place, for GPU targets.
+"""Stage 3a: the engine's numbers — its float type, its weight quantization — and the conversion of one
+checkpoint tensor to the engine's float type, as the tensor is written.
 
-Half precision (convert_precision, for GPU targets): weights and activations become fp16 (bf16), and so
-do the KV cache inputs/outputs `past_*`/`present_*` — they must, because GroupQueryAttention writes into
-the bound buffer in place and a Cast at the graph edge would break that. input_ids/total_len/num_drafts
-and accepted/next_token are integers and unchanged; every other float input/output (temperature, top_p,
-draft_probs, uniforms, probs, and a test graph's logits) stays fp32 behind a Cast. ArgMax compares the
-logits after a Cast to fp32. onnxruntime 1.31's CPU provider runs the fp16
-graph (GroupQueryAttention, MatMul, Gemm, the norms all have fp16 CPU kernels); it has no bf16 MatMul,
-so a bf16 engine passes the ONNX checker but loads only on a GPU provider.
+An engine is fp32, fp16 or bf16 throughout: weights, activations and the KV cache inputs/outputs
+`past_*`/`present_*` (they must be: GroupQueryAttention writes into the bound buffer in place, and a Cast
+at the graph edge would break that). Logits are cast to fp32 before anything decides on them (argmax,
+softmax, sampling), and every other float input/output (temperature, top_p, draft_probs, uniforms,
+probs) is fp32 whatever the engine's type. onnxruntime's CPU provider runs fp32 and fp16 engines; it has
+no bf16 MatMul, so a bf16 engine is checked with the ONNX checker here and runs only on a GPU provider.
+
+Half-precision weights come straight from the checkpoint's own type, a slice of rows at a time: a bf16
+or fp16 checkpoint never exists in fp32, not even one whole tensor of it.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
-import onnx
-from onnx import TensorProto, helper, numpy_helper
+import onnx_ir as ir
 
+from ..errors import UnsupportedModelError
 from specbuild_runtime.errors import SpecbuildError
-from specbuild_runtime.manifest import EngineInfo
 
-from .quantize import _library_logging_kept_quiet, _load, _nodes, _save, _updated
-
-PRECISIONS = ("fp32", "fp16", "bf16")
-
-def convert_precision(folder: Path, info: EngineInfo, precision: str) -> EngineInfo:
-    """Convert an fp32 engine's weights and graph to fp16 or bf16 in place (for GPU targets).
-
-    The KV cache inputs/outputs past_*/present_* become the new float type (see the module docstring).
-    """
-    folder = Path(folder)
-    if precision not in PRECISIONS:
-        raise SpecbuildError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
-    if precision == info.precision:
-        return info
-    if info.precision != "fp32" or info.quantization != "none":
-        raise SpecbuildError(
-            f"the {info.role} engine is {info.precision}/{info.quantization}; convert precision from an "
-            "unquantized fp32 engine"
-        )
-    from onnxruntime.transformers.float16 import convert_float_to_float16
-
-    model = _load(folder, info)
-    ir_version = model.ir_version
-    fp32 = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.data_type == TensorProto.FLOAT}
-    # The KV buffers must be half (bound in place); every other float input/output (sampling controls,
-    # draft_probs, probs, logits) stays fp32 behind a Cast, so the runtime feeds them unchanged.
-    keep = [v.name for v in [*model.graph.input, *model.graph.output]
-            if v.type.tensor_type.elem_type == TensorProto.FLOAT and not v.name.startswith(("past_", "present_"))]
-    with _library_logging_kept_quiet():
-        # No shape inference: onnx does not know the com.microsoft ops, and it caps protos at 2 GB.
-        model = convert_float_to_float16(model, keep_io_types=keep, disable_shape_infer=True)
-    _argmax_in_fp32(model)
-    if precision == "bf16":
-        _float16_to_bfloat16(model, fp32)
-    _save(model, folder, info, ir_version)
-    return _updated(folder, info, precision=precision)
+FLOAT_TYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
+PRECISIONS = tuple(FLOAT_TYPES)
+QUANTIZATIONS = ("none", "int8", "int4")
+DEFAULT_ACCURACY_LEVEL = 4  # MatMulNBits int8 compute: the fast one, exact row by row (see quantize.py)
+CHUNK_BYTES = 64 << 20  # rows converted at a time: bounds the temporaries of one tensor's conversion
 
 
-def _argmax_in_fp32(model: onnx.ModelProto) -> None:
-    """ArgMax decides every token: compare the (half precision) logits in fp32."""
-    for graph in _graphs(model.graph):
-        for node in list(graph.node):
-            if node.op_type == "ArgMax":
-                cast = helper.make_node("Cast", [node.input[0]], [f"{node.name}/fp32"], name=f"{node.name}/fp32",
-                                        to=TensorProto.FLOAT)
-                node.input[0] = cast.output[0]
-                graph.node.insert(list(graph.node).index(node), cast)
+@dataclass(frozen=True)
+class Numerics:
+    """How one engine computes: its float type and its weight quantization (see quantize.py)."""
+
+    precision: str = "fp32"
+    quantization: str = "none"
+    block_size: int = 32
+    accuracy_level: int = DEFAULT_ACCURACY_LEVEL
+
+    def __post_init__(self):
+        if self.precision not in FLOAT_TYPES:
+            raise SpecbuildError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise SpecbuildError(f"unknown quantization {self.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise SpecbuildError(f"block size {self.block_size} must be a power of two, 16 or more")
+        if self.accuracy_level not in range(5):
+            raise SpecbuildError(f"accuracy level {self.accuracy_level} must be 0..4")
+
+    @property
+    def dtype(self) -> np.dtype:
+        return FLOAT_TYPES[self.precision]
+
+    @property
+    def ir_type(self) -> ir.DataType:
+        return ir.DataType.from_numpy(self.dtype)
+
+    @property
+    def bits(self) -> int:
+        return {"int8": 8, "int4": 4}[self.quantization]
 
 
-def _graphs(graph: onnx.GraphProto):
-    """graph and every If branch inside it."""
-    yield graph
-    for node in graph.node:
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
-                yield from _graphs(sub)
+def precision_name(dtype: np.dtype) -> str:
+    """fp32 / fp16 / bf16 for a float numpy dtype (the manifest's names)."""
+    for name, known in FLOAT_TYPES.items():
+        if dtype == known:
+            return name
+    raise UnsupportedModelError(f"weights stored as {dtype} are not supported; specbuild reads fp32, fp16 and bf16 checkpoints")
 
 
-def _float16_to_bfloat16(model: onnx.ModelProto, fp32: dict[str, np.ndarray]) -> None:
-    """Turn a graph the fp16 converter made into bf16: same structure, every FLOAT16 becomes BFLOAT16.
+def convert_rows(rows: np.ndarray, dtype: np.dtype, plus_one: bool = False) -> np.ndarray:
+    """A slice of a stored tensor in the engine's float type; plus_one adds 1 first (Gemma's norms
+    scale by 1 + w, added in fp32 as transformers does)."""
+    precision_name(rows.dtype)  # refuses fp8 and integer tensors with a clear error
+    if plus_one:
+        return (rows.astype(np.float32) + 1.0).astype(dtype)
+    return rows.astype(dtype, copy=False)
 
-    Weights are rounded from their fp32 originals (not from fp16, which would clip them to ±65504).
-    """
-    import ml_dtypes
 
-    for index, tensor in enumerate(model.graph.initializer):
-        if tensor.data_type != TensorProto.FLOAT16:
-            continue
-        source = fp32.get(tensor.name)
-        if source is None:
-            source = numpy_helper.to_array(tensor).astype(np.float32)
-        bf16 = helper.make_tensor(tensor.name, TensorProto.BFLOAT16, source.shape,
-                                  source.astype(ml_dtypes.bfloat16).view(np.uint16).tobytes(), raw=True)
-        model.graph.initializer[index].CopyFrom(bf16)
-    for graph in _graphs(model.graph):
-        for value in [*graph.input, *graph.output, *graph.value_info]:
-            if value.type.tensor_type.elem_type == TensorProto.FLOAT16:
-                value.type.tensor_type.elem_type = TensorProto.BFLOAT16
-    for node in _nodes(model.graph):
-        for attr in node.attribute:
-            if node.op_type == "Cast" and attr.name == "to" and attr.i == TensorProto.FLOAT16:
-                attr.i = TensorProto.BFLOAT16
+def rows_per_chunk(row_bytes: int) -> int:
+    return max(1, CHUNK_BYTES // max(row_bytes, 1))

@@ -1,4 +1,5 @@
-"""Stage 3c: what a quantized engine costs against its fp32 original, measured into the manifest."""
+"""Stage 3c: what quantization cost each quantized engine, measured against an fp32 engine of the same
+checkpoint, into the manifest."""
 
 from __future__ import annotations
 
@@ -9,26 +10,54 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from specbuild_runtime.engine import Engine
+from specbuild_runtime.engine import Engine, can_run
 from specbuild_runtime.manifest import EngineInfo
 
 from ..acceptance import rounds
 from ..texts import CODE_PROMPTS, corpus_files, read_prompts, read_source
+from .export import export_engine
 from .graphs import LOGITS
+from .precision import Numerics
 
 QUALITY_HELDOUT_TOKENS = 4096
+# The report runs an fp32 engine of the same checkpoint beside the quantized one. It is written to the
+# compile's scratch folder and run only up to this size, so a report stays within the compile's memory
+# bound; larger models get {"skipped": why} instead.
+QUALITY_MAX_REFERENCE_BYTES = 2 << 30
 QualityTexts = tuple[list[list[int]], list[int]]  # code prompts, held-out token ids
+
+
+def measure_quality(folder: Path, scratch: Path, engines: dict[str, EngineInfo], checkpoints: dict,
+                    max_seq_len: int, texts: QualityTexts) -> None:
+    """Write each quantized engine's quality report (see quality_report) into its EngineInfo, against an
+    fp32 engine of the same checkpoint written to scratch; then the pair's acceptance with and without
+    quantization (report_acceptance_change)."""
+    prompts, heldout = texts
+    references = {}
+    for role, info in engines.items():
+        if info.quantization == "none":
+            continue
+        reference_bytes = 4 * info.parameters
+        if not can_run(info):
+            info.quality = {"skipped": f"a {info.precision} engine does not run on this runtime's CPU provider"}
+        elif reference_bytes > QUALITY_MAX_REFERENCE_BYTES:
+            info.quality = {"skipped": f"its fp32 reference would be {reference_bytes / 1e9:.1f} GB; reports are "
+                                       f"measured up to {QUALITY_MAX_REFERENCE_BYTES / 1e9:.1f} GB"}
+        else:
+            references[role] = export_engine(checkpoints[role], role, scratch, max_seq_len, Numerics(),
+                                             vocab_size=info.shape.vocab_size)
+            info.quality = quality_report(scratch, references[role], folder, info, prompts, heldout)
+    if references:
+        report_acceptance_change(folder, engines, scratch, references, prompts)
 
 
 def report_acceptance_change(folder: Path, engines: dict[str, EngineInfo], reference: Path,
                              fp32: dict[str, EngineInfo], prompts: list[list[int]]) -> None:
-    """Add to each quantized engine's quality report the pair's greedy acceptance α with and without
-    quantization (the other engine as built): what quantization did to the speed-up."""
-    measured = [role for role, info in engines.items() if info.quality]
-    if not measured:  # (a quantized engine cannot be converted to bf16: every measured pair runs here)
-        return
+    """Add to each measured engine's quality report the pair's greedy acceptance α with and without
+    quantization (the other engine as built): what quantization did to the speed-up. fp32: the measured
+    roles' fp32 engines, in the folder `reference`."""
     built = pair_acceptance(folder, engines["target"], folder, engines["draft"], prompts)
-    for role in measured:
+    for role in fp32:
         other = "draft" if role == "target" else "target"
         places = {role: (reference, fp32[role]), other: (folder, engines[other])}
         before = pair_acceptance(*places["target"], *places["draft"], prompts)
@@ -147,16 +176,15 @@ def pair_acceptance(target_folder: Path, target: EngineInfo, draft_folder: Path,
 
 
 def _engine(folder: Path, info: EngineInfo, logits: bool = False) -> Engine:
-    """A runtime Engine over an engine file; with logits=True its graph gains an fp32 `logits` [D+1, V]
-    output (a Cast of the graph's own logits), built in memory with the weights read from the folder."""
+    """A runtime Engine over an engine file; with logits=True its graph gains the fp32 `logits` [D+1, V]
+    it decides on as an output, built in memory with the weights read from the folder."""
     path = folder / info.file
     model = onnx.load(str(path), load_external_data=False)
     max_seq_len = next(i for i in model.graph.input if i.name.startswith("past_key.")).type.tensor_type.shape.dim[2].dim_value
     if not logits:
         return Engine(path, info, max_seq_len)
-    model.graph.node.append(helper.make_node("Cast", [LOGITS], ["logits"], name="logits.fp32", to=TensorProto.FLOAT))
-    model.graph.output.append(helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["D+1", info.shape.vocab_size]))
-    return Engine(path, info, max_seq_len, model_bytes=model.SerializeToString(), extra_outputs=("logits",))
+    model.graph.output.append(helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["D+1", info.shape.vocab_size]))
+    return Engine(path, info, max_seq_len, model_bytes=model.SerializeToString(), extra_outputs=(LOGITS,))
 
 
 def _max_seq_len(engine: Engine) -> int:
@@ -166,7 +194,7 @@ def _max_seq_len(engine: Engine) -> int:
 def _logits(engine: Engine, ids: list[int]) -> np.ndarray:
     """[S, V] fp32 logits at every position of ids, from an empty cache."""
     engine.step(ids, total_len=len(ids), num_drafts=len(ids) - 1)
-    return engine.output("logits")
+    return engine.output(LOGITS)
 
 
 def _greedy(engine: Engine, prompt: list[int], count: int) -> tuple[list[int], float]:

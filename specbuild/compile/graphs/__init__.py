@@ -1,0 +1,75 @@
+"""Stage 2: ONNX decoder graphs built straight from a checkpoint's tensors, verification in the tail.
+
+One builder per architecture family reads top to bottom like the model (llama.py, gemma.py, gpt2.py);
+layers.py holds the math they share, verification.py the tail. Attention is onnxruntime's
+GroupQueryAttention with the KV buffers shared between past and present: the runtime allocates them once
+for max_seq_len and the op writes new keys/values in place at positions past..total-1, so rejecting
+drafts is only a smaller total_len on the next call. The engine's I/O contract is written in
+specbuild_runtime.manifest.
+
+Weights are not read here: the graph holds lazy tensors that read, convert or quantize each weight as
+the engine file is written (export.py).
+
+Shapes: S = tokens fed this call, D = num_drafts, H = hidden, V = vocab, KV = kv heads, hd = head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import onnx_ir as ir
+
+from ..load import Checkpoint
+from ..precision import Numerics
+from . import gemma, gpt2, llama
+from .builder import GraphBuilder
+from .layers import Attention, linear
+from .verification import LOGITS, SamplingInputs, verification
+
+FAMILIES = {"llama": llama.body, "gemma": gemma.body, "gpt2": gpt2.body}
+INT64, INT32, FLOAT = ir.DataType.INT64, ir.DataType.INT32, ir.DataType.FLOAT
+
+__all__ = ["LOGITS", "build_decoder"]
+
+
+def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_size: int | None = None,
+                  with_logits: bool = False, progress: Callable[[int], None] = lambda nbytes: None) -> ir.Model:
+    """The engine graph for one model (see specbuild_runtime.manifest for its I/O contract).
+
+    vocab_size: cut the embedding table and LM head to this many rows (a draft's padding rows past the
+    target's vocabulary). with_logits adds the fp32 `logits` [D+1, V] as an output, for tests.
+    """
+    spec = ckpt.spec
+    shape = spec.shape
+    vocab = min(shape.vocab_size, vocab_size or shape.vocab_size)
+    g = GraphBuilder(f"specbuild-{spec.architecture}", ckpt, numerics, progress)
+    input_ids = g.input("input_ids", INT64, [1, "S"])
+    # GroupQueryAttention's two length inputs, both fed by the runtime: the CUDA provider wants them as
+    # plain graph inputs (computed in the graph they would sit on the CPU, between GPU nodes).
+    seqlens_k = g.input("seqlens_k", INT32, [1])  # = total_len - 1
+    total_len = g.input("total_len", INT32, [])
+    num_drafts = g.input("num_drafts", INT64, [])
+    sampling = SamplingInputs(
+        temperature=g.input("temperature", FLOAT, []),
+        top_k=g.input("top_k", INT64, []),
+        top_p=g.input("top_p", FLOAT, []),
+        draft_probs=g.input("draft_probs", FLOAT, ["D", vocab]),
+        uniforms=g.input("uniforms", FLOAT, ["D+1"]),
+    )
+    kv_shape = [1, shape.num_kv_heads, max_seq_len, shape.head_dim]
+    past = [(g.input(f"past_key.{i}", numerics.ir_type, kv_shape), g.input(f"past_value.{i}", numerics.ir_type, kv_shape))
+            for i in range(shape.num_layers)]
+    att = Attention(seqlens_k, total_len, past, shape.num_heads, shape.num_kv_heads, shape.head_dim)
+    ids = g.op("Reshape", input_ids, g.const([-1]))  # [S]
+    hidden, presents, head = FAMILIES[spec.family](g, spec, ids, att, max_seq_len, vocab)
+    accepted, next_token, probs, logits = verification(g, hidden, input_ids, num_drafts, lambda x: linear(g, x, head),
+                                                       sampling, spec.final_softcap)
+    if with_logits:
+        g.output(logits, LOGITS, FLOAT, ["D+1", vocab])
+    g.output(accepted, "accepted", INT64, [])
+    g.output(next_token, "next_token", INT64, [])
+    g.output(probs, "probs", FLOAT, ["V or 0"])
+    for i, (key, value) in enumerate(presents):
+        g.output(key, f"present_key.{i}", numerics.ir_type, kv_shape)
+        g.output(value, f"present_value.{i}", numerics.ir_type, kv_shape)
+    return g.model()

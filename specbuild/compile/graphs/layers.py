@@ -1,0 +1,140 @@
+"""Layers whose math is the same across families. Hidden states are 2-D, [S, H]: linear layers are one
+Gemm over weights in the checkpoint's own [out, in] layout (nothing is transposed while streaming), or
+MatMulNBits when the engine is quantized (see quantize.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from .builder import MS, GraphBuilder, Weight
+
+
+def embedding(g: GraphBuilder, ids: ir.Value, table: Weight) -> ir.Value:
+    """ids [S] -> rows of the table [S, H]."""
+    numerics = g.numerics
+    if numerics.quantization == "int4":
+        data, scales, zero_points = g.quantized(table, table=True)
+        return g.op("GatherBlockQuantized", data, ids, scales, zero_points, domain=MS, gather_axis=0,
+                    quantize_axis=1, block_size=numerics.block_size, bits=4)
+    return g.op("Gather", g.weight(table), ids)
+
+
+def linear(g: GraphBuilder, x: ir.Value, weight: Weight, bias: Weight | None = None) -> ir.Value:
+    """x [S, in] -> x @ weight.T + bias [S, out], weight in torch's [out, in] layout."""
+    numerics = g.numerics
+    if numerics.quantization == "none":
+        return g.op("Gemm", x, g.weight(weight), g.weight(bias) if bias else None, transB=1)
+    n, k = weight.shape(g.ckpt)
+    packed, scales, zero_points = g.quantized(weight)
+    attrs = dict(K=k, N=n, bits=numerics.bits, block_size=numerics.block_size)
+    if numerics.accuracy_level:  # left out at 0, as onnxruntime's quantizer does: not every provider knows it
+        attrs["accuracy_level"] = numerics.accuracy_level
+    return g.op("MatMulNBits", x, packed, scales, zero_points, None, g.weight(bias) if bias else None,
+                domain=MS, **attrs)
+
+
+def rms_norm(g: GraphBuilder, x: ir.Value, weight: Weight, eps: float) -> ir.Value:
+    return g.op("RMSNormalization", x, g.weight(weight), axis=-1, epsilon=eps)
+
+
+def skip_rms_norm(g: GraphBuilder, x: ir.Value, residual: ir.Value, weight: Weight, eps: float) -> tuple[ir.Value, ir.Value]:
+    """(rms_norm(x + residual), x + residual) in one op."""
+    normed, _, _, total = g.op("SkipSimplifiedLayerNormalization", x, residual, g.weight(weight), outputs=4,
+                               domain=MS, epsilon=eps)
+    return normed, total
+
+
+def skip_layer_norm(g: GraphBuilder, x: ir.Value, residual: ir.Value, weight: Weight, bias: Weight,
+                    eps: float) -> tuple[ir.Value, ir.Value]:
+    normed, _, _, total = g.op("SkipLayerNormalization", x, residual, g.weight(weight), g.weight(bias), outputs=4,
+                               domain=MS, epsilon=eps)
+    return normed, total
+
+
+def activation(g: GraphBuilder, name: str, x: ir.Value) -> ir.Value:
+    if name == "silu":
+        return g.op("Mul", x, g.op("Sigmoid", x))
+    if name == "gelu":
+        return g.op("Gelu", x, domain=MS)
+    return g.op("FastGelu", x, domain=MS)  # gelu_new, gelu_pytorch_tanh: the tanh approximation
+
+
+def gated_mlp(g: GraphBuilder, x: ir.Value, gate_up: Weight, down: Weight, act: str, gate_up_bias: Weight | None = None,
+              down_bias: Weight | None = None) -> ir.Value:
+    """down(act(gate(x)) * up(x)) with gate and up in one projection (gate rows first)."""
+    half = gate_up.shape(g.ckpt)[0] // 2
+    gate, up = g.op("Split", linear(g, x, gate_up, gate_up_bias), g.const([half, half]), outputs=2, axis=-1)
+    return linear(g, g.op("Mul", activation(g, act, gate), up), down, down_bias)
+
+
+class Attention:
+    """What every layer's attention shares: the length inputs, each layer's KV buffers, the model's shape."""
+
+    def __init__(self, seqlens_k: ir.Value, total_len: ir.Value, past: list[tuple[ir.Value, ir.Value]],
+                 num_heads: int, num_kv_heads: int, head_dim: int):
+        self.seqlens_k, self.total_len, self.past = seqlens_k, total_len, past
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+
+
+def attention(g: GraphBuilder, att: Attention, layer: int, q: ir.Value, k: ir.Value | None = None,
+              v: ir.Value | None = None, *, scale: float, rotary: tuple[ir.Value, ir.Value] | None = None,
+              window: int | None = None, softcap: float | None = None) -> tuple[ir.Value, tuple[ir.Value, ir.Value]]:
+    """GroupQueryAttention over the layer's KV buffers, written in place: q [S, H·hd] and k, v [S, KV·hd]
+    (or q alone: packed [S, (H+2KV)·hd]) -> [S, H·hd] and the present K/V.
+
+    rotary: cos/sin tables [max_seq_len, rotary_dim/2], applied inside the op (rotate-half, to the first
+    rotary_dim of each head). window: transformers' sliding window (a query sees the `window` positions
+    up to and including its own). onnxruntime 1.32's local_window_size is the same number: measured
+    against transformers past the window (tests/test_graphs.py), window - 1 and window + 1 are both wrong.
+    """
+    batched = [g.op("Unsqueeze", t, g.const([0])) if t is not None else None for t in (q, k, v)]  # GQA wants [1, S, ·]
+    attrs = dict(num_heads=att.num_heads, kv_num_heads=att.num_kv_heads, scale=float(scale))
+    if rotary:
+        attrs.update(do_rotary=1, rotary_interleaved=0)
+    if window:
+        attrs["local_window_size"] = window
+    if softcap:
+        attrs["softcap"] = float(softcap)
+    past_key, past_value = att.past[layer]
+    out, present_key, present_value = g.op(
+        "GroupQueryAttention", *batched, past_key, past_value, att.seqlens_k, att.total_len, *(rotary or ()),
+        outputs=3, domain=MS, name=f"layers.{layer}.attention", **attrs,
+    )
+    return g.op("Squeeze", out, g.const([0])), (present_key, present_value)
+
+
+def head_norm(g: GraphBuilder, x: ir.Value, heads: int, head_dim: int, weight: Weight, eps: float) -> ir.Value:
+    """RMS norm of each head of x [S, heads·hd] (Qwen3's and Gemma 3's q/k norms)."""
+    per_head = g.op("Reshape", x, g.const([-1, heads, head_dim]))
+    return g.op("Reshape", rms_norm(g, per_head, weight, eps), g.const([-1, heads * head_dim]))
+
+
+def rotary_module(architecture: str, config):
+    """transformers' own rotary embedding module of this architecture (they differ: Phi-3's rotates part of
+    each head, Gemma 3's has a table per layer type)."""
+    import sys
+
+    import transformers
+
+    module = sys.modules[getattr(transformers, architecture).__module__]
+    return getattr(module, architecture.removesuffix("ForCausalLM") + "RotaryEmbedding")(config)
+
+
+def rope(rotary_module, length: int, dtype: np.dtype, **forward_kwargs) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [length, rotary_dim/2] from the model's own transformers rotary module (so every rope
+    scaling it knows is covered), as one forward call over `length` tokens computes them."""
+    import torch
+
+    with torch.no_grad():
+        cos, sin = rotary_module(torch.zeros(1, dtype=torch.float32), torch.arange(length)[None], **forward_kwargs)
+    half = cos.shape[-1] // 2
+    return cos[0, :, :half].numpy().astype(dtype), sin[0, :, :half].numpy().astype(dtype)
+
+
+def rotary_tables(g: GraphBuilder, names: list[str], rotary_dim: int, length: int, compute) -> list[ir.Value]:
+    """cos and sin initializers [length, rotary_dim/2] for each name, made by compute() -> (cos, sin, ...)
+    in that order when the engine is written."""
+    shape = (length, rotary_dim // 2)
+    return g.computed([(f"rotary.{name}.{part}", g.numerics.ir_type, shape) for name in names for part in ("cos", "sin")],
+                      compute)

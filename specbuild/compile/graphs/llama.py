@@ -1,0 +1,72 @@
+"""Llama and the models that are Llama with a twist: Llama 3.x (rope scaling, tied embeddings), Mistral
+and Qwen2 (sliding windows), Qwen3 (an RMS norm on each q and k head), Phi-3 / Phi-4-mini (q, k, v and
+gate, up stored fused; LongRoPE; partial rotary). Pre-norm decoder layers: x + attention(norm(x)), then
+x + mlp(norm(x))."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from ..load import ModelSpec
+from .builder import GraphBuilder, w
+from .layers import (Attention, attention, embedding, gated_mlp, head_norm, linear, rms_norm, rope, rotary_module,
+                     rotary_tables, skip_rms_norm)
+
+
+def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_seq_len: int, vocab_size: int):
+    """ids [S] -> (final normed hidden [S, H], each layer's present K/V, the LM head's weight)."""
+    shape, eps = spec.shape, spec.norm_eps
+    fused = spec.architecture == "Phi3ForCausalLM"
+    rotary = _rotary(g, spec, max_seq_len)
+    embed = w("model.embed_tokens.weight", rows=vocab_size)
+    x = embedding(g, ids, embed)  # [S, H]
+    normed, residual = rms_norm(g, x, w("model.layers.0.input_layernorm.weight"), eps), x
+    presents = []
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}."
+        if fused:
+            qkv = linear(g, normed, w(p + "self_attn.qkv_proj.weight"))
+        else:
+            bias = w(*(p + f"self_attn.{n}_proj.bias" for n in "qkv")) if spec.attention_bias else None
+            qkv = linear(g, normed, w(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")), bias)
+        if spec.qk_norm:
+            q, k, v = g.op("Split", qkv, g.const([shape.num_heads * shape.head_dim, *[shape.num_kv_heads * shape.head_dim] * 2]),
+                           outputs=3, axis=-1)
+            q = head_norm(g, q, shape.num_heads, shape.head_dim, w(p + "self_attn.q_norm.weight"), eps)
+            k = head_norm(g, k, shape.num_kv_heads, shape.head_dim, w(p + "self_attn.k_norm.weight"), eps)
+            out, present = attention(g, att, i, q, k, v, scale=spec.attention_scale, rotary=rotary,
+                                     window=spec.sliding_windows[i])
+        else:
+            out, present = attention(g, att, i, qkv, scale=spec.attention_scale, rotary=rotary,
+                                     window=spec.sliding_windows[i])
+        presents.append(present)
+        # Llama's attention_bias includes o_proj; Qwen2 has q/k/v biases only.
+        o_bias = w(p + "self_attn.o_proj.bias") if p + "self_attn.o_proj.bias" in g.ckpt.entries else None
+        normed, residual = skip_rms_norm(g, linear(g, out, w(p + "self_attn.o_proj.weight"), o_bias), residual,
+                                         w(p + "post_attention_layernorm.weight"), eps)
+        m = p + "mlp."
+        if fused:
+            mlp = gated_mlp(g, normed, w(m + "gate_up_proj.weight"), w(m + "down_proj.weight"), spec.hidden_act)
+        else:
+            bias = (lambda *names: w(*(m + f"{n}.bias" for n in names))) if spec.mlp_bias else (lambda *names: None)
+            mlp = gated_mlp(g, normed, w(m + "gate_proj.weight", m + "up_proj.weight"), w(m + "down_proj.weight"),
+                            spec.hidden_act, bias("gate_proj", "up_proj"), bias("down_proj"))
+        last = i == shape.num_layers - 1
+        next_norm = "model.norm.weight" if last else f"model.layers.{i + 1}.input_layernorm.weight"
+        normed, residual = skip_rms_norm(g, mlp, residual, w(next_norm), eps)
+    head = embed if spec.tie_word_embeddings else w("lm_head.weight", rows=vocab_size)
+    return normed, presents, head
+
+
+def _rotary(g: GraphBuilder, spec: ModelSpec, max_seq_len: int) -> tuple[ir.Value, ir.Value]:
+    """The cos/sin tables, as transformers computes them for one call over max_seq_len tokens.
+
+    LongRoPE (Phi) switches from short to long factors for a call longer than
+    original_max_position_embeddings. The table depends on position only, never on how rows are grouped
+    into calls (which the exactness of speculation needs), so a bundle whose max_seq_len is within the
+    original length uses the short factors throughout, exactly as transformers decodes there; a longer
+    one uses the long factors throughout, as transformers does for a prompt that long (transformers
+    switches mid-sequence when decoding past the boundary, keeping the keys it cached with the short ones).
+    """
+    module = rotary_module(spec.architecture, g.ckpt.config)
+    return rotary_tables(g, ["all"], spec.rotary_dim, max_seq_len, lambda: rope(module, max_seq_len, g.numerics.dtype))

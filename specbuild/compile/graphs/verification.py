@@ -1,0 +1,141 @@
+"""The tail of every engine: the LM head on the last rows, then greedy or sampled verification of the
+drafts. Logits are cast to fp32 before anything decides on them, whatever the engine's float type."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import onnx_ir as ir
+
+from .builder import GraphBuilder
+
+FLOAT = ir.DataType.FLOAT
+INT64 = ir.DataType.INT64
+LOGITS = "logits"  # the fp32 [D+1, V] logits every decision is made from (an output only in test graphs)
+
+
+class SamplingInputs:
+    def __init__(self, temperature: ir.Value, top_k: ir.Value, top_p: ir.Value, draft_probs: ir.Value,
+                 uniforms: ir.Value):
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.draft_probs, self.uniforms = draft_probs, uniforms
+
+
+def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_drafts: ir.Value,
+                 head: Callable[[ir.Value], ir.Value], sampling: SamplingInputs, softcap: float | None = None):
+    """The last D+1 hidden states -> (accepted drafts, next token, its distribution); logits stay inside.
+
+    hidden [S, H]; head(x [R, H]) -> [R, V] is the model's LM head. Row j of the logits is the model's
+    view after input position S-D-1+j, so it judges draft j (input position S-D+j). softcap: Gemma's
+    final logit soft-capping, cap·tanh(logits/cap). temperature 0 takes the greedy branch, anything
+    above the sampling branch.
+    """
+    drafts_1d = g.op("Reshape", num_drafts, g.const([1]))
+    seq_1d = g.op("Shape", input_ids, start=1, end=2)
+    rows_1d = g.op("Add", drafts_1d, g.const([1]))
+    # The head never runs on one row alone (see the runtime's Engine): at least two, the first then
+    # dropped, so every logit comes from the same multi-row kernel.
+    head_rows = g.op("Max", rows_1d, g.const([2]))
+    tail = g.op("Slice", hidden, g.op("Neg", head_rows), g.const([2**62]), g.const([0]))  # [max(D+1, 2), H], fewer in a 1-token call
+    rows = g.op("Slice", head(tail), g.op("Neg", rows_1d), g.const([2**62]), g.const([0]))  # [D+1, V]
+    logits = rows if g.numerics.dtype == np.float32 else g.op("Cast", rows, to=FLOAT)
+    if softcap:
+        cap = g.const(softcap, np.float32)
+        logits = g.op("Mul", g.op("Tanh", g.op("Div", logits, cap)), cap)
+    logits.name = LOGITS
+    drafts = g.op("Slice", g.op("Reshape", input_ids, g.const([-1])), g.op("Sub", seq_1d, drafts_1d), seq_1d)  # [D]
+    greedy = g.branch("branch.greedy")
+    _greedy_tail(greedy, logits, drafts, drafts_1d)
+    sample = g.branch("branch.sampling")
+    _sampling_tail(sample, logits, drafts, drafts_1d, num_drafts, sampling)
+    is_sampling = g.op("Greater", sampling.temperature, g.const(0.0, np.float32))
+    accepted, next_token, probs = g.op("If", is_sampling, outputs=3, then_branch=sample.graph(), else_branch=greedy.graph())
+    return accepted, next_token, probs, logits
+
+
+def _leading_true(g: GraphBuilder, flags: ir.Value) -> ir.Value:
+    """How many leading elements of a bool vector are true (0 for an empty one).
+
+    The first false element of flags + [false] (ArgMax returns the first maximum): no reduction over
+    the empty vector of a call without drafts, which the CUDA provider refuses.
+    """
+    failures = g.op("Cast", g.op("Concat", g.op("Not", flags), g.const([True], np.bool_), axis=0), to=FLOAT)
+    return g.op("ArgMax", failures, axis=0, keepdims=0)
+
+
+def _branch_outputs(g: GraphBuilder, accepted: ir.Value, next_token: ir.Value, probs: ir.Value) -> None:
+    # Both branches must agree on scalar outputs; some reductions here come out as [1] in onnxruntime.
+    scalar = g.const([], np.int64)
+    g.output(g.op("Reshape", accepted, scalar), f"{g.name}.accepted", INT64, [])
+    g.output(g.op("Reshape", next_token, scalar), f"{g.name}.next_token", INT64, [])
+    g.output(probs, f"{g.name}.probs", FLOAT, None)
+
+
+def _greedy_tail(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, drafts_1d: ir.Value) -> None:
+    """Draft j is accepted while it equals the argmax of row j (and every earlier one did too)."""
+    preds = g.op("ArgMax", logits, axis=-1, keepdims=0)  # [D+1]
+    accepted = _leading_true(g, g.op("Equal", g.op("Slice", preds, g.const([0]), drafts_1d), drafts))
+    _branch_outputs(g, accepted, g.op("Gather", preds, accepted), g.const([], np.float32))
+
+
+def _sampling_tail(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, drafts_1d: ir.Value, num_drafts: ir.Value,
+                   s: SamplingInputs) -> None:
+    """Speculative sampling (Leviathan et al. 2023): accept draft x with probability min(1, p(x)/q(x)),
+    i.e. when u·q(x) < p(x); resample the first rejected position from norm(max(0, p − q)), or sample
+    the bonus token from p when every draft is accepted. uniforms[:D] judge the drafts, uniforms[D]
+    draws the next token; q rows (draft_probs) come from the draft engine's own `probs` output.
+    """
+    probs = _transformed_probs(g, logits, s)  # [D+1, V]
+    p_drafts = g.op("Slice", probs, g.const([0]), drafts_1d, g.const([0]))  # [D, V]
+    index = g.op("Unsqueeze", drafts, g.const([1]))  # [D, 1]
+    p_x = g.op("Reshape", g.op("GatherElements", p_drafts, index, axis=1), g.const([-1]))
+    q_x = g.op("Reshape", g.op("GatherElements", s.draft_probs, index, axis=1), g.const([-1]))
+    u_accept = g.op("Slice", s.uniforms, g.const([0]), drafts_1d)
+    accepted = _leading_true(g, g.op("Less", g.op("Mul", u_accept, q_x), p_x))
+    # Row `accepted` of [max(0, p − q) for each draft; p after the last draft] is where the next token comes from.
+    residual = g.op("Relu", g.op("Sub", p_drafts, s.draft_probs))
+    rows = g.op("Concat", residual, g.op("Slice", probs, drafts_1d, g.const([2**62]), g.const([0])), axis=0)
+    row = g.op("Gather", rows, accepted)  # [V]
+    p_row = g.op("Gather", probs, accepted)
+    # Float rounding can leave a rejected row with no mass; p itself is then the only sensible choice.
+    row = g.op("Where", g.op("Greater", g.op("ReduceSum", row, keepdims=0), g.const(0.0, np.float32)), row, p_row)
+    cdf = g.op("CumSum", row, g.const(0))
+    u_next = g.op("Mul", g.op("Gather", s.uniforms, num_drafts), g.op("Gather", cdf, g.const(-1)))
+    vocab_last = g.op("Sub", g.op("Squeeze", g.op("Shape", cdf), g.const([0])), g.const(1))
+    next_token = g.op("Min", g.op("ReduceSum", g.op("Cast", g.op("LessOrEqual", cdf, u_next), to=INT64), keepdims=0), vocab_last)
+    _branch_outputs(g, accepted, next_token, p_row)
+
+
+def _transformed_probs(g: GraphBuilder, logits: ir.Value, s: SamplingInputs) -> ir.Value:
+    """softmax(logits / temperature) restricted to the top_k tokens (0 = all) and the top_p nucleus (1 = all).
+
+    Each restriction sorts the vocabulary, so each sits behind an If and costs nothing when it is off.
+    """
+    scaled = g.op("Div", logits, s.temperature)
+    vocab = g.op("Shape", logits, start=1, end=2)
+    top_k = g.op("Reshape", s.top_k, g.const([1]))
+    use_top_k = g.op("Squeeze", g.op("And", g.op("Greater", top_k, g.const([0])), g.op("Less", top_k, vocab)), g.const([0]))
+    keep_k = g.branch("branch.top_k")
+    kth = keep_k.op("Slice", keep_k.op("TopK", scaled, top_k, outputs=2, axis=-1)[0], keep_k.const([-1]),
+                    keep_k.const([2**62]), keep_k.const([1]))
+    masked = keep_k.op("Where", keep_k.op("Less", scaled, kth), keep_k.const(-np.inf, np.float32), scaled)
+    keep_k.output(masked, "branch.top_k.scaled", FLOAT, None)
+    all_k = g.branch("branch.all_k")
+    all_k.output(scaled, "branch.all_k.scaled", FLOAT, None)
+    scaled = g.op("If", use_top_k, then_branch=keep_k.graph(), else_branch=all_k.graph())
+    probs = g.op("Softmax", scaled, axis=-1)
+    # Nucleus: keep the most probable tokens until the mass before a token reaches top_p.
+    nucleus = g.branch("branch.top_p")
+    ranked = nucleus.op("TopK", probs, vocab, outputs=2, axis=-1)[0]
+    mass_before = nucleus.op("Sub", nucleus.op("CumSum", ranked, nucleus.const(1)), ranked)
+    kept = nucleus.op("Less", mass_before, s.top_p)
+    threshold = nucleus.op("ReduceMin", nucleus.op("Where", kept, ranked, nucleus.const(2.0, np.float32)),
+                           nucleus.const([1]), keepdims=1)
+    trimmed = nucleus.op("Where", nucleus.op("Less", probs, threshold), nucleus.const(0.0, np.float32), probs)
+    trimmed = nucleus.op("Div", trimmed, nucleus.op("ReduceSum", trimmed, nucleus.const([1]), keepdims=1))
+    nucleus.output(trimmed, "branch.top_p.probs", FLOAT, None)
+    everything = g.branch("branch.all_p")
+    everything.output(probs, "branch.all_p.probs", FLOAT, None)
+    use_top_p = g.op("Less", s.top_p, g.const(1.0, np.float32))
+    return g.op("If", use_top_p, then_branch=nucleus.graph(), else_branch=everything.graph())

@@ -1,0 +1,53 @@
+"""Every family specbuild compiles decodes token for token like transformers (fp32, CPU), speculatively
+and alone, past its sliding window; what it cannot compile is refused by name."""
+
+import json
+import shutil
+
+import pytest
+
+from conftest import PROMPTS
+from specbuild.compile import compile_bundle
+from specbuild.compile.load import ARCHITECTURES, load_checkpoint
+from specbuild.errors import UnsupportedModelError
+from specbuild.recipe import CompileSettings
+from specbuild.verify import load_reference, transformers_greedy
+from specbuild_runtime import SpeculativeDecoder
+
+# The families test_exactness.py does not cover; windows of 8 positions, so 40 tokens pass them.
+FAMILIES = ["llama3", "mistral-window", "qwen2-window", "qwen3", "phi3", "gemma2", "gemma3"]
+NEW_TOKENS = 40
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_speculative_and_target_only_decoding_equal_transformers(family, checkpoints, tokenizer, tmp_path):
+    target = checkpoints(family)
+    out = tmp_path / "bundle"
+    # An unrelated draft: most drafts are rejected, so rounds roll the cache back past the window.
+    compile_bundle(CompileSettings(target=target, draft=checkpoints(family, seed=1), output=out, max_seq_len=128),
+                   show_progress=False)
+    decoder = SpeculativeDecoder(out)
+    decoder.eos_token_ids = set()  # run every prompt to its full length, well past the window
+    model = load_reference(target)
+    for prompt in PROMPTS[:4]:
+        ids = tokenizer(prompt)["input_ids"]
+        expected = transformers_greedy(model, ids, NEW_TOKENS, [])
+        for gamma in (0, 4):
+            assert decoder.generate(ids, NEW_TOKENS, gamma).token_ids == expected, (family, gamma, prompt)
+
+
+@pytest.mark.parametrize("architecture,config,kind", [
+    ("MixtralForCausalLM", {"num_local_experts": 8}, "mixture of experts"),
+    ("Qwen3MoeForCausalLM", {"num_experts": 128}, "mixture of experts"),
+    ("Gemma3ForConditionalGeneration", {"vision_config": {}}, "multimodal"),
+    ("MambaForCausalLM", {}, "MambaForCausalLM"),
+])
+def test_an_unsupported_architecture_is_named_with_what_is_supported(architecture, config, kind, checkpoints, tmp_path):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoints("llama"), folder)
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": [architecture]}))
+    with pytest.raises(UnsupportedModelError) as caught:
+        load_checkpoint(folder, "target")
+    message = str(caught.value)
+    assert architecture in message and kind in message and "\n" not in message
+    assert all(name in message for name in ARCHITECTURES)
