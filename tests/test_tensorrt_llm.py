@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
@@ -26,15 +25,13 @@ from specbuild_runtime.errors import BundleError, SpecbuildError
 from specbuild_runtime.manifest import load_manifest
 
 TARGET_VOCAB = 330  # the tokenizer's 320 tokens and padding rows; 330 is no multiple of 4 (lm_head pads for tp)
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
 FAMILIES = {  # name -> (conftest architecture, config overrides); TINY has 4 heads and 2 KV heads
     "llama": ("llama", {}),
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {}),  # q/k/v biases
     "llama-biases": ("llama", {"attention_bias": True, "mlp_bias": True}),  # row-parallel biases too
-    "qwen3": ("qwen3", {"head_dim": 16}),
-    "llama3-rope": ("llama", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}),
+    "qwen3": ("qwen3", {}),
+    "llama3-rope": ("llama3", {"rope_theta": 500000.0}),  # conftest's llama3: llama3 rope, tied embeddings
     "linear-rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
     "gpt2": ("gpt2", {}),
 }
@@ -155,18 +152,22 @@ def test_a_qwen3_with_as_many_kv_as_query_heads_per_rank_is_refused(tokenizer, t
     ckpt = load_checkpoint(folder, "target")
     for tp in (1, 2):
         with pytest.raises(UnsupportedModelError, match=f"--tp {tp}.*choose a --tp"):
-            tensorrt_llm.check_exportable(ckpt, "target", tp)
-    tensorrt_llm.check_exportable(ckpt, "target", 4)  # one head per rank: both readings agree
+            tensorrt_llm.check_exportable(ckpt, "target", tp, 64)
+    tensorrt_llm.check_exportable(ckpt, "target", 4, 64)  # one head per rank: both readings agree
     assert deviation(export(folder, tmp_path / "tp4", 4), folder, tokenizer) <= TOLERANCE
     assert deviation(export(folder, tmp_path / "tp1", 1), folder, tokenizer) > 100 * TOLERANCE
 
 
-def test_splits_tensorrt_llm_cannot_make_and_families_it_does_not_get_are_refused(pairs):
+def test_splits_tensorrt_llm_cannot_make_and_families_it_does_not_get_are_refused(pairs, checkpoints):
     with pytest.raises(UnsupportedModelError, match="--tp 3: .* 4 attention heads"):
-        tensorrt_llm.check_exportable(load_checkpoint(pairs("llama")[0], "target"), "target", 3)
-    phi3 = SimpleNamespace(path=Path("phi"), spec=SimpleNamespace(architecture="Phi3ForCausalLM"))
-    with pytest.raises(UnsupportedModelError, match="Phi3ForCausalLM, which --backend tensorrt-llm does not export"):
-        tensorrt_llm.check_exportable(phi3, "draft", 1)
+        tensorrt_llm.check_exportable(load_checkpoint(pairs("llama")[0], "target"), "target", 3, 64)
+    for family in ("phi3", "gemma2", "gemma3"):
+        with pytest.raises(UnsupportedModelError, match="ForCausalLM, which --backend tensorrt-llm does not export: "):
+            tensorrt_llm.check_exportable(load_checkpoint(checkpoints(family), "draft"), "draft", 1, 64)
+    window = load_checkpoint(checkpoints("mistral-window"), "target")  # TensorRT-LLM sets windows at run time
+    tensorrt_llm.check_exportable(window, "target", 1, 8)
+    with pytest.raises(UnsupportedModelError, match="--max-seq-len 64 exceeds the target's sliding window \\(8\\)"):
+        tensorrt_llm.check_exportable(window, "target", 1, 64)
 
 
 def test_bf16_export_writes_bf16_weights_that_still_compute_the_model(pairs, tokenizer, tmp_path):

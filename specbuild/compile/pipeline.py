@@ -47,7 +47,7 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
     check_context(target, "target", max_seq_len)
     check_context(draft, "draft", max_seq_len)
     if settings.backend != "onnx":  # refused now rather than after the ONNX engines
-        tensorrt_llm.check_pair(settings, target, draft)
+        tensorrt_llm.check_pair(settings, target, draft, max_seq_len)
     eos = eos_token_ids(target)  # read before the long stages: a malformed file fails here
     checkpoints: dict[str, Checkpoint] = {"target": target, "draft": draft}
     numerics = {role: Numerics(settings.precision, settings.quantization(role), settings.block_size,

@@ -103,9 +103,9 @@ class Out:
     value: np.ndarray | tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
-def check_exportable(ckpt: Checkpoint, role: str, tp: int) -> None:
-    """Refuse before anything is written: a family TensorRT-LLM does not get from here, or a split it
-    cannot make."""
+def check_exportable(ckpt: Checkpoint, role: str, tp: int, max_seq_len: int) -> None:
+    """Refuse before anything is written: a family TensorRT-LLM does not get from here, a split it cannot
+    make, or attention it would compute differently."""
     architecture = ckpt.spec.architecture
     if architecture in NOT_EXPORTED:
         raise UnsupportedModelError(f"{role} checkpoint {ckpt.path} is a {architecture}, which --backend "
@@ -142,6 +142,12 @@ def check_exportable(ckpt: Checkpoint, role: str, tp: int) -> None:
     if ckpt.spec.hidden_act not in activations:
         raise UnsupportedModelError(f"{role} checkpoint {ckpt.path}: activation {ckpt.spec.hidden_act!r}; --backend "
                                     f"tensorrt-llm exports {architecture} with {' or '.join(activations)}")
+    window = min((w for w in ckpt.spec.sliding_windows if w), default=None)
+    if window and window < max_seq_len:
+        # TensorRT-LLM takes sliding windows at run time (max_attention_window_size), not from the checkpoint
+        raise UnsupportedModelError(f"--max-seq-len {max_seq_len} exceeds the {role}'s sliding window ({window}), which "
+                                    "the TensorRT-LLM export does not carry over; use --max-seq-len "
+                                    f"{window} or less for the TensorRT-LLM export")
     rotary(ckpt)  # refuses a rope scaling TensorRT-LLM would compute differently
 
 
@@ -163,10 +169,10 @@ def rotary(ckpt: Checkpoint) -> tuple[float, dict | None]:
     return float(base), {"type": kind, **params}
 
 
-def check_pair(settings: CompileSettings, target: Checkpoint, draft: Checkpoint) -> None:
+def check_pair(settings: CompileSettings, target: Checkpoint, draft: Checkpoint, max_seq_len: int) -> None:
     """Refuse what cannot be exported before any engine is built."""
     for role, ckpt in (("target", target), ("draft", draft)):
-        check_exportable(ckpt, role, settings.tp)
+        check_exportable(ckpt, role, settings.tp, max_seq_len)
         if settings.quantization(role) != "none" and settings.precision == "fp32":
             raise UnsupportedModelError(f"--quantize {settings.quantization(role)} with --backend {settings.backend} needs "
                                         "--precision fp16 or bf16: TensorRT-LLM's weight-only kernels take 16-bit "
@@ -177,7 +183,7 @@ def export_pair(settings: CompileSettings, target: Checkpoint, draft: Checkpoint
                 engines: dict[str, EngineInfo], max_seq_len: int) -> TensorRTLLMPart:
     """Writes tensorrt-llm/{target,draft}/ and the plans into the bundle being built, and runs trtllm-build
     when it is on PATH. engines: the ONNX engines built beside (they measure γ), or none."""
-    check_pair(settings, target, draft)
+    check_pair(settings, target, draft, max_seq_len)
     vocab, tp = target.spec.shape.vocab_size, settings.tp
     checkpoints = {}
     for role, ckpt in (("target", target), ("draft", draft)):
