@@ -1,6 +1,7 @@
 """The TensorRT-LLM export, proven without TensorRT-LLM: every written checkpoint, read back by a numpy
 forward pass that computes as TensorRT-LLM's layers do (all ranks recombined), gives transformers' logits."""
 
+import copy
 import json
 import os
 import subprocess
@@ -31,7 +32,11 @@ FAMILIES = {  # name -> (conftest architecture, config overrides); TINY has 4 he
     "qwen2": ("qwen2", {}),  # q/k/v biases
     "llama-biases": ("llama", {"attention_bias": True, "mlp_bias": True}),  # row-parallel biases too
     "qwen3": ("qwen3", {}),
-    "llama3-rope": ("llama3", {"rope_theta": 500000.0}),  # conftest's llama3: llama3 rope, tied embeddings
+    # conftest's llama3 (tied embeddings) with its rope given afresh: transformers writes rope_theta into the
+    # rope_scaling dict it is passed, so a shared dict would carry the first model's base to the next
+    "llama3-rope": ("llama3", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+                                                "rope_theta": 500000.0}}),
     "linear-rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
     "gpt2": ("gpt2", {}),
 }
@@ -41,7 +46,7 @@ TOLERANCE = 1e-4
 def build(folder: Path, family: str, tokenizer, seed: int, **extra) -> Path:
     """A tiny checkpoint whose norms and biases are random too (zeros and ones would hide their layout)."""
     architecture, overrides = FAMILIES[family]
-    make_checkpoint(folder, architecture, tokenizer, seed, **{**overrides, **extra})
+    make_checkpoint(folder, architecture, tokenizer, seed, **copy.deepcopy({**overrides, **extra}))
     model = tf.AutoModelForCausalLM.from_pretrained(folder)
     with torch.no_grad():
         for p in model.parameters():

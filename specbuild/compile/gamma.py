@@ -1,4 +1,4 @@
-"""Stage 3d: the draft length to recommend to engines that take a fixed one (TensorRT-LLM's max_draft_len,
+"""The draft length to recommend to engines that take a fixed one (TensorRT-LLM's max_draft_len,
 vLLM's num_speculative_tokens), from the pair's measured acceptance α and draft/target cost ratio c.
 
 With each draft accepted with probability α, a round of γ drafts yields (1 - α^(γ+1)) / (1 - α) tokens

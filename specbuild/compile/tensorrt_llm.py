@@ -1,5 +1,5 @@
-"""Stage 2c (--backend tensorrt-llm|all): the pair as TensorRT-LLM checkpoints, tensor-parallel ranks and
-all, and the plans that build, run and serve it with TensorRT-LLM, and with vLLM.
+"""The TensorRT-LLM stage (--backend tensorrt-llm|all): the pair as TensorRT-LLM checkpoints, tensor-parallel
+ranks and all, and the plans that build, run and serve it with TensorRT-LLM, and with vLLM.
 
 TensorRT-LLM cannot be installed here, so nothing here imports it. What is written follows its sources
 (NVIDIA/TensorRT-LLM on GitHub; the files are named where each rule comes from), and
