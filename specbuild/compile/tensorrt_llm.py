@@ -418,7 +418,7 @@ def write_plans(folder: Path, gamma: int, tp: int, max_seq_len: int, precision: 
     plans = {"build": f"{FOLDER}/build.sh", "run": f"{FOLDER}/run.sh", "llm_api": f"{FOLDER}/llm-api.yaml",
              "vllm": VLLM_PLAN}
     texts = {
-        "build": build_script(gamma, max_seq_len),
+        "build": build_script(gamma, max_seq_len, precision),
         "run": run_script(gamma, tp),
         "llm_api": llm_api_yaml(gamma, tp, target.path.resolve(), draft.path.resolve()),
         "vllm": vllm_script(gamma, tp, max_seq_len, DTYPES[precision][0], target, draft),
@@ -432,17 +432,19 @@ def write_plans(folder: Path, gamma: int, tp: int, max_seq_len: int, precision: 
     return plans
 
 
-def build_script(gamma: int, max_seq_len: int) -> str:
+def build_script(gamma: int, max_seq_len: int, precision: str) -> str:
     """Both trtllm-build commands (examples/draft_target_model/README.md): the target built to verify
     `gamma` external draft tokens per step. --gather_generation_logits on both because examples/
     run_dtm_pld.py asserts it whenever tokens, not logits, decide acceptance."""
+    note = ("# These checkpoints are float32: TensorRT-LLM's fused attention kernels take fp16 or bf16, so if\n"
+            "# trtllm-build refuses them, compile again with --precision fp16 or bf16.\n") if precision == "fp32" else ""
     common = (f"--gemm_plugin auto --use_paged_context_fmha enable --gather_generation_logits "
               f'--max_batch_size "$MAX_BATCH_SIZE" --max_input_len {max_seq_len} --max_seq_len {max_seq_len}')
     return f"""#!/usr/bin/env bash
 # Builds this bundle's TensorRT-LLM engines for draft-target speculative decoding (written by specbuild).
 # Needs TensorRT-LLM (trtllm-build) and an NVIDIA GPU. Engines go to engines/draft and engines/target here;
 # the target verifies up to {gamma} draft tokens a step (the gamma specbuild measured for this pair).
-set -euo pipefail
+{note}set -euo pipefail
 cd "$(dirname "$0")"
 MAX_BATCH_SIZE="${{MAX_BATCH_SIZE:-1}}"
 trtllm-build --checkpoint_dir draft --output_dir engines/draft {common}
