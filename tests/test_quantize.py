@@ -177,7 +177,7 @@ def logits_batched_and_one_by_one(folder, prompt, rounds, never_alone=True):
     """The target's logits for every token of `rounds`, fed as verification calls (one per round) and
     fed one token per call, each from the same prompt."""
     info = load_manifest(folder).engines["target"]
-    batched, one_by_one = _engine(folder, info, logits=True), _engine(folder, info, logits=True)
+    (batched, _), (one_by_one, _) = _engine(folder, info), _engine(folder, info)
     one_by_one._never_alone = never_alone
     for engine in (batched, one_by_one):
         engine.step(prompt, len(prompt))

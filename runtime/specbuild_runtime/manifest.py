@@ -98,7 +98,7 @@ class Manifest:
     eos_token_ids: list[int]
     files: dict[str, str]  # relative path -> sha256
     created_by: str = ""
-    # how the compile went: {"seconds", "peak_rss_bytes", "stages": {stage: {"seconds", "peak_rss_bytes"}}}
+    # how the compile went: {"seconds", "peak_rss_bytes", "stages": {stage: {"seconds", "peak_rss_bytes_so_far"}}}
     build: dict = field(default_factory=dict)
     tensorrt_llm: TensorRTLLMPart | None = None
     format: str = FORMAT

@@ -27,7 +27,7 @@ FLOAT_TYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16
 PRECISIONS = tuple(FLOAT_TYPES)
 QUANTIZATIONS = ("none", "int8", "int4")
 DEFAULT_ACCURACY_LEVEL = 4  # MatMulNBits int8 compute: the fast one, exact row by row (see quantize.py)
-CHUNK_BYTES = 64 << 20  # rows converted at a time: bounds the temporaries of one tensor's conversion
+CHUNK_BYTES = 16 << 20  # stored bytes read at a time: what converting or quantizing a tensor holds beside its result
 
 
 @dataclass(frozen=True)
@@ -70,13 +70,12 @@ def precision_name(dtype: np.dtype) -> str:
     raise UnsupportedModelError(f"weights stored as {dtype} are not supported; specbuild reads fp32, fp16 and bf16 checkpoints")
 
 
-def convert_rows(rows: np.ndarray, dtype: np.dtype, plus_one: bool = False) -> np.ndarray:
-    """A slice of a stored tensor in the engine's float type; plus_one adds 1 first (Gemma's norms
-    scale by 1 + w, added in fp32 as transformers does)."""
+def convert_into(rows: np.ndarray, out: np.ndarray, plus_one: bool = False) -> None:
+    """Write a slice of a stored tensor into out, the engine's float type: numpy casts element by element
+    on assignment, with no temporary copy of the slice. plus_one adds 1 first (Gemma's norms scale by
+    1 + w, added in fp32 as transformers does; those are 1-D and small)."""
     precision_name(rows.dtype)  # refuses fp8 and integer tensors with a clear error
-    if plus_one:
-        return (rows.astype(np.float32) + 1.0).astype(dtype)
-    return rows.astype(dtype, copy=False)
+    out[...] = rows.astype(np.float32) + 1.0 if plus_one else rows
 
 
 def rows_per_chunk(row_bytes: int) -> int:

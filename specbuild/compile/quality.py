@@ -20,10 +20,11 @@ from .graphs import LOGITS
 from .precision import Numerics
 
 QUALITY_HELDOUT_TOKENS = 4096
-# The report runs an fp32 engine of the same checkpoint beside the quantized one. It is written to the
-# compile's scratch folder and run only up to this size, so a report stays within the compile's memory
-# bound; larger models get {"skipped": why} instead.
-QUALITY_MAX_REFERENCE_BYTES = 2 << 30
+HELDOUT_WINDOW = 512  # tokens per teacher-forced window: bounds the [window, V] logits held at once
+# The report runs an fp32 engine of the same checkpoint beside the quantized one (written to the
+# compile's scratch folder) and decodes a few hundred tokens with each on the CPU: up to this size, that
+# takes a minute or so within the compile's memory bound; larger models get {"skipped": why} instead.
+QUALITY_MAX_REFERENCE_BYTES = 256 << 20
 QualityTexts = tuple[list[list[int]], list[int]]  # code prompts, held-out token ids
 
 
@@ -86,8 +87,8 @@ def quality_report(
 ) -> dict:
     """Size, held-out perplexity, greedy agreement and decode speed of `quant` next to `fp32`.
 
-    perplexity: teacher-forced over heldout_ids in windows of the engine's max_seq_len (each window
-        from an empty cache; its first token is context only).
+    perplexity: teacher-forced over heldout_ids in windows of HELDOUT_WINDOW tokens (or max_seq_len if
+        shorter; each window from an empty cache; its first token is context only).
     heldout_top1_agreement: share of held-out positions where both engines' argmax agree.
     greedy_agreement: per prompt, the first `new_tokens` greedy tokens of each engine compared position
         by position (free running: after the first divergence the two continue from different text),
@@ -96,26 +97,21 @@ def quality_report(
         (does not compound divergences).
     tokens_per_second: greedy decode of `new_tokens` tokens, prompt excluded, median over prompts.
     """
-    ref = _engine(Path(fp32_folder), fp32_info)
-    quant = _engine(Path(quant_folder), quant_info)
-    ref_logits, quant_logits = _engine(Path(fp32_folder), fp32_info, logits=True), _engine(Path(quant_folder), quant_info, logits=True)
-    max_seq_len = _max_seq_len(ref)
+    ref, max_seq_len = _engine(Path(fp32_folder), fp32_info)
+    quant, _ = _engine(Path(quant_folder), quant_info)
 
     report = {"new_tokens": new_tokens, "prompts": len(prompts_ids), "heldout_tokens": len(heldout_ids)}
     nll = {"fp32": [], "quant": []}
     same_top1 = []
-    window = max_seq_len
+    window = min(max_seq_len, HELDOUT_WINDOW)
     for start in range(0, max(len(heldout_ids) - 1, 0), window):
         chunk = heldout_ids[start:start + window]
         if len(chunk) < 2:
             break
-        targets = np.asarray(chunk[1:])
         argmaxes = []
-        for key, runner in (("fp32", ref_logits), ("quant", quant_logits)):
-            logits = _logits(runner, chunk)[:-1].astype(np.float64)  # [S-1, V]: predictions of chunk[1:]
-            logits -= logits.max(axis=-1, keepdims=True)
-            log_probs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
-            nll[key].extend(-log_probs[np.arange(len(targets)), targets])
+        for key, engine in (("fp32", ref), ("quant", quant)):
+            logits = _logits(engine, chunk)[:-1]  # [S-1, V]: predictions of chunk[1:]
+            nll[key].extend(_nll(logits, chunk[1:]))
             argmaxes.append(logits.argmax(-1))
         same_top1.extend(argmaxes[0] == argmaxes[1])
 
@@ -131,7 +127,7 @@ def quality_report(
         agreement.append(float(np.mean(np.asarray(ref_tokens) == np.asarray(quant_tokens))))
         identical += ref_tokens == quant_tokens
         if len(prompt) + budget - 1 <= max_seq_len:
-            along = _logits(quant_logits, prompt + ref_tokens[:-1])[len(prompt) - 1:].argmax(-1)
+            along = _logits(quant, prompt + ref_tokens[:-1])[len(prompt) - 1:].argmax(-1)
             teacher_forced.extend(along == np.asarray(ref_tokens))
 
     for key, folder, info in (("fp32", fp32_folder, fp32_info), ("quant", quant_folder, quant_info)):
@@ -160,35 +156,40 @@ def pair_acceptance(target_folder: Path, target: EngineInfo, draft_folder: Path,
     """Greedy speculative acceptance α (accepted / drafted) of this pair at a fixed γ, exactly as decoding
     would see it: the draft's argmax along the target's own greedy continuation of each prompt."""
 
-    target_engine = _engine(Path(target_folder), target)
-    draft_logits = _engine(Path(draft_folder), draft, logits=True)
-    max_seq_len = _max_seq_len(target_engine)
+    target_engine, max_seq_len = _engine(Path(target_folder), target)
+    draft_engine, _ = _engine(Path(draft_folder), draft)
     accepted = drafted = 0
     for prompt in prompts_ids:
         budget = min(new_tokens, max_seq_len - len(prompt))
         if budget < 2:
             continue
         tokens, _ = _greedy(target_engine, prompt, budget)
-        guesses = _logits(draft_logits, prompt + tokens[:-1])[len(prompt) - 1:].argmax(-1)
+        guesses = _logits(draft_engine, prompt + tokens[:-1])[len(prompt) - 1:].argmax(-1)
         a, d = rounds(list(guesses == np.asarray(tokens)), gamma)
         accepted, drafted = accepted + a, drafted + d
     return accepted / drafted if drafted else 0.0
 
 
-def _engine(folder: Path, info: EngineInfo, logits: bool = False) -> Engine:
-    """A runtime Engine over an engine file; with logits=True its graph gains the fp32 `logits` [D+1, V]
-    it decides on as an output, built in memory with the weights read from the folder."""
+def _engine(folder: Path, info: EngineInfo) -> tuple[Engine, int]:
+    """A runtime Engine over an engine file whose graph gains the fp32 `logits` [D+1, V] it decides on as
+    an output (built in memory; the weights are read from the folder), and its max_seq_len."""
     path = folder / info.file
     model = onnx.load(str(path), load_external_data=False)
     max_seq_len = next(i for i in model.graph.input if i.name.startswith("past_key.")).type.tensor_type.shape.dim[2].dim_value
-    if not logits:
-        return Engine(path, info, max_seq_len)
     model.graph.output.append(helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["D+1", info.shape.vocab_size]))
-    return Engine(path, info, max_seq_len, model_bytes=model.SerializeToString(), extra_outputs=(LOGITS,))
+    engine = Engine(path, info, max_seq_len, model_bytes=model.SerializeToString(), extra_outputs=(LOGITS,))
+    return engine, max_seq_len
 
 
-def _max_seq_len(engine: Engine) -> int:
-    return engine.cache[0].shape()[2]
+def _nll(logits: np.ndarray, targets: list[int], rows: int = 64) -> list[float]:
+    """-log softmax(logits)[target] per row, in float64, a few rows at a time (a row is V wide)."""
+    out = []
+    for start in range(0, len(targets), rows):
+        block = logits[start:start + rows].astype(np.float64)
+        block -= block.max(axis=-1, keepdims=True)
+        log_z = np.log(np.exp(block).sum(axis=-1))
+        out.extend(log_z - block[np.arange(len(block)), targets[start:start + rows]])
+    return out
 
 
 def _logits(engine: Engine, ids: list[int]) -> np.ndarray:

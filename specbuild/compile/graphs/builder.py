@@ -17,7 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..load import Checkpoint
-from ..precision import Numerics, convert_rows, rows_per_chunk
+from ..precision import Numerics, convert_into, rows_per_chunk
 from ..quantize import QuantizedRows, quantize_rows
 
 OPSET = 23  # RMSNormalization
@@ -147,7 +147,7 @@ class GraphBuilder:
             def make() -> tuple[np.ndarray]:
                 out = np.empty(shape, dtype)
                 for start, stop, rows in weight.chunks(self.ckpt):
-                    out[start:stop] = convert_rows(rows, dtype, weight.plus_one)
+                    convert_into(rows, out[start:stop], weight.plus_one)
                 return (out,)
 
             self.computed([(name, self.numerics.ir_type, shape)], make)
