@@ -394,8 +394,8 @@ class RankFile:
 
 def measure_gamma(folder: Path, engines: dict[str, EngineInfo], target: Checkpoint, draft: Checkpoint,
                   checkpoints: dict[str, dict], max_seq_len: int, max_gamma: int) -> dict:
-    """γ for the plans: α and c through the ONNX engines when they were built (and run here); otherwise α
-    with transformers on CPU for pairs small enough, and c from the weight bytes each step reads."""
+    """γ for the plans: α and c through the ONNX engines when fp32 ones were built; otherwise α with
+    transformers on CPU for pairs small enough, and c from the weight bytes each step reads."""
     prompt_ids = gamma_stage.prompts(target.tokenizer)
     byte_ratio = checkpoints["draft"]["weight_bytes"] / checkpoints["target"]["weight_bytes"]
     measured = gamma_stage.measure_with_engines(folder, engines, prompt_ids, max_seq_len) if engines else None
@@ -408,8 +408,8 @@ def measure_gamma(folder: Path, engines: dict[str, EngineInfo], target: Checkpoi
         record = gamma_stage.recommend(alpha, byte_ratio, max_gamma, "alpha: transformers on CPU, greedy, packaged "
                                        "code prompts; c: weight bytes read per step")
     else:
-        record = gamma_stage.recommend(None, byte_ratio, max_gamma, "not measured (pair too large for transformers "
-                                       "on CPU, no ONNX engines to run): the bundle's max gamma")
+        record = gamma_stage.recommend(None, byte_ratio, max_gamma, "not measured (pair too large to decode on "
+                                       "this CPU, or no fp32 ONNX engines): the bundle's max gamma")
     return {**record, "weight_byte_ratio": round(byte_ratio, 4)}
 
 
