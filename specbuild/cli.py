@@ -20,7 +20,7 @@ from specbuild_runtime.serve.cli import serve_command
 
 from . import __version__
 from .bench.peers import KNOWN as PEERS
-from .recipe import MAX_GAMMA, PRECISIONS, QUANTIZATIONS, setting_problem
+from .recipe import BACKENDS, MAX_GAMMA, PRECISIONS, QUANTIZATIONS, setting_problem
 
 EXIT_INPUT, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED = 1, 2, 3, 130
 
@@ -136,19 +136,22 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--precision", type=click.Choice(PRECISIONS), help="Float type of the engines (fp16/bf16 for GPU).  [default: fp32]")
 @click.option("--quality-report/--no-quality-report", default=None, help="Measure quantized engines against fp32 into the manifest.  [default: on]")
 @click.option("--overwrite", is_flag=True, default=None, help="Replace the bundle at --output (never anything that is not a bundle).")
+@click.option("--backend", type=click.Choice(BACKENDS),
+              help="ONNX engines for this runtime, TensorRT-LLM checkpoints with build/run/serve plans, or both.  [default: onnx]")
+@click.option("--tp", type=Setting("tp"), help="Tensor-parallel ranks of the TensorRT-LLM checkpoints (GPUs per engine).  [default: 1]")
 def compile_cmd(recipe, **options) -> None:
-    """Build an engine bundle: both models as ONNX, greedy verification inside the target's graph."""
+    """Build an engine bundle: both models as ONNX (greedy verification inside the target's graph), and/or
+    as TensorRT-LLM checkpoints with the plans to build and serve them."""
     from .compile import compile_bundle
     from .recipe import resolve_settings
 
     settings = resolve_settings(recipe, **options)
     manifest = compile_bundle(settings)
-    target, draft = manifest.engines["target"], manifest.engines["draft"]
-    click.echo(
-        f"wrote {settings.output}: target {target.architecture} {target.parameters / 1e6:.1f}M params, "
-        f"draft {draft.architecture} {draft.parameters / 1e6:.1f}M params, max gamma {manifest.gamma}, "
-        f"max-seq-len {manifest.max_seq_len}"
-    )
+    click.echo(f"wrote {settings.output}: max gamma {manifest.gamma}, max-seq-len {manifest.max_seq_len}")
+    for role, e in manifest.engines.items():
+        click.echo(f"  {role} {e.architecture} {e.parameters / 1e6:.1f}M params, ONNX {e.precision} quant={e.quantization}")
+    if manifest.tensorrt_llm:
+        click.echo("  " + "\n  ".join(tensorrt_llm_lines(settings.output, manifest.tensorrt_llm)))
 
 
 @cli.command()
@@ -217,6 +220,26 @@ def inspect(bundle, as_json) -> None:
         click.echo(f"{'':<10} from {e.source['path']} (sha256 {e.source['sha256'][:12]}…)")
         if e.quality:
             click.echo(f"{'':<10} quality vs fp32: {quality_line(e.quality)}")
+    if manifest.tensorrt_llm:
+        click.echo("\n".join(f"{'tensorrt':<10} {line}" for line in tensorrt_llm_lines(bundle, manifest.tensorrt_llm)))
+
+
+def tensorrt_llm_lines(bundle: Path, part) -> list[str]:
+    """The TensorRT-LLM part of a bundle, for people: checkpoints, measured γ, plans, engines."""
+    g = part.gamma
+    measured = (f"alpha {g['alpha']:.2f}, cost ratio {g['cost_ratio']:.2f}, expected {g['expected_speedup']:.2f}x"
+                if g["alpha"] is not None else "alpha not measured")
+    lines = [f"TensorRT-LLM checkpoints, tp {part.tp_size}; draft length {g['gamma']} ({measured}; {g['method']})"]
+    for role, c in part.checkpoints.items():
+        quant = f", {c['quant_algo']} at build" if c["quant_algo"] else ""
+        lines.append(f"{role:<6} {c['dir']}/: {c['architecture']} {c['dtype']}{quant}, {c['parameters'] / 1e6:.2f}M params, "
+                     f"vocab {c['vocab_size']} (lm_head {c['lm_head_rows']} rows), {len(c['ranks'])} rank file(s)")
+    if g["expected_speedup"] is not None and g["expected_speedup"] < 1:
+        lines.append("speculation is not expected to pay on this pair (expected speed-up below 1)")
+    lines.append("plans  " + ", ".join(str(Path(bundle) / path) for path in part.plans.values()))
+    lines.append(f"engines {Path(bundle) / part.engines}" if part.engines else
+                 f"engines not built here (no trtllm-build on PATH): run {Path(bundle) / part.plans['build']} on a GPU machine")
+    return lines
 
 
 def quality_line(q: dict) -> str:

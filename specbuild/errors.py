@@ -23,3 +23,7 @@ class OutputError(SpecbuildError):
 
 class SettingsError(SpecbuildError):
     """A compile setting (a recipe value, an option given through the API) is invalid."""
+
+
+class ExternalToolError(SpecbuildError):
+    """A tool the compiler runs (trtllm-build) failed."""

@@ -8,6 +8,8 @@
     max_seq_len = 1024
     quantize = "none"               # none | int8 | int4; target_quantize / draft_quantize override it
     precision = "fp32"              # fp16 / bf16 for GPU targets
+    backend = "onnx"                # onnx | tensorrt-llm | all
+    tp = 1                          # tensor-parallel ranks of the TensorRT-LLM checkpoints
 
 Every setting is checked here, once, by the rule in RULES: recipe values name their key and line, the
 CLI's options use the same rules (cli.py), and CompileSettings checks values given through the API.
@@ -31,6 +33,7 @@ DEFAULT_MAX_SEQ_LEN = 2048
 MAX_GAMMA = 32
 QUANTIZATIONS = ("none", "int8", "int4")
 PRECISIONS = ("fp32", "fp16", "bf16")
+BACKENDS = ("onnx", "tensorrt-llm", "all")
 
 
 @dataclass
@@ -48,6 +51,8 @@ class CompileSettings:
     precision: str = "fp32"
     quality_report: bool = True
     overwrite: bool = False
+    backend: str = "onnx"  # "onnx" | "tensorrt-llm" | "all"
+    tp: int = 1  # tensor-parallel ranks of the TensorRT-LLM export
     recipe: Path | None = None  # the recipe file these came from: an input, like the checkpoints
 
     def __post_init__(self) -> None:
@@ -59,6 +64,8 @@ class CompileSettings:
                 raise SettingsError(f"compile setting {f.name} {problem}")
             if f.name in PATH_FIELDS:
                 setattr(self, f.name, Path(value))
+        if self.tp > 1 and self.backend == "onnx":
+            raise SettingsError(f"tp {self.tp} splits the TensorRT-LLM export; add --backend tensorrt-llm or all")
 
     def quantization(self, role: str) -> str:
         own = self.target_quantize if role == "target" else self.draft_quantize
@@ -114,6 +121,8 @@ RULES: dict[str, Callable[[object], str | None]] = {
     "precision": _one_of(*PRECISIONS),
     "quality_report": _boolean,
     "overwrite": _boolean,
+    "backend": _one_of(*BACKENDS),
+    "tp": _whole(1),
 }
 RECIPE_KEYS = set(RULES) - {"recipe"}
 

@@ -144,7 +144,7 @@ class SpeculativeDecoder:
             use_shared_thread_pool()
         parallel = whole("parallel", parallel, low=1)
         self.root = Path(bundle)
-        self.manifest = load_manifest(self.root, check_digests=check_digests)
+        self.manifest = load_manifest(self.root, check_digests=check_digests, require_engines=True)
         self.max_seq_len = self.manifest.max_seq_len
         self.max_gamma = self.manifest.gamma
         self.eos_token_ids = set(self.manifest.eos_token_ids)

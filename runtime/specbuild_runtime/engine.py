@@ -46,6 +46,20 @@ def use_shared_thread_pool(threads: int = 0) -> bool:
 
 
 _SHARED_POOL: bool | None = None
+
+
+def session_options() -> ort.SessionOptions:
+    """Options every onnxruntime session of this process must start from (the engines', and any other,
+    such as the compiler's check): with the shared pool on, a session with threads of its own fails."""
+    options = ort.SessionOptions()
+    if _SHARED_POOL:
+        options.use_per_session_threads = False
+    else:
+        # Each engine has its own pool: stop its threads spinning once a call returns, or they steal
+        # the cores from the other engine (speculative decoding measured 1.6x slower without this).
+        options.add_session_config_entry("session.force_spinning_stop", "1")
+    options.log_severity_level = 3
+    return options
 _CUDA_LOADED = False
 
 
@@ -91,14 +105,7 @@ class Engine:
         if not can_run(info, device):
             raise BundleError(f"engine {path} is {info.precision}, which onnxruntime's CPU provider cannot run "
                               "(it has no bf16 MatMul): run it with device 'cuda', or rebuild with --precision fp32")
-        options = ort.SessionOptions()
-        if _SHARED_POOL:
-            options.use_per_session_threads = False
-        else:
-            # Each engine has its own pool: stop its threads spinning once a call returns, or they steal
-            # the cores from the other engine (speculative decoding measured 1.6x slower without this).
-            options.add_session_config_entry("session.force_spinning_stop", "1")
-        options.log_severity_level = 3
+        options = session_options()
         source = str(path)
         if graph is not None:
             options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(self.path.parent))

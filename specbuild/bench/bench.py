@@ -14,7 +14,7 @@ import numpy as np
 
 from specbuild_runtime import SpeculativeDecoder
 from specbuild_runtime.decode import AUTO, Stats
-from specbuild_runtime.engine import PROVIDERS
+from specbuild_runtime.engine import PROVIDERS, session_options
 from specbuild_runtime.errors import SpecbuildError
 
 
@@ -47,7 +47,7 @@ def _device_copy(data: np.ndarray, device: str):
                               [helper.make_tensor_value_info("x", TensorProto.DOUBLE, shape)],
                               [helper.make_tensor_value_info("y", TensorProto.DOUBLE, shape)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
-    session = ort.InferenceSession(model.SerializeToString(), providers=[PROVIDERS[device]])
+    session = ort.InferenceSession(model.SerializeToString(), session_options(), providers=[PROVIDERS[device]])
     binding = session.io_binding()
     binding.bind_ortvalue_input("x", ort.OrtValue.ortvalue_from_numpy(data, device, 0))
     binding.bind_ortvalue_output("y", ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float64, device, 0))
