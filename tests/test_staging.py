@@ -40,7 +40,7 @@ def test_a_compile_killed_at_any_point_leaves_a_whole_bundle_and_the_next_compil
     runs (one without --overwrite, refused)."""
     passes = crashes
     exchange, rename = passes["exchange"], passes["rename"]
-    assert len(exchange) > 20 and exchange[-1]["status"] == 0  # killed at many changes, then ran through
+    assert len(exchange) >= 15 and exchange[-1]["status"] == 0  # killed at many changes, then ran through
     for record in exchange[:-1] + rename[:-1]:
         assert record["status"] == -9, record
     for record in exchange:  # the atomic exchange: the output path always holds a whole bundle, old then new

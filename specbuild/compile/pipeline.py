@@ -4,12 +4,9 @@ run each engine once -> write the bundle."""
 
 from __future__ import annotations
 
-import contextlib
 import resource
-import shutil
 import time
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import onnxruntime as ort
@@ -20,6 +17,7 @@ from specbuild_runtime.errors import SpecbuildError
 from specbuild_runtime.manifest import TOKENIZER_DIR, EngineInfo, Manifest
 
 from .. import __version__
+from ..staging import scratch_folder
 from ..recipe import DEFAULT_MAX_SEQ_LEN, CompileSettings
 from . import tensorrt_llm
 from .bundle import staged_bundle, write_manifest
@@ -59,7 +57,11 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
     measured = onnx and settings.quality_report and any(n.quantization != "none" for n in numerics.values())
     texts = quality_texts(target.tokenizer) if measured else None
 
-    with staged_bundle(settings.output, settings.overwrite, settings.inputs()) as folder, _scratch(folder) as scratch:
+    with staged_bundle(settings.output, settings.overwrite, settings.inputs()) as folder:
+        # Scratch (quality references, the TensorRT-LLM export's pieces) beside the staging folder, never in
+        # the system temp dir; staging removes it before publishing, and the next compile after a crash.
+        scratch = scratch_folder(folder)
+        scratch.mkdir()
         stages.start("writing engines")
         engines = {role: export_engine(ckpt, role, folder, max_seq_len, numerics[role],
                                        vocab_size=target.spec.shape.vocab_size, show_progress=show_progress)
@@ -132,22 +134,7 @@ def run_once(path: Path, info: EngineInfo, max_seq_len: int) -> None:
 def _max_seq_len(settings: CompileSettings, target: Checkpoint) -> int:
     if settings.max_seq_len is None:
         return min(DEFAULT_MAX_SEQ_LEN, target.spec.max_position_embeddings)
-    if settings.max_seq_len < 2:
-        raise SpecbuildError(f"--max-seq-len {settings.max_seq_len} leaves no room to generate; give 2 tokens or more")
-    return settings.max_seq_len
-
-
-@contextlib.contextmanager
-def _scratch(staging: Path) -> Iterator[Path]:
-    """The compile's scratch folder, beside the staging folder (never the system temp dir, which may be
-    small or shared), gone before the bundle is published. A crash leaves it to the next compile, which
-    cleans it with the stale staging folder (bundle.staged_bundle)."""
-    scratch = Path(f"{staging}-scratch")
-    scratch.mkdir()
-    try:
-        yield scratch
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    return settings.max_seq_len  # at least 2: CompileSettings checks it
 
 
 class _Stages:
