@@ -9,7 +9,8 @@ dead one and is then refused (the output holds a bundle): what it leaves is what
 next compile has run.
 
 Two passes: publishing by the atomic exchange, and (as on a system without it) by two renames, killed
-only around publishing (the build before it is the same in both).
+only while publishing (the build before it is the same in both), with changes counted from there: a
+count over the whole compile can shift by one when a finalizer happens to unlink a file.
 
 The disk: a 640 KiB tmpfs, which holds the target's engine but not the draft's, mounted when this runs
 in its own mount namespace (`unshare -rm`); "disk_full" is null where it cannot be mounted.
@@ -44,10 +45,12 @@ def settings(output: Path, gamma: int, overwrite: bool) -> CompileSettings:
 
 def count_changes(kill_at: int, mode: str) -> None:
     """Wrap the calls that change files so the kill_at-th of them is never made: the process dies first."""
-    count = 0
+    count, counting = 0, mode != "rename"
 
     def tick():
         nonlocal count
+        if not counting:
+            return
         count += 1
         if count == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -69,6 +72,14 @@ def count_changes(kill_at: int, mode: str) -> None:
     staging._exchange = lambda a, b: (tick(), exchange(a, b), tick())[1]
     if mode == "rename":
         staging._exchange = lambda a, b: False  # a system without the atomic exchange
+        publish = staging._publish
+
+        def counted_publish(*args):
+            nonlocal counting
+            counting = True
+            return publish(*args)
+
+        staging._publish = counted_publish
 
 
 def in_child(job) -> int:
@@ -149,8 +160,7 @@ def main() -> None:
     # Compiled here once first: every lazy import is then done before the children fork.
     compile_bundle(settings(folder / "warm-up", OLD_GAMMA, False), show_progress=False)
     exchange = kill_pass(folder / "exchange" / "bundle", "exchange", 1, stride=4)
-    published = next(r["point"] for r in exchange if r["after_kill"]["output"] == NEW_GAMMA)
-    rename = kill_pass(folder / "rename" / "bundle", "rename", published - 2, stride=1)
+    rename = kill_pass(folder / "rename" / "bundle", "rename", 1, stride=1)
     json.dump({"exchange": exchange, "rename": rename, "disk_full": fill_the_disk()}, sys.stdout)
 
 
