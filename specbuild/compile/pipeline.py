@@ -1,6 +1,6 @@
 """`specbuild compile` as a straight line of stages: load & validate -> write each engine, its weights
-streamed, read, converted or quantized and written one tensor at a time -> measure quantized engines ->
-run each engine once -> write the bundle."""
+streamed (read, converted or quantized, and written one tensor at a time) -> measure quantized engines ->
+check each engine with onnxruntime -> write the bundle."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
 
         stages.start("checking each engine")
         for info in engines.values():
-            run_once(folder / info.file, info, max_seq_len)
+            check_engine(folder / info.file, info, max_seq_len)
 
         trtllm = None
         if settings.backend != "onnx":
@@ -89,7 +89,7 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
     return manifest
 
 
-def run_once(path: Path, info: EngineInfo, max_seq_len: int) -> None:
+def check_engine(path: Path, info: EngineInfo, max_seq_len: int) -> None:
     """Prove the engine loads, and runs, before the bundle is published: onnxruntime's CPU provider loads
     an fp32 or fp16 engine (a kernel for every node, every weight where the file says), and runs an fp32
     one (quantized or not) for a one-token prefill fed as specbuild_runtime.manifest's I/O contract says.
