@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml runtime/pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ./runtime -e ".[test]"
+	$(BIN)/pip install -q -e "./runtime[serve]" -e ".[test]"
 	touch $(STAMP)
 
 clean:

@@ -1,29 +1,95 @@
-"""The `specbuild` command line: verbs for build pipelines (compile, verify) and for people (generate, inspect)."""
+"""The `specbuild` command line: verbs for build pipelines (compile, verify) and for people (generate, inspect).
+
+Every failure is one line on stderr starting with "error: ", and the exit status says whose it is:
+0 done; 1 an input, bundle or request is wrong (or `verify` found a divergence); 2 the command line is
+malformed (usage); 3 a bug in specbuild; 130 interrupted. `specbuild --debug ...` shows the traceback.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
 import click
 
+from specbuild_runtime.engine import DEVICES
 from specbuild_runtime.errors import SpecbuildError
+from specbuild_runtime.serve.cli import serve_command
 
 from . import __version__
+from .bench.peers import KNOWN as PEERS
+from .recipe import BACKENDS, MAX_GAMMA, PRECISIONS, QUANTIZATIONS, setting_problem
+
+EXIT_INPUT, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 existing_dir = click.Path(exists=False, file_okay=False, path_type=Path)
+device_option = click.option(
+    "--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
+    help="Where the engines run: cuda needs onnxruntime-gpu (pip install ./runtime[gpu]); auto takes CUDA if present.")
+
+
+class Setting(click.ParamType):
+    """A whole-number compile option, checked by the same rule as its recipe key (recipe.RULES)."""
+
+    name = "integer"
+
+    def __init__(self, key: str):
+        self.key = key
+
+    def convert(self, value, param, ctx):
+        value = click.INT.convert(value, param, ctx)
+        if problem := setting_problem(self.key, value):
+            self.fail(problem, param, ctx)
+        return value
+
+
+class Finite(click.FloatRange):
+    """A float range that also refuses nan and inf (which compare false with any bound)."""
+
+    def convert(self, value, param, ctx):
+        value = super().convert(value, param, ctx)
+        if not math.isfinite(value):
+            self.fail(f"{value} is not a finite number", param, ctx)
+        return value
+
+
+class CommaList(click.ParamType):
+    """Comma-separated values, each converted and checked by item_type."""
+
+    def __init__(self, item_type: click.ParamType):
+        self.item_type = item_type
+        self.name = f"{item_type.name},..."
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, list):
+            return value
+        return [self.item_type.convert(item.strip(), param, ctx) for item in value.split(",") if item.strip()]
+
+
+class Utf8Text(click.ParamType):
+    """Text that is valid UTF-8 (Python hands undecodable argv bytes over as lone surrogates)."""
+
+    name = "text"
+
+    def convert(self, value, param, ctx):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            self.fail("is not valid UTF-8 text", param, ctx)
+        return value
 
 
 def sampling_options(command):
     """--temperature/--top-k/--top-p/--seed, named as in the Python API."""
     for option in reversed([
-        click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+        click.option("--temperature", type=Finite(min=0), default=0.0, show_default=True,
                      help="0 decodes greedily; above 0 samples, losslessly, from the target's distribution."),
         click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="Sample from the k most likely tokens (0 = all)."),
-        click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, show_default=True,
+        click.option("--top-p", type=Finite(min=0, max=1, min_open=True), default=1.0, show_default=True,
                      help="Sample from the smallest set of tokens holding this much probability."),
-        click.option("--seed", type=int, help="Seed for sampling; with a fixed --gamma it reproduces a run exactly."),
+        click.option("--seed", type=int, help="Seed for sampling (any integer); with a fixed --gamma it reproduces a run exactly."),
     ]):
         command = option(command)
     return command
@@ -32,16 +98,16 @@ def sampling_options(command):
 
 
 class GammaType(click.ParamType):
-    """'auto' or a whole number >= 0."""
+    """'auto' or a whole number from 0 to MAX_GAMMA (a bundle's own maximum is checked when it is loaded)."""
 
     name = "auto|N"
 
     def convert(self, value, param, ctx):
-        if value == "auto" or isinstance(value, int):
+        if value == "auto" or (isinstance(value, int) and 0 <= value <= MAX_GAMMA):
             return value
-        if str(value).isdigit():
+        if str(value).isdigit() and int(value) <= MAX_GAMMA:
             return int(value)
-        self.fail(f"{value!r} is not 'auto' or a whole number >= 0", param, ctx)
+        self.fail(f"{value!r} is not 'auto' or a whole number from 0 to {MAX_GAMMA}", param, ctx)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -57,74 +123,75 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--target", type=existing_dir, help="Target checkpoint folder (config.json, *.safetensors, tokenizer).")
 @click.option("--draft", type=existing_dir, help="Draft checkpoint folder; must share the target's tokenizer.")
 @click.option("--output", "-o", type=existing_dir, help="Bundle folder to write (written atomically).")
-@click.option("--gamma", type=int, help="Most draft tokens per round when the runtime adapts γ.  [default: 8]")
-@click.option("--max-seq-len", type=int, help="Context length the KV cache is allocated for.  [default: min(2048, target's)]")
+@click.option("--gamma", type=Setting("gamma"), help=f"Most draft tokens per round when the runtime adapts γ (1 to {MAX_GAMMA}).  [default: 8]")
+@click.option("--max-seq-len", type=Setting("max_seq_len"), help="Context length the KV cache is allocated for.  [default: min(2048, target's)]")
 @click.option("--recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="TOML recipe with these settings; options override it.")
-@click.option("--quantize", type=click.Choice(["none", "int8", "int4"]), help="Weight quantization of both engines.  [default: none]")
-@click.option("--target-quantize", type=click.Choice(["none", "int8", "int4"]), help="Override --quantize for the target.")
-@click.option("--draft-quantize", type=click.Choice(["none", "int8", "int4"]), help="Override --quantize for the draft.")
-@click.option("--block-size", type=int, help="Quantization block size along the input dimension.  [default: 32]")
-@click.option("--accuracy-level", type=click.IntRange(0, 4),
+@click.option("--quantize", type=click.Choice(QUANTIZATIONS), help="Weight quantization of both engines.  [default: none]")
+@click.option("--target-quantize", type=click.Choice(QUANTIZATIONS), help="Override --quantize for the target.")
+@click.option("--draft-quantize", type=click.Choice(QUANTIZATIONS), help="Override --quantize for the draft.")
+@click.option("--block-size", type=Setting("block_size"), help="Quantization block size along the input dimension (a power of two, 16 or more).  [default: 32]")
+@click.option("--accuracy-level", type=Setting("accuracy_level"),
               help="MatMulNBits compute type of quantized engines: 4 = int8 compute (fast on CPU), 0 = fp32. "
                    "Both keep speculative output identical to the target's own.  [default: 4]")
-@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), help="Float type of the engines (fp16/bf16 for GPU).  [default: fp32]")
+@click.option("--precision", type=click.Choice(PRECISIONS), help="Float type of the engines (fp16/bf16 for GPU).  [default: fp32]")
 @click.option("--quality-report/--no-quality-report", default=None, help="Measure quantized engines against fp32 into the manifest.  [default: on]")
-@click.option("--overwrite", is_flag=True, default=None, help="Replace an existing bundle at --output.")
+@click.option("--overwrite", is_flag=True, default=None, help="Replace the bundle at --output (never anything that is not a bundle).")
+@click.option("--backend", type=click.Choice(BACKENDS),
+              help="ONNX engines for this runtime, TensorRT-LLM checkpoints with build/run/serve plans, or both.  [default: onnx]")
+@click.option("--tp", type=Setting("tp"), help="Tensor-parallel ranks of the TensorRT-LLM checkpoints (GPUs per engine).  [default: 1]")
 def compile_cmd(recipe, **options) -> None:
-    """Build an engine bundle: both models as ONNX, greedy verification inside the target's graph."""
+    """Build an engine bundle: both models as ONNX (greedy verification inside the target's graph), and/or
+    as TensorRT-LLM checkpoints with the plans to build and serve them."""
     from .compile import compile_bundle
     from .recipe import resolve_settings
 
     settings = resolve_settings(recipe, **options)
     manifest = compile_bundle(settings)
-    target, draft = manifest.engines["target"], manifest.engines["draft"]
-    click.echo(
-        f"wrote {settings.output}: target {target.architecture} {target.parameters / 1e6:.1f}M params, "
-        f"draft {draft.architecture} {draft.parameters / 1e6:.1f}M params, max gamma {manifest.gamma}, "
-        f"max-seq-len {manifest.max_seq_len}"
-    )
+    click.echo(f"wrote {settings.output}: max gamma {manifest.gamma}, max-seq-len {manifest.max_seq_len}")
+    for role, e in manifest.engines.items():
+        click.echo(f"  {role} {e.architecture} {e.parameters / 1e6:.1f}M params, ONNX {e.precision} quant={e.quantization}")
+    if manifest.tensorrt_llm:
+        click.echo("  " + "\n  ".join(tensorrt_llm_lines(settings.output, manifest.tensorrt_llm)))
 
 
 @cli.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--prompt", "-p", required=True, help="Text to continue.")
-@click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True, help="Stop after this many new tokens.")
+@click.option("--prompt", "-p", required=True, type=Utf8Text(), help="Text to continue.")
+@click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=128, show_default=True, help="Stop after this many new tokens.")
 @click.option("--gamma", type=GammaType(), default="auto", show_default=True,
               help="Draft tokens per round: 'auto' adapts to the draft's acceptance, 0 is the target alone.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, stats) instead of streaming text.")
+@device_option
 @sampling_options
-def generate(bundle, prompt, max_new_tokens, gamma, as_json, **sampling) -> None:
+def generate(bundle, prompt, max_new_tokens, gamma, as_json, device, **sampling) -> None:
     """Continue a prompt with speculative decoding (greedy, or sampling with --temperature)."""
     from specbuild_runtime import SpeculativeDecoder, Stats
 
-    decoder = SpeculativeDecoder(bundle, shared_thread_pool=True)
-    stats = Stats(gamma=gamma)
-    prompt_ids = decoder.encode(prompt)
+    decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True)
     if as_json:
-        ids = list(decoder.stream(prompt_ids, max_new_tokens, stats=stats, **sampling))
+        result = decoder.generate(prompt, max_new_tokens, gamma, **sampling)
         click.echo(json.dumps({
-            "text": decoder.tokenizer.decode(ids),
-            "token_ids": ids,
-            "prompt_token_ids": prompt_ids,
-            "stats": stats.to_dict(),
+            "text": result.text,
+            "token_ids": result.token_ids,
+            "prompt_token_ids": result.prompt_token_ids,
+            "gamma": gamma,
+            "stats": result.stats.to_dict(),
         }))
         return
+    stats = Stats()
+    deltas = decoder.stream_text(prompt, max_new_tokens, gamma, stats=stats, **sampling)  # checks the request
     click.echo(prompt, nl=False)
-    ids, shown = [], ""
-    for token in decoder.stream(prompt_ids, max_new_tokens, stats=stats, **sampling):
-        ids.append(token)
-        text = decoder.tokenizer.decode(ids)
-        click.echo(text[len(shown):], nl=False)
-        shown = text
+    for delta in deltas:
+        click.echo(delta, nl=False)
     click.echo()
-    click.echo(_stats_line(stats), err=True)
+    click.echo(_stats_line(stats, gamma), err=True)
 
 
-def _stats_line(stats) -> str:
+def _stats_line(stats, gamma) -> str:
     s = stats.to_dict()
     line = f"{s['generated_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s, ttft {s['ttft_ms']:.1f} ms"
     if stats.drafted:
-        line += f", gamma {stats.gamma}, acceptance {s['acceptance_rate']:.2f}, {s['mean_accepted_tokens']:.2f} tokens/round"
+        line += f", gamma {gamma}, acceptance {s['acceptance_rate']:.2f}, {s['mean_accepted_tokens']:.2f} tokens/round"
     return line
 
 
@@ -153,6 +220,26 @@ def inspect(bundle, as_json) -> None:
         click.echo(f"{'':<10} from {e.source['path']} (sha256 {e.source['sha256'][:12]}…)")
         if e.quality:
             click.echo(f"{'':<10} quality vs fp32: {quality_line(e.quality)}")
+    if manifest.tensorrt_llm:
+        click.echo("\n".join(f"{'tensorrt':<10} {line}" for line in tensorrt_llm_lines(bundle, manifest.tensorrt_llm)))
+
+
+def tensorrt_llm_lines(bundle: Path, part) -> list[str]:
+    """The TensorRT-LLM part of a bundle, for people: checkpoints, measured γ, plans, engines."""
+    g = part.gamma
+    measured = (f"alpha {g['alpha']:.2f}, cost ratio {g['cost_ratio']:.2f}, expected {g['expected_speedup']:.2f}x"
+                if g["alpha"] is not None else "alpha not measured")
+    lines = [f"TensorRT-LLM checkpoints, tp {part.tp_size}; draft length {g['gamma']} ({measured}; {g['method']})"]
+    for role, c in part.checkpoints.items():
+        quant = f", {c['quant_algo']} at build" if c["quant_algo"] else ""
+        lines.append(f"{role:<6} {c['dir']}/: {c['architecture']} {c['dtype']}{quant}, {c['parameters'] / 1e6:.2f}M params, "
+                     f"vocab {c['vocab_size']} (lm_head {c['lm_head_rows']} rows), {len(c['ranks'])} rank file(s)")
+    if g["expected_speedup"] is not None and g["expected_speedup"] < 1:
+        lines.append("speculation is not expected to pay on this pair (expected speed-up below 1)")
+    lines.append("plans  " + ", ".join(str(Path(bundle) / path) for path in part.plans.values()))
+    lines.append(f"engines {Path(bundle) / part.engines}" if part.engines else
+                 f"engines not built here (no trtllm-build on PATH): run {Path(bundle) / part.plans['build']} on a GPU machine")
+    return lines
 
 
 def quality_line(q: dict) -> str:
@@ -179,14 +266,15 @@ def quality_line(q: dict) -> str:
 @click.option("--target", required=True, type=existing_dir, help="The target checkpoint the bundle was built from.")
 @click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help='JSONL file, one {"prompt": "..."} per line.')
-@click.option("--max-new-tokens", "-n", type=int, default=64, show_default=True)
+@click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--gamma", type=GammaType(), default="auto", show_default=True, help="Draft tokens per round.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def verify(bundle, target, prompts, max_new_tokens, gamma, as_json) -> None:
+@device_option
+def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device) -> None:
     """Gate a bundle: its greedy output must equal transformers' on every prompt (exit 1 if not)."""
     from .verify import verify_bundle
 
-    report = verify_bundle(bundle, target, prompts, max_new_tokens, gamma)
+    report = verify_bundle(bundle, target, prompts, max_new_tokens, gamma, device)
     if as_json:
         click.echo(json.dumps(report))
     elif report["identical"]:
@@ -205,24 +293,24 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json) -> None:
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help='JSONL file, one {"prompt": "..."} per line.  [default: the bundled code prompts]')
-@click.option("--max-new-tokens", "-n", type=int, default=128, show_default=True)
-@click.option("--gamma", "gammas", default="1,2,4,8", show_default=True, help="Fixed γ values to measure beside target-only and auto.")
-@click.option("--peers", default="", help="Comma-separated peers to measure on the source checkpoints: transformers, onnxruntime-genai.")
+@click.option("--max-new-tokens", "-n", type=click.IntRange(min=2), default=128, show_default=True,
+              help="Tokens per prompt (at least 2: decode speed is measured after the first).")
+@click.option("--gamma", "gammas", type=CommaList(click.IntRange(1, MAX_GAMMA)), default="1,2,4,8", show_default=True,
+              help="Fixed γ values to measure beside target-only and auto.")
+@click.option("--peers", type=CommaList(click.Choice(PEERS)), default="",
+              help=f"Comma-separated peers to measure on the source checkpoints: {', '.join(PEERS)}.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the full report here.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot here (needs matplotlib).")
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--temperature", type=Finite(min=0), default=0.0, show_default=True,
               help="Sample at this temperature (seeded per prompt) instead of greedy decoding.")
-def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, temperature) -> None:
+@device_option
+def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, temperature, device) -> None:
     """Measure speculative vs target-only decoding (and peers) side by side, with the theoretical bound."""
     from . import bench as benchmark
     from .texts import CODE_PROMPTS, read_prompts
 
-    try:
-        gamma_list = [int(g) for g in gammas.split(",") if g.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{gammas!r} is not a comma-separated list of whole numbers", param_hint="--gamma") from None
-    report = benchmark.bench(bundle, read_prompts(prompts or CODE_PROMPTS), max_new_tokens, gamma_list,
-                             [p.strip() for p in peers.split(",") if p.strip()], temperature)
+    report = benchmark.bench(bundle, read_prompts(prompts or CODE_PROMPTS), max_new_tokens, gammas, peers, temperature,
+                             device)
     click.echo(benchmark.format_table(report))
     if json_out:
         json_out.write_text(json.dumps(report, indent=2))
@@ -305,23 +393,39 @@ def demo(cache, recipe, prompt, max_new_tokens, as_json) -> None:
     )
 
 
-def main() -> None:
-    debug = "--debug" in sys.argv
+cli.add_command(serve_command)  # defined in the runtime, which a torch-free service installs alone
+
+
+def main(args: list[str] | None = None) -> None:
+    """Run the CLI; every failure becomes one line on stderr and an exit status (see the module docstring)."""
+    args = sys.argv[1:] if args is None else list(args)
+    debug = "--debug" in args
     try:
-        cli.main(standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(130)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-    except SpecbuildError as exc:
+        status = cli.main(args, prog_name="specbuild", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as exc:  # `specbuild` alone: the help, not an error
+        click.echo(exc.format_message(), err=True)
+        status = EXIT_USAGE
+    except click.UsageError as exc:
+        command = exc.ctx.command_path if exc.ctx else "specbuild"
+        status = _fail(f"{exc.format_message()} (see '{command} --help')", EXIT_USAGE)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        status = _fail("interrupted", EXIT_INTERRUPTED)
+    except (click.ClickException, SpecbuildError) as exc:
         if debug:
             raise
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
+        status = _fail(exc.format_message() if isinstance(exc, click.ClickException) else str(exc), EXIT_INPUT)
     except OSError as exc:
         if debug:
             raise
-        click.echo(f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), err=True)
-        sys.exit(1)
+        status = _fail(f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc.strerror or exc), EXIT_INPUT)
+    except Exception as exc:
+        if debug:
+            raise
+        status = _fail(f"internal error ({type(exc).__name__}: {exc}); this is a bug in specbuild: rerun with "
+                       "`specbuild --debug ...` for the traceback and report it", EXIT_BUG)
+    sys.exit(status or 0)
+
+
+def _fail(message: str, status: int) -> int:
+    click.echo("error: " + " ".join(message.split()), err=True)  # one line, whatever the message holds
+    return status

@@ -14,3 +14,16 @@ class UnsupportedModelError(CheckpointError):
 
 class PairMismatchError(CheckpointError):
     """The draft and the target cannot be paired (different tokenizers)."""
+
+
+class OutputError(SpecbuildError):
+    """An output folder cannot be written as asked (it holds something else, is an input, is locked, or
+    the disk is full); nothing at the output path was changed."""
+
+
+class SettingsError(SpecbuildError):
+    """A compile setting (a recipe value, an option given through the API) is invalid."""
+
+
+class ExternalToolError(SpecbuildError):
+    """A tool the compiler runs (trtllm-build) failed."""

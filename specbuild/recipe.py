@@ -4,22 +4,36 @@
     target = "checkpoints/target"   # paths are relative to the recipe file
     draft = "checkpoints/draft"
     output = "bundles/demo"
-    gamma = 8                       # most drafts per round in adaptive mode
+    gamma = 8                       # most drafts per round in adaptive mode (1 to 32)
     max_seq_len = 1024
     quantize = "none"               # none | int8 | int4; target_quantize / draft_quantize override it
     precision = "fp32"              # fp16 / bf16 for GPU targets
+    backend = "onnx"                # onnx | tensorrt-llm | all
+    tp = 1                          # tensor-parallel ranks of the TensorRT-LLM checkpoints
+
+Every setting is checked here, once, by the rule in RULES: recipe values name their key and line, the
+CLI's options use the same rules (cli.py), and CompileSettings checks values given through the API.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Callable
 
-from specbuild_runtime.errors import SpecbuildError
+from .errors import SettingsError
 
 DEFAULT_GAMMA = 8
 DEFAULT_MAX_SEQ_LEN = 2048
+# The runtime keeps per-position lists and a [γ, vocab] buffer per request; speculation stops paying
+# long before 32 drafts a round (each must be accepted for the next to count).
+MAX_GAMMA = 32
+QUANTIZATIONS = ("none", "int8", "int4")
+PRECISIONS = ("fp32", "fp16", "bf16")
+BACKENDS = ("onnx", "tensorrt-llm", "all")
 
 
 @dataclass
@@ -37,13 +51,93 @@ class CompileSettings:
     precision: str = "fp32"
     quality_report: bool = True
     overwrite: bool = False
+    backend: str = "onnx"  # "onnx" | "tensorrt-llm" | "all"
+    tp: int = 1  # tensor-parallel ranks of the TensorRT-LLM export
+    recipe: Path | None = None  # the recipe file these came from: an input, like the checkpoints
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.default is None:
+                continue
+            if problem := setting_problem(f.name, value):
+                raise SettingsError(f"compile setting {f.name} {problem}")
+            if f.name in PATH_FIELDS:
+                setattr(self, f.name, Path(value))
+        if self.tp > 1 and self.backend == "onnx":
+            raise SettingsError(f"tp {self.tp} splits the TensorRT-LLM export; add --backend tensorrt-llm or all")
 
     def quantization(self, role: str) -> str:
         own = self.target_quantize if role == "target" else self.draft_quantize
         return own or self.quantize
 
+    def inputs(self) -> dict[str, Path]:
+        """What the build reads, which its output must not touch."""
+        return {"target checkpoint": self.target, "draft checkpoint": self.draft,
+                **({"recipe": self.recipe} if self.recipe else {})}
 
-PATH_FIELDS = {"target", "draft", "output"}
+
+PATH_FIELDS = {"target", "draft", "output", "recipe"}
+
+
+def _path(value) -> str | None:
+    return None if isinstance(value, (str, os.PathLike)) else f"must be a path (a string), not {_shown(value)}"
+
+
+def _boolean(value) -> str | None:
+    return None if isinstance(value, bool) else f"must be true or false, not {_shown(value)}"
+
+
+def _one_of(*choices: str) -> Callable[[object], str | None]:
+    return lambda value: None if value in choices else f"must be one of {', '.join(choices)}; not {_shown(value)}"
+
+
+def _whole(low: int, high: int | None = None, powers_of_two: bool = False) -> Callable[[object], str | None]:
+    kind = "a power of two" if powers_of_two else "a whole number"
+    wanted = f"{kind} from {low} to {high}" if high is not None else f"{kind}, {low} or more"
+
+    def check(value) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"must be {wanted}, not {_shown(value)}"
+        if value < low or (high is not None and value > high) or (powers_of_two and value & (value - 1)):
+            return f"must be {wanted}, not {value}"
+        return None
+
+    return check
+
+
+RULES: dict[str, Callable[[object], str | None]] = {
+    "target": _path,
+    "draft": _path,
+    "output": _path,
+    "recipe": _path,
+    "gamma": _whole(1, MAX_GAMMA),
+    "max_seq_len": _whole(2),  # room for a prompt token and one generated token
+    "quantize": _one_of(*QUANTIZATIONS),
+    "target_quantize": _one_of(*QUANTIZATIONS),
+    "draft_quantize": _one_of(*QUANTIZATIONS),
+    "block_size": _whole(16, powers_of_two=True),  # what onnxruntime's MatMulNBits accepts
+    "accuracy_level": _whole(0, 4),
+    "precision": _one_of(*PRECISIONS),
+    "quality_report": _boolean,
+    "overwrite": _boolean,
+    "backend": _one_of(*BACKENDS),
+    "tp": _whole(1),
+}
+RECIPE_KEYS = set(RULES) - {"recipe"}
+
+
+def setting_problem(key: str, value) -> str | None:
+    """What is wrong with value for setting key ("must be ..., not ..."), or None."""
+    return RULES[key](value)
+
+
+def _shown(value) -> str:
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value)
 
 
 def read_table(path: Path, name: str, known: set[str]) -> dict:
@@ -51,17 +145,36 @@ def read_table(path: Path, name: str, known: set[str]) -> dict:
     try:
         data = tomllib.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise SpecbuildError(f"recipe {path} cannot be read: {exc}") from None
+        raise SettingsError(f"recipe {path} cannot be read: {exc}") from None
     table = data.get(name, {})
+    if not isinstance(table, dict):
+        raise SettingsError(f"recipe {path}: {name} must be a table ([{name}]), not {_shown(table)}")
     unknown = set(table) - known
     if unknown:
-        raise SpecbuildError(f"recipe {path}: unknown [{name}] keys {sorted(unknown)}; known keys are {sorted(known)}")
+        first = sorted(unknown)[0]
+        raise SettingsError(f"recipe {path}{_at_line(path, name, first)}: unknown [{name}] keys {sorted(unknown)}; "
+                            f"known keys are {sorted(known)}")
     return table
 
 
+def _at_line(path: Path, table: str, key: str) -> str:
+    """ " line N" where key is set in [table] of the TOML file, or "" if not found (tomllib keeps no
+    positions, so the text is searched: a key = value line after the table's header)."""
+    current = None
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if header := re.match(r"\s*\[\s*([^\[\]]+?)\s*\]", line):
+            current = header[1]
+        elif current == table and re.match(rf"""\s*["']?{re.escape(key)}["']?\s*=""", line):
+            return f" line {number}"
+    return ""
+
+
 def read_recipe(path: Path) -> dict:
-    """The [compile] table of a recipe, with paths resolved against the recipe's folder."""
-    table = read_table(path, "compile", {f.name for f in fields(CompileSettings)})
+    """The [compile] table of a recipe, checked, with paths resolved against the recipe's folder."""
+    table = read_table(path, "compile", RECIPE_KEYS)
+    for key, value in table.items():
+        if problem := setting_problem(key, value):
+            raise SettingsError(f"recipe {path}{_at_line(path, 'compile', key)}: {key} {problem}")
     return {k: (path.parent / v if k in PATH_FIELDS else v) for k, v in table.items()}
 
 
@@ -71,8 +184,6 @@ def resolve_settings(recipe: Path | None, **options) -> CompileSettings:
     values.update({k: v for k, v in options.items() if v is not None})
     missing = [k for k in ("target", "draft", "output") if k not in values]
     if missing:
-        raise SpecbuildError(f"missing {', '.join('--' + m for m in missing)} (give them as options or in a recipe)")
-    settings = CompileSettings(**{**values, **{k: Path(values[k]) for k in PATH_FIELDS}})
-    if settings.gamma < 1:
-        raise SpecbuildError("--gamma must be at least 1 (the bundle's default draft length)")
-    return settings
+        where = f"or in [compile] of {recipe}" if recipe else "or in a recipe"
+        raise SettingsError(f"missing {', '.join('--' + m for m in missing)} (give them as options {where})")
+    return CompileSettings(**values, recipe=recipe)

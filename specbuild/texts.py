@@ -20,8 +20,12 @@ HELDOUT_EVERY = 20  # one file in twenty (by path hash) is held out: ~5%
 
 def read_prompts(path: Path) -> list[str]:
     """The "prompt" field of every line of a JSONL file."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise SpecbuildError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8") from None
     prompts = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:

@@ -8,8 +8,9 @@ from specbuild.bench.bench import theoretical_speedup
 
 
 def test_theoretical_speedup_matches_leviathan_et_al():
-    assert theoretical_speedup(0.0, 4, 0.0) == 1.0
-    assert abs(theoretical_speedup(0.8, 4, 0.05) - (1 - 0.8**5) / (0.2 * 1.2)) < 1e-12
+    assert theoretical_speedup(1.0, 4, 0.0) == 1.0  # one token per call, free drafts: no gain
+    alpha = 0.8  # their closed form: τ = (1 − α^(γ+1)) / (1 − α) tokens per call
+    assert abs(theoretical_speedup((1 - alpha**5) / (1 - alpha), 4, 0.05) - (1 - alpha**5) / (0.2 * 1.2)) < 1e-12
 
 
 def test_bench_reports_every_mode_and_writes_json_and_plot(bundles, tmp_path):

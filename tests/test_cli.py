@@ -1,28 +1,26 @@
-"""The CLI as a build pipeline and a person use it: real subprocesses, exit codes, one-line errors."""
+"""The CLI as a build pipeline and a person use it: exit codes, output, one-line errors.
+
+Command lines run through the `specbuild` entry point in one process shared by the session
+(tests/cli_driver.py). The bad inputs are tabled in tests/test_bad_inputs.py.
+"""
 
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from conftest import PROMPTS, make_checkpoint, make_tokenizer
+from conftest import PROMPTS, make_checkpoint
+from test_bad_inputs import drop_a_tensor
 
 
 def specbuild(*args, check=False):
+    """One command line in its own process (tests/test_bench.py uses it)."""
     result = subprocess.run([sys.executable, "-m", "specbuild", *map(str, args)], capture_output=True, text=True)
     if check:
         assert result.returncode == 0, result.stderr
     return result
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0]
 
 
 def assert_no_bundle_left(output):
@@ -30,118 +28,97 @@ def assert_no_bundle_left(output):
     assert not [p for p in output.parent.iterdir() if p.name.startswith(f".{output.name}.")]
 
 
-def test_compile_generate_inspect_round_trip(checkpoints, tmp_path):
-    out = tmp_path / "bundle"
-    specbuild("compile", "--target", checkpoints("qwen2"), "--draft", checkpoints("qwen2", 1), "-o", out, "--gamma", 3,
-              "--max-seq-len", 128, check=True)
-    result = json.loads(specbuild("generate", out, "--prompt", PROMPTS[0], "-n", 12, "--json", check=True).stdout)
+def test_compile_generate_inspect_round_trip(checkpoints, tmp_path, cli):
+    out = str(tmp_path / "bundle")
+    compiled, sampled, target_only, shown = cli.run([
+        ["compile", "--target", str(checkpoints("qwen2")), "--draft", str(checkpoints("qwen2", 1)), "-o", out,
+         "--gamma", "3", "--max-seq-len", "128"],
+        ["generate", out, "--prompt", PROMPTS[0], "-n", "12", "--json"],
+        ["generate", out, "-p", PROMPTS[0], "-n", "12", "--gamma", "0", "--json"],
+        ["inspect", out],
+    ])
+    assert [r["status"] for r in (compiled, sampled, target_only, shown)] == [0, 0, 0, 0], compiled["stderr"]
+    result = json.loads(sampled["stdout"])
     assert len(result["token_ids"]) == 12 and result["prompt_token_ids"]
     assert set(result["stats"]) >= {"acceptance_rate", "mean_accepted_tokens", "tokens_per_second", "ttft_ms",
                                     "itl_ms_p50", "itl_ms_p95", "rounds"}
-    assert result["stats"]["gamma"] == "auto" and max(map(int, result["stats"]["gamma_rounds"])) <= 3
-    target_only = json.loads(specbuild("generate", out, "-p", PROMPTS[0], "-n", 12, "--gamma", 0, "--json", check=True).stdout)
-    assert target_only["token_ids"] == result["token_ids"]
-    shown = specbuild("inspect", out, check=True).stdout
-    assert "Qwen2ForCausalLM" in shown and "max-seq-len 128" in shown
+    assert result["gamma"] == "auto" and max(map(int, result["stats"]["gamma_rounds"])) <= 3
+    assert json.loads(target_only["stdout"])["token_ids"] == result["token_ids"]
+    assert "Qwen2ForCausalLM" in shown["stdout"] and "max-seq-len 128" in shown["stdout"]
 
 
-def test_recipe_supplies_settings_and_options_override_it(checkpoints, tmp_path):
-    recipe = tmp_path / "pair.toml"
-    recipe.write_text(f'[compile]\ntarget = "{checkpoints("llama")}"\ndraft = "{checkpoints("llama", 1)}"\n'
-                      'output = "built"\ngamma = 2\nmax_seq_len = 96\n')
-    specbuild("compile", "--recipe", recipe, "--gamma", 5, check=True)
-    manifest = json.loads((tmp_path / "built" / "manifest.json").read_text())
-    assert manifest["gamma"] == 5 and manifest["max_seq_len"] == 96
-
-
-def test_verify_reports_identical_and_exits_nonzero_on_divergence(bundles, checkpoints, tmp_path):
+def test_verify_reports_identical_and_exits_nonzero_on_divergence(bundles, checkpoints, tmp_path, cli):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))
-    ok = specbuild("verify", bundles("llama", 1), "--target", checkpoints("llama"), "--prompts", prompts, "-n", 16)
-    assert ok.returncode == 0 and ok.stdout.startswith("identical")
-    bad = specbuild("verify", bundles("llama", 1), "--target", checkpoints("llama", 1), "--prompts", prompts, "-n", 16)
-    assert bad.returncode == 1 and "DIVERGED on prompt 0" in bad.stdout
+    ok, bad = cli.run([["verify", str(bundles("llama", 1)), "--target", str(checkpoints(*target)),
+                                   "--prompts", str(prompts), "-n", "16"] for target in (("llama",), ("llama", 1))])
+    assert ok["status"] == 0 and ok["stdout"].startswith("identical")
+    assert bad["status"] == 1 and "DIVERGED on prompt 0" in bad["stdout"]
 
 
-def test_mismatched_tokenizers_are_rejected_before_any_bundle_is_written(checkpoints, tmp_path):
-    other = make_checkpoint(tmp_path / "other", "llama", make_tokenizer(300, ("argparse.py",)))
+def test_a_failure_while_building_leaves_no_partial_bundle(checkpoints, tmp_path, monkeypatch):
+    """The draft lacks a tensor: building its engine fails while the target's engine already sits in the
+    staging folder (the spy proves the failure came inside staging, not before it)."""
+    from contextlib import contextmanager
+
+    from specbuild.compile import compile_bundle, pipeline
+    from specbuild.recipe import CompileSettings
+
+    draft = tmp_path / "draft"
+    shutil.copytree(checkpoints("llama", 1), draft)
+    drop_a_tensor(draft)
+    staged, at_failure = pipeline.staged_bundle, []
+
+    @contextmanager
+    def spy(*args, **kwargs):
+        with staged(*args, **kwargs) as folder:
+            try:
+                yield folder
+            except BaseException:
+                at_failure.extend(sorted(p.name for p in folder.iterdir()))
+                raise
+
+    monkeypatch.setattr(pipeline, "staged_bundle", spy)
     out = tmp_path / "bundle"
-    assert_one_line_error(specbuild("compile", "--target", checkpoints("llama"), "--draft", other, "-o", out),
-                          "different tokenizers")
+    with pytest.raises(Exception):
+        compile_bundle(CompileSettings(checkpoints("llama"), draft, out, max_seq_len=64), show_progress=False)
+    assert "target.onnx.data" in at_failure, f"the compile failed before staging ({at_failure}): this test is hollow"
     assert_no_bundle_left(out)
 
 
 def test_padded_embedding_rows_are_accepted_when_tokenizers_agree(checkpoints, tokenizer, tmp_path):
+    from specbuild.compile import compile_bundle
+    from specbuild.recipe import CompileSettings
+
     padded = make_checkpoint(tmp_path / "padded", "llama", tokenizer, seed=3, vocab_size=len(tokenizer) + 64)
-    specbuild("compile", "--target", checkpoints("llama"), "--draft", padded, "-o", tmp_path / "b", check=True)
+    compile_bundle(CompileSettings(checkpoints("llama"), padded, tmp_path / "b", max_seq_len=64), show_progress=False)
 
 
-def test_unsupported_architecture_is_named(checkpoints, tmp_path):
-    import shutil
+def test_an_unexpected_exception_is_one_line_saying_it_is_a_bug_and_debug_shows_the_traceback(monkeypatch, capsys):
+    import specbuild.compile
+    from specbuild.cli import EXIT_BUG, main
 
-    folder = tmp_path / "falcon"
-    shutil.copytree(checkpoints("llama"), folder)
-    config = json.loads((folder / "config.json").read_text())
-    config["architectures"] = ["FalconForCausalLM"]
-    (folder / "config.json").write_text(json.dumps(config))
-    out = tmp_path / "bundle"
-    assert_one_line_error(specbuild("compile", "--target", folder, "--draft", checkpoints("llama"), "-o", out),
-                          "FalconForCausalLM", "LlamaForCausalLM")
-    assert_no_bundle_left(out)
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("division by zero")
 
-
-@pytest.mark.parametrize("missing", ["folder", "weights", "config"])
-def test_missing_checkpoint_files_are_named(missing, checkpoints, tmp_path):
-    import shutil
-
-    folder = tmp_path / "target"
-    if missing != "folder":
-        shutil.copytree(checkpoints("llama"), folder)
-        for path in folder.glob("*.safetensors" if missing == "weights" else "config.json"):
-            path.unlink()
-    out = tmp_path / "bundle"
-    assert_one_line_error(specbuild("compile", "--target", folder, "--draft", checkpoints("llama"), "-o", out), str(folder))
-    assert_no_bundle_left(out)
+    monkeypatch.setattr(specbuild.compile, "compile_bundle", broken)
+    args = ["compile", "--target", "t", "--draft", "d", "-o", "out"]
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    err = capsys.readouterr().err
+    assert exited.value.code == EXIT_BUG == 3 and err.count("\n") == 1, err
+    assert err.startswith("error: internal error (ZeroDivisionError: division by zero); this is a bug") and "--debug" in err
+    with pytest.raises(ZeroDivisionError):
+        main(["--debug", *args])
 
 
-def test_a_failure_while_building_leaves_no_partial_bundle(checkpoints, tmp_path):
-    out = tmp_path / "bundle"
-    # 4096 positions exceed the tiny models' 512: found after loading, inside the staged build.
-    assert_one_line_error(specbuild("compile", "--target", checkpoints("llama"), "--draft", checkpoints("llama"),
-                                    "-o", out, "--max-seq-len", 4096), "max_position_embeddings")
-    assert_no_bundle_left(out)
+def test_usage_errors_are_one_line_with_exit_status_2(capsys):
+    from specbuild.cli import main
 
-
-def test_existing_output_is_kept_unless_overwrite(bundles, checkpoints, tmp_path):
-    out = tmp_path / "bundle"
-    args = ["compile", "--target", checkpoints("llama"), "--draft", checkpoints("llama"), "-o", out, "--max-seq-len", 64]
-    specbuild(*args, check=True)
-    assert_one_line_error(specbuild(*args), "--overwrite")
-    specbuild(*args, "--overwrite", check=True)
-    assert (out / "manifest.json").is_file()
-
-
-@pytest.mark.parametrize("damage", ["weights", "manifest", "missing-engine"])
-def test_corrupted_bundle_is_a_one_line_error(damage, bundles, tmp_path):
-    import shutil
-
-    bundle = tmp_path / "bundle"
-    shutil.copytree(bundles("llama"), bundle)
-    if damage == "weights":
-        data = bundle / "target.onnx.data"
-        raw = bytearray(data.read_bytes())
-        raw[100] ^= 0xFF
-        data.write_bytes(bytes(raw))
-    elif damage == "manifest":
-        (bundle / "manifest.json").write_text("{ not json")
-    else:
-        (bundle / "draft.onnx").unlink()
-    assert_one_line_error(specbuild("generate", bundle, "-p", "x", "-n", 4), str(bundle))
-
-
-def test_prompt_longer_than_the_context_is_a_one_line_error(bundles):
-    result = specbuild("generate", bundles("llama", max_seq_len=64), "-p", PROMPTS[5] * 3, "-n", 4)
-    assert_one_line_error(result, "context is 64", "--max-seq-len")
+    with pytest.raises(SystemExit) as exited:
+        main(["compile", "--max-seq-len", "x"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and "'--max-seq-len'" in err and "specbuild compile --help" in err
 
 
 def test_runtime_imports_and_decodes_where_torch_cannot_be_imported(bundles):

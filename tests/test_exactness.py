@@ -87,3 +87,47 @@ def test_free_guesses_in_rounds_without_drafts_keep_the_targets_output(bundles, 
         assert auto.token_ids == decoder.generate(ids, 60, gamma=0).token_ids, prompt
         guessed, accepted = guessed + auto.stats.guessed, accepted + auto.stats.guesses_accepted
     assert guessed > 100 and 0 < accepted < guessed
+
+
+def _pair_bundle(tmp_path, target, draft, **settings):
+    from specbuild.compile import compile_bundle
+    from specbuild.recipe import CompileSettings
+
+    compile_bundle(CompileSettings(target, draft, tmp_path / "bundle", max_seq_len=128, **settings), show_progress=False)
+    return SpeculativeDecoder(tmp_path / "bundle")
+
+
+def transformers_argmax(model, prompt_ids: list[int], tokens: list[int]) -> list[int]:
+    """transformers' greedy choice after the prompt and each prefix of tokens, in one forward pass (its
+    generate() costs ~40 ms a token here): tokens are its greedy output iff this returns them."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1 : -1]
+    return logits.argmax(-1).tolist()
+
+
+def test_tied_embeddings_decode_like_transformers(checkpoints, tokenizer, tmp_path):
+    """The demo pair's Llamas tie the LM head to the embeddings: the checkpoint then has no lm_head."""
+    from safetensors import safe_open
+
+    target, draft = checkpoints("llama", 0, tie_word_embeddings=True), checkpoints("llama", 1, tie_word_embeddings=True)
+    with safe_open(str(target / "model.safetensors"), "np") as f:
+        assert not [name for name in f.keys() if name.startswith("lm_head")]
+    decoder, model = _pair_bundle(tmp_path, target, draft), load_reference(target)
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        for gamma in (0, 3, "auto"):
+            tokens = decoder.generate(ids, NEW_TOKENS, gamma).token_ids
+            assert transformers_argmax(model, ids, tokens) == tokens, (gamma, prompt)
+
+
+def test_an_fp16_bundle_decodes_through_the_runtime_like_transformers_in_fp16(checkpoints, tokenizer, tmp_path):
+    decoder = _pair_bundle(tmp_path, checkpoints("llama"), checkpoints("llama", 1), precision="fp16")
+    assert {info.precision for info in decoder.manifest.engines.values()} == {"fp16"}
+    model = load_reference(checkpoints("llama")).half()
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        for gamma in (0, 1, 3, "auto"):
+            tokens = decoder.generate(ids, NEW_TOKENS, gamma).token_ids
+            assert transformers_argmax(model, ids, tokens) == tokens, (gamma, prompt)

@@ -13,18 +13,19 @@ from specbuild.compile.graphs import build_decoder
 from specbuild.compile.load import load_checkpoint
 from specbuild.compile.precision import Numerics
 from specbuild_runtime.engine import Engine
+from specbuild_runtime.slot import NEVER_ALONE, EngineSlot
 from specbuild_runtime.manifest import EngineInfo
 
 MAX_LEN = 64
 
 
 def run_graph(ckpt):
-    """The graph in the runtime's Engine (in-place KV cache), with the test-only `logits` output."""
+    """The graph as the runtime runs a target (in-place KV cache), with the test-only `logits` output."""
     spec = ckpt.spec
     model_bytes = ir.serde.serialize_model(build_decoder(ckpt, Numerics(), MAX_LEN, with_logits=True)).SerializeToString()
     info = EngineInfo(role="target", backend="onnx", file="graph.onnx", architecture=spec.architecture,
                       precision="fp32", quantization="none", shape=spec.shape, parameters=0, weight_bytes=0, source={})
-    engine = Engine(Path("graph.onnx"), info, MAX_LEN, model_bytes=model_bytes, extra_outputs=("logits",))
+    engine = EngineSlot(Engine(Path("graph.onnx"), info, MAX_LEN, graph=model_bytes), NEVER_ALONE)
 
     def step(tokens, total_len, num_drafts):
         accepted, next_token = engine.step(tokens, total_len, num_drafts)

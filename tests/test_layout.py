@@ -18,3 +18,8 @@ def test_the_compiler_never_imports_training():
 def test_the_runtime_never_imports_torch():
     modules = imported_after("import specbuild_runtime")
     assert "torch" not in modules and "transformers" not in modules
+
+
+def test_the_server_never_imports_torch():
+    modules = imported_after("import specbuild_runtime.serve.app, specbuild_runtime.serve.cli")
+    assert "torch" not in modules and "transformers" not in modules

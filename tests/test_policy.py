@@ -73,3 +73,14 @@ def test_sampling_policy_does_not_chase_coin_flips():
         return sum((k - mean) ** 2 for k in steady) / len(steady)
 
     assert spread(SAMPLING_DECAY) < 0.5 * spread(GREEDY_DECAY)
+
+
+def test_a_few_stretched_calls_do_not_lock_auto_out_of_speculation():
+    """Three preempted rounds (100x their cost) among normal ones: the policy keeps drafting for a draft
+    that agrees (it cannot learn otherwise once it stops: probes draft one token, which times neither κ nor c)."""
+    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
+    run_rounds(policy, lambda r, j: j < 2, rounds=30)
+    for _ in range(3):
+        k = policy.choose(limit=100)
+        policy.observe(k, min(k, 2), draft_seconds=100 * k * 0.1, target_seconds=100.0)
+    assert min(run_rounds(policy, lambda r, j: j < 2, rounds=30)) > 0

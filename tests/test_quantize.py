@@ -11,6 +11,7 @@ from specbuild.compile.quality import _engine, quality_report
 from specbuild.compile.quantize import QuantizedRows, quantize_rows
 from specbuild.recipe import CompileSettings
 from specbuild_runtime import SpeculativeDecoder, load_manifest
+from specbuild_runtime.slot import AS_FED, NEVER_ALONE
 
 NEW_TOKENS = 23
 # hidden 128: MatMulNBits' K (the input width of every linear layer: 128 or the MLP's 256) is a multiple
@@ -96,6 +97,16 @@ def test_quantizing_slices_of_rows_gives_onnxruntimes_bits_for_the_whole_tensor(
         quantize_rows(weight[start:stop], q, packed[start:stop], scales[start:stop], zero_points[start:stop])
     for got, want in zip((packed, scales, zero_points), expected):
         assert np.array_equal(got, want)
+
+
+def test_quantizing_to_none_changes_nothing(bundle):
+    """--quantize int4 --target-quantize none: the draft is quantized, the target's engine is the very
+    bytes an unquantized compile writes."""
+    mixed, fp32 = load_manifest(bundle(quantize="int4", target_quantize="none")), load_manifest(bundle())
+    assert mixed.engines["target"].quantization == "none" and mixed.engines["draft"].quantization == "int4"
+    for name in ("target.onnx", "target.onnx.data"):
+        assert mixed.files[name] == fp32.files[name], name
+    assert mixed.files["draft.onnx.data"] != fp32.files["draft.onnx.data"]
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
@@ -192,7 +203,7 @@ def logits_batched_and_one_by_one(folder, prompt, rounds, never_alone=True):
     fed one token per call, each from the same prompt."""
     info = load_manifest(folder).engines["target"]
     (batched, _), (one_by_one, _) = _engine(folder, info), _engine(folder, info)
-    one_by_one._never_alone = never_alone
+    one_by_one.rows = NEVER_ALONE if never_alone else AS_FED
     for engine in (batched, one_by_one):
         engine.step(prompt, len(prompt))
     total, verified, single = len(prompt), [], []

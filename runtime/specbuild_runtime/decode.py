@@ -1,12 +1,14 @@
-"""Greedy speculative decoding over a bundle: the draft proposes γ tokens, the target's graph verifies them.
+"""Speculative decoding over a bundle: the draft proposes γ tokens, the target's graph verifies them.
 
-Token-for-token identical to the target's own greedy decoding: every emitted token is the target's
-argmax given the tokens before it; drafts only decide how many of them one target call produces.
+Token-for-token identical to the target's own decoding: greedy, every emitted token is the target's
+argmax given the tokens before it; sampling, every token follows the target's distribution (Leviathan et
+al. 2023). Drafts only decide how many tokens one target call produces.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -14,19 +16,20 @@ from typing import Iterator
 import numpy as np
 from tokenizers import Tokenizer
 
-from .engine import Engine, use_shared_thread_pool
-from .errors import RequestError
+from .engine import Engine, requested_device, use_shared_thread_pool
+from .errors import DeviceError
 from .manifest import TOKENIZER_DIR, load_manifest
-from .policy import GREEDY_DECAY, SAMPLING_DECAY, AdaptiveGamma, FixedGamma
-
-AUTO = "auto"
+from .policy import GREEDY_DECAY, SAMPLING_DECAY, AdaptiveGamma, Costs, FixedGamma
+from .slot import NEVER_ALONE, Rows, Slot, SlotPool, fixed_rows
+from .text import TextStream
+from .validation import AUTO, Prompt, Request, check_request, check_vocabularies, whole
 
 
 @dataclass
 class Stats:
-    """What one generate() call measured. α and τ are over verification rounds (γ > 0) only."""
+    """What one request measured (what it asked for is its Request). α and τ are over verification
+    rounds (γ > 0) only."""
 
-    gamma: int | str  # a fixed γ, or "auto"
     prompt_tokens: int = 0
     generated_tokens: int = 0
     rounds: int = 0  # target calls after the prompt
@@ -39,10 +42,10 @@ class Stats:
     gamma_rounds: dict[int, int] = field(default_factory=dict)  # γ used -> rounds
     draft_seconds: float = 0.0
     draft_steps: int = 0
-    guessed: int = 0  # rounds without drafts whose second target row checked a free guess (see _decode)
+    guessed: int = 0  # rounds without drafts whose second target row checked a free guess (see _speculate)
     guesses_accepted: int = 0
     target_seconds: float = 0.0  # rounds only, the prompt's call excluded
-    finish_reason: str = ""
+    finish_reason: str = ""  # "eos", "stop" (a stop string), "max_new_tokens" or "context"
 
     def record_round(self, drafted: int, accepted: int, draft_seconds: float, target_seconds: float) -> None:
         self.rounds += 1
@@ -84,7 +87,6 @@ class Stats:
     def to_dict(self) -> dict:
         per_position = [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)]
         return {
-            "gamma": self.gamma,
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "rounds": self.rounds,
@@ -104,105 +106,150 @@ class Stats:
         }
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """temperature 0 is greedy; a seed makes a sampled run reproducible (with a fixed γ)."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def check(self) -> None:
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0 (0 = greedy), not {self.temperature}")
-        if self.top_k < 0:
-            raise RequestError(f"top_k must be >= 0 (0 = no limit), not {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], not {self.top_p}")
-
-
 @dataclass
 class Generation:
-    text: str
-    token_ids: list[int]
+    text: str  # the decoded tokens, cut before a stop string
+    token_ids: list[int]  # every token generated, the one that completed a stop string included
     prompt_token_ids: list[int]
     stats: Stats
 
 
 class SpeculativeDecoder:
-    """Loads a bundle (checking its manifest and digests) and decodes with it.
+    """Loads a bundle (checking its manifest, digests and engines) and decodes with it.
 
         decoder = SpeculativeDecoder("bundle/")
         result = decoder.generate("def fib(n):", max_new_tokens=64)        # γ adapts (gamma="auto")
-        result = decoder.generate("def fib(n):", gamma=4)                  # fixed γ
+        result = decoder.generate("def fib(n):", gamma=4, stop=["\\n\\n"])   # fixed γ, cut at a stop string
         for token_id in decoder.stream("def fib(n):", gamma=0): ...       # target only
+        for delta in decoder.stream_text("def fib(n):"): ...              # text as it is decoded
+
+    Threads: a decoder is safe to share. The engines' sessions (the weights) are loaded once; each
+    generate/stream/stream_text call holds one of `parallel` slots (a KV cache and bindings per engine)
+    from its first token to its last, and decodes exactly as it would alone. A call waits while every
+    slot is busy, except in a thread that already holds one (two unfinished streams interleaved in one
+    thread, as asyncio code does): there it raises RequestError at once, since only that thread could
+    free one. A stream frees its slot when it ends, is closed, or is garbage-collected. One stream's
+    generator must not be advanced from two threads at once (Python refuses that itself).
+
+    device: "cpu", "cuda" (onnxruntime-gpu; an error if its CUDA provider is missing) or "auto" (CUDA if
+    available). target_rows: how target calls group rows (see slot.Rows); by default NEVER_ALONE on the
+    CPU and fixed_rows(γ max) on a GPU.
     """
 
-    def __init__(self, bundle: str | Path, device: str = "cpu", check_digests: bool = True,
-                 shared_thread_pool: bool = False):
+    def __init__(self, bundle: str | Path, device: str = "cpu", parallel: int = 1, shared_thread_pool: bool = False,
+                 check_digests: bool = True, target_rows: Rows | None = None):
         """shared_thread_pool: faster, but changes every onnxruntime session of the process
         (see engine.use_shared_thread_pool); for processes that only decode."""
         if shared_thread_pool:
             use_shared_thread_pool()
+        parallel = whole("parallel", parallel, low=1)
         self.root = Path(bundle)
-        self.manifest = load_manifest(self.root, check_digests=check_digests)
+        self.manifest = load_manifest(self.root, check_digests=check_digests, require_engines=True)
         self.max_seq_len = self.manifest.max_seq_len
+        self.max_gamma = self.manifest.gamma
         self.eos_token_ids = set(self.manifest.eos_token_ids)
         self.tokenizer = Tokenizer.from_file(str(self.root / TOKENIZER_DIR / "tokenizer.json"))
-        engines = self.manifest.engines
-        self.target = Engine(self.root / engines["target"].file, engines["target"], self.max_seq_len, device)
-        self.draft = Engine(self.root / engines["draft"].file, engines["draft"], self.max_seq_len, device)
-        self._draft_width = min(self.target.vocab_size, self.draft.vocab_size)  # columns of q a draft fills
-        # Adaptive policies live as long as the decoder: what they learn about this pair carries over to
-        # later requests. Greedy and sampled decoding accept drafts differently, so each has its own.
-        draft_cost = engines["draft"].weight_bytes / engines["target"].weight_bytes
-        self.policies = {sampling: AdaptiveGamma(self.manifest.gamma, draft_cost,
-                                                 SAMPLING_DECAY if sampling else GREEDY_DECAY)
-                         for sampling in (False, True)}
+        self.device = requested_device(device)
+        try:
+            self.target, self.draft = self._engines()
+        except DeviceError:
+            if device != "auto":
+                raise
+            self.device = "cpu"  # the CUDA provider is installed but could not start: "auto" takes the CPU
+            self.target, self.draft = self._engines()
+        self.vocab_size = self.target.vocab_size
+        check_vocabularies(self.target, self.draft)
+        rows = target_rows or (fixed_rows(self.max_gamma) if self.device == "cuda" else NEVER_ALONE)
+        self.slots = SlotPool([Slot(i, self.target, self.draft, rows, self.max_gamma) for i in range(parallel)])
+        # Adaptive γ: the costs of a round describe the machine and are shared; α follows the text a slot
+        # decodes, so each slot keeps its own (carried over to its next request, as the pair's agreement
+        # is). Greedy and sampled decoding accept drafts differently: one of each per mode.
+        draft_cost = self.draft.info.weight_bytes / self.target.info.weight_bytes
+        costs = {sampling: Costs(draft_cost) for sampling in (False, True)}
+        self._policies = [{sampling: AdaptiveGamma(self.max_gamma, draft_cost, SAMPLING_DECAY if sampling else GREEDY_DECAY,
+                                                   costs[sampling]) for sampling in (False, True)}
+                          for _ in range(parallel)]
+
+    def _engines(self) -> tuple[Engine, Engine]:
+        info = self.manifest.engines
+        return tuple(Engine(self.root / info[role].file, info[role], self.max_seq_len, self.device)
+                     for role in ("target", "draft"))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 
-    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, gamma: int | str = AUTO,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> Generation:
-        stats = Stats(gamma=gamma)
-        prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        sampling = Sampling(temperature, top_k, top_p, seed)
-        tokens = list(self._decode(prompt_ids, max_new_tokens, stats, sampling))
-        return Generation(self.tokenizer.decode(tokens), tokens, prompt_ids, stats)
+    def request(self, prompt: Prompt, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
+                seed=None, stop=None) -> Request:
+        """The checked request (validation.check_request against this bundle), or a RequestError."""
+        return check_request(prompt, encode=self.encode, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
+                             max_gamma=self.max_gamma, max_new_tokens=max_new_tokens, gamma=gamma,
+                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
 
-    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, gamma: int | str = AUTO,
-               stats: Stats | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int | None = None) -> Iterator[int]:
-        """Yields generated token ids as the target accepts them; pass a Stats to read measurements."""
-        stats = stats or Stats(gamma=gamma)
-        prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return self._decode(prompt_ids, max_new_tokens, stats, Sampling(temperature, top_k, top_p, seed))
+    def generate(self, prompt: Prompt, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
+                 seed=None, stop=None) -> Generation:
+        request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
+        stats, text = Stats(), TextStream(self.tokenizer, request.stop)
+        tokens = list(self._run(request, stats, text))
+        text.finish()
+        return Generation(text.text, tokens, request.prompt_ids, stats)
 
-    def _decode(self, prompt: list[int], max_new_tokens: int, stats: Stats, sampling: Sampling) -> Iterator[int]:
-        self._check_request(prompt, max_new_tokens, stats.gamma)
-        sampling.check()
-        for engine in (self.target, self.draft):
-            engine.configure(sampling.temperature, sampling.top_k, sampling.top_p)
-        rng = np.random.default_rng(sampling.seed)
-        uniforms = (lambda n: self._uniforms(rng, n)) if sampling.temperature > 0 else (lambda n: None)
-        policy = self.policies[sampling.temperature > 0] if stats.gamma == AUTO else FixedGamma(stats.gamma)
-        max_len = self.max_seq_len
-        positions = self.manifest.gamma if stats.gamma == AUTO else stats.gamma
-        stats.prompt_tokens = len(prompt)
+    def stream(self, prompt: Prompt, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
+               seed=None, stop=None, stats: Stats | None = None) -> Iterator[int]:
+        """Yields generated token ids as the target accepts them (up to the one that completes a stop
+        string); pass a Stats to read measurements. The request is checked now, the slot taken at the
+        first token."""
+        request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
+        text = TextStream(self.tokenizer, request.stop) if request.stop else None
+        return self._run(request, Stats() if stats is None else stats, text)
+
+    def stream_text(self, prompt: Prompt, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
+                    seed=None, stop=None, stats: Stats | None = None) -> Iterator[str]:
+        """Yields text as it is decoded: the deltas join to exactly generate(...).text (a character split
+        across tokens, or text that may still become a stop string, waits for the tokens that settle it)."""
+        request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
+        return self._text(request, Stats() if stats is None else stats)
+
+    def _text(self, request: Request, stats: Stats) -> Iterator[str]:
+        text = TextStream(self.tokenizer, request.stop)
+        with closing(self._run(request, stats, text)) as tokens:
+            for _ in tokens:
+                if delta := text.take():
+                    yield delta
+        if rest := text.finish():
+            yield rest
+
+    def _run(self, request: Request, stats: Stats, text: TextStream | None) -> Iterator[int]:
+        with self.slots.take() as slot, closing(self._speculate(slot, request, stats)) as tokens:
+            for token in tokens:
+                if text is not None:
+                    text.push(token)
+                yield token
+                if text is not None and text.stopped:
+                    stats.finish_reason = "stop"
+                    return
+
+    def _speculate(self, slot: Slot, request: Request, stats: Stats) -> Iterator[int]:
+        """The speculative loop over one slot."""
+        sampling = request.sampling
+        slot.configure(sampling.temperature, sampling.top_k, sampling.top_p)
+        rng = sampling.generator()
+        uniforms = (lambda n: None) if sampling.greedy else (lambda n: self._uniforms(rng, n))
+        policy = self._policies[slot.index][not sampling.greedy] if request.gamma == AUTO else FixedGamma(request.gamma)
+        target, draft = slot.target, slot.draft
+        max_len, max_new_tokens = self.max_seq_len, request.max_new_tokens
+        positions = self.max_gamma if request.gamma == AUTO else request.gamma
+        ids = list(request.prompt_ids)
+        stats.prompt_tokens = len(ids)
         stats.accepted_at = [0] * positions
         stats.proposed_at = [0] * positions
-        q = np.zeros((positions, self.target.vocab_size), np.float32) if sampling.temperature > 0 else None
         clock = time.perf_counter
         start = clock()
-        ids = list(prompt)
         # Cache lengths: the target holds ids[:-1] after each round; the draft lags and catches up.
-        _, token = self.target.step(ids, total_len=len(ids), uniforms=uniforms(1))
+        _, token = target.step(ids, total_len=len(ids), uniforms=uniforms(1))
         new_tokens = [token]
         draft_len = 0
         # Auto mode, greedy: the token that last followed each token, for free guesses (see below).
-        follows = dict(zip(ids, ids[1:])) if stats.gamma == AUTO and sampling.temperature == 0 else None
+        follows = dict(zip(ids, ids[1:])) if request.gamma == AUTO and sampling.greedy else None
         while True:
             for token in new_tokens:
                 if follows is not None:
@@ -227,18 +274,17 @@ class SpeculativeDecoder:
             # it is catching up on the prompt or on rounds without drafts.
             caught_up = len(ids) - draft_len > 2
             t0 = clock()
-            drafts, draft_probs = self._draft(ids[draft_len:], len(ids), k, uniforms, q)
+            drafts = self._draft(draft, ids[draft_len:], len(ids), k, uniforms)
             if drafts:
                 draft_len = len(ids) + len(drafts) - 1
             k = len(drafts)
-            # A target call never computes one row alone (see Engine), so a round without drafts pays for
+            # A target call never computes one row alone (see slot.Rows), so a round without drafts pays for
             # two rows anyway: let the second check a free guess, the token that followed this one last time.
             guess = follows.get(ids[-1]) if follows is not None and not drafts and room > 0 else None
             proposed = drafts if guess is None else [guess]
             t1 = clock()
-            accepted, token = self.target.step([ids[-1], *proposed], total_len=len(ids) + len(proposed),
-                                               num_drafts=len(proposed), draft_probs=draft_probs,
-                                               uniforms=uniforms(len(proposed) + 1))
+            accepted, token = target.step([ids[-1], *proposed], total_len=len(ids) + len(proposed),
+                                          num_drafts=len(proposed), uniforms=uniforms(len(proposed) + 1))
             t2 = clock()
             draft_len = min(draft_len, len(ids) + accepted)
             new_tokens = [*proposed[:accepted], token]
@@ -254,28 +300,11 @@ class SpeculativeDecoder:
         """n uniforms in [0, 1): n-1 to judge drafts, the last to draw the next token."""
         return rng.random(n, dtype=np.float32)
 
-    def _draft(self, feed: list[int], total_len: int, k: int, uniforms, q: np.ndarray | None):
-        """Up to k draft tokens and, when sampling, their distributions q[:drafts] (q: [γ, target V],
-        zeros past the draft's vocabulary, reused every round)."""
+    def _draft(self, draft, feed: list[int], total_len: int, k: int, uniforms) -> list[int]:
+        """Up to k draft tokens; when sampling, the draft leaves their distributions in the slot's rows."""
         drafts = []
         for j in range(k):
-            _, token = self.draft.step(feed if j == 0 else [drafts[-1]], total_len=total_len + j, uniforms=uniforms(1))
-            if token >= self.target.vocab_size:  # a padding row of a larger draft table: the target has no such token
-                break
+            _, token = draft.step(feed if j == 0 else [drafts[-1]], total_len=total_len + j, uniforms=uniforms(1),
+                                  probs_row=j)
             drafts.append(token)
-            if q is not None:
-                q[j, :self._draft_width] = self.draft.probs[:self._draft_width]  # the engine reuses its buffer
-        return drafts, (None if q is None else q[: len(drafts)])
-
-    def _check_request(self, prompt: list[int], max_new_tokens: int, gamma: int | str) -> None:
-        if not prompt:
-            raise RequestError("the prompt is empty; give at least one token of text")
-        if len(prompt) > self.max_seq_len:
-            raise RequestError(
-                f"the prompt has {len(prompt)} tokens but this bundle's context is {self.max_seq_len}; shorten "
-                f"the prompt or recompile with --max-seq-len {len(prompt) + max_new_tokens}"
-            )
-        if max_new_tokens < 1:
-            raise RequestError("max_new_tokens must be at least 1")
-        if gamma != AUTO and not (isinstance(gamma, int) and gamma >= 0):
-            raise RequestError(f"gamma must be {AUTO!r} or a whole number >= 0 (0 = target only), not {gamma!r}")
+        return drafts

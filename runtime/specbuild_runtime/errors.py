@@ -6,8 +6,12 @@ class SpecbuildError(Exception):
 
 
 class BundleError(SpecbuildError):
-    """A bundle is missing, corrupted or from an incompatible format version."""
+    """A bundle is missing, corrupted, edited, or from an incompatible format version."""
 
 
 class RequestError(SpecbuildError):
     """A generation request cannot be served (e.g. the prompt does not fit the context)."""
+
+
+class DeviceError(SpecbuildError):
+    """The device asked for is unknown, or this onnxruntime cannot run on it."""

@@ -5,6 +5,9 @@ A bundle is a folder:
     target.onnx(.data)      target engine: greedy verification built in
     draft.onnx(.data)       draft engine: same I/O, fed num_drafts = 0
     tokenizer/              the tokenizer both models share (tokenizer.json + HF side files)
+    tensorrt-llm/, vllm/    compiled with --backend tensorrt-llm or all: TensorRT-LLM checkpoints and the
+                            plans to build, run and serve them (TensorRTLLMPart); no .onnx files with
+                            tensorrt-llm alone
 
 Engine I/O, format version 2 (both engines; this docstring is the written contract between the compiler
 and the runtime). S = tokens fed this call, D = num_drafts, V = the engine's vocabulary, F = the engine's
@@ -73,8 +76,23 @@ class EngineInfo:
 
 
 @dataclass
+class TensorRTLLMPart:
+    """What `specbuild compile --backend tensorrt-llm|all` adds (this runtime does not run it): TensorRT-LLM
+    checkpoints under tensorrt-llm/{target,draft}/ (config.json, rank{r}.safetensors) and the plans that
+    build, run and serve them, with the draft length measured for this pair."""
+
+    tp_size: int
+    checkpoints: dict[str, dict]  # role -> {"dir", "architecture", "dtype", "quant_algo", "vocab_size",
+    #   "parameters", "weight_bytes", "source", "ranks": [{"file", "attention_heads", "kv_heads",
+    #   "ffn_columns", "lm_head_rows"}]}: which source heads/columns/rows each rank holds
+    plans: dict[str, str]  # "build" | "run" | "llm_api" | "vllm" -> bundle-relative path
+    gamma: dict  # {"gamma", "alpha", "cost_ratio", "expected_speedup", "method", "weight_byte_ratio"}
+    engines: str | None = None  # where trtllm-build wrote the engines, when compile ran it
+
+
+@dataclass
 class Manifest:
-    engines: dict[str, EngineInfo]
+    engines: dict[str, EngineInfo]  # the ONNX engines; empty in a TensorRT-LLM-only bundle
     max_seq_len: int
     gamma: int  # the most drafts per round the runtime's adaptive mode uses
     eos_token_ids: list[int]
@@ -82,6 +100,7 @@ class Manifest:
     created_by: str = ""
     # how the compile went: {"seconds", "peak_rss_bytes", "stages": {stage: {"seconds", "peak_rss_bytes_so_far"}}}
     build: dict = field(default_factory=dict)
+    tensorrt_llm: TensorRTLLMPart | None = None
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
@@ -94,7 +113,17 @@ class Manifest:
             role: EngineInfo(**{**info, "shape": ModelShape(**info["shape"])})
             for role, info in data["engines"].items()
         }
-        return cls(**{**data, "engines": engines})
+        trtllm = data.get("tensorrt_llm") and TensorRTLLMPart(**data["tensorrt_llm"])
+        return cls(**{**data, "engines": engines, "tensorrt_llm": trtllm})
+
+
+def require_onnx_engines(root: Path, manifest: Manifest) -> None:
+    """This runtime runs the ONNX engines; a bundle compiled with --backend tensorrt-llm alone has none."""
+    if not manifest.engines:
+        plans = manifest.tensorrt_llm.plans if manifest.tensorrt_llm else {}
+        raise BundleError(f"{root} holds only a TensorRT-LLM export, which this runtime does not run: build and run it "
+                          f"with {root / plans.get('build', '')} and {root / plans.get('run', '')} (README, TensorRT-LLM), "
+                          "or compile with --backend onnx or all")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -114,8 +143,9 @@ def bundle_files(root: Path) -> dict[str, str]:
     }
 
 
-def load_manifest(root: str | Path, check_digests: bool = True) -> Manifest:
-    """Read and check a bundle's manifest; every failure is a one-line BundleError."""
+def load_manifest(root: str | Path, check_digests: bool = True, require_engines: bool = False) -> Manifest:
+    """Read and check a bundle's manifest; every failure is a one-line BundleError. require_engines: the
+    caller runs the ONNX engines (a TensorRT-LLM-only bundle is refused)."""
     root = Path(root)
     path = root / MANIFEST
     if not path.is_file():
@@ -135,6 +165,8 @@ def load_manifest(root: str | Path, check_digests: bool = True) -> Manifest:
         manifest = Manifest.from_dict(data)
     except (KeyError, TypeError) as exc:
         raise BundleError(f"{path} is incomplete ({exc}); rebuild the bundle with `specbuild compile`") from None
+    if require_engines:
+        require_onnx_engines(root, manifest)
     if check_digests:
         verify_digests(root, manifest)
     return manifest

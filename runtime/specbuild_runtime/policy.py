@@ -2,8 +2,8 @@
 
 With per-draft acceptance α, a round with γ drafts yields E(γ) = (1 - α^(γ+1)) / (1 - α) tokens
 (Leviathan et al. 2023) and costs γ draft steps plus one target call over γ+1 tokens, but never fewer
-than two: the target re-feeds the token before a lone one (see engine.Engine), so a round without drafts
-costs as much as a round with one. Measured in target calls without drafts that is
+than two: the target re-feeds the token before a lone one (see slot.Rows), so a round without drafts
+costs as much as a round with one (on a GPU every target call computes max γ + 1 rows, so κ should measure ~0). Measured in target calls without drafts that is
 1 + γ·c + max(γ-1, 0)·κ, where c = draft step / target step and κ is the extra cost of each further
 token in a target call. AdaptiveGamma picks the γ (0 = target only)
 with the most tokens per unit of cost. While it sits at 0 it still drafts one token now and then (a probe)
@@ -15,6 +15,8 @@ not pay: on the demo pair, where the draft agrees in patches, caps of 8, 16 and 
 """
 
 from __future__ import annotations
+
+import threading
 
 PROBE_EVERY = 8
 MAX_PROBE_EVERY = 32
@@ -28,6 +30,12 @@ SAMPLING_DECAY = 0.9
 # swung κ between 0 and 0.2 and pushed auto into target-only rounds it lost on (30-40% of rounds on the
 # demo pair, where auto then trailed fixed γ = 4 by 5-15%; with this slow one it beats it).
 COST_DECAY = 0.95
+# A call stretched by preemption on a shared machine once raised κ from 0.03 to 1.09 and c to 1.35 within
+# one request, after which auto never drafted again: its probes draft one token, which updates neither κ
+# (rounds of two drafts or more) nor c (a probe's draft call also catches up on missed tokens). So one
+# sample may pull an estimate at most as far as OUTLIER times the estimate (plus a floor, for estimates
+# near 0) would: a real change still shows within ~15 calls, one stray call moves it by a few per cent.
+OUTLIER = 3.0
 
 
 class FixedGamma:
@@ -42,16 +50,42 @@ class FixedGamma:
         pass
 
 
-class AdaptiveGamma:
-    """Keeps running estimates of α, c and κ across calls (a warm decoder starts from what it learned)."""
+class Costs:
+    """Running estimates of a round's costs, in units of a target call without drafts: c (a draft step)
+    and κ (each further token in a target call). They describe the machine, not the text, so one set is
+    shared by every slot of a decoder; a lock keeps concurrent requests' updates whole."""
 
-    def __init__(self, max_gamma: int, draft_cost: float, alpha_decay: float = GREEDY_DECAY):
-        self.max_gamma = max_gamma
-        self.alpha_decay = alpha_decay
-        self.successes, self.failures = 1.2, 0.8  # prior α = 0.6: try speculation first
+    def __init__(self, draft_cost: float):
+        self.lock = threading.Lock()
         self.draft_cost = draft_cost  # c, until measured: the engines' weight-byte ratio
         self.extra_token_cost = 0.05  # κ
         self.target_step: float | None = None  # seconds of a target call without drafts
+
+    def observe(self, drafted: int, draft_seconds: float, target_seconds: float, caught_up: bool) -> None:
+        with self.lock:
+            if drafted == 0:
+                self.target_step = _ema(self.target_step, target_seconds)
+                return
+            if self.target_step is None:
+                # No call without drafts seen yet: split the call's time with the current κ.
+                self.target_step = target_seconds / (1 + (drafted - 1) * self.extra_token_cost)
+            elif drafted > 1:
+                extra = (target_seconds / self.target_step - 1) / (drafted - 1)
+                self.extra_token_cost = _ema(self.extra_token_cost, max(extra, 0.0), floor=0.05)
+            if not caught_up:
+                self.draft_cost = _ema(self.draft_cost, draft_seconds / drafted / self.target_step, floor=0.05)
+
+
+class AdaptiveGamma:
+    """Keeps a running estimate of α across requests (a warm decoder starts from what it learned) and
+    reads the costs from `costs`. Its α and probing follow one stream of text: a decoder keeps one per
+    slot (and decoding mode), used by one request at a time, while the costs are shared."""
+
+    def __init__(self, max_gamma: int, draft_cost: float, alpha_decay: float = GREEDY_DECAY, costs: Costs | None = None):
+        self.max_gamma = max_gamma
+        self.alpha_decay = alpha_decay
+        self.costs = costs or Costs(draft_cost)
+        self.successes, self.failures = 1.2, 0.8  # prior α = 0.6: try speculation first
         self.rounds_at_zero = 0  # since speculation stopped or the last probe
         self.probe_every = PROBE_EVERY
         self.probing = False
@@ -60,13 +94,22 @@ class AdaptiveGamma:
     def alpha(self) -> float:
         return self.successes / (self.successes + self.failures)
 
+    @property
+    def draft_cost(self) -> float:
+        return self.costs.draft_cost
+
+    @property
+    def extra_token_cost(self) -> float:
+        return self.costs.extra_token_cost
+
     def expected_speedup(self, gamma: int) -> float:
         a = min(self.alpha, 0.999)
         tokens = (1 - a ** (gamma + 1)) / (1 - a)
         return tokens / (1 + gamma * self.draft_cost + max(gamma - 1, 0) * self.extra_token_cost)
 
     def choose(self, limit: int) -> int:
-        best = max(range(min(self.max_gamma, limit) + 1), key=self.expected_speedup)
+        with self.costs.lock:  # one consistent view of c and κ
+            best = max(range(min(self.max_gamma, limit) + 1), key=self.expected_speedup)
         if best > 0:
             self.rounds_at_zero, self.probe_every = 0, PROBE_EVERY
         elif limit > 0:
@@ -83,21 +126,15 @@ class AdaptiveGamma:
         if self.probing and not accepted:
             self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
         self.probing = False
-        if drafted == 0:
-            self.target_step = _ema(self.target_step, target_seconds, COST_DECAY)
-            return
-        # Drafts are accepted as a run: `accepted` successes, then one failure unless all were accepted.
-        self.successes = self.alpha_decay * self.successes + accepted
-        self.failures = self.alpha_decay * self.failures + (accepted < drafted)
-        if self.target_step is None:
-            # No call without drafts seen yet: split the call's time with the current κ.
-            self.target_step = target_seconds / (1 + (drafted - 1) * self.extra_token_cost)
-        elif drafted > 1:
-            extra = (target_seconds / self.target_step - 1) / (drafted - 1)
-            self.extra_token_cost = _ema(self.extra_token_cost, max(extra, 0.0), COST_DECAY)
-        if not caught_up:
-            self.draft_cost = _ema(self.draft_cost, draft_seconds / drafted / self.target_step, COST_DECAY)
+        if drafted:
+            # Drafts are accepted as a run: `accepted` successes, then one failure unless all were accepted.
+            self.successes = self.alpha_decay * self.successes + accepted
+            self.failures = self.alpha_decay * self.failures + (accepted < drafted)
+        self.costs.observe(drafted, draft_seconds, target_seconds, caught_up)
 
 
-def _ema(old: float | None, new: float, decay: float) -> float:
-    return new if old is None else decay * old + (1 - decay) * new
+def _ema(old: float | None, new: float, floor: float = 0.0) -> float:
+    """The slow cost average, a sample clipped to OUTLIER times the estimate (+ floor)."""
+    if old is None:
+        return new
+    return COST_DECAY * old + (1 - COST_DECAY) * min(new, OUTLIER * old + floor)

@@ -14,18 +14,44 @@ import numpy as np
 
 from specbuild_runtime import SpeculativeDecoder
 from specbuild_runtime.decode import AUTO, Stats
-from specbuild_runtime.engine import CACHE_TYPES
+from specbuild_runtime.engine import PROVIDERS, session_options
+from specbuild_runtime.errors import SpecbuildError
 
 
-def measure_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
-    """This machine's memory read bandwidth in GB/s: the ceiling for decoding a model larger than cache."""
+def measure_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 5) -> float:
+    """The memory bandwidth in GB/s that decoding a model larger than the caches is bound by. CPU: numpy
+    reading an array. CUDA: onnxruntime copying a device tensor with a one-node graph, the way the engines
+    see the GPU's memory (bytes read + written over time)."""
     data = np.ones(megabytes * 2**20 // 8, dtype=np.float64)
+    if device == "cpu":
+        run, moved = data.sum, data.nbytes
+    else:
+        run, moved = _device_copy(data, device), 2 * data.nbytes
+    run()  # warm-up: allocations, kernel loading
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        data.sum()
+        run()
         best = min(best, time.perf_counter() - start)
-    return data.nbytes / best / 1e9
+    return moved / best / 1e9
+
+
+def _device_copy(data: np.ndarray, device: str):
+    """A call that copies data's size on the device: an Identity graph, input and output bound there
+    (run_with_iobinding returns when the device is done)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    shape = list(data.shape)
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "copy",
+                              [helper.make_tensor_value_info("x", TensorProto.DOUBLE, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.DOUBLE, shape)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    session = ort.InferenceSession(model.SerializeToString(), session_options(), providers=[PROVIDERS[device]])
+    binding = session.io_binding()
+    binding.bind_ortvalue_input("x", ort.OrtValue.ortvalue_from_numpy(data, device, 0))
+    binding.bind_ortvalue_output("y", ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float64, device, 0))
+    return lambda: session.run_with_iobinding(binding)
 
 
 @dataclass
@@ -38,7 +64,6 @@ class ModeResult:
     gaps_ms: list[float] = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
-    rejected: int = 0
     rounds: int = 0
     accepted_at: np.ndarray | None = None
     proposed_at: np.ndarray | None = None
@@ -57,7 +82,6 @@ class ModeResult:
         self.gaps_ms.extend((1e3 * np.diff(times)).tolist())
         self.drafted += stats.drafted
         self.accepted += stats.accepted
-        self.rejected += stats.rejected
         self.rounds += stats.rounds
         self.draft_seconds += stats.draft_seconds
         self.draft_steps += stats.draft_steps
@@ -79,13 +103,6 @@ class ModeResult:
         """Tokens per target call after the prompt."""
         return self.tokens / self.rounds if self.rounds else 0.0
 
-    @property
-    def token_acceptance(self) -> float:
-        """Leviathan et al.'s α: the chance that a judged draft is accepted (drafts after a rejection
-        are never judged, so accepted/drafted understates it)."""
-        judged = self.accepted + self.rejected
-        return self.accepted / judged if judged else 0.0
-
     def to_dict(self) -> dict:
         per_position = (self.accepted_at / np.maximum(self.proposed_at, 1)).round(4).tolist() if self.drafted else []
         return {
@@ -96,7 +113,6 @@ class ModeResult:
             "itl_ms_p50": round(float(np.percentile(self.gaps_ms, 50)), 3) if self.gaps_ms else None,
             "itl_ms_p95": round(float(np.percentile(self.gaps_ms, 95)), 3) if self.gaps_ms else None,
             "acceptance_rate": round(self.alpha, 4),
-            "token_acceptance": round(self.token_acceptance, 4),
             "mean_accepted_tokens": round(self.tau, 4) if self.rounds else None,
             "per_position_acceptance": per_position,
             "draft_step_ms": round(1e3 * self.draft_seconds / self.draft_steps, 4) if self.draft_steps else None,
@@ -114,16 +130,18 @@ def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_toke
         decoder.generate(prompts[0], max_new_tokens, gamma)
     for seed, ids in enumerate(prompts):
         for result in results:
-            stats = Stats(gamma=result.gamma)
-            tokens = list(decoder.stream(ids, max_new_tokens, stats=stats, temperature=temperature, seed=seed))
+            stats = Stats()
+            tokens = list(decoder.stream(ids, max_new_tokens, result.gamma, temperature=temperature, seed=seed, stats=stats))
             result.add(stats, tokens)
     return results
 
 
-def theoretical_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
-    """Leviathan et al.: expected speed-up (1 − α^(γ+1)) / ((1 − α)(γc + 1))."""
-    alpha = min(alpha, 0.9999)
-    return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * cost_ratio + 1))
+def theoretical_speedup(tokens_per_call: float, gamma: int, cost_ratio: float) -> float:
+    """Leviathan et al.'s speed-up bound τ / (γc + 1): a round costs γ draft steps and one target step and
+    yields τ tokens. Their closed form puts (1 − α^(γ+1)) / (1 − α) for τ, which assumes every draft is
+    accepted independently with probability α; the measured τ needs no such assumption, nor a second
+    definition of α beside accepted / drafted."""
+    return tokens_per_call / (gamma * cost_ratio + 1)
 
 
 def context_latency(decoder: SpeculativeDecoder, short: int = 64, long: int = 1024, steps: int = 200) -> dict:
@@ -133,17 +151,18 @@ def context_latency(decoder: SpeculativeDecoder, short: int = 64, long: int = 10
     One prefill fills the cache to the long context; the two contexts then take turns call by call
     (total_len alone sets how much cache a call reads), so drift in the machine's speed hits both alike.
     """
-    engine = decoder.target
-    engine.configure(temperature=0.0)
     long = min(long, decoder.max_seq_len - 1)
     short = min(short, long)
-    engine.step([1] * long, total_len=long)
     times: dict[int, list[float]] = {short: [], long: []}
-    for _ in range(steps):
-        for ctx in (short, long):
-            start = time.perf_counter()
-            engine.step([1], total_len=ctx + 1)
-            times[ctx].append(time.perf_counter() - start)
+    with decoder.slots.take() as slot:
+        engine = slot.target
+        engine.configure(temperature=0.0)
+        engine.step([1] * long, total_len=long)
+        for _ in range(steps):
+            for ctx in (short, long):
+                start = time.perf_counter()
+                engine.step([1], total_len=ctx + 1)
+                times[ctx].append(time.perf_counter() - start)
     return {ctx: 1e3 * float(np.median(t)) for ctx, t in times.items()}
 
 
@@ -151,21 +170,24 @@ def predicted_context_growth(decoder: SpeculativeDecoder, short: int, long: int)
     """Per-token time ratio long/short if a step costs its bytes read: weights + the valid part of the cache."""
     info = decoder.manifest.engines["target"]
     s = info.shape
-    kv_bytes_per_position = 2 * s.num_layers * s.num_kv_heads * s.head_dim * np.dtype(CACHE_TYPES[info.precision]).itemsize
+    kv_bytes_per_position = 2 * s.num_layers * s.num_kv_heads * s.head_dim * (4 if info.precision == "fp32" else 2)
     return (info.weight_bytes + kv_bytes_per_position * long) / (info.weight_bytes + kv_bytes_per_position * short)
 
 
 def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[int], peers: list[str],
-          temperature: float = 0.0) -> dict:
+          temperature: float = 0.0, device: str = "cpu") -> dict:
     """Sampled runs (temperature > 0) differ token-wise between modes by design: `matches_target` then says
     nothing, and α/speed-up are the figures to read."""
-    decoder = SpeculativeDecoder(bundle, shared_thread_pool=True)
+    decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True)
     prompt_ids = [decoder.encode(p) for p in prompts]
-    bandwidth = measure_bandwidth()
+    bandwidth = measure_bandwidth(decoder.device)
     modes = run_ours(decoder, prompt_ids, max_new_tokens, [0, *gammas, AUTO], temperature)
     baseline = modes[0]
     for mode in modes:
         mode.matches_target = mode.outputs == baseline.outputs if temperature == 0 else None
+    if not baseline.rounds:
+        raise SpecbuildError("every prompt ended at its first token (EOS), so there is no decoding to measure; "
+                             "use other prompts")
     target_step = baseline.target_seconds / baseline.rounds
     rows = []
     for mode in modes:
@@ -174,7 +196,7 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
         if isinstance(mode.gamma, int) and mode.gamma > 0:
             c = (mode.draft_seconds / mode.draft_steps) / target_step
             row["cost_ratio_c"] = round(c, 4)
-            row["theoretical_speedup"] = round(theoretical_speedup(mode.token_acceptance, mode.gamma, c), 3)
+            row["theoretical_speedup"] = round(theoretical_speedup(mode.tau, mode.gamma, c), 3)
             row["efficiency"] = round(row["speedup"] / row["theoretical_speedup"], 3)
         rows.append(row)
     target_info = decoder.manifest.engines["target"]
@@ -185,7 +207,9 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
-        "machine_bandwidth_gbs": round(bandwidth, 2),
+        "device": decoder.device,
+        "machine_bandwidth_gbs": round(bandwidth, 2),  # cpu: numpy read; cuda: onnxruntime copy (read + write)
+        "target_call_ms": round(1e3 * target_step, 4),
         "target_weight_mb": round(target_info.weight_bytes / 1e6, 2),
         "draft_weight_mb": round(decoder.manifest.engines["draft"].weight_bytes / 1e6, 2),
         "target_bandwidth_gbs": round(achieved, 2),
@@ -219,8 +243,9 @@ def format_table(report: dict) -> str:
             f"{fmt('efficiency', '.2f'):>6}{fmt('ttft_ms', '.1f'):>9}{itl:>16}  {exact}"
         )
     lines.append(
-        f"target {report['target_weight_mb']} MB, draft {report['draft_weight_mb']} MB; target-only reads "
-        f"{report['target_bandwidth_gbs']} GB/s of this machine's {report['machine_bandwidth_gbs']} GB/s "
+        f"target {report['target_weight_mb']} MB, draft {report['draft_weight_mb']} MB; on {report['device']}, a "
+        f"target-only call takes {report['target_call_ms']:.3f} ms and reads the weights at "
+        f"{report['target_bandwidth_gbs']} GB/s of the measured {report['machine_bandwidth_gbs']} GB/s "
         f"({100 * report['target_bandwidth_fraction']:.0f}%)"
     )
     if "context_latency_ms" in report:

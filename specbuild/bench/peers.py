@@ -21,9 +21,7 @@ KNOWN = ("transformers", "onnxruntime-genai")
 
 
 def run_peers(peers: list[str], decoder, prompts: list[list[int]], max_new_tokens: int, gammas: list[int], baseline) -> list[dict]:
-    unknown = set(peers) - set(KNOWN)
-    if unknown:
-        raise SpecbuildError(f"unknown peers {sorted(unknown)}; known: {', '.join(KNOWN)}")
+    """peers: names from KNOWN (the CLI checks them)."""
     rows = []
     if "transformers" in peers:
         rows += _transformers(decoder, prompts, max_new_tokens, gammas)
@@ -55,34 +53,28 @@ def _timed_decode(generate, prompts, max_new_tokens):
 
 
 def _transformers(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
-    import torch
-    from transformers import AutoModelForCausalLM
+    from ..verify import load_reference, transformers_greedy
 
     engines = decoder.manifest.engines
-    load = lambda role: AutoModelForCausalLM.from_pretrained(  # noqa: E731
-        engines[role].source["path"], dtype=torch.float32, local_files_only=True
-    ).eval()
-    try:
-        target, draft = load("target"), load("draft")
-    except OSError as exc:
-        raise SpecbuildError(f"transformers peer needs the bundle's source checkpoints: {exc}") from None
+    target, draft = (load_reference(Path(engines[role].source["path"]), role) for role in ("target", "draft"))
     eos = sorted(decoder.eos_token_ids)
-
-    def generate(ids, n, **extra):
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            out = target.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
-                                  eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, **extra)
-        return out[0, len(ids):].tolist()
-
-    speed, outputs = _timed_decode(generate, prompts, max_new_tokens)
+    speed, outputs = _timed_decode(lambda ids, n: transformers_greedy(target, ids, n, eos), prompts, max_new_tokens)
     rows = [{"system": "transformers", "gamma": 0, "tokens_per_second": round(speed, 2), "outputs": outputs}]
-    draft.generation_config.num_assistant_tokens_schedule = "constant"
     for gamma in gammas:
-        draft.generation_config.num_assistant_tokens = gamma
-        speed, outputs = _timed_decode(lambda ids, n: generate(ids, n, assistant_model=draft), prompts, max_new_tokens)
+        fixed_gamma(draft, gamma)
+        speed, outputs = _timed_decode(lambda ids, n: transformers_greedy(target, ids, n, eos, assistant_model=draft),
+                                       prompts, max_new_tokens)
         rows.append({"system": "transformers assisted", "gamma": gamma, "tokens_per_second": round(speed, 2), "outputs": outputs})
     return rows
+
+
+def fixed_gamma(draft, gamma: int) -> None:
+    """Make transformers' assisted generation draft exactly gamma tokens a round, like the other rows:
+    a constant schedule, and no confidence threshold (transformers' default 0.4 stops drafting early)."""
+    config = draft.generation_config
+    config.num_assistant_tokens_schedule = "constant"
+    config.num_assistant_tokens = gamma
+    config.assistant_confidence_threshold = 0.0  # 0 turns it off; None would mean the default
 
 
 def _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
@@ -96,8 +88,11 @@ def _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         for role in ("target", "draft"):
+            source = Path(engines[role].source["path"])
+            if not list(source.glob("*.safetensors")):  # its builder would fall back to unpickling *.bin
+                raise SpecbuildError(f"{role} checkpoint {source} has no *.safetensors weights; specbuild never unpickles")
             built = subprocess.run(
-                [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", engines[role].source["path"],
+                [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source),
                  "-o", str(work / role), "-p", "fp32", "-e", "cpu"], capture_output=True, text=True)
             if built.returncode:
                 raise SpecbuildError(f"onnxruntime-genai's model builder failed on the {role}: {built.stderr.strip()[-300:]}")

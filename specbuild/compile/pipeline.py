@@ -4,22 +4,22 @@ check each engine with onnxruntime -> write the bundle."""
 
 from __future__ import annotations
 
-import contextlib
 import resource
-import shutil
 import time
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import onnxruntime as ort
 from tqdm import tqdm
 
+from specbuild_runtime.engine import session_options
 from specbuild_runtime.errors import SpecbuildError
 from specbuild_runtime.manifest import TOKENIZER_DIR, EngineInfo, Manifest
 
 from .. import __version__
+from ..staging import scratch_folder
 from ..recipe import DEFAULT_MAX_SEQ_LEN, CompileSettings
+from . import tensorrt_llm
 from .bundle import staged_bundle, write_manifest
 from .export import check_context, export_engine
 from .load import Checkpoint, eos_token_ids, load_checkpoint, validate_pair
@@ -35,7 +35,7 @@ def compile_bundle(settings: CompileSettings, show_progress: bool | None = None)
 
 
 STAGES = ("loading checkpoints", "writing engines", "measuring quantized engines", "checking each engine",
-          "writing the bundle")
+          "writing TensorRT-LLM checkpoints", "writing the bundle")
 
 
 def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool | None) -> Manifest:
@@ -46,19 +46,26 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
     max_seq_len = _max_seq_len(settings, target)
     check_context(target, "target", max_seq_len)
     check_context(draft, "draft", max_seq_len)
+    if settings.backend != "onnx":  # refused now rather than after the ONNX engines
+        tensorrt_llm.check_pair(settings, target, draft, max_seq_len)
     eos = eos_token_ids(target)  # read before the long stages: a malformed file fails here
     checkpoints: dict[str, Checkpoint] = {"target": target, "draft": draft}
     numerics = {role: Numerics(settings.precision, settings.quantization(role), settings.block_size,
                                DEFAULT_ACCURACY_LEVEL if settings.accuracy_level is None else settings.accuracy_level)
                 for role in checkpoints}
-    measured = settings.quality_report and any(n.quantization != "none" for n in numerics.values())
+    onnx = settings.backend != "tensorrt-llm"
+    measured = onnx and settings.quality_report and any(n.quantization != "none" for n in numerics.values())
     texts = quality_texts(target.tokenizer) if measured else None
 
-    with staged_bundle(settings.output, settings.overwrite) as folder, _scratch(folder) as scratch:
+    with staged_bundle(settings.output, settings.overwrite, settings.inputs()) as folder:
+        # Scratch (quality references, the TensorRT-LLM export's pieces) beside the staging folder, never in
+        # the system temp dir; staging removes it before publishing, and the next compile after a crash.
+        scratch = scratch_folder(folder)
+        scratch.mkdir()
         stages.start("writing engines")
         engines = {role: export_engine(ckpt, role, folder, max_seq_len, numerics[role],
                                        vocab_size=target.spec.shape.vocab_size, show_progress=show_progress)
-                   for role, ckpt in checkpoints.items()}
+                   for role, ckpt in checkpoints.items() if onnx}
 
         stages.start("measuring quantized engines")
         if texts:
@@ -68,10 +75,15 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
         for info in engines.values():
             check_engine(folder / info.file, info, max_seq_len)
 
+        trtllm = None
+        if settings.backend != "onnx":
+            stages.start("writing TensorRT-LLM checkpoints")
+            trtllm = tensorrt_llm.export_pair(settings, target, draft, folder, scratch, engines, max_seq_len)
+
         stages.start("writing the bundle")
         target.tokenizer.save_pretrained(folder / TOKENIZER_DIR)
         manifest = Manifest(engines=engines, max_seq_len=max_seq_len, gamma=settings.gamma, eos_token_ids=eos,
-                            files={}, created_by=f"specbuild {__version__}")
+                            files={}, created_by=f"specbuild {__version__}", tensorrt_llm=trtllm)
         manifest.build = stages.finish()  # all but the bundle's digests, which write_manifest takes next
         write_manifest(folder, manifest)
     return manifest
@@ -93,10 +105,9 @@ def check_engine(path: Path, info: EngineInfo, max_seq_len: int) -> None:
     """
     if info.precision == "bf16":
         return
-    options = ort.SessionOptions()
+    options = session_options()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.add_session_config_entry("session.disable_prepacking", "1")
-    options.log_severity_level = 3
     shape, vocab = info.shape, info.shape.vocab_size
     try:
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
@@ -123,22 +134,7 @@ def check_engine(path: Path, info: EngineInfo, max_seq_len: int) -> None:
 def _max_seq_len(settings: CompileSettings, target: Checkpoint) -> int:
     if settings.max_seq_len is None:
         return min(DEFAULT_MAX_SEQ_LEN, target.spec.max_position_embeddings)
-    if settings.max_seq_len < 2:
-        raise SpecbuildError(f"--max-seq-len {settings.max_seq_len} leaves no room to generate; give 2 tokens or more")
-    return settings.max_seq_len
-
-
-@contextlib.contextmanager
-def _scratch(staging: Path) -> Iterator[Path]:
-    """The compile's scratch folder, beside the staging folder (never the system temp dir, which may be
-    small or shared), gone before the bundle is published. A crash leaves it to the next compile, which
-    cleans it with the stale staging folder (bundle.staged_bundle)."""
-    scratch = Path(f"{staging}-scratch")
-    scratch.mkdir()
-    try:
-        yield scratch
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    return settings.max_seq_len  # at least 2: CompileSettings checks it
 
 
 class _Stages:

@@ -11,6 +11,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from specbuild_runtime.engine import Engine, can_run
+from specbuild_runtime.slot import AS_FED, NEVER_ALONE, EngineSlot
 from specbuild_runtime.manifest import EngineInfo
 
 from ..acceptance import rounds
@@ -183,15 +184,16 @@ def pair_acceptance(target_folder: Path, target: EngineInfo, draft_folder: Path,
     return accepted / drafted if drafted else 0.0
 
 
-def _engine(folder: Path, info: EngineInfo) -> tuple[Engine, int]:
-    """A runtime Engine over an engine file whose graph gains the fp32 `logits` [D+1, V] it decides on as
-    an output (built in memory; the weights are read from the folder), and its max_seq_len."""
+def _engine(folder: Path, info: EngineInfo) -> tuple[EngineSlot, int]:
+    """An engine file run as the runtime decodes with it (a target's rows never alone), its graph given
+    the fp32 `logits` [D+1, V] it decides on as an output (built in memory; the weights are read from
+    the folder; read after a step with .output(LOGITS)), and its max_seq_len."""
     path = folder / info.file
     model = onnx.load(str(path), load_external_data=False)
     max_seq_len = next(i for i in model.graph.input if i.name.startswith("past_key.")).type.tensor_type.shape.dim[2].dim_value
     model.graph.output.append(helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["D+1", info.shape.vocab_size]))
-    engine = Engine(path, info, max_seq_len, model_bytes=model.SerializeToString(), extra_outputs=(LOGITS,))
-    return engine, max_seq_len
+    engine = Engine(path, info, max_seq_len, graph=model.SerializeToString())
+    return EngineSlot(engine, NEVER_ALONE if info.role == "target" else AS_FED), max_seq_len
 
 
 def _nll(logits: np.ndarray, targets: list[int], rows: int = 64) -> list[float]:
@@ -205,13 +207,13 @@ def _nll(logits: np.ndarray, targets: list[int], rows: int = 64) -> list[float]:
     return out
 
 
-def _logits(engine: Engine, ids: list[int]) -> np.ndarray:
+def _logits(engine: EngineSlot, ids: list[int]) -> np.ndarray:
     """[S, V] fp32 logits at every position of ids, from an empty cache."""
     engine.step(ids, total_len=len(ids), num_drafts=len(ids) - 1)
     return engine.output(LOGITS)
 
 
-def _greedy(engine: Engine, prompt: list[int], count: int) -> tuple[list[int], float]:
+def _greedy(engine: EngineSlot, prompt: list[int], count: int) -> tuple[list[int], float]:
     """count greedy tokens after prompt, and the decode speed (tokens/s after the first token)."""
     tokens = [engine.step(prompt, total_len=len(prompt))[1]]
     first = time.perf_counter()

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -14,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from ..staging import staged_folder
 from ..texts import read_source
 
 EOS = "<|endoftext|>"
@@ -141,20 +140,9 @@ def save_checkpoint(model, tokenizer, out_dir: Path) -> None:
     out_dir = Path(out_dir)
     eos = tokenizer.eos_token_id
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=eos)
-    staging = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, safe_serialization=True)
-    tokenizer.save_pretrained(staging)
-    replace_dir(staging, out_dir)
-
-
-def replace_dir(staging: Path, out_dir: Path) -> None:
-    """Rename staging to out_dir; a reader sees the old folder or the new one, never half of one."""
-    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-    if out_dir.exists():
-        out_dir.rename(old)
-    staging.rename(out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    with staged_folder(out_dir) as staging:
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
 
 
 def llama(shape: dict, tokenizer, max_positions: int = 2048, seed: int = 0):

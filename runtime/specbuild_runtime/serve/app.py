@@ -1,0 +1,248 @@
+"""The HTTP routes (Starlette): OpenAI's completions, chat completions and models, plus health and metrics.
+
+A request is parsed (protocol.py), checked by the runtime's request validation, then handed to the
+scheduler, which decodes it in a worker thread. Every refusal is an OpenAI-shaped error: 400 for a bad
+body or value, 404 for another model, 429 when the queue is full, 503 while shutting down or when no
+slot freed up in time, 504 when decoding ran past the timeout, 500 for a bug (logged with its traceback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..errors import RequestError
+from ..manifest import TOKENIZER_DIR
+from . import protocol
+from .chat import load_chat_template
+from .metrics import Metrics
+from .protocol import CHAT, COMPLETIONS, ApiError, Reply, sse
+from .scheduler import Overloaded, Scheduler, Stopped, Unavailable
+
+log = logging.getLogger("specbuild.serve")
+RETRY_AFTER = {"Retry-After": "1"}  # seconds; a slot frees up within one request's decoding time
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str  # the name clients pass as "model"
+    max_queue: int = 64  # requests waiting for a slot before new ones get 429
+    timeout: float | None = 600.0  # seconds from arrival to the last token; None: no limit
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+
+
+class Server:
+    """The app's state: one decoder (its slots shared by all requests), the chat template, the scheduler."""
+
+    def __init__(self, decoder, settings: Settings):
+        self.decoder = decoder
+        self.settings = settings
+        self.chat_template = load_chat_template(decoder.root / TOKENIZER_DIR)
+        slots = decoder.slots.size
+        self.metrics = Metrics(slots)
+        self.scheduler = Scheduler(decoder, slots, settings.max_queue, settings.timeout, self.metrics)
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/models", self.models),
+                Route("/health", self.health),
+                Route("/metrics", self.metrics_page),
+            ],
+            exception_handlers={HTTPException: _http_error, Exception: _internal_error},
+            lifespan=self._lifespan,
+        )
+
+    def http_server(self, host: str, port: int, log_level: str = "info") -> Uvicorn:
+        """uvicorn serving this app until SIGTERM/SIGINT (or `should_exit`), then draining (see Uvicorn)."""
+        config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
+                                timeout_graceful_shutdown=self.settings.shutdown_timeout + 5)  # a backstop: drain cuts first
+        return Uvicorn(config, self.scheduler, self.settings.shutdown_timeout)
+
+    @asynccontextmanager
+    async def _lifespan(self, app):
+        yield
+        await self.scheduler.close()
+
+    async def completions(self, request: HttpRequest) -> Response:
+        return await self._generate(COMPLETIONS, request)
+
+    async def chat_completions(self, request: HttpRequest) -> Response:
+        return await self._generate(CHAT, request)
+
+    async def models(self, request: HttpRequest) -> Response:
+        model = {"id": self.settings.model, "object": "model", "created": 0, "owned_by": "specbuild",
+                 "max_model_len": self.decoder.max_seq_len}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def health(self, request: HttpRequest) -> Response:
+        if self.scheduler.draining:
+            return JSONResponse({"status": "shutting down"}, 503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_page(self, request: HttpRequest) -> Response:
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    async def _generate(self, endpoint: str, http: HttpRequest) -> Response:
+        try:
+            request = protocol.parse(endpoint, await http.body(), self.settings.model)
+            # Tokenizing (and rendering a chat) costs up to milliseconds: off the event loop.
+            kwargs = await asyncio.to_thread(self._decoding_arguments, request)
+            job = self.scheduler.submit(kwargs)
+        except (ApiError, RequestError, Overloaded, Unavailable) as exc:
+            return self._refuse(endpoint, exc)
+        reply = Reply(endpoint, self.settings.model)
+        if request.stream:
+            return EventStream(self._events(endpoint, job, reply, request.include_usage), media_type="text/event-stream")
+        try:
+            text = await self._collect(job, http)
+        except Stopped as stop:
+            return self._refuse(endpoint, stop, job.started)
+        except Exception as exc:
+            return self._refuse(endpoint, exc)
+        self.metrics.outcome(endpoint, "ok")
+        return JSONResponse(reply.whole(text, job.stats))
+
+    def _decoding_arguments(self, request: protocol.Request) -> dict:
+        """stream_text's arguments for a request, checked by the runtime's validation (a RequestError names what
+        is wrong) before the request may take a place in the queue."""
+        decoder = self.decoder
+        prompt = request.prompt
+        if request.endpoint == CHAT:
+            if self.chat_template is None:
+                raise ApiError(400, "this model's bundle has no chat template (its tokenizer has none): "
+                                    "use /v1/completions with a prompt", "messages")
+            # Special tokens come from the template's text, as transformers' apply_chat_template encodes it.
+            prompt = decoder.tokenizer.encode(self.chat_template.render(request.messages), add_special_tokens=False).ids
+        max_tokens = request.max_tokens
+        if max_tokens is None:  # until the context is full
+            max_tokens = decoder.max_seq_len
+        checked = decoder.request(prompt, max_tokens, **request.decoding)
+        s = checked.sampling
+        return dict(prompt=checked.prompt_ids, max_new_tokens=checked.max_new_tokens, gamma=checked.gamma,
+                    temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed, stop=checked.stop)
+
+    async def _collect(self, job, http: HttpRequest) -> str:
+        """The whole text of a job, stopping it if the client disconnects first."""
+        async def join() -> str:
+            return "".join([delta async for delta in job])
+
+        collecting = asyncio.ensure_future(join())
+        leaving = asyncio.ensure_future(_disconnected(http))
+        try:
+            await asyncio.wait({collecting, leaving}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this handler is cancelled
+            leaving.cancel()
+            if not collecting.done():
+                collecting.cancel()
+                self.scheduler.stop(job, "cancelled")
+        if not collecting.done():
+            raise Stopped("cancelled")
+        return collecting.result()
+
+    async def _events(self, endpoint: str, job, reply: Reply, include_usage: bool):
+        """The server-sent events of a streamed reply. If the client leaves, Starlette cancels this
+        generator (EventStream closes it), and `finally` stops the job: its slot is freed after at most one delta."""
+        outcome = "cancelled"
+        try:
+            if endpoint == CHAT:
+                yield sse(reply.chunk(first=True))
+            try:
+                async for delta in job:
+                    yield sse(reply.chunk(delta))
+                yield sse(reply.chunk(stats=job.stats))
+                if include_usage:
+                    yield sse(reply.usage_chunk(job.stats))
+                outcome = "ok"
+            except Stopped as stop:  # headers are sent: the error travels as an event, as vLLM sends it
+                outcome = stop.reason
+                yield sse(_stopped_error(stop, started=True).body())
+            except Exception as exc:
+                outcome = "error"
+                yield sse(_as_api_error(exc).body())
+            yield sse("[DONE]")
+        finally:
+            self.scheduler.stop(job, "cancelled")
+            self.metrics.outcome(endpoint, outcome)
+
+    def _refuse(self, endpoint: str, exc: Exception, started: bool = False) -> Response:
+        if isinstance(exc, Stopped):
+            error = _stopped_error(exc, started)
+            self.metrics.outcome(endpoint, exc.reason)
+        else:
+            error = _as_api_error(exc)
+            self.metrics.outcome(endpoint, OUTCOMES.get(error.status, "error"))
+        return JSONResponse(error.body(), error.status, headers=error.headers)
+
+
+OUTCOMES = {400: "invalid", 404: "invalid", 429: "rejected", 503: "shutdown"}
+
+
+def _as_api_error(exc: Exception) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RequestError):
+        return protocol.invalid(exc)
+    if isinstance(exc, Overloaded):
+        return ApiError(429, f"the server is busy ({exc}); retry shortly", headers=RETRY_AFTER)
+    if isinstance(exc, Unavailable):
+        return ApiError(503, str(exc), headers=RETRY_AFTER)
+    log.error("request failed", exc_info=exc)
+    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _stopped_error(stop: Stopped, started: bool) -> ApiError:
+    if stop.reason == "timeout" and started:
+        return ApiError(504, "decoding ran past the server's --timeout; ask for fewer tokens")
+    if stop.reason == "timeout":
+        return ApiError(503, "no decoding slot came free within the server's --timeout", headers=RETRY_AFTER)
+    if stop.reason == "shutdown":
+        return ApiError(503, "the server is shutting down", headers=RETRY_AFTER)
+    return ApiError(499, "the client closed the connection")  # nobody reads this one
+
+
+class Uvicorn(uvicorn.Server):
+    """uvicorn, which on SIGTERM stops accepting connections and waits for open ones, told to drain the
+    scheduler first: requests still decoding after the grace period are stopped and answered cleanly."""
+
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, grace: float):
+        super().__init__(config)
+        self.scheduler, self.grace = scheduler, grace
+
+    async def shutdown(self, sockets=None) -> None:
+        self.scheduler.drain(self.grace)
+        await super().shutdown(sockets)
+
+
+class EventStream(StreamingResponse):
+    """A streamed response whose body generator is closed as soon as the response ends, however it ends
+    (a client that disconnects cancels the response while the generator waits at a `yield`)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def _disconnected(http: HttpRequest) -> None:
+    """Returns when the client has gone (the body is read by now, so the next ASGI message is the disconnect)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _http_error(request: HttpRequest, exc: HTTPException) -> Response:
+    return JSONResponse(ApiError(exc.status_code, exc.detail).body(), exc.status_code)
+
+
+async def _internal_error(request: HttpRequest, exc: Exception) -> Response:
+    return JSONResponse(_as_api_error(exc).body(), 500)

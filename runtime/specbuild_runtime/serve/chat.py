@@ -1,0 +1,87 @@
+"""Chat messages to a prompt, with the chat template the bundle's tokenizer ships.
+
+Rendered as transformers' `apply_chat_template` renders it (its `_compile_jinja_template` and
+`render_jinja_template`): a sandboxed jinja2 environment with trim_blocks/lstrip_blocks and loop controls,
+the same helpers (`raise_exception`, `tojson`, `strftime_now`), the tokenizer's special tokens as
+variables, and `add_generation_prompt=True`. transformers itself is not imported: a server needs only
+the runtime. tests/test_serve.py checks the rendering against transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ..errors import BundleError, RequestError
+
+TEMPLATE_FILE = "chat_template.jinja"  # transformers >= 4.47 saves the template here
+CONFIG_FILE = "tokenizer_config.json"  # older checkpoints keep it under "chat_template"
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special_tokens: dict[str, str]):
+        self.source = source
+        self.special_tokens = special_tokens
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self.template = env.from_string(source)
+        except jinja2.TemplateError as exc:
+            raise BundleError(f"the bundle's chat template does not compile ({exc}); fix tokenizer/{TEMPLATE_FILE}") from None
+
+    def render(self, messages: list[dict]) -> str:
+        """The prompt for `messages` (OpenAI chat format, checked here), ending where the assistant speaks."""
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("'messages' must be a non-empty list of {'role': ..., 'content': ...} objects")
+        messages = [_message(m, i) for i, m in enumerate(messages)]
+        try:
+            return self.template.render(messages=messages, tools=None, documents=None, add_generation_prompt=True,
+                                        **self.special_tokens)
+        except jinja2.TemplateError as exc:  # the template's own raise_exception, e.g. roles must alternate
+            raise RequestError(f"the chat template rejected the messages: {exc}") from None
+
+
+def load_chat_template(tokenizer_dir: Path) -> ChatTemplate | None:
+    """The template of a bundle's tokenizer folder, or None when it has none."""
+    config = json.loads((tokenizer_dir / CONFIG_FILE).read_text()) if (tokenizer_dir / CONFIG_FILE).exists() else {}
+    source = (tokenizer_dir / TEMPLATE_FILE).read_text() if (tokenizer_dir / TEMPLATE_FILE).exists() else config.get("chat_template")
+    if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        source = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}.get("default")
+    if not isinstance(source, str) or not source:
+        return None
+    special = {name: _token_text(config[name]) for name in SPECIAL_TOKENS if config.get(name) is not None}
+    return ChatTemplate(source, special)
+
+
+def _message(message, index: int) -> dict:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise RequestError(f"messages[{index}] must be an object with a string 'role'")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: text only, joined as vLLM joins them
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise RequestError(f"messages[{index}].content: only text parts are supported ({{'type': 'text', 'text': ...}})")
+        content = "\n".join(p["text"] for p in content)
+    elif content is not None and not isinstance(content, str):
+        raise RequestError(f"messages[{index}].content must be a string or a list of text parts")
+    return {**message, "content": content}
+
+
+def _token_text(token) -> str:
+    return token["content"] if isinstance(token, dict) else str(token)  # AddedToken as saved, or a plain string
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers overrides jinja's tojson, which escapes HTML characters
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)

@@ -1,0 +1,61 @@
+"""The `serve` command (`specbuild serve`, or `specbuild-serve` where only the runtime is installed) and
+the server's process: load the bundle, run uvicorn, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from ..errors import SpecbuildError
+
+
+@click.command("serve")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port to listen on.")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True,
+              help="Where the engines run; auto picks CUDA when onnxruntime has it.")
+@click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Requests decoded at once (slots, each with its own KV cache); the engines are shared.")
+@click.option("--threads", type=click.IntRange(min=1),
+              help="onnxruntime threads per engine call.  [default: cores / --parallel, at least 1]")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Requests that may wait for a slot; more get 429 with Retry-After.")
+@click.option("--timeout", type=click.FloatRange(min=0), default=600.0, show_default=True,
+              help="Seconds a request may take from arrival to its last token (0 = no limit).")
+@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="On SIGTERM, seconds in-flight requests get to finish before they are cut.")
+@click.option("--model-name", help="The model name clients send and /v1/models lists.  [default: the bundle folder's name]")
+def serve_command(bundle, host, port, device, parallel, threads, max_queue, timeout, shutdown_timeout, model_name) -> None:
+    """Serve a bundle over the OpenAI HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+    from ..decode import SpeculativeDecoder
+    from ..engine import use_shared_thread_pool
+    try:
+        from .app import Server, Settings
+    except ImportError as exc:
+        raise click.ClickException(f"serving needs the serve extra ({exc}): pip install 'specbuild-runtime[serve]'") from None
+
+    # One pool for every session and slot, sized so that `parallel` calls at once fill the cores and no more:
+    # concurrent calls each running a pool of one thread per core fight over the cores (README, Serving).
+    use_shared_thread_pool(threads or max(1, len(os.sched_getaffinity(0)) // parallel))
+    decoder = SpeculativeDecoder(bundle, device=device, parallel=parallel, shared_thread_pool=True)
+    settings = Settings(model=model_name or Path(bundle).resolve().name, max_queue=max_queue,
+                        timeout=timeout or None, shutdown_timeout=shutdown_timeout)
+    server = Server(decoder, settings)
+    click.echo(f"serving {settings.model!r} from {bundle}: {parallel} slot(s), queue {max_queue}", err=True)
+    server.http_server(host, port).run()
+
+
+def main() -> None:
+    """`specbuild-serve`: the same command with the same one-line errors as `specbuild`."""
+    try:
+        serve_command.main(standalone_mode=False)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except SpecbuildError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)

@@ -1,0 +1,180 @@
+"""The OpenAI HTTP API's shapes: request bodies in, response bodies and stream chunks out.
+
+This module only maps names and shapes (OpenAI's `max_tokens` is the runtime's `max_new_tokens`, a `stop`
+string is a list of one, ...). Whether a value is acceptable (a temperature, a token id, a prompt that
+fits the context) is decided by the runtime's request validation, the one place for it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from ..decode import Stats
+
+COMPLETIONS, CHAT = "completions", "chat"
+DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: None}  # OpenAI's defaults; None: until the context is full
+
+# Fields each endpoint reads. "gamma" is specbuild's own: draft tokens per round, "auto" by default.
+DECODING = ("temperature", "top_p", "top_k", "seed", "stop", "gamma")
+FIELDS = {
+    COMPLETIONS: {"model", "prompt", "max_tokens", "stream", "stream_options", "n", *DECODING},
+    CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n", *DECODING},
+}
+IGNORED = {"user", "metadata", "store"}  # bookkeeping that does not change the output
+# OpenAI parameters this server does not implement: refused unless left at their neutral value, never ignored.
+UNSUPPORTED = {"logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "presence_penalty",
+               "frequency_penalty", "tools", "tool_choice", "functions", "function_call", "response_format",
+               "parallel_tool_calls", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options"}
+
+# The runtime's names for what the API calls otherwise, to name them back in error messages.
+RUNTIME_NAMES = {"max_new_tokens": "max_tokens"}
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "context": "length"}
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI answers them: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error", 500: "internal_error",
+             503: "service_unavailable", 504: "timeout"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"), "param": self.param,
+                          "code": self.status}}
+
+
+def invalid(exc: Exception) -> ApiError:
+    """A 400 for the runtime's RequestError, its parameter named as the API names it."""
+    message = str(exc)
+    for runtime_name, api_name in RUNTIME_NAMES.items():
+        if message.startswith(runtime_name):
+            message = api_name + message[len(runtime_name):]
+    param = next((name for name in (*DECODING, "max_tokens", "prompt") if message.startswith((name, f"the {name}"))), None)
+    return ApiError(400, message, param)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One OpenAI request as the server decodes it."""
+
+    endpoint: str  # COMPLETIONS or CHAT
+    prompt: str | list | None  # completions: text or token ids; chat: None (see messages)
+    messages: list | None  # chat: the conversation, rendered with the bundle's template
+    max_tokens: object  # checked by the runtime; None: until the context is full
+    decoding: dict  # temperature, top_p, top_k, seed, stop, gamma as the runtime names them
+    stream: bool
+    include_usage: bool
+
+
+def parse(endpoint: str, raw: bytes, model: str) -> Request:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for name, value in body.items():
+        if name in UNSUPPORTED and not _neutral(name, value):
+            raise ApiError(400, f"'{name}' is not supported by this server", name)
+        if name not in FIELDS[endpoint] | IGNORED | UNSUPPORTED:
+            raise ApiError(400, f"unrecognized request argument: '{name}'", name)
+    if body.get("model") not in (None, model):
+        raise ApiError(404, f"model {body['model']!r} is not served here; this server serves {model!r}", "model")
+    if body.get("n") not in (None, 1):
+        raise ApiError(400, "n must be 1: this server returns one choice per request", "n")
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict)):
+        raise ApiError(400, "stream_options is an object, allowed only with stream: true", "stream_options")
+    include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
+    decoding = {name: body[name] for name in DECODING if body.get(name) is not None}
+    if isinstance(decoding.get("stop"), str):
+        decoding["stop"] = [decoding["stop"]]
+    max_tokens = _first_given(body, *(["max_completion_tokens"] if endpoint == CHAT else []), "max_tokens")
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS[endpoint]
+    if endpoint == CHAT:
+        if "messages" not in body:
+            raise ApiError(400, "'messages' is required", "messages")
+        return Request(CHAT, None, body["messages"], max_tokens, decoding, stream, include_usage)
+    return Request(COMPLETIONS, _one_prompt(body), None, max_tokens, decoding, stream, include_usage)
+
+
+def _first_given(body: dict, *names: str):
+    return next((body[name] for name in names if body.get(name) is not None), None)
+
+
+def _neutral(name: str, value) -> bool:
+    """Whether an unsupported parameter is left as if absent (`"logprobs": null`, `"best_of": 1`, ...)."""
+    if type(value) in (int, float):
+        return value == (1 if name == "best_of" else 0)
+    return value in (None, False, "", [], {})
+
+
+def _one_prompt(body: dict):
+    """Text or token ids; a list holding one of those is the same prompt (one prompt per request)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt)):
+        raise ApiError(400, "prompt must be a string or a list of token ids, one prompt per request", "prompt")
+    return prompt
+
+
+def _flag(body: dict, name: str, param: str | None = None) -> bool:
+    value = body.get(name, False)
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(400, f"{param or name} must be true or false, not {value!r}", param or name)
+    return bool(value)
+
+
+class Reply:
+    """Builds the bodies of one request's response: a whole one, or stream chunks."""
+
+    def __init__(self, endpoint: str, model: str):
+        self.endpoint, self.model = endpoint, model
+        self.id = ("chatcmpl-" if endpoint == CHAT else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def whole(self, text: str, stats: Stats) -> dict:
+        finish = FINISH_REASONS[stats.finish_reason]
+        if self.endpoint == CHAT:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**self._head("chat.completion" if self.endpoint == CHAT else "text_completion"),
+                "choices": [choice], "usage": usage(stats)}
+
+    def chunk(self, text: str | None = None, stats: Stats | None = None, first: bool = False) -> dict:
+        """A delta of text; with `stats`, the closing chunk that carries the finish reason."""
+        finish = FINISH_REASONS[stats.finish_reason] if stats else None
+        if self.endpoint == CHAT:
+            delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, stats: Stats) -> dict:
+        """stream_options.include_usage: a last chunk with no choices and the usage."""
+        kind = "chat.completion.chunk" if self.endpoint == CHAT else "text_completion"
+        return {**self._head(kind), "choices": [], "usage": usage(stats)}
+
+    def _head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+
+def usage(stats: Stats) -> dict:
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+            "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+
+
+def sse(payload: dict | str) -> bytes:
+    """One server-sent event: `data: <json>` (or `data: [DONE]`) and a blank line."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n".encode()

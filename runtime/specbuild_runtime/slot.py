@@ -1,0 +1,284 @@
+"""A request's state: its KV caches, IO bindings and per-call buffers on each engine, taken from a pool.
+
+Everything a call reads or writes lives in buffers created once per slot, on the engine's device, and
+updated in place: the caches, token ids, sampling settings, the draft's distributions (written by the
+draft straight into the rows the target reads) and the verification outputs. Per call, only the new
+token ids and numbers go to the device and only `accepted` and `next_token` come back.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import onnxruntime as ort
+
+from .engine import Engine
+from .errors import RequestError
+
+MAX_REUSED_IDS = 64  # calls of up to this many tokens (drafting, verifying) reuse one buffer per length
+
+
+@dataclass(frozen=True)
+class Rows:
+    """How a target call's rows are grouped, so that a row's arithmetic never depends on how decoding
+    grouped tokens into calls, and speculative output equals target-only output by construction.
+
+    least: every call computes at least this many rows (all the cache has, early on): the rows before
+        the new tokens are re-fed from the tokens the cache already holds, rewriting the same positions.
+        A row computed in a call of fewer rows is re-fed by the next call too.
+    fixed: calls compute exactly `least` rows; a longer call (a prompt) is split so that its last part
+        does, so every row any decision reads was computed in a call of that size.
+    """
+
+    least: int
+    fixed: bool = False
+
+
+AS_FED = Rows(1)  # the draft: its rows only decide which drafts to propose, so it keeps its speed
+# The CPU: onnxruntime's CPU kernels (MatMul, MatMulNBits at every accuracy level) give a row bitwise the
+# same result in any call of two or more rows, but a different one (~1e-6, amplified to ~1e-2 by int8
+# compute) in a call of one. Measured exact (tests/test_quantize.py) and cheaper than fixed rows there.
+NEVER_ALONE = Rows(2)
+
+
+def fixed_rows(max_gamma: int) -> Rows:
+    """GPUs: libraries may pick different kernels for different row counts, so every target call computes
+    max γ + 1 rows, as many as the largest verification (exact but for prompts shorter than that, whose
+    first calls compute fewer rows)."""
+    return Rows(max_gamma + 1, fixed=True)
+
+
+class Buffer:
+    """A host array and the OrtValue an engine reads or writes. On the CPU they share memory; on a device
+    the OrtValue is a copy that push() updates in place and pull() reads back."""
+
+    def __init__(self, host: np.ndarray, device: str):
+        self.host, self.device = host, device
+        self.value = ort.OrtValue.ortvalue_from_numpy(host, device, 0)
+        self.shared = device == "cpu"
+
+    def push(self) -> None:
+        if not self.shared:
+            self.value.update_inplace(self.host)
+
+    def pull(self) -> np.ndarray:
+        if not self.shared:
+            self.host[...] = self.value.numpy()
+        return self.host
+
+
+class EngineSlot:
+    """One request's state on one engine: the KV cache (allocated once for max_seq_len; rolling back is
+    just feeding a smaller total_len), its IO binding and per-call buffers.
+
+    probs_rows: (draft) where its sampling distributions go, one row per draft step. draft_probs: (target)
+    those same rows, read when judging drafts. Not safe to use from two threads at once.
+    """
+
+    def __init__(self, engine: Engine, rows: Rows = AS_FED, probs_rows: Buffer | None = None,
+                 draft_probs: Buffer | None = None):
+        self.engine, self.rows = engine, rows
+        self.binding = engine.session.io_binding()
+        shape, device = engine.info.shape, engine.device
+        kv_shape = [1, shape.num_kv_heads, engine.max_seq_len, shape.head_dim]
+        # Past and present name the same buffer: GroupQueryAttention writes new positions in place.
+        self.cache = []
+        for past, present in engine.cache_names:
+            buffer = ort.OrtValue.ortvalue_from_shape_and_type(kv_shape, engine.element_type, device, 0)
+            self.binding.bind_ortvalue_input(past, buffer)
+            self.binding.bind_ortvalue_output(present, buffer)
+            self.cache.append(buffer)
+        # Per-call inputs are bound once and written in place: binding fresh arrays every call cost
+        # ~100 us on the CPU, a third of a draft step.
+        self._total_len = self._input("total_len", np.zeros((), np.int32))
+        self._seqlens_k = self._input("seqlens_k", np.zeros(1, np.int32))  # total_len - 1
+        self._num_drafts = self._input("num_drafts", np.zeros((), np.int64))
+        self._temperature = self._input("temperature", np.zeros((), np.float32))
+        self._top_k = self._input("top_k", np.zeros((), np.int64))
+        self._top_p = self._input("top_p", np.ones((), np.float32))
+        self._accepted = self._output("accepted", np.zeros((), np.int64))
+        self._next_token = self._output("next_token", np.zeros((), np.int64))
+        # On the CPU each buffer is its OrtValue's memory: nothing is copied per call.
+        self._copies = not all(b.shared for b in (self._total_len, self._seqlens_k, self._num_drafts,
+                                                   self._accepted, self._next_token))
+        self._ids: dict[int, Buffer] = {}  # tokens per call -> buffer
+        self._uniforms: dict[int, Buffer] = {}  # drafts + 1 -> buffer
+        self._bound = {"input_ids": 0, "uniforms": 0, "draft_probs": -1}  # the size each is bound at
+        # The sampled distribution ([V] when sampling, [0] when greedy): the target's is not read back;
+        # the draft's goes into row j of probs_rows at draft step j.
+        self._probs = {True: Buffer(np.zeros(engine.vocab_size, np.float32), device),
+                       False: Buffer(np.zeros(0, np.float32), device)}
+        self._probs_rows, self._draft_probs = probs_rows, draft_probs
+        self._no_drafts = Buffer(np.zeros((0, engine.vocab_size), np.float32), engine.input_devices["draft_probs"])
+        self._fed = [0] * engine.max_seq_len  # the token at each cache position, to re-feed (a list: cheaper per call)
+        self._redo_from = engine.max_seq_len  # the next call starts no later than this (see Rows)
+        self.configure(temperature=0.0)
+
+    def configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0) -> None:
+        """Greedy at temperature 0; otherwise sampling from softmax(logits/temperature) within top-k/top-p."""
+        self.sampling = temperature > 0
+        for buffer, value in ((self._temperature, temperature), (self._top_k, top_k), (self._top_p, top_p)):
+            buffer.host[()] = value
+            buffer.push()
+        self.binding.bind_ortvalue_output("probs", self._probs[self.sampling].value)
+        # Greedy calls read neither uniforms nor drafts' distributions: bind empty ones once.
+        self._bind_uniforms(1)
+        self.binding.bind_ortvalue_input("draft_probs", self._no_drafts.value)
+        self._bound["draft_probs"] = -1
+
+    def step(self, tokens: list[int], total_len: int, num_drafts: int = 0, uniforms: np.ndarray | None = None,
+             probs_row: int = 0) -> tuple[int, int]:
+        """Feed tokens at positions total_len-len(tokens)..total_len-1; the last num_drafts are drafts.
+
+        Greedy: returns (how many drafts equal this model's argmax, its argmax after them). Sampling:
+        uniforms [num_drafts+1] are the random numbers, the drafts' distributions are rows 0..num_drafts-1
+        of draft_probs; returns (accepted drafts, the token sampled after them), and a draft engine writes
+        the distribution it sampled from into row probs_row of probs_rows.
+        """
+        start = total_len - len(tokens)
+        least = self.rows.least
+        first = max(0, min(start, total_len - least, self._redo_from))
+        self._fed[start:total_len] = tokens
+        if self.rows.fixed and total_len - first > least:  # a prompt's head: no decision reads its rows' call
+            self._run(first, total_len - least, 0, None, probs_row)
+            first = total_len - least
+        self._redo_from = first if total_len - first < least else self.engine.max_seq_len
+        return self._run(first, total_len, num_drafts, uniforms, probs_row)
+
+    def output(self, name: str) -> np.ndarray:
+        """An output of the last call beyond the engine contract (Engine.extra_outputs), e.g. the logits of
+        a graph variant built to measure with."""
+        outputs = self.binding.get_outputs()
+        extra = self.engine.extra_outputs
+        return outputs[len(outputs) - len(extra) + extra.index(name)].numpy()
+
+    def _run(self, first: int, total_len: int, num_drafts: int, uniforms: np.ndarray | None, probs_row: int):
+        self._bind_ids(self._fed[first:total_len])
+        self._total_len.host[()] = total_len
+        self._seqlens_k.host[0] = total_len - 1
+        self._num_drafts.host[()] = num_drafts
+        if self._copies:
+            for buffer in (self._total_len, self._seqlens_k, self._num_drafts):
+                buffer.push()
+        if self.sampling:
+            self._bind_uniforms(num_drafts + 1, uniforms)
+            if self._draft_probs is not None:
+                self._bind_rows("draft_probs", self._draft_probs, num_drafts)
+            if self._probs_rows is not None:
+                self._bind_row("probs", self._probs_rows, probs_row)
+        for name in self.engine.extra_outputs:  # their shapes change with the call: onnxruntime allocates them
+            self.binding.bind_output(name, self.engine.device)
+        self.engine.session.run_with_iobinding(self.binding)
+        if self._copies:
+            self._accepted.pull()
+            self._next_token.pull()
+        return int(self._accepted.host), int(self._next_token.host)
+
+    def _input(self, name: str, host: np.ndarray) -> Buffer:
+        buffer = Buffer(host, self.engine.input_devices[name])
+        self.binding.bind_ortvalue_input(name, buffer.value)
+        return buffer
+
+    def _output(self, name: str, host: np.ndarray) -> Buffer:
+        buffer = Buffer(host, self.engine.device)
+        self.binding.bind_ortvalue_output(name, buffer.value)
+        return buffer
+
+    def _bind_ids(self, tokens: list[int]) -> None:
+        count = len(tokens)
+        if count > MAX_REUSED_IDS:  # a prompt: one call, a buffer of its own (kept while it is bound)
+            self._prompt = Buffer(np.array([tokens], np.int64), self.engine.input_devices["input_ids"])
+            self.binding.bind_ortvalue_input("input_ids", self._prompt.value)
+            self._bound["input_ids"] = 0
+            return
+        if count not in self._ids:
+            self._ids[count] = Buffer(np.zeros((1, count), np.int64), self.engine.input_devices["input_ids"])
+        buffer = self._ids[count]
+        buffer.host[0] = tokens
+        if self._copies:
+            buffer.push()
+        if self._bound["input_ids"] != count:
+            self.binding.bind_ortvalue_input("input_ids", buffer.value)
+            self._bound["input_ids"] = count
+
+    def _bind_uniforms(self, count: int, values: np.ndarray | None = None) -> None:
+        if count not in self._uniforms:
+            self._uniforms[count] = Buffer(np.zeros(count, np.float32), self.engine.input_devices["uniforms"])
+        buffer = self._uniforms[count]
+        if values is not None:
+            buffer.host[:] = values
+            buffer.push()
+        if self._bound["uniforms"] != count:
+            self.binding.bind_ortvalue_input("uniforms", buffer.value)
+            self._bound["uniforms"] = count
+
+    def _bind_rows(self, name: str, rows: Buffer, count: int) -> None:
+        """Bind input name to the first count rows of rows (a view: no copy, on any device)."""
+        if self._bound[name] != count:
+            width = rows.host.shape[1]
+            self.binding.bind_input(name, rows.device, 0, np.float32, [count, width], rows.value.data_ptr())
+            self._bound[name] = count
+
+    def _bind_row(self, name: str, rows: Buffer, row: int) -> None:
+        """Bind output name ([V] of this engine's vocabulary) to the start of row `row` of rows."""
+        row_bytes = rows.host.shape[1] * rows.host.itemsize
+        self.binding.bind_output(name, rows.device, 0, np.float32, [self.engine.vocab_size],
+                                 rows.value.data_ptr() + row * row_bytes)
+
+
+class Slot:
+    """What one in-flight request owns: its state on the target and the draft, and the rows in which the
+    draft leaves its distributions for the target to judge (sampling)."""
+
+    def __init__(self, index: int, target: Engine, draft: Engine, target_rows: Rows, max_gamma: int):
+        self.index = index
+        # Columns past the draft's vocabulary (when smaller than the target's) stay zero: q is a proper
+        # distribution over the target's vocabulary.
+        q = Buffer(np.zeros((max(max_gamma, 1), target.vocab_size), np.float32), target.input_devices["draft_probs"])
+        self.target = EngineSlot(target, target_rows, draft_probs=q)
+        self.draft = EngineSlot(draft, AS_FED, probs_rows=q)
+
+    def configure(self, temperature: float, top_k: int, top_p: float) -> None:
+        for engine in (self.target, self.draft):
+            engine.configure(temperature, top_k, top_p)
+
+
+class SlotPool:
+    """Hands out slots, one per running request; a request waits for a free one, unless its own thread
+    holds one already: then none may ever come free (that thread would have to finish it), so it fails."""
+
+    def __init__(self, slots: list[Slot]):
+        self.size = len(slots)
+        self._free = slots[::-1]  # pop() takes slot 0 first
+        self._owners: dict[int, int] = {}  # slot index -> thread ident
+        self._changed = threading.Condition()  # re-entrant: a generator closed by the GC may release inside take()
+
+    @property
+    def in_use(self) -> int:
+        return self.size - len(self._free)
+
+    @contextmanager
+    def take(self) -> Iterator[Slot]:
+        me = threading.get_ident()
+        with self._changed:
+            while not self._free:
+                if me in self._owners.values():
+                    raise RequestError(
+                        f"all {self.size} slots of this decoder are in use, one by an unfinished generate/stream in "
+                        "this same thread, which only this thread can finish: finish or close() it first, or create "
+                        f"the decoder with parallel > {self.size}"
+                    )
+                self._changed.wait()
+            slot = self._free.pop()
+            self._owners[slot.index] = me
+        try:
+            yield slot
+        finally:
+            with self._changed:
+                del self._owners[slot.index]
+                self._free.append(slot)
+                self._changed.notify()

@@ -1,0 +1,69 @@
+"""Token ids to text as they arrive: deltas that never split a character and never show a stop string.
+
+Written by hand rather than with tokenizers' DecodeStream, which cannot flush: text it holds back (a
+real U+FFFD at the end, read as an incomplete character) would never be sent.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+
+INCOMPLETE = "\ufffd"  # what the decoder shows for bytes that do not yet form a character
+
+
+class TextStream:
+    """Feed token ids with `push`; `take()` returns the text that is safe to send. The concatenation of
+    every `take()` and the final `finish()` is exactly `text`: the decoded tokens, cut before the
+    earliest stop string (as OpenAI's API cuts it). Text that could still become a stop string is held
+    back until it cannot."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self.text = ""
+        self.stopped = False  # a stop string was found: text ends before it, push() no longer adds
+        self._window = 0  # ids[_window:] are decoded together, so a character split across tokens decodes whole
+        self._read = 0  # ids[:_read] are in text
+        self._sent = 0  # characters of text taken
+
+    def push(self, token: int) -> None:
+        self.ids.append(token)
+        if not self.stopped:
+            self._decode(final=False)
+
+    def take(self) -> str:
+        """Text that is complete and cannot become part of a stop string."""
+        end = len(self.text) if self.stopped else len(self.text) - self._stop_prefix()
+        delta, self._sent = self.text[self._sent:end], max(self._sent, end)
+        return delta
+
+    def finish(self) -> str:
+        """The rest, once no token will follow (an incomplete character is sent as the decoder shows it)."""
+        if not self.stopped:
+            self._decode(final=True)
+            self.stopped = True
+        return self.take()
+
+    def _decode(self, final: bool) -> None:
+        before = self.tokenizer.decode(self.ids[self._window:self._read])
+        now = self.tokenizer.decode(self.ids[self._window:])
+        if len(now) <= len(before) or (now.endswith(INCOMPLETE) and not final):
+            return
+        searched = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+        self.text += now[len(before):]
+        self._window, self._read = self._read, len(self.ids)
+        cuts = [i for i in (self.text.find(s, searched) for s in self.stop) if i >= 0]
+        if cuts:
+            self.text = self.text[:min(cuts)]
+            self.stopped = True
+
+    def _stop_prefix(self) -> int:
+        """Length of the longest end of text that begins some stop string."""
+        longest = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest

@@ -1,0 +1,205 @@
+"""Validation at the boundary: every request, and every bundle's engines, are checked here before use.
+
+A value that is wrong is refused with a one-line RequestError or BundleError naming it; nothing is
+coerced silently (a float token id is not truncated, a negative one is not read from the end, NaN is
+not a temperature). The API, the CLI and the server all come through `check_request`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
+
+from .errors import BundleError, RequestError
+
+AUTO = "auto"
+MAX_STOP_STRINGS = 4  # as OpenAI's API
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
+Prompt = Union[str, Sequence[int], np.ndarray]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0 is greedy; a seed makes a sampled run reproducible (with a fixed γ)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self) -> np.random.Generator:
+        """numpy's generator for the seed. numpy takes seeds >= 0 only: a negative seed -s draws from
+        SeedSequence(s) with spawn key (1,), a stream of its own, so every integer is a distinct seed."""
+        if self.seed is None or self.seed >= 0:
+            return np.random.default_rng(self.seed)
+        return np.random.default_rng(np.random.SeedSequence(-self.seed, spawn_key=(1,)))
+
+
+@dataclass(frozen=True)
+class Request:
+    """What was asked, checked: the measurements of serving it go to a separate `Stats`."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    gamma: int | str  # a fixed γ, or "auto"
+    sampling: Sampling
+    stop: tuple[str, ...] = ()
+
+
+def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_size: int, max_seq_len: int,
+                  max_gamma: int, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
+                  seed=None, stop=None) -> Request:
+    """The request as plain checked values, or a RequestError naming the first value that is wrong."""
+    max_new_tokens = whole("max_new_tokens", max_new_tokens, low=1)
+    if gamma != AUTO:
+        if isinstance(gamma, str):
+            raise RequestError(f"gamma must be {AUTO!r} or a whole number from 0 to {max_gamma}, not {gamma!r}")
+        gamma = whole("gamma", gamma, low=0, high=max_gamma,
+                      hint=f" (this bundle's most drafts per round; 0 = target only, {AUTO!r} adapts)")
+    temperature = real("temperature", temperature)
+    if temperature < 0 or 0 < temperature < FLOAT32_TINY:  # logits / a subnormal temperature overflow to NaN
+        raise RequestError(f"temperature must be 0 (greedy) or from {FLOAT32_TINY:.3g} up, not {temperature}")
+    top_p = real("top_p", top_p)
+    if not 0 < top_p <= 1:
+        raise RequestError(f"top_p must be in (0, 1], not {top_p}")
+    # A top_k above the vocabulary keeps every token, as 0 does; capping it keeps it an int64.
+    top_k = min(whole("top_k", top_k, low=0, hint=" (0 = no limit)"), vocab_size)
+    seed = None if seed is None else whole("seed", seed)
+    prompt_ids = prompt_token_ids(prompt, encode, vocab_size)
+    if len(prompt_ids) > max_seq_len:
+        raise RequestError(
+            f"the prompt has {len(prompt_ids)} tokens but this bundle's context is {max_seq_len}; shorten "
+            f"the prompt or recompile with --max-seq-len {len(prompt_ids) + max_new_tokens}"
+        )
+    return Request(prompt_ids, max_new_tokens, gamma, Sampling(temperature, top_k, top_p, seed), stop_strings(stop))
+
+
+def prompt_token_ids(prompt: Prompt, encode: Callable[[str], list[int]], vocab_size: int) -> list[int]:
+    """Text (valid UTF-8) is encoded; a sequence of whole numbers in [0, vocab_size) is taken as token ids."""
+    if isinstance(prompt, str):
+        utf8("prompt", prompt)
+        ids = encode(prompt)
+    elif isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise RequestError("a prompt is text (str) or a list of token ids, not bytes: decode it first "
+                           "(prompt.decode('utf-8'))")
+    elif isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
+            raise RequestError(f"a NumPy prompt must be a 1-D array of integer token ids, not {prompt.ndim}-D "
+                               f"{prompt.dtype}")
+        ids = prompt.tolist()
+    elif isinstance(prompt, Sequence):
+        ids = list(prompt)
+        for index, token in enumerate(ids):
+            if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
+                raise RequestError(f"prompt token ids must be whole numbers; item {index} is {token!r} "
+                                   f"({type(token).__name__})")
+        ids = [int(token) for token in ids]
+    else:
+        raise RequestError(f"a prompt is text (str) or a list of token ids, not {type(prompt).__name__}")
+    if not ids:
+        raise RequestError("the prompt is empty; give at least one token of text")
+    bad = next((i for i, token in enumerate(ids) if not 0 <= token < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"prompt token id {ids[bad]} (item {bad}) is outside this bundle's vocabulary "
+                           f"[0, {vocab_size})")
+    return ids
+
+
+def stop_strings(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    strings = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) for s in strings):
+        raise RequestError(f"stop must be a string or a list of up to {MAX_STOP_STRINGS} strings, not {stop!r}")
+    if len(strings) > MAX_STOP_STRINGS:
+        raise RequestError(f"stop takes at most {MAX_STOP_STRINGS} strings, not {len(strings)}")
+    for s in strings:
+        if not s:
+            raise RequestError("a stop string must not be empty")
+        utf8("stop string", s)
+    return tuple(strings)
+
+
+def whole(name: str, value, low: int | None = None, high: int | None = None, hint: str = "") -> int:
+    """A Python or NumPy integer (not a bool, not a float that happens to be whole) within [low, high]."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise RequestError(f"{name} must be a whole number{hint}, not {value!r} ({type(value).__name__})")
+    value = int(value)
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"from {low} to {high}"
+        raise RequestError(f"{name} must be {bounds}{hint}, not {value}")
+    return value
+
+
+def real(name: str, value) -> float:
+    """A finite real number that float32 (the engines' type for it) can hold."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise RequestError(f"{name} must be a number, not {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        raise RequestError(f"{name} must be a finite number, not {value}")
+    return float(value)
+
+
+def utf8(name: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(f"{name} is not valid UTF-8: {exc.reason} at character {exc.start}") from None
+
+
+# The engine I/O contract (see manifest.py) beyond the KV buffers: name -> ONNX type.
+INPUTS = {"input_ids": "tensor(int64)", "seqlens_k": "tensor(int32)", "total_len": "tensor(int32)",
+          "num_drafts": "tensor(int64)",
+          "temperature": "tensor(float)", "top_k": "tensor(int64)", "top_p": "tensor(float)",
+          "draft_probs": "tensor(float)", "uniforms": "tensor(float)"}
+OUTPUTS = {"accepted": "tensor(int64)", "next_token": "tensor(int64)", "probs": "tensor(float)"}
+CACHE_TYPES = {"fp32": "tensor(float)", "fp16": "tensor(float16)", "bf16": "tensor(bfloat16)"}
+
+
+def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int) -> None:
+    """The manifest's description of an engine against the engine's own graph inputs/outputs
+    (name -> (ONNX type, shape)): an edited manifest fails here, at load, instead of inside a call."""
+    def fail(what: str) -> None:
+        raise BundleError(f"engine {path} does not match the bundle's manifest: {what}; the manifest was edited "
+                          "or the bundle is damaged: rebuild it with `specbuild compile`")
+
+    shape = info.shape
+    if info.precision not in CACHE_TYPES:
+        fail(f"precision {info.precision!r} is not one of {', '.join(CACHE_TYPES)}")
+    cache = [f"{kind}_{part}.{i}" for i in range(shape.num_layers) for part in ("key", "value")
+             for kind in ("past", "present")]
+    expected = {**INPUTS, **OUTPUTS, **{name: CACHE_TYPES[info.precision] for name in cache}}
+    found = {**inputs, **outputs}
+    for name, onnx_type in expected.items():
+        if name not in found:
+            fail(f"it has no {name!r} (the manifest says {shape.num_layers} layers)")
+        if found[name][0] != onnx_type:
+            fail(f"{name!r} is {found[name][0]}, the manifest's {info.precision} engine needs {onnx_type}")
+    extra_layers = [name for name in inputs if name.startswith("past_") and name not in expected]
+    if extra_layers:
+        fail(f"it has {extra_layers[0]!r} beyond the manifest's {shape.num_layers} layers")
+    kv = [1, shape.num_kv_heads, max_seq_len, shape.head_dim]
+    for name in cache:
+        if found[name][1] != kv:
+            fail(f"{name!r} has shape {found[name][1]}, the manifest says {kv} "
+                 "(1, kv heads, max-seq-len, head dim)")
+    width = inputs["draft_probs"][1][-1]
+    if width != shape.vocab_size:
+        fail(f"'draft_probs' has {width} columns, the manifest's vocabulary is {shape.vocab_size}")
+
+
+def check_vocabularies(target, draft) -> None:
+    """A draft proposes only tokens the target has: the compiler cuts a larger draft table to the
+    target's vocabulary (format 2), so a larger one means an edited or foreign bundle."""
+    if draft.vocab_size > target.vocab_size:
+        raise BundleError(f"the draft engine {draft.path} has a vocabulary of {draft.vocab_size}, larger than the "
+                          f"target's {target.vocab_size}; rebuild the bundle with `specbuild compile`")

@@ -1,0 +1,111 @@
+"""The draft length to recommend to engines that take a fixed one (TensorRT-LLM's max_draft_len,
+vLLM's num_speculative_tokens), from the pair's measured acceptance α and draft/target cost ratio c.
+
+With each draft accepted with probability α, a round of γ drafts yields (1 - α^(γ+1)) / (1 - α) tokens
+and costs γ draft steps plus one target call, so decoding runs
+
+    S(γ) = (1 - α^(γ+1)) / ((1 - α) (γ c + 1))
+
+times faster than the target alone (Leviathan et al. 2023, "Fast Inference from Transformers via
+Speculative Decoding", eq. 1 and Theorem 3.8). The recommended γ maximises S over 1..max_gamma.
+
+α is the share of positions where the draft's greedy token equals the target's along the target's own
+greedy continuation of the packaged code prompts: under the model above that share estimates α.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+from specbuild_runtime.engine import Engine
+from specbuild_runtime.slot import AS_FED, NEVER_ALONE, EngineSlot
+from specbuild_runtime.manifest import EngineInfo
+
+from ..texts import CODE_PROMPTS, read_prompts
+
+PROMPTS = 8
+NEW_TOKENS = 32
+# Measuring decodes NEW_TOKENS per prompt on the CPU: transformers (fp32) when both models together have
+# at most this many parameters (4 GB of weights), the ONNX engines when theirs weigh at most ENGINE_BYTES_LIMIT
+# (memory-bound: ~0.4 s a step at 22 GB/s, two minutes in all); larger pairs would take many minutes.
+TRANSFORMERS_PARAMETER_LIMIT = 1_000_000_000
+ENGINE_BYTES_LIMIT = 8 << 30
+
+
+def expected_speedup(alpha: float, cost_ratio: float, gamma: int) -> float:
+    tokens = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return tokens / (gamma * cost_ratio + 1)
+
+
+def recommend(alpha: float | None, cost_ratio: float, max_gamma: int, method: str) -> dict:
+    """The manifest's record: the γ maximising S, what S it expects and how α and c were measured.
+    Without a measured α the bundle's max γ stands (the record says so)."""
+    if alpha is None:
+        return {"gamma": max_gamma, "alpha": None, "cost_ratio": cost_ratio, "expected_speedup": None,
+                "method": method}
+    gamma = max(range(1, max_gamma + 1), key=lambda g: expected_speedup(alpha, cost_ratio, g))
+    return {"gamma": gamma, "alpha": round(alpha, 4), "cost_ratio": round(cost_ratio, 4),
+            "expected_speedup": round(expected_speedup(alpha, cost_ratio, gamma), 3), "method": method}
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    return [tokenizer(p)["input_ids"] for p in read_prompts(CODE_PROMPTS)[:PROMPTS]]
+
+
+def measure_with_engines(folder: Path, engines: dict[str, EngineInfo], prompt_ids: list[list[int]],
+                         max_seq_len: int) -> tuple[float, float] | None:
+    """(α, c) through the runtime's engines: the target decodes each prompt greedily, the draft follows
+    token by token; c is the median draft step over the median target step (CPU times, this machine).
+    None unless both are fp32 (quantized or not; onnxruntime's CPU provider casts fp16 weights to fp32 on
+    the way, holding many copies at once, see pipeline.run_once) and within ENGINE_BYTES_LIMIT."""
+    if (any(info.precision != "fp32" for info in engines.values())
+            or sum(info.weight_bytes for info in engines.values()) > ENGINE_BYTES_LIMIT):
+        return None
+    target = EngineSlot(Engine(folder / engines["target"].file, engines["target"], max_seq_len), NEVER_ALONE)
+    draft = EngineSlot(Engine(folder / engines["draft"].file, engines["draft"], max_seq_len), AS_FED)
+    draft_vocab = engines["draft"].shape.vocab_size
+    agree, target_steps, draft_steps = [], [], []
+    for prompt in prompt_ids:
+        budget = min(NEW_TOKENS, max_seq_len - len(prompt))
+        if budget < 2:
+            continue
+        token = target.step(prompt, total_len=len(prompt))[1]
+        guess = draft.step(prompt, total_len=len(prompt))[1]
+        for length in range(len(prompt) + 1, len(prompt) + budget):
+            agree.append(guess == token)
+            if token >= draft_vocab:  # one of the target's padding rows: the draft cannot read it
+                break
+            start = time.perf_counter()
+            next_token = target.step([token], total_len=length)[1]
+            middle = time.perf_counter()
+            guess = draft.step([token], total_len=length)[1]
+            draft_steps.append(time.perf_counter() - middle)
+            target_steps.append(middle - start)
+            token = next_token
+    if not agree:
+        return None
+    return sum(agree) / len(agree), statistics.median(draft_steps) / statistics.median(target_steps)
+
+
+def measure_with_transformers(target_path: Path, draft_path: Path, prompt_ids: list[list[int]],
+                              max_seq_len: int) -> float:
+    """α with transformers on CPU: the draft's argmax along the target's greedy continuation."""
+    import torch
+
+    from ..verify import load_reference, transformers_greedy
+
+    target, draft = load_reference(target_path), load_reference(draft_path)
+    agree = []
+    for prompt in prompt_ids:
+        budget = min(NEW_TOKENS, max_seq_len - len(prompt))
+        if budget < 2:
+            continue
+        tokens = transformers_greedy(target, prompt, budget, [])
+        # the draft reads the continuation up to the first of the target's padding rows it lacks
+        readable = next((i for i, t in enumerate(tokens) if t >= draft.config.vocab_size), len(tokens) - 1)
+        with torch.no_grad():
+            logits = draft(torch.tensor([prompt + tokens[:readable]])).logits[0, len(prompt) - 1:]
+        agree += (logits.argmax(-1) == torch.tensor(tokens[:readable + 1])).tolist()
+    return sum(agree) / len(agree)

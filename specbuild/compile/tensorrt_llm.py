@@ -1,0 +1,522 @@
+"""The TensorRT-LLM stage (--backend tensorrt-llm|all): the pair as TensorRT-LLM checkpoints, tensor-parallel
+ranks and all, and the plans that build, run and serve it with TensorRT-LLM, and with vLLM.
+
+TensorRT-LLM cannot be installed here, so nothing here imports it. What is written follows its sources
+(NVIDIA/TensorRT-LLM on GitHub; the files are named where each rule comes from), and
+tensorrt_llm_reference.py reads a written checkpoint back the way TensorRT-LLM's layers compute, which
+the tests check against transformers.
+
+The unified checkpoint (tensorrt_llm/models/modeling_utils.py: PretrainedConfig, PretrainedModel.
+from_checkpoint; docs/source/architecture/checkpoint.md) is a folder with config.json and one
+rank{r}.safetensors per tensor-parallel rank; linear weights are [out_features, in_features] of the rank.
+Tensor parallelism splits as the converters do (models/llama/convert.py, models/qwen/convert.py,
+models/gpt/convert.py, all with models/convert_utils.py's split = torch.chunk):
+  - column-parallel layers (attention.qkv, mlp.fc, mlp.gate, lm_head) split their output rows; the fused
+    attention.qkv of rank r is the concatenation of that rank's q, k and v rows, and when there are fewer
+    KV heads than ranks each KV head is first repeated tp/kv times (convert_utils.dup_kv_weight);
+  - row-parallel layers (attention.dense, mlp.proj) split their input columns; each rank's partial sum is
+    all-reduced and the bias, kept whole on every rank, added once after (layers/linear.py RowLinear);
+  - norms and the embedding table are whole on every rank (use_parallel_embedding false); lm_head is
+    zero-padded to a multiple of tp rows (_utils.pad_vocab_size) and split, its outputs gathered.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import ml_dtypes
+import numpy as np
+
+from specbuild_runtime.manifest import TOKENIZER_DIR, EngineInfo, TensorRTLLMPart
+
+from ..errors import ExternalToolError, UnsupportedModelError
+from ..recipe import CompileSettings
+from . import gamma as gamma_stage
+from .load import Checkpoint
+
+FOLDER = "tensorrt-llm"
+VLLM_PLAN = "vllm/serve.sh"
+DTYPES = {"fp32": ("float32", np.float32), "fp16": ("float16", np.float16), "bf16": ("bfloat16", ml_dtypes.bfloat16)}
+# Weight-only quantization is left to trtllm-build: with quant_algo set, PretrainedModel.from_checkpoint's
+# preprocess_weights quantizes every float weight whose name has one of these parts per output channel
+# (models/convert_utils.py weight_only_quantize_dict); lm_head and the embeddings stay in the float type.
+QUANT_ALGOS = {"none": None, "int8": "W8A16", "int4": "W4A16"}
+QUANTIZED_WEIGHTS = ("qkv.weight", "dense.weight", "fc.weight", "proj.weight", "gate.weight")
+# Families the ONNX path builds that this export does not, and why.
+NOT_EXPORTED = {
+    "Gemma2ForCausalLM": "TensorRT-LLM's Gemma converter rewrites norms and embeddings and needs per-layer "
+                         "attention windows at build time, which this export does not produce yet",
+    "Gemma3ForCausalLM": "TensorRT-LLM's Gemma converter rewrites norms and embeddings and needs per-layer "
+                         "attention windows and local rotary bases, which this export does not produce yet",
+    "Phi3ForCausalLM": "TensorRT-LLM's Phi-3 model splits fused qkv_proj/gate_up_proj weights in its own "
+                       "layout, which this export does not produce yet",
+}
+# HF architecture -> the qwen_type TensorRT-LLM's QWen model needs (models/qwen/config.py), or None.
+FAMILIES = {"LlamaForCausalLM": None, "MistralForCausalLM": None, "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3", "GPT2LMHeadModel": None}
+
+REPLICATE, COLUMN, ROW, QKV, VOCAB = "replicate", "column", "row", "qkv", "vocab"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What splitting one model over tp ranks needs to know."""
+
+    tp: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int  # rows of the exported tables: the target's vocabulary, for the draft as well
+
+    @property
+    def padded_vocab(self) -> int:
+        return math.ceil(self.vocab / self.tp) * self.tp
+
+    def ranks(self) -> list[dict]:
+        """Which source rows each rank holds (the manifest's record of the mapping)."""
+        tp, heads, kv = self.tp, self.heads // self.tp, max(self.kv_heads // self.tp, 1)
+        ffn, vocab = self.intermediate // tp, self.padded_vocab // tp
+        repeat = max(tp // self.kv_heads, 1)  # ranks sharing one (duplicated) KV head
+        return [{
+            "file": f"rank{r}.safetensors",
+            "attention_heads": [r * heads, (r + 1) * heads],
+            "kv_heads": [(r * kv + j) // repeat for j in range(kv)],
+            "ffn_columns": [r * ffn, (r + 1) * ffn],
+            "lm_head_rows": [r * vocab, (r + 1) * vocab],
+        } for r in range(tp)]
+
+
+@dataclass
+class Out:
+    """One tensor of every rank file: its name, how it splits and its source value (q, k, v for QKV)."""
+
+    name: str
+    split: str
+    value: np.ndarray | tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def check_exportable(ckpt: Checkpoint, role: str, tp: int, max_seq_len: int) -> None:
+    """Refuse before anything is written: a family TensorRT-LLM does not get from here, a split it cannot
+    make, or attention it would compute differently."""
+    architecture = ckpt.spec.architecture
+    if architecture in NOT_EXPORTED:
+        raise UnsupportedModelError(f"{role} checkpoint {ckpt.path} is a {architecture}, which --backend "
+                                    f"tensorrt-llm does not export: {NOT_EXPORTED[architecture]}; use --backend onnx")
+    if architecture not in FAMILIES:
+        raise UnsupportedModelError(f"{role} checkpoint {ckpt.path} is a {architecture}; --backend tensorrt-llm "
+                                    f"exports {', '.join(sorted(FAMILIES))}")
+    shape = ckpt.spec.shape
+    heads, kv, ffn = shape.num_heads, shape.num_kv_heads, ckpt.spec.intermediate_size
+    problem = None
+    if heads % tp:
+        problem = f"{heads} attention heads"
+    elif (kv < tp and tp % kv) or (kv >= tp and kv % tp):  # convert_utils.dup_kv_weight / split
+        problem = f"{kv} key/value heads (TensorRT-LLM repeats them only when they divide tp)"
+    elif ffn % tp:
+        problem = f"an MLP of {ffn} columns"
+    if problem:
+        raise UnsupportedModelError(f"--tp {tp}: the {role} ({ckpt.path}) has {problem}, which TensorRT-LLM cannot "
+                                    f"split over {tp} ranks; choose a --tp that divides it")
+    if architecture == "Qwen3ForCausalLM":
+        if ckpt.spec.attention_bias:
+            raise UnsupportedModelError(f"{role} checkpoint {ckpt.path}: a Qwen3 with attention biases; TensorRT-LLM's "
+                                        "QWen model builds Qwen3 without them (models/qwen/config.py)")
+        if heads // tp == max(kv // tp, 1) > 1:
+            # layers/attention.py, Attention.forward with qk_layernorm: when a rank has as many query as
+            # KV heads it reads the fused qkv as per-head (q, k, v) triples, the interleaved layout of
+            # models whose converters write it so; the QWen converter writes [q; k; v] as for GQA.
+            raise UnsupportedModelError(f"--tp {tp}: the {role} ({ckpt.path}) would have {heads // tp} query and key/value "
+                                        "heads per rank, where TensorRT-LLM's q/k-normalised attention reads the fused "
+                                        "qkv in another layout than its Qwen converter writes; choose a --tp that "
+                                        "leaves fewer key/value than query heads per rank")
+    # functional.py ACT2FN: every GELU is the tanh approximation; the gated families' converters pass silu.
+    activations = ("gelu_new", "gelu_pytorch_tanh") if ckpt.spec.family == "gpt2" else ("silu",)
+    if ckpt.spec.hidden_act not in activations:
+        raise UnsupportedModelError(f"{role} checkpoint {ckpt.path}: activation {ckpt.spec.hidden_act!r}; --backend "
+                                    f"tensorrt-llm exports {architecture} with {' or '.join(activations)}")
+    window = min((w for w in ckpt.spec.sliding_windows if w), default=None)
+    if window and window < max_seq_len:
+        # TensorRT-LLM takes sliding windows at run time (max_attention_window_size), not from the checkpoint
+        raise UnsupportedModelError(f"--max-seq-len {max_seq_len} exceeds the {role}'s sliding window ({window}), which "
+                                    "the TensorRT-LLM export does not carry over; use --max-seq-len "
+                                    f"{window} or less for the TensorRT-LLM export")
+    rotary(ckpt)  # refuses a rope scaling TensorRT-LLM would compute differently
+
+
+def rotary(ckpt: Checkpoint) -> tuple[float, dict | None]:
+    """(rotary_base, rotary_scaling) for config.json. TensorRT-LLM's converters read rope_theta, defaulting
+    to 10000 (models/llama/config.py; the Qwen one to 100000), and transformers 5 keeps it inside
+    rope_parameters: the base is always written. The scalings TensorRT-LLM computes as transformers does
+    (functional.py RopeEmbeddingUtils.create_sinusoidal_positions_for_attention_plugin) are linear and
+    llama3; its "dynamic" is another method than transformers' NTK one."""
+    config = ckpt.config
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    base = params.pop("rope_theta", None) or getattr(config, "rope_theta", None) or 10000.0
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    if kind == "default" or ckpt.spec.family == "gpt2":
+        return float(base), None
+    if kind not in ("linear", "llama3"):
+        raise UnsupportedModelError(f"{ckpt.path}: rope scaling {kind!r}; --backend tensorrt-llm exports linear and "
+                                    "llama3 scaling")
+    return float(base), {"type": kind, **params}
+
+
+def check_pair(settings: CompileSettings, target: Checkpoint, draft: Checkpoint, max_seq_len: int) -> None:
+    """Refuse what cannot be exported before any engine is built."""
+    for role, ckpt in (("target", target), ("draft", draft)):
+        check_exportable(ckpt, role, settings.tp, max_seq_len)
+        if settings.quantization(role) != "none" and settings.precision == "fp32":
+            raise UnsupportedModelError(f"--quantize {settings.quantization(role)} with --backend {settings.backend} needs "
+                                        "--precision fp16 or bf16: TensorRT-LLM's weight-only kernels take 16-bit "
+                                        "activations")
+
+
+def export_pair(settings: CompileSettings, target: Checkpoint, draft: Checkpoint, folder: Path, scratch: Path,
+                engines: dict[str, EngineInfo], max_seq_len: int) -> TensorRTLLMPart:
+    """Writes tensorrt-llm/{target,draft}/ and the plans into the bundle being built, and runs trtllm-build
+    when it is on PATH. engines: the ONNX engines built beside (they measure γ), or none."""
+    check_pair(settings, target, draft, max_seq_len)
+    vocab, tp = target.spec.shape.vocab_size, settings.tp
+    checkpoints = {}
+    for role, ckpt in (("target", target), ("draft", draft)):
+        checkpoints[role] = write_checkpoint(ckpt, folder / FOLDER / role, scratch, tp, vocab, settings.precision,
+                                             settings.quantization(role))
+        # the ONNX engine hashed the same source already
+        checkpoints[role]["source"] = engines[role].source if role in engines else source(ckpt)
+    recommended = measure_gamma(folder, engines, target, draft, checkpoints, max_seq_len, settings.gamma)
+    plans = write_plans(folder, recommended["gamma"], tp, max_seq_len, settings.precision, target, draft)
+    built = run_build(folder / plans["build"]) if shutil.which("trtllm-build") else None
+    return TensorRTLLMPart(tp_size=tp, checkpoints=checkpoints, plans=plans, gamma=recommended, engines=built)
+
+
+def write_checkpoint(ckpt: Checkpoint, out: Path, scratch: Path, tp: int, vocab: int, precision: str,
+                     quantization: str) -> dict:
+    """config.json and rank{r}.safetensors in `out`, reading the source one tensor at a time."""
+    spec, shape = ckpt.spec, ckpt.spec.shape
+    layout = Layout(tp, shape.num_heads, shape.num_kv_heads, shape.head_dim, spec.intermediate_size, vocab)
+    dtype_name, dtype = DTYPES[precision]
+    config = trtllm_config(ckpt, layout, dtype_name, QUANT_ALGOS[quantization])
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    files = [RankFile(out / f"rank{r}.safetensors", scratch / f"{out.name}-rank{r}.data") for r in range(tp)]
+    names = set(ckpt.tensor_names())
+    parameters, step_bytes = 0, 0.0
+    for tensor in gpt2_tensors(ckpt, names) if spec.family == "gpt2" else llama_tensors(ckpt, names):
+        parameters += sum(x.size for x in tensor.value) if tensor.split == QKV else tensor.value.size
+        quantized = QUANT_ALGOS[quantization] and tensor.name.endswith(QUANTIZED_WEIGHTS)
+        for file, part in zip(files, shard(tensor, layout, dtype)):
+            file.add(tensor.name, part)
+            if not tensor.name.endswith("embedding.weight"):  # a step reads one row of these
+                step_bytes += part.size * ({"int8": 1, "int4": 0.5}[quantization] if quantized else part.itemsize)
+    for file in files:
+        file.close()
+    return {
+        "dir": f"{FOLDER}/{out.name}",
+        "architecture": config["architecture"],
+        "dtype": dtype_name,
+        "quant_algo": config["quantization"]["quant_algo"],
+        "vocab_size": vocab,
+        "source_vocab_size": shape.vocab_size,
+        "lm_head_rows": layout.padded_vocab,
+        "parameters": int(parameters),
+        # what a decoding step reads over all ranks once trtllm-build has quantized: the cost ratio
+        # the plans use when no engine was timed
+        "weight_bytes": int(step_bytes),
+        "ranks": [{**rank, "file": f"{FOLDER}/{out.name}/{rank['file']}"} for rank in layout.ranks()],
+    }
+
+
+def source(ckpt: Checkpoint) -> dict:
+    return {"path": str(ckpt.path.resolve()), "sha256": ckpt.digest()}
+
+
+def trtllm_config(ckpt: Checkpoint, layout: Layout, dtype: str, quant_algo: str | None) -> dict:
+    spec, shape = ckpt.spec, ckpt.spec.shape
+    config = {
+        "architecture": spec.architecture,  # models/__init__.py MODEL_MAP keys on the HF name
+        "dtype": dtype,
+        "logits_dtype": "float32",
+        "vocab_size": layout.vocab,
+        "hidden_size": shape.hidden_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_size": shape.head_dim,
+        "intermediate_size": spec.intermediate_size,
+        "norm_epsilon": spec.norm_eps,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "mapping": {"world_size": layout.tp, "tp_size": layout.tp, "pp_size": 1},
+        "quantization": {"quant_algo": quant_algo, "kv_cache_quant_algo": None},
+        "use_parallel_embedding": False,
+        "embedding_sharding_dim": 0,
+    }
+    if spec.family == "gpt2":  # models/gpt/config.py GPTConfig.from_hugging_face
+        return {**config, "gpt_variant": "gpt2", "hidden_act": "gelu_new", "position_embedding_type": "learned_absolute",
+                "bias": True, "q_scaling": 1.0, "apply_query_key_layer_scaling": False, "rotary_pct": 1.0,
+                "qk_layernorm": False, "inner_layernorm": False, "norm_before_bmm1": False}
+    base, scaling = rotary(ckpt)
+    config = {**config, "hidden_act": spec.hidden_act, "position_embedding_type": "rope_gpt_neox",
+              "rotary_base": base, "rotary_scaling": scaling, "mlp_bias": spec.mlp_bias,
+              "tie_word_embeddings": spec.tie_word_embeddings}  # lm_head.weight is written regardless
+    qwen_type = FAMILIES[spec.architecture]
+    if qwen_type:  # models/qwen/config.py QWenConfig: qwen_type is required, qwen3 has no attention bias
+        return {**config, "qwen_type": qwen_type, "attn_bias": qwen_type == "qwen2", "use_logn_attn": False,
+                "seq_length": 8192}
+    return {**config, "attn_bias": spec.attention_bias}  # models/llama/config.py LLaMAConfig
+
+
+def llama_tensors(ckpt: Checkpoint, names: set[str]) -> Iterator[Out]:
+    """Llama, Mistral, Qwen2, Qwen3 (models/llama/convert.py get_prefix_and_param_name_map, models/qwen/
+    convert.py). TensorRT-LLM's GatedMLP computes proj(act(fc(x)) * gate(x)) (layers/mlp.py), so mlp.fc
+    holds gate_proj and mlp.gate holds up_proj. Each source tensor is read when its Out is asked for."""
+    read, spec = ckpt.tensor, ckpt.spec
+    qwen3 = spec.architecture == "Qwen3ForCausalLM"
+    qkv_bias = FAMILIES[spec.architecture] == "qwen2" or (spec.attention_bias and not qwen3)
+    dense_bias = spec.attention_bias and not FAMILIES[spec.architecture]  # the QWen model has none
+    yield Out("transformer.vocab_embedding.weight", REPLICATE, read("model.embed_tokens.weight"))
+    for i in range(spec.shape.num_layers):
+        hf, trt = f"model.layers.{i}.", f"transformer.layers.{i}."
+        yield Out(trt + "input_layernorm.weight", REPLICATE, read(hf + "input_layernorm.weight"))
+        yield Out(trt + "attention.qkv.weight", QKV, tuple(read(f"{hf}self_attn.{p}_proj.weight") for p in "qkv"))
+        if qkv_bias:
+            yield Out(trt + "attention.qkv.bias", QKV, tuple(read(f"{hf}self_attn.{p}_proj.bias") for p in "qkv"))
+        yield Out(trt + "attention.dense.weight", ROW, read(hf + "self_attn.o_proj.weight"))
+        if dense_bias:
+            yield Out(trt + "attention.dense.bias", REPLICATE, read(hf + "self_attn.o_proj.bias"))
+        if qwen3:
+            yield Out(trt + "attention.q_layernorm.weight", REPLICATE, read(hf + "self_attn.q_norm.weight"))
+            yield Out(trt + "attention.k_layernorm.weight", REPLICATE, read(hf + "self_attn.k_norm.weight"))
+        yield Out(trt + "post_layernorm.weight", REPLICATE, read(hf + "post_attention_layernorm.weight"))
+        for part, source in (("fc", "gate_proj"), ("gate", "up_proj")):
+            yield Out(f"{trt}mlp.{part}.weight", COLUMN, read(f"{hf}mlp.{source}.weight"))
+            if spec.mlp_bias:
+                yield Out(f"{trt}mlp.{part}.bias", COLUMN, read(f"{hf}mlp.{source}.bias"))
+        yield Out(trt + "mlp.proj.weight", ROW, read(hf + "mlp.down_proj.weight"))
+        if spec.mlp_bias:
+            yield Out(trt + "mlp.proj.bias", REPLICATE, read(hf + "mlp.down_proj.bias"))
+    yield Out("transformer.ln_f.weight", REPLICATE, read("model.norm.weight"))
+    # Tied embeddings: transformers saves no lm_head.weight; TensorRT-LLM is given one all the same.
+    yield Out("lm_head.weight", VOCAB, read("lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight"))
+
+
+def gpt2_tensors(ckpt: Checkpoint, names: set[str]) -> Iterator[Out]:
+    """GPT-2 (models/gpt/convert.py load_weights_from_hf_model, gpt_variant gpt2): HF's Conv1D weights are
+    [in, out] and are transposed; c_attn holds q, k and v side by side (split_qkv)."""
+    read = ckpt.tensor
+    prefix = "transformer." if "transformer.wte.weight" in names else ""
+    yield Out("transformer.vocab_embedding.weight", REPLICATE, read(prefix + "wte.weight"))
+    yield Out("transformer.position_embedding.weight", REPLICATE, read(prefix + "wpe.weight"))
+    for i in range(ckpt.spec.shape.num_layers):
+        hf, trt = f"{prefix}h.{i}.", f"transformer.layers.{i}."
+        for kind in ("weight", "bias"):
+            row = ROW if kind == "weight" else REPLICATE  # a row-parallel bias is added once, after the sum
+            yield Out(f"{trt}input_layernorm.{kind}", REPLICATE, read(f"{hf}ln_1.{kind}"))
+            yield Out(f"{trt}attention.qkv.{kind}", QKV, tuple(np.split(read(f"{hf}attn.c_attn.{kind}").T, 3)))
+            yield Out(f"{trt}attention.dense.{kind}", row, read(f"{hf}attn.c_proj.{kind}").T)
+            yield Out(f"{trt}post_layernorm.{kind}", REPLICATE, read(f"{hf}ln_2.{kind}"))
+            yield Out(f"{trt}mlp.fc.{kind}", COLUMN, read(f"{hf}mlp.c_fc.{kind}").T)
+            yield Out(f"{trt}mlp.proj.{kind}", row, read(f"{hf}mlp.c_proj.{kind}").T)
+    yield Out("transformer.ln_f.weight", REPLICATE, read(prefix + "ln_f.weight"))
+    yield Out("transformer.ln_f.bias", REPLICATE, read(prefix + "ln_f.bias"))
+    yield Out("lm_head.weight", VOCAB, read("lm_head.weight" if "lm_head.weight" in names else prefix + "wte.weight"))
+
+
+def shard(tensor: Out, layout: Layout, dtype) -> list[np.ndarray]:
+    """The tensor's part on each rank, in the export's float type."""
+    tp = layout.tp
+    if tensor.split == QKV:
+        q, k, v = (part.astype(dtype) for part in tensor.value)
+        if layout.kv_heads < tp:  # convert_utils.dup_kv_weight: each KV head repeated for tp/kv ranks
+            k, v = (np.repeat(x.reshape(layout.kv_heads, layout.head_dim, -1), tp // layout.kv_heads, axis=0)
+                    .reshape(tp * layout.head_dim, *x.shape[1:]) for x in (k, v))
+        return [np.concatenate(parts) for parts in zip(*(np.split(x, tp) for x in (q, k, v)))]
+    value = tensor.value.astype(dtype)
+    if tensor.name.endswith("vocab_embedding.weight") or tensor.split == VOCAB:
+        value = rows(value, layout.vocab)  # the draft's table padded (or cut) to the target's vocabulary
+    if tensor.split == VOCAB:
+        return np.split(rows(value, layout.padded_vocab), tp)
+    if tensor.split == COLUMN:
+        return np.split(value, tp, axis=0)
+    if tensor.split == ROW:
+        return np.split(value, tp, axis=1)
+    return [value] * tp
+
+
+def rows(table: np.ndarray, count: int) -> np.ndarray:
+    """The table with exactly `count` rows: extra rows cut, missing ones zero."""
+    if len(table) >= count:
+        return table[:count]
+    return np.concatenate([table, np.zeros((count - len(table), *table.shape[1:]), table.dtype)])
+
+
+class RankFile:
+    """One rank{r}.safetensors written tensor by tensor.
+
+    The safetensors library writes a whole dict at once (save_file), which would hold a rank's weights in
+    memory. The format is small: an 8-byte little-endian header length, a JSON header naming each
+    tensor's dtype, shape and byte range, then the bytes. So the bytes go to a scratch file as they come
+    and the header is put in front when the rank is complete (tensorrt_llm_reference reads it back with
+    the library).
+    """
+
+    SAFETENSORS_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16"}
+
+    def __init__(self, path: Path, scratch: Path):
+        self.path, self.scratch = path, scratch
+        self.scratch.parent.mkdir(parents=True, exist_ok=True)
+        self.data = open(scratch, "wb")
+        self.header: dict = {"__metadata__": {"format": "pt"}}
+
+    def add(self, name: str, value: np.ndarray) -> None:
+        start = self.data.tell()
+        np.ascontiguousarray(value).tofile(self.data)
+        self.header[name] = {"dtype": self.SAFETENSORS_DTYPES[value.dtype], "shape": list(value.shape),
+                             "data_offsets": [start, self.data.tell()]}
+
+    def close(self) -> None:
+        self.data.close()
+        header = json.dumps(self.header, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # the tensors start 8-byte aligned, as the library writes them
+        with open(self.path, "wb") as out, open(self.scratch, "rb") as data:
+            out.write(len(header).to_bytes(8, "little"))
+            out.write(header)
+            shutil.copyfileobj(data, out, 1 << 24)
+        self.scratch.unlink()
+
+
+def measure_gamma(folder: Path, engines: dict[str, EngineInfo], target: Checkpoint, draft: Checkpoint,
+                  checkpoints: dict[str, dict], max_seq_len: int, max_gamma: int) -> dict:
+    """γ for the plans: α and c through the ONNX engines when fp32 ones were built; otherwise α with
+    transformers on CPU for pairs small enough, and c from the weight bytes each step reads."""
+    prompt_ids = gamma_stage.prompts(target.tokenizer)
+    byte_ratio = checkpoints["draft"]["weight_bytes"] / checkpoints["target"]["weight_bytes"]
+    measured = gamma_stage.measure_with_engines(folder, engines, prompt_ids, max_seq_len) if engines else None
+    if measured:
+        alpha, cost_ratio = measured
+        record = gamma_stage.recommend(alpha, cost_ratio, max_gamma, "alpha and c: the ONNX engines on this CPU, "
+                                       "greedy, packaged code prompts")
+    elif sum(c["parameters"] for c in checkpoints.values()) <= gamma_stage.TRANSFORMERS_PARAMETER_LIMIT:
+        alpha = gamma_stage.measure_with_transformers(target.path, draft.path, prompt_ids, max_seq_len)
+        record = gamma_stage.recommend(alpha, byte_ratio, max_gamma, "alpha: transformers on CPU, greedy, packaged "
+                                       "code prompts; c: weight bytes read per step")
+    else:
+        record = gamma_stage.recommend(None, byte_ratio, max_gamma, "not measured (pair too large to decode on "
+                                       "this CPU, or no fp32 ONNX engines): the bundle's max gamma")
+    return {**record, "weight_byte_ratio": round(byte_ratio, 4)}
+
+
+def write_plans(folder: Path, gamma: int, tp: int, max_seq_len: int, precision: str,
+                target: Checkpoint, draft: Checkpoint) -> dict[str, str]:
+    plans = {"build": f"{FOLDER}/build.sh", "run": f"{FOLDER}/run.sh", "llm_api": f"{FOLDER}/llm-api.yaml",
+             "vllm": VLLM_PLAN}
+    texts = {
+        "build": build_script(gamma, max_seq_len, precision),
+        "run": run_script(gamma, tp),
+        "llm_api": llm_api_yaml(gamma, tp, target.path.resolve(), draft.path.resolve()),
+        "vllm": vllm_script(gamma, tp, max_seq_len, DTYPES[precision][0], target, draft),
+    }
+    for key, text in texts.items():
+        path = folder / plans[key]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        if path.suffix == ".sh":
+            path.chmod(0o755)
+    return plans
+
+
+def build_script(gamma: int, max_seq_len: int, precision: str) -> str:
+    """Both trtllm-build commands (examples/draft_target_model/README.md): the target built to verify
+    `gamma` external draft tokens per step. --gather_generation_logits on both because examples/
+    run_dtm_pld.py asserts it whenever tokens, not logits, decide acceptance."""
+    note = ("# These checkpoints are float32: TensorRT-LLM's fused attention kernels take fp16 or bf16, so if\n"
+            "# trtllm-build refuses them, compile again with --precision fp16 or bf16.\n") if precision == "fp32" else ""
+    common = (f"--gemm_plugin auto --use_paged_context_fmha enable --gather_generation_logits "
+              f'--max_batch_size "$MAX_BATCH_SIZE" --max_input_len {max_seq_len} --max_seq_len {max_seq_len}')
+    return f"""#!/usr/bin/env bash
+# Builds this bundle's TensorRT-LLM engines for draft-target speculative decoding (written by specbuild).
+# Needs TensorRT-LLM (trtllm-build) and an NVIDIA GPU. Engines go to engines/draft and engines/target here;
+# the target verifies up to {gamma} draft tokens a step (the gamma specbuild measured for this pair).
+{note}set -euo pipefail
+cd "$(dirname "$0")"
+MAX_BATCH_SIZE="${{MAX_BATCH_SIZE:-1}}"
+trtllm-build --checkpoint_dir draft --output_dir engines/draft {common}
+trtllm-build --checkpoint_dir target --output_dir engines/target {common} \\
+  --speculative_decoding_mode draft_tokens_external --max_draft_len {gamma}
+"""
+
+
+def run_script(gamma: int, tp: int) -> str:
+    """examples/run.py's draft-target mode (examples/draft_target_model/README.md): [draft_len, draft GPUs,
+    target GPUs, use_logits]; each device list is as long as that engine's tp. run.py starts both engines
+    itself (ModelRunnerCpp in orchestrator mode, examples/run_dtm_pld.py), so no mpirun."""
+    devices = "[" + ",".join(map(str, range(tp))) + "]"
+    return f"""#!/usr/bin/env bash
+# Runs the engines build.sh made with TensorRT-LLM's examples/run.py in draft-target mode (written by
+# specbuild): the draft proposes {gamma} tokens, the target accepts those equal to its own greedy tokens.
+# Usage: TRTLLM_DIR=/path/to/TensorRT-LLM ./run.sh "def fibonacci(n):"
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+: "${{TRTLLM_DIR:?set TRTLLM_DIR to a TensorRT-LLM source checkout (for examples/run.py)}}"
+python3 "$TRTLLM_DIR/examples/run.py" \\
+  --engine_dir "$here/engines/target" --draft_engine_dir "$here/engines/draft" \\
+  --tokenizer_dir "$here/../{TOKENIZER_DIR}" \\
+  --draft_target_model_config "[{gamma},{devices},{devices},False]" \\
+  --kv_cache_enable_block_reuse --kv_cache_free_gpu_memory_fraction 0.4 \\
+  --max_output_len "${{MAX_OUTPUT_LEN:-128}}" --input_text "${{1:-def fibonacci(n):}}"
+"""
+
+
+def llm_api_yaml(gamma: int, tp: int, target: Path, draft: Path) -> str:
+    """TensorRT-LLM 1.x's LLM API / trtllm-serve on the PyTorch backend, which runs draft-target from the
+    Hugging Face folders (docs/source/features/speculative-decoding.md; llmapi/llm_args.py
+    DraftTargetDecodingConfig)."""
+    return f"""# TensorRT-LLM LLM API options for draft-target speculative decoding (written by specbuild).
+# The PyTorch backend reads the source Hugging Face folders, not this bundle's checkpoints:
+#   trtllm-serve {shlex.quote(str(target))} --backend pytorch --extra_llm_api_options llm-api.yaml
+# (newer releases also call the option --config), or in Python: LLM(model=..., **yaml.safe_load(...)).
+# TensorRT-LLM 1.0.x names speculative_model speculative_model_dir (later releases take both).
+tensor_parallel_size: {tp}
+disable_overlap_scheduler: true
+speculative_config:
+  decoding_type: DraftTarget
+  max_draft_len: {gamma}
+  speculative_model: {json.dumps(str(draft))}
+"""
+
+
+def vllm_script(gamma: int, tp: int, max_seq_len: int, dtype: str, target: Checkpoint, draft: Checkpoint) -> str:
+    """vLLM's draft-model speculation (vllm/config/speculative.py SpeculativeConfig: method "draft_model",
+    num_speculative_tokens; docs features/speculative_decoding/draft_model.md). V1 gained it with
+    vllm-project/vllm#24322, after v0.13.0 (which still refused draft models)."""
+    config = json.dumps({"model": str(draft.path.resolve()), "num_speculative_tokens": gamma, "method": "draft_model"})
+    warning = ""
+    if target.spec.shape.vocab_size != draft.spec.shape.vocab_size:
+        warning = (f"# The pair's embedding tables differ ({target.spec.shape.vocab_size} vs "
+                   f"{draft.spec.shape.vocab_size} rows): vLLM's draft_model method\n# requires equal sizes "
+                   "(SpeculativeConfig.verify_equal_vocab_size_if_draft_model) and will refuse them.\n")
+    return f"""#!/usr/bin/env bash
+# Serves the pair with vLLM's draft-model speculative decoding (written by specbuild): {gamma} speculative
+# tokens (the gamma specbuild measured), tensor parallelism {tp}, on the source Hugging Face folders.
+# Needs a vLLM release whose --speculative-config takes "method": "draft_model" (after v0.13.0).
+{warning}set -euo pipefail
+exec vllm serve {shlex.quote(str(target.path.resolve()))} --tensor-parallel-size {tp} --dtype {dtype} \\
+  --max-model-len {max_seq_len} --speculative-config {shlex.quote(config)} "$@"
+"""
+
+
+def run_build(script: Path) -> str:
+    """Runs build.sh (trtllm-build is on PATH); the engines land in the bundle, beside the checkpoints."""
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    if result.returncode:
+        last = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-1]
+        raise ExternalToolError(f"trtllm-build failed (exit {result.returncode}) running {script.name}: {last}; "
+                                "compile again with --backend onnx, or fix TensorRT-LLM and rerun")
+    return f"{FOLDER}/engines"

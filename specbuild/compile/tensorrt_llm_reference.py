@@ -1,0 +1,180 @@
+"""A numpy forward pass over a TensorRT-LLM checkpoint, computed the way TensorRT-LLM's layers compute it:
+the proof of an export that was written without TensorRT-LLM (tensorrt_llm.py).
+
+It reads config.json and every rank{r}.safetensors and runs the prompt through the model TensorRT-LLM
+builds from them (models/llama, models/qwen, models/gpt model.py), rank by rank as tensor parallelism
+computes: a column-parallel layer (layers/linear.py ColumnLinear) gives each rank its own slice of the
+outputs; a row-parallel one (RowLinear) gives each rank a partial sum of all outputs, which the all-reduce
+adds, and adds its bias once after; lm_head's slices are gathered. Attention follows layers/attention.py
+(the fused qkv of a rank holds that rank's q, k then v heads) with the gpt_attention plugin's rotary
+embedding (rope_gpt_neox: the two halves of each head rotate together) and causal softmax(q k^T / sqrt(d)).
+All arithmetic is float64 so that what is compared is the layout, not rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+# layers/attention.py Attention(eps=1e-05): QWenDecoderLayer gives Qwen3's q/k norms no other eps.
+ATTENTION_NORM_EPS = 1e-5
+GATED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}  # GatedMLP, RmsNorm
+LAYER_NORM = {"GPT2LMHeadModel"}  # models/gpt: MLP, LayerNorm, learned absolute positions
+
+
+def logits(folder: str | Path, input_ids: list[int]) -> np.ndarray:
+    """[len(input_ids), vocab_size] logits of a context pass from an empty cache (TensorRT-LLM's decoder
+    samples over vocab_size; lm_head's tp padding rows are dropped)."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    if config["architecture"] not in GATED | LAYER_NORM:
+        raise ValueError(f"{folder}: no reference for {config['architecture']}")
+    model = Ranks([load_file(folder / f"rank{r}.safetensors") for r in range(config["mapping"]["tp_size"])])
+    gpt = config["architecture"] in LAYER_NORM
+    positions = np.arange(len(input_ids))
+    x = model.whole("transformer.vocab_embedding.weight")[input_ids]
+    if gpt:
+        x = x + model.whole("transformer.position_embedding.weight")[positions]
+    rope = None if gpt else rotary_tables(config, positions)
+    for i in range(config["num_hidden_layers"]):
+        layer = f"transformer.layers.{i}."
+        x = x + attention(model.norm(x, layer + "input_layernorm", config), model, layer + "attention.", config, rope)
+        x = x + mlp(model.norm(x, layer + "post_layernorm", config), model, layer + "mlp.", config, gpt)
+    x = model.norm(x, "transformer.ln_f", config)
+    return np.concatenate(model.column(x, "lm_head"), axis=-1)[:, :config["vocab_size"]]
+
+
+class Ranks:
+    """The tensors of every rank, and the collectives that combine what each rank computes."""
+
+    def __init__(self, ranks: list[dict[str, np.ndarray]]):
+        names = set(ranks[0])
+        for r, tensors in enumerate(ranks):
+            if set(tensors) != names:
+                raise ValueError(f"rank {r} holds other tensors than rank 0: {sorted(set(tensors) ^ names)[:4]}")
+        self.ranks = [{name: value.astype(np.float64) for name, value in tensors.items()} for tensors in ranks]
+
+    def has(self, name: str) -> bool:
+        return name in self.ranks[0]
+
+    def whole(self, name: str) -> np.ndarray:
+        """A tensor every rank holds in full (each loads its own copy: they must agree)."""
+        value = self.ranks[0][name]
+        if any(not np.array_equal(tensors[name], value) for tensors in self.ranks[1:]):
+            raise ValueError(f"{name} differs between ranks although TensorRT-LLM holds it whole on each")
+        return value
+
+    def column(self, x: np.ndarray, name: str) -> list[np.ndarray]:
+        """ColumnLinear: rank r computes its output slice x W_r^T + b_r."""
+        return [x @ t[name + ".weight"].T + t.get(name + ".bias", 0.0) for t in self.ranks]
+
+    def row(self, parts: list[np.ndarray], name: str) -> np.ndarray:
+        """RowLinear: rank r multiplies its input slice by its columns; the all-reduce sums the partial
+        products, then the (whole) bias is added once."""
+        total = sum(part @ t[name + ".weight"].T for part, t in zip(parts, self.ranks))
+        return total + self.whole(name + ".bias") if self.has(name + ".bias") else total
+
+    def norm(self, x: np.ndarray, name: str, config: dict) -> np.ndarray:
+        weight = self.whole(name + ".weight")
+        if self.has(name + ".bias"):  # layers/normalization.py LayerNorm
+            return layer_norm(x, weight, self.whole(name + ".bias"), config["norm_epsilon"])
+        return rms_norm(x, weight, config["norm_epsilon"])  # RmsNorm
+
+
+def attention(x: np.ndarray, model: Ranks, prefix: str, config: dict, rope) -> np.ndarray:
+    tp = config["mapping"]["tp_size"]
+    head_dim = config.get("head_size") or config["hidden_size"] // config["num_attention_heads"]
+    heads = config["num_attention_heads"] // tp
+    kv_heads = (config.get("num_key_value_heads", config["num_attention_heads"]) + tp - 1) // tp
+    contexts = []
+    for r, qkv in enumerate(model.column(x, prefix + "qkv")):
+        tokens = len(qkv)
+        if config.get("qwen_type") in ("qwen3", "qwen3_moe"):  # models/qwen/model.py: qk_layernorm
+            q, k, v = qk_normalised(qkv.reshape(tokens, -1, head_dim), heads, kv_heads, model.ranks[r], prefix)
+        else:
+            q, k, v = np.split(qkv.reshape(tokens, -1, head_dim), [heads, heads + kv_heads], axis=1)
+        if rope is not None:
+            q, k = rotate(q, *rope), rotate(k, *rope)
+        q_scaling = config.get("q_scaling", 1.0)
+        k, v = np.repeat(k, heads // kv_heads, axis=1), np.repeat(v, heads // kv_heads, axis=1)  # GQA groups
+        scores = np.einsum("shd,thd->hst", q, k) / (math.sqrt(head_dim) * q_scaling)
+        scores += np.triu(np.full((tokens, tokens), -np.inf), 1)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        contexts.append(np.einsum("hst,thd->shd", probs, v).reshape(tokens, -1))
+    return model.row(contexts, prefix + "dense")
+
+
+def qk_normalised(qkv: np.ndarray, heads: int, kv_heads: int, tensors: dict, prefix: str):
+    """layers/attention.py, qk_layernorm: RmsNorm over each head's dims. With as many query as KV heads
+    on the rank, TensorRT-LLM reads the fused qkv as per-head (q, k, v) triples; otherwise as q, k, v."""
+    if heads == kv_heads:
+        q, k, v = (qkv.reshape(len(qkv), heads, 3, -1)[:, :, j] for j in range(3))
+    else:
+        q, k, v = np.split(qkv, [heads, heads + kv_heads], axis=1)
+    q = rms_norm(q, tensors[prefix + "q_layernorm.weight"], ATTENTION_NORM_EPS)
+    k = rms_norm(k, tensors[prefix + "k_layernorm.weight"], ATTENTION_NORM_EPS)
+    return q, k, v
+
+
+def rotary_tables(config: dict, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [S, 1, d/2] as functional.py RopeEmbeddingUtils.create_sinusoidal_positions_for_attention_
+    plugin computes them (in float32) from rotary_base and rotary_scaling."""
+    dim = config.get("head_size") or config["hidden_size"] // config["num_attention_heads"]
+    base, scaling = config.get("rotary_base", 10000.0), config.get("rotary_scaling") or {}
+    kind = scaling.get("type", scaling.get("rope_type", "none"))
+    scale = 1.0 / scaling["factor"] if kind == "linear" else 1.0
+    inv_freq = scale / (base ** (np.arange(0, dim, 2) / dim)).astype(np.float32)
+    if kind == "llama3":
+        inv_freq = llama3_scaling(inv_freq, scaling)
+    elif kind not in ("none", "linear"):
+        raise ValueError(f"no reference for rotary scaling {kind!r}")
+    angles = np.einsum("i,j->ij", positions.astype(np.float32), inv_freq, dtype=np.float32)[:, None, :]
+    return np.cos(angles).astype(np.float64), np.sin(angles).astype(np.float64)
+
+
+def llama3_scaling(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:
+    """functional.py RopeEmbeddingUtils.apply_llama3_scaling."""
+    factor = scaling.get("factor", 8.0)
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old = scaling.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = np.where(wavelen > old / low, inv_freq / factor, blended)
+    return np.where(wavelen < old / high, inv_freq, scaled).astype(inv_freq.dtype)
+
+
+def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """rope_gpt_neox: dims i and i + d/2 of each head rotate by the same angle."""
+    first, second = np.split(x, 2, axis=-1)
+    return np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+
+def mlp(x: np.ndarray, model: Ranks, prefix: str, config: dict, gpt: bool) -> np.ndarray:
+    act = ACTIVATIONS[config["hidden_act"]]
+    if gpt:  # layers/mlp.py MLP: proj(act(fc(x)))
+        inter = [act(h) for h in model.column(x, prefix + "fc")]
+    else:  # GatedMLP: proj(act(fc(x)) * gate(x))
+        inter = [act(f) * g for f, g in zip(model.column(x, prefix + "fc"), model.column(x, prefix + "gate"))]
+    return model.row(inter, prefix + "proj")
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    centred = x - x.mean(-1, keepdims=True)
+    return centred / np.sqrt((centred * centred).mean(-1, keepdims=True) + eps) * weight + bias
+
+
+def _gelu(x: np.ndarray) -> np.ndarray:  # functional.py gelu: the tanh approximation, for every GELU name
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+ACTIVATIONS = {"silu": lambda x: x / (1 + np.exp(-x)), "gelu": _gelu, "gelu_new": _gelu, "gelu_fast": _gelu}

@@ -1,0 +1,179 @@
+"""Write a folder so that a crash, a full disk or a second writer never costs what was at its path.
+
+The new folder is built in a staging folder beside its final path (`.NAME.partial-PID`, with scratch
+space in `.NAME.partial-PID-scratch`: the same file system, so publishing is a rename) and published by
+an atomic exchange with the folder it replaces, so the path always holds the old folder or the new one.
+A lock file (`.NAME.lock`) makes a second writer to the same path refuse instead of both publishing.
+A process killed mid-way leaves folders named after its dead PID; the next writer to that path removes
+them, and puts back an old folder that a kill between two renames left aside (systems without the
+exchange publish with two renames).
+
+Used for engine bundles (`compile/bundle.py`) and checkpoints (`train/train.py`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import functools
+import os
+import re
+import shutil
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Callable, Iterator
+
+from .errors import OutputError
+
+
+def scratch_folder(staging: Path) -> Path:
+    """Scratch space of a staged build (removed before publishing and with stale staging folders)."""
+    return Path(f"{staging}-scratch")
+
+
+@contextmanager
+def staged_folder(output: Path, check: Callable[[Path], None] = lambda output: None) -> Iterator[Path]:
+    """Yields an empty staging folder beside `output`; on success it becomes `output`, on any failure
+    it vanishes. check(output) runs while this process holds the output's lock, before anything is
+    written, and raises to refuse (e.g. an existing folder that must not be replaced)."""
+    output = Path(output).resolve()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(output):
+        _remove_stale(output)
+        check(output)
+        staging = output.parent / f".{output.name}.partial-{os.getpid()}"
+        scratch = scratch_folder(staging)
+        try:
+            shutil.rmtree(staging, ignore_errors=True)  # this process's own, from an earlier failed call
+            staging.mkdir()
+            yield staging
+            shutil.rmtree(scratch, ignore_errors=True)
+            _make_readable(staging)
+            _publish(staging, output)
+        except OSError as exc:
+            if _disk_full(exc, output.parent):
+                raise OutputError(f"no space left on the disk of {output.parent} while writing {output.name} "
+                                  "(nothing was written); free some space or choose another output") from None
+            raise
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _disk_full(exc: OSError, folder: Path) -> bool:
+    """ENOSPC, or a short write that says no errno (numpy's tofile: "N requested and M written") while
+    the disk has under a MiB left (checked before the staging folder is removed)."""
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT) or (exc.errno is None and shutil.disk_usage(folder).free < 2**20)
+
+
+@contextmanager
+def _locked(output: Path) -> Iterator[None]:
+    """Hold `.NAME.lock` beside output (flock: the kernel releases it when its holder dies).
+
+    The file is removed on release, so a finished writer leaves nothing behind; a writer that opened
+    it just before that removal finds the path now names another file (or none) and tries again.
+    """
+    path = output.parent / f".{output.name}.lock"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise OutputError(f"another process (pid {holder}) is writing {output}; wait for it to finish "
+                              "or choose another output") from None
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        yield
+    finally:
+        with suppress(FileNotFoundError):
+            os.unlink(path)
+        os.close(fd)
+
+
+def _remove_stale(output: Path) -> None:
+    """Remove what writers to output that have died left beside it (only names of our own pattern,
+    only dead PIDs); put back an old folder a kill between the two renames of _publish left aside."""
+    pattern = re.compile(rf"\.{re.escape(output.name)}\.(partial|old)-(\d+)(-scratch)?")
+    for entry in output.parent.iterdir():
+        match = pattern.fullmatch(entry.name)
+        if not match or _alive(int(match[2])):
+            continue
+        if match[1] == "old" and not os.path.lexists(output):
+            entry.rename(output)
+        else:
+            shutil.rmtree(entry)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _make_readable(folder: Path) -> None:
+    """Give every file and folder the staging folder's own permissions (which follow the umask):
+    some writers create files 0600, but a bundle is a build artefact other users' services load."""
+    mode = folder.stat().st_mode & 0o777
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), mode)
+        for name in files:
+            os.chmod(os.path.join(root, name), mode & 0o666)
+
+
+def _publish(staging: Path, output: Path) -> None:
+    if not os.path.lexists(output):
+        staging.rename(output)
+    elif _exchange(staging, output):
+        shutil.rmtree(staging)  # which now holds the old folder
+    else:  # no atomic exchange here: the path is empty between the two renames (_remove_stale recovers)
+        old = output.parent / f".{output.name}.old-{os.getpid()}"
+        output.rename(old)
+        staging.rename(output)
+        shutil.rmtree(old)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP}
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically with Linux's renameat2(RENAME_EXCHANGE) (glibc 2.28+); False where the
+    OS, libc or file system has no such call. Written by hand: Python's os module has rename and
+    replace but no exchange, and no maintained package offers one."""
+    renameat2 = getattr(_libc(), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _NO_EXCHANGE:
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
+@functools.cache
+def _libc():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    if hasattr(libc, "renameat2"):
+        libc.renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        libc.renameat2.restype = ctypes.c_int
+    return libc

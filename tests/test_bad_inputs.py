@@ -1,0 +1,442 @@
+"""Every bad input a user can give is one line on stderr with the documented exit status, and changes nothing.
+
+CASES is the table; the README's troubleshooting table is generated from it (`python
+tests/test_bad_inputs.py` prints it) and a test checks the README holds exactly that. Command-line
+cases run in the session's CLI process (tests/cli_driver.py), so the table costs no start-up of its own.
+Cases that pass only once another engineer's branch is merged are marked with what they need.
+
+Pickles: some cases plant a malicious `pytorch_model.bin` (unpickling it writes a marker file; the
+control test shows it does) beside a checkpoint's safetensors or alone; compile, verify, bench's
+transformers peer and distill's loader run on them, and no command may even open it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import inspect
+import json
+import pickle
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _distill_loads_safetensors_only() -> bool:
+    from specbuild.train.distill import load_model
+
+    return "use_safetensors=True" in inspect.getsource(load_model)
+
+
+NEEDS = {  # branch -> whether its work is here
+    "distill": _distill_loads_safetensors_only,
+}
+
+
+@dataclass
+class Case:
+    given: str  # what the user gave (the table's first column)
+    args: list[str] | None  # CLI arguments with {placeholders}; None: a Python API case (call)
+    status: int  # exit status (API cases: 1, a SpecbuildError)
+    says: str  # a fragment the one-line error holds ("" with status 0: it works)
+    fix: str  # what to do (the table's last column)
+    setup: Callable[[dict], None] | None = None  # writes what the case needs into paths (may add paths)
+    call: Callable | None = None  # API cases: call(decoder, bundle)
+    needs: str | None = None  # the branch that makes it pass
+    id: str = field(default="")
+
+
+def compile_args(output: str = "{tmp}/bundle", *extra: str) -> list[str]:
+    return ["compile", "--target", "{target}", "--draft", "{draft}", "-o", output, "--max-seq-len", "64", *extra]
+
+
+def recipe(body: str, output: str = '"bundle"') -> Callable[[dict], None]:
+    """A recipe beside tmp with the tiny checkpoints and `body` in its [compile] table."""
+
+    def write(paths: dict) -> None:
+        paths["recipe"] = Path(paths["tmp"]) / "pair.toml"
+        paths["recipe"].write_text(f'[compile]\ntarget = "{paths["target"]}"\ndraft = "{paths["draft"]}"\n'
+                                   + (f"output = {output}\n" if output else "") + "max_seq_len = 64\n" + body)
+
+    return write
+
+
+def a_folder_with_a_file(paths: dict) -> None:
+    (Path(paths["tmp"]) / "notes").mkdir()
+    (Path(paths["tmp"]) / "notes" / "todo.txt").write_text("keep me")
+
+
+def a_copy_of(what: str, damage: Callable[[Path], None]) -> Callable[[dict], None]:
+    """paths[what] replaced by a damaged copy in tmp."""
+
+    def setup(paths: dict) -> None:
+        copy = Path(paths["tmp"]) / what
+        shutil.copytree(paths[what], copy)
+        damage(copy)
+        paths[what] = copy
+
+    return setup
+
+
+def truncate_weights(folder: Path) -> None:
+    weights = next(folder.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+
+def garble_weights_header(folder: Path) -> None:
+    weights = next(folder.glob("*.safetensors"))
+    raw = bytearray(weights.read_bytes())
+    raw[8:40] = b"{" * 32
+    weights.write_bytes(bytes(raw))
+
+
+def drop_a_tensor(folder: Path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    weights = next(folder.glob("*.safetensors"))
+    tensors = load_file(weights)
+    del tensors[next(name for name in tensors if "layers.1.mlp" in name)]
+    save_file(tensors, weights, metadata={"format": "pt"})
+
+
+class WritesMarker:
+    """Unpickled, it writes a file named marker: what a malicious checkpoint would do."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('unpickled')",)
+
+
+MARKER = "UNPICKLED"  # the file a planted pickle writes, beside the checkpoint, when something unpickles it
+
+
+def plant_pickle(folder: Path) -> None:
+    with open(folder / "pytorch_model.bin", "wb") as f:
+        pickle.dump(WritesMarker(folder.parent / MARKER), f)
+
+
+def only_a_pickle(folder: Path) -> None:
+    next(folder.glob("*.safetensors")).unlink()
+    plant_pickle(folder)
+
+
+def source_only_a_pickle(paths: dict) -> None:
+    """The bundle's target checkpoint (which bench's peers load) now holds only a pickle."""
+    a_copy_of("bundle", lambda folder: None)(paths)
+    a_copy_of("target", only_a_pickle)(paths)
+    manifest = json.loads((paths["bundle"] / "manifest.json").read_text())
+    manifest["engines"]["target"]["source"]["path"] = str(paths["target"])
+    (paths["bundle"] / "manifest.json").write_text(json.dumps(manifest))
+
+
+def falcon(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["FalconForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def other_tokenizer(paths: dict) -> None:
+    from conftest import make_checkpoint, make_tokenizer
+
+    paths["draft"] = make_checkpoint(Path(paths["tmp"]) / "other", "llama", make_tokenizer(300, ("argparse.py",)))
+
+
+def malformed_generation_config(folder: Path) -> None:
+    (folder / "generation_config.json").write_text('{"eos_token_id": ')
+
+
+def corrupt_bundle_weights(folder: Path) -> None:
+    data = folder / "target.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
+def edit_manifest_vocab(folder: Path) -> None:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["engines"]["target"]["shape"]["vocab_size"] += 7
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def write_file(name: str, content: bytes) -> Callable[[dict], None]:
+    def setup(paths: dict) -> None:
+        paths[name] = Path(paths["tmp"]) / name
+        paths[name].write_bytes(content)
+
+    return setup
+
+
+def hold_the_lock(paths: dict) -> None:
+    """Another compile to {tmp}/bundle is running: this process holds its lock until the cases are run."""
+    lock = open(Path(paths["tmp"]) / ".bundle.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    lock.write("4242")
+    lock.flush()
+    paths["held"] = lock
+
+
+def existing_bundle(paths: dict) -> None:
+    shutil.copytree(paths["bundle"], Path(paths["tmp"]) / "bundle")
+
+
+NEW = compile_args()
+SAFE = "Re-save it with `model.save_pretrained(dir, safe_serialization=True)`: specbuild never unpickles."
+PROMPT = b'{"prompt": "def add(a, b):"}\n'
+CASES = [
+    # --- where a compile writes ---------------------------------------------------------------------
+    Case("`--output` is the target checkpoint", compile_args("{target}", "--overwrite"), 1,
+         "is the target checkpoint", "Choose an output outside the checkpoints and the recipe."),
+    Case("`--output` holds a checkpoint (e.g. its parent folder)", compile_args("{target_parent}", "--overwrite"), 1,
+         "contains the target checkpoint", "Choose an output outside the checkpoints and the recipe."),
+    Case("`--output` inside a checkpoint folder", compile_args("{target}/bundle"), 1,
+         "lies inside the target checkpoint", "Choose an output outside the checkpoints and the recipe."),
+    Case('recipe with `output = "."` (its own folder)', ["compile", "--recipe", "{recipe}", "--overwrite"], 1,
+         "contains the recipe", "Write the bundle to a folder of its own.", setup=recipe("", output='"."')),
+    Case("`--overwrite` on a folder that is not a bundle", compile_args("{tmp}/notes", "--overwrite"), 1,
+         "is not a specbuild bundle", "Move the folder away or choose another `--output`: `--overwrite` replaces only bundles.",
+         setup=a_folder_with_a_file),
+    Case("an existing bundle without `--overwrite`", NEW, 1, "already holds a bundle",
+         "Pass `--overwrite` to replace it, or choose another `--output`.", setup=existing_bundle),
+    Case("a second compile to the same output while one runs", NEW, 1, "is writing",
+         "Wait for the other compile to finish (the lock file `.NAME.lock` beside the output is released when it ends).",
+         setup=hold_the_lock),
+    # --- compile settings -----------------------------------------------------------------------------
+    Case("`--gamma 1000000000`", compile_args("{tmp}/bundle", "--gamma", "1000000000"), 2, "from 1 to 32",
+         "γ is the most drafts per round: 1 to 32 (speculation stops paying long before)."),
+    Case("`--gamma 0`", compile_args("{tmp}/bundle", "--gamma", "0"), 2, "from 1 to 32",
+         "Give 1 to 32; target-only decoding is `generate --gamma 0`."),
+    Case("`--max-seq-len 0` or `-5`", compile_args("{tmp}/bundle", "--max-seq-len", "-5"), 2, "2 or more",
+         "Give the context length to allocate, or leave it out for min(2048, the target's)."),
+    Case("`--max-seq-len` beyond the model's positions", compile_args("{tmp}/bundle", "--max-seq-len", "4096"), 1,
+         "max_position_embeddings", "Use the largest length the message names, or less."),
+    Case("`--block-size 17`", compile_args("{tmp}/bundle", "--block-size", "17"), 2, "power of two",
+         "Use 16, 32, 64 or 128."),
+    Case("an unknown option", compile_args("{tmp}/bundle", "--gama", "4"), 2, "No such option",
+         "See `specbuild COMMAND --help`."),
+    Case("`specbuild compile --recipe R` where R has no `output`", ["compile", "--recipe", "{recipe}"], 1,
+         "missing --output", "Add `output = ...` to the recipe's `[compile]` table or pass `--output`.",
+         setup=recipe("", output="")),
+    Case('recipe `overwrite = "false"` (a string)', ["compile", "--recipe", "{recipe}"], 1,
+         "line 6: overwrite must be true or false, not the string 'false'", "Write TOML booleans bare: `overwrite = false`.",
+         setup=recipe('overwrite = "false"\n')),
+    Case('recipe `gamma = "8"` (a string)', ["compile", "--recipe", "{recipe}"], 1,
+         "line 6: gamma must be a whole number from 1 to 32, not the string '8'", "Write numbers bare: `gamma = 8`.",
+         setup=recipe('gamma = "8"\n')),
+    Case("recipe with an unknown key", ["compile", "--recipe", "{recipe}"], 1, "unknown [compile] keys ['gama']",
+         "Use one of the keys the message lists (the options' names with `_`).", setup=recipe("gama = 4\n")),
+    Case("a recipe that is not TOML", ["compile", "--recipe", "{recipe}"], 1, "cannot be read",
+         "Fix the TOML at the line and column named.", setup=recipe("gamma = = 4\n")),
+    # --- checkpoints ------------------------------------------------------------------------------------
+    Case("a checkpoint with only pickled weights (`*.bin`)", compile_args(), 1, "reads safetensors only",
+         SAFE, setup=a_copy_of("target", only_a_pickle)),
+    Case("`verify --target` a checkpoint with only pickled weights",
+         ["verify", "{bundle}", "--target", "{target}", "--prompts", "{prompts}", "-n", "4"], 1,
+         "cannot be loaded from safetensors", SAFE, setup=lambda paths: (a_copy_of("target", only_a_pickle)(paths),
+                                                                        write_file("prompts", PROMPT)(paths))),
+    Case("`bench --peers transformers` on a bundle whose source holds only pickled weights",
+         ["bench", "{bundle}", "--peers", "transformers", "--prompts", "{prompts}", "-n", "4", "--gamma", "1"], 1,
+         "cannot be loaded from safetensors", SAFE,
+         setup=lambda paths: (source_only_a_pickle(paths), write_file("prompts", PROMPT)(paths))),
+    Case("`distill --target` a checkpoint with only pickled weights",
+         ["distill", "--target", "{target}", "--output", "{tmp}/draft", "--minutes", "0.01"], 1, "safetensors", SAFE,
+         setup=a_copy_of("target", only_a_pickle), needs="distill"),
+    Case("a checkpoint with a `pytorch_model.bin` beside its safetensors", compile_args(), 0, "",
+         "Nothing: specbuild reads the safetensors and never opens the pickle.", setup=a_copy_of("target", plant_pickle)),
+    Case("`verify --target` a checkpoint with a `pytorch_model.bin` beside its safetensors",
+         ["verify", "{bundle}", "--target", "{target}", "--prompts", "{prompts}", "-n", "4"], 0, "",
+         "Nothing: the pickle is never opened.",
+         setup=lambda paths: (a_copy_of("target", plant_pickle)(paths), write_file("prompts", PROMPT)(paths))),
+    Case("a checkpoint folder that does not exist", compile_args(), 1, "is not a folder",
+         "Pass a Hugging Face checkpoint folder.", setup=lambda paths: shutil.rmtree(paths["target"])),
+    Case("a checkpoint without `config.json`", compile_args(), 1, "has no config.json",
+         "Pass a Hugging Face checkpoint folder.", setup=a_copy_of("target", lambda f: (f / "config.json").unlink())),
+    Case("a checkpoint without weights", compile_args(), 1, "has no *.safetensors weights",
+         "Pass a complete checkpoint folder.",
+         setup=a_copy_of("target", lambda f: next(f.glob("*.safetensors")).unlink())),
+    Case("an architecture without a graph builder", compile_args(), 1, "which specbuild does not compile",
+         "Use a Llama, Qwen2, Mistral or GPT-2 checkpoint.", setup=a_copy_of("target", falcon)),
+    Case("a draft with another tokenizer", compile_args(), 1, "different tokenizers",
+         "Use a draft trained with the target's tokenizer (`specbuild distill` makes one).", setup=other_tokenizer),
+    Case("truncated `*.safetensors`", compile_args(), 1, "model.safetensors",
+         "Download or copy the checkpoint again.", setup=a_copy_of("draft", truncate_weights)),
+    Case("corrupt `*.safetensors` header", compile_args(), 1, "model.safetensors",
+         "Download or copy the checkpoint again.", setup=a_copy_of("draft", garble_weights_header)),
+    Case("a tensor missing from the checkpoint", compile_args(), 1, "layers.1.mlp",
+         "The checkpoint does not match its config.json: get a complete one.",
+         setup=a_copy_of("draft", drop_a_tensor)),
+    Case("malformed `generation_config.json`", compile_args(), 1, "generation_config.json",
+         "Fix or delete the file (the eos ids then come from config.json).",
+         setup=a_copy_of("target", malformed_generation_config)),
+    # --- bundles and requests ---------------------------------------------------------------------------
+    Case("a folder that is not a bundle", ["generate", "{tmp}", "-p", "x"], 1, "manifest.json is missing",
+         "Pass the folder `specbuild compile` wrote."),
+    Case("a bundle file changed after compiling", ["generate", "{bundle}", "-p", "x", "-n", "4"], 1, "corrupted",
+         "Rebuild the bundle with `specbuild compile`.", setup=a_copy_of("bundle", corrupt_bundle_weights)),
+    Case("a bundle whose `manifest.json` is not JSON", ["generate", "{bundle}", "-p", "x"], 1, "is not valid JSON",
+         "Rebuild the bundle with `specbuild compile`.",
+         setup=a_copy_of("bundle", lambda f: (f / "manifest.json").write_text("{ not json"))),
+    Case("a bundle missing an engine file", ["generate", "{bundle}", "-p", "x"], 1, "draft.onnx is missing",
+         "Rebuild the bundle with `specbuild compile`.", setup=a_copy_of("bundle", lambda f: (f / "draft.onnx").unlink())),
+    Case("an edited `manifest.json` (shapes that do not match the engines)", ["generate", "{bundle}", "-p", "x", "-n", "4"],
+         1, "manifest", "Rebuild the bundle; never edit a manifest by hand.",
+         setup=a_copy_of("bundle", edit_manifest_vocab)),
+    Case("a prompt longer than the bundle's context", ["generate", "{bundle}", "-p", "x " * 300, "-n", "4"], 1,
+         "--max-seq-len", "Shorten the prompt or recompile with a larger `--max-seq-len`."),
+    Case("`--max-new-tokens 0`", ["generate", "{bundle}", "-p", "x", "-n", "0"], 2, "x>=1",
+         "Ask for at least one token."),
+    Case("`--temperature nan`", ["generate", "{bundle}", "-p", "x", "--temperature", "nan"], 2, "not a finite number",
+         "Give 0 (greedy) or a positive number."),
+    Case("`--top-p 0` or above 1", ["generate", "{bundle}", "-p", "x", "--top-p", "0"], 2, "--top-p",
+         "Give a number in (0, 1]; 1 keeps the whole distribution."),
+    Case("`--gamma` above the bundle's maximum", ["generate", "{bundle}", "-p", "x", "--gamma", "9"], 1, "gamma",
+         "Give at most the bundle's max gamma (`specbuild inspect`) or recompile with a larger `--gamma`."),
+    Case("`--seed -1`", ["generate", "{bundle}", "-p", "x", "-n", "4", "--temperature", "1", "--seed", "-1"], 0, "",
+         "Nothing: any integer is a seed."),
+    Case("a prompt that is not UTF-8", ["generate", "{bundle}", "-p", "\udcff\udcfe"], 2, "not valid UTF-8",
+         "Pass text in UTF-8."),
+    Case("`bench -n 1`", ["bench", "{bundle}", "-n", "1"], 2, "x>=2",
+         "Give at least 2 tokens: decoding speed is measured after the first."),
+    Case("`bench --peers` with an unknown peer", ["bench", "{bundle}", "--peers", "llama.cpp"], 2, "is not one of",
+         "Use transformers and/or onnxruntime-genai."),
+    Case("a prompts file that is not JSONL", ["bench", "{bundle}", "--prompts", "{prompts}"], 1,
+         'is not a JSON object with a "prompt" field', 'Write one `{"prompt": "..."}` per line.',
+         setup=write_file("prompts", b"def f():\n")),
+    Case("a prompts file that is not UTF-8", ["bench", "{bundle}", "--prompts", "{prompts}"], 1, "not UTF-8",
+         "Save the file as UTF-8.", setup=write_file("prompts", b'{"prompt": "\xff"}\n')),
+    # --- the Python API (one place validates requests for the API, the CLI and the server) ----------------
+    Case("token id -1 in a prompt", None, 1, "-1", "Token ids are 0 to the vocabulary size - 1.",
+         call=lambda d, b: d.generate([5, -1], 4)),
+    Case("a token id at or above the vocabulary size", None, 1, "vocab",
+         "Token ids are 0 to the vocabulary size - 1.", call=lambda d, b: d.generate([5, 10**6], 4)),
+    Case("float token ids", None, 1, "whole numbers", "Pass a list of ints (or a str).",
+         call=lambda d, b: d.generate([5.0, 7.9], 4)),
+    Case("a `bytes` prompt", None, 1, "bytes", "Decode it to str first (or pass token ids).",
+         call=lambda d, b: d.generate(b"def f():", 4)),
+    Case("`max_new_tokens=2.5`", None, 1, "max_new_tokens", "Pass a positive int.",
+         call=lambda d, b: d.generate("x", 2.5)),
+    Case("`temperature=float('nan')`", None, 1, "temperature", "Pass 0 (greedy) or a positive finite number.",
+         call=lambda d, b: d.generate("x", 4, temperature=float("nan"))),
+    Case("`gamma=10**9`", None, 1, "gamma", "Pass `auto` or 0 to the bundle's max gamma.",
+         call=lambda d, b: d.generate("x", 4, gamma=10**9)),
+    Case('`device="gpu"`', None, 1, "device", 'Use "cpu", "cuda" or "auto".',
+         call=lambda d, b: type(d)(b, device="gpu")),
+]
+for case in CASES:
+    case.id = re.sub(r"[^a-z0-9]+", "-", case.given.lower()).strip("-")
+
+
+def needs_mark(case: Case):
+    """Expected to fail until case.needs is merged (API cases are then not run: they may be unbounded)."""
+    if case.needs and not NEEDS[case.needs]():
+        return pytest.mark.xfail(strict=True, run=case.args is not None, reason=f"passes once the {case.needs} branch is merged")
+    return ()
+
+
+def params(kind_is_cli: bool):
+    return [pytest.param(c, id=c.id, marks=needs_mark(c)) for c in CASES if (c.args is not None) == kind_is_cli]
+
+
+@pytest.fixture(scope="module")
+def cli_results(tmp_path_factory, checkpoints, bundles, cli):
+    """Every CLI case prepared in its own folder, then all run in the CLI process: {case id: result}."""
+    cases, held = [], []
+    for case in (c for c in CASES if c.args is not None):
+        tmp = tmp_path_factory.mktemp(case.id[:40])
+        target = tmp_path_factory.mktemp("ckpt") / "target"
+        shutil.copytree(checkpoints("llama"), target)
+        paths = {"tmp": tmp, "target": target, "target_parent": target.parent, "draft": checkpoints("llama", 1),
+                 "bundle": bundles("llama", 1)}
+        if case.setup:
+            case.setup(paths)
+        held += [paths.pop("held")] if "held" in paths else []
+        before = snapshot(paths)
+        cases.append((case, [a.format(**paths) for a in case.args], paths, before))
+    try:
+        results = cli.run([args for _, args, _, _ in cases], watch=tmp_path_factory.getbasetemp())
+    finally:
+        for lock in held:
+            lock.close()
+    return {case.id: {**result, "changed": snapshot(paths) != before,
+                      "unpickled": (Path(paths["target"]).parent / MARKER).exists()}
+            for (case, _, paths, before), result in zip(cases, results)}
+
+
+def snapshot(paths: dict) -> dict:
+    """Every file under the case's folders with its size and mtime: what a failed command must not change."""
+    files = {}
+    for key in ("tmp", "target", "draft", "bundle"):
+        root = Path(paths[key])
+        for path in sorted(root.rglob("*")) if root.is_dir() else []:
+            if path.is_file() and path.name != ".bundle.lock":
+                stat = path.stat()
+                files[str(path)] = (stat.st_size, stat.st_mtime_ns)
+    return files
+
+
+@pytest.mark.parametrize("case", params(kind_is_cli=True))
+def test_bad_command_line_input_is_one_line_with_its_exit_status_and_changes_nothing(case, cli_results):
+    result = cli_results[case.id]
+    if case.status == 0:
+        assert result["status"] == 0, result
+        return
+    lines = [line for line in result["stderr"].splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result["stderr"]
+    assert case.says in lines[0], lines[0]
+    assert result["status"] == case.status, result
+    assert not result["changed"], "a failed command changed files"
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=needs_mark(c) if c.needs == "distill" else ())
+                                  for c in CASES if c.args is not None])
+def test_no_command_opens_a_pickled_checkpoint(case, cli_results):
+    result = cli_results[case.id]
+    assert not [path for path in result["opened"] if path.endswith(".bin")] and not result["unpickled"], result
+
+
+def test_the_planted_pickle_runs_code_when_unpickled(tmp_path):
+    """The control: what no command above may do."""
+    (tmp_path / "checkpoint").mkdir()
+    plant_pickle(tmp_path / "checkpoint")
+    with open(tmp_path / "checkpoint" / "pytorch_model.bin", "rb") as f:
+        pickle.load(f)  # noqa: S301 - the point of the control
+    assert (tmp_path / MARKER).read_text() == "unpickled"
+
+
+@pytest.mark.parametrize("case", params(kind_is_cli=False))
+def test_bad_api_request_is_a_one_line_specbuild_error(case, bundles):
+    from specbuild_runtime import SpecbuildError, SpeculativeDecoder
+
+    bundle = bundles("llama", 1)
+    decoder = SpeculativeDecoder(bundle)
+    with pytest.raises(SpecbuildError) as raised:
+        case.call(decoder, bundle)
+    message = str(raised.value)
+    assert "\n" not in message and case.says in message, message
+
+
+def troubleshooting_table() -> str:
+    rows = ["| You gave | specbuild says | Exit | What to do |", "|---|---|---|---|"]
+    for case in CASES:
+        says = (f"`…{case.says}…`" if case.says else "(works)").replace("|", "\\|")
+        exit_status = "raises SpecbuildError" if case.args is None else str(case.status)
+        rows.append(f"| {case.given} | {says} | {exit_status} | {case.fix} |")
+    return "\n".join(rows)
+
+
+def test_the_readmes_troubleshooting_table_is_built_from_these_cases():
+    text = README.read_text()
+    start, end = "<!-- troubleshooting: generated by tests/test_bad_inputs.py -->\n", "\n<!-- /troubleshooting -->"
+    assert start in text and end in text, "README lacks the troubleshooting markers"
+    shown = text[text.index(start) + len(start) : text.index(end)]
+    assert shown == troubleshooting_table(), "run `python tests/test_bad_inputs.py` and paste its output into the README"
+
+
+if __name__ == "__main__":
+    print(troubleshooting_table())

@@ -1,0 +1,187 @@
+"""The runtime API: one decoder shared by threads, interleaved streams, stop strings, streamed text."""
+
+import gc
+import threading
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import PROMPTS
+from specbuild_runtime import RequestError, SpeculativeDecoder, Stats
+
+# (prompt, options): greedy with adaptive and fixed γ, and seeded sampling (fixed γ: which γ a round
+# uses changes which random numbers judge which draft, so only a fixed γ reproduces a sampled run).
+REQUESTS = [
+    (PROMPTS[0], dict(gamma="auto")),
+    (PROMPTS[2], dict(gamma=3)),
+    (PROMPTS[4], dict(gamma=0)),
+    (PROMPTS[5], dict(gamma=8)),
+    (PROMPTS[1], dict(gamma=2, temperature=1.0, seed=11)),
+    (PROMPTS[3], dict(gamma=4, temperature=0.7, top_p=0.9, seed=12)),
+    (PROMPTS[6], dict(gamma=0, temperature=1.0, top_k=20, seed=13)),
+    (PROMPTS[8], dict(gamma=1, temperature=1.3, seed=-14)),
+]
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def bundle(bundles):
+    return bundles("llama", draft_seed=1)
+
+
+@pytest.fixture(scope="module")
+def sequential(bundle):
+    decoder = SpeculativeDecoder(bundle)
+    return [decoder.generate(prompt, NEW_TOKENS, **options).token_ids for prompt, options in REQUESTS]
+
+
+def test_eight_threads_on_one_decoder_get_their_sequential_outputs(bundle, sequential):
+    decoder = SpeculativeDecoder(bundle, parallel=4)
+    results = [None] * len(REQUESTS)
+    start = threading.Barrier(len(REQUESTS))
+
+    def run(i):
+        prompt, options = REQUESTS[i]
+        start.wait()
+        results[i] = [decoder.generate(prompt, NEW_TOKENS, **options).token_ids for _ in range(2)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(REQUESTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [[expected, expected] for expected in sequential]
+    assert decoder.slots.in_use == 0
+
+
+def test_interleaved_streams_in_one_thread_each_decode_as_alone(bundle, sequential):
+    decoder = SpeculativeDecoder(bundle, parallel=2)
+    a, b = (decoder.stream(prompt, NEW_TOKENS, **options) for prompt, options in (REQUESTS[1], REQUESTS[4]))
+    got = [[], []]
+    for _ in range(NEW_TOKENS):  # alternate token by token
+        for tokens, stream in zip(got, (a, b)):
+            token = next(stream, None)
+            if token is not None:
+                tokens.append(token)
+    assert got == [sequential[1], sequential[4]]
+
+
+def test_a_second_stream_in_the_same_thread_without_a_free_slot_is_an_error_not_a_deadlock(bundle):
+    decoder = SpeculativeDecoder(bundle, parallel=1)
+    first = decoder.stream(PROMPTS[0], NEW_TOKENS)
+    next(first)
+    second = decoder.stream(PROMPTS[1], NEW_TOKENS)
+    with pytest.raises(RequestError, match="parallel > 1"):
+        next(second)
+    first.close()  # frees the slot
+    assert len(decoder.generate(PROMPTS[1], 5).token_ids) == 5
+
+
+def test_an_abandoned_stream_frees_its_slot_when_garbage_collected(bundle):
+    decoder = SpeculativeDecoder(bundle, parallel=1)
+    stream = decoder.stream(PROMPTS[0], NEW_TOKENS)
+    next(stream)
+    assert decoder.slots.in_use == 1
+    del stream
+    gc.collect()
+    assert decoder.slots.in_use == 0
+
+
+def test_a_stream_that_was_never_started_holds_no_slot(bundle):
+    decoder = SpeculativeDecoder(bundle, parallel=1)
+    unused = decoder.stream(PROMPTS[0], NEW_TOKENS)
+    assert decoder.slots.in_use == 0 and len(decoder.generate(PROMPTS[1], 5).token_ids) == 5
+    assert len(list(unused)) == NEW_TOKENS
+
+
+def test_stats_hold_measurements_and_the_request_its_gamma(bundle):
+    """Stats no longer carries γ: stream(gamma=0, stats=Stats()) decodes with γ 0, not Stats' default."""
+    decoder = SpeculativeDecoder(bundle)
+    stats = Stats()
+    list(decoder.stream(PROMPTS[2], 20, gamma=0, stats=stats))
+    assert stats.drafted == 0 and set(stats.gamma_rounds) == {0} and stats.finish_reason == "max_new_tokens"
+
+
+@pytest.fixture(scope="module")
+def free_text(bundle):
+    """Each prompt's greedy continuation without stop strings, as (token ids, text)."""
+    decoder = SpeculativeDecoder(bundle)
+    return {p: decoder.generate(p, 60, gamma=3) for p in PROMPTS[:6]}
+
+
+def piece(text, start, length):
+    """The first substring of text from start on with no replacement character (a stop string is text)."""
+    return next(text[i:i + length] for i in range(start, len(text)) if "\ufffd" not in text[i:i + length])
+
+
+def first_stop(decoder, ids, stops):
+    """The reference: the first token after which the text holds a stop string, and the text then cut at
+    the earliest occurrence."""
+    for n in range(1, len(ids) + 1):
+        text = decoder.tokenizer.decode(ids[:n])
+        cuts = [text.find(s) for s in stops if s in text]
+        if cuts:
+            return ids[:n], text[:min(cuts)]
+    return ids, decoder.tokenizer.decode(ids)
+
+
+def test_stop_strings_cut_the_text_before_the_earliest_match_as_openai_does(bundle, free_text):
+    decoder = SpeculativeDecoder(bundle)
+    checked = 0
+    for prompt, free in free_text.items():
+        text = free.text
+        for stops in ([piece(text, 10, 3)], [piece(text, 25, 2), piece(text, 12, 4)], ["\u2603 never"],
+                      [piece(text, 30, 1), piece(text, 29, 4)]):
+            expected_ids, expected_text = first_stop(decoder, free.token_ids, stops)
+            for gamma in (0, 4):
+                result = decoder.generate(prompt, 60, gamma, stop=stops)
+                assert (result.token_ids, result.text) == (expected_ids, expected_text), (prompt, stops)
+                assert result.stats.finish_reason == ("stop" if expected_ids != free.token_ids else "max_new_tokens")
+                assert list(decoder.stream(prompt, 60, gamma, stop=stops)) == expected_ids
+                checked += expected_ids != free.token_ids
+    assert checked >= 10
+
+
+def test_streamed_text_joins_to_exactly_the_generated_text(bundle, free_text):
+    """Random weights emit arbitrary bytes: characters split across tokens are common here."""
+    decoder = SpeculativeDecoder(bundle)
+    for prompt, free in free_text.items():
+        for stop in (None, [piece(free.text, 20, 3)]):
+            deltas = list(decoder.stream_text(prompt, 60, 3, stop=stop))
+            assert "".join(deltas) == decoder.generate(prompt, 60, 3, stop=stop).text
+            if stop is None:
+                assert "".join(deltas) == free.text == decoder.tokenizer.decode(free.token_ids)
+    # The outputs do split characters across tokens (a prefix decodes to an incomplete character), which
+    # streaming must hold back: had it sent the replacement character, the join would differ.
+    assert any(decoder.tokenizer.decode(free.token_ids[:n]).endswith("\ufffd")
+               for free in free_text.values() for n in range(1, len(free.token_ids)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 8).flatmap(lambda d: st.tuples(st.just(d), st.integers(0, d))), max_size=40))
+def test_stats_count_rounds_as_a_plain_reference_does(rounds):
+    stats = Stats(accepted_at=[0] * 8, proposed_at=[0] * 8)
+    for drafted, accepted in rounds:
+        stats.record_round(drafted, accepted, draft_seconds=0.001 * drafted, target_seconds=0.002)
+    drafted, accepted = sum(d for d, _ in rounds), sum(a for _, a in rounds)
+    assert (stats.rounds, stats.drafted, stats.accepted, stats.draft_steps) == (len(rounds), drafted, accepted, drafted)
+    assert stats.rejected == sum(a < d for d, a in rounds)
+    assert stats.gamma_rounds == dict(Counter(d for d, _ in rounds))
+    assert stats.proposed_at == [sum(d > j for d, _ in rounds) for j in range(8)]
+    assert stats.accepted_at == [sum(a > j for _, a in rounds) for j in range(8)]
+    assert stats.acceptance_rate == (accepted / drafted if drafted else 0.0)
+    assert stats.target_seconds == pytest.approx(0.002 * len(rounds))
+
+
+def test_a_runs_stats_add_up_to_its_tokens(bundle):
+    decoder = SpeculativeDecoder(bundle)
+    for prompt, options in REQUESTS:
+        result = decoder.generate(prompt, NEW_TOKENS, **options)
+        s = result.stats
+        # Each round emits its accepted drafts (or accepted guess) and one token of the target's own; the
+        # last round may be cut short by max_new_tokens.
+        emitted = s.accepted + s.guesses_accepted + s.rounds
+        assert s.generated_tokens == len(result.token_ids) and emitted >= s.generated_tokens - 1 > emitted - 9
+        assert s.rounds == sum(s.gamma_rounds.values()) and s.prompt_tokens == len(result.prompt_token_ids)

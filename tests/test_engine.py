@@ -1,0 +1,36 @@
+"""Device choice: a clear line for every device that cannot be used, never a silent fallback to the CPU."""
+
+import onnxruntime as ort
+import pytest
+
+from specbuild.compile import compile_bundle
+from specbuild.recipe import CompileSettings
+from specbuild_runtime import BundleError, DeviceError, SpeculativeDecoder
+
+HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+def test_an_unknown_device_names_the_choices(bundles):
+    with pytest.raises(DeviceError, match="'gpu' is not one of cpu, cuda, auto"):
+        SpeculativeDecoder(bundles("llama", draft_seed=1), device="gpu")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="this onnxruntime has the CUDA provider")
+def test_cuda_without_the_cuda_provider_says_what_to_install(bundles):
+    with pytest.raises(DeviceError, match=r"pip install \./runtime\[gpu\]"):
+        SpeculativeDecoder(bundles("llama", draft_seed=1), device="cuda")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="this onnxruntime has the CUDA provider")
+def test_auto_runs_on_the_cpu_without_the_cuda_provider(bundles):
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1), device="auto")
+    assert decoder.device == "cpu" and len(decoder.generate("x", 4).token_ids) == 4
+
+
+def test_a_bf16_bundle_on_the_cpu_is_one_line_naming_the_way_out(checkpoints, tmp_path):
+    target = checkpoints("llama")
+    compile_bundle(CompileSettings(target=target, draft=target, output=tmp_path / "bf16", max_seq_len=64,
+                                   precision="bf16"), show_progress=False)
+    with pytest.raises(BundleError, match="bf16.*device 'cuda'") as error:
+        SpeculativeDecoder(tmp_path / "bf16")
+    assert "\n" not in str(error.value)

@@ -1,0 +1,132 @@
+"""On a GPU (onnxruntime's CUDA provider): exact, placed whole on the device, every precision runs.
+
+Skipped where onnxruntime has no CUDA provider (CI). Run them on a GPU machine with
+`python -m pytest -m gpu tests/test_gpu.py` after `pip install ./runtime[gpu]` (see README, GPU).
+Each failure message says what differed; none of these was run on a GPU by the session that wrote them.
+"""
+
+import onnxruntime as ort
+import pytest
+
+from conftest import PROMPTS
+from specbuild.compile import compile_bundle
+from specbuild.recipe import CompileSettings
+from specbuild_runtime import SpeculativeDecoder
+from specbuild_runtime.engine import PROVIDERS, Engine
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(PROVIDERS["cuda"] not in ort.get_available_providers(),
+                       reason="onnxruntime has no CUDA provider here (pip install ./runtime[gpu] on a GPU machine)"),
+]
+NEW_TOKENS = 30
+SAMPLED = [dict(temperature=1.0, seed=5), dict(temperature=0.7, top_k=20, top_p=0.9, seed=6)]
+
+
+@pytest.fixture(scope="module")
+def precision_bundles(tmp_path_factory, checkpoints):
+    """precision -> a bundle whose draft is a different checkpoint (drafts both accepted and rejected)."""
+    made = {}
+
+    def get(precision):
+        if precision not in made:
+            out = tmp_path_factory.mktemp("gpu") / precision
+            compile_bundle(CompileSettings(target=checkpoints("llama", 0), draft=checkpoints("llama", 1), output=out,
+                                           max_seq_len=256, precision=precision), show_progress=False)
+            made[precision] = out
+        return made[precision]
+
+    return get
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_speculative_output_equals_target_only_on_cuda_for_every_gamma(precision, precision_bundles):
+    """Exact by construction (slot.fixed_rows: every target call computes max γ + 1 rows), greedy; prompts
+    of 1 token and of more than max γ + 1 tokens."""
+    decoder = SpeculativeDecoder(precision_bundles(precision), device="cuda")
+    for prompt in (PROMPTS[5], PROMPTS[8], PROMPTS[3]):
+        expected = decoder.generate(prompt, NEW_TOKENS, 0).token_ids
+        for gamma in [*range(1, decoder.max_gamma + 1), "auto"]:
+            got = decoder.generate(prompt, NEW_TOKENS, gamma).token_ids
+            first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+            assert got == expected, f"{precision} γ={gamma}: token {first} differs from target-only, prompt {prompt!r}"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_seeded_sampling_reproduces_on_cuda_for_every_gamma(precision, precision_bundles):
+    """Sampled tokens depend on γ by design (a round's random numbers judge its drafts; tests/test_sampling.py
+    checks the distribution): a seed and a γ give the same tokens in any slot of any decoder."""
+    first, second = (SpeculativeDecoder(precision_bundles(precision), device="cuda", parallel=2) for _ in range(2))
+    held = second.stream(PROMPTS[1], NEW_TOKENS)  # keeps slot 0 of `second` busy: its runs take slot 1
+    next(held)
+    for options in SAMPLED:
+        for gamma in range(first.max_gamma + 1):
+            runs = [d.generate(PROMPTS[5], NEW_TOKENS, gamma, **options).token_ids for d in (first, second)]
+            assert runs[0] == runs[1], (precision, gamma, options)
+    held.close()
+
+
+def test_fp32_bundle_gives_transformers_fp32_greedy_tokens_on_cuda(bundles, checkpoints, tokenizer):
+    """use_tf32=0 (set by the runtime for fp32 engines) against torch with TF32 off, on the same GPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    model = AutoModelForCausalLM.from_pretrained(checkpoints("llama"), dtype=torch.float32, use_safetensors=True).to(device).eval()
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1), device="cuda")
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        with torch.no_grad():
+            x = torch.tensor([ids], device=device)
+            out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=NEW_TOKENS,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+        expected = out[0, len(ids):].tolist()
+        for gamma in (0, 4, "auto"):
+            assert decoder.generate(ids, NEW_TOKENS, gamma).token_ids == expected, (prompt, gamma, device)
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_every_node_of_the_decode_path_runs_on_the_gpu(role, precision, precision_bundles):
+    """onnxruntime records which provider took each node (session.record_ep_graph_assignment_info); a node
+    on the CPU costs a copy each call and blocks CUDA graphs. The failure lists them."""
+    from specbuild_runtime import load_manifest
+
+    folder = precision_bundles(precision)
+    info = load_manifest(folder).engines[role]
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+    session = ort.InferenceSession(str(folder / info.file), options, providers=["CUDAExecutionProvider"])
+    on_cpu = [f"{node.op_type} {node.name}" for subgraph in session.get_provider_graph_assignment_info()
+              if subgraph.ep_name != "CUDAExecutionProvider" for node in subgraph.get_nodes()]
+    assert not on_cpu, f"{len(on_cpu)} nodes of the {precision} {role} run on the CPU: {on_cpu[:20]}"
+
+
+def test_token_ids_and_caches_are_bound_on_the_device(precision_bundles):
+    from specbuild_runtime import load_manifest
+
+    folder = precision_bundles("fp16")
+    manifest = load_manifest(folder)
+    engine = Engine(folder / "target.onnx", manifest.engines["target"], manifest.max_seq_len, "cuda")
+    placed = engine.input_devices
+    assert placed["input_ids"] == "cuda" and all(placed[past] == "cuda" for past, _ in engine.cache_names), placed
+
+
+def test_threads_on_a_cuda_decoder_get_their_sequential_outputs(precision_bundles):
+    import threading
+
+    decoder = SpeculativeDecoder(precision_bundles("fp16"), device="cuda", parallel=4)
+    requests = [(PROMPTS[i], dict(gamma=i % 5, temperature=(i % 2) * 0.8, seed=i)) for i in range(8)]
+    expected = [decoder.generate(p, NEW_TOKENS, **o).token_ids for p, o in requests]
+    got = [None] * len(requests)
+
+    def run(i):
+        got[i] = decoder.generate(requests[i][0], NEW_TOKENS, **requests[i][1]).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == expected

@@ -1,0 +1,81 @@
+"""The README's examples run, in order, against tiny checkpoints made here.
+
+A fenced block right after `<!-- example -->` is run: `bash` blocks line by line as `specbuild` command
+lines (through its entry point, in one process: tests/cli_driver.py; shell syntax is refused, so
+what runs is what a shell would run), `python` blocks with exec. `<!-- example: FILE -->` writes the
+block to FILE first. They run in a folder holding `checkpoints/target` and `checkpoints/draft`.
+"""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from conftest import make_checkpoint
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+EXAMPLE = re.compile(r"<!-- example(?:: (?P<file>\S+))? -->\s*\n```(?P<language>\w+)\n(?P<body>.*?)\n```", re.S)
+
+
+def examples() -> list[dict]:
+    found = [m.groupdict() | {"line": README.read_text()[: m.start()].count("\n") + 1}
+             for m in EXAMPLE.finditer(README.read_text())]
+    assert found, "the README marks no examples"
+    return found
+
+
+def commands(body: str) -> list[list[str]]:
+    lines = [line for line in body.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    for line in lines:
+        assert not set(line.split("#")[0]) & set("|&;<>$`\\"), f"shell syntax in a README example: {line}"
+    argvs = [shlex.split(line, comments=True) for line in lines]
+    assert all(argv[0] == "specbuild" for argv in argvs), body
+    return [argv[1:] for argv in argvs]
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory, tokenizer, cli):
+    """Every example's entries run in one process in a fresh folder: {README line: [results]}."""
+    folder = tmp_path_factory.mktemp("readme")
+    # 2048 positions: the README's recipe asks for max_seq_len 1024.
+    make_checkpoint(folder / "checkpoints" / "target", "llama", tokenizer, 0, max_position_embeddings=2048)
+    make_checkpoint(folder / "checkpoints" / "draft", "llama", tokenizer, 1, max_position_embeddings=2048)
+    entries, owners = [], []
+    for example in examples():
+        if example["file"]:
+            (folder / example["file"]).write_text(example["body"] + "\n")
+            continue
+        batch = commands(example["body"]) if example["language"] == "bash" else [{"python": example["body"]}]
+        entries += batch
+        owners += [example["line"]] * len(batch)
+    results = cli.run(entries, cwd=folder)
+    by_example = {}
+    for line, result in zip(owners, results):
+        by_example.setdefault(line, []).append(result)
+    return by_example
+
+
+@pytest.mark.parametrize("example", [pytest.param(e, id=f"line-{e['line']}-{e['language']}")
+                                     for e in examples() if not e["file"]])
+def test_readme_example_runs(example, ran):
+    for result in ran[example["line"]]:
+        assert result["status"] == 0, result["stderr"][-3000:]
+
+
+def test_readme_examples_do_what_they_say(ran):
+    """The first example compiles, generates and inspects; the recipe example's option wins over the recipe."""
+    compile_, generate, inspect = ran[min(ran)][:3]
+    assert compile_["stdout"].startswith("wrote bundle: ") and "target LlamaForCausalLM" in compile_["stdout"]
+    assert generate["stdout"].startswith("def fib(n):") and "tokens" in generate["stderr"]
+    assert "max-seq-len 256" in inspect["stdout"]
+    recipe = next(results[0] for results in ran.values() if "bundles/demo" in results[0]["stdout"])
+    assert "max gamma 4, max-seq-len 1024" in recipe["stdout"]
+
+
+def test_python_version_is_stated_alike_in_the_readme_and_both_packages():
+    root = README.parent
+    stated = re.search(r"Python (\d+\.\d+)\+", README.read_text())[1]
+    for pyproject in (root / "pyproject.toml", root / "runtime" / "pyproject.toml"):
+        assert f'requires-python = ">={stated}"' in pyproject.read_text(), pyproject
+    assert stated == "3.11"  # tomllib and contextlib.chdir, used by the compiler, are new in 3.11

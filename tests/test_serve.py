@@ -1,0 +1,465 @@
+"""`specbuild serve` as its clients meet it: a real server on loopback, the official openai client, raw HTTP.
+
+Most tests talk to one `specbuild serve` subprocess. Those about a busy server (a full queue, a client that
+leaves, a timeout, shutdown mid-stream) run the same app in-process on a decoder whose streams pause
+after their first delta until the test lets them go on, so that a slot is busy for exactly as long as the
+test says: no test waits on a clock to find the server in the state it checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import PROMPTS, make_checkpoint
+
+MODEL = "demo"  # the name the README's examples use
+MAX_SEQ_LEN = 256
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] | trim }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+GREEDY = {}
+SAMPLED = [dict(temperature=0.8, top_p=0.9, seed=7, gamma=2), dict(temperature=1.0, top_k=20, seed=3, gamma=3)]
+FINISH = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "context": "length"}
+
+
+def with_template(folder: Path, form: str) -> Path:
+    """Give a checkpoint's tokenizer CHAT_TEMPLATE in one of the two forms checkpoints ship it in."""
+    config_file, template_file = folder / "tokenizer_config.json", folder / "chat_template.jinja"
+    template_file.unlink(missing_ok=True)
+    if form == "chat_template.jinja":
+        template_file.write_text(CHAT_TEMPLATE)
+    else:
+        config = json.loads(config_file.read_text())
+        config_file.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return folder
+
+
+def compile_pair(target: Path, draft: Path, output: Path) -> Path:
+    from specbuild.compile import compile_bundle
+    from specbuild.recipe import CompileSettings
+
+    compile_bundle(CompileSettings(target=target, draft=draft, output=output, max_seq_len=MAX_SEQ_LEN), show_progress=False)
+    return output
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory, tokenizer, checkpoints):
+    """A llama pair whose target's tokenizer keeps its chat template in tokenizer_config.json (the older form)."""
+    root = tmp_path_factory.mktemp("serve")
+    target = with_template(make_checkpoint(root / "target", "llama", tokenizer, seed=0), "tokenizer_config.json")
+    return compile_pair(target, checkpoints("llama", 1), root / "bundle")
+
+
+@pytest.fixture(scope="module")
+def reference(bundle):
+    from specbuild_runtime import SpeculativeDecoder
+
+    return SpeculativeDecoder(bundle)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(condition, what: str, deadline: float = 60.0, process: subprocess.Popen | None = None, log=None):
+    """Poll `condition` until it holds; fail after `deadline` seconds or if `process` dies."""
+    end = time.monotonic() + deadline
+    while not condition():
+        if process is not None and process.poll() is not None:
+            pytest.fail(f"the server exited ({process.returncode}) before {what}:\n{log.read_text() if log else ''}")
+        if time.monotonic() > end:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@contextmanager
+def specbuild_serve(bundle: Path, log: Path, *options):
+    """`specbuild serve` in a subprocess on a free loopback port, ready once /health answers."""
+    port = free_port()
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "specbuild", "serve", str(bundle), "--port", str(port),
+                                    "--model-name", MODEL, *map(str, options)], stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: healthy(url), "/health answered", process=process, log=log)
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            process.wait(60)
+
+
+@pytest.fixture(scope="module")
+def server(bundle, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve-log") / "server.log"
+    with specbuild_serve(bundle, log, "--parallel", 4, "--max-queue", 32) as (_, url):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+def api_settings(settings: dict) -> dict:
+    """The openai client's arguments for runtime settings: top_k and gamma travel in extra_body."""
+    extra = {k: settings[k] for k in ("top_k", "gamma") if k in settings}
+    return {**{k: v for k, v in settings.items() if k not in extra}, **({"extra_body": extra} if extra else {})}
+
+
+@pytest.mark.parametrize("settings", [GREEDY, *SAMPLED], ids=["greedy", "top-p", "top-k"])
+def test_completions_equal_generate_streamed_or_not(client, reference, settings):
+    for prompt in PROMPTS[:3]:
+        expected = reference.generate(prompt, max_new_tokens=24, **settings)
+        whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, **api_settings(settings))
+        assert whole.choices[0].text == expected.text
+        assert whole.choices[0].finish_reason == FINISH[expected.stats.finish_reason]
+        assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(expected.prompt_token_ids),
+                                                                                len(expected.token_ids))
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, stream=True,
+                                                stream_options={"include_usage": True}, **api_settings(settings)))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+        assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+        assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_chat_renders_the_bundle_template_as_transformers_does(client, reference, bundle):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(bundle / "tokenizer")
+    conversation = [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "  return a + b "},
+                    {"role": "user", "content": [{"type": "text", "text": "and"}, {"type": "text", "text": "sub?"}]}]
+    as_hf_sees_it = [*conversation[:2], {"role": "user", "content": "and\nsub?"}]  # text parts joined as vLLM joins them
+    ids = hf.apply_chat_template(as_hf_sees_it, add_generation_prompt=True, tokenize=True, return_dict=False)
+    for settings in (GREEDY, SAMPLED[0]):
+        expected = reference.generate(ids, max_new_tokens=20, **settings)
+        whole = client.chat.completions.create(model=MODEL, messages=conversation, max_tokens=20, **api_settings(settings))
+        assert whole.choices[0].message.content == expected.text and whole.choices[0].message.role == "assistant"
+        assert whole.usage.prompt_tokens == len(ids)
+        chunks = list(client.chat.completions.create(model=MODEL, messages=conversation, max_tokens=20, stream=True,
+                                                     **api_settings(settings)))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+        assert chunks[-1].choices[0].finish_reason == FINISH[expected.stats.finish_reason]
+
+
+def test_stop_strings_cut_the_text_and_finish_with_stop(client, reference):
+    full = reference.generate(PROMPTS[0], max_new_tokens=40).text
+    stop = full[10:13]
+    expected = reference.generate(PROMPTS[0], max_new_tokens=40, stop=[stop])
+    assert expected.stats.finish_reason == "stop" and stop not in expected.text  # the case is what it claims
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, stop=stop)
+    assert whole.choices[0].text == expected.text and whole.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, stop=[stop, "\x00"], stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == expected.text
+
+
+def test_sixteen_concurrent_clients_get_their_sequential_outputs(server, reference):
+    jobs = [(PROMPTS[i % len(PROMPTS)], [GREEDY, *SAMPLED][i % 3], i % 2 == 1) for i in range(16)]
+    expected = [reference.generate(prompt, max_new_tokens=32, **settings).text for prompt, settings, _ in jobs]
+
+    async def one(client, prompt, settings, stream):
+        reply = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=32, stream=stream,
+                                                **api_settings(settings))
+        if not stream:
+            return reply.choices[0].text
+        return "".join([chunk.choices[0].text async for chunk in reply])
+
+    async def all_at_once():
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0) as client:
+            return await asyncio.gather(*(one(client, *job) for job in jobs))
+
+    assert asyncio.run(all_at_once()) == expected
+
+
+BAD_REQUESTS = [
+    ("completions", b"{not json", "not valid JSON"),
+    ("completions", b"[1, 2]", "must be a JSON object"),
+    ("completions", {}, "prompt must be"),
+    ("completions", {"prompt": "x", "temperature": "hot"}, "temperature must be a number"),
+    ("completions", b'{"prompt": "x", "temperature": NaN}', "temperature must be a finite number"),
+    ("completions", {"prompt": "x", "top_p": 2}, "top_p must be in (0, 1]"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens must be >= 1"),
+    ("completions", {"prompt": "x", "seed": 1.5}, "seed must be a whole number"),
+    ("completions", {"prompt": "x", "gamma": 99}, "gamma must be from 0 to"),
+    ("completions", {"prompt": "x", "gamma": "fast"}, "gamma must be 'auto'"),
+    ("completions", {"prompt": [1, 2.5]}, "whole numbers"),
+    ("completions", {"prompt": [10**6]}, "outside this bundle's vocabulary"),
+    ("completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "at most 4 strings"),
+    ("completions", {"prompt": "x", "n": 2}, "n must be 1"),
+    ("completions", {"prompt": "x", "logprobs": 2}, "'logprobs' is not supported"),
+    ("completions", {"prompt": "x", "frobnicate": 1}, "unrecognized request argument: 'frobnicate'"),
+    ("completions", {"prompt": "x", "stream": "yes"}, "stream must be true or false"),
+    ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "only with stream: true"),
+    ("completions", {"prompt": "def f(x):\n" * 200}, f"this bundle's context is {MAX_SEQ_LEN}"),
+    ("chat/completions", {"messages": []}, "non-empty list"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
+    ("chat/completions", {"messages": [{"role": "assistant", "content": "hi"}]}, "roles must alternate"),
+]
+
+
+@pytest.mark.parametrize("endpoint, body, message", BAD_REQUESTS, ids=[m for _, _, m in BAD_REQUESTS])
+def test_bad_requests_get_400_with_a_message(server, endpoint, body, message):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    for stream in (False, True):  # a bad streamed request is refused before any event is sent
+        if stream and isinstance(body, dict) and "stream" not in body and "stream_options" not in body:
+            content = json.dumps({**body, "stream": True}).encode()
+        reply = httpx.post(f"{server}/v1/{endpoint}", content=content, headers={"Content-Type": "application/json"})
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert message in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_another_model_name_is_404_and_models_lists_ours(server):
+    reply = httpx.post(f"{server}/v1/completions", json={"model": "gpt-4", "prompt": "x"})
+    assert reply.status_code == 404 and MODEL in reply.json()["error"]["message"]
+    listed = httpx.get(f"{server}/v1/models").json()["data"]
+    assert [m["id"] for m in listed] == [MODEL] and listed[0]["max_model_len"] == MAX_SEQ_LEN
+
+
+def metric_values(url: str) -> dict:
+    text = httpx.get(f"{url}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_count_requests_tokens_and_acceptance(server, client):
+    before = metric_values(server)
+    ok = ("specbuild_requests_total", (("endpoint", "completions"), ("outcome", "ok")))
+    invalid = ("specbuild_requests_total", (("endpoint", "completions"), ("outcome", "invalid")))
+    reply = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, extra_body={"gamma": 2})
+    httpx.post(f"{server}/v1/completions", json={"prompt": "x", "top_p": 0})
+    after = metric_values(server)
+    assert after[ok] == before.get(ok, 0) + 1 and after[invalid] == before.get(invalid, 0) + 1
+    tokens = ("specbuild_generation_tokens_total", ())
+    assert after[tokens] - before.get(tokens, 0) == reply.usage.completion_tokens
+    assert after[("specbuild_slots", ())] == 4 and after[("specbuild_slots_busy", ())] == 0
+    assert after[("specbuild_queue_depth", ())] == 0
+    assert 0 <= after[("specbuild_acceptance_rate", ())] <= 1 and after[("specbuild_mean_accepted_tokens", ())] >= 1
+    assert after[("specbuild_time_to_first_token_seconds_count", ())] > before.get(("specbuild_time_to_first_token_seconds_count", ()), 0)
+
+
+def test_sigterm_ends_in_flight_streams_cleanly_and_exits(bundle, tmp_path):
+    """Cut at once (--shutdown-timeout 0): a stream still decoding ends with an error event and [DONE];
+    one that finished first ends normally. Either way the client reads a complete stream."""
+    log = tmp_path / "server.log"
+    with specbuild_serve(bundle, log, "--shutdown-timeout", 0) as (process, url):
+        body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": MAX_SEQ_LEN, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as reply:
+            lines = reply.iter_lines()
+            first = next(line for line in lines if line)
+            process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert process.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
+    events = [first, *rest]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+    last = json.loads(events[-2][len("data: "):])
+    assert last.get("error", {}).get("type") == "service_unavailable" or last["choices"][0]["finish_reason"]
+    assert "Traceback" not in log.read_text()
+
+
+@pytest.mark.parametrize("command", [
+    [sys.executable, "-m", "specbuild", "serve"],
+    [sys.executable, "-c", "import sys; from specbuild_runtime.serve.cli import main; sys.argv[0] = 'specbuild-serve'; main()"],
+], ids=["specbuild serve", "specbuild-serve"])
+def test_a_missing_bundle_is_a_one_line_error(command, tmp_path):
+    result = subprocess.run([*command, str(tmp_path / "nothing"), "--port", str(free_port())], capture_output=True, text=True)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: ") and "nothing" in lines[0]
+
+
+# --- A busy server, in-process -------------------------------------------------------------------------------
+
+
+class PausingDecoder:
+    """The real decoder, except that each stream pauses after its first delta until `go` is set.
+
+    `paused` is released each time a stream pauses; `deltas` counts what each stream produced."""
+
+    def __init__(self, decoder):
+        self._decoder = decoder
+        self.paused = threading.Semaphore(0)
+        self.go = threading.Event()
+        self.deltas: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self._decoder, name)
+
+    def stream_text(self, *args, **kwargs):
+        index = len(self.deltas)
+        self.deltas.append(0)
+        for delta in self._decoder.stream_text(*args, **kwargs):
+            self.deltas[index] += 1
+            yield delta
+            if self.deltas[index] == 1:
+                self.paused.release()
+                self.go.wait()
+
+
+@contextmanager
+def in_process(bundle: Path, **settings):
+    """The app on a PausingDecoder with one slot, served by uvicorn in a thread on a free loopback port."""
+    from specbuild_runtime import SpeculativeDecoder
+    from specbuild_runtime.serve.app import Server, Settings
+
+    decoder = PausingDecoder(SpeculativeDecoder(bundle, parallel=1))
+    server = Server(decoder, Settings(model=MODEL, **settings))
+    uvicorn = server.http_server("127.0.0.1", 0, log_level="warning")
+    thread = threading.Thread(target=uvicorn.run)
+    thread.start()
+    try:
+        wait_until(lambda: uvicorn.started, "uvicorn started")
+        yield f"http://127.0.0.1:{uvicorn.servers[0].sockets[0].getsockname()[1]}", decoder, uvicorn
+    finally:
+        decoder.go.set()
+        uvicorn.should_exit = True
+        thread.join(60)
+
+
+@contextmanager
+def streaming(url: str, prompt: str = PROMPTS[2], max_tokens: int = 200):
+    """A streamed completion, read up to its first event; yields (first event, iterator over the other events)."""
+    with httpx.Client(timeout=60) as http:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
+        with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+            events = (line for line in response.iter_lines() if line)
+            yield next(events), events
+
+
+def error_of(event: str) -> dict:
+    return json.loads(event.removeprefix("data: "))["error"]
+
+
+def test_full_queue_answers_429_with_retry_after(bundle, reference):
+    expected = reference.generate(PROMPTS[0], max_new_tokens=16).text
+    results = []
+    with in_process(bundle, max_queue=1) as (url, decoder, _), streaming(url) as (_, events):
+        assert decoder.paused.acquire(timeout=60)  # the only slot is busy until `go`
+        queued = threading.Thread(target=lambda: results.append(
+            httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 16}, timeout=60)))
+        queued.start()
+        wait_until(lambda: metric_values(url)[("specbuild_queue_depth", ())] == 1, "the second request queued")
+        full = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 16})
+        assert full.status_code == 429 and full.headers["Retry-After"] == "1"
+        assert "busy" in full.json()["error"]["message"]
+        decoder.go.set()
+        assert list(events)[-1] == "data: [DONE]"
+        queued.join(60)
+    assert results[0].status_code == 200 and results[0].json()["choices"][0]["text"] == expected
+
+
+@contextmanager
+def raw_post(url: str, path: str, body: dict):
+    """A POST written on a bare socket, which leaving the block closes without reading the reply."""
+    host, port = url.removeprefix("http://").split(":")
+    content = json.dumps(body).encode()
+    with socket.create_connection((host, int(port))) as connection:
+        connection.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                           f"Content-Length: {len(content)}\r\n\r\n".encode() + content)
+        yield
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_client_that_leaves_frees_its_slot_for_the_next_request(bundle, reference, stream):
+    expected = reference.generate(PROMPTS[1], max_new_tokens=24).text
+    cancelled = ("specbuild_requests_total", (("endpoint", "completions"), ("outcome", "cancelled")))
+    with in_process(bundle) as (url, decoder, _):
+        with raw_post(url, "/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 200, "stream": stream}):
+            assert decoder.paused.acquire(timeout=60)  # decoding, and holding the only slot
+        wait_until(lambda: metric_values(url).get(cancelled) == 1, "the server saw the client leave")
+        decoder.go.set()
+        wait_until(lambda: metric_values(url)[("specbuild_slots_busy", ())] == 0, "the slot was freed")
+        assert decoder.deltas[0] <= 2  # stopped right after the pause, not decoded to its 200 tokens
+        after = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 24}, timeout=60)
+        assert after.json()["choices"][0]["text"] == expected
+
+
+def test_timeout_ends_a_decoding_stream_and_a_queued_request(bundle):
+    """The paused stream holds the only slot past the deadline, whether or not its first text came first."""
+    with in_process(bundle, timeout=1.0) as (url, decoder, _), streaming(url) as (first, rest):
+        queued = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4}, timeout=60)
+        assert queued.status_code == 503 and "timeout" in queued.json()["error"]["message"]
+        events = [first, *rest]
+        assert events[-1] == "data: [DONE]" and error_of(events[-2])["type"] == "timeout"
+
+
+def test_shutdown_cuts_a_stream_after_the_grace_period_with_a_clean_end(bundle):
+    with in_process(bundle, shutdown_timeout=0.0) as (url, decoder, uvicorn), streaming(url) as (_, rest):
+        assert decoder.paused.acquire(timeout=60)
+        uvicorn.should_exit = True
+        events = list(rest)
+        assert events[-1] == "data: [DONE]" and "shutting down" in error_of(events[-2])["message"]
+
+
+def test_chat_without_a_template_is_a_clear_400(bundles):
+    with in_process(bundles("llama", 1)) as (url, decoder, _):
+        decoder.go.set()
+        reply = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert reply.status_code == 400 and "no chat template" in reply.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("form", ["tokenizer_config.json", "chat_template.jinja"])
+def test_compile_keeps_the_chat_template_in_either_form(form, tmp_path, tokenizer, checkpoints, bundle):
+    from specbuild_runtime.serve.chat import load_chat_template
+
+    if form == "tokenizer_config.json":  # the module's bundle was compiled from this form
+        compiled = bundle
+    else:
+        target = with_template(make_checkpoint(tmp_path / "target", "llama", tokenizer, seed=0), form)
+        compiled = compile_pair(target, checkpoints("llama", 1), tmp_path / "bundle")
+    assert load_chat_template(compiled / "tokenizer").source == CHAT_TEMPLATE
+
+
+# --- README ------------------------------------------------------------------------------------------------------
+
+
+def readme_serving_snippets() -> tuple[list[str], str]:
+    """The Serving section's curl commands and its openai example."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("\n## Serving", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(\w+)\n(.*?)```", section, re.S)
+    curls = [cmd for lang, block in blocks if lang == "bash" for cmd in re.split(r"\n(?=curl )", block)
+             if cmd.startswith("curl ")]
+    python = next(block for lang, block in blocks if lang == "python" and "openai" in block)
+    return curls, python
+
+
+def test_readme_serving_examples_run_against_a_server(server):
+    curls, python = readme_serving_snippets()
+    assert curls and python
+    for command in curls:
+        result = subprocess.run(["bash", "-c", command.replace("http://localhost:8000", server)],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert '"error"' not in result.stdout and ("choices" in result.stdout or "specbuild_" in result.stdout)
+    result = subprocess.run([sys.executable, "-c", python.replace("http://localhost:8000", server)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip(), result.stderr

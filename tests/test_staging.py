@@ -1,0 +1,150 @@
+"""Writing a folder never loses what was at its path: kill -9 at any point, leftovers of dead writers, a
+full disk, a second writer; and what it publishes is readable by other users."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specbuild.staging import scratch_folder, staged_folder
+from specbuild_runtime import SpecbuildError
+
+CRASH_DRIVER = Path(__file__).resolve().parent / "crash_driver.py"
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+@pytest.fixture(scope="module")
+def crashes(checkpoints, tmp_path_factory):
+    """tests/crash_driver.py's report, run in a private mount namespace where unshare(1) allows one."""
+    command = [sys.executable, str(CRASH_DRIVER), str(checkpoints("llama")), str(checkpoints("llama", 1)),
+               str(tmp_path_factory.mktemp("crashes"))]
+    if shutil.which("unshare") and subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode == 0:
+        command = ["unshare", "-rm", *command]
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout)
+
+
+def test_a_compile_killed_at_any_point_leaves_a_whole_bundle_and_the_next_compile_cleans_up(crashes):
+    """An --overwrite compile (old bundle γ 2, new γ 3) SIGKILLed before one of its file-system changes
+    (every 4th while it builds, every one from just before it publishes); after each kill the next compile
+    runs (one without --overwrite, refused)."""
+    passes = crashes
+    exchange, rename = passes["exchange"], passes["rename"]
+    assert len(exchange) >= 15 and exchange[-1]["status"] == 0  # killed at many changes, then ran through
+    for record in exchange[:-1] + rename[:-1]:
+        assert record["status"] == -9, record
+    for record in exchange:  # the atomic exchange: the output path always holds a whole bundle, old then new
+        assert record["after_kill"]["output"] in (2, 3), record
+    gammas = [r["after_kill"]["output"] for r in exchange]
+    assert gammas == sorted(gammas) and gammas[0] == 2 and gammas[-1] == 3
+    # Two renames: killed between them, the path is empty and the old bundle lies aside ...
+    between = [r for r in rename if r["after_kill"]["output"] == "nothing"]
+    assert between and all(any(n.startswith(".bundle.old-") for n in r["after_kill"]["beside"]) for r in between)
+    for record in rename:
+        assert record["after_kill"]["output"] in (2, 3, "nothing"), record
+    # ... and the next compile puts it back. After any kill, the next compile leaves nothing else.
+    assert all(r["after_next_compile"]["output"] == 2 for r in between)
+    for record in exchange + rename:
+        assert record["refused"] and record["after_next_compile"]["output"] in (2, 3), record
+        assert record["after_next_compile"]["beside"] == [], record
+
+
+def test_leftovers_of_dead_writers_are_removed_and_nothing_else(tmp_path):
+    out, dead, alive = tmp_path / "out", dead_pid(), 1  # pid 1 always runs
+    out.mkdir()
+    (out / "old.txt").write_text("the folder being replaced")
+    for name in (f".out.partial-{dead}", f".out.partial-{dead}-scratch", f".out.old-{dead}",  # dead: removed
+                 f".out.partial-{alive}", f".other.partial-{dead}", f".out.partial-{dead}x", "notes"):  # kept
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f").write_text("x")
+    with staged_folder(out) as staging:
+        (staging / "new.txt").write_text("new")
+        assert scratch_folder(staging) == Path(f"{staging}-scratch")
+        scratch_folder(staging).mkdir()  # scratch is removed before publishing
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["out", f".out.partial-{alive}", f".other.partial-{dead}", f".out.partial-{dead}x", "notes"])
+    assert [p.name for p in out.iterdir()] == ["new.txt"]
+
+
+def test_an_old_folder_left_aside_by_a_dead_writer_is_put_back_first(tmp_path):
+    """Killed between its two renames (no atomic exchange), a writer leaves the path empty; the next one
+    restores the old folder before anything else, so its check sees it (and may refuse to replace it)."""
+    out, old = tmp_path / "out", tmp_path / f".out.old-{dead_pid()}"
+    old.mkdir()
+    (old / "kept.txt").write_text("the old folder")
+    seen = []
+    with pytest.raises(SpecbuildError, match="refused"):
+        with staged_folder(out, check=lambda path: seen.append(sorted(os.listdir(path))) or _refuse()):
+            pass
+    assert seen == [["kept.txt"]] and (out / "kept.txt").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def _refuse():
+    raise SpecbuildError("refused")
+
+
+def test_a_failure_inside_the_folder_leaves_the_old_one_and_nothing_beside(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError):
+        with staged_folder(out) as staging:
+            (staging / "half.txt").write_text("half")
+            scratch_folder(staging).mkdir()
+            raise RuntimeError("build failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and [p.name for p in out.iterdir()] == ["old.txt"]
+
+
+def test_a_second_writer_is_refused_while_the_first_writes(tmp_path):
+    out = tmp_path / "out"
+    with staged_folder(out) as staging:
+        (staging / "first.txt").write_text("first")
+        with pytest.raises(SpecbuildError, match=rf"another process \(pid {os.getpid()}\) is writing"):
+            with staged_folder(out):
+                pass
+    assert [p.name for p in out.iterdir()] == ["first.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the lock file goes with its holder
+
+
+@pytest.mark.parametrize("umask,expected", [(0o022, 0o644), (0o027, 0o640)])
+def test_published_files_are_readable_as_the_umask_allows_whatever_mode_they_were_written_with(umask, expected, tmp_path):
+    previous = os.umask(umask)
+    try:
+        with staged_folder(tmp_path / "out") as staging:
+            (staging / "sub").mkdir(mode=0o700)
+            for path in (staging / "weights.data", staging / "sub" / "f"):
+                path.write_text("x")
+                path.chmod(0o600)  # as onnx writes external data
+    finally:
+        os.umask(previous)
+    files = [tmp_path / "out" / "weights.data", tmp_path / "out" / "sub" / "f"]
+    assert {p.stat().st_mode & 0o777 for p in files} == {expected}
+    assert (tmp_path / "out" / "sub").stat().st_mode & 0o777 == expected | (expected & 0o444) >> 2
+
+
+def test_bundle_files_are_as_readable_as_the_bundle_folder(bundles):
+    """`*.onnx.data` used to be 0600, unreadable by a service running as another user."""
+    bundle = bundles("llama", 1)
+    readable = (bundle.stat().st_mode & 0o777) & 0o666
+    assert {p.name: p.stat().st_mode & 0o777 for p in bundle.rglob("*") if p.is_file()} == {
+        p.name: readable for p in bundle.rglob("*") if p.is_file()}
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(crashes):
+    """The disk fills inside the build: the target's engine fits, the draft's does not."""
+    if crashes["disk_full"] is None:
+        pytest.skip("cannot mount a small tmpfs here (needs unshare -rm)")
+    status, stderr, left = crashes["disk_full"].values()
+    assert status == 1 and stderr.startswith("error: no space left on the disk of") and stderr.count("\n") == 1, stderr
+    assert left == [], "the full disk kept a partial bundle, staging or lock file"

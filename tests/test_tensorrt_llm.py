@@ -1,0 +1,275 @@
+"""The TensorRT-LLM export, proven without TensorRT-LLM: every written checkpoint, read back by a numpy
+forward pass that computes as TensorRT-LLM's layers do (all ranks recombined), gives transformers' logits."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+from safetensors.numpy import load_file, save_file
+
+from conftest import PROMPTS, make_checkpoint
+from specbuild.compile import compile_bundle, gamma, tensorrt_llm
+from specbuild.compile import tensorrt_llm_reference as reference
+from specbuild.compile.load import load_checkpoint
+from specbuild.errors import ExternalToolError, UnsupportedModelError
+from specbuild.recipe import CompileSettings, resolve_settings
+from specbuild_runtime import SpeculativeDecoder
+from specbuild_runtime.errors import BundleError, SpecbuildError
+from specbuild_runtime.manifest import load_manifest
+
+TARGET_VOCAB = 330  # the tokenizer's 320 tokens and padding rows; 330 is no multiple of 4 (lm_head pads for tp)
+FAMILIES = {  # name -> (conftest architecture, config overrides); TINY has 4 heads and 2 KV heads
+    "llama": ("llama", {}),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),  # q/k/v biases
+    "llama-biases": ("llama", {"attention_bias": True, "mlp_bias": True}),  # row-parallel biases too
+    "qwen3": ("qwen3", {}),
+    # conftest's llama3 (tied embeddings) with its rope given afresh: transformers writes rope_theta into the
+    # rope_scaling dict it is passed, so a shared dict would carry the first model's base to the next
+    "llama3-rope": ("llama3", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+                                                "rope_theta": 500000.0}}),
+    "linear-rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    "gpt2": ("gpt2", {}),
+}
+TOLERANCE = 1e-4
+
+
+def build(folder: Path, family: str, tokenizer, seed: int, **extra) -> Path:
+    """A tiny checkpoint whose norms and biases are random too (zeros and ones would hide their layout)."""
+    architecture, overrides = FAMILIES[family]
+    make_checkpoint(folder, architecture, tokenizer, seed, **copy.deepcopy({**overrides, **extra}))
+    model = tf.AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def pairs(tmp_path_factory, tokenizer):
+    """pairs(family) -> (target, draft) folders: the target has padding rows, the draft fewer layers and
+    exactly the tokenizer's rows (padded to the target's by the export)."""
+    made = {}
+
+    def get(family):
+        if family not in made:
+            root = tmp_path_factory.mktemp(family)
+            smaller = {} if family == "gpt2" else {"num_hidden_layers": 1}  # (conftest fixes GPT-2's depth)
+            made[family] = (build(root / "target", family, tokenizer, 0, vocab_size=TARGET_VOCAB),
+                            build(root / "draft", family, tokenizer, 1, **smaller))
+        return made[family]
+
+    return get
+
+
+def transformers_logits(folder: Path, ids: list[int]) -> np.ndarray:
+    model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].double().numpy()
+
+
+def export(folder: Path, out: Path, tp: int, precision: str = "fp32", quantization: str = "none") -> Path:
+    tensorrt_llm.write_checkpoint(load_checkpoint(folder, "test"), out, out.parent / "scratch", tp, TARGET_VOCAB,
+                                  precision, quantization)
+    return out
+
+
+def deviation(checkpoint: Path, source: Path, tokenizer) -> float:
+    ids = tokenizer(PROMPTS[5])["input_ids"]
+    ours, theirs = reference.logits(checkpoint, ids), transformers_logits(source, ids)
+    assert ours.shape == (len(ids), TARGET_VOCAB)
+    assert not ours[:, theirs.shape[1]:].any()  # a draft's padding rows: zero weights, zero logits
+    return float(np.abs(ours[:, :theirs.shape[1]] - theirs).max())
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reference_forward_of_the_exported_pair_matches_transformers(pairs, tokenizer, tmp_path, family, tp):
+    for role, folder in zip(("target", "draft"), pairs(family)):
+        checkpoint = export(folder, tmp_path / role, tp)
+        assert deviation(checkpoint, folder, tokenizer) <= TOLERANCE, (role, family, tp)
+        assert sorted(p.name for p in checkpoint.iterdir()) == ["config.json", *(f"rank{r}.safetensors" for r in range(tp))]
+
+
+def test_rope_scaling_is_exported_and_matters(pairs, tokenizer, tmp_path):
+    target = pairs("llama3-rope")[0]
+    checkpoint = export(target, tmp_path / "t", 2)
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["rotary_base"] == 500000.0 and config["rotary_scaling"]["type"] == "llama3"
+    config["rotary_scaling"] = None  # negative control: the same weights without the scaling diverge
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    assert deviation(checkpoint, target, tokenizer) > 100 * TOLERANCE
+
+
+def test_swapping_fc_and_gate_fails_the_reference(pairs, tokenizer, tmp_path):
+    """mlp.fc must hold gate_proj and mlp.gate up_proj (GatedMLP: proj(act(fc(x)) * gate(x)))."""
+    target = pairs("llama")[0]
+    checkpoint = export(target, tmp_path / "t", 2)
+    for rank in checkpoint.glob("rank*.safetensors"):
+        tensors = load_file(rank)
+        for i in range(2):
+            fc, gate = f"transformer.layers.{i}.mlp.fc.weight", f"transformer.layers.{i}.mlp.gate.weight"
+            tensors[fc], tensors[gate] = tensors[gate], tensors[fc]
+        save_file(tensors, rank)
+    assert deviation(checkpoint, target, tokenizer) > 100 * TOLERANCE
+
+
+def test_splitting_the_fused_qkv_in_plain_chunks_fails_the_reference(pairs, tokenizer, tmp_path):
+    """Rank r's qkv is [q_r; k_r; v_r], not the r-th chunk of [q; k; v] (same shape, other rows)."""
+    target = pairs("llama")[0]
+    checkpoint = export(target, tmp_path / "t", 2)
+    source = load_file(target / "model.safetensors")
+    ranks = [load_file(checkpoint / f"rank{r}.safetensors") for r in range(2)]
+    for i in range(2):
+        fused = np.concatenate([source[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"])
+        for r, chunk in enumerate(np.split(fused, 2)):
+            assert chunk.shape == ranks[r][f"transformer.layers.{i}.attention.qkv.weight"].shape
+            ranks[r][f"transformer.layers.{i}.attention.qkv.weight"] = chunk
+    for r, tensors in enumerate(ranks):
+        save_file(tensors, checkpoint / f"rank{r}.safetensors")
+    assert deviation(checkpoint, target, tokenizer) > 100 * TOLERANCE
+
+
+def test_fewer_kv_heads_than_ranks_are_repeated_in_head_order(pairs, tmp_path):
+    checkpoint = export(pairs("llama")[0], tmp_path / "t", 4)
+    manifest_ranks = tensorrt_llm.Layout(4, 4, 2, 16, 128, TARGET_VOCAB).ranks()
+    assert [r["kv_heads"] for r in manifest_ranks] == [[0], [0], [1], [1]]
+    qkv = [load_file(checkpoint / f"rank{r}.safetensors")["transformer.layers.0.attention.qkv.weight"] for r in range(4)]
+    assert all(q.shape == (16 + 2 * 16, 64) for q in qkv)  # one query, one key and one value head per rank
+    assert np.array_equal(qkv[0][16:], qkv[1][16:]) and not np.array_equal(qkv[1][16:], qkv[2][16:])
+
+
+def test_a_qwen3_with_as_many_kv_as_query_heads_per_rank_is_refused(tokenizer, tmp_path):
+    """TensorRT-LLM's q/k-normalised attention reads such a rank's qkv as per-head (q, k, v) triples; its
+    Qwen converter writes [q; k; v]. The reference, reading as TensorRT-LLM does, shows the mismatch."""
+    folder = build(tmp_path / "mha", "qwen3", tokenizer, 0, num_key_value_heads=4, vocab_size=TARGET_VOCAB)
+    ckpt = load_checkpoint(folder, "target")
+    for tp in (1, 2):
+        with pytest.raises(UnsupportedModelError, match=f"--tp {tp}.*choose a --tp"):
+            tensorrt_llm.check_exportable(ckpt, "target", tp, 64)
+    tensorrt_llm.check_exportable(ckpt, "target", 4, 64)  # one head per rank: both readings agree
+    assert deviation(export(folder, tmp_path / "tp4", 4), folder, tokenizer) <= TOLERANCE
+    assert deviation(export(folder, tmp_path / "tp1", 1), folder, tokenizer) > 100 * TOLERANCE
+
+
+def test_splits_tensorrt_llm_cannot_make_and_families_it_does_not_get_are_refused(pairs, checkpoints):
+    with pytest.raises(UnsupportedModelError, match="--tp 3: .* 4 attention heads"):
+        tensorrt_llm.check_exportable(load_checkpoint(pairs("llama")[0], "target"), "target", 3, 64)
+    for family in ("phi3", "gemma2", "gemma3"):
+        with pytest.raises(UnsupportedModelError, match="ForCausalLM, which --backend tensorrt-llm does not export: "):
+            tensorrt_llm.check_exportable(load_checkpoint(checkpoints(family), "draft"), "draft", 1, 64)
+    window = load_checkpoint(checkpoints("mistral-window"), "target")  # TensorRT-LLM sets windows at run time
+    tensorrt_llm.check_exportable(window, "target", 1, 8)
+    with pytest.raises(UnsupportedModelError, match="--max-seq-len 64 exceeds the target's sliding window \\(8\\)"):
+        tensorrt_llm.check_exportable(window, "target", 1, 64)
+
+
+def test_bf16_export_writes_bf16_weights_that_still_compute_the_model(pairs, tokenizer, tmp_path):
+    target = pairs("qwen2")[0]
+    checkpoint = export(target, tmp_path / "t", 2, precision="bf16")
+    assert json.loads((checkpoint / "config.json").read_text())["dtype"] == "bfloat16"
+    tensors = load_file(checkpoint / "rank1.safetensors")
+    assert {t.dtype for t in tensors.values()} == {np.dtype(ml_dtypes.bfloat16)}
+    ids = tokenizer(PROMPTS[5])["input_ids"]
+    ours, theirs = reference.logits(checkpoint, ids)[:, :TARGET_VOCAB], transformers_logits(target, ids)
+    assert np.abs(ours - theirs).max() < 0.05 * np.abs(theirs).max()
+
+
+def test_weight_only_quantization_is_left_to_trtllm_build_on_float_weights(pairs, tmp_path):
+    checkpoint = export(pairs("llama")[0], tmp_path / "t", 1, precision="fp16", quantization="int4")
+    assert json.loads((checkpoint / "config.json").read_text())["quantization"]["quant_algo"] == "W4A16"
+    assert {t.dtype for t in load_file(checkpoint / "rank0.safetensors").values()} == {np.dtype(np.float16)}
+
+
+def test_tp_without_a_tensorrt_llm_backend_is_refused(pairs):
+    target, draft = pairs("llama")
+    with pytest.raises(SpecbuildError, match="tp 2 splits the TensorRT-LLM export; add --backend"):
+        resolve_settings(None, target=target, draft=draft, output=Path("b"), tp=2)
+
+
+def test_recommended_gamma_maximises_the_speedup_bound():
+    assert gamma.recommend(0.0, 0.1, 8, "m")["gamma"] == 1  # nothing accepted: the shortest draft
+    best = gamma.recommend(0.8, 0.05, 8, "m")
+    bound = {g: (1 - 0.8 ** (g + 1)) / (0.2 * (0.05 * g + 1)) for g in range(1, 9)}
+    assert best["gamma"] == max(bound, key=bound.get) and best["expected_speedup"] == round(max(bound.values()), 3)
+    assert gamma.recommend(0.8, 0.5, 8, "m")["gamma"] < best["gamma"]  # a costlier draft drafts less
+    assert gamma.recommend(None, 0.1, 6, "m")["gamma"] == 6  # unmeasured: the bundle's max γ stands
+
+
+def specbuild(*args):
+    return subprocess.run([sys.executable, "-m", "specbuild", *map(str, args)], capture_output=True, text=True)
+
+
+def test_backend_all_writes_both_and_inspect_lists_the_tensorrt_llm_part(pairs, tokenizer, tmp_path):
+    target, draft = pairs("llama")
+    out = tmp_path / "b"
+    compiled = specbuild("compile", "--target", target, "--draft", draft, "-o", out, "--max-seq-len", 64, "--gamma", 4,
+                         "--backend", "all", "--tp", 2)
+    assert compiled.returncode == 0, compiled.stderr
+    assert "TensorRT-LLM checkpoints, tp 2" in compiled.stdout and "no trtllm-build on PATH" in compiled.stdout
+    manifest = load_manifest(out)  # digests checked, the TensorRT-LLM part read back
+    assert {"target.onnx", "draft.onnx", "tensorrt-llm/target/rank1.safetensors", "tensorrt-llm/draft/rank1.safetensors",
+            "tensorrt-llm/build.sh", "tensorrt-llm/run.sh", "tensorrt-llm/llm-api.yaml", "vllm/serve.sh"} <= set(manifest.files)
+    part = manifest.tensorrt_llm
+    assert part.tp_size == 2 and 1 <= part.gamma["gamma"] <= 4 and "ONNX engines" in part.gamma["method"]
+    build = (out / part.plans["build"]).read_text()
+    assert f"--speculative_decoding_mode draft_tokens_external --max_draft_len {part.gamma['gamma']}" in build
+    assert f'--draft_target_model_config "[{part.gamma["gamma"]},[0,1],[0,1],False]"' in (out / part.plans["run"]).read_text()
+    assert "--tensor-parallel-size 2" in (out / "vllm/serve.sh").read_text()
+    yaml = (out / part.plans["llm_api"]).read_text()
+    assert "decoding_type: DraftTarget" in yaml and f"max_draft_len: {part.gamma['gamma']}" in yaml
+    ids = tokenizer(PROMPTS[0])["input_ids"]  # the ONNX half still decodes
+    decoder = SpeculativeDecoder(out)
+    assert decoder.generate(ids, 8, gamma=2).token_ids == decoder.generate(ids, 8, gamma=0).token_ids
+    shown = specbuild("inspect", out)
+    assert shown.returncode == 0 and "TensorRT-LLM checkpoints, tp 2" in shown.stdout and "build.sh" in shown.stdout
+
+
+def test_a_tensorrt_llm_only_bundle_has_no_onnx_and_the_runtime_refuses_it_in_one_line(pairs, tmp_path):
+    target, draft = pairs("gpt2")
+    out = tmp_path / "b"
+    manifest = compile_bundle(CompileSettings(target=target, draft=draft, output=out, max_seq_len=64,
+                                              backend="tensorrt-llm"), show_progress=False)
+    assert manifest.engines == {} and not list(out.glob("*.onnx"))
+    assert "transformers" in manifest.tensorrt_llm.gamma["method"]
+    with pytest.raises(BundleError, match="holds only a TensorRT-LLM export.*build.sh"):
+        SpeculativeDecoder(out)
+    result = specbuild("generate", out, "-p", "x")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and "run.sh" in lines[0]
+
+
+def test_compile_runs_the_build_plan_when_trtllm_build_is_on_path(pairs, tmp_path, monkeypatch):
+    """Proves only which command lines compile runs: a stand-in records its arguments. Whether TensorRT-LLM
+    accepts them is not something this machine can show."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls"
+    (bin_dir / "trtllm-build").write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
+    (bin_dir / "trtllm-build").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    target, draft = pairs("qwen2")
+    manifest = compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", max_seq_len=64,
+                                              backend="tensorrt-llm", tp=2), show_progress=False)
+    calls = log.read_text().splitlines()
+    assert [c.split()[:4] for c in calls] == [["--checkpoint_dir", "draft", "--output_dir", "engines/draft"],
+                                              ["--checkpoint_dir", "target", "--output_dir", "engines/target"]]
+    assert f"--max_draft_len {manifest.tensorrt_llm.gamma['gamma']}" in calls[1] and "max_draft_len" not in calls[0]
+    assert manifest.tensorrt_llm.engines == "tensorrt-llm/engines"
+
+    (bin_dir / "trtllm-build").write_text("#!/bin/sh\necho 'no GPU found' >&2\nexit 3\n")
+    with pytest.raises(ExternalToolError, match="trtllm-build failed \\(exit 3\\).*no GPU found"):
+        compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "c", max_seq_len=64,
+                                       backend="tensorrt-llm"), show_progress=False)
+    assert not (tmp_path / "c").exists()

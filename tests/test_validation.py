@@ -1,0 +1,175 @@
+"""Requests and bundles are checked at the boundary: every bad value is a one-line error, nothing is coerced."""
+
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import PROMPTS
+from specbuild_runtime import BundleError, RequestError, SpeculativeDecoder
+from specbuild_runtime.validation import MAX_STOP_STRINGS, check_request
+
+V, MAX_LEN, MAX_GAMMA = 50, 16, 8
+
+
+def encode(text):
+    return [ord(c) % V for c in text]
+
+
+def check(prompt=(1, 2, 3), **fields):
+    return check_request(prompt, encode=encode, vocab_size=V, max_seq_len=MAX_LEN, max_gamma=MAX_GAMMA, **fields)
+
+
+BAD = [  # (what, request fields, words the message must contain)
+    ("negative token id", dict(prompt=[1, -1]), "-1"),
+    ("token id = vocabulary size", dict(prompt=[V]), f"[0, {V})"),
+    ("float token id", dict(prompt=[1, 2.0]), "whole numbers"),
+    ("bool token id", dict(prompt=[True]), "whole numbers"),
+    ("bytes prompt", dict(prompt=b"abc"), "not bytes"),
+    ("2-D NumPy prompt", dict(prompt=np.ones((1, 3), np.int64)), "1-D"),
+    ("float NumPy prompt", dict(prompt=np.ones(3)), "integer"),
+    ("lone surrogate", dict(prompt="ab\ud800"), "UTF-8"),
+    ("empty prompt", dict(prompt=[]), "empty"),
+    ("prompt longer than the context", dict(prompt=[1] * (MAX_LEN + 1)), "--max-seq-len"),
+    ("max_new_tokens 0", dict(max_new_tokens=0), "max_new_tokens"),
+    ("max_new_tokens 2.5", dict(max_new_tokens=2.5), "max_new_tokens"),
+    ("max_new_tokens '8'", dict(max_new_tokens="8"), "max_new_tokens"),
+    ("temperature NaN", dict(temperature=float("nan")), "finite"),
+    ("temperature inf", dict(temperature=math.inf), "finite"),
+    ("temperature beyond float32", dict(temperature=1e39), "finite"),
+    ("negative temperature", dict(temperature=-0.1), "temperature"),
+    ("subnormal temperature", dict(temperature=1e-45), "temperature"),
+    ("top_p 0", dict(top_p=0.0), "top_p"),
+    ("top_p above 1", dict(top_p=1.5), "top_p"),
+    ("negative top_k", dict(top_k=-1), "top_k"),
+    ("float top_k", dict(top_k=1.0), "top_k"),
+    ("float seed", dict(seed=1.5), "seed"),
+    ("gamma above the bundle's", dict(gamma=MAX_GAMMA + 1), f"0 to {MAX_GAMMA}"),
+    ("gamma 10**9", dict(gamma=10 ** 9), f"0 to {MAX_GAMMA}"),
+    ("negative gamma", dict(gamma=-1), "gamma"),
+    ("gamma 'fast'", dict(gamma="fast"), "auto"),
+    ("five stop strings", dict(stop=list("abcde")), f"at most {MAX_STOP_STRINGS}"),
+    ("empty stop string", dict(stop=[""]), "empty"),
+    ("stop not text", dict(stop=[1]), "stop"),
+]
+
+
+@pytest.mark.parametrize("fields,words", [case[1:] for case in BAD], ids=[case[0] for case in BAD])
+def test_bad_request_is_one_line_naming_the_value(fields, words):
+    with pytest.raises(RequestError) as error:
+        check(**fields)
+    assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_numpy_values_and_every_integer_seed_are_accepted():
+    request = check(np.array([3, 4], np.int32), max_new_tokens=np.int64(5), gamma=np.uint8(2), top_k=np.int16(10 ** 3),
+                    temperature=np.float32(0.5), seed=-(2 ** 70))
+    assert request.prompt_ids == [3, 4] and request.max_new_tokens == 5 and request.gamma == 2
+    assert request.sampling.top_k == V  # above the vocabulary: every token, as 0
+    assert type(request.prompt_ids[0]) is int
+
+
+def test_seeds_of_any_size_reproduce_and_differ_from_each_other():
+    draws = {seed: check(seed=seed).sampling.generator().random(4).tolist()
+             for seed in (0, 1, -1, 2 ** 64 + 1, -(2 ** 64) - 1, 10 ** 40)}
+    assert len({tuple(d) for d in draws.values()}) == len(draws)
+    assert all(check(seed=seed).sampling.generator().random(4).tolist() == d for seed, d in draws.items())
+    assert draws[1] == np.random.default_rng(1).random(4).tolist()  # seeds >= 0 keep numpy's own streams
+
+
+def is_int(x):
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def is_real(x):
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+def reference_valid(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop):
+    """The rules, written plainly."""
+    def finite32(x):
+        return is_real(x) and math.isfinite(x) and abs(x) <= float(np.finfo(np.float32).max)
+
+    def utf8(text):
+        try:
+            return bool(text.encode("utf-8")) or True
+        except UnicodeEncodeError:
+            return False
+
+    if isinstance(prompt, str):
+        if not utf8(prompt):
+            return False
+        ids = encode(prompt)
+    else:
+        if not all(is_int(t) for t in prompt):
+            return False
+        ids = list(prompt)
+    stops = [stop] if isinstance(stop, str) else stop
+    return (0 < len(ids) <= MAX_LEN and all(0 <= t < V for t in ids)
+            and is_int(max_new_tokens) and max_new_tokens >= 1
+            and (gamma == "auto" or (is_int(gamma) and 0 <= gamma <= MAX_GAMMA))
+            and finite32(temperature) and (temperature == 0 or temperature >= float(np.finfo(np.float32).tiny))
+            and finite32(top_p) and 0 < top_p <= 1
+            and is_int(top_k) and top_k >= 0
+            and (seed is None or is_int(seed))
+            and (stops is None or (isinstance(stops, list) and len(stops) <= MAX_STOP_STRINGS
+                                   and all(isinstance(s, str) and s and utf8(s) for s in stops))))
+
+
+anything = st.one_of(st.none(), st.booleans(), st.integers(-5, 70), st.integers(), st.floats(allow_nan=True),
+                     st.text(max_size=3), st.just(np.int64(3)), st.just(np.float32(0.5)))
+prompts = st.one_of(st.text(max_size=20), st.lists(st.one_of(st.integers(-3, V + 3), st.booleans(), st.floats(0, V),
+                                                             st.just(np.int32(7))), max_size=20))
+
+
+@settings(max_examples=400, deadline=None)
+@given(prompt=prompts, max_new_tokens=anything, gamma=st.one_of(anything, st.just("auto")), temperature=anything,
+       top_k=anything, top_p=anything, seed=anything,
+       stop=st.one_of(st.none(), st.text(max_size=3), st.lists(st.one_of(st.text(max_size=3), st.integers()), max_size=6)))
+def test_a_request_is_refused_exactly_when_a_rule_is_broken(prompt, max_new_tokens, gamma, temperature, top_k, top_p,
+                                                           seed, stop):
+    fields = dict(max_new_tokens=max_new_tokens, gamma=gamma, temperature=temperature, top_k=top_k, top_p=top_p,
+                  seed=seed, stop=stop)
+    try:
+        request = check(prompt, **fields)
+    except RequestError as error:
+        assert not reference_valid(prompt, **fields), error
+        assert "\n" not in str(error)
+        return
+    assert reference_valid(prompt, **fields)
+    assert all(type(t) is int for t in request.prompt_ids) and request.sampling.temperature == float(temperature)
+
+
+EDITS = [("engines.target.shape.num_layers", 3), ("engines.draft.shape.num_layers", 1),
+         ("engines.target.shape.vocab_size", 500), ("engines.draft.shape.head_dim", 8),
+         ("engines.target.shape.num_kv_heads", 4), ("engines.target.precision", "fp16"), ("max_seq_len", 512)]
+
+
+@pytest.mark.parametrize("key,value", EDITS, ids=[key for key, _ in EDITS])
+def test_an_edited_manifest_fails_at_load_in_one_line(key, value, bundles, tmp_path):
+    """The manifest is not among the files its digests cover: it is checked against the engines instead."""
+    folder = tmp_path / "bundle"
+    shutil.copytree(bundles("llama", draft_seed=1), folder)
+    data = json.loads((folder / "manifest.json").read_text())
+    *path, field = key.split(".")
+    place = data
+    for part in path:
+        place = place[part]
+    place[field] = value
+    (folder / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(BundleError, match="does not match the bundle's manifest") as error:
+        SpeculativeDecoder(folder)
+    assert "\n" not in str(error.value)
+
+
+def test_the_decoder_checks_every_request_before_taking_a_slot(bundles):
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    with pytest.raises(RequestError, match="vocabulary"):
+        decoder.stream([1, 10 ** 6])  # at the call, not at the first token
+    with pytest.raises(RequestError, match="gamma"):
+        decoder.generate(PROMPTS[0], gamma=decoder.max_gamma + 1)
+    assert decoder.slots.in_use == 0
