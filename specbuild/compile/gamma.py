@@ -59,7 +59,7 @@ def measure_with_engines(folder: Path, engines: dict[str, EngineInfo], prompt_id
     """(α, c) through the runtime's engines: the target decodes each prompt greedily, the draft follows
     token by token; c is the median draft step over the median target step (CPU times, this machine).
     None unless both are fp32 (quantized or not; onnxruntime's CPU provider casts fp16 weights to fp32 on
-    the way, holding many copies at once, see pipeline.run_once) and within ENGINE_BYTES_LIMIT."""
+    the way, holding many copies at once, see pipeline.check_engine) and within ENGINE_BYTES_LIMIT."""
     if (any(info.precision != "fp32" for info in engines.values())
             or sum(info.weight_bytes for info in engines.values()) > ENGINE_BYTES_LIMIT):
         return None
