@@ -1,4 +1,4 @@
-"""The arithmetic of greedy speculative rounds, shared by the compiler's quality report and distillation."""
+"""The arithmetic of speculative rounds, shared by the compiler's quality report, bench and distillation."""
 
 from __future__ import annotations
 
@@ -21,3 +21,10 @@ def rounds(agreement: list[bool], gamma: int) -> tuple[int, int]:
         drafted += draft_length
         position += run + 1
     return accepted, drafted
+
+
+def theoretical_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
+    """Leviathan et al.: expected speed-up (1 − α^(γ+1)) / ((1 − α)(γc + 1)) of speculation at γ over the
+    target alone, with c the cost of a draft step over a target step."""
+    alpha = min(alpha, 0.9999)
+    return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * cost_ratio + 1))

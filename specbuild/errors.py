@@ -14,3 +14,7 @@ class UnsupportedModelError(CheckpointError):
 
 class PairMismatchError(CheckpointError):
     """The draft and the target cannot be paired (different tokenizers)."""
+
+
+class TrainingError(SpecbuildError):
+    """Distillation or the demo pair cannot go on with the data or settings given."""

@@ -16,6 +16,8 @@ from specbuild_runtime import SpeculativeDecoder
 from specbuild_runtime.decode import AUTO, Stats
 from specbuild_runtime.engine import CACHE_TYPES
 
+from ..acceptance import theoretical_speedup
+
 
 def measure_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
     """This machine's memory read bandwidth in GB/s: the ceiling for decoding a model larger than cache."""
@@ -118,12 +120,6 @@ def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_toke
             tokens = list(decoder.stream(ids, max_new_tokens, stats=stats, temperature=temperature, seed=seed))
             result.add(stats, tokens)
     return results
-
-
-def theoretical_speedup(alpha: float, gamma: int, cost_ratio: float) -> float:
-    """Leviathan et al.: expected speed-up (1 − α^(γ+1)) / ((1 − α)(γc + 1))."""
-    alpha = min(alpha, 0.9999)
-    return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * cost_ratio + 1))
 
 
 def context_latency(decoder: SpeculativeDecoder, short: int = 64, long: int = 1024, steps: int = 200) -> dict:
