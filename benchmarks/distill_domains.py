@@ -72,8 +72,9 @@ def build_c_pair(work: Path, target_minutes: float, draft_minutes: float) -> Pat
     if (pair / "draft" / "config.json").is_file():
         return pair
     train, held = split_headers(Path("/usr/include"))
-    tokenizer = train_tokenizer(train, 4096)
-    data = encode_corpus(tokenizer, train)
+    texts = [f.read_text(errors="replace") for f in train]
+    tokenizer = train_tokenizer(texts, 4096)
+    data = encode_corpus(tokenizer, texts)
     (work / "train-files.txt").write_text("\n".join(map(str, train)) + "\n")
     write_prompts(work / "eval.jsonl", tokenizer, held, 64, seed=1)
     write_prompts(work / "train.jsonl", tokenizer, train, 256, seed=2)

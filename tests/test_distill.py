@@ -23,7 +23,7 @@ from specbuild.train.distill import acceptance, alpha, distill, load_model, targ
 from specbuild.train.generate import continue_prompts, score
 from specbuild.train.prompts import HELDOUT_SHARE, SPAN_TOKENS, from_file, from_target, from_text, start_token
 from specbuild.train.demo_pair import read_pair_recipe
-from specbuild.train.train import parameter_count
+from specbuild.train.train import StepTuner, parameter_count
 
 SMALLER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
 PROMPTS = ["def add(a, b):\n", "import os\n", "class Stack:\n", "x = 1\n", "for i in range(3):\n", "while True:\n",
@@ -237,3 +237,22 @@ def test_a_pair_recipe_missing_a_setting_is_refused(tmp_path):
     (tmp_path / "recipe.toml").write_text("\n".join(line for line in text.splitlines() if not line.startswith("seq_len")))
     with pytest.raises(TrainingError, match="lacks seq_len"):
         read_pair_recipe(tmp_path / "recipe.toml")
+
+
+def test_training_steps_run_the_way_that_was_timed_fastest():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    tuner = StepTuner()
+    torch.set_num_threads(threads)
+    seconds = {(1, False): 1.0, (2, False): 2.0, (1, True): 0.5, (2, True): 0.8}
+    for _ in range(4 * StepTuner.TRIES):
+        way = tuner.next()
+        tuner.record(way, seconds[way])
+    assert tuner.next() == (1, True) and tuner.next() == (1, True)  # and it holds until the next round
+    tuner.until = 0.0  # the hold ends: the next round times the thread counts only, in bf16
+    tried = []
+    for _ in range(2 * StepTuner.TRIES):
+        tried.append(tuner.next())
+        tuner.record(tried[-1], {1: 0.9, 2: 0.3}[tried[-1][0]])  # the machine got quieter
+    assert set(tried) == {(1, True), (2, True)}
+    assert tuner.next() == (2, True)

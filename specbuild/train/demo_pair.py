@@ -55,17 +55,17 @@ def read_pair_recipe(path: Path) -> PairRecipe:
     return PairRecipe(**table)
 
 
-def corpus(recipe: PairRecipe) -> tuple[list[Path], list[Path]]:
-    """(train, held-out) standard library files outside skip_dirs; training keeps a random subset of about
-    corpus_chars characters, more than the target's minutes can read."""
-    train, heldout = ([p for p in files if not set(recipe.skip_dirs) & set(p.parts)] for files in corpus_files())
-    chosen, total = [], 0
-    for index in np.random.default_rng(recipe.seed).permutation(len(train)):
+def corpus(recipe: PairRecipe) -> tuple[list[str], list[str]]:
+    """(train, held-out) texts of the standard library's files outside skip_dirs; training keeps a random
+    subset of about corpus_chars characters, more than the target's minutes can read."""
+    train_files, heldout_files = ([p for p in files if not set(recipe.skip_dirs) & set(p.parts)] for files in corpus_files())
+    train, total = [], 0
+    for index in np.random.default_rng(recipe.seed).permutation(len(train_files)):
         if total >= recipe.corpus_chars:
             break
-        chosen.append(train[index])
-        total += len(read_source(train[index]))
-    return chosen, heldout
+        train.append(read_source(train_files[index]))
+        total += len(train[-1])
+    return train, [read_source(p) for p in heldout_files]
 
 
 def make_demo_pair(out_dir: Path, recipe: PairRecipe) -> dict:
@@ -74,14 +74,14 @@ def make_demo_pair(out_dir: Path, recipe: PairRecipe) -> dict:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    train_files, heldout_files = corpus(recipe)
-    tokenizer = train_tokenizer(train_files, recipe.vocab_size)
-    train_ids, heldout_ids = encode_corpus(tokenizer, train_files), encode_corpus(tokenizer, heldout_files)
+    train_texts, heldout_texts = corpus(recipe)
+    tokenizer = train_tokenizer(train_texts, recipe.vocab_size)
+    train_ids, heldout_ids = encode_corpus(tokenizer, train_texts), encode_corpus(tokenizer, heldout_texts)
     report = {
         "recipe": asdict(recipe),
         "corpus": {
-            "train_files": len(train_files),
-            "heldout_files": len(heldout_files),
+            "train_files": len(train_texts),
+            "heldout_files": len(heldout_texts),
             "train_tokens": int(len(train_ids)),
             "heldout_tokens": int(len(heldout_ids)),
             "vocab_size": len(tokenizer),
