@@ -10,6 +10,7 @@ Then, for each variant, distill the draft for --minutes and measure α at γ on 
 --data, and the divergences and data kinds DistillSpec compares. Prints a table and writes JSON.
 
     flock /tmp/specbuild-heavy.lock python benchmarks/distill_domains.py --work /work/scratch/c-pair --json c.json
+    flock /tmp/specbuild-heavy.lock python benchmarks/distill_domains.py --work /work/scratch/c-py --mix-python --json c-py.json
     python benchmarks/distill_domains.py --pair .cache/demo/pair --eval specbuild/prompts/code.jsonl --variants default
 """
 
@@ -18,12 +19,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 
-from specbuild.texts import read_prompts
+from specbuild.texts import corpus_files, read_prompts, read_source
 from specbuild.train.distill import acceptance, alpha, distill, load_model, target_references
 from specbuild.train.prompts import SPAN_TOKENS, random_spans, text_files
 from specbuild.train.train import encode_corpus, llama, save_checkpoint, train_model, train_tokenizer, windows
@@ -67,12 +69,17 @@ def write_prompts(path: Path, tokenizer, files: list[Path], n: int, seed: int) -
     path.write_text("".join(json.dumps({"prompt": tokenizer.decode(s)}) + "\n" for s in spans))
 
 
-def build_c_pair(work: Path, target_minutes: float, draft_minutes: float) -> Path:
+def build_c_pair(work: Path, target_minutes: float, draft_minutes: float, mix_python: bool) -> Path:
+    """With mix_python the pair also learns the Python standard library (as much text again): a target
+    whose own samples are half off the domain, as a general model's are."""
     pair = work / "pair"
     if (pair / "draft" / "config.json").is_file():
         return pair
     train, held = split_headers(Path("/usr/include"))
     texts = [f.read_text(errors="replace") for f in train]
+    if mix_python:
+        texts += [read_source(p) for p in corpus_files()[0]]
+        texts = [texts[i] for i in np.random.default_rng(0).permutation(len(texts))]
     tokenizer = train_tokenizer(texts, 4096)
     data = encode_corpus(tokenizer, texts)
     (work / "train-files.txt").write_text("\n".join(map(str, train)) + "\n")
@@ -102,10 +109,11 @@ def main() -> None:
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--target-minutes", type=float, default=10.0)
     parser.add_argument("--draft-minutes", type=float, default=2.0)
+    parser.add_argument("--mix-python", action="store_true", help="the pair also learns Python (a general target)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    pair = args.pair or build_c_pair(args.work, args.target_minutes, args.draft_minutes)
+    pair = args.pair or build_c_pair(args.work, args.target_minutes, args.draft_minutes, args.mix_python)
     eval_prompts = read_prompts(args.eval or args.work / "eval.jsonl")
     before = eval_alpha(pair, pair / "draft", eval_prompts, args.gamma)
     print(f"{pair}: alpha at gamma {args.gamma} on {len(eval_prompts)} domain prompts before distilling: {before:.3f}")
@@ -120,10 +128,15 @@ def main() -> None:
         started = time.monotonic()
         report = distill(pair / "target", out, init=pair / "draft", minutes=args.minutes, gamma=args.gamma, force=True, **options)
         after = eval_alpha(pair, out, eval_prompts, args.gamma)
+        # A time budget on a shared machine buys less work when others run: the load and the work done say
+        # whether two runs are comparable.
         results["runs"][name] = {"alpha_after": round(after, 4), "gain": round(after - before, 4),
-                                 "wall_seconds": round(time.monotonic() - started), "distill_report": report}
+                                 "wall_seconds": round(time.monotonic() - started), "load_average": os.getloadavg()[0],
+                                 "distill_report": report}
         print(f"{name:>14}: alpha {before:.3f} -> {after:.3f} ({after - before:+.3f}) on the domain prompts; "
-              f"distill's own held-out {report['alpha_before']:.3f} -> {report['alpha_after']:.3f}", flush=True)
+              f"distill's own held-out {report['alpha_before']:.3f} -> {report['alpha_after']:.3f}; "
+              f"{report['generation']['sequences']} sequences, {report['training']['steps']} steps, "
+              f"load {os.getloadavg()[0]:.1f}", flush=True)
         if args.json:
             args.json.write_text(json.dumps(results, indent=2) + "\n")
 

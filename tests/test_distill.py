@@ -22,7 +22,7 @@ from specbuild.train import distill as distill_module
 from specbuild.train.distill import acceptance, alpha, distill, load_model, target_references
 from specbuild.train.generate import continue_prompts, score
 from specbuild.train.prompts import HELDOUT_SHARE, SPAN_TOKENS, from_file, from_target, from_text, start_token
-from specbuild.train.demo_pair import read_pair_recipe
+from specbuild.train.demo_pair import code_only, read_pair_recipe
 from specbuild.train.train import StepTuner, parameter_count
 
 SMALLER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
@@ -256,3 +256,9 @@ def test_training_steps_run_the_way_that_was_timed_fastest():
         tuner.record(tried[-1], {1: 0.9, 2: 0.3}[tried[-1][0]])  # the machine got quieter
     assert set(tried) == {(1, True), (2, True)}
     assert tuner.next() == (2, True)
+
+
+def test_the_demo_corpus_keeps_code_and_drops_comments_and_docstrings():
+    source = 'x = 1  # one\n"""Doc."""\n\ndef f(a):\n    """Multi\n    line."""\n    # only\n    return "s"  # tail\n\n\nf("kept")\n'
+    assert code_only(source) == 'x = 1\n\ndef f(a):\n    return "s"\n\n\nf("kept")\n'
+    assert code_only("def broken(:\n    '''never closed\n") == "def broken(:\n    '''never closed\n"
