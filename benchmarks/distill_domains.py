@@ -27,7 +27,7 @@ import numpy as np
 
 from specbuild.texts import corpus_files, read_prompts, read_source
 from specbuild.train.distill import acceptance, alpha, distill, load_model, target_references
-from specbuild.train.prompts import SPAN_TOKENS, random_spans, text_files
+from specbuild.train.prompts import is_text, random_spans
 from specbuild.train.train import encode_corpus, llama, save_checkpoint, train_model, train_tokenizer, windows
 
 TARGET = {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 6,
@@ -52,7 +52,7 @@ VARIANTS = {  # name -> keyword arguments of distill() besides the defaults
 def split_headers(root: Path, max_chars: int = 15_000_000) -> tuple[list[Path], list[Path]]:
     """(train, eval) headers: one in ten (by path hash) is for evaluation only; training takes a random
     subset of the rest up to max_chars (minutes of training read far less)."""
-    files = [p for p in text_files(root) if p.suffix == ".h"]
+    files = sorted(p for p in root.rglob("*.h") if p.is_file() and is_text(p))
     held = [p for p in files if int(hashlib.sha1(str(p).encode()).hexdigest(), 16) % 10 == 0]
     train, total = [], 0
     for index in np.random.default_rng(0).permutation(len(files)):
@@ -123,7 +123,7 @@ def main() -> None:
         if "prompts_file" in options:
             options["prompts_file"] = args.work / options["prompts_file"]
         if "data" in options:
-            options["data"] = [Path(p) for p in (args.work / "train-files.txt").read_text().split()]
+            options["data"] = [Path(p).read_text(errors="replace") for p in (args.work / "train-files.txt").read_text().split()]
         out = args.work / f"draft-{name.replace(' ', '-')}"
         started = time.monotonic()
         report = distill(pair / "target", out, init=pair / "draft", minutes=args.minutes, gamma=args.gamma, force=True, **options)

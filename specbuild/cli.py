@@ -254,12 +254,12 @@ def distill(target, output, init, draft_config, minutes, prompts_file, data, gam
 
     from .errors import TrainingError
     from .train.distill import distill as run_distill
-    from .train.prompts import text_files
+    from .train.prompts import read_texts
 
     transformers_logging.disable_progress_bar()  # its per-checkpoint loading bars; ours show the work
     overrides = dict(_key_value(item) for item in draft_config) or None
     report = run_distill(target, output, draft_config=overrides, init=init, minutes=minutes, prompts_file=prompts_file,
-                         data=text_files(data) if data else None, gamma=gamma, objective=objective, force=force)
+                         data=read_texts(data) if data else None, gamma=gamma, objective=objective, force=force)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:

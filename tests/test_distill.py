@@ -21,7 +21,8 @@ from specbuild.errors import CheckpointError, TrainingError
 from specbuild.train import distill as distill_module
 from specbuild.train.distill import acceptance, alpha, distill, load_model, target_references
 from specbuild.train.generate import continue_prompts, score
-from specbuild.train.prompts import HELDOUT_SHARE, SPAN_TOKENS, from_file, from_target, from_text, start_token
+from specbuild.train.prompts import (HELDOUT_SHARE, SPAN_TOKENS, from_file, from_target, from_text, read_texts,
+                                     start_token)
 from specbuild.train.demo_pair import code_only, read_pair_recipe
 from specbuild.train.train import StepTuner, parameter_count
 
@@ -88,7 +89,7 @@ def test_text_spans_hold_out_the_last_tenth_of_every_file(models, tmp_path):
     for n in range(2):
         files.append(tmp_path / f"{n}.txt")
         files[-1].write_text("".join(words[n * 2000 : (n + 1) * 2000]))
-    prompts = from_text(tokenizer, files, n_heldout=8, seed=0)
+    prompts = from_text(tokenizer, [f.read_text() for f in files], n_heldout=8, seed=0)
     encoded = [tokenizer(f.read_text(), add_special_tokens=False)["input_ids"] for f in files]
     cuts = [int(len(ids) * (1 - HELDOUT_SHARE)) for ids in encoded]
 
@@ -98,6 +99,16 @@ def test_text_spans_hold_out_the_last_tenth_of_every_file(models, tmp_path):
     assert len(prompts.heldout) == 8 and all(len(span) == SPAN_TOKENS for span in prompts.heldout + prompts.train)
     assert all(any(found_in(s, ids[cut:]) for ids, cut in zip(encoded, cuts)) for s in prompts.heldout)
     assert all(any(found_in(s, ids[:cut]) for ids, cut in zip(encoded, cuts)) for s in prompts.train[:50])
+
+
+def test_data_is_every_text_file_under_a_folder(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "notes.h").write_text("int x;\n")
+    (tmp_path / "a.txt").write_text("hello\n")
+    (tmp_path / "blob.bin").write_bytes(bytes(range(256)) * 4)
+    assert sorted(read_texts(tmp_path)) == ["hello\n", "int x;\n"]
+    with pytest.raises(TrainingError, match="no text files"):
+        read_texts(tmp_path / "blob.bin")
 
 
 def test_without_prompts_the_target_is_held_out_on_its_own_samples(models):

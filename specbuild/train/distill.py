@@ -217,7 +217,7 @@ def alpha(counts: tuple[int, int]) -> float:
     return accepted / drafted if drafted else 0.0
 
 
-def choose_prompts(target, tokenizer, prompts_file: Path | None, data: Path | None, heldout: int, seed: int) -> Prompts:
+def choose_prompts(target, tokenizer, prompts_file: Path | None, data: list[str] | None, heldout: int, seed: int) -> Prompts:
     if prompts_file is not None:
         return from_file(tokenizer, prompts_file, heldout)
     if data is not None:
@@ -233,7 +233,7 @@ def distill(
     init: Path | None = None,
     minutes: float = 4.0,
     prompts_file: Path | None = None,
-    data: Path | None = None,
+    data: list[str] | None = None,
     gamma: int = 4,
     force: bool = False,
     objective: str = "tvd",
@@ -249,7 +249,7 @@ def distill(
 
     The draft starts from init (a checkpoint with the target's tokenizer) or from scratch with
     shrunk_config(target config, draft_config). Prompts come from prompts_file (JSONL), else from spans
-    of the text under data, else from the target's own samples. minutes bounds generation and training
+    of the data texts, else from the target's own samples. minutes bounds generation and training
     together; measuring α before and after comes on top. Returns the report.
     """
     torch.manual_seed(seed)

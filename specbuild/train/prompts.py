@@ -52,13 +52,20 @@ def from_file(tokenizer, path: Path, max_heldout: int) -> Prompts:
     )
 
 
-def text_files(root: Path) -> list[Path]:
-    """Every text file at or under root (a file or a folder), in path order."""
+def read_texts(root: Path, seed: int = 0) -> list[str]:
+    """The text files at or under root (a file or a folder); a large folder is sampled, files in random
+    order, down to about MAX_TEXT_CHARS (prompts need little text)."""
     candidates = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
     files = [path for path in candidates if is_text(path)]
     if not files:
         raise TrainingError(f"--data {root} holds no text files")
-    return files
+    texts, total = [], 0
+    for index in np.random.default_rng(seed).permutation(len(files)):
+        texts.append(files[index].read_text(encoding="utf-8", errors="replace"))
+        total += len(texts[-1])
+        if total >= MAX_TEXT_CHARS:
+            break
+    return texts
 
 
 def is_text(path: Path) -> bool:
@@ -71,26 +78,20 @@ def is_text(path: Path) -> bool:
     return b"\0" not in head and head.decode("utf-8", errors="replace").count("\ufffd") <= 3
 
 
-def from_text(tokenizer, files: list[Path], n_heldout: int, seed: int) -> Prompts:
-    """Spans of the files' text: training spans from the first nine tenths of every file, held-out spans
-    from the last tenth, so both come from the same files and never share text."""
-    rng = np.random.default_rng(seed)
-    texts, total = [], 0
-    for index in rng.permutation(len(files)):
-        texts.append(files[index].read_text(encoding="utf-8", errors="replace"))
-        total += len(texts[-1])
-        if total >= MAX_TEXT_CHARS:
-            break
+def from_text(tokenizer, texts: list[str], n_heldout: int, seed: int) -> Prompts:
+    """Spans of texts: training spans from the first nine tenths of every text, held-out spans from the
+    last tenth, so both come from the same documents and never share text."""
     train_parts, heldout_parts = [], []
     for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
         cut = int(len(ids) * (1 - HELDOUT_SHARE))
         train_parts.append(ids[:cut])
         heldout_parts.append(ids[cut:])
     heldout = evenly_spaced_spans(heldout_parts, n_heldout)
-    train = random_spans(train_parts, TRAIN_SPANS, rng)
+    train = random_spans(train_parts, TRAIN_SPANS, np.random.default_rng(seed))
     if not heldout or not train:
-        raise TrainingError(f"the --data text is too small ({total} characters); distill needs a few thousand tokens or more")
-    return Prompts(f"spans of {len(texts)} text files", train, heldout)
+        raise TrainingError(f"the --data text is too small ({sum(map(len, texts))} characters); "
+                            "distill needs a few thousand tokens or more")
+    return Prompts(f"spans of {len(texts)} texts", train, heldout)
 
 
 def random_spans(parts: list[list[int]], n: int, rng: np.random.Generator) -> list[list[int]]:
