@@ -1,4 +1,4 @@
-"""The arithmetic of greedy speculative rounds, shared by the compiler's quality report and distillation."""
+"""The arithmetic of speculative rounds, shared by the compiler's quality report, bench and distillation."""
 
 from __future__ import annotations
 
@@ -21,3 +21,17 @@ def rounds(agreement: list[bool], gamma: int) -> tuple[int, int]:
         drafted += draft_length
         position += run + 1
     return accepted, drafted
+
+
+def theoretical_speedup(tokens_per_call: float, gamma: int, cost_ratio: float) -> float:
+    """Leviathan et al.'s speed-up bound τ / (γc + 1): a round costs γ draft steps and one target step and
+    yields τ tokens, with c the cost of a draft step over a target step. Bench passes the measured τ, which
+    needs no assumption about how acceptances are distributed."""
+    return tokens_per_call / (gamma * cost_ratio + 1)
+
+
+def expected_tokens_per_call(alpha: float, gamma: int) -> float:
+    """τ = (1 − α^(γ+1)) / (1 − α): Leviathan et al.'s closed form when every draft token is accepted
+    independently with probability α (for an α measured without its rounds, as distillation's)."""
+    alpha = min(alpha, 0.9999)
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha)

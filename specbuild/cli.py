@@ -324,30 +324,56 @@ def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, te
 @click.option("--init", type=existing_dir, help="Start from this draft checkpoint (same tokenizer) instead of a new one.")
 @click.option("--draft-config", "draft_config", multiple=True, metavar="KEY=VALUE",
               help="Config overrides for a new draft, e.g. num_hidden_layers=2 (repeatable).  [default: <= 1/10 of the target]")
-@click.option("--minutes", type=float, default=5.0, show_default=True, help="Training time budget.")
-@click.option("--data", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Folder of text to distill on (*.py, *.txt, *.md).  [default: the Python standard library]")
-@click.option("--gamma", type=int, default=4, show_default=True, help="γ at which acceptance is reported.")
+@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
+              help="Time for making data and training (measuring α before and after comes on top).")
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help='JSONL prompts, one {"prompt": "..."} per line, as you will decode (a fourth are held out to measure α).')
+@click.option("--data", type=click.Path(exists=True, path_type=Path),
+              help="Text file or folder whose spans serve as prompts.  [default (neither): the target's own samples]")
+@click.option("--gamma", type=click.IntRange(min=1), default=4, show_default=True, help="γ at which acceptance is measured.")
+@click.option("--loss", "objective", type=click.Choice(["tvd", "fkl", "rkl", "jsd"]), default="tvd", show_default=True,
+              help="Divergence of the draft's distribution from the target's (train.divergence.DIVERGENCES).")
+@click.option("--force", is_flag=True, help="Write the draft even if α did not rise.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def distill(target, output, init, draft_config, minutes, data, gamma, as_json) -> None:
-    """Train a draft on the target's own predictions so that it agrees with the target more often."""
-    from .train.distill import distill as run_distill
+def distill(target, output, init, draft_config, minutes, prompts_file, data, gamma, objective, force, as_json) -> None:
+    """Train a draft on what the target writes, so that it agrees with the target more often.
 
+    The target continues prompts (yours, spans of your text, or its own samples); the draft learns the
+    target's distribution at every token. The output is written only if α on held-out prompts rose."""
     if init and draft_config:
         raise click.UsageError("give either --init or --draft-config, not both")
+    if prompts_file and data:
+        raise click.UsageError("give either --prompts or --data, not both")
+    from transformers.utils import logging as transformers_logging
+
+    from .errors import TrainingError
+    from .train.distill import distill as run_distill
+    from .train.prompts import read_texts
+
+    transformers_logging.disable_progress_bar()  # its per-checkpoint loading bars; ours show the work
     overrides = dict(_key_value(item) for item in draft_config) or None
-    files = sorted(p for p in data.rglob("*") if p.suffix in {".py", ".txt", ".md"}) if data else None
-    if data and not files:
-        raise click.BadParameter(f"{data} holds no *.py, *.txt or *.md files", param_hint="--data")
-    report = run_distill(target, output, draft_config=overrides, init=init, minutes=minutes, data_files=files, gamma=gamma)
+    report = run_distill(target, output, draft_config=overrides, init=init, minutes=minutes, prompts_file=prompts_file,
+                         data=read_texts(data) if data else None, gamma=gamma, objective=objective, force=force)
     if as_json:
         click.echo(json.dumps(report, indent=2))
-        return
-    click.echo(
-        f"wrote {output}: draft {report['draft_parameters'] / 1e6:.2f}M params "
-        f"({report['draft_parameters'] / report['target_parameters']:.1%} of the target); acceptance at gamma {gamma}: "
-        f"{report['alpha_before']:.2f} before -> {report['alpha_after']:.2f} after {report['seconds'] / 60:.1f} min"
-    )
+    else:
+        made = report["generation"]
+        click.echo(f"prompts: {report['prompts']} ({report['train_prompts']} for training, {report['heldout_prompts']} held out)")
+        click.echo(
+            f"acceptance α at γ {gamma} on the held-out prompts: {report['alpha_before']:.3f} -> {report['alpha_after']:.3f} "
+            f"({report['alpha_gain']:+.3f}) after {report['training']['seconds'] / 60:.1f} min "
+            f"({made['sequences']} sequences made in {made['seconds'] / 60:.1f} min, {report['training']['steps']} steps)"
+        )
+        click.echo(
+            f"speed-up bound at γ {gamma} with c = {report['cost_ratio']:.3f} (draft/target parameters): "
+            f"{report['theoretical_speedup_before']:.2f}x -> {report['theoretical_speedup_after']:.2f}x"
+        )
+        if report["written"]:
+            click.echo(f"wrote {output}: draft {report['draft_parameters'] / 1e6:.2f}M parameters "
+                       f"({report['draft_parameters'] / report['target_parameters']:.1%} of the target)")
+    if not report["written"]:
+        raise TrainingError(f"α did not rise ({report['alpha_before']:.3f} -> {report['alpha_after']:.3f}), so {output} "
+                            "was not written; train longer, give --prompts like yours, or --force to write it anyway")
 
 
 def _key_value(item: str) -> tuple[str, object]:

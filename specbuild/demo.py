@@ -21,12 +21,17 @@ DEMO_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo.toml"
 
 
 def ensure_pair(recipe: Path, pair: Path) -> None:
-    from .train.demo_pair import make_demo_pair, read_pair_recipe
-
     if (pair / "target" / "config.json").is_file() and (pair / "draft" / "config.json").is_file():
         return
-    click.echo(f"Making the demo pair in {pair} (once; about 30 minutes on 2 cores) ...", err=True)
-    make_demo_pair(pair, **read_pair_recipe(recipe))
+    from transformers.utils import logging as transformers_logging
+
+    from .train.demo_pair import make_demo_pair, read_pair_recipe
+
+    transformers_logging.disable_progress_bar()  # its per-checkpoint loading bars; ours show the work
+    settings = read_pair_recipe(recipe)
+    click.echo(f"Making the demo pair in {pair} (once; {settings.minutes:.0f} minutes of training, then about a "
+               "minute to measure and compile) ...", err=True)
+    make_demo_pair(pair, settings)
 
 
 def ensure_bundle(recipe: Path, pair: Path, bundle: Path) -> None:

@@ -27,3 +27,7 @@ class SettingsError(SpecbuildError):
 
 class ExternalToolError(SpecbuildError):
     """A tool the compiler runs (trtllm-build) failed."""
+
+
+class TrainingError(SpecbuildError):
+    """Distillation or the demo pair cannot go on with the data or settings given."""

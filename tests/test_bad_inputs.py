@@ -13,7 +13,6 @@ transformers peer and distill's loader run on them, and no command may even open
 from __future__ import annotations
 
 import fcntl
-import inspect
 import json
 import pickle
 import re
@@ -27,16 +26,6 @@ import pytest
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def _distill_loads_safetensors_only() -> bool:
-    from specbuild.train.distill import load_model
-
-    return "use_safetensors=True" in inspect.getsource(load_model)
-
-
-NEEDS = {  # branch -> whether its work is here
-    "distill": _distill_loads_safetensors_only,
-}
-
 
 @dataclass
 class Case:
@@ -47,7 +36,6 @@ class Case:
     fix: str  # what to do (the table's last column)
     setup: Callable[[dict], None] | None = None  # writes what the case needs into paths (may add paths)
     call: Callable | None = None  # API cases: call(decoder, bundle)
-    needs: str | None = None  # the branch that makes it pass
     id: str = field(default="")
 
 
@@ -246,7 +234,7 @@ CASES = [
          setup=lambda paths: (source_only_a_pickle(paths), write_file("prompts", PROMPT)(paths))),
     Case("`distill --target` a checkpoint with only pickled weights",
          ["distill", "--target", "{target}", "--output", "{tmp}/draft", "--minutes", "0.01"], 1, "safetensors", SAFE,
-         setup=a_copy_of("target", only_a_pickle), needs="distill"),
+         setup=a_copy_of("target", only_a_pickle)),
     Case("a checkpoint with a `pytorch_model.bin` beside its safetensors", compile_args(), 0, "",
          "Nothing: specbuild reads the safetensors and never opens the pickle.", setup=a_copy_of("target", plant_pickle)),
     Case("`verify --target` a checkpoint with a `pytorch_model.bin` beside its safetensors",
@@ -332,15 +320,8 @@ for case in CASES:
     case.id = re.sub(r"[^a-z0-9]+", "-", case.given.lower()).strip("-")
 
 
-def needs_mark(case: Case):
-    """Expected to fail until case.needs is merged (API cases are then not run: they may be unbounded)."""
-    if case.needs and not NEEDS[case.needs]():
-        return pytest.mark.xfail(strict=True, run=case.args is not None, reason=f"passes once the {case.needs} branch is merged")
-    return ()
-
-
 def params(kind_is_cli: bool):
-    return [pytest.param(c, id=c.id, marks=needs_mark(c)) for c in CASES if (c.args is not None) == kind_is_cli]
+    return [pytest.param(c, id=c.id) for c in CASES if (c.args is not None) == kind_is_cli]
 
 
 @pytest.fixture(scope="module")
@@ -393,8 +374,7 @@ def test_bad_command_line_input_is_one_line_with_its_exit_status_and_changes_not
     assert not result["changed"], "a failed command changed files"
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=needs_mark(c) if c.needs == "distill" else ())
-                                  for c in CASES if c.args is not None])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES if c.args is not None])
 def test_no_command_opens_a_pickled_checkpoint(case, cli_results):
     result = cli_results[case.id]
     assert not [path for path in result["opened"] if path.endswith(".bin")] and not result["unpickled"], result

@@ -4,7 +4,7 @@ import json
 
 from test_cli import specbuild
 
-from specbuild.bench.bench import theoretical_speedup
+from specbuild.acceptance import theoretical_speedup
 
 
 def test_theoretical_speedup_matches_leviathan_et_al():

@@ -1,43 +1,63 @@
-"""Distillation and acceptance-rate measurement on tiny models trained on nothing (fast, CPU only)."""
+"""Distillation on tiny models trained on nothing (fast, CPU only): where its prompts come from, what the
+target's data holds, how α is measured, and the rule that a draft is never written out worse."""
 
 from __future__ import annotations
 
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 import torch
 
+from conftest import make_checkpoint, make_tokenizer
 from specbuild.acceptance import rounds
-from specbuild.errors import CheckpointError
-from specbuild.texts import corpus_files
-from specbuild.train.distill import acceptance_rate, distill, heldout_prompts, load_model
-from specbuild.train.train import llama, parameter_count, save_checkpoint, train_tokenizer
+from specbuild.demo import DEMO_RECIPE
+from specbuild.errors import CheckpointError, TrainingError
+from specbuild.train import distill as distill_module
+from specbuild.train.distill import acceptance, alpha, distill, load_model, target_references
+from specbuild.train.generate import continue_prompts, score
+from specbuild.train.prompts import (HELDOUT_SHARE, SPAN_TOKENS, from_file, from_target, from_text, read_texts,
+                                     start_token)
+from specbuild.train.demo_pair import code_only, read_pair_recipe
+from specbuild.train.train import StepTuner, parameter_count
 
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
-SMALLER = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-}
+SMALLER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+PROMPTS = ["def add(a, b):\n", "import os\n", "class Stack:\n", "x = 1\n", "for i in range(3):\n", "while True:\n",
+           "return self\n", "if a:\n"]
 
 
-@pytest.fixture(scope="module")
-def corpus():
-    train, heldout = corpus_files()
-    return train[:6], heldout[:2]
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and far faster than on two when the machine is busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory, corpus):
-    tokenizer = train_tokenizer(corpus[0], vocab_size=512)
-    path = tmp_path_factory.mktemp("pair") / "target"
-    save_checkpoint(llama(TINY, tokenizer, max_positions=512), tokenizer, path)
+def pair(tmp_path_factory, tokenizer):
+    """(target folder, draft folder): tiny Llamas of one tokenizer, the draft smaller and unrelated."""
+    folder = tmp_path_factory.mktemp("pair")
+    return (make_checkpoint(folder / "target", "llama", tokenizer),
+            make_checkpoint(folder / "draft", "llama", tokenizer, seed=1, **SMALLER))
+
+
+@pytest.fixture(scope="module")
+def models(pair):
+    (target, tokenizer), (draft, _) = load_model(pair[0], "target"), load_model(pair[1], "draft")
+    return target, draft, tokenizer
+
+
+@pytest.fixture()
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     return path
 
 
@@ -48,42 +68,208 @@ def test_rounds_follow_greedy_speculative_decoding():
     assert rounds([True], gamma=4) == (0, 0)
 
 
-def test_alpha_is_one_when_the_draft_is_the_target(target_dir, corpus):
-    target, tokenizer = load_model(target_dir, "target")
-    prompts = heldout_prompts(tokenizer, corpus[1], n=4, prompt_tokens=16)
-    assert acceptance_rate(target, target, prompts, gamma=4, new_tokens=16) == 1.0
+def test_a_prompts_file_holds_out_every_fourth_prompt(models, prompts_file):
+    _, _, tokenizer = models
+    prompts = from_file(tokenizer, prompts_file, max_heldout=64)
+    encoded = tokenizer(PROMPTS)["input_ids"]
+    assert prompts.heldout == [encoded[3], encoded[7]]
+    assert prompts.train == [ids for i, ids in enumerate(encoded) if i not in (3, 7)]
 
 
-def test_distill_writes_a_smaller_draft_with_the_targets_tokenizer(tmp_path, target_dir, corpus):
-    torch.manual_seed(0)
-    report = distill(
-        target_dir,
-        tmp_path / "draft",
-        draft_config=SMALLER,
-        minutes=0.05,
-        data_files=corpus[0],
-        heldout_files=corpus[1],
-        batch_size=4,
-        seq_len=64,
-        prompts=4,
-    )
-    assert {"alpha_before", "alpha_after", "draft_parameters", "target_parameters", "seconds", "tokens"} <= set(report)
-    assert {"heldout_loss_before", "heldout_loss_after"} <= set(report)
-    assert report["draft_parameters"] < report["target_parameters"]
+def test_a_prompts_file_of_one_prompt_is_refused(models, tmp_path):
+    (tmp_path / "one.jsonl").write_text('{"prompt": "x"}\n')
+    with pytest.raises(TrainingError, match="one prompt"):
+        from_file(models[2], tmp_path / "one.jsonl", max_heldout=64)
+
+
+def test_text_spans_hold_out_the_last_tenth_of_every_file(models, tmp_path):
+    _, _, tokenizer = models
+    words = [f"w{i} " for i in range(4000)]  # every span is unique, so where it came from is unambiguous
+    files = []
+    for n in range(2):
+        files.append(tmp_path / f"{n}.txt")
+        files[-1].write_text("".join(words[n * 2000 : (n + 1) * 2000]))
+    prompts = from_text(tokenizer, [f.read_text() for f in files], n_heldout=8, seed=0)
+    encoded = [tokenizer(f.read_text(), add_special_tokens=False)["input_ids"] for f in files]
+    cuts = [int(len(ids) * (1 - HELDOUT_SHARE)) for ids in encoded]
+
+    def found_in(span, part):
+        return any(part[i : i + len(span)] == span for i in range(len(part) - len(span) + 1))
+
+    assert len(prompts.heldout) == 8 and all(len(span) == SPAN_TOKENS for span in prompts.heldout + prompts.train)
+    assert all(any(found_in(s, ids[cut:]) for ids, cut in zip(encoded, cuts)) for s in prompts.heldout)
+    assert all(any(found_in(s, ids[:cut]) for ids, cut in zip(encoded, cuts)) for s in prompts.train[:50])
+
+
+def test_data_is_every_text_file_under_a_folder(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "notes.h").write_text("int x;\n")
+    (tmp_path / "a.txt").write_text("hello\n")
+    (tmp_path / "blob.bin").write_bytes(bytes(range(256)) * 4)
+    assert sorted(read_texts(tmp_path)) == ["hello\n", "int x;\n"]
+    with pytest.raises(TrainingError, match="no text files"):
+        read_texts(tmp_path / "blob.bin")
+
+
+def test_without_prompts_the_target_is_held_out_on_its_own_samples(models):
+    target, _, tokenizer = models
+    prompts = from_target(target, tokenizer, n_heldout=4, seed=0)
+    assert prompts.train == [[start_token(tokenizer)]]
+    assert all(p[0] == start_token(tokenizer) and len(p) == SPAN_TOKENS + 1 for p in prompts.heldout)
+    assert len({tuple(p) for p in prompts.heldout}) > 1  # sampled, not one greedy text four times
+
+
+def test_generated_teacher_data_equal_a_teacher_forced_pass(models):
+    target, _, tokenizer = models
+    prompts = tokenizer(PROMPTS[:4])["input_ids"]  # different lengths: generate() pads them on the left
+    for sample in (False, True):
+        made = continue_prompts(target, prompts, 12, len(tokenizer), sample=sample)
+        rescored = score(target, made, len(tokenizer))
+        for generated, forced in zip(made, rescored):
+            assert np.array_equal(generated.top_ids[:, :4], forced.top_ids[:, :4])
+            np.testing.assert_allclose(generated.top_logprobs, forced.top_logprobs, atol=1e-4)
+            if not sample:  # greedy: each new token is the target's most likely one
+                assert np.array_equal(generated.tokens[generated.first + 1 :], generated.top_ids[:, 0])
+
+
+def speculate_step_by_step(target, draft, prompt: list[int], new_tokens: int, gamma: int) -> tuple[int, int]:
+    """Greedy speculative decoding as the runtime does it: draft gamma tokens, keep the agreeing prefix and
+    the target's own next token, repeat."""
+    tokens, produced, accepted, drafted = list(prompt), 0, 0, 0
+    while produced < new_tokens:
+        k = min(gamma, new_tokens - produced - 1)
+        guess = list(tokens)
+        for _ in range(k):
+            guess.append(int(draft(input_ids=torch.tensor([guess])).logits[0, -1].argmax()))
+        choices = target(input_ids=torch.tensor([guess])).logits[0, len(tokens) - 1 :].argmax(-1).tolist()
+        run = 0
+        while run < k and guess[len(tokens) + run] == choices[run]:
+            run += 1
+        tokens += guess[len(tokens) : len(tokens) + run] + [choices[run]]
+        accepted, drafted, produced = accepted + run, drafted + k, produced + run + 1
+    return accepted, drafted
+
+
+@torch.no_grad()
+def test_alpha_from_one_pass_equals_step_by_step_speculation(models):
+    target, draft, tokenizer = models
+    prompts = tokenizer(PROMPTS[:3])["input_ids"]
+    references = target_references(target, prompts, len(tokenizer), new_tokens=10)
+    # No eos in the way: the reference continuations all run to their full length.
+    assert all(len(r.tokens) - r.first - 1 == 10 for r in references)
+    for gamma in (1, 3):
+        expected = np.sum([speculate_step_by_step(target, draft, p, 10, gamma) for p in prompts], axis=0)
+        assert acceptance(draft, references, gamma, len(tokenizer)) == tuple(expected)
+    assert alpha(acceptance(target, references, 4, len(tokenizer))) == 1.0
+
+
+def test_a_draft_that_cannot_improve_is_not_written(pair, tmp_path):
+    # The target as its own draft: alpha is 1 before, so it cannot rise.
+    report = distill(pair[0], tmp_path / "draft", init=pair[0], minutes=0.01, heldout_prompts=4)
+    assert report["alpha_before"] == 1.0 and not report["written"]
+    assert not (tmp_path / "draft").exists()
+    forced = distill(pair[0], tmp_path / "draft", init=pair[0], minutes=0.01, heldout_prompts=4, force=True)
+    assert forced["written"] and (tmp_path / "draft" / "config.json").is_file()
+
+
+def test_a_draft_whose_alpha_rose_is_written_with_the_targets_tokenizer(pair, tmp_path, monkeypatch, prompts_file):
+    measured = iter([(1, 10), (5, 10)])  # alpha 0.1 before, 0.5 after
+    monkeypatch.setattr(distill_module, "acceptance", lambda *args: next(measured))
+    report = distill(pair[0], tmp_path / "draft", draft_config=SMALLER, minutes=0.02, prompts_file=prompts_file)
+    assert report["written"] and report["alpha_gain"] == 0.4
+    assert report["theoretical_speedup_after"] > report["theoretical_speedup_before"]
+    assert report["prompts"].startswith("prompts of") and report["heldout_prompts"] == 2
     draft, draft_tokenizer = load_model(tmp_path / "draft", "draft")
-    _, target_tokenizer = load_model(target_dir, "target")
-    assert draft_tokenizer.get_vocab() == target_tokenizer.get_vocab()
-    assert parameter_count(draft) == report["draft_parameters"]
-    assert draft.config.model_type == "llama"
+    assert draft_tokenizer.get_vocab() == load_model(pair[0], "target")[1].get_vocab()
+    assert parameter_count(draft) == report["draft_parameters"] < report["target_parameters"]
 
 
-def test_distill_refuses_a_draft_with_another_tokenizer(tmp_path, target_dir, corpus):
-    other_tokenizer = train_tokenizer(corpus[0], vocab_size=400)
-    save_checkpoint(llama(SMALLER, other_tokenizer, max_positions=512), other_tokenizer, tmp_path / "other")
+def distill_command(*args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny models; a busy machine makes two threads crawl
+    return subprocess.run([sys.executable, "-m", "specbuild", "distill", *map(str, args)], capture_output=True,
+                          text=True, env=env)
+
+
+def test_the_distill_command_says_in_one_line_that_it_wrote_nothing(pair, tmp_path):
+    result = distill_command("--target", pair[0], "--init", pair[0], "-o", tmp_path / "draft", "--minutes", "0.01")
+    assert result.returncode == 1
+    assert "on the held-out prompts: 1.000 -> " in result.stdout
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "was not written" in lines[0], result.stderr
+    assert not (tmp_path / "draft").exists()
+
+
+def test_the_distill_command_takes_one_source_of_prompts(pair, tmp_path, prompts_file):
+    result = distill_command("--target", pair[0], "-o", tmp_path / "draft", "--prompts", prompts_file, "--data", prompts_file)
+    assert result.returncode == 2 and "either --prompts or --data" in result.stderr
+
+
+def test_distill_refuses_a_draft_with_another_tokenizer(pair, tmp_path):
+    other = make_checkpoint(tmp_path / "other", "llama", make_tokenizer(vocab_size=300), **SMALLER)
     with pytest.raises(CheckpointError, match="different tokenizer"):
-        distill(target_dir, tmp_path / "draft", init=tmp_path / "other", minutes=0.01, data_files=corpus[0])
+        distill(pair[0], tmp_path / "draft", init=other, minutes=0.01)
+
+
+class Planted:
+    """A pickle that, once unpickled, leaves a file behind."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_distill_never_unpickles_a_checkpoint(pair, tmp_path):
+    marker = tmp_path / "unpickled"
+    pickled = tmp_path / "pickled"
+    shutil.copytree(pair[0], pickled)
+    (pickled / "pytorch_model.bin").write_bytes(pickle.dumps(Planted(marker)))
+    report = distill(pickled, tmp_path / "draft", init=pair[0], minutes=0.01, heldout_prompts=2)
+    assert report["alpha_before"] == 1.0  # it read the safetensors beside the pickle
+    (pickled / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        distill(pickled, tmp_path / "draft", minutes=0.01)
+    assert not marker.exists()
 
 
 def test_distill_reports_a_missing_target(tmp_path):
     with pytest.raises(CheckpointError, match="not a Hugging Face folder"):
         distill(tmp_path / "missing", tmp_path / "draft", minutes=0.01)
+
+
+def test_the_demo_recipe_holds_every_setting_of_the_pair():
+    recipe = read_pair_recipe(DEMO_RECIPE)
+    assert recipe.target["hidden_size"] > recipe.draft["hidden_size"]
+
+
+def test_a_pair_recipe_missing_a_setting_is_refused(tmp_path):
+    text = DEMO_RECIPE.read_text()
+    (tmp_path / "recipe.toml").write_text("\n".join(line for line in text.splitlines() if not line.startswith("seq_len")))
+    with pytest.raises(TrainingError, match="lacks seq_len"):
+        read_pair_recipe(tmp_path / "recipe.toml")
+
+
+def test_training_steps_run_the_way_that_was_timed_fastest():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    tuner = StepTuner()
+    torch.set_num_threads(threads)
+    seconds = {(1, False): 1.0, (2, False): 2.0, (1, True): 0.5, (2, True): 0.8}
+    for _ in range(4 * StepTuner.TRIES):
+        way = tuner.next()
+        tuner.record(way, seconds[way])
+    assert tuner.next() == (1, True) and tuner.next() == (1, True)  # and it holds until the next round
+    tuner.until = 0.0  # the hold ends: the next round times the thread counts only, in bf16
+    tried = []
+    for _ in range(2 * StepTuner.TRIES):
+        tried.append(tuner.next())
+        tuner.record(tried[-1], {1: 0.9, 2: 0.3}[tried[-1][0]])  # the machine got quieter
+    assert set(tried) == {(1, True), (2, True)}
+    assert tuner.next() == (2, True)
+
+
+def test_the_demo_corpus_keeps_code_and_drops_comments_and_docstrings():
+    source = 'x = 1  # one\n"""Doc."""\n\ndef f(a):\n    """Multi\n    line."""\n    # only\n    return "s"  # tail\n\n\nf("kept")\n'
+    assert code_only(source) == 'x = 1\n\ndef f(a):\n    return "s"\n\n\nf("kept")\n'
+    assert code_only("def broken(:\n    '''never closed\n") == "def broken(:\n    '''never closed\n"

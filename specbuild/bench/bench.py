@@ -17,6 +17,8 @@ from specbuild_runtime.decode import AUTO, Stats
 from specbuild_runtime.engine import PROVIDERS, session_options
 from specbuild_runtime.errors import SpecbuildError
 
+from ..acceptance import theoretical_speedup
+
 
 def measure_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 5) -> float:
     """The memory bandwidth in GB/s that decoding a model larger than the caches is bound by. CPU: numpy
@@ -134,14 +136,6 @@ def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_toke
             tokens = list(decoder.stream(ids, max_new_tokens, result.gamma, temperature=temperature, seed=seed, stats=stats))
             result.add(stats, tokens)
     return results
-
-
-def theoretical_speedup(tokens_per_call: float, gamma: int, cost_ratio: float) -> float:
-    """Leviathan et al.'s speed-up bound τ / (γc + 1): a round costs γ draft steps and one target step and
-    yields τ tokens. Their closed form puts (1 − α^(γ+1)) / (1 − α) for τ, which assumes every draft is
-    accepted independently with probability α; the measured τ needs no such assumption, nor a second
-    definition of α beside accepted / drafted."""
-    return tokens_per_call / (gamma * cost_ratio + 1)
 
 
 def context_latency(decoder: SpeculativeDecoder, short: int = 64, long: int = 1024, steps: int = 200) -> dict:

@@ -1,99 +1,48 @@
-"""Align a draft with its target by knowledge distillation, and measure how well they agree.
+"""Align a draft with its target: distillation on sequences the target itself writes, judged by the greedy
+acceptance rate α on held-out prompts of the same source, and never written out worse than it came in.
 
-Speculative decoding only pays when the target accepts most drafted tokens, so the number that
-matters is the greedy acceptance rate alpha, measured here exactly and cheaply with torch.
+Speculative decoding only pays when the target accepts most drafted tokens, so α at the user's γ is the
+number that decides; it is measured here exactly and cheaply with torch.
 """
 
 from __future__ import annotations
 
 import copy
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from tqdm import tqdm
 
-from ..acceptance import rounds
+from ..acceptance import expected_tokens_per_call, rounds, theoretical_speedup
 from ..errors import CheckpointError
-from ..texts import corpus_files, read_source
-from .train import encode_corpus, heldout_loss, parameter_count, save_checkpoint, train_model
+from .divergence import distill_loss
+from .generate import Sequence, continue_prompts, eos_ids, right_padded, score
+from .prompts import Prompts, from_file, from_target, from_text
+from .train import parameter_count, save_checkpoint, train_model
 
 DRAFT_SHARE = 0.1  # a default draft has at most this share of the target's parameters, where the vocabulary allows
-
-
-@torch.no_grad()
-def acceptance_rate(target, draft, prompts_ids: list[list[int]], gamma: int = 4, new_tokens: int = 64) -> float:
-    """Greedy speculative acceptance rate alpha = accepted / drafted tokens over all prompts.
-
-    Exact for greedy decoding: an accepted draft prefix equals the target's own tokens, so the
-    draft's choices can be read off one teacher-forced pass over the target's continuation.
-    """
-    target.eval()
-    draft.eval()
-    eos = target.generation_config.eos_token_id
-    by_length: dict[int, list[list[int]]] = {}
-    for prompt in prompts_ids:
-        by_length.setdefault(len(prompt), []).append(prompt)
-    accepted = drafted = 0
-    # Equal-length prompts batch without padding; a batch amortises generate()'s per-step overhead.
-    for length, group in tqdm(by_length.items(), desc=f"alpha (gamma={gamma})", unit="batch", leave=False):
-        ids = torch.tensor(group)
-        sequences = target.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=eos
-        )
-        # Logits at position t predict token t + 1, so the prediction of continuation[i] sits at length + i - 1.
-        predicted = draft(input_ids=sequences[:, :-1]).logits[:, length - 1 :].argmax(-1)
-        for continuation, guesses in zip(sequences[:, length:], predicted):
-            produced = _until_eos(continuation.tolist(), eos)
-            agreement = (guesses[: len(produced)] == continuation[: len(produced)]).tolist()
-            round_accepted, round_drafted = rounds(agreement, gamma)
-            accepted += round_accepted
-            drafted += round_drafted
-    return accepted / drafted if drafted else 0.0
-
-
-def _until_eos(tokens: list[int], eos) -> list[int]:
-    """The tokens up to and including the first eos: generate() pads finished rows of a batch after it."""
-    stops = set(eos if isinstance(eos, list) else [eos]) - {None}
-    for i, token in enumerate(tokens):
-        if token in stops:
-            return tokens[: i + 1]
-    return tokens
-
-
-def heldout_prompts(tokenizer, files: list[Path], n: int = 32, prompt_tokens: int = 48) -> list[list[int]]:
-    """n prompts of prompt_tokens tokens: windows at fixed fractions of each file, files round-robin."""
-    encoded = [
-        ids
-        for ids in tokenizer([read_source(p) for p in files], add_special_tokens=False)["input_ids"]
-        if len(ids) >= prompt_tokens
-    ]
-    if not encoded:
-        raise ValueError(f"no held-out file has {prompt_tokens} tokens")
-    prompts = []
-    # Middles first: file heads are licence boilerplate that any model predicts.
-    for fraction in (0.5, 0.25, 0.75, 0.125, 0.375, 0.625, 0.875):
-        for ids in encoded:
-            start = int(fraction * (len(ids) - prompt_tokens))
-            prompts.append(ids[start : start + prompt_tokens])
-            if len(prompts) == n:
-                return prompts
-    return prompts
+NEW_TOKENS = 64  # every generated sequence, and every held-out measurement, continues a prompt this far
+GENERATION_BATCH = 64  # sequences per batched generate() call: the fastest per token on 2 cores
 
 
 def load_model(path: Path, role: str):
+    """A Hugging Face folder's model (fp32, eval mode) and tokenizer, from safetensors only: never unpickled."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{role} checkpoint {path} is not a Hugging Face folder (no config.json)")
+    if not any(path.glob("*.safetensors")):
+        raise CheckpointError(f"{role} checkpoint {path} has no *.safetensors weights (distill never unpickles "
+                              "*.bin files; re-save it with save_pretrained(..., safe_serialization=True))")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32, use_safetensors=True)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{role} checkpoint {path} cannot be loaded ({exc})") from None
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{role} checkpoint {path} cannot be loaded ({first_line})") from None
     return model.eval(), tokenizer
 
 
@@ -152,21 +101,6 @@ def _meta_parameters(config) -> int:
         return parameter_count(AutoModelForCausalLM.from_config(config))
 
 
-def kd_loss(target):
-    """KL(target || draft) per token at temperature 1; the target sees the same windows, without gradients."""
-
-    def loss(draft, batch: torch.Tensor) -> torch.Tensor:
-        inputs = batch[:, :-1]
-        with torch.no_grad():
-            teacher = F.log_softmax(target(input_ids=inputs).logits.float(), -1).flatten(0, 1)
-        student = F.log_softmax(draft(input_ids=inputs).logits.float(), -1).flatten(0, 1)
-        # A padded embedding table may give one model extra rows that no token ever uses.
-        vocab = min(teacher.shape[-1], student.shape[-1])
-        return F.kl_div(student[:, :vocab], teacher[:, :vocab], log_target=True, reduction="batchmean")
-
-    return loss
-
-
 def build_draft(target, tokenizer, draft_config: dict | None, init: Path | None, seed: int):
     from transformers import AutoModelForCausalLM
 
@@ -182,63 +116,183 @@ def build_draft(target, tokenizer, draft_config: dict | None, init: Path | None,
     return draft
 
 
+class DistillData:
+    """The sequences the draft learns from, made while it learns: next_batch generates a chunk whenever
+    generation is behind its share of the time so far, and otherwise draws a batch from all made so far.
+
+    Chunks take turns by kind: "sampled" (the target samples from training prompts), "greedy" (the target
+    decodes greedily from a random point of a sampled sequence: the prefixes α is measured on are the
+    target's own, and greedy decoding is what the draft must predict) and "draft" (on-policy: the draft
+    samples from such a point and the target scores every token).
+    """
+
+    def __init__(self, target, draft, prompts: list[list[int]], vocab: int, *, kinds: tuple[str, ...],
+                 share: float, batch_size: int):
+        self.target, self.draft, self.prompts, self.vocab = target, draft, prompts, vocab
+        self.kinds, self.share, self.batch_size = kinds, share, batch_size
+        self.sequences: list[Sequence] = []
+        self.sampled: list[Sequence] = []
+        self.made = Counter()
+        self.seconds = 0.0
+        self.started: float | None = None
+
+    def next_batch(self, rng: np.random.Generator) -> tuple[list[Sequence], int]:
+        self.started = self.started or time.monotonic()
+        if not self.sequences or self.seconds < self.share * (time.monotonic() - self.started):
+            began = time.monotonic()
+            kind = self.kinds[sum(self.made.values()) % len(self.kinds)]
+            self.sequences += self.make(kind, rng)
+            self.made[kind] += 1
+            self.seconds += time.monotonic() - began
+        batch = [self.sequences[i] for i in rng.integers(len(self.sequences), size=self.batch_size)]
+        return batch, sum(len(s.top_ids) for s in batch)
+
+    def make(self, kind: str, rng: np.random.Generator) -> list[Sequence]:
+        if kind == "sampled":
+            prompts = [self.prompts[i] for i in rng.integers(len(self.prompts), size=GENERATION_BATCH)]
+            made = continue_prompts(self.target, prompts, NEW_TOKENS, self.vocab, sample=True)
+            self.sampled += made
+            return made
+        if kind == "greedy":
+            return continue_prompts(self.target, self.branch_points(rng), NEW_TOKENS, self.vocab, sample=False)
+        if kind == "draft":
+            drafted = continue_prompts(self.draft, self.branch_points(rng), NEW_TOKENS, self.vocab, sample=True, keep_teacher=False)
+            return score(self.target, drafted, self.vocab)
+        raise ValueError(f"unknown kind of sequence {kind!r}")
+
+    def branch_points(self, rng: np.random.Generator) -> list[list[int]]:
+        """Prefixes of sampled sequences cut at random points of their continuation (training prompts until
+        there are sampled sequences)."""
+        if not self.sampled:
+            return [self.prompts[i] for i in rng.integers(len(self.prompts), size=GENERATION_BATCH)]
+        prefixes = []
+        for i in rng.integers(len(self.sampled), size=GENERATION_BATCH):
+            s = self.sampled[i]
+            prefixes.append(s.tokens[: int(rng.integers(s.first + 1, len(s.tokens)))].tolist())
+        return prefixes
+
+    def report(self) -> dict:
+        return {
+            "chunks": dict(self.made),
+            "sequences": len(self.sequences),
+            "tokens": sum(len(s.top_ids) for s in self.sequences),
+            "seconds": round(self.seconds, 1),
+        }
+
+
+@torch.no_grad()
+def target_references(target, prompts: list[list[int]], vocab: int, new_tokens: int = NEW_TOKENS) -> list[Sequence]:
+    """The target's greedy continuations of prompts, computed once: the target never changes."""
+    references = []
+    for first in range(0, len(prompts), GENERATION_BATCH):
+        chunk = prompts[first : first + GENERATION_BATCH]
+        references += continue_prompts(target, chunk, new_tokens, vocab, sample=False, keep_teacher=False)
+    return references
+
+
+@torch.no_grad()
+def acceptance(draft, references: list[Sequence], gamma: int, vocab: int, batch_size: int = 16) -> tuple[int, int]:
+    """(accepted, drafted) when greedy speculative decoding at gamma produces the references.
+
+    Exact for greedy decoding: an accepted draft prefix equals the target's own tokens, so the draft's
+    choices are read off one teacher-forced pass over the target's continuation.
+    """
+    draft.eval()
+    pad = min(eos_ids(draft))
+    accepted = drafted = 0
+    for first in range(0, len(references), batch_size):
+        chunk = references[first : first + batch_size]
+        guesses = draft(input_ids=right_padded([s.tokens[:-1] for s in chunk], pad)).logits[..., :vocab].argmax(-1)
+        for row, s in enumerate(chunk):
+            continuation = torch.from_numpy(s.tokens[s.first + 1 :].astype(np.int64))
+            agreement = guesses[row, s.first : len(s.tokens) - 1] == continuation
+            round_accepted, round_drafted = rounds(agreement.tolist(), gamma)
+            accepted += round_accepted
+            drafted += round_drafted
+    return accepted, drafted
+
+
+def alpha(counts: tuple[int, int]) -> float:
+    accepted, drafted = counts
+    return accepted / drafted if drafted else 0.0
+
+
+def choose_prompts(target, tokenizer, prompts_file: Path | None, data: list[str] | None, heldout: int, seed: int) -> Prompts:
+    if prompts_file is not None:
+        return from_file(tokenizer, prompts_file, heldout)
+    if data is not None:
+        return from_text(tokenizer, data, heldout, seed)
+    return from_target(target, tokenizer, heldout, seed)
+
+
 def distill(
     target_dir: Path,
     output_dir: Path,
     *,
     draft_config: dict | None = None,
     init: Path | None = None,
-    minutes: float = 5.0,
-    data_files: list[Path] | None = None,
-    heldout_files: list[Path] | None = None,
-    batch_size: int = 16,
-    seq_len: int = 256,
-    lr: float = 1e-3,
+    minutes: float = 4.0,
+    prompts_file: Path | None = None,
+    data: list[str] | None = None,
     gamma: int = 4,
-    prompts: int = 32,
+    force: bool = False,
+    objective: str = "tvd",
+    kinds: tuple[str, ...] = ("sampled", "greedy"),
+    generation_share: float = 0.5,
+    heldout_prompts: int = 32,
+    batch_size: int = 16,
+    lr: float = 1e-3,
     seed: int = 0,
 ) -> dict:
-    """Distill a draft from the target at target_dir; write it (with the target's tokenizer) to output_dir.
+    """Distill a draft from the target at target_dir; write it (with the target's tokenizer) to output_dir
+    only if its α at gamma on held-out prompts rose, or with force.
 
     The draft starts from init (a checkpoint with the target's tokenizer) or from scratch with
-    shrunk_config(target config, draft_config). Text defaults to the standard library split of
-    corpus_files(). Returns alpha and held-out loss before and after.
+    shrunk_config(target config, draft_config). Prompts come from prompts_file (JSONL), else from spans
+    of the data texts, else from the target's own samples. minutes bounds generation and training
+    together; measuring α before and after comes on top. Returns the report.
     """
+    torch.manual_seed(seed)
     target, tokenizer = load_model(target_dir, "target")
-    if data_files is None or heldout_files is None:
-        default_train, default_heldout = corpus_files()
-        data_files = default_train if data_files is None else data_files
-        heldout_files = default_heldout if heldout_files is None else heldout_files
     draft = build_draft(target, tokenizer, draft_config, init, seed)
-    data, heldout = encode_corpus(tokenizer, data_files), encode_corpus(tokenizer, heldout_files)
-    prompt_ids = heldout_prompts(tokenizer, heldout_files, prompts)
+    vocab = len(tokenizer)
+    prompts = choose_prompts(target, tokenizer, prompts_file, data, heldout_prompts, seed)
 
     started = time.monotonic()
+    references = target_references(target, prompts.heldout, vocab)
+    before = acceptance(draft, references, gamma, vocab)
+    evaluation_seconds = time.monotonic() - started
+
+    made = DistillData(target, draft, prompts.train, vocab, kinds=kinds, share=generation_share, batch_size=batch_size)
+    loss = distill_loss(objective, vocab, pad=min(eos_ids(target)))
+    run = train_model(draft, made.next_batch, minutes=minutes, lr=lr, desc="distill", seed=seed, loss_fn=loss)
+
+    started = time.monotonic()
+    after = acceptance(draft, references, gamma, vocab)
+    evaluation_seconds += time.monotonic() - started
+
+    cost_ratio = parameter_count(draft) / parameter_count(target)
     report = {
+        "prompts": prompts.source,
+        "train_prompts": len(prompts.train),
+        "heldout_prompts": len(prompts.heldout),
+        "heldout_drafted_tokens": after[1],
+        "gamma": gamma,
+        "alpha_before": round(alpha(before), 4),
+        "alpha_after": round(alpha(after), 4),
+        "alpha_gain": round(alpha(after) - alpha(before), 4),
         "target_parameters": parameter_count(target),
         "draft_parameters": parameter_count(draft),
-        "alpha_before": acceptance_rate(target, draft, prompt_ids, gamma),
-        "heldout_loss_before": heldout_loss(draft, heldout, seq_len),
+        "cost_ratio": round(cost_ratio, 4),
+        "theoretical_speedup_before": round(theoretical_speedup(expected_tokens_per_call(alpha(before), gamma), gamma, cost_ratio), 3),
+        "theoretical_speedup_after": round(theoretical_speedup(expected_tokens_per_call(alpha(after), gamma), gamma, cost_ratio), 3),
+        "objective": objective,
+        "generation": made.report(),
+        "training": run,
+        "evaluation_seconds": round(evaluation_seconds, 1),
+        "written": alpha(after) > alpha(before) or force,
+        "output": str(output_dir),
     }
-    run = train_model(
-        draft,
-        data,
-        minutes=minutes,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        lr=lr,
-        desc="distill",
-        seed=seed,
-        loss_fn=kd_loss(target),
-    )
-    report.update(
-        alpha_after=acceptance_rate(target, draft, prompt_ids, gamma),
-        heldout_loss_after=heldout_loss(draft, heldout, seq_len),
-        seconds=run["seconds"],
-        tokens=run["tokens"],
-        final_kl=run["final_loss"],
-        gamma=gamma,
-        evaluation_seconds=round(time.monotonic() - started - run["seconds"], 1),
-    )
-    save_checkpoint(draft, tokenizer, output_dir)
+    if report["written"]:
+        save_checkpoint(draft, tokenizer, output_dir)
     return report

@@ -1,0 +1,56 @@
+"""How far the draft's next-token distribution is from the target's: the losses DistillSpec (Zhou et al.
+2023) compares, on the target's top-k tokens plus one bucket holding the rest of both distributions.
+
+Bucketing keeps the teacher's data small (k numbers a token instead of the vocabulary) and loses nothing
+greedy decoding needs: the target's choice is always in its top-k. Each divergence on the buckets is a
+lower bound of the full one (coarser distributions are closer) and equals it when the rest is empty.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .generate import Sequence, right_padded
+
+EPS = 1e-9  # keeps log() finite where a bucket is empty
+
+
+def buckets(student_logprobs: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor):
+    """(p, q): the target's and the draft's probabilities of the target's top-k tokens and of the rest."""
+    p_top = top_logprobs.exp()
+    q_top = student_logprobs.gather(-1, top_ids).exp()
+    p = torch.cat([p_top, (1 - p_top.sum(-1, keepdim=True)).clamp_min(0)], -1)
+    q = torch.cat([q_top, (1 - q_top.sum(-1, keepdim=True)).clamp_min(0)], -1)
+    return p, q
+
+
+def kl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a * ((a + EPS).log() - (b + EPS).log())).sum(-1)
+
+
+DIVERGENCES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "fkl": lambda p, q: kl(p, q),  # forward KL(target || draft): what classic distillation minimises
+    "rkl": lambda p, q: kl(q, p),  # reverse KL(draft || target): mode-seeking
+    "jsd": lambda p, q: 0.5 * kl(p, (p + q) / 2) + 0.5 * kl(q, (p + q) / 2),
+    "tvd": lambda p, q: 0.5 * (p - q).abs().sum(-1),  # total variation: sampling accepts a draft token with chance 1 - TVD
+}
+
+
+def distill_loss(objective: str, vocab: int, pad: int) -> Callable[[torch.nn.Module, list[Sequence]], torch.Tensor]:
+    """loss(draft, sequences): the mean divergence over every token whose target distribution is known."""
+    divergence = DIVERGENCES[objective]
+
+    def loss(draft, batch: list[Sequence]) -> torch.Tensor:
+        logits = draft(input_ids=right_padded([s.tokens[:-1] for s in batch], pad)).logits
+        rows = torch.cat([torch.full((len(s.top_ids),), row) for row, s in enumerate(batch)])
+        positions = torch.cat([torch.arange(s.first, s.first + len(s.top_ids)) for s in batch])
+        student = F.log_softmax(logits[rows, positions, :vocab].float(), -1)
+        top_ids = torch.from_numpy(np.concatenate([s.top_ids for s in batch])).long()
+        top_logprobs = torch.from_numpy(np.concatenate([s.top_logprobs for s in batch]))
+        return divergence(*buckets(student, top_ids, top_logprobs)).mean()
+
+    return loss

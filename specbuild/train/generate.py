@@ -1,0 +1,119 @@
+"""Sequences to distill on, made by the models themselves, each with the target's next-token distribution.
+
+The target continues prompts (sampled and greedy) and keeps its own top-k log-probabilities from the
+logits generate() computes anyway, so teaching the draft costs no second target pass. On-policy sequences
+come from the draft and are scored by one batched target pass.
+
+Torch's batched generate() is the engine: on the 2-core machine it produced 4-20x the tokens per second of
+the ONNX runtime, which decodes one sequence per slot (benchmarks/distill_engines.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+TEACHER_TOP_K = 32  # the target's distribution is kept as its 32 most likely tokens plus one bucket for the rest
+
+
+@dataclass
+class Sequence:
+    """tokens[: first + 1] is the context; the target's top-k distribution of every later token is known.
+
+    top_ids[i] / top_logprobs[i] describe the target's prediction of tokens[first + 1 + i], made at
+    position first + i.
+    """
+
+    tokens: np.ndarray  # int32 [L]
+    first: int
+    top_ids: np.ndarray  # int32 [L - first - 1, k]
+    top_logprobs: np.ndarray  # float32 [L - first - 1, k]
+
+
+def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of different lengths as one batch for generate(): padding on the left, masked out."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def right_padded(rows: list[np.ndarray], pad: int) -> torch.Tensor:
+    """Sequences as one batch for a teacher-forced pass: causal attention never lets a position see the
+    padding after it, so no mask is needed."""
+    batch = torch.full((len(rows), max(map(len, rows))), pad, dtype=torch.long)
+    for row, tokens in enumerate(rows):
+        batch[row, : len(tokens)] = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+    return batch
+
+
+def eos_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos]) - {None}
+
+
+def until_eos(tokens: list[int], stops: set[int]) -> list[int]:
+    """The tokens up to and including the first eos: generate() pads finished rows of a batch after it."""
+    for i, token in enumerate(tokens):
+        if token in stops:
+            return tokens[: i + 1]
+    return tokens
+
+
+def top_k(logits: torch.Tensor, vocab: int, k: int = TEACHER_TOP_K) -> tuple[np.ndarray, np.ndarray]:
+    """The k most likely tokens and their log-probabilities over the tokenizer's vocab (a padded embedding
+    table has rows beyond it that no text uses)."""
+    logprobs, ids = F.log_softmax(logits[..., :vocab].float(), -1).topk(k, dim=-1)
+    return ids.to(torch.int32).numpy(), logprobs.numpy()
+
+
+@torch.no_grad()
+def continue_prompts(model, prompts: list[list[int]], new_tokens: int, vocab: int, sample: bool, keep_teacher: bool = True):
+    """Each prompt continued by model (sampled at temperature 1 from the whole distribution, or greedy),
+    stopping at eos, never choosing a padding row beyond vocab. With keep_teacher, the model's own top-k
+    next-token log-probabilities come along."""
+    stops = eos_ids(model)
+    pad = min(stops)
+    ids, mask = left_padded(prompts, pad)
+    # Sampling draws from the whole distribution: no top-k/top-p a generation_config might carry.
+    sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {"do_sample": False}
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        **sampling,
+        pad_token_id=pad,
+        suppress_tokens=list(range(vocab, model.config.vocab_size)) or None,
+        output_logits=keep_teacher,
+        return_dict_in_generate=True,
+    )
+    continuations = out.sequences[:, ids.shape[1] :].tolist()
+    logits = torch.stack(out.logits, 1) if keep_teacher else None  # [B, new, V]
+    sequences = []
+    for row, (prompt, continuation) in enumerate(zip(prompts, continuations)):
+        continuation = until_eos(continuation, stops)
+        tokens = np.asarray(prompt + continuation, dtype=np.int32)
+        if keep_teacher:
+            top_ids, top_logprobs = top_k(logits[row, : len(continuation)], vocab)
+        else:
+            top_ids = top_logprobs = np.zeros((len(continuation), 0))
+        sequences.append(Sequence(tokens, len(prompt) - 1, top_ids, top_logprobs))
+    return sequences
+
+
+@torch.no_grad()
+def score(target, sequences: list[Sequence], vocab: int) -> list[Sequence]:
+    """The same sequences with the target's top-k distributions, from one teacher-forced pass."""
+    pad = min(eos_ids(target))
+    logits = target(input_ids=right_padded([s.tokens[:-1] for s in sequences], pad)).logits
+    scored = []
+    for row, s in enumerate(sequences):
+        top_ids, top_logprobs = top_k(logits[row, s.first : len(s.tokens) - 1], vocab)
+        scored.append(Sequence(s.tokens, s.first, top_ids, top_logprobs))
+    return scored
