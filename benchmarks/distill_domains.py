@@ -9,8 +9,8 @@ Then, for each variant, distill the draft for --minutes and measure α at γ on 
 (the same exact greedy measurement distill uses). Variants: the defaults (the target's own samples), --prompts,
 --data, and the divergences and data kinds DistillSpec compares. Prints a table and writes JSON.
 
-    flock /tmp/specbuild-heavy.lock python benchmarks/distill_domains.py --work /work/scratch/c-pair --json c.json
-    flock /tmp/specbuild-heavy.lock python benchmarks/distill_domains.py --work /work/scratch/c-py --mix-python --json c-py.json
+    python benchmarks/distill_domains.py --variants default,prompts,data,fkl,rkl,jsd,on-policy --json c.json
+    python benchmarks/distill_domains.py --work .cache/distill-c-py --mix-python --json c-py.json
     python benchmarks/distill_domains.py --pair .cache/demo/pair --eval specbuild/prompts/code.jsonl --variants default
 """
 
@@ -101,7 +101,7 @@ def eval_alpha(pair: Path, draft: Path, prompts: list[str], gamma: int) -> float
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, default=Path("/work/scratch/distill/c-pair"))
+    parser.add_argument("--work", type=Path, default=Path(".cache/distill-c-pair"), help="where the C pair and runs are kept")
     parser.add_argument("--pair", type=Path, help="an existing pair (target/, draft/) instead of the C pair")
     parser.add_argument("--eval", type=Path, help="prompts α is measured on  [default: the C pair's eval.jsonl]")
     parser.add_argument("--variants", default="default,prompts", help=f"comma-separated, of: {', '.join(VARIANTS)}")

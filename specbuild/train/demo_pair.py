@@ -125,8 +125,10 @@ def make_demo_pair(out_dir: Path, recipe: PairRecipe) -> dict:
     }
     save_checkpoint(target, tokenizer, out_dir / "target")
 
-    # A new draft learns from the target's own samples alone: what it must predict is what the target writes.
-    report["draft"] = distill(out_dir / "target", out_dir / "draft", draft_config=recipe.draft,
+    # A new draft learns what the target writes after spans of the corpus: the demo prompts are code, and
+    # from code the draft reached α 0.57 at γ 4 on them where the target's own samples as prompts gave 0.52
+    # (3 minutes each, one trial).
+    report["draft"] = distill(out_dir / "target", out_dir / "draft", data=train_texts, draft_config=recipe.draft,
                               minutes=recipe.distill_minutes, lr=recipe.distill_lr, gamma=recipe.gamma, seed=recipe.seed)
     if not report["draft"]["written"]:
         raise TrainingError(f"the demo draft did not learn (alpha {report['draft']['alpha_after']}); delete {out_dir} and run again")
