@@ -1,5 +1,7 @@
 """The compile pipeline end to end: what it writes into the bundle and what it refuses."""
 
+import resource
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -55,6 +57,15 @@ def test_a_bf16_checkpoint_becomes_an_fp16_engine_with_the_same_weights(checkpoi
     name = "model.layers.1.mlp.down_proj.weight"
     expected = tensors[name].float().numpy().astype(np.float16)
     assert stored[name].dtype == np.float16 and np.array_equal(stored[name], expected)
+
+
+def test_the_recorded_peak_memory_is_the_compiles_not_the_processs(checkpoints, tmp_path):
+    held = np.ones(2**30 // 8)  # 1 GiB touched, then freed: work this process did before compiling
+    del held
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    manifest = compile_bundle(CompileSettings(target=checkpoints("llama"), draft=checkpoints("llama"), output=tmp_path / "b",
+                                              max_seq_len=64), show_progress=False)
+    assert 0 < manifest.build["peak_rss_bytes"] < peak_before - 2**29
 
 
 @pytest.mark.parametrize("max_seq_len", [0, -5, 1])
