@@ -3,7 +3,7 @@
 from specbuild_runtime import SpeculativeDecoder
 import random
 
-from specbuild_runtime.policy import GREEDY_DECAY, MAX_PROBE_EVERY, PROBE_EVERY, SAMPLING_DECAY, AdaptiveGamma
+from specbuild_runtime.policy import GREEDY_DECAY, MAX_PROBE_EVERY, PROBE_EVERY, SAMPLING_DECAY, AdaptiveGamma, Costs
 
 from conftest import PROMPTS
 
@@ -55,11 +55,11 @@ def test_auto_mode_uses_the_target_alone_with_an_unrelated_draft(bundles, tokeni
 def test_catch_up_calls_and_noisy_timings_do_not_stop_speculation():
     policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
     run_rounds(policy, lambda r, j: True, rounds=20)
-    draft_cost = policy.draft_cost
+    costs = [policy.costs.cost(g) for g in range(9)]
     policy.observe(1, 1, draft_seconds=5.0, target_seconds=1.0, caught_up=True)  # the draft read a prompt
-    assert policy.draft_cost == draft_cost
-    policy.observe(4, 4, draft_seconds=0.4, target_seconds=3.0)  # one slow call (the machine hiccuped)
-    assert policy.extra_token_cost < 0.2 and policy.choose(limit=100) >= 4
+    assert [policy.costs.cost(g) for g in range(9)] == costs
+    policy.observe(8, 8, draft_seconds=0.8, target_seconds=3.0)  # one slow call (the machine hiccuped)
+    assert policy.costs.cost(8) < 1.2 * costs[8] and policy.choose(limit=100) >= 4
 
 
 def test_sampling_policy_does_not_chase_coin_flips():
@@ -84,3 +84,16 @@ def test_a_few_stretched_calls_do_not_lock_auto_out_of_speculation():
         k = policy.choose(limit=100)
         policy.observe(k, min(k, 2), draft_seconds=100 * k * 0.1, target_seconds=100.0)
     assert min(run_rounds(policy, lambda r, j: j < 2, rounds=30)) > 0
+
+
+def test_gamma_is_priced_by_whole_rounds_timed_at_that_gamma():
+    """Costs as on the demo pair: a round's first draft step dear, further ones cheap, and the target call
+    after drafting slower than the same rows without drafts. Each γ costs what its rounds took (in target
+    calls without drafts); a γ not yet timed, the nearest timed one below plus a prior step."""
+    costs = Costs(max_gamma=8, draft_cost=0.1)
+    for _ in range(100):
+        costs.observe(0, 0.0, 1.0, caught_up=False)
+        costs.observe(1, 0.3, 1.3, caught_up=False)
+        costs.observe(2, 0.35, 1.3, caught_up=False)
+        costs.observe(3, 9.0, 1.3, caught_up=True)  # catching up: not a round of γ 3
+    assert [round(costs.cost(g), 6) for g in range(4)] == [1.0, 1.6, 1.65, round(1.65 + costs.prior_step, 6)]

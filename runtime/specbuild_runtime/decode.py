@@ -165,7 +165,7 @@ class SpeculativeDecoder:
         # decodes, so each slot keeps its own (carried over to its next request, as the pair's agreement
         # is). Greedy and sampled decoding accept drafts differently: one of each per mode.
         draft_cost = self.draft.info.weight_bytes / self.target.info.weight_bytes
-        costs = {sampling: Costs(draft_cost) for sampling in (False, True)}
+        costs = {sampling: Costs(self.max_gamma, draft_cost) for sampling in (False, True)}
         self._policies = [{sampling: AdaptiveGamma(self.max_gamma, draft_cost, SAMPLING_DECAY if sampling else GREEDY_DECAY,
                                                    costs[sampling]) for sampling in (False, True)}
                           for _ in range(parallel)]

@@ -3,11 +3,10 @@
 With per-draft acceptance α, a round with γ drafts yields E(γ) = (1 - α^(γ+1)) / (1 - α) tokens
 (Leviathan et al. 2023) and costs γ draft steps plus one target call over γ+1 tokens, but never fewer
 than two: the target re-feeds the token before a lone one (see slot.Rows), so a round without drafts
-costs as much as a round with one (on a GPU every target call computes max γ + 1 rows, so κ should measure ~0). Measured in target calls without drafts that is
-1 + γ·c + max(γ-1, 0)·κ, where c = draft step / target step and κ is the extra cost of each further
-token in a target call. AdaptiveGamma picks the γ (0 = target only)
-with the most tokens per unit of cost. While it sits at 0 it still drafts one token now and then (a probe)
-so it notices when the draft starts agreeing again: first after PROBE_EVERY rounds, and each rejected
+costs as much as a round with one in target rows (on a GPU every target call computes max γ + 1 rows).
+What a round at γ costs, in target calls without drafts, is timed (`Costs`). AdaptiveGamma picks the
+γ (0 = target only) with the most tokens per unit of cost. While it sits at 0 it still drafts one token
+now and then (a probe) so it notices when the draft starts agreeing again: first after PROBE_EVERY rounds, and each rejected
 probe doubles the wait up to MAX_PROBE_EVERY. A probe costs a cold draft call that catches up on the
 tokens the draft missed, plus a 2-token target call: with a probe every 8 rounds a draft that never
 agrees (α 0.02) decoded at 0.94x target-only, with the wait growing to 32 at 0.98x. A longer cap did
@@ -27,15 +26,16 @@ MAX_PROBE_EVERY = 32
 GREEDY_DECAY = 0.7
 SAMPLING_DECAY = 0.9
 # Costs change only with the machine, and single call times scatter by ±20% here: a fast average of them
-# swung κ between 0 and 0.2 and pushed auto into target-only rounds it lost on (30-40% of rounds on the
-# demo pair, where auto then trailed fixed γ = 4 by 5-15%; with this slow one it beats it).
+# swung the cost of a further target row between 0 and 0.2 and pushed auto into target-only rounds it
+# lost on (30-40% of rounds on an earlier demo pair, where auto then trailed fixed γ = 4 by 5-15%).
 COST_DECAY = 0.95
-# A call stretched by preemption on a shared machine once raised κ from 0.03 to 1.09 and c to 1.35 within
-# one request, after which auto never drafted again: its probes draft one token, which updates neither κ
-# (rounds of two drafts or more) nor c (a probe's draft call also catches up on missed tokens). So one
-# sample may pull an estimate at most as far as OUTLIER times the estimate (plus a floor, for estimates
-# near 0) would: a real change still shows within ~15 calls, one stray call moves it by a few per cent.
+# A call stretched by preemption on a shared machine once raised the estimated costs of drafting so far
+# within one request that auto never drafted again: its probes draft one token and update no cost (a
+# probe's draft call also catches up on missed tokens). So one sample may pull an estimate at most as far
+# as OUTLIER times the estimate (plus a floor, for estimates near 0) would: a real change still shows
+# within ~15 calls, one stray call moves it by a few per cent.
 OUTLIER = 3.0
+PRIOR_EXTRA_TOKEN = 0.05  # the prior's cost of one more row in a target call, per draft
 
 
 class FixedGamma:
@@ -51,29 +51,43 @@ class FixedGamma:
 
 
 class Costs:
-    """Running estimates of a round's costs, in units of a target call without drafts: c (a draft step)
-    and κ (each further token in a target call). They describe the machine, not the text, so one set is
-    shared by every slot of a decoder; a lock keeps concurrent requests' updates whole."""
+    """Running estimates of what a round costs at each γ, in units of a target call without drafts:
+    whole rounds (draft calls plus the target call) timed at that γ, and for a γ not yet timed the
+    nearest timed one below it plus prior_step per further draft (the weight-byte ratio, plus a row).
 
-    def __init__(self, draft_cost: float):
+    Measured per γ, because a round's cost is neither linear in γ nor split well between draft and
+    target: on the demo pair a round's first draft step took 0.17 ms and each further one 0.05; the target
+    call after drafting ran 0.11 ms slower than the same two rows without drafts; a 3-row target call
+    cost what a 2-row one did and a 5-row one 27% more. The model before this one (1 + γ·c + (γ−1)·κ, c
+    the average draft step, κ each further target row measured against a call without drafts) priced γ 2
+    above γ 1 although γ 2 was 8% faster. Costs describe the machine, not the text, so one set is shared
+    by every slot of a decoder; a lock keeps concurrent requests' updates whole."""
+
+    def __init__(self, max_gamma: int, draft_cost: float):
         self.lock = threading.Lock()
-        self.draft_cost = draft_cost  # c, until measured: the engines' weight-byte ratio
-        self.extra_token_cost = 0.05  # κ
-        self.target_step: float | None = None  # seconds of a target call without drafts
+        self.prior_step = draft_cost + PRIOR_EXTRA_TOKEN  # a further draft, until timed: the weight-byte ratio
+        self.target_alone: float | None = None  # seconds of a target call without drafts
+        # seconds of a target call with drafts (about the same rows, and timed every round): the unit until
+        # a round without drafts is seen
+        self.target_drafted: float | None = None
+        self.rounds: list[float | None] = [None] * (max_gamma + 1)  # seconds of a whole round at each γ
+
+    def cost(self, gamma: int) -> float:
+        if gamma == 0:
+            return 1.0
+        unit = self.target_alone or self.target_drafted
+        below = max((g for g in range(1, gamma + 1) if self.rounds[g] is not None), default=None)
+        if below is None or unit is None:
+            return 1 + gamma * self.prior_step
+        return self.rounds[below] / unit + (gamma - below) * self.prior_step
 
     def observe(self, drafted: int, draft_seconds: float, target_seconds: float, caught_up: bool) -> None:
         with self.lock:
             if drafted == 0:
-                self.target_step = _ema(self.target_step, target_seconds)
-                return
-            if self.target_step is None:
-                # No call without drafts seen yet: split the call's time with the current κ.
-                self.target_step = target_seconds / (1 + (drafted - 1) * self.extra_token_cost)
-            elif drafted > 1:
-                extra = (target_seconds / self.target_step - 1) / (drafted - 1)
-                self.extra_token_cost = _ema(self.extra_token_cost, max(extra, 0.0), floor=0.05)
-            if not caught_up:
-                self.draft_cost = _ema(self.draft_cost, draft_seconds / drafted / self.target_step, floor=0.05)
+                self.target_alone = _ema(self.target_alone, target_seconds)
+            elif not caught_up:  # a catching-up draft also read tokens it had missed: not a round of γ
+                self.target_drafted = _ema(self.target_drafted, target_seconds)
+                self.rounds[drafted] = _ema(self.rounds[drafted], draft_seconds + target_seconds)
 
 
 class AdaptiveGamma:
@@ -84,7 +98,7 @@ class AdaptiveGamma:
     def __init__(self, max_gamma: int, draft_cost: float, alpha_decay: float = GREEDY_DECAY, costs: Costs | None = None):
         self.max_gamma = max_gamma
         self.alpha_decay = alpha_decay
-        self.costs = costs or Costs(draft_cost)
+        self.costs = costs or Costs(max_gamma, draft_cost)
         self.successes, self.failures = 1.2, 0.8  # prior α = 0.6: try speculation first
         self.rounds_at_zero = 0  # since speculation stopped or the last probe
         self.probe_every = PROBE_EVERY
@@ -94,18 +108,10 @@ class AdaptiveGamma:
     def alpha(self) -> float:
         return self.successes / (self.successes + self.failures)
 
-    @property
-    def draft_cost(self) -> float:
-        return self.costs.draft_cost
-
-    @property
-    def extra_token_cost(self) -> float:
-        return self.costs.extra_token_cost
-
     def expected_speedup(self, gamma: int) -> float:
         a = min(self.alpha, 0.999)
         tokens = (1 - a ** (gamma + 1)) / (1 - a)
-        return tokens / (1 + gamma * self.draft_cost + max(gamma - 1, 0) * self.extra_token_cost)
+        return tokens / self.costs.cost(gamma)
 
     def choose(self, limit: int) -> int:
         with self.costs.lock:  # one consistent view of c and κ
