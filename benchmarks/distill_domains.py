@@ -64,7 +64,7 @@ def split_headers(root: Path, max_chars: int = 15_000_000) -> tuple[list[Path], 
 
 def write_prompts(path: Path, tokenizer, files: list[Path], n: int, seed: int) -> None:
     """n spans of SPAN_TOKENS tokens from files, as a JSONL prompts file (decoded text)."""
-    parts = tokenizer([f.read_text(errors="replace") for f in files], add_special_tokens=False)["input_ids"]
+    parts = tokenizer([read_source(f) for f in files], add_special_tokens=False)["input_ids"]
     spans = random_spans(parts, n, np.random.default_rng(seed))
     path.write_text("".join(json.dumps({"prompt": tokenizer.decode(s)}) + "\n" for s in spans))
 
@@ -76,7 +76,7 @@ def build_c_pair(work: Path, target_minutes: float, draft_minutes: float, mix_py
     if (pair / "draft" / "config.json").is_file():
         return pair
     train, held = split_headers(Path("/usr/include"))
-    texts = [f.read_text(errors="replace") for f in train]
+    texts = [read_source(f) for f in train]
     if mix_python:
         texts += [read_source(p) for p in corpus_files()[0]]
         texts = [texts[i] for i in np.random.default_rng(0).permutation(len(texts))]
@@ -123,7 +123,7 @@ def main() -> None:
         if "prompts_file" in options:
             options["prompts_file"] = args.work / options["prompts_file"]
         if "data" in options:
-            options["data"] = [Path(p).read_text(errors="replace") for p in (args.work / "train-files.txt").read_text().split()]
+            options["data"] = [read_source(Path(p)) for p in (args.work / "train-files.txt").read_text().split()]
         out = args.work / f"draft-{name.replace(' ', '-')}"
         started = time.monotonic()
         report = distill(pair / "target", out, init=pair / "draft", minutes=args.minutes, gamma=args.gamma, force=True, **options)

@@ -16,13 +16,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from specbuild.compile import compile_bundle
 from specbuild.recipe import CompileSettings
 from specbuild.train.distill import load_model
 from specbuild.train.generate import continue_prompts
-from specbuild.train.train import llama, save_checkpoint
+from specbuild.train.train import llama, parameter_count, save_checkpoint
 from specbuild_runtime import SpeculativeDecoder
 
 NEW_TOKENS = 64
@@ -63,7 +61,7 @@ def measure(target: Path, draft: Path, scratch: Path) -> dict:
     prompts = [tokenizer(text)["input_ids"] for text in ("def main():\n", "#include <stdio.h>\n", "The ", "import os\n")]
     rates = {**runtime_rates(bundle, prompts * 2), **torch_rates(model, prompts, len(tokenizer))}
     base = rates["runtime greedy"]
-    print(f"{target}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+    print(f"{target}: {parameter_count(model) / 1e6:.1f}M parameters")
     for name, rate in rates.items():
         print(f"  {name:<28} {rate:8.0f} tok/s  {rate / base:6.2f}x")
     return {"target": str(target), "tokens_per_second": {k: round(v, 1) for k, v in rates.items()}}

@@ -42,10 +42,10 @@ def make_pair(out: Path, damping: float = DAMPING, max_seq_len: int = 1024) -> P
     import torch
     from transformers import LlamaForCausalLM
 
-    from specbuild.texts import corpus_files
+    from specbuild.texts import corpus_files, read_source
     from specbuild.train.train import llama, parameter_count, save_checkpoint, train_tokenizer
 
-    tokenizer = train_tokenizer(corpus_files()[0], 4096, max_chars=2_000_000)
+    tokenizer = train_tokenizer([read_source(p) for p in corpus_files()[0]], 4096, max_chars=2_000_000)
     target = llama(TARGET_SHAPE, tokenizer, max_positions=max_seq_len).eval()
     with torch.no_grad():
         for layer in target.model.layers[DRAFT_LAYERS:]:

@@ -32,6 +32,6 @@ def theoretical_speedup(tokens_per_call: float, gamma: int, cost_ratio: float) -
 
 def expected_tokens_per_call(alpha: float, gamma: int) -> float:
     """τ = (1 − α^(γ+1)) / (1 − α): Leviathan et al.'s closed form when every draft token is accepted
-    independently with probability α (for an α measured without its rounds, as distillation's)."""
-    alpha = min(alpha, 0.9999)
-    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    independently with probability α (for an α measured without its rounds, as distillation's and the
+    compiler's γ recommendation are); γ + 1 at α = 1."""
+    return gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)

@@ -344,13 +344,10 @@ def distill(target, output, init, draft_config, minutes, prompts_file, data, gam
         raise click.UsageError("give either --init or --draft-config, not both")
     if prompts_file and data:
         raise click.UsageError("give either --prompts or --data, not both")
-    from transformers.utils import logging as transformers_logging
-
     from .errors import TrainingError
     from .train.distill import distill as run_distill
     from .train.prompts import read_texts
 
-    transformers_logging.disable_progress_bar()  # its per-checkpoint loading bars; ours show the work
     overrides = dict(_key_value(item) for item in draft_config) or None
     report = run_distill(target, output, draft_config=overrides, init=init, minutes=minutes, prompts_file=prompts_file,
                          data=read_texts(data) if data else None, gamma=gamma, objective=objective, force=force)

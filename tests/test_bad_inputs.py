@@ -374,7 +374,7 @@ def test_bad_command_line_input_is_one_line_with_its_exit_status_and_changes_not
     assert not result["changed"], "a failed command changed files"
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES if c.args is not None])
+@pytest.mark.parametrize("case", params(kind_is_cli=True))
 def test_no_command_opens_a_pickled_checkpoint(case, cli_results):
     result = cli_results[case.id]
     assert not [path for path in result["opened"] if path.endswith(".bin")] and not result["unpickled"], result

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from conftest import make_checkpoint, make_tokenizer
+from test_bad_inputs import MARKER, plant_pickle
 from specbuild.acceptance import rounds
 from specbuild.demo import DEMO_RECIPE
 from specbuild.errors import CheckpointError, TrainingError
@@ -31,21 +31,10 @@ PROMPTS = ["def add(a, b):\n", "import os\n", "class Stack:\n", "x = 1\n", "for 
            "return self\n", "if a:\n"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and far faster than on two when the machine is busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory, tokenizer):
+def pair(checkpoints):
     """(target folder, draft folder): tiny Llamas of one tokenizer, the draft smaller and unrelated."""
-    folder = tmp_path_factory.mktemp("pair")
-    return (make_checkpoint(folder / "target", "llama", tokenizer),
-            make_checkpoint(folder / "draft", "llama", tokenizer, seed=1, **SMALLER))
+    return checkpoints("llama"), checkpoints("llama", 1, **SMALLER)
 
 
 @pytest.fixture(scope="module")
@@ -210,21 +199,11 @@ def test_distill_refuses_a_draft_with_another_tokenizer(pair, tmp_path):
         distill(pair[0], tmp_path / "draft", init=other, minutes=0.01)
 
 
-class Planted:
-    """A pickle that, once unpickled, leaves a file behind."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return open, (self.marker, "w")
-
-
 def test_distill_never_unpickles_a_checkpoint(pair, tmp_path):
-    marker = tmp_path / "unpickled"
+    marker = tmp_path / MARKER
     pickled = tmp_path / "pickled"
     shutil.copytree(pair[0], pickled)
-    (pickled / "pytorch_model.bin").write_bytes(pickle.dumps(Planted(marker)))
+    plant_pickle(pickled)
     report = distill(pickled, tmp_path / "draft", init=pair[0], minutes=0.01, heldout_prompts=2)
     assert report["alpha_before"] == 1.0  # it read the safetensors beside the pickle
     (pickled / "model.safetensors").unlink()

@@ -32,7 +32,7 @@ COST_DECAY = 0.95
 # A call stretched by preemption on a shared machine once raised the estimated costs of drafting so far
 # within one request that auto never drafted again: its probes draft one token and update no cost (a
 # probe's draft call also catches up on missed tokens). So one sample may pull an estimate at most as far
-# as OUTLIER times the estimate (plus a floor, for estimates near 0) would: a real change still shows
+# as OUTLIER times the estimate would (costs are seconds, never near 0): a real change still shows
 # within ~15 calls, one stray call moves it by a few per cent.
 OUTLIER = 3.0
 PRIOR_EXTRA_TOKEN = 0.05  # the prior's cost of one more row in a target call, per draft
@@ -72,14 +72,17 @@ class Costs:
         self.target_drafted: float | None = None
         self.rounds: list[float | None] = [None] * (max_gamma + 1)  # seconds of a whole round at each γ
 
-    def cost(self, gamma: int) -> float:
-        if gamma == 0:
-            return 1.0
+    def costs(self, limit: int) -> list[float]:
+        """The cost of a round at γ = 0 … limit."""
         unit = self.target_alone or self.target_drafted
-        below = max((g for g in range(1, gamma + 1) if self.rounds[g] is not None), default=None)
-        if below is None or unit is None:
-            return 1 + gamma * self.prior_step
-        return self.rounds[below] / unit + (gamma - below) * self.prior_step
+        table = [1.0]
+        for gamma in range(1, limit + 1):
+            timed = self.rounds[gamma]
+            table.append(timed / unit if timed is not None else table[-1] + self.prior_step)
+        return table
+
+    def cost(self, gamma: int) -> float:
+        return self.costs(gamma)[gamma]
 
     def observe(self, drafted: int, draft_seconds: float, target_seconds: float, caught_up: bool) -> None:
         with self.lock:
@@ -108,14 +111,11 @@ class AdaptiveGamma:
     def alpha(self) -> float:
         return self.successes / (self.successes + self.failures)
 
-    def expected_speedup(self, gamma: int) -> float:
-        a = min(self.alpha, 0.999)
-        tokens = (1 - a ** (gamma + 1)) / (1 - a)
-        return tokens / self.costs.cost(gamma)
-
     def choose(self, limit: int) -> int:
-        with self.costs.lock:  # one consistent view of c and κ
-            best = max(range(min(self.max_gamma, limit) + 1), key=self.expected_speedup)
+        a = min(self.alpha, 0.999)
+        with self.costs.lock:  # one consistent view of the costs
+            costs = self.costs.costs(min(self.max_gamma, limit))
+        best = max(range(len(costs)), key=lambda gamma: (1 - a ** (gamma + 1)) / (1 - a) / costs[gamma])
         if best > 0:
             self.rounds_at_zero, self.probe_every = 0, PROBE_EVERY
         elif limit > 0:
@@ -139,8 +139,8 @@ class AdaptiveGamma:
         self.costs.observe(drafted, draft_seconds, target_seconds, caught_up)
 
 
-def _ema(old: float | None, new: float, floor: float = 0.0) -> float:
-    """The slow cost average, a sample clipped to OUTLIER times the estimate (+ floor)."""
+def _ema(old: float | None, new: float) -> float:
+    """The slow cost average, a sample clipped to OUTLIER times the estimate."""
     if old is None:
         return new
-    return COST_DECAY * old + (1 - COST_DECAY) * min(new, OUTLIER * old + floor)
+    return COST_DECAY * old + (1 - COST_DECAY) * min(new, OUTLIER * old)

@@ -23,6 +23,7 @@ from specbuild_runtime.engine import Engine
 from specbuild_runtime.slot import AS_FED, NEVER_ALONE, EngineSlot
 from specbuild_runtime.manifest import EngineInfo
 
+from ..acceptance import expected_tokens_per_call, theoretical_speedup
 from ..texts import CODE_PROMPTS, read_prompts
 
 PROMPTS = 8
@@ -35,8 +36,7 @@ ENGINE_BYTES_LIMIT = 8 << 30
 
 
 def expected_speedup(alpha: float, cost_ratio: float, gamma: int) -> float:
-    tokens = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
-    return tokens / (gamma * cost_ratio + 1)
+    return theoretical_speedup(expected_tokens_per_call(alpha, gamma), gamma, cost_ratio)
 
 
 def recommend(alpha: float | None, cost_ratio: float, max_gamma: int, method: str) -> dict:

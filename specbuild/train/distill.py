@@ -17,6 +17,7 @@ import torch
 
 from ..acceptance import expected_tokens_per_call, rounds, theoretical_speedup
 from ..errors import CheckpointError
+from ..verify import load_reference
 from .divergence import distill_loss
 from .generate import Sequence, continue_prompts, eos_ids, right_padded, score
 from .prompts import Prompts, from_file, from_target, from_text
@@ -31,8 +32,8 @@ GENERATION_SHARE = 0.3
 
 
 def load_model(path: Path, role: str):
-    """A Hugging Face folder's model (fp32, eval mode) and tokenizer, from safetensors only: never unpickled."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """A Hugging Face folder's model (fp32, eval mode, from safetensors only: never unpickled) and tokenizer."""
+    from transformers import AutoTokenizer
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -40,13 +41,13 @@ def load_model(path: Path, role: str):
     if not any(path.glob("*.safetensors")):
         raise CheckpointError(f"{role} checkpoint {path} has no *.safetensors weights (distill never unpickles "
                               "*.bin files; re-save it with save_pretrained(..., safe_serialization=True))")
+    model = load_reference(path, role)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32, use_safetensors=True)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{role} checkpoint {path} cannot be loaded ({first_line})") from None
-    return model.eval(), tokenizer
+        raise CheckpointError(f"{role} checkpoint {path} has no usable tokenizer ({first_line})") from None
+    return model, tokenizer
 
 
 def shrunk_config(target_config, overrides: dict | None = None):
