@@ -188,8 +188,11 @@ class SpeculativeDecoder:
     def generate(self, prompt: Prompt, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
                  seed=None, stop=None) -> Generation:
         request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
-        stats, text = Stats(), TextStream(self.tokenizer, request.stop)
+        # Without stop strings nothing needs the text before the end: decode it once.
+        stats, text = Stats(), TextStream(self.tokenizer, request.stop) if request.stop else None
         tokens = list(self._run(request, stats, text))
+        if text is None:
+            return Generation(self.tokenizer.decode(tokens), tokens, request.prompt_ids, stats)
         text.finish()
         return Generation(text.text, tokens, request.prompt_ids, stats)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from ..engine import DEVICES
 from ..errors import SpecbuildError
 
 
@@ -16,7 +17,7 @@ from ..errors import SpecbuildError
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port to listen on.")
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True,
+@click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
               help="Where the engines run; auto picks CUDA when onnxruntime has it.")
 @click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True,
               help="Requests decoded at once (slots, each with its own KV cache); the engines are shared.")

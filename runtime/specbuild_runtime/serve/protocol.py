@@ -94,8 +94,6 @@ def parse(endpoint: str, raw: bytes, model: str) -> Request:
         raise ApiError(400, "stream_options is an object, allowed only with stream: true", "stream_options")
     include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
     decoding = {name: body[name] for name in DECODING if body.get(name) is not None}
-    if isinstance(decoding.get("stop"), str):
-        decoding["stop"] = [decoding["stop"]]
     max_tokens = _first_given(body, *(["max_completion_tokens"] if endpoint == CHAT else []), "max_tokens")
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS[endpoint]
