@@ -97,3 +97,20 @@ def test_gamma_is_priced_by_whole_rounds_timed_at_that_gamma():
         costs.observe(2, 0.35, 1.3, caught_up=False)
         costs.observe(3, 9.0, 1.3, caught_up=True)  # catching up: not a round of γ 3
     assert [round(costs.cost(g), 6) for g in range(4)] == [1.0, 1.6, 1.65, round(1.65 + costs.prior_step, 6)]
+
+
+def test_free_guesses_that_hold_keep_auto_from_drafting():
+    """Drafts accepted about half the time at a fifth of a target call each: worth drafting, unless the
+    round without drafts gets two free guesses accepted (repetitive text), which is worth more."""
+    def chosen(held):
+        policy = AdaptiveGamma(max_gamma=8, draft_cost=0.2)
+        picks = []
+        for r in range(80):
+            k = policy.choose(limit=100)
+            accepted = next((j for j in range(k) if (r + j) % 2), k)
+            policy.observe(k, accepted, draft_seconds=0.2 * k, target_seconds=1.0, held=held)
+            picks.append(k)
+        return picks[-20:]
+
+    assert min(chosen(held=0)) > 0
+    assert chosen(held=2).count(0) >= 16

@@ -46,7 +46,7 @@ class FixedGamma:
         return min(self.gamma, limit)
 
     def observe(self, drafted: int, accepted: int, draft_seconds: float, target_seconds: float,
-                caught_up: bool = False) -> None:
+                caught_up: bool = False, held: int | None = None) -> None:
         pass
 
 
@@ -103,6 +103,9 @@ class AdaptiveGamma:
         self.alpha_decay = alpha_decay
         self.costs = costs or Costs(max_gamma, draft_cost)
         self.successes, self.failures = 1.2, 0.8  # prior α = 0.6: try speculation first
+        # Free guesses that held per round (decode._speculate: greedy auto checks them in rounds without
+        # drafts, and counts in rounds with drafts how many would have held): what γ 0 yields beyond its token.
+        self.held, self.guessed_rounds = 0.0, 1.0
         self.rounds_at_zero = 0  # since speculation stopped or the last probe
         self.probe_every = PROBE_EVERY
         self.probing = False
@@ -115,7 +118,8 @@ class AdaptiveGamma:
         a = min(self.alpha, 0.999)
         with self.costs.lock:  # one consistent view of the costs
             costs = self.costs.costs(min(self.max_gamma, limit))
-        best = max(range(len(costs)), key=lambda gamma: (1 - a ** (gamma + 1)) / (1 - a) / costs[gamma])
+        tokens = [1 + self.held / self.guessed_rounds] + [(1 - a ** (g + 1)) / (1 - a) for g in range(1, len(costs))]
+        best = max(range(len(costs)), key=lambda gamma: tokens[gamma] / costs[gamma])
         if best > 0:
             self.rounds_at_zero, self.probe_every = 0, PROBE_EVERY
         elif limit > 0:
@@ -126,9 +130,13 @@ class AdaptiveGamma:
         return best
 
     def observe(self, drafted: int, accepted: int, draft_seconds: float, target_seconds: float,
-                caught_up: bool = False) -> None:
+                caught_up: bool = False, held: int | None = None) -> None:
         """caught_up: the draft's first call also read tokens it had missed (the prompt, or rounds
-        without drafts), so its time says little about a draft step."""
+        without drafts), so its time says little about a draft step. held: how many free guesses the
+        target accepted, or would have (None: not counted)."""
+        if held is not None:
+            self.held = self.alpha_decay * self.held + held
+            self.guessed_rounds = self.alpha_decay * self.guessed_rounds + 1
         if self.probing and not accepted:
             self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
         self.probing = False
