@@ -42,8 +42,8 @@ class Stats:
     gamma_rounds: dict[int, int] = field(default_factory=dict)  # γ used -> rounds
     draft_seconds: float = 0.0
     draft_steps: int = 0
-    guessed: int = 0  # rounds without drafts whose second target row checked a free guess (see _speculate)
-    guesses_accepted: int = 0
+    guessed: int = 0  # rounds without drafts whose target rows checked free guesses (see _speculate)
+    guesses_accepted: int = 0  # guessed tokens the target accepted
     target_seconds: float = 0.0  # rounds only, the prompt's call excluded
     finish_reason: str = ""  # "eos", "stop" (a stop string), "max_new_tokens" or "context"
 
@@ -251,7 +251,8 @@ class SpeculativeDecoder:
         _, token = target.step(ids, total_len=len(ids), uniforms=uniforms(1))
         new_tokens = [token]
         draft_len = 0
-        # Auto mode, greedy: the token that last followed each token, for free guesses (see below).
+        # Auto mode, greedy: the token that last followed each token, for free guesses (see below; a
+        # guess is verified like a draft, so it cannot change the output).
         follows = dict(zip(ids, ids[1:])) if request.gamma == AUTO and sampling.greedy else None
         while True:
             for token in new_tokens:

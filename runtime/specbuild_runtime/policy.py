@@ -3,7 +3,8 @@
 With per-draft acceptance α, a round with γ drafts yields E(γ) = (1 - α^(γ+1)) / (1 - α) tokens
 (Leviathan et al. 2023) and costs γ draft steps plus one target call over γ+1 tokens, but never fewer
 than two: the target re-feeds the token before a lone one (see slot.Rows), so a round without drafts
-costs as much as a round with one in target rows (on a GPU every target call computes max γ + 1 rows).
+costs as much as a round with one in target rows (on a GPU every target call computes max γ + 1 rows);
+greedy, those rows check free guesses, which make a round without drafts worth 1 + the guesses that hold.
 What a round at γ costs, in target calls without drafts, is timed (`Costs`). AdaptiveGamma picks the
 γ (0 = target only) with the most tokens per unit of cost. While it sits at 0 it still drafts one token
 now and then (a probe) so it notices when the draft starts agreeing again: first after PROBE_EVERY rounds, and each rejected
