@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from specbuild_runtime.policy import expected_tokens_per_call  # the runtime's adaptive γ uses it too
+
+__all__ = ["expected_tokens_per_call", "rounds", "theoretical_speedup"]
+
 
 def rounds(agreement: list[bool], gamma: int) -> tuple[int, int]:
     """(accepted, drafted) when greedy speculative decoding produces these tokens.
@@ -28,10 +32,3 @@ def theoretical_speedup(tokens_per_call: float, gamma: int, cost_ratio: float) -
     yields τ tokens, with c the cost of a draft step over a target step. Bench passes the measured τ, which
     needs no assumption about how acceptances are distributed."""
     return tokens_per_call / (gamma * cost_ratio + 1)
-
-
-def expected_tokens_per_call(alpha: float, gamma: int) -> float:
-    """τ = (1 − α^(γ+1)) / (1 − α): Leviathan et al.'s closed form when every draft token is accepted
-    independently with probability α (for an α measured without its rounds, as distillation's and the
-    compiler's γ recommendation are); γ + 1 at α = 1."""
-    return gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)

@@ -284,7 +284,7 @@ class SpeculativeDecoder:
             k = len(drafts)
             # A target call never computes one row alone (see slot.Rows), so a round without drafts pays for
             # two rows anyway: let them check free guesses instead, what followed these tokens last time.
-            guesses = _guesses(follows, ids[-1], min(room, self.max_gamma)) if follows is not None else []
+            guesses = _guesses(follows, ids[-1], min(room, self.max_gamma, FREE_GUESSES)) if follows is not None else []
             proposed = drafts or guesses
             t1 = clock()
             accepted, token = target.step([ids[-1], *proposed], total_len=len(ids) + len(proposed),
@@ -324,7 +324,7 @@ FREE_GUESSES = 4
 def _guesses(follows: dict[int, int], token: int, count: int) -> list[int]:
     """Up to count tokens, each the one that followed the one before it last time (prompt lookup, by token)."""
     guesses = []
-    while len(guesses) < min(count, FREE_GUESSES) and (token := follows.get(token)) is not None:
+    while len(guesses) < count and (token := follows.get(token)) is not None:
         guesses.append(token)
     return guesses
 

@@ -39,6 +39,13 @@ OUTLIER = 3.0
 PRIOR_EXTRA_TOKEN = 0.05  # the prior's cost of one more row in a target call, per draft
 
 
+def expected_tokens_per_call(alpha: float, gamma: int) -> float:
+    """τ = (1 − α^(γ+1)) / (1 − α): Leviathan et al.'s closed form when every draft token is accepted
+    independently with probability α; γ + 1 at α = 1. (The compiler's γ recommendation and distillation
+    use it too, through specbuild.acceptance.)"""
+    return gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
 class FixedGamma:
     def __init__(self, gamma: int):
         self.gamma = gamma
@@ -119,7 +126,7 @@ class AdaptiveGamma:
         a = min(self.alpha, 0.999)
         with self.costs.lock:  # one consistent view of the costs
             costs = self.costs.costs(min(self.max_gamma, limit))
-        tokens = [1 + self.held / self.guessed_rounds] + [(1 - a ** (g + 1)) / (1 - a) for g in range(1, len(costs))]
+        tokens = [1 + self.held / self.guessed_rounds] + [expected_tokens_per_call(a, g) for g in range(1, len(costs))]
         best = max(range(len(costs)), key=lambda gamma: tokens[gamma] / costs[gamma])
         if best > 0:
             self.rounds_at_zero, self.probe_every = 0, PROBE_EVERY
