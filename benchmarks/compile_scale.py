@@ -15,6 +15,7 @@ CPU for int4; specbuild's compile includes the draft and the one call that check
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -27,6 +28,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import Callable
 
 import ml_dtypes
 import numpy as np
@@ -49,12 +51,15 @@ def parameter_shapes(config: dict, folder: Path) -> list[tuple[str, tuple[int, .
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
-def random_checkpoint(tensors: list[tuple[str, tuple[int, ...]]], folder: Path, tokenizer, seed: int = 0) -> None:
+def random_checkpoint(tensors: list[tuple[str, tuple[int, ...]]], folder: Path, tokenizer, seed: int = 0,
+                      scale: Callable[[str], float] = lambda name: 1.0) -> None:
     """Random bf16 weights for these tensors (sharded, with an index) and a tokenizer, beside config.json.
 
-    Values are drawn from one 64 MB pool of N(0, 0.02) bf16 numbers at random offsets: realistic numbers
-    at the speed of a copy. The safetensors files are written by hand, header first and then tensor
-    after tensor, because the safetensors library only writes a shard from tensors all held in memory.
+    Values are drawn from one 64 MB pool of N(0, 0.02) bf16 numbers at an offset drawn from (seed, name):
+    realistic numbers at the speed of a copy, and a tensor of the same name and seed has the same values in
+    every checkpoint (layer_pair.py's draft is its target's first layers). scale(name) multiplies a tensor.
+    The safetensors files are written by hand, header first and then tensor after tensor, because the
+    safetensors library only writes a shard from tensors all held in memory.
     """
     rng = np.random.default_rng(seed)
     pool = (rng.standard_normal(32 << 20, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
@@ -80,9 +85,13 @@ def random_checkpoint(tensors: list[tuple[str, tuple[int, ...]]], folder: Path, 
         with open(folder / file, "wb") as f:
             f.write(struct.pack("<Q", len(encoded)) + encoded)
             for name, shape in members:
-                left, start = math.prod(shape), int(rng.integers(0, len(pool)))
+                left = math.prod(shape)
+                start = int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()) % len(pool)
+                factor = scale(name)
                 while left:  # wrapping around the pool
                     part = pool[start:start + left]
+                    if factor != 1.0:
+                        part = (part.astype(np.float32) * factor).astype(ml_dtypes.bfloat16)
                     f.write(part.tobytes())
                     left, start = left - len(part), 0
     total = sum(2 * math.prod(shape) for _, shape in tensors)

@@ -271,20 +271,27 @@ def quality_line(q: dict) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @device_option
 def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device) -> None:
-    """Gate a bundle: its greedy output must equal transformers' on every prompt (exit 1 if not)."""
+    """Gate a bundle: its greedy output must equal transformers' on every prompt (exit 1 if not).
+
+    transformers runs on the same device, in the target engine's float type."""
     from .verify import verify_bundle
 
     report = verify_bundle(bundle, target, prompts, max_new_tokens, gamma, device)
     if as_json:
         click.echo(json.dumps(report))
     elif report["identical"]:
-        click.echo(f"identical: {report['prompts']} prompts, {report['tokens']} tokens match transformers")
+        click.echo(f"identical: {report['prompts']} prompts, {report['tokens']} tokens match transformers "
+                   f"({report['precision']} on {report['device']})")
     else:
-        d = report["divergence"]
-        click.echo(
-            f"DIVERGED on prompt {d['prompt_index']} ({d['prompt'][:40]!r}) at generated token {d['position']}: "
-            f"bundle {d['bundle_token']} vs transformers {d['transformers_token']}"
-        )
+        d, precision = report["divergence"], report["precision"]
+        line = (f"DIVERGED on prompt {d['prompt_index']} ({d['prompt'][:40]!r}) at generated token {d['position']}: "
+                f"bundle {d['bundle_token']} vs transformers {d['transformers_token']} ({precision} on {report['device']})")
+        if "transformers_vs_fp32" in d:
+            def at(position):
+                return "never" if position is None else f"at token {position}"
+            line += (f"; against transformers fp32 the bundle diverges {at(d['bundle_vs_fp32'])}, transformers "
+                     f"{precision} itself {at(d['transformers_vs_fp32'])} (alike and late: rounding; early: a bug)")
+        click.echo(line)
     if not report["identical"]:
         sys.exit(1)
 

@@ -8,11 +8,15 @@ from .errors import CheckpointError
 from .texts import read_prompts
 
 
+TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
 def transformers_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: list[int], **options) -> list[int]:
-    """transformers' greedy generate (options: e.g. assistant_model for assisted generation)."""
+    """transformers' greedy generate on the model's device (options: e.g. assistant_model for assisted
+    generation)."""
     import torch
 
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=model.device)
     with torch.no_grad():
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
@@ -21,47 +25,67 @@ def transformers_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_t
     return out[0, len(prompt_ids):].tolist()
 
 
-def load_reference(path: Path, role: str = "target"):
-    """A checkpoint as transformers runs it, fp32: safetensors only (never unpickled), local files only,
-    no remote code."""
+def load_reference(path: Path, role: str = "target", device: str = "cpu", precision: str = "fp32"):
+    """A checkpoint as transformers runs it: safetensors only (never unpickled), local files only, no remote
+    code; on device ("cpu" or "cuda") in precision (fp32, fp16 or bf16). fp32 on CUDA computes fp32 (TF32
+    off, as the runtime's fp32 engines run), which switches TF32 off for the whole process."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise CheckpointError("transformers cannot run on CUDA here: this torch has no CUDA build or sees no GPU "
+                                  "(install a CUDA build of torch, or use --device cpu)")
+        if precision == "fp32":
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     logging.disable_progress_bar()  # a bar per load on stderr, where a pipeline reads one-line errors
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True,
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, TORCH_DTYPES[precision]), use_safetensors=True,
                                                      local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{role} checkpoint {path} cannot be loaded from safetensors ({reason}); specbuild "
                               "never unpickles weights: re-save it with `save_pretrained(dir, safe_serialization=True)`") from None
-    return model.eval()
+    return model.to(device).eval()
+
+
+def first_difference(ours: list[int], theirs: list[int]) -> int | None:
+    """The first position where two outputs differ (one ending early counts), None if equal."""
+    if ours == theirs:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
 
 
 def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens: int, gamma: int | str,
                   device: str = "cpu") -> dict:
-    """device: where the bundle runs; transformers runs on the CPU in fp32."""
+    """The bundle against transformers on the same device, in the target engine's float type (a quantized
+    engine's too). A half-precision divergence also says where transformers in that precision itself
+    leaves its fp32 output on that prompt: rounding noise diverges late and alike, a bug early."""
     from specbuild_runtime import SpeculativeDecoder
 
     prompts = read_prompts(prompts_file)
     decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True)
-    model = load_reference(target)
+    precision = decoder.manifest.engines["target"].precision
+    model = load_reference(target, device=decoder.device, precision=precision)
     eos = sorted(decoder.eos_token_ids)
     tokens = 0
     for index, prompt in enumerate(prompts):
         prompt_ids = decoder.encode(prompt)
         ours = decoder.generate(prompt_ids, max_new_tokens, gamma).token_ids
         theirs = transformers_greedy(model, prompt_ids, max_new_tokens, eos)
-        if ours != theirs:
-            position = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-            return {
-                "identical": False, "prompts": len(prompts), "tokens": tokens,
-                "divergence": {
-                    "prompt_index": index, "prompt": prompt, "position": position,
-                    "bundle_token": ours[position] if position < len(ours) else None,
-                    "transformers_token": theirs[position] if position < len(theirs) else None,
-                },
+        position = first_difference(ours, theirs)
+        if position is not None:
+            divergence = {
+                "prompt_index": index, "prompt": prompt, "position": position,
+                "bundle_token": ours[position] if position < len(ours) else None,
+                "transformers_token": theirs[position] if position < len(theirs) else None,
             }
+            if precision != "fp32":
+                del model  # its memory, before the fp32 copy loads
+                fp32 = transformers_greedy(load_reference(target, device=decoder.device), prompt_ids, max_new_tokens, eos)
+                divergence.update(transformers_vs_fp32=first_difference(theirs, fp32), bundle_vs_fp32=first_difference(ours, fp32))
+            return {"identical": False, "prompts": len(prompts), "tokens": tokens, "device": decoder.device,
+                    "precision": precision, "divergence": divergence}
         tokens += len(ours)
-    return {"identical": True, "prompts": len(prompts), "tokens": tokens}
+    return {"identical": True, "prompts": len(prompts), "tokens": tokens, "device": decoder.device, "precision": precision}

@@ -56,6 +56,21 @@ def test_verify_reports_identical_and_exits_nonzero_on_divergence(bundles, check
     assert bad["status"] == 1 and "DIVERGED on prompt 0" in bad["stdout"]
 
 
+def test_verify_holds_a_half_precision_bundle_against_transformers_in_its_precision(checkpoints, tmp_path, cli):
+    """An fp16 bundle is compared with transformers fp16 (equal here, as tests/test_exactness.py shows); a
+    divergence says where each leaves transformers fp32's output, to tell rounding from a bug."""
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "fp16"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
+    compiled, ok, bad = cli.run([
+        ["compile", "--target", str(checkpoints("llama")), "--draft", str(checkpoints("llama", 1)), "-o", str(out),
+         "--precision", "fp16", "--max-seq-len", "128"],
+        *[["verify", str(out), "--target", str(checkpoints(*target)), "--prompts", str(prompts), "-n", "16"]
+          for target in (("llama",), ("llama", 1))]])
+    assert compiled["status"] == 0, compiled["stderr"]
+    assert ok["status"] == 0 and ok["stdout"].startswith("identical") and "(fp16 on cpu)" in ok["stdout"], ok
+    assert bad["status"] == 1 and "against transformers fp32 the bundle diverges at token" in bad["stdout"], bad
+
+
 def test_a_failure_while_building_leaves_no_partial_bundle(checkpoints, tmp_path, monkeypatch):
     """The draft lacks a tensor: building its engine fails while the target's engine already sits in the
     staging folder (the spy proves the failure came inside staging, not before it)."""

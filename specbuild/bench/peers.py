@@ -52,14 +52,32 @@ def _timed_decode(generate, prompts, max_new_tokens):
     return tokens / max(seconds, 1e-9), outputs
 
 
+def peer_precision(decoder) -> str:
+    """The float type peers run in: the bundle's on a GPU; fp32 on the CPU, where the bundle's half-precision
+    engines compute in fp32 too and half precision is not how anyone runs transformers."""
+    return decoder.manifest.engines["target"].precision if decoder.device == "cuda" else "fp32"
+
+
 def _transformers(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
+    """Eager transformers on the bench's device and, on a GPU, also with a static cache, which transformers'
+    generate then compiles (torch.compile, mode reduce-overhead: CUDA graphs); it does so on GPUs only."""
+    from transformers import StaticCache
+
     from ..verify import load_reference, transformers_greedy
 
-    engines = decoder.manifest.engines
-    target, draft = (load_reference(Path(engines[role].source["path"]), role) for role in ("target", "draft"))
+    engines, device, precision = decoder.manifest.engines, decoder.device, peer_precision(decoder)
+    target, draft = (load_reference(Path(engines[role].source["path"]), role, device, precision) for role in ("target", "draft"))
     eos = sorted(decoder.eos_token_ids)
     speed, outputs = _timed_decode(lambda ids, n: transformers_greedy(target, ids, n, eos), prompts, max_new_tokens)
     rows = [{"system": "transformers", "gamma": 0, "tokens_per_second": round(speed, 2), "outputs": outputs}]
+    if device == "cuda":
+        length = max(map(len, prompts)) + max_new_tokens  # one cache shape for every call: compiled once
+
+        def static(ids, n):
+            return transformers_greedy(target, ids, n, eos, past_key_values=StaticCache(config=target.config, max_cache_len=length))
+
+        speed, outputs = _timed_decode(static, prompts, max_new_tokens)
+        rows.append({"system": "transformers static+compile", "gamma": 0, "tokens_per_second": round(speed, 2), "outputs": outputs})
     for gamma in gammas:
         fixed_gamma(draft, gamma)
         speed, outputs = _timed_decode(lambda ids, n: transformers_greedy(target, ids, n, eos, assistant_model=draft),
@@ -78,8 +96,9 @@ def fixed_gamma(draft, gamma: int) -> None:
 
 
 def _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
-    """onnxruntime-genai at the same precision (fp32): its model builder on the source checkpoints, then
-    target-only and its draft-model speculative decoding with max_draft_tokens = γ."""
+    """onnxruntime-genai on the bench's device, in peer_precision: its model builder on the source
+    checkpoints, then target-only and its draft-model speculative decoding with max_draft_tokens = γ. (On a
+    GPU this needs onnxruntime-genai's CUDA build, onnxruntime-genai-cuda.)"""
     try:
         import onnxruntime_genai as og
     except ImportError:
@@ -93,7 +112,7 @@ def _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
                 raise SpecbuildError(f"{role} checkpoint {source} has no *.safetensors weights; specbuild never unpickles")
             built = subprocess.run(
                 [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source),
-                 "-o", str(work / role), "-p", "fp32", "-e", "cpu"], capture_output=True, text=True)
+                 "-o", str(work / role), "-p", peer_precision(decoder), "-e", decoder.device], capture_output=True, text=True)
             if built.returncode:
                 raise SpecbuildError(f"onnxruntime-genai's model builder failed on the {role}: {built.stderr.strip()[-300:]}")
 

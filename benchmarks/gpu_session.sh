@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Issue 12's GPU checks in three device calls (each under the 10-minute limit of one call), for a session
+# that is lent the GPU machine. It expects onnxruntime-gpu unpacked in /tmp/site and the wheels installed,
+# as ../shared/gpu/README.md describes (its 4th command); everything lands in $OUT.
+#
+#   bash benchmarks/gpu_session.sh check   # versions; GroupQueryAttention alone, then under each kernel
+#                                          # switch; pytest -m gpu (exactness, copies, threads)   ~3-5 min
+#   bash benchmarks/gpu_session.sh pairs   # TinyLlama-shape fp16 layer pairs (benchmarks/layer_pair.py):
+#                                          # bench --device cuda at three agreements               ~6-9 min
+#   bash benchmarks/gpu_session.sh peers   # on the first pair: transformers (eager, static cache +
+#                                          # compile, assisted), onnxruntime-genai's CUDA build    ~6-9 min
+#
+# A failing step is logged and the next one still runs: one call must bring back as much as it can.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/gpu-session}
+mkdir -p "$out"
+export PYTHONPATH=/tmp/site:$PWD/runtime:$PWD
+pairs=/tmp/pairs
+step() {  # step NAME SECONDS COMMAND...: run it for at most SECONDS, log to $out/NAME.log, one summary line
+    local name=$1 limit=$2 started=$SECONDS status
+    shift 2
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    status=$?
+    echo "$name: exit $status in $((SECONDS - started)) s: $(tail -n 1 "$out/$name.log")" | tee -a "$out/summary.txt"
+}
+
+case "${1:-}" in
+check)
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+    step versions 60 python3 -c "import onnxruntime as o, torch, transformers; o.preload_dlls(); print(o.__version__, o.get_available_providers(), 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+    # The kernel first: which attention implementations get multi-row calls over a cache right.
+    step attention 60 python3 -m pytest -q -m gpu tests/test_attention.py
+    for switch in ORT_ENABLE_CUDNN_FLASH_ATTENTION=0 ORT_DISABLE_FLASH_ATTENTION=1 ORT_DISABLE_MEMORY_EFFICIENT_ATTENTION=1 \
+                  ORT_DISABLE_FLASH_DECODE=1; do
+        step "attention-$switch" 60 env "$switch" ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO=1 python3 -m pytest -q -m gpu tests/test_attention.py
+    done
+    step gpu-tests 300 python3 -m pytest -q -m gpu tests/test_gpu.py --junitxml="$out/gpu-tests.xml"
+    if ! grep -q "passed" "$out/gpu-tests.log" || grep -q "failed" "$out/gpu-tests.log"; then
+        step gpu-tests-no-cudnn 120 env ORT_ENABLE_CUDNN_FLASH_ATTENTION=0 python3 -m pytest -q -m gpu tests/test_gpu.py -k every_gamma
+    fi
+    ;;
+pairs)
+    # 1.1B target (TinyLlama's shape), draft = its first 2 layers; three agreement settings.
+    step pairs 570 python3 benchmarks/layer_pair.py --scratch "$pairs" --scales 0.1,0.2,0.4 --precision fp16 --device cuda \
+        --gamma 1,2,4,8 -n 128 --json "$out/pairs.json"
+    cp "$pairs"/*.log "$out/" 2>/dev/null
+    ;;
+peers)
+    # /tmp/pairs lasts only while the machine is kept (~30 s between calls): remake the first pair if it went.
+    [ -d "$pairs/tinyllama-1.1b-x0.1-first2-fp16" ] || step remake 150 python3 benchmarks/layer_pair.py --scratch "$pairs" \
+        --scales 0.1 --precision fp16 --device cuda --gamma 1 -n 8
+    step transformers 200 python3 -m specbuild bench "$pairs/tinyllama-1.1b-x0.1-first2-fp16" --device cuda -n 64 \
+        --gamma 2,4 --peers transformers --json "$out/transformers.json"
+    step genai 240 python3 -m specbuild bench "$pairs/tinyllama-1.1b-x0.1-first2-fp16" --device cuda -n 128 --gamma 2,4 \
+        --peers onnxruntime-genai --json "$out/genai.json"
+    ;;
+*)
+    echo "usage: $0 check|pairs|peers   (see the top of this file)" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,111 @@
+"""A target/draft pair at a released model's size whose agreement is dialled, benchmarked per setting.
+
+The draft is the target's own first K layers (same embeddings, final norm and LM head, same values); the
+target's later layers write `scale` times their usual output into the residual stream (their o_proj and
+down_proj weights are scaled). At scale 0 the draft computes exactly the target's logits (α = 1); the
+larger the scale, the more the later layers move the argmax and the lower α. Random weights in the
+shape of benchmarks/configs/<shape>.json (llama-family configs: llama, qwen2, qwen3, mistral).
+
+For each scale: write the target checkpoint (the draft once), `specbuild compile`, `specbuild bench`, and
+one line per γ: α, speed-up over target-only in the same run, the bound (1 − α^(γ+1)) / ((1 − α)(γc + 1))
+with the measured τ and c, and the efficiency against it (bench computes them; this collects them).
+
+    python benchmarks/layer_pair.py --scratch /tmp/pairs --scales 0.05,0.2 --precision fp16 --device cuda --json pairs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from compile_scale import CONFIGS, parameter_shapes, random_checkpoint, tokenizer
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+OUTPUT_PROJECTIONS = re.compile(r"model\.layers\.(\d+)\.(self_attn\.o_proj|mlp\.down_proj)\.weight")
+
+
+def first_layers(config: dict, layers: int) -> dict:
+    """The config of the model made of config's first `layers` layers."""
+    draft = dict(config, num_hidden_layers=layers)
+    if isinstance(config.get("layer_types"), list):
+        draft["layer_types"] = config["layer_types"][:layers]
+    if "max_window_layers" in config:
+        draft["max_window_layers"] = min(config["max_window_layers"], layers)
+    return draft
+
+
+def tail_scale(layers: int, scale: float):
+    """scale(name) for the target: the output projections of every layer from `layers` on."""
+    def factor(name: str) -> float:
+        match = OUTPUT_PROJECTIONS.fullmatch(name)
+        return scale if match and int(match.group(1)) >= layers else 1.0
+    return factor
+
+
+def run(command: list[str], log: Path) -> None:
+    with open(log, "w") as out:
+        if subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode:
+            sys.exit(f"failed: {' '.join(command)} (see {log})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scratch", type=Path, required=True, help="where checkpoints and bundles go (GBs per scale)")
+    parser.add_argument("--shape", default="tinyllama-1.1b", help="a llama-family config in benchmarks/configs/")
+    parser.add_argument("--draft-layers", type=int, default=2, help="K: the draft is the target's first K layers")
+    parser.add_argument("--scales", default="0.05,0.2,0.5", help="comma-separated scales of the later layers' outputs")
+    parser.add_argument("--precision", default="fp16", choices=["fp32", "fp16", "bf16"])
+    parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    parser.add_argument("--gamma", default="1,2,4,8", help="fixed γs for bench (beside target-only and auto)")
+    parser.add_argument("-n", "--max-new-tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=Path, help="JSONL prompts for bench (default: its bundled code prompts)")
+    parser.add_argument("--peers", default="", help="bench's --peers, for the first scale only")
+    parser.add_argument("--json", type=Path, help="write every bench report and the summary here")
+    args = parser.parse_args()
+
+    config = json.loads((CONFIGS / f"{args.shape}.json").read_text())
+    if config["model_type"] not in FAMILIES:
+        sys.exit(f"{args.shape} is a {config['model_type']} config; layer pairs are made for {', '.join(FAMILIES)}")
+    if not 0 < args.draft_layers < config["num_hidden_layers"]:
+        sys.exit(f"--draft-layers must be 1 to {config['num_hidden_layers'] - 1} for {args.shape}")
+    args.scratch.mkdir(parents=True, exist_ok=True)
+    tok = tokenizer()
+    draft = args.scratch / f"{args.shape}-first{args.draft_layers}"
+    if not (draft / "model.safetensors.index.json").exists():
+        random_checkpoint(parameter_shapes(first_layers(config, args.draft_layers), draft), draft, tok)
+    reports = []
+    for index, scale in enumerate(float(s) for s in args.scales.split(",")):
+        target = args.scratch / f"{args.shape}-x{scale:g}"
+        bundle = args.scratch / f"{args.shape}-x{scale:g}-first{args.draft_layers}-{args.precision}"
+        if not (target / "model.safetensors.index.json").exists():
+            random_checkpoint(parameter_shapes(config, target), target, tok, scale=tail_scale(args.draft_layers, scale))
+        started = time.perf_counter()
+        run([sys.executable, "-m", "specbuild", "compile", "--target", str(target), "--draft", str(draft),
+             "--output", str(bundle), "--precision", args.precision, "--overwrite"], bundle.parent / f"{bundle.name}.compile.log")
+        compile_seconds = time.perf_counter() - started
+        report_file = bundle.parent / f"{bundle.name}.bench.json"
+        peers = ["--peers", args.peers] if args.peers and index == 0 else []
+        prompts = ["--prompts", str(args.prompts)] if args.prompts else []
+        run([sys.executable, "-m", "specbuild", "bench", str(bundle), "--device", args.device, "-n", str(args.max_new_tokens),
+             "--gamma", args.gamma, "--json", str(report_file), *prompts, *peers], bundle.parent / f"{bundle.name}.bench.log")
+        report = json.loads(report_file.read_text())
+        report.update(scale=scale, draft_layers=args.draft_layers, shape=args.shape, compile_seconds=round(compile_seconds, 1))
+        reports.append(report)
+        print(f"{args.shape} {args.precision} on {report['device']}, later layers x{scale:g}, draft = first "
+              f"{args.draft_layers} layers: target-only {report['results'][0]['tokens_per_second']:.1f} tok/s "
+              f"({100 * report['target_bandwidth_fraction']:.0f}% of {report['machine_bandwidth_gbs']} GB/s)", flush=True)
+        for row in report["results"][1:] + report.get("peers", []):
+            bound = f" bound {row['theoretical_speedup']:.2f}x eff {row['efficiency']:.2f}" if "efficiency" in row else ""
+            print(f"  {row['system']:<30} γ {str(row['gamma']):>4}  α {row.get('acceptance_rate', 0):.2f}  "
+                  f"{row.get('speedup', 0):.2f}x{bound}  exact {row.get('matches_target')}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(reports, indent=1))
+
+
+if __name__ == "__main__":
+    main()

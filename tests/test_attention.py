@@ -1,0 +1,91 @@
+"""GroupQueryAttention alone, called as the engines call it, against numpy attention.
+
+A prompt, then calls of several rows over the cache (verification calls), a roll-back (a call that rewrites
+positions whose drafts were rejected) and single rows; past and present bound to one buffer of max_seq_len
+positions, seqlens_k = total − 1. On the CPU in CI; on CUDA (the `gpu` marker) it is the cheapest check of
+the kernel the issue-12 divergence at the second generated token points at (multi-row calls over a cache).
+"""
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from specbuild_runtime.engine import PROVIDERS
+
+HEADS, KV_HEADS, HEAD_DIM, MAX_LEN = 4, 2, 64, 32  # head_dim of Llama-class models
+# (first position, total length) of each call: a prompt of 7, verification calls of 2 and 5 rows, a
+# roll-back that rewrites 11..13, single rows, and rows that cross where the last call ended.
+CALLS = [(0, 7), (7, 9), (9, 14), (11, 14), (14, 15), (15, 16), (13, 19)]
+ELEMENT = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16}
+
+
+def gqa_model(dtype) -> bytes:
+    t = ELEMENT[dtype]
+    kv_shape = [1, KV_HEADS, MAX_LEN, HEAD_DIM]
+    inputs = [helper.make_tensor_value_info("query", t, [1, "S", HEADS * HEAD_DIM]),
+              helper.make_tensor_value_info("key", t, [1, "S", KV_HEADS * HEAD_DIM]),
+              helper.make_tensor_value_info("value", t, [1, "S", KV_HEADS * HEAD_DIM]),
+              helper.make_tensor_value_info("past_key", t, kv_shape),
+              helper.make_tensor_value_info("past_value", t, kv_shape),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+              helper.make_tensor_value_info("total_len", TensorProto.INT32, [])]
+    outputs = [helper.make_tensor_value_info("output", t, [1, "S", HEADS * HEAD_DIM]),
+               helper.make_tensor_value_info("present_key", t, kv_shape),
+               helper.make_tensor_value_info("present_value", t, kv_shape)]
+    node = helper.make_node("GroupQueryAttention", [i.name for i in inputs], [o.name for o in outputs], domain="com.microsoft",
+                            num_heads=HEADS, kv_num_heads=KV_HEADS, scale=HEAD_DIM ** -0.5)
+    graph = helper.make_graph([node], "gqa", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    return model.SerializeToString()
+
+
+def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first: int) -> np.ndarray:
+    """Causal attention of q [S, H, D] at positions first.. over keys/values [T, KV, D] (each query head
+    reads KV head h // (H / KV)), in float64."""
+    group = HEADS // KV_HEADS
+    out = np.empty(q.shape, np.float64)
+    for row in range(q.shape[0]):
+        seen = first + row + 1
+        for h in range(HEADS):
+            scores = keys[:seen, h // group] @ q[row, h] * HEAD_DIM ** -0.5
+            weights = np.exp(scores - scores.max())
+            out[row, h] = weights @ values[:seen, h // group] / weights.sum()
+    return out.reshape(q.shape[0], -1)
+
+
+DEVICES = [pytest.param("cpu", np.float32, id="cpu-fp32"), pytest.param("cpu", np.float16, id="cpu-fp16")] + [
+    pytest.param("cuda", np.float16, id="cuda-fp16", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(PROVIDERS["cuda"] not in ort.get_available_providers(),
+                                            reason="onnxruntime has no CUDA provider here")])]
+
+
+@pytest.mark.parametrize("device,dtype", DEVICES)
+def test_group_query_attention_over_a_shared_cache_matches_numpy(device, dtype):
+    if device == "cuda":
+        ort.preload_dlls()
+    session = ort.InferenceSession(gqa_model(dtype), providers=[PROVIDERS[device]])
+    rng = np.random.default_rng(0)
+    keys, values = np.zeros((MAX_LEN, KV_HEADS, HEAD_DIM)), np.zeros((MAX_LEN, KV_HEADS, HEAD_DIM))  # what the cache should hold
+    binding = session.io_binding()
+    for part in ("key", "value"):  # one buffer as past and present, written in place (as the runtime's slots bind them)
+        buffer = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, KV_HEADS, MAX_LEN, HEAD_DIM), dtype), device, 0)
+        binding.bind_ortvalue_input(f"past_{part}", buffer)
+        binding.bind_ortvalue_output(f"present_{part}", buffer)
+    tolerance = 1e-5 if dtype == np.float32 else 3e-3
+    for first, total in CALLS:
+        rows = total - first
+        q = rng.standard_normal((rows, HEADS, HEAD_DIM)).astype(dtype)
+        k, v = (rng.standard_normal((rows, KV_HEADS, HEAD_DIM)).astype(dtype) for _ in range(2))
+        keys[first:total], values[first:total] = k, v
+        for name, array in (("query", q), ("key", k), ("value", v)):
+            binding.bind_cpu_input(name, array.reshape(1, rows, -1))
+        binding.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
+        binding.bind_cpu_input("total_len", np.array(total, np.int32))
+        out = ort.OrtValue.ortvalue_from_shape_and_type([1, rows, HEADS * HEAD_DIM], dtype, device, 0)
+        binding.bind_ortvalue_output("output", out)
+        session.run_with_iobinding(binding)
+        got = out.numpy()[0].astype(np.float64)
+        expected = reference(q.astype(np.float64), keys, values, first)
+        error = np.abs(got - expected).max()
+        assert error < tolerance, f"{device} {dtype.__name__}: call over positions {first}..{total - 1} off by {error:.2e}"
