@@ -313,10 +313,10 @@ class PausingDecoder:
     def __getattr__(self, name):
         return getattr(self._decoder, name)
 
-    def stream_text(self, *args, **kwargs):
+    def stream_request(self, request, stats):
         index = len(self.deltas)
         self.deltas.append(0)
-        for delta in self._decoder.stream_text(*args, **kwargs):
+        for delta in self._decoder.stream_request(request, stats):
             self.deltas[index] += 1
             yield delta
             if self.deltas[index] == 1:

@@ -210,9 +210,10 @@ class SpeculativeDecoder:
         """Yields text as it is decoded: the deltas join to exactly generate(...).text (a character split
         across tokens, or text that may still become a stop string, waits for the tokens that settle it)."""
         request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
-        return self._text(request, Stats() if stats is None else stats)
+        return self.stream_request(request, Stats() if stats is None else stats)
 
-    def _text(self, request: Request, stats: Stats) -> Iterator[str]:
+    def stream_request(self, request: Request, stats: Stats) -> Iterator[str]:
+        """stream_text for a request already checked by request() (the server checks before queueing)."""
         text = TextStream(self.tokenizer, request.stop)
         with closing(self._run(request, stats, text)) as tokens:
             for _ in tokens:

@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from ..errors import RequestError
 from ..manifest import TOKENIZER_DIR
+from ..validation import Request
 from . import protocol
 from .chat import load_chat_template
 from .metrics import Metrics
@@ -96,8 +97,8 @@ class Server:
         try:
             request = protocol.parse(endpoint, await http.body(), self.settings.model)
             # Tokenizing (and rendering a chat) costs up to milliseconds: off the event loop.
-            kwargs = await asyncio.to_thread(self._decoding_arguments, request)
-            job = self.scheduler.submit(kwargs)
+            checked = await asyncio.to_thread(self._checked, request)
+            job = self.scheduler.submit(checked)
         except (ApiError, RequestError, Overloaded, Unavailable) as exc:
             return self._refuse(endpoint, exc)
         reply = Reply(endpoint, self.settings.model)
@@ -112,9 +113,9 @@ class Server:
         self.metrics.outcome(endpoint, "ok")
         return JSONResponse(reply.whole(text, job.stats))
 
-    def _decoding_arguments(self, request: protocol.Request) -> dict:
-        """stream_text's arguments for a request, checked by the runtime's validation (a RequestError names what
-        is wrong) before the request may take a place in the queue."""
+    def _checked(self, request: protocol.Request) -> Request:
+        """The request checked by the runtime's validation (a RequestError names what is wrong) before it may
+        take a place in the queue."""
         decoder = self.decoder
         prompt = request.prompt
         if request.endpoint == CHAT:
@@ -126,10 +127,7 @@ class Server:
         max_tokens = request.max_tokens
         if max_tokens is None:  # until the context is full
             max_tokens = decoder.max_seq_len
-        checked = decoder.request(prompt, max_tokens, **request.decoding)
-        s = checked.sampling
-        return dict(prompt=checked.prompt_ids, max_new_tokens=checked.max_new_tokens, gamma=checked.gamma,
-                    temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed, stop=checked.stop)
+        return decoder.request(prompt, max_tokens, **request.decoding)
 
     async def _collect(self, job, http: HttpRequest) -> str:
         """The whole text of a job, stopping it if the client disconnects first."""

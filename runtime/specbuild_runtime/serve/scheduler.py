@@ -19,6 +19,7 @@ from contextlib import closing
 from dataclasses import dataclass, field
 
 from ..decode import Stats
+from ..validation import Request
 from .metrics import Metrics
 
 log = logging.getLogger("specbuild.serve")
@@ -50,7 +51,7 @@ class Job:
     Iteration raises Stopped when the server stopped the job, or the decoder's own exception.
     """
 
-    kwargs: dict  # SpeculativeDecoder.stream_text's arguments, stats excepted
+    request: Request  # checked by SpeculativeDecoder.request
     arrival: float  # loop.time() (= time.monotonic())
     stats: Stats
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -85,14 +86,14 @@ class Scheduler:
         self._workers = ThreadPoolExecutor(parallel, thread_name_prefix="specbuild-slot")
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def submit(self, kwargs: dict) -> Job:
+    def submit(self, request: Request) -> Job:
         """Start decoding now, or queue; raises Overloaded when the queue is full, Unavailable when draining."""
         if self.draining:
             raise Unavailable("the server is shutting down")
         if len(self._running) >= self.parallel and len(self._queue) >= self.max_queue:
             raise Overloaded(f"all {self.parallel} slots are busy and {len(self._queue)} requests are queued")
         self._loop = loop = asyncio.get_running_loop()
-        job = Job(kwargs, loop.time(), Stats())
+        job = Job(request, loop.time(), Stats())
         if self.timeout:
             job.timer = loop.call_at(job.arrival + self.timeout, self.stop, job, "timeout")
         if len(self._running) < self.parallel:
@@ -155,7 +156,7 @@ class Scheduler:
         if job.halt.is_set():  # stopped between being given a slot and this thread starting
             return
         post = self._loop.call_soon_threadsafe
-        with closing(self.decoder.stream_text(**job.kwargs, stats=job.stats)) as deltas:
+        with closing(self.decoder.stream_request(job.request, job.stats)) as deltas:
             for delta in deltas:
                 if delta:
                     job.first_delta_at = job.first_delta_at or time.monotonic()
