@@ -11,7 +11,7 @@ from pathlib import Path
 import onnxruntime as ort
 
 from .errors import BundleError, DeviceError
-from .manifest import EngineInfo
+from .manifest import EngineInfo, cache_names
 from .validation import check_engine_io
 
 DEVICES = ("cpu", "cuda", "auto")
@@ -125,8 +125,7 @@ class Engine:
         outputs = {o.name: (o.type, o.shape) for o in self.session.get_outputs()}
         check_engine_io(path, inputs, outputs, info, max_seq_len)
         self.element_type = ELEMENT_TYPES[info.precision]
-        self.cache_names = [(f"past_{part}.{i}", f"present_{part}.{i}")
-                            for i in range(info.shape.num_layers) for part in ("key", "value")]
+        self.cache_names = cache_names(info.shape.num_layers)
         # Where the session reads each input ("Cuda" is onnxruntime's name for CUDA device memory): CPU-side
         # kernels (shape arithmetic, GroupQueryAttention's total length) read theirs from host memory, and
         # binding those on the device would add a copy back each call.

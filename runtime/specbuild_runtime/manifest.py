@@ -49,6 +49,11 @@ MANIFEST = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 
 
+def cache_names(num_layers: int) -> list[tuple[str, str]]:
+    """The (past input, present output) name of each KV buffer of an engine, layer by layer, key first."""
+    return [(f"past_{part}.{i}", f"present_{part}.{i}") for i in range(num_layers) for part in ("key", "value")]
+
+
 @dataclass
 class ModelShape:
     num_layers: int

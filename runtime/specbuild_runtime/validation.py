@@ -15,6 +15,7 @@ from typing import Union
 import numpy as np
 
 from .errors import BundleError, RequestError
+from .manifest import cache_names
 
 AUTO = "auto"
 MAX_STOP_STRINGS = 4  # as OpenAI's API
@@ -175,8 +176,7 @@ def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int) -
     shape = info.shape
     if info.precision not in CACHE_TYPES:
         fail(f"precision {info.precision!r} is not one of {', '.join(CACHE_TYPES)}")
-    cache = [f"{kind}_{part}.{i}" for i in range(shape.num_layers) for part in ("key", "value")
-             for kind in ("past", "present")]
+    cache = [name for pair in cache_names(shape.num_layers) for name in pair]
     expected = {**INPUTS, **OUTPUTS, **{name: CACHE_TYPES[info.precision] for name in cache}}
     found = {**inputs, **outputs}
     for name, onnx_type in expected.items():

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from specbuild_runtime.engine import session_options
 from specbuild_runtime.errors import SpecbuildError
-from specbuild_runtime.manifest import TOKENIZER_DIR, EngineInfo, Manifest
+from specbuild_runtime.manifest import TOKENIZER_DIR, EngineInfo, Manifest, cache_names
 
 from .. import __version__
 from ..staging import scratch_folder
@@ -119,7 +119,7 @@ def check_engine(path: Path, info: EngineInfo, max_seq_len: int) -> None:
             "num_drafts": np.array(0, np.int64), "temperature": np.array(0, np.float32), "top_k": np.array(0, np.int64),
             "top_p": np.array(1, np.float32), "draft_probs": np.zeros((0, vocab), np.float32),
             "uniforms": np.zeros(1, np.float32),
-            **{f"past_{kind}.{i}": cache for i in range(shape.num_layers) for kind in ("key", "value")},
+            **{past: cache for past, _ in cache_names(shape.num_layers)},
         }
         accepted, next_token = session.run(["accepted", "next_token"], feeds)
     except Exception as exc:  # onnxruntime raises its own untyped errors

@@ -19,6 +19,8 @@ from typing import Callable
 
 import onnx_ir as ir
 
+from specbuild_runtime.manifest import cache_names
+
 from ..load import Checkpoint
 from ..precision import Numerics
 from . import gemma, gpt2, llama
@@ -57,8 +59,9 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
         uniforms=g.input("uniforms", FLOAT, ["D+1"]),
     )
     kv_shape = [1, shape.num_kv_heads, max_seq_len, shape.head_dim]
-    past = [(g.input(f"past_key.{i}", numerics.ir_type, kv_shape), g.input(f"past_value.{i}", numerics.ir_type, kv_shape))
-            for i in range(shape.num_layers)]
+    names = cache_names(shape.num_layers)
+    inputs = [g.input(past, numerics.ir_type, kv_shape) for past, _ in names]
+    past = list(zip(inputs[::2], inputs[1::2]))  # (key, value) per layer
     att = Attention(seqlens_k, total_len, past, shape.num_heads, shape.num_kv_heads, shape.head_dim)
     ids = g.op("Reshape", input_ids, g.const([-1]))  # [S]
     hidden, presents, head = FAMILIES[spec.family](g, spec, ids, att, max_seq_len, vocab)
@@ -69,7 +72,7 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
     g.output(accepted, "accepted", INT64, [])
     g.output(next_token, "next_token", INT64, [])
     g.output(probs, "probs", FLOAT, ["V or 0"])
-    for i, (key, value) in enumerate(presents):
-        g.output(key, f"present_key.{i}", numerics.ir_type, kv_shape)
-        g.output(value, f"present_value.{i}", numerics.ir_type, kv_shape)
+    written = [buffer for pair in presents for buffer in pair]  # key, value per layer: cache_names' order
+    for buffer, (_, present) in zip(written, names):
+        g.output(buffer, present, numerics.ir_type, kv_shape)
     return g.model()
