@@ -85,10 +85,12 @@ class EngineSlot:
         self.binding = engine.session.io_binding()
         shape, device = engine.info.shape, engine.device
         kv_shape = [1, shape.num_kv_heads, engine.max_seq_len, shape.head_dim]
-        # Past and present name the same buffer: GroupQueryAttention writes new positions in place.
+        # Past and present name the same buffer: GroupQueryAttention writes new positions in place. It sits
+        # where attention reads it: the device, but host memory for fp32 engines on CUDA, whose attention
+        # runs on the CPU provider (README, GPU); elsewhere it would be copied whole both ways every call.
         self.cache = []
         for past, present in engine.cache_names:
-            buffer = ort.OrtValue.ortvalue_from_shape_and_type(kv_shape, engine.element_type, device, 0)
+            buffer = ort.OrtValue.ortvalue_from_shape_and_type(kv_shape, engine.element_type, engine.input_devices[past], 0)
             self.binding.bind_ortvalue_input(past, buffer)
             self.binding.bind_ortvalue_output(present, buffer)
             self.cache.append(buffer)
