@@ -30,14 +30,14 @@ check)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
     step versions 60 python3 -c "import onnxruntime as o, torch, transformers; o.preload_dlls(); print(o.__version__, o.get_available_providers(), 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
     # The kernel first: which attention implementations get multi-row calls over a cache right.
-    step attention 60 python3 -m pytest -q -m gpu tests/test_attention.py
+    step attention 60 python3 -m pytest -m gpu tests/test_attention.py
     for switch in ORT_ENABLE_CUDNN_FLASH_ATTENTION=0 ORT_DISABLE_FLASH_ATTENTION=1 ORT_DISABLE_MEMORY_EFFICIENT_ATTENTION=1 \
                   ORT_DISABLE_FLASH_DECODE=1; do
-        step "attention-$switch" 60 env "$switch" ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO=1 python3 -m pytest -q -m gpu tests/test_attention.py
+        step "attention-$switch" 60 env "$switch" ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO=1 python3 -m pytest -m gpu tests/test_attention.py
     done
-    step gpu-tests 300 python3 -m pytest -q -m gpu tests/test_gpu.py --junitxml="$out/gpu-tests.xml"
+    step gpu-tests 300 python3 -m pytest -m gpu tests/test_gpu.py --junitxml="$out/gpu-tests.xml"
     if ! grep -q "passed" "$out/gpu-tests.log" || grep -q "failed" "$out/gpu-tests.log"; then
-        step gpu-tests-no-cudnn 120 env ORT_ENABLE_CUDNN_FLASH_ATTENTION=0 python3 -m pytest -q -m gpu tests/test_gpu.py -k every_gamma
+        step gpu-tests-no-cudnn 120 env ORT_ENABLE_CUDNN_FLASH_ATTENTION=0 python3 -m pytest -m gpu tests/test_gpu.py -k every_gamma
     fi
     ;;
 pairs)
