@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--draft-layers", type=int, default=2, help="K: the draft is the target's first K layers")
     parser.add_argument("--scales", default="0.05,0.2,0.5", help="comma-separated scales of the later layers' outputs")
     parser.add_argument("--precision", default="fp16", choices=["fp32", "fp16", "bf16"])
+    parser.add_argument("--quantize", default="none", choices=["none", "int8", "int4"], help="compile's --quantize")
     parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     parser.add_argument("--gamma", default="1,2,4,8", help="fixed γs for bench (beside target-only and auto)")
     parser.add_argument("-n", "--max-new-tokens", type=int, default=128)
@@ -81,12 +82,13 @@ def main() -> None:
     reports = []
     for index, scale in enumerate(float(s) for s in args.scales.split(",")):
         target = args.scratch / f"{args.shape}-x{scale:g}"
-        bundle = args.scratch / f"{args.shape}-x{scale:g}-first{args.draft_layers}-{args.precision}"
+        kind = args.precision if args.quantize == "none" else f"{args.precision}-{args.quantize}"
+        bundle = args.scratch / f"{args.shape}-x{scale:g}-first{args.draft_layers}-{kind}"
         if not (target / "model.safetensors.index.json").exists():
             random_checkpoint(parameter_shapes(config, target), target, tok, scale=tail_scale(args.draft_layers, scale))
         started = time.perf_counter()
         run([sys.executable, "-m", "specbuild", "compile", "--target", str(target), "--draft", str(draft),
-             "--output", str(bundle), "--precision", args.precision, "--overwrite"], bundle.parent / f"{bundle.name}.compile.log")
+             "--output", str(bundle), "--precision", args.precision, "--quantize", args.quantize, "--overwrite"], bundle.parent / f"{bundle.name}.compile.log")
         compile_seconds = time.perf_counter() - started
         report_file = bundle.parent / f"{bundle.name}.bench.json"
         peers = ["--peers", args.peers] if args.peers and index == 0 else []
@@ -96,7 +98,7 @@ def main() -> None:
         report = json.loads(report_file.read_text())
         report.update(scale=scale, draft_layers=args.draft_layers, shape=args.shape, compile_seconds=round(compile_seconds, 1))
         reports.append(report)
-        print(f"{args.shape} {args.precision} on {report['device']}, later layers x{scale:g}, draft = first "
+        print(f"{args.shape} {kind} on {report['device']}, later layers x{scale:g}, draft = first "
               f"{args.draft_layers} layers: target-only {report['results'][0]['tokens_per_second']:.1f} tok/s "
               f"({100 * report['target_bandwidth_fraction']:.0f}% of {report['machine_bandwidth_gbs']} GB/s)", flush=True)
         for row in report["results"][1:] + report.get("peers", []):
