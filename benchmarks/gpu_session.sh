@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_session.sh check   # versions; GroupQueryAttention alone, then under each kernel
 #                                          # switch; pytest -m gpu (exactness, copies, threads)   ~3-5 min
 #   bash benchmarks/gpu_session.sh pairs   # TinyLlama-shape fp16 layer pairs (benchmarks/layer_pair.py):
-#                                          # bench --device cuda at three agreements               ~6-9 min
+#                                          # bench --device cuda at three agreements; verify one   ~5-9 min
 #   bash benchmarks/gpu_session.sh peers   # on the first pair: transformers (eager, static cache +
 #                                          # compile, assisted), onnxruntime-genai's CUDA build    ~6-9 min
 #
@@ -42,14 +42,17 @@ check)
     ;;
 pairs)
     # 1.1B target (TinyLlama's shape), draft = its first 2 layers; three agreement settings.
-    step pairs 570 python3 benchmarks/layer_pair.py --scratch "$pairs" --scales 0.1,0.2,0.4 --precision fp16 --device cuda \
+    step pairs 420 python3 benchmarks/layer_pair.py --scratch "$pairs" --scales 0.1,0.2,0.4 --precision fp16 --device cuda \
         --gamma 1,2,4,8 -n 128 --json "$out/pairs.json"
     cp "$pairs"/*.log "$out/" 2>/dev/null
+    # fp16 against transformers fp16 on the same GPU; a divergence line says where each leaves fp32.
+    head -n 8 specbuild/prompts/code.jsonl > "$out/prompts8.jsonl"
+    step verify 150 python3 -m specbuild verify "$pairs/tinyllama-1.1b-x0.1-first2-fp16" --target "$pairs/tinyllama-1.1b-x0.1" \
+        --prompts "$out/prompts8.jsonl" -n 64 --device cuda
     ;;
 peers)
     # Needs `pairs` first on the same machine (it is kept ~30 s between calls; a fresh one needs the setup
     # and `pairs` again). transformers eager decodes ~30 tok/s at this size: 8 prompts.
-    head -n 8 specbuild/prompts/code.jsonl > "$out/prompts8.jsonl"
     step transformers 280 python3 -m specbuild bench "$pairs/tinyllama-1.1b-x0.1-first2-fp16" --device cuda -n 64 \
         --gamma 2,4 --peers transformers --prompts "$out/prompts8.jsonl" --json "$out/transformers.json"
     step genai 280 python3 -m specbuild bench "$pairs/tinyllama-1.1b-x0.1-first2-fp16" --device cuda -n 128 --gamma 2,4 \

@@ -67,23 +67,31 @@ def test_seeded_sampling_reproduces_on_cuda_for_every_gamma(precision, precision
 
 
 def test_fp32_bundle_gives_transformers_fp32_greedy_tokens_on_cuda(bundles, checkpoints, tokenizer):
-    """use_tf32=0 (set by the runtime for fp32 engines) against torch with TF32 off, on the same GPU."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """use_tf32=0 (set by the runtime for fp32 engines) against transformers fp32 with TF32 off on the same GPU,
+    loaded as `specbuild verify --device cuda` loads it."""
+    from specbuild.verify import load_reference, transformers_greedy
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    model = AutoModelForCausalLM.from_pretrained(checkpoints("llama"), dtype=torch.float32, use_safetensors=True).to(device).eval()
+    model = load_reference(checkpoints("llama"), device="cuda")
     decoder = SpeculativeDecoder(bundles("llama", draft_seed=1), device="cuda")
     for prompt in PROMPTS:
         ids = tokenizer(prompt)["input_ids"]
-        with torch.no_grad():
-            x = torch.tensor([ids], device=device)
-            out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=NEW_TOKENS,
-                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-        expected = out[0, len(ids):].tolist()
+        expected = transformers_greedy(model, ids, NEW_TOKENS, [tokenizer.eos_token_id])
         for gamma in (0, 4, "auto"):
-            assert decoder.generate(ids, NEW_TOKENS, gamma).token_ids == expected, (prompt, gamma, device)
+            assert decoder.generate(ids, NEW_TOKENS, gamma).token_ids == expected, (prompt, gamma)
+
+
+def test_verify_on_cuda_holds_an_fp16_bundle_against_transformers_fp16_on_the_gpu(precision_bundles, checkpoints, tmp_path):
+    """Runs through; equality is not asserted (GPU kernels may round apart): a divergence must carry where the
+    bundle and transformers fp16 each leave transformers fp32, which the note of a GPU session should quote."""
+    import json
+
+    from specbuild.verify import verify_bundle
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    report = verify_bundle(precision_bundles("fp16"), checkpoints("llama"), prompts, NEW_TOKENS, "auto", "cuda")
+    assert (report["device"], report["precision"]) == ("cuda", "fp16")
+    assert report["identical"] or {"bundle_vs_fp32", "transformers_vs_fp32"} <= set(report["divergence"]), report
 
 
 def _nodes(graph):
