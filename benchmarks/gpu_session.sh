@@ -16,7 +16,9 @@ cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu-session}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD/runtime:$PWD
-pairs=/tmp/pairs
+pairs=/tmp/pairs  # outlives a call while the machine is kept; $OUT starts empty in every call
+prompts8="$prompts8"
+head -n 8 specbuild/prompts/code.jsonl > "$prompts8"
 step() {  # step NAME SECONDS COMMAND...: run it for at most SECONDS, log to $out/NAME.log, one summary line
     local name=$1 limit=$2 started=$SECONDS status
     shift 2
@@ -46,15 +48,14 @@ pairs)
         --gamma 1,2,4,8 -n 128 --json "$out/pairs.json"
     cp "$pairs"/*.log "$out/" 2>/dev/null
     # fp16 against transformers fp16 on the same GPU; a divergence line says where each leaves fp32.
-    head -n 8 specbuild/prompts/code.jsonl > "$out/prompts8.jsonl"
     step verify 150 python3 -m specbuild verify "$pairs/tinyllama-1.1b-x0.1-first2-fp16" --target "$pairs/tinyllama-1.1b-x0.1" \
-        --prompts "$out/prompts8.jsonl" -n 64 --device cuda
+        --prompts "$prompts8" -n 64 --device cuda
     ;;
 peers)
     # Needs `pairs` first on the same machine (it is kept ~30 s between calls; a fresh one needs the setup
     # and `pairs` again). transformers eager decodes ~30 tok/s at this size: 8 prompts.
     step transformers 280 python3 -m specbuild bench "$pairs/tinyllama-1.1b-x0.1-first2-fp16" --device cuda -n 64 \
-        --gamma 2,4 --peers transformers --prompts "$out/prompts8.jsonl" --json "$out/transformers.json"
+        --gamma 2,4 --peers transformers --prompts "$prompts8" --json "$out/transformers.json"
     step genai 280 python3 -m specbuild bench "$pairs/tinyllama-1.1b-x0.1-first2-fp16" --device cuda -n 128 --gamma 2,4 \
         --peers onnxruntime-genai --json "$out/genai.json"
     ;;
