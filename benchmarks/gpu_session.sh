@@ -17,7 +17,7 @@ out=${OUT:-/tmp/gpu-session}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site:$PWD/runtime:$PWD
 pairs=/tmp/pairs  # outlives a call while the machine is kept; $OUT starts empty in every call
-prompts8="$prompts8"
+prompts8="$out/prompts8.jsonl"
 head -n 8 specbuild/prompts/code.jsonl > "$prompts8"
 step() {  # step NAME SECONDS COMMAND...: run it for at most SECONDS, log to $out/NAME.log, one summary line
     local name=$1 limit=$2 started=$SECONDS status
