@@ -7,8 +7,9 @@ larger the scale, the more the later layers move the argmax and the lower α. Ra
 shape of benchmarks/configs/<shape>.json (llama-family configs: llama, qwen2, qwen3, mistral).
 
 For each scale: write the target checkpoint (the draft once), `specbuild compile`, `specbuild bench`, and
-one line per γ: α, speed-up over target-only in the same run, the bound (1 − α^(γ+1)) / ((1 − α)(γc + 1))
-with the measured τ and c, and the efficiency against it (bench computes them; this collects them).
+one line per γ: α, speed-up over target-only in the same run, the bound τ / (γc + 1) with the measured τ
+and c (Leviathan et al.'s (1 − α^(γ+1)) / ((1 − α)(γc + 1)) when acceptances are independent), and the
+efficiency against it (bench computes them; this collects them).
 
     python benchmarks/layer_pair.py --scratch /tmp/pairs --scales 0.05,0.2 --precision fp16 --device cuda --json pairs.json
 """
