@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from specbuild_runtime.errors import DeviceError
+
 from .errors import CheckpointError
 from .texts import read_prompts
 
@@ -35,7 +37,7 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
 
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise CheckpointError("transformers cannot run on CUDA here: this torch has no CUDA build or sees no GPU "
+            raise DeviceError("transformers cannot run on CUDA here: this torch has no CUDA build or sees no GPU "
                                   "(install a CUDA build of torch, or use --device cpu)")
         if precision == "fp32":
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False

@@ -149,3 +149,16 @@ def test_runtime_imports_and_decodes_where_torch_cannot_be_imported(bundles):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_a_reference_on_cuda_without_a_cuda_torch_is_a_device_error(checkpoints):
+    """verify/bench peers on --device cuda need transformers on the GPU too: one line saying what to install."""
+    import torch
+
+    from specbuild.verify import load_reference
+    from specbuild_runtime.errors import DeviceError
+
+    if torch.cuda.is_available():
+        pytest.skip("this torch has CUDA")
+    with pytest.raises(DeviceError, match="install a CUDA build of torch"):
+        load_reference(checkpoints("llama"), device="cuda")
