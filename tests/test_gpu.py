@@ -11,6 +11,7 @@ import pytest
 from conftest import PROMPTS
 from specbuild.compile import compile_bundle
 from specbuild.recipe import CompileSettings
+from specbuild.verify import first_difference
 from specbuild_runtime import SpeculativeDecoder
 from specbuild_runtime.engine import PROVIDERS, Engine
 
@@ -48,8 +49,8 @@ def test_speculative_output_equals_target_only_on_cuda_for_every_gamma(precision
         expected = decoder.generate(prompt, NEW_TOKENS, 0).token_ids
         for gamma in [*range(1, decoder.max_gamma + 1), "auto"]:
             got = decoder.generate(prompt, NEW_TOKENS, gamma).token_ids
-            first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
-            assert got == expected, f"{precision} γ={gamma}: token {first} differs from target-only, prompt {prompt!r}"
+            assert got == expected, (f"{precision} γ={gamma}: token {first_difference(got, expected)} differs from "
+                                     f"target-only, prompt {prompt!r}")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])

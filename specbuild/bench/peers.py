@@ -103,7 +103,7 @@ def _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
         import onnxruntime_genai as og
     except ImportError:
         raise SpecbuildError("the onnxruntime-genai peer needs `pip install onnxruntime-genai`") from None
-    engines = decoder.manifest.engines
+    engines, precision = decoder.manifest.engines, peer_precision(decoder)
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         for role in ("target", "draft"):
@@ -112,7 +112,7 @@ def _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
                 raise SpecbuildError(f"{role} checkpoint {source} has no *.safetensors weights; specbuild never unpickles")
             built = subprocess.run(
                 [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source),
-                 "-o", str(work / role), "-p", peer_precision(decoder), "-e", decoder.device], capture_output=True, text=True)
+                 "-o", str(work / role), "-p", precision, "-e", decoder.device], capture_output=True, text=True)
             if built.returncode:
                 raise SpecbuildError(f"onnxruntime-genai's model builder failed on the {role}: {built.stderr.strip()[-300:]}")
 
