@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 12's GPU checks in three device calls (each under the 10-minute limit of one call), for a session
+# Issue 12's GPU checks in four device calls (each under the 10-minute limit of one call), for a session
 # that is lent the GPU machine. It expects onnxruntime-gpu unpacked in /tmp/site and the wheels installed,
 # as ../shared/gpu/README.md describes (its 4th command); everything lands in $OUT.
 #
@@ -7,6 +7,8 @@
 #                                          # switch; pytest -m gpu (exactness, copies, threads)   ~3-5 min
 #   bash benchmarks/gpu_session.sh pairs   # TinyLlama-shape fp16 layer pairs (benchmarks/layer_pair.py):
 #                                          # bench --device cuda at three agreements; verify one   ~5-9 min
+#   bash benchmarks/gpu_session.sh graphs  # on the first pair: bench without and with --cuda-graphs
+#                                          # (same settings, one call); verify with them          ~4-6 min
 #   bash benchmarks/gpu_session.sh peers   # on the first pair: transformers (eager, static cache +
 #                                          # compile, assisted), onnxruntime-genai's CUDA build    ~6-9 min
 #
@@ -51,6 +53,15 @@ pairs)
     step verify 150 python3 -m specbuild verify "$pairs/tinyllama-1.1b-x0.1-first2-fp16" --target "$pairs/tinyllama-1.1b-x0.1" \
         --prompts "$prompts8" -n 64 --device cuda
     ;;
+graphs)
+    # Needs `pairs` first on the same machine (see peers). The same bench without, then with, CUDA graphs.
+    for graphs in "" --cuda-graphs; do
+        step "bench${graphs:--plain}" 200 python3 -m specbuild bench "$pairs/tinyllama-1.1b-x0.1-first2-fp16" --device cuda \
+            -n 128 --gamma 1,2,4 --prompts "$prompts8" --json "$out/bench${graphs:--plain}.json" $graphs
+    done
+    step verify--cuda-graphs 150 python3 -m specbuild verify "$pairs/tinyllama-1.1b-x0.1-first2-fp16" \
+        --target "$pairs/tinyllama-1.1b-x0.1" --prompts "$prompts8" -n 64 --device cuda --cuda-graphs
+    ;;
 peers)
     # Needs `pairs` first on the same machine (it is kept ~30 s between calls; a fresh one needs the setup
     # and `pairs` again). transformers eager decodes ~30 tok/s at this size: 8 prompts.
@@ -60,7 +71,7 @@ peers)
         --peers onnxruntime-genai --json "$out/genai.json"
     ;;
 *)
-    echo "usage: $0 check|pairs|peers   (see the top of this file)" >&2
+    echo "usage: $0 check|pairs|graphs|peers   (see the top of this file)" >&2
     exit 2
     ;;
 esac

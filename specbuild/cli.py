@@ -28,6 +28,10 @@ existing_dir = click.Path(exists=False, file_okay=False, path_type=Path)
 device_option = click.option(
     "--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
     help="Where the engines run: cuda needs onnxruntime-gpu (pip install ./runtime[gpu]); auto takes CUDA if present.")
+cuda_graphs_option = click.option(
+    "--cuda-graphs", is_flag=True,
+    help="Run the engines' greedy-only graphs, each call shape captured once and replayed as a CUDA graph "
+         "(fp16/bf16 bundles on --device cuda; greedy only; on the CPU the same graphs run uncaptured).")
 
 
 class Setting(click.ParamType):
@@ -162,12 +166,13 @@ def compile_cmd(recipe, **options) -> None:
               help="Draft tokens per round: 'auto' adapts to the draft's acceptance, 0 is the target alone.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, stats) instead of streaming text.")
 @device_option
+@cuda_graphs_option
 @sampling_options
-def generate(bundle, prompt, max_new_tokens, gamma, as_json, device, **sampling) -> None:
+def generate(bundle, prompt, max_new_tokens, gamma, as_json, device, cuda_graphs, **sampling) -> None:
     """Continue a prompt with speculative decoding (greedy, or sampling with --temperature)."""
     from specbuild_runtime import SpeculativeDecoder, Stats
 
-    decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True)
+    decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs)
     if as_json:
         result = decoder.generate(prompt, max_new_tokens, gamma, **sampling)
         click.echo(json.dumps({
@@ -270,13 +275,14 @@ def quality_line(q: dict) -> str:
 @click.option("--gamma", type=GammaType(), default="auto", show_default=True, help="Draft tokens per round.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @device_option
-def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device) -> None:
+@cuda_graphs_option
+def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda_graphs) -> None:
     """Gate a bundle: its greedy output must equal transformers' on every prompt (exit 1 if not).
 
     transformers runs on the same device, in the target engine's float type."""
     from .verify import verify_bundle
 
-    report = verify_bundle(bundle, target, prompts, max_new_tokens, gamma, device)
+    report = verify_bundle(bundle, target, prompts, max_new_tokens, gamma, device, cuda_graphs)
     if as_json:
         click.echo(json.dumps(report))
     elif report["identical"]:
@@ -311,13 +317,14 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device) -> N
 @click.option("--temperature", type=Finite(min=0), default=0.0, show_default=True,
               help="Sample at this temperature (seeded per prompt) instead of greedy decoding.")
 @device_option
-def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, temperature, device) -> None:
+@cuda_graphs_option
+def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, temperature, device, cuda_graphs) -> None:
     """Measure speculative vs target-only decoding (and peers) side by side, with the theoretical bound."""
     from . import bench as benchmark
     from .texts import CODE_PROMPTS, read_prompts
 
     report = benchmark.bench(bundle, read_prompts(prompts or CODE_PROMPTS), max_new_tokens, gammas, peers, temperature,
-                             device)
+                             device, cuda_graphs)
     click.echo(benchmark.format_table(report))
     if json_out:
         json_out.write_text(json.dumps(report, indent=2))

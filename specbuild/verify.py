@@ -60,14 +60,14 @@ def first_difference(ours: list[int], theirs: list[int]) -> int | None:
 
 
 def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens: int, gamma: int | str,
-                  device: str = "cpu") -> dict:
+                  device: str = "cpu", cuda_graphs: bool = False) -> dict:
     """The bundle against transformers on the same device, in the target engine's float type (a quantized
     engine's too). A half-precision divergence also says where transformers in that precision itself
     leaves its fp32 output on that prompt: rounding noise diverges late and alike, a bug early."""
     from specbuild_runtime import SpeculativeDecoder
 
     prompts = read_prompts(prompts_file)
-    decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True)
+    decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs)
     precision = decoder.manifest.engines["target"].precision
     model = load_reference(target, device=decoder.device, precision=precision)
     eos = sorted(decoder.eos_token_ids)

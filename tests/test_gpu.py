@@ -104,13 +104,15 @@ def _nodes(graph):
                 yield from _nodes(attribute.g)
 
 
+@pytest.mark.parametrize("graph", ["file", "greedy_file"])
 @pytest.mark.parametrize("role", ["target", "draft"])
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
-def test_no_call_copies_between_host_and_gpu(role, precision, precision_bundles, tmp_path):
+def test_no_call_copies_between_host_and_gpu(graph, role, precision, precision_bundles, tmp_path):
     """onnxruntime's own condition for CUDA graphs (inference_session.cc): no Memcpy node in the partitioned
     graph; nodes on the CPU provider are allowed only where they need no copy (shape arithmetic, which
     onnxruntime puts there itself). fp32 engines are the exception: GroupQueryAttention has CUDA kernels for
-    fp16 and bf16 only, so it runs on the CPU (README, GPU). The failure lists copies and CPU nodes."""
+    fp16 and bf16 only, so it runs on the CPU (README, GPU). The failure lists copies and CPU nodes. Both
+    graphs of each engine: the full one, and the greedy-only one that CUDA graphs capture."""
     import onnx
 
     from specbuild_runtime import load_manifest
@@ -120,7 +122,7 @@ def test_no_call_copies_between_host_and_gpu(role, precision, precision_bundles,
     options = ort.SessionOptions()
     options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
     options.optimized_model_filepath = str(tmp_path / "partitioned.onnx")
-    session = ort.InferenceSession(str(folder / info.file), options, providers=["CUDAExecutionProvider"])
+    session = ort.InferenceSession(str(folder / getattr(info, graph)), options, providers=["CUDAExecutionProvider"])
     on_cpu = [(node.op_type, node.name) for subgraph in session.get_provider_graph_assignment_info()
               if subgraph.ep_name != "CUDAExecutionProvider" for node in subgraph.get_nodes()]
     copies = [f"{n.op_type} {n.name}" for n in _nodes(onnx.load(str(tmp_path / "partitioned.onnx")).graph)
@@ -160,3 +162,31 @@ def test_threads_on_a_cuda_decoder_get_their_sequential_outputs(precision_bundle
     for t in threads:
         t.join()
     assert got == expected
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cuda_graphs_decode_the_tokens_of_uncaptured_calls(precision, precision_bundles):
+    """cuda_graphs=True: the greedy-only graphs, each call shape captured once (after onnxruntime's warm-up
+    runs) and replayed; two passes over the prompts, so that the second replays graphs captured in the first,
+    in two slots (graphs of their own)."""
+    folder = precision_bundles(precision)
+    plain = SpeculativeDecoder(folder, device="cuda")
+    graphs = SpeculativeDecoder(folder, device="cuda", cuda_graphs=True, parallel=2)
+    assert graphs.target.captures and graphs.draft.captures
+    held = graphs.stream(PROMPTS[1], NEW_TOKENS)  # slot 0 busy: the first pass decodes in slot 1
+    next(held)
+    for rerun in range(2):
+        for prompt in (PROMPTS[5], PROMPTS[8], PROMPTS[3]):
+            for gamma in (0, 1, graphs.max_gamma, "auto"):
+                expected = plain.generate(prompt, NEW_TOKENS, gamma).token_ids
+                got = graphs.generate(prompt, NEW_TOKENS, gamma).token_ids
+                assert got == expected, (f"{precision} γ={gamma}, pass {rerun + 1}: token {first_difference(got, expected)} "
+                                         f"differs from uncaptured calls, prompt {prompt!r}")
+        held.close()
+
+
+def test_cuda_graphs_of_an_fp32_bundle_are_refused_in_one_line(precision_bundles):
+    from specbuild_runtime import BundleError
+
+    with pytest.raises(BundleError, match="fp32.*cannot be captured as CUDA graphs"):
+        SpeculativeDecoder(precision_bundles("fp32"), device="cuda", cuda_graphs=True)

@@ -45,6 +45,32 @@ def test_no_weight_is_read_until_the_engine_is_written_and_each_once(checkpoints
     assert len(made) == len(lazy) and sum(made) == sum(t.nbytes for t in lazy)
 
 
+@pytest.mark.parametrize("quantize", ["none", "int4"])
+def test_each_engine_has_a_greedy_only_graph_without_control_flow_reading_the_engines_weights(quantize, checkpoints,
+                                                                                            tmp_path):
+    """What CUDA graphs need (onnxruntime refuses to capture a graph with If, Loop or Scan), at no cost in
+    bundle size: every weight of the greedy-only graph is a reference into the engine's own data file."""
+    out = tmp_path / "b"
+    manifest = compile_bundle(CompileSettings(target=checkpoints("llama"), draft=checkpoints("llama", 1), output=out,
+                                              max_seq_len=64, quantize=quantize), show_progress=False)
+
+    def external(model):  # name -> (file, offset, length) of every weight stored outside the graph
+        return {t.name: tuple(sorted((e.key, e.value) for e in t.external_data)) for t in model.graph.initializer
+                if t.data_location == onnx.TensorProto.EXTERNAL}
+
+    for role, info in manifest.engines.items():
+        full = onnx.load(str(out / info.file), load_external_data=False)
+        greedy = onnx.load(str(out / info.greedy_file), load_external_data=False)
+        assert not [n.op_type for n in greedy.graph.node if n.op_type in ("If", "Loop", "Scan")]
+        assert {i.name for i in full.graph.input} - {i.name for i in greedy.graph.input} == {
+            "temperature", "top_k", "top_p", "draft_probs", "uniforms"}
+        assert [o.name for o in greedy.graph.output if not o.name.startswith("present")] == ["accepted", "next_token"]
+        shared, own = external(full), external(greedy)
+        assert own and all(shared[name] == where for name, where in own.items()), role
+        assert {dict(where)["location"] for where in own.values()} == {f"{role}.onnx.data"}
+    assert not list(out.glob("*.greedy.onnx.data"))
+
+
 def test_a_bf16_checkpoint_becomes_an_fp16_engine_with_the_same_weights(checkpoints, tmp_path):
     tensors = save_bf16_shards(checkpoints("llama"), tmp_path / "bf16")
     manifest = compile_bundle(CompileSettings(target=tmp_path / "bf16", draft=tmp_path / "bf16", output=tmp_path / "b",

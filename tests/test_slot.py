@@ -1,10 +1,13 @@
-"""How target calls group rows (slot.Rows): the GPU's fixed-row calls decode exactly the CPU's tokens."""
+"""How target calls group rows (slot.Rows): the GPU's fixed-row calls decode exactly the CPU's tokens; and
+the CUDA graphs each call names."""
+
+import json
 
 import pytest
 
 from conftest import PROMPTS
-from specbuild_runtime import SpeculativeDecoder
-from specbuild_runtime.slot import NEVER_ALONE, EngineSlot, fixed_rows
+from specbuild_runtime import BundleError, RequestError, SpeculativeDecoder
+from specbuild_runtime.slot import MAX_REUSED_IDS, NEVER_ALONE, EngineSlot, fixed_rows
 
 NEW_TOKENS = 30
 
@@ -93,3 +96,64 @@ def test_the_device_data_flow_decodes_the_same_tokens_when_host_and_engine_memor
     device_like = SpeculativeDecoder(bundle, target_rows=fixed_rows(normal.max_gamma))
     for gamma, tokens in expected.items():
         assert device_like.generate(PROMPTS[5], NEW_TOKENS, gamma, **sampling).token_ids == tokens, gamma
+
+
+def test_cuda_graph_calls_decode_the_tokens_of_the_full_graphs_and_each_graph_id_names_one_call_shape(bundle, tokenizer,
+                                                                                                     monkeypatch):
+    """cuda_graphs=True runs the engines' greedy-only graphs with fixed-row target calls, each call naming the
+    CUDA graph it replays as on a GPU (onnxruntime's CPU provider ignores the ids, so the bookkeeping runs
+    here). A replay reads nothing on the host, so an id must always name the same slot, row count,
+    num_drafts and input buffer; a prompt's first call (total_len == rows) and a call too long for a reused
+    buffer name none (-1)."""
+    calls = []
+    choose = EngineSlot._graph
+
+    def spy(self, rows, num_drafts, total_len):
+        buffer = self._ids[rows].value.data_ptr() if rows <= MAX_REUSED_IDS else None
+        calls.append((self.engine.info.role, self.graph_id(rows, num_drafts, total_len),
+                      (self.index, rows, num_drafts, buffer), total_len))
+        return choose(self, rows, num_drafts, total_len)
+
+    monkeypatch.setattr(EngineSlot, "_graph", spy)
+    normal = SpeculativeDecoder(bundle)
+    graphs = SpeculativeDecoder(bundle, cuda_graphs=True, target_rows=fixed_rows(normal.max_gamma), parallel=2)
+    for engine in (graphs.target, graphs.draft):
+        engine.captures = True  # as on CUDA
+    long_prompt = "".join(PROMPTS[:6])
+    assert len(tokenizer(long_prompt)["input_ids"]) > MAX_REUSED_IDS
+    held = graphs.stream(PROMPTS[1], NEW_TOKENS)  # slot 0 busy for a while: the runs below take slot 1
+    next(held)
+    for prompt in (PROMPTS[3], PROMPTS[5], long_prompt):
+        for gamma in [*range(normal.max_gamma + 1), "auto"]:
+            expected = normal.generate(prompt, NEW_TOKENS, gamma).token_ids
+            assert graphs.generate(prompt, NEW_TOKENS, gamma).token_ids == expected, (prompt, gamma)
+        if prompt == PROMPTS[5]:
+            list(held)  # slot 0 free again: the long prompt decodes in it
+    shapes = {}
+    for role, graph, shape, total_len in calls:
+        if shape[1] == total_len or shape[3] is None:
+            assert graph == -1, (role, shape, total_len)
+        if graph >= 0:
+            assert shapes.setdefault((role, graph), shape) == shape, (role, graph, shapes[role, graph], shape)
+    assert {index for (_, _), (index, *_) in shapes.items()} == {0, 1}
+    assert {role for role, _ in shapes} == {"target", "draft"}
+
+
+def test_a_cuda_graph_decoder_refuses_to_sample_in_one_line(bundle):
+    decoder = SpeculativeDecoder(bundle, cuda_graphs=True)
+    with pytest.raises(RequestError, match="greedy-only graphs .* cannot sample"):
+        decoder.generate(PROMPTS[0], 4, temperature=0.7)
+
+
+def test_cuda_graphs_of_a_bundle_without_greedy_only_graphs_say_to_recompile(bundle, tmp_path):
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(bundle, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    for info in manifest["engines"].values():
+        del info["greedy_file"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    SpeculativeDecoder(old, check_digests=False)  # decodes as before
+    with pytest.raises(BundleError, match="no greedy-only graphs.*rebuild it with `specbuild compile`"):
+        SpeculativeDecoder(old, check_digests=False, cuda_graphs=True)

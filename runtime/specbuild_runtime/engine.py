@@ -96,22 +96,31 @@ class Engine:
     device: "cpu" or "cuda" (see requested_device). graph: an in-memory variant of the file at path (for
     example with an extra output to measure with), whose external weights are still read beside path;
     outputs beyond the engine contract are fetched each call and read with EngineSlot.output(name).
+    cuda_graphs: path is the engine's greedy-only graph (no sampling, no control flow); on CUDA, calls
+    that name a graph id are captured once and replayed as CUDA graphs (see slot.EngineSlot.graph_id).
     """
 
     def __init__(self, path: Path, info: EngineInfo, max_seq_len: int, device: str = "cpu",
-                 graph: bytes | None = None):
+                 graph: bytes | None = None, cuda_graphs: bool = False):
         self.path, self.info, self.max_seq_len, self.device = Path(path), info, max_seq_len, device
+        self.sampling = not cuda_graphs
+        self.captures = cuda_graphs and device == "cuda"
         self.vocab_size = info.shape.vocab_size
         if not can_run(info, device):
             raise BundleError(f"engine {path} is {info.precision}, which onnxruntime's CPU provider cannot run "
                               "(it has no bf16 MatMul): run it with device 'cuda', or rebuild with --precision fp32")
+        if self.captures and info.precision == "fp32":
+            raise BundleError(f"engine {path} is fp32, whose attention onnxruntime runs on the CPU (README, GPU), so its "
+                              "calls cannot be captured as CUDA graphs: rebuild with --precision fp16 or bf16, or run "
+                              "without CUDA graphs")
         options = session_options()
         source = str(path)
         if graph is not None:
             options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(self.path.parent))
             source = graph
         # fp32 engines compute fp32 (the CUDA provider would use TF32 matmuls otherwise).
-        provider = (PROVIDERS[device], {"use_tf32": "0"} if device == "cuda" else {})
+        cuda_options = {"use_tf32": "0", **({"enable_cuda_graph": "1"} if self.captures else {})}
+        provider = (PROVIDERS[device], cuda_options if device == "cuda" else {})
         try:
             # enable_fallback=0: onnxruntime would otherwise move a failing session to the CPU, silently.
             self.session = ort.InferenceSession(source, options, providers=[provider], enable_fallback=0)
@@ -123,7 +132,7 @@ class Engine:
                               "with log_severity_level 0); is a GPU and its driver present?")
         inputs = {i.name: (i.type, i.shape) for i in self.session.get_inputs()}
         outputs = {o.name: (o.type, o.shape) for o in self.session.get_outputs()}
-        check_engine_io(path, inputs, outputs, info, max_seq_len)
+        check_engine_io(path, inputs, outputs, info, max_seq_len, sampling=self.sampling)
         self.element_type = ELEMENT_TYPES[info.precision]
         self.cache_names = cache_names(info.shape.num_layers)
         # Where the session reads each input ("Cuda" is onnxruntime's name for CUDA device memory): CPU-side

@@ -4,6 +4,9 @@ A bundle is a folder:
     manifest.json           this schema, versioned by FORMAT_VERSION
     target.onnx(.data)      target engine: greedy verification built in
     draft.onnx(.data)       draft engine: same I/O, fed num_drafts = 0
+    {role}.greedy.onnx      each engine's greedy-only graph, reading the weights from {role}.onnx.data:
+                            the I/O below without the sampling inputs and `probs`, and without control
+                            flow, so that onnxruntime can capture its calls as CUDA graphs
     tokenizer/              the tokenizer both models share (tokenizer.json + HF side files)
     tensorrt-llm/, vllm/    compiled with --backend tensorrt-llm or all: TensorRT-LLM checkpoints and the
                             plans to build, run and serve them (TensorRTLLMPart); no .onnx files with
@@ -78,6 +81,7 @@ class EngineInfo:
     source: dict  # {"path": ..., "sha256": digest over the checkpoint's config+weights}
     quality: dict = field(default_factory=dict)
     source_dtype: str = ""  # the checkpoint's float type ("fp32" | "fp16" | "bf16"); precision is the engine's
+    greedy_file: str = ""  # the greedy-only graph over the same weights ("" in bundles made before it)
 
 
 @dataclass

@@ -76,12 +76,13 @@ class EngineSlot:
     just feeding a smaller total_len), its IO binding and per-call buffers.
 
     probs_rows: (draft) where its sampling distributions go, one row per draft step. draft_probs: (target)
-    those same rows, read when judging drafts. Not safe to use from two threads at once.
+    those same rows, read when judging drafts. index: the slot's, which tells its CUDA graphs from other
+    slots' on the same engine. Not safe to use from two threads at once.
     """
 
     def __init__(self, engine: Engine, rows: Rows = AS_FED, probs_rows: Buffer | None = None,
-                 draft_probs: Buffer | None = None):
-        self.engine, self.rows = engine, rows
+                 draft_probs: Buffer | None = None, index: int = 0):
+        self.engine, self.rows, self.index = engine, rows, index
         self.binding = engine.session.io_binding()
         shape, device = engine.info.shape, engine.device
         kv_shape = [1, shape.num_kv_heads, engine.max_seq_len, shape.head_dim]
@@ -99,29 +100,36 @@ class EngineSlot:
         self._total_len = self._input("total_len", np.zeros((), np.int32))
         self._seqlens_k = self._input("seqlens_k", np.zeros(1, np.int32))  # total_len - 1
         self._num_drafts = self._input("num_drafts", np.zeros((), np.int64))
-        self._temperature = self._input("temperature", np.zeros((), np.float32))
-        self._top_k = self._input("top_k", np.zeros((), np.int64))
-        self._top_p = self._input("top_p", np.ones((), np.float32))
         self._accepted = self._output("accepted", np.zeros((), np.int64))
         self._next_token = self._output("next_token", np.zeros((), np.int64))
         # On the CPU each buffer is its OrtValue's memory: nothing is copied per call.
         self._copies = not all(b.shared for b in (self._total_len, self._seqlens_k, self._num_drafts,
                                                    self._accepted, self._next_token))
         self._ids: dict[int, Buffer] = {}  # tokens per call -> buffer
-        self._uniforms: dict[int, Buffer] = {}  # drafts + 1 -> buffer
         self._bound = {"input_ids": 0, "uniforms": 0, "draft_probs": -1}  # the size each is bound at
-        # The sampled distribution ([V] when sampling, [0] when greedy): the target's is not read back;
-        # the draft's goes into row j of probs_rows at draft step j.
-        self._probs = {True: Buffer(np.zeros(engine.vocab_size, np.float32), device),
-                       False: Buffer(np.zeros(0, np.float32), device)}
-        self._probs_rows, self._draft_probs = probs_rows, draft_probs
-        self._no_drafts = Buffer(np.zeros((0, engine.vocab_size), np.float32), engine.input_devices["draft_probs"])
         self._fed = [0] * engine.max_seq_len  # the token at each cache position, to re-feed (a list: cheaper per call)
         self._redo_from = engine.max_seq_len  # the next call starts no later than this (see Rows)
-        self.configure(temperature=0.0)
+        self._run_options: dict[int, ort.RunOptions] = {}  # CUDA graph id -> the options that name it
+        self.sampling = False
+        if engine.sampling:
+            self._temperature = self._input("temperature", np.zeros((), np.float32))
+            self._top_k = self._input("top_k", np.zeros((), np.int64))
+            self._top_p = self._input("top_p", np.ones((), np.float32))
+            self._uniforms: dict[int, Buffer] = {}  # drafts + 1 -> buffer
+            # The sampled distribution ([V] when sampling, [0] when greedy): the target's is not read back;
+            # the draft's goes into row j of probs_rows at draft step j.
+            self._probs = {True: Buffer(np.zeros(engine.vocab_size, np.float32), device),
+                           False: Buffer(np.zeros(0, np.float32), device)}
+            self._probs_rows, self._draft_probs = probs_rows, draft_probs
+            self._no_drafts = Buffer(np.zeros((0, engine.vocab_size), np.float32), engine.input_devices["draft_probs"])
+            self.configure(temperature=0.0)
 
     def configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0) -> None:
         """Greedy at temperature 0; otherwise sampling from softmax(logits/temperature) within top-k/top-p."""
+        if not self.engine.sampling:  # a greedy-only graph (the decoder refuses sampled requests first)
+            if temperature > 0:
+                raise RequestError(f"engine {self.engine.path} is greedy-only: it cannot sample")
+            return
         self.sampling = temperature > 0
         for buffer, value in ((self._temperature, temperature), (self._top_k, top_k), (self._top_p, top_p)):
             buffer.host[()] = value
@@ -174,11 +182,36 @@ class EngineSlot:
                 self._bind_row("probs", self._probs_rows, probs_row)
         for name in self.engine.extra_outputs:  # their shapes change with the call: onnxruntime allocates them
             self.binding.bind_output(name, self.engine.device)
-        self.engine.session.run_with_iobinding(self.binding)
+        self.engine.session.run_with_iobinding(self.binding, self._graph(total_len - first, num_drafts, total_len))
         if self._copies:
             self._accepted.pull()
             self._next_token.pull()
         return int(self._accepted.host), int(self._next_token.host)
+
+    def graph_id(self, rows: int, num_drafts: int, total_len: int) -> int:
+        """The CUDA graph that a call of `rows` tokens replays, or -1: none, it runs as usual.
+
+        A replay runs the kernels its capture recorded, at the same addresses, and reads nothing on the
+        host. So each (slot, rows, num_drafts) has a graph of its own: the rows and num_drafts set shapes,
+        and each row count has its own input buffer (a call of more than MAX_REUSED_IDS tokens gets a new
+        one: never captured). GroupQueryAttention reads total_len on the host to tell a prompt's first call
+        (total_len == rows, no cache before it) from a call over a cache, and picks its kernels for it: a
+        first call is never captured, and a capture serves every later call of its shape. (Its split of the
+        cache into blocks, also chosen from total_len, stays the capture's: correct at any length.)
+        """
+        if not self.engine.captures or rows > MAX_REUSED_IDS or total_len == rows:
+            return -1
+        return (self.index * (MAX_REUSED_IDS + 1) + rows) * MAX_REUSED_IDS + num_drafts  # num_drafts < rows
+
+    def _graph(self, rows: int, num_drafts: int, total_len: int) -> ort.RunOptions | None:
+        if not self.engine.captures:
+            return None
+        graph = self.graph_id(rows, num_drafts, total_len)
+        if graph not in self._run_options:
+            # An engine that captures runs a call without a graph id as graph 0: uncaptured calls say -1.
+            self._run_options[graph] = options = ort.RunOptions()
+            options.add_run_config_entry("gpu_graph_id", str(graph))
+        return self._run_options[graph]
 
     def _input(self, name: str, host: np.ndarray) -> Buffer:
         buffer = Buffer(host, self.engine.input_devices[name])
@@ -240,9 +273,10 @@ class Slot:
         self.index = index
         # Columns past the draft's vocabulary (when smaller than the target's) stay zero: q is a proper
         # distribution over the target's vocabulary.
-        q = Buffer(np.zeros((max(max_gamma, 1), target.vocab_size), np.float32), target.input_devices["draft_probs"])
-        self.target = EngineSlot(target, target_rows, draft_probs=q)
-        self.draft = EngineSlot(draft, AS_FED, probs_rows=q)
+        q = (Buffer(np.zeros((max(max_gamma, 1), target.vocab_size), np.float32), target.input_devices["draft_probs"])
+             if target.sampling else None)
+        self.target = EngineSlot(target, target_rows, draft_probs=q, index=index)
+        self.draft = EngineSlot(draft, AS_FED, probs_rows=q, index=index)
 
     def configure(self, temperature: float, top_k: int, top_p: float) -> None:
         for engine in (self.target, self.draft):

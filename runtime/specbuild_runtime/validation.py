@@ -157,18 +157,21 @@ def utf8(name: str, text: str) -> None:
         raise RequestError(f"{name} is not valid UTF-8: {exc.reason} at character {exc.start}") from None
 
 
-# The engine I/O contract (see manifest.py) beyond the KV buffers: name -> ONNX type.
+# The engine I/O contract (see manifest.py) beyond the KV buffers: name -> ONNX type. A greedy-only graph
+# has neither the sampling inputs nor `probs`.
 INPUTS = {"input_ids": "tensor(int64)", "seqlens_k": "tensor(int32)", "total_len": "tensor(int32)",
-          "num_drafts": "tensor(int64)",
-          "temperature": "tensor(float)", "top_k": "tensor(int64)", "top_p": "tensor(float)",
-          "draft_probs": "tensor(float)", "uniforms": "tensor(float)"}
-OUTPUTS = {"accepted": "tensor(int64)", "next_token": "tensor(int64)", "probs": "tensor(float)"}
+          "num_drafts": "tensor(int64)"}
+SAMPLING_INPUTS = {"temperature": "tensor(float)", "top_k": "tensor(int64)", "top_p": "tensor(float)",
+                   "draft_probs": "tensor(float)", "uniforms": "tensor(float)"}
+OUTPUTS = {"accepted": "tensor(int64)", "next_token": "tensor(int64)"}
+SAMPLING_OUTPUTS = {"probs": "tensor(float)"}
 CACHE_TYPES = {"fp32": "tensor(float)", "fp16": "tensor(float16)", "bf16": "tensor(bfloat16)"}
 
 
-def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int) -> None:
+def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int, sampling: bool = True) -> None:
     """The manifest's description of an engine against the engine's own graph inputs/outputs
-    (name -> (ONNX type, shape)): an edited manifest fails here, at load, instead of inside a call."""
+    (name -> (ONNX type, shape)): an edited manifest fails here, at load, instead of inside a call.
+    sampling False: the engine's greedy-only graph."""
     def fail(what: str) -> None:
         raise BundleError(f"engine {path} does not match the bundle's manifest: {what}; the manifest was edited "
                           "or the bundle is damaged: rebuild it with `specbuild compile`")
@@ -177,7 +180,8 @@ def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int) -
     if info.precision not in CACHE_TYPES:
         fail(f"precision {info.precision!r} is not one of {', '.join(CACHE_TYPES)}")
     cache = [name for pair in cache_names(shape.num_layers) for name in pair]
-    expected = {**INPUTS, **OUTPUTS, **{name: CACHE_TYPES[info.precision] for name in cache}}
+    expected = {**INPUTS, **OUTPUTS, **{name: CACHE_TYPES[info.precision] for name in cache},
+                **({**SAMPLING_INPUTS, **SAMPLING_OUTPUTS} if sampling else {})}
     found = {**inputs, **outputs}
     for name, onnx_type in expected.items():
         if name not in found:
@@ -192,7 +196,7 @@ def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int) -
         if found[name][1] != kv:
             fail(f"{name!r} has shape {found[name][1]}, the manifest says {kv} "
                  "(1, kv heads, max-seq-len, head dim)")
-    width = inputs["draft_probs"][1][-1]
+    width = inputs["draft_probs"][1][-1] if sampling else shape.vocab_size
     if width != shape.vocab_size:
         fail(f"'draft_probs' has {width} columns, the manifest's vocabulary is {shape.vocab_size}")
 

@@ -172,10 +172,10 @@ def predicted_context_growth(decoder: SpeculativeDecoder, short: int, long: int)
 
 
 def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[int], peers: list[str],
-          temperature: float = 0.0, device: str = "cpu") -> dict:
+          temperature: float = 0.0, device: str = "cpu", cuda_graphs: bool = False) -> dict:
     """Sampled runs (temperature > 0) differ token-wise between modes by design: `matches_target` then says
     nothing, and α/speed-up are the figures to read."""
-    decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True)
+    decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs)
     prompt_ids = [decoder.encode(p) for p in prompts]
     bandwidth = measure_bandwidth(decoder.device)
     modes = run_ours(decoder, prompt_ids, max_new_tokens, [0, *gammas, AUTO], temperature)
@@ -205,6 +205,7 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "device": decoder.device,
+        "cuda_graphs": decoder.target.captures,
         "machine_bandwidth_gbs": round(bandwidth, 2),  # cpu: onnxruntime read; cuda: onnxruntime copy (read + write)
         "target_call_ms": round(1e3 * target_step, 4),
         "target_weight_mb": round(target_info.weight_bytes / 1e6, 2),
@@ -240,7 +241,8 @@ def format_table(report: dict) -> str:
             f"{fmt('efficiency', '.2f'):>6}{fmt('ttft_ms', '.1f'):>9}{itl:>16}  {exact}"
         )
     lines.append(
-        f"target {report['target_weight_mb']} MB, draft {report['draft_weight_mb']} MB; on {report['device']}, a "
+        f"target {report['target_weight_mb']} MB, draft {report['draft_weight_mb']} MB; on {report['device']}"
+        f"{' (CUDA graphs)' if report.get('cuda_graphs') else ''}, a "
         f"target-only call takes {report['target_call_ms']:.3f} ms and reads the weights at "
         f"{report['target_bandwidth_gbs']} GB/s of the measured {report['machine_bandwidth_gbs']} GB/s "
         f"({100 * report['target_bandwidth_fraction']:.0f}%)"

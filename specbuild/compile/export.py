@@ -44,7 +44,8 @@ def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
 
 def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, numerics: Numerics,
                   vocab_size: int | None = None, show_progress: bool | None = None) -> EngineInfo:
-    """Writes {role}.onnx (+ {role}.onnx.data with the weights) and describes it.
+    """Writes {role}.onnx (+ {role}.onnx.data with the weights) and {role}.greedy.onnx, the greedy-only
+    graph over the same data file, and describes them.
 
     vocab_size: the target's; a larger table (a draft's padding rows) is cut to it, so the draft never
     proposes a token the target does not have and its q is a distribution over the shared vocabulary.
@@ -64,11 +65,16 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
                         if isinstance(value.const_value, ir.LazyTensor))
         ir.save(model, folder / file, external_data=f"{file}.data", alignment=ALIGNMENT, max_workers=WORKERS,
                 max_in_flight_bytes=IN_FLIGHT_BYTES)
-    onnx.checker.check_model(str(folder / file))
+    greedy_file = f"{role}.greedy.onnx"
+    _write_sharing_weights(build_decoder(ckpt, numerics, max_seq_len, vocab, sampling=False), folder / file,
+                           folder / greedy_file)
+    for written in (file, greedy_file):
+        onnx.checker.check_model(str(folder / written))
     return EngineInfo(
         role=role,
         backend="onnx",
         file=file,
+        greedy_file=greedy_file,
         architecture=spec.architecture,
         precision=numerics.precision,
         quantization=numerics.quantization,
@@ -79,3 +85,13 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
         source={"path": str(ckpt.path.resolve()), "sha256": digest.result()},
         source_dtype=precision_name(ckpt.float_dtype()),
     )
+
+
+def _write_sharing_weights(model: ir.Model, written: Path, path: Path) -> None:
+    """Save model (built from the same checkpoint as the engine at `written`) with every weight read from
+    that engine's data file: a second graph costs no weight bytes on disk, and none are made again."""
+    weights = ir.load(written).graph.initializers  # external tensors: references, nothing is read
+    for name, value in model.graph.initializers.items():
+        if isinstance(value.const_value, ir.LazyTensor):
+            value.const_value = weights[name].const_value
+    ir.save(model, path)  # external tensors keep their file and offset

@@ -19,6 +19,8 @@ from ..errors import SpecbuildError
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port to listen on.")
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
               help="Where the engines run; auto picks CUDA when onnxruntime has it.")
+@click.option("--cuda-graphs", is_flag=True,
+              help="Replay each call shape as a CUDA graph (fp16/bf16 bundles on CUDA): greedy requests only.")
 @click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True,
               help="Requests decoded at once (slots, each with its own KV cache); the engines are shared.")
 @click.option("--threads", type=click.IntRange(min=1),
@@ -30,7 +32,8 @@ from ..errors import SpecbuildError
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="On SIGTERM, seconds in-flight requests get to finish before they are cut.")
 @click.option("--model-name", help="The model name clients send and /v1/models lists.  [default: the bundle folder's name]")
-def serve_command(bundle, host, port, device, parallel, threads, max_queue, timeout, shutdown_timeout, model_name) -> None:
+def serve_command(bundle, host, port, device, cuda_graphs, parallel, threads, max_queue, timeout, shutdown_timeout,
+                  model_name) -> None:
     """Serve a bundle over the OpenAI HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     from ..decode import SpeculativeDecoder
     from ..engine import use_shared_thread_pool
@@ -42,7 +45,7 @@ def serve_command(bundle, host, port, device, parallel, threads, max_queue, time
     # One pool for every session and slot, sized so that `parallel` calls at once fill the cores and no more:
     # concurrent calls each running a pool of one thread per core fight over the cores (README, Serving).
     use_shared_thread_pool(threads or max(1, len(os.sched_getaffinity(0)) // parallel))
-    decoder = SpeculativeDecoder(bundle, device=device, parallel=parallel, shared_thread_pool=True)
+    decoder = SpeculativeDecoder(bundle, device=device, parallel=parallel, shared_thread_pool=True, cuda_graphs=cuda_graphs)
     settings = Settings(model=model_name or Path(bundle).resolve().name, max_queue=max_queue,
                         timeout=timeout or None, shutdown_timeout=shutdown_timeout)
     server = Server(decoder, settings)

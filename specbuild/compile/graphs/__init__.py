@@ -35,11 +35,13 @@ __all__ = ["LOGITS", "build_decoder"]
 
 
 def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_size: int | None = None,
-                  with_logits: bool = False, progress: Callable[[int], None] = lambda nbytes: None) -> ir.Model:
+                  with_logits: bool = False, progress: Callable[[int], None] = lambda nbytes: None,
+                  sampling: bool = True) -> ir.Model:
     """The engine graph for one model (see specbuild_runtime.manifest for its I/O contract).
 
     vocab_size: cut the embedding table and LM head to this many rows (a draft's padding rows past the
     target's vocabulary). with_logits adds the fp32 `logits` [D+1, V] as an output, for tests.
+    sampling False: the greedy-only graph (no sampling inputs, no `probs`, no control flow).
     """
     spec = ckpt.spec
     shape = spec.shape
@@ -51,13 +53,13 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
     seqlens_k = g.input("seqlens_k", INT32, [1])  # = total_len - 1
     total_len = g.input("total_len", INT32, [])
     num_drafts = g.input("num_drafts", INT64, [])
-    sampling = SamplingInputs(
+    sampling_inputs = SamplingInputs(
         temperature=g.input("temperature", FLOAT, []),
         top_k=g.input("top_k", INT64, []),
         top_p=g.input("top_p", FLOAT, []),
         draft_probs=g.input("draft_probs", FLOAT, ["D", vocab]),
         uniforms=g.input("uniforms", FLOAT, ["D+1"]),
-    )
+    ) if sampling else None
     kv_shape = [1, shape.num_kv_heads, max_seq_len, shape.head_dim]
     names = cache_names(shape.num_layers)
     inputs = [g.input(past, numerics.ir_type, kv_shape) for past, _ in names]
@@ -66,12 +68,13 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
     ids = g.op("Reshape", input_ids, g.const([-1]))  # [S]
     hidden, presents, head = FAMILIES[spec.family](g, spec, ids, att, max_seq_len, vocab)
     accepted, next_token, probs, logits = verification(g, hidden, input_ids, num_drafts, lambda x: linear(g, x, head),
-                                                       sampling, spec.final_softcap)
+                                                       sampling_inputs, spec.final_softcap)
     if with_logits:
         g.output(logits, LOGITS, FLOAT, ["D+1", vocab])
     g.output(accepted, "accepted", INT64, [])
     g.output(next_token, "next_token", INT64, [])
-    g.output(probs, "probs", FLOAT, ["V or 0"])
+    if sampling:
+        g.output(probs, "probs", FLOAT, ["V or 0"])
     written = [buffer for pair in presents for buffer in pair]  # key, value per layer: cache_names' order
     for buffer, (_, present) in zip(written, names):
         g.output(buffer, present, numerics.ir_type, kv_shape)

@@ -23,13 +23,14 @@ class SamplingInputs:
 
 
 def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_drafts: ir.Value,
-                 head: Callable[[ir.Value], ir.Value], sampling: SamplingInputs, softcap: float | None = None):
-    """The last D+1 hidden states -> (accepted drafts, next token, its distribution); logits stay inside.
+                 head: Callable[[ir.Value], ir.Value], sampling: SamplingInputs | None, softcap: float | None = None):
+    """The last D+1 hidden states -> (accepted drafts, next token, its distribution, logits).
 
     hidden [S, H]; head(x [R, H]) -> [R, V] is the model's LM head. Row j of the logits is the model's
     view after input position S-D-1+j, so it judges draft j (input position S-D+j). softcap: Gemma's
     final logit soft-capping, cap·tanh(logits/cap). temperature 0 takes the greedy branch, anything
-    above the sampling branch.
+    above the sampling branch. sampling None: the greedy tail alone, without an If (no distribution):
+    the greedy-only graph, which CUDA graphs can capture.
     """
     drafts_1d = g.op("Reshape", num_drafts, g.const([1]))
     seq_1d = g.op("Shape", input_ids, start=1, end=2)
@@ -45,8 +46,11 @@ def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_dra
         logits = g.op("Mul", g.op("Tanh", g.op("Div", logits, cap)), cap)
     logits.name = LOGITS
     drafts = g.op("Slice", g.op("Reshape", input_ids, g.const([-1])), g.op("Sub", seq_1d, drafts_1d), seq_1d)  # [D]
+    if sampling is None:
+        accepted, next_token = (_scalar(g, value) for value in _greedy_tail(g, logits, drafts, drafts_1d))
+        return accepted, next_token, None, logits
     greedy = g.branch("branch.greedy")
-    _greedy_tail(greedy, logits, drafts, drafts_1d)
+    _branch_outputs(greedy, *_greedy_tail(greedy, logits, drafts, drafts_1d), greedy.const([], np.float32))
     sample = g.branch("branch.sampling")
     _sampling_tail(sample, logits, drafts, drafts_1d, num_drafts, sampling)
     is_sampling = g.op("Greater", sampling.temperature, g.const(0.0, np.float32))
@@ -64,19 +68,23 @@ def _leading_true(g: GraphBuilder, flags: ir.Value) -> ir.Value:
     return g.op("ArgMax", failures, axis=0, keepdims=0)
 
 
+def _scalar(g: GraphBuilder, value: ir.Value) -> ir.Value:
+    # Outputs are scalars (and both branches must agree); some reductions here come out as [1] in onnxruntime.
+    return g.op("Reshape", value, g.const([], np.int64))
+
+
 def _branch_outputs(g: GraphBuilder, accepted: ir.Value, next_token: ir.Value, probs: ir.Value) -> None:
-    # Both branches must agree on scalar outputs; some reductions here come out as [1] in onnxruntime.
-    scalar = g.const([], np.int64)
-    g.output(g.op("Reshape", accepted, scalar), f"{g.name}.accepted", INT64, [])
-    g.output(g.op("Reshape", next_token, scalar), f"{g.name}.next_token", INT64, [])
+    g.output(_scalar(g, accepted), f"{g.name}.accepted", INT64, [])
+    g.output(_scalar(g, next_token), f"{g.name}.next_token", INT64, [])
     g.output(probs, f"{g.name}.probs", FLOAT, None)
 
 
-def _greedy_tail(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, drafts_1d: ir.Value) -> None:
-    """Draft j is accepted while it equals the argmax of row j (and every earlier one did too)."""
+def _greedy_tail(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, drafts_1d: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """(accepted, next token): draft j is accepted while it equals the argmax of row j (and every earlier
+    one did too); the next token is the argmax of the row after the accepted ones."""
     preds = g.op("ArgMax", logits, axis=-1, keepdims=0)  # [D+1]
     accepted = _leading_true(g, g.op("Equal", g.op("Slice", preds, g.const([0]), drafts_1d), drafts))
-    _branch_outputs(g, accepted, g.op("Gather", preds, accepted), g.const([], np.float32))
+    return accepted, g.op("Gather", preds, accepted)
 
 
 def _sampling_tail(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, drafts_1d: ir.Value, num_drafts: ir.Value,
