@@ -185,6 +185,27 @@ def test_cuda_graphs_decode_the_tokens_of_uncaptured_calls(precision, precision_
         held.close()
 
 
+def test_threads_on_a_cuda_graph_decoder_get_their_sequential_outputs(precision_bundles):
+    """onnxruntime captures in cudaStreamCaptureModeGlobal and keeps graphs per thread: the engines' calls take
+    turns (engine._CUDA_GRAPH_CALLS) and each thread captures its own."""
+    import threading
+
+    decoder = SpeculativeDecoder(precision_bundles("fp16"), device="cuda", parallel=2, cuda_graphs=True)
+    requests = [(PROMPTS[i], i % 5) for i in range(6)]
+    expected = [decoder.generate(p, NEW_TOKENS, gamma).token_ids for p, gamma in requests]
+    got = [None] * len(requests)
+
+    def run(i):
+        got[i] = [decoder.generate(requests[i][0], NEW_TOKENS, requests[i][1]).token_ids for _ in range(3)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [[tokens] * 3 for tokens in expected]
+
+
 def test_cuda_graphs_of_an_fp32_bundle_are_refused_in_one_line(precision_bundles):
     from specbuild_runtime import BundleError
 

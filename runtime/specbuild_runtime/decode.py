@@ -136,7 +136,8 @@ class SpeculativeDecoder:
     CPU and fixed_rows(γ max) on a GPU. cuda_graphs: load the engines' greedy-only graphs (no control
     flow) and, on CUDA, replay each call shape as a CUDA graph once captured (onnxruntime's
     enable_cuda_graph), which saves launching every kernel from the host; greedy requests only (a sampled
-    one is a RequestError). On the CPU the same graphs run as they are.
+    one is a RequestError), and the engines' calls take turns across threads (see engine._CUDA_GRAPH_CALLS).
+    On the CPU the same graphs run as they are.
     """
 
     def __init__(self, bundle: str | Path, device: str = "cpu", parallel: int = 1, shared_thread_pool: bool = False,

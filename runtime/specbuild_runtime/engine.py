@@ -6,6 +6,8 @@ and onnxruntime's Run is safe to call from several threads at once, so one Engin
 
 from __future__ import annotations
 
+import threading
+from contextlib import nullcontext
 from pathlib import Path
 
 import onnxruntime as ort
@@ -46,6 +48,11 @@ def use_shared_thread_pool(threads: int = 0) -> bool:
 
 
 _SHARED_POOL: bool | None = None
+# onnxruntime captures CUDA graphs in cudaStreamCaptureModeGlobal ("for now cuda graph can only work with a
+# single thread", cuda_graph.cc): a CUDA call from any other thread during a capture (a copy, an allocation)
+# breaks it. Every call of an engine that captures, with its copies, holds this lock: one at a time in the
+# process. (Captured graphs are kept per thread, so each decoding thread captures its own.)
+_CUDA_GRAPH_CALLS = threading.Lock()
 
 
 def session_options() -> ort.SessionOptions:
@@ -105,6 +112,7 @@ class Engine:
         self.path, self.info, self.max_seq_len, self.device = Path(path), info, max_seq_len, device
         self.sampling = not cuda_graphs
         self.captures = cuda_graphs and device == "cuda"
+        self.calls = _CUDA_GRAPH_CALLS if self.captures else nullcontext()  # held around each call and its copies
         self.vocab_size = info.shape.vocab_size
         if not can_run(info, device):
             raise BundleError(f"engine {path} is {info.precision}, which onnxruntime's CPU provider cannot run "

@@ -167,6 +167,10 @@ class EngineSlot:
         return outputs[len(outputs) - len(extra) + extra.index(name)].numpy()
 
     def _run(self, first: int, total_len: int, num_drafts: int, uniforms: np.ndarray | None, probs_row: int):
+        with self.engine.calls:
+            return self._call(first, total_len, num_drafts, uniforms, probs_row)
+
+    def _call(self, first: int, total_len: int, num_drafts: int, uniforms: np.ndarray | None, probs_row: int):
         self._bind_ids(self._fed[first:total_len])
         self._total_len.host[()] = total_len
         self._seqlens_k.host[0] = total_len - 1
