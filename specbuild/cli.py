@@ -223,6 +223,8 @@ def inspect(bundle, as_json) -> None:
             f"heads {s.num_heads}/{s.num_kv_heads} kv, vocab {s.vocab_size}"
         )
         click.echo(f"{'':<10} from {e.source['path']} (sha256 {e.source['sha256'][:12]}…)")
+        click.echo(f"{'':<10} graphs {e.file}" + (f" and {e.greedy_file} (greedy-only, for --cuda-graphs)" if e.greedy_file
+                                                   else " (no greedy-only graph: compiled before them)"))
         if e.quality:
             click.echo(f"{'':<10} quality vs fp32: {quality_line(e.quality)}")
     if manifest.tensorrt_llm:
