@@ -164,25 +164,33 @@ def test_threads_on_a_cuda_decoder_get_their_sequential_outputs(precision_bundle
     assert got == expected
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_cuda_graphs_decode_the_tokens_of_uncaptured_calls(precision, precision_bundles):
-    """cuda_graphs=True: the greedy-only graphs, each call shape captured once (after onnxruntime's warm-up
-    runs) and replayed; two passes over the prompts, so that the second replays graphs captured in the first,
-    in two slots (graphs of their own)."""
-    folder = precision_bundles(precision)
+@pytest.mark.parametrize("architecture, precision", [("llama", "fp16"), ("llama", "bf16"), ("gpt2", "fp16")])
+def test_cuda_graphs_decode_the_tokens_of_uncaptured_calls(architecture, precision, precision_bundles, checkpoints,
+                                                          tmp_path):
+    """cuda_graphs=True: the greedy-only graphs, each call shape run uncaptured (slot.WARM_UP_RUNS), then
+    captured and replayed. Two passes over the prompts in slot 1 (slot 0 held busy), so the second replays
+    what the first captured, and a third in slot 0 (graphs of its own). GPT-2 reads its learned positions
+    from seqlens_k on the device: from the host they would be frozen at capture."""
+    if architecture == "llama":
+        folder = precision_bundles(precision)
+    else:
+        folder = tmp_path / architecture
+        compile_bundle(CompileSettings(target=checkpoints(architecture, 0), draft=checkpoints(architecture, 1),
+                                       output=folder, max_seq_len=256, precision=precision), show_progress=False)
     plain = SpeculativeDecoder(folder, device="cuda")
     graphs = SpeculativeDecoder(folder, device="cuda", cuda_graphs=True, parallel=2)
     assert graphs.target.captures and graphs.draft.captures
-    held = graphs.stream(PROMPTS[1], NEW_TOKENS)  # slot 0 busy: the first pass decodes in slot 1
+    held = graphs.stream(PROMPTS[1], NEW_TOKENS)
     next(held)
-    for rerun in range(2):
+    for rerun in range(3):
+        if rerun == 2:
+            held.close()
         for prompt in (PROMPTS[5], PROMPTS[8], PROMPTS[3]):
             for gamma in (0, 1, graphs.max_gamma, "auto"):
                 expected = plain.generate(prompt, NEW_TOKENS, gamma).token_ids
                 got = graphs.generate(prompt, NEW_TOKENS, gamma).token_ids
-                assert got == expected, (f"{precision} γ={gamma}, pass {rerun + 1}: token {first_difference(got, expected)} "
-                                         f"differs from uncaptured calls, prompt {prompt!r}")
-        held.close()
+                assert got == expected, (f"{architecture} {precision} γ={gamma}, pass {rerun + 1}: token "
+                                         f"{first_difference(got, expected)} differs from uncaptured calls, prompt {prompt!r}")
 
 
 def test_threads_on_a_cuda_graph_decoder_get_their_sequential_outputs(precision_bundles):

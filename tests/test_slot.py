@@ -7,7 +7,7 @@ import pytest
 
 from conftest import PROMPTS
 from specbuild_runtime import BundleError, RequestError, SpeculativeDecoder
-from specbuild_runtime.slot import MAX_REUSED_IDS, NEVER_ALONE, EngineSlot, fixed_rows
+from specbuild_runtime.slot import MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, EngineSlot, fixed_rows
 
 NEW_TOKENS = 30
 
@@ -103,16 +103,20 @@ def test_cuda_graph_calls_decode_the_tokens_of_the_full_graphs_and_each_graph_id
     """cuda_graphs=True runs the engines' greedy-only graphs with fixed-row target calls, each call naming the
     CUDA graph it replays as on a GPU (onnxruntime's CPU provider ignores the ids, so the bookkeeping runs
     here). A replay reads nothing on the host, so an id must always name the same slot, row count,
-    num_drafts and input buffer; a prompt's first call (total_len == rows) and a call too long for a reused
-    buffer name none (-1)."""
+    num_drafts, input buffer and length octave; a prompt's first call (total_len == rows) and a call too
+    long for a reused buffer name none (-1), and every id runs uncaptured first (WARM_UP_RUNS)."""
     calls = []
     choose = EngineSlot._graph
 
     def spy(self, rows, num_drafts, total_len):
+        options = choose(self, rows, num_drafts, total_len)
+        if options is None:  # the decoder without CUDA graphs
+            return options
         buffer = self._ids[rows].value.data_ptr() if rows <= MAX_REUSED_IDS else None
         calls.append((self.engine.info.role, self.graph_id(rows, num_drafts, total_len),
-                      (self.index, rows, num_drafts, buffer), total_len))
-        return choose(self, rows, num_drafts, total_len)
+                      (self.index, rows, num_drafts, buffer, total_len.bit_length()), total_len,
+                      int(options.get_run_config_entry("gpu_graph_id"))))
+        return options
 
     monkeypatch.setattr(EngineSlot, "_graph", spy)
     normal = SpeculativeDecoder(bundle)
@@ -129,14 +133,17 @@ def test_cuda_graph_calls_decode_the_tokens_of_the_full_graphs_and_each_graph_id
             assert graphs.generate(prompt, NEW_TOKENS, gamma).token_ids == expected, (prompt, gamma)
         if prompt == PROMPTS[5]:
             list(held)  # slot 0 free again: the long prompt decodes in it
-    shapes = {}
-    for role, graph, shape, total_len in calls:
+    shapes, runs = {}, {}
+    for role, graph, shape, total_len, used in calls:
         if shape[1] == total_len or shape[3] is None:
-            assert graph == -1, (role, shape, total_len)
+            assert graph == used == -1, (role, shape, total_len)
         if graph >= 0:
             assert shapes.setdefault((role, graph), shape) == shape, (role, graph, shapes[role, graph], shape)
-    assert {index for (_, _), (index, *_) in shapes.items()} == {0, 1}
+            runs[role, graph] = runs.get((role, graph), 0) + 1
+            assert used == (graph if runs[role, graph] > WARM_UP_RUNS else -1), (role, graph, runs[role, graph], used)
+    assert {index for (index, *_) in shapes.values()} == {0, 1}
     assert {role for role, _ in shapes} == {"target", "draft"}
+    assert any(count > WARM_UP_RUNS for count in runs.values())  # some were replayed
 
 
 def test_a_cuda_graph_decoder_refuses_to_sample_in_one_line(bundle):

@@ -1,11 +1,13 @@
 """One engine's onnxruntime session: the weights, loaded once per process and shared by every request.
 
 A session holds no request state (each request's KV cache and bindings live in a slot, see slot.py),
-and onnxruntime's Run is safe to call from several threads at once, so one Engine serves them all.
+and onnxruntime's Run is safe to call from several threads at once, so one Engine serves them all (the
+calls of engines that capture CUDA graphs take turns: see _CUDA_GRAPH_CALLS).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from contextlib import nullcontext
 from pathlib import Path
@@ -50,8 +52,9 @@ def use_shared_thread_pool(threads: int = 0) -> bool:
 _SHARED_POOL: bool | None = None
 # onnxruntime captures CUDA graphs in cudaStreamCaptureModeGlobal ("for now cuda graph can only work with a
 # single thread", cuda_graph.cc): a CUDA call from any other thread during a capture (a copy, an allocation)
-# breaks it. Every call of an engine that captures, with its copies, holds this lock: one at a time in the
-# process. (Captured graphs are kept per thread, so each decoding thread captures its own.)
+# breaks it. Every call of an engine that captures, with its copies, holds this lock, so these calls take
+# turns; other CUDA work in the process (an engine without CUDA graphs, torch) is not held back by it.
+# (Captured graphs are kept per thread, so each decoding thread captures its own.)
 _CUDA_GRAPH_CALLS = threading.Lock()
 
 
@@ -110,9 +113,10 @@ class Engine:
     def __init__(self, path: Path, info: EngineInfo, max_seq_len: int, device: str = "cpu",
                  graph: bytes | None = None, cuda_graphs: bool = False):
         self.path, self.info, self.max_seq_len, self.device = Path(path), info, max_seq_len, device
-        self.sampling = not cuda_graphs
+        self.greedy_only = cuda_graphs
         self.captures = cuda_graphs and device == "cuda"
         self.calls = _CUDA_GRAPH_CALLS if self.captures else nullcontext()  # held around each call and its copies
+        self._slots = itertools.count()
         self.vocab_size = info.shape.vocab_size
         if not can_run(info, device):
             raise BundleError(f"engine {path} is {info.precision}, which onnxruntime's CPU provider cannot run "
@@ -134,13 +138,16 @@ class Engine:
             self.session = ort.InferenceSession(source, options, providers=[provider], enable_fallback=0)
         except Exception as exc:  # onnxruntime raises its own untyped exceptions
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if self.captures:  # e.g. onnxruntime refusing to capture a graph with copies between host and device
+                raise BundleError(f"onnxruntime cannot run engine {path} as CUDA graphs: {first_line}; run without "
+                                  "--cuda-graphs (cuda_graphs=False)") from None
             raise BundleError(f"cannot load engine {path}: {first_line}; rebuild the bundle with `specbuild compile`") from None
         if self.session.get_providers()[0] != PROVIDERS[device]:  # the provider failed to start (e.g. no driver)
             raise DeviceError(f"onnxruntime could not start its {PROVIDERS[device]} for {path} (see its log "
                               "with log_severity_level 0); is a GPU and its driver present?")
         inputs = {i.name: (i.type, i.shape) for i in self.session.get_inputs()}
         outputs = {o.name: (o.type, o.shape) for o in self.session.get_outputs()}
-        check_engine_io(path, inputs, outputs, info, max_seq_len, sampling=self.sampling)
+        check_engine_io(path, inputs, outputs, info, max_seq_len, sampling=not self.greedy_only)
         self.element_type = ELEMENT_TYPES[info.precision]
         self.cache_names = cache_names(info.shape.num_layers)
         # Where the session reads each input ("Cuda" is onnxruntime's name for CUDA device memory): CPU-side
@@ -150,3 +157,7 @@ class Engine:
                               for value, memory in zip(self.session.get_inputs(), self.session.get_input_memory_infos())}
         known = {"accepted", "next_token", "probs", *(present for _, present in self.cache_names)}
         self.extra_outputs = [name for name in outputs if name not in known]
+
+    def new_slot_index(self) -> int:
+        """A number no other slot of this engine has: the slot's CUDA graphs are its own."""
+        return next(self._slots)

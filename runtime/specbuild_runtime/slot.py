@@ -20,6 +20,10 @@ from .engine import Engine
 from .errors import RequestError
 
 MAX_REUSED_IDS = 64  # calls of up to this many tokens (drafting, verifying) reuse one buffer per length
+# onnxruntime counts the runs before a capture per thread, not per graph: once a thread has run twice it
+# would capture a new call shape at that shape's first run, while the memory arena may still have to grow
+# for it (an allocation, which a capture forbids). So each shape first runs uncaptured this often per thread.
+WARM_UP_RUNS = 2
 
 
 @dataclass(frozen=True)
@@ -76,13 +80,13 @@ class EngineSlot:
     just feeding a smaller total_len), its IO binding and per-call buffers.
 
     probs_rows: (draft) where its sampling distributions go, one row per draft step. draft_probs: (target)
-    those same rows, read when judging drafts. index: the slot's, which tells its CUDA graphs from other
-    slots' on the same engine. Not safe to use from two threads at once.
+    those same rows, read when judging drafts. Not safe to use from two threads at once.
     """
 
     def __init__(self, engine: Engine, rows: Rows = AS_FED, probs_rows: Buffer | None = None,
-                 draft_probs: Buffer | None = None, index: int = 0):
-        self.engine, self.rows, self.index = engine, rows, index
+                 draft_probs: Buffer | None = None):
+        self.engine, self.rows = engine, rows
+        self.index = engine.new_slot_index()  # tells this slot's CUDA graphs from the engine's other slots'
         self.binding = engine.session.io_binding()
         shape, device = engine.info.shape, engine.device
         kv_shape = [1, shape.num_kv_heads, engine.max_seq_len, shape.head_dim]
@@ -110,8 +114,9 @@ class EngineSlot:
         self._fed = [0] * engine.max_seq_len  # the token at each cache position, to re-feed (a list: cheaper per call)
         self._redo_from = engine.max_seq_len  # the next call starts no later than this (see Rows)
         self._run_options: dict[int, ort.RunOptions] = {}  # CUDA graph id -> the options that name it
+        self._warm_up: dict[tuple[int, int], int] = {}  # (thread, graph id) -> uncaptured runs so far
         self.sampling = False
-        if engine.sampling:
+        if not engine.greedy_only:
             self._temperature = self._input("temperature", np.zeros((), np.float32))
             self._top_k = self._input("top_k", np.zeros((), np.int64))
             self._top_p = self._input("top_p", np.ones((), np.float32))
@@ -126,7 +131,7 @@ class EngineSlot:
 
     def configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0) -> None:
         """Greedy at temperature 0; otherwise sampling from softmax(logits/temperature) within top-k/top-p."""
-        if not self.engine.sampling:  # a greedy-only graph (the decoder refuses sampled requests first)
+        if self.engine.greedy_only:  # a greedy-only graph (the decoder refuses sampled requests first)
             if temperature > 0:
                 raise RequestError(f"engine {self.engine.path} is greedy-only: it cannot sample")
             return
@@ -200,17 +205,25 @@ class EngineSlot:
         and each row count has its own input buffer (a call of more than MAX_REUSED_IDS tokens gets a new
         one: never captured). GroupQueryAttention reads total_len on the host to tell a prompt's first call
         (total_len == rows, no cache before it) from a call over a cache, and picks its kernels for it: a
-        first call is never captured, and a capture serves every later call of its shape. (Its split of the
-        cache into blocks, also chosen from total_len, stays the capture's: correct at any length.)
+        first call is never captured. It also splits the cache into as many blocks as total_len calls for,
+        which is correct at any length but fast only near the capture's, so lengths in each octave
+        (total_len.bit_length()) have graphs of their own.
         """
         if not self.engine.captures or rows > MAX_REUSED_IDS or total_len == rows:
             return -1
-        return (self.index * (MAX_REUSED_IDS + 1) + rows) * MAX_REUSED_IDS + num_drafts  # num_drafts < rows
+        shape = (self.index * (MAX_REUSED_IDS + 1) + rows) * MAX_REUSED_IDS + num_drafts  # num_drafts < rows
+        return shape * 32 + total_len.bit_length()  # never 0, which onnxruntime reserves
 
     def _graph(self, rows: int, num_drafts: int, total_len: int) -> ort.RunOptions | None:
         if not self.engine.captures:
             return None
         graph = self.graph_id(rows, num_drafts, total_len)
+        if graph >= 0:
+            key = (threading.get_ident(), graph)
+            runs = self._warm_up.get(key, 0)
+            if runs < WARM_UP_RUNS:
+                self._warm_up[key] = runs + 1
+                graph = -1
         if graph not in self._run_options:
             # An engine that captures runs a call without a graph id as graph 0: uncaptured calls say -1.
             self._run_options[graph] = options = ort.RunOptions()
@@ -278,9 +291,9 @@ class Slot:
         # Columns past the draft's vocabulary (when smaller than the target's) stay zero: q is a proper
         # distribution over the target's vocabulary.
         q = (Buffer(np.zeros((max(max_gamma, 1), target.vocab_size), np.float32), target.input_devices["draft_probs"])
-             if target.sampling else None)
-        self.target = EngineSlot(target, target_rows, draft_probs=q, index=index)
-        self.draft = EngineSlot(draft, AS_FED, probs_rows=q, index=index)
+             if not target.greedy_only else None)
+        self.target = EngineSlot(target, target_rows, draft_probs=q)
+        self.draft = EngineSlot(draft, AS_FED, probs_rows=q)
 
     def configure(self, temperature: float, top_k: int, top_p: float) -> None:
         for engine in (self.target, self.draft):

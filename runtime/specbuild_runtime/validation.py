@@ -196,9 +196,8 @@ def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int, s
         if found[name][1] != kv:
             fail(f"{name!r} has shape {found[name][1]}, the manifest says {kv} "
                  "(1, kv heads, max-seq-len, head dim)")
-    width = inputs["draft_probs"][1][-1] if sampling else shape.vocab_size
-    if width != shape.vocab_size:
-        fail(f"'draft_probs' has {width} columns, the manifest's vocabulary is {shape.vocab_size}")
+    if sampling and inputs["draft_probs"][1][-1] != shape.vocab_size:
+        fail(f"'draft_probs' has {inputs['draft_probs'][1][-1]} columns, the manifest's vocabulary is {shape.vocab_size}")
 
 
 def check_vocabularies(target, draft) -> None:

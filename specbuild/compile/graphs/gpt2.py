@@ -14,10 +14,13 @@ def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_se
     eps = spec.norm_eps
     # Checkpoints saved from GPT2LMHeadModel prefix every name with "transformer."; the original ones do not.
     t = "transformer." if "transformer.wte.weight" in g.ckpt.entries else ""
-    # Learned positions: rows past_len .. total_len-1 of wpe.
-    total = g.op("Reshape", g.op("Cast", att.total_len, to=ir.DataType.INT64), g.const([1]))
-    past_len = g.op("Sub", total, g.op("Shape", ids))
-    positions = g.op("Slice", g.weight(w(t + "wpe.weight")), past_len, total)  # [S, H]
+    # Learned positions: rows total-S .. total-1 of wpe, i.e. total minus [S, S-1, .., 1], computed on the
+    # device from seqlens_k (= total - 1): positions from the host input total_len would be read once by a
+    # CUDA graph's capture and replayed at every later length.
+    countdown = g.op("CumSum", g.op("ConstantOfShape", g.op("Shape", ids), value=ir.tensor([1], dtype=ir.DataType.INT64)),
+                     g.const(0), reverse=1)  # [S, S-1, .., 1]
+    total = g.op("Add", g.op("Cast", att.seqlens_k, to=ir.DataType.INT64), g.const([1]))  # [1]
+    positions = g.op("Gather", g.weight(w(t + "wpe.weight")), g.op("Sub", total, countdown))  # [S, H]
     wte = vocab_table(g, t + "wte.weight", vocab_size)
     # SkipLayerNormalization adds the two embeddings and normalizes in one op.
     normed, residual = skip_layer_norm(g, embedding(g, ids, wte), positions, w(t + "h.0.ln_1.weight"),
