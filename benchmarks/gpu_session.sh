@@ -4,7 +4,7 @@
 # as ../shared/gpu/README.md describes (its 4th command); everything lands in $OUT.
 #
 #   bash benchmarks/gpu_session.sh check   # versions; GroupQueryAttention alone, then under each kernel
-#                                          # switch; pytest -m gpu (exactness, copies, threads)   ~3-5 min
+#                                          # switch; pytest -m gpu (exactness, copies, threads, CUDA graphs) ~3-6 min
 #   bash benchmarks/gpu_session.sh pairs   # TinyLlama-shape fp16 layer pairs (benchmarks/layer_pair.py):
 #                                          # bench --device cuda at three agreements; verify one   ~5-9 min
 #   bash benchmarks/gpu_session.sh graphs  # on the first pair: bench without and with --cuda-graphs
@@ -39,7 +39,7 @@ check)
                   ORT_DISABLE_FLASH_DECODE=1; do
         step "attention-$switch" 60 env "$switch" ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO=1 python3 -m pytest -m gpu tests/test_attention.py
     done
-    step gpu-tests 300 python3 -m pytest -m gpu tests/test_gpu.py --junitxml="$out/gpu-tests.xml"
+    step gpu-tests 380 python3 -m pytest -m gpu tests/test_gpu.py --junitxml="$out/gpu-tests.xml"
     if ! grep -q "passed" "$out/gpu-tests.log" || grep -q "failed" "$out/gpu-tests.log"; then
         step gpu-tests-no-cudnn 120 env ORT_ENABLE_CUDNN_FLASH_ATTENTION=0 python3 -m pytest -m gpu tests/test_gpu.py -k every_gamma
     fi
