@@ -125,7 +125,7 @@ def test_no_call_copies_between_host_and_gpu(graph, role, precision, precision_b
     session = ort.InferenceSession(str(folder / getattr(info, graph)), options, providers=["CUDAExecutionProvider"])
     on_cpu = [(node.op_type, node.name) for subgraph in session.get_provider_graph_assignment_info()
               if subgraph.ep_name != "CUDAExecutionProvider" for node in subgraph.get_nodes()]
-    copies = [f"{n.op_type} {n.name}" for n in _nodes(onnx.load(str(tmp_path / "partitioned.onnx")).graph)
+    copies = [f"{n.op_type} {n.name}" for n in _nodes(onnx.load(str(tmp_path / "partitioned.onnx"), load_external_data=False).graph)
               if n.op_type.startswith("Memcpy")]
     attention_on_cpu = [name for op, name in on_cpu if op == "GroupQueryAttention"]
     if precision == "fp32":
