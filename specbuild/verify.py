@@ -38,7 +38,7 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
     if device == "cuda":
         if not torch.cuda.is_available():
             raise DeviceError("transformers cannot run on CUDA here: this torch has no CUDA build or sees no GPU "
-                                  "(install a CUDA build of torch, or use --device cpu)")
+                              "(install a CUDA build of torch, or use --device cpu)")
         if precision == "fp32":
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     logging.disable_progress_bar()  # a bar per load on stderr, where a pipeline reads one-line errors

@@ -131,9 +131,7 @@ class EngineSlot:
 
     def configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0) -> None:
         """Greedy at temperature 0; otherwise sampling from softmax(logits/temperature) within top-k/top-p."""
-        if self.engine.greedy_only:  # a greedy-only graph (the decoder refuses sampled requests first)
-            if temperature > 0:
-                raise RequestError(f"engine {self.engine.path} is greedy-only: it cannot sample")
+        if self.engine.greedy_only:  # nothing to set: the decoder refuses sampled requests (decode.request)
             return
         self.sampling = temperature > 0
         for buffer, value in ((self._temperature, temperature), (self._top_k, top_k), (self._top_p, top_p)):
