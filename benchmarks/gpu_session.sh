@@ -8,7 +8,8 @@
 #   bash benchmarks/gpu_session.sh pairs   # TinyLlama-shape fp16 layer pairs (benchmarks/layer_pair.py):
 #                                          # bench --device cuda at three agreements; verify one   ~5-9 min
 #   bash benchmarks/gpu_session.sh graphs  # on the first pair: bench without and with --cuda-graphs
-#                                          # (same settings, one call); verify with them          ~4-6 min
+#                                          # (same settings, one call); verify with them; the
+#                                          # same for sampling (temperature 0.8, γ 2)             ~5-8 min
 #   bash benchmarks/gpu_session.sh peers   # on the first pair: transformers (eager, static cache +
 #                                          # compile, assisted), onnxruntime-genai's CUDA build    ~6-9 min
 #
@@ -59,8 +60,13 @@ graphs)
         step "bench${graphs:--plain}" 200 python3 -m specbuild bench "$pairs/tinyllama-1.1b-x0.1-first2-fp16" --device cuda \
             -n 128 --gamma 1,2,4 --prompts "$prompts8" --json "$out/bench${graphs:--plain}.json" $graphs
     done
-    step verify--cuda-graphs 150 python3 -m specbuild verify "$pairs/tinyllama-1.1b-x0.1-first2-fp16" \
+    step verify--cuda-graphs 100 python3 -m specbuild verify "$pairs/tinyllama-1.1b-x0.1-first2-fp16" \
         --target "$pairs/tinyllama-1.1b-x0.1" --prompts "$prompts8" -n 64 --device cuda --cuda-graphs
+    # Sampling: under CUDA graphs the bundle's sampler runs after each captured call, uncaptured.
+    for graphs in "" --cuda-graphs; do
+        step "sampled${graphs:--plain}" 100 python3 -m specbuild bench "$pairs/tinyllama-1.1b-x0.1-first2-fp16" --device cuda \
+            -n 64 --gamma 2 --temperature 0.8 --prompts "$prompts8" --json "$out/sampled${graphs:--plain}.json" $graphs
+    done
     ;;
 peers)
     # Needs `pairs` first on the same machine (it is kept ~30 s between calls; a fresh one needs the setup

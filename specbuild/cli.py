@@ -31,7 +31,8 @@ device_option = click.option(
 cuda_graphs_option = click.option(
     "--cuda-graphs", is_flag=True,
     help="Run the engines' greedy-only graphs, each call shape captured once and replayed as a CUDA graph "
-         "(fp16/bf16 bundles on --device cuda; greedy only; on the CPU the same graphs run uncaptured).")
+         "(fp16/bf16 bundles on --device cuda; sampling runs the bundle's sampler after each call, uncaptured; "
+         "on the CPU the same graphs run uncaptured).")
 
 
 class Setting(click.ParamType):
@@ -227,6 +228,9 @@ def inspect(bundle, as_json) -> None:
                                                    else " (no greedy-only graph: compiled before them)"))
         if e.quality:
             click.echo(f"{'':<10} quality vs fp32: {quality_line(e.quality)}")
+    if manifest.engines:
+        click.echo(f"{'sampler':<10} " + (f"{manifest.sampler_file} (how the greedy-only graphs sample)" if manifest.sampler_file
+                                          else "none: compiled before it (--cuda-graphs needs a recompile)"))
     if manifest.tensorrt_llm:
         click.echo("\n".join(f"{'tensorrt':<10} {line}" for line in tensorrt_llm_lines(bundle, manifest.tensorrt_llm)))
 

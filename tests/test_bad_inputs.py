@@ -287,8 +287,6 @@ CASES = [
          "Give at most the bundle's max gamma (`specbuild inspect`) or recompile with a larger `--gamma`."),
     Case("`--seed -1`", ["generate", "{bundle}", "-p", "x", "-n", "4", "--temperature", "1", "--seed", "-1"], 0, "",
          "Nothing: any integer is a seed."),
-    Case("`--cuda-graphs` with `--temperature`", ["generate", "{bundle}", "-p", "x", "--cuda-graphs", "--temperature", "0.7"],
-         1, "cannot sample", "CUDA graphs decode greedily: leave out `--cuda-graphs` to sample."),
     Case("a prompt that is not UTF-8", ["generate", "{bundle}", "-p", "\udcff\udcfe"], 2, "not valid UTF-8",
          "Pass text in UTF-8."),
     Case("`bench -n 1`", ["bench", "{bundle}", "-n", "1"], 2, "x>=2",

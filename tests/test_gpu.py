@@ -170,7 +170,8 @@ def test_cuda_graphs_decode_the_tokens_of_uncaptured_calls(architecture, precisi
     """cuda_graphs=True: the greedy-only graphs, each call shape run uncaptured (slot.WARM_UP_RUNS), then
     captured and replayed. Two passes over the prompts in slot 1 (slot 0 held busy), so the second replays
     what the first captured, and a third in slot 0 (graphs of its own). GPT-2 reads its learned positions
-    from seqlens_k on the device: from the host they would be frozen at capture."""
+    from seqlens_k on the device: from the host they would be frozen at capture. Seeded sampling with a
+    fixed γ draws the full graphs' tokens through the sampler."""
     if architecture == "llama":
         folder = precision_bundles(precision)
     else:
@@ -191,6 +192,13 @@ def test_cuda_graphs_decode_the_tokens_of_uncaptured_calls(architecture, precisi
                 got = graphs.generate(prompt, NEW_TOKENS, gamma).token_ids
                 assert got == expected, (f"{architecture} {precision} γ={gamma}, pass {rerun + 1}: token "
                                          f"{first_difference(got, expected)} differs from uncaptured calls, prompt {prompt!r}")
+                if gamma != "auto":  # seeded sampling (the bundle's sampler after each captured call)
+                    sampled = {"temperature": 0.8, "top_p": 0.9, "seed": rerun}
+                    expected = plain.generate(prompt, NEW_TOKENS, gamma, **sampled).token_ids
+                    got = graphs.generate(prompt, NEW_TOKENS, gamma, **sampled).token_ids
+                    assert got == expected, (f"{architecture} {precision} γ={gamma} sampled, pass {rerun + 1}: token "
+                                             f"{first_difference(got, expected)} differs from the full graphs' sampling, "
+                                             f"prompt {prompt!r}")
 
 
 def test_threads_on_a_cuda_graph_decoder_get_their_sequential_outputs(precision_bundles):

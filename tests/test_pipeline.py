@@ -65,11 +65,14 @@ def test_each_engine_has_a_greedy_only_graph_without_control_flow_reading_the_en
         assert [n.op_type for n in full.graph.node if n.op_type == "If"] == ["If"]  # the test sees what it looks for
         assert {i.name for i in full.graph.input} - {i.name for i in greedy.graph.input} == {
             "temperature", "top_k", "top_p", "draft_probs", "uniforms"}
-        assert [o.name for o in greedy.graph.output if not o.name.startswith("present")] == ["accepted", "next_token"]
+        assert [o.name for o in greedy.graph.output if not o.name.startswith("present")] == ["logits", "accepted", "next_token"]
         shared, own = external(full), external(greedy)
         assert own and all(shared[name] == where for name, where in own.items()), role
         assert {dict(where)["location"] for where in own.values()} == {f"{role}.onnx.data"}
     assert not list(out.glob("*.greedy.onnx.data"))
+    sampler = onnx.load(str(out / manifest.sampler_file))  # how the greedy-only graphs sample: no weights
+    assert manifest.sampler_file == "sampler.onnx" and sum(t.ByteSize() for t in sampler.graph.initializer) < 1024
+    assert {"logits", "input_ids", "uniforms"} <= {i.name for i in sampler.graph.input}
 
 
 def test_a_bf16_checkpoint_becomes_an_fp16_engine_with_the_same_weights(checkpoints, tmp_path):

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import PROMPTS
-from specbuild_runtime import BundleError, RequestError, SpeculativeDecoder
+from specbuild_runtime import BundleError, SpeculativeDecoder
 from specbuild_runtime.slot import MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, EngineSlot, fixed_rows
 
 NEW_TOKENS = 30
@@ -146,21 +146,34 @@ def test_cuda_graph_calls_decode_the_tokens_of_the_full_graphs_and_each_graph_id
     assert any(count > WARM_UP_RUNS for count in runs.values())  # some were replayed
 
 
-def test_a_cuda_graph_decoder_refuses_to_sample_in_one_line(bundle):
-    decoder = SpeculativeDecoder(bundle, cuda_graphs=True)
-    with pytest.raises(RequestError, match="greedy-only graphs .* cannot sample"):
-        decoder.generate(PROMPTS[0], 4, temperature=0.7)
+@pytest.mark.parametrize("sampling", [{"temperature": 0.8}, {"temperature": 1.0, "top_k": 20},
+                                      {"temperature": 0.7, "top_p": 0.9}], ids=["plain", "top_k", "top_p"])
+def test_a_cuda_graph_decoder_samples_the_full_graphs_tokens_with_the_bundles_sampler(bundle, sampling):
+    """The greedy-only graphs cannot sample; their logits go to the bundle's sampler, the same nodes as the
+    full graphs' sampling branch: the same tokens for every seed and γ (graph ids named as on CUDA)."""
+    normal = SpeculativeDecoder(bundle)
+    graphs = SpeculativeDecoder(bundle, cuda_graphs=True)
+    for engine in (graphs.target, graphs.draft):
+        engine.captures = True  # as on CUDA
+    for gamma in range(normal.max_gamma + 1):
+        for seed, prompt in enumerate(PROMPTS[:3]):
+            expected = normal.generate(prompt, NEW_TOKENS, gamma, seed=seed, **sampling).token_ids
+            assert graphs.generate(prompt, NEW_TOKENS, gamma, seed=seed, **sampling).token_ids == expected, (gamma, seed)
 
 
-def test_cuda_graphs_of_a_bundle_without_greedy_only_graphs_say_to_recompile(bundle, tmp_path):
+@pytest.mark.parametrize("missing", ["greedy_file", "sampler_file"])
+def test_cuda_graphs_of_a_bundle_compiled_before_them_say_to_recompile(bundle, tmp_path, missing):
     import shutil
 
     old = tmp_path / "old"
     shutil.copytree(bundle, old)
     manifest = json.loads((old / "manifest.json").read_text())
-    for info in manifest["engines"].values():
-        del info["greedy_file"]
+    if missing == "sampler_file":
+        del manifest["sampler_file"]
+    else:
+        for info in manifest["engines"].values():
+            del info["greedy_file"]
     (old / "manifest.json").write_text(json.dumps(manifest))
     SpeculativeDecoder(old, check_digests=False)  # decodes as before
-    with pytest.raises(BundleError, match="no greedy-only graphs.*rebuild it with `specbuild compile`"):
+    with pytest.raises(BundleError, match="no greedy-only graphs and sampler.*rebuild it with `specbuild compile`"):
         SpeculativeDecoder(old, check_digests=False, cuda_graphs=True)

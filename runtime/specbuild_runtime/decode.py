@@ -16,8 +16,8 @@ from typing import Iterator
 import numpy as np
 from tokenizers import Tokenizer
 
-from .engine import Engine, requested_device, use_shared_thread_pool
-from .errors import BundleError, DeviceError, RequestError
+from .engine import Engine, Sampler, requested_device, use_shared_thread_pool
+from .errors import BundleError, DeviceError
 from .manifest import TOKENIZER_DIR, load_manifest
 from .policy import GREEDY_DECAY, SAMPLING_DECAY, AdaptiveGamma, Costs, FixedGamma
 from .slot import NEVER_ALONE, Rows, Slot, SlotPool, fixed_rows
@@ -135,9 +135,10 @@ class SpeculativeDecoder:
     available). target_rows: how target calls group rows (see slot.Rows); by default NEVER_ALONE on the
     CPU and fixed_rows(γ max) on a GPU. cuda_graphs: load the engines' greedy-only graphs (no control
     flow) and, on CUDA, replay each call shape as a CUDA graph once captured (onnxruntime's
-    enable_cuda_graph), which saves launching every kernel from the host; greedy requests only (a sampled
-    one is a RequestError), and the engines' calls take turns across threads (see engine._CUDA_GRAPH_CALLS).
-    On the CPU the same graphs run as they are.
+    enable_cuda_graph), which saves launching every kernel from the host; sampled requests sample with the
+    bundle's sampler from each call's logits (uncaptured: top-k and top-p are control flow), drawing the
+    same tokens, and the engines' calls take turns across threads (see engine._CUDA_GRAPH_CALLS). On the
+    CPU the same graphs run as they are.
     """
 
     def __init__(self, bundle: str | Path, device: str = "cpu", parallel: int = 1, shared_thread_pool: bool = False,
@@ -154,9 +155,9 @@ class SpeculativeDecoder:
         self.eos_token_ids = set(self.manifest.eos_token_ids)
         self.tokenizer = Tokenizer.from_file(str(self.root / TOKENIZER_DIR / "tokenizer.json"))
         self.cuda_graphs = cuda_graphs
-        if cuda_graphs and not all(info.greedy_file for info in self.manifest.engines.values()):
-            raise BundleError(f"{self.root} has no greedy-only graphs, which CUDA graphs need (it was compiled by an "
-                              "older specbuild): rebuild it with `specbuild compile`")
+        if cuda_graphs and not (self.manifest.sampler_file and all(info.greedy_file for info in self.manifest.engines.values())):
+            raise BundleError(f"{self.root} has no greedy-only graphs and sampler, which CUDA graphs need (it was compiled "
+                              "by an older specbuild): rebuild it with `specbuild compile`")
         self.device = requested_device(device)
         try:
             self.target, self.draft = self._engines()
@@ -180,8 +181,9 @@ class SpeculativeDecoder:
 
     def _engines(self) -> tuple[Engine, Engine]:
         info = self.manifest.engines
+        sampler = Sampler(self.root / self.manifest.sampler_file, self.device) if self.cuda_graphs else None
         return tuple(Engine(self.root / (info[role].greedy_file if self.cuda_graphs else info[role].file), info[role],
-                            self.max_seq_len, self.device, cuda_graphs=self.cuda_graphs)
+                            self.max_seq_len, self.device, cuda_graphs=self.cuda_graphs, sampler=sampler)
                      for role in ("target", "draft"))
 
     def encode(self, text: str) -> list[int]:
@@ -190,13 +192,9 @@ class SpeculativeDecoder:
     def request(self, prompt: Prompt, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
                 seed=None, stop=None) -> Request:
         """The checked request (validation.check_request against this bundle), or a RequestError."""
-        request = check_request(prompt, encode=self.encode, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
-                                max_gamma=self.max_gamma, max_new_tokens=max_new_tokens, gamma=gamma,
-                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
-        if self.cuda_graphs and not request.sampling.greedy:
-            raise RequestError("this decoder runs the greedy-only graphs (cuda_graphs=True, --cuda-graphs): it cannot "
-                               "sample; use temperature 0, or a decoder without CUDA graphs")
-        return request
+        return check_request(prompt, encode=self.encode, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
+                             max_gamma=self.max_gamma, max_new_tokens=max_new_tokens, gamma=gamma,
+                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
 
     def generate(self, prompt: Prompt, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
                  seed=None, stop=None) -> Generation:

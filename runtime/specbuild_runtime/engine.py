@@ -16,7 +16,7 @@ import onnxruntime as ort
 
 from .errors import BundleError, DeviceError
 from .manifest import EngineInfo, cache_names
-from .validation import check_engine_io
+from .validation import GREEDY_OUTPUTS, check_engine_io, check_sampler_io
 
 DEVICES = ("cpu", "cuda", "auto")
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -108,10 +108,11 @@ class Engine:
     outputs beyond the engine contract are fetched each call and read with EngineSlot.output(name).
     cuda_graphs: path is the engine's greedy-only graph (no sampling, no control flow); on CUDA, calls
     that name a graph id are captured once and replayed as CUDA graphs (see slot.EngineSlot.graph_id).
+    Such an engine samples with `sampler` (the bundle's), fed each call's logits; without one it cannot.
     """
 
     def __init__(self, path: Path, info: EngineInfo, max_seq_len: int, device: str = "cpu",
-                 graph: bytes | None = None, cuda_graphs: bool = False):
+                 graph: bytes | None = None, cuda_graphs: bool = False, sampler: "Sampler | None" = None):
         self.path, self.info, self.max_seq_len, self.device = Path(path), info, max_seq_len, device
         self.greedy_only = cuda_graphs
         self.captures = cuda_graphs and device == "cuda"
@@ -125,39 +126,72 @@ class Engine:
             raise BundleError(f"engine {path} is fp32, whose attention onnxruntime runs on the CPU (README, GPU), so its "
                               "calls cannot be captured as CUDA graphs: rebuild with --precision fp16 or bf16, or run "
                               "without CUDA graphs")
-        options = session_options()
-        source = str(path)
-        if graph is not None:
-            options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(self.path.parent))
-            source = graph
-        # fp32 engines compute fp32 (the CUDA provider would use TF32 matmuls otherwise).
-        cuda_options = {"use_tf32": "0", **({"enable_cuda_graph": "1"} if self.captures else {})}
-        provider = (PROVIDERS[device], cuda_options if device == "cuda" else {})
-        try:
-            # enable_fallback=0: onnxruntime would otherwise move a failing session to the CPU, silently.
-            self.session = ort.InferenceSession(source, options, providers=[provider], enable_fallback=0)
-        except Exception as exc:  # onnxruntime raises its own untyped exceptions
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            if self.captures:  # e.g. onnxruntime refusing to capture a graph with copies between host and device
-                raise BundleError(f"onnxruntime cannot run engine {path} as CUDA graphs: {first_line}; run without "
-                                  "--cuda-graphs (cuda_graphs=False)") from None
-            raise BundleError(f"cannot load engine {path}: {first_line}; rebuild the bundle with `specbuild compile`") from None
-        if self.session.get_providers()[0] != PROVIDERS[device]:  # the provider failed to start (e.g. no driver)
-            raise DeviceError(f"onnxruntime could not start its {PROVIDERS[device]} for {path} (see its log "
-                              "with log_severity_level 0); is a GPU and its driver present?")
+        self.session = _session(path, device, self.captures, graph)
         inputs = {i.name: (i.type, i.shape) for i in self.session.get_inputs()}
         outputs = {o.name: (o.type, o.shape) for o in self.session.get_outputs()}
         check_engine_io(path, inputs, outputs, info, max_seq_len, sampling=not self.greedy_only)
         self.element_type = ELEMENT_TYPES[info.precision]
         self.cache_names = cache_names(info.shape.num_layers)
-        # Where the session reads each input ("Cuda" is onnxruntime's name for CUDA device memory): CPU-side
-        # kernels (shape arithmetic, GroupQueryAttention's total length) read theirs from host memory, and
-        # binding those on the device would add a copy back each call.
-        self.input_devices = {value.name: "cuda" if memory.name == "Cuda" else "cpu"
-                              for value, memory in zip(self.session.get_inputs(), self.session.get_input_memory_infos())}
-        known = {"accepted", "next_token", "probs", *(present for _, present in self.cache_names)}
+        self.input_devices = _input_devices(self.session)
+        known = {"accepted", "next_token", "probs", *(present for _, present in self.cache_names),
+                 *(GREEDY_OUTPUTS if self.greedy_only else ())}
         self.extra_outputs = [name for name in outputs if name not in known]
+        # The session that samples, and where it reads its inputs: the engine graph's own sampling branch, or
+        # for a greedy-only graph the sampler (None: this engine cannot sample).
+        if not self.greedy_only:
+            self.sampling_session, self.sampling_devices = self.session, self.input_devices
+        elif sampler is not None:
+            self.sampling_session, self.sampling_devices = sampler.session, sampler.input_devices
+        else:
+            self.sampling_session = self.sampling_devices = None
 
     def new_slot_index(self) -> int:
         """A number no other slot of this engine has: the slot's CUDA graphs are its own."""
         return next(self._slots)
+
+
+class Sampler:
+    """The bundle's sampler (manifest.SAMPLER) as a session on a device: the engines' sampling tail, fed the
+    logits of an engine running its greedy-only graph. Its top-k and top-p choices are control flow, so its
+    calls are never captured (each engine call still is); it has no weights and serves both engines."""
+
+    def __init__(self, path: Path, device: str = "cpu"):
+        self.path, self.device = Path(path), device
+        self.session = _session(path, device, captures=False)
+        check_sampler_io(path, {i.name: i.type for i in self.session.get_inputs()},
+                         {o.name: o.type for o in self.session.get_outputs()})
+        self.input_devices = _input_devices(self.session)
+
+
+def _session(path: Path, device: str, captures: bool, graph: bytes | None = None) -> ort.InferenceSession:
+    """An onnxruntime session of the file at path (or of graph, its weights read beside path) on device, or a
+    one-line error."""
+    options = session_options()
+    source = str(path)
+    if graph is not None:
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(Path(path).parent))
+        source = graph
+    # fp32 engines compute fp32 (the CUDA provider would use TF32 matmuls otherwise).
+    cuda_options = {"use_tf32": "0", **({"enable_cuda_graph": "1"} if captures else {})}
+    provider = (PROVIDERS[device], cuda_options if device == "cuda" else {})
+    try:
+        # enable_fallback=0: onnxruntime would otherwise move a failing session to the CPU, silently.
+        session = ort.InferenceSession(source, options, providers=[provider], enable_fallback=0)
+    except Exception as exc:  # onnxruntime raises its own untyped exceptions
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if captures:  # e.g. onnxruntime refusing to capture a graph with copies between host and device
+            raise BundleError(f"onnxruntime cannot run engine {path} as CUDA graphs: {first_line}; run without "
+                              "--cuda-graphs (cuda_graphs=False)") from None
+        raise BundleError(f"cannot load {path}: {first_line}; rebuild the bundle with `specbuild compile`") from None
+    if session.get_providers()[0] != PROVIDERS[device]:  # the provider failed to start (e.g. no driver)
+        raise DeviceError(f"onnxruntime could not start its {PROVIDERS[device]} for {path} (see its log "
+                          "with log_severity_level 0); is a GPU and its driver present?")
+    return session
+
+
+def _input_devices(session: ort.InferenceSession) -> dict[str, str]:
+    """Where the session reads each input ("Cuda" is onnxruntime's name for CUDA device memory): CPU-side
+    kernels (shape arithmetic, GroupQueryAttention's total length) read theirs from host memory, and
+    binding those on the device would add a copy back each call."""
+    return {value.name: "cuda" if memory.name == "Cuda" else "cpu"
+            for value, memory in zip(session.get_inputs(), session.get_input_memory_infos())}

@@ -5,8 +5,12 @@ A bundle is a folder:
     target.onnx(.data)      target engine: greedy verification built in
     draft.onnx(.data)       draft engine: same I/O, fed num_drafts = 0
     {role}.greedy.onnx      each engine's greedy-only graph, reading the weights from {role}.onnx.data:
-                            the I/O below without the sampling inputs and `probs`, and without control
+                            the I/O below without the sampling inputs and `probs`, plus the output
+                            logits f32 [D+1, V] (the rows the tail decides on), and without control
                             flow, so that onnxruntime can capture its calls as CUDA graphs
+    sampler.onnx            the sampling tail alone (no weights), for decoders running the greedy-only
+                            graphs: in logits, input_ids, num_drafts and the sampling inputs below; out
+                            accepted, next_token, probs; the same nodes as the engines' sampling branch
     tokenizer/              the tokenizer both models share (tokenizer.json + HF side files)
     tensorrt-llm/, vllm/    compiled with --backend tensorrt-llm or all: TensorRT-LLM checkpoints and the
                             plans to build, run and serve them (TensorRTLLMPart); no .onnx files with
@@ -49,6 +53,7 @@ from .errors import BundleError
 FORMAT = "specbuild-bundle"
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
+SAMPLER = "sampler.onnx"
 TOKENIZER_DIR = "tokenizer"
 
 
@@ -110,6 +115,7 @@ class Manifest:
     # how the compile went: {"seconds", "peak_rss_bytes", "stages": {stage: {"seconds", "peak_rss_bytes_so_far"}}}
     build: dict = field(default_factory=dict)
     tensorrt_llm: TensorRTLLMPart | None = None
+    sampler_file: str = ""  # SAMPLER with ONNX engines ("" in bundles made before it)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 

@@ -80,11 +80,12 @@ class EngineSlot:
     just feeding a smaller total_len), its IO binding and per-call buffers.
 
     probs_rows: (draft) where its sampling distributions go, one row per draft step. draft_probs: (target)
-    those same rows, read when judging drafts. Not safe to use from two threads at once.
+    those same rows, read when judging drafts. max_drafts: the most drafts a call verifies (the rows of
+    the logits a greedy-only graph writes). Not safe to use from two threads at once.
     """
 
     def __init__(self, engine: Engine, rows: Rows = AS_FED, probs_rows: Buffer | None = None,
-                 draft_probs: Buffer | None = None):
+                 draft_probs: Buffer | None = None, max_drafts: int = 0):
         self.engine, self.rows = engine, rows
         self.index = engine.new_slot_index()  # tells this slot's CUDA graphs from the engine's other slots'
         self.binding = engine.session.io_binding()
@@ -110,37 +111,53 @@ class EngineSlot:
         self._copies = not all(b.shared for b in (self._total_len, self._seqlens_k, self._num_drafts,
                                                    self._accepted, self._next_token))
         self._ids: dict[int, Buffer] = {}  # tokens per call -> buffer
-        self._bound = {"input_ids": 0, "uniforms": 0, "draft_probs": -1}  # the size each is bound at
+        self._bound = {"input_ids": 0, "uniforms": 0, "draft_probs": -1, "logits": -1}  # the size each is bound at
         self._fed = [0] * engine.max_seq_len  # the token at each cache position, to re-feed (a list: cheaper per call)
         self._redo_from = engine.max_seq_len  # the next call starts no later than this (see Rows)
         self._run_options: dict[int, ort.RunOptions] = {}  # CUDA graph id -> the options that name it
         self._warm_up: dict[tuple[int, int], int] = {}  # (thread, graph id) -> uncaptured runs so far
+        if engine.greedy_only:
+            # Every call writes its logits into the first D+1 rows: one address, as a CUDA graph replays it.
+            self._logits = Buffer(np.zeros((max_drafts + 1, engine.vocab_size), np.float32), device)
         self.sampling = False
-        if not engine.greedy_only:
-            self._temperature = self._input("temperature", np.zeros((), np.float32))
-            self._top_k = self._input("top_k", np.zeros((), np.int64))
-            self._top_p = self._input("top_p", np.ones((), np.float32))
+        # Sampling inputs and outputs are bound where the sampling happens: the engine graph's own sampling
+        # branch, or for a greedy-only graph the sampler, run after it on the call's logits.
+        self._tail = None
+        if engine.sampling_session is engine.session:
+            self._tail = self.binding
+        elif engine.sampling_session is not None:
+            self._tail = engine.sampling_session.io_binding()
+            self._tail.bind_ortvalue_input("num_drafts", self._num_drafts.value)
+            self._tail.bind_ortvalue_output("accepted", self._accepted.value)
+            self._tail.bind_ortvalue_output("next_token", self._next_token.value)
+        if self._tail is not None:
+            self._temperature = self._input("temperature", np.zeros((), np.float32), self._tail)
+            self._top_k = self._input("top_k", np.zeros((), np.int64), self._tail)
+            self._top_p = self._input("top_p", np.ones((), np.float32), self._tail)
             self._uniforms: dict[int, Buffer] = {}  # drafts + 1 -> buffer
             # The sampled distribution ([V] when sampling, [0] when greedy): the target's is not read back;
             # the draft's goes into row j of probs_rows at draft step j.
             self._probs = {True: Buffer(np.zeros(engine.vocab_size, np.float32), device),
                            False: Buffer(np.zeros(0, np.float32), device)}
             self._probs_rows, self._draft_probs = probs_rows, draft_probs
-            self._no_drafts = Buffer(np.zeros((0, engine.vocab_size), np.float32), engine.input_devices["draft_probs"])
+            self._no_drafts = Buffer(np.zeros((0, engine.vocab_size), np.float32), engine.sampling_devices["draft_probs"])
             self.configure(temperature=0.0)
 
     def configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0) -> None:
         """Greedy at temperature 0; otherwise sampling from softmax(logits/temperature) within top-k/top-p."""
-        if self.engine.greedy_only:  # nothing to set: the decoder refuses sampled requests (decode.request)
+        if self._tail is None:
+            if temperature > 0:
+                raise RequestError(f"engine {self.engine.path} runs its greedy-only graph without the bundle's sampler: "
+                                   "it cannot sample; use temperature 0")
             return
         self.sampling = temperature > 0
         for buffer, value in ((self._temperature, temperature), (self._top_k, top_k), (self._top_p, top_p)):
             buffer.host[()] = value
             buffer.push()
-        self.binding.bind_ortvalue_output("probs", self._probs[self.sampling].value)
+        self._tail.bind_ortvalue_output("probs", self._probs[self.sampling].value)
         # Greedy calls read neither uniforms nor drafts' distributions: bind empty ones once.
         self._bind_uniforms(1)
-        self.binding.bind_ortvalue_input("draft_probs", self._no_drafts.value)
+        self._tail.bind_ortvalue_input("draft_probs", self._no_drafts.value)
         self._bound["draft_probs"] = -1
 
     def step(self, tokens: list[int], total_len: int, num_drafts: int = 0, uniforms: np.ndarray | None = None,
@@ -187,9 +204,13 @@ class EngineSlot:
                 self._bind_rows("draft_probs", self._draft_probs, num_drafts)
             if self._probs_rows is not None:
                 self._bind_row("probs", self._probs_rows, probs_row)
+        if self.engine.greedy_only:
+            self._bind_logits(num_drafts)
         for name in self.engine.extra_outputs:  # their shapes change with the call: onnxruntime allocates them
             self.binding.bind_output(name, self.engine.device)
         self.engine.session.run_with_iobinding(self.binding, self._graph(total_len - first, num_drafts, total_len))
+        if self.sampling and self._tail is not self.binding:  # the sampler's turn: the same nodes on the same logits
+            self.engine.sampling_session.run_with_iobinding(self._tail)
         if self._copies:
             self._accepted.pull()
             self._next_token.pull()
@@ -228,9 +249,11 @@ class EngineSlot:
             options.add_run_config_entry("gpu_graph_id", str(graph))
         return self._run_options[graph]
 
-    def _input(self, name: str, host: np.ndarray) -> Buffer:
-        buffer = Buffer(host, self.engine.input_devices[name])
-        self.binding.bind_ortvalue_input(name, buffer.value)
+    def _input(self, name: str, host: np.ndarray, binding: ort.IOBinding | None = None) -> Buffer:
+        """A buffer bound as input name of the engine graph (binding None) or of the sampling binding."""
+        devices = self.engine.input_devices if binding is None else self.engine.sampling_devices
+        buffer = Buffer(host, devices[name])
+        (binding or self.binding).bind_ortvalue_input(name, buffer.value)
         return buffer
 
     def _output(self, name: str, host: np.ndarray) -> Buffer:
@@ -242,7 +265,7 @@ class EngineSlot:
         count = len(tokens)
         if count > MAX_REUSED_IDS:  # a prompt: one call, a buffer of its own (kept while it is bound)
             self._prompt = Buffer(np.array([tokens], np.int64), self.engine.input_devices["input_ids"])
-            self.binding.bind_ortvalue_input("input_ids", self._prompt.value)
+            self._bind_input("input_ids", self._prompt.value)
             self._bound["input_ids"] = 0
             return
         if count not in self._ids:
@@ -252,31 +275,48 @@ class EngineSlot:
         if self._copies:
             buffer.push()
         if self._bound["input_ids"] != count:
-            self.binding.bind_ortvalue_input("input_ids", buffer.value)
+            self._bind_input("input_ids", buffer.value)
             self._bound["input_ids"] = count
+
+    def _bind_input(self, name: str, value: ort.OrtValue) -> None:
+        """Bind an input of the engine graph, and of the sampler when there is one (which reads it too)."""
+        self.binding.bind_ortvalue_input(name, value)
+        if self._tail is not None and self._tail is not self.binding:
+            self._tail.bind_ortvalue_input(name, value)
+
+    def _bind_logits(self, num_drafts: int) -> None:
+        """Bind a greedy-only graph's logits output (and the sampler's input) to the first D+1 rows."""
+        if self._bound["logits"] != num_drafts:
+            if num_drafts >= len(self._logits.host):  # a view past the buffer: memory the call must not write
+                raise RequestError(f"{num_drafts} drafts, but this slot holds logits for at most {len(self._logits.host) - 1}")
+            shape, pointer = [num_drafts + 1, self.engine.vocab_size], self._logits.value.data_ptr()
+            self.binding.bind_output("logits", self._logits.device, 0, np.float32, shape, pointer)
+            if self._tail is not None:
+                self._tail.bind_input("logits", self._logits.device, 0, np.float32, shape, pointer)
+            self._bound["logits"] = num_drafts
 
     def _bind_uniforms(self, count: int, values: np.ndarray | None = None) -> None:
         if count not in self._uniforms:
-            self._uniforms[count] = Buffer(np.zeros(count, np.float32), self.engine.input_devices["uniforms"])
+            self._uniforms[count] = Buffer(np.zeros(count, np.float32), self.engine.sampling_devices["uniforms"])
         buffer = self._uniforms[count]
         if values is not None:
             buffer.host[:] = values
             buffer.push()
         if self._bound["uniforms"] != count:
-            self.binding.bind_ortvalue_input("uniforms", buffer.value)
+            self._tail.bind_ortvalue_input("uniforms", buffer.value)
             self._bound["uniforms"] = count
 
     def _bind_rows(self, name: str, rows: Buffer, count: int) -> None:
         """Bind input name to the first count rows of rows (a view: no copy, on any device)."""
         if self._bound[name] != count:
             width = rows.host.shape[1]
-            self.binding.bind_input(name, rows.device, 0, np.float32, [count, width], rows.value.data_ptr())
+            self._tail.bind_input(name, rows.device, 0, np.float32, [count, width], rows.value.data_ptr())
             self._bound[name] = count
 
     def _bind_row(self, name: str, rows: Buffer, row: int) -> None:
         """Bind output name ([V] of this engine's vocabulary) to the start of row `row` of rows."""
         row_bytes = rows.host.shape[1] * rows.host.itemsize
-        self.binding.bind_output(name, rows.device, 0, np.float32, [self.engine.vocab_size],
+        self._tail.bind_output(name, rows.device, 0, np.float32, [self.engine.vocab_size],
                                  rows.value.data_ptr() + row * row_bytes)
 
 
@@ -288,9 +328,9 @@ class Slot:
         self.index = index
         # Columns past the draft's vocabulary (when smaller than the target's) stay zero: q is a proper
         # distribution over the target's vocabulary.
-        q = (Buffer(np.zeros((max(max_gamma, 1), target.vocab_size), np.float32), target.input_devices["draft_probs"])
-             if not target.greedy_only else None)
-        self.target = EngineSlot(target, target_rows, draft_probs=q)
+        q = (Buffer(np.zeros((max(max_gamma, 1), target.vocab_size), np.float32), target.sampling_devices["draft_probs"])
+             if target.sampling_session else None)
+        self.target = EngineSlot(target, target_rows, draft_probs=q, max_drafts=max_gamma)
         self.draft = EngineSlot(draft, AS_FED, probs_rows=q)
 
     def configure(self, temperature: float, top_k: int, top_p: float) -> None:

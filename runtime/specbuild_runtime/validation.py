@@ -158,13 +158,14 @@ def utf8(name: str, text: str) -> None:
 
 
 # The engine I/O contract (see manifest.py) beyond the KV buffers: name -> ONNX type. A greedy-only graph
-# has neither the sampling inputs nor `probs`.
+# has neither the sampling inputs nor `probs`, and outputs the logits the sampler reads.
 INPUTS = {"input_ids": "tensor(int64)", "seqlens_k": "tensor(int32)", "total_len": "tensor(int32)",
           "num_drafts": "tensor(int64)"}
 SAMPLING_INPUTS = {"temperature": "tensor(float)", "top_k": "tensor(int64)", "top_p": "tensor(float)",
                    "draft_probs": "tensor(float)", "uniforms": "tensor(float)"}
 OUTPUTS = {"accepted": "tensor(int64)", "next_token": "tensor(int64)"}
 SAMPLING_OUTPUTS = {"probs": "tensor(float)"}
+GREEDY_OUTPUTS = {"logits": "tensor(float)"}
 CACHE_TYPES = {"fp32": "tensor(float)", "fp16": "tensor(float16)", "bf16": "tensor(bfloat16)"}
 
 
@@ -181,7 +182,7 @@ def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int, s
         fail(f"precision {info.precision!r} is not one of {', '.join(CACHE_TYPES)}")
     cache = [name for pair in cache_names(shape.num_layers) for name in pair]
     expected = {**INPUTS, **OUTPUTS, **{name: CACHE_TYPES[info.precision] for name in cache},
-                **({**SAMPLING_INPUTS, **SAMPLING_OUTPUTS} if sampling else {})}
+                **({**SAMPLING_INPUTS, **SAMPLING_OUTPUTS} if sampling else GREEDY_OUTPUTS)}
     found = {**inputs, **outputs}
     for name, onnx_type in expected.items():
         if name not in found:
@@ -198,6 +199,17 @@ def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int, s
                  "(1, kv heads, max-seq-len, head dim)")
     if sampling and inputs["draft_probs"][1][-1] != shape.vocab_size:
         fail(f"'draft_probs' has {inputs['draft_probs'][1][-1]} columns, the manifest's vocabulary is {shape.vocab_size}")
+
+
+def check_sampler_io(path, inputs: dict, outputs: dict) -> None:
+    """The sampler's inputs/outputs (name -> ONNX type) against the contract (manifest.py)."""
+    expected = {**GREEDY_OUTPUTS, "input_ids": INPUTS["input_ids"], "num_drafts": INPUTS["num_drafts"],
+                **SAMPLING_INPUTS, **OUTPUTS, **SAMPLING_OUTPUTS}
+    found = {**inputs, **outputs}
+    wrong = next((name for name, onnx_type in expected.items() if found.get(name) != onnx_type), None)
+    if wrong:
+        raise BundleError(f"the sampler {path} has no {wrong!r} of type {expected[wrong]}; the bundle is damaged: "
+                          "rebuild it with `specbuild compile`")
 
 
 def check_vocabularies(target, draft) -> None:

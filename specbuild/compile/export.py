@@ -16,10 +16,10 @@ import onnx
 import onnx_ir as ir
 from tqdm import tqdm
 
-from specbuild_runtime.manifest import EngineInfo
+from specbuild_runtime.manifest import SAMPLER, EngineInfo
 
 from ..errors import UnsupportedModelError
-from .graphs import build_decoder
+from .graphs import build_decoder, build_sampler
 from .load import Checkpoint
 from .precision import Numerics, precision_name
 
@@ -85,6 +85,13 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
         source={"path": str(ckpt.path.resolve()), "sha256": digest.result()},
         source_dtype=precision_name(ckpt.float_dtype()),
     )
+
+
+def write_sampler(folder: Path) -> str:
+    """Writes the bundle's sampler (manifest.SAMPLER), with which decoders running the greedy-only graphs sample."""
+    ir.save(build_sampler(), folder / SAMPLER)
+    onnx.checker.check_model(str(folder / SAMPLER))
+    return SAMPLER
 
 
 def _write_sharing_weights(model: ir.Model, written: Path, path: Path) -> None:

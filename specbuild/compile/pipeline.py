@@ -21,7 +21,7 @@ from ..staging import scratch_folder
 from ..recipe import DEFAULT_MAX_SEQ_LEN, CompileSettings
 from . import tensorrt_llm
 from .bundle import staged_bundle, write_manifest
-from .export import check_context, export_engine
+from .export import check_context, export_engine, write_sampler
 from .load import Checkpoint, eos_token_ids, load_checkpoint, validate_pair
 from .precision import DEFAULT_ACCURACY_LEVEL, Numerics
 from .quality import measure_quality, quality_texts
@@ -66,6 +66,7 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
         engines = {role: export_engine(ckpt, role, folder, max_seq_len, numerics[role],
                                        vocab_size=target.spec.shape.vocab_size, show_progress=show_progress)
                    for role, ckpt in checkpoints.items() if onnx}
+        sampler = write_sampler(folder) if onnx else ""
 
         stages.start("measuring quantized engines")
         if texts:
@@ -75,6 +76,8 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
         for info in engines.values():
             check_engine(folder / info.file, info, max_seq_len)
             check_engine(folder / info.greedy_file, info, max_seq_len)
+        if sampler:
+            check_sampler(folder / sampler, engines["target"].shape.vocab_size)
 
         trtllm = None
         if settings.backend != "onnx":
@@ -84,7 +87,7 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
         stages.start("writing the bundle")
         target.tokenizer.save_pretrained(folder / TOKENIZER_DIR)
         manifest = Manifest(engines=engines, max_seq_len=max_seq_len, gamma=settings.gamma, eos_token_ids=eos,
-                            files={}, created_by=f"specbuild {__version__}", tensorrt_llm=trtllm)
+                            files={}, created_by=f"specbuild {__version__}", tensorrt_llm=trtllm, sampler_file=sampler)
         manifest.build = stages.finish()  # all but the bundle's digests, which write_manifest takes next
         write_manifest(folder, manifest)
     return manifest
@@ -132,6 +135,26 @@ def check_engine(path: Path, info: EngineInfo, max_seq_len: int) -> None:
     if accepted != 0 or not 0 <= next_token < vocab:
         raise SpecbuildError(f"the {info.role} engine {path.name} returned accepted={accepted}, next_token={next_token} "
                              "for a one-token prefill; this is a specbuild bug, please report it")
+
+
+def check_sampler(path: Path, vocab: int) -> None:
+    """Prove the sampler runs before the bundle is published: one call judging a draft of token 0 that the
+    target gives no mass (rejected), then drawing from the rest."""
+    logits = np.zeros((2, vocab), np.float32)
+    logits[:, 0] = -np.inf
+    feeds = {"logits": logits, "input_ids": np.zeros((1, 2), np.int64), "num_drafts": np.array(1, np.int64),
+             "temperature": np.array(1, np.float32), "top_k": np.array(0, np.int64), "top_p": np.array(1, np.float32),
+             "draft_probs": np.eye(1, vocab, dtype=np.float32), "uniforms": np.full(2, 0.5, np.float32)}
+    try:
+        session = ort.InferenceSession(str(path), session_options(), providers=["CPUExecutionProvider"])
+        accepted, next_token = session.run(["accepted", "next_token"], feeds)
+    except Exception as exc:  # onnxruntime raises its own untyped errors
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise SpecbuildError(f"the sampler {path.name} was written but fails to load or run ({first_line}); "
+                             "this is a specbuild bug, please report it") from None
+    if accepted != 0 or not 0 < next_token < vocab:
+        raise SpecbuildError(f"the sampler {path.name} returned accepted={accepted}, next_token={next_token} for a "
+                             "draft without mass; this is a specbuild bug, please report it")
 
 
 def _max_seq_len(settings: CompileSettings, target: Checkpoint) -> int:

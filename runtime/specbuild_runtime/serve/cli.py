@@ -20,7 +20,8 @@ from ..errors import SpecbuildError
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
               help="Where the engines run; auto picks CUDA when onnxruntime has it.")
 @click.option("--cuda-graphs", is_flag=True,
-              help="Replay each call shape as a CUDA graph (fp16/bf16 bundles on CUDA): greedy requests only.")
+              help="Replay each call shape as a CUDA graph (fp16/bf16 bundles on CUDA; sampled requests sample "
+                   "after each call, uncaptured).")
 @click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True,
               help="Requests decoded at once (slots, each with its own KV cache); the engines are shared.")
 @click.option("--threads", type=click.IntRange(min=1),

@@ -26,12 +26,12 @@ from ..precision import Numerics
 from . import gemma, gpt2, llama
 from .builder import GraphBuilder
 from .layers import Attention, linear
-from .verification import LOGITS, SamplingInputs, verification
+from .verification import LOGITS, SamplingInputs, build_sampler, verification
 
 FAMILIES = {"llama": llama.body, "gemma": gemma.body, "gpt2": gpt2.body}
 INT64, INT32, FLOAT = ir.DataType.INT64, ir.DataType.INT32, ir.DataType.FLOAT
 
-__all__ = ["LOGITS", "build_decoder"]
+__all__ = ["LOGITS", "build_decoder", "build_sampler"]
 
 
 def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_size: int | None = None,
@@ -41,7 +41,8 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
 
     vocab_size: cut the embedding table and LM head to this many rows (a draft's padding rows past the
     target's vocabulary). with_logits adds the fp32 `logits` [D+1, V] as an output, for tests.
-    sampling False: the greedy-only graph (no sampling inputs, no `probs`, no control flow).
+    sampling False: the greedy-only graph (no sampling inputs, no `probs`, no control flow), with the fp32
+    `logits` [D+1, V] as an output, from which the bundle's sampler (build_sampler) samples.
     """
     spec = ckpt.spec
     shape = spec.shape
@@ -69,7 +70,7 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
     hidden, presents, head = FAMILIES[spec.family](g, spec, ids, att, max_seq_len, vocab)
     accepted, next_token, probs, logits = verification(g, hidden, input_ids, num_drafts, lambda x: linear(g, x, head),
                                                        sampling_inputs, spec.final_softcap)
-    if with_logits:
+    if with_logits or not sampling:
         g.output(logits, LOGITS, FLOAT, ["D+1", vocab])
     g.output(accepted, "accepted", INT64, [])
     g.output(next_token, "next_token", INT64, [])

@@ -32,8 +32,7 @@ def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_dra
     above the sampling branch. sampling None: the greedy tail alone, without an If (no distribution):
     the greedy-only graph, which CUDA graphs can capture.
     """
-    drafts_1d = g.op("Reshape", num_drafts, g.const([1]))
-    seq_1d = g.op("Shape", input_ids, start=1, end=2)
+    drafts, drafts_1d = _drafts(g, input_ids, num_drafts)
     rows_1d = g.op("Add", drafts_1d, g.const([1]))
     # The head never runs on one row alone (see the runtime's Engine): at least two, the first then
     # dropped, so every logit comes from the same multi-row kernel.
@@ -45,17 +44,49 @@ def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_dra
         cap = g.const(softcap, np.float32)
         logits = g.op("Mul", g.op("Tanh", g.op("Div", logits, cap)), cap)
     logits.name = LOGITS
-    drafts = g.op("Slice", g.op("Reshape", input_ids, g.const([-1])), g.op("Sub", seq_1d, drafts_1d), seq_1d)  # [D]
     if sampling is None:
         accepted, next_token = (_scalar(g, value) for value in _greedy_tail(g, logits, drafts, drafts_1d))
         return accepted, next_token, None, logits
     greedy = g.branch("branch.greedy")
     _branch_outputs(greedy, *_greedy_tail(greedy, logits, drafts, drafts_1d), greedy.const([], np.float32))
     sample = g.branch("branch.sampling")
-    _sampling_tail(sample, logits, drafts, drafts_1d, num_drafts, sampling)
+    _branch_outputs(sample, *_sampling_tail(sample, logits, drafts, drafts_1d, num_drafts, sampling))
     is_sampling = g.op("Greater", sampling.temperature, g.const(0.0, np.float32))
     accepted, next_token, probs = g.op("If", is_sampling, outputs=3, then_branch=sample.graph(), else_branch=greedy.graph())
     return accepted, next_token, probs, logits
+
+
+def build_sampler() -> ir.Model:
+    """The bundle's sampler: the engines' sampling tail as a graph of its own, fed a call's fp32 `logits`
+    [D+1, V] (an output of every greedy-only graph) and the call's input_ids and num_drafts, with the
+    sampling inputs and outputs of the engine contract (specbuild_runtime.manifest). It is how a decoder
+    running the greedy-only graphs, which CUDA graphs can capture, samples: the same nodes on the same
+    logits, so the same tokens as the engine graphs' own sampling branch. No weights; V is symbolic, so
+    one sampler serves the target and a draft with a smaller vocabulary."""
+    g = GraphBuilder("specbuild-sampler", None, None)
+    logits = g.input(LOGITS, FLOAT, ["D+1", "V"])
+    input_ids = g.input("input_ids", INT64, [1, "S"])
+    num_drafts = g.input("num_drafts", INT64, [])
+    sampling = SamplingInputs(
+        temperature=g.input("temperature", FLOAT, []),
+        top_k=g.input("top_k", INT64, []),
+        top_p=g.input("top_p", FLOAT, []),
+        draft_probs=g.input("draft_probs", FLOAT, ["D", "V"]),
+        uniforms=g.input("uniforms", FLOAT, ["D+1"]),
+    )
+    drafts, drafts_1d = _drafts(g, input_ids, num_drafts)
+    accepted, next_token, probs = _sampling_tail(g, logits, drafts, drafts_1d, num_drafts, sampling)
+    g.output(_scalar(g, accepted), "accepted", INT64, [])
+    g.output(_scalar(g, next_token), "next_token", INT64, [])
+    g.output(probs, "probs", FLOAT, ["V"])
+    return g.model()
+
+
+def _drafts(g: GraphBuilder, input_ids: ir.Value, num_drafts: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """(the last num_drafts input ids [D], num_drafts as [1])."""
+    drafts_1d = g.op("Reshape", num_drafts, g.const([1]))
+    seq_1d = g.op("Shape", input_ids, start=1, end=2)
+    return g.op("Slice", g.op("Reshape", input_ids, g.const([-1])), g.op("Sub", seq_1d, drafts_1d), seq_1d), drafts_1d
 
 
 def _leading_true(g: GraphBuilder, flags: ir.Value) -> ir.Value:
@@ -88,7 +119,7 @@ def _greedy_tail(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, drafts_1d:
 
 
 def _sampling_tail(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, drafts_1d: ir.Value, num_drafts: ir.Value,
-                   s: SamplingInputs) -> None:
+                   s: SamplingInputs) -> tuple[ir.Value, ir.Value, ir.Value]:
     """Speculative sampling (Leviathan et al. 2023): accept draft x with probability min(1, p(x)/q(x)),
     i.e. when u·q(x) < p(x); resample the first rejected position from norm(max(0, p − q)), or sample
     the bonus token from p when every draft is accepted. uniforms[:D] judge the drafts, uniforms[D]
@@ -112,7 +143,7 @@ def _sampling_tail(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, drafts_1
     u_next = g.op("Mul", g.op("Gather", s.uniforms, num_drafts), g.op("Gather", cdf, g.const(-1)))
     vocab_last = g.op("Sub", g.op("Squeeze", g.op("Shape", cdf), g.const([0])), g.const(1))
     next_token = g.op("Min", g.op("ReduceSum", g.op("Cast", g.op("LessOrEqual", cdf, u_next), to=INT64), keepdims=0), vocab_last)
-    _branch_outputs(g, accepted, next_token, p_row)
+    return accepted, next_token, p_row
 
 
 def _transformed_probs(g: GraphBuilder, logits: ir.Value, s: SamplingInputs) -> ir.Value:
