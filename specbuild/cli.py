@@ -295,14 +295,17 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
         click.echo(f"identical: {report['prompts']} prompts, {report['tokens']} tokens match transformers "
                    f"({report['precision']} on {report['device']})")
     else:
-        d, precision = report["divergence"], report["precision"]
-        line = (f"DIVERGED on prompt {d['prompt_index']} ({d['prompt'][:40]!r}) at generated token {d['position']}: "
+        divergences, precision = report["divergences"], report["precision"]
+        d = divergences[0]
+        others = f" (and {len(divergences) - 1} more of {report['prompts']} prompts)" if len(divergences) > 1 else ""
+        line = (f"DIVERGED on prompt {d['prompt_index']} ({d['prompt'][:40]!r}) at generated token {d['position']}{others}: "
                 f"bundle {d['bundle_token']} vs transformers {d['transformers_token']} ({precision} on {report['device']})")
         if "transformers_vs_fp32" in d:
-            def at(position):
-                return "never" if position is None else f"at token {position}"
-            line += (f"; against transformers fp32 the bundle diverges {at(d['bundle_vs_fp32'])}, transformers "
-                     f"{precision} itself {at(d['transformers_vs_fp32'])} (alike and late: rounding; early: a bug)")
+            def at(key):
+                return ", ".join("never" if each[key] is None else str(each[key]) for each in divergences)
+            line += (f"; against transformers fp32 the bundle diverges at token {at('bundle_vs_fp32')}, transformers "
+                     f"{precision} itself at {at('transformers_vs_fp32')}, prompt by prompt "
+                     "(alike and late: rounding; early: a bug)")
         click.echo(line)
     if not report["identical"]:
         sys.exit(1)

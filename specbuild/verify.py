@@ -62,8 +62,9 @@ def first_difference(ours: list[int], theirs: list[int]) -> int | None:
 def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens: int, gamma: int | str,
                   device: str = "cpu", cuda_graphs: bool = False) -> dict:
     """The bundle against transformers on the same device, in the target engine's float type (a quantized
-    engine's too). A half-precision divergence also says where transformers in that precision itself
-    leaves its fp32 output on that prompt: rounding noise diverges late and alike, a bug early."""
+    engine's too), on every prompt. `divergences` lists each prompt that differs (`divergence` is the
+    first). In half precision each also says where, on that prompt, the bundle and transformers in that
+    precision each leave transformers fp32's output: rounding noise diverges late and alike, a bug early."""
     from specbuild_runtime import SpeculativeDecoder
 
     prompts = read_prompts(prompts_file)
@@ -71,23 +72,32 @@ def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens
     precision = decoder.manifest.engines["target"].precision
     model = load_reference(target, device=decoder.device, precision=precision)
     eos = sorted(decoder.eos_token_ids)
-    tokens = 0
+    tokens, divergences = 0, []
     for index, prompt in enumerate(prompts):
         prompt_ids = decoder.encode(prompt)
         ours = decoder.generate(prompt_ids, max_new_tokens, gamma).token_ids
         theirs = transformers_greedy(model, prompt_ids, max_new_tokens, eos)
         position = first_difference(ours, theirs)
-        if position is not None:
-            divergence = {
-                "prompt_index": index, "prompt": prompt, "position": position,
-                "bundle_token": ours[position] if position < len(ours) else None,
-                "transformers_token": theirs[position] if position < len(theirs) else None,
-            }
-            if precision != "fp32":
-                del model  # its memory, before the fp32 copy loads
-                fp32 = transformers_greedy(load_reference(target, device=decoder.device), prompt_ids, max_new_tokens, eos)
-                divergence.update(transformers_vs_fp32=first_difference(theirs, fp32), bundle_vs_fp32=first_difference(ours, fp32))
-            return {"identical": False, "prompts": len(prompts), "tokens": tokens, "device": decoder.device,
-                    "precision": precision, "divergence": divergence}
-        tokens += len(ours)
-    return {"identical": True, "prompts": len(prompts), "tokens": tokens, "device": decoder.device, "precision": precision}
+        if position is None:
+            tokens += len(ours)
+            continue
+        divergences.append({
+            "prompt_index": index, "prompt": prompt, "position": position,
+            "bundle_token": ours[position] if position < len(ours) else None,
+            "transformers_token": theirs[position] if position < len(theirs) else None,
+            "outputs": (prompt_ids, ours, theirs),
+        })
+    if divergences and precision != "fp32":
+        del model  # its memory, before the fp32 copy loads
+        fp32 = load_reference(target, device=decoder.device)
+        for d in divergences:
+            prompt_ids, ours, theirs = d["outputs"]
+            reference = transformers_greedy(fp32, prompt_ids, max_new_tokens, eos)
+            d.update(transformers_vs_fp32=first_difference(theirs, reference), bundle_vs_fp32=first_difference(ours, reference))
+    for d in divergences:
+        del d["outputs"]
+    report = {"identical": not divergences, "prompts": len(prompts), "tokens": tokens, "device": decoder.device,
+              "precision": precision}
+    if divergences:
+        report.update(divergence=divergences[0], divergences=divergences)
+    return report

@@ -5,6 +5,7 @@ Command lines run through the `specbuild` entry point in one process shared by t
 """
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -68,7 +69,9 @@ def test_verify_holds_a_half_precision_bundle_against_transformers_in_its_precis
           for target in (("llama",), ("llama", 1))]])
     assert compiled["status"] == 0, compiled["stderr"]
     assert ok["status"] == 0 and ok["stdout"].startswith("identical") and "(fp16 on cpu)" in ok["stdout"], ok
-    assert bad["status"] == 1 and "against transformers fp32 the bundle diverges at token" in bad["stdout"], bad
+    assert bad["status"] == 1 and "(and 1 more of 2 prompts)" in bad["stdout"], bad  # every prompt is checked
+    assert re.search(r"the bundle diverges at token \d+, \d+, transformers fp16 itself at \S+, \S+, prompt by prompt",
+                     bad["stdout"]), bad
 
 
 def test_a_failure_while_building_leaves_no_partial_bundle(checkpoints, tmp_path, monkeypatch):
