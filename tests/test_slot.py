@@ -76,12 +76,14 @@ def test_never_alone_re_feeds_one_row_and_a_row_computed_alone(bundle, target_ca
     assert [total - first for first, total, _ in target_calls] == [3] + [2] * (len(target_calls) - 1)
 
 
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["full-graphs", "greedy-only-graphs"])
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 5}])
-def test_the_device_data_flow_decodes_the_same_tokens_when_host_and_engine_memory_are_apart(bundle, sampling, monkeypatch):
+def test_the_device_data_flow_decodes_the_same_tokens_when_host_and_engine_memory_are_apart(bundle, sampling, cuda_graphs,
+                                                                                            monkeypatch):
     """On a GPU each per-call buffer is a host array plus a device copy: every value written on the host must
     be pushed before a call and every output pulled after it. On the CPU they share memory, which hides a
     missing push or pull; here they are kept apart (as on a device) with fixed-row calls, and the tokens
-    must not change."""
+    must not change (with the greedy-only graphs too, whose sampler writes the outputs after the call)."""
     from specbuild_runtime import slot
 
     normal = SpeculativeDecoder(bundle)
@@ -93,7 +95,7 @@ def test_the_device_data_flow_decodes_the_same_tokens_when_host_and_engine_memor
         self.shared = False
 
     monkeypatch.setattr(slot.Buffer, "__init__", apart)
-    device_like = SpeculativeDecoder(bundle, target_rows=fixed_rows(normal.max_gamma))
+    device_like = SpeculativeDecoder(bundle, target_rows=fixed_rows(normal.max_gamma), cuda_graphs=cuda_graphs)
     for gamma, tokens in expected.items():
         assert device_like.generate(PROMPTS[5], NEW_TOKENS, gamma, **sampling).token_ids == tokens, gamma
 

@@ -211,10 +211,10 @@ class EngineSlot:
         self.engine.session.run_with_iobinding(self.binding, self._graph(total_len - first, num_drafts, total_len))
         if self.sampling and self._tail is not self.binding:  # the sampler's turn: the same nodes on the same logits
             self.engine.sampling_session.run_with_iobinding(self._tail)
-        if self._copies:
-            self._accepted.pull()
-            self._next_token.pull()
-        return int(self._accepted.host), int(self._next_token.host)
+        if not self._copies:
+            return int(self._accepted.host), int(self._next_token.host)
+        # A call without drafts accepts none: one copy back (a wait for the device) fewer per draft step.
+        return (int(self._accepted.pull()) if num_drafts else 0), int(self._next_token.pull())
 
     def graph_id(self, rows: int, num_drafts: int, total_len: int) -> int:
         """The CUDA graph that a call of `rows` tokens replays, or -1: none, it runs as usual.
