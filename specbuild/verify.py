@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specbuild_runtime.errors import DeviceError
+from specbuild_runtime.errors import DeviceError, first_line
 
 from .errors import CheckpointError
 from .texts import read_prompts
@@ -46,8 +46,7 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, TORCH_DTYPES[precision]), use_safetensors=True,
                                                      local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{role} checkpoint {path} cannot be loaded from safetensors ({reason}); specbuild "
+        raise CheckpointError(f"{role} checkpoint {path} cannot be loaded from safetensors ({first_line(exc)}); specbuild "
                               "never unpickles weights: re-save it with `save_pretrained(dir, safe_serialization=True)`") from None
     return model.to(device).eval()
 

@@ -203,16 +203,17 @@ def test_cuda_graphs_decode_the_tokens_of_uncaptured_calls(architecture, precisi
 
 def test_threads_on_a_cuda_graph_decoder_get_their_sequential_outputs(precision_bundles):
     """onnxruntime captures in cudaStreamCaptureModeGlobal and keeps graphs per thread: the engines' calls take
-    turns (engine._CUDA_GRAPH_CALLS) and each thread captures its own."""
+    turns (engine._CUDA_GRAPH_CALLS) and each thread captures its own. Sampled requests (whose settings are
+    copied to the device as they start, and whose sampler runs between captured calls) among them."""
     import threading
 
     decoder = SpeculativeDecoder(precision_bundles("fp16"), device="cuda", parallel=2, cuda_graphs=True)
-    requests = [(PROMPTS[i], i % 5) for i in range(6)]
-    expected = [decoder.generate(p, NEW_TOKENS, gamma).token_ids for p, gamma in requests]
+    requests = [(PROMPTS[i], dict(gamma=i % 5, temperature=(i % 2) * 0.8, seed=i)) for i in range(6)]
+    expected = [decoder.generate(p, NEW_TOKENS, **options).token_ids for p, options in requests]
     got = [None] * len(requests)
 
     def run(i):
-        got[i] = [decoder.generate(requests[i][0], NEW_TOKENS, requests[i][1]).token_ids for _ in range(3)]
+        got[i] = [decoder.generate(requests[i][0], NEW_TOKENS, **requests[i][1]).token_ids for _ in range(3)]
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
     for t in threads:

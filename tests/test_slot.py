@@ -177,5 +177,5 @@ def test_cuda_graphs_of_a_bundle_compiled_before_them_say_to_recompile(bundle, t
             del info["greedy_file"]
     (old / "manifest.json").write_text(json.dumps(manifest))
     SpeculativeDecoder(old, check_digests=False)  # decodes as before
-    with pytest.raises(BundleError, match="no greedy-only graphs and sampler.*rebuild it with `specbuild compile`"):
+    with pytest.raises(BundleError, match="lacks the greedy-only graphs or the sampler.*rebuild it with `specbuild compile`"):
         SpeculativeDecoder(old, check_digests=False, cuda_graphs=True)

@@ -156,8 +156,8 @@ class SpeculativeDecoder:
         self.tokenizer = Tokenizer.from_file(str(self.root / TOKENIZER_DIR / "tokenizer.json"))
         self.cuda_graphs = cuda_graphs
         if cuda_graphs and not (self.manifest.sampler_file and all(info.greedy_file for info in self.manifest.engines.values())):
-            raise BundleError(f"{self.root} has no greedy-only graphs and sampler, which CUDA graphs need (it was compiled "
-                              "by an older specbuild): rebuild it with `specbuild compile`")
+            raise BundleError(f"{self.root} lacks the greedy-only graphs or the sampler, which CUDA graphs need (it was "
+                              "compiled by an older specbuild): rebuild it with `specbuild compile`")
         self.device = requested_device(device)
         try:
             self.target, self.draft = self._engines()

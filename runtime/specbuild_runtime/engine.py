@@ -14,7 +14,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from .errors import BundleError, DeviceError
+from .errors import BundleError, DeviceError, first_line
 from .manifest import EngineInfo, cache_names
 from .validation import GREEDY_OUTPUTS, check_engine_io, check_sampler_io
 
@@ -53,7 +53,8 @@ _SHARED_POOL: bool | None = None
 # onnxruntime captures CUDA graphs in cudaStreamCaptureModeGlobal ("for now cuda graph can only work with a
 # single thread", cuda_graph.cc): a CUDA call from any other thread during a capture (a copy, an allocation)
 # breaks it. Every call of an engine that captures, with its copies, holds this lock, so these calls take
-# turns; other CUDA work in the process (an engine without CUDA graphs, torch) is not held back by it.
+# turns; other CUDA work in the process (an engine without CUDA graphs, torch, loading a decoder) is not
+# held back by it.
 # (Captured graphs are kept per thread, so each decoding thread captures its own.)
 _CUDA_GRAPH_CALLS = threading.Lock()
 
@@ -178,11 +179,10 @@ def _session(path: Path, device: str, captures: bool, graph: bytes | None = None
         # enable_fallback=0: onnxruntime would otherwise move a failing session to the CPU, silently.
         session = ort.InferenceSession(source, options, providers=[provider], enable_fallback=0)
     except Exception as exc:  # onnxruntime raises its own untyped exceptions
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if captures:  # e.g. onnxruntime refusing to capture a graph with copies between host and device
-            raise BundleError(f"onnxruntime cannot run engine {path} as CUDA graphs: {first_line}; run without "
+            raise BundleError(f"onnxruntime cannot run engine {path} as CUDA graphs: {first_line(exc)}; run without "
                               "--cuda-graphs (cuda_graphs=False)") from None
-        raise BundleError(f"cannot load {path}: {first_line}; rebuild the bundle with `specbuild compile`") from None
+        raise BundleError(f"cannot load {path}: {first_line(exc)}; rebuild the bundle with `specbuild compile`") from None
     if session.get_providers()[0] != PROVIDERS[device]:  # the provider failed to start (e.g. no driver)
         raise DeviceError(f"onnxruntime could not start its {PROVIDERS[device]} for {path} (see its log "
                           "with log_severity_level 0); is a GPU and its driver present?")

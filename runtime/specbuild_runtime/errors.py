@@ -15,3 +15,9 @@ class RequestError(SpecbuildError):
 
 class DeviceError(SpecbuildError):
     """The device asked for is unknown, or this onnxruntime cannot run on it."""
+
+
+def first_line(exc: BaseException) -> str:
+    """What a library's exception says, in one line (its type when it says nothing): libraries such as
+    onnxruntime raise untyped errors with pages of detail, which a one-line error quotes from."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -3,7 +3,7 @@
 Everything a call reads or writes lives in buffers created once per slot, on the engine's device, and
 updated in place: the caches, token ids, sampling settings, the draft's distributions (written by the
 draft straight into the rows the target reads) and the verification outputs. Per call, only the new
-token ids and numbers go to the device and only `accepted` and `next_token` come back.
+token ids and numbers go to the device and only `next_token` and (with drafts) `accepted` come back.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .engine import Engine
-from .errors import RequestError
+from .errors import BundleError, RequestError
 
 MAX_REUSED_IDS = 64  # calls of up to this many tokens (drafting, verifying) reuse one buffer per length
 # onnxruntime counts the runs before a capture per thread, not per graph: once a thread has run twice it
@@ -127,7 +127,14 @@ class EngineSlot:
             self._tail = self.binding
         elif engine.sampling_session is not None:
             self._tail = engine.sampling_session.io_binding()
-            self._tail.bind_ortvalue_input("num_drafts", self._num_drafts.value)
+            if engine.sampling_devices["logits"] != device:  # a view is copied once when bound, not each call
+                raise BundleError(f"the bundle's sampler reads logits from {engine.sampling_devices['logits']} memory, "
+                                  f"the engine {engine.path} writes them on {device}: rebuild it with `specbuild compile`")
+            # Its own token ids and num_drafts: onnxruntime copies an input bound on another device than its
+            # session reads it from when it is bound, not at each call, so sharing the engine's (whose devices
+            # may differ) could leave the sampler reading stale values. It reads only the last D+1 ids.
+            self._sampler_ids: dict[int, Buffer] = {}  # drafts + 1 -> buffer
+            self._sampler_num_drafts = self._input("num_drafts", np.zeros((), np.int64), self._tail)
             self._tail.bind_ortvalue_output("accepted", self._accepted.value)
             self._tail.bind_ortvalue_output("next_token", self._next_token.value)
         if self._tail is not None:
@@ -141,10 +148,14 @@ class EngineSlot:
                            False: Buffer(np.zeros(0, np.float32), device)}
             self._probs_rows, self._draft_probs = probs_rows, draft_probs
             self._no_drafts = Buffer(np.zeros((0, engine.vocab_size), np.float32), engine.sampling_devices["draft_probs"])
-            self.configure(temperature=0.0)
+            self._configure(temperature=0.0)
 
     def configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0) -> None:
         """Greedy at temperature 0; otherwise sampling from softmax(logits/temperature) within top-k/top-p."""
+        with self.engine.calls:  # its copies to the device too (see engine._CUDA_GRAPH_CALLS)
+            self._configure(temperature, top_k, top_p)
+
+    def _configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0) -> None:
         if self._tail is None:
             if temperature > 0:
                 raise RequestError(f"engine {self.engine.path} runs its greedy-only graph without the bundle's sampler: "
@@ -209,7 +220,9 @@ class EngineSlot:
         for name in self.engine.extra_outputs:  # their shapes change with the call: onnxruntime allocates them
             self.binding.bind_output(name, self.engine.device)
         self.engine.session.run_with_iobinding(self.binding, self._graph(total_len - first, num_drafts, total_len))
-        if self.sampling and self._tail is not self.binding:  # the sampler's turn: the same nodes on the same logits
+        # The sampler's turn: the same nodes on the same logits (not for a prompt's head, whose token is not read).
+        if self.sampling and self._tail is not self.binding and uniforms is not None:
+            self._feed_sampler(self._fed[total_len - num_drafts - 1:total_len], num_drafts)
             self.engine.sampling_session.run_with_iobinding(self._tail)
         if not self._copies:
             return int(self._accepted.host), int(self._next_token.host)
@@ -265,7 +278,7 @@ class EngineSlot:
         count = len(tokens)
         if count > MAX_REUSED_IDS:  # a prompt: one call, a buffer of its own (kept while it is bound)
             self._prompt = Buffer(np.array([tokens], np.int64), self.engine.input_devices["input_ids"])
-            self._bind_input("input_ids", self._prompt.value)
+            self.binding.bind_ortvalue_input("input_ids", self._prompt.value)
             self._bound["input_ids"] = 0
             return
         if count not in self._ids:
@@ -275,20 +288,26 @@ class EngineSlot:
         if self._copies:
             buffer.push()
         if self._bound["input_ids"] != count:
-            self._bind_input("input_ids", buffer.value)
+            self.binding.bind_ortvalue_input("input_ids", buffer.value)
             self._bound["input_ids"] = count
 
-    def _bind_input(self, name: str, value: ort.OrtValue) -> None:
-        """Bind an input of the engine graph, and of the sampler when there is one (which reads it too)."""
-        self.binding.bind_ortvalue_input(name, value)
-        if self._tail is not None and self._tail is not self.binding:
-            self._tail.bind_ortvalue_input(name, value)
+    def _feed_sampler(self, tokens: list[int], num_drafts: int) -> None:
+        """The sampler's input_ids (the call's last D+1 tokens) and num_drafts."""
+        count = len(tokens)
+        if count not in self._sampler_ids:
+            self._sampler_ids[count] = Buffer(np.zeros((1, count), np.int64), self.engine.sampling_devices["input_ids"])
+        buffer = self._sampler_ids[count]
+        buffer.host[0] = tokens
+        buffer.push()
+        self._tail.bind_ortvalue_input("input_ids", buffer.value)
+        self._sampler_num_drafts.host[()] = num_drafts
+        self._sampler_num_drafts.push()
 
     def _bind_logits(self, num_drafts: int) -> None:
         """Bind a greedy-only graph's logits output (and the sampler's input) to the first D+1 rows."""
         if self._bound["logits"] != num_drafts:
             if num_drafts >= len(self._logits.host):  # a view past the buffer: memory the call must not write
-                raise RequestError(f"{num_drafts} drafts, but this slot holds logits for at most {len(self._logits.host) - 1}")
+                raise RuntimeError(f"{num_drafts} drafts, but this slot holds logits for at most {len(self._logits.host) - 1}")
             shape, pointer = [num_drafts + 1, self.engine.vocab_size], self._logits.value.data_ptr()
             self.binding.bind_output("logits", self._logits.device, 0, np.float32, shape, pointer)
             if self._tail is not None:
@@ -329,7 +348,7 @@ class Slot:
         # Columns past the draft's vocabulary (when smaller than the target's) stay zero: q is a proper
         # distribution over the target's vocabulary.
         q = (Buffer(np.zeros((max(max_gamma, 1), target.vocab_size), np.float32), target.sampling_devices["draft_probs"])
-             if target.sampling_session else None)
+             if target.sampling_session is not None else None)
         self.target = EngineSlot(target, target_rows, draft_probs=q, max_drafts=max_gamma)
         self.draft = EngineSlot(draft, AS_FED, probs_rows=q)
 

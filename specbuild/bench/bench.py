@@ -206,7 +206,7 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "device": decoder.device,
-        "cuda_graphs": decoder.cuda_graphs,  # the greedy-only graphs (and the sampler), captured on cuda
+        "cuda_graphs": decoder.cuda_graphs,  # the greedy-only graphs, captured on cuda (the sampler never)
         "machine_bandwidth_gbs": round(bandwidth, 2),  # cpu: onnxruntime read; cuda: onnxruntime copy (read + write)
         "target_call_ms": round(1e3 * target_step, 4),
         "target_weight_mb": round(target_info.weight_bytes / 1e6, 2),

@@ -13,7 +13,7 @@ import onnxruntime as ort
 from tqdm import tqdm
 
 from specbuild_runtime.engine import session_options
-from specbuild_runtime.errors import SpecbuildError
+from specbuild_runtime.errors import SpecbuildError, first_line
 from specbuild_runtime.manifest import TOKENIZER_DIR, EngineInfo, Manifest, cache_names
 
 from .. import __version__
@@ -129,8 +129,7 @@ def check_engine(path: Path, info: EngineInfo, max_seq_len: int) -> None:
         accepted, next_token = session.run(["accepted", "next_token"],
                                            {i.name: feeds[i.name] for i in session.get_inputs()})
     except Exception as exc:  # onnxruntime raises its own untyped errors
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise SpecbuildError(f"the {info.role} engine {path.name} was written but fails to load or run ({first_line}); "
+        raise SpecbuildError(f"the {info.role} engine {path.name} was written but fails to load or run ({first_line(exc)}); "
                              "this is a specbuild bug, please report it") from None
     if accepted != 0 or not 0 <= next_token < vocab:
         raise SpecbuildError(f"the {info.role} engine {path.name} returned accepted={accepted}, next_token={next_token} "
@@ -149,8 +148,7 @@ def check_sampler(path: Path, vocab: int) -> None:
         session = ort.InferenceSession(str(path), session_options(), providers=["CPUExecutionProvider"])
         accepted, next_token = session.run(["accepted", "next_token"], feeds)
     except Exception as exc:  # onnxruntime raises its own untyped errors
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise SpecbuildError(f"the sampler {path.name} was written but fails to load or run ({first_line}); "
+        raise SpecbuildError(f"the sampler {path.name} was written but fails to load or run ({first_line(exc)}); "
                              "this is a specbuild bug, please report it") from None
     if accepted != 0 or not 0 < next_token < vocab:
         raise SpecbuildError(f"the sampler {path.name} returned accepted={accepted}, next_token={next_token} for a "

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from specbuild_runtime.errors import first_line
 
 from ..acceptance import expected_tokens_per_call, rounds, theoretical_speedup
 from ..errors import CheckpointError
@@ -45,8 +46,7 @@ def load_model(path: Path, role: str):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{role} checkpoint {path} has no usable tokenizer ({first_line})") from None
+        raise CheckpointError(f"{role} checkpoint {path} has no usable tokenizer ({first_line(exc)})") from None
     return model, tokenizer
 
 
