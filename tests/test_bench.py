@@ -27,7 +27,8 @@ def test_bench_reports_every_mode_and_writes_json_and_plot(bundles, tmp_path):
     assert rows["3"]["acceptance_rate"] == 1.0  # draft = target
     assert {"theoretical_speedup", "efficiency", "cost_ratio_c"} <= set(rows["3"])
     assert {"machine_bandwidth_gbs", "target_bandwidth_fraction", "context_growth_measured",
-            "context_growth_predicted"} <= set(report)
+            "context_growth_predicted", "draft_bandwidth_fraction"} <= set(report)
+    assert report["draft_step_gamma"] == 3 and "a draft step takes" in result.stdout
     assert png.stat().st_size > 10_000
 
 
