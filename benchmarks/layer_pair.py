@@ -101,7 +101,8 @@ def main() -> None:
         reports.append(report)
         print(f"{args.shape} {kind} on {report['device']}, later layers x{scale:g}, draft = first "
               f"{args.draft_layers} layers: target-only {report['results'][0]['tokens_per_second']:.1f} tok/s "
-              f"({100 * report['target_bandwidth_fraction']:.0f}% of {report['machine_bandwidth_gbs']} GB/s)", flush=True)
+              f"({100 * report['target_bandwidth_fraction']:.0f}% of {report['machine_bandwidth_gbs']} GB/s), a draft step "
+              f"{report.get('draft_step_ms', 0):.3f} ms ({100 * report.get('draft_bandwidth_fraction', 0):.0f}%)", flush=True)
         for row in report["results"][1:] + report.get("peers", []):
             bound = f" bound {row['theoretical_speedup']:.2f}x eff {row['efficiency']:.2f}" if "efficiency" in row else ""
             print(f"  {row['system']:<30} γ {str(row['gamma']):>4}  α {row.get('acceptance_rate', 0):.2f}  "
