@@ -104,3 +104,24 @@ def test_a_context_too_short_to_generate_is_refused_before_anything_is_written(m
         compile_bundle(CompileSettings(target=checkpoints("llama"), draft=checkpoints("llama"), output=tmp_path / "b",
                                        max_seq_len=max_seq_len), show_progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("architecture, quantize, gathered", [
+    ("llama", "none", ["model.embed_tokens.weight"]),  # untied: the LM head is a table of its own
+    ("llama", "int4", ["model.embed_tokens.weight"]),  # GatherBlockQuantized: data, scales, zero points
+    ("llama3", "none", []),  # tied: the LM head reads the whole table
+    ("gpt2", "none", ["transformer.wpe.weight"]),  # tied wte; learned positions are gathered
+])
+def test_read_bytes_leave_out_the_tables_a_call_only_gathers_rows_from(architecture, quantize, gathered, checkpoints,
+                                                                       tmp_path):
+    """A memory-bound call reads all its weights but these: the bandwidth bench measures against read_bytes."""
+    ckpt = checkpoints(architecture)
+    manifest = compile_bundle(CompileSettings(target=ckpt, draft=ckpt, output=tmp_path / "b", max_seq_len=64,
+                                              quantize=quantize), show_progress=False)
+    info = manifest.engines["target"]
+    model = onnx.load(str(tmp_path / "b" / info.file), load_external_data=False)
+    sizes = {t.name: dict((e.key, e.value) for e in t.external_data) for t in model.graph.initializer
+             if t.data_location == onnx.TensorProto.EXTERNAL}
+    expected = sum(int(where["length"]) for name, where in sizes.items() if any(name.startswith(g) for g in gathered))
+    assert (expected > 0) == bool(gathered)
+    assert info.weight_bytes - info.read_bytes == expected

@@ -173,7 +173,7 @@ class SpeculativeDecoder:
         # Adaptive γ: the costs of a round describe the machine and are shared; α follows the text a slot
         # decodes, so each slot keeps its own (carried over to its next request, as the pair's agreement
         # is). Greedy and sampled decoding accept drafts differently: one of each per mode.
-        draft_cost = self.draft.info.weight_bytes / self.target.info.weight_bytes
+        draft_cost = self.draft.info.bytes_per_call / self.target.info.bytes_per_call
         costs = {sampling: Costs(self.max_gamma, draft_cost) for sampling in (False, True)}
         self._policies = [{sampling: AdaptiveGamma(self.max_gamma, draft_cost, SAMPLING_DECAY if sampling else GREEDY_DECAY,
                                                    costs[sampling]) for sampling in (False, True)}

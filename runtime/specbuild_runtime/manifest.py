@@ -87,6 +87,13 @@ class EngineInfo:
     quality: dict = field(default_factory=dict)
     source_dtype: str = ""  # the checkpoint's float type ("fp32" | "fp16" | "bf16"); precision is the engine's
     greedy_file: str = ""  # the greedy-only graph over the same weights ("" in bundles made before it)
+    # What a call reads of weight_bytes: all but the tables it only gathers rows from (an untied embedding,
+    # GPT-2's positions), the bytes a memory-bound step is measured against (0 in bundles made before it).
+    read_bytes: int = 0
+
+    @property
+    def bytes_per_call(self) -> int:
+        return self.read_bytes or self.weight_bytes
 
 
 @dataclass

@@ -63,6 +63,7 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
         model = build_decoder(ckpt, numerics, max_seq_len, vocab, progress=bar.update)
         bar.total = sum(value.const_value.nbytes for value in model.graph.initializers.values()
                         if isinstance(value.const_value, ir.LazyTensor))
+        gathered = _gathered_bytes(model)
         ir.save(model, folder / file, external_data=f"{file}.data", alignment=ALIGNMENT, max_workers=WORKERS,
                 max_in_flight_bytes=IN_FLIGHT_BYTES)
     greedy_file = f"{role}.greedy.onnx"
@@ -70,6 +71,7 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
                            folder / greedy_file)
     for written in (file, greedy_file):
         onnx.checker.check_model(str(folder / written))
+    weight_bytes = (folder / f"{file}.data").stat().st_size
     return EngineInfo(
         role=role,
         backend="onnx",
@@ -81,10 +83,20 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
         shape=dataclasses.replace(spec.shape, vocab_size=vocab),
         parameters=sum(int(np.prod(entry.shape)) for name, entry in ckpt.entries.items()
                        if not name.endswith("rotary_emb.inv_freq")),
-        weight_bytes=(folder / f"{file}.data").stat().st_size,
+        weight_bytes=weight_bytes,
+        read_bytes=weight_bytes - gathered,
         source={"path": str(ckpt.path.resolve()), "sha256": digest.result()},
         source_dtype=precision_name(ckpt.float_dtype()),
     )
+
+
+def _gathered_bytes(model: ir.Model) -> int:
+    """Bytes of the weights a call only gathers rows from (Gather's data; GatherBlockQuantized's data, scales
+    and zero points): a call reads a few rows of them, not all."""
+    def gathered(use) -> bool:
+        return use.node.op_type in ("Gather", "GatherBlockQuantized") and use.idx != 1  # input 1: the indices
+    return sum(value.const_value.nbytes for value in model.graph.initializers.values()
+               if value.uses() and all(gathered(use) for use in value.uses()))
 
 
 def write_sampler(folder: Path) -> str:
