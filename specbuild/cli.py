@@ -307,6 +307,8 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
                      f"{precision} itself at {at('transformers_vs_fp32')}, prompt by prompt "
                      "(alike and late: rounding; early: a bug)")
         click.echo(line)
+    if not report["same_source"] and not as_json:
+        click.echo(f"note: {target} is not the checkpoint the bundle was compiled from (their sha256 differ)", err=True)
     if not report["identical"]:
         sys.exit(1)
 
@@ -357,8 +359,9 @@ def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, te
 @click.option("--loss", "objective", type=click.Choice(["tvd", "fkl", "rkl", "jsd"]), default="tvd", show_default=True,
               help="Divergence of the draft's distribution from the target's (train.divergence.DIVERGENCES).")
 @click.option("--force", is_flag=True, help="Write the draft even if α did not rise.")
+@click.option("--overwrite", is_flag=True, help="Replace the checkpoint at --output (never anything that is not a checkpoint).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def distill(target, output, init, draft_config, minutes, prompts_file, data, gamma, objective, force, as_json) -> None:
+def distill(target, output, init, draft_config, minutes, prompts_file, data, gamma, objective, force, overwrite, as_json) -> None:
     """Train a draft on what the target writes, so that it agrees with the target more often.
 
     The target continues prompts (yours, spans of your text, or its own samples); the draft learns the
@@ -369,11 +372,10 @@ def distill(target, output, init, draft_config, minutes, prompts_file, data, gam
         raise click.UsageError("give either --prompts or --data, not both")
     from .errors import TrainingError
     from .train.distill import distill as run_distill
-    from .train.prompts import read_texts
 
     overrides = dict(_key_value(item) for item in draft_config) or None
     report = run_distill(target, output, draft_config=overrides, init=init, minutes=minutes, prompts_file=prompts_file,
-                         data=read_texts(data) if data else None, gamma=gamma, objective=objective, force=force)
+                         data=data, gamma=gamma, objective=objective, force=force, overwrite=overwrite)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:

@@ -8,6 +8,9 @@ A process killed mid-way leaves folders named after its dead PID; the next write
 them, and puts back an old folder that a kill between two renames left aside (systems without the
 exchange publish with two renames).
 
+What may be replaced is decided by the caller through guarded_folder: never anything that is, holds or
+lies inside one of the build's inputs, and only with `overwrite` a folder of the kind being written.
+
 Used for engine bundles (`compile/bundle.py`) and checkpoints (`train/train.py`).
 """
 
@@ -59,6 +62,48 @@ def staged_folder(output: Path, check: Callable[[Path], None] = lambda output: N
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
             shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextmanager
+def guarded_folder(output: Path, *, overwrite: bool, is_kind: Callable[[Path], bool], kind: str,
+                   inputs: dict[str, Path | None] | None = None) -> Iterator[Path]:
+    """staged_folder for an output that may replace only an empty folder or, with overwrite, a folder
+    for which is_kind holds (kind names it in errors), and never touches the inputs."""
+    refuse_overlap(output, inputs or {})
+    with staged_folder(output, lambda resolved: check_replaceable(resolved, overwrite, is_kind, kind)) as staging:
+        yield staging
+
+
+def check_output(output: Path, *, overwrite: bool, is_kind: Callable[[Path], bool], kind: str,
+                 inputs: dict[str, Path | None] | None = None) -> None:
+    """What guarded_folder will check, for callers to run before long work, so that a refusal comes
+    before minutes of training rather than after."""
+    refuse_overlap(output, inputs or {})
+    check_replaceable(Path(output).resolve(), overwrite, is_kind, kind)
+
+
+def refuse_overlap(output: Path, inputs: dict[str, Path | None]) -> None:
+    """OutputError if output is an input, holds one or lies inside one."""
+    out = Path(output).resolve()
+    for role, path in inputs.items():
+        if path is None:
+            continue
+        path = Path(path).resolve()
+        relation = "is" if out == path else "contains" if out in path.parents else "lies inside" if path in out.parents else None
+        if relation:
+            raise OutputError(f"output {output} {relation} the {role} {path}; writing there could destroy it: "
+                              "choose an output outside every input")
+
+
+def check_replaceable(output: Path, overwrite: bool, is_kind: Callable[[Path], bool], kind: str) -> None:
+    """Nothing there, or an empty folder: fine. A folder of the kind: only with overwrite. Anything else: never."""
+    if not os.path.lexists(output) or (output.is_dir() and not output.is_symlink() and not any(output.iterdir())):
+        return
+    if output.is_symlink() or not output.is_dir() or not is_kind(output):
+        raise OutputError(f"{output} exists and is not a {kind}; --overwrite replaces only a {kind}: "
+                          "move it away or choose another output")
+    if not overwrite:
+        raise OutputError(f"{output} already holds a {kind}; pass --overwrite to replace it or choose another output")
 
 
 def _disk_full(exc: OSError, folder: Path) -> bool:

@@ -51,6 +51,21 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
     return model.to(device).eval()
 
 
+def recorded_source(engine, role: str) -> Path:
+    """The checkpoint an engine was compiled from, as the manifest records it, refused if it is gone or
+    has changed since: a peer would then run another model than the bundle's."""
+    from .compile.load import checkpoint_digest
+
+    path = Path(engine.source["path"])
+    if not path.is_dir():
+        raise CheckpointError(f"the bundle's {role} was compiled from {path}, which no longer exists; put the "
+                              "checkpoint back there (or recompile the bundle from where it is now)")
+    if checkpoint_digest(path, role) != engine.source["sha256"]:
+        raise CheckpointError(f"the bundle's {role} was compiled from {path}, whose config.json or weights have "
+                              "changed since (sha256 differs); recompile the bundle from it")
+    return path
+
+
 def first_difference(ours: list[int], theirs: list[int]) -> int | None:
     """The first position where two outputs differ (one ending early counts), None if equal."""
     if ours == theirs:
@@ -68,8 +83,14 @@ def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens
 
     prompts = read_prompts(prompts_file)
     decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs)
-    precision = decoder.manifest.engines["target"].precision
+    engine = decoder.manifest.engines["target"]
+    precision = engine.precision
     model = load_reference(target, device=decoder.device, precision=precision)
+    rows = model.get_input_embeddings().num_embeddings
+    if rows < engine.shape.vocab_size:
+        raise CheckpointError(f"target checkpoint {target} has {rows} embedding rows but the bundle's vocabulary has "
+                              f"{engine.shape.vocab_size} tokens: it is not the model this bundle was compiled from "
+                              f"({engine.source['path']})")
     eos = sorted(decoder.eos_token_ids)
     tokens, divergences = 0, []
     for index, prompt in enumerate(prompts):
@@ -95,8 +116,10 @@ def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens
             d.update(transformers_vs_fp32=first_difference(theirs, reference), bundle_vs_fp32=first_difference(ours, reference))
     for d in divergences:
         del d["outputs"]
+    from .compile.load import checkpoint_digest
+
     report = {"identical": not divergences, "prompts": len(prompts), "tokens": tokens, "device": decoder.device,
-              "precision": precision}
+              "precision": precision, "same_source": checkpoint_digest(target, "target") == engine.source["sha256"]}
     if divergences:
         report.update(divergence=divergences[0], divergences=divergences)
     return report

@@ -124,6 +124,27 @@ def source_only_a_pickle(paths: dict) -> None:
     (paths["bundle"] / "manifest.json").write_text(json.dumps(manifest))
 
 
+def source_elsewhere(change: Callable[[Path], None] | None) -> Callable[[dict], None]:
+    """The bundle's target source is a copy of the target, changed by `change`, or gone (None)."""
+    def setup(paths: dict) -> None:
+        a_copy_of("bundle", lambda folder: None)(paths)
+        if change is None:
+            source = Path(paths["tmp"]) / "moved-away"
+        else:
+            a_copy_of("target", change)(paths)
+            source = paths["target"]
+        manifest = json.loads((paths["bundle"] / "manifest.json").read_text())
+        manifest["engines"]["target"]["source"]["path"] = str(source)
+        (paths["bundle"] / "manifest.json").write_text(json.dumps(manifest))
+
+    return setup
+
+
+def add_a_config_key(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "edited": True}))
+
+
 def falcon(folder: Path) -> None:
     config = json.loads((folder / "config.json").read_text())
     config["architectures"] = ["FalconForCausalLM"]
@@ -190,7 +211,7 @@ CASES = [
     Case("`--overwrite` on a folder that is not a bundle", compile_args("{tmp}/notes", "--overwrite"), 1,
          "is not a specbuild bundle", "Move the folder away or choose another `--output`: `--overwrite` replaces only bundles.",
          setup=a_folder_with_a_file),
-    Case("an existing bundle without `--overwrite`", NEW, 1, "already holds a bundle",
+    Case("an existing bundle without `--overwrite`", NEW, 1, "already holds a specbuild bundle",
          "Pass `--overwrite` to replace it, or choose another `--output`.", setup=existing_bundle),
     Case("a second compile to the same output while one runs", NEW, 1, "is writing",
          "Wait for the other compile to finish (the lock file `.NAME.lock` beside the output is released when it ends).",
@@ -205,7 +226,7 @@ CASES = [
     Case("`--max-seq-len` beyond the model's positions", compile_args("{tmp}/bundle", "--max-seq-len", "4096"), 1,
          "max_position_embeddings", "Use the largest length the message names, or less."),
     Case("`--block-size 17`", compile_args("{tmp}/bundle", "--block-size", "17"), 2, "power of two",
-         "Use 16, 32, 64 or 128."),
+         "Use a power of two from 16 up (32 is the default; 128 or more trades accuracy for size)."),
     Case("an unknown option", compile_args("{tmp}/bundle", "--gama", "4"), 2, "No such option",
          "See `specbuild COMMAND --help`."),
     Case("`specbuild compile --recipe R` where R has no `output`", ["compile", "--recipe", "{recipe}"], 1,
@@ -230,11 +251,30 @@ CASES = [
                                                                         write_file("prompts", PROMPT)(paths))),
     Case("`bench --peers transformers` on a bundle whose source holds only pickled weights",
          ["bench", "{bundle}", "--peers", "transformers", "--prompts", "{prompts}", "-n", "4", "--gamma", "1"], 1,
-         "cannot be loaded from safetensors", SAFE,
+         "reads safetensors only", SAFE,
          setup=lambda paths: (source_only_a_pickle(paths), write_file("prompts", PROMPT)(paths))),
+    Case("`verify --target` a checkpoint of another model (a smaller vocabulary)",
+         ["verify", "{bundle}", "--target", "{draft}", "--prompts", "{prompts}", "-n", "4"], 1, "embedding rows",
+         "Pass the checkpoint the bundle was compiled from (`specbuild inspect` shows its path).",
+         setup=lambda paths: (other_tokenizer(paths), write_file("prompts", PROMPT)(paths))),
+    Case("`bench --peers transformers` when the bundle's source checkpoint has moved",
+         ["bench", "{bundle}", "--peers", "transformers", "--prompts", "{prompts}", "-n", "4", "--gamma", "1"], 1,
+         "which no longer exists", "Put the checkpoint back where the message says, or recompile the bundle from "
+         "where it is now.", setup=lambda paths: (source_elsewhere(None)(paths), write_file("prompts", PROMPT)(paths))),
+    Case("`bench --peers transformers` when the bundle's source checkpoint has changed",
+         ["bench", "{bundle}", "--peers", "transformers", "--prompts", "{prompts}", "-n", "4", "--gamma", "1"], 1,
+         "have changed since", "Recompile the bundle from the checkpoint as it is now (peers would run another model).",
+         setup=lambda paths: (source_elsewhere(add_a_config_key)(paths), write_file("prompts", PROMPT)(paths))),
     Case("`distill --target` a checkpoint with only pickled weights",
          ["distill", "--target", "{target}", "--output", "{tmp}/draft", "--minutes", "0.01"], 1, "safetensors", SAFE,
          setup=a_copy_of("target", only_a_pickle)),
+    Case("`distill --output` its own target (or a folder holding it, or one inside it)",
+         ["distill", "--target", "{target}", "--output", "{target}", "--minutes", "0.01", "--overwrite"], 1,
+         "is the target", "Choose an output outside the target, `--init`, `--prompts` and `--data`."),
+    Case("`distill --output` a folder that is not a checkpoint", ["distill", "--target", "{target}", "--output",
+                                                                   "{tmp}/notes", "--minutes", "0.01", "--overwrite"], 1,
+         "is not a checkpoint", "Move the folder away or choose another `--output`: `--overwrite` replaces only "
+         "checkpoints (folders with a `config.json`).", setup=a_folder_with_a_file),
     Case("a checkpoint with a `pytorch_model.bin` beside its safetensors", compile_args(), 0, "",
          "Nothing: specbuild reads the safetensors and never opens the pickle.", setup=a_copy_of("target", plant_pickle)),
     Case("`verify --target` a checkpoint with a `pytorch_model.bin` beside its safetensors",
@@ -249,7 +289,8 @@ CASES = [
          "Pass a complete checkpoint folder.",
          setup=a_copy_of("target", lambda f: next(f.glob("*.safetensors")).unlink())),
     Case("an architecture without a graph builder", compile_args(), 1, "which specbuild does not compile",
-         "Use a Llama, Qwen2, Mistral or GPT-2 checkpoint.", setup=a_copy_of("target", falcon)),
+         "Use a checkpoint of an architecture the message lists (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, "
+         "Gemma 3 or GPT-2).", setup=a_copy_of("target", falcon)),
     Case("a draft with another tokenizer", compile_args(), 1, "different tokenizers",
          "Use a draft trained with the target's tokenizer (`specbuild distill` makes one).", setup=other_tokenizer),
     Case("truncated `*.safetensors`", compile_args(), 1, "model.safetensors",

@@ -159,6 +159,33 @@ def test_streamed_text_joins_to_exactly_the_generated_text(bundle, free_text):
                for free in free_text.values() for n in range(1, len(free.token_ids)))
 
 
+def test_a_stop_string_completed_by_the_last_bytes_finishes_with_stop(bundle, free_text):
+    """The last token may leave an incomplete character, which only the final decode shows (as U+FFFD):
+    a stop string found there still ends the request as "stop"."""
+    decoder = SpeculativeDecoder(bundle)
+    decode = decoder.tokenizer.decode
+    cases = [(prompt, n) for prompt, free in free_text.items() for n in range(2, len(free.token_ids))
+             if decode(free.token_ids[:n]).endswith("\ufffd") and "\ufffd" not in decode(free.token_ids[:n - 1])]
+    assert cases
+    for prompt, n in cases:
+        result = decoder.generate(prompt, n, 3, stop=["\ufffd"])
+        assert result.stats.finish_reason == "stop" and result.text == decode(free_text[prompt].token_ids[:n])[:-1]
+        streamed = Stats()
+        assert "".join(decoder.stream_text(prompt, n, 3, stop=["\ufffd"], stats=streamed)) == result.text
+        assert streamed.finish_reason == "stop"
+
+
+def test_a_server_stream_yields_after_every_token_even_while_text_is_held_back(bundle, free_text):
+    """The server checks cancellation and deadlines between the items it is given: one per token."""
+    decoder = SpeculativeDecoder(bundle)
+    for prompt, free in free_text.items():
+        stop = [piece(free.text, 20, 3)]
+        stats = Stats()
+        items = list(decoder.stream_request(decoder.request(prompt, 60, 3, stop=stop), stats, every_token=True))
+        assert len(items) in (stats.generated_tokens, stats.generated_tokens + 1)
+        assert "".join(items) == decoder.generate(prompt, 60, 3, stop=stop).text
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(0, 8).flatmap(lambda d: st.tuples(st.just(d), st.integers(0, d))), max_size=40))
 def test_stats_count_rounds_as_a_plain_reference_does(rounds):

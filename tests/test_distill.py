@@ -17,7 +17,7 @@ from conftest import make_checkpoint, make_tokenizer
 from test_bad_inputs import MARKER, plant_pickle
 from specbuild.acceptance import rounds
 from specbuild.demo import DEMO_RECIPE
-from specbuild.errors import CheckpointError, TrainingError
+from specbuild.errors import CheckpointError, OutputError, TrainingError
 from specbuild.train import distill as distill_module
 from specbuild.train.distill import acceptance, alpha, distill, load_model, target_references
 from specbuild.train.generate import continue_prompts, score
@@ -159,6 +159,45 @@ def test_a_draft_that_cannot_improve_is_not_written(pair, tmp_path):
     assert not (tmp_path / "draft").exists()
     forced = distill(pair[0], tmp_path / "draft", init=pair[0], minutes=0.01, heldout_prompts=4, force=True)
     assert forced["written"] and (tmp_path / "draft" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("where", ["the target", "the target's parent", "inside the target", "the init",
+                                   "the prompts' folder"])
+def test_distill_never_writes_over_or_around_its_inputs(pair, tmp_path, prompts_file, monkeypatch, where):
+    monkeypatch.setattr(distill_module, "train_model", lambda *a, **k: pytest.fail("refused only after training"))
+    target = tmp_path / "target"
+    shutil.copytree(pair[0], target)
+    init = tmp_path / "init"
+    shutil.copytree(pair[0], init)
+    output = {"the target": target, "the target's parent": tmp_path, "inside the target": target / "draft",
+              "the init": init, "the prompts' folder": prompts_file.parent}[where]
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(OutputError, match="writing there could destroy it"):
+        distill(target, output, init=init, prompts_file=prompts_file, minutes=0.01, force=True, overwrite=True)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_distill_replaces_a_checkpoint_only_with_overwrite_and_nothing_else_ever(pair, tmp_path):
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "mine.txt").write_text("keep me")
+    for overwrite in (False, True):
+        with pytest.raises(OutputError, match="is not a checkpoint"):
+            distill(pair[0], folder, init=pair[0], minutes=0.01, force=True, overwrite=overwrite)
+    assert (folder / "mine.txt").read_text() == "keep me"
+
+    draft = tmp_path / "draft"
+    distill(pair[0], draft, init=pair[0], minutes=0.01, heldout_prompts=2, force=True)
+    with pytest.raises(OutputError, match="pass --overwrite"):
+        distill(pair[0], draft, init=pair[0], minutes=0.01, heldout_prompts=2, force=True)
+    assert distill(pair[0], draft, init=pair[0], minutes=0.01, heldout_prompts=2, force=True, overwrite=True)["written"]
+
+
+def test_the_distill_command_refuses_a_folder_of_the_users_in_one_line(pair, tmp_path):
+    (tmp_path / "mine.txt").write_text("keep me")
+    result = distill_command("--target", pair[0], "-o", tmp_path, "--minutes", "0.01", "--force", "--overwrite")
+    assert result.returncode == 1 and result.stderr.startswith("error: ") and "is not a checkpoint" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and (tmp_path / "mine.txt").read_text() == "keep me"
 
 
 def test_a_draft_whose_alpha_rose_is_written_with_the_targets_tokenizer(pair, tmp_path, monkeypatch, prompts_file):

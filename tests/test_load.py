@@ -1,5 +1,6 @@
 """Reading checkpoints: one tensor at a time, in its stored dtype, from the right shard; bad files are one-line errors."""
 
+import json
 import shutil
 
 import ml_dtypes
@@ -83,3 +84,28 @@ def test_a_malformed_generation_config_is_a_one_line_error(checkpoints, tmp_path
     with pytest.raises(CheckpointError, match="generation_config.json|eos_token_id") as caught:
         eos_token_ids(load_checkpoint(folder, "target"))
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("key, value, tensor", [
+    ("vocab_size", 400, "model.embed_tokens.weight"),
+    ("intermediate_size", 96, "model.layers.0.mlp.gate_proj.weight"),
+    ("num_key_value_heads", 1, "model.layers.0.self_attn.k_proj.weight"),
+])
+def test_weights_of_another_config_are_refused_naming_a_tensor_and_both_shapes(checkpoints, tmp_path, key, value, tensor):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoints("llama"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config[key] != value
+    (folder / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(CheckpointError, match=f"tensor '{tensor}' has shape .* but config.json implies") as caught:
+        load_checkpoint(folder, "target")
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("text", ["[]", '"llama"', "null"])
+def test_a_config_that_is_not_a_json_object_is_a_one_line_error(checkpoints, tmp_path, text):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoints("llama"), folder)
+    (folder / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match="not an object"):
+        load_checkpoint(folder, "target")

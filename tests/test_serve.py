@@ -223,6 +223,8 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": []}, "non-empty list"),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
     ("chat/completions", {"messages": [{"role": "assistant", "content": "hi"}]}, "roles must alternate"),
+    ("chat/completions", {"messages": [{"role": "user"}]}, "messages[0] has no 'content'"),
+    ("completions", b'{"prompt": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", "nests JSON too deeply"),
 ]
 
 
@@ -296,6 +298,35 @@ def test_a_missing_bundle_is_a_one_line_error(command, tmp_path):
     assert result.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: ") and "nothing" in lines[0]
 
 
+def test_a_taken_port_is_a_one_line_error_before_the_bundle_loads(bundle):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        result = subprocess.run([sys.executable, "-m", "specbuild", "serve", str(bundle), "--port",
+                                 str(taken.getsockname()[1])], capture_output=True, text=True)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and lines == [lines[0]] and "Address already in use" in lines[0], result.stderr
+
+
+def test_a_body_longer_than_any_request_that_fits_is_413_and_the_server_goes_on(server, reference):
+    for declared in (True, False):  # with a Content-Length, or chunked without one
+        content = json.dumps({"prompt": "x" * 1_000_000}).encode()
+        reply = httpx.post(f"{server}/v1/completions", content=content if declared else iter([content]))
+        assert reply.status_code == 413 and "context" in reply.json()["error"]["message"]
+    after = httpx.post(f"{server}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8}, timeout=60)
+    assert after.json()["choices"][0]["text"] == reference.generate(PROMPTS[0], max_new_tokens=8).text
+
+
+def test_a_chat_turn_with_null_content_renders_as_empty_text(bundle):
+    from specbuild_runtime.manifest import TOKENIZER_DIR
+    from specbuild_runtime.serve.chat import load_chat_template
+
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": "x"}]
+    empty = [*turns[:1], {"role": "assistant", "content": ""}, *turns[2:]]
+    template = load_chat_template(bundle / TOKENIZER_DIR)
+    assert template.render(turns) == template.render(empty) and "None" not in template.render(turns)
+
+
 # --- A busy server, in-process -------------------------------------------------------------------------------
 
 
@@ -313,10 +344,10 @@ class PausingDecoder:
     def __getattr__(self, name):
         return getattr(self._decoder, name)
 
-    def stream_request(self, request, stats):
+    def stream_request(self, request, stats, every_token=False):
         index = len(self.deltas)
         self.deltas.append(0)
-        for delta in self._decoder.stream_request(request, stats):
+        for delta in self._decoder.stream_request(request, stats, every_token):
             self.deltas[index] += 1
             yield delta
             if self.deltas[index] == 1:

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import shutil
 
 import numpy as np
@@ -42,7 +43,6 @@ BAD = [  # (what, request fields, words the message must contain)
     ("temperature inf", dict(temperature=math.inf), "finite"),
     ("temperature beyond float32", dict(temperature=1e39), "finite"),
     ("negative temperature", dict(temperature=-0.1), "temperature"),
-    ("subnormal temperature", dict(temperature=1e-45), "temperature"),
     ("top_p 0", dict(top_p=0.0), "top_p"),
     ("top_p above 1", dict(top_p=1.5), "top_p"),
     ("negative top_k", dict(top_k=-1), "top_k"),
@@ -112,7 +112,7 @@ def reference_valid(prompt, max_new_tokens, gamma, temperature, top_k, top_p, se
     return (0 < len(ids) <= MAX_LEN and all(0 <= t < V for t in ids)
             and is_int(max_new_tokens) and max_new_tokens >= 1
             and (gamma == "auto" or (is_int(gamma) and 0 <= gamma <= MAX_GAMMA))
-            and finite32(temperature) and (temperature == 0 or temperature >= float(np.finfo(np.float32).tiny))
+            and finite32(temperature) and temperature >= 0
             and finite32(top_p) and 0 < top_p <= 1
             and is_int(top_k) and top_k >= 0
             and (seed is None or is_int(seed))
@@ -141,7 +141,17 @@ def test_a_request_is_refused_exactly_when_a_rule_is_broken(prompt, max_new_toke
         assert "\n" not in str(error)
         return
     assert reference_valid(prompt, **fields)
-    assert all(type(t) is int for t in request.prompt_ids) and request.sampling.temperature == float(temperature)
+    assert all(type(t) is int for t in request.prompt_ids)
+    assert request.sampling.temperature == (float(temperature) if temperature >= 1e-5 else 0.0)
+
+
+@pytest.mark.parametrize("temperature", [1.2e-38, 1e-45, 9.9e-6])
+def test_a_temperature_too_small_to_sample_with_decodes_greedily(bundles, temperature):
+    """Logits divided by 1.2e-38 overflow float32; sampling at 1e-5 is greedy but for exact ties (as vLLM)."""
+    decoder = SpeculativeDecoder(bundles("llama"))
+    greedy = decoder.generate(PROMPTS[0], 24, gamma=3)
+    tiny = decoder.generate(PROMPTS[0], 24, gamma=3, temperature=temperature, seed=1)
+    assert tiny.token_ids == greedy.token_ids and tiny.stats.finish_reason == greedy.stats.finish_reason
 
 
 EDITS = [("engines.target.shape.num_layers", 3), ("engines.draft.shape.num_layers", 1),
@@ -164,6 +174,36 @@ def test_an_edited_manifest_fails_at_load_in_one_line(key, value, bundles, tmp_p
     with pytest.raises(BundleError, match="does not match the bundle's manifest") as error:
         SpeculativeDecoder(folder)
     assert "\n" not in str(error.value)
+
+
+DAMAGE = [
+    ("gamma", "x", "gamma must be a whole number"), ("gamma", True, "gamma must be a whole number"),
+    ("gamma", 0, "from 1 to 32"), ("gamma", 99, "from 1 to 32"), ("max_seq_len", 1, "2 or more"),
+    ("files", [], "files must be an object"), ("files", {}, "is not among the files"),
+    ("files", {"../outside.onnx": "0" * 64}, "not a path inside the bundle"),
+    ("files", {"/etc/passwd": "0" * 64}, "not a path inside the bundle"),
+    ("eos_token_ids", [-1], "eos_token_ids"), ("eos_token_ids", [10**6], "eos_token_ids"),
+    ("eos_token_ids", "2", "eos_token_ids must be a list"), ("sampler_file", "elsewhere.onnx", "is not among the files"),
+    ("surprise", 1, "unknown key surprise"), ("engines", {"target": {"role": "target"}}, "no engines.target."),
+    ("engines.target.precision", "fp8", "precision"), ("engines.target.shape.num_layers", "3", "num_layers must be"),
+]
+
+
+@pytest.mark.parametrize("key, value, message", DAMAGE, ids=[f"{k}={v!r}" for k, v, _ in DAMAGE])
+def test_a_damaged_manifest_is_one_line_naming_what_is_wrong(key, value, message, bundles, tmp_path):
+    folder = tmp_path / "bundle"
+    shutil.copytree(bundles("llama"), folder)
+    data = json.loads((folder / "manifest.json").read_text())
+    *path, field = key.split(".")
+    place = data
+    for part in path:
+        place = place[part]
+    place[field] = value
+    (folder / "manifest.json").write_text(json.dumps(data))
+    for check_digests in (True, False):
+        with pytest.raises(BundleError, match=re.escape(message)) as error:
+            SpeculativeDecoder(folder, check_digests=check_digests)
+        assert "\n" not in str(error.value) and "rebuild the bundle" in str(error.value)
 
 
 def test_the_decoder_checks_every_request_before_taking_a_slot(bundles):

@@ -204,7 +204,7 @@ class SpeculativeDecoder:
         tokens = list(self._run(request, stats, text))
         if text is None:
             return Generation(self.tokenizer.decode(tokens), tokens, request.prompt_ids, stats)
-        text.finish()
+        _finish(text, stats)
         return Generation(text.text, tokens, request.prompt_ids, stats)
 
     def stream(self, prompt: Prompt, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
@@ -223,14 +223,16 @@ class SpeculativeDecoder:
         request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
         return self.stream_request(request, Stats() if stats is None else stats)
 
-    def stream_request(self, request: Request, stats: Stats) -> Iterator[str]:
-        """stream_text for a request already checked by request() (the server checks before queueing)."""
+    def stream_request(self, request: Request, stats: Stats, every_token: bool = False) -> Iterator[str]:
+        """stream_text for a request already checked by request() (the server checks before queueing).
+        every_token: also yield "" for a token whose text is held back, so that the consumer can stop
+        between any two tokens (the server's cancel and deadline checks)."""
         text = TextStream(self.tokenizer, request.stop)
         with closing(self._run(request, stats, text)) as tokens:
             for _ in tokens:
-                if delta := text.take():
+                if (delta := text.take()) or every_token:
                     yield delta
-        if rest := text.finish():
+        if rest := _finish(text, stats):
             yield rest
 
     def _run(self, request: Request, stats: Stats, text: TextStream | None) -> Iterator[int]:
@@ -346,3 +348,11 @@ def _leading_equal(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+def _finish(text: TextStream, stats: Stats) -> str:
+    """The stream's rest; its last bytes may have completed a stop string, which ends the request as "stop"."""
+    rest = text.finish()
+    if text.stopped:
+        stats.finish_reason = "stop"
+    return rest

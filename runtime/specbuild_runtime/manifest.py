@@ -45,8 +45,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path, PurePosixPath
 
 from .errors import BundleError
 
@@ -55,6 +57,8 @@ FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 SAMPLER = "sampler.onnx"
 TOKENIZER_DIR = "tokenizer"
+MAX_GAMMA = 32  # the most drafts per round a bundle may ask for (speculation stops paying long before)
+PRECISIONS = ("fp32", "fp16", "bf16")
 
 
 def cache_names(num_layers: int) -> list[tuple[str, str]]:
@@ -131,12 +135,77 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Manifest":
-        engines = {
-            role: EngineInfo(**{**info, "shape": ModelShape(**info["shape"])})
-            for role, info in data["engines"].items()
-        }
-        trtllm = data.get("tensorrt_llm") and TensorRTLLMPart(**data["tensorrt_llm"])
-        return cls(**{**data, "engines": engines, "tensorrt_llm": trtllm})
+        """The manifest of a parsed manifest.json; ValueError names the first thing that is wrong."""
+        manifest = _typed(cls, data, "")
+        _check_values(manifest)
+        return manifest
+
+
+def _typed(cls, data, where: str):
+    """data (parsed JSON) as the dataclass cls, every field checked against its annotation. Written by
+    hand: the runtime's only dependencies are onnxruntime, numpy and tokenizers, and a schema library for
+    one small file would be a fourth."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or 'the manifest'} must be an object")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    missing = [name for name, f in known.items() if name not in data and f.default is MISSING
+               and f.default_factory is MISSING]
+    if unknown or missing:
+        what = f"unknown key {where}{unknown[0]}" if unknown else f"no {where}{missing[0]}"
+        raise ValueError(what)
+    return cls(**{name: _value(hints[name], value, f"{where}{name}") for name, value in data.items()})
+
+
+def _value(hint, value, where: str):
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        return _value(next(a for a in args if a is not type(None)), value, where)
+    if hint is int:
+        if type(value) is not int:
+            raise ValueError(f"{where} must be a whole number, not {value!r}")
+        return value
+    if hint in (str, bool):
+        if type(value) is not hint:
+            raise ValueError(f"{where} must be a {hint.__name__}, not {value!r}")
+        return value
+    if origin is list or hint is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{where} must be a list, not {value!r}")
+        return [_value(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)] if args else value
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where} must be an object, not {value!r}")
+        return {k: _value(args[1], v, f"{where}.{k}") for k, v in value.items()} if args else value
+    return _typed(hint, value, f"{where}.")
+
+
+def _check_values(manifest: "Manifest") -> None:
+    """What the types cannot say: ranges, and that every file the runtime opens is one the digests cover."""
+    if manifest.max_seq_len < 2:
+        raise ValueError(f"max_seq_len is {manifest.max_seq_len}; it must be 2 or more")
+    if not 1 <= manifest.gamma <= MAX_GAMMA:
+        raise ValueError(f"gamma is {manifest.gamma}; it must be from 1 to {MAX_GAMMA}")
+    for rel in manifest.files:
+        path = PurePosixPath(rel)
+        if path.is_absolute() or ".." in path.parts or "\\" in rel:
+            raise ValueError(f"files lists {rel!r}, which is not a path inside the bundle")
+    opened = [manifest.sampler_file] if manifest.sampler_file else []
+    for role, engine in manifest.engines.items():
+        if engine.precision not in PRECISIONS:
+            raise ValueError(f"engines.{role}.precision is {engine.precision!r}, not one of {', '.join(PRECISIONS)}")
+        if any(n < 1 for n in vars(engine.shape).values()):
+            raise ValueError(f"engines.{role}.shape has a size below 1")
+        opened += [engine.file] + [engine.greedy_file] * bool(engine.greedy_file)
+    for name in opened:
+        if name not in manifest.files:
+            raise ValueError(f"{name!r} is not among the files whose digests it lists")
+    vocab = manifest.engines["target"].shape.vocab_size if "target" in manifest.engines else None
+    if not manifest.eos_token_ids or any(t < 0 or (vocab is not None and t >= vocab) for t in manifest.eos_token_ids):
+        raise ValueError(f"eos_token_ids {manifest.eos_token_ids} are not token ids of the target's vocabulary")
 
 
 def require_onnx_engines(root: Path, manifest: Manifest) -> None:
@@ -185,8 +254,8 @@ def load_manifest(root: str | Path, check_digests: bool = True, require_engines:
         )
     try:
         manifest = Manifest.from_dict(data)
-    except (KeyError, TypeError) as exc:
-        raise BundleError(f"{path} is incomplete ({exc}); rebuild the bundle with `specbuild compile`") from None
+    except ValueError as exc:
+        raise BundleError(f"{path} is damaged: {exc}; rebuild the bundle with `specbuild compile`") from None
     if require_engines:
         require_onnx_engines(root, manifest)
     if check_digests:

@@ -23,6 +23,7 @@ class TextStream:
         self.ids: list[int] = []
         self.text = ""
         self.stopped = False  # a stop string was found: text ends before it, push() no longer adds
+        self.finished = False  # no token will follow: nothing is held back any more
         self._window = 0  # ids[_window:] are decoded together, so a character split across tokens decodes whole
         self._read = 0  # ids[:_read] are in text
         self._sent = 0  # characters of text taken
@@ -34,15 +35,16 @@ class TextStream:
 
     def take(self) -> str:
         """Text that is complete and cannot become part of a stop string."""
-        end = len(self.text) if self.stopped else len(self.text) - self._stop_prefix()
+        end = len(self.text) if self.stopped or self.finished else len(self.text) - self._stop_prefix()
         delta, self._sent = self.text[self._sent:end], max(self._sent, end)
         return delta
 
     def finish(self) -> str:
-        """The rest, once no token will follow (an incomplete character is sent as the decoder shows it)."""
+        """The rest, once no token will follow (an incomplete character is sent as the decoder shows it).
+        The last bytes may complete a stop string: `stopped` says so afterwards too."""
         if not self.stopped:
             self._decode(final=True)
-            self.stopped = True
+        self.finished = True
         return self.take()
 
     def _decode(self, final: bool) -> None:

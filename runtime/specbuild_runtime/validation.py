@@ -20,13 +20,16 @@ from .manifest import cache_names
 AUTO = "auto"
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 FLOAT32_MAX = float(np.finfo(np.float32).max)
-FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
+# A temperature below this decodes greedily, as vLLM treats it: logits / a tinier one overflow float32
+# (and sampling at 1e-5 already is greedy but for exact ties).
+GREEDY_BELOW = 1e-5
 Prompt = Union[str, Sequence[int], np.ndarray]
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """temperature 0 is greedy; a seed makes a sampled run reproducible (with a fixed γ)."""
+    """temperature 0 is greedy (check_request makes any below GREEDY_BELOW 0); a seed makes a sampled run
+    reproducible (with a fixed γ)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -67,8 +70,10 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
         gamma = whole("gamma", gamma, low=0, high=max_gamma,
                       hint=f" (this bundle's most drafts per round; 0 = target only, {AUTO!r} adapts)")
     temperature = real("temperature", temperature)
-    if temperature < 0 or 0 < temperature < FLOAT32_TINY:  # logits / a subnormal temperature overflow to NaN
-        raise RequestError(f"temperature must be 0 (greedy) or from {FLOAT32_TINY:.3g} up, not {temperature}")
+    if temperature < 0:
+        raise RequestError(f"temperature must be 0 (greedy) or more, not {temperature}")
+    if temperature < GREEDY_BELOW:
+        temperature = 0.0
     top_p = real("top_p", top_p)
     if not 0 < top_p <= 1:
         raise RequestError(f"top_p must be in (0, 1], not {top_p}")

@@ -63,10 +63,10 @@ def _transformers(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
     generate then compiles (torch.compile, mode reduce-overhead: CUDA graphs); it does so on GPUs only."""
     from transformers import StaticCache
 
-    from ..verify import load_reference, transformers_greedy
+    from ..verify import load_reference, recorded_source, transformers_greedy
 
     engines, device, precision = decoder.manifest.engines, decoder.device, peer_precision(decoder)
-    target, draft = (load_reference(Path(engines[role].source["path"]), role, device, precision) for role in ("target", "draft"))
+    target, draft = (load_reference(recorded_source(engines[role], role), role, device, precision) for role in ("target", "draft"))
     eos = sorted(decoder.eos_token_ids)
     speed, outputs = _timed_decode(lambda ids, n: transformers_greedy(target, ids, n, eos), prompts, max_new_tokens)
     rows = [{"system": "transformers", "gamma": 0, "tokens_per_second": round(speed, 2), "outputs": outputs}]
@@ -103,13 +103,13 @@ def _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
         import onnxruntime_genai as og
     except ImportError:
         raise SpecbuildError("the onnxruntime-genai peer needs `pip install onnxruntime-genai`") from None
+    from ..verify import recorded_source
+
     engines, precision = decoder.manifest.engines, peer_precision(decoder)
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         for role in ("target", "draft"):
-            source = Path(engines[role].source["path"])
-            if not list(source.glob("*.safetensors")):  # its builder would fall back to unpickling *.bin
-                raise SpecbuildError(f"{role} checkpoint {source} has no *.safetensors weights; specbuild never unpickles")
+            source = recorded_source(engines[role], role)  # safetensors: its builder would fall back to unpickling *.bin
             built = subprocess.run(
                 [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source),
                  "-o", str(work / role), "-p", precision, "-e", decoder.device], capture_output=True, text=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from specbuild_runtime.errors import first_line
 from specbuild_runtime.manifest import ModelShape
 
 from ..errors import CheckpointError, PairMismatchError, UnsupportedModelError
@@ -136,13 +137,23 @@ class Checkpoint:
 
     def digest(self) -> str:
         """sha256 over config.json and the weight files: identifies the source of an engine."""
-        h = hashlib.sha256()
-        for path in [self.path / "config.json", *self.weight_files]:
-            h.update(path.name.encode())
-            with open(path, "rb") as f:
-                while block := f.read(1 << 22):
-                    h.update(block)
-        return h.hexdigest()
+        return _digest([self.path / "config.json", *self.weight_files])
+
+
+def checkpoint_digest(path: Path, role: str) -> str:
+    """Checkpoint.digest of a folder, without loading it (as bench and verify compare a checkpoint with
+    the source a bundle records)."""
+    return _digest([Path(path) / "config.json", *_weight_files(Path(path), role)])
+
+
+def _digest(files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for path in files:
+        h.update(path.name.encode())
+        with open(path, "rb") as f:
+            while block := f.read(1 << 22):
+                h.update(block)
+    return h.hexdigest()
 
 
 def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
@@ -156,6 +167,9 @@ def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
         raw = json.loads(config_path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{config_path} is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{config_path} holds a JSON {type(raw).__name__}, not an object; pass a Hugging Face "
+                              "checkpoint folder")
     architecture = (raw.get("architectures") or ["<none>"])[0]
     if architecture not in ARCHITECTURES:
         raise UnsupportedModelError(
@@ -165,6 +179,7 @@ def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
     weight_files = _weight_files(path, role)
     entries = _entries(weight_files, path)
     config = _load_config(path, role)
+    _check_shapes(config, entries, path, role)
     tokenizer = _load_tokenizer(path, role)
     return Checkpoint(path, _spec(config, architecture, path, role), config, tokenizer, weight_files, entries)
 
@@ -243,6 +258,30 @@ def _load_config(path: Path, role: str):
         return AutoConfig.from_pretrained(path, trust_remote_code=False, local_files_only=True)
     except Exception as exc:  # transformers raises many types for a bad config
         raise CheckpointError(f"{role} checkpoint {path}: config.json cannot be read ({exc})") from None
+
+
+def _check_shapes(config, entries: dict[str, TensorEntry], path: Path, role: str) -> None:
+    """Every stored tensor that a model of this config.json has must have the shape the config implies.
+    Weights of another config (vocab_size, key-value heads, intermediate_size) would otherwise build an
+    engine that fails later with a message that blames specbuild. The shapes come from transformers' own
+    model, made on the meta device (no memory, under a second even at 8B)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # transformers raises many types for a config it cannot build
+        raise CheckpointError(f"{role} checkpoint {path}: config.json describes no model transformers can build "
+                              f"({type(exc).__name__}: {first_line(exc)})") from None
+    prefix = model.base_model_prefix + "."
+    for name, parameter in model.state_dict().items():
+        entry = entries.get(name) or entries.get(name.removeprefix(prefix))
+        if entry is not None and entry.shape != tuple(parameter.shape):
+            raise CheckpointError(
+                f"{role} checkpoint {path}: tensor {name!r} has shape {list(entry.shape)} but config.json implies "
+                f"{list(parameter.shape)}; the weights and config.json do not belong together"
+            )
 
 
 def _load_tokenizer(path: Path, role: str):

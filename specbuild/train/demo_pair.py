@@ -123,13 +123,14 @@ def make_demo_pair(out_dir: Path, recipe: PairRecipe) -> dict:
         "tokens_per_second": round(run["tokens"] / run["seconds"]),
         "heldout_loss": heldout_loss(target, heldout_ids, recipe.seq_len, TARGET_EVAL_TOKENS),
     }
-    save_checkpoint(target, tokenizer, out_dir / "target")
+    save_checkpoint(target, tokenizer, out_dir / "target", overwrite=True)  # a killed run's half pair
 
     # A new draft learns what the target writes after spans of the corpus: the demo prompts are code, and
     # from code the draft reached α 0.57 at γ 4 on them where the target's own samples as prompts gave 0.52
     # (3 minutes each, one trial).
     report["draft"] = distill(out_dir / "target", out_dir / "draft", data=train_texts, draft_config=recipe.draft,
-                              minutes=recipe.distill_minutes, lr=recipe.distill_lr, gamma=recipe.gamma, seed=recipe.seed)
+                              minutes=recipe.distill_minutes, lr=recipe.distill_lr, gamma=recipe.gamma, seed=recipe.seed,
+                              overwrite=True)
     if not report["draft"]["written"]:
         raise TrainingError(f"the demo draft did not learn (alpha {report['draft']['alpha_after']}); delete {out_dir} and run again")
     report["total_seconds"] = round(time.monotonic() - started, 1)

@@ -21,8 +21,8 @@ from ..errors import CheckpointError
 from ..verify import load_reference
 from .divergence import distill_loss
 from .generate import Sequence, continue_prompts, eos_ids, right_padded, score
-from .prompts import Prompts, from_file, from_target, from_text
-from .train import parameter_count, save_checkpoint, train_model
+from .prompts import Prompts, from_file, from_target, from_text, read_texts
+from .train import check_checkpoint_output, parameter_count, save_checkpoint, train_model
 
 DRAFT_SHARE = 0.1  # a default draft has at most this share of the target's parameters, where the vocabulary allows
 NEW_TOKENS = 64  # every generated sequence, and every held-out measurement, continues a prompt this far
@@ -237,9 +237,10 @@ def distill(
     init: Path | None = None,
     minutes: float = 4.0,
     prompts_file: Path | None = None,
-    data: list[str] | None = None,
+    data: list[str] | Path | None = None,
     gamma: int = 4,
     force: bool = False,
+    overwrite: bool = False,
     objective: str = "tvd",
     kinds: tuple[str, ...] = ("sampled", "greedy"),
     generation_share: float = GENERATION_SHARE,
@@ -253,9 +254,15 @@ def distill(
 
     The draft starts from init (a checkpoint with the target's tokenizer) or from scratch with
     shrunk_config(target config, draft_config). Prompts come from prompts_file (JSONL), else from spans
-    of the data texts, else from the target's own samples. minutes bounds generation and training
-    together; measuring α before and after comes on top. Returns the report.
+    of the data texts (or of the text files at a data path), else from the target's own samples. minutes
+    bounds generation and training together; measuring α before and after comes on top. output_dir may
+    replace only an empty folder or, with overwrite, a checkpoint, and none of the inputs (checked first,
+    so a refusal costs no training). Returns the report.
     """
+    inputs = {"target": target_dir, "init": init, "prompts": prompts_file, "data": data if isinstance(data, Path) else None}
+    check_checkpoint_output(output_dir, overwrite, inputs)
+    if isinstance(data, Path):
+        data = read_texts(data)
     torch.manual_seed(seed)
     target, tokenizer = load_model(target_dir, "target")
     draft = build_draft(target, tokenizer, draft_config, init, seed)
@@ -298,5 +305,5 @@ def distill(
         "output": str(output_dir),
     }
     if report["written"]:
-        save_checkpoint(draft, tokenizer, output_dir)
+        save_checkpoint(draft, tokenizer, output_dir, overwrite=overwrite, inputs=inputs)
     return report

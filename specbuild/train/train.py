@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..errors import TrainingError
-from ..staging import staged_folder
+from ..staging import check_output, guarded_folder
 
 EOS = "<|endoftext|>"
 def train_tokenizer(texts: list[str], vocab_size: int = 4096, max_chars: int = 6_000_000):
@@ -200,14 +200,26 @@ def heldout_loss(model, data: np.ndarray, seq_len: int = 256, max_tokens: int = 
     return total / windows
 
 
-def save_checkpoint(model, tokenizer, out_dir: Path) -> None:
-    """Write a Hugging Face folder (safetensors, tokenizer, generation_config) atomically."""
+def is_checkpoint(folder: Path) -> bool:
+    return (folder / "config.json").is_file()
+
+
+def check_checkpoint_output(out_dir: Path, overwrite: bool, inputs: dict[str, Path | None]) -> None:
+    """Refuse (OutputError) an output that writing a checkpoint there would lose: an input, or a folder
+    that is neither empty nor (with overwrite) a checkpoint. Run before training, so a refusal costs nothing."""
+    check_output(out_dir, overwrite=overwrite, is_kind=is_checkpoint, kind="checkpoint", inputs=inputs)
+
+
+def save_checkpoint(model, tokenizer, out_dir: Path, *, overwrite: bool = False,
+                    inputs: dict[str, Path | None] | None = None) -> None:
+    """Write a Hugging Face folder (safetensors, tokenizer, generation_config) atomically, where
+    check_checkpoint_output allows."""
     from transformers import GenerationConfig
 
     out_dir = Path(out_dir)
     eos = tokenizer.eos_token_id
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=eos)
-    with staged_folder(out_dir) as staging:
+    with guarded_folder(out_dir, overwrite=overwrite, is_kind=is_checkpoint, kind="checkpoint", inputs=inputs) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
 

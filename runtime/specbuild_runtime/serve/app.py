@@ -2,8 +2,9 @@
 
 A request is parsed (protocol.py), checked by the runtime's request validation, then handed to the
 scheduler, which decodes it in a worker thread. Every refusal is an OpenAI-shaped error: 400 for a bad
-body or value, 404 for another model, 429 when the queue is full, 503 while shutting down or when no
-slot freed up in time, 504 when decoding ran past the timeout, 500 for a bug (logged with its traceback).
+body or value, 404 for another model, 413 for a body longer than any request that fits the context,
+429 when the queue is full, 503 while shutting down or when no slot freed up in time, 504 when decoding
+ran past the timeout, 500 for a bug (logged with its traceback).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from .scheduler import Overloaded, Scheduler, Stopped, Unavailable
 
 log = logging.getLogger("specbuild.serve")
 RETRY_AFTER = {"Retry-After": "1"}  # seconds; a slot frees up within one request's decoding time
+# A body may hold this many bytes per token of context (and a little for the rest): far more than any text
+# or token-id list that fits (a token is rarely over 16 characters; JSON escapes one in at most 12 bytes),
+# yet small enough that reading, parsing and tokenizing a body cannot stall the server.
+BODY_BYTES_PER_TOKEN, BODY_BYTES_BASE = 64, 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,7 @@ class Server:
 
     async def _generate(self, endpoint: str, http: HttpRequest) -> Response:
         try:
-            request = protocol.parse(endpoint, await http.body(), self.settings.model)
+            request = protocol.parse(endpoint, await self._body(http), self.settings.model)
             # Tokenizing (and rendering a chat) costs up to milliseconds: off the event loop.
             checked = await asyncio.to_thread(self._checked, request)
             job = self.scheduler.submit(checked)
@@ -112,6 +117,22 @@ class Server:
             return self._refuse(endpoint, exc)
         self.metrics.outcome(endpoint, "ok")
         return JSONResponse(reply.whole(text, job.stats))
+
+    async def _body(self, http: HttpRequest) -> bytes:
+        """The request body, refused (413) once it is longer than any request that fits the context."""
+        limit = BODY_BYTES_BASE + BODY_BYTES_PER_TOKEN * self.decoder.max_seq_len
+        too_long = ApiError(413, f"the request body is over {limit} bytes, more than a request that fits this "
+                                 f"bundle's context of {self.decoder.max_seq_len} tokens can need")
+        declared = http.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_long
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_long
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _checked(self, request: protocol.Request) -> Request:
         """The request checked by the runtime's validation (a RequestError names what is wrong) before it may
@@ -182,7 +203,7 @@ class Server:
         return JSONResponse(error.body(), error.status, headers=error.headers)
 
 
-OUTCOMES = {400: "invalid", 404: "invalid", 429: "rejected", 503: "shutdown"}
+OUTCOMES = {400: "invalid", 404: "invalid", 413: "invalid", 429: "rejected", 503: "shutdown"}
 
 
 def _as_api_error(exc: Exception) -> ApiError:

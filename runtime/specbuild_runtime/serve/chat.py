@@ -64,12 +64,16 @@ def load_chat_template(tokenizer_dir: Path) -> ChatTemplate | None:
 def _message(message, index: int) -> dict:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise RequestError(f"messages[{index}] must be an object with a string 'role'")
-    content = message.get("content")
+    if "content" not in message:
+        raise RequestError(f"messages[{index}] has no 'content'")
+    content = message["content"]
     if isinstance(content, list):  # content parts: text only, joined as vLLM joins them
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise RequestError(f"messages[{index}].content: only text parts are supported ({{'type': 'text', 'text': ...}})")
         content = "\n".join(p["text"] for p in content)
-    elif content is not None and not isinstance(content, str):
+    elif content is None:  # OpenAI allows it (an assistant turn that only called tools): no text
+        content = ""
+    elif not isinstance(content, str):
         raise RequestError(f"messages[{index}].content must be a string or a list of text parts")
     return {**message, "content": content}
 

@@ -4,6 +4,7 @@ the server's process: load the bundle, run uvicorn, drain on SIGTERM."""
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -43,6 +44,7 @@ def serve_command(bundle, host, port, device, cuda_graphs, parallel, threads, ma
     except ImportError as exc:
         raise click.ClickException(f"serving needs the serve extra ({exc}): pip install 'specbuild-runtime[serve]'") from None
 
+    listener = _listen(host, port)  # before loading: a taken port is refused at once, in one line
     # One pool for every session and slot, sized so that `parallel` calls at once fill the cores and no more:
     # concurrent calls each running a pool of one thread per core fight over the cores (README, Serving).
     use_shared_thread_pool(threads or max(1, len(os.sched_getaffinity(0)) // parallel))
@@ -50,8 +52,25 @@ def serve_command(bundle, host, port, device, cuda_graphs, parallel, threads, ma
     settings = Settings(model=model_name or Path(bundle).resolve().name, max_queue=max_queue,
                         timeout=timeout or None, shutdown_timeout=shutdown_timeout)
     server = Server(decoder, settings)
-    click.echo(f"serving {settings.model!r} from {bundle}: {parallel} slot(s), queue {max_queue}", err=True)
-    server.http_server(host, port).run()
+    where = f"[{host}]" if ":" in host else host
+    click.echo(f"serving {settings.model!r} from {bundle} on http://{where}:{listener.getsockname()[1]}: "
+               f"{parallel} slot(s), queue {max_queue}", err=True)
+    server.http_server(host, port).run(sockets=[listener])
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, for uvicorn to listen on; uvicorn's own bind failure is a log
+    message, a traceback-free but multi-line exit."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        listener = socket.socket(family, kind, proto)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn sets it
+        listener.bind(address)
+    except OSError as exc:
+        raise SpecbuildError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port, or "
+                             "a --host this machine has") from None
+    return listener
 
 
 def main() -> None:

@@ -37,8 +37,8 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "co
 class ApiError(Exception):
     """An error answered as OpenAI answers them: {"error": {"message", "type", "param", "code"}}."""
 
-    TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error", 500: "internal_error",
-             503: "service_unavailable", 504: "timeout"}
+    TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
+             500: "internal_error", 503: "service_unavailable", 504: "timeout"}
 
     def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
         super().__init__(message)
@@ -77,6 +77,8 @@ def parse(endpoint: str, raw: bytes, model: str) -> Request:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests JSON too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name, value in body.items():

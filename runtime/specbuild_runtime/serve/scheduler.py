@@ -2,9 +2,9 @@
 
 Everything here runs on the event loop except `_decode`, which runs in one of `parallel` worker threads
 (onnxruntime releases the GIL while it computes, so slots decode at the same time). A worker hands each
-text delta to the loop with `call_soon_threadsafe`; between two deltas it checks whether the request was
-stopped (client gone, deadline passed, server shutting down) and if so closes the decoder's generator,
-which gives the slot back at once.
+text delta to the loop with `call_soon_threadsafe`; after every token (also one whose text is held back,
+e.g. while it may begin a stop string) it checks whether the request was stopped (client gone, deadline
+passed, server shutting down) and if so closes the decoder's generator, which gives the slot back at once.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Job:
     arrival: float  # loop.time() (= time.monotonic())
     stats: Stats
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    halt: threading.Event = field(default_factory=threading.Event)  # read by the worker between deltas
+    halt: threading.Event = field(default_factory=threading.Event)  # read by the worker after every token
     started: bool = False  # holds (or held) a slot
     done: bool = False  # its worker returned and the slot is free
     first_delta_at: float | None = None  # time.monotonic(), set by the worker
@@ -105,7 +105,7 @@ class Scheduler:
 
     def stop(self, job: Job, reason: str) -> None:
         """Stop a job that has not finished: its iterator raises Stopped(reason); a running one frees its slot
-        after the delta it is decoding. A no-op for a job already stopped or finished."""
+        after the token it is decoding. A no-op for a job already stopped or finished."""
         if job.halt.is_set() or job.done:
             return
         job.halt.set()
@@ -123,7 +123,7 @@ class Scheduler:
 
     async def close(self) -> None:
         self._stop_all("shutdown")
-        await asyncio.to_thread(self._workers.shutdown)  # each worker returns after at most one more delta
+        await asyncio.to_thread(self._workers.shutdown)  # each worker returns after at most one more token
 
     def _stop_all(self, reason: str) -> None:
         for job in [*self._queue, *self._running]:
@@ -156,7 +156,7 @@ class Scheduler:
         if job.halt.is_set():  # stopped between being given a slot and this thread starting
             return
         post = self._loop.call_soon_threadsafe
-        with closing(self.decoder.stream_request(job.request, job.stats)) as deltas:
+        with closing(self.decoder.stream_request(job.request, job.stats, every_token=True)) as deltas:
             for delta in deltas:
                 if delta:
                     job.first_delta_at = job.first_delta_at or time.monotonic()
