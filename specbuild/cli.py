@@ -2,21 +2,24 @@
 
 Every failure is one line on stderr starting with "error: ", and the exit status says whose it is:
 0 done; 1 an input, bundle or request is wrong (or `verify` found a divergence); 2 the command line is
-malformed (usage); 3 a bug in specbuild; 130 interrupted. `specbuild --debug ...` shows the traceback.
+malformed (usage); 3 a bug in specbuild; 130 interrupted (Ctrl-C, or SIGTERM while writing a bundle or
+checkpoint). A reader that closes stdout early (`| head`) ends the command quietly with 1 (click's way).
+`specbuild --debug ...` shows the traceback too.
 """
 
 from __future__ import annotations
 
 import json
-import math
+import os
 import sys
+import traceback
 from pathlib import Path
 
 import click
 
 from specbuild_runtime.engine import DEVICES
 from specbuild_runtime.errors import SpecbuildError
-from specbuild_runtime.serve.cli import serve_command
+from specbuild_runtime.serve.cli import Finite, serve_command
 
 from . import __version__
 from .bench.peers import KNOWN as PEERS
@@ -47,16 +50,6 @@ class Setting(click.ParamType):
         value = click.INT.convert(value, param, ctx)
         if problem := setting_problem(self.key, value):
             self.fail(problem, param, ctx)
-        return value
-
-
-class Finite(click.FloatRange):
-    """A float range that also refuses nan and inf (which compare false with any bound)."""
-
-    def convert(self, value, param, ctx):
-        value = super().convert(value, param, ctx)
-        if not math.isfinite(value):
-            self.fail(f"{value} is not a finite number", param, ctx)
         return value
 
 
@@ -103,16 +96,22 @@ def sampling_options(command):
 
 
 class GammaType(click.ParamType):
-    """'auto' or a whole number from 0 to MAX_GAMMA (a bundle's own maximum is checked when it is loaded)."""
+    """'auto' or a whole number, 0 or more: the bundle says its own maximum (manifest gamma) when it loads."""
 
     name = "auto|N"
 
     def convert(self, value, param, ctx):
-        if value == "auto" or (isinstance(value, int) and 0 <= value <= MAX_GAMMA):
+        if value == "auto" or (isinstance(value, int) and value >= 0):
             return value
-        if str(value).isdigit() and int(value) <= MAX_GAMMA:
+        if str(value).isdigit():
             return int(value)
-        self.fail(f"{value!r} is not 'auto' or a whole number from 0 to {MAX_GAMMA}", param, ctx)
+        self.fail(f"{value!r} is not 'auto' or a whole number, 0 or more", param, ctx)
+
+
+def check_sampling(sampling: dict) -> None:
+    """--top-k and --top-p shape sampling; without --temperature the decode is greedy and would drop them."""
+    if sampling["temperature"] == 0 and (sampling["top_k"] or sampling["top_p"] != 1.0):
+        raise click.UsageError("--top-k and --top-p apply to sampling: give --temperature too (e.g. --temperature 1)")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -173,6 +172,7 @@ def generate(bundle, prompt, max_new_tokens, gamma, as_json, device, cuda_graphs
     """Continue a prompt with speculative decoding (greedy, or sampling with --temperature)."""
     from specbuild_runtime import SpeculativeDecoder, Stats
 
+    check_sampling(sampling)
     decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs)
     if as_json:
         result = decoder.generate(prompt, max_new_tokens, gamma, **sampling)
@@ -334,6 +334,11 @@ def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, te
     from . import bench as benchmark
     from .texts import CODE_PROMPTS, read_prompts
 
+    # Refused now rather than after minutes of measuring.
+    writable_file(json_out, "--json")
+    writable_file(plot_out, "--plot")
+    if plot_out:
+        check_plot_path(plot_out)
     report = benchmark.bench(bundle, read_prompts(prompts or CODE_PROMPTS), max_new_tokens, gammas, peers, temperature,
                              device, cuda_graphs)
     click.echo(benchmark.format_table(report))
@@ -341,6 +346,31 @@ def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, te
         json_out.write_text(json.dumps(report, indent=2))
     if plot_out:
         benchmark.plot(report, plot_out)
+
+
+def writable_file(path: Path | None, option: str) -> None:
+    """A usage error unless a file can be written at path (its folder exists and is writable, and it is
+    not a folder itself)."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise click.BadParameter(f"{path} is a folder; give a file name", param_hint=option)
+    if not path.parent.is_dir():
+        raise click.BadParameter(f"folder {path.parent} does not exist; create it or write elsewhere", param_hint=option)
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise click.BadParameter(f"{path} cannot be written (permission denied); write elsewhere", param_hint=option)
+
+
+def check_plot_path(path: Path) -> None:
+    """A usage error unless matplotlib is installed and writes the format path's suffix names."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise click.UsageError("--plot needs matplotlib: pip install matplotlib") from None
+    formats = Figure().canvas.get_supported_filetypes()
+    if path.suffix.lstrip(".").lower() not in formats:
+        raise click.BadParameter(f"{path} does not end in a format matplotlib writes ({', '.join('.' + f for f in sorted(formats))})",
+                                 param_hint="--plot")
 
 
 @cli.command()
@@ -413,7 +443,8 @@ def _key_value(item: str) -> tuple[str, object]:
               help="Where the demo pair and its bundle are kept between runs.")
 @click.option("--recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Pair recipe.  [default: recipes/demo.toml]")
 @click.option("--prompt", "-p", help="Code to complete.  [default: the first of 8 bundled code prompts]")
-@click.option("--max-new-tokens", "-n", type=int, default=96, show_default=True)
+@click.option("--max-new-tokens", "-n", type=click.IntRange(min=2), default=96, show_default=True,
+              help="Tokens to generate per prompt (at least 2: decode speed is measured after the first).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def demo(cache, recipe, prompt, max_new_tokens, as_json) -> None:
     """Make (once) a small real code-model pair, compile it, and show speculation beating the target alone."""
@@ -459,19 +490,22 @@ def main(args: list[str] | None = None) -> None:
     except (click.exceptions.Abort, KeyboardInterrupt):
         status = _fail("interrupted", EXIT_INTERRUPTED)
     except (click.ClickException, SpecbuildError) as exc:
-        if debug:
-            raise
+        _traceback(debug)
         status = _fail(exc.format_message() if isinstance(exc, click.ClickException) else str(exc), EXIT_INPUT)
     except OSError as exc:
-        if debug:
-            raise
+        _traceback(debug)
         status = _fail(f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc.strerror or exc), EXIT_INPUT)
     except Exception as exc:
-        if debug:
-            raise
+        _traceback(debug)
         status = _fail(f"internal error ({type(exc).__name__}: {exc}); this is a bug in specbuild: rerun with "
                        "`specbuild --debug ...` for the traceback and report it", EXIT_BUG)
     sys.exit(status or 0)
+
+
+def _traceback(debug: bool) -> None:
+    """With --debug, the traceback above the one-line error (the exit status stays the same)."""
+    if debug:
+        traceback.print_exc()
 
 
 def _fail(message: str, status: int) -> int:

@@ -24,15 +24,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable
 
+from specbuild_runtime.manifest import MAX_GAMMA, PRECISIONS
+
 from .errors import SettingsError
 
 DEFAULT_GAMMA = 8
 DEFAULT_MAX_SEQ_LEN = 2048
-# The runtime keeps per-position lists and a [γ, vocab] buffer per request; speculation stops paying
-# long before 32 drafts a round (each must be accepted for the next to count).
-MAX_GAMMA = 32
 QUANTIZATIONS = ("none", "int8", "int4")
-PRECISIONS = ("fp32", "fp16", "bf16")
 BACKENDS = ("onnx", "tensorrt-llm", "all")
 
 
@@ -140,12 +138,20 @@ def _shown(value) -> str:
     return repr(value)
 
 
+TABLES = ("compile", "pair")  # [pair]: the demo pair's training (train/demo_pair.py)
+
+
 def read_table(path: Path, name: str, known: set[str]) -> dict:
-    """Table [name] of a TOML recipe; unknown keys are an error that lists the known ones."""
+    """Table [name] of a TOML recipe; unknown keys and tables are an error that lists the known ones
+    (a misspelt [compiler] would otherwise build with defaults)."""
     try:
         data = tomllib.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise SettingsError(f"recipe {path} cannot be read: {exc}") from None
+    unknown = sorted(set(data) - set(TABLES))
+    if unknown:
+        raise SettingsError(f"recipe {path}: unknown {'table' if isinstance(data[unknown[0]], dict) else 'key'} "
+                            f"{unknown[0]!r} outside the tables; a recipe holds [{'] and ['.join(TABLES)}]")
     table = data.get(name, {})
     if not isinstance(table, dict):
         raise SettingsError(f"recipe {path}: {name} must be a table ([{name}]), not {_shown(table)}")

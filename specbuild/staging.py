@@ -23,6 +23,8 @@ import functools
 import os
 import re
 import shutil
+import signal
+import threading
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Callable, Iterator
@@ -41,8 +43,12 @@ def staged_folder(output: Path, check: Callable[[Path], None] = lambda output: N
     it vanishes. check(output) runs while this process holds the output's lock, before anything is
     written, and raises to refuse (e.g. an existing folder that must not be replaced)."""
     output = Path(output).resolve()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(output):
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot make the folder {exc.filename} for {output} ({exc.strerror}); choose an output "
+                          "inside a folder you can write") from None
+    with _terminate_as_interrupt(), _locked(output):
         _remove_stale(output)
         check(output)
         staging = output.parent / f".{output.name}.partial-{os.getpid()}"
@@ -106,6 +112,24 @@ def check_replaceable(output: Path, overwrite: bool, is_kind: Callable[[Path], b
         raise OutputError(f"{output} already holds a {kind}; pass --overwrite to replace it or choose another output")
 
 
+@contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a pipeline cancelling a job, `timeout`, `docker stop`) unwinds like Ctrl-C while a folder is
+    written, so the staging folder and the lock go with it; by default it would end the process at once."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _disk_full(exc: OSError, folder: Path) -> bool:
     """ENOSPC, or a short write that says no errno (numpy's tofile: "N requested and M written") while
     the disk has under a MiB left (checked before the staging folder is removed)."""
@@ -121,7 +145,11 @@ def _locked(output: Path) -> Iterator[None]:
     """
     path = output.parent / f".{output.name}.lock"
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise OutputError(f"cannot write in {output.parent} ({exc.strerror}); choose an output inside a folder "
+                              "you can write") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -126,8 +126,18 @@ def test_an_unexpected_exception_is_one_line_saying_it_is_a_bug_and_debug_shows_
     err = capsys.readouterr().err
     assert exited.value.code == EXIT_BUG == 3 and err.count("\n") == 1, err
     assert err.startswith("error: internal error (ZeroDivisionError: division by zero); this is a bug") and "--debug" in err
-    with pytest.raises(ZeroDivisionError):
+    with pytest.raises(SystemExit) as exited:
         main(["--debug", *args])
+    err = capsys.readouterr().err
+    assert exited.value.code == EXIT_BUG and "Traceback" in err and 'raise ZeroDivisionError("division by zero")' in err
+    assert err.splitlines()[-1].startswith("error: internal error")
+
+
+def test_a_reader_that_closes_stdout_early_ends_the_command_quietly(bundles):
+    """click's way: no traceback, no message, status 1 (`true` is gone long before the output is written)."""
+    command = f"{sys.executable} -m specbuild inspect {bundles('llama')} | true; exit ${{PIPESTATUS[0]}}"
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
+    assert result.returncode == 1 and result.stderr == "", result.stderr
 
 
 def test_usage_errors_are_one_line_with_exit_status_2(capsys):

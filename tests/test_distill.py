@@ -251,6 +251,17 @@ def test_distill_never_unpickles_a_checkpoint(pair, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("overrides, message", [
+    ({"num_hidden_layers": "abc"}, "must be of type int"), ({"hiden_size": 64}, "has no such key"),
+    ({"hidden_size": 63}, "multiple of 16"), ({"num_hidden_layers": 1.5}, "must be of type int"),
+])
+def test_draft_config_values_that_make_no_compilable_draft_are_refused_before_training(pair, tmp_path, monkeypatch,
+                                                                                        overrides, message):
+    monkeypatch.setattr(distill_module, "train_model", lambda *a, **k: pytest.fail("refused only after training"))
+    with pytest.raises(TrainingError, match=message):
+        distill(pair[0], tmp_path / "draft", draft_config=overrides, minutes=0.01)
+
+
 def test_distill_reports_a_missing_target(tmp_path):
     with pytest.raises(CheckpointError, match="not a Hugging Face folder"):
         distill(tmp_path / "missing", tmp_path / "draft", minutes=0.01)

@@ -215,6 +215,10 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [10**6]}, "outside this bundle's vocabulary"),
     ("completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "at most 4 strings"),
     ("completions", {"prompt": "x", "n": 2}, "n must be 1"),
+    ("completions", {"prompt": "x", "n": True}, "n must be 1"),
+    ("completions", {"prompt": "x", "n": 1.0}, "n must be 1"),
+    ("completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "inclde": 1}},
+     "unrecognized stream_options argument: 'inclde'"),
     ("completions", {"prompt": "x", "logprobs": 2}, "'logprobs' is not supported"),
     ("completions", {"prompt": "x", "frobnicate": 1}, "unrecognized request argument: 'frobnicate'"),
     ("completions", {"prompt": "x", "stream": "yes"}, "stream must be true or false"),
@@ -245,6 +249,8 @@ def test_another_model_name_is_404_and_models_lists_ours(server):
     assert reply.status_code == 404 and MODEL in reply.json()["error"]["message"]
     listed = httpx.get(f"{server}/v1/models").json()["data"]
     assert [m["id"] for m in listed] == [MODEL] and listed[0]["max_model_len"] == MAX_SEQ_LEN
+    assert httpx.get(f"{server}/v1/models/{MODEL}").json() == listed[0]
+    assert httpx.get(f"{server}/v1/models/gpt-4").status_code == 404
 
 
 def metric_values(url: str) -> dict:

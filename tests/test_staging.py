@@ -4,6 +4,7 @@ full disk, a second writer; and what it publishes is readable by other users."""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -104,6 +105,19 @@ def test_a_failure_inside_the_folder_leaves_the_old_one_and_nothing_beside(tmp_p
             scratch_folder(staging).mkdir()
             raise RuntimeError("build failed")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and [p.name for p in out.iterdir()] == ["old.txt"]
+
+
+def test_sigterm_while_writing_unwinds_like_ctrl_c_and_leaves_the_old_folder_alone(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        with staged_folder(out) as staging:
+            (staging / "half.txt").write_text("half")
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and [p.name for p in out.iterdir()] == ["old.txt"]
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_a_second_writer_is_refused_while_the_first_writes(tmp_path):

@@ -7,6 +7,7 @@ al. 2023). Drafts only decide how many tokens one target call produces.
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from .engine import Engine, Sampler, requested_device, use_shared_thread_pool
-from .errors import BundleError, DeviceError
+from .errors import BundleError, DeviceError, RequestError
 from .manifest import TOKENIZER_DIR, load_manifest
 from .policy import GREEDY_DECAY, SAMPLING_DECAY, AdaptiveGamma, Costs, FixedGamma
 from .slot import NEVER_ALONE, Rows, Slot, SlotPool, fixed_rows
@@ -159,6 +160,8 @@ class SpeculativeDecoder:
             raise BundleError(f"{self.root} lacks the greedy-only graphs or the sampler, which CUDA graphs need (it was "
                               "compiled by an older specbuild): rebuild it with `specbuild compile`")
         self.device = requested_device(device)
+        if self.device == "cpu":
+            check_memory(parallel, self.max_seq_len * sum(e.kv_bytes_per_position for e in self.manifest.engines.values()))
         try:
             self.target, self.draft = self._engines()
         except DeviceError:
@@ -348,6 +351,16 @@ def _leading_equal(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+def check_memory(parallel: int, slot_bytes: int) -> None:
+    """Refuse a slot count whose KV caches alone would not fit in this machine's memory (each slot holds
+    its caches for the whole context from the start)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if parallel * slot_bytes > total:
+        raise RequestError(f"parallel {parallel} needs {parallel * slot_bytes / 2**30:.1f} GiB of KV caches "
+                           f"({slot_bytes / 2**30:.2f} GiB a slot) but this machine has {total / 2**30:.1f} GiB; "
+                           "use fewer slots or compile with a shorter --max-seq-len")
 
 
 def _finish(text: TextStream, stats: Stats) -> str:

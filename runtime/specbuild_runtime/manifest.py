@@ -57,7 +57,10 @@ FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 SAMPLER = "sampler.onnx"
 TOKENIZER_DIR = "tokenizer"
-MAX_GAMMA = 32  # the most drafts per round a bundle may ask for (speculation stops paying long before)
+# The most drafts per round a bundle may ask for: the runtime keeps per-position lists and a [γ, vocab]
+# buffer per request, and speculation stops paying long before (each draft must be accepted for the next
+# to count).
+MAX_GAMMA = 32
 PRECISIONS = ("fp32", "fp16", "bf16")
 
 
@@ -98,6 +101,12 @@ class EngineInfo:
     @property
     def bytes_per_call(self) -> int:
         return self.read_bytes or self.weight_bytes
+
+    @property
+    def kv_bytes_per_position(self) -> int:
+        """Bytes of KV cache one position takes (keys and values of every layer, in the engine's float type)."""
+        s = self.shape
+        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * (4 if self.precision == "fp32" else 2)
 
 
 @dataclass
@@ -204,7 +213,7 @@ def _check_values(manifest: "Manifest") -> None:
         if name not in manifest.files:
             raise ValueError(f"{name!r} is not among the files whose digests it lists")
     vocab = manifest.engines["target"].shape.vocab_size if "target" in manifest.engines else None
-    if not manifest.eos_token_ids or any(t < 0 or (vocab is not None and t >= vocab) for t in manifest.eos_token_ids):
+    if any(t < 0 or (vocab is not None and t >= vocab) for t in manifest.eos_token_ids):
         raise ValueError(f"eos_token_ids {manifest.eos_token_ids} are not token ids of the target's vocabulary")
 
 

@@ -166,9 +166,8 @@ def context_latency(decoder: SpeculativeDecoder, short: int = 64, long: int = 10
 def predicted_context_growth(decoder: SpeculativeDecoder, short: int, long: int) -> float:
     """Per-token time ratio long/short if a step costs its bytes read: weights + the valid part of the cache."""
     info = decoder.manifest.engines["target"]
-    s = info.shape
-    kv_bytes_per_position = 2 * s.num_layers * s.num_kv_heads * s.head_dim * (4 if info.precision == "fp32" else 2)
-    return (info.bytes_per_call + kv_bytes_per_position * long) / (info.bytes_per_call + kv_bytes_per_position * short)
+    per_position = info.kv_bytes_per_position
+    return (info.bytes_per_call + per_position * long) / (info.bytes_per_call + per_position * short)
 
 
 def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[int], peers: list[str],

@@ -181,7 +181,7 @@ def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
     config = _load_config(path, role)
     _check_shapes(config, entries, path, role)
     tokenizer = _load_tokenizer(path, role)
-    return Checkpoint(path, _spec(config, architecture, path, role), config, tokenizer, weight_files, entries)
+    return Checkpoint(path, model_spec(config, architecture, path, role), config, tokenizer, weight_files, entries)
 
 
 def _kind(architecture: str, config: dict) -> str:
@@ -201,11 +201,11 @@ def _weight_files(path: Path, role: str) -> list[Path]:
             names = sorted(set(weight_map.values()))
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{index} is not a safetensors index ({type(exc).__name__}: {exc})") from None
-        missing = [n for n in names if not (path / n).is_file()]
+        missing = [n for n in names if not (path / n).is_file()]  # a folder of that name too
         if missing:
             raise CheckpointError(f"{index} names {missing[0]}, which is not in {path}; the download is incomplete")
         return [path / n for n in names]
-    files = sorted(path.glob("*.safetensors"))
+    files = sorted(p for p in path.glob("*.safetensors") if p.is_file())
     if files:
         return files
     if list(path.glob("*.bin")) or list(path.glob("*.pt")):
@@ -299,7 +299,8 @@ def _load_tokenizer(path: Path, role: str):
     return tokenizer
 
 
-def _spec(config, architecture: str, path: Path, role: str) -> ModelSpec:
+def model_spec(config, architecture: str, path: Path, role: str) -> ModelSpec:
+    """What the graph builders need of a transformers config, or UnsupportedModelError."""
     family = ARCHITECTURES[architecture]
     if family == "gpt2":
         if config.scale_attn_by_inverse_layer_idx or config.reorder_and_upcast_attn:

@@ -17,7 +17,7 @@ import torch
 from specbuild_runtime.errors import first_line
 
 from ..acceptance import expected_tokens_per_call, rounds, theoretical_speedup
-from ..errors import CheckpointError
+from ..errors import CheckpointError, TrainingError
 from ..verify import load_reference
 from .divergence import distill_loss
 from .generate import Sequence, continue_prompts, eos_ids, right_padded, score
@@ -61,7 +61,15 @@ def shrunk_config(target_config, overrides: dict | None = None):
     sized = sorted((_meta_parameters(c), i) for i, c in enumerate(candidates))
     fitting = [i for params, i in sized if params <= budget]
     config = candidates[fitting[-1] if fitting else sized[0][1]]
+    known = config.to_dict()
     for key, value in (overrides or {}).items():
+        if key not in known:
+            raise TrainingError(f"--draft-config {key}: the target's config.json has no such key (shape keys: "
+                                "hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads)")
+        current = known[key]
+        if current is not None and type(value) is not type(current) and not (type(current) is float and type(value) is int):
+            raise TrainingError(f"--draft-config {key}={value!r}: must be of type {type(current).__name__}, as the target's "
+                                f"{key} = {current!r} is")
         setattr(config, key, value)
     if getattr(config, "head_dim", None) and "head_dim" not in (overrides or {}):
         config.head_dim = config.hidden_size // config.num_attention_heads
@@ -109,8 +117,19 @@ def build_draft(target, tokenizer, draft_config: dict | None, init: Path | None,
     from transformers import AutoModelForCausalLM
 
     if init is None:
+        from ..compile.load import model_spec
+
+        config = shrunk_config(target.config, draft_config)
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(shrunk_config(target.config, draft_config))
+        try:
+            draft = AutoModelForCausalLM.from_config(config)
+        except Exception as exc:  # transformers raises many types for a config it cannot build
+            raise TrainingError(f"--draft-config {draft_config} gives no model transformers can build ({first_line(exc)})") from None
+        try:  # a draft that specbuild could not compile would be minutes of training for nothing
+            model_spec(config, config.architectures[0], Path("(new)"), "draft")
+        except CheckpointError as exc:
+            raise TrainingError(f"{exc}; choose other --draft-config values") from None
+        return draft
     draft, draft_tokenizer = load_model(init, "draft")
     if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise CheckpointError(

@@ -61,6 +61,7 @@ class Server:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/models", self.models),
+                Route("/v1/models/{model:path}", self.model),
                 Route("/health", self.health),
                 Route("/metrics", self.metrics_page),
             ],
@@ -86,9 +87,18 @@ class Server:
         return await self._generate(CHAT, request)
 
     async def models(self, request: HttpRequest) -> Response:
-        model = {"id": self.settings.model, "object": "model", "created": 0, "owned_by": "specbuild",
-                 "max_model_len": self.decoder.max_seq_len}
-        return JSONResponse({"object": "list", "data": [model]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: HttpRequest) -> Response:
+        name = request.path_params["model"]
+        if name != self.settings.model:
+            error = ApiError(404, f"model {name!r} is not served here; this server serves {self.settings.model!r}", "model")
+            return JSONResponse(error.body(), 404)
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.settings.model, "object": "model", "created": 0, "owned_by": "specbuild",
+                "max_model_len": self.decoder.max_seq_len}
 
     async def health(self, request: HttpRequest) -> Response:
         if self.scheduler.draining:

@@ -3,6 +3,7 @@ the server's process: load the bundle, run uvicorn, drain on SIGTERM."""
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import sys
@@ -12,6 +13,17 @@ import click
 
 from ..engine import DEVICES
 from ..errors import SpecbuildError
+
+
+class Finite(click.FloatRange):
+    """A float range that also refuses nan and inf (which compare false with any bound). Here, where
+    both command lines (the runtime's serve and specbuild's) can import it."""
+
+    def convert(self, value, param, ctx):
+        value = super().convert(value, param, ctx)
+        if not math.isfinite(value):
+            self.fail(f"{value} is not a finite number", param, ctx)
+        return value
 
 
 @click.command("serve")
@@ -29,9 +41,9 @@ from ..errors import SpecbuildError
               help="onnxruntime threads per engine call.  [default: cores / --parallel, at least 1]")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait for a slot; more get 429 with Retry-After.")
-@click.option("--timeout", type=click.FloatRange(min=0), default=600.0, show_default=True,
+@click.option("--timeout", type=Finite(min=0), default=600.0, show_default=True,
               help="Seconds a request may take from arrival to its last token (0 = no limit).")
-@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+@click.option("--shutdown-timeout", type=Finite(min=0), default=30.0, show_default=True,
               help="On SIGTERM, seconds in-flight requests get to finish before they are cut.")
 @click.option("--model-name", help="The model name clients send and /v1/models lists.  [default: the bundle folder's name]")
 def serve_command(bundle, host, port, device, cuda_graphs, parallel, threads, max_queue, timeout, shutdown_timeout,

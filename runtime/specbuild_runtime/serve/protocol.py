@@ -23,6 +23,7 @@ FIELDS = {
     COMPLETIONS: {"model", "prompt", "max_tokens", "stream", "stream_options", "n", *DECODING},
     CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n", *DECODING},
 }
+STREAM_OPTIONS = {"include_usage"}
 IGNORED = {"user", "metadata", "store"}  # bookkeeping that does not change the output
 # OpenAI parameters this server does not implement: refused unless left at their neutral value, never ignored.
 UNSUPPORTED = {"logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "presence_penalty",
@@ -88,12 +89,14 @@ def parse(endpoint: str, raw: bytes, model: str) -> Request:
             raise ApiError(400, f"unrecognized request argument: '{name}'", name)
     if body.get("model") not in (None, model):
         raise ApiError(404, f"model {body['model']!r} is not served here; this server serves {model!r}", "model")
-    if body.get("n") not in (None, 1):
+    if body.get("n") is not None and (type(body["n"]) is not int or body["n"] != 1):
         raise ApiError(400, "n must be 1: this server returns one choice per request", "n")
     stream = _flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict)):
         raise ApiError(400, "stream_options is an object, allowed only with stream: true", "stream_options")
+    if unknown := sorted(set(options or {}) - STREAM_OPTIONS):
+        raise ApiError(400, f"unrecognized stream_options argument: '{unknown[0]}'", "stream_options")
     include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
     decoding = {name: body[name] for name in DECODING if body.get(name) is not None}
     max_tokens = _first_given(body, *(["max_completion_tokens"] if endpoint == CHAT else []), "max_tokens")
