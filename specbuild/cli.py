@@ -20,6 +20,7 @@ import click
 from specbuild_runtime.engine import DEVICES
 from specbuild_runtime.errors import SpecbuildError
 from specbuild_runtime.serve.cli import Finite, serve_command
+from specbuild_runtime.validation import GREEDY_BELOW
 
 from . import __version__
 from .bench.peers import KNOWN as PEERS
@@ -83,7 +84,7 @@ def sampling_options(command):
     """--temperature/--top-k/--top-p/--seed, named as in the Python API."""
     for option in reversed([
         click.option("--temperature", type=Finite(min=0), default=0.0, show_default=True,
-                     help="0 decodes greedily; above 0 samples, losslessly, from the target's distribution."),
+                     help="0 (or below 1e-5) decodes greedily; above, samples losslessly from the target's distribution."),
         click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="Sample from the k most likely tokens (0 = all)."),
         click.option("--top-p", type=Finite(min=0, max=1, min_open=True), default=1.0, show_default=True,
                      help="Sample from the smallest set of tokens holding this much probability."),
@@ -110,7 +111,7 @@ class GammaType(click.ParamType):
 
 def check_sampling(sampling: dict) -> None:
     """--top-k and --top-p shape sampling; without --temperature the decode is greedy and would drop them."""
-    if sampling["temperature"] == 0 and (sampling["top_k"] or sampling["top_p"] != 1.0):
+    if sampling["temperature"] < GREEDY_BELOW and (sampling["top_k"] or sampling["top_p"] != 1.0):
         raise click.UsageError("--top-k and --top-p apply to sampling: give --temperature too (e.g. --temperature 1)")
 
 

@@ -115,7 +115,8 @@ def check_replaceable(output: Path, overwrite: bool, is_kind: Callable[[Path], b
 @contextmanager
 def _terminate_as_interrupt() -> Iterator[None]:
     """SIGTERM (a pipeline cancelling a job, `timeout`, `docker stop`) unwinds like Ctrl-C while a folder is
-    written, so the staging folder and the lock go with it; by default it would end the process at once."""
+    written, so the staging folder and the lock go with it; by default it would end the process at once.
+    Python runs the handler between bytecodes: during a long call into C (saving an engine) it waits."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield
         return
@@ -126,8 +127,8 @@ def _terminate_as_interrupt() -> Iterator[None]:
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # None: a handler set outside Python, which cannot be put back; the default is the nearest
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _disk_full(exc: OSError, folder: Path) -> bool:

@@ -89,8 +89,8 @@ def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens
     rows = model.get_input_embeddings().num_embeddings
     if rows < engine.shape.vocab_size:
         raise CheckpointError(f"target checkpoint {target} has {rows} embedding rows but the bundle's vocabulary has "
-                              f"{engine.shape.vocab_size} tokens: it is not the model this bundle was compiled from "
-                              f"({engine.source['path']})")
+                              f"{engine.shape.vocab_size} tokens: it is not the model this bundle was compiled from; "
+                              f"pass --target {engine.source['path']}")
     eos = sorted(decoder.eos_token_ids)
     tokens, divergences = 0, []
     for index, prompt in enumerate(prompts):

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from conftest import PROMPTS
 from specbuild_runtime import RequestError, SpeculativeDecoder, Stats
+from specbuild_runtime.text import TextStream
 
 # (prompt, options): greedy with adaptive and fixed γ, and seeded sampling (fixed γ: which γ a round
 # uses changes which random numbers judge which draft, so only a fixed γ reproduces a sampled run).
@@ -173,6 +174,24 @@ def test_a_stop_string_completed_by_the_last_bytes_finishes_with_stop(bundle, fr
         streamed = Stats()
         assert "".join(decoder.stream_text(prompt, n, 3, stop=["\ufffd"], stats=streamed)) == result.text
         assert streamed.finish_reason == "stop"
+
+
+def test_a_stop_string_is_found_at_the_token_that_completes_it_even_if_that_token_begins_a_character():
+    """A token "x" + the first byte of "‐" (E2 80 90): the text ends in an incomplete character, yet the
+    stop string "x" is whole, so the request ends at this token rather than the next."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["xâ"] = len(vocab)  # byte-level: "â" is byte E2
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[("x", "â")]))
+    tokenizer.decoder = decoders.ByteLevel()
+    for stop, stopped, text in ((("x",), True, ""), (("y",), False, "")):
+        stream = TextStream(tokenizer, stop)
+        stream.push(vocab["xâ"])
+        assert (stream.stopped, stream.text) == (stopped, text)
+    stream.push(vocab["Ģ"])  # byte 80
+    stream.push(vocab["Ĳ"])  # byte 90: "‐" is whole
+    assert stream.text == "x\u2010" and stream.finish() == "x\u2010"
 
 
 def test_a_server_stream_yields_after_every_token_even_while_text_is_held_back(bundle, free_text):

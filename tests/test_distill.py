@@ -17,9 +17,9 @@ from conftest import make_checkpoint, make_tokenizer
 from test_bad_inputs import MARKER, plant_pickle
 from specbuild.acceptance import rounds
 from specbuild.demo import DEMO_RECIPE
-from specbuild.errors import CheckpointError, OutputError, TrainingError
+from specbuild.errors import CheckpointError, OutputError, TrainingError, UnsupportedModelError
 from specbuild.train import distill as distill_module
-from specbuild.train.distill import acceptance, alpha, distill, load_model, target_references
+from specbuild.train.distill import acceptance, alpha, distill, load_model, shrunk_config, target_references
 from specbuild.train.generate import continue_prompts, score
 from specbuild.train.prompts import (HELDOUT_SHARE, SPAN_TOKENS, from_file, from_target, from_text, read_texts,
                                      start_token)
@@ -260,6 +260,25 @@ def test_draft_config_values_that_make_no_compilable_draft_are_refused_before_tr
     monkeypatch.setattr(distill_module, "train_model", lambda *a, **k: pytest.fail("refused only after training"))
     with pytest.raises(TrainingError, match=message):
         distill(pair[0], tmp_path / "draft", draft_config=overrides, minutes=0.01)
+
+
+def test_draft_config_takes_a_configs_own_names_and_transformers_aliases(checkpoints):
+    from transformers import AutoConfig
+
+    gpt2 = AutoConfig.from_pretrained(checkpoints("gpt2"))
+    assert shrunk_config(gpt2, {"num_hidden_layers": 1}).n_layer == shrunk_config(gpt2, {"n_layer": 1}).n_layer == 1
+    with pytest.raises(TrainingError, match="its shape keys: n_embd, n_inner, n_layer, n_head"):
+        shrunk_config(gpt2, {"hidden_layers": 1})
+
+
+def test_distill_refuses_a_target_specbuild_cannot_compile_before_training(pair, tmp_path, monkeypatch):
+    monkeypatch.setattr(distill_module, "train_model", lambda *a, **k: pytest.fail("refused only after training"))
+    target = tmp_path / "target"
+    shutil.copytree(pair[0], target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForSequenceClassification"]}))
+    with pytest.raises(UnsupportedModelError, match="which specbuild does not compile"):
+        distill(target, tmp_path / "draft", minutes=0.01)
 
 
 def test_distill_reports_a_missing_target(tmp_path):

@@ -109,3 +109,20 @@ def test_a_config_that_is_not_a_json_object_is_a_one_line_error(checkpoints, tmp
     (folder / "config.json").write_text(text)
     with pytest.raises(CheckpointError, match="not an object"):
         load_checkpoint(folder, "target")
+
+
+def test_a_config_naming_an_attention_kernel_not_installed_here_still_loads(checkpoints, tmp_path):
+    """The compiler never runs transformers' attention; configs on the Hub name flash_attention_2."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoints("llama"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "_attn_implementation": "flash_attention_2"}))
+    assert load_checkpoint(folder, "target").spec.architecture == "LlamaForCausalLM"
+
+
+def test_an_eos_id_outside_the_vocabulary_is_refused_at_compile_time(checkpoints, tmp_path):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoints("llama"), folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 10**6]}))
+    with pytest.raises(CheckpointError, match="is not a token id"):
+        eos_token_ids(load_checkpoint(folder, "target"))

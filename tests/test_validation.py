@@ -176,7 +176,9 @@ def test_an_edited_manifest_fails_at_load_in_one_line(key, value, bundles, tmp_p
     assert "\n" not in str(error.value)
 
 
+DELETE = object()
 DAMAGE = [
+    ("engines.target", DELETE, "engines are ['draft'], not a target and a draft"),
     ("gamma", "x", "gamma must be a whole number"), ("gamma", True, "gamma must be a whole number"),
     ("gamma", 0, "from 1 to 32"), ("gamma", 99, "from 1 to 32"), ("max_seq_len", 1, "2 or more"),
     ("files", [], "files must be an object"), ("files", {}, "is not among the files"),
@@ -184,12 +186,14 @@ DAMAGE = [
     ("files", {"/etc/passwd": "0" * 64}, "not a path inside the bundle"),
     ("eos_token_ids", [-1], "eos_token_ids"), ("eos_token_ids", [10**6], "eos_token_ids"),
     ("eos_token_ids", "2", "eos_token_ids must be a list"), ("sampler_file", "elsewhere.onnx", "is not among the files"),
-    ("surprise", 1, "unknown key surprise"), ("engines", {"target": {"role": "target"}}, "no engines.target."),
+    ("surprise", 1, "surprise is a key this runtime does not know"),
+    ("engines", {"target": {"role": "target"}}, "lacks engines.target."), ("engines.target", None, "engines.target must be an object"),
+    ("engines.target.source", {"path": "x"}, "source lacks its path or sha256"),
     ("engines.target.precision", "fp8", "precision"), ("engines.target.shape.num_layers", "3", "num_layers must be"),
 ]
 
 
-@pytest.mark.parametrize("key, value, message", DAMAGE, ids=[f"{k}={v!r}" for k, v, _ in DAMAGE])
+@pytest.mark.parametrize("key, value, message", DAMAGE, ids=[f"{k}={'(deleted)' if v is DELETE else repr(v)}" for k, v, _ in DAMAGE])
 def test_a_damaged_manifest_is_one_line_naming_what_is_wrong(key, value, message, bundles, tmp_path):
     folder = tmp_path / "bundle"
     shutil.copytree(bundles("llama"), folder)
@@ -198,7 +202,10 @@ def test_a_damaged_manifest_is_one_line_naming_what_is_wrong(key, value, message
     place = data
     for part in path:
         place = place[part]
-    place[field] = value
+    if value is DELETE:
+        del place[field]
+    else:
+        place[field] = value
     (folder / "manifest.json").write_text(json.dumps(data))
     for check_digests in (True, False):
         with pytest.raises(BundleError, match=re.escape(message)) as error:

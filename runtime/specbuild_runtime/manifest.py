@@ -150,6 +150,10 @@ class Manifest:
         return manifest
 
 
+class UnknownKey(ValueError):
+    """A manifest key this runtime does not know: most likely a bundle from a newer specbuild."""
+
+
 def _typed(cls, data, where: str):
     """data (parsed JSON) as the dataclass cls, every field checked against its annotation. Written by
     hand: the runtime's only dependencies are onnxruntime, numpy and tokenizers, and a schema library for
@@ -161,10 +165,15 @@ def _typed(cls, data, where: str):
     unknown = sorted(set(data) - set(known))
     missing = [name for name, f in known.items() if name not in data and f.default is MISSING
                and f.default_factory is MISSING]
-    if unknown or missing:
-        what = f"unknown key {where}{unknown[0]}" if unknown else f"no {where}{missing[0]}"
-        raise ValueError(what)
-    return cls(**{name: _value(hints[name], value, f"{where}{name}") for name, value in data.items()})
+    if unknown:
+        raise UnknownKey(f"{_joined(where, unknown[0])} is a key this runtime does not know")
+    if missing:
+        raise ValueError(f"it lacks {_joined(where, missing[0])}")
+    return cls(**{name: _value(hints[name], value, _joined(where, name)) for name, value in data.items()})
+
+
+def _joined(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
 
 
 def _value(hint, value, where: str):
@@ -189,7 +198,7 @@ def _value(hint, value, where: str):
         if not isinstance(value, dict):
             raise ValueError(f"{where} must be an object, not {value!r}")
         return {k: _value(args[1], v, f"{where}.{k}") for k, v in value.items()} if args else value
-    return _typed(hint, value, f"{where}.")
+    return _typed(hint, value, where)
 
 
 def _check_values(manifest: "Manifest") -> None:
@@ -202,8 +211,12 @@ def _check_values(manifest: "Manifest") -> None:
         path = PurePosixPath(rel)
         if path.is_absolute() or ".." in path.parts or "\\" in rel:
             raise ValueError(f"files lists {rel!r}, which is not a path inside the bundle")
+    if manifest.engines and set(manifest.engines) != {"target", "draft"}:
+        raise ValueError(f"engines are {sorted(manifest.engines)}, not a target and a draft")
     opened = [manifest.sampler_file] if manifest.sampler_file else []
     for role, engine in manifest.engines.items():
+        if not {"path", "sha256"} <= set(engine.source):
+            raise ValueError(f"engines.{role}.source lacks its path or sha256")
         if engine.precision not in PRECISIONS:
             raise ValueError(f"engines.{role}.precision is {engine.precision!r}, not one of {', '.join(PRECISIONS)}")
         if any(n < 1 for n in vars(engine.shape).values()):
@@ -264,7 +277,9 @@ def load_manifest(root: str | Path, check_digests: bool = True, require_engines:
     try:
         manifest = Manifest.from_dict(data)
     except ValueError as exc:
-        raise BundleError(f"{path} is damaged: {exc}; rebuild the bundle with `specbuild compile`") from None
+        advice = ("upgrade specbuild-runtime, or rebuild the bundle with this version's `specbuild compile`"
+                  if isinstance(exc, UnknownKey) else "rebuild the bundle with `specbuild compile`")
+        raise BundleError(f"{path} cannot be used: {exc}; {advice}") from None
     if require_engines:
         require_onnx_engines(root, manifest)
     if check_digests:

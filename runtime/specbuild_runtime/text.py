@@ -50,15 +50,27 @@ class TextStream:
     def _decode(self, final: bool) -> None:
         before = self.tokenizer.decode(self.ids[self._window:self._read])
         now = self.tokenizer.decode(self.ids[self._window:])
-        if len(now) <= len(before) or (now.endswith(INCOMPLETE) and not final):
+        if len(now) <= len(before):
             return
-        searched = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
-        self.text += now[len(before):]
+        new = now[len(before):]
+        if new.endswith(INCOMPLETE) and not final:
+            # The last bytes begin a character still to come: wait for it, but a stop string may be whole
+            # already in the text before it (the request then ends at this token, not the next).
+            self._cut(self.text + new.rstrip(INCOMPLETE))
+            return
         self._window, self._read = self._read, len(self.ids)
-        cuts = [i for i in (self.text.find(s, searched) for s in self.stop) if i >= 0]
+        if not self._cut(self.text + new):
+            self.text += new
+
+    def _cut(self, text: str) -> bool:
+        """If text (self.text and more) holds a stop string that self.text did not, end the text before the
+        earliest one and stop."""
+        searched = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+        cuts = [i for i in (text.find(s, searched) for s in self.stop) if i >= 0]
         if cuts:
-            self.text = self.text[:min(cuts)]
+            self.text = text[:min(cuts)]
             self.stopped = True
+        return self.stopped
 
     def _stop_prefix(self) -> int:
         """Length of the longest end of text that begins some stop string."""

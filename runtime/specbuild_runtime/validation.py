@@ -20,8 +20,8 @@ from .manifest import cache_names
 AUTO = "auto"
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 FLOAT32_MAX = float(np.finfo(np.float32).max)
-# A temperature below this decodes greedily, as vLLM treats it: logits / a tinier one overflow float32
-# (and sampling at 1e-5 already is greedy but for exact ties).
+# A temperature below this decodes greedily, as vLLM's _SAMPLING_EPS: sampling there is greedy but for
+# near-exact ties, and logits divided by a far tinier one (below ~1e-37) overflow float32 to NaN.
 GREEDY_BELOW = 1e-5
 Prompt = Union[str, Sequence[int], np.ndarray]
 

@@ -269,18 +269,20 @@ def _check_shapes(config, entries: dict[str, TensorEntry], path: Path, role: str
     from transformers import AutoModelForCausalLM
 
     try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        with torch.device("meta"):  # eager: a config may name an attention kernel not installed here
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     except Exception as exc:  # transformers raises many types for a config it cannot build
         raise CheckpointError(f"{role} checkpoint {path}: config.json describes no model transformers can build "
-                              f"({type(exc).__name__}: {first_line(exc)})") from None
+                              f"({type(exc).__name__}: {first_line(exc)}); use the config.json that came with "
+                              "these weights") from None
     prefix = model.base_model_prefix + "."
     for name, parameter in model.state_dict().items():
         entry = entries.get(name) or entries.get(name.removeprefix(prefix))
         if entry is not None and entry.shape != tuple(parameter.shape):
             raise CheckpointError(
                 f"{role} checkpoint {path}: tensor {name!r} has shape {list(entry.shape)} but config.json implies "
-                f"{list(parameter.shape)}; the weights and config.json do not belong together"
+                f"{list(parameter.shape)}; the weights and config.json do not belong together: use the config.json "
+                "that came with these weights"
             )
 
 
@@ -423,7 +425,7 @@ def eos_token_ids(ckpt: Checkpoint) -> list[int]:
     if eos is None:
         return []
     ids = eos if isinstance(eos, list) else [eos]
-    if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in ids):
-        raise CheckpointError(f"{ckpt.path}: eos_token_id {eos!r} is not a token id or a list of them; fix "
-                              "generation_config.json or config.json")
+    if not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < ckpt.spec.shape.vocab_size for e in ids):
+        raise CheckpointError(f"{ckpt.path}: eos_token_id {eos!r} is not a token id (0 to {ckpt.spec.shape.vocab_size - 1}) "
+                              "or a list of them; fix generation_config.json or config.json")
     return ids

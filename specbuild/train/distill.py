@@ -17,7 +17,8 @@ import torch
 from specbuild_runtime.errors import first_line
 
 from ..acceptance import expected_tokens_per_call, rounds, theoretical_speedup
-from ..errors import CheckpointError, TrainingError
+from ..compile.load import ARCHITECTURES
+from ..errors import CheckpointError, TrainingError, UnsupportedModelError
 from ..verify import load_reference
 from .divergence import distill_loss
 from .generate import Sequence, continue_prompts, eos_ids, right_padded, score
@@ -63,9 +64,12 @@ def shrunk_config(target_config, overrides: dict | None = None):
     config = candidates[fitting[-1] if fitting else sized[0][1]]
     known = config.to_dict()
     for key, value in (overrides or {}).items():
+        key = config.attribute_map.get(key, key)  # GPT-2's n_layer is also num_hidden_layers, ...
         if key not in known:
-            raise TrainingError(f"--draft-config {key}: the target's config.json has no such key (shape keys: "
-                                "hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads)")
+            shape = [k for k in ("hidden_size", "n_embd", "intermediate_size", "n_inner", "num_hidden_layers", "n_layer",
+                                 "num_attention_heads", "n_head", "num_key_value_heads", "head_dim") if k in known]
+            raise TrainingError(f"--draft-config {key}: the target's config.json has no such key (its shape keys: "
+                                f"{', '.join(shape)})")
         current = known[key]
         if current is not None and type(value) is not type(current) and not (type(current) is float and type(value) is int):
             raise TrainingError(f"--draft-config {key}={value!r}: must be of type {type(current).__name__}, as the target's "
@@ -124,7 +128,8 @@ def build_draft(target, tokenizer, draft_config: dict | None, init: Path | None,
         try:
             draft = AutoModelForCausalLM.from_config(config)
         except Exception as exc:  # transformers raises many types for a config it cannot build
-            raise TrainingError(f"--draft-config {draft_config} gives no model transformers can build ({first_line(exc)})") from None
+            raise TrainingError(f"the draft's config ({draft_config or 'the default shrink of the target'}) gives no "
+                                f"model transformers can build ({first_line(exc)}); choose other --draft-config values") from None
         try:  # a draft that specbuild could not compile would be minutes of training for nothing
             model_spec(config, config.architectures[0], Path("(new)"), "draft")
         except CheckpointError as exc:
@@ -284,6 +289,10 @@ def distill(
         data = read_texts(data)
     torch.manual_seed(seed)
     target, tokenizer = load_model(target_dir, "target")
+    architecture = (target.config.architectures or ["<none>"])[0]
+    if architecture not in ARCHITECTURES:  # its draft could not be compiled with it: refused before the minutes
+        raise UnsupportedModelError(f"target checkpoint {target_dir} is a {architecture}, which specbuild does not "
+                                    f"compile; it supports {', '.join(sorted(ARCHITECTURES))}")
     draft = build_draft(target, tokenizer, draft_config, init, seed)
     vocab = len(tokenizer)
     prompts = choose_prompts(target, tokenizer, prompts_file, data, heldout_prompts, seed)

@@ -132,7 +132,7 @@ class Server:
         """The request body, refused (413) once it is longer than any request that fits the context."""
         limit = BODY_BYTES_BASE + BODY_BYTES_PER_TOKEN * self.decoder.max_seq_len
         too_long = ApiError(413, f"the request body is over {limit} bytes, more than a request that fits this "
-                                 f"bundle's context of {self.decoder.max_seq_len} tokens can need")
+                                 f"bundle's context of {self.decoder.max_seq_len} tokens can need; send a shorter prompt")
         declared = http.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise too_long

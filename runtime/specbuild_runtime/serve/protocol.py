@@ -79,7 +79,7 @@ def parse(endpoint: str, raw: bytes, model: str) -> Request:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
     except RecursionError:
-        raise ApiError(400, "the request body nests JSON too deeply") from None
+        raise ApiError(400, "the request body nests JSON too deeply; send a flatter body") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name, value in body.items():
