@@ -64,7 +64,8 @@ class CommaList(click.ParamType):
     def convert(self, value, param, ctx):
         if isinstance(value, list):
             return value
-        return [self.item_type.convert(item.strip(), param, ctx) for item in value.split(",") if item.strip()]
+        items = [self.item_type.convert(item.strip(), param, ctx) for item in value.split(",") if item.strip()]
+        return list(dict.fromkeys(items))  # each once, in the order given
 
 
 class Utf8Text(click.ParamType):
@@ -134,7 +135,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--quantize", type=click.Choice(QUANTIZATIONS), help="Weight quantization of both engines.  [default: none]")
 @click.option("--target-quantize", type=click.Choice(QUANTIZATIONS), help="Override --quantize for the target.")
 @click.option("--draft-quantize", type=click.Choice(QUANTIZATIONS), help="Override --quantize for the draft.")
-@click.option("--block-size", type=Setting("block_size"), help="Quantization block size along the input dimension (a power of two, 16 or more).  [default: 32]")
+@click.option("--block-size", type=Setting("block_size"), help="Quantization block size along the input dimension (a power of two from 16 to 256).  [default: 32]")
 @click.option("--accuracy-level", type=Setting("accuracy_level"),
               help="MatMulNBits compute type of quantized engines: 4 = int8 compute (fast on CPU), 0 = fp32. "
                    "Both keep speculative output identical to the target's own.  [default: 4]")
@@ -192,6 +193,10 @@ def generate(bundle, prompt, max_new_tokens, gamma, as_json, device, cuda_graphs
         click.echo(delta, nl=False)
     click.echo()
     click.echo(_stats_line(stats, gamma), err=True)
+
+
+def _token(token: int | None) -> str:
+    return "(output ended)" if token is None else str(token)
 
 
 def _stats_line(stats, gamma) -> str:
@@ -300,7 +305,8 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
         d = divergences[0]
         others = f" (and {len(divergences) - 1} more of {report['prompts']} prompts)" if len(divergences) > 1 else ""
         line = (f"DIVERGED on prompt {d['prompt_index']} ({d['prompt'][:40]!r}) at generated token {d['position']}{others}: "
-                f"bundle {d['bundle_token']} vs transformers {d['transformers_token']} ({precision} on {report['device']})")
+                f"bundle {_token(d['bundle_token'])} vs transformers {_token(d['transformers_token'])} "
+                f"({precision} on {report['device']})")
         if "transformers_vs_fp32" in d:
             def at(key):
                 return ", ".join("never" if each[key] is None else str(each[key]) for each in divergences)
@@ -308,6 +314,10 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
                      f"{precision} itself at {at('transformers_vs_fp32')}, prompt by prompt "
                      "(alike and late: rounding; early: a bug)")
         click.echo(line)
+    if not report["identical"] and report["quantization"] != "none" and not as_json:
+        click.echo(f"note: the target engine is {report['quantization']}-quantized and transformers runs the checkpoint's "
+                   "own weights, so divergence is expected; compile measured how far (specbuild inspect: quality)",
+                   err=True)
     if not report["same_source"] and not as_json:
         click.echo(f"note: {target} is not the checkpoint the bundle was compiled from (their sha256 differ)", err=True)
     if not report["identical"]:

@@ -114,7 +114,7 @@ RULES: dict[str, Callable[[object], str | None]] = {
     "quantize": _one_of(*QUANTIZATIONS),
     "target_quantize": _one_of(*QUANTIZATIONS),
     "draft_quantize": _one_of(*QUANTIZATIONS),
-    "block_size": _whole(16, powers_of_two=True),  # what onnxruntime's MatMulNBits accepts
+    "block_size": _whole(16, 256, powers_of_two=True),  # what onnxruntime's block quantizer kernels take
     "accuracy_level": _whole(0, 4),
     "precision": _one_of(*PRECISIONS),
     "quality_report": _boolean,
@@ -145,7 +145,7 @@ def read_table(path: Path, name: str, known: set[str]) -> dict:
     """Table [name] of a TOML recipe; unknown keys and tables are an error that lists the known ones
     (a misspelt [compiler] would otherwise build with defaults)."""
     try:
-        data = tomllib.loads(Path(path).read_text())
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8-sig"))  # a BOM, as some editors write
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise SettingsError(f"recipe {path} cannot be read: {exc}") from None
     unknown = sorted(set(data) - set(TABLES))
@@ -181,7 +181,7 @@ def read_recipe(path: Path) -> dict:
     for key, value in table.items():
         if problem := setting_problem(key, value):
             raise SettingsError(f"recipe {path}{_at_line(path, 'compile', key)}: {key} {problem}")
-    return {k: (path.parent / v if k in PATH_FIELDS else v) for k, v in table.items()}
+    return {k: (path.parent / Path(v).expanduser() if k in PATH_FIELDS else v) for k, v in table.items()}
 
 
 def resolve_settings(recipe: Path | None, **options) -> CompileSettings:

@@ -21,7 +21,7 @@ HELDOUT_EVERY = 20  # one file in twenty (by path hash) is held out: ~5%
 def read_prompts(path: Path) -> list[str]:
     """The "prompt" field of every line of a JSONL file."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = Path(path).read_text(encoding="utf-8-sig").splitlines()  # a BOM, as some editors write
     except UnicodeDecodeError as exc:
         raise SpecbuildError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8") from None
     prompts = []

@@ -92,11 +92,17 @@ def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens
                               f"{engine.shape.vocab_size} tokens: it is not the model this bundle was compiled from; "
                               f"pass --target {engine.source['path']}")
     eos = sorted(decoder.eos_token_ids)
+    encoded = [decoder.encode(prompt) for prompt in prompts]
+    for index, prompt_ids in enumerate(encoded):  # all checked before minutes of decoding
+        if len(prompt_ids) >= decoder.max_seq_len:
+            raise CheckpointError(f"prompt {index + 1} of {prompts_file} has {len(prompt_ids)} tokens, which fill the "
+                                  f"bundle's context of {decoder.max_seq_len}; shorten it")
     tokens, divergences = 0, []
-    for index, prompt in enumerate(prompts):
-        prompt_ids = decoder.encode(prompt)
-        ours = decoder.generate(prompt_ids, max_new_tokens, gamma).token_ids
-        theirs = transformers_greedy(model, prompt_ids, max_new_tokens, eos)
+    for index, (prompt, prompt_ids) in enumerate(zip(prompts, encoded)):
+        # The bundle stops where its context is full; transformers is held to the same length.
+        new_tokens = min(max_new_tokens, decoder.max_seq_len - len(prompt_ids))
+        ours = decoder.generate(prompt_ids, new_tokens, gamma).token_ids
+        theirs = transformers_greedy(model, prompt_ids, new_tokens, eos)
         position = first_difference(ours, theirs)
         if position is None:
             tokens += len(ours)
@@ -119,7 +125,8 @@ def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens
     from .compile.load import checkpoint_digest
 
     report = {"identical": not divergences, "prompts": len(prompts), "tokens": tokens, "device": decoder.device,
-              "precision": precision, "same_source": checkpoint_digest(target, "target") == engine.source["sha256"]}
+              "precision": precision, "quantization": engine.quantization,
+              "same_source": checkpoint_digest(target, "target") == engine.source["sha256"]}
     if divergences:
         report.update(divergence=divergences[0], divergences=divergences)
     return report

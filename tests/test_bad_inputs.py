@@ -226,7 +226,7 @@ CASES = [
     Case("`--max-seq-len` beyond the model's positions", compile_args("{tmp}/bundle", "--max-seq-len", "4096"), 1,
          "max_position_embeddings", "Use the largest length the message names, or less."),
     Case("`--block-size 17`", compile_args("{tmp}/bundle", "--block-size", "17"), 2, "power of two",
-         "Use a power of two from 16 up (32 is the default; 128 or more trades accuracy for size)."),
+         "Use a power of two from 16 to 256 (32 is the default; larger blocks trade accuracy for size)."),
     Case("an unknown option", compile_args("{tmp}/bundle", "--gama", "4"), 2, "No such option",
          "See `specbuild COMMAND --help`."),
     Case("`specbuild compile --recipe R` where R has no `output`", ["compile", "--recipe", "{recipe}"], 1,

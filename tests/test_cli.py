@@ -57,6 +57,24 @@ def test_verify_reports_identical_and_exits_nonzero_on_divergence(bundles, check
     assert bad["status"] == 1 and "DIVERGED on prompt 0" in bad["stdout"]
 
 
+def test_verify_holds_transformers_to_the_bundles_context_and_checks_every_prompt_first(bundles, checkpoints,
+                                                                                         tmp_path, cli):
+    from specbuild_runtime import SpeculativeDecoder
+
+    bundle = bundles("llama", 1)
+    encode, context = SpeculativeDecoder(bundle).encode, 256
+    texts = ["def f(x):\n" * n for n in range(1, 200)]
+    near = next(t for t in texts if context - 16 < len(encode(t)) < context)  # + 64 new tokens: past the end
+    over = next(t for t in texts if len(encode(t)) >= context)
+    files = {name: tmp_path / f"{name}.jsonl" for name in ("near", "over")}
+    files["near"].write_text(json.dumps({"prompt": near}) + "\n")
+    files["over"].write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n" + json.dumps({"prompt": over}) + "\n")
+    ok, refused = cli.run([["verify", str(bundle), "--target", str(checkpoints("llama")), "--prompts", str(files[name]),
+                            "-n", "64"] for name in ("near", "over")])
+    assert ok["status"] == 0 and ok["stdout"].startswith("identical"), ok
+    assert refused["status"] == 1 and f"prompt 2 of {files['over']}" in refused["stderr"], refused
+
+
 def test_verify_holds_a_half_precision_bundle_against_transformers_in_its_precision(checkpoints, tmp_path, cli):
     """An fp16 bundle is compared with transformers fp16 (equal here, as tests/test_exactness.py shows); a
     divergence says where each leaves transformers fp32's output, to tell rounding from a bug."""
@@ -175,3 +193,22 @@ def test_a_reference_on_cuda_without_a_cuda_torch_is_a_device_error(checkpoints)
         pytest.skip("this torch has CUDA")
     with pytest.raises(DeviceError, match="install a CUDA build of torch"):
         load_reference(checkpoints("llama"), device="cuda")
+
+
+def test_a_recipe_may_start_with_a_bom_and_name_paths_from_home(tmp_path, monkeypatch):
+    from specbuild.recipe import resolve_settings
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    recipe = tmp_path / "pair.toml"
+    recipe.write_text('\ufeff[compile]\ntarget = "~/target"\ndraft = "draft"\noutput = "~/bundle"\n', encoding="utf-8")
+    settings = resolve_settings(recipe)
+    assert (settings.target, settings.draft, settings.output) == (tmp_path / "home" / "target", tmp_path / "draft",
+                                                                  tmp_path / "home" / "bundle")
+
+
+def test_a_prompts_file_may_start_with_a_bom(tmp_path):
+    from specbuild.texts import read_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('\ufeff{"prompt": "a"}\n{"prompt": "b"}\n', encoding="utf-8")
+    assert read_prompts(path) == ["a", "b"]

@@ -59,6 +59,17 @@ def test_speculative_output_equals_the_quantized_targets_own_greedy(mode, bundle
             assert decoder.generate(ids, NEW_TOKENS, gamma).token_ids == expected, (mode, gamma, prompt)
 
 
+@pytest.mark.parametrize("block_size", [128, 256])
+def test_an_int4_embedding_is_quantized_only_when_its_width_is_whole_blocks_and_either_way_decodes(block_size, bundle, tokenizer):
+    """GatherBlockQuantized returns rows padded to whole blocks (128 -> 256 at 256), which the first layer
+    cannot take; MatMulNBits pads K itself. So the table stays float and the linear layers are int4."""
+    decoder = SpeculativeDecoder(bundle(target_quantize="int4", block_size=block_size))
+    ops = {node.op_type for node in onnx.load(decoder.root / "target.onnx", load_external_data=False).graph.node}
+    assert "MatMulNBits" in ops and ("GatherBlockQuantized" in ops) == (WIDE["hidden_size"] % block_size == 0)
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    assert decoder.generate(ids, NEW_TOKENS, gamma=3).token_ids == decoder.generate(ids, NEW_TOKENS, gamma=0).token_ids
+
+
 def test_int4_data_file_is_under_30_percent_of_fp32(bundle):
     fp32_bytes = (bundle() / "target.onnx.data").stat().st_size
     folder = bundle(target_quantize="int4")

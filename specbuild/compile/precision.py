@@ -21,11 +21,10 @@ import numpy as np
 import onnx_ir as ir
 
 from ..errors import UnsupportedModelError
+from ..recipe import setting_problem
 from specbuild_runtime.errors import SpecbuildError
 
 FLOAT_TYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
-PRECISIONS = tuple(FLOAT_TYPES)
-QUANTIZATIONS = ("none", "int8", "int4")
 DEFAULT_ACCURACY_LEVEL = 4  # MatMulNBits int8 compute: the fast one, exact row by row (see quantize.py)
 CHUNK_BYTES = 16 << 20  # stored bytes read at a time: what converting or quantizing a tensor holds beside its result
 
@@ -39,15 +38,11 @@ class Numerics:
     block_size: int = 32
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL
 
-    def __post_init__(self):
-        if self.precision not in FLOAT_TYPES:
-            raise SpecbuildError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
-        if self.quantization not in QUANTIZATIONS:
-            raise SpecbuildError(f"unknown quantization {self.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
-        if self.block_size < 16 or self.block_size & (self.block_size - 1):
-            raise SpecbuildError(f"block size {self.block_size} must be a power of two, 16 or more")
-        if self.accuracy_level not in range(5):
-            raise SpecbuildError(f"accuracy level {self.accuracy_level} must be 0..4")
+    def __post_init__(self):  # the settings' rules (recipe.RULES), for callers that build Numerics themselves
+        for setting, value in (("precision", self.precision), ("quantize", self.quantization),
+                               ("block_size", self.block_size), ("accuracy_level", self.accuracy_level)):
+            if problem := setting_problem(setting, value):
+                raise SpecbuildError(f"{setting} {problem}")
 
     @property
     def dtype(self) -> np.dtype:

@@ -21,7 +21,9 @@ engine's float type):
     the lookup keeps the float table (GatherBlockQuantized's CUDA kernel reads 4 bit only, as
     onnxruntime-genai's builder notes) and a tied head adds its 8-bit copy.
   * MatMulNBits pads K up to a multiple of block_size, so any hidden size works; block_size is a power
-    of two >= 16.
+    of two from 16 to 256 (onnxruntime's quantizer kernels take no other). GatherBlockQuantized does not:
+    it returns rows padded to whole blocks, so an int4 embedding table whose width is not a multiple of
+    block_size keeps the engine's float type, as at int8.
   * accuracy_level is MatMulNBits' compute type, default 4 (int8 compute, activations quantized per row
     and block). It is the fast one on this AVX2 CPU: an int4 target decodes 2.2x faster than at level 0
     (fp32 compute, slower than the fp32 model here). Row by row it is as exact as level 0: MatMulNBits

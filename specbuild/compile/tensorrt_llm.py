@@ -419,7 +419,7 @@ def write_plans(folder: Path, gamma: int, tp: int, max_seq_len: int, precision: 
              "vllm": VLLM_PLAN}
     texts = {
         "build": build_script(gamma, max_seq_len, precision),
-        "run": run_script(gamma, tp),
+        "run": run_script(gamma, tp, max_seq_len),
         "llm_api": llm_api_yaml(gamma, tp, target.path.resolve(), draft.path.resolve()),
         "vllm": vllm_script(gamma, tp, max_seq_len, DTYPES[precision][0], target, draft),
     }
@@ -453,10 +453,11 @@ trtllm-build --checkpoint_dir target --output_dir engines/target {common} \\
 """
 
 
-def run_script(gamma: int, tp: int) -> str:
+def run_script(gamma: int, tp: int, max_seq_len: int) -> str:
     """examples/run.py's draft-target mode (examples/draft_target_model/README.md): [draft_len, draft GPUs,
     target GPUs, use_logits]; each device list is as long as that engine's tp. run.py starts both engines
-    itself (ModelRunnerCpp in orchestrator mode, examples/run_dtm_pld.py), so no mpirun."""
+    itself (ModelRunnerCpp in orchestrator mode, examples/run_dtm_pld.py), so no mpirun. The default output
+    length leaves half the engines' max_seq_len to the prompt."""
     devices = "[" + ",".join(map(str, range(tp))) + "]"
     return f"""#!/usr/bin/env bash
 # Runs the engines build.sh made with TensorRT-LLM's examples/run.py in draft-target mode (written by
@@ -470,7 +471,7 @@ python3 "$TRTLLM_DIR/examples/run.py" \\
   --tokenizer_dir "$here/../{TOKENIZER_DIR}" \\
   --draft_target_model_config "[{gamma},{devices},{devices},False]" \\
   --kv_cache_enable_block_reuse --kv_cache_free_gpu_memory_fraction 0.4 \\
-  --max_output_len "${{MAX_OUTPUT_LEN:-128}}" --input_text "${{1:-def fibonacci(n):}}"
+  --max_output_len "${{MAX_OUTPUT_LEN:-{min(128, max_seq_len // 2)}}}" --input_text "${{1:-def fibonacci(n):}}"
 """
 
 

@@ -18,7 +18,8 @@ def vocab_table(g: GraphBuilder, name: str, vocab_size: int) -> Weight:
 def embedding(g: GraphBuilder, ids: ir.Value, table: Weight) -> ir.Value:
     """ids [S] -> rows of the table [S, H]."""
     numerics = g.numerics
-    if numerics.quantization == "int4":
+    # GatherBlockQuantized returns rows padded to whole blocks, so a table of another width stays float.
+    if numerics.quantization == "int4" and table.shape(g.ckpt)[1] % numerics.block_size == 0:
         data, scales, zero_points = g.quantized(table, table=True)
         return g.op("GatherBlockQuantized", data, ids, scales, zero_points, domain=MS, gather_axis=0,
                     quantize_axis=1, block_size=numerics.block_size, bits=4)
