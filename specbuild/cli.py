@@ -219,7 +219,8 @@ def inspect(bundle, as_json) -> None:
         click.echo(manifest.to_json())
         return
     click.echo(f"bundle     {bundle}  (format v{manifest.format_version}, {manifest.created_by}, files intact)")
-    click.echo(f"max gamma  {manifest.gamma} (adaptive)   max-seq-len {manifest.max_seq_len}   eos {manifest.eos_token_ids}")
+    gamma = f"max gamma  {manifest.gamma} (adaptive)   " if manifest.engines else ""  # TensorRT-LLM: its plans' draft length
+    click.echo(f"{gamma}max-seq-len {manifest.max_seq_len}   eos {manifest.eos_token_ids}")
     if manifest.build:
         click.echo(f"compiled   in {manifest.build['seconds']:.0f} s, peak memory {manifest.build['peak_rss_bytes'] / 2**30:.2f} GiB")
     for role, e in manifest.engines.items():

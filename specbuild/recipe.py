@@ -64,6 +64,10 @@ class CompileSettings:
                 setattr(self, f.name, Path(value))
         if self.tp > 1 and self.backend == "onnx":
             raise SettingsError(f"tp {self.tp} splits the TensorRT-LLM export; add --backend tensorrt-llm or all")
+        quantized = {self.quantization("target"), self.quantization("draft")} != {"none"}
+        if not quantized and (self.block_size != 32 or self.accuracy_level is not None):
+            raise SettingsError("block_size and accuracy_level shape quantized engines; add --quantize int4|int8 "
+                                "(or --target-quantize / --draft-quantize), or leave them out")
 
     def quantization(self, role: str) -> str:
         own = self.target_quantize if role == "target" else self.draft_quantize

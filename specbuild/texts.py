@@ -32,8 +32,8 @@ def read_prompts(path: Path) -> list[str]:
             prompt = json.loads(line)["prompt"]
         except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
             raise SpecbuildError(f'{path}:{number} is not a JSON object with a "prompt" field') from None
-        if not isinstance(prompt, str):
-            raise SpecbuildError(f'{path}:{number}: "prompt" must be a string, not {prompt!r:.40}')
+        if not isinstance(prompt, str) or not prompt:
+            raise SpecbuildError(f'{path}:{number}: "prompt" must be a non-empty string, not {prompt!r:.40}')
         prompts.append(prompt)
     if not prompts:
         raise SpecbuildError(f"{path} has no prompts")

@@ -41,6 +41,9 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
                               "(install a CUDA build of torch, or use --device cpu)")
         if precision == "fp32":
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    if not (Path(path) / "config.json").is_file():
+        raise CheckpointError(f"{role} checkpoint {path} is not a Hugging Face checkpoint folder (no config.json); "
+                              "pass the folder the bundle was compiled from")
     logging.disable_progress_bar()  # a bar per load on stderr, where a pipeline reads one-line errors
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, TORCH_DTYPES[precision]), use_safetensors=True,

@@ -149,6 +149,8 @@ class SpeculativeDecoder:
         if shared_thread_pool:
             use_shared_thread_pool()
         parallel = whole("parallel", parallel, low=1)
+        if not isinstance(bundle, (str, os.PathLike)):
+            raise BundleError(f"bundle must be a path to a bundle folder, not {bundle!r:.40}")
         self.root = Path(bundle)
         self.manifest = load_manifest(self.root, check_digests=check_digests, require_engines=True)
         self.max_seq_len = self.manifest.max_seq_len
