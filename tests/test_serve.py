@@ -228,6 +228,7 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
     ("chat/completions", {"messages": [{"role": "assistant", "content": "hi"}]}, "roles must alternate"),
     ("chat/completions", {"messages": [{"role": "user"}]}, "messages[0] has no 'content'"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content is not valid UTF-8"),
     ("completions", b'{"prompt": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", "nests JSON too deeply"),
 ]
 
@@ -444,8 +445,22 @@ def test_timeout_ends_a_decoding_stream_and_a_queued_request(bundle):
     with in_process(bundle, timeout=1.0) as (url, decoder, _), streaming(url) as (first, rest):
         queued = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4}, timeout=60)
         assert queued.status_code == 503 and "timeout" in queued.json()["error"]["message"]
+        with streaming(url, PROMPTS[0], 4) as (queued_first, queued_rest):  # streamed: the same 503, as an event
+            queued_events = [queued_first, *queued_rest]
+        assert queued_events[-1] == "data: [DONE]" and error_of(queued_events[-2])["code"] == 503
         events = [first, *rest]
         assert events[-1] == "data: [DONE]" and error_of(events[-2])["type"] == "timeout"
+
+
+def test_connections_beyond_max_connections_get_503(bundle):
+    with in_process(bundle, max_connections=1) as (url, decoder, _):
+        decoder.go.set()
+        assert httpx.get(f"{url}/health").status_code == 200
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))):  # an idle client holds the only connection
+            time.sleep(0.2)
+            assert httpx.get(f"{url}/health").status_code == 503
+        wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, "the connection was released")
 
 
 def test_shutdown_cuts_a_stream_after_the_grace_period_with_a_clean_end(bundle):

@@ -44,6 +44,7 @@ class Settings:
     max_queue: int = 64  # requests waiting for a slot before new ones get 429
     timeout: float | None = 600.0  # seconds from arrival to the last token; None: no limit
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    max_connections: int = 1024  # open connections (and requests) at once; more get 503
 
 
 class Server:
@@ -72,6 +73,8 @@ class Server:
     def http_server(self, host: str, port: int, log_level: str = "info") -> Uvicorn:
         """uvicorn serving this app until SIGTERM/SIGINT (or `should_exit`), then draining (see Uvicorn)."""
         config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
+                                # uvicorn counts the newcomer too: max_connections are served, the next gets 503
+                                limit_concurrency=self.settings.max_connections + 1,
                                 timeout_graceful_shutdown=self.settings.shutdown_timeout + 5)  # a backstop: drain cuts first
         return Uvicorn(config, self.scheduler, self.settings.shutdown_timeout)
 
@@ -114,8 +117,8 @@ class Server:
             # Tokenizing (and rendering a chat) costs up to milliseconds: off the event loop.
             checked = await asyncio.to_thread(self._checked, request)
             job = self.scheduler.submit(checked)
-        except (ApiError, RequestError, Overloaded, Unavailable) as exc:
-            return self._refuse(endpoint, exc)
+        except Exception as exc:  # a bug among them is answered (500, logged, counted) here, where the
+            return self._refuse(endpoint, exc)  # connection stays usable: Starlette's last handler closes it
         reply = Reply(endpoint, self.settings.model)
         if request.stream:
             return EventStream(self._events(endpoint, job, reply, request.include_usage), media_type="text/event-stream")
@@ -194,7 +197,7 @@ class Server:
                 outcome = "ok"
             except Stopped as stop:  # headers are sent: the error travels as an event, as vLLM sends it
                 outcome = stop.reason
-                yield sse(_stopped_error(stop, started=True).body())
+                yield sse(_stopped_error(stop, job.started).body())
             except Exception as exc:
                 outcome = "error"
                 yield sse(_as_api_error(exc).body())

@@ -18,6 +18,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import BundleError, RequestError
+from ..validation import utf8
 
 TEMPLATE_FILE = "chat_template.jinja"  # transformers >= 4.47 saves the template here
 CONFIG_FILE = "tokenizer_config.json"  # older checkpoints keep it under "chat_template"
@@ -75,6 +76,7 @@ def _message(message, index: int) -> dict:
         content = ""
     elif not isinstance(content, str):
         raise RequestError(f"messages[{index}].content must be a string or a list of text parts")
+    utf8(f"messages[{index}].content", content)  # JSON can carry lone surrogates ("\ud800"), which no tokenizer takes
     return {**message, "content": content}
 
 

@@ -45,9 +45,11 @@ class Finite(click.FloatRange):
               help="Seconds a request may take from arrival to its last token (0 = no limit).")
 @click.option("--shutdown-timeout", type=Finite(min=0), default=30.0, show_default=True,
               help="On SIGTERM, seconds in-flight requests get to finish before they are cut.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Open connections at once; more get 503 (slow or idle clients cannot exhaust the server's files).")
 @click.option("--model-name", help="The model name clients send and /v1/models lists.  [default: the bundle folder's name]")
 def serve_command(bundle, host, port, device, cuda_graphs, parallel, threads, max_queue, timeout, shutdown_timeout,
-                  model_name) -> None:
+                  max_connections, model_name) -> None:
     """Serve a bundle over the OpenAI HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     from ..decode import SpeculativeDecoder
     from ..engine import use_shared_thread_pool
@@ -62,7 +64,7 @@ def serve_command(bundle, host, port, device, cuda_graphs, parallel, threads, ma
     use_shared_thread_pool(threads or max(1, len(os.sched_getaffinity(0)) // parallel))
     decoder = SpeculativeDecoder(bundle, device=device, parallel=parallel, shared_thread_pool=True, cuda_graphs=cuda_graphs)
     settings = Settings(model=model_name or Path(bundle).resolve().name, max_queue=max_queue,
-                        timeout=timeout or None, shutdown_timeout=shutdown_timeout)
+                        timeout=timeout or None, shutdown_timeout=shutdown_timeout, max_connections=max_connections)
     server = Server(decoder, settings)
     where = f"[{host}]" if ":" in host else host
     click.echo(f"serving {settings.model!r} from {bundle} on http://{where}:{listener.getsockname()[1]}: "
