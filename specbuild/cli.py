@@ -141,7 +141,8 @@ def cli(ctx: click.Context, debug: bool) -> None:
                    "Both keep speculative output identical to the target's own.  [default: 4]")
 @click.option("--precision", type=click.Choice(PRECISIONS), help="Float type of the engines (fp16/bf16 for GPU).  [default: fp32]")
 @click.option("--quality-report/--no-quality-report", default=None, help="Measure quantized engines against fp32 into the manifest.  [default: on]")
-@click.option("--overwrite", is_flag=True, default=None, help="Replace the bundle at --output (never anything that is not a bundle).")
+@click.option("--overwrite/--no-overwrite", default=None,
+              help="Replace the bundle at --output (never anything that is not a bundle); --no-overwrite undoes a recipe's.")
 @click.option("--backend", type=click.Choice(BACKENDS),
               help="ONNX engines for this runtime, TensorRT-LLM checkpoints with build/run/serve plans, or both.  [default: onnx]")
 @click.option("--tp", type=Setting("tp"), help="Tensor-parallel ranks of the TensorRT-LLM checkpoints (GPUs per engine).  [default: 1]")

@@ -212,3 +212,14 @@ def test_a_prompts_file_may_start_with_a_bom(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text('\ufeff{"prompt": "a"}\n{"prompt": "b"}\n', encoding="utf-8")
     assert read_prompts(path) == ["a", "b"]
+
+
+def test_no_overwrite_on_the_command_line_wins_over_a_recipes_overwrite(bundles, checkpoints, tmp_path):
+    output = tmp_path / "bundle"
+    shutil.copytree(bundles("llama"), output)
+    recipe = tmp_path / "pair.toml"
+    recipe.write_text(f'[compile]\ntarget = "{checkpoints("llama")}"\ndraft = "{checkpoints("llama")}"\n'
+                      f'output = "bundle"\nmax_seq_len = 64\noverwrite = true\n')
+    result = subprocess.run([sys.executable, "-m", "specbuild", "compile", "--recipe", str(recipe), "--no-overwrite"],
+                            capture_output=True, text=True)
+    assert result.returncode == 1 and "pass --overwrite" in result.stderr, result.stderr

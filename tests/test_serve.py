@@ -220,6 +220,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "inclde": 1}},
      "unrecognized stream_options argument: 'inclde'"),
     ("completions", {"prompt": "x", "logprobs": 2}, "'logprobs' is not supported"),
+    ("completions", {"prompt": "x", "presence_penalty": False}, "'presence_penalty' is not supported"),
     ("completions", {"prompt": "x", "frobnicate": 1}, "unrecognized request argument: 'frobnicate'"),
     ("completions", {"prompt": "x", "stream": "yes"}, "stream must be true or false"),
     ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "only with stream: true"),

@@ -30,6 +30,8 @@ UNSUPPORTED = {"logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_b
                "frequency_penalty", "tools", "tool_choice", "functions", "function_call", "response_format",
                "parallel_tool_calls", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options"}
 
+FLAGS = {"logprobs", "echo", "parallel_tool_calls"}  # the unsupported parameters that are true/false
+
 # The runtime's names for what the API calls otherwise, to name them back in error messages.
 RUNTIME_NAMES = {"max_new_tokens": "max_tokens"}
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "context": "length"}
@@ -118,7 +120,9 @@ def _neutral(name: str, value) -> bool:
     """Whether an unsupported parameter is left as if absent (`"logprobs": null`, `"best_of": 1`, ...)."""
     if type(value) in (int, float):
         return value == (1 if name == "best_of" else 0)
-    return value in (None, False, "", [], {})
+    if type(value) is bool:  # false is absent only where the parameter is a flag; a number given false is wrong
+        return not value and name in FLAGS
+    return value in (None, "", [], {})
 
 
 def _one_prompt(body: dict):
