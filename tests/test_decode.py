@@ -57,6 +57,28 @@ def test_eight_threads_on_one_decoder_get_their_sequential_outputs(bundle, seque
     assert decoder.slots.in_use == 0
 
 
+def test_a_thread_waits_for_a_slot_held_by_a_stream_another_thread_now_drives(bundle, sequential):
+    """The stream starts here and moves to a worker: this thread no longer holds the slot, so its own
+    generate waits for the worker to finish instead of being refused as a same-thread deadlock."""
+    decoder = SpeculativeDecoder(bundle, parallel=1)
+    (prompt, options), (other, other_options) = REQUESTS[1], REQUESTS[2]
+    moved = decoder.stream(prompt, NEW_TOKENS, **options)
+    first = [next(moved)]
+    resumed = threading.Event()
+
+    def finish():
+        first.append(next(moved))
+        resumed.set()
+        first.extend(moved)
+
+    worker = threading.Thread(target=finish)
+    worker.start()
+    assert resumed.wait(60)
+    assert decoder.generate(other, NEW_TOKENS, **other_options).token_ids == sequential[2]
+    worker.join(60)
+    assert first == sequential[1]
+
+
 def test_interleaved_streams_in_one_thread_each_decode_as_alone(bundle, sequential):
     decoder = SpeculativeDecoder(bundle, parallel=2)
     a, b = (decoder.stream(prompt, NEW_TOKENS, **options) for prompt, options in (REQUESTS[1], REQUESTS[4]))

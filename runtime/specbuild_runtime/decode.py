@@ -246,6 +246,7 @@ class SpeculativeDecoder:
                 if text is not None:
                     text.push(token)
                 yield token
+                self.slots.claim(slot)  # the thread that resumed the stream is now the one that can finish it
                 if text is not None and text.stopped:
                     stats.finish_reason = "stop"
                     return

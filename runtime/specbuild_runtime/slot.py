@@ -371,6 +371,10 @@ class SlotPool:
     def in_use(self) -> int:
         return self.size - len(self._free)
 
+    def claim(self, slot: Slot) -> None:
+        """Record the calling thread as the one driving slot's stream (a stream may move between threads)."""
+        self._owners[slot.index] = threading.get_ident()  # one dict store: atomic under the GIL
+
     @contextmanager
     def take(self) -> Iterator[Slot]:
         me = threading.get_ident()
