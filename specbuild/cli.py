@@ -24,7 +24,7 @@ from specbuild_runtime.validation import GREEDY_BELOW
 
 from . import __version__
 from .bench.peers import KNOWN as PEERS
-from .recipe import BACKENDS, MAX_GAMMA, PRECISIONS, QUANTIZATIONS, setting_problem
+from .recipe import BACKENDS, DEFAULT_BLOCK_SIZE, MAX_GAMMA, PRECISIONS, QUANTIZATIONS, setting_problem
 
 EXIT_INPUT, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED = 1, 2, 3, 130
 
@@ -135,7 +135,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--quantize", type=click.Choice(QUANTIZATIONS), help="Weight quantization of both engines.  [default: none]")
 @click.option("--target-quantize", type=click.Choice(QUANTIZATIONS), help="Override --quantize for the target.")
 @click.option("--draft-quantize", type=click.Choice(QUANTIZATIONS), help="Override --quantize for the draft.")
-@click.option("--block-size", type=Setting("block_size"), help="Quantization block size along the input dimension (a power of two from 16 to 256).  [default: 32]")
+@click.option("--block-size", type=Setting("block_size"), help=f"Quantization block size along the input dimension (a power of two from 16 to 256).  [default: {DEFAULT_BLOCK_SIZE}]")
 @click.option("--accuracy-level", type=Setting("accuracy_level"),
               help="MatMulNBits compute type of quantized engines: 4 = int8 compute (fast on CPU), 0 = fp32. "
                    "Both keep speculative output identical to the target's own.  [default: 4]")

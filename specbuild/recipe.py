@@ -31,6 +31,7 @@ from .errors import SettingsError
 DEFAULT_GAMMA = 8
 DEFAULT_MAX_SEQ_LEN = 2048
 QUANTIZATIONS = ("none", "int8", "int4")
+DEFAULT_BLOCK_SIZE = 32
 BACKENDS = ("onnx", "tensorrt-llm", "all")
 
 
@@ -44,7 +45,7 @@ class CompileSettings:
     quantize: str = "none"  # both engines, unless overridden per engine below
     target_quantize: str | None = None
     draft_quantize: str | None = None
-    block_size: int = 32
+    block_size: int = DEFAULT_BLOCK_SIZE
     accuracy_level: int | None = None
     precision: str = "fp32"
     quality_report: bool = True
@@ -65,7 +66,7 @@ class CompileSettings:
         if self.tp > 1 and self.backend == "onnx":
             raise SettingsError(f"tp {self.tp} splits the TensorRT-LLM export; add --backend tensorrt-llm or all")
         quantized = {self.quantization("target"), self.quantization("draft")} != {"none"}
-        if not quantized and (self.block_size != 32 or self.accuracy_level is not None):
+        if not quantized and (self.block_size != DEFAULT_BLOCK_SIZE or self.accuracy_level is not None):
             raise SettingsError("block_size and accuracy_level shape quantized engines; add --quantize int4|int8 "
                                 "(or --target-quantize / --draft-quantize), or leave them out")
 

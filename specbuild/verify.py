@@ -6,6 +6,7 @@ from pathlib import Path
 
 from specbuild_runtime.errors import DeviceError, first_line
 
+from .compile.load import checkpoint_digest
 from .errors import CheckpointError
 from .texts import read_prompts
 
@@ -57,8 +58,6 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
 def recorded_source(engine, role: str) -> Path:
     """The checkpoint an engine was compiled from, as the manifest records it, refused if it is gone or
     has changed since: a peer would then run another model than the bundle's."""
-    from .compile.load import checkpoint_digest
-
     path = Path(engine.source["path"])
     if not path.is_dir():
         raise CheckpointError(f"the bundle's {role} was compiled from {path}, which no longer exists; put the "
@@ -86,6 +85,11 @@ def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens
 
     prompts = read_prompts(prompts_file)
     decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs)
+    encoded = [decoder.encode(prompt) for prompt in prompts]
+    for index, prompt_ids in enumerate(encoded):  # all checked before loading the model and decoding
+        if len(prompt_ids) >= decoder.max_seq_len:
+            raise CheckpointError(f"prompt {index + 1} of {prompts_file} has {len(prompt_ids)} tokens, which fill the "
+                                  f"bundle's context of {decoder.max_seq_len}; shorten it")
     engine = decoder.manifest.engines["target"]
     precision = engine.precision
     model = load_reference(target, device=decoder.device, precision=precision)
@@ -95,11 +99,6 @@ def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens
                               f"{engine.shape.vocab_size} tokens: it is not the model this bundle was compiled from; "
                               f"pass --target {engine.source['path']}")
     eos = sorted(decoder.eos_token_ids)
-    encoded = [decoder.encode(prompt) for prompt in prompts]
-    for index, prompt_ids in enumerate(encoded):  # all checked before minutes of decoding
-        if len(prompt_ids) >= decoder.max_seq_len:
-            raise CheckpointError(f"prompt {index + 1} of {prompts_file} has {len(prompt_ids)} tokens, which fill the "
-                                  f"bundle's context of {decoder.max_seq_len}; shorten it")
     tokens, divergences = 0, []
     for index, (prompt, prompt_ids) in enumerate(zip(prompts, encoded)):
         # The bundle stops where its context is full; transformers is held to the same length.
@@ -125,8 +124,6 @@ def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens
             d.update(transformers_vs_fp32=first_difference(theirs, reference), bundle_vs_fp32=first_difference(ours, reference))
     for d in divergences:
         del d["outputs"]
-    from .compile.load import checkpoint_digest
-
     report = {"identical": not divergences, "prompts": len(prompts), "tokens": tokens, "device": decoder.device,
               "precision": precision, "quantization": engine.quantization,
               "same_source": checkpoint_digest(target, "target") == engine.source["sha256"]}

@@ -21,7 +21,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..errors import UnsupportedModelError
-from ..recipe import setting_problem
+from ..recipe import DEFAULT_BLOCK_SIZE, setting_problem
 from specbuild_runtime.errors import SpecbuildError
 
 FLOAT_TYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
@@ -35,7 +35,7 @@ class Numerics:
 
     precision: str = "fp32"
     quantization: str = "none"
-    block_size: int = 32
+    block_size: int = DEFAULT_BLOCK_SIZE
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL
 
     def __post_init__(self):  # the settings' rules (recipe.RULES), for callers that build Numerics themselves

@@ -17,7 +17,7 @@ import torch
 from specbuild_runtime.errors import first_line
 
 from ..acceptance import expected_tokens_per_call, rounds, theoretical_speedup
-from ..compile.load import ARCHITECTURES
+from ..compile.load import ARCHITECTURES, model_spec
 from ..errors import CheckpointError, TrainingError, UnsupportedModelError
 from ..verify import load_reference
 from .divergence import distill_loss
@@ -121,8 +121,6 @@ def build_draft(target, tokenizer, draft_config: dict | None, init: Path | None,
     from transformers import AutoModelForCausalLM
 
     if init is None:
-        from ..compile.load import model_spec
-
         config = shrunk_config(target.config, draft_config)
         torch.manual_seed(seed)
         try:

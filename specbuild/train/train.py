@@ -204,10 +204,13 @@ def is_checkpoint(folder: Path) -> bool:
     return (folder / "config.json").is_file()
 
 
+CHECKPOINT = dict(is_kind=is_checkpoint, kind="checkpoint")  # what guarded outputs of checkpoints may replace
+
+
 def check_checkpoint_output(out_dir: Path, overwrite: bool, inputs: dict[str, Path | None]) -> None:
     """Refuse (OutputError) an output that writing a checkpoint there would lose: an input, or a folder
     that is neither empty nor (with overwrite) a checkpoint. Run before training, so a refusal costs nothing."""
-    check_output(out_dir, overwrite=overwrite, is_kind=is_checkpoint, kind="checkpoint", inputs=inputs)
+    check_output(out_dir, overwrite=overwrite, inputs=inputs, **CHECKPOINT)
 
 
 def save_checkpoint(model, tokenizer, out_dir: Path, *, overwrite: bool = False,
@@ -219,7 +222,7 @@ def save_checkpoint(model, tokenizer, out_dir: Path, *, overwrite: bool = False,
     out_dir = Path(out_dir)
     eos = tokenizer.eos_token_id
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=eos)
-    with guarded_folder(out_dir, overwrite=overwrite, is_kind=is_checkpoint, kind="checkpoint", inputs=inputs) as staging:
+    with guarded_folder(out_dir, overwrite=overwrite, inputs=inputs, **CHECKPOINT) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
 
