@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from specbuild_runtime.engine import PROVIDERS
+from specbuild_runtime.engine import PROVIDERS, session_options
 
 HEADS, KV_HEADS, HEAD_DIM, MAX_LEN = 4, 2, 64, 32  # head_dim of Llama-class models
 # (first position, total length) of each call: a prompt of 7, verification calls of 2 and 5 rows, a
@@ -36,7 +36,8 @@ def gqa_model(dtype) -> bytes:
     node = helper.make_node("GroupQueryAttention", [i.name for i in inputs], [o.name for o in outputs], domain="com.microsoft",
                             num_heads=HEADS, kv_num_heads=KV_HEADS, scale=HEAD_DIM ** -0.5)
     graph = helper.make_graph([node], "gqa", inputs, outputs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
+                               ir_version=10)
     return model.SerializeToString()
 
 
@@ -64,7 +65,7 @@ DEVICES = [pytest.param("cpu", np.float32, id="cpu-fp32"), pytest.param("cpu", n
 def test_group_query_attention_over_a_shared_cache_matches_numpy(device, dtype):
     if device == "cuda":
         ort.preload_dlls()
-    session = ort.InferenceSession(gqa_model(dtype), providers=[PROVIDERS[device]])
+    session = ort.InferenceSession(gqa_model(dtype), session_options(), providers=[PROVIDERS[device]])
     rng = np.random.default_rng(0)
     keys, values = np.zeros((MAX_LEN, KV_HEADS, HEAD_DIM)), np.zeros((MAX_LEN, KV_HEADS, HEAD_DIM))  # what the cache should hold
     binding = session.io_binding()

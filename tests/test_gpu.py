@@ -13,7 +13,7 @@ from specbuild.compile import compile_bundle
 from specbuild.recipe import CompileSettings
 from specbuild.verify import first_difference
 from specbuild_runtime import SpeculativeDecoder
-from specbuild_runtime.engine import PROVIDERS, Engine
+from specbuild_runtime.engine import PROVIDERS, Engine, session_options
 
 pytestmark = [
     pytest.mark.gpu,
@@ -119,20 +119,29 @@ def test_no_call_copies_between_host_and_gpu(graph, role, precision, precision_b
 
     folder = precision_bundles(precision)
     info = load_manifest(folder).engines[role]
-    options = ort.SessionOptions()
+    options = session_options()  # the process may share one thread pool
     options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
     options.optimized_model_filepath = str(tmp_path / "partitioned.onnx")
     session = ort.InferenceSession(str(folder / getattr(info, graph)), options, providers=["CUDAExecutionProvider"])
     on_cpu = [(node.op_type, node.name) for subgraph in session.get_provider_graph_assignment_info()
               if subgraph.ep_name != "CUDAExecutionProvider" for node in subgraph.get_nodes()]
-    copies = [f"{n.op_type} {n.name}" for n in _nodes(onnx.load(str(tmp_path / "partitioned.onnx"), load_external_data=False).graph)
-              if n.op_type.startswith("Memcpy")]
+    nodes = list(_nodes(onnx.load(str(tmp_path / "partitioned.onnx"), load_external_data=False).graph))
+    readers = {}  # value -> the nodes that read it
+    for n in nodes:
+        for name in n.input:
+            readers.setdefault(name, []).append(n)
     attention_on_cpu = [name for op, name in on_cpu if op == "GroupQueryAttention"]
     if precision == "fp32":
         assert len(attention_on_cpu) == info.shape.num_layers, f"fp32 {role}: attention on the CPU: {attention_on_cpu}"
-    else:
-        assert not copies and not attention_on_cpu, (f"{len(copies)} copies in the {precision} {role}: {copies[:20]}; "
-                                                     f"its nodes on the CPU: {on_cpu[:30]}")
+        return
+    # The full graph is never captured: its sampling decisions (If conditions: sampling or not, top-k,
+    # top-p) may cross, after the model's layers. Nothing else may, in either graph.
+    decisions = {"If", "Less", "Greater"}
+    crossing = [f"{n.op_type} {n.name} ({n.input[0]} -> {[r.name for r in readers.get(n.output[0], [])]})"
+                for n in nodes if n.op_type.startswith("Memcpy")
+                if graph == "greedy_file" or not {r.op_type for r in readers.get(n.output[0], [])} <= decisions]
+    assert not crossing and not attention_on_cpu, (f"{len(crossing)} copies in the {precision} {role} {graph}: "
+                                                   f"{crossing[:20]}; its nodes on the CPU: {on_cpu[:30]}")
 
 
 def test_token_ids_and_caches_are_bound_on_the_device(precision_bundles):
@@ -164,20 +173,13 @@ def test_threads_on_a_cuda_decoder_get_their_sequential_outputs(precision_bundle
     assert got == expected
 
 
-@pytest.mark.parametrize("architecture, precision", [("llama", "fp16"), ("llama", "bf16"), ("gpt2", "fp16")])
-def test_cuda_graphs_decode_the_tokens_of_uncaptured_calls(architecture, precision, precision_bundles, checkpoints,
-                                                          tmp_path):
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cuda_graphs_decode_the_tokens_of_uncaptured_calls(precision, precision_bundles):
     """cuda_graphs=True: the greedy-only graphs, each call shape run uncaptured (slot.WARM_UP_RUNS), then
     captured and replayed. Two passes over the prompts in slot 1 (slot 0 held busy), so the second replays
-    what the first captured, and a third in slot 0 (graphs of its own). GPT-2 reads its learned positions
-    from seqlens_k on the device: from the host they would be frozen at capture. Seeded sampling with a
-    fixed γ draws the full graphs' tokens through the sampler."""
-    if architecture == "llama":
-        folder = precision_bundles(precision)
-    else:
-        folder = tmp_path / architecture
-        compile_bundle(CompileSettings(target=checkpoints(architecture, 0), draft=checkpoints(architecture, 1),
-                                       output=folder, max_seq_len=256, precision=precision), show_progress=False)
+    what the first captured, and a third in slot 0 (graphs of its own). Seeded sampling with a fixed γ
+    draws the full graphs' tokens through the sampler."""
+    folder = precision_bundles(precision)
     plain = SpeculativeDecoder(folder, device="cuda")
     graphs = SpeculativeDecoder(folder, device="cuda", cuda_graphs=True, parallel=2)
     assert graphs.target.captures and graphs.draft.captures
@@ -190,13 +192,13 @@ def test_cuda_graphs_decode_the_tokens_of_uncaptured_calls(architecture, precisi
             for gamma in (0, 1, graphs.max_gamma, "auto"):
                 expected = plain.generate(prompt, NEW_TOKENS, gamma).token_ids
                 got = graphs.generate(prompt, NEW_TOKENS, gamma).token_ids
-                assert got == expected, (f"{architecture} {precision} γ={gamma}, pass {rerun + 1}: token "
+                assert got == expected, (f"{precision} γ={gamma}, pass {rerun + 1}: token "
                                          f"{first_difference(got, expected)} differs from uncaptured calls, prompt {prompt!r}")
                 if gamma != "auto":  # seeded sampling (the bundle's sampler after each captured call)
                     sampled = {"temperature": 0.8, "top_p": 0.9, "seed": rerun}
                     expected = plain.generate(prompt, NEW_TOKENS, gamma, **sampled).token_ids
                     got = graphs.generate(prompt, NEW_TOKENS, gamma, **sampled).token_ids
-                    assert got == expected, (f"{architecture} {precision} γ={gamma} sampled, pass {rerun + 1}: token "
+                    assert got == expected, (f"{precision} γ={gamma} sampled, pass {rerun + 1}: token "
                                              f"{first_difference(got, expected)} differs from the full graphs' sampling, "
                                              f"prompt {prompt!r}")
 
@@ -228,3 +230,15 @@ def test_cuda_graphs_of_an_fp32_bundle_are_refused_in_one_line(precision_bundles
 
     with pytest.raises(BundleError, match="fp32.*cannot be captured as CUDA graphs"):
         SpeculativeDecoder(precision_bundles("fp32"), device="cuda", cuda_graphs=True)
+
+
+def test_cuda_graphs_of_a_gpt2_bundle_are_refused_in_one_line(checkpoints, tmp_path):
+    """Replayed GPT-2 calls gave other tokens than uncaptured ones on an H100 (the first decision of a
+    request, fp16); refused until that is understood."""
+    from specbuild_runtime import BundleError
+
+    folder = tmp_path / "gpt2"
+    compile_bundle(CompileSettings(target=checkpoints("gpt2", 0), draft=checkpoints("gpt2", 1), output=folder,
+                                   max_seq_len=256, precision="fp16"), show_progress=False)
+    with pytest.raises(BundleError, match="GPT-2.*without CUDA graphs"):
+        SpeculativeDecoder(folder, device="cuda", cuda_graphs=True)

@@ -105,7 +105,7 @@ def test_cuda_graph_calls_decode_the_tokens_of_the_full_graphs_and_each_graph_id
     """cuda_graphs=True runs the engines' greedy-only graphs with fixed-row target calls, each call naming the
     CUDA graph it replays as on a GPU (onnxruntime's CPU provider ignores the ids, so the bookkeeping runs
     here). A replay reads nothing on the host, so an id must always name the same slot, row count,
-    num_drafts, input buffer and length octave; a prompt's first call (total_len == rows) and a call too
+    num_drafts and input buffer, at any length (total_len is fed as max_seq_len); a prompt's first call (total_len == rows) and a call too
     long for a reused buffer name none (-1), and every id runs uncaptured first (WARM_UP_RUNS)."""
     calls = []
     choose = EngineSlot._graph
@@ -116,7 +116,7 @@ def test_cuda_graph_calls_decode_the_tokens_of_the_full_graphs_and_each_graph_id
             return options
         buffer = self._ids[rows].value.data_ptr() if rows <= MAX_REUSED_IDS else None
         calls.append((self.engine.info.role, self.graph_id(rows, num_drafts, total_len),
-                      (self.index, rows, num_drafts, buffer, total_len.bit_length()), total_len,
+                      (self.index, rows, num_drafts, buffer), total_len,
                       int(options.get_run_config_entry("gpu_graph_id"))))
         return options
 

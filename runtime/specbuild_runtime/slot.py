@@ -203,7 +203,11 @@ class EngineSlot:
 
     def _call(self, first: int, total_len: int, num_drafts: int, uniforms: np.ndarray | None, probs_row: int):
         self._bind_ids(self._fed[first:total_len])
-        self._total_len.host[()] = total_len
+        # GroupQueryAttention reads total_len on the host and sizes its kernels by it; the lengths it attends
+        # over come from seqlens_k on the device. A CUDA graph replays its capture's total_len, so under
+        # captures every call over a cache says the cache is full: one kernel shape at every length (a
+        # replay at a later length than its capture's gave other tokens on an H100).
+        self._total_len.host[()] = self.engine.max_seq_len if first and self.engine.captures else total_len
         self._seqlens_k.host[0] = total_len - 1
         self._num_drafts.host[()] = num_drafts
         if self._copies:
@@ -233,18 +237,16 @@ class EngineSlot:
         """The CUDA graph that a call of `rows` tokens replays, or -1: none, it runs as usual.
 
         A replay runs the kernels its capture recorded, at the same addresses, and reads nothing on the
-        host. So each (slot, rows, num_drafts) has a graph of its own: the rows and num_drafts set shapes,
-        and each row count has its own input buffer (a call of more than MAX_REUSED_IDS tokens gets a new
-        one: never captured). GroupQueryAttention reads total_len on the host to tell a prompt's first call
-        (total_len == rows, no cache before it) from a call over a cache, and picks its kernels for it: a
-        first call is never captured. It also splits the cache into as many blocks as total_len calls for,
-        which is correct at any length but fast only near the capture's, so lengths in each octave
-        (total_len.bit_length()) have graphs of their own.
+        host. So each (slot, rows, num_drafts) has a graph of its own: the rows and num_drafts set shapes
+        (and the host values computed from num_drafts), and each row count has its own input buffer (a
+        call of more than MAX_REUSED_IDS tokens gets a new one: never captured). GroupQueryAttention reads
+        total_len on the host to tell a prompt's first call (total_len == rows, no cache before it) from a
+        call over a cache: a first call is never captured, and every later one is fed the same total_len
+        (see _call), so one graph serves every length.
         """
         if not self.engine.captures or rows > MAX_REUSED_IDS or total_len == rows:
             return -1
-        shape = (self.index * (MAX_REUSED_IDS + 1) + rows) * MAX_REUSED_IDS + num_drafts  # num_drafts < rows
-        return shape * 32 + total_len.bit_length()  # never 0, which onnxruntime reserves
+        return (self.index * (MAX_REUSED_IDS + 1) + rows) * MAX_REUSED_IDS + num_drafts  # > 0: onnxruntime reserves 0
 
     def _graph(self, rows: int, num_drafts: int, total_len: int) -> ort.RunOptions | None:
         if not self.engine.captures:

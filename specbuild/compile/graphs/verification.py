@@ -50,7 +50,10 @@ def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_dra
     greedy = g.branch("branch.greedy")
     _branch_outputs(greedy, *_greedy_tail(greedy, logits, drafts, drafts_1d), greedy.const([], np.float32))
     sample = g.branch("branch.sampling")
-    _branch_outputs(sample, *_sampling_tail(sample, logits, drafts, drafts_1d, num_drafts, sampling))
+    # top_k is made a host value here, in the graph: a node inside a branch reads it as an outer value,
+    # which onnxruntime never leaves on the CPU for the node's sake.
+    sampled = _sampling_tail(sample, logits, drafts, drafts_1d, _host_top_k(g, sampling, input_ids))
+    _branch_outputs(sample, *sampled)
     is_sampling = g.op("Greater", sampling.temperature, g.const(0.0, np.float32))
     accepted, next_token, probs = g.op("If", is_sampling, outputs=3, then_branch=sample.graph(), else_branch=greedy.graph())
     return accepted, next_token, probs, logits
@@ -75,7 +78,7 @@ def build_sampler() -> ir.Model:
         uniforms=g.input("uniforms", FLOAT, ["D+1"]),
     )
     drafts, drafts_1d = _drafts(g, input_ids, num_drafts)
-    accepted, next_token, probs = _sampling_tail(g, logits, drafts, drafts_1d, num_drafts, sampling)
+    accepted, next_token, probs = _sampling_tail(g, logits, drafts, drafts_1d, _host_top_k(g, sampling, input_ids))
     g.output(_scalar(g, accepted), "accepted", INT64, [])
     g.output(_scalar(g, next_token), "next_token", INT64, [])
     g.output(probs, "probs", FLOAT, ["V"])
@@ -83,10 +86,28 @@ def build_sampler() -> ir.Model:
 
 
 def _drafts(g: GraphBuilder, input_ids: ir.Value, num_drafts: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """(the last num_drafts input ids [D], num_drafts as [1])."""
-    drafts_1d = g.op("Reshape", num_drafts, g.const([1]))
+    """(the last num_drafts input ids [D], num_drafts as [1] on the host: see _on_host)."""
     seq_1d = g.op("Shape", input_ids, start=1, end=2)
+    drafts_1d = _on_host(g, num_drafts, input_ids)
     return g.op("Slice", g.op("Reshape", input_ids, g.const([-1])), g.op("Sub", seq_1d, drafts_1d), seq_1d), drafts_1d
+
+
+def _host_top_k(g: GraphBuilder, s: SamplingInputs, input_ids: ir.Value) -> SamplingInputs:
+    """s with top_k as [1] on the host (TopK's k and an If condition read it there): see _on_host."""
+    return SamplingInputs(s.temperature, _on_host(g, s.top_k, input_ids), s.top_p, s.draft_probs, s.uniforms)
+
+
+def _on_host(g: GraphBuilder, scalar: ir.Value, input_ids: ir.Value) -> ir.Value:
+    """An int64 scalar input as [1], computed where onnxruntime computes shapes: on the host.
+
+    Slice bounds, TopK's k and If conditions are read on the host. Derived on the GPU they would each
+    need a copy back (a wait for the device mid-call, and a Memcpy node, which onnxruntime refuses to
+    capture as a CUDA graph). Its CUDA provider leaves a node on the CPU only when it reads a value
+    already there, such as Shape's output (fallback_cpu_capability.cc): hence 0·S + value, S the
+    call's (dynamic, so never constant-folded) token count. The input is then bound on the host.
+    """
+    zero = g.op("Mul", g.op("Shape", input_ids, start=1, end=2), g.const([0]))
+    return g.op("Add", zero, scalar)
 
 
 def _leading_true(g: GraphBuilder, flags: ir.Value) -> ir.Value:
@@ -118,7 +139,7 @@ def _greedy_tail(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, drafts_1d:
     return accepted, g.op("Gather", preds, accepted)
 
 
-def _sampling_tail(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, drafts_1d: ir.Value, num_drafts: ir.Value,
+def _sampling_tail(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, drafts_1d: ir.Value,
                    s: SamplingInputs) -> tuple[ir.Value, ir.Value, ir.Value]:
     """Speculative sampling (Leviathan et al. 2023): accept draft x with probability min(1, p(x)/q(x)),
     i.e. when u·q(x) < p(x); resample the first rejected position from norm(max(0, p − q)), or sample
@@ -140,7 +161,8 @@ def _sampling_tail(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, drafts_1
     # Float rounding can leave a rejected row with no mass; p itself is then the only sensible choice.
     row = g.op("Where", g.op("Greater", g.op("ReduceSum", row, keepdims=0), g.const(0.0, np.float32)), row, p_row)
     cdf = g.op("CumSum", row, g.const(0))
-    u_next = g.op("Mul", g.op("Gather", s.uniforms, num_drafts), g.op("Gather", cdf, g.const(-1)))
+    u_last = g.op("Slice", s.uniforms, drafts_1d, g.const([2**62]))  # uniforms[D:] = [u_D], bounds on the host
+    u_next = g.op("Mul", u_last, g.op("Gather", cdf, g.const(-1)))
     vocab_last = g.op("Sub", g.op("Squeeze", g.op("Shape", cdf), g.const([0])), g.const(1))
     next_token = g.op("Min", g.op("ReduceSum", g.op("Cast", g.op("LessOrEqual", cdf, u_next), to=INT64), keepdims=0), vocab_last)
     return accepted, next_token, p_row
@@ -153,7 +175,7 @@ def _transformed_probs(g: GraphBuilder, logits: ir.Value, s: SamplingInputs) -> 
     """
     scaled = g.op("Div", logits, s.temperature)
     vocab = g.op("Shape", logits, start=1, end=2)
-    top_k = g.op("Reshape", s.top_k, g.const([1]))
+    top_k = s.top_k  # [1], on the host (see _host_top_k)
     use_top_k = g.op("Squeeze", g.op("And", g.op("Greater", top_k, g.const([0])), g.op("Less", top_k, vocab)), g.const([0]))
     keep_k = g.branch("branch.top_k")
     kth = keep_k.op("Slice", keep_k.op("TopK", scaled, top_k, outputs=2, axis=-1)[0], keep_k.const([-1]),
