@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Issue 12's GPU checks in four device calls (each under the 10-minute limit of one call), for a session
 # that is lent the GPU machine. It expects onnxruntime-gpu unpacked in /tmp/site and the wheels installed,
-# as ../shared/gpu/README.md describes (its 4th command); everything lands in $OUT.
+# as ../shared/gpu/README.md describes (its 4th command); everything lands in $OUT. The call that runs
+# `check` also carries .gpu/extra, the project's onnx-ir (`pip download --no-deps -d .gpu/extra onnx-ir`
+# here): the machine's predates ir.save(alignment=...), which compile needs.
+#
+# On the H100 (2026-11-24) check took ~130 s, pairs ~350 s, peers ~235 s. The machine goes back after
+# ~30 s without a call, and a fresh one needs the four setup calls again (~60 s of the budget): read
+# results between calls quickly, or queue the next call first.
 #
 #   bash benchmarks/gpu_session.sh check   # versions; GroupQueryAttention alone, then under each kernel
 #                                          # switch; pytest -m gpu (exactness, copies, threads, CUDA graphs) ~3-6 min
@@ -32,9 +38,7 @@ step() {  # step NAME SECONDS COMMAND...: run it for at most SECONDS, log to $ou
 
 case "${1:-}" in
 check)
-    # The machine's onnx-ir predates ir.save(alignment=...): bring the project's (`pip download --no-deps -d
-    # .gpu/extra onnx-ir` here, carried as .gpu/extra).
-    [ -d .gpu/extra ] && python3 -m pip install -q --no-deps --no-index --find-links .gpu/extra onnx-ir
+    [ -d .gpu/extra ] && python3 -m pip install -q --upgrade --no-deps --no-index --find-links .gpu/extra onnx-ir
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
     step versions 60 python3 -c "import onnxruntime as o, torch, transformers; o.preload_dlls(); print(o.__version__, o.get_available_providers(), 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
     # The kernel first: which attention implementations get multi-row calls over a cache right.

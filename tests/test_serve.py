@@ -208,6 +208,8 @@ BAD_REQUESTS = [
     ("completions", b'{"prompt": "x", "temperature": NaN}', "temperature must be a finite number"),
     ("completions", {"prompt": "x", "top_p": 2}, "top_p must be in (0, 1]"),
     ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens must be >= 1"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+     "max_completion_tokens must be >= 1"),
     ("completions", {"prompt": "x", "seed": 1.5}, "seed must be a whole number"),
     ("completions", {"prompt": "x", "gamma": 99}, "gamma must be from 0 to"),
     ("completions", {"prompt": "x", "gamma": "fast"}, "gamma must be 'auto'"),

@@ -171,7 +171,7 @@ def test_splits_tensorrt_llm_cannot_make_and_families_it_does_not_get_are_refuse
             tensorrt_llm.check_exportable(load_checkpoint(checkpoints(family), "draft"), "draft", 1, 64)
     window = load_checkpoint(checkpoints("mistral-window"), "target")  # TensorRT-LLM sets windows at run time
     tensorrt_llm.check_exportable(window, "target", 1, 8)
-    with pytest.raises(UnsupportedModelError, match="--max-seq-len 64 exceeds the target's sliding window \\(8\\)"):
+    with pytest.raises(UnsupportedModelError, match="max_seq_len 64 exceeds the target's sliding window \\(8\\)"):
         tensorrt_llm.check_exportable(window, "target", 1, 64)
 
 

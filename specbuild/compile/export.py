@@ -37,8 +37,9 @@ def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
     spec = ckpt.spec
     if max_seq_len > spec.max_position_embeddings:
         raise UnsupportedModelError(
-            f"--max-seq-len {max_seq_len} exceeds the {role}'s max_position_embeddings "
-            f"({spec.max_position_embeddings}); use --max-seq-len {spec.max_position_embeddings} or less"
+            f"max_seq_len {max_seq_len} exceeds the {role}'s max_position_embeddings "
+            f"({spec.max_position_embeddings}); give --max-seq-len (or a recipe's max_seq_len) of "
+            f"{spec.max_position_embeddings} or less"
         )
 
 

@@ -145,9 +145,9 @@ def check_exportable(ckpt: Checkpoint, role: str, tp: int, max_seq_len: int) -> 
     window = min((w for w in ckpt.spec.sliding_windows if w), default=None)
     if window and window < max_seq_len:
         # TensorRT-LLM takes sliding windows at run time (max_attention_window_size), not from the checkpoint
-        raise UnsupportedModelError(f"--max-seq-len {max_seq_len} exceeds the {role}'s sliding window ({window}), which "
-                                    "the TensorRT-LLM export does not carry over; use --max-seq-len "
-                                    f"{window} or less for the TensorRT-LLM export")
+        raise UnsupportedModelError(f"max_seq_len {max_seq_len} exceeds the {role}'s sliding window ({window}), which "
+                                    "the TensorRT-LLM export does not carry over; give --max-seq-len (or a recipe's "
+                                    f"max_seq_len) of {window} or less for the TensorRT-LLM export")
     rotary(ckpt)  # refuses a rope scaling TensorRT-LLM would compute differently
 
 

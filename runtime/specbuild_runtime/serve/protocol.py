@@ -13,6 +13,8 @@ import uuid
 from dataclasses import dataclass
 
 from ..decode import Stats
+from ..errors import RequestError
+from ..validation import whole
 
 COMPLETIONS, CHAT = "completions", "chat"
 DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: None}  # OpenAI's defaults; None: until the context is full
@@ -103,6 +105,11 @@ def parse(endpoint: str, raw: bytes, model: str) -> Request:
     include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
     decoding = {name: body[name] for name in DECODING if body.get(name) is not None}
     max_tokens = _first_given(body, *(["max_completion_tokens"] if endpoint == CHAT else []), "max_tokens")
+    if body.get("max_completion_tokens") is not None and endpoint == CHAT:
+        try:  # checked here, where its own name is known (the runtime's errors say max_tokens)
+            whole("max_completion_tokens", max_tokens, low=1)
+        except RequestError as exc:
+            raise ApiError(400, str(exc), "max_completion_tokens") from None
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS[endpoint]
     if endpoint == CHAT:
