@@ -250,6 +250,18 @@ def test_a_tensorrt_llm_only_bundle_has_no_onnx_and_the_runtime_refuses_it_in_on
     assert result.returncode == 1 and len(lines) == 1 and "run.sh" in lines[0]
 
 
+def test_plans_that_serve_the_source_folders_say_they_are_not_quantized(pairs, tmp_path):
+    target, draft = pairs("gpt2")
+    for quantize in ("none", "int8"):
+        out = tmp_path / quantize
+        compile_bundle(CompileSettings(target=target, draft=draft, output=out, max_seq_len=64, backend="tensorrt-llm",
+                                       precision="fp16", quantize=quantize), show_progress=False)
+        for plan in ("tensorrt-llm/llm-api.yaml", "vllm/serve.sh"):
+            text = (out / plan).read_text()
+            assert ("Not quantized: compile quantized the target to int8 and the draft to int8" in text) == (
+                quantize == "int8"), (plan, text)
+
+
 def test_compile_runs_the_build_plan_when_trtllm_build_is_on_path(pairs, tmp_path, monkeypatch):
     """Proves only which command lines compile runs: a stand-in records its arguments. Whether TensorRT-LLM
     accepts them is not something this machine can show."""

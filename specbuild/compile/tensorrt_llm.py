@@ -192,7 +192,9 @@ def export_pair(settings: CompileSettings, target: Checkpoint, draft: Checkpoint
         # the ONNX engine hashed the same source already
         checkpoints[role]["source"] = engines[role].source if role in engines else source(ckpt)
     recommended = measure_gamma(folder, engines, target, draft, checkpoints, max_seq_len, settings.gamma)
-    plans = write_plans(folder, recommended["gamma"], tp, max_seq_len, settings.precision, target, draft)
+    quantized = " and ".join(f"the {role} to {settings.quantization(role)}" for role in ("target", "draft")
+                          if settings.quantization(role) != "none")
+    plans = write_plans(folder, recommended["gamma"], tp, max_seq_len, settings.precision, target, draft, quantized)
     built = run_build(folder / plans["build"]) if shutil.which("trtllm-build") else None
     return TensorRTLLMPart(tp_size=tp, checkpoints=checkpoints, plans=plans, gamma=recommended, engines=built)
 
@@ -414,14 +416,18 @@ def measure_gamma(folder: Path, engines: dict[str, EngineInfo], target: Checkpoi
 
 
 def write_plans(folder: Path, gamma: int, tp: int, max_seq_len: int, precision: str,
-                target: Checkpoint, draft: Checkpoint) -> dict[str, str]:
+                target: Checkpoint, draft: Checkpoint, quantized: str = "") -> dict[str, str]:
+    """quantized: what compile quantized ("the target to int4 and ..."; "" for nothing), which the plans
+    that serve the source folders (LLM API, vLLM) do not."""
+    unquantized = (f"# Not quantized: compile quantized {quantized} in this bundle's checkpoints, but this plan\n"
+                   "# serves the source folders' float weights.\n") if quantized else ""
     plans = {"build": f"{FOLDER}/build.sh", "run": f"{FOLDER}/run.sh", "llm_api": f"{FOLDER}/llm-api.yaml",
              "vllm": VLLM_PLAN}
     texts = {
         "build": build_script(gamma, max_seq_len, precision),
         "run": run_script(gamma, tp, max_seq_len),
-        "llm_api": llm_api_yaml(gamma, tp, target.path.resolve(), draft.path.resolve()),
-        "vllm": vllm_script(gamma, tp, max_seq_len, DTYPES[precision][0], target, draft),
+        "llm_api": llm_api_yaml(gamma, tp, target.path.resolve(), draft.path.resolve(), unquantized),
+        "vllm": vllm_script(gamma, tp, max_seq_len, DTYPES[precision][0], target, draft, unquantized),
     }
     for key, text in texts.items():
         path = folder / plans[key]
@@ -475,7 +481,7 @@ python3 "$TRTLLM_DIR/examples/run.py" \\
 """
 
 
-def llm_api_yaml(gamma: int, tp: int, target: Path, draft: Path) -> str:
+def llm_api_yaml(gamma: int, tp: int, target: Path, draft: Path, note: str = "") -> str:
     """TensorRT-LLM 1.x's LLM API / trtllm-serve on the PyTorch backend, which runs draft-target from the
     Hugging Face folders (docs/source/features/speculative-decoding.md; llmapi/llm_args.py
     DraftTargetDecodingConfig)."""
@@ -484,7 +490,7 @@ def llm_api_yaml(gamma: int, tp: int, target: Path, draft: Path) -> str:
 #   trtllm-serve {shlex.quote(str(target))} --backend pytorch --extra_llm_api_options llm-api.yaml
 # (newer releases also call the option --config), or in Python: LLM(model=..., **yaml.safe_load(...)).
 # TensorRT-LLM 1.0.x names speculative_model speculative_model_dir (later releases take both).
-tensor_parallel_size: {tp}
+{note}tensor_parallel_size: {tp}
 disable_overlap_scheduler: true
 speculative_config:
   decoding_type: DraftTarget
@@ -493,14 +499,15 @@ speculative_config:
 """
 
 
-def vllm_script(gamma: int, tp: int, max_seq_len: int, dtype: str, target: Checkpoint, draft: Checkpoint) -> str:
+def vllm_script(gamma: int, tp: int, max_seq_len: int, dtype: str, target: Checkpoint, draft: Checkpoint,
+                note: str = "") -> str:
     """vLLM's draft-model speculation (vllm/config/speculative.py SpeculativeConfig: method "draft_model",
     num_speculative_tokens; docs features/speculative_decoding/draft_model.md). V1 gained it with
     vllm-project/vllm#24322, after v0.13.0 (which still refused draft models)."""
     config = json.dumps({"model": str(draft.path.resolve()), "num_speculative_tokens": gamma, "method": "draft_model"})
-    warning = ""
+    warning = note
     if target.spec.shape.vocab_size != draft.spec.shape.vocab_size:
-        warning = (f"# The pair's embedding tables differ ({target.spec.shape.vocab_size} vs "
+        warning += (f"# The pair's embedding tables differ ({target.spec.shape.vocab_size} vs "
                    f"{draft.spec.shape.vocab_size} rows): vLLM's draft_model method\n# requires equal sizes "
                    "(SpeculativeConfig.verify_equal_vocab_size_if_draft_model) and will refuse them.\n")
     return f"""#!/usr/bin/env bash
