@@ -208,6 +208,19 @@ def _stats_line(stats, gamma) -> str:
     return line
 
 
+def quantized_line(engine: Path) -> str:
+    """How a quantized engine's MatMulNBits nodes are set (read from its graph, not its weights: the
+    manifest does not record them)."""
+    import onnx
+
+    graph = onnx.load(str(engine), load_external_data=False).graph
+    settings = {(attr["bits"], attr["block_size"], attr.get("accuracy_level", 0))
+                for node in graph.node if node.op_type == "MatMulNBits"
+                for attr in [{a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}]}
+    return "MatMulNBits " + "; ".join(f"{bits}-bit, block size {block}, accuracy level {level}"
+                                      for bits, block, level in sorted(settings)) if settings else "no MatMulNBits node"
+
+
 @cli.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
@@ -234,6 +247,8 @@ def inspect(bundle, as_json) -> None:
         click.echo(f"{'':<10} from {e.source['path']} (sha256 {e.source['sha256'][:12]}…)")
         click.echo(f"{'':<10} graphs {e.file}" + (f" and {e.greedy_file} (greedy-only, for --cuda-graphs)" if e.greedy_file
                                                    else " (no greedy-only graph: compiled before them)"))
+        if e.quantization != "none":
+            click.echo(f"{'':<10} {quantized_line(bundle / e.file)}")
         if e.quality:
             click.echo(f"{'':<10} quality vs fp32: {quality_line(e.quality)}")
     if manifest.engines:

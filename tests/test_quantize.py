@@ -66,6 +66,9 @@ def test_an_int4_embedding_is_quantized_only_when_its_width_is_whole_blocks_and_
     decoder = SpeculativeDecoder(bundle(target_quantize="int4", block_size=block_size))
     ops = {node.op_type for node in onnx.load(decoder.root / "target.onnx", load_external_data=False).graph.node}
     assert "MatMulNBits" in ops and ("GatherBlockQuantized" in ops) == (WIDE["hidden_size"] % block_size == 0)
+    from specbuild.cli import quantized_line  # what `specbuild inspect` prints for it
+
+    assert quantized_line(decoder.root / "target.onnx") == f"MatMulNBits 4-bit, block size {block_size}, accuracy level 4"
     ids = tokenizer(PROMPTS[0])["input_ids"]
     assert decoder.generate(ids, NEW_TOKENS, gamma=3).token_ids == decoder.generate(ids, NEW_TOKENS, gamma=0).token_ids
 
