@@ -2,7 +2,8 @@
 
 Skipped where onnxruntime has no CUDA provider (CI). Run them on a GPU machine with
 `python -m pytest -m gpu tests/test_gpu.py` after `pip install ./runtime[gpu]` (see README, GPU).
-Each failure message says what differed; none of these was run on a GPU by the session that wrote them.
+Each failure message says what differed. Run on an H100 on 2026-11-24 (README, GPU); the full graphs'
+copy check was written after the last run there.
 """
 
 import onnxruntime as ort
@@ -139,7 +140,8 @@ def test_no_call_copies_between_host_and_gpu(graph, role, precision, precision_b
     decisions = {"If", "Less", "Greater"}
     crossing = [f"{n.op_type} {n.name} ({n.input[0]} -> {[r.name for r in readers.get(n.output[0], [])]})"
                 for n in nodes if n.op_type.startswith("Memcpy")
-                if graph == "greedy_file" or not {r.op_type for r in readers.get(n.output[0], [])} <= decisions]
+                if graph == "greedy_file" or not {r.op_type for r in readers.get(n.output[0], [])} <= decisions
+                or n.output[0] not in readers]
     assert not crossing and not attention_on_cpu, (f"{len(crossing)} copies in the {precision} {role} {graph}: "
                                                    f"{crossing[:20]}; its nodes on the CPU: {on_cpu[:30]}")
 
@@ -152,6 +154,7 @@ def test_token_ids_and_caches_are_bound_on_the_device(precision_bundles):
     engine = Engine(folder / "target.onnx", manifest.engines["target"], manifest.max_seq_len, "cuda")
     placed = engine.input_devices
     assert placed["input_ids"] == "cuda" and all(placed[past] == "cuda" for past, _ in engine.cache_names), placed
+    assert placed["num_drafts"] == placed["total_len"] == "cpu", placed  # read on the host (verification._on_host)
 
 
 def test_threads_on_a_cuda_decoder_get_their_sequential_outputs(precision_bundles):
@@ -230,15 +233,3 @@ def test_cuda_graphs_of_an_fp32_bundle_are_refused_in_one_line(precision_bundles
 
     with pytest.raises(BundleError, match="fp32.*cannot be captured as CUDA graphs"):
         SpeculativeDecoder(precision_bundles("fp32"), device="cuda", cuda_graphs=True)
-
-
-def test_cuda_graphs_of_a_gpt2_bundle_are_refused_in_one_line(checkpoints, tmp_path):
-    """Replayed GPT-2 calls gave other tokens than uncaptured ones on an H100 (the first decision of a
-    request, fp16); refused until that is understood."""
-    from specbuild_runtime import BundleError
-
-    folder = tmp_path / "gpt2"
-    compile_bundle(CompileSettings(target=checkpoints("gpt2", 0), draft=checkpoints("gpt2", 1), output=folder,
-                                   max_seq_len=256, precision="fp16"), show_progress=False)
-    with pytest.raises(BundleError, match="GPT-2.*without CUDA graphs"):
-        SpeculativeDecoder(folder, device="cuda", cuda_graphs=True)

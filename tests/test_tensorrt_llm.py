@@ -258,7 +258,8 @@ def test_plans_that_serve_the_source_folders_say_they_are_not_quantized(pairs, t
                                        precision="fp16", quantize=quantize), show_progress=False)
         for plan in ("tensorrt-llm/llm-api.yaml", "vllm/serve.sh"):
             text = (out / plan).read_text()
-            assert ("Not quantized: compile quantized the target to int8 and the draft to int8" in text) == (
+            assert ("Not quantized: this bundle's TensorRT-LLM checkpoints ask for the target int8 and the draft int8"
+                    in text) == (
                 quantize == "int8"), (plan, text)
 
 

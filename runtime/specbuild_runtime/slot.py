@@ -1,6 +1,7 @@
 """A request's state: its KV caches, IO bindings and per-call buffers on each engine, taken from a pool.
 
-Everything a call reads or writes lives in buffers created once per slot, on the engine's device, and
+Everything a call reads or writes lives in buffers created once per slot, where the engine reads them
+(the device, but the host for the few numbers onnxruntime reads there: total_len, num_drafts, top_k), and
 updated in place: the caches, token ids, sampling settings, the draft's distributions (written by the
 draft straight into the rows the target reads) and the verification outputs. Per call, only the new
 token ids and numbers go to the device and only `next_token` and (with drafts) `accepted` come back.
@@ -77,7 +78,7 @@ class Buffer:
 
 class EngineSlot:
     """One request's state on one engine: the KV cache (allocated once for max_seq_len; rolling back is
-    just feeding a smaller total_len), its IO binding and per-call buffers.
+    just feeding a smaller seqlens_k), its IO binding and per-call buffers.
 
     probs_rows: (draft) where its sampling distributions go, one row per draft step. draft_probs: (target)
     those same rows, read when judging drafts. max_drafts: the most drafts a call verifies (the rows of
@@ -103,6 +104,7 @@ class EngineSlot:
         # Per-call inputs are bound once and written in place: binding fresh arrays every call cost
         # ~100 us on the CPU, a third of a draft step.
         self._total_len = self._input("total_len", np.zeros((), np.int32))
+        self._gpu_attention = engine.input_devices[engine.cache_names[0][0]] == "cuda"  # see _call
         self._seqlens_k = self._input("seqlens_k", np.zeros(1, np.int32))  # total_len - 1
         self._num_drafts = self._input("num_drafts", np.zeros((), np.int64))
         self._accepted = self._output("accepted", np.zeros((), np.int64))
@@ -204,10 +206,12 @@ class EngineSlot:
     def _call(self, first: int, total_len: int, num_drafts: int, uniforms: np.ndarray | None, probs_row: int):
         self._bind_ids(self._fed[first:total_len])
         # GroupQueryAttention reads total_len on the host and sizes its kernels by it; the lengths it attends
-        # over come from seqlens_k on the device. A CUDA graph replays its capture's total_len, so under
-        # captures every call over a cache says the cache is full: one kernel shape at every length (a
-        # replay at a later length than its capture's gave other tokens on an H100).
-        self._total_len.host[()] = self.engine.max_seq_len if first and self.engine.captures else total_len
+        # over come from seqlens_k on the device. A CUDA graph replays its capture's total_len (replays at
+        # later lengths gave other tokens on an H100), so a call over a cache says the cache is full: one
+        # kernel shape at every length. On the GPU uncaptured calls do the same, so that both run the same
+        # kernels (measured so on the H100: the same tokens, the same speed uncaptured).
+        full = first and (self._gpu_attention or self.engine.captures)
+        self._total_len.host[()] = self.engine.max_seq_len if full else total_len
         self._seqlens_k.host[0] = total_len - 1
         self._num_drafts.host[()] = num_drafts
         if self._copies:

@@ -192,7 +192,7 @@ def export_pair(settings: CompileSettings, target: Checkpoint, draft: Checkpoint
         # the ONNX engine hashed the same source already
         checkpoints[role]["source"] = engines[role].source if role in engines else source(ckpt)
     recommended = measure_gamma(folder, engines, target, draft, checkpoints, max_seq_len, settings.gamma)
-    quantized = " and ".join(f"the {role} to {settings.quantization(role)}" for role in ("target", "draft")
+    quantized = " and ".join(f"the {role} {settings.quantization(role)}" for role in ("target", "draft")
                           if settings.quantization(role) != "none")
     plans = write_plans(folder, recommended["gamma"], tp, max_seq_len, settings.precision, target, draft, quantized)
     built = run_build(folder / plans["build"]) if shutil.which("trtllm-build") else None
@@ -417,10 +417,10 @@ def measure_gamma(folder: Path, engines: dict[str, EngineInfo], target: Checkpoi
 
 def write_plans(folder: Path, gamma: int, tp: int, max_seq_len: int, precision: str,
                 target: Checkpoint, draft: Checkpoint, quantized: str = "") -> dict[str, str]:
-    """quantized: what compile quantized ("the target to int4 and ..."; "" for nothing), which the plans
-    that serve the source folders (LLM API, vLLM) do not."""
-    unquantized = (f"# Not quantized: compile quantized {quantized} in this bundle's checkpoints, but this plan\n"
-                   "# serves the source folders' float weights.\n") if quantized else ""
+    """quantized: the quantization the checkpoints ask trtllm-build for ("the target int4 and ..."; ""
+    for none), which the plans that serve the source folders (LLM API, vLLM) do not get."""
+    unquantized = (f"# Not quantized: this bundle's TensorRT-LLM checkpoints ask for {quantized} (trtllm-build\n"
+                   "# quantizes them), but this plan serves the source folders' float weights.\n") if quantized else ""
     plans = {"build": f"{FOLDER}/build.sh", "run": f"{FOLDER}/run.sh", "llm_api": f"{FOLDER}/llm-api.yaml",
              "vllm": VLLM_PLAN}
     texts = {

@@ -4,7 +4,7 @@ One builder per architecture family reads top to bottom like the model (llama.py
 layers.py holds the math they share, verification.py the tail. Attention is onnxruntime's
 GroupQueryAttention with the KV buffers shared between past and present: the runtime allocates them once
 for max_seq_len and the op writes new keys/values in place at positions past..total-1, so rejecting
-drafts is only a smaller total_len on the next call. The engine's I/O contract is written in
+drafts is only a smaller seqlens_k on the next call. The engine's I/O contract is written in
 specbuild_runtime.manifest.
 
 Weights are not read here: the graph holds lazy tensors that read, convert or quantize each weight as

@@ -93,7 +93,8 @@ def _drafts(g: GraphBuilder, input_ids: ir.Value, num_drafts: ir.Value) -> tuple
 
 
 def _host_top_k(g: GraphBuilder, s: SamplingInputs, input_ids: ir.Value) -> SamplingInputs:
-    """s with top_k as [1] on the host (TopK's k and an If condition read it there): see _on_host."""
+    """s with top_k as [1] on the host (TopK's k reads it there, and in the sampler so do the top-k If's
+    conditions; in the engines' sampling branch they run on the device): see _on_host."""
     return SamplingInputs(s.temperature, _on_host(g, s.top_k, input_ids), s.top_p, s.draft_probs, s.uniforms)
 
 
