@@ -14,7 +14,8 @@
 #                                          # CUDA graphs)                                           ~130 s
 #   bash benchmarks/gpu_session.sh pairs   # TinyLlama-shape fp16 layer pairs (benchmarks/layer_pair.py):
 #                                          # bench --device cuda at three agreements; verify one   ~350 s
-#   bash benchmarks/gpu_session.sh graphs  # on the first pair: bench without and with --cuda-graphs
+#   bash benchmarks/gpu_session.sh graphs  # the target's MatMuls alone (benchmarks/gpu_matmuls.py); on
+#                                          # the first pair: bench without and with --cuda-graphs
 #                                          # (same settings, one call); verify with them; the
 #                                          # same for sampling (temperature 0.8, γ 2)             ~5-8 min
 #   bash benchmarks/gpu_session.sh peers   # on the first pair: transformers (eager, static cache +
@@ -66,6 +67,8 @@ pairs)
         --prompts "$prompts8" -n 64 --device cuda
     ;;
 graphs)
+    # Where a CUDA-graph target call's time goes: its MatMuls alone against the copy rate (issue 12).
+    step matmuls 120 python3 benchmarks/gpu_matmuls.py --shape tinyllama-1.1b --rows 1,5,9 --json "$out/matmuls.json"
     # Needs `pairs` first on the same machine (see peers). The same bench without, then with, CUDA graphs.
     for graphs in "" --cuda-graphs; do
         step "bench${graphs:--plain}" 200 python3 -m specbuild bench "$pairs/tinyllama-1.1b-x0.1-first2-fp16" --device cuda \

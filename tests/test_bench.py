@@ -52,3 +52,18 @@ def test_bench_with_onnxruntime_genai_peer_checks_its_output(bundles, tmp_path):
     peers = json.loads(out.read_text())["peers"]
     assert [(p["system"], p["gamma"]) for p in peers] == [("onnxruntime-genai", 0), ("onnxruntime-genai speculative", 2)]
     assert all(p["matches_target"] for p in peers)
+
+
+def test_gpu_matmuls_runs_its_chain_and_reports_each_row_count(tmp_path):
+    """benchmarks/gpu_matmuls.py (issue 12's MatMuls-alone probe) is run on a GPU machine only when one is
+    lent: kept from rotting here, shrunk, on the CPU."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "matmuls.json"
+    script = Path(__file__).parents[1] / "benchmarks" / "gpu_matmuls.py"
+    subprocess.run([sys.executable, str(script), "--device", "cpu", "--scale", "0.02", "--rows", "1,3", "--repeats", "1",
+                    "--json", str(out)], check=True, capture_output=True)
+    report = json.loads(out.read_text())
+    assert set(report["ms"]["uncaptured"]) == {"1", "3"} and report["weight_mb"] > 0
