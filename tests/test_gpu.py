@@ -176,13 +176,26 @@ def test_threads_on_a_cuda_decoder_get_their_sequential_outputs(precision_bundle
     assert got == expected
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_cuda_graphs_decode_the_tokens_of_uncaptured_calls(precision, precision_bundles):
+@pytest.mark.parametrize("architecture, precision", [
+    ("llama", "fp16"), ("llama", "bf16"),
+    pytest.param("gpt2", "fp16", marks=pytest.mark.xfail(strict=True, reason="refused (engine.UNCAPTURED): replays gave "
+                                                           "other tokens on an H100; lift the refusal when this passes"))])
+def test_cuda_graphs_decode_the_tokens_of_uncaptured_calls(architecture, precision, precision_bundles, checkpoints,
+                                                          tmp_path, monkeypatch):
     """cuda_graphs=True: the greedy-only graphs, each call shape run uncaptured (slot.WARM_UP_RUNS), then
     captured and replayed. Two passes over the prompts in slot 1 (slot 0 held busy), so the second replays
     what the first captured, and a third in slot 0 (graphs of its own). Seeded sampling with a fixed γ
-    draws the full graphs' tokens through the sampler."""
-    folder = precision_bundles(precision)
+    draws the full graphs' tokens through the sampler. GPT-2, refused CUDA graphs, runs with the refusal
+    lifted: it is expected to fail until the cause is found."""
+    if architecture == "llama":
+        folder = precision_bundles(precision)
+    else:
+        from specbuild_runtime import engine
+
+        monkeypatch.setattr(engine, "UNCAPTURED", {})
+        folder = tmp_path / architecture
+        compile_bundle(CompileSettings(target=checkpoints(architecture, 0), draft=checkpoints(architecture, 1),
+                                       output=folder, max_seq_len=256, precision=precision), show_progress=False)
     plain = SpeculativeDecoder(folder, device="cuda")
     graphs = SpeculativeDecoder(folder, device="cuda", cuda_graphs=True, parallel=2)
     assert graphs.target.captures and graphs.draft.captures
@@ -195,13 +208,13 @@ def test_cuda_graphs_decode_the_tokens_of_uncaptured_calls(precision, precision_
             for gamma in (0, 1, graphs.max_gamma, "auto"):
                 expected = plain.generate(prompt, NEW_TOKENS, gamma).token_ids
                 got = graphs.generate(prompt, NEW_TOKENS, gamma).token_ids
-                assert got == expected, (f"{precision} γ={gamma}, pass {rerun + 1}: token "
+                assert got == expected, (f"{architecture} {precision} γ={gamma}, pass {rerun + 1}: token "
                                          f"{first_difference(got, expected)} differs from uncaptured calls, prompt {prompt!r}")
                 if gamma != "auto":  # seeded sampling (the bundle's sampler after each captured call)
                     sampled = {"temperature": 0.8, "top_p": 0.9, "seed": rerun}
                     expected = plain.generate(prompt, NEW_TOKENS, gamma, **sampled).token_ids
                     got = graphs.generate(prompt, NEW_TOKENS, gamma, **sampled).token_ids
-                    assert got == expected, (f"{precision} γ={gamma} sampled, pass {rerun + 1}: token "
+                    assert got == expected, (f"{architecture} {precision} γ={gamma} sampled, pass {rerun + 1}: token "
                                              f"{first_difference(got, expected)} differs from the full graphs' sampling, "
                                              f"prompt {prompt!r}")
 

@@ -57,6 +57,9 @@ _SHARED_POOL: bool | None = None
 # held back by it.
 # (Captured graphs are kept per thread, so each decoding thread captures its own.)
 _CUDA_GRAPH_CALLS = threading.Lock()
+# Architectures refused CUDA graphs: their replays decoded other tokens than uncaptured calls on a GPU, cause
+# not found (tests/test_gpu.py keeps an expected failure for each, which passes once it is fixed).
+UNCAPTURED = {"GPT2LMHeadModel": "GPT-2"}
 
 
 def session_options() -> ort.SessionOptions:
@@ -127,9 +130,9 @@ class Engine:
             raise BundleError(f"engine {path} is fp32, whose attention onnxruntime runs on the CPU (README, GPU), so its "
                               "calls cannot be captured as CUDA graphs: rebuild with --precision fp16 or bf16, or run "
                               "without CUDA graphs")
-        if self.captures and info.architecture == "GPT2LMHeadModel":
-            raise BundleError(f"engine {path} is GPT-2, whose calls replayed as CUDA graphs gave other tokens than "
-                              "its uncaptured calls on an H100 (README, GPU): run it without CUDA graphs")
+        if self.captures and info.architecture in UNCAPTURED:
+            raise BundleError(f"engine {path} is {UNCAPTURED[info.architecture]}, whose calls replayed as CUDA graphs gave "
+                              "other tokens than its uncaptured calls on an H100 (README, GPU): run it without CUDA graphs")
         self.session = _session(path, device, self.captures, graph)
         inputs = {i.name: (i.type, i.shape) for i in self.session.get_inputs()}
         outputs = {o.name: (o.type, o.shape) for o in self.session.get_outputs()}
