@@ -140,6 +140,8 @@ class Engine:
         self.element_type = ELEMENT_TYPES[info.precision]
         self.cache_names = cache_names(info.shape.num_layers)
         self.input_devices = _input_devices(self.session)
+        # Attention runs where its cache is bound: the device, but the CPU for fp32 engines (README, GPU).
+        self.gpu_attention = self.input_devices[self.cache_names[0][0]] == "cuda"
         known = {"accepted", "next_token", "probs", *(present for _, present in self.cache_names),
                  *(GREEDY_OUTPUTS if self.greedy_only else ())}
         self.extra_outputs = [name for name in outputs if name not in known]

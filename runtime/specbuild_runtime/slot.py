@@ -104,7 +104,6 @@ class EngineSlot:
         # Per-call inputs are bound once and written in place: binding fresh arrays every call cost
         # ~100 us on the CPU, a third of a draft step.
         self._total_len = self._input("total_len", np.zeros((), np.int32))
-        self._gpu_attention = engine.input_devices[engine.cache_names[0][0]] == "cuda"  # see _call
         self._seqlens_k = self._input("seqlens_k", np.zeros(1, np.int32))  # total_len - 1
         self._num_drafts = self._input("num_drafts", np.zeros((), np.int64))
         self._accepted = self._output("accepted", np.zeros((), np.int64))
@@ -210,7 +209,7 @@ class EngineSlot:
         # later lengths gave other tokens on an H100), so a call over a cache says the cache is full: one
         # kernel shape at every length. On the GPU uncaptured calls do the same, so that both run the same
         # kernels (measured so on the H100: the same tokens, the same speed uncaptured).
-        full = first and (self._gpu_attention or self.engine.captures)
+        full = first and (self.engine.gpu_attention or self.engine.captures)
         self._total_len.host[()] = self.engine.max_seq_len if full else total_len
         self._seqlens_k.host[0] = total_len - 1
         self._num_drafts.host[()] = num_drafts

@@ -87,27 +87,33 @@ def build_sampler() -> ir.Model:
 
 def _drafts(g: GraphBuilder, input_ids: ir.Value, num_drafts: ir.Value) -> tuple[ir.Value, ir.Value]:
     """(the last num_drafts input ids [D], num_drafts as [1] on the host: see _on_host)."""
-    seq_1d = g.op("Shape", input_ids, start=1, end=2)
-    drafts_1d = _on_host(g, num_drafts, input_ids)
+    seq_1d = _tokens(g, input_ids)
+    drafts_1d = _on_host(g, num_drafts, seq_1d)
     return g.op("Slice", g.op("Reshape", input_ids, g.const([-1])), g.op("Sub", seq_1d, drafts_1d), seq_1d), drafts_1d
 
 
 def _host_top_k(g: GraphBuilder, s: SamplingInputs, input_ids: ir.Value) -> SamplingInputs:
     """s with top_k as [1] on the host (TopK's k reads it there, and in the sampler so do the top-k If's
     conditions; in the engines' sampling branch they run on the device): see _on_host."""
-    return SamplingInputs(s.temperature, _on_host(g, s.top_k, input_ids), s.top_p, s.draft_probs, s.uniforms)
+    top_k = _on_host(g, s.top_k, _tokens(g, input_ids))
+    return SamplingInputs(s.temperature, top_k, s.top_p, s.draft_probs, s.uniforms)
 
 
-def _on_host(g: GraphBuilder, scalar: ir.Value, input_ids: ir.Value) -> ir.Value:
+def _tokens(g: GraphBuilder, input_ids: ir.Value) -> ir.Value:
+    """S, the call's token count, as [1] (Shape's output: on the host)."""
+    return g.op("Shape", input_ids, start=1, end=2)
+
+
+def _on_host(g: GraphBuilder, scalar: ir.Value, tokens: ir.Value) -> ir.Value:
     """An int64 scalar input as [1], computed where onnxruntime computes shapes: on the host.
 
     Slice bounds, TopK's k and If conditions are read on the host. Derived on the GPU they would each
     need a copy back (a wait for the device mid-call, and a Memcpy node, which onnxruntime refuses to
     capture as a CUDA graph). Its CUDA provider leaves a node on the CPU only when it reads a value
-    already there, such as Shape's output (fallback_cpu_capability.cc): hence 0·S + value, S the
-    call's (dynamic, so never constant-folded) token count. The input is then bound on the host.
+    already there, such as Shape's output (fallback_cpu_capability.cc): hence 0·S + value, S = tokens
+    (from _tokens: dynamic, so never constant-folded). The input is then bound on the host.
     """
-    zero = g.op("Mul", g.op("Shape", input_ids, start=1, end=2), g.const([0]))
+    zero = g.op("Mul", tokens, g.const([0]))
     return g.op("Add", zero, scalar)
 
 
