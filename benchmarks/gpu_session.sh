@@ -5,21 +5,24 @@
 # `check` also carries .gpu/extra, the project's onnx-ir (`pip download --no-deps -d .gpu/extra onnx-ir`
 # here): the machine's predates ir.save(alignment=...), which compile needs.
 #
-# The machine goes back after ~30 s without a call, and a fresh one needs the four setup calls again
-# (~60 s of the budget): read results between calls quickly, or queue the next call first. Times below
-# were measured on the H100 (2026-11-24) where given as ~N s.
+# A session now gets ~15 minutes of the machine in all (setup ~60-100 s of it): check, pairs and graphs
+# fit; peers only if a session has more. The machine goes back after ~30 s without a call, and a fresh one
+# needs the four setup calls again: read results between calls quickly, or queue the next call first.
+# Times below were measured on the H100 (2026-11-24) where given as ~N s.
 #
 #   bash benchmarks/gpu_session.sh check   # versions; GroupQueryAttention alone (each kernel switch too,
 #                                          # if it fails); pytest -m gpu (exactness, copies, threads,
-#                                          # CUDA graphs)                                           ~130 s
-#   bash benchmarks/gpu_session.sh pairs   # TinyLlama-shape fp16 layer pairs (benchmarks/layer_pair.py):
-#                                          # bench --device cuda at three agreements; verify one   ~350 s
-#   bash benchmarks/gpu_session.sh graphs  # the target's MatMuls alone (benchmarks/gpu_matmuls.py); on
-#                                          # the first pair: bench without and with --cuda-graphs
-#                                          # (same settings, one call); verify with them; the
-#                                          # same for sampling (temperature 0.8, γ 2)             ~5-8 min
-#   bash benchmarks/gpu_session.sh peers   # on the first pair: transformers (eager, static cache +
-#                                          # compile, assisted), onnxruntime-genai's CUDA build    ~235 s
+#                                          # CUDA graphs, the draft's steps graph)                  ~150 s
+#   bash benchmarks/gpu_session.sh pairs   # a TinyLlama-shape fp16 layer pair (benchmarks/layer_pair.py):
+#                                          # bench --device cuda at agreement scale 0.1 (SCALES=0.1,0.2,0.4
+#                                          # for three: ~350 s); verify it against transformers      ~150 s
+#   bash benchmarks/gpu_session.sh graphs  # on that pair, one call, most telling first: bench with CUDA
+#                                          # graphs, with and without the draft's steps graph; the
+#                                          # target's MatMuls alone (benchmarks/gpu_matmuls.py); bench
+#                                          # uncaptured; verify with CUDA graphs; sampling (temperature
+#                                          # 0.8, γ 2) without and with them                       ~5-8 min
+#   bash benchmarks/gpu_session.sh peers   # on that pair: transformers (eager, static cache + compile,
+#                                          # assisted), onnxruntime-genai's CUDA build               ~235 s
 #
 # A failing step is logged and the next one still runs: one call must bring back as much as it can.
 set -uo pipefail
@@ -58,8 +61,8 @@ check)
     fi
     ;;
 pairs)
-    # 1.1B target (TinyLlama's shape), draft = its first 2 layers; three agreement settings.
-    step pairs 420 python3 benchmarks/layer_pair.py --scratch "$pairs" --scales 0.1,0.2,0.4 --precision fp16 --device cuda \
+    # 1.1B target (TinyLlama's shape), draft = its first 2 layers; scale 0.1 (α ~0.6) unless SCALES says more.
+    step pairs 420 python3 benchmarks/layer_pair.py --scratch "$pairs" --scales "${SCALES:-0.1}" --precision fp16 --device cuda \
         --gamma 1,2,4,8 -n 128 --json "$out/pairs.json"
     cp "$pairs"/*.log "$out/" 2>/dev/null
     # fp16 against transformers fp16 on the same GPU; a divergence line says where each leaves fp32.
@@ -67,18 +70,22 @@ pairs)
         --prompts "$prompts8" -n 64 --device cuda
     ;;
 graphs)
-    # Where a CUDA-graph target call's time goes: its MatMuls alone against the copy rate (issue 12).
-    step matmuls 120 python3 benchmarks/gpu_matmuls.py --shape tinyllama-1.1b --rows 1,5,9 --json "$out/matmuls.json"
-    # Needs `pairs` first on the same machine (see peers). The same bench without, then with, CUDA graphs.
-    for graphs in "" --cuda-graphs; do
-        step "bench${graphs:--plain}" 200 python3 -m specbuild bench "$pairs/tinyllama-1.1b-x0.1-first2-fp16" --device cuda \
-            -n 128 --gamma 1,2,4 --prompts "$prompts8" --json "$out/bench${graphs:--plain}.json" $graphs
+    # Needs `pairs` first on the same machine (see peers). Under CUDA graphs, the draft's steps graph against
+    # a call per draft token (issue 12: γ draft steps in one call), then the rest.
+    bundle="$pairs/tinyllama-1.1b-x0.1-first2-fp16"
+    for steps in --draft-steps --no-draft-steps; do
+        step "bench-cuda-graphs$steps" 150 python3 -m specbuild bench "$bundle" --device cuda -n 128 --gamma 1,2,4,8 \
+            --prompts "$prompts8" --json "$out/bench-cuda-graphs$steps.json" --cuda-graphs $steps
     done
-    step verify--cuda-graphs 100 python3 -m specbuild verify "$pairs/tinyllama-1.1b-x0.1-first2-fp16" \
-        --target "$pairs/tinyllama-1.1b-x0.1" --prompts "$prompts8" -n 64 --device cuda --cuda-graphs
+    # Where a CUDA-graph target call's time goes: its MatMuls alone against the copy rate.
+    step matmuls 120 python3 benchmarks/gpu_matmuls.py --shape tinyllama-1.1b --rows 1,5,9 --json "$out/matmuls.json"
+    step bench-plain 150 python3 -m specbuild bench "$bundle" --device cuda -n 128 --gamma 1,2,4 --prompts "$prompts8" \
+        --json "$out/bench-plain.json"
+    step verify--cuda-graphs 100 python3 -m specbuild verify "$bundle" --target "$pairs/tinyllama-1.1b-x0.1" \
+        --prompts "$prompts8" -n 64 --device cuda --cuda-graphs
     # Sampling: under CUDA graphs the bundle's sampler runs after each captured call, uncaptured.
     for graphs in "" --cuda-graphs; do
-        step "sampled${graphs:--plain}" 100 python3 -m specbuild bench "$pairs/tinyllama-1.1b-x0.1-first2-fp16" --device cuda \
+        step "sampled${graphs:--plain}" 100 python3 -m specbuild bench "$bundle" --device cuda \
             -n 64 --gamma 2 --temperature 0.8 --prompts "$prompts8" --json "$out/sampled${graphs:--plain}.json" $graphs
     done
     ;;

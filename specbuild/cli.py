@@ -246,7 +246,8 @@ def inspect(bundle, as_json) -> None:
         )
         click.echo(f"{'':<10} from {e.source['path']} (sha256 {e.source['sha256'][:12]}…)")
         click.echo(f"{'':<10} graphs {e.file}" + (f" and {e.greedy_file} (greedy-only, for --cuda-graphs)" if e.greedy_file
-                                                   else " (no greedy-only graph: compiled before them)"))
+                                                   else " (no greedy-only graph: compiled before them)")
+                   + (f"; {e.steps_file} (drafting several tokens a call)" if e.steps_file else ""))
         if e.quantization != "none":
             click.echo(f"{'':<10} {quantized_line(bundle / e.file)}")
         if e.quality:
@@ -357,7 +358,11 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
               help="Sample at this temperature (seeded per prompt) instead of greedy decoding.")
 @device_option
 @cuda_graphs_option
-def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, temperature, device, cuda_graphs) -> None:
+@click.option("--draft-steps/--no-draft-steps", default=True, show_default=True,
+              help="Greedy rounds draft with the draft's steps graph, several tokens a call; --no-draft-steps makes "
+                   "a call per draft token (the same drafts), to measure what it saves.")
+def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, temperature, device, cuda_graphs,
+          draft_steps) -> None:
     """Measure speculative vs target-only decoding (and peers) side by side, with the theoretical bound."""
     from . import bench as benchmark
     from .texts import CODE_PROMPTS, read_prompts
@@ -368,7 +373,7 @@ def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, te
     if plot_out:
         check_plot_path(plot_out)
     report = benchmark.bench(bundle, read_prompts(prompts or CODE_PROMPTS), max_new_tokens, gammas, peers, temperature,
-                             device, cuda_graphs)
+                             device, cuda_graphs, draft_steps)
     click.echo(benchmark.format_table(report))
     if json_out:
         json_out.write_text(json.dumps(report, indent=2))

@@ -105,7 +105,7 @@ def _nodes(graph):
                 yield from _nodes(attribute.g)
 
 
-@pytest.mark.parametrize("graph", ["file", "greedy_file"])
+@pytest.mark.parametrize("graph", ["file", "greedy_file", "steps_file"])
 @pytest.mark.parametrize("role", ["target", "draft"])
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
 def test_no_call_copies_between_host_and_gpu(graph, role, precision, precision_bundles, tmp_path):
@@ -113,13 +113,16 @@ def test_no_call_copies_between_host_and_gpu(graph, role, precision, precision_b
     graph; nodes on the CPU provider are allowed only where they need no copy (shape arithmetic, which
     onnxruntime puts there itself). fp32 engines are the exception: GroupQueryAttention has CUDA kernels for
     fp16 and bf16 only, so it runs on the CPU (README, GPU). The failure lists copies and CPU nodes. Both
-    graphs of each engine: the full one, and the greedy-only one that CUDA graphs capture."""
+    graphs of each engine: the full one, and the greedy-only one that CUDA graphs capture; and the draft's
+    steps graph, captured too."""
     import onnx
 
     from specbuild_runtime import load_manifest
 
     folder = precision_bundles(precision)
     info = load_manifest(folder).engines[role]
+    if not getattr(info, graph):
+        pytest.skip(f"the {role} has no {graph}")
     options = session_options()  # the process may share one thread pool
     options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
     options.optimized_model_filepath = str(tmp_path / "partitioned.onnx")
@@ -133,14 +136,15 @@ def test_no_call_copies_between_host_and_gpu(graph, role, precision, precision_b
             readers.setdefault(name, []).append(n)
     attention_on_cpu = [name for op, name in on_cpu if op == "GroupQueryAttention"]
     if precision == "fp32":
-        assert len(attention_on_cpu) == info.shape.num_layers, f"fp32 {role}: attention on the CPU: {attention_on_cpu}"
+        steps = 4 if graph == "steps_file" else 1
+        assert len(attention_on_cpu) == steps * info.shape.num_layers, f"fp32 {role}: attention on the CPU: {attention_on_cpu}"
         return
     # The full graph is never captured: its sampling decisions (If conditions: sampling or not, top-k,
     # top-p) may cross, after the model's layers. Nothing else may, in either graph.
     decisions = {"If", "Less", "Greater"}
     crossing = [f"{n.op_type} {n.name} ({n.input[0]} -> {[r.name for r in readers.get(n.output[0], [])]})"
                 for n in nodes if n.op_type.startswith("Memcpy")
-                if graph == "greedy_file" or not {r.op_type for r in readers.get(n.output[0], [])} <= decisions
+                if graph != "file" or not {r.op_type for r in readers.get(n.output[0], [])} <= decisions
                 or n.output[0] not in readers]
     assert not crossing and not attention_on_cpu, (f"{len(crossing)} copies in the {precision} {role} {graph}: "
                                                    f"{crossing[:20]}; its nodes on the CPU: {on_cpu[:30]}")
@@ -198,7 +202,7 @@ def test_cuda_graphs_decode_the_tokens_of_uncaptured_calls(architecture, precisi
                                        output=folder, max_seq_len=256, precision=precision), show_progress=False)
     plain = SpeculativeDecoder(folder, device="cuda")
     graphs = SpeculativeDecoder(folder, device="cuda", cuda_graphs=True, parallel=2)
-    assert graphs.target.captures and graphs.draft.captures
+    assert graphs.target.captures and graphs.draft.captures and graphs.draft_steps.captures
     held = graphs.stream(PROMPTS[1], NEW_TOKENS)
     next(held)
     for rerun in range(3):
@@ -217,6 +221,21 @@ def test_cuda_graphs_decode_the_tokens_of_uncaptured_calls(architecture, precisi
                     assert got == expected, (f"{architecture} {precision} γ={gamma} sampled, pass {rerun + 1}: token "
                                              f"{first_difference(got, expected)} differs from the full graphs' sampling, "
                                              f"prompt {prompt!r}")
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["uncaptured", "cuda-graphs"])
+def test_the_steps_graph_drafts_on_the_gpu_what_a_call_per_token_drafts(cuda_graphs, precision_bundles):
+    """The draft's steps graph (several tokens a call, each step's token fed on the device) against a call per
+    draft token: the same tokens and the same acceptance at every position, captured from the third pass."""
+    folder = precision_bundles("fp16")
+    one_by_one = SpeculativeDecoder(folder, device="cuda", cuda_graphs=cuda_graphs, draft_steps=False)
+    steps = SpeculativeDecoder(folder, device="cuda", cuda_graphs=cuda_graphs)
+    for rerun in range(3 if cuda_graphs else 1):
+        for prompt in (PROMPTS[5], PROMPTS[8], PROMPTS[3]):
+            for gamma in (4, 6, 8):
+                expected, got = (d.generate(prompt, NEW_TOKENS, gamma) for d in (one_by_one, steps))
+                assert got.token_ids == expected.token_ids, (gamma, rerun, first_difference(got.token_ids, expected.token_ids))
+                assert got.stats.accepted_at == expected.stats.accepted_at, (gamma, rerun, prompt)
 
 
 def test_threads_on_a_cuda_graph_decoder_get_their_sequential_outputs(precision_bundles):

@@ -46,7 +46,7 @@ def test_no_weight_is_read_until_the_engine_is_written_and_each_once(checkpoints
 
 
 @pytest.mark.parametrize("quantize", ["none", "int4"])
-def test_each_engine_has_a_greedy_only_graph_without_control_flow_reading_the_engines_weights(quantize, checkpoints,
+def test_each_engine_has_a_greedy_only_graph_and_the_draft_a_steps_graph_reading_the_engines_weights(quantize, checkpoints,
                                                                                             tmp_path):
     """What CUDA graphs need (onnxruntime refuses to capture a graph with If, Loop or Scan), at no cost in
     bundle size: every weight of the greedy-only graph is a reference into the engine's own data file."""
@@ -70,6 +70,17 @@ def test_each_engine_has_a_greedy_only_graph_without_control_flow_reading_the_en
         assert own and all(shared[name] == where for name, where in own.items()), role
         assert {dict(where)["location"] for where in own.values()} == {f"{role}.onnx.data"}
     assert not list(out.glob("*.greedy.onnx.data"))
+    # The draft's steps graph: four steps, no control flow, the draft's weights each stored once.
+    info = manifest.engines["draft"]
+    assert not manifest.engines["target"].steps_file and info.steps_file == "draft.steps.onnx"
+    steps = onnx.load(str(out / info.steps_file), load_external_data=False)
+    assert not [n.op_type for n in steps.graph.node if any(a.type == a.GRAPH for a in n.attribute)]
+    assert [o.name for o in steps.graph.output if not o.name.startswith("present")] == ["drafts"]
+    assert [d.dim_value for d in steps.graph.output[-1].type.tensor_type.shape.dim] == [4]
+    assert {i.name for i in steps.graph.input if i.name.startswith("total_len")} == {"total_len", "total_len.1",
+                                                                                    "total_len.2", "total_len.3"}
+    assert external(steps) == external(onnx.load(str(out / info.greedy_file), load_external_data=False))
+    assert [n.name for n in steps.graph.node if n.op_type == "GroupQueryAttention"].count("layers.0.attention") == 1
     sampler = onnx.load(str(out / manifest.sampler_file))  # how the greedy-only graphs sample: no weights
     assert manifest.sampler_file == "sampler.onnx" and sum(t.ByteSize() for t in sampler.graph.initializer) < 1024
     assert {"logits", "input_ids", "uniforms"} <= {i.name for i in sampler.graph.input}

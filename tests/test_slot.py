@@ -87,7 +87,7 @@ def test_the_device_data_flow_decodes_the_same_tokens_when_host_and_engine_memor
     from specbuild_runtime import slot
 
     normal = SpeculativeDecoder(bundle)
-    expected = {gamma: normal.generate(PROMPTS[5], NEW_TOKENS, gamma, **sampling).token_ids for gamma in (0, 1, 3)}
+    expected = {gamma: normal.generate(PROMPTS[5], NEW_TOKENS, gamma, **sampling).token_ids for gamma in (0, 1, 3, 4)}
 
     def apart(self, host, device):
         self.host, self.device = host, device
@@ -181,3 +181,79 @@ def test_cuda_graphs_of_a_bundle_compiled_before_them_say_to_recompile(bundle, t
     SpeculativeDecoder(old, check_digests=False)  # decodes as before
     with pytest.raises(BundleError, match="lacks the greedy-only graphs or the sampler.*rebuild it with `specbuild compile`"):
         SpeculativeDecoder(old, check_digests=False, cuda_graphs=True)
+
+
+@pytest.fixture
+def steps_calls(monkeypatch):
+    """(rows fed, total_len, total_len fed to each step) of every call of a draft's steps graph."""
+    from specbuild_runtime.slot import DraftSteps
+
+    calls = []
+    step = DraftSteps.step
+
+    def spy(self, tokens, total_len):
+        drafts = step(self, tokens, total_len)
+        lengths = [int(self._lengths["total_len" + (f".{j}" if j else "")].host) for j in range(self.count)]
+        calls.append((len(tokens), total_len, lengths))
+        return drafts
+
+    monkeypatch.setattr(DraftSteps, "step", spy)
+    return calls
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2", "gemma3", "phi3", "qwen2-window"])
+def test_the_drafts_steps_graph_drafts_what_a_call_per_token_drafts(architecture, bundles, steps_calls):
+    """The steps graph (draft.steps.onnx) runs the draft's own graph once per step inside one call: the same
+    drafts, so the same rounds, for every γ (rounds of fewer drafts than it makes use single calls)."""
+    folder = bundles(architecture, draft_seed=1)
+    one_by_one = SpeculativeDecoder(folder, draft_steps=False)
+    steps = SpeculativeDecoder(folder)
+    assert steps.draft_steps.steps == 4 and one_by_one.draft_steps is None
+    for prompt in (PROMPTS[3], PROMPTS[0], PROMPTS[5]):
+        for gamma in (1, 4, 6, 8, "auto"):
+            expected = one_by_one.generate(prompt, NEW_TOKENS, gamma)
+            result = steps.generate(prompt, NEW_TOKENS, gamma)
+            assert result.token_ids == expected.token_ids, (prompt, gamma)
+            if gamma != "auto":  # auto's choices follow the rounds' timings
+                assert result.stats.to_dict()["per_position_acceptance"] == expected.stats.to_dict()["per_position_acceptance"]
+                assert (result.stats.drafted, result.stats.accepted) == (expected.stats.drafted, expected.stats.accepted)
+    assert steps_calls and all(lengths == [total + j for j in range(4)] for _, total, lengths in steps_calls)
+
+
+def test_steps_graph_calls_feed_every_step_the_full_length_as_on_cuda(bundle, steps_calls):
+    """As on CUDA (captures forced on; the CPU provider ignores graph ids): a steps call over a cache feeds
+    every step total_len = max_seq_len (a replay keeps its capture's total_len), and decodes the same tokens."""
+    normal = SpeculativeDecoder(bundle, draft_steps=False)
+    graphs = SpeculativeDecoder(bundle, cuda_graphs=True, target_rows=fixed_rows(normal.max_gamma))
+    for engine in (graphs.target, graphs.draft, graphs.draft_steps):
+        engine.captures = True
+    for prompt in (PROMPTS[3], PROMPTS[5]):
+        for gamma in (4, 8):
+            assert graphs.generate(prompt, NEW_TOKENS, gamma).token_ids == normal.generate(prompt, NEW_TOKENS, gamma).token_ids
+    assert steps_calls
+    for rows, total_len, lengths in steps_calls:
+        first = [total_len] if rows == total_len else [graphs.max_seq_len]  # a prompt's first call: its own length
+        assert lengths == first + [graphs.max_seq_len] * 3
+
+
+@pytest.mark.parametrize("steps_file", [None, "draft.greedy.onnx"], ids=["compiled-before-it", "not-a-steps-graph"])
+def test_a_bundle_without_a_steps_graph_drafts_a_call_per_token_and_a_wrong_one_is_one_line(bundle, tmp_path, steps_file):
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(bundle, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    if steps_file is None:
+        del manifest["engines"]["draft"]["steps_file"]
+    else:
+        manifest["engines"]["draft"]["steps_file"] = steps_file
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    if steps_file is None:
+        decoder = SpeculativeDecoder(old, check_digests=False)
+        assert decoder.draft_steps is None
+        assert decoder.generate(PROMPTS[0], NEW_TOKENS, 4).token_ids == SpeculativeDecoder(bundle).generate(
+            PROMPTS[0], NEW_TOKENS, 4).token_ids
+        return
+    with pytest.raises(BundleError, match=r"draft.greedy.onnx does not match.*no 'drafts' output.*rebuild it") as error:
+        SpeculativeDecoder(old, check_digests=False)
+    assert "\n" not in str(error.value)

@@ -186,6 +186,7 @@ DAMAGE = [
     ("files", {"/etc/passwd": "0" * 64}, "not a path inside the bundle"),
     ("eos_token_ids", [-1], "eos_token_ids"), ("eos_token_ids", [10**6], "eos_token_ids"),
     ("eos_token_ids", "2", "eos_token_ids must be a list"), ("sampler_file", "elsewhere.onnx", "is not among the files"),
+    ("engines.draft.steps_file", "elsewhere.onnx", "is not among the files"),
     ("surprise", 1, "surprise is a key this runtime does not know"),
     ("engines", {"target": {"role": "target"}}, "lacks engines.target."), ("engines.target", None, "engines.target must be an object"),
     ("engines.target.source", {"path": "x"}, "source lacks its path or sha256"),

@@ -21,7 +21,7 @@ from .engine import Engine, Sampler, requested_device, use_shared_thread_pool
 from .errors import BundleError, DeviceError, RequestError
 from .manifest import TOKENIZER_DIR, load_manifest
 from .policy import GREEDY_DECAY, SAMPLING_DECAY, AdaptiveGamma, Costs, FixedGamma
-from .slot import NEVER_ALONE, Rows, Slot, SlotPool, fixed_rows
+from .slot import MAX_REUSED_IDS, NEVER_ALONE, Rows, Slot, SlotPool, fixed_rows
 from .text import TextStream
 from .validation import AUTO, Prompt, Request, check_request, check_vocabularies, whole
 
@@ -139,11 +139,14 @@ class SpeculativeDecoder:
     enable_cuda_graph), which saves launching every kernel from the host; sampled requests sample with the
     bundle's sampler from each call's logits (uncaptured: top-k and top-p are control flow), drawing the
     same tokens, and the engines' calls take turns across threads (see engine._CUDA_GRAPH_CALLS). On the
-    CPU the same graphs run as they are.
+    CPU the same graphs run as they are. draft_steps: greedy rounds draft with the draft's steps graph
+    (manifest.py; bundles have one since it came), several tokens a call, where a round drafts that many;
+    False: one call per draft token (the same drafts; it saves a second session of the draft's weights).
     """
 
     def __init__(self, bundle: str | Path, device: str = "cpu", parallel: int = 1, shared_thread_pool: bool = False,
-                 check_digests: bool = True, target_rows: Rows | None = None, cuda_graphs: bool = False):
+                 check_digests: bool = True, target_rows: Rows | None = None, cuda_graphs: bool = False,
+                 draft_steps: bool = True):
         """shared_thread_pool: faster, but changes every onnxruntime session of the process
         (see engine.use_shared_thread_pool); for processes that only decode."""
         if shared_thread_pool:
@@ -158,6 +161,7 @@ class SpeculativeDecoder:
         self.eos_token_ids = set(self.manifest.eos_token_ids)
         self.tokenizer = Tokenizer.from_file(str(self.root / TOKENIZER_DIR / "tokenizer.json"))
         self.cuda_graphs = cuda_graphs
+        draft_steps = draft_steps and bool(self.manifest.engines["draft"].steps_file)
         if cuda_graphs and not (self.manifest.sampler_file and all(info.greedy_file for info in self.manifest.engines.values())):
             raise BundleError(f"{self.root} lacks the greedy-only graphs or the sampler, which CUDA graphs need (it was "
                               "compiled by an older specbuild): rebuild it with `specbuild compile`")
@@ -165,16 +169,16 @@ class SpeculativeDecoder:
         if self.device == "cpu":
             check_memory(parallel, self.max_seq_len * sum(e.kv_bytes_per_position for e in self.manifest.engines.values()))
         try:
-            self.target, self.draft = self._engines()
+            self.target, self.draft, self.draft_steps = self._engines(draft_steps)
         except DeviceError:
             if device != "auto":
                 raise
             self.device = "cpu"  # the CUDA provider is installed but could not start: "auto" takes the CPU
-            self.target, self.draft = self._engines()
+            self.target, self.draft, self.draft_steps = self._engines(draft_steps)
         self.vocab_size = self.target.vocab_size
         check_vocabularies(self.target, self.draft)
         rows = target_rows or (fixed_rows(self.max_gamma) if self.device == "cuda" else NEVER_ALONE)
-        self.slots = SlotPool([Slot(i, self.target, self.draft, rows, self.max_gamma) for i in range(parallel)])
+        self.slots = SlotPool([Slot(i, self.target, self.draft, rows, self.max_gamma, self.draft_steps) for i in range(parallel)])
         # Adaptive γ: the costs of a round describe the machine and are shared; α follows the text a slot
         # decodes, so each slot keeps its own (carried over to its next request, as the pair's agreement
         # is). Greedy and sampled decoding accept drafts differently: one of each per mode.
@@ -184,12 +188,16 @@ class SpeculativeDecoder:
                                                    costs[sampling]) for sampling in (False, True)}
                           for _ in range(parallel)]
 
-    def _engines(self) -> tuple[Engine, Engine]:
+    def _engines(self, draft_steps: bool) -> tuple[Engine, Engine, Engine | None]:
+        """The target, the draft and (draft_steps) the draft's steps graph."""
         info = self.manifest.engines
         sampler = Sampler(self.root / self.manifest.sampler_file, self.device) if self.cuda_graphs else None
-        return tuple(Engine(self.root / (info[role].greedy_file if self.cuda_graphs else info[role].file), info[role],
-                            self.max_seq_len, self.device, cuda_graphs=self.cuda_graphs, sampler=sampler)
-                     for role in ("target", "draft"))
+        target, draft = (Engine(self.root / (info[role].greedy_file if self.cuda_graphs else info[role].file), info[role],
+                                self.max_seq_len, self.device, cuda_graphs=self.cuda_graphs, sampler=sampler)
+                         for role in ("target", "draft"))
+        steps = (Engine(self.root / info["draft"].steps_file, info["draft"], self.max_seq_len, self.device,
+                        cuda_graphs=self.cuda_graphs, steps=True) if draft_steps else None)
+        return target, draft, steps
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -258,7 +266,7 @@ class SpeculativeDecoder:
         rng = sampling.generator()
         uniforms = (lambda n: None) if sampling.greedy else (lambda n: self._uniforms(rng, n))
         policy = self._policies[slot.index][not sampling.greedy] if request.gamma == AUTO else FixedGamma(request.gamma)
-        target, draft = slot.target, slot.draft
+        target = slot.target
         max_len, max_new_tokens = self.max_seq_len, request.max_new_tokens
         positions = self.max_gamma if request.gamma == AUTO else request.gamma
         ids = list(request.prompt_ids)
@@ -298,7 +306,7 @@ class SpeculativeDecoder:
             # it is catching up on the prompt or on rounds without drafts.
             caught_up = len(ids) - draft_len > 2
             t0 = clock()
-            drafts = self._draft(draft, ids[draft_len:], len(ids), k, uniforms)
+            drafts = self._draft(slot, ids[draft_len:], len(ids), k, uniforms, sampling.greedy)
             if drafts:
                 draft_len = len(ids) + len(drafts) - 1
             k = len(drafts)
@@ -326,13 +334,17 @@ class SpeculativeDecoder:
         """n uniforms in [0, 1): n-1 to judge drafts, the last to draw the next token."""
         return rng.random(n, dtype=np.float32)
 
-    def _draft(self, draft, feed: list[int], total_len: int, k: int, uniforms) -> list[int]:
-        """Up to k draft tokens; when sampling, the draft leaves their distributions in the slot's rows."""
-        drafts = []
-        for j in range(k):
-            _, token = draft.step(feed if j == 0 else [drafts[-1]], total_len=total_len + j, uniforms=uniforms(1),
-                                  probs_row=j)
-            drafts.append(token)
+    @staticmethod
+    def _draft(slot: Slot, feed: list[int], total_len: int, k: int, uniforms, greedy: bool) -> list[int]:
+        """k draft tokens; when sampling, the draft leaves their distributions in the slot's rows. Greedy,
+        each run of the steps graph's count of them is one call of it."""
+        drafts, steps = [], slot.draft_steps if greedy else None
+        while len(drafts) < k:
+            fed, j = feed if not drafts else [drafts[-1]], len(drafts)
+            if steps and k - j >= steps.count and len(fed) <= MAX_REUSED_IDS:
+                drafts += steps.step(fed, total_len + j)
+            else:
+                drafts.append(slot.draft.step(fed, total_len=total_len + j, uniforms=uniforms(1), probs_row=j)[1])
         return drafts
 
 

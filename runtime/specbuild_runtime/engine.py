@@ -113,12 +113,14 @@ class Engine:
     cuda_graphs: path is the engine's greedy-only graph (no sampling, no control flow); on CUDA, calls
     that name a graph id are captured once and replayed as CUDA graphs (see slot.EngineSlot.graph_id).
     Such an engine samples with `sampler` (the bundle's), fed each call's logits; without one it cannot.
+    steps: path is a draft's steps graph (manifest.py), which drafts `self.steps` tokens a call, greedily.
     """
 
     def __init__(self, path: Path, info: EngineInfo, max_seq_len: int, device: str = "cpu",
-                 graph: bytes | None = None, cuda_graphs: bool = False, sampler: "Sampler | None" = None):
+                 graph: bytes | None = None, cuda_graphs: bool = False, sampler: "Sampler | None" = None,
+                 steps: bool = False):
         self.path, self.info, self.max_seq_len, self.device = Path(path), info, max_seq_len, device
-        self.greedy_only = cuda_graphs
+        self.greedy_only = cuda_graphs or steps
         self.captures = cuda_graphs and device == "cuda"
         self.calls = _CUDA_GRAPH_CALLS if self.captures else nullcontext()  # held around each call and its copies
         self._slots = itertools.count()
@@ -136,20 +138,21 @@ class Engine:
         self.session = _session(path, device, self.captures, graph)
         inputs = {i.name: (i.type, i.shape) for i in self.session.get_inputs()}
         outputs = {o.name: (o.type, o.shape) for o in self.session.get_outputs()}
-        check_engine_io(path, inputs, outputs, info, max_seq_len, sampling=not self.greedy_only)
+        self.steps = check_engine_io(path, inputs, outputs, info, max_seq_len,
+                                     "steps" if steps else "greedy" if cuda_graphs else "engine")
         self.element_type = ELEMENT_TYPES[info.precision]
         self.cache_names = cache_names(info.shape.num_layers)
         self.input_devices = _input_devices(self.session)
         # Attention runs where its cache is bound: the device, but the CPU for fp32 engines (README, GPU).
         self.gpu_attention = self.input_devices[self.cache_names[0][0]] == "cuda"
-        known = {"accepted", "next_token", "probs", *(present for _, present in self.cache_names),
+        known = {"accepted", "next_token", "probs", "drafts", *(present for _, present in self.cache_names),
                  *(GREEDY_OUTPUTS if self.greedy_only else ())}
-        self.extra_outputs = [name for name in outputs if name not in known]
+        self.extra_outputs = [name for name in outputs if name not in known and ".step" not in name]
         # The session that samples, and where it reads its inputs: the engine graph's own sampling branch, or
         # for a greedy-only graph the sampler (None: this engine cannot sample).
         if not self.greedy_only:
             self.sampling_session, self.sampling_devices = self.session, self.input_devices
-        elif sampler is not None:
+        elif sampler is not None and not steps:
             self.sampling_session, self.sampling_devices = sampler.session, sampler.input_devices
         else:
             self.sampling_session = self.sampling_devices = None

@@ -8,6 +8,12 @@ A bundle is a folder:
                             the I/O below without the sampling inputs and `probs`, plus the output
                             logits f32 [D+1, V] (the rows the tail decides on), and without control
                             flow, so that onnxruntime can capture its calls as CUDA graphs
+    draft.steps.onnx        the draft's greedy drafting of K tokens in one call (K = the output's length),
+                            reading draft.onnx.data: in input_ids, seqlens_k, total_len (step 0) and
+                            total_len.{j} (step j, j = 1..K-1, each a call over one token), the past
+                            buffers; out drafts int64 [K] (step j's argmax, fed to step j+1) and each step's
+                            present buffers: present_*.{i} for step 0, present_*.{i}.step{j} after it, all
+                            bound to the same buffers. No control flow.
     sampler.onnx            the sampling tail alone (no weights), for decoders running the greedy-only
                             graphs: in logits, input_ids, num_drafts and the sampling inputs below; out
                             accepted, next_token, probs; the same nodes as the engines' sampling branch
@@ -95,6 +101,7 @@ class EngineInfo:
     quality: dict = field(default_factory=dict)
     source_dtype: str = ""  # the checkpoint's float type ("fp32" | "fp16" | "bf16"); precision is the engine's
     greedy_file: str = ""  # the greedy-only graph over the same weights ("" in bundles made before it)
+    steps_file: str = ""  # (draft) the graph drafting several tokens in one call ("" in bundles made before it)
     # What a call reads of weight_bytes: all but the tables it only gathers rows from (an untied embedding,
     # GPT-2's positions), the bytes a memory-bound step is measured against (0 in bundles made before it).
     read_bytes: int = 0
@@ -222,7 +229,7 @@ def _check_values(manifest: "Manifest") -> None:
             raise ValueError(f"engines.{role}.precision is {engine.precision!r}, not one of {', '.join(PRECISIONS)}")
         if any(n < 1 for n in vars(engine.shape).values()):
             raise ValueError(f"engines.{role}.shape has a size below 1")
-        opened += [engine.file] + [engine.greedy_file] * bool(engine.greedy_file)
+        opened += [name for name in (engine.file, engine.greedy_file, engine.steps_file) if name]
     for name in opened:
         if name not in manifest.files:
             raise ValueError(f"{name!r} is not among the files whose digests it lists")

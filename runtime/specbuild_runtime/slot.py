@@ -76,6 +76,44 @@ class Buffer:
         return self.host
 
 
+def fed_total_len(engine: Engine, first: int, total_len: int) -> int:
+    """The total_len a call feeding positions first..total_len-1 is fed.
+
+    GroupQueryAttention reads total_len on the host and sizes its kernels by it; the lengths it attends
+    over come from seqlens_k on the device. A CUDA graph replays its capture's total_len (replays at
+    later lengths gave other tokens on an H100), so a call over a cache says the cache is full: one
+    kernel shape at every length. On the GPU uncaptured calls do the same, so that both run the same
+    kernels (measured so on the H100: the same tokens, the same speed uncaptured).
+    """
+    full = first and (engine.gpu_attention or engine.captures)
+    return engine.max_seq_len if full else total_len
+
+
+class CudaGraphs:
+    """The run options that name each CUDA graph of one slot's calls on one engine (None when the engine
+    does not capture); each graph id runs uncaptured WARM_UP_RUNS times per thread first."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._run_options: dict[int, ort.RunOptions] = {}  # CUDA graph id -> the options that name it
+        self._warm_up: dict[tuple[int, int], int] = {}  # (thread, graph id) -> uncaptured runs so far
+
+    def options(self, graph: int) -> ort.RunOptions | None:
+        if not self.engine.captures:
+            return None
+        if graph >= 0:
+            key = (threading.get_ident(), graph)
+            runs = self._warm_up.get(key, 0)
+            if runs < WARM_UP_RUNS:
+                self._warm_up[key] = runs + 1
+                graph = -1
+        if graph not in self._run_options:
+            # An engine that captures runs a call without a graph id as graph 0: uncaptured calls say -1.
+            self._run_options[graph] = options = ort.RunOptions()
+            options.add_run_config_entry("gpu_graph_id", str(graph))
+        return self._run_options[graph]
+
+
 class EngineSlot:
     """One request's state on one engine: the KV cache (allocated once for max_seq_len; rolling back is
     just feeding a smaller seqlens_k), its IO binding and per-call buffers.
@@ -115,8 +153,7 @@ class EngineSlot:
         self._bound = {"input_ids": 0, "uniforms": 0, "draft_probs": -1, "logits": -1}  # the size each is bound at
         self._fed = [0] * engine.max_seq_len  # the token at each cache position, to re-feed (a list: cheaper per call)
         self._redo_from = engine.max_seq_len  # the next call starts no later than this (see Rows)
-        self._run_options: dict[int, ort.RunOptions] = {}  # CUDA graph id -> the options that name it
-        self._warm_up: dict[tuple[int, int], int] = {}  # (thread, graph id) -> uncaptured runs so far
+        self._graphs = CudaGraphs(engine)
         if engine.greedy_only:
             # Every call writes its logits into the first D+1 rows: one address, as a CUDA graph replays it.
             self._logits = Buffer(np.zeros((max_drafts + 1, engine.vocab_size), np.float32), device)
@@ -204,13 +241,7 @@ class EngineSlot:
 
     def _call(self, first: int, total_len: int, num_drafts: int, uniforms: np.ndarray | None, probs_row: int):
         self._bind_ids(self._fed[first:total_len])
-        # GroupQueryAttention reads total_len on the host and sizes its kernels by it; the lengths it attends
-        # over come from seqlens_k on the device. A CUDA graph replays its capture's total_len (replays at
-        # later lengths gave other tokens on an H100), so a call over a cache says the cache is full: one
-        # kernel shape at every length. On the GPU uncaptured calls do the same, so that both run the same
-        # kernels (measured so on the H100: the same tokens, the same speed uncaptured).
-        full = first and (self.engine.gpu_attention or self.engine.captures)
-        self._total_len.host[()] = self.engine.max_seq_len if full else total_len
+        self._total_len.host[()] = fed_total_len(self.engine, first, total_len)
         self._seqlens_k.host[0] = total_len - 1
         self._num_drafts.host[()] = num_drafts
         if self._copies:
@@ -252,20 +283,7 @@ class EngineSlot:
         return (self.index * (MAX_REUSED_IDS + 1) + rows) * MAX_REUSED_IDS + num_drafts  # > 0: onnxruntime reserves 0
 
     def _graph(self, rows: int, num_drafts: int, total_len: int) -> ort.RunOptions | None:
-        if not self.engine.captures:
-            return None
-        graph = self.graph_id(rows, num_drafts, total_len)
-        if graph >= 0:
-            key = (threading.get_ident(), graph)
-            runs = self._warm_up.get(key, 0)
-            if runs < WARM_UP_RUNS:
-                self._warm_up[key] = runs + 1
-                graph = -1
-        if graph not in self._run_options:
-            # An engine that captures runs a call without a graph id as graph 0: uncaptured calls say -1.
-            self._run_options[graph] = options = ort.RunOptions()
-            options.add_run_config_entry("gpu_graph_id", str(graph))
-        return self._run_options[graph]
+        return self._graphs.options(self.graph_id(rows, num_drafts, total_len))
 
     def _input(self, name: str, host: np.ndarray, binding: ort.IOBinding | None = None) -> Buffer:
         """A buffer bound as input name of the engine graph (binding None) or of the sampling binding."""
@@ -286,15 +304,21 @@ class EngineSlot:
             self.binding.bind_ortvalue_input("input_ids", self._prompt.value)
             self._bound["input_ids"] = 0
             return
+        buffer = self.ids_buffer(tokens)
+        if self._bound["input_ids"] != count:
+            self.binding.bind_ortvalue_input("input_ids", buffer.value)
+            self._bound["input_ids"] = count
+
+    def ids_buffer(self, tokens: list[int]) -> Buffer:
+        """The buffer of calls of len(tokens) <= MAX_REUSED_IDS tokens, holding tokens on the engine's side."""
+        count = len(tokens)
         if count not in self._ids:
             self._ids[count] = Buffer(np.zeros((1, count), np.int64), self.engine.input_devices["input_ids"])
         buffer = self._ids[count]
         buffer.host[0] = tokens
         if self._copies:
             buffer.push()
-        if self._bound["input_ids"] != count:
-            self.binding.bind_ortvalue_input("input_ids", buffer.value)
-            self._bound["input_ids"] = count
+        return buffer
 
     def _feed_sampler(self, tokens: list[int], num_drafts: int) -> None:
         """The sampler's input_ids (the call's last D+1 tokens) and num_drafts."""
@@ -344,11 +368,65 @@ class EngineSlot:
                                  rows.value.data_ptr() + row * row_bytes)
 
 
+class DraftSteps:
+    """A draft slot's calls of the draft's steps graph (manifest: draft.steps.onnx), which drafts `count`
+    tokens in one call, over that slot's KV buffers: every step's present outputs are bound to them, as
+    the one step's are in the slot's own binding. The steps graph proposes the tokens `count` calls of
+    the draft's own graph would (its steps compute the same rows), without the host between steps."""
+
+    def __init__(self, engine: Engine, draft: EngineSlot):
+        self.engine, self.draft, self.count = engine, draft, engine.steps
+        if engine.input_devices["input_ids"] != draft.engine.input_devices["input_ids"]:
+            # It reads the draft slot's token buffers; bound on another device they would be copied once, then stale.
+            raise BundleError(f"{engine.path} reads input_ids on {engine.input_devices['input_ids']}, the draft engine on "
+                              f"{draft.engine.input_devices['input_ids']}: rebuild the bundle with `specbuild compile`")
+        self.index = engine.new_slot_index()
+        self.binding = engine.session.io_binding()
+        for (past, present), buffer in zip(engine.cache_names, draft.cache):
+            self.binding.bind_ortvalue_input(past, buffer)
+            for j in range(self.count):
+                self.binding.bind_ortvalue_output(present + (f".step{j}" if j else ""), buffer)
+        names = ["seqlens_k", "total_len", *(f"total_len.{j}" for j in range(1, self.count))]
+        self._lengths = {name: Buffer(np.zeros(1 if name == "seqlens_k" else (), np.int32), engine.input_devices[name])
+                         for name in names}
+        for name, buffer in self._lengths.items():
+            self.binding.bind_ortvalue_input(name, buffer.value)
+        self._drafts = Buffer(np.zeros(self.count, np.int64), engine.device)
+        self.binding.bind_ortvalue_output("drafts", self._drafts.value)
+        self._bound_ids = 0
+        self._graphs = CudaGraphs(engine)
+
+    def step(self, tokens: list[int], total_len: int) -> list[int]:
+        """Feed tokens (at most MAX_REUSED_IDS) at positions total_len-len(tokens)..total_len-1, then draft
+        `count` tokens after them; the cache then holds all but the last."""
+        draft, rows = self.draft, len(tokens)
+        first = total_len - rows
+        with self.engine.calls:
+            buffer = draft.ids_buffer(tokens)  # the draft slot's own buffer of this length: one address per shape
+            if self._bound_ids != rows:
+                self.binding.bind_ortvalue_input("input_ids", buffer.value)
+                self._bound_ids = rows
+            self._lengths["seqlens_k"].host[0] = total_len - 1
+            for j in range(self.count):
+                # Each step after the first is a call over a cache.
+                fed = fed_total_len(self.engine, first + j, total_len + j)
+                self._lengths["total_len" + (f".{j}" if j else "")].host[()] = fed
+            for buffer in self._lengths.values():
+                buffer.push()
+            # Like the slot's own calls: one CUDA graph per row count, none for a prompt's first call.
+            graph = self.index * (MAX_REUSED_IDS + 1) + rows if first else -1
+            self.engine.session.run_with_iobinding(self.binding, self._graphs.options(graph))
+            drafts = self._drafts.pull().tolist()
+        draft._fed[first:total_len + self.count - 1] = [*tokens, *drafts[:-1]]
+        return drafts
+
+
 class Slot:
     """What one in-flight request owns: its state on the target and the draft, and the rows in which the
     draft leaves its distributions for the target to judge (sampling)."""
 
-    def __init__(self, index: int, target: Engine, draft: Engine, target_rows: Rows, max_gamma: int):
+    def __init__(self, index: int, target: Engine, draft: Engine, target_rows: Rows, max_gamma: int,
+                 draft_steps: Engine | None = None):
         self.index = index
         # Columns past the draft's vocabulary (when smaller than the target's) stay zero: q is a proper
         # distribution over the target's vocabulary.
@@ -356,6 +434,7 @@ class Slot:
              if target.sampling_session is not None else None)
         self.target = EngineSlot(target, target_rows, draft_probs=q, max_drafts=max_gamma)
         self.draft = EngineSlot(draft, AS_FED, probs_rows=q)
+        self.draft_steps = DraftSteps(draft_steps, self.draft) if draft_steps else None
 
     def configure(self, temperature: float, top_k: int, top_p: float) -> None:
         for engine in (self.target, self.draft):

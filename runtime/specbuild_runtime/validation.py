@@ -174,10 +174,11 @@ GREEDY_OUTPUTS = {"logits": "tensor(float)"}
 CACHE_TYPES = {"fp32": "tensor(float)", "fp16": "tensor(float16)", "bf16": "tensor(bfloat16)"}
 
 
-def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int, sampling: bool = True) -> None:
-    """The manifest's description of an engine against the engine's own graph inputs/outputs
-    (name -> (ONNX type, shape)): an edited manifest fails here, at load, instead of inside a call.
-    sampling False: the engine's greedy-only graph."""
+def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int, graph: str = "engine") -> int:
+    """The manifest's description of an engine against one of its graphs' own inputs/outputs (name ->
+    (ONNX type, shape)): an edited manifest fails here, at load, instead of inside a call. graph: "engine"
+    (the engine file), "greedy" (its greedy-only graph) or "steps" (a draft's steps graph). Returns the
+    tokens a steps graph drafts per call (0 for the others)."""
     def fail(what: str) -> None:
         raise BundleError(f"engine {path} does not match the bundle's manifest: {what}; the manifest was edited "
                           "or the bundle is damaged: rebuild it with `specbuild compile`")
@@ -185,9 +186,19 @@ def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int, s
     shape = info.shape
     if info.precision not in CACHE_TYPES:
         fail(f"precision {info.precision!r} is not one of {', '.join(CACHE_TYPES)}")
+    steps = 0
+    if graph == "steps":
+        drafts = outputs.get("drafts", (None, []))[1]
+        steps = drafts[0] if len(drafts) == 1 and isinstance(drafts[0], int) else 0
+        if steps < 1:
+            fail("it has no 'drafts' output of a fixed length")
     cache = [name for pair in cache_names(shape.num_layers) for name in pair]
-    expected = {**INPUTS, **OUTPUTS, **{name: CACHE_TYPES[info.precision] for name in cache},
-                **({**SAMPLING_INPUTS, **SAMPLING_OUTPUTS} if sampling else GREEDY_OUTPUTS)}
+    cache += [f"{present}.step{j}" for j in range(1, steps) for _, present in cache_names(shape.num_layers)]
+    io = {"engine": {**INPUTS, **OUTPUTS, **SAMPLING_INPUTS, **SAMPLING_OUTPUTS},
+          "greedy": {**INPUTS, **OUTPUTS, **GREEDY_OUTPUTS},
+          "steps": {"input_ids": INPUTS["input_ids"], "seqlens_k": INPUTS["seqlens_k"], "drafts": "tensor(int64)",
+                    **{"total_len" + (f".{j}" if j else ""): INPUTS["total_len"] for j in range(steps)}}}[graph]
+    expected = {**io, **{name: CACHE_TYPES[info.precision] for name in cache}}
     found = {**inputs, **outputs}
     for name, onnx_type in expected.items():
         if name not in found:
@@ -202,8 +213,9 @@ def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int, s
         if found[name][1] != kv:
             fail(f"{name!r} has shape {found[name][1]}, the manifest says {kv} "
                  "(1, kv heads, max-seq-len, head dim)")
-    if sampling and inputs["draft_probs"][1][-1] != shape.vocab_size:
+    if graph == "engine" and inputs["draft_probs"][1][-1] != shape.vocab_size:
         fail(f"'draft_probs' has {inputs['draft_probs'][1][-1]} columns, the manifest's vocabulary is {shape.vocab_size}")
+    return steps
 
 
 def check_sampler_io(path, inputs: dict, outputs: dict) -> None:

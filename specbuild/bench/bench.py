@@ -171,10 +171,11 @@ def predicted_context_growth(decoder: SpeculativeDecoder, short: int, long: int)
 
 
 def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[int], peers: list[str],
-          temperature: float = 0.0, device: str = "cpu", cuda_graphs: bool = False) -> dict:
+          temperature: float = 0.0, device: str = "cpu", cuda_graphs: bool = False, draft_steps: bool = True) -> dict:
     """Sampled runs (temperature > 0) differ token-wise between modes by design: `matches_target` then says
     nothing, and α/speed-up are the figures to read."""
-    decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs)
+    decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs,
+                                 draft_steps=draft_steps)
     prompt_ids = [decoder.encode(p) for p in prompts]
     decoder.request(prompt_ids[0], max_new_tokens, temperature=temperature)  # refused now, not after measuring
     bandwidth = measure_bandwidth(decoder.device)
@@ -198,8 +199,9 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
         rows.append(row)
     target_info = decoder.manifest.engines["target"]
     achieved = target_info.bytes_per_call / target_step / 1e9
-    # A draft step against its own weight reads: what is left is per-call cost (launches, copies, the host),
-    # which drafting γ tokens in one engine call would save. The largest γ has the fewest catching-up steps.
+    # A draft step (a drafted token) against its own weight reads: what is left is per-call cost (launches,
+    # copies, the host), which the steps graph spreads over its tokens. The largest γ has the fewest
+    # catching-up steps.
     drafting = max((m for m in modes if isinstance(m.gamma, int) and m.draft_steps), key=lambda m: m.gamma, default=None)
     latency = context_latency(decoder)
     report = {
@@ -209,6 +211,8 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
         "temperature": temperature,
         "device": decoder.device,
         "cuda_graphs": decoder.cuda_graphs,  # the greedy-only graphs, captured on cuda (the sampler never)
+        # tokens a greedy round's call of the draft's steps graph drafts (0: a call per draft token)
+        "draft_steps": decoder.draft_steps.steps if decoder.draft_steps else 0,
         "machine_bandwidth_gbs": round(bandwidth, 2),  # cpu: onnxruntime read; cuda: onnxruntime copy (read + write)
         "target_call_ms": round(1e3 * target_step, 4),
         "target_weight_mb": round(target_info.weight_bytes / 1e6, 2),
@@ -265,7 +269,9 @@ def format_table(report: dict) -> str:
     if "draft_step_ms" in report:
         share = report["draft_bandwidth_fraction"]
         lines.append(
-            f"a draft step takes {report['draft_step_ms']:.3f} ms (γ {report['draft_step_gamma']}) and reads the draft's "
+            f"a draft step takes {report['draft_step_ms']:.3f} ms (γ {report['draft_step_gamma']}"
+            + (f", {report['draft_steps']} steps a call" if report.get("draft_steps") and report["temperature"] == 0 else "")
+            + ") and reads the draft's "
             f"weights at {100 * share:.0f}% of the measured bandwidth" + ("; the rest of it is per-call cost" if share < 0.95 else "")
         )
     if "context_latency_ms" in report:

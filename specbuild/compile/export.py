@@ -19,7 +19,7 @@ from tqdm import tqdm
 from specbuild_runtime.manifest import SAMPLER, EngineInfo
 
 from ..errors import UnsupportedModelError
-from .graphs import build_decoder, build_sampler
+from .graphs import build_decoder, build_draft_steps, build_sampler
 from .load import Checkpoint
 from .precision import Numerics, precision_name
 
@@ -44,9 +44,10 @@ def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
 
 
 def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, numerics: Numerics,
-                  vocab_size: int | None = None, show_progress: bool | None = None) -> EngineInfo:
-    """Writes {role}.onnx (+ {role}.onnx.data with the weights) and {role}.greedy.onnx, the greedy-only
-    graph over the same data file, and describes them.
+                  vocab_size: int | None = None, show_progress: bool | None = None, draft_steps: int = 0) -> EngineInfo:
+    """Writes {role}.onnx (+ {role}.onnx.data with the weights), {role}.greedy.onnx, the greedy-only graph
+    over the same data file, and (draft_steps > 0) {role}.steps.onnx, which drafts that many tokens in one
+    call, over it too; and describes them.
 
     vocab_size: the target's; a larger table (a draft's padding rows) is cut to it, so the draft never
     proposes a token the target does not have and its q is a distribution over the shared vocabulary.
@@ -67,17 +68,20 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
         gathered = _gathered_bytes(model)
         ir.save(model, folder / file, external_data=f"{file}.data", alignment=ALIGNMENT, max_workers=WORKERS,
                 max_in_flight_bytes=IN_FLIGHT_BYTES)
-    greedy_file = f"{role}.greedy.onnx"
-    _write_sharing_weights(build_decoder(ckpt, numerics, max_seq_len, vocab, sampling=False), folder / file,
-                           folder / greedy_file)
-    for written in (file, greedy_file):
+    graphs = {f"{role}.greedy.onnx": build_decoder(ckpt, numerics, max_seq_len, vocab, sampling=False)}
+    if draft_steps:
+        graphs[f"{role}.steps.onnx"] = build_draft_steps(ckpt, numerics, max_seq_len, draft_steps, vocab)
+    for name, model in graphs.items():
+        _write_sharing_weights(model, folder / file, folder / name)
+    for written in (file, *graphs):
         onnx.checker.check_model(str(folder / written))
     weight_bytes = (folder / f"{file}.data").stat().st_size
     return EngineInfo(
         role=role,
         backend="onnx",
         file=file,
-        greedy_file=greedy_file,
+        greedy_file=f"{role}.greedy.onnx",
+        steps_file=f"{role}.steps.onnx" if draft_steps else "",
         architecture=spec.architecture,
         precision=numerics.precision,
         quantization=numerics.quantization,

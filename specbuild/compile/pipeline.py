@@ -34,6 +34,9 @@ def compile_bundle(settings: CompileSettings, show_progress: bool | None = None)
         return _compile(settings, _Stages(bar), show_progress)
 
 
+# Tokens the draft's steps graph drafts per call (a round of more drafts makes more calls, of fewer adds
+# single steps): the fixed γ that decoded fastest on the H100 layer pair (README, GPU) and the demo pair.
+DRAFT_STEPS = 4
 STAGES = ("loading checkpoints", "writing engines", "measuring quantized engines", "checking each engine",
           "writing TensorRT-LLM checkpoints", "writing the bundle")
 
@@ -64,7 +67,8 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
         scratch.mkdir()
         stages.start("writing engines")
         engines = {role: export_engine(ckpt, role, folder, max_seq_len, numerics[role],
-                                       vocab_size=target.spec.shape.vocab_size, show_progress=show_progress)
+                                       vocab_size=target.spec.shape.vocab_size, show_progress=show_progress,
+                                       draft_steps=min(DRAFT_STEPS, settings.gamma) if role == "draft" else 0)
                    for role, ckpt in checkpoints.items() if onnx}
         sampler = write_sampler(folder) if onnx else ""
 
@@ -76,6 +80,8 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
         for info in engines.values():
             check_engine(folder / info.file, info, max_seq_len)
             check_engine(folder / info.greedy_file, info, max_seq_len)
+            if info.steps_file:
+                check_engine(folder / info.steps_file, info, max_seq_len)
         if sampler:
             check_sampler(folder / sampler, engines["target"].shape.vocab_size)
 
@@ -126,14 +132,19 @@ def check_engine(path: Path, info: EngineInfo, max_seq_len: int) -> None:
             "uniforms": np.zeros(1, np.float32),
             **{past: cache for past, _ in cache_names(shape.num_layers)},
         }
-        accepted, next_token = session.run(["accepted", "next_token"],
-                                           {i.name: feeds[i.name] for i in session.get_inputs()})
+        feeds.update({i.name: np.array(1 + int(i.name.split(".")[1]), np.int32) for i in session.get_inputs()
+                      if i.name.startswith("total_len.")})  # a steps graph's later steps
+        steps = any(o.name == "drafts" for o in session.get_outputs())
+        outputs = session.run(["drafts"] if steps else ["accepted", "next_token"],
+                              {i.name: feeds[i.name] for i in session.get_inputs()})
     except Exception as exc:  # onnxruntime raises its own untyped errors
         raise SpecbuildError(f"the {info.role} engine {path.name} was written but fails to load or run ({first_line(exc)}); "
                              "this is a specbuild bug, please report it") from None
-    if accepted != 0 or not 0 <= next_token < vocab:
-        raise SpecbuildError(f"the {info.role} engine {path.name} returned accepted={accepted}, next_token={next_token} "
-                             "for a one-token prefill; this is a specbuild bug, please report it")
+    tokens = outputs[0].tolist() if steps else [int(outputs[1])]
+    if (not steps and outputs[0] != 0) or not all(0 <= token < vocab for token in tokens):
+        said = f"drafts={tokens}" if steps else f"accepted={outputs[0]}, next_token={outputs[1]}"
+        raise SpecbuildError(f"the {info.role} engine {path.name} returned {said} for a one-token prefill; this is a "
+                             "specbuild bug, please report it")
 
 
 def check_sampler(path: Path, vocab: int) -> None:

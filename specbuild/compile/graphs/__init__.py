@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import onnx_ir as ir
 
 from specbuild_runtime.manifest import cache_names
@@ -31,7 +32,7 @@ from .verification import LOGITS, SamplingInputs, build_sampler, verification
 FAMILIES = {"llama": llama.body, "gemma": gemma.body, "gpt2": gpt2.body}
 INT64, INT32, FLOAT = ir.DataType.INT64, ir.DataType.INT32, ir.DataType.FLOAT
 
-__all__ = ["LOGITS", "build_decoder", "build_sampler"]
+__all__ = ["LOGITS", "build_decoder", "build_draft_steps", "build_sampler"]
 
 
 def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_size: int | None = None,
@@ -45,14 +46,9 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
     `logits` [D+1, V] as an output, from which the bundle's sampler (build_sampler) samples.
     """
     spec = ckpt.spec
-    shape = spec.shape
-    vocab = min(shape.vocab_size, vocab_size or shape.vocab_size)
+    vocab = min(spec.shape.vocab_size, vocab_size or spec.shape.vocab_size)
     g = GraphBuilder(f"specbuild-{spec.architecture}", ckpt, numerics, progress)
-    input_ids = g.input("input_ids", INT64, [1, "S"])
-    # GroupQueryAttention's two length inputs, both fed by the runtime: the CUDA provider wants them as
-    # plain graph inputs (computed in the graph they would sit on the CPU, between GPU nodes).
-    seqlens_k = g.input("seqlens_k", INT32, [1])  # = total_len - 1
-    total_len = g.input("total_len", INT32, [])
+    input_ids, att = _engine_inputs(g, spec, numerics, max_seq_len)
     num_drafts = g.input("num_drafts", INT64, [])
     sampling_inputs = SamplingInputs(
         temperature=g.input("temperature", FLOAT, []),
@@ -61,11 +57,6 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
         draft_probs=g.input("draft_probs", FLOAT, ["D", vocab]),
         uniforms=g.input("uniforms", FLOAT, ["D+1"]),
     ) if sampling else None
-    kv_shape = [1, shape.num_kv_heads, max_seq_len, shape.head_dim]
-    names = cache_names(shape.num_layers)
-    inputs = [g.input(past, numerics.ir_type, kv_shape) for past, _ in names]
-    past = list(zip(inputs[::2], inputs[1::2]))  # (key, value) per layer
-    att = Attention(seqlens_k, total_len, past, shape.num_heads, shape.num_kv_heads, shape.head_dim)
     ids = g.op("Reshape", input_ids, g.const([-1]))  # [S]
     hidden, presents, head = FAMILIES[spec.family](g, spec, ids, att, max_seq_len, vocab)
     accepted, next_token, probs, logits = verification(g, hidden, input_ids, num_drafts, lambda x: linear(g, x, head),
@@ -76,7 +67,63 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
     g.output(next_token, "next_token", INT64, [])
     if sampling:
         g.output(probs, "probs", FLOAT, ["V or 0"])
-    written = [buffer for pair in presents for buffer in pair]  # key, value per layer: cache_names' order
-    for buffer, (_, present) in zip(written, names):
-        g.output(buffer, present, numerics.ir_type, kv_shape)
+    _cache_outputs(g, presents, att, numerics, max_seq_len)
     return g.model()
+
+
+def build_draft_steps(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, steps: int,
+                      vocab_size: int | None = None) -> ir.Model:
+    """A draft's greedy drafting of `steps` tokens in one call (see specbuild_runtime.manifest): the
+    decoder unrolled, each step fed the previous step's argmax on the device, so drafting γ tokens costs one
+    call, not γ calls each waiting for its token on the host. Step j's rows and arithmetic are the graph's
+    own (greedy-only) call of one token, so it drafts the tokens γ such calls would.
+
+    All steps share the weights (one initializer each) and the KV buffers: each step's attention reads
+    the past inputs and writes its own present outputs, which the runtime binds to the same buffers, as
+    for one step. onnxruntime does not know the steps share a buffer; step j+1 still runs after step j
+    has written its keys, because its input is step j's token.
+    """
+    spec = ckpt.spec
+    vocab = min(spec.shape.vocab_size, vocab_size or spec.shape.vocab_size)
+    g = GraphBuilder(f"specbuild-{spec.architecture}-steps", ckpt, numerics)
+    input_ids, att = _engine_inputs(g, spec, numerics, max_seq_len)
+    # Each step's total_len is an input of its own: GroupQueryAttention reads it on the host, where an
+    # Add in the graph would not stay on the CUDA provider (nor its result).
+    lengths = [att.total_len] + [g.input(f"total_len.{j}", INT32, []) for j in range(1, steps)]
+    no_drafts = g.const(0)
+    drafts = []
+    for j in range(steps):
+        step_att = att.step(j, g.op("Add", att.seqlens_k, g.const([j], np.int32)) if j else att.seqlens_k, lengths[j])
+        hidden, presents, head = FAMILIES[spec.family](g, spec, g.op("Reshape", input_ids, g.const([-1])), step_att,
+                                                       max_seq_len, vocab)
+        _, token, _, logits = verification(g, hidden, input_ids, no_drafts, lambda x: linear(g, x, head), None,
+                                           spec.final_softcap)
+        logits.name = f"{LOGITS}.step{j}"  # one name per value
+        _cache_outputs(g, presents, att, numerics, max_seq_len, suffix=f".step{j}" if j else "")
+        input_ids = g.op("Reshape", token, g.const([1, 1]))
+        drafts.append(g.op("Reshape", token, g.const([1])))
+    g.output(g.op("Concat", *drafts, axis=0), "drafts", INT64, [steps])
+    return g.model()
+
+
+def _engine_inputs(g: GraphBuilder, spec, numerics: Numerics, max_seq_len: int) -> tuple[ir.Value, Attention]:
+    """input_ids [1, S] and the attention inputs (lengths, KV buffers) every engine graph has."""
+    shape = spec.shape
+    input_ids = g.input("input_ids", INT64, [1, "S"])
+    # GroupQueryAttention's two length inputs, both fed by the runtime: the CUDA provider wants them as
+    # plain graph inputs (computed in the graph they would sit on the CPU, between GPU nodes).
+    seqlens_k = g.input("seqlens_k", INT32, [1])  # = total_len - 1
+    total_len = g.input("total_len", INT32, [])
+    kv_shape = [1, shape.num_kv_heads, max_seq_len, shape.head_dim]
+    inputs = [g.input(past, numerics.ir_type, kv_shape) for past, _ in cache_names(shape.num_layers)]
+    past = list(zip(inputs[::2], inputs[1::2]))  # (key, value) per layer
+    return input_ids, Attention(seqlens_k, total_len, past, shape.num_heads, shape.num_kv_heads, shape.head_dim)
+
+
+def _cache_outputs(g: GraphBuilder, presents, att: Attention, numerics: Numerics, max_seq_len: int,
+                   suffix: str = "") -> None:
+    """Each layer's present K/V as the outputs cache_names lists (+ suffix)."""
+    written = [buffer for pair in presents for buffer in pair]  # key, value per layer: cache_names' order
+    kv_shape = [1, att.num_kv_heads, max_seq_len, att.head_dim]
+    for buffer, (_, present) in zip(written, cache_names(len(presents))):
+        g.output(buffer, present + suffix, numerics.ir_type, kv_shape)

@@ -78,9 +78,15 @@ class Attention:
     """What every layer's attention shares: the length inputs, each layer's KV buffers, the model's shape."""
 
     def __init__(self, seqlens_k: ir.Value, total_len: ir.Value, past: list[tuple[ir.Value, ir.Value]],
-                 num_heads: int, num_kv_heads: int, head_dim: int):
+                 num_heads: int, num_kv_heads: int, head_dim: int, prefix: str = ""):
         self.seqlens_k, self.total_len, self.past = seqlens_k, total_len, past
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.prefix = prefix  # of the attention nodes' names
+
+    def step(self, j: int, seqlens_k: ir.Value, total_len: ir.Value) -> "Attention":
+        """The same buffers at other lengths: step j of a graph that runs the decoder several times."""
+        return Attention(seqlens_k, total_len, self.past, self.num_heads, self.num_kv_heads, self.head_dim,
+                         f"step{j}." if j else "")
 
 
 def attention(g: GraphBuilder, att: Attention, layer: int, q: ir.Value, k: ir.Value | None = None,
@@ -105,7 +111,7 @@ def attention(g: GraphBuilder, att: Attention, layer: int, q: ir.Value, k: ir.Va
     past_key, past_value = att.past[layer]
     out, present_key, present_value = g.op(
         "GroupQueryAttention", *batched, past_key, past_value, att.seqlens_k, att.total_len, *(rotary or ()),
-        outputs=3, domain=MS, name=f"layers.{layer}.attention", **attrs,
+        outputs=3, domain=MS, name=f"{att.prefix}layers.{layer}.attention", **attrs,
     )
     return g.op("Squeeze", out, g.const([0])), (present_key, present_value)
 
