@@ -2,10 +2,12 @@
 
 Issue 12: a 1.1B fp16 target call took 1.72 ms on an H100 under CUDA graphs where reading its weights takes
 ~0.78 ms (45% of the measured copy rate). This times only the weight-reading part of such a call: every
-layer's q/k/v, o, gate/up and down projections and the LM head as one chain of MatMuls over R rows (R = 1,
-and max γ + 1 as fixed-row target calls use), weights bound on the device, with and without CUDA graphs.
-If the chain alone runs near the bandwidth, the rest of the call (attention, norms, the tail, the host
-round trip) is where the time goes; if not, the GEMMs are.
+layer's q/k/v, o, gate/up and down projections and the LM head as one chain over R rows (R = 1, and max
+γ + 1 as fixed-row target calls use), weights bound on the device, with and without CUDA graphs; each chain
+twice: as the engines compute it (Gemm with transB=1 over the checkpoint's [out, in] weights) and as MatMul
+over [in, out] weights (which would need the weights transposed as they are written). If a chain alone
+runs near the bandwidth, the rest of the call (attention, norms, the tail, the host round trip) is where
+the time goes; if not, the GEMMs are, and the two forms say whether the layout matters.
 
     python benchmarks/gpu_matmuls.py --shape tinyllama-1.1b --rows 1,5,9 --json matmuls.json
 
@@ -46,7 +48,10 @@ def chain(config: dict, scale: float) -> tuple[list[tuple[str, list[int]]], int]
     return weights + [("lm_head", [hidden, dim(config["vocab_size"])])], hidden
 
 
-def model(weights: list[tuple[str, list[int]]], hidden: int, dtype: int) -> bytes:
+OPS = ("gemm", "matmul")  # Gemm(transB=1) over [out, in] weights, as the engines; MatMul over [in, out]
+
+
+def model(weights: list[tuple[str, list[int]]], hidden: int, dtype: int, op: str = "gemm") -> bytes:
     """x [R, hidden] through every weight; where the next weight takes fewer inputs than a product has
     columns, its first columns go on (as attention and the gated MLP narrow them), by a Slice."""
     from onnx import TensorProto, helper
@@ -55,8 +60,11 @@ def model(weights: list[tuple[str, list[int]]], hidden: int, dtype: int) -> byte
     initializers = [helper.make_tensor("zero", TensorProto.INT64, [1], [0]),
                     helper.make_tensor("one", TensorProto.INT64, [1], [1])]
     for index, (name, (k, n)) in enumerate(weights):
-        inputs.append(helper.make_tensor_value_info(name, dtype, [k, n]))
-        nodes.append(helper.make_node("MatMul", [x, name], [f"{name}.out"]))
+        inputs.append(helper.make_tensor_value_info(name, dtype, layout([k, n], op)))
+        if op == "gemm":
+            nodes.append(helper.make_node("Gemm", [x, name], [f"{name}.out"], transB=1))
+        else:
+            nodes.append(helper.make_node("MatMul", [x, name], [f"{name}.out"]))
         x = f"{name}.out"
         following = weights[index + 1][1][0] if index + 1 < len(weights) else n
         if following != n:
@@ -68,7 +76,13 @@ def model(weights: list[tuple[str, list[int]]], hidden: int, dtype: int) -> byte
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10).SerializeToString()
 
 
-def time_rows(weights, hidden: int, rows: list[int], device: str, graphs: bool, repeats: int) -> dict[int, float]:
+def layout(shape: list[int], op: str) -> list[int]:
+    """A weight's [in, out] shape as the op reads it."""
+    return shape[::-1] if op == "gemm" else shape
+
+
+def time_rows(weights, hidden: int, rows: list[int], device: str, graphs: bool, repeats: int,
+              op: str = "gemm") -> dict[int, float]:
     """rows -> ms per pass of the chain (best of `repeats` after warm-ups)."""
     import onnxruntime as ort
 
@@ -77,12 +91,13 @@ def time_rows(weights, hidden: int, rows: list[int], device: str, graphs: bool, 
     # fp16 as the GPU engines; the CPU provider has no fp16 MatMul on x86, so fp32 there (a check only)
     dtype, np_type = (TensorProto.FLOAT16, np.float16) if device == "cuda" else (TensorProto.FLOAT, np.float32)
     options = [{"enable_cuda_graph": "1"}] if graphs else None
-    session = ort.InferenceSession(model(weights, hidden, dtype), session_options(), providers=[PROVIDERS[device]],
+    session = ort.InferenceSession(model(weights, hidden, dtype, op), session_options(), providers=[PROVIDERS[device]],
                                    provider_options=options)
     rng = np.random.default_rng(0)
     tables = {}  # one host array per shape, uploaded once per weight: distinct device memory, quick to make
     binding = session.io_binding()
     for name, shape in weights:
+        shape = layout(shape, op)
         if tuple(shape) not in tables:
             tables[tuple(shape)] = (rng.standard_normal(shape, np.float32) * 0.02).astype(np_type)
         binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(tables[tuple(shape)], device, 0))
@@ -126,13 +141,14 @@ def main() -> None:
               "bandwidth_gbs": round(bandwidth, 1), "ms": {}}
     print(f"{args.shape} x{args.scale}: {read / 1e6:.0f} MB of weights; measured copy rate {bandwidth:.0f} GB/s "
           f"(reading them once: {read / bandwidth / 1e6:.3f} ms)")
-    for graphs in ((False, True) if args.device == "cuda" else (False,)):
-        label = "CUDA graphs" if graphs else "uncaptured"
-        times = time_rows(weights, hidden, rows, args.device, graphs, args.repeats)
-        report["ms"][label] = times
-        for count, ms in times.items():
-            print(f"  {label:<12} rows {count:>3}: {ms:.3f} ms a pass, {read / ms / 1e6:.0f} GB/s = "
-                  f"{read / ms / 1e6 / bandwidth:.0%} of the copy rate")
+    for op in OPS:
+        for graphs in ((False, True) if args.device == "cuda" else (False,)):
+            label = f"{op} {'CUDA graphs' if graphs else 'uncaptured'}"
+            times = time_rows(weights, hidden, rows, args.device, graphs, args.repeats, op)
+            report["ms"][label] = times
+            for count, ms in times.items():
+                print(f"  {label:<19} rows {count:>3}: {ms:.3f} ms a pass, {read / ms / 1e6:.0f} GB/s = "
+                      f"{read / ms / 1e6 / bandwidth:.0%} of the copy rate")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 

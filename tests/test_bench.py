@@ -66,4 +66,5 @@ def test_gpu_matmuls_runs_its_chain_and_reports_each_row_count(tmp_path):
     subprocess.run([sys.executable, str(script), "--device", "cpu", "--scale", "0.02", "--rows", "1,3", "--repeats", "1",
                     "--json", str(out)], check=True, capture_output=True)
     report = json.loads(out.read_text())
-    assert set(report["ms"]["uncaptured"]) == {"1", "3"} and report["weight_mb"] > 0
+    assert set(report["ms"]) == {"gemm uncaptured", "matmul uncaptured"} and report["weight_mb"] > 0
+    assert all(set(times) == {"1", "3"} for times in report["ms"].values())
