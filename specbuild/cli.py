@@ -358,9 +358,9 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
               help="Sample at this temperature (seeded per prompt) instead of greedy decoding.")
 @device_option
 @cuda_graphs_option
-@click.option("--draft-steps/--no-draft-steps", default=True, show_default=True,
-              help="Greedy rounds draft with the draft's steps graph, several tokens a call; --no-draft-steps makes "
-                   "a call per draft token (the same drafts), to measure what it saves.")
+@click.option("--draft-steps/--no-draft-steps", default=None,
+              help="Greedy rounds draft with the draft's steps graph, several tokens a call, or a call per draft token "
+                   "(the same drafts), to measure what it saves.  [default: steps on cuda, a call per token on cpu]")
 def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, temperature, device, cuda_graphs,
           draft_steps) -> None:
     """Measure speculative vs target-only decoding (and peers) side by side, with the theoretical bound."""

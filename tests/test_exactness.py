@@ -30,7 +30,7 @@ def references():
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("draft", ["same", "unrelated"])
 def test_speculative_greedy_equals_transformers(architecture, draft, bundles, checkpoints, tokenizer, references):
-    decoder = SpeculativeDecoder(bundles(architecture, draft_seed=0 if draft == "same" else 1))
+    decoder = SpeculativeDecoder(bundles(architecture, draft_seed=0 if draft == "same" else 1), draft_steps=True)
     expected = references(architecture, checkpoints(architecture), tokenizer)
     for gamma in (0, 1, 3, 5, 8, "auto"):  # 5 and 8: rounds with calls of the draft's steps graph
         for prompt in PROMPTS:

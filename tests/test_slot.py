@@ -95,7 +95,8 @@ def test_the_device_data_flow_decodes_the_same_tokens_when_host_and_engine_memor
         self.shared = False
 
     monkeypatch.setattr(slot.Buffer, "__init__", apart)
-    device_like = SpeculativeDecoder(bundle, target_rows=fixed_rows(normal.max_gamma), cuda_graphs=cuda_graphs)
+    device_like = SpeculativeDecoder(bundle, target_rows=fixed_rows(normal.max_gamma), cuda_graphs=cuda_graphs,
+                                     draft_steps=True)  # as on CUDA: γ 4 drafts in one call of the steps graph
     for gamma, tokens in expected.items():
         assert device_like.generate(PROMPTS[5], NEW_TOKENS, gamma, **sampling).token_ids == tokens, gamma
 
@@ -206,8 +207,8 @@ def test_the_drafts_steps_graph_drafts_what_a_call_per_token_drafts(architecture
     """The steps graph (draft.steps.onnx) runs the draft's own graph once per step inside one call: the same
     drafts, so the same rounds, for every γ (rounds of fewer drafts than it makes use single calls)."""
     folder = bundles(architecture, draft_seed=1)
-    one_by_one = SpeculativeDecoder(folder, draft_steps=False)
-    steps = SpeculativeDecoder(folder)
+    one_by_one = SpeculativeDecoder(folder)  # the CPU's default
+    steps = SpeculativeDecoder(folder, draft_steps=True)
     assert steps.draft_steps.steps == 4 and one_by_one.draft_steps is None
     for prompt in (PROMPTS[3], PROMPTS[0], PROMPTS[5]):
         for gamma in (1, 4, 6, 8, "auto"):
@@ -223,8 +224,8 @@ def test_the_drafts_steps_graph_drafts_what_a_call_per_token_drafts(architecture
 def test_steps_graph_calls_feed_every_step_the_full_length_as_on_cuda(bundle, steps_calls):
     """As on CUDA (captures forced on; the CPU provider ignores graph ids): a steps call over a cache feeds
     every step total_len = max_seq_len (a replay keeps its capture's total_len), and decodes the same tokens."""
-    normal = SpeculativeDecoder(bundle, draft_steps=False)
-    graphs = SpeculativeDecoder(bundle, cuda_graphs=True, target_rows=fixed_rows(normal.max_gamma))
+    normal = SpeculativeDecoder(bundle)
+    graphs = SpeculativeDecoder(bundle, cuda_graphs=True, target_rows=fixed_rows(normal.max_gamma), draft_steps=True)
     for engine in (graphs.target, graphs.draft, graphs.draft_steps):
         engine.captures = True
     for prompt in (PROMPTS[3], PROMPTS[5]):
@@ -249,11 +250,11 @@ def test_a_bundle_without_a_steps_graph_drafts_a_call_per_token_and_a_wrong_one_
         manifest["engines"]["draft"]["steps_file"] = steps_file
     (old / "manifest.json").write_text(json.dumps(manifest))
     if steps_file is None:
-        decoder = SpeculativeDecoder(old, check_digests=False)
+        decoder = SpeculativeDecoder(old, check_digests=False, draft_steps=True)
         assert decoder.draft_steps is None
         assert decoder.generate(PROMPTS[0], NEW_TOKENS, 4).token_ids == SpeculativeDecoder(bundle).generate(
             PROMPTS[0], NEW_TOKENS, 4).token_ids
         return
     with pytest.raises(BundleError, match=r"draft.greedy.onnx does not match.*no 'drafts' output.*rebuild it") as error:
-        SpeculativeDecoder(old, check_digests=False)
+        SpeculativeDecoder(old, check_digests=False, draft_steps=True)
     assert "\n" not in str(error.value)
