@@ -20,7 +20,7 @@ CALLS = [(0, 7), (7, 9), (9, 14), (11, 14), (14, 15), (15, 16), (13, 19)]
 ELEMENT = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16}
 
 
-def gqa_model(dtype) -> bytes:
+def gqa_model(dtype, window: int | None = None) -> bytes:
     t = ELEMENT[dtype]
     kv_shape = [1, KV_HEADS, MAX_LEN, HEAD_DIM]
     inputs = [helper.make_tensor_value_info("query", t, [1, "S", HEADS * HEAD_DIM]),
@@ -34,24 +34,27 @@ def gqa_model(dtype) -> bytes:
                helper.make_tensor_value_info("present_key", t, kv_shape),
                helper.make_tensor_value_info("present_value", t, kv_shape)]
     node = helper.make_node("GroupQueryAttention", [i.name for i in inputs], [o.name for o in outputs], domain="com.microsoft",
-                            num_heads=HEADS, kv_num_heads=KV_HEADS, scale=HEAD_DIM ** -0.5)
+                            num_heads=HEADS, kv_num_heads=KV_HEADS, scale=HEAD_DIM ** -0.5,
+                            **({"local_window_size": window} if window else {}))
     graph = helper.make_graph([node], "gqa", inputs, outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
                                ir_version=10)
     return model.SerializeToString()
 
 
-def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first: int) -> np.ndarray:
+def reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, first: int, window: int | None = None) -> np.ndarray:
     """Causal attention of q [S, H, D] at positions first.. over keys/values [T, KV, D] (each query head
-    reads KV head h // (H / KV)), in float64."""
+    reads KV head h // (H / KV)), in float64; with a window, a query sees the `window` positions up to
+    and including its own (transformers' sliding window)."""
     group = HEADS // KV_HEADS
     out = np.empty(q.shape, np.float64)
     for row in range(q.shape[0]):
         seen = first + row + 1
+        start = max(0, seen - window) if window else 0
         for h in range(HEADS):
-            scores = keys[:seen, h // group] @ q[row, h] * HEAD_DIM ** -0.5
+            scores = keys[start:seen, h // group] @ q[row, h] * HEAD_DIM ** -0.5
             weights = np.exp(scores - scores.max())
-            out[row, h] = weights @ values[:seen, h // group] / weights.sum()
+            out[row, h] = weights @ values[start:seen, h // group] / weights.sum()
     return out.reshape(q.shape[0], -1)
 
 
@@ -61,11 +64,16 @@ DEVICES = [pytest.param("cpu", np.float32, id="cpu-fp32"), pytest.param("cpu", n
                                             reason="onnxruntime has no CUDA provider here")])]
 
 
+@pytest.mark.parametrize("window", [None, 5], ids=["causal", "window-5"])
+@pytest.mark.parametrize("full", [False, True], ids=["total-len", "total-len-max"])
 @pytest.mark.parametrize("device,dtype", DEVICES)
-def test_group_query_attention_over_a_shared_cache_matches_numpy(device, dtype):
+def test_group_query_attention_over_a_shared_cache_matches_numpy(device, dtype, full, window):
+    """full: every call over the cache is fed total_len = max_seq_len, as the runtime feeds it on a GPU
+    (slot.fed_total_len), the lengths then coming from seqlens_k alone. window: local_window_size, as the
+    engines of sliding-window models set it (on CUDA not checked against transformers otherwise)."""
     if device == "cuda":
         ort.preload_dlls()
-    session = ort.InferenceSession(gqa_model(dtype), session_options(), providers=[PROVIDERS[device]])
+    session = ort.InferenceSession(gqa_model(dtype, window), session_options(), providers=[PROVIDERS[device]])
     rng = np.random.default_rng(0)
     keys, values = np.zeros((MAX_LEN, KV_HEADS, HEAD_DIM)), np.zeros((MAX_LEN, KV_HEADS, HEAD_DIM))  # what the cache should hold
     binding = session.io_binding()
@@ -82,11 +90,12 @@ def test_group_query_attention_over_a_shared_cache_matches_numpy(device, dtype):
         for name, array in (("query", q), ("key", k), ("value", v)):
             binding.bind_cpu_input(name, array.reshape(1, rows, -1))
         binding.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
-        binding.bind_cpu_input("total_len", np.array(total, np.int32))
+        binding.bind_cpu_input("total_len", np.array(MAX_LEN if full and first else total, np.int32))
         out = ort.OrtValue.ortvalue_from_shape_and_type([1, rows, HEADS * HEAD_DIM], dtype, device, 0)
         binding.bind_ortvalue_output("output", out)
         session.run_with_iobinding(binding)
         got = out.numpy()[0].astype(np.float64)
-        expected = reference(q.astype(np.float64), keys, values, first)
+        expected = reference(q.astype(np.float64), keys, values, first, window)
         error = np.abs(got - expected).max()
-        assert error < tolerance, f"{device} {dtype.__name__}: call over positions {first}..{total - 1} off by {error:.2e}"
+        assert error < tolerance, (f"{device} {dtype.__name__} (total_len {'max' if full else 'real'}, window {window}): "
+                                   f"call over positions {first}..{total - 1} off by {error:.2e}")

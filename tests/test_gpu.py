@@ -2,8 +2,8 @@
 
 Skipped where onnxruntime has no CUDA provider (CI). Run them on a GPU machine with
 `python -m pytest -m gpu tests/test_gpu.py` after `pip install ./runtime[gpu]` (see README, GPU).
-Each failure message says what differed. Run on an H100 on 2026-11-24 (README, GPU); the full graphs'
-copy check was written after the last run there.
+Each failure message says what differed. Run on an H100 on 2026-11-24 (README, GPU); written after the
+last run there: the full graphs' copy check as it stands, the draft's steps graph, the other families.
 """
 
 import onnxruntime as ort
@@ -51,6 +51,22 @@ def test_speculative_output_equals_target_only_on_cuda_for_every_gamma(precision
         for gamma in [*range(1, decoder.max_gamma + 1), "auto"]:
             got = decoder.generate(prompt, NEW_TOKENS, gamma).token_ids
             assert got == expected, (f"{precision} γ={gamma}: token {first_difference(got, expected)} differs from "
+                                     f"target-only, prompt {prompt!r}")
+
+
+@pytest.mark.parametrize("architecture", ["gpt2", "qwen2-window", "gemma3", "phi3"])
+def test_other_families_decode_speculatively_as_target_only_on_cuda(architecture, checkpoints, tmp_path):
+    """fp16 bundles of the families beside Llama: GPT-2 (positions from seqlens_k, no rotary), a sliding
+    window on some layers, Gemma 3 (soft-capping, a rotary table per layer type), Phi-3 (partial rotary)."""
+    folder = tmp_path / architecture
+    compile_bundle(CompileSettings(target=checkpoints(architecture, 0), draft=checkpoints(architecture, 1), output=folder,
+                                   max_seq_len=256, precision="fp16"), show_progress=False)
+    decoder = SpeculativeDecoder(folder, device="cuda")
+    for prompt in (PROMPTS[5], PROMPTS[8], PROMPTS[3]):
+        expected = decoder.generate(prompt, NEW_TOKENS, 0).token_ids
+        for gamma in (1, 4, decoder.max_gamma, "auto"):
+            got = decoder.generate(prompt, NEW_TOKENS, gamma).token_ids
+            assert got == expected, (f"{architecture} γ={gamma}: token {first_difference(got, expected)} differs from "
                                      f"target-only, prompt {prompt!r}")
 
 
