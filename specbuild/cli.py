@@ -19,7 +19,7 @@ import click
 
 from specbuild_runtime.engine import DEVICES
 from specbuild_runtime.errors import SpecbuildError
-from specbuild_runtime.serve.cli import Finite, serve_command
+from specbuild_runtime.serve.cli import Finite, draft_steps_option, serve_command
 from specbuild_runtime.validation import GREEDY_BELOW
 
 from . import __version__
@@ -170,13 +170,15 @@ def compile_cmd(recipe, **options) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, stats) instead of streaming text.")
 @device_option
 @cuda_graphs_option
+@draft_steps_option
 @sampling_options
-def generate(bundle, prompt, max_new_tokens, gamma, as_json, device, cuda_graphs, **sampling) -> None:
+def generate(bundle, prompt, max_new_tokens, gamma, as_json, device, cuda_graphs, draft_steps, **sampling) -> None:
     """Continue a prompt with speculative decoding (greedy, or sampling with --temperature)."""
     from specbuild_runtime import SpeculativeDecoder, Stats
 
     check_sampling(sampling)
-    decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs)
+    decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs,
+                                 draft_steps=draft_steps)
     if as_json:
         result = decoder.generate(prompt, max_new_tokens, gamma, **sampling)
         click.echo(json.dumps({
@@ -306,13 +308,14 @@ def quality_line(q: dict) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @device_option
 @cuda_graphs_option
-def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda_graphs) -> None:
+@draft_steps_option
+def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda_graphs, draft_steps) -> None:
     """Gate a bundle: its greedy output must equal transformers' on every prompt (exit 1 if not).
 
     transformers runs on the same device, in the target engine's float type."""
     from .verify import verify_bundle
 
-    report = verify_bundle(bundle, target, prompts, max_new_tokens, gamma, device, cuda_graphs)
+    report = verify_bundle(bundle, target, prompts, max_new_tokens, gamma, device, cuda_graphs, draft_steps)
     if as_json:
         click.echo(json.dumps(report))
     elif report["identical"]:
@@ -358,9 +361,7 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
               help="Sample at this temperature (seeded per prompt) instead of greedy decoding.")
 @device_option
 @cuda_graphs_option
-@click.option("--draft-steps/--no-draft-steps", default=None,
-              help="Greedy rounds draft with the draft's steps graph, several tokens a call, or a call per draft token "
-                   "(the same drafts), to measure what it saves.  [default: steps on cuda, a call per token on cpu]")
+@draft_steps_option
 def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, temperature, device, cuda_graphs,
           draft_steps) -> None:
     """Measure speculative vs target-only decoding (and peers) side by side, with the theoretical bound."""

@@ -76,7 +76,7 @@ def first_difference(ours: list[int], theirs: list[int]) -> int | None:
 
 
 def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens: int, gamma: int | str,
-                  device: str = "cpu", cuda_graphs: bool = False) -> dict:
+                  device: str = "cpu", cuda_graphs: bool = False, draft_steps: bool | None = None) -> dict:
     """The bundle against transformers on the same device, in the target engine's float type (a quantized
     engine's too), on every prompt. `divergences` lists each prompt that differs (`divergence` is the
     first). In half precision each also says where, on that prompt, the bundle and transformers in that
@@ -84,7 +84,8 @@ def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens
     from specbuild_runtime import SpeculativeDecoder
 
     prompts = read_prompts(prompts_file)
-    decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs)
+    decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs,
+                                 draft_steps=draft_steps)
     encoded = [decoder.encode(prompt) for prompt in prompts]
     for index, prompt_ids in enumerate(encoded):  # all checked before loading the model and decoding
         if len(prompt_ids) >= decoder.max_seq_len:

@@ -218,7 +218,7 @@ def test_cuda_graphs_decode_the_tokens_of_uncaptured_calls(architecture, precisi
                                        output=folder, max_seq_len=256, precision=precision), show_progress=False)
     plain = SpeculativeDecoder(folder, device="cuda")
     graphs = SpeculativeDecoder(folder, device="cuda", cuda_graphs=True, parallel=2)
-    assert graphs.target.captures and graphs.draft.captures and graphs.draft_steps.captures
+    assert graphs.target.captures and graphs.draft.captures and graphs.steps_engine.captures
     held = graphs.stream(PROMPTS[1], NEW_TOKENS)
     next(held)
     for rerun in range(3):

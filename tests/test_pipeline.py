@@ -86,6 +86,18 @@ def test_each_engine_has_a_greedy_only_graph_and_the_draft_a_steps_graph_reading
     assert {"logits", "input_ids", "uniforms"} <= {i.name for i in sampler.graph.input}
 
 
+@pytest.mark.parametrize("gamma, steps", [(1, 0), (3, 3)])
+def test_the_drafts_steps_graph_drafts_at_most_max_gamma_and_is_left_out_at_one(gamma, steps, checkpoints, tmp_path):
+    """At max γ 1 every round drafts one token: a steps graph would only cost its session."""
+    manifest = compile_bundle(CompileSettings(target=checkpoints("llama"), draft=checkpoints("llama", 1), output=tmp_path / "b",
+                                              max_seq_len=64, gamma=gamma), show_progress=False)
+    info = manifest.engines["draft"]
+    assert bool(info.steps_file) == bool(steps) and len(list((tmp_path / "b").glob("*.steps.onnx"))) == bool(steps)
+    if steps:
+        graph = onnx.load(str(tmp_path / "b" / info.steps_file), load_external_data=False)
+        assert [d.dim_value for d in graph.graph.output[-1].type.tensor_type.shape.dim] == [steps]
+
+
 def test_a_bf16_checkpoint_becomes_an_fp16_engine_with_the_same_weights(checkpoints, tmp_path):
     tensors = save_bf16_shards(checkpoints("llama"), tmp_path / "bf16")
     manifest = compile_bundle(CompileSettings(target=tmp_path / "bf16", draft=tmp_path / "bf16", output=tmp_path / "b",

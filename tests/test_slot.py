@@ -209,7 +209,7 @@ def test_the_drafts_steps_graph_drafts_what_a_call_per_token_drafts(architecture
     folder = bundles(architecture, draft_seed=1)
     one_by_one = SpeculativeDecoder(folder)  # the CPU's default
     steps = SpeculativeDecoder(folder, draft_steps=True)
-    assert steps.draft_steps.steps == 4 and one_by_one.draft_steps is None
+    assert steps.steps_engine.steps == 4 and one_by_one.steps_engine is None
     for prompt in (PROMPTS[3], PROMPTS[0], PROMPTS[5]):
         for gamma in (1, 4, 6, 8, "auto"):
             expected = one_by_one.generate(prompt, NEW_TOKENS, gamma)
@@ -226,7 +226,7 @@ def test_steps_graph_calls_feed_every_step_the_full_length_as_on_cuda(bundle, st
     every step total_len = max_seq_len (a replay keeps its capture's total_len), and decodes the same tokens."""
     normal = SpeculativeDecoder(bundle)
     graphs = SpeculativeDecoder(bundle, cuda_graphs=True, target_rows=fixed_rows(normal.max_gamma), draft_steps=True)
-    for engine in (graphs.target, graphs.draft, graphs.draft_steps):
+    for engine in (graphs.target, graphs.draft, graphs.steps_engine):
         engine.captures = True
     for prompt in (PROMPTS[3], PROMPTS[5]):
         for gamma in (4, 8):
@@ -251,7 +251,7 @@ def test_a_bundle_without_a_steps_graph_drafts_a_call_per_token_and_a_wrong_one_
     (old / "manifest.json").write_text(json.dumps(manifest))
     if steps_file is None:
         decoder = SpeculativeDecoder(old, check_digests=False, draft_steps=True)
-        assert decoder.draft_steps is None
+        assert decoder.steps_engine is None
         assert decoder.generate(PROMPTS[0], NEW_TOKENS, 4).token_ids == SpeculativeDecoder(bundle).generate(
             PROMPTS[0], NEW_TOKENS, 4).token_ids
         return

@@ -146,8 +146,9 @@ class Engine:
         # Attention runs where its cache is bound: the device, but the CPU for fp32 engines (README, GPU).
         self.gpu_attention = self.input_devices[self.cache_names[0][0]] == "cuda"
         known = {"accepted", "next_token", "probs", "drafts", *(present for _, present in self.cache_names),
+                 *(f"{present}.step{j}" for j in range(1, self.steps) for _, present in self.cache_names),
                  *(GREEDY_OUTPUTS if self.greedy_only else ())}
-        self.extra_outputs = [name for name in outputs if name not in known and ".step" not in name]
+        self.extra_outputs = [name for name in outputs if name not in known]
         # The session that samples, and where it reads its inputs: the engine graph's own sampling branch, or
         # for a greedy-only graph the sampler (None: this engine cannot sample).
         if not self.greedy_only:

@@ -4,7 +4,8 @@ Everything a call reads or writes lives in buffers created once per slot, where 
 (the device, but the host for the few numbers onnxruntime reads there: total_len, num_drafts, top_k), and
 updated in place: the caches, token ids, sampling settings, the draft's distributions (written by the
 draft straight into the rows the target reads) and the verification outputs. Per call, only the new
-token ids and numbers go to the device and only `next_token` and (with drafts) `accepted` come back.
+token ids and numbers go to the device and only `next_token` and (with drafts) `accepted` come back (from
+a call of the draft's steps graph: its drafts).
 """
 
 from __future__ import annotations
@@ -87,6 +88,14 @@ def fed_total_len(engine: Engine, first: int, total_len: int) -> int:
     """
     full = first and (engine.gpu_attention or engine.captures)
     return engine.max_seq_len if full else total_len
+
+
+def graph_id(engine: Engine, index: int, rows: int, num_drafts: int, total_len: int) -> int:
+    """The CUDA graph of slot `index`'s calls of `rows` tokens (num_drafts of them drafts) on the engine, or
+    -1 (see EngineSlot.graph_id). Ids are per session: a slot's engine and steps graph may reuse them."""
+    if not engine.captures or rows > MAX_REUSED_IDS or total_len == rows:
+        return -1
+    return (index * (MAX_REUSED_IDS + 1) + rows) * MAX_REUSED_IDS + num_drafts  # > 0: onnxruntime reserves 0
 
 
 class CudaGraphs:
@@ -278,9 +287,7 @@ class EngineSlot:
         call over a cache: a first call is never captured, and every later one is fed the same total_len
         (see _call), so one graph serves every length.
         """
-        if not self.engine.captures or rows > MAX_REUSED_IDS or total_len == rows:
-            return -1
-        return (self.index * (MAX_REUSED_IDS + 1) + rows) * MAX_REUSED_IDS + num_drafts  # > 0: onnxruntime reserves 0
+        return graph_id(self.engine, self.index, rows, num_drafts, total_len)
 
     def _graph(self, rows: int, num_drafts: int, total_len: int) -> ort.RunOptions | None:
         return self._graphs.options(self.graph_id(rows, num_drafts, total_len))
@@ -376,10 +383,12 @@ class DraftSteps:
 
     def __init__(self, engine: Engine, draft: EngineSlot):
         self.engine, self.draft, self.count = engine, draft, engine.steps
-        if engine.input_devices["input_ids"] != draft.engine.input_devices["input_ids"]:
-            # It reads the draft slot's token buffers; bound on another device they would be copied once, then stale.
-            raise BundleError(f"{engine.path} reads input_ids on {engine.input_devices['input_ids']}, the draft engine on "
-                              f"{draft.engine.input_devices['input_ids']}: rebuild the bundle with `specbuild compile`")
+        for name in ("input_ids", engine.cache_names[0][0]):
+            # It reads the draft slot's token buffers and caches; bound on another device than the session reads
+            # them from, they would be copied once, when bound, and then read stale.
+            if engine.input_devices[name] != draft.engine.input_devices[name]:
+                raise BundleError(f"{engine.path} reads {name} on {engine.input_devices[name]}, the draft engine on "
+                                  f"{draft.engine.input_devices[name]}: rebuild the bundle with `specbuild compile`")
         self.index = engine.new_slot_index()
         self.binding = engine.session.io_binding()
         for (past, present), buffer in zip(engine.cache_names, draft.cache):
@@ -400,6 +409,8 @@ class DraftSteps:
         """Feed tokens (at most MAX_REUSED_IDS) at positions total_len-len(tokens)..total_len-1, then draft
         `count` tokens after them; the cache then holds all but the last."""
         draft, rows = self.draft, len(tokens)
+        if rows > MAX_REUSED_IDS:  # the draft slot's own calls take those (a buffer of their own)
+            raise ValueError(f"a steps call feeds at most {MAX_REUSED_IDS} tokens, not {rows}")
         first = total_len - rows
         with self.engine.calls:
             buffer = draft.ids_buffer(tokens)  # the draft slot's own buffer of this length: one address per shape
@@ -407,14 +418,12 @@ class DraftSteps:
                 self.binding.bind_ortvalue_input("input_ids", buffer.value)
                 self._bound_ids = rows
             self._lengths["seqlens_k"].host[0] = total_len - 1
-            for j in range(self.count):
-                # Each step after the first is a call over a cache.
-                fed = fed_total_len(self.engine, first + j, total_len + j)
+            for j in range(self.count):  # step j > 0 feeds one token, at position total_len + j - 1
+                fed = fed_total_len(self.engine, total_len + j - 1 if j else first, total_len + j)
                 self._lengths["total_len" + (f".{j}" if j else "")].host[()] = fed
             for buffer in self._lengths.values():
                 buffer.push()
-            # Like the slot's own calls: one CUDA graph per row count, none for a prompt's first call.
-            graph = self.index * (MAX_REUSED_IDS + 1) + rows if first else -1
+            graph = graph_id(self.engine, self.index, rows, 0, total_len)
             self.engine.session.run_with_iobinding(self.binding, self._graphs.options(graph))
             drafts = self._drafts.pull().tolist()
         draft._fed[first:total_len + self.count - 1] = [*tokens, *drafts[:-1]]

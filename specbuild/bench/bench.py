@@ -212,7 +212,7 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
         "device": decoder.device,
         "cuda_graphs": decoder.cuda_graphs,  # the greedy-only graphs, captured on cuda (the sampler never)
         # tokens a greedy round's call of the draft's steps graph drafts (0: a call per draft token)
-        "draft_steps": decoder.draft_steps.steps if decoder.draft_steps else 0,
+        "draft_steps_per_call": decoder.steps_engine.steps if decoder.steps_engine else 0,
         "machine_bandwidth_gbs": round(bandwidth, 2),  # cpu: onnxruntime read; cuda: onnxruntime copy (read + write)
         "target_call_ms": round(1e3 * target_step, 4),
         "target_weight_mb": round(target_info.weight_bytes / 1e6, 2),
@@ -268,11 +268,11 @@ def format_table(report: dict) -> str:
     )
     if "draft_step_ms" in report:
         share = report["draft_bandwidth_fraction"]
+        per_call = report.get("draft_steps_per_call") if report["temperature"] == 0 else 0  # sampled: a call a token
         lines.append(
             f"a draft step takes {report['draft_step_ms']:.3f} ms (γ {report['draft_step_gamma']}"
-            + (f", {report['draft_steps']} steps a call" if report.get("draft_steps") and report["temperature"] == 0 else "")
-            + ") and reads the draft's "
-            f"weights at {100 * share:.0f}% of the measured bandwidth" + ("; the rest of it is per-call cost" if share < 0.95 else "")
+            f"{f', {per_call} steps a call' if per_call else ''}) and reads the draft's weights at {100 * share:.0f}% of "
+            "the measured bandwidth" + ("; the rest of it is per-call cost" if share < 0.95 else "")
         )
     if "context_latency_ms" in report:
         lat = report["context_latency_ms"]

@@ -68,7 +68,7 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
         stages.start("writing engines")
         engines = {role: export_engine(ckpt, role, folder, max_seq_len, numerics[role],
                                        vocab_size=target.spec.shape.vocab_size, show_progress=show_progress,
-                                       draft_steps=min(DRAFT_STEPS, settings.gamma) if role == "draft" else 0)
+                                       draft_steps=_draft_steps(settings.gamma) if role == "draft" else 0)
                    for role, ckpt in checkpoints.items() if onnx}
         sampler = write_sampler(folder) if onnx else ""
 
@@ -145,6 +145,12 @@ def check_engine(path: Path, info: EngineInfo, max_seq_len: int) -> None:
         said = f"drafts={tokens}" if steps else f"accepted={outputs[0]}, next_token={outputs[1]}"
         raise SpecbuildError(f"the {info.role} engine {path.name} returned {said} for a one-token prefill; this is a "
                              "specbuild bug, please report it")
+
+
+def _draft_steps(gamma: int) -> int:
+    """Tokens the draft's steps graph drafts a call (0: no steps graph, where γ allows no more than one)."""
+    steps = min(DRAFT_STEPS, gamma)
+    return steps if steps >= 2 else 0
 
 
 def check_sampler(path: Path, vocab: int) -> None:

@@ -26,6 +26,13 @@ class Finite(click.FloatRange):
         return value
 
 
+# Shared with specbuild's generate, bench and verify.
+draft_steps_option = click.option(
+    "--draft-steps/--no-draft-steps", default=None,
+    help="Greedy rounds draft with the draft's steps graph, several tokens a call (a second session of the draft's "
+         "weights), or a call per draft token: the same drafts.  [default: steps on cuda, a call per token on cpu]")
+
+
 @click.command("serve")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
@@ -35,6 +42,7 @@ class Finite(click.FloatRange):
 @click.option("--cuda-graphs", is_flag=True,
               help="Replay each call shape as a CUDA graph (fp16/bf16 bundles on CUDA; sampled requests sample "
                    "after each call, uncaptured).")
+@draft_steps_option
 @click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True,
               help="Requests decoded at once (slots, each with its own KV cache); the engines are shared.")
 @click.option("--threads", type=click.IntRange(min=1),
@@ -48,8 +56,8 @@ class Finite(click.FloatRange):
 @click.option("--max-connections", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Open connections at once; more get 503 (slow or idle clients cannot exhaust the server's files).")
 @click.option("--model-name", help="The model name clients send and /v1/models lists.  [default: the bundle folder's name]")
-def serve_command(bundle, host, port, device, cuda_graphs, parallel, threads, max_queue, timeout, shutdown_timeout,
-                  max_connections, model_name) -> None:
+def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel, threads, max_queue, timeout,
+                  shutdown_timeout, max_connections, model_name) -> None:
     """Serve a bundle over the OpenAI HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     from ..decode import SpeculativeDecoder
     from ..engine import use_shared_thread_pool
@@ -62,7 +70,8 @@ def serve_command(bundle, host, port, device, cuda_graphs, parallel, threads, ma
     # One pool for every session and slot, sized so that `parallel` calls at once fill the cores and no more:
     # concurrent calls each running a pool of one thread per core fight over the cores (README, Serving).
     use_shared_thread_pool(threads or max(1, len(os.sched_getaffinity(0)) // parallel))
-    decoder = SpeculativeDecoder(bundle, device=device, parallel=parallel, shared_thread_pool=True, cuda_graphs=cuda_graphs)
+    decoder = SpeculativeDecoder(bundle, device=device, parallel=parallel, shared_thread_pool=True, cuda_graphs=cuda_graphs,
+                                 draft_steps=draft_steps)
     settings = Settings(model=model_name or Path(bundle).resolve().name, max_queue=max_queue,
                         timeout=timeout or None, shutdown_timeout=shutdown_timeout, max_connections=max_connections)
     server = Server(decoder, settings)

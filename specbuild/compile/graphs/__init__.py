@@ -74,9 +74,10 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
 def build_draft_steps(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, steps: int,
                       vocab_size: int | None = None) -> ir.Model:
     """A draft's greedy drafting of `steps` tokens in one call (see specbuild_runtime.manifest): the
-    decoder unrolled, each step fed the previous step's argmax on the device, so drafting γ tokens costs one
-    call, not γ calls each waiting for its token on the host. Step j's rows and arithmetic are the graph's
-    own (greedy-only) call of one token, so it drafts the tokens γ such calls would.
+    decoder unrolled, each step fed the previous step's argmax on the device, so drafting `steps` tokens
+    costs one call, not one call per token, each waiting for its token on the host. Each step computes
+    the rows and arithmetic of the greedy-only graph's call over the same tokens (step 0: the tokens fed;
+    each later one: the token before it), so it drafts the tokens such calls would.
 
     All steps share the weights (one initializer each) and the KV buffers: each step's attention reads
     the past inputs and writes its own present outputs, which the runtime binds to the same buffers, as
@@ -100,8 +101,9 @@ def build_draft_steps(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, st
                                            spec.final_softcap)
         logits.name = f"{LOGITS}.step{j}"  # one name per value
         _cache_outputs(g, presents, att, numerics, max_seq_len, suffix=f".step{j}" if j else "")
-        input_ids = g.op("Reshape", token, g.const([1, 1]))
         drafts.append(g.op("Reshape", token, g.const([1])))
+        if j + 1 < steps:
+            input_ids = g.op("Reshape", token, g.const([1, 1]))
     g.output(g.op("Concat", *drafts, axis=0), "drafts", INT64, [steps])
     return g.model()
 
