@@ -68,3 +68,15 @@ def test_gpu_matmuls_runs_its_chain_and_reports_each_row_count(tmp_path):
     report = json.loads(out.read_text())
     assert set(report["ms"]) == {"gemm uncaptured", "matmul uncaptured"} and report["weight_mb"] > 0
     assert all(set(times) == {"1", "3"} for times in report["ms"].values())
+
+
+def test_policy_sim_runs_and_prints_a_line_per_alpha():
+    """benchmarks/policy_sim.py (the figures behind policy.GREEDY_DECAYS), kept from rotting, short."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "policy_sim.py"
+    out = subprocess.run([sys.executable, str(script), "--alphas", "0.5,0.9", "--rounds", "300"], check=True,
+                         capture_output=True, text=True).stdout
+    assert [line.split(":")[0] for line in out.splitlines()] == ["α 0.5", "α 0.9"] and "best fixed γ" in out

@@ -3,7 +3,7 @@
 from specbuild_runtime import SpeculativeDecoder
 import random
 
-from specbuild_runtime.policy import GREEDY_DECAY, MAX_PROBE_EVERY, PROBE_EVERY, SAMPLING_DECAY, AdaptiveGamma, Costs
+from specbuild_runtime.policy import GREEDY_DECAYS, MAX_PROBE_EVERY, PROBE_EVERY, SAMPLING_DECAYS, AdaptiveGamma, Costs
 
 from conftest import PROMPTS
 
@@ -62,17 +62,33 @@ def test_catch_up_calls_and_noisy_timings_do_not_stop_speculation():
     assert policy.costs.cost(8) < 1.2 * costs[8] and policy.choose(limit=100) >= 4
 
 
+def spread(decays, accepts) -> float:
+    """The variance of the γ a policy with these α decays chooses after 50 rounds."""
+    chosen = run_rounds(AdaptiveGamma(8, 0.1, alpha_decays=decays), accepts, rounds=400)
+    steady = chosen[50:]
+    mean = sum(steady) / len(steady)
+    return sum((k - mean) ** 2 for k in steady) / len(steady)
+
+
 def test_sampling_policy_does_not_chase_coin_flips():
     """Acceptance drawn independently per draft (as sampling mostly is): the slower α estimate keeps γ
-    steadier than the greedy one, which follows every lucky or unlucky round."""
-    def spread(decay):
-        flips = random.Random(0)
-        chosen = run_rounds(AdaptiveGamma(8, 0.1, alpha_decay=decay), lambda r, j: flips.random() < 0.7, rounds=400)
-        steady = chosen[50:]
-        mean = sum(steady) / len(steady)
-        return sum((k - mean) ** 2 for k in steady) / len(steady)
+    steadier than a fast one, which follows every lucky or unlucky round."""
+    flips = random.Random(0)
+    assert spread(SAMPLING_DECAYS, lambda r, j: flips.random() < 0.7) < 0.5 * spread((0.7,), lambda r, j: flips.random() < 0.7)
 
-    assert spread(SAMPLING_DECAY) < 0.5 * spread(GREEDY_DECAY)
+
+def test_greedy_policy_follows_runs_of_agreement_fast_and_coin_flips_slowly():
+    """Greedy keeps a fast and a slow α estimate and uses the one that predicted recent rounds better: the
+    slow one where acceptance is independent (γ as steady as the slow estimate alone keeps it), the fast
+    one where agreement comes in runs (stretches of 20 rounds of all accepted, then of all rejected)."""
+    flips = random.Random(0)
+    coin = AdaptiveGamma(8, 0.1, alpha_decays=GREEDY_DECAYS)
+    run_rounds(coin, lambda r, j: flips.random() < 0.7, rounds=200)
+    assert coin.estimate.decay == max(GREEDY_DECAYS)
+    assert spread(GREEDY_DECAYS, lambda r, j: flips.random() < 0.7) < 0.5 * spread((min(GREEDY_DECAYS),), lambda r, j: flips.random() < 0.7)
+    runs = AdaptiveGamma(8, 0.1, alpha_decays=GREEDY_DECAYS)
+    run_rounds(runs, lambda r, j: (r // 20) % 2 == 0, rounds=200)
+    assert runs.estimate.decay == min(GREEDY_DECAYS)
 
 
 def test_a_few_stretched_calls_do_not_lock_auto_out_of_speculation():

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 from .engine import Engine, Sampler, requested_device, use_shared_thread_pool
 from .errors import BundleError, DeviceError, RequestError
 from .manifest import TOKENIZER_DIR, load_manifest
-from .policy import GREEDY_DECAY, SAMPLING_DECAY, AdaptiveGamma, Costs, FixedGamma
+from .policy import GREEDY_DECAYS, SAMPLING_DECAYS, AdaptiveGamma, Costs, FixedGamma
 from .slot import MAX_REUSED_IDS, NEVER_ALONE, Rows, Slot, SlotPool, fixed_rows
 from .text import TextStream
 from .validation import AUTO, Prompt, Request, check_request, check_vocabularies, whole
@@ -185,7 +185,7 @@ class SpeculativeDecoder:
         # is). Greedy and sampled decoding accept drafts differently: one of each per mode.
         draft_cost = self.draft.info.bytes_per_call / self.target.info.bytes_per_call
         costs = {sampling: Costs(self.max_gamma, draft_cost) for sampling in (False, True)}
-        self._policies = [{sampling: AdaptiveGamma(self.max_gamma, draft_cost, SAMPLING_DECAY if sampling else GREEDY_DECAY,
+        self._policies = [{sampling: AdaptiveGamma(self.max_gamma, draft_cost, SAMPLING_DECAYS if sampling else GREEDY_DECAYS,
                                                    costs[sampling]) for sampling in (False, True)}
                           for _ in range(parallel)]
 

@@ -16,16 +16,25 @@ not pay: on the demo pair, where the draft agrees in patches, caps of 8, 16 and 
 
 from __future__ import annotations
 
+import math
 import threading
 
 PROBE_EVERY = 8
 MAX_PROBE_EVERY = 32
-# Weight of the past in the estimate of α. Greedy agreement comes in runs (stretches of text both models
-# find predictable), so a fast average follows them within a few rounds; sampled acceptance is closer to
-# coin flips, where a fast average only chases noise. Demo pair, A/B in one process: greedy auto 2.79x
-# at 0.7 vs 2.59x at 0.9; at temperature 1.0, 2.00x at 0.7 vs 2.19x at 0.9 (fixed γ = 4: 2.45x, 2.17x).
-GREEDY_DECAY = 0.7
-SAMPLING_DECAY = 0.9
+# Weight of the past in the estimate of α. Greedy agreement may come in runs (stretches of text both
+# models find predictable), where a fast average follows them within a few rounds, or as coin flips
+# (acceptance independent from round to round), where a fast average only chases noise. On an earlier
+# demo pair, A/B in one process: greedy auto 2.79x at 0.7 vs 2.59x at 0.9. But with independent
+# acceptance (benchmarks/policy_sim.py; the random-weight layer pairs of the GPU runs accept so) 0.7
+# left auto 1-11% behind the best fixed γ, where choosing between 0.7 and 0.95 came within 0.4-3%. So
+# greedy keeps both estimates and uses the one that has predicted the recent rounds better (the higher
+# log-likelihood of their accepted counts, averaged with ESTIMATE_SCORE_DECAY); on today's demo pair the
+# two predict alike and auto decoded as fast as with 0.7 alone (1.67x both, medians of 14 interleaved
+# runs). Sampled acceptance is closer to coin flips: at temperature 1.0, 2.00x at 0.7 vs 2.19x at 0.9
+# (fixed γ = 4: 2.45x, 2.17x).
+GREEDY_DECAYS = (0.7, 0.95)
+SAMPLING_DECAYS = (0.9,)
+ESTIMATE_SCORE_DECAY = 0.97
 # Costs change only with the machine, and single call times scatter by ±20% here: a fast average of them
 # swung the cost of a further target row between 0 and 0.2 and pushed auto into target-only rounds it
 # lost on (30-40% of rounds on an earlier demo pair, where auto then trailed fixed γ = 4 by 5-15%).
@@ -101,16 +110,39 @@ class Costs:
                 self.rounds[drafted] = _ema(self.rounds[drafted], draft_seconds + target_seconds)
 
 
-class AdaptiveGamma:
-    """Keeps a running estimate of α across requests (a warm decoder starts from what it learned) and
-    reads the costs from `costs`. Its α and probing follow one stream of text: a decoder keeps one per
-    slot (and decoding mode), used by one request at a time, while the costs are shared."""
+class AlphaEstimate:
+    """α as a running average of accepted drafts with one decay, and how well it has predicted the rounds
+    it saw (the average log-likelihood of their accepted counts before each was added)."""
 
-    def __init__(self, max_gamma: int, draft_cost: float, alpha_decay: float = GREEDY_DECAY, costs: Costs | None = None):
-        self.max_gamma = max_gamma
-        self.alpha_decay = alpha_decay
-        self.costs = costs or Costs(max_gamma, draft_cost)
+    def __init__(self, decay: float):
+        self.decay = decay
         self.successes, self.failures = 1.2, 0.8  # prior α = 0.6: try speculation first
+        self.score = 0.0
+
+    @property
+    def alpha(self) -> float:
+        return self.successes / (self.successes + self.failures)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Drafts are accepted as a run: `accepted` successes, then one failure unless all were accepted."""
+        failed = accepted < drafted
+        a = min(max(self.alpha, 0.01), 0.99)
+        self.score = ESTIMATE_SCORE_DECAY * self.score + accepted * math.log(a) + failed * math.log(1 - a)
+        self.successes = self.decay * self.successes + accepted
+        self.failures = self.decay * self.failures + failed
+
+
+class AdaptiveGamma:
+    """Keeps running estimates of α across requests (a warm decoder starts from what it learned), one per
+    decay in alpha_decays, uses the one that predicted the recent rounds best, and reads the costs from
+    `costs`. Its α and probing follow one stream of text: a decoder keeps one per slot (and decoding
+    mode), used by one request at a time, while the costs are shared."""
+
+    def __init__(self, max_gamma: int, draft_cost: float, alpha_decays: tuple[float, ...] = GREEDY_DECAYS,
+                 costs: Costs | None = None):
+        self.max_gamma = max_gamma
+        self.estimates = [AlphaEstimate(decay) for decay in alpha_decays]
+        self.costs = costs or Costs(max_gamma, draft_cost)
         # Free guesses that held per round (decode._speculate: greedy auto checks them in rounds without
         # drafts, and counts in rounds with drafts how many would have held): what γ 0 yields beyond its token.
         self.held, self.guessed_rounds = 0.0, 1.0
@@ -119,8 +151,12 @@ class AdaptiveGamma:
         self.probing = False
 
     @property
+    def estimate(self) -> AlphaEstimate:
+        return max(self.estimates, key=lambda e: e.score)  # the first (fastest) on a tie
+
+    @property
     def alpha(self) -> float:
-        return self.successes / (self.successes + self.failures)
+        return self.estimate.alpha
 
     def choose(self, limit: int) -> int:
         a = min(self.alpha, 0.999)
@@ -142,16 +178,16 @@ class AdaptiveGamma:
         """caught_up: the draft's first call also read tokens it had missed (the prompt, or rounds
         without drafts), so its time says little about a draft step. held: how many free guesses the
         target accepted, or would have (None: not counted)."""
-        if held is not None:
-            self.held = self.alpha_decay * self.held + held
-            self.guessed_rounds = self.alpha_decay * self.guessed_rounds + 1
+        if held is not None:  # guesses hold in runs (repeated text): the fastest average
+            decay = self.estimates[0].decay
+            self.held = decay * self.held + held
+            self.guessed_rounds = decay * self.guessed_rounds + 1
         if self.probing and not accepted:
             self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
         self.probing = False
         if drafted:
-            # Drafts are accepted as a run: `accepted` successes, then one failure unless all were accepted.
-            self.successes = self.alpha_decay * self.successes + accepted
-            self.failures = self.alpha_decay * self.failures + (accepted < drafted)
+            for estimate in self.estimates:
+                estimate.observe(drafted, accepted)
         self.costs.observe(drafted, draft_seconds, target_seconds, caught_up)
 
 
