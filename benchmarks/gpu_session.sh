@@ -23,6 +23,9 @@
 #                                          # 0.8, γ 2) without and with them                       ~5-8 min
 #   bash benchmarks/gpu_session.sh peers   # on that pair: transformers (eager, static cache + compile,
 #                                          # assisted), onnxruntime-genai's CUDA build               ~235 s
+#   bash benchmarks/gpu_session.sh quick   # check, pairs and the first three steps of graphs in one call
+#                                          # (for a 15-minute session: one call after the setup; give it
+#                                          # timeout_s 600, whatever it wrote comes back if cut)  ~8-9 min
 #
 # A failing step is logged and the next one still runs: one call must bring back as much as it can.
 set -uo pipefail
@@ -65,8 +68,9 @@ pairs)
     step pairs 420 python3 benchmarks/layer_pair.py --scratch "$pairs" --scales "${SCALES:-0.1}" --precision fp16 --device cuda \
         --gamma 1,2,4,8 -n 128 --json "$out/pairs.json"
     cp "$pairs"/*.log "$out/" 2>/dev/null
-    # fp16 against transformers fp16 on the same GPU; a divergence line says where each leaves fp32.
-    step verify 150 python3 -m specbuild verify "$pairs/tinyllama-1.1b-x0.1-first2-fp16" --target "$pairs/tinyllama-1.1b-x0.1" \
+    # fp16 against transformers fp16 on the same GPU; a divergence line says where each leaves fp32 (quick:
+    # left out, the H100 run has it).
+    [ -z "${QUICK:-}" ] && step verify 150 python3 -m specbuild verify "$pairs/tinyllama-1.1b-x0.1-first2-fp16" --target "$pairs/tinyllama-1.1b-x0.1" \
         --prompts "$prompts8" -n 64 --device cuda
     ;;
 graphs)
@@ -79,6 +83,7 @@ graphs)
     done
     # Where a CUDA-graph target call's time goes: its MatMuls alone against the copy rate.
     step matmuls 120 python3 benchmarks/gpu_matmuls.py --shape tinyllama-1.1b --rows 1,5,9 --json "$out/matmuls.json"
+    [ -n "${QUICK:-}" ] && exit 0  # quick: the rest another time
     step bench-plain 150 python3 -m specbuild bench "$bundle" --device cuda -n 128 --gamma 1,2,4 --prompts "$prompts8" \
         --json "$out/bench-plain.json"
     step verify--cuda-graphs 100 python3 -m specbuild verify "$bundle" --target "$pairs/tinyllama-1.1b-x0.1" \
@@ -97,8 +102,14 @@ peers)
     step genai 280 python3 -m specbuild bench "$pairs/tinyllama-1.1b-x0.1-first2-fp16" --device cuda -n 128 --gamma 2,4 \
         --peers onnxruntime-genai --json "$out/genai.json"
     ;;
+quick)
+    export QUICK=1
+    bash "$0" check
+    bash "$0" pairs
+    bash "$0" graphs
+    ;;
 *)
-    echo "usage: $0 check|pairs|graphs|peers   (see the top of this file)" >&2
+    echo "usage: $0 check|pairs|graphs|peers|quick   (see the top of this file)" >&2
     exit 2
     ;;
 esac
