@@ -99,3 +99,55 @@ def test_group_query_attention_over_a_shared_cache_matches_numpy(device, dtype, 
         error = np.abs(got - expected).max()
         assert error < tolerance, (f"{device} {dtype.__name__} (total_len {'max' if full else 'real'}, window {window}): "
                                    f"call over positions {first}..{total - 1} off by {error:.2e}")
+
+
+# Calls over the cache of one row count, as a CUDA graph replays one shape: 2 rows each (a verification of
+# one draft), rolling back once (rewriting 10..11), at lengths a capture never saw.
+CAPTURED_CALLS = [(7, 9), (9, 11), (11, 13), (10, 12), (12, 14), (14, 16), (16, 18), (18, 20)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(PROVIDERS["cuda"] not in ort.get_available_providers(), reason="onnxruntime has no CUDA provider here")
+def test_group_query_attention_replayed_as_a_cuda_graph_matches_numpy():
+    """GroupQueryAttention alone without rotary (as GPT-2's engines call it) captured once and replayed as a
+    CUDA graph, fed total_len = max_seq_len as the runtime feeds every call over a cache: each replay must
+    attend over seqlens_k's length. GPT-2 engines gave other tokens replayed than uncaptured on an H100
+    (engine.UNCAPTURED); this tells whether the op itself replays right."""
+    ort.preload_dlls()
+    dtype, device = np.float16, "cuda"
+    session = ort.InferenceSession(gqa_model(dtype), session_options(), providers=[(PROVIDERS[device], {"enable_cuda_graph": "1"})])
+    rng = np.random.default_rng(0)
+    keys, values = np.zeros((MAX_LEN, KV_HEADS, HEAD_DIM)), np.zeros((MAX_LEN, KV_HEADS, HEAD_DIM))
+    binding = session.io_binding()
+    for part in ("key", "value"):
+        buffer = ort.OrtValue.ortvalue_from_numpy(np.zeros((1, KV_HEADS, MAX_LEN, HEAD_DIM), dtype), device, 0)
+        binding.bind_ortvalue_input(f"past_{part}", buffer)
+        binding.bind_ortvalue_output(f"present_{part}", buffer)
+    # Every input and output at one address for every call of a shape: a replay reads what the capture bound.
+    shapes = {7: "prompt", 2: "captured"}
+    inputs = {(rows, name): ort.OrtValue.ortvalue_from_numpy(np.zeros((1, rows, width), dtype), device, 0)
+              for rows in shapes for name, width in (("query", HEADS * HEAD_DIM), ("key", KV_HEADS * HEAD_DIM),
+                                                     ("value", KV_HEADS * HEAD_DIM))}
+    outputs = {rows: ort.OrtValue.ortvalue_from_shape_and_type([1, rows, HEADS * HEAD_DIM], dtype, device, 0) for rows in shapes}
+    seqlens_k = ort.OrtValue.ortvalue_from_numpy(np.zeros(1, np.int32), device, 0)
+    total_len = ort.OrtValue.ortvalue_from_numpy(np.zeros((), np.int32), "cpu", 0)
+    binding.bind_ortvalue_input("seqlens_k", seqlens_k)
+    binding.bind_ortvalue_input("total_len", total_len)
+    for index, (first, total) in enumerate([(0, 7), *CAPTURED_CALLS]):
+        rows = total - first
+        q = rng.standard_normal((rows, HEADS, HEAD_DIM)).astype(dtype)
+        k, v = (rng.standard_normal((rows, KV_HEADS, HEAD_DIM)).astype(dtype) for _ in range(2))
+        keys[first:total], values[first:total] = k, v
+        for name, array in (("query", q), ("key", k), ("value", v)):
+            inputs[rows, name].update_inplace(array.reshape(1, rows, -1))
+            binding.bind_ortvalue_input(name, inputs[rows, name])
+        seqlens_k.update_inplace(np.array([total - 1], np.int32))
+        total_len.update_inplace(np.array(MAX_LEN if first else total, np.int32))
+        binding.bind_ortvalue_output("output", outputs[rows])
+        run = ort.RunOptions()
+        run.add_run_config_entry("gpu_graph_id", "1" if first else "-1")  # the prompt's call is never captured
+        session.run_with_iobinding(binding, run)
+        got = outputs[rows].numpy()[0].astype(np.float64)
+        expected = reference(q.astype(np.float64), keys, values, first)
+        error = np.abs(got - expected).max()
+        assert error < 3e-3, f"call {index} over positions {first}..{total - 1} (captured calls from the 2nd of 2 rows on) off by {error:.2e}"
