@@ -163,6 +163,10 @@ class SpeculativeDecoder:
         self.eos_token_ids = set(self.manifest.eos_token_ids)
         self.tokenizer = Tokenizer.from_file(str(self.root / TOKENIZER_DIR / "tokenizer.json"))
         self.cuda_graphs = cuda_graphs
+        if draft_steps and not self.manifest.engines["draft"].steps_file:
+            raise BundleError(f"{self.root} has no steps graph for its draft (compiled before it, or with max γ 1, where "
+                              "a round drafts one token anyway): rebuild it with `specbuild compile`, or leave "
+                              "draft_steps (--draft-steps) unset")
         if cuda_graphs and not (self.manifest.sampler_file and all(info.greedy_file for info in self.manifest.engines.values())):
             raise BundleError(f"{self.root} lacks the greedy-only graphs or the sampler, which CUDA graphs need (it was "
                               "compiled by an older specbuild): rebuild it with `specbuild compile`")
