@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from test_cli import specbuild
 
 from specbuild.acceptance import theoretical_speedup
@@ -80,3 +82,18 @@ def test_policy_sim_runs_and_prints_a_line_per_alpha():
     out = subprocess.run([sys.executable, str(script), "--alphas", "0.5,0.9", "--rounds", "300"], check=True,
                          capture_output=True, text=True).stdout
     assert [line.split(":")[0] for line in out.splitlines()] == ["α 0.5", "α 0.9"] and "best fixed γ" in out
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_bench_warms_each_mode_up_on_every_prompt_with_cuda_graphs_on_cuda(cuda, bundles, monkeypatch):
+    """So that the timed runs replay CUDA graphs captured in the warm-up; elsewhere the first prompt suffices."""
+    from specbuild.bench.bench import run_ours
+    from specbuild_runtime import SpeculativeDecoder
+
+    decoder = SpeculativeDecoder(bundles("llama", 1), cuda_graphs=True)
+    decoder.device = "cuda" if cuda else "cpu"  # what run_ours reads; the engines stay on the CPU
+    warmed = []
+    monkeypatch.setattr(decoder, "generate", lambda ids, n, gamma, **options: warmed.append((tuple(ids), gamma)))
+    prompts = [decoder.encode(p) for p in ("def f():", "import os", "x = 1")]
+    run_ours(decoder, prompts, 4, [0, 2])
+    assert warmed == [(tuple(p), g) for g in (0, 2) for p in (prompts if cuda else prompts[:1])]

@@ -131,8 +131,14 @@ def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_toke
     """Every mode (a γ, 0 or "auto") decodes every prompt. Modes take turns prompt by prompt, so a change
     in the machine's speed during the run (a shared machine drifts by ±15%) falls on all of them alike."""
     results = [ModeResult("specbuild", gamma) for gamma in gammas]
-    for gamma in gammas:  # warm-up: first-run allocations, policy state
-        decoder.generate(prompts[0], max_new_tokens, gamma)
+    # Warm-up: first-run allocations, policy state; with CUDA graphs on CUDA every prompt (a GPU decodes them in
+    # seconds), so that each call shape is captured before the timed runs (a capture costs a call's time many
+    # times over; on the H100 the auto row, which met new draft shapes while timed, drafted at 0.40 ms a step
+    # and γ 4 at 0.27: how much of that was captures is not known).
+    warm = prompts if decoder.cuda_graphs and decoder.device == "cuda" else prompts[:1]
+    for gamma in gammas:
+        for ids in warm:
+            decoder.generate(ids, max_new_tokens, gamma, temperature=temperature)
     for seed, ids in enumerate(prompts):
         for result in results:
             stats = Stats()
