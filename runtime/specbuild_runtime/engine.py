@@ -15,7 +15,7 @@ from pathlib import Path
 import onnxruntime as ort
 
 from .errors import BundleError, DeviceError, first_line
-from .manifest import EngineInfo, cache_names
+from .manifest import EngineInfo, cache_names, step_presents
 from .validation import GREEDY_OUTPUTS, check_engine_io, check_sampler_io
 
 DEVICES = ("cpu", "cuda", "auto")
@@ -146,7 +146,7 @@ class Engine:
         # Attention runs where its cache is bound: the device, but the CPU for fp32 engines (README, GPU).
         self.gpu_attention = self.input_devices[self.cache_names[0][0]] == "cuda"
         known = {"accepted", "next_token", "probs", "drafts", *(present for _, present in self.cache_names),
-                 *(f"{present}.step{j}" for j in range(1, self.steps) for _, present in self.cache_names),
+                 *(name for j in range(1, self.steps) for name in step_presents(info.shape.num_layers, j)),
                  *(GREEDY_OUTPUTS if self.greedy_only else ())}
         self.extra_outputs = [name for name in outputs if name not in known]
         # The session that samples, and where it reads its inputs: the engine graph's own sampling branch, or

@@ -76,6 +76,17 @@ def cache_names(num_layers: int) -> list[tuple[str, str]]:
     return [(f"past_{part}.{i}", f"present_{part}.{i}") for i in range(num_layers) for part in ("key", "value")]
 
 
+def step_total_len(j: int) -> str:
+    """The total_len input of step j of a draft's steps graph (step 0's is the engines' own)."""
+    return f"total_len.{j}" if j else "total_len"
+
+
+def step_presents(num_layers: int, j: int) -> list[str]:
+    """The present outputs of step j of a draft's steps graph, in cache_names' order (step 0's are the
+    engines' own)."""
+    return [present + (f".step{j}" if j else "") for _, present in cache_names(num_layers)]
+
+
 @dataclass
 class ModelShape:
     num_layers: int

@@ -20,6 +20,7 @@ import onnxruntime as ort
 
 from .engine import Engine
 from .errors import BundleError, RequestError
+from .manifest import step_presents, step_total_len
 
 MAX_REUSED_IDS = 64  # calls of up to this many tokens (drafting, verifying) reuse one buffer per length
 # onnxruntime counts the runs before a capture per thread, not per graph: once a thread has run twice it
@@ -391,11 +392,12 @@ class DraftSteps:
                                   f"{draft.engine.input_devices[name]}: rebuild the bundle with `specbuild compile`")
         self.index = engine.new_slot_index()
         self.binding = engine.session.io_binding()
-        for (past, present), buffer in zip(engine.cache_names, draft.cache):
+        for (past, _), buffer in zip(engine.cache_names, draft.cache):
             self.binding.bind_ortvalue_input(past, buffer)
-            for j in range(self.count):
-                self.binding.bind_ortvalue_output(present + (f".step{j}" if j else ""), buffer)
-        names = ["seqlens_k", "total_len", *(f"total_len.{j}" for j in range(1, self.count))]
+        for j in range(self.count):
+            for present, buffer in zip(step_presents(engine.info.shape.num_layers, j), draft.cache):
+                self.binding.bind_ortvalue_output(present, buffer)
+        names = ["seqlens_k", *(step_total_len(j) for j in range(self.count))]
         self._lengths = {name: Buffer(np.zeros(1 if name == "seqlens_k" else (), np.int32), engine.input_devices[name])
                          for name in names}
         for name, buffer in self._lengths.items():
@@ -420,7 +422,7 @@ class DraftSteps:
             self._lengths["seqlens_k"].host[0] = total_len - 1
             for j in range(self.count):  # step j > 0 feeds one token, at position total_len + j - 1
                 fed = fed_total_len(self.engine, total_len + j - 1 if j else first, total_len + j)
-                self._lengths["total_len" + (f".{j}" if j else "")].host[()] = fed
+                self._lengths[step_total_len(j)].host[()] = fed
             for buffer in self._lengths.values():
                 buffer.push()
             graph = graph_id(self.engine, self.index, rows, 0, total_len)

@@ -15,7 +15,7 @@ from typing import Union
 import numpy as np
 
 from .errors import BundleError, RequestError
-from .manifest import cache_names
+from .manifest import cache_names, step_presents, step_total_len
 
 AUTO = "auto"
 MAX_STOP_STRINGS = 4  # as OpenAI's API
@@ -193,11 +193,11 @@ def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int, g
         if steps < 1:
             fail("it has no 'drafts' output of a fixed length")
     cache = [name for pair in cache_names(shape.num_layers) for name in pair]
-    cache += [f"{present}.step{j}" for j in range(1, steps) for _, present in cache_names(shape.num_layers)]
+    cache += [name for j in range(1, steps) for name in step_presents(shape.num_layers, j)]
     io = {"engine": {**INPUTS, **OUTPUTS, **SAMPLING_INPUTS, **SAMPLING_OUTPUTS},
           "greedy": {**INPUTS, **OUTPUTS, **GREEDY_OUTPUTS},
           "steps": {"input_ids": INPUTS["input_ids"], "seqlens_k": INPUTS["seqlens_k"], "drafts": "tensor(int64)",
-                    **{"total_len" + (f".{j}" if j else ""): INPUTS["total_len"] for j in range(steps)}}}[graph]
+                    **{step_total_len(j): INPUTS["total_len"] for j in range(steps)}}}[graph]
     expected = {**io, **{name: CACHE_TYPES[info.precision] for name in cache}}
     found = {**inputs, **outputs}
     for name, onnx_type in expected.items():

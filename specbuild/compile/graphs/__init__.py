@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import onnx_ir as ir
 
-from specbuild_runtime.manifest import cache_names
+from specbuild_runtime.manifest import cache_names, step_presents, step_total_len
 
 from ..load import Checkpoint
 from ..precision import Numerics
@@ -67,7 +67,7 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
     g.output(next_token, "next_token", INT64, [])
     if sampling:
         g.output(probs, "probs", FLOAT, ["V or 0"])
-    _cache_outputs(g, presents, att, numerics, max_seq_len)
+    _cache_outputs(g, presents, step_presents(len(presents), 0), att, numerics, max_seq_len)
     return g.model()
 
 
@@ -90,7 +90,7 @@ def build_draft_steps(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, st
     input_ids, att = _engine_inputs(g, spec, numerics, max_seq_len)
     # Each step's total_len is an input of its own: GroupQueryAttention reads it on the host, where an
     # Add in the graph would not stay on the CUDA provider (nor its result).
-    lengths = [att.total_len] + [g.input(f"total_len.{j}", INT32, []) for j in range(1, steps)]
+    lengths = [att.total_len] + [g.input(step_total_len(j), INT32, []) for j in range(1, steps)]
     no_drafts = g.const(0)
     drafts = []
     for j in range(steps):
@@ -100,7 +100,7 @@ def build_draft_steps(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, st
         _, token, _, logits = verification(g, hidden, input_ids, no_drafts, lambda x: linear(g, x, head), None,
                                            spec.final_softcap)
         logits.name = f"{LOGITS}.step{j}"  # one name per value
-        _cache_outputs(g, presents, att, numerics, max_seq_len, suffix=f".step{j}" if j else "")
+        _cache_outputs(g, presents, step_presents(len(presents), j), att, numerics, max_seq_len)
         drafts.append(g.op("Reshape", token, g.const([1])))
         if j + 1 < steps:
             input_ids = g.op("Reshape", token, g.const([1, 1]))
@@ -122,10 +122,10 @@ def _engine_inputs(g: GraphBuilder, spec, numerics: Numerics, max_seq_len: int) 
     return input_ids, Attention(seqlens_k, total_len, past, shape.num_heads, shape.num_kv_heads, shape.head_dim)
 
 
-def _cache_outputs(g: GraphBuilder, presents, att: Attention, numerics: Numerics, max_seq_len: int,
-                   suffix: str = "") -> None:
-    """Each layer's present K/V as the outputs cache_names lists (+ suffix)."""
+def _cache_outputs(g: GraphBuilder, presents, names: list[str], att: Attention, numerics: Numerics,
+                   max_seq_len: int) -> None:
+    """Each layer's present K/V as the outputs `names` (in cache_names' order)."""
     written = [buffer for pair in presents for buffer in pair]  # key, value per layer: cache_names' order
     kv_shape = [1, att.num_kv_heads, max_seq_len, att.head_dim]
-    for buffer, (_, present) in zip(written, cache_names(len(presents))):
-        g.output(buffer, present + suffix, numerics.ir_type, kv_shape)
+    for buffer, name in zip(written, names):
+        g.output(buffer, name, numerics.ir_type, kv_shape)
