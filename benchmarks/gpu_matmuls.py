@@ -9,7 +9,12 @@ over [in, out] weights (which would need the weights transposed as they are writ
 runs near the bandwidth, the rest of the call (attention, norms, the tail, the host round trip) is where
 the time goes; if not, the GEMMs are, and the two forms say whether the layout matters.
 
+H200 (onnxruntime-gpu 1.31.1, 2026-11-26), under CUDA graphs: 0.90-0.96 ms a pass at rows 1, 5 and 9, 57-61%
+of the 3.74 TB/s copy rate, Gemm and MatMul alike (uncaptured: 1.16-1.28 ms). So neither the layout nor the
+fixed rows cost the bandwidth: cuBLAS's kernels at these shapes do (benchmarks/gpu_kernels.py: per GEMM).
+
     python benchmarks/gpu_matmuls.py --shape tinyllama-1.1b --rows 1,5,9 --json matmuls.json
+    python benchmarks/gpu_matmuls.py ... --cuda-option tunable_op_enable=1 --cuda-option tunable_op_tuning_enable=1
 
 Weights are random and fed as graph inputs (no 2 GB protobuf limit, nothing written to disk).
 """
@@ -82,7 +87,7 @@ def layout(shape: list[int], op: str) -> list[int]:
 
 
 def time_rows(weights, hidden: int, rows: list[int], device: str, graphs: bool, repeats: int,
-              op: str = "gemm") -> dict[int, float]:
+              op: str = "gemm", cuda_options: dict[str, str] | None = None) -> dict[int, float]:
     """rows -> ms per pass of the chain (best of `repeats` after warm-ups)."""
     import onnxruntime as ort
 
@@ -90,7 +95,7 @@ def time_rows(weights, hidden: int, rows: list[int], device: str, graphs: bool, 
 
     # fp16 as the GPU engines; the CPU provider has no fp16 MatMul on x86, so fp32 there (a check only)
     dtype, np_type = (TensorProto.FLOAT16, np.float16) if device == "cuda" else (TensorProto.FLOAT, np.float32)
-    options = [{"enable_cuda_graph": "1"}] if graphs else None
+    options = [{**(cuda_options or {}), **({"enable_cuda_graph": "1"} if graphs else {})}] if device == "cuda" else None
     session = ort.InferenceSession(model(weights, hidden, dtype, op), session_options(), providers=[PROVIDERS[device]],
                                    provider_options=options)
     rng = np.random.default_rng(0)
@@ -128,8 +133,11 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--scale", type=float, default=1.0, help="shrink every dimension (a quick CPU check)")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--cuda-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a CUDA provider option for every session, e.g. tunable_op_enable=1 (repeatable)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    cuda_options = dict(option.split("=", 1) for option in args.cuda_option)
     if args.device == "cuda" and not cuda_provider():
         sys.exit("this onnxruntime has no CUDA provider: install onnxruntime-gpu, or pass --device cpu")
     config = json.loads((CONFIGS / f"{args.shape}.json").read_text())
@@ -137,14 +145,14 @@ def main() -> None:
     read = sum(k * n for _, (k, n) in weights) * (2 if args.device == "cuda" else 4)
     bandwidth = measure_bandwidth(args.device)
     rows = [int(r) for r in args.rows.split(",")]
-    report = {"shape": args.shape, "scale": args.scale, "device": args.device, "weight_mb": read / 1e6,
+    report = {"shape": args.shape, "scale": args.scale, "device": args.device, "cuda_options": cuda_options, "weight_mb": read / 1e6,
               "bandwidth_gbs": round(bandwidth, 1), "ms": {}}
     print(f"{args.shape} x{args.scale}: {read / 1e6:.0f} MB of weights; measured copy rate {bandwidth:.0f} GB/s "
           f"(reading them once: {read / bandwidth / 1e6:.3f} ms)")
     for op in OPS:
         for graphs in ((False, True) if args.device == "cuda" else (False,)):
             label = f"{op} {'CUDA graphs' if graphs else 'uncaptured'}"
-            times = time_rows(weights, hidden, rows, args.device, graphs, args.repeats, op)
+            times = time_rows(weights, hidden, rows, args.device, graphs, args.repeats, op, cuda_options)
             report["ms"][label] = times
             for count, ms in times.items():
                 print(f"  {label:<19} rows {count:>3}: {ms:.3f} ms a pass, {read / ms / 1e6:.0f} GB/s = "

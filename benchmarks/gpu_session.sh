@@ -8,7 +8,9 @@
 # A session now gets ~15 minutes of the machine in all (setup ~60-100 s of it): check, pairs and graphs
 # fit; peers only if a session has more. The machine goes back after ~30 s without a call, and a fresh one
 # needs the four setup calls again: read results between calls quickly, or queue the next call first.
-# Times below were measured on the H100 (2026-11-24) where given as ~N s.
+# Times below were measured on the H100 (2026-11-24) where given as ~N s. On an H200 (2026-11-26) setup took
+# ~40 s and `quick` 247 s (check 122, pairs 66, graphs 49), leaving time for a second call (`peers`, or the
+# rest of `graphs` on the same warm machine).
 #
 #   bash benchmarks/gpu_session.sh check   # versions; GroupQueryAttention alone (each kernel switch too,
 #                                          # if it fails); pytest -m gpu (exactness, copies, threads,
@@ -18,14 +20,16 @@
 #                                          # for three: ~350 s); verify it against transformers      ~150 s
 #   bash benchmarks/gpu_session.sh graphs  # on that pair, one call, most telling first: bench with CUDA
 #                                          # graphs, with and without the draft's steps graph; the
-#                                          # target's MatMuls alone (benchmarks/gpu_matmuls.py); bench
+#                                          # target's MatMuls alone (benchmarks/gpu_matmuls.py), also
+#                                          # under TunableOp; its kernels (gpu_kernels.py); bench
 #                                          # uncaptured; verify with CUDA graphs; sampling (temperature
 #                                          # 0.8, γ 2) without and with them                       ~5-8 min
 #   bash benchmarks/gpu_session.sh peers   # on that pair: transformers (eager, static cache + compile,
 #                                          # assisted), onnxruntime-genai's CUDA build               ~235 s
-#   bash benchmarks/gpu_session.sh quick   # check, pairs and the first three steps of graphs in one call
+#   bash benchmarks/gpu_session.sh quick   # check, pairs and the first five steps of graphs in one call
 #                                          # (for a 15-minute session: one call after the setup; give it
-#                                          # timeout_s 600, whatever it wrote comes back if cut)  ~8-9 min
+#                                          # timeout_s 600, whatever it wrote comes back if cut); all but
+#                                          # summary.txt come back as gpu-session.tgz               ~5 min
 #
 # A failing step is logged and the next one still runs: one call must bring back as much as it can.
 set -uo pipefail
@@ -52,14 +56,14 @@ check)
     # The kernel first: which attention implementations get multi-row calls over a cache right.
     step attention 60 python3 -m pytest -m gpu tests/test_attention.py
     # The kernel switches only when the default fails: each costs ~17 s of the machine.
-    if ! grep -q " passed" "$out/attention.log" || grep -qE "failed|error" "$out/attention.log"; then
+    if ! grep -q " passed" "$out/attention.log" || grep -qE "[0-9]+ (failed|error)" "$out/attention.log"; then
         for switch in ORT_ENABLE_CUDNN_FLASH_ATTENTION=0 ORT_DISABLE_FLASH_ATTENTION=1 ORT_DISABLE_MEMORY_EFFICIENT_ATTENTION=1 \
                       ORT_DISABLE_FLASH_DECODE=1; do
             step "attention-${switch%%=*}" 60 env "$switch" ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO=1 python3 -m pytest -m gpu tests/test_attention.py
         done
     fi
     step gpu-tests 380 python3 -m pytest -m gpu tests/test_gpu.py --junitxml="$out/gpu-tests.xml"
-    if ! grep -q "passed" "$out/gpu-tests.log" || grep -q "failed" "$out/gpu-tests.log"; then
+    if ! grep -q "passed" "$out/gpu-tests.log" || grep -qE "[0-9]+ failed" "$out/gpu-tests.log"; then  # not "xfailed"
         step gpu-tests-no-cudnn 120 env ORT_ENABLE_CUDNN_FLASH_ATTENTION=0 python3 -m pytest -m gpu tests/test_gpu.py -k every_gamma
     fi
     ;;
@@ -83,6 +87,11 @@ graphs)
     done
     # Where a CUDA-graph target call's time goes: its MatMuls alone against the copy rate.
     step matmuls 120 python3 benchmarks/gpu_matmuls.py --shape tinyllama-1.1b --rows 1,5,9 --json "$out/matmuls.json"
+    # Whether onnxruntime's TunableOp finds faster GEMMs at these shapes (not yet run).
+    step matmuls-tunable 120 python3 benchmarks/gpu_matmuls.py --shape tinyllama-1.1b --rows 9 --json "$out/matmuls-tunable.json" \
+        --cuda-option tunable_op_enable=1 --cuda-option tunable_op_tuning_enable=1
+    # The target call kernel by kernel (GEMMs, attention, norms, elementwise, idle between kernels).
+    step kernels 90 python3 benchmarks/gpu_kernels.py "$bundle" -n 64 --json "$out/kernels.json"
     [ -n "${QUICK:-}" ] && exit 0  # quick: the rest another time
     step bench-plain 150 python3 -m specbuild bench "$bundle" --device cuda -n 128 --gamma 1,2,4 --prompts "$prompts8" \
         --json "$out/bench-plain.json"
@@ -107,6 +116,9 @@ quick)
     bash "$0" check
     bash "$0" pairs
     bash "$0" graphs
+    # One file back: a call returns only so many files from $OUT.
+    (cd "$out" && tar czf /tmp/gpu-session.tgz --exclude summary.txt . && find . -type f ! -name summary.txt -delete \
+        && mv /tmp/gpu-session.tgz .)
     ;;
 *)
     echo "usage: $0 check|pairs|graphs|peers|quick   (see the top of this file)" >&2

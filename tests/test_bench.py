@@ -31,6 +31,9 @@ def test_bench_reports_every_mode_and_writes_json_and_plot(bundles, tmp_path):
     assert {"machine_bandwidth_gbs", "target_bandwidth_fraction", "context_growth_measured",
             "context_growth_predicted", "draft_bandwidth_fraction"} <= set(report)
     assert report["draft_step_gamma"] == 3 and "a draft step takes" in result.stdout
+    assert "3" in rows["3"]["gamma_rounds"] and set(rows["3"]["gamma_rounds"]) <= {"0", "1", "2", "3"}  # fewer near the end
+    assert rows["3"]["captures_while_timed"] == 0
+    assert "auto chose γ" in result.stdout and "captured while timed" not in result.stdout
     assert png.stat().st_size > 10_000
 
 
@@ -97,3 +100,47 @@ def test_bench_warms_each_mode_up_on_every_prompt_with_cuda_graphs_on_cuda(cuda,
     prompts = [decoder.encode(p) for p in ("def f():", "import os", "x = 1")]
     run_ours(decoder, prompts, 4, [0, 2])
     assert warmed == [(tuple(p), g) for g in (0, 2) for p in (prompts if cuda else prompts[:1])]
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_bench_counts_cuda_graphs_captured_while_timed(warm, bundles, monkeypatch):
+    """A capture costs many calls' time: bench says when its timed runs paid for one (warm: none should)."""
+    from specbuild.bench.bench import run_ours
+    from specbuild_runtime import SpeculativeDecoder
+
+    decoder = SpeculativeDecoder(bundles("llama", 1), cuda_graphs=True)
+    decoder.device = "cuda"  # what run_ours reads: warm up on every prompt
+    for engine in (decoder.target, decoder.draft):
+        engine.captures = True  # as on CUDA (the CPU provider ignores graph ids)
+    if not warm:
+        monkeypatch.setattr(decoder, "generate", lambda *args, **options: None)
+    prompts = [decoder.encode(p) for p in ("def f():", "import os", "x = 1")]
+    results = run_ours(decoder, prompts, 8, [0, 2])
+    assert [r.captures for r in results] == [0, 0] if warm else all(r.captures > 0 for r in results)
+
+
+def test_gpu_kernels_runs_and_sorts_kernels_by_kind(bundles, tmp_path, monkeypatch):
+    """benchmarks/gpu_kernels.py (a target call kernel by kernel) is run on a GPU machine only when one is
+    lent: kept from rotting here on the CPU (where torch's profiler sees no onnxruntime kernel), and its
+    sorting checked on kernel names an H200 ran."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    benchmarks = Path(__file__).parents[1] / "benchmarks"
+    out = tmp_path / "kernels.json"
+    subprocess.run([sys.executable, str(benchmarks / "gpu_kernels.py"), str(bundles("llama", 1)), "--device", "cpu",
+                    "-n", "6", "--json", str(out)], check=True, capture_output=True)
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["calls"] == 5 and run["wall_ms_per_call"] > 0
+    monkeypatch.syspath_prepend(str(benchmarks))
+    from gpu_kernels import kind
+
+    names = {"nvjet_sm90_hsh_128x16_64x11_4x1_v_bz_TNT": "gemm",
+             "void cublasLt::splitKreduce_kernel<32, 16, int, float, __half>": "gemm",
+             "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7": "attention",
+             "void onnxruntime::contrib::cuda::UnpackRoPEAppend<__half, __half, 16, 64>": "attention",
+             "void onnxruntime::contrib::cuda::SkipLayerNormKernelSmall<__half, 256u, 8, true>": "norm",
+             "void onnxruntime::cuda::_SplitSmallInnerKernel<int4>": "elementwise",
+             "void onnxruntime::cuda::detail::arg_min_max_last_axis_kernel<float, true>": "tail"}
+    assert {name: kind(name) for name in names} == names

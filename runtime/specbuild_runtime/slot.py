@@ -114,9 +114,12 @@ class CudaGraphs:
         if graph >= 0:
             key = (threading.get_ident(), graph)
             runs = self._warm_up.get(key, 0)
-            if runs < WARM_UP_RUNS:
+            if runs <= WARM_UP_RUNS:
                 self._warm_up[key] = runs + 1
-                graph = -1
+                if runs < WARM_UP_RUNS:
+                    graph = -1
+                else:  # this run captures it
+                    self.engine.graphs_captured += 1
         if graph not in self._run_options:
             # An engine that captures runs a call without a graph id as graph 0: uncaptured calls say -1.
             self._run_options[graph] = options = ort.RunOptions()

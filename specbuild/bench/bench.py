@@ -75,6 +75,8 @@ class ModeResult:
     draft_seconds: float = 0.0
     draft_steps: int = 0
     target_seconds: float = 0.0
+    gamma_rounds: dict[int, int] = field(default_factory=dict)  # γ a round drafted (auto: chosen) -> rounds
+    captures: int = 0  # CUDA graphs captured during its timed runs (each costs many calls' time)
     outputs: list[list[int]] = field(default_factory=list)
     matches_target: bool | None = None
 
@@ -91,6 +93,8 @@ class ModeResult:
         self.draft_seconds += stats.draft_seconds
         self.draft_steps += stats.draft_steps
         self.target_seconds += stats.target_seconds
+        for gamma, rounds in stats.gamma_rounds.items():
+            self.gamma_rounds[gamma] = self.gamma_rounds.get(gamma, 0) + rounds
         acc, prop = np.array(stats.accepted_at, float), np.array(stats.proposed_at, float)
         self.accepted_at = acc if self.accepted_at is None else self.accepted_at + acc
         self.proposed_at = prop if self.proposed_at is None else self.proposed_at + prop
@@ -122,6 +126,8 @@ class ModeResult:
             "per_position_acceptance": per_position,
             "draft_step_ms": round(1e3 * self.draft_seconds / self.draft_steps, 4) if self.draft_steps else None,
             "target_call_ms": round(1e3 * self.target_seconds / self.rounds, 4) if self.rounds else None,
+            "gamma_rounds": dict(sorted(self.gamma_rounds.items())),
+            "captures_while_timed": self.captures,
             "matches_target": self.matches_target,
         }
 
@@ -139,11 +145,14 @@ def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_toke
     for gamma in gammas:
         for ids in warm:
             decoder.generate(ids, max_new_tokens, gamma, temperature=temperature)
+    engines = [e for e in (decoder.target, decoder.draft, decoder.steps_engine) if e is not None]
+    captured = lambda: sum(e.graphs_captured for e in engines)  # noqa: E731
     for seed, ids in enumerate(prompts):
         for result in results:
-            stats = Stats()
+            stats, before = Stats(), captured()
             tokens = list(decoder.stream(ids, max_new_tokens, result.gamma, temperature=temperature, seed=seed, stats=stats))
             result.add(stats, tokens)
+            result.captures += captured() - before
     return results
 
 
@@ -280,6 +289,14 @@ def format_table(report: dict) -> str:
             f"{f', {per_call} steps a call' if per_call else ''}) and reads the draft's weights at {100 * share:.0f}% of "
             "the measured bandwidth" + ("; the rest of it is per-call cost" if share < 0.95 else "")
         )
+    auto = next((row for row in report["results"] if row["gamma"] == AUTO), None)
+    if auto and auto.get("gamma_rounds"):
+        lines.append("auto chose γ " + ", ".join(f"{gamma} in {rounds}" for gamma, rounds in auto["gamma_rounds"].items())
+                     + " rounds")
+    captured = {row["gamma"]: row["captures_while_timed"] for row in report["results"] if row.get("captures_while_timed")}
+    if captured:
+        lines.append("CUDA graphs captured while timed (slower rows than replays alone): "
+                     + ", ".join(f"γ {gamma}: {count}" for gamma, count in captured.items()))
     if "context_latency_ms" in report:
         lat = report["context_latency_ms"]
         lines.append(
