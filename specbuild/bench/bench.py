@@ -61,43 +61,51 @@ def _one_node_call(data: np.ndarray, device: str):
 
 @dataclass
 class ModeResult:
+    """One mode's requests: what each measured (its Stats) and the tokens it decoded; the figures bench
+    reports are sums over them."""
+
     system: str
     gamma: int | str
-    tokens: int = 0
-    decode_seconds: float = 0.0
-    ttft_ms: list[float] = field(default_factory=list)
-    gaps_ms: list[float] = field(default_factory=list)
-    drafted: int = 0
-    accepted: int = 0
-    rounds: int = 0
-    accepted_at: np.ndarray | None = None
-    proposed_at: np.ndarray | None = None
-    draft_seconds: float = 0.0
-    draft_steps: int = 0
-    target_seconds: float = 0.0
-    gamma_rounds: dict[int, int] = field(default_factory=dict)  # γ a round drafted (auto: chosen) -> rounds
-    captures: int = 0  # CUDA graphs captured during its timed runs (each costs many calls' time)
+    requests: list[Stats] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
+    captures: int = 0  # CUDA graphs captured during its timed runs (each costs many calls' time)
     matches_target: bool | None = None
 
     def add(self, stats: Stats, ids: list[int]) -> None:
+        self.requests.append(stats)
         self.outputs.append(ids)
-        times = np.array(stats.token_times)
-        self.tokens += len(times) - 1
-        self.decode_seconds += times[-1] - times[0] if len(times) > 1 else 0.0
-        self.ttft_ms.append(stats.ttft_ms)
-        self.gaps_ms.extend((1e3 * np.diff(times)).tolist())
-        self.drafted += stats.drafted
-        self.accepted += stats.accepted
-        self.rounds += stats.rounds
-        self.draft_seconds += stats.draft_seconds
-        self.draft_steps += stats.draft_steps
-        self.target_seconds += stats.target_seconds
-        for gamma, rounds in stats.gamma_rounds.items():
-            self.gamma_rounds[gamma] = self.gamma_rounds.get(gamma, 0) + rounds
-        acc, prop = np.array(stats.accepted_at, float), np.array(stats.proposed_at, float)
-        self.accepted_at = acc if self.accepted_at is None else self.accepted_at + acc
-        self.proposed_at = prop if self.proposed_at is None else self.proposed_at + prop
+
+    def _sum(self, name: str):
+        return sum(getattr(stats, name) for stats in self.requests)
+
+    drafted = property(lambda self: self._sum("drafted"))
+    accepted = property(lambda self: self._sum("accepted"))
+    rounds = property(lambda self: self._sum("rounds"))
+    draft_seconds = property(lambda self: self._sum("draft_seconds"))
+    draft_steps = property(lambda self: self._sum("draft_steps"))
+    target_seconds = property(lambda self: self._sum("target_seconds"))
+
+    @property
+    def tokens(self) -> int:
+        """Decoded after each request's first token (the prompt's call excluded, as Stats.tokens_per_second)."""
+        return sum(max(len(stats.token_times) - 1, 0) for stats in self.requests)
+
+    @property
+    def decode_seconds(self) -> float:
+        return sum(stats.token_times[-1] - stats.token_times[0] for stats in self.requests if len(stats.token_times) > 1)
+
+    @property
+    def gaps_ms(self) -> list[float]:
+        return [gap for stats in self.requests for gap in (1e3 * np.diff(stats.token_times)).tolist()]
+
+    @property
+    def gamma_rounds(self) -> dict[int, int]:
+        """γ a round drafted (auto: chose) -> rounds."""
+        rounds: dict[int, int] = {}
+        for stats in self.requests:
+            for gamma, count in stats.gamma_rounds.items():
+                rounds[gamma] = rounds.get(gamma, 0) + count
+        return dict(sorted(rounds.items()))
 
     @property
     def tokens_per_second(self) -> float:
@@ -113,20 +121,24 @@ class ModeResult:
         return self.tokens / self.rounds if self.rounds else 0.0
 
     def to_dict(self) -> dict:
-        per_position = (self.accepted_at / np.maximum(self.proposed_at, 1)).round(4).tolist() if self.drafted else []
+        accepted_at = sum(np.array(stats.accepted_at, float) for stats in self.requests)
+        proposed_at = sum(np.array(stats.proposed_at, float) for stats in self.requests)
+        per_position = (accepted_at / np.maximum(proposed_at, 1)).round(4).tolist() if self.drafted else []
+        ttft = [stats.ttft_ms for stats in self.requests]
+        gaps = self.gaps_ms
         return {
             "system": self.system,
             "gamma": self.gamma,
             "tokens_per_second": round(self.tokens_per_second, 2),
-            "ttft_ms": round(float(np.mean(self.ttft_ms)), 3) if self.ttft_ms else None,
-            "itl_ms_p50": round(float(np.percentile(self.gaps_ms, 50)), 3) if self.gaps_ms else None,
-            "itl_ms_p95": round(float(np.percentile(self.gaps_ms, 95)), 3) if self.gaps_ms else None,
+            "ttft_ms": round(float(np.mean(ttft)), 3) if ttft else None,
+            "itl_ms_p50": round(float(np.percentile(gaps, 50)), 3) if gaps else None,
+            "itl_ms_p95": round(float(np.percentile(gaps, 95)), 3) if gaps else None,
             "acceptance_rate": round(self.alpha, 4),
             "mean_accepted_tokens": round(self.tau, 4) if self.rounds else None,
             "per_position_acceptance": per_position,
             "draft_step_ms": round(1e3 * self.draft_seconds / self.draft_steps, 4) if self.draft_steps else None,
             "target_call_ms": round(1e3 * self.target_seconds / self.rounds, 4) if self.rounds else None,
-            "gamma_rounds": dict(sorted(self.gamma_rounds.items())),
+            "gamma_rounds": self.gamma_rounds,
             "captures_while_timed": self.captures,
             "matches_target": self.matches_target,
         }
