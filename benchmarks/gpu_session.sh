@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 12's GPU checks in four device calls (each under the 10-minute limit of one call), for a session
 # that is lent the GPU machine. It expects onnxruntime-gpu unpacked in /tmp/site and the wheels installed,
-# as ../shared/gpu/README.md describes (its 4th command); everything lands in $OUT. The call that runs
+# as ../shared/gpu/README.md describes (its 4th command); $OUT gets summary.txt and gpu-session.tgz. The call that runs
 # `check` also carries .gpu/extra, the project's onnx-ir (`pip download --no-deps -d .gpu/extra onnx-ir`
 # here): the machine's predates ir.save(alignment=...), which compile needs.
 #
@@ -21,21 +21,24 @@
 #   bash benchmarks/gpu_session.sh graphs  # on that pair, one call, most telling first: bench with CUDA
 #                                          # graphs, with and without the draft's steps graph; the
 #                                          # target's MatMuls alone (benchmarks/gpu_matmuls.py), also
-#                                          # under TunableOp; its kernels (gpu_kernels.py); bench
+#                                          # under TunableOp; its kernels (gpu_kernels.py); the pair
+#                                          # in int4, uncaptured and with CUDA graphs; bench
 #                                          # uncaptured; verify with CUDA graphs; sampling (temperature
 #                                          # 0.8, γ 2) without and with them                       ~5-8 min
 #   bash benchmarks/gpu_session.sh peers   # on that pair: transformers (eager, static cache + compile,
 #                                          # assisted), onnxruntime-genai's CUDA build               ~235 s
-#   bash benchmarks/gpu_session.sh quick   # check, pairs and the first five steps of graphs in one call
+#   bash benchmarks/gpu_session.sh quick   # check, pairs and the first seven steps of graphs in one call
 #                                          # (for a 15-minute session: one call after the setup; give it
-#                                          # timeout_s 600, whatever it wrote comes back if cut); all but
-#                                          # summary.txt come back as gpu-session.tgz               ~5 min
+#                                          # timeout_s 600, whatever it wrote comes back if cut)    ~8 min
 #
 # A failing step is logged and the next one still runs: one call must bring back as much as it can.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-/tmp/gpu-session}
-mkdir -p "$out"
+# Results gather in $out, and after every step $OUT gets summary.txt and all of $out as gpu-session.tgz: a
+# call brings back only a few files from $OUT, and a call cut at its time limit keeps what it had.
+dest=${OUT:-/tmp/gpu-session}
+out=/tmp/gpu-session-work/${1:-none}
+mkdir -p "$dest" "$out"
 export PYTHONPATH=/tmp/site:$PWD/runtime:$PWD
 pairs=/tmp/pairs  # outlives a call while the machine is kept; $OUT starts empty in every call
 prompts8="$out/prompts8.jsonl"
@@ -45,7 +48,8 @@ step() {  # step NAME SECONDS COMMAND...: run it for at most SECONDS, log to $ou
     shift 2
     timeout "$limit" "$@" > "$out/$name.log" 2>&1
     status=$?
-    echo "$name: exit $status in $((SECONDS - started)) s: $(tail -n 1 "$out/$name.log")" | tee -a "$out/summary.txt"
+    echo "$name: exit $status in $((SECONDS - started)) s: $(tail -n 1 "$out/$name.log")" | tee -a "$dest/summary.txt"
+    tar czf "$dest/.gpu-session.tgz" -C /tmp/gpu-session-work . && mv "$dest/.gpu-session.tgz" "$dest/gpu-session.tgz"
 }
 
 case "${1:-}" in
@@ -92,6 +96,12 @@ graphs)
         --cuda-option tunable_op_enable=1 --cuda-option tunable_op_tuning_enable=1
     # The target call kernel by kernel (GEMMs, attention, norms, elementwise, idle between kernels).
     step kernels 90 python3 benchmarks/gpu_kernels.py "$bundle" -n 64 --json "$out/kernels.json"
+    # Fewer bytes than the fp16 GEMMs read: the same pair with int4 weights (MatMulNBits), compiled there
+    # (layer_pair benches it uncaptured), then with CUDA graphs. Not yet run.
+    step int4-pair 300 python3 benchmarks/layer_pair.py --scratch "$pairs" --scales 0.1 --precision fp16 --quantize int4 \
+        --device cuda --gamma 4 -n 128 --prompts "$prompts8" --json "$out/int4-pair.json"
+    step int4-cuda-graphs 120 python3 -m specbuild bench "$pairs/tinyllama-1.1b-x0.1-first2-fp16-int4" --device cuda -n 128 \
+        --gamma 4 --prompts "$prompts8" --json "$out/int4-cuda-graphs.json" --cuda-graphs
     [ -n "${QUICK:-}" ] && exit 0  # quick: the rest another time
     step bench-plain 150 python3 -m specbuild bench "$bundle" --device cuda -n 128 --gamma 1,2,4 --prompts "$prompts8" \
         --json "$out/bench-plain.json"
@@ -116,9 +126,6 @@ quick)
     bash "$0" check
     bash "$0" pairs
     bash "$0" graphs
-    # One file back: a call returns only so many files from $OUT.
-    (cd "$out" && tar czf /tmp/gpu-session.tgz --exclude summary.txt . && find . -type f ! -name summary.txt -delete \
-        && mv /tmp/gpu-session.tgz .)
     ;;
 *)
     echo "usage: $0 check|pairs|graphs|peers|quick   (see the top of this file)" >&2

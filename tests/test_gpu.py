@@ -2,8 +2,8 @@
 
 Skipped where onnxruntime has no CUDA provider (CI). Run them on a GPU machine with
 `python -m pytest -m gpu tests/test_gpu.py` after `pip install ./runtime[gpu]` (see README, GPU).
-Each failure message says what differed. Run on an H100 on 2026-11-24 (README, GPU); written after the
-last run there: the full graphs' copy check as it stands, the draft's steps graph, the other families.
+Each failure message says what differed. Run on an H100 on 2026-11-24 and an H200 on 2026-11-26 (README,
+GPU); written after the last run: the int4 bundle's.
 """
 
 import onnxruntime as ort
@@ -68,6 +68,23 @@ def test_other_families_decode_speculatively_as_target_only_on_cuda(architecture
             got = decoder.generate(prompt, NEW_TOKENS, gamma).token_ids
             assert got == expected, (f"{architecture} γ={gamma}: token {first_difference(got, expected)} differs from "
                                      f"target-only, prompt {prompt!r}")
+
+
+def test_an_int4_bundle_decodes_speculatively_as_target_only_on_cuda_captured_or_not(checkpoints, tmp_path):
+    """fp16 activations over int4 weights (MatMulNBits; GatherBlockQuantized embeddings): a quarter of the bytes a
+    call reads, the way past what the fp16 GEMMs allow (README, GPU: where a target call goes). Not run yet."""
+    folder = tmp_path / "int4"
+    compile_bundle(CompileSettings(target=checkpoints("llama", 0), draft=checkpoints("llama", 1), output=folder,
+                                   max_seq_len=256, precision="fp16", quantize="int4"), show_progress=False)
+    plain = SpeculativeDecoder(folder, device="cuda")
+    graphs = SpeculativeDecoder(folder, device="cuda", cuda_graphs=True)
+    for prompt in (PROMPTS[5], PROMPTS[8], PROMPTS[3]):
+        expected = plain.generate(prompt, NEW_TOKENS, 0).token_ids
+        for decoder, gamma in [(plain, 1), (plain, plain.max_gamma), (plain, "auto"), (graphs, 0), (graphs, 4),
+                               (graphs, "auto")]:
+            got = decoder.generate(prompt, NEW_TOKENS, gamma).token_ids
+            assert got == expected, (f"int4 γ={gamma}{' (CUDA graphs)' if decoder is graphs else ''}: token "
+                                     f"{first_difference(got, expected)} differs from target-only, prompt {prompt!r}")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
