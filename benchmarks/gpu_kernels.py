@@ -8,9 +8,10 @@ by kind (GEMM, attention, norms, elementwise, the greedy tail, copies and memset
 time: what is left between kernels is launch and host time.
 
 H200, onnxruntime-gpu 1.31.1, the TinyLlama-shape fp16 layer pair (2026-11-26), under CUDA graphs: 1.64 ms a
-call = 0.84 GEMMs (cuBLAS at 2.5 TB/s = 64% of the copy rate: gate/up 3.3 TB/s, the LM head 3.7, down 2.2,
-q/k/v and o 1.6) + 0.22 attention (cuDNN's SDPA, rotary and cache append, lengths) + 0.09 norms + 0.17
-elementwise (the MLP's Split, SiLU, Mul) + 0.03 copies and memsets + 0.30 idle between 347 kernels.
+call = 0.840 GEMMs (cuBLAS at 2.5 TB/s = 64% of the copy rate: gate/up 3.3 TB/s, the LM head 3.7, down 2.2,
+q/k/v and o 1.6) + 0.216 attention (cuDNN's SDPA, rotary and cache append, lengths) + 0.085 norms + 0.168
+elementwise (the MLP's Split, SiLU and Mul 0.135) + 0.030 copies, memsets and the tail + 0.305 idle between
+347 kernels.
 
     python benchmarks/gpu_kernels.py BUNDLE --json kernels.json [-n 64]   # with CUDA graphs, then without
 
@@ -33,9 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 from specbuild_runtime import SpeculativeDecoder, Stats  # noqa: E402
 
 # First match wins; kernel names are mangled C++ (cuBLAS, CUTLASS, onnxruntime's own), so by substring.
-KINDS = [
-    ("gemm", r"gemm|gemv|nvjet|cutlass|xmma|cublas|splitk"),  # nvjet_*: cuBLAS's own kernels on sm90
+KINDS = [  # attention first: flash-decoding's splitkv and the memory-efficient kernel's cutlass types
     ("attention", r"sdpa|flash|fmha|xqa|attention|mha|rope|rotary|sequencelengths|softmax"),
+    # nvjet_*: cuBLAS's own kernels on sm90; MatMulNBits (int4) kernels by their names
+    ("gemm", r"gemm|gemv|nvjet|cutlass|xmma|cublas|splitkreduce|matmulfloatint4|matmulnbits|dequantize"),
     ("norm", r"layernorm|layer_norm|rmsnorm"),
     ("tail", r"arg_min_max|argmax|reduce|topk"),
     ("elementwise", r"elementwise|split|concat|gather|fill|cast|transpose|slice|expand|where"),
@@ -70,6 +72,8 @@ def profile(bundle: Path, prompt: str, new_tokens: int, cuda_graphs: bool, devic
         prof.export_chrome_trace(str(trace))
         events = json.loads(trace.read_text())["traceEvents"]
     calls = stats.rounds
+    if not calls:
+        raise SystemExit("the prompt's call ended the request (EOS): no rounds to profile; pass another --prompt")
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     by_name, by_kind = defaultdict(lambda: [0.0, 0]), defaultdict(float)
     for e in kernels:

@@ -126,6 +126,13 @@ def time_rows(weights, hidden: int, rows: list[int], device: str, graphs: bool, 
     return times
 
 
+def key_value(text: str) -> tuple[str, str]:
+    key, equals, value = text.partition("=")
+    if not equals or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE (e.g. tunable_op_enable=1)")
+    return key, value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="tinyllama-1.1b", help="a config in benchmarks/configs/")
@@ -133,11 +140,11 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--scale", type=float, default=1.0, help="shrink every dimension (a quick CPU check)")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--cuda-option", action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--cuda-option", action="append", default=[], metavar="KEY=VALUE", type=key_value,
                         help="a CUDA provider option for every session, e.g. tunable_op_enable=1 (repeatable)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    cuda_options = dict(option.split("=", 1) for option in args.cuda_option)
+    cuda_options = dict(args.cuda_option)
     if args.device == "cuda" and not cuda_provider():
         sys.exit("this onnxruntime has no CUDA provider: install onnxruntime-gpu, or pass --device cpu")
     config = json.loads((CONFIGS / f"{args.shape}.json").read_text())

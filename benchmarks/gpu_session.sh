@@ -100,6 +100,7 @@ graphs)
     # (layer_pair benches it uncaptured), then with CUDA graphs. Not yet run.
     step int4-pair 300 python3 benchmarks/layer_pair.py --scratch "$pairs" --scales 0.1 --precision fp16 --quantize int4 \
         --device cuda --gamma 4 -n 128 --prompts "$prompts8" --json "$out/int4-pair.json"
+    cp "$pairs"/*int4*.log "$out/" 2>/dev/null  # its compile and bench logs: the step's own says only where they are
     step int4-cuda-graphs 120 python3 -m specbuild bench "$pairs/tinyllama-1.1b-x0.1-first2-fp16-int4" --device cuda -n 128 \
         --gamma 4 --prompts "$prompts8" --json "$out/int4-cuda-graphs.json" --cuda-graphs
     [ -n "${QUICK:-}" ] && exit 0  # quick: the rest another time

@@ -106,7 +106,7 @@ class CudaGraphs:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._run_options: dict[int, ort.RunOptions] = {}  # CUDA graph id -> the options that name it
-        self._warm_up: dict[tuple[int, int], int] = {}  # (thread, graph id) -> uncaptured runs so far
+        self._warm_up: dict[tuple[int, int], int] = {}  # (thread, graph id) -> runs so far, the capturing one included
 
     def options(self, graph: int) -> ort.RunOptions | None:
         if not self.engine.captures:

@@ -16,6 +16,7 @@ from specbuild_runtime import SpeculativeDecoder
 from specbuild_runtime.decode import AUTO, Stats
 from specbuild_runtime.engine import PROVIDERS, session_options
 from specbuild_runtime.errors import SpecbuildError
+from specbuild_runtime.slot import WARM_UP_RUNS
 
 from ..acceptance import theoretical_speedup
 
@@ -150,13 +151,15 @@ def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_toke
     in the machine's speed during the run (a shared machine drifts by ±15%) falls on all of them alike."""
     results = [ModeResult("specbuild", gamma) for gamma in gammas]
     # Warm-up: first-run allocations, policy state; with CUDA graphs on CUDA every prompt (a GPU decodes them in
-    # seconds), so that each call shape is captured before the timed runs (a capture costs a call's time many
-    # times over; on the H100 the auto row, which met new draft shapes while timed, drafted at 0.40 ms a step
-    # and γ 4 at 0.27: how much of that was captures is not known).
-    warm = prompts if decoder.cuda_graphs and decoder.device == "cuda" else prompts[:1]
-    for gamma in gammas:
-        for ids in warm:
-            decoder.generate(ids, max_new_tokens, gamma, temperature=temperature)
+    # seconds), WARM_UP_RUNS + 1 times, so that each call shape is captured before the timed runs (a shape is
+    # captured at its run WARM_UP_RUNS + 1; a capture costs a call's time many times over). Auto γ's choices
+    # follow timings and may still meet a new shape while timed: the report counts those captures.
+    captures = decoder.cuda_graphs and decoder.device == "cuda"
+    warm, passes = (prompts, WARM_UP_RUNS + 1) if captures else (prompts[:1], 1)
+    for _ in range(passes):
+        for gamma in gammas:
+            for ids in warm:
+                decoder.generate(ids, max_new_tokens, gamma, temperature=temperature)
     engines = [e for e in (decoder.target, decoder.draft, decoder.steps_engine) if e is not None]
     captured = lambda: sum(e.graphs_captured for e in engines)  # noqa: E731
     for seed, ids in enumerate(prompts):
