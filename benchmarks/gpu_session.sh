@@ -21,13 +21,14 @@
 #   bash benchmarks/gpu_session.sh graphs  # on that pair, one call, most telling first: bench with CUDA
 #                                          # graphs, with and without the draft's steps graph; the
 #                                          # target's MatMuls alone (benchmarks/gpu_matmuls.py), also
-#                                          # under TunableOp; its kernels (gpu_kernels.py); the pair
+#                                          # under TunableOp; its kernels (gpu_kernels.py), also with
+#                                          # flash attention for cuDNN's; the pair
 #                                          # in int4, uncaptured and with CUDA graphs; bench
 #                                          # uncaptured; verify with CUDA graphs; sampling (temperature
 #                                          # 0.8, γ 2) without and with them                       ~5-8 min
 #   bash benchmarks/gpu_session.sh peers   # on that pair: transformers (eager, static cache + compile,
 #                                          # assisted), onnxruntime-genai's CUDA build               ~235 s
-#   bash benchmarks/gpu_session.sh quick   # check, pairs and the first seven steps of graphs in one call
+#   bash benchmarks/gpu_session.sh quick   # check, pairs and the first eight steps of graphs in one call
 #                                          # (for a 15-minute session: one call after the setup; give it
 #                                          # timeout_s 600, whatever it wrote comes back if cut)    ~8 min
 #
@@ -96,6 +97,10 @@ graphs)
         --cuda-option tunable_op_enable=1 --cuda-option tunable_op_tuning_enable=1
     # The target call kernel by kernel (GEMMs, attention, norms, elementwise, idle between kernels).
     step kernels 90 python3 benchmarks/gpu_kernels.py "$bundle" -n 64 --json "$out/kernels.json"
+    # The same with onnxruntime's flash attention instead of cuDNN's SDPA (its default on sm90): GroupQueryAttention
+    # took 0.22 ms a call in 5 kernels a layer on the H200; if flash is faster, pin it (provider option sdpa_kernel).
+    step kernels-flash 90 env ORT_ENABLE_CUDNN_FLASH_ATTENTION=0 python3 benchmarks/gpu_kernels.py "$bundle" -n 64 \
+        --json "$out/kernels-flash.json"
     # Fewer bytes than the fp16 GEMMs read: the same pair with int4 weights (MatMulNBits), compiled there
     # (layer_pair benches it uncaptured), then with CUDA graphs. Not yet run.
     step int4-pair 300 python3 benchmarks/layer_pair.py --scratch "$pairs" --scales 0.1 --precision fp16 --quantize int4 \
