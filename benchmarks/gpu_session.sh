@@ -23,8 +23,8 @@
 #                                          # target's MatMuls alone (benchmarks/gpu_matmuls.py), also
 #                                          # under TunableOp; its kernels (gpu_kernels.py), also with
 #                                          # flash attention for cuDNN's; the pair
-#                                          # in int4, uncaptured and with CUDA graphs; bench
-#                                          # uncaptured; verify with CUDA graphs; sampling (temperature
+#                                          # in int4, uncaptured and with CUDA graphs; bench and
+#                                          # verify uncaptured; sampling (temperature
 #                                          # 0.8, γ 2) without and with them                       ~5-8 min
 #   bash benchmarks/gpu_session.sh peers   # on that pair: transformers (eager, static cache + compile,
 #                                          # assisted), onnxruntime-genai's CUDA build               ~235 s
@@ -74,6 +74,7 @@ check)
     ;;
 pairs)
     # 1.1B target (TinyLlama's shape), draft = its first 2 layers; scale 0.1 (α ~0.6) unless SCALES says more.
+    # bench and verify as a user runs them: CUDA graphs, the default on CUDA for fp16 (since 2026-11-26).
     step pairs 420 python3 benchmarks/layer_pair.py --scratch "$pairs" --scales "${SCALES:-0.1}" --precision fp16 --device cuda \
         --gamma 1,2,4,8 -n 128 --json "$out/pairs.json"
     cp "$pairs"/*.log "$out/" 2>/dev/null
@@ -110,13 +111,13 @@ graphs)
         --gamma 4 --prompts "$prompts8" --json "$out/int4-cuda-graphs.json" --cuda-graphs
     [ -n "${QUICK:-}" ] && exit 0  # quick: the rest another time
     step bench-plain 150 python3 -m specbuild bench "$bundle" --device cuda -n 128 --gamma 1,2,4 --prompts "$prompts8" \
-        --json "$out/bench-plain.json"
-    step verify--cuda-graphs 100 python3 -m specbuild verify "$bundle" --target "$pairs/tinyllama-1.1b-x0.1" \
-        --prompts "$prompts8" -n 64 --device cuda --cuda-graphs
+        --json "$out/bench-plain.json" --no-cuda-graphs
+    step verify-uncaptured 100 python3 -m specbuild verify "$bundle" --target "$pairs/tinyllama-1.1b-x0.1" \
+        --prompts "$prompts8" -n 64 --device cuda --no-cuda-graphs
     # Sampling: under CUDA graphs the bundle's sampler runs after each captured call, uncaptured.
-    for graphs in "" --cuda-graphs; do
-        step "sampled${graphs:--plain}" 100 python3 -m specbuild bench "$bundle" --device cuda \
-            -n 64 --gamma 2 --temperature 0.8 --prompts "$prompts8" --json "$out/sampled${graphs:--plain}.json" $graphs
+    for graphs in --no-cuda-graphs --cuda-graphs; do
+        step "sampled$graphs" 100 python3 -m specbuild bench "$bundle" --device cuda \
+            -n 64 --gamma 2 --temperature 0.8 --prompts "$prompts8" --json "$out/sampled$graphs.json" $graphs
     done
     ;;
 peers)

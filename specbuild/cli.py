@@ -19,7 +19,7 @@ import click
 
 from specbuild_runtime.engine import DEVICES
 from specbuild_runtime.errors import SpecbuildError
-from specbuild_runtime.serve.cli import Finite, draft_steps_option, serve_command
+from specbuild_runtime.serve.cli import Finite, cuda_graphs_option, draft_steps_option, serve_command
 from specbuild_runtime.validation import GREEDY_BELOW
 
 from . import __version__
@@ -32,11 +32,6 @@ existing_dir = click.Path(exists=False, file_okay=False, path_type=Path)
 device_option = click.option(
     "--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
     help="Where the engines run: cuda needs onnxruntime-gpu (pip install ./runtime[gpu]); auto takes CUDA if present.")
-cuda_graphs_option = click.option(
-    "--cuda-graphs", is_flag=True,
-    help="Run the engines' greedy-only graphs, each call shape captured once and replayed as a CUDA graph "
-         "(fp16/bf16 bundles on --device cuda; sampling runs the bundle's sampler after each call, uncaptured; "
-         "on the CPU the same graphs run uncaptured).")
 
 
 class Setting(click.ParamType):

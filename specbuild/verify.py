@@ -76,7 +76,7 @@ def first_difference(ours: list[int], theirs: list[int]) -> int | None:
 
 
 def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens: int, gamma: int | str,
-                  device: str = "cpu", cuda_graphs: bool = False, draft_steps: bool | None = None) -> dict:
+                  device: str = "cpu", cuda_graphs: bool | None = None, draft_steps: bool | None = None) -> dict:
     """The bundle against transformers on the same device, in the target engine's float type (a quantized
     engine's too), on every prompt. `divergences` lists each prompt that differs (`divergence` is the
     first). In half precision each also says where, on that prompt, the bundle and transformers in that

@@ -253,3 +253,26 @@ def test_a_runs_stats_add_up_to_its_tokens(bundle):
         emitted = s.accepted + s.guesses_accepted + s.rounds
         assert s.generated_tokens == len(result.token_ids) and emitted >= s.generated_tokens - 1 > emitted - 9
         assert s.rounds == sum(s.gamma_rounds.values()) and s.prompt_tokens == len(result.prompt_token_ids)
+
+
+def test_cuda_graphs_by_default_on_cuda_for_unquantized_fp16_and_bf16_bundles(bundle):
+    """What a GPU decoder replays when cuda_graphs is left unset (checked on the manifest: no GPU here)."""
+    from dataclasses import replace
+
+    from specbuild_runtime.decode import graphs_by_default
+    from specbuild_runtime.manifest import load_manifest
+
+    fp32 = load_manifest(bundle)
+    assert SpeculativeDecoder(bundle).cuda_graphs is False  # the CPU
+
+    def variant(manifest=fp32, **changes):
+        return replace(manifest, engines={role: replace(info, **changes) for role, info in manifest.engines.items()})
+
+    for precision in ("fp16", "bf16"):
+        assert graphs_by_default(variant(precision=precision), "cuda")
+        assert not graphs_by_default(variant(precision=precision), "cpu")
+    assert not graphs_by_default(fp32, "cuda")  # its attention runs on the CPU provider
+    assert not graphs_by_default(variant(precision="fp16", quantization="int4"), "cuda")  # not yet run captured
+    assert not graphs_by_default(variant(precision="fp16", architecture="GPT2LMHeadModel"), "cuda")  # engine.UNCAPTURED
+    assert not graphs_by_default(variant(precision="fp16", greedy_file=""), "cuda")  # compiled before them
+    assert not graphs_by_default(replace(variant(precision="fp16"), sampler_file=""), "cuda")

@@ -41,11 +41,13 @@ def precision_bundles(tmp_path_factory, checkpoints):
     return get
 
 
+@pytest.mark.parametrize("cuda_graphs", [None, False], ids=["default", "uncaptured"])
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
-def test_speculative_output_equals_target_only_on_cuda_for_every_gamma(precision, precision_bundles):
+def test_speculative_output_equals_target_only_on_cuda_for_every_gamma(precision, cuda_graphs, precision_bundles):
     """Exact by construction (slot.fixed_rows: every target call computes max γ + 1 rows), greedy; prompts
-    of 1 token and of more than max γ + 1 tokens."""
-    decoder = SpeculativeDecoder(precision_bundles(precision), device="cuda")
+    of 1 token and of more than max γ + 1 tokens. By default fp16 and bf16 replay CUDA graphs, fp32 does not."""
+    decoder = SpeculativeDecoder(precision_bundles(precision), device="cuda", cuda_graphs=cuda_graphs)
+    assert decoder.cuda_graphs == (cuda_graphs is None and precision != "fp32")
     for prompt in (PROMPTS[5], PROMPTS[8], PROMPTS[3]):
         expected = decoder.generate(prompt, NEW_TOKENS, 0).token_ids
         for gamma in [*range(1, decoder.max_gamma + 1), "auto"]:
@@ -57,7 +59,8 @@ def test_speculative_output_equals_target_only_on_cuda_for_every_gamma(precision
 @pytest.mark.parametrize("architecture", ["gpt2", "qwen2-window", "gemma3", "phi3"])
 def test_other_families_decode_speculatively_as_target_only_on_cuda(architecture, checkpoints, tmp_path):
     """fp16 bundles of the families beside Llama: GPT-2 (positions from seqlens_k, no rotary), a sliding
-    window on some layers, Gemma 3 (soft-capping, a rotary table per layer type), Phi-3 (partial rotary)."""
+    window on some layers, Gemma 3 (soft-capping, a rotary table per layer type), Phi-3 (partial rotary).
+    As decoded by default: CUDA graphs but for GPT-2 (engine.UNCAPTURED)."""
     folder = tmp_path / architecture
     compile_bundle(CompileSettings(target=checkpoints(architecture, 0), draft=checkpoints(architecture, 1), output=folder,
                                    max_seq_len=256, precision="fp16"), show_progress=False)
@@ -76,7 +79,7 @@ def test_an_int4_bundle_decodes_speculatively_as_target_only_on_cuda_captured_or
     folder = tmp_path / "int4"
     compile_bundle(CompileSettings(target=checkpoints("llama", 0), draft=checkpoints("llama", 1), output=folder,
                                    max_seq_len=256, precision="fp16", quantize="int4"), show_progress=False)
-    plain = SpeculativeDecoder(folder, device="cuda")
+    plain = SpeculativeDecoder(folder, device="cuda", cuda_graphs=False)
     graphs = SpeculativeDecoder(folder, device="cuda", cuda_graphs=True)
     for prompt in (PROMPTS[5], PROMPTS[8], PROMPTS[3]):
         expected = plain.generate(prompt, NEW_TOKENS, 0).token_ids
@@ -197,7 +200,7 @@ def test_token_ids_and_caches_are_bound_on_the_device(precision_bundles):
 def test_threads_on_a_cuda_decoder_get_their_sequential_outputs(precision_bundles):
     import threading
 
-    decoder = SpeculativeDecoder(precision_bundles("fp16"), device="cuda", parallel=4)
+    decoder = SpeculativeDecoder(precision_bundles("fp16"), device="cuda", parallel=4, cuda_graphs=False)
     requests = [(PROMPTS[i], dict(gamma=i % 5, temperature=(i % 2) * 0.8, seed=i)) for i in range(8)]
     expected = [decoder.generate(p, NEW_TOKENS, **o).token_ids for p, o in requests]
     got = [None] * len(requests)
@@ -233,7 +236,7 @@ def test_cuda_graphs_decode_the_tokens_of_uncaptured_calls(architecture, precisi
         folder = tmp_path / architecture
         compile_bundle(CompileSettings(target=checkpoints(architecture, 0), draft=checkpoints(architecture, 1),
                                        output=folder, max_seq_len=256, precision=precision), show_progress=False)
-    plain = SpeculativeDecoder(folder, device="cuda")
+    plain = SpeculativeDecoder(folder, device="cuda", cuda_graphs=False)
     graphs = SpeculativeDecoder(folder, device="cuda", cuda_graphs=True, parallel=2)
     assert graphs.target.captures and graphs.draft.captures and graphs.steps_engine.captures
     held = graphs.stream(PROMPTS[1], NEW_TOKENS)

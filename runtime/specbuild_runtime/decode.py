@@ -17,9 +17,9 @@ from typing import Iterator
 import numpy as np
 from tokenizers import Tokenizer
 
-from .engine import Engine, Sampler, requested_device, use_shared_thread_pool
+from .engine import UNCAPTURED, Engine, Sampler, requested_device, use_shared_thread_pool
 from .errors import BundleError, DeviceError, RequestError
-from .manifest import TOKENIZER_DIR, load_manifest
+from .manifest import TOKENIZER_DIR, Manifest, load_manifest
 from .policy import GREEDY_DECAYS, SAMPLING_DECAYS, AdaptiveGamma, Costs, FixedGamma
 from .slot import MAX_REUSED_IDS, NEVER_ALONE, Rows, Slot, SlotPool, fixed_rows
 from .text import TextStream
@@ -139,7 +139,7 @@ class SpeculativeDecoder:
     enable_cuda_graph), which saves launching every kernel from the host; sampled requests sample with the
     bundle's sampler from each call's logits (uncaptured: top-k and top-p are control flow), drawing the
     same tokens, and the engines' calls take turns across threads (see engine._CUDA_GRAPH_CALLS). On the
-    CPU the same graphs run as they are. draft_steps: greedy rounds draft with the draft's steps graph
+    CPU the same graphs run as they are. None (the default): on where graphs_by_default says. draft_steps: greedy rounds draft with the draft's steps graph
     (manifest.py; bundles have one since it came), several tokens a call, where a round drafts that many
     (the same drafts as a call per token). It is a second session of the draft's weights, so it costs
     their memory again: None (the default) uses it on CUDA, where a call per token waits for the host
@@ -147,7 +147,7 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, bundle: str | Path, device: str = "cpu", parallel: int = 1, shared_thread_pool: bool = False,
-                 check_digests: bool = True, target_rows: Rows | None = None, cuda_graphs: bool = False,
+                 check_digests: bool = True, target_rows: Rows | None = None, cuda_graphs: bool | None = None,
                  draft_steps: bool | None = None):
         """shared_thread_pool: faster, but changes every onnxruntime session of the process
         (see engine.use_shared_thread_pool); for processes that only decode."""
@@ -162,7 +162,6 @@ class SpeculativeDecoder:
         self.max_gamma = self.manifest.gamma
         self.eos_token_ids = set(self.manifest.eos_token_ids)
         self.tokenizer = Tokenizer.from_file(str(self.root / TOKENIZER_DIR / "tokenizer.json"))
-        self.cuda_graphs = cuda_graphs
         if draft_steps and not self.manifest.engines["draft"].steps_file:
             raise BundleError(f"{self.root} has no steps graph for its draft (compiled before it, or with max γ 1, where "
                               "a round drafts one token anyway): rebuild it with `specbuild compile`, or leave "
@@ -171,6 +170,7 @@ class SpeculativeDecoder:
             raise BundleError(f"{self.root} lacks the greedy-only graphs or the sampler, which CUDA graphs need (it was "
                               "compiled by an older specbuild): rebuild it with `specbuild compile`")
         self.device = requested_device(device)
+        self.cuda_graphs = graphs_by_default(self.manifest, self.device) if cuda_graphs is None else cuda_graphs
         if self.device == "cpu":
             check_memory(parallel, self.max_seq_len * sum(e.kv_bytes_per_position for e in self.manifest.engines.values()))
         try:
@@ -179,6 +179,7 @@ class SpeculativeDecoder:
             if device != "auto":
                 raise
             self.device = "cpu"  # the CUDA provider is installed but could not start: "auto" takes the CPU
+            self.cuda_graphs = bool(cuda_graphs)
             self.target, self.draft, self.steps_engine = self._engines(draft_steps)
         self.vocab_size = self.target.vocab_size
         check_vocabularies(self.target, self.draft)
@@ -352,6 +353,18 @@ class SpeculativeDecoder:
             else:
                 drafts.append(slot.draft.step(fed, total_len=total_len + j, uniforms=uniforms(1), probs_row=j)[1])
         return drafts
+
+
+def graphs_by_default(manifest: Manifest, device: str) -> bool:
+    """CUDA graphs unless asked otherwise: on CUDA, for bundles whose every engine was measured exact and
+    faster replayed (README, GPU: fp16 and bf16, unquantized, with the greedy-only graphs; on an H200 target-only
+    decoded 1.4x as fast). Not for fp32 (its attention runs on the CPU), quantized engines (not yet run
+    captured on a GPU) or the architectures in engine.UNCAPTURED; nor on the CPU, where the greedy-only graphs
+    gain little and sampling through the sampler costs a little (README, GPU)."""
+    engines = manifest.engines.values()
+    return (device == "cuda" and bool(manifest.sampler_file)
+            and all(e.greedy_file and e.precision in ("fp16", "bf16") and e.quantization == "none"
+                    and e.architecture not in UNCAPTURED for e in engines))
 
 
 # Free guesses per round: on the demo pair, rounds of guesses alone (no draft model) decoded at 1.48x

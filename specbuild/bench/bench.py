@@ -201,7 +201,7 @@ def predicted_context_growth(decoder: SpeculativeDecoder, short: int, long: int)
 
 
 def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[int], peers: list[str],
-          temperature: float = 0.0, device: str = "cpu", cuda_graphs: bool = False, draft_steps: bool | None = None) -> dict:
+          temperature: float = 0.0, device: str = "cpu", cuda_graphs: bool | None = None, draft_steps: bool | None = None) -> dict:
     """Sampled runs (temperature > 0) differ token-wise between modes by design: `matches_target` then says
     nothing, and α/speed-up are the figures to read."""
     decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs,

@@ -27,6 +27,11 @@ class Finite(click.FloatRange):
 
 
 # Shared with specbuild's generate, bench and verify.
+cuda_graphs_option = click.option(
+    "--cuda-graphs/--no-cuda-graphs", default=None,
+    help="Run the engines' greedy-only graphs, each call shape captured once and replayed as a CUDA graph (sampling "
+         "runs the bundle's sampler after each call, uncaptured), or the full graphs uncaptured.  [default: CUDA "
+         "graphs for fp16/bf16 unquantized bundles on cuda, off otherwise]")
 draft_steps_option = click.option(
     "--draft-steps/--no-draft-steps", default=None,
     help="Greedy rounds draft with the draft's steps graph, several tokens a call (a second session of the draft's "
@@ -39,9 +44,7 @@ draft_steps_option = click.option(
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port to listen on.")
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
               help="Where the engines run; auto picks CUDA when onnxruntime has it.")
-@click.option("--cuda-graphs", is_flag=True,
-              help="Replay each call shape as a CUDA graph (fp16/bf16 bundles on CUDA; sampled requests sample "
-                   "after each call, uncaptured).")
+@cuda_graphs_option
 @draft_steps_option
 @click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True,
               help="Requests decoded at once (slots, each with its own KV cache); the engines are shared.")
