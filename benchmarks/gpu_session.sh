@@ -9,8 +9,8 @@
 # fit; peers only if a session has more. The machine goes back after ~30 s without a call, and a fresh one
 # needs the four setup calls again: read results between calls quickly, or queue the next call first.
 # Times below were measured on the H100 (2026-11-24) where given as ~N s. On an H200 (2026-11-26) setup took
-# ~40 s and `quick` 247 s (check 122, pairs 66, graphs 49), leaving time for a second call (`peers`, or the
-# rest of `graphs` on the same warm machine).
+# ~40 s and `quick` 247 s (check 122, pairs 66, graphs 49), before `graphs` grew (TunableOp, kernels, int4)
+# and bench with CUDA graphs warmed up three times: expect ~8 min now.
 #
 #   bash benchmarks/gpu_session.sh check   # versions; GroupQueryAttention alone (each kernel switch too,
 #                                          # if it fails); pytest -m gpu (exactness, copies, threads,
@@ -74,9 +74,10 @@ check)
     ;;
 pairs)
     # 1.1B target (TinyLlama's shape), draft = its first 2 layers; scale 0.1 (α ~0.6) unless SCALES says more.
-    # bench and verify as a user runs them: CUDA graphs, the default on CUDA for fp16 (since 2026-11-26).
+    # Benched uncaptured (the baseline of what CUDA graphs save: `graphs` benches them); verify as a user runs
+    # it, with CUDA graphs (the default on CUDA for fp16 Llama bundles since 2026-11-26).
     step pairs 420 python3 benchmarks/layer_pair.py --scratch "$pairs" --scales "${SCALES:-0.1}" --precision fp16 --device cuda \
-        --gamma 1,2,4,8 -n 128 --json "$out/pairs.json"
+        --gamma 1,2,4,8 -n 128 --json "$out/pairs.json" --no-cuda-graphs
     cp "$pairs"/*.log "$out/" 2>/dev/null
     # fp16 against transformers fp16 on the same GPU; a divergence line says where each leaves fp32 (quick:
     # left out, the H100 run has it).

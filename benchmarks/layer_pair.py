@@ -63,6 +63,8 @@ def main() -> None:
     parser.add_argument("--precision", default="fp16", choices=["fp32", "fp16", "bf16"])
     parser.add_argument("--quantize", default="none", choices=["none", "int8", "int4"], help="compile's --quantize")
     parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="bench uncaptured (CUDA graphs are its default "
+                        "on cuda for fp16/bf16)")
     parser.add_argument("--gamma", default="1,2,4,8", help="fixed γs for bench (beside target-only and auto)")
     parser.add_argument("-n", "--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=Path, help="JSONL prompts for bench (default: its bundled code prompts)")
@@ -95,7 +97,8 @@ def main() -> None:
         peers = ["--peers", args.peers] if args.peers and index == 0 else []
         prompts = ["--prompts", str(args.prompts)] if args.prompts else []
         run([sys.executable, "-m", "specbuild", "bench", str(bundle), "--device", args.device, "-n", str(args.max_new_tokens),
-             "--gamma", args.gamma, "--json", str(report_file), *prompts, *peers], bundle.parent / f"{bundle.name}.bench.log")
+             "--gamma", args.gamma, "--json", str(report_file), *prompts, *peers,
+             *(["--no-cuda-graphs"] if args.no_cuda_graphs else [])], bundle.parent / f"{bundle.name}.bench.log")
         report = json.loads(report_file.read_text())
         report.update(scale=scale, draft_layers=args.draft_layers, shape=args.shape, compile_seconds=round(compile_seconds, 1))
         reports.append(report)

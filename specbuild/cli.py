@@ -242,7 +242,7 @@ def inspect(bundle, as_json) -> None:
             f"heads {s.num_heads}/{s.num_kv_heads} kv, vocab {s.vocab_size}"
         )
         click.echo(f"{'':<10} from {e.source['path']} (sha256 {e.source['sha256'][:12]}…)")
-        click.echo(f"{'':<10} graphs {e.file}" + (f" and {e.greedy_file} (greedy-only, for --cuda-graphs)" if e.greedy_file
+        click.echo(f"{'':<10} graphs {e.file}" + (f" and {e.greedy_file} (greedy-only, for CUDA graphs)" if e.greedy_file
                                                    else " (no greedy-only graph: compiled before them)")
                    + (f"; {e.steps_file} (drafting several tokens a call)" if e.steps_file else ""))
         if e.quantization != "none":
@@ -251,7 +251,7 @@ def inspect(bundle, as_json) -> None:
             click.echo(f"{'':<10} quality vs fp32: {quality_line(e.quality)}")
     if manifest.engines:
         click.echo(f"{'sampler':<10} " + (f"{manifest.sampler_file} (how the greedy-only graphs sample)" if manifest.sampler_file
-                                          else "none: compiled before it (--cuda-graphs needs a recompile)"))
+                                          else "none: compiled before it (CUDA graphs need a recompile)"))
     if manifest.tensorrt_llm:
         click.echo("\n".join(f"{'tensorrt':<10} {line}" for line in tensorrt_llm_lines(bundle, manifest.tensorrt_llm)))
 

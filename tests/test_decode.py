@@ -274,5 +274,6 @@ def test_cuda_graphs_by_default_on_cuda_for_unquantized_fp16_and_bf16_bundles(bu
     assert not graphs_by_default(fp32, "cuda")  # its attention runs on the CPU provider
     assert not graphs_by_default(variant(precision="fp16", quantization="int4"), "cuda")  # not yet run captured
     assert not graphs_by_default(variant(precision="fp16", architecture="GPT2LMHeadModel"), "cuda")  # engine.UNCAPTURED
+    assert not graphs_by_default(variant(precision="fp16", architecture="Gemma3ForCausalLM"), "cuda")  # not yet run captured
     assert not graphs_by_default(variant(precision="fp16", greedy_file=""), "cuda")  # compiled before them
     assert not graphs_by_default(replace(variant(precision="fp16"), sampler_file=""), "cuda")

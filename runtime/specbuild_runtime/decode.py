@@ -17,7 +17,7 @@ from typing import Iterator
 import numpy as np
 from tokenizers import Tokenizer
 
-from .engine import UNCAPTURED, Engine, Sampler, requested_device, use_shared_thread_pool
+from .engine import CAPTURED_BY_DEFAULT, Engine, Sampler, requested_device, use_shared_thread_pool
 from .errors import BundleError, DeviceError, RequestError
 from .manifest import TOKENIZER_DIR, Manifest, load_manifest
 from .policy import GREEDY_DECAYS, SAMPLING_DECAYS, AdaptiveGamma, Costs, FixedGamma
@@ -356,15 +356,15 @@ class SpeculativeDecoder:
 
 
 def graphs_by_default(manifest: Manifest, device: str) -> bool:
-    """CUDA graphs unless asked otherwise: on CUDA, for bundles whose every engine was measured exact and
-    faster replayed (README, GPU: fp16 and bf16, unquantized, with the greedy-only graphs; on an H200 target-only
-    decoded 1.4x as fast). Not for fp32 (its attention runs on the CPU), quantized engines (not yet run
-    captured on a GPU) or the architectures in engine.UNCAPTURED; nor on the CPU, where the greedy-only graphs
-    gain little and sampling through the sampler costs a little (README, GPU)."""
+    """CUDA graphs unless asked otherwise: on CUDA, for bundles of the kind measured to replay exactly what
+    uncaptured calls decode (tests/test_gpu.py on an H200: fp16 and bf16 engines, unquantized, of the
+    architectures in engine.CAPTURED_BY_DEFAULT, with the greedy-only graphs; fp16 target-only decoded 1.4x as
+    fast). Not for fp32 (its attention runs on the CPU), quantized engines or other architectures (not yet run
+    captured on a GPU); nor on the CPU, where the greedy-only graphs gain little (README, GPU)."""
     engines = manifest.engines.values()
     return (device == "cuda" and bool(manifest.sampler_file)
             and all(e.greedy_file and e.precision in ("fp16", "bf16") and e.quantization == "none"
-                    and e.architecture not in UNCAPTURED for e in engines))
+                    and e.architecture in CAPTURED_BY_DEFAULT for e in engines))
 
 
 # Free guesses per round: on the demo pair, rounds of guesses alone (no draft model) decoded at 1.48x
