@@ -92,6 +92,12 @@ graphs)
         step "bench-cuda-graphs$steps" 150 python3 -m specbuild bench "$bundle" --device cuda -n 128 --gamma 1,2,4,8 \
             --prompts "$prompts8" --json "$out/bench-cuda-graphs$steps.json" --cuda-graphs $steps
     done
+    # One request in a fresh process, as `generate` runs: what its captures cost it (CUDA graphs are the
+    # default since 2026-11-26; a shape is captured at its third call), against --no-cuda-graphs.
+    for graphs in --cuda-graphs --no-cuda-graphs; do
+        step "generate$graphs" 60 python3 -m specbuild generate "$bundle" --device cuda -n 128 --json $graphs \
+            --prompt "$(head -n 1 "$prompts8" | python3 -c 'import json, sys; print(json.load(sys.stdin)["prompt"])')"
+    done
     # Where a CUDA-graph target call's time goes: its MatMuls alone against the copy rate.
     step matmuls 120 python3 benchmarks/gpu_matmuls.py --shape tinyllama-1.1b --rows 1,5,9 --json "$out/matmuls.json"
     # Whether onnxruntime's TunableOp finds faster GEMMs at these shapes (not yet run).
