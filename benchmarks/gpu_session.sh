@@ -9,8 +9,8 @@
 # fit; peers only if a session has more. The machine goes back after ~30 s without a call, and a fresh one
 # needs the four setup calls again: read results between calls quickly, or queue the next call first.
 # Times below were measured on the H100 (2026-11-24) where given as ~N s. On an H200 (2026-11-26) setup took
-# ~40 s and `quick` 247 s (check 122, pairs 66, graphs 49), before `graphs` grew (TunableOp, kernels, int4)
-# and bench with CUDA graphs warmed up three times: expect ~8 min now.
+# ~40 s and `quick` 247 s (check 122, pairs 66, graphs 49), before the GPU tests, `graphs` (one-shot generate,
+# kernels) and bench's warm-up (three passes with CUDA graphs) grew.
 #
 #   bash benchmarks/gpu_session.sh check   # versions; GroupQueryAttention alone (each kernel switch too,
 #                                          # if it fails); pytest -m gpu (exactness, copies, threads,
@@ -19,18 +19,20 @@
 #                                          # bench --device cuda at agreement scale 0.1 (SCALES=0.1,0.2,0.4
 #                                          # for three: ~350 s); verify it against transformers      ~150 s
 #   bash benchmarks/gpu_session.sh graphs  # on that pair, one call, most telling first: bench with CUDA
-#                                          # graphs, with and without the draft's steps graph; the
-#                                          # target's MatMuls alone (benchmarks/gpu_matmuls.py), also
-#                                          # under TunableOp; its kernels (gpu_kernels.py), also with
-#                                          # flash attention for cuDNN's; the pair
-#                                          # in int4, uncaptured and with CUDA graphs; bench and
-#                                          # verify uncaptured; sampling (temperature
-#                                          # 0.8, γ 2) without and with them                       ~5-8 min
+#                                          # graphs, with and without the draft's steps graph; one-shot
+#                                          # generate with and without them; the target's MatMuls alone
+#                                          # (benchmarks/gpu_matmuls.py); its kernels (gpu_kernels.py);
+#                                          # bench and verify uncaptured; sampling (temperature 0.8,
+#                                          # γ 2) without and with CUDA graphs                     ~5-8 min
+#   bash benchmarks/gpu_session.sh options # on that pair: the MatMuls under TunableOp, the kernels with
+#                                          # flash attention for cuDNN's, the pair in int4 (uncaptured
+#                                          # and with CUDA graphs)                                  ~4 min
 #   bash benchmarks/gpu_session.sh peers   # on that pair: transformers (eager, static cache + compile,
 #                                          # assisted), onnxruntime-genai's CUDA build               ~235 s
-#   bash benchmarks/gpu_session.sh quick   # check, pairs and the first eight steps of graphs in one call
-#                                          # (for a 15-minute session: one call after the setup; give it
-#                                          # timeout_s 600, whatever it wrote comes back if cut)    ~8 min
+#   bash benchmarks/gpu_session.sh quick   # check, pairs and graphs up to the kernels in one call (for a
+#                                          # 15-minute session: one call after the setup, timeout_s 600,
+#                                          # whatever it wrote comes back if cut; then `options` on the
+#                                          # same machine if ~4 minutes are left)                  ~7 min
 #
 # A failing step is logged and the next one still runs: one call must bring back as much as it can.
 set -uo pipefail
@@ -100,11 +102,26 @@ graphs)
     done
     # Where a CUDA-graph target call's time goes: its MatMuls alone against the copy rate.
     step matmuls 120 python3 benchmarks/gpu_matmuls.py --shape tinyllama-1.1b --rows 1,5,9 --json "$out/matmuls.json"
+    # The target call kernel by kernel (GEMMs, attention, norms, elementwise, idle between kernels).
+    step kernels 90 python3 benchmarks/gpu_kernels.py "$bundle" -n 64 --json "$out/kernels.json"
+    [ -n "${QUICK:-}" ] && exit 0  # quick: the rest another time
+    step bench-plain 150 python3 -m specbuild bench "$bundle" --device cuda -n 128 --gamma 1,2,4 --prompts "$prompts8" \
+        --json "$out/bench-plain.json" --no-cuda-graphs
+    step verify-uncaptured 100 python3 -m specbuild verify "$bundle" --target "$pairs/tinyllama-1.1b-x0.1" \
+        --prompts "$prompts8" -n 64 --device cuda --no-cuda-graphs
+    # Sampling: under CUDA graphs the bundle's sampler runs after each captured call, uncaptured.
+    for graphs in --no-cuda-graphs --cuda-graphs; do
+        step "sampled$graphs" 100 python3 -m specbuild bench "$bundle" --device cuda \
+            -n 64 --gamma 2 --temperature 0.8 --prompts "$prompts8" --json "$out/sampled$graphs.json" $graphs
+    done
+    ;;
+options)
+    # Needs `pairs` first on the same machine. What might make a target call faster than the H200's 1.64 ms
+    # (GEMMs 0.84 of it at 64% of the copy rate): none of it run yet.
+    bundle="$pairs/tinyllama-1.1b-x0.1-first2-fp16"
     # Whether onnxruntime's TunableOp finds faster GEMMs at these shapes (not yet run).
     step matmuls-tunable 120 python3 benchmarks/gpu_matmuls.py --shape tinyllama-1.1b --rows 9 --json "$out/matmuls-tunable.json" \
         --cuda-option tunable_op_enable=1 --cuda-option tunable_op_tuning_enable=1
-    # The target call kernel by kernel (GEMMs, attention, norms, elementwise, idle between kernels).
-    step kernels 90 python3 benchmarks/gpu_kernels.py "$bundle" -n 64 --json "$out/kernels.json"
     # The same with onnxruntime's flash attention instead of cuDNN's SDPA (its default on sm90): GroupQueryAttention
     # took 0.22 ms a call in 5 kernels a layer on the H200; if flash is faster, pin it (provider option sdpa_kernel).
     step kernels-flash 90 env ORT_ENABLE_CUDNN_FLASH_ATTENTION=0 python3 benchmarks/gpu_kernels.py "$bundle" -n 64 \
@@ -116,16 +133,6 @@ graphs)
     cp "$pairs"/*int4*.log "$out/" 2>/dev/null  # its compile and bench logs: the step's own says only where they are
     step int4-cuda-graphs 120 python3 -m specbuild bench "$pairs/tinyllama-1.1b-x0.1-first2-fp16-int4" --device cuda -n 128 \
         --gamma 4 --prompts "$prompts8" --json "$out/int4-cuda-graphs.json" --cuda-graphs
-    [ -n "${QUICK:-}" ] && exit 0  # quick: the rest another time
-    step bench-plain 150 python3 -m specbuild bench "$bundle" --device cuda -n 128 --gamma 1,2,4 --prompts "$prompts8" \
-        --json "$out/bench-plain.json" --no-cuda-graphs
-    step verify-uncaptured 100 python3 -m specbuild verify "$bundle" --target "$pairs/tinyllama-1.1b-x0.1" \
-        --prompts "$prompts8" -n 64 --device cuda --no-cuda-graphs
-    # Sampling: under CUDA graphs the bundle's sampler runs after each captured call, uncaptured.
-    for graphs in --no-cuda-graphs --cuda-graphs; do
-        step "sampled$graphs" 100 python3 -m specbuild bench "$bundle" --device cuda \
-            -n 64 --gamma 2 --temperature 0.8 --prompts "$prompts8" --json "$out/sampled$graphs.json" $graphs
-    done
     ;;
 peers)
     # Needs `pairs` first on the same machine (it is kept ~30 s between calls; a fresh one needs the setup
@@ -142,7 +149,7 @@ quick)
     bash "$0" graphs
     ;;
 *)
-    echo "usage: $0 check|pairs|graphs|peers|quick   (see the top of this file)" >&2
+    echo "usage: $0 check|pairs|graphs|options|peers|quick   (see the top of this file)" >&2
     exit 2
     ;;
 esac
