@@ -2,8 +2,11 @@
 # Issue 12's GPU checks in four device calls (each under the 10-minute limit of one call), for a session
 # that is lent the GPU machine. It expects onnxruntime-gpu unpacked in /tmp/site and the wheels installed,
 # as ../shared/gpu/README.md describes (its 4th command); $OUT gets summary.txt and gpu-session.tgz. The call that runs
-# `check` also carries .gpu/extra, the project's onnx-ir (`pip download --no-deps -d .gpu/extra onnx-ir`
-# here): the machine's predates ir.save(alignment=...), which compile needs.
+# `check` also carries .gpu/extra: the project's onnx-ir (the machine's predates ir.save(alignment=...), which
+# compile needs) and the serve extra with the openai client (for the GPU server test), made here with
+#   python3 -m pip download -q --no-deps -d .gpu/extra onnx-ir
+#   python3 -m pip download -q -d .gpu/extra --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 \
+#       --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 starlette uvicorn prometheus-client openai httpx
 #
 # A session now gets ~15 minutes of the machine in all (setup ~60-100 s of it): check, pairs and graphs
 # fit; peers only if a session has more. The machine goes back after ~30 s without a call, and a fresh one
@@ -57,7 +60,10 @@ step() {  # step NAME SECONDS COMMAND...: run it for at most SECONDS, log to $ou
 
 case "${1:-}" in
 check)
-    [ -d .gpu/extra ] && python3 -m pip install -q --upgrade --no-deps --no-index --find-links .gpu/extra onnx-ir
+    if [ -d .gpu/extra ]; then
+        python3 -m pip install -q --upgrade --no-deps --no-index --find-links .gpu/extra onnx-ir
+        python3 -m pip install -q --no-index --find-links .gpu/extra starlette uvicorn prometheus-client openai httpx
+    fi
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
     step versions 60 python3 -c "import onnxruntime as o, torch, transformers; o.preload_dlls(); print(o.__version__, o.get_available_providers(), 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
     # The kernel first: which attention implementations get multi-row calls over a cache right.

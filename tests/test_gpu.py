@@ -330,3 +330,18 @@ def test_cuda_graphs_of_an_fp32_bundle_are_refused_in_one_line(precision_bundles
 
     with pytest.raises(BundleError, match="fp32.*cannot be captured as CUDA graphs"):
         SpeculativeDecoder(precision_bundles("fp32"), device="cuda", cuda_graphs=True)
+
+
+def test_a_cuda_server_gives_sixteen_concurrent_clients_their_sequential_outputs(precision_bundles, tmp_path):
+    """`specbuild serve --device cuda --parallel 4` with its defaults (CUDA graphs for an fp16 Llama bundle: each
+    worker thread captures its own, their engine calls take turns) against uncaptured sequential decoding.
+    Needs the serve extra and the openai client there (benchmarks/gpu_session.sh: .gpu/extra)."""
+    for module in ("starlette", "uvicorn", "prometheus_client", "openai", "httpx"):
+        pytest.importorskip(module)
+    from test_serve import sixteen_clients_at_once, specbuild_serve
+
+    folder = precision_bundles("fp16")
+    reference = SpeculativeDecoder(folder, device="cuda", cuda_graphs=False)
+    with specbuild_serve(folder, tmp_path / "server.log", "--device", "cuda", "--parallel", 4) as (_, url):
+        got, expected = sixteen_clients_at_once(url, reference)
+    assert got == expected

@@ -182,7 +182,8 @@ def test_stop_strings_cut_the_text_and_finish_with_stop(client, reference):
     assert "".join(c.choices[0].text for c in streamed) == expected.text
 
 
-def test_sixteen_concurrent_clients_get_their_sequential_outputs(server, reference):
+def sixteen_clients_at_once(url: str, reference) -> tuple[list[str], list[str]]:
+    """(what 16 concurrent clients got, what each would get decoding alone): greedy and sampled, streamed or not."""
     jobs = [(PROMPTS[i % len(PROMPTS)], [GREEDY, *SAMPLED][i % 3], i % 2 == 1) for i in range(16)]
     expected = [reference.generate(prompt, max_new_tokens=32, **settings).text for prompt, settings, _ in jobs]
 
@@ -194,10 +195,15 @@ def test_sixteen_concurrent_clients_get_their_sequential_outputs(server, referen
         return "".join([chunk.choices[0].text async for chunk in reply])
 
     async def all_at_once():
-        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0) as client:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
             return await asyncio.gather(*(one(client, *job) for job in jobs))
 
-    assert asyncio.run(all_at_once()) == expected
+    return asyncio.run(all_at_once()), expected
+
+
+def test_sixteen_concurrent_clients_get_their_sequential_outputs(server, reference):
+    got, expected = sixteen_clients_at_once(server, reference)
+    assert got == expected
 
 
 BAD_REQUESTS = [
