@@ -139,11 +139,12 @@ class SpeculativeDecoder:
     enable_cuda_graph), which saves launching every kernel from the host; sampled requests sample with the
     bundle's sampler from each call's logits (uncaptured: top-k and top-p are control flow), drawing the
     same tokens, and the engines' calls take turns across threads (see engine._CUDA_GRAPH_CALLS). On the
-    CPU the same graphs run as they are. None (the default): on where graphs_by_default says. draft_steps: greedy rounds draft with the draft's steps graph
-    (manifest.py; bundles have one since it came), several tokens a call, where a round drafts that many
-    (the same drafts as a call per token). It is a second session of the draft's weights, so it costs
-    their memory again: None (the default) uses it on CUDA, where a call per token waits for the host
-    each time, and not on the CPU, where it decoded 3-4% faster at fixed γ and no faster in auto (README, GPU).
+    CPU the same graphs run as they are. None (the default): on where graphs_by_default says. draft_steps:
+    greedy rounds draft with the draft's steps graph (manifest.py; bundles have one since it came), several
+    tokens a call, where a round drafts that many (the same drafts as a call per token). It is a second
+    session of the draft's weights, so it costs their memory again: None (the default) uses it on CUDA,
+    where a call per token waits for the host each time, and not on the CPU, where it decoded 3-4% faster
+    at fixed γ and no faster in auto (README, GPU).
     """
 
     def __init__(self, bundle: str | Path, device: str = "cpu", parallel: int = 1, shared_thread_pool: bool = False,
