@@ -250,8 +250,13 @@ def inspect(bundle, as_json) -> None:
         if e.quality:
             click.echo(f"{'':<10} quality vs fp32: {quality_line(e.quality)}")
     if manifest.engines:
+        from specbuild_runtime.decode import uncaptured_because
+
         click.echo(f"{'sampler':<10} " + (f"{manifest.sampler_file} (how the greedy-only graphs sample)" if manifest.sampler_file
                                           else "none: compiled before it (CUDA graphs need a recompile)"))
+        because = uncaptured_because(manifest)
+        click.echo(f"{'on cuda':<10} " + (f"uncaptured by default: {because}" if because
+                                          else "CUDA graphs by default (--no-cuda-graphs: uncaptured)"))
     if manifest.tensorrt_llm:
         click.echo("\n".join(f"{'tensorrt':<10} {line}" for line in tensorrt_llm_lines(bundle, manifest.tensorrt_llm)))
 

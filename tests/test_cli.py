@@ -46,6 +46,7 @@ def test_compile_generate_inspect_round_trip(checkpoints, tmp_path, cli):
     assert result["gamma"] == "auto" and max(map(int, result["stats"]["gamma_rounds"])) <= 3
     assert json.loads(target_only["stdout"])["token_ids"] == result["token_ids"]
     assert "Qwen2ForCausalLM" in shown["stdout"] and "max-seq-len 128" in shown["stdout"]
+    assert "uncaptured by default: the target is fp32" in shown["stdout"]
 
 
 def test_verify_reports_identical_and_exits_nonzero_on_divergence(bundles, checkpoints, tmp_path, cli):

@@ -277,3 +277,23 @@ def test_cuda_graphs_by_default_on_cuda_for_unquantized_fp16_and_bf16_bundles(bu
     assert not graphs_by_default(variant(precision="fp16", architecture="Gemma3ForCausalLM"), "cuda")  # not yet run captured
     assert not graphs_by_default(variant(precision="fp16", greedy_file=""), "cuda")  # compiled before them
     assert not graphs_by_default(replace(variant(precision="fp16"), sampler_file=""), "cuda")
+
+
+def test_why_a_bundle_decodes_uncaptured_by_default_is_said_in_words(bundle):
+    """`specbuild inspect` prints it ("on cuda")."""
+    from dataclasses import replace
+
+    from specbuild_runtime.decode import uncaptured_because
+    from specbuild_runtime.manifest import load_manifest
+
+    fp32 = load_manifest(bundle)
+
+    def variant(**changes):
+        return replace(fp32, engines={role: replace(info, **changes) for role, info in fp32.engines.items()})
+
+    assert uncaptured_because(variant(precision="fp16")) == ""
+    assert "fp32" in uncaptured_because(fp32)
+    assert "int4 engines not yet run captured" in uncaptured_because(variant(precision="bf16", quantization="int4"))
+    assert "Qwen2ForCausalLM not yet run captured" in uncaptured_because(variant(precision="fp16", architecture="Qwen2ForCausalLM"))
+    assert "GPT-2, whose replays gave other tokens" in uncaptured_because(variant(precision="fp16", architecture="GPT2LMHeadModel"))
+    assert "recompile" in uncaptured_because(variant(precision="fp16", greedy_file=""))
