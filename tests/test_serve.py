@@ -182,8 +182,9 @@ def test_stop_strings_cut_the_text_and_finish_with_stop(client, reference):
     assert "".join(c.choices[0].text for c in streamed) == expected.text
 
 
-def sixteen_clients_at_once(url: str, reference) -> tuple[list[str], list[str]]:
-    """(what 16 concurrent clients got, what each would get decoding alone): greedy and sampled, streamed or not."""
+def sixteen_clients_at_once(url: str, reference, timeout: float | None = None) -> tuple[list[str], list[str]]:
+    """(what 16 concurrent clients got, what each would get decoding alone): greedy and sampled, streamed or not.
+    timeout: seconds for each request (the openai client's own default: 600)."""
     jobs = [(PROMPTS[i % len(PROMPTS)], [GREEDY, *SAMPLED][i % 3], i % 2 == 1) for i in range(16)]
     expected = [reference.generate(prompt, max_new_tokens=32, **settings).text for prompt, settings, _ in jobs]
 
@@ -195,7 +196,8 @@ def sixteen_clients_at_once(url: str, reference) -> tuple[list[str], list[str]]:
         return "".join([chunk.choices[0].text async for chunk in reply])
 
     async def all_at_once():
-        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        options = {"timeout": timeout} if timeout else {}
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, **options) as client:
             return await asyncio.gather(*(one(client, *job) for job in jobs))
 
     return asyncio.run(all_at_once()), expected
