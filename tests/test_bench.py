@@ -95,7 +95,7 @@ def test_bench_warms_each_mode_up_on_every_prompt_with_cuda_graphs_on_cuda(cuda,
     from specbuild_runtime.slot import WARM_UP_RUNS
 
     decoder = SpeculativeDecoder(bundles("llama", 1), cuda_graphs=True)
-    decoder.device = "cuda" if cuda else "cpu"  # what run_ours reads; the engines stay on the CPU
+    decoder.target.captures = cuda  # what run_ours reads; the engines stay on the CPU
     warmed = []
     monkeypatch.setattr(decoder, "generate", lambda ids, n, gamma, **options: warmed.append((tuple(ids), gamma)))
     prompts = [decoder.encode(p) for p in ("def f():", "import os", "x = 1")]
@@ -111,7 +111,6 @@ def test_bench_counts_cuda_graphs_captured_while_timed(warm, bundles, monkeypatc
     from specbuild_runtime import SpeculativeDecoder
 
     decoder = SpeculativeDecoder(bundles("llama", 1), cuda_graphs=True)
-    decoder.device = "cuda"  # what run_ours reads: warm up on every prompt
     for engine in (decoder.target, decoder.draft):
         engine.captures = True  # as on CUDA (the CPU provider ignores graph ids)
     if not warm:

@@ -154,8 +154,7 @@ def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_toke
     # seconds), WARM_UP_RUNS + 1 times, so that each call shape is captured before the timed runs (a shape is
     # captured at its run WARM_UP_RUNS + 1; a capture costs a call's time many times over). Auto γ's choices
     # follow timings and may still meet a new shape while timed: the report counts those captures.
-    captures = decoder.cuda_graphs and decoder.device == "cuda"
-    warm, passes = (prompts, WARM_UP_RUNS + 1) if captures else (prompts[:1], 1)
+    warm, passes = (prompts, WARM_UP_RUNS + 1) if decoder.target.captures else (prompts[:1], 1)
     for _ in range(passes):
         for gamma in gammas:
             for ids in warm:
