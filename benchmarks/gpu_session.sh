@@ -23,19 +23,28 @@
 #                                          # for three: ~350 s); verify it against transformers      ~150 s
 #   bash benchmarks/gpu_session.sh graphs  # on that pair, one call, most telling first: bench with CUDA
 #                                          # graphs, with and without the draft's steps graph; one-shot
-#                                          # generate with and without them; the target's MatMuls alone
+#                                          # generate with and without them; sampling (temperature 0.8,
+#                                          # γ 2, 4) with and without them; the target's MatMuls alone
 #                                          # (benchmarks/gpu_matmuls.py); its kernels (gpu_kernels.py);
-#                                          # bench and verify uncaptured; sampling (temperature 0.8,
-#                                          # γ 2) without and with CUDA graphs                     ~5-8 min
+#                                          # bench and verify uncaptured                           ~5-8 min
 #   bash benchmarks/gpu_session.sh options # on that pair: the MatMuls under TunableOp, the kernels with
 #                                          # flash attention for cuDNN's, the pair in int4 (uncaptured
 #                                          # and with CUDA graphs)                                  ~4 min
+#   bash benchmarks/gpu_session.sh serve   # on that pair: `specbuild serve --device cuda`, 1 and 4 slots, with and
+#                                          # without CUDA graphs (captured calls take turns across slots; the
+#                                          # first requests pay each thread's captures), 16 streaming clients,
+#                                          # every answer checked (benchmarks/serve_load.py)       ~2-3 min
+#   bash benchmarks/gpu_session.sh big     # the 70% goal at the size users run: a Llama-3.1-8B-shape fp16 layer
+#                                          # pair (16 GB target; ~37 GB of disk) benched with CUDA graphs on 4
+#                                          # prompts, its MatMuls alone and its kernels (needs only the setup)  ~4-6 min
 #   bash benchmarks/gpu_session.sh peers   # on that pair: transformers (eager, static cache + compile,
 #                                          # assisted), onnxruntime-genai's CUDA build               ~235 s
-#   bash benchmarks/gpu_session.sh quick   # check, pairs and graphs up to the kernels in one call (for a
-#                                          # 15-minute session: one call after the setup, timeout_s 600,
-#                                          # whatever it wrote comes back if cut; then `options` on the
-#                                          # same machine if ~4 minutes are left)                  ~7 min
+#   bash benchmarks/gpu_session.sh quick   # check, pairs and graphs' first half (bench with CUDA graphs and
+#                                          # the steps graph, one-shot generate, sampled with CUDA graphs) in
+#                                          # one call (timeout_s 600; whatever it wrote comes back if cut)  ~5-6 min
+#
+# For a 15-minute session: the setup, `quick`, then on the same warm machine `big` and, if ~3 minutes are
+# left, `serve` (the H200's 1.1B kernels and MatMuls are measured; `options` and `peers` another time).
 #
 # A failing step is logged and the next one still runs: one call must bring back as much as it can.
 set -uo pipefail
@@ -47,6 +56,9 @@ out=/tmp/gpu-session-work/${1:-none}
 mkdir -p "$dest" "$out"
 export PYTHONPATH=/tmp/site:$PWD/runtime:$PWD
 pairs=/tmp/pairs  # outlives a call while the machine is kept; $OUT starts empty in every call
+# `pairs`' 1.1B target checkpoint (TinyLlama's shape, later layers x0.1, logits of std 8: layer_pair.py) and its bundle
+target="$pairs/tinyllama-1.1b-x0.1-logits8"
+bundle="$pairs/tinyllama-1.1b-x0.1-first2-fp16"
 prompts8="$out/prompts8.jsonl"
 head -n 8 specbuild/prompts/code.jsonl > "$prompts8"
 step() {  # step NAME SECONDS COMMAND...: run it for at most SECONDS, log to $out/NAME.log, one summary line
@@ -59,7 +71,7 @@ step() {  # step NAME SECONDS COMMAND...: run it for at most SECONDS, log to $ou
 }
 
 needs_pairs() {  # graphs, options and peers build on the setup and `pairs` of the same machine
-    if [ ! -d /tmp/site/onnxruntime ] || [ ! -f "$pairs/tinyllama-1.1b-x0.1-first2-fp16/manifest.json" ]; then
+    if [ ! -d /tmp/site/onnxruntime ] || [ ! -f "$bundle/manifest.json" ]; then
         echo "$1: a fresh machine or no pairs yet: run the setup and \`pairs\` (or \`quick\`) first" | tee -a "$dest/summary.txt"
         exit 3
     fi
@@ -99,15 +111,16 @@ pairs)
     cp "$pairs"/*.log "$out/" 2>/dev/null
     # fp16 against transformers fp16 on the same GPU; a divergence line says where each leaves fp32 (quick:
     # left out, the H100 run has it).
-    [ -z "${QUICK:-}" ] && step verify 150 python3 -m specbuild verify "$pairs/tinyllama-1.1b-x0.1-first2-fp16" --target "$pairs/tinyllama-1.1b-x0.1" \
+    [ -z "${QUICK:-}" ] && step verify 150 python3 -m specbuild verify "$bundle" --target "$target" \
         --prompts "$prompts8" -n 64 --device cuda
     ;;
 graphs)
     needs_pairs graphs
     # Needs `pairs` first on the same machine (see peers). Under CUDA graphs, the draft's steps graph against
-    # a call per draft token (issue 12: γ draft steps in one call), then the rest.
-    bundle="$pairs/tinyllama-1.1b-x0.1-first2-fp16"
-    for steps in --draft-steps --no-draft-steps; do
+    # a call per draft token (issue 12: γ draft steps in one call; quick: steps only, the H200 measured both),
+    # then the rest.
+    unless_quick() { [ -n "${QUICK:-}" ] || echo "$@"; }
+    for steps in --draft-steps $(unless_quick --no-draft-steps); do
         step "bench-cuda-graphs$steps" 150 python3 -m specbuild bench "$bundle" --device cuda -n 128 --gamma 1,2,4,8 \
             --prompts "$prompts8" --json "$out/bench-cuda-graphs$steps.json" --cuda-graphs $steps
     done
@@ -117,26 +130,26 @@ graphs)
         step "generate$graphs" 60 python3 -m specbuild generate "$bundle" --device cuda -n 128 --json $graphs \
             --prompt "$(head -n 1 "$prompts8" | python3 -c 'import json, sys; print(json.load(sys.stdin)["prompt"])')"
     done
+    # Sampling: under CUDA graphs the bundle's sampler runs after each captured call, uncaptured. The pair's
+    # logits are peaked since 2026-11-26 (layer_pair.py --logit-std), so its sampled α says something now.
+    for graphs in --cuda-graphs $(unless_quick --no-cuda-graphs); do
+        step "sampled$graphs" 100 python3 -m specbuild bench "$bundle" --device cuda \
+            -n 64 --gamma 2,4 --temperature 0.8 --prompts "$prompts8" --json "$out/sampled$graphs.json" $graphs
+    done
+    [ -n "${QUICK:-}" ] && exit 0  # quick: the rest another time
     # Where a CUDA-graph target call's time goes: its MatMuls alone against the copy rate.
     step matmuls 120 python3 benchmarks/gpu_matmuls.py --shape tinyllama-1.1b --rows 1,5,9 --json "$out/matmuls.json"
     # The target call kernel by kernel (GEMMs, attention, norms, elementwise, idle between kernels).
     step kernels 90 python3 benchmarks/gpu_kernels.py "$bundle" -n 64 --json "$out/kernels.json"
-    [ -n "${QUICK:-}" ] && exit 0  # quick: the rest another time
     step bench-plain 150 python3 -m specbuild bench "$bundle" --device cuda -n 128 --gamma 1,2,4 --prompts "$prompts8" \
         --json "$out/bench-plain.json" --no-cuda-graphs
-    step verify-uncaptured 100 python3 -m specbuild verify "$bundle" --target "$pairs/tinyllama-1.1b-x0.1" \
+    step verify-uncaptured 100 python3 -m specbuild verify "$bundle" --target "$target" \
         --prompts "$prompts8" -n 64 --device cuda --no-cuda-graphs
-    # Sampling: under CUDA graphs the bundle's sampler runs after each captured call, uncaptured.
-    for graphs in --no-cuda-graphs --cuda-graphs; do
-        step "sampled$graphs" 100 python3 -m specbuild bench "$bundle" --device cuda \
-            -n 64 --gamma 2 --temperature 0.8 --prompts "$prompts8" --json "$out/sampled$graphs.json" $graphs
-    done
     ;;
 options)
     needs_pairs options
     # Needs `pairs` first on the same machine. What might make a target call faster than the H200's 1.64 ms
     # (GEMMs 0.84 of it at 64% of the copy rate): none of it run yet.
-    bundle="$pairs/tinyllama-1.1b-x0.1-first2-fp16"
     # Whether onnxruntime's TunableOp finds faster GEMMs at these shapes (not yet run).
     step matmuls-tunable 120 python3 benchmarks/gpu_matmuls.py --shape tinyllama-1.1b --rows 9 --json "$out/matmuls-tunable.json" \
         --cuda-option tunable_op_enable=1 --cuda-option tunable_op_tuning_enable=1
@@ -149,16 +162,35 @@ options)
     step int4-pair 300 python3 benchmarks/layer_pair.py --scratch "$pairs" --scales 0.1 --precision fp16 --quantize int4 \
         --device cuda --gamma 4 -n 128 --prompts "$prompts8" --json "$out/int4-pair.json"
     cp "$pairs"/*int4*.log "$out/" 2>/dev/null  # its compile and bench logs: the step's own says only where they are
-    step int4-cuda-graphs 120 python3 -m specbuild bench "$pairs/tinyllama-1.1b-x0.1-first2-fp16-int4" --device cuda -n 128 \
+    step int4-cuda-graphs 120 python3 -m specbuild bench "$bundle-int4" --device cuda -n 128 \
         --gamma 4 --prompts "$prompts8" --json "$out/int4-cuda-graphs.json" --cuda-graphs
+    ;;
+serve)
+    needs_pairs serve
+    # CUDA graphs are the server's default on cuda for this bundle; not yet measured serving (issue 12's note of
+    # 2026-11-26): does their lock across slots cost more than the replays save, and what do captures cost TTFT?
+    step serve-load 300 python3 benchmarks/serve_load.py throughput "$bundle" --device cuda --parallel 1,4 --cuda-graphs on,off \
+        --clients 16 --prompts 24 --requests 48 --max-tokens 64 --rounds 1 --json "$out/serve-load.json"
+    ;;
+big)
+    [ -d /tmp/site/onnxruntime ] || { echo "big: a fresh machine: run the setup first" | tee -a "$dest/summary.txt"; exit 3; }
+    # Does the target's share of the copy rate grow with size (fixed costs a call: ~0.3 ms of gaps between 347
+    # kernels, attention, norms; the H200's 1.1B GEMMs ran at 64%, the gate/up ones at 86%)? Not yet run.
+    big=/tmp/big
+    head -n 4 "$prompts8" > "$out/prompts4.jsonl"
+    step big-pair 420 python3 benchmarks/layer_pair.py --scratch "$big" --shape llama-3.1-8b --scales 0.1 --precision fp16 \
+        --device cuda --gamma 4 -n 64 --prompts "$out/prompts4.jsonl" --json "$out/big-pair.json"
+    cp "$big"/*.log "$out/" 2>/dev/null
+    step big-matmuls 120 python3 benchmarks/gpu_matmuls.py --shape llama-3.1-8b --rows 1,5 --json "$out/big-matmuls.json"
+    step big-kernels 120 python3 benchmarks/gpu_kernels.py "$big/llama-3.1-8b-x0.1-first2-fp16" -n 32 --json "$out/big-kernels.json"
     ;;
 peers)
     needs_pairs peers
     # Needs `pairs` first on the same machine (it is kept ~30 s between calls; a fresh one needs the setup
     # and `pairs` again). transformers eager decodes ~30 tok/s at this size: 8 prompts.
-    step transformers 280 python3 -m specbuild bench "$pairs/tinyllama-1.1b-x0.1-first2-fp16" --device cuda -n 64 \
+    step transformers 280 python3 -m specbuild bench "$bundle" --device cuda -n 64 \
         --gamma 2,4 --peers transformers --prompts "$prompts8" --json "$out/transformers.json"
-    step genai 280 python3 -m specbuild bench "$pairs/tinyllama-1.1b-x0.1-first2-fp16" --device cuda -n 128 --gamma 2,4 \
+    step genai 280 python3 -m specbuild bench "$bundle" --device cuda -n 128 --gamma 2,4 \
         --peers onnxruntime-genai --json "$out/genai.json"
     ;;
 quick)
@@ -168,7 +200,7 @@ quick)
     bash "$PWD/benchmarks/gpu_session.sh" graphs
     ;;
 *)
-    echo "usage: $0 check|pairs|graphs|options|peers|quick   (see the top of this file)" >&2
+    echo "usage: $0 check|pairs|graphs|options|serve|big|peers|quick   (see the top of this file)" >&2
     exit 2
     ;;
 esac

@@ -6,6 +6,11 @@ down_proj weights are scaled). At scale 0 the draft computes exactly the target'
 larger the scale, the more the later layers move the argmax and the lower α. Random weights in the
 shape of benchmarks/configs/<shape>.json (llama-family configs: llama, qwen2, qwen3, mistral).
 
+compile_scale draws every tensor from N(0, 0.02), the final norm's weights too, which leaves logits of std
+~0.02: near-uniform distributions, over which a sampled round accepts almost every draft whatever the
+agreement (α 1.00 at temperature 0.8 on the H200, 2026-11-26). So the final norm (shared by both models) is
+scaled to give logits of std `--logit-std`, peaked as a trained model's are; greedy argmaxes do not change.
+
 For each scale: write the target checkpoint (the draft once), `specbuild compile`, `specbuild bench`, and
 one line per γ: α, speed-up over target-only in the same run, the bound τ / (γc + 1) with the measured τ
 and c (Leviathan et al.'s (1 − α^(γ+1)) / ((1 − α)(γc + 1)) when acceptances are independent), and the
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import subprocess
 import sys
@@ -48,6 +54,13 @@ def tail_scale(layers: int, scale: float):
     return factor
 
 
+def peaked(config: dict, logit_std: float):
+    """scale(name) for both models: the final norm's weights, so that logits have std logit_std (each logit sums
+    hidden_size products of a normed value, std = the norm weight's, and an LM head weight, std 0.02)."""
+    factor = logit_std / (0.02 * 0.02 * math.sqrt(config["hidden_size"]))
+    return lambda name: factor if name == "model.norm.weight" else 1.0
+
+
 def run(command: list[str], log: Path) -> None:
     with open(log, "w") as out:
         if subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode:
@@ -57,9 +70,12 @@ def run(command: list[str], log: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scratch", type=Path, required=True, help="where checkpoints and bundles go (GBs per scale)")
-    parser.add_argument("--shape", default="tinyllama-1.1b", help="a llama-family config in benchmarks/configs/")
+    parser.add_argument("--shape", default="tinyllama-1.1b", help="a llama-family config in benchmarks/configs/ (or "
+                        "a config.json's path)")
     parser.add_argument("--draft-layers", type=int, default=2, help="K: the draft is the target's first K layers")
     parser.add_argument("--scales", default="0.05,0.2,0.5", help="comma-separated scales of the later layers' outputs")
+    parser.add_argument("--logit-std", type=float, default=8.0, help="std of the logits (the final norm is scaled "
+                        "to it): the higher, the more peaked the distributions a sampled round compares")
     parser.add_argument("--precision", default="fp16", choices=["fp32", "fp16", "bf16"])
     parser.add_argument("--quantize", default="none", choices=["none", "int8", "int4"], help="compile's --quantize")
     parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
@@ -72,23 +88,28 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write every bench report and the summary here")
     args = parser.parse_args()
 
-    config = json.loads((CONFIGS / f"{args.shape}.json").read_text())
+    path = Path(args.shape) if args.shape.endswith(".json") else CONFIGS / f"{args.shape}.json"
+    config = json.loads(path.read_text())
+    args.shape = path.stem if args.shape.endswith(".json") else args.shape
     if config["model_type"] not in FAMILIES:
         sys.exit(f"{args.shape} is a {config['model_type']} config; layer pairs are made for {', '.join(FAMILIES)}")
     if not 0 < args.draft_layers < config["num_hidden_layers"]:
         sys.exit(f"--draft-layers must be 1 to {config['num_hidden_layers'] - 1} for {args.shape}")
     args.scratch.mkdir(parents=True, exist_ok=True)
     tok = tokenizer()
-    draft = args.scratch / f"{args.shape}-first{args.draft_layers}"
+    peak = peaked(config, args.logit_std)
+    # Checkpoints are kept for a next run; their names say every setting of their values.
+    draft = args.scratch / f"{args.shape}-first{args.draft_layers}-logits{args.logit_std:g}"
     if not (draft / "model.safetensors.index.json").exists():
-        random_checkpoint(parameter_shapes(first_layers(config, args.draft_layers), draft), draft, tok)
+        random_checkpoint(parameter_shapes(first_layers(config, args.draft_layers), draft), draft, tok, scale=peak)
     reports = []
     for index, scale in enumerate(float(s) for s in args.scales.split(",")):
-        target = args.scratch / f"{args.shape}-x{scale:g}"
+        target = args.scratch / f"{args.shape}-x{scale:g}-logits{args.logit_std:g}"
         kind = args.precision if args.quantize == "none" else f"{args.precision}-{args.quantize}"
         bundle = args.scratch / f"{args.shape}-x{scale:g}-first{args.draft_layers}-{kind}"
         if not (target / "model.safetensors.index.json").exists():
-            random_checkpoint(parameter_shapes(config, target), target, tok, scale=tail_scale(args.draft_layers, scale))
+            tail = tail_scale(args.draft_layers, scale)
+            random_checkpoint(parameter_shapes(config, target), target, tok, scale=lambda name: tail(name) * peak(name))
         started = time.perf_counter()
         run([sys.executable, "-m", "specbuild", "compile", "--target", str(target), "--draft", str(draft),
              "--output", str(bundle), "--precision", args.precision, "--quantize", args.quantize, "--overwrite"], bundle.parent / f"{bundle.name}.compile.log")

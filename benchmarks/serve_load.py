@@ -3,6 +3,7 @@
     python benchmarks/serve_load.py pair DIR                      # a random-weight pair with some agreement, compiled
     python benchmarks/serve_load.py throughput DIR/bundle --parallel 1,2,4 --json out.json
     python benchmarks/serve_load.py soak DIR/bundle --minutes 10 --parallel 4 --json soak.json
+    python benchmarks/serve_load.py throughput BUNDLE --device cuda --parallel 1,4 --cuda-graphs on,off
 
 `throughput` starts one `specbuild serve` per setting, in turns (settings alternate round by round, so
 drift in a shared machine's speed hits them alike), and drives each with the same concurrent streaming
@@ -74,12 +75,12 @@ def workload(args) -> list[dict]:
     return jobs
 
 
-def expected_outputs(bundle: Path, jobs: list[dict]) -> tuple[list[str], float]:
-    """Each job's text from SpeculativeDecoder.generate, one after another in this process, and the tokens/s
-    of doing so (what one request at a time gets without the server)."""
+def expected_outputs(bundle: Path, jobs: list[dict], device: str = "cpu") -> tuple[list[str], float]:
+    """Each job's text from SpeculativeDecoder.generate, one after another in this process (with the device's
+    defaults), and the tokens/s of doing so (what one request at a time gets without the server)."""
     from specbuild_runtime import SpeculativeDecoder
 
-    decoder = SpeculativeDecoder(bundle, shared_thread_pool=True)
+    decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True)
     runtime_names = {"max_tokens": "max_new_tokens"}
     start = time.perf_counter()
     generations = [decoder.generate(**{runtime_names.get(k, k): v for k, v in job.items()}) for job in jobs]
@@ -88,13 +89,15 @@ def expected_outputs(bundle: Path, jobs: list[dict]) -> tuple[list[str], float]:
 
 
 @contextmanager
-def serving(bundle: Path, parallel: int, threads: int = 0):
+def serving(bundle: Path, parallel: int, threads: int = 0, device: str = "cpu", cuda_graphs: str = "default"):
+    """A `specbuild serve` of the bundle; cuda_graphs: "on", "off" or "default" (the server's own choice)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    threads_option = ["--threads", str(threads)] if threads else []
+    options = ["--threads", str(threads)] if threads else []
+    options += {"on": ["--cuda-graphs"], "off": ["--no-cuda-graphs"], "default": []}[cuda_graphs]
     process = subprocess.Popen([sys.executable, "-m", "specbuild", "serve", str(bundle), "--port", str(port),
-                                "--parallel", str(parallel), "--max-queue", "1024", *threads_option],
+                                "--parallel", str(parallel), "--max-queue", "1024", "--device", device, *options],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -187,18 +190,25 @@ def rss_bytes(pid: int) -> int:
 
 def throughput(args) -> dict:
     jobs = workload(args)
-    expected, sequential = expected_outputs(args.bundle, jobs)
+    expected, sequential = expected_outputs(args.bundle, jobs, args.device)
     print(f"in-process sequential generate: {sequential} tok/s", flush=True)
-    settings = [(p, t) for p in args.parallel for t in args.threads]
+    settings = [(p, t, g) for p in args.parallel for t in args.threads for g in args.cuda_graphs]
     runs: dict[str, list[dict]] = {}
     for round_ in range(args.rounds):
-        for parallel, threads in settings:
-            name = f"parallel={parallel}" + (f",threads={threads}" if threads else "")
-            with serving(args.bundle, parallel, threads) as (_, url):
-                asyncio.run(drive(url, jobs[:args.clients], expected[:args.clients], args.clients, lambda n: n >= args.clients))  # warm-up
+        for parallel, threads, graphs in settings:
+            name = (f"parallel={parallel}" + (f",threads={threads}" if threads else "")
+                    + (f",cuda-graphs={graphs}" if graphs != "default" else ""))
+            with serving(args.bundle, parallel, threads, args.device, graphs) as (_, url):
+                # A fresh server's first requests: with CUDA graphs, they pay for each thread's captures.
+                warm_up = asyncio.run(drive(url, jobs[:args.clients], expected[:args.clients], args.clients,
+                                            lambda n: n >= args.clients))
                 result = asyncio.run(drive(url, jobs, expected, args.clients, lambda n: n >= args.requests))
+                result["warm_up"] = {k: warm_up[k] for k in ("tokens_per_second", "ttft_ms_p50", "ttft_ms_p95", "failed",
+                                                             "mismatched")}
             runs.setdefault(name, []).append(result)
-            print(f"round {round_}: {name}: {format_result(result)}", flush=True)
+            print(f"round {round_}: {name}: {format_result(result)}; the first {args.clients} requests (warm-up): "
+                  f"{warm_up['tokens_per_second']} tok/s, TTFT p50/p95 {warm_up['ttft_ms_p50']}/{warm_up['ttft_ms_p95']} ms",
+                  flush=True)
     base = sum(r["tokens_per_second"] for r in runs[next(iter(runs))])
     summary = {name: {"tokens_per_second": [r["tokens_per_second"] for r in rs],
                       "ratio_to_first": round(sum(r["tokens_per_second"] for r in rs) / base, 3),
@@ -213,9 +223,9 @@ def throughput(args) -> dict:
 
 def soak(args) -> dict:
     jobs = workload(args)
-    expected, _ = expected_outputs(args.bundle, jobs)
+    expected, _ = expected_outputs(args.bundle, jobs, args.device)
     parallel = args.parallel[0]
-    with serving(args.bundle, parallel, args.threads[0]) as (process, url):
+    with serving(args.bundle, parallel, args.threads[0], args.device, args.cuda_graphs[0]) as (process, url):
         samples = []
         start = time.monotonic()
 
@@ -266,6 +276,9 @@ def main() -> None:
         command.add_argument("--parallel", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
         command.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[0],
                              help="the server's --threads per setting (0: its default, cores / --parallel)")
+        command.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+        command.add_argument("--cuda-graphs", type=lambda s: s.split(","), default=["default"],
+                             help="the server's CUDA graphs per setting: on, off or default (comma-separated)")
         command.add_argument("--clients", type=int, default=16)
         command.add_argument("--prompts", type=int, default=24, help="code prompts; each is sent greedy and sampled")
         command.add_argument("--max-tokens", type=int, default=96)
@@ -279,7 +292,9 @@ def main() -> None:
     if args.command == "pair":
         make_pair(args.out, args.damping)
         return
-    report = {"command": args.command, "bundle": str(args.bundle), "machine_cores": os.cpu_count(),
+    if not set(args.cuda_graphs) <= {"on", "off", "default"}:
+        parser.error(f"--cuda-graphs takes on, off or default, not {args.cuda_graphs}")
+    report = {"command": args.command, "bundle": str(args.bundle), "device": args.device, "machine_cores": os.cpu_count(),
               **(throughput(args) if args.command == "throughput" else soak(args))}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))

@@ -75,6 +75,37 @@ def test_gpu_matmuls_runs_its_chain_and_reports_each_row_count(tmp_path):
     assert all(set(times) == {"1", "3"} for times in report["ms"].values())
 
 
+def test_layer_pair_makes_a_pair_exact_at_scale_0_with_logits_of_the_std_asked(tmp_path):
+    """benchmarks/layer_pair.py (issue 12's real-size pairs) is run on a GPU machine only when one is lent: kept
+    from rotting here, at a tiny shape on the CPU. At scale 0 the draft computes the target's logits; the final
+    norm is scaled so that logits are peaked (std ~--logit-std), as a sampled round needs to say anything."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                                  "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 256,
+                                  "rms_norm_eps": 1e-5, "bos_token_id": 0, "eos_token_id": 0}))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "import os"}\n')
+    script = Path(__file__).parents[1] / "benchmarks" / "layer_pair.py"
+    subprocess.run([sys.executable, str(script), "--scratch", str(tmp_path / "s"), "--shape", str(config), "--scales", "0",
+                    "--precision", "fp32", "--device", "cpu", "--gamma", "2", "-n", "8", "--prompts", str(prompts),
+                    "--json", str(tmp_path / "pairs.json")], check=True, capture_output=True)
+    (report,) = json.loads((tmp_path / "pairs.json").read_text())
+    speculative = report["results"][1]
+    assert speculative["gamma"] == 2 and speculative["acceptance_rate"] == 1.0 and speculative["matches_target"]
+    target = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "s" / "tiny-x0-logits8")
+    with torch.no_grad():
+        std = target(torch.arange(1, 33)[None]).logits.std(-1).mean().item()
+    assert 6 < std < 11
+
+
 def test_policy_sim_runs_and_prints_a_line_per_alpha():
     """benchmarks/policy_sim.py (the figures behind policy.GREEDY_DECAYS), kept from rotting, short."""
     import subprocess

@@ -24,10 +24,10 @@ from ..acceptance import theoretical_speedup
 def measure_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 5) -> float:
     """The memory bandwidth in GB/s that decoding a model larger than the caches is bound by, measured by
     onnxruntime with the engines' session options (their threads), one node over one array: on the CPU a
-    ReduceSum, bytes read (decoding reads weights; numpy's one-thread sum read 22-26 GB/s where this and
-    the engines read 33-34 on this project's 2 cores); on CUDA an Identity, bytes read + written (the copy
-    rate GPU bandwidth is quoted by)."""
-    data = np.ones(megabytes * 2**20 // 4, dtype=np.float32)
+    MatMul of one row by it (a decode step's GEMV), bytes read; on CUDA an Identity, bytes read + written
+    (the copy rate GPU bandwidth is quoted by). Not a reduction on the CPU: ReduceSum read 11 GB/s on a
+    2-core Xeon (2026-11-26) where this GEMV and the engines' calls read 29, and numpy's sum 9."""
+    data = np.ones((4096, megabytes * 2**20 // 4 // 4096), dtype=np.float32)
     run = _one_node_call(data, device)
     moved = data.nbytes if device == "cpu" else 2 * data.nbytes
     run()  # warm-up: allocations, kernel loading
@@ -40,23 +40,26 @@ def measure_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 
 
 
 def _one_node_call(data: np.ndarray, device: str):
-    """A call of a one-node graph over data, input and output bound on the device (run_with_iobinding
-    returns when the device is done): ReduceSum on the CPU, Identity on CUDA."""
+    """A call of a one-node graph over data [K, N], bound on the device (run_with_iobinding returns when the
+    device is done): on the CPU a row of ones [1, K] times data, on CUDA an Identity."""
     import onnxruntime as ort
-    from onnx import TensorProto, helper
+    from onnx import helper
 
-    shape = list(data.shape)
+    shape, dtype = list(data.shape), helper.np_dtype_to_tensor_dtype(data.dtype)
     if device == "cpu":
-        node, out_shape = helper.make_node("ReduceSum", ["x"], ["y"], keepdims=0), []
+        node, out_shape = helper.make_node("MatMul", ["row", "x"], ["y"]), [1, shape[1]]
+        inputs = [helper.make_tensor_value_info("row", dtype, [1, shape[0]])]
     else:
-        node, out_shape = helper.make_node("Identity", ["x"], ["y"]), shape
-    graph = helper.make_graph([node], "bandwidth", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)])
+        node, out_shape, inputs = helper.make_node("Identity", ["x"], ["y"]), shape, []
+    graph = helper.make_graph([node], "bandwidth", [*inputs, helper.make_tensor_value_info("x", dtype, shape)],
+                              [helper.make_tensor_value_info("y", dtype, out_shape)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
     session = ort.InferenceSession(model.SerializeToString(), session_options(), providers=[PROVIDERS[device]])
     binding = session.io_binding()
+    if device == "cpu":
+        binding.bind_ortvalue_input("row", ort.OrtValue.ortvalue_from_numpy(np.ones((1, shape[0]), data.dtype)))
     binding.bind_ortvalue_input("x", ort.OrtValue.ortvalue_from_numpy(data, device, 0))
-    binding.bind_ortvalue_output("y", ort.OrtValue.ortvalue_from_shape_and_type(out_shape, np.float32, device, 0))
+    binding.bind_ortvalue_output("y", ort.OrtValue.ortvalue_from_shape_and_type(out_shape, data.dtype, device, 0))
     return lambda: session.run_with_iobinding(binding)
 
 
