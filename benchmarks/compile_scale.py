@@ -117,10 +117,13 @@ def draft_config(config: dict) -> dict:
     return small
 
 
-def tokenizer():
-    """A small byte-level BPE tokenizer (ids < 512 fit every vocabulary), trained on the standard library."""
+def tokenizer(vocab_size: int | None = None):
+    """A small byte-level BPE tokenizer (ids < 512 fit every vocabulary), trained on the standard library.
+
+    vocab_size: pad it to the model's vocabulary with tokens "‹id›", so that every id a random model
+    outputs decodes to text (a server streams text: ids without any would never reach its clients)."""
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     tok = Tokenizer(models.BPE())
@@ -129,6 +132,8 @@ def tokenizer():
     trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train([str(stdlib / "textwrap.py")], trainer)
+    if vocab_size:
+        tok.add_tokens([AddedToken(f"‹{i}›", normalized=False) for i in range(tok.get_vocab_size(), vocab_size)])
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
 
 

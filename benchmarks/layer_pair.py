@@ -96,7 +96,7 @@ def main() -> None:
     if not 0 < args.draft_layers < config["num_hidden_layers"]:
         sys.exit(f"--draft-layers must be 1 to {config['num_hidden_layers'] - 1} for {args.shape}")
     args.scratch.mkdir(parents=True, exist_ok=True)
-    tok = tokenizer()
+    tok = tokenizer(config["vocab_size"])
     peak = peaked(config, args.logit_std)
     # Checkpoints are kept for a next run; their names say every setting of their values.
     draft = args.scratch / f"{args.shape}-first{args.draft_layers}-logits{args.logit_std:g}"

@@ -23,6 +23,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -90,31 +91,34 @@ def expected_outputs(bundle: Path, jobs: list[dict], device: str = "cpu") -> tup
 
 @contextmanager
 def serving(bundle: Path, parallel: int, threads: int = 0, device: str = "cpu", cuda_graphs: str = "default"):
-    """A `specbuild serve` of the bundle; cuda_graphs: "on", "off" or "default" (the server's own choice)."""
+    """A `specbuild serve` of the bundle; cuda_graphs: "on", "off" or "default" (the server's own choice).
+    Its log goes to a temporary file, shown if it does not start."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     options = ["--threads", str(threads)] if threads else []
     options += {"on": ["--cuda-graphs"], "off": ["--no-cuda-graphs"], "default": []}[cuda_graphs]
-    process = subprocess.Popen([sys.executable, "-m", "specbuild", "serve", str(bundle), "--port", str(port),
-                                "--parallel", str(parallel), "--max-queue", "1024", "--device", device, *options],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen([sys.executable, "-m", "specbuild", "serve", str(bundle), "--port", str(port),
+                                    "--parallel", str(parallel), "--max-queue", "1024", "--device", device, *options],
+                                   stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
         try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the server for --parallel {parallel} did not start")
-        time.sleep(0.1)
-    try:
-        yield process, url
-    finally:
-        process.terminate()
-        process.wait(60)
+            while True:
+                try:
+                    if httpx.get(f"{url}/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if process.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise SystemExit(f"the server for --parallel {parallel} did not start:\n{log.read()[-2000:]}")
+                time.sleep(0.1)
+            yield process, url
+        finally:
+            process.terminate()
+            process.wait(60)
 
 
 async def one_request(http: httpx.AsyncClient, url: str, job: dict) -> dict:

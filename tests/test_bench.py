@@ -78,7 +78,8 @@ def test_gpu_matmuls_runs_its_chain_and_reports_each_row_count(tmp_path):
 def test_layer_pair_makes_a_pair_exact_at_scale_0_with_logits_of_the_std_asked(tmp_path):
     """benchmarks/layer_pair.py (issue 12's real-size pairs) is run on a GPU machine only when one is lent: kept
     from rotting here, at a tiny shape on the CPU. At scale 0 the draft computes the target's logits; the final
-    norm is scaled so that logits are peaked (std ~--logit-std), as a sampled round needs to say anything."""
+    norm is scaled so that logits are peaked (std ~--logit-std), as a sampled round needs to say anything, and
+    the tokenizer padded to the vocabulary."""
     import subprocess
     import sys
     from pathlib import Path
@@ -104,6 +105,10 @@ def test_layer_pair_makes_a_pair_exact_at_scale_0_with_logits_of_the_std_asked(t
     with torch.no_grad():
         std = target(torch.arange(1, 33)[None]).logits.std(-1).mean().item()
     assert 6 < std < 11
+    from tokenizers import Tokenizer  # padded to the vocabulary: every id a random model outputs is text
+
+    tokens = Tokenizer.from_file(str(tmp_path / "s" / "tiny-x0-first2-fp32" / "tokenizer" / "tokenizer.json"))
+    assert tokens.get_vocab_size() == 1024 and tokens.decode([1023]) == "‹1023›"
 
 
 def test_policy_sim_runs_and_prints_a_line_per_alpha():

@@ -260,3 +260,44 @@ def test_a_bundle_without_a_steps_graph_drafts_a_call_per_token_and_a_wrong_one_
     with pytest.raises(BundleError, match=r"draft.greedy.onnx does not match.*no 'drafts' output.*rebuild it") as error:
         SpeculativeDecoder(old, check_digests=False, draft_steps=True)
     assert "\n" not in str(error.value)
+
+
+def test_a_thread_gets_back_the_slot_it_had_and_a_new_thread_a_slot_no_thread_had():
+    """CUDA graphs are kept per thread and per slot: a server's worker that changed slots would capture
+    every slot's graphs in turn (P² sets for P workers), long after its first requests."""
+    import threading
+    from types import SimpleNamespace
+
+    from specbuild_runtime.slot import SlotPool
+
+    pool = SlotPool([SimpleNamespace(index=i) for i in range(3)])
+    done = threading.Event()  # workers stay alive until the end: a finished thread's ident may be reused
+    workers = []
+
+    def take_in_a_thread() -> list[int]:
+        taken, finished = [], threading.Event()
+
+        def run():
+            for _ in range(2):
+                with pool.take() as slot:
+                    taken.append(slot.index)
+            finished.set()
+            done.wait()
+        workers.append(threading.Thread(target=run))
+        workers[-1].start()
+        finished.wait()
+        return taken
+
+    try:
+        with pool.take() as mine:
+            assert mine.index == 0
+        assert take_in_a_thread() == [1, 1]  # not slot 0, free but this thread's
+        assert take_in_a_thread() == [2, 2]
+        with pool.take() as held:  # this thread's own again, though slot 2 was freed last
+            assert held.index == 0
+            with pool.take() as second:  # every slot had: the last freed
+                assert second.index == 2
+    finally:
+        done.set()
+        for worker in workers:
+            worker.join()

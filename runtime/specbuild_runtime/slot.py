@@ -457,12 +457,19 @@ class Slot:
 
 class SlotPool:
     """Hands out slots, one per running request; a request waits for a free one, unless its own thread
-    holds one already: then none may ever come free (that thread would have to finish it), so it fails."""
+    holds one already: then none may ever come free (that thread would have to finish it), so it fails.
+
+    A thread gets the slot it had last time when that one is free, else one no thread has had yet: onnxruntime
+    keeps CUDA graphs per thread, and a slot's graphs are its own (its buffers' addresses), so a thread that
+    kept changing slots would capture every slot's graphs in turn (a server of P worker threads and P slots:
+    P² sets of captures, and captures in timed requests long after the first ones), where this keeps it at P.
+    """
 
     def __init__(self, slots: list[Slot]):
         self.size = len(slots)
         self._free = slots[::-1]  # pop() takes slot 0 first
         self._owners: dict[int, int] = {}  # slot index -> thread ident
+        self._last: dict[int, int] = {}  # slot index -> the thread that took it last
         self._changed = threading.Condition()  # re-entrant: a generator closed by the GC may release inside take()
 
     @property
@@ -485,8 +492,8 @@ class SlotPool:
                         f"the decoder with parallel > {self.size}"
                     )
                 self._changed.wait()
-            slot = self._free.pop()
-            self._owners[slot.index] = me
+            slot = self._pick(me)
+            self._owners[slot.index] = self._last[slot.index] = me
         try:
             yield slot
         finally:
@@ -494,3 +501,11 @@ class SlotPool:
                 del self._owners[slot.index]
                 self._free.append(slot)
                 self._changed.notify()
+
+    def _pick(self, me: int) -> Slot:
+        """Take a free slot for thread `me`: its own of last time, else one never taken, else the last freed."""
+        mine = [slot for slot in self._free if self._last.get(slot.index) == me]
+        unused = [slot for slot in self._free if slot.index not in self._last]
+        slot = (mine or unused[-1:] or self._free)[-1]
+        self._free.remove(slot)
+        return slot
