@@ -526,3 +526,21 @@ def test_readme_serving_examples_run_against_a_server(server):
     result = subprocess.run([sys.executable, "-c", python.replace("http://localhost:8000", server)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip(), result.stderr
+
+
+def test_start_up_warms_every_worker_thread_up_in_a_slot_of_its_own(bundle):
+    """CUDA graphs are kept per thread and per slot: the scheduler's warm-up runs once on each worker thread,
+    each in its own slot, which the thread then keeps (slot.SlotPool)."""
+    from test_slot import forced_captures
+
+    from specbuild_runtime.serve.metrics import Metrics
+    from specbuild_runtime.serve.scheduler import Scheduler
+
+    one = forced_captures(bundle).warm_up()
+    decoder = forced_captures(bundle, parallel=2)
+    scheduler = Scheduler(decoder, 2, 0, None, Metrics(2))
+    assert scheduler.warm_up() == decoder.graphs_captured == 2 * one
+    threads = {thread.ident: thread.name for thread in threading.enumerate()}
+    assert len(set(decoder.slots._last.values())) == 2
+    assert all(threads[ident].startswith("specbuild-slot") for ident in decoder.slots._last.values())
+    asyncio.run(scheduler.close())

@@ -301,3 +301,27 @@ def test_a_thread_gets_back_the_slot_it_had_and_a_new_thread_a_slot_no_thread_ha
         done.set()
         for worker in workers:
             worker.join()
+
+
+def forced_captures(bundle, parallel: int = 1) -> SpeculativeDecoder:
+    """A decoder as on CUDA with CUDA graphs (greedy-only graphs, fixed-row target calls, the draft's steps
+    graph), its graph ids named though the CPU provider ignores them."""
+    decoder = SpeculativeDecoder(bundle, cuda_graphs=True, draft_steps=True, parallel=parallel,
+                                 target_rows=fixed_rows(SpeculativeDecoder(bundle).max_gamma))
+    for engine in (decoder.target, decoder.draft, decoder.steps_engine):
+        engine.captures = True
+    return decoder
+
+
+def test_warm_up_captures_the_shapes_that_requests_of_a_fixed_gamma_meet(bundle):
+    """A server's first requests should not wait for captures (decoder.warm_up runs on each worker at start-up).
+    Auto γ's free guesses can make the draft catch up on more tokens than warm-up meets: captured when met."""
+    assert SpeculativeDecoder(bundle).warm_up() == 0  # nothing to capture
+    decoder = forced_captures(bundle)
+    assert decoder.warm_up() == decoder.graphs_captured > 0
+    before = decoder.graphs_captured
+    for gamma in range(decoder.max_gamma + 1):
+        for sampling in ({}, {"temperature": 0.8, "seed": 2}):
+            for prompt in PROMPTS[:3]:
+                decoder.generate(prompt, NEW_TOKENS, gamma, **sampling)
+    assert decoder.graphs_captured == before

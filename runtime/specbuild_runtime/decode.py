@@ -21,7 +21,7 @@ from .engine import CAPTURED_BY_DEFAULT, UNCAPTURED, Engine, Sampler, requested_
 from .errors import BundleError, DeviceError, RequestError
 from .manifest import TOKENIZER_DIR, Manifest, load_manifest
 from .policy import GREEDY_DECAYS, SAMPLING_DECAYS, AdaptiveGamma, Costs, FixedGamma
-from .slot import MAX_REUSED_IDS, NEVER_ALONE, Rows, Slot, SlotPool, fixed_rows
+from .slot import MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, Rows, Slot, SlotPool, fixed_rows
 from .text import TextStream
 from .validation import AUTO, Prompt, Request, check_request, check_vocabularies, whole
 
@@ -209,6 +209,27 @@ class SpeculativeDecoder:
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
+
+    def warm_up(self) -> int:
+        """Capture the calling thread's CUDA graphs now instead of in its first requests (vLLM captures at start-up
+        too): a short greedy and a short seeded sampled request at every γ, each run WARM_UP_RUNS + 1 times (a
+        shape is captured at its third run on a thread), in the slot this thread takes again later (SlotPool).
+        Shapes these do not meet (a long catch-up) are still captured when first met. Returns the number of
+        CUDA graphs captured (by other threads meanwhile too); does nothing where the engines do not capture."""
+        if not self.target.captures:
+            return 0
+        before = self.graphs_captured
+        prompt = self.encode("def warm_up(x):\n    return x\n")
+        for gamma in range(self.max_gamma + 1):
+            for sampling in ({}, {"temperature": 1.0, "seed": 0}):
+                for _ in range(WARM_UP_RUNS + 1):  # a fixed γ leaves the adaptive policies as they were
+                    self.generate(prompt, max_new_tokens=2 * gamma + 3, gamma=gamma, **sampling)
+        return self.graphs_captured - before  # by other threads meanwhile too
+
+    @property
+    def graphs_captured(self) -> int:
+        """CUDA graphs this decoder's engines have captured so far, in every thread."""
+        return sum(engine.graphs_captured for engine in (self.target, self.draft, self.steps_engine) if engine is not None)
 
     def request(self, prompt: Prompt, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
                 seed=None, stop=None) -> Request:

@@ -162,14 +162,12 @@ def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_toke
         for gamma in gammas:
             for ids in warm:
                 decoder.generate(ids, max_new_tokens, gamma, temperature=temperature)
-    engines = [e for e in (decoder.target, decoder.draft, decoder.steps_engine) if e is not None]
-    captured = lambda: sum(e.graphs_captured for e in engines)  # noqa: E731
     for seed, ids in enumerate(prompts):
         for result in results:
-            stats, before = Stats(), captured()
+            stats, before = Stats(), decoder.graphs_captured
             tokens = list(decoder.stream(ids, max_new_tokens, result.gamma, temperature=temperature, seed=seed, stats=stats))
             result.add(stats, tokens)
-            result.captures += captured() - before
+            result.captures += decoder.graphs_captured - before
     return results
 
 

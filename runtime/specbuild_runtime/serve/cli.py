@@ -7,6 +7,7 @@ import math
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -78,6 +79,11 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
     settings = Settings(model=model_name or Path(bundle).resolve().name, max_queue=max_queue,
                         timeout=timeout or None, shutdown_timeout=shutdown_timeout, max_connections=max_connections)
     server = Server(decoder, settings)
+    if decoder.target.captures:
+        click.echo(f"capturing CUDA graphs on {parallel} slot(s) before serving...", err=True)
+        started = time.perf_counter()
+        captured = server.scheduler.warm_up()
+        click.echo(f"captured {captured} CUDA graphs in {time.perf_counter() - started:.1f} s", err=True)
     where = f"[{host}]" if ":" in host else host
     click.echo(f"serving {settings.model!r} from {bundle} on http://{where}:{listener.getsockname()[1]}: "
                f"{parallel} slot(s), queue {max_queue}", err=True)

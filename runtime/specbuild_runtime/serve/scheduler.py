@@ -86,6 +86,21 @@ class Scheduler:
         self._workers = ThreadPoolExecutor(parallel, thread_name_prefix="specbuild-slot")
         self._loop: asyncio.AbstractEventLoop | None = None
 
+    def warm_up(self) -> int:
+        """Before the first request: every worker thread captures its slot's CUDA graphs (decoder.warm_up), so
+        that no request waits for a capture. Returns the graphs captured (0 without CUDA graphs)."""
+        if not self.decoder.target.captures:
+            return 0
+        before = self.decoder.graphs_captured
+        started = threading.Barrier(self.parallel)  # no task ends before all have begun: one per worker thread
+
+        def task() -> None:
+            started.wait()
+            self.decoder.warm_up()
+        for future in [self._workers.submit(task) for _ in range(self.parallel)]:
+            future.result()
+        return self.decoder.graphs_captured - before
+
     def submit(self, request: Request) -> Job:
         """Start decoding now, or queue; raises Overloaded when the queue is full, Unavailable when draining."""
         if self.draining:
