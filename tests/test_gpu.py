@@ -6,6 +6,8 @@ Each failure message says what differed. Run on an H100 on 2026-11-24 and an H20
 GPU); written after the last run: the int4 bundle's.
 """
 
+import re
+
 import onnxruntime as ort
 import pytest
 
@@ -305,9 +307,11 @@ def test_cuda_graphs_of_an_fp32_bundle_are_refused_in_one_line(precision_bundles
         SpeculativeDecoder(precision_bundles("fp32"), device="cuda", cuda_graphs=True)
 
 
-def test_a_cuda_server_gives_sixteen_concurrent_clients_their_sequential_outputs(precision_bundles, tmp_path):
+def test_a_cuda_server_gives_sixteen_concurrent_clients_their_sequential_outputs(precision_bundles, tmp_path,
+                                                                                   record_property):
     """`specbuild serve --device cuda --parallel 4` with its defaults (CUDA graphs for an fp16 Llama bundle: each
-    worker thread captures its own, their engine calls take turns) against uncaptured sequential decoding.
+    worker thread captures its own at start-up, their engine calls take turns) against uncaptured sequential
+    decoding.
     Needs the serve extra and the openai client there (benchmarks/gpu_session.sh: .gpu/extra)."""
     for module in ("starlette", "uvicorn", "prometheus_client", "openai", "httpx"):
         pytest.importorskip(module)
@@ -318,6 +322,9 @@ def test_a_cuda_server_gives_sixteen_concurrent_clients_their_sequential_outputs
     with specbuild_serve(folder, tmp_path / "server.log", "--device", "cuda", "--parallel", 4) as (_, url):
         got, expected = sixteen_clients_at_once(url, reference, timeout=90)
     assert got == expected
+    warmed_up = re.search(r"captured (\d+) CUDA graphs in ([\d.]+) s", (tmp_path / "server.log").read_text())
+    assert warmed_up and int(warmed_up[1]) > 0  # each worker at start-up (decoder.warm_up)
+    record_property("start_up_captures", f"{warmed_up[1]} in {warmed_up[2]} s")
 
 
 # Never run on a GPU yet: last, so that a CUDA error they may leave behind (which can poison the process)
