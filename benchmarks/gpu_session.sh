@@ -59,7 +59,7 @@ export PYTHONPATH=/tmp/site:$PWD/runtime:$PWD
 pairs=/tmp/pairs  # outlives a call while the machine is kept; $OUT starts empty in every call
 # `pairs`' 1.1B target checkpoint (TinyLlama's shape, later layers x0.1, logits of std 8: layer_pair.py) and its bundle
 target="$pairs/tinyllama-1.1b-x0.1-logits8"
-bundle="$pairs/tinyllama-1.1b-x0.1-first2-fp16"
+bundle="$pairs/tinyllama-1.1b-x0.1-logits8-first2-fp16"
 prompts8="$out/prompts8.jsonl"
 head -n 8 specbuild/prompts/code.jsonl > "$prompts8"
 step() {  # step NAME SECONDS COMMAND...: run it for at most SECONDS, log to $out/NAME.log, one summary line
@@ -200,7 +200,7 @@ big)
         --device cuda --gamma 4 -n 64 --prompts "$out/prompts4.jsonl" --json "$out/big-pair.json"
     cp "$big"/*.log "$out/" 2>/dev/null
     # Kernel by kernel (GEMMs by kind among them: gpu_matmuls.py would repeat that at this size).
-    step big-kernels 140 python3 benchmarks/gpu_kernels.py "$big/llama-3.1-8b-x0.1-first2-fp16" -n 32 --json "$out/big-kernels.json"
+    step big-kernels 140 python3 benchmarks/gpu_kernels.py "$big/llama-3.1-8b-x0.1-logits8-first2-fp16" -n 32 --json "$out/big-kernels.json"
     ;;
 peers)
     needs_pairs peers

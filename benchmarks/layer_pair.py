@@ -106,7 +106,7 @@ def main() -> None:
     for index, scale in enumerate(float(s) for s in args.scales.split(",")):
         target = args.scratch / f"{args.shape}-x{scale:g}-logits{args.logit_std:g}"
         kind = args.precision if args.quantize == "none" else f"{args.precision}-{args.quantize}"
-        bundle = args.scratch / f"{args.shape}-x{scale:g}-first{args.draft_layers}-{kind}"
+        bundle = args.scratch / f"{args.shape}-x{scale:g}-logits{args.logit_std:g}-first{args.draft_layers}-{kind}"
         if not (target / "model.safetensors.index.json").exists():
             tail = tail_scale(args.draft_layers, scale)
             random_checkpoint(parameter_shapes(config, target), target, tok, scale=lambda name: tail(name) * peak(name))

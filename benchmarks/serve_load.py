@@ -103,7 +103,7 @@ def serving(bundle: Path, parallel: int, threads: int = 0, device: str = "cpu", 
                                     "--parallel", str(parallel), "--max-queue", "1024", "--device", device, *options],
                                    stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + (600 if device == "cuda" else 120)  # CUDA: start-up captures on every worker
         try:
             while True:
                 try:

@@ -107,7 +107,7 @@ def test_layer_pair_makes_a_pair_exact_at_scale_0_with_logits_of_the_std_asked(t
     assert 6 < std < 11
     from tokenizers import Tokenizer  # padded to the vocabulary: every id a random model outputs is text
 
-    tokens = Tokenizer.from_file(str(tmp_path / "s" / "tiny-x0-first2-fp32" / "tokenizer" / "tokenizer.json"))
+    tokens = Tokenizer.from_file(str(tmp_path / "s" / "tiny-x0-logits8-first2-fp32" / "tokenizer" / "tokenizer.json"))
     assert tokens.get_vocab_size() == 1024 and tokens.decode([1023]) == "‹1023›"
 
 

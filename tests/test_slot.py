@@ -263,18 +263,20 @@ def test_a_bundle_without_a_steps_graph_drafts_a_call_per_token_and_a_wrong_one_
 
 
 def test_a_thread_gets_back_the_slot_it_had_and_a_new_thread_a_slot_no_thread_had():
-    """CUDA graphs are kept per thread and per slot: a server's worker that changed slots would capture
-    every slot's graphs in turn (P² sets for P workers), long after its first requests."""
+    """With CUDA graphs (kept per thread and per slot) a server's worker that changed slots would capture every
+    slot's graphs in turn (P² sets for P workers), long after its first requests. Without them, the slot freed
+    last, whichever thread asks: light traffic keeps to one slot (and its adaptive γ)."""
     import threading
     from types import SimpleNamespace
 
     from specbuild_runtime.slot import SlotPool
 
-    pool = SlotPool([SimpleNamespace(index=i) for i in range(3)])
+    pool = SlotPool([SimpleNamespace(index=i) for i in range(3)], affinity=True)  # as for engines that capture
+    lifo = SlotPool([SimpleNamespace(index=i) for i in range(3)])
     done = threading.Event()  # workers stay alive until the end: a finished thread's ident may be reused
     workers = []
 
-    def take_in_a_thread() -> list[int]:
+    def take_in_a_thread(pool: SlotPool) -> list[int]:
         taken, finished = [], threading.Event()
 
         def run():
@@ -291,12 +293,15 @@ def test_a_thread_gets_back_the_slot_it_had_and_a_new_thread_a_slot_no_thread_ha
     try:
         with pool.take() as mine:
             assert mine.index == 0
-        assert take_in_a_thread() == [1, 1]  # not slot 0, free but this thread's
-        assert take_in_a_thread() == [2, 2]
+        assert take_in_a_thread(pool) == [1, 1]  # not slot 0, free but this thread's
+        assert take_in_a_thread(pool) == [2, 2]
         with pool.take() as held:  # this thread's own again, though slot 2 was freed last
             assert held.index == 0
             with pool.take() as second:  # every slot had: the last freed
                 assert second.index == 2
+        with lifo.take() as mine:
+            assert mine.index == 0
+        assert take_in_a_thread(lifo) == [0, 0]
     finally:
         done.set()
         for worker in workers:
@@ -305,11 +310,17 @@ def test_a_thread_gets_back_the_slot_it_had_and_a_new_thread_a_slot_no_thread_ha
 
 def forced_captures(bundle, parallel: int = 1) -> SpeculativeDecoder:
     """A decoder as on CUDA with CUDA graphs (greedy-only graphs, fixed-row target calls, the draft's steps
-    graph), its graph ids named though the CPU provider ignores them."""
+    graph, calls taking turns, slots kept to threads), its graph ids named though the CPU provider ignores them."""
+    import threading
+
+    from specbuild_runtime.manifest import load_manifest
+
     decoder = SpeculativeDecoder(bundle, cuda_graphs=True, draft_steps=True, parallel=parallel,
-                                 target_rows=fixed_rows(SpeculativeDecoder(bundle).max_gamma))
+                                 target_rows=fixed_rows(load_manifest(bundle).gamma))
+    calls = threading.Lock()
     for engine in (decoder.target, decoder.draft, decoder.steps_engine):
-        engine.captures = True
+        engine.captures, engine.calls = True, calls
+    decoder.slots.affinity = True
     return decoder
 
 

@@ -185,7 +185,8 @@ class SpeculativeDecoder:
         self.vocab_size = self.target.vocab_size
         check_vocabularies(self.target, self.draft)
         rows = target_rows or (fixed_rows(self.max_gamma) if self.device == "cuda" else NEVER_ALONE)
-        self.slots = SlotPool([Slot(i, self.target, self.draft, rows, self.max_gamma, self.steps_engine) for i in range(parallel)])
+        self.slots = SlotPool([Slot(i, self.target, self.draft, rows, self.max_gamma, self.steps_engine) for i in range(parallel)],
+                              affinity=self.target.captures)
         # Adaptive γ: the costs of a round describe the machine and are shared; α follows the text a slot
         # decodes, so each slot keeps its own (carried over to its next request, as the pair's agreement
         # is). Greedy and sampled decoding accept drafts differently: one of each per mode.
@@ -214,17 +215,19 @@ class SpeculativeDecoder:
         """Capture the calling thread's CUDA graphs now instead of in its first requests (vLLM captures at start-up
         too): a short greedy and a short seeded sampled request at every γ, each run WARM_UP_RUNS + 1 times (a
         shape is captured at its third run on a thread), in the slot this thread takes again later (SlotPool).
-        Shapes these do not meet (a long catch-up) are still captured when first met. Returns the number of
-        CUDA graphs captured (by other threads meanwhile too); does nothing where the engines do not capture."""
+        Shapes these do not meet (a long catch-up; all of a γ's when a request ends at EOS first) are captured
+        when first met. Returns the CUDA graphs captured, by other threads meanwhile too; does nothing where
+        the engines do not capture."""
         if not self.target.captures:
             return 0
         before = self.graphs_captured
-        prompt = self.encode("def warm_up(x):\n    return x\n")
+        # Room for the longest request below in the smallest context a bundle may have.
+        prompt = self.encode("def warm_up(x):\n    return x\n")[: max(1, self.max_seq_len - 2 * self.max_gamma - 3)]
         for gamma in range(self.max_gamma + 1):
             for sampling in ({}, {"temperature": 1.0, "seed": 0}):
                 for _ in range(WARM_UP_RUNS + 1):  # a fixed γ leaves the adaptive policies as they were
                     self.generate(prompt, max_new_tokens=2 * gamma + 3, gamma=gamma, **sampling)
-        return self.graphs_captured - before  # by other threads meanwhile too
+        return self.graphs_captured - before
 
     @property
     def graphs_captured(self) -> int:

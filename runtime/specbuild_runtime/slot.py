@@ -459,14 +459,17 @@ class SlotPool:
     """Hands out slots, one per running request; a request waits for a free one, unless its own thread
     holds one already: then none may ever come free (that thread would have to finish it), so it fails.
 
-    A thread gets the slot it had last time when that one is free, else one no thread has had yet: onnxruntime
-    keeps CUDA graphs per thread, and a slot's graphs are its own (its buffers' addresses), so a thread that
-    kept changing slots would capture every slot's graphs in turn (a server of P worker threads and P slots:
-    P² sets of captures, and captures in timed requests long after the first ones), where this keeps it at P.
+    affinity (engines that capture CUDA graphs): a thread gets the slot it had last time when that one is free,
+    else one no thread has had yet. onnxruntime keeps CUDA graphs per thread, and a slot's graphs are its own
+    (its buffers' addresses), so a thread that kept changing slots would capture every slot's graphs in turn
+    (a server of P worker threads and P slots: P² sets of captures, some in requests long after the first),
+    where this keeps it at P. Otherwise the slot freed last: light traffic keeps to one slot, whose adaptive
+    γ then learns from every request.
     """
 
-    def __init__(self, slots: list[Slot]):
+    def __init__(self, slots: list[Slot], affinity: bool = False):
         self.size = len(slots)
+        self.affinity = affinity
         self._free = slots[::-1]  # pop() takes slot 0 first
         self._owners: dict[int, int] = {}  # slot index -> thread ident
         self._last: dict[int, int] = {}  # slot index -> the thread that took it last
@@ -503,7 +506,10 @@ class SlotPool:
                 self._changed.notify()
 
     def _pick(self, me: int) -> Slot:
-        """Take a free slot for thread `me`: its own of last time, else one never taken, else the last freed."""
+        """Take a free slot for thread `me`: with affinity its own of last time, else one never taken; else the
+        last freed."""
+        if not self.affinity:
+            return self._free.pop()
         mine = [slot for slot in self._free if self._last.get(slot.index) == me]
         unused = [slot for slot in self._free if slot.index not in self._last]
         slot = (mine or unused[-1:] or self._free)[-1]

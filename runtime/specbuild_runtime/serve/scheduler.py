@@ -89,15 +89,19 @@ class Scheduler:
     def warm_up(self) -> int:
         """Before the first request: every worker thread captures its slot's CUDA graphs (decoder.warm_up), so
         that no request waits for a capture. Returns the graphs captured (0 without CUDA graphs)."""
-        if not self.decoder.target.captures:
-            return 0
         before = self.decoder.graphs_captured
-        started = threading.Barrier(self.parallel)  # no task ends before all have begun: one per worker thread
+        # No task ends before all have begun, so each runs on a worker thread of its own.
+        started = threading.Barrier(self.parallel, timeout=60)
 
         def task() -> None:
             started.wait()
             self.decoder.warm_up()
-        for future in [self._workers.submit(task) for _ in range(self.parallel)]:
+        try:
+            tasks = [self._workers.submit(task) for _ in range(self.parallel)]
+        except BaseException:
+            started.abort()  # the tasks already started would wait for the others forever
+            raise
+        for future in tasks:
             future.result()
         return self.decoder.graphs_captured - before
 
