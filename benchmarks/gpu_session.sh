@@ -187,7 +187,7 @@ big)
     free_gb=$(df --output=avail -BG /tmp | tail -n 1 | tr -dc 0-9)
     echo "big: ${free_gb} GB free in /tmp" | tee -a "$dest/summary.txt"
     if [ "$free_gb" -lt 42 ]; then
-        rm -rf "$pairs"/*-logits* "$bundle-int4"  # the 1.1B pair's checkpoints (verify's) and its int4 bundle
+        rm -rf "$target" "$pairs"/tinyllama-1.1b-first2-logits* "$bundle-int4"  # the 1.1B checkpoints (verify's), its int4 bundle
         free_gb=$(df --output=avail -BG /tmp | tail -n 1 | tr -dc 0-9)
         [ "$free_gb" -lt 42 ] && { echo "big: only ${free_gb} GB free in /tmp: not started" | tee -a "$dest/summary.txt"; exit 3; }
     fi
