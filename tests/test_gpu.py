@@ -8,6 +8,7 @@ GPU); written after the last run: the int4 bundle's.
 
 import re
 
+import numpy as np
 import onnxruntime as ort
 import pytest
 
@@ -364,3 +365,59 @@ def test_other_families_replay_the_tokens_of_uncaptured_calls(architecture, chec
     compile_bundle(CompileSettings(target=checkpoints(architecture, 0), draft=checkpoints(architecture, 1),
                                    output=folder, max_seq_len=256, precision="fp16"), show_progress=False)
     replays_as_uncaptured(folder, architecture, "fp16")
+
+
+def target_logits_call_by_call(folder, device: str, captured: bool, monkeypatch) -> tuple[list, list[int]]:
+    """The logits of every target call of one target-only request through the greedy-only graphs, replayed as
+    CUDA graphs or each call run uncaptured by the same kind of session (graph id -1), and its tokens."""
+    from specbuild_runtime import slot
+
+    calls = []
+    run = slot.EngineSlot._run
+
+    def spy(self, first, total_len, num_drafts, *args):
+        result = run(self, first, total_len, num_drafts, *args)
+        if self.engine.info.role == "target":
+            calls.append(self._logits.value.numpy()[:num_drafts + 1].copy())
+        return result
+    with monkeypatch.context() as patch:
+        patch.setattr(slot.EngineSlot, "_run", spy)
+        if not captured:
+            patch.setattr(slot, "graph_id", lambda *args: -1)
+        decoder = SpeculativeDecoder(folder, device=device, cuda_graphs=True)
+        for engine in (decoder.target, decoder.draft, decoder.steps_engine):
+            if engine is not None:  # on CUDA already so; on the CPU (a check of this probe) as if
+                engine.captures = True
+        tokens = decoder.generate(PROMPTS[5], NEW_TOKENS, 0).token_ids
+    return calls, tokens
+
+
+def first_wrong_replay(plain: list, replayed: list) -> str | None:
+    """Where replayed logits first differ from uncaptured ones, how much, and whether they are an earlier call's
+    (a replay reading stale inputs) or near (other kernels' rounding); None when every call agrees."""
+    for i, (a, b) in enumerate(zip(plain, replayed)):
+        if not np.array_equal(a, b):
+            stale = [j for j in range(i) if plain[j].shape == b.shape and np.array_equal(plain[j], b)]
+            return (f"call {i} of {len(plain)}: max |Δ| {np.abs(a - b).max():.3g} against logits up to "
+                    f"{np.abs(a).max():.3g}, argmax {'differs' if (a.argmax(-1) != b.argmax(-1)).any() else 'the same'}"
+                    + (f", equal to uncaptured call {stale[-1]}'s (stale inputs?)" if stale else ", no earlier call's"))
+    return None
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="GPT-2's replays are refused (engine.UNCAPTURED): they "
+                   "gave other tokens on an H100 and an H200; this probe records where their logits first differ")
+def test_gpt2_replayed_logits_against_uncaptured_call_by_call(checkpoints, tmp_path, monkeypatch, record_property):
+    """Why GPT-2's replays decode other tokens: its target's logits call by call, replayed against uncaptured
+    calls of the same session kind, the first difference recorded (junit property `first_wrong_replay`):
+    an earlier call's logits mean a replay read stale inputs (its positions?); near ones, other kernels."""
+    from specbuild_runtime import engine
+
+    monkeypatch.setattr(engine, "UNCAPTURED", {})
+    folder = tmp_path / "gpt2"
+    compile_bundle(CompileSettings(target=checkpoints("gpt2", 0), draft=checkpoints("gpt2", 1), output=folder,
+                                   max_seq_len=256, precision="fp16"), show_progress=False)
+    plain, plain_tokens = target_logits_call_by_call(folder, "cuda", False, monkeypatch)
+    replayed, tokens = target_logits_call_by_call(folder, "cuda", True, monkeypatch)
+    wrong = first_wrong_replay(plain, replayed)
+    record_property("first_wrong_replay", wrong or "none")
+    assert wrong is None and tokens == plain_tokens, wrong
