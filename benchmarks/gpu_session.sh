@@ -101,7 +101,7 @@ check)
             step "attention-${switch%%=*}" 60 env "$switch" ORT_ENABLE_ATTENTION_KERNEL_DEBUG_INFO=1 python3 -m pytest -m gpu tests/test_attention.py
         done
     fi
-    step gpu-tests 240 python3 -m pytest -m gpu tests/test_gpu.py --junitxml="$out/gpu-tests.xml"
+    step gpu-tests 300 python3 -m pytest -m gpu tests/test_gpu.py --junitxml="$out/gpu-tests.xml"
     # cuDNN's attention off only when the exactness tests failed (~40 s; other failures say other things)
     if grep -q "FAILED.*every_gamma" "$out/gpu-tests.log"; then
         step gpu-tests-no-cudnn 120 env ORT_ENABLE_CUDNN_FLASH_ATTENTION=0 python3 -m pytest -m gpu tests/test_gpu.py -k every_gamma
