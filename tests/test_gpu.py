@@ -367,7 +367,7 @@ def test_other_families_replay_the_tokens_of_uncaptured_calls(architecture, chec
     replays_as_uncaptured(folder, architecture, "fp16")
 
 
-def target_logits_call_by_call(folder, device: str, captured: bool, monkeypatch) -> tuple[list, list[int]]:
+def target_logits_call_by_call(folder, captured: bool, monkeypatch) -> tuple[list, list[int]]:
     """The logits of every target call of one target-only request through the greedy-only graphs, replayed as
     CUDA graphs or each call run uncaptured by the same kind of session (graph id -1), and its tokens."""
     from specbuild_runtime import slot
@@ -384,11 +384,7 @@ def target_logits_call_by_call(folder, device: str, captured: bool, monkeypatch)
         patch.setattr(slot.EngineSlot, "_run", spy)
         if not captured:
             patch.setattr(slot, "graph_id", lambda *args: -1)
-        decoder = SpeculativeDecoder(folder, device=device, cuda_graphs=True)
-        for engine in (decoder.target, decoder.draft, decoder.steps_engine):
-            if engine is not None:  # on CUDA already so; on the CPU (a check of this probe) as if
-                engine.captures = True
-        tokens = decoder.generate(PROMPTS[5], NEW_TOKENS, 0).token_ids
+        tokens = SpeculativeDecoder(folder, device="cuda", cuda_graphs=True).generate(PROMPTS[5], NEW_TOKENS, 0).token_ids
     return calls, tokens
 
 
@@ -416,8 +412,8 @@ def test_gpt2_replayed_logits_against_uncaptured_call_by_call(checkpoints, tmp_p
     folder = tmp_path / "gpt2"
     compile_bundle(CompileSettings(target=checkpoints("gpt2", 0), draft=checkpoints("gpt2", 1), output=folder,
                                    max_seq_len=256, precision="fp16"), show_progress=False)
-    plain, plain_tokens = target_logits_call_by_call(folder, "cuda", False, monkeypatch)
-    replayed, tokens = target_logits_call_by_call(folder, "cuda", True, monkeypatch)
+    plain, plain_tokens = target_logits_call_by_call(folder, False, monkeypatch)
+    replayed, tokens = target_logits_call_by_call(folder, True, monkeypatch)
     wrong = first_wrong_replay(plain, replayed)
     record_property("first_wrong_replay", wrong or "none")
     assert wrong is None and tokens == plain_tokens, wrong
