@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import PROMPTS
+from conftest import PROMPTS, make_tokenizer
 from specbuild_runtime import RequestError, SpeculativeDecoder, Stats
 from specbuild_runtime.text import TextStream
 
@@ -214,6 +214,45 @@ def test_a_stop_string_is_found_at_the_token_that_completes_it_even_if_that_toke
     stream.push(vocab["Ģ"])  # byte 80
     stream.push(vocab["Ĳ"])  # byte 90: "‐" is whole
     assert stream.text == "x\u2010" and stream.finish() == "x\u2010"
+
+
+def sentencepiece_tokenizer():
+    """Llama 2's decoder chain over a BPE trained here: its Strip (and Metaspace's "first" scheme) drop the
+    space that begins whatever is decoded."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                           decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    text = ["the text wraps the lines", "text that wraps", "the lines of text", "wrap the text lines"] * 20
+    tokenizer.train_from_iterator(text, trainers.BpeTrainer(vocab_size=60, special_tokens=["<s>"]))
+    return tokenizer
+
+
+@pytest.mark.parametrize("make", [sentencepiece_tokenizer, lambda: make_tokenizer().backend_tokenizer])
+def test_streamed_text_is_what_the_prompt_and_the_tokens_decode_to_past_the_prompts_text(make):
+    """The first generated word keeps the space before it (decoded alone, a SentencePiece decoder drops it)."""
+    tokenizer = make()
+    ids = tokenizer.encode("The text wraps the lines, the text wraps").ids
+    assert len(ids) > 8
+    for cut in range(1, len(ids)):
+        expected = tokenizer.decode(ids)[len(tokenizer.decode(ids[:cut])):]
+        stream = TextStream(tokenizer, prompt_ids=ids[:cut])
+        streamed = ""
+        for token in ids[cut:]:
+            stream.push(token)
+            streamed += stream.take()
+        assert streamed + stream.finish() == stream.text == expected, cut
+
+
+def test_generated_text_follows_the_prompts_text(bundle):
+    decoder = SpeculativeDecoder(bundle)
+    decode = decoder.tokenizer.decode
+    for prompt, options in REQUESTS:
+        result = decoder.generate(prompt, NEW_TOKENS, **options)
+        ids = result.prompt_token_ids + result.token_ids
+        assert result.text == decode(ids)[len(decode(result.prompt_token_ids)):]
 
 
 def test_a_server_stream_yields_after_every_token_even_while_text_is_held_back(bundle, free_text):

@@ -244,11 +244,8 @@ class SpeculativeDecoder:
     def generate(self, prompt: Prompt, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
                  seed=None, stop=None) -> Generation:
         request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
-        # Without stop strings nothing needs the text before the end: decode it once.
-        stats, text = Stats(), TextStream(self.tokenizer, request.stop) if request.stop else None
+        stats, text = Stats(), self._text(request)
         tokens = list(self._run(request, stats, text))
-        if text is None:
-            return Generation(self.tokenizer.decode(tokens), tokens, request.prompt_ids, stats)
         _finish(text, stats)
         return Generation(text.text, tokens, request.prompt_ids, stats)
 
@@ -258,7 +255,7 @@ class SpeculativeDecoder:
         string); pass a Stats to read measurements. The request is checked now, the slot taken at the
         first token."""
         request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
-        text = TextStream(self.tokenizer, request.stop) if request.stop else None
+        text = self._text(request) if request.stop else None
         return self._run(request, Stats() if stats is None else stats, text)
 
     def stream_text(self, prompt: Prompt, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
@@ -272,13 +269,16 @@ class SpeculativeDecoder:
         """stream_text for a request already checked by request() (the server checks before queueing).
         every_token: also yield "" for a token whose text is held back, so that the consumer can stop
         between any two tokens (the server's cancel and deadline checks)."""
-        text = TextStream(self.tokenizer, request.stop)
+        text = self._text(request)
         with closing(self._run(request, stats, text)) as tokens:
             for _ in tokens:
                 if (delta := text.take()) or every_token:
                     yield delta
         if rest := _finish(text, stats):
             yield rest
+
+    def _text(self, request: Request) -> TextStream:
+        return TextStream(self.tokenizer, request.stop, request.prompt_ids)
 
     def _run(self, request: Request, stats: Stats, text: TextStream | None) -> Iterator[int]:
         with self.slots.take() as slot, closing(self._speculate(slot, request, stats)) as tokens:

@@ -6,30 +6,39 @@ real U+FFFD at the end, read as an incomplete character) would never be sent.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tokenizers import Tokenizer
 
 INCOMPLETE = "\ufffd"  # what the decoder shows for bytes that do not yet form a character
+# Prompt tokens decoded with the first generated ones (vLLM's prefix offset does the same): SentencePiece
+# decoders (Llama 2, Mistral, Phi-3: a Strip or Metaspace step) drop the space that begins whatever they
+# decode, so the first generated word, decoded alone, would lose the space that parts it from the prompt.
+PROMPT_CONTEXT = 5
 
 
 class TextStream:
     """Feed token ids with `push`; `take()` returns the text that is safe to send. The concatenation of
-    every `take()` and the final `finish()` is exactly `text`: the decoded tokens, cut before the
-    earliest stop string (as OpenAI's API cuts it). Text that could still become a stop string is held
+    every `take()` and the final `finish()` is exactly `text`: the tokens' text as it follows the prompt's
+    (given prompt_ids), cut before the earliest stop string (as OpenAI's API cuts it). Text that could still become a stop string is held
     back until it cannot."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), prompt_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.stop = stop
-        self.ids: list[int] = []
+        context = list(prompt_ids[-PROMPT_CONTEXT:])
+        if tokenizer.decode(context).endswith(INCOMPLETE):
+            context = []  # a prompt of ids ending inside a character: its text is no prefix of what follows
+        self._ids = context  # the prompt's last tokens, then the generated ones
         self.text = ""
         self.stopped = False  # a stop string was found: text ends before it, push() no longer adds
         self.finished = False  # no token will follow: nothing is held back any more
-        self._window = 0  # ids[_window:] are decoded together, so a character split across tokens decodes whole
-        self._read = 0  # ids[:_read] are in text
+        self._window = 0  # _ids[_window:] are decoded together, so a character split across tokens decodes whole
+        self._read = len(context)  # _ids[:_read] are in text (or the prompt's)
         self._sent = 0  # characters of text taken
 
     def push(self, token: int) -> None:
-        self.ids.append(token)
+        self._ids.append(token)
         if not self.stopped:
             self._decode(final=False)
 
@@ -48,8 +57,8 @@ class TextStream:
         return self.take()
 
     def _decode(self, final: bool) -> None:
-        before = self.tokenizer.decode(self.ids[self._window:self._read])
-        now = self.tokenizer.decode(self.ids[self._window:])
+        before = self.tokenizer.decode(self._ids[self._window:self._read])
+        now = self.tokenizer.decode(self._ids[self._window:])
         if len(now) <= len(before):
             return
         new = now[len(before):]
@@ -58,7 +67,7 @@ class TextStream:
             # already in the text before it (the request then ends at this token, not the next).
             self._cut(self.text + new.rstrip(INCOMPLETE))
             return
-        self._window, self._read = self._read, len(self.ids)
+        self._window, self._read = self._read, len(self._ids)
         if not self._cut(self.text + new):
             self.text += new
 
