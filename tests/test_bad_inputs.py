@@ -223,6 +223,8 @@ CASES = [
          "Give 1 to 32; target-only decoding is `generate --gamma 0`."),
     Case("`--max-seq-len 0` or `-5`", compile_args("{tmp}/bundle", "--max-seq-len", "-5"), 2, "2 or more",
          "Give the context length to allocate, or leave it out for min(2048, the target's)."),
+    Case("`--max-seq-len` not above `--gamma`", compile_args("{tmp}/bundle", "--max-seq-len", "3", "--gamma", "4"), 1,
+         "context holds 3 tokens", "Give a `--max-seq-len` above `--gamma` (contexts are hundreds of tokens or more)."),
     Case("`--max-seq-len` beyond the model's positions", compile_args("{tmp}/bundle", "--max-seq-len", "4096"), 1,
          "max_position_embeddings", "Use the largest length the message names, or less."),
     Case("`--block-size 17`", compile_args("{tmp}/bundle", "--block-size", "17"), 2, "power of two",

@@ -17,6 +17,7 @@ from specbuild_runtime.errors import SpecbuildError, first_line
 from specbuild_runtime.manifest import TOKENIZER_DIR, EngineInfo, Manifest, cache_names
 
 from .. import __version__
+from ..errors import SettingsError
 from ..staging import scratch_folder
 from ..recipe import DEFAULT_MAX_SEQ_LEN, CompileSettings
 from . import tensorrt_llm
@@ -173,9 +174,11 @@ def check_sampler(path: Path, vocab: int) -> None:
 
 
 def _max_seq_len(settings: CompileSettings, target: Checkpoint) -> int:
-    if settings.max_seq_len is None:
-        return min(DEFAULT_MAX_SEQ_LEN, target.spec.max_position_embeddings)
-    return settings.max_seq_len  # at least 2: CompileSettings checks it
+    max_seq_len = settings.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, target.spec.max_position_embeddings)
+    if settings.gamma >= max_seq_len:  # a round of γ drafts and the target's token must fit in the context
+        raise SettingsError(f"gamma {settings.gamma} drafts a round but the context holds {max_seq_len} tokens; "
+                            f"give a max_seq_len above {settings.gamma}, or a smaller gamma")
+    return max_seq_len
 
 
 class _Stages:
