@@ -31,6 +31,28 @@ def test_a_draft_with_padding_rows_is_cut_to_the_targets_vocabulary(checkpoints,
     assert all(0 <= t < vocab for t in sampled)
 
 
+def test_a_target_with_padding_rows_decodes_its_padding_tokens_exactly_past_a_smaller_draft(checkpoints, tokenizer,
+                                                                                               tmp_path):
+    """Qwen2.5-7B (152064 rows) drafted by Qwen2.5-0.5B (151936): a random target emits its padding ids,
+    which the draft cannot embed; it reads them as its last row, and the output stays the target's."""
+    vocab = len(tokenizer)
+    padded = checkpoints("llama", 0, vocab_size=vocab + 64)
+    manifest = compile_bundle(CompileSettings(target=padded, draft=checkpoints("llama", 1), output=tmp_path / "b",
+                                              max_seq_len=64), show_progress=False)
+    assert (manifest.engines["target"].shape.vocab_size, manifest.engines["draft"].shape.vocab_size) == (vocab + 64, vocab)
+    decoder = SpeculativeDecoder(tmp_path / "b")
+    emitted = set()
+    for prompt in PROMPTS[:4]:
+        ids = tokenizer(prompt)["input_ids"]
+        alone = decoder.generate(ids, 24, gamma=0).token_ids
+        emitted.update(alone)
+        for gamma in (1, 4, "auto"):
+            assert decoder.generate(ids, 24, gamma=gamma).token_ids == alone
+        sampled = [decoder.generate(ids, 24, gamma=4, temperature=1.0, seed=s).token_ids for s in range(3)]
+        emitted.update(t for tokens in sampled for t in tokens)
+    assert max(emitted) >= vocab, "the target never emitted a padding id: this test is hollow"
+
+
 def test_no_weight_is_read_until_the_engine_is_written_and_each_once(checkpoints):
     ckpt = load_checkpoint(checkpoints("llama"), "target")
     made = []

@@ -45,7 +45,8 @@ float type (fp32, fp16 or bf16; see EngineInfo.precision):
 Logits and every sampling decision are computed in fp32 whatever F is. No node reduces over an empty
 tensor (a call without drafts runs on the CUDA provider too). A draft whose embedding table has padding
 rows beyond the target's vocabulary is cut to the target's V by the compiler; a smaller draft table
-stays as is and the runtime zero-pads its q to the target's V.
+stays as is (its graph embeds the target's ids past it as its last row) and the runtime zero-pads its q
+to the target's V.
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
     call, over it too; and describes them.
 
     vocab_size: the target's; a larger table (a draft's padding rows) is cut to it, so the draft never
-    proposes a token the target does not have and its q is a distribution over the shared vocabulary.
+    proposes a token the target does not have and its q is a distribution over the shared vocabulary; a
+    smaller one embeds the target's tokens past it as its last row (graphs._embeddable).
     show_progress: a bar per engine with bytes/s and ETA (None: on a terminal only).
     """
     spec = ckpt.spec
@@ -62,15 +63,15 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
                                              desc=f"writing {role} ({numerics.precision}, {numerics.quantization})",
                                              disable=None if show_progress is None else not show_progress) as bar:
         digest = pool.submit(ckpt.digest)
-        model = build_decoder(ckpt, numerics, max_seq_len, vocab, progress=bar.update)
+        model = build_decoder(ckpt, numerics, max_seq_len, vocab_size, progress=bar.update)
         bar.total = sum(value.const_value.nbytes for value in model.graph.initializers.values()
                         if isinstance(value.const_value, ir.LazyTensor))
         gathered = _gathered_bytes(model)
         ir.save(model, folder / file, external_data=f"{file}.data", alignment=ALIGNMENT, max_workers=WORKERS,
                 max_in_flight_bytes=IN_FLIGHT_BYTES)
-    graphs = {f"{role}.greedy.onnx": build_decoder(ckpt, numerics, max_seq_len, vocab, sampling=False)}
+    graphs = {f"{role}.greedy.onnx": build_decoder(ckpt, numerics, max_seq_len, vocab_size, sampling=False)}
     if draft_steps:
-        graphs[f"{role}.steps.onnx"] = build_draft_steps(ckpt, numerics, max_seq_len, draft_steps, vocab)
+        graphs[f"{role}.steps.onnx"] = build_draft_steps(ckpt, numerics, max_seq_len, draft_steps, vocab_size)
     for name, model in graphs.items():
         _write_sharing_weights(model, folder / file, folder / name)
     for written in (file, *graphs):

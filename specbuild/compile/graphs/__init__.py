@@ -57,7 +57,7 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
         draft_probs=g.input("draft_probs", FLOAT, ["D", vocab]),
         uniforms=g.input("uniforms", FLOAT, ["D+1"]),
     ) if sampling else None
-    ids = g.op("Reshape", input_ids, g.const([-1]))  # [S]
+    ids = _embeddable(g, g.op("Reshape", input_ids, g.const([-1])), vocab, vocab_size)  # [S]
     hidden, presents, head = FAMILIES[spec.family](g, spec, ids, att, max_seq_len, vocab)
     accepted, next_token, probs, logits = verification(g, hidden, input_ids, num_drafts, lambda x: linear(g, x, head),
                                                        sampling_inputs, spec.final_softcap)
@@ -95,8 +95,8 @@ def build_draft_steps(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, st
     drafts = []
     for j in range(steps):
         step_att = att.step(j, g.op("Add", att.seqlens_k, g.const([j], np.int32)) if j else att.seqlens_k, lengths[j])
-        hidden, presents, head = FAMILIES[spec.family](g, spec, g.op("Reshape", input_ids, g.const([-1])), step_att,
-                                                       max_seq_len, vocab)
+        ids = _embeddable(g, g.op("Reshape", input_ids, g.const([-1])), vocab, vocab_size)
+        hidden, presents, head = FAMILIES[spec.family](g, spec, ids, step_att, max_seq_len, vocab)
         _, token, _, logits = verification(g, hidden, input_ids, no_drafts, lambda x: linear(g, x, head), None,
                                            spec.final_softcap)
         logits.name = f"{LOGITS}.step{j}"  # one name per value
@@ -106,6 +106,16 @@ def build_draft_steps(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, st
             input_ids = g.op("Reshape", token, g.const([1, 1]))
     g.output(g.op("Concat", *drafts, axis=0), "drafts", INT64, [steps])
     return g.model()
+
+
+def _embeddable(g: GraphBuilder, ids: ir.Value, vocab: int, target_vocab: int | None) -> ir.Value:
+    """ids a draft with a smaller table than the target's can embed: the target's tokens past it (padding
+    rows: Qwen2.5-7B has 152064, its 0.5B draft 151936) read as its last row. A draft only proposes, so
+    this can cost acceptance on such a token, never change the output; without it the draft's Gather
+    fails on the first one the target emits."""
+    if target_vocab is None or vocab >= target_vocab:
+        return ids
+    return g.op("Min", ids, g.const([vocab - 1], np.int64))
 
 
 def _engine_inputs(g: GraphBuilder, spec, numerics: Numerics, max_seq_len: int) -> tuple[ir.Value, Attention]:
