@@ -59,7 +59,8 @@ def staged_folder(output: Path, check: Callable[[Path], None] = lambda output: N
             yield staging
             shutil.rmtree(scratch, ignore_errors=True)
             _make_readable(staging)
-            _publish(staging, output)
+            with _signals_ignored():
+                _publish(staging, output)
         except OSError as exc:
             if _disk_full(exc, output.parent):
                 raise OutputError(f"no space left on the disk of {output.parent} while writing {output.name} "
@@ -129,6 +130,22 @@ def _terminate_as_interrupt() -> Iterator[None]:
         yield
     finally:  # None: a handler set outside Python, which cannot be put back; the default is the nearest
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+@contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """Ctrl-C and SIGTERM are dropped while the new folder replaces the old: once swapped in, the job is
+    done, and an interrupt raised while the old folder is removed would report "interrupted" (exit 130:
+    nothing left behind) over a folder already replaced. One before the swap still unwinds as usual."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {number: signal.signal(number, lambda signum, frame: None) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, signal.SIG_DFL if handler is None else handler)
 
 
 def _disk_full(exc: OSError, folder: Path) -> bool:

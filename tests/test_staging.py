@@ -120,6 +120,29 @@ def test_sigterm_while_writing_unwinds_like_ctrl_c_and_leaves_the_old_folder_alo
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_while_the_new_folder_is_swapped_in_is_dropped_it_is_done(number, tmp_path, monkeypatch):
+    """Reported as interrupted (exit 130, "nothing left behind"), the replaced folder would be a lie."""
+    import specbuild.staging as staging_module
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    exchange = staging_module._exchange
+
+    def exchange_then_interrupt(a, b):
+        swapped = exchange(a, b)
+        os.kill(os.getpid(), number)
+        return swapped
+
+    monkeypatch.setattr(staging_module, "_exchange", exchange_then_interrupt)
+    before = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)}
+    with staged_folder(out) as staging:
+        (staging / "new.txt").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and [p.name for p in out.iterdir()] == ["new.txt"]
+    assert {n: signal.getsignal(n) for n in before} == before
+
+
 def test_a_second_writer_is_refused_while_the_first_writes(tmp_path):
     out = tmp_path / "out"
     with staged_folder(out) as staging:
