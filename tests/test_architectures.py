@@ -51,3 +51,33 @@ def test_an_unsupported_architecture_is_named_with_what_is_supported(architectur
     message = str(caught.value)
     assert architecture in message and kind in message and "\n" not in message
     assert all(name in message for name in ARCHITECTURES)
+
+
+def test_gpt2_with_a_head_of_its_own_decodes_like_transformers(checkpoints, tokenizer, tmp_path):
+    target = checkpoints("gpt2", tie_word_embeddings=False)
+    compile_bundle(CompileSettings(target=target, draft=checkpoints("gpt2", seed=1), output=tmp_path / "b", max_seq_len=64),
+                   show_progress=False)
+    decoder, model = SpeculativeDecoder(tmp_path / "b"), load_reference(target)
+    for prompt in PROMPTS[:2]:
+        ids = tokenizer(prompt)["input_ids"]
+        expected = transformers_greedy(model, ids, 16, [])
+        for gamma in (0, 4):
+            assert decoder.generate(ids, 16, gamma).token_ids == expected, (gamma, prompt)
+
+
+@pytest.mark.parametrize("family,config,unused", [
+    ("gemma2", {"attention_bias": True}, "self_attn.q_proj.bias"),  # Gemma's graph has no biases
+])
+def test_a_checkpoint_with_tensors_its_graph_would_not_read_is_refused_before_anything_is_written(
+        family, config, unused, checkpoints, tmp_path):
+    out = tmp_path / "b"
+    with pytest.raises(UnsupportedModelError) as caught:
+        compile_bundle(CompileSettings(target=checkpoints(family, **config), draft=checkpoints(family, seed=1),
+                                       output=out, max_seq_len=64), show_progress=False)
+    assert unused in str(caught.value) and "\n" not in str(caught.value)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_gpt2_attention_without_its_scale_is_refused(checkpoints):
+    with pytest.raises(UnsupportedModelError, match="GPT-2 attention variants"):
+        load_checkpoint(checkpoints("gpt2", scale_attn_weights=False), "target")

@@ -92,6 +92,28 @@ def drop_a_tensor(folder: Path) -> None:
     save_file(tensors, weights, metadata={"format": "pt"})
 
 
+def add_a_bias(folder: Path) -> None:
+    """A tensor the Llama graph would not read (its config says no attention bias)."""
+    from safetensors.numpy import load_file, save_file
+
+    weights = next(folder.glob("*.safetensors"))
+    tensors = load_file(weights)
+    tensors["model.layers.0.self_attn.q_proj.bias"] = tensors["model.layers.0.input_layernorm.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+
+
+def without_architectures(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    del config["architectures"]
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def pre_quantized(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
 class WritesMarker:
     """Unpickled, it writes a file named marker: what a malicious checkpoint would do."""
 
@@ -305,6 +327,15 @@ CASES = [
     Case("an architecture without a graph builder", compile_args(), 1, "which specbuild does not compile",
          "Use a checkpoint of an architecture the message lists (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, "
          "Gemma 3 or GPT-2).", setup=a_copy_of("target", falcon)),
+    Case("`config.json` without `architectures`", compile_args(), 1, "names no architecture",
+         "Add the model's class to config.json, e.g. `\"architectures\": [\"LlamaForCausalLM\"]`.",
+         setup=a_copy_of("target", without_architectures)),
+    Case("a pre-quantized checkpoint (AWQ, GPTQ, FP8)", compile_args(), 1, "pre-quantized",
+         "Pass the fp32, fp16 or bf16 checkpoint; `--quantize int4|int8` quantizes it.",
+         setup=a_copy_of("target", pre_quantized)),
+    Case("tensors the architecture's graph would not read (a variant not supported)", compile_args(), 1,
+         "does not use", "Use a checkpoint of a supported variant (the message names the first tensors left over).",
+         setup=a_copy_of("draft", add_a_bias)),
     Case("a draft with another tokenizer", compile_args(), 1, "different tokenizers",
          "Use a draft trained with the target's tokenizer (`specbuild distill` makes one).", setup=other_tokenizer),
     Case("truncated `*.safetensors`", compile_args(), 1, "model.safetensors",

@@ -170,18 +170,33 @@ def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{config_path} holds a JSON {type(raw).__name__}, not an object; pass a Hugging Face "
                               "checkpoint folder")
-    architecture = (raw.get("architectures") or ["<none>"])[0]
+    if not raw.get("architectures"):
+        raise UnsupportedModelError(f"{config_path} names no architecture (no \"architectures\" list); give the model's "
+                                    f"class, e.g. \"architectures\": [\"LlamaForCausalLM\"] (supported: "
+                                    f"{', '.join(sorted(ARCHITECTURES))})")
+    architecture = raw["architectures"][0]
     if architecture not in ARCHITECTURES:
         raise UnsupportedModelError(
             f"{role} checkpoint {path} is a {architecture}{_kind(architecture, raw)}, which specbuild does not "
             f"compile; it supports {', '.join(sorted(ARCHITECTURES))}"
         )
+    if isinstance(quantized := raw.get("quantization_config"), dict):
+        raise UnsupportedModelError(
+            f"{role} checkpoint {path} is pre-quantized ({quantized.get('quant_method', 'quantization_config')}); "
+            "specbuild reads fp32, fp16 and bf16 checkpoints and quantizes them itself (--quantize int4|int8): "
+            "pass the unquantized checkpoint")
     weight_files = _weight_files(path, role)
     entries = _entries(weight_files, path)
     config = _load_config(path, role)
     _check_shapes(config, entries, path, role)
     tokenizer = _load_tokenizer(path, role)
-    return Checkpoint(path, model_spec(config, architecture, path, role), config, tokenizer, weight_files, entries)
+    try:
+        spec = model_spec(config, architecture, path, role)
+    except AttributeError as exc:  # e.g. a multimodal config (its text model's settings under text_config)
+        raise UnsupportedModelError(f"{role} checkpoint {path}: config.json (model_type {raw.get('model_type')!r}) has "
+                                    f"no {exc.name!r}, which a {architecture} needs; use the config.json of the "
+                                    "text model these weights belong to") from None
+    return Checkpoint(path, spec, config, tokenizer, weight_files, entries)
 
 
 def _kind(architecture: str, config: dict) -> str:
@@ -293,7 +308,7 @@ def _load_tokenizer(path: Path, role: str):
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
     except Exception as exc:
         raise CheckpointError(
-            f"{role} checkpoint {path} has no usable tokenizer ({type(exc).__name__}); it needs tokenizer.json "
+            f"{role} checkpoint {path} has no usable tokenizer; it needs tokenizer.json "
             "or the tokenizer files its tokenizer_config.json names"
         ) from None
     if not getattr(tokenizer, "is_fast", False):
@@ -305,7 +320,7 @@ def model_spec(config, architecture: str, path: Path, role: str) -> ModelSpec:
     """What the graph builders need of a transformers config, or UnsupportedModelError."""
     family = ARCHITECTURES[architecture]
     if family == "gpt2":
-        if config.scale_attn_by_inverse_layer_idx or config.reorder_and_upcast_attn:
+        if config.scale_attn_by_inverse_layer_idx or config.reorder_and_upcast_attn or not config.scale_attn_weights:
             raise UnsupportedModelError(f"{role} checkpoint {path}: GPT-2 attention variants are not supported")
         hidden, heads, layers = config.n_embd, config.n_head, config.n_layer
         spec = ModelSpec(
@@ -317,7 +332,7 @@ def model_spec(config, architecture: str, path: Path, role: str) -> ModelSpec:
             hidden_act=config.activation_function,
             attention_bias=True,
             mlp_bias=True,
-            tie_word_embeddings=True,
+            tie_word_embeddings=config.tie_word_embeddings,
             max_position_embeddings=config.n_positions,
             layer_types=["full_attention"] * layers,
             sliding_windows=[None] * layers,
@@ -381,11 +396,12 @@ def validate_pair(target: Checkpoint, draft: Checkpoint) -> None:
     t, d = target.tokenizer, draft.tokenizer
     t_vocab, d_vocab = t.get_vocab(), d.get_vocab()
     if t_vocab != d_vocab:
-        differing = sorted(set(t_vocab.items()) ^ set(d_vocab.items()))[:3]
+        differing = sorted(set(t_vocab) ^ set(d_vocab) | {k for k in t_vocab.keys() & d_vocab.keys() if t_vocab[k] != d_vocab[k]})
+        example = differing[0]
         raise PairMismatchError(
-            f"draft {draft.path} and target {target.path} have different tokenizers "
-            f"({len(d_vocab)} vs {len(t_vocab)} tokens; e.g. {differing}); use a draft trained with the "
-            "target's tokenizer"
+            f"draft {draft.path} and target {target.path} have different tokenizers ({len(d_vocab)} vs "
+            f"{len(t_vocab)} tokens; {len(differing)} differ, e.g. {example!r} is {d_vocab.get(example, 'missing')} in "
+            f"the draft, {t_vocab.get(example, 'missing')} in the target); use a draft trained with the target's tokenizer"
         )
     if _special_tokens(t) != _special_tokens(d):
         raise PairMismatchError(

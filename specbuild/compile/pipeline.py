@@ -23,6 +23,7 @@ from ..recipe import DEFAULT_MAX_SEQ_LEN, CompileSettings
 from . import tensorrt_llm
 from .bundle import staged_bundle, write_manifest
 from .export import check_context, export_engine, write_sampler
+from .graphs import check_every_tensor_used
 from .load import Checkpoint, eos_token_ids, load_checkpoint, validate_pair
 from .precision import DEFAULT_ACCURACY_LEVEL, Numerics
 from .quality import measure_quality, quality_texts
@@ -48,8 +49,9 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
     draft = load_checkpoint(settings.draft, "draft")
     validate_pair(target, draft)
     max_seq_len = _max_seq_len(settings, target)
-    check_context(target, "target", max_seq_len)
-    check_context(draft, "draft", max_seq_len)
+    for role, ckpt in (("target", target), ("draft", draft)):
+        check_context(ckpt, role, max_seq_len)
+        check_every_tensor_used(ckpt, role, max_seq_len)
     if settings.backend != "onnx":  # refused now rather than after the ONNX engines
         tensorrt_llm.check_pair(settings, target, draft, max_seq_len)
     eos = eos_token_ids(target)  # read before the long stages: a malformed file fails here

@@ -82,6 +82,7 @@ class GraphBuilder:
         self.outputs: list[ir.Value] = []
         # A branch (If subgraph) keeps its constants in the main graph and shares its name counter.
         self.initializers: dict[str, ir.Value] = parent.initializers if parent else {}
+        self.used: set[str] = parent.used if parent else set()  # checkpoint tensors the graph reads
         self._counter = parent._counter if parent else itertools.count(1)
         self._is_branch = parent is not None
 
@@ -132,6 +133,7 @@ class GraphBuilder:
     def weight(self, weight: Weight) -> ir.Value:
         """The weight in the engine's float type."""
         name = _name(weight)
+        self.used.update(weight.names)
         if name not in self.initializers:
             dtype = self.numerics.dtype
             shape = weight.shape(self.ckpt)
@@ -150,6 +152,7 @@ class GraphBuilder:
         quantize.py): packed [N, blocks, blob] for MatMulNBits, or [N, blocks·blob] for
         GatherBlockQuantized (table=True)."""
         name = _name(weight) + (".table" if table else "")
+        self.used.update(weight.names)
         n, k = weight.shape(self.ckpt)
         q = QuantizedRows(n, k, self.numerics.bits, self.numerics.block_size)
         return self.computed(

@@ -1,4 +1,5 @@
-"""GPT-2: learned positions, LayerNorm with bias, Conv1D weights stored [in, out], a GELU MLP, tied head."""
+"""GPT-2: learned positions, LayerNorm with bias, Conv1D weights stored [in, out], a GELU MLP, a head tied to
+the embeddings or its own."""
 
 from __future__ import annotations
 
@@ -37,4 +38,5 @@ def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_se
         nxt = f"{t}ln_f" if i == spec.shape.num_layers - 1 else f"{t}h.{i + 1}.ln_1"
         normed, residual = skip_layer_norm(g, linear(g, hidden, *conv("mlp.c_proj")), residual, w(f"{nxt}.weight"),
                                            w(f"{nxt}.bias"), eps)
-    return normed, presents, wte
+    head = wte if spec.tie_word_embeddings else vocab_table(g, "lm_head.weight", vocab_size)
+    return normed, presents, head
