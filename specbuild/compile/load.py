@@ -306,7 +306,7 @@ def _load_tokenizer(path: Path, role: str):
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
-    except Exception as exc:
+    except Exception:  # transformers raises many types for missing or broken tokenizer files
         raise CheckpointError(
             f"{role} checkpoint {path} has no usable tokenizer; it needs tokenizer.json "
             "or the tokenizer files its tokenizer_config.json names"
