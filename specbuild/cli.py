@@ -475,7 +475,7 @@ def _key_value(item: str) -> tuple[str, object]:
 @cli.command()
 @click.option("--cache", type=existing_dir, default=Path(".cache/demo"), show_default=True,
               help="Where the demo pair and its bundle are kept between runs.")
-@click.option("--recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Pair recipe.  [default: recipes/demo.toml]")
+@click.option("--recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Pair recipe.  [default: the packaged specbuild/recipes/demo.toml]")
 @click.option("--prompt", "-p", help="Code to complete.  [default: the first of 8 bundled code prompts]")
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=2), default=96, show_default=True,
               help="Tokens to generate per prompt (at least 2: decode speed is measured after the first).")

@@ -17,7 +17,7 @@ from .compile import compile_bundle
 from .recipe import resolve_settings
 from .texts import CODE_PROMPTS, read_prompts
 
-DEMO_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo.toml"
+DEMO_RECIPE = Path(__file__).resolve().parent / "recipes" / "demo.toml"  # package data: in wheels too
 
 
 def ensure_pair(recipe: Path, pair: Path) -> None:

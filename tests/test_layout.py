@@ -23,3 +23,22 @@ def test_the_runtime_never_imports_torch():
 def test_the_server_never_imports_torch():
     modules = imported_after("import specbuild_runtime.serve.app, specbuild_runtime.serve.cli")
     assert "torch" not in modules and "transformers" not in modules
+
+
+def test_the_wheel_carries_the_files_the_commands_read(tmp_path):
+    """`specbuild demo` reads its recipe, bench and distill the packaged prompts: from a wheel too."""
+    import shutil
+    import zipfile
+    from pathlib import Path
+
+    from specbuild.demo import DEMO_RECIPE
+
+    root = Path(__file__).resolve().parent.parent
+    source = tmp_path / "source"  # a copy: setuptools builds in the source tree
+    shutil.copytree(root / "specbuild", source / "specbuild", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, source)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path),
+                    str(source)], check=True, capture_output=True)
+    names = set(zipfile.ZipFile(next(tmp_path.glob("specbuild-*.whl"))).namelist())
+    assert DEMO_RECIPE.relative_to(root).as_posix() in names and "specbuild/prompts/code.jsonl" in names

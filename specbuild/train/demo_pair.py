@@ -2,7 +2,7 @@
 
 The pair shares one byte-level BPE tokenizer, so it compiles into a bundle like any Hugging Face pair, and
 it is trained for minutes on a CPU, so demos and benchmarks need no model hub. Every setting comes from a
-recipe's [pair] table (recipes/demo.toml): the one place the demo's defaults live.
+recipe's [pair] table (specbuild/recipes/demo.toml): the one place the demo's defaults live.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ TARGET_EVAL_TOKENS = 50_000  # the target evaluates at ~2.5k tokens/s on 2 cores
 
 @dataclass(frozen=True)
 class PairRecipe:
-    """The [pair] table of a recipe; every key is required (recipes/demo.toml documents each)."""
+    """The [pair] table of a recipe; every key is required (specbuild/recipes/demo.toml documents each)."""
 
     skip_dirs: list[str]
     vocab_size: int
@@ -50,7 +50,7 @@ def read_pair_recipe(path: Path) -> PairRecipe:
     table = read_table(path, "pair", names)
     missing = sorted(names - set(table))
     if missing:
-        raise TrainingError(f"recipe {path}: [pair] lacks {', '.join(missing)} (recipes/demo.toml has every key)")
+        raise TrainingError(f"recipe {path}: [pair] lacks {', '.join(missing)} (specbuild/recipes/demo.toml has every key)")
     return PairRecipe(**table)
 
 
