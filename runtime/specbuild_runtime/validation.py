@@ -84,7 +84,8 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
     if len(prompt_ids) > max_seq_len:
         raise RequestError(
             f"the prompt has {len(prompt_ids)} tokens but this bundle's context is {max_seq_len}; shorten "
-            f"the prompt or recompile with --max-seq-len {len(prompt_ids) + max_new_tokens}"
+            f"the prompt, or recompile with a larger --max-seq-len ({len(prompt_ids) + max_new_tokens} would fit this "
+            "request) within the model's max_position_embeddings"
         )
     return Request(prompt_ids, max_new_tokens, gamma, Sampling(temperature, top_k, top_p, seed), stop_strings(stop))
 
