@@ -15,7 +15,7 @@ import numpy as np
 from specbuild_runtime import SpeculativeDecoder
 from specbuild_runtime.decode import AUTO, Stats
 from specbuild_runtime.engine import PROVIDERS, session_options
-from specbuild_runtime.errors import SpecbuildError
+from specbuild_runtime.errors import RequestError, SpecbuildError
 from specbuild_runtime.slot import WARM_UP_RUNS
 
 from ..acceptance import theoretical_speedup
@@ -207,7 +207,11 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
     decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs,
                                  draft_steps=draft_steps)
     prompt_ids = [decoder.encode(p) for p in prompts]
-    decoder.request(prompt_ids[0], max_new_tokens, temperature=temperature)  # refused now, not after measuring
+    for number, ids in enumerate(prompt_ids, 1):  # refused now, not after measuring
+        try:
+            decoder.request(ids, max_new_tokens, temperature=temperature)
+        except RequestError as exc:
+            raise RequestError(f"prompt {number} of {len(prompt_ids)}: {exc}") from None
     bandwidth = measure_bandwidth(decoder.device)
     modes = run_ours(decoder, prompt_ids, max_new_tokens, [0, *gammas, AUTO], temperature)
     baseline = modes[0]
