@@ -357,7 +357,7 @@ CASES = [
     Case("a bundle file changed after compiling", ["generate", "{bundle}", "-p", "x", "-n", "4"], 1, "corrupted",
          "Rebuild the bundle with `specbuild compile`.", setup=a_copy_of("bundle", corrupt_bundle_weights)),
     Case("a bundle whose `manifest.json` is not JSON", ["generate", "{bundle}", "-p", "x"], 1, "is not valid JSON",
-         "Rebuild the bundle with `specbuild compile`.",
+         "Rebuild the bundle into a new folder, or delete this one first (`--overwrite` replaces only a readable bundle).",
          setup=a_copy_of("bundle", lambda f: (f / "manifest.json").write_text("{ not json"))),
     Case("a bundle missing an engine file", ["generate", "{bundle}", "-p", "x"], 1, "draft.onnx is missing",
          "Rebuild the bundle with `specbuild compile`.", setup=a_copy_of("bundle", lambda f: (f / "draft.onnx").unlink())),

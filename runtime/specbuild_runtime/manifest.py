@@ -286,9 +286,9 @@ def load_manifest(root: str | Path, check_digests: bool = True, require_engines:
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BundleError(f"{path} is not valid JSON ({exc}); rebuild the bundle with `specbuild compile`") from None
+        raise BundleError(f"{path} is not valid JSON ({exc}); {UNREADABLE_ADVICE}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise BundleError(f"{path} is not a specbuild manifest; rebuild the bundle with `specbuild compile`")
+        raise BundleError(f"{path} is not a specbuild manifest; {UNREADABLE_ADVICE}")
     if data.get("format_version") != FORMAT_VERSION:
         raise BundleError(
             f"{root} has bundle format version {data.get('format_version')}, this runtime reads version "
@@ -305,6 +305,10 @@ def load_manifest(root: str | Path, check_digests: bool = True, require_engines:
     if check_digests:
         verify_digests(root, manifest)
     return manifest
+
+
+# compile --overwrite replaces only a folder whose manifest says it is a bundle: not this one.
+UNREADABLE_ADVICE = "rebuild the bundle with `specbuild compile` into a new folder (or delete this one first)"
 
 
 def verify_digests(root: Path, manifest: Manifest) -> None:
