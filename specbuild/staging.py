@@ -90,8 +90,13 @@ def check_output(output: Path, *, overwrite: bool, is_kind: Callable[[Path], boo
 
 
 def refuse_overlap(output: Path, inputs: dict[str, Path | None]) -> None:
-    """OutputError if output is an input, holds one or lies inside one."""
+    """OutputError if output is an input, holds one or lies inside one, or is the current folder (or holds
+    it): a folder is replaced whole, which would leave the shell in a deleted folder that looks empty."""
     out = Path(output).resolve()
+    cwd = Path.cwd().resolve()
+    if out == cwd or out in cwd.parents:
+        raise OutputError(f"output {output} is {'the' if out == cwd else 'above the'} current folder, which the "
+                          "output replaces whole; run from another folder or choose another output")
     for role, path in inputs.items():
         if path is None:
             continue

@@ -235,6 +235,8 @@ CASES = [
          setup=a_folder_with_a_file),
     Case("an existing bundle without `--overwrite`", NEW, 1, "already holds a specbuild bundle",
          "Pass `--overwrite` to replace it, or choose another `--output`.", setup=existing_bundle),
+    Case("`--output .` (the current folder)", compile_args("."), 1, "current folder",
+         "Run from the folder above, or choose another output."),
     Case("a second compile to the same output while one runs", NEW, 1, "is writing",
          "Wait for the other compile to finish (the lock file `.NAME.lock` beside the output is released when it ends).",
          setup=hold_the_lock),
