@@ -145,9 +145,15 @@ def compile_cmd(recipe, **options) -> None:
     """Build an engine bundle: both models as ONNX (greedy verification inside the target's graph), and/or
     as TensorRT-LLM checkpoints with the plans to build and serve them."""
     from .compile import compile_bundle
+    from .errors import MissingSettingsError
     from .recipe import resolve_settings
 
-    settings = resolve_settings(recipe, **options)
+    try:
+        settings = resolve_settings(recipe, **options)
+    except MissingSettingsError as exc:
+        if recipe is None:  # the command line alone is incomplete: malformed, as click's own missing options
+            raise click.UsageError(str(exc)) from None
+        raise
     manifest = compile_bundle(settings)
     click.echo(f"wrote {settings.output}: max gamma {manifest.gamma}, max-seq-len {manifest.max_seq_len}")
     for role, e in manifest.engines.items():

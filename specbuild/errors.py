@@ -25,6 +25,10 @@ class SettingsError(SpecbuildError):
     """A compile setting (a recipe value, an option given through the API) is invalid."""
 
 
+class MissingSettingsError(SettingsError):
+    """A compile lacks a required setting (the CLI: a usage error when no recipe was given)."""
+
+
 class ExternalToolError(SpecbuildError):
     """A tool the compiler runs (trtllm-build) failed."""
 

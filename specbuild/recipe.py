@@ -26,7 +26,7 @@ from typing import Callable
 
 from specbuild_runtime.manifest import MAX_GAMMA, PRECISIONS
 
-from .errors import SettingsError
+from .errors import MissingSettingsError, SettingsError
 
 DEFAULT_GAMMA = 8
 DEFAULT_MAX_SEQ_LEN = 2048
@@ -195,6 +195,7 @@ def resolve_settings(recipe: Path | None, **options) -> CompileSettings:
     values.update({k: v for k, v in options.items() if v is not None})
     missing = [k for k in ("target", "draft", "output") if k not in values]
     if missing:
-        where = f"or in [compile] of {recipe}" if recipe else "or in a recipe"
-        raise SettingsError(f"missing {', '.join('--' + m for m in missing)} (give them as options {where})")
+        where = f"in [compile] of {recipe}" if recipe else "in a recipe"
+        raise MissingSettingsError(f"missing {', '.join('--' + m for m in missing)} (give "
+                                   f"{'it' if len(missing) == 1 else 'them'} as options or {where})")
     return CompileSettings(**values, recipe=recipe)

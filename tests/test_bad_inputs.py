@@ -255,6 +255,8 @@ CASES = [
          "Use a power of two from 16 to 256 (32 is the default; larger blocks trade accuracy for size)."),
     Case("`--block-size` or `--accuracy-level` without quantizing", compile_args("{tmp}/bundle", "--block-size", "64"), 1,
          "shape quantized engines", "Add `--quantize int4|int8` (or per engine), or leave them out."),
+    Case("`compile` without `--draft` (and no recipe)", ["compile", "--target", "{target}", "-o", "{tmp}/bundle"], 2,
+         "missing --draft (give it", "Give `--target`, `--draft` and `--output`, or a recipe with them."),
     Case("an unknown option", compile_args("{tmp}/bundle", "--gama", "4"), 2, "No such option",
          "See `specbuild COMMAND --help`."),
     Case("`specbuild compile --recipe R` where R has no `output`", ["compile", "--recipe", "{recipe}"], 1,

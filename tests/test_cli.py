@@ -13,7 +13,6 @@ import sys
 import pytest
 
 from conftest import PROMPTS, make_checkpoint
-from test_bad_inputs import drop_a_tensor
 
 
 def specbuild(*args, check=False):
@@ -94,17 +93,14 @@ def test_verify_holds_a_half_precision_bundle_against_transformers_in_its_precis
 
 
 def test_a_failure_while_building_leaves_no_partial_bundle(checkpoints, tmp_path, monkeypatch):
-    """The draft lacks a tensor: building its engine fails while the target's engine already sits in the
-    staging folder (the spy proves the failure came inside staging, not before it)."""
+    """Writing the draft's engine fails (a shard that cannot be read, say) while the target's engine already
+    sits in the staging folder (the spy proves the failure came inside staging, not before it)."""
     from contextlib import contextmanager
 
     from specbuild.compile import compile_bundle, pipeline
     from specbuild.recipe import CompileSettings
 
-    draft = tmp_path / "draft"
-    shutil.copytree(checkpoints("llama", 1), draft)
-    drop_a_tensor(draft)
-    staged, at_failure = pipeline.staged_bundle, []
+    staged, export, at_failure = pipeline.staged_bundle, pipeline.export_engine, []
 
     @contextmanager
     def spy(*args, **kwargs):
@@ -115,10 +111,17 @@ def test_a_failure_while_building_leaves_no_partial_bundle(checkpoints, tmp_path
                 at_failure.extend(sorted(p.name for p in folder.iterdir()))
                 raise
 
+    def failing_draft(ckpt, role, *args, **kwargs):
+        if role == "draft":
+            raise OSError(5, "Input/output error", str(ckpt.path / "model.safetensors"))
+        return export(ckpt, role, *args, **kwargs)
+
     monkeypatch.setattr(pipeline, "staged_bundle", spy)
+    monkeypatch.setattr(pipeline, "export_engine", failing_draft)
     out = tmp_path / "bundle"
-    with pytest.raises(Exception):
-        compile_bundle(CompileSettings(checkpoints("llama"), draft, out, max_seq_len=64), show_progress=False)
+    with pytest.raises(OSError):
+        compile_bundle(CompileSettings(checkpoints("llama"), checkpoints("llama", 1), out, max_seq_len=64),
+                       show_progress=False)
     assert "target.onnx.data" in at_failure, f"the compile failed before staging ({at_failure}): this test is hollow"
     assert_no_bundle_left(out)
 
