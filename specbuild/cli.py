@@ -309,7 +309,8 @@ def quality_line(q: dict) -> str:
 @click.option("--target", required=True, type=existing_dir, help="The target checkpoint the bundle was built from.")
 @click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help='JSONL file, one {"prompt": "..."} per line.')
-@click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Tokens compared per prompt.")
 @click.option("--gamma", type=GammaType(), default="auto", show_default=True, help="Draft tokens per round.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @device_option
@@ -331,7 +332,7 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
         divergences, precision = report["divergences"], report["precision"]
         d = divergences[0]
         others = f" (and {len(divergences) - 1} more of {report['prompts']} prompts)" if len(divergences) > 1 else ""
-        line = (f"DIVERGED on prompt {d['prompt_index']} ({d['prompt'][:40]!r}) at generated token {d['position']}{others}: "
+        line = (f"DIVERGED on prompt {d['prompt_index'] + 1} ({d['prompt'][:40]!r}) at generated token {d['position']}{others}: "
                 f"bundle {_token(d['bundle_token'])} vs transformers {_token(d['transformers_token'])} "
                 f"({precision} on {report['device']})")
         if "transformers_vs_fp32" in d:
@@ -362,7 +363,7 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
 @click.option("--peers", type=CommaList(click.Choice(PEERS)), default="",
               help=f"Comma-separated peers to measure on the source checkpoints: {', '.join(PEERS)}.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the full report here.")
-@click.option("--plot", "plot_out", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG plot here (needs matplotlib).")
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False, path_type=Path), help="Write a plot here: PNG, SVG or PDF by the name's extension (needs matplotlib).")
 @click.option("--temperature", type=Finite(min=0), default=0.0, show_default=True,
               help="Sample at this temperature (seeded per prompt) instead of greedy decoding.")
 @device_option
@@ -427,7 +428,8 @@ def check_plot_path(path: Path) -> None:
               help="Text file or folder whose spans serve as prompts.  [default (neither): the target's own samples]")
 @click.option("--gamma", type=click.IntRange(min=1), default=4, show_default=True, help="γ at which acceptance is measured.")
 @click.option("--loss", "objective", type=click.Choice(["tvd", "fkl", "rkl", "jsd"]), default="tvd", show_default=True,
-              help="Divergence of the draft's distribution from the target's (train.divergence.DIVERGENCES).")
+              help="Divergence of the draft's distribution from the target's: total variation, forward or reverse KL, "
+                   "Jensen-Shannon.")
 @click.option("--force", is_flag=True, help="Write the draft even if α did not rise.")
 @click.option("--overwrite", is_flag=True, help="Replace the checkpoint at --output (never anything that is not a checkpoint).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")

@@ -54,7 +54,7 @@ def test_verify_reports_identical_and_exits_nonzero_on_divergence(bundles, check
     ok, bad = cli.run([["verify", str(bundles("llama", 1)), "--target", str(checkpoints(*target)),
                                    "--prompts", str(prompts), "-n", "16"] for target in (("llama",), ("llama", 1))])
     assert ok["status"] == 0 and ok["stdout"].startswith("identical")
-    assert bad["status"] == 1 and "DIVERGED on prompt 0" in bad["stdout"]
+    assert bad["status"] == 1 and "DIVERGED on prompt 1 (" in bad["stdout"]
 
 
 def test_verify_holds_transformers_to_the_bundles_context_and_checks_every_prompt_first(bundles, checkpoints,
