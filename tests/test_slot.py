@@ -336,3 +336,27 @@ def test_warm_up_captures_the_shapes_that_requests_of_a_fixed_gamma_meet(bundle)
             for prompt in PROMPTS[:3]:
                 decoder.generate(prompt, NEW_TOKENS, gamma, **sampling)
     assert decoder.graphs_captured == before
+
+
+def test_a_new_thread_warms_up_its_own_graphs_even_under_an_ended_threads_id(bundle, monkeypatch):
+    """onnxruntime keeps CUDA graphs per thread; Python reuses an ended thread's id for a new thread (often,
+    not always: here every thread has the same id)."""
+    import threading
+
+    from specbuild_runtime.slot import CudaGraphs
+
+    monkeypatch.setattr(threading, "get_ident", lambda: 1)
+
+    decoder = forced_captures(bundle)
+    graphs, graph = CudaGraphs(decoder.target), 7
+    named = []
+
+    def runs():
+        named.extend(graphs.options(graph).get_run_config_entry("gpu_graph_id") for _ in range(WARM_UP_RUNS + 2))
+
+    for _ in range(2):
+        thread = threading.Thread(target=runs)
+        thread.start()
+        thread.join()
+    assert named == 2 * (["-1"] * WARM_UP_RUNS + [str(graph)] * 2)
+    assert decoder.target.graphs_captured == 2

@@ -106,16 +106,18 @@ class CudaGraphs:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._run_options: dict[int, ort.RunOptions] = {}  # CUDA graph id -> the options that name it
-        self._warm_up: dict[tuple[int, int], int] = {}  # (thread, graph id) -> runs so far, the capturing one included
+        # Per thread, graph id -> runs so far, the capturing one included. A thread-local, not a dict keyed by
+        # thread id: ids are reused once a thread ends, and a new thread must warm up its own graphs.
+        self._warm_up = threading.local()
 
     def options(self, graph: int) -> ort.RunOptions | None:
         if not self.engine.captures:
             return None
         if graph >= 0:
-            key = (threading.get_ident(), graph)
-            runs = self._warm_up.get(key, 0)
+            counts = self._warm_up.__dict__.setdefault("runs", {})
+            runs = counts.get(graph, 0)
             if runs <= WARM_UP_RUNS:
-                self._warm_up[key] = runs + 1
+                counts[graph] = runs + 1
                 if runs < WARM_UP_RUNS:
                     graph = -1
                 else:  # this run captures it
