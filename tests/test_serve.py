@@ -544,3 +544,28 @@ def test_start_up_warms_every_worker_thread_up_in_a_slot_of_its_own(bundle):
     assert len(set(decoder.slots._last.values())) == 2
     assert all(threads[ident].startswith("specbuild-slot") for ident in decoder.slots._last.values())
     asyncio.run(scheduler.close())
+
+
+def test_a_deadline_that_passes_after_the_last_token_but_before_the_job_is_finished_stops_nothing(bundle):
+    """The worker has posted every delta; the loop has yet to run _finished when the timer fires."""
+    from specbuild_runtime import SpeculativeDecoder
+    from specbuild_runtime.serve.metrics import Metrics
+    from specbuild_runtime.serve.scheduler import Scheduler
+
+    decoder = SpeculativeDecoder(bundle)
+    request = decoder.request(PROMPTS[0], 12, 2)
+
+    async def run() -> str:
+        scheduler = Scheduler(decoder, 1, 0, None, Metrics(1))
+        finish, pending = scheduler._finished, []
+        scheduler._finished = lambda job, future: pending.append((job, future))
+        job = scheduler.submit(request)
+        while not pending:
+            await asyncio.sleep(0.01)
+        scheduler.stop(job, "timeout")
+        finish(*pending[0])
+        text = "".join([delta async for delta in job])
+        await scheduler.close()
+        return text
+
+    assert asyncio.run(run()) == decoder.generate(PROMPTS[0], 12, 2).text

@@ -58,6 +58,7 @@ class Job:
     halt: threading.Event = field(default_factory=threading.Event)  # read by the worker after every token
     started: bool = False  # holds (or held) a slot
     done: bool = False  # its worker returned and the slot is free
+    decoded: bool = False  # set by the worker once the decoder's generator ended: a deadline after it stops nothing
     first_delta_at: float | None = None  # time.monotonic(), set by the worker
     timer: asyncio.TimerHandle | None = None
 
@@ -125,7 +126,7 @@ class Scheduler:
     def stop(self, job: Job, reason: str) -> None:
         """Stop a job that has not finished: its iterator raises Stopped(reason); a running one frees its slot
         after the token it is decoding. A no-op for a job already stopped or finished."""
-        if job.halt.is_set() or job.done:
+        if job.halt.is_set() or job.done or job.decoded:
             return
         job.halt.set()
         if job.timer:
@@ -182,3 +183,4 @@ class Scheduler:
                     post(job.events.put_nowait, delta)
                 if job.halt.is_set():
                     return  # closing() ends the generator here, which frees its slot
+        job.decoded = True  # every delta is posted; the loop is yet to run _finished
