@@ -254,6 +254,7 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
         "draft_weight_mb": round(decoder.manifest.engines["draft"].weight_bytes / 1e6, 2),
         "target_bandwidth_gbs": round(achieved, 2),
         "target_bandwidth_fraction": round(achieved / bandwidth, 3),
+        "target_only_seconds": round(baseline.decode_seconds, 3),  # every mode decodes the same prompts and tokens
         "results": rows,
     }
     if drafting:
@@ -271,6 +272,9 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
 
         report["peers"] = run_peers(peers, decoder, prompt_ids, max_new_tokens, gammas, baseline)
     return report
+
+
+SHORT_RUN_SECONDS = 2.0  # a run's decoding time below which timer noise and one-off costs show in its ratios
 
 
 def graphs_note(report: dict) -> str:
@@ -308,6 +312,9 @@ def format_table(report: dict) -> str:
             f"{f', {per_call} steps a call' if per_call else ''}) and reads the draft's weights at {100 * share:.0f}% of "
             "the measured bandwidth" + ("; the rest of it is per-call cost" if share < 0.95 else "")
         )
+    if report["target_only_seconds"] < SHORT_RUN_SECONDS:
+        lines.append(f"note: target-only decoding took {report['target_only_seconds']:.2f} s in all; ratios from a "
+                     "run this short are noisy (efficiency above 1, say): give more prompts or a larger -n")
     auto = next((row for row in report["results"] if row["gamma"] == AUTO), None)
     if auto and auto.get("gamma_rounds"):
         lines.append("auto chose γ " + ", ".join(f"{gamma} in {rounds}" for gamma, rounds in auto["gamma_rounds"].items())
