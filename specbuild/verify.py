@@ -46,6 +46,9 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
         raise CheckpointError(f"{role} checkpoint {path} is not a Hugging Face checkpoint folder (no config.json); "
                               "pass the folder the bundle was compiled from")
     logging.disable_progress_bar()  # a bar per load on stderr, where a pipeline reads one-line errors
+    # and its deprecation notes about its own internals (assisted generation calls the draft's generate in a
+    # way it warns about)
+    logging.set_verbosity_error()
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, TORCH_DTYPES[precision]), use_safetensors=True,
                                                      local_files_only=True, trust_remote_code=False)
