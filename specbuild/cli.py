@@ -240,7 +240,7 @@ def inspect(bundle, as_json) -> None:
     click.echo(f"{gamma}max-seq-len {manifest.max_seq_len}   eos {manifest.eos_token_ids}")
     if manifest.build:
         click.echo(f"compiled   in {manifest.build['seconds']:.0f} s, peak memory {manifest.build['peak_rss_bytes'] / 2**30:.2f} GiB")
-    for role, e in manifest.engines.items():
+    for role, e in sorted(manifest.engines.items(), key=lambda item: item[0] != "target"):  # the target first
         s = e.shape
         click.echo(
             f"{role:<10} {e.architecture} {e.parameters / 1e6:.2f}M params, {e.weight_bytes / 2**20:.1f} MiB, "
