@@ -452,11 +452,16 @@ def distill(target, output, init, draft_config, minutes, prompts_file, data, gam
         click.echo(json.dumps(report, indent=2))
     else:
         made = report["generation"]
-        click.echo(f"prompts: {report['prompts']} ({report['train_prompts']} for training, {report['heldout_prompts']} held out)")
+        if prompts_file or data:
+            click.echo(f"prompts: {report['prompts']} ({report['train_prompts']} for training, {report['heldout_prompts']} "
+                       "held out)")
+        else:
+            click.echo(f"prompts: the target's own samples from its start token ({report['heldout_prompts']} held out)")
         click.echo(
             f"acceptance α at γ {gamma} on the held-out prompts: {report['alpha_before']:.3f} -> {report['alpha_after']:.3f} "
             f"({report['alpha_gain']:+.3f}) after {report['training']['seconds'] / 60:.1f} min "
-            f"({made['sequences']} sequences made in {made['seconds'] / 60:.1f} min, {report['training']['steps']} steps)"
+            f"({_count(made['sequences'], 'sequence')} made in {made['seconds'] / 60:.1f} min, "
+            f"{_count(report['training']['steps'], 'step')})"
         )
         click.echo(
             f"speed-up bound at γ {gamma} with c = {report['cost_ratio']:.3f} (draft/target parameters): "
@@ -466,8 +471,13 @@ def distill(target, output, init, draft_config, minutes, prompts_file, data, gam
             click.echo(f"wrote {output}: draft {report['draft_parameters'] / 1e6:.2f}M parameters "
                        f"({report['draft_parameters'] / report['target_parameters']:.1%} of the target)")
     if not report["written"]:
+        more = "more prompts like yours" if prompts_file or data else "--prompts like yours"
         raise TrainingError(f"α did not rise ({report['alpha_before']:.3f} -> {report['alpha_after']:.3f}), so {output} "
-                            "was not written; train longer, give --prompts like yours, or --force to write it anyway")
+                            f"was not written; train longer, give {more}, or --force to write it anyway")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _key_value(item: str) -> tuple[str, object]:
