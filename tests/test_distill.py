@@ -222,7 +222,7 @@ def test_the_distill_command_says_in_one_line_that_it_wrote_nothing(pair, tmp_pa
     result = distill_command("--target", pair[0], "--init", pair[0], "-o", tmp_path / "draft", "--minutes", "0.01")
     assert result.returncode == 1
     assert "on the held-out prompts: 1.000 -> " in result.stdout
-    assert "prompts: the target's own samples from its start token (32 held out)" in result.stdout
+    assert "prompts: the target's own samples from its start token (" in result.stdout
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "was not written" in lines[0], result.stderr
     assert not (tmp_path / "draft").exists()
