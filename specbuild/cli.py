@@ -63,12 +63,18 @@ class CommaList(click.ParamType):
         return list(dict.fromkeys(items))  # each once, in the order given
 
 
-class Utf8Text(click.ParamType):
-    """Text that is valid UTF-8 (Python hands undecodable argv bytes over as lone surrogates)."""
+class PromptText(click.ParamType):
+    """Text that is valid UTF-8 (Python hands undecodable argv bytes over as lone surrogates); "-" reads it
+    from stdin (a long prompt, a file: `-p - < prompt.txt`)."""
 
     name = "text"
 
     def convert(self, value, param, ctx):
+        if value == "-":
+            try:
+                return sys.stdin.buffer.read().decode("utf-8")
+            except UnicodeDecodeError:
+                self.fail("- : stdin is not valid UTF-8 text", param, ctx)
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
@@ -164,7 +170,7 @@ def compile_cmd(recipe, **options) -> None:
 
 @cli.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--prompt", "-p", required=True, type=Utf8Text(), help="Text to continue.")
+@click.option("--prompt", "-p", required=True, type=PromptText(), help="Text to continue; - reads it from stdin.")
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=128, show_default=True, help="Stop after this many new tokens.")
 @click.option("--gamma", type=GammaType(), default="auto", show_default=True,
               help="Draft tokens per round: 'auto' adapts to the draft's acceptance, 0 is the target alone.")

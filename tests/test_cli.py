@@ -15,9 +15,10 @@ import pytest
 from conftest import PROMPTS, make_checkpoint
 
 
-def specbuild(*args, check=False):
+def specbuild(*args, check=False, stdin=None):
     """One command line in its own process (tests/test_bench.py uses it)."""
-    result = subprocess.run([sys.executable, "-m", "specbuild", *map(str, args)], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "specbuild", *map(str, args)], capture_output=True, text=True,
+                            input=stdin)
     if check:
         assert result.returncode == 0, result.stderr
     return result
@@ -227,3 +228,11 @@ def test_no_overwrite_on_the_command_line_wins_over_a_recipes_overwrite(bundles,
     result = subprocess.run([sys.executable, "-m", "specbuild", "compile", "--recipe", str(recipe), "--no-overwrite"],
                             capture_output=True, text=True)
     assert result.returncode == 1 and "pass --overwrite" in result.stderr, result.stderr
+
+
+def test_generate_reads_the_prompt_from_stdin_given_a_dash(bundles):
+    prompt = "def add(a, b):\n    return"  # a newline, as files have
+    piped = specbuild("generate", bundles("llama", 1), "-p", "-", "-n", 6, "--json", stdin=prompt, check=True)
+    given = specbuild("generate", bundles("llama", 1), "-p", prompt, "-n", 6, "--json", check=True)
+    piped, given = json.loads(piped.stdout), json.loads(given.stdout)
+    assert (piped["prompt_token_ids"], piped["token_ids"]) == (given["prompt_token_ids"], given["token_ids"])
