@@ -12,8 +12,7 @@ from conftest import PROMPTS, make_tokenizer
 from specbuild_runtime import RequestError, SpeculativeDecoder, Stats
 from specbuild_runtime.text import TextStream
 
-# (prompt, options): greedy with adaptive and fixed γ, and seeded sampling (fixed γ: which γ a round
-# uses changes which random numbers judge which draft, so only a fixed γ reproduces a sampled run).
+# (prompt, options): greedy with adaptive and fixed γ, and seeded sampling (at fixed γ here; auto below).
 REQUESTS = [
     (PROMPTS[0], dict(gamma="auto")),
     (PROMPTS[2], dict(gamma=3)),
@@ -244,6 +243,19 @@ def test_streamed_text_is_what_the_prompt_and_the_tokens_decode_to_past_the_prom
             stream.push(token)
             streamed += stream.take()
         assert streamed + stream.finish() == stream.text == expected, cut
+
+
+def test_a_seeded_sampled_request_reproduces_under_auto_gamma_whatever_ran_before(bundle):
+    """Which γ a round uses changes which random number judges which draft: a seeded request's auto γ
+    follows its own acceptance alone, not timings or the slot's earlier requests."""
+    options = dict(gamma="auto", temperature=1.0, seed=5)
+    decoder = SpeculativeDecoder(bundle)
+    first = decoder.generate(PROMPTS[1], NEW_TOKENS, **options)
+    assert len(first.stats.gamma_rounds) > 1, "auto used one γ throughout: this test is hollow"
+    for prompt in PROMPTS[:4]:  # unseeded traffic teaches the slot's own policy (and the shared costs)
+        decoder.generate(prompt, NEW_TOKENS, gamma="auto", temperature=1.0)
+    assert decoder.generate(PROMPTS[1], NEW_TOKENS, **options).token_ids == first.token_ids
+    assert SpeculativeDecoder(bundle, parallel=2).generate(PROMPTS[1], NEW_TOKENS, **options).token_ids == first.token_ids
 
 
 def test_generated_text_follows_the_prompts_text(bundle):

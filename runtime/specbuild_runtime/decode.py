@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 from .engine import CAPTURED_BY_DEFAULT, UNCAPTURED, Engine, Sampler, requested_device, use_shared_thread_pool
 from .errors import BundleError, DeviceError, RequestError
 from .manifest import TOKENIZER_DIR, Manifest, load_manifest
-from .policy import GREEDY_DECAYS, SAMPLING_DECAYS, AdaptiveGamma, Costs, FixedGamma
+from .policy import GREEDY_DECAYS, SAMPLING_DECAYS, AdaptiveGamma, Costs, FixedGamma, PriorCosts
 from .slot import MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, Rows, Slot, SlotPool, fixed_rows
 from .text import TextStream
 from .validation import AUTO, Prompt, Request, check_request, check_vocabularies, whole
@@ -190,7 +190,7 @@ class SpeculativeDecoder:
         # Adaptive γ: the costs of a round describe the machine and are shared; α follows the text a slot
         # decodes, so each slot keeps its own (carried over to its next request, as the pair's agreement
         # is). Greedy and sampled decoding accept drafts differently: one of each per mode.
-        draft_cost = self.draft.info.bytes_per_call / self.target.info.bytes_per_call
+        self._draft_cost = draft_cost = self.draft.info.bytes_per_call / self.target.info.bytes_per_call
         costs = {sampling: Costs(self.max_gamma, draft_cost) for sampling in (False, True)}
         self._policies = [{sampling: AdaptiveGamma(self.max_gamma, draft_cost, SAMPLING_DECAYS if sampling else GREEDY_DECAYS,
                                                    costs[sampling]) for sampling in (False, True)}
@@ -291,13 +291,25 @@ class SpeculativeDecoder:
                     stats.finish_reason = "stop"
                     return
 
+    def _policy(self, slot: Slot, request: Request):
+        """How the request's rounds choose γ. Greedy output is the target's whatever γ is; a sampled one
+        depends on which random number judges which draft, so a seeded one under auto adapts to its own
+        acceptance alone (policy.PriorCosts), not to timings and other requests: it reproduces."""
+        sampling = request.sampling
+        if request.gamma != AUTO:
+            return FixedGamma(request.gamma)
+        if sampling.seed is not None and not sampling.greedy:
+            return AdaptiveGamma(self.max_gamma, self._draft_cost, SAMPLING_DECAYS,
+                                 PriorCosts(self.max_gamma, self._draft_cost))
+        return self._policies[slot.index][not sampling.greedy]
+
     def _speculate(self, slot: Slot, request: Request, stats: Stats) -> Iterator[int]:
         """The speculative loop over one slot."""
         sampling = request.sampling
         slot.configure(sampling.temperature, sampling.top_k, sampling.top_p)
         rng = sampling.generator()
         uniforms = (lambda n: None) if sampling.greedy else (lambda n: self._uniforms(rng, n))
-        policy = self._policies[slot.index][not sampling.greedy] if request.gamma == AUTO else FixedGamma(request.gamma)
+        policy = self._policy(slot, request)
         target = slot.target
         max_len, max_new_tokens = self.max_seq_len, request.max_new_tokens
         positions = self.max_gamma if request.gamma == AUTO else request.gamma

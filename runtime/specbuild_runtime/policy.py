@@ -110,6 +110,15 @@ class Costs:
                 self.rounds[drafted] = _ema(self.rounds[drafted], draft_seconds + target_seconds)
 
 
+class PriorCosts(Costs):
+    """Round costs from the prior alone, never timed: a seeded sampled request under auto γ prices rounds so,
+    and keeps its own α (a fresh AdaptiveGamma), so that the γ of each round, and with it which random
+    number judges which draft, follows from its seed alone: the request reproduces, as at a fixed γ."""
+
+    def observe(self, drafted: int, draft_seconds: float, target_seconds: float, caught_up: bool) -> None:
+        pass
+
+
 class AlphaEstimate:
     """α as a running average of accepted drafts with one decay, and how well it has predicted the rounds
     it saw (the average log-likelihood of their accepted counts before each was added)."""

@@ -29,7 +29,7 @@ Prompt = Union[str, Sequence[int], np.ndarray]
 @dataclass(frozen=True)
 class Sampling:
     """temperature 0 is greedy (check_request makes any below GREEDY_BELOW 0); a seed makes a sampled run
-    reproducible (with a fixed γ)."""
+    reproducible (at any γ, auto included: decode.SpeculativeDecoder._policy)."""
 
     temperature: float = 0.0
     top_k: int = 0
