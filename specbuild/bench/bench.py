@@ -165,7 +165,10 @@ def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_toke
     for seed, ids in enumerate(prompts):
         for result in results:
             stats, before = Stats(), decoder.graphs_captured
-            tokens = list(decoder.stream(ids, max_new_tokens, result.gamma, temperature=temperature, seed=seed, stats=stats))
+            # Sampled auto unseeded: the policy of requests without a seed (timed costs, α learned across
+            # requests), which most traffic uses; a seed would give the reproducible one (decoder._policy).
+            tokens = list(decoder.stream(ids, max_new_tokens, result.gamma, temperature=temperature,
+                                         seed=None if result.gamma == AUTO else seed, stats=stats))
             result.add(stats, tokens)
             result.captures += decoder.graphs_captured - before
     return results
