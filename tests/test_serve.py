@@ -230,6 +230,14 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "inclde": 1}},
      "unrecognized stream_options argument: 'inclde'"),
     ("completions", {"prompt": "x", "logprobs": 2}, "'logprobs' is not supported"),
+    ("completions", {"prompt": "x", "logprobs": 0}, "'logprobs' is not supported"),  # 0: the chosen tokens' logprobs
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
+     "'tool_choice' is not supported"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     "'response_format' is not supported"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 3, "max_tokens": "x"},
+     "max_tokens must be a whole number"),
+    ("completions", {"prompt": "x", "top_k": -2}, "top_k must be >= 0"),
     ("completions", {"prompt": "x", "presence_penalty": False}, "'presence_penalty' is not supported"),
     ("completions", {"prompt": "x", "frobnicate": 1}, "unrecognized request argument: 'frobnicate'"),
     ("completions", {"prompt": "x", "stream": "yes"}, "stream must be true or false"),
@@ -254,6 +262,24 @@ def test_bad_requests_get_400_with_a_message(server, endpoint, body, message):
         assert reply.status_code == 400, reply.text
         error = reply.json()["error"]
         assert message in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_what_clients_send_by_default_asking_for_plain_text_is_accepted_as_if_absent(server, reference):
+    """tool_choice "none", a text response_format, text modalities, parallel_tool_calls, vLLM's top_k -1."""
+    chat = {"messages": [{"role": "user", "content": "def f(x):"}], "max_tokens": 8}
+    plain = httpx.post(f"{server}/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+    for extra in ({"tool_choice": "none"}, {"response_format": {"type": "text"}}, {"modalities": ["text"]},
+                  {"parallel_tool_calls": True}, {"parallel_tool_calls": False}, {"top_k": -1}):
+        reply = httpx.post(f"{server}/v1/chat/completions", json={**chat, **extra})
+        assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == plain, (extra, reply.text)
+
+
+def test_a_chat_prompt_too_long_names_a_context_that_fits_it(server):
+    """Without max_tokens a chat decodes until the context is full: any context longer than the prompt fits."""
+    reply = httpx.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "def f(x):\n" * 200}]})
+    message = reply.json()["error"]["message"]
+    prompt_tokens = int(message.split("the prompt has ")[1].split()[0])
+    assert reply.status_code == 400 and f"({prompt_tokens + 1} would fit this request)" in message, message
 
 
 def test_another_model_name_is_404_and_models_lists_ours(server):

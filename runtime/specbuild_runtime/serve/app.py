@@ -159,8 +159,8 @@ class Server:
             # Special tokens come from the template's text, as transformers' apply_chat_template encodes it.
             prompt = decoder.tokenizer.encode(self.chat_template.render(request.messages), add_special_tokens=False).ids
         max_tokens = request.max_tokens
-        if max_tokens is None:  # until the context is full
-            max_tokens = decoder.max_seq_len
+        if max_tokens is None:  # until the context is full (the last token needs no room in the cache)
+            max_tokens = max(1, decoder.max_seq_len - len(prompt) + 1)
         return decoder.request(prompt, max_tokens, **request.decoding)
 
     async def _collect(self, job, http: HttpRequest) -> str:

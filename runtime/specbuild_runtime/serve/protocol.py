@@ -33,6 +33,9 @@ UNSUPPORTED = {"logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_b
                "parallel_tool_calls", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options"}
 
 FLAGS = {"logprobs", "echo", "parallel_tool_calls"}  # the unsupported parameters that are true/false
+# Values that ask for nothing beyond plain text (clients send them by default): as if absent.
+NEUTRAL = {"tool_choice": ["none"], "response_format": [{"type": "text"}], "modalities": [["text"]],
+           "parallel_tool_calls": [True]}
 
 # The runtime's names for what the API calls otherwise, to name them back in error messages.
 RUNTIME_NAMES = {"max_new_tokens": "max_tokens"}
@@ -104,12 +107,15 @@ def parse(endpoint: str, raw: bytes, model: str) -> Request:
         raise ApiError(400, f"unrecognized stream_options argument: '{unknown[0]}'", "stream_options")
     include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
     decoding = {name: body[name] for name in DECODING if body.get(name) is not None}
+    if type(decoding.get("top_k")) is int and decoding["top_k"] == -1:
+        decoding["top_k"] = 0  # vLLM's "no limit", which its clients send
     max_tokens = _first_given(body, *(["max_completion_tokens"] if endpoint == CHAT else []), "max_tokens")
-    if body.get("max_completion_tokens") is not None and endpoint == CHAT:
-        try:  # checked here, where its own name is known (the runtime's errors say max_tokens)
-            whole("max_completion_tokens", max_tokens, low=1)
+    for name in ("max_completion_tokens", "max_tokens") if endpoint == CHAT else ():
+        try:  # checked here, where its own name is known (the runtime's errors say max_tokens), both if both given
+            if body.get(name) is not None:
+                whole(name, body[name], low=1)
         except RequestError as exc:
-            raise ApiError(400, str(exc), "max_completion_tokens") from None
+            raise ApiError(400, str(exc), name) from None
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS[endpoint]
     if endpoint == CHAT:
@@ -125,8 +131,10 @@ def _first_given(body: dict, *names: str):
 
 def _neutral(name: str, value) -> bool:
     """Whether an unsupported parameter is left as if absent (`"logprobs": null`, `"best_of": 1`, ...)."""
-    if type(value) in (int, float):
-        return value == (1 if name == "best_of" else 0)
+    if value in NEUTRAL.get(name, []) and type(value) is not int:  # True == 1: only the values listed
+        return True
+    if type(value) in (int, float):  # completions' "logprobs": 0 asks for the chosen tokens' logprobs
+        return value == (1 if name == "best_of" else 0) and name != "logprobs"
     if type(value) is bool:  # false is absent only where the parameter is a flag; a number given false is wrong
         return not value and name in FLAGS
     return value in (None, "", [], {})
