@@ -102,6 +102,24 @@ def test_reference_forward_of_the_exported_pair_matches_transformers(pairs, toke
         assert sorted(p.name for p in checkpoint.iterdir()) == ["config.json", *(f"rank{r}.safetensors" for r in range(tp))]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bias_flags_say_exactly_which_biases_are_written(pairs, tmp_path, family):
+    """TensorRT-LLM builds its layers from the config's flags and drops a tensor no layer asks for with a
+    warning; the reference adds every bias it finds: only agreeing flags keep the two alike."""
+    checkpoint = export(pairs(family)[0], tmp_path / "t", 1)
+    config = json.loads((checkpoint / "config.json").read_text())
+    names = set(load_file(checkpoint / "rank0.safetensors"))
+    written = {part for part in ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")
+               if f"transformer.layers.0.{part}.bias" in names}
+    if "bias" in config:  # GPT: every linear layer
+        expected = {"attention.qkv", "attention.dense", "mlp.fc", "mlp.proj"} if config["bias"] else set()
+    else:  # LLaMA: attn_bias covers qkv and dense; QWen: qkv only (its Attention has dense_bias=False)
+        attention = ({"attention.qkv"} if "qwen_type" in config else {"attention.qkv", "attention.dense"})
+        expected = (attention if config["attn_bias"] else set()) | (
+            {"mlp.fc", "mlp.gate", "mlp.proj"} if config.get("mlp_bias") else set())
+    assert written == expected, (config.get("attn_bias"), config.get("mlp_bias"), sorted(written))
+
+
 def test_rope_scaling_is_exported_and_matters(pairs, tokenizer, tmp_path):
     target = pairs("llama3-rope")[0]
     checkpoint = export(target, tmp_path / "t", 2)
