@@ -114,7 +114,7 @@ def build_draft_steps(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, st
 
 def check_every_tensor_used(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
     """UnsupportedModelError if the model's graph would leave a stored tensor unread: a variant the graph
-    builder does not know (biases Gemma does not have, GPT-2 with its own head), for which it would
+    builder does not know (Gemma with biases, say), for which it would
     compute other logits than transformers without a word. Builds the graph without reading a weight."""
     spec = ckpt.spec
     g = GraphBuilder(f"specbuild-{spec.architecture}", ckpt, Numerics())
