@@ -349,6 +349,29 @@ def test_an_int4_bundle_decodes_speculatively_as_target_only_on_cuda_captured_or
                                      f"{first_difference(got, expected)} differs from target-only, prompt {prompt!r}")
 
 
+def test_a_draft_smaller_than_its_padded_target_decodes_on_cuda_captured_or_not(checkpoints, tokenizer, tmp_path):
+    """Qwen2.5-0.5B drafting Qwen2.5-7B: the draft reads the target's padding ids as its last row (a Min on
+    the ids, on the device: no copy in the graphs CUDA graphs capture)."""
+    from specbuild_runtime import load_manifest
+
+    folder, vocab = tmp_path / "padded", len(tokenizer)
+    compile_bundle(CompileSettings(target=checkpoints("llama", 0, vocab_size=vocab + 64), draft=checkpoints("llama", 1),
+                                   output=folder, max_seq_len=256, precision="fp16"), show_progress=False)
+    draft = load_manifest(folder).engines["draft"]
+    for graph in (draft.greedy_file, draft.steps_file):
+        on_cpu, nodes, _ = _placement(folder / graph, tmp_path)
+        assert not [n.name for n in nodes if n.op_type.startswith("Memcpy")], f"{graph}: its nodes on the CPU: {on_cpu}"
+    emitted = set()
+    for cuda_graphs in (False, True):
+        decoder = SpeculativeDecoder(folder, device="cuda", cuda_graphs=cuda_graphs)
+        for prompt in PROMPTS[:4]:
+            expected = decoder.generate(prompt, NEW_TOKENS, 0).token_ids
+            emitted.update(expected)
+            for gamma in (1, 4, "auto"):
+                assert decoder.generate(prompt, NEW_TOKENS, gamma).token_ids == expected, (cuda_graphs, gamma, prompt)
+    assert max(emitted) >= vocab, "the target never emitted a padding id: this test is hollow"
+
+
 @pytest.mark.parametrize("architecture", [
     "qwen2-window", "gemma3", "phi3",
     pytest.param("gpt2", marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason="refused (engine.UNCAPTURED): "
