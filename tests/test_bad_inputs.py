@@ -102,18 +102,6 @@ def add_a_bias(folder: Path) -> None:
     save_file(tensors, weights, metadata={"format": "pt"})
 
 
-def without_architectures(folder: Path) -> None:
-    config = json.loads((folder / "config.json").read_text())
-    del config["architectures"]
-    (folder / "config.json").write_text(json.dumps(config))
-
-
-def pre_quantized(folder: Path) -> None:
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
-    (folder / "config.json").write_text(json.dumps(config))
-
-
 class WritesMarker:
     """Unpickled, it writes a file named marker: what a malicious checkpoint would do."""
 
@@ -162,15 +150,20 @@ def source_elsewhere(change: Callable[[Path], None] | None) -> Callable[[dict], 
     return setup
 
 
-def add_a_config_key(folder: Path) -> None:
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "edited": True}))
+def config_edit(change: Callable[[dict], None]) -> Callable[[Path], None]:
+    """A setup that changes a checkpoint folder's config.json."""
+    def edit(folder: Path) -> None:
+        config = json.loads((folder / "config.json").read_text())
+        change(config)
+        (folder / "config.json").write_text(json.dumps(config))
+
+    return edit
 
 
-def falcon(folder: Path) -> None:
-    config = json.loads((folder / "config.json").read_text())
-    config["architectures"] = ["FalconForCausalLM"]
-    (folder / "config.json").write_text(json.dumps(config))
+add_a_config_key = config_edit(lambda config: config.update(edited=True))
+falcon = config_edit(lambda config: config.update(architectures=["FalconForCausalLM"]))
+without_architectures = config_edit(lambda config: config.pop("architectures"))
+pre_quantized = config_edit(lambda config: config.update(quantization_config={"quant_method": "awq", "bits": 4}))
 
 
 def other_tokenizer(paths: dict) -> None:
