@@ -90,7 +90,7 @@ def sampling_options(command):
         click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="Sample from the k most likely tokens (0 = all)."),
         click.option("--top-p", type=Finite(min=0, max=1, min_open=True), default=1.0, show_default=True,
                      help="Sample from the smallest set of tokens holding this much probability."),
-        click.option("--seed", type=int, help="Seed for sampling (any integer); with a fixed --gamma it reproduces a run exactly."),
+        click.option("--seed", type=int, help="Seed for sampling (any integer): it reproduces a run exactly, at a fixed --gamma or auto."),
     ]):
         command = option(command)
     return command

@@ -32,7 +32,7 @@ cuda_graphs_option = click.option(
     "--cuda-graphs/--no-cuda-graphs", default=None,
     help="Run the engines' greedy-only graphs, each call shape captured once and replayed as a CUDA graph (sampling "
          "runs the bundle's sampler after each call, uncaptured), or the full graphs uncaptured.  [default: CUDA "
-         "graphs on cuda for the bundles `specbuild inspect` says (Llama-family fp16/bf16, unquantized), off "
+         "graphs on cuda for the bundles `specbuild inspect` says (LlamaForCausalLM fp16/bf16, unquantized), off "
          "otherwise]")
 draft_steps_option = click.option(
     "--draft-steps/--no-draft-steps", default=None,
