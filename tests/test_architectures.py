@@ -81,3 +81,25 @@ def test_a_checkpoint_with_tensors_its_graph_would_not_read_is_refused_before_an
 def test_gpt2_attention_without_its_scale_is_refused(checkpoints):
     with pytest.raises(UnsupportedModelError, match="GPT-2 attention variants"):
         load_checkpoint(checkpoints("gpt2", scale_attn_weights=False), "target")
+
+
+def test_tensors_transformers_ignores_are_ignored_too(checkpoints, tokenizer, tmp_path):
+    """Buffers some checkpoints store (rotary tables) and biases their config says the model has not:
+    transformers loads neither, and the bundle decodes as transformers does."""
+    from safetensors.numpy import load_file, save_file
+
+    target = tmp_path / "target"
+    shutil.copytree(checkpoints("llama"), target)
+    weights = next(target.glob("*.safetensors"))
+    tensors = load_file(weights)
+    norm = tensors["model.layers.0.input_layernorm.weight"]
+    for name in ("self_attn.rotary_emb.cos_cached", "self_attn.rotary_emb.sin_cached", "self_attn.q_proj.bias",
+                 "self_attn.o_proj.bias"):
+        tensors[f"model.layers.0.{name}"] = norm + 1
+    save_file(tensors, weights, metadata={"format": "pt"})
+    compile_bundle(CompileSettings(target=target, draft=checkpoints("llama", seed=1), output=tmp_path / "b", max_seq_len=64),
+                   show_progress=False)
+    decoder, model = SpeculativeDecoder(tmp_path / "b"), load_reference(target)
+    for prompt in PROMPTS[:2]:
+        ids = tokenizer(prompt)["input_ids"]
+        assert decoder.generate(ids, 16, 4).token_ids == transformers_greedy(model, ids, 16, [])

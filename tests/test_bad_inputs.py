@@ -92,14 +92,11 @@ def drop_a_tensor(folder: Path) -> None:
     save_file(tensors, weights, metadata={"format": "pt"})
 
 
-def add_a_bias(folder: Path) -> None:
-    """A tensor the Llama graph would not read (its config says no attention bias)."""
-    from safetensors.numpy import load_file, save_file
+def gemma_with_biases(paths: dict) -> None:
+    """A target whose attention biases transformers reads and specbuild's Gemma graph does not."""
+    from conftest import make_checkpoint, make_tokenizer
 
-    weights = next(folder.glob("*.safetensors"))
-    tensors = load_file(weights)
-    tensors["model.layers.0.self_attn.q_proj.bias"] = tensors["model.layers.0.input_layernorm.weight"]
-    save_file(tensors, weights, metadata={"format": "pt"})
+    paths["target"] = make_checkpoint(Path(paths["tmp"]) / "gemma", "gemma2", make_tokenizer(), attention_bias=True)
 
 
 class WritesMarker:
@@ -335,7 +332,7 @@ CASES = [
          setup=a_copy_of("target", pre_quantized)),
     Case("tensors the architecture's graph would not read (a variant not supported)", compile_args(), 1,
          "does not use", "Use a checkpoint of a supported variant (the message names the first tensors left over).",
-         setup=a_copy_of("draft", add_a_bias)),
+         setup=gemma_with_biases),
     Case("a draft with another tokenizer", compile_args(), 1, "different tokenizers",
          "Use a draft trained with the target's tokenizer (`specbuild distill` makes one).", setup=other_tokenizer),
     Case("truncated `*.safetensors`", compile_args(), 1, "model.safetensors",

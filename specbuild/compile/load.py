@@ -86,6 +86,7 @@ class Checkpoint:
     tokenizer: object  # transformers.PreTrainedTokenizerFast
     weight_files: list[Path]
     entries: dict[str, TensorEntry]  # every stored tensor, from the shards' headers
+    loaded: frozenset[str]  # the stored tensors transformers loads into this config's model (the rest it ignores)
 
     def tensor_names(self) -> list[str]:
         return list(self.entries)
@@ -188,7 +189,7 @@ def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
     weight_files = _weight_files(path, role)
     entries = _entries(weight_files, path)
     config = _load_config(path, role)
-    _check_shapes(config, entries, path, role)
+    loaded = _loaded_tensors(config, entries, path, role)
     tokenizer = _load_tokenizer(path, role)
     try:
         spec = model_spec(config, architecture, path, role)
@@ -196,7 +197,7 @@ def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
         raise UnsupportedModelError(f"{role} checkpoint {path}: config.json (model_type {raw.get('model_type')!r}) has "
                                     f"no {exc.name!r}, which a {architecture} needs; use the config.json of the "
                                     "text model these weights belong to") from None
-    return Checkpoint(path, spec, config, tokenizer, weight_files, entries)
+    return Checkpoint(path, spec, config, tokenizer, weight_files, entries, loaded)
 
 
 def _kind(architecture: str, config: dict) -> str:
@@ -275,11 +276,11 @@ def _load_config(path: Path, role: str):
         raise CheckpointError(f"{role} checkpoint {path}: config.json cannot be read ({exc})") from None
 
 
-def _check_shapes(config, entries: dict[str, TensorEntry], path: Path, role: str) -> None:
-    """Every stored tensor that a model of this config.json has must have the shape the config implies.
-    Weights of another config (vocab_size, key-value heads, intermediate_size) would otherwise build an
-    engine that fails later with a message that blames specbuild. The shapes come from transformers' own
-    model, made on the meta device (no memory, under a second even at 8B)."""
+def _loaded_tensors(config, entries: dict[str, TensorEntry], path: Path, role: str) -> frozenset[str]:
+    """The stored tensors transformers loads into a model of this config.json (by their stored names), each
+    checked to have the shape the config implies: weights of another config (vocab_size, key-value heads,
+    intermediate_size) would otherwise build an engine that fails later with a message that blames
+    specbuild. From transformers' own model, made on the meta device (no memory, under a second even at 8B)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -291,14 +292,19 @@ def _check_shapes(config, entries: dict[str, TensorEntry], path: Path, role: str
                               f"({type(exc).__name__}: {first_line(exc)}); use the config.json that came with "
                               "these weights") from None
     prefix = model.base_model_prefix + "."
+    loaded = set()
     for name, parameter in model.state_dict().items():
-        entry = entries.get(name) or entries.get(name.removeprefix(prefix))
-        if entry is not None and entry.shape != tuple(parameter.shape):
+        stored = name if name in entries else name.removeprefix(prefix)
+        if stored not in entries:
+            continue
+        loaded.add(stored)
+        if entries[stored].shape != tuple(parameter.shape):
             raise CheckpointError(
-                f"{role} checkpoint {path}: tensor {name!r} has shape {list(entry.shape)} but config.json implies "
-                f"{list(parameter.shape)}; the weights and config.json do not belong together: use the config.json "
-                "that came with these weights"
+                f"{role} checkpoint {path}: tensor {name!r} has shape {list(entries[stored].shape)} but config.json "
+                f"implies {list(parameter.shape)}; the weights and config.json do not belong together: use the "
+                "config.json that came with these weights"
             )
+    return frozenset(loaded)
 
 
 def _load_tokenizer(path: Path, role: str):

@@ -34,9 +34,6 @@ FAMILIES = {"llama": llama.body, "gemma": gemma.body, "gpt2": gpt2.body}
 INT64, INT32, FLOAT = ir.DataType.INT64, ir.DataType.INT32, ir.DataType.FLOAT
 
 __all__ = ["LOGITS", "build_decoder", "build_draft_steps", "build_sampler", "check_every_tensor_used"]
-# Stored tensors transformers does not read either: rotary buffers of old Llama checkpoints, GPT-2's
-# causal-mask buffers.
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
 
 def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_size: int | None = None,
@@ -113,23 +110,26 @@ def build_draft_steps(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, st
 
 
 def check_every_tensor_used(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
-    """UnsupportedModelError if the model's graph would leave a stored tensor unread: a variant the graph
-    builder does not know (Gemma with biases, say), for which it would
-    compute other logits than transformers without a word. Builds the graph without reading a weight."""
+    """UnsupportedModelError unless the model's graph reads exactly the stored tensors transformers loads: a
+    variant the graph builder does not know (Gemma with biases, say) would otherwise compute other logits
+    than transformers without a word. What transformers ignores (rotary or mask buffers some checkpoints
+    store) the graph ignores too. Builds the graph without reading a weight."""
     spec = ckpt.spec
     g = GraphBuilder(f"specbuild-{spec.architecture}", ckpt, Numerics())
     input_ids, att = _engine_inputs(g, spec, Numerics(), max_seq_len)
     *_, head = FAMILIES[spec.family](g, spec, g.op("Reshape", input_ids, g.const([-1])), att, max_seq_len,
                                      spec.shape.vocab_size)
     used = g.used | set(head.names)  # the head is read by the verification, not the body
-    unused = [name for name in ckpt.entries if name not in used and not name.endswith(IGNORED_SUFFIXES)
-              and not (spec.tie_word_embeddings and name == "lm_head.weight")]  # tied: transformers ignores it
-    if unused:
-        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
-        raise UnsupportedModelError(
-            f"{role} checkpoint {ckpt.path} has tensors specbuild's {spec.architecture} graph does not use "
-            f"({', '.join(unused[:3])}{more}): a variant of the architecture specbuild does not support; its "
-            "engine would compute other logits than transformers")
+    # A tied model's stored lm_head.weight: transformers loads it, then ties it to the embeddings.
+    unread = sorted(ckpt.loaded - used - ({"lm_head.weight"} if spec.tie_word_embeddings else set()))
+    foreign = sorted(used - ckpt.loaded)
+    for names, what in ((unread, "does not use"), (foreign, "reads, which transformers does not load,")):
+        if names:
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            raise UnsupportedModelError(
+                f"{role} checkpoint {ckpt.path} has tensors specbuild's {spec.architecture} graph {what} "
+                f"({', '.join(names[:3])}{more}): a variant of the architecture specbuild does not support; its "
+                "engine would compute other logits than transformers")
 
 
 def _embeddable(g: GraphBuilder, ids: ir.Value, vocab: int, target_vocab: int | None) -> ir.Value:

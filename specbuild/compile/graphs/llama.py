@@ -41,7 +41,7 @@ def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_se
                                      window=spec.sliding_windows[i])
         presents.append(present)
         # Llama's attention_bias includes o_proj; Qwen2 has q/k/v biases only.
-        o_bias = w(p + "self_attn.o_proj.bias") if p + "self_attn.o_proj.bias" in g.ckpt.entries else None
+        o_bias = w(p + "self_attn.o_proj.bias") if p + "self_attn.o_proj.bias" in g.ckpt.loaded else None
         normed, residual = skip_rms_norm(g, linear(g, out, w(p + "self_attn.o_proj.weight"), o_bias), residual,
                                          w(p + "post_attention_layernorm.weight"), eps)
         m = p + "mlp."
