@@ -258,13 +258,22 @@ def test_a_seeded_sampled_request_reproduces_under_auto_gamma_whatever_ran_befor
     assert SpeculativeDecoder(bundle, parallel=2).generate(PROMPTS[1], NEW_TOKENS, **options).token_ids == first.token_ids
 
 
-def test_generated_text_follows_the_prompts_text(bundle):
+def test_generated_text_follows_the_prompts_text_with_a_decoder_that_strips_a_leading_space(bundle):
+    """The bundle's byte-level tokenizer given SentencePiece's last decoding step (Llama 2's Strip): decoded
+    alone, a completion beginning with a space would lose it."""
+    from tokenizers import Tokenizer, decoders
+
     decoder = SpeculativeDecoder(bundle)
-    decode = decoder.tokenizer.decode
-    for prompt, options in REQUESTS:
+    decoder.tokenizer = tokenizer = Tokenizer.from_str(decoder.tokenizer.to_str())
+    tokenizer.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    decode, spaced = tokenizer.decode, 0
+    sampled = [(PROMPTS[0], dict(gamma=2, temperature=1.5, seed=seed)) for seed in range(16)]  # first tokens vary
+    for prompt, options in REQUESTS + sampled:
         result = decoder.generate(prompt, NEW_TOKENS, **options)
-        ids = result.prompt_token_ids + result.token_ids
-        assert result.text == decode(ids)[len(decode(result.prompt_token_ids)):]
+        expected = decode(result.prompt_token_ids + result.token_ids)[len(decode(result.prompt_token_ids)):]
+        assert result.text == "".join(decoder.stream_text(prompt, NEW_TOKENS, **options)) == expected
+        spaced += expected.startswith(" ")
+    assert spaced, "no completion began with a space: this test is hollow"
 
 
 def test_a_server_stream_yields_after_every_token_even_while_text_is_held_back(bundle, free_text):
