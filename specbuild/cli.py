@@ -371,7 +371,8 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the full report here.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False, path_type=Path), help="Write a plot here: PNG, SVG or PDF by the name's extension (needs matplotlib).")
 @click.option("--temperature", type=Finite(min=0), default=0.0, show_default=True,
-              help="Sample at this temperature (seeded per prompt) instead of greedy decoding.")
+              help="Sample at this temperature instead of greedy decoding (fixed-γ rows seeded per prompt; auto "
+                   "unseeded, as most traffic is).")
 @device_option
 @cuda_graphs_option
 @draft_steps_option

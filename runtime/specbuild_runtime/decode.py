@@ -109,7 +109,7 @@ class Stats:
 
 @dataclass
 class Generation:
-    text: str  # the decoded tokens, cut before a stop string
+    text: str  # the tokens' text as it follows the prompt's (text.TextStream), cut before a stop string
     token_ids: list[int]  # every token generated, the one that completed a stop string included
     prompt_token_ids: list[int]
     stats: Stats

@@ -142,7 +142,8 @@ class AlphaEstimate:
 
 
 class AdaptiveGamma:
-    """Keeps running estimates of α across requests (a warm decoder starts from what it learned), one per
+    """Keeps running estimates of α across requests (a warm decoder starts from what it learned; a seeded
+    sampled request gets a fresh one over PriorCosts, decode.SpeculativeDecoder._policy), one per
     decay in alpha_decays, uses the one that predicted the recent rounds best, and reads the costs from
     `costs`. Its α and probing follow one stream of text: a decoder keeps one per slot (and decoding
     mode), used by one request at a time, while the costs are shared."""

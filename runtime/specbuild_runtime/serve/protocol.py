@@ -131,7 +131,7 @@ def _first_given(body: dict, *names: str):
 
 def _neutral(name: str, value) -> bool:
     """Whether an unsupported parameter is left as if absent (`"logprobs": null`, `"best_of": 1`, ...)."""
-    if value in NEUTRAL.get(name, []) and type(value) is not int:  # True == 1: only the values listed
+    if value in NEUTRAL.get(name, []) and type(value) not in (int, float):  # True == 1 == 1.0: only the values listed
         return True
     if type(value) in (int, float):  # completions' "logprobs": 0 asks for the chosen tokens' logprobs
         return value == (1 if name == "best_of" else 0) and name != "logprobs"
