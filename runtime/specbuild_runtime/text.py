@@ -38,7 +38,11 @@ class TextStream:
         self._sent = 0  # characters of text taken
 
     def push(self, token: int) -> None:
-        self._ids.append(token)
+        self.extend([token])
+
+    def extend(self, tokens: list[int]) -> None:
+        """Several tokens at once: decoded in one call (a whole generation without stop strings)."""
+        self._ids.extend(tokens)
         if not self.stopped:
             self._decode(final=False)
 
