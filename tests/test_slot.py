@@ -65,15 +65,20 @@ def test_fixed_rows_after_a_short_prompt_recompute_from_the_start_until_the_cach
     assert all(total - first == 9 for first, total, _ in target_calls if total >= 9)
 
 
-def test_never_alone_re_feeds_one_row_and_a_row_computed_alone(bundle, target_calls):
+def test_cpu_calls_compute_an_even_number_of_rows_re_feeding_one_where_needed(bundle, target_calls):
+    """NEVER_ALONE: no row alone, none as a call's odd last row; a prompt's last two rows are a call of their
+    own (its head's rows are never re-fed, so they may be grouped any way)."""
     decoder = SpeculativeDecoder(bundle, target_rows=NEVER_ALONE)
     decoder.generate([5], 6, gamma=2)
     assert target_calls[0] == (0, 1, 0)  # a one-token prompt has no row before it
     assert target_calls[1][0] == 0  # so the next call computes it again, with others
-    assert all(total - first >= 2 for first, total, _ in target_calls[1:])
-    target_calls.clear()
-    decoder.generate([5, 6, 7], 6, gamma=0)
-    assert [total - first for first, total, _ in target_calls] == [3] + [2] * (len(target_calls) - 1)
+    assert all((total - first) % 2 == 0 for first, total, _ in target_calls[1:])
+    for prompt, gamma, head in (([5, 6, 7], 0, 1), ([5, 6, 7, 8], 2, 2), ([5, 6, 7, 8, 9], 3, 3)):
+        target_calls.clear()
+        decoder.generate(prompt, 6, gamma=gamma)
+        assert target_calls[:2] == [(0, head, 0), (head, len(prompt), 0)]
+        rows = [total - first for first, total, _ in target_calls[1:]]
+        assert all(n % 2 == 0 for n in rows) and (gamma == 0 or gamma + 2 in rows or gamma + 1 in rows), rows
 
 
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["full-graphs", "greedy-only-graphs"])

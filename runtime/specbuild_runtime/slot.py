@@ -39,17 +39,25 @@ class Rows:
         A row computed in a call of fewer rows is re-fed by the next call too.
     fixed: calls compute exactly `least` rows; a longer call (a prompt) is split so that its last part
         does, so every row any decision reads was computed in a call of that size.
+    even: calls compute an even number of rows (one more re-fed row where the cache has it), and a call
+        without drafts longer than `least` rows (a prompt) is split so that its last `least` rows form a
+        call of their own (the rows before it are never re-fed, so any grouping of them is the same in
+        every mode).
     """
 
     least: int
     fixed: bool = False
+    even: bool = False
 
 
 AS_FED = Rows(1)  # the draft: its rows only decide which drafts to propose, so it keeps its speed
-# The CPU: onnxruntime's CPU kernels (MatMul, MatMulNBits at every accuracy level) give a row bitwise the
-# same result in any call of two or more rows, but a different one (~1e-6, amplified to ~1e-2 by int8
-# compute) in a call of one. Measured exact (tests/test_quantize.py) and cheaper than fixed rows there.
-NEVER_ALONE = Rows(2)
+# The CPU: onnxruntime's CPU kernels give a row a different result (~1e-6, amplified to ~1e-2 by int8
+# compute) where it is computed apart from the others: in a call of one row (MatMul, MatMulNBits at every
+# accuracy level); as the odd last row of a call (MatMulNBits at accuracy level 4 with blocks of 64 or more
+# at int4, 128 or more at int8: rows go in pairs); as the 33rd, 65th, ... row (GroupQueryAttention: rows
+# go in blocks of 32). In calls of an even number of rows each row's bits are the same (measured exact,
+# tests/test_quantize.py) and cheaper than fixed rows there.
+NEVER_ALONE = Rows(2, even=True)
 
 
 def fixed_rows(max_gamma: int) -> Rows:
@@ -236,8 +244,11 @@ class EngineSlot:
         start = total_len - len(tokens)
         least = self.rows.least
         first = max(0, min(start, total_len - least, self._redo_from))
+        if self.rows.even and (total_len - first) % 2 and first > 0:
+            first -= 1
         self._fed[start:total_len] = tokens
-        if self.rows.fixed and total_len - first > least:  # a prompt's head: no decision reads its rows' call
+        if total_len - first > least and (self.rows.fixed or self.rows.even and not num_drafts):
+            # A prompt's head: no decision reads its rows' call, and no later call re-feeds them.
             self._run(first, total_len - least, 0, None, probs_row)
             first = total_len - least
         self._redo_from = first if total_len - first < least else self.engine.max_seq_len

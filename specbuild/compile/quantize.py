@@ -27,9 +27,10 @@ engine's float type):
   * accuracy_level is MatMulNBits' compute type, default 4 (int8 compute, activations quantized per row
     and block). It is the fast one on this AVX2 CPU: an int4 target decodes 2.2x faster than at level 0
     (fp32 compute, slower than the fp32 model here). Row by row it is as exact as level 0: MatMulNBits
-    at any level gives a row the same bits in every call of two or more rows, and the runtime never lets
-    a target row be computed alone (see specbuild_runtime.engine.Engine), so speculative output equals
-    the quantized target's own greedy output bit for bit at either level. (Without that rule level 4 was
+    at any level gives a row the same bits in every call of an even number of rows (a one-row call, and at
+    level 4 with large blocks an odd call's last row, are computed apart), and the runtime's target calls
+    on the CPU are even (specbuild_runtime.slot.NEVER_ALONE), so speculative output equals the quantized
+    target's own greedy output bit for bit at either level. (Without that rule level 4 was
     the risky one: a one-row call differs by ~1e-6 before rounding and int8 rounding turned it into
     logit jumps of up to ~1e-2.)
   * 8 bit MatMulNBits at level 0 runs a slow fallback on this CPU (~8x slower than fp32); at level 4 an

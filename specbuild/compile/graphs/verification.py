@@ -34,10 +34,12 @@ def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_dra
     """
     drafts, drafts_1d = _drafts(g, input_ids, num_drafts)
     rows_1d = g.op("Add", drafts_1d, g.const([1]))
-    # The head never runs on one row alone (see the runtime's Engine): at least two, the first then
-    # dropped, so every logit comes from the same multi-row kernel.
-    head_rows = g.op("Max", rows_1d, g.const([2]))
-    tail = g.op("Slice", hidden, g.op("Neg", head_rows), g.const([2**62]), g.const([0]))  # [max(D+1, 2), H], fewer in a 1-token call
+    # The head runs on an even number of rows, at least two (the first then dropped where D+1 is odd), as
+    # the runtime groups a call's rows on the CPU (slot.NEVER_ALONE): no logit comes from a row computed
+    # alone or as an odd last row, which some of onnxruntime's CPU kernels compute apart.
+    head_rows = g.op("Max", g.op("Mul", g.op("Div", g.op("Add", rows_1d, g.const([1])), g.const([2])), g.const([2])),
+                     g.const([2]))
+    tail = g.op("Slice", hidden, g.op("Neg", head_rows), g.const([2**62]), g.const([0]))  # [D+1 or D+2, H], fewer in a 1-token call
     rows = g.op("Slice", head(tail), g.op("Neg", rows_1d), g.const([2**62]), g.const([0]))  # [D+1, V]
     logits = rows if g.numerics.dtype == np.float32 else g.op("Cast", rows, to=FLOAT)
     if softcap:
