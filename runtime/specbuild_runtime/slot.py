@@ -40,9 +40,9 @@ class Rows:
     fixed: calls compute exactly `least` rows; a longer call (a prompt) is split so that its last part
         does, so every row any decision reads was computed in a call of that size.
     even: calls compute an even number of rows (one more re-fed row where the cache has it), and a call
-        without drafts longer than `least` rows (a prompt) is split so that its last `least` rows form a
-        call of their own (the rows before it are never re-fed, so any grouping of them is the same in
-        every mode).
+        of an odd number without drafts (a prompt) is split so that its last `least` rows form a call of
+        their own (the rows before them are never re-fed, so any grouping of them is the same in every
+        mode).
     """
 
     least: int
@@ -247,7 +247,8 @@ class EngineSlot:
         if self.rows.even and (total_len - first) % 2 and first > 0:
             first -= 1
         self._fed[start:total_len] = tokens
-        if total_len - first > least and (self.rows.fixed or self.rows.even and not num_drafts):
+        odd = (total_len - first) % 2
+        if total_len - first > least and (self.rows.fixed or self.rows.even and odd and not num_drafts):
             # A prompt's head: no decision reads its rows' call, and no later call re-feeds them.
             self._run(first, total_len - least, 0, None, probs_row)
             first = total_len - least
