@@ -427,13 +427,13 @@ def check_plot_path(path: Path) -> None:
 @click.option("--init", type=existing_dir, help="Start from this draft checkpoint (same tokenizer) instead of a new one.")
 @click.option("--draft-config", "draft_config", multiple=True, metavar="KEY=VALUE",
               help="Config overrides for a new draft, e.g. num_hidden_layers=2 (repeatable).  [default: <= 1/10 of the target]")
-@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
+@click.option("--minutes", type=Finite(min=0, min_open=True), default=5.0, show_default=True,
               help="Time for making data and training (measuring α before and after comes on top).")
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help='JSONL prompts, one {"prompt": "..."} per line, as you will decode (a fourth are held out to measure α).')
 @click.option("--data", type=click.Path(exists=True, path_type=Path),
               help="Text file or folder whose spans serve as prompts.  [default (neither): the target's own samples]")
-@click.option("--gamma", type=click.IntRange(min=1), default=4, show_default=True, help="γ at which acceptance is measured.")
+@click.option("--gamma", type=click.IntRange(1, MAX_GAMMA), default=4, show_default=True, help="γ at which acceptance is measured.")
 @click.option("--loss", "objective", type=click.Choice(["tvd", "fkl", "rkl", "jsd"]), default="tvd", show_default=True,
               help="Divergence of the draft's distribution from the target's: total variation, forward or reverse KL, "
                    "Jensen-Shannon.")

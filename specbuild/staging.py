@@ -86,6 +86,9 @@ def check_output(output: Path, *, overwrite: bool, is_kind: Callable[[Path], boo
     """What guarded_folder will check, for callers to run before long work, so that a refusal comes
     before minutes of training rather than after."""
     refuse_overlap(output, inputs or {})
+    existing = next(folder for folder in Path(output).resolve().parents if folder.exists())
+    if not existing.is_dir():
+        raise OutputError(f"{existing} is a file, so {output} cannot be made inside it; choose another output")
     check_replaceable(Path(output).resolve(), overwrite, is_kind, kind)
 
 

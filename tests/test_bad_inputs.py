@@ -304,6 +304,9 @@ CASES = [
     Case("`distill --output` its own target (or a folder holding it, or one inside it)",
          ["distill", "--target", "{target}", "--output", "{target}", "--minutes", "0.01", "--overwrite"], 1,
          "is the target", "Choose an output outside the target, `--init`, `--prompts` and `--data`."),
+    Case("`distill --output` inside a file", ["distill", "--target", "{target}", "--output", "{tmp}/notes/todo.txt/draft",
+                                            "--minutes", "0.01"], 1, "is a file",
+         "Choose an output whose parent folders are folders (refused before any training).", setup=a_folder_with_a_file),
     Case("`distill --output` a folder that is not a checkpoint", ["distill", "--target", "{target}", "--output",
                                                                    "{tmp}/notes", "--minutes", "0.01", "--overwrite"], 1,
          "is not a checkpoint", "Move the folder away or choose another `--output`: `--overwrite` replaces only "

@@ -255,11 +255,15 @@ def test_distill_never_unpickles_a_checkpoint(pair, tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     ({"num_hidden_layers": "abc"}, "must be of type int"), ({"hiden_size": 64}, "has no such key"),
     ({"hidden_size": 63}, "multiple of 16"), ({"num_hidden_layers": 1.5}, "must be of type int"),
+    ({"num_hidden_layers": 0}, "must be 1 or more"), ({"num_attention_heads": 0}, "must be 1 or more"),
+    ({"intermediate_size": 0}, "must be 1 or more"), ({"num_key_value_heads": 3}, "no multiple of num_key_value_heads"),
+    ({"vocab_size": 100}, "embedding rows"), ({"max_position_embeddings": 16}, "max_position_embeddings 16"),
+    ({"architectures": ["GPTNeoXForCausalLM"]}, "which specbuild does not compile"),
 ])
 def test_draft_config_values_that_make_no_compilable_draft_are_refused_before_training(pair, tmp_path, monkeypatch,
                                                                                         overrides, message):
     monkeypatch.setattr(distill_module, "train_model", lambda *a, **k: pytest.fail("refused only after training"))
-    with pytest.raises(TrainingError, match=message):
+    with pytest.raises((TrainingError, UnsupportedModelError), match=message):
         distill(pair[0], tmp_path / "draft", draft_config=overrides, minutes=0.01)
 
 
@@ -322,3 +326,10 @@ def test_the_demo_corpus_keeps_code_and_drops_comments_and_docstrings():
     source = 'x = 1  # one\n"""Doc."""\n\ndef f(a):\n    """Multi\n    line."""\n    # only\n    return "s"  # tail\n\n\nf("kept")\n'
     assert code_only(source) == 'x = 1\n\ndef f(a):\n    return "s"\n\n\nf("kept")\n'
     assert code_only("def broken(:\n    '''never closed\n") == "def broken(:\n    '''never closed\n"
+
+
+def test_an_init_draft_compile_would_refuse_is_refused_before_training(pair, tmp_path, monkeypatch):
+    monkeypatch.setattr(distill_module, "train_model", lambda *a, **k: pytest.fail("refused only after training"))
+    short = make_checkpoint(tmp_path / "short", "llama", make_tokenizer(), max_position_embeddings=16, **SMALLER)
+    with pytest.raises(TrainingError, match="max_position_embeddings 16"):
+        distill(pair[0], tmp_path / "draft", init=short, minutes=0.01)

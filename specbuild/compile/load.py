@@ -409,10 +409,10 @@ def validate_pair(target: Checkpoint, draft: Checkpoint) -> None:
             f"{len(t_vocab)} tokens; {len(differing)} differ, e.g. {example!r} is {d_vocab.get(example, 'missing')} in "
             f"the draft, {t_vocab.get(example, 'missing')} in the target); use a draft trained with the target's tokenizer"
         )
-    if _special_tokens(t) != _special_tokens(d):
+    if special_tokens(t) != special_tokens(d):
         raise PairMismatchError(
             f"draft {draft.path} and target {target.path} have different special tokens "
-            f"({_special_tokens(d)} vs {_special_tokens(t)}); use a draft with the target's tokenizer"
+            f"({special_tokens(d)} vs {special_tokens(t)}); use a draft with the target's tokenizer"
         )
     needed = max(t_vocab.values()) + 1
     for ckpt in (target, draft):
@@ -423,7 +423,7 @@ def validate_pair(target: Checkpoint, draft: Checkpoint) -> None:
             )
 
 
-def _special_tokens(tokenizer) -> dict:
+def special_tokens(tokenizer) -> dict:
     return {
         "bos": tokenizer.bos_token_id,
         "eos": tokenizer.eos_token_id,

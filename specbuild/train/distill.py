@@ -17,7 +17,8 @@ import torch
 from specbuild_runtime.errors import first_line
 
 from ..acceptance import expected_tokens_per_call, rounds, theoretical_speedup
-from ..compile.load import ARCHITECTURES, model_spec
+from ..compile.load import ARCHITECTURES, special_tokens, model_spec
+from ..recipe import DEFAULT_MAX_SEQ_LEN
 from ..errors import CheckpointError, TrainingError, UnsupportedModelError
 from ..verify import load_reference
 from .divergence import distill_loss
@@ -74,12 +75,50 @@ def shrunk_config(target_config, overrides: dict | None = None):
         if current is not None and type(value) is not type(current) and not (type(current) is float and type(value) is int):
             raise TrainingError(f"--draft-config {key}={value!r}: must be of type {type(current).__name__}, as the target's "
                                 f"{key} = {current!r} is")
-        setattr(config, key, value)
+        try:
+            setattr(config, key, value)
+        except Exception as exc:  # transformers' strict config classes check some values themselves
+            raise TrainingError(f"--draft-config {key}={value!r}: {first_line(exc)}") from None
+    _check_shape(config)
     if getattr(config, "head_dim", None) and "head_dim" not in (overrides or {}):
         config.head_dim = config.hidden_size // config.num_attention_heads
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[: config.num_hidden_layers]
     return config
+
+
+def _check_shape(config) -> None:
+    """TrainingError for a shape no model has (transformers builds some of them and fails only in the first
+    forward pass, minutes later, or never: a draft without layers that compile then refuses)."""
+    sizes = {key: getattr(config, key, None) for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                         "num_attention_heads", "num_key_value_heads")}
+    for key, value in sizes.items():
+        if value is not None and value < 1:
+            raise TrainingError(f"--draft-config {key}={value}: must be 1 or more")
+    heads, kv_heads = sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    if kv_heads and heads % kv_heads:
+        raise TrainingError(f"--draft-config: num_attention_heads {heads} is no multiple of num_key_value_heads {kv_heads}")
+
+
+def _check_pair(draft_config, target_config, tokenizer, where: str) -> None:
+    """What compile will check of the pair, checked before the minutes of training: a draft it supports,
+    embedding rows for every token, and the context compile gives the pair by default."""
+    architecture = (draft_config.architectures or ["<none>"])[0]
+    if architecture not in ARCHITECTURES:
+        raise UnsupportedModelError(f"{where} is a {architecture}, which specbuild does not compile; it supports "
+                                    f"{', '.join(sorted(ARCHITECTURES))}")
+    try:
+        spec = model_spec(draft_config, architecture, Path(where), "draft")
+    except CheckpointError as exc:
+        raise TrainingError(f"{exc}; choose another draft") from None
+    if spec.shape.vocab_size < len(tokenizer):
+        raise TrainingError(f"{where} has {spec.shape.vocab_size} embedding rows for the tokenizer's {len(tokenizer)} "
+                            "tokens; give it at least as many")
+    context = min(DEFAULT_MAX_SEQ_LEN, model_spec(target_config, target_config.architectures[0], Path(where),
+                                                  "target").max_position_embeddings)
+    if spec.max_position_embeddings < context:
+        raise TrainingError(f"{where} has max_position_embeddings {spec.max_position_embeddings}, below the {context} "
+                            "tokens of context compile gives the pair by default; give it at least as many")
 
 
 def _shapes(target_config) -> list[tuple[int, int]]:
@@ -128,17 +167,17 @@ def build_draft(target, tokenizer, draft_config: dict | None, init: Path | None,
         except Exception as exc:  # transformers raises many types for a config it cannot build
             raise TrainingError(f"the draft's config ({draft_config or 'the default shrink of the target'}) gives no "
                                 f"model transformers can build ({first_line(exc)}); choose other --draft-config values") from None
-        try:  # a draft that specbuild could not compile would be minutes of training for nothing
-            model_spec(config, config.architectures[0], Path("(new)"), "draft")
-        except CheckpointError as exc:
-            raise TrainingError(f"{exc}; choose other --draft-config values") from None
+        # a draft that specbuild could not compile would be minutes of training for nothing
+        _check_pair(config, target.config, tokenizer, f"the draft of --draft-config {draft_config or '(default)'}")
         return draft
     draft, draft_tokenizer = load_model(init, "draft")
-    if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+    if draft_tokenizer.get_vocab() != tokenizer.get_vocab() or special_tokens(draft_tokenizer) != special_tokens(tokenizer):
         raise CheckpointError(
             f"draft {init} has a different tokenizer from the target ({len(draft_tokenizer)} vs {len(tokenizer)} "
-            "tokens); distillation compares distributions token by token, so the draft must use the target's"
+            "tokens, or other special tokens); distillation compares distributions token by token, so the draft "
+            "must use the target's"
         )
+    _check_pair(draft.config, target.config, tokenizer, f"--init {init}")
     return draft
 
 
