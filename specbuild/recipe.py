@@ -95,7 +95,7 @@ def _one_of(*choices: str) -> Callable[[object], str | None]:
     return lambda value: None if value in choices else f"must be one of {', '.join(choices)}; not {_shown(value)}"
 
 
-def _whole(low: int, high: int | None = None, powers_of_two: bool = False) -> Callable[[object], str | None]:
+def whole_number(low: int, high: int | None = None, powers_of_two: bool = False) -> Callable[[object], str | None]:
     kind = "a power of two" if powers_of_two else "a whole number"
     wanted = f"{kind} from {low} to {high}" if high is not None else f"{kind}, {low} or more"
 
@@ -109,23 +109,29 @@ def _whole(low: int, high: int | None = None, powers_of_two: bool = False) -> Ca
     return check
 
 
+def positive_number(value) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        return f"must be a positive number, not {_shown(value)}"
+    return None
+
+
 RULES: dict[str, Callable[[object], str | None]] = {
     "target": _path,
     "draft": _path,
     "output": _path,
     "recipe": _path,
-    "gamma": _whole(1, MAX_GAMMA),
-    "max_seq_len": _whole(2),  # room for a prompt token and one generated token
+    "gamma": whole_number(1, MAX_GAMMA),
+    "max_seq_len": whole_number(2),  # room for a prompt token and one generated token
     "quantize": _one_of(*QUANTIZATIONS),
     "target_quantize": _one_of(*QUANTIZATIONS),
     "draft_quantize": _one_of(*QUANTIZATIONS),
-    "block_size": _whole(16, 256, powers_of_two=True),  # what onnxruntime's block quantizer kernels take
-    "accuracy_level": _whole(0, 4),
+    "block_size": whole_number(16, 256, powers_of_two=True),  # what onnxruntime's block quantizer kernels take
+    "accuracy_level": whole_number(0, 4),
     "precision": _one_of(*PRECISIONS),
     "quality_report": _boolean,
     "overwrite": _boolean,
     "backend": _one_of(*BACKENDS),
-    "tp": _whole(1),
+    "tp": whole_number(1),
 }
 RECIPE_KEYS = set(RULES) - {"recipe"}
 

@@ -303,6 +303,20 @@ def test_a_pair_recipe_missing_a_setting_is_refused(tmp_path):
         read_pair_recipe(tmp_path / "recipe.toml")
 
 
+@pytest.mark.parametrize("line, value, message", [
+    ("vocab_size", '"4096"', "vocab_size must be a whole number"), ("target_minutes", "-1", "positive number"),
+    ("seq_len", "0", "seq_len must be a whole number, 2 or more"), ("skip_dirs", '"encodings"', "list of folder names"),
+    ("hidden_size = 128", "0", "draft hidden_size must be a whole number"),
+])
+def test_a_pair_recipe_value_of_the_wrong_kind_is_refused_before_training(line, value, message, tmp_path):
+    key = line.split()[0]
+    lines = [f"{key} = {value}" if (text.startswith(line) if " = " in line else text.startswith(key + " ")) else text
+             for text in DEMO_RECIPE.read_text().splitlines()]
+    (tmp_path / "recipe.toml").write_text("\n".join(lines))
+    with pytest.raises(TrainingError, match=message):
+        read_pair_recipe(tmp_path / "recipe.toml")
+
+
 def test_training_steps_run_the_way_that_was_timed_fastest():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -14,8 +14,10 @@ import tokenize
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from specbuild_runtime.manifest import MAX_GAMMA
+
 from ..errors import TrainingError
-from ..recipe import read_table
+from ..recipe import positive_number, read_table, whole_number
 from ..texts import corpus_files, read_source
 from .distill import distill
 from .train import encode_corpus, heldout_loss, llama, parameter_count, save_checkpoint, train_model, train_tokenizer, windows
@@ -45,12 +47,33 @@ class PairRecipe:
         return self.target_minutes + self.distill_minutes
 
 
+MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+PAIR_RULES = {
+    "skip_dirs": lambda v: None if isinstance(v, list) and all(isinstance(d, str) for d in v) else "must be a list of folder names",
+    "vocab_size": whole_number(256), "seq_len": whole_number(2), "batch_size": whole_number(1), "lr": positive_number,
+    "target_minutes": positive_number, "distill_minutes": positive_number, "distill_lr": positive_number,
+    "gamma": whole_number(1, MAX_GAMMA), "seed": whole_number(0),
+    # LlamaConfig fields; a table without them would build LlamaConfig's defaults, a 7B model
+    "target": lambda v: _model_problem(v), "draft": lambda v: _model_problem(v),
+}
+
+
+def _model_problem(table) -> str | None:
+    if not isinstance(table, dict) or sorted(set(MODEL_KEYS) - set(table)):
+        return f"must be a table with {', '.join(MODEL_KEYS)}"
+    return next((f"{key} {problem}" for key in MODEL_KEYS if (problem := whole_number(1)(table[key]))), None)
+
+
 def read_pair_recipe(path: Path) -> PairRecipe:
+    """The [pair] table, every key present and of its kind, checked before minutes of training."""
     names = {f.name for f in fields(PairRecipe)}
     table = read_table(path, "pair", names)
     missing = sorted(names - set(table))
     if missing:
         raise TrainingError(f"recipe {path}: [pair] lacks {', '.join(missing)} (specbuild/recipes/demo.toml has every key)")
+    for key, rule in PAIR_RULES.items():
+        if problem := rule(table[key]):
+            raise TrainingError(f"recipe {path}: [pair] {key} {problem}")
     return PairRecipe(**table)
 
 
