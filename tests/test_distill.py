@@ -347,3 +347,12 @@ def test_an_init_draft_compile_would_refuse_is_refused_before_training(pair, tmp
     short = make_checkpoint(tmp_path / "short", "llama", make_tokenizer(), max_position_embeddings=16, **SMALLER)
     with pytest.raises(TrainingError, match="max_position_embeddings 16"):
         distill(pair[0], tmp_path / "draft", init=short, minutes=0.01)
+
+
+def test_a_large_text_file_is_read_only_as_far_as_prompts_need(tmp_path, monkeypatch):
+    """Read whole, a 28 MB --data file took 6 GB to tokenize."""
+    from specbuild.train import prompts as prompts_module
+
+    monkeypatch.setattr(prompts_module, "MAX_TEXT_CHARS", 1000)
+    (tmp_path / "big.txt").write_text("int x;\n" * 10_000)
+    assert [len(text) for text in read_texts(tmp_path / "big.txt")] == [1000]

@@ -54,14 +54,16 @@ def from_file(tokenizer, path: Path, max_heldout: int) -> Prompts:
 
 def read_texts(root: Path, seed: int = 0) -> list[str]:
     """The text files at or under root (a file or a folder); a large folder is sampled, files in random
-    order, down to about MAX_TEXT_CHARS (prompts need little text)."""
+    order, down to about MAX_TEXT_CHARS (prompts need little text), and a large file is read only that far
+    (whole, a 28 MB file took 6 GB to tokenize)."""
     candidates = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
     files = [path for path in candidates if is_text(path)]
     if not files:
         raise TrainingError(f"--data {root} holds no text files")
     texts, total = [], 0
     for index in np.random.default_rng(seed).permutation(len(files)):
-        texts.append(files[index].read_text(encoding="utf-8", errors="replace"))
+        with open(files[index], encoding="utf-8", errors="replace") as file:
+            texts.append(file.read(MAX_TEXT_CHARS - total))
         total += len(texts[-1])
         if total >= MAX_TEXT_CHARS:
             break
