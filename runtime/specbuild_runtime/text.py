@@ -20,8 +20,8 @@ PROMPT_CONTEXT = 5
 class TextStream:
     """Feed token ids with `push`; `take()` returns the text that is safe to send. The concatenation of
     every `take()` and the final `finish()` is exactly `text`: the tokens' text as it follows the prompt's
-    (given prompt_ids), cut before the earliest stop string (as OpenAI's API cuts it). Text that could still become a stop string is held
-    back until it cannot."""
+    (given prompt_ids), cut before the earliest stop string (as OpenAI's API cuts it). Text that could
+    still become a stop string is held back until it cannot."""
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), prompt_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer

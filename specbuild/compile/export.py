@@ -87,9 +87,7 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
         precision=numerics.precision,
         quantization=numerics.quantization,
         shape=dataclasses.replace(spec.shape, vocab_size=vocab),
-        # what transformers loads, a tied head once
-        parameters=sum(int(np.prod(ckpt.entries[name].shape)) for name in ckpt.loaded
-                       if not (spec.tie_word_embeddings and name == "lm_head.weight")),
+        parameters=sum(int(np.prod(ckpt.entries[name].shape)) for name in ckpt.weights()),
         weight_bytes=weight_bytes,
         read_bytes=weight_bytes - gathered,
         source={"path": str(ckpt.path.resolve()), "sha256": digest.result()},

@@ -91,6 +91,11 @@ class Checkpoint:
     def tensor_names(self) -> list[str]:
         return list(self.entries)
 
+    def weights(self) -> frozenset[str]:
+        """The stored tensors the model computes with: what transformers loads, less a tied model's stored
+        lm_head.weight (transformers loads it, then ties the head to the embeddings)."""
+        return self.loaded - ({"lm_head.weight"} if self.spec.tie_word_embeddings else set())
+
     def entry(self, name: str) -> TensorEntry:
         """The stored dtype and shape of a tensor without reading it."""
         entry = self.entries.get(name)
@@ -176,11 +181,7 @@ def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
                                     f"class, e.g. \"architectures\": [\"LlamaForCausalLM\"] (supported: "
                                     f"{', '.join(sorted(ARCHITECTURES))})")
     architecture = raw["architectures"][0]
-    if architecture not in ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{role} checkpoint {path} is a {architecture}{_kind(architecture, raw)}, which specbuild does not "
-            f"compile; it supports {', '.join(sorted(ARCHITECTURES))}"
-        )
+    check_architecture(architecture, f"{role} checkpoint {path}", raw)
     if isinstance(quantized := raw.get("quantization_config"), dict):
         raise UnsupportedModelError(
             f"{role} checkpoint {path} is pre-quantized ({quantized.get('quant_method', 'quantization_config')}); "
@@ -198,6 +199,14 @@ def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
                                     f"no {exc.name!r}, which a {architecture} needs; use the config.json of the "
                                     "text model these weights belong to") from None
     return Checkpoint(path, spec, config, tokenizer, weight_files, entries, loaded)
+
+
+def check_architecture(architecture: str, what: str, config: dict | None = None) -> None:
+    """UnsupportedModelError, naming what it is (mixture of experts, multimodal) and what is supported, for
+    an architecture without a graph builder."""
+    if architecture not in ARCHITECTURES:
+        raise UnsupportedModelError(f"{what} is a {architecture}{_kind(architecture, config or {})}, which specbuild "
+                                    f"does not compile; it supports {', '.join(sorted(ARCHITECTURES))}")
 
 
 def _kind(architecture: str, config: dict) -> str:

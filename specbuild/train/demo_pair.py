@@ -19,7 +19,7 @@ from specbuild_runtime.manifest import MAX_GAMMA
 from ..errors import TrainingError
 from ..recipe import positive_number, read_table, whole_number
 from ..texts import corpus_files, read_source
-from .distill import distill
+from .distill import SHAPE_KEYS, distill
 from .train import encode_corpus, heldout_loss, llama, parameter_count, save_checkpoint, train_model, train_tokenizer, windows
 
 TARGET_EVAL_TOKENS = 50_000  # the target evaluates at ~2.5k tokens/s on 2 cores; this keeps it to ~20 s
@@ -47,7 +47,6 @@ class PairRecipe:
         return self.target_minutes + self.distill_minutes
 
 
-MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 PAIR_RULES = {
     "skip_dirs": lambda v: None if isinstance(v, list) and all(isinstance(d, str) for d in v) else "must be a list of folder names",
     "vocab_size": whole_number(256), "seq_len": whole_number(2), "batch_size": whole_number(1), "lr": positive_number,
@@ -59,9 +58,9 @@ PAIR_RULES = {
 
 
 def _model_problem(table) -> str | None:
-    if not isinstance(table, dict) or sorted(set(MODEL_KEYS) - set(table)):
-        return f"must be a table with {', '.join(MODEL_KEYS)}"
-    return next((f"{key} {problem}" for key in MODEL_KEYS if (problem := whole_number(1)(table[key]))), None)
+    if not isinstance(table, dict) or sorted(set(SHAPE_KEYS) - set(table)):
+        return f"must be a table with {', '.join(SHAPE_KEYS)}"
+    return next((f"{key} {problem}" for key in SHAPE_KEYS if (problem := whole_number(1)(table[key]))), None)
 
 
 def read_pair_recipe(path: Path) -> PairRecipe:

@@ -17,9 +17,9 @@ import torch
 from specbuild_runtime.errors import first_line
 
 from ..acceptance import expected_tokens_per_call, rounds, theoretical_speedup
-from ..compile.load import ARCHITECTURES, special_tokens, model_spec
+from ..compile.load import check_architecture, model_spec, special_tokens
+from ..errors import CheckpointError, TrainingError
 from ..recipe import DEFAULT_MAX_SEQ_LEN
-from ..errors import CheckpointError, TrainingError, UnsupportedModelError
 from ..verify import load_reference
 from .divergence import distill_loss
 from .generate import Sequence, continue_prompts, eos_ids, right_padded, score
@@ -87,11 +87,14 @@ def shrunk_config(target_config, overrides: dict | None = None):
     return config
 
 
+# A Llama-style config's shape (GPT-2 reaches them through its config's attribute_map).
+SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+
+
 def _check_shape(config) -> None:
     """TrainingError for a shape no model has (transformers builds some of them and fails only in the first
     forward pass, minutes later, or never: a draft without layers that compile then refuses)."""
-    sizes = {key: getattr(config, key, None) for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                                         "num_attention_heads", "num_key_value_heads")}
+    sizes = {key: getattr(config, key, None) for key in SHAPE_KEYS}
     for key, value in sizes.items():
         if value is not None and value < 1:
             raise TrainingError(f"--draft-config {key}={value}: must be 1 or more")
@@ -104,9 +107,7 @@ def _check_pair(draft_config, target_config, tokenizer, where: str) -> None:
     """What compile will check of the pair, checked before the minutes of training: a draft it supports,
     embedding rows for every token, and the context compile gives the pair by default."""
     architecture = (draft_config.architectures or ["<none>"])[0]
-    if architecture not in ARCHITECTURES:
-        raise UnsupportedModelError(f"{where} is a {architecture}, which specbuild does not compile; it supports "
-                                    f"{', '.join(sorted(ARCHITECTURES))}")
+    check_architecture(architecture, where)
     try:
         spec = model_spec(draft_config, architecture, Path(where), "draft")
     except CheckpointError as exc:
@@ -326,10 +327,8 @@ def distill(
         data = read_texts(data)
     torch.manual_seed(seed)
     target, tokenizer = load_model(target_dir, "target")
-    architecture = (target.config.architectures or ["<none>"])[0]
-    if architecture not in ARCHITECTURES:  # its draft could not be compiled with it: refused before the minutes
-        raise UnsupportedModelError(f"target checkpoint {target_dir} is a {architecture}, which specbuild does not "
-                                    f"compile; it supports {', '.join(sorted(ARCHITECTURES))}")
+    # its draft could not be compiled with it: refused before the minutes
+    check_architecture((target.config.architectures or ["<none>"])[0], f"target checkpoint {target_dir}")
     draft = build_draft(target, tokenizer, draft_config, init, seed)
     vocab = len(tokenizer)
     prompts = choose_prompts(target, tokenizer, prompts_file, data, heldout_prompts, seed)

@@ -120,8 +120,7 @@ def check_every_tensor_used(ckpt: Checkpoint, role: str, max_seq_len: int) -> No
     *_, head = FAMILIES[spec.family](g, spec, g.op("Reshape", input_ids, g.const([-1])), att, max_seq_len,
                                      spec.shape.vocab_size)
     used = g.used | set(head.names)  # the head is read by the verification, not the body
-    # A tied model's stored lm_head.weight: transformers loads it, then ties it to the embeddings.
-    unread = sorted(ckpt.loaded - used - ({"lm_head.weight"} if spec.tie_word_embeddings else set()))
+    unread = sorted(ckpt.weights() - used)
     foreign = sorted(used - ckpt.loaded)
     for names, what in ((unread, "does not use"), (foreign, "reads, which transformers does not load,")):
         if names:
