@@ -71,6 +71,18 @@ def test_a_prompts_file_of_one_prompt_is_refused(models, tmp_path):
         from_file(models[2], tmp_path / "one.jsonl", max_heldout=64)
 
 
+def test_a_prompt_repeated_in_the_file_never_trains_where_a_copy_is_held_out(models, tmp_path):
+    _, _, tokenizer = models
+    (tmp_path / "dup.jsonl").write_text("".join(f'{{"prompt": "{p}"}}\n' for p in ["a b", "c", "d", "a b", "e", "a b"]))
+    prompts = from_file(tokenizer, tmp_path / "dup.jsonl", max_heldout=64)
+    encoded = tokenizer(["a b", "c", "d", "e"])["input_ids"]
+    assert prompts.heldout == [encoded[0]]  # the fourth line
+    assert prompts.train == [encoded[1], encoded[2], encoded[3]]
+    (tmp_path / "same.jsonl").write_text('{"prompt": "x"}\n' * 5)
+    with pytest.raises(TrainingError, match="one distinct prompt"):
+        from_file(tokenizer, tmp_path / "same.jsonl", max_heldout=64)
+
+
 def test_text_spans_hold_out_the_last_tenth_of_every_file(models, tmp_path):
     _, _, tokenizer = models
     words = [f"w{i} " for i in range(4000)]  # every span is unique, so where it came from is unambiguous

@@ -45,11 +45,14 @@ def from_file(tokenizer, path: Path, max_heldout: int) -> Prompts:
     # Encoded as the runtime encodes a prompt (special tokens included), cut to the end the draft continues.
     encoded = [(ids or [start_token(tokenizer)])[-MAX_PROMPT_TOKENS:] for ids in tokenizer(texts)["input_ids"]]
     heldout = set(list(range(HELDOUT_EVERY - 1, len(texts), HELDOUT_EVERY))[:max_heldout]) or {len(texts) - 1}
-    return Prompts(
-        f"prompts of {path}",
-        [ids for i, ids in enumerate(encoded) if i not in heldout],
-        [encoded[i] for i in sorted(heldout)],
-    )
+    # A prompt repeated in the file trains only where none of its copies is held out: α measured on a prompt
+    # the draft trained on would promise more agreement than users see.
+    held = {tuple(encoded[i]) for i in heldout}
+    train = [ids for i, ids in enumerate(encoded) if i not in heldout and tuple(ids) not in held]
+    if not train:
+        raise TrainingError(f"{path} holds one distinct prompt; distill needs two or more (some are held out to "
+                            "measure alpha)")
+    return Prompts(f"prompts of {path}", train, [encoded[i] for i in sorted(heldout)])
 
 
 def read_texts(root: Path, seed: int = 0) -> list[str]:
