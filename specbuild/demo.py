@@ -14,7 +14,8 @@ from specbuild_runtime.manifest import load_manifest
 
 from .bench import run_ours
 from .compile import compile_bundle
-from .recipe import resolve_settings
+from .errors import SettingsError
+from .recipe import RECIPE_KEYS, read_table, resolve_settings
 from .texts import CODE_PROMPTS, read_prompts
 
 DEMO_RECIPE = Path(__file__).resolve().parent / "recipes" / "demo.toml"  # package data: in wheels too
@@ -22,6 +23,7 @@ DEMO_RECIPE = Path(__file__).resolve().parent / "recipes" / "demo.toml"  # packa
 
 def ensure_pair(recipe: Path, pair: Path) -> None:
     if (pair / "target" / "config.json").is_file() and (pair / "draft" / "config.json").is_file():
+        check_pair_recipe(recipe, pair)
         return
     from transformers.utils import logging as transformers_logging
 
@@ -34,16 +36,34 @@ def ensure_pair(recipe: Path, pair: Path) -> None:
     make_demo_pair(pair, settings)
 
 
-def ensure_bundle(recipe: Path, pair: Path, bundle: Path) -> None:
-    try:
-        load_manifest(bundle)
+def check_pair_recipe(recipe: Path, pair: Path) -> None:
+    """A cached pair made from another [pair] table is refused, not retrained over: it took minutes to make."""
+    report = pair / "report.json"
+    if not report.is_file():  # a pair from before reports, or its last step killed: take it as it is
         return
-    except BundleError:
-        pass
+    made_from = json.loads(report.read_text())["recipe"]
+    table = read_table(recipe, "pair", set(made_from))
+    differ = sorted(key for key in made_from if table.get(key) != made_from[key])
+    if differ:
+        raise SettingsError(f"{pair} was made from another [pair] recipe ({', '.join(differ)} differ); pass --cache "
+                            f"with a new folder to make this recipe's pair, or delete {pair}")
+
+
+def ensure_bundle(recipe: Path, pair: Path, bundle: Path) -> None:
     # The recipe's paths are relative to the pair it describes, which the demo keeps in its cache.
     settings = resolve_settings(recipe, target=pair / "target", draft=pair / "draft", output=bundle, overwrite=True)
+    # The bundle is compiled again when the recipe's [compile] table changed: it takes a minute at most.
+    compiled_with = bundle.parent / "bundle-settings.json"
+    wanted = json.dumps(read_table(recipe, "compile", RECIPE_KEYS), sort_keys=True)
+    try:
+        load_manifest(bundle)
+        if compiled_with.is_file() and compiled_with.read_text() == wanted:
+            return
+    except BundleError:
+        pass
     click.echo(f"Compiling {bundle} ...", err=True)
     compile_bundle(settings)
+    compiled_with.write_text(wanted)
 
 
 def run_demo(cache: Path, recipe: Path, prompt: str | None, max_new_tokens: int) -> dict:

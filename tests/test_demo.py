@@ -1,0 +1,53 @@
+"""`specbuild demo`'s cache: a pair is made once per [pair] recipe, a bundle compiled again when [compile] changes."""
+
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from specbuild.demo import DEMO_RECIPE, ensure_bundle, ensure_pair
+from specbuild.errors import SettingsError
+from specbuild.train.demo_pair import read_pair_recipe
+from specbuild_runtime.manifest import load_manifest
+
+
+@pytest.fixture
+def pair(checkpoints, tmp_path):
+    """A cached pair as make_demo_pair leaves it, made from the packaged recipe."""
+    pair = tmp_path / "cache" / "pair"
+    shutil.copytree(checkpoints("llama", 0), pair / "target")
+    shutil.copytree(checkpoints("llama", 1), pair / "draft")
+    (pair / "report.json").write_text(json.dumps({"recipe": asdict(read_pair_recipe(DEMO_RECIPE))}))
+    return pair
+
+
+def recipe_with(tmp_path, table: str, **changes) -> Path:
+    """The packaged recipe with keys of one table ([pair] or [compile]) set to other TOML values."""
+    lines, current = [], None
+    for line in DEMO_RECIPE.read_text().splitlines():
+        current = line.strip("[] ") if line.startswith("[") else current
+        key = line.split(" ")[0]
+        lines.append(f"{key} = {changes[key]}" if current == table and key in changes else line)
+    path = tmp_path / f"recipe-{len(list(tmp_path.glob('recipe-*')))}.toml"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def test_a_cached_pair_made_from_another_pair_recipe_is_refused_and_kept(pair, tmp_path):
+    with pytest.raises(SettingsError, match="gamma, target_minutes differ.*--cache"):
+        ensure_pair(recipe_with(tmp_path, "pair", target_minutes=1, gamma=2), pair)
+    assert (pair / "target" / "config.json").is_file() and (pair / "draft" / "config.json").is_file()
+    ensure_pair(recipe_with(tmp_path, "compile", gamma=2, max_seq_len=512), pair)  # its pair is this one
+
+
+def test_the_cached_bundle_is_compiled_again_only_when_the_compile_table_changes(pair, tmp_path):
+    bundle = pair.parent / "bundle"
+    small = dict(max_seq_len=128, draft_quantize='"none"')
+    ensure_bundle(recipe_with(tmp_path, "compile", **small), pair, bundle)
+    manifest = (bundle / "manifest.json").stat().st_mtime_ns
+    ensure_bundle(recipe_with(tmp_path, "compile", **small), pair, bundle)
+    assert (bundle / "manifest.json").stat().st_mtime_ns == manifest
+    ensure_bundle(recipe_with(tmp_path, "compile", **small, gamma=3), pair, bundle)
+    assert load_manifest(bundle).gamma == 3
