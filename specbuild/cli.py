@@ -28,7 +28,8 @@ from .recipe import BACKENDS, DEFAULT_BLOCK_SIZE, MAX_GAMMA, PRECISIONS, QUANTIZ
 
 EXIT_INPUT, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED = 1, 2, 3, 130
 
-existing_dir = click.Path(exists=False, file_okay=False, path_type=Path)
+# Not exists=True: a missing folder gets the command's own one-line error, which says what to pass instead.
+folder_path = click.Path(file_okay=False, path_type=Path)
 device_option = click.option(
     "--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
     help="Where the engines run: cuda needs onnxruntime-gpu (pip install ./runtime[gpu]); auto takes CUDA if present.")
@@ -96,8 +97,6 @@ def sampling_options(command):
     return command
 
 
-
-
 class GammaType(click.ParamType):
     """'auto' or a whole number, 0 or more: the bundle says its own maximum (manifest gamma) when it loads."""
 
@@ -119,17 +118,15 @@ def check_sampling(sampling: dict) -> None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="specbuild")
-@click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
-@click.pass_context
-def cli(ctx: click.Context, debug: bool) -> None:
+@click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")  # main() reads it
+def cli(debug: bool) -> None:
     """Compile a draft/target pair of Hugging Face checkpoints into a speculative-decoding bundle, and run it."""
-    ctx.obj = {"debug": debug}
 
 
 @cli.command("compile")
-@click.option("--target", type=existing_dir, help="Target checkpoint folder (config.json, *.safetensors, tokenizer).")
-@click.option("--draft", type=existing_dir, help="Draft checkpoint folder; must share the target's tokenizer.")
-@click.option("--output", "-o", type=existing_dir, help="Bundle folder to write (written atomically).")
+@click.option("--target", type=folder_path, help="Target checkpoint folder (config.json, *.safetensors, tokenizer).")
+@click.option("--draft", type=folder_path, help="Draft checkpoint folder; must share the target's tokenizer.")
+@click.option("--output", "-o", type=folder_path, help="Bundle folder to write (written atomically).")
 @click.option("--gamma", type=Setting("gamma"), help=f"Most draft tokens per round when the runtime adapts γ (1 to {MAX_GAMMA}).  [default: 8]")
 @click.option("--max-seq-len", type=Setting("max_seq_len"), help="Context length the KV cache is allocated for.  [default: min(2048, target's)]")
 @click.option("--recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="TOML recipe with these settings; options override it.")
@@ -312,7 +309,7 @@ def quality_line(q: dict) -> str:
 
 @cli.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--target", required=True, type=existing_dir, help="The target checkpoint the bundle was built from.")
+@click.option("--target", required=True, type=folder_path, help="The target checkpoint the bundle was built from.")
 @click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help='JSONL file, one {"prompt": "..."} per line.')
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=64, show_default=True,
@@ -422,9 +419,9 @@ def check_plot_path(path: Path) -> None:
 
 
 @cli.command()
-@click.option("--target", required=True, type=existing_dir, help="Target checkpoint folder (any supported architecture).")
-@click.option("--output", "-o", required=True, type=existing_dir, help="Where to write the draft checkpoint (atomically).")
-@click.option("--init", type=existing_dir, help="Start from this draft checkpoint (same tokenizer) instead of a new one.")
+@click.option("--target", required=True, type=folder_path, help="Target checkpoint folder (any supported architecture).")
+@click.option("--output", "-o", required=True, type=folder_path, help="Where to write the draft checkpoint (atomically).")
+@click.option("--init", type=folder_path, help="Start from this draft checkpoint (same tokenizer) instead of a new one.")
 @click.option("--draft-config", "draft_config", multiple=True, metavar="KEY=VALUE",
               help="Config overrides for a new draft, e.g. num_hidden_layers=2 (repeatable).  [default: <= 1/10 of the target]")
 @click.option("--minutes", type=Finite(min=0, min_open=True), default=5.0, show_default=True,
@@ -498,7 +495,7 @@ def _key_value(item: str) -> tuple[str, object]:
 
 
 @cli.command()
-@click.option("--cache", type=existing_dir, default=Path(".cache/demo"), show_default=True,
+@click.option("--cache", type=folder_path, default=Path(".cache/demo"), show_default=True,
               help="Where the demo pair and its bundle are kept between runs.")
 @click.option("--recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Pair recipe.  [default: the packaged specbuild/recipes/demo.toml]")
 @click.option("--prompt", "-p", help="Code to complete.  [default: the first of 8 bundled code prompts]")

@@ -304,3 +304,13 @@ def test_compile_runs_the_build_plan_when_trtllm_build_is_on_path(pairs, tmp_pat
         compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "c", max_seq_len=64,
                                        backend="tensorrt-llm"), show_progress=False)
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("backend", ["tensorrt-llm", "all"])
+def test_a_quantized_fp32_export_is_refused_before_anything_is_written(pairs, tmp_path, backend):
+    target, draft = pairs("gpt2")
+    out = tmp_path / "b"
+    with pytest.raises(UnsupportedModelError, match=f"--quantize int8 with --backend {backend} needs --precision fp16"):
+        compile_bundle(CompileSettings(target=target, draft=draft, output=out, max_seq_len=64, backend=backend,
+                                       draft_quantize="int8"), show_progress=False)
+    assert not out.exists()

@@ -167,7 +167,7 @@ class SpeculativeDecoder:
             raise BundleError(f"{self.root} has no steps graph for its draft (compiled before it, or with max γ 1, where "
                               "a round drafts one token anyway): rebuild it with `specbuild compile`, or leave "
                               "draft_steps (--draft-steps) unset")
-        if cuda_graphs and not (self.manifest.sampler_file and all(info.greedy_file for info in self.manifest.engines.values())):
+        if cuda_graphs and not self.manifest.has_greedy_graphs:
             raise BundleError(f"{self.root} lacks the greedy-only graphs or the sampler, which CUDA graphs need (it was "
                               "compiled by an older specbuild): rebuild it with `specbuild compile`")
         self.device = requested_device(device)
@@ -404,7 +404,7 @@ def graphs_by_default(manifest: Manifest, device: str) -> bool:
 
 def uncaptured_because(manifest: Manifest) -> str:
     """Why a bundle decodes uncaptured by default on CUDA ("" when it replays CUDA graphs), for people."""
-    if not manifest.sampler_file or not all(e.greedy_file for e in manifest.engines.values()):
+    if not manifest.has_greedy_graphs:
         return "compiled before the greedy-only graphs CUDA graphs run (recompile it)"
     for role, e in sorted(manifest.engines.items(), key=lambda item: item[0] != "target"):  # the target's first
         if e.precision == "fp32":

@@ -159,6 +159,12 @@ class Manifest:
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
+    @property
+    def has_greedy_graphs(self) -> bool:
+        """Whether every engine has its greedy-only graph and the bundle its sampler, which CUDA graphs run
+        (bundles compiled before them have neither)."""
+        return bool(self.sampler_file) and all(engine.greedy_file for engine in self.engines.values())
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
@@ -259,12 +265,9 @@ def require_onnx_engines(root: Path, manifest: Manifest) -> None:
                           "or compile with --backend onnx or all")
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
+def sha256_file(path: Path) -> str:
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def bundle_files(root: Path) -> dict[str, str]:

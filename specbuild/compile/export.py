@@ -18,8 +18,7 @@ from tqdm import tqdm
 
 from specbuild_runtime.manifest import SAMPLER, EngineInfo
 
-from ..errors import UnsupportedModelError
-from .graphs import build_decoder, build_draft_steps, build_sampler
+from .graphs import build_decoder, build_draft_steps, build_sampler, engine_vocab
 from .load import Checkpoint
 from .precision import Numerics, precision_name
 
@@ -31,16 +30,6 @@ ALIGNMENT = 1 << 16
 # one larger than that, alone).
 WORKERS = 2
 IN_FLIGHT_BYTES = 256 << 20
-
-
-def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
-    spec = ckpt.spec
-    if max_seq_len > spec.max_position_embeddings:
-        raise UnsupportedModelError(
-            f"max_seq_len {max_seq_len} exceeds the {role}'s max_position_embeddings "
-            f"({spec.max_position_embeddings}); give --max-seq-len (or a recipe's max_seq_len) of "
-            f"{spec.max_position_embeddings} or less"
-        )
 
 
 def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, numerics: Numerics,
@@ -55,7 +44,7 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
     show_progress: a bar per engine with bytes/s and ETA (None: on a terminal only).
     """
     spec = ckpt.spec
-    vocab = min(spec.shape.vocab_size, vocab_size or spec.shape.vocab_size)
+    vocab = engine_vocab(ckpt, vocab_size)
     file = f"{role}.onnx"
     # The checkpoint's digest reads every weight file once more: on a thread of its own it overlaps the
     # stream (hashlib and file reads release the GIL) instead of adding to it.

@@ -402,6 +402,17 @@ def _rope_model_spec(config, architecture: str, family: str, path: Path, role: s
     )
 
 
+def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
+    """UnsupportedModelError unless the model's positions reach max_seq_len."""
+    spec = ckpt.spec
+    if max_seq_len > spec.max_position_embeddings:
+        raise UnsupportedModelError(
+            f"max_seq_len {max_seq_len} exceeds the {role}'s max_position_embeddings "
+            f"({spec.max_position_embeddings}); give --max-seq-len (or a recipe's max_seq_len) of "
+            f"{spec.max_position_embeddings} or less"
+        )
+
+
 def validate_pair(target: Checkpoint, draft: Checkpoint) -> None:
     """The draft must speak the target's tokenizer: same token-to-id map and special tokens.
 

@@ -22,9 +22,9 @@ from ..staging import scratch_folder
 from ..recipe import DEFAULT_MAX_SEQ_LEN, CompileSettings
 from . import tensorrt_llm
 from .bundle import staged_bundle, write_manifest
-from .export import check_context, export_engine, write_sampler
+from .export import export_engine, write_sampler
 from .graphs import check_every_tensor_used
-from .load import Checkpoint, eos_token_ids, load_checkpoint, validate_pair
+from .load import Checkpoint, check_context, eos_token_ids, load_checkpoint, validate_pair
 from .precision import DEFAULT_ACCURACY_LEVEL, Numerics
 from .quality import measure_quality, quality_texts
 
@@ -52,13 +52,13 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
     for role, ckpt in (("target", target), ("draft", draft)):
         check_context(ckpt, role, max_seq_len)
         check_every_tensor_used(ckpt, role, max_seq_len)
-    if settings.backend != "onnx":  # refused now rather than after the ONNX engines
-        tensorrt_llm.check_pair(settings, target, draft, max_seq_len)
-    eos = eos_token_ids(target)  # read before the long stages: a malformed file fails here
     checkpoints: dict[str, Checkpoint] = {"target": target, "draft": draft}
     numerics = {role: Numerics(settings.precision, settings.quantization(role), settings.block_size,
                                DEFAULT_ACCURACY_LEVEL if settings.accuracy_level is None else settings.accuracy_level)
                 for role in checkpoints}
+    if settings.backend != "onnx":  # refused now rather than after the ONNX engines
+        tensorrt_llm.check_pair(target, draft, max_seq_len, settings.tp, numerics, settings.backend)
+    eos = eos_token_ids(target)  # read before the long stages: a malformed file fails here
     onnx = settings.backend != "tensorrt-llm"
     measured = onnx and settings.quality_report and any(n.quantization != "none" for n in numerics.values())
     texts = quality_texts(target.tokenizer) if measured else None
@@ -91,7 +91,8 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
         trtllm = None
         if settings.backend != "onnx":
             stages.start("writing TensorRT-LLM checkpoints")
-            trtllm = tensorrt_llm.export_pair(settings, target, draft, folder, scratch, engines, max_seq_len)
+            trtllm = tensorrt_llm.export_pair(target, draft, folder, scratch, engines, max_seq_len, settings.tp, numerics,
+                                              settings.gamma)
 
         stages.start("writing the bundle")
         target.tokenizer.save_pretrained(folder / TOKENIZER_DIR)

@@ -37,9 +37,9 @@ import numpy as np
 from specbuild_runtime.manifest import TOKENIZER_DIR, EngineInfo, TensorRTLLMPart
 
 from ..errors import ExternalToolError, UnsupportedModelError
-from ..recipe import CompileSettings
 from . import gamma as gamma_stage
 from .load import Checkpoint
+from .precision import Numerics
 
 FOLDER = "tensorrt-llm"
 VLLM_PLAN = "vllm/serve.sh"
@@ -169,32 +169,34 @@ def rotary(ckpt: Checkpoint) -> tuple[float, dict | None]:
     return float(base), {"type": kind, **params}
 
 
-def check_pair(settings: CompileSettings, target: Checkpoint, draft: Checkpoint, max_seq_len: int) -> None:
-    """Refuse what cannot be exported before any engine is built."""
+def check_pair(target: Checkpoint, draft: Checkpoint, max_seq_len: int, tp: int, numerics: dict[str, Numerics],
+               backend: str) -> None:
+    """Refuse what cannot be exported before any engine is built. numerics: each role's precision and
+    quantization; backend: the --backend named in the error."""
     for role, ckpt in (("target", target), ("draft", draft)):
-        check_exportable(ckpt, role, settings.tp, max_seq_len)
-        if settings.quantization(role) != "none" and settings.precision == "fp32":
-            raise UnsupportedModelError(f"--quantize {settings.quantization(role)} with --backend {settings.backend} needs "
+        check_exportable(ckpt, role, tp, max_seq_len)
+        quantization, precision = numerics[role].quantization, numerics[role].precision
+        if quantization != "none" and precision == "fp32":
+            raise UnsupportedModelError(f"--quantize {quantization} with --backend {backend} needs "
                                         "--precision fp16 or bf16: TensorRT-LLM's weight-only kernels take 16-bit "
                                         "activations")
 
 
-def export_pair(settings: CompileSettings, target: Checkpoint, draft: Checkpoint, folder: Path, scratch: Path,
-                engines: dict[str, EngineInfo], max_seq_len: int) -> TensorRTLLMPart:
-    """Writes tensorrt-llm/{target,draft}/ and the plans into the bundle being built, and runs trtllm-build
-    when it is on PATH. engines: the ONNX engines built beside (they measure γ), or none."""
-    check_pair(settings, target, draft, max_seq_len)
-    vocab, tp = target.spec.shape.vocab_size, settings.tp
+def export_pair(target: Checkpoint, draft: Checkpoint, folder: Path, scratch: Path, engines: dict[str, EngineInfo],
+                max_seq_len: int, tp: int, numerics: dict[str, Numerics], max_gamma: int) -> TensorRTLLMPart:
+    """Writes tensorrt-llm/{target,draft}/ and the plans into the bundle being built (check_pair has passed),
+    and runs trtllm-build when it is on PATH. engines: the ONNX engines built beside (they measure γ), or none."""
+    vocab, precision = target.spec.shape.vocab_size, numerics["target"].precision
     checkpoints = {}
     for role, ckpt in (("target", target), ("draft", draft)):
-        checkpoints[role] = write_checkpoint(ckpt, folder / FOLDER / role, scratch, tp, vocab, settings.precision,
-                                             settings.quantization(role))
+        checkpoints[role] = write_checkpoint(ckpt, folder / FOLDER / role, scratch, tp, vocab, precision,
+                                             numerics[role].quantization)
         # the ONNX engine hashed the same source already
         checkpoints[role]["source"] = engines[role].source if role in engines else source(ckpt)
-    recommended = measure_gamma(folder, engines, target, draft, checkpoints, max_seq_len, settings.gamma)
-    quantized = " and ".join(f"the {role} {settings.quantization(role)}" for role in ("target", "draft")
-                          if settings.quantization(role) != "none")
-    plans = write_plans(folder, recommended["gamma"], tp, max_seq_len, settings.precision, target, draft, quantized)
+    recommended = measure_gamma(folder, engines, target, draft, checkpoints, max_seq_len, max_gamma)
+    quantized = " and ".join(f"the {role} {numerics[role].quantization}" for role in ("target", "draft")
+                          if numerics[role].quantization != "none")
+    plans = write_plans(folder, recommended["gamma"], tp, max_seq_len, precision, target, draft, quantized)
     built = run_build(folder / plans["build"]) if shutil.which("trtllm-build") else None
     return TensorRTLLMPart(tp_size=tp, checkpoints=checkpoints, plans=plans, gamma=recommended, engines=built)
 

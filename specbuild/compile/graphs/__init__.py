@@ -33,7 +33,7 @@ from .verification import LOGITS, SamplingInputs, build_sampler, verification
 FAMILIES = {"llama": llama.body, "gemma": gemma.body, "gpt2": gpt2.body}
 INT64, INT32, FLOAT = ir.DataType.INT64, ir.DataType.INT32, ir.DataType.FLOAT
 
-__all__ = ["LOGITS", "build_decoder", "build_draft_steps", "build_sampler", "check_every_tensor_used"]
+__all__ = ["LOGITS", "build_decoder", "build_draft_steps", "build_sampler", "check_every_tensor_used", "engine_vocab"]
 
 
 def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_size: int | None = None,
@@ -47,7 +47,7 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
     `logits` [D+1, V] as an output, from which the bundle's sampler (build_sampler) samples.
     """
     spec = ckpt.spec
-    vocab = min(spec.shape.vocab_size, vocab_size or spec.shape.vocab_size)
+    vocab = engine_vocab(ckpt, vocab_size)
     g = GraphBuilder(f"specbuild-{spec.architecture}", ckpt, numerics, progress)
     input_ids, att = _engine_inputs(g, spec, numerics, max_seq_len)
     num_drafts = g.input("num_drafts", INT64, [])
@@ -86,7 +86,7 @@ def build_draft_steps(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, st
     has written its keys, because its input is step j's token.
     """
     spec = ckpt.spec
-    vocab = min(spec.shape.vocab_size, vocab_size or spec.shape.vocab_size)
+    vocab = engine_vocab(ckpt, vocab_size)
     g = GraphBuilder(f"specbuild-{spec.architecture}-steps", ckpt, numerics)
     input_ids, att = _engine_inputs(g, spec, numerics, max_seq_len)
     # Each step's total_len is an input of its own: GroupQueryAttention reads it on the host, where an
@@ -129,6 +129,12 @@ def check_every_tensor_used(ckpt: Checkpoint, role: str, max_seq_len: int) -> No
                 f"{role} checkpoint {ckpt.path} has tensors specbuild's {spec.architecture} graph {what} "
                 f"({', '.join(names[:3])}{more}): a variant of the architecture specbuild does not support; its "
                 "engine would compute other logits than transformers")
+
+
+def engine_vocab(ckpt: Checkpoint, vocab_size: int | None) -> int:
+    """Rows of the engine's embedding table and LM head: the model's, cut to vocab_size (the target's) where
+    a draft has padding rows past it; a smaller table stays as it is (_embeddable)."""
+    return min(ckpt.spec.shape.vocab_size, vocab_size or ckpt.spec.shape.vocab_size)
 
 
 def _embeddable(g: GraphBuilder, ids: ir.Value, vocab: int, target_vocab: int | None) -> ir.Value:
