@@ -3,7 +3,7 @@
 import pytest
 
 from conftest import PROMPTS
-from specbuild.verify import load_reference, transformers_greedy
+from specbuild.reference import load_reference, transformers_greedy
 from specbuild_runtime import SpeculativeDecoder
 from specbuild_runtime.decode import FREE_GUESSES
 

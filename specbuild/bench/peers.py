@@ -63,7 +63,7 @@ def _transformers(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
     generate then compiles (torch.compile, mode reduce-overhead: CUDA graphs); it does so on GPUs only."""
     from transformers import StaticCache
 
-    from ..verify import load_reference, recorded_source, transformers_greedy
+    from ..reference import load_reference, recorded_source, transformers_greedy
 
     engines, device, precision = decoder.manifest.engines, decoder.device, peer_precision(decoder)
     target, draft = (load_reference(recorded_source(engines[role], role), role, device, precision) for role in ("target", "draft"))
@@ -103,7 +103,7 @@ def _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
         import onnxruntime_genai as og
     except ImportError:
         raise SpecbuildError("the onnxruntime-genai peer needs `pip install onnxruntime-genai`") from None
-    from ..verify import recorded_source
+    from ..reference import recorded_source
 
     engines, precision = decoder.manifest.engines, peer_precision(decoder)
     with tempfile.TemporaryDirectory() as work:

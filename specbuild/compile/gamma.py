@@ -94,7 +94,7 @@ def measure_with_transformers(target_path: Path, draft_path: Path, prompt_ids: l
     """α with transformers on CPU: the draft's argmax along the target's greedy continuation."""
     import torch
 
-    from ..verify import load_reference, transformers_greedy
+    from ..reference import load_reference, transformers_greedy
 
     target, draft = load_reference(target_path), load_reference(draft_path)
     agree = []

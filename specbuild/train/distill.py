@@ -20,7 +20,7 @@ from ..acceptance import expected_tokens_per_call, rounds, theoretical_speedup
 from ..compile.load import check_architecture, model_spec, special_tokens
 from ..errors import CheckpointError, TrainingError
 from ..recipe import DEFAULT_MAX_SEQ_LEN
-from ..verify import load_reference
+from ..reference import load_reference
 from .divergence import distill_loss
 from .generate import Sequence, continue_prompts, eos_ids, right_padded, score
 from .prompts import Prompts, from_file, from_target, from_text, read_texts

@@ -1,0 +1,70 @@
+"""The models as transformers runs them: what verify, bench's peers, the compiler's γ measurement and distill
+compare with or learn from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specbuild_runtime.errors import DeviceError, first_line
+
+from .compile.load import checkpoint_digest
+from .errors import CheckpointError
+
+TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def transformers_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: list[int], **options) -> list[int]:
+    """transformers' greedy generate on the model's device (options: e.g. assistant_model for assisted
+    generation)."""
+    import torch
+
+    ids = torch.tensor([prompt_ids], device=model.device)
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+            eos_token_id=eos_token_ids or None, pad_token_id=eos_token_ids[0] if eos_token_ids else 0, **options,
+        )
+    return out[0, len(prompt_ids):].tolist()
+
+
+def load_reference(path: Path, role: str = "target", device: str = "cpu", precision: str = "fp32"):
+    """A checkpoint as transformers runs it: safetensors only (never unpickled), local files only, no remote
+    code; on device ("cpu" or "cuda") in precision (fp32, fp16 or bf16). fp32 on CUDA computes fp32 (TF32
+    off, as the runtime's fp32 engines run), which switches TF32 off for the whole process."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError("transformers cannot run on CUDA here: this torch has no CUDA build or sees no GPU "
+                              "(install a CUDA build of torch, or use --device cpu)")
+        if precision == "fp32":
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    if not (Path(path) / "config.json").is_file():
+        raise CheckpointError(f"{role} checkpoint {path} is not a Hugging Face checkpoint folder (no config.json); "
+                              "pass the folder the bundle was compiled from")
+    logging.disable_progress_bar()  # a bar per load on stderr, where a pipeline reads one-line errors
+    # and its deprecation notes about its own internals (assisted generation calls the draft's generate in a
+    # way it warns about)
+    logging.set_verbosity_error()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, TORCH_DTYPES[precision]), use_safetensors=True,
+                                                     local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{role} checkpoint {path} cannot be loaded from safetensors ({first_line(exc)}); specbuild "
+                              "never unpickles weights: re-save it with `save_pretrained(dir, safe_serialization=True)`") from None
+    return model.to(device).eval()
+
+
+def recorded_source(engine, role: str) -> Path:
+    """The checkpoint an engine was compiled from, as the manifest records it, refused if it is gone or
+    has changed since: a peer would then run another model than the bundle's."""
+    path = Path(engine.source["path"])
+    if not path.is_dir():
+        raise CheckpointError(f"the bundle's {role} was compiled from {path}, which no longer exists; put the "
+                              "checkpoint back there (or recompile the bundle from where it is now)")
+    if checkpoint_digest(path, role) != engine.source["sha256"]:
+        raise CheckpointError(f"the bundle's {role} was compiled from {path}, whose config.json or weights have "
+                              "changed since (sha256 differs); recompile the bundle from it")
+    return path
