@@ -56,7 +56,7 @@ def test_catch_up_calls_and_noisy_timings_do_not_stop_speculation():
     policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
     run_rounds(policy, lambda r, j: True, rounds=20)
     costs = [policy.costs.cost(g) for g in range(9)]
-    policy.observe(1, 1, draft_seconds=5.0, target_seconds=1.0, caught_up=True)  # the draft read a prompt
+    policy.observe(1, 1, draft_seconds=5.0, target_seconds=1.0, catching_up=True)  # the draft read a prompt
     assert [policy.costs.cost(g) for g in range(9)] == costs
     policy.observe(8, 8, draft_seconds=0.8, target_seconds=3.0)  # one slow call (the machine hiccuped)
     assert policy.costs.cost(8) < 1.2 * costs[8] and policy.choose(limit=100) >= 4
@@ -108,10 +108,10 @@ def test_gamma_is_priced_by_whole_rounds_timed_at_that_gamma():
     calls without drafts); a γ not yet timed, the nearest timed one below plus a prior step."""
     costs = Costs(max_gamma=8, draft_cost=0.1)
     for _ in range(100):
-        costs.observe(0, 0.0, 1.0, caught_up=False)
-        costs.observe(1, 0.3, 1.3, caught_up=False)
-        costs.observe(2, 0.35, 1.3, caught_up=False)
-        costs.observe(3, 9.0, 1.3, caught_up=True)  # catching up: not a round of γ 3
+        costs.observe(0, 0.0, 1.0, catching_up=False)
+        costs.observe(1, 0.3, 1.3, catching_up=False)
+        costs.observe(2, 0.35, 1.3, catching_up=False)
+        costs.observe(3, 9.0, 1.3, catching_up=True)  # catching up: not a round of γ 3
     assert [round(costs.cost(g), 6) for g in range(4)] == [1.0, 1.6, 1.65, round(1.65 + costs.prior_step, 6)]
 
 

@@ -36,7 +36,6 @@ class Stats:
     rounds: int = 0  # target calls after the prompt
     drafted: int = 0
     accepted: int = 0
-    rejected: int = 0  # rounds that ended on a rejected draft (drafts after it were never judged)
     accepted_at: list[int] = field(default_factory=list)  # rounds whose draft j was accepted
     proposed_at: list[int] = field(default_factory=list)  # rounds that proposed a draft at j
     token_times: list[float] = field(default_factory=list)  # seconds since the call began
@@ -53,7 +52,6 @@ class Stats:
         self.gamma_rounds[drafted] = self.gamma_rounds.get(drafted, 0) + 1
         self.drafted += drafted
         self.accepted += accepted
-        self.rejected += accepted < drafted
         self.draft_seconds += draft_seconds
         self.draft_steps += drafted
         self.target_seconds += target_seconds
@@ -350,7 +348,7 @@ class SpeculativeDecoder:
             k = policy.choose(room)
             # A normal round feeds the draft the target's token (and the last accepted draft); more means
             # it is catching up on the prompt or on rounds without drafts.
-            caught_up = len(ids) - draft_len > 2
+            catching_up = len(ids) - draft_len > 2
             t0 = clock()
             drafts = self._draft(slot, ids[draft_len:], len(ids), k, uniforms, sampling.greedy)
             if drafts:
@@ -372,7 +370,7 @@ class SpeculativeDecoder:
                 stats.guessed += 1
                 stats.guesses_accepted += accepted
                 accepted = 0
-            policy.observe(k, accepted, t1 - t0, t2 - t1, caught_up, held)
+            policy.observe(k, accepted, t1 - t0, t2 - t1, catching_up, held)
             stats.record_round(k, accepted, t1 - t0, t2 - t1)
 
     @staticmethod

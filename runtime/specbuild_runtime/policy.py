@@ -63,7 +63,7 @@ class FixedGamma:
         return min(self.gamma, limit)
 
     def observe(self, drafted: int, accepted: int, draft_seconds: float, target_seconds: float,
-                caught_up: bool = False, held: int | None = None) -> None:
+                catching_up: bool = False, held: int | None = None) -> None:
         pass
 
 
@@ -101,11 +101,11 @@ class Costs:
     def cost(self, gamma: int) -> float:
         return self.costs(gamma)[gamma]
 
-    def observe(self, drafted: int, draft_seconds: float, target_seconds: float, caught_up: bool) -> None:
+    def observe(self, drafted: int, draft_seconds: float, target_seconds: float, catching_up: bool) -> None:
         with self.lock:
             if drafted == 0:
                 self.target_alone = _ema(self.target_alone, target_seconds)
-            elif not caught_up:  # a catching-up draft also read tokens it had missed: not a round of γ
+            elif not catching_up:  # a catching-up draft also read tokens it had missed: not a round of γ
                 self.target_drafted = _ema(self.target_drafted, target_seconds)
                 self.rounds[drafted] = _ema(self.rounds[drafted], draft_seconds + target_seconds)
 
@@ -115,7 +115,7 @@ class PriorCosts(Costs):
     and keeps its own α (a fresh AdaptiveGamma), so that the γ of each round, and with it which random
     number judges which draft, follows from its seed alone: the request reproduces, as at a fixed γ."""
 
-    def observe(self, drafted: int, draft_seconds: float, target_seconds: float, caught_up: bool) -> None:
+    def observe(self, drafted: int, draft_seconds: float, target_seconds: float, catching_up: bool) -> None:
         pass
 
 
@@ -184,8 +184,8 @@ class AdaptiveGamma:
         return best
 
     def observe(self, drafted: int, accepted: int, draft_seconds: float, target_seconds: float,
-                caught_up: bool = False, held: int | None = None) -> None:
-        """caught_up: the draft's first call also read tokens it had missed (the prompt, or rounds
+                catching_up: bool = False, held: int | None = None) -> None:
+        """catching_up: the draft's first call also read tokens it had missed (the prompt, or rounds
         without drafts), so its time says little about a draft step. held: how many free guesses the
         target accepted, or would have (None: not counted)."""
         if held is not None:  # guesses hold in runs (repeated text): the fastest average
@@ -198,7 +198,7 @@ class AdaptiveGamma:
         if drafted:
             for estimate in self.estimates:
                 estimate.observe(drafted, accepted)
-        self.costs.observe(drafted, draft_seconds, target_seconds, caught_up)
+        self.costs.observe(drafted, draft_seconds, target_seconds, catching_up)
 
 
 def _ema(old: float | None, new: float) -> float:

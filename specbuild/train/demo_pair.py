@@ -47,20 +47,20 @@ class PairRecipe:
         return self.target_minutes + self.distill_minutes
 
 
+def _model_problem(table) -> str | None:
+    if not isinstance(table, dict) or sorted(set(SHAPE_KEYS) - set(table)):
+        return f"must be a table with {', '.join(SHAPE_KEYS)}"
+    return next((f"{key} {problem}" for key in SHAPE_KEYS if (problem := whole_number(1)(table[key]))), None)
+
+
 PAIR_RULES = {
     "skip_dirs": lambda v: None if isinstance(v, list) and all(isinstance(d, str) for d in v) else "must be a list of folder names",
     "vocab_size": whole_number(256), "seq_len": whole_number(2), "batch_size": whole_number(1), "lr": positive_number,
     "target_minutes": positive_number, "distill_minutes": positive_number, "distill_lr": positive_number,
     "gamma": whole_number(1, MAX_GAMMA), "seed": whole_number(0),
     # LlamaConfig fields; a table without them would build LlamaConfig's defaults, a 7B model
-    "target": lambda v: _model_problem(v), "draft": lambda v: _model_problem(v),
+    "target": _model_problem, "draft": _model_problem,
 }
-
-
-def _model_problem(table) -> str | None:
-    if not isinstance(table, dict) or sorted(set(SHAPE_KEYS) - set(table)):
-        return f"must be a table with {', '.join(SHAPE_KEYS)}"
-    return next((f"{key} {problem}" for key in SHAPE_KEYS if (problem := whole_number(1)(table[key]))), None)
 
 
 def read_pair_recipe(path: Path) -> PairRecipe:
