@@ -1,4 +1,5 @@
-"""Stage 4: write the bundle without ever losing what was at the output path.
+"""The stage "writing the bundle" (pipeline.STAGES): write the bundle without ever losing what was at the
+output path.
 
 The bundle is built in a staging folder beside the output and published atomically (see
 `specbuild/staging.py`: lock, crash clean-up, exchange, and what may be replaced: nothing that is, holds

@@ -1,4 +1,5 @@
-"""Stage 2b: write one checkpoint as an ONNX engine inside the bundle being built, streaming its weights.
+"""The stage "writing engines" (pipeline.STAGES): write one checkpoint as an ONNX engine inside the bundle
+being built, streaming its weights.
 
 The graph holds lazy tensors (graphs/builder.py); onnx_ir's writer evaluates them one at a time,
 appends each to `{role}.onnx.data` and drops it, so the memory a compile needs is set by its largest

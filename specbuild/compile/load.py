@@ -1,4 +1,5 @@
-"""Stage 1: load and validate Hugging Face checkpoint folders (config, safetensors, tokenizer).
+"""The stage "loading checkpoints" (pipeline.STAGES): load and validate Hugging Face checkpoint folders
+(config, safetensors, tokenizer).
 
 Never unpickles (safetensors only) and never runs remote code.
 """

@@ -31,7 +31,8 @@ from .quality import measure_quality, quality_texts
 
 def compile_bundle(settings: CompileSettings, show_progress: bool | None = None) -> Manifest:
     """show_progress None: progress bars on a terminal only (build logs stay clean)."""
-    with tqdm(total=len(STAGES), unit="stage", disable=None if show_progress is None else not show_progress,
+    stages = len(STAGES) - (settings.backend == "onnx")  # an ONNX-only compile writes no TensorRT-LLM checkpoints
+    with tqdm(total=stages, unit="stage", disable=None if show_progress is None else not show_progress,
               leave=False) as bar:
         return _compile(settings, _Stages(bar), show_progress)
 

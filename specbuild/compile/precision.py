@@ -1,5 +1,5 @@
-"""Stage 3a: the engine's numbers — its float type, its weight quantization — and the conversion of one
-checkpoint tensor to the engine's float type, as the tensor is written.
+"""Part of "writing engines" (pipeline.STAGES): the engine's numbers — its float type, its weight quantization
+— and the conversion of one checkpoint tensor to the engine's float type, as the tensor is written.
 
 An engine is fp32, fp16 or bf16 throughout: weights, activations and the KV cache inputs/outputs
 `past_*`/`present_*` (they must be: GroupQueryAttention writes into the bound buffer in place, and a Cast

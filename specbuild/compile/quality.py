@@ -1,5 +1,5 @@
-"""Stage 3c: what quantization cost each quantized engine, measured against an fp32 engine of the same
-checkpoint, into the manifest."""
+"""The stage "measuring quantized engines" (pipeline.STAGES): what quantization cost each quantized engine,
+measured against an fp32 engine of the same checkpoint, into the manifest."""
 
 from __future__ import annotations
 

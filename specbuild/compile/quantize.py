@@ -1,4 +1,5 @@
-"""Stage 3b: weight quantization, one tensor at a time, with onnxruntime's own block quantizer kernels.
+"""Part of "writing engines" (pipeline.STAGES): weight quantization, one tensor at a time, with onnxruntime's
+own block quantizer kernels.
 
 The graph builders emit the quantized nodes directly (graphs/layers.py); this module makes their weights
 as the engine file is written, a slice of rows at a time, so a quantized compile keeps the streaming
