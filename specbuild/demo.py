@@ -16,7 +16,7 @@ from .bench import run_ours
 from .compile import compile_bundle
 from .errors import SettingsError
 from .recipe import RECIPE_KEYS, read_table, resolve_settings
-from .texts import CODE_PROMPTS, read_prompts
+from .texts import measuring_prompts
 
 DEMO_RECIPE = Path(__file__).resolve().parent / "recipes" / "demo.toml"  # package data: in wheels too
 
@@ -71,7 +71,7 @@ def run_demo(cache: Path, recipe: Path, prompt: str | None, max_new_tokens: int)
     ensure_pair(recipe, pair)
     ensure_bundle(recipe, pair, bundle)
     decoder = SpeculativeDecoder(bundle, check_digests=False, shared_thread_pool=True)  # ensure_bundle checked them
-    texts = [prompt] if prompt else read_prompts(CODE_PROMPTS)[:8]
+    texts = [prompt] if prompt else measuring_prompts()
     prompts = [decoder.encode(t) for t in texts]
     target_only, speculative = run_ours(decoder, prompts, max_new_tokens, [0, "auto"])
     summary = {

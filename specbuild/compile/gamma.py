@@ -24,9 +24,8 @@ from specbuild_runtime.slot import AS_FED, NEVER_ALONE, EngineSlot
 from specbuild_runtime.manifest import EngineInfo
 
 from ..acceptance import expected_tokens_per_call, theoretical_speedup
-from ..texts import CODE_PROMPTS, read_prompts
+from ..texts import measuring_prompts
 
-PROMPTS = 8
 NEW_TOKENS = 32
 # Measuring decodes NEW_TOKENS per prompt on the CPU: transformers (fp32) when both models together have
 # at most this many parameters (4 GB of weights), the ONNX engines when theirs weigh at most ENGINE_BYTES_LIMIT
@@ -51,7 +50,7 @@ def recommend(alpha: float | None, cost_ratio: float, max_gamma: int, method: st
 
 
 def prompts(tokenizer) -> list[list[int]]:
-    return [tokenizer(p)["input_ids"] for p in read_prompts(CODE_PROMPTS)[:PROMPTS]]
+    return [tokenizer(p)["input_ids"] for p in measuring_prompts()]
 
 
 def measure_with_engines(folder: Path, engines: dict[str, EngineInfo], prompt_ids: list[list[int]],

@@ -15,7 +15,7 @@ from specbuild_runtime.slot import AS_FED, NEVER_ALONE, EngineSlot
 from specbuild_runtime.manifest import EngineInfo
 
 from ..acceptance import rounds
-from ..texts import CODE_PROMPTS, corpus_files, read_prompts, read_source
+from ..texts import corpus_files, measuring_prompts, read_source
 from .export import export_engine
 from .graphs import LOGITS
 from .precision import Numerics
@@ -81,7 +81,7 @@ def report_acceptance_change(folder: Path, engines: dict[str, EngineInfo], refer
 
 def quality_texts(tokenizer) -> QualityTexts:
     """Code prompts shipped with specbuild, and held-out Python source (the demo pair never trains on it)."""
-    prompts = [tokenizer(p)["input_ids"] for p in read_prompts(CODE_PROMPTS)[:8]]
+    prompts = [tokenizer(p)["input_ids"] for p in measuring_prompts()]
     heldout: list[int] = []
     for path in corpus_files()[1]:
         heldout += tokenizer(read_source(path))["input_ids"]
