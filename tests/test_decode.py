@@ -1,7 +1,9 @@
 """The runtime API: one decoder shared by threads, interleaved streams, stop strings, streamed text."""
 
 import gc
+import sys
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -70,12 +72,63 @@ def test_a_thread_waits_for_a_slot_held_by_a_stream_another_thread_now_drives(bu
         resumed.set()
         first.extend(moved)
 
-    worker = threading.Thread(target=finish)
+    worker = threading.Thread(target=finish, daemon=True)
     worker.start()
     assert resumed.wait(60)
     assert decoder.generate(other, NEW_TOKENS, **other_options).token_ids == sequential[2]
     worker.join(60)
     assert first == sequential[1]
+
+
+def test_a_thread_that_drove_a_stream_last_waits_while_another_thread_resumes_it(bundle, sequential):
+    """A thread pool that runs each next() of a stream on whichever worker is free (asyncio.to_thread,
+    Starlette's StreamingResponse over a sync generator): the worker that advanced a stream last may be
+    handed the first next() of another request while a second worker is about to resume the first stream.
+    It must wait for the slot, not be refused as a same-thread deadlock."""
+    decoder = SpeculativeDecoder(bundle, parallel=1)
+    (prompt, options), (other, other_options) = REQUESTS[1], REQUESTS[2]
+    moved = decoder.stream(prompt, NEW_TOKENS, **options)
+    first = [next(moved)]  # this thread advanced it last
+
+    def finish():
+        while not decoder.slots.waiting:  # until this thread waits for the slot below
+            time.sleep(0.001)
+        first.extend(moved)
+
+    worker = threading.Thread(target=finish, daemon=True)
+    worker.start()
+    assert decoder.generate(other, NEW_TOKENS, **other_options).token_ids == sequential[2]
+    worker.join(60)
+    assert first == sequential[1]
+
+
+def test_slots_go_to_waiting_threads_first_come_first_served(bundle):
+    """A thread that gives a slot back and asks again at once must queue behind the threads already waiting:
+    otherwise, under steady load, the threads that hold slots keep them and a waiting request can wait for
+    hundreds of later ones (50 threads on 2 slots: p50 3 ms, max 7 s to the first token)."""
+    decoder = SpeculativeDecoder(bundle, parallel=1)
+    order, switch = [], sys.getswitchinterval()
+    held = decoder.stream(PROMPTS[0], NEW_TOKENS)
+    next(held)
+
+    def waiter():
+        decoder.generate(PROMPTS[1], 5)
+        order.append("waiting thread")
+
+    worker = threading.Thread(target=waiter, daemon=True)
+    worker.start()
+    while not decoder.slots.waiting:  # until the worker waits for the slot
+        time.sleep(0.001)
+    sys.setswitchinterval(5)  # this thread keeps the GIL as long as it runs Python, as a busy server's would
+    try:
+        held.close()  # gives the slot back...
+        decoder.generate(PROMPTS[2], 5)  # ...and asks again at once
+        order.append("thread that gave it back")
+    finally:
+        sys.setswitchinterval(switch)
+    worker.join(60)
+    assert order == ["waiting thread", "thread that gave it back"]
+    assert decoder.slots.in_use == 0
 
 
 def test_interleaved_streams_in_one_thread_each_decode_as_alone(bundle, sequential):

@@ -125,10 +125,12 @@ class SpeculativeDecoder:
     Threads: a decoder is safe to share. The engines' sessions (the weights) are loaded once; each
     generate/stream/stream_text call holds one of `parallel` slots (a KV cache and bindings per engine)
     from its first token to its last, and decodes exactly as it would alone. A call waits while every
-    slot is busy, except in a thread that already holds one (two unfinished streams interleaved in one
-    thread, as asyncio code does): there it raises RequestError at once, since only that thread could
-    free one. A stream frees its slot when it ends, is closed, or is garbage-collected. One stream's
-    generator must not be advanced from two threads at once (Python refuses that itself).
+    slot is busy (first come, first served), except in a thread that last advanced a stream holding one
+    (two unfinished streams interleaved in one thread, as asyncio code does): there it raises RequestError
+    after slot.SAME_THREAD_PATIENCE seconds unless another thread takes that stream over meanwhile (a thread
+    pool running each next() on any worker), since otherwise only that thread could free one. A stream
+    frees its slot when it ends, is closed, or is garbage-collected. One stream's generator must not be
+    advanced from two threads at once (Python refuses that itself).
 
     device: "cpu", "cuda" (onnxruntime-gpu; an error if its CUDA provider is missing) or "auto" (CUDA if
     available). target_rows: how target calls group rows (see slot.Rows); by default NEVER_ALONE on the

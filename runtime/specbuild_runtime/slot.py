@@ -11,6 +11,7 @@ a call of the draft's steps graph: its drafts).
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -469,9 +470,17 @@ class Slot:
             engine.configure(temperature, top_k, top_p)
 
 
+# Seconds a thread that drove a busy slot's stream last waits for another thread to resume that stream before
+# its own request is refused as a same-thread deadlock (see SlotPool.take).
+SAME_THREAD_PATIENCE = 1.0
+
+
 class SlotPool:
-    """Hands out slots, one per running request; a request waits for a free one, unless its own thread
-    holds one already: then none may ever come free (that thread would have to finish it), so it fails.
+    """Hands out slots, one per running request, first come first served (a thread that gives a slot back and
+    asks again queues behind those already waiting). A request waits for a free one, except in a thread that
+    last advanced a busy slot's stream: if only that thread will ever advance it (streams interleaved in one
+    thread), none may ever come free, so after SAME_THREAD_PATIENCE without another thread taking the stream
+    over (as a thread pool running each next() on any worker does) it fails.
 
     affinity (engines that capture CUDA graphs): a thread gets the slot it had last time when that one is free,
     else one no thread has had yet. onnxruntime keeps CUDA graphs per thread, and a slot's graphs are its own
@@ -487,28 +496,40 @@ class SlotPool:
         self._free = slots[::-1]  # pop() takes slot 0 first
         self._owners: dict[int, int] = {}  # slot index -> thread ident
         self._last: dict[int, int] = {}  # slot index -> the thread that took it last
-        self._changed = threading.Condition()  # re-entrant: a generator closed by the GC may release inside take()
+        self._waiting: list[object] = []  # a ticket per take() in arrival order: slots go first come, first served
+        # A slot came free, a waiter left the line, or a held stream moved to another thread. Re-entrant: a
+        # generator closed by the GC may release inside take().
+        self._changed = threading.Condition(threading.RLock())
 
     @property
     def in_use(self) -> int:
         return self.size - len(self._free)
 
+    @property
+    def waiting(self) -> int:
+        """Calls waiting for a slot (a service's queue depth)."""
+        return len(self._waiting)
+
     def claim(self, slot: Slot) -> None:
-        """Record the calling thread as the one driving slot's stream (a stream may move between threads)."""
-        self._owners[slot.index] = threading.get_ident()  # one dict store: atomic under the GIL
+        """Record the calling thread as the one driving slot's stream (a stream may move between threads, as
+        when a web framework advances a sync generator with one worker-thread call per item)."""
+        me = threading.get_ident()
+        if self._owners.get(slot.index) != me:  # moved: a thread waiting in take() may no longer be its driver
+            with self._changed:
+                self._owners[slot.index] = me
+                self._changed.notify_all()
 
     @contextmanager
     def take(self) -> Iterator[Slot]:
         me = threading.get_ident()
         with self._changed:
-            while not self._free:
-                if me in self._owners.values():
-                    raise RequestError(
-                        f"all {self.size} slots of this decoder are in use, one by an unfinished generate/stream in "
-                        "this same thread, which only this thread can finish: finish or close() it first, or create "
-                        f"the decoder with parallel > {self.size}"
-                    )
-                self._changed.wait()
+            ticket = object()
+            self._waiting.append(ticket)
+            try:
+                self._wait_for_turn(me, ticket)
+            finally:
+                self._waiting.remove(ticket)
+                self._changed.notify_all()  # the next in line may take a slot now, or has to start counting its patience
             slot = self._pick(me)
             self._owners[slot.index] = self._last[slot.index] = me
         try:
@@ -517,7 +538,31 @@ class SlotPool:
             with self._changed:
                 del self._owners[slot.index]
                 self._free.append(slot)
-                self._changed.notify()
+                self._changed.notify_all()  # whoever is first in line (notify() might wake another, who waits on)
+
+    def _wait_for_turn(self, me: int, ticket: object) -> None:
+        """Wait until a slot is free for this ticket: the earliest waiters take the free slots first, so a
+        thread that just gave one back cannot take it again ahead of those already waiting."""
+        refuse_at = None  # while this thread drove a busy slot's stream last: when to stop waiting for it
+        while not (self._free and self._waiting.index(ticket) < len(self._free)):
+            if self._free or me not in self._owners.values():  # free slots go to the waiters ahead first
+                refuse_at = None
+                self._changed.wait()
+                continue
+            # This thread advanced a held stream last. If only this thread will ever advance it (streams
+            # interleaved in one thread), waiting is a deadlock; but in a thread pool that runs each next()
+            # of a stream wherever a worker is free (asyncio.to_thread, Starlette's StreamingResponse over a
+            # sync generator), another worker resumes it and claim() moves it there. Wait that long.
+            now = time.monotonic()
+            refuse_at = refuse_at or now + SAME_THREAD_PATIENCE
+            if now >= refuse_at:
+                raise RequestError(
+                    f"all {self.size} slots of this decoder are in use, one by an unfinished generate/stream this "
+                    f"same thread last advanced and no other thread resumed within {SAME_THREAD_PATIENCE:g} s: "
+                    "finish or close() it first, or create the decoder with parallel > "
+                    f"{self.size}"
+                )
+            self._changed.wait(refuse_at - now)
 
     def _pick(self, me: int) -> Slot:
         """Take a free slot for thread `me`: with affinity its own of last time, else one never taken; else the
