@@ -42,3 +42,19 @@ def test_the_wheel_carries_the_files_the_commands_read(tmp_path):
                     str(source)], check=True, capture_output=True)
     names = set(zipfile.ZipFile(next(tmp_path.glob("specbuild-*.whl"))).namelist())
     assert DEMO_RECIPE.relative_to(root).as_posix() in names and "specbuild/prompts/code.jsonl" in names
+
+
+def test_the_runtime_wheel_says_it_is_typed(tmp_path):
+    """PEP 561: without py.typed in the installed package, mypy skips the runtime ("module is installed, but
+    missing library stubs or py.typed marker") and a service's calls go unchecked."""
+    import shutil
+    import zipfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    source = tmp_path / "runtime"  # a copy: setuptools builds in the source tree
+    shutil.copytree(root / "runtime", source, ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path),
+                    str(source)], check=True, capture_output=True)
+    names = set(zipfile.ZipFile(next(tmp_path.glob("specbuild_runtime-*.whl"))).namelist())
+    assert "specbuild_runtime/py.typed" in names

@@ -214,6 +214,23 @@ def test_a_damaged_manifest_is_one_line_naming_what_is_wrong(key, value, message
         assert "\n" not in str(error.value) and "rebuild the bundle" in str(error.value)
 
 
+@pytest.mark.parametrize("version, advice", [(3, "upgrade specbuild-runtime to one that reads version 3"),
+                                             (1, "rebuild the bundle")])
+def test_a_bundle_of_another_format_version_says_which_side_to_upgrade(version, advice, bundles, tmp_path):
+    """A service loading a bundle from a newer specbuild must learn to upgrade its runtime, not to rebuild the
+    bundle (with what it has, it cannot); an older bundle is rebuilt."""
+    import specbuild_runtime
+
+    folder = tmp_path / "bundle"
+    shutil.copytree(bundles("llama"), folder)
+    data = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**data, "format_version": version}))
+    with pytest.raises(BundleError, match=re.escape(advice)) as error:
+        SpeculativeDecoder(folder)
+    assert f"made by {data['created_by']}" in str(error.value) and "\n" not in str(error.value)
+    assert specbuild_runtime.FORMAT_VERSION == data["format_version"] and specbuild_runtime.__version__
+
+
 def test_the_decoder_checks_every_request_before_taking_a_slot(bundles):
     decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
     with pytest.raises(RequestError, match="vocabulary"):

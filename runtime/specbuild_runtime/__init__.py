@@ -8,11 +8,14 @@ if find_spec("onnxruntime") is None:  # the package's extras choose it: onnxrunt
 
 from .decode import Generation, SpeculativeDecoder, Stats
 from .errors import BundleError, DeviceError, RequestError, SpecbuildError
-from .manifest import Manifest, load_manifest
+from .manifest import FORMAT_VERSION, Manifest, load_manifest, runtime_version
+
+__version__ = runtime_version()
 
 __all__ = [
     "BundleError",
     "DeviceError",
+    "FORMAT_VERSION",
     "Generation",
     "Manifest",
     "RequestError",

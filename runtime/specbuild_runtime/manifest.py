@@ -52,6 +52,7 @@ to the target's V.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import types
 import typing
@@ -292,11 +293,15 @@ def load_manifest(root: str | Path, check_digests: bool = True, require_engines:
         raise BundleError(f"{path} is not valid JSON ({exc}); {UNREADABLE_ADVICE}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise BundleError(f"{path} is not a specbuild manifest; {UNREADABLE_ADVICE}")
-    if data.get("format_version") != FORMAT_VERSION:
-        raise BundleError(
-            f"{root} has bundle format version {data.get('format_version')}, this runtime reads version "
-            f"{FORMAT_VERSION}; rebuild the bundle with a matching `specbuild compile`"
-        )
+    version = data.get("format_version")
+    if version != FORMAT_VERSION:
+        made_by = data.get("created_by") if isinstance(data.get("created_by"), str) else ""
+        newer = type(version) is int and version > FORMAT_VERSION
+        advice = (f"upgrade specbuild-runtime to one that reads version {version}, or rebuild the bundle with the "
+                  "`specbuild compile` that matches this runtime" if newer else
+                  "rebuild the bundle with the `specbuild compile` that matches this runtime")
+        raise BundleError(f"{root} has bundle format version {version}{f' (made by {made_by})' if made_by else ''}, "
+                          f"this runtime (specbuild-runtime {runtime_version()}) reads version {FORMAT_VERSION}; {advice}")
     try:
         manifest = Manifest.from_dict(data)
     except ValueError as exc:
@@ -308,6 +313,14 @@ def load_manifest(root: str | Path, check_digests: bool = True, require_engines:
     if check_digests:
         verify_digests(root, manifest)
     return manifest
+
+
+def runtime_version() -> str:
+    """The installed specbuild-runtime's version (said when a bundle's format is not this runtime's)."""
+    try:
+        return importlib.metadata.version("specbuild-runtime")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "0+unknown"
 
 
 # compile --overwrite replaces only a folder whose manifest says it is a bundle: not this one.
