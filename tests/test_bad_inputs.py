@@ -395,7 +395,7 @@ CASES = [
          call=lambda d, b: d.generate([5.0, 7.9], 4)),
     Case("a `bytes` prompt", None, 1, "bytes", "Decode it to str first (or pass token ids).",
          call=lambda d, b: d.generate(b"def f():", 4)),
-    Case("`parallel=` more slots than memory holds (also `serve --parallel`)", None, 1, "GiB of KV caches",
+    Case("`parallel=` more slots than memory holds (also `serve --parallel`)", None, 1, "of KV caches",
          "Use fewer slots, or compile with a shorter `--max-seq-len`.", call=lambda d, b: type(d)(b, parallel=10**7)),
     Case("`max_new_tokens=2.5`", None, 1, "max_new_tokens", "Pass a positive int.",
          call=lambda d, b: d.generate("x", 2.5)),

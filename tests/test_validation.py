@@ -238,3 +238,16 @@ def test_the_decoder_checks_every_request_before_taking_a_slot(bundles):
     with pytest.raises(RequestError, match="gamma"):
         decoder.generate(PROMPTS[0], gamma=decoder.max_gamma + 1)
     assert decoder.slots.in_use == 0
+
+
+def test_slots_beyond_a_containers_memory_limit_are_refused(bundles, tmp_path, monkeypatch):
+    """A service in a container is killed at the cgroup's limit, not at the machine's memory: the check reads it."""
+    from specbuild_runtime import decode
+
+    limit = tmp_path / "memory.max"
+    monkeypatch.setattr(decode, "CGROUP_LIMITS", (str(limit),))
+    limit.write_text("max\n")  # no limit: the machine's memory decides
+    SpeculativeDecoder(bundles("llama"), parallel=2)
+    limit.write_text("4096\n")
+    with pytest.raises(RequestError, match=r"parallel 2 needs [\d.]+ KiB of KV caches .* this container may use 4.0 KiB"):
+        SpeculativeDecoder(bundles("llama"), parallel=2)

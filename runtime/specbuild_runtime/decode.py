@@ -437,14 +437,37 @@ def _leading_equal(a: list[int], b: list[int]) -> int:
     return n
 
 
+# cgroup v2, then v1: a container is killed at its own limit, not at the machine's memory.
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def memory_limit() -> tuple[int, str]:
+    """(bytes, what they are): the machine's memory, or the container's limit where a cgroup sets less."""
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine has"
+    for path in CGROUP_LIMITS:
+        try:
+            text = Path(path).read_text().strip()  # "max" (v2) or a huge number (v1) when unlimited
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < limit[0]:
+            limit = int(text), "this container may use"
+    return limit
+
+
 def check_memory(parallel: int, slot_bytes: int) -> None:
-    """Refuse a slot count whose KV caches alone would not fit in this machine's memory (each slot holds
-    its caches for the whole context from the start)."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """Refuse a slot count whose KV caches alone would not fit in this machine's (or container's) memory:
+    each slot holds its caches for the whole context from the start."""
+    total, where = memory_limit()
     if parallel * slot_bytes > total:
-        raise RequestError(f"parallel {parallel} needs {parallel * slot_bytes / 2**30:.1f} GiB of KV caches "
-                           f"({slot_bytes / 2**30:.2f} GiB a slot) but this machine has {total / 2**30:.1f} GiB; "
-                           "use fewer slots or compile with a shorter --max-seq-len")
+        raise RequestError(f"parallel {parallel} needs {_size(parallel * slot_bytes)} of KV caches ({_size(slot_bytes)} a "
+                           f"slot) but {where} {_size(total)}; use fewer slots or compile with a shorter --max-seq-len")
+
+
+def _size(size: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
+        if size >= 1 << shift:
+            return f"{size / (1 << shift):.1f} {unit}"
+    return f"{size / 1024:.1f} KiB"
 
 
 def _finish(text: TextStream, stats: Stats) -> str:
