@@ -209,6 +209,7 @@ class SpeculativeDecoder:
         return target, draft, steps
 
     def encode(self, text: str) -> list[int]:
+        """The token ids the bundle's tokenizer gives text, special tokens included (as generate reads a str)."""
         return self.tokenizer.encode(text).ids
 
     def warm_up(self) -> int:
@@ -234,15 +235,20 @@ class SpeculativeDecoder:
         """CUDA graphs this decoder's engines have captured so far, in every thread."""
         return sum(engine.graphs_captured for engine in (self.target, self.draft, self.steps_engine) if engine is not None)
 
-    def request(self, prompt: Prompt, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
-                seed=None, stop=None) -> Request:
+    def request(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
+                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                stop: str | list[str] | None = None) -> Request:
         """The checked request (validation.check_request against this bundle), or a RequestError."""
         return check_request(prompt, encode=self.encode, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
                              max_gamma=self.max_gamma, max_new_tokens=max_new_tokens, gamma=gamma,
                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
 
-    def generate(self, prompt: Prompt, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
-                 seed=None, stop=None) -> Generation:
+    def generate(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 stop: str | list[str] | None = None) -> Generation:
+        """Decode a prompt (text or token ids) to its end: max_new_tokens, an eos token, a stop string or the
+        context. gamma: "auto" (adaptive), 0 (the target alone) or drafts per round; temperature 0 is greedy
+        (the target's own output, token for token), above 0 samples the target's distribution exactly."""
         request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
         stats, text = Stats(), self._text(request)
         tokens = list(self._run(request, stats, text if request.stop else None))
@@ -251,8 +257,9 @@ class SpeculativeDecoder:
         _finish(text, stats)
         return Generation(text.text, tokens, request.prompt_ids, stats)
 
-    def stream(self, prompt: Prompt, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
-               seed=None, stop=None, stats: Stats | None = None) -> Iterator[int]:
+    def stream(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+               stop: str | list[str] | None = None, stats: Stats | None = None) -> Iterator[int]:
         """Yields generated token ids as the target accepts them (up to the one that completes a stop
         string); pass a Stats to read measurements. The request is checked now, the slot taken at the
         first token."""
@@ -260,8 +267,9 @@ class SpeculativeDecoder:
         text = self._text(request) if request.stop else None
         return self._run(request, Stats() if stats is None else stats, text)
 
-    def stream_text(self, prompt: Prompt, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
-                    seed=None, stop=None, stats: Stats | None = None) -> Iterator[str]:
+    def stream_text(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
+                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                    stop: str | list[str] | None = None, stats: Stats | None = None) -> Iterator[str]:
         """Yields text as it is decoded: the deltas join to exactly generate(...).text (a character split
         across tokens, or text that may still become a stop string, waits for the tokens that settle it)."""
         request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
