@@ -72,6 +72,9 @@ class PromptText(click.ParamType):
 
     def convert(self, value, param, ctx):
         if value == "-":
+            if sys.stdin is None:  # the shell closed it (`<&-`): Python has no stdin object at all
+                self.fail("- reads the prompt from stdin, which is closed; pipe the prompt in (-p - < prompt.txt)",
+                          param, ctx)
             try:
                 return sys.stdin.buffer.read().decode("utf-8")
             except UnicodeDecodeError:

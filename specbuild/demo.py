@@ -4,6 +4,7 @@ speculation working: a code completion, α, τ, and the speed-up over target-onl
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
@@ -14,7 +15,8 @@ from specbuild_runtime.manifest import load_manifest
 
 from .bench import run_ours
 from .compile import compile_bundle
-from .errors import SettingsError
+from .compile.bundle import is_bundle
+from .errors import CheckpointError, OutputError, SettingsError
 from .recipe import RECIPE_KEYS, read_table, resolve_settings
 from .texts import measuring_prompts
 
@@ -60,9 +62,17 @@ def ensure_bundle(recipe: Path, pair: Path, bundle: Path) -> None:
         if compiled_with.is_file() and compiled_with.read_text() == wanted:
             return
     except BundleError:
-        pass
+        if os.path.lexists(bundle) and not is_bundle(bundle) and not (bundle.is_dir() and not any(bundle.iterdir())):
+            # compile --overwrite replaces only a folder whose manifest says it is a bundle, and the demo has
+            # no options about that: say which folder to delete
+            raise OutputError(f"the demo's bundle {bundle} is damaged (its manifest.json is unreadable); delete "
+                              f"{bundle} and run `specbuild demo` again to recompile it") from None
     click.echo(f"Compiling {bundle} ...", err=True)
-    compile_bundle(settings)
+    try:
+        compile_bundle(settings)
+    except CheckpointError as exc:  # the pair the demo made and keeps, not a download to fetch again
+        raise CheckpointError(f"the demo pair in {pair} is damaged ({str(exc).split('; ')[0]}); delete {pair} and run "
+                              "`specbuild demo` again to remake it (minutes of training)") from None
     compiled_with.write_text(wanted)
 
 

@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import threading
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -89,6 +90,9 @@ def check_output(output: Path, *, overwrite: bool, is_kind: Callable[[Path], boo
     existing = next(folder for folder in Path(output).resolve().parents if folder.exists())
     if not existing.is_dir():
         raise OutputError(f"{existing} is a file, so {output} cannot be made inside it; choose another output")
+    if not os.access(existing, os.W_OK | os.X_OK):  # the staging folder and the lock go there (or in a folder made there)
+        raise OutputError(f"cannot write in {existing} (permission denied or a read-only file system), so {output} "
+                          "cannot be written; choose an output inside a folder you can write")
     check_replaceable(Path(output).resolve(), overwrite, is_kind, kind)
 
 
@@ -111,7 +115,12 @@ def refuse_overlap(output: Path, inputs: dict[str, Path | None]) -> None:
 
 
 def check_replaceable(output: Path, overwrite: bool, is_kind: Callable[[Path], bool], kind: str) -> None:
-    """Nothing there, or an empty folder: fine. A folder of the kind: only with overwrite. Anything else: never."""
+    """Nothing there, or an empty folder: fine. A folder of the kind: only with overwrite. Anything else: never.
+    Nor a mount point (a container's volume, `docker run -v ...:/out`): it cannot be swapped for a new folder,
+    so publishing would fail after the whole build, which would have been staged on the parent's disk."""
+    if _is_mount_point(output):
+        raise OutputError(f"{output} is a mount point, which cannot be replaced by a new folder; choose a folder "
+                          f"inside it as the output (e.g. {output / ('bundle' if 'bundle' in kind else 'draft')})")
     if not os.path.lexists(output) or (output.is_dir() and not output.is_symlink() and not any(output.iterdir())):
         return
     if output.is_symlink() or not output.is_dir() or not is_kind(output):
@@ -119,6 +128,23 @@ def check_replaceable(output: Path, overwrite: bool, is_kind: Callable[[Path], b
                           "move it away or choose another output")
     if not overwrite:
         raise OutputError(f"{output} already holds a {kind}; pass --overwrite to replace it or choose another output")
+
+
+def _is_mount_point(path: Path) -> bool:
+    """os.path.ismount, which compares devices, misses a bind mount of a folder on the parent's own file
+    system; Linux lists every mount point in /proc/self/mountinfo (field 5, with octal escapes)."""
+    if os.path.ismount(path):
+        return True
+    try:
+        lines = Path("/proc/self/mountinfo").read_text(errors="surrogateescape").splitlines()
+    except OSError:
+        return False
+    return any(len(fields) > 4 and _unescape(fields[4]) == str(path) for fields in map(str.split, lines))
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes a space, tab, newline or backslash in a path as an octal escape (\\040)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
 
 
 @contextmanager
@@ -209,8 +235,12 @@ def _remove_stale(output: Path) -> None:
             continue
         if match[1] == "old" and not os.path.lexists(output):
             entry.rename(output)
-        else:
-            shutil.rmtree(entry)
+            continue
+        try:
+            _remove(entry)
+        except OSError as exc:
+            raise OutputError(f"cannot remove {entry}, which an earlier writer to {output} left ({exc.strerror}); "
+                              "remove it (or have its owner remove it) and try again") from None
 
 
 def _alive(pid: int) -> bool:
@@ -237,13 +267,36 @@ def _make_readable(folder: Path) -> None:
 def _publish(staging: Path, output: Path) -> None:
     if not os.path.lexists(output):
         staging.rename(output)
-    elif _exchange(staging, output):
-        shutil.rmtree(staging)  # which now holds the old folder
+        return
+    if _exchange(staging, output):
+        old = staging  # which now holds the old folder
     else:  # no atomic exchange here: the path is empty between the two renames (_remove_stale recovers)
         old = output.parent / f".{output.name}.old-{os.getpid()}"
         output.rename(old)
         staging.rename(output)
-        shutil.rmtree(old)
+    # The new folder is in place: the job is done. An old folder that cannot be removed (another user's)
+    # stays aside, and the next writer says so.
+    with suppress(OSError):
+        _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """shutil.rmtree, also of a tree whose folders are read-only (a bundle made read-only to protect it, or
+    copied from a read-only place), whose owner may make them writable again."""
+    try:
+        shutil.rmtree(path)
+    except PermissionError:
+        _owner_writable(path)
+        for root, dirs, _ in os.walk(path):  # top-down: each folder is made writable before it is listed
+            for name in dirs:
+                _owner_writable(os.path.join(root, name))
+        shutil.rmtree(path)
+
+
+def _owner_writable(folder: str | Path) -> None:
+    if not os.path.islink(folder):  # chmod would follow a link out of the tree
+        with suppress(OSError):
+            os.chmod(folder, stat.S_IMODE(os.stat(folder).st_mode) | stat.S_IRWXU)
 
 
 _AT_FDCWD = -100

@@ -310,7 +310,7 @@ CASES = [
     Case("`distill --output` a folder that is not a checkpoint", ["distill", "--target", "{target}", "--output",
                                                                    "{tmp}/notes", "--minutes", "0.01", "--overwrite"], 1,
          "is not a checkpoint", "Move the folder away or choose another `--output`: `--overwrite` replaces only "
-         "checkpoints (folders with a `config.json`).", setup=a_folder_with_a_file),
+         "checkpoints (folders with a model's `config.json`).", setup=a_folder_with_a_file),
     Case("a checkpoint with a `pytorch_model.bin` beside its safetensors", compile_args(), 0, "",
          "Nothing: specbuild reads the safetensors and never opens the pickle.", setup=a_copy_of("target", plant_pickle)),
     Case("`verify --target` a checkpoint with a `pytorch_model.bin` beside its safetensors",

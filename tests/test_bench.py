@@ -38,6 +38,14 @@ def test_bench_reports_every_mode_and_writes_json_and_plot(bundles, tmp_path):
     assert png.stat().st_size > 10_000
 
 
+def test_bench_at_its_smallest_n_reports_instead_of_dividing_by_zero(bundles, tmp_path):
+    """-n 2 (the least it takes) leaves one token after the first, which no round drafts for."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    result = specbuild("bench", bundles("llama", 1), "--prompts", prompts, "-n", 2, "--gamma", "1")
+    assert result.returncode == 0, result.stderr
+
+
 def test_bench_with_transformers_peers_checks_their_output(bundles, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "def add(a, b):"}\n')

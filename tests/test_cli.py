@@ -163,6 +163,27 @@ def test_a_reader_that_closes_stdout_early_ends_the_command_quietly(bundles):
     assert result.returncode == 1 and result.stderr == "", result.stderr
 
 
+@pytest.mark.parametrize("damage", ["bundle manifest", "pair weights"])
+def test_a_damaged_demo_cache_says_which_folder_to_delete(damage, checkpoints, tmp_path, cli):
+    """The demo used to answer with advice for options it does not have (--overwrite, another output) or for
+    a download it never made ("download or save the checkpoint again")."""
+    cache = tmp_path / "demo"
+    for role, seed in (("target", 0), ("draft", 1)):  # the pair as the demo keeps it (its recipe: 1024 positions)
+        shutil.copytree(checkpoints("llama", seed, max_position_embeddings=2048), cache / "pair" / role)
+    if damage == "bundle manifest":
+        (cache / "bundle").mkdir()
+        (cache / "bundle" / "manifest.json").write_text('{"format": "specbuild-bun')  # cut short
+        damaged = cache / "bundle"
+    else:
+        weights = cache / "pair" / "target" / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
+        damaged = cache / "pair"
+    [result] = cli.run([["demo", "--cache", str(cache), "-n", "2"]])
+    error = result["stderr"].splitlines()[-1]
+    assert result["status"] == 1 and f"delete {damaged} and run `specbuild demo` again" in error, error
+    assert "--overwrite" not in error and "download" not in error, error
+
+
 def test_usage_errors_are_one_line_with_exit_status_2(capsys):
     from specbuild.cli import main
 
@@ -219,6 +240,24 @@ def test_a_prompts_file_may_start_with_a_bom(tmp_path):
     assert read_prompts(path) == ["a", "b"]
 
 
+def test_overwrite_refuses_a_bundle_folder_holding_files_of_the_users(bundles, checkpoints, tmp_path):
+    """A bench report or notes kept beside the engines were deleted without a word by compile --overwrite."""
+    out = tmp_path / "bundle"
+    shutil.copytree(bundles("llama", 1), out)
+    (out / "bench.json").write_text("{}")  # `specbuild bench bundle --json bundle/bench.json`
+    result = specbuild("compile", "--target", checkpoints("llama"), "--draft", checkpoints("llama", 1), "-o", out,
+                       "--max-seq-len", 32, "--overwrite")
+    assert result.returncode == 1 and "files it did not have (bench.json)" in result.stderr, result.stderr
+    assert (out / "bench.json").read_text() == "{}" and (out / "manifest.json").is_file()
+    (out / "bench.json").unlink()
+    built = out / "tensorrt-llm" / "engines" / "target" / "rank0.engine"  # what the bundle's build plan makes there
+    built.parent.mkdir(parents=True)
+    built.write_bytes(b"stale once the bundle is replaced")
+    specbuild("compile", "--target", checkpoints("llama"), "--draft", checkpoints("llama", 1), "-o", out,
+              "--max-seq-len", 32, "--overwrite", check=True)
+    assert not built.exists()
+
+
 def test_no_overwrite_on_the_command_line_wins_over_a_recipes_overwrite(bundles, checkpoints, tmp_path):
     output = tmp_path / "bundle"
     shutil.copytree(bundles("llama"), output)
@@ -228,6 +267,12 @@ def test_no_overwrite_on_the_command_line_wins_over_a_recipes_overwrite(bundles,
     result = subprocess.run([sys.executable, "-m", "specbuild", "compile", "--recipe", str(recipe), "--no-overwrite"],
                             capture_output=True, text=True)
     assert result.returncode == 1 and "pass --overwrite" in result.stderr, result.stderr
+
+
+def test_a_prompt_from_a_closed_stdin_is_a_usage_error_not_a_bug(bundles):
+    command = f"{sys.executable} -m specbuild generate {bundles('llama', 1)} -p - -n 2 <&-"
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
+    assert result.returncode == 2 and "stdin, which is closed" in result.stderr, result.stderr
 
 
 def test_generate_reads_the_prompt_from_stdin_given_a_dash(bundles):

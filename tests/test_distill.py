@@ -205,6 +205,24 @@ def test_distill_replaces_a_checkpoint_only_with_overwrite_and_nothing_else_ever
     assert distill(pair[0], draft, init=pair[0], minutes=0.01, heldout_prompts=2, force=True, overwrite=True)["written"]
 
 
+def test_an_output_where_nothing_can_be_written_is_refused_before_training(pair, tmp_path):
+    """A read-only folder (a read-only mount here: root may write anywhere else) was found out only when the
+    draft was saved, after --minutes of training (and the trained draft was lost)."""
+    if not (shutil.which("unshare") and subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode == 0):
+        pytest.skip("cannot mount here (needs unshare -rm)")
+    readonly = tmp_path / "readonly"
+    readonly.mkdir()
+    script = ("import sys\n"
+              "from specbuild.train import distill as d\n"
+              "d.train_model = lambda *a, **k: sys.exit('refused only after training')\n"
+              f"try: d.distill({str(pair[0])!r}, {str(readonly / 'sub' / 'draft')!r}, minutes=0.01, force=True)\n"
+              "except Exception as exc: print(type(exc).__name__, exc)\n")
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o ro none {readonly} && {sys.executable} -c \"$0\"",
+                             script], capture_output=True, text=True)
+    assert result.stdout.startswith("OutputError cannot write in") and "refused only after training" not in result.stderr, \
+        (result.stdout, result.stderr[-500:])
+
+
 def test_the_distill_command_refuses_a_folder_of_the_users_in_one_line(pair, tmp_path):
     (tmp_path / "mine.txt").write_text("keep me")
     result = distill_command("--target", pair[0], "-o", tmp_path, "--minutes", "0.01", "--force", "--overwrite")
@@ -301,6 +319,17 @@ def test_distill_refuses_a_target_specbuild_cannot_compile_before_training(pair,
 def test_distill_reports_a_missing_target(tmp_path):
     with pytest.raises(CheckpointError, match="not a Hugging Face folder"):
         distill(tmp_path / "missing", tmp_path / "draft", minutes=0.01)
+
+
+def test_distill_overwrite_replaces_a_model_folder_not_any_folder_with_a_config_json(pair, tmp_path, monkeypatch):
+    monkeypatch.setattr(distill_module, "train_model", lambda *a, **k: pytest.fail("refused only after training"))
+    project = tmp_path / "project"  # an app of the user's: its own config.json
+    (project / "src").mkdir(parents=True)
+    (project / "config.json").write_text('{"port": 8080}')
+    (project / "src" / "app.py").write_text("print(1)")
+    with pytest.raises(OutputError, match="is not a checkpoint"):
+        distill(pair[0], project, minutes=0.01, force=True, overwrite=True)
+    assert (project / "src" / "app.py").read_text() == "print(1)"
 
 
 def test_the_demo_recipe_holds_every_setting_of_the_pair():

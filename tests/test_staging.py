@@ -143,6 +143,35 @@ def test_an_interrupt_while_the_new_folder_is_swapped_in_is_dropped_it_is_done(n
     assert {n: signal.getsignal(n) for n in before} == before
 
 
+def as_a_user(command: list[str]) -> list[str]:
+    """command as an ordinary user would run it: as root, without the capabilities that override file
+    permissions (setpriv); skipped where that cannot be done."""
+    if os.geteuid() != 0:
+        return command
+    drop = "-dac_override,-dac_read_search,-fowner"
+    wrapped = ["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", *command]
+    if not shutil.which("setpriv") or subprocess.run(wrapped[:3] + ["true"], capture_output=True).returncode:
+        pytest.skip("running as root and cannot drop the capabilities that override permissions (setpriv)")
+    return wrapped
+
+
+def test_a_read_only_old_folder_is_replaced_and_removed(tmp_path):
+    """`chmod -R a-w bundle` to protect a release, then compile --overwrite: the new bundle was published, yet
+    the command failed ("Permission denied: draft.onnx.data", exit 1), left the old one beside it, and every
+    later compile to that output failed the same way."""
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    (out / "sub" / "old.txt").write_text("old")
+    for folder in (out / "sub", out):
+        folder.chmod(0o555)
+    write = ("import sys; from pathlib import Path; from specbuild.staging import staged_folder\n"
+             "with staged_folder(Path(sys.argv[1])) as staging: (staging / sys.argv[2]).write_text('new')\n")
+    for name in ("new.txt", "newer.txt"):
+        result = subprocess.run(as_a_user([sys.executable, "-c", write, str(out), name]), capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-1000:]
+        assert [p.name for p in out.iterdir()] == [name] and [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
 def test_a_second_writer_is_refused_while_the_first_writes(tmp_path):
     out = tmp_path / "out"
     with staged_folder(out) as staging:
@@ -185,3 +214,20 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(crashes):
     status, stderr, left = crashes["disk_full"].values()
     assert status == 1 and stderr.startswith("error: no space left on the disk of") and stderr.count("\n") == 1, stderr
     assert left == [], "the full disk kept a partial bundle, staging or lock file"
+
+
+@pytest.mark.parametrize("mount", ["-t tmpfs none", "--bind {host}"])  # another file system; a bind mount of this one
+def test_an_output_that_is_a_mount_point_is_refused_before_the_build(mount, checkpoints, tmp_path):
+    """`docker run -v $PWD/out:/out ... -o /out`: the mount point cannot be exchanged for the staging folder
+    (EBUSY), which a compile used to find after building the whole bundle on the parent's disk."""
+    if not (shutil.which("unshare") and subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode == 0):
+        pytest.skip("cannot mount here (needs unshare -rm)")
+    volume, host = tmp_path / "out", tmp_path.parent / f"{tmp_path.name}-host"
+    volume.mkdir()
+    host.mkdir()
+    command = (f'mount {mount.format(host=host)} {volume} && {sys.executable} -m specbuild compile --target {checkpoints("llama")} '
+               f'--draft {checkpoints("llama", 1)} -o {volume} --max-seq-len 32; echo "status $?"; ls -A {volume}')
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", command], capture_output=True, text=True)
+    assert "status 1" in result.stdout and result.stdout.split("status 1")[1].strip() == "", result.stdout
+    assert "is a mount point" in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # nothing staged beside it

@@ -15,15 +15,37 @@ from typing import Iterator
 
 from specbuild_runtime.manifest import FORMAT, MANIFEST, Manifest, bundle_files
 
+from ..errors import OutputError
 from ..staging import guarded_folder
+from . import tensorrt_llm
 
 
 @contextmanager
 def staged_bundle(output: Path, overwrite: bool, inputs: dict[str, Path] | None = None) -> Iterator[Path]:
     """Yields an empty folder to build in; on success it replaces `output`, on any failure it vanishes.
     inputs: what the build reads ({"target": folder, "recipe": file, ...}), which output must not touch."""
-    with guarded_folder(output, overwrite=overwrite, is_kind=is_bundle, kind="specbuild bundle", inputs=inputs) as staging:
+    with guarded_folder(output, overwrite=overwrite, is_kind=only_a_bundle, kind="specbuild bundle", inputs=inputs) as staging:
         yield staging
+
+
+# Engines the bundle's TensorRT-LLM build plan makes inside it: built from the old checkpoints, stale once
+# the bundle is replaced, so they go with it.
+BUILT_ENGINES = f"{tensorrt_llm.FOLDER}/engines/"
+
+
+def only_a_bundle(folder: Path) -> bool:
+    """is_bundle, and OutputError where the folder also holds files the bundle did not have (a bench report,
+    notes): replacing the folder would delete them."""
+    if not is_bundle(folder):
+        return False
+    listed = set(json.loads((folder / MANIFEST).read_text()).get("files") or {}) | {MANIFEST}
+    added = [name for p in sorted(folder.rglob("*")) if p.is_file() and (name := p.relative_to(folder).as_posix())
+             not in listed and not name.startswith(BUILT_ENGINES)]
+    if added:
+        more = f" and {len(added) - 1} more" if len(added) > 1 else ""
+        raise OutputError(f"{folder} holds a specbuild bundle and files it did not have ({added[0]}{more}), which "
+                          "replacing it would delete; move them out of the folder or choose another output")
+    return True
 
 
 def is_bundle(folder: Path) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections import Counter
@@ -201,7 +202,13 @@ def heldout_loss(model, data: np.ndarray, seq_len: int = 256, max_tokens: int = 
 
 
 def is_checkpoint(folder: Path) -> bool:
-    return (folder / "config.json").is_file()
+    """A Hugging Face model folder: its config.json names a model type or architecture (a project of the
+    user's may have a config.json of its own)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(config, dict) and bool(config.get("model_type") or config.get("architectures"))
 
 
 CHECKPOINT = dict(is_kind=is_checkpoint, kind="checkpoint")  # what guarded outputs of checkpoints may replace
