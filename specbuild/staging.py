@@ -147,11 +147,17 @@ def _unescape(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
 
 
+# Signals that end a process by default and that pipelines and terminals send: SIGTERM (a job cancelled,
+# `timeout`, `docker stop`), SIGHUP (an SSH session or terminal closed).
+TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+
+
 @contextmanager
 def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM (a pipeline cancelling a job, `timeout`, `docker stop`) unwinds like Ctrl-C while a folder is
-    written, so the staging folder and the lock go with it; by default it would end the process at once.
-    Python runs the handler between bytecodes: during a long call into C (saving an engine) it waits."""
+    """TERMINATING signals unwind like Ctrl-C while a folder is written, so the staging folder and the lock go
+    with it; by default they would end the process at once. One the process ignores (`nohup` ignores
+    SIGHUP) stays ignored. Python runs the handler between bytecodes: during a long call into C (saving an
+    engine) it waits."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield
         return
@@ -159,22 +165,26 @@ def _terminate_as_interrupt() -> Iterator[None]:
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {number: signal.getsignal(number) for number in TERMINATING}
+    for number, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(number, interrupt)
     try:
         yield
     finally:  # None: a handler set outside Python, which cannot be put back; the default is the nearest
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        for number, handler in previous.items():
+            signal.signal(number, signal.SIG_DFL if handler is None else handler)
 
 
 @contextmanager
 def _signals_ignored() -> Iterator[None]:
-    """Ctrl-C and SIGTERM are dropped while the new folder replaces the old: once swapped in, the job is
-    done, and an interrupt raised while the old folder is removed would report "interrupted" (exit 130:
-    nothing left behind) over a folder already replaced. One before the swap still unwinds as usual."""
+    """Ctrl-C and TERMINATING signals are dropped while the new folder replaces the old: once swapped in, the
+    job is done, and an interrupt raised while the old folder is removed would report "interrupted" (exit
+    130: nothing left behind) over a folder already replaced. One before the swap still unwinds as usual."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {number: signal.signal(number, lambda signum, frame: None) for number in (signal.SIGINT, signal.SIGTERM)}
+    previous = {number: signal.signal(number, lambda signum, frame: None) for number in (signal.SIGINT, *TERMINATING)}
     try:
         yield
     finally:

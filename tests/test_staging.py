@@ -107,20 +107,33 @@ def test_a_failure_inside_the_folder_leaves_the_old_one_and_nothing_beside(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and [p.name for p in out.iterdir()] == ["old.txt"]
 
 
-def test_sigterm_while_writing_unwinds_like_ctrl_c_and_leaves_the_old_folder_alone(tmp_path):
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_sighup_while_writing_unwinds_like_ctrl_c_and_leaves_the_old_folder_alone(number, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "old.txt").write_text("old")
-    before = signal.getsignal(signal.SIGTERM)
+    before = signal.getsignal(number)
     with pytest.raises(KeyboardInterrupt):
         with staged_folder(out) as staging:
             (staging / "half.txt").write_text("half")
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), number)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and [p.name for p in out.iterdir()] == ["old.txt"]
-    assert signal.getsignal(signal.SIGTERM) is before
+    assert signal.getsignal(number) is before
 
 
-@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM])
+def test_a_sighup_ignored_as_nohup_does_stays_ignored_while_writing(tmp_path):
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with staged_folder(tmp_path / "out") as staging:
+            (staging / "new.txt").write_text("new")
+            os.kill(os.getpid(), signal.SIGHUP)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["new.txt"]
+
+
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_an_interrupt_while_the_new_folder_is_swapped_in_is_dropped_it_is_done(number, tmp_path, monkeypatch):
     """Reported as interrupted (exit 130, "nothing left behind"), the replaced folder would be a lie."""
     import specbuild.staging as staging_module
@@ -136,7 +149,7 @@ def test_an_interrupt_while_the_new_folder_is_swapped_in_is_dropped_it_is_done(n
         return swapped
 
     monkeypatch.setattr(staging_module, "_exchange", exchange_then_interrupt)
-    before = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)}
+    before = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     with staged_folder(out) as staging:
         (staging / "new.txt").write_text("new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and [p.name for p in out.iterdir()] == ["new.txt"]
