@@ -236,12 +236,13 @@ def _locked(output: Path) -> Iterator[None]:
 
 
 def _remove_stale(output: Path) -> None:
-    """Remove what writers to output that have died left beside it (only names of our own pattern,
-    only dead PIDs); put back an old folder a kill between the two renames of _publish left aside."""
+    """Remove what earlier writers to output left beside it (only names of our own pattern); put back an old
+    folder a kill between the two renames of _publish left aside. Called holding output's lock, so no
+    writer of these is alive, whatever their PIDs say (a PID alive in another container proves nothing)."""
     pattern = re.compile(rf"\.{re.escape(output.name)}\.(partial|old)-(\d+)(-scratch)?")
     for entry in output.parent.iterdir():
         match = pattern.fullmatch(entry.name)
-        if not match or _alive(int(match[2])):
+        if not match:
             continue
         if match[1] == "old" and not os.path.lexists(output):
             entry.rename(output)
@@ -251,16 +252,6 @@ def _remove_stale(output: Path) -> None:
         except OSError as exc:
             raise OutputError(f"cannot remove {entry}, which an earlier writer to {output} left ({exc.strerror}); "
                               "remove it (or have its owner remove it) and try again") from None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
 
 
 def _make_readable(folder: Path) -> None:

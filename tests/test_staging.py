@@ -60,20 +60,21 @@ def test_a_compile_killed_at_any_point_leaves_a_whole_bundle_and_the_next_compil
         assert record["after_next_compile"]["beside"] == [], record
 
 
-def test_leftovers_of_dead_writers_are_removed_and_nothing_else(tmp_path):
-    out, dead, alive = tmp_path / "out", dead_pid(), 1  # pid 1 always runs
+def test_leftovers_of_earlier_writers_are_removed_and_nothing_else(tmp_path):
+    """Whatever their PIDs: the next writer holds the output's lock, so none of them writes (pid 1 runs here,
+    as a writer's PID may in another container sharing the volume)."""
+    out, dead, alive = tmp_path / "out", dead_pid(), 1
     out.mkdir()
     (out / "old.txt").write_text("the folder being replaced")
-    for name in (f".out.partial-{dead}", f".out.partial-{dead}-scratch", f".out.old-{dead}",  # dead: removed
-                 f".out.partial-{alive}", f".other.partial-{dead}", f".out.partial-{dead}x", "notes"):  # kept
+    for name in (f".out.partial-{dead}", f".out.partial-{dead}-scratch", f".out.old-{dead}", f".out.partial-{alive}",
+                 f".other.partial-{dead}", f".out.partial-{dead}x", "notes"):  # the last three are kept
         (tmp_path / name).mkdir()
         (tmp_path / name / "f").write_text("x")
     with staged_folder(out) as staging:
         (staging / "new.txt").write_text("new")
         assert scratch_folder(staging) == Path(f"{staging}-scratch")
         scratch_folder(staging).mkdir()  # scratch is removed before publishing
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["out", f".out.partial-{alive}", f".other.partial-{dead}", f".out.partial-{dead}x", "notes"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", f".other.partial-{dead}", f".out.partial-{dead}x", "notes"])
     assert [p.name for p in out.iterdir()] == ["new.txt"]
 
 
