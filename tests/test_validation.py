@@ -251,3 +251,25 @@ def test_slots_beyond_a_containers_memory_limit_are_refused(bundles, tmp_path, m
     limit.write_text("4096\n")
     with pytest.raises(RequestError, match=r"parallel 2 needs [\d.]+ KiB of KV caches .* this container may use 4.0 KiB"):
         SpeculativeDecoder(bundles("llama"), parallel=2)
+
+
+def test_a_bundle_replaced_while_it_loads_is_refused_not_mixed(bundles, tmp_path, monkeypatch):
+    """compile --overwrite publishing between the digest check and the engines' loading (a service restarting
+    during a deploy) would pair the new engines with the old manifest."""
+    from specbuild_runtime import decode
+
+    folder = tmp_path / "bundle"
+    shutil.copytree(bundles("llama"), folder)
+    shutil.copytree(folder, tmp_path / "new")
+    engine = decode.Engine
+
+    def swapped_first(*args, **kwargs):
+        if (tmp_path / "new").exists():
+            folder.rename(tmp_path / "old")
+            (tmp_path / "new").rename(folder)
+        return engine(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "Engine", swapped_first)
+    with pytest.raises(BundleError, match="was replaced while it loaded"):
+        SpeculativeDecoder(folder)
+    SpeculativeDecoder(folder)  # loaded again: one folder throughout

@@ -158,6 +158,7 @@ class SpeculativeDecoder:
         if not isinstance(bundle, (str, os.PathLike)):
             raise BundleError(f"bundle must be a path to a bundle folder, not {bundle!r:.40}")
         self.root = Path(bundle)
+        folder = _identity(self.root)
         self.manifest = load_manifest(self.root, check_digests=check_digests, require_engines=True)
         self.max_seq_len = self.manifest.max_seq_len
         self.max_gamma = self.manifest.gamma
@@ -182,6 +183,9 @@ class SpeculativeDecoder:
             self.device = "cpu"  # the CUDA provider is installed but could not start: "auto" takes the CPU
             self.cuda_graphs = bool(cuda_graphs)
             self.target, self.draft, self.steps_engine = self._engines(draft_steps)
+        if _identity(self.root) != folder:  # the engines may be another bundle's than the manifest checked
+            raise BundleError(f"{self.root} was replaced while it loaded (a compile --overwrite finished meanwhile); "
+                              "load it again")
         self.vocab_size = self.target.vocab_size
         check_vocabularies(self.target, self.draft)
         rows = target_rows or (fixed_rows(self.max_gamma) if self.device == "cuda" else NEVER_ALONE)
@@ -460,6 +464,15 @@ def memory_limit() -> tuple[int, str]:
         if text.isdigit() and int(text) < limit[0]:
             limit = int(text), "this container may use"
     return limit
+
+
+def _identity(folder: Path) -> tuple[int, int] | None:
+    """The folder a path names now: compile publishes a bundle by swapping a new folder in at its path."""
+    try:
+        stat = os.stat(folder)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
 
 
 def check_memory(parallel: int, slot_bytes: int) -> None:
