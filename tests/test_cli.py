@@ -5,6 +5,7 @@ Command lines run through the `specbuild` entry point in one process shared by t
 """
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -161,6 +162,16 @@ def test_a_reader_that_closes_stdout_early_ends_the_command_quietly(bundles):
     command = f"{sys.executable} -m specbuild inspect {bundles('llama')} | true; exit ${{PIPESTATUS[0]}}"
     result = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
     assert result.returncode == 1 and result.stderr == "", result.stderr
+
+
+def test_onnxruntime_telemetry_is_off_and_says_nothing_where_home_is_read_only(bundles):
+    """onnxruntime 1.32 sends telemetry from Linux and printed a colored warning where it could not store a
+    device id (a read-only HOME, as containers often have): a second line on stderr, and a build step's
+    unasked upload."""
+    env = {key: value for key, value in os.environ.items() if key != "ORT_DISABLE_TELEMETRY"}
+    result = subprocess.run([sys.executable, "-m", "specbuild", "generate", str(bundles("llama")), "-p", "x", "-n", "2"],
+                            capture_output=True, text=True, env={**env, "HOME": "/proc/no-home"})
+    assert result.returncode == 0 and result.stderr.count("\n") == 1 and "telemetry" not in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("damage", ["bundle manifest", "pair weights"])
