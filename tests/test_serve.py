@@ -214,6 +214,8 @@ BAD_REQUESTS = [
     ("completions", {}, "prompt must be"),
     ("completions", {"prompt": "x", "temperature": "hot"}, "temperature must be a number"),
     ("completions", b'{"prompt": "x", "temperature": NaN}', "temperature must be a finite number"),
+    ("completions", b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}", "temperature must be a finite number"),
+    ("completions", b'{"prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}", "a number of more than 4300 digits"),
     ("completions", {"prompt": "x", "top_p": 2}, "top_p must be in (0, 1]"),
     ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens must be >= 1"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
@@ -240,6 +242,9 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "top_k": -2}, "top_k must be >= 0"),
     ("completions", {"prompt": "x", "presence_penalty": False}, "'presence_penalty' is not supported"),
     ("completions", {"prompt": "x", "frobnicate": 1}, "unrecognized request argument: 'frobnicate'"),
+    ("completions", b'{"prompt": "x", "fr\\ud800b": 1}', "unrecognized request argument: 'fr\\ud800b'"),
+    ("completions", b'{"prompt": "x", "stream": true, "stream_options": {"\\udfff": 1}}',
+     "unrecognized stream_options argument: '\\udfff'"),
     ("completions", {"prompt": "x", "stream": "yes"}, "stream must be true or false"),
     ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "only with stream: true"),
     ("completions", {"prompt": "def f(x):\n" * 200}, f"this bundle's context is {MAX_SEQ_LEN}"),
@@ -248,6 +253,8 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "assistant", "content": "hi"}]}, "roles must alternate"),
     ("chat/completions", {"messages": [{"role": "user"}]}, "messages[0] has no 'content'"),
     ("chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content is not valid UTF-8"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "x"}, {"role": "\\ud800", "content": "y"}]}',
+     "messages[1].role is not valid UTF-8"),
     ("completions", b'{"prompt": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", "nests JSON too deeply"),
 ]
 
@@ -371,6 +378,16 @@ def test_a_chat_turn_with_null_content_renders_as_empty_text(bundle):
     assert template.render(turns) == template.render(empty) and "None" not in template.render(turns)
 
 
+def test_a_lone_surrogate_in_any_field_a_template_renders_is_a_request_error():
+    """JSON carries lone surrogates ("\\ud800"), which no tokenizer takes (a TypeError, answered 500)."""
+    from specbuild_runtime import RequestError
+    from specbuild_runtime.serve.chat import ChatTemplate
+
+    template = ChatTemplate("{% for m in messages %}{{ m['name'] }}: {{ m['content'] }}\n{% endfor %}", {})
+    with pytest.raises(RequestError, match="not valid UTF-8"):
+        template.render([{"role": "user", "content": "x", "name": "\ud800"}])
+
+
 # --- A busy server, in-process -------------------------------------------------------------------------------
 
 
@@ -475,6 +492,36 @@ def test_a_client_that_leaves_frees_its_slot_for_the_next_request(bundle, refere
         assert decoder.deltas[0] <= 2  # stopped right after the pause, not decoded to its 200 tokens
         after = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 24}, timeout=60)
         assert after.json()["choices"][0]["text"] == expected
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_cancelled_not_a_server_error(bundle, caplog):
+    """The connection closes mid-body (Starlette raises ClientDisconnect): counted as cancelled, not as an error
+    (500, logged with a traceback as a bug). Driven through the ASGI interface, so the disconnect comes exactly there."""
+    from specbuild_runtime import SpeculativeDecoder
+    from specbuild_runtime.serve.app import Server, Settings
+
+    server = Server(SpeculativeDecoder(bundle), Settings(model=MODEL))
+    messages = [{"type": "http.request", "body": b'{"prompt": "def', "more_body": True}, {"type": "http.disconnect"}]
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+
+    async def receive():
+        return messages.pop(0)
+
+    async def send(message):
+        pass
+
+    async def run():
+        await server.app(scope, receive, send)
+        await server.scheduler.close()
+
+    asyncio.run(run())
+    outcomes = {s.labels["outcome"]: s.value for family in text_string_to_metric_families(server.metrics.render().decode())
+                for s in family.samples if s.name == "specbuild_requests_total"}
+    assert outcomes == {"cancelled": 1.0}
+    assert "request failed" not in caplog.text
 
 
 def test_timeout_ends_a_decoding_stream_and_a_queued_request(bundle):

@@ -42,6 +42,8 @@ BAD = [  # (what, request fields, words the message must contain)
     ("temperature NaN", dict(temperature=float("nan")), "finite"),
     ("temperature inf", dict(temperature=math.inf), "finite"),
     ("temperature beyond float32", dict(temperature=1e39), "finite"),
+    ("temperature an int beyond any float", dict(temperature=10 ** 400), "finite"),  # JSON's 1 and 400 zeros
+    ("top_p an int beyond any float", dict(top_p=-10 ** 400), "finite"),
     ("negative temperature", dict(temperature=-0.1), "temperature"),
     ("top_p 0", dict(top_p=0.0), "top_p"),
     ("top_p above 1", dict(top_p=1.5), "top_p"),
@@ -92,7 +94,7 @@ def is_real(x):
 def reference_valid(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop):
     """The rules, written plainly."""
     def finite32(x):
-        return is_real(x) and math.isfinite(x) and abs(x) <= float(np.finfo(np.float32).max)
+        return is_real(x) and abs(x) <= float(np.finfo(np.float32).max) and math.isfinite(x)
 
     def utf8(text):
         try:
@@ -120,7 +122,7 @@ def reference_valid(prompt, max_new_tokens, gamma, temperature, top_k, top_p, se
                                    and all(isinstance(s, str) and s and utf8(s) for s in stops))))
 
 
-anything = st.one_of(st.none(), st.booleans(), st.integers(-5, 70), st.integers(), st.floats(allow_nan=True),
+anything = st.one_of(st.none(), st.booleans(), st.integers(-5, 70), st.integers(), st.just(10 ** 400), st.floats(allow_nan=True),
                      st.text(max_size=3), st.just(np.int64(3)), st.just(np.float32(0.5)))
 prompts = st.one_of(st.text(max_size=20), st.lists(st.one_of(st.integers(-3, V + 3), st.booleans(), st.floats(0, V),
                                                              st.just(np.int32(7))), max_size=20))
@@ -152,6 +154,16 @@ def test_a_temperature_too_small_to_sample_with_decodes_greedily(bundles, temper
     greedy = decoder.generate(PROMPTS[0], 24, gamma=3)
     tiny = decoder.generate(PROMPTS[0], 24, gamma=3, temperature=temperature, seed=1)
     assert tiny.token_ids == greedy.token_ids and tiny.stats.finish_reason == greedy.stats.finish_reason
+
+
+@pytest.mark.parametrize("top_p", [1e-46, 5e-324])
+def test_a_top_p_too_small_for_float32_keeps_the_most_likely_token(bundles, top_p):
+    """In (0, 1] but 0 in float32, which kept no token (every request ended at once with token 0)."""
+    decoder = SpeculativeDecoder(bundles("llama"))
+    top_1 = decoder.generate(PROMPTS[0], 24, gamma=3, temperature=1.0, top_p=1e-30, seed=1)
+    tiny = decoder.generate(PROMPTS[0], 24, gamma=3, temperature=1.0, top_p=top_p, seed=1)
+    assert tiny.token_ids == top_1.token_ids and tiny.stats.finish_reason == top_1.stats.finish_reason
+    assert len(top_1.token_ids) == 24
 
 
 EDITS = [("engines.target.shape.num_layers", 3), ("engines.draft.shape.num_layers", 1),

@@ -20,6 +20,9 @@ from .manifest import cache_names, step_presents, step_total_len
 AUTO = "auto"
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# A top_p this small keeps only the most likely token, as any below it does; float32 (the engines' type) rounds
+# one below ~7e-46 to 0, which keeps none (and GPUs flush float32 subnormals to 0): such a top_p is read as this.
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 # A temperature below this decodes greedily, as vLLM's _SAMPLING_EPS: sampling there is greedy but for
 # near-exact ties, and logits divided by a far tinier one (below ~1e-37) overflow float32 to NaN.
 GREEDY_BELOW = 1e-5
@@ -77,6 +80,7 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
     top_p = real("top_p", top_p)
     if not 0 < top_p <= 1:
         raise RequestError(f"top_p must be in (0, 1], not {top_p}")
+    top_p = max(top_p, FLOAT32_TINY)
     # A top_k above the vocabulary keeps every token, as 0 does; capping it keeps it an int64.
     top_k = min(whole("top_k", top_k, low=0, hint=" (0 = no limit)"), vocab_size)
     seed = None if seed is None else whole("seed", seed)
@@ -151,7 +155,8 @@ def real(name: str, value) -> float:
     """A finite real number that float32 (the engines' type for it) can hold."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise RequestError(f"{name} must be a number, not {value!r} ({type(value).__name__})")
-    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+    # abs() first: math.isfinite raises OverflowError for an int beyond any float (JSON's 1 and 400 zeros)
+    if abs(value) > FLOAT32_MAX or not math.isfinite(value):
         raise RequestError(f"{name} must be a finite number, not {value}")
     return float(value)
 

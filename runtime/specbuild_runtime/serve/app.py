@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request as HttpRequest
+from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -140,11 +140,14 @@ class Server:
         if declared.isdigit() and int(declared) > limit:
             raise too_long
         chunks, size = [], 0
-        async for chunk in http.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_long
-            chunks.append(chunk)
+        try:
+            async for chunk in http.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_long
+                chunks.append(chunk)
+        except ClientDisconnect:  # the client left before its body arrived: cancelled, not a server error
+            raise Stopped("cancelled") from None
         return b"".join(chunks)
 
     def _checked(self, request: protocol.Request) -> Request:

@@ -44,10 +44,12 @@ class ChatTemplate:
             raise RequestError("'messages' must be a non-empty list of {'role': ..., 'content': ...} objects")
         messages = [_message(m, i) for i, m in enumerate(messages)]
         try:
-            return self.template.render(messages=messages, tools=None, documents=None, add_generation_prompt=True,
+            text = self.template.render(messages=messages, tools=None, documents=None, add_generation_prompt=True,
                                         **self.special_tokens)
         except jinja2.TemplateError as exc:  # the template's own raise_exception, e.g. roles must alternate
             raise RequestError(f"the chat template rejected the messages: {exc}") from None
+        utf8("the prompt rendered from 'messages'", text)  # any other field a template shows (a name, tool calls)
+        return text
 
 
 def load_chat_template(tokenizer_dir: Path) -> ChatTemplate | None:
@@ -65,6 +67,7 @@ def load_chat_template(tokenizer_dir: Path) -> ChatTemplate | None:
 def _message(message, index: int) -> dict:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise RequestError(f"messages[{index}] must be an object with a string 'role'")
+    utf8(f"messages[{index}].role", message["role"])
     if "content" not in message:
         raise RequestError(f"messages[{index}] has no 'content'")
     content = message["content"]

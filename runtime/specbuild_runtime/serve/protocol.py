@@ -8,6 +8,7 @@ fits the context) is decided by the runtime's request validation, the one place 
 from __future__ import annotations
 
 import json
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -54,8 +55,14 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.headers = status, message, param, headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"), "param": self.param,
-                          "code": self.status}}
+        return {"error": {"message": _utf8(self.message), "type": self.TYPES.get(self.status, "error"),
+                          "param": None if self.param is None else _utf8(self.param), "code": self.status}}
+
+
+def _utf8(text: str) -> str:
+    """Text that encodes as UTF-8: a message may quote a name from the body, and JSON carries lone surrogates
+    ("\\ud800"), which no response can encode; those are written as their escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def invalid(exc: Exception) -> ApiError:
@@ -86,6 +93,9 @@ def parse(endpoint: str, raw: bytes, model: str) -> Request:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+    except ValueError:  # int() refuses a literal longer than Python's limit (sys.get_int_max_str_digits)
+        raise ApiError(400, f"the request body holds a number of more than {sys.get_int_max_str_digits()} digits, "
+                            "far beyond what any field takes; send a smaller number") from None
     except RecursionError:
         raise ApiError(400, "the request body nests JSON too deeply; send a flatter body") from None
     if not isinstance(body, dict):
