@@ -268,6 +268,30 @@ def test_a_stop_string_is_found_at_the_token_that_completes_it_even_if_that_toke
     assert stream.text == "x\u2010" and stream.finish() == "x\u2010"
 
 
+def character_tokenizer(alphabet: str):
+    """A token per character, decoded by joining them."""
+    from tokenizers import Tokenizer, decoders, models
+
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.decoder = decoders.Fuse()
+    return tokenizer
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text("ab\n", max_size=30), st.lists(st.text("ab\n", min_size=1, max_size=8), min_size=1, max_size=4))
+def test_text_is_held_back_exactly_while_its_end_may_begin_a_stop_string(text, stops):
+    tokenizer = character_tokenizer("ab\n")
+    stream, taken = TextStream(tokenizer, tuple(stops)), ""
+    for character in text:
+        stream.push(tokenizer.token_to_id(character))
+        taken += stream.take()
+        if stream.stopped:
+            break
+        held = max((n for s in stops for n in range(1, len(s)) if stream.text.endswith(s[:n])), default=0)
+        assert taken == stream.text[:len(stream.text) - held]
+    assert taken + stream.finish() == stream.text
+
+
 def sentencepiece_tokenizer():
     """Llama 2's decoder chain over a BPE trained here: its Strip (and Metaspace's "first" scheme) drop the
     space that begins whatever is decoded."""

@@ -285,3 +285,12 @@ def test_a_bundle_replaced_while_it_loads_is_refused_not_mixed(bundles, tmp_path
     with pytest.raises(BundleError, match="was replaced while it loaded"):
         SpeculativeDecoder(folder)
     SpeculativeDecoder(folder)  # loaded again: one folder throughout
+
+
+def test_a_stop_string_longer_than_any_real_one_is_refused(bundles):
+    from specbuild_runtime.validation import MAX_STOP_CHARS
+
+    decoder = SpeculativeDecoder(bundles("llama"))
+    assert decoder.generate("x", 2, stop=["y" * MAX_STOP_CHARS]).token_ids
+    with pytest.raises(RequestError, match=f"at most {MAX_STOP_CHARS} are taken"):
+        decoder.generate("x", 2, stop=["y" * (MAX_STOP_CHARS + 1)])

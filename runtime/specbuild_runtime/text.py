@@ -86,11 +86,15 @@ class TextStream:
         return self.stopped
 
     def _stop_prefix(self) -> int:
-        """Length of the longest end of text that begins some stop string."""
+        """Length of the longest end of text that begins some stop string (tried only where the text holds the
+        stop string's first character: a test per length made long stop strings cost their length squared)."""
         longest = 0
         for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(s[:n]):
-                    longest = n
+            tail = self.text[max(0, len(self.text) - len(s) + 1):] if len(s) > 1 else ""
+            start = tail.find(s[0])
+            while 0 <= start and len(tail) - start > longest:
+                if s.startswith(tail[start:]):
+                    longest = len(tail) - start
                     break
+                start = tail.find(s[0], start + 1)
         return longest

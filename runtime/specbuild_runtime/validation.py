@@ -19,6 +19,9 @@ from .manifest import cache_names, step_presents, step_total_len
 
 AUTO = "auto"
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+# Text that may still become a stop string is held back and searched at every token: a bound keeps that
+# cheap (four 40,000-character stops made each token cost milliseconds); real stops are a few characters.
+MAX_STOP_CHARS = 1000
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 # A top_p this small keeps only the most likely token, as any below it does; float32 (the engines' type) rounds
 # one below ~7e-46 to 0, which keeps none (and GPUs flush float32 subnormals to 0): such a top_p is read as this.
@@ -136,6 +139,8 @@ def stop_strings(stop) -> tuple[str, ...]:
     for s in strings:
         if not s:
             raise RequestError("a stop string must not be empty")
+        if len(s) > MAX_STOP_CHARS:
+            raise RequestError(f"a stop string has {len(s)} characters; at most {MAX_STOP_CHARS} are taken")
         utf8("stop string", s)
     return tuple(strings)
 
