@@ -12,6 +12,7 @@ import asyncio
 import json
 import re
 import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -642,3 +643,15 @@ def test_a_deadline_that_passes_after_the_last_token_but_before_the_job_is_finis
         return text
 
     assert asyncio.run(run()) == decoder.generate(PROMPTS[0], 12, 2).text
+
+
+def test_the_digest_check_at_start_can_be_skipped_for_a_bundle_checked_where_it_was_deployed(bundle, tmp_path):
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle, copy)
+    config = copy / "tokenizer" / "tokenizer_config.json"
+    config.write_text(config.read_text() + "\n")  # a byte changed: its digest no longer matches
+    result = subprocess.run([sys.executable, "-m", "specbuild", "serve", str(copy), "--port", str(free_port())],
+                            capture_output=True, text=True)
+    assert result.returncode == 1 and "tokenizer_config.json" in result.stderr, result.stderr
+    with specbuild_serve(copy, tmp_path / "server.log", "--no-check-digests") as (_, url):
+        assert healthy(url)
