@@ -28,6 +28,13 @@ MAX_REUSED_IDS = 64  # calls of up to this many tokens (drafting, verifying) reu
 # would capture a new call shape at that shape's first run, while the memory arena may still have to grow
 # for it (an allocation, which a capture forbids). So each shape first runs uncaptured this often per thread.
 WARM_UP_RUNS = 2
+# Chunked prefill (CPU): a call without drafts (a prompt, a draft catching up) of at least this many rows plus
+# Rows.least feeds its leading rows in calls of this many. A call's intermediates grow with its rows (the MLP's
+# ~5 x intermediate_size floats a row: a 1900-token prompt of a 2816-wide MLP, ~110 MB), and onnxruntime's CPU
+# memory arena keeps, for the session's life, the peak of all the calls that ran at once: unchunked, every
+# concurrent long prompt left its activations resident. Even, so the rows left keep the prompt's parity (see
+# Rows); the leading rows are never re-fed and no decision reads their call, in every mode alike. 0: one call.
+PREFILL_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -150,6 +157,7 @@ class EngineSlot:
     def __init__(self, engine: Engine, rows: Rows = AS_FED, probs_rows: Buffer | None = None,
                  draft_probs: Buffer | None = None, max_drafts: int = 0):
         self.engine, self.rows = engine, rows
+        self.chunk = PREFILL_CHUNK if engine.device == "cpu" else 0  # rows per call of a long prompt (0: one call)
         self.index = engine.new_slot_index()  # tells this slot's CUDA graphs from the engine's other slots'
         self.binding = engine.session.io_binding()
         shape, device = engine.info.shape, engine.device
@@ -248,6 +256,10 @@ class EngineSlot:
         if self.rows.even and (total_len - first) % 2 and first > 0:
             first -= 1
         self._fed[start:total_len] = tokens
+        if self.chunk and not num_drafts:  # chunked prefill, leaving at least `least` rows to the calls below
+            while total_len - first >= self.chunk + least:
+                self._run(first, first + self.chunk, 0, None, probs_row)
+                first += self.chunk
         odd = (total_len - first) % 2
         if total_len - first > least and (self.rows.fixed or self.rows.even and odd and not num_drafts):
             # A prompt's head: no decision reads its rows' call, and no later call re-feeds them.
