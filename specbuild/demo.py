@@ -16,7 +16,7 @@ from specbuild_runtime.manifest import load_manifest
 from .bench import run_ours
 from .compile import compile_bundle
 from .compile.bundle import is_bundle
-from .errors import CheckpointError, OutputError, SettingsError
+from .errors import CheckpointError, OutputError, SettingsError, UnsupportedModelError
 from .recipe import RECIPE_KEYS, read_table, resolve_settings
 from .texts import measuring_prompts
 
@@ -40,10 +40,12 @@ def ensure_pair(recipe: Path, pair: Path) -> None:
 
 def check_pair_recipe(recipe: Path, pair: Path) -> None:
     """A cached pair made from another [pair] table is refused, not retrained over: it took minutes to make."""
-    report = pair / "report.json"
-    if not report.is_file():  # a pair from before reports, or its last step killed: take it as it is
+    try:
+        made_from = json.loads((pair / "report.json").read_text())["recipe"]
+    except (OSError, ValueError, LookupError, TypeError):
+        made_from = None
+    if not isinstance(made_from, dict):  # a pair from before reports, or its last step killed: take it as it is
         return
-    made_from = json.loads(report.read_text())["recipe"]
     table = read_table(recipe, "pair", set(made_from))
     differ = sorted(key for key in made_from if table.get(key) != made_from[key])
     if differ:
@@ -70,6 +72,8 @@ def ensure_bundle(recipe: Path, pair: Path, bundle: Path) -> None:
     click.echo(f"Compiling {bundle} ...", err=True)
     try:
         compile_bundle(settings)
+    except UnsupportedModelError:  # the recipe asks more of the pair (a longer max_seq_len): remaking it won't help
+        raise
     except CheckpointError as exc:  # the pair the demo made and keeps, not a download to fetch again
         raise CheckpointError(f"the demo pair in {pair} is damaged ({str(exc).split('; ')[0]}); delete {pair} and run "
                               "`specbuild demo` again to remake it (minutes of training)") from None

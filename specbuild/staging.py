@@ -250,7 +250,7 @@ def _remove_stale(output: Path) -> None:
         try:
             _remove(entry)
         except OSError as exc:
-            raise OutputError(f"cannot remove {entry}, which an earlier writer to {output} left ({exc.strerror}); "
+            raise OutputError(f"cannot remove {entry}, which an earlier writer to {output} left ({exc.strerror or exc}); "
                               "remove it (or have its owner remove it) and try again") from None
 
 

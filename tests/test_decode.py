@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import PROMPTS, make_tokenizer
-from specbuild_runtime import RequestError, SpeculativeDecoder, Stats
+from specbuild_runtime import RequestError, SpeculativeDecoder, Stats, slot
 from specbuild_runtime.text import TextStream
 
 # (prompt, options): greedy with adaptive and fixed γ, and seeded sampling (at fixed γ here; auto below).
@@ -80,11 +80,12 @@ def test_a_thread_waits_for_a_slot_held_by_a_stream_another_thread_now_drives(bu
     assert first == sequential[1]
 
 
-def test_a_thread_that_drove_a_stream_last_waits_while_another_thread_resumes_it(bundle, sequential):
+def test_a_thread_that_drove_a_stream_last_waits_while_another_thread_resumes_it(bundle, sequential, monkeypatch):
     """A thread pool that runs each next() of a stream on whichever worker is free (asyncio.to_thread,
     Starlette's StreamingResponse over a sync generator): the worker that advanced a stream last may be
     handed the first next() of another request while a second worker is about to resume the first stream.
     It must wait for the slot, not be refused as a same-thread deadlock."""
+    monkeypatch.setattr(slot, "SAME_THREAD_PATIENCE", 60)  # however late the worker is scheduled on a busy machine
     decoder = SpeculativeDecoder(bundle, parallel=1)
     (prompt, options), (other, other_options) = REQUESTS[1], REQUESTS[2]
     moved = decoder.stream(prompt, NEW_TOKENS, **options)
@@ -105,7 +106,7 @@ def test_a_thread_that_drove_a_stream_last_waits_while_another_thread_resumes_it
 def test_slots_go_to_waiting_threads_first_come_first_served(bundle):
     """A thread that gives a slot back and asks again at once must queue behind the threads already waiting:
     otherwise, under steady load, the threads that hold slots keep them and a waiting request can wait for
-    hundreds of later ones (50 threads on 2 slots: p50 3 ms, max 7 s to the first token)."""
+    hundreds of later ones (50 threads on 2 slots: first token p50 5 ms, p99 11 s)."""
     decoder = SpeculativeDecoder(bundle, parallel=1)
     order, switch = [], sys.getswitchinterval()
     held = decoder.stream(PROMPTS[0], NEW_TOKENS)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from specbuild.demo import DEMO_RECIPE, ensure_bundle, ensure_pair
-from specbuild.errors import SettingsError
+from specbuild.errors import SettingsError, UnsupportedModelError
 from specbuild.train.demo_pair import read_pair_recipe
 from specbuild_runtime.manifest import load_manifest
 
@@ -42,6 +42,12 @@ def test_a_cached_pair_made_from_another_pair_recipe_is_refused_and_kept(pair, t
     ensure_pair(recipe_with(tmp_path, "compile", gamma=2, max_seq_len=512), pair)  # its pair is this one
 
 
+@pytest.mark.parametrize("report", ['{"recipe": {"vocab', '{"target": {}}', "[]"])
+def test_a_pair_whose_report_was_cut_short_is_taken_as_it_is(report, pair, tmp_path):
+    (pair / "report.json").write_text(report)  # killed while make_demo_pair wrote it
+    ensure_pair(DEMO_RECIPE, pair)
+
+
 def test_the_cached_bundle_is_compiled_again_only_when_the_compile_table_changes(pair, tmp_path):
     bundle = pair.parent / "bundle"
     small = dict(max_seq_len=128, draft_quantize='"none"')
@@ -51,3 +57,10 @@ def test_the_cached_bundle_is_compiled_again_only_when_the_compile_table_changes
     assert (bundle / "manifest.json").stat().st_mtime_ns == manifest
     ensure_bundle(recipe_with(tmp_path, "compile", **small, gamma=3), pair, bundle)
     assert load_manifest(bundle).gamma == 3
+
+
+def test_a_compile_table_the_pair_cannot_take_is_blamed_on_the_recipe_not_the_pair(pair, tmp_path):
+    """Deleting the pair (minutes of training) would only make the same pair again."""
+    with pytest.raises(UnsupportedModelError, match="max_seq_len 1024 exceeds") as error:  # the pair has 512 positions
+        ensure_bundle(recipe_with(tmp_path, "compile", max_seq_len=1024), pair, pair.parent / "bundle")
+    assert "delete" not in str(error.value)

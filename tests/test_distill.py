@@ -79,7 +79,7 @@ def test_a_prompt_repeated_in_the_file_never_trains_where_a_copy_is_held_out(mod
     assert prompts.heldout == [encoded[0]]  # the fourth line
     assert prompts.train == [encoded[1], encoded[2], encoded[3]]
     (tmp_path / "same.jsonl").write_text('{"prompt": "x"}\n' * 5)
-    with pytest.raises(TrainingError, match="one distinct prompt"):
+    with pytest.raises(TrainingError, match="two or more distinct prompts"):
         from_file(tokenizer, tmp_path / "same.jsonl", max_heldout=64)
 
 

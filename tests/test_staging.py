@@ -63,10 +63,10 @@ def test_a_compile_killed_at_any_point_leaves_a_whole_bundle_and_the_next_compil
 def test_leftovers_of_earlier_writers_are_removed_and_nothing_else(tmp_path):
     """Whatever their PIDs: the next writer holds the output's lock, so none of them writes (pid 1 runs here,
     as a writer's PID may in another container sharing the volume)."""
-    out, dead, alive = tmp_path / "out", dead_pid(), 1
+    out, dead, running = tmp_path / "out", dead_pid(), 1
     out.mkdir()
     (out / "old.txt").write_text("the folder being replaced")
-    for name in (f".out.partial-{dead}", f".out.partial-{dead}-scratch", f".out.old-{dead}", f".out.partial-{alive}",
+    for name in (f".out.partial-{dead}", f".out.partial-{dead}-scratch", f".out.old-{dead}", f".out.partial-{running}",
                  f".other.partial-{dead}", f".out.partial-{dead}x", "notes"):  # the last three are kept
         (tmp_path / name).mkdir()
         (tmp_path / name / "f").write_text("x")

@@ -449,21 +449,42 @@ def _leading_equal(a: list[int], b: list[int]) -> int:
     return n
 
 
-# cgroup v2, then v1: a container is killed at its own limit, not at the machine's memory.
-CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+# A container, or a systemd unit, is killed at its cgroup's memory limit (or an ancestor's), not the machine's.
+PROC_CGROUP, CGROUP_ROOT = Path("/proc/self/cgroup"), Path("/sys/fs/cgroup")
 
 
 def memory_limit() -> tuple[int, str]:
-    """(bytes, what they are): the machine's memory, or the container's limit where a cgroup sets less."""
+    """(bytes, what they are): the machine's memory, or the lowest limit of this process's cgroups if less."""
     limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine has"
-    for path in CGROUP_LIMITS:
+    for path in _cgroup_limit_files():
         try:
-            text = Path(path).read_text().strip()  # "max" (v2) or a huge number (v1) when unlimited
+            text = path.read_text().strip()  # "max" (v2) or a huge number (v1) when unlimited
         except OSError:
             continue
         if text.isdigit() and int(text) < limit[0]:
             limit = int(text), "this container may use"
     return limit
+
+
+def _cgroup_limit_files() -> list[Path]:
+    """The memory limit files of this process's cgroup and its ancestors: v2 ("0::/a/b" in /proc/self/cgroup,
+    memory.max) and v1 ("N:memory:/a/b", memory/memory.limit_in_bytes)."""
+    try:
+        lines = PROC_CGROUP.read_text().splitlines()
+    except OSError:
+        return []
+    files = []
+    for line in lines:
+        _, controllers, group = line.split(":", 2)
+        if not controllers:
+            root, name = CGROUP_ROOT, "memory.max"
+        elif "memory" in controllers.split(","):
+            root, name = CGROUP_ROOT / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        parts = Path(group).parts[1:]
+        files += [root.joinpath(*parts[:depth]) / name for depth in range(len(parts), -1, -1)]
+    return files
 
 
 def _identity(folder: Path) -> tuple[int, int] | None:

@@ -38,7 +38,10 @@ def only_a_bundle(folder: Path) -> bool:
     notes): replacing the folder would delete them."""
     if not is_bundle(folder):
         return False
-    listed = set(json.loads((folder / MANIFEST).read_text()).get("files") or {}) | {MANIFEST}
+    files = json.loads((folder / MANIFEST).read_text()).get("files")
+    if not isinstance(files, dict):  # a damaged manifest cannot tell its files from others: replaced as before
+        return True
+    listed = set(files) | {MANIFEST}
     added = [name for p in sorted(folder.rglob("*")) if p.is_file() and (name := p.relative_to(folder).as_posix())
              not in listed and not name.startswith(BUILT_ENGINES)]
     if added:

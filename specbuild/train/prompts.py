@@ -50,8 +50,8 @@ def from_file(tokenizer, path: Path, max_heldout: int) -> Prompts:
     held = {tuple(encoded[i]) for i in heldout}
     train = [ids for i, ids in enumerate(encoded) if i not in heldout and tuple(ids) not in held]
     if not train:
-        raise TrainingError(f"{path} holds one distinct prompt; distill needs two or more (some are held out to "
-                            "measure alpha)")
+        raise TrainingError(f"{path} leaves no prompt to train on once the held-out ones and their copies are set "
+                            "aside; distill needs two or more distinct prompts (some are held out to measure alpha)")
     return Prompts(f"prompts of {path}", train, [encoded[i] for i in sorted(heldout)])
 
 
