@@ -90,7 +90,8 @@ def check_output(output: Path, *, overwrite: bool, is_kind: Callable[[Path], boo
     existing = next(folder for folder in Path(output).resolve().parents if folder.exists())
     if not existing.is_dir():
         raise OutputError(f"{existing} is a file, so {output} cannot be made inside it; choose another output")
-    if not os.access(existing, os.W_OK | os.X_OK):  # the staging folder and the lock go there (or in a folder made there)
+    # The staging folder and the lock go there (or in a folder made there): refused now, not after the build.
+    if not os.access(existing, os.W_OK | os.X_OK):
         raise OutputError(f"cannot write in {existing} (permission denied or a read-only file system), so {output} "
                           "cannot be written; choose an output inside a folder you can write")
     check_replaceable(Path(output).resolve(), overwrite, is_kind, kind)

@@ -501,8 +501,9 @@ def check_memory(parallel: int, slot_bytes: int) -> None:
     each slot holds its caches for the whole context from the start."""
     total, where = memory_limit()
     if parallel * slot_bytes > total:
-        raise RequestError(f"parallel {parallel} needs {_size(parallel * slot_bytes)} of KV caches ({_size(slot_bytes)} a "
-                           f"slot) but {where} {_size(total)}; use fewer slots or compile with a shorter --max-seq-len")
+        raise RequestError(f"parallel {parallel} needs {_size(parallel * slot_bytes)} of KV caches "
+                           f"({_size(slot_bytes)} a slot) but {where} {_size(total)}; use fewer slots or compile "
+                           "with a shorter --max-seq-len")
 
 
 def _size(size: int) -> str:

@@ -541,7 +541,8 @@ class SlotPool:
                 self._wait_for_turn(me, ticket)
             finally:
                 self._waiting.remove(ticket)
-                self._changed.notify_all()  # the next in line may take a slot now, or has to start counting its patience
+                # The next in line may take a slot now, or has to start counting its patience.
+                self._changed.notify_all()
             slot = self._pick(me)
             self._owners[slot.index] = self._last[slot.index] = me
         try:

@@ -228,7 +228,8 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
     for mode in modes:
         row = mode.to_dict()
         row["speedup"] = round(mode.tokens_per_second / baseline.tokens_per_second, 3)
-        if isinstance(mode.gamma, int) and mode.gamma > 0 and mode.draft_steps:  # -n 2: one token after the first, no draft
+        # -n 2 leaves one token after the first, for which no round drafts: no draft cost to measure.
+        if isinstance(mode.gamma, int) and mode.gamma > 0 and mode.draft_steps:
             c = (mode.draft_seconds / mode.draft_steps) / target_step
             row["cost_ratio_c"] = round(c, 4)
             row["theoretical_speedup"] = round(theoretical_speedup(mode.tau, mode.gamma, c), 3)

@@ -24,7 +24,8 @@ from . import tensorrt_llm
 def staged_bundle(output: Path, overwrite: bool, inputs: dict[str, Path] | None = None) -> Iterator[Path]:
     """Yields an empty folder to build in; on success it replaces `output`, on any failure it vanishes.
     inputs: what the build reads ({"target": folder, "recipe": file, ...}), which output must not touch."""
-    with guarded_folder(output, overwrite=overwrite, is_kind=only_a_bundle, kind="specbuild bundle", inputs=inputs) as staging:
+    with guarded_folder(output, overwrite=overwrite, is_kind=only_a_bundle, kind="specbuild bundle",
+                        inputs=inputs) as staging:
         yield staging
 
 
