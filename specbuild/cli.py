@@ -108,7 +108,7 @@ class GammaType(click.ParamType):
     def convert(self, value, param, ctx):
         if value == "auto" or (isinstance(value, int) and value >= 0):
             return value
-        if str(value).isdigit():
+        if str(value).isdecimal():  # what int() reads; isdigit() also takes "²", which int() refuses
             return int(value)
         self.fail(f"{value!r} is not 'auto' or a whole number, 0 or more", param, ctx)
 
@@ -501,7 +501,8 @@ def _key_value(item: str) -> tuple[str, object]:
 @click.option("--cache", type=folder_path, default=Path(".cache/demo"), show_default=True,
               help="Where the demo pair and its bundle are kept between runs.")
 @click.option("--recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Pair recipe.  [default: the packaged specbuild/recipes/demo.toml]")
-@click.option("--prompt", "-p", help="Code to complete.  [default: the first of 8 bundled code prompts]")
+@click.option("--prompt", "-p", type=PromptText(),
+              help="Code to complete; - reads it from stdin.  [default: the first of 8 bundled code prompts]")
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=2), default=96, show_default=True,
               help="Tokens to generate per prompt (at least 2: decode speed is measured after the first).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")

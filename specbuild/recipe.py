@@ -159,6 +159,8 @@ def read_table(path: Path, name: str, known: set[str]) -> dict:
         data = tomllib.loads(Path(path).read_text(encoding="utf-8-sig"))  # a BOM, as some editors write
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise SettingsError(f"recipe {path} cannot be read: {exc}") from None
+    except RecursionError:  # tomllib parses nested arrays and inline tables recursively
+        raise SettingsError(f"recipe {path} cannot be read: arrays or tables nested too deep") from None
     unknown = sorted(set(data) - set(TABLES))
     if unknown:
         raise SettingsError(f"recipe {path}: unknown {'table' if isinstance(data[unknown[0]], dict) else 'key'} "
@@ -192,7 +194,17 @@ def read_recipe(path: Path) -> dict:
     for key, value in table.items():
         if problem := setting_problem(key, value):
             raise SettingsError(f"recipe {path}{_at_line(path, 'compile', key)}: {key} {problem}")
-    return {k: (path.parent / Path(v).expanduser() if k in PATH_FIELDS else v) for k, v in table.items()}
+    return {k: (path.parent / _expanded(path, k, v) if k in PATH_FIELDS else v) for k, v in table.items()}
+
+
+def _expanded(recipe: Path, key: str, value: str) -> Path:
+    """value with ~ or ~user expanded; a user this machine lacks (or ~ with neither HOME nor a passwd
+    entry: a container's arbitrary uid) is a recipe error, not a crash."""
+    try:
+        return Path(value).expanduser()
+    except RuntimeError:
+        raise SettingsError(f"recipe {recipe}{_at_line(recipe, 'compile', key)}: {key} {value!r} names a home folder "
+                            "this machine cannot find (no such user, or no HOME); write the path out") from None
 
 
 def resolve_settings(recipe: Path | None, **options) -> CompileSettings:

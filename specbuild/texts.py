@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sysconfig
 from pathlib import Path
 
@@ -22,19 +23,28 @@ MEASURING_PROMPTS = 8  # the code prompts the compiler and the demo measure α a
 def read_prompts(path: Path) -> list[str]:
     """The "prompt" field of every line of a JSONL file."""
     try:
-        lines = Path(path).read_text(encoding="utf-8-sig").splitlines()  # a BOM, as some editors write
+        text = Path(path).read_text(encoding="utf-8-sig")  # a BOM, as some editors write
     except UnicodeDecodeError as exc:
         raise SpecbuildError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8") from None
     prompts = []
-    for number, line in enumerate(lines, 1):
+    # Lines end at \n, \r\n or \r only (no JSON string holds those raw), not where str.splitlines() also
+    # splits: U+2028, U+0085 and the like, which json.dumps(..., ensure_ascii=False) writes unescaped.
+    for number, line in enumerate(re.split(r"\r\n|\r|\n", text), 1):
         if not line.strip():
             continue
         try:
             prompt = json.loads(line)["prompt"]
         except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
             raise SpecbuildError(f'{path}:{number} is not a JSON object with a "prompt" field') from None
+        except ValueError as exc:  # an integer beyond Python's int-from-string digit limit
+            raise SpecbuildError(f"{path}:{number} cannot be read as JSON ({exc.args[0].split(':')[0]})") from None
         if not isinstance(prompt, str) or not prompt:
             raise SpecbuildError(f'{path}:{number}: "prompt" must be a non-empty string, not {prompt!r:.40}')
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a \ud83d escape without its other half: no tokenizer takes it
+            raise SpecbuildError(f'{path}:{number}: "prompt" is not valid UTF-8 (an escape of half a surrogate pair '
+                                 f"at character {exc.start}); escape both halves or write the character itself") from None
         prompts.append(prompt)
     if not prompts:
         raise SpecbuildError(f"{path} has no prompts")

@@ -241,6 +241,9 @@ CASES = [
          "context holds 3 tokens", "Give a `--max-seq-len` above `--gamma` (contexts are hundreds of tokens or more)."),
     Case("`--max-seq-len` beyond the model's positions", compile_args("{tmp}/bundle", "--max-seq-len", "4096"), 1,
          "max_position_embeddings", "Use the largest length the message names, or less."),
+    Case("`--backend tensorrt-llm` (or `all`) with a context too short for the measuring prompts",
+         compile_args("{tmp}/bundle", "--backend", "tensorrt-llm", "--max-seq-len", "32"), 0, "",
+         "Nothing: the plans' draft length is then the bundle's max gamma (α not measured), as `inspect` says."),
     Case("`--block-size 17`", compile_args("{tmp}/bundle", "--block-size", "17"), 2, "power of two",
          "Use a power of two from 16 to 256 (32 is the default; larger blocks trade accuracy for size)."),
     Case("`--block-size` or `--accuracy-level` without quantizing", compile_args("{tmp}/bundle", "--block-size", "64"), 1,
@@ -263,8 +266,14 @@ CASES = [
     Case("recipe with an unknown table (`[compiler]`)", ["compile", "--recipe", "{recipe}"], 1,
          "unknown table 'compiler'", "Put compile settings in `[compile]` (the demo pair's in `[pair]`).",
          setup=recipe("[compiler]\ngamma = 4\n")),
+    Case("a recipe path `~user/...` for a user this machine lacks (or `~` with neither HOME nor a passwd entry)",
+         ["compile", "--recipe", "{recipe}"], 1, "line 4: output '~no-such-user-specbuild/bundle'",
+         "Write the path out, or relative to the recipe's folder.",
+         setup=recipe("", output='"~no-such-user-specbuild/bundle"')),
     Case("a recipe that is not TOML", ["compile", "--recipe", "{recipe}"], 1, "cannot be read",
          "Fix the TOML at the line and column named.", setup=recipe("gamma = = 4\n")),
+    Case("a recipe nested thousands of arrays or tables deep", ["compile", "--recipe", "{recipe}"], 1, "cannot be read",
+         "Write a recipe of plain keys (see Recipes).", setup=recipe("x = " + "[" * 3000 + "]" * 3000 + "\n")),
     # --- checkpoints ------------------------------------------------------------------------------------
     Case("a checkpoint with only pickled weights (`*.bin`)", compile_args(), 1, "reads safetensors only",
          SAFE, setup=a_copy_of("target", only_a_pickle)),
@@ -371,12 +380,17 @@ CASES = [
          "Give a number in (0, 1]; 1 keeps the whole distribution."),
     Case("`--gamma` above the bundle's maximum", ["generate", "{bundle}", "-p", "x", "--gamma", "9"], 1, "gamma",
          "Give at most the bundle's max gamma (`specbuild inspect`) or recompile with a larger `--gamma`."),
+    Case("`--gamma ²` (a digit-like character that is not a number)", ["generate", "{bundle}", "-p", "x", "--gamma", "²"], 2,
+         "is not 'auto' or a whole number", "Give `auto` or a whole number in digits."),
     Case("`--top-p` or `--top-k` without `--temperature`", ["generate", "{bundle}", "-p", "x", "--top-p", "0.9"], 2,
          "give --temperature too", "Add `--temperature` (1 samples from the model as it is); without it decoding is greedy."),
     Case("`--seed -1`", ["generate", "{bundle}", "-p", "x", "-n", "4", "--temperature", "1", "--seed", "-1"], 0, "",
          "Nothing: any integer is a seed."),
     Case("a prompt that is not UTF-8", ["generate", "{bundle}", "-p", "\udcff\udcfe"], 2, "not valid UTF-8",
          "Pass text in UTF-8."),
+    Case("`demo --prompt` that is not UTF-8", ["demo", "--cache", "{tmp}/cache", "--recipe", "{recipe}", "-p", "\udcff\udcfe"],
+         2, "not valid UTF-8", "Pass text in UTF-8 (checked before the demo pair is made or loaded).",
+         setup=write_file("recipe", b"[pair]\n")),  # no pair to train: without the check, a one-line error
     Case("`bench -n 1`", ["bench", "{bundle}", "-n", "1"], 2, "x>=2",
          "Give at least 2 tokens: decoding speed is measured after the first."),
     Case("`bench --peers` with an unknown peer", ["bench", "{bundle}", "--peers", "llama.cpp"], 2, "is not one of",
@@ -384,8 +398,21 @@ CASES = [
     Case("a prompts file that is not JSONL", ["bench", "{bundle}", "--prompts", "{prompts}"], 1,
          'is not a JSON object with a "prompt" field', 'Write one `{"prompt": "..."}` per line.',
          setup=write_file("prompts", b"def f():\n")),
+    Case("a prompts file with a number of over 4300 digits", ["bench", "{bundle}", "--prompts", "{prompts}", "-n", "4"], 1,
+         "cannot be read as JSON", "Write the number as a string, or leave it out: only \"prompt\" is read.",
+         setup=write_file("prompts", b'{"prompt": "x", "id": ' + b"1" * 5000 + b"}\n")),
     Case("a prompts file that is not UTF-8", ["bench", "{bundle}", "--prompts", "{prompts}"], 1, "not UTF-8",
          "Save the file as UTF-8.", setup=write_file("prompts", b'{"prompt": "\xff"}\n')),
+    Case("`serve --host` with an empty or over-long name label (`127.0.0..1`)", ["serve", "{bundle}", "--host", "127.0.0..1"],
+         1, "cannot listen on 127.0.0..1", "Give an address or a host name this machine has (checked before loading)."),
+    Case("a prompts file with a `\\ud83d` escape (half of a surrogate pair, e.g. a cut emoji)",
+         ["bench", "{bundle}", "--prompts", "{prompts}", "-n", "4"], 1, "is not valid UTF-8",
+         "Escape both halves of the pair (`\\ud83d\\ude00`) or write the character itself.",
+         setup=write_file("prompts", b'{"prompt": "def f(): \\ud83d"}\n')),
+    Case("a prompts file whose prompts hold U+2028 or U+0085 unescaped (`json.dumps(..., ensure_ascii=False)`)",
+         ["verify", "{bundle}", "--target", "{target}", "--prompts", "{prompts}", "-n", "4"], 0, "",
+         "Nothing: a line ends at `\\n` (or `\\r\\n`) only, as in JSON Lines.",
+         setup=write_file("prompts", '{"prompt": "x = 1\u2028y = 2"}\n{"prompt": "caf\x85"}\n'.encode())),
     # --- the Python API (one place validates requests for the API, the CLI and the server) ----------------
     Case("token id -1 in a prompt", None, 1, "-1", "Token ids are 0 to the vocabulary size - 1.",
          call=lambda d, b: d.generate([5, -1], 4)),
@@ -492,6 +519,25 @@ def test_bad_api_request_is_a_one_line_specbuild_error(case, bundles):
         case.call(decoder, bundle)
     message = str(raised.value)
     assert "\n" not in message and case.says in message, message
+
+
+def test_a_manifest_this_user_cannot_read_says_so_not_that_it_is_broken(bundles, monkeypatch):
+    """A bundle copied with restrictive permissions (another user's build artefact): fixing the permissions
+    is the remedy, not rebuilding. (Root reads any file, so the refusal is simulated.)"""
+    from specbuild_runtime import SpecbuildError, load_manifest
+
+    read_text = Path.read_text
+
+    def denied(self, *args, **kwargs):
+        if self.name == "manifest.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    with pytest.raises(SpecbuildError) as raised:
+        load_manifest(bundles("llama", 1))
+    message = str(raised.value)
+    assert "Permission denied" in message and "not valid JSON" not in message and "rebuild" not in message, message
 
 
 def troubleshooting_table() -> str:

@@ -655,3 +655,15 @@ def test_the_digest_check_at_start_can_be_skipped_for_a_bundle_checked_where_it_
     assert result.returncode == 1 and "tokenizer_config.json" in result.stderr, result.stderr
     with specbuild_serve(copy, tmp_path / "server.log", "--no-check-digests") as (_, url):
         assert healthy(url)
+
+
+def test_serve_threads_beyond_what_a_machine_starts_is_a_usage_error(tmp_path):
+    """onnxruntime crashes (SIGSEGV, no message) when it cannot start the pool's threads: --threads 100000
+    is refused while the command line is read (parsed only here: nothing loads or serves)."""
+    import click
+
+    from specbuild_runtime.serve.cli import serve_command
+
+    with pytest.raises(click.BadParameter, match="1<=x<=1024"):
+        serve_command.make_context("serve", [str(tmp_path), "--threads", "100000"])
+    serve_command.make_context("serve", [str(tmp_path), "--threads", "64"])

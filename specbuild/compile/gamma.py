@@ -89,8 +89,9 @@ def measure_with_engines(folder: Path, engines: dict[str, EngineInfo], prompt_id
 
 
 def measure_with_transformers(target_path: Path, draft_path: Path, prompt_ids: list[list[int]],
-                              max_seq_len: int) -> float:
-    """α with transformers on CPU: the draft's argmax along the target's greedy continuation."""
+                              max_seq_len: int) -> float | None:
+    """α with transformers on CPU: the draft's argmax along the target's greedy continuation; None when
+    no prompt leaves room in the context for two new tokens."""
     import torch
 
     from ..reference import load_reference, transformers_greedy
@@ -107,4 +108,4 @@ def measure_with_transformers(target_path: Path, draft_path: Path, prompt_ids: l
         with torch.no_grad():
             logits = draft(torch.tensor([prompt + tokens[:readable]])).logits[0, len(prompt) - 1:]
         agree += (logits.argmax(-1) == torch.tensor(tokens[:readable + 1])).tolist()
-    return sum(agree) / len(agree)
+    return sum(agree) / len(agree) if agree else None

@@ -403,17 +403,20 @@ def measure_gamma(folder: Path, engines: dict[str, EngineInfo], target: Checkpoi
     prompt_ids = gamma_stage.prompts(target.tokenizer)
     byte_ratio = checkpoints["draft"]["weight_bytes"] / checkpoints["target"]["weight_bytes"]
     measured = gamma_stage.measure_with_engines(folder, engines, prompt_ids, max_seq_len) if engines else None
+    alpha = None
+    if not measured and sum(c["parameters"] for c in checkpoints.values()) <= gamma_stage.TRANSFORMERS_PARAMETER_LIMIT:
+        alpha = gamma_stage.measure_with_transformers(target.path, draft.path, prompt_ids, max_seq_len)
     if measured:
         alpha, cost_ratio = measured
         record = gamma_stage.recommend(alpha, cost_ratio, max_gamma, "alpha and c: the ONNX engines on this CPU, "
                                        "greedy, packaged code prompts")
-    elif sum(c["parameters"] for c in checkpoints.values()) <= gamma_stage.TRANSFORMERS_PARAMETER_LIMIT:
-        alpha = gamma_stage.measure_with_transformers(target.path, draft.path, prompt_ids, max_seq_len)
+    elif alpha is not None:
         record = gamma_stage.recommend(alpha, byte_ratio, max_gamma, "alpha: transformers on CPU, greedy, packaged "
                                        "code prompts; c: weight bytes read per step")
     else:
         record = gamma_stage.recommend(None, byte_ratio, max_gamma, "not measured (pair too large to decode on "
-                                       "this CPU, or no fp32 ONNX engines): the bundle's max gamma")
+                                       "this CPU, no fp32 ONNX engines, or a context too short for the measuring "
+                                       "prompts): the bundle's max gamma")
     return {**record, "weight_byte_ratio": round(byte_ratio, 4)}
 
 

@@ -50,7 +50,8 @@ draft_steps_option = click.option(
 @draft_steps_option
 @click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True,
               help="Requests decoded at once (slots, each with its own KV cache); the engines are shared.")
-@click.option("--threads", type=click.IntRange(min=1),
+# onnxruntime crashes (SIGSEGV) where it cannot start a pool's threads; a thousand is far above any core count.
+@click.option("--threads", type=click.IntRange(min=1, max=1024),
               help="onnxruntime threads per engine call.  [default: cores / --parallel, at least 1]")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait for a slot; more get 429 with Retry-After.")
@@ -103,9 +104,10 @@ def _listen(host: str, port: int) -> socket.socket:
         listener = socket.socket(family, kind, proto)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn sets it
         listener.bind(address)
-    except OSError as exc:
-        raise SpecbuildError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port, or "
-                             "a --host this machine has") from None
+    except (OSError, UnicodeError) as exc:  # UnicodeError: the idna codec refuses an empty or 64+ character label
+        reason = getattr(exc, "strerror", None) or exc
+        raise SpecbuildError(f"cannot listen on {host}:{port} ({reason}); choose another --port, or a --host this "
+                             "machine has") from None
     return listener
 
 
