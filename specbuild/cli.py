@@ -500,7 +500,7 @@ def _key_value(item: str) -> tuple[str, object]:
 @cli.command()
 @click.option("--cache", type=folder_path, default=Path(".cache/demo"), show_default=True,
               help="Where the demo pair and its bundle are kept between runs.")
-@click.option("--recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Pair recipe.  [default: the packaged specbuild/recipes/demo.toml]")
+@click.option("--recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Recipe with the pair's [pair] and [compile] tables.  [default: the packaged specbuild/recipes/demo.toml]")
 @click.option("--prompt", "-p", type=PromptText(),
               help="Code to complete; - reads it from stdin.  [default: the first of 8 bundled code prompts]")
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=2), default=96, show_default=True,
