@@ -56,9 +56,12 @@ def check_pair_recipe(recipe: Path, pair: Path) -> None:
 def ensure_bundle(recipe: Path, pair: Path, bundle: Path) -> None:
     # The recipe's paths are relative to the pair it describes, which the demo keeps in its cache.
     settings = resolve_settings(recipe, target=pair / "target", draft=pair / "draft", output=bundle, overwrite=True)
-    # The bundle is compiled again when the recipe's [compile] table changed: it takes a minute at most.
+    # The bundle is compiled again when the recipe's [compile] table or the pair changed (a pair deleted and
+    # made again has a report of its own): it takes a minute at most.
     compiled_with = bundle.parent / "bundle-settings.json"
-    wanted = json.dumps(read_table(recipe, "compile", RECIPE_KEYS), sort_keys=True)
+    report = pair / "report.json"
+    wanted = json.dumps({"compile": read_table(recipe, "compile", RECIPE_KEYS),
+                         "pair": report.read_text() if report.is_file() else None}, sort_keys=True)
     try:
         load_manifest(bundle)
         if compiled_with.is_file() and compiled_with.read_text() == wanted:

@@ -48,7 +48,7 @@ def test_a_pair_whose_report_was_cut_short_is_taken_as_it_is(report, pair, tmp_p
     ensure_pair(DEMO_RECIPE, pair)
 
 
-def test_the_cached_bundle_is_compiled_again_only_when_the_compile_table_changes(pair, tmp_path):
+def test_the_cached_bundle_is_compiled_again_only_when_the_compile_table_or_the_pair_changes(pair, tmp_path):
     bundle = pair.parent / "bundle"
     small = dict(max_seq_len=128, draft_quantize='"none"')
     ensure_bundle(recipe_with(tmp_path, "compile", **small), pair, bundle)
@@ -57,6 +57,10 @@ def test_the_cached_bundle_is_compiled_again_only_when_the_compile_table_changes
     assert (bundle / "manifest.json").stat().st_mtime_ns == manifest
     ensure_bundle(recipe_with(tmp_path, "compile", **small, gamma=3), pair, bundle)
     assert load_manifest(bundle).gamma == 3
+    manifest = (bundle / "manifest.json").stat().st_mtime_ns
+    (pair / "report.json").write_text((pair / "report.json").read_text() + " ")  # the pair was made again
+    ensure_bundle(recipe_with(tmp_path, "compile", **small, gamma=3), pair, bundle)
+    assert (bundle / "manifest.json").stat().st_mtime_ns != manifest
 
 
 def test_a_compile_table_the_pair_cannot_take_is_blamed_on_the_recipe_not_the_pair(pair, tmp_path):
