@@ -298,3 +298,8 @@ def test_a_stop_string_longer_than_any_real_one_is_refused(bundles):
     assert decoder.generate("x", 2, stop=["y" * MAX_STOP_CHARS]).token_ids
     with pytest.raises(RequestError, match=f"at most {MAX_STOP_CHARS} are taken"):
         decoder.generate("x", 2, stop=["y" * (MAX_STOP_CHARS + 1)])
+
+
+def test_a_bad_request_is_a_value_error_as_bad_arguments_are(bundles):
+    with pytest.raises(ValueError, match="temperature"):
+        SpeculativeDecoder(bundles("llama")).generate("x", 4, temperature=-1.0)

@@ -9,8 +9,9 @@ class BundleError(SpecbuildError):
     """A bundle is missing, corrupted, edited, or from an incompatible format version."""
 
 
-class RequestError(SpecbuildError):
-    """A generation request cannot be served (e.g. the prompt does not fit the context)."""
+class RequestError(SpecbuildError, ValueError):
+    """A generation request cannot be served (e.g. the prompt does not fit the context). Also a ValueError,
+    so a service's handler of bad arguments catches it as it catches others."""
 
 
 class DeviceError(SpecbuildError):
