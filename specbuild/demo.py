@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from specbuild_runtime import SpeculativeDecoder
-from specbuild_runtime.errors import BundleError
+from specbuild_runtime.errors import BundleError, RequestError
 from specbuild_runtime.manifest import load_manifest
 
 from .bench import run_ours
@@ -84,11 +84,13 @@ def ensure_bundle(recipe: Path, pair: Path, bundle: Path) -> None:
 
 
 def run_demo(cache: Path, recipe: Path, prompt: str | None, max_new_tokens: int) -> dict:
+    if prompt == "":  # as generate refuses it; None (no --prompt) takes the bundled prompts
+        raise RequestError("the prompt is empty; give code to complete, or leave --prompt out for the bundled prompts")
     pair, bundle = cache / "pair", cache / "bundle"
     ensure_pair(recipe, pair)
     ensure_bundle(recipe, pair, bundle)
     decoder = SpeculativeDecoder(bundle, check_digests=False, shared_thread_pool=True)  # ensure_bundle checked them
-    texts = [prompt] if prompt else measuring_prompts()
+    texts = measuring_prompts() if prompt is None else [prompt]
     prompts = [decoder.encode(t) for t in texts]
     target_only, speculative = run_ours(decoder, prompts, max_new_tokens, [0, "auto"])
     summary = {

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from specbuild.demo import DEMO_RECIPE, ensure_bundle, ensure_pair
+from specbuild.demo import DEMO_RECIPE, ensure_bundle, ensure_pair, run_demo
 from specbuild.errors import SettingsError, UnsupportedModelError
 from specbuild.train.demo_pair import read_pair_recipe
 from specbuild_runtime.manifest import load_manifest
@@ -68,3 +68,12 @@ def test_a_compile_table_the_pair_cannot_take_is_blamed_on_the_recipe_not_the_pa
     with pytest.raises(UnsupportedModelError, match="max_seq_len 1024 exceeds") as error:  # the pair has 512 positions
         ensure_bundle(recipe_with(tmp_path, "compile", max_seq_len=1024), pair, pair.parent / "bundle")
     assert "delete" not in str(error.value)
+
+
+def test_an_empty_prompt_is_refused_before_anything_is_made(tmp_path):
+    """As generate refuses it (the demo used the bundled prompts instead, as if --prompt were not given)."""
+    from specbuild_runtime import RequestError
+
+    with pytest.raises(RequestError, match="the prompt is empty"):
+        run_demo(tmp_path / "cache", DEMO_RECIPE, "", 4)
+    assert not (tmp_path / "cache").exists()
