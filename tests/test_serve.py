@@ -667,3 +667,13 @@ def test_serve_threads_beyond_what_a_machine_starts_is_a_usage_error(tmp_path):
     with pytest.raises(click.BadParameter, match="1<=x<=1024"):
         serve_command.make_context("serve", [str(tmp_path), "--threads", "100000"])
     serve_command.make_context("serve", [str(tmp_path), "--threads", "64"])
+
+
+def test_a_streamed_event_holding_a_unicode_line_separator_reads_as_one_line():
+    """httpx's iter_lines (and httpx-sse over it) break lines where str.splitlines does, U+2028 among them,
+    which JSON leaves raw: such an event was cut in two."""
+    from specbuild_runtime.serve.protocol import sse
+
+    text = "a\u2028b\u2029c\x85d é"
+    lines = list(httpx.Response(200, content=sse({"text": text})).iter_lines())
+    assert lines == [lines[0], ""] and json.loads(lines[0][len("data: "):]) == {"text": text}

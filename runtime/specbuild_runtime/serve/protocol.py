@@ -208,6 +208,12 @@ def usage(stats: Stats) -> dict:
             "total_tokens": stats.prompt_tokens + stats.generated_tokens}
 
 
+# Characters str.splitlines() breaks at that JSON leaves raw: clients that read events with it (httpx's
+# iter_lines, and httpx-sse over it) would cut an event inside a string holding one.
+LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
 def sse(payload: dict | str) -> bytes:
     """One server-sent event: `data: <json>` (or `data: [DONE]`) and a blank line."""
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False).translate(LINE_BREAKS)
+    return f"data: {data}\n\n".encode()
