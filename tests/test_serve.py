@@ -677,3 +677,14 @@ def test_a_streamed_event_holding_a_unicode_line_separator_reads_as_one_line():
     text = "a\u2028b\u2029c\x85d é"
     lines = list(httpx.Response(200, content=sse({"text": text})).iter_lines())
     assert lines == [lines[0], ""] and json.loads(lines[0][len("data: "):]) == {"text": text}
+
+
+def test_a_chat_template_failing_on_the_messages_sent_is_a_request_error():
+    """A template's expression over what the request sent (here arithmetic on a message field) raised a
+    TypeError, answered 500 as a server bug."""
+    from specbuild_runtime import RequestError
+    from specbuild_runtime.serve.chat import ChatTemplate
+
+    template = ChatTemplate("{% for m in messages %}{{ m['content'] + 1 }}{% endfor %}", {})
+    with pytest.raises(RequestError, match=r"the chat template failed on these messages \(TypeError"):
+        template.render([{"role": "user", "content": "x"}])

@@ -17,7 +17,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..errors import BundleError, RequestError
+from ..errors import BundleError, RequestError, first_line
 from ..validation import utf8
 
 TEMPLATE_FILE = "chat_template.jinja"  # transformers >= 4.47 saves the template here
@@ -48,6 +48,11 @@ class ChatTemplate:
                                         **self.special_tokens)
         except jinja2.TemplateError as exc:  # the template's own raise_exception, e.g. roles must alternate
             raise RequestError(f"the chat template rejected the messages: {exc}") from None
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as exc:
+            # The template's expressions over what the request sent (arithmetic on a field, an index past a
+            # list): the bundle's data failing on these messages, not a server bug.
+            raise RequestError(f"the chat template failed on these messages ({type(exc).__name__}: "
+                               f"{first_line(exc)}); send the fields it expects") from None
         utf8("the prompt rendered from 'messages'", text)  # any other field a template shows (a name, tool calls)
         return text
 
