@@ -373,11 +373,15 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
 @click.option("--temperature", type=Finite(min=0), default=0.0, show_default=True,
               help="Sample at this temperature instead of greedy decoding (fixed-γ rows seeded per prompt; auto "
                    "unseeded, as most traffic is).")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Sample from the k most likely tokens (0 = all).")
+@click.option("--top-p", type=Finite(min=0, max=1, min_open=True), default=1.0, show_default=True,
+              help="Sample from the smallest set of tokens holding this much probability.")
 @device_option
 @cuda_graphs_option
 @draft_steps_option
-def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, temperature, device, cuda_graphs,
-          draft_steps) -> None:
+def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, temperature, top_k, top_p, device,
+          cuda_graphs, draft_steps) -> None:
     """Measure speculative vs target-only decoding (and peers) side by side, with the theoretical bound."""
     from . import bench as benchmark
     from .texts import CODE_PROMPTS, read_prompts
@@ -387,7 +391,9 @@ def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, te
     writable_file(plot_out, "--plot")
     if plot_out:
         check_plot_path(plot_out)
-    report = benchmark.bench(bundle, read_prompts(prompts or CODE_PROMPTS), max_new_tokens, gammas, peers, temperature,
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    check_sampling(sampling)
+    report = benchmark.bench(bundle, read_prompts(prompts or CODE_PROMPTS), max_new_tokens, gammas, peers, sampling,
                              device, cuda_graphs, draft_steps)
     click.echo(benchmark.format_table(report))
     if json_out:

@@ -38,6 +38,17 @@ def test_bench_reports_every_mode_and_writes_json_and_plot(bundles, tmp_path):
     assert png.stat().st_size > 10_000
 
 
+def test_bench_samples_with_top_k_and_top_p_as_generate_does(bundles, tmp_path):
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "r.json"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    args = ("bench", bundles("llama", 1), "--prompts", prompts, "-n", 8, "--gamma", "2")
+    specbuild(*args, "--temperature", 0.8, "--top-k", 5, "--top-p", 0.9, "--json", out, check=True)
+    report = json.loads(out.read_text())
+    assert (report["temperature"], report["top_k"], report["top_p"]) == (0.8, 5, 0.9)
+    greedy = specbuild(*args, "--top-k", 5)  # top-k without a temperature: refused, as generate refuses it
+    assert greedy.returncode == 2 and "give --temperature too" in greedy.stderr
+
+
 def test_bench_at_its_smallest_n_reports_instead_of_dividing_by_zero(bundles, tmp_path):
     """-n 2 (the least it takes) leaves one token after the first, which no round drafts for."""
     prompts = tmp_path / "p.jsonl"

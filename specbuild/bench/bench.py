@@ -149,9 +149,10 @@ class ModeResult:
 
 
 def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int,
-             gammas: list[int | str], temperature: float = 0.0) -> list[ModeResult]:
-    """Every mode (a γ, 0 or "auto") decodes every prompt. Modes take turns prompt by prompt, so a change
-    in the machine's speed during the run (a shared machine drifts by ±15%) falls on all of them alike."""
+             gammas: list[int | str], sampling: dict | None = None) -> list[ModeResult]:
+    """Every mode (a γ, 0 or "auto") decodes every prompt (sampling: temperature, top_k, top_p; none: greedy).
+    Modes take turns prompt by prompt, so a change in the machine's speed during the run (a shared machine
+    drifts by ±15%) falls on all of them alike."""
     results = [ModeResult("specbuild", gamma) for gamma in gammas]
     # Warm-up: first-run allocations, policy state; with CUDA graphs on CUDA every prompt (a GPU decodes them in
     # seconds), WARM_UP_RUNS + 1 times, so that each call shape is captured before the timed runs (a shape is
@@ -161,13 +162,13 @@ def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_toke
     for _ in range(passes):
         for gamma in gammas:
             for ids in warm:
-                decoder.generate(ids, max_new_tokens, gamma, temperature=temperature)
+                decoder.generate(ids, max_new_tokens, gamma, **(sampling or {}))
     for seed, ids in enumerate(prompts):
         for result in results:
             stats, before = Stats(), decoder.graphs_captured
             # Sampled auto unseeded: the policy of requests without a seed (timed costs, α learned across
             # requests), which most traffic uses; a seed would give the reproducible one (decoder._policy).
-            tokens = list(decoder.stream(ids, max_new_tokens, result.gamma, temperature=temperature,
+            tokens = list(decoder.stream(ids, max_new_tokens, result.gamma, **(sampling or {}),
                                          seed=None if result.gamma == AUTO else seed, stats=stats))
             result.add(stats, tokens)
             result.captures += decoder.graphs_captured - before
@@ -204,19 +205,22 @@ def predicted_context_growth(decoder: SpeculativeDecoder, short: int, long: int)
 
 
 def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[int], peers: list[str],
-          temperature: float = 0.0, device: str = "cpu", cuda_graphs: bool | None = None, draft_steps: bool | None = None) -> dict:
-    """Sampled runs (temperature > 0) differ token-wise between modes by design: `matches_target` then says
-    nothing, and α/speed-up are the figures to read."""
+          sampling: dict | None = None, device: str = "cpu", cuda_graphs: bool | None = None,
+          draft_steps: bool | None = None) -> dict:
+    """sampling: temperature, top_k, top_p (none: greedy). Sampled runs (temperature > 0) differ token-wise
+    between modes by design: `matches_target` then says nothing, and α/speed-up are the figures to read."""
+    sampling = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, **(sampling or {})}
+    temperature = sampling["temperature"]
     decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs,
                                  draft_steps=draft_steps)
     prompt_ids = [decoder.encode(p) for p in prompts]
     for number, ids in enumerate(prompt_ids, 1):  # refused now, not after measuring
         try:
-            decoder.request(ids, max_new_tokens, temperature=temperature)
+            decoder.request(ids, max_new_tokens, **sampling)
         except RequestError as exc:
             raise RequestError(f"prompt {number} of {len(prompt_ids)}: {exc}") from None
     bandwidth = measure_bandwidth(decoder.device)
-    modes = run_ours(decoder, prompt_ids, max_new_tokens, [0, *gammas, AUTO], temperature)
+    modes = run_ours(decoder, prompt_ids, max_new_tokens, [0, *gammas, AUTO], sampling)
     baseline = modes[0]
     for mode in modes:
         mode.matches_target = mode.outputs == baseline.outputs if temperature == 0 else None
@@ -246,7 +250,7 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
         "bundle": str(bundle),
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
+        **sampling,
         "device": decoder.device,
         "cuda_graphs": decoder.cuda_graphs,  # the greedy-only graphs, captured on cuda (the sampler never)
         # tokens a greedy round's call of the draft's steps graph drafts (0: a call per draft token)
