@@ -13,6 +13,7 @@ import sysconfig
 from pathlib import Path
 
 from specbuild_runtime.errors import SpecbuildError
+from specbuild_runtime.validation import utf8
 
 CODE_PROMPTS = Path(__file__).resolve().parent / "prompts" / "code.jsonl"  # shipped with specbuild
 EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test"}
@@ -40,11 +41,7 @@ def read_prompts(path: Path) -> list[str]:
             raise SpecbuildError(f"{path}:{number} cannot be read as JSON ({exc.args[0].split(':')[0]})") from None
         if not isinstance(prompt, str) or not prompt:
             raise SpecbuildError(f'{path}:{number}: "prompt" must be a non-empty string, not {prompt!r:.40}')
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as exc:  # a \ud83d escape without its other half: no tokenizer takes it
-            raise SpecbuildError(f'{path}:{number}: "prompt" is not valid UTF-8 (an escape of half a surrogate pair '
-                                 f"at character {exc.start}); escape both halves or write the character itself") from None
+        utf8(f'{path}:{number}: "prompt"', prompt)  # a \ud83d escape without its other half: no tokenizer takes it
         prompts.append(prompt)
     if not prompts:
         raise SpecbuildError(f"{path} has no prompts")

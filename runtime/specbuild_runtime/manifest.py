@@ -288,15 +288,11 @@ def load_manifest(root: str | Path, check_digests: bool = True, require_engines:
     if not path.is_file():
         raise BundleError(f"{root} is not a specbuild bundle: {MANIFEST} is missing (build one with `specbuild compile`)")
     try:
-        text = path.read_text()
+        data = json.loads(path.read_text())
     except OSError as exc:  # permissions (a bundle copied from another user), an I/O error: not a broken manifest
         raise BundleError(f"{path} cannot be read ({exc.strerror}); give this user read access to the bundle's "
                           f"files (e.g. chmod -R a+rX {root})") from None
-    except UnicodeDecodeError as exc:
-        raise BundleError(f"{path} is not valid JSON ({exc}); {UNREADABLE_ADVICE}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # not UTF-8, or not JSON
         raise BundleError(f"{path} is not valid JSON ({exc}); {UNREADABLE_ADVICE}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise BundleError(f"{path} is not a specbuild manifest; {UNREADABLE_ADVICE}")

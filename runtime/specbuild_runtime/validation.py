@@ -170,7 +170,8 @@ def utf8(name: str, text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise RequestError(f"{name} is not valid UTF-8: {exc.reason} at character {exc.start}") from None
+        raise RequestError(f"{name} is not valid UTF-8: {exc.reason} at character {exc.start} (an escape of half a "
+                           "surrogate pair); escape both halves or write the character itself") from None
 
 
 # The engine I/O contract (see manifest.py) beyond the KV buffers: name -> ONNX type. A greedy-only graph
