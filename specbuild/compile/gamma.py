@@ -55,26 +55,39 @@ def prompts(tokenizer) -> list[list[int]]:
 
 def measure_with_engines(folder: Path, engines: dict[str, EngineInfo], prompt_ids: list[list[int]],
                          max_seq_len: int) -> tuple[float, float] | None:
-    """(α, c) through the runtime's engines: the target decodes each prompt greedily, the draft follows
-    token by token; c is the median draft step over the median target step (CPU times, this machine).
-    None unless both are fp32 (quantized or not; onnxruntime's CPU provider casts fp16 weights to fp32 on
-    the way, holding many copies at once, see pipeline.check_engine) and within ENGINE_BYTES_LIMIT."""
+    """(α, c) through the runtime's engines (draft_agreement); c is the median draft step over the median
+    target step (CPU times, this machine). None unless both are fp32 (quantized or not; onnxruntime's CPU
+    provider casts fp16 weights to fp32 on the way, holding many copies at once, see pipeline.check_engine)
+    and within ENGINE_BYTES_LIMIT."""
     if (any(info.precision != "fp32" for info in engines.values())
             or sum(info.weight_bytes for info in engines.values()) > ENGINE_BYTES_LIMIT):
         return None
     target = EngineSlot(Engine(folder / engines["target"].file, engines["target"], max_seq_len), NEVER_ALONE)
     draft = EngineSlot(Engine(folder / engines["draft"].file, engines["draft"], max_seq_len), AS_FED)
-    draft_vocab = engines["draft"].shape.vocab_size
-    agree, target_steps, draft_steps = [], [], []
+    agreements, target_steps, draft_steps = draft_agreement(target, draft, prompt_ids, NEW_TOKENS)
+    agree = [a for prompt in agreements for a in prompt]
+    if not agree:
+        return None
+    return sum(agree) / len(agree), statistics.median(draft_steps) / statistics.median(target_steps)
+
+
+def draft_agreement(target: EngineSlot, draft: EngineSlot, prompt_ids: list[list[int]],
+                    new_tokens: int) -> tuple[list[list[bool]], list[float], list[float]]:
+    """Per prompt, whether the draft's greedy token equals the target's at each position of the target's
+    greedy continuation (up to new_tokens; it ends at a token of the target's padding rows, which the draft
+    cannot read), the draft following token by token as decoding feeds it; and the seconds each target and
+    draft step took. Prompts leaving no room for two new tokens are skipped."""
+    agreements, target_steps, draft_steps = [], [], []
     for prompt in prompt_ids:
-        budget = min(NEW_TOKENS, max_seq_len - len(prompt))
+        budget = min(new_tokens, target.engine.max_seq_len - len(prompt))
         if budget < 2:
             continue
         token = target.step(prompt, total_len=len(prompt))[1]
         guess = draft.step(prompt, total_len=len(prompt))[1]
+        agree = []
         for length in range(len(prompt) + 1, len(prompt) + budget):
             agree.append(guess == token)
-            if token >= draft_vocab:  # one of the target's padding rows: the draft cannot read it
+            if token >= draft.engine.vocab_size:
                 break
             start = time.perf_counter()
             next_token = target.step([token], total_len=length)[1]
@@ -83,9 +96,8 @@ def measure_with_engines(folder: Path, engines: dict[str, EngineInfo], prompt_id
             draft_steps.append(time.perf_counter() - middle)
             target_steps.append(middle - start)
             token = next_token
-    if not agree:
-        return None
-    return sum(agree) / len(agree), statistics.median(draft_steps) / statistics.median(target_steps)
+        agreements.append(agree)
+    return agreements, target_steps, draft_steps
 
 
 def measure_with_transformers(target_path: Path, draft_path: Path, prompt_ids: list[list[int]],

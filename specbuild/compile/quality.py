@@ -17,6 +17,7 @@ from specbuild_runtime.manifest import EngineInfo
 from ..acceptance import rounds
 from ..texts import corpus_files, measuring_prompts, read_source
 from .export import export_engine
+from .gamma import draft_agreement
 from .graphs import LOGITS
 from .precision import Numerics
 
@@ -168,18 +169,12 @@ ALPHA_GAMMA = 4  # drafts per round at which a quality report measures acceptanc
 def pair_acceptance(target_folder: Path, target: EngineInfo, draft_folder: Path, draft: EngineInfo,
                     prompts_ids: list[list[int]], gamma: int = ALPHA_GAMMA, new_tokens: int = 64) -> float:
     """Greedy speculative acceptance α (accepted / drafted) of this pair at a fixed γ, exactly as decoding
-    would see it: the draft's argmax along the target's own greedy continuation of each prompt."""
-
-    target_engine, max_seq_len = _engine(Path(target_folder), target)
+    would see it: the rounds of γ drafts along the target's own greedy continuation (gamma.draft_agreement)."""
+    target_engine, _ = _engine(Path(target_folder), target)
     draft_engine, _ = _engine(Path(draft_folder), draft)
     accepted = drafted = 0
-    for prompt in prompts_ids:
-        budget = min(new_tokens, max_seq_len - len(prompt))
-        if budget < 2:
-            continue
-        tokens, _ = _greedy(target_engine, prompt, budget)
-        guesses = _logits(draft_engine, prompt + tokens[:-1])[len(prompt) - 1:].argmax(-1)
-        a, d = rounds(list(guesses == np.asarray(tokens)), gamma)
+    for agree in draft_agreement(target_engine, draft_engine, prompts_ids, new_tokens)[0]:
+        a, d = rounds(agree, gamma)
         accepted, drafted = accepted + a, drafted + d
     return accepted / drafted if drafted else 0.0
 
