@@ -86,18 +86,23 @@ class PromptText(click.ParamType):
         return value
 
 
-def sampling_options(command):
+def sampling_options(temperature_help: str = "0 (or below 1e-5) decodes greedily; above, samples losslessly from "
+                     "the target's distribution.",
+                     seed_help: str = "Seed for sampling (any integer): it reproduces a run exactly, at a fixed --gamma or auto.",
+                     seed_default: int | None = None):
     """--temperature/--top-k/--top-p/--seed, named as in the Python API."""
-    for option in reversed([
-        click.option("--temperature", type=Finite(min=0), default=0.0, show_default=True,
-                     help="0 (or below 1e-5) decodes greedily; above, samples losslessly from the target's distribution."),
-        click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="Sample from the k most likely tokens (0 = all)."),
-        click.option("--top-p", type=Finite(min=0, max=1, min_open=True), default=1.0, show_default=True,
-                     help="Sample from the smallest set of tokens holding this much probability."),
-        click.option("--seed", type=int, help="Seed for sampling (any integer): it reproduces a run exactly, at a fixed --gamma or auto."),
-    ]):
-        command = option(command)
-    return command
+    def decorate(command):
+        for option in reversed([
+            click.option("--temperature", type=Finite(min=0), default=0.0, show_default=True, help=temperature_help),
+            click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
+                         help="Sample from the k most likely tokens (0 = all)."),
+            click.option("--top-p", type=Finite(min=0, max=1, min_open=True), default=1.0, show_default=True,
+                         help="Sample from the smallest set of tokens holding this much probability."),
+            click.option("--seed", type=int, default=seed_default, show_default=seed_default is not None, help=seed_help),
+        ]):
+            command = option(command)
+        return command
+    return decorate
 
 
 class GammaType(click.ParamType):
@@ -178,7 +183,7 @@ def compile_cmd(recipe, **options) -> None:
 @device_option
 @cuda_graphs_option
 @draft_steps_option
-@sampling_options
+@sampling_options()
 def generate(bundle, prompt, max_new_tokens, gamma, as_json, device, cuda_graphs, draft_steps, **sampling) -> None:
     """Continue a prompt with speculative decoding (greedy, or sampling with --temperature)."""
     from specbuild_runtime import SpeculativeDecoder, Stats
@@ -368,35 +373,37 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
               help="Fixed γ values to measure beside target-only and auto.")
 @click.option("--peers", type=CommaList(click.Choice(PEERS)), default="",
               help=f"Comma-separated peers to measure on the source checkpoints: {', '.join(PEERS)}.")
-@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the full report here.")
+@click.option("--json", "json_out", is_flag=False, flag_value="-", metavar="[FILE]",
+              type=click.Path(dir_okay=False, allow_dash=True, path_type=Path),
+              help="Print the full report as JSON instead of the table; with a FILE, write it there beside the table.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False, path_type=Path), help="Write a plot here: PNG, SVG or PDF by the name's extension (needs matplotlib).")
-@click.option("--temperature", type=Finite(min=0), default=0.0, show_default=True,
-              help="Sample at this temperature instead of greedy decoding (fixed-γ rows seeded per prompt; auto "
-                   "unseeded, as most traffic is).")
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Sample from the k most likely tokens (0 = all).")
-@click.option("--top-p", type=Finite(min=0, max=1, min_open=True), default=1.0, show_default=True,
-              help="Sample from the smallest set of tokens holding this much probability.")
+@sampling_options(temperature_help="Sample at this temperature instead of greedy decoding (auto γ unseeded, as most "
+                                   "traffic is).",
+                  seed_help="Sampled fixed-γ rows seed prompt i with SEED + i, so every mode samples the same way.",
+                  seed_default=0)
 @device_option
 @cuda_graphs_option
 @draft_steps_option
-def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, temperature, top_k, top_p, device,
-          cuda_graphs, draft_steps) -> None:
+def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, device, cuda_graphs, draft_steps,
+          seed, **sampling) -> None:
     """Measure speculative vs target-only decoding (and peers) side by side, with the theoretical bound."""
     from . import bench as benchmark
     from .texts import CODE_PROMPTS, read_prompts
 
+    to_stdout = json_out == Path("-")
     # Refused now rather than after minutes of measuring.
-    writable_file(json_out, "--json")
+    writable_file(None if to_stdout else json_out, "--json")
     writable_file(plot_out, "--plot")
     if plot_out:
         check_plot_path(plot_out)
-    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     check_sampling(sampling)
     report = benchmark.bench(bundle, read_prompts(prompts or CODE_PROMPTS), max_new_tokens, gammas, peers, sampling,
-                             device, cuda_graphs, draft_steps)
-    click.echo(benchmark.format_table(report))
-    if json_out:
+                             device, cuda_graphs, draft_steps, seed)
+    if to_stdout:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        click.echo(benchmark.format_table(report))
+    if json_out and not to_stdout:
         json_out.write_text(json.dumps(report, indent=2))
     if plot_out:
         benchmark.plot(report, plot_out)

@@ -49,6 +49,29 @@ def test_bench_samples_with_top_k_and_top_p_as_generate_does(bundles, tmp_path):
     assert greedy.returncode == 2 and "give --temperature too" in greedy.stderr
 
 
+def test_bench_json_without_a_file_prints_the_report_instead_of_the_table(bundles, tmp_path):
+    """--json is a flag as in every other command; --json FILE still writes the file beside the table."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    result = specbuild("bench", bundles("llama", 1), "--prompts", prompts, "-n", 6, "--gamma", "2", "--json",
+                       "--temperature", 0.8, "--seed", 7, check=True)
+    report = json.loads(result.stdout)
+    assert report["seed"] == 7 and {str(r["gamma"]) for r in report["results"]} == {"0", "2", "auto"}
+
+
+def test_bench_seeds_prompt_i_of_every_fixed_gamma_with_seed_plus_i(bundles):
+    from specbuild.bench.bench import run_ours
+    from specbuild_runtime import SpeculativeDecoder
+
+    decoder = SpeculativeDecoder(bundles("llama", 1))
+    prompts = [decoder.encode(p) for p in ("def f():", "import os")]
+    sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    results = run_ours(decoder, prompts, 12, [0, 2], sampling, seed=40)
+    for result in results:
+        assert result.outputs == [decoder.generate(ids, 12, result.gamma, **sampling, seed=40 + i).token_ids
+                                  for i, ids in enumerate(prompts)]
+
+
 def test_bench_at_its_smallest_n_reports_instead_of_dividing_by_zero(bundles, tmp_path):
     """-n 2 (the least it takes) leaves one token after the first, which no round drafts for."""
     prompts = tmp_path / "p.jsonl"

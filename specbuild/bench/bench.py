@@ -149,8 +149,9 @@ class ModeResult:
 
 
 def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int,
-             gammas: list[int | str], sampling: dict | None = None) -> list[ModeResult]:
-    """Every mode (a γ, 0 or "auto") decodes every prompt (sampling: temperature, top_k, top_p; none: greedy).
+             gammas: list[int | str], sampling: dict | None = None, seed: int = 0) -> list[ModeResult]:
+    """Every mode (a γ, 0 or "auto") decodes every prompt (sampling: temperature, top_k, top_p; none: greedy;
+    prompt i seeded seed + i but under auto).
     Modes take turns prompt by prompt, so a change in the machine's speed during the run (a shared machine
     drifts by ±15%) falls on all of them alike."""
     results = [ModeResult("specbuild", gamma) for gamma in gammas]
@@ -163,13 +164,13 @@ def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_toke
         for gamma in gammas:
             for ids in warm:
                 decoder.generate(ids, max_new_tokens, gamma, **(sampling or {}))
-    for seed, ids in enumerate(prompts):
+    for number, ids in enumerate(prompts):
         for result in results:
             stats, before = Stats(), decoder.graphs_captured
             # Sampled auto unseeded: the policy of requests without a seed (timed costs, α learned across
             # requests), which most traffic uses; a seed would give the reproducible one (decoder._policy).
             tokens = list(decoder.stream(ids, max_new_tokens, result.gamma, **(sampling or {}),
-                                         seed=None if result.gamma == AUTO else seed, stats=stats))
+                                         seed=None if result.gamma == AUTO else seed + number, stats=stats))
             result.add(stats, tokens)
             result.captures += decoder.graphs_captured - before
     return results
@@ -206,7 +207,7 @@ def predicted_context_growth(decoder: SpeculativeDecoder, short: int, long: int)
 
 def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[int], peers: list[str],
           sampling: dict | None = None, device: str = "cpu", cuda_graphs: bool | None = None,
-          draft_steps: bool | None = None) -> dict:
+          draft_steps: bool | None = None, seed: int = 0) -> dict:
     """sampling: temperature, top_k, top_p (none: greedy). Sampled runs (temperature > 0) differ token-wise
     between modes by design: `matches_target` then says nothing, and α/speed-up are the figures to read."""
     sampling = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, **(sampling or {})}
@@ -220,7 +221,7 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
         except RequestError as exc:
             raise RequestError(f"prompt {number} of {len(prompt_ids)}: {exc}") from None
     bandwidth = measure_bandwidth(decoder.device)
-    modes = run_ours(decoder, prompt_ids, max_new_tokens, [0, *gammas, AUTO], sampling)
+    modes = run_ours(decoder, prompt_ids, max_new_tokens, [0, *gammas, AUTO], sampling, seed)
     baseline = modes[0]
     for mode in modes:
         mode.matches_target = mode.outputs == baseline.outputs if temperature == 0 else None
@@ -251,6 +252,7 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
         **sampling,
+        "seed": seed if temperature > 0 else None,
         "device": decoder.device,
         "cuda_graphs": decoder.cuda_graphs,  # the greedy-only graphs, captured on cuda (the sampler never)
         # tokens a greedy round's call of the draft's steps graph drafts (0: a call per draft token)
