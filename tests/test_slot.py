@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import PROMPTS
-from specbuild_runtime import BundleError, SpeculativeDecoder
+from specbuild_runtime import BundleError, DeviceError, SpeculativeDecoder
 from specbuild_runtime import slot as slot_module
 from specbuild_runtime.slot import MAX_REUSED_IDS, NEVER_ALONE, PREFILL_CHUNK, WARM_UP_RUNS, EngineSlot, fixed_rows
 
@@ -426,3 +426,34 @@ def test_a_new_thread_warms_up_its_own_graphs_even_under_an_ended_threads_id(bun
         thread.join()
     assert named == 2 * (["-1"] * WARM_UP_RUNS + [str(graph)] * 2)
     assert decoder.target.graphs_captured == 2
+
+
+def test_an_engine_call_onnxruntime_fails_is_one_device_error_and_the_decoder_decodes_exactly_after(bundle, monkeypatch):
+    """onnxruntime's own failure (here its terminate flag) surfaces as a DeviceError naming the engine, not as
+    an untyped error the CLI reports as a bug; the slot goes back and the next request decodes as before."""
+    import onnxruntime as ort
+
+    decoder = SpeculativeDecoder(bundle)
+    ids = decoder.encode(PROMPTS[0])
+    before = decoder.generate(ids, 12, gamma=3).token_ids
+    graph = EngineSlot._graph
+
+    def terminated(self, *args):
+        options = ort.RunOptions()
+        options.terminate = True
+        return options
+
+    monkeypatch.setattr(EngineSlot, "_graph", terminated)
+    with pytest.raises(DeviceError, match=r"onnxruntime failed running .*target.*\.onnx: .*terminate.*; if `specbuild inspect`"):
+        decoder.generate(ids, 12, gamma=3)
+    monkeypatch.setattr(EngineSlot, "_graph", graph)
+    assert decoder.generate(ids, 12, gamma=3).token_ids == before
+
+
+def test_an_engine_call_out_of_memory_says_what_to_decode_less_of():
+    class OutOfMemory:
+        def run_with_iobinding(self, binding, options):
+            raise RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : CUDA failure 2: out of memory\nfile ...")
+
+    with pytest.raises(DeviceError, match=r"CUDA failure 2: out of memory; the device ran out of memory: decode fewer"):
+        slot_module.run(OutOfMemory(), None, "bundle/target.onnx")

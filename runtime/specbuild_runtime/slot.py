@@ -20,7 +20,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .engine import Engine
-from .errors import BundleError, RequestError
+from .errors import BundleError, DeviceError, RequestError, first_line
 from .manifest import step_presents, step_total_len
 
 MAX_REUSED_IDS = 64  # calls of up to this many tokens (drafting, verifying) reuse one buffer per length
@@ -35,6 +35,22 @@ WARM_UP_RUNS = 2
 # concurrent long prompt left its activations resident. Even, so the rows left keep the prompt's parity (see
 # Rows); the leading rows are never re-fed and no decision reads their call, in every mode alike. 0: one call.
 PREFILL_CHUNK = 256
+
+# What onnxruntime's messages say when a call found no memory (CUDA, the CPU allocator, the BFC arena).
+OUT_OF_MEMORY = ("out of memory", "bad_alloc", "bad allocation", "failed to allocate")
+
+
+def run(session: ort.InferenceSession, binding: ort.IOBinding, path, options: ort.RunOptions | None = None) -> None:
+    """session.run_with_iobinding; a failure (onnxruntime raises untyped errors, with pages of detail) as one
+    DeviceError naming the engine file `path`, with advice when the device ran out of memory."""
+    try:
+        session.run_with_iobinding(binding, options)
+    except Exception as exc:
+        said = first_line(exc)
+        advice = ("the device ran out of memory: decode fewer requests at once (--parallel), or use a bundle with a "
+                  "shorter --max-seq-len or quantized weights" if any(s in said.lower() for s in OUT_OF_MEMORY)
+                  else "if `specbuild inspect` finds the bundle intact, rerun with --debug and report it")
+        raise DeviceError(f"onnxruntime failed running {path}: {said}; {advice}") from exc
 
 
 @dataclass(frozen=True)
@@ -297,11 +313,11 @@ class EngineSlot:
             self._bind_logits(num_drafts)
         for name in self.engine.extra_outputs:  # their shapes change with the call: onnxruntime allocates them
             self.binding.bind_output(name, self.engine.device)
-        self.engine.session.run_with_iobinding(self.binding, self._graph(total_len - first, num_drafts, total_len))
+        run(self.engine.session, self.binding, self.engine.path, self._graph(total_len - first, num_drafts, total_len))
         # The sampler's turn: the same nodes on the same logits (not for a prompt's head, whose token is not read).
         if self.sampling and self._tail is not self.binding and uniforms is not None:
             self._feed_sampler(self._fed[total_len - num_drafts - 1:total_len], num_drafts)
-            self.engine.sampling_session.run_with_iobinding(self._tail)
+            run(self.engine.sampling_session, self._tail, self.engine.path)
         if not self._copies:
             return int(self._accepted.host), int(self._next_token.host)
         # A call without drafts accepts none: one copy back (a wait for the device) fewer per draft step.
@@ -456,7 +472,7 @@ class DraftSteps:
             for buffer in self._lengths.values():
                 buffer.push()
             graph = graph_id(self.engine, self.index, rows, 0, total_len)
-            self.engine.session.run_with_iobinding(self.binding, self._graphs.options(graph))
+            run(self.engine.session, self.binding, self.engine.path, self._graphs.options(graph))
             drafts = self._drafts.pull().tolist()
         draft._fed[first:total_len + self.count - 1] = [*tokens, *drafts[:-1]]
         return drafts
