@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import PROMPTS, make_tokenizer
-from specbuild_runtime import RequestError, SpeculativeDecoder, Stats, slot
+from specbuild_runtime import RequestError, SpeculativeDecoder, Stats, pool
 from specbuild_runtime.text import TextStream
 
 # (prompt, options): greedy with adaptive and fixed γ, and seeded sampling (at fixed γ here; auto below).
@@ -85,7 +85,7 @@ def test_a_thread_that_drove_a_stream_last_waits_while_another_thread_resumes_it
     Starlette's StreamingResponse over a sync generator): the worker that advanced a stream last may be
     handed the first next() of another request while a second worker is about to resume the first stream.
     It must wait for the slot, not be refused as a same-thread deadlock."""
-    monkeypatch.setattr(slot, "SAME_THREAD_PATIENCE", 60)  # however late the worker is scheduled on a busy machine
+    monkeypatch.setattr(pool, "SAME_THREAD_PATIENCE", 60)  # however late the worker is scheduled on a busy machine
     decoder = SpeculativeDecoder(bundle, parallel=1)
     (prompt, options), (other, other_options) = REQUESTS[1], REQUESTS[2]
     moved = decoder.stream(prompt, NEW_TOKENS, **options)

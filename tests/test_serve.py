@@ -604,7 +604,7 @@ def test_readme_serving_examples_run_against_a_server(server):
 
 def test_start_up_warms_every_worker_thread_up_in_a_slot_of_its_own(bundle):
     """CUDA graphs are kept per thread and per slot: the scheduler's warm-up runs once on each worker thread,
-    each in its own slot, which the thread then keeps (slot.SlotPool)."""
+    each in its own slot, which the thread then keeps (pool.SlotPool)."""
     from test_slot import forced_captures
 
     from specbuild_runtime.serve.metrics import Metrics

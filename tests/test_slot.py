@@ -335,7 +335,7 @@ def test_a_thread_gets_back_the_slot_it_had_and_a_new_thread_a_slot_no_thread_ha
     import threading
     from types import SimpleNamespace
 
-    from specbuild_runtime.slot import SlotPool
+    from specbuild_runtime.pool import SlotPool
 
     pool = SlotPool([SimpleNamespace(index=i) for i in range(3)], affinity=True)  # as for engines that capture
     lifo = SlotPool([SimpleNamespace(index=i) for i in range(3)])

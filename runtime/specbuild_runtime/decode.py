@@ -18,10 +18,11 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from .engine import CAPTURED_BY_DEFAULT, UNCAPTURED, Engine, Sampler, requested_device, use_shared_thread_pool
-from .errors import BundleError, DeviceError, RequestError
+from .errors import BundleError, DeviceError
 from .manifest import TOKENIZER_DIR, Manifest, load_manifest
 from .policy import GREEDY_DECAYS, SAMPLING_DECAYS, AdaptiveGamma, Costs, FixedGamma, PriorCosts
-from .slot import MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, Rows, Slot, SlotPool, fixed_rows
+from .pool import SlotPool, check_memory
+from .slot import MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, Rows, Slot, fixed_rows
 from .text import TextStream
 from .validation import AUTO, Prompt, Request, check_request, check_vocabularies, whole
 
@@ -127,7 +128,7 @@ class SpeculativeDecoder:
     from its first token to its last, and decodes exactly as it would alone. A call waits while every
     slot is busy (first come, first served), except in a thread that last advanced a stream holding one
     (two unfinished streams interleaved in one thread, as asyncio code does): there it raises RequestError
-    after slot.SAME_THREAD_PATIENCE seconds unless another thread takes that stream over meanwhile (a thread
+    after pool.SAME_THREAD_PATIENCE seconds unless another thread takes that stream over meanwhile (a thread
     pool running each next() on any worker), since otherwise only that thread could free one. A stream
     frees its slot when it ends, is closed, or is garbage-collected. One stream's generator must not be
     advanced from two threads at once (Python refuses that itself).
@@ -449,44 +450,6 @@ def _leading_equal(a: list[int], b: list[int]) -> int:
     return n
 
 
-# A container, or a systemd unit, is killed at its cgroup's memory limit (or an ancestor's), not the machine's.
-PROC_CGROUP, CGROUP_ROOT = Path("/proc/self/cgroup"), Path("/sys/fs/cgroup")
-
-
-def memory_limit() -> tuple[int, str]:
-    """(bytes, what they are): the machine's memory, or the lowest limit of this process's cgroups if less."""
-    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine has"
-    for path in _cgroup_limit_files():
-        try:
-            text = path.read_text().strip()  # "max" (v2) or a huge number (v1) when unlimited
-        except OSError:
-            continue
-        if text.isdigit() and int(text) < limit[0]:
-            limit = int(text), "this container may use"
-    return limit
-
-
-def _cgroup_limit_files() -> list[Path]:
-    """The memory limit files of this process's cgroup and its ancestors: v2 ("0::/a/b" in /proc/self/cgroup,
-    memory.max) and v1 ("N:memory:/a/b", memory/memory.limit_in_bytes)."""
-    try:
-        lines = PROC_CGROUP.read_text().splitlines()
-    except OSError:
-        return []
-    files = []
-    for line in lines:
-        _, controllers, group = line.split(":", 2)
-        if not controllers:
-            root, name = CGROUP_ROOT, "memory.max"
-        elif "memory" in controllers.split(","):
-            root, name = CGROUP_ROOT / "memory", "memory.limit_in_bytes"
-        else:
-            continue
-        parts = Path(group).parts[1:]
-        files += [root.joinpath(*parts[:depth]) / name for depth in range(len(parts), -1, -1)]
-    return files
-
-
 def _identity(folder: Path) -> tuple[int, int] | None:
     """The folder a path names now: compile publishes a bundle by swapping a new folder in at its path."""
     try:
@@ -494,23 +457,6 @@ def _identity(folder: Path) -> tuple[int, int] | None:
     except OSError:
         return None
     return stat.st_dev, stat.st_ino
-
-
-def check_memory(parallel: int, slot_bytes: int) -> None:
-    """Refuse a slot count whose KV caches alone would not fit in this machine's (or container's) memory:
-    each slot holds its caches for the whole context from the start."""
-    total, where = memory_limit()
-    if parallel * slot_bytes > total:
-        raise RequestError(f"parallel {parallel} needs {_size(parallel * slot_bytes)} of KV caches "
-                           f"({_size(slot_bytes)} a slot) but {where} {_size(total)}; use fewer slots or compile "
-                           "with a shorter --max-seq-len")
-
-
-def _size(size: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20)):
-        if size >= 1 << shift:
-            return f"{size / (1 << shift):.1f} {unit}"
-    return f"{size / 1024:.1f} KiB"
 
 
 def _finish(text: TextStream, stats: Stats) -> str:

@@ -1,0 +1,176 @@
+"""The decoder's slots: one per request in flight, handed out first come, first served, and as many as the
+memory limit (the machine's, or the container's) holds the KV caches of."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from .errors import RequestError
+from .slot import Slot
+
+
+# Seconds a thread that drove a busy slot's stream last waits for another thread to resume that stream before
+# its own request is refused as a same-thread deadlock (see SlotPool.take).
+SAME_THREAD_PATIENCE = 1.0
+
+
+class SlotPool:
+    """Hands out slots, one per running request, first come first served (a thread that gives a slot back and
+    asks again queues behind those already waiting). A request waits for a free one, except in a thread that
+    last advanced a busy slot's stream: if only that thread will ever advance it (streams interleaved in one
+    thread), none may ever come free, so after SAME_THREAD_PATIENCE without another thread taking the stream
+    over (as a thread pool running each next() on any worker does) it fails.
+
+    affinity (engines that capture CUDA graphs): a thread gets the slot it had last time when that one is free,
+    else one no thread has had yet. onnxruntime keeps CUDA graphs per thread, and a slot's graphs are its own
+    (its buffers' addresses), so a thread that kept changing slots would capture every slot's graphs in turn
+    (a server of P worker threads and P slots: P² sets of captures, some in requests long after the first),
+    where this keeps it at P. Otherwise the slot freed last: light traffic keeps to one slot, whose adaptive
+    γ then learns from every request.
+    """
+
+    def __init__(self, slots: list[Slot], affinity: bool = False):
+        self.size = len(slots)
+        self.affinity = affinity
+        self._free = slots[::-1]  # pop() takes slot 0 first
+        self._owners: dict[int, int] = {}  # slot index -> thread ident
+        self._last: dict[int, int] = {}  # slot index -> the thread that took it last
+        self._waiting: list[object] = []  # a ticket per take() in arrival order: slots go first come, first served
+        # A slot came free, a waiter left the line, or a held stream moved to another thread. Re-entrant: a
+        # generator closed by the GC may release inside take().
+        self._changed = threading.Condition(threading.RLock())
+
+    @property
+    def in_use(self) -> int:
+        return self.size - len(self._free)
+
+    @property
+    def waiting(self) -> int:
+        """Calls waiting for a slot (a service's queue depth)."""
+        return len(self._waiting)
+
+    def claim(self, slot: Slot) -> None:
+        """Record the calling thread as the one driving slot's stream (a stream may move between threads, as
+        when a web framework advances a sync generator with one worker-thread call per item)."""
+        me = threading.get_ident()
+        if self._owners.get(slot.index) != me:  # moved: a thread waiting in take() may no longer be its driver
+            with self._changed:
+                self._owners[slot.index] = me
+                self._changed.notify_all()
+
+    @contextmanager
+    def take(self) -> Iterator[Slot]:
+        me = threading.get_ident()
+        with self._changed:
+            ticket = object()
+            self._waiting.append(ticket)
+            try:
+                self._wait_for_turn(me, ticket)
+            finally:
+                self._waiting.remove(ticket)
+                # The next in line may take a slot now, or has to start counting its patience.
+                self._changed.notify_all()
+            slot = self._pick(me)
+            self._owners[slot.index] = self._last[slot.index] = me
+        try:
+            yield slot
+        finally:
+            with self._changed:
+                del self._owners[slot.index]
+                self._free.append(slot)
+                self._changed.notify_all()  # whoever is first in line (notify() might wake another, who waits on)
+
+    def _wait_for_turn(self, me: int, ticket: object) -> None:
+        """Wait until a slot is free for this ticket: the earliest waiters take the free slots first, so a
+        thread that just gave one back cannot take it again ahead of those already waiting."""
+        refuse_at = None  # while this thread drove a busy slot's stream last: when to stop waiting for it
+        while not (self._free and self._waiting.index(ticket) < len(self._free)):
+            if self._free or me not in self._owners.values():  # free slots go to the waiters ahead first
+                refuse_at = None
+                self._changed.wait()
+                continue
+            # This thread advanced a held stream last. If only this thread will ever advance it (streams
+            # interleaved in one thread), waiting is a deadlock; but in a thread pool that runs each next()
+            # of a stream wherever a worker is free (asyncio.to_thread, Starlette's StreamingResponse over a
+            # sync generator), another worker resumes it and claim() moves it there. Wait that long.
+            now = time.monotonic()
+            refuse_at = refuse_at or now + SAME_THREAD_PATIENCE
+            if now >= refuse_at:
+                raise RequestError(
+                    f"all {self.size} slots of this decoder are in use, one by an unfinished generate/stream this "
+                    f"same thread last advanced and no other thread resumed within {SAME_THREAD_PATIENCE:g} s: "
+                    "finish or close() it first, or create the decoder with parallel > "
+                    f"{self.size}"
+                )
+            self._changed.wait(refuse_at - now)
+
+    def _pick(self, me: int) -> Slot:
+        """Take a free slot for thread `me`: with affinity its own of last time, else one never taken; else the
+        last freed."""
+        if not self.affinity:
+            return self._free.pop()
+        mine = [slot for slot in self._free if self._last.get(slot.index) == me]
+        unused = [slot for slot in self._free if slot.index not in self._last]
+        slot = (mine or unused[-1:] or self._free)[-1]
+        self._free.remove(slot)
+        return slot
+
+
+# A container, or a systemd unit, is killed at its cgroup's memory limit (or an ancestor's), not the machine's.
+PROC_CGROUP, CGROUP_ROOT = Path("/proc/self/cgroup"), Path("/sys/fs/cgroup")
+
+
+def memory_limit() -> tuple[int, str]:
+    """(bytes, what they are): the machine's memory, or the lowest limit of this process's cgroups if less."""
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine has"
+    for path in _cgroup_limit_files():
+        try:
+            text = path.read_text().strip()  # "max" (v2) or a huge number (v1) when unlimited
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < limit[0]:
+            limit = int(text), "this container may use"
+    return limit
+
+
+def _cgroup_limit_files() -> list[Path]:
+    """The memory limit files of this process's cgroup and its ancestors: v2 ("0::/a/b" in /proc/self/cgroup,
+    memory.max) and v1 ("N:memory:/a/b", memory/memory.limit_in_bytes)."""
+    try:
+        lines = PROC_CGROUP.read_text().splitlines()
+    except OSError:
+        return []
+    files = []
+    for line in lines:
+        _, controllers, group = line.split(":", 2)
+        if not controllers:
+            root, name = CGROUP_ROOT, "memory.max"
+        elif "memory" in controllers.split(","):
+            root, name = CGROUP_ROOT / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        parts = Path(group).parts[1:]
+        files += [root.joinpath(*parts[:depth]) / name for depth in range(len(parts), -1, -1)]
+    return files
+
+
+def check_memory(parallel: int, slot_bytes: int) -> None:
+    """Refuse a slot count whose KV caches alone would not fit in this machine's (or container's) memory:
+    each slot holds its caches for the whole context from the start."""
+    total, where = memory_limit()
+    if parallel * slot_bytes > total:
+        raise RequestError(f"parallel {parallel} needs {_size(parallel * slot_bytes)} of KV caches "
+                           f"({_size(slot_bytes)} a slot) but {where} {_size(total)}; use fewer slots or compile "
+                           "with a shorter --max-seq-len")
+
+
+def _size(size: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
+        if size >= 1 << shift:
+            return f"{size / (1 << shift):.1f} {unit}"
+    return f"{size / 1024:.1f} KiB"
