@@ -289,6 +289,7 @@ def test_distill_never_unpickles_a_checkpoint(pair, tmp_path):
     ({"intermediate_size": 0}, "must be 1 or more"), ({"num_key_value_heads": 3}, "no multiple of num_key_value_heads"),
     ({"vocab_size": 100}, "embedding rows"), ({"max_position_embeddings": 16}, "max_position_embeddings 16"),
     ({"architectures": ["GPTNeoXForCausalLM"]}, "which specbuild does not compile"),
+    ({"model_type": "gpt2"}, "a new draft is of the target's model_type"),
 ])
 def test_draft_config_values_that_make_no_compilable_draft_are_refused_before_training(pair, tmp_path, monkeypatch,
                                                                                         overrides, message):

@@ -72,6 +72,9 @@ def shrunk_config(target_config, overrides: dict | None = None):
             raise TrainingError(f"--draft-config {key}: the target's config.json has no such key (its shape keys: "
                                 f"{', '.join(shape)})")
         current = known[key]
+        if key == "model_type" and value != current:  # the config's class stays the target's: a mislabeled draft
+            raise TrainingError(f"--draft-config model_type={value!r}: a new draft is of the target's model_type "
+                                f"({current}); to draft with another architecture, pass its checkpoint with --init")
         if current is not None and type(value) is not type(current) and not (type(current) is float and type(value) is int):
             raise TrainingError(f"--draft-config {key}={value!r}: must be of type {type(current).__name__}, as the target's "
                                 f"{key} = {current!r} is")
