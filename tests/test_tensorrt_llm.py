@@ -4,6 +4,7 @@ forward pass that computes as TensorRT-LLM's layers do (all ranks recombined), g
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -306,6 +307,16 @@ def test_compile_runs_the_build_plan_when_trtllm_build_is_on_path(pairs, tmp_pat
     assert not (tmp_path / "c").exists()
 
 
+def test_run_plan_feeds_the_prompt_as_given(pairs, tmp_path):
+    """run.py wraps a Qwen2ForCausalLM's input text in a chat template unless told not to (examples/utils.py
+    DEFAULT_PROMPT_TEMPLATES): the engines would continue another prompt than specbuild's runtime does."""
+    target, draft = pairs("qwen2")
+    out = tmp_path / "b"
+    manifest = compile_bundle(CompileSettings(target=target, draft=draft, output=out, max_seq_len=64,
+                                              backend="tensorrt-llm"), show_progress=False)
+    assert "--no_prompt_template" in (out / manifest.tensorrt_llm.plans["run"]).read_text()
+
+
 @pytest.mark.parametrize("backend", ["tensorrt-llm", "all"])
 def test_a_quantized_fp32_export_is_refused_before_anything_is_written(pairs, tmp_path, backend):
     target, draft = pairs("gpt2")
@@ -314,3 +325,22 @@ def test_a_quantized_fp32_export_is_refused_before_anything_is_written(pairs, tm
         compile_bundle(CompileSettings(target=target, draft=draft, output=out, max_seq_len=64, backend=backend,
                                        draft_quantize="int8"), show_progress=False)
     assert not out.exists()
+
+
+def test_the_bundle_tokenizer_names_a_class_transformers_4_has(pairs, tokenizer, tmp_path):
+    """run.sh hands tokenizer/ to TensorRT-LLM's examples/run.py, which loads it with AutoTokenizer on the
+    transformers 4.57 TensorRT-LLM pins; transformers 5 saves Llama 3's PreTrainedTokenizerFast as
+    TokenizersBackend, a name transformers 4 does not know."""
+    target, draft = pairs("gpt2")
+    source = tmp_path / "target"
+    shutil.copytree(target, source)
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    (source / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    out = tmp_path / "b"
+    compile_bundle(CompileSettings(target=source, draft=draft, output=out, max_seq_len=64, backend="tensorrt-llm"),
+                   show_progress=False)
+    saved = json.loads((out / "tokenizer/tokenizer_config.json").read_text())
+    assert saved["tokenizer_class"] == "PreTrainedTokenizerFast"
+    load_manifest(out)  # the digests cover the rewritten file
+    reloaded = tf.AutoTokenizer.from_pretrained(out / "tokenizer")
+    assert reloaded(PROMPTS[5])["input_ids"] == tokenizer(PROMPTS[5])["input_ids"]

@@ -4,6 +4,7 @@ check each engine with onnxruntime -> write the bundle."""
 
 from __future__ import annotations
 
+import json
 import resource
 import time
 from pathlib import Path
@@ -96,12 +97,27 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
                                               settings.gamma)
 
         stages.start("writing the bundle")
-        target.tokenizer.save_pretrained(folder / TOKENIZER_DIR)
+        save_tokenizer(target.tokenizer, folder / TOKENIZER_DIR)
         manifest = Manifest(engines=engines, max_seq_len=max_seq_len, gamma=settings.gamma, eos_token_ids=eos,
                             files={}, created_by=f"specbuild {__version__}", tensorrt_llm=trtllm, sampler_file=sampler)
         manifest.build = stages.finish()  # all but the bundle's digests, which write_manifest takes next
         write_manifest(folder, manifest)
     return manifest
+
+
+def save_tokenizer(tokenizer, folder: Path) -> None:
+    """The target's tokenizer files, loadable by transformers 4 as well as 5.
+
+    transformers 5 saves a plain tokenizers-backed tokenizer (what Llama 3 and others name
+    PreTrainedTokenizerFast) as "TokenizersBackend", a class transformers 4 does not have, and TensorRT-LLM's
+    examples/run.py (run.sh), on the transformers 4.57 TensorRT-LLM pins, then refuses the folder. Both
+    versions load such a tokenizer by its old name; the runtime reads tokenizer.json alone."""
+    tokenizer.save_pretrained(folder)
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def check_engine(path: Path, info: EngineInfo, max_seq_len: int) -> None:

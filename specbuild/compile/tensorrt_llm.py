@@ -468,7 +468,9 @@ def run_script(gamma: int, tp: int, max_seq_len: int) -> str:
     """examples/run.py's draft-target mode (examples/draft_target_model/README.md): [draft_len, draft GPUs,
     target GPUs, use_logits]; each device list is as long as that engine's tp. run.py starts both engines
     itself (ModelRunnerCpp in orchestrator mode, examples/run_dtm_pld.py), so no mpirun. The default output
-    length leaves half the engines' max_seq_len to the prompt."""
+    length leaves half the engines' max_seq_len to the prompt. --no_prompt_template: run.py otherwise wraps
+    the text of some families (Qwen2ForCausalLM: examples/utils.py DEFAULT_PROMPT_TEMPLATES) in a chat
+    template, so the engines would continue another prompt than the one given, as specbuild does not."""
     devices = "[" + ",".join(map(str, range(tp))) + "]"
     return f"""#!/usr/bin/env bash
 # Runs the engines build.sh made with TensorRT-LLM's examples/run.py in draft-target mode (written by
@@ -481,7 +483,7 @@ python3 "$TRTLLM_DIR/examples/run.py" \\
   --engine_dir "$here/engines/target" --draft_engine_dir "$here/engines/draft" \\
   --tokenizer_dir "$here/../{TOKENIZER_DIR}" \\
   --draft_target_model_config "[{gamma},{devices},{devices},False]" \\
-  --kv_cache_enable_block_reuse --kv_cache_free_gpu_memory_fraction 0.4 \\
+  --kv_cache_enable_block_reuse --kv_cache_free_gpu_memory_fraction 0.4 --no_prompt_template \\
   --max_output_len "${{MAX_OUTPUT_LEN:-{min(128, max_seq_len // 2)}}}" --input_text "${{1:-def fibonacci(n):}}"
 """
 
