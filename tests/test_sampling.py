@@ -96,6 +96,8 @@ CASES = {  # name: (draft, decoding options, negative control)
     "temperature 0.5, gamma 4": ("draft", dict(gamma=4, temperature=0.5), WRONG_RULE),
     "top-k 5": ("draft", dict(gamma=4, temperature=1.0, top_k=5), WRONG_RULE),
     "top-p 0.8": ("draft", dict(gamma=4, temperature=1.0, top_p=0.8), WRONG_RULE),
+    # Both restrictions at once, below temperature 1: top-k then top-p on what is left, as transformers' warpers.
+    "top-k 6 and top-p 0.85 at temperature 0.7": ("draft", dict(gamma=3, temperature=0.7, top_k=6, top_p=0.85), WRONG_RULE),
     # auto's γ follows measured timings: on a busy machine it may hardly speculate, so its control is a
     # wrong temperature, which the test must catch whatever γ auto picks.
     "auto gamma": ("draft", dict(gamma="auto", temperature=1.0), dict(temperature=1.5)),
