@@ -56,14 +56,16 @@ def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens
             "prompt_index": index, "prompt": prompt, "position": position,
             "bundle_token": ours[position] if position < len(ours) else None,
             "transformers_token": theirs[position] if position < len(theirs) else None,
-            "outputs": (prompt_ids, ours, theirs),
+            "outputs": (prompt_ids, new_tokens, ours, theirs),
         })
     if divergences and precision != "fp32":
         del model  # its memory, before the fp32 copy loads
         fp32 = load_reference(target, device=decoder.device)
         for d in divergences:
-            prompt_ids, ours, theirs = d["outputs"]
-            reference = transformers_greedy(fp32, prompt_ids, max_new_tokens, eos)
+            # Held to the bundle's context as the other two are: past it a GPT-2 runs out of positions, and
+            # any model's longer output would count as one leaving the shorter ones at their end.
+            prompt_ids, new_tokens, ours, theirs = d["outputs"]
+            reference = transformers_greedy(fp32, prompt_ids, new_tokens, eos)
             d.update(transformers_vs_fp32=first_difference(theirs, reference), bundle_vs_fp32=first_difference(ours, reference))
     for d in divergences:
         del d["outputs"]

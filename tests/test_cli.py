@@ -94,6 +94,30 @@ def test_verify_holds_a_half_precision_bundle_against_transformers_in_its_precis
                      bad["stdout"]), bad
 
 
+def test_verify_holds_the_fp32_reference_of_a_half_precision_divergence_to_the_bundles_context(checkpoints, tmp_path,
+                                                                                                 cli):
+    """A prompt near the end of the context: the fp32 reference that places a divergence decodes as far as the
+    bundle and transformers did, not --max-new-tokens past it (a GPT-2 has no positions there: exit 3)."""
+    from specbuild_runtime import SpeculativeDecoder
+
+    out, prompts = tmp_path / "fp16", tmp_path / "prompts.jsonl"
+    context = 512  # the tiny GPT-2's n_positions
+    compiled = cli.run([["compile", "--target", str(checkpoints("gpt2")), "--draft", str(checkpoints("gpt2")), "-o", str(out),
+                         "--precision", "fp16", "--max-seq-len", str(context), "--no-quality-report"]])[0]
+    assert compiled["status"] == 0, compiled["stderr"]
+    encode = SpeculativeDecoder(out).encode
+    near = next(t for t in ("def f(x):\n" * n for n in range(1, 200)) if context - 16 < len(encode(t)) < context)
+    prompts.write_text(json.dumps({"prompt": near}) + "\n")
+    # Another checkpoint of the same shape diverges from the bundle at once.
+    verified = cli.run([["verify", str(out), "--target", str(checkpoints("gpt2", 1)), "--prompts", str(prompts),
+                         "-n", "64", "--json"]])[0]
+    assert verified["status"] == 1, verified["stderr"]
+    divergence = json.loads(verified["stdout"])["divergence"]
+    compared = context - len(encode(near))
+    for key in ("bundle_vs_fp32", "transformers_vs_fp32"):
+        assert divergence[key] is None or divergence[key] < compared, divergence
+
+
 def test_a_failure_while_building_leaves_no_partial_bundle(checkpoints, tmp_path, monkeypatch):
     """Writing the draft's engine fails (a shard that cannot be read, say) while the target's engine already
     sits in the staging folder (the spy proves the failure came inside staging, not before it)."""
