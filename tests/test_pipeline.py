@@ -17,6 +17,17 @@ from specbuild.recipe import CompileSettings
 from specbuild_runtime import SpecbuildError, SpeculativeDecoder
 
 
+def test_a_draft_of_another_family_with_the_targets_tokenizer_files_is_accepted(checkpoints, tmp_path):
+    """transformers loads the same tokenizer files with another unk token for a Qwen2 checkpoint than for a
+    Llama one; decoding never reads unk (or pad), so the pair stands and decodes as the target alone does."""
+    target, draft = checkpoints("llama"), checkpoints("qwen2", 1)
+    assert (target / "tokenizer.json").read_bytes() == (draft / "tokenizer.json").read_bytes()
+    compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", max_seq_len=64), show_progress=False)
+    decoder = SpeculativeDecoder(tmp_path / "b")
+    ids = decoder.encode(PROMPTS[0])
+    assert decoder.generate(ids, 16, gamma=3).token_ids == decoder.generate(ids, 16, gamma=0).token_ids
+
+
 def test_a_draft_with_padding_rows_is_cut_to_the_targets_vocabulary(checkpoints, tokenizer, tmp_path):
     target = checkpoints("llama")
     vocab = len(tokenizer)

@@ -415,7 +415,7 @@ def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
 
 
 def validate_pair(target: Checkpoint, draft: Checkpoint) -> None:
-    """The draft must speak the target's tokenizer: same token-to-id map and special tokens.
+    """The draft must speak the target's tokenizer: same token-to-id map and the same bos and eos.
 
     Embedding tables may differ in padding rows (Qwen2.5 0.5B has 151936, 7B 152064) as long as
     every token of the shared tokenizer has a row in both.
@@ -445,12 +445,10 @@ def validate_pair(target: Checkpoint, draft: Checkpoint) -> None:
 
 
 def special_tokens(tokenizer) -> dict:
-    return {
-        "bos": tokenizer.bos_token_id,
-        "eos": tokenizer.eos_token_id,
-        "pad": tokenizer.pad_token_id,
-        "unk": tokenizer.unk_token_id,
-    }
+    # Not pad or unk: decoding never reads them, and transformers' tokenizer classes default them differently
+    # for the same files (Qwen2Tokenizer's unk is <|endoftext|>, other families' None), refusing a Qwen2 draft
+    # that shares the target's tokenizer files.
+    return {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id}
 
 
 def eos_token_ids(ckpt: Checkpoint) -> list[int]:
