@@ -281,9 +281,9 @@ def inspect(bundle, as_json) -> None:
 def tensorrt_llm_lines(bundle: Path, part) -> list[str]:
     """The TensorRT-LLM part of a bundle, for people: checkpoints, measured γ, plans, engines."""
     g = part.gamma
-    measured = (f"alpha {g['alpha']:.2f}, cost ratio {g['cost_ratio']:.2f}, expected {g['expected_speedup']:.2f}x"
-                if g["alpha"] is not None else "alpha not measured")
-    lines = [f"TensorRT-LLM checkpoints, tp {part.tp_size}; draft length {g['gamma']} ({measured}; {g['method']})"]
+    how = (f"alpha {g['alpha']:.2f}, cost ratio {g['cost_ratio']:.2f}, expected {g['expected_speedup']:.2f}x; {g['method']}"
+           if g["alpha"] is not None else g["method"])  # unmeasured, the method says so and why
+    lines = [f"TensorRT-LLM checkpoints, tp {part.tp_size}; draft length {g['gamma']} ({how})"]
     for role, c in part.checkpoints.items():
         quant = f", {c['quant_algo']} at build" if c["quant_algo"] else ""
         lines.append(f"{role:<6} {c['dir']}/: {c['architecture']} {c['dtype']}{quant}, {c['parameters'] / 1e6:.2f}M params, "

@@ -230,3 +230,30 @@ def test_gpu_kernels_runs_and_sorts_kernels_by_kind(bundles, tmp_path, monkeypat
              "void AttentionKernel<cutlass::half_t, cutlass::arch::Sm80, true, 64, 64, 64>": "attention",
              "void onnxruntime::contrib::cuda::MatMulFloatInt4Kernel<__half, 32>": "gemm"}
     assert {name: kind(name) for name in names} == names
+
+
+def table_report(peers: list[dict], quantization: str = "none") -> dict:
+    """What format_table reads of a bench report, with made-up figures."""
+    row = {"system": "specbuild", "gamma": 0, "tokens_per_second": 100.0, "speedup": 1.0, "matches_target": True}
+    return {"results": [row], "peers": peers, "device": "cpu", "cuda_graphs": False, "temperature": 0.0,
+            "target_weight_mb": 1.0, "draft_weight_mb": 0.5, "target_call_ms": 1.0, "target_read_mb": 1.0,
+            "target_bandwidth_gbs": 1.0, "machine_bandwidth_gbs": 2.0, "target_bandwidth_fraction": 0.5,
+            "target_only_seconds": 10.0, "target_quantization": quantization}
+
+
+def test_bench_table_keeps_its_columns_for_the_longest_peer_name():
+    from specbuild.bench.bench import format_table
+
+    peers = [{"system": "onnxruntime-genai speculative", "gamma": 2, "tokens_per_second": 90.0, "matches_target": True}]
+    lines = format_table(table_report(peers)).splitlines()
+    gamma_column = lines[0].index("γ")
+    assert lines[2][gamma_column] == "0" and lines[3][gamma_column] == "2", "\n".join(lines)
+
+
+def test_bench_says_when_peers_ran_other_weights_than_a_quantized_bundle():
+    """An int4 bundle against fp32 peers showed `NO` under exact with no word why."""
+    from specbuild.bench.bench import format_table
+
+    peers = [{"system": "transformers", "gamma": 0, "tokens_per_second": 9.0, "matches_target": False}]
+    assert "unquantized source checkpoints" in format_table(table_report(peers, "int4"))
+    assert "unquantized" not in format_table(table_report(peers))

@@ -17,6 +17,7 @@ import transformers as tf
 from safetensors.numpy import load_file, save_file
 
 from conftest import PROMPTS, make_checkpoint
+from specbuild import cli
 from specbuild.compile import compile_bundle, gamma, tensorrt_llm
 from specbuild.compile import tensorrt_llm_reference as reference
 from specbuild.compile.load import load_checkpoint
@@ -269,6 +270,20 @@ def test_a_tensorrt_llm_only_bundle_has_no_onnx_and_the_runtime_refuses_it_in_on
     assert result.returncode == 1 and len(lines) == 1 and "run.sh" in lines[0]
 
 
+def test_alpha_is_measured_for_a_tied_pair_within_the_limit_as_transformers_counts_it(pairs, tmp_path, monkeypatch):
+    """The exported checkpoints write a tied head out as lm_head: counting those, Qwen3-0.6B with a 2-layer
+    draft (0.78B) counted as 1.09B and went unmeasured."""
+    target, draft = pairs("llama3-rope")  # tied embeddings
+    checkpoints = [load_checkpoint(folder, role) for role, folder in (("target", target), ("draft", draft))]
+    model = sum(int(np.prod(c.entries[name].shape)) for c in checkpoints for name in c.weights())
+    monkeypatch.setattr(gamma, "TRANSFORMERS_PARAMETER_LIMIT", model)
+    manifest = compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", max_seq_len=64,
+                                              backend="tensorrt-llm"), show_progress=False)
+    part = manifest.tensorrt_llm
+    assert sum(c["parameters"] for c in part.checkpoints.values()) > model  # the heads written out
+    assert part.gamma["alpha"] is not None and "transformers" in part.gamma["method"]
+
+
 def test_plans_that_serve_the_source_folders_say_they_are_not_quantized(pairs, tmp_path):
     target, draft = pairs("gpt2")
     for quantize in ("none", "int8"):
@@ -280,6 +295,20 @@ def test_plans_that_serve_the_source_folders_say_they_are_not_quantized(pairs, t
             assert ("Not quantized: this bundle's TensorRT-LLM checkpoints ask for the target int8 and the draft int8"
                     in text) == (
                 quantize == "int8"), (plan, text)
+
+
+def test_plans_do_not_call_an_unmeasured_gamma_measured(pairs, tmp_path, monkeypatch):
+    target, draft = pairs("gpt2")
+    monkeypatch.setattr(gamma, "TRANSFORMERS_PARAMETER_LIMIT", 0)  # as for a pair too large to decode here
+    out = tmp_path / "b"
+    manifest = compile_bundle(CompileSettings(target=target, draft=draft, output=out, max_seq_len=64, gamma=6,
+                                              backend="tensorrt-llm"), show_progress=False)
+    assert manifest.tensorrt_llm.gamma["alpha"] is None
+    for plan in ("tensorrt-llm/build.sh", "vllm/serve.sh"):
+        text = (out / plan).read_text()
+        assert "measured" not in text.replace("could not measure", "") and "max gamma" in text, (plan, text)
+    shown = "\n".join(cli.tensorrt_llm_lines(out, manifest.tensorrt_llm))
+    assert shown.count("not measured") == 1, shown
 
 
 def test_compile_runs_the_build_plan_when_trtllm_build_is_on_path(pairs, tmp_path, monkeypatch):

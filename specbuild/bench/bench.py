@@ -265,6 +265,7 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
         "target_bandwidth_gbs": round(achieved, 2),
         "target_bandwidth_fraction": round(achieved / bandwidth, 3),
         "target_only_seconds": round(baseline.decode_seconds, 3),  # every mode decodes the same prompts and tokens
+        "target_quantization": target_info.quantization,
         "results": rows,
     }
     if drafting:
@@ -294,16 +295,18 @@ def graphs_note(report: dict) -> str:
 
 
 def format_table(report: dict) -> str:
-    header = f"{'system':<28}{'γ':>5}{'tok/s':>9}{'speedup':>9}{'α':>7}{'τ':>6}{'theory':>8}{'eff':>6}{'ttft ms':>9}{'itl p50/p95 ms':>16}  exact"
+    rows = report["results"] + report.get("peers", [])
+    width = max(28, *(len(row["system"]) + 1 for row in rows))  # "onnxruntime-genai speculative" ran into γ
+    header = f"{'system':<{width}}{'γ':>5}{'tok/s':>9}{'speedup':>9}{'α':>7}{'τ':>6}{'theory':>8}{'eff':>6}{'ttft ms':>9}{'itl p50/p95 ms':>16}  exact"
     lines = [header, "-" * len(header)]
-    for row in report["results"] + report.get("peers", []):
+    for row in rows:
         def fmt(key, spec):
             value = row.get(key)
             return format(value, spec) if isinstance(value, (int, float)) and value is not None else "-"
         itl = f"{fmt('itl_ms_p50', '.2f')}/{fmt('itl_ms_p95', '.2f')}"
         exact = {True: "yes", False: "NO", None: "-"}[row.get("matches_target")]
         lines.append(
-            f"{row['system']:<28}{str(row['gamma']):>5}{fmt('tokens_per_second', '.1f'):>9}{fmt('speedup', '.2f'):>9}"
+            f"{row['system']:<{width}}{str(row['gamma']):>5}{fmt('tokens_per_second', '.1f'):>9}{fmt('speedup', '.2f'):>9}"
             f"{fmt('acceptance_rate', '.2f'):>7}{fmt('mean_accepted_tokens', '.2f'):>6}{fmt('theoretical_speedup', '.2f'):>8}"
             f"{fmt('efficiency', '.2f'):>6}{fmt('ttft_ms', '.1f'):>9}{itl:>16}  {exact}"
         )
@@ -322,6 +325,11 @@ def format_table(report: dict) -> str:
             f"{f', {per_call} steps a call' if per_call else ''}) and reads the draft's weights at {100 * share:.0f}% of "
             "the measured bandwidth" + ("; the rest of it is per-call cost" if share < 0.95 else "")
         )
+    quantization = report.get("target_quantization", "none")
+    if report.get("peers") and quantization != "none":
+        lines.append(f"note: this bundle's target is {quantization}, the peers ran the unquantized source checkpoints: "
+                     "their exact column and speed-ups compare other weights (compile without --quantize to compare "
+                     "like with like)")
     if report["target_only_seconds"] < SHORT_RUN_SECONDS:
         lines.append(f"note: target-only decoding took {report['target_only_seconds']:.2f} s in all; ratios from a "
                      "run this short are noisy (efficiency above 1, say): give more prompts or a larger -n")

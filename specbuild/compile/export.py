@@ -12,7 +12,6 @@ import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 from tqdm import tqdm
@@ -77,7 +76,7 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
         precision=numerics.precision,
         quantization=numerics.quantization,
         shape=dataclasses.replace(spec.shape, vocab_size=vocab),
-        parameters=sum(int(np.prod(ckpt.entries[name].shape)) for name in ckpt.weights()),
+        parameters=ckpt.parameters(),
         weight_bytes=weight_bytes,
         read_bytes=weight_bytes - gathered,
         source={"path": str(ckpt.path.resolve()), "sha256": digest.result()},

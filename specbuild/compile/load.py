@@ -97,6 +97,10 @@ class Checkpoint:
         lm_head.weight (transformers loads it, then ties the head to the embeddings)."""
         return self.loaded - ({"lm_head.weight"} if self.spec.tie_word_embeddings else set())
 
+    def parameters(self) -> int:
+        """The model's parameters as transformers holds them (a tied head counted once)."""
+        return sum(int(np.prod(self.entries[name].shape)) for name in self.weights())
+
     def entry(self, name: str) -> TensorEntry:
         """The stored dtype and shape of a tensor without reading it."""
         entry = self.entries.get(name)

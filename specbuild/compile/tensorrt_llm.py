@@ -196,7 +196,8 @@ def export_pair(target: Checkpoint, draft: Checkpoint, folder: Path, scratch: Pa
     recommended = measure_gamma(folder, engines, target, draft, checkpoints, max_seq_len, max_gamma)
     quantized = " and ".join(f"the {role} {numerics[role].quantization}" for role in ("target", "draft")
                           if numerics[role].quantization != "none")
-    plans = write_plans(folder, recommended["gamma"], tp, max_seq_len, precision, target, draft, quantized)
+    plans = write_plans(folder, recommended["gamma"], tp, max_seq_len, precision, target, draft, quantized,
+                        measured=recommended["alpha"] is not None)
     built = run_build(folder / plans["build"]) if shutil.which("trtllm-build") else None
     return TensorRTLLMPart(tp_size=tp, checkpoints=checkpoints, plans=plans, gamma=recommended, engines=built)
 
@@ -404,7 +405,9 @@ def measure_gamma(folder: Path, engines: dict[str, EngineInfo], target: Checkpoi
     byte_ratio = checkpoints["draft"]["weight_bytes"] / checkpoints["target"]["weight_bytes"]
     measured = gamma_stage.measure_with_engines(folder, engines, prompt_ids, max_seq_len) if engines else None
     alpha = None
-    if not measured and sum(c["parameters"] for c in checkpoints.values()) <= gamma_stage.TRANSFORMERS_PARAMETER_LIMIT:
+    # The pair as transformers loads it: the exported checkpoints count a tied head twice (lm_head is written
+    # out), which put Qwen3-0.6B with a 2-layer draft (0.78B) over the limit.
+    if not measured and target.parameters() + draft.parameters() <= gamma_stage.TRANSFORMERS_PARAMETER_LIMIT:
         alpha = gamma_stage.measure_with_transformers(target.path, draft.path, prompt_ids, max_seq_len)
     if measured:
         alpha, cost_ratio = measured
@@ -421,18 +424,21 @@ def measure_gamma(folder: Path, engines: dict[str, EngineInfo], target: Checkpoi
 
 
 def write_plans(folder: Path, gamma: int, tp: int, max_seq_len: int, precision: str,
-                target: Checkpoint, draft: Checkpoint, quantized: str = "") -> dict[str, str]:
+                target: Checkpoint, draft: Checkpoint, quantized: str = "", measured: bool = True) -> dict[str, str]:
     """quantized: the quantization the checkpoints ask trtllm-build for ("the target int4 and ..."; ""
-    for none), which the plans that serve the source folders (LLM API, vLLM) do not get."""
+    for none), which the plans that serve the source folders (LLM API, vLLM) do not get. measured: whether α
+    was measured, so that gamma is the pair's own rather than the bundle's max gamma."""
+    origin = ("the gamma specbuild measured for this pair" if measured else
+              "the bundle's max gamma: specbuild could not measure this pair's acceptance, see specbuild inspect")
     unquantized = (f"# Not quantized: this bundle's TensorRT-LLM checkpoints ask for {quantized} (trtllm-build\n"
                    "# quantizes them), but this plan serves the source folders' float weights.\n") if quantized else ""
     plans = {"build": f"{FOLDER}/build.sh", "run": f"{FOLDER}/run.sh", "llm_api": f"{FOLDER}/llm-api.yaml",
              "vllm": VLLM_PLAN}
     texts = {
-        "build": build_script(gamma, max_seq_len, precision),
+        "build": build_script(gamma, max_seq_len, precision, origin),
         "run": run_script(gamma, tp, max_seq_len),
         "llm_api": llm_api_yaml(gamma, tp, target.path.resolve(), draft.path.resolve(), unquantized),
-        "vllm": vllm_script(gamma, tp, max_seq_len, DTYPES[precision][0], target, draft, unquantized),
+        "vllm": vllm_script(gamma, tp, max_seq_len, DTYPES[precision][0], target, draft, unquantized, origin),
     }
     for key, text in texts.items():
         path = folder / plans[key]
@@ -443,7 +449,8 @@ def write_plans(folder: Path, gamma: int, tp: int, max_seq_len: int, precision: 
     return plans
 
 
-def build_script(gamma: int, max_seq_len: int, precision: str) -> str:
+def build_script(gamma: int, max_seq_len: int, precision: str,
+                 origin: str = "the gamma specbuild measured for this pair") -> str:
     """Both trtllm-build commands (examples/draft_target_model/README.md): the target built to verify
     `gamma` external draft tokens per step. --gather_generation_logits on both because examples/
     run_dtm_pld.py asserts it whenever tokens, not logits, decide acceptance."""
@@ -454,7 +461,7 @@ def build_script(gamma: int, max_seq_len: int, precision: str) -> str:
     return f"""#!/usr/bin/env bash
 # Builds this bundle's TensorRT-LLM engines for draft-target speculative decoding (written by specbuild).
 # Needs TensorRT-LLM (trtllm-build) and an NVIDIA GPU. Engines go to engines/draft and engines/target here;
-# the target verifies up to {gamma} draft tokens a step (the gamma specbuild measured for this pair).
+# the target verifies up to {gamma} draft tokens a step ({origin}).
 {note}set -euo pipefail
 cd "$(dirname "$0")"
 MAX_BATCH_SIZE="${{MAX_BATCH_SIZE:-1}}"
@@ -507,7 +514,7 @@ speculative_config:
 
 
 def vllm_script(gamma: int, tp: int, max_seq_len: int, dtype: str, target: Checkpoint, draft: Checkpoint,
-                note: str = "") -> str:
+                note: str = "", origin: str = "the gamma specbuild measured for this pair") -> str:
     """vLLM's draft-model speculation (vllm/config/speculative.py SpeculativeConfig: method "draft_model",
     num_speculative_tokens; docs features/speculative_decoding/draft_model.md). V1 gained it with
     vllm-project/vllm#24322, after v0.13.0 (which still refused draft models)."""
@@ -519,7 +526,7 @@ def vllm_script(gamma: int, tp: int, max_seq_len: int, dtype: str, target: Check
                    "(SpeculativeConfig.verify_equal_vocab_size_if_draft_model) and will refuse them.\n")
     return f"""#!/usr/bin/env bash
 # Serves the pair with vLLM's draft-model speculative decoding (written by specbuild): {gamma} speculative
-# tokens (the gamma specbuild measured), tensor parallelism {tp}, on the source Hugging Face folders.
+# tokens ({origin}), tensor parallelism {tp}, on the source Hugging Face folders.
 # Needs a vLLM release whose --speculative-config takes "method": "draft_model" (after v0.13.0).
 {warning}set -euo pipefail
 exec vllm serve {shlex.quote(str(target.path.resolve()))} --tensor-parallel-size {tp} --dtype {dtype} \\
