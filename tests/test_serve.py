@@ -257,6 +257,8 @@ BAD_REQUESTS = [
     ("chat/completions", b'{"messages": [{"role": "user", "content": "x"}, {"role": "\\ud800", "content": "y"}]}',
      "messages[1].role is not valid UTF-8"),
     ("completions", b'{"prompt": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", "nests JSON too deeply"),
+    ("completions", {"prompt": "x", "top_p": 0.9}, "top_p shapes sampling, and without a temperature"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_k": 5}, "send a temperature too"),
 ]
 
 
@@ -273,11 +275,12 @@ def test_bad_requests_get_400_with_a_message(server, endpoint, body, message):
 
 
 def test_what_clients_send_by_default_asking_for_plain_text_is_accepted_as_if_absent(server, reference):
-    """tool_choice "none", a text response_format, text modalities, parallel_tool_calls, vLLM's top_k -1."""
+    """tool_choice "none", a text response_format, text modalities, parallel_tool_calls, vLLM's top_k -1, top_p 1."""
     chat = {"messages": [{"role": "user", "content": "def f(x):"}], "max_tokens": 8}
     plain = httpx.post(f"{server}/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
     for extra in ({"tool_choice": "none"}, {"response_format": {"type": "text"}}, {"modalities": ["text"]},
-                  {"parallel_tool_calls": True}, {"parallel_tool_calls": False}, {"top_k": -1}):
+                  {"parallel_tool_calls": True}, {"parallel_tool_calls": False}, {"top_k": -1}, {"top_k": 0},
+                  {"top_p": 1}, {"top_p": 1.0, "temperature": 0}):
         reply = httpx.post(f"{server}/v1/chat/completions", json={**chat, **extra})
         assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == plain, (extra, reply.text)
 

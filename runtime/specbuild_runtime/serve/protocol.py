@@ -119,6 +119,14 @@ def parse(endpoint: str, raw: bytes, model: str) -> Request:
     decoding = {name: body[name] for name in DECODING if body.get(name) is not None}
     if type(decoding.get("top_k")) is int and decoding["top_k"] == -1:
         decoding["top_k"] = 0  # vLLM's "no limit", which its clients send
+    # Without a temperature this server decodes greedily (OpenAI samples at 1): a top_p or top_k that asks for
+    # a restriction would be ignored there, so it is refused, as the command line refuses it.
+    # (Values out of range are left to the runtime's checks, which name the range.)
+    top_p, top_k = decoding.get("top_p", 1), decoding.get("top_k", 0)
+    shaping = ["top_p"] * (type(top_p) in (int, float) and 0 < top_p < 1) + ["top_k"] * (type(top_k) is int and top_k > 0)
+    if "temperature" not in decoding and shaping:
+        raise ApiError(400, f"{shaping[0]} shapes sampling, and without a temperature this server decodes greedily "
+                            "(OpenAI's default is 1): send a temperature too, e.g. 1", shaping[0])
     max_tokens = _first_given(body, *(["max_completion_tokens"] if endpoint == CHAT else []), "max_tokens")
     for name in ("max_completion_tokens", "max_tokens") if endpoint == CHAT else ():
         try:  # checked here, where its own name is known (the runtime's errors say max_tokens), both if both given
