@@ -179,12 +179,14 @@ def compile_cmd(recipe, **options) -> None:
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=128, show_default=True, help="Stop after this many new tokens.")
 @click.option("--gamma", type=GammaType(), default="auto", show_default=True,
               help="Draft tokens per round: 'auto' adapts to the draft's acceptance, 0 is the target alone.")
+@click.option("--stop", multiple=True, metavar="TEXT",
+              help="End the output where it would contain TEXT (repeatable, up to 4; as the API's stop strings).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, stats) instead of streaming text.")
 @device_option
 @cuda_graphs_option
 @draft_steps_option
 @sampling_options()
-def generate(bundle, prompt, max_new_tokens, gamma, as_json, device, cuda_graphs, draft_steps, **sampling) -> None:
+def generate(bundle, prompt, max_new_tokens, gamma, stop, as_json, device, cuda_graphs, draft_steps, **sampling) -> None:
     """Continue a prompt with speculative decoding (greedy, or sampling with --temperature)."""
     from specbuild_runtime import SpeculativeDecoder, Stats
 
@@ -192,7 +194,7 @@ def generate(bundle, prompt, max_new_tokens, gamma, as_json, device, cuda_graphs
     decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs,
                                  draft_steps=draft_steps)
     if as_json:
-        result = decoder.generate(prompt, max_new_tokens, gamma, **sampling)
+        result = decoder.generate(prompt, max_new_tokens, gamma, stop=list(stop), **sampling)
         click.echo(json.dumps({
             "text": result.text,
             "token_ids": result.token_ids,
@@ -202,7 +204,7 @@ def generate(bundle, prompt, max_new_tokens, gamma, as_json, device, cuda_graphs
         }))
         return
     stats = Stats()
-    deltas = decoder.stream_text(prompt, max_new_tokens, gamma, stats=stats, **sampling)  # checks the request
+    deltas = decoder.stream_text(prompt, max_new_tokens, gamma, stop=list(stop), stats=stats, **sampling)  # checks the request
     click.echo(prompt, nl=False)
     for delta in deltas:
         click.echo(delta, nl=False)

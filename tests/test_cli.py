@@ -316,3 +316,17 @@ def test_generate_reads_the_prompt_from_stdin_given_a_dash(bundles):
     given = specbuild("generate", bundles("llama", 1), "-p", prompt, "-n", 6, "--json", check=True)
     piped, given = json.loads(piped.stdout), json.loads(given.stdout)
     assert (piped["prompt_token_ids"], piped["token_ids"]) == (given["prompt_token_ids"], given["token_ids"])
+
+
+def test_generate_stop_ends_the_output_where_the_api_stop_string_would(bundles):
+    from specbuild_runtime import SpeculativeDecoder
+
+    bundle, prompt = bundles("llama", 1), "def add(a, b):"
+    full = SpeculativeDecoder(bundle).generate(prompt, 24).text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    expected = SpeculativeDecoder(bundle).generate(prompt, 24, stop=[stop, "never there"]).text
+    assert stop not in expected and len(expected) < len(full)
+    streamed = specbuild("generate", bundle, "-p", prompt, "-n", 24, "--stop", stop, "--stop", "never there", check=True)
+    as_json = json.loads(specbuild("generate", bundle, "-p", prompt, "-n", 24, "--stop", stop, "--json", check=True).stdout)
+    assert streamed.stdout == prompt + expected + "\n" and as_json["text"] == expected
+    assert as_json["stats"]["finish_reason"] == "stop"
