@@ -3,6 +3,7 @@ compare with or learn from."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from specbuild_runtime.errors import DeviceError, first_line
@@ -44,6 +45,7 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
     if not (Path(path) / "config.json").is_file():
         raise CheckpointError(f"{role} checkpoint {path} is not a Hugging Face checkpoint folder (no config.json); "
                               "pass the folder the bundle was compiled from")
+    _check_index(Path(path))
     logging.disable_progress_bar()  # a bar per load on stderr, where a pipeline reads one-line errors
     # and its deprecation notes about its own internals (assisted generation calls the draft's generate in a
     # way it warns about)
@@ -55,6 +57,19 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
         raise CheckpointError(f"{role} checkpoint {path} cannot be loaded from safetensors ({first_line(exc)}); specbuild "
                               "never unpickles weights: re-save it with `save_pretrained(dir, safe_serialization=True)`") from None
     return model.to(device).eval()
+
+
+def _check_index(path: Path) -> None:
+    """transformers reads a shard index's "metadata" without a default (a KeyError, reported as a bug in
+    specbuild); the compiler needs only its weight_map, so such a checkpoint compiles and then fails here."""
+    index = path / "model.safetensors.index.json"
+    try:
+        has_metadata = "metadata" in json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
+        return  # no index, or one transformers refuses with a message of its own
+    if not has_metadata:
+        raise CheckpointError(f"{index} has no \"metadata\", without which transformers cannot load the checkpoint; "
+                              "add \"metadata\": {} to it")
 
 
 def recorded_source(engine, role: str) -> Path:

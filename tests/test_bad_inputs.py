@@ -161,6 +161,16 @@ add_a_config_key = config_edit(lambda config: config.update(edited=True))
 falcon = config_edit(lambda config: config.update(architectures=["FalconForCausalLM"]))
 without_architectures = config_edit(lambda config: config.pop("architectures"))
 pre_quantized = config_edit(lambda config: config.update(quantization_config={"quant_method": "awq", "bits": 4}))
+tied_beside_a_head = config_edit(lambda config: config.update(tie_word_embeddings=True))  # the head stays stored
+
+
+def sentencepiece_only(folder: Path) -> None:
+    """An older Llama 2 or Mistral repo: tokenizer.model, no tokenizer.json (this one is not even a valid model,
+    which changes nothing without the sentencepiece package)."""
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer.model").write_bytes(b"\x0a\x04not a sentencepiece model")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizer"}))
 
 
 def other_tokenizer(paths: dict) -> None:
@@ -342,9 +352,16 @@ CASES = [
     Case("a pre-quantized checkpoint (AWQ, GPTQ, FP8)", compile_args(), 1, "pre-quantized",
          "Pass the fp32, fp16 or bf16 checkpoint; `--quantize int4|int8` quantizes it.",
          setup=a_copy_of("target", pre_quantized)),
+    Case("`tie_word_embeddings: true` beside a stored `lm_head.weight` of other values", compile_args(), 1,
+         "ties the LM head to the embeddings", "Say which head is meant: `\"tie_word_embeddings\": false` keeps the stored "
+         "one, removing `lm_head.weight` keeps the embeddings (transformers 4 and 5 differ here).",
+         setup=a_copy_of("target", tied_beside_a_head)),
     Case("tensors the architecture's graph would not read (a variant not supported)", compile_args(), 1,
          "does not use", "Use a checkpoint of a supported variant (the message names the first tensors left over).",
          setup=gemma_with_biases),
+    Case("a tokenizer only as `tokenizer.model` (sentencepiece), no `tokenizer.json`", compile_args(), 1,
+         "only as tokenizer.model", "`pip install sentencepiece` (transformers converts the file with it), or add the "
+         "model's `tokenizer.json`.", setup=a_copy_of("target", sentencepiece_only)),
     Case("a draft with another tokenizer", compile_args(), 1, "different tokenizers",
          "Use a draft trained with the target's tokenizer (`specbuild distill` makes one).", setup=other_tokenizer),
     Case("truncated `*.safetensors`", compile_args(), 1, "model.safetensors",

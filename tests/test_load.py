@@ -126,3 +126,74 @@ def test_an_eos_id_outside_the_vocabulary_is_refused_at_compile_time(checkpoints
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 10**6]}))
     with pytest.raises(CheckpointError, match="is not a token id"):
         eos_token_ids(load_checkpoint(folder, "target"))
+
+
+@pytest.mark.parametrize("scale", [1.0, -1.5])
+def test_a_tied_config_beside_a_stored_head_of_other_values_is_refused(checkpoints, tmp_path, scale):
+    """transformers 4 ties such a head away, transformers 5 keeps it (and the ONNX graph and the TensorRT-LLM
+    export each followed one): config.json must say which. A stored copy of the embeddings is what tying gives."""
+    from safetensors.numpy import load_file, save_file as save_numpy
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoints("llama3"), folder)
+    weights = folder / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"] * np.float32(scale)
+    save_numpy(tensors, weights, metadata={"format": "pt"})
+    if scale == 1.0:
+        assert load_checkpoint(folder, "target").spec.tie_word_embeddings
+        return
+    with pytest.raises(CheckpointError, match="tie_word_embeddings") as caught:
+        load_checkpoint(folder, "target")
+    assert "lm_head.weight" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_tokenizer_only_in_sentencepiece_form_is_refused_naming_the_file_and_the_package(checkpoints, tmp_path):
+    """Older Llama 2 and Mistral repos ship tokenizer.model without tokenizer.json; without sentencepiece
+    installed transformers cannot convert it, and the refusal said the folder had no tokenizer files."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoints("llama"), folder)
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer.model").write_bytes(b"\x0a\x04not a sentencepiece model")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizer"}))
+    with pytest.raises(CheckpointError, match="tokenizer.model") as caught:
+        load_checkpoint(folder, "target")
+    assert "sentencepiece" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_other_safetensors_beside_model_safetensors_are_not_read(checkpoints, tmp_path):
+    """As transformers reads such a folder: Mistral's repos keep their own format beside it
+    (consolidated.safetensors); a copy of the weights there was refused as a corrupt file."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoints("llama"), folder)
+    shutil.copy(folder / "model.safetensors", folder / "consolidated.safetensors")
+    ckpt = load_checkpoint(folder, "target")
+    assert ckpt.weight_files == [folder / "model.safetensors"]
+
+
+def test_unindexed_shards_holding_a_tensor_twice_are_refused_naming_both_files(sharded):
+    folder, _ = sharded
+    (folder / "model.safetensors.index.json").unlink()
+    shutil.copy(folder / "model-00001-of-00002.safetensors", folder / "backup.safetensors")
+    with pytest.raises(CheckpointError, match="both hold tensor") as caught:
+        load_checkpoint(folder, "target")
+    message = str(caught.value)
+    assert "backup.safetensors" in message and "model-00001-of-00002.safetensors" in message
+    assert "corrupt" not in message and "\n" not in message
+
+
+def test_an_index_without_metadata_is_refused_by_the_transformers_reference_in_one_line(sharded):
+    """The compiler reads only the weight_map; transformers raised a KeyError (verify and bench called it a
+    bug in specbuild). With the line's fix it loads."""
+    from specbuild.reference import load_reference
+
+    folder, _ = sharded
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": json.loads(index.read_text())["weight_map"]}))
+    load_checkpoint(folder, "target")
+    with pytest.raises(CheckpointError, match='"metadata": {}') as caught:
+        load_reference(folder)
+    assert "\n" not in str(caught.value)
+    index.write_text(json.dumps({"metadata": {}, "weight_map": json.loads(index.read_text())["weight_map"]}))
+    load_reference(folder)

@@ -691,3 +691,16 @@ def test_a_chat_template_failing_on_the_messages_sent_is_a_request_error():
     template = ChatTemplate("{% for m in messages %}{{ m['content'] + 1 }}{% endfor %}", {})
     with pytest.raises(RequestError, match=r"the chat template failed on these messages \(TypeError"):
         template.render([{"role": "user", "content": "x"}])
+
+
+def test_a_template_marking_assistant_turns_for_training_renders_as_transformers_renders_it(tokenizer):
+    """`{% generation %}` (transformers' AssistantTracker tag) made the template fail to compile, and serve
+    refused to start on the bundle."""
+    from specbuild_runtime.serve.chat import ChatTemplate
+
+    source = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}A: {{ m['content'] }}"
+              "{{ eos_token }}{% endgeneration %}{% else %}U: {{ m['content'] }}\n{% endif %}{% endfor %}"
+              "{% if add_generation_prompt %}A:{% endif %}")
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "x"}]
+    expected = tokenizer.apply_chat_template(turns, chat_template=source, tokenize=False, add_generation_prompt=True)
+    assert ChatTemplate(source, {"eos_token": tokenizer.eos_token}).render(turns) == expected

@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import struct
+from importlib.util import find_spec
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,7 +204,32 @@ def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
         raise UnsupportedModelError(f"{role} checkpoint {path}: config.json (model_type {raw.get('model_type')!r}) has "
                                     f"no {exc.name!r}, which a {architecture} needs; use the config.json of the "
                                     "text model these weights belong to") from None
-    return Checkpoint(path, spec, config, tokenizer, weight_files, entries, loaded)
+    ckpt = Checkpoint(path, spec, config, tokenizer, weight_files, entries, loaded)
+    _check_tied_head(ckpt, role)
+    return ckpt
+
+
+def _check_tied_head(ckpt: Checkpoint, role: str) -> None:
+    """CheckpointError where config.json ties the LM head to the embeddings but the checkpoint also stores an
+    lm_head.weight of other values. transformers 4 then ties (the stored head is dropped), transformers 5 does
+    not (it keeps the stored head), and the engines would follow neither for sure (the ONNX graph reads the
+    embeddings, the TensorRT-LLM export the stored head): config.json must say which."""
+    if not ckpt.spec.tie_word_embeddings or "lm_head.weight" not in ckpt.loaded:
+        return
+    embed = "transformer.wte.weight" if ckpt.spec.family == "gpt2" else "model.embed_tokens.weight"
+    embed = embed if embed in ckpt.entries else embed.split(".", 1)[1]
+    rows = ckpt.entry("lm_head.weight").shape[0]
+    for start in range(0, rows, 4096):  # a few MB at a time, not a second copy of the table
+        stop = min(start + 4096, rows)
+        a, b = ckpt.tensor("lm_head.weight", (start, stop)), ckpt.tensor(embed, (start, stop))
+        same = ((a.view(np.uint8) == b.view(np.uint8)).all() if a.dtype == b.dtype
+                else np.array_equal(a.astype(np.float32), b.astype(np.float32)))
+        if not same:
+            raise CheckpointError(
+                f"{role} checkpoint {ckpt.path}: config.json ties the LM head to the embeddings "
+                "(tie_word_embeddings) but the weights hold an lm_head.weight with other values, which transformers "
+                "4 ignores and transformers 5 uses; set \"tie_word_embeddings\": false in config.json to use it, or "
+                "remove lm_head.weight from the weights to use the embeddings")
 
 
 def check_architecture(architecture: str, what: str, config: dict | None = None) -> None:
@@ -223,7 +249,8 @@ def _kind(architecture: str, config: dict) -> str:
 
 
 def _weight_files(path: Path, role: str) -> list[Path]:
-    """The shards model.safetensors.index.json names, or else every *.safetensors in the folder."""
+    """The shards model.safetensors.index.json names, or else model.safetensors, or else every *.safetensors in
+    the folder."""
     index = path / INDEX
     if index.is_file():
         try:
@@ -235,6 +262,10 @@ def _weight_files(path: Path, role: str) -> list[Path]:
         if missing:
             raise CheckpointError(f"{index} names {missing[0]}, which is not in {path}; the download is incomplete")
         return [path / n for n in names]
+    if (path / "model.safetensors").is_file():
+        # Alone, as transformers reads it: Mistral's repos keep their own format beside it
+        # (consolidated.safetensors), others an adapter or a copy in another dtype.
+        return [path / "model.safetensors"]
     files = sorted(p for p in path.glob("*.safetensors") if p.is_file())
     if files:
         return files
@@ -270,8 +301,10 @@ def _entries(files: list[Path], folder: Path) -> dict[str, TensorEntry]:
                 shape = tuple(int(d) for d in info["shape"])
                 if end - begin != dtype.itemsize * math.prod(shape) or end > size:
                     raise ValueError(f"tensor {name!r} needs bytes {begin}..{end}, the file has {size}")
-                if name in entries:
-                    raise ValueError(f"tensor {name!r} is also in {entries[name].file.name}")
+                if name in entries:  # two copies of the weights (no index says which files are the checkpoint's)
+                    raise CheckpointError(f"{file.name} and {entries[name].file.name} in {folder} both hold tensor "
+                                          f"{name!r}; move the files that are not this checkpoint's weights out of "
+                                          f"the folder (or add the checkpoint's {INDEX})")
                 entries[name] = TensorEntry(file, dtype, shape, begin, end)
         except (struct.error, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{file} is truncated or corrupt (unreadable header: {type(exc).__name__}); "
@@ -326,7 +359,19 @@ def _load_tokenizer(path: Path, role: str):
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
-    except Exception:  # transformers raises many types for missing or broken tokenizer files
+    except Exception as exc:  # transformers raises many types for missing or broken tokenizer files
+        if (path / "tokenizer.model").is_file() and not (path / "tokenizer.json").is_file():
+            # Older Llama 2 and Mistral repos: transformers converts the sentencepiece model with the
+            # sentencepiece package, which specbuild does not install (without it transformers tries tiktoken
+            # and says to install that).
+            if find_spec("sentencepiece"):
+                why = (f"which transformers could not convert ({type(exc).__name__}: {first_line(exc)}); download it "
+                       "again")
+            else:
+                why = ("which transformers converts with the sentencepiece package, not installed here; `pip install "
+                       "sentencepiece` and compile again")
+            raise CheckpointError(f"{role} checkpoint {path} has its tokenizer only as tokenizer.model (sentencepiece), "
+                                  f"{why}, or add the tokenizer.json of the model's repository") from None
         raise CheckpointError(
             f"{role} checkpoint {path} has no usable tokenizer; it needs tokenizer.json "
             "or the tokenizer files its tokenizer_config.json names"

@@ -29,7 +29,8 @@ class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str]):
         self.source = source
         self.special_tokens = special_tokens
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -55,6 +56,22 @@ class ChatTemplate:
                                f"{first_line(exc)}); send the fields it expects") from None
         utf8("the prompt rendered from 'messages'", text)  # any other field a template shows (a name, tool calls)
         return text
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`, which templates made for training put around the assistant's
+    turns: transformers' AssistantTracker parses it (to mark those tokens) and renders the body unchanged;
+    without it such a template does not compile here."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller) -> str:
+        return caller()
 
 
 def load_chat_template(tokenizer_dir: Path) -> ChatTemplate | None:
