@@ -319,7 +319,8 @@ def quality_line(q: dict) -> str:
 
 @cli.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--target", required=True, type=folder_path, help="The target checkpoint the bundle was built from.")
+@click.option("--target", type=folder_path, help="The target checkpoint the bundle was built from.  [default: the folder "
+              "the manifest records, if its files are unchanged]")
 @click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help='JSONL file, one {"prompt": "..."} per line.')
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=64, show_default=True,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from .compile.load import checkpoint_digest
 from .errors import CheckpointError
-from .reference import load_reference, transformers_greedy
+from .reference import load_reference, recorded_source, transformers_greedy
 from .texts import read_prompts
 
 
@@ -17,10 +17,11 @@ def first_difference(ours: list[int], theirs: list[int]) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
 
 
-def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens: int, gamma: int | str,
+def verify_bundle(bundle: Path, target: Path | None, prompts_file: Path, max_new_tokens: int, gamma: int | str,
                   device: str = "cpu", cuda_graphs: bool | None = None, draft_steps: bool | None = None) -> dict:
     """The bundle against transformers on the same device, in the target engine's float type (a quantized
-    engine's too), on every prompt. `divergences` lists each prompt that differs (`divergence` is the
+    engine's too), on every prompt; target None: the checkpoint the manifest records, if unchanged
+    (reference.recorded_source). `divergences` lists each prompt that differs (`divergence` is the
     first). In half precision each also says where, on that prompt, the bundle and transformers in that
     precision each leave transformers fp32's output: rounding noise diverges late and alike, a bug early."""
     from specbuild_runtime import SpeculativeDecoder
@@ -34,6 +35,7 @@ def verify_bundle(bundle: Path, target: Path, prompts_file: Path, max_new_tokens
             raise CheckpointError(f"prompt {index + 1} of {prompts_file} has {len(prompt_ids)} tokens, which fill the "
                                   f"bundle's context of {decoder.max_seq_len}; shorten it")
     engine = decoder.manifest.engines["target"]
+    target = target or recorded_source(engine, "target")
     precision = engine.precision
     model = load_reference(target, device=decoder.device, precision=precision)
     rows = model.get_input_embeddings().num_embeddings

@@ -59,6 +59,20 @@ def test_verify_reports_identical_and_exits_nonzero_on_divergence(bundles, check
     assert bad["status"] == 1 and "DIVERGED on prompt 1 (" in bad["stdout"]
 
 
+def test_verify_without_target_checks_against_the_checkpoint_the_manifest_records(checkpoints, tmp_path, cli):
+    prompts, target, bundle = tmp_path / "prompts.jsonl", tmp_path / "target", tmp_path / "bundle"
+    prompts.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n")
+    shutil.copytree(checkpoints("llama"), target)
+    args = ["verify", str(bundle), "--prompts", str(prompts), "-n", "8"]
+    built, ok = cli.run([["compile", "--target", str(target), "--draft", str(checkpoints("llama", 1)), "-o", str(bundle),
+                          "--max-seq-len", "64", "--no-quality-report"], args])
+    assert built["status"] == 0 and ok["status"] == 0 and ok["stdout"].startswith("identical"), (built, ok)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "edited": True}))
+    changed = cli.run([args])[0]
+    assert changed["status"] == 1 and "changed since (sha256 differs)" in changed["stderr"], changed
+
+
 def test_verify_holds_transformers_to_the_bundles_context_and_checks_every_prompt_first(bundles, checkpoints,
                                                                                          tmp_path, cli):
     from specbuild_runtime import SpeculativeDecoder
