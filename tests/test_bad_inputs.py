@@ -422,6 +422,8 @@ CASES = [
          "Save the file as UTF-8.", setup=write_file("prompts", b'{"prompt": "\xff"}\n')),
     Case("`serve --host` with an empty or over-long name label (`127.0.0..1`)", ["serve", "{bundle}", "--host", "127.0.0..1"],
          1, "cannot listen on 127.0.0..1", "Give an address or a host name this machine has (checked before loading)."),
+    Case("`serve --api-key` with spaces around it or characters beyond ASCII", ["serve", "{bundle}", "--api-key", " key"],
+         2, "printable ASCII", "Give the key as clients send it in their `Authorization: Bearer` header."),
     Case("a prompts file with a `\\ud83d` escape (half of a surrogate pair, e.g. a cut emoji)",
          ["bench", "{bundle}", "--prompts", "{prompts}", "-n", "4"], 1, "is not valid UTF-8",
          "Escape both halves of the pair (`\\ud83d\\ude00`) or write the character itself.",

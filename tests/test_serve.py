@@ -704,3 +704,17 @@ def test_a_template_marking_assistant_turns_for_training_renders_as_transformers
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "x"}]
     expected = tokenizer.apply_chat_template(turns, chat_template=source, tokenize=False, add_generation_prompt=True)
     assert ChatTemplate(source, {"eos_token": tokenizer.eos_token}).render(turns) == expected
+
+
+def test_an_api_key_guards_the_v1_routes_and_leaves_health_and_metrics_open(bundle):
+    with in_process(bundle, api_key="s3cret") as (url, decoder, _):
+        decoder.go.set()
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        wrong = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer s3cre"})
+        assert wrong.status_code == 401 and "a valid API key is required" in wrong.json()["error"]["message"]
+        assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/metrics").status_code == 200
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        reply = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=4)
+        assert reply.choices[0].finish_reason == "length"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0).models.list()

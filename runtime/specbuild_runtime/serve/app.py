@@ -10,6 +10,7 @@ ran past the timeout, 500 for a bug (logged with its traceback).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -45,6 +47,7 @@ class Settings:
     timeout: float | None = 600.0  # seconds from arrival to the last token; None: no limit
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
     max_connections: int = 1024  # open connections (and requests) at once; more get 503
+    api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1 routes; None: open
 
 
 class Server:
@@ -68,6 +71,7 @@ class Server:
             ],
             exception_handlers={HTTPException: _http_error, Exception: _internal_error},
             lifespan=self._lifespan,
+            middleware=[Middleware(RequireApiKey, key=settings.api_key)] if settings.api_key else [],
         )
 
     def http_server(self, host: str, port: int, log_level: str = "info") -> Uvicorn:
@@ -217,6 +221,24 @@ class Server:
             error = _as_api_error(exc)
             self.metrics.outcome(endpoint, OUTCOMES.get(error.status, "error"))
         return JSONResponse(error.body(), error.status, headers=error.headers)
+
+
+class RequireApiKey:
+    """401 for a /v1 request without "Authorization: Bearer KEY", as vLLM's --api-key answers it; /health and
+    /metrics stay open to probes and scrapers."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):  # in constant time: no key guessed byte by byte
+                error = ApiError(401, "a valid API key is required: send the header 'Authorization: Bearer KEY' "
+                                      "(the openai client's api_key)")
+                await JSONResponse(error.body(), 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 OUTCOMES = {400: "invalid", 404: "invalid", 413: "invalid", 429: "rejected", 503: "shutdown"}

@@ -62,11 +62,14 @@ draft_steps_option = click.option(
 @click.option("--max-connections", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Open connections at once; more get 503 (slow or idle clients cannot exhaust the server's files).")
 @click.option("--model-name", help="The model name clients send and /v1/models lists.  [default: the bundle folder's name]")
+@click.option("--api-key", envvar="SPECBUILD_API_KEY", callback=lambda ctx, param, value: _api_key(value),
+              help="Require this key on /v1 routes ('Authorization: Bearer KEY', the openai client's api_key); "
+                   "/health and /metrics stay open.  [default: $SPECBUILD_API_KEY, else none]")
 @click.option("--check-digests/--no-check-digests", default=True, show_default=True,
               help="Hash every bundle file at start against the manifest (~1.2 GB/s: 13 s for an 8B fp16 bundle); "
                    "skip it for a bundle checked where it was deployed (specbuild inspect checks them).")
 def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel, threads, max_queue, timeout,
-                  shutdown_timeout, max_connections, model_name, check_digests) -> None:
+                  shutdown_timeout, max_connections, model_name, api_key, check_digests) -> None:
     """Serve a bundle over the OpenAI HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     from ..decode import SpeculativeDecoder
     from ..engine import use_shared_thread_pool
@@ -82,7 +85,8 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
     decoder = SpeculativeDecoder(bundle, device=device, parallel=parallel, shared_thread_pool=True, cuda_graphs=cuda_graphs,
                                  draft_steps=draft_steps, check_digests=check_digests)
     settings = Settings(model=model_name or Path(bundle).resolve().name, max_queue=max_queue,
-                        timeout=timeout or None, shutdown_timeout=shutdown_timeout, max_connections=max_connections)
+                        timeout=timeout or None, shutdown_timeout=shutdown_timeout, max_connections=max_connections,
+                        api_key=api_key)
     server = Server(decoder, settings)
     if decoder.target.captures:
         click.echo(f"capturing CUDA graphs on {parallel} slot(s) before serving...", err=True)
@@ -93,6 +97,13 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
     click.echo(f"serving {settings.model!r} from {bundle} on http://{where}:{listener.getsockname()[1]}: "
                f"{parallel} slot(s), queue {max_queue}", err=True)
     server.http_server(host, port).run(sockets=[listener])
+
+
+def _api_key(value: str | None) -> str | None:
+    """The key as an HTTP header carries it: printable ASCII (a client could not send another)."""
+    if value is not None and not (value and value.isascii() and value.isprintable() and value.strip() == value):
+        raise click.BadParameter("must be printable ASCII without leading or trailing spaces", param_hint="--api-key")
+    return value
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -46,7 +46,7 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "co
 class ApiError(Exception):
     """An error answered as OpenAI answers them: {"error": {"message", "type", "param", "code"}}."""
 
-    TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
              413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable",
              504: "timeout"}
 
