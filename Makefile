@@ -1,6 +1,7 @@
 # Every target sets up its own environment in .venv on first use.
 PYTHON ?= python3
 VENV := .venv
+TORCH_INDEX ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
@@ -16,8 +17,10 @@ test: $(STAMP)
 $(STAMP): pyproject.toml runtime/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# The CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
+	# torch (the compiler's, never the runtime's) first, pinned: an unpinned torch pulls a multi-GB CUDA build.
+	# Here 2.13.0 resolves to a CPU build from local wheels; on public PyPI it is a CUDA build too, so set
+	# TORCH_INDEX=https://download.pytorch.org/whl/cpu there (make TORCH_INDEX=... test).
+	$(BIN)/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install -q -e "./runtime[serve]" -e ".[test]"
 	touch $(STAMP)
 
