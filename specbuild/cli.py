@@ -169,8 +169,21 @@ def compile_cmd(recipe, **options) -> None:
     click.echo(f"wrote {settings.output}: max gamma {manifest.gamma}, max-seq-len {manifest.max_seq_len}")
     for role, e in manifest.engines.items():
         click.echo(f"  {role} {e.architecture} {e.parameters / 1e6:.1f}M params, ONNX {e.precision} quant={e.quantization}")
+    if manifest.engines:
+        click.echo(f"  on cuda: {cuda_line(manifest)}")
     if manifest.tensorrt_llm:
         click.echo("  " + "\n  ".join(tensorrt_llm_lines(settings.output, manifest.tensorrt_llm)))
+
+
+def cuda_line(manifest) -> str:
+    """How the bundle's engines run on CUDA by default, with what to change for a GPU when they run badly there."""
+    from specbuild_runtime.decode import uncaptured_because
+
+    because = uncaptured_because(manifest)
+    if not because:
+        return "CUDA graphs by default (--no-cuda-graphs: uncaptured)"
+    advice = "; for a GPU compile with --precision fp16 or bf16" if "fp32" in because else ""
+    return f"uncaptured by default: {because}{advice}"
 
 
 @cli.command()
@@ -269,13 +282,9 @@ def inspect(bundle, as_json) -> None:
         if e.quality:
             click.echo(f"{'':<10} quality vs fp32: {quality_line(e.quality)}")
     if manifest.engines:
-        from specbuild_runtime.decode import uncaptured_because
-
         click.echo(f"{'sampler':<10} " + (f"{manifest.sampler_file} (how the greedy-only graphs sample)" if manifest.sampler_file
                                           else "none: compiled before it (CUDA graphs need a recompile)"))
-        because = uncaptured_because(manifest)
-        click.echo(f"{'on cuda':<10} " + (f"uncaptured by default: {because}" if because
-                                          else "CUDA graphs by default (--no-cuda-graphs: uncaptured)"))
+        click.echo(f"{'on cuda':<10} {cuda_line(manifest)}")
     if manifest.tensorrt_llm:
         click.echo("\n".join(f"{'tensorrt':<10} {line}" for line in tensorrt_llm_lines(bundle, manifest.tensorrt_llm)))
 

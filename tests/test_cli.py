@@ -48,6 +48,9 @@ def test_compile_generate_inspect_round_trip(checkpoints, tmp_path, cli):
     assert json.loads(target_only["stdout"])["token_ids"] == result["token_ids"]
     assert "Qwen2ForCausalLM" in shown["stdout"] and "max-seq-len 128" in shown["stdout"]
     assert "uncaptured by default: the target is fp32" in shown["stdout"]
+    # An fp32 build runs attention on the CPU on a GPU: compile says so where the choice is made, with the fix.
+    assert "on cuda: uncaptured by default: the target is fp32" in compiled["stdout"]
+    assert "for a GPU compile with --precision fp16 or bf16" in compiled["stdout"]
 
 
 def test_verify_reports_identical_and_exits_nonzero_on_divergence(bundles, checkpoints, tmp_path, cli):
