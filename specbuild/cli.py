@@ -192,6 +192,8 @@ def cuda_line(manifest) -> str:
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=128, show_default=True, help="Stop after this many new tokens.")
 @click.option("--gamma", type=GammaType(), default="auto", show_default=True,
               help="Draft tokens per round: 'auto' adapts to the draft's acceptance, 0 is the target alone.")
+@click.option("--chat", is_flag=True, help="Send the prompt as a user message in the bundle's chat template (as serve's "
+              "/v1/chat/completions renders it) and print the reply alone.")
 @click.option("--stop", multiple=True, metavar="TEXT",
               help="End the output where it would contain TEXT (repeatable, up to 4; as the API's stop strings).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, stats) instead of streaming text.")
@@ -199,13 +201,17 @@ def cuda_line(manifest) -> str:
 @cuda_graphs_option
 @draft_steps_option
 @sampling_options()
-def generate(bundle, prompt, max_new_tokens, gamma, stop, as_json, device, cuda_graphs, draft_steps, **sampling) -> None:
+def generate(bundle, prompt, max_new_tokens, gamma, chat, stop, as_json, device, cuda_graphs, draft_steps,
+             **sampling) -> None:
     """Continue a prompt with speculative decoding (greedy, or sampling with --temperature)."""
     from specbuild_runtime import SpeculativeDecoder, Stats
 
     check_sampling(sampling)
     decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs,
                                  draft_steps=draft_steps)
+    shown = prompt
+    if chat:
+        prompt, shown = chat_prompt(decoder, prompt), ""
     if as_json:
         result = decoder.generate(prompt, max_new_tokens, gamma, stop=list(stop), **sampling)
         click.echo(json.dumps({
@@ -218,11 +224,26 @@ def generate(bundle, prompt, max_new_tokens, gamma, stop, as_json, device, cuda_
         return
     stats = Stats()
     deltas = decoder.stream_text(prompt, max_new_tokens, gamma, stop=list(stop), stats=stats, **sampling)  # checks the request
-    click.echo(prompt, nl=False)
+    click.echo(shown, nl=False)
     for delta in deltas:
         click.echo(delta, nl=False)
     click.echo()
     click.echo(_stats_line(stats, gamma), err=True)
+
+
+def chat_prompt(decoder, text: str) -> list[int]:
+    """text as one user message in the bundle's chat template, as token ids."""
+    from specbuild_runtime.manifest import TOKENIZER_DIR
+
+    try:
+        from specbuild_runtime.serve.chat import load_chat_template
+    except ImportError as exc:  # jinja2, in the runtime's serve extra
+        raise click.UsageError(f"--chat renders the chat template with jinja2 ({exc}): pip install "
+                               "'specbuild-runtime[serve]'") from None
+    template = load_chat_template(decoder.root / TOKENIZER_DIR)
+    if template is None:
+        raise click.UsageError("this bundle's tokenizer has no chat template; give the prompt as text, without --chat")
+    return template.prompt_ids(decoder.tokenizer, [{"role": "user", "content": text}])
 
 
 def _token(token: int | None) -> str:

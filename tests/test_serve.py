@@ -718,3 +718,17 @@ def test_an_api_key_guards_the_v1_routes_and_leaves_health_and_metrics_open(bund
         assert reply.choices[0].finish_reason == "length"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0).models.list()
+
+
+def test_generate_chat_sends_the_prompt_as_serve_chat_renders_it(server, bundle, bundles):
+    """`specbuild generate --chat`: one user message in the bundle's template, the reply alone, the tokens of the
+    server's chat completion for the same message."""
+    served = httpx.post(f"{server}/v1/chat/completions",
+                        json={"messages": [{"role": "user", "content": "Write fib"}], "max_tokens": 8}).json()
+    run = subprocess.run([sys.executable, "-m", "specbuild", "generate", str(bundle), "-p", "Write fib", "--chat", "-n", "8",
+                          "--json"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["text"] == served["choices"][0]["message"]["content"]
+    plain = subprocess.run([sys.executable, "-m", "specbuild", "generate", str(bundles("llama", 1)), "-p", "x", "--chat"],
+                           capture_output=True, text=True)
+    assert plain.returncode == 2 and "has no chat template" in plain.stderr

@@ -163,8 +163,7 @@ class Server:
             if self.chat_template is None:
                 raise ApiError(400, "this model's bundle has no chat template (its tokenizer has none): "
                                     "use /v1/completions with a prompt", "messages")
-            # Special tokens come from the template's text, as transformers' apply_chat_template encodes it.
-            prompt = decoder.tokenizer.encode(self.chat_template.render(request.messages), add_special_tokens=False).ids
+            prompt = self.chat_template.prompt_ids(decoder.tokenizer, request.messages)
         max_tokens = request.max_tokens
         if max_tokens is None:  # until the context is full (the last token needs no room in the cache)
             max_tokens = max(1, decoder.max_seq_len - len(prompt) + 1)

@@ -57,6 +57,11 @@ class ChatTemplate:
         utf8("the prompt rendered from 'messages'", text)  # any other field a template shows (a name, tool calls)
         return text
 
+    def prompt_ids(self, tokenizer, messages: list[dict]) -> list[int]:
+        """The rendered prompt's token ids (a `tokenizers.Tokenizer`): special tokens come from the template's
+        text, as transformers' apply_chat_template encodes it, none added."""
+        return tokenizer.encode(self.render(messages), add_special_tokens=False).ids
+
 
 class _GenerationBlock(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}`, which templates made for training put around the assistant's
