@@ -30,6 +30,7 @@ BAD = [  # (what, request fields, words the message must contain)
     ("token id = vocabulary size", dict(prompt=[V]), f"[0, {V})"),
     ("float token id", dict(prompt=[1, 2.0]), "whole numbers"),
     ("bool token id", dict(prompt=[True]), "whole numbers"),
+    ("a batch of prompts, as vLLM takes them", dict(prompt=["def f():", "import os"]), "a call decodes one prompt"),
     ("bytes prompt", dict(prompt=b"abc"), "not bytes"),
     ("2-D NumPy prompt", dict(prompt=np.ones((1, 3), np.int64)), "1-D"),
     ("float NumPy prompt", dict(prompt=np.ones(3)), "integer"),

@@ -114,8 +114,10 @@ def prompt_token_ids(prompt: Prompt, encode: Callable[[str], list[int]], vocab_s
         ids = list(prompt)
         for index, token in enumerate(ids):
             if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
+                batch = ("; a call decodes one prompt: for several at once, call from threads (decoder with parallel "
+                         "slots, see Threads in the README)" if isinstance(token, (str, list, tuple)) else "")
                 raise RequestError(f"prompt token ids must be whole numbers; item {index} is {token!r} "
-                                   f"({type(token).__name__})")
+                                   f"({type(token).__name__}){batch}")
         ids = [int(token) for token in ids]
     else:
         raise RequestError(f"a prompt is text (str) or a list of token ids, not {type(prompt).__name__}")
