@@ -197,3 +197,15 @@ def test_an_index_without_metadata_is_refused_by_the_transformers_reference_in_o
     assert "\n" not in str(caught.value)
     index.write_text(json.dumps({"metadata": {}, "weight_map": json.loads(index.read_text())["weight_map"]}))
     load_reference(folder)
+
+
+@pytest.mark.parametrize("value", [{"quant_method": "gptq", "bits": 4}, "fp8", []])
+def test_a_quantization_config_of_any_form_is_refused_as_pre_quantized(checkpoints, tmp_path, value):
+    from specbuild.errors import UnsupportedModelError
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoints("llama"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": value}))
+    with pytest.raises(UnsupportedModelError, match="is pre-quantized"):
+        load_checkpoint(folder, "target")

@@ -188,9 +188,10 @@ def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
                                     f"{', '.join(sorted(ARCHITECTURES))})")
     architecture = raw["architectures"][0]
     check_architecture(architecture, f"{role} checkpoint {path}", raw)
-    if isinstance(quantized := raw.get("quantization_config"), dict):
+    if (quantized := raw.get("quantization_config")) is not None:  # any value: transformers would quantize by it
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else None
         raise UnsupportedModelError(
-            f"{role} checkpoint {path} is pre-quantized ({quantized.get('quant_method', 'quantization_config')}); "
+            f"{role} checkpoint {path} is pre-quantized ({method or 'quantization_config'}); "
             "specbuild reads fp32, fp16 and bf16 checkpoints and quantizes them itself (--quantize int4|int8): "
             "pass the unquantized checkpoint")
     weight_files = _weight_files(path, role)
