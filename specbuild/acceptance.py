@@ -7,23 +7,27 @@ from specbuild_runtime.policy import expected_tokens_per_call  # the runtime's a
 __all__ = ["expected_tokens_per_call", "rounds", "theoretical_speedup"]
 
 
-def rounds(agreement: list[bool], gamma: int) -> tuple[int, int]:
-    """(accepted, drafted) when greedy speculative decoding produces these tokens.
+def rounds(agreement: list[bool], gamma: int, new_tokens: int | None = None, end: int | None = None) -> tuple[int, int]:
+    """(accepted, drafted) as the runtime counts them (bench's and generate's α) when greedy speculative
+    decoding produces a target continuation of new_tokens (None: len(agreement)) whose first eos is token
+    end - 1 (None: none).
 
-    agreement[i] says whether the draft's greedy choice equals the target's token i given the
-    target's earlier tokens. A round at position p drafts min(gamma, remaining - 1) tokens (the
-    target always adds one token of its own), accepts the leading agreements, and the next round
-    starts after the accepted tokens and the target's own token.
+    agreement[i] says whether the draft's greedy choice equals the target's token i given the target's
+    earlier tokens. Token 0 comes from the target's prompt pass, which no draft precedes. A round drafts
+    min(gamma, tokens left - 1) tokens (the target always adds one of its own), accepts the leading
+    agreements, and the next round starts after them and the target's token; the runtime learns of an eos
+    only when the target emits it, so the round that does still counts the drafts it accepted past it.
     """
-    accepted = drafted = position = 0
-    while position < len(agreement):
-        draft_length = min(gamma, len(agreement) - position - 1)
+    new_tokens = len(agreement) if new_tokens is None else new_tokens
+    end = len(agreement) if end is None else end
+    accepted = drafted = 0
+    produced = 1  # the prompt pass's token
+    while produced < end:
+        draft_length = min(gamma, new_tokens - produced - 1)
         run = 0
-        while run < draft_length and agreement[position + run]:
+        while run < draft_length and produced + run < len(agreement) and agreement[produced + run]:
             run += 1
-        accepted += run
-        drafted += draft_length
-        position += run + 1
+        accepted, drafted, produced = accepted + run, drafted + draft_length, produced + run + 1
     return accepted, drafted
 
 

@@ -33,7 +33,7 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
     code; on device ("cpu" or "cuda") in precision (fp32, fp16 or bf16). fp32 on CUDA computes fp32 (TF32
     off, as the runtime's fp32 engines run), which switches TF32 off for the whole process."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.utils import logging
 
     if device == "cuda":
@@ -56,6 +56,12 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{role} checkpoint {path} cannot be loaded from safetensors ({first_line(exc)}); specbuild "
                               "never unpickles weights: re-save it with `save_pretrained(dir, safe_serialization=True)`") from None
+    # The model as the runtime decodes it: greedy or sampled from its own distribution, none of the logits
+    # processors its generation_config may ask for (repetition_penalty, no_repeat_ngram_size, top_k, ...),
+    # which generate() applies for every setting a call leaves unset. Its special token ids stay.
+    own = model.generation_config
+    model.generation_config = GenerationConfig(bos_token_id=own.bos_token_id, eos_token_id=own.eos_token_id,
+                                               pad_token_id=own.pad_token_id)
     return model.to(device).eval()
 
 

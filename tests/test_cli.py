@@ -76,6 +76,21 @@ def test_verify_without_target_checks_against_the_checkpoint_the_manifest_record
     assert changed["status"] == 1 and "changed since (sha256 differs)" in changed["stderr"], changed
 
 
+def test_verify_decodes_transformers_plainly_whatever_the_generation_config_asks(checkpoints, tmp_path, cli):
+    """Instruct checkpoints ship repetition penalties in generation_config.json, which generate() applies unless
+    told otherwise; the runtime decodes the model's plain greedy choices, and so must its reference."""
+    prompts, target = tmp_path / "prompts.jsonl", tmp_path / "target"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
+    shutil.copytree(checkpoints("llama"), target)
+    generation = json.loads((target / "generation_config.json").read_text()) if (target / "generation_config.json").exists() else {}
+    (target / "generation_config.json").write_text(json.dumps({**generation, "repetition_penalty": 1.3,
+                                                               "no_repeat_ngram_size": 3}))
+    built, verified = cli.run([["compile", "--target", str(target), "--draft", str(checkpoints("llama", 1)), "-o",
+                                str(tmp_path / "b"), "--max-seq-len", "64", "--no-quality-report"],
+                               ["verify", str(tmp_path / "b"), "--prompts", str(prompts), "-n", "32"]])
+    assert built["status"] == 0 and verified["status"] == 0 and verified["stdout"].startswith("identical"), verified
+
+
 def test_verify_holds_transformers_to_the_bundles_context_and_checks_every_prompt_first(bundles, checkpoints,
                                                                                          tmp_path, cli):
     from specbuild_runtime import SpeculativeDecoder

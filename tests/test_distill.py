@@ -51,10 +51,13 @@ def prompts_file(tmp_path):
 
 
 def test_rounds_follow_greedy_speculative_decoding():
-    # round 1: drafts 4, accepts 2 (+ target token at 2); round 2 from 3: drafts 4, accepts 4 (+ target at 7)
-    assert rounds([True, True, False, True, True, True, True, False], gamma=4) == (6, 8)
-    # the last token is always the target's own: nothing is drafted for it
-    assert rounds([True], gamma=4) == (0, 0)
+    # token 0: the prompt pass's; round 1 from 1: drafts 4, accepts 1 (+ target token at 2); round 2 from 3:
+    # drafts 4, accepts 4 (+ target at 7)
+    assert rounds([False, True, False, True, True, True, True, False], gamma=4) == (5, 8)
+    # the first token is the prompt pass's and the last always the target's own: nothing is drafted for them
+    assert rounds([True], gamma=4) == (0, 0) and rounds([True, True], gamma=4) == (0, 0)
+    # eos at token 2 (end 3): the round drafting past it still counts what was accepted, then decoding stops
+    assert rounds([True, True, True, True, True, False], gamma=4, end=3) == (4, 4)
 
 
 def test_a_prompts_file_holds_out_every_fourth_prompt(models, prompts_file):
@@ -134,9 +137,10 @@ def test_generated_teacher_data_equal_a_teacher_forced_pass(models):
 
 
 def speculate_step_by_step(target, draft, prompt: list[int], new_tokens: int, gamma: int) -> tuple[int, int]:
-    """Greedy speculative decoding as the runtime does it: draft gamma tokens, keep the agreeing prefix and
-    the target's own next token, repeat."""
-    tokens, produced, accepted, drafted = list(prompt), 0, 0, 0
+    """Greedy speculative decoding as the runtime does it: the target's prompt pass gives the first token,
+    then rounds draft gamma tokens, keep the agreeing prefix and the target's own next token, repeat."""
+    tokens = list(prompt) + [int(target(input_ids=torch.tensor([prompt])).logits[0, -1].argmax())]
+    produced, accepted, drafted = 1, 0, 0
     while produced < new_tokens:
         k = min(gamma, new_tokens - produced - 1)
         guess = list(tokens)
@@ -156,12 +160,39 @@ def test_alpha_from_one_pass_equals_step_by_step_speculation(models):
     target, draft, tokenizer = models
     prompts = tokenizer(PROMPTS[:3])["input_ids"]
     references = target_references(target, prompts, len(tokenizer), new_tokens=10)
-    # No eos in the way: the reference continuations all run to their full length.
-    assert all(len(r.tokens) - r.first - 1 == 10 for r in references)
+    # No eos in the way (speculate_step_by_step would stop there).
+    assert all(tokenizer.eos_token_id not in r.tokens[r.first + 1 :] for r in references)
     for gamma in (1, 3):
         expected = np.sum([speculate_step_by_step(target, draft, p, 10, gamma) for p in prompts], axis=0)
-        assert acceptance(draft, references, gamma, len(tokenizer)) == tuple(expected)
-    assert alpha(acceptance(target, references, 4, len(tokenizer))) == 1.0
+        assert acceptance(draft, references, gamma, len(tokenizer), new_tokens=10) == tuple(expected)
+    assert alpha(acceptance(target, references, 4, len(tokenizer), new_tokens=10)) == 1.0
+
+
+def test_alpha_is_what_the_runtime_counts_on_the_same_prompts(pair, tmp_path, prompts_file):
+    """Bench's α is the runtime's accepted / drafted; distill's must be the same number, prompts that end
+    at eos included (the runtime drafts past an eos it has not seen yet)."""
+    from safetensors.torch import load_file, save_file
+    from specbuild.compile import compile_bundle
+    from specbuild.recipe import CompileSettings
+    from specbuild_runtime import SpeculativeDecoder
+
+    draft_dir = tmp_path / "near"  # the target, slightly perturbed: α far from 0 and 1
+    shutil.copytree(pair[0], draft_dir)
+    weights = load_file(pair[0] / "model.safetensors")
+    torch.manual_seed(1)
+    save_file({k: (v + 0.03 * v.std() * torch.randn_like(v) if v.dim() > 1 else v).contiguous() for k, v in weights.items()},
+              draft_dir / "model.safetensors", metadata={"format": "pt"})
+    compile_bundle(CompileSettings(target=pair[0], draft=draft_dir, output=tmp_path / "bundle", max_seq_len=256),
+                   show_progress=False)
+    (target, tokenizer), (draft, _) = load_model(pair[0], "target"), load_model(draft_dir, "draft")
+    prompts = tokenizer([*PROMPTS, "def main():\n"])["input_ids"]  # the target ends the last within 32 tokens
+    references = target_references(target, prompts, len(tokenizer), new_tokens=32)
+    assert any(tokenizer.eos_token_id in r.tokens[r.first + 1 :] for r in references)
+    decoder = SpeculativeDecoder(tmp_path / "bundle")
+    counted = np.sum([[(s := decoder.generate(p, 32, 4).stats).accepted, s.drafted] for p in prompts], axis=0)
+    assert 0 < counted[0] < counted[1]
+    assert acceptance(draft, references, 4, len(tokenizer), new_tokens=32) == tuple(counted)
+    assert alpha(acceptance(target, references, 4, len(tokenizer), new_tokens=32)) == 1.0  # past eos too
 
 
 def test_a_draft_that_cannot_improve_is_not_written(pair, tmp_path):
@@ -398,3 +429,39 @@ def test_a_large_text_file_is_read_only_as_far_as_prompts_need(tmp_path, monkeyp
     monkeypatch.setattr(prompts_module, "MAX_TEXT_CHARS", 1000)
     (tmp_path / "big.txt").write_text("int x;\n" * 10_000)
     assert [len(text) for text in read_texts(tmp_path / "big.txt")] == [1000]
+
+
+def test_alpha_ignores_the_decoding_processors_a_targets_generation_config_asks_for(pair, tmp_path):
+    """The runtime decodes the target's plain greedy choices; references made with the checkpoint's
+    repetition_penalty and no_repeat_ngram_size gave the target, as its own draft, α 0.65."""
+    target = tmp_path / "penalized"
+    shutil.copytree(pair[0], target)
+    config = json.loads((target / "generation_config.json").read_text())
+    (target / "generation_config.json").write_text(json.dumps({**config, "repetition_penalty": 1.3, "no_repeat_ngram_size": 3}))
+    report = distill(target, tmp_path / "draft", init=pair[0], minutes=0.01, heldout_prompts=4)
+    assert report["alpha_before"] == 1.0
+def test_prompts_are_cut_to_what_the_targets_positions_hold_with_their_continuation(tmp_path, tokenizer):
+    """GPT-2's position table ends at n_positions: a long prompt plus the continuation ran past it (an
+    IndexError, reported as a bug in specbuild)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    target = tmp_path / "short"
+    eos = tokenizer.eos_token_id
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=len(tokenizer), bos_token_id=eos,
+                               eos_token_id=eos)).save_pretrained(target, safe_serialization=True)
+    tokenizer.save_pretrained(target)
+    long = " ".join(f"w{i}" for i in range(400))
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps({"prompt": f"{long} end{n}"}) + "\n" for n in range(4)))
+    report = distill(target, tmp_path / "draft", prompts_file=tmp_path / "long.jsonl", minutes=0.01, force=True)
+    assert report["heldout_drafted_tokens"] > 0
+def test_a_target_without_an_eos_token_is_distilled_as_compile_takes_it(pair, tmp_path):
+    """compile accepts a target whose config names no eos (it decodes to max_new_tokens); distill padded
+    its batches with min() of no eos ids (a ValueError, reported as a bug in specbuild)."""
+    target = tmp_path / "no-eos"
+    shutil.copytree(pair[0], target)
+    (target / "generation_config.json").unlink()
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in ("eos_token_id", "pad_token_id")}))
+    report = distill(target, tmp_path / "draft", init=pair[1], minutes=0.01, heldout_prompts=2, force=True)
+    assert report["heldout_drafted_tokens"] > 0 and (tmp_path / "draft" / "config.json").is_file()

@@ -22,8 +22,8 @@ from ..errors import CheckpointError, TrainingError
 from ..recipe import DEFAULT_MAX_SEQ_LEN
 from ..reference import load_reference
 from .divergence import distill_loss
-from .generate import Sequence, continue_prompts, eos_ids, right_padded, score
-from .prompts import Prompts, from_file, from_target, from_text, read_texts
+from .generate import Sequence, continue_prompts, eos_ids, pad_id, right_padded, score, until_eos
+from .prompts import MAX_PROMPT_TOKENS, SPAN_TOKENS, Prompts, from_file, from_target, from_text, read_texts
 from .train import check_checkpoint_output, parameter_count, save_checkpoint, train_model
 
 DRAFT_SHARE = 0.1  # a default draft has at most this share of the target's parameters, where the vocabulary allows
@@ -251,23 +251,26 @@ class DistillData:
 
 @torch.no_grad()
 def target_references(target, prompts: list[list[int]], vocab: int, new_tokens: int = NEW_TOKENS) -> list[Sequence]:
-    """The target's greedy continuations of prompts, computed once: the target never changes."""
+    """The target's greedy continuations of prompts, computed once: the target never changes. They run
+    past eos to new_tokens: the runtime's last round can draft, and count accepted, tokens past an eos."""
     references = []
     for first in range(0, len(prompts), GENERATION_BATCH):
         chunk = prompts[first : first + GENERATION_BATCH]
-        references += continue_prompts(target, chunk, new_tokens, vocab, sample=False, keep_teacher=False)
+        references += continue_prompts(target, chunk, new_tokens, vocab, sample=False, keep_teacher=False, stop_at_eos=False)
     return references
 
 
 @torch.no_grad()
-def acceptance(draft, references: list[Sequence], gamma: int, vocab: int, batch_size: int = 16) -> tuple[int, int]:
-    """(accepted, drafted) when greedy speculative decoding at gamma produces the references.
+def acceptance(draft, references: list[Sequence], gamma: int, vocab: int, batch_size: int = 16,
+               new_tokens: int = NEW_TOKENS) -> tuple[int, int]:
+    """(accepted, drafted) when greedy speculative decoding at gamma produces the references, counted as
+    the runtime counts them (bench's and generate's α) for requests of new_tokens.
 
     Exact for greedy decoding: an accepted draft prefix equals the target's own tokens, so the draft's
     choices are read off one teacher-forced pass over the target's continuation.
     """
     draft.eval()
-    pad = min(eos_ids(draft))
+    pad, stops = pad_id(draft), eos_ids(draft)
     accepted = drafted = 0
     for first in range(0, len(references), batch_size):
         chunk = references[first : first + batch_size]
@@ -275,7 +278,8 @@ def acceptance(draft, references: list[Sequence], gamma: int, vocab: int, batch_
         for row, s in enumerate(chunk):
             continuation = torch.from_numpy(s.tokens[s.first + 1 :].astype(np.int64))
             agreement = guesses[row, s.first : len(s.tokens) - 1] == continuation
-            round_accepted, round_drafted = rounds(agreement.tolist(), gamma)
+            end = len(until_eos(continuation.tolist(), stops))  # decoding stops after the round that emits eos
+            round_accepted, round_drafted = rounds(agreement.tolist(), gamma, new_tokens, end)
             accepted += round_accepted
             drafted += round_drafted
     return accepted, drafted
@@ -287,8 +291,14 @@ def alpha(counts: tuple[int, int]) -> float:
 
 
 def choose_prompts(target, tokenizer, prompts_file: Path | None, data: list[str] | None, heldout: int, seed: int) -> Prompts:
+    # A prompt and its NEW_TOKENS continuation must fit the target's positions: GPT-2's table ends there
+    # (an IndexError past it), and other models write what they were never trained to.
+    context = target.config.max_position_embeddings
+    if context < SPAN_TOKENS + NEW_TOKENS + 1:
+        raise TrainingError(f"the target's max_position_embeddings {context} leaves no room for a prompt and the "
+                            f"{NEW_TOKENS} tokens distill continues it by; it needs {SPAN_TOKENS + NEW_TOKENS + 1} or more")
     if prompts_file is not None:
-        return from_file(tokenizer, prompts_file, heldout)
+        return from_file(tokenizer, prompts_file, heldout, max_tokens=min(MAX_PROMPT_TOKENS, context - NEW_TOKENS))
     if data is not None:
         return from_text(tokenizer, data, heldout, seed)
     return from_target(target, tokenizer, heldout, seed)
@@ -342,7 +352,7 @@ def distill(
     evaluation_seconds = time.monotonic() - started
 
     made = DistillData(target, draft, prompts.train, vocab, kinds=kinds, share=generation_share, batch_size=batch_size)
-    loss = distill_loss(objective, vocab, pad=min(eos_ids(target)))
+    loss = distill_loss(objective, vocab, pad=pad_id(target))
     run = train_model(draft, made.next_batch, minutes=minutes, lr=lr, desc="distill", seed=seed, loss_fn=loss)
 
     started = time.monotonic()

@@ -58,6 +58,12 @@ def eos_ids(model) -> set[int]:
     return set(eos if isinstance(eos, list) else [eos]) - {None}
 
 
+def pad_id(model) -> int:
+    """The id batches are padded with: an eos, or 0 for a model without one (compile takes such a target;
+    padding is masked on the left and comes after every position read on the right, so any id does)."""
+    return min(eos_ids(model), default=0)
+
+
 def until_eos(tokens: list[int], stops: set[int]) -> list[int]:
     """The tokens up to and including the first eos: generate() pads finished rows of a batch after it."""
     for i, token in enumerate(tokens):
@@ -74,21 +80,24 @@ def top_k(logits: torch.Tensor, vocab: int, k: int = TEACHER_TOP_K) -> tuple[np.
 
 
 @torch.no_grad()
-def continue_prompts(model, prompts: list[list[int]], new_tokens: int, vocab: int, sample: bool, keep_teacher: bool = True):
+def continue_prompts(model, prompts: list[list[int]], new_tokens: int, vocab: int, sample: bool, keep_teacher: bool = True,
+                     stop_at_eos: bool = True):
     """Each prompt continued by model (sampled at temperature 1 from the whole distribution, or greedy),
-    stopping at eos, never choosing a padding row beyond vocab. With keep_teacher, the model's own top-k
-    next-token log-probabilities come along."""
+    stopping at eos (or, without stop_at_eos, running past it to new_tokens), never choosing a padding row
+    beyond vocab. With keep_teacher, the model's own top-k next-token log-probabilities come along."""
     stops = eos_ids(model)
-    pad = min(stops)
+    pad = pad_id(model)
     ids, mask = left_padded(prompts, pad)
     # Sampling draws from the whole distribution: no top-k/top-p a generation_config might carry.
     sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {"do_sample": False}
+    # (No processor the checkpoint's generation_config asks for: load_reference left the model a plain one.)
     out = model.generate(
         ids,
         attention_mask=mask,
         max_new_tokens=new_tokens,
         **sampling,
         pad_token_id=pad,
+        **({} if stop_at_eos else {"eos_token_id": None}),
         suppress_tokens=list(range(vocab, model.config.vocab_size)) or None,
         output_logits=keep_teacher,
         return_dict_in_generate=True,
@@ -97,7 +106,7 @@ def continue_prompts(model, prompts: list[list[int]], new_tokens: int, vocab: in
     logits = torch.stack(out.logits, 1) if keep_teacher else None  # [B, new, V]
     sequences = []
     for row, (prompt, continuation) in enumerate(zip(prompts, continuations)):
-        continuation = until_eos(continuation, stops)
+        continuation = until_eos(continuation, stops) if stop_at_eos else continuation
         tokens = np.asarray(prompt + continuation, dtype=np.int32)
         if keep_teacher:
             top_ids, top_logprobs = top_k(logits[row, : len(continuation)], vocab)
@@ -110,7 +119,7 @@ def continue_prompts(model, prompts: list[list[int]], new_tokens: int, vocab: in
 @torch.no_grad()
 def score(target, sequences: list[Sequence], vocab: int) -> list[Sequence]:
     """The same sequences with the target's top-k distributions, from one teacher-forced pass."""
-    pad = min(eos_ids(target))
+    pad = pad_id(target)
     logits = target(input_ids=right_padded([s.tokens[:-1] for s in sequences], pad)).logits
     scored = []
     for row, s in enumerate(sequences):

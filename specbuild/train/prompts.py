@@ -37,13 +37,13 @@ def start_token(tokenizer) -> int:
     return tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
 
 
-def from_file(tokenizer, path: Path, max_heldout: int) -> Prompts:
+def from_file(tokenizer, path: Path, max_heldout: int, max_tokens: int = MAX_PROMPT_TOKENS) -> Prompts:
     """The prompts of a JSONL file (the format bench and verify read); every fourth is held out."""
     texts = read_prompts(path)
     if len(texts) < 2:
         raise TrainingError(f"{path} has one prompt; distill needs two or more (some are held out to measure alpha)")
     # Encoded as the runtime encodes a prompt (special tokens included), cut to the end the draft continues.
-    encoded = [(ids or [start_token(tokenizer)])[-MAX_PROMPT_TOKENS:] for ids in tokenizer(texts)["input_ids"]]
+    encoded = [(ids or [start_token(tokenizer)])[-max_tokens:] for ids in tokenizer(texts)["input_ids"]]
     heldout = set(list(range(HELDOUT_EVERY - 1, len(texts), HELDOUT_EVERY))[:max_heldout]) or {len(texts) - 1}
     # A prompt repeated in the file trains only where none of its copies is held out: α measured on a prompt
     # the draft trained on would promise more agreement than users see.
