@@ -465,3 +465,27 @@ def test_a_target_without_an_eos_token_is_distilled_as_compile_takes_it(pair, tm
     (target / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in ("eos_token_id", "pad_token_id")}))
     report = distill(target, tmp_path / "draft", init=pair[1], minutes=0.01, heldout_prompts=2, force=True)
     assert report["heldout_drafted_tokens"] > 0 and (tmp_path / "draft" / "config.json").is_file()
+
+
+def test_a_set_of_sequences_that_would_end_past_the_budget_is_not_begun(monkeypatch):
+    """On a large target one set of sequences takes minutes: started just before the budget ends, the run
+    overshot --minutes by as much. The first set is always made (training needs data)."""
+    from types import SimpleNamespace
+
+    from specbuild.train import distill as module
+
+    now = [1000.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: now[0])
+    made = module.DistillData(None, None, [[1]], 8, kinds=("greedy",), share=0.5, batch_size=1, seconds=100)
+
+    def make(kind, rng):  # a set takes 10 s
+        now[0] += 10
+        return [SimpleNamespace(top_ids=[1])]
+
+    monkeypatch.setattr(made, "make", make)
+    rng = np.random.default_rng(0)
+    for training in (0, 15, 50, 1):  # seconds of training before each batch
+        now[0] += training
+        made.next_batch(rng)
+    # sets at 0, 25 and 85 s; at 96 s one would end at 106, past the budget of 100
+    assert sum(made.made.values()) == 3 and now[0] == 1000 + 96

@@ -196,23 +196,28 @@ class DistillData:
     """
 
     def __init__(self, target, draft, prompts: list[list[int]], vocab: int, *, kinds: tuple[str, ...],
-                 share: float, batch_size: int):
+                 share: float, batch_size: int, seconds: float = float("inf")):
         self.target, self.draft, self.prompts, self.vocab = target, draft, prompts, vocab
-        self.kinds, self.share, self.batch_size = kinds, share, batch_size
+        self.kinds, self.share, self.batch_size, self.budget = kinds, share, batch_size, seconds
         self.sequences: list[Sequence] = []
         self.sampled: list[Sequence] = []
         self.made = Counter()
         self.seconds = 0.0
+        self.last = 0.0  # seconds the last set of sequences took to make
         self.started: float | None = None
 
     def next_batch(self, rng: np.random.Generator) -> tuple[list[Sequence], int]:
         self.started = self.started or time.monotonic()
-        if not self.sequences or self.seconds < self.share * (time.monotonic() - self.started):
+        elapsed = time.monotonic() - self.started
+        # A set that would end past the budget is not begun (on a large target one takes minutes): the
+        # training loop stops at the budget, and would wait for it.
+        if not self.sequences or (self.seconds < self.share * elapsed and elapsed + self.last < self.budget):
             began = time.monotonic()
             kind = self.kinds[sum(self.made.values()) % len(self.kinds)]
             self.sequences += self.make(kind, rng)
             self.made[kind] += 1
-            self.seconds += time.monotonic() - began
+            self.last = time.monotonic() - began
+            self.seconds += self.last
         batch = [self.sequences[i] for i in rng.integers(len(self.sequences), size=self.batch_size)]
         return batch, sum(len(s.top_ids) for s in batch)
 
@@ -351,7 +356,8 @@ def distill(
     before = acceptance(draft, references, gamma, vocab)
     evaluation_seconds = time.monotonic() - started
 
-    made = DistillData(target, draft, prompts.train, vocab, kinds=kinds, share=generation_share, batch_size=batch_size)
+    made = DistillData(target, draft, prompts.train, vocab, kinds=kinds, share=generation_share, batch_size=batch_size,
+                       seconds=minutes * 60)
     loss = distill_loss(objective, vocab, pad=pad_id(target))
     run = train_model(draft, made.next_batch, minutes=minutes, lr=lr, desc="distill", seed=seed, loss_fn=loss)
 
