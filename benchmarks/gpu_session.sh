@@ -53,7 +53,8 @@ cd "$(dirname "$0")/.."
 # Results gather in $out, and after every step $OUT gets summary.txt and all of $out as gpu-session.tgz: a
 # call brings back only a few files from $OUT, and a call cut at its time limit keeps what it had.
 dest=${OUT:-/tmp/gpu-session}
-out=/tmp/gpu-session-work/${1:-none}
+work=${GPU_SESSION_WORK:-/tmp/gpu-session-work}
+out=$work/${1:-none}
 mkdir -p "$dest" "$out"
 export PYTHONPATH=/tmp/site:$PWD/runtime:$PWD
 pairs=/tmp/pairs  # outlives a call while the machine is kept; $OUT starts empty in every call
@@ -65,14 +66,27 @@ head -n 8 specbuild/prompts/code.jsonl > "$prompts8"
 step() {  # step NAME SECONDS COMMAND...: run it for at most SECONDS, log to $out/NAME.log, one summary line
     local name=$1 limit=$2 started=$SECONDS status
     shift 2
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    # SIGINT at the limit, not timeout's SIGTERM: pytest then prints which tests failed and writes its junit
+    # report (killed by SIGTERM it leaves neither: a hang in the last GPU test lost every result before it),
+    # Python commands unwind (compile cleans up); SIGKILL 20 s later if the command still runs
+    timeout -s INT -k 20 "$limit" "$@" > "$out/$name.log" 2>&1
     status=$?
     echo "$name: exit $status in $((SECONDS - started)) s: $(tail -n 1 "$out/$name.log")" | tee -a "$dest/summary.txt"
-    tar czf "$dest/.gpu-session.tgz" -C /tmp/gpu-session-work . && mv "$dest/.gpu-session.tgz" "$dest/gpu-session.tgz"
+    tar czf "$dest/.gpu-session.tgz" -C "$work" . && mv "$dest/.gpu-session.tgz" "$dest/gpu-session.tgz"
+}
+
+needs_cuda() {  # every mode runs on the setup's onnxruntime-gpu: without it (a fresh machine, the setup not run),
+    # check's GPU tests all skip (and the attention tests' four switches rerun them) and pairs writes and compiles a
+    # 1.1B pair before bench refuses --device cuda: minutes of the machine for nothing
+    if ! python3 -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())" 2>/dev/null; then
+        echo "$1: no CUDA provider in onnxruntime: a fresh machine? run the setup of ../shared/gpu/README.md first" | tee -a "$dest/summary.txt"
+        exit 3
+    fi
 }
 
 needs_pairs() {  # graphs, options and peers build on the setup and `pairs` of the same machine
-    if [ ! -d /tmp/site/onnxruntime ] || [ ! -f "$bundle/manifest.json" ]; then
+    needs_cuda "$1"
+    if [ ! -f "$bundle/manifest.json" ]; then
         echo "$1: a fresh machine or no pairs yet: run the setup and \`pairs\` (or \`quick\`) first" | tee -a "$dest/summary.txt"
         exit 3
     fi
@@ -80,6 +94,7 @@ needs_pairs() {  # graphs, options and peers build on the setup and `pairs` of t
 
 case "${1:-}" in
 check)
+    needs_cuda check
     if [ ! -d .gpu/extra ]; then  # without the project's onnx-ir every compile fails: nothing below would tell
         echo "no .gpu/extra: carry it with this call (see the top of this file)" | tee -a "$dest/summary.txt"
         exit 3
@@ -108,6 +123,7 @@ check)
     fi
     ;;
 pairs)
+    needs_cuda pairs
     # 1.1B target (TinyLlama's shape), draft = its first 2 layers; scale 0.1 (α ~0.6) unless SCALES says more.
     # Benched uncaptured (the baseline of what CUDA graphs save: `graphs` benches them); verify as a user runs
     # it, with CUDA graphs (the default on CUDA for fp16 Llama bundles since 2026-11-26).
@@ -178,7 +194,7 @@ serve)
         --clients 16 --prompts 24 --requests 48 --max-tokens 64 --rounds 1 --json "$out/serve-load.json"
     ;;
 big)
-    [ -d /tmp/site/onnxruntime ] || { echo "big: a fresh machine: run the setup first" | tee -a "$dest/summary.txt"; exit 3; }
+    needs_cuda big
     if ! python3 -c "import inspect, onnx_ir; assert 'alignment' in inspect.signature(onnx_ir.save).parameters" 2>/dev/null; then
         echo "big: compile needs the project's onnx-ir: run \`check\` first on this machine" | tee -a "$dest/summary.txt"
         exit 3
@@ -211,14 +227,22 @@ peers)
     step genai 280 python3 -m specbuild bench "$bundle" --device cuda -n 128 --gamma 2,4 \
         --peers onnxruntime-genai --json "$out/genai.json"
     ;;
+step)
+    # One command as the modes run theirs (a log, a summary line, the tarball in $OUT), e.g. one of issue 12's:
+    #   bash benchmarks/gpu_session.sh step NAME SECONDS python3 -m specbuild bench ...
+    [ $# -ge 4 ] || { echo "usage: $0 step NAME SECONDS COMMAND..." >&2; exit 2; }
+    step "$2" "$3" "${@:4}"
+    ;;
 quick)
     export QUICK=1
     bash "$PWD/benchmarks/gpu_session.sh" check  # cd'ed to the repository root above
+    # check refused (no setup, no .gpu/extra): pairs would fail too, after writing and compiling the 1.1B pair
+    [ $? -eq 3 ] && exit 3
     bash "$PWD/benchmarks/gpu_session.sh" pairs
     bash "$PWD/benchmarks/gpu_session.sh" graphs
     ;;
 *)
-    echo "usage: $0 check|pairs|graphs|options|serve|big|peers|quick   (see the top of this file)" >&2
+    echo "usage: $0 check|pairs|graphs|options|serve|big|peers|quick|step   (see the top of this file)" >&2
     exit 2
     ;;
 esac

@@ -257,3 +257,49 @@ def test_bench_says_when_peers_ran_other_weights_than_a_quantized_bundle():
     peers = [{"system": "transformers", "gamma": 0, "tokens_per_second": 9.0, "matches_target": False}]
     assert "unquantized source checkpoints" in format_table(table_report(peers, "int4"))
     assert "unquantized" not in format_table(table_report(peers))
+
+
+def gpu_session(tmp_path, *args: str):
+    """benchmarks/gpu_session.sh run from a copy of the files it reads before its first step (the script itself
+    and the code prompts), with the Python of these tests first on PATH: nothing else is there for a step to run."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo, root = Path(__file__).parents[1], tmp_path / "checkout"
+    for name in ("benchmarks/gpu_session.sh", "specbuild/prompts/code.jsonl"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(repo / name, root / name)
+    (root / ".gpu" / "extra").mkdir(parents=True)
+    env = dict(os.environ, OUT=str(tmp_path / "out"), GPU_SESSION_WORK=str(tmp_path / "work"),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    result = subprocess.run(["bash", str(root / "benchmarks" / "gpu_session.sh"), *args], env=env, capture_output=True,
+                            text=True)
+    summary = tmp_path / "out" / "summary.txt"
+    return result.returncode, summary.read_text().splitlines() if summary.exists() else []
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" in __import__("onnxruntime").get_available_providers(),
+                    reason="a machine with onnxruntime's CUDA provider runs the steps themselves")
+def test_gpu_session_without_the_cuda_provider_stops_before_its_first_step(tmp_path):
+    """A fresh GPU machine (the setup of ../shared/gpu/README.md not run) has only the CPU onnxruntime: `quick`
+    would rerun the skipped attention tests under four switches and write and compile a 1.1B pair before bench
+    refused --device cuda, minutes of a 15-minute budget. It says so and stops instead (exit 3)."""
+    status, summary = gpu_session(tmp_path, "quick")
+    assert status == 3 and len(summary) == 1 and summary[0].startswith("check: no CUDA provider"), summary
+
+
+def test_a_gpu_session_step_cut_at_its_limit_keeps_pytests_report(tmp_path):
+    """A step past its limit is interrupted as ^C would: pytest still lists what failed and writes its junit
+    report, which the GPU tests' step reads back (timeout's default SIGTERM killed it with neither, losing every
+    GPU test's result to a hang in the last). The hanging test stands for one; the limit is all that waits."""
+    tests = tmp_path / "test_hang.py"
+    tests.write_text("import time\n\ndef test_passes():\n    pass\n\ndef test_fails():\n    assert False\n\n"
+                     "def test_hangs():\n    time.sleep(600)\n")
+    report = tmp_path / "report.xml"
+    status, summary = gpu_session(tmp_path, "step", "hang", "5", "python3", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                  f"--rootdir={tmp_path}", str(tests), f"--junitxml={report}")
+    assert summary and summary[-1].startswith("hang: exit 124") and "1 failed, 1 passed" in summary[-1], summary
+    assert report.exists() and 'failures="1"' in report.read_text()
