@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -37,7 +38,7 @@ PREFILL_CHUNK = 256
 OUT_OF_MEMORY = ("out of memory", "bad_alloc", "bad allocation", "failed to allocate")
 
 
-def run(session: ort.InferenceSession, binding: ort.IOBinding, path, options: ort.RunOptions | None = None) -> None:
+def run(session: ort.InferenceSession, binding: ort.IOBinding, path: Path, options: ort.RunOptions | None = None) -> None:
     """session.run_with_iobinding; a failure (onnxruntime raises untyped errors, with pages of detail) as one
     DeviceError naming the engine file `path`, with advice when the device ran out of memory."""
     try:
