@@ -27,6 +27,7 @@ import numpy as np
 
 from specbuild.texts import corpus_files, read_prompts, read_source
 from specbuild.train.distill import acceptance, alpha, distill, load_model, target_references
+from specbuild.train.generate import eos_ids
 from specbuild.train.prompts import is_text, random_spans
 from specbuild.train.train import encode_corpus, llama, save_checkpoint, train_model, train_tokenizer, windows
 
@@ -96,7 +97,7 @@ def eval_alpha(pair: Path, draft: Path, prompts: list[str], gamma: int) -> float
     target, tokenizer = load_model(pair / "target", "target")
     model, _ = load_model(draft, "draft")
     references = target_references(target, tokenizer(prompts)["input_ids"], len(tokenizer))
-    return alpha(acceptance(model, references, gamma, len(tokenizer)))
+    return alpha(acceptance(model, references, gamma, len(tokenizer), eos_ids(target)))
 
 
 def main() -> None:

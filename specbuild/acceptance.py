@@ -19,7 +19,8 @@ def rounds(agreement: list[bool], gamma: int, new_tokens: int | None = None, end
     only when the target emits it, so the round that does still counts the drafts it accepted past it.
     """
     new_tokens = len(agreement) if new_tokens is None else new_tokens
-    end = len(agreement) if end is None else end
+    # A continuation known past the request's end (references made longer) is read only as far as it.
+    end = min(len(agreement) if end is None else end, new_tokens)
     accepted = drafted = 0
     produced = 1  # the prompt pass's token
     while produced < end:

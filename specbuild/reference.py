@@ -33,7 +33,7 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
     code; on device ("cpu" or "cuda") in precision (fp32, fp16 or bf16). fp32 on CUDA computes fp32 (TF32
     off, as the runtime's fp32 engines run), which switches TF32 off for the whole process."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     if device == "cuda":
@@ -56,13 +56,20 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{role} checkpoint {path} cannot be loaded from safetensors ({first_line(exc)}); specbuild "
                               "never unpickles weights: re-save it with `save_pretrained(dir, safe_serialization=True)`") from None
-    # The model as the runtime decodes it: greedy or sampled from its own distribution, none of the logits
-    # processors its generation_config may ask for (repetition_penalty, no_repeat_ngram_size, top_k, ...),
-    # which generate() applies for every setting a call leaves unset. Its special token ids stay.
+    return plainly_generating(model).to(device).eval()
+
+
+def plainly_generating(model):
+    """model, its generation_config reduced to its special token ids: generate() then decodes as the runtime
+    does, greedy or sampled from the model's own distribution, with none of the logits processors a
+    checkpoint may ask for (repetition_penalty, no_repeat_ngram_size, top_k, ...), which it applies for every
+    setting a call leaves unset."""
+    from transformers import GenerationConfig
+
     own = model.generation_config
     model.generation_config = GenerationConfig(bos_token_id=own.bos_token_id, eos_token_id=own.eos_token_id,
                                                pad_token_id=own.pad_token_id)
-    return model.to(device).eval()
+    return model
 
 
 def _check_index(path: Path) -> None:

@@ -26,7 +26,6 @@ import pytest
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-
 @dataclass
 class Case:
     given: str  # what the user gave (the table's first column)

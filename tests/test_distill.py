@@ -60,6 +60,13 @@ def test_rounds_follow_greedy_speculative_decoding():
     assert rounds([True, True, True, True, True, False], gamma=4, end=3) == (4, 4)
 
 
+def test_rounds_end_where_the_request_does_however_far_the_continuation_runs():
+    # 5 tokens asked: the prompt pass's, one round of 3 drafts (the last token is the target's); the
+    # continuation's other 5 tokens are never decoded (they counted rounds of negative drafts)
+    assert rounds([True] * 10, gamma=4, new_tokens=5) == (3, 3)
+    assert rounds([True] * 10, gamma=4, new_tokens=5, end=8) == (3, 3)
+
+
 def test_a_prompts_file_holds_out_every_fourth_prompt(models, prompts_file):
     _, _, tokenizer = models
     prompts = from_file(tokenizer, prompts_file, max_heldout=64)
@@ -164,24 +171,30 @@ def test_alpha_from_one_pass_equals_step_by_step_speculation(models):
     assert all(tokenizer.eos_token_id not in r.tokens[r.first + 1 :] for r in references)
     for gamma in (1, 3):
         expected = np.sum([speculate_step_by_step(target, draft, p, 10, gamma) for p in prompts], axis=0)
-        assert acceptance(draft, references, gamma, len(tokenizer), new_tokens=10) == tuple(expected)
-    assert alpha(acceptance(target, references, 4, len(tokenizer), new_tokens=10)) == 1.0
+        assert acceptance(draft, references, gamma, len(tokenizer), {tokenizer.eos_token_id}, new_tokens=10) == tuple(expected)
+    assert alpha(acceptance(target, references, 4, len(tokenizer), {tokenizer.eos_token_id}, new_tokens=10)) == 1.0
+
+
+def near_copy(source, folder):
+    """The checkpoint at source, its weights slightly perturbed: as a draft, α far from 0 and 1."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, folder)
+    weights = load_file(source / "model.safetensors")
+    torch.manual_seed(1)
+    save_file({k: (v + 0.03 * v.std() * torch.randn_like(v) if v.dim() > 1 else v).contiguous() for k, v in weights.items()},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
 
 
 def test_alpha_is_what_the_runtime_counts_on_the_same_prompts(pair, tmp_path, prompts_file):
     """Bench's α is the runtime's accepted / drafted; distill's must be the same number, prompts that end
     at eos included (the runtime drafts past an eos it has not seen yet)."""
-    from safetensors.torch import load_file, save_file
     from specbuild.compile import compile_bundle
     from specbuild.recipe import CompileSettings
     from specbuild_runtime import SpeculativeDecoder
 
-    draft_dir = tmp_path / "near"  # the target, slightly perturbed: α far from 0 and 1
-    shutil.copytree(pair[0], draft_dir)
-    weights = load_file(pair[0] / "model.safetensors")
-    torch.manual_seed(1)
-    save_file({k: (v + 0.03 * v.std() * torch.randn_like(v) if v.dim() > 1 else v).contiguous() for k, v in weights.items()},
-              draft_dir / "model.safetensors", metadata={"format": "pt"})
+    draft_dir = near_copy(pair[0], tmp_path / "near")
     compile_bundle(CompileSettings(target=pair[0], draft=draft_dir, output=tmp_path / "bundle", max_seq_len=256),
                    show_progress=False)
     (target, tokenizer), (draft, _) = load_model(pair[0], "target"), load_model(draft_dir, "draft")
@@ -191,8 +204,36 @@ def test_alpha_is_what_the_runtime_counts_on_the_same_prompts(pair, tmp_path, pr
     decoder = SpeculativeDecoder(tmp_path / "bundle")
     counted = np.sum([[(s := decoder.generate(p, 32, 4).stats).accepted, s.drafted] for p in prompts], axis=0)
     assert 0 < counted[0] < counted[1]
-    assert acceptance(draft, references, 4, len(tokenizer), new_tokens=32) == tuple(counted)
-    assert alpha(acceptance(target, references, 4, len(tokenizer), new_tokens=32)) == 1.0  # past eos too
+    assert acceptance(draft, references, 4, len(tokenizer), {tokenizer.eos_token_id}, new_tokens=32) == tuple(counted)
+    assert alpha(acceptance(target, references, 4, len(tokenizer), {tokenizer.eos_token_id}, new_tokens=32)) == 1.0  # past eos too
+
+
+def test_alpha_ends_a_request_at_the_targets_eos_ids_as_its_bundle_does(pair, tmp_path, prompts_file):
+    """A bundle stops at the target's eos ids (generation_config.json's list); a draft's may be fewer (a new
+    draft's come from the target's config.json, a base model's from its own): distill's α counted the rounds
+    past an eos only the target has, which no decoding makes."""
+    from specbuild.compile import compile_bundle
+    from specbuild.recipe import CompileSettings
+    from specbuild_runtime import SpeculativeDecoder
+
+    target_dir = tmp_path / "target"
+    shutil.copytree(pair[0], target_dir)
+    draft_dir = near_copy(pair[0], tmp_path / "near")  # its generation_config.json: the one eos
+    target, tokenizer = load_model(target_dir, "target")
+    heldout = from_file(tokenizer, prompts_file, 2).heldout
+    reference = target_references(target, heldout[:1], len(tokenizer))[0]
+    other_eos = int(reference.tokens[reference.first + 5])  # one the target writes early in a held-out request
+    config = json.loads((target_dir / "generation_config.json").read_text())
+    (target_dir / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [tokenizer.eos_token_id, other_eos]}))
+    report = distill(target_dir, tmp_path / "draft", init=draft_dir, prompts_file=prompts_file, minutes=0.01,
+                     heldout_prompts=2)
+    compile_bundle(CompileSettings(target=target_dir, draft=draft_dir, output=tmp_path / "bundle", max_seq_len=256),
+                   show_progress=False)
+    decoder = SpeculativeDecoder(tmp_path / "bundle")
+    runs = [decoder.generate(p, distill_module.NEW_TOKENS, report["gamma"]) for p in heldout]
+    assert runs[0].stats.finish_reason == "eos" and runs[0].token_ids[-1] == other_eos
+    accepted, drafted = np.sum([[r.stats.accepted, r.stats.drafted] for r in runs], axis=0)
+    assert report["heldout_drafted_tokens"] > 0 and report["alpha_before"] == round(accepted / drafted, 4)
 
 
 def test_a_draft_that_cannot_improve_is_not_written(pair, tmp_path):
@@ -440,21 +481,48 @@ def test_alpha_ignores_the_decoding_processors_a_targets_generation_config_asks_
     (target / "generation_config.json").write_text(json.dumps({**config, "repetition_penalty": 1.3, "no_repeat_ngram_size": 3}))
     report = distill(target, tmp_path / "draft", init=pair[0], minutes=0.01, heldout_prompts=4)
     assert report["alpha_before"] == 1.0
-def test_prompts_are_cut_to_what_the_targets_positions_hold_with_their_continuation(tmp_path, tokenizer):
-    """GPT-2's position table ends at n_positions: a long prompt plus the continuation ran past it (an
-    IndexError, reported as a bug in specbuild)."""
+
+
+def short_gpt2(tmp_path, tokenizer, positions: int = 128):
+    """A GPT-2 target of few positions (its table ends there) and a prompts file of prompts longer than that."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     target = tmp_path / "short"
     eos = tokenizer.eos_token_id
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=len(tokenizer), bos_token_id=eos,
-                               eos_token_id=eos)).save_pretrained(target, safe_serialization=True)
+    GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=positions, vocab_size=len(tokenizer),
+                               bos_token_id=eos, eos_token_id=eos)).save_pretrained(target, safe_serialization=True)
     tokenizer.save_pretrained(target)
     long = " ".join(f"w{i}" for i in range(400))
     (tmp_path / "long.jsonl").write_text("".join(json.dumps({"prompt": f"{long} end{n}"}) + "\n" for n in range(4)))
-    report = distill(target, tmp_path / "draft", prompts_file=tmp_path / "long.jsonl", minutes=0.01, force=True)
+    return target, tmp_path / "long.jsonl"
+
+
+def test_prompts_are_cut_to_what_the_targets_positions_hold_with_their_continuation(tmp_path, tokenizer):
+    """GPT-2's position table ends at n_positions: a long prompt plus the continuation ran past it (an
+    IndexError, reported as a bug in specbuild)."""
+    target, prompts = short_gpt2(tmp_path, tokenizer)
+    report = distill(target, tmp_path / "draft", prompts_file=prompts, minutes=0.01, force=True)
     assert report["heldout_drafted_tokens"] > 0
+
+
+def test_every_kind_of_sequence_fits_the_targets_positions(tmp_path, tokenizer):
+    """A greedy or draft sequence continues a prefix of a sampled one, which may already fill the positions: it
+    ran NEW_TOKENS past GPT-2's table (an IndexError, reported as a bug in specbuild) in the second set made."""
+    from specbuild.train.distill import DistillData, build_draft, choose_prompts
+
+    folder, prompts_file = short_gpt2(tmp_path, tokenizer)
+    target, target_tokenizer = load_model(folder, "target")
+    prompts = choose_prompts(target, target_tokenizer, prompts_file, None, 1, 0)
+    draft = build_draft(target, target_tokenizer, None, None, 0)
+    made = DistillData(target, draft, prompts.train, len(target_tokenizer), kinds=("sampled", "greedy", "draft"),
+                       share=1.0, batch_size=1)
+    rng = np.random.default_rng(0)
+    made.sampled = made.make("sampled", rng)  # as the first set leaves them
+    for kind in ("greedy", "draft"):
+        assert max(len(s.tokens) for s in made.make(kind, rng)) <= 128
+
+
 def test_a_target_without_an_eos_token_is_distilled_as_compile_takes_it(pair, tmp_path):
     """compile accepts a target whose config names no eos (it decodes to max_new_tokens); distill padded
     its batches with min() of no eos ids (a ValueError, reported as a bug in specbuild)."""

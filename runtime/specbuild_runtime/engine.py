@@ -81,6 +81,8 @@ def session_options() -> ort.SessionOptions:
         options.add_session_config_entry("session.force_spinning_stop", "1")
     options.log_severity_level = 3
     return options
+
+
 _CUDA_LOADED = False
 
 

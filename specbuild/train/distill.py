@@ -20,7 +20,7 @@ from ..acceptance import expected_tokens_per_call, rounds, theoretical_speedup
 from ..compile.load import check_architecture, model_spec, special_tokens
 from ..errors import CheckpointError, TrainingError
 from ..recipe import DEFAULT_MAX_SEQ_LEN
-from ..reference import load_reference
+from ..reference import load_reference, plainly_generating
 from .divergence import distill_loss
 from .generate import Sequence, continue_prompts, eos_ids, pad_id, right_padded, score, until_eos
 from .prompts import MAX_PROMPT_TOKENS, SPAN_TOKENS, Prompts, from_file, from_target, from_text, read_texts
@@ -173,7 +173,7 @@ def build_draft(target, tokenizer, draft_config: dict | None, init: Path | None,
                                 f"model transformers can build ({first_line(exc)}); choose other --draft-config values") from None
         # a draft that specbuild could not compile would be minutes of training for nothing
         _check_pair(config, target.config, tokenizer, f"the draft of --draft-config {draft_config or '(default)'}")
-        return draft
+        return plainly_generating(draft)  # as load_reference leaves a loaded one (the "draft" sequences)
     draft, draft_tokenizer = load_model(init, "draft")
     if draft_tokenizer.get_vocab() != tokenizer.get_vocab() or special_tokens(draft_tokenizer) != special_tokens(tokenizer):
         raise CheckpointError(
@@ -236,13 +236,17 @@ class DistillData:
 
     def branch_points(self, rng: np.random.Generator) -> list[list[int]]:
         """Prefixes of sampled sequences cut at random points of their continuation (training prompts until
-        there are sampled sequences)."""
+        there are sampled sequences), each its end that leaves the target's positions room to be continued."""
         if not self.sampled:
             return [self.prompts[i] for i in rng.integers(len(self.prompts), size=GENERATION_BATCH)]
+        # A prompt and its sampled continuation may fill the positions (choose_prompts), and a prefix of that
+        # is continued NEW_TOKENS further: past GPT-2's table (an IndexError), or past what others learned.
+        room = self.target.config.max_position_embeddings - NEW_TOKENS
         prefixes = []
         for i in rng.integers(len(self.sampled), size=GENERATION_BATCH):
             s = self.sampled[i]
-            prefixes.append(s.tokens[: int(rng.integers(s.first + 1, len(s.tokens)))].tolist())
+            cut = int(rng.integers(s.first + 1, len(s.tokens)))
+            prefixes.append(s.tokens[max(0, cut - room) : cut].tolist())
         return prefixes
 
     def report(self) -> dict:
@@ -266,16 +270,18 @@ def target_references(target, prompts: list[list[int]], vocab: int, new_tokens: 
 
 
 @torch.no_grad()
-def acceptance(draft, references: list[Sequence], gamma: int, vocab: int, batch_size: int = 16,
+def acceptance(draft, references: list[Sequence], gamma: int, vocab: int, stops: set[int], batch_size: int = 16,
                new_tokens: int = NEW_TOKENS) -> tuple[int, int]:
     """(accepted, drafted) when greedy speculative decoding at gamma produces the references, counted as
-    the runtime counts them (bench's and generate's α) for requests of new_tokens.
+    the runtime counts them (bench's and generate's α) for requests of new_tokens that end at any of stops:
+    the target's eos ids, which a compiled bundle stops at (a draft's may be fewer: its config.json's alone
+    for a new draft, a base model's for an instruct target).
 
     Exact for greedy decoding: an accepted draft prefix equals the target's own tokens, so the draft's
     choices are read off one teacher-forced pass over the target's continuation.
     """
     draft.eval()
-    pad, stops = pad_id(draft), eos_ids(draft)
+    pad = pad_id(draft)
     accepted = drafted = 0
     for first in range(0, len(references), batch_size):
         chunk = references[first : first + batch_size]
@@ -353,7 +359,8 @@ def distill(
 
     started = time.monotonic()
     references = target_references(target, prompts.heldout, vocab)
-    before = acceptance(draft, references, gamma, vocab)
+    stops = eos_ids(target)
+    before = acceptance(draft, references, gamma, vocab, stops)
     evaluation_seconds = time.monotonic() - started
 
     made = DistillData(target, draft, prompts.train, vocab, kinds=kinds, share=generation_share, batch_size=batch_size,
@@ -362,7 +369,7 @@ def distill(
     run = train_model(draft, made.next_batch, minutes=minutes, lr=lr, desc="distill", seed=seed, loss_fn=loss)
 
     started = time.monotonic()
-    after = acceptance(draft, references, gamma, vocab)
+    after = acceptance(draft, references, gamma, vocab, stops)
     evaluation_seconds += time.monotonic() - started
 
     cost_ratio = parameter_count(draft) / parameter_count(target)

@@ -90,7 +90,7 @@ def continue_prompts(model, prompts: list[list[int]], new_tokens: int, vocab: in
     ids, mask = left_padded(prompts, pad)
     # Sampling draws from the whole distribution: no top-k/top-p a generation_config might carry.
     sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {"do_sample": False}
-    # (No processor the checkpoint's generation_config asks for: load_reference left the model a plain one.)
+    # (No processor a checkpoint's generation_config asks for: reference.plainly_generating models only.)
     out = model.generate(
         ids,
         attention_mask=mask,

@@ -18,6 +18,8 @@ from ..errors import TrainingError
 from ..staging import check_output, guarded_folder
 
 EOS = "<|endoftext|>"
+
+
 def train_tokenizer(texts: list[str], vocab_size: int = 4096, max_chars: int = 6_000_000):
     """A byte-level BPE (GPT-2 style) tokenizer with <|endoftext|> as id 0 and as bos, eos and pad; every
     newline is a token of its own.
