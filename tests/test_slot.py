@@ -457,3 +457,12 @@ def test_an_engine_call_out_of_memory_says_what_to_decode_less_of():
 
     with pytest.raises(DeviceError, match=r"CUDA failure 2: out of memory; the device ran out of memory: decode fewer"):
         slot_module.run(OutOfMemory(), None, "bundle/target.onnx")
+
+
+def test_a_python_error_inside_an_engine_call_stays_a_bug_not_a_device_error():
+    class Broken:
+        def run_with_iobinding(self, binding, options):
+            raise TypeError("run_with_iobinding(): incompatible function arguments")
+
+    with pytest.raises(TypeError):
+        slot_module.run(Broken(), None, "bundle/target.onnx")

@@ -15,7 +15,8 @@ class RequestError(SpecbuildError, ValueError):
 
 
 class DeviceError(SpecbuildError):
-    """The device asked for is unknown, or this onnxruntime cannot run on it."""
+    """The device asked for is unknown, this onnxruntime cannot run on it, or an engine call failed on it
+    (e.g. out of memory)."""
 
 
 def first_line(exc: BaseException) -> str:

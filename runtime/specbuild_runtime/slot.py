@@ -44,6 +44,10 @@ def run(session: ort.InferenceSession, binding: ort.IOBinding, path: Path, optio
     try:
         session.run_with_iobinding(binding, options)
     except Exception as exc:
+        # onnxruntime's own exception types, and what pybind11 makes of its C++ ones (std::bad_alloc is a
+        # MemoryError); anything else is a bug of ours, reported as one.
+        if not (type(exc).__module__.startswith("onnxruntime") or isinstance(exc, (RuntimeError, MemoryError))):
+            raise
         said = first_line(exc)
         advice = ("the device ran out of memory: decode fewer requests at once (--parallel), or use a bundle with a "
                   "shorter --max-seq-len or quantized weights" if any(s in said.lower() for s in OUT_OF_MEMORY)

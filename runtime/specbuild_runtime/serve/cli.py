@@ -102,7 +102,8 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
 def _api_key(value: str | None) -> str | None:
     """The key as an HTTP header carries it: printable ASCII (a client could not send another)."""
     if value is not None and not (value and value.isascii() and value.isprintable() and value.strip() == value):
-        raise click.BadParameter("must be printable ASCII without leading or trailing spaces", param_hint="--api-key")
+        raise click.BadParameter("must be a non-empty string of printable ASCII without leading or trailing spaces",
+                                param_hint="--api-key")
     return value
 
 
