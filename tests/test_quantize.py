@@ -251,3 +251,17 @@ def test_one_token_calls_without_a_re_fed_row_would_differ(bundle):
     prompt, rounds = list(range(5, 45)), [list(range(50, 55)), list(range(60, 69))]
     verified, single = logits_batched_and_one_by_one(bundle(target_quantize="int4"), prompt, rounds, never_alone=False)
     assert not np.array_equal(verified, single)
+
+
+def test_draft_agreement_compares_every_token_of_the_continuation(bundles):
+    """new_tokens tokens along the target's greedy continuation, the first (the prompt pass's) to the last."""
+    from specbuild.compile.gamma import draft_agreement
+    from specbuild_runtime import SpeculativeDecoder
+    from specbuild_runtime.slot import AS_FED, NEVER_ALONE, EngineSlot
+
+    decoder = SpeculativeDecoder(bundles("llama", 1))
+    target, draft = EngineSlot(decoder.target, NEVER_ALONE), EngineSlot(decoder.draft, AS_FED)
+    ids = decoder.encode("def f(x):")
+    agreements, target_steps, _ = draft_agreement(target, draft, [ids], 16)
+    alone = decoder.generate(ids, 16, gamma=0).token_ids
+    assert len(agreements[0]) == len(alone) == 16 and len(target_steps) == 15

@@ -96,6 +96,8 @@ def draft_agreement(target: EngineSlot, draft: EngineSlot, prompt_ids: list[list
             draft_steps.append(time.perf_counter() - middle)
             target_steps.append(middle - start)
             token = next_token
+        else:  # the last token, which no step follows
+            agree.append(guess == token)
         agreements.append(agree)
     return agreements, target_steps, draft_steps
 
