@@ -557,3 +557,16 @@ def test_a_set_of_sequences_that_would_end_past_the_budget_is_not_begun(monkeypa
         made.next_batch(rng)
     # sets at 0, 25 and 85 s; at 96 s one would end at 106, past the budget of 100
     assert sum(made.made.values()) == 3 and now[0] == 1000 + 96
+
+
+def test_a_second_distill_to_an_output_being_trained_for_is_refused_at_once(pair, tmp_path, monkeypatch):
+    """The first holds the output's lock while it trains (here: the lock held as its run holds it); the second
+    is refused before loading anything, not after its minutes, and the first's output is not replaced."""
+    from specbuild.staging import _locked
+
+    monkeypatch.setattr(distill_module, "train_model", lambda *a, **k: pytest.fail("trained beside another distill"))
+    output = tmp_path / "draft"
+    with _locked(output.resolve()):
+        with pytest.raises(OutputError, match=r"another process \(pid \d+\) is writing"):
+            distill(pair[0], output, minutes=0.01, overwrite=True)
+    assert not output.exists()

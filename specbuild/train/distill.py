@@ -24,7 +24,8 @@ from ..reference import load_reference, plainly_generating
 from .divergence import distill_loss
 from .generate import Sequence, continue_prompts, eos_ids, pad_id, right_padded, score, until_eos
 from .prompts import MAX_PROMPT_TOKENS, SPAN_TOKENS, Prompts, from_file, from_target, from_text, read_texts
-from .train import check_checkpoint_output, parameter_count, save_checkpoint, train_model
+from ..staging import guarded_folder
+from .train import CHECKPOINT, check_checkpoint_output, parameter_count, train_model, write_checkpoint
 
 DRAFT_SHARE = 0.1  # a default draft has at most this share of the target's parameters, where the vocabulary allows
 NEW_TOKENS = 64  # every generated sequence, and every held-out measurement, continues a prompt this far
@@ -347,6 +348,29 @@ def distill(
     """
     inputs = {"target": target_dir, "init": init, "prompts": prompts_file, "data": data if isinstance(data, Path) else None}
     check_checkpoint_output(output_dir, overwrite, inputs)
+    settings = dict(draft_config=draft_config, init=init, minutes=minutes, prompts_file=prompts_file, data=data,
+                    gamma=gamma, force=force, objective=objective, kinds=kinds, generation_share=generation_share,
+                    heldout_prompts=heldout_prompts, batch_size=batch_size, lr=lr, seed=seed)
+    try:
+        # The output's lock is held while the draft trains: a second distill to it is refused at once, not after
+        # its minutes (and SIGTERM unwinds as Ctrl-C does). A draft not written leaves the output as it was.
+        with guarded_folder(output_dir, overwrite=overwrite, inputs=inputs, **CHECKPOINT) as staging:
+            report, draft, tokenizer = _distill(target_dir, output_dir, **settings)
+            if not report["written"]:
+                raise _Unwritten
+            write_checkpoint(draft, tokenizer, staging)
+    except _Unwritten:
+        pass
+    return report
+
+
+class _Unwritten(Exception):
+    """The draft is not written: guarded_folder then discards its staging folder and leaves the output."""
+
+
+def _distill(target_dir: Path, output_dir: Path, *, draft_config, init, minutes, prompts_file, data, gamma, force,
+             objective, kinds, generation_share, heldout_prompts, batch_size, lr, seed) -> tuple[dict, object, object]:
+    """distill's work, its output locked: (report, draft, tokenizer)."""
     if isinstance(data, Path):
         data = read_texts(data)
     torch.manual_seed(seed)
@@ -394,6 +418,4 @@ def distill(
         "written": alpha(after) > alpha(before) or force,
         "output": str(output_dir),
     }
-    if report["written"]:
-        save_checkpoint(draft, tokenizer, output_dir, overwrite=overwrite, inputs=inputs)
-    return report
+    return report, draft, tokenizer

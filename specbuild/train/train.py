@@ -226,14 +226,18 @@ def save_checkpoint(model, tokenizer, out_dir: Path, *, overwrite: bool = False,
                     inputs: dict[str, Path | None] | None = None) -> None:
     """Write a Hugging Face folder (safetensors, tokenizer, generation_config) atomically, where
     check_checkpoint_output allows."""
+    with guarded_folder(Path(out_dir), overwrite=overwrite, inputs=inputs, **CHECKPOINT) as staging:
+        write_checkpoint(model, tokenizer, staging)
+
+
+def write_checkpoint(model, tokenizer, folder: Path) -> None:
+    """The checkpoint's files into folder (a staging folder of guarded_folder)."""
     from transformers import GenerationConfig
 
-    out_dir = Path(out_dir)
     eos = tokenizer.eos_token_id
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=eos)
-    with guarded_folder(out_dir, overwrite=overwrite, inputs=inputs, **CHECKPOINT) as staging:
-        model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
 
 
 def llama(shape: dict, tokenizer, max_positions: int = 2048, seed: int = 0):
