@@ -79,6 +79,20 @@ def top_k(logits: torch.Tensor, vocab: int, k: int = TEACHER_TOP_K) -> tuple[np.
     return ids.to(torch.int32).numpy(), logprobs.numpy()
 
 
+class TopKPerStep:
+    """A logits processor that keeps each step's top-k (top_k) and passes the scores on unchanged. generate()'s
+    output_logits would hold every step's [B, V] logits until it returns, stacked as many again here (1.7 GB
+    for 64 rows x 64 steps of a 32k vocabulary; four times that at Llama 3's 128k). Last in generate()'s list,
+    it sees the logits after suppress_tokens only, which touches just the rows past vocab that top_k drops."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.steps = vocab, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.steps.append(top_k(scores, self.vocab))
+        return scores
+
+
 @torch.no_grad()
 def continue_prompts(model, prompts: list[list[int]], new_tokens: int, vocab: int, sample: bool, keep_teacher: bool = True,
                      stop_at_eos: bool = True):
@@ -90,6 +104,7 @@ def continue_prompts(model, prompts: list[list[int]], new_tokens: int, vocab: in
     ids, mask = left_padded(prompts, pad)
     # Sampling draws from the whole distribution: no top-k/top-p a generation_config might carry.
     sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {"do_sample": False}
+    teacher = TopKPerStep(vocab)
     # (No processor a checkpoint's generation_config asks for: reference.plainly_generating models only.)
     out = model.generate(
         ids,
@@ -99,17 +114,18 @@ def continue_prompts(model, prompts: list[list[int]], new_tokens: int, vocab: in
         pad_token_id=pad,
         **({} if stop_at_eos else {"eos_token_id": None}),
         suppress_tokens=list(range(vocab, model.config.vocab_size)) or None,
-        output_logits=keep_teacher,
+        logits_processor=[teacher] if keep_teacher else None,
         return_dict_in_generate=True,
     )
     continuations = out.sequences[:, ids.shape[1] :].tolist()
-    logits = torch.stack(out.logits, 1) if keep_teacher else None  # [B, new, V]
+    if keep_teacher:
+        step_ids, step_logprobs = np.stack([i for i, _ in teacher.steps], 1), np.stack([lp for _, lp in teacher.steps], 1)
     sequences = []
     for row, (prompt, continuation) in enumerate(zip(prompts, continuations)):
         continuation = until_eos(continuation, stops) if stop_at_eos else continuation
         tokens = np.asarray(prompt + continuation, dtype=np.int32)
         if keep_teacher:
-            top_ids, top_logprobs = top_k(logits[row, : len(continuation)], vocab)
+            top_ids, top_logprobs = step_ids[row, : len(continuation)], step_logprobs[row, : len(continuation)]
         else:
             top_ids = top_logprobs = np.zeros((len(continuation), 0))
         sequences.append(Sequence(tokens, len(prompt) - 1, top_ids, top_logprobs))
