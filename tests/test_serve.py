@@ -732,3 +732,12 @@ def test_generate_chat_sends_the_prompt_as_serve_chat_renders_it(server, bundle,
     plain = subprocess.run([sys.executable, "-m", "specbuild", "generate", str(bundles("llama", 1)), "-p", "x", "--chat"],
                            capture_output=True, text=True)
     assert plain.returncode == 2 and "has no chat template" in plain.stderr
+
+
+def test_an_empty_api_key_variable_is_refused_not_taken_for_no_key(bundle):
+    """click reads an empty SPECBUILD_API_KEY as unset: a deploy whose secret came out empty served openly."""
+    import os
+
+    run = subprocess.run([sys.executable, "-m", "specbuild", "serve", str(bundle), "--port", str(free_port())],
+                         env={**os.environ, "SPECBUILD_API_KEY": ""}, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "SPECBUILD_API_KEY is set but empty" in run.stderr, run.stderr

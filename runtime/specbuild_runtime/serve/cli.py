@@ -101,6 +101,9 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
 
 def _api_key(value: str | None) -> str | None:
     """The key as an HTTP header carries it: printable ASCII (a client could not send another)."""
+    if value is None and os.environ.get("SPECBUILD_API_KEY") == "":  # click takes an empty variable for unset
+        raise click.BadParameter("SPECBUILD_API_KEY is set but empty, which would leave the server open; set the key, "
+                                 "or unset the variable to serve without one", param_hint="--api-key")
     if value is not None and not (value and value.isascii() and value.isprintable() and value.strip() == value):
         raise click.BadParameter("must be a non-empty string of printable ASCII without leading or trailing spaces",
                                 param_hint="--api-key")
