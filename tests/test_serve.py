@@ -712,6 +712,8 @@ def test_an_api_key_guards_the_v1_routes_and_leaves_health_and_metrics_open(bund
         assert httpx.get(f"{url}/v1/models").status_code == 401
         wrong = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer s3cre"})
         assert wrong.status_code == 401 and "a valid API key is required" in wrong.json()["error"]["message"]
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Basic s3cret"}).status_code == 401
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200  # RFC 6750
         assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/metrics").status_code == 200
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
         reply = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=4)

@@ -227,12 +227,14 @@ class RequireApiKey:
     /metrics stay open to probes and scrapers."""
 
     def __init__(self, app, key: str):
-        self.app, self.expected = app, f"Bearer {key}".encode()
+        self.app, self.expected = app, key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):  # in constant time: no key guessed byte by byte
+            scheme, _, token = given.partition(b" ")
+            # The scheme in any case (RFC 6750); the key in constant time: none guessed byte by byte.
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(b" "), self.expected):
                 error = ApiError(401, "a valid API key is required: send the header 'Authorization: Bearer KEY' "
                                       "(the openai client's api_key)")
                 await JSONResponse(error.body(), 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
