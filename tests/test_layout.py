@@ -35,7 +35,9 @@ def test_the_wheel_carries_the_files_the_commands_read(tmp_path):
 
     root = Path(__file__).resolve().parent.parent
     source = tmp_path / "source"  # a copy: setuptools builds in the source tree
-    shutil.copytree(root / "specbuild", source / "specbuild", ignore=shutil.ignore_patterns("__pycache__"))
+    # Links kept as links: a package file that links outside the package would dangle in the copy and be left out,
+    # as from an sdist unpacked elsewhere.
+    shutil.copytree(root / "specbuild", source / "specbuild", symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(root / name, source)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path),
