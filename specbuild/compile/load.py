@@ -217,8 +217,9 @@ def _check_tied_head(ckpt: Checkpoint, role: str) -> None:
     embeddings, the TensorRT-LLM export the stored head): config.json must say which."""
     if not ckpt.spec.tie_word_embeddings or "lm_head.weight" not in ckpt.loaded:
         return
-    embed = "transformer.wte.weight" if ckpt.spec.family == "gpt2" else "model.embed_tokens.weight"
-    embed = embed if embed in ckpt.entries else embed.split(".", 1)[1]
+    # GPT-2's names, as graphs/gpt2.py reads them: "transformer."-prefixed when saved from GPT2LMHeadModel.
+    gpt2 = "transformer." if "transformer.wte.weight" in ckpt.entries else ""
+    embed = f"{gpt2}wte.weight" if ckpt.spec.family == "gpt2" else "model.embed_tokens.weight"
     rows = ckpt.entry("lm_head.weight").shape[0]
     for start in range(0, rows, 4096):  # a few MB at a time, not a second copy of the table
         stop = min(start + 4096, rows)
