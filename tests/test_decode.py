@@ -410,8 +410,8 @@ def test_cuda_graphs_by_default_on_cuda_for_unquantized_fp16_and_bf16_bundles(bu
         assert not graphs_by_default(variant(precision=precision), "cpu")
     assert not graphs_by_default(fp32, "cuda")  # its attention runs on the CPU provider
     assert not graphs_by_default(variant(precision="fp16", quantization="int4"), "cuda")  # not yet run captured
-    assert not graphs_by_default(variant(precision="fp16", architecture="GPT2LMHeadModel"), "cuda")  # engine.UNCAPTURED
-    assert not graphs_by_default(variant(precision="fp16", architecture="Gemma3ForCausalLM"), "cuda")  # not yet run captured
+    assert graphs_by_default(variant(precision="fp16", architecture="GPT2LMHeadModel"), "cuda")  # replayed right on an H100
+    assert not graphs_by_default(variant(precision="fp16", architecture="Qwen3ForCausalLM"), "cuda")  # not yet run captured
     assert not graphs_by_default(variant(precision="fp16", greedy_file=""), "cuda")  # compiled before them
     assert not graphs_by_default(replace(variant(precision="fp16"), sampler_file=""), "cuda")
 
@@ -431,6 +431,5 @@ def test_why_a_bundle_decodes_uncaptured_by_default_is_said_in_words(bundle):
     assert uncaptured_because(variant(precision="fp16")) == ""
     assert "fp32" in uncaptured_because(fp32)
     assert "int4 engines not yet run captured" in uncaptured_because(variant(precision="bf16", quantization="int4"))
-    assert "Qwen2ForCausalLM not yet run captured" in uncaptured_because(variant(precision="fp16", architecture="Qwen2ForCausalLM"))
-    assert "GPT-2, whose replays gave other tokens" in uncaptured_because(variant(precision="fp16", architecture="GPT2LMHeadModel"))
+    assert "Qwen3ForCausalLM not yet run captured" in uncaptured_because(variant(precision="fp16", architecture="Qwen3ForCausalLM"))
     assert "recompile" in uncaptured_because(variant(precision="fp16", greedy_file=""))

@@ -17,7 +17,7 @@ from typing import Iterator
 import numpy as np
 from tokenizers import Tokenizer
 
-from .engine import CAPTURED_BY_DEFAULT, UNCAPTURED, Engine, Sampler, requested_device, use_shared_thread_pool
+from .engine import CAPTURED_BY_DEFAULT, Engine, Sampler, requested_device, use_shared_thread_pool
 from .errors import BundleError, DeviceError
 from .manifest import TOKENIZER_DIR, Manifest, load_manifest
 from .policy import GREEDY_DECAYS, SAMPLING_DECAYS, AdaptiveGamma, Costs, FixedGamma, PriorCosts
@@ -409,7 +409,7 @@ class SpeculativeDecoder:
 
 def graphs_by_default(manifest: Manifest, device: str) -> bool:
     """CUDA graphs unless asked otherwise: on CUDA, for bundles of the kind measured to replay exactly what
-    uncaptured calls decode (tests/test_gpu.py on an H200: fp16 and bf16 engines, unquantized, of the
+    uncaptured calls decode (tests/test_gpu.py on an H200 and an H100: fp16 and bf16 engines, unquantized, of the
     architectures in engine.CAPTURED_BY_DEFAULT, with the greedy-only graphs; fp16 target-only decoded 1.4x as
     fast); nor on the CPU, where the greedy-only graphs gain little (README, GPU)."""
     return device == "cuda" and not uncaptured_because(manifest)
@@ -422,8 +422,6 @@ def uncaptured_because(manifest: Manifest) -> str:
     for role, e in sorted(manifest.engines.items(), key=lambda item: item[0] != "target"):  # the target's first
         if e.precision == "fp32":
             return f"the {role} is fp32, whose attention onnxruntime runs on the CPU (none can be captured)"
-        if e.architecture in UNCAPTURED:
-            return f"the {role} is {UNCAPTURED[e.architecture]}, whose replays gave other tokens (refused)"
         if e.quantization != "none" or e.architecture not in CAPTURED_BY_DEFAULT:
             what = f"{e.quantization} engines" if e.quantization != "none" else e.architecture
             return f"{what} not yet run captured on a GPU (--cuda-graphs asks for them)"
