@@ -71,7 +71,7 @@ def workload(args) -> list[dict]:
 
     jobs = []
     for i, prompt in enumerate(read_prompts(CODE_PROMPTS)[: args.prompts]):
-        jobs.append({"prompt": prompt, "max_tokens": args.max_tokens})
+        jobs.append({"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0})  # serve samples without one
         jobs.append({"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0.8, "top_p": 0.95, "seed": i, "gamma": 4})
     return jobs
 

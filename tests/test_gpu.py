@@ -327,8 +327,8 @@ def test_a_cuda_server_gives_sixteen_concurrent_clients_their_sequential_outputs
     record_property("start_up_captures", f"{warmed_up[1]} in {warmed_up[2]} s")
 
 
-# Never run on a GPU yet: last, so that a CUDA error they may leave behind (which can poison the process)
-# comes after every test that has passed before.
+# First run on the H100 of 2026-11-26 (passed): last, so that a CUDA error they may leave behind (which can
+# poison the process) comes after every test that has passed before.
 
 
 def test_an_int4_bundle_decodes_speculatively_as_target_only_on_cuda_captured_or_not(checkpoints, tmp_path):

@@ -37,7 +37,7 @@ CHAT_TEMPLATE = (
     "<|{{ message['role'] }}|>\n{{ message['content'] | trim }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-GREEDY = {}
+GREEDY = {"temperature": 0}  # sent: a request without one samples (serve --generation-config auto, OpenAI's default)
 SAMPLED = [dict(temperature=0.8, top_p=0.9, seed=7, gamma=2), dict(temperature=1.0, top_k=20, seed=3, gamma=3)]
 FINISH = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "context": "length"}
 
@@ -177,9 +177,10 @@ def test_stop_strings_cut_the_text_and_finish_with_stop(client, reference):
     stop = full[10:13]
     expected = reference.generate(PROMPTS[0], max_new_tokens=40, stop=[stop])
     assert expected.stats.finish_reason == "stop" and stop not in expected.text  # the case is what it claims
-    whole = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, stop=stop)
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, stop=stop, temperature=0)
     assert whole.choices[0].text == expected.text and whole.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, stop=[stop, "\x00"], stream=True)
+    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=40, stop=[stop, "\x00"], stream=True,
+                                         temperature=0)
     assert "".join(c.choices[0].text for c in streamed) == expected.text
 
 
@@ -257,8 +258,6 @@ BAD_REQUESTS = [
     ("chat/completions", b'{"messages": [{"role": "user", "content": "x"}, {"role": "\\ud800", "content": "y"}]}',
      "messages[1].role is not valid UTF-8"),
     ("completions", b'{"prompt": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", "nests JSON too deeply"),
-    ("completions", {"prompt": "x", "top_p": 0.9}, "top_p shapes sampling, and without a temperature"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_k": 5}, "send a temperature too"),
 ]
 
 
@@ -276,7 +275,7 @@ def test_bad_requests_get_400_with_a_message(server, endpoint, body, message):
 
 def test_what_clients_send_by_default_asking_for_plain_text_is_accepted_as_if_absent(server, reference):
     """tool_choice "none", a text response_format, text modalities, parallel_tool_calls, vLLM's top_k -1, top_p 1."""
-    chat = {"messages": [{"role": "user", "content": "def f(x):"}], "max_tokens": 8}
+    chat = {"messages": [{"role": "user", "content": "def f(x):"}], "max_tokens": 8, "temperature": 0}
     plain = httpx.post(f"{server}/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
     for extra in ({"tool_choice": "none"}, {"response_format": {"type": "text"}}, {"modalities": ["text"]},
                   {"parallel_tool_calls": True}, {"parallel_tool_calls": False}, {"top_k": -1}, {"top_k": 0},
@@ -329,7 +328,7 @@ def test_sigterm_ends_in_flight_streams_cleanly_and_exits(bundle, tmp_path):
     one that finished first ends normally. Either way the client reads a complete stream."""
     log = tmp_path / "server.log"
     with specbuild_serve(bundle, log, "--shutdown-timeout", 0) as (process, url):
-        body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": MAX_SEQ_LEN, "stream": True}
+        body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": MAX_SEQ_LEN, "stream": True, "temperature": 0}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as reply:
             lines = reply.iter_lines()
             first = next(line for line in lines if line)
@@ -368,7 +367,7 @@ def test_a_body_longer_than_any_request_that_fits_is_413_and_the_server_goes_on(
         content = json.dumps({"prompt": "x" * 1_000_000}).encode()
         reply = httpx.post(f"{server}/v1/completions", content=content if declared else iter([content]))
         assert reply.status_code == 413 and "context" in reply.json()["error"]["message"]
-    after = httpx.post(f"{server}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8}, timeout=60)
+    after = httpx.post(f"{server}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}, timeout=60)
     assert after.json()["choices"][0]["text"] == reference.generate(PROMPTS[0], max_new_tokens=8).text
 
 
@@ -444,7 +443,7 @@ def in_process(bundle: Path, **settings):
 def streaming(url: str, prompt: str = PROMPTS[2], max_tokens: int = 200):
     """A streamed completion, read up to its first event; yields (first event, iterator over the other events)."""
     with httpx.Client(timeout=60) as http:
-        body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
+        body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0}
         with http.stream("POST", f"{url}/v1/completions", json=body) as response:
             events = (line for line in response.iter_lines() if line)
             yield next(events), events
@@ -460,7 +459,7 @@ def test_full_queue_answers_429_with_retry_after(bundle, reference):
     with in_process(bundle, max_queue=1) as (url, decoder, _), streaming(url) as (_, events):
         assert decoder.paused.acquire(timeout=60)  # the only slot is busy until `go`
         queued = threading.Thread(target=lambda: results.append(
-            httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 16}, timeout=60)))
+            httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0}, timeout=60)))
         queued.start()
         wait_until(lambda: metric_values(url)[("specbuild_queue_depth", ())] == 1, "the second request queued")
         full = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 16})
@@ -488,13 +487,14 @@ def test_a_client_that_leaves_frees_its_slot_for_the_next_request(bundle, refere
     expected = reference.generate(PROMPTS[1], max_new_tokens=24).text
     cancelled = ("specbuild_requests_total", (("endpoint", "completions"), ("outcome", "cancelled")))
     with in_process(bundle) as (url, decoder, _):
-        with raw_post(url, "/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 200, "stream": stream}):
+        with raw_post(url, "/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 200, "stream": stream, "temperature": 0}):
             assert decoder.paused.acquire(timeout=60)  # decoding, and holding the only slot
         wait_until(lambda: metric_values(url).get(cancelled) == 1, "the server saw the client leave")
         decoder.go.set()
         wait_until(lambda: metric_values(url)[("specbuild_slots_busy", ())] == 0, "the slot was freed")
         assert decoder.deltas[0] <= 2  # stopped right after the pause, not decoded to its 200 tokens
-        after = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 24}, timeout=60)
+        after = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0},
+                           timeout=60)
         assert after.json()["choices"][0]["text"] == expected
 
 
@@ -576,6 +576,111 @@ def test_compile_keeps_the_chat_template_in_either_form(form, tmp_path, tokenize
         target = with_template(make_checkpoint(tmp_path / "target", "llama", tokenizer, seed=0), form)
         compiled = compile_pair(target, checkpoints("llama", 1), tmp_path / "bundle")
     assert load_chat_template(compiled / "tokenizer").source == CHAT_TEMPLATE
+
+
+# --- Sampling defaults (serve --generation-config) -----------------------------------------------------------------
+
+# As instruct checkpoints ship it: sampling recommended, with a penalty this server does not have. Values that bite on
+# the test pair (a temperature of 1 or top_k of all would decode other text: test_the_bundles_... checks it).
+GENERATION_CONFIG = {"do_sample": True, "temperature": 1.5, "top_k": 3, "repetition_penalty": 1.3}
+
+
+@pytest.fixture(scope="module")
+def sampling_bundle(tmp_path_factory, checkpoints):
+    root = tmp_path_factory.mktemp("sampling")
+    target = Path(shutil.copytree(checkpoints("llama", 0), root / "target"))
+    config = json.loads((target / "generation_config.json").read_text())
+    (target / "generation_config.json").write_text(json.dumps({**config, **GENERATION_CONFIG}))
+    return compile_pair(target, checkpoints("llama", 1), root / "bundle")
+
+
+def seeded(url: str, **fields) -> str:
+    body = {"prompt": PROMPTS[0], "max_tokens": 16, "seed": 3, **fields}
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["text"]
+
+
+def test_compile_records_the_sampling_fields_the_targets_generation_config_sets(sampling_bundle, bundle):
+    from specbuild_runtime.manifest import load_manifest
+
+    assert load_manifest(sampling_bundle).generation_config == GENERATION_CONFIG
+    assert load_manifest(bundle).generation_config == {}  # eos and bos ids only: no sampling field
+
+
+def test_requests_that_omit_sampling_fields_get_the_bundles_generation_config_and_theirs_win(sampling_bundle):
+    """As vLLM's server (--generation-config auto, its default): field by field, the request's value, else the
+    generation_config's, else OpenAI's."""
+    from specbuild_runtime import SpeculativeDecoder
+
+    reference = SpeculativeDecoder(sampling_bundle)
+
+    def expected(**settings) -> str:
+        return reference.generate(PROMPTS[0], max_new_tokens=16, seed=3, **settings).text
+
+    from_config = expected(temperature=1.5, top_k=3)
+    assert len({from_config, expected(), expected(temperature=1.5), expected(temperature=1.0, top_k=3)}) == 4
+    with in_process(sampling_bundle) as (url, decoder, _):
+        decoder.go.set()
+        assert seeded(url) == seeded(url, temperature=None, top_k=None) == from_config
+        assert seeded(url, temperature=0) == expected()
+        assert seeded(url, top_k=0) == expected(temperature=1.5)
+        assert seeded(url, temperature=1.0) == expected(temperature=1.0, top_k=3)
+        assert seeded(url, top_p=0.5) == expected(temperature=1.5, top_k=3, top_p=0.5)  # top_p alone: sampled
+
+
+@pytest.mark.parametrize("mode", ["vllm", "greedy"])
+def test_generation_config_vllm_or_greedy_sets_the_bundles_defaults_aside(sampling_bundle, mode):
+    """vllm: OpenAI's defaults, as vLLM's --generation-config vllm; greedy: this server's earlier default, under
+    which a top_p or top_k without a temperature would be ignored, so it is refused."""
+    from specbuild_runtime import SpeculativeDecoder
+
+    reference = SpeculativeDecoder(sampling_bundle)
+    with in_process(sampling_bundle, generation_config=mode) as (url, decoder, _):
+        decoder.go.set()
+        temperature = {"vllm": 1.0, "greedy": 0.0}[mode]
+        assert seeded(url) == reference.generate(PROMPTS[0], max_new_tokens=16, seed=3, temperature=temperature).text
+        shaped = [httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2, name: value})
+                  for name, value in (("top_p", 0.9), ("top_k", 5))]
+        assert [reply.status_code for reply in shaped] == [{"vllm": 200, "greedy": 400}[mode]] * 2
+        if mode == "greedy":
+            assert "top_p shapes sampling, and without a temperature" in shaped[0].json()["error"]["message"]
+            assert "(as --generation-config greedy asks" in shaped[0].json()["error"]["message"]
+            assert "send a temperature too" in shaped[1].json()["error"]["message"]
+
+
+def test_the_start_up_line_names_the_defaults_and_what_of_the_generation_config_is_not_applied(sampling_bundle, tmp_path):
+    log = tmp_path / "server.log"
+    with specbuild_serve(sampling_bundle, log) as (_, url):
+        assert healthy(url)
+    line = next(line for line in log.read_text().splitlines() if line.startswith("serving "))
+    assert line.endswith("requests without temperature/top_p/top_k get temperature 1.5, top_k 3 (from the bundle's "
+                         "generation_config); generation_config fields not applied: repetition_penalty 1.3"), line
+
+
+def test_a_bundle_compiled_before_manifests_recorded_the_generation_config_serves_with_openais_defaults(bundle, tmp_path):
+    from specbuild_runtime import SpeculativeDecoder
+    from specbuild_runtime.serve.app import Server, Settings
+
+    old = Path(shutil.copytree(bundle, tmp_path / "bundle"))
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["generation_config"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    server = Server(SpeculativeDecoder(old), Settings(model=MODEL))
+    assert server.defaults.values == {"temperature": 1} and "recompile it" in str(server.defaults)
+    asyncio.run(server.scheduler.close())
+
+
+def test_generation_config_values_this_server_cannot_apply_are_named_not_applied():
+    """A value the runtime refuses (as it would a request's), fields vLLM applies and this server lacks, and
+    do_sample false, which vLLM does not read either; values that change nothing go unnamed."""
+    from specbuild_runtime.serve.protocol import sampling_defaults
+
+    defaults = sampling_defaults({"temperature": -1, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                                  "max_new_tokens": 512, "do_sample": False}, "auto")
+    assert defaults.values == {"temperature": 1, "top_k": 0} and not defaults.greedy
+    assert defaults.ignored == ("temperature -1 (temperature must be 0 (greedy) or more, not -1.0)", "max_new_tokens 512",
+                                "do_sample false")
 
 
 # --- README ------------------------------------------------------------------------------------------------------
@@ -716,7 +821,7 @@ def test_an_api_key_guards_the_v1_routes_and_leaves_health_and_metrics_open(bund
         assert httpx.get(f"{url}/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200  # RFC 6750
         assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/metrics").status_code == 200
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
-        reply = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=4)
+        reply = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=4, temperature=0)
         assert reply.choices[0].finish_reason == "length"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0).models.list()
@@ -726,7 +831,7 @@ def test_generate_chat_sends_the_prompt_as_serve_chat_renders_it(server, bundle,
     """`specbuild generate --chat`: one user message in the bundle's template, the reply alone, the tokens of the
     server's chat completion for the same message."""
     served = httpx.post(f"{server}/v1/chat/completions",
-                        json={"messages": [{"role": "user", "content": "Write fib"}], "max_tokens": 8}).json()
+                        json={"messages": [{"role": "user", "content": "Write fib"}], "max_tokens": 8, "temperature": 0}).json()
     run = subprocess.run([sys.executable, "-m", "specbuild", "generate", str(bundle), "-p", "Write fib", "--chat", "-n", "8",
                           "--json"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr

@@ -157,6 +157,10 @@ class Manifest:
     build: dict = field(default_factory=dict)
     tensorrt_llm: TensorRTLLMPart | None = None
     sampler_file: str = ""  # SAMPLER with ONNX engines ("" in bundles made before it)
+    # The sampling fields the target's generation_config.json sets, as written ({"temperature": 0.6, ...}; {}
+    # for none): `serve` takes temperature, top_p and top_k from it for requests that omit them, as vLLM does.
+    # None in bundles made before it.
+    generation_config: dict | None = None
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 

@@ -502,16 +502,36 @@ def special_tokens(tokenizer) -> dict:
     return {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id}
 
 
+def generation_config(ckpt: Checkpoint) -> dict:
+    """The checkpoint's generation_config.json as written ({} without one)."""
+    path = ckpt.path / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is not a JSON object ({type(exc).__name__}: {exc}); fix or remove it") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} is not a JSON object (a JSON {type(config).__name__}); fix or remove it")
+    return config
+
+
+# The generation_config.json fields vLLM's OpenAI server takes as the defaults of requests that omit them
+# (ModelConfig.get_diff_sampling_param), and do_sample, which it does not read: serve applies those it has
+# (temperature, top_p, top_k) and names the others at start (runtime: serve.protocol.sampling_defaults).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens", "do_sample")
+
+
+def sampling_defaults(ckpt: Checkpoint) -> dict:
+    """The sampling fields the checkpoint's generation_config.json sets, as written: values transformers' own
+    GenerationConfig would fill in for absent fields are not the model author's and are not taken."""
+    config = generation_config(ckpt)
+    return {name: config[name] for name in SAMPLING_FIELDS if config.get(name) is not None}
+
+
 def eos_token_ids(ckpt: Checkpoint) -> list[int]:
     """End-of-sequence ids as transformers' generate() would use them (generation_config first)."""
-    gen_path = ckpt.path / "generation_config.json"
-    eos = None
-    if gen_path.is_file():
-        try:
-            eos = json.loads(gen_path.read_text()).get("eos_token_id")
-        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
-            raise CheckpointError(f"{gen_path} is not a JSON object ({type(exc).__name__}: {exc}); fix or "
-                                  "remove it") from None
+    eos = generation_config(ckpt).get("eos_token_id")
     if eos is None:
         eos = getattr(ckpt.config, "eos_token_id", None)
     if eos is None:

@@ -25,7 +25,7 @@ from . import tensorrt_llm
 from .bundle import staged_bundle, write_manifest
 from .export import export_engine, write_sampler
 from .graphs import check_every_tensor_used
-from .load import Checkpoint, check_context, eos_token_ids, load_checkpoint, validate_pair
+from .load import Checkpoint, check_context, eos_token_ids, load_checkpoint, sampling_defaults, validate_pair
 from .precision import DEFAULT_ACCURACY_LEVEL, Numerics
 from .quality import measure_quality, quality_texts
 
@@ -99,7 +99,8 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
         stages.start("writing the bundle")
         save_tokenizer(target.tokenizer, folder / TOKENIZER_DIR)
         manifest = Manifest(engines=engines, max_seq_len=max_seq_len, gamma=settings.gamma, eos_token_ids=eos,
-                            files={}, created_by=f"specbuild {__version__}", tensorrt_llm=trtllm, sampler_file=sampler)
+                            files={}, created_by=f"specbuild {__version__}", tensorrt_llm=trtllm, sampler_file=sampler,
+                            generation_config=sampling_defaults(target))
         manifest.build = stages.finish()  # all but the bundle's digests, which write_manifest takes next
         write_manifest(folder, manifest)
     return manifest

@@ -48,6 +48,7 @@ class Settings:
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
     max_connections: int = 1024  # open connections (and requests) at once; more get 503
     api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1 routes; None: open
+    generation_config: str = "auto"  # where requests that omit temperature/top_p/top_k get them (protocol.sampling_defaults)
 
 
 class Server:
@@ -57,6 +58,7 @@ class Server:
         self.decoder = decoder
         self.settings = settings
         self.chat_template = load_chat_template(decoder.root / TOKENIZER_DIR)
+        self.defaults = protocol.sampling_defaults(decoder.manifest.generation_config, settings.generation_config)
         slots = decoder.slots.size
         self.metrics = Metrics(slots)
         self.scheduler = Scheduler(decoder, slots, settings.max_queue, settings.timeout, self.metrics)
@@ -117,7 +119,7 @@ class Server:
 
     async def _generate(self, endpoint: str, http: HttpRequest) -> Response:
         try:
-            request = protocol.parse(endpoint, await self._body(http), self.settings.model)
+            request = protocol.parse(endpoint, await self._body(http), self.settings.model, self.defaults)
             # Tokenizing (and rendering a chat) costs up to milliseconds: off the event loop.
             checked = await asyncio.to_thread(self._checked, request)
             job = self.scheduler.submit(checked)

@@ -14,6 +14,7 @@ import click
 
 from ..engine import DEVICES
 from ..errors import SpecbuildError
+from .protocol import GENERATION_CONFIG_MODES
 
 
 class Finite(click.FloatRange):
@@ -68,8 +69,13 @@ draft_steps_option = click.option(
 @click.option("--check-digests/--no-check-digests", default=True, show_default=True,
               help="Hash every bundle file at start against the manifest (~1.2 GB/s: 13 s for an 8B fp16 bundle); "
                    "skip it for a bundle checked where it was deployed (specbuild inspect checks them).")
+@click.option("--generation-config", type=click.Choice(GENERATION_CONFIG_MODES), default="auto", show_default=True,
+              help="Where a request that omits temperature, top_p or top_k gets them, as in vLLM: auto: the sampling "
+                   "defaults of the target's generation_config.json (compile records them), else OpenAI's (temperature "
+                   "1: sampling); vllm: OpenAI's alone; greedy: none (greedy unless a request sends a temperature). "
+                   "The start-up line says which apply.")
 def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel, threads, max_queue, timeout,
-                  shutdown_timeout, max_connections, model_name, api_key, check_digests) -> None:
+                  shutdown_timeout, max_connections, model_name, api_key, check_digests, generation_config) -> None:
     """Serve a bundle over the OpenAI HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     from ..decode import SpeculativeDecoder
     from ..engine import use_shared_thread_pool
@@ -86,7 +92,7 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
                                  draft_steps=draft_steps, check_digests=check_digests)
     settings = Settings(model=model_name or Path(bundle).resolve().name, max_queue=max_queue,
                         timeout=timeout or None, shutdown_timeout=shutdown_timeout, max_connections=max_connections,
-                        api_key=api_key)
+                        api_key=api_key, generation_config=generation_config)
     server = Server(decoder, settings)
     if decoder.target.captures:
         click.echo(f"capturing CUDA graphs on {parallel} slot(s) before serving...", err=True)
@@ -95,7 +101,7 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
         click.echo(f"captured {captured} CUDA graphs in {time.perf_counter() - started:.1f} s", err=True)
     where = f"[{host}]" if ":" in host else host
     click.echo(f"serving {settings.model!r} from {bundle} on http://{where}:{listener.getsockname()[1]}: "
-               f"{parallel} slot(s), queue {max_queue}", err=True)
+               f"{parallel} slot(s), queue {max_queue}; {server.defaults}", err=True)
     server.http_server(host, port).run(sockets=[listener])
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..decode import Stats
 from ..errors import RequestError
-from ..validation import whole
+from ..validation import GREEDY_BELOW, check_request, whole
 
 COMPLETIONS, CHAT = "completions", "chat"
 DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: None}  # OpenAI's defaults; None: until the context is full
@@ -41,6 +41,75 @@ NEUTRAL = {"tool_choice": ["none"], "response_format": [{"type": "text"}], "moda
 # The runtime's names for what the API calls otherwise, to name them back in error messages.
 RUNTIME_NAMES = {"max_new_tokens": "max_tokens"}
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "context": "length"}
+
+
+# serve --generation-config: where a request that omits temperature, top_p or top_k gets them. vLLM's two modes
+# ("auto": the bundle's generation_config, else OpenAI's defaults; "vllm": OpenAI's defaults alone) and
+# "greedy", this server's earlier default (a request without a temperature decodes greedily).
+GENERATION_CONFIG_MODES = ("auto", "vllm", "greedy")
+SAMPLING = ("temperature", "top_p", "top_k")  # what a generation_config may set that this server has
+OPENAI_DEFAULTS = {"temperature": 1}  # top_p 1 and top_k 0 (no limit) are the runtime's own
+# generation_config values that change nothing here or in vLLM, left out of the start-up line's "not applied"
+NEUTRAL_GENERATION = {"do_sample": True, "repetition_penalty": 1, "min_p": 0}
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """The temperature, top_p and top_k of requests that omit them, and where they come from (in words)."""
+
+    values: dict
+    source: str  # e.g. "from the bundle's generation_config"
+    ignored: tuple[str, ...] = ()  # generation_config fields not applied, as "name value"
+
+    @property
+    def greedy(self) -> bool:
+        return self.values.get("temperature", 0) < GREEDY_BELOW
+
+    def __str__(self) -> str:
+        """For the start-up line: what requests that omit them get, from where, and what is not applied."""
+        given = ", ".join(f"{name} {_json(value)}" for name, value in self.values.items()) or "greedy decoding"
+        ignored = f"; generation_config fields not applied: {', '.join(self.ignored)}" if self.ignored else ""
+        return f"requests without temperature/top_p/top_k get {given} ({self.source}){ignored}"
+
+
+def sampling_defaults(generation_config: dict | None, mode: str) -> Defaults:
+    """serve's Defaults under --generation-config `mode` for a bundle whose manifest records `generation_config`
+    (None: compiled before manifests recorded it). As vLLM's server, a field the request omits (or sends null)
+    comes from the model's generation_config, else from OpenAI's defaults; other fields vLLM takes from it
+    (min_p, repetition_penalty, max_new_tokens) this server does not have, and vLLM ignores do_sample (a
+    do_sample false with no temperature samples at 1 there too): those are named, never applied."""
+    if mode == "greedy":
+        return Defaults({}, "as --generation-config greedy asks")
+    if mode == "vllm":
+        return Defaults(dict(OPENAI_DEFAULTS), "OpenAI's defaults, as --generation-config vllm asks")
+    if generation_config is None:
+        return Defaults(dict(OPENAI_DEFAULTS), "OpenAI's defaults; this bundle was compiled before manifests recorded "
+                                               "the generation_config: recompile it to apply its checkpoint's")
+    taken, ignored = {}, []
+    for name, value in generation_config.items():
+        if name in SAMPLING:
+            value = 0 if name == "top_k" and type(value) is int and value == -1 else value  # vLLM's "no limit"
+            try:  # the runtime's checks: a value it refuses is named, as a request's would be
+                check_request([0], encode=None, vocab_size=1, max_seq_len=1, max_gamma=0, **{name: value})
+            except RequestError as exc:
+                ignored.append(f"{name} {_json(value)} ({exc})")
+                continue
+            taken[name] = value
+        elif not _same(value, NEUTRAL_GENERATION.get(name, ...)):
+            ignored.append(f"{name} {_json(value)}")
+    if "temperature" in taken:
+        return Defaults(taken, "from the bundle's generation_config", tuple(ignored))
+    source = (f"{', '.join(taken)} from the bundle's generation_config, temperature OpenAI's default" if taken else
+              "OpenAI's defaults; the bundle's generation_config sets none of them")
+    return Defaults({**OPENAI_DEFAULTS, **taken}, source, tuple(ignored))
+
+
+def _same(value, neutral) -> bool:
+    return value == neutral and (type(value) is bool) == (type(neutral) is bool)  # True == 1, yet no penalty
+
+
+def _json(value) -> str:
+    return json.dumps(value) if isinstance(value, (bool, int, float, str)) or value is None else repr(value)
 
 
 class ApiError(Exception):
@@ -88,7 +157,7 @@ class Request:
     include_usage: bool
 
 
-def parse(endpoint: str, raw: bytes, model: str) -> Request:
+def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults) -> Request:
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -119,14 +188,15 @@ def parse(endpoint: str, raw: bytes, model: str) -> Request:
     decoding = {name: body[name] for name in DECODING if body.get(name) is not None}
     if type(decoding.get("top_k")) is int and decoding["top_k"] == -1:
         decoding["top_k"] = 0  # vLLM's "no limit", which its clients send
-    # Without a temperature this server decodes greedily (OpenAI samples at 1): a top_p or top_k that asks for
-    # a restriction would be ignored there, so it is refused, as the command line refuses it.
-    # (Values out of range are left to the runtime's checks, which name the range.)
+    # Where the default temperature is greedy, a top_p or top_k that asks for a restriction would be ignored,
+    # so it is refused, as the command line refuses it. (Values out of range are left to the runtime's checks,
+    # which name the range.)
     top_p, top_k = decoding.get("top_p", 1), decoding.get("top_k", 0)
     shaping = ["top_p"] * (type(top_p) in (int, float) and 0 < top_p < 1) + ["top_k"] * (type(top_k) is int and top_k > 0)
-    if "temperature" not in decoding and shaping:
+    if "temperature" not in decoding and shaping and defaults.greedy:
         raise ApiError(400, f"{shaping[0]} shapes sampling, and without a temperature this server decodes greedily "
-                            "(OpenAI's default is 1): send a temperature too, e.g. 1", shaping[0])
+                            f"({defaults.source}; OpenAI's default is 1): send a temperature too, e.g. 1", shaping[0])
+    decoding = {**defaults.values, **decoding}
     max_tokens = _first_given(body, *(["max_completion_tokens"] if endpoint == CHAT else []), "max_tokens")
     for name in ("max_completion_tokens", "max_tokens") if endpoint == CHAT else ():
         try:  # checked here, where its own name is known (the runtime's errors say max_tokens), both if both given
