@@ -18,9 +18,9 @@ from pathlib import Path
 import click
 
 from specbuild_runtime.engine import DEVICES
-from specbuild_runtime.errors import SpecbuildError
+from specbuild_runtime.errors import RequestError, SpecbuildError
 from specbuild_runtime.serve.cli import Finite, cuda_graphs_option, draft_steps_option, serve_command
-from specbuild_runtime.validation import GREEDY_BELOW
+from specbuild_runtime.validation import FLOAT32_MAX, GREEDY_BELOW, stop_strings
 
 from . import __version__
 from .bench.peers import KNOWN as PEERS
@@ -86,6 +86,17 @@ class PromptText(click.ParamType):
         return value
 
 
+class Float32(Finite):
+    """A number the engines take as float32, where one beyond its largest (3.4e38) is inf."""
+
+    def convert(self, value, param, ctx):
+        value = super().convert(value, param, ctx)
+        if abs(value) > FLOAT32_MAX:
+            self.fail(f"{value} is beyond float32's largest number ({FLOAT32_MAX:.3g}), the engines' type for it",
+                      param, ctx)
+        return value
+
+
 def sampling_options(temperature_help: str = "0 (or below 1e-5) decodes greedily; above, samples losslessly from "
                      "the target's distribution.",
                      seed_help: str = "Seed for sampling (any integer): it reproduces a run exactly, at a fixed --gamma or auto.",
@@ -93,7 +104,7 @@ def sampling_options(temperature_help: str = "0 (or below 1e-5) decodes greedily
     """--temperature/--top-k/--top-p/--seed, named as in the Python API."""
     def decorate(command):
         for option in reversed([
-            click.option("--temperature", type=Finite(min=0), default=0.0, show_default=True, help=temperature_help),
+            click.option("--temperature", type=Float32(min=0), default=0.0, show_default=True, help=temperature_help),
             click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
                          help="Sample from the k most likely tokens (0 = all)."),
             click.option("--top-p", type=Finite(min=0, max=1, min_open=True), default=1.0, show_default=True,
@@ -116,6 +127,16 @@ class GammaType(click.ParamType):
         if str(value).isdecimal():  # what int() reads; isdigit() also takes "²", which int() refuses
             return int(value)
         self.fail(f"{value!r} is not 'auto' or a whole number, 0 or more", param, ctx)
+
+
+def check_stops(ctx, param, value: tuple[str, ...]) -> tuple[str, ...]:
+    """--stop by the runtime's rule for stop strings (validation.stop_strings), before the bundle loads: an
+    empty one, or a fifth, is a malformed option whatever the bundle, as click's own range checks are."""
+    try:
+        stop_strings(list(value))
+    except RequestError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+    return value
 
 
 def check_sampling(sampling: dict) -> None:
@@ -194,7 +215,7 @@ def cuda_line(manifest) -> str:
               help="Draft tokens per round: 'auto' adapts to the draft's acceptance, 0 is the target alone.")
 @click.option("--chat", is_flag=True, help="Send the prompt as a user message in the bundle's chat template (as serve's "
               "/v1/chat/completions renders it) and print the reply alone.")
-@click.option("--stop", multiple=True, metavar="TEXT",
+@click.option("--stop", multiple=True, metavar="TEXT", callback=check_stops,
               help="End the output where it would contain TEXT (repeatable, up to 4; as the API's stop strings).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, stats) instead of streaming text.")
 @device_option

@@ -31,9 +31,10 @@ def verify_bundle(bundle: Path, target: Path | None, prompts_file: Path, max_new
                                  draft_steps=draft_steps)
     encoded = [decoder.encode(prompt) for prompt in prompts]
     for index, prompt_ids in enumerate(encoded):  # all checked before loading the model and decoding
-        if len(prompt_ids) >= decoder.max_seq_len:
-            raise CheckpointError(f"prompt {index + 1} of {prompts_file} has {len(prompt_ids)} tokens, which fill the "
+        if len(prompt_ids) > decoder.max_seq_len:
+            raise CheckpointError(f"prompt {index + 1} of {prompts_file} has {len(prompt_ids)} tokens, more than the "
                                   f"bundle's context of {decoder.max_seq_len}; shorten it")
+    decoder.request(encoded[0], 1, gamma)  # and --gamma (at most the bundle's maximum), not after the model loaded
     engine = decoder.manifest.engines["target"]
     target = target or recorded_source(engine, "target")
     precision = engine.precision
@@ -46,8 +47,9 @@ def verify_bundle(bundle: Path, target: Path | None, prompts_file: Path, max_new
     eos = sorted(decoder.eos_token_ids)
     tokens, divergences = 0, []
     for index, (prompt, prompt_ids) in enumerate(zip(prompts, encoded)):
-        # The bundle stops where its context is full; transformers is held to the same length.
-        new_tokens = min(max_new_tokens, decoder.max_seq_len - len(prompt_ids))
+        # The bundle stops where its context is full, its last token needing no place in the cache (a prompt
+        # that fills the context still gets one, as generate gives it); transformers is held to the same length.
+        new_tokens = min(max_new_tokens, decoder.max_seq_len - len(prompt_ids) + 1)
         ours = decoder.generate(prompt_ids, new_tokens, gamma).token_ids
         theirs = transformers_greedy(model, prompt_ids, new_tokens, eos)
         position = first_difference(ours, theirs)

@@ -80,6 +80,18 @@ def test_bench_at_its_smallest_n_reports_instead_of_dividing_by_zero(bundles, tm
     assert result.returncode == 0, result.stderr
 
 
+def test_bench_on_prompts_that_fill_the_context_says_so_not_that_they_ended_at_an_eos(bundles):
+    """A prompt as long as the context gets its one token (no decoding to time) because the context is full."""
+    from specbuild.bench.bench import bench
+    from specbuild_runtime import SpecbuildError, SpeculativeDecoder
+
+    bundle = bundles("llama", 1)
+    encode, text = SpeculativeDecoder(bundle).encode, "def f(x):\n    return x\n" * 60
+    full = next(text[:end] for end in range(len(text), 0, -1) if len(encode(text[:end])) == 256)
+    with pytest.raises(SpecbuildError, match=r"first token \(a prompt filling the bundle's context of 256 tokens\)"):
+        bench(bundle, [full], 4, [1], [])
+
+
 def test_bench_with_transformers_peers_checks_their_output(bundles, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "def add(a, b):"}\n')

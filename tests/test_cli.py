@@ -99,7 +99,7 @@ def test_verify_holds_transformers_to_the_bundles_context_and_checks_every_promp
     encode, context = SpeculativeDecoder(bundle).encode, 256
     texts = ["def f(x):\n" * n for n in range(1, 200)]
     near = next(t for t in texts if context - 16 < len(encode(t)) < context)  # + 64 new tokens: past the end
-    over = next(t for t in texts if len(encode(t)) >= context)
+    over = next(t for t in texts if len(encode(t)) > context)
     files = {name: tmp_path / f"{name}.jsonl" for name in ("near", "over")}
     files["near"].write_text(json.dumps({"prompt": near}) + "\n")
     files["over"].write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n" + json.dumps({"prompt": over}) + "\n")
@@ -107,6 +107,41 @@ def test_verify_holds_transformers_to_the_bundles_context_and_checks_every_promp
                             "-n", "64"] for name in ("near", "over")])
     assert ok["status"] == 0 and ok["stdout"].startswith("identical"), ok
     assert refused["status"] == 1 and f"prompt 2 of {files['over']}" in refused["stderr"], refused
+
+
+def test_verify_checks_every_token_generate_gives_a_prompt_that_fills_the_context_or_nearly(bundles, checkpoints,
+                                                                                          tmp_path, cli):
+    """A prompt of n tokens gets up to context - n + 1 new ones (the last needs no place in the cache), so one that
+    fills the context gets one: verify compares each of them with transformers' instead of refusing that prompt
+    and leaving the last token of every other unchecked."""
+    from specbuild_runtime import SpeculativeDecoder
+
+    bundle = bundles("llama", 1)
+    decoder, context = SpeculativeDecoder(bundle), 256
+    text = "".join(PROMPTS) * 8
+
+    def of_length(n: int) -> str:  # the longest prefix of text that is n tokens
+        return next(text[:end] for end in range(len(text), 0, -1) if len(decoder.encode(text[:end])) == n)
+
+    full, short = of_length(context), of_length(context - 1)
+    assert [len(decoder.generate(p, 64).token_ids) for p in (full, short)] == [1, 2]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": full}) + "\n" + json.dumps({"prompt": short}) + "\n")
+    [result] = cli.run([["verify", str(bundle), "--target", str(checkpoints("llama")), "--prompts", str(prompts),
+                         "-n", "64", "--json"]])
+    assert result["status"] == 0, result
+    report = json.loads(result["stdout"])
+    assert report["identical"] and report["tokens"] == 1 + 2, report
+
+
+def test_verify_refuses_a_gamma_above_the_bundles_before_loading_the_target(bundles, tmp_path, cli):
+    """Loading transformers' target takes minutes and gigabytes at scale: --gamma is checked before it, as the
+    prompts are (here a target that cannot load would say so first otherwise)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n")
+    [result] = cli.run([["verify", str(bundles("llama", 1)), "--target", str(tmp_path / "no-such-checkpoint"),
+                         "--prompts", str(prompts), "--gamma", "9"]])
+    assert result["status"] == 1 and "gamma must be from 0 to 8" in result["stderr"], result
 
 
 def test_verify_holds_a_half_precision_bundle_against_transformers_in_its_precision(checkpoints, tmp_path, cli):

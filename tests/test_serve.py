@@ -540,6 +540,49 @@ def test_timeout_ends_a_decoding_stream_and_a_queued_request(bundle):
         assert events[-1] == "data: [DONE]" and error_of(events[-2])["type"] == "timeout"
 
 
+def test_an_engine_call_the_device_fails_is_a_500_saying_so_and_the_server_goes_on(bundle, reference, monkeypatch,
+                                                                                      caplog):
+    """An engine call onnxruntime fails (out of memory, say; here its terminate flag) is the device's failure, not
+    a bug: a 500 (as vLLM answers an engine error) whose message is the runtime's DeviceError line, logged in one
+    line without a traceback to report; a stream it cuts mid-way ends with that error event and [DONE]; the slot
+    goes back and the next request decodes as before."""
+    import onnxruntime as ort
+    from specbuild_runtime.slot import EngineSlot
+
+    expected = reference.generate(PROMPTS[1], max_new_tokens=8).text
+    graph, calls = EngineSlot._graph, []
+
+    def failing_after(n: int):
+        def options(self, *args):
+            calls.append(1)
+            if len(calls) <= n:
+                return graph(self, *args)
+            terminate = ort.RunOptions()
+            terminate.terminate = True
+            return terminate
+        return options
+
+    body = {"prompt": PROMPTS[1], "max_tokens": 8, **GREEDY}
+    with in_process(bundle) as (url, decoder, _):
+        decoder.go.set()
+        monkeypatch.setattr(EngineSlot, "_graph", failing_after(0))
+        whole = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        calls.clear()
+        monkeypatch.setattr(EngineSlot, "_graph", failing_after(6))  # the prompt's calls and a few rounds
+        with streaming(url) as (first, rest):
+            events = [first, *rest]
+        monkeypatch.setattr(EngineSlot, "_graph", graph)
+        after = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    error = whole.json()["error"]
+    assert whole.status_code == 500 and error["code"] == 500, whole.text
+    assert error["message"].startswith("onnxruntime failed running") and "terminate" in error["message"], error
+    assert "choices" in json.loads(first.removeprefix("data: "))  # text came before the failure
+    assert events[-1] == "data: [DONE]" and error_of(events[-2])["message"].startswith("onnxruntime failed running")
+    assert after.status_code == 200 and after.json()["choices"][0]["text"] == expected
+    failures = [record for record in caplog.records if record.name == "specbuild.serve"]
+    assert len(failures) == 2 and not any(record.exc_info for record in failures), caplog.text
+
+
 def test_connections_beyond_max_connections_get_503(bundle):
     with in_process(bundle, max_connections=1) as (url, decoder, _):
         decoder.go.set()

@@ -163,8 +163,9 @@ def real(name: str, value) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise RequestError(f"{name} must be a number, not {value!r} ({type(value).__name__})")
     # abs() first: math.isfinite raises OverflowError for an int beyond any float (JSON's 1 and 400 zeros)
-    if abs(value) > FLOAT32_MAX or not math.isfinite(value):
-        raise RequestError(f"{name} must be a finite number, not {value}")
+    if abs(value) > FLOAT32_MAX or not math.isfinite(value):  # 1e39 is finite, yet float32 makes it inf: say why
+        raise RequestError(f"{name} must be a finite number float32 holds (at most {FLOAT32_MAX:.3g} in size), "
+                           f"not {value}")
     return float(value)
 
 

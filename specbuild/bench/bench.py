@@ -226,8 +226,10 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
     for mode in modes:
         mode.matches_target = mode.outputs == baseline.outputs if temperature == 0 else None
     if not baseline.rounds:
-        raise SpecbuildError("every prompt ended at its first token (EOS), so there is no decoding to measure; "
-                             "use other prompts")
+        why = sorted({"an EOS" if stats.finish_reason == "eos" else
+                      f"a prompt filling the bundle's context of {decoder.max_seq_len} tokens" for stats in baseline.requests})
+        raise SpecbuildError(f"every prompt ended at its first token ({' or '.join(why)}), so there is no decoding to "
+                             "measure; use other prompts")
     target_step = baseline.target_seconds / baseline.rounds
     rows = []
     for mode in modes:

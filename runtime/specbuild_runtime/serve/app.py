@@ -4,7 +4,8 @@ A request is parsed (protocol.py), checked by the runtime's request validation, 
 scheduler, which decodes it in a worker thread. Every refusal is an OpenAI-shaped error: 400 for a bad
 body or value, 404 for another model, 413 for a body longer than any request that fits the context,
 429 when the queue is full, 503 while shutting down or when no slot freed up in time, 504 when decoding
-ran past the timeout, 500 for a bug (logged with its traceback).
+ran past the timeout, 500 for a bug (logged with its traceback) or for an engine call the device failed
+(e.g. out of memory; logged in one line).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..errors import RequestError
+from ..errors import DeviceError, RequestError
 from ..manifest import TOKENIZER_DIR
 from ..validation import Request
 from . import protocol
@@ -256,6 +257,9 @@ def _as_api_error(exc: Exception) -> ApiError:
         return ApiError(429, f"the server is busy ({exc}); retry shortly", headers=RETRY_AFTER)
     if isinstance(exc, Unavailable):
         return ApiError(503, str(exc), headers=RETRY_AFTER)
+    if isinstance(exc, DeviceError):  # the device's failure, not a bug: its line says which engine and what to do,
+        log.error("request failed on the device: %s", exc)  # and the slot went back, so no traceback to report
+        return ApiError(500, str(exc))
     log.error("request failed", exc_info=exc)
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
 
