@@ -1,17 +1,20 @@
-"""The runtime API: one decoder shared by threads, interleaved streams, stop strings, streamed text."""
+"""The runtime API: one decoder shared by threads, interleaved streams, the async API, stop strings, streamed text."""
 
+import asyncio
 import gc
 import sys
 import threading
 import time
 from collections import Counter
+from contextlib import closing
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import PROMPTS, make_tokenizer
-from specbuild_runtime import RequestError, SpeculativeDecoder, Stats, pool
+from specbuild_runtime import DeviceError, RequestError, SpeculativeDecoder, Stats, pool
+from specbuild_runtime.slot import EngineSlot
 from specbuild_runtime.text import TextStream
 
 # (prompt, options): greedy with adaptive and fixed γ, and seeded sampling (at fixed γ here; auto below).
@@ -170,6 +173,144 @@ def test_a_stream_that_was_never_started_holds_no_slot(bundle):
     unused = decoder.stream(PROMPTS[0], NEW_TOKENS)
     assert decoder.slots.in_use == 0 and len(decoder.generate(PROMPTS[1], 5).token_ids) == 5
     assert len(list(unused)) == NEW_TOKENS
+
+
+def test_async_streams_and_generate_give_what_the_sync_api_gives(bundle, sequential):
+    decoder = SpeculativeDecoder(bundle)
+    whole = decoder.generate(PROMPTS[0], NEW_TOKENS).text
+    requests = [*REQUESTS, (PROMPTS[0], dict(stop=[whole[12:15]]))]  # a stop string the text meets
+    expected = [decoder.generate(prompt, NEW_TOKENS, **options) for prompt, options in requests]
+
+    async def run():
+        tokens = [[token async for token in decoder.astream(prompt, NEW_TOKENS, **options)] for prompt, options in requests]
+        texts = ["".join([delta async for delta in decoder.astream_text(prompt, NEW_TOKENS, **options)])
+                 for prompt, options in requests]
+        return tokens, texts, [await decoder.agenerate(prompt, NEW_TOKENS, **options) for prompt, options in requests]
+
+    tokens, texts, generations = asyncio.run(run())
+    assert tokens == [g.token_ids for g in expected] and tokens[:len(REQUESTS)] == sequential
+    assert texts == [g.text for g in expected] and expected[-1].stats.finish_reason == "stop"
+    assert [(g.text, g.token_ids, g.stats.finish_reason) for g in generations] == [
+        (g.text, g.token_ids, g.stats.finish_reason) for g in expected]
+    assert decoder.slots.in_use == 0
+
+
+def test_concurrent_tasks_on_one_decoder_get_their_sequential_outputs(bundle, sequential):
+    decoder = SpeculativeDecoder(bundle, parallel=2)
+
+    async def streamed(prompt, options):
+        return [token async for token in decoder.astream(prompt, NEW_TOKENS, **options)]
+
+    async def run():
+        return await asyncio.gather(*(streamed(prompt, options) for prompt, options in REQUESTS),
+                                    *(decoder.agenerate(prompt, NEW_TOKENS, **options) for prompt, options in REQUESTS))
+
+    results = asyncio.run(run())
+    assert results[:len(REQUESTS)] == sequential
+    assert [g.token_ids for g in results[len(REQUESTS):]] == sequential
+    assert decoder.slots.in_use == 0
+
+
+class PauseAfterFirstToken:
+    """The decoder's requests stop decoding after their first token until `go` is set; `paused` is set when
+    one does, and `tokens` counts what each decoded."""
+
+    def __init__(self, decoder):
+        self.paused, self.go, self.tokens = threading.Event(), threading.Event(), []
+        run = decoder._run
+
+        def paused(*args):
+            self.tokens.append(0)
+            with closing(run(*args)) as tokens:
+                for token in tokens:
+                    self.tokens[-1] += 1
+                    yield token
+                    self.paused.set()
+                    self.go.wait()
+
+        decoder._run = paused
+
+
+async def streamed(decoder, prompt):
+    return [token async for token in decoder.astream(prompt, 200)]
+
+
+async def streamed_text(decoder, prompt):
+    return [delta async for delta in decoder.astream_text(prompt, 200)]
+
+
+ASYNC_CALLS = {"astream": streamed, "astream_text": streamed_text,
+               "agenerate": lambda decoder, prompt: decoder.agenerate(prompt, 200)}
+
+
+@pytest.mark.parametrize("call", ASYNC_CALLS)
+def test_cancelling_a_task_stops_its_decoding_within_a_round_and_frees_the_slot(bundle, sequential, call):
+    decoder = SpeculativeDecoder(bundle, parallel=1)
+    pause = PauseAfterFirstToken(decoder)
+
+    async def run():
+        task = asyncio.ensure_future(ASYNC_CALLS[call](decoder, PROMPTS[2]))
+        assert await asyncio.to_thread(pause.paused.wait, 60)  # the worker is paused after the first token
+        task.cancel()
+        asyncio.get_running_loop().call_soon(pause.go.set)  # after the task's cancellation ran (callbacks run in order)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        in_use = decoder.slots.in_use
+        return in_use, await asyncio.wait_for(decoder.agenerate(REQUESTS[1][0], NEW_TOKENS, **REQUESTS[1][1]), 60)
+
+    in_use, after = asyncio.run(run())
+    assert in_use == 0 and pause.tokens[0] <= 1 + decoder.max_gamma + 1  # the first token, then one round at most
+    assert after.token_ids == sequential[1]
+
+
+def test_a_slow_consumer_does_not_hold_its_slot(bundle, sequential):
+    """Decoding runs ahead of a consumer that stops reading (to the request's end at most, as vLLM's AsyncLLM
+    does), so a slot is free when its decoding ends, not when its slowest reader catches up."""
+    decoder = SpeculativeDecoder(bundle, parallel=1)
+    (prompt, options), (other, other_options) = REQUESTS[1], REQUESTS[4]
+
+    async def run():
+        slow = decoder.astream(prompt, NEW_TOKENS, **options)
+        tokens = [await anext(slow)]
+        after = await asyncio.wait_for(decoder.agenerate(other, NEW_TOKENS, **other_options), 60)  # the only slot
+        return tokens + [token async for token in slow], after
+
+    tokens, after = asyncio.run(run())
+    assert tokens == sequential[1] and after.token_ids == sequential[4]
+
+
+def test_async_requests_raise_the_errors_the_sync_api_raises(bundle, monkeypatch):
+    decoder = SpeculativeDecoder(bundle, parallel=1)
+    too_long = decoder.encode(PROMPTS[5]) * 20
+
+    async def first_of(calls):
+        errors = []
+        for call in calls:
+            try:
+                await call()
+            except Exception as error:
+                errors.append(error)
+        return errors
+
+    calls = [lambda: decoder.agenerate(too_long), lambda: anext(decoder.astream(too_long)),
+             lambda: anext(decoder.astream_text(too_long))]
+    with pytest.raises(RequestError) as refused:
+        decoder.stream(too_long)
+    assert [(type(e), str(e)) for e in asyncio.run(first_of(calls))] == [(RequestError, str(refused.value))] * 3
+
+    def terminated(self, *args):  # onnxruntime's own failure in an engine call, in the worker thread
+        import onnxruntime as ort
+        options = ort.RunOptions()
+        options.terminate = True
+        return options
+
+    monkeypatch.setattr(EngineSlot, "_graph", terminated)
+    with pytest.raises(DeviceError) as failed:
+        decoder.generate(PROMPTS[0])
+    calls = [lambda: decoder.agenerate(PROMPTS[0]), lambda: anext(decoder.astream(PROMPTS[0])),
+             lambda: anext(decoder.astream_text(PROMPTS[0]))]
+    assert [(type(e), str(e)) for e in asyncio.run(first_of(calls))] == [(DeviceError, str(failed.value))] * 3
+    assert "\n" not in str(failed.value) and decoder.slots.in_use == 0
 
 
 def test_stats_hold_measurements_and_the_request_its_gamma(bundle):

@@ -7,12 +7,16 @@ al. 2023). Drafts only decide how many tokens one target call produces.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
-from contextlib import closing
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing, closing
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -22,6 +26,7 @@ from .errors import BundleError, DeviceError
 from .manifest import TOKENIZER_DIR, Manifest, load_manifest
 from .policy import GREEDY_DECAYS, SAMPLING_DECAYS, AdaptiveGamma, Costs, FixedGamma, PriorCosts
 from .pool import SlotPool, check_memory
+from .relay import Relay
 from .slot import MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, Rows, Slot, fixed_rows
 from .text import TextStream
 from .validation import AUTO, Prompt, Request, check_request, check_vocabularies, whole
@@ -122,6 +127,7 @@ class SpeculativeDecoder:
         result = decoder.generate("def fib(n):", gamma=4, stop=["\\n\\n"])   # fixed γ, cut at a stop string
         for token_id in decoder.stream("def fib(n):", gamma=0): ...       # target only
         for delta in decoder.stream_text("def fib(n):"): ...              # text as it is decoded
+        async for delta in decoder.astream_text("def fib(n):"): ...       # the same, for asyncio
 
     Threads: a decoder is safe to share. The engines' sessions (the weights) are loaded once; each
     generate/stream/stream_text call holds one of `parallel` slots (a KV cache and bindings per engine)
@@ -131,7 +137,8 @@ class SpeculativeDecoder:
     after pool.SAME_THREAD_PATIENCE seconds unless another thread takes that stream over meanwhile (a thread
     pool running each next() on any worker), since otherwise only that thread could free one. A stream
     frees its slot when it ends, is closed, or is garbage-collected. One stream's generator must not be
-    advanced from two threads at once (Python refuses that itself).
+    advanced from two threads at once (Python refuses that itself). astream/astream_text/agenerate decode in
+    the decoder's own worker threads (`workers`, one per slot), so the event loop never waits for a decode step.
 
     device: "cpu", "cuda" (onnxruntime-gpu; an error if its CUDA provider is missing) or "auto" (CUDA if
     available). target_rows: how target calls group rows (see slot.Rows); by default NEVER_ALONE on the
@@ -200,6 +207,9 @@ class SpeculativeDecoder:
         self._policies = [{sampling: AdaptiveGamma(self.max_gamma, draft_cost, SAMPLING_DECAYS if sampling else GREEDY_DECAYS,
                                                    costs[sampling]) for sampling in (False, True)}
                           for _ in range(parallel)]
+        # The threads the async API (and `specbuild serve`) decode in, started on first use: one per slot, and kept,
+        # since onnxruntime keeps CUDA graphs per thread (SlotPool gives a thread its slot of last time again).
+        self.workers = ThreadPoolExecutor(parallel, thread_name_prefix="specbuild-slot")
 
     def _engines(self, draft_steps: bool | None) -> tuple[Engine, Engine, Engine | None]:
         """The target, the draft and (draft_steps) the draft's steps graph."""
@@ -235,6 +245,27 @@ class SpeculativeDecoder:
                     self.generate(prompt, max_new_tokens=2 * gamma + 3, gamma=gamma, **sampling)
         return self.graphs_captured - before
 
+    def warm_up_workers(self) -> int:
+        """warm_up on each of the worker threads the async API decodes in (`specbuild serve` runs it at start-up),
+        each in a slot of its own, which it then keeps. Returns the CUDA graphs captured."""
+        if not self.target.captures:
+            return 0
+        before = self.graphs_captured
+        # No task ends before all have begun, so each runs on a worker thread of its own.
+        started = threading.Barrier(self.slots.size, timeout=60)
+
+        def task() -> None:
+            started.wait()
+            self.warm_up()
+        try:
+            tasks = [self.workers.submit(task) for _ in range(self.slots.size)]
+        except BaseException:
+            started.abort()  # the tasks already started would wait for the others forever
+            raise
+        for future in tasks:
+            future.result()
+        return self.graphs_captured - before
+
     @property
     def graphs_captured(self) -> int:
         """CUDA graphs this decoder's engines have captured so far, in every thread."""
@@ -255,12 +286,8 @@ class SpeculativeDecoder:
         context. gamma: "auto" (adaptive), 0 (the target alone) or drafts per round; temperature 0 is greedy
         (the target's own output, token for token), above 0 samples the target's distribution exactly."""
         request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
-        stats, text = Stats(), self._text(request)
-        tokens = list(self._run(request, stats, text if request.stop else None))
-        if not request.stop:  # nothing needs the text before the end: decoded once (~10 us a token saved)
-            text.extend(tokens)
-        _finish(text, stats)
-        return Generation(text.text, tokens, request.prompt_ids, stats)
+        *_, generation = self._generating(request)
+        return generation
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -283,7 +310,7 @@ class SpeculativeDecoder:
     def stream_request(self, request: Request, stats: Stats, every_token: bool = False) -> Iterator[str]:
         """stream_text for a request already checked by request() (the server checks before queueing).
         every_token: also yield "" for a token whose text is held back, so that the consumer can stop
-        between any two tokens (the server's cancel and deadline checks)."""
+        between any two tokens (a relay's stop: the async API's cancel, the server's deadlines)."""
         text = self._text(request)
         with closing(self._run(request, stats, text)) as tokens:
             for _ in tokens:
@@ -291,6 +318,60 @@ class SpeculativeDecoder:
                     yield delta
         if rest := _finish(text, stats):
             yield rest
+
+    async def agenerate(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
+                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                        stop: str | list[str] | None = None) -> Generation:
+        """generate for asyncio: decodes in one of the decoder's worker threads (see astream), so cancelling the
+        awaiting task stops it within the round in progress and frees its slot, which generate cannot."""
+        check = partial(self.request, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
+        async with aclosing(self._relay(check, self._generating, held=(None,))) as generation:
+            return await anext(generation)
+
+    def astream(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
+                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                stop: str | list[str] | None = None, stats: Stats | None = None) -> AsyncIterator[int]:
+        """stream for asyncio (`async for token_id in decoder.astream(...)`): the same tokens, decoded in one of
+        the decoder's worker threads (relay.Relay), never on the event loop. The request is checked (off the loop)
+        when iteration begins, and raises what stream would. Cancelling the consuming task, aclose(), or dropping
+        the iterator stops decoding within the round in progress and frees the slot; a slow consumer does not
+        hold the slot (decoding runs ahead of it, at most to the request's end)."""
+        check = partial(self.request, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
+        stats = Stats() if stats is None else stats
+        return self._relay(check, lambda request: self._run(request, stats, self._text(request) if request.stop else None))
+
+    def astream_text(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
+                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                     stop: str | list[str] | None = None, stats: Stats | None = None) -> AsyncIterator[str]:
+        """stream_text for asyncio, as astream is stream's."""
+        check = partial(self.request, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
+        stats = Stats() if stats is None else stats
+        return self._relay(check, lambda request: self.stream_request(request, stats, every_token=True), held=("",))
+
+    async def _relay(self, check: Callable[[], Request], stream: Callable[[Request], Iterator],
+                     held: tuple = ()) -> AsyncIterator:
+        """The items of stream(check()) but `held`, decoded in a worker. The check runs in another thread: it
+        tokenizes the prompt (milliseconds for a long one), and must not wait for a worker to come free."""
+        request = await asyncio.to_thread(check)
+        relay = Relay()
+        relay.start(self.workers, partial(stream, request), held)
+        try:
+            async for item in relay:
+                yield item
+        finally:  # also when the consuming task is cancelled, or the iterator closed or collected
+            await relay.close()
+
+    def _generating(self, request: Request) -> Iterator[Generation | None]:
+        """generate's decoding: None after every token (where a relay may stop it), then the Generation."""
+        stats, text, tokens = Stats(), self._text(request), []
+        with closing(self._run(request, stats, text if request.stop else None)) as decoded:
+            for token in decoded:
+                tokens.append(token)
+                yield None
+        if not request.stop:  # nothing needs the text before the end: decoded once (~10 us a token saved)
+            text.extend(tokens)
+        _finish(text, stats)
+        yield Generation(text.text, tokens, request.prompt_ids, stats)
 
     def _text(self, request: Request) -> TextStream:
         return TextStream(self.tokenizer, request.stop, request.prompt_ids)

@@ -1,0 +1,93 @@
+"""A decoder's sync stream run in a worker thread and iterated on an asyncio event loop, which only moves tokens
+and text: it never waits for a decode step. SpeculativeDecoder.astream/astream_text/agenerate and `specbuild
+serve`'s scheduler both decode through a Relay, in the decoder's worker threads (SpeculativeDecoder.workers)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import Executor
+from contextlib import closing
+from typing import Any, Callable, Iterator
+
+END = object()  # the stream ended: the last item of a relay
+
+
+class Relay:
+    """`async for item in relay`: the items of a sync stream that a worker thread iterates.
+
+    The worker hands each item to the loop (call_soon_threadsafe) and, after every item, checks whether the relay
+    was stopped; if so it closes the stream, which gives the decoder's slot back at once: decoding ends within the
+    round in progress. Iteration raises what the stream raised (the same exception object), or the error that
+    stop() was given.
+
+    The worker never waits for its consumer: the items a slow one has not read yet stay queued, at most the
+    request's tokens (max_new_tokens, within the context), and the slot is free as soon as decoding ends. vLLM's
+    AsyncLLM does the same (a slow consumer's outputs are merged, the engine does not wait for it). A bounded queue
+    would keep a slot, 1/parallel of the decoder, busy for as long as its slowest reader takes.
+    """
+
+    def __init__(self) -> None:
+        self._items: asyncio.Queue = asyncio.Queue()
+        self._halt = threading.Event()  # read by the worker after every item
+        self._last: Any = None  # END or the exception iteration ended with: every later __anext__ ends so again
+        self.finished = False  # set by the worker once the stream ended and every item was posted
+        self.first_item_at: float | None = None  # time.monotonic() when the worker posted the first item
+        self.worker: asyncio.Future | None = None  # the worker's run: done once it returned, its slot free
+
+    @property
+    def stopped(self) -> bool:
+        return self._halt.is_set()
+
+    def start(self, workers: Executor, stream: Callable[[], Iterator], held: tuple = ()) -> asyncio.Future:
+        """Iterate stream() in a worker. Items in `held` are not posted: they only let the worker stop between
+        tokens ("" for a token whose text is held back). Returns the worker's future."""
+        loop = asyncio.get_running_loop()
+        self.worker = loop.run_in_executor(workers, self._run, loop.call_soon_threadsafe, stream, held)
+        self.worker.add_done_callback(self._returned)
+        return self.worker
+
+    def stop(self, error: BaseException | None = None) -> None:
+        """Stop the worker after the item it is producing. With an error, iteration raises it after the items
+        posted so far."""
+        self._halt.set()
+        if error is not None:
+            self._items.put_nowait(error)
+
+    async def close(self) -> None:
+        """stop(), then wait for the worker to return: its slot is free by then. A cancelled wait leaves the worker
+        to stop on its own; nothing cancels the worker's future, which would end before the worker does."""
+        self.stop()
+        if self.worker is not None:
+            await asyncio.wait({self.worker})
+
+    def __aiter__(self) -> Relay:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._last is None:
+            item = await self._items.get()
+            if item is not END and not isinstance(item, BaseException):
+                return item
+            self._last = item
+        if self._last is END:
+            raise StopAsyncIteration
+        raise self._last
+
+    def _returned(self, worker: asyncio.Future) -> None:
+        """On the loop, once the worker returned: after its items (posted before), the end or its exception."""
+        self._items.put_nowait(END if worker.cancelled() else worker.exception() or END)
+
+    def _run(self, post: Callable, stream: Callable[[], Iterator], held: tuple) -> None:
+        """In a worker thread."""
+        if self._halt.is_set():  # stopped while it waited for this thread: nothing decoded, no slot taken
+            return
+        with closing(stream()) as items:
+            for item in items:
+                if item not in held:
+                    self.first_item_at = self.first_item_at or time.monotonic()
+                    post(self._items.put_nowait, item)
+                if self._halt.is_set():
+                    return  # closing() ends the stream here, which frees its slot
+        self.finished = True
