@@ -168,6 +168,22 @@ def test_an_abandoned_stream_frees_its_slot_when_garbage_collected(bundle):
     assert decoder.slots.in_use == 0
 
 
+def test_a_stream_closed_before_its_end_finishes_as_aborted_and_one_closed_at_its_last_token_as_itself(bundle):
+    """As vLLM's "abort"; "" before. A consumer that closes the stream once it has the last token (it knows the
+    count it asked for) still reads why decoding ended."""
+    decoder = SpeculativeDecoder(bundle)
+    stats = Stats()
+    stream = decoder.stream(PROMPTS[0], NEW_TOKENS, stats=stats)
+    next(stream), next(stream)
+    stream.close()
+    assert stats.finish_reason == "abort"
+    stats = Stats()
+    stream = decoder.stream(PROMPTS[0], 3, stats=stats)
+    [next(stream) for _ in range(3)]
+    stream.close()
+    assert stats.finish_reason == "max_new_tokens"
+
+
 def test_a_stream_that_was_never_started_holds_no_slot(bundle):
     decoder = SpeculativeDecoder(bundle, parallel=1)
     unused = decoder.stream(PROMPTS[0], NEW_TOKENS)

@@ -51,7 +51,7 @@ class Stats:
     guessed: int = 0  # rounds without drafts whose target rows checked free guesses (see _speculate)
     guesses_accepted: int = 0  # guessed tokens the target accepted
     target_seconds: float = 0.0  # rounds only, the prompt's call excluded
-    finish_reason: str = ""  # "eos", "stop" (a stop string), "max_new_tokens" or "context"
+    finish_reason: str = ""  # "eos", "stop" (a stop string), "max_new_tokens", "context", or "abort" (closed before)
 
     def record_round(self, drafted: int, accepted: int, draft_seconds: float, target_seconds: float) -> None:
         self.rounds += 1
@@ -378,14 +378,19 @@ class SpeculativeDecoder:
 
     def _run(self, request: Request, stats: Stats, text: TextStream | None) -> Iterator[int]:
         with self.slots.take() as slot, closing(self._speculate(slot, request, stats)) as tokens:
-            for token in tokens:
-                if text is not None:
-                    text.push(token)
-                yield token
-                self.slots.claim(slot)  # the thread that resumed the stream is now the one that can finish it
-                if text is not None and text.stopped:
-                    stats.finish_reason = "stop"
-                    return
+            try:
+                for token in tokens:
+                    if text is not None:
+                        text.push(token)
+                        if text.stopped:
+                            stats.finish_reason = "stop"
+                    yield token
+                    self.slots.claim(slot)  # the thread that resumed the stream is now the one that can finish it
+                    if stats.finish_reason == "stop":
+                        return
+            except GeneratorExit:  # closed before its end (a consumer that stopped reading, a cancelled task)
+                stats.finish_reason = stats.finish_reason or "abort"
+                raise
 
     def _policy(self, slot: Slot, request: Request):
         """How the request's rounds choose γ. Greedy output is the target's whatever γ is; a sampled one
@@ -429,12 +434,13 @@ class SpeculativeDecoder:
                 ids.append(token)
                 stats.generated_tokens += 1
                 stats.token_times.append(clock() - start)
-                yield token
+                # Said before the token is yielded: a consumer may close the stream once it has the last one.
                 if token in self.eos_token_ids:
                     stats.finish_reason = "eos"
-                    return
-                if stats.generated_tokens >= max_new_tokens:
+                elif stats.generated_tokens >= max_new_tokens:
                     stats.finish_reason = "max_new_tokens"
+                yield token
+                if stats.finish_reason:
                     return
             if len(ids) > max_len:
                 stats.finish_reason = "context"
