@@ -121,6 +121,13 @@ def only_a_pickle(folder: Path) -> None:
     plant_pickle(folder)
 
 
+def beyond_memory(folder: Path) -> None:
+    """config.json of a 3.3T-parameter model over the tiny weights: distill refuses it before loading a thing."""
+    config = json.loads((folder / "config.json").read_text())
+    config.update(hidden_size=65536, intermediate_size=262144, num_hidden_layers=64)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
 def source_only_a_pickle(paths: dict) -> None:
     """The bundle's target checkpoint (which bench's peers load) now holds only a pickle."""
     a_copy_of("bundle", lambda folder: None)(paths)
@@ -319,6 +326,10 @@ CASES = [
     Case("`distill --target` a checkpoint with only pickled weights",
          ["distill", "--target", "{target}", "--output", "{tmp}/draft", "--minutes", "0.01"], 1, "safetensors", SAFE,
          setup=a_copy_of("target", only_a_pickle)),
+    Case("`distill --target` a checkpoint whose fp32 weights alone outgrow the machine's (or container's) memory",
+         ["distill", "--target", "{target}", "--output", "{tmp}/draft", "--minutes", "0.01"], 1,
+         "as distill holds it (fp32)", "Run distill on a machine with more memory (refused before loading).",
+         setup=a_copy_of("target", beyond_memory)),
     Case("`distill --output` its own target (or a folder holding it, or one inside it)",
          ["distill", "--target", "{target}", "--output", "{target}", "--minutes", "0.01", "--overwrite"], 1,
          "is the target", "Choose an output outside the target, `--init`, `--prompts` and `--data`."),

@@ -19,8 +19,9 @@ from specbuild.acceptance import rounds
 from specbuild.demo import DEMO_RECIPE
 from specbuild.errors import CheckpointError, OutputError, TrainingError, UnsupportedModelError
 from specbuild.train import distill as distill_module
+from specbuild.train import divergence, generate
 from specbuild.train.distill import acceptance, alpha, distill, load_model, shrunk_config, target_references
-from specbuild.train.generate import continue_prompts, score
+from specbuild.train.generate import Sequence, continue_prompts, right_padded, score
 from specbuild.train.prompts import (HELDOUT_SHARE, SPAN_TOKENS, from_file, from_target, from_text, read_texts,
                                      start_token)
 from specbuild.train.demo_pair import code_only, read_pair_recipe
@@ -596,3 +597,94 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert int(run.stdout.split()[-1]) < 1200  # MiB: 1724 before, 795 since (generate's own work)
+
+
+def teacher_batch(vocab: int) -> list[Sequence]:
+    """Sequences as distill trains on: contexts and continuations of different lengths (one ended early by
+    eos), so rows are padded on the right, and a made-up top-8 teacher distribution at every known token."""
+    rng = np.random.default_rng(0)
+    batch = []
+    for context, continuation in ((5, 9), (17, 3), (11, 12), (2, 7)):
+        tokens = rng.integers(1, vocab, context + continuation).astype(np.int32)
+        top_ids = np.stack([rng.choice(vocab, 8, replace=False) for _ in range(continuation - 1)]).astype(np.int32)
+        top_logprobs = np.log(rng.dirichlet(np.ones(9), continuation - 1)[:, :8]).astype(np.float32)
+        batch.append(Sequence(tokens, context - 1, top_ids, top_logprobs))
+    return batch
+
+
+def loss_at_every_position(draft, batch: list[Sequence], vocab: int, objective: str) -> torch.Tensor:
+    """distill's loss as it was: the head over every position of every row, the known ones picked after."""
+    logits = draft(input_ids=right_padded([s.tokens[:-1] for s in batch], 0)).logits
+    rows = torch.cat([torch.full((len(s.top_ids),), row) for row, s in enumerate(batch)])
+    positions = torch.cat([torch.arange(s.first, s.first + len(s.top_ids)) for s in batch])
+    student = torch.nn.functional.log_softmax(logits[rows, positions, :vocab].float(), -1)
+    top_ids = torch.from_numpy(np.concatenate([s.top_ids for s in batch])).long()
+    top_logprobs = torch.from_numpy(np.concatenate([s.top_logprobs for s in batch]))
+    return divergence.DIVERGENCES[objective](*divergence.buckets(student, top_ids, top_logprobs)).mean()
+
+
+@pytest.mark.parametrize("masked", [True, False], ids=["logits_to_keep", "older-transformers"])
+@pytest.mark.parametrize("architecture", ["llama", "llama3", "gemma2", "gemma3", "phi3", "gpt2"])
+def test_the_loss_and_its_gradients_are_those_of_the_head_at_every_position(checkpoints, architecture, masked,
+                                                                             monkeypatch):
+    """The head runs only where the teacher's distribution is known, through each family's own forward (a
+    tied table, Gemma 2's final softcapping, GPT-2's head and dropout); transformers before 5.21 take no mask
+    and pick the positions after a full head."""
+    monkeypatch.setattr(generate, "_masked_logits", lambda: masked)
+    draft, _ = load_model(checkpoints(architecture), "draft")
+    draft.train()
+    vocab = draft.config.vocab_size - 16  # a padded table's rows past the tokenizer are left out
+    batch = teacher_batch(vocab)
+    for objective in ("tvd", "fkl"):
+        results = []
+        for loss_fn in (divergence.distill_loss(objective, vocab, pad=0),
+                        lambda model, batch: loss_at_every_position(model, batch, vocab, objective)):
+            torch.manual_seed(0)  # the same dropout masks
+            loss = loss_fn(draft, batch)
+            results.append([loss, *torch.autograd.grad(loss, list(draft.parameters()))])
+        for new, old in zip(*results):
+            torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-7)
+
+
+def test_the_drafts_head_runs_only_at_the_positions_the_loss_reads(checkpoints):
+    """Not at prompts or padding: those rows of a [B, T, V] head were held with their gradient (1.5 GB
+    for 16 rows of 160 tokens of a 152k vocabulary, of which the loss read 64 a row)."""
+    draft, _ = load_model(checkpoints("llama"), "draft")
+    vocab = draft.config.vocab_size
+    batch = teacher_batch(vocab)
+    rows = []
+    draft.get_output_embeddings().register_forward_hook(lambda module, args, out: rows.append(out.shape[:-1].numel()))
+    divergence.distill_loss("tvd", vocab, pad=0)(draft, batch)
+    assert rows == [sum(len(s.top_ids) for s in batch)]
+
+
+def test_alpha_and_scoring_run_the_head_only_where_the_continuations_are_read(models):
+    """Not at the prompts: at 16 held-out prompts of 256 tokens and a 152k vocabulary α's head took 3.0 GiB,
+    and scoring 64 on-policy rows of 160 tokens would take 5.8 GiB."""
+    target, draft, tokenizer = models
+    references = target_references(target, [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14]], len(tokenizer), new_tokens=8)
+    continuations = sum(len(s.tokens) - 1 - s.first for s in references)
+    for model, run in ((draft, lambda: acceptance(draft, references, 4, len(tokenizer), set())),
+                       (target, lambda: score(target, references, len(tokenizer)))):
+        rows = []
+        hook = model.get_output_embeddings().register_forward_hook(lambda module, args, out: rows.append(out.shape[:-1].numel()))
+        try:
+            run()
+        finally:
+            hook.remove()
+        assert rows == [continuations]
+
+
+def test_a_checkpoint_whose_weights_alone_outgrow_the_machines_memory_is_refused_before_loading(pair, tmp_path,
+                                                                                               monkeypatch):
+    """In one line, not by the kernel killing distill some minutes into the load; the output stays as it was."""
+    target = tmp_path / "target"
+    shutil.copytree(pair[0], target)
+    config = json.loads((target / "config.json").read_text())
+    config.update(hidden_size=65536, intermediate_size=262144, num_hidden_layers=64)  # 4.4T parameters: 16 TiB
+    (target / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(distill_module, "load_reference", lambda *a, **k: pytest.fail("loaded a model beyond memory"))
+    with pytest.raises(TrainingError, match=r"target checkpoint .* takes [\d.]+ GiB as distill holds it \(fp32\), but this "
+                                            r"(machine has|container may use) [\d.]+ GiB; run distill on a machine"):
+        distill(target, tmp_path / "draft", minutes=0.01)
+    assert not (tmp_path / "draft").exists()
