@@ -2,12 +2,14 @@
 
 import asyncio
 import gc
+import random
 import sys
 import threading
 import time
 from collections import Counter
 from contextlib import closing
 
+import onnxruntime as ort
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -59,6 +61,107 @@ def test_eight_threads_on_one_decoder_get_their_sequential_outputs(bundle, seque
         t.join()
     assert results == [[expected, expected] for expected in sequential]
     assert decoder.slots.in_use == 0
+
+
+# How a stress request's caller ends it: to its end (generate, a stream read whole, streamed text); after
+# its first few tokens (closed, dropped unclosed, left by an exception in the loop reading it); or by an engine
+# call that fails part-way (onnxruntime's terminate flag), after which its slot must decode as before.
+ENDINGS = ["generate", "stream", "stream_text", "close", "drop", "raise", "fail"]
+
+
+def stress_requests(decoder, count: int, seed: int) -> list[tuple[str, list[int], int, dict, int]]:
+    """(ending, prompt ids, max_new_tokens, options, tokens read or engine calls before failing): greedy and
+    seeded sampling (top-k, top-p) at auto and fixed γ, some with stop strings, some running into the context."""
+    r = random.Random(seed)
+    text = decoder.encode("".join(PROMPTS) * 4)
+    requests = []
+    for _ in range(count):
+        length = r.choice([1, 7, 30, decoder.max_seq_len - 12, decoder.max_seq_len])
+        start = r.randrange(len(text) - length)
+        options = dict(gamma=r.choice(["auto", "auto", 0, 1, 3, decoder.max_gamma]))
+        if r.random() < 0.4:
+            options.update(temperature=r.choice([0.7, 1.0]), top_k=r.choice([0, 20]), top_p=r.choice([1.0, 0.9]),
+                           seed=r.randrange(-99, 1000))
+        if r.random() < 0.4:
+            options["stop"] = r.sample(["(", " =", "self", "e", "\n", " "], 2)
+        requests.append((r.choice(ENDINGS), text[start:start + length], r.choice([1, 6, 30]), options, r.randrange(1, 8)))
+    return requests
+
+
+@pytest.mark.parametrize("parallel", [2, 4])
+def test_eight_threads_ending_requests_every_way_each_get_their_sequential_outputs(bundle, monkeypatch, parallel):
+    """A seeded mix on 8 threads over 2 or 4 slots: every request, and the prefix of every one ended early, is what
+    it decodes alone; an abandoned or failed request gives its slot back, and no slot is left held."""
+    alone = SpeculativeDecoder(bundle)
+    requests = stress_requests(alone, 48, seed=parallel)
+    expected = [alone.generate(prompt, new, **options) for _, prompt, new, options, _ in requests]
+    assert {e.stats.finish_reason for e in expected} >= {"max_new_tokens", "stop", "context"}
+    decoder = SpeculativeDecoder(bundle, parallel=parallel)
+    fail_after = threading.local()  # engine calls the current thread's request makes before one fails
+    graph = EngineSlot._graph
+
+    def failing(self, *args):
+        calls = getattr(fail_after, "calls", None)
+        if calls is not None:
+            fail_after.calls = calls - 1
+            if calls == 0:
+                options = ort.RunOptions()
+                options.terminate = True
+                return options
+        return graph(self, *args)
+
+    monkeypatch.setattr(EngineSlot, "_graph", failing)
+    got = [None] * len(requests)
+    start = threading.Barrier(8)
+
+    def run(thread: int) -> None:
+        start.wait()
+        for i in range(thread, len(requests), 8):
+            ending, prompt, new, options, k = requests[i]
+            if ending == "generate":
+                got[i] = decoder.generate(prompt, new, **options).token_ids
+            elif ending == "stream":
+                got[i] = list(decoder.stream(prompt, new, **options))
+            elif ending == "stream_text":
+                got[i] = "".join(decoder.stream_text(prompt, new, **options))
+            elif ending == "fail":
+                fail_after.calls = k
+                try:
+                    got[i] = decoder.generate(prompt, new, **options).token_ids  # ended before its k-th call
+                except DeviceError:
+                    got[i] = "failed"
+                fail_after.calls = None
+            else:
+                stream, got[i] = decoder.stream(prompt, new, **options), []
+                try:
+                    for token in stream:
+                        got[i].append(token)
+                        if len(got[i]) == k:
+                            if ending == "raise":
+                                raise KeyError(token)
+                            break
+                except KeyError:
+                    pass
+                if ending == "close":
+                    stream.close()
+                del stream  # "drop": the only reference, so its slot comes back here
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for (ending, _, _, _, k), result, reference in zip(requests, got, expected):
+        if ending == "stream_text":
+            assert result == reference.text
+        elif ending in ("close", "drop", "raise"):
+            assert result == reference.token_ids[:k]
+        elif result != "failed":
+            assert result == reference.token_ids
+    assert "failed" in got and decoder.slots.in_use == 0 and decoder.slots.waiting == 0
+    monkeypatch.setattr(EngineSlot, "_graph", graph)
+    for (_, prompt, new, options, _), reference in list(zip(requests, expected))[:6]:
+        assert decoder.generate(prompt, new, **options).token_ids == reference.token_ids
 
 
 def test_a_thread_waits_for_a_slot_held_by_a_stream_another_thread_now_drives(bundle, sequential):
@@ -184,6 +287,40 @@ def test_a_stream_closed_before_its_end_finishes_as_aborted_and_one_closed_at_it
     assert stats.finish_reason == "max_new_tokens"
 
 
+@pytest.mark.parametrize("waiter", ["same thread", "another thread"])
+def test_a_stream_abandoned_in_a_reference_cycle_comes_back_to_a_request_waiting_for_its_slot(bundle, sequential, waiter):
+    """A consumer that keeps the exception it met: the traceback holds the frame that held the stream, a cycle
+    that only the cyclic garbage collector frees. Automatic collection is off here, as in a process whose
+    threads all wait for a slot and allocate nothing that would start one: the other thread waited forever,
+    this one was refused as if it had left a stream unfinished."""
+    decoder = SpeculativeDecoder(bundle, parallel=1)
+
+    def consume() -> None:
+        stream, kept = decoder.stream(PROMPTS[0], NEW_TOKENS), []
+        try:
+            for _ in stream:
+                raise ValueError("the consumer failed")
+        except ValueError as exc:
+            kept.append(exc)  # kept -> exc -> its traceback -> this frame -> kept
+
+    prompt, options = REQUESTS[1]
+    results = []
+    gc.disable()
+    try:
+        consume()
+        assert decoder.slots.in_use == 1
+        if waiter == "same thread":
+            results.append(decoder.generate(prompt, NEW_TOKENS, **options).token_ids)
+        else:
+            worker = threading.Thread(target=lambda: results.append(decoder.generate(prompt, NEW_TOKENS, **options).token_ids),
+                                      daemon=True)
+            worker.start()
+            worker.join(60)
+    finally:
+        gc.enable()
+    assert results == [sequential[1]] and decoder.slots.in_use == 0
+
+
 def test_a_stream_that_was_never_started_holds_no_slot(bundle):
     decoder = SpeculativeDecoder(bundle, parallel=1)
     unused = decoder.stream(PROMPTS[0], NEW_TOKENS)
@@ -277,6 +414,41 @@ def test_cancelling_a_task_stops_its_decoding_within_a_round_and_frees_the_slot(
     in_use, after = asyncio.run(run())
     assert in_use == 0 and pause.tokens[0] <= 1 + decoder.max_gamma + 1  # the first token, then one round at most
     assert after.token_ids == sequential[1]
+
+
+@pytest.mark.parametrize("holder", ["task", "sync stream"])
+def test_a_task_cancelled_while_its_request_waits_for_a_slot_ends_at_once_without_taking_one(bundle, sequential, holder):
+    """The only slot is held by another task's request (so the only worker thread is busy too) or by a sync stream.
+    A wait_for timing out around a request queued behind it used to end only once the holder finished (30 s
+    here, when the watchdog lets it go on), and the cancelled request then took the slot and decoded a token."""
+    decoder = SpeculativeDecoder(bundle, parallel=1)
+    pause = PauseAfterFirstToken(decoder)
+    (prompt, options) = REQUESTS[1]
+
+    async def run():
+        if holder == "task":
+            held = asyncio.ensure_future(streamed(decoder, PROMPTS[2]))
+            assert await asyncio.to_thread(pause.paused.wait, 60)  # decoding in the worker, paused after a token
+            watchdog = threading.Timer(30, pause.go.set)
+        else:
+            held = decoder.stream(PROMPTS[2], 200)
+            next(held)  # holds the slot until resumed
+            watchdog = threading.Timer(30, held.close)
+        watchdog.start()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(decoder.agenerate(prompt, NEW_TOKENS, **options), 0.5)
+        state = decoder.slots.in_use, decoder.slots.waiting, list(pause.tokens)
+        watchdog.cancel()
+        pause.go.set()
+        if holder == "task":
+            await held
+        else:
+            held.close()
+        return state, await asyncio.wait_for(decoder.agenerate(prompt, NEW_TOKENS, **options), 60)
+
+    (in_use, waiting, tokens), after = asyncio.run(run())
+    assert (in_use, waiting) == (1, 0) and tokens[0] == 1 and tokens[1:] in ([], [0])
+    assert after.token_ids == sequential[1] and decoder.slots.in_use == 0
 
 
 def test_a_slow_consumer_does_not_hold_its_slot(bundle, sequential):

@@ -307,12 +307,14 @@ class SpeculativeDecoder:
         request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
         return self.stream_request(request, Stats() if stats is None else stats)
 
-    def stream_request(self, request: Request, stats: Stats, every_token: bool = False) -> Iterator[str]:
+    def stream_request(self, request: Request, stats: Stats, every_token: bool = False,
+                       halt: threading.Event | None = None) -> Iterator[str]:
         """stream_text for a request already checked by request() (the server checks before queueing).
         every_token: also yield "" for a token whose text is held back, so that the consumer can stop
-        between any two tokens (a relay's stop: the async API's cancel, the server's deadlines)."""
+        between any two tokens (a relay's stop: the async API's cancel, the server's deadlines). halt: once set
+        while the request waits for a slot, it stops waiting (a RequestError) instead of taking one."""
         text = self._text(request)
-        with closing(self._run(request, stats, text)) as tokens:
+        with closing(self._run(request, stats, text, halt)) as tokens:
             for _ in tokens:
                 if (delta := text.take()) or every_token:
                     yield delta
@@ -338,7 +340,8 @@ class SpeculativeDecoder:
         hold the slot (decoding runs ahead of it, at most to the request's end)."""
         check = partial(self.request, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
         stats = Stats() if stats is None else stats
-        return self._relay(check, lambda request: self._run(request, stats, self._text(request) if request.stop else None))
+        return self._relay(check, lambda request, halt: self._run(request, stats, self._text(request) if request.stop else None,
+                                                                  halt))
 
     def astream_text(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -346,7 +349,7 @@ class SpeculativeDecoder:
         """stream_text for asyncio, as astream is stream's."""
         check = partial(self.request, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
         stats = Stats() if stats is None else stats
-        return self._relay(check, lambda request: self.stream_request(request, stats, every_token=True), held=("",))
+        return self._relay(check, lambda request, halt: self.stream_request(request, stats, True, halt), held=("",))
 
     async def _relay(self, check: Callable[[], Request], stream: Callable[[Request], Iterator],
                      held: tuple = ()) -> AsyncIterator:
@@ -354,17 +357,17 @@ class SpeculativeDecoder:
         tokenizes the prompt (milliseconds for a long one), and must not wait for a worker to come free."""
         request = await asyncio.to_thread(check)
         relay = Relay()
-        relay.start(self.workers, partial(stream, request), held)
+        relay.start(self.workers, partial(stream, request, relay.halt), held)  # a cancel stops its wait for a slot too
         try:
             async for item in relay:
                 yield item
         finally:  # also when the consuming task is cancelled, or the iterator closed or collected
             await relay.close()
 
-    def _generating(self, request: Request) -> Iterator[Generation | None]:
+    def _generating(self, request: Request, halt: threading.Event | None = None) -> Iterator[Generation | None]:
         """generate's decoding: None after every token (where a relay may stop it), then the Generation."""
         stats, text, tokens = Stats(), self._text(request), []
-        with closing(self._run(request, stats, text if request.stop else None)) as decoded:
+        with closing(self._run(request, stats, text if request.stop else None, halt)) as decoded:
             for token in decoded:
                 tokens.append(token)
                 yield None
@@ -376,8 +379,9 @@ class SpeculativeDecoder:
     def _text(self, request: Request) -> TextStream:
         return TextStream(self.tokenizer, request.stop, request.prompt_ids)
 
-    def _run(self, request: Request, stats: Stats, text: TextStream | None) -> Iterator[int]:
-        with self.slots.take() as slot, closing(self._speculate(slot, request, stats)) as tokens:
+    def _run(self, request: Request, stats: Stats, text: TextStream | None,
+             halt: threading.Event | None = None) -> Iterator[int]:
+        with self.slots.take(halt) as slot, closing(self._speculate(slot, request, stats)) as tokens:
             try:
                 for token in tokens:
                     if text is not None:

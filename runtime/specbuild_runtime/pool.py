@@ -3,6 +3,7 @@ memory limit (the machine's, or the container's) holds the KV caches of."""
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -17,6 +18,16 @@ from .slot import Slot
 # Seconds a thread that drove a busy slot's stream last waits for another thread to resume that stream before
 # its own request is refused as a same-thread deadlock (see SlotPool.take).
 SAME_THREAD_PATIENCE = 1.0
+# While a request waits without a free slot, the pool runs the cyclic garbage collector once every this many
+# seconds (the first after this long): a stream abandoned in a reference cycle (a kept exception's traceback
+# holds the frame that held it) keeps its slot until a collection closes it, and a process whose threads all
+# wait for a slot starts none, nor does a busy one for long (a long stream's generators reach the oldest
+# generation, collected rarely). Less than SAME_THREAD_PATIENCE: such a stream comes back before its thread
+# is refused.
+COLLECT_EVERY = 0.5
+# Seconds between a waiting request's looks at its stop event (take(halt)): an async request cancelled while it
+# waits for a slot leaves the line this soon, without taking one.
+STOP_POLL = 0.05
 
 
 class SlotPool:
@@ -41,6 +52,7 @@ class SlotPool:
         self._owners: dict[int, int] = {}  # slot index -> thread ident
         self._last: dict[int, int] = {}  # slot index -> the thread that took it last
         self._waiting: list[object] = []  # a ticket per take() in arrival order: slots go first come, first served
+        self._collected = float("-inf")  # time.monotonic() of the last collection (see COLLECT_EVERY)
         # A slot came free, a waiter left the line, or a held stream moved to another thread. Re-entrant: a
         # generator closed by the GC may release inside take().
         self._changed = threading.Condition(threading.RLock())
@@ -64,13 +76,14 @@ class SlotPool:
                 self._changed.notify_all()
 
     @contextmanager
-    def take(self) -> Iterator[Slot]:
+    def take(self, halt: threading.Event | None = None) -> Iterator[Slot]:
+        """A slot for the calling thread; a RequestError instead once `halt` is set while it waits."""
         me = threading.get_ident()
         with self._changed:
             ticket = object()
             self._waiting.append(ticket)
             try:
-                self._wait_for_turn(me, ticket)
+                self._wait_for_turn(me, ticket, halt)
             finally:
                 self._waiting.remove(ticket)
                 # The next in line may take a slot now, or has to start counting its patience.
@@ -85,20 +98,28 @@ class SlotPool:
                 self._free.append(slot)
                 self._changed.notify_all()  # whoever is first in line (notify() might wake another, who waits on)
 
-    def _wait_for_turn(self, me: int, ticket: object) -> None:
+    def _wait_for_turn(self, me: int, ticket: object, halt: threading.Event | None = None) -> None:
         """Wait until a slot is free for this ticket: the earliest waiters take the free slots first, so a
         thread that just gave one back cannot take it again ahead of those already waiting."""
         refuse_at = None  # while this thread drove a busy slot's stream last: when to stop waiting for it
+        began = time.monotonic()
         while not (self._free and self._waiting.index(ticket) < len(self._free)):
+            if halt is not None and halt.is_set():
+                raise RequestError("the request was stopped while it waited for a slot")
+            now = time.monotonic()
+            collect_at = max(began, self._collected) + COLLECT_EVERY
+            if not self._free and now >= collect_at:
+                self._collected = now
+                gc.collect()  # closes unreachable streams in this thread: their slots come back (re-entrantly)
+                continue
             if self._free or me not in self._owners.values():  # free slots go to the waiters ahead first
                 refuse_at = None
-                self._changed.wait()
+                self._wait(None if self._free else collect_at - now, halt)
                 continue
             # This thread advanced a held stream last. If only this thread will ever advance it (streams
             # interleaved in one thread), waiting is a deadlock; but in a thread pool that runs each next()
             # of a stream wherever a worker is free (asyncio.to_thread, Starlette's StreamingResponse over a
             # sync generator), another worker resumes it and claim() moves it there. Wait that long.
-            now = time.monotonic()
             refuse_at = refuse_at or now + SAME_THREAD_PATIENCE
             if now >= refuse_at:
                 raise RequestError(
@@ -107,7 +128,14 @@ class SlotPool:
                     "finish or close() it first, or create the decoder with parallel > "
                     f"{self.size}"
                 )
-            self._changed.wait(refuse_at - now)
+            self._wait(min(refuse_at, collect_at) - now, halt)
+
+    def _wait(self, timeout: float | None, halt: threading.Event | None) -> None:
+        """Wait for a change, at most timeout seconds, and while a halt event is given at most STOP_POLL (setting
+        an event notifies no condition)."""
+        if halt is not None:
+            timeout = STOP_POLL if timeout is None else min(timeout, STOP_POLL)
+        self._changed.wait(timeout)
 
     def _pick(self, me: int) -> Slot:
         """Take a free slot for thread `me`: with affinity its own of last time, else one never taken; else the

@@ -30,7 +30,11 @@ class Relay:
 
     def __init__(self) -> None:
         self._items: asyncio.Queue = asyncio.Queue()
-        self._halt = threading.Event()  # read by the worker after every item
+        self.halt = threading.Event()  # read by the worker after every item, and while its stream waits for a slot
+        # Whether the worker has begun (under the lock, with its look at halt): one that has not will return at once
+        # when it does, so close() need not wait for a worker thread to come free (behind other requests).
+        self._began = False
+        self._lock = threading.Lock()
         self._last: Any = None  # END or the exception iteration ended with: every later __anext__ ends so again
         self.finished = False  # set by the worker once the stream ended and every item was posted
         self.first_item_at: float | None = None  # time.monotonic() when the worker posted the first item
@@ -38,7 +42,7 @@ class Relay:
 
     @property
     def stopped(self) -> bool:
-        return self._halt.is_set()
+        return self.halt.is_set()
 
     def start(self, workers: Executor, stream: Callable[[], Iterator], held: tuple = ()) -> asyncio.Future:
         """Iterate stream() in a worker. Items in `held` are not posted: they only let the worker stop between
@@ -51,15 +55,19 @@ class Relay:
     def stop(self, error: BaseException | None = None) -> None:
         """Stop the worker after the item it is producing. With an error, iteration raises it after the items
         posted so far."""
-        self._halt.set()
+        self.halt.set()
         if error is not None:
             self._items.put_nowait(error)
 
     async def close(self) -> None:
-        """stop(), then wait for the worker to return: its slot is free by then. A cancelled wait leaves the worker
-        to stop on its own; nothing cancels the worker's future, which would end before the worker does."""
+        """stop(), then wait for the worker to return: its slot is free by then. A worker not yet begun (its request
+        queued behind others for a worker thread) is not waited for: it will return at once, having taken no slot.
+        A cancelled wait leaves the worker to stop on its own; nothing cancels the worker's future, which would end
+        before the worker does."""
         self.stop()
-        if self.worker is not None:
+        with self._lock:
+            began = self._began
+        if began:
             await asyncio.wait({self.worker})
 
     def __aiter__(self) -> Relay:
@@ -81,13 +89,15 @@ class Relay:
 
     def _run(self, post: Callable, stream: Callable[[], Iterator], held: tuple) -> None:
         """In a worker thread."""
-        if self._halt.is_set():  # stopped while it waited for this thread: nothing decoded, no slot taken
-            return
+        with self._lock:
+            if self.halt.is_set():  # stopped while it waited for this thread: nothing decoded, no slot taken
+                return
+            self._began = True
         with closing(stream()) as items:
             for item in items:
                 if item not in held:
                     self.first_item_at = self.first_item_at or time.monotonic()
                     post(self._items.put_nowait, item)
-                if self._halt.is_set():
+                if self.halt.is_set():
                     return  # closing() ends the stream here, which frees its slot
         self.finished = True
