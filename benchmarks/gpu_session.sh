@@ -77,7 +77,7 @@ step() {  # step NAME SECONDS COMMAND...: run it for at most SECONDS, log to $ou
 }
 
 needs_cuda() {  # every mode runs on the setup's onnxruntime-gpu: without it (a fresh machine, the setup not run),
-    # check's GPU tests all skip (and the attention tests' four switches rerun them) and pairs writes and compiles a
+    # check's GPU tests all skip (and the attention tests' three switches rerun them) and pairs writes and compiles a
     # 1.1B pair before bench refuses --device cuda: minutes of the machine for nothing
     if ! python3 -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())" 2>/dev/null; then
         echo "$1: no CUDA provider in onnxruntime: a fresh machine? run the setup of ../shared/gpu/README.md first" | tee -a "$dest/summary.txt"

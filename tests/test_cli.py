@@ -397,3 +397,11 @@ def test_generate_stop_ends_the_output_where_the_api_stop_string_would(bundles):
     as_json = json.loads(specbuild("generate", bundle, "-p", prompt, "-n", 24, "--stop", stop, "--json", check=True).stdout)
     assert streamed.stdout == prompt + expected + "\n" and as_json["text"] == expected
     assert as_json["stats"]["finish_reason"] == "stop"
+
+
+def test_the_cuda_graphs_help_names_every_architecture_captured_by_default():
+    """The default it states is engine.CAPTURED_BY_DEFAULT's, which grew past Llama alone."""
+    from specbuild_runtime.engine import CAPTURED_BY_DEFAULT
+
+    shown = " ".join(specbuild("generate", "--help", check=True).stdout.split())  # click wraps the help
+    assert all(architecture in shown for architecture in CAPTURED_BY_DEFAULT)

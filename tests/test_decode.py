@@ -321,6 +321,21 @@ def test_a_stream_abandoned_in_a_reference_cycle_comes_back_to_a_request_waiting
     assert results == [sequential[1]] and decoder.slots.in_use == 0
 
 
+def test_a_stream_closed_at_the_token_that_filled_the_context_finishes_as_context(bundle):
+    """As at eos or max_new_tokens: a consumer that counted the context's room (as serve's chat default does)
+    and closes at that token reads why decoding ended, not "abort"."""
+    decoder = SpeculativeDecoder(bundle)
+    prompt = decoder.encode(PROMPTS[5]) * 20
+    prompt = prompt[: decoder.max_seq_len - 3]
+    whole = decoder.generate(prompt, 100, gamma=2)
+    assert whole.stats.finish_reason == "context"
+    stats = Stats()
+    stream = decoder.stream(prompt, 100, gamma=2, stats=stats)
+    assert [next(stream) for _ in whole.token_ids] == whole.token_ids
+    stream.close()
+    assert stats.finish_reason == "context"
+
+
 def test_a_stream_that_was_never_started_holds_no_slot(bundle):
     decoder = SpeculativeDecoder(bundle, parallel=1)
     unused = decoder.stream(PROMPTS[0], NEW_TOKENS)
@@ -741,6 +756,7 @@ def test_cuda_graphs_by_default_on_cuda_for_unquantized_fp16_and_bf16_bundles(bu
     assert not graphs_by_default(variant(precision="fp16", quantization="int4"), "cuda")  # not yet run captured
     assert graphs_by_default(variant(precision="fp16", architecture="GPT2LMHeadModel"), "cuda")  # replayed right on an H100
     assert not graphs_by_default(variant(precision="fp16", architecture="Qwen3ForCausalLM"), "cuda")  # not yet run captured
+    assert not graphs_by_default(variant(precision="bf16", architecture="GPT2LMHeadModel"), "cuda")  # its fp16 only
     assert not graphs_by_default(variant(precision="fp16", greedy_file=""), "cuda")  # compiled before them
     assert not graphs_by_default(replace(variant(precision="fp16"), sampler_file=""), "cuda")
 
@@ -760,5 +776,5 @@ def test_why_a_bundle_decodes_uncaptured_by_default_is_said_in_words(bundle):
     assert uncaptured_because(variant(precision="fp16")) == ""
     assert "fp32" in uncaptured_because(fp32)
     assert "int4 engines not yet run captured" in uncaptured_because(variant(precision="bf16", quantization="int4"))
-    assert "Qwen3ForCausalLM not yet run captured" in uncaptured_because(variant(precision="fp16", architecture="Qwen3ForCausalLM"))
+    assert "Qwen3ForCausalLM fp16 not yet run captured" in uncaptured_because(variant(precision="fp16", architecture="Qwen3ForCausalLM"))
     assert "recompile" in uncaptured_because(variant(precision="fp16", greedy_file=""))

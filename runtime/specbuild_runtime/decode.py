@@ -443,12 +443,11 @@ class SpeculativeDecoder:
                     stats.finish_reason = "eos"
                 elif stats.generated_tokens >= max_new_tokens:
                     stats.finish_reason = "max_new_tokens"
+                elif len(ids) > max_len:  # only a round's last token gets here: rounds draft within the room left
+                    stats.finish_reason = "context"
                 yield token
                 if stats.finish_reason:
                     return
-            if len(ids) > max_len:
-                stats.finish_reason = "context"
-                return
             # No more drafts than the request or the cache has room for.
             room = min(max_new_tokens - stats.generated_tokens - 1, max_len - len(ids))
             k = policy.choose(room)
@@ -500,8 +499,8 @@ class SpeculativeDecoder:
 
 def graphs_by_default(manifest: Manifest, device: str) -> bool:
     """CUDA graphs unless asked otherwise: on CUDA, for bundles of the kind measured to replay exactly what
-    uncaptured calls decode (tests/test_gpu.py on an H200 and an H100: fp16 and bf16 engines, unquantized, of the
-    architectures in engine.CAPTURED_BY_DEFAULT, with the greedy-only graphs; fp16 target-only decoded 1.4x as
+    uncaptured calls decode (tests/test_gpu.py on an H200 and an H100: unquantized engines of the architectures
+    and precisions in engine.CAPTURED_BY_DEFAULT, with the greedy-only graphs; fp16 target-only decoded 1.4x as
     fast); nor on the CPU, where the greedy-only graphs gain little (README, GPU)."""
     return device == "cuda" and not uncaptured_because(manifest)
 
@@ -513,8 +512,8 @@ def uncaptured_because(manifest: Manifest) -> str:
     for role, e in sorted(manifest.engines.items(), key=lambda item: item[0] != "target"):  # the target's first
         if e.precision == "fp32":
             return f"the {role} is fp32, whose attention onnxruntime runs on the CPU (none can be captured)"
-        if e.quantization != "none" or e.architecture not in CAPTURED_BY_DEFAULT:
-            what = f"{e.quantization} engines" if e.quantization != "none" else e.architecture
+        if e.quantization != "none" or e.precision not in CAPTURED_BY_DEFAULT.get(e.architecture, ()):
+            what = f"{e.quantization} engines" if e.quantization != "none" else f"{e.architecture} {e.precision}"
             return f"{what} not yet run captured on a GPU (--cuda-graphs asks for them)"
     return ""
 

@@ -58,12 +58,13 @@ _SHARED_POOL: bool | None = None
 # held back by it.
 # (Captured graphs are kept per thread, so each decoding thread captures its own.)
 _CUDA_GRAPH_CALLS = threading.Lock()
-# Architectures whose replayed calls were measured to give the tokens of uncaptured ones on a GPU
-# (tests/test_gpu.py: Llama fp16 and bf16 on an H200 and an H100; Qwen2 with a sliding window, Gemma 3, Phi-3 and
-# GPT-2 fp16 on an H100, 2026-11-26, once cuDNN's attention was off, see _session): CUDA graphs are their default
-# on CUDA (decode.graphs_by_default). The others replay only when asked (--cuda-graphs) until that test has run
+# Architectures (and precisions) whose replayed calls were measured to give the tokens of uncaptured ones on a
+# GPU (tests/test_gpu.py: Llama fp16 and bf16 on an H200 and an H100; Qwen2 with a sliding window, Gemma 3, Phi-3
+# and GPT-2 fp16 on an H100, 2026-11-26, once cuDNN's attention was off, see choose_attention_kernels): CUDA
+# graphs are their default on CUDA (decode.graphs_by_default). The others replay only when asked (--cuda-graphs) until that test has run
 # for them too.
-CAPTURED_BY_DEFAULT = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "GPT2LMHeadModel"}
+CAPTURED_BY_DEFAULT = {"LlamaForCausalLM": ("fp16", "bf16"), "Qwen2ForCausalLM": ("fp16",), "Gemma3ForCausalLM": ("fp16",),
+                       "Phi3ForCausalLM": ("fp16",), "GPT2LMHeadModel": ("fp16",)}  # architecture: precisions run
 
 
 def session_options() -> ort.SessionOptions:

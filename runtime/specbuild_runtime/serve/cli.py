@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from ..engine import DEVICES
+from ..engine import CAPTURED_BY_DEFAULT, DEVICES
 from ..errors import SpecbuildError
 from .protocol import GENERATION_CONFIG_MODES
 
@@ -33,8 +33,8 @@ cuda_graphs_option = click.option(
     "--cuda-graphs/--no-cuda-graphs", default=None,
     help="Run the engines' greedy-only graphs, each call shape captured once and replayed as a CUDA graph (sampling "
          "runs the bundle's sampler after each call, uncaptured), or the full graphs uncaptured.  [default: CUDA "
-         "graphs on cuda for the bundles `specbuild inspect` says (LlamaForCausalLM fp16/bf16, unquantized), off "
-         "otherwise]")
+         "graphs on cuda for the bundles `specbuild inspect` says (unquantized "
+         f"{', '.join(f'{a} {chr(47).join(p)}' for a, p in sorted(CAPTURED_BY_DEFAULT.items()))}), off otherwise]")
 draft_steps_option = click.option(
     "--draft-steps/--no-draft-steps", default=None,
     help="Greedy rounds draft with the draft's steps graph, several tokens a call (a second session of the draft's "
