@@ -100,7 +100,7 @@ def sampling_defaults(generation_config: dict | None, mode: str) -> Defaults:
     if "temperature" in taken:
         return Defaults(taken, "from the bundle's generation_config", tuple(ignored))
     source = (f"{', '.join(taken)} from the bundle's generation_config, temperature OpenAI's default" if taken else
-              "OpenAI's defaults; the bundle's generation_config sets none of them")
+              "OpenAI's defaults; the bundle's generation_config sets none of them that apply")
     return Defaults({**OPENAI_DEFAULTS, **taken}, source, tuple(ignored))
 
 
