@@ -51,16 +51,19 @@ class Setting(click.ParamType):
 
 
 class CommaList(click.ParamType):
-    """Comma-separated values, each converted and checked by item_type."""
+    """Comma-separated values, each converted and checked by item_type; with `empty` (what to give
+    instead) an empty list is refused, where it means nothing (none: it means none, as no peers)."""
 
-    def __init__(self, item_type: click.ParamType):
-        self.item_type = item_type
+    def __init__(self, item_type: click.ParamType, empty: str | None = None):
+        self.item_type, self.empty = item_type, empty
         self.name = f"{item_type.name},..."
 
     def convert(self, value, param, ctx):
         if isinstance(value, list):
             return value
         items = [self.item_type.convert(item.strip(), param, ctx) for item in value.split(",") if item.strip()]
+        if not items and self.empty:
+            self.fail(f"{value!r} names none; {self.empty}", param, ctx)
         return list(dict.fromkeys(items))  # each once, in the order given
 
 
@@ -423,8 +426,12 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
               help='JSONL file, one {"prompt": "..."} per line.  [default: the bundled code prompts]')
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=2), default=128, show_default=True,
               help="Tokens per prompt (at least 2: decode speed is measured after the first).")
-@click.option("--gamma", "gammas", type=CommaList(click.IntRange(1, MAX_GAMMA)), default="1,2,4,8", show_default=True,
-              help="Fixed γ values to measure beside target-only and auto.")
+# No fixed γ leaves the draft's step cost, the theoretical bound and the peers' speculative rows unmeasured:
+# an empty list (an unset variable in a script) is a slip, and ran quietly without them.
+@click.option("--gamma", "gammas", type=CommaList(click.IntRange(1, MAX_GAMMA), empty=f"give at least one γ from 1 to "
+                                                                                     f"{MAX_GAMMA}, e.g. 1,2,4,8"),
+              default="1,2,4,8", show_default=True,
+              help="Comma-separated fixed γ values (at least one) to measure beside target-only and auto.")
 @click.option("--peers", type=CommaList(click.Choice(PEERS)), default="",
               help=f"Comma-separated peers to measure on the source checkpoints: {', '.join(PEERS)}.")
 @click.option("--json", "json_out", is_flag=False, flag_value="-", metavar="[FILE]",
@@ -504,10 +511,14 @@ def check_plot_path(path: Path) -> None:
 @click.option("--loss", "objective", type=click.Choice(["tvd", "fkl", "rkl", "jsd"]), default="tvd", show_default=True,
               help="Divergence of the draft's distribution from the target's: total variation, forward or reverse KL, "
                    "Jensen-Shannon.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Sequences per training step: a smaller batch holds less of the draft's training in memory and "
+                   "trains more slowly (the target's fp32 weights need the same either way).")
 @click.option("--force", is_flag=True, help="Write the draft even if α did not rise.")
 @click.option("--overwrite", is_flag=True, help="Replace the checkpoint at --output (never anything that is not a checkpoint).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def distill(target, output, init, draft_config, minutes, prompts_file, data, gamma, objective, force, overwrite, as_json) -> None:
+def distill(target, output, init, draft_config, minutes, prompts_file, data, gamma, objective, batch_size, force, overwrite,
+            as_json) -> None:
     """Train a draft on what the target writes, so that it agrees with the target more often.
 
     The target continues prompts (yours, spans of your text, or its own samples); the draft learns the
@@ -521,7 +532,8 @@ def distill(target, output, init, draft_config, minutes, prompts_file, data, gam
 
     overrides = dict(_key_value(item) for item in draft_config) or None
     report = run_distill(target, output, draft_config=overrides, init=init, minutes=minutes, prompts_file=prompts_file,
-                         data=data, gamma=gamma, objective=objective, force=force, overwrite=overwrite)
+                         data=data, gamma=gamma, objective=objective, batch_size=batch_size, force=force,
+                         overwrite=overwrite)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:

@@ -295,6 +295,19 @@ def test_usage_errors_are_one_line_with_exit_status_2(capsys):
     assert exited.value.code == 2 and err.count("\n") == 1 and "'--max-seq-len'" in err and "specbuild compile --help" in err
 
 
+@pytest.mark.parametrize("gammas", ["", ","])
+def test_bench_with_no_fixed_gamma_is_a_usage_error(gammas, tmp_path):
+    """An empty --gamma (a script's unset variable) ran without the draft's step cost, the bound or the
+    peers' speculative rows, and exited 0 (parsed only here: nothing loads or measures)."""
+    import click
+
+    from specbuild.cli import bench
+
+    with pytest.raises(click.BadParameter, match="give at least one γ"):
+        bench.make_context("bench", [str(tmp_path), "--gamma", gammas])
+    assert bench.make_context("bench", [str(tmp_path), "--gamma", "2,"]).params["gammas"] == [2]
+
+
 def test_runtime_imports_and_decodes_where_torch_cannot_be_imported(bundles):
     code = (
         "import sys\n"

@@ -336,6 +336,24 @@ def test_the_distill_command_takes_one_source_of_prompts(pair, tmp_path, prompts
     assert result.returncode == 2 and "either --prompts or --data" in result.stderr
 
 
+def test_the_distill_command_trains_with_the_batch_size_given_and_the_functions_by_default(monkeypatch, tmp_path, capsys):
+    """A smaller batch is the remedy for training that outgrows memory: the command had no way to ask for one."""
+    import inspect
+
+    from specbuild.cli import main
+
+    asked = []
+    monkeypatch.setattr(distill_module, "distill", lambda *args, **kwargs: asked.append(kwargs) or {"written": True})
+    for extra in (["--batch-size", "2"], []):
+        with pytest.raises(SystemExit) as exited:
+            main(["distill", "--target", str(tmp_path), "-o", str(tmp_path / "draft"), "--json", *extra])
+        assert exited.value.code == 0, capsys.readouterr().err
+    assert [a["batch_size"] for a in asked] == [2, inspect.signature(distill).parameters["batch_size"].default]
+    with pytest.raises(SystemExit) as exited:
+        main(["distill", "--target", str(tmp_path), "-o", str(tmp_path / "draft"), "--batch-size", "0"])
+    assert exited.value.code == 2 and "x>=1" in capsys.readouterr().err
+
+
 def test_distill_refuses_a_draft_with_another_tokenizer(pair, tmp_path):
     other = make_checkpoint(tmp_path / "other", "llama", make_tokenizer(vocab_size=300), **SMALLER)
     with pytest.raises(CheckpointError, match="different tokenizer"):

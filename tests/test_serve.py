@@ -311,7 +311,8 @@ def test_metrics_count_requests_tokens_and_acceptance(server, client):
     before = metric_values(server)
     ok = ("specbuild_requests_total", (("endpoint", "completions"), ("outcome", "ok")))
     invalid = ("specbuild_requests_total", (("endpoint", "completions"), ("outcome", "invalid")))
-    reply = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, extra_body={"gamma": 2})
+    reply = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                      extra_body={"gamma": 2})  # greedy: a sample may end at its first token
     httpx.post(f"{server}/v1/completions", json={"prompt": "x", "top_p": 0})
     after = metric_values(server)
     assert after[ok] == before.get(ok, 0) + 1 and after[invalid] == before.get(invalid, 0) + 1
@@ -350,6 +351,15 @@ def test_a_missing_bundle_is_a_one_line_error(command, tmp_path):
     result = subprocess.run([*command, str(tmp_path / "nothing"), "--port", str(free_port())], capture_output=True, text=True)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: ") and "nothing" in lines[0]
+
+
+def test_specbuild_serves_usage_errors_are_one_line_as_specbuilds(tmp_path):
+    """The standalone command a torch-free service runs printed click's three lines (usage, hint, error)."""
+    command = [sys.executable, "-c", "import sys; from specbuild_runtime.serve.cli import main; main()"]
+    result = subprocess.run([*command, str(tmp_path), "--model-name", ""], capture_output=True, text=True)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "model-name" in lines[0], \
+        result.stderr
 
 
 def test_a_taken_port_is_a_one_line_error_before_the_bundle_loads(bundle):
@@ -818,6 +828,19 @@ def test_serve_threads_beyond_what_a_machine_starts_is_a_usage_error(tmp_path):
     with pytest.raises(click.BadParameter, match="1<=x<=1024"):
         serve_command.make_context("serve", [str(tmp_path), "--threads", "100000"])
     serve_command.make_context("serve", [str(tmp_path), "--threads", "64"])
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_model_name_is_a_usage_error_not_the_folders_name(name, tmp_path):
+    """An empty --model-name (a template's unset variable) served under the folder's name, which the
+    clients configured with the variable were never told (parsed only here: nothing loads or serves)."""
+    import click
+
+    from specbuild_runtime.serve.cli import serve_command
+
+    with pytest.raises(click.BadParameter, match="must not be empty"):
+        serve_command.make_context("serve", [str(tmp_path), "--model-name", name])
+    serve_command.make_context("serve", [str(tmp_path), "--model-name", "demo"])
 
 
 def test_a_streamed_event_holding_a_unicode_line_separator_reads_as_one_line():

@@ -62,7 +62,8 @@ draft_steps_option = click.option(
               help="On SIGTERM, seconds in-flight requests get to finish before they are cut.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Open connections at once; more get 503 (slow or idle clients cannot exhaust the server's files).")
-@click.option("--model-name", help="The model name clients send and /v1/models lists.  [default: the bundle folder's name]")
+@click.option("--model-name", callback=lambda ctx, param, value: _model_name(value),
+              help="The model name clients send and /v1/models lists.  [default: the bundle folder's name]")
 @click.option("--api-key", envvar="SPECBUILD_API_KEY", callback=lambda ctx, param, value: _api_key(value),
               help="Require this key on /v1 routes ('Authorization: Bearer KEY', the openai client's api_key); "
                    "/health and /metrics stay open.  [default: $SPECBUILD_API_KEY, else none]")
@@ -105,6 +106,14 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
     server.http_server(host, port).run(sockets=[listener])
 
 
+def _model_name(value: str | None) -> str | None:
+    """A name clients can send: an empty one fell back to the folder's name, which no client was told."""
+    if value is not None and not value.strip():
+        raise click.BadParameter("must not be empty; give the name clients send, or leave it out for the bundle "
+                                 "folder's name", param_hint="--model-name")
+    return value
+
+
 def _api_key(value: str | None) -> str | None:
     """The key as an HTTP header carries it: printable ASCII (a client could not send another)."""
     if value is None and os.environ.get("SPECBUILD_API_KEY") == "":  # click takes an empty variable for unset
@@ -135,7 +144,10 @@ def _listen(host: str, port: int) -> socket.socket:
 def main() -> None:
     """`specbuild-serve`: the same command with the same one-line errors as `specbuild`."""
     try:
-        serve_command.main(standalone_mode=False)
+        serve_command.main(prog_name="specbuild-serve", standalone_mode=False)
+    except click.UsageError as exc:  # click's own show() is three lines (usage, hint, error)
+        click.echo(f"error: {exc.format_message()} (see 'specbuild-serve --help')", err=True)
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
