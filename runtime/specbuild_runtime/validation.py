@@ -75,6 +75,20 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
             raise RequestError(f"gamma must be {AUTO!r} or a whole number from 0 to {max_gamma}, not {gamma!r}")
         gamma = whole("gamma", gamma, low=0, high=max_gamma,
                       hint=f" (this bundle's most drafts per round; 0 = target only, {AUTO!r} adapts)")
+    temperature, top_k, top_p = check_sampling(temperature, top_k, top_p, vocab_size)
+    seed = None if seed is None else whole("seed", seed)
+    prompt_ids = prompt_token_ids(prompt, encode, vocab_size)
+    if len(prompt_ids) > max_seq_len:
+        raise RequestError(
+            f"the prompt has {len(prompt_ids)} tokens but this bundle's context is {max_seq_len}; shorten "
+            f"the prompt, or recompile with a larger --max-seq-len ({len(prompt_ids) + max_new_tokens} would fit this "
+            "request) within the model's max_position_embeddings"
+        )
+    return Request(prompt_ids, max_new_tokens, gamma, Sampling(temperature, top_k, top_p, seed), stop_strings(stop))
+
+
+def check_sampling(temperature=0.0, top_k=0, top_p=1.0, vocab_size: int = 1) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) as the engines take them, or a RequestError naming the first that is wrong."""
     temperature = real("temperature", temperature)
     if temperature < 0:
         raise RequestError(f"temperature must be 0 (greedy) or more, not {temperature}")
@@ -86,15 +100,7 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
     top_p = max(top_p, FLOAT32_TINY)
     # A top_k above the vocabulary keeps every token, as 0 does; capping it keeps it an int64.
     top_k = min(whole("top_k", top_k, low=0, hint=" (0 = no limit)"), vocab_size)
-    seed = None if seed is None else whole("seed", seed)
-    prompt_ids = prompt_token_ids(prompt, encode, vocab_size)
-    if len(prompt_ids) > max_seq_len:
-        raise RequestError(
-            f"the prompt has {len(prompt_ids)} tokens but this bundle's context is {max_seq_len}; shorten "
-            f"the prompt, or recompile with a larger --max-seq-len ({len(prompt_ids) + max_new_tokens} would fit this "
-            "request) within the model's max_position_embeddings"
-        )
-    return Request(prompt_ids, max_new_tokens, gamma, Sampling(temperature, top_k, top_p, seed), stop_strings(stop))
+    return temperature, top_k, top_p
 
 
 def prompt_token_ids(prompt: Prompt, encode: Callable[[str], list[int]], vocab_size: int) -> list[int]:

@@ -21,10 +21,10 @@ from ..compile.load import check_architecture, model_spec, special_tokens
 from ..errors import CheckpointError, TrainingError
 from ..recipe import DEFAULT_MAX_SEQ_LEN
 from ..reference import load_reference, plainly_generating
-from .divergence import distill_loss
-from .generate import Sequence, continue_prompts, eos_ids, head_at, pad_id, right_padded, score, until_eos
-from .prompts import MAX_PROMPT_TOKENS, SPAN_TOKENS, Prompts, from_file, from_target, from_text, read_texts
 from ..staging import guarded_folder
+from .divergence import distill_loss
+from .generate import Sequence, continuation_logits, continue_prompts, eos_ids, pad_id, score, until_eos
+from .prompts import MAX_PROMPT_TOKENS, SPAN_TOKENS, Prompts, from_file, from_target, from_text, read_texts
 from .train import CHECKPOINT, check_checkpoint_output, parameter_count, train_model, write_checkpoint
 
 DRAFT_SHARE = 0.1  # a default draft has at most this share of the target's parameters, where the vocabulary allows
@@ -309,13 +309,9 @@ def acceptance(draft, references: list[Sequence], gamma: int, vocab: int, stops:
     accepted = drafted = 0
     for first in range(0, len(references), batch_size):
         chunk = references[first : first + batch_size]
-        ids = right_padded([s.tokens[:-1] for s in chunk], pad)
-        read = torch.zeros(ids.shape, dtype=torch.bool)
-        for row, s in enumerate(chunk):
-            read[row, s.first : len(s.tokens) - 1] = True
         # only where the draft's choices are read: over the prompts too, 16 held-out prompts of 256 tokens and a
         # 152k vocabulary took 3.0 GiB here (0.7 GiB since)
-        guesses = head_at(draft, ids, read)[:, :vocab].argmax(-1).split([len(s.tokens) - 1 - s.first for s in chunk])
+        guesses = continuation_logits(draft, chunk, pad)[:, :vocab].argmax(-1).split([len(s.top_ids) for s in chunk])
         for row, s in enumerate(chunk):
             continuation = torch.from_numpy(s.tokens[s.first + 1 :].astype(np.int64))
             agreement = guesses[row] == continuation

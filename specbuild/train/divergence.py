@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .generate import Sequence, head_at, right_padded
+from .generate import Sequence, continuation_logits
 
 EPS = 1e-9  # keeps log() finite where a bucket is empty
 
@@ -45,12 +45,8 @@ def distill_loss(objective: str, vocab: int, pad: int) -> Callable[[torch.nn.Mod
     divergence = DIVERGENCES[objective]
 
     def loss(draft, batch: list[Sequence]) -> torch.Tensor:
-        ids = right_padded([s.tokens[:-1] for s in batch], pad)
-        known = torch.zeros(ids.shape, dtype=torch.bool)
-        for row, s in enumerate(batch):
-            known[row, s.first : s.first + len(s.top_ids)] = True
         # [N, V]: row by row, each row's positions in order, as the teacher's top-k are concatenated below
-        student = F.log_softmax(head_at(draft, ids, known)[:, :vocab].float(), -1)
+        student = F.log_softmax(continuation_logits(draft, batch, pad)[:, :vocab].float(), -1)
         top_ids = torch.from_numpy(np.concatenate([s.top_ids for s in batch])).long()
         top_logprobs = torch.from_numpy(np.concatenate([s.top_logprobs for s in batch]))
         return divergence(*buckets(student, top_ids, top_logprobs)).mean()

@@ -61,8 +61,9 @@ def _masked_logits() -> bool:
     return hasattr(transformers.modeling_utils, "slice_logits_to_keep")
 
 
-def head_at(model, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """model's logits [N, V] at the positions keep [B, T] marks, in row-major order.
+def continuation_logits(model, sequences: list["Sequence"], pad: int) -> torch.Tensor:
+    """model's logits [N, V] at the positions each sequence's top_ids describe (first, first + 1, ...: its
+    continuation), row after row, from one teacher-forced pass; split by len(s.top_ids) for each row's.
 
     Distillation reads continuations only (at most 64 positions a row); a head over the prompts and the
     padding too made a [B, T, V] tensor (1.4 GiB for 16 rows of 159 tokens of a 152k vocabulary) and, in
@@ -71,6 +72,10 @@ def head_at(model, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     The model's own forward slices before its head (and Gemma's final softcapping), so every family's
     head stays transformers'.
     """
+    ids = right_padded([s.tokens[:-1] for s in sequences], pad)
+    keep = torch.zeros(ids.shape, dtype=torch.bool)
+    for row, s in enumerate(sequences):
+        keep[row, s.first : s.first + len(s.top_ids)] = True
     if _masked_logits():
         return model(input_ids=ids, logits_to_keep=keep).logits
     return model(input_ids=ids).logits[keep]
@@ -158,10 +163,6 @@ def continue_prompts(model, prompts: list[list[int]], new_tokens: int, vocab: in
 @torch.no_grad()
 def score(target, sequences: list[Sequence], vocab: int) -> list[Sequence]:
     """The same sequences with the target's top-k distributions, from one teacher-forced pass."""
-    ids = right_padded([s.tokens[:-1] for s in sequences], pad_id(target))
-    scored = torch.zeros(ids.shape, dtype=torch.bool)
-    for row, s in enumerate(sequences):
-        scored[row, s.first : len(s.tokens) - 1] = True
     # the continuations only: over the prompts too, 64 rows of 160 tokens of a 152k vocabulary are 5.8 GiB
-    logits = head_at(target, ids, scored).split([len(s.tokens) - 1 - s.first for s in sequences])
+    logits = continuation_logits(target, sequences, pad_id(target)).split([len(s.top_ids) for s in sequences])
     return [Sequence(s.tokens, s.first, *top_k(rows, vocab)) for s, rows in zip(sequences, logits)]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..decode import Stats
 from ..errors import RequestError
-from ..validation import GREEDY_BELOW, check_request, whole
+from ..validation import GREEDY_BELOW, check_sampling, whole
 
 COMPLETIONS, CHAT = "completions", "chat"
 DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: None}  # OpenAI's defaults; None: until the context is full
@@ -90,7 +90,7 @@ def sampling_defaults(generation_config: dict | None, mode: str) -> Defaults:
         if name in SAMPLING:
             value = 0 if name == "top_k" and type(value) is int and value == -1 else value  # vLLM's "no limit"
             try:  # the runtime's checks: a value it refuses is named, as a request's would be
-                check_request([0], encode=None, vocab_size=1, max_seq_len=1, max_gamma=0, **{name: value})
+                check_sampling(**{name: value})
             except RequestError as exc:
                 ignored.append(f"{name} {_json(value)} ({exc})")
                 continue
