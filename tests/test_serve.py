@@ -273,6 +273,23 @@ def test_bad_requests_get_400_with_a_message(server, endpoint, body, message):
         assert message in error["message"] and error["type"] == "invalid_request_error"
 
 
+PARAMS = [
+    ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"messages": [{"role": "assistant", "content": "hi"}]}, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "def f(x):\n" * 200}]}, "messages"),  # no "prompt" here
+    ("completions", {"prompt": "def f(x):\n" * 200}, "prompt"),
+    ("completions", {"prompt": "x", "stop": ["a", ""]}, "stop"),
+]
+
+
+@pytest.mark.parametrize("endpoint, body, param", PARAMS, ids=[f"{e}-{p}-{i}" for i, (e, _, p) in enumerate(PARAMS)])
+def test_a_400_names_the_field_at_fault_as_its_param(server, endpoint, body, param):
+    """OpenAI's error body names the request field in `param`; errors about the messages named none, or the
+    prompt, which a chat request does not send."""
+    reply = httpx.post(f"{server}/v1/{endpoint}", json=body)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+
+
 def test_what_clients_send_by_default_asking_for_plain_text_is_accepted_as_if_absent(server, reference):
     """tool_choice "none", a text response_format, text modalities, parallel_tool_calls, vLLM's top_k -1, top_p 1."""
     chat = {"messages": [{"role": "user", "content": "def f(x):"}], "max_tokens": 8, "temperature": 0}
@@ -282,6 +299,14 @@ def test_what_clients_send_by_default_asking_for_plain_text_is_accepted_as_if_ab
                   {"top_p": 1}, {"top_p": 1.0, "temperature": 0}):
         reply = httpx.post(f"{server}/v1/chat/completions", json={**chat, **extra})
         assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == plain, (extra, reply.text)
+
+
+def test_the_fields_the_openai_client_sends_for_user_are_accepted_as_user_is(client):
+    """The client deprecates `user` for safety_identifier and prompt_cache_key: those were refused (400) as unknown."""
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "def f(x):"}], max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(**chat).choices[0].message.content
+    tagged = client.chat.completions.create(**chat, user="u1", safety_identifier="u1", prompt_cache_key="fib")
+    assert tagged.choices[0].message.content == plain
 
 
 def test_a_chat_prompt_too_long_names_a_context_that_fits_it(server):
@@ -305,6 +330,12 @@ def metric_values(url: str) -> dict:
     text = httpx.get(f"{url}/metrics").text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_a_wrong_method_is_405_naming_the_allowed_one(server):
+    """Starlette's 405 carries an Allow header (which HTTP requires); the OpenAI-shaped error body dropped it."""
+    reply = httpx.get(f"{server}/v1/chat/completions")
+    assert reply.status_code == 405 and reply.headers.get("Allow") == "POST" and "error" in reply.json()
 
 
 def test_metrics_count_requests_tokens_and_acceptance(server, client):
@@ -548,6 +579,18 @@ def test_timeout_ends_a_decoding_stream_and_a_queued_request(bundle):
         assert queued_events[-1] == "data: [DONE]" and error_of(queued_events[-2])["code"] == 503
         events = [first, *rest]
         assert events[-1] == "data: [DONE]" and error_of(events[-2])["type"] == "timeout"
+
+
+def test_a_request_that_decoded_past_the_timeout_is_not_resent_by_the_openai_client(bundle):
+    """The openai client resends a 5xx twice by default: a 504 came back three times the work, each resend
+    holding a slot (or a place in the queue) until the deadline passed again."""
+    timeouts = ("specbuild_requests_total", (("endpoint", "completions"), ("outcome", "timeout")))
+    with in_process(bundle, timeout=1.0) as (url, decoder, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=2)
+        with pytest.raises(openai.InternalServerError) as raised:
+            client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=200, temperature=0)
+        assert raised.value.status_code == 504 and raised.value.response.headers["x-should-retry"] == "false"
+        assert len(decoder.deltas) == 1 and metric_values(url)[timeouts] == 1
 
 
 def test_an_engine_call_the_device_fails_is_a_500_saying_so_and_the_server_goes_on(bundle, reference, monkeypatch,
@@ -875,6 +918,23 @@ def test_a_template_marking_assistant_turns_for_training_renders_as_transformers
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "x"}]
     expected = tokenizer.apply_chat_template(turns, chat_template=source, tokenize=False, add_generation_prompt=True)
     assert ChatTemplate(source, {"eos_token": tokenizer.eos_token}).render(turns) == expected
+
+
+def test_a_template_that_loops_over_content_parts_gets_them_as_transformers_passes_them(tokenizer):
+    """Text parts were always joined with newlines, so a template made for parts (this is Gemma 3's way with them)
+    rendered "Sum:\nthis" where transformers, and vLLM (which passes such a template the parts), render "Sum:this"."""
+    from specbuild_runtime.serve.chat import ChatTemplate
+
+    source = ("{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}{{ messages[0]['content'] }}\n"
+              "{% else %}{% set loop_messages = messages %}{% endif %}{% for message in loop_messages %}"
+              "{{ message['role'] }}: {% if message['content'] is string %}{{ message['content'] | trim }}{% else %}"
+              "{% for item in message['content'] %}{% if item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+              "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    turns = [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "text", "text": "Sum:"}, {"type": "text", "text": " this"}]},
+             {"role": "assistant", "content": "ok"}, {"role": "user", "content": [{"type": "text", "text": "and"}]}]
+    expected = tokenizer.apply_chat_template(turns, chat_template=source, tokenize=False, add_generation_prompt=True)
+    assert ChatTemplate(source, {}).render(turns) == expected
 
 
 def test_an_api_key_guards_the_v1_routes_and_leaves_health_and_metrics_open(bundle):

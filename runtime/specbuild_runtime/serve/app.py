@@ -35,6 +35,8 @@ from .scheduler import Overloaded, Scheduler, Stopped, Unavailable
 
 log = logging.getLogger("specbuild.serve")
 RETRY_AFTER = {"Retry-After": "1"}  # seconds; a slot frees up within one request's decoding time
+# The openai client (and other Stainless-made clients) resend a 5xx twice unless told not to by this header.
+NO_RETRY = {"x-should-retry": "false"}
 # A body may hold this many bytes per token of context (and a little for the rest): far more than any text
 # or token-id list that fits (a token is rarely over 16 characters; JSON escapes one in at most 12 bytes),
 # yet small enough that reading, parsing and tokenizing a body cannot stall the server.
@@ -166,11 +168,20 @@ class Server:
             if self.chat_template is None:
                 raise ApiError(400, "this model's bundle has no chat template (its tokenizer has none): "
                                     "use /v1/completions with a prompt", "messages")
-            prompt = self.chat_template.prompt_ids(decoder.tokenizer, request.messages)
+            try:
+                prompt = self.chat_template.prompt_ids(decoder.tokenizer, request.messages)
+            except RequestError as exc:
+                raise ApiError(400, str(exc), "messages") from None
         max_tokens = request.max_tokens
         if max_tokens is None:  # until the context is full (the last token needs no room in the cache)
             max_tokens = max(1, decoder.max_seq_len - len(prompt) + 1)
-        return decoder.request(prompt, max_tokens, **request.decoding)
+        try:
+            return decoder.request(prompt, max_tokens, **request.decoding)
+        except RequestError as exc:
+            error = protocol.invalid(exc)
+            if request.endpoint == CHAT and error.param == "prompt":  # a chat sends no prompt: its messages made it
+                error.param = "messages"
+            raise error from None
 
     async def _collect(self, job, http: HttpRequest) -> str:
         """The whole text of a job, stopping it if the client disconnects first."""
@@ -265,8 +276,8 @@ def _as_api_error(exc: Exception) -> ApiError:
 
 
 def _stopped_error(stop: Stopped, started: bool) -> ApiError:
-    if stop.reason == "timeout" and started:
-        return ApiError(504, "decoding ran past the server's --timeout; ask for fewer tokens")
+    if stop.reason == "timeout" and started:  # resent as it is, it would hold a slot as long again
+        return ApiError(504, "decoding ran past the server's --timeout; ask for fewer tokens", headers=NO_RETRY)
     if stop.reason == "timeout":
         return ApiError(503, "no decoding slot came free within the server's --timeout", headers=RETRY_AFTER)
     if stop.reason == "shutdown":
@@ -305,7 +316,7 @@ async def _disconnected(http: HttpRequest) -> None:
 
 
 async def _http_error(request: HttpRequest, exc: HTTPException) -> Response:
-    return JSONResponse(ApiError(exc.status_code, exc.detail).body(), exc.status_code)
+    return JSONResponse(ApiError(exc.status_code, exc.detail).body(), exc.status_code, headers=exc.headers)  # 405's Allow
 
 
 async def _internal_error(request: HttpRequest, exc: Exception) -> Response:

@@ -38,12 +38,13 @@ class ChatTemplate:
             self.template = env.from_string(source)
         except jinja2.TemplateError as exc:
             raise BundleError(f"the bundle's chat template does not compile ({exc}); fix tokenizer/{TEMPLATE_FILE}") from None
+        self.takes_parts = _loops_over_content(env.parse(source))
 
     def render(self, messages: list[dict]) -> str:
         """The prompt for `messages` (OpenAI chat format, checked here), ending where the assistant speaks."""
         if not isinstance(messages, list) or not messages:
             raise RequestError("'messages' must be a non-empty list of {'role': ..., 'content': ...} objects")
-        messages = [_message(m, i) for i, m in enumerate(messages)]
+        messages = [_message(m, i, self.takes_parts) for i, m in enumerate(messages)]
         try:
             text = self.template.render(messages=messages, tools=None, documents=None, add_generation_prompt=True,
                                         **self.special_tokens)
@@ -91,17 +92,55 @@ def load_chat_template(tokenizer_dir: Path) -> ChatTemplate | None:
     return ChatTemplate(source, special)
 
 
-def _message(message, index: int) -> dict:
+def _loops_over_content(template: jinja2.nodes.Template) -> bool:
+    """Whether the template iterates over a message's content (`{% for item in message['content'] %}`), as
+    templates made for content parts do (Gemma 3's): vLLM's test for passing them a list of parts (its "openai"
+    content format) rather than their text joined. Messages are also looked for under the names they are set to
+    (`{% set loop_messages = messages[1:] %}`)."""
+    lists, grew = {"messages"}, True
+    while grew:
+        named = {node.target.name for node in template.find_all(jinja2.nodes.Assign)
+                 if isinstance(node.target, jinja2.nodes.Name) and _name_in(node.node, lists)}
+        grew, lists = not named <= lists, lists | named
+    loops = list(template.find_all(jinja2.nodes.For))
+    messages = {loop.target.name for loop in loops if isinstance(loop.target, jinja2.nodes.Name) and _name_in(loop.iter, lists)}
+    return any(_content_of(loop.iter, messages) for loop in loops)
+
+
+def _unwrapped(node):
+    """The expression under filters, tests and slices (`messages[1:] | reverse`)."""
+    while isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) or (
+            isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice)):
+        node = node.node
+    return node
+
+
+def _name_in(node, names: set[str]) -> bool:
+    node = _unwrapped(node)
+    return isinstance(node, jinja2.nodes.Name) and node.name in names
+
+
+def _content_of(node, messages: set[str]) -> bool:
+    """Whether `node` is `message['content']` or `message.content` for a message variable."""
+    node = _unwrapped(node)
+    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == "content":
+        return _name_in(node.node, messages)
+    return isinstance(node, jinja2.nodes.Getattr) and node.attr == "content" and _name_in(node.node, messages)
+
+
+def _message(message, index: int, takes_parts: bool = False) -> dict:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise RequestError(f"messages[{index}] must be an object with a string 'role'")
     utf8(f"messages[{index}].role", message["role"])
     if "content" not in message:
         raise RequestError(f"messages[{index}] has no 'content'")
     content = message["content"]
-    if isinstance(content, list):  # content parts: text only, joined as vLLM joins them
+    if isinstance(content, list):  # content parts: text only
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise RequestError(f"messages[{index}].content: only text parts are supported ({{'type': 'text', 'text': ...}})")
-        content = "\n".join(p["text"] for p in content)
+        if takes_parts:  # as transformers passes them (and vLLM, to such a template): the template joins them
+            return {**message, "content": [{"type": "text", "text": p["text"]} for p in content]}
+        content = "\n".join(p["text"] for p in content)  # as vLLM joins them for a template that takes a string
     elif content is None:  # OpenAI allows it (an assistant turn that only called tools): no text
         content = ""
     elif not isinstance(content, str):

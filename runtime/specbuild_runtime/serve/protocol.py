@@ -27,7 +27,9 @@ FIELDS = {
     CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n", *DECODING},
 }
 STREAM_OPTIONS = {"include_usage"}
-IGNORED = {"user", "metadata", "store"}  # bookkeeping that does not change the output
+# Bookkeeping that does not change the output; safety_identifier and prompt_cache_key are what the openai
+# client tells users of `user`, which it deprecates, to send instead.
+IGNORED = {"user", "safety_identifier", "prompt_cache_key", "metadata", "store"}
 # OpenAI parameters this server does not implement: refused unless left at their neutral value, never ignored.
 UNSUPPORTED = {"logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "presence_penalty",
                "frequency_penalty", "tools", "tool_choice", "functions", "function_call", "response_format",
@@ -140,7 +142,8 @@ def invalid(exc: Exception) -> ApiError:
     for runtime_name, api_name in RUNTIME_NAMES.items():
         if message.startswith(runtime_name):
             message = api_name + message[len(runtime_name):]
-    param = next((name for name in (*DECODING, "max_tokens", "prompt") if message.startswith((name, f"the {name}"))), None)
+    param = next((name for name in (*DECODING, "max_tokens", "prompt") if message.startswith((name, f"the {name}", f"a {name}"))),
+                 None)
     return ApiError(400, message, param)
 
 
