@@ -134,7 +134,7 @@ class GammaType(click.ParamType):
 
 def check_stops(ctx, param, value: tuple[str, ...]) -> tuple[str, ...]:
     """--stop by the runtime's rule for stop strings (validation.stop_strings), before the bundle loads: an
-    empty one, or a fifth, is a malformed option whatever the bundle, as click's own range checks are."""
+    empty one, or a seventeenth, is a malformed option whatever the bundle, as click's own range checks are."""
     try:
         stop_strings(list(value))
     except RequestError as exc:
@@ -219,7 +219,7 @@ def cuda_line(manifest) -> str:
 @click.option("--chat", is_flag=True, help="Send the prompt as a user message in the bundle's chat template (as serve's "
               "/v1/chat/completions renders it) and print the reply alone.")
 @click.option("--stop", multiple=True, metavar="TEXT", callback=check_stops,
-              help="End the output where it would contain TEXT (repeatable, up to 4; as the API's stop strings).")
+              help="End the output where it would contain TEXT (repeatable, up to 16; as the API's stop strings).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, stats) instead of streaming text.")
 @device_option
 @cuda_graphs_option

@@ -227,7 +227,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "gamma": "fast"}, "gamma must be 'auto'"),
     ("completions", {"prompt": [1, 2.5]}, "whole numbers"),
     ("completions", {"prompt": [10**6]}, "outside this bundle's vocabulary"),
-    ("completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "at most 4 strings"),
+    ("completions", {"prompt": "x", "stop": list("abcdefghijklmnopq")}, "at most 16 strings"),
     ("completions", {"prompt": "x", "n": 2}, "n must be 1"),
     ("completions", {"prompt": "x", "n": True}, "n must be 1"),
     ("completions", {"prompt": "x", "n": 1.0}, "n must be 1"),

@@ -55,7 +55,7 @@ BAD = [  # (what, request fields, words the message must contain)
     ("gamma 10**9", dict(gamma=10 ** 9), f"0 to {MAX_GAMMA}"),
     ("negative gamma", dict(gamma=-1), "gamma"),
     ("gamma 'fast'", dict(gamma="fast"), "auto"),
-    ("five stop strings", dict(stop=list("abcde")), f"at most {MAX_STOP_STRINGS}"),
+    ("seventeen stop strings", dict(stop=list("abcdefghijklmnopq")), f"at most {MAX_STOP_STRINGS}"),
     ("empty stop string", dict(stop=[""]), "empty"),
     ("stop not text", dict(stop=[1]), "stop"),
 ]

@@ -18,7 +18,9 @@ from .errors import BundleError, RequestError
 from .manifest import cache_names, step_presents, step_total_len
 
 AUTO = "auto"
-MAX_STOP_STRINGS = 4  # as OpenAI's API
+# OpenAI's API takes 4, vLLM any number; editors' completion plugins send more than 4 (their file and
+# fence markers). Each is searched at every token, so the bound keeps that to ~16,000 characters.
+MAX_STOP_STRINGS = 16
 # Text that may still become a stop string is held back and searched at every token: a bound keeps that
 # cheap (four 40,000-character stops made each token cost milliseconds); real stops are a few characters.
 MAX_STOP_CHARS = 1000
