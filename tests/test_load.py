@@ -209,3 +209,16 @@ def test_a_quantization_config_of_any_form_is_refused_as_pre_quantized(checkpoin
     (folder / "config.json").write_text(json.dumps({**config, "quantization_config": value}))
     with pytest.raises(UnsupportedModelError, match="is pre-quantized"):
         load_checkpoint(folder, "target")
+
+
+def test_the_tokenizers_eos_ends_decoding_beside_generation_configs_as_vllm_stops_at_both(checkpoints, tmp_path):
+    """A fine-tune whose generation_config.json still names its base model's eos (its turns end with the
+    tokenizer's) would otherwise decode on to max_new_tokens."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoints("llama"), folder)
+    ckpt = load_checkpoint(folder, "target")
+    own = ckpt.tokenizer.eos_token_id
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [own + 1, own + 2]}))
+    assert eos_token_ids(load_checkpoint(folder, "target")) == [own + 1, own + 2, own]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": own}))
+    assert eos_token_ids(load_checkpoint(folder, "target")) == [own]

@@ -530,14 +530,15 @@ def sampling_defaults(ckpt: Checkpoint) -> dict:
 
 
 def eos_token_ids(ckpt: Checkpoint) -> list[int]:
-    """End-of-sequence ids as transformers' generate() would use them (generation_config first)."""
+    """End-of-sequence ids as transformers' generate() would use them (generation_config first), and the
+    tokenizer's eos after them, as vLLM stops at it too: a fine-tune whose generation_config still names its
+    base model's eos ends its turns with the tokenizer's, and would otherwise run on to max_new_tokens."""
     eos = generation_config(ckpt).get("eos_token_id")
     if eos is None:
         eos = getattr(ckpt.config, "eos_token_id", None)
-    if eos is None:
-        return []
-    ids = eos if isinstance(eos, list) else [eos]
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
     if not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < ckpt.spec.shape.vocab_size for e in ids):
         raise CheckpointError(f"{ckpt.path}: eos_token_id {eos!r} is not a token id (0 to {ckpt.spec.shape.vocab_size - 1}) "
                               "or a list of them; fix generation_config.json or config.json")
-    return ids
+    own = ckpt.tokenizer.eos_token_id
+    return ids + [own] if own is not None and own not in ids and own < ckpt.spec.shape.vocab_size else ids
