@@ -40,7 +40,8 @@ def word_tokenizer():
     words = ["<eos>"] + [f"w{i}" for i in range(VOCAB - 1)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<eos>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
+    # No eos here either (decoding ends at the tokenizer's too): every sample runs to NEW_TOKENS.
+    return tf.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<eos>")
 
 
 def llama(layers: int, vocab: int = VOCAB):
