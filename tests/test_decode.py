@@ -716,7 +716,7 @@ def test_stats_count_rounds_as_a_plain_reference_does(rounds):
     for drafted, accepted in rounds:
         stats.record_round(drafted, accepted, draft_seconds=0.001 * drafted, target_seconds=0.002)
     drafted, accepted = sum(d for d, _ in rounds), sum(a for _, a in rounds)
-    assert (stats.rounds, stats.drafted, stats.accepted, stats.draft_steps) == (len(rounds), drafted, accepted, drafted)
+    assert (stats.rounds, stats.drafted, stats.accepted) == (len(rounds), drafted, accepted)
     assert stats.gamma_rounds == dict(Counter(d for d, _ in rounds))
     assert stats.proposed_at == [sum(d > j for d, _ in rounds) for j in range(8)]
     assert stats.accepted_at == [sum(a > j for _, a in rounds) for j in range(8)]
@@ -778,3 +778,24 @@ def test_why_a_bundle_decodes_uncaptured_by_default_is_said_in_words(bundle):
     assert "int4 engines not yet run captured" in uncaptured_because(variant(precision="bf16", quantization="int4"))
     assert "Qwen3ForCausalLM fp16 not yet run captured" in uncaptured_because(variant(precision="fp16", architecture="Qwen3ForCausalLM"))
     assert "recompile" in uncaptured_because(variant(precision="fp16", greedy_file=""))
+
+
+def test_auto_that_falls_back_to_the_cpu_refuses_more_slots_than_memory_holds_as_the_cpu_does(bundle, monkeypatch):
+    """device "auto" where the CUDA provider is installed but cannot start decodes on the CPU, where every
+    slot's KV caches live in host memory: a count that cannot fit is refused there as under device "cpu"."""
+    from specbuild_runtime import decode
+
+    real_engine = decode.Engine
+
+    def engine(path, info, max_seq_len, device, **options):
+        if device == "cuda":  # as engine._session says it when the provider fails to start
+            raise DeviceError("onnxruntime could not start its CUDAExecutionProvider")
+        return real_engine(path, info, max_seq_len, device, **options)
+
+    monkeypatch.setattr(decode, "requested_device", lambda device: "cpu" if device == "cpu" else "cuda")
+    monkeypatch.setattr(decode, "Engine", engine)
+    monkeypatch.setattr(pool, "memory_limit", lambda: (1024, "this machine has"))
+    with pytest.raises(RequestError, match="of KV caches"):
+        SpeculativeDecoder(bundle, device="cpu")
+    with pytest.raises(RequestError, match="of KV caches"):
+        SpeculativeDecoder(bundle, device="auto")

@@ -807,21 +807,16 @@ def test_readme_serving_examples_run_against_a_server(server):
 
 
 def test_start_up_warms_every_worker_thread_up_in_a_slot_of_its_own(bundle):
-    """CUDA graphs are kept per thread and per slot: the scheduler's warm-up runs once on each worker thread,
+    """CUDA graphs are kept per thread and per slot: serve's warm-up runs once on each worker thread,
     each in its own slot, which the thread then keeps (pool.SlotPool)."""
     from test_slot import forced_captures
 
-    from specbuild_runtime.serve.metrics import Metrics
-    from specbuild_runtime.serve.scheduler import Scheduler
-
     one = forced_captures(bundle).warm_up()
     decoder = forced_captures(bundle, parallel=2)
-    scheduler = Scheduler(decoder, 2, 0, None, Metrics(2))
-    assert scheduler.warm_up() == decoder.graphs_captured == 2 * one
+    assert decoder.warm_up_workers() == decoder.graphs_captured == 2 * one
     threads = {thread.ident: thread.name for thread in threading.enumerate()}
     assert len(set(decoder.slots._last.values())) == 2
     assert all(threads[ident].startswith("specbuild-slot") for ident in decoder.slots._last.values())
-    asyncio.run(scheduler.close())
 
 
 def test_a_deadline_that_passes_after_the_last_token_but_before_the_job_is_finished_stops_nothing(bundle):
@@ -834,14 +829,14 @@ def test_a_deadline_that_passes_after_the_last_token_but_before_the_job_is_finis
     request = decoder.request(PROMPTS[0], 12, 2)
 
     async def run() -> str:
-        scheduler = Scheduler(decoder, 1, 0, None, Metrics(1))
+        scheduler = Scheduler(decoder, 0, None, Metrics(1))
         finish, pending = scheduler._finished, []
-        scheduler._finished = lambda job, future: pending.append((job, future))
+        scheduler._finished = lambda job: pending.append(job)
         job = scheduler.submit(request)
         while not pending:
             await asyncio.sleep(0.01)
         scheduler.stop(job, "timeout")
-        finish(*pending[0])
+        finish(pending[0])
         text = "".join([delta async for delta in job])
         await scheduler.close()
         return text

@@ -182,9 +182,10 @@ def test_cuda_graph_calls_decode_the_tokens_of_the_full_graphs_and_each_graph_id
         if options is None:  # the decoder without CUDA graphs
             return options
         buffer = self._ids[rows].value.data_ptr() if rows <= MAX_REUSED_IDS else None
-        if self.graph_id(rows, num_drafts, total_len) >= 0:  # a replay keeps its capture's total_len: one for all
+        graph = slot_module.graph_id(self.engine, self.index, rows, num_drafts, total_len)
+        if graph >= 0:  # a replay keeps its capture's total_len: one for all
             assert self._total_len.host[()] == self.engine.max_seq_len, (total_len, self._total_len.host)
-        calls.append((self.engine.info.role, self.graph_id(rows, num_drafts, total_len),
+        calls.append((self.engine.info.role, graph,
                       (self.index, rows, num_drafts, buffer), total_len,
                       int(options.get_run_config_entry("gpu_graph_id"))))
         return options

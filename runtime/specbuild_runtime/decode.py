@@ -34,8 +34,8 @@ from .validation import AUTO, Prompt, Request, check_request, check_vocabularies
 
 @dataclass
 class Stats:
-    """What one request measured (what it asked for is its Request). α and τ are over verification
-    rounds (γ > 0) only."""
+    """What one request measured (what it asked for is its Request). α is over drafted tokens, τ over every
+    round, those without drafts (γ 0, free guesses) included."""
 
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -47,7 +47,6 @@ class Stats:
     token_times: list[float] = field(default_factory=list)  # seconds since the call began
     gamma_rounds: dict[int, int] = field(default_factory=dict)  # γ used -> rounds
     draft_seconds: float = 0.0
-    draft_steps: int = 0
     guessed: int = 0  # rounds without drafts whose target rows checked free guesses (see _speculate)
     guesses_accepted: int = 0  # guessed tokens the target accepted
     target_seconds: float = 0.0  # rounds only, the prompt's call excluded
@@ -59,7 +58,6 @@ class Stats:
         self.drafted += drafted
         self.accepted += accepted
         self.draft_seconds += draft_seconds
-        self.draft_steps += drafted
         self.target_seconds += target_seconds
         for j in range(drafted):
             self.proposed_at[j] += 1
@@ -105,7 +103,7 @@ class Stats:
             "gamma_rounds": dict(sorted(self.gamma_rounds.items())),
             "guessed": self.guessed,
             "guesses_accepted": self.guesses_accepted,
-            "draft_step_ms": round(1e3 * self.draft_seconds / self.draft_steps, 4) if self.draft_steps else 0.0,
+            "draft_step_ms": round(1e3 * self.draft_seconds / self.drafted, 4) if self.drafted else 0.0,
             "target_step_ms": round(1e3 * self.target_seconds / self.rounds, 4) if self.rounds else 0.0,
             "finish_reason": self.finish_reason,
         }
@@ -181,8 +179,9 @@ class SpeculativeDecoder:
                               "compiled by an older specbuild): rebuild it with `specbuild compile`")
         self.device = requested_device(device)
         self.cuda_graphs = graphs_by_default(self.manifest, self.device) if cuda_graphs is None else cuda_graphs
+        slot_bytes = self.max_seq_len * sum(e.kv_bytes_per_position for e in self.manifest.engines.values())
         if self.device == "cpu":
-            check_memory(parallel, self.max_seq_len * sum(e.kv_bytes_per_position for e in self.manifest.engines.values()))
+            check_memory(parallel, slot_bytes)
         try:
             self.target, self.draft, self.steps_engine = self._engines(draft_steps)
         except DeviceError:
@@ -190,6 +189,7 @@ class SpeculativeDecoder:
                 raise
             self.device = "cpu"  # the CUDA provider is installed but could not start: "auto" takes the CPU
             self.cuda_graphs = bool(cuda_graphs)
+            check_memory(parallel, slot_bytes)
             self.target, self.draft, self.steps_engine = self._engines(draft_steps)
         if _identity(self.root) != folder:  # the engines may be another bundle's than the manifest checked
             raise BundleError(f"{self.root} was replaced while it loaded (a compile --overwrite finished meanwhile); "
@@ -413,7 +413,8 @@ class SpeculativeDecoder:
         sampling = request.sampling
         slot.configure(sampling.temperature, sampling.top_k, sampling.top_p)
         rng = sampling.generator()
-        uniforms = (lambda n: None) if sampling.greedy else (lambda n: self._uniforms(rng, n))
+        # n uniforms in [0, 1) a call: n-1 to judge drafts, the last to draw the next token.
+        uniforms = (lambda n: None) if sampling.greedy else (lambda n: rng.random(n, dtype=np.float32))
         policy = self._policy(slot, request)
         target = slot.target
         max_len, max_new_tokens = self.max_seq_len, request.max_new_tokens
@@ -457,8 +458,7 @@ class SpeculativeDecoder:
             t0 = clock()
             drafts = self._draft(slot, ids[draft_len:], len(ids), k, uniforms, sampling.greedy)
             if drafts:
-                draft_len = len(ids) + len(drafts) - 1
-            k = len(drafts)
+                draft_len = len(ids) + k - 1
             # A target call never computes one row alone (see slot.Rows), so a round without drafts pays for
             # two rows anyway: let them check free guesses instead, what followed these tokens last time.
             guesses = _guesses(follows, ids[-1], min(room, self.max_gamma, FREE_GUESSES)) if follows is not None else []
@@ -477,11 +477,6 @@ class SpeculativeDecoder:
                 accepted = 0
             policy.observe(k, accepted, t1 - t0, t2 - t1, catching_up, held)
             stats.record_round(k, accepted, t1 - t0, t2 - t1)
-
-    @staticmethod
-    def _uniforms(rng: np.random.Generator, n: int) -> np.ndarray:
-        """n uniforms in [0, 1): n-1 to judge drafts, the last to draw the next token."""
-        return rng.random(n, dtype=np.float32)
 
     @staticmethod
     def _draft(slot: Slot, feed: list[int], total_len: int, k: int, uniforms, greedy: bool) -> list[int]:

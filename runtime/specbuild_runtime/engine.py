@@ -28,7 +28,7 @@ ELEMENT_TYPES = {"fp32": 1, "fp16": 10, "bf16": 16}
 
 def can_run(info: EngineInfo, device: str = "cpu") -> bool:
     """Whether onnxruntime runs the engine on the device: its CPU provider has no bf16 MatMul."""
-    return info.precision in ELEMENT_TYPES and not (device == "cpu" and info.precision == "bf16")
+    return not (device == "cpu" and info.precision == "bf16")
 
 
 def use_shared_thread_pool(threads: int = 0) -> bool:
@@ -118,7 +118,7 @@ class Engine:
     example with an extra output to measure with), whose external weights are still read beside path;
     outputs beyond the engine contract are fetched each call and read with EngineSlot.output(name).
     cuda_graphs: path is the engine's greedy-only graph (no sampling, no control flow); on CUDA, calls
-    that name a graph id are captured once and replayed as CUDA graphs (see slot.EngineSlot.graph_id).
+    that name a graph id are captured once and replayed as CUDA graphs (see slot.graph_id).
     Such an engine samples with `sampler` (the bundle's), fed each call's logits; without one it cannot.
     steps: path is a draft's steps graph (manifest.py), which drafts `self.steps` tokens a call, greedily.
     """
@@ -174,7 +174,6 @@ class Sampler:
     calls are never captured (each engine call still is); it has no weights and serves both engines."""
 
     def __init__(self, path: Path, device: str = "cpu"):
-        self.path, self.device = Path(path), device
         self.session = _session(path, device, captures=False)
         check_sampler_io(path, {i.name: i.type for i in self.session.get_inputs()},
                          {o.name: o.type for o in self.session.get_outputs()})

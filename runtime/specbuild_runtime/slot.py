@@ -126,8 +126,17 @@ def fed_total_len(engine: Engine, first: int, total_len: int) -> int:
 
 
 def graph_id(engine: Engine, index: int, rows: int, num_drafts: int, total_len: int) -> int:
-    """The CUDA graph of slot `index`'s calls of `rows` tokens (num_drafts of them drafts) on the engine, or
-    -1 (see EngineSlot.graph_id). Ids are per session: a slot's engine and steps graph may reuse them."""
+    """The CUDA graph that slot `index`'s call of `rows` tokens (num_drafts of them drafts) on the engine
+    replays, or -1: none, it runs as usual. Ids are per session: a slot's engine and steps graph may reuse them.
+
+    A replay runs the kernels its capture recorded, at the same addresses, and reads nothing on the
+    host. So each (slot, rows, num_drafts) has a graph of its own: the rows and num_drafts set shapes
+    (and the host values computed from num_drafts), and each row count has its own input buffer (a
+    call of more than MAX_REUSED_IDS tokens gets a new one: never captured). GroupQueryAttention reads
+    total_len on the host to tell a prompt's first call (total_len == rows, no cache before it) from a
+    call over a cache: a first call is never captured, and every later one is fed the same total_len
+    (see fed_total_len), so one graph serves every length.
+    """
     if not engine.captures or rows > MAX_REUSED_IDS or total_len == rows:
         return -1
     return (index * (MAX_REUSED_IDS + 1) + rows) * MAX_REUSED_IDS + num_drafts  # > 0: onnxruntime reserves 0
@@ -325,21 +334,8 @@ class EngineSlot:
         # A call without drafts accepts none: one copy back (a wait for the device) fewer per draft step.
         return (int(self._accepted.pull()) if num_drafts else 0), int(self._next_token.pull())
 
-    def graph_id(self, rows: int, num_drafts: int, total_len: int) -> int:
-        """The CUDA graph that a call of `rows` tokens replays, or -1: none, it runs as usual.
-
-        A replay runs the kernels its capture recorded, at the same addresses, and reads nothing on the
-        host. So each (slot, rows, num_drafts) has a graph of its own: the rows and num_drafts set shapes
-        (and the host values computed from num_drafts), and each row count has its own input buffer (a
-        call of more than MAX_REUSED_IDS tokens gets a new one: never captured). GroupQueryAttention reads
-        total_len on the host to tell a prompt's first call (total_len == rows, no cache before it) from a
-        call over a cache: a first call is never captured, and every later one is fed the same total_len
-        (see _call), so one graph serves every length.
-        """
-        return graph_id(self.engine, self.index, rows, num_drafts, total_len)
-
     def _graph(self, rows: int, num_drafts: int, total_len: int) -> ort.RunOptions | None:
-        return self._graphs.options(self.graph_id(rows, num_drafts, total_len))
+        return self._graphs.options(graph_id(self.engine, self.index, rows, num_drafts, total_len))
 
     def _input(self, name: str, host: np.ndarray, binding: ort.IOBinding | None = None) -> Buffer:
         """A buffer bound as input name of the engine graph (binding None) or of the sampling binding."""
@@ -496,5 +492,5 @@ class Slot:
         self.draft_steps = DraftSteps(draft_steps, self.draft) if draft_steps else None
 
     def configure(self, temperature: float, top_k: int, top_p: float) -> None:
-        for engine in (self.target, self.draft):
-            engine.configure(temperature, top_k, top_p)
+        for engine_slot in (self.target, self.draft):
+            engine_slot.configure(temperature, top_k, top_p)

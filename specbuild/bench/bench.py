@@ -86,7 +86,6 @@ class ModeResult:
     accepted = property(lambda self: self._sum("accepted"))
     rounds = property(lambda self: self._sum("rounds"))
     draft_seconds = property(lambda self: self._sum("draft_seconds"))
-    draft_steps = property(lambda self: self._sum("draft_steps"))
     target_seconds = property(lambda self: self._sum("target_seconds"))
 
     @property
@@ -140,7 +139,7 @@ class ModeResult:
             "acceptance_rate": round(self.alpha, 4),
             "mean_accepted_tokens": round(self.tau, 4) if self.rounds else None,
             "per_position_acceptance": per_position,
-            "draft_step_ms": round(1e3 * self.draft_seconds / self.draft_steps, 4) if self.draft_steps else None,
+            "draft_step_ms": round(1e3 * self.draft_seconds / self.drafted, 4) if self.drafted else None,
             "target_call_ms": round(1e3 * self.target_seconds / self.rounds, 4) if self.rounds else None,
             "gamma_rounds": self.gamma_rounds,
             "captures_while_timed": self.captures,
@@ -236,8 +235,8 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
         row = mode.to_dict()
         row["speedup"] = round(mode.tokens_per_second / baseline.tokens_per_second, 3)
         # -n 2 leaves one token after the first, for which no round drafts: no draft cost to measure.
-        if isinstance(mode.gamma, int) and mode.gamma > 0 and mode.draft_steps:
-            c = (mode.draft_seconds / mode.draft_steps) / target_step
+        if isinstance(mode.gamma, int) and mode.gamma > 0 and mode.drafted:
+            c = (mode.draft_seconds / mode.drafted) / target_step
             row["cost_ratio_c"] = round(c, 4)
             row["theoretical_speedup"] = round(theoretical_speedup(mode.tau, mode.gamma, c), 3)
             row["efficiency"] = round(row["speedup"] / row["theoretical_speedup"], 3)
@@ -247,7 +246,7 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
     # A draft step (a drafted token) against its own weight reads: what is left is per-call cost (launches,
     # copies, the host), which the steps graph spreads over its tokens. The largest γ has the fewest
     # catching-up steps.
-    drafting = max((m for m in modes if isinstance(m.gamma, int) and m.draft_steps), key=lambda m: m.gamma, default=None)
+    drafting = max((m for m in modes if isinstance(m.gamma, int) and m.drafted), key=lambda m: m.gamma, default=None)
     latency = context_latency(decoder)
     report = {
         "bundle": str(bundle),
@@ -271,7 +270,7 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
         "results": rows,
     }
     if drafting:
-        draft_step = drafting.draft_seconds / drafting.draft_steps
+        draft_step = drafting.draft_seconds / drafting.drafted
         draft_bytes = decoder.manifest.engines["draft"].bytes_per_call
         report.update(draft_step_ms=round(1e3 * draft_step, 4), draft_step_gamma=drafting.gamma,
                       draft_bandwidth_fraction=round(draft_bytes / draft_step / 1e9 / bandwidth, 3))

@@ -2,10 +2,10 @@
 
 A request is parsed (protocol.py), checked by the runtime's request validation, then handed to the
 scheduler, which decodes it in a worker thread. Every refusal is an OpenAI-shaped error: 400 for a bad
-body or value, 404 for another model, 413 for a body longer than any request that fits the context,
-429 when the queue is full, 503 while shutting down or when no slot freed up in time, 504 when decoding
-ran past the timeout, 500 for a bug (logged with its traceback) or for an engine call the device failed
-(e.g. out of memory; logged in one line).
+body or value, 401 without the API key (--api-key), 404 for another model, 413 for a body longer than any
+request that fits the context, 429 when the queue is full, 503 while shutting down or when no slot freed up
+in time, 504 when decoding ran past the timeout, 500 for a bug (logged with its traceback) or for an engine
+call the device failed (e.g. out of memory; logged in one line).
 """
 
 from __future__ import annotations
@@ -62,9 +62,8 @@ class Server:
         self.settings = settings
         self.chat_template = load_chat_template(decoder.root / TOKENIZER_DIR)
         self.defaults = protocol.sampling_defaults(decoder.manifest.generation_config, settings.generation_config)
-        slots = decoder.slots.size
-        self.metrics = Metrics(slots)
-        self.scheduler = Scheduler(decoder, slots, settings.max_queue, settings.timeout, self.metrics)
+        self.metrics = Metrics(decoder.slots.size)
+        self.scheduler = Scheduler(decoder, settings.max_queue, settings.timeout, self.metrics)
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -104,8 +103,7 @@ class Server:
     async def model(self, request: HttpRequest) -> Response:
         name = request.path_params["model"]
         if name != self.settings.model:
-            error = ApiError(404, f"model {name!r} is not served here; this server serves {self.settings.model!r}", "model")
-            return JSONResponse(error.body(), 404)
+            return JSONResponse(protocol.unknown_model(name, self.settings.model).body(), 404)
         return JSONResponse(self._model_card())
 
     def _model_card(self) -> dict:

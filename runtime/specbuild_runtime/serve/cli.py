@@ -95,10 +95,10 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
                         timeout=timeout or None, shutdown_timeout=shutdown_timeout, max_connections=max_connections,
                         api_key=api_key, generation_config=generation_config)
     server = Server(decoder, settings)
-    if decoder.target.captures:
+    if decoder.target.captures:  # every worker thread captures its slot's now, so that no request waits for one
         click.echo(f"capturing CUDA graphs on {parallel} slot(s) before serving...", err=True)
         started = time.perf_counter()
-        captured = server.scheduler.warm_up()
+        captured = decoder.warm_up_workers()
         click.echo(f"captured {captured} CUDA graphs in {time.perf_counter() - started:.1f} s", err=True)
     where = f"[{host}]" if ":" in host else host
     click.echo(f"serving {settings.model!r} from {bundle} on http://{where}:{listener.getsockname()[1]}: "

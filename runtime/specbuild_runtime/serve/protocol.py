@@ -90,7 +90,7 @@ def sampling_defaults(generation_config: dict | None, mode: str) -> Defaults:
     taken, ignored = {}, []
     for name, value in generation_config.items():
         if name in SAMPLING:
-            value = 0 if name == "top_k" and type(value) is int and value == -1 else value  # vLLM's "no limit"
+            value = _runtime_value(name, value)
             try:  # the runtime's checks: a value it refuses is named, as a request's would be
                 check_sampling(**{name: value})
             except RequestError as exc:
@@ -104,6 +104,11 @@ def sampling_defaults(generation_config: dict | None, mode: str) -> Defaults:
     source = (f"{', '.join(taken)} from the bundle's generation_config, temperature OpenAI's default" if taken else
               "OpenAI's defaults; the bundle's generation_config sets none of them that apply")
     return Defaults({**OPENAI_DEFAULTS, **taken}, source, tuple(ignored))
+
+
+def _runtime_value(name: str, value):
+    """vLLM's top_k -1, "no limit" (its clients send it, generation_configs hold it), as the runtime's 0."""
+    return 0 if name == "top_k" and type(value) is int and value == -1 else value
 
 
 def _same(value, neutral) -> bool:
@@ -134,6 +139,10 @@ def _utf8(text: str) -> str:
     """Text that encodes as UTF-8: a message may quote a name from the body, and JSON carries lone surrogates
     ("\\ud800"), which no response can encode; those are written as their escapes."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def unknown_model(name, model: str) -> ApiError:
+    return ApiError(404, f"model {name!r} is not served here; this server serves {model!r}", "model")
 
 
 def invalid(exc: Exception) -> ApiError:
@@ -178,7 +187,7 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults) -> Request:
         if name not in FIELDS[endpoint] | IGNORED | UNSUPPORTED:
             raise ApiError(400, f"unrecognized request argument: '{name}'", name)
     if body.get("model") not in (None, model):
-        raise ApiError(404, f"model {body['model']!r} is not served here; this server serves {model!r}", "model")
+        raise unknown_model(body["model"], model)
     if body.get("n") is not None and (type(body["n"]) is not int or body["n"] != 1):
         raise ApiError(400, "n must be 1: this server returns one choice per request", "n")
     stream = _flag(body, "stream")
@@ -188,9 +197,7 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults) -> Request:
     if unknown := sorted(set(options or {}) - STREAM_OPTIONS):
         raise ApiError(400, f"unrecognized stream_options argument: '{unknown[0]}'", "stream_options")
     include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
-    decoding = {name: body[name] for name in DECODING if body.get(name) is not None}
-    if type(decoding.get("top_k")) is int and decoding["top_k"] == -1:
-        decoding["top_k"] = 0  # vLLM's "no limit", which its clients send
+    decoding = {name: _runtime_value(name, body[name]) for name in DECODING if body.get(name) is not None}
     # Where the default temperature is greedy, a top_p or top_k that asks for a restriction would be ignored,
     # so it is refused, as the command line refuses it. (Values out of range are left to the runtime's checks,
     # which name the range.)

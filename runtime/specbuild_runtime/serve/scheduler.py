@@ -60,20 +60,15 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, decoder, parallel: int, max_queue: int, timeout: float | None, metrics: Metrics):
+    def __init__(self, decoder, max_queue: int, timeout: float | None, metrics: Metrics):
         self.decoder = decoder
-        self.parallel = parallel
+        self.parallel = decoder.slots.size
         self.max_queue = max_queue
         self.timeout = timeout
         self.metrics = metrics
         self.draining = False
         self._queue: collections.deque[Job] = collections.deque()
         self._running: set[Job] = set()
-
-    def warm_up(self) -> int:
-        """Before the first request: every worker thread captures its slot's CUDA graphs (decoder.warm_up_workers),
-        so that no request waits for a capture. Returns the graphs captured (0 without CUDA graphs)."""
-        return self.decoder.warm_up_workers()
 
     def submit(self, request: Request) -> Job:
         """Start decoding now, or queue; raises Overloaded when the queue is full, Unavailable when draining."""
@@ -123,10 +118,9 @@ class Scheduler:
         self._running.add(job)
         self.metrics.slots_busy.set(len(self._running))
         deltas = partial(self.decoder.stream_request, job.request, job.stats, every_token=True)
-        done = job.relay.start(self.decoder.workers, deltas, held=("",))
-        done.add_done_callback(lambda future: self._finished(job, future))
+        job.relay.start(self.decoder.workers, deltas, held=("",)).add_done_callback(lambda _: self._finished(job))
 
-    def _finished(self, job: Job, future: asyncio.Future) -> None:
+    def _finished(self, job: Job) -> None:
         """On the loop, after the worker returned (the relay has ended the job's deltas): the slot is free; start
         the next."""
         self._running.discard(job)
