@@ -45,7 +45,7 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
     if not (Path(path) / "config.json").is_file():
         raise CheckpointError(f"{role} checkpoint {path} is not a Hugging Face checkpoint folder (no config.json); "
                               "pass the folder the bundle was compiled from")
-    _check_index(Path(path))
+    _check_index(Path(path), role)
     logging.disable_progress_bar()  # a bar per load on stderr, where a pipeline reads one-line errors
     # and its deprecation notes about its own internals (assisted generation calls the draft's generate in a
     # way it warns about)
@@ -72,10 +72,16 @@ def plainly_generating(model):
     return model
 
 
-def _check_index(path: Path) -> None:
+def _check_index(path: Path, role: str) -> None:
     """transformers reads a shard index's "metadata" without a default (a KeyError, reported as a bug in
-    specbuild); the compiler needs only its weight_map, so such a checkpoint compiles and then fails here."""
+    specbuild); the compiler needs only its weight_map, so such a checkpoint compiles and then fails here.
+    Likewise shards without any index (a download that left out the JSON files), which the compiler reads
+    and transformers does not: its error says no model.safetensors was found, and the line about pickles
+    that would follow it is no help."""
     index = path / "model.safetensors.index.json"
+    if not index.is_file() and not (path / "model.safetensors").is_file() and any(path.glob("*.safetensors")):
+        raise CheckpointError(f"{role} checkpoint {path} has safetensors shards but no {index.name}, without which "
+                              "transformers cannot load them; add the index from the model's repository")
     try:
         has_metadata = "metadata" in json.loads(index.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):

@@ -1,5 +1,7 @@
 """Speculative greedy output equals transformers' greedy generate(), token for token."""
 
+import shutil
+
 import pytest
 
 from conftest import PROMPTS
@@ -121,6 +123,24 @@ def test_tied_embeddings_decode_like_transformers(checkpoints, tokenizer, tmp_pa
         for gamma in (0, 3, "auto"):
             tokens = decoder.generate(ids, NEW_TOKENS, gamma).token_ids
             assert transformers_argmax(model, ids, tokens) == tokens, (gamma, prompt)
+
+
+def test_a_checkpoint_saved_from_the_base_model_decodes_like_transformers(checkpoints, tokenizer, tmp_path):
+    """Saved from LlamaModel (or Qwen2Model), a checkpoint's names lack the "model." prefix, and transformers
+    loads them into LlamaForCausalLM all the same; compile refused such a checkpoint as incomplete."""
+    from safetensors.numpy import load_file, save_file
+
+    target = tmp_path / "target"
+    shutil.copytree(checkpoints("llama", 0, tie_word_embeddings=True), target)
+    weights = target / "model.safetensors"
+    save_file({name.removeprefix("model."): t for name, t in load_file(weights).items()}, weights,
+              metadata={"format": "pt"})
+    decoder = _pair_bundle(tmp_path, target, checkpoints("llama", 1, tie_word_embeddings=True))
+    model = load_reference(target)
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        tokens = decoder.generate(ids, NEW_TOKENS, 3).token_ids
+        assert transformers_argmax(model, ids, tokens) == tokens, prompt
 
 
 def test_an_fp16_bundle_decodes_through_the_runtime_like_transformers_in_fp16(checkpoints, tokenizer, tmp_path):

@@ -199,6 +199,19 @@ def test_an_index_without_metadata_is_refused_by_the_transformers_reference_in_o
     load_reference(folder)
 
 
+def test_shards_without_their_index_are_refused_by_the_transformers_reference_naming_the_index(sharded):
+    """The compiler reads them; transformers reads shards only through their index, and the refusal said to
+    re-save pickled weights as safetensors."""
+    from specbuild.reference import load_reference
+
+    folder, _ = sharded
+    (folder / "model.safetensors.index.json").unlink()
+    load_checkpoint(folder, "target")
+    with pytest.raises(CheckpointError, match="no model.safetensors.index.json") as caught:
+        load_reference(folder)
+    assert "\n" not in str(caught.value)
+
+
 @pytest.mark.parametrize("value", [{"quant_method": "gptq", "bits": 4}, "fp8", []])
 def test_a_quantization_config_of_any_form_is_refused_as_pre_quantized(checkpoints, tmp_path, value):
     from specbuild.errors import UnsupportedModelError
@@ -222,3 +235,22 @@ def test_the_tokenizers_eos_ends_decoding_beside_generation_configs_as_vllm_stop
     assert eos_token_ids(load_checkpoint(folder, "target")) == [own + 1, own + 2, own]
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": own}))
     assert eos_token_ids(load_checkpoint(folder, "target")) == [own]
+
+
+def test_a_model_safetensors_beside_an_index_is_read_as_transformers_reads_it(sharded, checkpoints):
+    """save_pretrained over an earlier save leaves the other layout behind: a model.safetensors beside the
+    new shards and their index (compiled from the shards, while transformers, and so verify, runs
+    model.safetensors), or an index of deleted shards beside a new model.safetensors (refused as an
+    incomplete download)."""
+    from specbuild.reference import load_reference
+
+    folder, _ = sharded
+    shutil.copy(checkpoints("llama", 1) / "model.safetensors", folder / "model.safetensors")
+    name = "model.embed_tokens.weight"
+    expected = load_reference(folder).get_input_embeddings().weight.detach().numpy()
+    for shard in (None, *sorted(folder.glob("model-*.safetensors"))):
+        if shard:
+            shard.unlink()
+        ckpt = load_checkpoint(folder, "target")
+        assert ckpt.weight_files == [folder / "model.safetensors"]
+        assert np.array_equal(ckpt.tensor(name), expected)

@@ -28,6 +28,30 @@ def test_a_draft_of_another_family_with_the_targets_tokenizer_files_is_accepted(
     assert decoder.generate(ids, 16, gamma=3).token_ids == decoder.generate(ids, 16, gamma=0).token_ids
 
 
+def test_a_base_draft_of_an_instruct_target_with_another_eos_is_accepted(checkpoints, tokenizer, tmp_path):
+    """Qwen2.5-7B-Instruct's tokenizer ends at <|im_end|>, Qwen2.5-0.5B's at <|endoftext|>, over the same
+    vocabulary (Llama 3.1 Instruct and base alike); the draft's eos is never read, and the pair was refused."""
+    import shutil
+
+    import transformers as tf
+
+    vocab = len(tokenizer) + 1
+    folders = {}
+    for role, seed in (("target", 0), ("draft", 1)):
+        folders[role] = tmp_path / role
+        shutil.copytree(checkpoints("llama", seed, vocab_size=vocab), folders[role])
+        own = tf.AutoTokenizer.from_pretrained(folders[role])
+        own.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+        if role == "target":
+            own.eos_token = "<|im_end|>"
+        own.save_pretrained(folders[role])
+    compile_bundle(CompileSettings(target=folders["target"], draft=folders["draft"], output=tmp_path / "b",
+                                   max_seq_len=64), show_progress=False)
+    decoder = SpeculativeDecoder(tmp_path / "b")
+    ids = decoder.encode(PROMPTS[0])
+    assert decoder.generate(ids, 16, gamma=3).token_ids == decoder.generate(ids, 16, gamma=0).token_ids
+
+
 def test_a_draft_with_padding_rows_is_cut_to_the_targets_vocabulary(checkpoints, tokenizer, tmp_path):
     target = checkpoints("llama")
     vocab = len(tokenizer)

@@ -106,7 +106,9 @@ class Checkpoint:
         """The stored dtype and shape of a tensor without reading it."""
         entry = self.entries.get(name)
         if entry is None:
-            where = self.path / INDEX if (self.path / INDEX).is_file() else self.path
+            single = self.path / "model.safetensors"
+            where = (single if self.weight_files == [single] else
+                     self.path / INDEX if (self.path / INDEX).is_file() else self.path)
             raise CheckpointError(
                 f"{where} has no tensor {name!r}, which a {self.spec.architecture} needs; the checkpoint is "
                 "incomplete or not the architecture its config.json names"
@@ -251,8 +253,17 @@ def _kind(architecture: str, config: dict) -> str:
 
 
 def _weight_files(path: Path, role: str) -> list[Path]:
-    """The shards model.safetensors.index.json names, or else model.safetensors, or else every *.safetensors in
-    the folder."""
+    """model.safetensors, or else the shards model.safetensors.index.json names, or else every *.safetensors in
+    the folder.
+
+    model.safetensors first, as transformers reads a folder: save_pretrained leaves the other layout's files
+    behind when a checkpoint is saved again over itself (the index of earlier shards beside a new
+    model.safetensors, or an earlier model.safetensors beside new shards), and verify would otherwise compare
+    the engine with weights other than the ones it was built from."""
+    if (path / "model.safetensors").is_file():
+        # Alone, as transformers reads it: Mistral's repos keep their own format beside it
+        # (consolidated.safetensors), others an adapter or a copy in another dtype.
+        return [path / "model.safetensors"]
     index = path / INDEX
     if index.is_file():
         try:
@@ -264,10 +275,6 @@ def _weight_files(path: Path, role: str) -> list[Path]:
         if missing:
             raise CheckpointError(f"{index} names {missing[0]}, which is not in {path}; the download is incomplete")
         return [path / n for n in names]
-    if (path / "model.safetensors").is_file():
-        # Alone, as transformers reads it: Mistral's repos keep their own format beside it
-        # (consolidated.safetensors), others an adapter or a copy in another dtype.
-        return [path / "model.safetensors"]
     files = sorted(p for p in path.glob("*.safetensors") if p.is_file())
     if files:
         return files
@@ -326,10 +333,14 @@ def _load_config(path: Path, role: str):
 
 
 def _loaded_tensors(config, entries: dict[str, TensorEntry], path: Path, role: str) -> frozenset[str]:
-    """The stored tensors transformers loads into a model of this config.json (by their stored names), each
-    checked to have the shape the config implies: weights of another config (vocab_size, key-value heads,
-    intermediate_size) would otherwise build an engine that fails later with a message that blames
-    specbuild. From transformers' own model, made on the meta device (no memory, under a second even at 8B)."""
+    """The stored tensors transformers loads into a model of this config.json, each checked to have the shape
+    the config implies: weights of another config (vocab_size, key-value heads, intermediate_size) would
+    otherwise build an engine that fails later with a message that blames specbuild. From transformers' own
+    model, made on the meta device (no memory, under a second even at 8B).
+
+    Names are the model's: a tensor stored without the base model's prefix (a checkpoint saved from
+    LlamaModel or Qwen2Model, or GPT-2's original one), which transformers loads all the same, is renamed in
+    entries, so that the graph builders read one set of names."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -346,13 +357,14 @@ def _loaded_tensors(config, entries: dict[str, TensorEntry], path: Path, role: s
         stored = name if name in entries else name.removeprefix(prefix)
         if stored not in entries:
             continue
-        loaded.add(stored)
         if entries[stored].shape != tuple(parameter.shape):
             raise CheckpointError(
                 f"{role} checkpoint {path}: tensor {name!r} has shape {list(entries[stored].shape)} but config.json "
                 f"implies {list(parameter.shape)}; the weights and config.json do not belong together: use the "
                 "config.json that came with these weights"
             )
+        entries[name] = entries.pop(stored)
+        loaded.add(name)
     return frozenset(loaded)
 
 
@@ -466,7 +478,10 @@ def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
 
 
 def validate_pair(target: Checkpoint, draft: Checkpoint) -> None:
-    """The draft must speak the target's tokenizer: same token-to-id map and the same bos and eos.
+    """The draft must speak the target's tokenizer: the same token-to-id map. Its own bos and eos may differ
+    (an instruct target's eos is <|im_end|> or <|eot_id|>, its base draft's <|endoftext|>): prompts are
+    encoded with the target's tokenizer and decoding stops at the target's eos ids, so the draft's are
+    never read.
 
     Embedding tables may differ in padding rows (Qwen2.5 0.5B has 151936, 7B 152064) as long as
     every token of the shared tokenizer has a row in both.
@@ -480,11 +495,6 @@ def validate_pair(target: Checkpoint, draft: Checkpoint) -> None:
             f"draft {draft.path} and target {target.path} have different tokenizers ({len(d_vocab)} vs "
             f"{len(t_vocab)} tokens; {len(differing)} differ, e.g. {example!r} is {d_vocab.get(example, 'missing')} in "
             f"the draft, {t_vocab.get(example, 'missing')} in the target); use a draft trained with the target's tokenizer"
-        )
-    if special_tokens(t) != special_tokens(d):
-        raise PairMismatchError(
-            f"draft {draft.path} and target {target.path} have different special tokens "
-            f"({special_tokens(d)} vs {special_tokens(t)}); use a draft with the target's tokenizer"
         )
     needed = max(t_vocab.values()) + 1
     for ckpt in (target, draft):
