@@ -254,3 +254,12 @@ def test_a_model_safetensors_beside_an_index_is_read_as_transformers_reads_it(sh
         ckpt = load_checkpoint(folder, "target")
         assert ckpt.weight_files == [folder / "model.safetensors"]
         assert np.array_equal(ckpt.tensor(name), expected)
+
+
+def test_a_draft_saved_without_a_tokenizer_is_told_to_take_its_targets(checkpoints, tmp_path):
+    folder = tmp_path / "draft"
+    shutil.copytree(checkpoints("llama"), folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).unlink(missing_ok=True)
+    with pytest.raises(CheckpointError, match="copy the target's tokenizer files into it"):
+        load_checkpoint(folder, "draft")

@@ -386,9 +386,11 @@ def _load_tokenizer(path: Path, role: str):
                        "sentencepiece` and compile again")
             raise CheckpointError(f"{role} checkpoint {path} has its tokenizer only as tokenizer.model (sentencepiece), "
                                   f"{why}, or add the tokenizer.json of the model's repository") from None
+        # Distilled drafts are often saved without one (save_pretrained writes the model alone).
+        copy = "; a draft speaks its target's tokenizer: copy the target's tokenizer files into it" if role == "draft" else ""
         raise CheckpointError(
             f"{role} checkpoint {path} has no usable tokenizer; it needs tokenizer.json "
-            "or the tokenizer files its tokenizer_config.json names"
+            f"or the tokenizer files its tokenizer_config.json names{copy}"
         ) from None
     if not getattr(tokenizer, "is_fast", False):
         raise CheckpointError(f"{role} checkpoint {path}: tokenizer has no fast (tokenizer.json) form")
