@@ -18,6 +18,12 @@ models/gpt/convert.py, all with models/convert_utils.py's split = torch.chunk):
     all-reduced and the bias, kept whole on every rank, added once after (layers/linear.py RowLinear);
   - norms and the embedding table are whole on every rank (use_parallel_embedding false); lm_head is
     zero-padded to a multiple of tp rows (_utils.pad_vocab_size) and split, its outputs gathered.
+A draft with fewer rows than the target's vocabulary gets the missing ones (vocab_size is the target's, so
+that both engines' logits line up). TensorRT-LLM samples over all vocab_size columns and masks only the tp
+padding past it (kernels/decodingCommon.cu addBiasSoftMax), so a missing lm_head row is the mean of the
+draft's rows, not zero: its logit is then the mean of the draft's logits, below their maximum (never a greedy
+draft) and by Jensen worth at most 1/V of the probability, where a zero row scores 0 and outranks every real
+token of a draft whose logits are all negative, making each greedy draft a padding id.
 """
 
 from __future__ import annotations
@@ -344,9 +350,11 @@ def shard(tensor: Out, layout: Layout, dtype) -> list[np.ndarray]:
                     .reshape(tp * layout.head_dim, *x.shape[1:]) for x in (k, v))
         return [np.concatenate(parts) for parts in zip(*(np.split(x, tp) for x in (q, k, v)))]
     value = tensor.value.astype(dtype)
-    if tensor.name.endswith("vocab_embedding.weight") or tensor.split == VOCAB:
+    if tensor.name.endswith("vocab_embedding.weight"):
         value = rows(value, layout.vocab)  # the draft's table padded (or cut) to the target's vocabulary
-    if tensor.split == VOCAB:
+    if tensor.split == VOCAB:  # the draft's missing rows score the mean of its logits (module docstring)
+        missing = len(value) < layout.vocab
+        value = rows(value, layout.vocab, tensor.value.mean(axis=0, dtype=np.float64).astype(dtype) if missing else None)
         return np.split(rows(value, layout.padded_vocab), tp)
     if tensor.split == COLUMN:
         return np.split(value, tp, axis=0)
@@ -355,11 +363,14 @@ def shard(tensor: Out, layout: Layout, dtype) -> list[np.ndarray]:
     return [value] * tp
 
 
-def rows(table: np.ndarray, count: int) -> np.ndarray:
-    """The table with exactly `count` rows: extra rows cut, missing ones zero."""
+def rows(table: np.ndarray, count: int, fill: np.ndarray | None = None) -> np.ndarray:
+    """The table with exactly `count` rows: extra rows cut, missing ones `fill` (zero by default)."""
     if len(table) >= count:
         return table[:count]
-    return np.concatenate([table, np.zeros((count - len(table), *table.shape[1:]), table.dtype)])
+    missing = np.zeros((count - len(table), *table.shape[1:]), table.dtype)
+    if fill is not None:
+        missing[:] = fill
+    return np.concatenate([table, missing])
 
 
 class RankFile:
