@@ -12,21 +12,19 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import click
 
 from specbuild_runtime.engine import DEVICES
-from specbuild_runtime.errors import RequestError, SpecbuildError
-from specbuild_runtime.serve.cli import Finite, cuda_graphs_option, draft_steps_option, serve_command
+from specbuild_runtime.errors import RequestError
+from specbuild_runtime.serve.cli import Finite, cuda_graphs_option, draft_steps_option, run_command, serve_command
 from specbuild_runtime.validation import FLOAT32_MAX, GREEDY_BELOW, stop_strings
 
 from . import __version__
 from .bench.peers import KNOWN as PEERS
 from .recipe import BACKENDS, DEFAULT_BLOCK_SIZE, MAX_GAMMA, PRECISIONS, QUANTIZATIONS, setting_problem
 
-EXIT_INPUT, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 # Not exists=True: a missing folder gets the command's own one-line error, which says what to pass instead.
 folder_path = click.Path(file_okay=False, path_type=Path)
@@ -190,7 +188,8 @@ def compile_cmd(recipe, **options) -> None:
             raise click.UsageError(str(exc)) from None
         raise
     manifest = compile_bundle(settings)
-    click.echo(f"wrote {settings.output}: max gamma {manifest.gamma}, max-seq-len {manifest.max_seq_len}")
+    gamma = f"max gamma {manifest.gamma}, " if manifest.engines else ""  # TensorRT-LLM alone: its plans' draft length, below
+    click.echo(f"wrote {settings.output}: {gamma}max-seq-len {manifest.max_seq_len}")
     for role, e in manifest.engines.items():
         click.echo(f"  {role} {e.architecture} {e.parameters / 1e6:.1f}M params, ONNX {e.precision} quant={e.quantization}")
     if manifest.engines:
@@ -617,36 +616,5 @@ cli.add_command(serve_command)  # defined in the runtime, which a torch-free ser
 def main(args: list[str] | None = None) -> None:
     """Run the CLI; every failure becomes one line on stderr and an exit status (see the module docstring)."""
     args = sys.argv[1:] if args is None else list(args)
-    debug = "--debug" in args
-    try:
-        status = cli.main(args, prog_name="specbuild", standalone_mode=False)
-    except click.exceptions.NoArgsIsHelpError as exc:  # `specbuild` alone: the help, not an error
-        click.echo(exc.format_message(), err=True)
-        status = EXIT_USAGE
-    except click.UsageError as exc:
-        command = exc.ctx.command_path if exc.ctx else "specbuild"
-        status = _fail(f"{exc.format_message()} (see '{command} --help')", EXIT_USAGE)
-    except (click.exceptions.Abort, KeyboardInterrupt):
-        status = _fail("interrupted", EXIT_INTERRUPTED)
-    except (click.ClickException, SpecbuildError) as exc:
-        _traceback(debug)
-        status = _fail(exc.format_message() if isinstance(exc, click.ClickException) else str(exc), EXIT_INPUT)
-    except OSError as exc:
-        _traceback(debug)
-        status = _fail(f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc.strerror or exc), EXIT_INPUT)
-    except Exception as exc:
-        _traceback(debug)
-        status = _fail(f"internal error ({type(exc).__name__}: {exc}); this is a bug in specbuild: rerun with "
-                       "`specbuild --debug ...` for the traceback and report it", EXIT_BUG)
-    sys.exit(status or 0)
-
-
-def _traceback(debug: bool) -> None:
-    """With --debug, the traceback above the one-line error (the exit status stays the same)."""
-    if debug:
-        traceback.print_exc()
-
-
-def _fail(message: str, status: int) -> int:
-    click.echo("error: " + " ".join(message.split()), err=True)  # one line, whatever the message holds
-    return status
+    sys.exit(run_command(cli, args, "specbuild", debug="--debug" in args,
+                         bug_hint="rerun with `specbuild --debug ...` for the traceback and report it"))

@@ -229,7 +229,8 @@ def test_padded_embedding_rows_are_accepted_when_tokenizers_agree(checkpoints, t
 
 def test_an_unexpected_exception_is_one_line_saying_it_is_a_bug_and_debug_shows_the_traceback(monkeypatch, capsys):
     import specbuild.compile
-    from specbuild.cli import EXIT_BUG, main
+    from specbuild.cli import main
+    from specbuild_runtime.serve.cli import EXIT_BUG
 
     def broken(*args, **kwargs):
         raise ZeroDivisionError("division by zero")

@@ -79,3 +79,26 @@ def test_python_version_is_stated_alike_in_the_readme_and_both_packages():
     for pyproject in (root / "pyproject.toml", root / "runtime" / "pyproject.toml"):
         assert f'requires-python = ">={stated}"' in pyproject.read_text(), pyproject
     assert stated == "3.11"  # tomllib and contextlib.chdir, used by the compiler, are new in 3.11
+
+
+def test_the_command_line_synopsis_names_only_real_options_with_their_defaults():
+    """Every option the synopsis in "The command line" shows is its command's (the comments' too: on verify,
+    bench, serve), and a default shown as `[--option VALUE]` is the one the command applies."""
+    from specbuild.cli import cli
+
+    synopsis = README.read_text().split("## The command line")[1].split("```bash")[1].split("```")[0]
+    command = None
+    for line in filter(str.strip, synopsis.splitlines()):
+        if started := re.match(r"\s*specbuild (\w+)", line):
+            command = cli.commands[started[1]]
+        code, _, comment = line.partition("   #")
+        commands = [command] + ([cli.commands[name] for name in ("verify", "bench", "serve")] if "on verify" in comment else [])
+        for each in commands:
+            names = {name for p in each.params for name in (*p.opts, *p.secondary_opts)}
+            flags = re.findall(r"(?<![\w-])(--[a-z][a-z-]*|-[a-z])\b", code if each is command else comment)
+            assert set(flags) <= names, (each.name, sorted(set(flags) - names))
+        for flag, value in re.findall(r"\[(--[a-z-]+) ([0-9][0-9.,]*)\]", code):
+            param = next(p for p in command.params if flag in p.opts)
+            default = (str(param.default) if isinstance(param.default, (int, float, str)) else
+                       re.search(r"\[default: ([^\]]+)\]", param.help)[1])
+            assert default in (value, f"{value}.0"), (command.name, flag, value, default)

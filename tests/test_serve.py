@@ -374,14 +374,35 @@ def test_sigterm_ends_in_flight_streams_cleanly_and_exits(bundle, tmp_path):
     assert "Traceback" not in log.read_text()
 
 
-@pytest.mark.parametrize("command", [
+SERVE_COMMANDS = pytest.mark.parametrize("command", [
     [sys.executable, "-m", "specbuild", "serve"],
     [sys.executable, "-c", "import sys; from specbuild_runtime.serve.cli import main; sys.argv[0] = 'specbuild-serve'; main()"],
 ], ids=["specbuild serve", "specbuild-serve"])
+
+
+@SERVE_COMMANDS
 def test_a_missing_bundle_is_a_one_line_error(command, tmp_path):
     result = subprocess.run([*command, str(tmp_path / "nothing"), "--port", str(free_port())], capture_output=True, text=True)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: ") and "nothing" in lines[0]
+
+
+@SERVE_COMMANDS
+def test_ctrl_c_ends_the_server_with_one_line_and_status_130(command, bundle, tmp_path):
+    """specbuild-serve printed click's Abort with its traceback and exited 1 where `specbuild serve` says
+    `error: interrupted` and exits 130 (README: the exit statuses)."""
+    port, log = free_port(), tmp_path / "server.log"
+    with log.open("w") as out:  # SIGINT as a terminal sends it, whatever the test runner's own handling
+        process = subprocess.Popen([*command, str(bundle), "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        wait_until(lambda: healthy(f"http://127.0.0.1:{port}"), "/health answered", process=process, log=log)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) == 130, log.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "Traceback" not in log.read_text() and log.read_text().splitlines()[-1] == "error: interrupted"
 
 
 def test_specbuild_serves_usage_errors_are_one_line_as_specbuilds(tmp_path):

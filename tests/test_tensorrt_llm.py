@@ -279,9 +279,12 @@ def test_backend_all_writes_both_and_inspect_lists_the_tensorrt_llm_part(pairs, 
 def test_a_tensorrt_llm_only_bundle_has_no_onnx_and_the_runtime_refuses_it_in_one_line(pairs, tmp_path):
     target, draft = pairs("gpt2")
     out = tmp_path / "b"
-    manifest = compile_bundle(CompileSettings(target=target, draft=draft, output=out, max_seq_len=64,
-                                              backend="tensorrt-llm"), show_progress=False)
+    compiled = specbuild("compile", "--target", target, "--draft", draft, "-o", out, "--max-seq-len", 64,
+                         "--backend", "tensorrt-llm")
+    manifest = load_manifest(out)
     assert manifest.engines == {} and not list(out.glob("*.onnx"))
+    # No runtime γ to state (inspect shows none either): the plans' draft length is the one γ said.
+    assert compiled.stdout.startswith(f"wrote {out}: max-seq-len 64\n") and "max gamma" not in compiled.stdout
     assert "transformers" in manifest.tensorrt_llm.gamma["method"]
     with pytest.raises(BundleError, match="holds only a TensorRT-LLM export.*build.sh"):
         SpeculativeDecoder(out)

@@ -227,6 +227,25 @@ def test_a_damaged_manifest_is_one_line_naming_what_is_wrong(key, value, message
         assert "\n" not in str(error.value) and "rebuild the bundle" in str(error.value)
 
 
+@pytest.mark.parametrize("file, damage", [("tokenizer.json", "{bad"), ("tokenizer.json", None),
+                                          ("tokenizer_config.json", "{bad"), ("tokenizer_config.json", "[]")])
+def test_a_damaged_tokenizer_file_with_digests_unchecked_is_a_bundle_error(file, damage, bundles, tmp_path):
+    """serve --no-check-digests skips the check that names a damaged file; the tokenizer's load then raised a bare
+    Exception (and a tokenizer_config.json, JSONDecodeError): specbuild called it a bug (exit 3), specbuild-serve
+    printed a traceback."""
+    from specbuild_runtime.manifest import TOKENIZER_DIR
+    from specbuild_runtime.serve.chat import load_chat_template
+
+    folder = tmp_path / "bundle"
+    shutil.copytree(bundles("llama"), folder)
+    path = folder / TOKENIZER_DIR / file
+    path.unlink() if damage is None else path.write_text(damage)
+    with pytest.raises(BundleError, match=re.escape(file)) as error:
+        load_chat_template(folder / TOKENIZER_DIR) if file == "tokenizer_config.json" else \
+            SpeculativeDecoder(folder, check_digests=False)
+    assert "\n" not in str(error.value) and "rebuild the bundle" in str(error.value)
+
+
 @pytest.mark.parametrize("version, advice", [(3, "upgrade specbuild-runtime to one that reads version 3"),
                                              (1, "rebuild the bundle")])
 def test_a_bundle_of_another_format_version_says_which_side_to_upgrade(version, advice, bundles, tmp_path):

@@ -22,7 +22,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from .engine import CAPTURED_BY_DEFAULT, Engine, Sampler, requested_device, use_shared_thread_pool
-from .errors import BundleError, DeviceError
+from .errors import BundleError, DeviceError, first_line
 from .manifest import TOKENIZER_DIR, Manifest, load_manifest
 from .policy import GREEDY_DECAYS, SAMPLING_DECAYS, AdaptiveGamma, Costs, FixedGamma, PriorCosts
 from .pool import SlotPool, check_memory
@@ -30,6 +30,16 @@ from .relay import Relay
 from .slot import MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, Rows, Slot, fixed_rows
 from .text import TextStream
 from .validation import AUTO, Prompt, Request, check_request, check_vocabularies, whole
+
+
+def load_tokenizer(path: Path) -> Tokenizer:
+    """The bundle's tokenizer. tokenizers raises a bare Exception for a missing file and bad JSON alike, which
+    the digest check catches first unless it is skipped (check_digests=False, serve --no-check-digests)."""
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:
+        raise BundleError(f"bundle file {path} cannot be loaded as a tokenizer ({first_line(exc)}); rebuild the bundle "
+                          "with `specbuild compile`") from None
 
 
 @dataclass
@@ -169,7 +179,7 @@ class SpeculativeDecoder:
         self.max_seq_len = self.manifest.max_seq_len
         self.max_gamma = self.manifest.gamma
         self.eos_token_ids = set(self.manifest.eos_token_ids)
-        self.tokenizer = Tokenizer.from_file(str(self.root / TOKENIZER_DIR / "tokenizer.json"))
+        self.tokenizer = load_tokenizer(self.root / TOKENIZER_DIR / "tokenizer.json")
         if draft_steps and not self.manifest.engines["draft"].steps_file:
             raise BundleError(f"{self.root} has no steps graph for its draft (compiled before it, or with max γ 1, where "
                               "a round drafts one token anyway): rebuild it with `specbuild compile`, or leave "

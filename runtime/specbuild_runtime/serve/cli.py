@@ -8,6 +8,7 @@ import os
 import socket
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import click
@@ -141,16 +142,40 @@ def _listen(host: str, port: int) -> socket.socket:
     return listener
 
 
-def main() -> None:
-    """`specbuild-serve`: the same command with the same one-line errors as `specbuild`."""
+EXIT_INPUT, EXIT_USAGE, EXIT_BUG, EXIT_INTERRUPTED = 1, 2, 3, 130
+
+
+def run_command(command: click.Command, args: list[str] | None, prog_name: str, debug: bool = False,
+                bug_hint: str = "") -> int:
+    """Run a click command as `specbuild` and `specbuild-serve` do: every failure one line on stderr,
+    "error: ...", and an exit status that says whose it is: 1 an input, bundle or setting is wrong, 2 the
+    command line is malformed, 3 a bug (bug_hint says how to report it), 130 interrupted. debug prints the
+    traceback above the line."""
+    def fail(message: str, status: int, trace: bool = True) -> int:
+        if debug and trace:
+            traceback.print_exc()
+        click.echo("error: " + " ".join(message.split()), err=True)  # one line, whatever the message holds
+        return status
+
     try:
-        serve_command.main(prog_name="specbuild-serve", standalone_mode=False)
+        return command.main(args, prog_name=prog_name, standalone_mode=False) or 0
+    except click.exceptions.NoArgsIsHelpError as exc:  # the command alone: the help, not an error
+        click.echo(exc.format_message(), err=True)
+        return EXIT_USAGE
     except click.UsageError as exc:  # click's own show() is three lines (usage, hint, error)
-        click.echo(f"error: {exc.format_message()} (see 'specbuild-serve --help')", err=True)
-        sys.exit(exc.exit_code)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-    except SpecbuildError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
+        where = exc.ctx.command_path if exc.ctx else prog_name
+        return fail(f"{exc.format_message()} (see '{where} --help')", EXIT_USAGE, trace=False)
+    except (click.exceptions.Abort, KeyboardInterrupt):  # click turns a KeyboardInterrupt (uvicorn's) into Abort
+        return fail("interrupted", EXIT_INTERRUPTED, trace=False)
+    except (click.ClickException, SpecbuildError) as exc:
+        return fail(exc.format_message() if isinstance(exc, click.ClickException) else str(exc), EXIT_INPUT)
+    except OSError as exc:
+        return fail(f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc.strerror or exc), EXIT_INPUT)
+    except Exception as exc:
+        return fail(f"internal error ({type(exc).__name__}: {exc}); this is a bug in specbuild: {bug_hint}", EXIT_BUG)
+
+
+def main() -> None:
+    """`specbuild-serve`: the same command with the same one-line errors and exit statuses as `specbuild serve`."""
+    sys.exit(run_command(serve_command, None, "specbuild-serve", bug_hint="report it with the command line "
+                         "(`specbuild --debug serve ...`, where specbuild is installed, shows the traceback)"))
