@@ -557,8 +557,12 @@ def distill(target, output, init, draft_config, minutes, prompts_file, data, gam
                        f"({report['draft_parameters'] / report['target_parameters']:.1%} of the target)")
     if not report["written"]:
         more = "more prompts like yours" if prompts_file or data else "--prompts like yours"
-        raise TrainingError(f"α did not rise ({report['alpha_before']:.3f} -> {report['alpha_after']:.3f}), so {output} "
-                            f"was not written; train longer, give {more}, or --force to write it anyway")
+        rise = f"{report['alpha_before']:.3f} -> {report['alpha_after']:.3f}"
+        replaced = report["alpha_replaced"]
+        why = (f"α rose ({rise}) but not above the {replaced:.3f} of the draft at {output}, so it was not replaced"
+               if replaced is not None and report["alpha_after"] > report["alpha_before"] else
+               f"α did not rise ({rise}), so {output} was not written")
+        raise TrainingError(f"{why}; train longer, give {more}, or --force to write it anyway")
 
 
 def _count(n: int, noun: str) -> str:

@@ -3,6 +3,7 @@ target's data holds, how α is measured, and the rule that a draft is never writ
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -313,6 +314,27 @@ def test_a_draft_whose_alpha_rose_is_written_with_the_targets_tokenizer(pair, tm
     draft, draft_tokenizer = load_model(tmp_path / "draft", "draft")
     assert draft_tokenizer.get_vocab() == load_model(pair[0], "target")[1].get_vocab()
     assert parameter_count(draft) == report["draft_parameters"] < report["target_parameters"]
+
+
+def test_overwrite_replaces_a_draft_only_with_one_of_higher_alpha(pair, tmp_path, monkeypatch):
+    """The draft at the output is measured on the same held-out prompts: a new one whose α rose from its own
+    start but stays below it leaves it in place (a fresh draft rising from 0.00 to 0.01 replaced one of 1.00)."""
+    output = tmp_path / "draft"
+    shutil.copytree(pair[0], output)  # the target as its own draft: α 1
+    files = {p.name: p.read_bytes() for p in output.iterdir()}
+    real = distill_module.acceptance
+    monkeypatch.setattr(distill_module, "train_model", lambda *args, **kwargs: {"steps": 0, "seconds": 0.0})
+    for force in (False, True):
+        rising, trained = iter([(1, 10), (5, 10)]), []  # the new draft's α: 0.1 before, 0.5 after
+
+        def measured(model, *args):
+            trained[:] = trained or [model]  # the first model measured is the new draft
+            return next(rising) if model is trained[0] else real(model, *args)
+
+        monkeypatch.setattr(distill_module, "acceptance", measured)
+        report = distill(pair[0], output, draft_config=SMALLER, minutes=0.01, heldout_prompts=4, overwrite=True, force=force)
+        assert report["written"] == force and ({p.name: p.read_bytes() for p in output.iterdir()} == files) != force
+        assert (report["alpha_before"], report["alpha_after"], report["alpha_replaced"]) == (0.1, 0.5, 1.0)
 
 
 def distill_command(*args):
@@ -706,3 +728,68 @@ def test_a_checkpoint_whose_weights_alone_outgrow_the_machines_memory_is_refused
                                             r"(machine has|container may use) [\d.]+ GiB; run distill on a machine"):
         distill(target, tmp_path / "draft", minutes=0.01)
     assert not (tmp_path / "draft").exists()
+
+
+class _Stepped(Exception):
+    """Ends train_model after its first step: next_batch raises it when asked for a second batch."""
+
+
+def one_step(model, batch, **settings) -> None:
+    """train_model's first step on batch (the model's gradients are that step's)."""
+    from specbuild.train.train import train_model
+
+    batches = [(batch, sum(len(s.top_ids) for s in batch))]
+
+    def next_batch(rng):
+        if not batches:
+            raise _Stepped
+        return batches.pop()
+
+    with pytest.raises(_Stepped):
+        train_model(model, next_batch, minutes=60, **settings)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma2"])
+def test_a_batch_trained_in_parts_gets_the_gradients_of_the_whole_batch(checkpoints, architecture, monkeypatch):
+    """Split as a 152k vocabulary's batch is, here in parts of two sequences and one: each part's mean weighted
+    by its share of the positions, so the step's gradient is the whole batch's up to rounding."""
+    draft, _ = load_model(checkpoints(architecture), "draft")
+    vocab = draft.config.vocab_size
+    batch = teacher_batch(vocab)
+    monkeypatch.setattr(divergence, "PART_LOGITS_BYTES", 4 * vocab * 12)
+    assert [len(part) for _, part in divergence.parts(vocab)(batch)] == [2, 1, 1]
+    grads = []
+    for parts in (None, divergence.parts(vocab)):
+        model = copy.deepcopy(draft)
+        one_step(model, batch, loss_fn=divergence.distill_loss("tvd", vocab, pad=0), parts=parts)
+        grads.append([p.grad for p in model.parameters()])
+    for whole, parted in zip(*grads):
+        torch.testing.assert_close(parted, whole, rtol=1e-5, atol=1e-7)
+
+
+def test_a_training_step_holds_a_part_of_its_batchs_logits_at_a_large_vocabulary():
+    """16 rows of 64 positions of Qwen3's 152k vocabulary: the head's logits, their log-softmax and the gradients
+    of both, 0.6 GiB each, were held for the whole batch at once. Run apart, so that the peak is this step's."""
+    code = """
+import re, numpy as np, torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+from test_distill import one_step
+from specbuild.train.divergence import distill_loss, parts
+from specbuild.train.generate import Sequence
+torch.manual_seed(0)
+V = 151936
+model = Qwen3ForCausalLM(Qwen3Config(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+rng = np.random.default_rng(0)
+batch = [Sequence(rng.integers(1, V, 80).astype(np.int32), 15, rng.integers(0, V, (64, 32)).astype(np.int32),
+                  np.full((64, 32), -np.log(64), np.float32)) for _ in range(16)]
+kib = lambda key: int(re.search(key + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+before = kib("VmRSS")
+open("/proc/self/clear_refs", "w").write("5")  # VmHWM from here: the model's initialisation peaked higher
+one_step(model, batch, loss_fn=distill_loss("tvd", V, pad=0), parts=parts(V))
+print((kib("VmHWM") - before) // 1024)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": os.path.dirname(__file__)})
+    assert run.returncode == 0, run.stderr
+    assert int(run.stdout.split()[-1]) < 1200  # MiB: 1815 in one part, 772 in parts

@@ -262,6 +262,27 @@ def test_draft_agreement_compares_every_token_of_the_continuation(bundles):
     decoder = SpeculativeDecoder(bundles("llama", 1))
     target, draft = EngineSlot(decoder.target, NEVER_ALONE), EngineSlot(decoder.draft, AS_FED)
     ids = decoder.encode("def f(x):")
-    agreements, target_steps, _ = draft_agreement(target, draft, [ids], 16)
+    agreements, target_steps, *_ = draft_agreement(target, draft, [ids], 16)
     alone = decoder.generate(ids, 16, gamma=0).token_ids
     assert len(agreements[0]) == len(alone) == 16 and len(target_steps) == 15
+
+
+def test_quality_reports_the_acceptance_the_runtime_decodes_when_requests_end_at_eos(checkpoints, tokenizer, tmp_path):
+    """The runtime ends a request at the target's first eos; rounds along the continuation after it are
+    no request's. The target's eos here is a token it writes early on most measuring prompts."""
+    from specbuild.compile.quality import quality_texts
+    from specbuild.reference import load_reference, transformers_greedy
+
+    prompts = quality_texts(tokenizer)[0]
+    reference = load_reference(checkpoints("llama", 0, **WIDE))
+    early = [set(transformers_greedy(reference, p, 16, [])) for p in prompts]
+    eos = max(range(len(tokenizer)), key=lambda t: sum(t in tokens for tokens in early))
+    target = checkpoints("llama", 0, **WIDE, eos_token_id=eos)
+    out = tmp_path / "bundle"
+    manifest = compile_bundle(CompileSettings(target=target, draft=target, output=out, max_seq_len=256,
+                                              draft_quantize="int4"), show_progress=False)
+    decoder = SpeculativeDecoder(out)
+    stats = [decoder.generate(p, 64, gamma=quality.ALPHA_GAMMA).stats for p in prompts]
+    assert manifest.eos_token_ids[0] == eos and sum(s.finish_reason == "eos" for s in stats) > len(prompts) / 2
+    runtime_alpha = sum(s.accepted for s in stats) / sum(s.drafted for s in stats)
+    assert manifest.engines["draft"].quality["alpha"]["quant"] == pytest.approx(runtime_alpha)

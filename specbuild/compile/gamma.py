@@ -64,7 +64,7 @@ def measure_with_engines(folder: Path, engines: dict[str, EngineInfo], prompt_id
         return None
     target = EngineSlot(Engine(folder / engines["target"].file, engines["target"], max_seq_len), NEVER_ALONE)
     draft = EngineSlot(Engine(folder / engines["draft"].file, engines["draft"], max_seq_len), AS_FED)
-    agreements, target_steps, draft_steps = draft_agreement(target, draft, prompt_ids, NEW_TOKENS)
+    agreements, target_steps, draft_steps, _ = draft_agreement(target, draft, prompt_ids, NEW_TOKENS)
     agree = [a for prompt in agreements for a in prompt]
     if not agree:
         return None
@@ -72,21 +72,23 @@ def measure_with_engines(folder: Path, engines: dict[str, EngineInfo], prompt_id
 
 
 def draft_agreement(target: EngineSlot, draft: EngineSlot, prompt_ids: list[list[int]],
-                    new_tokens: int) -> tuple[list[list[bool]], list[float], list[float]]:
+                    new_tokens: int) -> tuple[list[list[bool]], list[float], list[float], list[list[int]]]:
     """Per prompt, whether the draft's greedy token equals the target's at each position of the target's
     greedy continuation (up to new_tokens; it ends at a token of the target's padding rows, which the draft
-    cannot read), the draft following token by token as decoding feeds it; and the seconds each target and
-    draft step took. Prompts leaving no room for two new tokens are skipped."""
-    agreements, target_steps, draft_steps = [], [], []
+    cannot read), the draft following token by token as decoding feeds it; the seconds each target and
+    draft step took; and per prompt that continuation, position for position. Prompts leaving no room for
+    two new tokens are skipped."""
+    agreements, target_steps, draft_steps, continuations = [], [], [], []
     for prompt in prompt_ids:
         budget = min(new_tokens, target.engine.max_seq_len - len(prompt))
         if budget < 2:
             continue
         token = target.step(prompt, total_len=len(prompt))[1]
         guess = draft.step(prompt, total_len=len(prompt))[1]
-        agree = []
+        agree, continuation = [], []
         for length in range(len(prompt) + 1, len(prompt) + budget):
             agree.append(guess == token)
+            continuation.append(token)
             if token >= draft.engine.vocab_size:
                 break
             start = time.perf_counter()
@@ -98,8 +100,10 @@ def draft_agreement(target: EngineSlot, draft: EngineSlot, prompt_ids: list[list
             token = next_token
         else:  # the last token, which no step follows
             agree.append(guess == token)
+            continuation.append(token)
         agreements.append(agree)
-    return agreements, target_steps, draft_steps
+        continuations.append(continuation)
+    return agreements, target_steps, draft_steps, continuations
 
 
 def measure_with_transformers(target_path: Path, draft_path: Path, prompt_ids: list[list[int]],

@@ -79,7 +79,7 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
 
         stages.start("measuring quantized engines")
         if texts:
-            measure_quality(folder, scratch, engines, checkpoints, max_seq_len, texts)
+            measure_quality(folder, scratch, engines, checkpoints, max_seq_len, texts, eos)
 
         stages.start("checking each engine")
         for info in engines.values():

@@ -31,7 +31,7 @@ QualityTexts = tuple[list[list[int]], list[int]]  # code prompts, held-out token
 
 
 def measure_quality(folder: Path, scratch: Path, engines: dict[str, EngineInfo], checkpoints: dict,
-                    max_seq_len: int, texts: QualityTexts) -> None:
+                    max_seq_len: int, texts: QualityTexts, eos_token_ids: list[int]) -> None:
     """Write each quantized engine's quality report (see quality_report) into its EngineInfo, against an
     fp32 engine of the same checkpoint written to scratch; then, if the whole pair is small enough to
     decode here, the pair's acceptance with and without quantization (report_acceptance_change)."""
@@ -54,7 +54,7 @@ def measure_quality(folder: Path, scratch: Path, engines: dict[str, EngineInfo],
         for role in references:
             engines[role].quality["alpha"] = {"skipped": f"the pair's other engine: {too_large}"}
     else:
-        report_acceptance_change(folder, engines, scratch, references, prompts)
+        report_acceptance_change(folder, engines, scratch, references, prompts, eos_token_ids)
 
 
 def _too_large_to_measure(info: EngineInfo) -> str | None:
@@ -68,15 +68,15 @@ def _too_large_to_measure(info: EngineInfo) -> str | None:
 
 
 def report_acceptance_change(folder: Path, engines: dict[str, EngineInfo], reference: Path,
-                             fp32: dict[str, EngineInfo], prompts: list[list[int]]) -> None:
+                             fp32: dict[str, EngineInfo], prompts: list[list[int]], eos_token_ids: list[int]) -> None:
     """Add to each measured engine's quality report the pair's greedy acceptance α with and without
     quantization (the other engine as built): what quantization did to the speed-up. fp32: the measured
-    roles' fp32 engines, in the folder `reference`."""
-    built = pair_acceptance(folder, engines["target"], folder, engines["draft"], prompts)
+    roles' fp32 engines, in the folder `reference`; eos_token_ids: the bundle's, where its requests end."""
+    built = pair_acceptance(folder, engines["target"], folder, engines["draft"], prompts, eos_token_ids)
     for role in fp32:
         other = "draft" if role == "target" else "target"
         places = {role: (reference, fp32[role]), other: (folder, engines[other])}
-        before = pair_acceptance(*places["target"], *places["draft"], prompts)
+        before = pair_acceptance(*places["target"], *places["draft"], prompts, eos_token_ids)
         engines[role].quality["alpha"] = {"gamma": ALPHA_GAMMA, "fp32": before, "quant": built}
 
 
@@ -167,14 +167,21 @@ ALPHA_GAMMA = 4  # drafts per round at which a quality report measures acceptanc
 
 
 def pair_acceptance(target_folder: Path, target: EngineInfo, draft_folder: Path, draft: EngineInfo,
-                    prompts_ids: list[list[int]], gamma: int = ALPHA_GAMMA, new_tokens: int = 64) -> float:
+                    prompts_ids: list[list[int]], eos_token_ids: list[int], gamma: int = ALPHA_GAMMA,
+                    new_tokens: int = 64) -> float:
     """Greedy speculative acceptance α (accepted / drafted) of this pair at a fixed γ, exactly as decoding
-    would see it: the rounds of γ drafts along the target's own greedy continuation (gamma.draft_agreement)."""
+    would see it: the rounds of γ drafts along the target's own greedy continuation (gamma.draft_agreement),
+    up to the round whose tokens reach one of eos_token_ids."""
     target_engine, _ = _engine(Path(target_folder), target)
     draft_engine, _ = _engine(Path(draft_folder), draft)
+    stops = set(eos_token_ids)
     accepted = drafted = 0
-    for agree in draft_agreement(target_engine, draft_engine, prompts_ids, new_tokens)[0]:
-        a, d = rounds(agree, gamma)
+    agreements, _, _, continuations = draft_agreement(target_engine, draft_engine, prompts_ids, new_tokens)
+    for agree, tokens in zip(agreements, continuations):
+        # The runtime ends a request at its first eos: counting the rounds after it measured text no request
+        # decodes (the agreement past it still counts, as the round that emits the eos drafts past it).
+        end = next((i + 1 for i, token in enumerate(tokens) if token in stops), None)
+        a, d = rounds(agree, gamma, end=end)
         accepted, drafted = accepted + a, drafted + d
     return accepted / drafted if drafted else 0.0
 

@@ -22,10 +22,10 @@ from ..errors import CheckpointError, TrainingError
 from ..recipe import DEFAULT_MAX_SEQ_LEN
 from ..reference import load_reference, plainly_generating
 from ..staging import guarded_folder
-from .divergence import distill_loss
+from .divergence import distill_loss, parts
 from .generate import Sequence, continuation_logits, continue_prompts, eos_ids, pad_id, score, until_eos
 from .prompts import MAX_PROMPT_TOKENS, SPAN_TOKENS, Prompts, from_file, from_target, from_text, read_texts
-from .train import CHECKPOINT, check_checkpoint_output, parameter_count, train_model, write_checkpoint
+from .train import CHECKPOINT, check_checkpoint_output, is_checkpoint, parameter_count, train_model, write_checkpoint
 
 DRAFT_SHARE = 0.1  # a default draft has at most this share of the target's parameters, where the vocabulary allows
 NEW_TOKENS = 64  # every generated sequence, and every held-out measurement, continues a prompt this far
@@ -322,6 +322,21 @@ def acceptance(draft, references: list[Sequence], gamma: int, vocab: int, stops:
     return accepted, drafted
 
 
+def replaced_acceptance(output_dir: Path, tokenizer, references: list[Sequence], gamma: int, vocab: int,
+                        stops: set[int]) -> tuple[int, int] | None:
+    """acceptance() of the draft that --overwrite would replace at output_dir, on the same references; None where
+    output_dir holds no checkpoint that loads as a draft of the target's tokenizer (nothing to compare with)."""
+    if not is_checkpoint(output_dir):
+        return None
+    try:
+        standing, standing_tokenizer = load_model(output_dir, "output")
+    except (CheckpointError, TrainingError):
+        return None
+    if standing_tokenizer.get_vocab() != tokenizer.get_vocab():
+        return None
+    return acceptance(standing, references, gamma, vocab, stops)
+
+
 def alpha(counts: tuple[int, int]) -> float:
     accepted, drafted = counts
     return accepted / drafted if drafted else 0.0
@@ -362,7 +377,7 @@ def distill(
     seed: int = 0,
 ) -> dict:
     """Distill a draft from the target at target_dir; write it (with the target's tokenizer) to output_dir
-    only if its α at gamma on held-out prompts rose, or with force.
+    only if its α at gamma on held-out prompts rose, and beats the draft it would replace there, or with force.
 
     The draft starts from init (a checkpoint with the target's tokenizer) or from scratch with
     shrunk_config(target config, draft_config). Prompts come from prompts_file (JSONL), else from spans
@@ -410,12 +425,16 @@ def _distill(target_dir: Path, output_dir: Path, *, draft_config, init, minutes,
     references = target_references(target, prompts.heldout, vocab)
     stops = eos_ids(target)
     before = acceptance(draft, references, gamma, vocab, stops)
+    # A draft of the output that this run would replace (--overwrite) is the one to beat as well: the rise is
+    # over the draft's own start, and a fresh draft rising from 0.00 to 0.01 replaced one of 1.00.
+    replaced = replaced_acceptance(output_dir, tokenizer, references, gamma, vocab, stops)
     evaluation_seconds = time.monotonic() - started
 
     made = DistillData(target, draft, prompts.train, vocab, kinds=kinds, share=generation_share, batch_size=batch_size,
                        seconds=minutes * 60)
     loss = distill_loss(objective, vocab, pad=pad_id(target))
-    run = train_model(draft, made.next_batch, minutes=minutes, lr=lr, desc="distill", seed=seed, loss_fn=loss)
+    run = train_model(draft, made.next_batch, minutes=minutes, lr=lr, desc="distill", seed=seed, loss_fn=loss,
+                      parts=parts(vocab))
 
     started = time.monotonic()
     after = acceptance(draft, references, gamma, vocab, stops)
@@ -431,6 +450,7 @@ def _distill(target_dir: Path, output_dir: Path, *, draft_config, init, minutes,
         "alpha_before": round(alpha(before), 4),
         "alpha_after": round(alpha(after), 4),
         "alpha_gain": round(alpha(after) - alpha(before), 4),
+        "alpha_replaced": None if replaced is None else round(alpha(replaced), 4),
         "target_parameters": parameter_count(target),
         "draft_parameters": parameter_count(draft),
         "cost_ratio": round(cost_ratio, 4),
@@ -440,7 +460,7 @@ def _distill(target_dir: Path, output_dir: Path, *, draft_config, init, minutes,
         "generation": made.report(),
         "training": run,
         "evaluation_seconds": round(evaluation_seconds, 1),
-        "written": alpha(after) > alpha(before) or force,
+        "written": alpha(after) > max(alpha(before), alpha(replaced or (0, 0))) or force,
         "output": str(output_dir),
     }
     return report, draft, tokenizer

@@ -147,10 +147,13 @@ def train_model(
     warmup_steps: int = 20,
     seed: int = 0,
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] = next_token_loss,
+    parts: Callable[[Any], list[tuple[float, Any]]] | None = None,
 ) -> dict:
     """Train for a wall-clock budget (whatever next_batch spends making a batch counts in it).
 
-    next_batch(rng) -> (batch, tokens it trains on); loss_fn(model, batch) -> scalar loss.
+    next_batch(rng) -> (batch, tokens it trains on); loss_fn(model, batch) -> scalar loss. parts(batch) ->
+    [(share, part), ...] whose share-weighted losses add up to the batch's: each part is back-propagated
+    before the next is computed, so a step holds one part's activations, not the batch's.
     """
     rng = np.random.default_rng(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -168,17 +171,19 @@ def train_model(
             way = tuner.next()
             torch.set_num_threads(way[0])
             step_started = time.perf_counter()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=way[1]):
-                loss = loss_fn(model, batch)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss_value = 0.0
+            for share, part in parts(batch) if parts else [(1.0, batch)]:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=way[1]):
+                    loss = share * loss_fn(model, part)
+                loss.backward()
+                loss_value += loss.item()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             tuner.record(way, time.perf_counter() - step_started)
             ways[f"{way[0]} thread{'s' * (way[0] > 1)} {'bf16' if way[1] else 'fp32'}"] += 1
             steps += 1
             tokens += batch_tokens
-            loss_value = loss.item()
             bar.n = min(time.monotonic() - started, budget)
             bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens / bar.n:.0f}")
     torch.set_num_threads(threads_before)
