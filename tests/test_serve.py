@@ -172,6 +172,13 @@ def test_chat_renders_the_bundle_template_as_transformers_does(client, reference
         assert chunks[-1].choices[0].finish_reason == FINISH[expected.stats.finish_reason]
 
 
+def test_streams_ask_a_proxy_in_front_not_to_buffer_their_events(server):
+    """nginx buffers a proxied response unless it says otherwise: each event would wait for kilobytes more."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "stream": True, **GREEDY}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body) as response:
+        assert response.headers["x-accel-buffering"] == "no"
+
+
 def test_stop_strings_cut_the_text_and_finish_with_stop(client, reference):
     full = reference.generate(PROMPTS[0], max_new_tokens=40).text
     stop = full[10:13]
@@ -560,6 +567,20 @@ def test_a_client_that_leaves_frees_its_slot_for_the_next_request(bundle, refere
         assert after.json()["choices"][0]["text"] == expected
 
 
+def asgi_post(path: str, content_length: int, spec_version: str = "2.3") -> dict:
+    """The scope of a JSON POST as an ASGI server passes it to the app."""
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+            "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                         (b"content-length", str(content_length).encode())],
+            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+
+
+def outcomes(server) -> dict:
+    return {s.labels["outcome"]: s.value for family in text_string_to_metric_families(server.metrics.render().decode())
+            for s in family.samples if s.name == "specbuild_requests_total"}
+
+
 def test_a_client_that_leaves_while_sending_its_body_is_cancelled_not_a_server_error(bundle, caplog):
     """The connection closes mid-body (Starlette raises ClientDisconnect): counted as cancelled, not as an error
     (500, logged with a traceback as a bug). Driven through the ASGI interface, so the disconnect comes exactly there."""
@@ -568,10 +589,6 @@ def test_a_client_that_leaves_while_sending_its_body_is_cancelled_not_a_server_e
 
     server = Server(SpeculativeDecoder(bundle), Settings(model=MODEL))
     messages = [{"type": "http.request", "body": b'{"prompt": "def', "more_body": True}, {"type": "http.disconnect"}]
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
-             "root_path": "", "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
 
     async def receive():
         return messages.pop(0)
@@ -580,13 +597,43 @@ def test_a_client_that_leaves_while_sending_its_body_is_cancelled_not_a_server_e
         pass
 
     async def run():
-        await server.app(scope, receive, send)
+        await server.app(asgi_post("/v1/completions", 1000), receive, send)
         await server.scheduler.close()
 
     asyncio.run(run())
-    outcomes = {s.labels["outcome"]: s.value for family in text_string_to_metric_families(server.metrics.render().decode())
-                for s in family.samples if s.name == "specbuild_requests_total"}
-    assert outcomes == {"cancelled": 1.0}
+    assert outcomes(server) == {"cancelled": 1.0}
+    assert "request failed" not in caplog.text
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_a_stream_whose_client_left_before_its_first_send_stops_its_job(bundle, caplog, endpoint):
+    """Under an ASGI 2.4 server, whose send raises OSError on a closed connection, the response's first send fails
+    before the events begin: the job still stops after its first token (it held the slot for all of its 200), and
+    counts as cancelled, not as an error."""
+    from specbuild_runtime import SpeculativeDecoder
+    from specbuild_runtime.serve.app import Server, Settings
+
+    decoder = PausingDecoder(SpeculativeDecoder(bundle))
+    server = Server(decoder, Settings(model=MODEL))
+    fields = {"messages": [{"role": "user", "content": "x"}]} if endpoint == "chat/completions" else {"prompt": PROMPTS[2]}
+    body = json.dumps({**fields, "max_tokens": 200, "stream": True, "temperature": 0}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        raise OSError("the connection is closed")
+
+    async def run():
+        await server.app(asgi_post(f"/v1/{endpoint}", len(body), spec_version="2.4"), receive, send)
+        decoder.go.set()
+        await asyncio.wait({job.relay.worker for job in server.scheduler._running})
+        await server.scheduler.close()
+
+    asyncio.run(run())
+    assert decoder.deltas[0] <= 2
+    assert outcomes(server) == {"cancelled": 1.0}
     assert "request failed" not in caplog.text
 
 
@@ -990,3 +1037,52 @@ def test_an_empty_api_key_variable_is_refused_not_taken_for_no_key(bundle):
     run = subprocess.run([sys.executable, "-m", "specbuild", "serve", str(bundle), "--port", str(free_port())],
                          env={**os.environ, "SPECBUILD_API_KEY": ""}, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "SPECBUILD_API_KEY is set but empty" in run.stderr, run.stderr
+
+
+PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization, content-type"}
+
+
+def test_a_browser_preflight_from_an_allowed_origin_gets_cors_headers_and_another_does_not(bundle):
+    """--allowed-origins: a page's preflight (a JSON POST with a key sends one, without the key) is answered before
+    the key is checked; a page from another origin gets no CORS headers, so its browser refuses the call."""
+    page = "http://localhost:3000"
+    with in_process(bundle, allowed_origins=(page,), api_key="s3cret") as (url, decoder, _):
+        decoder.go.set()
+        allowed = httpx.options(f"{url}/v1/chat/completions", headers={"Origin": page, **PREFLIGHT})
+        assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == page
+        assert "POST" in allowed.headers["access-control-allow-methods"]
+        assert "authorization" in allowed.headers["access-control-allow-headers"]
+        other = httpx.options(f"{url}/v1/chat/completions", headers={"Origin": "https://elsewhere.example", **PREFLIGHT})
+        assert "access-control-allow-origin" not in other.headers
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, headers={"Origin": page})
+        assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == page  # the page reads why
+        assert "x-should-retry" in refused.headers["access-control-expose-headers"]  # its openai client obeys a 504's
+
+
+def test_without_allowed_origins_no_web_page_may_call_the_api(server):
+    """The default: a loopback server without a key is guarded by its address alone, which a page in a browser on
+    the same machine passes."""
+    preflight = httpx.options(f"{server}/v1/chat/completions", headers={"Origin": "https://elsewhere.example", **PREFLIGHT})
+    assert "access-control-allow-origin" not in preflight.headers
+
+
+@pytest.mark.parametrize("given", [["http://localhost:3000", "*"], ['["http://localhost:3000", "*"]']],
+                         ids=["repeated", "vllm-json-list"])
+def test_allowed_origins_are_read_repeated_or_as_vllms_json_list(given, tmp_path):
+    from specbuild_runtime.serve.cli import serve_command
+
+    options = [arg for value in given for arg in ("--allowed-origins", value)]
+    assert serve_command.make_context("serve", [str(tmp_path), *options]).params["allowed_origins"] == (
+        "http://localhost:3000", "*")
+
+
+@pytest.mark.parametrize("origin", ["http://localhost:3000/", "localhost:3000", "http://LocalHost:3000", '["http://a.example", 1]'])
+def test_an_allowed_origin_no_browser_sends_is_a_usage_error(origin, tmp_path):
+    """A browser's Origin is scheme://host[:port] in lower case: one written otherwise would match no page, silently
+    (parsed only here: nothing loads or serves)."""
+    import click
+
+    from specbuild_runtime.serve.cli import serve_command
+
+    with pytest.raises(click.BadParameter, match="is not (an origin|a JSON list of origins)"):
+        serve_command.make_context("serve", [str(tmp_path), "--allowed-origins", origin])

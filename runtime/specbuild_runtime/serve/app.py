@@ -20,6 +20,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -37,6 +38,9 @@ log = logging.getLogger("specbuild.serve")
 RETRY_AFTER = {"Retry-After": "1"}  # seconds; a slot frees up within one request's decoding time
 # The openai client (and other Stainless-made clients) resend a 5xx twice unless told not to by this header.
 NO_RETRY = {"x-should-retry": "false"}
+# nginx, the README's proxy for untrusted networks, buffers a proxied response by default: a stream's events would
+# reach the client kilobytes at a time, or at its end. This header turns that off for the response alone.
+UNBUFFERED = {"X-Accel-Buffering": "no"}
 # A body may hold this many bytes per token of context (and a little for the rest): far more than any text
 # or token-id list that fits (a token is rarely over 16 characters; JSON escapes one in at most 12 bytes),
 # yet small enough that reading, parsing and tokenizing a body cannot stall the server.
@@ -52,6 +56,7 @@ class Settings:
     max_connections: int = 1024  # open connections (and requests) at once; more get 503
     api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1 routes; None: open
     generation_config: str = "auto"  # where requests that omit temperature/top_p/top_k get them (protocol.sampling_defaults)
+    allowed_origins: tuple[str, ...] = ()  # origins whose web pages may call the API from a browser (CORS); "*": any
 
 
 class Server:
@@ -75,8 +80,20 @@ class Server:
             ],
             exception_handlers={HTTPException: _http_error, Exception: _internal_error},
             lifespan=self._lifespan,
-            middleware=[Middleware(RequireApiKey, key=settings.api_key)] if settings.api_key else [],
+            middleware=self._middleware(),
         )
+
+    def _middleware(self) -> list[Middleware]:
+        middleware = []
+        if self.settings.allowed_origins:  # outside the key check: a preflight carries no key, and a page reads a 401
+            # Any request header: the openai JS client sends Authorization and its own x-stainless-* ones. Retry-After
+            # and x-should-retry exposed, or a page's openai client could not see them and would resend a 504 twice.
+            middleware.append(Middleware(CORSMiddleware, allow_origins=self.settings.allowed_origins,
+                                         allow_methods=("GET", "POST"), allow_headers=("*",),
+                                         expose_headers=(*RETRY_AFTER, *NO_RETRY)))
+        if self.settings.api_key:
+            middleware.append(Middleware(RequireApiKey, key=self.settings.api_key))
+        return middleware
 
     def http_server(self, host: str, port: int, log_level: str = "info") -> Uvicorn:
         """uvicorn serving this app until SIGTERM/SIGINT (or `should_exit`), then draining (see Uvicorn)."""
@@ -128,7 +145,7 @@ class Server:
             return self._refuse(endpoint, exc)  # connection stays usable: Starlette's last handler closes it
         reply = Reply(endpoint, self.settings.model)
         if request.stream:
-            return EventStream(self._events(endpoint, job, reply, request.include_usage), media_type="text/event-stream")
+            return self._stream(endpoint, job, reply, request.include_usage)
         try:
             text = await self._collect(job, http)
         except Stopped as stop:
@@ -199,11 +216,14 @@ class Server:
             raise Stopped("cancelled")
         return collecting.result()
 
-    async def _events(self, endpoint: str, job, reply: Reply, include_usage: bool):
-        """The server-sent events of a streamed reply. If the client leaves, Starlette cancels this
-        generator (EventStream closes it), and `finally` stops the job: its slot is freed after at most one delta."""
-        outcome = "cancelled"
-        try:
+    def _stream(self, endpoint: str, job, reply: Reply, include_usage: bool) -> EventStream:
+        """The server-sent events of a streamed reply. However the response ends, EventStream then stops the job (a
+        no-op once it finished; else its slot is freed after at most one delta) and counts its outcome: also when the
+        events never started, the client gone before the response's first send."""
+        outcome = "cancelled"  # unless the events get to their end
+
+        async def events():
+            nonlocal outcome
             if endpoint == CHAT:
                 yield sse(reply.chunk(first=True))
             try:
@@ -220,9 +240,12 @@ class Server:
                 outcome = "error"
                 yield sse(_as_api_error(exc).body())
             yield sse("[DONE]")
-        finally:
+
+        def ended() -> None:
             self.scheduler.stop(job, "cancelled")
             self.metrics.outcome(endpoint, outcome)
+
+        return EventStream(events(), ended)
 
     def _refuse(self, endpoint: str, exc: Exception, started: bool = False) -> Response:
         if isinstance(exc, Stopped):
@@ -297,14 +320,26 @@ class Uvicorn(uvicorn.Server):
 
 
 class EventStream(StreamingResponse):
-    """A streamed response whose body generator is closed as soon as the response ends, however it ends
-    (a client that disconnects cancels the response while the generator waits at a `yield`)."""
+    """A streamed response that, however it ends, closes its body generator, then calls `ended`.
+
+    A client that disconnects cancels the response while the generator waits at a `yield`. One gone before the
+    first send leaves the generator unstarted, so closing it runs none of its code: under an ASGI 2.4 server, whose
+    send raises OSError on a closed connection; `ended` is what stops the job there too."""
+
+    def __init__(self, events, ended):
+        super().__init__(events, headers=UNBUFFERED, media_type="text/event-stream")
+        self.ended = ended
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except ClientDisconnect:  # Starlette's word for that OSError: nobody is left to answer, and it is no bug
+            pass
         finally:
-            await self.body_iterator.aclose()
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                self.ended()
 
 
 async def _disconnected(http: HttpRequest) -> None:

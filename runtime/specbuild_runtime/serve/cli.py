@@ -3,8 +3,10 @@ the server's process: load the bundle, run uvicorn, drain on SIGTERM."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
 import socket
 import sys
 import time
@@ -68,6 +70,9 @@ draft_steps_option = click.option(
 @click.option("--api-key", envvar="SPECBUILD_API_KEY", callback=lambda ctx, param, value: _api_key(value),
               help="Require this key on /v1 routes ('Authorization: Bearer KEY', the openai client's api_key); "
                    "/health and /metrics stay open.  [default: $SPECBUILD_API_KEY, else none]")
+@click.option("--allowed-origins", multiple=True, metavar="ORIGIN", callback=lambda ctx, param, value: _origins(value),
+              help="Let web pages from this origin (e.g. http://localhost:3000) call the API from a browser (CORS); repeat "
+                   "it for more, or give vLLM's JSON list; '*': any page.  [default: none]")
 @click.option("--check-digests/--no-check-digests", default=True, show_default=True,
               help="Hash every bundle file at start against the manifest (~1.2 GB/s: 13 s for an 8B fp16 bundle); "
                    "skip it for a bundle checked where it was deployed (specbuild inspect checks them).")
@@ -77,7 +82,8 @@ draft_steps_option = click.option(
                    "1: sampling); vllm: OpenAI's alone; greedy: none (greedy unless a request sends a temperature). "
                    "The start-up line says which apply.")
 def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel, threads, max_queue, timeout,
-                  shutdown_timeout, max_connections, model_name, api_key, check_digests, generation_config) -> None:
+                  shutdown_timeout, max_connections, model_name, api_key, allowed_origins, check_digests,
+                  generation_config) -> None:
     """Serve a bundle over the OpenAI HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     from ..decode import SpeculativeDecoder
     from ..engine import use_shared_thread_pool
@@ -94,7 +100,7 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
                                  draft_steps=draft_steps, check_digests=check_digests)
     settings = Settings(model=model_name or Path(bundle).resolve().name, max_queue=max_queue,
                         timeout=timeout or None, shutdown_timeout=shutdown_timeout, max_connections=max_connections,
-                        api_key=api_key, generation_config=generation_config)
+                        api_key=api_key, generation_config=generation_config, allowed_origins=allowed_origins)
     server = Server(decoder, settings)
     if decoder.target.captures:  # every worker thread captures its slot's now, so that no request waits for one
         click.echo(f"capturing CUDA graphs on {parallel} slot(s) before serving...", err=True)
@@ -124,6 +130,29 @@ def _api_key(value: str | None) -> str | None:
         raise click.BadParameter("must be a non-empty string of printable ASCII without leading or trailing spaces",
                                 param_hint="--api-key")
     return value
+
+
+def _origins(values: tuple[str, ...]) -> tuple[str, ...]:
+    """The origins of repeated values, or of vLLM's JSON list, each as a browser sends it: one with a path or a
+    trailing slash would match no page, silently."""
+    origins = []
+    for value in values:
+        if value.lstrip().startswith("["):
+            try:
+                listed = json.loads(value)
+            except json.JSONDecodeError:
+                listed = None
+            if not (isinstance(listed, list) and all(isinstance(origin, str) for origin in listed)):
+                raise click.BadParameter(f"{value!r} is not a JSON list of origins", param_hint="--allowed-origins")
+            origins += listed
+        else:
+            origins.append(value)
+    for origin in origins:
+        if origin != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/?#\sA-Z]+", origin):
+            raise click.BadParameter(f"{origin!r} is not an origin: give scheme://host[:port] as a browser sends it "
+                                     "(e.g. http://localhost:3000: lower case, no path or trailing slash), or '*' for any",
+                                     param_hint="--allowed-origins")
+    return tuple(origins)
 
 
 def _listen(host: str, port: int) -> socket.socket:
