@@ -78,8 +78,10 @@ def _check_index(path: Path, role: str) -> None:
     Likewise shards without any index (a download that left out the JSON files), which the compiler reads
     and transformers does not: its error says no model.safetensors was found, and the line about pickles
     that would follow it is no help."""
+    if (path / "model.safetensors").is_file():
+        return  # read alone, as compile reads it: an index beside it is left from another save, never read
     index = path / "model.safetensors.index.json"
-    if not index.is_file() and not (path / "model.safetensors").is_file() and any(path.glob("*.safetensors")):
+    if not index.is_file() and any(path.glob("*.safetensors")):
         raise CheckpointError(f"{role} checkpoint {path} has safetensors shards but no {index.name}, without which "
                               "transformers cannot load them; add the index from the model's repository")
     try:

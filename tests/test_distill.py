@@ -238,6 +238,33 @@ def test_alpha_ends_a_request_at_the_targets_eos_ids_as_its_bundle_does(pair, tm
     assert report["heldout_drafted_tokens"] > 0 and report["alpha_before"] == round(accepted / drafted, 4)
 
 
+def test_alpha_ends_a_request_at_the_tokenizers_eos_as_its_bundle_does(pair, tmp_path, prompts_file):
+    """A bundle stops at the tokenizer's eos too (a fine-tune's generation_config.json may name only its base
+    model's): distill's α counted the rounds past it, which no decoding makes."""
+    from specbuild.compile import compile_bundle
+    from specbuild.recipe import CompileSettings
+    from specbuild_runtime import SpeculativeDecoder
+
+    target_dir = tmp_path / "target"
+    shutil.copytree(pair[0], target_dir)
+    target, tokenizer = load_model(target_dir, "target")
+    heldout = from_file(tokenizer, prompts_file, 2).heldout
+    reference = target_references(target, heldout[:1], len(tokenizer))[0]
+    other_eos = int(reference.tokens[reference.first + 5])  # one the target writes early in a held-out request
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(other_eos)  # generation_config.json keeps the other
+    tokenizer.save_pretrained(target_dir)
+    draft_dir = near_copy(target_dir, tmp_path / "near")
+    report = distill(target_dir, tmp_path / "draft", init=draft_dir, prompts_file=prompts_file, minutes=0.01,
+                     heldout_prompts=2)
+    compile_bundle(CompileSettings(target=target_dir, draft=draft_dir, output=tmp_path / "bundle", max_seq_len=256),
+                   show_progress=False)
+    decoder = SpeculativeDecoder(tmp_path / "bundle")
+    runs = [decoder.generate(p, distill_module.NEW_TOKENS, report["gamma"]) for p in heldout]
+    assert runs[0].stats.finish_reason == "eos" and runs[0].token_ids[-1] == other_eos
+    accepted, drafted = np.sum([[r.stats.accepted, r.stats.drafted] for r in runs], axis=0)
+    assert report["heldout_drafted_tokens"] > 0 and report["alpha_before"] == round(accepted / drafted, 4)
+
+
 def test_a_draft_that_cannot_improve_is_not_written(pair, tmp_path):
     # The target as its own draft: alpha is 1 before, so it cannot rise.
     report = distill(pair[0], tmp_path / "draft", init=pair[0], minutes=0.01, heldout_prompts=4)
@@ -380,6 +407,24 @@ def test_distill_refuses_a_draft_with_another_tokenizer(pair, tmp_path):
     other = make_checkpoint(tmp_path / "other", "llama", make_tokenizer(vocab_size=300), **SMALLER)
     with pytest.raises(CheckpointError, match="different tokenizer"):
         distill(pair[0], tmp_path / "draft", init=other, minutes=0.01)
+
+
+def test_distill_starts_from_a_base_draft_of_an_instruct_target_with_another_eos(tmp_path):
+    """Qwen2.5-7B-Instruct's tokenizer ends at <|im_end|>, Qwen2.5-0.5B's at <|endoftext|>, over the same
+    vocabulary: compile accepts the pair (the draft's eos is never read), and distill --init refused it."""
+    import transformers as tf
+
+    tokenizer = make_tokenizer()
+    folders = {}
+    for role, seed, shape in (("target", 0, {}), ("draft", 1, SMALLER)):
+        folders[role] = make_checkpoint(tmp_path / role, "llama", tokenizer, seed, vocab_size=len(tokenizer) + 1, **shape)
+        own = tf.AutoTokenizer.from_pretrained(folders[role])
+        own.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+        if role == "target":
+            own.eos_token = "<|im_end|>"
+        own.save_pretrained(folders[role])
+    report = distill(folders["target"], tmp_path / "out", init=folders["draft"], minutes=0.01, heldout_prompts=2, force=True)
+    assert report["written"]
 
 
 def test_distill_never_unpickles_a_checkpoint(pair, tmp_path):

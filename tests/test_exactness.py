@@ -125,17 +125,20 @@ def test_tied_embeddings_decode_like_transformers(checkpoints, tokenizer, tmp_pa
             assert transformers_argmax(model, ids, tokens) == tokens, (gamma, prompt)
 
 
-def test_a_checkpoint_saved_from_the_base_model_decodes_like_transformers(checkpoints, tokenizer, tmp_path):
+@pytest.mark.parametrize("architecture, prefix", [("llama", "model."), ("gpt2", "transformer.")])
+def test_a_checkpoint_saved_from_the_base_model_decodes_like_transformers(checkpoints, tokenizer, tmp_path,
+                                                                         architecture, prefix):
     """Saved from LlamaModel (or Qwen2Model), a checkpoint's names lack the "model." prefix, and transformers
-    loads them into LlamaForCausalLM all the same; compile refused such a checkpoint as incomplete."""
+    loads them into LlamaForCausalLM all the same; compile refused such a checkpoint as incomplete. GPT-2's
+    original checkpoints lack "transformer." likewise."""
     from safetensors.numpy import load_file, save_file
 
     target = tmp_path / "target"
-    shutil.copytree(checkpoints("llama", 0, tie_word_embeddings=True), target)
+    shutil.copytree(checkpoints(architecture, 0, tie_word_embeddings=True), target)
     weights = target / "model.safetensors"
-    save_file({name.removeprefix("model."): t for name, t in load_file(weights).items()}, weights,
+    save_file({name.removeprefix(prefix): t for name, t in load_file(weights).items()}, weights,
               metadata={"format": "pt"})
-    decoder = _pair_bundle(tmp_path, target, checkpoints("llama", 1, tie_word_embeddings=True))
+    decoder = _pair_bundle(tmp_path, target, checkpoints(architecture, 1, tie_word_embeddings=True))
     model = load_reference(target)
     for prompt in PROMPTS:
         ids = tokenizer(prompt)["input_ids"]

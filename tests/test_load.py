@@ -199,6 +199,19 @@ def test_an_index_without_metadata_is_refused_by_the_transformers_reference_in_o
     load_reference(folder)
 
 
+def test_an_index_without_metadata_beside_a_model_safetensors_is_not_read(sharded, checkpoints):
+    """transformers reads model.safetensors alone, as compile does: the index left beside it by another save is
+    never read, and its missing "metadata" was refused as if transformers could not load the checkpoint."""
+    from specbuild.reference import load_reference
+
+    folder, _ = sharded
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": json.loads(index.read_text())["weight_map"]}))
+    shutil.copy(checkpoints("llama", 1) / "model.safetensors", folder / "model.safetensors")
+    assert load_checkpoint(folder, "target").weight_files == [folder / "model.safetensors"]
+    load_reference(folder)
+
+
 def test_shards_without_their_index_are_refused_by_the_transformers_reference_naming_the_index(sharded):
     """The compiler reads them; transformers reads shards only through their index, and the refusal said to
     re-save pickled weights as safetensors."""

@@ -115,6 +115,12 @@ def _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
                  "-o", str(work / role), "-p", precision, "-e", decoder.device], capture_output=True, text=True)
             if built.returncode:
                 raise SpecbuildError(f"onnxruntime-genai's model builder failed on the {role}: {built.stderr.strip()[-300:]}")
+        # Its builder takes the checkpoint's eos ids; the bundle's add the tokenizer's (compile.load.eos_token_ids),
+        # and a peer that ran past one would decode other lengths than the rows it is timed beside.
+        genai_config = work / "target" / "genai_config.json"
+        config = json.loads(genai_config.read_text())
+        config["model"]["eos_token_id"] = sorted(decoder.eos_token_ids)
+        genai_config.write_text(json.dumps(config, indent=1))
 
         def generator_for(folder: Path):
             model = og.Model(str(folder))
@@ -137,7 +143,6 @@ def _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
         speculative = work / "speculative"
         shutil.copytree(work / "target", speculative)
         shutil.copytree(work / "draft", speculative / "draft")
-        config = json.loads((work / "target" / "genai_config.json").read_text())
         draft_decoder = json.loads((work / "draft" / "genai_config.json").read_text())["model"]["decoder"]
         for gamma in gammas:
             spec = copy.deepcopy(config)

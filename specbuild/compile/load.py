@@ -219,9 +219,7 @@ def _check_tied_head(ckpt: Checkpoint, role: str) -> None:
     embeddings, the TensorRT-LLM export the stored head): config.json must say which."""
     if not ckpt.spec.tie_word_embeddings or "lm_head.weight" not in ckpt.loaded:
         return
-    # GPT-2's names, as graphs/gpt2.py reads them: "transformer."-prefixed when saved from GPT2LMHeadModel.
-    gpt2 = "transformer." if "transformer.wte.weight" in ckpt.entries else ""
-    embed = f"{gpt2}wte.weight" if ckpt.spec.family == "gpt2" else "model.embed_tokens.weight"
+    embed = "transformer.wte.weight" if ckpt.spec.family == "gpt2" else "model.embed_tokens.weight"
     rows = ckpt.entry("lm_head.weight").shape[0]
     for start in range(0, rows, 4096):  # a few MB at a time, not a second copy of the table
         stop = min(start + 4096, rows)
@@ -505,13 +503,6 @@ def validate_pair(target: Checkpoint, draft: Checkpoint) -> None:
                 f"{ckpt.path} has {ckpt.spec.shape.vocab_size} embedding rows but its tokenizer has ids up to "
                 f"{needed - 1}; the checkpoint and its tokenizer do not belong together"
             )
-
-
-def special_tokens(tokenizer) -> dict:
-    # Not pad or unk: decoding never reads them, and transformers' tokenizer classes default them differently
-    # for the same files (Qwen2Tokenizer's unk is <|endoftext|>, other families' None), refusing a Qwen2 draft
-    # that shares the target's tokenizer files.
-    return {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id}
 
 
 def generation_config(ckpt: Checkpoint) -> dict:

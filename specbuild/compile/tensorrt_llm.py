@@ -322,11 +322,10 @@ def gpt2_tensors(ckpt: Checkpoint, names: set[str]) -> Iterator[Out]:
     """GPT-2 (models/gpt/convert.py load_weights_from_hf_model, gpt_variant gpt2): HF's Conv1D weights are
     [in, out] and are transposed; c_attn holds q, k and v side by side (split_qkv)."""
     read = ckpt.tensor
-    prefix = "transformer." if "transformer.wte.weight" in names else ""
-    yield Out("transformer.vocab_embedding.weight", REPLICATE, read(prefix + "wte.weight"))
-    yield Out("transformer.position_embedding.weight", REPLICATE, read(prefix + "wpe.weight"))
+    yield Out("transformer.vocab_embedding.weight", REPLICATE, read("transformer.wte.weight"))
+    yield Out("transformer.position_embedding.weight", REPLICATE, read("transformer.wpe.weight"))
     for i in range(ckpt.spec.shape.num_layers):
-        hf, trt = f"{prefix}h.{i}.", f"transformer.layers.{i}."
+        hf, trt = f"transformer.h.{i}.", f"transformer.layers.{i}."
         for kind in ("weight", "bias"):
             row = ROW if kind == "weight" else REPLICATE  # a row-parallel bias is added once, after the sum
             yield Out(f"{trt}input_layernorm.{kind}", REPLICATE, read(f"{hf}ln_1.{kind}"))
@@ -335,9 +334,9 @@ def gpt2_tensors(ckpt: Checkpoint, names: set[str]) -> Iterator[Out]:
             yield Out(f"{trt}post_layernorm.{kind}", REPLICATE, read(f"{hf}ln_2.{kind}"))
             yield Out(f"{trt}mlp.fc.{kind}", COLUMN, read(f"{hf}mlp.c_fc.{kind}").T)
             yield Out(f"{trt}mlp.proj.{kind}", row, read(f"{hf}mlp.c_proj.{kind}").T)
-    yield Out("transformer.ln_f.weight", REPLICATE, read(prefix + "ln_f.weight"))
-    yield Out("transformer.ln_f.bias", REPLICATE, read(prefix + "ln_f.bias"))
-    yield Out("lm_head.weight", VOCAB, read("lm_head.weight" if "lm_head.weight" in names else prefix + "wte.weight"))
+    yield Out("transformer.ln_f.weight", REPLICATE, read("transformer.ln_f.weight"))
+    yield Out("transformer.ln_f.bias", REPLICATE, read("transformer.ln_f.bias"))
+    yield Out("lm_head.weight", VOCAB, read("lm_head.weight" if "lm_head.weight" in names else "transformer.wte.weight"))
 
 
 def shard(tensor: Out, layout: Layout, dtype) -> list[np.ndarray]:

@@ -17,13 +17,14 @@ import torch
 from specbuild_runtime.errors import first_line
 
 from ..acceptance import expected_tokens_per_call, rounds, theoretical_speedup
-from ..compile.load import check_architecture, model_spec, special_tokens
+from ..compile.load import check_architecture, model_spec
 from ..errors import CheckpointError, TrainingError
 from ..recipe import DEFAULT_MAX_SEQ_LEN
 from ..reference import load_reference, plainly_generating
 from ..staging import guarded_folder
 from .divergence import distill_loss, parts
-from .generate import Sequence, continuation_logits, continue_prompts, eos_ids, pad_id, score, until_eos
+from .generate import (Sequence, continuation_logits, continue_prompts, eos_ids, pad_id, score, stop_at_tokenizer_eos,
+                       until_eos)
 from .prompts import MAX_PROMPT_TOKENS, SPAN_TOKENS, Prompts, from_file, from_target, from_text, read_texts
 from .train import CHECKPOINT, check_checkpoint_output, is_checkpoint, parameter_count, train_model, write_checkpoint
 
@@ -199,11 +200,12 @@ def build_draft(target, tokenizer, draft_config: dict | None, init: Path | None,
         _check_pair(config, target.config, tokenizer, f"the draft of --draft-config {draft_config or '(default)'}")
         return plainly_generating(draft)  # as load_reference leaves a loaded one (the "draft" sequences)
     draft, draft_tokenizer = load_model(init, "draft")
-    if draft_tokenizer.get_vocab() != tokenizer.get_vocab() or special_tokens(draft_tokenizer) != special_tokens(tokenizer):
+    # Only the token-to-id map, as compile checks a pair (load.validate_pair): the draft is written with the
+    # target's tokenizer, so its own bos and eos (a base model's, for an instruct target) are never read.
+    if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise CheckpointError(
             f"draft {init} has a different tokenizer from the target ({len(draft_tokenizer)} vs {len(tokenizer)} "
-            "tokens, or other special tokens); distillation compares distributions token by token, so the draft "
-            "must use the target's"
+            "tokens); distillation compares distributions token by token, so the draft must use the target's"
         )
     _check_pair(draft.config, target.config, tokenizer, f"--init {init}")
     return draft
@@ -415,6 +417,7 @@ def _distill(target_dir: Path, output_dir: Path, *, draft_config, init, minutes,
         data = read_texts(data)
     torch.manual_seed(seed)
     target, tokenizer = load_model(target_dir, "target")
+    stop_at_tokenizer_eos(target, tokenizer)
     # its draft could not be compiled with it: refused before the minutes
     check_architecture((target.config.architectures or ["<none>"])[0], f"target checkpoint {target_dir}")
     draft = build_draft(target, tokenizer, draft_config, init, seed)

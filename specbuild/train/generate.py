@@ -86,6 +86,15 @@ def eos_ids(model) -> set[int]:
     return set(eos if isinstance(eos, list) else [eos]) - {None}
 
 
+def stop_at_tokenizer_eos(model, tokenizer) -> None:
+    """Adds the tokenizer's eos to the model's generation_config, as compile adds it to a bundle's eos ids
+    (compile.load.eos_token_ids): a fine-tune whose generation_config.json still names its base model's eos
+    ends its turns with the tokenizer's, and generate() and α would run on past the end of every request."""
+    own, ids = tokenizer.eos_token_id, eos_ids(model)
+    if own is not None and own not in ids and own < model.config.vocab_size:
+        model.generation_config.eos_token_id = [*sorted(ids), own]
+
+
 def pad_id(model) -> int:
     """The id batches are padded with: an eos, or 0 for a model without one (compile takes such a target;
     padding is masked on the left and comes after every position read on the right, so any id does)."""

@@ -13,8 +13,7 @@ from .layers import Attention, activation, attention, embedding, linear, skip_la
 def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_seq_len: int, vocab_size: int):
     """ids [S] -> (final normed hidden [S, H], each layer's present K/V, the LM head's weight)."""
     eps = spec.norm_eps
-    # Checkpoints saved from GPT2LMHeadModel prefix every name with "transformer."; the original ones do not.
-    t = "transformer." if "transformer.wte.weight" in g.ckpt.entries else ""
+    t = "transformer."  # the original checkpoints' unprefixed names too: load.py renames them
     # Learned positions: rows total-S .. total-1 of wpe, i.e. total minus [S, S-1, .., 1], computed on the
     # device from seqlens_k (= total - 1): positions from the host input total_len would be read once by a
     # CUDA graph's capture and replayed at every later length.
