@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -25,6 +26,9 @@ from . import __version__
 from .bench.peers import KNOWN as PEERS
 from .recipe import BACKENDS, DEFAULT_BLOCK_SIZE, MAX_GAMMA, PRECISIONS, QUANTIZATIONS, setting_problem
 
+# Whether main() runs as the `specbuild` command, which may drop interrupts once its work is done (see
+# done()); a Python caller of main() keeps its own handlers.
+_as_command = False
 
 # Not exists=True: a missing folder gets the command's own one-line error, which says what to pass instead.
 folder_path = click.Path(file_okay=False, path_type=Path)
@@ -188,6 +192,7 @@ def compile_cmd(recipe, **options) -> None:
             raise click.UsageError(str(exc)) from None
         raise
     manifest = compile_bundle(settings)
+    done()
     gamma = f"max gamma {manifest.gamma}, " if manifest.engines else ""  # TensorRT-LLM alone: its plans' draft length, below
     click.echo(f"wrote {settings.output}: {gamma}max-seq-len {manifest.max_seq_len}")
     for role, e in manifest.engines.items():
@@ -533,6 +538,7 @@ def distill(target, output, init, draft_config, minutes, prompts_file, data, gam
     report = run_distill(target, output, draft_config=overrides, init=init, minutes=minutes, prompts_file=prompts_file,
                          data=data, gamma=gamma, objective=objective, batch_size=batch_size, force=force,
                          overwrite=overwrite)
+    done()
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
@@ -619,6 +625,20 @@ cli.add_command(serve_command)  # defined in the runtime, which a torch-free ser
 
 def main(args: list[str] | None = None) -> None:
     """Run the CLI; every failure becomes one line on stderr and an exit status (see the module docstring)."""
+    global _as_command
+    _as_command = args is None
     args = sys.argv[1:] if args is None else list(args)
-    sys.exit(run_command(cli, args, "specbuild", debug="--debug" in args,
-                         bug_hint="rerun with `specbuild --debug ...` for the traceback and report it"))
+    status = run_command(cli, args, "specbuild", debug="--debug" in args,
+                         bug_hint="rerun with `specbuild --debug ...` for the traceback and report it")
+    done()
+    sys.exit(status)
+
+
+def done() -> None:
+    """The command's folder is in place, or its outcome told: from here Ctrl-C, SIGTERM and SIGHUP are dropped.
+    They reported "interrupted" (exit 130: nothing left behind) over a bundle already published, or, while the
+    interpreter shut down (torch's and onnxruntime's finalizers: most of a second), printed a traceback
+    ("Exception ignored in ... KeyboardInterrupt") or ended the process by the signal."""
+    if _as_command:
+        for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(number, signal.SIG_IGN)

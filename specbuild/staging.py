@@ -43,7 +43,7 @@ def staged_folder(output: Path, check: Callable[[Path], None] = lambda output: N
     """Yields an empty staging folder beside `output`; on success it becomes `output`, on any failure
     it vanishes. check(output) runs while this process holds the output's lock, before anything is
     written, and raises to refuse (e.g. an existing folder that must not be replaced)."""
-    output = Path(output).resolve()
+    output = resolved(output)
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -54,6 +54,7 @@ def staged_folder(output: Path, check: Callable[[Path], None] = lambda output: N
         check(output)
         staging = output.parent / f".{output.name}.partial-{os.getpid()}"
         scratch = scratch_folder(staging)
+        free = shutil.disk_usage(output.parent).free  # what a full disk's message says the build needed more than
         try:
             shutil.rmtree(staging, ignore_errors=True)  # this process's own, from an earlier failed call
             staging.mkdir()
@@ -62,9 +63,13 @@ def staged_folder(output: Path, check: Callable[[Path], None] = lambda output: N
             _make_readable(staging)
             with _signals_ignored():
                 _publish(staging, output)
-        except OSError as exc:
-            if _disk_full(exc, output.parent):
-                raise OutputError(f"no space left on the disk of {output.parent} while writing {output.name} "
+        except Exception as exc:  # noqa: BLE001 - a full disk is told apart from the rest, which goes on as raised
+            full = _disk_full(exc, output.parent)
+            if full:
+                # A quota's limit is not the disk's free space, which then says nothing.
+                needed = ("" if full == errno.EDQUOT else
+                          f": it needed more than the {amount(free)} free there when it began")
+                raise OutputError(f"no space left on the disk of {output.parent} while writing {output.name}{needed} "
                                   "(nothing was written); free some space or choose another output") from None
             raise
         finally:
@@ -87,20 +92,20 @@ def check_output(output: Path, *, overwrite: bool, is_kind: Callable[[Path], boo
     """What guarded_folder will check, for callers to run before long work, so that a refusal comes
     before minutes of training rather than after."""
     refuse_overlap(output, inputs or {})
-    existing = next(folder for folder in Path(output).resolve().parents if folder.exists())
+    existing = next(folder for folder in resolved(output).parents if folder.exists())
     if not existing.is_dir():
         raise OutputError(f"{existing} is a file, so {output} cannot be made inside it; choose another output")
     # The staging folder and the lock go there (or in a folder made there): refused now, not after the build.
     if not os.access(existing, os.W_OK | os.X_OK):
         raise OutputError(f"cannot write in {existing} (permission denied or a read-only file system), so {output} "
                           "cannot be written; choose an output inside a folder you can write")
-    check_replaceable(Path(output).resolve(), overwrite, is_kind, kind)
+    check_replaceable(resolved(output), overwrite, is_kind, kind)
 
 
 def refuse_overlap(output: Path, inputs: dict[str, Path | None]) -> None:
     """OutputError if output is an input, holds one or lies inside one, or is the current folder (or holds
     it): a folder is replaced whole, which would leave the shell in a deleted folder that looks empty."""
-    out = Path(output).resolve()
+    out = resolved(output)
     cwd = Path.cwd().resolve()
     if out == cwd or out in cwd.parents:
         raise OutputError(f"output {output} is {'the' if out == cwd else 'above the'} current folder, which the "
@@ -115,6 +120,18 @@ def refuse_overlap(output: Path, inputs: dict[str, Path | None]) -> None:
                               "choose an output outside every input")
 
 
+def resolved(output: Path) -> Path:
+    """output as an absolute path with its links followed; OutputError where they lead back to themselves (a
+    link to itself, two links to each other), which pathlib raises as RuntimeError before Python 3.13."""
+    try:
+        return Path(output).resolve()
+    except (RuntimeError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.errno != errno.ELOOP:
+            raise
+        raise OutputError(f"output {output} is, or lies inside, a symbolic link that leads back to itself; remove "
+                          "the link or choose another output") from None
+
+
 def check_replaceable(output: Path, overwrite: bool, is_kind: Callable[[Path], bool], kind: str) -> None:
     """Nothing there, or an empty folder: fine. A folder of the kind: only with overwrite. Anything else: never.
     Nor a mount point (a container's volume, `docker run -v ...:/out`): it cannot be swapped for a new folder,
@@ -122,13 +139,39 @@ def check_replaceable(output: Path, overwrite: bool, is_kind: Callable[[Path], b
     if _is_mount_point(output):
         raise OutputError(f"{output} is a mount point, which cannot be replaced by a new folder; choose a folder "
                           f"inside it as the output (e.g. {output / ('bundle' if 'bundle' in kind else 'draft')})")
-    if not os.path.lexists(output) or (output.is_dir() and not output.is_symlink() and not any(output.iterdir())):
+    if not os.path.lexists(output):
         return
-    if output.is_symlink() or not output.is_dir() or not is_kind(output):
-        raise OutputError(f"{output} exists and is not a {kind}; --overwrite replaces only a {kind}: "
-                          "move it away or choose another output")
-    if not overwrite:
-        raise OutputError(f"{output} already holds a {kind}; pass --overwrite to replace it or choose another output")
+    if not (output.is_dir() and not output.is_symlink() and not any(output.iterdir())):  # an empty folder: fine
+        if output.is_symlink() or not output.is_dir() or not is_kind(output):
+            raise OutputError(f"{output} exists and is not a {kind}; --overwrite replaces only a {kind}: "
+                              "move it away or choose another output")
+        if not overwrite:
+            raise OutputError(f"{output} already holds a {kind}; pass --overwrite to replace it or choose another "
+                              "output")
+    if _sticky_and_not_ours(output):  # an empty folder too: it is swapped out all the same
+        raise OutputError(f"{output} belongs to another user, and {output.parent} lets only a file's owner replace "
+                          "it (the sticky bit, as /tmp has); have its owner remove it or choose another output")
+
+
+def _sticky_and_not_ours(path: Path) -> bool:
+    """Whether path lies in a sticky folder (/tmp, a shared /scratch) that lets only its owner, the folder's
+    owner or a process with CAP_FOWNER (root's) rename it: publishing would fail (EPERM) after the whole build."""
+    folder, entry = path.parent.stat(), path.lstat()
+    return (bool(folder.st_mode & stat.S_ISVTX) and os.geteuid() not in (entry.st_uid, folder.st_uid)
+            and not _owns_every_file())
+
+
+CAP_FOWNER = 3
+
+
+def _owns_every_file() -> bool:
+    """CAP_FOWNER in the effective set (Linux); elsewhere, being root."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return os.geteuid() == 0
+    effective = re.search(r"^CapEff:\s*([0-9a-f]+)", status, re.MULTILINE)
+    return bool(effective) and bool(int(effective[1], 16) >> CAP_FOWNER & 1)
 
 
 def _is_mount_point(path: Path) -> bool:
@@ -193,10 +236,27 @@ def _signals_ignored() -> Iterator[None]:
             signal.signal(number, signal.SIG_DFL if handler is None else handler)
 
 
-def _disk_full(exc: OSError, folder: Path) -> bool:
-    """ENOSPC, or a short write that says no errno (numpy's tofile: "N requested and M written") while
-    the disk has under a MiB left (checked before the staging folder is removed)."""
-    return exc.errno in (errno.ENOSPC, errno.EDQUOT) or (exc.errno is None and shutil.disk_usage(folder).free < 2**20)
+# What the writers built in Rust (tokenizers' save, safetensors' save_file, which write the tokenizer and
+# a distilled checkpoint) raise for a failed write: a plain Exception whose text ends in Rust's io::Error,
+# "No space left on device (os error 28)", the errno being only in the text.
+RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def _disk_full(exc: Exception, folder: Path) -> int | None:
+    """ENOSPC or EDQUOT where exc says the disk (or a quota) is full, else None: the errno (or a Rust
+    writer's), or ENOSPC for a short write that says no errno (numpy's tofile: "N requested and M written")
+    while the disk has under a MiB left (checked before the staging folder is removed)."""
+    if isinstance(exc, OSError):
+        code = errno.ENOSPC if exc.errno is None and shutil.disk_usage(folder).free < 2**20 else exc.errno
+    else:
+        rust = RUST_OS_ERROR.search(str(exc))
+        code = int(rust[1]) if rust else None
+    return code if code in (errno.ENOSPC, errno.EDQUOT) else None
+
+
+def amount(size: int) -> str:
+    """A size on disk as messages give it."""
+    return f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
 
 
 @contextmanager
@@ -228,7 +288,14 @@ def _locked(output: Path) -> Iterator[None]:
         os.close(fd)
     try:
         os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
+        try:
+            os.write(fd, str(os.getpid()).encode())
+        except OSError as exc:  # refused now: distill would otherwise train for its minutes first
+            if _disk_full(exc, output.parent):
+                raise OutputError(f"no space left on the disk of {output.parent}, not even for the lock file of "
+                                  f"{output.name} (nothing was written); free some space or choose another "
+                                  "output") from None
+            raise
         yield
     finally:
         with suppress(FileNotFoundError):

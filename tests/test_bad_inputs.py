@@ -58,6 +58,10 @@ def a_folder_with_a_file(paths: dict) -> None:
     (Path(paths["tmp"]) / "notes" / "todo.txt").write_text("keep me")
 
 
+def a_link_loop(paths: dict) -> None:
+    (Path(paths["tmp"]) / "loop").symlink_to("loop")
+
+
 def a_copy_of(what: str, damage: Callable[[Path], None]) -> Callable[[dict], None]:
     """paths[what] replaced by a damaged copy in tmp."""
 
@@ -243,6 +247,8 @@ CASES = [
          "Pass `--overwrite` to replace it, or choose another `--output`.", setup=existing_bundle),
     Case("`--output .` (the current folder)", compile_args("."), 1, "current folder",
          "Run from the folder above, or choose another output."),
+    Case("`--output` a symbolic link that leads back to itself (`ln -s bundle bundle`)", compile_args("{tmp}/loop"), 1,
+         "leads back to itself", "Remove the link (`rm`), or choose another output.", setup=a_link_loop),
     Case("a second compile to the same output while one runs", NEW, 1, "is writing",
          "Wait for the other compile to finish (the lock file `.NAME.lock` beside the output is released when it ends).",
          setup=hold_the_lock),

@@ -219,6 +219,30 @@ def test_a_failure_while_building_leaves_no_partial_bundle(checkpoints, tmp_path
     assert_no_bundle_left(out)
 
 
+def test_an_interrupt_once_the_bundle_is_published_is_dropped_through_the_interpreters_shutdown(checkpoints,
+                                                                                               tmp_path):
+    """Ctrl-C or SIGTERM in a compile's last second: while it printed its summary, "error: interrupted" (exit 130:
+    nothing left behind) over the new bundle; while the interpreter shut down, a traceback, or death by the
+    signal. Both are sent at those two moments, from the `specbuild` command's own process."""
+    script = (
+        "import atexit, os, signal, sys, click\n"
+        "from specbuild.cli import main\n"
+        "interrupt = lambda: [os.kill(os.getpid(), n) for n in (signal.SIGINT, signal.SIGTERM)]\n"
+        "atexit.register(interrupt)  # in the interpreter's shutdown\n"
+        "echo = click.echo\n"
+        "click.echo = lambda message=None, *a, **k: (echo(message, *a, **k), str(message).startswith('wrote ') "
+        "and interrupt())\n"
+        "sys.argv[1:] = ['compile', '--target', sys.argv[1], '--draft', sys.argv[2], '-o', sys.argv[3], "
+        "'--max-seq-len', '64']\n"
+        "main()\n"
+    )
+    out = tmp_path / "bundle"
+    result = subprocess.run([sys.executable, "-c", script, checkpoints("llama"), checkpoints("llama", 1), out],
+                            capture_output=True, text=True)
+    assert result.returncode == 0 and result.stderr == "", (result.returncode, result.stderr[-2000:])
+    assert (out / "manifest.json").is_file()
+
+
 def test_padded_embedding_rows_are_accepted_when_tokenizers_agree(checkpoints, tokenizer, tmp_path):
     from specbuild.compile import compile_bundle
     from specbuild.recipe import CompileSettings

@@ -475,6 +475,16 @@ def test_distill_refuses_a_target_specbuild_cannot_compile_before_training(pair,
         distill(target, tmp_path / "draft", minutes=0.01)
 
 
+def test_a_disk_without_room_for_the_draft_is_refused_before_training(pair, tmp_path, monkeypatch):
+    """distill trained for its minutes, then found the disk full when it wrote the draft."""
+    monkeypatch.setattr(distill_module, "train_model", lambda *a, **k: pytest.fail("refused only after training"))
+    disk_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: disk_usage(path)._replace(free=1000))
+    with pytest.raises(OutputError, match=r"the draft's weights take [\d.]+ MB and the disk of .* has 0\.0 MB free"):
+        distill(pair[0], tmp_path / "draft", draft_config=SMALLER, minutes=0.01)
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
 def test_distill_reports_a_missing_target(tmp_path):
     with pytest.raises(CheckpointError, match="not a Hugging Face folder"):
         distill(tmp_path / "missing", tmp_path / "draft", minutes=0.01)

@@ -1,6 +1,7 @@
 """Writing a folder never loses what was at its path: kill -9 at any point, leftovers of dead writers, a
 full disk, a second writer; and what it publishes is readable by other users."""
 
+import errno
 import json
 import os
 import shutil
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from specbuild.staging import scratch_folder, staged_folder
+from specbuild.staging import guarded_folder, scratch_folder, staged_folder
 from specbuild_runtime import SpecbuildError
 
 CRASH_DRIVER = Path(__file__).resolve().parent / "crash_driver.py"
@@ -76,6 +77,26 @@ def test_leftovers_of_earlier_writers_are_removed_and_nothing_else(tmp_path):
         scratch_folder(staging).mkdir()  # scratch is removed before publishing
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", f".other.partial-{dead}", f".out.partial-{dead}x", "notes"])
     assert [p.name for p in out.iterdir()] == ["new.txt"]
+
+
+def test_a_disk_too_full_for_the_lock_files_pid_is_told_as_a_full_disk(tmp_path, monkeypatch):
+    """On a disk with nothing free, compile and distill said "error: No space left on device" alone: neither
+    which disk nor what to do (writing the PID into the lock file failed, before anything was staged). Still refused
+    there: distill, which holds the lock while it trains, would otherwise train for nothing."""
+    import errno
+
+    write = os.write
+
+    def full_for_the_lock(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".lock"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", full_for_the_lock)
+    with pytest.raises(SpecbuildError, match="^no space left on the disk of .*, not even for the lock file of out"):
+        with staged_folder(tmp_path / "out"):
+            pytest.fail("the build began, on a disk that has no space for it")
+    assert [p.name for p in tmp_path.iterdir()] == []
 
 
 def test_an_old_folder_left_aside_by_a_dead_writer_is_put_back_first(tmp_path):
@@ -197,6 +218,28 @@ def test_a_second_writer_is_refused_while_the_first_writes(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the lock file goes with its holder
 
 
+@pytest.mark.parametrize("old", ["old.txt", None])  # a bundle, or an empty folder
+def test_another_users_folder_in_a_sticky_folder_is_refused_before_anything_is_written(old, tmp_path, monkeypatch):
+    """compile --overwrite of a colleague's bundle in /tmp or a shared 1777 /scratch built the whole bundle, then
+    failed to swap it in: "Operation not permitted: .../.bundle.partial-PID" (the sticky bit lets only a file's
+    owner rename it). Another user is simulated: making a folder someone else's needs root."""
+    import specbuild.staging as staging_module
+
+    shared = tmp_path / "shared"
+    (shared / "bundle").mkdir(parents=True)
+    if old:
+        (shared / "bundle" / old).write_text("old")
+    shared.chmod(0o1777)
+    owner = (shared / "bundle").stat().st_uid
+    monkeypatch.setattr(staging_module.os, "geteuid", lambda: owner + 1)
+    monkeypatch.setattr(staging_module, "_owns_every_file", lambda: False, raising=False)  # a user, not root
+    with pytest.raises(SpecbuildError, match="belongs to another user"):
+        with guarded_folder(shared / "bundle", overwrite=True, is_kind=lambda folder: True, kind="bundle"):
+            pytest.fail("the build began")
+    assert [p.name for p in shared.iterdir()] == ["bundle"]
+    assert [p.name for p in (shared / "bundle").iterdir()] == ([old] if old else [])
+
+
 @pytest.mark.parametrize("umask,expected", [(0o022, 0o644), (0o027, 0o640)])
 def test_published_files_are_readable_as_the_umask_allows_whatever_mode_they_were_written_with(umask, expected, tmp_path):
     previous = os.umask(umask)
@@ -228,6 +271,50 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(crashes):
     status, stderr, left = crashes["disk_full"].values()
     assert status == 1 and stderr.startswith("error: no space left on the disk of") and stderr.count("\n") == 1, stderr
     assert left == [], "the full disk kept a partial bundle, staging or lock file"
+
+
+def rust_write_error(library: str, code: int) -> Exception:
+    """What tokenizers' Tokenizer.save and safetensors' save_file raise when a write fails (their Rust
+    io::Error as text; tokenizers' is a plain Exception). Simulated: safetensors replaces a file it writes
+    by a rename, so writing /dev/full as root would replace the device."""
+    text = f"{os.strerror(code)} (os error {code})"
+    if library == "tokenizers":
+        return Exception(text)
+    from safetensors import SafetensorError
+
+    return SafetensorError(f"Error while serializing: I/O error: {text}")
+
+
+@pytest.mark.parametrize("library", ["tokenizers", "safetensors"])
+def test_a_full_disk_met_by_a_rust_writer_is_one_line_and_leaves_nothing(library, tmp_path):
+    """Saving the bundle's tokenizer or a distilled checkpoint onto a full disk was "internal error ... this is
+    a bug in specbuild" (exit 3) where every other write said the disk was full."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    with pytest.raises(SpecbuildError, match="^no space left on the disk of"):
+        with staged_folder(out) as staging:
+            (staging / "half.txt").write_text("half")
+            raise rust_write_error(library, errno.ENOSPC)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and [p.name for p in out.iterdir()] == ["old.txt"]
+    with pytest.raises(type(rust_write_error(library, errno.EACCES)), match=r"\(os error 13\)"):  # others as raised
+        with staged_folder(out):
+            raise rust_write_error(library, errno.EACCES)
+
+
+def test_a_full_disk_says_the_build_needed_more_than_the_space_free_when_it_began(tmp_path, monkeypatch):
+    """"no space left" alone leaves a pipeline to guess whether freeing a little will do (a quantized compile's
+    scratch, its fp32 references, needs more than the bundle's own size)."""
+    import specbuild.staging as staging_module
+
+    disk_usage = staging_module.shutil.disk_usage
+    monkeypatch.setattr(staging_module.shutil, "disk_usage", lambda path: disk_usage(path)._replace(free=1_234_000_000))
+    with pytest.raises(SpecbuildError) as raised:
+        with staged_folder(tmp_path / "out") as staging:
+            (staging / "target.onnx.data").write_text("half")
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert "while writing out: it needed more than the 1.23 GB free there when it began" in str(raised.value)
+    assert [p.name for p in tmp_path.iterdir()] == []
 
 
 @pytest.mark.parametrize("mount", ["-t tmpfs none", "--bind {host}"])  # another file system; a bind mount of this one

@@ -26,7 +26,8 @@ from .divergence import distill_loss, parts
 from .generate import (Sequence, continuation_logits, continue_prompts, eos_ids, pad_id, score, stop_at_tokenizer_eos,
                        until_eos)
 from .prompts import MAX_PROMPT_TOKENS, SPAN_TOKENS, Prompts, from_file, from_target, from_text, read_texts
-from .train import CHECKPOINT, check_checkpoint_output, is_checkpoint, parameter_count, train_model, write_checkpoint
+from .train import (CHECKPOINT, check_checkpoint_output, check_room, is_checkpoint, parameter_count, train_model,
+                    write_checkpoint)
 
 DRAFT_SHARE = 0.1  # a default draft has at most this share of the target's parameters, where the vocabulary allows
 NEW_TOKENS = 64  # every generated sequence, and every held-out measurement, continues a prompt this far
@@ -421,6 +422,7 @@ def _distill(target_dir: Path, output_dir: Path, *, draft_config, init, minutes,
     # its draft could not be compiled with it: refused before the minutes
     check_architecture((target.config.architectures or ["<none>"])[0], f"target checkpoint {target_dir}")
     draft = build_draft(target, tokenizer, draft_config, init, seed)
+    check_room(draft, output_dir)
     vocab = len(tokenizer)
     prompts = choose_prompts(target, tokenizer, prompts_file, data, heldout_prompts, seed)
 

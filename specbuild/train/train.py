@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -14,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..errors import TrainingError
-from ..staging import check_output, guarded_folder
+from ..errors import OutputError, TrainingError
+from ..staging import amount, check_output, guarded_folder, resolved
 
 EOS = "<|endoftext|>"
 
@@ -225,6 +226,17 @@ def check_checkpoint_output(out_dir: Path, overwrite: bool, inputs: dict[str, Pa
     """Refuse (OutputError) an output that writing a checkpoint there would lose: an input, or a folder
     that is neither empty nor (with overwrite) a checkpoint. Run before training, so a refusal costs nothing."""
     check_output(out_dir, overwrite=overwrite, inputs=inputs, **CHECKPOINT)
+
+
+def check_room(model, out_dir: Path) -> None:
+    """OutputError where out_dir's disk lacks room for the model's weights as save_pretrained writes them (a tied
+    tensor once): run before training, which a full disk would otherwise cost whole, found only when writing."""
+    weights = sum({t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}.values())
+    disk = next(folder for folder in resolved(out_dir).parents if folder.exists())
+    free = shutil.disk_usage(disk).free
+    if weights > free:
+        raise OutputError(f"the draft's weights take {amount(weights)} and the disk of {disk} has {amount(free)} free; "
+                          f"free some space or choose another output for {out_dir} (refused before training)")
 
 
 def save_checkpoint(model, tokenizer, out_dir: Path, *, overwrite: bool = False,
