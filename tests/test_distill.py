@@ -210,37 +210,12 @@ def test_alpha_is_what_the_runtime_counts_on_the_same_prompts(pair, tmp_path, pr
     assert alpha(acceptance(target, references, 4, len(tokenizer), {tokenizer.eos_token_id}, new_tokens=32)) == 1.0  # past eos too
 
 
-def test_alpha_ends_a_request_at_the_targets_eos_ids_as_its_bundle_does(pair, tmp_path, prompts_file):
-    """A bundle stops at the target's eos ids (generation_config.json's list); a draft's may be fewer (a new
-    draft's come from the target's config.json, a base model's from its own): distill's α counted the rounds
-    past an eos only the target has, which no decoding makes."""
-    from specbuild.compile import compile_bundle
-    from specbuild.recipe import CompileSettings
-    from specbuild_runtime import SpeculativeDecoder
-
-    target_dir = tmp_path / "target"
-    shutil.copytree(pair[0], target_dir)
-    draft_dir = near_copy(pair[0], tmp_path / "near")  # its generation_config.json: the one eos
-    target, tokenizer = load_model(target_dir, "target")
-    heldout = from_file(tokenizer, prompts_file, 2).heldout
-    reference = target_references(target, heldout[:1], len(tokenizer))[0]
-    other_eos = int(reference.tokens[reference.first + 5])  # one the target writes early in a held-out request
-    config = json.loads((target_dir / "generation_config.json").read_text())
-    (target_dir / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [tokenizer.eos_token_id, other_eos]}))
-    report = distill(target_dir, tmp_path / "draft", init=draft_dir, prompts_file=prompts_file, minutes=0.01,
-                     heldout_prompts=2)
-    compile_bundle(CompileSettings(target=target_dir, draft=draft_dir, output=tmp_path / "bundle", max_seq_len=256),
-                   show_progress=False)
-    decoder = SpeculativeDecoder(tmp_path / "bundle")
-    runs = [decoder.generate(p, distill_module.NEW_TOKENS, report["gamma"]) for p in heldout]
-    assert runs[0].stats.finish_reason == "eos" and runs[0].token_ids[-1] == other_eos
-    accepted, drafted = np.sum([[r.stats.accepted, r.stats.drafted] for r in runs], axis=0)
-    assert report["heldout_drafted_tokens"] > 0 and report["alpha_before"] == round(accepted / drafted, 4)
-
-
-def test_alpha_ends_a_request_at_the_tokenizers_eos_as_its_bundle_does(pair, tmp_path, prompts_file):
-    """A bundle stops at the tokenizer's eos too (a fine-tune's generation_config.json may name only its base
-    model's): distill's α counted the rounds past it, which no decoding makes."""
+@pytest.mark.parametrize("named_by", ["generation_config", "tokenizer"])
+def test_alpha_ends_a_request_at_the_targets_eos_ids_as_its_bundle_does(pair, tmp_path, prompts_file, named_by):
+    """A bundle stops at the target's eos ids: generation_config.json's list, and the tokenizer's eos (a
+    fine-tune's generation_config.json may name only its base model's). A draft's may be fewer (a new draft's
+    come from the target's config.json, a base model's from its own): distill's α counted the rounds past an
+    eos only the target has, which no decoding makes."""
     from specbuild.compile import compile_bundle
     from specbuild.recipe import CompileSettings
     from specbuild_runtime import SpeculativeDecoder
@@ -251,9 +226,15 @@ def test_alpha_ends_a_request_at_the_tokenizers_eos_as_its_bundle_does(pair, tmp
     heldout = from_file(tokenizer, prompts_file, 2).heldout
     reference = target_references(target, heldout[:1], len(tokenizer))[0]
     other_eos = int(reference.tokens[reference.first + 5])  # one the target writes early in a held-out request
-    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(other_eos)  # generation_config.json keeps the other
-    tokenizer.save_pretrained(target_dir)
-    draft_dir = near_copy(target_dir, tmp_path / "near")
+    if named_by == "generation_config":
+        draft_dir = near_copy(target_dir, tmp_path / "near")  # its generation_config.json: the one eos
+        config = json.loads((target_dir / "generation_config.json").read_text())
+        (target_dir / "generation_config.json").write_text(
+            json.dumps({**config, "eos_token_id": [tokenizer.eos_token_id, other_eos]}))
+    else:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(other_eos)  # generation_config.json keeps the other
+        tokenizer.save_pretrained(target_dir)
+        draft_dir = near_copy(target_dir, tmp_path / "near")
     report = distill(target_dir, tmp_path / "draft", init=draft_dir, prompts_file=prompts_file, minutes=0.01,
                      heldout_prompts=2)
     compile_bundle(CompileSettings(target=target_dir, draft=draft_dir, output=tmp_path / "bundle", max_seq_len=256),
