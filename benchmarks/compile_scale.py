@@ -207,7 +207,7 @@ def run(shape: str, precision: str, scratch: Path, builder: bool, keep: bool, to
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scratch", type=Path, required=True, help="where checkpoints and outputs go (many GB)")
     parser.add_argument("--shapes", default="tinyllama-1.1b", help=f"comma-separated, of {sorted(p.stem for p in CONFIGS.glob('*.json'))}")
     parser.add_argument("--precisions", default="fp16", help="comma-separated: fp32, fp16, bf16, int8, int4")

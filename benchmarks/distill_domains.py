@@ -101,7 +101,7 @@ def eval_alpha(pair: Path, draft: Path, prompts: list[str], gamma: int) -> float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=Path(".cache/distill-c-pair"), help="where the C pair and runs are kept")
     parser.add_argument("--pair", type=Path, help="an existing pair (target/, draft/) instead of the C pair")
     parser.add_argument("--eval", type=Path, help="prompts α is measured on  [default: the C pair's eval.jsonl]")

@@ -68,7 +68,7 @@ def measure(target: Path, draft: Path, scratch: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pair", type=Path, required=True, help="a demo pair folder (target/ and draft/)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()

@@ -68,7 +68,7 @@ def run(command: list[str], log: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scratch", type=Path, required=True, help="where checkpoints and bundles go (GBs per scale)")
     parser.add_argument("--shape", default="tinyllama-1.1b", help="a llama-family config in benchmarks/configs/ (or "
                         "a config.json's path)")

@@ -398,12 +398,12 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
     if as_json:
         click.echo(json.dumps(report))
     elif report["identical"]:
-        click.echo(f"identical: {report['prompts']} prompts, {report['tokens']} tokens match transformers "
+        click.echo(f"identical: {_count(report['prompts'], 'prompt')}, {_count(report['tokens'], 'token')} match transformers "
                    f"({report['precision']} on {report['device']})")
     else:
         divergences, precision = report["divergences"], report["precision"]
         d = divergences[0]
-        others = f" (and {len(divergences) - 1} more of {report['prompts']} prompts)" if len(divergences) > 1 else ""
+        others = f" (and {len(divergences) - 1} more of {_count(report['prompts'], 'prompt')})" if len(divergences) > 1 else ""
         line = (f"DIVERGED on prompt {d['prompt_index'] + 1} ({d['prompt'][:40]!r}) at generated token {d['position']}{others}: "
                 f"bundle {_token(d['bundle_token'])} vs transformers {_token(d['transformers_token'])} "
                 f"({precision} on {report['device']})")
@@ -611,7 +611,7 @@ def demo(cache, recipe, prompt, max_new_tokens, as_json) -> None:
     click.echo("-" * 60)
     click.echo(
         f"acceptance α {summary['acceptance_rate']:.2f}, {summary['mean_accepted_tokens']:.2f} tokens per target call "
-        f"(adaptive γ), over {summary['prompts']} prompts"
+        f"(adaptive γ), over {_count(summary['prompts'], 'prompt')}"
     )
     click.echo(
         f"target only {summary['target_only_tokens_per_second']:.0f} tok/s -> speculative "
