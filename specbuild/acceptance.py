@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from specbuild_runtime.policy import expected_tokens_per_call  # the runtime's adaptive γ uses it too
 
-__all__ = ["expected_tokens_per_call", "rounds", "theoretical_speedup"]
+__all__ = ["expected_tokens_per_call", "rounds", "theoretical_speedup", "until_eos"]
 
 
 def rounds(agreement: list[bool], gamma: int, new_tokens: int | None = None, end: int | None = None) -> tuple[int, int]:
@@ -37,3 +37,12 @@ def theoretical_speedup(tokens_per_call: float, gamma: int, cost_ratio: float) -
     yields τ tokens, with c the cost of a draft step over a target step. Bench passes the measured τ, which
     needs no assumption about how acceptances are distributed."""
     return tokens_per_call / (gamma * cost_ratio + 1)
+
+
+def until_eos(tokens: list[int], stops) -> list[int]:
+    """The tokens up to and including the first eos (one of stops): what a request decodes of a continuation
+    known past its end (references made longer, a batch's rows padded after theirs)."""
+    for i, token in enumerate(tokens):
+        if token in stops:
+            return tokens[: i + 1]
+    return tokens

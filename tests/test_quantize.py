@@ -267,6 +267,26 @@ def test_draft_agreement_compares_every_token_of_the_continuation(bundles):
     assert len(agreements[0]) == len(alone) == 16 and len(target_steps) == 15
 
 
+def test_the_plans_gamma_measures_agreement_only_as_far_as_requests_decode(bundles, tokenizer):
+    """The α behind the TensorRT-LLM and vLLM plans' γ: positions past the target's first eos are no
+    request's text (a chat target ends its turn early on the measuring prompts)."""
+    from specbuild.compile import gamma
+    from specbuild_runtime import SpeculativeDecoder
+    from specbuild_runtime.slot import AS_FED, NEVER_ALONE, EngineSlot
+
+    folder = bundles("llama", 1)
+    decoder = SpeculativeDecoder(folder)
+    prompts = gamma.prompts(tokenizer)
+    target, draft = EngineSlot(decoder.target, NEVER_ALONE), EngineSlot(decoder.draft, AS_FED)
+    agreements, _, _, continuations = gamma.draft_agreement(target, draft, prompts, gamma.NEW_TOKENS)
+    eos = continuations[0][3]  # the target writes it early in the first prompt's continuation
+    expected = [a for agree, tokens in zip(agreements, continuations)
+                for a in agree[:next((i + 1 for i, t in enumerate(tokens) if t == eos), len(tokens))]]
+    assert len(expected) < sum(map(len, agreements))
+    alpha, _ = gamma.measure_with_engines(folder, decoder.manifest.engines, prompts, decoder.max_seq_len, [eos])
+    assert alpha == sum(expected) / len(expected)
+
+
 def test_quality_reports_the_acceptance_the_runtime_decodes_when_requests_end_at_eos(checkpoints, tokenizer, tmp_path):
     """The runtime ends a request at the target's first eos; rounds along the continuation after it are
     no request's. The target's eos here is a token it writes early on most measuring prompts."""

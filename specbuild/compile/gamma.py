@@ -23,7 +23,7 @@ from specbuild_runtime.engine import Engine
 from specbuild_runtime.slot import AS_FED, NEVER_ALONE, EngineSlot
 from specbuild_runtime.manifest import EngineInfo
 
-from ..acceptance import expected_tokens_per_call, theoretical_speedup
+from ..acceptance import expected_tokens_per_call, theoretical_speedup, until_eos
 from ..texts import measuring_prompts
 
 NEW_TOKENS = 32
@@ -54,7 +54,7 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 def measure_with_engines(folder: Path, engines: dict[str, EngineInfo], prompt_ids: list[list[int]],
-                         max_seq_len: int) -> tuple[float, float] | None:
+                         max_seq_len: int, eos_token_ids: list[int]) -> tuple[float, float] | None:
     """(α, c) through the runtime's engines (draft_agreement); c is the median draft step over the median
     target step (CPU times, this machine). None unless both are fp32 (quantized or not; onnxruntime's CPU
     provider casts fp16 weights to fp32 on the way, holding many copies at once, see pipeline.check_engine)
@@ -64,8 +64,8 @@ def measure_with_engines(folder: Path, engines: dict[str, EngineInfo], prompt_id
         return None
     target = EngineSlot(Engine(folder / engines["target"].file, engines["target"], max_seq_len), NEVER_ALONE)
     draft = EngineSlot(Engine(folder / engines["draft"].file, engines["draft"], max_seq_len), AS_FED)
-    agreements, target_steps, draft_steps, _ = draft_agreement(target, draft, prompt_ids, NEW_TOKENS)
-    agree = [a for prompt in agreements for a in prompt]
+    agreements, target_steps, draft_steps, continuations = draft_agreement(target, draft, prompt_ids, NEW_TOKENS)
+    agree = [a for prompt, tokens in zip(agreements, continuations) for a in prompt[:len(until_eos(tokens, eos_token_ids))]]
     if not agree:
         return None
     return sum(agree) / len(agree), statistics.median(draft_steps) / statistics.median(target_steps)
@@ -107,7 +107,7 @@ def draft_agreement(target: EngineSlot, draft: EngineSlot, prompt_ids: list[list
 
 
 def measure_with_transformers(target_path: Path, draft_path: Path, prompt_ids: list[list[int]],
-                              max_seq_len: int) -> float | None:
+                              max_seq_len: int, eos_token_ids: list[int]) -> float | None:
     """α with transformers on CPU: the draft's argmax along the target's greedy continuation; None when
     no prompt leaves room in the context for two new tokens."""
     import torch
@@ -120,7 +120,7 @@ def measure_with_transformers(target_path: Path, draft_path: Path, prompt_ids: l
         budget = min(NEW_TOKENS, max_seq_len - len(prompt))
         if budget < 2:
             continue
-        tokens = transformers_greedy(target, prompt, budget, [])
+        tokens = transformers_greedy(target, prompt, budget, eos_token_ids)  # ends at an eos, as requests do
         # the draft reads the continuation up to the first of the target's padding rows it lacks
         readable = next((i for i, t in enumerate(tokens) if t >= draft.config.vocab_size), len(tokens) - 1)
         with torch.no_grad():

@@ -14,7 +14,7 @@ from specbuild_runtime.engine import Engine, can_run
 from specbuild_runtime.slot import AS_FED, NEVER_ALONE, EngineSlot
 from specbuild_runtime.manifest import EngineInfo
 
-from ..acceptance import rounds
+from ..acceptance import rounds, until_eos
 from ..texts import corpus_files, measuring_prompts, read_source
 from .export import export_engine
 from .gamma import draft_agreement
@@ -180,8 +180,7 @@ def pair_acceptance(target_folder: Path, target: EngineInfo, draft_folder: Path,
     for agree, tokens in zip(agreements, continuations):
         # The runtime ends a request at its first eos: counting the rounds after it measured text no request
         # decodes (the agreement past it still counts, as the round that emits the eos drafts past it).
-        end = next((i + 1 for i, token in enumerate(tokens) if token in stops), None)
-        a, d = rounds(agree, gamma, end=end)
+        a, d = rounds(agree, gamma, end=len(until_eos(tokens, stops)))
         accepted, drafted = accepted + a, drafted + d
     return accepted / drafted if drafted else 0.0
 

@@ -44,7 +44,7 @@ from specbuild_runtime.manifest import TOKENIZER_DIR, EngineInfo, TensorRTLLMPar
 
 from ..errors import ExternalToolError, UnsupportedModelError
 from . import gamma as gamma_stage
-from .load import Checkpoint
+from .load import Checkpoint, eos_token_ids
 from .precision import Numerics
 
 FOLDER = "tensorrt-llm"
@@ -411,14 +411,14 @@ def measure_gamma(folder: Path, engines: dict[str, EngineInfo], target: Checkpoi
                   checkpoints: dict[str, dict], max_seq_len: int, max_gamma: int) -> dict:
     """γ for the plans: α and c through the ONNX engines when fp32 ones were built; otherwise α with
     transformers on CPU for pairs small enough, and c from the weight bytes each step reads."""
-    prompt_ids = gamma_stage.prompts(target.tokenizer)
+    prompt_ids, eos = gamma_stage.prompts(target.tokenizer), eos_token_ids(target)
     byte_ratio = checkpoints["draft"]["weight_bytes"] / checkpoints["target"]["weight_bytes"]
-    measured = gamma_stage.measure_with_engines(folder, engines, prompt_ids, max_seq_len) if engines else None
+    measured = gamma_stage.measure_with_engines(folder, engines, prompt_ids, max_seq_len, eos) if engines else None
     alpha = None
     # The pair as transformers loads it: the exported checkpoints count a tied head twice (lm_head is written
     # out), which put Qwen3-0.6B with a 2-layer draft (0.78B) over the limit.
     if not measured and target.parameters() + draft.parameters() <= gamma_stage.TRANSFORMERS_PARAMETER_LIMIT:
-        alpha = gamma_stage.measure_with_transformers(target.path, draft.path, prompt_ids, max_seq_len)
+        alpha = gamma_stage.measure_with_transformers(target.path, draft.path, prompt_ids, max_seq_len, eos)
     if measured:
         alpha, cost_ratio = measured
         record = gamma_stage.recommend(alpha, cost_ratio, max_gamma, "alpha and c: the ONNX engines on this CPU, "

@@ -16,15 +16,14 @@ import numpy as np
 import torch
 from specbuild_runtime.errors import first_line
 
-from ..acceptance import expected_tokens_per_call, rounds, theoretical_speedup
+from ..acceptance import expected_tokens_per_call, rounds, theoretical_speedup, until_eos
 from ..compile.load import check_architecture, model_spec
 from ..errors import CheckpointError, TrainingError
 from ..recipe import DEFAULT_MAX_SEQ_LEN
 from ..reference import load_reference, plainly_generating
 from ..staging import guarded_folder
 from .divergence import distill_loss, parts
-from .generate import (Sequence, continuation_logits, continue_prompts, eos_ids, pad_id, score, stop_at_tokenizer_eos,
-                       until_eos)
+from .generate import Sequence, continuation_logits, continue_prompts, eos_ids, pad_id, score, stop_at_tokenizer_eos
 from .prompts import MAX_PROMPT_TOKENS, SPAN_TOKENS, Prompts, from_file, from_target, from_text, read_texts
 from .train import (CHECKPOINT, check_checkpoint_output, check_room, is_checkpoint, parameter_count, train_model,
                     write_checkpoint)

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..acceptance import until_eos
+
 TEACHER_TOP_K = 32  # the target's distribution is kept as its 32 most likely tokens plus one bucket for the rest
 
 
@@ -99,14 +101,6 @@ def pad_id(model) -> int:
     """The id batches are padded with: an eos, or 0 for a model without one (compile takes such a target;
     padding is masked on the left and comes after every position read on the right, so any id does)."""
     return min(eos_ids(model), default=0)
-
-
-def until_eos(tokens: list[int], stops: set[int]) -> list[int]:
-    """The tokens up to and including the first eos: generate() pads finished rows of a batch after it."""
-    for i, token in enumerate(tokens):
-        if token in stops:
-            return tokens[: i + 1]
-    return tokens
 
 
 def top_k(logits: torch.Tensor, vocab: int, k: int = TEACHER_TOP_K) -> tuple[np.ndarray, np.ndarray]:
