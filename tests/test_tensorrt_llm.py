@@ -396,3 +396,16 @@ def test_the_bundle_tokenizer_names_a_class_transformers_4_has(pairs, tokenizer,
     load_manifest(out)  # the digests cover the rewritten file
     reloaded = tf.AutoTokenizer.from_pretrained(out / "tokenizer")
     assert reloaded(PROMPTS[5])["input_ids"] == tokenizer(PROMPTS[5])["input_ids"]
+
+
+def test_a_rank_file_on_a_full_disk_fails_with_the_disks_errno(tmp_path):
+    """A quota's limit can come while the disk shows free space: only the errno tells the staging a full disk."""
+    import errno
+
+    from specbuild.compile.tensorrt_llm import RankFile
+
+    rank = RankFile(tmp_path / "rank0.safetensors", Path("/dev/full"))  # every write: ENOSPC
+    with pytest.raises(OSError) as failed:
+        rank.add("w", np.zeros((64, 1024), ml_dtypes.bfloat16))
+        rank.data.flush()
+    assert failed.value.errno == errno.ENOSPC

@@ -392,7 +392,9 @@ class RankFile:
 
     def add(self, name: str, value: np.ndarray) -> None:
         start = self.data.tell()
-        np.ascontiguousarray(value).tofile(self.data)
+        # Not tofile(): its short write carries no errno, so a full quota (whose disk may show free space) would
+        # not read as a full disk (staging._disk_full).
+        self.data.write(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)
         self.header[name] = {"dtype": self.SAFETENSORS_DTYPES[value.dtype], "shape": list(value.shape),
                              "data_offsets": [start, self.data.tell()]}
 
