@@ -10,7 +10,8 @@ times faster than the target alone (Leviathan et al. 2023, "Fast Inference from 
 Speculative Decoding", eq. 1 and Theorem 3.8). The recommended γ maximises S over 1..max_gamma.
 
 α is the share of positions where the draft's greedy token equals the target's along the target's own
-greedy continuation of the packaged code prompts: under the model above that share estimates α.
+greedy continuation of the packaged code prompts, up to its first eos (where a request ends): under the model
+above that share estimates α.
 """
 
 from __future__ import annotations
