@@ -70,7 +70,8 @@ def staged_folder(output: Path, check: Callable[[Path], None] = lambda output: N
                 needed = ("" if full == errno.EDQUOT else
                           f": it needed more than the {amount(free)} free there when it began")
                 raise OutputError(f"no space left on the disk of {output.parent} while writing {output.name}{needed} "
-                                  "(nothing was written); free some space or choose another output") from None
+                                  f"(nothing was written); free some space{_leftovers(output.parent, staging)} or "
+                                  "choose another output") from None
             raise
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -240,6 +241,23 @@ def _signals_ignored() -> Iterator[None]:
 # a distilled checkpoint) raise for a failed write: a plain Exception whose text ends in Rust's io::Error,
 # "No space left on device (os error 28)", the errno being only in the text.
 RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+LEFTOVER = re.compile(r"\..+\.(partial|old)-\d+(-scratch)?")  # what a killed writer to any output leaves
+
+
+def _leftovers(folder: Path, own: Path) -> str:
+    """A note naming other outputs' staging folders in folder, or "": a killed build's are removed only by
+    the next write to the same output, so outputs named per version fill a CI disk with them (they may also
+    be a running build's: named, never removed)."""
+    found = [entry for entry in folder.iterdir() if LEFTOVER.fullmatch(entry.name) and not entry.name.startswith(own.name)]
+    if not found:
+        return ""
+    size = amount(sum(f.stat().st_size for entry in found for f in entry.rglob("*") if f.is_file() and not f.is_symlink()))
+    if len(found) == 1:
+        return f" (a killed build left {found[0].name} there, {size}: remove it if no build is running)"
+    return (f" (killed builds left {len(found)} folders there, e.g. {found[0].name}, {size} in all: remove them if "
+            "no build is running)")
 
 
 def _disk_full(exc: Exception, folder: Path) -> int | None:

@@ -332,3 +332,17 @@ def test_an_output_that_is_a_mount_point_is_refused_before_the_build(mount, chec
     assert "status 1" in result.stdout and result.stdout.split("status 1")[1].strip() == "", result.stdout
     assert "is a mount point" in result.stderr and result.stderr.count("\n") == 1, result.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # nothing staged beside it
+
+
+def test_a_full_disk_names_what_killed_builds_of_other_outputs_left_there(tmp_path):
+    """Only the next write to the same output removes a killed build's staging folder: outputs named per
+    version (bundle-v1, bundle-v2, ...) leave theirs to fill a CI disk."""
+    left = tmp_path / ".bundle-v1.partial-4242"
+    left.mkdir()
+    (left / "target.onnx.data").write_bytes(b"x" * 3_000_000)
+    with pytest.raises(SpecbuildError) as raised:
+        with staged_folder(tmp_path / "bundle-v2"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert "free some space (a killed build left .bundle-v1.partial-4242 there, 3.0 MB: remove it if no build is " \
+           "running) or choose another output" in str(raised.value)
+    assert left.is_dir()  # named, never removed: it may be a running build's
