@@ -70,7 +70,7 @@ def staged_folder(output: Path, check: Callable[[Path], None] = lambda output: N
                 needed = ("" if full == errno.EDQUOT else
                           f": it needed more than the {amount(free)} free there when it began")
                 raise OutputError(f"no space left on the disk of {output.parent} while writing {output.name}{needed} "
-                                  f"(nothing was written); free some space{_leftovers(output.parent, staging)} or "
+                                  f"(nothing was written); free some space{_leftovers(output)} or "
                                   "choose another output") from None
             raise
         finally:
@@ -93,7 +93,7 @@ def check_output(output: Path, *, overwrite: bool, is_kind: Callable[[Path], boo
     """What guarded_folder will check, for callers to run before long work, so that a refusal comes
     before minutes of training rather than after."""
     refuse_overlap(output, inputs or {})
-    existing = next(folder for folder in resolved(output).parents if folder.exists())
+    existing = nearest_folder(output)
     if not existing.is_dir():
         raise OutputError(f"{existing} is a file, so {output} cannot be made inside it; choose another output")
     # The staging folder and the lock go there (or in a folder made there): refused now, not after the build.
@@ -119,6 +119,12 @@ def refuse_overlap(output: Path, inputs: dict[str, Path | None]) -> None:
         if relation:
             raise OutputError(f"output {output} {relation} the {role} {path}; writing there could destroy it: "
                               "choose an output outside every input")
+
+
+def nearest_folder(output: Path) -> Path:
+    """The closest of output's parents that exists: where its staging folder and lock go (or a folder made
+    there), on the disk the output will take."""
+    return next(folder for folder in resolved(output).parents if folder.exists())
 
 
 def resolved(output: Path) -> Path:
@@ -243,23 +249,6 @@ def _signals_ignored() -> Iterator[None]:
 RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
-LEFTOVER = re.compile(r"\..+\.(partial|old)-\d+(-scratch)?")  # what a killed writer to any output leaves
-
-
-def _leftovers(folder: Path, own: Path) -> str:
-    """A note naming other outputs' staging folders in folder, or "": a killed build's are removed only by
-    the next write to the same output, so outputs named per version fill a CI disk with them (they may also
-    be a running build's: named, never removed)."""
-    found = [entry for entry in folder.iterdir() if LEFTOVER.fullmatch(entry.name) and not entry.name.startswith(own.name)]
-    if not found:
-        return ""
-    size = amount(sum(f.stat().st_size for entry in found for f in entry.rglob("*") if f.is_file() and not f.is_symlink()))
-    if len(found) == 1:
-        return f" (a killed build left {found[0].name} there, {size}: remove it if no build is running)"
-    return (f" (killed builds left {len(found)} folders there, e.g. {found[0].name}, {size} in all: remove them if "
-            "no build is running)")
-
-
 def _disk_full(exc: Exception, folder: Path) -> int | None:
     """ENOSPC or EDQUOT where exc says the disk (or a quota) is full, else None: the errno (or a Rust
     writer's), or ENOSPC for a short write that says no errno (numpy's tofile: "N requested and M written")
@@ -275,6 +264,25 @@ def _disk_full(exc: Exception, folder: Path) -> int | None:
 def amount(size: int) -> str:
     """A size on disk as messages give it."""
     return f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
+
+
+# What a writer to an output (.NAME) leaves beside it when killed: its staging folder, its scratch, an old folder.
+LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>partial|old)-\d+(-scratch)?")
+
+
+def _leftovers(output: Path) -> str:
+    """A note naming other outputs' staging folders beside output, or "": a killed build's are removed only by
+    the next write to the same output, so outputs named per version fill a CI disk with them (they may also
+    be a running build's: named, never removed)."""
+    found = [entry for entry in output.parent.iterdir()
+             if (match := LEFTOVER.fullmatch(entry.name)) and match["name"] != output.name]
+    if not found:
+        return ""
+    size = amount(sum(f.stat().st_size for entry in found for f in entry.rglob("*") if f.is_file() and not f.is_symlink()))
+    if len(found) == 1:
+        return f" (a killed build left {found[0].name} there, {size}: remove it if no build is running)"
+    return (f" (killed builds left {len(found)} folders there, e.g. {found[0].name}, {size} in all: remove them if "
+            "no build is running)")
 
 
 @contextmanager
@@ -325,12 +333,11 @@ def _remove_stale(output: Path) -> None:
     """Remove what earlier writers to output left beside it (only names of our own pattern); put back an old
     folder a kill between the two renames of _publish left aside. Called holding output's lock, so no
     writer of these is alive, whatever their PIDs say (a PID alive in another container proves nothing)."""
-    pattern = re.compile(rf"\.{re.escape(output.name)}\.(partial|old)-(\d+)(-scratch)?")
     for entry in output.parent.iterdir():
-        match = pattern.fullmatch(entry.name)
-        if not match:
+        match = LEFTOVER.fullmatch(entry.name)
+        if not match or match["name"] != output.name:
             continue
-        if match[1] == "old" and not os.path.lexists(output):
+        if match["kind"] == "old" and not os.path.lexists(output):
             entry.rename(output)
             continue
         try:

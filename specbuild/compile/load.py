@@ -543,5 +543,11 @@ def eos_token_ids(ckpt: Checkpoint) -> list[int]:
     if not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < ckpt.spec.shape.vocab_size for e in ids):
         raise CheckpointError(f"{ckpt.path}: eos_token_id {eos!r} is not a token id (0 to {ckpt.spec.shape.vocab_size - 1}) "
                               "or a list of them; fix generation_config.json or config.json")
-    own = ckpt.tokenizer.eos_token_id
-    return ids + [own] if own is not None and own not in ids and own < ckpt.spec.shape.vocab_size else ids
+    return with_tokenizer_eos(ids, ckpt.tokenizer, ckpt.spec.shape.vocab_size)
+
+
+def with_tokenizer_eos(ids: list[int], tokenizer, vocab_size: int) -> list[int]:
+    """ids and, after them, the tokenizer's eos where it is not among them: the eos ids decoding stops at
+    (a bundle's, and distill's generation and α, which must stop where the bundle's requests do)."""
+    own = tokenizer.eos_token_id
+    return [*ids, own] if own is not None and own not in ids and own < vocab_size else list(ids)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..acceptance import until_eos
+from ..compile.load import with_tokenizer_eos
 
 TEACHER_TOP_K = 32  # the target's distribution is kept as its 32 most likely tokens plus one bucket for the rest
 
@@ -92,9 +93,10 @@ def stop_at_tokenizer_eos(model, tokenizer) -> None:
     """Adds the tokenizer's eos to the model's generation_config, as compile adds it to a bundle's eos ids
     (compile.load.eos_token_ids): a fine-tune whose generation_config.json still names its base model's eos
     ends its turns with the tokenizer's, and generate() and α would run on past the end of every request."""
-    own, ids = tokenizer.eos_token_id, eos_ids(model)
-    if own is not None and own not in ids and own < model.config.vocab_size:
-        model.generation_config.eos_token_id = [*sorted(ids), own]
+    ids = sorted(eos_ids(model))
+    stops = with_tokenizer_eos(ids, tokenizer, model.config.vocab_size)
+    if stops != ids:
+        model.generation_config.eos_token_id = stops
 
 
 def pad_id(model) -> int:

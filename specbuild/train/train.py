@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..errors import OutputError, TrainingError
-from ..staging import amount, check_output, guarded_folder, resolved
+from ..staging import amount, check_output, guarded_folder, nearest_folder
 
 EOS = "<|endoftext|>"
 
@@ -232,7 +232,7 @@ def check_room(model, out_dir: Path) -> None:
     """OutputError where out_dir's disk lacks room for the model's weights as save_pretrained writes them (a tied
     tensor once): run before training, which a full disk would otherwise cost whole, found only when writing."""
     weights = sum({t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}.values())
-    disk = next(folder for folder in resolved(out_dir).parents if folder.exists())
+    disk = nearest_folder(out_dir)
     free = shutil.disk_usage(disk).free
     if weights > free:
         raise OutputError(f"the draft's weights take {amount(weights)} and the disk of {disk} has {amount(free)} free; "
