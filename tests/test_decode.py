@@ -11,7 +11,7 @@ from contextlib import closing
 
 import onnxruntime as ort
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from conftest import PROMPTS, make_tokenizer
@@ -564,6 +564,23 @@ def test_stop_strings_cut_the_text_before_the_earliest_match_as_openai_does(bund
     assert checked >= 10
 
 
+def test_the_eos_tokens_text_is_left_out_as_vllm_leaves_it_out(bundle, free_text):
+    """An eos its tokenizer does not mark special (Phi-3's <|end|> first shipped so) decodes to text, which
+    no surface shows: the text is the tokens' before it."""
+    decoder = SpeculativeDecoder(bundle)
+    for prompt, free in list(free_text.items())[:3]:
+        ids = free.token_ids
+        texts = [decoder.tokenizer.decode([token]) for token in ids]  # the eos: a token there for the first time, shown whole
+        n = next(n for n in range(5, len(ids)) if ids[n] not in ids[:n] and texts[n].isprintable() and "\ufffd" not in texts[n])
+        before = decoder.generate(prompt, n, 3).text  # the n tokens before it
+        decoder.eos_token_ids = {ids[n]}
+        for stop in (None, ["\u2603 never"]):  # decoded at the end, and token by token
+            result = decoder.generate(prompt, 60, 3, stop=stop)
+            assert result.stats.finish_reason == "eos" and result.token_ids == ids[:n + 1]
+            assert result.text == "".join(decoder.stream_text(prompt, 60, 3, stop=stop)) == before
+        decoder.eos_token_ids = set(decoder.manifest.eos_token_ids)
+
+
 def test_streamed_text_joins_to_exactly_the_generated_text(bundle, free_text):
     """Random weights emit arbitrary bytes: characters split across tokens are common here."""
     decoder = SpeculativeDecoder(bundle)
@@ -651,6 +668,33 @@ def sentencepiece_tokenizer():
     return tokenizer
 
 
+def byte_fallback_tokenizer():
+    """Llama 2's decoder chain over its 256 byte tokens (<0x0A> is "\\n"), a piece and a special token."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {"\u2581a": 256, "<s>": 257}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    tokenizer.add_special_tokens([AddedToken("<s>", special=True)])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                           decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return tokenizer
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([0x0A, 0x41, 0xC3, 0xA9, 0xE2, 0x80, 0x94, 0xFF, 256, 257]), min_size=1, max_size=12))
+@example([0x0A, 0xE2, 256])  # "\n", then a character that never completes: the run decodes to "\ufffd\ufffd"
+def test_streamed_text_is_what_byte_fallback_decodes_the_tokens_to(ids):
+    """ByteFallback decodes a run of byte tokens (special tokens skipped) as one, and a run that is not UTF-8
+    as a U+FFFD per byte: text from a byte token waits for the run's end, or the "\\n" sent for <0x0A> would
+    not be in generate()'s text."""
+    tokenizer = byte_fallback_tokenizer()
+    stream, streamed = TextStream(tokenizer), ""
+    for token in ids:
+        stream.push(token)
+        streamed += stream.take()
+    assert streamed + stream.finish() == stream.text == tokenizer.decode(ids)
+
+
 @pytest.mark.parametrize("make", [sentencepiece_tokenizer, lambda: make_tokenizer().backend_tokenizer])
 def test_streamed_text_is_what_the_prompt_and_the_tokens_decode_to_past_the_prompts_text(make):
     """The first generated word keeps the space before it (decoded alone, a SentencePiece decoder drops it)."""
@@ -665,6 +709,22 @@ def test_streamed_text_is_what_the_prompt_and_the_tokens_decode_to_past_the_prom
             stream.push(token)
             streamed += stream.take()
         assert streamed + stream.finish() == stream.text == expected, cut
+
+
+def test_the_first_word_keeps_its_space_after_a_prompt_ending_in_characters_spelled_in_byte_tokens():
+    """Llama 2 spells most emoji in byte tokens: the prompt's last tokens begin inside "🙃", and ByteFallback shows
+    all of them as U+FFFD, though the prompt's text ends whole."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)} | {"\u2581the": 256}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                           decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    prompt = tokenizer.encode("\U0001f643\U0001f914").ids
+    assert tokenizer.decode(prompt[-5:]).endswith("\ufffd")  # the case is what it claims
+    stream = TextStream(tokenizer, prompt_ids=prompt)
+    stream.push(256)
+    assert stream.take() + stream.finish() == tokenizer.decode(prompt + [256])[len(tokenizer.decode(prompt)):] == " the"
 
 
 def test_a_seeded_sampled_request_reproduces_under_auto_gamma_whatever_ran_before(bundle):

@@ -121,8 +121,8 @@ class Stats:
 
 @dataclass
 class Generation:
-    text: str  # the tokens' text as it follows the prompt's (text.TextStream), cut before a stop string
-    token_ids: list[int]  # every token generated, the one that completed a stop string included
+    text: str  # the tokens' text as it follows the prompt's (text.TextStream), cut before a stop string, eos's left out
+    token_ids: list[int]  # every token generated, the one that completed a stop string (or the eos) included
     prompt_token_ids: list[int]
     stats: Stats
 
@@ -382,7 +382,7 @@ class SpeculativeDecoder:
                 tokens.append(token)
                 yield None
         if not request.stop:  # nothing needs the text before the end: decoded once (~10 us a token saved)
-            text.extend(tokens)
+            text.extend(tokens[:-1] if stats.finish_reason == "eos" else tokens)
         _finish(text, stats)
         yield Generation(text.text, tokens, request.prompt_ids, stats)
 
@@ -394,7 +394,9 @@ class SpeculativeDecoder:
         with self.slots.take(halt) as slot, closing(self._speculate(slot, request, stats)) as tokens:
             try:
                 for token in tokens:
-                    if text is not None:
+                    # An eos token is no part of the text, as vLLM and OpenAI leave it out: a tokenizer need not mark
+                    # it special (Phi-3's <|end|> first shipped unmarked), and decoding then shows it.
+                    if text is not None and stats.finish_reason != "eos":
                         text.push(token)
                         if text.stopped:
                             stats.finish_reason = "stop"

@@ -27,8 +27,11 @@ class TextStream:
         self.tokenizer = tokenizer
         self.stop = stop
         context = list(prompt_ids[-PROMPT_CONTEXT:])
-        if tokenizer.decode(context).endswith(INCOMPLETE):
-            context = []  # a prompt of ids ending inside a character: its text is no prefix of what follows
+        # Decoded alone, these tokens may begin inside a character (Llama 2 spells most emoji in byte tokens), and
+        # ByteFallback then shows the whole run of bytes as U+FFFD, up to the prompt's end: the context begins
+        # after it. Where the prompt's ids end inside a character, none is left: its text is no prefix of what follows.
+        while context and tokenizer.decode(context).endswith(INCOMPLETE):
+            del context[0]
         self._ids = context  # the prompt's last tokens, then the generated ones
         self.text = ""
         self.stopped = False  # a stop string was found: text ends before it, push() no longer adds
@@ -66,14 +69,26 @@ class TextStream:
         if len(now) <= len(before):
             return
         new = now[len(before):]
-        if new.endswith(INCOMPLETE) and not final:
-            # The last bytes begin a character still to come: wait for it, but a stop string may be whole
-            # already in the text before it (the request then ends at this token, not the next).
+        if not final and (new.endswith(INCOMPLETE) or self._in_byte_run()):
+            # The last bytes begin a character still to come, or may still be followed by bytes that change
+            # what they decode to: wait for them, but a stop string may be whole already in the text so far
+            # (the request then ends at this token, not the next).
             self._cut(self.text + new.rstrip(INCOMPLETE))
             return
         self._window, self._read = self._read, len(self._ids)
         if not self._cut(self.text + new):
             self.text += new
+
+    def _in_byte_run(self) -> bool:
+        """Whether the last tokens not yet read end in SentencePiece byte tokens (<0x0A> is "\\n" in Llama 2 and
+        Mistral). ByteFallback decodes a run of them, special tokens skipped, as one: a run that is not UTF-8
+        becomes one U+FFFD per byte, so a "\\n" decoded so far turns into U+FFFD if a stray byte follows it."""
+        for token in reversed(self._ids[self._read:]):
+            if _byte_token(self.tokenizer.id_to_token(token)):
+                return True
+            if self.tokenizer.decode([token]):  # not a skipped special token: it ends the run
+                return False
+        return False
 
     def _cut(self, text: str) -> bool:
         """If text (self.text and more) holds a stop string that self.text did not, end the text before the
@@ -98,3 +113,8 @@ class TextStream:
                     break
                 start = tail.find(s[0], start + 1)
         return longest
+
+
+def _byte_token(token: str | None) -> bool:
+    """Whether a token is a byte token as ByteFallback reads them, <0xNN>."""
+    return token is not None and len(token) == 6 and token.startswith("<0x") and token.endswith(">")
