@@ -290,6 +290,14 @@ def test_onnxruntime_telemetry_is_off_and_says_nothing_where_home_is_read_only(b
     assert result.returncode == 0 and result.stderr.count("\n") == 1 and "telemetry" not in result.stderr, result.stderr
 
 
+def test_generate_to_a_stdout_that_cannot_spell_the_text_escapes_it(bundles):
+    """A latin-1 stdout (PYTHONIOENCODING, a cp1252 console redirected) ended generate with "internal error
+    (UnicodeEncodeError ...); this is a bug", exit 3."""
+    result = subprocess.run([sys.executable, "-m", "specbuild", "generate", str(bundles("llama")), "-p", "h\u00e9 \U0001f600",
+                             "-n", "2"], capture_output=True, env={**os.environ, "PYTHONIOENCODING": "latin-1"})
+    assert result.returncode == 0 and result.stdout.startswith(b"h\xe9 \\U0001f600"), result.stderr
+
+
 @pytest.mark.parametrize("damage", ["bundle manifest", "pair weights"])
 def test_a_damaged_demo_cache_says_which_folder_to_delete(damage, checkpoints, tmp_path, cli):
     """The demo used to answer with advice for options it does not have (--overwrite, another output) or for

@@ -3,6 +3,7 @@ the server's process: load the bundle, run uvicorn, drain on SIGTERM."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -186,6 +187,11 @@ def run_command(command: click.Command, args: list[str] | None, prog_name: str, 
         click.echo("error: " + " ".join(message.split()), err=True)  # one line, whatever the message holds
         return status
 
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        # A stdout whose encoding cannot spell a generated character (PYTHONIOENCODING=latin-1, a cp1252 console
+        # redirected) shows it escaped, as Python's stderr does, instead of ending the command as a bug. --json
+        # output is ASCII either way.
+        sys.stdout.reconfigure(errors="backslashreplace")
     try:
         return command.main(args, prog_name=prog_name, standalone_mode=False) or 0
     except click.exceptions.NoArgsIsHelpError as exc:  # the command alone: the help, not an error
