@@ -41,7 +41,7 @@ def ensure_pair(recipe: Path, pair: Path) -> None:
 def check_pair_recipe(recipe: Path, pair: Path) -> None:
     """A cached pair made from another [pair] table is refused, not retrained over: it took minutes to make."""
     try:
-        made_from = json.loads((pair / "report.json").read_text())["recipe"]
+        made_from = json.loads((pair / "report.json").read_bytes())["recipe"]
     except (OSError, ValueError, LookupError, TypeError):
         made_from = None
     if not isinstance(made_from, dict):  # a pair from before reports, or its last step killed: take it as it is
@@ -107,5 +107,5 @@ def run_demo(cache: Path, recipe: Path, prompt: str | None, max_new_tokens: int)
     }
     report = pair / "report.json"
     if report.is_file():
-        summary["pair"] = json.loads(report.read_text())
+        summary["pair"] = json.loads(report.read_bytes())
     return summary

@@ -84,7 +84,12 @@ PATH_FIELDS = {"target", "draft", "output", "recipe"}
 
 
 def _path(value) -> str | None:
-    return None if isinstance(value, (str, os.PathLike)) else f"must be a path (a string), not {_shown(value)}"
+    if not isinstance(value, (str, os.PathLike)):
+        return f"must be a path (a string), not {_shown(value)}"
+    # TOML strings may hold "\u0000", which no file name can: every OS call on the path would raise ValueError
+    if "\0" in str(value):
+        return f"must be a path, which cannot hold a NUL character (\\u0000), not {_shown(value)}"
+    return None
 
 
 def _boolean(value) -> str | None:
@@ -180,7 +185,9 @@ def _at_line(path: Path, table: str, key: str) -> str:
     """ " line N" where key is set in [table] of the TOML file, or "" if not found (tomllib keeps no
     positions, so the text is searched: a key = value line after the table's header)."""
     current = None
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+    # As read_table reads it: in the locale's encoding (ASCII in the C locale without UTF-8 mode) a non-ASCII
+    # comment raised UnicodeDecodeError
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8-sig").splitlines(), 1):
         if header := re.match(r"\s*\[\s*([^\[\]]+?)\s*\]", line):
             current = header[1]
         elif current == table and re.match(rf"""\s*["']?{re.escape(key)}["']?\s*=""", line):
@@ -210,6 +217,9 @@ def _expanded(recipe: Path, key: str, value: str) -> Path:
 def resolve_settings(recipe: Path | None, **options) -> CompileSettings:
     """Recipe values first, then every command-line option that was given."""
     values = read_recipe(recipe) if recipe else {}
+    if options.get("quantize") is not None:  # --quantize names both engines' quantization: a recipe's per-engine one loses
+        for key in ("target_quantize", "draft_quantize"):
+            values.pop(key, None)
     values.update({k: v for k, v in options.items() if v is not None})
     missing = [k for k in ("target", "draft", "output") if k not in values]
     if missing:

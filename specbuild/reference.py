@@ -85,7 +85,7 @@ def _check_index(path: Path, role: str) -> None:
         raise CheckpointError(f"{role} checkpoint {path} has safetensors shards but no {index.name}, without which "
                               "transformers cannot load them; add the index from the model's repository")
     try:
-        has_metadata = "metadata" in json.loads(index.read_text())
+        has_metadata = "metadata" in json.loads(index.read_bytes())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
         return  # no index, or one transformers refuses with a message of its own
     if not has_metadata:

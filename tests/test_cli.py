@@ -369,6 +369,19 @@ def test_a_reference_on_cuda_without_a_cuda_torch_is_a_device_error(checkpoints)
         load_reference(checkpoints("llama"), device="cuda")
 
 
+def test_quantize_on_the_command_line_wins_over_a_recipes_per_engine_quantization(tmp_path):
+    """The README: options given on the command line win. A recipe's target_quantize = "none" kept the target
+    unquantized under `--quantize int4`."""
+    from specbuild.recipe import resolve_settings
+
+    recipe = tmp_path / "pair.toml"
+    recipe.write_text('[compile]\ntarget = "t"\ndraft = "d"\noutput = "b"\ntarget_quantize = "none"\n')
+    settings = resolve_settings(recipe, quantize="int4")
+    assert (settings.quantization("target"), settings.quantization("draft")) == ("int4", "int4")
+    settings = resolve_settings(recipe, quantize="int4", draft_quantize="int8")
+    assert (settings.quantization("target"), settings.quantization("draft")) == ("int4", "int8")
+
+
 def test_a_recipe_may_start_with_a_bom_and_name_paths_from_home(tmp_path, monkeypatch):
     from specbuild.recipe import resolve_settings
 
@@ -378,6 +391,32 @@ def test_a_recipe_may_start_with_a_bom_and_name_paths_from_home(tmp_path, monkey
     settings = resolve_settings(recipe)
     assert (settings.target, settings.draft, settings.output) == (tmp_path / "home" / "target", tmp_path / "draft",
                                                                   tmp_path / "home" / "bundle")
+
+
+# The C locale without Python's UTF-8 mode (PYTHONUTF8=0, or LC_ALL=C.ascii-like locales): its encoding is ASCII.
+ASCII_LOCALE = {**os.environ, "PYTHONUTF8": "0", "LC_ALL": "C"}
+
+
+def test_a_recipes_bad_key_names_its_line_in_an_ascii_locale(tmp_path):
+    recipe = tmp_path / "pair.toml"
+    recipe.write_text("[compile]\n# γ: the most drafts per round\ngama = 4\n", encoding="utf-8")
+    result = subprocess.run([sys.executable, "-m", "specbuild", "compile", "--recipe", str(recipe)], capture_output=True,
+                            text=True, env=ASCII_LOCALE)
+    assert result.returncode == 1 and "line 3: unknown [compile] keys ['gama']" in result.stderr, result.stderr
+
+
+def test_compile_keeps_a_non_ascii_tokenizer_config_in_an_ascii_locale(checkpoints, tmp_path):
+    target = tmp_path / "target"
+    shutil.copytree(checkpoints("llama"), target)
+    config = json.loads((target / "tokenizer_config.json").read_text(encoding="utf-8"))
+    (target / "tokenizer_config.json").write_text(json.dumps({**config, "note": "<｜begin▁of▁sentence｜>"},
+                                                             ensure_ascii=False), encoding="utf-8")
+    result = subprocess.run([sys.executable, "-m", "specbuild", "compile", "--target", str(target), "--draft", str(target),
+                             "-o", str(tmp_path / "bundle"), "--max-seq-len", "32"], capture_output=True, text=True,
+                            env=ASCII_LOCALE)
+    assert result.returncode == 0, result.stderr
+    written = json.loads((tmp_path / "bundle" / "tokenizer" / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert written["note"] == "<｜begin▁of▁sentence｜>"
 
 
 def test_a_prompts_file_may_start_with_a_bom(tmp_path):

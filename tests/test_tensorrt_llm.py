@@ -373,7 +373,8 @@ def test_run_plan_feeds_the_prompt_as_given(pairs, tmp_path):
 def test_a_quantized_fp32_export_is_refused_before_anything_is_written(pairs, tmp_path, backend):
     target, draft = pairs("gpt2")
     out = tmp_path / "b"
-    with pytest.raises(UnsupportedModelError, match=f"--quantize int8 with --backend {backend} needs --precision fp16"):
+    with pytest.raises(UnsupportedModelError, match=rf"the draft's int8 quantization \(--quantize or --draft-quantize\) "
+                                                    f"with --backend {backend} needs --precision fp16"):
         compile_bundle(CompileSettings(target=target, draft=draft, output=out, max_seq_len=64, backend=backend,
                                        draft_quantize="int8"), show_progress=False)
     assert not out.exists()

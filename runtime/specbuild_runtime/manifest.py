@@ -292,7 +292,7 @@ def load_manifest(root: str | Path, check_digests: bool = True, require_engines:
     if not path.is_file():
         raise BundleError(f"{root} is not a specbuild bundle: {MANIFEST} is missing (build one with `specbuild compile`)")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_bytes())
     except OSError as exc:  # permissions (a bundle copied from another user), an I/O error: not a broken manifest
         raise BundleError(f"{path} cannot be read ({exc.strerror}); give this user read access to the bundle's "
                           f"files (e.g. chmod -R a+rX {root})") from None

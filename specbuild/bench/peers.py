@@ -118,7 +118,7 @@ def _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
         # Its builder takes the checkpoint's eos ids; the bundle's add the tokenizer's (compile.load.eos_token_ids),
         # and a peer that ran past one would decode other lengths than the rows it is timed beside.
         genai_config = work / "target" / "genai_config.json"
-        config = json.loads(genai_config.read_text())
+        config = json.loads(genai_config.read_bytes())
         config["model"]["eos_token_id"] = sorted(decoder.eos_token_ids)
         genai_config.write_text(json.dumps(config, indent=1))
 
@@ -143,7 +143,7 @@ def _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
         speculative = work / "speculative"
         shutil.copytree(work / "target", speculative)
         shutil.copytree(work / "draft", speculative / "draft")
-        draft_decoder = json.loads((work / "draft" / "genai_config.json").read_text())["model"]["decoder"]
+        draft_decoder = json.loads((work / "draft" / "genai_config.json").read_bytes())["model"]["decoder"]
         for gamma in gammas:
             spec = copy.deepcopy(config)
             spec["model"]["type"] = "speculative"

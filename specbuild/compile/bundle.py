@@ -39,7 +39,7 @@ def only_a_bundle(folder: Path) -> bool:
     notes): replacing the folder would delete them."""
     if not is_bundle(folder):
         return False
-    files = json.loads((folder / MANIFEST).read_text()).get("files")
+    files = json.loads((folder / MANIFEST).read_bytes()).get("files")
     if not isinstance(files, dict):  # a damaged manifest cannot tell its files from others: replaced as before
         return True
     listed = set(files) | {MANIFEST}
@@ -55,7 +55,7 @@ def only_a_bundle(folder: Path) -> bool:
 def is_bundle(folder: Path) -> bool:
     """Whether folder's manifest says it is a specbuild bundle (of any format version, intact or not)."""
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
+        manifest = json.loads((folder / MANIFEST).read_bytes())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
     return isinstance(manifest, dict) and manifest.get("format") == FORMAT

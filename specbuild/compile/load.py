@@ -178,7 +178,7 @@ def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
     if not config_path.is_file():
         raise CheckpointError(f"{role} checkpoint {path} has no config.json; pass a Hugging Face checkpoint folder")
     try:
-        raw = json.loads(config_path.read_text())
+        raw = json.loads(config_path.read_bytes())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{config_path} is not valid JSON ({exc})") from None
     if not isinstance(raw, dict):
@@ -265,7 +265,7 @@ def _weight_files(path: Path, role: str) -> list[Path]:
     index = path / INDEX
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = json.loads(index.read_bytes())["weight_map"]
             names = sorted(set(weight_map.values()))
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{index} is not a safetensors index ({type(exc).__name__}: {exc})") from None
@@ -511,7 +511,7 @@ def generation_config(ckpt: Checkpoint) -> dict:
     if not path.is_file():
         return {}
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(path.read_bytes())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path} is not a JSON object ({type(exc).__name__}: {exc}); fix or remove it") from None
     if not isinstance(config, dict):

@@ -115,10 +115,12 @@ def save_tokenizer(tokenizer, folder: Path) -> None:
     versions load such a tokenizer by its old name; the runtime reads tokenizer.json alone."""
     tokenizer.save_pretrained(folder)
     path = folder / "tokenizer_config.json"
-    config = json.loads(path.read_text())
+    # UTF-8, as transformers writes it, whatever the locale: the C locale without UTF-8 mode reads ASCII, and
+    # special tokens such as DeepSeek's <｜begin▁of▁sentence｜> are not
+    config = json.loads(path.read_text(encoding="utf-8"))
     if config.get("tokenizer_class") == "TokenizersBackend":
         config["tokenizer_class"] = "PreTrainedTokenizerFast"
-        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def check_engine(path: Path, info: EngineInfo, max_seq_len: int) -> None:

@@ -183,9 +183,9 @@ def check_pair(target: Checkpoint, draft: Checkpoint, max_seq_len: int, tp: int,
         check_exportable(ckpt, role, tp, max_seq_len)
         quantization, precision = numerics[role].quantization, numerics[role].precision
         if quantization != "none" and precision == "fp32":
-            raise UnsupportedModelError(f"--quantize {quantization} with --backend {backend} needs "
-                                        "--precision fp16 or bf16: TensorRT-LLM's weight-only kernels take 16-bit "
-                                        "activations")
+            raise UnsupportedModelError(f"the {role}'s {quantization} quantization (--quantize or --{role}-quantize) "
+                                        f"with --backend {backend} needs --precision fp16 or bf16: TensorRT-LLM's "
+                                        "weight-only kernels take 16-bit activations")
 
 
 def export_pair(target: Checkpoint, draft: Checkpoint, folder: Path, scratch: Path, engines: dict[str, EngineInfo],

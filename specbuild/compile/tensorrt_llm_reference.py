@@ -30,7 +30,7 @@ def logits(folder: str | Path, input_ids: list[int]) -> np.ndarray:
     """[len(input_ids), vocab_size] logits of a context pass from an empty cache (TensorRT-LLM's decoder
     samples over vocab_size; lm_head's tp padding rows are dropped)."""
     folder = Path(folder)
-    config = json.loads((folder / "config.json").read_text())
+    config = json.loads((folder / "config.json").read_bytes())
     if config["architecture"] not in GATED | LAYER_NORM:
         raise ValueError(f"{folder}: no reference for {config['architecture']}")
     model = Ranks([load_file(folder / f"rank{r}.safetensors") for r in range(config["mapping"]["tp_size"])])

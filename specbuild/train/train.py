@@ -213,7 +213,7 @@ def is_checkpoint(folder: Path) -> bool:
     """A Hugging Face model folder: its config.json names a model type or architecture (a project of the
     user's may have a config.json of its own)."""
     try:
-        config = json.loads((folder / "config.json").read_text())
+        config = json.loads((folder / "config.json").read_bytes())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
     return isinstance(config, dict) and bool(config.get("model_type") or config.get("architectures"))

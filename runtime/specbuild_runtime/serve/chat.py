@@ -83,14 +83,14 @@ class _GenerationBlock(jinja2.ext.Extension):
 def load_chat_template(tokenizer_dir: Path) -> ChatTemplate | None:
     """The template of a bundle's tokenizer folder, or None when it has none."""
     try:  # the digest check catches a damaged file first, unless it is skipped (serve --no-check-digests)
-        config = json.loads((tokenizer_dir / CONFIG_FILE).read_text()) if (tokenizer_dir / CONFIG_FILE).exists() else {}
+        config = json.loads((tokenizer_dir / CONFIG_FILE).read_bytes()) if (tokenizer_dir / CONFIG_FILE).exists() else {}
     except ValueError as exc:
         raise BundleError(f"bundle file {tokenizer_dir / CONFIG_FILE} is not valid JSON ({exc}); rebuild the bundle with "
                           "`specbuild compile`") from None
     if not isinstance(config, dict):
         raise BundleError(f"bundle file {tokenizer_dir / CONFIG_FILE} is not a JSON object; rebuild the bundle with "
                           "`specbuild compile`")
-    source = (tokenizer_dir / TEMPLATE_FILE).read_text() if (tokenizer_dir / TEMPLATE_FILE).exists() else config.get("chat_template")
+    source = (tokenizer_dir / TEMPLATE_FILE).read_text(encoding="utf-8") if (tokenizer_dir / TEMPLATE_FILE).exists() else config.get("chat_template")
     if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
         source = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}.get("default")
     if not isinstance(source, str) or not source:
