@@ -25,6 +25,7 @@ from specbuild_runtime.validation import FLOAT32_MAX, GREEDY_BELOW, stop_strings
 from . import __version__
 from .bench.peers import KNOWN as PEERS
 from .recipe import BACKENDS, DEFAULT_BLOCK_SIZE, MAX_GAMMA, PRECISIONS, QUANTIZATIONS, setting_problem
+from .staging import replace_file
 
 # Whether main() runs as the `specbuild` command, which may drop interrupts once its work is done (see
 # done()); a Python caller of main() keeps its own handlers.
@@ -265,12 +266,13 @@ def chat_prompt(decoder, text: str) -> list[int]:
 
     try:
         from specbuild_runtime.serve.chat import load_chat_template
-    except ImportError as exc:  # jinja2, in the runtime's serve extra
-        raise click.UsageError(f"--chat renders the chat template with jinja2 ({exc}): pip install "
-                               "'specbuild-runtime[serve]'") from None
+    except ImportError as exc:  # jinja2, in the runtime's serve extra: an install, as serve's, not a command line
+        raise click.ClickException(f"--chat renders the chat template with jinja2 ({exc}): pip install "
+                                   "'specbuild-runtime[serve]'") from None
     template = load_chat_template(decoder.root / TOKENIZER_DIR)
-    if template is None:
-        raise click.UsageError("this bundle's tokenizer has no chat template; give the prompt as text, without --chat")
+    if template is None:  # what the bundle lacks, as a --gamma above its maximum (exit 1), not a malformed command line
+        raise click.ClickException("this bundle's tokenizer has no chat template; give the prompt as text, without "
+                                   "--chat")
     return template.prompt_ids(decoder.tokenizer, [{"role": "user", "content": text}])
 
 
@@ -469,7 +471,7 @@ def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, de
     else:
         click.echo(benchmark.format_table(report))
     if json_out and not to_stdout:
-        json_out.write_text(json.dumps(report, indent=2))
+        replace_file(json_out, json.dumps(report, indent=2))  # a kill mid-write leaves the last report whole
     if plot_out:
         benchmark.plot(report, plot_out)
 

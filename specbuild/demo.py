@@ -18,6 +18,7 @@ from .compile import compile_bundle
 from .compile.bundle import is_bundle
 from .errors import CheckpointError, OutputError, SettingsError, UnsupportedModelError
 from .recipe import RECIPE_KEYS, read_table, resolve_settings
+from .staging import replace_file
 from .texts import measuring_prompts
 
 DEMO_RECIPE = Path(__file__).resolve().parent / "recipes" / "demo.toml"  # package data: in wheels too
@@ -80,7 +81,7 @@ def ensure_bundle(recipe: Path, pair: Path, bundle: Path) -> None:
     except CheckpointError as exc:  # the pair the demo made and keeps, not a download to fetch again
         raise CheckpointError(f"the demo pair in {pair} is damaged ({str(exc).split('; ')[0]}); delete {pair} and run "
                               "`specbuild demo` again to remake it (minutes of training)") from None
-    compiled_with.write_text(wanted)
+    replace_file(compiled_with, wanted)
 
 
 def run_demo(cache: Path, recipe: Path, prompt: str | None, max_new_tokens: int) -> dict:
@@ -105,7 +106,8 @@ def run_demo(cache: Path, recipe: Path, prompt: str | None, max_new_tokens: int)
         "prompts": len(prompts),
         "bundle": str(bundle),
     }
-    report = pair / "report.json"
-    if report.is_file():
-        summary["pair"] = json.loads(report.read_bytes())
+    try:
+        summary["pair"] = json.loads((pair / "report.json").read_bytes())
+    except (OSError, ValueError):  # none, or cut short by a kill: the pair is taken as it is (check_pair_recipe)
+        pass
     return summary

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specbuild_runtime.errors import DeviceError, first_line
 
-from .compile.load import checkpoint_digest
+from .compile.load import checkpoint_digest, digest_of_shards_beside
 from .errors import CheckpointError
 
 TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -101,6 +101,12 @@ def recorded_source(engine, role: str) -> Path:
         raise CheckpointError(f"the bundle's {role} was compiled from {path}, which no longer exists; put the "
                               "checkpoint back there (or recompile the bundle from where it is now)")
     if checkpoint_digest(path, role) != engine.source["sha256"]:
+        if digest_of_shards_beside(path) == engine.source["sha256"]:  # nothing changed but which files are read
+            raise CheckpointError(
+                f"the bundle's {role} was compiled from the shards that {path}/model.safetensors.index.json names, but "
+                f"{path} also holds a model.safetensors, which transformers reads instead (as compile does now); move "
+                "whichever of the two is not the checkpoint's out of the folder (if the shards stay, the bundle is "
+                "theirs; if model.safetensors stays, recompile the bundle)")
         raise CheckpointError(f"the bundle's {role} was compiled from {path}, whose config.json or weights have "
                               "changed since (sha256 differs); recompile the bundle from it")
     return path

@@ -11,7 +11,8 @@ exchange publish with two renames).
 What may be replaced is decided by the caller through guarded_folder: never anything that is, holds or
 lies inside one of the build's inputs, and only with `overwrite` a folder of the kind being written.
 
-Used for engine bundles (`compile/bundle.py`) and checkpoints (`train/train.py`).
+Used for engine bundles (`compile/bundle.py`) and checkpoints (`train/train.py`); replace_file writes one
+file the same way (the demo pair's report).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import ctypes
 import errno
 import fcntl
 import functools
+import itertools
 import os
 import re
 import shutil
@@ -38,18 +40,25 @@ def scratch_folder(staging: Path) -> Path:
     return Path(f"{staging}-scratch")
 
 
+def replace_file(path: Path, text: str) -> None:
+    """Write text to path through `.NAME.partial-PID` beside it, renamed over it once whole: a kill mid-write
+    leaves the old file (or none), never a cut-short one that readers would take for it."""
+    partial = path.parent / f".{path.name}.partial-{os.getpid()}"
+    try:
+        partial.write_text(text)
+        os.replace(partial, path)
+    finally:
+        with suppress(FileNotFoundError):
+            partial.unlink()
+
+
 @contextmanager
 def staged_folder(output: Path, check: Callable[[Path], None] = lambda output: None) -> Iterator[Path]:
     """Yields an empty staging folder beside `output`; on success it becomes `output`, on any failure
-    it vanishes. check(output) runs while this process holds the output's lock, before anything is
-    written, and raises to refuse (e.g. an existing folder that must not be replaced)."""
+    it vanishes, with the empty folders made for it. check(output) runs while this process holds the output's
+    lock, before anything is written, and raises to refuse (e.g. an existing folder that must not be replaced)."""
     output = resolved(output)
-    try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OutputError(f"cannot make the folder {exc.filename} for {output} ({exc.strerror}); choose an output "
-                          "inside a folder you can write") from None
-    with _terminate_as_interrupt(), _locked(output):
+    with _folders_made_for(output), _terminate_as_interrupt(), _locked(output):
         _remove_stale(output)
         check(output)
         staging = output.parent / f".{output.name}.partial-{os.getpid()}"
@@ -76,6 +85,39 @@ def staged_folder(output: Path, check: Callable[[Path], None] = lambda output: N
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
             shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextmanager
+def _folders_made_for(output: Path) -> Iterator[None]:
+    """Makes output's missing parent folders; a failure that follows removes those this call made, innermost
+    first, while they are empty (nothing is left behind, as for the output itself). Made one at a time: one
+    another process made meanwhile is not this call's to remove."""
+    missing = list(itertools.takewhile(lambda folder: not os.path.lexists(folder), output.parents))
+    made = []
+    try:
+        for folder in reversed(missing):
+            with suppress(FileExistsError):
+                folder.mkdir()
+                made.append(folder)
+        output.parent.mkdir(parents=True, exist_ok=True)  # what stands in the way, as mkdir tells it
+    except OSError as exc:
+        _remove_empty(made)
+        raise OutputError(f"cannot make the folder {exc.filename} for {output} ({exc.strerror}); choose an output "
+                          "inside a folder you can write") from None
+    try:
+        yield
+    except BaseException:
+        _remove_empty(made)
+        raise
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """rmdir each folder, innermost first, stopping at the first one that is not empty (or not there)."""
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 @contextmanager

@@ -406,6 +406,9 @@ CASES = [
     Case("an edited `manifest.json` (shapes that do not match the engines)", ["generate", "{bundle}", "-p", "x", "-n", "4"],
          1, "manifest", "Rebuild the bundle; never edit a manifest by hand.",
          setup=a_copy_of("bundle", edit_manifest_vocab)),
+    Case("`generate --chat` on a bundle whose tokenizer has no chat template", ["generate", "{bundle}", "-p", "x", "--chat"],
+         1, "has no chat template", "Give the prompt as text, without `--chat` (the bundle is fine; its target has no "
+         "chat template)."),
     Case("a prompt longer than the bundle's context", ["generate", "{bundle}", "-p", "x " * 300, "-n", "4"], 1,
          "--max-seq-len", "Shorten the prompt or recompile with a larger `--max-seq-len`."),
     Case("`--max-new-tokens 0`", ["generate", "{bundle}", "-p", "x", "-n", "0"], 2, "x>=1",
@@ -573,14 +576,14 @@ def test_a_manifest_this_user_cannot_read_says_so_not_that_it_is_broken(bundles,
     is the remedy, not rebuilding. (Root reads any file, so the refusal is simulated.)"""
     from specbuild_runtime import SpecbuildError, load_manifest
 
-    read_text = Path.read_text
+    read_bytes = Path.read_bytes
 
     def denied(self, *args, **kwargs):
         if self.name == "manifest.json":
             raise PermissionError(13, "Permission denied", str(self))
-        return read_text(self, *args, **kwargs)
+        return read_bytes(self, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "read_text", denied)
+    monkeypatch.setattr(Path, "read_bytes", denied)
     with pytest.raises(SpecbuildError) as raised:
         load_manifest(bundles("llama", 1))
     message = str(raised.value)

@@ -48,6 +48,14 @@ def test_a_pair_whose_report_was_cut_short_is_taken_as_it_is(report, pair, tmp_p
     ensure_pair(DEMO_RECIPE, pair)
 
 
+def test_a_pair_whose_report_was_cut_short_still_demonstrates(pair, tmp_path):
+    """ensure_pair takes such a pair as it is; the summary then read the report again and failed (exit 3)."""
+    (pair / "report.json").write_text('{"recipe": {"vocab')
+    summary = run_demo(pair.parent, recipe_with(tmp_path, "compile", max_seq_len=128, draft_quantize='"none"'),
+                       "def add(a, b):", 4)
+    assert summary["identical_to_target"] and "pair" not in summary
+
+
 def test_the_cached_bundle_is_compiled_again_only_when_the_compile_table_or_the_pair_changes(pair, tmp_path):
     bundle = pair.parent / "bundle"
     small = dict(max_seq_len=128, draft_quantize='"none"')

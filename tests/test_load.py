@@ -269,6 +269,25 @@ def test_a_model_safetensors_beside_an_index_is_read_as_transformers_reads_it(sh
         assert np.array_equal(ckpt.tensor(name), expected)
 
 
+def test_a_bundle_compiled_from_shards_beside_a_model_safetensors_is_told_which_files_differ(sharded, checkpoints):
+    """Compiled from the shards (as compile read such a folder before it read model.safetensors first), verify and
+    bench said the weights had changed since, in a folder nothing had changed in."""
+    from types import SimpleNamespace
+
+    from specbuild.compile.load import checkpoint_digest
+    from specbuild.reference import recorded_source
+
+    folder, _ = sharded
+    engine = SimpleNamespace(source={"path": str(folder), "sha256": checkpoint_digest(folder, "target")})
+    shutil.copy(checkpoints("llama", 1) / "model.safetensors", folder / "model.safetensors")
+    with pytest.raises(CheckpointError) as caught:
+        recorded_source(engine, "target")
+    message = str(caught.value)
+    assert "also holds a model.safetensors, which transformers reads instead" in message and "changed since" not in message
+    (folder / "model.safetensors").unlink()  # the shards stay: the bundle is theirs
+    assert recorded_source(engine, "target") == folder
+
+
 def test_a_draft_saved_without_a_tokenizer_is_told_to_take_its_targets(checkpoints, tmp_path):
     folder = tmp_path / "draft"
     shutil.copytree(checkpoints("llama"), folder)

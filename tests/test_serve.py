@@ -421,6 +421,15 @@ def test_specbuild_serves_usage_errors_are_one_line_as_specbuilds(tmp_path):
         result.stderr
 
 
+def test_specbuild_serve_says_its_version_as_specbuild_does():
+    """A service that installs the runtime alone has only specbuild-serve to ask which version it runs."""
+    from specbuild_runtime import __version__
+
+    command = [sys.executable, "-c", "import sys; from specbuild_runtime.serve.cli import main; main()"]
+    result = subprocess.run([*command, "--version"], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout == f"specbuild-serve, version {__version__}\n", result.stderr
+
+
 def test_a_taken_port_is_a_one_line_error_before_the_bundle_loads(bundle):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -1027,7 +1036,7 @@ def test_generate_chat_sends_the_prompt_as_serve_chat_renders_it(server, bundle,
     assert json.loads(run.stdout)["text"] == served["choices"][0]["message"]["content"]
     plain = subprocess.run([sys.executable, "-m", "specbuild", "generate", str(bundles("llama", 1)), "-p", "x", "--chat"],
                            capture_output=True, text=True)
-    assert plain.returncode == 2 and "has no chat template" in plain.stderr
+    assert plain.returncode == 1 and "has no chat template" in plain.stderr
 
 
 def test_an_empty_api_key_variable_is_refused_not_taken_for_no_key(bundle):

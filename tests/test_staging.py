@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from specbuild.staging import guarded_folder, scratch_folder, staged_folder
+from specbuild.staging import guarded_folder, replace_file, scratch_folder, staged_folder
 from specbuild_runtime import SpecbuildError
 
 CRASH_DRIVER = Path(__file__).resolve().parent / "crash_driver.py"
@@ -127,6 +127,21 @@ def test_a_failure_inside_the_folder_leaves_the_old_one_and_nothing_beside(tmp_p
             scratch_folder(staging).mkdir()
             raise RuntimeError("build failed")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and [p.name for p in out.iterdir()] == ["old.txt"]
+
+
+def test_a_failure_removes_the_empty_folders_made_for_the_output_and_none_that_were_there(tmp_path):
+    """--output a/b/c/bundle made b and c; a failed or interrupted write said nothing was left behind, and left them."""
+    (tmp_path / "a").mkdir()
+    with pytest.raises(RuntimeError):
+        with staged_folder(tmp_path / "a" / "b" / "c" / "out") as staging:
+            (staging / "half.txt").write_text("half")
+            raise RuntimeError("build failed")
+    assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")] == ["a"]
+    with pytest.raises(RuntimeError):  # a made folder something else wrote in meanwhile stays, and those above it
+        with staged_folder(tmp_path / "a" / "b" / "c" / "out"):
+            (tmp_path / "a" / "b" / "notes.txt").write_text("keep me")
+            raise RuntimeError("build failed")
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["a", "a/b", "a/b/notes.txt"]
 
 
 @pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGHUP])
@@ -346,3 +361,22 @@ def test_a_full_disk_names_what_killed_builds_of_other_outputs_left_there(tmp_pa
     assert "free some space (a killed build left .bundle-v1.partial-4242 there, 3.0 MB: remove it if no build is " \
            "running) or choose another output" in str(raised.value)
     assert left.is_dir()  # named, never removed: it may be a running build's
+
+
+def test_a_file_replaced_is_the_old_or_the_new_never_cut_short(tmp_path, monkeypatch):
+    """The demo pair's report.json, written in place, was cut short by a kill mid-write."""
+    report = tmp_path / "report.json"
+    report.write_text('{"old": 1}')
+    write_text = Path.write_text
+
+    def killed_midway(self, data, *args, **kwargs):
+        write_text(self, data[: len(data) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        replace_file(report, '{"new": 2}')
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"] and report.read_text() == '{"old": 1}'
+    replace_file(report, '{"new": 2}')
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"] and report.read_text() == '{"new": 2}'

@@ -369,6 +369,19 @@ def test_run_plan_feeds_the_prompt_as_given(pairs, tmp_path):
     assert "--no_prompt_template" in (out / manifest.tensorrt_llm.plans["run"]).read_text()
 
 
+def test_run_plan_says_which_eos_ends_the_output_and_which_run_py_runs_past(pairs, tmp_path):
+    """run.py's draft-target mode stops at one end id; Llama 3.1 Instruct's generation_config lists three."""
+    target, draft = pairs("llama")
+    folder = tmp_path / "target"
+    shutil.copytree(target, folder)
+    own = load_checkpoint(folder, "target").tokenizer.eos_token_id
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [own + 1, own + 2, own]}))
+    manifest = compile_bundle(CompileSettings(target=folder, draft=draft, output=tmp_path / "b", max_seq_len=64,
+                                              backend="tensorrt-llm"), show_progress=False)
+    run = (tmp_path / "b" / manifest.tensorrt_llm.plans["run"]).read_text()
+    assert f'--end_id "${{END_ID:-{own}}}"' in run and f"also ends at {own + 1}, {own + 2}" in run
+
+
 @pytest.mark.parametrize("backend", ["tensorrt-llm", "all"])
 def test_a_quantized_fp32_export_is_refused_before_anything_is_written(pairs, tmp_path, backend):
     target, draft = pairs("gpt2")

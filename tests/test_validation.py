@@ -227,6 +227,20 @@ def test_a_damaged_manifest_is_one_line_naming_what_is_wrong(key, value, message
         assert "\n" not in str(error.value) and "rebuild the bundle" in str(error.value)
 
 
+@pytest.mark.parametrize("file, says", [("manifest.json", "manifest.json is a folder where a file should be"),
+                                        ("tokenizer/tokenizer.json", "tokenizer.json is a folder where a file should be")])
+def test_a_folder_where_a_bundle_file_should_be_is_named_as_such_not_missing(file, says, bundles, tmp_path):
+    """A copy or unpack gone wrong can leave a folder in a file's place: "missing" sent users looking for a file
+    that was there."""
+    folder = tmp_path / "bundle"
+    shutil.copytree(bundles("llama"), folder)
+    (folder / file).unlink()
+    (folder / file).mkdir()
+    with pytest.raises(BundleError, match=re.escape(says)) as error:
+        SpeculativeDecoder(folder)
+    assert "\n" not in str(error.value) and "missing" not in str(error.value)
+
+
 @pytest.mark.parametrize("file, damage", [("tokenizer.json", "{bad"), ("tokenizer.json", None),
                                           ("tokenizer_config.json", "{bad"), ("tokenizer_config.json", "[]")])
 def test_a_damaged_tokenizer_file_with_digests_unchecked_is_a_bundle_error(file, damage, bundles, tmp_path):

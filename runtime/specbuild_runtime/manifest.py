@@ -290,6 +290,8 @@ def load_manifest(root: str | Path, check_digests: bool = True, require_engines:
     root = Path(root)
     path = root / MANIFEST
     if not path.is_file():
+        if path.exists():  # not missing: compile --overwrite would refuse this folder as no bundle's
+            raise BundleError(f"{root} is not a specbuild bundle: {MANIFEST} {_not_a_file(path)}; {UNREADABLE_ADVICE}")
         raise BundleError(f"{root} is not a specbuild bundle: {MANIFEST} is missing (build one with `specbuild compile`)")
     try:
         data = json.loads(path.read_bytes())
@@ -335,11 +337,18 @@ def runtime_version() -> str:
 UNREADABLE_ADVICE = "rebuild the bundle with `specbuild compile` into a new folder (or delete this one first)"
 
 
+def _not_a_file(path: Path) -> str:
+    """What is wrong where a file should be: a folder in its place (a copy or unpack gone wrong) is no missing file."""
+    if path.is_dir():
+        return "is a folder where a file should be"
+    return "is not a regular file" if path.exists() else "is missing"
+
+
 def verify_digests(root: Path, manifest: Manifest) -> None:
     for rel, expected in manifest.files.items():
         path = root / rel
         if not path.is_file():
-            raise BundleError(f"bundle file {path} is missing; rebuild the bundle with `specbuild compile`")
+            raise BundleError(f"bundle file {path} {_not_a_file(path)}; rebuild the bundle with `specbuild compile`")
         if sha256_file(path) != expected:
             raise BundleError(
                 f"bundle file {path} is corrupted (sha256 differs from the manifest); rebuild the bundle "

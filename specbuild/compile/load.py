@@ -262,17 +262,8 @@ def _weight_files(path: Path, role: str) -> list[Path]:
         # Alone, as transformers reads it: Mistral's repos keep their own format beside it
         # (consolidated.safetensors), others an adapter or a copy in another dtype.
         return [path / "model.safetensors"]
-    index = path / INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_bytes())["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"{index} is not a safetensors index ({type(exc).__name__}: {exc})") from None
-        missing = [n for n in names if not (path / n).is_file()]  # a folder of that name too
-        if missing:
-            raise CheckpointError(f"{index} names {missing[0]}, which is not in {path}; the download is incomplete")
-        return [path / n for n in names]
+    if (path / INDEX).is_file():
+        return indexed_files(path)
     files = sorted(p for p in path.glob("*.safetensors") if p.is_file())
     if files:
         return files
@@ -282,6 +273,31 @@ def _weight_files(path: Path, role: str) -> list[Path]:
             "Re-save it with `model.save_pretrained(dir, safe_serialization=True)`"
         )
     raise CheckpointError(f"{role} checkpoint {path} has no *.safetensors weights")
+
+
+def indexed_files(path: Path) -> list[Path]:
+    """The shards model.safetensors.index.json names."""
+    index = path / INDEX
+    try:
+        weight_map = json.loads(index.read_bytes())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{index} is not a safetensors index ({type(exc).__name__}: {exc})") from None
+    missing = [n for n in names if not (path / n).is_file()]  # a folder of that name too
+    if missing:
+        raise CheckpointError(f"{index} names {missing[0]}, which is not in {path}; the download is incomplete")
+    return [path / n for n in names]
+
+
+def digest_of_shards_beside(path: Path) -> str | None:
+    """The digest compile recorded for a folder holding both a model.safetensors and indexed shards when it read the
+    shards (as it did before it read model.safetensors first), or None without both."""
+    if not ((path / "model.safetensors").is_file() and (path / INDEX).is_file()):
+        return None
+    try:
+        return _digest([path / "config.json", *indexed_files(path)])
+    except CheckpointError:
+        return None
 
 
 def _entries(files: list[Path], folder: Path) -> dict[str, TensorEntry]:

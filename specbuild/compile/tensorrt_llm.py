@@ -448,7 +448,7 @@ def write_plans(folder: Path, gamma: int, tp: int, max_seq_len: int, precision: 
              "vllm": VLLM_PLAN}
     texts = {
         "build": build_script(gamma, max_seq_len, precision, origin),
-        "run": run_script(gamma, tp, max_seq_len),
+        "run": run_script(gamma, tp, max_seq_len, eos_token_ids(target), target.tokenizer.eos_token_id),
         "llm_api": llm_api_yaml(gamma, tp, target.path.resolve(), draft.path.resolve(), unquantized),
         "vllm": vllm_script(gamma, tp, max_seq_len, DTYPES[precision][0], target, draft, unquantized, origin),
     }
@@ -483,19 +483,35 @@ trtllm-build --checkpoint_dir target --output_dir engines/target {common} \\
 """
 
 
-def run_script(gamma: int, tp: int, max_seq_len: int) -> str:
+def run_script(gamma: int, tp: int, max_seq_len: int, eos: list[int] = (), tokenizer_eos: int | None = None) -> str:
     """examples/run.py's draft-target mode (examples/draft_target_model/README.md): [draft_len, draft GPUs,
     target GPUs, use_logits]; each device list is as long as that engine's tp. run.py starts both engines
     itself (ModelRunnerCpp in orchestrator mode, examples/run_dtm_pld.py), so no mpirun. The default output
     length leaves half the engines' max_seq_len to the prompt. --no_prompt_template: run.py otherwise wraps
     the text of some families (Qwen2ForCausalLM: examples/utils.py DEFAULT_PROMPT_TEMPLATES) in a chat
-    template, so the engines would continue another prompt than the one given, as specbuild does not."""
+    template, so the engines would continue another prompt than the one given, as specbuild does not.
+
+    eos: the bundle's eos ids. run.py ends a request at one id, --end_id (default: the tokenizer's eos, read
+    from tokenizer/): its draft-target loop (examples/ngram/run_dtm_ngram.py, run_dtm_pld.py before) stops a
+    request only at that id or its length, and checks --stop_words within each target call, not between
+    rounds ("TODO: Check bad words and stop words criteria"), so no flag stops it at a second id (Llama 3.1
+    Instruct's generation_config lists 128001, 128008 and 128009): the script says which id ends it and
+    which others it runs past. (run.py reads `if args.end_id`, so an END_ID of 0 falls back to the tokenizer's.)"""
     devices = "[" + ",".join(map(str, range(tp))) + "]"
+    end_id = tokenizer_eos if tokenizer_eos in eos else eos[0] if eos else None
+    others = [e for e in eos if e != end_id]
+    which = "the tokenizer's eos" if end_id == tokenizer_eos else "generation_config.json's first eos"
+    stops = "" if end_id is None else (
+        f"# run.py ends the output at one token id, END_ID (default {end_id}, {which}).\n" + (
+            f"# The target also ends at {', '.join(map(str, others))} (its generation_config.json), which run.py's "
+            "draft-target\n# loop does not stop at (its --stop_words cut one target call short, and the next round "
+            "goes on):\n# the output runs on past the first of them until END_ID or --max_output_len; cut it "
+            "there.\n" if others else ""))
     return f"""#!/usr/bin/env bash
 # Runs the engines build.sh made with TensorRT-LLM's examples/run.py in draft-target mode (written by
 # specbuild): the draft proposes {gamma} tokens, the target accepts those equal to its own greedy tokens.
 # Usage: TRTLLM_DIR=/path/to/TensorRT-LLM ./run.sh "def fibonacci(n):"
-set -euo pipefail
+{stops}set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 : "${{TRTLLM_DIR:?set TRTLLM_DIR to a TensorRT-LLM source checkout (for examples/run.py)}}"
 python3 "$TRTLLM_DIR/examples/run.py" \\
@@ -503,7 +519,8 @@ python3 "$TRTLLM_DIR/examples/run.py" \\
   --tokenizer_dir "$here/../{TOKENIZER_DIR}" \\
   --draft_target_model_config "[{gamma},{devices},{devices},False]" \\
   --kv_cache_enable_block_reuse --kv_cache_free_gpu_memory_fraction 0.4 --no_prompt_template \\
-  --max_output_len "${{MAX_OUTPUT_LEN:-{min(128, max_seq_len // 2)}}}" --input_text "${{1:-def fibonacci(n):}}"
+  --max_output_len "${{MAX_OUTPUT_LEN:-{min(128, max_seq_len // 2)}}}" --input_text "${{1:-def fibonacci(n):}}"{
+  "" if end_id is None else f' --end_id "${{END_ID:-{end_id}}}"'}
 """
 
 

@@ -18,6 +18,7 @@ from specbuild_runtime.manifest import MAX_GAMMA
 
 from ..errors import TrainingError
 from ..recipe import positive_number, read_table, whole_number
+from ..staging import replace_file
 from ..texts import corpus_files, read_source
 from .distill import SHAPE_KEYS, distill
 from .train import encode_corpus, heldout_loss, llama, parameter_count, save_checkpoint, train_model, train_tokenizer, windows
@@ -156,5 +157,6 @@ def make_demo_pair(out_dir: Path, recipe: PairRecipe) -> dict:
     if not report["draft"]["written"]:
         raise TrainingError(f"the demo draft did not learn (alpha {report['draft']['alpha_after']}); delete {out_dir} and run again")
     report["total_seconds"] = round(time.monotonic() - started, 1)
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    # Its recipe is what a later demo checks the cached pair against: never left cut short by a kill.
+    replace_file(out_dir / "report.json", json.dumps(report, indent=2) + "\n")
     return report

@@ -18,6 +18,7 @@ import click
 
 from ..engine import CAPTURED_BY_DEFAULT, DEVICES
 from ..errors import SpecbuildError
+from ..manifest import runtime_version
 from .protocol import GENERATION_CONFIG_MODES
 
 
@@ -46,6 +47,8 @@ draft_steps_option = click.option(
 
 
 @click.command("serve")
+# The runtime's version, the serve command's package: a service that installs it alone has no `specbuild --version`.
+@click.version_option(runtime_version(), prog_name="specbuild-serve")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port to listen on.")
