@@ -262,9 +262,9 @@ def test_draft_agreement_compares_every_token_of_the_continuation(bundles):
     decoder = SpeculativeDecoder(bundles("llama", 1))
     target, draft = EngineSlot(decoder.target, NEVER_ALONE), EngineSlot(decoder.draft, AS_FED)
     ids = decoder.encode("def f(x):")
-    agreements, target_steps, *_ = draft_agreement(target, draft, [ids], 16)
+    agreements, continuations = draft_agreement(target, draft, [ids], 16)
     alone = decoder.generate(ids, 16, gamma=0).token_ids
-    assert len(agreements[0]) == len(alone) == 16 and len(target_steps) == 15
+    assert len(agreements[0]) == len(alone) == 16 and continuations[0] == alone
 
 
 def test_the_plans_gamma_measures_agreement_only_as_far_as_requests_decode(bundles, tokenizer):
@@ -278,12 +278,12 @@ def test_the_plans_gamma_measures_agreement_only_as_far_as_requests_decode(bundl
     decoder = SpeculativeDecoder(folder)
     prompts = gamma.prompts(tokenizer)
     target, draft = EngineSlot(decoder.target, NEVER_ALONE), EngineSlot(decoder.draft, AS_FED)
-    agreements, _, _, continuations = gamma.draft_agreement(target, draft, prompts, gamma.NEW_TOKENS)
+    agreements, continuations = gamma.draft_agreement(target, draft, prompts, gamma.NEW_TOKENS)
     eos = continuations[0][3]  # the target writes it early in the first prompt's continuation
     expected = [a for agree, tokens in zip(agreements, continuations)
                 for a in agree[:next((i + 1 for i, t in enumerate(tokens) if t == eos), len(tokens))]]
     assert len(expected) < sum(map(len, agreements))
-    alpha, _ = gamma.measure_with_engines(folder, decoder.manifest.engines, prompts, decoder.max_seq_len, [eos])
+    alpha = gamma.measure_with_engines(folder, decoder.manifest.engines, prompts, decoder.max_seq_len, [eos])
     assert alpha == sum(expected) / len(expected)
 
 

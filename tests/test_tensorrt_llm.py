@@ -263,6 +263,7 @@ def test_backend_all_writes_both_and_inspect_lists_the_tensorrt_llm_part(pairs, 
             "tensorrt-llm/build.sh", "tensorrt-llm/run.sh", "tensorrt-llm/llm-api.yaml", "vllm/serve.sh"} <= set(manifest.files)
     part = manifest.tensorrt_llm
     assert part.tp_size == 2 and 1 <= part.gamma["gamma"] <= 4 and "ONNX engines" in part.gamma["method"]
+    assert "c: weight bytes read per step" in part.gamma["method"]  # not timed: the same inputs, the same plans
     build = (out / part.plans["build"]).read_text()
     assert f"--speculative_decoding_mode draft_tokens_external --max_draft_len {part.gamma['gamma']}" in build
     assert f'--draft_target_model_config "[{part.gamma["gamma"]},[0,1],[0,1],False]"' in (out / part.plans["run"]).read_text()

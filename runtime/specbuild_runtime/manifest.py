@@ -141,7 +141,7 @@ class TensorRTLLMPart:
     #   "parameters", "weight_bytes", "source", "ranks": [{"file", "attention_heads", "kv_heads",
     #   "ffn_columns", "lm_head_rows"}]}: which source heads/columns/rows each rank holds
     plans: dict[str, str]  # "build" | "run" | "llm_api" | "vllm" -> bundle-relative path
-    gamma: dict  # {"gamma", "alpha", "cost_ratio", "expected_speedup", "method", "weight_byte_ratio"}
+    gamma: dict  # {"gamma", "alpha", "cost_ratio", "expected_speedup", "method"} (older bundles: "weight_byte_ratio" too)
     engines: str | None = None  # where trtllm-build wrote the engines, when compile ran it
 
 

@@ -16,8 +16,6 @@ above that share estimates α.
 
 from __future__ import annotations
 
-import statistics
-import time
 from pathlib import Path
 
 from specbuild_runtime.engine import Engine
@@ -55,31 +53,27 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 def measure_with_engines(folder: Path, engines: dict[str, EngineInfo], prompt_ids: list[list[int]],
-                         max_seq_len: int, eos_token_ids: list[int]) -> tuple[float, float] | None:
-    """(α, c) through the runtime's engines (draft_agreement); c is the median draft step over the median
-    target step (CPU times, this machine). None unless both are fp32 (quantized or not; onnxruntime's CPU
-    provider casts fp16 weights to fp32 on the way, holding many copies at once, see pipeline.check_engine)
-    and within ENGINE_BYTES_LIMIT."""
+                         max_seq_len: int, eos_token_ids: list[int]) -> float | None:
+    """α through the runtime's engines (draft_agreement). None unless both are fp32 (quantized or not;
+    onnxruntime's CPU provider casts fp16 weights to fp32 on the way, holding many copies at once, see
+    pipeline.check_engine) and within ENGINE_BYTES_LIMIT."""
     if (any(info.precision != "fp32" for info in engines.values())
             or sum(info.weight_bytes for info in engines.values()) > ENGINE_BYTES_LIMIT):
         return None
     target = EngineSlot(Engine(folder / engines["target"].file, engines["target"], max_seq_len), NEVER_ALONE)
     draft = EngineSlot(Engine(folder / engines["draft"].file, engines["draft"], max_seq_len), AS_FED)
-    agreements, target_steps, draft_steps, continuations = draft_agreement(target, draft, prompt_ids, NEW_TOKENS)
+    agreements, continuations = draft_agreement(target, draft, prompt_ids, NEW_TOKENS)
     agree = [a for prompt, tokens in zip(agreements, continuations) for a in prompt[:len(until_eos(tokens, eos_token_ids))]]
-    if not agree:
-        return None
-    return sum(agree) / len(agree), statistics.median(draft_steps) / statistics.median(target_steps)
+    return sum(agree) / len(agree) if agree else None
 
 
 def draft_agreement(target: EngineSlot, draft: EngineSlot, prompt_ids: list[list[int]],
-                    new_tokens: int) -> tuple[list[list[bool]], list[float], list[float], list[list[int]]]:
+                    new_tokens: int) -> tuple[list[list[bool]], list[list[int]]]:
     """Per prompt, whether the draft's greedy token equals the target's at each position of the target's
     greedy continuation (up to new_tokens; it ends at a token of the target's padding rows, which the draft
-    cannot read), the draft following token by token as decoding feeds it; the seconds each target and
-    draft step took; and per prompt that continuation, position for position. Prompts leaving no room for
-    two new tokens are skipped."""
-    agreements, target_steps, draft_steps, continuations = [], [], [], []
+    cannot read), the draft following token by token as decoding feeds it; and per prompt that continuation,
+    position for position. Prompts leaving no room for two new tokens are skipped."""
+    agreements, continuations = [], []
     for prompt in prompt_ids:
         budget = min(new_tokens, target.engine.max_seq_len - len(prompt))
         if budget < 2:
@@ -92,19 +86,14 @@ def draft_agreement(target: EngineSlot, draft: EngineSlot, prompt_ids: list[list
             continuation.append(token)
             if token >= draft.engine.vocab_size:
                 break
-            start = time.perf_counter()
-            next_token = target.step([token], total_len=length)[1]
-            middle = time.perf_counter()
             guess = draft.step([token], total_len=length)[1]
-            draft_steps.append(time.perf_counter() - middle)
-            target_steps.append(middle - start)
-            token = next_token
+            token = target.step([token], total_len=length)[1]
         else:  # the last token, which no step follows
             agree.append(guess == token)
             continuation.append(token)
         agreements.append(agree)
         continuations.append(continuation)
-    return agreements, target_steps, draft_steps, continuations
+    return agreements, continuations
 
 
 def measure_with_transformers(target_path: Path, draft_path: Path, prompt_ids: list[list[int]],

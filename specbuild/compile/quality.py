@@ -176,7 +176,7 @@ def pair_acceptance(target_folder: Path, target: EngineInfo, draft_folder: Path,
     draft_engine, _ = _engine(Path(draft_folder), draft)
     stops = set(eos_token_ids)
     accepted = drafted = 0
-    agreements, _, _, continuations = draft_agreement(target_engine, draft_engine, prompts_ids, new_tokens)
+    agreements, continuations = draft_agreement(target_engine, draft_engine, prompts_ids, new_tokens)
     for agree, tokens in zip(agreements, continuations):
         # The runtime ends a request at its first eos: counting the rounds after it measured text no request
         # decodes (the agreement past it still counts, as the round that emits the eos drafts past it).

@@ -411,28 +411,24 @@ class RankFile:
 
 def measure_gamma(folder: Path, engines: dict[str, EngineInfo], target: Checkpoint, draft: Checkpoint,
                   checkpoints: dict[str, dict], max_seq_len: int, max_gamma: int) -> dict:
-    """γ for the plans: α and c through the ONNX engines when fp32 ones were built; otherwise α with
-    transformers on CPU for pairs small enough, and c from the weight bytes each step reads."""
+    """γ for the plans: α through the ONNX engines when fp32 ones were built, otherwise with transformers on
+    CPU for pairs small enough; c from the weight bytes each step reads. Not c timed on this CPU: a GPU's
+    step times are not its, and a timed c moved γ between identical builds (a pipeline caches the plans)."""
     prompt_ids, eos = gamma_stage.prompts(target.tokenizer), eos_token_ids(target)
     byte_ratio = checkpoints["draft"]["weight_bytes"] / checkpoints["target"]["weight_bytes"]
-    measured = gamma_stage.measure_with_engines(folder, engines, prompt_ids, max_seq_len, eos) if engines else None
-    alpha = None
+    alpha = gamma_stage.measure_with_engines(folder, engines, prompt_ids, max_seq_len, eos) if engines else None
+    how = "the ONNX engines on this CPU"
     # The pair as transformers loads it: the exported checkpoints count a tied head twice (lm_head is written
     # out), which put Qwen3-0.6B with a 2-layer draft (0.78B) over the limit.
-    if not measured and target.parameters() + draft.parameters() <= gamma_stage.TRANSFORMERS_PARAMETER_LIMIT:
+    if alpha is None and target.parameters() + draft.parameters() <= gamma_stage.TRANSFORMERS_PARAMETER_LIMIT:
+        how = "transformers on CPU"
         alpha = gamma_stage.measure_with_transformers(target.path, draft.path, prompt_ids, max_seq_len, eos)
-    if measured:
-        alpha, cost_ratio = measured
-        record = gamma_stage.recommend(alpha, cost_ratio, max_gamma, "alpha and c: the ONNX engines on this CPU, "
-                                       "greedy, packaged code prompts")
-    elif alpha is not None:
-        record = gamma_stage.recommend(alpha, byte_ratio, max_gamma, "alpha: transformers on CPU, greedy, packaged "
-                                       "code prompts; c: weight bytes read per step")
-    else:
-        record = gamma_stage.recommend(None, byte_ratio, max_gamma, "not measured (pair too large to decode on "
-                                       "this CPU, no fp32 ONNX engines, or a context too short for the measuring "
-                                       "prompts): the bundle's max gamma")
-    return {**record, "weight_byte_ratio": round(byte_ratio, 4)}
+    if alpha is None:
+        return gamma_stage.recommend(None, byte_ratio, max_gamma, "not measured (pair too large to decode on "
+                                     "this CPU, no fp32 ONNX engines, or a context too short for the measuring "
+                                     "prompts): the bundle's max gamma")
+    return gamma_stage.recommend(alpha, byte_ratio, max_gamma, f"alpha: {how}, greedy, packaged code prompts; "
+                                 "c: weight bytes read per step")
 
 
 def write_plans(folder: Path, gamma: int, tp: int, max_seq_len: int, precision: str,
