@@ -52,6 +52,16 @@ def prompts_file(tmp_path):
     return path
 
 
+def test_a_distilled_draft_names_a_tokenizer_class_transformers_4_has(models, tmp_path):
+    """transformers 5 saves the tokenizer as TokenizersBackend, which transformers 4 (allowed by this package, and
+    what TensorRT-LLM pins) does not know: a compile there refused the draft distill wrote."""
+    from specbuild.train.train import write_checkpoint
+
+    _, draft, tokenizer = models
+    write_checkpoint(draft, tokenizer, tmp_path)
+    assert json.loads((tmp_path / "tokenizer_config.json").read_bytes())["tokenizer_class"] == "PreTrainedTokenizerFast"
+
+
 def test_rounds_follow_greedy_speculative_decoding():
     # token 0: the prompt pass's; round 1 from 1: drafts 4, accepts 1 (+ target token at 2); round 2 from 3:
     # drafts 4, accepts 4 (+ target at 7)

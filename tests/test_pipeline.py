@@ -1,14 +1,17 @@
 """The compile pipeline end to end: what it writes into the bundle and what it refuses."""
 
+import json
 import resource
+import shutil
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+import transformers as tf
 from onnx import numpy_helper
 
-from conftest import PROMPTS, save_bf16_shards
+from conftest import PROMPTS, make_checkpoint, save_bf16_shards
 from specbuild.compile import compile_bundle
 from specbuild.compile.graphs import build_decoder
 from specbuild.compile.load import load_checkpoint
@@ -26,6 +29,20 @@ def test_a_draft_of_another_family_with_the_targets_tokenizer_files_is_accepted(
     decoder = SpeculativeDecoder(tmp_path / "b")
     ids = decoder.encode(PROMPTS[0])
     assert decoder.generate(ids, 16, gamma=3).token_ids == decoder.generate(ids, 16, gamma=0).token_ids
+
+
+def test_a_tokenizer_saved_with_split_special_tokens_encodes_special_tokens_in_the_text_as_text(checkpoints, tokenizer,
+                                                                                                   tmp_path):
+    """transformers keeps split_special_tokens in tokenizer_config.json, where tokenizer.json cannot say it: the
+    runtime read "<|endoftext|>" typed in a prompt as the special token, which transformers (and vLLM) spell out."""
+    target = tmp_path / "target"
+    shutil.copytree(checkpoints("llama"), target)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**config, "split_special_tokens": True}))
+    compile_bundle(CompileSettings(target=target, draft=target, output=tmp_path / "b", max_seq_len=64), show_progress=False)
+    text = "<|endoftext|>" + PROMPTS[1]
+    expected = tf.AutoTokenizer.from_pretrained(target)(text)["input_ids"]
+    assert SpeculativeDecoder(tmp_path / "b").encode(text) == expected != tokenizer(text)["input_ids"]
 
 
 def test_a_base_draft_of_an_instruct_target_with_another_eos_is_accepted(checkpoints, tokenizer, tmp_path):
@@ -205,3 +222,53 @@ def test_read_bytes_leave_out_the_tables_a_call_only_gathers_rows_from(architect
     expected = sum(int(where["length"]) for name, where in sizes.items() if any(name.startswith(g) for g in gathered))
     assert (expected > 0) == bool(gathered)
     assert info.weight_bytes - info.read_bytes == expected
+
+
+LLAMA2_TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + "
+                   "message['content'].strip() + ' [/INST]' }}{% else %}{{ ' ' + message['content'].strip() + ' ' + "
+                   "eos_token }}{% endif %}{% endfor %}")
+
+
+def llama2_layout_checkpoint(folder):
+    """A tiny llama whose tokenizer files are laid out as Llama 2's ship: a byte-fallback BPE whose normalizer
+    prepends and writes spaces as "▁" (no pre-tokenizer), "legacy": false and LlamaTokenizer in
+    tokenizer_config.json. transformers 5 reads these files otherwise than tokenizers alone does (a Metaspace
+    that prepends to the first piece only, and no second "▁" before a leading space)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"]
+    tokenizer.train_from_iterator(PROMPTS * 4, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials + [f"<0x{b:02X}>" for b in range(256)]))
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials])
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    make_checkpoint(folder, "llama", tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>",
+                                                                eos_token="</s>", unk_token="<unk>"))
+    for name in ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        (folder / name).unlink(missing_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))  # as the checkpoint ships it, not as transformers saves it
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "add_bos_token": True, "add_eos_token": False, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "clean_up_tokenization_spaces": False, "legacy": False, "tokenizer_class": "LlamaTokenizer",
+        "chat_template": LLAMA2_TEMPLATE}))
+    return folder
+
+
+def test_a_llama_2_tokenizer_encodes_prompts_and_chats_as_transformers_does_on_the_checkpoint(tmp_path):
+    """The reference is transformers on the checkpoint's own folder, not on the bundle's tokenizer: a bundle
+    holding the checkpoint's tokenizer.json as it is would encode " x" and every "<s>[INST]" otherwise."""
+    from specbuild_runtime.serve.chat import load_chat_template
+
+    target = llama2_layout_checkpoint(tmp_path / "target")
+    compile_bundle(CompileSettings(target=target, draft=target, output=tmp_path / "b", max_seq_len=64), show_progress=False)
+    reference, decoder = tf.AutoTokenizer.from_pretrained(target), SpeculativeDecoder(tmp_path / "b")
+    for text in [PROMPTS[1], " " + PROMPTS[1], "  x", "<s>import os", "x</s> y", "\n" + PROMPTS[0], ""]:
+        assert decoder.encode(text) == reference(text)["input_ids"], text
+    chat = load_chat_template(tmp_path / "b" / "tokenizer")
+    for messages in ([{"role": "user", "content": "import os"}],
+                     [{"role": "user", "content": " x "}, {"role": "assistant", "content": "y"}, {"role": "user", "content": "z"}]):
+        expected = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert chat.prompt_ids(decoder.tokenizer, messages) == list(expected)

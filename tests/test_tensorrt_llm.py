@@ -413,6 +413,26 @@ def test_the_bundle_tokenizer_names_a_class_transformers_4_has(pairs, tokenizer,
     assert reloaded(PROMPTS[5])["input_ids"] == tokenizer(PROMPTS[5])["input_ids"]
 
 
+def test_the_bundle_tokenizer_keeps_additional_special_tokens_where_transformers_4_reads_them(pairs, tmp_path):
+    """Qwen, Gemma and Mistral list additional special tokens; transformers 5 saves them as an
+    "extra_special_tokens" list, which transformers 4.57 (TensorRT-LLM's run.py) reads as a dict of named
+    tokens, calling .keys() on it: it could not load the tokenizer of such a bundle at all."""
+    target, draft = pairs("gpt2")
+    source = tmp_path / "target"
+    shutil.copytree(target, source)
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    (source / "tokenizer_config.json").write_text(json.dumps({**config, "additional_special_tokens": ["<|endoftext|>"]}))
+    out = tmp_path / "b"
+    compile_bundle(CompileSettings(target=source, draft=draft, output=out, max_seq_len=64, backend="tensorrt-llm"),
+                   show_progress=False)
+    saved = json.loads((out / "tokenizer/tokenizer_config.json").read_text())
+    assert isinstance(saved.get("extra_special_tokens", {}), dict)
+    assert saved["additional_special_tokens"] == ["<|endoftext|>"]
+    load_manifest(out)  # the digests cover the rewritten file
+    reloaded = tf.AutoTokenizer.from_pretrained(out / "tokenizer")
+    assert reloaded.extra_special_tokens == tf.AutoTokenizer.from_pretrained(source).extra_special_tokens == ["<|endoftext|>"]
+
+
 def test_a_rank_file_on_a_full_disk_fails_with_the_disks_errno(tmp_path):
     """A quota's limit can come while the disk shows free space: only the errno tells the staging a full disk."""
     import errno

@@ -8,6 +8,7 @@ al. 2023). Drafts only decide how many tokens one target call produces.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import time
@@ -36,10 +37,20 @@ def load_tokenizer(path: Path) -> Tokenizer:
     """The bundle's tokenizer. tokenizers raises a bare Exception for a missing file and bad JSON alike, which
     the digest check catches first unless it is skipped (check_digests=False, serve --no-check-digests)."""
     try:
-        return Tokenizer.from_file(str(path))
+        tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:
         raise BundleError(f"bundle file {path} cannot be loaded as a tokenizer ({first_line(exc)}); rebuild the bundle "
                           "with `specbuild compile`") from None
+    # transformers keeps split_special_tokens in tokenizer_config.json (tokenizer.json cannot say it): a tokenizer
+    # saved with it encodes special tokens written in the text as text, in prompts and rendered chat templates alike.
+    config = path.parent / "tokenizer_config.json"
+    try:
+        settings = json.loads(config.read_bytes()) if config.is_file() else {}
+    except ValueError as exc:
+        raise BundleError(f"bundle file {config} is not valid JSON ({exc}); rebuild the bundle with "
+                          "`specbuild compile`") from None
+    tokenizer.encode_special_tokens = isinstance(settings, dict) and settings.get("split_special_tokens") is True
+    return tokenizer
 
 
 @dataclass

@@ -99,11 +99,19 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
         stages.start("writing the bundle")
         save_tokenizer(target.tokenizer, folder / TOKENIZER_DIR)
         manifest = Manifest(engines=engines, max_seq_len=max_seq_len, gamma=settings.gamma, eos_token_ids=eos,
-                            files={}, created_by=f"specbuild {__version__}", tensorrt_llm=trtllm, sampler_file=sampler,
+                            files={}, created_by=created_by(), tensorrt_llm=trtllm, sampler_file=sampler,
                             generation_config=sampling_defaults(target))
         manifest.build = stages.finish()  # all but the bundle's digests, which write_manifest takes next
         write_manifest(folder, manifest)
     return manifest
+
+
+def created_by() -> str:
+    """The manifest's created_by: the transformers version too, since the bundle's tokenizer encodes prompts as
+    that version does (transformers 5 rebuilds Llama 2's pre-tokenizer and adds Phi-3's BOS, where 4.57 did not)."""
+    import importlib.metadata
+
+    return f"specbuild {__version__} (transformers {importlib.metadata.version('transformers')})"
 
 
 def save_tokenizer(tokenizer, folder: Path) -> None:
@@ -112,14 +120,22 @@ def save_tokenizer(tokenizer, folder: Path) -> None:
     transformers 5 saves a plain tokenizers-backed tokenizer (what Llama 3 and others name
     PreTrainedTokenizerFast) as "TokenizersBackend", a class transformers 4 does not have, and TensorRT-LLM's
     examples/run.py (run.sh), on the transformers 4.57 TensorRT-LLM pins, then refuses the folder. Both
-    versions load such a tokenizer by its old name; the runtime reads tokenizer.json alone."""
+    versions load such a tokenizer by its old name; the runtime reads tokenizer.json alone.
+
+    transformers 5 also saves the additional special tokens (Qwen's <|im_start|>, Gemma's <start_of_turn>,
+    Mistral's empty list) as an "extra_special_tokens" list, where transformers 4 reads that key as a dict of
+    named tokens and fails on a list ('list' object has no attribute 'keys'); both read the list under
+    "additional_special_tokens", transformers 4's name for it."""
     tokenizer.save_pretrained(folder)
     path = folder / "tokenizer_config.json"
-    # UTF-8, as transformers writes it, whatever the locale: the C locale without UTF-8 mode reads ASCII, and
-    # special tokens such as DeepSeek's <｜begin▁of▁sentence｜> are not
-    config = json.loads(path.read_text(encoding="utf-8"))
+    # UTF-8, as transformers writes it, whatever the locale (the C locale without UTF-8 mode reads ASCII)
+    saved = json.loads(path.read_bytes())
+    config = dict(saved)
     if config.get("tokenizer_class") == "TokenizersBackend":
         config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if isinstance(config.get("extra_special_tokens"), list):
+        config["additional_special_tokens"] = config.pop("extra_special_tokens")
+    if config != saved:
         path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 

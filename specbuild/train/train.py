@@ -251,10 +251,12 @@ def write_checkpoint(model, tokenizer, folder: Path) -> None:
     """The checkpoint's files into folder (a staging folder of guarded_folder)."""
     from transformers import GenerationConfig
 
+    from ..compile.pipeline import save_tokenizer  # as a bundle's: loadable by transformers 4 too
+
     eos = tokenizer.eos_token_id
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=eos)
     model.save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
+    save_tokenizer(tokenizer, folder)
 
 
 def llama(shape: dict, tokenizer, max_positions: int = 2048, seed: int = 0):
