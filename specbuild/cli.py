@@ -148,6 +148,9 @@ def check_stops(ctx, param, value: tuple[str, ...]) -> tuple[str, ...]:
 def check_sampling(sampling: dict) -> None:
     """--top-k and --top-p shape sampling; without --temperature the decode is greedy and would drop them."""
     if sampling["temperature"] < GREEDY_BELOW and (sampling["top_k"] or sampling["top_p"] != 1.0):
+        if sampling["temperature"]:  # given, but too small to sample with: "give --temperature too" would puzzle
+            raise click.UsageError(f"--top-k and --top-p apply to sampling, and --temperature {sampling['temperature']:g} "
+                                   f"is below {GREEDY_BELOW:g}, which decodes greedily: give a larger one (e.g. --temperature 1)")
         raise click.UsageError("--top-k and --top-p apply to sampling: give --temperature too (e.g. --temperature 1)")
 
 

@@ -490,3 +490,10 @@ def test_the_cuda_graphs_help_names_every_architecture_captured_by_default():
 
     shown = " ".join(specbuild("generate", "--help", check=True).stdout.split())  # click wraps the help
     assert all(architecture in shown for architecture in CAPTURED_BY_DEFAULT)
+
+
+def test_top_k_beside_a_temperature_too_small_to_sample_names_that_temperature(tmp_path, cli):
+    """A temperature below 1e-5 decodes greedily; one that was given must not be asked for ("give --temperature
+    too"). Checked before the bundle loads: none is needed."""
+    [refused] = cli.run([["generate", str(tmp_path / "bundle"), "-p", "x", "--temperature", "5e-6", "--top-k", "5"]])
+    assert refused["status"] == 2 and "--temperature 5e-06 is below 1e-05" in refused["stderr"], refused
