@@ -156,7 +156,7 @@ def test_each_engine_has_a_greedy_only_graph_and_the_draft_a_steps_graph_reading
     assert external(steps) == external(onnx.load(str(out / info.greedy_file), load_external_data=False))
     assert [n.name for n in steps.graph.node if n.op_type == "GroupQueryAttention"].count("layers.0.attention") == 1
     sampler = onnx.load(str(out / manifest.sampler_file))  # how the greedy-only graphs sample: no weights
-    assert manifest.sampler_file == "sampler.onnx" and sum(t.ByteSize() for t in sampler.graph.initializer) < 1024
+    assert manifest.sampler_file == "sampler.onnx" and sum(t.ByteSize() for t in sampler.graph.initializer) < 4096  # constants, no weight
     assert {"logits", "input_ids", "uniforms"} <= {i.name for i in sampler.graph.input}
 
 

@@ -248,3 +248,51 @@ def test_degenerate_sampling_settings_equal_greedy(options, bundles, tokenizer):
     greedy = decoder.generate(ids, 25, 0).token_ids
     for gamma in (0, 3):
         assert decoder.generate(ids, 25, gamma, seed=1, **options).token_ids == greedy
+
+
+def sampler_session():
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from specbuild.compile.graphs import build_sampler
+
+    return ort.InferenceSession(ir.to_proto(build_sampler()).SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def draw(sampler, p: np.ndarray, u: float, top_p: float = 1.0) -> int:
+    """The token the sampler draws from p with uniform u (no drafts, temperature 1)."""
+    inputs = {"logits": np.log(p).astype(np.float32)[None], "input_ids": np.zeros((1, 1), np.int64),
+              "num_drafts": np.array(0, np.int64), "temperature": np.array(1, np.float32),
+              "top_k": np.array(0, np.int64), "top_p": np.array(top_p, np.float32),
+              "draft_probs": np.zeros((0, len(p)), np.float32), "uniforms": np.array([u], np.float32)}
+    return int(sampler.run(["next_token"], inputs)[0])
+
+
+def test_a_run_of_tokens_below_a_float32_step_of_the_running_sum_is_drawn_at_its_rate():
+    """The next token is drawn by inverse CDF in vocabulary order. 40,000 tokens of p = 2.5e-8 (0.1% of the mass,
+    as a large vocabulary's tail holds) after one of 0.9: each is below half a float32 step at 0.9 (3e-8), so a
+    float32 running sum left them out and the uniforms in [0.9, 0.901) drew the token after them instead."""
+    sampler, tail = sampler_session(), 40_000
+    p = np.concatenate([[0.9], np.full(tail, 2.5e-8), [0.1 - 2.5e-8 * tail]])
+    uniforms = 0.899 + (np.arange(300) + 0.5) * 1e-5  # 100 below the tail's interval, 100 in it, 100 above
+    drawn = [draw(sampler, p, u) for u in uniforms]
+    assert drawn[:100] == [0] * 100 and drawn[200:] == [tail + 1] * 100
+    assert all(0 < token <= tail for token in drawn[100:200]) and drawn[100:200] == sorted(drawn[100:200])
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 63, 64, 65, 1000])
+def test_the_blocked_running_sum_draws_what_a_plain_one_draws(vocab):
+    """The running sums are summed in blocks (onnxruntime's CUDA CumSum is quadratic in the vocabulary): every
+    vocabulary size, a multiple of the block or not, draws the token a float64 inverse CDF draws, and the top-p
+    nucleus keeps what its plain running sum keeps."""
+    rng = np.random.default_rng(vocab)
+    p = rng.dirichlet(np.full(vocab, 0.3)).astype(np.float32).astype(np.float64)
+    p /= p.sum()
+    sampler = sampler_session()
+    for u in rng.random(40, dtype=np.float32):
+        probs = np.exp(np.log(p).astype(np.float32) - np.log(p).astype(np.float32).max())
+        cdf = np.cumsum((probs / probs.sum()).astype(np.float32).astype(np.float64))
+        assert draw(sampler, p, float(u)) == min(int((cdf <= float(u) * cdf[-1]).sum()), vocab - 1)
+    nucleus = np.sort(p)[::-1]
+    top = nucleus[0] if vocab == 1 else nucleus[min(vocab - 1, int(np.searchsorted(np.cumsum(nucleus), 0.5)))]
+    assert p[draw(sampler, p, 0.999, top_p=0.5)] >= top * (1 - 1e-5)
