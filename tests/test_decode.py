@@ -3,11 +3,15 @@
 import asyncio
 import gc
 import random
+import subprocess
 import sys
 import threading
 import time
+import typing
 from collections import Counter
+from collections.abc import AsyncGenerator, Generator
 from contextlib import closing
+from types import SimpleNamespace
 
 import onnxruntime as ort
 import pytest
@@ -321,6 +325,53 @@ def test_a_stream_abandoned_in_a_reference_cycle_comes_back_to_a_request_waiting
     assert results == [sequential[1]] and decoder.slots.in_use == 0
 
 
+def test_a_request_waiting_for_a_slot_collects_garbage_only_after_a_held_stream_stood_still(bundle, sequential,
+                                                                                             monkeypatch):
+    """The collection that brings back a stream abandoned in a reference cycle costs time in proportion to all the
+    process's objects (0.36 s for a million here), with the GIL held: run every half second while threads queue
+    for busy slots, it took 9-14 s of 22 (a million objects, 3 threads on 1 slot). A stream that moved since the
+    waiting request's last look is not abandoned. The test moves a clock and the held stream between its looks."""
+    clock, collections, paused = [0.0], [], [True]
+    looked, go_on = threading.Semaphore(0), threading.Semaphore(0)
+    monkeypatch.setattr(pool, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(pool, "gc", SimpleNamespace(collect=lambda: collections.append(clock[0])))
+    wait = pool.SlotPool._wait
+
+    def held_wait(self, timeout, halt):  # the waiting request's pause between looks: until the test goes on
+        if paused[0]:
+            looked.release()
+            go_on.acquire()
+        else:
+            wait(self, timeout, halt)
+
+    monkeypatch.setattr(pool.SlotPool, "_wait", held_wait)
+    decoder = SpeculativeDecoder(bundle, parallel=1)
+    held = decoder.stream(PROMPTS[0], NEW_TOKENS)
+    next(held)
+    (prompt, options), result = REQUESTS[1], []
+    worker = threading.Thread(target=lambda: result.append(decoder.generate(prompt, NEW_TOKENS, **options).token_ids),
+                              daemon=True)
+    worker.start()
+    try:
+        assert looked.acquire(timeout=60)  # it waits for the slot
+        for _ in range(3):  # the held stream moves between looks
+            next(held)
+            clock[0] += 1
+            go_on.release()
+            assert looked.acquire(timeout=60)
+        assert collections == []
+        clock[0] += 1  # and now stands still
+        go_on.release()
+        assert looked.acquire(timeout=60)
+        assert collections == [4.0]
+    finally:  # the waiting request holds the pool's lock while paused
+        paused[0] = False
+        go_on.release()
+    held.close()
+    worker.join(60)
+    assert result == [sequential[1]]
+
+
 def test_a_stream_closed_at_the_token_that_filled_the_context_finishes_as_context(bundle):
     """As at eos or max_new_tokens: a consumer that counted the context's room (as serve's chat default does)
     and closes at that token reads why decoding ended, not "abort"."""
@@ -480,6 +531,32 @@ def test_a_slow_consumer_does_not_hold_its_slot(bundle, sequential):
 
     tokens, after = asyncio.run(run())
     assert tokens == sequential[1] and after.token_ids == sequential[4]
+
+
+# The parent decodes through the async API (its worker thread starts), then forks (gunicorn --preload after a
+# warm-up); the child does the same. SIGALRM's default action ends a child that waits forever; os._exit leaves
+# onnxruntime's sessions alone.
+FORKED_ASYNC = """
+import asyncio, os, signal, sys
+from specbuild_runtime import SpeculativeDecoder
+decoder = SpeculativeDecoder(sys.argv[1], parallel=2)
+
+async def generate():
+    results = await asyncio.gather(*(decoder.agenerate(p, max_new_tokens=8, gamma=3) for p in sys.argv[2:]))
+    return [r.token_ids for r in results]
+expected = asyncio.run(generate())
+pid = os.fork()
+if pid == 0:
+    signal.alarm(60)
+    os._exit(0 if asyncio.run(generate()) == expected else 1)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+def test_the_async_api_decodes_in_a_process_forked_after_the_parent_used_it(bundle):
+    result = subprocess.run([sys.executable, "-c", FORKED_ASYNC, str(bundle), *PROMPTS[:3]], capture_output=True,
+                            text=True)
+    assert result.stdout.strip() == "0", result.stdout + result.stderr  # -14: SIGALRM ended a child that waited
 
 
 def test_async_requests_raise_the_errors_the_sync_api_raises(bundle, monkeypatch):
@@ -859,3 +936,11 @@ def test_auto_that_falls_back_to_the_cpu_refuses_more_slots_than_memory_holds_as
         SpeculativeDecoder(bundle, device="cpu")
     with pytest.raises(RequestError, match="of KV caches"):
         SpeculativeDecoder(bundle, device="auto")
+
+
+def test_streams_are_typed_as_the_generators_whose_close_cancels_them():
+    """The README cancels a stream with close() (an async one with aclose()); the package is typed (py.typed), and
+    a type checker refuses those calls on an Iterator or AsyncIterator."""
+    for name, kind in (("stream", Generator), ("stream_text", Generator), ("stream_request", Generator),
+                       ("astream", AsyncGenerator), ("astream_text", AsyncGenerator)):
+        assert typing.get_origin(typing.get_type_hints(getattr(SpeculativeDecoder, name))["return"]) is kind, name

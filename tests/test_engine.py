@@ -1,6 +1,8 @@
 """Device choice: a clear line for every device that cannot be used, never a silent fallback to the CPU."""
 
 import os
+import subprocess
+import sys
 
 import onnxruntime as ort
 import pytest
@@ -56,3 +58,24 @@ def test_cuda_sessions_are_made_with_cudnns_attention_off_unless_the_user_chose(
         except (BundleError, DeviceError):  # no CUDA provider here: the variable is set before the session is made
             pass
         assert os.environ["ORT_ENABLE_CUDNN_FLASH_ATTENTION"] == expected
+
+
+# A decoder loaded, then the process forks (gunicorn --preload): the child decodes and exits as a gunicorn worker
+# does, through sys.exit, which destroys the decoder. SIGALRM's default action ends a child that hangs instead.
+FORKED_CHILD_EXITS = """
+import os, signal, sys
+from specbuild_runtime import SpeculativeDecoder
+decoder = SpeculativeDecoder(sys.argv[1])
+expected = decoder.generate("def add(a, b):", max_new_tokens=8, gamma=3).token_ids
+pid = os.fork()
+if pid == 0:
+    signal.alarm(60)
+    sys.exit(0 if decoder.generate("def add(a, b):", max_new_tokens=8, gamma=3).token_ids == expected else 1)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+def test_a_process_forked_after_a_decoder_loaded_decodes_and_exits(bundles):
+    result = subprocess.run([sys.executable, "-c", FORKED_CHILD_EXITS, str(bundles("llama", draft_seed=1))],
+                            capture_output=True, text=True)
+    assert result.stdout.strip() == "0", result.stdout + result.stderr  # -14: SIGALRM ended a child hung at exit

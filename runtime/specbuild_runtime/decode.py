@@ -12,12 +12,13 @@ import json
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, closing
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import AsyncIterator, Callable, Iterator
+from typing import AsyncGenerator, Callable, Generator, Iterator
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -231,6 +232,7 @@ class SpeculativeDecoder:
         # The threads the async API (and `specbuild serve`) decode in, started on first use: one per slot, and kept,
         # since onnxruntime keeps CUDA graphs per thread (SlotPool gives a thread its slot of last time again).
         self.workers = ThreadPoolExecutor(parallel, thread_name_prefix="specbuild-slot")
+        _DECODERS.add(self)
 
     def _engines(self, draft_steps: bool | None) -> tuple[Engine, Engine, Engine | None]:
         """The target, the draft and (draft_steps) the draft's steps graph."""
@@ -312,7 +314,7 @@ class SpeculativeDecoder:
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-               stop: str | list[str] | None = None, stats: Stats | None = None) -> Iterator[int]:
+               stop: str | list[str] | None = None, stats: Stats | None = None) -> Generator[int, None, None]:
         """Yields generated token ids as the target accepts them (up to the one that completes a stop
         string); pass a Stats to read measurements. The request is checked now, the slot taken at the
         first token."""
@@ -322,14 +324,14 @@ class SpeculativeDecoder:
 
     def stream_text(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                    stop: str | list[str] | None = None, stats: Stats | None = None) -> Iterator[str]:
+                    stop: str | list[str] | None = None, stats: Stats | None = None) -> Generator[str, None, None]:
         """Yields text as it is decoded: the deltas join to exactly generate(...).text (a character split
         across tokens, or text that may still become a stop string, waits for the tokens that settle it)."""
         request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
         return self.stream_request(request, Stats() if stats is None else stats)
 
     def stream_request(self, request: Request, stats: Stats, every_token: bool = False,
-                       halt: threading.Event | None = None) -> Iterator[str]:
+                       halt: threading.Event | None = None) -> Generator[str, None, None]:
         """stream_text for a request already checked by request() (the server checks before queueing).
         every_token: also yield "" for a token whose text is held back, so that the consumer can stop
         between any two tokens (a relay's stop: the async API's cancel, the server's deadlines). halt: once set
@@ -353,7 +355,7 @@ class SpeculativeDecoder:
 
     def astream(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                stop: str | list[str] | None = None, stats: Stats | None = None) -> AsyncIterator[int]:
+                stop: str | list[str] | None = None, stats: Stats | None = None) -> AsyncGenerator[int, None]:
         """stream for asyncio (`async for token_id in decoder.astream(...)`): the same tokens, decoded in one of
         the decoder's worker threads (relay.Relay), never on the event loop. The request is checked (off the loop)
         when iteration begins, and raises what stream would. Cancelling the consuming task, aclose(), or dropping
@@ -366,14 +368,14 @@ class SpeculativeDecoder:
 
     def astream_text(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                     stop: str | list[str] | None = None, stats: Stats | None = None) -> AsyncIterator[str]:
+                     stop: str | list[str] | None = None, stats: Stats | None = None) -> AsyncGenerator[str, None]:
         """stream_text for asyncio, as astream is stream's."""
         check = partial(self.request, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
         stats = Stats() if stats is None else stats
         return self._relay(check, lambda request, halt: self.stream_request(request, stats, True, halt), held=("",))
 
     async def _relay(self, check: Callable[[], Request], stream: Callable[[Request], Iterator],
-                     held: tuple = ()) -> AsyncIterator:
+                     held: tuple = ()) -> AsyncGenerator:
         """The items of stream(check()) but `held`, decoded in a worker. The check runs in another thread: it
         tokenizes the prompt (milliseconds for a long one), and must not wait for a worker to come free."""
         request = await asyncio.to_thread(check)
@@ -385,7 +387,7 @@ class SpeculativeDecoder:
         finally:  # also when the consuming task is cancelled, or the iterator closed or collected
             await relay.close()
 
-    def _generating(self, request: Request, halt: threading.Event | None = None) -> Iterator[Generation | None]:
+    def _generating(self, request: Request, halt: threading.Event | None = None) -> Generator[Generation | None, None, None]:
         """generate's decoding: None after every token (where a relay may stop it), then the Generation."""
         stats, text, tokens = Stats(), self._text(request), []
         with closing(self._run(request, stats, text if request.stop else None, halt)) as decoded:
@@ -401,7 +403,7 @@ class SpeculativeDecoder:
         return TextStream(self.tokenizer, request.stop, request.prompt_ids)
 
     def _run(self, request: Request, stats: Stats, text: TextStream | None,
-             halt: threading.Event | None = None) -> Iterator[int]:
+             halt: threading.Event | None = None) -> Generator[int, None, None]:
         with self.slots.take(halt) as slot, closing(self._speculate(slot, request, stats)) as tokens:
             try:
                 for token in tokens:
@@ -431,7 +433,7 @@ class SpeculativeDecoder:
                                  PriorCosts(self.max_gamma, self._draft_cost))
         return self._policies[slot.index][not sampling.greedy]
 
-    def _speculate(self, slot: Slot, request: Request, stats: Stats) -> Iterator[int]:
+    def _speculate(self, slot: Slot, request: Request, stats: Stats) -> Generator[int, None, None]:
         """The speculative loop over one slot."""
         sampling = request.sampling
         slot.configure(sampling.temperature, sampling.top_k, sampling.top_p)
@@ -513,6 +515,21 @@ class SpeculativeDecoder:
             else:
                 drafts.append(slot.draft.step(fed, total_len=total_len + j, uniforms=uniforms(1), probs_row=j)[1])
         return drafts
+
+
+# Every live decoder (see _new_workers_in_child).
+_DECODERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _new_workers_in_child() -> None:
+    """In a forked child (gunicorn --preload, os.fork): its decoders' worker pools are copies whose threads stayed
+    in the parent, and a pool that started its threads there starts no more, so the child's astream and agenerate
+    (and a server app's requests) waited for them forever. Each gets a pool of its own."""
+    for decoder in list(_DECODERS):
+        decoder.workers = ThreadPoolExecutor(decoder.slots.size, thread_name_prefix="specbuild-slot")
+
+
+os.register_at_fork(after_in_child=_new_workers_in_child)
 
 
 def graphs_by_default(manifest: Manifest, device: str) -> bool:

@@ -7,9 +7,11 @@ calls of engines that capture CUDA graphs take turns: see _CUDA_GRAPH_CALLS).
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import threading
+import weakref
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -180,6 +182,24 @@ class Sampler:
         self.input_devices = _input_devices(self.session)
 
 
+# Every live session this process made (see _keep_sessions_in_child).
+_SESSIONS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _keep_sessions_in_child() -> None:
+    """In a forked child (gunicorn --preload, os.fork): it inherits the sessions but not their thread pools' threads,
+    and onnxruntime (1.32) destroys a session with a pool of its own by waiting for those threads, for good: a child
+    that dropped a decoder loaded before the fork, or merely exited (sys.exit, as a gunicorn worker leaves), hung.
+    The child keeps each inherited session, a reference nothing drops, so none is destroyed (the process's exit
+    frees their memory, shared with the parent's until written). Decoding with them works: the calling thread
+    does a call's work alone."""
+    for session in list(_SESSIONS):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(session))
+
+
+os.register_at_fork(after_in_child=_keep_sessions_in_child)
+
+
 def _session(path: Path, device: str, captures: bool, graph: bytes | None = None) -> ort.InferenceSession:
     """An onnxruntime session of the file at path (or of graph, its weights read beside path) on device, or a
     one-line error."""
@@ -204,6 +224,7 @@ def _session(path: Path, device: str, captures: bool, graph: bytes | None = None
     if session.get_providers()[0] != PROVIDERS[device]:  # the provider failed to start (e.g. no driver)
         raise DeviceError(f"onnxruntime could not start its {PROVIDERS[device]} for {path} (see its log "
                           "with log_severity_level 0); is a GPU and its driver present?")
+    _SESSIONS.add(session)
     return session
 
 

@@ -18,12 +18,14 @@ from .slot import Slot
 # Seconds a thread that drove a busy slot's stream last waits for another thread to resume that stream before
 # its own request is refused as a same-thread deadlock (see SlotPool.take).
 SAME_THREAD_PATIENCE = 1.0
-# While a request waits without a free slot, the pool runs the cyclic garbage collector once every this many
-# seconds (the first after this long): a stream abandoned in a reference cycle (a kept exception's traceback
-# holds the frame that held it) keeps its slot until a collection closes it, and a process whose threads all
-# wait for a slot starts none, nor does a busy one for long (a long stream's generators reach the oldest
-# generation, collected rarely). Less than SAME_THREAD_PATIENCE: such a stream comes back before its thread
-# is refused.
+# While a request waits without a free slot, the pool looks once every this many seconds (the first after this
+# long) for a held stream that stood still since its last look, and then runs the cyclic garbage collector: a
+# stream abandoned in a reference cycle (a kept exception's traceback holds the frame that held it) keeps its
+# slot until a collection closes it, and a process whose threads all wait for a slot starts none, nor does a
+# busy one for long (a long stream's generators reach the oldest generation, collected rarely). Only then: a
+# full collection costs time in proportion to the process's objects, with the GIL and this pool's lock held
+# (0.36 s for a million here), and a saturated decoder, every slot busy decoding, would run one every
+# look. Less than SAME_THREAD_PATIENCE: such a stream comes back before its thread is refused.
 COLLECT_EVERY = 0.5
 # Seconds between a waiting request's looks at its stop event (take(halt)): an async request cancelled while it
 # waits for a slot leaves the line this soon, without taking one.
@@ -52,7 +54,8 @@ class SlotPool:
         self._owners: dict[int, int] = {}  # slot index -> thread ident
         self._last: dict[int, int] = {}  # slot index -> the thread that took it last
         self._waiting: list[object] = []  # a ticket per take() in arrival order: slots go first come, first served
-        self._collected = float("-inf")  # time.monotonic() of the last collection (see COLLECT_EVERY)
+        self._collected = float("-inf")  # time.monotonic() of the last look for a collection (see COLLECT_EVERY)
+        self._moves = [0] * self.size  # per slot, its takes and its stream's resumes: a stream standing still keeps it
         # A slot came free, a waiter left the line, or a held stream moved to another thread. Re-entrant: a
         # generator closed by the GC may release inside take().
         self._changed = threading.Condition(threading.RLock())
@@ -70,6 +73,7 @@ class SlotPool:
         """Record the calling thread as the one driving slot's stream (a stream may move between threads, as
         when a web framework advances a sync generator with one worker-thread call per item)."""
         me = threading.get_ident()
+        self._moves[slot.index] += 1
         if self._owners.get(slot.index) != me:  # moved: a thread waiting in take() may no longer be its driver
             with self._changed:
                 self._owners[slot.index] = me
@@ -90,6 +94,7 @@ class SlotPool:
                 self._changed.notify_all()
             slot = self._pick(me)
             self._owners[slot.index] = self._last[slot.index] = me
+            self._moves[slot.index] += 1
         try:
             yield slot
         finally:
@@ -102,15 +107,17 @@ class SlotPool:
         """Wait until a slot is free for this ticket: the earliest waiters take the free slots first, so a
         thread that just gave one back cannot take it again ahead of those already waiting."""
         refuse_at = None  # while this thread drove a busy slot's stream last: when to stop waiting for it
-        began = time.monotonic()
+        began, seen = time.monotonic(), list(self._moves)
         while not (self._free and self._waiting.index(ticket) < len(self._free)):
             if halt is not None and halt.is_set():
                 raise RequestError("the request was stopped while it waited for a slot")
             now = time.monotonic()
             collect_at = max(began, self._collected) + COLLECT_EVERY
             if not self._free and now >= collect_at:
-                self._collected = now
-                gc.collect()  # closes unreachable streams in this thread: their slots come back (re-entrantly)
+                self._collected, moves = now, list(self._moves)
+                if any(a == b for a, b in zip(moves, seen)):  # one stood still since the last look: abandoned, maybe
+                    gc.collect()  # closes unreachable streams in this thread: their slots come back (re-entrantly)
+                seen = moves
                 continue
             if self._free or me not in self._owners.values():  # free slots go to the waiters ahead first
                 refuse_at = None
