@@ -42,7 +42,12 @@ def scratch_folder(staging: Path) -> Path:
 
 def replace_file(path: Path, text: str) -> None:
     """Write text to path through `.NAME.partial-PID` beside it, renamed over it once whole: a kill mid-write
-    leaves the old file (or none), never a cut-short one that readers would take for it."""
+    leaves the old file (or none), never a cut-short one that readers would take for it. A symlink's target is
+    replaced (the link stays); what is no regular file (/dev/null, a FIFO) is written in place, never replaced."""
+    path = Path(os.path.realpath(path))
+    if path.exists() and not path.is_file():
+        path.write_text(text)
+        return
     partial = path.parent / f".{path.name}.partial-{os.getpid()}"
     try:
         partial.write_text(text)

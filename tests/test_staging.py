@@ -380,3 +380,22 @@ def test_a_file_replaced_is_the_old_or_the_new_never_cut_short(tmp_path, monkeyp
     assert [p.name for p in tmp_path.iterdir()] == ["report.json"] and report.read_text() == '{"old": 1}'
     replace_file(report, '{"new": 2}')
     assert [p.name for p in tmp_path.iterdir()] == ["report.json"] and report.read_text() == '{"new": 2}'
+
+
+def test_a_report_written_through_a_symlink_or_to_a_fifo_leaves_them_what_they_are(tmp_path):
+    """bench --json /dev/null (as root, /dev is writable) or a link to a shared report: the rename that makes a
+    report whole must not put a regular file in their place."""
+    import threading
+
+    (tmp_path / "real.json").write_text("old")
+    (tmp_path / "link.json").symlink_to("real.json")
+    replace_file(tmp_path / "link.json", "new")
+    assert (tmp_path / "link.json").is_symlink() and (tmp_path / "real.json").read_text() == "new"
+    fifo, got = tmp_path / "fifo", []
+    os.mkfifo(fifo)
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    replace_file(fifo, "to the reader")
+    reader.join(10)
+    assert fifo.is_fifo() and got == ["to the reader"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link.json", "real.json"]

@@ -174,7 +174,8 @@ def _sampling_tail(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, drafts_1
     # (p < 3e-8 once it passes 0.5) and was never drawn; over 150k-260k tokens such tokens hold up to ~0.1% of the
     # mass. Drawn by a float32 uniform, each token's chance is still rounded to its grid (2^-24 near 1), as
     # torch.multinomial's on CUDA is.
-    cdf = g.op("Reshape", _cumsum(g, g.op("Unsqueeze", g.op("Cast", row, to=DOUBLE), g.const([0]))), g.const([-1]))
+    cdf = g.op("Reshape", _cumsum(g, g.op("Unsqueeze", g.op("Cast", row, to=DOUBLE), g.const([0])), np.float64),
+               g.const([-1]))
     u_last = g.op("Slice", s.uniforms, drafts_1d, g.const([2**62]))  # uniforms[D:] = [u_D], bounds on the host
     u_next = g.op("Mul", g.op("Cast", u_last, to=DOUBLE), g.op("Gather", cdf, g.const(-1)))
     vocab_last = g.op("Sub", g.op("Squeeze", g.op("Shape", cdf), g.const([0])), g.const(1))
@@ -183,17 +184,42 @@ def _sampling_tail(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, drafts_1
 
 
 CUMSUM_BLOCK = 64
+NUCLEUS_CANDIDATES = 1024
 
 
-def _cumsum(g: GraphBuilder, x: ir.Value) -> ir.Value:
+def _ranked(g: GraphBuilder, probs: ir.Value, vocab: ir.Value, top_p: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """(each row's probabilities from the largest down, their running sums), as far as the nucleus needs: the top
+    NUCLEUS_CANDIDATES where they hold top_p of every row (the token after them then has top_p before it, so no
+    nucleus reaches it, and the sums of a prefix are the whole ranking's), else the whole vocabulary. Sorting
+    all of a 152k vocabulary cost ~18 ms a row on the CPU (over 90% of a sampled call with top-p), and
+    generation_config.json's top_p (Qwen 3's 0.95) made it every served request's."""
+    candidates = g.op("TopK", probs, g.op("Min", vocab, g.const([NUCLEUS_CANDIDATES])), outputs=2, axis=-1)[0]
+    summed = _cumsum(g, candidates)
+    held = g.op("ReduceMin", g.op("Slice", summed, g.const([-1]), g.const([2**62]), g.const([1])), keepdims=0)
+    # A decision like the tail's others (Less, then If; test_gpu allows their copies to the host). A vocabulary of
+    # at most NUCLEUS_CANDIDATES whose sum rounds below top_p is sorted again: the same ranking.
+    short = g.op("Less", held, top_p)
+    few = g.branch(f"{g.name}.candidates")
+    few.output(candidates, f"{g.name}.candidates.ranked", FLOAT, None)
+    few.output(summed, f"{g.name}.candidates.summed", FLOAT, None)
+    every = g.branch(f"{g.name}.vocabulary")
+    ranked = every.op("TopK", probs, vocab, outputs=2, axis=-1)[0]
+    every.output(ranked, f"{g.name}.vocabulary.ranked", FLOAT, None)
+    every.output(_cumsum(every, ranked), f"{g.name}.vocabulary.summed", FLOAT, None)
+    return g.op("If", short, outputs=2, then_branch=every.graph(), else_branch=few.graph())
+
+
+def _cumsum(g: GraphBuilder, x: ir.Value, dtype=np.float32) -> ir.Value:
     """CumSum of x [R, V] along V, in blocks of CUMSUM_BLOCK. onnxruntime's CUDA CumSum has each output add
     every element before it (cumsum_impl.cu): V²/2 additions a row, 1.2e10 at a 152k vocabulary. Blocked: a
     CumSum within each block (V·B/2) plus one over the block totals ((V/B)²/2), 8e6 at 152k with B = 64 (about
-    (2V)^(1/3), which minimises the sum). The CPU's CumSum is linear either way."""
+    (2V)^(1/3), which minimises the sum). The CPU's CumSum is linear either way. dtype: x's. Zeros are appended
+    by Expand and Concat, not Pad, whose newer opsets the CUDA provider may not register."""
     vocab = g.op("Shape", x, start=1, end=2)
     pad = g.op("Mod", g.op("Sub", g.const([CUMSUM_BLOCK]), g.op("Mod", vocab, g.const([CUMSUM_BLOCK]))),
                g.const([CUMSUM_BLOCK]))
-    blocks = g.op("Reshape", g.op("Pad", x, g.op("Concat", g.const([0, 0, 0]), pad, axis=0)),
+    zeros = g.op("Expand", g.const(0, dtype), g.op("Concat", g.op("Shape", x, start=0, end=1), pad, axis=0))
+    blocks = g.op("Reshape", g.op("Concat", x, zeros, axis=1),
                   g.const([0, -1, CUMSUM_BLOCK]))  # [R, V/B, B], zeros after the last token
     within = g.op("CumSum", blocks, g.const(2))
     before = g.op("CumSum", g.op("ReduceSum", blocks, g.const([2]), keepdims=1), g.const(1), exclusive=1)
@@ -221,8 +247,8 @@ def _transformed_probs(g: GraphBuilder, logits: ir.Value, s: SamplingInputs) -> 
     probs = g.op("Softmax", scaled, axis=-1)
     # Nucleus: keep the most probable tokens until the mass before a token reaches top_p.
     nucleus = g.branch("branch.top_p")
-    ranked = nucleus.op("TopK", probs, vocab, outputs=2, axis=-1)[0]
-    mass_before = nucleus.op("Sub", _cumsum(nucleus, ranked), ranked)
+    ranked, summed = _ranked(nucleus, probs, vocab, s.top_p)
+    mass_before = nucleus.op("Sub", summed, ranked)
     kept = nucleus.op("Less", mass_before, s.top_p)
     threshold = nucleus.op("ReduceMin", nucleus.op("Where", kept, ranked, nucleus.const(2.0, np.float32)),
                            nucleus.const([1]), keepdims=1)
