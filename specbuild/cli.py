@@ -364,19 +364,22 @@ def tensorrt_llm_lines(bundle: Path, part) -> list[str]:
 def quality_line(q: dict) -> str:
     if "skipped" in q:
         return f"not measured: {q['skipped']}"
-    agreement = f"greedy agreement {q['greedy_agreement']:.1%} ({q['greedy_identical_prompts']}/{q['prompts']} prompts identical"
-    if q.get("teacher_forced_agreement") is not None:
-        agreement += f"; {q['teacher_forced_agreement']:.1%} teacher-forced"
-    parts = [
-        f"size {q['size_ratio']:.0%}",
-        f"perplexity {q['quant']['perplexity']:.2f} vs {q['fp32']['perplexity']:.2f}",
-        agreement + ")",
-        f"{q['quant']['tokens_per_second']:.0f} vs {q['fp32']['tokens_per_second']:.0f} tok/s",
-    ]
-    if "skipped" in q.get("alpha", {}):
-        parts.append(f"α not measured: {q['alpha']['skipped']}")
-    elif "alpha" in q:
-        parts.append(f"α at γ={q['alpha']['gamma']} {q['alpha']['quant']:.2f} vs {q['alpha']['fp32']:.2f}")
+    parts = [f"size {q['size_ratio']:.0%}", f"perplexity {q['quant']['perplexity']:.2f} vs {q['fp32']['perplexity']:.2f}"]
+    # A context shorter than every measuring prompt leaves nothing decoded: the report holds None there.
+    if q["greedy_agreement"] is None:
+        parts.append("greedy agreement and speed not measured: no measuring prompt fits the context")
+    else:
+        agreement = f"greedy agreement {q['greedy_agreement']:.1%} ({q['greedy_identical_prompts']}/{q['prompts']} prompts identical"
+        if q.get("teacher_forced_agreement") is not None:
+            agreement += f"; {q['teacher_forced_agreement']:.1%} teacher-forced"
+        parts += [agreement + ")", f"{q['quant']['tokens_per_second']:.0f} vs {q['fp32']['tokens_per_second']:.0f} tok/s"]
+    alpha = q.get("alpha", {})
+    if "skipped" in alpha:
+        parts.append(f"α not measured: {alpha['skipped']}")
+    elif alpha and None in (alpha["quant"], alpha["fp32"]):
+        parts.append("α not measured: no measuring prompt leaves room to draft")
+    elif alpha:
+        parts.append(f"α at γ={alpha['gamma']} {alpha['quant']:.2f} vs {alpha['fp32']:.2f}")
     return ", ".join(parts)
 
 

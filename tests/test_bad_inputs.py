@@ -95,6 +95,19 @@ def drop_a_tensor(folder: Path) -> None:
     save_file(tensors, weights, metadata={"format": "pt"})
 
 
+def a_weight_beyond_fp16(folder: Path) -> None:
+    """One bf16 weight of 1e5: bf16 holds it, fp16 (largest 65504) does not."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = next(folder.glob("*.safetensors"))
+    tensors = load_file(weights)
+    name = next(name for name in tensors if "layers.0.mlp.down_proj" in name)
+    tensors[name] = tensors[name].to(torch.bfloat16)
+    tensors[name][0, 0] = 1e5
+    save_file(tensors, weights, metadata={"format": "pt"})
+
+
 def gemma_with_biases(paths: dict) -> None:
     """A target whose attention biases transformers reads and specbuild's Gemma graph does not."""
     from conftest import make_checkpoint, make_tokenizer
@@ -268,6 +281,9 @@ CASES = [
          "Nothing: the plans' draft length is then the bundle's max gamma (α not measured), as `inspect` says."),
     Case("`--block-size 17`", compile_args("{tmp}/bundle", "--block-size", "17"), 2, "power of two",
          "Use a power of two from 16 to 256 (32 is the default; larger blocks trade accuracy for size)."),
+    Case("`--precision fp16` over a weight beyond fp16's range (65504)", compile_args("{tmp}/bundle", "--precision", "fp16"), 1,
+         "beyond fp16's largest number", "Compile with `--precision bf16` (fp32's range) or fp32.",
+         setup=a_copy_of("target", a_weight_beyond_fp16)),
     Case("`--block-size` or `--accuracy-level` without quantizing", compile_args("{tmp}/bundle", "--block-size", "64"), 1,
          "shape quantized engines", "Add `--quantize int4|int8` (or per engine), or leave them out."),
     Case("`compile` without `--draft` (and no recipe)", ["compile", "--target", "{target}", "-o", "{tmp}/bundle"], 2,

@@ -202,6 +202,20 @@ def test_a_small_quantized_draft_is_measured_without_decoding_a_large_target(che
     assert "α not measured" in quality_line(report)
 
 
+def test_a_context_shorter_than_every_measuring_prompt_leaves_agreement_and_alpha_unmeasured(wide, tokenizer, tmp_path):
+    """Nothing decoded is no measurement: the draft is the target's own checkpoint, so an α of 0 would be
+    wrong, and `inspect` formats what was measured only."""
+    assert min(map(len, quality.quality_texts(tokenizer)[0])) > 32
+    manifest = compile_bundle(CompileSettings(target=wide, draft=wide, output=tmp_path / "b", max_seq_len=32, gamma=4,
+                                              draft_quantize="int4"), show_progress=False)
+    report = manifest.engines["draft"].quality
+    assert report["quant"]["perplexity"] > 1.0  # held-out windows shrink to the context: still measured
+    assert report["greedy_agreement"] is None and report["prompts"] == 0
+    assert report["alpha"]["fp32"] is None and report["alpha"]["quant"] is None
+    line = quality_line(report)
+    assert "greedy agreement and speed not measured" in line and "α not measured" in line
+
+
 def test_compile_writes_a_bf16_bundle_it_cannot_run_here(wide, tmp_path):
     manifest = compile_bundle(CompileSettings(target=wide, draft=wide, output=tmp_path / "bf16", max_seq_len=64,
                                               precision="bf16"), show_progress=False)

@@ -65,9 +65,18 @@ def precision_name(dtype: np.dtype) -> str:
     raise UnsupportedModelError(f"weights stored as {dtype} are not supported; specbuild reads fp32, fp16 and bf16 checkpoints")
 
 
-def convert_into(rows: np.ndarray, out: np.ndarray, plus_one: bool = False) -> None:
-    """Write a slice of a stored tensor into out, the engine's float type: numpy casts element by element
-    on assignment, with no temporary copy of the slice. plus_one adds 1 first (Gemma's norms scale by
-    1 + w, added in fp32 as transformers does; those are 1-D and small)."""
+def convert_into(rows: np.ndarray, out: np.ndarray, plus_one: bool = False, name: str = "a weight") -> None:
+    """Write a slice of a stored tensor (the weight `name`) into out, the engine's float type: numpy casts
+    element by element on assignment, with no temporary copy of the slice. plus_one adds 1 first (Gemma's
+    norms scale by 1 + w, added in fp32 as transformers does; those are 1-D and small)."""
     precision_name(rows.dtype)  # refuses fp8 and integer tensors with a clear error
-    out[...] = rows.astype(np.float32) + 1.0 if plus_one else rows
+    with np.errstate(over="ignore"):  # said below, in one line
+        out[...] = rows.astype(np.float32) + 1.0 if plus_one else rows
+    # fp16 ends at 65504, bf16 and fp32 do not: a larger weight would be written as inf, and the engine would
+    # then decode NaN logits (token 0 at every step) without a word; the cast itself warns only from fp32.
+    if out.dtype == np.float16 and np.isinf(out).any():
+        finite = np.isfinite(rows.astype(np.float32))
+        if np.isinf(out[finite]).any():
+            largest = float(np.abs(rows.astype(np.float32)[finite]).max())
+            raise UnsupportedModelError(f"{name} holds {largest:.4g}, beyond fp16's largest number (65504); compile "
+                                        "with --precision bf16 (or fp32)")

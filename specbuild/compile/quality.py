@@ -133,7 +133,8 @@ def quality_report(
     agreement, identical, teacher_forced, speeds = [], 0, [], {"fp32": [], "quant": []}
     for prompt in prompts_ids:
         budget = min(new_tokens, max_seq_len - len(prompt) + 1)
-        if budget < 1:
+        if budget < 1:  # a prompt longer than the context: the report counts only the prompts it decoded
+            report["prompts"] -= 1
             continue
         ref_tokens, ref_speed = _greedy(ref, prompt, budget)
         quant_tokens, quant_speed = _greedy(quant, prompt, budget)
@@ -168,10 +169,10 @@ ALPHA_GAMMA = 4  # drafts per round at which a quality report measures acceptanc
 
 def pair_acceptance(target_folder: Path, target: EngineInfo, draft_folder: Path, draft: EngineInfo,
                     prompts_ids: list[list[int]], eos_token_ids: list[int], gamma: int = ALPHA_GAMMA,
-                    new_tokens: int = 64) -> float:
+                    new_tokens: int = 64) -> float | None:
     """Greedy speculative acceptance α (accepted / drafted) of this pair at a fixed γ, exactly as decoding
     would see it: the rounds of γ drafts along the target's own greedy continuation (gamma.draft_agreement),
-    up to the round whose tokens reach one of eos_token_ids."""
+    up to the round whose tokens reach one of eos_token_ids. None when no prompt leaves room to draft."""
     target_engine, _ = _engine(Path(target_folder), target)
     draft_engine, _ = _engine(Path(draft_folder), draft)
     stops = set(eos_token_ids)
@@ -182,7 +183,8 @@ def pair_acceptance(target_folder: Path, target: EngineInfo, draft_folder: Path,
         # decodes (the agreement past it still counts, as the round that emits the eos drafts past it).
         a, d = rounds(agree, gamma, end=len(until_eos(tokens, stops)))
         accepted, drafted = accepted + a, drafted + d
-    return accepted / drafted if drafted else 0.0
+    # Nothing drafted is no measurement: an α of 0 would say the draft is useless (as gamma.py's α, None).
+    return accepted / drafted if drafted else None
 
 
 def _engine(folder: Path, info: EngineInfo) -> tuple[EngineSlot, int]:

@@ -141,7 +141,7 @@ class GraphBuilder:
             def make() -> tuple[np.ndarray]:
                 out = np.empty(shape, dtype)
                 for start, stop, rows in weight.chunks(self.ckpt):
-                    convert_into(rows, out[start:stop], weight.plus_one)
+                    convert_into(rows, out[start:stop], weight.plus_one, "weight " + " / ".join(weight.names))
                 return (out,)
 
             self.computed([(name, self.numerics.ir_type, shape)], make)
