@@ -394,6 +394,21 @@ def test_a_quantized_fp32_export_is_refused_before_anything_is_written(pairs, tm
     assert not out.exists()
 
 
+def test_an_fp16_export_refuses_a_weight_beyond_fp16_as_the_onnx_engines_do(pairs, tmp_path):
+    """The rank files were cast with astype: a weight of 1e5 became inf without a word."""
+    from test_bad_inputs import a_weight_beyond_fp16
+
+    target, draft = pairs("llama")
+    source = tmp_path / "target"
+    shutil.copytree(target, source)
+    a_weight_beyond_fp16(source)
+    out = tmp_path / "b"
+    with pytest.raises(UnsupportedModelError, match="beyond fp16's largest number"):
+        compile_bundle(CompileSettings(target=source, draft=draft, output=out, max_seq_len=64, backend="tensorrt-llm",
+                                       precision="fp16"), show_progress=False)
+    assert not out.exists()
+
+
 def test_the_bundle_tokenizer_names_a_class_transformers_4_has(pairs, tokenizer, tmp_path):
     """run.sh hands tokenizer/ to TensorRT-LLM's examples/run.py, which loads it with AutoTokenizer on the
     transformers 4.57 TensorRT-LLM pins; transformers 5 saves Llama 3's PreTrainedTokenizerFast as

@@ -45,7 +45,7 @@ from specbuild_runtime.manifest import TOKENIZER_DIR, EngineInfo, TensorRTLLMPar
 from ..errors import ExternalToolError, UnsupportedModelError
 from . import gamma as gamma_stage
 from .load import Checkpoint, eos_token_ids
-from .precision import Numerics
+from .precision import Numerics, convert_into
 
 FOLDER = "tensorrt-llm"
 VLLM_PLAN = "vllm/serve.sh"
@@ -343,12 +343,12 @@ def shard(tensor: Out, layout: Layout, dtype) -> list[np.ndarray]:
     """The tensor's part on each rank, in the export's float type."""
     tp = layout.tp
     if tensor.split == QKV:
-        q, k, v = (part.astype(dtype) for part in tensor.value)
+        q, k, v = (_cast(part, dtype, tensor.name) for part in tensor.value)
         if layout.kv_heads < tp:  # convert_utils.dup_kv_weight: each KV head repeated for tp/kv ranks
             k, v = (np.repeat(x.reshape(layout.kv_heads, layout.head_dim, -1), tp // layout.kv_heads, axis=0)
                     .reshape(tp * layout.head_dim, *x.shape[1:]) for x in (k, v))
         return [np.concatenate(parts) for parts in zip(*(np.split(x, tp) for x in (q, k, v)))]
-    value = tensor.value.astype(dtype)
+    value = _cast(tensor.value, dtype, tensor.name)
     if tensor.name.endswith("vocab_embedding.weight"):
         value = rows(value, layout.vocab)  # the draft's table padded (or cut) to the target's vocabulary
     if tensor.split == VOCAB:  # the draft's missing rows score the mean of its logits (module docstring)
@@ -360,6 +360,13 @@ def shard(tensor: Out, layout: Layout, dtype) -> list[np.ndarray]:
     if tensor.split == ROW:
         return np.split(value, tp, axis=1)
     return [value] * tp
+
+
+def _cast(value: np.ndarray, dtype, name: str) -> np.ndarray:
+    """value in the export's float type, refused in one line where fp16 cannot hold it (convert_into)."""
+    out = np.empty(value.shape, dtype)
+    convert_into(value, out, name=f"weight {name}")
+    return out
 
 
 def rows(table: np.ndarray, count: int, fill: np.ndarray | None = None) -> np.ndarray:
