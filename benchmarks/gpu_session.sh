@@ -41,7 +41,8 @@
 #   bash benchmarks/gpu_session.sh peers   # on that pair: transformers (eager, static cache + compile,
 #                                          # assisted), onnxruntime-genai's CUDA build               ~235 s
 #   bash benchmarks/gpu_session.sh quick   # check, pairs and graphs' first half (bench with CUDA graphs and
-#                                          # the steps graph, one-shot generate, sampled with CUDA graphs) in
+#                                          # the steps graph, one-shot generate, sampled with CUDA graphs,
+#                                          # the sampler alone: benchmarks/gpu_sampler.py) in
 #                                          # one call (timeout_s 600; whatever it wrote comes back if cut)  ~5-6 min
 #
 # For a 15-minute session: the setup, `quick` (~6 min), then on the same warm machine `serve` (~2-3 min) and
@@ -156,6 +157,9 @@ graphs)
         step "sampled$graphs" 100 python3 -m specbuild bench "$bundle" --device cuda \
             -n 64 --gamma 2,4 --temperature 0.8 --prompts "$prompts8" --json "$out/sampled$graphs.json" $graphs
     done
+    # The sampler alone at 32k and 152k vocabularies: blocked running sums against onnxruntime's quadratic
+    # CUDA CumSum, top-p's 1024 candidates (2026-11-26, not yet run on a GPU; its placement: pytest -m gpu)
+    step sampler 60 python3 benchmarks/gpu_sampler.py --device cuda --json "$out/sampler.json"
     [ -n "${QUICK:-}" ] && exit 0  # quick: the rest another time
     # Where a CUDA-graph target call's time goes: its MatMuls alone against the copy rate.
     step matmuls 120 python3 benchmarks/gpu_matmuls.py --shape tinyllama-1.1b --rows 1,5,9 --json "$out/matmuls.json"
