@@ -255,8 +255,11 @@ def sampler_session():
     import onnxruntime as ort
 
     from specbuild.compile.graphs import build_sampler
+    from specbuild_runtime.engine import session_options
 
-    return ort.InferenceSession(ir.to_proto(build_sampler()).SerializeToString(), providers=["CPUExecutionProvider"])
+    # session_options: an earlier test may have made the process share one thread pool
+    return ort.InferenceSession(ir.to_proto(build_sampler()).SerializeToString(), session_options(),
+                                providers=["CPUExecutionProvider"])
 
 
 def draw(sampler, p: np.ndarray, u: float, top_p: float = 1.0) -> int:
