@@ -804,6 +804,17 @@ def test_the_first_word_keeps_its_space_after_a_prompt_ending_in_characters_spel
     assert stream.take() + stream.finish() == tokenizer.decode(prompt + [256])[len(tokenizer.decode(prompt)):] == " the"
 
 
+def test_the_first_word_keeps_its_space_after_special_tokens_that_follow_a_byte_spelled_character():
+    """The prompt's last tokens are special (skipped when decoded) after "é" in two byte tokens: the context began
+    at the second byte, which decodes alone as U+FFFD, and the space before "a" was lost with it."""
+    tokenizer = byte_fallback_tokenizer()
+    prompt = [0xC3, 0xA9, 257, 257, 257, 257]
+    stream = TextStream(tokenizer, prompt_ids=prompt)
+    for token in (257, 256):
+        stream.push(token)
+    assert stream.take() + stream.finish() == tokenizer.decode(prompt + [257, 256])[len(tokenizer.decode(prompt)):] == " a"
+
+
 def test_a_seeded_sampled_request_reproduces_under_auto_gamma_whatever_ran_before(bundle):
     """Which γ a round uses changes which random number judges which draft: a seeded request's auto γ
     follows its own acceptance alone, not timings or the slot's earlier requests."""

@@ -28,8 +28,12 @@ class TextStream:
         self.stop = stop
         context = list(prompt_ids[-PROMPT_CONTEXT:])
         # Decoded alone, these tokens may begin inside a character (Llama 2 spells most emoji in byte tokens), and
-        # ByteFallback then shows the whole run of bytes as U+FFFD, up to the prompt's end: the context begins
-        # after it. Where the prompt's ids end inside a character, none is left: its text is no prefix of what follows.
+        # ByteFallback then shows the whole run of bytes as U+FFFD, up to the prompt's end: the context reaches back
+        # to the character's first byte (UTF-8 spells one in at most 4), else begins after the run. Where the
+        # prompt's ids end inside a character, none is left: its text is no prefix of what follows.
+        earlier = list(prompt_ids[:-PROMPT_CONTEXT][-3:])
+        while earlier and tokenizer.decode(context).endswith(INCOMPLETE):
+            context.insert(0, earlier.pop())
         while context and tokenizer.decode(context).endswith(INCOMPLETE):
             del context[0]
         self._ids = context  # the prompt's last tokens, then the generated ones
