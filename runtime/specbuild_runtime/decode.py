@@ -8,7 +8,6 @@ al. 2023). Drafts only decide how many tokens one target call produces.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import threading
 import time
@@ -25,7 +24,7 @@ from tokenizers import Tokenizer
 
 from .engine import CAPTURED_BY_DEFAULT, Engine, Sampler, requested_device, use_shared_thread_pool
 from .errors import BundleError, DeviceError, first_line
-from .manifest import TOKENIZER_DIR, Manifest, load_manifest
+from .manifest import TOKENIZER_DIR, Manifest, load_manifest, read_tokenizer_config
 from .policy import GREEDY_DECAYS, SAMPLING_DECAYS, AdaptiveGamma, Costs, FixedGamma, PriorCosts
 from .pool import SlotPool, check_memory
 from .relay import Relay
@@ -44,12 +43,7 @@ def load_tokenizer(path: Path) -> Tokenizer:
                           "with `specbuild compile`") from None
     # transformers keeps split_special_tokens in tokenizer_config.json (tokenizer.json cannot say it): a tokenizer
     # saved with it encodes special tokens written in the text as text, in prompts and rendered chat templates alike.
-    config = path.parent / "tokenizer_config.json"
-    try:
-        settings = json.loads(config.read_bytes()) if config.is_file() else {}
-    except ValueError as exc:
-        raise BundleError(f"bundle file {config} is not valid JSON ({exc}); rebuild the bundle with "
-                          "`specbuild compile`") from None
+    settings = read_tokenizer_config(path.parent)
     tokenizer.encode_special_tokens = isinstance(settings, dict) and settings.get("split_special_tokens") is True
     return tokenizer
 

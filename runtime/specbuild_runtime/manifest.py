@@ -66,6 +66,7 @@ FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 SAMPLER = "sampler.onnx"
 TOKENIZER_DIR = "tokenizer"
+TOKENIZER_CONFIG = "tokenizer_config.json"  # transformers' settings beside tokenizer.json (chat template, flags)
 # The most drafts per round a bundle may ask for: the runtime keeps per-position lists and a [γ, vocab]
 # buffer per request, and speculation stops paying long before (each draft must be accepted for the next
 # to count).
@@ -335,6 +336,17 @@ def runtime_version() -> str:
 
 # compile --overwrite replaces only a folder whose manifest says it is a bundle: not this one.
 UNREADABLE_ADVICE = "rebuild the bundle with `specbuild compile` into a new folder (or delete this one first)"
+
+
+def read_tokenizer_config(tokenizer_dir: Path):
+    """The bundle's tokenizer_config.json as parsed (empty without one), or a one-line BundleError where it is no
+    JSON: the digest check catches a damaged file first, unless it is skipped (serve --no-check-digests)."""
+    path = tokenizer_dir / TOKENIZER_CONFIG
+    try:
+        return json.loads(path.read_bytes()) if path.is_file() else {}
+    except ValueError as exc:
+        raise BundleError(f"bundle file {path} is not valid JSON ({exc}); rebuild the bundle with "
+                          "`specbuild compile`") from None
 
 
 def _not_a_file(path: Path) -> str:

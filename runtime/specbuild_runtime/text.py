@@ -26,6 +26,8 @@ class TextStream:
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), prompt_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
         self.stop = stop
+        # SentencePiece vocabularies with byte fallback hold all 256 byte tokens; others need no look per token.
+        self._byte_fallback = tokenizer.token_to_id("<0x00>") is not None
         context = list(prompt_ids[-PROMPT_CONTEXT:])
         # Decoded alone, these tokens may begin inside a character (Llama 2 spells most emoji in byte tokens), and
         # ByteFallback then shows the whole run of bytes as U+FFFD, up to the prompt's end: the context reaches back
@@ -73,7 +75,7 @@ class TextStream:
         if len(now) <= len(before):
             return
         new = now[len(before):]
-        if not final and (new.endswith(INCOMPLETE) or self._in_byte_run()):
+        if not final and (new.endswith(INCOMPLETE) or self._byte_fallback and self._in_byte_run()):
             # The last bytes begin a character still to come, or may still be followed by bytes that change
             # what they decode to: wait for them, but a stop string may be whole already in the text so far
             # (the request then ends at this token, not the next).

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from specbuild_runtime.engine import session_options
 from specbuild_runtime.errors import SpecbuildError, first_line
-from specbuild_runtime.manifest import TOKENIZER_DIR, EngineInfo, Manifest, cache_names
+from specbuild_runtime.manifest import TOKENIZER_CONFIG, TOKENIZER_DIR, EngineInfo, Manifest, cache_names
 
 from .. import __version__
 from ..errors import SettingsError
@@ -94,7 +94,7 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
         if settings.backend != "onnx":
             stages.start("writing TensorRT-LLM checkpoints")
             trtllm = tensorrt_llm.export_pair(target, draft, folder, scratch, engines, max_seq_len, settings.tp, numerics,
-                                              settings.gamma)
+                                              settings.gamma, eos)
 
         stages.start("writing the bundle")
         save_tokenizer(target.tokenizer, folder / TOKENIZER_DIR)
@@ -127,7 +127,7 @@ def save_tokenizer(tokenizer, folder: Path) -> None:
     named tokens and fails on a list ('list' object has no attribute 'keys'); both read the list under
     "additional_special_tokens", transformers 4's name for it."""
     tokenizer.save_pretrained(folder)
-    path = folder / "tokenizer_config.json"
+    path = folder / TOKENIZER_CONFIG
     # UTF-8, as transformers writes it, whatever the locale (the C locale without UTF-8 mode reads ASCII)
     saved = json.loads(path.read_bytes())
     config = dict(saved)

@@ -44,7 +44,7 @@ from specbuild_runtime.manifest import TOKENIZER_DIR, EngineInfo, TensorRTLLMPar
 
 from ..errors import ExternalToolError, UnsupportedModelError
 from . import gamma as gamma_stage
-from .load import Checkpoint, eos_token_ids
+from .load import Checkpoint
 from .precision import Numerics, convert_into
 
 FOLDER = "tensorrt-llm"
@@ -189,9 +189,11 @@ def check_pair(target: Checkpoint, draft: Checkpoint, max_seq_len: int, tp: int,
 
 
 def export_pair(target: Checkpoint, draft: Checkpoint, folder: Path, scratch: Path, engines: dict[str, EngineInfo],
-                max_seq_len: int, tp: int, numerics: dict[str, Numerics], max_gamma: int) -> TensorRTLLMPart:
+                max_seq_len: int, tp: int, numerics: dict[str, Numerics], max_gamma: int,
+                eos: list[int]) -> TensorRTLLMPart:
     """Writes tensorrt-llm/{target,draft}/ and the plans into the bundle being built (check_pair has passed),
-    and runs trtllm-build when it is on PATH. engines: the ONNX engines built beside (they measure γ), or none."""
+    and runs trtllm-build when it is on PATH. engines: the ONNX engines built beside (they measure γ), or none;
+    eos: the bundle's eos ids (load.eos_token_ids), where γ's agreement ends and run.sh's output does."""
     vocab, precision = target.spec.shape.vocab_size, numerics["target"].precision
     checkpoints = {}
     for role, ckpt in (("target", target), ("draft", draft)):
@@ -199,10 +201,10 @@ def export_pair(target: Checkpoint, draft: Checkpoint, folder: Path, scratch: Pa
                                              numerics[role].quantization)
         # the ONNX engine hashed the same source already
         checkpoints[role]["source"] = engines[role].source if role in engines else source(ckpt)
-    recommended = measure_gamma(folder, engines, target, draft, checkpoints, max_seq_len, max_gamma)
+    recommended = measure_gamma(folder, engines, target, draft, checkpoints, max_seq_len, max_gamma, eos)
     quantized = " and ".join(f"the {role} {numerics[role].quantization}" for role in ("target", "draft")
                           if numerics[role].quantization != "none")
-    plans = write_plans(folder, recommended["gamma"], tp, max_seq_len, precision, target, draft, quantized,
+    plans = write_plans(folder, recommended["gamma"], tp, max_seq_len, precision, target, draft, eos, quantized,
                         measured=recommended["alpha"] is not None)
     built = run_build(folder / plans["build"]) if shutil.which("trtllm-build") else None
     return TensorRTLLMPart(tp_size=tp, checkpoints=checkpoints, plans=plans, gamma=recommended, engines=built)
@@ -417,11 +419,11 @@ class RankFile:
 
 
 def measure_gamma(folder: Path, engines: dict[str, EngineInfo], target: Checkpoint, draft: Checkpoint,
-                  checkpoints: dict[str, dict], max_seq_len: int, max_gamma: int) -> dict:
+                  checkpoints: dict[str, dict], max_seq_len: int, max_gamma: int, eos: list[int]) -> dict:
     """γ for the plans: α through the ONNX engines when fp32 ones were built, otherwise with transformers on
     CPU for pairs small enough; c from the weight bytes each step reads. Not c timed on this CPU: a GPU's
     step times are not its, and a timed c moved γ between identical builds (a pipeline caches the plans)."""
-    prompt_ids, eos = gamma_stage.prompts(target.tokenizer), eos_token_ids(target)
+    prompt_ids = gamma_stage.prompts(target.tokenizer)
     byte_ratio = checkpoints["draft"]["weight_bytes"] / checkpoints["target"]["weight_bytes"]
     alpha = gamma_stage.measure_with_engines(folder, engines, prompt_ids, max_seq_len, eos) if engines else None
     how = "the ONNX engines on this CPU"
@@ -439,7 +441,8 @@ def measure_gamma(folder: Path, engines: dict[str, EngineInfo], target: Checkpoi
 
 
 def write_plans(folder: Path, gamma: int, tp: int, max_seq_len: int, precision: str,
-                target: Checkpoint, draft: Checkpoint, quantized: str = "", measured: bool = True) -> dict[str, str]:
+                target: Checkpoint, draft: Checkpoint, eos: list[int], quantized: str = "",
+                measured: bool = True) -> dict[str, str]:
     """quantized: the quantization the checkpoints ask trtllm-build for ("the target int4 and ..."; ""
     for none), which the plans that serve the source folders (LLM API, vLLM) do not get. measured: whether α
     was measured, so that gamma is the pair's own rather than the bundle's max gamma."""
@@ -451,7 +454,7 @@ def write_plans(folder: Path, gamma: int, tp: int, max_seq_len: int, precision: 
              "vllm": VLLM_PLAN}
     texts = {
         "build": build_script(gamma, max_seq_len, precision, origin),
-        "run": run_script(gamma, tp, max_seq_len, eos_token_ids(target), target.tokenizer.eos_token_id),
+        "run": run_script(gamma, tp, max_seq_len, eos, target.tokenizer.eos_token_id),
         "llm_api": llm_api_yaml(gamma, tp, target.path.resolve(), draft.path.resolve(), unquantized),
         "vllm": vllm_script(gamma, tp, max_seq_len, DTYPES[precision][0], target, draft, unquantized, origin),
     }
@@ -486,7 +489,7 @@ trtllm-build --checkpoint_dir target --output_dir engines/target {common} \\
 """
 
 
-def run_script(gamma: int, tp: int, max_seq_len: int, eos: list[int] = (), tokenizer_eos: int | None = None) -> str:
+def run_script(gamma: int, tp: int, max_seq_len: int, eos: list[int], tokenizer_eos: int | None) -> str:
     """examples/run.py's draft-target mode (examples/draft_target_model/README.md): [draft_len, draft GPUs,
     target GPUs, use_logits]; each device list is as long as that engine's tp. run.py starts both engines
     itself (ModelRunnerCpp in orchestrator mode, examples/run_dtm_pld.py), so no mpirun. The default output

@@ -18,10 +18,10 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import BundleError, RequestError, first_line
+from ..manifest import TOKENIZER_CONFIG, read_tokenizer_config
 from ..validation import utf8
 
-TEMPLATE_FILE = "chat_template.jinja"  # transformers >= 4.47 saves the template here
-CONFIG_FILE = "tokenizer_config.json"  # older checkpoints keep it under "chat_template"
+TEMPLATE_FILE = "chat_template.jinja"  # transformers >= 4.47 saves the template here; older, in tokenizer_config.json
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -82,14 +82,10 @@ class _GenerationBlock(jinja2.ext.Extension):
 
 def load_chat_template(tokenizer_dir: Path) -> ChatTemplate | None:
     """The template of a bundle's tokenizer folder, or None when it has none."""
-    try:  # the digest check catches a damaged file first, unless it is skipped (serve --no-check-digests)
-        config = json.loads((tokenizer_dir / CONFIG_FILE).read_bytes()) if (tokenizer_dir / CONFIG_FILE).exists() else {}
-    except ValueError as exc:
-        raise BundleError(f"bundle file {tokenizer_dir / CONFIG_FILE} is not valid JSON ({exc}); rebuild the bundle with "
-                          "`specbuild compile`") from None
+    config = read_tokenizer_config(tokenizer_dir)
     if not isinstance(config, dict):
-        raise BundleError(f"bundle file {tokenizer_dir / CONFIG_FILE} is not a JSON object; rebuild the bundle with "
-                          "`specbuild compile`")
+        raise BundleError(f"bundle file {tokenizer_dir / TOKENIZER_CONFIG} is not a JSON object; rebuild the bundle "
+                          "with `specbuild compile`")
     source = (tokenizer_dir / TEMPLATE_FILE).read_text(encoding="utf-8") if (tokenizer_dir / TEMPLATE_FILE).exists() else config.get("chat_template")
     if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
         source = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}.get("default")
