@@ -601,6 +601,13 @@ def test_stats_hold_measurements_and_the_request_its_gamma(bundle):
     assert stats.drafted == 0 and set(stats.gamma_rounds) == {0} and stats.finish_reason == "max_new_tokens"
 
 
+def test_a_generations_repr_shows_its_counts_not_a_time_per_token(bundle):
+    result = SpeculativeDecoder(bundle).generate(PROMPTS[2], 40, gamma=2)
+    shown = repr(result)
+    assert "generated_tokens=40" in shown and "finish_reason=" in shown
+    assert "token_times" not in shown and "accepted_at" not in shown and len(shown) < 1200
+
+
 @pytest.fixture(scope="module")
 def free_text(bundle):
     """Each prompt's greedy continuation without stop strings, as (token ids, text)."""

@@ -58,9 +58,10 @@ class Stats:
     rounds: int = 0  # target calls after the prompt
     drafted: int = 0
     accepted: int = 0
-    accepted_at: list[int] = field(default_factory=list)  # rounds whose draft j was accepted
-    proposed_at: list[int] = field(default_factory=list)  # rounds that proposed a draft at j
-    token_times: list[float] = field(default_factory=list)  # seconds since the call began
+    # Kept out of repr: one entry per position or token would bury the counts (a Generation's repr included).
+    accepted_at: list[int] = field(default_factory=list, repr=False)  # rounds whose draft j was accepted
+    proposed_at: list[int] = field(default_factory=list, repr=False)  # rounds that proposed a draft at j
+    token_times: list[float] = field(default_factory=list, repr=False)  # seconds since the call began
     gamma_rounds: dict[int, int] = field(default_factory=dict)  # γ used -> rounds
     draft_seconds: float = 0.0
     guessed: int = 0  # rounds without drafts whose target rows checked free guesses (see _speculate)
