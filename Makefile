@@ -5,7 +5,7 @@ TORCH_INDEX ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test clean
 
 # The main job on the embedded default: make (once) and compile the demo pair, then generate with it.
 demo: $(STAMP)

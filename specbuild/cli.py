@@ -105,7 +105,8 @@ class Float32(Finite):
 
 def sampling_options(temperature_help: str = "0 (or below 1e-5) decodes greedily; above, samples losslessly from "
                      "the target's distribution.",
-                     seed_help: str = "Seed for sampling (any integer): it reproduces a run exactly, at a fixed --gamma or auto.",
+                     seed_help: str = "Seed for sampling (any integer): it reproduces a run exactly, at a fixed --gamma or auto.  "
+                                      "[default: none: each run samples anew]",
                      seed_default: int | None = None):
     """--temperature/--top-k/--top-p/--seed, named as in the Python API."""
     def decorate(command):
@@ -173,8 +174,9 @@ def cli(debug: bool) -> None:
 @click.option("--draft-quantize", type=click.Choice(QUANTIZATIONS), help="Override --quantize for the draft.")
 @click.option("--block-size", type=Setting("block_size"), help=f"Quantization block size along the input dimension (a power of two from 16 to 256).  [default: {DEFAULT_BLOCK_SIZE}]")
 @click.option("--accuracy-level", type=Setting("accuracy_level"),
-              help="MatMulNBits compute type of quantized engines: 4 = int8 compute (fast on CPU), 0 = fp32. "
-                   "Both keep speculative output identical to the target's own.  [default: 4]")
+              help="MatMulNBits compute type of quantized engines, 0 to 4: 4 = int8 compute (fast on CPU), 0 or 1 = fp32, "
+                   "2 = fp16, 3 = bf16. "
+                   "Each keeps speculative output identical to the target's own.  [default: 4]")
 @click.option("--precision", type=click.Choice(PRECISIONS), help="Float type of the engines (fp16/bf16 for GPU).  [default: fp32]")
 @click.option("--quality-report/--no-quality-report", default=None, help="Measure quantized engines against fp32 into the manifest.  [default: on]")
 @click.option("--overwrite/--no-overwrite", default=None,
@@ -223,7 +225,8 @@ def cuda_line(manifest) -> str:
 @click.option("--prompt", "-p", required=True, type=PromptText(), help="Text to continue; - reads it from stdin.")
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=128, show_default=True, help="Stop after this many new tokens.")
 @click.option("--gamma", type=GammaType(), default="auto", show_default=True,
-              help="Draft tokens per round: 'auto' adapts to the draft's acceptance, 0 is the target alone.")
+              help="Draft tokens per round, up to the bundle's max gamma (compile's --gamma; inspect shows it): 'auto' "
+                   "adapts to the draft's acceptance, 0 is the target alone.")
 @click.option("--chat", is_flag=True, help="Send the prompt as a user message in the bundle's chat template (as serve's "
               "/v1/chat/completions renders it) and print the reply alone.")
 @click.option("--stop", multiple=True, metavar="TEXT", callback=check_stops,

@@ -74,3 +74,25 @@ def test_every_tracked_path_reads_as_a_file():
 
         pytest.skip("not a git checkout")
     assert [path for path in listed.stdout.split("\0") if path and (root / path).is_dir()] == []
+
+
+def test_the_readme_layout_names_every_module_and_benchmark():
+    """The Layout section is the map of the repository: the runtime's errors.py and a GPU session's reports
+    (benchmarks/h100-2026-11-26/) were missing from it. Each folder's entries are looked for in its own part of
+    the map (specbuild/ has an errors.py too), and a module the map names must exist there."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    layout = (root / "README.md").read_text().split("## Layout")[1].split("\n## ")[0]
+    compiler, rest = layout.split("- `runtime/specbuild_runtime/`")
+    runtime, benchmarks = rest.split("- `benchmarks/`")
+    parts = {"specbuild": compiler, "runtime/specbuild_runtime": runtime, "benchmarks": benchmarks}
+    for folder, text in parts.items():
+        entries = [path for path in (root / folder).rglob("*.py") if path.name not in ("__init__.py", "__main__.py")]
+        if folder == "benchmarks":
+            entries = [path for path in (root / folder).iterdir() if path.suffix in (".py", ".sh") or path.is_dir()]
+        unnamed = [str(path.relative_to(root)) for path in entries if not re.search(rf"[`/]{re.escape(path.name)}\b", text)]
+        assert unnamed == [], folder
+        named = set(re.findall(r"`([\w.-]+\.py)`", text)) - {path.name for path in entries}
+        assert named == set(), folder

@@ -102,3 +102,28 @@ def test_the_command_line_synopsis_names_only_real_options_with_their_defaults()
             default = (str(param.default) if isinstance(param.default, (int, float, str)) else
                        re.search(r"\[default: ([^\]]+)\]", param.help)[1])
             assert default in (value, f"{value}.0"), (command.name, flag, value, default)
+
+
+def test_the_command_line_synopsis_shows_every_option_of_every_command():
+    """The synopsis is where a reader looks for what a command takes: verify's --max-new-tokens, --gamma and --json,
+    bench's --max-new-tokens and serve's --allowed-origins were missing from it. An option counts as shown in any of
+    its spellings (-n, --no-overwrite); --help and --version are on every command."""
+    import click
+
+    from specbuild.cli import cli
+
+    synopsis = README.read_text().split("## The command line")[1].split("```bash")[1].split("```")[0]
+    shown, command = {}, None
+    for line in filter(str.strip, synopsis.splitlines()):
+        if started := re.match(r"\s*specbuild (\w+)", line):
+            command = started[1]
+        code, _, comment = line.partition("   #")
+        flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*|-[a-z])\b", code))
+        shown.setdefault(command, set()).update(flags)
+        if "on verify" in comment:
+            for name in ("verify", "bench", "serve"):
+                shown.setdefault(name, set()).update(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)\b", comment))
+    missing = {name: [p.opts[0] for p in each.params if isinstance(p, click.Option) and not p.is_eager
+                      and not set(p.opts + p.secondary_opts) & shown.get(name, set())]
+               for name, each in cli.commands.items()}
+    assert not any(missing.values()), missing

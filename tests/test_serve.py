@@ -412,6 +412,13 @@ def test_ctrl_c_ends_the_server_with_one_line_and_status_130(command, bundle, tm
     assert "Traceback" not in log.read_text() and log.read_text().splitlines()[-1] == "error: interrupted"
 
 
+@SERVE_COMMANDS
+def test_dash_h_shows_the_help_as_on_every_specbuild_command(command):
+    """specbuild-serve took --help alone: its `-h`, which `specbuild serve` takes from the group, was "No such option"."""
+    result = subprocess.run([*command, "-h"], capture_output=True, text=True)
+    assert result.returncode == 0 and "--max-queue" in result.stdout and not result.stderr, result.stderr
+
+
 def test_specbuild_serves_usage_errors_are_one_line_as_specbuilds(tmp_path):
     """The standalone command a torch-free service runs printed click's three lines (usage, hint, error)."""
     command = [sys.executable, "-c", "import sys; from specbuild_runtime.serve.cli import main; main()"]

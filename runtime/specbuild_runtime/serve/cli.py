@@ -46,14 +46,16 @@ draft_steps_option = click.option(
          "weights), or a call per draft token: the same drafts.  [default: steps on cuda, a call per token on cpu]")
 
 
-@click.command("serve")
+# -h as on every specbuild command: `specbuild serve` takes it from the group, specbuild-serve only from here.
+@click.command("serve", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 # The runtime's version, the serve command's package: a service that installs it alone has no `specbuild --version`.
 @click.version_option(runtime_version(), prog_name="specbuild-serve")
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port to listen on.")
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
-              help="Where the engines run; auto picks CUDA when onnxruntime has it.")
+              help="Where the engines run: cuda needs onnxruntime-gpu (pip install ./runtime[gpu]); auto takes CUDA if "
+                   "present.")
 @cuda_graphs_option
 @draft_steps_option
 @click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True,
