@@ -19,7 +19,8 @@ import click
 
 from specbuild_runtime.engine import DEVICES
 from specbuild_runtime.errors import RequestError
-from specbuild_runtime.serve.cli import Finite, cuda_graphs_option, draft_steps_option, run_command, serve_command
+from specbuild_runtime.serve.cli import (Finite, chat_template_option, cuda_graphs_option, draft_steps_option, run_command,
+                                        serve_command)
 from specbuild_runtime.validation import FLOAT32_MAX, GREEDY_BELOW, stop_strings
 
 from . import __version__
@@ -229,6 +230,7 @@ def cuda_line(manifest) -> str:
                    "adapts to the draft's acceptance, 0 is the target alone.")
 @click.option("--chat", is_flag=True, help="Send the prompt as a user message in the bundle's chat template (as serve's "
               "/v1/chat/completions renders it) and print the reply alone.")
+@chat_template_option
 @click.option("--stop", multiple=True, metavar="TEXT", callback=check_stops,
               help="End the output where it would contain TEXT (repeatable, up to 16; as the API's stop strings).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, stats) instead of streaming text.")
@@ -236,17 +238,19 @@ def cuda_line(manifest) -> str:
 @cuda_graphs_option
 @draft_steps_option
 @sampling_options()
-def generate(bundle, prompt, max_new_tokens, gamma, chat, stop, as_json, device, cuda_graphs, draft_steps,
+def generate(bundle, prompt, max_new_tokens, gamma, chat, chat_template, stop, as_json, device, cuda_graphs, draft_steps,
              **sampling) -> None:
     """Continue a prompt with speculative decoding (greedy, or sampling with --temperature)."""
     from specbuild_runtime import SpeculativeDecoder, Stats
 
     check_sampling(sampling)
+    if chat_template is not None and not chat:  # a plain prompt renders no template: it would be ignored
+        raise click.UsageError("--chat-template applies to --chat: give --chat too")
     decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs,
                                  draft_steps=draft_steps)
     shown = prompt
     if chat:
-        prompt, shown = chat_prompt(decoder, prompt), ""
+        prompt, shown = chat_prompt(decoder, prompt, chat_template), ""
     if as_json:
         result = decoder.generate(prompt, max_new_tokens, gamma, stop=list(stop), **sampling)
         click.echo(json.dumps({
@@ -266,8 +270,8 @@ def generate(bundle, prompt, max_new_tokens, gamma, chat, stop, as_json, device,
     click.echo(_stats_line(stats, gamma), err=True)
 
 
-def chat_prompt(decoder, text: str) -> list[int]:
-    """text as one user message in the bundle's chat template, as token ids."""
+def chat_prompt(decoder, text: str, supplied=None) -> list[int]:
+    """text as one user message in the bundle's chat template (or the one supplied, --chat-template), as token ids."""
     from specbuild_runtime.manifest import TOKENIZER_DIR
 
     try:
@@ -275,10 +279,10 @@ def chat_prompt(decoder, text: str) -> list[int]:
     except ImportError as exc:  # jinja2, in the runtime's serve extra: an install, as serve's, not a command line
         raise click.ClickException(f"--chat renders the chat template with jinja2 ({exc}): pip install "
                                    "'specbuild-runtime[serve]'") from None
-    template = load_chat_template(decoder.root / TOKENIZER_DIR)
+    template = load_chat_template(decoder.root / TOKENIZER_DIR, supplied)
     if template is None:  # what the bundle lacks, as a --gamma above its maximum (exit 1), not a malformed command line
-        raise click.ClickException("this bundle's tokenizer has no chat template; give the prompt as text, without "
-                                   "--chat")
+        raise click.ClickException("this bundle's tokenizer has no chat template; give one with --chat-template, or "
+                                   "the prompt as text, without --chat")
     return template.prompt_ids(decoder.tokenizer, [{"role": "user", "content": text}])
 
 
@@ -312,7 +316,7 @@ def quantized_line(engine: Path) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def inspect(bundle, as_json) -> None:
     """Show what a bundle holds: engines, shapes, settings, and whether its files are intact."""
-    from specbuild_runtime.manifest import load_manifest
+    from specbuild_runtime.manifest import TOKENIZER_DIR, chat_template_source, load_manifest, read_tokenizer_config
 
     manifest = load_manifest(bundle)
     if as_json:
@@ -344,6 +348,10 @@ def inspect(bundle, as_json) -> None:
         click.echo(f"{'on cuda':<10} {cuda_line(manifest)}")
     if manifest.tensorrt_llm:
         click.echo("\n".join(f"{'tensorrt':<10} {line}" for line in tensorrt_llm_lines(bundle, manifest.tensorrt_llm)))
+    config = read_tokenizer_config(bundle / TOKENIZER_DIR)
+    found = chat_template_source(bundle / TOKENIZER_DIR, config if isinstance(config, dict) else {})
+    click.echo(f"{'chat':<10} " + (f"template in {found[1]}" if found else
+                                   "no template (serve and generate --chat need --chat-template)"))
 
 
 def tensorrt_llm_lines(bundle: Path, part) -> list[str]:

@@ -423,8 +423,20 @@ CASES = [
          1, "manifest", "Rebuild the bundle; never edit a manifest by hand.",
          setup=a_copy_of("bundle", edit_manifest_vocab)),
     Case("`generate --chat` on a bundle whose tokenizer has no chat template", ["generate", "{bundle}", "-p", "x", "--chat"],
-         1, "has no chat template", "Give the prompt as text, without `--chat` (the bundle is fine; its target has no "
-         "chat template)."),
+         1, "has no chat template", "Give one with `--chat-template` (as `serve` takes it), or the prompt as text, without "
+         "`--chat` (the bundle is fine; its target has no chat template)."),
+    Case("`--chat-template` a file that does not exist (`serve` or `generate --chat`)",
+         ["serve", "{bundle}", "--chat-template", "{tmp}/templates/chatml.jinja"], 2, "looks like a file path",
+         "Give the template's file, or the template text itself: a value without `{`, `}` or a newline is taken for a "
+         "path, as in vLLM (checked before the bundle loads)."),
+    Case("`--chat-template` a file that is not UTF-8", ["serve", "{bundle}", "--chat-template", "{template}"], 2,
+         "is not UTF-8", "Save the template as UTF-8.", setup=write_file("template", b"{{ bos_token }}\xff")),
+    Case("`--chat-template` a template jinja2 cannot parse",
+         ["generate", "{bundle}", "-p", "x", "--chat", "--chat-template", "{{% for m in messages %}}{{{{ m }}}}"], 2,
+         "does not compile", "Fix the template at the line the message names (a file's or the text given)."),
+    Case("`generate --chat-template` without `--chat`", ["generate", "{bundle}", "-p", "x", "--chat-template", "{{{{ x }}}}"],
+         2, "give --chat too", "Add `--chat`: the template renders the prompt as a chat message; a plain prompt is sent "
+         "as it is."),
     Case("a prompt longer than the bundle's context", ["generate", "{bundle}", "-p", "x " * 300, "-n", "4"], 1,
          "--max-seq-len", "Shorten the prompt or recompile with a larger `--max-seq-len`."),
     Case("`--max-new-tokens 0`", ["generate", "{bundle}", "-p", "x", "-n", "0"], 2, "x>=1",

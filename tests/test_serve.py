@@ -37,6 +37,11 @@ CHAT_TEMPLATE = (
     "<|{{ message['role'] }}|>\n{{ message['content'] | trim }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+# Another markup than CHAT_TEMPLATE's, for --chat-template: the special tokens it shows come from the bundle.
+OTHER_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}[{{ message['role'] | upper }}] {{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}[ASSISTANT] {% endif %}"
+)
 GREEDY = {"temperature": 0}  # sent: a request without one samples (serve --generation-config auto, OpenAI's default)
 SAMPLED = [dict(temperature=0.8, top_p=0.9, seed=7, gamma=2), dict(temperature=1.0, top_k=20, seed=3, gamma=3)]
 FINISH = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "context": "length"}
@@ -746,6 +751,83 @@ def test_chat_without_a_template_is_a_clear_400(bundles):
         assert reply.status_code == 400 and "no chat template" in reply.json()["error"]["message"]
 
 
+def transformers_chat_ids(bundle: Path, messages: list[dict], template: str | None = None) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(bundle / "tokenizer").apply_chat_template(
+        messages, chat_template=template, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+@pytest.mark.parametrize("given", ["file", "inline"])
+def test_chat_template_option_gives_a_bundle_without_one_chat_as_transformers_renders_it(given, bundles, tmp_path, cli):
+    """A bundle whose tokenizer has no template (a base model's) answered every chat request 400. --chat-template,
+    as vLLM's, is a file or else the template itself, rendered with the bundle's special tokens; the start-up line
+    names it, and generate --chat takes it the same way."""
+    from specbuild_runtime import SpeculativeDecoder
+
+    plain = bundles("llama", 1)
+    (tmp_path / "other.jinja").write_text(OTHER_TEMPLATE)
+    value = str(tmp_path / "other.jinja") if given == "file" else OTHER_TEMPLATE
+    messages = [{"role": "user", "content": "Write fib"}]
+    ids = transformers_chat_ids(plain, messages, OTHER_TEMPLATE)
+    expected = SpeculativeDecoder(plain).generate(ids, max_new_tokens=8)
+    with specbuild_serve(plain, tmp_path / "server.log", "--chat-template", value) as (_, url):
+        reply = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 8, **GREEDY}).json()
+    assert reply["choices"][0]["message"]["content"] == expected.text and reply["usage"]["prompt_tokens"] == len(ids)
+    origin = f"--chat-template {value}" if given == "file" else "--chat-template (inline)"
+    assert f"chat template from {origin}" in (tmp_path / "server.log").read_text()
+    [generated] = cli.run([["generate", str(plain), "-p", "Write fib", "--chat", "--chat-template", value, "-n", "8",
+                            "--json"]])
+    assert generated["status"] == 0, generated["stderr"]
+    assert json.loads(generated["stdout"])["prompt_token_ids"] == ids
+    assert json.loads(generated["stdout"])["token_ids"] == expected.token_ids
+
+
+def test_chat_template_option_replaces_the_bundles_own(bundle, reference):
+    """A template that ships wrong is mended at start-up, not by recompiling: chats render the operator's."""
+    from specbuild_runtime.serve.chat import supplied_chat_template
+
+    messages = [{"role": "user", "content": "Write fib"}]
+    ids = transformers_chat_ids(bundle, messages, OTHER_TEMPLATE)
+    assert ids != transformers_chat_ids(bundle, messages)  # the bundle's own renders another prompt
+    with in_process(bundle, chat_template=supplied_chat_template(OTHER_TEMPLATE)) as (url, decoder, _):
+        decoder.go.set()
+        reply = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 8, **GREEDY}).json()
+    assert reply["choices"][0]["message"]["content"] == reference.generate(ids, max_new_tokens=8).text
+    assert reply["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_a_bundle_template_that_does_not_compile_gives_way_to_chat_template_option(bundle, tmp_path):
+    """The bundle's template is not compiled when one is supplied: a broken one is what an operator replaces."""
+    from specbuild_runtime import BundleError
+    from specbuild_runtime.serve.chat import load_chat_template, supplied_chat_template
+
+    tokenizer = shutil.copytree(bundle / "tokenizer", tmp_path / "tokenizer")
+    (tokenizer / "chat_template.jinja").write_text("{% for message in messages %}")
+    with pytest.raises(BundleError, match=r"chat_template.jinja\) does not compile .*--chat-template"):
+        load_chat_template(tokenizer)
+    assert load_chat_template(tokenizer, supplied_chat_template(OTHER_TEMPLATE)).source == OTHER_TEMPLATE
+
+
+def test_chat_template_option_is_a_file_where_one_opens_else_text_unless_it_looks_like_a_path(tmp_path, monkeypatch):
+    """vLLM's rules: a file is tried first (even one whose name holds braces); a value that opens none is the
+    template itself if it holds '{', '}' or a newline, and otherwise a path that was mistyped."""
+    from specbuild_runtime.serve.chat import supplied_chat_template
+
+    monkeypatch.chdir(tmp_path)
+    Path("{x}.jinja").write_text("{{ bos_token }}")
+    assert supplied_chat_template("{x}.jinja").source == "{{ bos_token }}"
+    assert supplied_chat_template("{{ eos_token }}").origin == "--chat-template (inline)"
+    with pytest.raises(ValueError, match="'chatml.jinja' looks like a file path .*No such file"):
+        supplied_chat_template("chatml.jinja")
+
+
+def test_inspect_says_where_the_chat_template_is_or_that_there_is_none(bundle, bundles, cli):
+    with_one, without = cli.run([["inspect", str(bundle)], ["inspect", str(bundles("llama", 1))]])
+    assert "chat       template in tokenizer/chat_template.jinja" in with_one["stdout"]  # where transformers saves it
+    assert "chat       no template (serve and generate --chat need --chat-template)" in without["stdout"]
+
+
 @pytest.mark.parametrize("form", ["tokenizer_config.json", "chat_template.jinja"])
 def test_compile_keeps_the_chat_template_in_either_form(form, tmp_path, tokenizer, checkpoints, bundle):
     from specbuild_runtime.serve.chat import load_chat_template
@@ -834,6 +916,7 @@ def test_the_start_up_line_names_the_defaults_and_what_of_the_generation_config_
     with specbuild_serve(sampling_bundle, log) as (_, url):
         assert healthy(url)
     line = next(line for line in log.read_text().splitlines() if line.startswith("serving "))
+    assert "; no chat template (/v1/chat/completions answers 400; --chat-template gives one); " in line, line
     assert line.endswith("requests without temperature/top_p/top_k get temperature 1.5, top_k 3 (from the bundle's "
                          "generation_config); generation_config fields not applied: repetition_penalty 1.3"), line
 

@@ -67,6 +67,7 @@ MANIFEST = "manifest.json"
 SAMPLER = "sampler.onnx"
 TOKENIZER_DIR = "tokenizer"
 TOKENIZER_CONFIG = "tokenizer_config.json"  # transformers' settings beside tokenizer.json (chat template, flags)
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers >= 4.47 saves the template here; older, in TOKENIZER_CONFIG
 # The most drafts per round a bundle may ask for: the runtime keeps per-position lists and a [γ, vocab]
 # buffer per request, and speculation stops paying long before (each draft must be accepted for the next
 # to count).
@@ -347,6 +348,19 @@ def read_tokenizer_config(tokenizer_dir: Path):
     except ValueError as exc:
         raise BundleError(f"bundle file {path} is not valid JSON ({exc}); rebuild the bundle with "
                           "`specbuild compile`") from None
+
+
+def chat_template_source(tokenizer_dir: Path, config: dict) -> tuple[str, str] | None:
+    """The bundle's chat template and the file it is in (as "tokenizer/NAME"), or None where its tokenizer has
+    none; `config` is its tokenizer_config.json (read_tokenizer_config). Here, not beside the renderer: inspect
+    names the file without jinja2."""
+    if (tokenizer_dir / CHAT_TEMPLATE_FILE).exists():
+        source, name = (tokenizer_dir / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8"), CHAT_TEMPLATE_FILE
+    else:
+        source, name = config.get("chat_template"), TOKENIZER_CONFIG
+    if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        source = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}.get("default")
+    return (source, f"{TOKENIZER_DIR}/{name}") if isinstance(source, str) and source else None
 
 
 def _not_a_file(path: Path) -> str:

@@ -29,7 +29,7 @@ from ..errors import DeviceError, RequestError
 from ..manifest import TOKENIZER_DIR
 from ..validation import Request
 from . import protocol
-from .chat import load_chat_template
+from .chat import SuppliedTemplate, load_chat_template
 from .metrics import Metrics
 from .protocol import CHAT, COMPLETIONS, ApiError, Reply, sse
 from .scheduler import Overloaded, Scheduler, Stopped, Unavailable
@@ -57,6 +57,7 @@ class Settings:
     api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1 routes; None: open
     generation_config: str = "auto"  # where requests that omit temperature/top_p/top_k get them (protocol.sampling_defaults)
     allowed_origins: tuple[str, ...] = ()  # origins whose web pages may call the API from a browser (CORS); "*": any
+    chat_template: SuppliedTemplate | None = None  # rendered in place of the bundle's (--chat-template)
 
 
 class Server:
@@ -65,7 +66,7 @@ class Server:
     def __init__(self, decoder, settings: Settings):
         self.decoder = decoder
         self.settings = settings
-        self.chat_template = load_chat_template(decoder.root / TOKENIZER_DIR)
+        self.chat_template = load_chat_template(decoder.root / TOKENIZER_DIR, settings.chat_template)
         self.defaults = protocol.sampling_defaults(decoder.manifest.generation_config, settings.generation_config)
         self.metrics = Metrics(decoder.slots.size)
         self.scheduler = Scheduler(decoder, settings.max_queue, settings.timeout, self.metrics)
@@ -181,8 +182,8 @@ class Server:
         prompt = request.prompt
         if request.endpoint == CHAT:
             if self.chat_template is None:
-                raise ApiError(400, "this model's bundle has no chat template (its tokenizer has none): "
-                                    "use /v1/completions with a prompt", "messages")
+                raise ApiError(400, "this model's bundle has no chat template (its tokenizer has none), and the server "
+                                    "was started without --chat-template: use /v1/completions with a prompt", "messages")
             try:
                 prompt = self.chat_template.prompt_ids(decoder.tokenizer, request.messages)
             except RequestError as exc:

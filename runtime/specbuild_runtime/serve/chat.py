@@ -1,4 +1,4 @@
-"""Chat messages to a prompt, with the chat template the bundle's tokenizer ships.
+"""Chat messages to a prompt, with the chat template the bundle's tokenizer ships (or an operator's, --chat-template).
 
 Rendered as transformers' `apply_chat_template` renders it (its `_compile_jinja_template` and
 `render_jinja_template`): a sandboxed jinja2 environment with trim_blocks/lstrip_blocks and loop controls,
@@ -10,6 +10,7 @@ the runtime. tests/test_serve.py checks the rendering against transformers.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -18,26 +19,34 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import BundleError, RequestError, first_line
-from ..manifest import TOKENIZER_CONFIG, read_tokenizer_config
+from ..manifest import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG, TOKENIZER_DIR, chat_template_source, read_tokenizer_config
 from ..validation import utf8
 
-TEMPLATE_FILE = "chat_template.jinja"  # transformers >= 4.47 saves the template here; older, in tokenizer_config.json
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# vLLM's test for a --chat-template value that was meant as a path: a template holds one of these, a path none.
+TEMPLATE_CHARACTERS = "{}\n"
+MAX_TEMPLATE_BYTES = 1 << 20  # the largest templates shipped are tens of KB; more is the wrong file (or /dev/zero)
+
+
+@dataclass(frozen=True)
+class SuppliedTemplate:
+    """A template given on the command line (--chat-template), rendered in place of the bundle's."""
+
+    source: str
+    origin: str  # where it came from, for the start-up line: "--chat-template FILE" or "--chat-template (inline)"
 
 
 class ChatTemplate:
-    def __init__(self, source: str, special_tokens: dict[str, str]):
+    def __init__(self, source: str, special_tokens: dict[str, str], origin: str = f"{TOKENIZER_DIR}/{CHAT_TEMPLATE_FILE}"):
         self.source = source
         self.special_tokens = special_tokens
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self.origin = origin
+        env = _environment()
         try:
             self.template = env.from_string(source)
         except jinja2.TemplateError as exc:
-            raise BundleError(f"the bundle's chat template does not compile ({exc}); fix tokenizer/{TEMPLATE_FILE}") from None
+            raise BundleError(f"the bundle's chat template ({origin}) does not compile ({_syntax_error(exc)}); fix it, "
+                              "or give one with --chat-template") from None
         self.takes_parts = _loops_over_content(env.parse(source))
 
     def render(self, messages: list[dict]) -> str:
@@ -64,6 +73,21 @@ class ChatTemplate:
         return tokenizer.encode(self.render(messages), add_special_tokens=False).ids
 
 
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _syntax_error(exc: jinja2.TemplateError) -> str:
+    # from_string's error is its message alone: the line is where a template file needs fixing
+    line = getattr(exc, "lineno", None)
+    return f"line {line}: {exc.message}" if line else str(exc.message)
+
+
 class _GenerationBlock(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}`, which templates made for training put around the assistant's
     turns: transformers' AssistantTracker parses it (to mark those tokens) and renders the body unchanged;
@@ -80,19 +104,59 @@ class _GenerationBlock(jinja2.ext.Extension):
         return caller()
 
 
-def load_chat_template(tokenizer_dir: Path) -> ChatTemplate | None:
-    """The template of a bundle's tokenizer folder, or None when it has none."""
+def load_chat_template(tokenizer_dir: Path, supplied: SuppliedTemplate | None = None) -> ChatTemplate | None:
+    """The template of a bundle's tokenizer folder, or None when it has none; a supplied one in its place,
+    rendered with the bundle's special tokens (as vLLM's --chat-template is, with its tokenizer's)."""
     config = read_tokenizer_config(tokenizer_dir)
     if not isinstance(config, dict):
         raise BundleError(f"bundle file {tokenizer_dir / TOKENIZER_CONFIG} is not a JSON object; rebuild the bundle "
                           "with `specbuild compile`")
-    source = (tokenizer_dir / TEMPLATE_FILE).read_text(encoding="utf-8") if (tokenizer_dir / TEMPLATE_FILE).exists() else config.get("chat_template")
-    if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        source = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}.get("default")
-    if not isinstance(source, str) or not source:
-        return None
     special = {name: _token_text(config[name]) for name in SPECIAL_TOKENS if config.get(name) is not None}
-    return ChatTemplate(source, special)
+    if supplied is not None:  # the bundle's own is not even compiled: a broken one is what this may replace
+        return ChatTemplate(supplied.source, special, supplied.origin)
+    found = chat_template_source(tokenizer_dir, config)
+    if found is None:
+        return None
+    source, origin = found
+    return ChatTemplate(source, special, origin)
+
+
+def supplied_chat_template(value: str) -> SuppliedTemplate:
+    """--chat-template as vLLM's load_chat_template reads it: the file `value` names where one opens, else the
+    template text itself, unless `value` holds none of a template's characters ('{', '}', newline): then it was
+    meant as a path, and a mistyped one is an error rather than a template that renders its own name. Unlike
+    vLLM, this refuses (a one-line ValueError) a file that is not UTF-8 and a template that does not compile at
+    start-up, not at the first chat request."""
+    if not value:  # vLLM takes it for a path that does not exist
+        raise ValueError("must not be empty; give a file, or the template text itself")
+    try:
+        with open(value, "rb") as file:  # not only a regular file: a pipe (`--chat-template <(...)`) reads too
+            raw = file.read(MAX_TEMPLATE_BYTES + 1)
+    except OSError as exc:
+        if not any(c in value for c in TEMPLATE_CHARACTERS):
+            raise ValueError(f"{value!r} looks like a file path (it holds no '{{', '}}' or newline, as a template "
+                             f"would), but it cannot be read ({exc.strerror or exc}); give an existing file, or the "
+                             "template text itself") from None
+        source, origin, where = value, "--chat-template (inline)", "the template given inline"
+        try:
+            source.encode("utf-8")
+        except UnicodeEncodeError:  # bytes from the shell that are not UTF-8 (Python holds them as surrogates)
+            raise ValueError(f"{where} is not valid UTF-8; pass UTF-8 text, or a file") from None
+    else:
+        origin, where = f"--chat-template {value}", f"the template in file {value!r}"
+        if len(raw) > MAX_TEMPLATE_BYTES:
+            raise ValueError(f"file {value!r} is over {MAX_TEMPLATE_BYTES >> 20} MiB: not a chat template")
+        try:
+            source = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"file {value!r} is not UTF-8 ({exc.reason} at byte {exc.start}); save it as UTF-8") from None
+    if not source.strip():  # the bundle's empty template counts as none; one given on purpose is a mistake
+        raise ValueError(f"{where} is empty")
+    try:
+        _environment().from_string(source)
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"{where} does not compile ({_syntax_error(exc)})") from None
+    return SuppliedTemplate(source, origin)
 
 
 def _loops_over_content(template: jinja2.nodes.Template) -> bool:

@@ -46,6 +46,30 @@ draft_steps_option = click.option(
          "weights), or a call per draft token: the same drafts.  [default: steps on cuda, a call per token on cpu]")
 
 
+def _chat_template(ctx, param, value: str | None):
+    """--chat-template read and compiled while the command line is parsed: a wrong one is refused before the
+    bundle loads (and before serve takes its port)."""
+    if value is None:
+        return None
+    try:
+        from .chat import supplied_chat_template
+    except ImportError as exc:  # jinja2, in the serve extra (specbuild generate --chat may run without it)
+        raise click.ClickException(f"--chat-template renders with jinja2 ({exc}): pip install "
+                                   "'specbuild-runtime[serve]'") from None
+    try:
+        return supplied_chat_template(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+
+
+# Shared with specbuild's generate --chat.
+chat_template_option = click.option(
+    "--chat-template", metavar="PATH|TEMPLATE", callback=_chat_template,
+    help="Render chat messages with this jinja2 chat template instead of the bundle's (a bundle whose tokenizer has none "
+         "gets one), as vLLM's --chat-template: a file, or else the template text itself (a value holding no '{', '}' "
+         "or newline is taken for a path, and one that cannot be read is an error).  [default: the bundle's]")
+
+
 # -h as on every specbuild command: `specbuild serve` takes it from the group, specbuild-serve only from here.
 @click.command("serve", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 # The runtime's version, the serve command's package: a service that installs it alone has no `specbuild --version`.
@@ -87,9 +111,10 @@ draft_steps_option = click.option(
                    "defaults of the target's generation_config.json (compile records them), else OpenAI's (temperature "
                    "1: sampling); vllm: OpenAI's alone; greedy: none (greedy unless a request sends a temperature). "
                    "The start-up line says which apply.")
+@chat_template_option
 def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel, threads, max_queue, timeout,
                   shutdown_timeout, max_connections, model_name, api_key, allowed_origins, check_digests,
-                  generation_config) -> None:
+                  generation_config, chat_template) -> None:
     """Serve a bundle over the OpenAI HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     from ..decode import SpeculativeDecoder
     from ..engine import use_shared_thread_pool
@@ -106,7 +131,8 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
                                  draft_steps=draft_steps, check_digests=check_digests)
     settings = Settings(model=model_name or Path(bundle).resolve().name, max_queue=max_queue,
                         timeout=timeout or None, shutdown_timeout=shutdown_timeout, max_connections=max_connections,
-                        api_key=api_key, generation_config=generation_config, allowed_origins=allowed_origins)
+                        api_key=api_key, generation_config=generation_config, allowed_origins=allowed_origins,
+                        chat_template=chat_template)
     server = Server(decoder, settings)
     if decoder.target.captures:  # every worker thread captures its slot's now, so that no request waits for one
         click.echo(f"capturing CUDA graphs on {parallel} slot(s) before serving...", err=True)
@@ -115,8 +141,16 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
         click.echo(f"captured {captured} CUDA graphs in {time.perf_counter() - started:.1f} s", err=True)
     where = f"[{host}]" if ":" in host else host
     click.echo(f"serving {settings.model!r} from {bundle} on http://{where}:{listener.getsockname()[1]}: "
-               f"{parallel} slot(s), queue {max_queue}; {server.defaults}", err=True)
+               f"{parallel} slot(s), queue {max_queue}; {chat_line(server.chat_template)}; {server.defaults}", err=True)
     server.http_server(host, port).run(sockets=[listener])
+
+
+def chat_line(template) -> str:
+    """Which template /v1/chat/completions renders, for the start-up line: a bundle may have none, or an operator's
+    in place of its own."""
+    if template is None:
+        return "no chat template (/v1/chat/completions answers 400; --chat-template gives one)"
+    return f"chat template from {template.origin}"
 
 
 def _model_name(value: str | None) -> str | None:
