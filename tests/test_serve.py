@@ -452,6 +452,50 @@ def test_a_taken_port_is_a_one_line_error_before_the_bundle_loads(bundle):
     assert result.returncode == 1 and lines == [lines[0]] and "Address already in use" in lines[0], result.stderr
 
 
+def open_files_limit(limit: int):
+    """A preexec_fn: the child may open `limit` files (soft and hard), as under `ulimit -n`."""
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+
+def test_max_connections_the_open_files_limit_cannot_hold_is_a_one_line_error(bundle):
+    """Under `ulimit -n 1024` (systemd's soft limit for a service) 1024 connections and the server's own files did
+    not fit: accept failed before the limit was reached, thousands of tracebacks a second, and clients hung."""
+    result = subprocess.run([sys.executable, "-m", "specbuild", "serve", str(bundle), "--port", str(free_port()),
+                             "--max-connections", "1024"],
+                            capture_output=True, text=True, preexec_fn=open_files_limit(1024),
+                            timeout=120)  # a guard: a server that starts would serve until killed
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and "--max-connections 768 or less" in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("hard_limit", ["as it is", 1024])
+def test_a_soft_open_files_limit_below_what_max_connections_needs_is_raised(bundle, tmp_path, hard_limit):
+    """Raised to the default --max-connections + 256; where the hard limit is lower, the default shrinks to fit."""
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1] if hard_limit == "as it is" else hard_limit
+    if hard != resource.RLIM_INFINITY and hard < 1024 + 256 and hard_limit == "as it is":
+        pytest.skip(f"this process may open {hard} files, too few to raise a limit to 1280")
+    port, log = free_port(), tmp_path / "server.log"
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "specbuild", "serve", str(bundle), "--port", str(port)],
+                                   stdout=out, stderr=subprocess.STDOUT,
+                                   preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard)))
+    try:
+        wait_until(lambda: healthy(f"http://127.0.0.1:{port}"), "/health answered", process=process, log=log)
+        limits = Path(f"/proc/{process.pid}/limits").read_text()
+    finally:
+        process.terminate()
+        process.wait(60)
+    if hard_limit == "as it is":
+        assert int(re.search(r"Max open files\s+(\d+)", limits).group(1)) >= 1024 + 256, limits
+    else:
+        assert int(re.search(r"Max open files\s+(\d+)", limits).group(1)) == 1024, limits
+        assert "note: --max-connections 768 (not 1024)" in log.read_text()
+
+
 def test_a_body_longer_than_any_request_that_fits_is_413_and_the_server_goes_on(server, reference):
     for declared in (True, False):  # with a Content-Length, or chunked without one
         content = json.dumps({"prompt": "x" * 1_000_000}).encode()
@@ -479,6 +523,52 @@ def test_a_lone_surrogate_in_any_field_a_template_renders_is_a_request_error():
     template = ChatTemplate("{% for m in messages %}{{ m['name'] }}: {{ m['content'] }}\n{% endfor %}", {})
     with pytest.raises(RequestError, match="not valid UTF-8"):
         template.render([{"role": "user", "content": "x", "name": "\ud800"}])
+
+
+def random_words(characters: int, seed: int = 0) -> str:
+    """Text of made-up words, which a tokenizer's cache of words seen does not speed up."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 9))) for _ in range(5000)]
+    return " ".join(rng.choices(words, k=characters // 3))[:characters]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_tokenizing_a_long_prompt_leaves_the_event_loop_running(reference, bundle, endpoint):
+    """serve tokenizes a request in a thread so that the event loop goes on moving the other requests' text, but
+    tokenizers' encode held the GIL throughout: a 300 KB prompt (which a 4096-token context's body limit admits) froze
+    every stream for a second, a 128K context's 8 MB one for half a minute. With no forced switch between threads,
+    the main thread can run while the tokenizing thread is inside encode only if encode lets go of the GIL."""
+    from specbuild_runtime import RequestError
+    from specbuild_runtime.manifest import TOKENIZER_DIR
+    from specbuild_runtime.serve.chat import load_chat_template
+
+    text = random_words(300_000)
+    template = load_chat_template(bundle / TOKENIZER_DIR)
+    tokenize = {"completions": lambda: reference.request(text),
+                "chat/completions": lambda: template.prompt_ids(reference.tokenizer, [{"role": "user", "content": text}])}
+    entering, done = threading.Event(), threading.Event()
+
+    def check():
+        entering.set()
+        try:
+            tokenize[endpoint]()
+        except RequestError:  # the prompt is longer than the context: refused once tokenized
+            pass
+        done.set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000)  # the main thread runs only when the other thread lets go of the GIL
+    try:
+        thread = threading.Thread(target=check)
+        thread.start()
+        entering.wait()
+        ran_while_tokenizing = not done.is_set()
+        thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert ran_while_tokenizing
 
 
 # --- A busy server, in-process -------------------------------------------------------------------------------
@@ -734,6 +824,23 @@ def test_connections_beyond_max_connections_get_503(bundle):
             time.sleep(0.2)
             assert httpx.get(f"{url}/health").status_code == 503
         wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, "the connection was released")
+
+
+def test_an_idle_connection_beyond_max_connections_is_answered_503_at_once_and_closed(bundle):
+    """uvicorn answered a connection beyond the limit only once it sent a request, and held an idle one open: each
+    kept one of the process's files until it had none, and then every new client hung. Now such a connection gets
+    its 503 (OpenAI-shaped, with Retry-After) as soon as it opens, then the end of the stream."""
+    with in_process(bundle, max_connections=1) as (url, decoder, _):
+        decoder.go.set()
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))), socket.create_connection((host, int(port))) as beyond:
+            beyond.settimeout(30)  # a guard: held open, it would never send a byte
+            reply = b""
+            while chunk := beyond.recv(65536):
+                reply += chunk
+    head, body = reply.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower()
+    assert json.loads(body)["error"]["type"] == "service_unavailable"
 
 
 def test_shutdown_cuts_a_stream_after_the_grace_period_with_a_clean_end(bundle):

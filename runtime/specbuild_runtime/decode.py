@@ -48,6 +48,13 @@ def load_tokenizer(path: Path) -> Tokenizer:
     return tokenizer
 
 
+def encode_ids(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """tokenizer.encode(text).ids, computed without the GIL: tokenizers' encode holds it throughout (~2 s a MB here),
+    so a long prompt checked in a thread (serve, the async API) froze the event loop and every other request's Python;
+    encode_batch releases it (and gives the same ids)."""
+    return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
 @dataclass
 class Stats:
     """What one request measured (what it asked for is its Request). α is over drafted tokens, τ over every
@@ -243,7 +250,7 @@ class SpeculativeDecoder:
 
     def encode(self, text: str) -> list[int]:
         """The token ids the bundle's tokenizer gives text, special tokens included (as generate reads a str)."""
-        return self.tokenizer.encode(text).ids
+        return encode_ids(self.tokenizer, text)
 
     def warm_up(self) -> int:
         """Capture the calling thread's CUDA graphs now instead of in its first requests (vLLM captures at start-up

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -70,6 +73,10 @@ class Server:
         self.defaults = protocol.sampling_defaults(decoder.manifest.generation_config, settings.generation_config)
         self.metrics = Metrics(decoder.slots.size)
         self.scheduler = Scheduler(decoder, settings.max_queue, settings.timeout, self.metrics)
+        # Requests are checked (tokenized, chats rendered) one at a time, off the event loop: tokenizing takes ~200
+        # bytes of memory a byte of text (a 320 KB prompt, which a 4096-token context's body limit admits, ~70 MB), so
+        # checks side by side in asyncio's pool (cores + 4 threads) multiplied what a burst of long prompts took.
+        self._checking = ThreadPoolExecutor(1, thread_name_prefix="specbuild-check")
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -99,6 +106,7 @@ class Server:
     def http_server(self, host: str, port: int, log_level: str = "info") -> Uvicorn:
         """uvicorn serving this app until SIGTERM/SIGINT (or `should_exit`), then draining (see Uvicorn)."""
         config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
+                                http=_refusing_beyond(AutoHTTPProtocol, self.settings.max_connections),
                                 # uvicorn counts the newcomer too: max_connections are served, the next gets 503
                                 limit_concurrency=self.settings.max_connections + 1,
                                 timeout_graceful_shutdown=self.settings.shutdown_timeout + 5)  # a backstop: drain cuts first
@@ -108,6 +116,7 @@ class Server:
     async def _lifespan(self, app):
         yield
         await self.scheduler.close()
+        self._checking.shutdown(wait=False, cancel_futures=True)
 
     async def completions(self, request: HttpRequest) -> Response:
         return await self._generate(COMPLETIONS, request)
@@ -139,8 +148,8 @@ class Server:
     async def _generate(self, endpoint: str, http: HttpRequest) -> Response:
         try:
             request = protocol.parse(endpoint, await self._body(http), self.settings.model, self.defaults)
-            # Tokenizing (and rendering a chat) costs up to milliseconds: off the event loop.
-            checked = await asyncio.to_thread(self._checked, request)
+            # Tokenizing (and rendering a chat) costs up to seconds for the longest bodies: off the event loop.
+            checked = await asyncio.get_running_loop().run_in_executor(self._checking, self._checked, request)
             job = self.scheduler.submit(checked)
         except Exception as exc:  # a bug among them is answered (500, logged, counted) here, where the
             return self._refuse(endpoint, exc)  # connection stays usable: Starlette's last handler closes it
@@ -318,6 +327,45 @@ class Uvicorn(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         self.scheduler.drain(self.grace)
         await super().shutdown(sockets)
+
+
+# How long a connection beyond --max-connections stays open after its 503, for a client that does not close it.
+REFUSED_LINGER = 1.0  # seconds
+
+
+def _refusing_beyond(http_protocol: type, max_connections: int) -> type:
+    """uvicorn's HTTP protocol, which answers 503 to a connection beyond max_connections only once it sends a request,
+    and holds it open until then: idle connections past the limit each kept a file, until the process had none left
+    (every accept then failed, asyncio logged each try, thousands of tracebacks a second, and new clients hung).
+    Such a connection is answered at once and closed, so it holds a file for at most REFUSED_LINGER seconds."""
+    error = ApiError(503, f"the server has {max_connections} connections open, its --max-connections; retry shortly")
+    body = json.dumps(error.body()).encode()
+    refusal = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+               b"retry-after: 1\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+
+    class Protocol(http_protocol):
+        refused = False
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                self.refused = True
+                transport.write(refusal)
+                transport.write_eof()  # the 503, then the end; what the client sends is read and dropped (closing
+                # with it unread would reset the connection, and the client could lose the 503)
+                self.loop.call_later(REFUSED_LINGER, transport.abort)
+
+        def data_received(self, data: bytes) -> None:
+            if not self.refused:
+                super().data_received(data)
+
+        def eof_received(self):
+            if self.refused:
+                self.transport.close()
+                return None
+            return super().eof_received()
+
+    return Protocol
 
 
 class EventStream(StreamingResponse):

@@ -18,6 +18,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ..decode import encode_ids
 from ..errors import BundleError, RequestError, first_line
 from ..manifest import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG, TOKENIZER_DIR, chat_template_source, read_tokenizer_config
 from ..validation import utf8
@@ -70,7 +71,7 @@ class ChatTemplate:
     def prompt_ids(self, tokenizer, messages: list[dict]) -> list[int]:
         """The rendered prompt's token ids (a `tokenizers.Tokenizer`): special tokens come from the template's
         text, as transformers' apply_chat_template encodes it, none added."""
-        return tokenizer.encode(self.render(messages), add_special_tokens=False).ids
+        return encode_ids(tokenizer, self.render(messages), add_special_tokens=False)
 
 
 def _environment() -> ImmutableSandboxedEnvironment:

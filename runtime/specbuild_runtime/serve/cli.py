@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import resource
 import socket
 import sys
 import time
@@ -123,6 +124,8 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
     except ImportError as exc:
         raise click.ClickException(f"serving needs the serve extra ({exc}): pip install 'specbuild-runtime[serve]'") from None
 
+    explicit = click.get_current_context().get_parameter_source("max_connections") != click.core.ParameterSource.DEFAULT
+    max_connections = _open_files_for(max_connections, explicit)
     listener = _listen(host, port)  # before loading: a taken port is refused at once, in one line
     # One pool for every session and slot, sized so that `parallel` calls at once fill the cores and no more:
     # concurrent calls each running a pool of one thread per core fight over the cores (README, Serving).
@@ -193,6 +196,34 @@ def _origins(values: tuple[str, ...]) -> tuple[str, ...]:
                                      "(e.g. http://localhost:3000: lower case, no path or trailing slash), or '*' for any",
                                      param_hint="--allowed-origins")
     return tuple(origins)
+
+
+# Files the server holds beside its connections: the listening socket, the event loop's, onnxruntime's and a GPU
+# driver's, the bundle's while it loads, and connections beyond --max-connections while they are refused.
+OWN_FILES = 256
+
+
+def _open_files_for(max_connections: int, explicit: bool) -> int:
+    """The connections the server can hold: a file for each, and OWN_FILES more. Below that (1024 is systemd's soft
+    limit for a service, and the default --max-connections), accept failed before the limit was reached: asyncio
+    logged a traceback for each try, thousands a second, and new clients hung instead of getting a 503. The soft limit
+    is raised as far as the hard one allows, as vLLM's server raises it; where the hard one is lower, the default
+    --max-connections shrinks to fit (said in one line) and one that was asked for is refused."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = max_connections + OWN_FILES
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return max_connections
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        fits = hard - OWN_FILES
+        if explicit or fits < 1:
+            raise SpecbuildError(f"--max-connections {max_connections} needs {needed} open files (one a connection, "
+                                 f"{OWN_FILES} for the server) but this process may open {hard} (ulimit -Hn): give "
+                                 f"--max-connections {max(1, fits)} or less, or raise the limit")
+        click.echo(f"note: --max-connections {fits} (not {max_connections}): this process may open {hard} files "
+                   "(ulimit -Hn); raise that limit for more", err=True)
+        max_connections, needed = fits, hard
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    return max_connections
 
 
 def _listen(host: str, port: int) -> socket.socket:
