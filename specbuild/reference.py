@@ -34,7 +34,6 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
     off, as the runtime's fp32 engines run), which switches TF32 off for the whole process."""
     import torch
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging
 
     if device == "cuda":
         if not torch.cuda.is_available():
@@ -46,10 +45,7 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
         raise CheckpointError(f"{role} checkpoint {path} is not a Hugging Face checkpoint folder (no config.json); "
                               "pass the folder the bundle was compiled from")
     _check_index(Path(path), role)
-    logging.disable_progress_bar()  # a bar per load on stderr, where a pipeline reads one-line errors
-    # and its deprecation notes about its own internals (assisted generation calls the draft's generate in a
-    # way it warns about)
-    logging.set_verbosity_error()
+    quiet_transformers()
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, TORCH_DTYPES[precision]), use_safetensors=True,
                                                      local_files_only=True, trust_remote_code=False)
@@ -57,6 +53,16 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
         raise CheckpointError(f"{role} checkpoint {path} cannot be loaded from safetensors ({first_line(exc)}); specbuild "
                               "never unpickles weights: re-save it with `save_pretrained(dir, safe_serialization=True)`") from None
     return plainly_generating(model).to(device).eval()
+
+
+def quiet_transformers() -> None:
+    """No progress bar per load on stderr, where a pipeline reads one-line errors, and none of transformers' notes:
+    its deprecation notes about its own internals (assisted generation calls the draft's generate in a way it
+    warns about), and what it says of a config it reads (a Phi-3 config's original_max_position_embeddings)."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
 
 
 def plainly_generating(model):

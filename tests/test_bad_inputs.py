@@ -145,6 +145,12 @@ def beyond_memory(folder: Path) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
+def without_bos_or_eos(folder: Path) -> None:
+    """A tokenizer that names no special tokens (compile takes it): nothing for the target's own samples to begin from."""
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if not k.endswith("_token")}))
+
+
 def source_only_a_pickle(paths: dict) -> None:
     """The bundle's target checkpoint (which bench's peers load) now holds only a pickle."""
     a_copy_of("bundle", lambda folder: None)(paths)
@@ -355,6 +361,10 @@ CASES = [
          ["distill", "--target", "{target}", "--output", "{tmp}/draft", "--minutes", "0.01"], 1,
          "as distill holds it (fp32)", "Run distill on a machine with more memory (refused before loading).",
          setup=a_copy_of("target", beyond_memory)),
+    Case("`distill` without `--prompts` or `--data`, of a target whose tokenizer has no bos or eos token",
+         ["distill", "--target", "{target}", "--output", "{tmp}/draft", "--minutes", "0.01"], 1, "no bos or eos token",
+         "Give `--prompts` or `--data`: the target's own samples have no token to begin from.",
+         setup=a_copy_of("target", without_bos_or_eos)),
     Case("`distill --output` its own target (or a folder holding it, or one inside it)",
          ["distill", "--target", "{target}", "--output", "{target}", "--minutes", "0.01", "--overwrite"], 1,
          "is the target", "Choose an output outside the target, `--init`, `--prompts` and `--data`."),

@@ -142,6 +142,21 @@ def test_without_prompts_the_target_is_held_out_on_its_own_samples(models):
     assert len({tuple(p) for p in prompts.heldout}) > 1  # sampled, not one greedy text four times
 
 
+def test_a_sample_of_the_target_that_ends_at_its_last_token_is_not_held_out(models, monkeypatch):
+    """A sample whose eos is its last token had SPAN_TOKENS + 1 tokens, as a sample that runs on has, and was held
+    out: α was measured on what the target writes after an eos, which no request decodes."""
+    from specbuild.train import prompts as prompts_module
+
+    target, _, tokenizer = models
+    eos = next(iter(generate.eos_ids(target)))
+    words = [t for t in range(len(tokenizer)) if t not in generate.eos_ids(target)][:SPAN_TOKENS]
+    ended, running = ([start_token(tokenizer), *words[:-1], eos], [start_token(tokenizer), *words])
+    monkeypatch.setattr(prompts_module, "continue_prompts", lambda *args, **kwargs: [
+        Sequence(np.asarray(tokens, np.int32), 0, np.zeros((SPAN_TOKENS, 0)), np.zeros((SPAN_TOKENS, 0)))
+        for tokens in (ended, running)])
+    assert from_target(target, tokenizer, n_heldout=2, seed=0).heldout == [running]
+
+
 def test_generated_teacher_data_equal_a_teacher_forced_pass(models):
     target, _, tokenizer = models
     prompts = tokenizer(PROMPTS[:4])["input_ids"]  # different lengths: generate() pads them on the left
@@ -371,6 +386,15 @@ def test_the_distill_command_says_in_one_line_that_it_wrote_nothing(pair, tmp_pa
     assert not (tmp_path / "draft").exists()
 
 
+def test_the_distill_command_prints_only_its_one_line_on_stderr_for_a_phi3_target(checkpoints, tmp_path):
+    """transformers remarks on a Phi-3 config's original_max_position_embeddings when distill first reads it (its size
+    against memory), before anything quieted transformers: a second line on stderr beside the error."""
+    target = checkpoints("phi3")
+    result = distill_command("--target", target, "--init", target, "-o", tmp_path / "draft", "--minutes", "0.01")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and len(lines) == 1 and "was not written" in lines[0], result.stderr
+
+
 def test_the_distill_command_takes_one_source_of_prompts(pair, tmp_path, prompts_file):
     result = distill_command("--target", pair[0], "-o", tmp_path / "draft", "--prompts", prompts_file, "--data", prompts_file)
     assert result.returncode == 2 and "either --prompts or --data" in result.stderr
@@ -454,6 +478,54 @@ def test_draft_config_takes_a_configs_own_names_and_transformers_aliases(checkpo
     assert shrunk_config(gpt2, {"num_hidden_layers": 1}).n_layer == shrunk_config(gpt2, {"n_layer": 1}).n_layer == 1
     with pytest.raises(TrainingError, match="its shape keys: n_embd, n_inner, n_layer, n_head"):
         shrunk_config(gpt2, {"hidden_layers": 1})
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "gemma2"])
+def test_draft_config_may_ask_for_a_draft_deeper_than_the_default_one(checkpoints, architecture):
+    """Qwen's and Gemma's configs list every layer's attention (layer_types): cut to the default draft's depth,
+    the list was too short for more layers, and distill refused such a --draft-config as no model transformers
+    can build."""
+    from specbuild.train.distill import build_draft
+
+    target, tokenizer = load_model(checkpoints(architecture), "target")
+    layers = target.config.num_hidden_layers
+    assert shrunk_config(target.config).num_hidden_layers < layers
+    draft = build_draft(target, tokenizer, {"num_hidden_layers": layers}, None, seed=0)
+    assert draft.config.num_hidden_layers == layers and draft.config.layer_types == target.config.layer_types
+
+
+def test_a_default_draft_of_a_longrope_target_takes_its_factors_at_its_own_heads_width(tmp_path, tokenizer):
+    """Phi-3.5 and Phi-4-mini list a LongRoPE factor for each rotary pair of their heads; a default draft's heads
+    are narrower, and sizing it failed in transformers (a RuntimeError, reported as a bug in specbuild)."""
+    from specbuild.train.distill import build_draft
+
+    factors = dict(short_factor=[1.0 + 0.01 * i for i in range(32)], long_factor=[2.0 + 0.05 * i for i in range(32)])
+    folder = make_checkpoint(tmp_path / "phi3", "phi3", tokenizer, hidden_size=256, intermediate_size=512,
+                             rope_scaling=dict(rope_type="longrope", **factors))  # heads of 128, half rotary: 32 pairs
+    target, target_tokenizer = load_model(folder, "target")
+    draft = build_draft(target, target_tokenizer, None, None, seed=0)
+    rope = draft.config.rope_parameters
+    assert len(rope["short_factor"]) == len(rope["long_factor"]) < 32
+    assert set(rope["short_factor"]) <= set(factors["short_factor"]) and rope["long_factor"][0] == factors["long_factor"][0]
+    assert draft(input_ids=torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+
+
+def test_a_target_with_fewer_embedding_rows_than_its_tokenizer_is_refused_as_compile_refuses_it(pair, tmp_path,
+                                                                                                    monkeypatch):
+    """distill said the draft lacked rows and to give it more: a draft given them trained for its minutes beside a
+    target that compile then refused."""
+    import transformers as tf
+
+    monkeypatch.setattr(distill_module, "train_model", lambda *a, **k: pytest.fail("refused only after training"))
+    target = tmp_path / "target"
+    shutil.copytree(pair[0], target)
+    tokenizer = tf.AutoTokenizer.from_pretrained(target)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    tokenizer.save_pretrained(target)
+    for draft_config in (None, {"vocab_size": len(tokenizer)}):
+        with pytest.raises(CheckpointError, match=r"target checkpoint .* has \d+ embedding rows but its tokenizer has ids up "
+                                                  r"to \d+; the checkpoint and its tokenizer do not belong together"):
+            distill(target, tmp_path / "draft", draft_config=draft_config, minutes=0.01)
 
 
 def test_distill_refuses_a_target_specbuild_cannot_compile_before_training(pair, tmp_path, monkeypatch):
@@ -620,6 +692,20 @@ def test_a_target_without_an_eos_token_is_distilled_as_compile_takes_it(pair, tm
     (target / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in ("eos_token_id", "pad_token_id")}))
     report = distill(target, tmp_path / "draft", init=pair[1], minutes=0.01, heldout_prompts=2, force=True)
     assert report["heldout_drafted_tokens"] > 0 and (tmp_path / "draft" / "config.json").is_file()
+
+
+def test_a_target_whose_tokenizer_has_neither_bos_nor_eos_is_distilled_on_prompts_given(pair, tmp_path, monkeypatch):
+    """compile takes such a target; distill's default source, the target's own samples, began them from a None
+    token (a RuntimeError, reported as a bug in specbuild) instead of asking for --prompts or --data."""
+    target = tmp_path / "no-specials"
+    shutil.copytree(pair[0], target)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if not k.endswith("_token")}))
+    assert start_token(load_model(target, "target")[1]) is None
+    monkeypatch.setattr(distill_module, "train_model", lambda *a, **k: pytest.fail("refused only after training"))
+    with pytest.raises(TrainingError, match="no bos or eos token .* give --prompts or --data"):
+        distill(target, tmp_path / "draft", minutes=0.01)
+    assert not (tmp_path / "draft").exists()
 
 
 def test_a_set_of_sequences_that_would_end_past_the_budget_is_not_begun(monkeypatch):

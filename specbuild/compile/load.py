@@ -512,13 +512,16 @@ def validate_pair(target: Checkpoint, draft: Checkpoint) -> None:
             f"{len(t_vocab)} tokens; {len(differing)} differ, e.g. {example!r} is {d_vocab.get(example, 'missing')} in "
             f"the draft, {t_vocab.get(example, 'missing')} in the target); use a draft trained with the target's tokenizer"
         )
-    needed = max(t_vocab.values()) + 1
     for ckpt in (target, draft):
-        if ckpt.spec.shape.vocab_size < needed:
-            raise PairMismatchError(
-                f"{ckpt.path} has {ckpt.spec.shape.vocab_size} embedding rows but its tokenizer has ids up to "
-                f"{needed - 1}; the checkpoint and its tokenizer do not belong together"
-            )
+        check_embedding_rows(ckpt.path, ckpt.spec.shape.vocab_size, t_vocab)
+
+
+def check_embedding_rows(path: Path, rows: int, vocab: dict[str, int], role: str = "") -> None:
+    """Every token of the tokenizer has a row in the checkpoint's embedding table (distill checks its target so too)."""
+    needed = max(vocab.values()) + 1
+    if rows < needed:
+        raise PairMismatchError(f"{role + ' checkpoint ' if role else ''}{path} has {rows} embedding rows but its tokenizer "
+                                f"has ids up to {needed - 1}; the checkpoint and its tokenizer do not belong together")
 
 
 def generation_config(ckpt: Checkpoint) -> dict:

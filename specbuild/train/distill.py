@@ -17,10 +17,10 @@ import torch
 from specbuild_runtime.errors import first_line
 
 from ..acceptance import expected_tokens_per_call, rounds, theoretical_speedup, until_eos
-from ..compile.load import check_architecture, model_spec
+from ..compile.load import check_architecture, check_embedding_rows, model_spec
 from ..errors import CheckpointError, TrainingError
 from ..recipe import DEFAULT_MAX_SEQ_LEN
-from ..reference import load_reference, plainly_generating
+from ..reference import load_reference, plainly_generating, quiet_transformers
 from ..staging import guarded_folder
 from .divergence import distill_loss, parts
 from .generate import Sequence, continuation_logits, continue_prompts, eos_ids, pad_id, score, stop_at_tokenizer_eos
@@ -46,6 +46,7 @@ def load_model(path: Path, role: str):
     if not any(path.glob("*.safetensors")):
         raise CheckpointError(f"{role} checkpoint {path} has no *.safetensors weights (distill never unpickles "
                               "*.bin files; re-save it with save_pretrained(..., safe_serialization=True))")
+    quiet_transformers()  # before check_memory reads the config, which transformers may remark on
     check_memory(path, role)
     model = load_reference(path, role)
     try:
@@ -110,8 +111,13 @@ def shrunk_config(target_config, overrides: dict | None = None):
     _check_shape(config)
     if getattr(config, "head_dim", None) and "head_dim" not in (overrides or {}):
         config.head_dim = config.hidden_size // config.num_attention_heads
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[: config.num_hidden_layers]
+    if getattr(config, "layer_types", None) and "layer_types" not in (overrides or {}):
+        # The target's pattern (Gemma's sliding and full layers, Qwen2's window layers) as deep as the draft: the
+        # default shape's list is cut to its own depth, and a deeper num_hidden_layers outgrew it (an IndexError in
+        # transformers, so distill refused every draft deeper than the default one of a Qwen or Gemma target)
+        pattern = target_config.layer_types
+        config.layer_types = [pattern[i % len(pattern)] for i in range(config.num_hidden_layers)]
+    _fit_rope_factors(config)  # to the heads the overrides made
     return config
 
 
@@ -174,7 +180,24 @@ def _shaped(target_config, hidden: int, layers: int):
         config.head_dim = head_dim
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:layers]
+    _fit_rope_factors(config)
     return config
+
+
+def _fit_rope_factors(config) -> None:
+    """LongRoPE's per-frequency factors (Phi-3.5, Phi-4-mini) taken at the draft's own frequencies: the target's
+    lists hold one factor for each of its rotary pairs, and transformers cannot apply them to a draft's narrower heads
+    (a RuntimeError while distill sized its default draft, reported as a bug in specbuild). Frequency i of n is
+    theta^(-i/n) at any width, so the factor of the target's pair at the same fraction of its list is kept."""
+    rope = getattr(config, "rope_parameters", None)
+    if not isinstance(rope, dict) or rope.get("rope_type") != "longrope":
+        return
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    pairs = int(head_dim * rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))) // 2
+    fitted = {key: [factors[i * len(factors) // pairs] for i in range(pairs)]
+              for key in ("short_factor", "long_factor") if (factors := rope.get(key)) and len(factors) != pairs and pairs}
+    if fitted:
+        config.rope_parameters = {**rope, **fitted}
 
 
 def _meta_parameters(config) -> int:
@@ -420,6 +443,9 @@ def _distill(target_dir: Path, output_dir: Path, *, draft_config, init, minutes,
     stop_at_tokenizer_eos(target, tokenizer)
     # its draft could not be compiled with it: refused before the minutes
     check_architecture((target.config.architectures or ["<none>"])[0], f"target checkpoint {target_dir}")
+    # as compile refuses it (load.validate_pair); the draft's check below blamed the draft, and a draft given the rows
+    # it asked for trained for minutes beside a target compile then refused
+    check_embedding_rows(target_dir, target.config.vocab_size, tokenizer.get_vocab(), "target")
     draft = build_draft(target, tokenizer, draft_config, init, seed)
     check_room(draft, output_dir)
     vocab = len(tokenizer)

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import TrainingError
 from ..texts import read_prompts
-from .generate import continue_prompts
+from .generate import continue_prompts, eos_ids
 
 HELDOUT_EVERY = 4  # a prompts file: every fourth prompt is held out
 HELDOUT_SHARE = 0.1  # text: the last tenth of every file is held out
@@ -128,9 +128,15 @@ def from_target(target, tokenizer, n_heldout: int, seed: int) -> Prompts:
     """What the target writes by itself: it trains from the start of a document, and is held out on the
     first SPAN_TOKENS tokens of the target's own samples (then measured on what it writes next)."""
     start = [start_token(tokenizer)]
+    if start[0] is None:  # compile takes such a target; its samples have no token to begin from
+        raise TrainingError("the target's tokenizer has no bos or eos token to begin its own samples from; give "
+                            "--prompts or --data to distill on")
     torch.manual_seed(seed + 1)  # held-out samples are not the training samples (those use seed)
     samples = continue_prompts(target, [start] * n_heldout, SPAN_TOKENS, len(tokenizer), sample=True, keep_teacher=False)
-    heldout = [s.tokens.tolist() for s in samples if len(s.tokens) > SPAN_TOKENS]  # a sample that ended early is no prompt
+    # A sample that ended is no prompt, even at its last token: α would be measured on a new document after an eos,
+    # which no request decodes.
+    stops = eos_ids(target)
+    heldout = [s.tokens.tolist() for s in samples if len(s.tokens) > SPAN_TOKENS and s.tokens[-1] not in stops]
     if not heldout:
         raise TrainingError("the target ends every sample within a few tokens; give --prompts or --data to distill on")
     return Prompts("the target's own samples", [start], heldout)
