@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specbuild_runtime.errors import DeviceError, first_line
 
-from .compile.load import checkpoint_digest, digest_of_shards_beside
+from .compile.load import checkpoint_digest, digest_of_shards_beside, quiet_transformers
 from .errors import CheckpointError
 
 TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -53,16 +53,6 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
         raise CheckpointError(f"{role} checkpoint {path} cannot be loaded from safetensors ({first_line(exc)}); specbuild "
                               "never unpickles weights: re-save it with `save_pretrained(dir, safe_serialization=True)`") from None
     return plainly_generating(model).to(device).eval()
-
-
-def quiet_transformers() -> None:
-    """No progress bar per load on stderr, where a pipeline reads one-line errors, and none of transformers' notes:
-    its deprecation notes about its own internals (assisted generation calls the draft's generate in a way it
-    warns about), and what it says of a config it reads (a Phi-3 config's original_max_position_embeddings)."""
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
-    logging.set_verbosity_error()
 
 
 def plainly_generating(model):

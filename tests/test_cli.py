@@ -53,6 +53,15 @@ def test_compile_generate_inspect_round_trip(checkpoints, tmp_path, cli):
     assert "for a GPU compile with --precision fp16 or bf16" in compiled["stdout"]
 
 
+def test_compile_says_nothing_of_transformers_notes_on_a_phi3_config(checkpoints, tmp_path):
+    """transformers remarks on a Phi-3 config's original_max_position_embeddings as compile reads it: a line on
+    stderr that is no error, where a pipeline reads one-line errors."""
+    phi3 = checkpoints("phi3")
+    result = specbuild("compile", "--target", phi3, "--draft", phi3, "-o", tmp_path / "bundle", "--max-seq-len", "64",
+                       "--no-quality-report", check=True)
+    assert "[transformers]" not in result.stderr and "original_max_position_embeddings" not in result.stderr, result.stderr
+
+
 def test_verify_reports_identical_and_exits_nonzero_on_divergence(bundles, checkpoints, tmp_path, cli):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))

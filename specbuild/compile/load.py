@@ -340,10 +340,21 @@ def _entries(files: list[Path], folder: Path) -> dict[str, TensorEntry]:
 def _load_config(path: Path, role: str):
     from transformers import AutoConfig
 
+    quiet_transformers()
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=False, local_files_only=True)
     except Exception as exc:  # transformers raises many types for a bad config
         raise CheckpointError(f"{role} checkpoint {path}: config.json cannot be read ({exc})") from None
+
+
+def quiet_transformers() -> None:
+    """No progress bar per load on stderr, where a pipeline reads one-line errors, and none of transformers' notes:
+    its deprecation notes about its own internals (assisted generation calls the draft's generate in a way it
+    warns about), and what it says of a config it reads (a Phi-3 config's original_max_position_embeddings)."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
 
 
 def _loaded_tensors(config, entries: dict[str, TensorEntry], path: Path, role: str) -> frozenset[str]:

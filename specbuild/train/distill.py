@@ -17,10 +17,10 @@ import torch
 from specbuild_runtime.errors import first_line
 
 from ..acceptance import expected_tokens_per_call, rounds, theoretical_speedup, until_eos
-from ..compile.load import check_architecture, check_embedding_rows, model_spec
+from ..compile.load import check_architecture, check_embedding_rows, model_spec, quiet_transformers
 from ..errors import CheckpointError, TrainingError
 from ..recipe import DEFAULT_MAX_SEQ_LEN
-from ..reference import load_reference, plainly_generating, quiet_transformers
+from ..reference import load_reference, plainly_generating
 from ..staging import guarded_folder
 from .divergence import distill_loss, parts
 from .generate import Sequence, continuation_logits, continue_prompts, eos_ids, pad_id, score, stop_at_tokenizer_eos
