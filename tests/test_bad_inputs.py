@@ -475,8 +475,8 @@ CASES = [
          setup=write_file("recipe", b"[pair]\n")),  # no pair to train: without the check, a one-line error
     Case("`bench -n 1`", ["bench", "{bundle}", "-n", "1"], 2, "x>=2",
          "Give at least 2 tokens: decoding speed is measured after the first."),
-    Case("`bench --peers` with an unknown peer", ["bench", "{bundle}", "--peers", "llama.cpp"], 2, "is not one of",
-         "Use transformers and/or onnxruntime-genai."),
+    Case("`bench --peers` with an unknown peer", ["bench", "{bundle}", "--peers", "vllm"], 2, "is not one of",
+         "Use transformers, onnxruntime-genai and/or llama.cpp."),
     Case("`bench --gamma ''` (no fixed γ)", ["bench", "{bundle}", "--gamma", ""], 2, "give at least one γ",
          "Give the fixed γ values to measure, e.g. `--gamma 1,2,4,8` (target-only and auto are measured anyway)."),
     Case("a prompts file that is not JSONL", ["bench", "{bundle}", "--prompts", "{prompts}"], 1,

