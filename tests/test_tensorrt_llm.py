@@ -4,6 +4,7 @@ forward pass that computes as TensorRT-LLM's layers do (all ranks recombined), g
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -275,6 +276,24 @@ def test_backend_all_writes_both_and_inspect_lists_the_tensorrt_llm_part(pairs, 
     assert decoder.generate(ids, 8, gamma=2).token_ids == decoder.generate(ids, 8, gamma=0).token_ids
     shown = specbuild("inspect", out)
     assert shown.returncode == 0 and "TensorRT-LLM checkpoints, tp 2" in shown.stdout and "build.sh" in shown.stdout
+
+
+def test_the_onnx_runtime_does_not_hash_the_tensorrt_llm_part_it_never_opens(pairs, tokenizer, tmp_path):
+    """Loading a --backend all bundle read its TensorRT-LLM checkpoints for their digests, doubling the check at
+    real sizes; `inspect` still checks them."""
+    target, draft = pairs("llama")
+    out = tmp_path / "b"
+    manifest = compile_bundle(CompileSettings(target=target, draft=draft, output=out, max_seq_len=64, backend="all"),
+                              show_progress=False)
+    rank = out / manifest.tensorrt_llm.checkpoints["target"]["ranks"][0]["file"]
+    raw = bytearray(rank.read_bytes())
+    raw[-1] ^= 0xFF
+    rank.write_bytes(bytes(raw))
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    decoder = SpeculativeDecoder(out)
+    assert decoder.generate(ids, 8, gamma=2).token_ids == decoder.generate(ids, 8, gamma=0).token_ids
+    with pytest.raises(BundleError, match=re.escape(f"{rank} is corrupted")):
+        load_manifest(out)
 
 
 def test_a_tensorrt_llm_only_bundle_has_no_onnx_and_the_runtime_refuses_it_in_one_line(pairs, tmp_path):
