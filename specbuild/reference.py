@@ -48,11 +48,21 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
     quiet_transformers()
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, TORCH_DTYPES[precision]), use_safetensors=True,
-                                                     local_files_only=True, trust_remote_code=False)
+                                                     local_files_only=True, trust_remote_code=False, **_attention(Path(path)))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{role} checkpoint {path} cannot be loaded from safetensors ({first_line(exc)}); specbuild "
                               "never unpickles weights: re-save it with `save_pretrained(dir, safe_serialization=True)`") from None
     return plainly_generating(model).to(device).eval()
+
+
+def _attention(path: Path) -> dict:
+    """Gemma 2 soft-caps its attention scores, which sdpa cannot: transformers 5 runs it eagerly by itself, while
+    transformers 4 (4.56, 4.57) picked sdpa and dropped the cap, and verify reported divergences of its own making."""
+    try:
+        gemma2 = json.loads((path / "config.json").read_bytes()).get("model_type") == "gemma2"
+    except (ValueError, AttributeError):  # not a JSON object: from_pretrained says so in its own words
+        gemma2 = False
+    return {"attn_implementation": "eager"} if gemma2 else {}
 
 
 def plainly_generating(model):

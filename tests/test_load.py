@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from conftest import save_bf16_shards
 from specbuild.compile.load import eos_token_ids, load_checkpoint
-from specbuild.errors import CheckpointError
+from specbuild.errors import CheckpointError, UnsupportedModelError
 
 
 @pytest.fixture
@@ -295,3 +295,43 @@ def test_a_draft_saved_without_a_tokenizer_is_told_to_take_its_targets(checkpoin
         (folder / name).unlink(missing_ok=True)
     with pytest.raises(CheckpointError, match="copy the target's tokenizer files into it"):
         load_checkpoint(folder, "draft")
+
+
+def test_phi3s_partial_rotary_factor_is_read_where_transformers_4_keeps_it(checkpoints):
+    # transformers 4 (which TensorRT-LLM pins) has no rope_parameters: the factor stays in the config itself, and
+    # taking the whole head as rotary built tables of the wrong width (a reshape error in compile)
+    from specbuild.compile.load import model_spec
+
+    config = load_checkpoint(checkpoints("phi3"), "target").config
+    as_transformers_4 = type("Config", (), {**vars(config), "rope_parameters": None, "partial_rotary_factor": 0.5})()
+    spec = model_spec(as_transformers_4, "Phi3ForCausalLM", checkpoints("phi3"), "target")
+    assert spec.rotary_dim == model_spec(config, "Phi3ForCausalLM", checkpoints("phi3"), "target").rotary_dim == 16
+
+
+def test_rope_settings_saved_where_this_transformers_does_not_read_them_are_refused(checkpoints, monkeypatch):
+    # transformers 4 (which TensorRT-LLM pins) reading a checkpoint transformers 5 saved: rope_theta 500000 in
+    # rope_parameters, which 4 leaves unread, building (and verifying against) rope_theta 10000 without a word
+    import transformers as tf
+
+    from specbuild.compile import load
+
+    class Transformers4LlamaConfig(tf.LlamaConfig):
+        def __init__(self, **kwargs):  # no rope_parameters argument, as transformers 4's
+            super().__init__(**kwargs)
+
+    read = load._load_config
+    monkeypatch.setattr(load, "_load_config", lambda path, role: Transformers4LlamaConfig(**read(path, role).to_dict()))
+    with pytest.raises(UnsupportedModelError, match="rope_parameters.*compile with transformers 5") as error:
+        load_checkpoint(checkpoints("llama"), "target")
+    assert "\n" not in str(error.value)
+
+
+def test_the_transformers_reference_runs_gemma2_eagerly_where_sdpa_would_drop_its_softcap(checkpoints, monkeypatch):
+    # transformers 4 (4.56, 4.57) offers sdpa for Gemma 2, which drops its attention softcapping: verify and the
+    # compiler's γ measurement then compared the bundle with another model (a divergence at token 28 of a tiny one)
+    from transformers.models.gemma2 import modeling_gemma2
+
+    from specbuild.reference import load_reference
+
+    monkeypatch.setattr(modeling_gemma2.Gemma2PreTrainedModel, "_supports_sdpa", True)  # as transformers 4's
+    assert load_reference(checkpoints("gemma2")).config._attn_implementation == "eager"

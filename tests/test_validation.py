@@ -4,6 +4,7 @@ import json
 import math
 import re
 import shutil
+import warnings
 
 import numpy as np
 import pytest
@@ -74,6 +75,17 @@ def test_numpy_values_and_every_integer_seed_are_accepted():
     assert request.prompt_ids == [3, 4] and request.max_new_tokens == 5 and request.gamma == 2
     assert request.sampling.top_k == V  # above the vocabulary: every token, as 0
     assert type(request.prompt_ids[0]) is int
+
+
+def test_numpy_half_floats_are_taken_without_a_warning():
+    # NumPy 2 (NEP 50) casts the Python float a float16 is compared with to float16: FLOAT32_MAX overflowed there,
+    # a RuntimeWarning (an exception where warnings are errors, as under pytest -W error)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sampling = check(temperature=np.float16(0.5), top_p=np.float16(0.25)).sampling
+    assert (sampling.temperature, sampling.top_p) == (0.5, 0.25)
+    with pytest.raises(RequestError, match="finite"):
+        check(temperature=np.float16("inf"))
 
 
 def test_seeds_of_any_size_reproduce_and_differ_from_each_other():

@@ -170,6 +170,8 @@ def real(name: str, value) -> float:
     """A finite real number that float32 (the engines' type for it) can hold."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise RequestError(f"{name} must be a number, not {value!r} ({type(value).__name__})")
+    if isinstance(value, np.generic):  # NumPy 2 compares a float16 with FLOAT32_MAX in float16: an overflow warning
+        value = value.item()
     # abs() first: math.isfinite raises OverflowError for an int beyond any float (JSON's 1 and 400 zeros)
     if abs(value) > FLOAT32_MAX or not math.isfinite(value):  # 1e39 is finite, yet float32 makes it inf: say why
         raise RequestError(f"{name} must be a finite number float32 holds (at most {FLOAT32_MAX:.3g} in size), "

@@ -7,6 +7,7 @@ Never unpickles (safetensors only) and never runs remote code.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import struct
@@ -199,6 +200,7 @@ def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
     weight_files = _weight_files(path, role)
     entries = _entries(weight_files, path)
     config = _load_config(path, role)
+    _check_rope_settings_read(config, raw, path, role)
     loaded = _loaded_tensors(config, entries, path, role)
     tokenizer = _load_tokenizer(path, role)
     try:
@@ -357,6 +359,20 @@ def quiet_transformers() -> None:
     logging.set_verbosity_error()
 
 
+def _check_rope_settings_read(config, raw: dict, path: Path, role: str) -> None:
+    """transformers 5 saves the rope settings (rope_theta, the scaling) in config.json's rope_parameters alone, a key
+    transformers 4 keeps as an unknown attribute: it builds the model with its default rope_theta, so the engine and
+    verify's reference alike would compute another model than the one saved, and verify would call them identical."""
+    if not isinstance(raw.get("rope_parameters"), dict) or "rope_parameters" in inspect.signature(type(config).__init__).parameters:
+        return
+    import transformers
+
+    raise UnsupportedModelError(
+        f"{role} checkpoint {path} keeps its rope settings in config.json's rope_parameters (saved by transformers 5), "
+        f"which transformers {transformers.__version__} does not read: it would use its default rope_theta instead; "
+        "compile with transformers 5")
+
+
 def _loaded_tensors(config, entries: dict[str, TensorEntry], path: Path, role: str) -> frozenset[str]:
     """The stored tensors transformers loads into a model of this config.json, each checked to have the shape
     the config implies: weights of another config (vocab_size, key-value heads, intermediate_size) would
@@ -458,7 +474,8 @@ def _rope_model_spec(config, architecture: str, family: str, path: Path, role: s
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     rope = getattr(config, "rope_parameters", None) or {}
     rope = rope.get("full_attention", rope)  # Gemma 3 keeps one set per layer type
-    rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    # transformers 4 keeps Phi-3's partial_rotary_factor in the config itself; 5 moved it into rope_parameters
+    rotary_dim = int(head_dim * (rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0))
     if head_dim % 16 or rotary_dim % 16:
         raise UnsupportedModelError(
             f"{role} checkpoint {path}: head_dim {head_dim} (rotary part {rotary_dim}) is not a multiple of 16, "

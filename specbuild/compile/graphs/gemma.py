@@ -6,6 +6,9 @@ own rope base."""
 
 from __future__ import annotations
 
+import copy
+import inspect
+
 import onnx_ir as ir
 
 from ..load import ModelSpec
@@ -58,6 +61,13 @@ def _rotary(g: GraphBuilder, spec: ModelSpec, max_seq_len: int) -> dict[str, tup
     if spec.architecture == "Gemma2ForCausalLM":
         cos, sin = rotary_tables(g, ["all"], spec.rotary_dim, max_seq_len, lambda: rope(module, max_seq_len, dtype))
         return {kind: (cos, sin) for kind in types}
-    tables = rotary_tables(g, types, spec.rotary_dim, max_seq_len, lambda: tuple(
-        t for kind in types for t in rope(module, max_seq_len, dtype, layer_type=kind)))
+    if "layer_type" in inspect.signature(module.forward).parameters:
+        compute = lambda: tuple(t for kind in types for t in rope(module, max_seq_len, dtype, layer_type=kind))  # noqa: E731
+    else:  # transformers 4 (TensorRT-LLM pins 4.57): Gemma3TextModel makes its sliding layers' module from a copy
+        # of the config with rope_local_base_freq as the base and no scaling (its rotary_emb_local)
+        local = copy.deepcopy(g.ckpt.config)
+        local.rope_theta, local.rope_scaling = local.rope_local_base_freq, {"rope_type": "default"}
+        modules = {"full_attention": module, "sliding_attention": rotary_module(spec.architecture, local)}
+        compute = lambda: tuple(t for kind in types for t in rope(modules[kind], max_seq_len, dtype))  # noqa: E731
+    tables = rotary_tables(g, types, spec.rotary_dim, max_seq_len, compute)
     return {kind: (tables[2 * n], tables[2 * n + 1]) for n, kind in enumerate(types)}
