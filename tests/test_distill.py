@@ -510,6 +510,33 @@ def test_a_default_draft_of_a_longrope_target_takes_its_factors_at_its_own_heads
     assert draft(input_ids=torch.tensor([[1, 2, 3]])).logits.isfinite().all()
 
 
+def test_a_draft_config_as_wide_as_a_longrope_target_takes_the_targets_own_factors(tmp_path, tokenizer):
+    """--draft-config's heads were fitted from the default draft's lists, already thinned to its narrower heads: a
+    draft as wide as the target got each of its factors repeated, not the target's own."""
+    factors = dict(short_factor=[1.0 + 0.01 * i for i in range(32)], long_factor=[2.0 + 0.05 * i for i in range(32)])
+    folder = make_checkpoint(tmp_path / "phi3", "phi3", tokenizer, hidden_size=256, intermediate_size=512,
+                             rope_scaling=dict(rope_type="longrope", **factors))  # heads of 128, half rotary: 32 pairs
+    target, _ = load_model(folder, "target")
+    assert len(shrunk_config(target.config).rope_parameters["short_factor"]) < 32
+    rope = shrunk_config(target.config, {"hidden_size": 256, "num_attention_heads": 2}).rope_parameters
+    assert rope["short_factor"] == factors["short_factor"] and rope["long_factor"] == factors["long_factor"]
+
+
+def test_longrope_factors_are_fitted_where_transformers_4_keeps_them():
+    """transformers 4.56 and 4.57 (which the project supports) keep LongRoPE's factors in rope_scaling, with "type":
+    fitted in rope_parameters alone, a Phi-3.5 target's default draft still failed there (a RuntimeError)."""
+    from types import SimpleNamespace
+
+    from specbuild.train.distill import _fit_rope_factors
+
+    factors = dict(short_factor=[1.0 + 0.01 * i for i in range(32)], long_factor=[2.0 + 0.05 * i for i in range(32)])
+    config = SimpleNamespace(hidden_size=64, num_attention_heads=2, partial_rotary_factor=0.5,  # 8 rotary pairs
+                             rope_scaling=dict(type="longrope", **factors))
+    _fit_rope_factors(config)
+    assert config.rope_scaling["short_factor"] == factors["short_factor"][::4]
+    assert config.rope_scaling["long_factor"] == factors["long_factor"][::4] and config.rope_scaling["type"] == "longrope"
+
+
 def test_a_target_with_fewer_embedding_rows_than_its_tokenizer_is_refused_as_compile_refuses_it(pair, tmp_path,
                                                                                                     monkeypatch):
     """distill said the draft lacked rows and to give it more: a draft given them trained for its minutes beside a

@@ -325,6 +325,12 @@ def test_rope_settings_saved_where_this_transformers_does_not_read_them_are_refu
         load_checkpoint(checkpoints("llama"), "target")
     assert "\n" not in str(error.value)
 
+    # A config that keeps rope_theta at the top level too is read right by transformers 4: no refusal there.
+    raw = json.loads((checkpoints("llama") / "config.json").read_text())
+    config = Transformers4LlamaConfig(**read(checkpoints("llama"), "target").to_dict())
+    config.rope_theta = raw["rope_parameters"]["rope_theta"]
+    load._check_rope_settings_read(config, raw, checkpoints("llama"), "target")
+
 
 def test_the_transformers_reference_runs_gemma2_eagerly_where_sdpa_would_drop_its_softcap(checkpoints, monkeypatch):
     # transformers 4 (4.56, 4.57) offers sdpa for Gemma 2, which drops its attention softcapping: verify and the

@@ -470,6 +470,17 @@ def test_max_connections_the_open_files_limit_cannot_hold_is_a_one_line_error(bu
     assert result.returncode == 1 and len(lines) == 1 and "--max-connections 768 or less" in lines[0], result.stderr
 
 
+def test_an_open_files_limit_no_max_connections_fits_asks_only_for_a_higher_limit(bundle):
+    """Under a hard limit of OWN_FILES or fewer, the error advised "--max-connections 1 or less", which it then
+    refused in the same words."""
+    for given in ([], ["--max-connections", "1"]):
+        result = subprocess.run([sys.executable, "-m", "specbuild", "serve", str(bundle), "--port", str(free_port()),
+                                 *given], capture_output=True, text=True, preexec_fn=open_files_limit(200), timeout=120)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 1 and len(lines) == 1, result.stderr
+        assert "--max-connections 1 or less" not in lines[0] and "raise the limit to 257 or more" in lines[0]
+
+
 @pytest.mark.parametrize("hard_limit", ["as it is", 1024])
 def test_a_soft_open_files_limit_below_what_max_connections_needs_is_raised(bundle, tmp_path, hard_limit):
     """Raised to the default --max-connections + 256; where the hard limit is lower, the default shrinks to fit."""
@@ -841,6 +852,21 @@ def test_an_idle_connection_beyond_max_connections_is_answered_503_at_once_and_c
     head, body = reply.split(b"\r\n\r\n", 1)
     assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower()
     assert json.loads(body)["error"]["type"] == "service_unavailable"
+
+
+def test_a_connection_refused_beyond_max_connections_leaves_the_served_ones_served(bundle):
+    """A refused connection stayed among the ones uvicorn counts until it closed (up to REFUSED_LINGER), and uvicorn
+    answers 503 to any request while those reach the limit: a client opening connections it never closed, one a
+    second, had every served connection's requests refused too."""
+    with in_process(bundle, max_connections=1) as (url, decoder, _):
+        decoder.go.set()
+        host, port = url.removeprefix("http://").split(":")
+        with httpx.Client(timeout=30) as served:
+            assert served.get(f"{url}/health").status_code == 200  # the one connection allowed, kept alive
+            with socket.create_connection((host, int(port))) as beyond:
+                beyond.settimeout(30)  # a guard
+                assert beyond.recv(65536).startswith(b"HTTP/1.1 503")  # refused, and held open by its client
+                assert served.get(f"{url}/health").status_code == 200
 
 
 def test_shutdown_cuts_a_stream_after_the_grace_period_with_a_clean_end(bundle):

@@ -363,7 +363,16 @@ def _check_rope_settings_read(config, raw: dict, path: Path, role: str) -> None:
     """transformers 5 saves the rope settings (rope_theta, the scaling) in config.json's rope_parameters alone, a key
     transformers 4 keeps as an unknown attribute: it builds the model with its default rope_theta, so the engine and
     verify's reference alike would compute another model than the one saved, and verify would call them identical."""
-    if not isinstance(raw.get("rope_parameters"), dict) or "rope_parameters" in inspect.signature(type(config).__init__).parameters:
+    saved = raw.get("rope_parameters")
+    if not isinstance(saved, dict) or "rope_parameters" in inspect.signature(type(config).__init__).parameters:
+        return
+    # Refused only where what it read differs: configs that also keep rope_theta (and rope_scaling) at the top level,
+    # as some saved by both versions do, build the saved model on 4.x too.
+    saved = saved.get("full_attention", saved)  # Gemma 3 keeps one set per layer type; the full layers' is rope_theta
+    read = getattr(config, "rope_scaling", None) or {}
+    kind = saved.get("rope_type", "default")
+    if (saved.get("rope_theta") in (None, getattr(config, "rope_theta", None))
+            and kind in ("default", read.get("rope_type", read.get("type")))):
         return
     import transformers
 

@@ -117,7 +117,9 @@ def shrunk_config(target_config, overrides: dict | None = None):
         # transformers, so distill refused every draft deeper than the default one of a Qwen or Gemma target)
         pattern = target_config.layer_types
         config.layer_types = [pattern[i % len(pattern)] for i in range(config.num_hidden_layers)]
-    _fit_rope_factors(config)  # to the heads the overrides made
+    # to the heads the overrides made, from the target's lists (the default shape's are already thinned), unless the
+    # overrides gave their own
+    _fit_rope_factors(config, None if {"rope_parameters", "rope_scaling"} & set(overrides or {}) else target_config)
     return config
 
 
@@ -184,20 +186,27 @@ def _shaped(target_config, hidden: int, layers: int):
     return config
 
 
-def _fit_rope_factors(config) -> None:
+def _fit_rope_factors(config, source=None) -> None:
     """LongRoPE's per-frequency factors (Phi-3.5, Phi-4-mini) taken at the draft's own frequencies: the target's
     lists hold one factor for each of its rotary pairs, and transformers cannot apply them to a draft's narrower heads
     (a RuntimeError while distill sized its default draft, reported as a bug in specbuild). Frequency i of n is
-    theta^(-i/n) at any width, so the factor of the target's pair at the same fraction of its list is kept."""
-    rope = getattr(config, "rope_parameters", None)
-    if not isinstance(rope, dict) or rope.get("rope_type") != "longrope":
+    theta^(-i/n) at any width, so the factor of the target's pair at the same fraction of its list is kept. The lists
+    are taken from `source` (the target's config) where given, else from config's own."""
+    # transformers 5 keeps them in rope_parameters; 4 (4.56, 4.57: TensorRT-LLM's pin) in rope_scaling, whose "type"
+    # names the kind
+    name = "rope_parameters" if isinstance(getattr(config, "rope_parameters", None), dict) else "rope_scaling"
+    rope = getattr(config, name, None)
+    if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type")) != "longrope":
         return
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     pairs = int(head_dim * rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))) // 2
+    lists = getattr(source, name, None) if source is not None else rope
+    lists = lists if isinstance(lists, dict) else rope
     fitted = {key: [factors[i * len(factors) // pairs] for i in range(pairs)]
-              for key in ("short_factor", "long_factor") if (factors := rope.get(key)) and len(factors) != pairs and pairs}
+              for key in ("short_factor", "long_factor") if (factors := lists.get(key)) and pairs}
+    fitted = {key: factors for key, factors in fitted.items() if factors != rope.get(key)}
     if fitted:
-        config.rope_parameters = {**rope, **fitted}
+        setattr(config, name, {**rope, **fitted})
 
 
 def _meta_parameters(config) -> int:

@@ -350,6 +350,9 @@ def _refusing_beyond(http_protocol: type, max_connections: int) -> type:
             super().connection_made(transport)
             if len(self.connections) > max_connections:
                 self.refused = True
+                # Not counted as open: uvicorn refuses a request of a served connection while the connections it
+                # counts reach the limit, and a refused one lingering would make it answer the served ones 503 too
+                self.connections.discard(self)
                 transport.write(refusal)
                 transport.write_eof()  # the 503, then the end; what the client sends is read and dropped (closing
                 # with it unread would reset the connection, and the client could lose the 503)

@@ -216,9 +216,11 @@ def _open_files_for(max_connections: int, explicit: bool) -> int:
     if hard != resource.RLIM_INFINITY and hard < needed:
         fits = hard - OWN_FILES
         if explicit or fits < 1:
+            # below OWN_FILES + 1 no --max-connections fits: the limit is all there is to raise
+            advice = f"give --max-connections {fits} or less, or raise the limit" if fits >= 1 else \
+                f"raise the limit to {OWN_FILES + 1} or more"
             raise SpecbuildError(f"--max-connections {max_connections} needs {needed} open files (one a connection, "
-                                 f"{OWN_FILES} for the server) but this process may open {hard} (ulimit -Hn): give "
-                                 f"--max-connections {max(1, fits)} or less, or raise the limit")
+                                 f"{OWN_FILES} for the server) but this process may open {hard} (ulimit -Hn): {advice}")
         click.echo(f"note: --max-connections {fits} (not {max_connections}): this process may open {hard} files "
                    "(ulimit -Hn); raise that limit for more", err=True)
         max_connections, needed = fits, hard
