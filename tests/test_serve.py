@@ -481,6 +481,19 @@ def test_an_open_files_limit_no_max_connections_fits_asks_only_for_a_higher_limi
         assert "--max-connections 1 or less" not in lines[0] and "raise the limit to 257 or more" in lines[0]
 
 
+def test_an_open_files_limit_the_system_will_not_raise_is_a_one_line_error(monkeypatch):
+    """macOS caps the limit below an unlimited hard one (kern.maxfilesperproc): setrlimit's ValueError was a traceback."""
+    import resource
+
+    from specbuild_runtime import SpecbuildError
+    from specbuild_runtime.serve import cli
+
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (256, resource.RLIM_INFINITY))
+    monkeypatch.setattr(resource, "setrlimit", lambda kind, limits: (_ for _ in ()).throw(ValueError("not allowed")))
+    with pytest.raises(SpecbuildError, match=r"refused to raise this process's limit from 256 \(not allowed\)"):
+        cli._open_files_for(20000, explicit=True)
+
+
 @pytest.mark.parametrize("hard_limit", ["as it is", 1024])
 def test_a_soft_open_files_limit_below_what_max_connections_needs_is_raised(bundle, tmp_path, hard_limit):
     """Raised to the default --max-connections + 256; where the hard limit is lower, the default shrinks to fit."""

@@ -224,7 +224,12 @@ def _open_files_for(max_connections: int, explicit: bool) -> int:
         click.echo(f"note: --max-connections {fits} (not {max_connections}): this process may open {hard} files "
                    "(ulimit -Hn); raise that limit for more", err=True)
         max_connections, needed = fits, hard
-    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    except (ValueError, OSError) as exc:  # a cap below the hard limit (macOS: kern.maxfilesperproc)
+        raise SpecbuildError(f"--max-connections {max_connections} needs {needed} open files, and the system refused to "
+                             f"raise this process's limit from {soft} ({exc}): give --max-connections "
+                             f"{max(1, soft - OWN_FILES)} or less") from None
     return max_connections
 
 
