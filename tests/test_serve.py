@@ -845,8 +845,8 @@ def test_connections_beyond_max_connections_get_503(bundle):
         assert httpx.get(f"{url}/health").status_code == 200
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port))):  # an idle client holds the only connection
-            time.sleep(0.2)
-            assert httpx.get(f"{url}/health").status_code == 503
+            # once the server has taken it (no sleep: polled)
+            wait_until(lambda: httpx.get(f"{url}/health").status_code == 503, "the idle connection was counted")
         wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, "the connection was released")
 
 
