@@ -6,6 +6,7 @@ from pathlib import Path
 
 from .compile.load import checkpoint_digest
 from .errors import CheckpointError
+from .progress import note, steps
 from .reference import load_reference, recorded_source, transformers_greedy
 from .texts import read_prompts
 
@@ -27,8 +28,9 @@ def verify_bundle(bundle: Path, target: Path | None, prompts_file: Path, max_new
     from specbuild_runtime import SpeculativeDecoder
 
     prompts = read_prompts(prompts_file)
-    decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs,
-                                 draft_steps=draft_steps)
+    with note(f"loading the bundle {bundle}"):  # every file's digest checked, every engine's session made
+        decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs,
+                                     draft_steps=draft_steps)
     encoded = [decoder.encode(prompt) for prompt in prompts]
     for index, prompt_ids in enumerate(encoded):  # all checked before loading the model and decoding
         if len(prompt_ids) > decoder.max_seq_len:
@@ -36,9 +38,11 @@ def verify_bundle(bundle: Path, target: Path | None, prompts_file: Path, max_new
                                   f"bundle's context of {decoder.max_seq_len}; shorten it")
     decoder.request(encoded[0], 1, gamma)  # and --gamma (at most the bundle's maximum), not after the model loaded
     engine = decoder.manifest.engines["target"]
-    target = target or recorded_source(engine, "target")
+    recorded = target is None
+    with note(f"loading the target checkpoint in transformers ({engine.precision})"):  # and its digest read
+        target = target or recorded_source(engine, "target")
+        model = load_reference(target, device=decoder.device, precision=engine.precision)
     precision = engine.precision
-    model = load_reference(target, device=decoder.device, precision=precision)
     rows = model.get_input_embeddings().num_embeddings
     if rows < engine.shape.vocab_size:
         raise CheckpointError(f"target checkpoint {target} has {rows} embedding rows but the bundle's vocabulary has "
@@ -46,7 +50,8 @@ def verify_bundle(bundle: Path, target: Path | None, prompts_file: Path, max_new
                               f"pass --target {engine.source['path']}")
     eos = sorted(decoder.eos_token_ids)
     tokens, divergences = 0, []
-    for index, (prompt, prompt_ids) in enumerate(zip(prompts, encoded)):
+    for index, (prompt, prompt_ids) in steps(list(enumerate(zip(prompts, encoded))),
+                                             "decoding with the bundle and with transformers", "prompt"):
         # The bundle stops where its context is full, its last token needing no place in the cache (a prompt
         # that fills the context still gets one, as generate gives it); transformers is held to the same length.
         new_tokens = min(max_new_tokens, decoder.max_seq_len - len(prompt_ids) + 1)
@@ -64,8 +69,9 @@ def verify_bundle(bundle: Path, target: Path | None, prompts_file: Path, max_new
         })
     if divergences and precision != "fp32":
         del model  # its memory, before the fp32 copy loads
-        fp32 = load_reference(target, device=decoder.device)
-        for d in divergences:
+        with note("loading the target checkpoint in transformers (fp32)"):
+            fp32 = load_reference(target, device=decoder.device)
+        for d in steps(divergences, "decoding the diverging prompts with transformers in fp32", "prompt"):
             # Held to the bundle's context as the other two are: past it a GPT-2 runs out of positions, and
             # any model's longer output would count as one leaving the shorter ones at their end.
             prompt_ids, new_tokens, ours, theirs = d["outputs"]
@@ -73,9 +79,13 @@ def verify_bundle(bundle: Path, target: Path | None, prompts_file: Path, max_new
             d.update(transformers_vs_fp32=first_difference(theirs, reference), bundle_vs_fp32=first_difference(ours, reference))
     for d in divergences:
         del d["outputs"]
+    # recorded_source compared the digest already: reading every weight again (seconds a GB) would say the same
+    same_source = recorded
+    if not recorded:
+        with note(f"reading the checkpoint {target} (sha256)"):
+            same_source = checkpoint_digest(target, "target") == engine.source["sha256"]
     report = {"identical": not divergences, "prompts": len(prompts), "tokens": tokens, "device": decoder.device,
-              "precision": precision, "quantization": engine.quantization,
-              "same_source": checkpoint_digest(target, "target") == engine.source["sha256"]}
+              "precision": precision, "quantization": engine.quantization, "same_source": same_source}
     if divergences:
         report.update(divergence=divergences[0], divergences=divergences)
     return report

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -112,6 +114,21 @@ def save_bf16_shards(source: Path, folder: Path) -> dict:
     weight_map = {n: file for file, members in shards.items() for n in members}
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return tensors
+
+
+class Terminal(io.StringIO):
+    """A stderr that is a terminal, as tqdm asks (disable=None: bars where stderr.isatty() only)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def on_a_terminal(monkeypatch) -> Terminal:
+    """stderr as a terminal for the rest of the test: what a user at one sees (tqdm reads sys.stderr per bar).
+    Called in the test's body: pytest's capture sets sys.stderr again between a fixture and its test."""
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    return screen
 
 
 @pytest.fixture(scope="session")

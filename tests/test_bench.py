@@ -4,9 +4,11 @@ import json
 
 import pytest
 
+from conftest import on_a_terminal
 from test_cli import specbuild
 
 from specbuild.acceptance import theoretical_speedup
+from specbuild.bench.bench import bench
 
 
 def test_theoretical_speedup_matches_leviathan_et_al():
@@ -101,6 +103,21 @@ def test_bench_with_transformers_peers_checks_their_output(bundles, tmp_path):
     peers = json.loads(out.read_text())["peers"]
     assert [(p["system"], p["gamma"]) for p in peers] == [("transformers", 0), ("transformers assisted", 2)]
     assert all(p["matches_target"] for p in peers)
+
+
+def test_every_phase_of_bench_shows_progress_on_a_terminal_and_nothing_elsewhere(bundles, monkeypatch, capsys):
+    """At 7B on a CPU each phase is minutes: loading (every digest), each mode's and peer's prompts, the context
+    timing's 400 target calls. The bars move between timed calls, never inside one."""
+    bundle = bundles("gpt2", 1)
+    capsys.readouterr()  # what making the fixtures' checkpoints printed
+    bench(bundle, ["def add(a, b):", "import os"], 8, [2], ["transformers"])
+    assert capsys.readouterr().err == ""
+    terminal = on_a_terminal(monkeypatch)
+    bench(bundle, ["def add(a, b):", "import os"], 8, [2], ["transformers"])
+    phases = ("loading the bundle", "warming up", "decoding at γ 0, γ 2, γ auto", "timing the target at contexts",
+              "loading the target and draft checkpoints in transformers", "decoding with transformers:",
+              "decoding with transformers assisted at γ 2")
+    assert [phase for phase in phases if phase not in terminal.getvalue()] == [], terminal.getvalue()
 
 
 def test_bench_with_onnxruntime_genai_peer_checks_its_output(bundles, tmp_path):

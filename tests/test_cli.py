@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import PROMPTS, make_checkpoint
+from conftest import PROMPTS, make_checkpoint, on_a_terminal
 
 
 def specbuild(*args, check=False, stdin=None):
@@ -69,6 +69,24 @@ def test_verify_reports_identical_and_exits_nonzero_on_divergence(bundles, check
                                    "--prompts", str(prompts), "-n", "16"] for target in (("llama",), ("llama", 1))])
     assert ok["status"] == 0 and ok["stdout"].startswith("identical")
     assert bad["status"] == 1 and "DIVERGED on prompt 1 (" in bad["stdout"]
+
+
+def test_every_phase_of_verify_shows_progress_on_a_terminal_and_nothing_elsewhere(bundles, checkpoints, tmp_path,
+                                                                                 monkeypatch, capsys):
+    """At 7B each phase is minutes (the bundle's digests, transformers' load, its greedy runs, the checkpoint's
+    sha256); a build pipeline's log gets none of it."""
+    from specbuild.verify import verify_bundle
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
+    bundle, target = bundles("llama", 1), checkpoints("llama")
+    capsys.readouterr()  # what making the fixtures' checkpoints printed
+    assert verify_bundle(bundle, None, prompts, 8, 4)["same_source"] and capsys.readouterr().err == ""
+    terminal = on_a_terminal(monkeypatch)
+    assert verify_bundle(bundle, target, prompts, 8, 4)["same_source"]  # a --target given: its sha256 read
+    phases = ("loading the bundle", "loading the target checkpoint in transformers (fp32)",
+              "decoding with the bundle and with transformers", "reading the checkpoint")
+    assert [phase for phase in phases if phase not in terminal.getvalue()] == [], terminal.getvalue()
 
 
 def test_verify_without_target_checks_against_the_checkpoint_the_manifest_records(checkpoints, tmp_path, cli):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_checkpoint, make_tokenizer
+from conftest import make_checkpoint, make_tokenizer, on_a_terminal
 from test_bad_inputs import MARKER, plant_pickle
 from specbuild.acceptance import rounds
 from specbuild.demo import DEMO_RECIPE
@@ -339,7 +339,7 @@ def test_the_distill_command_refuses_a_folder_of_the_users_in_one_line(pair, tmp
 
 def test_a_draft_whose_alpha_rose_is_written_with_the_targets_tokenizer(pair, tmp_path, monkeypatch, prompts_file):
     measured = iter([(1, 10), (5, 10)])  # alpha 0.1 before, 0.5 after
-    monkeypatch.setattr(distill_module, "acceptance", lambda *args: next(measured))
+    monkeypatch.setattr(distill_module, "acceptance", lambda *args, **kwargs: next(measured))
     report = distill(pair[0], tmp_path / "draft", draft_config=SMALLER, minutes=0.02, prompts_file=prompts_file)
     assert report["written"] and report["alpha_gain"] == 0.4
     assert report["theoretical_speedup_after"] > report["theoretical_speedup_before"]
@@ -360,9 +360,9 @@ def test_overwrite_replaces_a_draft_only_with_one_of_higher_alpha(pair, tmp_path
     for force in (False, True):
         rising, trained = iter([(1, 10), (5, 10)]), []  # the new draft's α: 0.1 before, 0.5 after
 
-        def measured(model, *args):
+        def measured(model, *args, **kwargs):
             trained[:] = trained or [model]  # the first model measured is the new draft
-            return next(rising) if model is trained[0] else real(model, *args)
+            return next(rising) if model is trained[0] else real(model, *args, **kwargs)
 
         monkeypatch.setattr(distill_module, "acceptance", measured)
         report = distill(pair[0], output, draft_config=SMALLER, minutes=0.01, heldout_prompts=4, overwrite=True, force=force)
@@ -393,6 +393,26 @@ def test_the_distill_command_prints_only_its_one_line_on_stderr_for_a_phi3_targe
     result = distill_command("--target", target, "--init", target, "-o", tmp_path / "draft", "--minutes", "0.01")
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 1 and len(lines) == 1 and "was not written" in lines[0], result.stderr
+
+
+# What a user at a terminal sees of each phase before, during and after training: on a 7B target each one is
+# minutes (README, distill), which a silent terminal would pass off as a hang.
+DISTILL_PHASES = ("loading the target checkpoint", "initialising the draft", "the target samples 4 held-out prompts",
+                  "the target continues", "measuring α before training", "distill", "the target writes 64 sampled sequences",
+                  "measuring α after training", "writing the draft to")
+
+
+def test_every_phase_of_distill_shows_progress_on_a_terminal(pair, tmp_path, monkeypatch):
+    terminal = on_a_terminal(monkeypatch)
+    distill(pair[0], tmp_path / "draft", draft_config=SMALLER, minutes=0.01, heldout_prompts=4, force=True)
+    shown = terminal.getvalue()
+    assert [phase for phase in DISTILL_PHASES if phase not in shown] == [], shown
+
+
+def test_distill_prints_no_progress_where_stderr_is_no_terminal(pair, tmp_path, capsys):
+    """A build log or a pipeline reading one-line errors gets nothing on stderr from a run that succeeds."""
+    distill(pair[0], tmp_path / "draft", draft_config=SMALLER, minutes=0.01, heldout_prompts=4, force=True)
+    assert capsys.readouterr().err == ""
 
 
 def test_the_distill_command_takes_one_source_of_prompts(pair, tmp_path, prompts_file):

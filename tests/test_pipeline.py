@@ -11,13 +11,37 @@ import pytest
 import transformers as tf
 from onnx import numpy_helper
 
-from conftest import PROMPTS, make_checkpoint, save_bf16_shards
+from conftest import PROMPTS, make_checkpoint, on_a_terminal, save_bf16_shards
 from specbuild.compile import compile_bundle
 from specbuild.compile.graphs import build_decoder
 from specbuild.compile.load import load_checkpoint
 from specbuild.compile.precision import Numerics
 from specbuild.recipe import CompileSettings
 from specbuild_runtime import SpecbuildError, SpeculativeDecoder
+
+
+# Phases of compile that run for minutes at 7B and showed only their stage's name, the stage bar standing still.
+COMPILE_PHASES = [
+    (dict(quantize="int8"), ("measuring the target engine against fp32", "measuring the draft engine against fp32",
+                             "measuring the pair's α", "checking the engines' graphs", "hashing the bundle's files")),
+    (dict(backend="all"), ("writing TensorRT-LLM target", "writing TensorRT-LLM draft", "measuring α for γ")),
+]
+
+
+@pytest.mark.parametrize("settings, phases", COMPILE_PHASES)
+def test_every_long_phase_of_compile_shows_progress_on_a_terminal(checkpoints, tmp_path, monkeypatch, settings, phases):
+    terminal = on_a_terminal(monkeypatch)
+    compile_bundle(CompileSettings(checkpoints("llama"), checkpoints("llama", 1), tmp_path / "b", max_seq_len=64, **settings))
+    shown = terminal.getvalue()
+    assert [phase for phase in phases if phase not in shown] == [], shown
+
+
+@pytest.mark.parametrize("settings", [settings for settings, _ in COMPILE_PHASES])
+def test_compile_prints_nothing_where_stderr_is_no_terminal(checkpoints, tmp_path, capsys, settings):
+    target, draft = checkpoints("llama"), checkpoints("llama", 1)
+    capsys.readouterr()  # what making them printed
+    compile_bundle(CompileSettings(target, draft, tmp_path / "b", max_seq_len=64, **settings))
+    assert capsys.readouterr().err == ""
 
 
 def test_a_draft_of_another_family_with_the_targets_tokenizer_files_is_accepted(checkpoints, tmp_path):

@@ -18,6 +18,7 @@ from specbuild_runtime.engine import PROVIDERS, session_options
 from specbuild_runtime.errors import RequestError, SpecbuildError
 from specbuild_runtime.slot import WARM_UP_RUNS
 
+from .. import progress
 from ..acceptance import theoretical_speedup
 
 
@@ -159,11 +160,13 @@ def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_toke
     # captured at its run WARM_UP_RUNS + 1; a capture costs a call's time many times over). Auto γ's choices
     # follow timings and may still meet a new shape while timed: the report counts those captures.
     warm, passes = (prompts, WARM_UP_RUNS + 1) if decoder.target.captures else (prompts[:1], 1)
-    for _ in range(passes):
+    for _ in progress.steps(range(passes), "warming up", "pass"):
         for gamma in gammas:
             for ids in warm:
                 decoder.generate(ids, max_new_tokens, gamma, **(sampling or {}))
-    for number, ids in enumerate(prompts):
+    # The bar moves between prompts, outside what is timed.
+    modes = ", ".join(f"γ {gamma}" for gamma in gammas)
+    for number, ids in progress.steps(list(enumerate(prompts)), f"decoding at {modes}", "prompt"):
         for result in results:
             stats, before = Stats(), decoder.graphs_captured
             # Sampled auto unseeded: the policy of requests without a seed (timed costs, α learned across
@@ -185,7 +188,9 @@ def context_latency(decoder: SpeculativeDecoder, short: int = 64, long: int = 10
     long = min(long, decoder.max_seq_len - 1)
     short = min(short, long)
     times: dict[int, list[float]] = {short: [], long: []}
-    with decoder.slots.take() as slot:
+    # The bar shows from the prefill on (at 7B on a CPU, a minute or more), and moves between timed calls.
+    with decoder.slots.take() as slot, progress.bar(steps, f"timing the target at contexts {short} and {long}",
+                                                    "step") as bar:
         engine = slot.target
         engine.configure(temperature=0.0)
         engine.step([1] * long, total_len=long)
@@ -194,6 +199,7 @@ def context_latency(decoder: SpeculativeDecoder, short: int = 64, long: int = 10
                 start = time.perf_counter()
                 engine.step([1], total_len=ctx + 1)
                 times[ctx].append(time.perf_counter() - start)
+            bar.update()
     return {ctx: 1e3 * float(np.median(t)) for ctx, t in times.items()}
 
 
@@ -211,8 +217,9 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
     between modes by design: `matches_target` then says nothing, and α/speed-up are the figures to read."""
     sampling = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, **(sampling or {})}
     temperature = sampling["temperature"]
-    decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs,
-                                 draft_steps=draft_steps)
+    with progress.note(f"loading the bundle {bundle}"):  # every file's digest checked, every engine's session made
+        decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs,
+                                     draft_steps=draft_steps)
     prompt_ids = [decoder.encode(p) for p in prompts]
     for number, ids in enumerate(prompt_ids, 1):  # refused now, not after measuring
         try:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from specbuild_runtime.errors import SpecbuildError
 
+from ..progress import note, steps
+
 KNOWN = ("transformers", "onnxruntime-genai", "llama.cpp")
 
 
@@ -39,11 +41,12 @@ def run_peers(peers: list[str], decoder, prompts: list[list[int]], max_new_token
     return rows
 
 
-def _timed_decode(generate, prompts, max_new_tokens):
-    """Decode tokens/s with the prompt excluded, and the outputs."""
+def _timed_decode(generate, prompts, max_new_tokens, system: str):
+    """Decode tokens/s with the prompt excluded, and the outputs; system names the progress bar, which moves
+    between prompts, outside what is timed."""
     tokens, seconds, outputs = 0, 0.0, []
     generate(prompts[0], 4)  # warm-up
-    for ids in prompts:
+    for ids in steps(prompts, f"decoding with {system}", "prompt"):
         start = time.perf_counter()
         generate(ids, 1)
         first = time.perf_counter() - start
@@ -64,14 +67,18 @@ def peer_precision(decoder) -> str:
 def _transformers(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
     """Eager transformers on the bench's device and, on a GPU, also with a static cache, which transformers'
     generate then compiles (torch.compile, mode reduce-overhead: CUDA graphs); it does so on GPUs only."""
-    from transformers import StaticCache
-
-    from ..reference import load_reference, recorded_source, transformers_greedy
-
     engines, device, precision = decoder.manifest.engines, decoder.device, peer_precision(decoder)
-    target, draft = (load_reference(recorded_source(engines[role], role), role, device, precision) for role in ("target", "draft"))
+    # importing transformers is seconds too; reading each checkpoint's sha256 and loading it, minutes at 7B
+    with note(f"loading the target and draft checkpoints in transformers ({precision})"):
+        from transformers import StaticCache
+
+        from ..reference import load_reference, recorded_source, transformers_greedy
+
+        target, draft = (load_reference(recorded_source(engines[role], role), role, device, precision)
+                         for role in ("target", "draft"))
     eos = sorted(decoder.eos_token_ids)
-    speed, outputs = _timed_decode(lambda ids, n: transformers_greedy(target, ids, n, eos), prompts, max_new_tokens)
+    speed, outputs = _timed_decode(lambda ids, n: transformers_greedy(target, ids, n, eos), prompts, max_new_tokens,
+                                   "transformers")
     rows = [{"system": "transformers", "gamma": 0, "tokens_per_second": round(speed, 2), "outputs": outputs}]
     if device == "cuda":
         length = max(map(len, prompts)) + max_new_tokens  # one cache shape for every call: compiled once
@@ -79,12 +86,12 @@ def _transformers(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
         def static(ids, n):
             return transformers_greedy(target, ids, n, eos, past_key_values=StaticCache(config=target.config, max_cache_len=length))
 
-        speed, outputs = _timed_decode(static, prompts, max_new_tokens)
+        speed, outputs = _timed_decode(static, prompts, max_new_tokens, "transformers static+compile")
         rows.append({"system": "transformers static+compile", "gamma": 0, "tokens_per_second": round(speed, 2), "outputs": outputs})
     for gamma in gammas:
         fixed_gamma(draft, gamma)
         speed, outputs = _timed_decode(lambda ids, n: transformers_greedy(target, ids, n, eos, assistant_model=draft),
-                                       prompts, max_new_tokens)
+                                       prompts, max_new_tokens, f"transformers assisted at γ {gamma}")
         rows.append({"system": "transformers assisted", "gamma": gamma, "tokens_per_second": round(speed, 2), "outputs": outputs})
     return rows
 
@@ -113,9 +120,10 @@ def _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
         work = Path(work)
         for role in ("target", "draft"):
             source = recorded_source(engines[role], role)  # safetensors: its builder would fall back to unpickling *.bin
-            built = subprocess.run(
-                [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source),
-                 "-o", str(work / role), "-p", precision, "-e", decoder.device], capture_output=True, text=True)
+            with note(f"building the {role} with onnxruntime-genai's model builder"):
+                built = subprocess.run(
+                    [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source),
+                     "-o", str(work / role), "-p", precision, "-e", decoder.device], capture_output=True, text=True)
             if built.returncode:
                 raise SpecbuildError(f"onnxruntime-genai's model builder failed on the {role}: {built.stderr.strip()[-300:]}")
         # Its builder takes the checkpoint's eos ids; the bundle's add the tokenizer's (compile.load.eos_token_ids),
@@ -144,7 +152,7 @@ def _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
 
             return generate
 
-        speed, outputs = _timed_decode(generator_for(work / "target"), prompts, max_new_tokens)
+        speed, outputs = _timed_decode(generator_for(work / "target"), prompts, max_new_tokens, "onnxruntime-genai")
         rows = [{"system": "onnxruntime-genai", "gamma": 0, "tokens_per_second": round(speed, 2), "outputs": outputs}]
         # Its speculative config: the target's, typed "speculative", with the draft's decoder block;
         # every model file must sit inside the config's folder.
@@ -158,7 +166,8 @@ def _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
             spec["model"]["draft"] = {**draft_decoder, "filename": "draft/" + draft_decoder["filename"]}
             spec["speculative"] = {"max_draft_tokens": gamma}
             (speculative / "genai_config.json").write_text(json.dumps(spec, indent=1))
-            speed, outputs = _timed_decode(generator_for(speculative), prompts, max_new_tokens)
+            speed, outputs = _timed_decode(generator_for(speculative), prompts, max_new_tokens,
+                                           f"onnxruntime-genai speculative at γ {gamma}")
             rows.append({"system": "onnxruntime-genai speculative", "gamma": gamma,
                          "tokens_per_second": round(speed, 2), "outputs": outputs})
     return rows
@@ -209,8 +218,10 @@ def _llama_cpp(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         for role in ("target", "draft"):
-            built = subprocess.run([sys.executable, "-c", _CONVERT, "--outtype", "f32", "--outfile", str(work / f"{role}.gguf"),
-                                    str(recorded_source(engines[role], role))], capture_output=True, text=True)
+            with note(f"converting the {role} to GGUF with llama.cpp's converter"):
+                built = subprocess.run([sys.executable, "-c", _CONVERT, "--outtype", "f32", "--outfile",
+                                        str(work / f"{role}.gguf"), str(recorded_source(engines[role], role))],
+                                       capture_output=True, text=True)
             if built.returncode:
                 raise SpecbuildError(f"llama.cpp's converter failed on the {role}: {built.stderr.strip()[-300:]}")
 
@@ -240,7 +251,8 @@ def _llama_cpp(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
                 return out["tokens"]
 
             try:
-                speed, outputs = _timed_decode(generate, prompts, max_new_tokens)
+                speed, outputs = _timed_decode(generate, prompts, max_new_tokens,
+                                               f"llama.cpp speculative at γ {gamma}" if gamma else "llama.cpp")
             finally:
                 del server  # after at least one request: deleting one that has just started can hang (xllamacpp 2026.10)
             row = {"system": "llama.cpp speculative" if gamma else "llama.cpp", "gamma": gamma,

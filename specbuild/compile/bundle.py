@@ -16,6 +16,7 @@ from typing import Iterator
 from specbuild_runtime.manifest import FORMAT, MANIFEST, Manifest, bundle_files
 
 from ..errors import OutputError
+from ..progress import bar
 from ..staging import guarded_folder
 from . import tensorrt_llm
 
@@ -62,5 +63,7 @@ def is_bundle(folder: Path) -> bool:
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> None:
-    manifest.files = bundle_files(folder)
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    with bar(size, "hashing the bundle's files", "B", unit_scale=True) as progress:
+        manifest.files = bundle_files(folder, progress.update)
     (folder / MANIFEST).write_text(manifest.to_json())

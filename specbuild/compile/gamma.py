@@ -23,6 +23,7 @@ from specbuild_runtime.slot import AS_FED, NEVER_ALONE, EngineSlot
 from specbuild_runtime.manifest import EngineInfo
 
 from ..acceptance import expected_tokens_per_call, theoretical_speedup, until_eos
+from ..progress import note, steps
 from ..texts import measuring_prompts
 
 NEW_TOKENS = 32
@@ -62,19 +63,20 @@ def measure_with_engines(folder: Path, engines: dict[str, EngineInfo], prompt_id
         return None
     target = EngineSlot(Engine(folder / engines["target"].file, engines["target"], max_seq_len), NEVER_ALONE)
     draft = EngineSlot(Engine(folder / engines["draft"].file, engines["draft"], max_seq_len), AS_FED)
-    agreements, continuations = draft_agreement(target, draft, prompt_ids, NEW_TOKENS)
+    agreements, continuations = draft_agreement(target, draft, prompt_ids, NEW_TOKENS, "measuring α for γ")
     agree = [a for prompt, tokens in zip(agreements, continuations) for a in prompt[:len(until_eos(tokens, eos_token_ids))]]
     return sum(agree) / len(agree) if agree else None
 
 
 def draft_agreement(target: EngineSlot, draft: EngineSlot, prompt_ids: list[list[int]],
-                    new_tokens: int) -> tuple[list[list[bool]], list[list[int]]]:
+                    new_tokens: int, desc: str = "measuring α") -> tuple[list[list[bool]], list[list[int]]]:
     """Per prompt, whether the draft's greedy token equals the target's at each position of the target's
     greedy continuation (up to new_tokens; it ends at a token of the target's padding rows, which the draft
     cannot read), the draft following token by token as decoding feeds it; and per prompt that continuation,
-    position for position. Prompts leaving no room for two new tokens are skipped."""
+    position for position. Prompts leaving no room for two new tokens are skipped. desc: its progress bar's (a
+    pair of 8 GB decodes for minutes on a CPU)."""
     agreements, continuations = [], []
-    for prompt in prompt_ids:
+    for prompt in steps(prompt_ids, desc, "prompt"):
         budget = min(new_tokens, target.engine.max_seq_len - len(prompt))
         if budget < 2:
             continue
@@ -104,9 +106,10 @@ def measure_with_transformers(target_path: Path, draft_path: Path, prompt_ids: l
 
     from ..reference import load_reference, transformers_greedy
 
-    target, draft = load_reference(target_path), load_reference(draft_path)
+    with note("loading the pair in transformers to measure α for γ"):
+        target, draft = load_reference(target_path), load_reference(draft_path)
     agree = []
-    for prompt in prompt_ids:
+    for prompt in steps(prompt_ids, "measuring α for γ", "prompt"):
         budget = min(NEW_TOKENS, max_seq_len - len(prompt))
         if budget < 2:
             continue

@@ -43,6 +43,7 @@ import numpy as np
 from specbuild_runtime.manifest import TOKENIZER_DIR, EngineInfo, TensorRTLLMPart
 
 from ..errors import ExternalToolError, UnsupportedModelError
+from ..progress import bar
 from . import gamma as gamma_stage
 from .load import Checkpoint
 from .precision import Numerics, convert_into
@@ -222,15 +223,19 @@ def write_checkpoint(ckpt: Checkpoint, out: Path, scratch: Path, tp: int, vocab:
     files = [RankFile(out / f"rank{r}.safetensors", scratch / f"{out.name}-rank{r}.data") for r in range(tp)]
     names = set(ckpt.tensor_names())
     parameters, step_bytes = 0, 0.0
-    for tensor in gpt2_tensors(ckpt, names) if spec.family == "gpt2" else llama_tensors(ckpt, names):
-        parameters += sum(x.size for x in tensor.value) if tensor.split == QKV else tensor.value.size
-        quantized = QUANT_ALGOS[quantization] and tensor.name.endswith(QUANTIZED_WEIGHTS)
-        for file, part in zip(files, shard(tensor, layout, dtype)):
-            file.add(tensor.name, part)
-            if not tensor.name.endswith("embedding.weight"):  # a step reads one row of these
-                step_bytes += part.size * ({"int8": 1, "int4": 0.5}[quantization] if quantized else part.itemsize)
-    for file in files:
-        file.close()
+    # Bytes without a total (a tied head is written twice, the vocabulary padded): at 7B, minutes of a stage
+    # whose bar would otherwise stand still.
+    with bar(None, f"writing TensorRT-LLM {out.name} ({dtype_name})", "B", unit_scale=True) as progress:
+        for tensor in gpt2_tensors(ckpt, names) if spec.family == "gpt2" else llama_tensors(ckpt, names):
+            parameters += sum(x.size for x in tensor.value) if tensor.split == QKV else tensor.value.size
+            quantized = QUANT_ALGOS[quantization] and tensor.name.endswith(QUANTIZED_WEIGHTS)
+            for file, part in zip(files, shard(tensor, layout, dtype)):
+                file.add(tensor.name, part)
+                progress.update(part.nbytes)
+                if not tensor.name.endswith("embedding.weight"):  # a step reads one row of these
+                    step_bytes += part.size * ({"int8": 1, "int4": 0.5}[quantization] if quantized else part.itemsize)
+        for file in files:
+            file.close()
     return {
         "dir": f"{FOLDER}/{out.name}",
         "architecture": config["architecture"],

@@ -19,6 +19,7 @@ from specbuild_runtime.errors import first_line
 from ..acceptance import expected_tokens_per_call, rounds, theoretical_speedup, until_eos
 from ..compile.load import check_architecture, check_embedding_rows, model_spec, quiet_transformers
 from ..errors import CheckpointError, TrainingError
+from ..progress import bar, note
 from ..recipe import DEFAULT_MAX_SEQ_LEN
 from ..reference import load_reference, plainly_generating
 from ..staging import guarded_folder
@@ -48,7 +49,8 @@ def load_model(path: Path, role: str):
                               "*.bin files; re-save it with save_pretrained(..., safe_serialization=True))")
     quiet_transformers()  # before check_memory reads the config, which transformers may remark on
     check_memory(path, role)
-    model = load_reference(path, role)
+    with note(f"loading the {role} checkpoint {path}"):  # an 8B target in fp32 is 32 GB to read and convert
+        model = load_reference(path, role)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
@@ -224,7 +226,8 @@ def build_draft(target, tokenizer, draft_config: dict | None, init: Path | None,
         config = shrunk_config(target.config, draft_config)
         torch.manual_seed(seed)
         try:
-            draft = AutoModelForCausalLM.from_config(config)
+            with note("initialising the draft"):  # random init of a target's tenth: seconds per billion parameters
+                draft = AutoModelForCausalLM.from_config(config)
         except Exception as exc:  # transformers raises many types for a config it cannot build
             raise TrainingError(f"the draft's config ({draft_config or 'the default shrink of the target'}) gives no "
                                 f"model transformers can build ({first_line(exc)}); choose other --draft-config values") from None
@@ -280,16 +283,21 @@ class DistillData:
         return batch, sum(len(s.top_ids) for s in batch)
 
     def make(self, kind: str, rng: np.random.Generator) -> list[Sequence]:
-        if kind == "sampled":
-            prompts = [self.prompts[i] for i in rng.integers(len(self.prompts), size=GENERATION_BATCH)]
-            made = continue_prompts(self.target, prompts, NEW_TOKENS, self.vocab, sample=True)
-            self.sampled += made
-            return made
-        if kind == "greedy":
-            return continue_prompts(self.target, self.branch_points(rng), NEW_TOKENS, self.vocab, sample=False)
-        if kind == "draft":
-            drafted = continue_prompts(self.draft, self.branch_points(rng), NEW_TOKENS, self.vocab, sample=True, keep_teacher=False)
-            return score(self.target, drafted, self.vocab)
+        # a set takes minutes on a large target, while the training bar above it stands still
+        writer = "the draft" if kind == "draft" else "the target"
+        with bar(NEW_TOKENS, f"{writer} writes {GENERATION_BATCH} {kind} sequences", "token") as progress:
+            if kind == "sampled":
+                prompts = [self.prompts[i] for i in rng.integers(len(self.prompts), size=GENERATION_BATCH)]
+                made = continue_prompts(self.target, prompts, NEW_TOKENS, self.vocab, sample=True, bar=progress)
+                self.sampled += made
+                return made
+            if kind == "greedy":
+                return continue_prompts(self.target, self.branch_points(rng), NEW_TOKENS, self.vocab, sample=False,
+                                        bar=progress)
+            if kind == "draft":
+                drafted = continue_prompts(self.draft, self.branch_points(rng), NEW_TOKENS, self.vocab, sample=True,
+                                           keep_teacher=False, bar=progress)
+                return score(self.target, drafted, self.vocab)
         raise ValueError(f"unknown kind of sequence {kind!r}")
 
     def branch_points(self, rng: np.random.Generator) -> list[list[int]]:
@@ -321,15 +329,18 @@ def target_references(target, prompts: list[list[int]], vocab: int, new_tokens: 
     """The target's greedy continuations of prompts, computed once: the target never changes. They run
     past eos to new_tokens: the runtime's last round can draft, and count accepted, tokens past an eos."""
     references = []
-    for first in range(0, len(prompts), GENERATION_BATCH):
-        chunk = prompts[first : first + GENERATION_BATCH]
-        references += continue_prompts(target, chunk, new_tokens, vocab, sample=False, keep_teacher=False, stop_at_eos=False)
+    batches = range(0, len(prompts), GENERATION_BATCH)
+    with bar(len(batches) * new_tokens, f"the target continues {len(prompts)} held-out prompts", "token") as progress:
+        for first in batches:
+            chunk = prompts[first : first + GENERATION_BATCH]
+            references += continue_prompts(target, chunk, new_tokens, vocab, sample=False, keep_teacher=False,
+                                           stop_at_eos=False, bar=progress)
     return references
 
 
 @torch.no_grad()
 def acceptance(draft, references: list[Sequence], gamma: int, vocab: int, stops: set[int], batch_size: int = 16,
-               new_tokens: int = NEW_TOKENS) -> tuple[int, int]:
+               new_tokens: int = NEW_TOKENS, desc: str = "measuring α") -> tuple[int, int]:
     """(accepted, drafted) when greedy speculative decoding at gamma produces the references, counted as
     the runtime counts them (bench's and generate's α) for requests of new_tokens that end at any of stops:
     the target's eos ids, which a compiled bundle stops at (a draft's may be fewer: its config.json's alone
@@ -341,18 +352,20 @@ def acceptance(draft, references: list[Sequence], gamma: int, vocab: int, stops:
     draft.eval()
     pad = pad_id(draft)
     accepted = drafted = 0
-    for first in range(0, len(references), batch_size):
-        chunk = references[first : first + batch_size]
-        # only where the draft's choices are read: over the prompts too, 16 held-out prompts of 256 tokens and a
-        # 152k vocabulary took 3.0 GiB here (0.7 GiB since)
-        guesses = continuation_logits(draft, chunk, pad)[:, :vocab].argmax(-1).split([len(s.top_ids) for s in chunk])
-        for row, s in enumerate(chunk):
-            continuation = torch.from_numpy(s.tokens[s.first + 1 :].astype(np.int64))
-            agreement = guesses[row] == continuation
-            end = len(until_eos(continuation.tolist(), stops))  # decoding stops after the round that emits eos
-            round_accepted, round_drafted = rounds(agreement.tolist(), gamma, new_tokens, end)
-            accepted += round_accepted
-            drafted += round_drafted
+    with bar(len(references), desc, "prompt") as progress:
+        for first in range(0, len(references), batch_size):
+            chunk = references[first : first + batch_size]
+            # only where the draft's choices are read: over the prompts too, 16 held-out prompts of 256 tokens and a
+            # 152k vocabulary took 3.0 GiB here (0.7 GiB since)
+            guesses = continuation_logits(draft, chunk, pad)[:, :vocab].argmax(-1).split([len(s.top_ids) for s in chunk])
+            for row, s in enumerate(chunk):
+                continuation = torch.from_numpy(s.tokens[s.first + 1 :].astype(np.int64))
+                agreement = guesses[row] == continuation
+                end = len(until_eos(continuation.tolist(), stops))  # decoding stops after the round that emits eos
+                round_accepted, round_drafted = rounds(agreement.tolist(), gamma, new_tokens, end)
+                accepted += round_accepted
+                drafted += round_drafted
+            progress.update(len(chunk))
     return accepted, drafted
 
 
@@ -368,7 +381,7 @@ def replaced_acceptance(output_dir: Path, tokenizer, references: list[Sequence],
         return None
     if standing_tokenizer.get_vocab() != tokenizer.get_vocab():
         return None
-    return acceptance(standing, references, gamma, vocab, stops)
+    return acceptance(standing, references, gamma, vocab, stops, desc=f"measuring α of the draft at {output_dir}")
 
 
 def alpha(counts: tuple[int, int]) -> float:
@@ -432,7 +445,8 @@ def distill(
             report, draft, tokenizer = _distill(target_dir, output_dir, **settings)
             if not report["written"]:
                 raise _Unwritten
-            write_checkpoint(draft, tokenizer, staging)
+            with note(f"writing the draft to {output_dir}"):
+                write_checkpoint(draft, tokenizer, staging)
     except _Unwritten:
         pass
     return report
@@ -463,7 +477,7 @@ def _distill(target_dir: Path, output_dir: Path, *, draft_config, init, minutes,
     started = time.monotonic()
     references = target_references(target, prompts.heldout, vocab)
     stops = eos_ids(target)
-    before = acceptance(draft, references, gamma, vocab, stops)
+    before = acceptance(draft, references, gamma, vocab, stops, desc="measuring α before training")
     # A draft of the output that this run would replace (--overwrite) is the one to beat as well: the rise is
     # over the draft's own start, and a fresh draft rising from 0.00 to 0.01 replaced one of 1.00.
     replaced = replaced_acceptance(output_dir, tokenizer, references, gamma, vocab, stops)
@@ -476,7 +490,7 @@ def _distill(target_dir: Path, output_dir: Path, *, draft_config, init, minutes,
                       parts=parts(vocab))
 
     started = time.monotonic()
-    after = acceptance(draft, references, gamma, vocab, stops)
+    after = acceptance(draft, references, gamma, vocab, stops, desc="measuring α after training")
     evaluation_seconds += time.monotonic() - started
 
     cost_ratio = parameter_count(draft) / parameter_count(target)

@@ -115,7 +115,7 @@ def top_k(logits: torch.Tensor, vocab: int, k: int = TEACHER_TOP_K) -> tuple[np.
 class TopKPerStep:
     """A logits processor that keeps each step's top-k (top_k) and passes the scores on unchanged. generate()'s
     output_logits would hold every step's [B, V] logits until it returns, stacked as many again here (1.7 GB
-    for 64 rows x 64 steps of a 32k vocabulary; four times that at Llama 3's 128k). Last in generate()'s list,
+    for 64 rows x 64 steps of a 32k vocabulary; four times that at Llama 3's 128k). After generate()'s own processors,
     it sees the logits after suppress_tokens only, which touches just the rows past vocab that top_k drops."""
 
     def __init__(self, vocab: int):
@@ -126,12 +126,25 @@ class TopKPerStep:
         return scores
 
 
+class Ticks:
+    """A logits processor that counts generate()'s steps on a progress bar and passes the scores on unchanged:
+    a batch of 64 continuations is one call that runs for minutes on a large target."""
+
+    def __init__(self, bar):
+        self.bar = bar
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.bar.update()
+        return scores
+
+
 @torch.no_grad()
 def continue_prompts(model, prompts: list[list[int]], new_tokens: int, vocab: int, sample: bool, keep_teacher: bool = True,
-                     stop_at_eos: bool = True):
+                     stop_at_eos: bool = True, bar=None):
     """Each prompt continued by model (sampled at temperature 1 from the whole distribution, or greedy),
     stopping at eos (or, without stop_at_eos, running past it to new_tokens), never choosing a padding row
-    beyond vocab. With keep_teacher, the model's own top-k next-token log-probabilities come along."""
+    beyond vocab. With keep_teacher, the model's own top-k next-token log-probabilities come along.
+    bar: a progress bar (progress.bar) that advances by one at each token step of the batch."""
     stops = eos_ids(model)
     pad = pad_id(model)
     ids, mask = left_padded(prompts, pad)
@@ -147,7 +160,7 @@ def continue_prompts(model, prompts: list[list[int]], new_tokens: int, vocab: in
         pad_token_id=pad,
         **({} if stop_at_eos else {"eos_token_id": None}),
         suppress_tokens=list(range(vocab, model.config.vocab_size)) or None,
-        logits_processor=[teacher] if keep_teacher else None,
+        logits_processor=[teacher] * keep_teacher + [Ticks(bar)] * (bar is not None) or None,
         return_dict_in_generate=True,
     )
     continuations = out.sequences[:, ids.shape[1] :].tolist()

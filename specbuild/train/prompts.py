@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import TrainingError
+from ..progress import bar, note
 from ..texts import read_prompts
 from .generate import continue_prompts, eos_ids
 
@@ -87,7 +88,9 @@ def from_text(tokenizer, texts: list[str], n_heldout: int, seed: int) -> Prompts
     """Spans of texts: training spans from the first nine tenths of every text, held-out spans from the
     last tenth, so both come from the same documents and never share text."""
     train_parts, heldout_parts = [], []
-    for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+    with note(f"tokenizing {len(texts)} texts"):  # up to MAX_TEXT_CHARS in one call
+        encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    for ids in encoded:
         cut = int(len(ids) * (1 - HELDOUT_SHARE))
         train_parts.append(ids[:cut])
         heldout_parts.append(ids[cut:])
@@ -132,7 +135,9 @@ def from_target(target, tokenizer, n_heldout: int, seed: int) -> Prompts:
         raise TrainingError("the target's tokenizer has no bos or eos token to begin its own samples from; give "
                             "--prompts or --data to distill on")
     torch.manual_seed(seed + 1)  # held-out samples are not the training samples (those use seed)
-    samples = continue_prompts(target, [start] * n_heldout, SPAN_TOKENS, len(tokenizer), sample=True, keep_teacher=False)
+    with bar(SPAN_TOKENS, f"the target samples {n_heldout} held-out prompts", "token") as progress:
+        samples = continue_prompts(target, [start] * n_heldout, SPAN_TOKENS, len(tokenizer), sample=True,
+                                   keep_teacher=False, bar=progress)
     # A sample that ended is no prompt, even at its last token: α would be measured on a new document after an eos,
     # which no request decodes.
     stops = eos_ids(target)
