@@ -779,6 +779,31 @@ def test_a_set_of_sequences_that_would_end_past_the_budget_is_not_begun(monkeypa
     assert sum(made.made.values()) == 3 and now[0] == 1000 + 96
 
 
+def test_a_set_is_judged_by_the_last_set_of_its_own_kind(monkeypatch):
+    """Greedy sets took 7x the sampled ones: judged by the sampled set before it, a greedy one began 13 s before the
+    budget's end and overran it by 15 s."""
+    from types import SimpleNamespace
+
+    from specbuild.train import distill as module
+
+    now = [1000.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: now[0])
+    made = module.DistillData(None, None, [[1]], 8, kinds=("sampled", "greedy"), share=0.9, batch_size=1, seconds=100)
+    cost = {"sampled": 1, "greedy": 28}
+
+    def make(kind, rng):
+        now[0] += cost[kind]
+        return [SimpleNamespace(top_ids=[1])]
+
+    monkeypatch.setattr(made, "make", make)
+    rng = np.random.default_rng(0)
+    for training in (0, 1, 55, 1):  # seconds of training before each batch
+        now[0] += training
+        made.next_batch(rng)
+    # sampled at 0 s (1 s), greedy at 2 (28 s), sampled at 85; at 87 a greedy set would end at 115
+    assert made.made == {"sampled": 2, "greedy": 1} and now[0] == 1000 + 87
+
+
 def test_a_second_distill_to_an_output_being_trained_for_is_refused_at_once(pair, tmp_path, monkeypatch):
     """The first holds the output's lock while it trains (here: the lock held as its run holds it); the second
     is refused before loading anything, not after its minutes, and the first's output is not replaced."""

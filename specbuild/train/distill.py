@@ -264,7 +264,9 @@ class DistillData:
         self.sampled: list[Sequence] = []
         self.made = Counter()
         self.seconds = 0.0
-        self.last = 0.0  # seconds the last set of sequences took to make
+        # seconds the last set of each kind took: a greedy set (from longer prompts, the teacher's top-k kept) took
+        # 7x a sampled one, and judged by the sampled set before it, one began near the end overran --minutes 2x
+        self.took: dict[str, float] = {}
         self.started: float | None = None
 
     def next_batch(self, rng: np.random.Generator) -> tuple[list[Sequence], int]:
@@ -272,13 +274,15 @@ class DistillData:
         elapsed = time.monotonic() - self.started
         # A set that would end past the budget is not begun (on a large target one takes minutes): the
         # training loop stops at the budget, and would wait for it.
-        if not self.sequences or (self.seconds < self.share * elapsed and elapsed + self.last < self.budget):
+        kind = self.kinds[sum(self.made.values()) % len(self.kinds)]
+        # a kind not made yet is judged by the slowest made so far
+        expected = self.took.get(kind, max(self.took.values(), default=0.0))
+        if not self.sequences or (self.seconds < self.share * elapsed and elapsed + expected < self.budget):
             began = time.monotonic()
-            kind = self.kinds[sum(self.made.values()) % len(self.kinds)]
             self.sequences += self.make(kind, rng)
             self.made[kind] += 1
-            self.last = time.monotonic() - began
-            self.seconds += self.last
+            self.took[kind] = time.monotonic() - began
+            self.seconds += self.took[kind]
         batch = [self.sequences[i] for i in rng.integers(len(self.sequences), size=self.batch_size)]
         return batch, sum(len(s.top_ids) for s in batch)
 
