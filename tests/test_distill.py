@@ -755,41 +755,16 @@ def test_a_target_whose_tokenizer_has_neither_bos_nor_eos_is_distilled_on_prompt
     assert not (tmp_path / "draft").exists()
 
 
-def test_a_set_of_sequences_that_would_end_past_the_budget_is_not_begun(monkeypatch):
-    """On a large target one set of sequences takes minutes: started just before the budget ends, the run
-    overshot --minutes by as much. The first set is always made (training needs data)."""
+def made_after(monkeypatch, trainings, cost: dict[str, float], share: float) -> tuple[dict, float]:
+    """DistillData's sets on a clock of its own, a set of each kind taking cost[kind] seconds, with `trainings`
+    seconds of training before each batch and a budget of 100 s: (sets made by kind, seconds at the end)."""
     from types import SimpleNamespace
 
     from specbuild.train import distill as module
 
-    now = [1000.0]
+    now = [1000.0]  # not 0: the clock's start is kept as `started or now`
     monkeypatch.setattr(module.time, "monotonic", lambda: now[0])
-    made = module.DistillData(None, None, [[1]], 8, kinds=("greedy",), share=0.5, batch_size=1, seconds=100)
-
-    def make(kind, rng):  # a set takes 10 s
-        now[0] += 10
-        return [SimpleNamespace(top_ids=[1])]
-
-    monkeypatch.setattr(made, "make", make)
-    rng = np.random.default_rng(0)
-    for training in (0, 15, 50, 1):  # seconds of training before each batch
-        now[0] += training
-        made.next_batch(rng)
-    # sets at 0, 25 and 85 s; at 96 s one would end at 106, past the budget of 100
-    assert sum(made.made.values()) == 3 and now[0] == 1000 + 96
-
-
-def test_a_set_is_judged_by_the_last_set_of_its_own_kind(monkeypatch):
-    """Greedy sets took 7x the sampled ones: judged by the sampled set before it, a greedy one began 13 s before the
-    budget's end and overran it by 15 s."""
-    from types import SimpleNamespace
-
-    from specbuild.train import distill as module
-
-    now = [1000.0]
-    monkeypatch.setattr(module.time, "monotonic", lambda: now[0])
-    made = module.DistillData(None, None, [[1]], 8, kinds=("sampled", "greedy"), share=0.9, batch_size=1, seconds=100)
-    cost = {"sampled": 1, "greedy": 28}
+    made = module.DistillData(None, None, [[1]], 8, kinds=tuple(cost), share=share, batch_size=1, seconds=100)
 
     def make(kind, rng):
         now[0] += cost[kind]
@@ -797,11 +772,26 @@ def test_a_set_is_judged_by_the_last_set_of_its_own_kind(monkeypatch):
 
     monkeypatch.setattr(made, "make", make)
     rng = np.random.default_rng(0)
-    for training in (0, 1, 55, 1):  # seconds of training before each batch
+    for training in trainings:
         now[0] += training
         made.next_batch(rng)
+    return dict(made.made), now[0] - 1000
+
+
+def test_a_set_of_sequences_that_would_end_past_the_budget_is_not_begun(monkeypatch):
+    """On a large target one set of sequences takes minutes: started just before the budget ends, the run
+    overshot --minutes by as much. The first set is always made (training needs data)."""
+    made, end = made_after(monkeypatch, (0, 15, 50, 1), {"greedy": 10}, share=0.5)
+    # sets at 0, 25 and 85 s; at 96 s one would end at 106, past the budget of 100
+    assert made == {"greedy": 3} and end == 96
+
+
+def test_a_set_is_judged_by_the_last_set_of_its_own_kind(monkeypatch):
+    """Greedy sets took 7x the sampled ones: judged by the sampled set before it, a greedy one began 13 s before the
+    budget's end and overran it by 15 s."""
+    made, end = made_after(monkeypatch, (0, 1, 55, 1), {"sampled": 1, "greedy": 28}, share=0.9)
     # sampled at 0 s (1 s), greedy at 2 (28 s), sampled at 85; at 87 a greedy set would end at 115
-    assert made.made == {"sampled": 2, "greedy": 1} and now[0] == 1000 + 87
+    assert made == {"sampled": 2, "greedy": 1} and end == 87
 
 
 def test_a_second_distill_to_an_output_being_trained_for_is_refused_at_once(pair, tmp_path, monkeypatch):
