@@ -740,6 +740,40 @@ def test_a_client_that_leaves_while_sending_its_body_is_cancelled_not_a_server_e
     assert "request failed" not in caplog.text
 
 
+def test_a_request_whose_body_is_still_arriving_when_the_grace_period_ends_is_answered_503(bundle, caplog):
+    """SIGTERM while a client is still sending its body (a slow upload): the drain stopped only jobs, so the request
+    waited for the rest of its body until uvicorn's backstop (--shutdown-timeout + 5 s) cancelled it, a 500 logged
+    with a traceback. Once the grace period ends it is answered 503, as a queued request is. Driven through the ASGI
+    interface: the body's rest never comes."""
+    from specbuild_runtime import SpeculativeDecoder
+    from specbuild_runtime.serve.app import Server, Settings
+
+    server = Server(SpeculativeDecoder(bundle), Settings(model=MODEL))
+    sent = []
+
+    async def run():
+        reading = asyncio.Event()
+
+        async def receive():
+            if reading.is_set():
+                await asyncio.Event().wait()
+            reading.set()
+            return {"type": "http.request", "body": b'{"prompt": "def', "more_body": True}
+
+        async def send(message):
+            sent.append(message)
+
+        request = asyncio.ensure_future(server.app(asgi_post("/v1/completions", 1000), receive, send))
+        await reading.wait()
+        server.scheduler.drain(0)
+        await asyncio.wait_for(request, 60)
+        await server.scheduler.close()
+
+    asyncio.run(run())
+    assert sent[0]["status"] == 503 and b"shutting down" in sent[1]["body"]
+    assert outcomes(server) == {"shutdown": 1.0} and "request failed" not in caplog.text
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
 def test_a_stream_whose_client_left_before_its_first_send_stops_its_job(bundle, caplog, endpoint):
     """Under an ASGI 2.4 server, whose send raises OSError on a closed connection, the response's first send fails

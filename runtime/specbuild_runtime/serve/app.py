@@ -147,7 +147,7 @@ class Server:
 
     async def _generate(self, endpoint: str, http: HttpRequest) -> Response:
         try:
-            request = protocol.parse(endpoint, await self._body(http), self.settings.model, self.defaults)
+            request = protocol.parse(endpoint, await self._body_unless_cut(http), self.settings.model, self.defaults)
             # Tokenizing (and rendering a chat) costs up to seconds for the longest bodies: off the event loop.
             checked = await asyncio.get_running_loop().run_in_executor(self._checking, self._checked, request)
             job = self.scheduler.submit(checked)
@@ -164,6 +164,22 @@ class Server:
             return self._refuse(endpoint, exc)
         self.metrics.outcome(endpoint, "ok")
         return JSONResponse(reply.whole(text, job.stats))
+
+    async def _body_unless_cut(self, http: HttpRequest) -> bytes:
+        """The request body, or Stopped("shutdown") once the grace period after SIGTERM ends before it has arrived: the
+        drain stops jobs, and a client still sending its body (a slow upload) held the shutdown until uvicorn's backstop
+        (--shutdown-timeout + 5 s), which cancelled the request as a 500 with a logged traceback."""
+        reading = asyncio.ensure_future(self._body(http))
+        cut = asyncio.ensure_future(self.scheduler.cut.wait())
+        try:
+            done, _ = await asyncio.wait({reading, cut}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this handler is cancelled
+            cut.cancel()
+            if not reading.done():
+                reading.cancel()
+        if reading not in done:
+            raise Stopped("shutdown")
+        return reading.result()
 
     async def _body(self, http: HttpRequest) -> bytes:
         """The request body, refused (413) once it is longer than any request that fits the context."""

@@ -67,6 +67,7 @@ class Scheduler:
         self.timeout = timeout
         self.metrics = metrics
         self.draining = False
+        self.cut = asyncio.Event()  # set once the grace period after shutdown ended: what is left is stopped
         self._queue: collections.deque[Job] = collections.deque()
         self._running: set[Job] = set()
 
@@ -102,7 +103,11 @@ class Scheduler:
     def drain(self, grace: float) -> None:
         """On the loop, at shutdown: refuse new requests; stop those still queued or decoding after `grace` seconds."""
         self.draining = True
-        asyncio.get_running_loop().call_later(grace, self._stop_all, "shutdown")
+        asyncio.get_running_loop().call_later(grace, self._cut)
+
+    def _cut(self) -> None:
+        self.cut.set()  # also a request still reading its body (app.Server._body_unless_cut)
+        self._stop_all("shutdown")
 
     async def close(self) -> None:
         self._stop_all("shutdown")
