@@ -270,6 +270,24 @@ BAD_REQUESTS = [
     ("chat/completions", b'{"messages": [{"role": "user", "content": "x"}, {"role": "\\ud800", "content": "y"}]}',
      "messages[1].role is not valid UTF-8"),
     ("completions", b'{"prompt": ' + b"[" * 30_000 + b"]" * 30_000 + b"}", "nests JSON too deeply"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": ["enable_thinking"]},
+     "chat_template_kwargs must be an object"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": "false"},
+     "add_generation_prompt must be true or false"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": 1},
+     "continue_final_message must be true or false"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
+     "cannot both be true"),  # add_generation_prompt is true unless sent false
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"chat_template": "x"}},
+     "may not set 'chat_template'"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}},
+     "may not set 'messages'"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"max_length": 4}},
+     "may not set 'max_length'"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "chat_template_kwargs": {"add_generation_prompt": False}}, "the request's add_generation_prompt"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": [{}]}},
+     "chat_template_kwargs.tools is not supported"),
 ]
 
 
@@ -291,6 +309,12 @@ PARAMS = [
     ("chat/completions", {"messages": [{"role": "user", "content": "def f(x):\n" * 200}]}, "messages"),  # no "prompt" here
     ("completions", {"prompt": "def f(x):\n" * 200}, "prompt"),
     ("completions", {"prompt": "x", "stop": ["a", ""]}, "stop"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
+     "continue_final_message"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": 0},
+     "add_generation_prompt"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": False}},
+     "chat_template_kwargs"),
 ]
 
 
@@ -975,6 +999,67 @@ def test_chat_template_option_replaces_the_bundles_own(bundle, reference):
         reply = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 8, **GREEDY}).json()
     assert reply["choices"][0]["message"]["content"] == reference.generate(ids, max_new_tokens=8).text
     assert reply["usage"]["prompt_tokens"] == len(ids)
+
+
+# Qwen3's markup, cut down: its enable_thinking variable (sent in chat_template_kwargs) closes an empty think block.
+THINKING_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+ASK = [{"role": "user", "content": "Write fib"}]
+PREFILLED = [*ASK, {"role": "assistant", "content": "def fib(n): "}]  # its trailing space: CHAT_TEMPLATE trims it
+CHAT_FIELDS = [
+    (ASK, {}),
+    (ASK, {"chat_template_kwargs": {"enable_thinking": False}}),
+    (ASK, {"chat_template_kwargs": {"enable_thinking": True, "add_generation_prompt": True}}),  # agrees: as if absent
+    (ASK, {"add_generation_prompt": False, "chat_template_kwargs": {"bos_token": ""}}),  # over the special token
+    (PREFILLED, {"add_generation_prompt": False, "continue_final_message": True}),
+    (PREFILLED, {"add_generation_prompt": False, "continue_final_message": True,
+                 "chat_template_kwargs": {"enable_thinking": False}}),
+]
+
+
+@pytest.mark.parametrize("template", [THINKING_TEMPLATE, CHAT_TEMPLATE], ids=["qwen3-like", "trimming"])
+def test_vllms_chat_template_fields_render_as_transformers_renders_with_them(template, bundle, reference):
+    """chat_template_kwargs (Qwen3 users' {"enable_thinking": false}), add_generation_prompt and
+    continue_final_message, which vLLM takes, were refused as unrecognized. The prompt is apply_chat_template's
+    with the same arguments, token for token: a continued final message is cut where transformers cuts it."""
+    from transformers import AutoTokenizer
+
+    from specbuild_runtime.serve import protocol
+    from specbuild_runtime.serve.chat import load_chat_template, supplied_chat_template
+
+    hf = AutoTokenizer.from_pretrained(bundle / "tokenizer")
+    supplied = supplied_chat_template(template)
+    ours = load_chat_template(bundle / "tokenizer", supplied)
+    with in_process(bundle, chat_template=supplied) as (url, decoder, _):
+        decoder.go.set()
+        for messages, fields in CHAT_FIELDS:
+            arguments = {"add_generation_prompt": True, **fields.get("chat_template_kwargs", {}),
+                         **{name: value for name, value in fields.items() if name != "chat_template_kwargs"}}
+            ids = hf.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=False, **arguments)
+            body = {"messages": messages, "max_tokens": 8, **GREEDY, **fields}
+            request = protocol.parse(protocol.CHAT, json.dumps(body).encode(), MODEL, protocol.sampling_defaults(None, "greedy"))
+            assert ours.prompt_ids(reference.tokenizer, request.messages, **request.chat) == ids, fields
+            reply = httpx.post(f"{url}/v1/chat/completions", json=body).json()
+            assert reply["usage"]["prompt_tokens"] == len(ids), (fields, reply)
+            assert reply["choices"][0]["message"]["content"] == reference.generate(ids, max_new_tokens=8).text
+
+
+@pytest.mark.parametrize("source, message", [
+    ("{% for m in messages %}<{{ m['role'] }}>{% endfor %}", "never shows a message's 'content'"),
+    ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'][:3] }}{% endfor %}", "does not appear in the prompt"),
+], ids=["unread", "cut"])
+def test_continuing_a_final_message_the_template_does_not_show_whole_is_a_400(source, message, bundle):
+    """transformers refuses it (there is no place to cut): a 400 that names continue_final_message."""
+    from specbuild_runtime.serve.chat import supplied_chat_template
+
+    with in_process(bundle, chat_template=supplied_chat_template(source)) as (url, _, _):
+        reply = httpx.post(f"{url}/v1/chat/completions", json={"messages": PREFILLED, "add_generation_prompt": False,
+                                                               "continue_final_message": True})
+    assert reply.status_code == 400 and message in reply.json()["error"]["message"], reply.text
+    assert reply.json()["error"]["param"] == "continue_final_message"
 
 
 def test_a_bundle_template_that_does_not_compile_gives_way_to_chat_template_option(bundle, tmp_path):

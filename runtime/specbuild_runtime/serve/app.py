@@ -210,9 +210,10 @@ class Server:
                 raise ApiError(400, "this model's bundle has no chat template (its tokenizer has none), and the server "
                                     "was started without --chat-template: use /v1/completions with a prompt", "messages")
             try:
-                prompt = self.chat_template.prompt_ids(decoder.tokenizer, request.messages)
+                prompt = self.chat_template.prompt_ids(decoder.tokenizer, request.messages, **request.chat)
             except RequestError as exc:
-                raise ApiError(400, str(exc), "messages") from None
+                param = "continue_final_message" if str(exc).startswith("continue_final_message") else "messages"
+                raise ApiError(400, str(exc), param) from None
         max_tokens = request.max_tokens
         if max_tokens is None:  # until the context is full (the last token needs no room in the cache)
             max_tokens = max(1, decoder.max_seq_len - len(prompt) + 1)

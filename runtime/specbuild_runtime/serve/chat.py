@@ -3,8 +3,9 @@
 Rendered as transformers' `apply_chat_template` renders it (its `_compile_jinja_template` and
 `render_jinja_template`): a sandboxed jinja2 environment with trim_blocks/lstrip_blocks and loop controls,
 the same helpers (`raise_exception`, `tojson`, `strftime_now`), the tokenizer's special tokens as
-variables, and `add_generation_prompt=True`. transformers itself is not imported: a server needs only
-the runtime. tests/test_serve.py checks the rendering against transformers.
+variables, a request's own variables over them (vLLM's chat_template_kwargs), `add_generation_prompt` and
+`continue_final_message`. transformers itself is not imported: a server needs only the runtime.
+tests/test_serve.py checks the rendering against transformers.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from ..validation import utf8
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # vLLM's test for a --chat-template value that was meant as a path: a template holds one of these, a path none.
 TEMPLATE_CHARACTERS = "{}\n"
+# continue_final_message as transformers' apply_chat_template does it: this after the last message's text, the
+# chat rendered, then cut where it shows (so the cut falls at that message, not at an earlier copy of its text).
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 MAX_TEMPLATE_BYTES = 1 << 20  # the largest templates shipped are tens of KB; more is the wrong file (or /dev/zero)
 
 
@@ -50,14 +54,23 @@ class ChatTemplate:
                               "or give one with --chat-template") from None
         self.takes_parts = _loops_over_content(env.parse(source))
 
-    def render(self, messages: list[dict]) -> str:
-        """The prompt for `messages` (OpenAI chat format, checked here), ending where the assistant speaks."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+               variables: dict | None = None) -> str:
+        """The prompt for `messages` (OpenAI chat format, checked here), ending where the assistant speaks: a new
+        turn's header (add_generation_prompt), or inside the last message (continue_final_message). `variables`
+        are more for the template (Qwen3's enable_thinking)."""
         if not isinstance(messages, list) or not messages:
             raise RequestError("'messages' must be a non-empty list of {'role': ..., 'content': ...} objects")
         messages = [_message(m, i, self.takes_parts) for i, m in enumerate(messages)]
+        if continue_final_message:
+            if "content" not in self.source:  # transformers' test, on the template's text
+                raise RequestError("continue_final_message: the chat template never shows a message's 'content', "
+                                   "so there is none to continue")
+            messages[-1], final = _tagged(messages[-1])
+        context = {"tools": None, "documents": None, **self.special_tokens, **(variables or {}), "messages": messages,
+                   "add_generation_prompt": add_generation_prompt}
         try:
-            text = self.template.render(messages=messages, tools=None, documents=None, add_generation_prompt=True,
-                                        **self.special_tokens)
+            text = self.template.render(context)
         except jinja2.TemplateError as exc:  # the template's own raise_exception, e.g. roles must alternate
             raise RequestError(f"the chat template rejected the messages: {exc}") from None
         except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as exc:
@@ -65,13 +78,38 @@ class ChatTemplate:
             # list): the bundle's data failing on these messages, not a server bug.
             raise RequestError(f"the chat template failed on these messages ({type(exc).__name__}: "
                                f"{first_line(exc)}); send the fields it expects") from None
-        utf8("the prompt rendered from 'messages'", text)  # any other field a template shows (a name, tool calls)
+        if continue_final_message:
+            text = _cut_at_tag(text, final)
+        # any other field a template shows (a name, tool calls, a variable)
+        utf8("the prompt rendered from 'messages'" + (" and 'chat_template_kwargs'" if variables else ""), text)
         return text
 
-    def prompt_ids(self, tokenizer, messages: list[dict]) -> list[int]:
-        """The rendered prompt's token ids (a `tokenizers.Tokenizer`): special tokens come from the template's
-        text, as transformers' apply_chat_template encodes it, none added."""
-        return encode_ids(tokenizer, self.render(messages), add_special_tokens=False)
+    def prompt_ids(self, tokenizer, messages: list[dict], **options) -> list[int]:
+        """The rendered prompt's token ids (a `tokenizers.Tokenizer`; `options` as render takes them): special
+        tokens come from the template's text, as transformers' apply_chat_template encodes it, none added."""
+        return encode_ids(tokenizer, self.render(messages, **options), add_special_tokens=False)
+
+
+def _tagged(message: dict) -> tuple[dict, str]:
+    """The last message with CONTINUE_TAG after its text (the last text part's, for parts), and that text."""
+    content = message["content"]
+    if not isinstance(content, list):
+        return {**message, "content": content + CONTINUE_TAG}, content
+    if not content:
+        raise RequestError("continue_final_message: the last message has no text to continue")
+    *before, last = content
+    return {**message, "content": [*before, {**last, "text": last["text"] + CONTINUE_TAG}]}, last["text"]
+
+
+def _cut_at_tag(text: str, final: str) -> str:
+    """The rendered chat up to where the tagged message's text ends, so that the model continues it: what the
+    template puts after it (an end-of-turn token) is cut, and so is the message's trailing space where the
+    template trimmed it (the tag then lost its own)."""
+    if final.strip() not in text or CONTINUE_TAG.strip() not in text:
+        raise RequestError("continue_final_message: the last message's text does not appear in the prompt the chat "
+                           "template renders (the template changes or drops it), so it cannot be continued")
+    end = text.rindex(CONTINUE_TAG.strip())
+    return text[:end] if text.startswith(CONTINUE_TAG, end) else text[:end].rstrip()
 
 
 def _environment() -> ImmutableSandboxedEnvironment:

@@ -11,7 +11,7 @@ import json
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..decode import Stats
 from ..errors import RequestError
@@ -24,7 +24,8 @@ DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: None}  # OpenAI's defaults; None: u
 DECODING = ("temperature", "top_p", "top_k", "seed", "stop", "gamma")
 FIELDS = {
     COMPLETIONS: {"model", "prompt", "max_tokens", "stream", "stream_options", "n", *DECODING},
-    CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n", *DECODING},
+    CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n", *DECODING,
+           "chat_template_kwargs", "add_generation_prompt", "continue_final_message"},
 }
 STREAM_OPTIONS = {"include_usage"}
 # Bookkeeping that does not change the output; safety_identifier and prompt_cache_key are what the openai
@@ -36,6 +37,20 @@ UNSUPPORTED = {"logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_b
                "parallel_tool_calls", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options"}
 
 FLAGS = {"logprobs", "echo", "parallel_tool_calls"}  # the unsupported parameters that are true/false
+# chat_template_kwargs that are not template variables, refused as vLLM refuses them or fails on them: vLLM (and
+# transformers) pass the request's object as keyword arguments of apply_chat_template, where these would choose
+# another template, tokenize differently or clash with the messages. add_generation_prompt and
+# continue_final_message are the request's own fields (see _template_variables).
+RENDER_ARGUMENTS = {
+    "chat_template": "the template is the server's (--chat-template chooses it)",
+    "tokenize": "the prompt is always tokenized",
+    "messages": "send the conversation as 'messages'",
+    "conversation": "send the conversation as 'messages'",
+    **dict.fromkeys(("padding", "truncation", "max_length", "return_tensors", "return_dict",
+                     "return_assistant_tokens_mask", "tokenizer_kwargs"),
+                    "it is an argument of transformers' tokenization, not a template variable, and this server does "
+                    "not take it"),
+}
 # Values that ask for nothing beyond plain text (clients send them by default): as if absent.
 NEUTRAL = {"tool_choice": ["none"], "response_format": [{"type": "text"}], "modalities": [["text"]],
            "parallel_tool_calls": [True]}
@@ -167,6 +182,8 @@ class Request:
     decoding: dict  # temperature, top_p, top_k, seed, stop, gamma as the runtime names them
     stream: bool
     include_usage: bool
+    # chat: ChatTemplate.render's add_generation_prompt, continue_final_message and variables
+    chat: dict = field(default_factory=dict)
 
 
 def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults) -> Request:
@@ -219,7 +236,15 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults) -> Request:
     if endpoint == CHAT:
         if "messages" not in body:
             raise ApiError(400, "'messages' is required", "messages")
-        return Request(CHAT, None, body["messages"], max_tokens, decoding, stream, include_usage)
+        generation_prompt = _flag(body, "add_generation_prompt", default=True)
+        continue_final = _flag(body, "continue_final_message")
+        if generation_prompt and continue_final:  # transformers refuses both; vLLM answers that 400 too
+            raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true (a new assistant "
+                                "turn, or the last message continued); add_generation_prompt is true unless sent "
+                                "false: send \"add_generation_prompt\": false with it", "continue_final_message")
+        chat = {"add_generation_prompt": generation_prompt, "continue_final_message": continue_final,
+                "variables": _template_variables(body, generation_prompt, continue_final)}
+        return Request(CHAT, None, body["messages"], max_tokens, decoding, stream, include_usage, chat)
     return Request(COMPLETIONS, _one_prompt(body), None, max_tokens, decoding, stream, include_usage)
 
 
@@ -248,11 +273,37 @@ def _one_prompt(body: dict):
     return prompt
 
 
-def _flag(body: dict, name: str, param: str | None = None) -> bool:
-    value = body.get(name, False)
+def _flag(body: dict, name: str, param: str | None = None, default: bool = False) -> bool:
+    value = body.get(name)
     if value is not None and not isinstance(value, bool):
         raise ApiError(400, f"{param or name} must be true or false, not {value!r}", param or name)
-    return bool(value)
+    return default if value is None else value
+
+
+def _template_variables(body: dict, generation_prompt: bool, continue_final: bool) -> dict:
+    """chat_template_kwargs: variables the chat template sees besides the messages (Qwen3's enable_thinking), as
+    vLLM takes them; over the special tokens', as transformers lets them. A variable the template does not read
+    changes nothing (vLLM drops those)."""
+    variables = body.get("chat_template_kwargs")
+    if variables is None:
+        return {}
+    if not isinstance(variables, dict):
+        raise ApiError(400, "chat_template_kwargs must be an object of chat template variables, e.g. "
+                            "{\"enable_thinking\": false}", "chat_template_kwargs")
+    flags = {"add_generation_prompt": generation_prompt, "continue_final_message": continue_final}
+    for name, value in variables.items():
+        if name in RENDER_ARGUMENTS:
+            raise ApiError(400, f"chat_template_kwargs may not set '{name}': {RENDER_ARGUMENTS[name]}",
+                           "chat_template_kwargs")
+        # vLLM renders with the request's own field (its default where absent) whatever this says: a value that
+        # agrees changes nothing, one that differs would be ignored there, so it is refused here.
+        if name in flags and not (type(value) is bool and value == flags[name]):
+            raise ApiError(400, f"chat_template_kwargs.{name} is {_json(value)}, but the request's {name} is "
+                                f"{_json(flags[name])} and wins, as in vLLM: send \"{name}\": {_json(value)} as a "
+                                "request field instead", "chat_template_kwargs")
+        if name == "tools" and value not in (None, []):  # as the request field: tool calling is not implemented
+            raise ApiError(400, "chat_template_kwargs.tools is not supported by this server", "chat_template_kwargs")
+    return {name: value for name, value in variables.items() if name not in flags}
 
 
 class Reply:
