@@ -44,6 +44,15 @@ def test_compile_prints_nothing_where_stderr_is_no_terminal(checkpoints, tmp_pat
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.parametrize("settings", [settings for settings, _ in COMPILE_PHASES])
+def test_compile_without_progress_draws_no_bar_even_on_a_terminal(checkpoints, tmp_path, monkeypatch, settings):
+    """show_progress=False is the caller's word for every bar of the compile, the phases deep inside it too."""
+    target, draft = checkpoints("llama"), checkpoints("llama", 1)  # made before: saving them draws transformers' bar
+    terminal = on_a_terminal(monkeypatch)
+    compile_bundle(CompileSettings(target, draft, tmp_path / "b", max_seq_len=64, **settings), show_progress=False)
+    assert terminal.getvalue() == ""
+
+
 def test_a_draft_of_another_family_with_the_targets_tokenizer_files_is_accepted(checkpoints, tmp_path):
     """transformers loads the same tokenizer files with another unk token for a Qwen2 checkpoint than for a
     Llama one; decoding never reads unk (or pad), so the pair stands and decodes as the target alone does."""

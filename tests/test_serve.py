@@ -505,17 +505,42 @@ def test_an_open_files_limit_no_max_connections_fits_asks_only_for_a_higher_limi
         assert "--max-connections 1 or less" not in lines[0] and "raise the limit to 257 or more" in lines[0]
 
 
-def test_an_open_files_limit_the_system_will_not_raise_is_a_one_line_error(monkeypatch):
-    """macOS caps the limit below an unlimited hard one (kern.maxfilesperproc): setrlimit's ValueError was a traceback."""
+def system_capping_open_files(monkeypatch, cap: int) -> list:
+    """macOS's defaults: soft 256, hard unlimited, and setrlimit refusing above the system's cap
+    (kern.maxfilesperproc). The limits set, in order."""
     import resource
 
+    set_to = []
+
+    def capped(kind, limits):
+        if limits[0] > cap:
+            raise ValueError("current limit exceeds maximum limit")
+        set_to.append(limits[0])
+
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (256, resource.RLIM_INFINITY))
+    monkeypatch.setattr(resource, "setrlimit", capped)
+    return set_to
+
+
+@pytest.mark.parametrize("cap, advice", [(10240, "give --max-connections 9984 or less, or raise the limit"),
+                                         (256, "raise the limit to 257 or more")])
+def test_an_open_files_cap_below_the_hard_limit_asked_beyond_is_one_line_with_what_fits(monkeypatch, cap, advice):
+    """setrlimit's ValueError was a traceback; then the advice came from the soft limit ("--max-connections 1 or
+    less" where 9984 fit)."""
     from specbuild_runtime import SpecbuildError
     from specbuild_runtime.serve import cli
 
-    monkeypatch.setattr(resource, "getrlimit", lambda kind: (256, resource.RLIM_INFINITY))
-    monkeypatch.setattr(resource, "setrlimit", lambda kind, limits: (_ for _ in ()).throw(ValueError("not allowed")))
-    with pytest.raises(SpecbuildError, match=r"refused to raise this process's limit from 256 \(not allowed\)"):
+    system_capping_open_files(monkeypatch, cap)
+    with pytest.raises(SpecbuildError, match=rf"may open {cap} \(the system's cap\): {advice}$"):
         cli._open_files_for(20000, explicit=True)
+
+
+def test_the_default_max_connections_shrinks_to_a_system_cap_below_what_it_needs(monkeypatch, capsys):
+    from specbuild_runtime.serve import cli
+
+    set_to = system_capping_open_files(monkeypatch, 1000)
+    assert cli._open_files_for(1024, explicit=False) == 744 and set_to[-1] == 1000
+    assert "note: --max-connections 744 (not 1024)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("hard_limit", ["as it is", 1024])
@@ -796,6 +821,37 @@ def test_a_request_whose_body_is_still_arriving_when_the_grace_period_ends_is_an
     asyncio.run(run())
     assert sent[0]["status"] == 503 and b"shutting down" in sent[1]["body"]
     assert outcomes(server) == {"shutdown": 1.0} and "request failed" not in caplog.text
+
+
+def test_a_server_run_on_a_second_event_loop_reads_a_body_in_parts(bundle):
+    """Waiting for the end of the shutdown grace period while a body arrives bound the server to the first loop it
+    ran on (an asyncio.Event binds to the loop that first waits): on the next, the wait failed at once, and every
+    request whose body came in more than one part was answered 503, "the server is shutting down"."""
+    from specbuild_runtime import SpeculativeDecoder
+    from specbuild_runtime.serve.app import Server, Settings
+
+    server = Server(SpeculativeDecoder(bundle), Settings(model=MODEL))
+    body = json.dumps({"prompt": "def", "max_tokens": 2}).encode()
+
+    async def run():
+        parts = [body[:5], body[5:]]
+        sent = []
+
+        async def receive():
+            if not parts:
+                await asyncio.Event().wait()  # no disconnect: the client waits for its answer
+            await asyncio.sleep(0.01)  # the next part is not there yet
+            part = parts.pop(0)
+            return {"type": "http.request", "body": part, "more_body": bool(parts)}
+
+        async def send(message):
+            sent.append(message)
+
+        await server.app(asgi_post("/v1/completions", len(body)), receive, send)
+        await server.scheduler.close()
+        return sent[0]["status"]
+
+    assert [asyncio.run(run()) for _ in range(2)] == [200, 200]
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])

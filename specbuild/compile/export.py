@@ -14,10 +14,10 @@ from pathlib import Path
 
 import onnx
 import onnx_ir as ir
-from tqdm import tqdm
 
 from specbuild_runtime.manifest import SAMPLER, EngineInfo
 
+from .. import progress
 from .graphs import build_decoder, build_draft_steps, build_sampler, engine_vocab
 from .load import Checkpoint
 from .precision import Numerics, precision_name
@@ -48,9 +48,8 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
     file = f"{role}.onnx"
     # The checkpoint's digest reads every weight file once more: on a thread of its own it overlaps the
     # stream (hashlib and file reads release the GIL) instead of adding to it.
-    with ThreadPoolExecutor(1) as pool, tqdm(unit="B", unit_scale=True, leave=False,
-                                             desc=f"writing {role} ({numerics.precision}, {numerics.quantization})",
-                                             disable=None if show_progress is None else not show_progress) as bar:
+    with ThreadPoolExecutor(1) as pool, progress.bar(None, f"writing {role} ({numerics.precision}, {numerics.quantization})",
+                                                     "B", show_progress, unit_scale=True) as bar:
         digest = pool.submit(ckpt.digest)
         model = build_decoder(ckpt, numerics, max_seq_len, vocab_size, progress=bar.update)
         bar.total = sum(value.const_value.nbytes for value in model.graph.initializers.values()

@@ -19,7 +19,7 @@ from specbuild_runtime.manifest import TOKENIZER_CONFIG, TOKENIZER_DIR, EngineIn
 
 from .. import __version__
 from ..errors import SettingsError
-from ..progress import steps
+from ..progress import bar, shown, steps
 from ..staging import scratch_folder
 from ..recipe import DEFAULT_MAX_SEQ_LEN, CompileSettings
 from . import tensorrt_llm
@@ -34,9 +34,8 @@ from .quality import measure_quality, quality_texts
 def compile_bundle(settings: CompileSettings, show_progress: bool | None = None) -> Manifest:
     """show_progress None: progress bars on a terminal only (build logs stay clean)."""
     stages = len(STAGES) - (settings.backend == "onnx")  # an ONNX-only compile writes no TensorRT-LLM checkpoints
-    with tqdm(total=stages, unit="stage", disable=None if show_progress is None else not show_progress,
-              leave=False) as bar:
-        return _compile(settings, _Stages(bar), show_progress)
+    with shown(show_progress), bar(stages, "", "stage") as stage_bar:
+        return _compile(settings, _Stages(stage_bar), show_progress)
 
 
 # Tokens the draft's steps graph drafts per call (a round of more drafts makes more calls, of fewer adds
@@ -85,7 +84,7 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
         stages.start("checking each engine")
         graphs = [(file, info) for info in engines.values() for file in (info.file, info.greedy_file, info.steps_file) if file]
         # each one loaded and (fp32) run: at 7B, seconds to a minute apiece
-        for file, info in steps(graphs, "checking the engines' graphs", "graph", show_progress):
+        for file, info in steps(graphs, "checking the engines' graphs", "graph"):
             check_engine(folder / file, info, max_seq_len)
         if sampler:
             check_sampler(folder / sampler, engines["target"].shape.vocab_size)

@@ -170,7 +170,7 @@ class Server:
         drain stops jobs, and a client still sending its body (a slow upload) held the shutdown until uvicorn's backstop
         (--shutdown-timeout + 5 s), which cancelled the request as a 500 with a logged traceback."""
         reading = asyncio.ensure_future(self._body(http))
-        cut = asyncio.ensure_future(self.scheduler.cut.wait())
+        cut = self.scheduler.until_cut()
         try:
             done, _ = await asyncio.wait({reading, cut}, return_when=asyncio.FIRST_COMPLETED)
         finally:  # also when this handler is cancelled

@@ -207,30 +207,48 @@ def _open_files_for(max_connections: int, explicit: bool) -> int:
     """The connections the server can hold: a file for each, and OWN_FILES more. Below that (1024 is systemd's soft
     limit for a service, and the default --max-connections), accept failed before the limit was reached: asyncio
     logged a traceback for each try, thousands a second, and new clients hung instead of getting a 503. The soft limit
-    is raised as far as the hard one allows, as vLLM's server raises it; where the hard one is lower, the default
-    --max-connections shrinks to fit (said in one line) and one that was asked for is refused."""
+    is raised as far as needed, as vLLM's server raises it; where the hard limit (or a system's cap below it: macOS's
+    kern.maxfilesperproc) is lower, the default --max-connections shrinks to fit (said in one line) and one that was
+    asked for is refused."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     needed = max_connections + OWN_FILES
     if soft == resource.RLIM_INFINITY or soft >= needed:
         return max_connections
-    if hard != resource.RLIM_INFINITY and hard < needed:
-        fits = hard - OWN_FILES
-        if explicit or fits < 1:
-            # below OWN_FILES + 1 no --max-connections fits: the limit is all there is to raise
-            advice = f"give --max-connections {fits} or less, or raise the limit" if fits >= 1 else \
-                f"raise the limit to {OWN_FILES + 1} or more"
-            raise SpecbuildError(f"--max-connections {max_connections} needs {needed} open files (one a connection, "
-                                 f"{OWN_FILES} for the server) but this process may open {hard} (ulimit -Hn): {advice}")
-        click.echo(f"note: --max-connections {fits} (not {max_connections}): this process may open {hard} files "
-                   "(ulimit -Hn); raise that limit for more", err=True)
-        max_connections, needed = fits, hard
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
-    except (ValueError, OSError) as exc:  # a cap below the hard limit (macOS: kern.maxfilesperproc)
-        raise SpecbuildError(f"--max-connections {max_connections} needs {needed} open files, and the system refused to "
-                             f"raise this process's limit from {soft} ({exc}): give --max-connections "
-                             f"{max(1, soft - OWN_FILES)} or less") from None
-    return max_connections
+        return max_connections
+    except (ValueError, OSError):  # above the hard limit, or above the system's cap
+        cap = _highest_allowed(soft, needed, hard)
+    which = "ulimit -Hn" if cap == hard else "the system's cap"
+    fits = cap - OWN_FILES
+    if explicit or fits < 1:
+        # below OWN_FILES + 1 no --max-connections fits: the limit is all there is to raise
+        advice = f"give --max-connections {fits} or less, or raise the limit" if fits >= 1 else \
+            f"raise the limit to {OWN_FILES + 1} or more"
+        raise SpecbuildError(f"--max-connections {max_connections} needs {needed} open files (one a connection, "
+                             f"{OWN_FILES} for the server) but this process may open {cap} ({which}): {advice}")
+    click.echo(f"note: --max-connections {fits} (not {max_connections}): this process may open {cap} files "
+               f"({which}); raise that limit for more", err=True)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (cap, hard))
+    return fits
+
+
+def _highest_allowed(soft: int, refused: int, hard: int) -> int:
+    """The highest soft open-files limit the system grants below `refused` (found by asking; the limit is left at
+    soft): its cap is nowhere portable to read."""
+    low, high = soft, refused
+    while high - low > 1:
+        middle = (low + high) // 2
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (middle, hard))
+            low = middle
+        except (ValueError, OSError):
+            high = middle
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    except (ValueError, OSError):
+        pass
+    return low
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -67,7 +67,8 @@ class Scheduler:
         self.timeout = timeout
         self.metrics = metrics
         self.draining = False
-        self.cut = asyncio.Event()  # set once the grace period after shutdown ended: what is left is stopped
+        self.cut = False  # the grace period after shutdown ended: what is left is stopped
+        self._cut_waiters: set[asyncio.Future] = set()
         self._queue: collections.deque[Job] = collections.deque()
         self._running: set[Job] = set()
 
@@ -105,8 +106,22 @@ class Scheduler:
         self.draining = True
         asyncio.get_running_loop().call_later(grace, self._cut)
 
+    def until_cut(self) -> asyncio.Future:
+        """A future of the running loop, done once the grace period after shutdown has ended (an asyncio.Event would
+        bind the scheduler to the first loop that waited on it: on the next, its wait failed at once, read as the cut)."""
+        waiter = asyncio.get_running_loop().create_future()
+        if self.cut:
+            waiter.set_result(None)
+        else:
+            self._cut_waiters.add(waiter)
+            waiter.add_done_callback(self._cut_waiters.discard)
+        return waiter
+
     def _cut(self) -> None:
-        self.cut.set()  # also a request still reading its body (app.Server._body_unless_cut)
+        self.cut = True
+        for waiter in [*self._cut_waiters]:  # also a request still reading its body (app.Server._body_unless_cut)
+            if not waiter.done():
+                waiter.set_result(None)
         self._stop_all("shutdown")
 
     async def close(self) -> None:
