@@ -36,7 +36,7 @@ _as_command = False
 folder_path = click.Path(file_okay=False, path_type=Path)
 device_option = click.option(
     "--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
-    help="Where the engines run: cuda needs onnxruntime-gpu (pip install ./runtime[gpu]); auto takes CUDA if present.")
+    help="Where the engines run: cuda needs onnxruntime-gpu (pip install './runtime[gpu]'); auto takes CUDA if present.")
 
 
 class Setting(click.ParamType):

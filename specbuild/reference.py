@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from safetensors import SafetensorError
 from specbuild_runtime.errors import DeviceError, first_line
 
 from .compile.load import checkpoint_digest, digest_of_shards_beside, quiet_transformers
@@ -52,6 +53,9 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{role} checkpoint {path} cannot be loaded from safetensors ({first_line(exc)}); specbuild "
                               "never unpickles weights: re-save it with `save_pretrained(dir, safe_serialization=True)`") from None
+    except SafetensorError as exc:  # a truncated or garbled file (compile's reader says the same in its words)
+        raise CheckpointError(f"{role} checkpoint {path} has a truncated or corrupt *.safetensors file ({first_line(exc)}); "
+                              "download or copy the checkpoint again") from None
     return plainly_generating(model).to(device).eval()
 
 

@@ -21,7 +21,7 @@ def test_an_unknown_device_names_the_choices(bundles):
 
 @pytest.mark.skipif(HAS_CUDA, reason="this onnxruntime has the CUDA provider")
 def test_cuda_without_the_cuda_provider_says_what_to_install(bundles):
-    with pytest.raises(DeviceError, match=r"pip install \./runtime\[gpu\]"):
+    with pytest.raises(DeviceError, match=r"pip install '\./runtime\[gpu\]'"):
         SpeculativeDecoder(bundles("llama", draft_seed=1), device="cuda")
 
 

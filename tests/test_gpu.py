@@ -1,7 +1,7 @@
 """On a GPU (onnxruntime's CUDA provider): exact, placed whole on the device, every precision runs.
 
 Skipped where onnxruntime has no CUDA provider (CI). Run them on a GPU machine with
-`python -m pytest -m gpu tests/test_gpu.py` after `pip install ./runtime[gpu]` (see README, GPU).
+`python -m pytest -m gpu tests/test_gpu.py` after `pip install './runtime[gpu]'` (see README, GPU).
 Each failure message says what differed. Run on an H100 on 2026-11-24, an H200 and another H100 on 2026-11-26
 (README, GPU); every test here passed on the last, with cuDNN's attention off as the runtime now runs.
 """
@@ -21,7 +21,7 @@ from specbuild_runtime.engine import PROVIDERS, Engine, session_options
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(PROVIDERS["cuda"] not in ort.get_available_providers(),
-                       reason="onnxruntime has no CUDA provider here (pip install ./runtime[gpu] on a GPU machine)"),
+                       reason="onnxruntime has no CUDA provider here (pip install './runtime[gpu]' on a GPU machine)"),
 ]
 NEW_TOKENS = 30
 SAMPLED = [dict(temperature=1.0, seed=5), dict(temperature=0.7, top_k=20, top_p=0.9, seed=6)]

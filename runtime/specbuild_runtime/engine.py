@@ -110,7 +110,7 @@ def requested_device(device: str) -> str:
     if device == "auto":
         return "cpu"
     raise DeviceError(f"device 'cuda' needs onnxruntime's CUDA provider, which onnxruntime {ort.__version__} here "
-                      "lacks: install onnxruntime-gpu with `pip install ./runtime[gpu]` (in place of onnxruntime)")
+                      "lacks: install onnxruntime-gpu with `pip install './runtime[gpu]'` (in place of onnxruntime)")
 
 
 class Engine:

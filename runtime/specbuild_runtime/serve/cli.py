@@ -79,7 +79,7 @@ chat_template_option = click.option(
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port to listen on.")
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
-              help="Where the engines run: cuda needs onnxruntime-gpu (pip install ./runtime[gpu]); auto takes CUDA if "
+              help="Where the engines run: cuda needs onnxruntime-gpu (pip install './runtime[gpu]'); auto takes CUDA if "
                    "present.")
 @cuda_graphs_option
 @draft_steps_option
