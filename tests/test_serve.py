@@ -657,9 +657,20 @@ class PausingDecoder:
         self.paused = threading.Semaphore(0)
         self.go = threading.Event()
         self.deltas: list[int] = []
+        # Each check (request(): tokenizing) releases `checking`, then waits for `checks`, set unless a test clears it.
+        self.checking = threading.Semaphore(0)
+        self.checks = threading.Event()
+        self.checks.set()
+        self.checks_begun = 0
 
     def __getattr__(self, name):
         return getattr(self._decoder, name)
+
+    def request(self, *args, **kwargs):
+        self.checks_begun += 1
+        self.checking.release()
+        self.checks.wait()
+        return self._decoder.request(*args, **kwargs)
 
     def stream_request(self, request, stats, every_token=False):
         index = len(self.deltas)
@@ -688,6 +699,7 @@ def in_process(bundle: Path, **settings):
         yield f"http://127.0.0.1:{uvicorn.servers[0].sockets[0].getsockname()[1]}", decoder, uvicorn
     finally:
         decoder.go.set()
+        decoder.checks.set()
         uvicorn.should_exit = True
         thread.join(60)
 
@@ -724,6 +736,59 @@ def test_full_queue_answers_429_with_retry_after(bundle, reference):
     assert results[0].status_code == 200 and results[0].json()["choices"][0]["text"] == expected
 
 
+def test_requests_waiting_for_their_check_take_places_in_the_queue_and_show_in_its_depth(bundle, reference):
+    """Requests are checked (tokenized) on one thread, one at a time; those waiting for it were in no queue the
+    server bounds: beyond --max-queue they waited (about a second per long prompt ahead, its body held) instead of
+    getting 429, and the queue depth showed none. Checks held here: one request in its check, one waiting for it."""
+    expected = reference.generate(PROMPTS[0], max_new_tokens=16).text
+    body = {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0}
+    results = []
+    with in_process(bundle, max_queue=1) as (url, decoder, _):
+        decoder.checks.clear()
+        posts = [threading.Thread(target=lambda: results.append(httpx.post(f"{url}/v1/completions", json=body,
+                                                                           timeout=60))) for _ in range(2)]
+        for post in posts:
+            post.start()
+        assert decoder.checking.acquire(timeout=60)
+        wait_until(lambda: metric_values(url)[("specbuild_queue_depth", ())] == 2, "both requests counted as waiting",
+                   deadline=10)
+        full = httpx.post(f"{url}/v1/completions", json=body, timeout=10)  # one slot and one place in the queue taken
+        assert full.status_code == 429 and full.headers["Retry-After"] == "1"
+        decoder.checks.set()
+        decoder.go.set()
+        for post in posts:
+            post.join(60)
+        assert metric_values(url)[("specbuild_queue_depth", ())] == 0
+    assert [r.status_code for r in results] == [200, 200]
+    assert all(r.json()["choices"][0]["text"] == expected for r in results)
+
+
+def test_a_request_waiting_for_its_check_gets_503_at_its_timeout(bundle):
+    """--timeout began only once a request was checked: one behind long prompts waited for the checking thread
+    however long that took. Its check held here past a 1 s timeout."""
+    with in_process(bundle, timeout=1.0) as (url, decoder, _):
+        decoder.checks.clear()
+        reply = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4}, timeout=30)
+        assert reply.status_code == 503 and "timeout" in reply.json()["error"]["message"]
+        assert reply.headers["Retry-After"] == "1"
+
+
+def test_a_request_waiting_for_its_check_is_answered_503_when_the_grace_period_ends(bundle, caplog):
+    """SIGTERM's drain stopped queued and decoding requests, not one waiting for the checking thread: it waited
+    until uvicorn's backstop (--shutdown-timeout + 5 s) cancelled it, a 500 logged with a traceback."""
+    results = []
+    with in_process(bundle, shutdown_timeout=0.0) as (url, decoder, uvicorn):
+        decoder.checks.clear()
+        post = threading.Thread(target=lambda: results.append(httpx.post(
+            f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4}, timeout=30)))
+        post.start()
+        assert decoder.checking.acquire(timeout=60)
+        uvicorn.should_exit = True
+        post.join(60)
+    assert results[0].status_code == 503 and "shutting down" in results[0].json()["error"]["message"]
+    assert "Exception" not in caplog.text
+
+
 @contextmanager
 def raw_post(url: str, path: str, body: dict):
     """A POST written on a bare socket, which leaving the block closes without reading the reply."""
@@ -733,6 +798,33 @@ def raw_post(url: str, path: str, body: dict):
         connection.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                            f"Content-Length: {len(content)}\r\n\r\n".encode() + content)
         yield
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_client_that_leaves_while_its_request_waits_for_its_check_gives_its_place_up_unchecked(bundle, stream):
+    """A queued request whose client leaves gives its place up at once; one waiting for the checking thread kept it
+    until its turn came, and was checked all the same (about a second for a long prompt, every request behind it
+    waiting). Checks held here: the first request in its check, the second waiting for it until its client leaves."""
+    cancelled = ("specbuild_requests_total", (("endpoint", "completions"), ("outcome", "cancelled")))
+    depth = ("specbuild_queue_depth", ())
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+    results = []
+    with in_process(bundle, max_queue=1) as (url, decoder, _):
+        decoder.checks.clear()
+        posts = [threading.Thread(target=lambda: results.append(httpx.post(f"{url}/v1/completions", json=body,
+                                                                           timeout=60))) for _ in range(2)]
+        posts[0].start()
+        assert decoder.checking.acquire(timeout=60)
+        with raw_post(url, "/v1/completions", {**body, "stream": stream}):
+            wait_until(lambda: metric_values(url)[depth] == 2, "the second request waits for its check")
+        wait_until(lambda: metric_values(url).get(cancelled) == 1, "the server saw the client leave", deadline=10)
+        posts[1].start()  # while the one that left held the last place, a 429
+        wait_until(lambda: metric_values(url)[depth] == 2, "the third request waits for its check")
+        decoder.checks.set()
+        decoder.go.set()
+        for post in posts:
+            post.join(60)
+    assert [r.status_code for r in results] == [200, 200] and decoder.checks_begun == 2
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
@@ -854,6 +946,41 @@ def test_a_server_run_on_a_second_event_loop_reads_a_body_in_parts(bundle):
     assert [asyncio.run(run()) for _ in range(2)] == [200, 200]
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_client_gone_while_its_request_waits_for_its_check_is_cancelled_under_asgi_2_4(bundle, caplog, stream):
+    """Under an ASGI 2.4 server, whose send raises OSError on a closed connection, the reply nobody reads (499) is no
+    error either. The disconnect comes while the check is held."""
+    from specbuild_runtime import SpeculativeDecoder
+    from specbuild_runtime.serve.app import Server, Settings
+
+    decoder = PausingDecoder(SpeculativeDecoder(bundle))
+    decoder.checks.clear()
+    server = Server(decoder, Settings(model=MODEL))
+    body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 4, "stream": stream}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        if messages:
+            return messages.pop(0)
+        await asyncio.get_running_loop().run_in_executor(None, decoder.checking.acquire)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        raise OSError("the connection is closed")
+
+    async def run():
+        try:  # a guard: without a watch for the client leaving, the request waited for its check for ever
+            await asyncio.wait_for(server.app(asgi_post("/v1/completions", len(body), spec_version="2.4"), receive,
+                                              send), 30)
+        finally:
+            decoder.checks.set()
+            await server.scheduler.close()
+
+    asyncio.run(run())
+    assert outcomes(server) == {"cancelled": 1.0} and decoder.deltas == []
+    assert "request failed" not in caplog.text
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
 def test_a_stream_whose_client_left_before_its_first_send_stops_its_job(bundle, caplog, endpoint):
     """Under an ASGI 2.4 server, whose send raises OSError on a closed connection, the response's first send fails
@@ -868,8 +995,10 @@ def test_a_stream_whose_client_left_before_its_first_send_stops_its_job(bundle, 
     body = json.dumps({**fields, "max_tokens": 200, "stream": True, "temperature": 0}).encode()
     messages = [{"type": "http.request", "body": body, "more_body": False}]
 
-    async def receive():
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
+    async def receive():  # the body, then nothing: the client was there while its request was checked
+        if messages:
+            return messages.pop(0)
+        await asyncio.Event().wait()
 
     async def send(message):
         raise OSError("the connection is closed")
@@ -1320,7 +1449,7 @@ def test_a_deadline_that_passes_after_the_last_token_but_before_the_job_is_finis
         scheduler = Scheduler(decoder, 0, None, Metrics(1))
         finish, pending = scheduler._finished, []
         scheduler._finished = lambda job: pending.append(job)
-        job = scheduler.submit(request)
+        job = await scheduler.submit(lambda: request)
         while not pending:
             await asyncio.sleep(0.01)
         scheduler.stop(job, "timeout")

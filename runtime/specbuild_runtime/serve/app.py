@@ -14,9 +14,9 @@ import asyncio
 import hmac
 import json
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
@@ -35,7 +35,7 @@ from . import protocol
 from .chat import SuppliedTemplate, load_chat_template
 from .metrics import Metrics
 from .protocol import CHAT, COMPLETIONS, ApiError, Reply, sse
-from .scheduler import Overloaded, Scheduler, Stopped, Unavailable
+from .scheduler import Job, Overloaded, Scheduler, Stopped, Unavailable
 
 log = logging.getLogger("specbuild.serve")
 RETRY_AFTER = {"Retry-After": "1"}  # seconds; a slot frees up within one request's decoding time
@@ -73,10 +73,6 @@ class Server:
         self.defaults = protocol.sampling_defaults(decoder.manifest.generation_config, settings.generation_config)
         self.metrics = Metrics(decoder.slots.size)
         self.scheduler = Scheduler(decoder, settings.max_queue, settings.timeout, self.metrics)
-        # Requests are checked (tokenized, chats rendered) one at a time, off the event loop: tokenizing takes ~200
-        # bytes of memory a byte of text (a 320 KB prompt, which a 4096-token context's body limit admits, ~70 MB), so
-        # checks side by side in asyncio's pool (cores + 4 threads) multiplied what a burst of long prompts took.
-        self._checking = ThreadPoolExecutor(1, thread_name_prefix="specbuild-check")
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -116,7 +112,6 @@ class Server:
     async def _lifespan(self, app):
         yield
         await self.scheduler.close()
-        self._checking.shutdown(wait=False, cancel_futures=True)
 
     async def completions(self, request: HttpRequest) -> Response:
         return await self._generate(COMPLETIONS, request)
@@ -148,9 +143,7 @@ class Server:
     async def _generate(self, endpoint: str, http: HttpRequest) -> Response:
         try:
             request = protocol.parse(endpoint, await self._body_unless_cut(http), self.settings.model, self.defaults)
-            # Tokenizing (and rendering a chat) costs up to seconds for the longest bodies: off the event loop.
-            checked = await asyncio.get_running_loop().run_in_executor(self._checking, self._checked, request)
-            job = self.scheduler.submit(checked)
+            job = await self._submitted_unless_gone(http, request)
         except Exception as exc:  # a bug among them is answered (500, logged, counted) here, where the
             return self._refuse(endpoint, exc)  # connection stays usable: Starlette's last handler closes it
         reply = Reply(endpoint, self.settings.model)
@@ -180,6 +173,23 @@ class Server:
         if reading not in done:
             raise Stopped("shutdown")
         return reading.result()
+
+    async def _submitted_unless_gone(self, http: HttpRequest, request: protocol.Request) -> Job:
+        """The request's job, submitted once checked, or Stopped("cancelled") if its client leaves first. Tokenizing
+        (and rendering a chat) costs up to seconds for the longest bodies: the scheduler does it on its checking
+        thread, one request at a time, each holding a place in its queue meanwhile. One whose client left kept that
+        place until its turn, then was checked all the same, every request behind it waiting."""
+        submitting = asyncio.ensure_future(self.scheduler.submit(partial(self._checked, request)))
+        leaving = asyncio.ensure_future(_disconnected(http))
+        try:
+            done, _ = await asyncio.wait({submitting, leaving}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this handler is cancelled
+            leaving.cancel()
+            if not submitting.done():
+                submitting.cancel()  # gives its place up; a check not begun never runs
+        if submitting not in done:
+            raise Stopped("cancelled")
+        return submitting.result()
 
     async def _body(self, http: HttpRequest) -> bytes:
         """The request body, refused (413) once it is longer than any request that fits the context."""
@@ -278,6 +288,8 @@ class Server:
         if isinstance(exc, Stopped):
             error = _stopped_error(exc, started)
             self.metrics.outcome(endpoint, exc.reason)
+            if exc.reason == "cancelled":
+                return Unread(error.body(), error.status)
         else:
             error = _as_api_error(exc)
             self.metrics.outcome(endpoint, OUTCOMES.get(error.status, "error"))
@@ -326,8 +338,9 @@ def _as_api_error(exc: Exception) -> ApiError:
 def _stopped_error(stop: Stopped, started: bool) -> ApiError:
     if stop.reason == "timeout" and started:  # resent as it is, it would hold a slot as long again
         return ApiError(504, "decoding ran past the server's --timeout; ask for fewer tokens", headers=NO_RETRY)
-    if stop.reason == "timeout":
-        return ApiError(503, "no decoding slot came free within the server's --timeout", headers=RETRY_AFTER)
+    if stop.reason == "timeout":  # queued, or waiting for its check behind other requests' (tokenizing)
+        return ApiError(503, "the request waited past the server's --timeout without decoding (the server is busy)",
+                        headers=RETRY_AFTER)
     if stop.reason == "shutdown":
         return ApiError(503, "the server is shutting down", headers=RETRY_AFTER)
     return ApiError(499, "the client closed the connection")  # nobody reads this one
@@ -386,6 +399,17 @@ def _refusing_beyond(http_protocol: type, max_connections: int) -> type:
             return super().eof_received()
 
     return Protocol
+
+
+class Unread(JSONResponse):
+    """The reply to a client that has gone. An ASGI 2.4 server's send raises OSError on a closed connection, which
+    Starlette passes on from a plain response: it was answered as a bug (500, logged with a traceback)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except OSError:
+            pass
 
 
 class EventStream(StreamingResponse):

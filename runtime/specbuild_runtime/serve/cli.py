@@ -89,7 +89,7 @@ chat_template_option = click.option(
 @click.option("--threads", type=click.IntRange(min=1, max=1024),
               help="onnxruntime threads per engine call.  [default: cores / --parallel, at least 1]")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
-              help="Requests that may wait for a slot; more get 429 with Retry-After.")
+              help="Requests that may wait for a slot or for their check (tokenizing); more get 429 with Retry-After.")
 @click.option("--timeout", type=Finite(min=0), default=600.0, show_default=True,
               help="Seconds a request may take from arrival to its last token (0 = no limit).")
 @click.option("--shutdown-timeout", type=Finite(min=0), default=30.0, show_default=True,

@@ -41,7 +41,8 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.speed = Histogram("specbuild_request_decode_tokens_per_second", "Decode speed of each request after its first token",
                                buckets=SPEED_BUCKETS, registry=r)
-        self.queue_depth = Gauge("specbuild_queue_depth", "Requests waiting for a slot", registry=r)
+        self.queue_depth = Gauge("specbuild_queue_depth", "Requests waiting for a slot or for their check (tokenizing)",
+                                 registry=r)
         self.slots_busy = Gauge("specbuild_slots_busy", "Slots decoding a request", registry=r)
         Gauge("specbuild_slots", "Slots (--parallel)", registry=r).set(slots)
 

@@ -1,8 +1,10 @@
 """Requests to decoding threads: `parallel` slots behind a bounded queue, with deadlines, cancellation and draining.
 
-Everything here runs on the event loop. A job decodes through a Relay (../relay.py, as the decoder's async API
-does) in one of the decoder's `parallel` worker threads (onnxruntime releases the GIL while it computes, so
-slots decode at the same time). After every token (also one whose text is held back, e.g. while it may begin a
+Everything here runs on the event loop but the checks (tokenizing, rendering a chat), which take one thread in turn: a
+request takes its place (a slot's or the queue's) before its check, so that one waiting for it is bounded, timed and
+drained as a queued one is. A job decodes through a Relay (../relay.py, as the decoder's async API does) in one of
+the decoder's `parallel` worker threads (onnxruntime releases the GIL while it computes, so slots decode at the same
+time). After every token (also one whose text is held back, e.g. while it may begin a
 stop string) the worker checks whether the request was stopped (client gone, deadline passed, server shutting
 down) and if so closes the decoder's generator, which gives the slot back at once.
 """
@@ -12,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Callable
 
 from ..decode import Stats
 from ..relay import Relay
@@ -46,14 +50,15 @@ class Job:
     Iteration raises Stopped when the server stopped the job, or the decoder's own exception.
     """
 
-    request: Request  # checked by SpeculativeDecoder.request
-    arrival: float  # loop.time() (= time.monotonic())
+    request: Request | None  # checked by SpeculativeDecoder.request; None until then
+    arrival: float  # loop.time() (= time.monotonic()), before the check
     stats: Stats
     # The deltas; relay.finished (every delta posted) means a deadline after it stops nothing.
     relay: Relay = field(default_factory=Relay)
     started: bool = False  # holds (or held) a slot
     done: bool = False  # its worker returned and the slot is free
     timer: asyncio.TimerHandle | None = None
+    check: asyncio.Future | None = None  # its check, while it is waited for
 
     def __aiter__(self) -> Relay:
         return self.relay
@@ -71,22 +76,45 @@ class Scheduler:
         self._cut_waiters: set[asyncio.Future] = set()
         self._queue: collections.deque[Job] = collections.deque()
         self._running: set[Job] = set()
+        self._checking: set[Job] = set()  # waiting for their check or in it: each holds a slot's or a queue place
+        # Requests are checked one at a time, off the event loop: tokenizing takes ~200 bytes of memory a byte of text
+        # (a 320 KB prompt, which a 4096-token context's body limit admits, ~70 MB), so checks side by side in
+        # asyncio's pool (cores + 4 threads) multiplied what a burst of long prompts took.
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="specbuild-check")
 
-    def submit(self, request: Request) -> Job:
-        """Start decoding now, or queue; raises Overloaded when the queue is full, Unavailable when draining."""
+    async def submit(self, check: Callable[[], Request]) -> Job:
+        """Check a request (`check()` on the checking thread), then start decoding it or queue it. Raises Overloaded
+        when every slot and queue place is taken, Unavailable when draining, and what `check` raises. A job stopped
+        while it waited for its check (its deadline, the drain's cut) comes back stopped, as a queued one would."""
         if self.draining:
             raise Unavailable("the server is shutting down")
-        if len(self._running) >= self.parallel and len(self._queue) >= self.max_queue:
-            raise Overloaded(f"all {self.parallel} slots are busy and {len(self._queue)} requests are queued")
+        if len(self._running) + len(self._queue) + len(self._checking) >= self.parallel + self.max_queue:
+            raise Overloaded(f"{len(self._running)} of {self.parallel} slots are busy and "
+                             f"{len(self._queue) + len(self._checking)} requests are waiting")
         loop = asyncio.get_running_loop()
-        job = Job(request, loop.time(), Stats())
+        job = Job(None, loop.time(), Stats())
         if self.timeout:
             job.timer = loop.call_at(job.arrival + self.timeout, self.stop, job, "timeout")
+        job.check = loop.run_in_executor(self._checker, check)
+        self._checking.add(job)
+        self._waiting_changed()
+        try:
+            await asyncio.wait({job.check})  # stop() cancels it: a check not begun never runs
+            if job.relay.stopped:  # while it waited: its iteration raises the Stopped, as a queued job's would
+                return job
+            job.request = job.check.result()
+        except BaseException:  # the check refused it, or this handler was cancelled: its deadline goes too
+            self.stop(job, "cancelled")
+            raise
+        finally:
+            self._checking.discard(job)
+            self._waiting_changed()
+            job.check = None
         if len(self._running) < self.parallel:
             self._start(job)
         else:
             self._queue.append(job)
-            self.metrics.queue_depth.set(len(self._queue))
+            self._waiting_changed()
         return job
 
     def stop(self, job: Job, reason: str) -> None:
@@ -99,7 +127,10 @@ class Scheduler:
             job.timer.cancel()
         if job in self._queue:
             self._queue.remove(job)
-            self.metrics.queue_depth.set(len(self._queue))
+        if job.check:
+            job.check.cancel()
+            self._checking.discard(job)
+        self._waiting_changed()
 
     def drain(self, grace: float) -> None:
         """On the loop, at shutdown: refuse new requests; stop those still queued or decoding after `grace` seconds."""
@@ -125,13 +156,16 @@ class Scheduler:
         self._stop_all("shutdown")
 
     async def close(self) -> None:
-        self._stop_all("shutdown")
+        self._stop_all("shutdown")  # which cancels the checks not begun; the checking thread stays for the next loop
         if self._running:  # each worker returns after at most one more token; the threads stay the decoder's
             await asyncio.wait({job.relay.worker for job in self._running})
 
     def _stop_all(self, reason: str) -> None:
-        for job in [*self._queue, *self._running]:
+        for job in [*self._checking, *self._queue, *self._running]:
             self.stop(job, reason)
+
+    def _waiting_changed(self) -> None:
+        self.metrics.queue_depth.set(len(self._queue) + len(self._checking))
 
     def _start(self, job: Job) -> None:
         job.started = True
@@ -152,5 +186,5 @@ class Scheduler:
             self.metrics.ttft.observe(job.relay.first_item_at - job.arrival)
         while self._queue and len(self._running) < self.parallel:
             self._start(self._queue.popleft())
-        self.metrics.queue_depth.set(len(self._queue))
+        self._waiting_changed()
         self.metrics.slots_busy.set(len(self._running))
