@@ -736,6 +736,12 @@ def test_full_queue_answers_429_with_retry_after(bundle, reference):
     assert results[0].status_code == 200 and results[0].json()["choices"][0]["text"] == expected
 
 
+def posting(url: str, body: dict, results: list, count: int) -> list[threading.Thread]:
+    """Threads (not started) that each post body to /v1/completions and append the response to results."""
+    return [threading.Thread(target=lambda: results.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60)))
+            for _ in range(count)]
+
+
 def test_requests_waiting_for_their_check_take_places_in_the_queue_and_show_in_its_depth(bundle, reference):
     """Requests are checked (tokenized) on one thread, one at a time; those waiting for it were in no queue the
     server bounds: beyond --max-queue they waited (about a second per long prompt ahead, its body held) instead of
@@ -745,8 +751,7 @@ def test_requests_waiting_for_their_check_take_places_in_the_queue_and_show_in_i
     results = []
     with in_process(bundle, max_queue=1) as (url, decoder, _):
         decoder.checks.clear()
-        posts = [threading.Thread(target=lambda: results.append(httpx.post(f"{url}/v1/completions", json=body,
-                                                                           timeout=60))) for _ in range(2)]
+        posts = posting(url, body, results, 2)
         for post in posts:
             post.start()
         assert decoder.checking.acquire(timeout=60)
@@ -811,8 +816,7 @@ def test_a_client_that_leaves_while_its_request_waits_for_its_check_gives_its_pl
     results = []
     with in_process(bundle, max_queue=1) as (url, decoder, _):
         decoder.checks.clear()
-        posts = [threading.Thread(target=lambda: results.append(httpx.post(f"{url}/v1/completions", json=body,
-                                                                           timeout=60))) for _ in range(2)]
+        posts = posting(url, body, results, 2)
         posts[0].start()
         assert decoder.checking.acquire(timeout=60)
         with raw_post(url, "/v1/completions", {**body, "stream": stream}):
