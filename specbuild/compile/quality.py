@@ -141,10 +141,10 @@ def quality_report(
 
         agreement, identical, teacher_forced, speeds = [], 0, [], {"fp32": [], "quant": []}
         for prompt in prompts_ids:
-            progress.update()
             budget = min(new_tokens, max_seq_len - len(prompt) + 1)
             if budget < 1:  # a prompt longer than the context: the report counts only the prompts it decoded
                 report["prompts"] -= 1
+                progress.update()
                 continue
             ref_tokens, ref_speed = _greedy(ref, prompt, budget)
             quant_tokens, quant_speed = _greedy(quant, prompt, budget)
@@ -155,6 +155,7 @@ def quality_report(
             if len(prompt) + budget - 1 <= max_seq_len:
                 along = _logits(quant, prompt + ref_tokens[:-1])[len(prompt) - 1:].argmax(-1)
                 teacher_forced.extend(along == np.asarray(ref_tokens))
+            progress.update()  # after the prompt's work: before it, the bar read 100% while the last one decoded
 
     for key, folder, info in (("fp32", fp32_folder, fp32_info), ("quant", quant_folder, quant_info)):
         folder = Path(folder)
