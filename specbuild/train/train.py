@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from .. import progress
 from ..errors import OutputError, TrainingError
 from ..staging import amount, check_output, guarded_folder, nearest_folder
 
@@ -57,7 +58,7 @@ def train_tokenizer(texts: list[str], vocab_size: int = 4096, max_chars: int = 6
 def encode_corpus(tokenizer, texts: list[str], chunk: int = 64) -> np.ndarray:
     """All texts' token ids in one int32 array, each text followed by eos."""
     pieces = []
-    for start in tqdm(range(0, len(texts), chunk), desc="tokenize", unit="chunk", leave=False, disable=None):
+    for start in progress.steps(range(0, len(texts), chunk), "tokenize", "chunk"):
         for ids in tokenizer(texts[start : start + chunk], add_special_tokens=False)["input_ids"]:
             pieces.append(np.asarray(ids + [tokenizer.eos_token_id], dtype=np.int32))
     return np.concatenate(pieces)
@@ -81,10 +82,8 @@ def learning_rate(peak: float, step: int, fraction: float, warmup_steps: int) ->
 
 
 def time_bar(seconds: float, desc: str) -> tqdm:
-    """A progress bar over wall-clock seconds, so its ETA is the time budget's end. Like every bar here it
-    shows on a terminal only (disable=None), so logs and one-line errors stay clean."""
-    return tqdm(total=seconds, desc=desc, bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining}{postfix}",
-                disable=None)
+    """A progress bar over wall-clock seconds, so its ETA is the time budget's end (on a terminal only, as every bar)."""
+    return progress.bar(seconds, desc, bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining}{postfix}")
 
 
 def windows(data: np.ndarray, batch_size: int, seq_len: int) -> Callable[[np.random.Generator], tuple[torch.Tensor, int]]:
@@ -201,7 +200,7 @@ def heldout_loss(model, data: np.ndarray, seq_len: int = 256, max_tokens: int = 
     if windows == 0:
         raise TrainingError(f"held-out text has {len(data)} tokens; it needs more than seq_len={seq_len}")
     total = 0.0
-    for first in tqdm(range(0, windows, batch_size), desc="held-out loss", unit="batch", leave=False, disable=None):
+    for first in progress.steps(range(0, windows, batch_size), "held-out loss", "batch"):
         count = min(batch_size, windows - first)
         rows = [data[(first + i) * seq_len : (first + i + 1) * seq_len + 1] for i in range(count)]
         batch = torch.from_numpy(np.stack(rows).astype(np.int64))
