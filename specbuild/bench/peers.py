@@ -7,6 +7,7 @@ excluded the same way as for specbuild, and each peer's output is checked agains
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import json
 import shutil
@@ -25,13 +26,17 @@ KNOWN = ("transformers", "onnxruntime-genai", "llama.cpp")
 
 def run_peers(peers: list[str], decoder, prompts: list[list[int]], max_new_tokens: int, gammas: list[int], baseline) -> list[dict]:
     """peers: names from KNOWN (the CLI checks them)."""
+    from ..reference import recorded_source
+
+    # Each role's checkpoint, checked against the manifest (its every weight read: seconds a GB) once for all peers
+    source = functools.cache(lambda role: recorded_source(decoder.manifest.engines[role], role))
     rows = []
     if "transformers" in peers:
-        rows += _transformers(decoder, prompts, max_new_tokens, gammas)
+        rows += _transformers(decoder, source, prompts, max_new_tokens, gammas)
     if "onnxruntime-genai" in peers:
-        rows += _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas)
+        rows += _onnxruntime_genai(decoder, source, prompts, max_new_tokens, gammas)
     if "llama.cpp" in peers:
-        rows += _llama_cpp(decoder, prompts, max_new_tokens, gammas)
+        rows += _llama_cpp(decoder, source, prompts, max_new_tokens, gammas)
     for row in rows:
         outputs = row.pop("outputs", None)
         if outputs is not None:
@@ -64,18 +69,17 @@ def peer_precision(decoder) -> str:
     return decoder.manifest.engines["target"].precision if decoder.device == "cuda" else "fp32"
 
 
-def _transformers(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
+def _transformers(decoder, source, prompts, max_new_tokens, gammas) -> list[dict]:
     """Eager transformers on the bench's device and, on a GPU, also with a static cache, which transformers'
     generate then compiles (torch.compile, mode reduce-overhead: CUDA graphs); it does so on GPUs only."""
-    engines, device, precision = decoder.manifest.engines, decoder.device, peer_precision(decoder)
+    device, precision = decoder.device, peer_precision(decoder)
     # importing transformers is seconds too; reading each checkpoint's sha256 and loading it, minutes at 7B
     with note(f"loading the target and draft checkpoints in transformers ({precision})"):
         from transformers import StaticCache
 
-        from ..reference import load_reference, recorded_source, transformers_greedy
+        from ..reference import load_reference, transformers_greedy
 
-        target, draft = (load_reference(recorded_source(engines[role], role), role, device, precision)
-                         for role in ("target", "draft"))
+        target, draft = (load_reference(source(role), role, device, precision) for role in ("target", "draft"))
     eos = sorted(decoder.eos_token_ids)
     speed, outputs = _timed_decode(lambda ids, n: transformers_greedy(target, ids, n, eos), prompts, max_new_tokens,
                                    "transformers")
@@ -105,7 +109,7 @@ def fixed_gamma(draft, gamma: int) -> None:
     config.assistant_confidence_threshold = 0.0  # 0 turns it off; None would mean the default
 
 
-def _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
+def _onnxruntime_genai(decoder, source, prompts, max_new_tokens, gammas) -> list[dict]:
     """onnxruntime-genai on the bench's device, in peer_precision: its model builder on the source
     checkpoints, then target-only and its draft-model speculative decoding with max_draft_tokens = γ. (On a
     GPU this needs onnxruntime-genai's CUDA build, onnxruntime-genai-cuda.)"""
@@ -113,16 +117,14 @@ def _onnxruntime_genai(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
         import onnxruntime_genai as og
     except ImportError:
         raise SpecbuildError("the onnxruntime-genai peer needs `pip install onnxruntime-genai`") from None
-    from ..reference import recorded_source
-
-    engines, precision = decoder.manifest.engines, peer_precision(decoder)
+    precision = peer_precision(decoder)
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         for role in ("target", "draft"):
-            source = recorded_source(engines[role], role)  # safetensors: its builder would fall back to unpickling *.bin
+            checkpoint = source(role)  # safetensors: its builder would fall back to unpickling *.bin
             with note(f"building the {role} with onnxruntime-genai's model builder"):
                 built = subprocess.run(
-                    [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source),
+                    [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint),
                      "-o", str(work / role), "-p", precision, "-e", decoder.device], capture_output=True, text=True)
             if built.returncode:
                 raise SpecbuildError(f"onnxruntime-genai's model builder failed on the {role}: {built.stderr.strip()[-300:]}")
@@ -192,7 +194,7 @@ convert_hf_to_gguf.main()
 """
 
 
-def _llama_cpp(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
+def _llama_cpp(decoder, source, prompts, max_new_tokens, gammas) -> list[dict]:
     """llama.cpp on the CPU in fp32: llama.cpp's converter (the convert-hf-to-gguf package) writes f32 GGUF files
     of the source checkpoints, and xllamacpp (llama.cpp's server in this process, prebuilt) decodes them
     target-only and with its draft-model speculative decoding, exactly γ drafts a round (n_max γ, n_min 0,
@@ -212,15 +214,13 @@ def _llama_cpp(decoder, prompts, max_new_tokens, gammas) -> list[dict]:
                              "--device cpu, or leave llama.cpp out of --peers")
     import urllib.request
 
-    from ..reference import recorded_source
-
-    engines, f32 = decoder.manifest.engines, xlc.ggml_type.GGML_TYPE_F32
+    f32 = xlc.ggml_type.GGML_TYPE_F32
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         for role in ("target", "draft"):
             with note(f"converting the {role} to GGUF with llama.cpp's converter"):
                 built = subprocess.run([sys.executable, "-c", _CONVERT, "--outtype", "f32", "--outfile",
-                                        str(work / f"{role}.gguf"), str(recorded_source(engines[role], role))],
+                                        str(work / f"{role}.gguf"), str(source(role))],
                                        capture_output=True, text=True)
             if built.returncode:
                 raise SpecbuildError(f"llama.cpp's converter failed on the {role}: {built.stderr.strip()[-300:]}")

@@ -33,7 +33,7 @@ IN_FLIGHT_BYTES = 256 << 20
 
 
 def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, numerics: Numerics,
-                  vocab_size: int | None = None, show_progress: bool | None = None, draft_steps: int = 0) -> EngineInfo:
+                  vocab_size: int | None = None, draft_steps: int = 0) -> EngineInfo:
     """Writes {role}.onnx (+ {role}.onnx.data with the weights), {role}.greedy.onnx, the greedy-only graph
     over the same data file, and (draft_steps > 0) {role}.steps.onnx, which drafts that many tokens in one
     call, over it too; and describes them.
@@ -41,7 +41,7 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
     vocab_size: the target's; a larger table (a draft's padding rows) is cut to it, so the draft never
     proposes a token the target does not have and its q is a distribution over the shared vocabulary; a
     smaller one embeds the target's tokens past it as its last row (graphs._embeddable).
-    show_progress: a bar per engine with bytes/s and ETA (None: on a terminal only).
+    A bar per engine shows bytes/s and ETA (where progress shows: progress.shown).
     """
     spec = ckpt.spec
     vocab = engine_vocab(ckpt, vocab_size)
@@ -49,7 +49,7 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
     # The checkpoint's digest reads every weight file once more: on a thread of its own it overlaps the
     # stream (hashlib and file reads release the GIL) instead of adding to it.
     with ThreadPoolExecutor(1) as pool, progress.bar(None, f"writing {role} ({numerics.precision}, {numerics.quantization})",
-                                                     "B", show_progress, unit_scale=True) as bar:
+                                                     "B", unit_scale=True) as bar:
         digest = pool.submit(ckpt.digest)
         model = build_decoder(ckpt, numerics, max_seq_len, vocab_size, progress=bar.update)
         bar.total = sum(value.const_value.nbytes for value in model.graph.initializers.values()

@@ -35,7 +35,7 @@ def compile_bundle(settings: CompileSettings, show_progress: bool | None = None)
     """show_progress None: progress bars on a terminal only (build logs stay clean)."""
     stages = len(STAGES) - (settings.backend == "onnx")  # an ONNX-only compile writes no TensorRT-LLM checkpoints
     with shown(show_progress), bar(stages, "", "stage") as stage_bar:
-        return _compile(settings, _Stages(stage_bar), show_progress)
+        return _compile(settings, _Stages(stage_bar))
 
 
 # Tokens the draft's steps graph drafts per call (a round of more drafts makes more calls, of fewer adds
@@ -45,7 +45,7 @@ STAGES = ("loading checkpoints", "writing engines", "measuring quantized engines
           "writing TensorRT-LLM checkpoints", "writing the bundle")
 
 
-def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool | None) -> Manifest:
+def _compile(settings: CompileSettings, stages: "_Stages") -> Manifest:
     stages.start("loading checkpoints")
     target = load_checkpoint(settings.target, "target")
     draft = load_checkpoint(settings.draft, "draft")
@@ -72,7 +72,7 @@ def _compile(settings: CompileSettings, stages: "_Stages", show_progress: bool |
         scratch.mkdir()
         stages.start("writing engines")
         engines = {role: export_engine(ckpt, role, folder, max_seq_len, numerics[role],
-                                       vocab_size=target.spec.shape.vocab_size, show_progress=show_progress,
+                                       vocab_size=target.spec.shape.vocab_size,
                                        draft_steps=_draft_steps(settings.gamma) if role == "draft" else 0)
                    for role, ckpt in checkpoints.items() if onnx}
         sampler = write_sampler(folder) if onnx else ""
