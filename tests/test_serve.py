@@ -284,6 +284,11 @@ BAD_REQUESTS = [
      "may not set 'messages'"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"max_length": 4}},
      "may not set 'max_length'"),
+    # transformers 5 (through vLLM, which passes apply_chat_template's arguments on) would then tokenize control
+    # tokens in the messages as text: ignored, the prompt was not the one asked for
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "chat_template_kwargs": {"sanitize_control_tokens": True}},
+     "may not set 'sanitize_control_tokens'"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
                           "chat_template_kwargs": {"add_generation_prompt": False}}, "the request's add_generation_prompt"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": [{}]}},
@@ -1523,6 +1528,17 @@ def test_a_chat_template_failing_on_the_messages_sent_is_a_request_error():
         template.render([{"role": "user", "content": "x"}])
 
 
+def test_a_chat_template_recursing_past_the_limit_is_a_request_error():
+    """A macro that recurses (here over a nested field, without end) raised a RecursionError, answered 500 as a
+    server bug and, in generate --chat --chat-template, an internal error (exit 3)."""
+    from specbuild_runtime import RequestError
+    from specbuild_runtime.serve.chat import ChatTemplate
+
+    template = ChatTemplate("{% macro show(x) %}{{ show(x) }}{% endmacro %}{{ show(messages[0]['content']) }}", {})
+    with pytest.raises(RequestError, match=r"the chat template failed on these messages \(RecursionError"):
+        template.render([{"role": "user", "content": "x"}])
+
+
 def test_a_template_marking_assistant_turns_for_training_renders_as_transformers_renders_it(tokenizer):
     """`{% generation %}` (transformers' AssistantTracker tag) made the template fail to compile, and serve
     refused to start on the bundle."""
@@ -1551,6 +1567,84 @@ def test_a_template_that_loops_over_content_parts_gets_them_as_transformers_pass
              {"role": "assistant", "content": "ok"}, {"role": "user", "content": [{"type": "text", "text": "and"}]}]
     expected = tokenizer.apply_chat_template(turns, chat_template=source, tokenize=False, add_generation_prompt=True)
     assert ChatTemplate(source, {}).render(turns) == expected
+
+
+# Released models' chat templates (Qwen3's, Llama 3.1's), as their tokenizer_config.json ship them.
+CHAT_TEMPLATES = Path(__file__).parent / "chat_templates"
+
+
+def transformers_and_ours(tokenizer, template: str, messages: list[dict], **options) -> tuple[list[int], list[int]]:
+    """The prompt's ids as transformers' apply_chat_template gives them, and as serve's rendering does."""
+    from specbuild_runtime.serve.chat import ChatTemplate
+
+    source = (CHAT_TEMPLATES / template).read_text()
+    expected = tokenizer.apply_chat_template(messages, chat_template=source, tokenize=True, return_dict=False, **options)
+    ours = ChatTemplate(source, tokenizer.special_tokens_map).prompt_ids(tokenizer.backend_tokenizer, messages, **options)
+    return expected, ours
+
+
+def test_fields_sent_null_reach_the_template_as_absent_as_transformers_passes_them(tokenizer):
+    """A client replaying the assistant turn it was answered sends "tool_calls": null; Llama 3.1's template tests
+    `'tool_calls' in message`, took the turn for a tool call, and the request got a 400 (NoneType has no len())."""
+    turns = [{"role": "user", "content": "Write fib", "name": None},
+             {"role": "assistant", "content": "def fib(n):", "tool_calls": None, "refusal": None},
+             {"role": "user", "content": "Faster"}]
+    expected, ours = transformers_and_ours(tokenizer, "llama3.1.jinja", turns, add_generation_prompt=True)
+    assert ours == expected
+
+
+def test_an_empty_tool_calls_list_renders_as_a_turn_without_calls_as_vllm_passes_it(tokenizer):
+    """vLLM answers every turn with "tool_calls": [], which clients replay; Llama 3.1's template took such a turn
+    for a tool call and refused it ("only supports single tool-calls"): vLLM leaves the empty list out."""
+    from specbuild_runtime.serve.chat import ChatTemplate
+
+    turns = [{"role": "user", "content": "Write fib"}, {"role": "assistant", "content": "def fib(n):"},
+             {"role": "user", "content": "Faster"}]
+    expected, _ = transformers_and_ours(tokenizer, "llama3.1.jinja", turns, add_generation_prompt=True)
+    replayed = [turns[0], {**turns[1], "tool_calls": []}, turns[2]]
+    ours = ChatTemplate((CHAT_TEMPLATES / "llama3.1.jinja").read_text(), tokenizer.special_tokens_map)
+    assert ours.prompt_ids(tokenizer.backend_tokenizer, replayed) == expected
+
+
+@pytest.mark.parametrize("field", ["reasoning", "thinking"])
+def test_a_turns_reasoning_under_another_name_renders_as_transformers_renders_it(field, tokenizer):
+    """vLLM answers a turn's reasoning as "reasoning", which clients send back; Qwen3's template reads
+    "reasoning_content" and showed an empty think block where transformers (which copies it there) shows it."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}
+    turns = [{"role": "user", "content": "2+2?"},
+             {"role": "assistant", "content": "", field: "Add them.", "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "4"}]
+    expected, ours = transformers_and_ours(tokenizer, "qwen3.jinja", turns, add_generation_prompt=True)
+    assert ours == expected and "Add them." in tokenizer.decode(expected)
+
+
+def test_an_assistant_turn_without_content_renders_as_transformers_renders_it(tokenizer):
+    """OpenAI's assistant messages may leave out 'content' (a turn that only called tools), as vLLM takes them;
+    such a conversation got a 400 ("has no 'content'")."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}
+    turns = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "4"}]
+    for template in ("qwen3.jinja", "llama3.1.jinja"):
+        expected, ours = transformers_and_ours(tokenizer, template, turns, add_generation_prompt=True)
+        assert ours == expected, template
+
+
+def test_tool_call_arguments_sent_as_json_text_render_as_the_object_they_spell(tokenizer):
+    """OpenAI clients send a call's arguments as JSON text; Llama 3.1's template (`arguments | tojson`) showed them
+    as a quoted string, "parameters": "{\\"a\\": 2}", where vLLM parses them first and the model was trained on
+    the object: the prompt is transformers' for the conversation with the arguments as objects."""
+    def turns(arguments):
+        call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": arguments}}
+        return [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "4"}]
+
+    expected, _ = transformers_and_ours(tokenizer, "llama3.1.jinja", turns({"a": 2, "b": 2}), add_generation_prompt=True)
+    _, ours = transformers_and_ours(tokenizer, "llama3.1.jinja", turns('{"a": 2, "b": 2}'), add_generation_prompt=True)
+    assert ours == expected
+    # DeepSeek-R1's joins them to its text as the model writes them, and fails on the object: it gets them as sent
+    expected, ours = transformers_and_ours(tokenizer, "deepseek-r1.jinja", turns('{"a": 2, "b": 2}'),
+                                           add_generation_prompt=True)
+    assert ours == expected
 
 
 def test_an_api_key_guards_the_v1_routes_and_leaves_health_and_metrics_open(bundle):

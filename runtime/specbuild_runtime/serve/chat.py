@@ -30,6 +30,8 @@ TEMPLATE_CHARACTERS = "{}\n"
 # continue_final_message as transformers' apply_chat_template does it: this after the last message's text, the
 # chat rendered, then cut where it shows (so the cut falls at that message, not at an earlier copy of its text).
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+# The names a message's reasoning comes under, the first given first (transformers' order)
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 MAX_TEMPLATE_BYTES = 1 << 20  # the largest templates shipped are tens of KB; more is the wrong file (or /dev/zero)
 
 
@@ -61,7 +63,24 @@ class ChatTemplate:
         are more for the template (Qwen3's enable_thinking)."""
         if not isinstance(messages, list) or not messages:
             raise RequestError("'messages' must be a non-empty list of {'role': ..., 'content': ...} objects")
-        messages = [_message(m, i, self.takes_parts) for i, m in enumerate(messages)]
+        messages = [_reasoning_aliased(_message(m, i, self.takes_parts)) for i, m in enumerate(messages)]
+        parsed = [_arguments_parsed(m) for m in messages]
+        try:
+            return self._render(parsed, add_generation_prompt, continue_final_message, variables)
+        except RequestError as exc:
+            if parsed == messages:
+                raise
+            first = exc
+        # DeepSeek's templates (R1's, V3's) join a call's arguments to their text as the model writes them, JSON
+        # text, and fail on the object: they get the calls as sent (vLLM answers them 400).
+        try:
+            return self._render(messages, add_generation_prompt, continue_final_message, variables)
+        except RequestError:
+            raise first from None
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+                variables: dict | None) -> str:
+        messages = list(messages)
         if continue_final_message:
             if "content" not in self.source:  # transformers' test, on the template's text
                 raise RequestError("continue_final_message: the chat template never shows a message's 'content', "
@@ -73,9 +92,10 @@ class ChatTemplate:
             text = self.template.render(context)
         except jinja2.TemplateError as exc:  # the template's own raise_exception, e.g. roles must alternate
             raise RequestError(f"the chat template rejected the messages: {exc}") from None
-        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as exc:
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
             # The template's expressions over what the request sent (arithmetic on a field, an index past a
-            # list): the bundle's data failing on these messages, not a server bug.
+            # list, a macro that recurses over a nested field): the bundle's data failing on these messages, not a
+            # server bug.
             raise RequestError(f"the chat template failed on these messages ({type(exc).__name__}: "
                                f"{first_line(exc)}); send the fields it expects") from None
         if continue_final_message:
@@ -238,21 +258,64 @@ def _message(message, index: int, takes_parts: bool = False) -> dict:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise RequestError(f"messages[{index}] must be an object with a string 'role'")
     utf8(f"messages[{index}].role", message["role"])
-    if "content" not in message:
+    if "content" not in message and message["role"] != "assistant":  # OpenAI's may leave it out (tool calls alone)
         raise RequestError(f"messages[{index}] has no 'content'")
-    content = message["content"]
+    content = message.get("content")
     if isinstance(content, list):  # content parts: text only
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise RequestError(f"messages[{index}].content: only text parts are supported ({{'type': 'text', 'text': ...}})")
         if takes_parts:  # as transformers passes them (and vLLM, to such a template): the template joins them
-            return {**message, "content": [{"type": "text", "text": p["text"]} for p in content]}
+            return {**_present(message), "content": [{"type": "text", "text": p["text"]} for p in content]}
         content = "\n".join(p["text"] for p in content)  # as vLLM joins them for a template that takes a string
-    elif content is None:  # OpenAI allows it (an assistant turn that only called tools): no text
+    elif content is None:  # OpenAI allows it, or its absence (an assistant turn that only called tools): no text
         content = ""
     elif not isinstance(content, str):
         raise RequestError(f"messages[{index}].content must be a string or a list of text parts")
     utf8(f"messages[{index}].content", content)  # JSON can carry lone surrogates ("\ud800"), which no tokenizer takes
-    return {**message, "content": content}
+    return {**_present(message), "content": content}
+
+
+def _present(message: dict) -> dict:
+    """The message without the fields sent null, as transformers' apply_chat_template and vLLM pass it, and
+    without an empty "tool_calls", as vLLM passes it: templates test for a field's presence (Llama 3.1's and
+    DeepSeek-R1's `'tool_calls' in message`, and Llama 3.1's then refuses any count of calls but one), and a client
+    replaying an assistant turn as it was answered sends "tool_calls": null (OpenAI's) or [] (vLLM's)."""
+    return {name: value for name, value in message.items()
+            if value is not None and not (name == "tool_calls" and value == [])}
+
+
+def _arguments_parsed(message: dict) -> dict:
+    """An assistant turn's tool calls as vLLM passes them to the template: OpenAI sends each call's arguments as
+    JSON text, which templates (Llama 3.1's `arguments | tojson`, Mistral's, Qwen3-Coder's `arguments | items`)
+    take as an object, and would otherwise show as a quoted string; no arguments are {}. Text that is no JSON
+    stays text (vLLM answers it 400), for the templates that show it as it is (Qwen3's)."""
+    calls = message.get("tool_calls")
+    if message["role"] != "assistant" or not isinstance(calls, list):
+        return message
+    return {**message, "tool_calls": [_call_parsed(call) for call in calls]}
+
+
+def _call_parsed(call):
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):  # not OpenAI's shape: the template's to read as it does
+        return call
+    arguments = function.get("arguments")
+    if not arguments:
+        arguments = {}
+    elif isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            pass
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def _reasoning_aliased(message: dict) -> dict:
+    """The message with its reasoning under each name templates read it by, as transformers' apply_chat_template
+    copies it: a client sends it as vLLM answered it ("reasoning"), Qwen3's template reads "reasoning_content" and
+    gpt-oss's "thinking"; a template would otherwise drop the reasoning of the turns it shows it for."""
+    reasoning = next((message[name] for name in REASONING_FIELDS if message.get(name) is not None), None)
+    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def _token_text(token) -> str:

@@ -47,7 +47,7 @@ RENDER_ARGUMENTS = {
     "messages": "send the conversation as 'messages'",
     "conversation": "send the conversation as 'messages'",
     **dict.fromkeys(("padding", "truncation", "max_length", "return_tensors", "return_dict",
-                     "return_assistant_tokens_mask", "tokenizer_kwargs"),
+                     "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"),
                     "it is an argument of transformers' tokenization, not a template variable, and this server does "
                     "not take it"),
 }
