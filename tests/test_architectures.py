@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from conftest import PROMPTS
+from conftest import PROMPTS, make_checkpoint
 from specbuild.compile import compile_bundle
 from specbuild.compile.load import ARCHITECTURES, load_checkpoint
 from specbuild.errors import UnsupportedModelError
@@ -103,3 +103,42 @@ def test_tensors_transformers_ignores_are_ignored_too(checkpoints, tokenizer, tm
     for prompt in PROMPTS[:2]:
         ids = tokenizer(prompt)["input_ids"]
         assert decoder.generate(ids, 16, 4).token_ids == transformers_greedy(model, ids, 16, [])
+
+
+LONGROPE = dict(rope_type="longrope", short_factor=[1.0 + 0.1 * i for i in range(8)],
+                long_factor=[2.0 + 0.5 * i for i in range(8)], original_max_position_embeddings=16)
+
+
+@pytest.mark.parametrize("family,settings", [
+    ("phi3", {}),  # Phi-3 recomputes its cache with the long factors when generation crosses the length
+    ("llama", {"rope_scaling": LONGROPE}),  # Llama keeps the keys it cached with the short ones
+])
+def test_a_longrope_target_longer_than_its_original_length_is_refused_before_anything_is_written(
+        family, settings, checkpoints, tokenizer, tmp_path):
+    """transformers picks the short or long factors by the sequence's length, which one rotary table indexed by
+    position cannot follow: with the long factors throughout, such a bundle decoded other tokens than
+    transformers for every prompt of up to 16 tokens."""
+    target = make_checkpoint(tmp_path / "target", family, tokenizer, original_max_position_embeddings=16, **settings)
+    out = tmp_path / "b"
+    with pytest.raises(UnsupportedModelError, match="LongRoPE original_max_position_embeddings \\(16\\)") as caught:
+        compile_bundle(CompileSettings(target=target, draft=checkpoints(family, seed=1), output=out, max_seq_len=17),
+                       show_progress=False)
+    assert "--max-seq-len (or a recipe's max_seq_len) of 16 or less" in str(caught.value) and "\n" not in str(caught.value)
+    assert not out.exists() and sorted(tmp_path.iterdir()) == [target]
+
+
+def test_a_longrope_target_decodes_like_transformers_to_its_default_context_its_original_length(
+        checkpoints, tokenizer, tmp_path):
+    """The default context stops at the original length, where the short factors hold throughout. A draft may
+    pass its own (its rotation only changes which drafts are proposed)."""
+    target = checkpoints("phi3", original_max_position_embeddings=16)
+    draft = checkpoints("phi3", seed=1, original_max_position_embeddings=8)
+    compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b"), show_progress=False)
+    decoder, model = SpeculativeDecoder(tmp_path / "b"), load_reference(target)
+    assert decoder.max_seq_len == 16
+    decoder.eos_token_ids = set()
+    for prompt in (PROMPTS[1], PROMPTS[3]):  # 8 tokens and 1
+        ids = tokenizer(prompt)["input_ids"]
+        expected = transformers_greedy(model, ids, 17 - len(ids), [])  # to the end of the context
+        for gamma in (0, 4):
+            assert decoder.generate(ids, 64, gamma).token_ids == expected, (gamma, prompt)

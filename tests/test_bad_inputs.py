@@ -108,6 +108,13 @@ def a_weight_beyond_fp16(folder: Path) -> None:
     save_file(tensors, weights, metadata={"format": "pt"})
 
 
+def a_longrope_target(paths: dict) -> None:
+    """A Phi-3 target whose LongRoPE original length (16) is below the case's --max-seq-len 64."""
+    from conftest import make_checkpoint, make_tokenizer
+
+    paths["target"] = make_checkpoint(Path(paths["tmp"]) / "phi3", "phi3", make_tokenizer(), original_max_position_embeddings=16)
+
+
 def gemma_with_biases(paths: dict) -> None:
     """A target whose attention biases transformers reads and specbuild's Gemma graph does not."""
     from conftest import make_checkpoint, make_tokenizer
@@ -282,6 +289,9 @@ CASES = [
          "context holds 3 tokens", "Give a `--max-seq-len` above `--gamma` (contexts are hundreds of tokens or more)."),
     Case("`--max-seq-len` beyond the model's positions", compile_args("{tmp}/bundle", "--max-seq-len", "4096"), 1,
          "max_position_embeddings", "Use the largest length the message names, or less."),
+    Case("`--max-seq-len` beyond a LongRoPE target's original length (Phi-3 128k past 4096)", compile_args(), 1,
+         "LongRoPE original_max_position_embeddings", "Use the length the message names, or less (the default stops there).",
+         setup=a_longrope_target),
     Case("`--backend tensorrt-llm` (or `all`) with a context too short for the measuring prompts",
          compile_args("{tmp}/bundle", "--backend", "tensorrt-llm", "--max-seq-len", "32"), 0, "",
          "Nothing: the plans' draft length is then the bundle's max gamma (α not measured), as `inspect` says."),

@@ -520,7 +520,8 @@ def _rope_model_spec(config, architecture: str, family: str, path: Path, role: s
 
 
 def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
-    """UnsupportedModelError unless the model's positions reach max_seq_len."""
+    """UnsupportedModelError unless the model's positions reach max_seq_len, and, for the target, unless its engine
+    decodes as transformers does at every length up to max_seq_len (see longrope_length)."""
     spec = ckpt.spec
     if max_seq_len > spec.max_position_embeddings:
         raise UnsupportedModelError(
@@ -528,6 +529,32 @@ def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
             f"({spec.max_position_embeddings}); give --max-seq-len (or a recipe's max_seq_len) of "
             f"{spec.max_position_embeddings} or less"
         )
+    original = longrope_length(ckpt.config)
+    # The draft's rotation only changes which drafts are proposed, never the output.
+    if role == "target" and original is not None and max_seq_len > original:
+        raise UnsupportedModelError(
+            f"max_seq_len {max_seq_len} exceeds the target's LongRoPE original_max_position_embeddings ({original}): "
+            "transformers rotates a sequence up to that length with the short factors and a longer one with the long "
+            "factors (Phi-3 recomputes the whole cache when generation crosses it), which one rotary table cannot "
+            f"reproduce, so the bundle would decode other tokens; give --max-seq-len (or a recipe's max_seq_len) of "
+            f"{original} or less"
+        )
+
+
+def longrope_length(config) -> int | None:
+    """The original_max_position_embeddings of a LongRoPE model, None for other ropes.
+
+    transformers picks LongRoPE's factors per forward call by the sequence's length: short up to this length,
+    long past it. A bundle's rotary table is indexed by position alone (so that speculation cannot change the
+    output): with the long factors throughout, a bundle longer than this decoded other tokens than transformers
+    for every prompt of up to this length."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    per_type = rope and all(isinstance(v, dict) for v in rope.values())  # Gemma 3: one set per layer type
+    for params in rope.values() if per_type else [rope]:
+        if params.get("rope_type", params.get("type")) == "longrope":
+            # transformers 4 keeps Phi-3's in the config itself (without one, the original length is max_position_embeddings)
+            return params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+    return None
 
 
 def validate_pair(target: Checkpoint, draft: Checkpoint) -> None:

@@ -26,7 +26,8 @@ from . import tensorrt_llm
 from .bundle import staged_bundle, write_manifest
 from .export import export_engine, write_sampler
 from .graphs import check_every_tensor_used
-from .load import Checkpoint, check_context, eos_token_ids, load_checkpoint, sampling_defaults, validate_pair
+from .load import (Checkpoint, check_context, eos_token_ids, load_checkpoint, longrope_length, sampling_defaults,
+                   validate_pair)
 from .precision import DEFAULT_ACCURACY_LEVEL, Numerics
 from .quality import measure_quality, quality_texts
 
@@ -212,7 +213,9 @@ def check_sampler(path: Path, vocab: int) -> None:
 
 
 def _max_seq_len(settings: CompileSettings, target: Checkpoint) -> int:
-    max_seq_len = settings.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, target.spec.max_position_embeddings)
+    # A LongRoPE target's default stops at its original length too (check_context says why).
+    longest = min(target.spec.max_position_embeddings, longrope_length(target.config) or target.spec.max_position_embeddings)
+    max_seq_len = settings.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, longest)
     if settings.gamma >= max_seq_len:  # a round of γ drafts and the target's token must fit in the context
         raise SettingsError(f"gamma {settings.gamma} drafts a round but the context holds {max_seq_len} tokens; "
                             f"give a max_seq_len above {settings.gamma}, or a smaller gamma")

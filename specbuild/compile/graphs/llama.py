@@ -65,8 +65,8 @@ def _rotary(g: GraphBuilder, spec: ModelSpec, max_seq_len: int) -> tuple[ir.Valu
     original_max_position_embeddings. The table depends on position only, never on how rows are grouped
     into calls (which the exactness of speculation needs), so a bundle whose max_seq_len is within the
     original length uses the short factors throughout, exactly as transformers decodes there; a longer
-    one uses the long factors throughout, as transformers does for a prompt that long (transformers
-    switches mid-sequence when decoding past the boundary, keeping the keys it cached with the short ones).
+    one, a draft's (a target's is refused: load.check_context), uses the long factors throughout, as
+    transformers does for a prompt that long.
     """
     module = rotary_module(spec.architecture, g.ckpt.config)
     return rotary_tables(g, ["all"], spec.rotary_dim, max_seq_len, lambda: rope(module, max_seq_len, g.numerics.dtype))
