@@ -367,6 +367,17 @@ def test_another_model_name_is_404_and_models_lists_ours(server):
     assert httpx.get(f"{server}/v1/models/gpt-4").status_code == 404
 
 
+def test_a_client_whose_base_url_lacks_v1_is_told_where_the_api_is(server):
+    """Starlette's 404 said "Not Found" whatever the path, and its 405 "Method Not Allowed": a client configured
+    without /v1 (the usual slip) could not tell a wrong address from a wrong server."""
+    with pytest.raises(openai.NotFoundError, match=r"POST /completions is not served here; the API is under /v1"):
+        openai.OpenAI(base_url=server, api_key="unused", max_retries=0).completions.create(model=MODEL, prompt="x")
+    elsewhere = httpx.post(f"{server}/v1/embeddings", json={"input": "x"}).json()["error"]
+    assert elsewhere["message"].startswith("POST /v1/embeddings is not served here; this server serves POST /v1/completions")
+    wrong_method = httpx.get(f"{server}/v1/completions").json()["error"]
+    assert wrong_method["message"] == "GET is not allowed on /v1/completions: send POST"
+
+
 def metric_values(url: str) -> dict:
     text = httpx.get(f"{url}/metrics").text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
@@ -377,6 +388,45 @@ def test_a_wrong_method_is_405_naming_the_allowed_one(server):
     """Starlette's 405 carries an Allow header (which HTTP requires); the OpenAI-shaped error body dropped it."""
     reply = httpx.get(f"{server}/v1/chat/completions")
     assert reply.status_code == 405 and reply.headers.get("Allow") == "POST" and "error" in reply.json()
+
+
+def exchange(url: str, request: bytes) -> tuple[str, dict, bytes]:
+    """Bytes written on a bare socket, and the reply read until the server closes: (status line, headers, body)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as connection:
+        connection.sendall(request)
+        reply = b"".join(iter(lambda: connection.recv(65536), b""))
+    head, _, body = reply.partition(b"\r\n\r\n")
+    status, *lines = head.decode("latin-1").split("\r\n")
+    return status, {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}, body
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nNo colon here\r\n\r\n",
+], ids=["content-length", "chunk", "header"])
+def test_a_request_the_http_parser_cannot_read_is_an_openai_shaped_400(server, request_bytes):
+    """uvicorn's parser (h11, or httptools where installed) answers these before the app, in text/plain: an OpenAI
+    client could not read the error."""
+    status, headers, body = exchange(server, request_bytes)
+    assert status.startswith("HTTP/1.1 400") and headers["content-type"] == "application/json"
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and "not valid HTTP/1.1" in error["message"]
+
+
+def test_a_malformed_body_arriving_after_its_response_logs_no_traceback(bundle, caplog):
+    """The 404 goes out before the body is read; its bad chunk then came after a whole response, where uvicorn's h11
+    protocol raised answering it (asyncio logged "Fatal error: protocol.data_received() call failed" and the
+    traceback), a line any client could add to the log."""
+    with in_process(bundle) as (url, _, _):
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=60) as connection:
+            connection.sendall(b"POST /v1/nope HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+            assert connection.recv(65536).startswith(b"HTTP/1.1 404")  # the response has begun
+            connection.sendall(b"zz\r\n{}\r\n0\r\n\r\n")
+            b"".join(iter(lambda: connection.recv(65536), b""))  # until the server closes the connection
+    assert not [record for record in caplog.records if record.exc_info], caplog.text
 
 
 def test_metrics_count_requests_tokens_and_acceptance(server, client):
@@ -1539,6 +1589,25 @@ def test_a_chat_template_recursing_past_the_limit_is_a_request_error():
         template.render([{"role": "user", "content": "x"}])
 
 
+PARTS = "{% for m in messages %}<{{ m['role'] }}>{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize("source, last", [
+    ("{% for m in messages %}<{{ m['role'] }}>{% endfor %}", "def f"),
+    ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'][:3] }}{% endfor %}", "def f"),
+    (PARTS, []),
+], ids=["unread", "cut", "no-text"])
+def test_a_final_message_that_cannot_be_continued_is_an_error_naming_continue_final_message(source, last):
+    """The server's 400 takes its param from the error (it told this one from a messages error by its text)."""
+    from specbuild_runtime.serve.chat import ChatRequestError, ChatTemplate
+
+    messages = [{"role": "user", "content": "x" if isinstance(last, str) else [{"type": "text", "text": "x"}]},
+                {"role": "assistant", "content": last}]
+    with pytest.raises(ChatRequestError, match="^continue_final_message: ") as raised:
+        ChatTemplate(source, {}).render(messages, add_generation_prompt=False, continue_final_message=True)
+    assert raised.value.param == "continue_final_message"
+
+
 def test_a_template_marking_assistant_turns_for_training_renders_as_transformers_renders_it(tokenizer):
     """`{% generation %}` (transformers' AssistantTracker tag) made the template fail to compile, and serve
     refused to start on the bundle."""
@@ -1706,11 +1775,34 @@ def test_a_browser_preflight_from_an_allowed_origin_gets_cors_headers_and_anothe
         assert "x-should-retry" in refused.headers["access-control-expose-headers"]  # its openai client obeys a 504's
 
 
+def test_a_refused_browser_preflight_is_an_openai_shaped_400_naming_what_is_not_allowed(bundle):
+    """Starlette's CORS refuses a preflight in text/plain ("Disallowed CORS origin")."""
+    page = "http://localhost:3000"
+    with in_process(bundle, allowed_origins=(page,)) as (url, decoder, _):
+        decoder.go.set()
+        for origin, method, refused in [("https://elsewhere.example", "POST", "origin"), (page, "PUT", "method")]:
+            reply = httpx.options(f"{url}/v1/completions", headers={"Origin": origin, "Access-Control-Request-Method": method})
+            assert reply.status_code == 400 and reply.headers["content-type"] == "application/json"
+            error = reply.json()["error"]
+            assert error["type"] == "invalid_request_error" and f"refused ({refused} not allowed)" in error["message"]
+
+
 def test_without_allowed_origins_no_web_page_may_call_the_api(server):
     """The default: a loopback server without a key is guarded by its address alone, which a page in a browser on
     the same machine passes."""
     preflight = httpx.options(f"{server}/v1/chat/completions", headers={"Origin": "https://elsewhere.example", **PREFLIGHT})
     assert "access-control-allow-origin" not in preflight.headers
+
+
+@pytest.mark.parametrize("ours, vllms, value", [("--model-name", "--served-model-name", "demo"),
+                                                ("--parallel", "--max-num-seqs", "4")])
+def test_vllms_spellings_of_serve_options_are_read_as_ours_and_shown_in_the_help(ours, vllms, value, tmp_path):
+    """An operator's vLLM command line (--served-model-name, --max-num-seqs) was a usage error (parsed only here)."""
+    from specbuild_runtime.serve.cli import serve_command
+
+    context = serve_command.make_context("serve", [str(tmp_path), vllms, value])
+    assert context.params == serve_command.make_context("serve", [str(tmp_path), ours, value]).params
+    assert f"{ours}, {vllms}" in serve_command.get_help(context)
 
 
 @pytest.mark.parametrize("given", [["http://localhost:3000", "*"], ['["http://localhost:3000", "*"]']],

@@ -26,13 +26,13 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Match, Route
 
 from ..errors import DeviceError, RequestError
 from ..manifest import TOKENIZER_DIR
 from ..validation import Request
 from . import protocol
-from .chat import SuppliedTemplate, load_chat_template
+from .chat import ChatRequestError, SuppliedTemplate, load_chat_template
 from .metrics import Metrics
 from .protocol import CHAT, COMPLETIONS, ApiError, Reply, sse
 from .scheduler import Job, Overloaded, Scheduler, Stopped, Unavailable
@@ -92,7 +92,7 @@ class Server:
         if self.settings.allowed_origins:  # outside the key check: a preflight carries no key, and a page reads a 401
             # Any request header: the openai JS client sends Authorization and its own x-stainless-* ones. Retry-After
             # and x-should-retry exposed, or a page's openai client could not see them and would resend a 504 twice.
-            middleware.append(Middleware(CORSMiddleware, allow_origins=self.settings.allowed_origins,
+            middleware.append(Middleware(Cors, allow_origins=self.settings.allowed_origins,
                                          allow_methods=("GET", "POST"), allow_headers=("*",),
                                          expose_headers=(*RETRY_AFTER, *NO_RETRY)))
         if self.settings.api_key:
@@ -103,6 +103,9 @@ class Server:
         """uvicorn serving this app until SIGTERM/SIGINT (or `should_exit`), then draining (see Uvicorn)."""
         config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
                                 http=_refusing_beyond(AutoHTTPProtocol, self.settings.max_connections),
+                                # no WebSocket routes: with `websockets` installed (uvicorn[standard]) an upgrade got an
+                                # empty text/plain 403 from uvicorn, where a plain request gets the JSON 404
+                                ws="none",
                                 # uvicorn counts the newcomer too: max_connections are served, the next gets 503
                                 limit_concurrency=self.settings.max_connections + 1,
                                 timeout_graceful_shutdown=self.settings.shutdown_timeout + 5)  # a backstop: drain cuts first
@@ -221,9 +224,8 @@ class Server:
                                     "was started without --chat-template: use /v1/completions with a prompt", "messages")
             try:
                 prompt = self.chat_template.prompt_ids(decoder.tokenizer, request.messages, **request.chat)
-            except RequestError as exc:
-                param = "continue_final_message" if str(exc).startswith("continue_final_message") else "messages"
-                raise ApiError(400, str(exc), param) from None
+            except RequestError as exc:  # the rest (a message's shape, the template's refusal, its text) are the messages'
+                raise ApiError(400, str(exc), exc.param if isinstance(exc, ChatRequestError) else "messages") from None
         max_tokens = request.max_tokens
         if max_tokens is None:  # until the context is full (the last token needs no room in the cache)
             max_tokens = max(1, decoder.max_seq_len - len(prompt) + 1)
@@ -296,6 +298,21 @@ class Server:
         return JSONResponse(error.body(), error.status, headers=error.headers)
 
 
+class Cors(CORSMiddleware):
+    """Starlette's CORS, whose refusal of a preflight (an origin, method or private-network request not allowed) is
+    a text/plain 400: the same refusal, with the same CORS headers, OpenAI-shaped as every other error."""
+
+    def preflight_response(self, request_headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code != 400:
+            return response
+        refused = bytes(response.body).decode().removeprefix("Disallowed CORS ")
+        error = ApiError(400, f"the CORS preflight is refused ({refused} not allowed): the server's --allowed-origins "
+                              "names the pages that may call it, with GET or POST")
+        headers = {name: value for name, value in response.headers.items() if name not in ("content-length", "content-type")}
+        return JSONResponse(error.body(), 400, headers=headers)
+
+
 class RequireApiKey:
     """401 for a /v1 request without "Authorization: Bearer KEY", as vLLM's --api-key answers it; /health and
     /metrics stay open to probes and scrapers."""
@@ -359,6 +376,9 @@ class Uvicorn(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+UNREADABLE = json.dumps(ApiError(400, "the request is not valid HTTP/1.1: its request line, a header, its "
+                                      "Content-Length or a chunk of its body is malformed").body()).encode()
+
 # How long a connection beyond --max-connections stays open after its 503, for a client that does not close it.
 REFUSED_LINGER = 1.0  # seconds
 
@@ -367,7 +387,8 @@ def _refusing_beyond(http_protocol: type, max_connections: int) -> type:
     """uvicorn's HTTP protocol, which answers 503 to a connection beyond max_connections only once it sends a request,
     and holds it open until then: idle connections past the limit each kept a file, until the process had none left
     (every accept then failed, asyncio logged each try, thousands of tracebacks a second, and new clients hung).
-    Such a connection is answered at once and closed, so it holds a file for at most REFUSED_LINGER seconds."""
+    Such a connection is answered at once and closed, so it holds a file for at most REFUSED_LINGER seconds. The
+    protocol's own 400, for a request its parser cannot read, is OpenAI-shaped as the app's errors are."""
     error = ApiError(503, f"the server has {max_connections} connections open, its --max-connections; retry shortly")
     body = json.dumps(error.body()).encode()
     refusal = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
@@ -375,6 +396,17 @@ def _refusing_beyond(http_protocol: type, max_connections: int) -> type:
 
     class Protocol(http_protocol):
         refused = False
+
+        def send_400_response(self, msg: str) -> None:
+            """A request uvicorn's parser cannot read (a malformed request line, header, Content-Length or chunk) is
+            answered there, before the app: in text/plain, which an OpenAI client reports as an unreadable error.
+            The same 400, OpenAI-shaped; the connection closes after it, as uvicorn closes it. Written as bytes, as
+            uvicorn's httptools protocol writes it: its h11 one raised where the request's response had gone out
+            before its bad chunk came (a traceback in the log, from any client)."""
+            default_headers = b"".join(b"%s: %s\r\n" % header for header in self.server_state.default_headers)
+            self.transport.write(b"HTTP/1.1 400 Bad Request\r\n%scontent-type: application/json\r\ncontent-length: "
+                                 b"%d\r\nconnection: close\r\n\r\n%s" % (default_headers, len(UNREADABLE), UNREADABLE))
+            self.transport.close()
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -441,8 +473,21 @@ async def _disconnected(http: HttpRequest) -> None:
         pass
 
 
+ENDPOINTS = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health and GET /metrics"
+
+
 async def _http_error(request: HttpRequest, exc: HTTPException) -> Response:
-    return JSONResponse(ApiError(exc.status_code, exc.detail).body(), exc.status_code, headers=exc.headers)  # 405's Allow
+    # Starlette's "Not Found" and "Method Not Allowed" name neither the request nor what would do: a client whose
+    # base_url lacks /v1 (the usual slip) met "Not Found" on every call.
+    message, method, path = exc.detail, request.method, request.scope["path"]
+    if exc.status_code == 404:
+        under_v1 = any(route.matches({**request.scope, "path": "/v1" + path})[0] == Match.FULL for route in request.app.routes)
+        message = (f"{method} {path} is not served here; " +
+                   (f"the API is under /v1 ({method} /v1{path}): a client's base_url ends in /v1" if under_v1
+                    else f"this server serves {ENDPOINTS}"))
+    elif exc.status_code == 405 and exc.headers and "Allow" in exc.headers:
+        message = f"{method} is not allowed on {path}: send {exc.headers['Allow']}"
+    return JSONResponse(ApiError(exc.status_code, message).body(), exc.status_code, headers=exc.headers)  # 405's Allow
 
 
 async def _internal_error(request: HttpRequest, exc: Exception) -> Response:

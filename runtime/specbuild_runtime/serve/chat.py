@@ -35,6 +35,14 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 MAX_TEMPLATE_BYTES = 1 << 20  # the largest templates shipped are tens of KB; more is the wrong file (or /dev/zero)
 
 
+class ChatRequestError(RequestError):
+    """A RequestError about a chat request field other than the messages, named as `param` (the API error's)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class SuppliedTemplate:
     """A template given on the command line (--chat-template), rendered in place of the bundle's."""
@@ -83,8 +91,8 @@ class ChatTemplate:
         messages = list(messages)
         if continue_final_message:
             if "content" not in self.source:  # transformers' test, on the template's text
-                raise RequestError("continue_final_message: the chat template never shows a message's 'content', "
-                                   "so there is none to continue")
+                raise ChatRequestError("continue_final_message: the chat template never shows a message's 'content', "
+                                       "so there is none to continue", "continue_final_message")
             messages[-1], final = _tagged(messages[-1])
         context = {"tools": None, "documents": None, **self.special_tokens, **(variables or {}), "messages": messages,
                    "add_generation_prompt": add_generation_prompt}
@@ -116,7 +124,7 @@ def _tagged(message: dict) -> tuple[dict, str]:
     if not isinstance(content, list):
         return {**message, "content": content + CONTINUE_TAG}, content
     if not content:
-        raise RequestError("continue_final_message: the last message has no text to continue")
+        raise ChatRequestError("continue_final_message: the last message has no text to continue", "continue_final_message")
     *before, last = content
     return {**message, "content": [*before, {**last, "text": last["text"] + CONTINUE_TAG}]}, last["text"]
 
@@ -126,8 +134,9 @@ def _cut_at_tag(text: str, final: str) -> str:
     template puts after it (an end-of-turn token) is cut, and so is the message's trailing space where the
     template trimmed it (the tag then lost its own)."""
     if final.strip() not in text or CONTINUE_TAG.strip() not in text:
-        raise RequestError("continue_final_message: the last message's text does not appear in the prompt the chat "
-                           "template renders (the template changes or drops it), so it cannot be continued")
+        raise ChatRequestError("continue_final_message: the last message's text does not appear in the prompt the chat "
+                               "template renders (the template changes or drops it), so it cannot be continued",
+                               "continue_final_message")
     end = text.rindex(CONTINUE_TAG.strip())
     return text[:end] if text.startswith(CONTINUE_TAG, end) else text[:end].rstrip()
 

@@ -83,8 +83,9 @@ chat_template_option = click.option(
                    "present.")
 @cuda_graphs_option
 @draft_steps_option
-@click.option("--parallel", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Requests decoded at once (slots, each with its own KV cache); the engines are shared.")
+@click.option("--parallel", "--max-num-seqs", "parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Requests decoded at once (slots, each with its own KV cache reserved at start); the engines are "
+                   "shared. --max-num-seqs is vLLM's name for it.")
 # onnxruntime crashes (SIGSEGV) where it cannot start a pool's threads; a thousand is far above any core count.
 @click.option("--threads", type=click.IntRange(min=1, max=1024),
               help="onnxruntime threads per engine call.  [default: cores / --parallel, at least 1]")
@@ -96,8 +97,10 @@ chat_template_option = click.option(
               help="On SIGTERM, seconds in-flight requests get to finish before they are cut.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Open connections at once; more get 503 (slow or idle clients cannot exhaust the server's files).")
-@click.option("--model-name", callback=lambda ctx, param, value: _model_name(value),
-              help="The model name clients send and /v1/models lists.  [default: the bundle folder's name]")
+@click.option("--model-name", "--served-model-name", "model_name", metavar="NAME",
+              callback=lambda ctx, param, value: _model_name(value),
+              help="The model name clients send and /v1/models lists; --served-model-name is vLLM's name for it (one "
+                   "name here).  [default: the bundle folder's name]")
 @click.option("--api-key", envvar="SPECBUILD_API_KEY", callback=lambda ctx, param, value: _api_key(value),
               help="Require this key on /v1 routes ('Authorization: Bearer KEY', the openai client's api_key); "
                    "/health and /metrics stay open.  [default: $SPECBUILD_API_KEY, else none]")
