@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+import torch
 import transformers as tf
 from onnx import numpy_helper
 
@@ -136,6 +137,33 @@ def test_a_target_with_padding_rows_decodes_its_padding_tokens_exactly_past_a_sm
         sampled = [decoder.generate(ids, 24, gamma=4, temperature=1.0, seed=s).token_ids for s in range(3)]
         emitted.update(t for tokens in sampled for t in tokens)
     assert max(emitted) >= vocab, "the target never emitted a padding id: this test is hollow"
+
+
+def test_a_draft_never_proposes_a_padding_id_of_its_own_table(tokenizer, tmp_path):
+    """Target and draft tables padded alike past the tokenizer (a distilled draft of a Qwen target: 151936 rows
+    for 151669 tokens). distill trains only the tokenizer's rows, so the draft's padding rows keep whatever
+    logits they started with; here they outrank every real token (twice a real row each), as a zero row does
+    beside a draft whose logits are all negative. Each such draft was a certain rejection: α 0 for a draft
+    that, over the tokenizer's ids, is the target itself."""
+    vocab = len(tokenizer)
+    target = make_checkpoint(tmp_path / "target", "llama", tokenizer, vocab_size=2 * vocab)
+    model = tf.LlamaForCausalLM.from_pretrained(target)
+    with torch.no_grad():
+        model.lm_head.weight[vocab:] = 0  # a released target's padding rows: never its greedy choice
+    model.save_pretrained(target)
+    with torch.no_grad():
+        model.lm_head.weight[vocab:] = 2 * model.lm_head.weight[:vocab]
+    model.save_pretrained(tmp_path / "draft")
+    tokenizer.save_pretrained(tmp_path / "draft")
+    manifest = compile_bundle(CompileSettings(target=target, draft=tmp_path / "draft", output=tmp_path / "b",
+                                              max_seq_len=64), show_progress=False)
+    decoder = SpeculativeDecoder(tmp_path / "b")
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    speculative = decoder.generate(ids, 24, gamma=4)
+    assert speculative.token_ids == decoder.generate(ids, 24, gamma=0).token_ids
+    assert max(speculative.token_ids) < vocab
+    assert speculative.stats.acceptance_rate == 1.0
+    assert (manifest.engines["target"].shape.vocab_size, manifest.engines["draft"].shape.vocab_size) == (2 * vocab, vocab)
 
 
 def test_no_weight_is_read_until_the_engine_is_written_and_each_once(checkpoints):

@@ -62,7 +62,8 @@ def save(model, folder):
 def pair(tmp_path_factory):
     """A 4-layer target whose last three layers are damped, and a draft made of its first layer (plus
     its embeddings and head): they agree often but not always (α ≈ 0.56 at γ = 4, temperature 1).
-    padded: the same draft with PADDING_ROWS more embedding rows than the tokenizer has tokens."""
+    padded: the same draft with PADDING_ROWS more embedding rows than the tokenizer has tokens; "padded target"
+    the target with as many, random, so that p gives its padding ids mass (transformers samples them)."""
     root = tmp_path_factory.mktemp("sampling")
     torch.manual_seed(0)
     target = llama(4)
@@ -81,18 +82,31 @@ def pair(tmp_path_factory):
                 source = target.state_dict()[key]
                 p[: source.shape[0]] = source
         drafts[name] = draft
-    save(target, root / "target")
-    bundles = {}
-    for name, draft in drafts.items():
-        save(draft, root / name)
-        compile_bundle(CompileSettings(root / "target", root / name, root / f"bundle-{name}", max_seq_len=64),
+    padded_target = llama(4, VOCAB + PADDING_ROWS)
+    with torch.no_grad():
+        for key, p in padded_target.named_parameters():
+            p.normal_(0, 0.15)
+            p[: target.state_dict()[key].shape[0]] = target.state_dict()[key]
+    models = {"target": target, "padded target": padded_target, **drafts}
+    for name, model in models.items():
+        save(model, root / name)
+    for name, (target_name, draft_name) in BUNDLES.items():
+        compile_bundle(CompileSettings(root / target_name, root / draft_name, root / f"bundle-{name}", max_seq_len=64),
                        show_progress=False)
-        bundles[name] = root / f"bundle-{name}"
-    return {"target": target.eval(), **{n: d.eval() for n, d in drafts.items()}, "bundles": bundles}
+    return {**{n: m.eval() for n, m in models.items()}, "bundles": {name: root / f"bundle-{name}" for name in BUNDLES}}
+
+
+BUNDLES = {  # name: (target, draft)
+    "draft": ("target", "draft"),
+    "padded": ("target", "padded"),
+    # a pair padded alike (as distill pads its drafts): the draft is cut to the tokenizer's ids, so its q is
+    # zero where p is not, and the target's padding ids come from the residual alone
+    "padded pair": ("padded target", "padded"),
+}
 
 
 WRONG_RULE = "wrong acceptance rule"
-CASES = {  # name: (draft, decoding options, negative control)
+CASES = {  # name: (bundle, decoding options, negative control)
     "temperature 1, gamma 4, whole distribution": ("draft", dict(gamma=4, temperature=1.0, top_k=0, top_p=1.0), WRONG_RULE),
     "temperature 0.5, gamma 4": ("draft", dict(gamma=4, temperature=0.5), WRONG_RULE),
     "top-k 5": ("draft", dict(gamma=4, temperature=1.0, top_k=5), WRONG_RULE),
@@ -103,6 +117,7 @@ CASES = {  # name: (draft, decoding options, negative control)
     # wrong temperature, which the test must catch whatever γ auto picks.
     "auto gamma": ("draft", dict(gamma="auto", temperature=1.0), dict(temperature=1.5)),
     "padded draft vocabulary": ("padded", dict(gamma=4, temperature=1.0), WRONG_RULE),
+    "target and draft padded alike": ("padded pair", dict(gamma=4, temperature=1.0), WRONG_RULE),
 }
 
 
@@ -156,14 +171,18 @@ def martingale_chi2(observed: np.ndarray, expected: np.ndarray) -> tuple[float, 
     return float(d[:df] @ np.linalg.solve(covariance[:df, :df], d[:df])), df
 
 
-def distribution_test(pair, draft: str, samples: list[list[int]], temperature, top_k=0, top_p=1.0, **_) -> dict:
+def distribution_test(pair, bundle: str, samples: list[list[int]], temperature, top_k=0, top_p=1.0, **_) -> dict:
     """p-value of the samples against the target's distribution, and how many had probability zero."""
+    target, draft = BUNDLES[bundle]
     tokens = torch.tensor(samples)
     sequences = torch.cat([torch.tensor(PROMPT).expand(len(samples), -1), tokens], 1)
     with torch.no_grad():
-        p_logits = pair["target"](sequences).logits[:, len(PROMPT) - 1 : -1].double()
-        q_logits = pair[draft](sequences).logits[:, len(PROMPT) - 1 : -1, :VOCAB].double()
+        p_logits = pair[target](sequences).logits[:, len(PROMPT) - 1 : -1].double()
+        # the draft's engine has the tokenizer's ids alone (its padding rows cut): q is 0 past them, and it
+        # reads the target's padding ids as its last row
+        q_logits = pair[draft](sequences.clamp(max=VOCAB - 1)).logits[:, len(PROMPT) - 1 : -1, :VOCAB].double()
     p, q = transformed(p_logits, temperature, top_k, top_p), transformed(q_logits, temperature, top_k, top_p)
+    q = torch.nn.functional.pad(q, (0, p.shape[-1] - q.shape[-1]))
     category = categories(p, q)
     count = (len(RANK_BINS) + 1) * 2
     expected = torch.zeros(*p.shape[:-1], count, dtype=torch.float64).scatter_add_(-1, category, p)
@@ -219,6 +238,8 @@ def test_speculative_samples_follow_the_target_distribution_and_a_wrong_sampler_
     if options["gamma"] != "auto":
         assert 0.1 < seen["acceptance"] < 0.95 and seen["runs_accepting_a_second_draft"] > SAMPLES // 4, seen
     assert real["impossible"] == 0, "sampled tokens the reference gives probability 0"
+    if BUNDLES[draft][0] == "padded target":  # not hollow: the target's padding ids were sampled
+        assert max(map(max, samples)) >= VOCAB
     assert real["p"] > 1e-4, real
     assert control["p"] < 1e-12, control
 

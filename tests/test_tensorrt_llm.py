@@ -166,6 +166,30 @@ def test_a_draft_whose_logits_are_all_negative_never_drafts_a_row_it_lacks(token
         assert (ours.argmax(-1) == theirs.argmax(-1)).all(), tp
 
 
+def test_a_drafts_own_padding_rows_score_the_mean_logit_as_the_rows_it_lacks_do(tokenizer, tmp_path):
+    """A draft padded alike to the target (distill's drafts are): its padding rows past the tokenizer's ids
+    are rows no training reaches, here zero, beside logits all negative. TensorRT-LLM samples them as it
+    samples the rows the draft lacks; each greedy draft was a padding id. Given the mean row, the engine's
+    greedy token is the draft's own best real token."""
+    vocab = len(tokenizer)
+    folder = make_checkpoint(tmp_path / "draft", "gpt2", tokenizer, 1, tie_word_embeddings=False, vocab_size=TARGET_VOCAB)
+    model = tf.AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():  # h[0] = -0.1 after ln_f and lm_head[:, 0] += 1000: every logit ~100 lower
+        model.transformer.ln_f.weight[0], model.transformer.ln_f.bias[0] = 0.0, -0.1
+        model.lm_head.weight[:, 0] += 1000.0
+        model.lm_head.weight[vocab:] = 0.0
+    model.save_pretrained(folder)
+    ids = tokenizer(PROMPTS[5])["input_ids"]
+    theirs = transformers_logits(folder, ids)
+    assert theirs[:, :vocab].max() < 0 and (theirs.argmax(-1) >= vocab).all()
+    for tp in (1, 2):
+        out = tmp_path / f"tp{tp}"
+        tensorrt_llm.write_checkpoint(load_checkpoint(folder, "test"), out, out.parent / "scratch", tp, TARGET_VOCAB,
+                                      "fp32", "none", tokens=vocab)
+        ours = reference.logits(out, ids)
+        assert (ours.argmax(-1) == theirs[:, :vocab].argmax(-1)).all(), tp
+
+
 def test_splitting_the_fused_qkv_in_plain_chunks_fails_the_reference(pairs, tokenizer, tmp_path):
     """Rank r's qkv is [q_r; k_r; v_r], not the r-th chunk of [q; k; v] (same shape, other rows)."""
     target = pairs("llama")[0]

@@ -44,7 +44,7 @@ float type (fp32, fp16 or bf16; see EngineInfo.precision):
          present_key.{i}, present_value.{i}   the same buffers, written at positions past..total-1
 Logits and every sampling decision are computed in fp32 whatever F is. No node reduces over an empty
 tensor (a call without drafts runs on the CUDA provider too). A draft whose embedding table has padding
-rows beyond the target's vocabulary is cut to the target's V by the compiler; a smaller draft table
+rows beyond the tokenizer's ids is cut to them by the compiler (the target never is); a smaller draft table
 stays as is (its graph embeds the target's ids past it as its last row) and the runtime zero-pads its q
 to the target's V.
 """

@@ -33,33 +33,34 @@ IN_FLIGHT_BYTES = 256 << 20
 
 
 def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, numerics: Numerics,
-                  vocab_size: int | None = None, draft_steps: int = 0) -> EngineInfo:
+                  vocab_size: int | None = None, draft_steps: int = 0, tokens: int | None = None) -> EngineInfo:
     """Writes {role}.onnx (+ {role}.onnx.data with the weights), {role}.greedy.onnx, the greedy-only graph
     over the same data file, and (draft_steps > 0) {role}.steps.onnx, which drafts that many tokens in one
     call, over it too; and describes them.
 
     vocab_size: the target's; a larger table (a draft's padding rows) is cut to it, so the draft never
     proposes a token the target does not have and its q is a distribution over the shared vocabulary; a
-    smaller one embeds the target's tokens past it as its last row (graphs._embeddable).
+    smaller one embeds the target's tokens past it as its last row (graphs._embeddable). tokens: a draft's
+    only, the tokenizer's ids, to which its table is cut as well (graphs.engine_vocab).
     A bar per engine shows bytes/s and ETA (where progress shows: progress.shown).
     """
     spec = ckpt.spec
-    vocab = engine_vocab(ckpt, vocab_size)
+    vocab = engine_vocab(ckpt, vocab_size, tokens)
     file = f"{role}.onnx"
     # The checkpoint's digest reads every weight file once more: on a thread of its own it overlaps the
     # stream (hashlib and file reads release the GIL) instead of adding to it.
     with ThreadPoolExecutor(1) as pool, progress.bar(None, f"writing {role} ({numerics.precision}, {numerics.quantization})",
                                                      "B", unit_scale=True) as bar:
         digest = pool.submit(ckpt.digest)
-        model = build_decoder(ckpt, numerics, max_seq_len, vocab_size, progress=bar.update)
+        model = build_decoder(ckpt, numerics, max_seq_len, vocab_size, progress=bar.update, tokens=tokens)
         bar.total = sum(value.const_value.nbytes for value in model.graph.initializers.values()
                         if isinstance(value.const_value, ir.LazyTensor))
         gathered = _gathered_bytes(model)
         ir.save(model, folder / file, external_data=f"{file}.data", alignment=ALIGNMENT, max_workers=WORKERS,
                 max_in_flight_bytes=IN_FLIGHT_BYTES)
-    graphs = {f"{role}.greedy.onnx": build_decoder(ckpt, numerics, max_seq_len, vocab_size, sampling=False)}
+    graphs = {f"{role}.greedy.onnx": build_decoder(ckpt, numerics, max_seq_len, vocab_size, sampling=False, tokens=tokens)}
     if draft_steps:
-        graphs[f"{role}.steps.onnx"] = build_draft_steps(ckpt, numerics, max_seq_len, draft_steps, vocab_size)
+        graphs[f"{role}.steps.onnx"] = build_draft_steps(ckpt, numerics, max_seq_len, draft_steps, vocab_size, tokens)
     for name, model in graphs.items():
         _write_sharing_weights(model, folder / file, folder / name)
     for written in (file, *graphs):

@@ -99,9 +99,10 @@ def draft_agreement(target: EngineSlot, draft: EngineSlot, prompt_ids: list[list
 
 
 def measure_with_transformers(target_path: Path, draft_path: Path, prompt_ids: list[list[int]],
-                              max_seq_len: int, eos_token_ids: list[int]) -> float | None:
-    """α with transformers on CPU: the draft's argmax along the target's greedy continuation; None when
-    no prompt leaves room in the context for two new tokens."""
+                              max_seq_len: int, eos_token_ids: list[int], tokenizer_ids: int | None = None) -> float | None:
+    """α with transformers on CPU: the draft's argmax (over the tokenizer's ids, `tokenizer_ids`, as the exported draft
+    drafts) along the target's greedy continuation; None when no prompt leaves room in the context for two new
+    tokens."""
     import torch
 
     from ..reference import load_reference, transformers_greedy
@@ -117,6 +118,6 @@ def measure_with_transformers(target_path: Path, draft_path: Path, prompt_ids: l
         # the draft reads the continuation up to the first of the target's padding rows it lacks
         readable = next((i for i, t in enumerate(tokens) if t >= draft.config.vocab_size), len(tokens) - 1)
         with torch.no_grad():
-            logits = draft(torch.tensor([prompt + tokens[:readable]])).logits[0, len(prompt) - 1:]
+            logits = draft(torch.tensor([prompt + tokens[:readable]])).logits[0, len(prompt) - 1:, :tokenizer_ids]
         agree += (logits.argmax(-1) == torch.tensor(tokens[:readable + 1])).tolist()
     return sum(agree) / len(agree) if agree else None

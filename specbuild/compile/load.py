@@ -99,6 +99,10 @@ class Checkpoint:
         lm_head.weight (transformers loads it, then ties the head to the embeddings)."""
         return self.loaded - ({"lm_head.weight"} if self.spec.tie_word_embeddings else set())
 
+    def token_ids(self) -> int:
+        """How many ids its tokenizer gives (its largest + 1): embedding rows past them are padding."""
+        return max(self.tokenizer.get_vocab().values()) + 1
+
     def parameters(self) -> int:
         """The model's parameters as transformers holds them (a tied head counted once)."""
         return sum(int(np.prod(self.entries[name].shape)) for name in self.weights())

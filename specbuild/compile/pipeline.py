@@ -72,9 +72,13 @@ def _compile(settings: CompileSettings, stages: "_Stages") -> Manifest:
         scratch = scratch_folder(folder)
         scratch.mkdir()
         stages.start("writing engines")
+        # the draft is cut to the tokenizer's ids (graphs.engine_vocab); the target never is: its padding
+        # ids keep the share of p that transformers gives them
+        tokens = target.token_ids()
         engines = {role: export_engine(ckpt, role, folder, max_seq_len, numerics[role],
                                        vocab_size=target.spec.shape.vocab_size,
-                                       draft_steps=_draft_steps(settings.gamma) if role == "draft" else 0)
+                                       draft_steps=_draft_steps(settings.gamma) if role == "draft" else 0,
+                                       tokens=tokens if role == "draft" else None)
                    for role, ckpt in checkpoints.items() if onnx}
         sampler = write_sampler(folder) if onnx else ""
 

@@ -82,6 +82,7 @@ class Layout:
     head_dim: int
     intermediate: int
     vocab: int  # rows of the exported tables: the target's vocabulary, for the draft as well
+    tokens: int | None = None  # a draft's: lm_head rows past the tokenizer's ids (padding) score the mean logit
 
     @property
     def padded_vocab(self) -> int:
@@ -199,7 +200,8 @@ def export_pair(target: Checkpoint, draft: Checkpoint, folder: Path, scratch: Pa
     checkpoints = {}
     for role, ckpt in (("target", target), ("draft", draft)):
         checkpoints[role] = write_checkpoint(ckpt, folder / FOLDER / role, scratch, tp, vocab, precision,
-                                             numerics[role].quantization)
+                                             numerics[role].quantization,
+                                             target.token_ids() if role == "draft" else None)
         # the ONNX engine hashed the same source already
         checkpoints[role]["source"] = engines[role].source if role in engines else source(ckpt)
     recommended = measure_gamma(folder, engines, target, draft, checkpoints, max_seq_len, max_gamma, eos)
@@ -212,10 +214,11 @@ def export_pair(target: Checkpoint, draft: Checkpoint, folder: Path, scratch: Pa
 
 
 def write_checkpoint(ckpt: Checkpoint, out: Path, scratch: Path, tp: int, vocab: int, precision: str,
-                     quantization: str) -> dict:
-    """config.json and rank{r}.safetensors in `out`, reading the source one tensor at a time."""
+                     quantization: str, tokens: int | None = None) -> dict:
+    """config.json and rank{r}.safetensors in `out`, reading the source one tensor at a time. tokens: a
+    draft's, the tokenizer's ids (Layout.tokens)."""
     spec, shape = ckpt.spec, ckpt.spec.shape
-    layout = Layout(tp, shape.num_heads, shape.num_kv_heads, shape.head_dim, spec.intermediate_size, vocab)
+    layout = Layout(tp, shape.num_heads, shape.num_kv_heads, shape.head_dim, spec.intermediate_size, vocab, tokens)
     dtype_name, dtype = DTYPES[precision]
     config = trtllm_config(ckpt, layout, dtype_name, QUANT_ALGOS[quantization])
     out.mkdir(parents=True)
@@ -359,8 +362,11 @@ def shard(tensor: Out, layout: Layout, dtype) -> list[np.ndarray]:
     if tensor.name.endswith("vocab_embedding.weight"):
         value = rows(value, layout.vocab)  # the draft's table padded (or cut) to the target's vocabulary
     if tensor.split == VOCAB:  # the draft's missing rows score the mean of its logits (module docstring)
-        missing = len(value) < layout.vocab
-        value = rows(value, layout.vocab, tensor.value.mean(axis=0, dtype=np.float64).astype(dtype) if missing else None)
+        # so do its own padding rows, which no training reaches (distill trains the tokenizer's rows alone):
+        # TensorRT-LLM would draft them, each a certain rejection, where they outrank every real token
+        kept = min(len(value), layout.tokens or len(value))
+        fill = tensor.value[:kept].mean(axis=0, dtype=np.float64).astype(dtype) if kept < layout.vocab else None
+        value = rows(value[:kept], layout.vocab, fill)
         return np.split(rows(value, layout.padded_vocab), tp)
     if tensor.split == COLUMN:
         return np.split(value, tp, axis=0)
@@ -436,7 +442,8 @@ def measure_gamma(folder: Path, engines: dict[str, EngineInfo], target: Checkpoi
     # out), which put Qwen3-0.6B with a 2-layer draft (0.78B) over the limit.
     if alpha is None and target.parameters() + draft.parameters() <= gamma_stage.TRANSFORMERS_PARAMETER_LIMIT:
         how = "transformers on CPU"
-        alpha = gamma_stage.measure_with_transformers(target.path, draft.path, prompt_ids, max_seq_len, eos)
+        alpha = gamma_stage.measure_with_transformers(target.path, draft.path, prompt_ids, max_seq_len, eos,
+                                                      target.token_ids())
     if alpha is None:
         return gamma_stage.recommend(None, byte_ratio, max_gamma, "not measured (pair too large to decode on "
                                      "this CPU, no fp32 ONNX engines, or a context too short for the measuring "

@@ -38,16 +38,17 @@ __all__ = ["LOGITS", "build_decoder", "build_draft_steps", "build_sampler", "che
 
 def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_size: int | None = None,
                   with_logits: bool = False, progress: Callable[[int], None] = lambda nbytes: None,
-                  sampling: bool = True) -> ir.Model:
+                  sampling: bool = True, tokens: int | None = None) -> ir.Model:
     """The engine graph for one model (see specbuild_runtime.manifest for its I/O contract).
 
     vocab_size: cut the embedding table and LM head to this many rows (a draft's padding rows past the
-    target's vocabulary). with_logits adds the fp32 `logits` [D+1, V] as an output, for tests.
+    target's vocabulary). tokens: a draft's only: cut them further to the tokenizer's ids (engine_vocab).
+    with_logits adds the fp32 `logits` [D+1, V] as an output, for tests.
     sampling False: the greedy-only graph (no sampling inputs, no `probs`, no control flow), with the fp32
     `logits` [D+1, V] as an output, from which the bundle's sampler (build_sampler) samples.
     """
     spec = ckpt.spec
-    vocab = engine_vocab(ckpt, vocab_size)
+    vocab = engine_vocab(ckpt, vocab_size, tokens)
     g = GraphBuilder(f"specbuild-{spec.architecture}", ckpt, numerics, progress)
     input_ids, att = _engine_inputs(g, spec, numerics, max_seq_len)
     num_drafts = g.input("num_drafts", INT64, [])
@@ -73,7 +74,7 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
 
 
 def build_draft_steps(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, steps: int,
-                      vocab_size: int | None = None) -> ir.Model:
+                      vocab_size: int | None = None, tokens: int | None = None) -> ir.Model:
     """A draft's greedy drafting of `steps` tokens in one call (see specbuild_runtime.manifest): the
     decoder unrolled, each step fed the previous step's argmax on the device, so drafting `steps` tokens
     costs one call, not one call per token, each waiting for its token on the host. Each step computes
@@ -86,7 +87,7 @@ def build_draft_steps(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, st
     has written its keys, because its input is step j's token.
     """
     spec = ckpt.spec
-    vocab = engine_vocab(ckpt, vocab_size)
+    vocab = engine_vocab(ckpt, vocab_size, tokens)
     g = GraphBuilder(f"specbuild-{spec.architecture}-steps", ckpt, numerics)
     input_ids, att = _engine_inputs(g, spec, numerics, max_seq_len)
     # Each step's total_len is an input of its own: GroupQueryAttention reads it on the host, where an
@@ -131,10 +132,15 @@ def check_every_tensor_used(ckpt: Checkpoint, role: str, max_seq_len: int) -> No
                 "engine would compute other logits than transformers")
 
 
-def engine_vocab(ckpt: Checkpoint, vocab_size: int | None) -> int:
+def engine_vocab(ckpt: Checkpoint, vocab_size: int | None, tokens: int | None = None) -> int:
     """Rows of the engine's embedding table and LM head: the model's, cut to vocab_size (the target's) where
-    a draft has padding rows past it; a smaller table stays as it is (_embeddable)."""
-    return min(ckpt.spec.shape.vocab_size, vocab_size or ckpt.spec.shape.vocab_size)
+    a draft has padding rows past it; a smaller table stays as it is (_embeddable). tokens (a draft's only:
+    the tokenizer's ids) cuts a draft's padding rows within the target's vocabulary too: rows no training
+    reaches (distill trains the draft on the tokenizer's ids alone) keep their initial logits, which may
+    outrank every real token's, and each padding id drafted is a round's certain rejection. A draft only
+    proposes, so the cut never changes the output; the target's padding ids it then reads as its last row."""
+    rows = ckpt.spec.shape.vocab_size
+    return min(rows, vocab_size or rows, tokens or rows)
 
 
 def _embeddable(g: GraphBuilder, ids: ir.Value, vocab: int, target_vocab: int | None) -> ir.Value:
