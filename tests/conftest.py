@@ -172,6 +172,41 @@ def bundles(tmp_path_factory, checkpoints):
     return get
 
 
+def scale_head_beyond_fp16(folder):
+    """A checkpoint with its LM head scaled 3e4-fold: every weight within fp16's range (65504), its logits
+    (~5e4 a standard deviation) beyond it, as an fp16 engine of a model whose activations outgrow fp16 sees them."""
+    from safetensors.torch import load_file, save_file
+
+    weights = folder / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["lm_head.weight"] *= 3e4
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="session")
+def overflowing(tmp_path_factory, checkpoints):
+    """role -> an fp16 bundle of the llama pair whose `role` overflows fp16 in its logits."""
+    import shutil
+
+    from specbuild.compile import compile_bundle
+    from specbuild.recipe import CompileSettings
+
+    made = {}
+
+    def get(role):
+        if role not in made:
+            tmp = tmp_path_factory.mktemp(f"overflowing-{role}")
+            pair = {"target": checkpoints("llama", 0), "draft": checkpoints("llama", 1)}
+            pair[role] = scale_head_beyond_fp16(shutil.copytree(pair[role], tmp / role))
+            made[role] = tmp / "bundle"
+            compile_bundle(CompileSettings(**pair, output=made[role], max_seq_len=64, precision="fp16",
+                                           quality_report=False), show_progress=False)
+        return made[role]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def cli():
     """One process that runs `specbuild` command lines for every test that asks: cli.run(entries, cwd,

@@ -115,6 +115,17 @@ def a_longrope_target(paths: dict) -> None:
     paths["target"] = make_checkpoint(Path(paths["tmp"]) / "phi3", "phi3", make_tokenizer(), original_max_position_embeddings=16)
 
 
+def a_nan_weight(folder: Path) -> None:
+    """One NaN in a weight, as a diverged training run or a broken conversion leaves it."""
+    from safetensors.torch import load_file, save_file
+
+    weights = next(folder.glob("*.safetensors"))
+    tensors = load_file(weights)
+    name = next(name for name in tensors if "layers.0.mlp.down_proj" in name)
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
+
+
 def gemma_with_biases(paths: dict) -> None:
     """A target whose attention biases transformers reads and specbuild's Gemma graph does not."""
     from conftest import make_checkpoint, make_tokenizer
@@ -300,6 +311,9 @@ CASES = [
     Case("`--precision fp16` over a weight beyond fp16's range (65504)", compile_args("{tmp}/bundle", "--precision", "fp16"), 1,
          "beyond fp16's largest number", "Compile with `--precision bf16` (fp32's range) or fp32.",
          setup=a_copy_of("target", a_weight_beyond_fp16)),
+    Case("a checkpoint with a NaN or infinite weight", compile_args("{tmp}/bundle"), 1,
+         "holds NaN: the checkpoint is damaged", "Save or download the checkpoint again; no model is trained to hold one.",
+         setup=a_copy_of("target", a_nan_weight)),
     Case("`--block-size` or `--accuracy-level` without quantizing", compile_args("{tmp}/bundle", "--block-size", "64"), 1,
          "shape quantized engines", "Add `--quantize int4|int8` (or per engine), or leave them out."),
     Case("`compile` without `--draft` (and no recipe)", ["compile", "--target", "{target}", "-o", "{tmp}/bundle"], 2,

@@ -962,3 +962,25 @@ def test_streams_are_typed_as_the_generators_whose_close_cancels_them():
     for name, kind in (("stream", Generator), ("stream_text", Generator), ("stream_request", Generator),
                        ("astream", AsyncGenerator), ("astream_text", AsyncGenerator)):
         assert typing.get_origin(typing.get_type_hints(getattr(SpeculativeDecoder, name))["return"]) is kind, name
+
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])  # the engine graphs' own tail, or the greedy-only graphs + sampler
+@pytest.mark.parametrize("options", [dict(gamma=0), dict(gamma=4), dict(gamma="auto"),
+                                     dict(gamma=0, temperature=0.8, seed=1), dict(gamma=4, temperature=0.8, seed=1)])
+def test_a_target_whose_fp16_logits_overflow_is_one_error_not_token_0(overflowing, options, cuda_graphs):
+    from specbuild_runtime import BundleError
+
+    decoder = SpeculativeDecoder(overflowing("target"), cuda_graphs=cuda_graphs)
+    with pytest.raises(BundleError, match=r"logits hold NaN or an infinity at generated token 1: its fp16 engine "
+                                          r"overflows .* --precision bf16"):
+        decoder.generate(PROMPTS[0], 8, **options)
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_a_draft_whose_fp16_logits_overflow_leaves_the_targets_greedy_output(overflowing, cuda_graphs):
+    decoder = SpeculativeDecoder(overflowing("draft"), cuda_graphs=cuda_graphs)
+    alone = decoder.generate(PROMPTS[0], 16, gamma=0).token_ids
+    for gamma in (1, 4, "auto"):
+        assert decoder.generate(PROMPTS[0], 16, gamma=gamma).token_ids == alone
+    assert decoder.generate(PROMPTS[0], 16, gamma=4, temperature=0.8, seed=1).stats.generated_tokens == 16

@@ -8,7 +8,9 @@ from conftest import PROMPTS
 from specbuild.cli import quality_line
 from specbuild.compile import compile_bundle, quality
 from specbuild.compile.quality import _engine, quality_report
+from specbuild.compile.precision import FLOAT_TYPES, convert_into
 from specbuild.compile.quantize import QuantizedRows, quantize_rows
+from specbuild.errors import CheckpointError
 from specbuild.recipe import CompileSettings
 from specbuild_runtime import SpeculativeDecoder, load_manifest
 from specbuild_runtime.slot import AS_FED, NEVER_ALONE
@@ -111,6 +113,24 @@ def test_quantizing_slices_of_rows_gives_onnxruntimes_bits_for_the_whole_tensor(
         quantize_rows(weight[start:stop], q, packed[start:stop], scales[start:stop], zero_points[start:stop])
     for got, want in zip((packed, scales, zero_points), expected):
         assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_a_checkpoints_nan_or_infinite_weight_is_refused_in_every_float_type(precision, bad):
+    rows = np.ones((4, 64), np.float32)
+    rows[2, 7] = bad
+    with pytest.raises(CheckpointError, match="weight w holds (NaN|an infinite value): the checkpoint is damaged"):
+        convert_into(rows, np.empty(rows.shape, FLOAT_TYPES[precision]), name="weight w")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_checkpoints_nan_weight_is_refused_not_quantized(bits):
+    rows = np.ones((4, 64), np.float32)
+    rows[2, 7] = np.nan
+    q = QuantizedRows(4, 64, bits, 32)
+    with pytest.raises(CheckpointError, match="weight w holds NaN"):
+        quantize_rows(rows, q, *q.empty(), name="weight w")
 
 
 def test_quantizing_to_none_changes_nothing(bundle):

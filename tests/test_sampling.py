@@ -292,6 +292,30 @@ def draw(sampler, p: np.ndarray, u: float, top_p: float = 1.0) -> int:
     return int(sampler.run(["next_token"], inputs)[0])
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_drafts_stand_up_to_a_row_of_logits_that_is_not_finite_which_draws_no_token(bad):
+    """Logits holding NaN or +inf (an fp16 engine that overflows) made NaN probabilities, from which the inverse
+    CDF drew token 0 without a word. Drafts judged on finite rows stand (the target alone would have emitted
+    them); the first row that is not finite draws NOT_FINITE, which the runtime reports."""
+    from specbuild.compile.graphs.verification import NOT_FINITE
+
+    sampler, vocab = sampler_session(), 8
+    for row, accepted in ((2, 2), (1, 1), (0, 0)):
+        logits = np.zeros((3, vocab), np.float32)
+        logits[:, 3] = 10  # both drafts (token 3) near-certain: accepted where the row is finite
+        logits[row, 5] = bad
+        inputs = {"logits": logits, "input_ids": np.array([[1, 3, 3]], np.int64), "num_drafts": np.array(2, np.int64),
+                  "temperature": np.array(1, np.float32), "top_k": np.array(0, np.int64), "top_p": np.array(1, np.float32),
+                  "draft_probs": np.eye(2, vocab, 3, dtype=np.float32), "uniforms": np.full(3, 0.5, np.float32)}
+        assert [int(x) for x in sampler.run(["accepted", "next_token"], inputs)] == [accepted, NOT_FINITE]
+
+
+def test_a_token_whose_logit_is_minus_infinity_is_one_of_probability_0_not_an_error():
+    p = np.array([0.5, 0.0, 0.5])
+    with np.errstate(divide="ignore"):  # log 0 = -inf, the logit
+        assert [draw(sampler_session(), p, u) for u in (0.25, 0.75)] == [0, 2]
+
+
 def test_a_run_of_tokens_below_a_float32_step_of_the_running_sum_is_drawn_at_its_rate():
     """The next token is drawn by inverse CDF in vocabulary order. 40,000 tokens of p = 2.5e-8 (0.1% of the mass,
     as a large vocabulary's tail holds) after one of 0.9: each is below half a float32 step at 0.9 (3e-8), so a

@@ -1141,6 +1141,18 @@ def test_an_engine_call_the_device_fails_is_a_500_saying_so_and_the_server_goes_
     assert len(failures) == 2 and not any(record.exc_info for record in failures), caplog.text
 
 
+def test_a_target_whose_fp16_logits_overflow_is_a_500_saying_so_not_a_bug(overflowing, caplog):
+    """Logits that overflow fp16 are the bundle's failure (compile it in bf16), not specbuild's: the runtime's one
+    line, logged without a traceback, not "internal error"."""
+    body = {"prompt": PROMPTS[1], "max_tokens": 8, **GREEDY}
+    with in_process(overflowing("target")) as (url, decoder, _):
+        decoder.go.set()
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 500 and "logits hold NaN or an infinity" in reply.json()["error"]["message"], reply.text
+    failures = [record for record in caplog.records if record.name == "specbuild.serve"]
+    assert len(failures) == 1 and not failures[0].exc_info, caplog.text
+
+
 def test_connections_beyond_max_connections_get_503(bundle):
     with in_process(bundle, max_connections=1) as (url, decoder, _):
         decoder.go.set()

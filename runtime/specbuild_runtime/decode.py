@@ -452,6 +452,7 @@ class SpeculativeDecoder:
         stats.proposed_at = [0] * positions
         clock = time.perf_counter
         start = clock()
+        not_finite = self.manifest.engines["target"].not_finite_token
         # Cache lengths: the target holds ids[:-1] after each round; the draft lags and catches up.
         _, token = target.step(ids, total_len=len(ids), uniforms=uniforms(1))
         new_tokens = [token]
@@ -461,6 +462,8 @@ class SpeculativeDecoder:
         follows = dict(zip(ids, ids[1:])) if request.gamma == AUTO and sampling.greedy else None
         while True:
             for token in new_tokens:
+                if token == not_finite:  # after the drafts judged on finite rows: where the target alone stops
+                    raise self._not_finite(stats.generated_tokens + 1)
                 if follows is not None:
                     follows[ids[-1]] = token
                 ids.append(token)
@@ -484,6 +487,7 @@ class SpeculativeDecoder:
             catching_up = len(ids) - draft_len > 2
             t0 = clock()
             drafts = self._draft(slot, ids[draft_len:], len(ids), k, uniforms, sampling.greedy)
+            k = len(drafts)  # fewer where the draft's logits stopped being finite
             if drafts:
                 draft_len = len(ids) + k - 1
             # A target call never computes one row alone (see slot.Rows), so a round without drafts pays for
@@ -505,6 +509,13 @@ class SpeculativeDecoder:
             policy.observe(k, accepted, t1 - t0, t2 - t1, catching_up, held)
             stats.record_round(k, accepted, t1 - t0, t2 - t1)
 
+    def _not_finite(self, token: int) -> BundleError:
+        precision = self.manifest.engines["target"].precision
+        why = ("its fp16 engine overflows (fp16 ends at 65504); compile the target with --precision bf16 (fp32's "
+               "range) or fp32" if precision == "fp16" else
+               f"the target computes beyond {precision}'s range here; check the checkpoint with transformers")
+        return BundleError(f"the target's logits hold NaN or an infinity at generated token {token}: {why}")
+
     @staticmethod
     def _draft(slot: Slot, feed: list[int], total_len: int, k: int, uniforms, greedy: bool) -> list[int]:
         """k draft tokens; when sampling, the draft leaves their distributions in the slot's rows. Greedy,
@@ -516,6 +527,10 @@ class SpeculativeDecoder:
                 drafts += steps.step(fed, total_len + j)
             else:
                 drafts.append(slot.draft.step(fed, total_len=total_len + j, uniforms=uniforms(1), probs_row=j)[1])
+            if (bad := slot.draft.engine.info.not_finite_token) in drafts:
+                # The draft's logits hold NaN or +inf (its fp16 engine overflows): it proposes what came before.
+                # The output is the target's either way; the drafts' cache is re-fed from the round's length.
+                return drafts[:drafts.index(bad)]
         return drafts
 
 

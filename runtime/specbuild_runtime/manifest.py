@@ -38,8 +38,10 @@ float type (fp32, fp16 or bf16; see EngineInfo.precision):
          uniforms       f32 [D+1]       random numbers: D to judge the drafts, one to draw the next token
          past_key.{i}, past_value.{i}   F [1, kv_heads, max_seq_len, head_dim], the KV buffers, bound
                                         in place (the same buffers as the present outputs)
-    out  accepted       int64 []        leading drafts accepted (greedy: equal to the model's argmax)
-         next_token     int64 []        the model's token after the accepted drafts
+    out  accepted       int64 []        leading drafts accepted (greedy: equal to the model's argmax), each
+                                        judged on a row of finite logits
+         next_token     int64 []        the model's token after the accepted drafts, or not_finite_token (-1)
+                                        where the logits it is decided from hold NaN or +inf
          probs          f32 [V] / [0]   the distribution next_token was drawn from; [0] when greedy
          present_key.{i}, present_value.{i}   the same buffers, written at positions past..total-1
 Logits and every sampling decision are computed in fp32 whatever F is. No node reduces over an empty
@@ -120,6 +122,9 @@ class EngineInfo:
     # What a call reads of weight_bytes: all but the tables it only gathers rows from (an untied embedding,
     # GPT-2's positions), the bytes a memory-bound step is measured against (0 in bundles made before it).
     read_bytes: int = 0
+    # next_token where the logits hold NaN or +inf (an fp16 engine that overflows); None in bundles made before
+    # it, whose engines then decode token 0 from NaN probabilities (and an older runtime refuses the key).
+    not_finite_token: int | None = None
 
     @property
     def bytes_per_call(self) -> int:

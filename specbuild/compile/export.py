@@ -19,6 +19,7 @@ from specbuild_runtime.manifest import SAMPLER, EngineInfo
 
 from .. import progress
 from .graphs import build_decoder, build_draft_steps, build_sampler, engine_vocab
+from .graphs.verification import NOT_FINITE
 from .load import Checkpoint
 from .precision import Numerics, precision_name
 
@@ -79,6 +80,7 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
         parameters=ckpt.parameters(),
         weight_bytes=weight_bytes,
         read_bytes=weight_bytes - gathered,
+        not_finite_token=NOT_FINITE,
         source={"path": str(ckpt.path.resolve()), "sha256": digest.result()},
         source_dtype=precision_name(ckpt.float_dtype()),
     )

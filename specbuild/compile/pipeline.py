@@ -18,7 +18,7 @@ from specbuild_runtime.errors import SpecbuildError, first_line
 from specbuild_runtime.manifest import TOKENIZER_CONFIG, TOKENIZER_DIR, EngineInfo, Manifest, cache_names
 
 from .. import __version__
-from ..errors import SettingsError
+from ..errors import CheckpointError, SettingsError
 from ..progress import bar, shown, steps
 from ..staging import scratch_folder
 from ..recipe import DEFAULT_MAX_SEQ_LEN, CompileSettings
@@ -26,6 +26,7 @@ from . import tensorrt_llm
 from .bundle import staged_bundle, write_manifest
 from .export import export_engine, write_sampler
 from .graphs import check_every_tensor_used
+from .graphs.verification import NOT_FINITE
 from .load import (Checkpoint, check_context, eos_token_ids, load_checkpoint, longrope_length, sampling_defaults,
                    validate_pair)
 from .precision import DEFAULT_ACCURACY_LEVEL, Numerics
@@ -185,6 +186,10 @@ def check_engine(path: Path, info: EngineInfo, max_seq_len: int) -> None:
         raise SpecbuildError(f"the {info.role} engine {path.name} was written but fails to load or run ({first_line(exc)}); "
                              "this is a specbuild bug, please report it") from None
     tokens = outputs[0].tolist() if steps else [int(outputs[1])]
+    if NOT_FINITE in tokens:
+        raise CheckpointError(f"the {info.role} engine {path.name} computes logits that are NaN or infinite for a one-token "
+                              f"prompt: the {info.role} checkpoint's numbers overflow {info.precision}; check it with "
+                              "transformers")
     if (not steps and outputs[0] != 0) or not all(0 <= token < vocab for token in tokens):
         said = f"drafts={tokens}" if steps else f"accepted={outputs[0]}, next_token={outputs[1]}"
         raise SpecbuildError(f"the {info.role} engine {path.name} returned {said} for a one-token prefill; this is a "

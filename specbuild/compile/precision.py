@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from ..errors import UnsupportedModelError
+from ..errors import CheckpointError, UnsupportedModelError
 from ..recipe import DEFAULT_BLOCK_SIZE, setting_problem
 from specbuild_runtime.errors import SpecbuildError
 
@@ -72,11 +72,36 @@ def convert_into(rows: np.ndarray, out: np.ndarray, plus_one: bool = False, name
     precision_name(rows.dtype)  # refuses fp8 and integer tensors with a clear error
     with np.errstate(over="ignore"):  # said below, in one line
         out[...] = rows.astype(np.float32) + 1.0 if plus_one else rows
+    if all_finite(out):
+        return
+    refuse_non_finite(rows, name)
     # fp16 ends at 65504, bf16 and fp32 do not: a larger weight would be written as inf, and the engine would
     # then decode NaN logits (token 0 at every step) without a word; the cast itself warns only from fp32.
-    if out.dtype == np.float16 and np.isinf(out).any():
-        finite = np.isfinite(rows.astype(np.float32))
-        if np.isinf(out[finite]).any():
-            largest = float(np.abs(rows.astype(np.float32)[finite]).max())
-            raise UnsupportedModelError(f"{name} holds {largest:.4g}, beyond fp16's largest number (65504); compile "
-                                        "with --precision bf16 (or fp32)")
+    largest = float(np.abs(rows.astype(np.float32)).max())
+    raise UnsupportedModelError(f"{name} holds {largest:.4g}, beyond {precision_name(out.dtype)}'s largest number "
+                                f"({float(ml_dtypes.finfo(out.dtype).max):.6g}); compile with --precision bf16 (or fp32)")
+
+
+def refuse_non_finite(values: np.ndarray, name: str) -> None:
+    """CheckpointError where a stored weight holds NaN or an infinity. No model is trained to hold one (a
+    diverged run or a broken conversion wrote it), and its engine would decode NaN logits, token 0 at every
+    step, without a word; a quantized one would decode whatever the quantizer made of it."""
+    if all_finite(values):
+        return
+    what = "NaN" if np.isnan(values.astype(np.float32)).any() else "an infinite value"
+    raise CheckpointError(f"{name} holds {what}: the checkpoint is damaged; save or download it again "
+                          "(or train it again from a checkpoint without one)")
+
+
+# The exponent bits of the 16-bit float types: all set for inf and NaN only.
+EXPONENT_BITS = {np.dtype(np.float16): 0x7C00, np.dtype(ml_dtypes.bfloat16): 0x7F80}
+
+
+def all_finite(values: np.ndarray) -> bool:
+    """Whether a float array holds no NaN and no infinity. Each weight passes through here as it is written:
+    for the 16-bit types the largest exponent field is compared, ~5x faster than numpy's isfinite on them
+    (which converts each element first)."""
+    exponent = EXPONENT_BITS.get(values.dtype)
+    if exponent is None:
+        return bool(np.isfinite(values).all())
+    return values.size == 0 or int((values.view(np.uint16) & 0x7FFF).max()) < exponent

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .precision import refuse_non_finite
+
 # Rows quantized per kernel call: onnxruntime's kernel walks the [k, m] layout column by column, and ran
 # 2x faster on 2 MB slices than on 64 MB ones here (45 vs 22 M parameters/s).
 QUANTIZE_CHUNK_BYTES = 2 << 20
@@ -77,12 +79,16 @@ class QuantizedRows:
 
 
 def quantize_rows(rows: np.ndarray, q: QuantizedRows, packed: np.ndarray, scales: np.ndarray,
-                  zero_points: np.ndarray) -> None:
-    """Quantize rows [m, k] (any float type) into the matching slices of packed/scales/zero_points."""
+                  zero_points: np.ndarray, name: str = "a weight") -> None:
+    """Quantize rows [m, k] (any float type) of the weight `name` into the matching slices of
+    packed/scales/zero_points."""
     from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
+
+    rows = rows.astype(np.float32, copy=False)
+    # The kernel turns a NaN into ordinary numbers (a 4-bit engine then decodes text transformers never would).
+    refuse_non_finite(rows, name)
 
     kernel = quantize_matmul_4bits if q.bits == 4 else quantize_matmul_8bits
     # The kernel takes the [k, m] (MatMul) layout in fp32; the tail of a last, partial block stays as the
     # caller zeroed it (QuantizedRows.empty), as with onnxruntime's MatMulNBitsQuantizer.
-    kernel(packed, np.ascontiguousarray(rows.astype(np.float32, copy=False).T), scales, zero_points, q.block_size,
-           rows.shape[0], q.k, False)
+    kernel(packed, np.ascontiguousarray(rows.T), scales, zero_points, q.block_size, rows.shape[0], q.k, False)

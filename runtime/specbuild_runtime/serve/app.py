@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Match, Route
 
-from ..errors import DeviceError, RequestError
+from ..errors import BundleError, DeviceError, RequestError
 from ..manifest import TOKENIZER_DIR
 from ..validation import Request
 from . import protocol
@@ -345,8 +345,10 @@ def _as_api_error(exc: Exception) -> ApiError:
         return ApiError(429, f"the server is busy ({exc}); retry shortly", headers=RETRY_AFTER)
     if isinstance(exc, Unavailable):
         return ApiError(503, str(exc), headers=RETRY_AFTER)
-    if isinstance(exc, DeviceError):  # the device's failure, not a bug: its line says which engine and what to do,
-        log.error("request failed on the device: %s", exc)  # and the slot went back, so no traceback to report
+    # The device's failure, or the bundle's (an fp16 engine whose logits overflow), not a bug: its line says which
+    # engine and what to do, and the slot went back, so no traceback to report.
+    if isinstance(exc, (DeviceError, BundleError)):
+        log.error("request failed on the device: %s", exc)
         return ApiError(500, str(exc))
     log.error("request failed", exc_info=exc)
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}")

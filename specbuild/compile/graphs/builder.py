@@ -141,7 +141,8 @@ class GraphBuilder:
             def make() -> tuple[np.ndarray]:
                 out = np.empty(shape, dtype)
                 for start, stop, rows in weight.chunks(self.ckpt):
-                    convert_into(rows, out[start:stop], weight.plus_one, "weight " + " / ".join(weight.names))
+                    convert_into(rows, out[start:stop], weight.plus_one,
+                                 f"weight {' / '.join(weight.names)} of {self.ckpt.path}")
                 return (out,)
 
             self.computed([(name, self.numerics.ir_type, shape)], make)
@@ -165,7 +166,8 @@ class GraphBuilder:
     def _quantize(self, weight: Weight, q: QuantizedRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         packed, scales, zero_points = q.empty()
         for start, stop, rows in weight.chunks(self.ckpt, QUANTIZE_CHUNK_BYTES):
-            quantize_rows(rows, q, packed[start:stop], scales[start:stop], zero_points[start:stop])
+            quantize_rows(rows, q, packed[start:stop], scales[start:stop], zero_points[start:stop],
+                          f"weight {' / '.join(weight.names)} of {self.ckpt.path}")
         return packed, scales.astype(self.numerics.dtype), zero_points
 
     def computed(self, tensors: list[tuple[str, ir.DataType, tuple]], compute: Callable[[], tuple]) -> list[ir.Value]:

@@ -14,6 +14,9 @@ FLOAT = ir.DataType.FLOAT
 DOUBLE = ir.DataType.DOUBLE
 INT64 = ir.DataType.INT64
 LOGITS = "logits"  # the fp32 [D+1, V] logits every decision is made from (an output only in test graphs)
+# next_token where the logits it is decided from hold NaN or +inf (an fp16 engine that overflows): no token is
+# right there, and the sampling tail would draw token 0 from NaN probabilities without a word.
+NOT_FINITE = -1
 
 
 class SamplingInputs:
@@ -47,15 +50,16 @@ def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_dra
         cap = g.const(softcap, np.float32)
         logits = g.op("Mul", g.op("Tanh", g.op("Div", logits, cap)), cap)
     logits.name = LOGITS
+    finite = _finite_rows(g, logits)
     if sampling is None:
-        accepted, next_token = (_scalar(g, value) for value in _greedy_tail(g, logits, drafts, drafts_1d))
+        accepted, next_token = (_scalar(g, value) for value in _greedy_tail(g, logits, drafts, drafts_1d, finite))
         return accepted, next_token, None, logits
     greedy = g.branch("branch.greedy")
-    _branch_outputs(greedy, *_greedy_tail(greedy, logits, drafts, drafts_1d), greedy.const([], np.float32))
+    _branch_outputs(greedy, *_greedy_tail(greedy, logits, drafts, drafts_1d, finite), greedy.const([], np.float32))
     sample = g.branch("branch.sampling")
     # top_k is made a host value here, in the graph: a node inside a branch reads it as an outer value,
     # which onnxruntime never leaves on the CPU for the node's sake.
-    sampled = _sampling_tail(sample, logits, drafts, drafts_1d, _host_top_k(g, sampling, input_ids))
+    sampled = _sampling_tail(sample, logits, drafts, drafts_1d, _host_top_k(g, sampling, input_ids), finite)
     _branch_outputs(sample, *sampled)
     is_sampling = g.op("Greater", sampling.temperature, g.const(0.0, np.float32))
     accepted, next_token, probs = g.op("If", is_sampling, outputs=3, then_branch=sample.graph(), else_branch=greedy.graph())
@@ -81,7 +85,8 @@ def build_sampler() -> ir.Model:
         uniforms=g.input("uniforms", FLOAT, ["D+1"]),
     )
     drafts, drafts_1d = _drafts(g, input_ids, num_drafts)
-    accepted, next_token, probs = _sampling_tail(g, logits, drafts, drafts_1d, _host_top_k(g, sampling, input_ids))
+    accepted, next_token, probs = _sampling_tail(g, logits, drafts, drafts_1d, _host_top_k(g, sampling, input_ids),
+                                                 _finite_rows(g, logits))
     g.output(_scalar(g, accepted), "accepted", INT64, [])
     g.output(_scalar(g, next_token), "next_token", INT64, [])
     g.output(probs, "probs", FLOAT, ["V"])
@@ -130,6 +135,21 @@ def _leading_true(g: GraphBuilder, flags: ir.Value) -> ir.Value:
     return g.op("ArgMax", failures, axis=0, keepdims=0)
 
 
+def _finite_rows(g: GraphBuilder, logits: ir.Value) -> ir.Value:
+    """[D+1] bool: whether each row of logits is free of NaN and +inf, the values that leave no token to decide
+    on (an argmax among infinities or NaNs, NaN probabilities). One sum a row, which is NaN or +inf exactly
+    then (-inf alone is a token of probability 0: the sum stays -inf), and one comparison: NaN < inf is false
+    too. Finite logits beyond ~1e33 would overflow the sum, which no model's head comes near."""
+    return g.op("Less", g.op("ReduceSum", logits, g.const([1]), keepdims=0), g.const(np.inf, np.float32))
+
+
+def _decided(g: GraphBuilder, finite: ir.Value, accepted: ir.Value, next_token: ir.Value) -> ir.Value:
+    """next_token, or NOT_FINITE where the row it was decided from is not finite. The drafts before that row
+    were judged on finite rows (see the callers' acceptance), so a decoder keeps them and stops there, where
+    the target alone would have stopped too."""
+    return g.op("Where", g.op("Gather", finite, accepted), next_token, g.const(NOT_FINITE))
+
+
 def _scalar(g: GraphBuilder, value: ir.Value) -> ir.Value:
     # Outputs are scalars (and both branches must agree); some reductions here come out as [1] in onnxruntime.
     return g.op("Reshape", value, g.const([], np.int64))
@@ -141,20 +161,24 @@ def _branch_outputs(g: GraphBuilder, accepted: ir.Value, next_token: ir.Value, p
     g.output(probs, f"{g.name}.probs", FLOAT, None)
 
 
-def _greedy_tail(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, drafts_1d: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """(accepted, next token): draft j is accepted while it equals the argmax of row j (and every earlier
-    one did too); the next token is the argmax of the row after the accepted ones."""
+def _greedy_tail(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, drafts_1d: ir.Value,
+                 finite: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """(accepted, next token): draft j is accepted while it equals the argmax of a finite row j (and every
+    earlier one did too); the next token is the argmax of the row after the accepted ones (NOT_FINITE where
+    that row is not finite)."""
     preds = g.op("ArgMax", logits, axis=-1, keepdims=0)  # [D+1]
-    accepted = _leading_true(g, g.op("Equal", g.op("Slice", preds, g.const([0]), drafts_1d), drafts))
-    return accepted, g.op("Gather", preds, accepted)
+    agree = g.op("Equal", g.op("Slice", preds, g.const([0]), drafts_1d), drafts)
+    accepted = _leading_true(g, g.op("And", agree, g.op("Slice", finite, g.const([0]), drafts_1d)))
+    return accepted, _decided(g, finite, accepted, g.op("Gather", preds, accepted))
 
 
 def _sampling_tail(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, drafts_1d: ir.Value,
-                   s: SamplingInputs) -> tuple[ir.Value, ir.Value, ir.Value]:
+                   s: SamplingInputs, finite: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
     """Speculative sampling (Leviathan et al. 2023): accept draft x with probability min(1, p(x)/q(x)),
     i.e. when u·q(x) < p(x); resample the first rejected position from norm(max(0, p − q)), or sample
     the bonus token from p when every draft is accepted. uniforms[:D] judge the drafts, uniforms[D]
-    draws the next token; q rows (draft_probs) come from the draft engine's own `probs` output.
+    draws the next token; q rows (draft_probs) come from the draft engine's own `probs` output. A row
+    that is not finite accepts no draft and draws NOT_FINITE (finite: _finite_rows).
     """
     probs = _transformed_probs(g, logits, s)  # [D+1, V]
     p_drafts = g.op("Slice", probs, g.const([0]), drafts_1d, g.const([0]))  # [D, V]
@@ -162,7 +186,8 @@ def _sampling_tail(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, drafts_1
     p_x = g.op("Reshape", g.op("GatherElements", p_drafts, index, axis=1), g.const([-1]))
     q_x = g.op("Reshape", g.op("GatherElements", s.draft_probs, index, axis=1), g.const([-1]))
     u_accept = g.op("Slice", s.uniforms, g.const([0]), drafts_1d)
-    accepted = _leading_true(g, g.op("Less", g.op("Mul", u_accept, q_x), p_x))
+    judged = g.op("Less", g.op("Mul", u_accept, q_x), p_x)
+    accepted = _leading_true(g, g.op("And", judged, g.op("Slice", finite, g.const([0]), drafts_1d)))
     # Row `accepted` of [max(0, p − q) for each draft; p after the last draft] is where the next token comes from.
     residual = g.op("Relu", g.op("Sub", p_drafts, s.draft_probs))
     rows = g.op("Concat", residual, g.op("Slice", probs, drafts_1d, g.const([2**62]), g.const([0])), axis=0)
@@ -180,7 +205,7 @@ def _sampling_tail(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, drafts_1
     u_next = g.op("Mul", g.op("Cast", u_last, to=DOUBLE), g.op("Gather", cdf, g.const(-1)))
     vocab_last = g.op("Sub", g.op("Squeeze", g.op("Shape", cdf), g.const([0])), g.const(1))
     next_token = g.op("Min", g.op("ReduceSum", g.op("Cast", g.op("LessOrEqual", cdf, u_next), to=INT64), keepdims=0), vocab_last)
-    return accepted, next_token, p_row
+    return accepted, _decided(g, finite, accepted, next_token), p_row
 
 
 CUMSUM_BLOCK = 64
