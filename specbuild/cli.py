@@ -19,8 +19,8 @@ import click
 
 from specbuild_runtime.engine import DEVICES
 from specbuild_runtime.errors import RequestError
-from specbuild_runtime.serve.cli import (Finite, chat_template_option, cuda_graphs_option, draft_steps_option, run_command,
-                                        serve_command)
+from specbuild_runtime.serve.cli import (Finite, Interruptible, chat_template_option, cuda_graphs_option, draft_steps_option,
+                                        run_command, serve_command, threads_option)
 from specbuild_runtime.validation import FLOAT32_MAX, GREEDY_BELOW, stop_strings
 
 from . import __version__
@@ -37,6 +37,22 @@ folder_path = click.Path(file_okay=False, path_type=Path)
 device_option = click.option(
     "--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
     help="Where the engines run: cuda needs onnxruntime-gpu (pip install './runtime[gpu]'); auto takes CUDA if present.")
+EVERY_CORE = "one per core"
+
+
+def use_threads(threads: int | None, torch_too: bool = False) -> None:
+    """--threads: the size of the onnxruntime pool every session of the command shares (set before the first
+    session), and with torch_too of torch's (transformers beside the bundle), so that a command on a shared
+    machine takes no more cores than it was given."""
+    if threads is None:
+        return
+    from specbuild_runtime.engine import use_shared_thread_pool
+
+    use_shared_thread_pool(threads)
+    if torch_too:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 class Setting(click.ParamType):
@@ -156,7 +172,11 @@ def check_sampling(sampling: dict) -> None:
         raise click.UsageError("--top-k and --top-p apply to sampling: give --temperature too (e.g. --temperature 1)")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class Group(Interruptible, click.Group):
+    pass
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="specbuild")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")  # main() reads it
 def cli(debug: bool) -> None:
@@ -237,15 +257,17 @@ def cuda_line(manifest) -> str:
 @device_option
 @cuda_graphs_option
 @draft_steps_option
+@threads_option(EVERY_CORE)
 @sampling_options()
 def generate(bundle, prompt, max_new_tokens, gamma, chat, chat_template, stop, as_json, device, cuda_graphs, draft_steps,
-             **sampling) -> None:
+             threads, **sampling) -> None:
     """Continue a prompt with speculative decoding (greedy, or sampling with --temperature)."""
     from specbuild_runtime import SpeculativeDecoder, Stats
 
     check_sampling(sampling)
     if chat_template is not None and not chat:  # a plain prompt renders no template: it would be ignored
         raise click.UsageError("--chat-template applies to --chat: give --chat too")
+    use_threads(threads)
     decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs,
                                  draft_steps=draft_steps)
     shown = prompt
@@ -407,12 +429,14 @@ def quality_line(q: dict) -> str:
 @device_option
 @cuda_graphs_option
 @draft_steps_option
-def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda_graphs, draft_steps) -> None:
+@threads_option(EVERY_CORE, "onnxruntime threads per engine call, and torch's for transformers")
+def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda_graphs, draft_steps, threads) -> None:
     """Gate a bundle: its greedy output must equal transformers' on every prompt (exit 1 if not).
 
     transformers runs on the same device, in the target engine's float type."""
     from .verify import verify_bundle
 
+    use_threads(threads, torch_too=True)
     report = verify_bundle(bundle, target, prompts, max_new_tokens, gamma, device, cuda_graphs, draft_steps)
     if as_json:
         click.echo(json.dumps(report))
@@ -454,7 +478,8 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
 @click.option("--gamma", "gammas", type=CommaList(click.IntRange(1, MAX_GAMMA), empty=f"give at least one γ from 1 to "
                                                                                      f"{MAX_GAMMA}, e.g. 1,2,4,8"),
               default="1,2,4,8", show_default=True,
-              help="Comma-separated fixed γ values (at least one) to measure beside target-only and auto.")
+              help="Comma-separated fixed γ values (at least one, up to the bundle's max gamma) to measure beside "
+                   "target-only and auto; the default stops at the bundle's max gamma.")
 @click.option("--peers", type=CommaList(click.Choice(PEERS)), default="",
               help=f"Comma-separated peers to measure on the source checkpoints: {', '.join(PEERS)}.")
 @click.option("--json", "json_out", is_flag=False, flag_value="-", metavar="[FILE]",
@@ -468,7 +493,8 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
 @device_option
 @cuda_graphs_option
 @draft_steps_option
-def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, device, cuda_graphs, draft_steps,
+@threads_option(EVERY_CORE, "onnxruntime threads per engine call, and torch's for the transformers peer")
+def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, device, cuda_graphs, draft_steps, threads,
           seed, **sampling) -> None:
     """Measure speculative vs target-only decoding (and peers) side by side, with the theoretical bound."""
     from . import bench as benchmark
@@ -481,16 +507,25 @@ def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, de
     if plot_out:
         check_plot_path(plot_out)
     check_sampling(sampling)
+    if threads and (own := [peer for peer in peers if peer != "transformers"]):
+        # Their rows would be timed on every core beside rows held to --threads: a comparison that misleads.
+        raise click.UsageError(f"--threads bounds specbuild's and transformers' threads, not {' or '.join(own)}'s, "
+                               "which would be timed on every core: leave out --threads or those peers")
+    use_threads(threads, torch_too="transformers" in peers)
+    if click.get_current_context().get_parameter_source("gammas") is click.core.ParameterSource.DEFAULT:
+        gammas = None  # 1,2,4,8 up to what the bundle allows, which its manifest says
     report = benchmark.bench(bundle, read_prompts(prompts or CODE_PROMPTS), max_new_tokens, gammas, peers, sampling,
                              device, cuda_graphs, draft_steps, seed)
-    if to_stdout:
-        click.echo(json.dumps(report, indent=2))
-    else:
-        click.echo(benchmark.format_table(report))
+    # The files first: a reader gone from stdout (`| true`, a `head` done early) ends the command at the table,
+    # which lost minutes of measuring when they came after it.
     if json_out and not to_stdout:
         replace_file(json_out, json.dumps(report, indent=2))  # a kill mid-write leaves the last report whole
     if plot_out:
         benchmark.plot(report, plot_out)
+    if to_stdout:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        click.echo(benchmark.format_table(report))
 
 
 def writable_file(path: Path | None, option: str) -> None:

@@ -17,7 +17,7 @@ from .bench import run_ours
 from .compile import compile_bundle
 from .compile.bundle import is_bundle
 from .errors import CheckpointError, OutputError, SettingsError, UnsupportedModelError
-from .recipe import RECIPE_KEYS, read_table, resolve_settings
+from .recipe import RECIPE_KEYS, at_line, read_table, resolve_settings
 from .staging import replace_file
 from .texts import measuring_prompts
 
@@ -54,7 +54,18 @@ def check_pair_recipe(recipe: Path, pair: Path) -> None:
                             f"with a new folder to make this recipe's pair, or delete {pair}")
 
 
+# [compile] keys the demo sets itself: the pair it made and the bundle, both in --cache (the packaged recipe names
+# the pair's folders). Other values were ignored without a word, as if the demo compiled what they named.
+DEMO_OWN = {"target": "target", "draft": "draft", "output": None, "overwrite": None}
+
+
 def ensure_bundle(recipe: Path, pair: Path, bundle: Path) -> None:
+    for key, value in read_table(recipe, "compile", RECIPE_KEYS).items():
+        if key in DEMO_OWN and value != DEMO_OWN[key]:
+            allowed = f" or as {DEMO_OWN[key]!r}" if DEMO_OWN[key] else ""
+            raise SettingsError(f"recipe {recipe}{at_line(recipe, 'compile', key)}: the demo compiles the pair it made "
+                                f"into its --cache, so [compile] {key} {value!r} would be ignored; leave it out{allowed} "
+                                "(specbuild compile --recipe compiles other checkpoints)")
     # The recipe's paths are relative to the pair it describes, which the demo keeps in its cache.
     settings = resolve_settings(recipe, target=pair / "target", draft=pair / "draft", output=bundle, overwrite=True)
     # The bundle is compiled again when the recipe's [compile] table or the pair changed (a pair deleted and

@@ -22,7 +22,12 @@ class OutputError(SpecbuildError):
 
 
 class SettingsError(SpecbuildError):
-    """A compile setting (a recipe value, an option given through the API) is invalid."""
+    """A compile setting (a recipe value, an option given through the API) is invalid; key names the setting at
+    fault where one is (a recipe's error then names its line)."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
 
 
 class MissingSettingsError(SettingsError):

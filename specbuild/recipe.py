@@ -64,11 +64,15 @@ class CompileSettings:
             if f.name in PATH_FIELDS:
                 setattr(self, f.name, Path(value))
         if self.tp > 1 and self.backend == "onnx":
-            raise SettingsError(f"tp {self.tp} splits the TensorRT-LLM export; add --backend tensorrt-llm or all")
+            raise SettingsError(f"tp {self.tp} splits the TensorRT-LLM export; add --backend tensorrt-llm or all "
+                                "(backend in a recipe)", key="tp")
         quantized = {self.quantization("target"), self.quantization("draft")} != {"none"}
-        if not quantized and (self.block_size != DEFAULT_BLOCK_SIZE or self.accuracy_level is not None):
+        shaping = [key for key, unset in (("block_size", DEFAULT_BLOCK_SIZE), ("accuracy_level", None))
+                   if getattr(self, key) != unset]
+        if not quantized and shaping:
             raise SettingsError("block_size and accuracy_level shape quantized engines; add --quantize int4|int8 "
-                                "(or --target-quantize / --draft-quantize), or leave them out")
+                                "(or --target-quantize / --draft-quantize; quantize in a recipe), or leave them out",
+                                key=shaping[0])
 
     def quantization(self, role: str) -> str:
         own = self.target_quantize if role == "target" else self.draft_quantize
@@ -171,17 +175,20 @@ def read_table(path: Path, name: str, known: set[str]) -> dict:
         raise SettingsError(f"recipe {path}: unknown {'table' if isinstance(data[unknown[0]], dict) else 'key'} "
                             f"{unknown[0]!r} outside the tables; a recipe holds [{'] and ['.join(TABLES)}]")
     table = data.get(name, {})
+    if isinstance(table, list):  # [[compile]]: an array of tables, as if a recipe held several builds
+        raise SettingsError(f"recipe {path}: [[{name}]] makes an array of tables; a recipe holds one [{name}] table "
+                            "(one build: write a recipe for each)")
     if not isinstance(table, dict):
         raise SettingsError(f"recipe {path}: {name} must be a table ([{name}]), not {_shown(table)}")
     unknown = set(table) - known
     if unknown:
         first = sorted(unknown)[0]
-        raise SettingsError(f"recipe {path}{_at_line(path, name, first)}: unknown [{name}] keys {sorted(unknown)}; "
+        raise SettingsError(f"recipe {path}{at_line(path, name, first)}: unknown [{name}] keys {sorted(unknown)}; "
                             f"known keys are {sorted(known)}")
     return table
 
 
-def _at_line(path: Path, table: str, key: str) -> str:
+def at_line(path: Path, table: str, key: str) -> str:
     """ " line N" where key is set in [table] of the TOML file, or "" if not found (tomllib keeps no
     positions, so the text is searched: a key = value line after the table's header)."""
     current = None
@@ -200,23 +207,29 @@ def read_recipe(path: Path) -> dict:
     table = read_table(path, "compile", RECIPE_KEYS)
     for key, value in table.items():
         if problem := setting_problem(key, value):
-            raise SettingsError(f"recipe {path}{_at_line(path, 'compile', key)}: {key} {problem}")
+            raise SettingsError(f"recipe {path}{at_line(path, 'compile', key)}: {key} {problem}")
     return {k: (path.parent / _expanded(path, k, v) if k in PATH_FIELDS else v) for k, v in table.items()}
 
 
 def _expanded(recipe: Path, key: str, value: str) -> Path:
     """value with ~ or ~user expanded; a user this machine lacks (or ~ with neither HOME nor a passwd
-    entry: a container's arbitrary uid) is a recipe error, not a crash."""
+    entry: a container's arbitrary uid) is a recipe error, not a crash. $NAME and ${NAME} are refused: a recipe does
+    not expand them (a shell does, on the command line), and `output = "$OUT/bundle"` built into a folder named $OUT."""
+    if variable := re.search(r"\$(\w+|\{[^}]*\})", value):
+        raise SettingsError(f"recipe {recipe}{at_line(recipe, 'compile', key)}: {key} {value!r} names the environment "
+                            f"variable {variable[0]}, which recipes do not expand; write the path out, or give it on the "
+                            f"command line (--{key} \"{value}\")")
     try:
         return Path(value).expanduser()
     except RuntimeError:
-        raise SettingsError(f"recipe {recipe}{_at_line(recipe, 'compile', key)}: {key} {value!r} names a home folder "
+        raise SettingsError(f"recipe {recipe}{at_line(recipe, 'compile', key)}: {key} {value!r} names a home folder "
                             "this machine cannot find (no such user, or no HOME); write the path out") from None
 
 
 def resolve_settings(recipe: Path | None, **options) -> CompileSettings:
     """Recipe values first, then every command-line option that was given."""
     values = read_recipe(recipe) if recipe else {}
+    from_recipe = set(values)
     if options.get("quantize") is not None:  # --quantize names both engines' quantization: a recipe's per-engine one loses
         for key in ("target_quantize", "draft_quantize"):
             values.pop(key, None)
@@ -226,4 +239,11 @@ def resolve_settings(recipe: Path | None, **options) -> CompileSettings:
         where = f"in [compile] of {recipe}" if recipe else "in a recipe"
         raise MissingSettingsError(f"missing {', '.join('--' + m for m in missing)} (give "
                                    f"{'it' if len(missing) == 1 else 'them'} as options or {where})")
-    return CompileSettings(**values, recipe=recipe)
+    try:
+        return CompileSettings(**values, recipe=recipe)
+    except SettingsError as exc:
+        # A setting that clashes with another (tp without a TensorRT-LLM backend): where the recipe set it, the
+        # error names the recipe and line, as a wrong value does, not only options the recipe does not use.
+        if exc.key not in from_recipe or options.get(exc.key) is not None:
+            raise
+        raise SettingsError(f"recipe {recipe}{at_line(recipe, 'compile', exc.key)}: {exc}", key=exc.key) from None

@@ -364,3 +364,40 @@ def test_a_gpu_session_step_cut_at_its_limit_keeps_pytests_report(tmp_path):
                                   f"--rootdir={tmp_path}", str(tests), f"--junitxml={report}")
     assert summary and summary[-1].startswith("hang: exit 124") and "1 failed, 1 passed" in summary[-1], summary
     assert report.exists() and 'failures="1"' in report.read_text()
+
+
+def test_bench_without_gamma_stops_its_gammas_at_the_bundles_maximum(checkpoints, tmp_path):
+    """The default 1,2,4,8 failed on a bundle compiled with --gamma 2 ("gamma must be from 0 to 2 ..., not 4") after
+    loading and measuring, for an option the user never gave; one given above the maximum is refused first."""
+    from specbuild.compile import compile_bundle
+    from specbuild.recipe import CompileSettings
+
+    bundle = tmp_path / "bundle"
+    compile_bundle(CompileSettings(checkpoints("llama"), checkpoints("llama", 1), bundle, gamma=2, max_seq_len=64),
+                   show_progress=False)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    result = specbuild("bench", bundle, "--prompts", prompts, "-n", 4, "--json", check=True)
+    assert [row["gamma"] for row in json.loads(result.stdout)["results"]] == [0, 1, 2, "auto"]
+    result = specbuild("bench", bundle, "--prompts", prompts, "-n", 4, "--gamma", "1,4")
+    assert result.returncode == 1 and result.stderr.startswith("error: --gamma 4 is above this bundle's most drafts"), \
+        result.stderr
+
+
+def test_bench_writes_its_json_and_plot_though_stdout_is_gone(bundles, tmp_path):
+    """A reader gone from stdout (`| true`) ended bench at its table, before the report and plot it was asked to
+    write: minutes of measuring lost."""
+    import os
+    import subprocess
+    import sys
+
+    prompts, out, png = tmp_path / "p.jsonl", tmp_path / "bench.json", tmp_path / "bench.png"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first write
+    with os.fdopen(write, "w") as gone:
+        result = subprocess.run([sys.executable, "-m", "specbuild", "bench", bundles("llama", 1), "--prompts", prompts,
+                                 "-n", "2", "--gamma", "1", "--json", out, "--plot", png], stdout=gone,
+                                stderr=subprocess.PIPE, text=True)
+    assert result.returncode == 1 and result.stderr == "", result.stderr  # quietly, as every command
+    assert json.loads(out.read_text())["results"] and png.stat().st_size > 0

@@ -524,3 +524,86 @@ def test_top_k_beside_a_temperature_too_small_to_sample_names_that_temperature(t
     too"). Checked before the bundle loads: none is needed."""
     [refused] = cli.run([["generate", str(tmp_path / "bundle"), "-p", "x", "--temperature", "5e-6", "--top-k", "5"]])
     assert refused["status"] == 2 and "--temperature 5e-06 is below 1e-05" in refused["stderr"], refused
+
+
+# Records the size each command gives onnxruntime's shared pool, and torch's threads at exit.
+POOL_SIZES = (
+    "import atexit, sys\n"
+    "import onnxruntime.capi._pybind_state as state\n"
+    "sized = state.set_global_thread_pool_sizes\n"
+    "state.set_global_thread_pool_sizes = lambda *sizes: (print('pool', *sizes, file=sys.stderr), sized(*sizes))[1]\n"
+    "atexit.register(lambda: 'torch' in sys.modules and print('torch', sys.modules['torch'].get_num_threads(),\n"
+    "                                                        file=sys.stderr))\n"
+    "from specbuild.cli import main\n"
+    "main(sys.argv[1:])\n"
+)
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "verify"])
+def test_threads_bounds_every_pool_a_decoding_command_runs(command, bundles, tmp_path):
+    """Only serve took --threads: generate, bench and verify ran a thread per core (and verify's transformers
+    torch's own), where a pipeline on a shared machine gives each command its share."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n")
+    args = {"generate": ["-p", "x", "-n", "2"], "bench": ["--prompts", prompts, "-n", "2", "--gamma", "1", "--json"],
+            "verify": ["--prompts", prompts, "-n", "2"]}[command]
+    result = subprocess.run([sys.executable, "-c", POOL_SIZES, command, bundles("llama"), *map(str, args), "--threads", "1"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "pool 1 1" in result.stderr.splitlines(), result.stderr
+    assert ("torch 1" in result.stderr.splitlines()) == (command == "verify"), result.stderr
+
+
+def test_bench_refuses_threads_beside_peers_that_choose_their_own(tmp_path):
+    """Their rows would be timed on every core beside rows held to one: refused while the command line is read."""
+    from specbuild.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", str(tmp_path), "--threads", "1", "--peers", "transformers,llama.cpp"])
+    assert exited.value.code == 2
+
+
+def test_ctrl_c_is_one_line_in_a_build_log(monkeypatch, capsys):
+    """click wrote an empty line to stderr before "error: interrupted": a second line where stderr is a file."""
+    import signal
+
+    import specbuild_runtime
+    from specbuild.cli import main
+
+    monkeypatch.setattr(specbuild_runtime, "SpeculativeDecoder", lambda *a, **k: os.kill(os.getpid(), signal.SIGINT))
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "bundle", "-p", "x"])
+    assert exited.value.code == 130 and capsys.readouterr().err == "error: interrupted\n"
+
+
+def test_ctrl_c_while_the_command_imports_is_one_line_and_status_130():
+    """The entry point imported numpy and onnxruntime (most of a second) before main() took over: a Ctrl-C then
+    printed a traceback and ended the process by the signal. The interrupt is raised where onnxruntime would load,
+    under the entry point pyproject.toml installs."""
+    import tomllib
+    from pathlib import Path
+
+    module, _, function = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())[
+        "project"]["scripts"]["specbuild"].partition(":")
+    script = (
+        "import sys\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'onnxruntime':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Interrupt())\n"
+        f"from {module} import {function}\n"
+        f"sys.exit({function}())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script, "inspect", "bundle"], capture_output=True, text=True)
+    assert (result.returncode, result.stderr) == (130, "error: interrupted\n"), result.stderr[-2000:]
+
+
+def test_output_to_a_full_disk_is_one_line_that_names_stdout(bundles, tmp_path):
+    """`> log` on a full disk said only "error: No space left on device": after compile, read as the bundle's disk
+    though the bundle was written. (/dev/full: every write fails with ENOSPC.)"""
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "specbuild", "inspect", bundles("llama")], stdout=full,
+                                stderr=subprocess.PIPE, text=True)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("error: cannot write the output to stdout (No space left on device)"), result.stderr

@@ -85,3 +85,16 @@ def test_an_empty_prompt_is_refused_before_anything_is_made(tmp_path):
     with pytest.raises(RequestError, match="the prompt is empty"):
         run_demo(tmp_path / "cache", DEMO_RECIPE, "", 4)
     assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("key, value", [("target", '"my-target"'), ("output", '"/tmp/elsewhere"'), ("overwrite", "false")])
+def test_a_compile_key_the_demo_sets_itself_is_refused_not_ignored(key, value, pair, tmp_path):
+    """The demo compiles its own pair into its cache: another target, output or overwrite in [compile] was ignored
+    without a word, the bundle compiled from the pair into the cache all the same."""
+    recipe = recipe_with(tmp_path, "compile", **{key: value})
+    if f"\n{key} = " not in recipe.read_text():  # not in the packaged recipe: [compile] is its last table
+        recipe.write_text(f"{recipe.read_text()}\n{key} = {value}\n")
+    with pytest.raises(SettingsError, match=rf"line \d+: the demo compiles the pair it made into its --cache, so "
+                                            rf"\[compile\] {key} .* would be ignored"):
+        ensure_bundle(recipe, pair, pair.parent / "bundle")
+    assert not (pair.parent / "bundle").exists()

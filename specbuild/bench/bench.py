@@ -210,16 +210,27 @@ def predicted_context_growth(decoder: SpeculativeDecoder, short: int, long: int)
     return (info.bytes_per_call + per_position * long) / (info.bytes_per_call + per_position * short)
 
 
-def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[int], peers: list[str],
+DEFAULT_GAMMAS = (1, 2, 4, 8)
+
+
+def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[int] | None, peers: list[str],
           sampling: dict | None = None, device: str = "cpu", cuda_graphs: bool | None = None,
           draft_steps: bool | None = None, seed: int = 0) -> dict:
     """sampling: temperature, top_k, top_p (none: greedy). Sampled runs (temperature > 0) differ token-wise
-    between modes by design: `matches_target` then says nothing, and α/speed-up are the figures to read."""
+    between modes by design: `matches_target` then says nothing, and α/speed-up are the figures to read.
+    gammas None: DEFAULT_GAMMAS up to the bundle's maximum."""
     sampling = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, **(sampling or {})}
     temperature = sampling["temperature"]
     with progress.note(f"loading the bundle {bundle}"):  # every file's digest checked, every engine's session made
         decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs,
                                      draft_steps=draft_steps)
+    # The default list stops at the bundle's maximum: one compiled with --gamma 4 failed its warm-up at γ 8 on
+    # `bench BUNDLE` alone; a γ asked for above it is refused before anything is measured.
+    if gammas is None:
+        gammas = [gamma for gamma in DEFAULT_GAMMAS if gamma <= decoder.manifest.gamma]
+    elif above := [gamma for gamma in gammas if gamma > decoder.manifest.gamma]:
+        raise RequestError(f"--gamma {','.join(map(str, above))} is above this bundle's most drafts per round, "
+                           f"{decoder.manifest.gamma} (compile's --gamma); bench at most that")
     prompt_ids = [decoder.encode(p) for p in prompts]
     for number, ids in enumerate(prompt_ids, 1):  # refused now, not after measuring
         try:

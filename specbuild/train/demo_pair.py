@@ -17,7 +17,7 @@ from pathlib import Path
 from specbuild_runtime.manifest import MAX_GAMMA
 
 from ..errors import TrainingError
-from ..recipe import positive_number, read_table, whole_number
+from ..recipe import at_line, positive_number, read_table, whole_number
 from ..staging import replace_file
 from ..texts import corpus_files, read_source
 from .distill import SHAPE_KEYS, distill
@@ -73,7 +73,8 @@ def read_pair_recipe(path: Path) -> PairRecipe:
         raise TrainingError(f"recipe {path}: [pair] lacks {', '.join(missing)} (specbuild/recipes/demo.toml has every key)")
     for key, rule in PAIR_RULES.items():
         if problem := rule(table[key]):
-            raise TrainingError(f"recipe {path}: [pair] {key} {problem}")
+            # with its line, as [compile]'s values are named (README, Recipes)
+            raise TrainingError(f"recipe {path}{at_line(path, 'pair', key)}: [pair] {key} {problem}")
     return PairRecipe(**table)
 
 

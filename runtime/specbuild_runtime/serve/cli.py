@@ -47,6 +47,13 @@ draft_steps_option = click.option(
          "weights), or a call per draft token: the same drafts.  [default: steps on cuda, a call per token on cpu]")
 
 
+def threads_option(default: str, applies_to: str = "onnxruntime threads per engine call"):
+    """--threads, shared with specbuild's generate, bench and verify: a pipeline on a shared machine bounds every
+    command's threads, not only the server's."""
+    # onnxruntime crashes (SIGSEGV) where it cannot start a pool's threads; a thousand is far above any core count.
+    return click.option("--threads", type=click.IntRange(min=1, max=1024), help=f"{applies_to}.  [default: {default}]")
+
+
 def _chat_template(ctx, param, value: str | None):
     """--chat-template read and compiled while the command line is parsed: a wrong one is refused before the
     bundle loads (and before serve takes its port)."""
@@ -71,8 +78,26 @@ chat_template_option = click.option(
          "or newline is taken for a path, and one that cannot be read is an error).  [default: the bundle's]")
 
 
+class Interruptible:
+    """A click command (or group) whose Ctrl-C reaches run_command as click's Abort, raised before click's main
+    sees the KeyboardInterrupt: click first writes an empty line to stderr there, which made "error: interrupted"
+    a build log's second line. On a terminal the line is kept, so that the error does not follow the echoed ^C."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as exc:
+            if sys.stderr is not None and sys.stderr.isatty():
+                click.echo(err=True)
+            raise click.exceptions.Abort() from exc
+
+
+class InterruptibleCommand(Interruptible, click.Command):
+    pass
+
+
 # -h as on every specbuild command: `specbuild serve` takes it from the group, specbuild-serve only from here.
-@click.command("serve", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.command("serve", cls=InterruptibleCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 # The runtime's version, the serve command's package: a service that installs it alone has no `specbuild --version`.
 @click.version_option(runtime_version(), prog_name="specbuild-serve")
 @click.argument("bundle", type=click.Path(path_type=Path))
@@ -86,9 +111,7 @@ chat_template_option = click.option(
 @click.option("--parallel", "--max-num-seqs", "parallel", type=click.IntRange(min=1), default=1, show_default=True,
               help="Requests decoded at once (slots, each with its own KV cache reserved at start); the engines are "
                    "shared. --max-num-seqs is vLLM's name for it.")
-# onnxruntime crashes (SIGSEGV) where it cannot start a pool's threads; a thousand is far above any core count.
-@click.option("--threads", type=click.IntRange(min=1, max=1024),
-              help="onnxruntime threads per engine call.  [default: cores / --parallel, at least 1]")
+@threads_option("cores / --parallel, at least 1")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait for a slot or for their check (tokenizing); more get 429 with Retry-After.")
 @click.option("--timeout", type=Finite(min=0), default=600.0, show_default=True,
@@ -303,9 +326,24 @@ def run_command(command: click.Command, args: list[str] | None, prog_name: str, 
     except (click.ClickException, SpecbuildError) as exc:
         return fail(exc.format_message() if isinstance(exc, click.ClickException) else str(exc), EXIT_INPUT)
     except OSError as exc:
+        if stream := _echoed_to(exc):
+            # Bare, "No space left on device" read as the disk a compile writes to, after its bundle was written.
+            return fail(f"cannot write the output to {stream} ({exc.strerror or exc}); free space where it goes, or "
+                        "send it elsewhere", EXIT_INPUT)
         return fail(f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc.strerror or exc), EXIT_INPUT)
     except Exception as exc:
         return fail(f"internal error ({type(exc).__name__}: {exc}); this is a bug in specbuild: {bug_hint}", EXIT_BUG)
+
+
+def _echoed_to(exc: OSError) -> str | None:
+    """"stdout" or "stderr" where exc rose from click.echo writing there (`> /dev/full`, a full disk behind a
+    log), else None. click reports a closed pipe itself; every other failed write of the commands' output lands here."""
+    frame = exc.__traceback__
+    while frame is not None:
+        if frame.tb_frame.f_code.co_name == "echo" and frame.tb_frame.f_globals.get("__name__") == "click.utils":
+            return "stderr" if frame.tb_frame.f_locals.get("file") is sys.stderr else "stdout"
+        frame = frame.tb_next
+    return None
 
 
 def main() -> None:
