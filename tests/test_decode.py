@@ -964,7 +964,6 @@ def test_streams_are_typed_as_the_generators_whose_close_cancels_them():
         assert typing.get_origin(typing.get_type_hints(getattr(SpeculativeDecoder, name))["return"]) is kind, name
 
 
-
 @pytest.mark.parametrize("cuda_graphs", [False, True])  # the engine graphs' own tail, or the greedy-only graphs + sampler
 @pytest.mark.parametrize("options", [dict(gamma=0), dict(gamma=4), dict(gamma="auto"),
                                      dict(gamma=0, temperature=0.8, seed=1), dict(gamma=4, temperature=0.8, seed=1)])
