@@ -42,6 +42,10 @@ OTHER_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}[{{ message['role'] | upper }}] {{ message['content'] }}{{ eos_token }}\n"
     "{% endfor %}{% if add_generation_prompt %}[ASSISTANT] {% endif %}"
 )
+# OpenAI's example tool, its keys in the order clients send them
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 GREEDY = {"temperature": 0}  # sent: a request without one samples (serve --generation-config auto, OpenAI's default)
 SAMPLED = [dict(temperature=0.8, top_p=0.9, seed=7, gamma=2), dict(temperature=1.0, top_k=20, seed=3, gamma=3)]
 FINISH = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "context": "length"}
@@ -248,7 +252,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "logprobs": 2}, "'logprobs' is not supported"),
     ("completions", {"prompt": "x", "logprobs": 0}, "'logprobs' is not supported"),  # 0: the chosen tokens' logprobs
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
-     "'tool_choice' is not supported"),
+     "tool_choice \"auto\" needs tools"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
      "'response_format' is not supported"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 3, "max_tokens": "x"},
@@ -292,7 +296,28 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
                           "chat_template_kwargs": {"add_generation_prompt": False}}, "the request's add_generation_prompt"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": [{}]}},
-     "chat_template_kwargs.tools is not supported"),
+     "send the tools as the request's 'tools' field"),
+    # This server runs without --tool-call-parser: tool_choice "auto", the default where tools are sent, names it
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER]},
+     "start it with --tool-call-parser hermes"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER], "tool_choice": "auto"},
+     "start it with --tool-call-parser hermes"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER], "tool_choice": "required"},
+     "tool_choice \"required\" is not supported"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
+                          "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     "tool_choice naming a function is not supported"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER], "tool_choice": "always"},
+     "tool_choice must be \"none\", \"auto\", \"required\""),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": WEATHER}, "tools must be a list"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "custom", "custom": {}}]},
+     "tools[0].type must be \"function\""),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {}}]},
+     "tools[0].function must be an object with a non-empty string 'name'"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+     "tools[0].function.parameters must be a JSON Schema object"),
+    ("completions", {"prompt": "x", "tools": [WEATHER]}, "'tools' is not supported"),  # chat alone calls tools
 ]
 
 
@@ -320,6 +345,10 @@ PARAMS = [
      "add_generation_prompt"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": False}},
      "chat_template_kwargs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER]}, "tools"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER], "tool_choice": "auto"},
+     "tool_choice"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
 ]
 
 
@@ -337,7 +366,8 @@ def test_what_clients_send_by_default_asking_for_plain_text_is_accepted_as_if_ab
     plain = httpx.post(f"{server}/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
     for extra in ({"tool_choice": "none"}, {"response_format": {"type": "text"}}, {"modalities": ["text"]},
                   {"parallel_tool_calls": True}, {"parallel_tool_calls": False}, {"top_k": -1}, {"top_k": 0},
-                  {"top_p": 1}, {"top_p": 1.0, "temperature": 0}):
+                  {"top_p": 1}, {"top_p": 1.0, "temperature": 0},
+                  {"tools": [WEATHER], "tool_choice": "none"}):  # shown (not by this template), answered as text
         reply = httpx.post(f"{server}/v1/chat/completions", json={**chat, **extra})
         assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == plain, (extra, reply.text)
 
@@ -738,13 +768,26 @@ class PausingDecoder:
                 self.go.wait()
 
 
+class ScriptedDecoder(PausingDecoder):
+    """A PausingDecoder whose streams, once the real one has decoded (so their stats are a real request's), answer
+    `pieces` in place of its text: a tiny bundle's model writes no tool calls."""
+
+    pieces: list[str] = []
+
+    def stream_request(self, request, stats, every_token=False):
+        for _ in super().stream_request(request, stats, every_token):
+            pass
+        yield from self.pieces
+
+
 @contextmanager
-def in_process(bundle: Path, **settings):
-    """The app on a PausingDecoder with one slot, served by uvicorn in a thread on a free loopback port."""
+def in_process(bundle: Path, wrapper: type = PausingDecoder, **settings):
+    """The app on a PausingDecoder (or `wrapper`) with one slot, served by uvicorn in a thread on a free loopback
+    port."""
     from specbuild_runtime import SpeculativeDecoder
     from specbuild_runtime.serve.app import Server, Settings
 
-    decoder = PausingDecoder(SpeculativeDecoder(bundle, parallel=1))
+    decoder = wrapper(SpeculativeDecoder(bundle, parallel=1))
     server = Server(decoder, Settings(model=MODEL, **settings))
     uvicorn = server.http_server("127.0.0.1", 0, log_level="warning")
     thread = threading.Thread(target=uvicorn.run)
@@ -1726,6 +1769,137 @@ def test_tool_call_arguments_sent_as_json_text_render_as_the_object_they_spell(t
     expected, ours = transformers_and_ours(tokenizer, "deepseek-r1.jinja", turns('{"a": 2, "b": 2}'),
                                            add_generation_prompt=True)
     assert ours == expected
+
+
+# --- Tool calling ----------------------------------------------------------------------------------------------
+
+ADD = {"function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}},
+       "type": "function"}  # "type" last: the template shows keys in the order sent
+# What a Qwen3 model answers when it calls tools: some text, then one block per call
+CALLING = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 2}}\n</tool_call>')
+CALLED = [("get_weather", {"city": "Zürich"}), ("add", {"a": 2, "b": 2})]
+# Qwen3's shows the tools in hundreds of tokens, past the tiny bundles' context: this one names them
+NAMING_TOOLS = ("{% if tools %}<tools>{% for tool in tools %}{{ tool['function']['name'] }};{% endfor %}</tools>\n{% endif %}"
+                "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.mark.parametrize("tool_choice", [None, "auto", "none"])
+def test_tools_reach_the_chat_template_as_transformers_passes_them(tool_choice, tokenizer):
+    """Qwen3's template shows the tools in its system turn; the prompt is apply_chat_template's with tools=, token
+    for token, whether the reply's calls are parsed ("auto", the default) or not ("none", which vLLM renders
+    them for too)."""
+    from specbuild_runtime.serve import protocol
+    from specbuild_runtime.serve.chat import ChatTemplate
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Zürich?"}]
+    body = {"messages": messages, "tools": [WEATHER, ADD], **({"tool_choice": tool_choice} if tool_choice else {})}
+    request = protocol.parse(protocol.CHAT, json.dumps(body).encode(), MODEL, protocol.sampling_defaults(None, "greedy"),
+                             "hermes")
+    assert request.parse_tools == (tool_choice != "none")
+    source = (CHAT_TEMPLATES / "qwen3.jinja").read_text()
+    expected = tokenizer.apply_chat_template(messages, tools=[WEATHER, ADD], chat_template=source, tokenize=True,
+                                             add_generation_prompt=True, return_dict=False)
+    ours = ChatTemplate(source, tokenizer.special_tokens_map).prompt_ids(tokenizer.backend_tokenizer, request.messages,
+                                                                         **request.chat)
+    assert ours == expected and '"name": "add"' in tokenizer.decode(expected)
+
+
+def call_list(calls) -> list[tuple[str, dict]]:
+    return [(call["function"]["name"], json.loads(call["function"]["arguments"])) for call in calls]
+
+
+def test_a_reply_is_parsed_into_tool_calls_as_vllms_hermes_parser_parses_it():
+    from specbuild_runtime.serve.tools import parse_hermes
+
+    content, calls = parse_hermes(CALLING)
+    assert content == "Let me look.\n" and call_list(calls) == CALLED
+    assert all(call["type"] == "function" and re.fullmatch(r"call_[0-9a-f]{24}", call["id"]) for call in calls)
+    assert calls[0]["function"]["arguments"] == '{"city": "Zürich"}'  # as vLLM writes it: not ASCII-escaped
+    assert parse_hermes(CALLING[CALLING.index("<tool_call>"):])[0] is None  # no text before the calls: null content
+    assert parse_hermes("def f(x):") == ("def f(x):", [])
+    # a reply ending inside its block (the end-of-turn token came first) is a call where its JSON is whole
+    assert call_list(parse_hermes('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n')[1]) == [("add", {"a": 1})]
+    # a block that is no call (cut short by max_tokens, or without "arguments") makes the whole reply text
+    for broken in (CALLING[:-30], CALLING + '<tool_call>{"name": "add"}</tool_call>', '<tool_call>["add"]</tool_call>'):
+        assert parse_hermes(broken) == (broken, [])
+
+
+@pytest.mark.parametrize("reply", [CALLING, CALLING[:-30], "No call: x < y and <tool", "<tool_call>"],
+                         ids=["calls", "cut-short", "tag-like-text", "bare-tag"])
+def test_a_streamed_reply_gives_the_content_and_calls_of_the_whole_reply_wherever_its_deltas_break(reply):
+    """The stream holds back text that may begin a <tool_call> tag, and from a tag on parses the rest whole at the
+    end: its content and calls are the unstreamed reply's however the text came in pieces."""
+    from specbuild_runtime.serve.tools import HermesStream, parse_hermes
+
+    content, calls = parse_hermes(reply)
+    for size in (1, 2, 5, len(reply)):
+        stream = HermesStream()
+        sent = "".join(stream.feed(reply[i:i + size]) for i in range(0, len(reply), size))
+        rest, streamed = stream.end()
+        assert (sent + rest, call_list(streamed)) == (content or "", call_list(calls)), size
+
+
+def test_a_reply_calling_tools_is_answered_with_tool_calls_streamed_or_not(bundle):
+    """With --tool-call-parser hermes, the openai client reads the calls as ChatCompletionMessageToolCall (streamed:
+    its deltas, by index), the text before them as content, and finish_reason "tool_calls" (parallel_tool_calls
+    false: the first call alone); tool_choice "none" answers the same text as content. The prompt shows the tools
+    (its length is transformers')."""
+    from openai.types.chat import ChatCompletionMessageToolCall
+    from transformers import AutoTokenizer
+
+    from specbuild_runtime.serve.chat import supplied_chat_template
+
+    prompt = AutoTokenizer.from_pretrained(bundle / "tokenizer").apply_chat_template(
+        ASK, tools=[WEATHER, ADD], chat_template=NAMING_TOOLS, tokenize=True, add_generation_prompt=True,
+        return_dict=False)
+    with in_process(bundle, ScriptedDecoder, chat_template=supplied_chat_template(NAMING_TOOLS),
+                    tool_call_parser="hermes") as (url, decoder, _):
+        decoder.go.set()
+        decoder.pieces = [CALLING[i:i + 3] for i in range(0, len(CALLING), 3)]  # tags broken across deltas
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        ask = dict(model=MODEL, messages=ASK, tools=[WEATHER, ADD], max_tokens=4, **GREEDY)
+        reply = client.chat.completions.create(**ask)
+        [choice] = reply.choices
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look.\n"
+        assert all(isinstance(call, ChatCompletionMessageToolCall) for call in choice.message.tool_calls)
+        assert call_list(call.model_dump() for call in choice.message.tool_calls) == CALLED
+        assert reply.usage.prompt_tokens == len(prompt)
+
+        content, calls, finish = "", {}, None
+        for chunk in client.chat.completions.create(**ask, stream=True):
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            calls.update((call.index, call.model_dump()) for call in delta.tool_calls or [])
+            finish = chunk.choices[0].finish_reason or finish
+        assert (content, finish) == ("Let me look.\n", "tool_calls")
+        assert call_list(calls[index] for index in sorted(calls)) == CALLED
+        assert all(call["id"].startswith("call_") and call["type"] == "function" for call in calls.values())
+
+        first = client.chat.completions.create(**ask, parallel_tool_calls=False).choices[0]  # vLLM keeps the first
+        assert call_list(call.model_dump() for call in first.message.tool_calls) == CALLED[:1]
+        streamed = [call.function.name for chunk in client.chat.completions.create(**ask, parallel_tool_calls=False,
+                                                                                   stream=True)
+                    for call in chunk.choices[0].delta.tool_calls or []]
+        assert streamed == ["get_weather"]
+
+        untouched = client.chat.completions.create(**ask, tool_choice="none").choices[0]
+        assert untouched.message.content == CALLING and not untouched.message.tool_calls
+        assert untouched.finish_reason != "tool_calls"
+
+
+def test_enable_auto_tool_choice_is_vllms_spelling_and_needs_a_parser_as_in_vllm(tmp_path):
+    """vLLM's command line (--enable-auto-tool-choice --tool-call-parser hermes) runs unchanged; the switch alone
+    would turn on nothing, and vLLM refuses it too: one line, before the bundle loads."""
+    from specbuild_runtime.serve.cli import serve_command
+
+    context = serve_command.make_context("serve", [str(tmp_path), "--enable-auto-tool-choice", "--tool-call-parser",
+                                                   "hermes"])
+    assert context.params["tool_call_parser"] == "hermes"
+    run = subprocess.run([sys.executable, "-m", "specbuild", "serve", str(tmp_path / "missing"), "--enable-auto-tool-choice"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "needs --tool-call-parser" in run.stderr, run.stderr
 
 
 def test_an_api_key_guards_the_v1_routes_and_leaves_health_and_metrics_open(bundle):

@@ -61,6 +61,7 @@ class Settings:
     generation_config: str = "auto"  # where requests that omit temperature/top_p/top_k get them (protocol.sampling_defaults)
     allowed_origins: tuple[str, ...] = ()  # origins whose web pages may call the API from a browser (CORS); "*": any
     chat_template: SuppliedTemplate | None = None  # rendered in place of the bundle's (--chat-template)
+    tool_call_parser: str | None = None  # how chat replies' tool calls are parsed (--tool-call-parser); None: not
 
 
 class Server:
@@ -145,11 +146,12 @@ class Server:
 
     async def _generate(self, endpoint: str, http: HttpRequest) -> Response:
         try:
-            request = protocol.parse(endpoint, await self._body_unless_cut(http), self.settings.model, self.defaults)
+            request = protocol.parse(endpoint, await self._body_unless_cut(http), self.settings.model, self.defaults,
+                                     self.settings.tool_call_parser)
             job = await self._submitted_unless_gone(http, request)
         except Exception as exc:  # a bug among them is answered (500, logged, counted) here, where the
             return self._refuse(endpoint, exc)  # connection stays usable: Starlette's last handler closes it
-        reply = Reply(endpoint, self.settings.model)
+        reply = Reply(endpoint, self.settings.model, request.parse_tools, request.parallel_tool_calls)
         if request.stream:
             return self._stream(endpoint, job, reply, request.include_usage)
         try:
@@ -267,8 +269,18 @@ class Server:
                 yield sse(reply.chunk(first=True))
             try:
                 async for delta in job:
-                    yield sse(reply.chunk(delta))
-                yield sse(reply.chunk(stats=job.stats))
+                    if reply.tool_stream is None:
+                        yield sse(reply.chunk(delta))
+                    elif content := reply.tool_stream.feed(delta):
+                        yield sse(reply.chunk(content))
+                calls = []
+                if reply.tool_stream is not None:
+                    rest, calls = reply.tool_stream.end()
+                    if rest:
+                        yield sse(reply.chunk(rest))
+                    if calls:
+                        yield sse(reply.tool_calls_chunk(calls))
+                yield sse(reply.chunk(stats=job.stats, called=bool(calls)))
                 if include_usage:
                     yield sse(reply.usage_chunk(job.stats))
                 outcome = "ok"

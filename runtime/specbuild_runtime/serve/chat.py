@@ -65,16 +65,17 @@ class ChatTemplate:
         self.takes_parts = _loops_over_content(env.parse(source))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
-               variables: dict | None = None) -> str:
+               variables: dict | None = None, tools: list[dict] | None = None) -> str:
         """The prompt for `messages` (OpenAI chat format, checked here), ending where the assistant speaks: a new
         turn's header (add_generation_prompt), or inside the last message (continue_final_message). `variables`
-        are more for the template (Qwen3's enable_thinking)."""
+        are more for the template (Qwen3's enable_thinking); `tools` (checked by tools.checked_tools) it shows as
+        the functions the model may call."""
         if not isinstance(messages, list) or not messages:
             raise RequestError("'messages' must be a non-empty list of {'role': ..., 'content': ...} objects")
         messages = [_reasoning_aliased(_message(m, i, self.takes_parts)) for i, m in enumerate(messages)]
         parsed = [_arguments_parsed(m) for m in messages]
         try:
-            return self._render(parsed, add_generation_prompt, continue_final_message, variables)
+            return self._render(parsed, add_generation_prompt, continue_final_message, variables, tools)
         except RequestError as exc:
             if parsed == messages:
                 raise
@@ -82,12 +83,12 @@ class ChatTemplate:
         # DeepSeek's templates (R1's, V3's) join a call's arguments to their text as the model writes them, JSON
         # text, and fail on the object: they get the calls as sent (vLLM answers them 400).
         try:
-            return self._render(messages, add_generation_prompt, continue_final_message, variables)
+            return self._render(messages, add_generation_prompt, continue_final_message, variables, tools)
         except RequestError:
             raise first from None
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
-                variables: dict | None) -> str:
+                variables: dict | None, tools: list[dict] | None) -> str:
         messages = list(messages)
         if continue_final_message:
             if "content" not in self.source:  # transformers' test, on the template's text
@@ -96,6 +97,8 @@ class ChatTemplate:
             messages[-1], final = _tagged(messages[-1])
         context = {"tools": None, "documents": None, **self.special_tokens, **(variables or {}), "messages": messages,
                    "add_generation_prompt": add_generation_prompt}
+        if tools:
+            context["tools"] = tools
         try:
             text = self.template.render(context)
         except jinja2.TemplateError as exc:  # the template's own raise_exception, e.g. roles must alternate
@@ -109,7 +112,8 @@ class ChatTemplate:
         if continue_final_message:
             text = _cut_at_tag(text, final)
         # any other field a template shows (a name, tool calls, a variable)
-        utf8("the prompt rendered from 'messages'" + (" and 'chat_template_kwargs'" if variables else ""), text)
+        utf8("the prompt rendered from 'messages'" + (" and 'tools'" if tools else "") +
+             (" and 'chat_template_kwargs'" if variables else ""), text)
         return text
 
     def prompt_ids(self, tokenizer, messages: list[dict], **options) -> list[int]:

@@ -21,6 +21,7 @@ from ..engine import CAPTURED_BY_DEFAULT, DEVICES
 from ..errors import SpecbuildError
 from ..manifest import runtime_version
 from .protocol import GENERATION_CONFIG_MODES
+from .tools import PARSERS
 
 
 class Finite(click.FloatRange):
@@ -139,10 +140,20 @@ class InterruptibleCommand(Interruptible, click.Command):
                    "1: sampling); vllm: OpenAI's alone; greedy: none (greedy unless a request sends a temperature). "
                    "The start-up line says which apply.")
 @chat_template_option
+@click.option("--tool-call-parser", type=click.Choice(PARSERS), default=None,
+              help="Parse chat replies' tool calls in this format, as vLLM's --tool-call-parser: hermes reads "
+                   "<tool_call>{...}</tool_call> (Qwen2.5, Qwen3, Hermes 2 Pro) into the response's tool_calls, and lets "
+                   "requests send tools with tool_choice \"auto\" (the default where tools are sent).  [default: none: "
+                   "such requests get 400; tool_choice \"none\" shows the tools and answers text]")
+@click.option("--enable-auto-tool-choice", is_flag=True,
+              help="vLLM's switch for tool_choice \"auto\", which --tool-call-parser turns on here: accepted so that "
+                   "vLLM's command line runs unchanged, and refused without --tool-call-parser, as vLLM refuses it.")
 def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel, threads, max_queue, timeout,
                   shutdown_timeout, max_connections, model_name, api_key, allowed_origins, check_digests,
-                  generation_config, chat_template) -> None:
+                  generation_config, chat_template, tool_call_parser, enable_auto_tool_choice) -> None:
     """Serve a bundle over the OpenAI HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+    if enable_auto_tool_choice and tool_call_parser is None:  # it would turn on nothing: a parser left out by mistake
+        raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser (hermes), as in vLLM")
     from ..decode import SpeculativeDecoder
     from ..engine import use_shared_thread_pool
     try:
@@ -161,7 +172,7 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
     settings = Settings(model=model_name or Path(bundle).resolve().name, max_queue=max_queue,
                         timeout=timeout or None, shutdown_timeout=shutdown_timeout, max_connections=max_connections,
                         api_key=api_key, generation_config=generation_config, allowed_origins=allowed_origins,
-                        chat_template=chat_template)
+                        chat_template=chat_template, tool_call_parser=tool_call_parser)
     server = Server(decoder, settings)
     if decoder.target.captures:  # every worker thread captures its slot's now, so that no request waits for one
         click.echo(f"capturing CUDA graphs on {parallel} slot(s) before serving...", err=True)
@@ -170,7 +181,8 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
         click.echo(f"captured {captured} CUDA graphs in {time.perf_counter() - started:.1f} s", err=True)
     where = f"[{host}]" if ":" in host else host
     click.echo(f"serving {settings.model!r} from {bundle} on http://{where}:{listener.getsockname()[1]}: "
-               f"{parallel} slot(s), queue {max_queue}; {chat_line(server.chat_template)}; {server.defaults}", err=True)
+               f"{parallel} slot(s), queue {max_queue}; {chat_line(server.chat_template)}"
+               f"{f'; tool calls parsed as {tool_call_parser}' if tool_call_parser else ''}; {server.defaults}", err=True)
     server.http_server(host, port).run(sockets=[listener])
 
 

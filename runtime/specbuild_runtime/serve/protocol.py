@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from ..decode import Stats
 from ..errors import RequestError
 from ..validation import GREEDY_BELOW, check_sampling, whole
+from .tools import HermesStream, checked_tools, parse_hermes
 
 COMPLETIONS, CHAT = "completions", "chat"
 DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: None}  # OpenAI's defaults; None: until the context is full
@@ -25,13 +26,14 @@ DECODING = ("temperature", "top_p", "top_k", "seed", "stop", "gamma")
 FIELDS = {
     COMPLETIONS: {"model", "prompt", "max_tokens", "stream", "stream_options", "n", *DECODING},
     CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n", *DECODING,
-           "chat_template_kwargs", "add_generation_prompt", "continue_final_message"},
+           "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "tools", "tool_choice"},
 }
 STREAM_OPTIONS = {"include_usage"}
 # Bookkeeping that does not change the output; safety_identifier and prompt_cache_key are what the openai
 # client tells users of `user`, which it deprecates, to send instead.
 IGNORED = {"user", "safety_identifier", "prompt_cache_key", "metadata", "store"}
-# OpenAI parameters this server does not implement: refused unless left at their neutral value, never ignored.
+# OpenAI parameters this server does not implement: refused unless left at their neutral value, never ignored
+# (tools and tool_choice only on completions: chat reads them).
 UNSUPPORTED = {"logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "presence_penalty",
                "frequency_penalty", "tools", "tool_choice", "functions", "function_call", "response_format",
                "parallel_tool_calls", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options"}
@@ -58,6 +60,7 @@ NEUTRAL = {"tool_choice": ["none"], "response_format": [{"type": "text"}], "moda
 # The runtime's names for what the API calls otherwise, to name them back in error messages.
 RUNTIME_NAMES = {"max_new_tokens": "max_tokens"}
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "context": "length"}
+TOOL_CALLS = "tool_calls"  # the finish reason of a reply whose calls were parsed, whatever ended it (vLLM's)
 
 
 # serve --generation-config: where a request that omits temperature, top_p or top_k gets them. vLLM's two modes
@@ -182,11 +185,14 @@ class Request:
     decoding: dict  # temperature, top_p, top_k, seed, stop, gamma as the runtime names them
     stream: bool
     include_usage: bool
-    # chat: ChatTemplate.render's add_generation_prompt, continue_final_message and variables
+    # chat: ChatTemplate.render's add_generation_prompt, continue_final_message, variables and tools
     chat: dict = field(default_factory=dict)
+    parse_tools: bool = False  # chat: the reply's text is parsed for tool calls (tool_choice "auto")
+    parallel_tool_calls: bool = True  # false: the first call alone is answered, as vLLM filters them
 
 
-def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults) -> Request:
+def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser: str | None = None) -> Request:
+    """The request `raw` as this server decodes it; `tool_parser` is serve's --tool-call-parser (None: none)."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -199,7 +205,7 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults) -> Request:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name, value in body.items():
-        if name in UNSUPPORTED and not _neutral(name, value):
+        if name in UNSUPPORTED - FIELDS[endpoint] and not _neutral(name, value):
             raise ApiError(400, f"'{name}' is not supported by this server", name)
         if name not in FIELDS[endpoint] | IGNORED | UNSUPPORTED:
             raise ApiError(400, f"unrecognized request argument: '{name}'", name)
@@ -242,10 +248,46 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults) -> Request:
             raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true (a new assistant "
                                 "turn, or the last message continued); add_generation_prompt is true unless sent "
                                 "false: send \"add_generation_prompt\": false with it", "continue_final_message")
+        tools, parse_tools = _tools(body, tool_parser)
         chat = {"add_generation_prompt": generation_prompt, "continue_final_message": continue_final,
-                "variables": _template_variables(body, generation_prompt, continue_final)}
-        return Request(CHAT, None, body["messages"], max_tokens, decoding, stream, include_usage, chat)
+                "variables": _template_variables(body, generation_prompt, continue_final), "tools": tools}
+        return Request(CHAT, None, body["messages"], max_tokens, decoding, stream, include_usage, chat, parse_tools,
+                       body.get("parallel_tool_calls") is not False)
     return Request(COMPLETIONS, _one_prompt(body), None, max_tokens, decoding, stream, include_usage)
+
+
+def _tools(body: dict, tool_parser: str | None) -> tuple[list[dict] | None, bool]:
+    """The tools the chat template shows, and whether the reply is parsed for calls, as vLLM decides them:
+    tool_choice is "auto" where tools are sent without one (else "none"); "none" shows the tools all the same
+    (vLLM's default) and leaves the reply as text; "auto" parses it, which needs the server's --tool-call-parser.
+    "required" and a named function vLLM forces with guided decoding, which this server does not have: refused."""
+    try:
+        tools = checked_tools(body.get("tools"))
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "tools") from None
+    choice = body.get("tool_choice")
+    if choice in (None, "", [], {}):  # as absent, as the other fields' empty values are (clients send them)
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return tools, False
+    named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+    if choice not in ("auto", "required") and not named:
+        raise ApiError(400, f"tool_choice must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", "
+                            f"\"function\": {{\"name\": ...}}}}, not {_json(choice)}", "tool_choice")
+    if not tools:
+        raise ApiError(400, f"tool_choice {_json(choice)} needs tools: send them as 'tools' (a list of functions), "
+                            "as vLLM asks", "tool_choice")
+    if choice != "auto":
+        which = "\"required\"" if choice == "required" else "naming a function"
+        raise ApiError(400, f"tool_choice {which} is not supported by this server: vLLM forces such a call with "
+                            "guided decoding, which it does not have; send \"auto\" (the model decides, and the reply's "
+                            "calls are parsed) and ask for the call in the messages", "tool_choice")
+    if tool_parser is None:
+        raise ApiError(400, "\"auto\" tool choice (the default where tools are sent) needs the server to parse the "
+                            "reply's tool calls: start it with --tool-call-parser hermes (vLLM's --enable-auto-tool-choice "
+                            "--tool-call-parser hermes), or send \"tool_choice\": \"none\" to show the tools and get "
+                            "text", "tool_choice" if "tool_choice" in body else "tools")
+    return tools, True
 
 
 def _first_given(body: dict, *names: str):
@@ -301,37 +343,58 @@ def _template_variables(body: dict, generation_prompt: bool, continue_final: boo
             raise ApiError(400, f"chat_template_kwargs.{name} is {_json(value)}, but the request's {name} is "
                                 f"{_json(flags[name])} and wins, as in vLLM: send \"{name}\": {_json(value)} as a "
                                 "request field instead", "chat_template_kwargs")
-        if name == "tools" and value not in (None, []):  # as the request field: tool calling is not implemented
-            raise ApiError(400, "chat_template_kwargs.tools is not supported by this server", "chat_template_kwargs")
+        if name == "tools" and value not in (None, []):  # unchecked there, and the reply's calls would go unparsed
+            raise ApiError(400, "chat_template_kwargs.tools is not taken: send the tools as the request's 'tools' "
+                                "field", "chat_template_kwargs")
     return {name: value for name, value in variables.items() if name not in flags}
 
 
 class Reply:
-    """Builds the bodies of one request's response: a whole one, or stream chunks."""
+    """Builds the bodies of one request's response: a whole one, or stream chunks. With `parse_tools` (a chat whose
+    tool_choice is "auto"), the text's tool calls are parsed out of it (see tools.py); a stream's text goes through
+    `tool_stream`, and its calls come as tool_calls_chunk. Without `parallel_tool_calls`, the first call alone is
+    answered (a model asked for one may write more: vLLM keeps the first)."""
 
-    def __init__(self, endpoint: str, model: str):
+    def __init__(self, endpoint: str, model: str, parse_tools: bool = False, parallel_tool_calls: bool = True):
         self.endpoint, self.model = endpoint, model
         self.id = ("chatcmpl-" if endpoint == CHAT else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.parse_tools = parse_tools
+        self.tool_stream = HermesStream() if parse_tools else None
+        self.most_calls = None if parallel_tool_calls else 1
 
     def whole(self, text: str, stats: Stats) -> dict:
         finish = FINISH_REASONS[stats.finish_reason]
         if self.endpoint == CHAT:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+            message = {"role": "assistant", "content": text}
+            if self.parse_tools:
+                content, calls = parse_hermes(text)
+                message = {"role": "assistant", "content": content,
+                           **({TOOL_CALLS: calls[:self.most_calls]} if calls else {})}
+                finish = TOOL_CALLS if calls else finish
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         return {**self._head("chat.completion" if self.endpoint == CHAT else "text_completion"),
                 "choices": [choice], "usage": usage(stats)}
 
-    def chunk(self, text: str | None = None, stats: Stats | None = None, first: bool = False) -> dict:
-        """A delta of text; with `stats`, the closing chunk that carries the finish reason."""
-        finish = FINISH_REASONS[stats.finish_reason] if stats else None
+    def chunk(self, text: str | None = None, stats: Stats | None = None, first: bool = False,
+              called: bool = False) -> dict:
+        """A delta of text; with `stats`, the closing chunk that carries the finish reason ("tool_calls" where
+        `called`: tool calls were sent)."""
+        finish = (TOOL_CALLS if called else FINISH_REASONS[stats.finish_reason]) if stats else None
         if self.endpoint == CHAT:
             delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice]}
+
+    def tool_calls_chunk(self, calls: list[dict]) -> dict:
+        """A chat stream's tool calls, each whole in one delta (its "index" tells the client's accumulator which)."""
+        delta = {TOOL_CALLS: [{"index": index, **call} for index, call in enumerate(calls[:self.most_calls])]}
+        return {**self._head("chat.completion.chunk"),
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
 
     def usage_chunk(self, stats: Stats) -> dict:
         """stream_options.include_usage: a last chunk with no choices and the usage."""
