@@ -12,7 +12,7 @@ from specbuild.compile.load import ARCHITECTURES, load_checkpoint
 from specbuild.errors import UnsupportedModelError
 from specbuild.recipe import CompileSettings
 from specbuild.reference import load_reference, transformers_greedy
-from specbuild_runtime import SpeculativeDecoder
+from specbuild_runtime import BundleError, SpeculativeDecoder
 
 # The families test_exactness.py does not cover; windows of 8 positions, so 40 tokens pass them.
 FAMILIES = ["llama3", "mistral-window", "qwen2-window", "qwen3", "phi3", "gemma2", "gemma3"]
@@ -109,19 +109,15 @@ LONGROPE = dict(rope_type="longrope", short_factor=[1.0 + 0.1 * i for i in range
                 long_factor=[2.0 + 0.5 * i for i in range(8)], original_max_position_embeddings=16)
 
 
-@pytest.mark.parametrize("family,settings", [
-    ("phi3", {}),  # Phi-3 recomputes its cache with the long factors when generation crosses the length
-    ("llama", {"rope_scaling": LONGROPE}),  # Llama keeps the keys it cached with the short ones
-])
-def test_a_longrope_target_longer_than_its_original_length_is_refused_before_anything_is_written(
-        family, settings, checkpoints, tokenizer, tmp_path):
-    """transformers picks the short or long factors by the sequence's length, which one rotary table indexed by
-    position cannot follow: with the long factors throughout, such a bundle decoded other tokens than
-    transformers for every prompt of up to 16 tokens."""
-    target = make_checkpoint(tmp_path / "target", family, tokenizer, original_max_position_embeddings=16, **settings)
+def test_a_llama_longrope_target_longer_than_its_original_length_is_refused_before_anything_is_written(
+        checkpoints, tokenizer, tmp_path):
+    """transformers' Llama rotates a sequence up to the original length with the short factors and later positions
+    with the long ones, keeping the keys it cached with the short ones: no engine reproduces that mix (Phi-3, which
+    recomputes its cache there, compiles: below)."""
+    target = make_checkpoint(tmp_path / "target", "llama", tokenizer, rope_scaling=LONGROPE)
     out = tmp_path / "b"
     with pytest.raises(UnsupportedModelError, match="LongRoPE original_max_position_embeddings \\(16\\)") as caught:
-        compile_bundle(CompileSettings(target=target, draft=checkpoints(family, seed=1), output=out, max_seq_len=17),
+        compile_bundle(CompileSettings(target=target, draft=checkpoints("llama", seed=1), output=out, max_seq_len=17),
                        show_progress=False)
     assert "--max-seq-len (or a recipe's max_seq_len) of 16 or less" in str(caught.value) and "\n" not in str(caught.value)
     assert not out.exists() and sorted(tmp_path.iterdir()) == [target]
@@ -129,11 +125,11 @@ def test_a_longrope_target_longer_than_its_original_length_is_refused_before_any
 
 def test_a_longrope_target_decodes_like_transformers_to_its_default_context_its_original_length(
         checkpoints, tokenizer, tmp_path):
-    """The default context stops at the original length, where the short factors hold throughout. A draft may
-    pass its own (its rotation only changes which drafts are proposed)."""
-    target = checkpoints("phi3", original_max_position_embeddings=16)
-    draft = checkpoints("phi3", seed=1, original_max_position_embeddings=8)
-    compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b"), show_progress=False)
+    """A Llama LongRoPE target's default context stops at the original length, where the short factors hold
+    throughout. A draft may pass its own (its rotation only changes which drafts are proposed)."""
+    target = make_checkpoint(tmp_path / "target", "llama", tokenizer, rope_scaling=LONGROPE)
+    compile_bundle(CompileSettings(target=target, draft=checkpoints("phi3", seed=1, original_max_position_embeddings=8),
+                                   output=tmp_path / "b"), show_progress=False)
     decoder, model = SpeculativeDecoder(tmp_path / "b"), load_reference(target)
     assert decoder.max_seq_len == 16
     decoder.eos_token_ids = set()
@@ -142,3 +138,142 @@ def test_a_longrope_target_decodes_like_transformers_to_its_default_context_its_
         expected = transformers_greedy(model, ids, 17 - len(ids), [])  # to the end of the context
         for gamma in (0, 4):
             assert decoder.generate(ids, 64, gamma).token_ids == expected, (gamma, prompt)
+
+
+# A Phi-3 LongRoPE target of original length 16 in a context of 64: prompts short of it, ending at it and past it.
+PHI3_CONTEXT, PHI3_PROMPTS = 64, (5, 15, 16, 17, 30)
+
+
+@pytest.fixture(scope="module")
+def phi3_longrope(checkpoints, tokenizer, tmp_path_factory):
+    """(bundle, target checkpoint): the draft a Phi-3 of original length 8, on its own long table."""
+    target = checkpoints("phi3", original_max_position_embeddings=16)
+    draft = checkpoints("phi3", seed=1, original_max_position_embeddings=8)
+    out = tmp_path_factory.mktemp("phi3-longrope") / "b"
+    compile_bundle(CompileSettings(target=target, draft=draft, output=out, max_seq_len=PHI3_CONTEXT), show_progress=False)
+    return out, target
+
+
+def phi3_prompt(tokenizer, length: int) -> list[int]:
+    ids = tokenizer("".join(PROMPTS))["input_ids"][:length]
+    assert len(ids) == length
+    return ids
+
+
+def test_a_phi3_longrope_target_decodes_like_transformers_through_its_original_length(phi3_longrope, tokenizer):
+    """transformers' Phi-3 rotates with the short factors while the sequence fits the original length (16) and
+    recomputes its whole cache with the long ones once it passes it, so each token is what one cache-less
+    forward over the tokens before it gives (checked here too). The bundle switches tables there, re-feeding its
+    cache once: the same tokens at every γ, from prompts short of, at and past the length, to the end of the
+    context; with the GPU's fixed-row calls and the CUDA-graph path's greedy-only graphs too."""
+    import torch
+
+    from specbuild_runtime.slot import fixed_rows
+
+    bundle, target = phi3_longrope
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["engines"]["target"]["rope_switch_length"] == 16
+    assert manifest["engines"]["draft"]["rope_switch_length"] == 0
+    model = load_reference(target)
+    normal = SpeculativeDecoder(bundle)
+    fixed = SpeculativeDecoder(bundle, target_rows=fixed_rows(normal.max_gamma))
+    graphs = SpeculativeDecoder(bundle, cuda_graphs=True, target_rows=fixed_rows(normal.max_gamma))
+    for engine in (graphs.target, graphs.draft):
+        engine.captures = True  # graph ids named as on CUDA
+    for length in PHI3_PROMPTS:
+        ids = phi3_prompt(tokenizer, length)
+        expected = transformers_greedy(model, ids, PHI3_CONTEXT + 1 - length, [])  # to the end of the context
+        if length == PHI3_PROMPTS[0]:  # transformers' generate is cache-less forwards, short then long
+            context = list(ids)
+            with torch.no_grad():
+                for _ in expected:
+                    context.append(int(model(torch.tensor([context]), use_cache=False).logits[0, -1].argmax()))
+            assert context[length:] == expected
+        for decoder in (normal, fixed, graphs):
+            decoder.eos_token_ids = set()
+            for gamma in (0, 1, 3, 4, 8, "auto"):
+                result = decoder.generate(ids, PHI3_CONTEXT, gamma)
+                assert result.token_ids == expected, (length, gamma, decoder.target.path.name, decoder.slots.size)
+                assert result.stats.finish_reason == "context"
+
+
+def test_a_phi3_longrope_target_samples_as_its_own_distribution_through_its_original_length(phi3_longrope, tokenizer):
+    """Target-only sampling draws each token from the target's distribution given the tokens before it, short
+    factors then long, with the run's uniforms (the graph's rule: the first token whose running sum passes u);
+    speculative rounds at every γ draw the same tokens with the full graphs, the GPU's fixed-row calls and the
+    greedy-only graphs with the bundle's sampler (each verified row is the target's row, as greedy proves)."""
+    import numpy as np
+    import torch
+
+    from specbuild_runtime.slot import fixed_rows
+
+    bundle, target = phi3_longrope
+    model = load_reference(target)
+    normal = SpeculativeDecoder(bundle)
+    others = [SpeculativeDecoder(bundle, target_rows=fixed_rows(normal.max_gamma)), SpeculativeDecoder(bundle, cuda_graphs=True)]
+    for decoder in (normal, *others):
+        decoder.eos_token_ids = set()
+    for seed, length in enumerate((5, 16, 17)):
+        ids = phi3_prompt(tokenizer, length)
+        tokens = normal.generate(ids, PHI3_CONTEXT, 0, temperature=0.8, seed=seed).token_ids
+        rng, context = np.random.default_rng(seed), list(ids)
+        with torch.no_grad():
+            for token in tokens:
+                logits = model(torch.tensor([context]), use_cache=False).logits[0, -1].double().numpy() / 0.8
+                p = np.exp(logits - logits.max())
+                cdf = np.cumsum(p / p.sum())
+                u = float(rng.random(1, dtype=np.float32)[0])
+                assert token == min(int((cdf <= u * cdf[-1]).sum()), len(cdf) - 1), (length, len(context))
+                context.append(token)
+        for gamma in (1, 3, 4, 8):
+            expected = normal.generate(ids, PHI3_CONTEXT, gamma, temperature=0.8, seed=seed).token_ids
+            assert len(expected) == PHI3_CONTEXT + 1 - length
+            for decoder in others:
+                assert decoder.generate(ids, PHI3_CONTEXT, gamma, temperature=0.8, seed=seed).token_ids == expected, (length, gamma)
+
+
+def test_a_phi3_longrope_targets_table_choice_reaches_the_engine_when_host_and_engine_memory_are_apart(
+        phi3_longrope, tokenizer, monkeypatch):
+    """On a GPU `long_rope` is a device buffer written in place when the sequence passes the length (as a CUDA
+    graph replays it): kept apart from its host array here, a missing push would decode the short table's tokens."""
+    from specbuild_runtime import slot
+    from specbuild_runtime.slot import fixed_rows
+
+    bundle, _ = phi3_longrope
+    normal = SpeculativeDecoder(bundle)
+    ids = phi3_prompt(tokenizer, 5)
+    expected = {gamma: normal.generate(ids, PHI3_CONTEXT, gamma).token_ids for gamma in (0, 4)}
+
+    def apart(self, host, device):
+        self.host, self.device = host, device
+        self.value = slot.ort.OrtValue.ortvalue_from_numpy(host.copy(), device, 0)
+        self.shared = False
+
+    monkeypatch.setattr(slot.Buffer, "__init__", apart)
+    device_like = SpeculativeDecoder(bundle, target_rows=fixed_rows(normal.max_gamma), cuda_graphs=True, draft_steps=True)
+    for gamma, tokens in expected.items():
+        assert device_like.generate(ids, PHI3_CONTEXT, gamma).token_ids == tokens, gamma
+        assert device_like.generate(ids, PHI3_CONTEXT, gamma).token_ids == tokens, gamma  # the slot again, from long
+
+
+def test_a_phi3_longrope_engine_and_a_manifest_that_disagree_on_its_switch_are_refused_at_load(phi3_longrope, tmp_path):
+    bundle, _ = phi3_longrope
+    edited = tmp_path / "b"
+    shutil.copytree(bundle, edited)
+    manifest = json.loads((edited / "manifest.json").read_text())
+    manifest["engines"]["target"]["rope_switch_length"] = 0
+    (edited / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="'long_rope' input"):
+        SpeculativeDecoder(edited, check_digests=False)
+
+
+def test_a_phi3_longrope_targets_default_context_is_the_usual_one_past_its_original_length(checkpoints, tmp_path):
+    """min(2048, max_position_embeddings) as for other targets (512 here): its engine switches tables at 16."""
+    from specbuild.compile.load import rope_switch_length
+    from specbuild.compile.pipeline import _max_seq_len
+
+    path = checkpoints("phi3", original_max_position_embeddings=16)
+    target = load_checkpoint(path, "target")
+    assert _max_seq_len(CompileSettings(target=path, draft=path, output=tmp_path / "b"), target) == 512
+    assert rope_switch_length(target, "target", 512) == 16
+    assert rope_switch_length(target, "target", 16) == rope_switch_length(target, "draft", 512) == 0

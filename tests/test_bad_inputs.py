@@ -109,10 +109,13 @@ def a_weight_beyond_fp16(folder: Path) -> None:
 
 
 def a_longrope_target(paths: dict) -> None:
-    """A Phi-3 target whose LongRoPE original length (16) is below the case's --max-seq-len 64."""
+    """A Llama target with LongRoPE whose original length (16) is below the case's --max-seq-len 64 (a Phi-3 one
+    compiles: its engine switches tables there, as transformers' Phi-3 recomputes its cache)."""
     from conftest import make_checkpoint, make_tokenizer
 
-    paths["target"] = make_checkpoint(Path(paths["tmp"]) / "phi3", "phi3", make_tokenizer(), original_max_position_embeddings=16)
+    paths["target"] = make_checkpoint(Path(paths["tmp"]) / "llama-longrope", "llama", make_tokenizer(), rope_scaling=dict(
+        rope_type="longrope", short_factor=[1.0 + 0.1 * i for i in range(8)], long_factor=[2.0 + 0.5 * i for i in range(8)],
+        original_max_position_embeddings=16))
 
 
 def a_nan_weight(folder: Path) -> None:
@@ -300,7 +303,8 @@ CASES = [
          "context holds 3 tokens", "Give a `--max-seq-len` above `--gamma` (contexts are hundreds of tokens or more)."),
     Case("`--max-seq-len` beyond the model's positions", compile_args("{tmp}/bundle", "--max-seq-len", "4096"), 1,
          "max_position_embeddings", "Use the largest length the message names, or less."),
-    Case("`--max-seq-len` beyond a LongRoPE target's original length (Phi-3 128k past 4096)", compile_args(), 1,
+    Case("`--max-seq-len` beyond a LongRoPE target's original length (a Llama with rope_type longrope; Phi-3 compiles)",
+         compile_args(), 1,
          "LongRoPE original_max_position_embeddings", "Use the length the message names, or less (the default stops there).",
          setup=a_longrope_target),
     Case("`--backend tensorrt-llm` (or `all`) with a context too short for the measuring prompts",

@@ -445,6 +445,7 @@ class SpeculativeDecoder:
         policy = self._policy(slot, request)
         target = slot.target
         max_len, max_new_tokens = self.max_seq_len, request.max_new_tokens
+        switch = target.rope_switch
         positions = self.max_gamma if request.gamma == AUTO else request.gamma
         ids = list(request.prompt_ids)
         stats.prompt_tokens = len(ids)
@@ -481,6 +482,11 @@ class SpeculativeDecoder:
                     return
             # No more drafts than the request or the cache has room for.
             room = min(max_new_tokens - stats.generated_tokens - 1, max_len - len(ids))
+            if switch and len(ids) <= switch:
+                # LongRoPE: a round up to the original length stops there, the next one begins past it, so that no
+                # call has rows on both sides (slot.EngineSlot._choose_rope), and the first call past it begins at that
+                # length (position O: the target's token of a round ending at O) in every mode.
+                room = min(room, switch - len(ids))
             k = policy.choose(room)
             # A normal round feeds the draft the target's token (and the last accepted draft); more means
             # it is catching up on the prompt or on rounds without drafts.

@@ -38,6 +38,11 @@ float type (fp32, fp16 or bf16; see EngineInfo.precision):
          uniforms       f32 [D+1]       random numbers: D to judge the drafts, one to draw the next token
          past_key.{i}, past_value.{i}   F [1, kv_heads, max_seq_len, head_dim], the KV buffers, bound
                                         in place (the same buffers as the present outputs)
+         long_rope      int64 []        (a target whose EngineInfo.rope_switch_length is set, and only
+                                        there; its engine and greedy-only graph) 1: rotate with LongRoPE's
+                                        long factors, 0: the short ones; 1 for every call of a sequence
+                                        longer than rope_switch_length (the runtime re-feeds the cache
+                                        when decoding crosses that length), 0 for a shorter one
     out  accepted       int64 []        leading drafts accepted (greedy: equal to the model's argmax), each
                                         judged on a row of finite logits
          next_token     int64 []        the model's token after the accepted drafts, or not_finite_token (-1)
@@ -75,6 +80,9 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers >= 4.47 saves the tem
 # to count).
 MAX_GAMMA = 32
 PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+LONG_ROPE = "long_rope"  # the input choosing a LongRoPE target's rotary table (EngineInfo.rope_switch_length)
 
 
 def cache_names(num_layers: int) -> list[tuple[str, str]]:
@@ -125,6 +133,10 @@ class EngineInfo:
     # next_token where the logits hold NaN or +inf (an fp16 engine that overflows); None in bundles made before
     # it, whose engines then decode token 0 from NaN probabilities (and an older runtime refuses the key).
     not_finite_token: int | None = None
+    # (target) LongRoPE's original_max_position_embeddings where max_seq_len is beyond it (Phi-3 128k, Phi-4-mini): a
+    # sequence up to this length rotates with the short factors, a longer one with the long factors at every
+    # position, chosen per call by the `long_rope` input (0: one table, no such input; bundles made before it).
+    rope_switch_length: int = 0
 
     @property
     def bytes_per_call(self) -> int:
@@ -259,6 +271,9 @@ def _check_values(manifest: "Manifest") -> None:
             raise ValueError(f"engines.{role}.precision is {engine.precision!r}, not one of {', '.join(PRECISIONS)}")
         if any(n < 1 for n in vars(engine.shape).values()):
             raise ValueError(f"engines.{role}.shape has a size below 1")
+        if engine.rope_switch_length and not (role == "target" and 1 <= engine.rope_switch_length < manifest.max_seq_len):
+            raise ValueError(f"engines.{role}.rope_switch_length is {engine.rope_switch_length}; a target's must be from 1 "
+                             f"to below max_seq_len ({manifest.max_seq_len}), a draft's 0")
         opened += [name for name in (engine.file, engine.greedy_file, engine.steps_file) if name]
     for name in opened:
         if name not in manifest.files:

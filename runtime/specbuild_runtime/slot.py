@@ -19,7 +19,7 @@ import onnxruntime as ort
 
 from .engine import Engine
 from .errors import BundleError, DeviceError, RequestError, first_line
-from .manifest import step_presents, step_total_len
+from .manifest import LONG_ROPE, step_presents, step_total_len
 
 MAX_REUSED_IDS = 64  # calls of up to this many tokens (drafting, verifying) reuse one buffer per length
 # onnxruntime counts the runs before a capture per thread, not per graph: once a thread has run twice it
@@ -211,6 +211,11 @@ class EngineSlot:
         self._ids: dict[int, Buffer] = {}  # tokens per call -> buffer
         self._bound = {"input_ids": 0, "uniforms": 0, "draft_probs": -1, "logits": -1}  # the size each is bound at
         self._fed = [0] * engine.max_seq_len  # the token at each cache position, to re-feed (a list: cheaper per call)
+        # A LongRoPE target past its original length (manifest: rope_switch_length): the table the next call rotates
+        # with (its `long_rope` input) and the one the cache was written with (see step).
+        self.rope_switch = engine.info.rope_switch_length if not engine.steps else 0
+        self._long_rope = self._input(LONG_ROPE, np.zeros((), np.int64)) if self.rope_switch else None
+        self._use_long = self._cache_long = False
         self._redo_from = engine.max_seq_len  # the next call starts no later than this (see Rows)
         self._graphs = CudaGraphs(engine)
         if engine.greedy_only:
@@ -278,11 +283,13 @@ class EngineSlot:
         the distribution it sampled from into row probs_row of probs_rows.
         """
         start = total_len - len(tokens)
+        self._fed[start:total_len] = tokens
+        if self.rope_switch:
+            self._choose_rope(start, total_len)
         least = self.rows.least
         first = max(0, min(start, total_len - least, self._redo_from))
         if self.rows.even and (total_len - first) % 2 and first > 0:
             first -= 1
-        self._fed[start:total_len] = tokens
         if self.chunk and not num_drafts:  # chunked prefill, leaving at least `least` rows to the calls below
             while total_len - first >= self.chunk + least:
                 self._run(first, first + self.chunk, 0, None, probs_row)
@@ -294,6 +301,31 @@ class EngineSlot:
             first = total_len - least
         self._redo_from = first if total_len - first < least else self.engine.max_seq_len
         return self._run(first, total_len, num_drafts, uniforms, probs_row)
+
+    def _choose_rope(self, start: int, total_len: int) -> None:
+        """LongRoPE as transformers decodes with it: a sequence of up to rope_switch_length tokens rotates with
+        the short factors, a longer one with the long factors at every position (Phi-3's generate recomputes
+        its whole cache when the sequence first passes that length). So every call of a longer sequence
+        rotates with the long table, and the first one over a cache written with the short table re-feeds
+        positions 0..start-1 first, as a prompt's head (no decision reads those calls), rewriting the cache
+        (and the other way round for a sequence cut back to the length, which only a caller rolling back
+        as bench's context timing does makes).
+
+        A call's rows all use one table: the decoder keeps each round's rows on one side of the length
+        (decode.SpeculativeDecoder._speculate), so that every row a decision reads is rotated as
+        transformers rotates the sequence that row predicts after."""
+        self._use_long = total_len > self.rope_switch
+        if start and self._use_long != self._cache_long:
+            self._refeed(start)
+        self._cache_long = self._use_long
+
+    def _refeed(self, end: int) -> None:
+        """Positions 0..end-1 again from the tokens the cache holds (chunked as a long prompt is), no decision read."""
+        first = 0
+        while self.chunk and end - first > self.chunk:
+            self._run(first, first + self.chunk, 0, None, 0)
+            first += self.chunk
+        self._run(first, end, 0, None, 0)
 
     def output(self, name: str) -> np.ndarray:
         """An output of the last call beyond the engine contract (Engine.extra_outputs), e.g. the logits of
@@ -314,6 +346,9 @@ class EngineSlot:
         if self._copies:
             for buffer in (self._total_len, self._seqlens_k, self._num_drafts):
                 buffer.push()
+        if self._long_rope is not None and self._long_rope.host[()] != self._use_long:  # changes once a sequence, at most
+            self._long_rope.host[()] = int(self._use_long)
+            self._long_rope.push()
         if self.sampling:
             self._bind_uniforms(num_drafts + 1, uniforms)
             if self._draft_probs is not None:

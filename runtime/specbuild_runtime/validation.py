@@ -15,7 +15,7 @@ from typing import Union
 import numpy as np
 
 from .errors import BundleError, RequestError
-from .manifest import cache_names, step_presents, step_total_len
+from .manifest import LONG_ROPE, cache_names, step_presents, step_total_len
 
 AUTO = "auto"
 # OpenAI's API takes 4, vLLM any number; editors' completion plugins send more than 4 (their file and
@@ -221,6 +221,10 @@ def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int, g
           "greedy": {**INPUTS, **OUTPUTS, **GREEDY_OUTPUTS},
           "steps": {"input_ids": INPUTS["input_ids"], "seqlens_k": INPUTS["seqlens_k"], "drafts": "tensor(int64)",
                     **{step_total_len(j): INPUTS["total_len"] for j in range(steps)}}}[graph]
+    if graph != "steps" and info.rope_switch_length:
+        io[LONG_ROPE] = "tensor(int64)"
+    elif LONG_ROPE in inputs:
+        fail(f"it has a {LONG_ROPE!r} input, which the manifest's engine (no rope_switch_length) lacks")
     expected = {**io, **{name: CACHE_TYPES[info.precision] for name in cache}}
     found = {**inputs, **outputs}
     for name, onnx_type in expected.items():

@@ -534,15 +534,33 @@ def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
             f"{spec.max_position_embeddings} or less"
         )
     original = longrope_length(ckpt.config)
-    # The draft's rotation only changes which drafts are proposed, never the output.
-    if role == "target" and original is not None and max_seq_len > original:
+    # The draft's rotation only changes which drafts are proposed, never the output. A Phi-3 target switches
+    # tables at runtime (rope_switch_length).
+    if role == "target" and original is not None and max_seq_len > original and not rope_switch_length(ckpt, role, max_seq_len):
         raise UnsupportedModelError(
             f"max_seq_len {max_seq_len} exceeds the target's LongRoPE original_max_position_embeddings ({original}): "
-            "transformers rotates a sequence up to that length with the short factors and a longer one with the long "
-            "factors (Phi-3 recomputes the whole cache when generation crosses it), which one rotary table cannot "
-            f"reproduce, so the bundle would decode other tokens; give --max-seq-len (or a recipe's max_seq_len) of "
-            f"{original} or less"
+            f"transformers' {ckpt.spec.architecture} rotates a sequence up to that length with the short factors and "
+            "later positions with the long ones, keeping the keys it cached with the short ones (only Phi-3 recomputes "
+            "its cache there, which specbuild reproduces), so the bundle would decode other tokens; give --max-seq-len "
+            f"(or a recipe's max_seq_len) of {original} or less"
         )
+
+
+def rope_switch_length(ckpt: Checkpoint, role: str, max_seq_len: int) -> int:
+    """The length past which a target's engine rotates with LongRoPE's long factors (0: one rotary table).
+
+    transformers' Phi-3 rotates a sequence of up to original_max_position_embeddings tokens with the short
+    factors and a longer one with the long factors at every position: its generate drops the cache when the
+    sequence first passes that length and recomputes it, so each token is what one forward over the tokens
+    before it gives. The engine holds both tables and the runtime chooses per call, re-feeding the cache
+    there (specbuild_runtime.slot.EngineSlot._choose_rope). Only where the length that recomputes (the
+    config's own original_max_position_embeddings) is the length that switches factors. Llama with
+    longrope keeps the keys it cached with the short factors, which no re-feed reproduces: refused."""
+    original = longrope_length(ckpt.config)
+    if (role != "target" or original is None or max_seq_len <= original or ckpt.spec.architecture != "Phi3ForCausalLM"
+            or getattr(ckpt.config, "original_max_position_embeddings", None) != original):
+        return 0
+    return original
 
 
 def longrope_length(config) -> int | None:

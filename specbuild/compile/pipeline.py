@@ -27,8 +27,8 @@ from .bundle import staged_bundle, write_manifest
 from .export import export_engine, write_sampler
 from .graphs import check_every_tensor_used
 from .graphs.verification import NOT_FINITE
-from .load import (Checkpoint, check_context, eos_token_ids, load_checkpoint, longrope_length, sampling_defaults,
-                   validate_pair)
+from .load import (Checkpoint, check_context, eos_token_ids, load_checkpoint, longrope_length, rope_switch_length,
+                   sampling_defaults, validate_pair)
 from .precision import DEFAULT_ACCURACY_LEVEL, Numerics
 from .quality import measure_quality, quality_texts
 
@@ -79,7 +79,8 @@ def _compile(settings: CompileSettings, stages: "_Stages") -> Manifest:
         engines = {role: export_engine(ckpt, role, folder, max_seq_len, numerics[role],
                                        vocab_size=target.spec.shape.vocab_size,
                                        draft_steps=_draft_steps(settings.gamma) if role == "draft" else 0,
-                                       tokens=tokens if role == "draft" else None)
+                                       tokens=tokens if role == "draft" else None,
+                                       rope_switch=rope_switch_length(ckpt, role, max_seq_len))
                    for role, ckpt in checkpoints.items() if onnx}
         sampler = write_sampler(folder) if onnx else ""
 
@@ -174,7 +175,7 @@ def check_engine(path: Path, info: EngineInfo, max_seq_len: int) -> None:
             "input_ids": np.zeros((1, 1), np.int64), "seqlens_k": np.zeros(1, np.int32), "total_len": np.array(1, np.int32),
             "num_drafts": np.array(0, np.int64), "temperature": np.array(0, np.float32), "top_k": np.array(0, np.int64),
             "top_p": np.array(1, np.float32), "draft_probs": np.zeros((0, vocab), np.float32),
-            "uniforms": np.zeros(1, np.float32),
+            "uniforms": np.zeros(1, np.float32), "long_rope": np.array(0, np.int64),
             **{past: cache for past, _ in cache_names(shape.num_layers)},
         }
         feeds.update({i.name: np.array(1 + int(i.name.split(".")[1]), np.int32) for i in session.get_inputs()
@@ -222,8 +223,11 @@ def check_sampler(path: Path, vocab: int) -> None:
 
 
 def _max_seq_len(settings: CompileSettings, target: Checkpoint) -> int:
-    # A LongRoPE target's default stops at its original length too (check_context says why).
-    longest = min(target.spec.max_position_embeddings, longrope_length(target.config) or target.spec.max_position_embeddings)
+    # A LongRoPE target's default stops at its original length too (check_context says why), but for one whose
+    # engine switches tables there (Phi-3)
+    longest = target.spec.max_position_embeddings
+    if not rope_switch_length(target, "target", longest):
+        longest = min(longest, longrope_length(target.config) or longest)
     max_seq_len = settings.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, longest)
     if settings.gamma >= max_seq_len:  # a round of γ drafts and the target's token must fit in the context
         raise SettingsError(f"gamma {settings.gamma} drafts a round but the context holds {max_seq_len} tokens; "

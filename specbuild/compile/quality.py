@@ -47,7 +47,8 @@ def measure_quality(folder: Path, scratch: Path, engines: dict[str, EngineInfo],
             continue
         # the rows the engine has, reading the target's ids past them as it does
         references[role] = export_engine(checkpoints[role], role, scratch, max_seq_len, Numerics(),
-                                         vocab_size=engines["target"].shape.vocab_size, tokens=info.shape.vocab_size)
+                                         vocab_size=engines["target"].shape.vocab_size, tokens=info.shape.vocab_size,
+                                         rope_switch=info.rope_switch_length)
         info.quality = quality_report(scratch, references[role], folder, info, prompts, heldout)
     if not references:
         return

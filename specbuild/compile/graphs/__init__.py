@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import onnx_ir as ir
 
-from specbuild_runtime.manifest import cache_names, step_presents, step_total_len
+from specbuild_runtime.manifest import LONG_ROPE, cache_names, step_presents, step_total_len
 
 from ...errors import UnsupportedModelError
 from ..load import Checkpoint
@@ -38,7 +38,7 @@ __all__ = ["LOGITS", "build_decoder", "build_draft_steps", "build_sampler", "che
 
 def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_size: int | None = None,
                   with_logits: bool = False, progress: Callable[[int], None] = lambda nbytes: None,
-                  sampling: bool = True, tokens: int | None = None) -> ir.Model:
+                  sampling: bool = True, tokens: int | None = None, rope_switch: int = 0) -> ir.Model:
     """The engine graph for one model (see specbuild_runtime.manifest for its I/O contract).
 
     vocab_size: cut the embedding table and LM head to this many rows (a draft's padding rows past the
@@ -46,11 +46,15 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
     with_logits adds the fp32 `logits` [D+1, V] as an output, for tests.
     sampling False: the greedy-only graph (no sampling inputs, no `probs`, no control flow), with the fp32
     `logits` [D+1, V] as an output, from which the bundle's sampler (build_sampler) samples.
+    rope_switch: a LongRoPE target's original length, below max_seq_len (load.rope_switch_length): the graph
+    then holds both rotary tables and an input `long_rope` (0 or 1) choosing one for the call.
     """
     spec = ckpt.spec
     vocab = engine_vocab(ckpt, vocab_size, tokens)
     g = GraphBuilder(f"specbuild-{spec.architecture}", ckpt, numerics, progress)
     input_ids, att = _engine_inputs(g, spec, numerics, max_seq_len)
+    if rope_switch:
+        att.long_rope = g.input(LONG_ROPE, INT64, [])
     num_drafts = g.input("num_drafts", INT64, [])
     sampling_inputs = SamplingInputs(
         temperature=g.input("temperature", FLOAT, []),

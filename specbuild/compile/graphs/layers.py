@@ -4,6 +4,8 @@ MatMulNBits when the engine is quantized (see quantize.py)."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import onnx_ir as ir
 
@@ -78,15 +80,16 @@ class Attention:
     """What every layer's attention shares: the length inputs, each layer's KV buffers, the model's shape."""
 
     def __init__(self, seqlens_k: ir.Value, total_len: ir.Value, past: list[tuple[ir.Value, ir.Value]],
-                 num_heads: int, num_kv_heads: int, head_dim: int, prefix: str = ""):
+                 num_heads: int, num_kv_heads: int, head_dim: int, prefix: str = "", long_rope: ir.Value | None = None):
         self.seqlens_k, self.total_len, self.past = seqlens_k, total_len, past
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.prefix = prefix  # of the attention nodes' names
+        self.long_rope = long_rope  # the input choosing LongRoPE's short (0) or long (1) factors (None: one table)
 
     def step(self, j: int, seqlens_k: ir.Value, total_len: ir.Value) -> "Attention":
         """The same buffers at other lengths: step j of a graph that runs the decoder several times."""
         return Attention(seqlens_k, total_len, self.past, self.num_heads, self.num_kv_heads, self.head_dim,
-                         f"step{j}." if j else "")
+                         f"step{j}." if j else "", self.long_rope)
 
 
 def attention(g: GraphBuilder, att: Attention, layer: int, q: ir.Value, k: ir.Value | None = None,
@@ -133,13 +136,21 @@ def rotary_module(architecture: str, config):
     return getattr(module, architecture.removesuffix("ForCausalLM") + "RotaryEmbedding")(config)
 
 
-def rope(rotary_module, length: int, dtype: np.dtype, **forward_kwargs) -> tuple[np.ndarray, np.ndarray]:
+def rope(rotary_module, length: int, dtype: np.dtype, short: bool = False, **forward_kwargs) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin [length, rotary_dim/2] from the model's own transformers rotary module (so every rope
-    scaling it knows is covered), as one forward call over `length` tokens computes them."""
+    scaling it knows is covered), as one forward call over `length` tokens computes them.
+
+    short: LongRoPE's short factors at every position, as its forward computes them for a call of up to
+    original_max_position_embeddings tokens (its forward picks the factors by the call's length; this runs
+    the forward beneath that choice, on the frequencies it starts from, the short ones)."""
     import torch
 
+    forward = rotary_module
+    if short:
+        rotary_module.inv_freq.copy_(rotary_module.original_inv_freq)
+        forward = functools.partial(type(rotary_module).forward.__wrapped__, rotary_module)
     with torch.no_grad():
-        cos, sin = rotary_module(torch.zeros(1, dtype=torch.float32), torch.arange(length)[None], **forward_kwargs)
+        cos, sin = forward(torch.zeros(1, dtype=torch.float32), torch.arange(length)[None], **forward_kwargs)
     half = cos.shape[-1] // 2
     return cos[0, :, :half].numpy().astype(dtype), sin[0, :, :half].numpy().astype(dtype)
 

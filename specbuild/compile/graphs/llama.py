@@ -5,6 +5,7 @@ x + mlp(norm(x))."""
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
 from ..load import ModelSpec
@@ -17,7 +18,7 @@ def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_se
     """ids [S] -> (final normed hidden [S, H], each layer's present K/V, the LM head's weight)."""
     shape, eps = spec.shape, spec.norm_eps
     fused = spec.architecture == "Phi3ForCausalLM"
-    rotary = _rotary(g, spec, max_seq_len)
+    rotary = _rotary(g, spec, max_seq_len, att.long_rope)
     embed = vocab_table(g, "model.embed_tokens.weight", vocab_size)
     x = embedding(g, ids, embed)  # [S, H]
     normed, residual = rms_norm(g, x, w("model.layers.0.input_layernorm.weight"), eps), x
@@ -58,15 +59,30 @@ def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_se
     return normed, presents, head
 
 
-def _rotary(g: GraphBuilder, spec: ModelSpec, max_seq_len: int) -> tuple[ir.Value, ir.Value]:
+def _rotary(g: GraphBuilder, spec: ModelSpec, max_seq_len: int, long_rope: ir.Value | None) -> tuple[ir.Value, ir.Value]:
     """The cos/sin tables, as transformers computes them for one call over max_seq_len tokens.
 
     LongRoPE (Phi) switches from short to long factors for a call longer than
-    original_max_position_embeddings. The table depends on position only, never on how rows are grouped
-    into calls (which the exactness of speculation needs), so a bundle whose max_seq_len is within the
-    original length uses the short factors throughout, exactly as transformers decodes there; a longer
-    one, a draft's (a target's is refused: load.check_context), uses the long factors throughout, as
-    transformers does for a prompt that long.
+    original_max_position_embeddings. A bundle whose max_seq_len is within the original length uses the
+    short factors throughout, exactly as transformers decodes there. A longer one of a Phi-3 target
+    (long_rope: its `long_rope` input, see load.rope_switch_length) holds both tables and each call uses
+    the one the runtime chooses by the sequence's length, as transformers does (short for a sequence up to
+    the original length, long for the whole of a longer one: the runtime re-feeds the cache once when
+    decoding crosses it, as Phi-3's generate recomputes its cache there). Otherwise (a draft's, whose
+    rotation only changes which drafts are proposed) the long factors throughout, as transformers
+    rotates a prompt that long.
     """
     module = rotary_module(spec.architecture, g.ckpt.config)
-    return rotary_tables(g, ["all"], spec.rotary_dim, max_seq_len, lambda: rope(module, max_seq_len, g.numerics.dtype))
+    dtype = g.numerics.dtype
+    if long_rope is None:
+        return rotary_tables(g, ["all"], spec.rotary_dim, max_seq_len, lambda: rope(module, max_seq_len, dtype))
+
+    def both() -> tuple[np.ndarray, np.ndarray]:  # [short, long] stacked; max_seq_len is past the original length,
+        short = rope(rotary_module(spec.architecture, g.ckpt.config), max_seq_len, dtype, short=True)
+        long = rope(module, max_seq_len, dtype)  # so one call over it gives the long factors
+        return np.stack([short[0], long[0]]), np.stack([short[1], long[1]])
+
+    shape = (2, max_seq_len, spec.rotary_dim // 2)
+    tables = g.computed([(f"rotary.short_long.{part}", g.numerics.ir_type, shape) for part in ("cos", "sin")], both)
+    # A Gather of the call's table (onnxruntime's CUDA Gather takes every float type; its Where no bf16)
+    return tuple(g.op("Gather", table, long_rope, axis=0) for table in tables)
