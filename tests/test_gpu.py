@@ -380,3 +380,37 @@ def test_other_families_replay_the_tokens_of_uncaptured_calls(architecture, chec
     compile_bundle(CompileSettings(target=checkpoints(architecture, 0), draft=checkpoints(architecture, 1),
                                    output=folder, max_seq_len=256, precision="fp16"), show_progress=False)
     replays_as_uncaptured(folder, architecture, "fp16")
+
+
+def test_a_phi3_longrope_target_switches_tables_on_the_gpu_as_on_the_cpu(checkpoints, tokenizer, tmp_path):
+    """A Phi-3 LongRoPE target past its original length (16 here): each call Gathers its rotary table by the
+    `long_rope` input, a device buffer pushed when the sequence crosses the length, and the first call past it
+    re-feeds the cache (test_architectures proves the tokens against transformers on the CPU). On the GPU: no
+    copy in its greedy graph (the one CUDA graphs capture), and speculative == target-only == uncaptured calls
+    through the crossing, from prompts short of, at and past the length."""
+    from specbuild_runtime import load_manifest
+
+    folder = tmp_path / "phi3-longrope"
+    compile_bundle(CompileSettings(target=checkpoints("phi3", original_max_position_embeddings=16),
+                                   draft=checkpoints("phi3", seed=1, original_max_position_embeddings=8), output=folder,
+                                   max_seq_len=64, precision="fp16"), show_progress=False)
+    info = load_manifest(folder).engines["target"]
+    assert info.rope_switch_length == 16
+    _, nodes, readers = _placement(folder / info.greedy_file, tmp_path)
+    copies = [f"{n.op_type} {n.name} ({n.input[0]} -> {[r.name for r in readers.get(n.output[0], [])]})"
+              for n in nodes if n.op_type.startswith("Memcpy")]
+    assert not copies, f"{len(copies)} copies in the LongRoPE target's greedy graph: {copies[:20]}"
+    plain = SpeculativeDecoder(folder, device="cuda", cuda_graphs=False)
+    graphs = SpeculativeDecoder(folder, device="cuda")
+    assert graphs.cuda_graphs
+    ids = tokenizer("".join(PROMPTS))["input_ids"]
+    for length in (5, 15, 16, 17, 30):
+        for decoder in (plain, graphs):
+            decoder.eos_token_ids = set()
+        expected = plain.generate(ids[:length], 64, 0).token_ids
+        assert len(expected) == 65 - length  # to the end of the context, through the crossing
+        for decoder in (plain, graphs):
+            for gamma in (0, 1, 4, decoder.max_gamma, "auto"):
+                got = decoder.generate(ids[:length], 64, gamma).token_ids
+                assert got == expected, (f"prompt of {length}, γ={gamma}, cuda_graphs={decoder.cuda_graphs}: token "
+                                         f"{first_difference(got, expected)} differs from target-only uncaptured")
