@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from specbuild_runtime.engine import DEVICES
+from specbuild_runtime.engine import DEVICES, available_cpus
 from specbuild_runtime.errors import RequestError
 from specbuild_runtime.serve.cli import (Finite, Interruptible, chat_template_option, cuda_graphs_option, draft_steps_option,
                                         run_command, serve_command, threads_option)
@@ -43,11 +43,17 @@ EVERY_CORE = "one per core"
 def use_threads(threads: int | None, torch_too: bool = False) -> None:
     """--threads: the size of the onnxruntime pool every session of the command shares (set before the first
     session), and with torch_too of torch's (transformers beside the bundle), so that a command on a shared
-    machine takes no more cores than it was given."""
-    if threads is None:
-        return
+    machine takes no more cores than it was given. Without it, torch_too bounds torch's threads by the CPUs a
+    container's CPU limit grants (onnxruntime's pools are bounded where they are made: engine.quota_threads)."""
     from specbuild_runtime.engine import use_shared_thread_pool
 
+    if threads is None:
+        # torch counts the host's cores, as onnxruntime does; imported only where fewer are ours (it takes seconds)
+        if torch_too and (cpus := available_cpus()) < (os.cpu_count() or 1):
+            import torch
+
+            torch.set_num_threads(min(torch.get_num_threads(), cpus))
+        return
     use_shared_thread_pool(threads)
     if torch_too:
         import torch
@@ -218,6 +224,7 @@ def compile_cmd(recipe, **options) -> None:
         if recipe is None:  # the command line alone is incomplete: malformed, as click's own missing options
             raise click.UsageError(str(exc)) from None
         raise
+    use_threads(None, torch_too=True)  # TensorRT-LLM's α for γ is measured in transformers
     manifest = compile_bundle(settings)
     done()
     gamma = f"max gamma {manifest.gamma}, " if manifest.engines else ""  # TensorRT-LLM alone: its plans' draft length, below
@@ -588,6 +595,7 @@ def distill(target, output, init, draft_config, minutes, prompts_file, data, gam
     from .errors import TrainingError
     from .train.distill import distill as run_distill
 
+    use_threads(None, torch_too=True)  # the target generates and the draft trains in torch
     overrides = dict(_key_value(item) for item in draft_config) or None
     report = run_distill(target, output, draft_config=overrides, init=init, minutes=minutes, prompts_file=prompts_file,
                          data=data, gamma=gamma, objective=objective, batch_size=batch_size, force=force,

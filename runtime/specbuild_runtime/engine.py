@@ -10,10 +10,11 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import re
 import threading
 import weakref
 from contextlib import nullcontext
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import onnxruntime as ort
 
@@ -33,9 +34,107 @@ def can_run(info: EngineInfo, device: str = "cpu") -> bool:
     return not (device == "cpu" and info.precision == "bf16")
 
 
+# Where /proc and the cgroup file systems are read (tests point it at a folder of made-up ones).
+ROOT = Path("/")
+
+
+def available_cpus() -> int:
+    """CPUs this process can keep busy: those its affinity allows (as os.process_cpu_count counts them), or fewer
+    where its cgroup's CPU quota grants fewer (see cpu_quota)."""
+    affinity = _affinity_cpus()
+    quota = cpu_quota()
+    return min(affinity, quota) if quota else affinity
+
+
+def quota_threads() -> int:
+    """The threads to ask onnxruntime for where the project would take its default: 0 (onnxruntime's
+    default, one per physical core) unless a CPU quota grants fewer CPUs than the affinity, then that many.
+    Neither library reads a quota (onnxruntime 1.32 sizes its pools from the cores it sees, as its issue 29510
+    says; on a 2-core machine a cgroup of 0.5 CPU got 2 threads, as no cgroup did), so a pod limited to 2 CPUs on
+    a 64-core node ran a pool of 32 or 64 threads, which spends the quota early in each period (100 ms) and is
+    throttled for the rest of it.
+    Only a binding quota gives an explicit count: an explicit count also stops onnxruntime pinning its threads to
+    cores, and elsewhere the default stays as measured. ORT_INTRA_OP_NUM_THREADS, which onnxruntime reads for a
+    default pool, is an operator's choice that wins."""
+    if os.environ.get("ORT_INTRA_OP_NUM_THREADS"):
+        return 0
+    quota = cpu_quota()
+    return quota if quota and quota < _affinity_cpus() else 0
+
+
+def _affinity_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):  # Linux
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+def cpu_quota() -> int | None:
+    """The CPUs this process's cgroup CPU quota grants (a container's `--cpus`, a pod's cpu limit), rounded up
+    (1.5 CPUs: 2), the tightest of its cgroup's and its ancestors'; None where no quota applies or none can be read.
+    A quota leaves the affinity alone: the process sees every core of the host. Read as Go's automaxprocs does:
+    the process's cgroup from /proc/self/cgroup, found under its mount (/proc/self/mountinfo); v2's cpu.max
+    ("max": no limit), v1's cpu.cfs_quota_us (-1: no limit) over cpu.cfs_period_us."""
+    try:
+        cgroups = (ROOT / "proc/self/cgroup").read_text().splitlines()
+        mounts = (ROOT / "proc/self/mountinfo").read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    quotas = []
+    for line in cgroups:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        v2 = hierarchy == "0" and not controllers
+        if not (v2 or "cpu" in controllers.split(",")):
+            continue
+        for kind, options, mount_root, mount_point in _cgroup_mounts(mounts):
+            if (kind == "cgroup2") if v2 else (kind == "cgroup" and "cpu" in options):
+                quotas += _quotas(ROOT / mount_point.lstrip("/"), mount_root, path, v2)
+    return min(quotas, default=None)
+
+
+def _cgroup_mounts(lines: list[str]):
+    """(file system type, super options, root, mount point) of each cgroup mount in mountinfo lines."""
+    for line in lines:
+        fields, _, tail = line.partition(" - ")
+        fields, tail = fields.split(), tail.split()
+        if len(fields) >= 5 and len(tail) >= 3 and tail[0] in ("cgroup", "cgroup2"):
+            # mountinfo writes a space in a path as \040 (octal), as it does a tab, a newline and a backslash
+            root, point = (re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), f) for f in fields[3:5])
+            yield tail[0], tail[2].split(","), root, point
+
+
+def _quotas(mounted: Path, mount_root: str, path: str, v2: bool) -> list[int]:
+    """The quotas, in CPUs, set on the cgroup at path and on its ancestors up to the mount: a parent's quota
+    bounds its children's (a pod's limit sits on the pod's cgroup, above each container's)."""
+    try:
+        parts = PurePosixPath(path).relative_to(mount_root).parts
+    except ValueError:  # a cgroup outside what this mount shows (another namespace's)
+        return []
+    if ".." in parts:
+        return []
+    quotas = []
+    for depth in range(len(parts), -1, -1):
+        folder = mounted.joinpath(*parts[:depth])
+        try:
+            if v2:
+                quota, _, period = (folder / "cpu.max").read_text().strip().partition(" ")
+                if quota == "max":
+                    continue
+                quota, period = int(quota), int(period or 100_000)
+            else:
+                quota = int((folder / "cpu.cfs_quota_us").read_text())
+                period = int((folder / "cpu.cfs_period_us").read_text())
+        except (OSError, ValueError, UnicodeDecodeError):  # no quota file at this level (v2's root), or unreadable
+            continue
+        if quota > 0 and period > 0:  # v1's -1: no limit
+            quotas.append(max(1, -(-quota // period)))
+    return quotas
+
+
 def use_shared_thread_pool(threads: int = 0) -> bool:
     """Make every onnxruntime session in this process share one intra-op thread pool (opt-in) of
-    `threads` threads (0: one per core; a server decoding several requests at once wants fewer).
+    `threads` threads (0: onnxruntime's default, one per physical core, or a CPU quota's CPUs where that is fewer:
+    quota_threads; a server decoding several requests at once wants fewer).
 
     Fastest for a process that only decodes: the draft and the target run one after the other and
     one pool serves both (measured on 2 cores, demo pair: target-only 333 vs 273 tok/s, speculative
@@ -45,7 +144,7 @@ def use_shared_thread_pool(threads: int = 0) -> bool:
     global _SHARED_POOL
     if _SHARED_POOL is None:
         try:
-            ort.capi._pybind_state.set_global_thread_pool_sizes(threads, 1)
+            ort.capi._pybind_state.set_global_thread_pool_sizes(threads or quota_threads(), 1)
             _SHARED_POOL = True
         except Exception:  # an onnxruntime environment exists already
             _SHARED_POOL = False
@@ -79,6 +178,7 @@ def session_options() -> ort.SessionOptions:
         # Each engine has its own pool: stop its threads spinning once a call returns, or they steal
         # the cores from the other engine (speculative decoding measured 1.6x slower without this).
         options.add_session_config_entry("session.force_spinning_stop", "1")
+        options.intra_op_num_threads = quota_threads()  # 0: onnxruntime's default
     options.log_severity_level = 3
     return options
 

@@ -155,7 +155,7 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
     if enable_auto_tool_choice and tool_call_parser is None:  # it would turn on nothing: a parser left out by mistake
         raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser (hermes), as in vLLM")
     from ..decode import SpeculativeDecoder
-    from ..engine import use_shared_thread_pool
+    from ..engine import available_cpus, use_shared_thread_pool
     try:
         from .app import Server, Settings
     except ImportError as exc:
@@ -165,8 +165,9 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
     max_connections = _open_files_for(max_connections, explicit)
     listener = _listen(host, port)  # before loading: a taken port is refused at once, in one line
     # One pool for every session and slot, sized so that `parallel` calls at once fill the cores and no more:
-    # concurrent calls each running a pool of one thread per core fight over the cores (README, Serving).
-    use_shared_thread_pool(threads or max(1, len(os.sched_getaffinity(0)) // parallel))
+    # concurrent calls each running a pool of one thread per core fight over the cores (README, Serving). The
+    # cores a container's CPU limit grants, not the host's it sees.
+    use_shared_thread_pool(threads or max(1, available_cpus() // parallel))
     decoder = SpeculativeDecoder(bundle, device=device, parallel=parallel, shared_thread_pool=True, cuda_graphs=cuda_graphs,
                                  draft_steps=draft_steps, check_digests=check_digests)
     settings = Settings(model=model_name or Path(bundle).resolve().name, max_queue=max_queue,
