@@ -1889,14 +1889,127 @@ def test_a_reply_calling_tools_is_answered_with_tool_calls_streamed_or_not(bundl
         assert untouched.finish_reason != "tool_calls"
 
 
+# What a Llama 3.1 model answers when it calls tools (its python tag, a special token, is not in the runtime's text)
+LLAMA_CALLING = ('{"name": "get_weather", "parameters": {"city": "Zürich"}}; '
+                 '{"name": "add", "arguments": {"a": 2, "b": 2}}')
+
+
+@pytest.mark.parametrize("tools_in_user_message", [None, False])
+def test_tools_reach_llamas_chat_template_as_transformers_passes_them(tools_in_user_message, tokenizer):
+    """Llama 3.1's template shows the tools in the first user message (or, told so, in the system turn); the
+    prompt is apply_chat_template's with tools=, token for token."""
+    from specbuild_runtime.serve import protocol
+    from specbuild_runtime.serve.chat import ChatTemplate
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Zürich?"}]
+    variables = {} if tools_in_user_message is None else {"tools_in_user_message": tools_in_user_message}
+    body = {"messages": messages, "tools": [WEATHER, ADD], "chat_template_kwargs": variables}
+    defaults = protocol.sampling_defaults(None, "greedy")
+    request = protocol.parse(protocol.CHAT, json.dumps(body).encode(), MODEL, defaults, "llama3_json")
+    source = (CHAT_TEMPLATES / "llama3.1.jinja").read_text()
+    expected = tokenizer.apply_chat_template(messages, tools=[WEATHER, ADD], chat_template=source, tokenize=True,
+                                             add_generation_prompt=True, return_dict=False, **variables)
+    ours = ChatTemplate(source, tokenizer.special_tokens_map).prompt_ids(tokenizer.backend_tokenizer, request.messages,
+                                                                         **request.chat)
+    assert request.parse_tools and ours == expected
+    assert '"name": "add"' in tokenizer.decode(expected) and "Environment: ipython" in tokenizer.decode(expected)
+
+
+def test_a_reply_is_parsed_into_tool_calls_as_vllms_llama3_json_parser_parses_it():
+    from specbuild_runtime.serve.tools import parse_llama3_json
+
+    content, calls = parse_llama3_json(LLAMA_CALLING)  # "parameters" (Llama's) or "arguments", joined by "; "
+    assert content is None and call_list(calls) == CALLED
+    assert all(call["type"] == "function" and re.fullmatch(r"call_[0-9a-f]{24}", call["id"]) for call in calls)
+    assert calls[0]["function"]["arguments"] == '{"city": "Zürich"}'  # as vLLM writes it: not ASCII-escaped
+    # a text that kept the python tag, and text around the calls, which vLLM drops
+    for around in ("<|python_tag|>" + LLAMA_CALLING, "Let me look: " + LLAMA_CALLING + " Done."):
+        assert parse_llama3_json(around)[0] is None and call_list(parse_llama3_json(around)[1]) == CALLED
+    for text in ("No call.", "<|python_tag|>", "def f(x):\n    return {x}", "{}", '{"name": "add"}',
+                 '{"name": 2, "parameters": {}}', '["add", {}]', '{"call": {"name": "add", "parameters": {}}}'):
+        assert parse_llama3_json(text) == (text, []), text
+    # a brace that begins no call anywhere (cut short by max_tokens, code after the call) makes the whole reply text
+    for broken in (LLAMA_CALLING[:-10], LLAMA_CALLING + " {x}"):
+        assert parse_llama3_json(broken) == (broken, [])
+
+
+@pytest.mark.parametrize("reply", [LLAMA_CALLING, " <|python_tag|>" + LLAMA_CALLING, LLAMA_CALLING[:-10],
+                                   LLAMA_CALLING + " {x}", "No call.", "if x {\n  y();\n}", '{"a": 1} is JSON', "{"],
+                         ids=["calls", "tagged-calls", "cut-short", "code-after", "text", "code", "json", "bare-brace"])
+def test_a_streamed_llama_reply_gives_the_content_and_calls_of_the_whole_reply_wherever_its_deltas_break(reply):
+    """From its first "{" the stream holds the text until it can tell whether that begins a call, and a call to the
+    end: a reply that is text, or that begins with its calls, gets the unstreamed reply's content and calls however
+    the text came in pieces."""
+    from specbuild_runtime.serve.tools import Llama3JsonStream, parse_llama3_json
+
+    content, calls = parse_llama3_json(reply)
+    for size in (1, 2, 5, len(reply)):
+        stream = Llama3JsonStream()
+        sent = "".join(stream.feed(reply[i:i + size]) for i in range(0, len(reply), size))
+        rest, streamed = stream.end()
+        assert (sent + rest, call_list(streamed)) == (content or "", call_list(calls)), size
+
+
+def test_a_llama_reply_with_text_before_its_calls_streams_that_text_and_then_the_same_calls():
+    """The text went out before the calls began (vLLM's whole reply drops it; its stream answers text alone)."""
+    from specbuild_runtime.serve.tools import Llama3JsonStream
+
+    stream = Llama3JsonStream()
+    sent = "".join(stream.feed(piece) for piece in ("Let me ", "look: ", LLAMA_CALLING[:9], LLAMA_CALLING[9:]))
+    rest, calls = stream.end()
+    assert (sent, rest, call_list(calls)) == ("Let me look: ", "", CALLED)
+
+
+def test_a_llama_reply_whose_braces_begin_no_call_streams_as_it_comes():
+    """Code's braces are followed by no JSON key: the text is released there, not held to the end."""
+    from specbuild_runtime.serve.tools import Llama3JsonStream
+
+    stream = Llama3JsonStream()
+    assert [stream.feed(piece) for piece in ("  if x {", "\n  y();", "\n}")] == ["  if x ", "{\n  y();", "\n}"]
+    assert stream.end() == ("", [])
+
+
+def test_a_llama_reply_calling_tools_is_answered_with_tool_calls_streamed_or_not(bundle):
+    """With --tool-call-parser llama3_json, the openai client reads the calls as ChatCompletionMessageToolCall
+    (streamed: its deltas, by index), null content, and finish_reason "tool_calls"; tool_choice "none" answers
+    the same text as content."""
+    from openai.types.chat import ChatCompletionMessageToolCall
+
+    from specbuild_runtime.serve.chat import supplied_chat_template
+
+    with in_process(bundle, ScriptedDecoder, chat_template=supplied_chat_template(NAMING_TOOLS),
+                    tool_call_parser="llama3_json") as (url, decoder, _):
+        decoder.go.set()
+        decoder.pieces = [LLAMA_CALLING[i:i + 3] for i in range(0, len(LLAMA_CALLING), 3)]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        ask = dict(model=MODEL, messages=ASK, tools=[WEATHER, ADD], max_tokens=4, **GREEDY)
+        [choice] = client.chat.completions.create(**ask).choices
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert all(isinstance(call, ChatCompletionMessageToolCall) for call in choice.message.tool_calls)
+        assert call_list(call.model_dump() for call in choice.message.tool_calls) == CALLED
+
+        content, calls, finish = "", {}, None
+        for chunk in client.chat.completions.create(**ask, stream=True):
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            calls.update((call.index, call.model_dump()) for call in delta.tool_calls or [])
+            finish = chunk.choices[0].finish_reason or finish
+        assert (content, finish) == ("", "tool_calls")
+        assert call_list(calls[index] for index in sorted(calls)) == CALLED
+
+        untouched = client.chat.completions.create(**ask, tool_choice="none").choices[0]
+        assert untouched.message.content == LLAMA_CALLING and not untouched.message.tool_calls
+
+
 def test_enable_auto_tool_choice_is_vllms_spelling_and_needs_a_parser_as_in_vllm(tmp_path):
     """vLLM's command line (--enable-auto-tool-choice --tool-call-parser hermes) runs unchanged; the switch alone
     would turn on nothing, and vLLM refuses it too: one line, before the bundle loads."""
     from specbuild_runtime.serve.cli import serve_command
 
-    context = serve_command.make_context("serve", [str(tmp_path), "--enable-auto-tool-choice", "--tool-call-parser",
-                                                   "hermes"])
-    assert context.params["tool_call_parser"] == "hermes"
+    for parser in ("hermes", "llama3_json"):
+        context = serve_command.make_context("serve", [str(tmp_path), "--enable-auto-tool-choice", "--tool-call-parser",
+                                                       parser])
+        assert context.params["tool_call_parser"] == parser
     run = subprocess.run([sys.executable, "-m", "specbuild", "serve", str(tmp_path / "missing"), "--enable-auto-tool-choice"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "needs --tool-call-parser" in run.stderr, run.stderr

@@ -151,7 +151,8 @@ class Server:
             job = await self._submitted_unless_gone(http, request)
         except Exception as exc:  # a bug among them is answered (500, logged, counted) here, where the
             return self._refuse(endpoint, exc)  # connection stays usable: Starlette's last handler closes it
-        reply = Reply(endpoint, self.settings.model, request.parse_tools, request.parallel_tool_calls)
+        reply = Reply(endpoint, self.settings.model, self.settings.tool_call_parser if request.parse_tools else None,
+                      request.parallel_tool_calls)
         if request.stream:
             return self._stream(endpoint, job, reply, request.include_usage)
         try:

@@ -140,9 +140,10 @@ class InterruptibleCommand(Interruptible, click.Command):
                    "1: sampling); vllm: OpenAI's alone; greedy: none (greedy unless a request sends a temperature). "
                    "The start-up line says which apply.")
 @chat_template_option
-@click.option("--tool-call-parser", type=click.Choice(PARSERS), default=None,
+@click.option("--tool-call-parser", type=click.Choice(list(PARSERS)), default=None,
               help="Parse chat replies' tool calls in this format, as vLLM's --tool-call-parser: hermes reads "
-                   "<tool_call>{...}</tool_call> (Qwen2.5, Qwen3, Hermes 2 Pro) into the response's tool_calls, and lets "
+                   "<tool_call>{...}</tool_call> (Qwen2.5, Qwen3, Hermes 2 Pro), llama3_json reads {\"name\": ..., "
+                   "\"parameters\": {...}} (Llama 3.1, 3.2, 3.3 Instruct), into the response's tool_calls, and lets "
                    "requests send tools with tool_choice \"auto\" (the default where tools are sent).  [default: none: "
                    "such requests get 400; tool_choice \"none\" shows the tools and answers text]")
 @click.option("--enable-auto-tool-choice", is_flag=True,
@@ -153,7 +154,7 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
                   generation_config, chat_template, tool_call_parser, enable_auto_tool_choice) -> None:
     """Serve a bundle over the OpenAI HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     if enable_auto_tool_choice and tool_call_parser is None:  # it would turn on nothing: a parser left out by mistake
-        raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser (hermes), as in vLLM")
+        raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json), as in vLLM")
     from ..decode import SpeculativeDecoder
     from ..engine import available_cpus, use_shared_thread_pool
     try:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from ..decode import Stats
 from ..errors import RequestError
 from ..validation import GREEDY_BELOW, check_sampling, whole
-from .tools import HermesStream, checked_tools, parse_hermes
+from .tools import PARSERS, checked_tools
 
 COMPLETIONS, CHAT = "completions", "chat"
 DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: None}  # OpenAI's defaults; None: until the context is full
@@ -284,9 +284,10 @@ def _tools(body: dict, tool_parser: str | None) -> tuple[list[dict] | None, bool
                             "calls are parsed) and ask for the call in the messages", "tool_choice")
     if tool_parser is None:
         raise ApiError(400, "\"auto\" tool choice (the default where tools are sent) needs the server to parse the "
-                            "reply's tool calls: start it with --tool-call-parser hermes (vLLM's --enable-auto-tool-choice "
-                            "--tool-call-parser hermes), or send \"tool_choice\": \"none\" to show the tools and get "
-                            "text", "tool_choice" if "tool_choice" in body else "tools")
+                            "reply's tool calls: start it with --tool-call-parser hermes or llama3_json, the "
+                            "model's format (vLLM's --enable-auto-tool-choice --tool-call-parser ...), or send "
+                            "\"tool_choice\": \"none\" to show the tools and get text",
+                     "tool_choice" if "tool_choice" in body else "tools")
     return tools, True
 
 
@@ -350,25 +351,26 @@ def _template_variables(body: dict, generation_prompt: bool, continue_final: boo
 
 
 class Reply:
-    """Builds the bodies of one request's response: a whole one, or stream chunks. With `parse_tools` (a chat whose
-    tool_choice is "auto"), the text's tool calls are parsed out of it (see tools.py); a stream's text goes through
-    `tool_stream`, and its calls come as tool_calls_chunk. Without `parallel_tool_calls`, the first call alone is
-    answered (a model asked for one may write more: vLLM keeps the first)."""
+    """Builds the bodies of one request's response: a whole one, or stream chunks. With `tool_parser` (a chat whose
+    tool_choice is "auto": serve's --tool-call-parser), the text's tool calls are parsed out of it by that parser
+    (see tools.py); a stream's text goes through `tool_stream`, and its calls come as tool_calls_chunk. Without
+    `parallel_tool_calls`, the first call alone is answered (a model asked for one may write more: vLLM keeps the
+    first)."""
 
-    def __init__(self, endpoint: str, model: str, parse_tools: bool = False, parallel_tool_calls: bool = True):
+    def __init__(self, endpoint: str, model: str, tool_parser: str | None = None, parallel_tool_calls: bool = True):
         self.endpoint, self.model = endpoint, model
         self.id = ("chatcmpl-" if endpoint == CHAT else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.parse_tools = parse_tools
-        self.tool_stream = HermesStream() if parse_tools else None
+        self.parse_calls, stream = PARSERS[tool_parser] if tool_parser else (None, None)
+        self.tool_stream = stream() if stream else None
         self.most_calls = None if parallel_tool_calls else 1
 
     def whole(self, text: str, stats: Stats) -> dict:
         finish = FINISH_REASONS[stats.finish_reason]
         if self.endpoint == CHAT:
             message = {"role": "assistant", "content": text}
-            if self.parse_tools:
-                content, calls = parse_hermes(text)
+            if self.parse_calls:
+                content, calls = self.parse_calls(text)
                 message = {"role": "assistant", "content": content,
                            **({TOOL_CALLS: calls[:self.most_calls]} if calls else {})}
                 finish = TOOL_CALLS if calls else finish

@@ -1,8 +1,11 @@
 """Tool calling: the request's `tools` checked, and a reply's tool calls parsed out of its text.
 
-A model trained on Hermes' format (Qwen2.5, Qwen3, Hermes 2 Pro) answers a call as
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; the parser reads it as vLLM's `hermes` tool parser
-(Hermes2ProToolParser.extract_tool_calls) does, so a reply's calls, content and finish reason are vLLM's.
+Each parser reads a model family's format as vLLM's tool parser of the same name does, so a reply's calls,
+content and finish reason are vLLM's:
+- `hermes` (Qwen2.5, Qwen3, Hermes 2 Pro): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as
+  Hermes2ProToolParser.extract_tool_calls reads it;
+- `llama3_json` (Llama 3.1, 3.2, 3.3 Instruct): `{"name": ..., "parameters": {...}}`, several joined by "; ",
+  as Llama3JsonToolParser.extract_tool_calls reads it.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ import json
 import re
 import uuid
 
-PARSERS = ("hermes",)  # serve --tool-call-parser
 START, END = "<tool_call>", "</tool_call>"
+# Llama 3's "code follows" token, before some of its calls: a special token, so the runtime's text (special tokens
+# skipped, as vLLM's skip_special_tokens default skips them) has none; a text that kept it parses the same.
+PYTHON_TAG = "<|python_tag|>"
 # A closed block, or one the reply ends inside (a call whose JSON is whole before the closing tag): vLLM's regex.
 BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 TOOL_SHAPE = "{\"type\": \"function\", \"function\": {\"name\": ..., \"description\": ..., \"parameters\": {...}}}"
@@ -102,3 +107,94 @@ class HermesStream:
             return self.held, []
         content, calls = parse_hermes(self.held)
         return content or "", calls
+
+
+def parse_llama3_json(text: str) -> tuple[str | None, list[dict]]:
+    """A reply's content and tool calls, as vLLM's llama3_json parser reads them: each JSON object in the text
+    (searched from every "{" not inside one already read) with a "name" and an "arguments" or "parameters" is a
+    call, whatever text surrounds them ("; " between calls, or prose); where there are calls the content is None,
+    the surrounding text dropped, as in vLLM. Where any such object is no call, or a "{" begins no JSON (code, a
+    call cut short by max_tokens), the whole text is content and there are no calls."""
+    if PYTHON_TAG not in text and "{" not in text:
+        return text, []
+    decoder = json.JSONDecoder()
+    calls, end = [], -1
+    try:
+        for brace in re.finditer(r"\{", text):
+            at = brace.start()
+            if at <= end:  # vLLM's test, "<=": a "{" right after a call's "}" is skipped too
+                continue
+            found, length = decoder.raw_decode(text[at:])
+            end = at + length
+            calls.append(_call(found["name"], found["arguments"] if "arguments" in found else found["parameters"]))
+    except (ValueError, RecursionError, TypeError, KeyError):
+        return text, []
+    return (None, calls) if calls else (text, [])
+
+
+class Llama3JsonStream:
+    """A streamed reply's text split as parse_llama3_json splits the whole. Leading spaces (and a python tag) are
+    held; text is passed on as it comes until its first "{", and from there held: a "{" that can begin no call
+    (not followed by a JSON key, or an object that is no call) makes the whole reply content, so the text is
+    released and streams on as it comes; a call holds the rest to the end, parsed whole. So a reply that is
+    text, or that begins with its calls (as Llama 3 is prompted to answer), streams the unstreamed reply's
+    content and calls; one with text before its calls sends that text before them, where the reply unstreamed
+    has null content (vLLM's own stream answers such a reply as text alone, its calls unparsed)."""
+
+    def __init__(self):
+        self.text = ""  # the reply so far
+        self.sent = 0  # how much of it has gone out as content
+        self.plain = False  # no call can come: the rest streams as content
+        self.calling = False  # the first "{" begins a call: the rest is held to the end
+
+    def feed(self, delta: str) -> str:
+        """The content to send now for this delta of the reply's text."""
+        self.text += delta
+        if self.calling:
+            return ""
+        if not self.plain:
+            first = self.text.find("{")
+            if first >= 0:
+                self._judge(first)
+            if not self.plain:
+                upto = len(self.text) if first < 0 else first
+                return self._release(upto) if _said(self.text[:upto]) else ""
+        return self._release(len(self.text))
+
+    def _judge(self, first: int) -> None:
+        after = self.text[first + 1:].lstrip()
+        if not after:
+            return
+        if after[0] != '"':  # raw_decode fails there, or reads {}, which has no name
+            self.plain = True
+            return
+        try:
+            found, _ = json.JSONDecoder().raw_decode(self.text[first:])
+        except (ValueError, RecursionError):
+            return  # cut short so far, or not JSON: the end tells
+        if (isinstance(found, dict) and isinstance(found.get("name"), str)
+                and ("arguments" in found or "parameters" in found)):
+            self.calling = True
+        else:
+            self.plain = True
+
+    def _release(self, upto: int) -> str:
+        content, self.sent = self.text[self.sent:upto], max(self.sent, upto)
+        return content
+
+    def end(self) -> tuple[str, list[dict]]:
+        """Once the reply has ended: the content still to send, and the calls."""
+        content, calls = (self.text, []) if self.plain else parse_llama3_json(self.text)
+        return ("", calls) if calls else (self.text[self.sent:], [])
+
+
+def _said(text: str) -> bool:
+    """Whether `text`, the start of a reply, says more than the spaces and python tag a call may come after."""
+    text = text.lstrip()
+    if text.startswith(PYTHON_TAG):
+        text = text[len(PYTHON_TAG):].lstrip()
+    return bool(text) and not PYTHON_TAG.startswith(text)
+
+
+# serve --tool-call-parser: each format's parser of a whole reply, and of a streamed one
+PARSERS = {"hermes": (parse_hermes, HermesStream), "llama3_json": (parse_llama3_json, Llama3JsonStream)}
