@@ -123,6 +123,16 @@ def test_a_llama_longrope_target_longer_than_its_original_length_is_refused_befo
     assert not out.exists() and sorted(tmp_path.iterdir()) == [target]
 
 
+def test_a_longrope_target_past_its_positions_is_told_the_length_it_can_have(checkpoints, tokenizer, tmp_path):
+    """Past max_position_embeddings the error named that length, which the LongRoPE check then refused in turn (a
+    Llama longrope at 128k: "131072 or less", then "4096 or less")."""
+    target = make_checkpoint(tmp_path / "target", "llama", tokenizer, rope_scaling=LONGROPE)
+    positions = load_checkpoint(target, "target").spec.max_position_embeddings
+    with pytest.raises(UnsupportedModelError, match="LongRoPE original_max_position_embeddings \\(16\\)"):
+        compile_bundle(CompileSettings(target=target, draft=checkpoints("llama", seed=1), output=tmp_path / "b",
+                                       max_seq_len=positions + 1), show_progress=False)
+
+
 def test_a_longrope_target_decodes_like_transformers_to_its_default_context_its_original_length(
         checkpoints, tokenizer, tmp_path):
     """A Llama LongRoPE target's default context stops at the original length, where the short factors hold

@@ -976,6 +976,16 @@ def test_a_target_whose_fp16_logits_overflow_is_one_error_not_token_0(overflowin
         decoder.generate(PROMPTS[0], 8, **options)
 
 
+def test_a_target_that_overflows_while_warming_up_says_it_was_warming_up(overflowing):
+    """serve warms up at start-up on CUDA (CUDA graphs), and stopped there saying only "at generated token 1"."""
+    from specbuild_runtime import BundleError
+
+    decoder = SpeculativeDecoder(overflowing("target"), cuda_graphs=True)
+    decoder.target.captures = True  # as on CUDA
+    with pytest.raises(BundleError, match=r"^warming up \(a short code prompt, before any request\): the target's logits"):
+        decoder.warm_up()
+
+
 @pytest.mark.parametrize("cuda_graphs", [False, True])
 def test_a_draft_whose_fp16_logits_overflow_leaves_the_targets_greedy_output(overflowing, cuda_graphs):
     decoder = SpeculativeDecoder(overflowing("draft"), cuda_graphs=cuda_graphs)
@@ -983,3 +993,22 @@ def test_a_draft_whose_fp16_logits_overflow_leaves_the_targets_greedy_output(ove
     for gamma in (1, 4, "auto"):
         assert decoder.generate(PROMPTS[0], 16, gamma=gamma).token_ids == alone
     assert decoder.generate(PROMPTS[0], 16, gamma=4, temperature=0.8, seed=1).stats.generated_tokens == 16
+
+
+def test_auto_gamma_stops_calling_a_draft_whose_fp16_logits_overflow(overflowing, monkeypatch):
+    """Such a draft's rounds drafted nothing (decode._draft), which auto γ never counted against it: at the prior α it
+    called the draft every round, for nothing. A seeded sampled request's γ follows from its acceptance alone."""
+    from specbuild_runtime.slot import EngineSlot
+
+    roles, step = [], EngineSlot.step
+
+    def counted(self, *args, **kwargs):
+        roles.append(self.engine.info.role)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(EngineSlot, "step", counted)
+    decoder = SpeculativeDecoder(overflowing("draft"))
+    decoder.eos_token_ids = set()
+    decoder._draft_cost = 0.1  # a draft a tenth of its target, as drafts are (this pair's are alike): worth calling
+    result = decoder.generate(PROMPTS[0], 64, gamma="auto", temperature=0.8, seed=1)
+    assert roles.count("draft") < result.stats.rounds // 4, (roles.count("draft"), result.stats.rounds)

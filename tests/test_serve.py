@@ -1663,6 +1663,22 @@ def test_a_final_message_that_cannot_be_continued_is_an_error_naming_continue_fi
     assert raised.value.param == "continue_final_message"
 
 
+def test_a_final_message_that_cannot_be_continued_beside_tool_call_arguments_sent_as_text_is_named_so():
+    """DeepSeek-R1's template fails on a call's arguments parsed to an object and renders them as sent, which then
+    could not be continued (the template drops the final message's reasoning): the error was the parsed form's
+    TypeError, a 400 naming the messages, which the client's messages never met."""
+    from specbuild_runtime.serve.chat import ChatRequestError, ChatTemplate
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "4"}, {"role": "user", "content": "3+3?"},
+                {"role": "assistant", "content": "<think>add them</think>It is"}]
+    template = ChatTemplate((CHAT_TEMPLATES / "deepseek-r1.jinja").read_text(), {"bos_token": "<s>"})
+    with pytest.raises(ChatRequestError, match="^continue_final_message: ") as raised:
+        template.render(messages, add_generation_prompt=False, continue_final_message=True)
+    assert raised.value.param == "continue_final_message"
+
+
 def test_a_template_marking_assistant_turns_for_training_renders_as_transformers_renders_it(tokenizer):
     """`{% generation %}` (transformers' AssistantTracker tag) made the template fail to compile, and serve
     refused to start on the bundle."""

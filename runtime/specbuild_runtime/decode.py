@@ -264,10 +264,13 @@ class SpeculativeDecoder:
         before = self.graphs_captured
         # Room for the longest request below in the smallest context a bundle may have.
         prompt = self.encode("def warm_up(x):\n    return x\n")[: max(1, self.max_seq_len - 2 * self.max_gamma - 3)]
-        for gamma in range(self.max_gamma + 1):
-            for sampling in ({}, {"temperature": 1.0, "seed": 0}):
-                for _ in range(WARM_UP_RUNS + 1):  # a fixed γ leaves the adaptive policies as they were
-                    self.generate(prompt, max_new_tokens=2 * gamma + 3, gamma=gamma, **sampling)
+        try:
+            for gamma in range(self.max_gamma + 1):
+                for sampling in ({}, {"temperature": 1.0, "seed": 0}):
+                    for _ in range(WARM_UP_RUNS + 1):  # a fixed γ leaves the adaptive policies as they were
+                        self.generate(prompt, max_new_tokens=2 * gamma + 3, gamma=gamma, **sampling)
+        except BundleError as exc:  # an fp16 target that overflows: serve would stop at start-up on a request nobody sent
+            raise BundleError(f"warming up (a short code prompt, before any request): {exc}") from None
         return self.graphs_captured - before
 
     def warm_up_workers(self) -> int:
@@ -493,7 +496,7 @@ class SpeculativeDecoder:
             catching_up = len(ids) - draft_len > 2
             t0 = clock()
             drafts = self._draft(slot, ids[draft_len:], len(ids), k, uniforms, sampling.greedy)
-            k = len(drafts)  # fewer where the draft's logits stopped being finite
+            asked, k = k, len(drafts)  # fewer where the draft's logits stopped being finite
             if drafts:
                 draft_len = len(ids) + k - 1
             # A target call never computes one row alone (see slot.Rows), so a round without drafts pays for
@@ -512,7 +515,9 @@ class SpeculativeDecoder:
                 stats.guessed += 1
                 stats.guesses_accepted += accepted
                 accepted = 0
-            policy.observe(k, accepted, t1 - t0, t2 - t1, catching_up, held)
+            # The drafts asked for: those that never came count as rejected. Told of none, auto γ kept its α and
+            # called a draft whose logits always overflow every round, for nothing.
+            policy.observe(asked, accepted, t1 - t0, t2 - t1, catching_up, held)
             stats.record_round(k, accepted, t1 - t0, t2 - t1)
 
     def _not_finite(self, token: int) -> BundleError:

@@ -6,7 +6,8 @@ class SpecbuildError(Exception):
 
 
 class BundleError(SpecbuildError):
-    """A bundle is missing, corrupted, edited, or from an incompatible format version."""
+    """A bundle is missing, corrupted, edited, or from an incompatible format version; or its fp16 engine
+    overflows while decoding (NaN or infinite logits: see decode.SpeculativeDecoder._not_finite)."""
 
 
 class RequestError(SpecbuildError, ValueError):

@@ -527,22 +527,24 @@ def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
     """UnsupportedModelError unless the model's positions reach max_seq_len, and, for the target, unless its engine
     decodes as transformers does at every length up to max_seq_len (see longrope_length)."""
     spec = ckpt.spec
-    if max_seq_len > spec.max_position_embeddings:
-        raise UnsupportedModelError(
-            f"max_seq_len {max_seq_len} exceeds the {role}'s max_position_embeddings "
-            f"({spec.max_position_embeddings}); give --max-seq-len (or a recipe's max_seq_len) of "
-            f"{spec.max_position_embeddings} or less"
-        )
     original = longrope_length(ckpt.config)
     # The draft's rotation only changes which drafts are proposed, never the output. A Phi-3 target switches
-    # tables at runtime (rope_switch_length).
-    if role == "target" and original is not None and max_seq_len > original and not rope_switch_length(ckpt, role, max_seq_len):
+    # tables at runtime (rope_switch_length). Checked before the positions: the length it names is the shorter
+    # one, which a context past both would otherwise learn in a second refusal.
+    if (role == "target" and original is not None and original < max_seq_len and original <= spec.max_position_embeddings
+            and not rope_switch_length(ckpt, role, max_seq_len)):
         raise UnsupportedModelError(
             f"max_seq_len {max_seq_len} exceeds the target's LongRoPE original_max_position_embeddings ({original}): "
             f"transformers' {ckpt.spec.architecture} rotates a sequence up to that length with the short factors and "
             "later positions with the long ones, keeping the keys it cached with the short ones (only Phi-3 recomputes "
             "its cache there, which specbuild reproduces), so the bundle would decode other tokens; give --max-seq-len "
             f"(or a recipe's max_seq_len) of {original} or less"
+        )
+    if max_seq_len > spec.max_position_embeddings:
+        raise UnsupportedModelError(
+            f"max_seq_len {max_seq_len} exceeds the {role}'s max_position_embeddings "
+            f"({spec.max_position_embeddings}); give --max-seq-len (or a recipe's max_seq_len) of "
+            f"{spec.max_position_embeddings} or less"
         )
 
 

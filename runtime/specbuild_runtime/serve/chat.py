@@ -84,6 +84,8 @@ class ChatTemplate:
         # text, and fail on the object: they get the calls as sent (vLLM answers them 400).
         try:
             return self._render(messages, add_generation_prompt, continue_final_message, variables, tools)
+        except ChatRequestError:  # the template took the calls as sent: what fails is the request's other field
+            raise
         except RequestError:
             raise first from None
 
