@@ -25,7 +25,7 @@ from specbuild_runtime.validation import FLOAT32_MAX, GREEDY_BELOW, stop_strings
 
 from . import __version__
 from .bench.peers import KNOWN as PEERS
-from .recipe import BACKENDS, DEFAULT_BLOCK_SIZE, MAX_GAMMA, PRECISIONS, QUANTIZATIONS, setting_problem
+from .recipe import BACKENDS, DEFAULT_BLOCK_SIZE, MAX_GAMMA, MAX_SEED, PRECISIONS, QUANTIZATIONS, setting_problem
 from .staging import replace_file
 
 # Whether main() runs as the `specbuild` command, which may drop interrupts once its work is done (see
@@ -37,7 +37,7 @@ folder_path = click.Path(file_okay=False, path_type=Path)
 device_option = click.option(
     "--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
     help="Where the engines run: cuda needs onnxruntime-gpu (pip install './runtime[gpu]'); auto takes CUDA if present.")
-EVERY_CORE = "one per core"
+EVERY_CORE = "one per core, or per CPU a container's CPU limit grants where fewer"
 
 
 def use_threads(threads: int | None, torch_too: bool = False) -> None:
@@ -169,13 +169,22 @@ def check_stops(ctx, param, value: tuple[str, ...]) -> tuple[str, ...]:
     return value
 
 
-def check_sampling(sampling: dict) -> None:
-    """--top-k and --top-p shape sampling; without --temperature the decode is greedy and would drop them."""
-    if sampling["temperature"] < GREEDY_BELOW and (sampling["top_k"] or sampling["top_p"] != 1.0):
-        if sampling["temperature"]:  # given, but too small to sample with: "give --temperature too" would puzzle
-            raise click.UsageError(f"--top-k and --top-p apply to sampling, and --temperature {sampling['temperature']:g} "
-                                   f"is below {GREEDY_BELOW:g}, which decodes greedily: give a larger one (e.g. --temperature 1)")
-        raise click.UsageError("--top-k and --top-p apply to sampling: give --temperature too (e.g. --temperature 1)")
+def check_sampling(sampling: dict, seed: int | None = None) -> None:
+    """--top-k, --top-p and --seed shape sampling; without --temperature the decode is greedy and would drop them
+    (generate's default is greedy whatever the bundle's generation_config says: that is serve's). seed: the one
+    given on the command line (bench's, whose default 0 is not given), else sampling's."""
+    if sampling["temperature"] >= GREEDY_BELOW:
+        return
+    seed = sampling.get("seed") if seed is None else seed
+    given = [name for name, set_ in (("--top-k", sampling["top_k"]), ("--top-p", sampling["top_p"] != 1.0),
+                                     ("--seed", seed is not None)) if set_]
+    if not given:
+        return
+    names = (", ".join(given[:-1]) + " and " + given[-1] + " apply") if len(given) > 1 else f"{given[0]} applies"
+    if sampling["temperature"]:  # given, but too small to sample with: "give --temperature too" would puzzle
+        raise click.UsageError(f"{names} to sampling, and --temperature {sampling['temperature']:g} "
+                               f"is below {GREEDY_BELOW:g}, which decodes greedily: give a larger one (e.g. --temperature 1)")
+    raise click.UsageError(f"{names} to sampling: give --temperature too (e.g. --temperature 1)")
 
 
 class Group(Interruptible, click.Group):
@@ -211,7 +220,10 @@ def cli(debug: bool) -> None:
 @click.option("--backend", type=click.Choice(BACKENDS),
               help="ONNX engines for this runtime, TensorRT-LLM checkpoints with build/run/serve plans, or both.  [default: onnx]")
 @click.option("--tp", type=Setting("tp"), help="Tensor-parallel ranks of the TensorRT-LLM checkpoints (GPUs per engine).  [default: 1]")
-def compile_cmd(recipe, **options) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the written bundle's manifest as JSON (what inspect --json prints) instead of the summary. "
+                   "How to print, not a build setting: no recipe key.")
+def compile_cmd(recipe, as_json, **options) -> None:
     """Build an engine bundle: both models as ONNX (greedy verification inside the target's graph), and/or
     as TensorRT-LLM checkpoints with the plans to build and serve them."""
     from .compile import compile_bundle
@@ -227,6 +239,9 @@ def compile_cmd(recipe, **options) -> None:
     use_threads(None, torch_too=True)  # TensorRT-LLM's α for γ is measured in transformers
     manifest = compile_bundle(settings)
     done()
+    if as_json:
+        click.echo(manifest.to_json())
+        return
     gamma = f"max gamma {manifest.gamma}, " if manifest.engines else ""  # TensorRT-LLM alone: its plans' draft length, below
     click.echo(f"wrote {settings.output}: {gamma}max-seq-len {manifest.max_seq_len}")
     for role, e in manifest.engines.items():
@@ -346,6 +361,7 @@ def quantized_line(engine: Path) -> str:
 def inspect(bundle, as_json) -> None:
     """Show what a bundle holds: engines, shapes, settings, and whether its files are intact."""
     from specbuild_runtime.manifest import TOKENIZER_DIR, chat_template_source, load_manifest, read_tokenizer_config
+    from specbuild_runtime.serve.protocol import sampling_defaults
 
     manifest = load_manifest(bundle)
     if as_json:
@@ -367,6 +383,12 @@ def inspect(bundle, as_json) -> None:
         click.echo(f"{'':<10} graphs {e.file}" + (f" and {e.greedy_file} (greedy-only, for CUDA graphs)" if e.greedy_file
                                                    else " (no greedy-only graph: compiled before them)")
                    + (f"; {e.steps_file} (drafting several tokens a call)" if e.steps_file else ""))
+        if e.rope_switch_length:
+            click.echo(f"{'':<10} rotary: LongRoPE short factors up to {e.rope_switch_length} tokens, long ones past it "
+                       "(a sequence that crosses it re-feeds its cache once)")
+        if e.not_finite_token is None:
+            click.echo(f"{'':<10} made before the non-finite check: NaN or infinite logits (an fp16 overflow) pass as "
+                       "token 0; recompile to have them caught")
         if e.quantization != "none":
             click.echo(f"{'':<10} {quantized_line(bundle / e.file)}")
         if e.quality:
@@ -375,6 +397,8 @@ def inspect(bundle, as_json) -> None:
         click.echo(f"{'sampler':<10} " + (f"{manifest.sampler_file} (how the greedy-only graphs sample)" if manifest.sampler_file
                                           else "none: compiled before it (CUDA graphs need a recompile)"))
         click.echo(f"{'on cuda':<10} {cuda_line(manifest)}")
+        click.echo(f"{'serve':<10} by default (--generation-config auto), "
+                   f"{sampling_defaults(manifest.generation_config, 'auto')}")
     if manifest.tensorrt_llm:
         click.echo("\n".join(f"{'tensorrt':<10} {line}" for line in tensorrt_llm_lines(bundle, manifest.tensorrt_llm)))
     config = read_tokenizer_config(bundle / TOKENIZER_DIR)
@@ -513,7 +537,8 @@ def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, de
     writable_file(plot_out, "--plot")
     if plot_out:
         check_plot_path(plot_out)
-    check_sampling(sampling)
+    given = click.get_current_context().get_parameter_source("seed") is not click.core.ParameterSource.DEFAULT
+    check_sampling(sampling, seed if given else None)
     if threads and (own := [peer for peer in peers if peer != "transformers"]):
         # Their rows would be timed on every core beside rows held to --threads: a comparison that misleads.
         raise click.UsageError(f"--threads bounds specbuild's and transformers' threads, not {' or '.join(own)}'s, "
@@ -579,11 +604,14 @@ def check_plot_path(path: Path) -> None:
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True,
               help="Sequences per training step: a smaller batch holds less of the draft's training in memory and "
                    "trains more slowly (the target's fp32 weights need the same either way).")
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
+              help="Seed for a new draft's weights, the prompts made or picked and held out, and training's batches "
+                   "(training stops at --minutes of wall-clock time, so runs differ in how far they get).")
 @click.option("--force", is_flag=True, help="Write the draft even if α did not rise.")
 @click.option("--overwrite", is_flag=True, help="Replace the checkpoint at --output (never anything that is not a checkpoint).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def distill(target, output, init, draft_config, minutes, prompts_file, data, gamma, objective, batch_size, force, overwrite,
-            as_json) -> None:
+def distill(target, output, init, draft_config, minutes, prompts_file, data, gamma, objective, batch_size, seed, force,
+            overwrite, as_json) -> None:
     """Train a draft on what the target writes, so that it agrees with the target more often.
 
     The target continues prompts (yours, spans of your text, or its own samples); the draft learns the
@@ -598,7 +626,7 @@ def distill(target, output, init, draft_config, minutes, prompts_file, data, gam
     use_threads(None, torch_too=True)  # the target generates and the draft trains in torch
     overrides = dict(_key_value(item) for item in draft_config) or None
     report = run_distill(target, output, draft_config=overrides, init=init, minutes=minutes, prompts_file=prompts_file,
-                         data=data, gamma=gamma, objective=objective, batch_size=batch_size, force=force,
+                         data=data, gamma=gamma, objective=objective, batch_size=batch_size, seed=seed, force=force,
                          overwrite=overwrite)
     done()
     if as_json:

@@ -104,6 +104,11 @@ def _one_of(*choices: str) -> Callable[[object], str | None]:
     return lambda value: None if value in choices else f"must be one of {', '.join(choices)}; not {_shown(value)}"
 
 
+# The largest seed training takes: torch's generator takes up to 2**64 - 1 (the held-out samples draw with seed + 1),
+# numpy's none below 0 (distill --seed, the demo recipe's seed).
+MAX_SEED = 2**64 - 2
+
+
 def whole_number(low: int, high: int | None = None, powers_of_two: bool = False) -> Callable[[object], str | None]:
     kind = "a power of two" if powers_of_two else "a whole number"
     wanted = f"{kind} from {low} to {high}" if high is not None else f"{kind}, {low} or more"

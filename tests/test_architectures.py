@@ -266,6 +266,14 @@ def test_a_phi3_longrope_targets_table_choice_reaches_the_engine_when_host_and_e
         assert device_like.generate(ids, PHI3_CONTEXT, gamma).token_ids == tokens, gamma  # the slot again, from long
 
 
+def test_inspect_says_where_a_phi3_longrope_target_switches_rotary_tables(phi3_longrope, cli):
+    bundle, _ = phi3_longrope
+    shown, as_json = cli.run([["inspect", str(bundle)], ["inspect", str(bundle), "--json"]])
+    assert shown["status"] == 0 and as_json["status"] == 0, shown["stderr"]
+    assert shown["stdout"].count("rotary: LongRoPE short factors up to 16 tokens, long ones past it") == 1  # not the draft's
+    assert json.loads(as_json["stdout"])["engines"]["target"]["rope_switch_length"] == 16
+
+
 def test_a_phi3_longrope_engine_and_a_manifest_that_disagree_on_its_switch_are_refused_at_load(phi3_longrope, tmp_path):
     bundle, _ = phi3_longrope
     edited = tmp_path / "b"

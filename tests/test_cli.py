@@ -53,6 +53,30 @@ def test_compile_generate_inspect_round_trip(checkpoints, tmp_path, cli):
     assert "for a GPU compile with --precision fp16 or bf16" in compiled["stdout"]
 
 
+def test_compile_json_prints_what_inspect_json_prints(checkpoints, tmp_path, cli):
+    """A pipeline reads the bundle compile wrote from its stdout, without running inspect after it: the manifest, as
+    inspect --json prints it (and manifest.json holds it), nothing else on stdout."""
+    out = tmp_path / "bundle"
+    compiled, inspected = cli.run([
+        ["compile", "--target", str(checkpoints("llama")), "--draft", str(checkpoints("llama", 1)), "-o", str(out),
+         "--max-seq-len", "64", "--json"],
+        ["inspect", str(out), "--json"],
+    ])
+    assert compiled["status"] == 0 and inspected["status"] == 0, compiled["stderr"]
+    assert compiled["stdout"] == inspected["stdout"] == (out / "manifest.json").read_text() + "\n"
+    assert json.loads(compiled["stdout"])["max_seq_len"] == 64 and "wrote" not in compiled["stderr"]
+
+
+def test_compile_json_is_no_recipe_key(tmp_path, cli):
+    """--json says how to print, not what to build: a recipe cannot set it (its help says so)."""
+    recipe = tmp_path / "pair.toml"
+    recipe.write_text('[compile]\ntarget = "t"\ndraft = "d"\noutput = "b"\njson = true\n')
+    [refused] = cli.run([["compile", "--recipe", str(recipe)]])
+    assert refused["status"] == 1 and "json" in refused["stderr"], refused
+    help_text = " ".join(specbuild("compile", "--help", check=True).stdout.split())
+    assert "not a build setting: no recipe key" in help_text
+
+
 def test_compile_says_nothing_of_transformers_notes_on_a_phi3_config(checkpoints, tmp_path):
     """transformers remarks on a Phi-3 config's original_max_position_embeddings as compile reads it: a line on
     stderr that is no error, where a pipeline reads one-line errors."""
@@ -526,6 +550,21 @@ def test_top_k_beside_a_temperature_too_small_to_sample_names_that_temperature(t
     assert refused["status"] == 2 and "--temperature 5e-06 is below 1e-05" in refused["stderr"], refused
 
 
+def test_a_seed_without_a_temperature_is_refused_as_top_k_is(tmp_path, cli):
+    """Greedy decoding draws no random numbers: a --seed without --temperature changed nothing and was taken silently
+    (generate's default is greedy whatever the bundle's generation_config says). bench's default seed 0 is no seed
+    given. Checked before the bundle loads: none is needed."""
+    bundle = str(tmp_path / "bundle")
+    greedy, small, benched, unseeded = cli.run([["generate", bundle, "-p", "x", "--seed", "1"],
+                                                ["generate", bundle, "-p", "x", "--temperature", "5e-6", "--seed", "1"],
+                                                ["bench", bundle, "--seed", "0"], ["bench", bundle]])
+    for refused in (greedy, benched):
+        assert refused["status"] == 2, refused
+        assert "--seed applies to sampling: give --temperature too" in refused["stderr"], refused
+    assert small["status"] == 2 and "--seed applies to sampling, and --temperature 5e-06 is below" in small["stderr"], small
+    assert unseeded["status"] == 1 and "not a specbuild bundle" in unseeded["stderr"], unseeded
+
+
 # Records the size each command gives onnxruntime's shared pool, and torch's threads at exit.
 POOL_SIZES = (
     "import atexit, sys\n"
@@ -607,3 +646,20 @@ def test_output_to_a_full_disk_is_one_line_that_names_stdout(bundles, tmp_path):
                                 stderr=subprocess.PIPE, text=True)
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith("error: cannot write the output to stdout (No space left on device)"), result.stderr
+
+
+def test_inspect_says_which_engines_were_made_before_the_non_finite_check(bundles, tmp_path, cli):
+    """An engine without not_finite_token (compiled before it) decodes token 0 from NaN logits: inspect says so and what
+    to do; a bundle of today says nothing of it, and its engines use one rotary table (no rope_switch_length)."""
+    old = tmp_path / "old"
+    shutil.copytree(bundles("llama"), old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["engines"]["draft"]["not_finite_token"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    before, today = cli.run([["inspect", str(old)], ["inspect", str(bundles("llama"))]])
+    assert before["status"] == today["status"] == 0, before["stderr"]
+    lines = before["stdout"].splitlines()
+    made = [i for i, line in enumerate(lines) if "made before the non-finite check" in line]
+    assert len(made) == 1 and lines.index(next(line for line in lines if line.startswith("draft "))) < made[0], lines
+    assert "recompile" in lines[made[0]]
+    assert "non-finite" not in today["stdout"] and "rotary" not in today["stdout"]

@@ -123,3 +123,14 @@ def test_torch_takes_no_more_threads_than_a_quota_grants(tmp_path, host):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("command", ["generate", "verify", "bench", "serve"])
+def test_the_threads_help_says_a_containers_cpu_limit_bounds_the_default(command):
+    """The defaults follow a CPU quota; --help still said one per core (the host's: 64 in a 2-CPU pod)."""
+    from click.testing import CliRunner
+
+    from specbuild.cli import cli
+
+    shown = " ".join(CliRunner().invoke(cli, [command, "--help"]).output.split())  # click wraps the help
+    assert "a container's CPU limit grants" in shown, shown

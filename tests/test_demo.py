@@ -78,6 +78,17 @@ def test_a_compile_table_the_pair_cannot_take_is_blamed_on_the_recipe_not_the_pa
     assert "delete" not in str(error.value)
 
 
+def test_a_seed_torch_cannot_take_is_refused_with_its_line_before_anything_is_made(tmp_path):
+    """TOML holds no integer above 2**63 - 1, Python's reader takes any: seed = 2**64 failed after the corpus and
+    tokenizer were made, as a bug (exit 3, torch's "Overflow when unpacking long long")."""
+    from specbuild.errors import TrainingError
+
+    with pytest.raises(TrainingError, match=r"line \d+: \[pair\] seed must be a whole number from 0 to 18446744073709551614, "
+                                            r"not 18446744073709551616"):
+        run_demo(tmp_path / "cache", recipe_with(tmp_path, "pair", seed=str(2**64)), None, 4)
+    assert not (tmp_path / "cache").exists()
+
+
 def test_an_empty_prompt_is_refused_before_anything_is_made(tmp_path):
     """As generate refuses it (the demo used the bundled prompts instead, as if --prompt were not given)."""
     from specbuild_runtime import RequestError

@@ -438,6 +438,24 @@ def test_the_distill_command_trains_with_the_batch_size_given_and_the_functions_
     assert exited.value.code == 2 and "x>=1" in capsys.readouterr().err
 
 
+def test_the_distill_command_takes_a_seed_as_bench_does_with_the_apis_default(monkeypatch, tmp_path, capsys):
+    """distill's API takes a seed (the new draft's weights, its prompts, training's batches); the command had none."""
+    import inspect
+
+    from specbuild.cli import main
+
+    asked = []
+    monkeypatch.setattr(distill_module, "distill", lambda *args, **kwargs: asked.append(kwargs) or {"written": True})
+    for extra in (["--seed", "7"], []):
+        with pytest.raises(SystemExit) as exited:
+            main(["distill", "--target", str(tmp_path), "-o", str(tmp_path / "draft"), "--json", *extra])
+        assert exited.value.code == 0, capsys.readouterr().err
+    assert [a["seed"] for a in asked] == [7, inspect.signature(distill).parameters["seed"].default]
+    with pytest.raises(SystemExit) as exited:  # numpy's generators take no negative seed
+        main(["distill", "--target", str(tmp_path), "-o", str(tmp_path / "draft"), "--seed", "-1"])
+    assert exited.value.code == 2 and "--seed" in capsys.readouterr().err
+
+
 def test_distill_refuses_a_draft_with_another_tokenizer(pair, tmp_path):
     other = make_checkpoint(tmp_path / "other", "llama", make_tokenizer(vocab_size=300), **SMALLER)
     with pytest.raises(CheckpointError, match="different tokenizer"):

@@ -1434,6 +1434,22 @@ def test_compile_records_the_sampling_fields_the_targets_generation_config_sets(
     assert load_manifest(bundle).generation_config == {}  # eos and bos ids only: no sampling field
 
 
+def test_inspect_says_what_serve_gives_requests_that_omit_sampling_fields(sampling_bundle, bundle, cli):
+    """The manifest's generation_config decides serve's defaults; inspect showed nothing of it (serve's start-up line
+    alone did), nor that a bundle compiled before manifests recorded it gets OpenAI's."""
+    old = sampling_bundle.parent / "old"
+    shutil.copytree(sampling_bundle, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["generation_config"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    sampled, plain, before = cli.run([["inspect", str(sampling_bundle)], ["inspect", str(bundle)], ["inspect", str(old)]])
+    assert all(r["status"] == 0 for r in (sampled, plain, before)), (sampled["stderr"], before["stderr"])
+    assert ("serve      by default (--generation-config auto), requests without temperature/top_p/top_k get temperature 1.5, top_k 3 (from the bundle's "
+            "generation_config); generation_config fields not applied: repetition_penalty 1.3") in sampled["stdout"]
+    assert "get temperature 1 (OpenAI's defaults; the bundle's generation_config sets none" in plain["stdout"]
+    assert "compiled before manifests recorded the generation_config: recompile it" in before["stdout"]
+
+
 def test_requests_that_omit_sampling_fields_get_the_bundles_generation_config_and_theirs_win(sampling_bundle):
     """As vLLM's server (--generation-config auto, its default): field by field, the request's value, else the
     generation_config's, else OpenAI's."""

@@ -464,7 +464,7 @@ def _distill(target_dir: Path, output_dir: Path, *, draft_config, init, minutes,
              objective, kinds, generation_share, heldout_prompts, batch_size, lr, seed) -> tuple[dict, object, object]:
     """distill's work, its output locked: (report, draft, tokenizer)."""
     if isinstance(data, Path):
-        data = read_texts(data)
+        data = read_texts(data, seed)
     torch.manual_seed(seed)
     target, tokenizer = load_model(target_dir, "target")
     stop_at_tokenizer_eos(target, tokenizer)

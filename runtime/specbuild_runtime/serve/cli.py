@@ -112,7 +112,7 @@ class InterruptibleCommand(Interruptible, click.Command):
 @click.option("--parallel", "--max-num-seqs", "parallel", type=click.IntRange(min=1), default=1, show_default=True,
               help="Requests decoded at once (slots, each with its own KV cache reserved at start); the engines are "
                    "shared. --max-num-seqs is vLLM's name for it.")
-@threads_option("cores / --parallel, at least 1")
+@threads_option("cores (those a container's CPU limit grants, where fewer) / --parallel, at least 1")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait for a slot or for their check (tokenizing); more get 429 with Retry-After.")
 @click.option("--timeout", type=Finite(min=0), default=600.0, show_default=True,
