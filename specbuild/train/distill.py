@@ -413,7 +413,7 @@ def distill(
     *,
     draft_config: dict | None = None,
     init: Path | None = None,
-    minutes: float = 4.0,
+    minutes: float = 5.0,  # as the command line
     prompts_file: Path | None = None,
     data: list[str] | Path | None = None,
     gamma: int = 4,
