@@ -266,6 +266,30 @@ def test_a_phi3_longrope_targets_table_choice_reaches_the_engine_when_host_and_e
         assert device_like.generate(ids, PHI3_CONTEXT, gamma).token_ids == tokens, gamma  # the slot again, from long
 
 
+def test_the_cache_a_phi3_longrope_target_re_feeds_holds_the_same_bits_at_every_gamma(checkpoints, tokenizer, tmp_path):
+    """The re-feed at the crossing writes positions 0..O-1, and the round after it re-feeds the last of them or not
+    as its drafts leave (γ 0: position O-1 again, γ 1: none): those must hold the bits an even call gives, as a
+    prompt's do. An int4 target (accuracy level 4, block 128: an odd call's last row is computed apart) of odd
+    original length 17: one re-feed call of 17 rows left position 16 other bits at γ 1 and 3 than at γ 0."""
+    import numpy as np
+
+    target = checkpoints("phi3", original_max_position_embeddings=17, hidden_size=128, intermediate_size=256,
+                         num_attention_heads=4)
+    out = tmp_path / "b"
+    compile_bundle(CompileSettings(target=target, draft=checkpoints("phi3", seed=1), output=out, max_seq_len=64,
+                                   target_quantize="int4", block_size=128), show_progress=False)
+    decoder = SpeculativeDecoder(out)
+    decoder.eos_token_ids = set()
+    ids, length = phi3_prompt(tokenizer, 5), 40
+    caches = {}
+    for gamma in (0, 1, 2, 3):
+        decoder.generate(ids, length - len(ids), gamma)
+        with decoder.slots.take() as slot:
+            caches[gamma] = [buffer.numpy()[..., :length - 1, :].copy() for buffer in slot.target.cache]
+    for gamma in (1, 2, 3):
+        assert all(np.array_equal(a, b) for a, b in zip(caches[0], caches[gamma])), gamma
+
+
 def test_inspect_says_where_a_phi3_longrope_target_switches_rotary_tables(phi3_longrope, cli):
     bundle, _ = phi3_longrope
     shown, as_json = cli.run([["inspect", str(bundle)], ["inspect", str(bundle), "--json"]])

@@ -914,6 +914,10 @@ def test_cuda_graphs_by_default_on_cuda_for_unquantized_fp16_and_bf16_bundles(bu
     assert not graphs_by_default(variant(precision="bf16", architecture="GPT2LMHeadModel"), "cuda")  # its fp16 only
     assert not graphs_by_default(variant(precision="fp16", greedy_file=""), "cuda")  # compiled before them
     assert not graphs_by_default(replace(variant(precision="fp16"), sampler_file=""), "cuda")
+    phi3 = variant(precision="fp16", architecture="Phi3ForCausalLM")
+    assert graphs_by_default(phi3, "cuda")  # replayed right on an H100, with one rotary table
+    switching = replace(phi3, engines={**phi3.engines, "target": replace(phi3.engines["target"], rope_switch_length=16)})
+    assert not graphs_by_default(switching, "cuda")  # tests/test_gpu.py has not yet run its table switch captured
 
 
 def test_why_a_bundle_decodes_uncaptured_by_default_is_said_in_words(bundle):

@@ -578,6 +578,8 @@ def uncaptured_because(manifest: Manifest) -> str:
         if e.quantization != "none" or e.precision not in CAPTURED_BY_DEFAULT.get(e.architecture, ()):
             what = f"{e.quantization} engines" if e.quantization != "none" else f"{e.architecture} {e.precision}"
             return f"{what} not yet run captured on a GPU (--cuda-graphs asks for them)"
+        if e.rope_switch_length:  # Phi-3's replays were measured before its engine switched tables (long_rope)
+            return "a LongRoPE target switching rotary tables not yet run captured on a GPU (--cuda-graphs asks for them)"
     return ""
 
 

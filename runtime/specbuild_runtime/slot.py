@@ -290,6 +290,13 @@ class EngineSlot:
         first = max(0, min(start, total_len - least, self._redo_from))
         if self.rows.even and (total_len - first) % 2 and first > 0:
             first -= 1
+        first = self._head(first, total_len, num_drafts, probs_row)
+        self._redo_from = first if total_len - first < least else self.engine.max_seq_len
+        return self._run(first, total_len, num_drafts, uniforms, probs_row)
+
+    def _head(self, first: int, total_len: int, num_drafts: int, probs_row: int) -> int:
+        """The calls before the one whose rows a decision reads (a prompt's chunks and head); returns its first row."""
+        least = self.rows.least
         if self.chunk and not num_drafts:  # chunked prefill, leaving at least `least` rows to the calls below
             while total_len - first >= self.chunk + least:
                 self._run(first, first + self.chunk, 0, None, probs_row)
@@ -299,8 +306,7 @@ class EngineSlot:
             # A prompt's head: no decision reads its rows' call, and no later call re-feeds them.
             self._run(first, total_len - least, 0, None, probs_row)
             first = total_len - least
-        self._redo_from = first if total_len - first < least else self.engine.max_seq_len
-        return self._run(first, total_len, num_drafts, uniforms, probs_row)
+        return first
 
     def _choose_rope(self, start: int, total_len: int) -> None:
         """LongRoPE as transformers decodes with it: a sequence of up to rope_switch_length tokens rotates with
@@ -320,12 +326,13 @@ class EngineSlot:
         self._cache_long = self._use_long
 
     def _refeed(self, end: int) -> None:
-        """Positions 0..end-1 again from the tokens the cache holds (chunked as a long prompt is), no decision read."""
-        first = 0
-        while self.chunk and end - first > self.chunk:
-            self._run(first, first + self.chunk, 0, None, 0)
-            first += self.chunk
+        """Positions 0..end-1 again from the tokens the cache holds, no decision read, in the calls a prompt of
+        them makes: the next call re-feeds its last rows in some modes and not in others (as many as its drafts
+        leave), so those must hold the bits a call of the Rows' kind gives them, not an odd or a long call's."""
+        first = self._head(0, end, 0, 0)
         self._run(first, end, 0, None, 0)
+        if end - first < self.rows.least:  # as a prompt's: re-fed by the next call
+            self._redo_from = first
 
     def output(self, name: str) -> np.ndarray:
         """An output of the last call beyond the engine contract (Engine.extra_outputs), e.g. the logits of
