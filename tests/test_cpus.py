@@ -134,3 +134,14 @@ def test_the_threads_help_says_a_containers_cpu_limit_bounds_the_default(command
 
     shown = " ".join(CliRunner().invoke(cli, [command, "--help"]).output.split())  # click wraps the help
     assert "a container's CPU limit grants" in shown, shown
+
+
+def test_a_malformed_proc_cgroup_line_leaves_the_machines_memory_not_a_traceback(tmp_path, host):
+    """The memory check read /proc/self/cgroup with its own parser, which raised on a line without two colons (a
+    traceback from SpeculativeDecoder()); it now walks the cgroups as the CPU quota does."""
+    from specbuild_runtime import pool
+
+    host(made_up_root(tmp_path, "garbage\n0::/\n", V2_MOUNT, {"sys/fs/cgroup/memory.max": "4096\n"}))
+    assert pool.memory_limit() == (4096, "this container may use")
+    host(made_up_root(tmp_path, "garbage\n", V2_MOUNT, {}))
+    assert pool.memory_limit()[1] == "this machine has"

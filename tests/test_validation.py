@@ -301,12 +301,14 @@ def test_the_decoder_checks_every_request_before_taking_a_slot(bundles):
 def test_slots_beyond_a_containers_memory_limit_are_refused(bundles, tmp_path, monkeypatch):
     """A service in a container (or a systemd unit) is killed at its cgroup's limit, which may sit on an ancestor
     of the process's cgroup, not at the machine's memory: the check reads them."""
-    from specbuild_runtime import pool
+    from specbuild_runtime import engine
 
-    (tmp_path / "proc").write_text("0::/system.slice/app.service\n")
-    monkeypatch.setattr(pool, "PROC_CGROUP", tmp_path / "proc")
-    monkeypatch.setattr(pool, "CGROUP_ROOT", tmp_path / "cgroup")
-    limit = tmp_path / "cgroup" / "system.slice" / "memory.max"  # the parent's
+    (tmp_path / "proc" / "self").mkdir(parents=True)
+    (tmp_path / "proc" / "self" / "cgroup").write_text("0::/system.slice/app.service\n")
+    (tmp_path / "proc" / "self" / "mountinfo").write_text(
+        "30 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw,nsdelegate\n")
+    monkeypatch.setattr(engine, "ROOT", tmp_path)
+    limit = tmp_path / "sys" / "fs" / "cgroup" / "system.slice" / "memory.max"  # the parent's
     limit.parent.mkdir(parents=True)
     limit.write_text("max\n")  # no limit: the machine's memory decides
     SpeculativeDecoder(bundles("llama"), parallel=2)

@@ -71,50 +71,10 @@ def _affinity_cpus() -> int:
 def cpu_quota() -> int | None:
     """The CPUs this process's cgroup CPU quota grants (a container's `--cpus`, a pod's cpu limit), rounded up
     (1.5 CPUs: 2), the tightest of its cgroup's and its ancestors'; None where no quota applies or none can be read.
-    A quota leaves the affinity alone: the process sees every core of the host. Read as Go's automaxprocs does:
-    the process's cgroup from /proc/self/cgroup, found under its mount (/proc/self/mountinfo); v2's cpu.max
-    ("max": no limit), v1's cpu.cfs_quota_us (-1: no limit) over cpu.cfs_period_us."""
-    try:
-        cgroups = (ROOT / "proc/self/cgroup").read_text().splitlines()
-        mounts = (ROOT / "proc/self/mountinfo").read_text().splitlines()
-    except (OSError, UnicodeDecodeError):
-        return None
+    A quota leaves the affinity alone: the process sees every core of the host. v2's cpu.max ("max": no limit),
+    v1's cpu.cfs_quota_us (-1: no limit) over cpu.cfs_period_us."""
     quotas = []
-    for line in cgroups:
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        v2 = hierarchy == "0" and not controllers
-        if not (v2 or "cpu" in controllers.split(",")):
-            continue
-        for kind, options, mount_root, mount_point in _cgroup_mounts(mounts):
-            if (kind == "cgroup2") if v2 else (kind == "cgroup" and "cpu" in options):
-                quotas += _quotas(ROOT / mount_point.lstrip("/"), mount_root, path, v2)
-    return min(quotas, default=None)
-
-
-def _cgroup_mounts(lines: list[str]):
-    """(file system type, super options, root, mount point) of each cgroup mount in mountinfo lines."""
-    for line in lines:
-        fields, _, tail = line.partition(" - ")
-        fields, tail = fields.split(), tail.split()
-        if len(fields) >= 5 and len(tail) >= 3 and tail[0] in ("cgroup", "cgroup2"):
-            # mountinfo writes a space in a path as \040 (octal), as it does a tab, a newline and a backslash
-            root, point = (re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), f) for f in fields[3:5])
-            yield tail[0], tail[2].split(","), root, point
-
-
-def _quotas(mounted: Path, mount_root: str, path: str, v2: bool) -> list[int]:
-    """The quotas, in CPUs, set on the cgroup at path and on its ancestors up to the mount: a parent's quota
-    bounds its children's (a pod's limit sits on the pod's cgroup, above each container's)."""
-    try:
-        parts = PurePosixPath(path).relative_to(mount_root).parts
-    except ValueError:  # a cgroup outside what this mount shows (another namespace's)
-        return []
-    if ".." in parts:
-        return []
-    quotas = []
-    for depth in range(len(parts), -1, -1):
-        folder = mounted.joinpath(*parts[:depth])
+    for folder, v2 in cgroup_folders("cpu"):
         try:
             if v2:
                 quota, _, period = (folder / "cpu.max").read_text().strip().partition(" ")
@@ -128,7 +88,52 @@ def _quotas(mounted: Path, mount_root: str, path: str, v2: bool) -> list[int]:
             continue
         if quota > 0 and period > 0:  # v1's -1: no limit
             quotas.append(max(1, -(-quota // period)))
-    return quotas
+    return min(quotas, default=None)
+
+
+def cgroup_folders(controller: str) -> list[tuple[Path, bool]]:
+    """(folder, whether cgroup v2) of this process's cgroup for `controller` ("cpu", "memory") and of each ancestor
+    up to its mount: a parent's limit bounds its children's (a pod's sits on the pod's cgroup, above each
+    container's). Found as Go's automaxprocs finds them: the cgroup from /proc/self/cgroup, under its mount in
+    /proc/self/mountinfo (a container's namespace mounts its own cgroup as the root). [] where none can be read."""
+    try:
+        cgroups = (ROOT / "proc/self/cgroup").read_text().splitlines()
+        mounts = (ROOT / "proc/self/mountinfo").read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
+    folders = []
+    for line in cgroups:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        v2 = hierarchy == "0" and not controllers
+        if not (v2 or controller in controllers.split(",")):
+            continue
+        for kind, options, mount_root, mount_point in _cgroup_mounts(mounts):
+            if (kind == "cgroup2") if v2 else (kind == "cgroup" and controller in options):
+                folders += [(folder, v2) for folder in _ancestors(ROOT / mount_point.lstrip("/"), mount_root, path)]
+    return folders
+
+
+def _cgroup_mounts(lines: list[str]):
+    """(file system type, super options, root, mount point) of each cgroup mount in mountinfo lines."""
+    for line in lines:
+        fields, _, tail = line.partition(" - ")
+        fields, tail = fields.split(), tail.split()
+        if len(fields) >= 5 and len(tail) >= 3 and tail[0] in ("cgroup", "cgroup2"):
+            # mountinfo writes a space in a path as \040 (octal), as it does a tab, a newline and a backslash
+            root, point = (re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), f) for f in fields[3:5])
+            yield tail[0], tail[2].split(","), root, point
+
+
+def _ancestors(mounted: Path, mount_root: str, path: str) -> list[Path]:
+    """The folders of the cgroup at path and of its ancestors up to the mount, the cgroup's first."""
+    try:
+        parts = PurePosixPath(path).relative_to(mount_root).parts
+    except ValueError:  # a cgroup outside what this mount shows (another namespace's)
+        return []
+    if ".." in parts:
+        return []
+    return [mounted.joinpath(*parts[:depth]) for depth in range(len(parts), -1, -1)]
 
 
 def use_shared_thread_pool(threads: int = 0) -> bool:

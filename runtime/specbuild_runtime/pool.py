@@ -8,9 +8,9 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Iterator
 
+from .engine import cgroup_folders
 from .errors import RequestError
 from .slot import Slot
 
@@ -157,41 +157,18 @@ class SlotPool:
 
 
 # A container, or a systemd unit, is killed at its cgroup's memory limit (or an ancestor's), not the machine's.
-PROC_CGROUP, CGROUP_ROOT = Path("/proc/self/cgroup"), Path("/sys/fs/cgroup")
-
-
 def memory_limit() -> tuple[int, str]:
-    """(bytes, what they are): the machine's memory, or the lowest limit of this process's cgroups if less."""
+    """(bytes, what they are): the machine's memory, or the lowest limit of this process's cgroups if less (v2's
+    memory.max, v1's memory.limit_in_bytes, of its cgroup and its ancestors)."""
     limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine has"
-    for path in _cgroup_limit_files():
+    for folder, v2 in cgroup_folders("memory"):
         try:
-            text = path.read_text().strip()  # "max" (v2) or a huge number (v1) when unlimited
-        except OSError:
+            text = (folder / ("memory.max" if v2 else "memory.limit_in_bytes")).read_text().strip()
+        except (OSError, UnicodeDecodeError):
             continue
-        if text.isdigit() and int(text) < limit[0]:
+        if text.isdigit() and int(text) < limit[0]:  # "max" (v2) or a huge number (v1) when unlimited
             limit = int(text), "this container may use"
     return limit
-
-
-def _cgroup_limit_files() -> list[Path]:
-    """The memory limit files of this process's cgroup and its ancestors: v2 ("0::/a/b" in /proc/self/cgroup,
-    memory.max) and v1 ("N:memory:/a/b", memory/memory.limit_in_bytes)."""
-    try:
-        lines = PROC_CGROUP.read_text().splitlines()
-    except OSError:
-        return []
-    files = []
-    for line in lines:
-        _, controllers, group = line.split(":", 2)
-        if not controllers:
-            root, name = CGROUP_ROOT, "memory.max"
-        elif "memory" in controllers.split(","):
-            root, name = CGROUP_ROOT / "memory", "memory.limit_in_bytes"
-        else:
-            continue
-        parts = Path(group).parts[1:]
-        files += [root.joinpath(*parts[:depth]) / name for depth in range(len(parts), -1, -1)]
-    return files
 
 
 def check_memory(parallel: int, slot_bytes: int) -> None:
