@@ -1838,6 +1838,17 @@ def test_tools_reach_the_chat_template_as_transformers_passes_them(tool_choice, 
     assert ours == expected and '"name": "add"' in tokenizer.decode(expected)
 
 
+def streamed_tool_calls(client, ask: dict) -> tuple[str, dict, str | None]:
+    """(content, index -> call, finish reason) of a streamed chat, as the openai client's accumulators join them."""
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls.update((call.index, call.model_dump()) for call in delta.tool_calls or [])
+        finish = chunk.choices[0].finish_reason or finish
+    return content, calls, finish
+
+
 def call_list(calls) -> list[tuple[str, dict]]:
     return [(call["function"]["name"], json.loads(call["function"]["arguments"])) for call in calls]
 
@@ -1899,12 +1910,7 @@ def test_a_reply_calling_tools_is_answered_with_tool_calls_streamed_or_not(bundl
         assert call_list(call.model_dump() for call in choice.message.tool_calls) == CALLED
         assert reply.usage.prompt_tokens == len(prompt)
 
-        content, calls, finish = "", {}, None
-        for chunk in client.chat.completions.create(**ask, stream=True):
-            delta = chunk.choices[0].delta
-            content += delta.content or ""
-            calls.update((call.index, call.model_dump()) for call in delta.tool_calls or [])
-            finish = chunk.choices[0].finish_reason or finish
+        content, calls, finish = streamed_tool_calls(client, ask)
         assert (content, finish) == ("Let me look.\n", "tool_calls")
         assert call_list(calls[index] for index in sorted(calls)) == CALLED
         assert all(call["id"].startswith("call_") and call["type"] == "function" for call in calls.values())
@@ -2020,12 +2026,7 @@ def test_a_llama_reply_calling_tools_is_answered_with_tool_calls_streamed_or_not
         assert all(isinstance(call, ChatCompletionMessageToolCall) for call in choice.message.tool_calls)
         assert call_list(call.model_dump() for call in choice.message.tool_calls) == CALLED
 
-        content, calls, finish = "", {}, None
-        for chunk in client.chat.completions.create(**ask, stream=True):
-            delta = chunk.choices[0].delta
-            content += delta.content or ""
-            calls.update((call.index, call.model_dump()) for call in delta.tool_calls or [])
-            finish = chunk.choices[0].finish_reason or finish
+        content, calls, finish = streamed_tool_calls(client, ask)
         assert (content, finish) == ("", "tool_calls")
         assert call_list(calls[index] for index in sorted(calls)) == CALLED
 
