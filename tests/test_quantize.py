@@ -280,6 +280,36 @@ def test_target_logits_are_the_same_bits_however_rows_are_grouped_into_calls(set
         assert np.array_equal(verified, single), (settings, prompt_len)
 
 
+@pytest.mark.parametrize("settings", GROUPINGS, ids=["fp32", "int4", "int4-level0", "int8", "int4-bs128", "int8-bs256"])
+def test_a_prompt_over_what_an_earlier_request_left_gets_the_logits_bits_of_a_fresh_cache(settings, bundle):
+    """Prefix reuse's exactness: a request that feeds its prompt from the position where it leaves what the slot's
+    cache holds (written by an earlier request's prompt and rounds) gets the bits a fresh cache's prompt gets, in
+    its first call and in the round after it, prompts and reused prefixes of either parity."""
+    folder = bundle(**settings)
+    info = load_manifest(folder).engines["target"]
+    (used, _), (fresh, _) = _engine(folder, info), _engine(folder, info)
+    rng = np.random.default_rng(1)
+    for prompt_len, rounds, new in ((9, (3, 5, 2), 7), (40, (2, 9), 6), (2, (3,), 1), (33, (5, 4), 2), (11, (2,), 40),
+                                    (200, (3,), 31)):
+        prompt = rng.integers(1, 300, prompt_len).tolist()  # differs from the cache from its first token
+        assert used.prefix(prompt, prompt_len - 1) < prompt_len - 1
+        used.step(prompt, prompt_len)
+        total = prompt_len
+        for n in rounds:
+            total += n
+            used.step(rng.integers(1, 300, n).tolist(), total, num_drafts=n - 1)
+        second = [*used._fed[:total - 1], *rng.integers(1, 300, new).tolist()]
+        held = used.prefix(second, len(second) - 1)
+        assert held == total - 1
+        used.step(second[held:], len(second))
+        fresh.step(second, len(second))
+        assert np.array_equal(used.output("logits"), fresh.output("logits")), (settings, prompt_len)
+        round_ = rng.integers(1, 300, 4).tolist()
+        for engine in (used, fresh):
+            engine.step(round_, len(second) + 4, num_drafts=3)
+        assert np.array_equal(used.output("logits"), fresh.output("logits")), (settings, prompt_len)
+
+
 def test_one_token_calls_without_a_re_fed_row_would_differ(bundle):
     """The control: onnxruntime's one-row kernels round differently, so the rule above is needed."""
     prompt, rounds = list(range(5, 45)), [list(range(50, 55)), list(range(60, 69))]

@@ -67,17 +67,17 @@ def test_fixed_rows_after_a_short_prompt_recompute_from_the_start_until_the_cach
 
 
 def test_cpu_calls_compute_an_even_number_of_rows_re_feeding_one_where_needed(bundle, target_calls):
-    """NEVER_ALONE: no row alone, none as a call's odd last row; a prompt's last two rows are a call of their
-    own (its head's rows are never re-fed, so they may be grouped any way)."""
-    decoder = SpeculativeDecoder(bundle, target_rows=NEVER_ALONE)
+    """NEVER_ALONE: no row alone, none as a call's odd last row; an odd prompt is an even head and its last two
+    rows, re-feeding the head's last."""
+    decoder = SpeculativeDecoder(bundle, target_rows=NEVER_ALONE, prefix_reuse=False)
     decoder.generate([5], 6, gamma=2)
     assert target_calls[0] == (0, 1, 0)  # a one-token prompt has no row before it
     assert target_calls[1][0] == 0  # so the next call computes it again, with others
     assert all((total - first) % 2 == 0 for first, total, _ in target_calls[1:])
-    for prompt, gamma, head in (([5, 6, 7], 0, 1), ([5, 6, 7, 8], 2, None), ([5, 6, 7, 8, 9], 3, 3)):
+    for prompt, gamma, head in (([5, 6, 7], 0, 2), ([5, 6, 7, 8], 2, None), ([5, 6, 7, 8, 9], 3, 4)):
         target_calls.clear()
         decoder.generate(prompt, 6, gamma=gamma)
-        split = [(0, head, 0), (head, len(prompt), 0)] if head else [(0, len(prompt), 0)]  # an even prompt: whole
+        split = [(0, head, 0), (head - 1, len(prompt), 0)] if head else [(0, len(prompt), 0)]  # an even prompt: whole
         assert target_calls[:len(split)] == split
         rows = [total - first for first, total, _ in target_calls[1:]]
         assert all(n % 2 == 0 for n in rows) and (gamma == 0 or gamma + 2 in rows or gamma + 1 in rows), rows
@@ -86,18 +86,18 @@ def test_cpu_calls_compute_an_even_number_of_rows_re_feeding_one_where_needed(bu
 def test_a_long_prompt_is_fed_in_calls_of_prefill_chunk_rows_and_decodes_what_one_call_decodes(bundle, target_calls,
                                                                                                  monkeypatch):
     """Chunked prefill (CPU): a prompt's leading rows go in calls of PREFILL_CHUNK rows, its rest by the usual
-    rules (an odd prompt's last two rows on their own), so speculative output still equals target-only output,
+    rules (an odd prompt's last two rows re-feeding one), so speculative output still equals target-only output,
     which equals the tokens of the prompt fed in one call."""
     assert PREFILL_CHUNK > MAX_REUSED_IDS and PREFILL_CHUNK % 2 == 0  # even: the rest keeps the prompt's parity
-    whole = SpeculativeDecoder(bundle)
+    whole = SpeculativeDecoder(bundle, prefix_reuse=False)  # the prompts share prefixes: each fed whole here
     for slot in whole.slots._free:
         slot.target.chunk = slot.draft.chunk = 0
     monkeypatch.setattr(slot_module, "PREFILL_CHUNK", 8)
-    chunked = SpeculativeDecoder(bundle)
+    chunked = SpeculativeDecoder(bundle, prefix_reuse=False)
     for length, calls in ((40, [(0, 8), (8, 16), (16, 24), (24, 32), (32, 40)]),
-                          (43, [(0, 8), (8, 16), (16, 24), (24, 32), (32, 40), (40, 41), (41, 43)]),
-                          (8, [(0, 8)]), (9, [(0, 7), (7, 9)]), (10, [(0, 8), (8, 10)]), (11, [(0, 8), (8, 9), (9, 11)]),
-                          (7, [(0, 5), (5, 7)])):
+                          (43, [(0, 8), (8, 16), (16, 24), (24, 32), (32, 40), (40, 42), (41, 43)]),
+                          (8, [(0, 8)]), (9, [(0, 8), (7, 9)]), (10, [(0, 8), (8, 10)]), (11, [(0, 8), (8, 10), (9, 11)]),
+                          (7, [(0, 6), (5, 7)])):
         prompt = [(7 * i) % 300 + 1 for i in range(length)]
         target_calls.clear()
         expected = chunked.generate(prompt, NEW_TOKENS, gamma=0).token_ids

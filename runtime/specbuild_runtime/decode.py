@@ -61,6 +61,7 @@ class Stats:
     round, those without drafts (γ 0, free guesses) included."""
 
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # leading prompt tokens the slot's target cache held already (prefix reuse)
     generated_tokens: int = 0
     rounds: int = 0  # target calls after the prompt
     drafted: int = 0
@@ -115,6 +116,7 @@ class Stats:
         per_position = [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)]
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "rounds": self.rounds,
             "acceptance_rate": round(self.acceptance_rate, 4),
@@ -174,12 +176,14 @@ class SpeculativeDecoder:
     tokens a call, where a round drafts that many (the same drafts as a call per token). It is a second
     session of the draft's weights, so it costs their memory again: None (the default) uses it on CUDA,
     where a call per token waits for the host each time, and not on the CPU, where it decoded 3-4% faster
-    at fixed γ and no faster in auto (README, GPU).
+    at fixed γ and no faster in auto (README, GPU). prefix_reuse: a request starts where the prompt leaves
+    the tokens its slot's caches hold from earlier requests (a chat resending its conversation computes only
+    what is new), where that is exact by construction (see reuses_prefixes); False computes every prompt whole.
     """
 
     def __init__(self, bundle: str | Path, device: str = "cpu", parallel: int = 1, shared_thread_pool: bool = False,
                  check_digests: bool = True, target_rows: Rows | None = None, cuda_graphs: bool | None = None,
-                 draft_steps: bool | None = None):
+                 draft_steps: bool | None = None, prefix_reuse: bool = True):
         """shared_thread_pool: faster, but changes every onnxruntime session of the process
         (see engine.use_shared_thread_pool); for processes that only decode."""
         if shared_thread_pool:
@@ -221,6 +225,7 @@ class SpeculativeDecoder:
         self.vocab_size = self.target.vocab_size
         check_vocabularies(self.target, self.draft)
         rows = target_rows or (fixed_rows(self.max_gamma) if self.device == "cuda" else NEVER_ALONE)
+        self.prefix_reuse = prefix_reuse
         self.slots = SlotPool([Slot(i, self.target, self.draft, rows, self.max_gamma, self.steps_engine) for i in range(parallel)],
                               affinity=self.target.captures)
         # Adaptive γ: the costs of a round describe the machine and are shared; α follows the text a slot
@@ -457,10 +462,16 @@ class SpeculativeDecoder:
         clock = time.perf_counter
         start = clock()
         not_finite = self.manifest.engines["target"].not_finite_token
-        # Cache lengths: the target holds ids[:-1] after each round; the draft lags and catches up.
-        _, token = target.step(ids, total_len=len(ids), uniforms=uniforms(1))
+        # Cache lengths: the target holds ids[:-1] after each round; the draft lags and catches up. Each starts
+        # where the prompt leaves what the slot's cache holds (its target calls still re-feed what Rows asks for).
+        # A sampled request's draft starts afresh: its distributions judge drafts, and its rows' bits depend on
+        # how its calls grouped them (slot.AS_FED); greedy, drafts only decide how many tokens a round yields.
+        reuse = self.prefix_reuse and reuses_prefixes(target.engine, target.rows)
+        reused = target.prefix(ids, len(ids) - 1) if reuse else 0
+        stats.cached_prompt_tokens = reused
+        _, token = target.step(ids[reused:], total_len=len(ids), uniforms=uniforms(1))
         new_tokens = [token]
-        draft_len = 0
+        draft_len = slot.draft.prefix(ids, len(ids)) if reuse and sampling.greedy else 0
         # Auto mode, greedy: the token that last followed each token, for free guesses (see below; a
         # guess is verified like a draft, so it cannot change the output).
         follows = dict(zip(ids, ids[1:])) if request.gamma == AUTO and sampling.greedy else None
@@ -558,6 +569,15 @@ def _new_workers_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_new_workers_in_child)
+
+
+def reuses_prefixes(target: Engine, rows: Rows) -> bool:
+    """Whether a request may start over what its slot's target cache holds and decode what a fresh cache decodes,
+    bit for bit: where a row's bits do not depend on how calls group rows. So on the CPU under an even rule
+    (slot.NEVER_ALONE: measured so, README Exactness), whose calls, prompts included, are all even. Not with
+    fixed rows (GPUs): a prompt's head is one call of any size there, whose kernels may round otherwise than
+    the max γ + 1-row calls that wrote the same positions in an earlier request."""
+    return target.device == "cpu" and not (target.captures or target.gpu_attention) and rows.even and not rows.fixed
 
 
 def graphs_by_default(manifest: Manifest, device: str) -> bool:

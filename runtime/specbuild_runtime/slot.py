@@ -66,9 +66,10 @@ class Rows:
     fixed: calls compute exactly `least` rows; a longer call (a prompt) is split so that its last part
         does, so every row any decision reads was computed in a call of that size.
     even: calls compute an even number of rows (one more re-fed row where the cache has it), and a call
-        of an odd number without drafts (a prompt) is split so that its last `least` rows form a call of
-        their own (the rows before them are never re-fed, so any grouping of them is the same in every
-        mode).
+        of an odd number without drafts (a prompt) is split into a head of all its rows but the last and a
+        call of its last `least` (made even) rows, which re-feeds the head's last: every row of a prompt is
+        computed in an even call too, so the cache holds what any grouping of the same tokens would write
+        (what prefix reuse relies on: EngineSlot.kept).
     """
 
     least: int
@@ -217,6 +218,12 @@ class EngineSlot:
         self._long_rope = self._input(LONG_ROPE, np.zeros((), np.int64)) if self.rope_switch else None
         self._use_long = self._cache_long = False
         self._redo_from = engine.max_seq_len  # the next call starts no later than this (see Rows)
+        # Prefix reuse: the cache's leading positions that hold the K/V of _fed[:kept], each written by a call that
+        # completed and whose rows' bits do not depend on grouping (with an even rule: an even call; otherwise any
+        # call, which is all the draft needs) over positions that held them too. A later request whose prompt
+        # begins with those tokens starts there (see prefix). Lowered before every call to its first position, so a
+        # call that failed midway (a DeviceError) leaves only what was written before it.
+        self.kept = 0
         self._graphs = CudaGraphs(engine)
         if engine.greedy_only:
             # Every call writes its logits into the first D+1 rows: one address, as a CUDA graph replays it.
@@ -284,6 +291,7 @@ class EngineSlot:
         """
         start = total_len - len(tokens)
         self._fed[start:total_len] = tokens
+        self.kept = min(self.kept, start)
         if self.rope_switch:
             self._choose_rope(start, total_len)
         least = self.rows.least
@@ -302,10 +310,15 @@ class EngineSlot:
                 self._run(first, first + self.chunk, 0, None, probs_row)
                 first += self.chunk
         odd = (total_len - first) % 2
-        if total_len - first > least and (self.rows.fixed or self.rows.even and odd and not num_drafts):
+        if total_len - first > least and self.rows.fixed:
             # A prompt's head: no decision reads its rows' call, and no later call re-feeds them.
             self._run(first, total_len - least, 0, None, probs_row)
             first = total_len - least
+        elif total_len - first > least and self.rows.even and odd and not num_drafts:
+            # An odd prompt: an even head, then its last rows in an even call that re-feeds the head's last
+            # (rewriting its bits): no row of it computed apart, so a cache any request wrote holds the same bits.
+            self._run(first, total_len - 1, 0, None, probs_row)
+            first = total_len - least - least % 2
         return first
 
     def _choose_rope(self, start: int, total_len: int) -> None:
@@ -341,9 +354,26 @@ class EngineSlot:
         extra = self.engine.extra_outputs
         return outputs[len(outputs) - len(extra) + extra.index(name)].numpy()
 
+    def prefix(self, ids: list[int], limit: int) -> int:
+        """How many leading tokens of ids (at most limit) this slot's cache holds as any call feeding them from
+        the start would write them (see kept), so that a request may start feeding there. 0 where its LongRoPE
+        table differs from the one the cache was written with: re-feeding it (_choose_rope) would group the
+        rows otherwise than a fresh prompt does."""
+        if self.rope_switch and (len(ids) > self.rope_switch) != self._cache_long:
+            return 0
+        fed, count = self._fed, min(self.kept, limit, len(ids))
+        held = 0
+        while held < count and fed[held] == ids[held]:
+            held += 1
+        return held
+
     def _run(self, first: int, total_len: int, num_drafts: int, uniforms: np.ndarray | None, probs_row: int):
+        self.kept = min(self.kept, first)
         with self.engine.calls:
-            return self._call(first, total_len, num_drafts, uniforms, probs_row)
+            result = self._call(first, total_len, num_drafts, uniforms, probs_row)
+        if self.kept == first and not (self.rows.even and (total_len - first) % 2):
+            self.kept = total_len
+        return result
 
     def _call(self, first: int, total_len: int, num_drafts: int, uniforms: np.ndarray | None, probs_row: int):
         self._bind_ids(self._fed[first:total_len])
@@ -500,6 +530,7 @@ class DraftSteps:
         if rows > MAX_REUSED_IDS:  # the draft slot's own calls take those (a buffer of their own)
             raise ValueError(f"a steps call feeds at most {MAX_REUSED_IDS} tokens, not {rows}")
         first = total_len - rows
+        draft.kept = min(draft.kept, first)
         with self.engine.calls:
             buffer = draft.ids_buffer(tokens)  # the draft slot's own buffer of this length: one address per shape
             if self._bound_ids != rows:
@@ -515,6 +546,8 @@ class DraftSteps:
             run(self.engine.session, self.binding, self.engine.path, self._graphs.options(graph))
             drafts = self._drafts.pull().tolist()
         draft._fed[first:total_len + self.count - 1] = [*tokens, *drafts[:-1]]
+        if draft.kept == first:
+            draft.kept = total_len + self.count - 1
         return drafts
 
 

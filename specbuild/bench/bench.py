@@ -222,8 +222,10 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
     sampling = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, **(sampling or {})}
     temperature = sampling["temperature"]
     with progress.note(f"loading the bundle {bundle}"):  # every file's digest checked, every engine's session made
+        # Every mode decodes the same prompts: reusing what the last one left would time a prompt of one row, where
+        # the peers compute every prompt whole.
         decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs,
-                                     draft_steps=draft_steps)
+                                     draft_steps=draft_steps, prefix_reuse=False)
     # The default list stops at the bundle's maximum: one compiled with --gamma 4 failed its warm-up at γ 8 on
     # `bench BUNDLE` alone; a γ asked for above it is refused before anything is measured.
     if gammas is None:

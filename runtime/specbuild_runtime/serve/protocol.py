@@ -408,8 +408,10 @@ class Reply:
 
 
 def usage(stats: Stats) -> dict:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens as OpenAI and vLLM report a prompt's cached prefix."""
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-            "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens}}
 
 
 # Characters str.splitlines() breaks at that JSON leaves raw: clients that read events with it (httpx's

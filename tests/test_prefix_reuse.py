@@ -1,0 +1,138 @@
+"""Prefix reuse: a request starts where its prompt leaves the tokens its slot's caches hold from earlier
+requests, and decodes what a fresh decoder decodes."""
+
+import pytest
+
+from conftest import PROMPTS
+from specbuild_runtime import DeviceError, SpeculativeDecoder
+from specbuild_runtime.slot import EngineSlot, fixed_rows
+
+NEW_TOKENS = 20
+SETTINGS = [({}, 0), ({}, 4), ({}, "auto"), ({"temperature": 1.0, "seed": 3}, 0), ({"temperature": 1.0, "seed": 3}, 4),
+            ({"temperature": 0.7, "top_k": 8, "seed": 5}, "auto")]
+IDS = ["greedy-0", "greedy-4", "greedy-auto", "sampled-0", "sampled-4", "sampled-auto"]
+
+
+@pytest.fixture(scope="module")
+def bundle(bundles):
+    return bundles("llama", draft_seed=1)  # a draft of its own: rounds with rejections
+
+
+@pytest.fixture
+def target_rows(monkeypatch):
+    """[rows] of every target call: the work the target computes."""
+    rows = []
+    run = EngineSlot._run
+
+    def spy(self, first, total_len, *args):
+        if self.engine.info.role == "target":
+            rows.append(total_len - first)
+        return run(self, first, total_len, *args)
+
+    monkeypatch.setattr(EngineSlot, "_run", spy)
+    return rows
+
+
+def second_turn(decoder, first) -> list[int]:
+    """A chat's next request: the conversation so far, then a new message."""
+    return [*first.prompt_token_ids, *first.token_ids, *decoder.encode(PROMPTS[1])]
+
+
+@pytest.mark.parametrize("sampling, gamma", SETTINGS, ids=IDS)
+def test_a_second_turn_decodes_what_a_fresh_decoder_decodes_computing_only_what_is_new(bundle, target_rows, sampling,
+                                                                                       gamma):
+    decoder = SpeculativeDecoder(bundle)
+    first = decoder.generate(PROMPTS[0], NEW_TOKENS, gamma, **sampling)
+    prompt = second_turn(decoder, first)
+    target_rows.clear()
+    reused = decoder.generate(prompt, NEW_TOKENS, gamma, **sampling)
+    rows_reused, prompt_rows = sum(target_rows), target_rows[0]
+    target_rows.clear()
+    fresh = SpeculativeDecoder(bundle).generate(prompt, NEW_TOKENS, gamma, **sampling)
+    assert reused.token_ids == fresh.token_ids
+    # The target holds the first turn but its last token (and maybe drafts after it).
+    assert reused.stats.cached_prompt_tokens >= len(first.prompt_token_ids) + len(first.token_ids) - 1
+    assert fresh.stats.cached_prompt_tokens == 0
+    assert rows_reused < sum(target_rows)
+    assert prompt_rows <= len(prompt) - reused.stats.cached_prompt_tokens + 1  # a row re-fed for an even call, at most
+
+
+@pytest.mark.parametrize("sampling, gamma", SETTINGS[1::2], ids=IDS[1::2])
+def test_the_same_prompt_again_recomputes_only_its_last_token_and_decodes_the_same(bundle, target_rows, sampling, gamma):
+    decoder = SpeculativeDecoder(bundle)
+    ids = decoder.encode(PROMPTS[5])
+    expected = decoder.generate(ids, NEW_TOKENS, gamma, **sampling)
+    target_rows.clear()
+    again = decoder.generate(ids, NEW_TOKENS, gamma, **sampling)
+    assert again.token_ids == expected.token_ids
+    assert again.stats.cached_prompt_tokens == len(ids) - 1  # one row left to compute: its logits give the first token
+    assert target_rows[0] == 2  # re-feeding one row: never a row alone (slot.NEVER_ALONE)
+
+
+def test_a_stream_closed_midway_leaves_what_it_computed_and_the_next_request_decodes_exactly(bundle):
+    decoder = SpeculativeDecoder(bundle)
+    stream = decoder.stream(PROMPTS[2], NEW_TOKENS, gamma=4)
+    taken = [next(stream) for _ in range(5)]
+    stream.close()
+    prompt = [*decoder.encode(PROMPTS[2]), *taken, *decoder.encode(PROMPTS[6])]
+    reused = decoder.generate(prompt, NEW_TOKENS, gamma=4)
+    assert reused.stats.cached_prompt_tokens > len(decoder.encode(PROMPTS[2]))
+    assert reused.token_ids == SpeculativeDecoder(bundle).generate(prompt, NEW_TOKENS, gamma=4).token_ids
+
+
+def test_a_call_that_failed_midway_is_not_reused(bundle, monkeypatch):
+    """A call that raised after writing the cache (here: K/V of other tokens than the slot records) leaves only the
+    positions before it to reuse."""
+    decoder = SpeculativeDecoder(bundle)
+    call, failed = EngineSlot._call, []
+
+    def failing(self, first, total_len, *args):
+        if self.engine.info.role != "target" or first == 0 or failed:
+            return call(self, first, total_len, *args)
+        failed.append((first, total_len, self._fed[:total_len]))
+        recorded = self._fed[first:total_len]
+        self._fed[first:total_len] = [1] * (total_len - first)  # what the cache then holds
+        try:
+            call(self, first, total_len, *args)
+        finally:
+            self._fed[first:total_len] = recorded
+        raise DeviceError("onnxruntime failed midway")
+
+    monkeypatch.setattr(EngineSlot, "_call", failing)
+    with pytest.raises(DeviceError, match="midway"):
+        decoder.generate(PROMPTS[0], NEW_TOKENS, gamma=4)
+    first, total_len, fed = failed[0]
+    prompt = [*fed, *decoder.encode(PROMPTS[1])]  # the tokens the slot records, past the failed call's first
+    reused = decoder.generate(prompt, NEW_TOKENS, gamma=4)
+    assert reused.stats.cached_prompt_tokens <= first
+    assert reused.token_ids == SpeculativeDecoder(bundle).generate(prompt, NEW_TOKENS, gamma=4).token_ids
+
+
+def test_a_prompt_that_differs_from_the_first_token_reuses_nothing(bundle):
+    decoder = SpeculativeDecoder(bundle)
+    first = decoder.generate(PROMPTS[0], NEW_TOKENS)
+    prompt = second_turn(decoder, first)
+    prompt[0] = (prompt[0] + 1) % decoder.vocab_size
+    other = decoder.generate(prompt, NEW_TOKENS)
+    assert other.stats.cached_prompt_tokens == 0
+    assert other.token_ids == SpeculativeDecoder(bundle).generate(prompt, NEW_TOKENS).token_ids
+
+
+def test_a_request_reuses_only_what_the_slot_it_lands_on_holds(bundle):
+    decoder = SpeculativeDecoder(bundle, parallel=2)
+    first = decoder.generate(PROMPTS[0], NEW_TOKENS)  # slot A, which the stream below holds meanwhile
+    prompt = second_turn(decoder, first)
+    held = decoder.stream(PROMPTS[0], NEW_TOKENS)
+    next(held)
+    elsewhere = decoder.generate(prompt, NEW_TOKENS)  # slot B: it held nothing
+    held.close()
+    assert elsewhere.stats.cached_prompt_tokens == 0
+    assert elsewhere.token_ids == SpeculativeDecoder(bundle).generate(prompt, NEW_TOKENS).token_ids
+
+
+def test_fixed_row_calls_and_the_opt_out_feed_every_prompt_whole(bundle):
+    """GPUs' fixed rows: a prompt's head is one call of any size, whose kernels may round otherwise than the
+    calls that wrote those positions before, so nothing is reused there."""
+    for decoder in (SpeculativeDecoder(bundle, target_rows=fixed_rows(4)), SpeculativeDecoder(bundle, prefix_reuse=False)):
+        first = decoder.generate(PROMPTS[0], NEW_TOKENS)
+        assert decoder.generate(second_turn(decoder, first), NEW_TOKENS).stats.cached_prompt_tokens == 0
