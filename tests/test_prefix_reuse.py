@@ -136,3 +136,19 @@ def test_fixed_row_calls_and_the_opt_out_feed_every_prompt_whole(bundle):
     for decoder in (SpeculativeDecoder(bundle, target_rows=fixed_rows(4)), SpeculativeDecoder(bundle, prefix_reuse=False)):
         first = decoder.generate(PROMPTS[0], NEW_TOKENS)
         assert decoder.generate(second_turn(decoder, first), NEW_TOKENS).stats.cached_prompt_tokens == 0
+
+
+def test_a_chat_turn_takes_the_free_slot_that_holds_its_conversation(bundle):
+    """Two chats interleaved over two slots: each next turn lands on the slot that decoded its last, though the
+    other chat's slot came free last (the one a request without a prefix there takes)."""
+    decoder = SpeculativeDecoder(bundle, parallel=2)
+    chats = [decoder.encode(PROMPTS[0]), decoder.encode(PROMPTS[2])]
+    streams = [decoder.stream(ids, NEW_TOKENS) for ids in chats]
+    outputs = [[next(stream)] for stream in streams]  # each holds a slot of its own meanwhile
+    for stream, output in zip(streams, outputs):  # A's slot freed first, then B's
+        output.extend(stream)
+    for ids, output in zip(chats, outputs):
+        prompt = [*ids, *output, *decoder.encode(PROMPTS[1])]
+        turn = decoder.generate(prompt, NEW_TOKENS)
+        assert turn.stats.cached_prompt_tokens >= len(ids) + len(output) - 1
+        assert turn.token_ids == SpeculativeDecoder(bundle).generate(prompt, NEW_TOKENS).token_ids

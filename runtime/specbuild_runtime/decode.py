@@ -414,7 +414,8 @@ class SpeculativeDecoder:
 
     def _run(self, request: Request, stats: Stats, text: TextStream | None,
              halt: threading.Event | None = None) -> Generator[int, None, None]:
-        with self.slots.take(halt) as slot, closing(self._speculate(slot, request, stats)) as tokens:
+        with (self.slots.take(halt, self._cached(request)) as slot,
+              closing(self._speculate(slot, request, stats)) as tokens):
             try:
                 for token in tokens:
                     # An eos token is no part of the text, as vLLM and OpenAI leave it out: a tokenizer need not mark
@@ -430,6 +431,16 @@ class SpeculativeDecoder:
             except GeneratorExit:  # closed before its end (a consumer that stopped reading, a cancelled task)
                 stats.finish_reason = stats.finish_reason or "abort"
                 raise
+
+    def _cached(self, request: Request) -> Callable[[Slot], int] | None:
+        """The prompt tokens a slot's target cache would spare the request (as _speculate reuses them), for the
+        pool to hand it the free slot that spares most: a chat's next turn finds its conversation in whichever slot
+        decoded the last, not only where it happens to land."""
+        if not self.prefix_reuse:
+            return None
+        ids = request.prompt_ids
+        return lambda slot: (slot.target.prefix(ids, len(ids) - 1)
+                             if reuses_prefixes(slot.target.engine, slot.target.rows) else 0)
 
     def _policy(self, slot: Slot, request: Request):
         """How the request's rounds choose γ. Greedy output is the target's whatever γ is; a sampled one

@@ -8,7 +8,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .engine import cgroup_folders
 from .errors import RequestError
@@ -43,8 +43,9 @@ class SlotPool:
     else one no thread has had yet. onnxruntime keeps CUDA graphs per thread, and a slot's graphs are its own
     (its buffers' addresses), so a thread that kept changing slots would capture every slot's graphs in turn
     (a server of P worker threads and P slots: P² sets of captures, some in requests long after the first),
-    where this keeps it at P. Otherwise the slot freed last: light traffic keeps to one slot, whose adaptive
-    γ then learns from every request.
+    where this keeps it at P. Otherwise the free slot that `prefer` scores highest (take(prefer=...): prefix
+    reuse's cached prompt tokens, so a chat's next turn lands where its conversation is), the slot freed last
+    among equals: light traffic keeps to one slot, whose adaptive γ then learns from every request.
     """
 
     def __init__(self, slots: list[Slot], affinity: bool = False):
@@ -80,8 +81,9 @@ class SlotPool:
                 self._changed.notify_all()
 
     @contextmanager
-    def take(self, halt: threading.Event | None = None) -> Iterator[Slot]:
-        """A slot for the calling thread; a RequestError instead once `halt` is set while it waits."""
+    def take(self, halt: threading.Event | None = None, prefer: Callable[[Slot], int] | None = None) -> Iterator[Slot]:
+        """A slot for the calling thread; a RequestError instead once `halt` is set while it waits. prefer: a
+        score of a free slot for this request (without affinity), called with the pool's lock held."""
         me = threading.get_ident()
         with self._changed:
             ticket = object()
@@ -92,7 +94,7 @@ class SlotPool:
                 self._waiting.remove(ticket)
                 # The next in line may take a slot now, or has to start counting its patience.
                 self._changed.notify_all()
-            slot = self._pick(me)
+            slot = self._pick(me, prefer)
             self._owners[slot.index] = self._last[slot.index] = me
             self._moves[slot.index] += 1
         try:
@@ -144,11 +146,16 @@ class SlotPool:
             timeout = STOP_POLL if timeout is None else min(timeout, STOP_POLL)
         self._changed.wait(timeout)
 
-    def _pick(self, me: int) -> Slot:
+    def _pick(self, me: int, prefer: Callable[[Slot], int] | None = None) -> Slot:
         """Take a free slot for thread `me`: with affinity its own of last time, else one never taken; else the
-        last freed."""
+        one prefer scores highest, the last freed among equals."""
         if not self.affinity:
-            return self._free.pop()
+            if prefer is None or len(self._free) == 1:
+                return self._free.pop()
+            # max() keeps the first of equals: scan from the last freed
+            slot = max(reversed(self._free), key=prefer)
+            self._free.remove(slot)
+            return slot
         mine = [slot for slot in self._free if self._last.get(slot.index) == me]
         unused = [slot for slot in self._free if slot.index not in self._last]
         slot = (mine or unused[-1:] or self._free)[-1]

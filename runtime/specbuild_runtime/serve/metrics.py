@@ -24,6 +24,9 @@ class Metrics:
                                 "rejected (queue full, 429), cancelled (client went away), timeout, shutdown, error (500)",
                                 ["endpoint", "outcome"], registry=r)
         self.prompt_tokens = Counter("specbuild_prompt_tokens", "Prompt tokens of decoded requests", registry=r)
+        # vLLM's name (vllm:prefix_cache_hits, in tokens); its hit rate here is over specbuild_prompt_tokens_total.
+        self.prefix_cache_hits = Counter("specbuild_prefix_cache_hits", "Prompt tokens taken from a slot's cache "
+                                         "(prefix reuse) instead of computed", registry=r)
         self.generation_tokens = Counter("specbuild_generation_tokens", "Tokens generated", registry=r)
         self.drafted = Counter("specbuild_draft_tokens", "Draft tokens proposed", registry=r)
         self.accepted = Counter("specbuild_accepted_draft_tokens", "Draft tokens the target accepted", registry=r)
@@ -52,6 +55,7 @@ class Metrics:
     def decoded(self, stats: Stats) -> None:
         """A request's decoding ended (finished or stopped early): count what it did."""
         self.prompt_tokens.inc(stats.prompt_tokens)
+        self.prefix_cache_hits.inc(stats.cached_prompt_tokens)
         self.generation_tokens.inc(stats.generated_tokens)
         self.drafted.inc(stats.drafted)
         self.accepted.inc(stats.accepted)
