@@ -361,7 +361,7 @@ def _as_api_error(exc: Exception) -> ApiError:
     # The device's failure, or the bundle's (an fp16 engine whose logits overflow), not a bug: its line says which
     # engine and what to do, and the slot went back, so no traceback to report.
     if isinstance(exc, (DeviceError, BundleError)):
-        log.error("request failed on the device: %s", exc)
+        log.error("request failed %s: %s", "on the device" if isinstance(exc, DeviceError) else "in the bundle", exc)
         return ApiError(500, str(exc))
     log.error("request failed", exc_info=exc)
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
