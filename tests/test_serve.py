@@ -1848,6 +1848,17 @@ def test_tools_reach_the_chat_template_as_transformers_passes_them(tool_choice, 
     assert ours == expected and '"name": "add"' in tokenizer.decode(expected)
 
 
+def streams_as_whole(reply: str, parse, stream_class) -> None:
+    """The reply fed to a parser's stream in pieces of 1, 2, 5 characters and whole: the content it sends and the
+    calls it ends with are what the parser makes of the whole reply."""
+    content, calls = parse(reply)
+    for size in (1, 2, 5, len(reply)):
+        stream = stream_class()
+        sent = "".join(stream.feed(reply[i:i + size]) for i in range(0, len(reply), size))
+        rest, streamed = stream.end()
+        assert (sent + rest, call_list(streamed)) == (content or "", call_list(calls)), size
+
+
 def streamed_tool_calls(client, ask: dict) -> tuple[str, dict, str | None]:
     """(content, index -> call, finish reason) of a streamed chat, as the openai client's accumulators join them."""
     content, calls, finish = "", {}, None
@@ -1886,12 +1897,7 @@ def test_a_streamed_reply_gives_the_content_and_calls_of_the_whole_reply_whereve
     end: its content and calls are the unstreamed reply's however the text came in pieces."""
     from specbuild_runtime.serve.tools import HermesStream, parse_hermes
 
-    content, calls = parse_hermes(reply)
-    for size in (1, 2, 5, len(reply)):
-        stream = HermesStream()
-        sent = "".join(stream.feed(reply[i:i + size]) for i in range(0, len(reply), size))
-        rest, streamed = stream.end()
-        assert (sent + rest, call_list(streamed)) == (content or "", call_list(calls)), size
+    streams_as_whole(reply, parse_hermes, HermesStream)
 
 
 def test_a_reply_calling_tools_is_answered_with_tool_calls_streamed_or_not(bundle):
@@ -1990,12 +1996,7 @@ def test_a_streamed_llama_reply_gives_the_content_and_calls_of_the_whole_reply_w
     the text came in pieces."""
     from specbuild_runtime.serve.tools import Llama3JsonStream, parse_llama3_json
 
-    content, calls = parse_llama3_json(reply)
-    for size in (1, 2, 5, len(reply)):
-        stream = Llama3JsonStream()
-        sent = "".join(stream.feed(reply[i:i + size]) for i in range(0, len(reply), size))
-        rest, streamed = stream.end()
-        assert (sent + rest, call_list(streamed)) == (content or "", call_list(calls)), size
+    streams_as_whole(reply, parse_llama3_json, Llama3JsonStream)
 
 
 def test_a_llama_reply_with_text_before_its_calls_streams_that_text_and_then_the_same_calls():
