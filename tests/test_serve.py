@@ -476,7 +476,6 @@ def test_metrics_count_requests_tokens_and_acceptance(server, client):
     assert after[("specbuild_time_to_first_token_seconds_count", ())] > before.get(("specbuild_time_to_first_token_seconds_count", ()), 0)
 
 
-
 def test_metrics_count_the_prompt_tokens_taken_from_the_cache(server, client):
     hits = ("specbuild_prefix_cache_hits_total", ())
     before = metric_values(server).get(hits, 0)
@@ -485,6 +484,7 @@ def test_metrics_count_the_prompt_tokens_taken_from_the_cache(server, client):
     cached = [reply.usage.prompt_tokens_details.cached_tokens for reply in replies]
     assert cached[1] == replies[1].usage.prompt_tokens - 1  # all but the last token, whose logits give the first
     assert metric_values(server)[hits] - before == sum(cached)
+
 
 def test_sigterm_ends_in_flight_streams_cleanly_and_exits(bundle, tmp_path):
     """Cut at once (--shutdown-timeout 0): a stream still decoding ends with an error event and [DONE];
