@@ -266,6 +266,42 @@ def test_a_phi3_longrope_targets_table_choice_reaches_the_engine_when_host_and_e
         assert device_like.generate(ids, PHI3_CONTEXT, gamma).token_ids == tokens, gamma  # the slot again, from long
 
 
+def test_a_re_feed_across_a_phi3_longrope_switch_that_failed_midway_leaves_no_long_positions_to_a_short_prompt(
+        phi3_longrope, tokenizer, monkeypatch):
+    """The first call past the switch re-feeds the cache with the long table, in chunks (a Phi-3's 4096 positions: 16
+    calls of 256). One that failed midway (a DeviceError: out of memory) left the chunks before it, long-rotated, in
+    what the slot keeps while it still said its cache was short: a short prompt over them reused them (other tokens
+    than a fresh decoder's from the 4th)."""
+    from specbuild_runtime import DeviceError
+    from specbuild_runtime import slot as slot_module
+    from specbuild_runtime.slot import EngineSlot
+
+    bundle, _ = phi3_longrope
+    monkeypatch.setattr(slot_module, "PREFILL_CHUNK", 4)  # the re-feed of 16 positions in chunks
+    decoder = SpeculativeDecoder(bundle)
+    refeed, call, refeeding = EngineSlot._refeed, EngineSlot._call, []
+
+    def watched_refeed(self, end):
+        refeeding.append(end)
+        try:
+            return refeed(self, end)
+        finally:
+            refeeding.pop()
+
+    def failing_call(self, first, total_len, *args):
+        if refeeding and first > 0:
+            raise DeviceError("onnxruntime failed: out of memory")
+        return call(self, first, total_len, *args)
+
+    monkeypatch.setattr(EngineSlot, "_refeed", watched_refeed)
+    monkeypatch.setattr(EngineSlot, "_call", failing_call)
+    with pytest.raises(DeviceError, match="out of memory"):
+        decoder.generate(phi3_prompt(tokenizer, 12), 10, gamma=0)  # past the switch (16)
+    monkeypatch.setattr(EngineSlot, "_call", call)
+    short = phi3_prompt(tokenizer, 6)
+    assert decoder.generate(short, 10, gamma=0).token_ids == SpeculativeDecoder(bundle).generate(short, 10, gamma=0).token_ids
+
+
 def test_the_cache_a_phi3_longrope_target_re_feeds_holds_the_same_bits_at_every_gamma(checkpoints, tokenizer, tmp_path):
     """The re-feed at the crossing writes positions 0..O-1, and the round after it re-feeds the last of them or not
     as its drafts leave (γ 0: position O-1 again, γ 1: none): those must hold the bits an even call gives, as a

@@ -370,3 +370,26 @@ def test_quality_reports_the_acceptance_the_runtime_decodes_when_requests_end_at
     assert manifest.eos_token_ids[0] == eos and sum(s.finish_reason == "eos" for s in stats) > len(prompts) / 2
     runtime_alpha = sum(s.accepted for s in stats) / sum(s.drafted for s in stats)
     assert manifest.engines["draft"].quality["alpha"]["quant"] == pytest.approx(runtime_alpha)
+
+
+@pytest.mark.parametrize("settings", GROUPINGS, ids=["fp32", "int4", "int4-level0", "int8", "int4-bs128", "int8-bs256"])
+def test_a_round_of_an_odd_number_of_rows_over_a_one_token_prompt_gets_the_bits_of_rounds_of_one_token(settings, bundle):
+    """A one-token prompt's row is computed alone and re-fed by the next call, which starts at position 0: no row
+    before it to re-feed. A round of one draft there is 3 rows; as one call its last row was computed apart (int4 at
+    block size 128: another greedy token at γ 1 than at γ 0 for the one-token prompt [115] of the wide pair)."""
+    folder = bundle(**settings)
+    info = load_manifest(folder).engines["target"]
+    (rounds, _), (tokens, _) = _engine(folder, info), _engine(folder, info)
+    rng = np.random.default_rng(0)
+    for drafts in (1, 3, 1, 5):
+        prompt, token, *proposed = rng.integers(1, 300, 2 + drafts).tolist()
+        for engine in (rounds, tokens):
+            engine.step([prompt], 1)
+        rounds.step([token, *proposed], 2 + drafts, num_drafts=drafts)
+        verified = rounds.output("logits")
+        single = []
+        for total, fed in enumerate([token, *proposed], 2):
+            tokens.step([fed], total)
+            single.append(tokens.output("logits"))
+        assert np.array_equal(verified, np.concatenate(single)), (settings, drafts)
+        assert rounds.kept == tokens.kept == 2 + drafts  # every position written by an even call: reusable

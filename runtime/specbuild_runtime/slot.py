@@ -319,6 +319,13 @@ class EngineSlot:
             # (rewriting its bits): no row of it computed apart, so a cache any request wrote holds the same bits.
             self._run(first, total_len - 1, 0, None, probs_row)
             first = total_len - least - least % 2
+        elif self.rows.even and odd and num_drafts and first == 0 and total_len >= num_drafts + 2:
+            # A round that re-feeds a one-token prompt's row (computed alone) has no row before position 0 to re-feed:
+            # an even call of the rows before those a decision reads, then those in an even call that re-feeds the
+            # last of them, so that no row's bits come from an odd call (its last row computed apart).
+            decided = total_len - num_drafts - 1  # the first row a decision reads
+            first = decided if decided % 2 else decided - 1
+            self._run(0, first + 1, 0, None, probs_row)
         return first
 
     def _choose_rope(self, start: int, total_len: int) -> None:
@@ -335,6 +342,9 @@ class EngineSlot:
         transformers rotates the sequence that row predicts after."""
         self._use_long = total_len > self.rope_switch
         if start and self._use_long != self._cache_long:
+            # Said first: a re-feed that fails midway (a DeviceError in a later chunk) leaves positions written with
+            # this table that the slot keeps (EngineSlot.kept), which prefix must not offer to the other side.
+            self._cache_long = self._use_long
             self._refeed(start)
         self._cache_long = self._use_long
 
