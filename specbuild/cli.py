@@ -308,9 +308,11 @@ def generate(bundle, prompt, max_new_tokens, gamma, chat, chat_template, stop, a
     stats = Stats()
     deltas = decoder.stream_text(prompt, max_new_tokens, gamma, stop=list(stop), stats=stats, **sampling)  # checks the request
     click.echo(shown, nl=False)
-    for delta in deltas:
-        click.echo(delta, nl=False)
-    click.echo()
+    try:
+        for delta in deltas:
+            click.echo(delta, nl=False)
+    finally:  # a decode that fails mid-way (an fp16 overflow, Ctrl-C): its error begins a line of its own
+        click.echo()
     click.echo(_stats_line(stats, gamma), err=True)
 
 

@@ -25,6 +25,13 @@ def specbuild(*args, check=False, stdin=None):
     return result
 
 
+def test_a_streamed_generate_that_fails_midway_ends_its_text_with_a_newline(overflowing):
+    """The error followed the prompt's last character on a terminal (stdout and stderr on one screen)."""
+    result = specbuild("generate", overflowing("target"), "-p", PROMPTS[0], "-n", 4)
+    assert result.returncode == 1 and "overflows" in result.stderr
+    assert result.stdout == PROMPTS[0] + "\n"
+
+
 def assert_no_bundle_left(output):
     assert not output.exists()
     assert not [p for p in output.parent.iterdir() if p.name.startswith(f".{output.name}.")]
