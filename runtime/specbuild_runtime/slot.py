@@ -341,12 +341,12 @@ class EngineSlot:
         (decode.SpeculativeDecoder._speculate), so that every row a decision reads is rotated as
         transformers rotates the sequence that row predicts after."""
         self._use_long = total_len > self.rope_switch
-        if start and self._use_long != self._cache_long:
-            # Said first: a re-feed that fails midway (a DeviceError in a later chunk) leaves positions written with
-            # this table that the slot keeps (EngineSlot.kept), which prefix must not offer to the other side.
-            self._cache_long = self._use_long
-            self._refeed(start)
+        refeed = start and self._use_long != self._cache_long
+        # Said before the re-feed: one that fails midway (a DeviceError in a later chunk) leaves positions written with
+        # this table that the slot keeps (EngineSlot.kept), which prefix must not offer to the other side.
         self._cache_long = self._use_long
+        if refeed:
+            self._refeed(start)
 
     def _refeed(self, end: int) -> None:
         """Positions 0..end-1 again from the tokens the cache holds, no decision read, in the calls a prompt of
