@@ -420,40 +420,36 @@ def test_the_distill_command_takes_one_source_of_prompts(pair, tmp_path, prompts
     assert result.returncode == 2 and "either --prompts or --data" in result.stderr
 
 
-def test_the_distill_command_trains_with_the_batch_size_given_and_the_functions_by_default(monkeypatch, tmp_path, capsys):
-    """A smaller batch is the remedy for training that outgrows memory: the command had no way to ask for one."""
+def passes_option_with_the_apis_default(monkeypatch, tmp_path, capsys, option: str, value: str, refused: str) -> str:
+    """`distill --option value` reaches the API as given and, left out, as the API's own default; `refused` is a
+    usage error (exit 2). Returns its stderr."""
     import inspect
 
     from specbuild.cli import main
 
+    name = option.removeprefix("--").replace("-", "_")
     asked = []
     monkeypatch.setattr(distill_module, "distill", lambda *args, **kwargs: asked.append(kwargs) or {"written": True})
-    for extra in (["--batch-size", "2"], []):
+    for extra in ([option, value], []):
         with pytest.raises(SystemExit) as exited:
             main(["distill", "--target", str(tmp_path), "-o", str(tmp_path / "draft"), "--json", *extra])
         assert exited.value.code == 0, capsys.readouterr().err
-    assert [a["batch_size"] for a in asked] == [2, inspect.signature(distill).parameters["batch_size"].default]
+    assert [a[name] for a in asked] == [int(value), inspect.signature(distill).parameters[name].default]
     with pytest.raises(SystemExit) as exited:
-        main(["distill", "--target", str(tmp_path), "-o", str(tmp_path / "draft"), "--batch-size", "0"])
-    assert exited.value.code == 2 and "x>=1" in capsys.readouterr().err
+        main(["distill", "--target", str(tmp_path), "-o", str(tmp_path / "draft"), option, refused])
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_the_distill_command_trains_with_the_batch_size_given_and_the_functions_by_default(monkeypatch, tmp_path, capsys):
+    """A smaller batch is the remedy for training that outgrows memory: the command had no way to ask for one."""
+    assert "x>=1" in passes_option_with_the_apis_default(monkeypatch, tmp_path, capsys, "--batch-size", "2", "0")
 
 
 def test_the_distill_command_takes_a_seed_as_bench_does_with_the_apis_default(monkeypatch, tmp_path, capsys):
-    """distill's API takes a seed (the new draft's weights, its prompts, training's batches); the command had none."""
-    import inspect
-
-    from specbuild.cli import main
-
-    asked = []
-    monkeypatch.setattr(distill_module, "distill", lambda *args, **kwargs: asked.append(kwargs) or {"written": True})
-    for extra in (["--seed", "7"], []):
-        with pytest.raises(SystemExit) as exited:
-            main(["distill", "--target", str(tmp_path), "-o", str(tmp_path / "draft"), "--json", *extra])
-        assert exited.value.code == 0, capsys.readouterr().err
-    assert [a["seed"] for a in asked] == [7, inspect.signature(distill).parameters["seed"].default]
-    with pytest.raises(SystemExit) as exited:  # numpy's generators take no negative seed
-        main(["distill", "--target", str(tmp_path), "-o", str(tmp_path / "draft"), "--seed", "-1"])
-    assert exited.value.code == 2 and "--seed" in capsys.readouterr().err
+    """distill's API takes a seed (the new draft's weights, its prompts, training's batches); the command had none.
+    numpy's generators take no negative seed."""
+    assert "--seed" in passes_option_with_the_apis_default(monkeypatch, tmp_path, capsys, "--seed", "7", "-1")
 
 
 def test_distill_refuses_a_draft_with_another_tokenizer(pair, tmp_path):
