@@ -258,7 +258,7 @@ def cuda_line(manifest) -> str:
 
     because = uncaptured_because(manifest)
     if not because:
-        return "CUDA graphs by default (--no-cuda-graphs: uncaptured)"
+        return "CUDA graphs by default with one slot (--no-cuda-graphs: uncaptured; serve --parallel 2+ leaves them off)"
     advice = "; for a GPU compile with --precision fp16 or bf16" if "fp32" in because else ""
     return f"uncaptured by default: {because}{advice}"
 

@@ -906,6 +906,7 @@ def test_cuda_graphs_by_default_on_cuda_for_unquantized_fp16_and_bf16_bundles(bu
 
     for precision in ("fp16", "bf16"):
         assert graphs_by_default(variant(precision=precision), "cuda")
+        assert not graphs_by_default(variant(precision=precision), "cuda", parallel=2)  # slots would take turns
         assert not graphs_by_default(variant(precision=precision), "cpu")
     assert not graphs_by_default(fp32, "cuda")  # its attention runs on the CPU provider
     assert not graphs_by_default(variant(precision="fp16", quantization="int4"), "cuda")  # not yet run captured

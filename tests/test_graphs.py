@@ -72,3 +72,52 @@ def test_verification_counts_leading_matching_drafts(checkpoints):
     accepted, next_token, _ = step([greedy[0], greedy[1], greedy[2], wrong, greedy[4]], 3 + 5, 4)
     assert accepted == 2
     assert next_token == greedy[3]
+
+
+# Inputs the CUDA provider's kernels read on the host (OrtMemTypeCPUInput in their kernel definitions).
+HOST_READS = {"TopK": (1,), "Slice": (1, 2, 3, 4), "Reshape": (1,), "Expand": (1,), "Unsqueeze": (1,), "Squeeze": (1,),
+              "ConstantOfShape": (0,), "Tile": (1,), "If": (0,), "Range": (0, 1, 2), "Split": (1,), "ReduceSum": (1,),
+              "ReduceMax": (1,), "ReduceMin": (1,), "ReduceMean": (1,)}
+
+
+def device_values_read_on_the_host(graph, outer_host=frozenset(), outer_small=frozenset(), path=""):
+    """["path/op node: input i value"] for each input a CUDA kernel reads on the host that onnxruntime would compute
+    on the device, so copy back mid-call (a Memcpy node, which also rules CUDA graphs out). Its rule, emulated here
+    because the test needs no GPU (fallback_cpu_capability.cc, GetCpuPreferredNodes): within one (sub)graph, a node
+    goes to the CPU when it reads a Shape/Size output or another such node's, and otherwise only small
+    initializers, the graph's own inputs and those values; a value from an outer graph never starts that. On an
+    H100 (2026-11-27) this gave exactly the copies onnxruntime made: a top-p TopK's k computed inside its branch."""
+    found = []
+    small = set(outer_small) | {i.name for i in graph.initializer if np.prod(list(i.dims) or [1]) <= 100}
+    small |= {n.output[0] for n in graph.node if n.op_type == "Constant" and np.prod(list(n.attribute[0].t.dims) or [1]) <= 100}
+    inputs = {i.name for i in graph.input}
+    host = set()
+    for n in graph.node:
+        reads = [(i, x) for i, x in enumerate(n.input) if x]
+        if n.op_type in ("Shape", "Size") or (any(x in host for _, x in reads) and all(
+                (x in host and i not in HOST_READS.get(n.op_type, ())) or x in small or x in inputs for i, x in reads)):
+            host.update(n.output)
+    for n in graph.node:
+        found += [f"{path}/{n.op_type} {n.name}: input {i} {n.input[i]}" for i in HOST_READS.get(n.op_type, ())
+                  if i < len(n.input) and n.input[i] and n.input[i] not in host | outer_host | small | inputs]
+        for attribute in n.attribute:
+            if attribute.type == attribute.GRAPH:
+                found += device_values_read_on_the_host(attribute.g, host | outer_host, small, f"{path}/{n.name}")
+    return found
+
+
+def test_no_engine_graph_reads_a_device_value_on_the_host(bundles):
+    """The CPU's share of test_gpu's placement tests, for sessions without a GPU: nothing in the greedy-only and
+    steps graphs (which CUDA graphs capture), and in the full graphs and the sampler only the If conditions that
+    decide on sampling, top-k and top-p (test_gpu allows those)."""
+    import onnx
+
+    from specbuild_runtime import load_manifest
+
+    folder = bundles("llama", 1)
+    manifest = load_manifest(folder)
+    files = {f for info in manifest.engines.values() for f in (info.file, info.greedy_file, info.steps_file) if f}
+    for file in sorted(files | {manifest.sampler_file}):
+        found = device_values_read_on_the_host(onnx.load(str(folder / file), load_external_data=False).graph)
+        decisions = [f for f in found if "/If " in f] if file in (manifest.sampler_file, *(i.file for i in manifest.engines.values())) else []
+        assert found == decisions, f"{file}: {[f for f in found if f not in decisions]}"

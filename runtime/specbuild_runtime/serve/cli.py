@@ -41,7 +41,8 @@ cuda_graphs_option = click.option(
     help="Run the engines' greedy-only graphs, each call shape captured once and replayed as a CUDA graph (sampling "
          "runs the bundle's sampler after each call, uncaptured), or the full graphs uncaptured.  [default: CUDA "
          "graphs on cuda for the bundles `specbuild inspect` says (unquantized "
-         f"{', '.join(f'{a} {chr(47).join(p)}' for a, p in sorted(CAPTURED_BY_DEFAULT.items()))}), off otherwise]")
+         f"{', '.join(f'{a} {chr(47).join(p)}' for a, p in sorted(CAPTURED_BY_DEFAULT.items()))}) with one slot "
+         "(serve --parallel 1: several slots' captured calls take turns), off otherwise]")
 draft_steps_option = click.option(
     "--draft-steps/--no-draft-steps", default=None,
     help="Greedy rounds draft with the draft's steps graph, several tokens a call (a second session of the draft's "
@@ -155,7 +156,7 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
     """Serve a bundle over the OpenAI HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     if enable_auto_tool_choice and tool_call_parser is None:  # it would turn on nothing: a parser left out by mistake
         raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json), as in vLLM")
-    from ..decode import SpeculativeDecoder
+    from ..decode import SpeculativeDecoder, graphs_by_default
     from ..engine import available_cpus, use_shared_thread_pool
     try:
         from .app import Server, Settings
@@ -176,6 +177,9 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
                         api_key=api_key, generation_config=generation_config, allowed_origins=allowed_origins,
                         chat_template=chat_template, tool_call_parser=tool_call_parser)
     server = Server(decoder, settings)
+    if cuda_graphs is None and parallel > 1 and decoder.device == "cuda" and graphs_by_default(decoder.manifest, "cuda"):
+        click.echo(f"CUDA graphs off with {parallel} slots: captured calls would take turns across them "
+                   "(--cuda-graphs captures anyway)", err=True)
     if decoder.target.captures:  # every worker thread captures its slot's now, so that no request waits for one
         click.echo(f"capturing CUDA graphs on {parallel} slot(s) before serving...", err=True)
         started = time.perf_counter()

@@ -212,13 +212,14 @@ CUMSUM_BLOCK = 64
 NUCLEUS_CANDIDATES = 1024
 
 
-def _ranked(g: GraphBuilder, probs: ir.Value, vocab: ir.Value, top_p: ir.Value) -> tuple[ir.Value, ir.Value]:
+def _ranked(g: GraphBuilder, probs: ir.Value, candidates: ir.Value, vocab: ir.Value,
+            top_p: ir.Value) -> tuple[ir.Value, ir.Value]:
     """(each row's probabilities from the largest down, their running sums), as far as the nucleus needs: the top
-    NUCLEUS_CANDIDATES where they hold top_p of every row (the token after them then has top_p before it, so no
+    `candidates` (min(V, NUCLEUS_CANDIDATES), on the host) where they hold top_p of every row (the token after them then has top_p before it, so no
     nucleus reaches it, and the sums of a prefix are the whole ranking's), else the whole vocabulary. Sorting
     all of a 152k vocabulary cost ~18 ms a row on the CPU (over 90% of a sampled call with top-p), and
     generation_config.json's top_p (Qwen 3's 0.95) made it every served request's."""
-    candidates = g.op("TopK", probs, g.op("Min", vocab, g.const([NUCLEUS_CANDIDATES])), outputs=2, axis=-1)[0]
+    candidates = g.op("TopK", probs, candidates, outputs=2, axis=-1)[0]
     summed = _cumsum(g, candidates)
     held = g.op("ReduceMin", g.op("Slice", summed, g.const([-1]), g.const([2**62]), g.const([1])), keepdims=0)
     # A decision like the tail's others (Less, then If; test_gpu allows their copies to the host). A vocabulary of
@@ -272,7 +273,10 @@ def _transformed_probs(g: GraphBuilder, logits: ir.Value, s: SamplingInputs) -> 
     probs = g.op("Softmax", scaled, axis=-1)
     # Nucleus: keep the most probable tokens until the mass before a token reaches top_p.
     nucleus = g.branch("branch.top_p")
-    ranked, summed = _ranked(nucleus, probs, vocab, s.top_p)
+    # TopK's k, on the host beside Shape's output: computed inside the branch from the outer `vocab`, the CUDA
+    # provider ran the Min on the device and copied k back on every top-p call (an H100, 2026-11-27; see _on_host).
+    candidates = g.op("Min", vocab, g.const([NUCLEUS_CANDIDATES]))
+    ranked, summed = _ranked(nucleus, probs, candidates, vocab, s.top_p)
     mass_before = nucleus.op("Sub", summed, ranked)
     kept = nucleus.op("Less", mass_before, s.top_p)
     threshold = nucleus.op("ReduceMin", nucleus.op("Where", kept, ranked, nucleus.const(2.0, np.float32)),
