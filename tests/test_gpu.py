@@ -382,6 +382,17 @@ def test_other_families_replay_the_tokens_of_uncaptured_calls(architecture, chec
     replays_as_uncaptured(folder, architecture, "fp16")
 
 
+def test_an_int4_bundle_replays_the_tokens_of_uncaptured_calls(checkpoints, tmp_path):
+    """As test_other_families_replay_the_tokens_of_uncaptured_calls, for int4 engines (MatMulNBits): where it passes,
+    int4 can join CUDA graphs' defaults (decode.uncaptured_because); captured, the 1.1B pair's int4 target decoded
+    1.17x its uncaptured calls on an H100 (2026-11-27), and test_an_int4_bundle_decodes_speculatively_as_target_only_
+    on_cuda_captured_or_not passed there (greedy only, one slot)."""
+    folder = tmp_path / "int4"
+    compile_bundle(CompileSettings(target=checkpoints("llama", 0), draft=checkpoints("llama", 1), output=folder,
+                                   max_seq_len=256, precision="fp16", quantize="int4"), show_progress=False)
+    replays_as_uncaptured(folder, "llama int4", "fp16")
+
+
 def test_a_phi3_longrope_target_switches_tables_on_the_gpu_as_on_the_cpu(checkpoints, tokenizer, tmp_path):
     """A Phi-3 LongRoPE target past its original length (16 here): each call Gathers its rotary table by the
     `long_rope` input, a device buffer pushed when the sequence crosses the length, and the first call past it
