@@ -1017,3 +1017,17 @@ def test_auto_gamma_stops_calling_a_draft_whose_fp16_logits_overflow(overflowing
     decoder._draft_cost = 0.1  # a draft a tenth of its target, as drafts are (this pair's are alike): worth calling
     result = decoder.generate(PROMPTS[0], 64, gamma="auto", temperature=0.8, seed=1)
     assert roles.count("draft") < result.stats.rounds // 4, (roles.count("draft"), result.stats.rounds)
+
+
+def test_rounds_that_warm_up_or_capture_a_cuda_graph_leave_auto_gammas_costs_alone(bundle, monkeypatch):
+    """Each round that ran a CUDA graph's warm-up or capture (slot.unsteady_calls counts them) updates α but not the
+    costs auto γ prices rounds by (test_policy shows the trap). No GPU here: every round made to look so."""
+    from specbuild_runtime import decode
+
+    calls = iter(range(10**6))
+    monkeypatch.setattr(decode, "unsteady_calls", lambda: next(calls))
+    decoder = SpeculativeDecoder(bundle)
+    result = decoder.generate(PROMPTS[0], 24, "auto")
+    policy = decoder._policies[0][False]
+    assert result.stats.rounds > 3 and policy.costs.target_alone is None and policy.costs.target_drafted is None
+    assert policy.costs.rounds == [None] * (decoder.max_gamma + 1)

@@ -28,7 +28,7 @@ from .manifest import TOKENIZER_DIR, Manifest, load_manifest, read_tokenizer_con
 from .policy import GREEDY_DECAYS, SAMPLING_DECAYS, AdaptiveGamma, Costs, FixedGamma, PriorCosts
 from .pool import SlotPool, check_memory
 from .relay import Relay
-from .slot import MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, Rows, Slot, fixed_rows
+from .slot import MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, Rows, Slot, fixed_rows, unsteady_calls
 from .text import TextStream
 from .validation import AUTO, Prompt, Request, check_request, check_vocabularies, whole
 
@@ -516,6 +516,7 @@ class SpeculativeDecoder:
             # A normal round feeds the draft the target's token (and the last accepted draft); more means
             # it is catching up on the prompt or on rounds without drafts.
             catching_up = len(ids) - draft_len > 2
+            unsteady = unsteady_calls()
             t0 = clock()
             drafts = self._draft(slot, ids[draft_len:], len(ids), k, uniforms, sampling.greedy)
             asked, k = k, len(drafts)  # fewer where the draft's logits stopped being finite
@@ -539,7 +540,7 @@ class SpeculativeDecoder:
                 accepted = 0
             # The drafts asked for: those that never came count as rejected. Told of none, auto γ kept its α and
             # called a draft whose logits always overflow every round, for nothing.
-            policy.observe(asked, accepted, t1 - t0, t2 - t1, catching_up, held)
+            policy.observe(asked, accepted, t1 - t0, t2 - t1, catching_up, held, timed=unsteady_calls() == unsteady)
             stats.record_round(k, accepted, t1 - t0, t2 - t1)
 
     def _not_finite(self, token: int) -> BundleError:

@@ -63,7 +63,7 @@ class FixedGamma:
         return min(self.gamma, limit)
 
     def observe(self, drafted: int, accepted: int, draft_seconds: float, target_seconds: float,
-                catching_up: bool = False, held: int | None = None) -> None:
+                catching_up: bool = False, held: int | None = None, timed: bool = True) -> None:
         pass
 
 
@@ -184,10 +184,11 @@ class AdaptiveGamma:
         return best
 
     def observe(self, drafted: int, accepted: int, draft_seconds: float, target_seconds: float,
-                catching_up: bool = False, held: int | None = None) -> None:
+                catching_up: bool = False, held: int | None = None, timed: bool = True) -> None:
         """catching_up: the draft's first call also read tokens it had missed (the prompt, or rounds
         without drafts), so its time says little about a draft step. held: how many free guesses the
-        target accepted, or would have (None: not counted)."""
+        target accepted, or would have (None: not counted). timed False: the round's times say nothing of
+        its cost (a CUDA graph warmed up or captured in it: slot.unsteady_calls)."""
         if held is not None:  # guesses hold in runs (repeated text): the fastest average
             decay = self.estimates[0].decay
             self.held = decay * self.held + held
@@ -198,7 +199,8 @@ class AdaptiveGamma:
         if drafted:
             for estimate in self.estimates:
                 estimate.observe(drafted, accepted)
-        self.costs.observe(drafted, draft_seconds, target_seconds, catching_up)
+        if timed:
+            self.costs.observe(drafted, draft_seconds, target_seconds, catching_up)
 
 
 def _ema(old: float | None, new: float) -> float:

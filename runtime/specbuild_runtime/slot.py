@@ -143,6 +143,18 @@ def graph_id(engine: Engine, index: int, rows: int, num_drafts: int, total_len: 
     return (index * (MAX_REUSED_IDS + 1) + rows) * MAX_REUSED_IDS + num_drafts  # > 0: onnxruntime reserves 0
 
 
+# Per thread: the calls so far that warmed a CUDA graph up or captured it (see unsteady_calls).
+_UNSTEADY = threading.local()
+
+
+def unsteady_calls() -> int:
+    """How many calls of this thread ran a CUDA graph's warm-up runs or its capture: tens of times a replay's time
+    (allocations, cuBLAS plans, the capture itself). Auto γ times rounds without them: on an H100 (2026-11-27) a
+    one-shot generate priced every γ it had first timed during those calls so high that it kept γ 1 for 69 of
+    72 rounds, and decoded slower captured (611 tok/s) than uncaptured (626, γ 7 in most rounds)."""
+    return getattr(_UNSTEADY, "calls", 0)
+
+
 class CudaGraphs:
     """The run options that name each CUDA graph of one slot's calls on one engine (None when the engine
     does not capture); each graph id runs uncaptured WARM_UP_RUNS times per thread first."""
@@ -162,6 +174,7 @@ class CudaGraphs:
             runs = counts.get(graph, 0)
             if runs <= WARM_UP_RUNS:
                 counts[graph] = runs + 1
+                _UNSTEADY.calls = unsteady_calls() + 1
                 if runs < WARM_UP_RUNS:
                     graph = -1
                 else:  # this run captures it
