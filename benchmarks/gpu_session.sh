@@ -31,6 +31,11 @@
 #   bash benchmarks/gpu_session.sh options # on that pair: the MatMuls under TunableOp, the kernels with
 #                                          # cuDNN's attention (off by default), the pair in int4 (uncaptured
 #                                          # and with CUDA graphs)                                  ~4 min
+#   bash benchmarks/gpu_session.sh splits  # on that pair: calls over a cache fed total_len = their rows + 1
+#                                          # (SPECBUILD_GPU_TOTAL_LEN=rows) against max_seq_len (the default):
+#                                          # GroupQueryAttention alone, the kernels, bench at contexts 64 and 1024
+#                                          # (one flash split instead of 4: no memsets or combine),
+#                                          # then GPU tests fed so                         ~2 min + ~3 min
 #   bash benchmarks/gpu_session.sh serve   # on that pair: `specbuild serve --device cuda`, 1 and 4 slots, with and
 #                                          # without CUDA graphs (captured calls take turns across slots; the
 #                                          # first requests pay each thread's captures), 16 streaming clients,
@@ -189,6 +194,32 @@ options)
     step int4-cuda-graphs 120 python3 -m specbuild bench "$bundle-int4" --device cuda -n 128 \
         --gamma 4 --prompts "$prompts8" --json "$out/int4-cuda-graphs.json" --cuda-graphs
     ;;
+splits)
+    needs_pairs splits
+    # Needs `pairs` first on the same machine. onnxruntime sizes flash attention's split-KV launch by the total_len
+    # it reads on the host: at max_seq_len 2048 it splits each layer 4 ways (2 memsets and a combine kernel a layer,
+    # ~8 us with their gaps at the 8B's times: ~0.17 ms of a 1.1B call, suspected); fed the call's rows + 1 it
+    # does not split (slot.GPU_TOTAL_LEN). Correct first (the kernel alone, captured too), then each way on the
+    # same machine: the kernels, and bench (its target step at contexts 64 and 1024 shows what one split costs
+    # where the cache is long). Not yet run.
+    step attention-rows 60 python3 -m pytest -m gpu tests/test_attention.py -k "rows"
+    for fed in max rows; do
+        step "kernels-fed-$fed" 90 env SPECBUILD_GPU_TOTAL_LEN=$fed python3 benchmarks/gpu_kernels.py "$bundle" -n 64 \
+            --json "$out/kernels-fed-$fed.json"
+        step "bench-fed-$fed" 120 env SPECBUILD_GPU_TOTAL_LEN=$fed python3 -m specbuild bench "$bundle" --device cuda \
+            -n 128 --gamma 4 --prompts "$prompts8" --json "$out/bench-fed-$fed.json" --cuda-graphs
+    done
+    # onnxruntime's source takes flash decoding (rotary and the cache append inside the flash kernel, no
+    # UnpackRoPEAppend a layer) for calls over a shared cache, yet the 8B's kernels (2026-11-27) show
+    # UnpackRoPEAppend: if these kernels equal kernels-fed-max's, flash decoding is not taken at 9 rows.
+    step kernels-no-flash-decode 90 env ORT_DISABLE_FLASH_DECODE=1 python3 benchmarks/gpu_kernels.py "$bundle" -n 64 \
+        --json "$out/kernels-no-flash-decode.json"
+    # Last (a call cut at its limit keeps the steps above): the GPU tests that hold tokens to transformers' and
+    # replays to uncaptured calls, every call over a cache fed its rows + 1.
+    step gpu-tests-rows 240 env SPECBUILD_GPU_TOTAL_LEN=rows python3 -m pytest -m gpu tests/test_gpu.py \
+        -k "verify_on_cuda or decode_the_tokens_of_uncaptured or replay_the_tokens or steps_graph_drafts" \
+        --junitxml="$out/gpu-tests-rows.xml"
+    ;;
 serve)
     needs_pairs serve
     # CUDA graphs are the server's default on cuda for this bundle; not yet measured serving (issue 12's note of
@@ -245,7 +276,7 @@ quick)
     bash "$PWD/benchmarks/gpu_session.sh" graphs
     ;;
 *)
-    echo "usage: $0 check|pairs|graphs|options|serve|big|peers|quick|step   (see the top of this file)" >&2
+    echo "usage: $0 check|pairs|graphs|options|splits|serve|big|peers|quick|step   (see the top of this file)" >&2
     exit 2
     ;;
 esac

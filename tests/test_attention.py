@@ -73,13 +73,14 @@ DEVICES = [pytest.param("cpu", np.float32, id="cpu-fp32"), pytest.param("cpu", n
 
 
 @pytest.mark.parametrize("window", [None, 5], ids=["causal", "window-5"])
-@pytest.mark.parametrize("full", [False, True], ids=["total-len", "total-len-max"])
+@pytest.mark.parametrize("fed", ["real", "max", "rows"], ids=["total-len", "total-len-max", "total-len-rows"])
 @pytest.mark.parametrize("device,dtype", DEVICES)
-def test_group_query_attention_over_a_shared_cache_matches_numpy(device, dtype, full, window):
-    """full: every call over the cache is fed total_len = max_seq_len, as the runtime feeds it on a GPU
-    (slot.fed_total_len), the lengths then coming from seqlens_k alone. window: local_window_size, as the
-    engines of sliding-window models set it (on CUDA not checked against transformers otherwise)."""
-    attend_as_the_engines(device, dtype, full, window)
+def test_group_query_attention_over_a_shared_cache_matches_numpy(device, dtype, fed, window):
+    """fed: what every call over the cache is fed as total_len: its real length, max_seq_len or its rows + 1,
+    as the runtime feeds it on a GPU (slot.fed_total_len, GPU_TOTAL_LEN), the lengths then coming from
+    seqlens_k alone. window: local_window_size, as the engines of sliding-window models set it (on CUDA not
+    checked against transformers otherwise)."""
+    attend_as_the_engines(device, dtype, fed, window)
 
 
 @pytest.mark.parametrize("cudnn", [pytest.param("0", id="flash"), pytest.param("1", id="cudnn", marks=pytest.mark.xfail(
@@ -93,10 +94,15 @@ def test_group_query_attention_on_cuda_ignores_what_the_cache_holds_past_its_len
     times (NaN logits?) and never with it off: this tells whether the kernel reads the unwritten positions.
     Not yet run."""
     monkeypatch.setenv("ORT_ENABLE_CUDNN_FLASH_ATTENTION", cudnn)
-    attend_as_the_engines("cuda", np.float16, True, None, unwritten=np.nan)
+    attend_as_the_engines("cuda", np.float16, "max", None, unwritten=np.nan)
 
 
-def attend_as_the_engines(device: str, dtype, full: bool, window: int | None, unwritten: float = 0.0) -> None:
+def fed_total_len(fed: str, first: int, total: int) -> int:
+    """What a call over positions first..total-1 is fed as total_len (see slot.fed_total_len)."""
+    return {"real": total, "max": MAX_LEN, "rows": total - first + 1}[fed] if first else total
+
+
+def attend_as_the_engines(device: str, dtype, fed: str, window: int | None, unwritten: float = 0.0) -> None:
     """CALLS through one GroupQueryAttention session against numpy, the cache buffer holding `unwritten`
     where no call wrote yet."""
     if device == "cuda":
@@ -119,14 +125,14 @@ def attend_as_the_engines(device: str, dtype, full: bool, window: int | None, un
         for name, array in (("query", q), ("key", k), ("value", v)):
             binding.bind_cpu_input(name, array.reshape(1, rows, -1))
         binding.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
-        binding.bind_cpu_input("total_len", np.array(MAX_LEN if full and first else total, np.int32))
+        binding.bind_cpu_input("total_len", np.array(fed_total_len(fed, first, total), np.int32))
         out = ort.OrtValue.ortvalue_from_shape_and_type([1, rows, HEADS * HEAD_DIM], dtype, device, 0)
         binding.bind_ortvalue_output("output", out)
         session.run_with_iobinding(binding)
         got = out.numpy()[0].astype(np.float64)
         expected = reference(q.astype(np.float64), keys, values, first, window)
         error = np.abs(got - expected).max()
-        assert error < tolerance, (f"{device} {dtype.__name__} (total_len {'max' if full else 'real'}, window {window}): "
+        assert error < tolerance, (f"{device} {dtype.__name__} (total_len {fed}, window {window}): "
                                    f"call over positions {first}..{total - 1} off by {error:.2e}")
 
 
@@ -140,12 +146,14 @@ CAPTURED_CALLS = [(7, 9), (9, 11), (11, 13), (10, 12), (12, 14), (14, 16), (16, 
 @pytest.mark.parametrize("packed, kv_heads, head_dim", [(False, KV_HEADS, HEAD_DIM), (True, KV_HEADS, HEAD_DIM),
                                                       (True, HEADS, HEAD_DIM), (True, HEADS, 16)],
                          ids=["q-k-v", "packed-qkv", "mha", "mha-head-dim-16"])
-def test_group_query_attention_replayed_as_a_cuda_graph_matches_numpy(packed, kv_heads, head_dim):
+@pytest.mark.parametrize("fed", ["max", "rows"], ids=["total-len-max", "total-len-rows"])
+def test_group_query_attention_replayed_as_a_cuda_graph_matches_numpy(packed, kv_heads, head_dim, fed):
     """GroupQueryAttention alone without rotary (as GPT-2's engines call it) captured once and replayed as a
-    CUDA graph, fed total_len = max_seq_len as the runtime feeds every call over a cache: each replay must
-    attend over seqlens_k's length. Passed on an H100 (2026-11-26, cuDNN's SDPA still on): 4 query heads over
-    2 KV heads of 64, q, k and v apart and packed (those two on an H200 too), as many KV heads as query heads
-    (mha, as GPT-2's) and the tests' tiny GPT-2's heads of 16."""
+    CUDA graph, fed total_len = max_seq_len (or the call's rows + 1: slot.GPU_TOTAL_LEN) as the runtime feeds
+    every call over a cache: each replay must attend over seqlens_k's length. Passed on an H100 (2026-11-26,
+    cuDNN's SDPA still on) fed max_seq_len: 4 query heads over 2 KV heads of 64, q, k and v apart and packed
+    (those two on an H200 too), as many KV heads as query heads (mha, as GPT-2's) and the tests' tiny GPT-2's
+    heads of 16. Rows + 1 not yet run on a GPU."""
     ort.preload_dlls()
     choose_attention_kernels()
     dtype, device = np.float16, "cuda"
@@ -180,7 +188,7 @@ def test_group_query_attention_replayed_as_a_cuda_graph_matches_numpy(packed, kv
             inputs[rows, name].update_inplace(np.ascontiguousarray(array.reshape(1, rows, -1)))
             binding.bind_ortvalue_input(name, inputs[rows, name])
         seqlens_k.update_inplace(np.array([total - 1], np.int32))
-        total_len.update_inplace(np.array(MAX_LEN if first else total, np.int32))
+        total_len.update_inplace(np.array(fed_total_len(fed, first, total), np.int32))
         binding.bind_ortvalue_output("output", outputs[rows])
         run = ort.RunOptions()
         run.add_run_config_entry("gpu_graph_id", "1" if first else "-1")  # the prompt's call is never captured

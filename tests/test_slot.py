@@ -167,13 +167,16 @@ def test_the_device_data_flow_decodes_the_same_tokens_when_host_and_engine_memor
         assert device_like.generate(PROMPTS[5], NEW_TOKENS, gamma, **sampling).token_ids == tokens, gamma
 
 
+@pytest.mark.parametrize("fed", ["max", "rows"])
 def test_cuda_graph_calls_decode_the_tokens_of_the_full_graphs_and_each_graph_id_names_one_call_shape(bundle, tokenizer,
-                                                                                                     monkeypatch):
+                                                                                                     monkeypatch, fed):
     """cuda_graphs=True runs the engines' greedy-only graphs with fixed-row target calls, each call naming the
     CUDA graph it replays as on a GPU (onnxruntime's CPU provider ignores the ids, so the bookkeeping runs
     here). A replay reads nothing on the host, so an id must always name the same slot, row count,
-    num_drafts and input buffer, at any length (total_len is fed as max_seq_len); a prompt's first call (total_len == rows) and a call too
+    num_drafts and input buffer, at any length (total_len is fed as max_seq_len, or as the call's rows + 1:
+    slot.GPU_TOTAL_LEN); a prompt's first call (total_len == rows) and a call too
     long for a reused buffer name none (-1), and every id runs uncaptured first (WARM_UP_RUNS)."""
+    monkeypatch.setattr(slot_module, "GPU_TOTAL_LEN", fed)
     calls = []
     choose = EngineSlot._graph
 
@@ -184,7 +187,8 @@ def test_cuda_graph_calls_decode_the_tokens_of_the_full_graphs_and_each_graph_id
         buffer = self._ids[rows].value.data_ptr() if rows <= MAX_REUSED_IDS else None
         graph = slot_module.graph_id(self.engine, self.index, rows, num_drafts, total_len)
         if graph >= 0:  # a replay keeps its capture's total_len: one for all
-            assert self._total_len.host[()] == self.engine.max_seq_len, (total_len, self._total_len.host)
+            assert self._total_len.host[()] == (self.engine.max_seq_len if fed == "max" else rows + 1), (
+                total_len, self._total_len.host)
         calls.append((self.engine.info.role, graph,
                       (self.index, rows, num_drafts, buffer), total_len,
                       int(options.get_run_config_entry("gpu_graph_id"))))
@@ -288,9 +292,12 @@ def test_the_drafts_steps_graph_drafts_what_a_call_per_token_drafts(architecture
     assert steps_calls and all(lengths == [total + j for j in range(4)] for _, total, lengths in steps_calls)
 
 
-def test_steps_graph_calls_feed_every_step_the_full_length_as_on_cuda(bundle, steps_calls):
+@pytest.mark.parametrize("fed", ["max", "rows"])
+def test_steps_graph_calls_feed_every_step_the_full_length_as_on_cuda(bundle, steps_calls, monkeypatch, fed):
     """As on CUDA (captures forced on; the CPU provider ignores graph ids): a steps call over a cache feeds
-    every step total_len = max_seq_len (a replay keeps its capture's total_len), and decodes the same tokens."""
+    every step total_len = max_seq_len (a replay keeps its capture's total_len), or each step its rows + 1
+    (slot.GPU_TOTAL_LEN "rows": 2 for the steps after the first), and decodes the same tokens."""
+    monkeypatch.setattr(slot_module, "GPU_TOTAL_LEN", fed)
     normal = SpeculativeDecoder(bundle)
     graphs = SpeculativeDecoder(bundle, cuda_graphs=True, target_rows=fixed_rows(normal.max_gamma), draft_steps=True)
     for engine in (graphs.target, graphs.draft, graphs.steps_engine):
@@ -300,8 +307,9 @@ def test_steps_graph_calls_feed_every_step_the_full_length_as_on_cuda(bundle, st
             assert graphs.generate(prompt, NEW_TOKENS, gamma).token_ids == normal.generate(prompt, NEW_TOKENS, gamma).token_ids
     assert steps_calls
     for rows, total_len, lengths in steps_calls:
-        first = [total_len] if rows == total_len else [graphs.max_seq_len]  # a prompt's first call: its own length
-        assert lengths == first + [graphs.max_seq_len] * 3
+        over_cache = [graphs.max_seq_len] * 4 if fed == "max" else [rows + 1, 2, 2, 2]
+        first = [total_len] if rows == total_len else over_cache[:1]  # a prompt's first call: its own length
+        assert lengths == first + over_cache[1:]
 
 
 @pytest.mark.parametrize("steps_file", [None, "draft.greedy.onnx"], ids=["compiled-before-it", "not-a-steps-graph"])

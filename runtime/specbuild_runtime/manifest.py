@@ -29,7 +29,8 @@ float type (fp32, fp16 or bf16; see EngineInfo.precision):
          seqlens_k      int32 [1]       total_len - 1 (GroupQueryAttention's form; fed, not computed, so
                                         no length arithmetic sits between device nodes)
          total_len      int32 []        tokens in the cache after this call (past + S); a call over a cache
-                                        may say max_seq_len (its lengths come from seqlens_k)
+                                        may say any value from S + 1 to max_seq_len (its lengths come
+                                        from seqlens_k; only S itself says a prompt's first call)
          num_drafts     int64 []        how many of the S tokens are drafts to verify
          temperature    f32 []          0 = greedy; above 0 sample from softmax(logits / temperature)
          top_k          int64 []        keep the k most probable tokens (0 = all)

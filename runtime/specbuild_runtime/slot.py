@@ -10,6 +10,7 @@ a call of the draft's steps graph: its drafts).
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,12 @@ WARM_UP_RUNS = 2
 # concurrent long prompt left its activations resident. Even, so the rows left keep the prompt's parity (see
 # Rows); the leading rows are never re-fed and no decision reads their call, in every mode alike. 0: one call.
 PREFILL_CHUNK = 256
+
+# The total_len a call over a cache is fed where it is not the real one (CUDA; see fed_total_len): "max" (the
+# cache's max_seq_len) or "rows" (the call's rows + 1). Set SPECBUILD_GPU_TOTAL_LEN=rows to try the latter.
+GPU_TOTAL_LEN = os.environ.get("SPECBUILD_GPU_TOTAL_LEN", "max")
+if GPU_TOTAL_LEN not in ("max", "rows"):
+    raise ValueError(f"SPECBUILD_GPU_TOTAL_LEN={GPU_TOTAL_LEN!r}: set it to max or rows, or unset it")
 
 # What onnxruntime's messages say when a call found no memory (CUDA, the CPU allocator, the BFC arena).
 OUT_OF_MEMORY = ("out of memory", "bad_alloc", "bad allocation", "failed to allocate")
@@ -121,9 +128,18 @@ def fed_total_len(engine: Engine, first: int, total_len: int) -> int:
     later lengths gave other tokens on an H100), so a call over a cache says the cache is full: one
     kernel shape at every length. On the GPU uncaptured calls do the same, so that both run the same
     kernels (measured so on the H100: the same tokens, the same speed uncaptured).
+
+    Any value from the call's rows + 1 up attends the same (only a call fed exactly its row count is a
+    prompt's first; tests/test_attention.py) on the CPU and in CUDA's flash, memory-efficient, cuDNN and XQA
+    kernels, which read the lengths from seqlens_k (onnxruntime's unfused fallback, for heads over 256 wide,
+    would take it as the key count). But flash attention splits each layer's keys by it (flash_api.cc,
+    num_splits_heuristic: 4 ways for 32 heads on 132 SMs at max_seq_len 2048), which costs two memsets and a
+    combine kernel a layer; at rows + 1 it does not split (GPU_TOTAL_LEN "rows").
     """
     full = first and (engine.gpu_attention or engine.captures)
-    return engine.max_seq_len if full else total_len
+    if not full:
+        return total_len
+    return total_len - first + 1 if GPU_TOTAL_LEN == "rows" else engine.max_seq_len
 
 
 def graph_id(engine: Engine, index: int, rows: int, num_drafts: int, total_len: int) -> int:
