@@ -50,9 +50,11 @@
 #                                          # the sampler alone: benchmarks/gpu_sampler.py) in
 #                                          # one call (timeout_s 600; whatever it wrote comes back if cut)  ~5-6 min
 #
-# For a 15-minute session: the setup, `quick` (~6 min), then on the same warm machine `serve` (~2-3 min) and
-# `big` with what is left (timeout_s: the budget left minus ~30 s; a call cut at its limit brings back the
-# steps it finished). The H200's 1.1B kernels and MatMuls are measured; `options` and `peers` another time.
+# For a 15-minute session: the setup, `quick` (~6 min), then on the same warm machine `splits` (~5 min) and
+# `peers` or `graphs` with what is left (timeout_s: the budget left minus ~30 s; a call cut at its limit brings
+# back the steps it finished). On the H100 (2026-11-27) setup + `quick` took 329 s of the call, `big` 187 s,
+# `serve` 65 s and `options` 107 s (benchmarks/h100-2026-11-27): those four are measured; `splits`, `peers`
+# and `graphs`' second half (the 1.1B kernels with cuDNN's attention off, the default) are not, on the H100.
 #
 # A failing step is logged and the next one still runs: one call must bring back as much as it can.
 set -uo pipefail
