@@ -765,18 +765,22 @@ def byte_fallback_tokenizer():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.sampled_from([0x0A, 0x41, 0xC3, 0xA9, 0xE2, 0x80, 0x94, 0xFF, 256, 257]), min_size=1, max_size=12))
-@example([0x0A, 0xE2, 256])  # "\n", then a character that never completes: the run decodes to "\ufffd\ufffd"
-def test_streamed_text_is_what_byte_fallback_decodes_the_tokens_to(ids):
+@given(st.lists(st.sampled_from([0x0A, 0x41, 0xC3, 0xA9, 0xE2, 0x80, 0x94, 0xFF, 256, 257]), min_size=1, max_size=12),
+       st.booleans())
+@example([0x0A, 0xE2, 256], False)  # "\n", then a character that never completes: the run decodes to "\ufffd\ufffd"
+@example([0x0A, 257, 0xE2], True)  # a special token kept in the text ends the run
+def test_streamed_text_is_what_byte_fallback_decodes_the_tokens_to(ids, special_tokens):
     """ByteFallback decodes a run of byte tokens (special tokens skipped) as one, and a run that is not UTF-8
     as a U+FFFD per byte: text from a byte token waits for the run's end, or the "\\n" sent for <0x0A> would
-    not be in generate()'s text."""
+    not be in generate()'s text. A text that keeps special tokens (a tool parser reading Mistral's
+    [TOOL_CALLS]) is what the decoder shows with them."""
     tokenizer = byte_fallback_tokenizer()
-    stream, streamed = TextStream(tokenizer), ""
+    stream, streamed = TextStream(tokenizer, special_tokens=special_tokens), ""
     for token in ids:
         stream.push(token)
         streamed += stream.take()
-    assert streamed + stream.finish() == stream.text == tokenizer.decode(ids)
+    assert streamed + stream.finish() == stream.text == tokenizer.decode(ids, skip_special_tokens=not special_tokens)
+    assert ("<s>" in stream.text) == (special_tokens and 257 in ids)
 
 
 @pytest.mark.parametrize("make", [sentencepiece_tokenizer, lambda: make_tokenizer().backend_tokenizer])

@@ -1856,7 +1856,8 @@ def streams_as_whole(reply: str, parse, stream_class) -> None:
         stream = stream_class()
         sent = "".join(stream.feed(reply[i:i + size]) for i in range(0, len(reply), size))
         rest, streamed = stream.end()
-        assert (sent + rest, call_list(streamed)) == (content or "", call_list(calls)), size
+        written = [call["function"] for call in streamed], [call["function"] for call in calls]  # ids differ
+        assert (sent + rest, written[0]) == (content or "", written[1]), size
 
 
 def streamed_tool_calls(client, ask: dict) -> tuple[str, dict, str | None]:
@@ -1895,9 +1896,9 @@ def test_a_reply_is_parsed_into_tool_calls_as_vllms_hermes_parser_parses_it():
 def test_a_streamed_reply_gives_the_content_and_calls_of_the_whole_reply_wherever_its_deltas_break(reply):
     """The stream holds back text that may begin a <tool_call> tag, and from a tag on parses the rest whole at the
     end: its content and calls are the unstreamed reply's however the text came in pieces."""
-    from specbuild_runtime.serve.tools import HermesStream, parse_hermes
+    from specbuild_runtime.serve.tools import PARSERS
 
-    streams_as_whole(reply, parse_hermes, HermesStream)
+    streams_as_whole(reply, *PARSERS["hermes"][:2])
 
 
 def test_a_reply_calling_tools_is_answered_with_tool_calls_streamed_or_not(bundle):
@@ -2045,12 +2046,178 @@ def test_a_llama_reply_calling_tools_is_answered_with_tool_calls_streamed_or_not
         assert untouched.message.content == LLAMA_CALLING and not untouched.message.tool_calls
 
 
+# What Mistral models answer when they call tools: a tokenizer with an [ARGS] token (Mistral's v11 on)
+# writes each call after its own [TOOL_CALLS], older ones (Mistral 7B Instruct v0.3) a JSON list after one
+MISTRAL_CALLING = 'Let me look.[TOOL_CALLS]get_weather[ARGS]{"city": "Zürich"}[TOOL_CALLS]add[ARGS]{"a": 2, "b": 2}'
+MISTRAL_LISTING = ('Let me look. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Zürich"}}, '
+                   '{"name": "add", "arguments": {"a": 2, "b": 2}}]')
+# What Llama 3.2 or 4 answers with the pythonic format
+PYTHONIC_CALLING = '[get_weather(city="Zürich"), add(a=2, b=2)]'
+
+
+def test_a_mistral_reply_is_parsed_into_tool_calls_as_vllms_mistral_parser_parses_it():
+    """Each [TOOL_CALLS] is a call: its name up to "{", its arguments the text from there, sent as written even
+    where they are no JSON, as vLLM keeps them; the ids are 9 letters and digits, as Mistral's templates ask of
+    a replayed call."""
+    from specbuild_runtime.serve.tools import parse_mistral
+
+    content, calls = parse_mistral(MISTRAL_CALLING)
+    assert content == "Let me look." and call_list(calls) == CALLED
+    assert all(call["type"] == "function" and re.fullmatch(r"[0-9a-zA-Z]{9}", call["id"]) for call in calls)
+    assert calls[1]["function"]["arguments"] == '{"a": 2, "b": 2}'  # as written: spacing, order, not re-encoded
+    assert parse_mistral(MISTRAL_CALLING[MISTRAL_CALLING.index("[TOOL_CALLS]"):])[0] is None
+    assert parse_mistral('[TOOL_CALLS]add{"a": 1}')[1][0]["function"]["name"] == "add"  # [ARGS] may be missing
+    cut = parse_mistral('[TOOL_CALLS]add[ARGS]{"a": ')[1][0]["function"]  # cut short by max_tokens: still a call
+    assert (cut["name"], cut["arguments"]) == ("add", '{"a": ')
+    assert call_list(parse_mistral(MISTRAL_CALLING + "[TOOL_CALLS]get_wea")[1]) == CALLED  # a part with no "{"
+    for text in ("No call.", "[TOOL_CALLS]get_wea", "Use {x}."):
+        assert parse_mistral(text) == (text, []), text
+
+
+def test_an_older_mistral_reply_is_parsed_from_its_json_list_as_vllms_mistral_parser_parses_it():
+    from specbuild_runtime.serve.tools import parse_mistral_list
+
+    content, calls = parse_mistral_list(MISTRAL_LISTING)
+    assert content == "Let me look. " and call_list(calls) == CALLED
+    assert all(re.fullmatch(r"[0-9a-zA-Z]{9}", call["id"]) for call in calls)
+    assert calls[0]["function"]["arguments"] == '{"city": "Zürich"}'  # as vLLM writes it: not ASCII-escaped
+    listed = MISTRAL_LISTING[MISTRAL_LISTING.index("[TOOL_CALLS]"):]
+    assert parse_mistral_list(listed)[0] is None
+    # text after the list is left out, and before it skipped (vLLM's second try: from the first "[{" to the last "}]")
+    for around in (listed + " Done.", listed.replace("] [", "] Calling: [")):
+        assert call_list(parse_mistral_list(around)[1]) == CALLED, around
+    assert call_list(parse_mistral_list('[TOOL_CALLS] [{"name": "add"}]')[1]) == [("add", {})]  # no arguments: {}
+    for text in ("No call.", MISTRAL_LISTING[:-20], listed + listed, '[TOOL_CALLS] [{"arguments": {}}]',
+                 '[TOOL_CALLS] {"name": "add", "arguments": {}}', '[TOOL_CALLS] ["add"]', "[TOOL_CALLS] []"):
+        assert parse_mistral_list(text) == (text, []), text
+
+
+def test_mistrals_format_is_the_one_its_tokenizers_vocabulary_tells_as_vllm_tells_it():
+    """A tokenizer with an [ARGS] token (v11 on) writes name[ARGS]{...}, an older one a JSON list."""
+    from tokenizers import Tokenizer, models
+
+    from specbuild_runtime.serve.tools import PARSERS, parse_mistral, parse_mistral_list, tool_parser
+
+    older = Tokenizer(models.WordLevel({"[TOOL_CALLS]": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    newer = Tokenizer(models.WordLevel({"[TOOL_CALLS]": 0, "[ARGS]": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    assert tool_parser("mistral", older).parse is parse_mistral_list
+    assert tool_parser("mistral", newer).parse is parse_mistral
+    assert tool_parser("mistral", newer).special_tokens and not tool_parser("hermes", newer).special_tokens
+    assert tool_parser("hermes", older) is PARSERS["hermes"]
+
+
+def test_a_pythonic_reply_is_parsed_into_tool_calls_as_vllms_pythonic_parser_parses_it():
+    """The reply is a Python list of calls from its first character, read with ast (never run); the arguments are
+    literals: a call with any other value (-1 is an expression to ast) makes the whole reply text, as in vLLM."""
+    from specbuild_runtime.serve.tools import parse_pythonic
+
+    content, calls = parse_pythonic(PYTHONIC_CALLING)
+    assert content is None and call_list(calls) == CALLED
+    assert calls[0]["function"]["arguments"] == '{"city": "Zürich"}'  # as vLLM writes it: not ASCII-escaped
+    nested = "[f(a={'k': [1, None, True]}, b='x', c=2.5), g()]"
+    assert call_list(parse_pythonic(nested)[1]) == [("f", {"a": {"k": [1, None, True]}, "b": "x", "c": 2.5}), ("g", {})]
+    # vLLM leaves positional arguments out where its regex lets them by (not in the first call)
+    assert call_list(parse_pythonic("[f(a=1), g(2, b=3)]")[1]) == [("f", {"a": 1}), ("g", {"b": 3})]
+    assert call_list(parse_pythonic(PYTHONIC_CALLING + "\nx = 1")[1]) == CALLED  # a later statement left out
+    for text in ("No call.", " " + PYTHONIC_CALLING, PYTHONIC_CALLING + " Done.", PYTHONIC_CALLING[:-5], "[f(a=-1)]",
+                 "[f(a=g())]", "[f(a=x)]", "[f(a=(1, 2))]", "[f(a=b'x')]", "[m.f(a=1)]", "[f(a=1), 2]", "[1, 2]",
+                 "[f(a = 1)]", "[_f(a=1)]", "[f(a=1),]", "[f(1, a=2)]", "[f(**{'a': 1}), g(a=x)]", "[f(a=1)"):
+        assert parse_pythonic(text) == (text, []), text
+
+
+def test_a_pythonic_reply_passes_vllms_regex_exactly_where_it_passes_ours():
+    """vLLM's regex tests a reply before ast reads it; Python's re backtracks on it for minutes (vLLM's regex module
+    times out), so ours is rewritten to match the same strings: every short string of the characters that matter;
+    and replies that keep re busy with vLLM's (a list of calls with a trailing comma, a call cut short) are read at
+    once."""
+    import itertools
+
+    from specbuild_runtime.serve.tools import PYTHONIC, parse_pythonic
+
+    vllms = re.compile(r"\[([a-zA-Z]+\w*\(([a-zA-Z]+\w*=.*,\s*)*([a-zA-Z]+\w*=.*\s)?\),\s*)*"
+                       r"([a-zA-Z]+\w*\(([a-zA-Z]+\w*=.*,\s*)*([a-zA-Z]+\w*=.*\s*)?\)\s*)+\]", re.DOTALL)
+    for length in range(1, 6):
+        for characters in itertools.product("[](),=f ", repeat=length):
+            text = "".join(characters)
+            assert bool(vllms.match(text)) == bool(PYTHONIC.match(text)), text
+    for slow in ("[" + "add(a=1, b=2), " * 30 + "]", "[add(" + "a=1, " * 30 + ")"):  # vLLM's: 9 s at 22 calls
+        assert parse_pythonic(slow) == (slow, [])
+
+
+@pytest.mark.parametrize("reply", [MISTRAL_CALLING, MISTRAL_CALLING[:-5], "No call: [TOOL", "[TOOL_CALLS]", "x [TOOL_CALLS]y"],
+                         ids=["calls", "cut-short", "tag-like-text", "bare-tag", "no-call"])
+def test_a_streamed_mistral_reply_gives_the_content_and_calls_of_the_whole_reply_wherever_its_deltas_break(reply):
+    from specbuild_runtime.serve.tools import PARSERS, MISTRAL_LIST
+
+    streams_as_whole(reply, *PARSERS["mistral"][:2])
+    streams_as_whole(reply.replace(MISTRAL_CALLING, MISTRAL_LISTING), *MISTRAL_LIST[:2])
+
+
+@pytest.mark.parametrize("reply", [PYTHONIC_CALLING, PYTHONIC_CALLING[:-5], "[f(a=-1)]", "[1, 2] is a list",
+                                   "[link](https://x)", "[f", "No call.", "["],
+                         ids=["calls", "cut-short", "no-literal", "list", "markdown", "bare-name", "text", "bracket"])
+def test_a_streamed_pythonic_reply_gives_the_content_and_calls_of_the_whole_reply_wherever_its_deltas_break(reply):
+    """The reply is held while its start may begin a call ("[", a name, "("), then to its end; else it streams."""
+    from specbuild_runtime.serve.tools import PARSERS
+
+    streams_as_whole(reply, *PARSERS["pythonic"][:2])
+
+
+def test_a_pythonic_reply_that_begins_no_call_streams_as_it_comes():
+    from specbuild_runtime.serve.tools import PythonicStream
+
+    stream = PythonicStream()
+    assert [stream.feed(piece) for piece in ("", "[", "1, 2", "] x")] == ["", "", "[1, 2", "] x"]
+    assert stream.end() == ("", [])
+
+
+class RecordingDecoder(ScriptedDecoder):
+    """A ScriptedDecoder that keeps the checked requests it streams."""
+
+    streamed: list = []
+
+    def stream_request(self, request, stats, every_token=False):
+        self.streamed.append(request)
+        yield from super().stream_request(request, stats, every_token)
+
+
+@pytest.mark.parametrize("parser, reply, content", [("mistral", MISTRAL_LISTING, "Let me look. "),
+                                                    ("pythonic", PYTHONIC_CALLING, None)])
+def test_mistral_and_pythonic_replies_calling_tools_are_answered_with_tool_calls_streamed_or_not(bundle, parser, reply,
+                                                                                               content):
+    """With --tool-call-parser mistral (this bundle's tokenizer has no [ARGS]: the JSON list) or pythonic, the openai
+    client reads the calls, the content and finish_reason "tool_calls"; the mistral parser's requests are decoded
+    keeping special tokens ([TOOL_CALLS] is one), as vLLM decodes them, and a tool_choice "none" request is not."""
+    from openai.types.chat import ChatCompletionMessageToolCall
+
+    from specbuild_runtime.serve.chat import supplied_chat_template
+
+    with in_process(bundle, RecordingDecoder, chat_template=supplied_chat_template(NAMING_TOOLS),
+                    tool_call_parser=parser) as (url, decoder, _):
+        decoder.go.set()
+        decoder.pieces, decoder.streamed = [reply[i:i + 3] for i in range(0, len(reply), 3)], []
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        ask = dict(model=MODEL, messages=ASK, tools=[WEATHER, ADD], max_tokens=4, **GREEDY)
+        [choice] = client.chat.completions.create(**ask).choices
+        assert choice.finish_reason == "tool_calls" and choice.message.content == content
+        assert all(isinstance(call, ChatCompletionMessageToolCall) for call in choice.message.tool_calls)
+        assert call_list(call.model_dump() for call in choice.message.tool_calls) == CALLED
+
+        streamed_content, calls, finish = streamed_tool_calls(client, ask)
+        assert (streamed_content, finish) == (content or "", "tool_calls")
+        assert call_list(calls[index] for index in sorted(calls)) == CALLED
+
+        untouched = client.chat.completions.create(**ask, tool_choice="none").choices[0]
+        assert untouched.message.content == reply and not untouched.message.tool_calls
+        assert [request.special_tokens for request in decoder.streamed] == [parser == "mistral"] * 2 + [False]
+
+
 def test_enable_auto_tool_choice_is_vllms_spelling_and_needs_a_parser_as_in_vllm(tmp_path):
     """vLLM's command line (--enable-auto-tool-choice --tool-call-parser hermes) runs unchanged; the switch alone
     would turn on nothing, and vLLM refuses it too: one line, before the bundle loads."""
     from specbuild_runtime.serve.cli import serve_command
 
-    for parser in ("hermes", "llama3_json"):
+    for parser in ("hermes", "llama3_json", "mistral", "pythonic"):
         context = serve_command.make_context("serve", [str(tmp_path), "--enable-auto-tool-choice", "--tool-call-parser",
                                                        parser])
         assert context.params["tool_call_parser"] == parser

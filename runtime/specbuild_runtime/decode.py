@@ -410,7 +410,7 @@ class SpeculativeDecoder:
         yield Generation(text.text, tokens, request.prompt_ids, stats)
 
     def _text(self, request: Request) -> TextStream:
-        return TextStream(self.tokenizer, request.stop, request.prompt_ids)
+        return TextStream(self.tokenizer, request.stop, request.prompt_ids, request.special_tokens)
 
     def _run(self, request: Request, stats: Stats, text: TextStream | None,
              halt: threading.Event | None = None) -> Generator[int, None, None]:

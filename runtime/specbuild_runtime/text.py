@@ -7,6 +7,7 @@ real U+FFFD at the end, read as an incomplete character) would never be sent.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 from tokenizers import Tokenizer
 
@@ -21,10 +22,13 @@ class TextStream:
     """Feed token ids with `push`; `take()` returns the text that is safe to send. The concatenation of
     every `take()` and the final `finish()` is exactly `text`: the tokens' text as it follows the prompt's
     (given prompt_ids), cut before the earliest stop string (as OpenAI's API cuts it). Text that could
-    still become a stop string is held back until it cannot."""
+    still become a stop string is held back until it cannot. Special tokens are left out of the text unless
+    `special_tokens`."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), prompt_ids: Sequence[int] = ()):
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), prompt_ids: Sequence[int] = (),
+                 special_tokens: bool = False):
         self.tokenizer = tokenizer
+        self._text_of = partial(tokenizer.decode, skip_special_tokens=not special_tokens)
         self.stop = stop
         # SentencePiece vocabularies with byte fallback hold all 256 byte tokens; others need no look per token.
         self._byte_fallback = tokenizer.token_to_id("<0x00>") is not None
@@ -34,9 +38,9 @@ class TextStream:
         # to the character's first byte (UTF-8 spells one in at most 4), else begins after the run. Where the
         # prompt's ids end inside a character, none is left: its text is no prefix of what follows.
         earlier = list(prompt_ids[:-PROMPT_CONTEXT][-3:])
-        while earlier and tokenizer.decode(context).endswith(INCOMPLETE):
+        while earlier and self._text_of(context).endswith(INCOMPLETE):
             context.insert(0, earlier.pop())
-        while context and tokenizer.decode(context).endswith(INCOMPLETE):
+        while context and self._text_of(context).endswith(INCOMPLETE):
             del context[0]
         self._ids = context  # the prompt's last tokens, then the generated ones
         self.text = ""
@@ -70,8 +74,8 @@ class TextStream:
         return self.take()
 
     def _decode(self, final: bool) -> None:
-        before = self.tokenizer.decode(self._ids[self._window:self._read])
-        now = self.tokenizer.decode(self._ids[self._window:])
+        before = self._text_of(self._ids[self._window:self._read])
+        now = self._text_of(self._ids[self._window:])
         if len(now) <= len(before):
             return
         new = now[len(before):]
@@ -92,7 +96,7 @@ class TextStream:
         for token in reversed(self._ids[self._read:]):
             if _byte_token(self.tokenizer.id_to_token(token)):
                 return True
-            if self.tokenizer.decode([token]):  # not a skipped special token: it ends the run
+            if self._text_of([token]):  # not a skipped special token: it ends the run
                 return False
         return False
 

@@ -65,6 +65,7 @@ class Request:
     gamma: int | str  # a fixed γ, or "auto"
     sampling: Sampling
     stop: tuple[str, ...] = ()
+    special_tokens: bool = False  # the text shows special tokens (vLLM's skip_special_tokens false)
 
 
 def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_size: int, max_seq_len: int,

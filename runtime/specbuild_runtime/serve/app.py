@@ -15,7 +15,7 @@ import hmac
 import json
 import logging
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import uvicorn
@@ -36,6 +36,7 @@ from .chat import ChatRequestError, SuppliedTemplate, load_chat_template
 from .metrics import Metrics
 from .protocol import CHAT, COMPLETIONS, ApiError, Reply, sse
 from .scheduler import Job, Overloaded, Scheduler, Stopped, Unavailable
+from .tools import tool_parser
 
 log = logging.getLogger("specbuild.serve")
 RETRY_AFTER = {"Retry-After": "1"}  # seconds; a slot frees up within one request's decoding time
@@ -72,6 +73,7 @@ class Server:
         self.settings = settings
         self.chat_template = load_chat_template(decoder.root / TOKENIZER_DIR, settings.chat_template)
         self.defaults = protocol.sampling_defaults(decoder.manifest.generation_config, settings.generation_config)
+        self.tool_parser = tool_parser(settings.tool_call_parser, decoder.tokenizer) if settings.tool_call_parser else None
         self.metrics = Metrics(decoder.slots.size)
         self.scheduler = Scheduler(decoder, settings.max_queue, settings.timeout, self.metrics)
         self.app = Starlette(
@@ -151,7 +153,7 @@ class Server:
             job = await self._submitted_unless_gone(http, request)
         except Exception as exc:  # a bug among them is answered (500, logged, counted) here, where the
             return self._refuse(endpoint, exc)  # connection stays usable: Starlette's last handler closes it
-        reply = Reply(endpoint, self.settings.model, self.settings.tool_call_parser if request.parse_tools else None,
+        reply = Reply(endpoint, self.settings.model, self.tool_parser if request.parse_tools else None,
                       request.parallel_tool_calls)
         if request.stream:
             return self._stream(endpoint, job, reply, request.include_usage)
@@ -233,12 +235,14 @@ class Server:
         if max_tokens is None:  # until the context is full (the last token needs no room in the cache)
             max_tokens = max(1, decoder.max_seq_len - len(prompt) + 1)
         try:
-            return decoder.request(prompt, max_tokens, **request.decoding)
+            checked = decoder.request(prompt, max_tokens, **request.decoding)
         except RequestError as exc:
             error = protocol.invalid(exc)
             if request.endpoint == CHAT and error.param == "prompt":  # a chat sends no prompt: its messages made it
                 error.param = "messages"
             raise error from None
+        # a format whose tags are special tokens (Mistral's) is read from a text that keeps them, as vLLM reads it
+        return replace(checked, special_tokens=True) if request.parse_tools and self.tool_parser.special_tokens else checked
 
     async def _collect(self, job, http: HttpRequest) -> str:
         """The whole text of a job, stopping it if the client disconnects first."""

@@ -144,9 +144,11 @@ class InterruptibleCommand(Interruptible, click.Command):
 @click.option("--tool-call-parser", type=click.Choice(list(PARSERS)), default=None,
               help="Parse chat replies' tool calls in this format, as vLLM's --tool-call-parser: hermes reads "
                    "<tool_call>{...}</tool_call> (Qwen2.5, Qwen3, Hermes 2 Pro), llama3_json reads {\"name\": ..., "
-                   "\"parameters\": {...}} (Llama 3.1, 3.2, 3.3 Instruct), into the response's tool_calls, and lets "
-                   "requests send tools with tool_choice \"auto\" (the default where tools are sent).  [default: none: "
-                   "such requests get 400; tool_choice \"none\" shows the tools and answers text]")
+                   "\"parameters\": {...}} (Llama 3.1, 3.2, 3.3 Instruct), mistral reads [TOOL_CALLS]... (Mistral, "
+                   "Mixtral Instruct), pythonic reads [name(key=value), ...] (Llama 3.2, Llama 4), into the response's "
+                   "tool_calls, and lets requests send tools with tool_choice \"auto\" (the default where tools are "
+                   "sent).  [default: none: such requests get 400; tool_choice \"none\" shows the tools and answers "
+                   "text]")
 @click.option("--enable-auto-tool-choice", is_flag=True,
               help="vLLM's switch for tool_choice \"auto\", which --tool-call-parser turns on here: accepted so that "
                    "vLLM's command line runs unchanged, and refused without --tool-call-parser, as vLLM refuses it.")
@@ -155,7 +157,7 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
                   generation_config, chat_template, tool_call_parser, enable_auto_tool_choice) -> None:
     """Serve a bundle over the OpenAI HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     if enable_auto_tool_choice and tool_call_parser is None:  # it would turn on nothing: a parser left out by mistake
-        raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json), as in vLLM")
+        raise click.UsageError(f"--enable-auto-tool-choice needs --tool-call-parser ({'|'.join(PARSERS)}), as in vLLM")
     from ..decode import SpeculativeDecoder, graphs_by_default
     from ..engine import available_cpus, use_shared_thread_pool
     try:

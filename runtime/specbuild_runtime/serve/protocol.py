@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from ..decode import Stats
 from ..errors import RequestError
 from ..validation import GREEDY_BELOW, check_sampling, whole
-from .tools import PARSERS, checked_tools
+from .tools import PARSERS, ToolParser, checked_tools
 
 COMPLETIONS, CHAT = "completions", "chat"
 DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: None}  # OpenAI's defaults; None: until the context is full
@@ -284,7 +284,7 @@ def _tools(body: dict, tool_parser: str | None) -> tuple[list[dict] | None, bool
                             "calls are parsed) and ask for the call in the messages", "tool_choice")
     if tool_parser is None:
         raise ApiError(400, "\"auto\" tool choice (the default where tools are sent) needs the server to parse the "
-                            "reply's tool calls: start it with --tool-call-parser hermes or llama3_json, the "
+                            f"reply's tool calls: start it with --tool-call-parser {'|'.join(PARSERS)}, the "
                             "model's format (vLLM's --enable-auto-tool-choice --tool-call-parser ...), or send "
                             "\"tool_choice\": \"none\" to show the tools and get text",
                      "tool_choice" if "tool_choice" in body else "tools")
@@ -357,12 +357,13 @@ class Reply:
     `parallel_tool_calls`, the first call alone is answered (a model asked for one may write more: vLLM keeps the
     first)."""
 
-    def __init__(self, endpoint: str, model: str, tool_parser: str | None = None, parallel_tool_calls: bool = True):
+    def __init__(self, endpoint: str, model: str, tool_parser: ToolParser | None = None,
+                 parallel_tool_calls: bool = True):
         self.endpoint, self.model = endpoint, model
         self.id = ("chatcmpl-" if endpoint == CHAT else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.parse_calls, stream = PARSERS[tool_parser] if tool_parser else (None, None)
-        self.tool_stream = stream() if stream else None
+        self.parse_calls = tool_parser.parse if tool_parser else None
+        self.tool_stream = tool_parser.stream() if tool_parser else None
         self.most_calls = None if parallel_tool_calls else 1
 
     def whole(self, text: str, stats: Stats) -> dict:

@@ -5,14 +5,25 @@ content and finish reason are vLLM's:
 - `hermes` (Qwen2.5, Qwen3, Hermes 2 Pro): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as
   Hermes2ProToolParser.extract_tool_calls reads it;
 - `llama3_json` (Llama 3.1, 3.2, 3.3 Instruct): `{"name": ..., "parameters": {...}}`, several joined by "; ",
-  as Llama3JsonToolParser.extract_tool_calls reads it.
+  as Llama3JsonToolParser.extract_tool_calls reads it;
+- `mistral` (Mistral and Mixtral Instruct): `[TOOL_CALLS]name[ARGS]{...}` from a tokenizer
+  with an [ARGS] token (v11 on), else `[TOOL_CALLS] [{"name": ..., "arguments": {...}}]`, as MistralToolParser
+  reads a Hugging Face tokenizer's text;
+- `pythonic` (Llama 3.2 and 4, ToolACE): `[get_weather(city="Zürich"), add(a=2, b=2)]`, read with Python's ast
+  (never run), as PythonicToolParser.extract_tool_calls reads it.
+Each stream answers what the same reply unstreamed answers: its content streams until a call can begin, and the
+calls come whole at the end.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
+import warnings
+from collections.abc import Callable
+from typing import NamedTuple
 
 START, END = "<tool_call>", "</tool_call>"
 # Llama 3's "code follows" token, before some of its calls: a special token, so the runtime's text (special tokens
@@ -20,6 +31,15 @@ START, END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 # A closed block, or one the reply ends inside (a call whose JSON is whole before the closing tag): vLLM's regex.
 BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+# Mistral's tokens, special: kept in the text for this parser, as vLLM keeps them (skip_special_tokens false)
+TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
+# PythonicToolParser.TOOL_CALL_REGEX, which a reply must match before it is parsed, rewritten to match the same
+# strings (checked on millions) in linear time: vLLM's nested ".*" backtracks for over 30 s on a list of 24 calls
+# ending ", ]", where vLLM's regex module times out and Python's re cannot.
+NAME = r"[a-zA-Z]\w*"
+PYTHONIC = re.compile(rf"\[(?:{NAME}\(\),\s*)*(?:{NAME}\(\)\s*)*{NAME}\((?:{NAME}=.*)?\)\s*\]", re.DOTALL)
+PYTHONIC_START = re.compile(rf"\[{NAME}\(")  # a reply that begins so may be calls
+PYTHONIC_UNDECIDED = re.compile(rf"(?:\[(?:{NAME})?)?")  # a reply that may still begin so
 TOOL_SHAPE = "{\"type\": \"function\", \"function\": {\"name\": ..., \"description\": ..., \"parameters\": {...}}}"
 
 
@@ -69,22 +89,28 @@ def parse_hermes(text: str) -> tuple[str | None, list[dict]]:
     return text[:text.index(START)] or None, calls
 
 
-def _call(name, arguments) -> dict:
+def _call(name, arguments, mistral: bool = False) -> dict:
+    # OpenAI's format: the arguments as JSON text, written as vLLM writes them
+    return _written_call(name, json.dumps(arguments, ensure_ascii=False), mistral)
+
+
+def _written_call(name, arguments: str, mistral: bool = False) -> dict:
     if not isinstance(name, str):
         raise TypeError("a call's name is a string")
-    # OpenAI's format: the arguments as JSON text, written as vLLM writes them
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+    # Mistral's templates refuse a replayed call whose id is not 9 letters and digits; vLLM writes such ids for it
+    return {"id": uuid.uuid4().hex[:9] if mistral else f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
 
 
-class HermesStream:
-    """A streamed reply's text split as parse_hermes splits the whole: content is passed on as it comes until a
-    `<tool_call>` begins (text that may be the start of that tag is held back until the next delta tells), and
-    from there the text is held to the end and parsed whole. So a stream answers the calls, content and finish
-    reason of the same reply unstreamed, also where a later block turns out not to be a call (vLLM streams the
-    calls as they form, and cannot take back what it sent then)."""
+class HeldStream:
+    """A streamed reply's text split as `parse` splits the whole: content is passed on as it comes until calls may
+    begin (text that may be the start of them is held back until a later delta tells), and from there the text is
+    held to the end and parsed whole. So a stream answers the calls, content and finish reason of the same reply
+    unstreamed, also where what began as a call turns out not to be one (vLLM streams the calls as they form, and
+    cannot take back what it sent then). `_begins` says where calls may begin."""
 
-    def __init__(self):
+    def __init__(self, parse: Callable[[str], tuple[str | None, list[dict]]]):
+        self.parse = parse
         self.held = ""
         self.calling = False
 
@@ -94,19 +120,49 @@ class HermesStream:
             self.held += delta
             return ""
         text = self.held + delta
-        if (at := text.find(START)) >= 0:
+        at, keep = self._begins(text)
+        if at >= 0:
             self.calling, self.held = True, text[at:]
             return text[:at]
-        keep = next((n for n in range(min(len(START) - 1, len(text)), 0, -1) if START.startswith(text[-n:])), 0)
         self.held = text[len(text) - keep:]
         return text[:len(text) - keep]
 
+    def _begins(self, text: str) -> tuple[int, int]:
+        """Where calls begin in the text not yet sent (-1: nowhere yet), and else how much of its end to hold."""
+        raise NotImplementedError
+
     def end(self) -> tuple[str, list[dict]]:
         """Once the reply has ended: the content still to send, and the calls."""
-        if not self.calling:
-            return self.held, []
-        content, calls = parse_hermes(self.held)
-        return content or "", calls
+        calls = self.parse(self.held)[1] if self.calling else []
+        return ("", calls) if calls else (self.held, [])
+
+
+class TagStream(HeldStream):
+    """For a format whose calls begin at a tag (the held text's content, before the tag, is empty)."""
+
+    def __init__(self, tag: str, parse: Callable[[str], tuple[str | None, list[dict]]]):
+        super().__init__(parse)
+        self.tag = tag
+
+    def _begins(self, text: str) -> tuple[int, int]:
+        tag = self.tag
+        keep = next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)
+        return text.find(tag), keep
+
+
+class PythonicStream(HeldStream):
+    """For parse_pythonic, whose calls are the whole reply: it is held while its start may begin a call, and once it
+    cannot, streams as it comes."""
+
+    def __init__(self):
+        super().__init__(parse_pythonic)
+        self.plain = False
+
+    def _begins(self, text: str) -> tuple[int, int]:
+        if not self.plain and PYTHONIC_START.match(text):
+            return 0, 0
+        self.plain = self.plain or not PYTHONIC_UNDECIDED.fullmatch(text)
+        return -1, 0 if self.plain else len(text)
 
 
 def parse_llama3_json(text: str) -> tuple[str | None, list[dict]]:
@@ -196,5 +252,86 @@ def _said(text: str) -> bool:
     return bool(text) and not PYTHON_TAG.startswith(text)
 
 
-# serve --tool-call-parser: each format's parser of a whole reply, and of a streamed one
-PARSERS = {"hermes": (parse_hermes, HermesStream), "llama3_json": (parse_llama3_json, Llama3JsonStream)}
+def parse_mistral(text: str) -> tuple[str | None, list[dict]]:
+    """A reply's content and tool calls, as vLLM's mistral parser reads a v11-or-later tokenizer's text: each
+    `[TOOL_CALLS]` begins a call, its name up to the first "{" ([ARGS] left out) and its arguments the text from
+    there, sent as written even where it is no JSON (vLLM keeps them so, for the model to see what it wrote); a
+    part with no "{" is no call. The content is the text before the first `[TOOL_CALLS]` (None if empty); where
+    no part is a call, the whole text is content."""
+    content, *parts = text.split(TOOL_CALLS)
+    calls = [_written_call(part[:part.index("{")].replace(ARGS, ""), part[part.index("{"):], mistral=True)
+             for part in parts if "{" in part]
+    return (content or None, calls) if calls else (text, [])
+
+
+def parse_mistral_list(text: str) -> tuple[str | None, list[dict]]:
+    """A reply's content and tool calls, as vLLM's mistral parser reads an older tokenizer's text (no [ARGS] token:
+    Mistral 7B Instruct v0.3, Mixtral 8x22B Instruct): one `[TOOL_CALLS]`, then a JSON list of {"name", "arguments"}
+    objects (arguments left out: {}), read from its start or else from its first "[{" to its last "}]". The content
+    is the text before `[TOOL_CALLS]` (None if empty). Where the list is no list of calls, or the reply holds
+    several `[TOOL_CALLS]`, the whole text is content (vLLM answers the text after the token alone, or fails)."""
+    content, *parts = text.split(TOOL_CALLS)
+    if len(parts) != 1:
+        return text, []
+    listed = parts[0].strip()
+    try:
+        try:  # raw_decode: text the model writes after the list is left out
+            found, _ = json.JSONDecoder().raw_decode(listed)
+        except ValueError:  # vLLM's regex \[{.*}\], greedy, found without its quadratic search
+            start, end = listed.find("[{"), listed.rfind("}]") + 2
+            found = json.loads(listed[start:end] if 0 <= start < end - 3 else "")
+        calls = [_call(call["name"], call.get("arguments", {}), mistral=True) for call in found]
+    except (ValueError, RecursionError, TypeError, KeyError, AttributeError):
+        return text, []
+    return (content or None, calls) if calls else (text, [])
+
+
+def parse_pythonic(text: str) -> tuple[str | None, list[dict]]:
+    """A reply's content and tool calls, as vLLM's pythonic parser reads them: a reply that is a Python list of
+    calls, `[name(key=value, ...), ...]`, from its first character (text after it is a syntax error; a later
+    statement is left out), is read with ast, never run. The values are literals: constants, and lists and dicts of
+    them (-1 is an expression, as in vLLM); positional arguments are left out. The content is then None; a reply
+    that is not such a list is all content."""
+    if not PYTHONIC.match(text):
+        return text, []
+    try:
+        with warnings.catch_warnings(action="ignore"):  # Python 3.12 warns of each "\d" in the model's strings
+            listed = getattr(ast.parse(text).body[0], "value", None)
+        if not isinstance(listed, ast.List) or not all(isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+                                                       for call in listed.elts):
+            raise ValueError("a pythonic reply is a list of calls")
+        calls = [_call(call.func.id, {keyword.arg: _literal(keyword.value) for keyword in call.keywords})
+                 for call in listed.elts]
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return text, []
+    return None, calls
+
+
+def _literal(node: ast.expr):
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Dict) and all(isinstance(key, ast.Constant) for key in node.keys):
+        return {key.value: _literal(value) for key, value in zip(node.keys, node.values)}
+    if isinstance(node, ast.List):
+        return [_literal(element) for element in node.elts]
+    raise ValueError("a call's arguments are literals")
+
+
+class ToolParser(NamedTuple):
+    parse: Callable[[str], tuple[str | None, list[dict]]]  # a whole reply's content and calls
+    stream: Callable[[], HeldStream | Llama3JsonStream]  # a streamed reply's, from its deltas
+    special_tokens: bool = False  # the reply's text keeps its special tokens, the format's tags among them
+
+
+# serve --tool-call-parser: each format's parser
+PARSERS = {"hermes": ToolParser(parse_hermes, lambda: TagStream(START, parse_hermes)),
+           "llama3_json": ToolParser(parse_llama3_json, Llama3JsonStream),
+           "mistral": ToolParser(parse_mistral, lambda: TagStream(TOOL_CALLS, parse_mistral), special_tokens=True),
+           "pythonic": ToolParser(parse_pythonic, PythonicStream)}
+MISTRAL_LIST = ToolParser(parse_mistral_list, lambda: TagStream(TOOL_CALLS, parse_mistral_list), special_tokens=True)
+
+
+def tool_parser(name: str, tokenizer) -> ToolParser:
+    """--tool-call-parser NAME for the bundle's tokenizer (a tokenizers.Tokenizer): mistral's format is the one its
+    vocabulary tells, as vLLM tells it (no [ARGS] token: the JSON list of older models)."""
+    return MISTRAL_LIST if name == "mistral" and tokenizer.token_to_id(ARGS) is None else PARSERS[name]
