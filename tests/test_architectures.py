@@ -123,6 +123,16 @@ def test_a_llama_longrope_target_longer_than_its_original_length_is_refused_befo
     assert not out.exists() and sorted(tmp_path.iterdir()) == [target]
 
 
+def test_a_llama_target_with_a_sliding_window_transformers_does_not_apply_is_refused_past_it(checkpoints, tmp_path):
+    """transformers' Llama attention ignores a sliding_window in config.json, but its cache keeps only that many
+    positions: past the window its decoding differs from its own forward (the engine's, unwindowed)."""
+    out = tmp_path / "b"
+    with pytest.raises(UnsupportedModelError, match="sliding_window \\(8\\).*of 8 or less") as caught:
+        compile_bundle(CompileSettings(target=checkpoints("llama", sliding_window=8), draft=checkpoints("llama", seed=1),
+                                       output=out, max_seq_len=64), show_progress=False)
+    assert "\n" not in str(caught.value) and not out.exists()
+
+
 def test_a_longrope_target_past_its_positions_is_told_the_length_it_can_have(checkpoints, tokenizer, tmp_path):
     """Past max_position_embeddings the error named that length, which the LongRoPE check then refused in turn (a
     Llama longrope at 128k: "131072 or less", then "4096 or less")."""

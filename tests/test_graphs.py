@@ -36,9 +36,27 @@ def run_graph(ckpt):
 
 @pytest.mark.parametrize("architecture", [*ARCHITECTURES, "gpt2"])
 def test_graph_logits_match_transformers_through_prefill_verify_and_rollback(architecture, checkpoints):
+    assert_logits_match_transformers(checkpoints(architecture))
+
+
+@pytest.mark.parametrize("architecture,config", [
+    ("llama", dict(final_logit_softcapping=0.5)),  # Gemma's alone
+    ("llama", dict(sliding_window=8)),  # Mistral's, Qwen's, Phi-3's and Gemma's alone
+    ("gemma3", dict(attn_logit_softcapping=0.5)),  # Gemma 2's alone: Gemma 3 keeps it but never applies it
+    ("llama", dict(head_dim=32, partial_rotary_factor=0.5)),  # Phi-3's alone: Llama's default rope rotates whole heads
+], ids=["llama-final_logit_softcapping", "llama-sliding_window", "gemma3-attn_logit_softcapping",
+        "llama-partial_rotary_factor"])
+def test_config_keys_transformers_code_does_not_read_leave_the_logits_as_transformers_computes_them(
+        architecture, config, checkpoints):
+    """A config.json may carry any key (transformers keeps it as an attribute): a setting of another family, which
+    the graph applied (a softcap, a window) or choked on (partial rotary: a reshape error) where transformers'
+    model of this architecture ignores it."""
+    assert_logits_match_transformers(checkpoints(architecture, **config))
+
+
+def assert_logits_match_transformers(folder):
     from transformers import AutoModelForCausalLM
 
-    folder = checkpoints(architecture)
     ckpt = load_checkpoint(folder, "target")
     step = run_graph(ckpt)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import save_bf16_shards
+from conftest import make_checkpoint, save_bf16_shards
 from specbuild.compile.load import eos_token_ids, load_checkpoint
 from specbuild.errors import CheckpointError, UnsupportedModelError
 
@@ -306,6 +306,16 @@ def test_phi3s_partial_rotary_factor_is_read_where_transformers_4_keeps_it(check
     as_transformers_4 = type("Config", (), {**vars(config), "rope_parameters": None, "partial_rotary_factor": 0.5})()
     spec = model_spec(as_transformers_4, "Phi3ForCausalLM", checkpoints("phi3"), "target")
     assert spec.rotary_dim == model_spec(config, "Phi3ForCausalLM", checkpoints("phi3"), "target").rotary_dim == 16
+
+
+def test_a_partial_rotary_factor_with_a_scaled_rope_outside_phi3_is_refused_in_one_line(tokenizer, tmp_path):
+    # Llama's scaled ropes shorten their table by the factor and transformers' Llama then fails to rotate whole heads
+    # with it; compile failed later with a reshape error
+    rope = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.5 with a scaled rope") as caught:
+        load_checkpoint(make_checkpoint(tmp_path, "llama", tokenizer, head_dim=32, partial_rotary_factor=0.5,
+                                        rope_scaling=rope), "target")
+    assert "\n" not in str(caught.value)
 
 
 def test_rope_settings_saved_where_this_transformers_does_not_read_them_are_refused(checkpoints, monkeypatch):

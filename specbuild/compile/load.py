@@ -35,6 +35,13 @@ ARCHITECTURES = {
     "GPT2LMHeadModel": "gpt2",
 }
 SUPPORTED_ACTIVATIONS = {"silu", "gelu_new", "gelu_pytorch_tanh", "gelu"}
+# What transformers' code of each architecture reads of a config.json: a key it ignores is ignored here too, as a Llama
+# config's sliding_window or final_logit_softcapping is (a config.json may carry any key, which transformers keeps).
+# Windowed attention (sliding_window), per layer where layer_types says so (transformers 5 runs a Mistral config.json
+# with layer_types as a Ministral, which reads them; Phi-3 windows every layer whatever layer_types says).
+WINDOWED = {"MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+            "Gemma3ForCausalLM"}
+LAYER_TYPED = WINDOWED - {"Phi3ForCausalLM"}
 
 
 @dataclass
@@ -486,9 +493,18 @@ def _rope_model_spec(config, architecture: str, family: str, path: Path, role: s
     heads, layers = config.num_attention_heads, config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     rope = getattr(config, "rope_parameters", None) or {}
-    rope = rope.get("full_attention", rope)  # Gemma 3 keeps one set per layer type
-    # transformers 4 keeps Phi-3's partial_rotary_factor in the config itself; 5 moved it into rope_parameters
-    rotary_dim = int(head_dim * (rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0))
+    ropes = [r for r in rope.values() if isinstance(r, dict)] or [rope]  # Gemma 3 keeps one set per layer type
+    rotary_dim = head_dim
+    if architecture == "Phi3ForCausalLM":
+        # transformers 4 keeps Phi-3's partial_rotary_factor in the config itself; 5 moved it into rope_parameters
+        rotary_dim = int(head_dim * (rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0))
+    # The others rotate whole heads: their default rope ignores the factor, a scaled one shortens its table by it
+    # (which transformers then fails to apply)
+    elif partial := next((r["partial_rotary_factor"] for r in ropes if r.get("partial_rotary_factor", 1.0) != 1.0
+                          and r.get("rope_type", "default") != "default"), None):
+        raise UnsupportedModelError(
+            f"{role} checkpoint {path}: config.json's partial_rotary_factor {partial} with a scaled rope is not run by "
+            f"transformers' {architecture}, which rotates whole heads; remove partial_rotary_factor from config.json")
     if head_dim % 16 or rotary_dim % 16:
         raise UnsupportedModelError(
             f"{role} checkpoint {path}: head_dim {head_dim} (rotary part {rotary_dim}) is not a multiple of 16, "
@@ -496,9 +512,11 @@ def _rope_model_spec(config, architecture: str, family: str, path: Path, role: s
         )
     if getattr(config, "use_bidirectional_attention", False):
         raise UnsupportedModelError(f"{role} checkpoint {path}: bidirectional attention (an embedding model) cannot decode")
-    # layer_types (Qwen2/3, Gemma) says which layers slide; Mistral and Phi-3 slide everywhere if they slide.
-    window = getattr(config, "sliding_window", None)
-    layer_types = list(getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * layers)
+    # layer_types (Qwen2/3, Gemma) says which layers slide; Mistral and Phi-3 slide everywhere if they slide, Llama
+    # nowhere (check_context refuses a window it ignores where transformers' cache would not).
+    window = getattr(config, "sliding_window", None) if architecture in WINDOWED else None
+    typed = getattr(config, "layer_types", None) if architecture in LAYER_TYPED else None
+    layer_types = list(typed or ["sliding_attention" if window else "full_attention"] * layers)
     gemma = family == "gemma"
     return ModelSpec(
         architecture=architecture,
@@ -518,8 +536,9 @@ def _rope_model_spec(config, architecture: str, family: str, path: Path, role: s
         attention_scale=(config.query_pre_attn_scalar if gemma else head_dim) ** -0.5,
         rotary_dim=rotary_dim,
         qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
-        attention_softcap=getattr(config, "attn_logit_softcapping", None),
-        final_softcap=getattr(config, "final_logit_softcapping", None),
+        # transformers' Gemma 3 keeps attn_logit_softcapping but never passes it to its attention
+        attention_softcap=config.attn_logit_softcapping if architecture == "Gemma2ForCausalLM" else None,
+        final_softcap=config.final_logit_softcapping if gemma else None,
     )
 
 
@@ -540,6 +559,13 @@ def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
             "its cache there, which specbuild reproduces), so the bundle would decode other tokens; give --max-seq-len "
             f"(or a recipe's max_seq_len) of {original} or less"
         )
+    ignored = getattr(ckpt.config, "sliding_window", None) if spec.architecture not in WINDOWED else None
+    if role == "target" and isinstance(ignored, int) and ignored < max_seq_len:
+        raise UnsupportedModelError(
+            f"max_seq_len {max_seq_len} exceeds the sliding_window ({ignored}) the target's config.json sets, which "
+            f"transformers' {spec.architecture} attention ignores while its cache keeps only that many positions, so "
+            "its decoding past them follows no model; set \"sliding_window\": null in config.json, or give "
+            f"--max-seq-len (or a recipe's max_seq_len) of {ignored} or less")
     if max_seq_len > spec.max_position_embeddings:
         raise UnsupportedModelError(
             f"max_seq_len {max_seq_len} exceeds the {role}'s max_position_embeddings "
