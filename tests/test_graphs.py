@@ -8,7 +8,7 @@ import torch
 
 import onnx_ir as ir
 
-from conftest import ARCHITECTURES
+from conftest import ARCHITECTURES, make_checkpoint
 from specbuild.compile.graphs import build_decoder
 from specbuild.compile.load import load_checkpoint
 from specbuild.compile.precision import Numerics
@@ -44,14 +44,15 @@ def test_graph_logits_match_transformers_through_prefill_verify_and_rollback(arc
     ("llama", dict(sliding_window=8)),  # Mistral's, Qwen's, Phi-3's and Gemma's alone
     ("gemma3", dict(attn_logit_softcapping=0.5)),  # Gemma 2's alone: Gemma 3 keeps it but never applies it
     ("llama", dict(head_dim=32, partial_rotary_factor=0.5)),  # Phi-3's alone: Llama's default rope rotates whole heads
+    ("llama", dict(head_dim=32, rope_scaling=dict(rope_type="proportional", partial_rotary_factor=0.5))),  # padded table
 ], ids=["llama-final_logit_softcapping", "llama-sliding_window", "gemma3-attn_logit_softcapping",
-        "llama-partial_rotary_factor"])
+        "llama-partial_rotary_factor", "llama-proportional-partial_rotary_factor"])
 def test_config_keys_transformers_code_does_not_read_leave_the_logits_as_transformers_computes_them(
-        architecture, config, checkpoints):
+        architecture, config, tokenizer, tmp_path):
     """A config.json may carry any key (transformers keeps it as an attribute): a setting of another family, which
     the graph applied (a softcap, a window) or choked on (partial rotary: a reshape error) where transformers'
     model of this architecture ignores it."""
-    assert_logits_match_transformers(checkpoints(architecture, **config))
+    assert_logits_match_transformers(make_checkpoint(tmp_path, architecture, tokenizer, **config))
 
 
 def assert_logits_match_transformers(folder):

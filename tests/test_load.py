@@ -308,11 +308,11 @@ def test_phi3s_partial_rotary_factor_is_read_where_transformers_4_keeps_it(check
     assert spec.rotary_dim == model_spec(config, "Phi3ForCausalLM", checkpoints("phi3"), "target").rotary_dim == 16
 
 
-def test_a_partial_rotary_factor_with_a_scaled_rope_outside_phi3_is_refused_in_one_line(tokenizer, tmp_path):
-    # Llama's scaled ropes shorten their table by the factor and transformers' Llama then fails to rotate whole heads
-    # with it; compile failed later with a reshape error
+def test_a_partial_rotary_factor_transformers_cannot_apply_outside_phi3_is_refused_in_one_line(tokenizer, tmp_path):
+    # Llama's scaled ropes (yarn here) shorten their table by the factor, which transformers' Llama then fails to
+    # apply to whole heads; compile failed later with a reshape error
     rope = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)
-    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.5 with a scaled rope") as caught:
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.5 gives rotary tables of 16 dims") as caught:
         load_checkpoint(make_checkpoint(tmp_path, "llama", tokenizer, head_dim=32, partial_rotary_factor=0.5,
                                         rope_scaling=rope), "target")
     assert "\n" not in str(caught.value)

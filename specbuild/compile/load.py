@@ -498,13 +498,17 @@ def _rope_model_spec(config, architecture: str, family: str, path: Path, role: s
     if architecture == "Phi3ForCausalLM":
         # transformers 4 keeps Phi-3's partial_rotary_factor in the config itself; 5 moved it into rope_parameters
         rotary_dim = int(head_dim * (rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0))
-    # The others rotate whole heads: their default rope ignores the factor, a scaled one shortens its table by it
-    # (which transformers then fails to apply)
-    elif partial := next((r["partial_rotary_factor"] for r in ropes if r.get("partial_rotary_factor", 1.0) != 1.0
-                          and r.get("rope_type", "default") != "default"), None):
-        raise UnsupportedModelError(
-            f"{role} checkpoint {path}: config.json's partial_rotary_factor {partial} with a scaled rope is not run by "
-            f"transformers' {architecture}, which rotates whole heads; remove partial_rotary_factor from config.json")
+    elif partial := next((r["partial_rotary_factor"] for r in ropes if r.get("partial_rotary_factor", 1.0) != 1.0), None):
+        # The others rotate whole heads: their default rope ignores the factor, "proportional" pads its table with
+        # unrotated dims, the other scalings shorten it (which transformers then fails to apply)
+        from .graphs.layers import rotary_module
+
+        tables = rotary_module(architecture, config).named_buffers()
+        if widths := {2 * len(t) for name, t in tables if name.endswith("inv_freq")} - {head_dim}:
+            raise UnsupportedModelError(
+                f"{role} checkpoint {path}: config.json's partial_rotary_factor {partial} gives rotary tables of "
+                f"{min(widths)} dims, which transformers' {architecture} cannot apply to heads of {head_dim}; remove "
+                "partial_rotary_factor from config.json")
     if head_dim % 16 or rotary_dim % 16:
         raise UnsupportedModelError(
             f"{role} checkpoint {path}: head_dim {head_dim} (rotary part {rotary_dim}) is not a multiple of 16, "
