@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+from functools import partial
 from pathlib import Path
 
 import click
@@ -294,7 +295,7 @@ def generate(bundle, prompt, max_new_tokens, gamma, chat, chat_template, stop, a
                                  draft_steps=draft_steps)
     shown = prompt
     if chat:
-        prompt, shown = chat_prompt(decoder, prompt, chat_template), ""
+        prompt, shown = chat_prompt(decoder, prompt, chat_template, max_new_tokens), ""
     if as_json:
         result = decoder.generate(prompt, max_new_tokens, gamma, stop=list(stop), **sampling)
         click.echo(json.dumps({
@@ -316,9 +317,11 @@ def generate(bundle, prompt, max_new_tokens, gamma, chat, chat_template, stop, a
     click.echo(_stats_line(stats, gamma), err=True)
 
 
-def chat_prompt(decoder, text: str, supplied=None) -> list[int]:
-    """text as one user message in the bundle's chat template (or the one supplied, --chat-template), as token ids."""
+def chat_prompt(decoder, text: str, supplied, max_new_tokens: int) -> list[int]:
+    """text as one user message in the bundle's chat template (or the one supplied, --chat-template), as token ids;
+    refused before tokenizing where it cannot fit the context with max_new_tokens, as a text prompt is."""
     from specbuild_runtime.manifest import TOKENIZER_DIR
+    from specbuild_runtime.validation import check_text_fits
 
     try:
         from specbuild_runtime.serve.chat import load_chat_template
@@ -329,7 +332,9 @@ def chat_prompt(decoder, text: str, supplied=None) -> list[int]:
     if template is None:  # what the bundle lacks, as a --gamma above its maximum (exit 1), not a malformed command line
         raise click.ClickException("this bundle's tokenizer has no chat template; give one with --chat-template, or "
                                    "the prompt as text, without --chat")
-    return template.prompt_ids(decoder.tokenizer, [{"role": "user", "content": text}])
+    fits = partial(check_text_fits, token_span=decoder.token_span, max_seq_len=decoder.max_seq_len,
+                   max_new_tokens=max_new_tokens)
+    return template.prompt_ids(decoder.tokenizer, [{"role": "user", "content": text}], fits)
 
 
 def _token(token: int | None) -> str:

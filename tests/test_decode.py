@@ -1035,3 +1035,109 @@ def test_rounds_that_warm_up_or_capture_a_cuda_graph_leave_auto_gammas_costs_alo
     policy = decoder._policies[0][False]
     assert result.stats.rounds > 3 and policy.costs.target_alone is None and policy.costs.target_drafted is None
     assert policy.costs.rounds == [None] * (decoder.max_gamma + 1)
+
+
+# --- Refusing a prompt longer than the context without tokenizing it ----------------------------------------------
+
+# Pieces of text that normalizers join (NFC/NFKC compose U+1F82 from 4 characters, a Hangul syllable from 3 jamo),
+# lengthen (ﬁ, é decomposed), or that tokenizers read apart (byte fallback's 4 tokens for an emoji, added tokens).
+PIECES = [" ", "  ", "\n", "a", "the", "\u2581", "\u1f82", "\u03b1\u0313\u0300\u0345", "e\u0301", "\u00e9", "\ufb01",
+          "\u1100\u1161\u11a8", "\uff21", "\U0001f600", "<s>", "<|a long added token|>", "<|a normalized one|>"]
+
+
+def spanned_tokenizers():
+    """BPE tokenizers of the shapes bundles carry, trained on PIECES so that their longest tokens are runs of them:
+    byte-level (GPT-2, Llama 3), Qwen's (NFC, then a regex split and byte-level), Llama 2's (Prepend and Replace, byte
+    fallback), and NFKC with added tokens, normalized or not."""
+    from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    rng = random.Random(0)
+    corpus = ["".join(rng.choices(PIECES[:-3], k=40)) for _ in range(300)] + [piece * 12 for piece in PIECES[:-3]]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    shapes = {
+        "byte-level": (None, byte_level),
+        "qwen": (normalizers.NFC(), pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\p{L}+|\s+|."), "isolated"),
+                                                             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])),
+        "llama2": (normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]), None),
+        "nfkc": (normalizers.NFKC(), None),
+    }
+    made = {}
+    for name, (normalizer, pre_tokenizer) in shapes.items():
+        # as they ship: byte-level ones never meet an unknown byte; Llama 2's fuses unknown characters, but falls back to
+        # byte tokens first
+        sentencepiece = pre_tokenizer is None
+        tokenizer = Tokenizer(models.BPE(byte_fallback=sentencepiece, fuse_unk=sentencepiece,
+                                         unk_token="<unk>" if sentencepiece else None))
+        tokenizer.normalizer, tokenizer.pre_tokenizer = normalizer, pre_tokenizer
+        alphabet = [] if sentencepiece else pre_tokenizers.ByteLevel.alphabet()
+        byte_tokens = [f"<0x{b:02X}>" for b in range(256)] if sentencepiece else []
+        tokenizer.train_from_iterator(corpus, trainers.BpeTrainer(
+            vocab_size=400 + len(byte_tokens), special_tokens=["<unk>", "<s>", *byte_tokens], initial_alphabet=alphabet,
+            max_token_length=48))
+        tokenizer.add_tokens([AddedToken(PIECES[-2], normalized=False), AddedToken(PIECES[-1], normalized=True)])
+        made[name] = tokenizer
+    return made
+
+
+SPANNED = spanned_tokenizers()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(sorted(SPANNED)), st.lists(st.sampled_from(PIECES), min_size=1, max_size=300).map("".join))
+@example("nfkc", "\u03b1\u0313\u0300\u0345" * 300)  # NFKC's 4 to 1, then the longest run of U+1F82 it learned
+@example("qwen", "\u03b1\u0313\u0300\u0345" * 300)  # NFC's 8 bytes to 3: a byte count would be no bound
+@example("byte-level", "<|a long added token|>" * 20)
+@example("byte-level", "\U0001f600" * 50)  # 4 bytes each
+def test_no_text_encodes_to_fewer_tokens_than_its_length_over_the_token_span(shape, text):
+    """decode.token_span bounds what one token stands for: a prompt refused by it before tokenizing could never have
+    fitted. The tightest texts are runs of a vocabulary's longest tokens, normalized or added."""
+    from specbuild_runtime.decode import token_span
+
+    tokenizer = SPANNED[shape]
+    span = token_span(tokenizer)
+    assert span.in_bytes == (shape == "byte-level")
+    assert len(tokenizer.encode(text, add_special_tokens=False).ids) >= span.fewest_tokens(text)
+
+
+def test_a_run_of_the_longest_token_meets_the_token_span():
+    """The bound is exact where the text is the longest token repeated: no looser span would be sound."""
+    from specbuild_runtime.decode import token_span
+
+    tokenizer = SPANNED["byte-level"]
+    longest = max((token for token in tokenizer.get_vocab() if token.isascii()), key=len)
+    span = token_span(tokenizer)
+    assert len(longest) == span.longest and len(tokenizer.encode(longest * 50).ids) == 50
+
+
+@pytest.mark.parametrize("change, text", [
+    ("Strip normalizer", " " * 1000),
+    ("Replace by nothing", "\u200b" * 1000),
+    ("Whitespace pre-tokenizer", " " * 1000),
+    ("Split removing", "," * 1000),
+    ("added token taking the spaces after it", "<end>" + " " * 1000),
+    ("truncation", "a b " * 1000),
+    ("unknown characters fused", "\u4e00" * 1000),
+])
+def test_a_tokenizer_that_can_drop_or_fuse_text_has_no_token_span(change, text):
+    """Each of these encodes 1000 characters or more into a token or two: no length bound holds, and such a bundle's
+    prompts are tokenized to be measured."""
+    from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers
+    from specbuild_runtime.decode import token_span
+
+    tokenizer = Tokenizer.from_str(SPANNED["byte-level"].to_str())
+    if change == "Strip normalizer":
+        tokenizer.normalizer = normalizers.Strip()
+    elif change == "Replace by nothing":
+        tokenizer.normalizer = normalizers.Replace("\u200b", "")
+    elif change == "Whitespace pre-tokenizer":
+        tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    elif change == "Split removing":
+        tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(","), "removed")
+    elif change == "added token taking the spaces after it":
+        tokenizer.add_tokens([AddedToken("<end>", rstrip=True)])
+    elif change == "truncation":
+        tokenizer.enable_truncation(2)
+    else:
+        tokenizer = Tokenizer(models.BPE(vocab={"<unk>": 0, "a": 1}, merges=[], unk_token="<unk>", fuse_unk=True))
+    assert len(tokenizer.encode(text).ids) <= 2
+    assert token_span(tokenizer) is None

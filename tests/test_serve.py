@@ -388,6 +388,25 @@ def test_a_chat_prompt_too_long_names_a_context_that_fits_it(server):
     assert reply.status_code == 400 and f"({prompt_tokens + 1} would fit this request)" in message, message
 
 
+@pytest.mark.parametrize("endpoint, param", [("completions", "prompt"), ("chat/completions", "messages")])
+def test_a_prompt_longer_than_any_tokenization_fits_is_refused_as_a_tokenized_one_is(server, endpoint, param):
+    """A prompt too long for the context by its length alone (more characters than the context's tokens times the most
+    one token stands for) is refused before it is tokenized, as one refused once tokenized is: 400, the same param,
+    its count "at least" (tokenizing a 128K context's 8 MB prompt held serve's checks for half a minute)."""
+    def refusal(text: str) -> dict:
+        body = {"prompt": text} if endpoint == "completions" else {"messages": [{"role": "user", "content": text}]}
+        reply = httpx.post(f"{server}/v1/{endpoint}", json={**body, "max_tokens": 5})
+        assert reply.status_code == 400
+        return reply.json()["error"]
+
+    tokenized, early = refusal("def f(x):\n" * 200), refusal("x" * 60_000)
+    assert {**early, "message": ""} == {**tokenized, "message": ""} and early["param"] == param
+    assert re.fullmatch(r"the prompt has at least (\d+) tokens but this bundle's context is 256; shorten the prompt, or "
+                        r"recompile with a larger --max-seq-len \(at least \d+ to fit this request\) within the model's "
+                        r"max_position_embeddings", early["message"]), early["message"]
+    assert tokenized["message"].startswith("the prompt has ") and "would fit this request" in tokenized["message"]
+
+
 def test_another_model_name_is_404_and_models_lists_ours(server):
     reply = httpx.post(f"{server}/v1/completions", json={"model": "gpt-4", "prompt": "x"})
     assert reply.status_code == 404 and MODEL in reply.json()["error"]["message"]
@@ -707,23 +726,20 @@ def test_tokenizing_a_long_prompt_leaves_the_event_loop_running(reference, bundl
     """serve tokenizes a request in a thread so that the event loop goes on moving the other requests' text, but
     tokenizers' encode held the GIL throughout: a 300 KB prompt (which a 4096-token context's body limit admits) froze
     every stream for a second, a 128K context's 8 MB one for half a minute. With no forced switch between threads,
-    the main thread can run while the tokenizing thread is inside encode only if encode lets go of the GIL."""
-    from specbuild_runtime import RequestError
+    the main thread can run while the tokenizing thread is inside encode only if encode lets go of the GIL. (Tokenized
+    here as a request's check tokenizes a prompt its length does not refuse: this one is longer than this context.)"""
     from specbuild_runtime.manifest import TOKENIZER_DIR
     from specbuild_runtime.serve.chat import load_chat_template
 
     text = random_words(300_000)
     template = load_chat_template(bundle / TOKENIZER_DIR)
-    tokenize = {"completions": lambda: reference.request(text),
+    tokenize = {"completions": lambda: reference.encode(text),
                 "chat/completions": lambda: template.prompt_ids(reference.tokenizer, [{"role": "user", "content": text}])}
     entering, done = threading.Event(), threading.Event()
 
     def check():
         entering.set()
-        try:
-            tokenize[endpoint]()
-        except RequestError:  # the prompt is longer than the context: refused once tokenized
-            pass
+        tokenize[endpoint]()
         done.set()
 
     interval = sys.getswitchinterval()
@@ -2254,6 +2270,15 @@ def test_generate_chat_sends_the_prompt_as_serve_chat_renders_it(server, bundle,
     plain = subprocess.run([sys.executable, "-m", "specbuild", "generate", str(bundles("llama", 1)), "-p", "x", "--chat"],
                            capture_output=True, text=True)
     assert plain.returncode == 1 and "has no chat template" in plain.stderr
+
+
+@pytest.mark.parametrize("chat", [[], ["--chat"]], ids=["text", "chat"])
+def test_generate_refuses_a_prompt_from_stdin_longer_than_any_tokenization_fits_as_the_api_does(bundle, chat):
+    """`generate -p -` (a file's prompt), plain or --chat, is refused before it is tokenized, as serve refuses it."""
+    run = subprocess.run([sys.executable, "-m", "specbuild", "generate", str(bundle), "-p", "-", "-n", "4", *chat],
+                         input="x" * 60_000, capture_output=True, text=True)
+    assert run.returncode == 1 and "has at least" in run.stderr and f"context is {MAX_SEQ_LEN}" in run.stderr, run.stderr
+    assert f"(at least {int(run.stderr.split('has at least ')[1].split()[0]) + 4} to fit" in run.stderr
 
 
 def test_an_empty_api_key_variable_is_refused_not_taken_for_no_key(bundle):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from conftest import PROMPTS
 from specbuild_runtime import BundleError, RequestError, SpeculativeDecoder
-from specbuild_runtime.validation import MAX_STOP_STRINGS, check_request
+from specbuild_runtime.validation import MAX_STOP_STRINGS, TokenSpan, check_request
 
 V, MAX_LEN, MAX_GAMMA = 50, 16, 8
 
@@ -22,7 +22,7 @@ def encode(text):
     return [ord(c) % V for c in text]
 
 
-def check(prompt=(1, 2, 3), **fields):
+def check(prompt=(1, 2, 3), encode=encode, **fields):
     return check_request(prompt, encode=encode, vocab_size=V, max_seq_len=MAX_LEN, max_gamma=MAX_GAMMA, **fields)
 
 
@@ -351,3 +351,47 @@ def test_a_stop_string_longer_than_any_real_one_is_refused(bundles):
 def test_a_bad_request_is_a_value_error_as_bad_arguments_are(bundles):
     with pytest.raises(ValueError, match="temperature"):
         SpeculativeDecoder(bundles("llama")).generate("x", 4, temperature=-1.0)
+
+
+def test_a_text_prompt_longer_than_any_tokenization_fits_is_refused_without_tokenizing():
+    """No token stands for more than token_span characters, so a longer text than token_span * max_seq_len cannot fit:
+    refused before `encode` (tokenizing costs seconds a MB) in the words of the tokenized refusal, its count a lower
+    bound. A text at the bound is tokenized."""
+    span, text = TokenSpan(4), "x" * (4 * MAX_LEN + 1)
+
+    def never(text):
+        raise AssertionError("tokenized")
+
+    with pytest.raises(RequestError) as early:
+        check(text, encode=never, token_span=span, max_new_tokens=3)
+    with pytest.raises(RequestError) as tokenized:
+        check(text, encode=lambda text: [1] * -(-len(text) // span.longest), max_new_tokens=3)
+    tokens = MAX_LEN + 1
+    assert str(early.value) == str(tokenized.value).replace(f"has {tokens}", f"has at least {tokens}").replace(
+        f"({tokens + 3} would fit", f"(at least {tokens + 3} to fit")
+    assert len(check(text[1:], encode=lambda text: [1] * MAX_LEN, token_span=span).prompt_ids) == MAX_LEN
+
+
+def test_the_decoder_refuses_a_prompt_longer_than_any_tokenization_fits_without_tokenizing(bundles, monkeypatch):
+    decoder = SpeculativeDecoder(bundles("llama"))
+    monkeypatch.setattr(decoder, "encode", lambda text: pytest.fail("tokenized"))
+    text = "x" * (decoder.token_span.longest * decoder.max_seq_len + 1)
+    for call in (decoder.generate, decoder.stream, decoder.stream_text):
+        with pytest.raises(RequestError, match=f"the prompt has at least {decoder.max_seq_len + 1} tokens"):
+            call(text)
+
+
+def test_a_list_of_token_ids_longer_than_the_context_is_refused_without_looking_at_each():
+    """Each id is a token, so the list's length refuses it, as it would once every id was checked (2.7M ids, an 8 MB
+    body, took 0.8 s holding the GIL: serve's event loop stood still meanwhile)."""
+    class Unread(list):
+        def __iter__(self):
+            raise AssertionError("each id was looked at")
+
+    with pytest.raises(RequestError) as refused:
+        check(Unread([1] * (MAX_LEN + 1)), max_new_tokens=3)
+    with pytest.raises(RequestError) as checked:
+        check([1] * (MAX_LEN + 1), max_new_tokens=3)
+    assert str(refused.value) == str(checked.value) == (
+        f"the prompt has {MAX_LEN + 1} tokens but this bundle's context is {MAX_LEN}; shorten the prompt, or recompile "
+        f"with a larger --max-seq-len ({MAX_LEN + 4} would fit this request) within the model's max_position_embeddings")

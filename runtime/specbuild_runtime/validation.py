@@ -57,6 +57,19 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class TokenSpan:
+    """The most text one token of a tokenizer stands for (decode.token_span): characters, or UTF-8 bytes where the
+    tokenizer reads bytes unnormalized (byte-level BPE without a normalizer: GPT-2's, Llama 3's)."""
+
+    longest: int
+    in_bytes: bool = False
+
+    def fewest_tokens(self, text: str) -> int:
+        """No text encodes to fewer tokens than this."""
+        return -(-(len(text.encode()) if self.in_bytes else len(text)) // self.longest)
+
+
+@dataclass(frozen=True)
 class Request:
     """What was asked, checked: the measurements of serving it go to a separate `Stats`."""
 
@@ -70,8 +83,9 @@ class Request:
 
 def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_size: int, max_seq_len: int,
                   max_gamma: int, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
-                  seed=None, stop=None) -> Request:
-    """The request as plain checked values, or a RequestError naming the first value that is wrong."""
+                  seed=None, stop=None, token_span: TokenSpan | None = None) -> Request:
+    """The request as plain checked values, or a RequestError naming the first value that is wrong. token_span: the
+    most text one token of `encode`'s tokenizer stands for, where a bound holds (decode.token_span)."""
     max_new_tokens = whole("max_new_tokens", max_new_tokens, low=1)
     if gamma != AUTO:
         if isinstance(gamma, str):
@@ -80,14 +94,33 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
                       hint=f" (this bundle's most drafts per round; 0 = target only, {AUTO!r} adapts)")
     temperature, top_k, top_p = check_sampling(temperature, top_k, top_p, vocab_size)
     seed = None if seed is None else whole("seed", seed)
-    prompt_ids = prompt_token_ids(prompt, encode, vocab_size)
+    # Each id is a token: the list's length refuses it before a look at each id (2.7M of them, an 8 MB body, held the
+    # GIL, and so serve's event loop, for 0.8 s)
+    if isinstance(prompt, (list, tuple)) and len(prompt) > max_seq_len:
+        raise too_long(len(prompt), max_seq_len, max_new_tokens)
+    prompt_ids = prompt_token_ids(prompt, encode, vocab_size,
+                                  lambda text: check_text_fits(text, token_span, max_seq_len, max_new_tokens))
     if len(prompt_ids) > max_seq_len:
-        raise RequestError(
-            f"the prompt has {len(prompt_ids)} tokens but this bundle's context is {max_seq_len}; shorten "
-            f"the prompt, or recompile with a larger --max-seq-len ({len(prompt_ids) + max_new_tokens} would fit this "
-            "request) within the model's max_position_embeddings"
-        )
+        raise too_long(len(prompt_ids), max_seq_len, max_new_tokens)
     return Request(prompt_ids, max_new_tokens, gamma, Sampling(temperature, top_k, top_p, seed), stop_strings(stop))
+
+
+def check_text_fits(text: str, token_span: TokenSpan | None, max_seq_len: int, max_new_tokens: int) -> None:
+    """Refuses, before it is tokenized, text too long to encode to max_seq_len tokens or fewer, as no token stands for
+    more than token_span of it. Tokenizing costs seconds a MB, and serve checks requests one at a time: an 8 MB prompt
+    (a 128K context's body limit admits it) held every other request for 13 s, only to be refused."""
+    fewest = token_span.fewest_tokens(text) if token_span else 0
+    if fewest > max_seq_len:
+        raise too_long(fewest, max_seq_len, max_new_tokens, at_least=True)
+
+
+def too_long(tokens: int, max_seq_len: int, max_new_tokens: int, at_least: bool = False) -> RequestError:
+    """The refusal of a prompt of `tokens` tokens (`at_least`: of that many or more), longer than the context."""
+    need = tokens + max_new_tokens
+    fit = f"at least {need} to fit this request" if at_least else f"{need} would fit this request"
+    return RequestError(f"the prompt has {'at least ' * at_least}{tokens} tokens but this bundle's context is "
+                        f"{max_seq_len}; shorten the prompt, or recompile with a larger --max-seq-len ({fit}) within the "
+                        "model's max_position_embeddings")
 
 
 def check_sampling(temperature=0.0, top_k=0, top_p=1.0, vocab_size: int = 1) -> tuple[float, int, float]:
@@ -106,10 +139,14 @@ def check_sampling(temperature=0.0, top_k=0, top_p=1.0, vocab_size: int = 1) -> 
     return temperature, top_k, top_p
 
 
-def prompt_token_ids(prompt: Prompt, encode: Callable[[str], list[int]], vocab_size: int) -> list[int]:
-    """Text (valid UTF-8) is encoded; a sequence of whole numbers in [0, vocab_size) is taken as token ids."""
+def prompt_token_ids(prompt: Prompt, encode: Callable[[str], list[int]], vocab_size: int,
+                     fits: Callable[[str], None] | None = None) -> list[int]:
+    """Text (valid UTF-8, and passed by `fits`, which may refuse it before it is encoded) is encoded; a sequence of
+    whole numbers in [0, vocab_size) is taken as token ids."""
     if isinstance(prompt, str):
         utf8("prompt", prompt)
+        if fits:
+            fits(prompt)
         ids = encode(prompt)
     elif isinstance(prompt, (bytes, bytearray, memoryview)):
         raise RequestError("a prompt is text (str) or a list of token ids, not bytes: decode it first "

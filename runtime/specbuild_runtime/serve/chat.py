@@ -11,6 +11,7 @@ tests/test_serve.py checks the rendering against transformers.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -118,10 +119,15 @@ class ChatTemplate:
              (" and 'chat_template_kwargs'" if variables else ""), text)
         return text
 
-    def prompt_ids(self, tokenizer, messages: list[dict], **options) -> list[int]:
+    def prompt_ids(self, tokenizer, messages: list[dict], fits: Callable[[str], None] | None = None,
+                   **options) -> list[int]:
         """The rendered prompt's token ids (a `tokenizers.Tokenizer`; `options` as render takes them): special
-        tokens come from the template's text, as transformers' apply_chat_template encodes it, none added."""
-        return encode_ids(tokenizer, self.render(messages, **options), add_special_tokens=False)
+        tokens come from the template's text, as transformers' apply_chat_template encodes it, none added. `fits`
+        may refuse the rendered text before it is tokenized (validation.check_text_fits)."""
+        text = self.render(messages, **options)
+        if fits:
+            fits(text)
+        return encode_ids(tokenizer, text, add_special_tokens=False)
 
 
 def _tagged(message: dict) -> tuple[dict, str]:
