@@ -1686,6 +1686,24 @@ def test_a_chat_template_recursing_past_the_limit_is_a_request_error():
         template.render([{"role": "user", "content": "x"}])
 
 
+def test_a_template_gathering_messages_by_adding_strings_is_stopped_before_its_cost_squares():
+    """DeepSeek-R1's template adds each system message to the system prompt it shows first, a render costing the
+    square of their number while it holds the GIL: 60,000 system messages of 100 characters (an 8 MB body) held the
+    whole server for 8 s. Past MAX_ADDED characters built by `+` the render is refused; a few render as before."""
+    import math
+
+    from specbuild_runtime import RequestError
+    from specbuild_runtime.serve.chat import MAX_ADDED, ChatTemplate
+
+    template = ChatTemplate((CHAT_TEMPLATES / "deepseek-r1.jinja").read_text(), {"bos_token": "<s>"})
+    few = [{"role": "system", "content": "Be brief."}, {"role": "system", "content": "Be kind."},
+           {"role": "user", "content": "Hi"}]
+    assert template.render(few).startswith("<s>Be brief.\n\nBe kind.<\uff5cUser\uff5c>Hi")
+    many = [{"role": "system", "content": "x" * 1000}] * (math.isqrt(2 * MAX_ADDED // 1000) + 1) + few[2:]  # n²/2 × 1000
+    with pytest.raises(RequestError, match=f"^the chat template built over {MAX_ADDED} characters by adding text"):
+        template.render(many)
+
+
 PARTS = "{% for m in messages %}<{{ m['role'] }}>{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endfor %}"
 
 

@@ -10,6 +10,7 @@ tests/test_serve.py checks the rendering against transformers.
 
 from __future__ import annotations
 
+import contextvars
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,11 @@ CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 # The names a message's reasoning comes under, the first given first (transformers' order)
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 MAX_TEMPLATE_BYTES = 1 << 20  # the largest templates shipped are tens of KB; more is the wrong file (or /dev/zero)
+# Characters (or items) a render may build with `+`: a template that gathers messages by adding strings in a loop
+# (DeepSeek-R1's system prompt) costs the square of their number, holding the GIL, and so the whole server: 60,000
+# system messages of 100 characters (an 8 MB body) took 8 s. A context-filling 1 MB prompt could be built 130 times.
+MAX_ADDED = 1 << 27
+_left_to_add: contextvars.ContextVar[list[int]] = contextvars.ContextVar("left_to_add")
 
 
 class ChatRequestError(RequestError):
@@ -102,8 +108,13 @@ class ChatTemplate:
                    "add_generation_prompt": add_generation_prompt}
         if tools:
             context["tools"] = tools
+        budget = _left_to_add.set([MAX_ADDED])
         try:
             text = self.template.render(context)
+        except _Overspent:
+            raise RequestError(f"the chat template built over {MAX_ADDED} characters by adding text to text rendering "
+                               "these messages (its cost grows with the square of their number); send fewer messages, "
+                               "or join them") from None
         except jinja2.TemplateError as exc:  # the template's own raise_exception, e.g. roles must alternate
             raise RequestError(f"the chat template rejected the messages: {exc}") from None
         except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
@@ -112,6 +123,8 @@ class ChatTemplate:
             # server bug.
             raise RequestError(f"the chat template failed on these messages ({type(exc).__name__}: "
                                f"{first_line(exc)}); send the fields it expects") from None
+        finally:
+            _left_to_add.reset(budget)
         if continue_final_message:
             text = _cut_at_tag(text, final)
         # any other field a template shows (a name, tool calls, a variable)
@@ -153,9 +166,27 @@ def _cut_at_tag(text: str, final: str) -> str:
     return text[:end] if text.startswith(CONTINUE_TAG, end) else text[:end].rstrip()
 
 
+class _Overspent(Exception):
+    """A render built more than MAX_ADDED with `+`."""
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """jinja's sandbox, counting what `+` builds in a render against MAX_ADDED."""
+
+    intercepted_binops = frozenset({"+"})
+
+    def call_binop(self, context, operator, left, right):
+        result = super().call_binop(context, operator, left, right)
+        left_to_add = _left_to_add.get(None)
+        if left_to_add is not None and isinstance(result, (str, list, tuple)):
+            left_to_add[0] -= len(result)
+            if left_to_add[0] < 0:
+                raise _Overspent
+        return result
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
