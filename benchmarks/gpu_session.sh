@@ -195,6 +195,12 @@ options)
     cp "$pairs"/*int4*.log "$out/" 2>/dev/null  # its compile and bench logs: the step's own says only where they are
     step int4-cuda-graphs 120 python3 -m specbuild bench "$bundle-int4" --device cuda -n 128 \
         --gamma 4 --prompts "$prompts8" --json "$out/int4-cuda-graphs.json" --cuda-graphs
+    # On the H100 (2026-11-27) int4 ran at 9% of the bandwidth, slower than fp16 (2.62 against 1.80 ms a call):
+    # MatMulNBits' default kernels at 9 rows. onnxruntime 1.31.1's CUDA library also carries TensorRT-LLM's
+    # weight-only GEMM/GEMV for it (fpA_intB: fp16/bf16, 4 or 8 bits, block 32-128, zero points allowed, SM 75+),
+    # off unless ORT_FPA_INTB_GEMM is set (read in the library's strings and onnxruntime's source). Not yet run.
+    step int4-fpa-intb 150 env ORT_FPA_INTB_GEMM=1 python3 -m specbuild bench "$bundle-int4" --device cuda -n 128 \
+        --gamma 4 --prompts "$prompts8" --json "$out/int4-fpa-intb.json" --cuda-graphs
     ;;
 splits)
     needs_pairs splits
