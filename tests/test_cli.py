@@ -348,6 +348,18 @@ def test_onnxruntime_telemetry_is_off_and_says_nothing_where_home_is_read_only(b
     assert result.returncode == 0 and result.stderr.count("\n") == 1 and "telemetry" not in result.stderr, result.stderr
 
 
+def test_a_bad_specbuild_gpu_total_len_is_one_line_where_a_decoder_starts(bundles):
+    """The variable was checked when the runtime was imported: a typo made every command, `--help` and compile
+    too, a traceback."""
+    env = {**os.environ, "SPECBUILD_GPU_TOTAL_LEN": "row"}
+    run = [sys.executable, "-m", "specbuild"]
+    assert subprocess.run([*run, "--help"], capture_output=True, env=env).returncode == 0
+    result = subprocess.run([*run, "generate", str(bundles("llama")), "-p", "x", "-n", "2"], capture_output=True,
+                            text=True, env=env)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("error: SPECBUILD_GPU_TOTAL_LEN='row' is neither max nor rows"), result.stderr
+
+
 def test_generate_to_a_stdout_that_cannot_spell_the_text_escapes_it(bundles):
     """A latin-1 stdout (PYTHONIOENCODING, a cp1252 console redirected) ended generate with "internal error
     (UnicodeEncodeError ...); this is a bug", exit 3."""

@@ -437,6 +437,30 @@ def test_a_new_thread_warms_up_its_own_graphs_even_under_an_ended_threads_id(bun
     assert decoder.target.graphs_captured == 2
 
 
+def test_unsteady_calls_count_each_threads_warm_up_and_capture_runs_and_no_replay(bundle):
+    """What auto γ leaves out of its costs (test_decode mocks this count): each graph id's first WARM_UP_RUNS + 1
+    runs in a thread, which take tens of replays' time on a GPU. A thread counts its own: another thread warms up
+    its own graphs (onnxruntime keeps them per thread) without moving this one's count."""
+    import threading
+
+    from specbuild_runtime.slot import unsteady_calls
+
+    decoder = forced_captures(bundle)
+
+    def counted() -> int:
+        before = unsteady_calls()
+        decoder.generate(PROMPTS[0], NEW_TOKENS, gamma=2)  # the same calls each time: each id run at least once
+        return unsteady_calls() - before
+
+    here = [counted() for _ in range(WARM_UP_RUNS + 2)]
+    assert sum(here) == (WARM_UP_RUNS + 1) * decoder.graphs_captured > 0 and here[-1] == 0, here
+    mine, there = unsteady_calls(), []
+    thread = threading.Thread(target=lambda: there.append(counted()))
+    thread.start()
+    thread.join()
+    assert there == [here[0]] and unsteady_calls() == mine
+
+
 def test_an_engine_call_onnxruntime_fails_is_one_device_error_and_the_decoder_decodes_exactly_after(bundle, monkeypatch):
     """onnxruntime's own failure (here its terminate flag) surfaces as a DeviceError naming the engine, not as
     an untyped error the CLI reports as a bug; the slot goes back and the next request decodes as before."""

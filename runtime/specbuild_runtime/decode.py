@@ -29,7 +29,8 @@ from .manifest import TOKENIZER_DIR, Manifest, load_manifest, read_tokenizer_con
 from .policy import GREEDY_DECAYS, SAMPLING_DECAYS, AdaptiveGamma, Costs, FixedGamma, PriorCosts
 from .pool import SlotPool, check_memory
 from .relay import Relay
-from .slot import MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, Rows, Slot, fixed_rows, unsteady_calls
+from .slot import (MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, Rows, Slot, check_gpu_total_len, fixed_rows,
+                   unsteady_calls)
 from .text import TextStream
 from .validation import AUTO, Prompt, Request, TokenSpan, check_request, check_vocabularies, whole
 
@@ -252,6 +253,7 @@ class SpeculativeDecoder:
         if shared_thread_pool:
             use_shared_thread_pool()
         parallel = whole("parallel", parallel, low=1)
+        check_gpu_total_len()
         if not isinstance(bundle, (str, os.PathLike)):
             raise BundleError(f"bundle must be a path to a bundle folder, not {bundle!r:.40}")
         self.root = Path(bundle)

@@ -37,9 +37,8 @@ PREFILL_CHUNK = 256
 
 # The total_len a call over a cache is fed where it is not the real one (CUDA; see fed_total_len): "max" (the
 # cache's max_seq_len) or "rows" (the call's rows + 1). Set SPECBUILD_GPU_TOTAL_LEN=rows to try the latter.
-GPU_TOTAL_LEN = os.environ.get("SPECBUILD_GPU_TOTAL_LEN", "max")
-if GPU_TOTAL_LEN not in ("max", "rows"):
-    raise ValueError(f"SPECBUILD_GPU_TOTAL_LEN={GPU_TOTAL_LEN!r}: set it to max or rows, or unset it")
+# Checked where a decoder starts (check_gpu_total_len): raised at import, a typo made every command a traceback.
+GPU_TOTAL_LEN = os.environ.get("SPECBUILD_GPU_TOTAL_LEN") or "max"
 
 # What onnxruntime's messages say when a call found no memory (CUDA, the CPU allocator, the BFC arena).
 OUT_OF_MEMORY = ("out of memory", "bad_alloc", "bad allocation", "failed to allocate")
@@ -118,6 +117,12 @@ class Buffer:
         if not self.shared:
             self.host[...] = self.value.numpy()
         return self.host
+
+
+def check_gpu_total_len() -> None:
+    if GPU_TOTAL_LEN not in ("max", "rows"):
+        raise DeviceError(f"SPECBUILD_GPU_TOTAL_LEN={GPU_TOTAL_LEN!r} is neither max nor rows: set it to one of "
+                          "them, or unset it")
 
 
 def fed_total_len(engine: Engine, first: int, total_len: int) -> int:
