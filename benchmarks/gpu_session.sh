@@ -230,8 +230,8 @@ splits)
     ;;
 serve)
     needs_pairs serve
-    # CUDA graphs are the server's default on cuda for this bundle; not yet measured serving (issue 12's note of
-    # 2026-11-26): does their lock across slots cost more than the replays save, and what do captures cost TTFT?
+    # Each setting asks for CUDA graphs or not (the server's default now depends on --parallel). On the H100
+    # (2026-11-27: h100-2026-11-27/3-serve-*) their lock across 4 slots cost more than the replays saved.
     step serve-load 300 python3 benchmarks/serve_load.py throughput "$bundle" --device cuda --parallel 1,4 --cuda-graphs on,off \
         --clients 16 --prompts 24 --requests 48 --max-tokens 64 --rounds 1 --json "$out/serve-load.json"
     ;;
