@@ -77,11 +77,12 @@ def test_other_families_decode_speculatively_as_target_only_on_cuda(architecture
                                      f"target-only, prompt {prompt!r}")
 
 
-@pytest.mark.parametrize("precision, cuda_graphs", [("fp32", None), ("fp16", None), ("fp16", False)],
-                         ids=["fp32", "fp16-default", "fp16-uncaptured"])
+@pytest.mark.parametrize("precision, cuda_graphs", [("fp32", None), ("fp16", True), ("fp16", False)],
+                         ids=["fp32", "fp16-cuda-graphs", "fp16-uncaptured"])
 def test_seeded_sampling_reproduces_on_cuda_for_every_gamma(precision, cuda_graphs, precision_bundles):
     """Sampled tokens depend on γ by design (a round's random numbers judge its drafts; tests/test_sampling.py
-    checks the distribution): a seed and a γ give the same tokens in any slot of any decoder."""
+    checks the distribution): a seed and a γ give the same tokens in any slot of any decoder. CUDA graphs are
+    asked for: two slots leave them off by default (decode.graphs_by_default)."""
     first, second = (SpeculativeDecoder(precision_bundles(precision), device="cuda", parallel=2, cuda_graphs=cuda_graphs)
                      for _ in range(2))
     held = second.stream(PROMPTS[1], NEW_TOKENS)  # keeps slot 0 of `second` busy: its runs take slot 1
@@ -307,11 +308,12 @@ def test_cuda_graphs_of_an_fp32_bundle_are_refused_in_one_line(precision_bundles
         SpeculativeDecoder(precision_bundles("fp32"), device="cuda", cuda_graphs=True)
 
 
-def test_a_cuda_server_gives_sixteen_concurrent_clients_their_sequential_outputs(precision_bundles, tmp_path,
+@pytest.mark.parametrize("graphs", [["--cuda-graphs"], []], ids=["cuda-graphs", "default"])
+def test_a_cuda_server_gives_sixteen_concurrent_clients_their_sequential_outputs(graphs, precision_bundles, tmp_path,
                                                                                    record_property):
-    """`specbuild serve --device cuda --parallel 4` with its defaults (CUDA graphs for an fp16 Llama bundle: each
-    worker thread captures its own at start-up, their engine calls take turns) against uncaptured sequential
-    decoding.
+    """`specbuild serve --device cuda --parallel 4` of an fp16 Llama bundle against uncaptured sequential decoding:
+    with CUDA graphs (each worker thread captures its own at start-up, their engine calls take turns), and with
+    its defaults (several slots: uncaptured, which a line on stderr says).
     Needs the serve extra and the openai client there (benchmarks/gpu_session.sh: .gpu/extra)."""
     for module in ("starlette", "uvicorn", "prometheus_client", "openai", "httpx"):
         pytest.importorskip(module)
@@ -319,10 +321,14 @@ def test_a_cuda_server_gives_sixteen_concurrent_clients_their_sequential_outputs
 
     folder = precision_bundles("fp16")
     reference = SpeculativeDecoder(folder, device="cuda", cuda_graphs=False)
-    with specbuild_serve(folder, tmp_path / "server.log", "--device", "cuda", "--parallel", 4) as (_, url):
+    with specbuild_serve(folder, tmp_path / "server.log", "--device", "cuda", "--parallel", 4, *graphs) as (_, url):
         got, expected = sixteen_clients_at_once(url, reference, timeout=90)
     assert got == expected
-    warmed_up = re.search(r"captured (\d+) CUDA graphs in ([\d.]+) s", (tmp_path / "server.log").read_text())
+    log = (tmp_path / "server.log").read_text()
+    warmed_up = re.search(r"captured (\d+) CUDA graphs in ([\d.]+) s", log)
+    if not graphs:
+        assert not warmed_up and "CUDA graphs off with 4 slots" in log, log
+        return
     assert warmed_up and int(warmed_up[1]) > 0  # each worker at start-up (decoder.warm_up)
     record_property("start_up_captures", f"{warmed_up[1]} in {warmed_up[2]} s")
 
