@@ -123,14 +123,30 @@ def test_a_llama_longrope_target_longer_than_its_original_length_is_refused_befo
     assert not out.exists() and sorted(tmp_path.iterdir()) == [target]
 
 
-def test_a_llama_target_with_a_sliding_window_transformers_does_not_apply_is_refused_past_it(checkpoints, tmp_path):
+@pytest.mark.parametrize("key", ["sliding_window", "attention_chunk_size"])
+def test_a_llama_target_with_a_sliding_window_transformers_does_not_apply_is_refused_past_it(key, checkpoints,
+                                                                                            tmp_path):
     """transformers' Llama attention ignores a sliding_window in config.json, but its cache keeps only that many
-    positions: past the window its decoding differs from its own forward (the engine's, unwindowed)."""
+    positions: past the window its decoding differs from its own forward (the engine's, unwindowed). Its cache
+    windows an attention_chunk_size (Llama 4's key) alike, which compiled."""
     out = tmp_path / "b"
-    with pytest.raises(UnsupportedModelError, match="sliding_window \\(8\\).*of 8 or less") as caught:
-        compile_bundle(CompileSettings(target=checkpoints("llama", sliding_window=8), draft=checkpoints("llama", seed=1),
+    with pytest.raises(UnsupportedModelError, match=f"{key} \\(8\\).*\"{key}\": null.*of 8 or less") as caught:
+        compile_bundle(CompileSettings(target=checkpoints("llama", **{key: 8}), draft=checkpoints("llama", seed=1),
                                        output=out, max_seq_len=64), show_progress=False)
     assert "\n" not in str(caught.value) and not out.exists()
+
+
+def test_a_llama_target_whose_layer_types_keep_its_sliding_window_out_of_the_cache_decodes_as_transformers(
+        checkpoints, tokenizer, tmp_path):
+    """Where config.json's layer_types say every layer attends fully, transformers' cache keeps every position
+    whatever sliding_window says, and its Llama decodes unwindowed, as the engine does: it was refused."""
+    target = make_checkpoint(tmp_path / "target", "llama", tokenizer, sliding_window=8,
+                             layer_types=["full_attention"] * 2)
+    compile_bundle(CompileSettings(target=target, draft=checkpoints("llama", seed=1), output=tmp_path / "b", max_seq_len=64),
+                   show_progress=False)
+    decoder, model = SpeculativeDecoder(tmp_path / "b"), load_reference(target)
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    assert len(ids) + 16 > 8 and decoder.generate(ids, 16, 4).token_ids == transformers_greedy(model, ids, 16, [])
 
 
 def test_a_longrope_target_past_its_positions_is_told_the_length_it_can_have(checkpoints, tokenizer, tmp_path):

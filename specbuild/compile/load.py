@@ -563,12 +563,14 @@ def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
             "its cache there, which specbuild reproduces), so the bundle would decode other tokens; give --max-seq-len "
             f"(or a recipe's max_seq_len) of {original} or less"
         )
-    ignored = getattr(ckpt.config, "sliding_window", None) if spec.architecture not in WINDOWED else None
-    if role == "target" and isinstance(ignored, int) and ignored < max_seq_len:
+    ignored = cached_window(ckpt.config) if role == "target" and spec.architecture not in WINDOWED else None
+    if ignored is not None and ignored < max_seq_len:
+        key = next((k for k in ("sliding_window", "attention_chunk_size") if getattr(ckpt.config, k, None) == ignored),
+                   "sliding_window")
         raise UnsupportedModelError(
-            f"max_seq_len {max_seq_len} exceeds the sliding_window ({ignored}) the target's config.json sets, which "
+            f"max_seq_len {max_seq_len} exceeds the {key} ({ignored}) the target's config.json sets, which "
             f"transformers' {spec.architecture} attention ignores while its cache keeps only that many positions, so "
-            "its decoding past them follows no model; set \"sliding_window\": null in config.json, or give "
+            f"its decoding past them follows no model; set \"{key}\": null in config.json, or give "
             f"--max-seq-len (or a recipe's max_seq_len) of {ignored} or less")
     if max_seq_len > spec.max_position_embeddings:
         raise UnsupportedModelError(
@@ -576,6 +578,17 @@ def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
             f"({spec.max_position_embeddings}); give --max-seq-len (or a recipe's max_seq_len) of "
             f"{spec.max_position_embeddings} or less"
         )
+
+
+def cached_window(config) -> int | None:
+    """The fewest positions transformers' generate keeps in the cache of any layer (None: all of them). Its
+    DynamicCache windows the layers config.json says (sliding_window or attention_chunk_size, per layer where
+    layer_types says so), whether or not the architecture's attention reads the window: asked of it, not restated."""
+    from transformers import DynamicCache
+
+    windows = [layer.sliding_window for layer in DynamicCache(config=config).layers
+               if getattr(layer, "sliding_window", None)]
+    return min(windows, default=None)
 
 
 def rope_switch_length(ckpt: Checkpoint, role: str, max_seq_len: int) -> int:
