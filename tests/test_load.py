@@ -318,6 +318,18 @@ def test_a_partial_rotary_factor_transformers_cannot_apply_outside_phi3_is_refus
     assert "\n" not in str(caught.value)
 
 
+def test_a_config_transformers_cannot_build_a_cache_for_is_refused_in_one_line(tokenizer, tmp_path):
+    # sliding layer_types without a sliding_window: transformers' DynamicCache (asked which positions generate keeps)
+    # raised AttributeError, which compile showed as an internal error
+    from specbuild.compile.load import check_context
+
+    ckpt = load_checkpoint(make_checkpoint(tmp_path, "llama", tokenizer, layer_types=["sliding_attention", "full_attention"]),
+                           "target")
+    with pytest.raises(UnsupportedModelError, match="transformers cannot build its cache from this config.json") as caught:
+        check_context(ckpt, "target", 64)
+    assert "\n" not in str(caught.value) and "layer_types" in str(caught.value)
+
+
 def test_rope_settings_saved_where_this_transformers_does_not_read_them_are_refused(checkpoints, monkeypatch):
     # transformers 4 (which TensorRT-LLM pins) reading a checkpoint transformers 5 saved: rope_theta 500000 in
     # rope_parameters, which 4 leaves unread, building (and verifying against) rope_theta 10000 without a word

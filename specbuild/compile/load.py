@@ -586,9 +586,13 @@ def cached_window(config) -> int | None:
     layer_types says so), whether or not the architecture's attention reads the window: asked of it, not restated."""
     from transformers import DynamicCache
 
-    windows = [layer.sliding_window for layer in DynamicCache(config=config).layers
-               if getattr(layer, "sliding_window", None)]
-    return min(windows, default=None)
+    try:
+        layers = DynamicCache(config=config).layers
+    except (AttributeError, TypeError, ValueError, KeyError) as exc:  # e.g. sliding layer_types without a window
+        raise UnsupportedModelError(
+            f"transformers cannot build its cache from this config.json ({type(exc).__name__}: {first_line(exc)}), so "
+            "its own generate fails on it too: check layer_types, sliding_window and attention_chunk_size") from None
+    return min((layer.sliding_window for layer in layers if getattr(layer, "sliding_window", None)), default=None)
 
 
 def rope_switch_length(ckpt: Checkpoint, role: str, max_seq_len: int) -> int:
