@@ -138,17 +138,32 @@ def test_fixed_row_calls_and_the_opt_out_feed_every_prompt_whole(bundle):
         assert decoder.generate(second_turn(decoder, first), NEW_TOKENS).stats.cached_prompt_tokens == 0
 
 
-def test_a_chat_turn_takes_the_free_slot_that_holds_its_conversation(bundle):
-    """Two chats interleaved over two slots: each next turn lands on the slot that decoded its last, though the
-    other chat's slot came free last (the one a request without a prefix there takes)."""
-    decoder = SpeculativeDecoder(bundle, parallel=2)
+def two_chats(decoder):
+    """Chats A and B decoded at once over two slots, A's slot freed first: [(prompt ids, output ids)] of each."""
     chats = [decoder.encode(PROMPTS[0]), decoder.encode(PROMPTS[2])]
     streams = [decoder.stream(ids, NEW_TOKENS) for ids in chats]
     outputs = [[next(stream)] for stream in streams]  # each holds a slot of its own meanwhile
-    for stream, output in zip(streams, outputs):  # A's slot freed first, then B's
+    for stream, output in zip(streams, outputs):
         output.extend(stream)
-    for ids, output in zip(chats, outputs):
+    return list(zip(chats, outputs))
+
+
+def test_a_chat_turn_takes_the_free_slot_that_holds_its_conversation(bundle):
+    """Two chats interleaved over two slots: each next turn lands on the slot that decoded its last, though the
+    other chat's slot came free last."""
+    decoder = SpeculativeDecoder(bundle, parallel=2)
+    for ids, output in two_chats(decoder):
         prompt = [*ids, *output, *decoder.encode(PROMPTS[1])]
         turn = decoder.generate(prompt, NEW_TOKENS)
         assert turn.stats.cached_prompt_tokens >= len(ids) + len(output) - 1
         assert turn.token_ids == SpeculativeDecoder(bundle).generate(prompt, NEW_TOKENS).token_ids
+
+
+def test_a_new_chat_takes_the_slot_answered_longest_ago_among_equals(bundle):
+    """A new chat sharing nothing with two cached ones takes A's slot (freed first), so B, answered last and the
+    likeliest to send its next turn, keeps its cache (it took B's: the last freed)."""
+    decoder = SpeculativeDecoder(bundle, parallel=2)
+    (_, _), (ids, output) = two_chats(decoder)
+    assert decoder.generate(decoder.encode(PROMPTS[3]), NEW_TOKENS).stats.cached_prompt_tokens == 0
+    turn = decoder.generate([*ids, *output, *decoder.encode(PROMPTS[1])], NEW_TOKENS)
+    assert turn.stats.cached_prompt_tokens >= len(ids) + len(output) - 1

@@ -148,12 +148,12 @@ class SlotPool:
 
     def _pick(self, me: int, prefer: Callable[[Slot], int] | None = None) -> Slot:
         """Take a free slot for thread `me`: with affinity its own of last time, else one never taken; else the
-        one prefer scores highest, the last freed among equals."""
+        one prefer scores highest, the first freed among equals (the conversation answered longest ago: a chat
+        just answered is the likeliest to send its next turn, which then finds its cache, as an LRU cache keeps)."""
         if not self.affinity:
             if prefer is None or len(self._free) == 1:
                 return self._free.pop()
-            # max() keeps the first of equals: scan from the last freed
-            slot = max(reversed(self._free), key=prefer)
+            slot = max(self._free, key=prefer)  # the first of equals, and _free runs from the first freed
             self._free.remove(slot)
             return slot
         mine = [slot for slot in self._free if self._last.get(slot.index) == me]
