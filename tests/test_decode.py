@@ -1117,6 +1117,11 @@ def test_a_run_of_the_longest_token_meets_the_token_span():
     ("added token taking the spaces after it", "<end>" + " " * 1000),
     ("truncation", "a b " * 1000),
     ("unknown characters fused", "\u4e00" * 1000),
+    ("unknown characters dropped", "a" + "\u00e9" * 1000),
+    ("byte fallback lacking a byte", "a" + "\u00e9" * 1000),
+    ("a byte missing from a byte-level vocabulary", "a" + "\u00e9" * 1000),
+    ("byte-level with a continuing_subword_prefix", "ab" * 1000),
+    ("byte-level with an end_of_word_suffix", "ab" * 1000),
 ])
 def test_a_tokenizer_that_can_drop_or_fuse_text_has_no_token_span(change, text):
     """Each of these encodes 1000 characters or more into a token or two: no length bound holds, and such a bundle's
@@ -1137,7 +1142,22 @@ def test_a_tokenizer_that_can_drop_or_fuse_text_has_no_token_span(change, text):
         tokenizer.add_tokens([AddedToken("<end>", rstrip=True)])
     elif change == "truncation":
         tokenizer.enable_truncation(2)
-    else:
+    elif change == "unknown characters fused":
         tokenizer = Tokenizer(models.BPE(vocab={"<unk>": 0, "a": 1}, merges=[], unk_token="<unk>", fuse_unk=True))
+    elif change == "unknown characters dropped":  # no unk_token: a character the vocabulary lacks is no token
+        tokenizer = Tokenizer(models.BPE(vocab={"a": 0}, merges=[]))
+    elif change == "byte fallback lacking a byte":  # "é" is C3 A9: the fallback needs both, else it drops the character
+        tokenizer = Tokenizer(models.BPE(vocab={"a": 0, "<0xC3>": 1}, merges=[], byte_fallback=True))
+    else:  # byte-level BPE without an unk_token, whose vocabulary cannot spell every byte as its model looks it up
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        affix = {"byte-level with a continuing_subword_prefix": {"continuing_subword_prefix": "##"},
+                 "byte-level with an end_of_word_suffix": {"end_of_word_suffix": "</w>"}}.get(change, {})
+        if change == "a byte missing from a byte-level vocabulary":
+            alphabet = [c for c in alphabet if c not in byte_level.pre_tokenize_str("\u00e9")[0][0]]
+        tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[], **affix))
+        tokenizer.pre_tokenizer = byte_level
+        if change == "byte-level with an end_of_word_suffix":  # a word a character: "a</w>", "b</w>"... are unknown
+            tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex("."), "isolated"), byte_level])
     assert len(tokenizer.encode(text).ids) <= 2
     assert token_span(tokenizer) is None

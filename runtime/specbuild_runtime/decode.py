@@ -22,6 +22,7 @@ from typing import AsyncGenerator, Callable, Generator, Iterator
 
 import numpy as np
 from tokenizers import Tokenizer
+from tokenizers.pre_tokenizers import ByteLevel
 
 from .engine import CAPTURED_BY_DEFAULT, Engine, Sampler, requested_device, use_shared_thread_pool
 from .errors import BundleError, DeviceError, first_line
@@ -70,7 +71,7 @@ def token_span(tokenizer: Tokenizer) -> TokenSpan | None:
     """The most text that one token of a BPE tokenizer stands for, so that no text encodes to fewer than its length
     over that; None where no bound holds: a step that drops text (a Strip normalizer, a Whitespace pre-tokenizer,
     truncation), an added token that takes the spaces beside it (lstrip/rstrip), or unknown characters fused into one
-    token. Each added token is one token for its own text; the model's tokens spell the normalized text in vocabulary
+    token, or dropped where there is no unk_token. Each added token is one token for its own text; the model's tokens spell the normalized text in vocabulary
     strings (ByteLevel's a character per byte, a byte-fallback token one byte): the longest stands for at most `shrink`
     times as many characters of the text, where normalizing shortens it that much; with ByteLevel and no normalizer,
     for as many bytes of it (a 4-byte emoji is 4 tokens or a part of one). Post-processors and chat templates only add
@@ -83,8 +84,11 @@ def token_span(tokenizer: Tokenizer) -> TokenSpan | None:
             step["type"] in SPLITTING_PRE_TOKENIZERS and step.get("behavior") != "Removed" for step in pre_tokenizers)):
         return None
     vocab = model["vocab"]
-    if model.get("unk_token") is not None and model.get("fuse_unk") and not (
-            model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256))):
+    # A character the vocabulary cannot spell is fused with its neighbours (fuse_unk), or, without an unk_token,
+    # dropped: "é" * 1000 is no token at all. Byte fallback spells every one, as byte-level BPE does when its
+    # vocabulary holds all 256 byte characters as they are looked up (without a continuing_subword_prefix...).
+    if not (model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256))) and (
+            model.get("fuse_unk") if model.get("unk_token") is not None else not _spells_bytes(model, pre_tokenizers)):
         return None
     added = config["added_tokens"]
     if any(token["lstrip"] or token["rstrip"] for token in added):
@@ -95,6 +99,13 @@ def token_span(tokenizer: Tokenizer) -> TokenSpan | None:
     normalized = [len(normalize(token["content"])) for token in added if token["normalized"]]
     original = [len(token["content"]) for token in added if not token["normalized"]]
     return TokenSpan(max([*original, shrink * max([*normalized, *map(len, vocab), 1])]))
+
+
+def _spells_bytes(model: dict, pre_tokenizers: list[dict]) -> bool:
+    """Whether a BPE model's vocabulary spells every character its pre-tokenizers leave: ByteLevel's bytes (the steps
+    token_span admits after it only split the text, or insert a "▁" that stood for none of it)."""
+    return (any(step["type"] == "ByteLevel" for step in pre_tokenizers) and not model.get("continuing_subword_prefix")
+            and not model.get("end_of_word_suffix") and all(c in model["vocab"] for c in ByteLevel.alphabet()))
 
 
 def _shrink(normalizer: dict | None) -> int | None:
