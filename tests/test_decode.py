@@ -1113,6 +1113,7 @@ def test_a_run_of_the_longest_token_meets_the_token_span():
     ("Strip normalizer", " " * 1000),
     ("Replace by nothing", "\u200b" * 1000),
     ("Whitespace pre-tokenizer", " " * 1000),
+    ("UnicodeScripts pre-tokenizer", " " * 1000 + "a"),
     ("Split removing", "," * 1000),
     ("added token taking the spaces after it", "<end>" + " " * 1000),
     ("truncation", "a b " * 1000),
@@ -1136,6 +1137,8 @@ def test_a_tokenizer_that_can_drop_or_fuse_text_has_no_token_span(change, text):
         tokenizer.normalizer = normalizers.Replace("\u200b", "")
     elif change == "Whitespace pre-tokenizer":
         tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    elif change == "UnicodeScripts pre-tokenizer":  # drops the spaces that begin the text
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.UnicodeScripts(), tokenizer.pre_tokenizer])
     elif change == "Split removing":
         tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(","), "removed")
     elif change == "added token taking the spaces after it":

@@ -63,8 +63,9 @@ def encode_ids(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True)
 LENGTHENING_NORMALIZERS = {"NFD", "NFKD", "Lowercase", "Prepend", "ByteLevel"}
 COMPOSING_NORMALIZERS = {"NFC", "NFKC"}
 # Pre-tokenizers that split text, or lengthen it (ByteLevel: a character per byte; Metaspace: "▁" for " "), dropping
-# none of it; Split and Punctuation do unless their behavior is "Removed"; the others (Whitespace...) drop spaces.
-SPLITTING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
+# none of it; Split and Punctuation do unless their behavior is "Removed"; the others (Whitespace, UnicodeScripts...)
+# drop spaces, UnicodeScripts those that begin the text.
+SPLITTING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation"}
 
 
 def token_span(tokenizer: Tokenizer) -> TokenSpan | None:
