@@ -1109,6 +1109,22 @@ def test_a_run_of_the_longest_token_meets_the_token_span():
     assert len(longest) == span.longest and len(tokenizer.encode(longest * 50).ids) == 50
 
 
+def test_a_replace_of_the_empty_pattern_lengthens_the_text_its_tokens_stand_for():
+    """Replace("", "x") writes "x" between characters: "a" * 100 is "xaxa...x", whose tokens "xaxa" stand for 2
+    characters of the prompt each. Its shrink is 1, not 0 (which left the longest added token as the span, or, with
+    none, divided by zero on every prompt)."""
+    from tokenizers import AddedToken, Tokenizer, models, normalizers
+    from specbuild_runtime.decode import token_span
+
+    tokenizer = Tokenizer(models.BPE(vocab={"<unk>": 0, "x": 1, "a": 2, "xa": 3, "xaxa": 4}, unk_token="<unk>",
+                                     merges=[("x", "a"), ("xa", "xa")]))
+    tokenizer.normalizer = normalizers.Replace("", "x")
+    for added in ([], [AddedToken("!", normalized=False)]):
+        tokenizer.add_tokens(added)
+        text = "a" * 100
+        assert len(tokenizer.encode(text).ids) >= token_span(tokenizer).fewest_tokens(text)
+
+
 @pytest.mark.parametrize("change, text", [
     ("Strip normalizer", " " * 1000),
     ("Replace by nothing", "\u200b" * 1000),

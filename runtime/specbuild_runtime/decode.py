@@ -118,7 +118,8 @@ def _shrink(normalizer: dict | None) -> int | None:
         factors = [_shrink(part) for part in normalizer["normalizers"]]
         return None if None in factors else int(np.prod(factors))
     if kind == "Replace" and "String" in normalizer["pattern"] and normalizer["content"]:
-        return -(-len(normalizer["pattern"]["String"]) // len(normalizer["content"]))
+        # an empty pattern inserts the content between characters: no shorter, where a 0 would be no bound at all
+        return max(1, -(-len(normalizer["pattern"]["String"]) // len(normalizer["content"])))
     return 1 if kind in LENGTHENING_NORMALIZERS else 4 if kind in COMPOSING_NORMALIZERS else None
 
 
