@@ -1704,6 +1704,17 @@ def test_a_template_gathering_messages_by_adding_strings_is_stopped_before_its_c
         template.render(many)
 
 
+def test_a_template_gathering_messages_by_adding_strings_renders_a_prompt_that_fits_the_context():
+    """1,700 system messages of 100 characters fit a 128K context (173K characters: the README's prose in such pieces
+    is 75K tokens with a 4,096-token byte-level BPE), but DeepSeek-R1's template builds 2^28 characters rendering them
+    (in 0.02 s): MAX_ADDED must not refuse them, as 2^27 did."""
+    from specbuild_runtime.serve.chat import ChatTemplate
+
+    template = ChatTemplate((CHAT_TEMPLATES / "deepseek-r1.jinja").read_text(), {"bos_token": "<s>"})
+    documents = [{"role": "system", "content": f"Document {i} of 1700: " + "x" * 78} for i in range(1700)]
+    assert len(template.render([*documents, {"role": "user", "content": "Which says what?"}])) > 170_000
+
+
 PARTS = "{% for m in messages %}<{{ m['role'] }}>{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endfor %}"
 
 
