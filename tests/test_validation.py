@@ -32,6 +32,7 @@ BAD = [  # (what, request fields, words the message must contain)
     ("float token id", dict(prompt=[1, 2.0]), "whole numbers"),
     ("bool token id", dict(prompt=[True]), "whole numbers"),
     ("a batch of prompts, as vLLM takes them", dict(prompt=["def f():", "import os"]), "a call decodes one prompt"),
+    ("a batch longer than the context", dict(prompt=["def f():"] * (MAX_LEN + 1)), "a call decodes one prompt"),
     ("bytes prompt", dict(prompt=b"abc"), "not bytes"),
     ("2-D NumPy prompt", dict(prompt=np.ones((1, 3), np.int64)), "1-D"),
     ("float NumPy prompt", dict(prompt=np.ones(3)), "integer"),

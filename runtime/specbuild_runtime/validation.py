@@ -95,8 +95,8 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
     temperature, top_k, top_p = check_sampling(temperature, top_k, top_p, vocab_size)
     seed = None if seed is None else whole("seed", seed)
     # Each id is a token: the list's length refuses it before a look at each id (2.7M of them, an 8 MB body, held the
-    # GIL, and so serve's event loop, for 0.8 s)
-    if isinstance(prompt, (list, tuple)) and len(prompt) > max_seq_len:
+    # GIL, and so serve's event loop, for 0.8 s); a batch of texts is told what a call takes (prompt_token_ids)
+    if isinstance(prompt, (list, tuple)) and len(prompt) > max_seq_len and isinstance(prompt[0], (int, np.integer)):
         raise too_long(len(prompt), max_seq_len, max_new_tokens)
     prompt_ids = prompt_token_ids(prompt, encode, vocab_size,
                                   lambda text: check_text_fits(text, token_span, max_seq_len, max_new_tokens))
