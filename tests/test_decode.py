@@ -1089,9 +1089,9 @@ SPANNED = spanned_tokenizers()
 @example("byte-level", "<|a long added token|>" * 20)
 @example("byte-level", "\U0001f600" * 50)  # 4 bytes each
 def test_no_text_encodes_to_fewer_tokens_than_its_length_over_the_token_span(shape, text):
-    """decode.token_span bounds what one token stands for: a prompt refused by it before tokenizing could never have
+    """text.token_span bounds what one token stands for: a prompt refused by it before tokenizing could never have
     fitted. The tightest texts are runs of a vocabulary's longest tokens, normalized or added."""
-    from specbuild_runtime.decode import token_span
+    from specbuild_runtime.text import token_span
 
     tokenizer = SPANNED[shape]
     span = token_span(tokenizer)
@@ -1101,7 +1101,7 @@ def test_no_text_encodes_to_fewer_tokens_than_its_length_over_the_token_span(sha
 
 def test_a_run_of_the_longest_token_meets_the_token_span():
     """The bound is exact where the text is the longest token repeated: no looser span would be sound."""
-    from specbuild_runtime.decode import token_span
+    from specbuild_runtime.text import token_span
 
     tokenizer = SPANNED["byte-level"]
     longest = max((token for token in tokenizer.get_vocab() if token.isascii()), key=len)
@@ -1114,7 +1114,7 @@ def test_a_replace_of_the_empty_pattern_lengthens_the_text_its_tokens_stand_for(
     characters of the prompt each. Its shrink is 1, not 0 (which left the longest added token as the span, or, with
     none, divided by zero on every prompt)."""
     from tokenizers import AddedToken, Tokenizer, models, normalizers
-    from specbuild_runtime.decode import token_span
+    from specbuild_runtime.text import token_span
 
     tokenizer = Tokenizer(models.BPE(vocab={"<unk>": 0, "x": 1, "a": 2, "xa": 3, "xaxa": 4}, unk_token="<unk>",
                                      merges=[("x", "a"), ("xa", "xa")]))
@@ -1144,7 +1144,7 @@ def test_a_tokenizer_that_can_drop_or_fuse_text_has_no_token_span(change, text):
     """Each of these encodes 1000 characters or more into a token or two: no length bound holds, and such a bundle's
     prompts are tokenized to be measured."""
     from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers
-    from specbuild_runtime.decode import token_span
+    from specbuild_runtime.text import token_span
 
     tokenizer = Tokenizer.from_str(SPANNED["byte-level"].to_str())
     if change == "Strip normalizer":

@@ -1,4 +1,6 @@
-"""Token ids to text as they arrive: deltas that never split a character and never show a stop string.
+"""Token ids to text as they arrive: deltas that never split a character and never show a stop string. And the
+other way, bounded: the most text one token stands for (token_span), which refuses a prompt too long for a
+bundle's context before it is tokenized.
 
 Written by hand rather than with tokenizers' DecodeStream, which cannot flush: text it holds back (a
 real U+FFFD at the end, read as an incomplete character) would never be sent.
@@ -6,10 +8,15 @@ real U+FFFD at the end, read as an incomplete character) would never be sent.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from functools import partial
 
+import numpy as np
 from tokenizers import Tokenizer
+from tokenizers.pre_tokenizers import ByteLevel
+
+from .validation import TokenSpan
 
 INCOMPLETE = "\ufffd"  # what the decoder shows for bytes that do not yet form a character
 # Prompt tokens decoded with the first generated ones (vLLM's prefix offset does the same): SentencePiece
@@ -128,3 +135,77 @@ class TextStream:
 def _byte_token(token: str | None) -> bool:
     """Whether a token is a byte token as ByteFallback reads them, <0xNN>."""
     return token is not None and len(token) == 6 and token.startswith("<0x") and token.endswith(">")
+
+
+# Normalizers that never shorten text (each character becomes one or more), and NFC/NFKC, which join at most 4 into
+# one: a composed character stands for its canonical decomposition, at most 4 long in Unicode (U+1F82).
+LENGTHENING_NORMALIZERS = {"NFD", "NFKD", "Lowercase", "Prepend", "ByteLevel"}
+COMPOSING_NORMALIZERS = {"NFC", "NFKC"}
+# Pre-tokenizers that split text, or lengthen it (ByteLevel: a character per byte; Metaspace: "▁" for " "), dropping
+# none of it; Split and Punctuation do unless their behavior is "Removed"; the others (Whitespace, UnicodeScripts...)
+# drop spaces, UnicodeScripts those that begin the text.
+SPLITTING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation"}
+
+
+def token_span(tokenizer: Tokenizer) -> TokenSpan | None:
+    """The most text that one token of a BPE tokenizer stands for, so that no text encodes to fewer than its length
+    over that; None where no bound holds: a step that drops text (a Strip normalizer, a Whitespace pre-tokenizer,
+    truncation), an added token that takes the spaces beside it (lstrip/rstrip), or unknown characters fused into one
+    token, or dropped where there is no unk_token. Each added token is one token for its own text; the model's
+    tokens spell the normalized text in vocabulary strings (ByteLevel's a character per byte, a byte-fallback token
+    one byte): the longest stands for at most `shrink` times as many characters of the text, where normalizing
+    shortens it that much; with ByteLevel and no normalizer, for as many bytes of it (a 4-byte emoji is 4 tokens or a
+    part of one). Post-processors and chat templates only add tokens."""
+    config = json.loads(tokenizer.to_str())
+    model = config["model"]
+    shrink = _shrink(config.get("normalizer"))
+    pre_tokenizers = _steps(config.get("pre_tokenizer"))
+    if (config.get("truncation") or model["type"] != "BPE" or shrink is None or not all(
+            step["type"] in SPLITTING_PRE_TOKENIZERS and step.get("behavior") != "Removed" for step in pre_tokenizers)):
+        return None
+    vocab = model["vocab"]
+    # A character the vocabulary cannot spell is fused with its neighbours (fuse_unk), or, without an unk_token,
+    # dropped: "é" * 1000 is no token at all. Byte fallback spells every one, as byte-level BPE does when its
+    # vocabulary holds all 256 byte characters as they are looked up (without a continuing_subword_prefix...).
+    if not (model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256))) and (
+            model.get("fuse_unk") if model.get("unk_token") is not None else not _spells_bytes(model, pre_tokenizers)):
+        return None
+    added = config["added_tokens"]
+    if any(token["lstrip"] or token["rstrip"] for token in added):
+        return None
+    if config.get("normalizer") is None and any(step["type"] == "ByteLevel" for step in pre_tokenizers):
+        return TokenSpan(max([*(len(token["content"].encode()) for token in added), *map(len, vocab), 1]), in_bytes=True)
+    normalize = tokenizer.normalizer.normalize_str if tokenizer.normalizer else str
+    normalized = [len(normalize(token["content"])) for token in added if token["normalized"]]
+    original = [len(token["content"]) for token in added if not token["normalized"]]
+    return TokenSpan(max([*original, shrink * max([*normalized, *map(len, vocab), 1])]))
+
+
+def _spells_bytes(model: dict, pre_tokenizers: list[dict]) -> bool:
+    """Whether a BPE model's vocabulary spells every character its pre-tokenizers leave: ByteLevel's bytes (the steps
+    token_span admits after it only split the text, or insert a "▁" that stood for none of it)."""
+    return (any(step["type"] == "ByteLevel" for step in pre_tokenizers) and not model.get("continuing_subword_prefix")
+            and not model.get("end_of_word_suffix") and all(c in model["vocab"] for c in ByteLevel.alphabet()))
+
+
+def _shrink(normalizer: dict | None) -> int | None:
+    """How many times shorter a normalizer can make text, or None where it can drop text (Strip, StripAccents...)."""
+    if normalizer is None:
+        return 1
+    kind = normalizer["type"]
+    if kind == "Sequence":
+        factors = [_shrink(part) for part in normalizer["normalizers"]]
+        return None if None in factors else int(np.prod(factors))
+    if kind == "Replace" and "String" in normalizer["pattern"] and normalizer["content"]:
+        # an empty pattern inserts the content between characters: no shorter, where a 0 would be no bound at all
+        return max(1, -(-len(normalizer["pattern"]["String"]) // len(normalizer["content"])))
+    return 1 if kind in LENGTHENING_NORMALIZERS else 4 if kind in COMPOSING_NORMALIZERS else None
+
+
+def _steps(pre_tokenizer: dict | None) -> list[dict]:
+    """A pre-tokenizer's steps, those of a Sequence in turn."""
+    if pre_tokenizer is None:
+        return []
+    if pre_tokenizer["type"] == "Sequence":
+        return [step for part in pre_tokenizer["pretokenizers"] for step in _steps(part)]
+    return [pre_tokenizer]

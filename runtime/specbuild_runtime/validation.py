@@ -58,7 +58,7 @@ class Sampling:
 
 @dataclass(frozen=True)
 class TokenSpan:
-    """The most text one token of a tokenizer stands for (decode.token_span): characters, or UTF-8 bytes where the
+    """The most text one token of a tokenizer stands for (text.token_span): characters, or UTF-8 bytes where the
     tokenizer reads bytes unnormalized (byte-level BPE without a normalizer: GPT-2's, Llama 3's)."""
 
     longest: int
@@ -85,7 +85,7 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
                   max_gamma: int, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
                   seed=None, stop=None, token_span: TokenSpan | None = None) -> Request:
     """The request as plain checked values, or a RequestError naming the first value that is wrong. token_span: the
-    most text one token of `encode`'s tokenizer stands for, where a bound holds (decode.token_span)."""
+    most text one token of `encode`'s tokenizer stands for, where a bound holds (text.token_span)."""
     max_new_tokens = whole("max_new_tokens", max_new_tokens, low=1)
     if gamma != AUTO:
         if isinstance(gamma, str):
