@@ -325,8 +325,10 @@ def test_a_config_transformers_cannot_build_a_cache_for_is_refused_in_one_line(t
 
     ckpt = load_checkpoint(make_checkpoint(tmp_path, "llama", tokenizer, layer_types=["sliding_attention", "full_attention"]),
                            "target")
-    with pytest.raises(UnsupportedModelError, match="transformers cannot build its cache from this config.json") as caught:
+    with pytest.raises(UnsupportedModelError, match="transformers cannot build its cache from its config.json") as caught:
         check_context(ckpt, "target", 64)
+    # which of the two checkpoints, as the other config.json refusals say
+    assert str(caught.value).startswith(f"target checkpoint {tmp_path}: ")
     assert "\n" not in str(caught.value) and "layer_types" in str(caught.value)
 
 

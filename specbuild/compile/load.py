@@ -563,7 +563,7 @@ def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
             "its cache there, which specbuild reproduces), so the bundle would decode other tokens; give --max-seq-len "
             f"(or a recipe's max_seq_len) of {original} or less"
         )
-    ignored = cached_window(ckpt.config) if role == "target" and spec.architecture not in WINDOWED else None
+    ignored = cached_window(ckpt, role) if role == "target" and spec.architecture not in WINDOWED else None
     if ignored is not None and ignored < max_seq_len:
         key = next((k for k in ("sliding_window", "attention_chunk_size") if getattr(ckpt.config, k, None) == ignored),
                    "sliding_window")
@@ -580,17 +580,18 @@ def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
         )
 
 
-def cached_window(config) -> int | None:
+def cached_window(ckpt: Checkpoint, role: str) -> int | None:
     """The fewest positions transformers' generate keeps in the cache of any layer (None: all of them). Its
     DynamicCache windows the layers config.json says (sliding_window or attention_chunk_size, per layer where
     layer_types says so), whether or not the architecture's attention reads the window: asked of it, not restated."""
     from transformers import DynamicCache
 
     try:
-        layers = DynamicCache(config=config).layers
+        layers = DynamicCache(config=ckpt.config).layers
     except (AttributeError, TypeError, ValueError, KeyError) as exc:  # e.g. sliding layer_types without a window
         raise UnsupportedModelError(
-            f"transformers cannot build its cache from this config.json ({type(exc).__name__}: {first_line(exc)}), so "
+            f"{role} checkpoint {ckpt.path}: transformers cannot build its cache from its config.json "
+            f"({type(exc).__name__}: {first_line(exc)}), so "
             "its own generate fails on it too: check layer_types, sliding_window and attention_chunk_size") from None
     return min((layer.sliding_window for layer in layers if getattr(layer, "sliding_window", None)), default=None)
 
