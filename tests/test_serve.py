@@ -2271,6 +2271,17 @@ def test_enable_auto_tool_choice_is_vllms_spelling_and_needs_a_parser_as_in_vllm
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "needs --tool-call-parser" in run.stderr, run.stderr
 
 
+def test_a_tool_call_parser_whose_marking_tokens_the_tokenizer_lacks_is_refused_at_start_as_in_vllm(bundle):
+    """vLLM's hermes and mistral parsers refuse to start on a tokenizer without <tool_call> and </tool_call>, or
+    [TOOL_CALLS] (this bundle's has none): such a model does not write the format, and the server answered every
+    reply as text without a word."""
+    for parser, token in (("hermes", "<tool_call> and </tool_call>"), ("mistral", "[TOOL_CALLS]")):
+        run = subprocess.run([sys.executable, "-m", "specbuild", "serve", str(bundle), "--port", str(free_port()),
+                              "--tool-call-parser", parser], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 1 and run.stderr.count("\n") == 1, run.stderr
+        assert f"marked by {token}, which this bundle's tokenizer has no token for" in run.stderr, run.stderr
+
+
 def test_an_api_key_guards_the_v1_routes_and_leaves_health_and_metrics_open(bundle):
     with in_process(bundle, api_key="s3cret") as (url, decoder, _):
         decoder.go.set()

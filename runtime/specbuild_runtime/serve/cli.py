@@ -21,7 +21,7 @@ from ..engine import CAPTURED_BY_DEFAULT, DEVICES
 from ..errors import SpecbuildError
 from ..manifest import runtime_version
 from .protocol import GENERATION_CONFIG_MODES
-from .tools import PARSERS
+from .tools import PARSERS, missing_markers
 
 
 class Finite(click.FloatRange):
@@ -174,6 +174,12 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
     use_shared_thread_pool(threads or max(1, available_cpus() // parallel))
     decoder = SpeculativeDecoder(bundle, device=device, parallel=parallel, shared_thread_pool=True, cuda_graphs=cuda_graphs,
                                  draft_steps=draft_steps, check_digests=check_digests)
+    missing = missing_markers(tool_call_parser, decoder.tokenizer) if tool_call_parser else []
+    if missing:  # as vLLM refuses it: otherwise every reply would be answered as text, without a word
+        raise click.ClickException(
+            f"--tool-call-parser {tool_call_parser} reads calls marked by {' and '.join(missing)}, which this bundle's "
+            "tokenizer has no token for, so its model does not write them; give the parser its model card names "
+            f"({'|'.join(PARSERS)}), or leave the option out")
     settings = Settings(model=model_name or Path(bundle).resolve().name, max_queue=max_queue,
                         timeout=timeout or None, shutdown_timeout=shutdown_timeout, max_connections=max_connections,
                         api_key=api_key, generation_config=generation_config, allowed_origins=allowed_origins,

@@ -331,6 +331,16 @@ PARSERS = {"hermes": ToolParser(parse_hermes, lambda: TagStream(START, parse_her
 MISTRAL_LIST = ToolParser(parse_mistral_list, lambda: TagStream(TOOL_CALLS, parse_mistral_list), special_tokens=True)
 
 
+# The tokens that mark each format's calls, which vLLM's parser of that name looks up in the tokenizer's vocabulary and
+# refuses to start without: a model whose tokenizer lacks them was not taught the format, so every reply would be text.
+MARKERS = {"hermes": (START, END), "mistral": (TOOL_CALLS,)}
+
+
+def missing_markers(name: str, tokenizer) -> list[str]:
+    """The tokens --tool-call-parser NAME reads calls by that the bundle's tokenizer (a tokenizers.Tokenizer) lacks."""
+    return [token for token in MARKERS.get(name, ()) if tokenizer.token_to_id(token) is None]
+
+
 def tool_parser(name: str, tokenizer) -> ToolParser:
     """--tool-call-parser NAME for the bundle's tokenizer (a tokenizers.Tokenizer): mistral's format is the one its
     vocabulary tells, as vLLM tells it (no [ARGS] token: the JSON list of older models)."""
