@@ -70,6 +70,15 @@ def test_bad_request_is_one_line_naming_the_value(fields, words):
     assert words in str(error.value) and "\n" not in str(error.value)
 
 
+def test_a_wrong_value_is_quoted_cut_short_not_whole():
+    # a batch of long texts (vLLM's form) quoted its first text whole: a 100,000-character message
+    for fields in (dict(prompt=["x" * 100_000, "y"]), dict(gamma="x" * 100_000), dict(stop={"x": "y" * 100_000}),
+                   dict(seed="x" * 100_000), dict(temperature=["x"] * 100_000)):
+        with pytest.raises(RequestError) as error:
+            check(**fields)
+        assert len(str(error.value)) < 300, str(error.value)[:300]
+
+
 def test_numpy_values_and_every_integer_seed_are_accepted():
     request = check(np.array([3, 4], np.int32), max_new_tokens=np.int64(5), gamma=np.uint8(2), top_k=np.int16(10 ** 3),
                     temperature=np.float32(0.5), seed=-(2 ** 70))

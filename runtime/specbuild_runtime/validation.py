@@ -8,6 +8,7 @@ not a temperature). The API, the CLI and the server all come through `check_requ
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Union
@@ -89,7 +90,7 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
     max_new_tokens = whole("max_new_tokens", max_new_tokens, low=1)
     if gamma != AUTO:
         if isinstance(gamma, str):
-            raise RequestError(f"gamma must be {AUTO!r} or a whole number from 0 to {max_gamma}, not {gamma!r}")
+            raise RequestError(f"gamma must be {AUTO!r} or a whole number from 0 to {max_gamma}, not {shown(gamma)}")
         gamma = whole("gamma", gamma, low=0, high=max_gamma,
                       hint=f" (this bundle's most drafts per round; 0 = target only, {AUTO!r} adapts)")
     temperature, top_k, top_p = check_sampling(temperature, top_k, top_p, vocab_size)
@@ -162,7 +163,7 @@ def prompt_token_ids(prompt: Prompt, encode: Callable[[str], list[int]], vocab_s
             if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
                 batch = ("; a call decodes one prompt: for several at once, call from threads (decoder with parallel "
                          "slots, see Threads in the README)" if isinstance(token, (str, list, tuple)) else "")
-                raise RequestError(f"prompt token ids must be whole numbers; item {index} is {token!r} "
+                raise RequestError(f"prompt token ids must be whole numbers; item {index} is {shown(token)} "
                                    f"({type(token).__name__}){batch}")
         ids = [int(token) for token in ids]
     else:
@@ -176,12 +177,18 @@ def prompt_token_ids(prompt: Prompt, encode: Callable[[str], list[int]], vocab_s
     return ids
 
 
+def shown(value) -> str:
+    """A wrong value as a message quotes it: its repr, cut short (a batch's first prompt text was quoted whole, a
+    100,000-character line)."""
+    return reprlib.repr(value)
+
+
 def stop_strings(stop) -> tuple[str, ...]:
     if stop is None:
         return ()
     strings = (stop,) if isinstance(stop, str) else stop
     if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) for s in strings):
-        raise RequestError(f"stop must be a string or a list of up to {MAX_STOP_STRINGS} strings, not {stop!r}")
+        raise RequestError(f"stop must be a string or a list of up to {MAX_STOP_STRINGS} strings, not {shown(stop)}")
     if len(strings) > MAX_STOP_STRINGS:
         raise RequestError(f"stop takes at most {MAX_STOP_STRINGS} strings, not {len(strings)}")
     for s in strings:
@@ -196,7 +203,7 @@ def stop_strings(stop) -> tuple[str, ...]:
 def whole(name: str, value, low: int | None = None, high: int | None = None, hint: str = "") -> int:
     """A Python or NumPy integer (not a bool, not a float that happens to be whole) within [low, high]."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise RequestError(f"{name} must be a whole number{hint}, not {value!r} ({type(value).__name__})")
+        raise RequestError(f"{name} must be a whole number{hint}, not {shown(value)} ({type(value).__name__})")
     value = int(value)
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f">= {low}" if high is None else f"from {low} to {high}"
@@ -207,7 +214,7 @@ def whole(name: str, value, low: int | None = None, high: int | None = None, hin
 def real(name: str, value) -> float:
     """A finite real number that float32 (the engines' type for it) can hold."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise RequestError(f"{name} must be a number, not {value!r} ({type(value).__name__})")
+        raise RequestError(f"{name} must be a number, not {shown(value)} ({type(value).__name__})")
     if isinstance(value, np.generic):  # NumPy 2 compares a float16 with FLOAT32_MAX in float16: an overflow warning
         value = value.item()
     # abs() first: math.isfinite raises OverflowError for an int beyond any float (JSON's 1 and 400 zeros)
