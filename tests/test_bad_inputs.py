@@ -468,6 +468,8 @@ CASES = [
     # --- bundles and requests ---------------------------------------------------------------------------
     Case("a folder that is not a bundle", ["generate", "{tmp}", "-p", "x"], 1, "manifest.json is missing",
          "Pass the folder `specbuild compile` wrote."),
+    Case("a checkpoint folder where a bundle goes", ["generate", "{target}", "-p", "x"], 1, "is a Hugging Face checkpoint",
+         "Compile it with a draft first; pass the folder `specbuild compile` wrote."),
     Case("a bundle file changed after compiling", ["generate", "{bundle}", "-p", "x", "-n", "4"], 1, "corrupted",
          "Rebuild the bundle with `specbuild compile`.", setup=a_copy_of("bundle", corrupt_bundle_weights)),
     Case("a bundle whose `manifest.json` is not JSON", ["generate", "{bundle}", "-p", "x"], 1, "is not valid JSON",

@@ -318,6 +318,9 @@ def load_manifest(root: str | Path, check_digests: bool = True, require_engines:
     if not path.is_file():
         if path.exists():  # not missing: compile --overwrite would refuse this folder as no bundle's
             raise BundleError(f"{root} is not a specbuild bundle: {MANIFEST} {_not_a_file(path)}; {UNREADABLE_ADVICE}")
+        if (root / "config.json").is_file():  # the checkpoint a bundle is compiled from, given in its place
+            raise BundleError(f"{root} is a Hugging Face checkpoint, not a specbuild bundle; compile it with a draft "
+                              f"first: specbuild compile --target {root} --draft DRAFT_DIR --output BUNDLE")
         raise BundleError(f"{root} is not a specbuild bundle: {MANIFEST} is missing (build one with `specbuild compile`)")
     try:
         data = json.loads(path.read_bytes())
