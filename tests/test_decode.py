@@ -11,6 +11,7 @@ import typing
 from collections import Counter
 from collections.abc import AsyncGenerator, Generator
 from contextlib import closing
+from pathlib import Path
 from types import SimpleNamespace
 
 import onnxruntime as ort
@@ -1042,13 +1043,16 @@ def test_rounds_that_warm_up_or_capture_a_cuda_graph_leave_auto_gammas_costs_alo
 # Pieces of text that normalizers join (NFC/NFKC compose U+1F82 from 4 characters, a Hangul syllable from 3 jamo),
 # lengthen (ﬁ, é decomposed), or that tokenizers read apart (byte fallback's 4 tokens for an emoji, added tokens).
 PIECES = [" ", "  ", "\n", "a", "the", "\u2581", "\u1f82", "\u03b1\u0313\u0300\u0345", "e\u0301", "\u00e9", "\ufb01",
-          "\u1100\u1161\u11a8", "\uff21", "\U0001f600", "<s>", "<|a long added token|>", "<|a normalized one|>"]
+          "\u1100\u1161\u11a8", "\uff21", "\U0001f600", "=" * 8, "<s>", "<|a long added token|>",
+          "<|a normalized one|>"]
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def spanned_tokenizers():
     """BPE tokenizers of the shapes bundles carry, trained on PIECES so that their longest tokens are runs of them:
-    byte-level (GPT-2, Llama 3), Qwen's (NFC, then a regex split and byte-level), Llama 2's (Prepend and Replace, byte
-    fallback), and NFKC with added tokens, normalized or not."""
+    byte-level (GPT-2), Llama 3's (its regex split, then byte-level), Qwen's (NFC, then a regex split and byte-level),
+    Llama 2's (Prepend and Replace, byte fallback), and NFKC with added tokens, normalized or not."""
     from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 
     rng = random.Random(0)
@@ -1056,6 +1060,8 @@ def spanned_tokenizers():
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
     shapes = {
         "byte-level": (None, byte_level),
+        "llama3": (None, pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_SPLIT), "isolated"),
+                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])),
         "qwen": (normalizers.NFC(), pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\p{L}+|\s+|."), "isolated"),
                                                              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])),
         "llama2": (normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]), None),
@@ -1083,19 +1089,24 @@ SPANNED = spanned_tokenizers()
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from(sorted(SPANNED)), st.lists(st.sampled_from(PIECES), min_size=1, max_size=300).map("".join))
+@given(st.sampled_from(sorted(SPANNED)), st.one_of(*(st.lists(st.sampled_from(pieces), min_size=1, max_size=300).map(
+    "".join) for pieces in (PIECES, [piece for piece in PIECES if piece.isascii()]))))
 @example("nfkc", "\u03b1\u0313\u0300\u0345" * 300)  # NFKC's 4 to 1, then the longest run of U+1F82 it learned
 @example("qwen", "\u03b1\u0313\u0300\u0345" * 300)  # NFC's 8 bytes to 3: a byte count would be no bound
 @example("byte-level", "<|a long added token|>" * 20)
 @example("byte-level", "\U0001f600" * 50)  # 4 bytes each
+@example("llama3", "=" * 48 + "the" * 16 + "<|a long added token|>")  # each byte at its longest token
+@example("qwen", "=" * 48 + "the" * 16 + "<|a normalized one|>")  # by byte: NFC keeps ASCII as it is
 def test_no_text_encodes_to_fewer_tokens_than_its_length_over_the_token_span(shape, text):
     """text.token_span bounds what one token stands for: a prompt refused by it before tokenizing could never have
-    fitted. The tightest texts are runs of a vocabulary's longest tokens, normalized or added."""
+    fitted. The tightest texts are runs of a vocabulary's longest tokens, normalized or added; by byte, runs of the
+    longest token that holds each byte."""
     from specbuild_runtime.text import token_span
 
     tokenizer = SPANNED[shape]
     span = token_span(tokenizer)
-    assert span.in_bytes == (shape == "byte-level")
+    assert span.in_bytes == (shape in ("byte-level", "llama3"))
+    assert bool(span.by_byte) == (shape in ("byte-level", "llama3", "qwen"))
     assert len(tokenizer.encode(text, add_special_tokens=False).ids) >= span.fewest_tokens(text)
 
 
@@ -1107,6 +1118,65 @@ def test_a_run_of_the_longest_token_meets_the_token_span():
     longest = max((token for token in tokenizer.get_vocab() if token.isascii()), key=len)
     span = token_span(tokenizer)
     assert len(longest) == span.longest and len(tokenizer.encode(longest * 50).ids) == 50
+
+
+@pytest.mark.parametrize("normalizer", [None, "NFC"])
+def test_a_prompt_of_words_is_refused_by_its_bytes_not_by_the_longest_run_of_spaces_in_the_vocabulary(normalizer):
+    """Llama 3's vocabulary, as Qwen's and GPT-2's, holds runs of spaces, "=" or "-" over a hundred bytes long: a
+    prompt's bytes over that are a tenth of its tokens or less, and an 8 MB prompt for a 128K context was tokenized (13
+    s) before it was refused. Counted by byte, a letter stands for at most 1 / (the longest token holding it) tokens;
+    under Qwen's NFC, where the text is ASCII, which no Unicode normal form changes (else 4 characters compose to 1)."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from specbuild_runtime import text as text_module
+    from specbuild_runtime.validation import check_text_fits
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizer and normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    source = Path(text_module.__file__).read_text()
+    tokenizer.train_from_iterator([source, *(c * 128 for c in " =-")], trainers.BpeTrainer(
+        vocab_size=2000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), max_token_length=None))
+    span = text_module.token_span(tokenizer)
+    prompt = source.encode("ascii", "ignore").decode() * 20
+    tokens = len(tokenizer.encode(prompt).ids)
+    assert tokens >= span.fewest_tokens(prompt) > 4 * -(-len(prompt.encode()) // 128)
+    with pytest.raises(RequestError, match="at least"):
+        check_text_fits(prompt, span, max_seq_len=span.fewest_tokens(prompt) - 1, max_new_tokens=1)
+
+
+@pytest.mark.parametrize("change, text", [
+    ("Metaspace before ByteLevel", " " * 400),  # " " is "\u2581", three other bytes
+    ("ByteLevel twice", " " * 400),  # " " is "\u0120", two other bytes
+    ("Lowercase normalizer", "THE " * 100),  # "T" is "t"
+    ("added token matched normalized", "KKK" * 100),  # U+212A KELVIN SIGN is "K" in NFC
+    ("continuing_subword_prefix", "ab"),  # "##b" unknown, merged with "a" as "a" + "<unk>"[2:]
+])
+def test_a_tokenizer_that_may_take_a_byte_with_a_token_not_holding_it_is_not_bounded_by_byte(change, text):
+    """Counted by byte, each byte of the text is taken by a token that holds it, whose length bounds that byte's share.
+    Not where a step spells the byte in others, or an unknown token takes it: 400 spaces under Metaspace are 7 tokens,
+    none holding the byte of a space, whose only token is itself (by byte, 1 a space). These are bounded by length."""
+    from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from specbuild_runtime.text import token_span
+
+    tokenizer = Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.pre_tokenizer = {
+        "Metaspace before ByteLevel": pre_tokenizers.Sequence([pre_tokenizers.Metaspace(split=False), byte_level]),
+        "ByteLevel twice": pre_tokenizers.Sequence([pre_tokenizers.ByteLevel(use_regex=False), byte_level]),
+    }.get(change, byte_level)
+    tokenizer.normalizer = {"Lowercase normalizer": normalizers.Lowercase(),
+                            "added token matched normalized": normalizers.NFC()}.get(change)
+    tokenizer.train_from_iterator(["the " * 50, " " * 120], trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.add_tokens([AddedToken("\u212a" * 3, normalized=True)])
+    if change == "continuing_subword_prefix":
+        vocab = {token: i for i, token in enumerate(["<unk>", "ank>", *pre_tokenizers.ByteLevel.alphabet()])}
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "<unk>")], unk_token="<unk>",
+                                         continuing_subword_prefix="##"))
+        tokenizer.pre_tokenizer = byte_level
+    assert len(tokenizer.encode(text).ids) >= token_span(tokenizer).fewest_tokens(text)
 
 
 def test_a_replace_of_the_empty_pattern_lengthens_the_text_its_tokens_stand_for():

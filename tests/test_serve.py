@@ -382,7 +382,8 @@ def test_the_fields_the_openai_client_sends_for_user_are_accepted_as_user_is(cli
 
 def test_a_chat_prompt_too_long_names_a_context_that_fits_it(server):
     """Without max_tokens a chat decodes until the context is full: any context longer than the prompt fits."""
-    reply = httpx.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "def f(x):\n" * 200}]})
+    # 400 tokens, in too few bytes to be refused before tokenizing (as "def f(x):\n" * 200 is: at least 888 by byte)
+    reply = httpx.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x y " * 100}]})
     message = reply.json()["error"]["message"]
     prompt_tokens = int(message.split("the prompt has ")[1].split()[0])
     assert reply.status_code == 400 and f"({prompt_tokens + 1} would fit this request)" in message, message
@@ -399,7 +400,7 @@ def test_a_prompt_longer_than_any_tokenization_fits_is_refused_as_a_tokenized_on
         assert reply.status_code == 400
         return reply.json()["error"]
 
-    tokenized, early = refusal("def f(x):\n" * 200), refusal("x" * 60_000)
+    tokenized, early = refusal("x y " * 100), refusal("x" * 60_000)  # 400 tokens, at least 119 by byte
     assert {**early, "message": ""} == {**tokenized, "message": ""} and early["param"] == param
     assert re.fullmatch(r"the prompt has at least (\d+) tokens but this bundle's context is 256; shorten the prompt, or "
                         r"recompile with a larger --max-seq-len \(at least \d+ to fit this request\) within the model's "

@@ -386,8 +386,9 @@ def test_the_decoder_refuses_a_prompt_longer_than_any_tokenization_fits_without_
     decoder = SpeculativeDecoder(bundles("llama"))
     monkeypatch.setattr(decoder, "encode", lambda text: pytest.fail("tokenized"))
     text = "x" * (decoder.token_span.longest * decoder.max_seq_len + 1)
+    fewest = decoder.token_span.fewest_tokens(text)  # by byte, more than the context's tokens + 1
     for call in (decoder.generate, decoder.stream, decoder.stream_text):
-        with pytest.raises(RequestError, match=f"the prompt has at least {decoder.max_seq_len + 1} tokens"):
+        with pytest.raises(RequestError, match=f"the prompt has at least {fewest} tokens"):
             call(text)
 
 

@@ -155,7 +155,8 @@ def token_span(tokenizer: Tokenizer) -> TokenSpan | None:
     tokens spell the normalized text in vocabulary strings (ByteLevel's a character per byte, a byte-fallback token
     one byte): the longest stands for at most `shrink` times as many characters of the text, where normalizing
     shortens it that much; with ByteLevel and no normalizer, for as many bytes of it (a 4-byte emoji is 4 tokens or a
-    part of one). Post-processors and chat templates only add tokens."""
+    part of one), and where ByteLevel reads the text's own bytes, each byte over the longest token that holds it
+    (TokenSpan.by_byte). Post-processors and chat templates only add tokens."""
     config = json.loads(tokenizer.to_str())
     model = config["model"]
     shrink = _shrink(config.get("normalizer"))
@@ -173,12 +174,56 @@ def token_span(tokenizer: Tokenizer) -> TokenSpan | None:
     added = config["added_tokens"]
     if any(token["lstrip"] or token["rstrip"] for token in added):
         return None
-    if config.get("normalizer") is None and any(step["type"] == "ByteLevel" for step in pre_tokenizers):
-        return TokenSpan(max([*(len(token["content"].encode()) for token in added), *map(len, vocab), 1]), in_bytes=True)
     normalize = tokenizer.normalizer.normalize_str if tokenizer.normalizer else str
+    # each added token as it is matched, in the normalized text or the text
+    added_text = [normalize(token["content"]) if token["normalized"] else token["content"] for token in added]
+    # By byte, where ByteLevel reads the text's own bytes (a Metaspace step, or a second ByteLevel, spells one in
+    # others) and they are not normalized, or are ASCII, which the Unicode normal forms keep as it is (Qwen's NFC); and
+    # where the vocabulary looks each up as it is, not with an affix ("##b" unknown, the "b" a merge may drop).
+    types = [step["type"] for step in pre_tokenizers]
+    by_byte = _longest_by_byte(vocab, added_text) if types.count("ByteLevel") == 1 and "Metaspace" not in types and (
+        _keeps_ascii(config.get("normalizer")) and not model.get("continuing_subword_prefix")
+        and not model.get("end_of_word_suffix")) else ()
+    if config.get("normalizer") is None and "ByteLevel" in types:
+        return TokenSpan(max([*(len(text.encode()) for text in added_text), *map(len, vocab), 1]), in_bytes=True,
+                         by_byte=by_byte)
     normalized = [len(normalize(token["content"])) for token in added if token["normalized"]]
     original = [len(token["content"]) for token in added if not token["normalized"]]
-    return TokenSpan(max([*original, shrink * max([*normalized, *map(len, vocab), 1])]))
+    return TokenSpan(max([*original, shrink * max([*normalized, *map(len, vocab), 1])]), by_byte=by_byte,
+                     ascii_only=True)
+
+
+def _keeps_ascii(normalizer: dict | None) -> bool:
+    """Whether a normalizer leaves ASCII text as it is (none, or Unicode normal forms, which change no ASCII)."""
+    if normalizer is None:
+        return True
+    if normalizer["type"] == "Sequence":
+        return all(map(_keeps_ascii, normalizer["normalizers"]))
+    return normalizer["type"] in ("NFC", "NFD", "NFKC", "NFKD")
+
+
+# Text holding every byte UTF-8 writes (C0, C1 and F5 to FF never): ASCII, 2-byte characters' leads and continuations,
+# then a character of each 3-byte and 4-byte lead.
+EVERY_BYTE = "".join(map(chr, [*range(0x800), 0x800, *range(0x1000, 0x10000, 0x1000), 0x10000,
+                                *range(0x40000, 0x110000, 0x40000)]))
+
+
+def _longest_by_byte(vocab: dict[str, int], added: list[str]) -> tuple[int, ...]:
+    """For each byte value, the longest token of a byte-level vocabulary (a character per byte) or added token (its
+    UTF-8) that holds it. A byte whose character is no token is spelled by an unknown or byte-fallback token, which
+    holds none of it, or a merge of one: it is given the longest token, as every byte was before."""
+    longest_with: dict[str, int] = {}
+    for token in vocab:
+        for char in set(token):
+            longest_with[char] = max(longest_with.get(char, 0), len(token))
+    longest = max([*(len(text.encode()) for text in added), *longest_with.values(), 1])
+    chars = dict(zip(EVERY_BYTE.encode(), ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(
+        EVERY_BYTE)[0][0]))
+    by_byte = [longest_with[chars[b]] if chars.get(b) in vocab else longest for b in range(256)]
+    for text in added:
+        for b in set(text.encode()):
+            by_byte[b] = max(by_byte[b], len(text.encode()))
+    return tuple(by_byte)
 
 
 def _spells_bytes(model: dict, pre_tokenizers: list[dict]) -> bool:

@@ -11,6 +11,7 @@ import math
 import reprlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Union
 
 import numpy as np
@@ -60,13 +61,22 @@ class Sampling:
 @dataclass(frozen=True)
 class TokenSpan:
     """The most text one token of a tokenizer stands for (text.token_span): characters, or UTF-8 bytes where the
-    tokenizer reads bytes unnormalized (byte-level BPE without a normalizer: GPT-2's, Llama 3's)."""
+    tokenizer reads bytes unnormalized (byte-level BPE without a normalizer: GPT-2's, Llama 3's). by_byte: for each
+    byte value, the longest token that holds it, where that bounds the tokens which take it from the text; for ASCII
+    text only where `ascii_only`: a Unicode normal form (Qwen's NFC) changes no ASCII, but may compose other text."""
 
     longest: int
     in_bytes: bool = False
+    by_byte: tuple[int, ...] = ()
+    ascii_only: bool = False
 
     def fewest_tokens(self, text: str) -> int:
-        """No text encodes to fewer tokens than this."""
+        """No text encodes to fewer tokens than this. By byte, a token of n bytes takes at most n of the text, each
+        one it holds, whose longest token is n or more: at most 1 in all of 1/by_byte over the bytes it takes. A
+        vocabulary's few long runs of spaces or "=" then bound only those bytes, not the letters, by their length."""
+        if self.by_byte and (text.isascii() or not self.ascii_only):
+            counts = np.bincount(np.frombuffer(text.encode(), np.uint8), minlength=256)
+            return math.ceil(sum(Fraction(int(count), self.by_byte[b]) for b, count in enumerate(counts) if count))
         return -(-(len(text.encode()) if self.in_bytes else len(text)) // self.longest)
 
 
