@@ -391,8 +391,8 @@ def test_a_chat_prompt_too_long_names_a_context_that_fits_it(server):
 
 @pytest.mark.parametrize("endpoint, param", [("completions", "prompt"), ("chat/completions", "messages")])
 def test_a_prompt_longer_than_any_tokenization_fits_is_refused_as_a_tokenized_one_is(server, endpoint, param):
-    """A prompt too long for the context by its length alone (more characters than the context's tokens times the most
-    one token stands for) is refused before it is tokenized, as one refused once tokenized is: 400, the same param,
+    """A prompt too long for the context by its length alone (text.token_span: more than the context's tokens, each
+    standing for at most so much of it) is refused before it is tokenized, as one refused once tokenized is: 400, the same param,
     its count "at least" (tokenizing a 128K context's 8 MB prompt held serve's checks for half a minute)."""
     def refusal(text: str) -> dict:
         body = {"prompt": text} if endpoint == "completions" else {"messages": [{"role": "user", "content": text}]}
