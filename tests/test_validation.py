@@ -73,7 +73,9 @@ def test_bad_request_is_one_line_naming_the_value(fields, words):
 def test_a_wrong_value_is_quoted_cut_short_not_whole():
     # a batch of long texts (vLLM's form) quoted its first text whole: a 100,000-character message
     for fields in (dict(prompt=["x" * 100_000, "y"]), dict(gamma="x" * 100_000), dict(stop={"x": "y" * 100_000}),
-                   dict(seed="x" * 100_000), dict(temperature=["x"] * 100_000)):
+                   dict(seed="x" * 100_000), dict(temperature=["x"] * 100_000),
+                   # Python writes no integer of over 4300 digits: a ValueError of its own, not the RequestError
+                   dict(gamma=10 ** 5000), dict(max_new_tokens=-10 ** 5000), dict(temperature=10 ** 5000)):
         with pytest.raises(RequestError) as error:
             check(**fields)
         assert len(str(error.value)) < 300, str(error.value)[:300]

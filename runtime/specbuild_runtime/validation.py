@@ -189,7 +189,9 @@ def prompt_token_ids(prompt: Prompt, encode: Callable[[str], list[int]], vocab_s
 
 def shown(value) -> str:
     """A wrong value as a message quotes it: its repr, cut short (a batch's first prompt text was quoted whole, a
-    100,000-character line)."""
+    100,000-character line). Python refuses to write an integer of over 4300 digits at all (a ValueError)."""
+    if isinstance(value, (int, np.integer)) and abs(int(value)).bit_length() > 14000:
+        return f"an integer of about {int(abs(int(value)).bit_length() * math.log10(2))} digits"
     return reprlib.repr(value)
 
 
@@ -217,7 +219,7 @@ def whole(name: str, value, low: int | None = None, high: int | None = None, hin
     value = int(value)
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f">= {low}" if high is None else f"from {low} to {high}"
-        raise RequestError(f"{name} must be {bounds}{hint}, not {value}")
+        raise RequestError(f"{name} must be {bounds}{hint}, not {shown(value)}")
     return value
 
 
@@ -230,7 +232,7 @@ def real(name: str, value) -> float:
     # abs() first: math.isfinite raises OverflowError for an int beyond any float (JSON's 1 and 400 zeros)
     if abs(value) > FLOAT32_MAX or not math.isfinite(value):  # 1e39 is finite, yet float32 makes it inf: say why
         raise RequestError(f"{name} must be a finite number float32 holds (at most {FLOAT32_MAX:.3g} in size), "
-                           f"not {value}")
+                           f"not {shown(value)}")
     return float(value)
 
 
