@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import sys
-from functools import partial
 from pathlib import Path
 
 import click
@@ -321,7 +320,6 @@ def chat_prompt(decoder, text: str, supplied, max_new_tokens: int) -> list[int]:
     """text as one user message in the bundle's chat template (or the one supplied, --chat-template), as token ids;
     refused before tokenizing where it cannot fit the context with max_new_tokens, as a text prompt is."""
     from specbuild_runtime.manifest import TOKENIZER_DIR
-    from specbuild_runtime.validation import check_text_fits
 
     try:
         from specbuild_runtime.serve.chat import load_chat_template
@@ -332,9 +330,7 @@ def chat_prompt(decoder, text: str, supplied, max_new_tokens: int) -> list[int]:
     if template is None:  # what the bundle lacks, as a --gamma above its maximum (exit 1), not a malformed command line
         raise click.ClickException("this bundle's tokenizer has no chat template; give one with --chat-template, or "
                                    "the prompt as text, without --chat")
-    fits = partial(check_text_fits, token_span=decoder.token_span, max_seq_len=decoder.max_seq_len,
-                   max_new_tokens=max_new_tokens)
-    return template.prompt_ids(decoder.tokenizer, [{"role": "user", "content": text}], fits)
+    return template.prompt_ids(decoder.tokenizer, [{"role": "user", "content": text}], decoder.fits(max_new_tokens))
 
 
 def _token(token: int | None) -> str:

@@ -31,7 +31,7 @@ from .relay import Relay
 from .slot import (MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, Rows, Slot, check_gpu_total_len, fixed_rows,
                    unsteady_calls)
 from .text import TextStream, token_span
-from .validation import AUTO, Prompt, Request, check_request, check_vocabularies, whole
+from .validation import AUTO, Prompt, Request, check_request, check_text_fits, check_vocabularies, whole
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
@@ -228,7 +228,7 @@ class SpeculativeDecoder:
         self.vocab_size = self.target.vocab_size
         check_vocabularies(self.target, self.draft)
         rows = target_rows or (fixed_rows(self.max_gamma) if self.device == "cuda" else NEVER_ALONE)
-        self.prefix_reuse = prefix_reuse
+        self.prefix_reuse = prefix_reuse and reuses_prefixes(self.target, rows)  # fixed per decoder: its engine and rows
         self.slots = SlotPool([Slot(i, self.target, self.draft, rows, self.max_gamma, self.steps_engine) for i in range(parallel)],
                               affinity=self.target.captures)
         # Adaptive γ: the costs of a round describe the machine and are shared; α follows the text a slot
@@ -306,6 +306,12 @@ class SpeculativeDecoder:
     def graphs_captured(self) -> int:
         """CUDA graphs this decoder's engines have captured so far, in every thread."""
         return sum(engine.graphs_captured for engine in (self.target, self.draft, self.steps_engine) if engine is not None)
+
+    def fits(self, max_new_tokens: int) -> Callable[[str], None]:
+        """A check refusing, before it is tokenized, text too long for the context with max_new_tokens (as request
+        refuses a text prompt), for text tokenized elsewhere: a chat template's render (serve, generate --chat)."""
+        return partial(check_text_fits, token_span=self.token_span, max_seq_len=self.max_seq_len,
+                       max_new_tokens=max_new_tokens)
 
     def request(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -443,8 +449,7 @@ class SpeculativeDecoder:
         if not self.prefix_reuse:
             return None
         ids = request.prompt_ids
-        return lambda slot: (slot.target.prefix(ids, len(ids) - 1)
-                             if reuses_prefixes(slot.target.engine, slot.target.rows) else 0)
+        return lambda slot: slot.target.prefix(ids, len(ids) - 1)
 
     def _policy(self, slot: Slot, request: Request):
         """How the request's rounds choose γ. Greedy output is the target's whatever γ is; a sampled one
@@ -481,12 +486,11 @@ class SpeculativeDecoder:
         # where the prompt leaves what the slot's cache holds (its target calls still re-feed what Rows asks for).
         # A sampled request's draft starts afresh: its distributions judge drafts, and its rows' bits depend on
         # how its calls grouped them (slot.AS_FED); greedy, drafts only decide how many tokens a round yields.
-        reuse = self.prefix_reuse and reuses_prefixes(target.engine, target.rows)
-        reused = target.prefix(ids, len(ids) - 1) if reuse else 0
+        reused = target.prefix(ids, len(ids) - 1) if self.prefix_reuse else 0
         stats.cached_prompt_tokens = reused
         _, token = target.step(ids[reused:], total_len=len(ids), uniforms=uniforms(1))
         new_tokens = [token]
-        draft_len = slot.draft.prefix(ids, len(ids)) if reuse and sampling.greedy else 0
+        draft_len = slot.draft.prefix(ids, len(ids)) if self.prefix_reuse and sampling.greedy else 0
         # Auto mode, greedy: the token that last followed each token, for free guesses (see below; a
         # guess is verified like a draft, so it cannot change the output).
         follows = dict(zip(ids, ids[1:])) if request.gamma == AUTO and sampling.greedy else None

@@ -44,8 +44,9 @@ class SlotPool:
     (its buffers' addresses), so a thread that kept changing slots would capture every slot's graphs in turn
     (a server of P worker threads and P slots: P² sets of captures, some in requests long after the first),
     where this keeps it at P. Otherwise the free slot that `prefer` scores highest (take(prefer=...): prefix
-    reuse's cached prompt tokens, so a chat's next turn lands where its conversation is), the slot freed last
-    among equals: light traffic keeps to one slot, whose adaptive γ then learns from every request.
+    reuse's cached prompt tokens, so a chat's next turn lands where its conversation is), the slot freed first
+    among equals (see _pick); without `prefer`, the slot freed last: light traffic keeps to one slot, whose
+    adaptive γ then learns from every request.
     """
 
     def __init__(self, slots: list[Slot], affinity: bool = False):

@@ -187,8 +187,8 @@ def token_span(tokenizer: Tokenizer) -> TokenSpan | None:
     if config.get("normalizer") is None and "ByteLevel" in types:
         return TokenSpan(max([*(len(text.encode()) for text in added_text), *map(len, vocab), 1]), in_bytes=True,
                          by_byte=by_byte)
-    normalized = [len(normalize(token["content"])) for token in added if token["normalized"]]
-    original = [len(token["content"]) for token in added if not token["normalized"]]
+    normalized = [len(text) for text, token in zip(added_text, added) if token["normalized"]]
+    original = [len(text) for text, token in zip(added_text, added) if not token["normalized"]]
     return TokenSpan(max([*original, shrink * max([*normalized, *map(len, vocab), 1])]), by_byte=by_byte,
                      ascii_only=True)
 

@@ -30,7 +30,7 @@ from starlette.routing import Match, Route
 
 from ..errors import BundleError, DeviceError, RequestError
 from ..manifest import TOKENIZER_DIR
-from ..validation import Request, check_text_fits
+from ..validation import Request
 from . import protocol
 from .chat import ChatRequestError, SuppliedTemplate, load_chat_template
 from .metrics import Metrics
@@ -228,8 +228,7 @@ class Server:
                 raise ApiError(400, "this model's bundle has no chat template (its tokenizer has none), and the server "
                                     "was started without --chat-template: use /v1/completions with a prompt", "messages")
             # refused before tokenizing as decoder.request refuses a text prompt (without max_tokens: 1, as below)
-            fits = partial(check_text_fits, token_span=decoder.token_span, max_seq_len=decoder.max_seq_len,
-                           max_new_tokens=request.max_tokens or 1)
+            fits = decoder.fits(request.max_tokens or 1)
             try:
                 prompt = self.chat_template.prompt_ids(decoder.tokenizer, request.messages, fits, **request.chat)
             except RequestError as exc:  # the rest (a message's shape, the template's refusal, its text) are the messages'

@@ -215,8 +215,9 @@ NUCLEUS_CANDIDATES = 1024
 def _ranked(g: GraphBuilder, probs: ir.Value, candidates: ir.Value, vocab: ir.Value,
             top_p: ir.Value) -> tuple[ir.Value, ir.Value]:
     """(each row's probabilities from the largest down, their running sums), as far as the nucleus needs: the top
-    `candidates` (min(V, NUCLEUS_CANDIDATES), on the host) where they hold top_p of every row (the token after them then has top_p before it, so no
-    nucleus reaches it, and the sums of a prefix are the whole ranking's), else the whole vocabulary. Sorting
+    `candidates` (min(V, NUCLEUS_CANDIDATES), on the host) where they hold top_p of every row (the token after them
+    then has top_p before it, so no nucleus reaches it, and the sums of a prefix are the whole ranking's), else the
+    whole vocabulary (`vocab`). Sorting
     all of a 152k vocabulary cost ~18 ms a row on the CPU (over 90% of a sampled call with top-p), and
     generation_config.json's top_p (Qwen 3's 0.95) made it every served request's."""
     candidates = g.op("TopK", probs, candidates, outputs=2, axis=-1)[0]
