@@ -20,16 +20,17 @@ MAX_LEN = 64
 
 
 def run_graph(ckpt):
-    """The graph as the runtime runs a target (in-place KV cache), with the test-only `logits` output."""
+    """The graph as the runtime runs a target (in-place KV cache), with the `logits` it decides on."""
     spec = ckpt.spec
-    model_bytes = ir.serde.serialize_model(build_decoder(ckpt, Numerics(), MAX_LEN, with_logits=True)).SerializeToString()
+    model_bytes = ir.serde.serialize_model(build_decoder(ckpt, Numerics(), MAX_LEN)).SerializeToString()
     info = EngineInfo(role="target", backend="onnx", file="graph.onnx", architecture=spec.architecture,
                       precision="fp32", quantization="none", shape=spec.shape, parameters=0, weight_bytes=0, source={})
     engine = EngineSlot(Engine(Path("graph.onnx"), info, MAX_LEN, graph=model_bytes), NEVER_ALONE)
+    engine.read_logits(True)
 
     def step(tokens, total_len, num_drafts):
         accepted, next_token = engine.step(tokens, total_len, num_drafts)
-        return accepted, next_token, engine.output("logits")
+        return accepted, next_token, engine.logits()
 
     return step
 

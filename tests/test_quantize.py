@@ -260,11 +260,11 @@ def logits_batched_and_one_by_one(folder, prompt, rounds, never_alone=True):
     total, verified, single = len(prompt), [], []
     for tokens in rounds:
         batched.step(tokens, total + len(tokens), num_drafts=len(tokens) - 1)
-        verified.append(batched.output("logits"))
+        verified.append(batched.logits())
         for token in tokens:
             total += 1
             one_by_one.step([token], total)
-            single.append(one_by_one.output("logits"))
+            single.append(one_by_one.logits())
     return np.concatenate(verified), np.concatenate(single)
 
 
@@ -303,11 +303,11 @@ def test_a_prompt_over_what_an_earlier_request_left_gets_the_logits_bits_of_a_fr
         assert held == total - 1
         used.step(second[held:], len(second))
         fresh.step(second, len(second))
-        assert np.array_equal(used.output("logits"), fresh.output("logits")), (settings, prompt_len)
+        assert np.array_equal(used.logits(), fresh.logits()), (settings, prompt_len)
         round_ = rng.integers(1, 300, 4).tolist()
         for engine in (used, fresh):
             engine.step(round_, len(second) + 4, num_drafts=3)
-        assert np.array_equal(used.output("logits"), fresh.output("logits")), (settings, prompt_len)
+        assert np.array_equal(used.logits(), fresh.logits()), (settings, prompt_len)
 
 
 def test_one_token_calls_without_a_re_fed_row_would_differ(bundle):
@@ -386,10 +386,10 @@ def test_a_round_of_an_odd_number_of_rows_over_a_one_token_prompt_gets_the_bits_
         for engine in (rounds, tokens):
             engine.step([prompt], 1)
         rounds.step([token, *proposed], 2 + drafts, num_drafts=drafts)
-        verified = rounds.output("logits")
+        verified = rounds.logits()
         single = []
         for total, fed in enumerate([token, *proposed], 2):
             tokens.step([fed], total)
-            single.append(tokens.output("logits"))
+            single.append(tokens.logits())
         assert np.array_equal(verified, np.concatenate(single)), (settings, drafts)
         assert rounds.kept == tokens.kept == 2 + drafts  # every position written by an even call: reusable

@@ -181,6 +181,75 @@ def test_chat_renders_the_bundle_template_as_transformers_does(client, reference
         assert chunks[-1].choices[0].finish_reason == FINISH[expected.stats.finish_reason]
 
 
+def legacy_logprobs(decoder, records, offset: int = 0) -> dict:
+    """OpenAI's completions logprobs for records, as vLLM writes them: each token's text decoded alone."""
+    text = [decoder.tokenizer.decode([r.token_id], skip_special_tokens=False) for r in records]
+    return {"tokens": text, "token_logprobs": [r.logprob for r in records],
+            "top_logprobs": [{decoder.tokenizer.decode([t], skip_special_tokens=False): lp for t, lp in
+                              ((r.token_id, r.logprob), *r.top)} for r in records],
+            "text_offset": [offset + sum(map(len, text[:i])) for i in range(len(text))]}
+
+
+@pytest.mark.parametrize("settings", [GREEDY, SAMPLED[0]], ids=["greedy", "sampled"])
+def test_completions_logprobs_are_generates_in_openais_legacy_shape_streamed_or_not(server, reference, settings):
+    free = reference.generate(PROMPTS[2], max_new_tokens=24, **settings).text
+    for prompt, stop in ((PROMPTS[0], None), (PROMPTS[2], free[10:12])):  # a stop string: the tokens up to the one that
+        expected = reference.generate(prompt, max_new_tokens=24, logprobs=3, stop=stop, **settings)  # completed it
+        assert (expected.stats.finish_reason == "stop") == bool(stop)  # the case is what it claims
+        body = {"prompt": prompt, "max_tokens": 24, "logprobs": 3, "stop": stop, **settings}
+        whole = httpx.post(f"{server}/v1/completions", json=body).json()["choices"][0]
+        assert whole["text"] == expected.text and whole["logprobs"] == legacy_logprobs(reference, expected.logprobs)
+        assert len(whole["logprobs"]["tokens"]) == len(expected.token_ids)
+        chunks = stream_events(server, "completions", body)
+        assert "".join(c["text"] for c in chunks) == expected.text
+        for key in ("tokens", "token_logprobs", "top_logprobs"):
+            assert [x for c in chunks for x in c["logprobs"][key]] == whole["logprobs"][key]
+        sent = 0
+        for chunk in chunks:  # each chunk's offsets begin where its text does, as vLLM's
+            tokens = chunk["logprobs"]["tokens"]
+            assert chunk["logprobs"]["text_offset"] == [sent + sum(map(len, tokens[:i])) for i in range(len(tokens))]
+            sent += len(chunk["text"])
+
+
+def stream_events(server: str, endpoint: str, body: dict) -> list[dict]:
+    """The choices of a stream's chunks."""
+    with httpx.stream("POST", f"{server}/v1/{endpoint}", json={**body, "stream": True}) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(event)["choices"][0] for event in events[:-1]]
+
+
+def test_chat_logprobs_are_generates_with_their_bytes_and_top_alternatives_streamed_or_not(server, reference, bundle):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    ids = AutoTokenizer.from_pretrained(bundle / "tokenizer").apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected = reference.generate(ids, max_new_tokens=16, logprobs=2, temperature=0)
+
+    def entry(token, logprob):
+        text = reference.tokenizer.decode([token], skip_special_tokens=False)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    content = [{**entry(r.token_id, r.logprob), "top_logprobs": [entry(*top) for top in r.top]} for r in expected.logprobs]
+    body = {"messages": messages, "max_tokens": 16, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    whole = httpx.post(f"{server}/v1/chat/completions", json=body).json()["choices"][0]
+    assert whole["message"]["content"] == expected.text and whole["logprobs"] == {"content": content}
+    chunks = stream_events(server, "chat/completions", body)
+    assert chunks[0]["logprobs"] is None  # the role's chunk
+    assert [e for c in chunks[1:] for e in c["logprobs"]["content"]] == content
+    assert all(c["logprobs"]["content"] for c in chunks[1:] if c["delta"].get("content"))
+    plain = httpx.post(f"{server}/v1/chat/completions", json={**body, "logprobs": False, "top_logprobs": None}).json()
+    assert plain["choices"][0]["logprobs"] is None and plain["choices"][0]["message"]["content"] == expected.text
+
+
+def test_completions_logprobs_0_gives_the_chosen_tokens_alone_and_false_or_null_none(server):
+    body = {"prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0}
+    chosen = httpx.post(f"{server}/v1/completions", json={**body, "logprobs": 0}).json()["choices"][0]["logprobs"]
+    assert len(chosen["tokens"]) == 6 and all(len(top) == 1 for top in chosen["top_logprobs"])  # the chosen token's
+    for none in (False, None):
+        assert httpx.post(f"{server}/v1/completions", json={**body, "logprobs": none}).json()["choices"][0]["logprobs"] is None
+
+
 def test_streams_ask_a_proxy_in_front_not_to_buffer_their_events(server):
     """nginx buffers a proxied response unless it says otherwise: each event would wait for kilobytes more."""
     body = {"prompt": PROMPTS[0], "max_tokens": 4, "stream": True, **GREEDY}
@@ -249,8 +318,15 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "n": 1.0}, "n must be 1"),
     ("completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "inclde": 1}},
      "unrecognized stream_options argument: 'inclde'"),
-    ("completions", {"prompt": "x", "logprobs": 2}, "'logprobs' is not supported"),
-    ("completions", {"prompt": "x", "logprobs": 0}, "'logprobs' is not supported"),  # 0: the chosen tokens' logprobs
+    ("completions", {"prompt": "x", "logprobs": 21}, "logprobs must be from 0 to 20"),
+    ("completions", {"prompt": "x", "logprobs": True}, "logprobs must be a whole number"),
+    ("completions", {"prompt": "x", "logprobs": 1, "echo": True}, "'echo' is not supported"),  # the prompt's logprobs
+    ("completions", {"prompt": "x", "top_logprobs": 2}, "unrecognized request argument: 'top_logprobs'"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     "top_logprobs needs logprobs: send \"logprobs\": true with it"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs must be from 0 to 20"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs must be true or false"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
      "tool_choice \"auto\" needs tools"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
@@ -349,6 +425,8 @@ PARAMS = [
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER], "tool_choice": "auto"},
      "tool_choice"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": -1}, "top_logprobs"),
+    ("completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
 ]
 
 
@@ -1988,6 +2066,35 @@ def test_a_reply_calling_tools_is_answered_with_tool_calls_streamed_or_not(bundl
         untouched = client.chat.completions.create(**ask, tool_choice="none").choices[0]
         assert untouched.message.content == CALLING and not untouched.message.tool_calls
         assert untouched.finish_reason != "tool_calls"
+
+
+class ScriptedLogprobsDecoder(ScriptedDecoder):
+    """A ScriptedDecoder whose streams, for a request with logprobs, pair each piece with a record of its own (token
+    id: the piece's index), as the runtime pairs each token's text with its record."""
+
+    def stream_request(self, request, stats, every_token=False):
+        from specbuild_runtime import TokenLogprobs
+
+        for index, piece in enumerate(super().stream_request(request, stats, every_token)):
+            yield piece, (TokenLogprobs(index, -1.0 - index, ()),)
+
+
+def test_a_streamed_reply_calling_tools_sends_each_tokens_logprobs_once_those_of_held_text_at_the_end(bundle):
+    from specbuild_runtime.serve.chat import supplied_chat_template
+
+    with in_process(bundle, ScriptedLogprobsDecoder, chat_template=supplied_chat_template(NAMING_TOOLS),
+                    tool_call_parser="hermes") as (url, decoder, _):
+        decoder.go.set()
+        decoder.pieces = [CALLING[i:i + 3] for i in range(0, len(CALLING), 3)]
+        ask = {"model": MODEL, "messages": ASK, "tools": [WEATHER, ADD], "max_tokens": 4, "logprobs": True, **GREEDY}
+        chunks = stream_events(url, "chat/completions", ask)
+        whole = httpx.post(f"{url}/v1/chat/completions", json=ask).json()["choices"][0]
+    logprobs = [[entry["logprob"] for entry in c["logprobs"]["content"]] for c in chunks if c["logprobs"]]
+    assert sum(logprobs, []) == [-1.0 - index for index in range(len(decoder.pieces))]
+    assert [e["logprob"] for e in whole["logprobs"]["content"]] == sum(logprobs, [])
+    content = [c for c in chunks if c["delta"].get("content")]  # "Let me look.\n" as it came, its pieces' records beside
+    assert "".join(c["delta"]["content"] for c in content) == "Let me look.\n"
+    assert chunks[-1]["finish_reason"] == "tool_calls" and len(logprobs[-1]) > len(decoder.pieces) // 2  # the calls'
 
 
 # What a Llama 3.1 model answers when it calls tools (its python tag, a special token, is not in the runtime's text)

@@ -14,6 +14,7 @@ if find_spec("onnxruntime") is None:  # the package's extras choose it: onnxrunt
 
 from .decode import Generation, SpeculativeDecoder, Stats
 from .errors import BundleError, DeviceError, RequestError, SpecbuildError
+from .logprobs import TokenLogprobs
 from .manifest import FORMAT_VERSION, Manifest, load_manifest, runtime_version
 
 __version__ = runtime_version()
@@ -28,5 +29,6 @@ __all__ = [
     "SpecbuildError",
     "SpeculativeDecoder",
     "Stats",
+    "TokenLogprobs",
     "load_manifest",
 ]

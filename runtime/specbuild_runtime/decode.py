@@ -23,7 +23,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from .engine import CAPTURED_BY_DEFAULT, Engine, Sampler, requested_device, use_shared_thread_pool
-from .errors import BundleError, DeviceError, first_line
+from .errors import BundleError, DeviceError, RequestError, first_line
+from .logprobs import TokenLogprobs, token_logprobs
 from .manifest import TOKENIZER_DIR, Manifest, load_manifest, read_tokenizer_config
 from .policy import GREEDY_DECAYS, SAMPLING_DECAYS, AdaptiveGamma, Costs, FixedGamma, PriorCosts
 from .pool import SlotPool, check_memory
@@ -142,6 +143,8 @@ class Generation:
     token_ids: list[int]  # every token generated, the one that completed a stop string (or the eos) included
     prompt_token_ids: list[int]
     stats: Stats
+    # (logprobs asked for) one per token of token_ids: its logprob under the target and the top alternatives
+    logprobs: list[TokenLogprobs] | None = field(default=None, repr=False)
 
 
 class SpeculativeDecoder:
@@ -315,32 +318,45 @@ class SpeculativeDecoder:
 
     def request(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                stop: str | list[str] | None = None) -> Request:
+                stop: str | list[str] | None = None, logprobs: int | None = None) -> Request:
         """The checked request (validation.check_request against this bundle), or a RequestError."""
+        if logprobs is not None and not self.target.has_logits:
+            raise RequestError(f"{self.root} was compiled before its engines gave their logits, so it gives no logprobs: "
+                               "recompile it with `specbuild compile`")
         return check_request(prompt, encode=self.encode, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
                              max_gamma=self.max_gamma, max_new_tokens=max_new_tokens, gamma=gamma,
                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
-                             token_span=self.token_span)
+                             logprobs=logprobs, token_span=self.token_span)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 stop: str | list[str] | None = None) -> Generation:
+                 stop: str | list[str] | None = None, logprobs: int | None = None) -> Generation:
         """Decode a prompt (text or token ids) to its end: max_new_tokens, an eos token, a stop string or the
         context. gamma: "auto" (adaptive), 0 (the target alone) or drafts per round; temperature 0 is greedy
-        (the target's own output, token for token), above 0 samples the target's distribution exactly."""
-        request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
+        (the target's own output, token for token), above 0 samples the target's distribution exactly.
+        logprobs: 0 to 20 gives the Generation's `logprobs`, one TokenLogprobs per token: its logprob under the
+        target's raw distribution and that many most probable tokens'."""
+        request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs)
         *_, generation = self._generating(request)
         return generation
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-               stop: str | list[str] | None = None, stats: Stats | None = None) -> Generator[int, None, None]:
+               stop: str | list[str] | None = None, stats: Stats | None = None,
+               logprobs: int | None = None) -> Generator[int | TokenLogprobs, None, None]:
         """Yields generated token ids as the target accepts them (up to the one that completes a stop
-        string); pass a Stats to read measurements. The request is checked now, the slot taken at the
-        first token."""
-        request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
+        string), or with logprobs (0 to 20) each token's TokenLogprobs (see generate); pass a Stats to read
+        measurements. The request is checked now, the slot taken at the first token."""
+        request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs)
+        return self._stream(request, Stats() if stats is None else stats)
+
+    def _stream(self, request: Request, stats: Stats, halt: threading.Event | None = None) -> Generator:
+        """stream's tokens, or their TokenLogprobs where the request asks for logprobs."""
         text = self._text(request) if request.stop else None
-        return self._run(request, Stats() if stats is None else stats, text)
+        if request.logprobs is None:
+            return self._run(request, stats, text, halt)
+        records: list[TokenLogprobs] = []
+        return _each_newest(self._run(request, stats, text, halt, records), records)
 
     def stream_text(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -355,36 +371,48 @@ class SpeculativeDecoder:
         """stream_text for a request already checked by request() (the server checks before queueing).
         every_token: also yield "" for a token whose text is held back, so that the consumer can stop
         between any two tokens (a relay's stop: the async API's cancel, the server's deadlines). halt: once set
-        while the request waits for a slot, it stops waiting (a RequestError) instead of taking one."""
+        while the request waits for a slot, it stops waiting (a RequestError) instead of taking one.
+        A request with logprobs yields (delta, the TokenLogprobs of the tokens decoded since the last) pairs, and
+        one more at the end for tokens whose text never came (an eos, text a stop string cut)."""
         text = self._text(request)
-        with closing(self._run(request, stats, text, halt)) as tokens:
+        records: list[TokenLogprobs] | None = None if request.logprobs is None else []
+        given = 0
+        with closing(self._run(request, stats, text, halt, records)) as tokens:
             for _ in tokens:
                 if (delta := text.take()) or every_token:
-                    yield delta
-        if rest := _finish(text, stats):
-            yield rest
+                    if records is None:
+                        yield delta
+                    else:
+                        yield delta, tuple(records[given:])
+                        given = len(records)
+        rest = _finish(text, stats)
+        if records is None:
+            if rest:
+                yield rest
+        elif rest or given < len(records):
+            yield rest, tuple(records[given:])
 
     async def agenerate(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                        stop: str | list[str] | None = None) -> Generation:
+                        stop: str | list[str] | None = None, logprobs: int | None = None) -> Generation:
         """generate for asyncio: decodes in one of the decoder's worker threads (see astream), so cancelling the
         awaiting task stops it within the round in progress and frees its slot, which generate cannot."""
-        check = partial(self.request, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
+        check = partial(self.request, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs)
         async with aclosing(self._relay(check, self._generating, held=(None,))) as generation:
             return await anext(generation)
 
     def astream(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                stop: str | list[str] | None = None, stats: Stats | None = None) -> AsyncGenerator[int, None]:
+                stop: str | list[str] | None = None, stats: Stats | None = None,
+                logprobs: int | None = None) -> AsyncGenerator[int | TokenLogprobs, None]:
         """stream for asyncio (`async for token_id in decoder.astream(...)`): the same tokens, decoded in one of
         the decoder's worker threads (relay.Relay), never on the event loop. The request is checked (off the loop)
         when iteration begins, and raises what stream would. Cancelling the consuming task, aclose(), or dropping
         the iterator stops decoding within the round in progress and frees the slot; a slow consumer does not
         hold the slot (decoding runs ahead of it, at most to the request's end)."""
-        check = partial(self.request, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
+        check = partial(self.request, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs)
         stats = Stats() if stats is None else stats
-        return self._relay(check, lambda request, halt: self._run(request, stats, self._text(request) if request.stop else None,
-                                                                  halt))
+        return self._relay(check, lambda request, halt: self._stream(request, stats, halt))
 
     def astream_text(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -410,22 +438,24 @@ class SpeculativeDecoder:
     def _generating(self, request: Request, halt: threading.Event | None = None) -> Generator[Generation | None, None, None]:
         """generate's decoding: None after every token (where a relay may stop it), then the Generation."""
         stats, text, tokens = Stats(), self._text(request), []
-        with closing(self._run(request, stats, text if request.stop else None, halt)) as decoded:
+        records: list[TokenLogprobs] | None = None if request.logprobs is None else []
+        with closing(self._run(request, stats, text if request.stop else None, halt, records)) as decoded:
             for token in decoded:
                 tokens.append(token)
                 yield None
         if not request.stop:  # nothing needs the text before the end: decoded once (~10 us a token saved)
             text.extend(tokens[:-1] if stats.finish_reason == "eos" else tokens)
         _finish(text, stats)
-        yield Generation(text.text, tokens, request.prompt_ids, stats)
+        yield Generation(text.text, tokens, request.prompt_ids, stats, records)
 
     def _text(self, request: Request) -> TextStream:
         return TextStream(self.tokenizer, request.stop, request.prompt_ids, request.special_tokens)
 
-    def _run(self, request: Request, stats: Stats, text: TextStream | None,
-             halt: threading.Event | None = None) -> Generator[int, None, None]:
+    def _run(self, request: Request, stats: Stats, text: TextStream | None, halt: threading.Event | None = None,
+             records: list[TokenLogprobs] | None = None) -> Generator[int, None, None]:
+        """The request's tokens; records (logprobs asked for) gets each one's TokenLogprobs before it is yielded."""
         with (self.slots.take(halt, self._cached(request)) as slot,
-              closing(self._speculate(slot, request, stats)) as tokens):
+              closing(self._speculate(slot, request, stats, records)) as tokens):
             try:
                 for token in tokens:
                     # An eos token is no part of the text, as vLLM and OpenAI leave it out: a tokenizer need not mark
@@ -463,10 +493,12 @@ class SpeculativeDecoder:
                                  PriorCosts(self.max_gamma, self._draft_cost))
         return self._policies[slot.index][not sampling.greedy]
 
-    def _speculate(self, slot: Slot, request: Request, stats: Stats) -> Generator[int, None, None]:
-        """The speculative loop over one slot."""
+    def _speculate(self, slot: Slot, request: Request, stats: Stats,
+                   records: list[TokenLogprobs] | None) -> Generator[int, None, None]:
+        """The speculative loop over one slot. records: see _run; a token's comes from the row of the target's
+        logits that decided it, computed alike whatever the round (slot.Rows), so γ and the draft change none."""
         sampling = request.sampling
-        slot.configure(sampling.temperature, sampling.top_k, sampling.top_p)
+        slot.configure(sampling.temperature, sampling.top_k, sampling.top_p, logits=records is not None)
         rng = sampling.generator()
         # n uniforms in [0, 1) a call: n-1 to judge drafts, the last to draw the next token.
         uniforms = (lambda n: None) if sampling.greedy else (lambda n: rng.random(n, dtype=np.float32))
@@ -490,14 +522,17 @@ class SpeculativeDecoder:
         stats.cached_prompt_tokens = reused
         _, token = target.step(ids[reused:], total_len=len(ids), uniforms=uniforms(1))
         new_tokens = [token]
+        rows = target.logits() if records is not None else None  # row j decided new_tokens[j]
         draft_len = slot.draft.prefix(ids, len(ids)) if self.prefix_reuse and sampling.greedy else 0
         # Auto mode, greedy: the token that last followed each token, for free guesses (see below; a
         # guess is verified like a draft, so it cannot change the output).
         follows = dict(zip(ids, ids[1:])) if request.gamma == AUTO and sampling.greedy else None
         while True:
-            for token in new_tokens:
+            for j, token in enumerate(new_tokens):
                 if token == not_finite:  # after the drafts judged on finite rows: where the target alone stops
                     raise self._not_finite(stats.generated_tokens + 1)
+                if records is not None:
+                    records.append(token_logprobs(rows[j], token, request.logprobs))
                 if follows is not None:
                     follows[ids[-1]] = token
                 ids.append(token)
@@ -540,6 +575,7 @@ class SpeculativeDecoder:
             t2 = clock()
             draft_len = min(draft_len, len(ids) + accepted)
             new_tokens = [*proposed[:accepted], token]
+            rows = target.logits() if records is not None else None
             # How many guesses held (in a round with drafts: would have, as far as its tokens tell).
             held = _leading_equal(guesses, new_tokens) if drafts else accepted
             if guesses and not drafts:  # α judges the draft model, which drafted nothing
@@ -637,6 +673,13 @@ def _guesses(follows: dict[int, int], token: int, count: int) -> list[int]:
     while len(guesses) < count and (token := follows.get(token)) is not None:
         guesses.append(token)
     return guesses
+
+
+def _each_newest(tokens: Generator[int, None, None], records: list[TokenLogprobs]) -> Generator[TokenLogprobs, None, None]:
+    """For each token, the record `tokens` appended for it; closing this closes `tokens` (frees its slot)."""
+    with closing(tokens):
+        for _ in tokens:
+            yield records[-1]
 
 
 def _leading_equal(a: list[int], b: list[int]) -> int:

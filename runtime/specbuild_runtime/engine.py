@@ -19,8 +19,8 @@ from pathlib import Path, PurePosixPath
 import onnxruntime as ort
 
 from .errors import BundleError, DeviceError, first_line
-from .manifest import EngineInfo, cache_names, step_presents
-from .validation import GREEDY_OUTPUTS, check_engine_io, check_sampler_io
+from .manifest import EngineInfo, cache_names
+from .validation import LOGITS, check_engine_io, check_sampler_io
 
 DEVICES = ("cpu", "cuda", "auto")
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -221,9 +221,9 @@ def requested_device(device: str) -> str:
 class Engine:
     """An engine file's session on a device, with what a slot needs to bind it.
 
-    device: "cpu" or "cuda" (see requested_device). graph: an in-memory variant of the file at path (for
-    example with an extra output to measure with), whose external weights are still read beside path;
-    outputs beyond the engine contract are fetched each call and read with EngineSlot.output(name).
+    device: "cpu" or "cuda" (see requested_device). graph: the engine's graph in memory (a test's), whose
+    external weights are still read beside path. has_logits: its graph outputs the fp32 logits its
+    decisions are made from (EngineSlot.logits reads them; engines compiled before that lack them).
     cuda_graphs: path is the engine's greedy-only graph (no sampling, no control flow); on CUDA, calls
     that name a graph id are captured once and replayed as CUDA graphs (see slot.graph_id).
     Such an engine samples with `sampler` (the bundle's), fed each call's logits; without one it cannot.
@@ -257,10 +257,7 @@ class Engine:
         self.input_devices = _input_devices(self.session)
         # Attention runs where its cache is bound: the device, but the CPU for fp32 engines (README, GPU).
         self.gpu_attention = self.input_devices[self.cache_names[0][0]] == "cuda"
-        known = {"accepted", "next_token", "probs", "drafts", *(present for _, present in self.cache_names),
-                 *(name for j in range(1, self.steps) for name in step_presents(info.shape.num_layers, j)),
-                 *(GREEDY_OUTPUTS if self.greedy_only else ())}
-        self.extra_outputs = [name for name in outputs if name not in known]
+        self.has_logits = LOGITS in outputs
         # The session that samples, and where it reads its inputs: the engine graph's own sampling branch, or
         # for a greedy-only graph the sampler (None: this engine cannot sample).
         if not self.greedy_only:

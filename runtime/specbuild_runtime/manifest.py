@@ -5,9 +5,9 @@ A bundle is a folder:
     target.onnx(.data)      target engine: greedy verification built in
     draft.onnx(.data)       draft engine: same I/O, fed num_drafts = 0
     {role}.greedy.onnx      each engine's greedy-only graph, reading the weights from {role}.onnx.data:
-                            the I/O below without the sampling inputs and `probs`, plus the output
-                            logits f32 [D+1, V] (the rows the tail decides on), and without control
-                            flow, so that onnxruntime can capture its calls as CUDA graphs
+                            the I/O below without the sampling inputs and `probs` (and `logits` in
+                            every bundle that has one), and without control flow, so that onnxruntime
+                            can capture its calls as CUDA graphs
     draft.steps.onnx        the draft's greedy drafting of K tokens in one call (K = the output's length),
                             reading draft.onnx.data: in input_ids, seqlens_k, total_len (step 0) and
                             total_len.{j} (step j, j = 1..K-1, each a call over one token), the past
@@ -49,6 +49,9 @@ float type (fp32, fp16 or bf16; see EngineInfo.precision):
          next_token     int64 []        the model's token after the accepted drafts, or not_finite_token (-1)
                                         where the logits it is decided from hold NaN or +inf
          probs          f32 [V] / [0]   the distribution next_token was drawn from; [0] when greedy
+         logits         f32 [D+1, V]    the fp32 logits each decision is made from (row j judges draft j; row D
+                                        gives the token after the drafts), bound only by requests that ask for
+                                        logprobs. Engines compiled before it lack it, and give no logprobs
          present_key.{i}, present_value.{i}   the same buffers, written at positions past..total-1
 Logits and every sampling decision are computed in fp32 whatever F is. No node reduces over an empty
 tensor (a call without drafts runs on the CUDA provider too). A draft whose embedding table has padding

@@ -259,9 +259,12 @@ class EngineSlot:
         # call that failed midway (a DeviceError) leaves only what was written before it.
         self.kept = 0
         self._graphs = CudaGraphs(engine)
-        if engine.greedy_only:
-            # Every call writes its logits into the first D+1 rows: one address, as a CUDA graph replays it.
-            self._logits = Buffer(np.zeros((max_drafts + 1, engine.vocab_size), np.float32), device)
+        # Every call writes its logits into the first D+1 rows: one address, as a CUDA graph replays it. A greedy-only
+        # graph's sampler reads them, so they are bound to every call; an engine graph's only while logits are read
+        # (read_logits), and its buffer is made then.
+        self._max_drafts = max_drafts
+        self._logits = Buffer(np.zeros((max_drafts + 1, engine.vocab_size), np.float32), device) if engine.greedy_only else None
+        self._reading_logits = engine.greedy_only
         self.sampling = False
         # Sampling inputs and outputs are bound where the sampling happens: the engine graph's own sampling
         # branch, or for a greedy-only graph the sampler, run after it on the call's logits.
@@ -391,12 +394,29 @@ class EngineSlot:
         if end - first < self.rows.least:  # as a prompt's: re-fed by the next call
             self._redo_from = first
 
-    def output(self, name: str) -> np.ndarray:
-        """An output of the last call beyond the engine contract (Engine.extra_outputs), e.g. the logits of
-        a graph variant built to measure with."""
-        outputs = self.binding.get_outputs()
-        extra = self.engine.extra_outputs
-        return outputs[len(outputs) - len(extra) + extra.index(name)].numpy()
+    def read_logits(self, on: bool) -> None:
+        """Whether the next calls write their fp32 logits where logits() reads them (an engine with has_logits). An
+        engine graph's output is bound only while on: a call that does not read them fetches what it did before
+        logits were read. A greedy-only graph writes them in every call (its sampler reads them)."""
+        if self.engine.greedy_only or on == self._reading_logits:
+            return
+        if self._logits is None:
+            self._logits = Buffer(np.zeros((self._max_drafts + 1, self.engine.vocab_size), np.float32), self.engine.device)
+        self._reading_logits = on
+        if not on:  # onnxruntime unbinds outputs all together: the others are bound again as they were
+            self.binding.clear_binding_outputs()
+            for (_, present), buffer in zip(self.engine.cache_names, self.cache):
+                self.binding.bind_ortvalue_output(present, buffer)
+            self.binding.bind_ortvalue_output("accepted", self._accepted.value)
+            self.binding.bind_ortvalue_output("next_token", self._next_token.value)
+            if self._tail is self.binding:
+                self.binding.bind_ortvalue_output("probs", self._probs[self.sampling].value)
+            self._bound["logits"] = -1
+
+    def logits(self) -> np.ndarray:
+        """A copy of the fp32 logits [D+1, V] of the last call (read_logits on): row j after input position S-D-1+j."""
+        with self.engine.calls:  # a copy back from the device (see engine._CUDA_GRAPH_CALLS)
+            return self._logits.pull()[:self._bound["logits"] + 1].copy()
 
     def prefix(self, ids: list[int], limit: int) -> int:
         """How many leading tokens of ids (at most limit) this slot's cache holds as any call feeding them from
@@ -436,10 +456,8 @@ class EngineSlot:
                 self._bind_rows("draft_probs", self._draft_probs, num_drafts)
             if self._probs_rows is not None:
                 self._bind_row("probs", self._probs_rows, probs_row)
-        if self.engine.greedy_only:
+        if self._reading_logits:
             self._bind_logits(num_drafts)
-        for name in self.engine.extra_outputs:  # their shapes change with the call: onnxruntime allocates them
-            self.binding.bind_output(name, self.engine.device)
         run(self.engine.session, self.binding, self.engine.path, self._graph(total_len - first, num_drafts, total_len))
         # The sampler's turn: the same nodes on the same logits (not for a prompt's head, whose token is not read).
         if self.sampling and self._tail is not self.binding and uniforms is not None:
@@ -501,13 +519,16 @@ class EngineSlot:
         self._sampler_num_drafts.push()
 
     def _bind_logits(self, num_drafts: int) -> None:
-        """Bind a greedy-only graph's logits output (and the sampler's input) to the first D+1 rows."""
+        """Bind the graph's logits output (and a greedy-only graph's sampler's input) to the first D+1 rows."""
         if self._bound["logits"] != num_drafts:
             if num_drafts >= len(self._logits.host):  # a view past the buffer: memory the call must not write
-                raise RuntimeError(f"{num_drafts} drafts, but this slot holds logits for at most {len(self._logits.host) - 1}")
+                if self.engine.greedy_only:  # its CUDA graphs replay writes to this buffer's address
+                    raise RuntimeError(f"{num_drafts} drafts, but this slot holds logits for at most "
+                                       f"{len(self._logits.host) - 1}")
+                self._logits = Buffer(np.zeros((num_drafts + 1, self.engine.vocab_size), np.float32), self.engine.device)
             shape, pointer = [num_drafts + 1, self.engine.vocab_size], self._logits.value.data_ptr()
             self.binding.bind_output("logits", self._logits.device, 0, np.float32, shape, pointer)
-            if self._tail is not None:
+            if self._tail is not None and self._tail is not self.binding:
                 self._tail.bind_input("logits", self._logits.device, 0, np.float32, shape, pointer)
             self._bound["logits"] = num_drafts
 
@@ -610,6 +631,8 @@ class Slot:
         self.draft = EngineSlot(draft, AS_FED, probs_rows=q)
         self.draft_steps = DraftSteps(draft_steps, self.draft) if draft_steps else None
 
-    def configure(self, temperature: float, top_k: int, top_p: float) -> None:
+    def configure(self, temperature: float, top_k: int, top_p: float, logits: bool = False) -> None:
+        """A request's sampling settings; logits: the target's calls leave their logits for it to read."""
         for engine_slot in (self.target, self.draft):
             engine_slot.configure(temperature, top_k, top_p)
+        self.target.read_logits(logits)

@@ -26,6 +26,8 @@ MAX_STOP_STRINGS = 16
 # Text that may still become a stop string is held back and searched at every token: a bound keeps that
 # cheap (four 40,000-character stops made each token cost milliseconds); real stops are a few characters.
 MAX_STOP_CHARS = 1000
+# The most alternatives a request may ask logprobs of: OpenAI's top_logprobs limit, vLLM's default max_logprobs.
+MAX_LOGPROBS = 20
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 # A top_p this small keeps only the most likely token, as any below it does; float32 (the engines' type) rounds
 # one below ~7e-46 to 0, which keeps none (and GPUs flush float32 subnormals to 0): such a top_p is read as this.
@@ -90,11 +92,12 @@ class Request:
     sampling: Sampling
     stop: tuple[str, ...] = ()
     special_tokens: bool = False  # the text shows special tokens (vLLM's skip_special_tokens false)
+    logprobs: int | None = None  # each token's logprob and this many alternatives' (logprobs.py); None: none
 
 
 def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_size: int, max_seq_len: int,
                   max_gamma: int, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
-                  seed=None, stop=None, token_span: TokenSpan | None = None) -> Request:
+                  seed=None, stop=None, logprobs=None, token_span: TokenSpan | None = None) -> Request:
     """The request as plain checked values, or a RequestError naming the first value that is wrong. token_span: the
     most text one token of `encode`'s tokenizer stands for, where a bound holds (text.token_span)."""
     max_new_tokens = whole("max_new_tokens", max_new_tokens, low=1)
@@ -105,6 +108,9 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
                       hint=f" (this bundle's most drafts per round; 0 = target only, {AUTO!r} adapts)")
     temperature, top_k, top_p = check_sampling(temperature, top_k, top_p, vocab_size)
     seed = None if seed is None else whole("seed", seed)
+    if logprobs is not None:
+        logprobs = whole("logprobs", logprobs, low=0, high=MAX_LOGPROBS, hint=" (the most probable tokens to show beside "
+                                                                            "each token's own; None: no logprobs)")
     # Each id is a token: the list's length refuses it before a look at each id (2.7M of them, an 8 MB body, held the
     # GIL, and so serve's event loop, for 0.8 s); a batch of texts is told what a call takes (prompt_token_ids)
     if isinstance(prompt, (list, tuple)) and len(prompt) > max_seq_len and isinstance(prompt[0], (int, np.integer)):
@@ -113,7 +119,8 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
                                   lambda text: check_text_fits(text, token_span, max_seq_len, max_new_tokens))
     if len(prompt_ids) > max_seq_len:
         raise too_long(len(prompt_ids), max_seq_len, max_new_tokens)
-    return Request(prompt_ids, max_new_tokens, gamma, Sampling(temperature, top_k, top_p, seed), stop_strings(stop))
+    return Request(prompt_ids, max_new_tokens, gamma, Sampling(temperature, top_k, top_p, seed), stop_strings(stop),
+                   logprobs=logprobs)
 
 
 def check_text_fits(text: str, token_span: TokenSpan | None, max_seq_len: int, max_new_tokens: int) -> None:
@@ -252,7 +259,8 @@ SAMPLING_INPUTS = {"temperature": "tensor(float)", "top_k": "tensor(int64)", "to
                    "draft_probs": "tensor(float)", "uniforms": "tensor(float)"}
 OUTPUTS = {"accepted": "tensor(int64)", "next_token": "tensor(int64)"}
 SAMPLING_OUTPUTS = {"probs": "tensor(float)"}
-GREEDY_OUTPUTS = {"logits": "tensor(float)"}
+LOGITS = "logits"  # the fp32 logits an engine graph decides on (manifest.py): a greedy-only graph's sampler reads them
+GREEDY_OUTPUTS = {LOGITS: "tensor(float)"}
 CACHE_TYPES = {"fp32": "tensor(float)", "fp16": "tensor(float16)", "bf16": "tensor(bfloat16)"}
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
 
 from specbuild_runtime.engine import Engine, can_run
 from specbuild_runtime.slot import AS_FED, NEVER_ALONE, EngineSlot
@@ -19,7 +18,6 @@ from ..progress import bar
 from ..texts import corpus_files, measuring_prompts, read_source
 from .export import export_engine
 from .gamma import draft_agreement
-from .graphs import LOGITS
 from .precision import Numerics
 
 QUALITY_HELDOUT_TOKENS = 4096
@@ -201,15 +199,14 @@ def pair_acceptance(target_folder: Path, target: EngineInfo, draft_folder: Path,
 
 
 def _engine(folder: Path, info: EngineInfo) -> tuple[EngineSlot, int]:
-    """An engine file run as the runtime decodes with it (a target's rows never alone), its graph given
-    the fp32 `logits` [D+1, V] it decides on as an output (built in memory; the weights are read from
-    the folder; read after a step with .output(LOGITS)), and its max_seq_len."""
+    """An engine file run as the runtime decodes with it (a target's rows never alone), its calls leaving the
+    fp32 logits [D+1, V] they decide on (read after a step with .logits()), and its max_seq_len."""
     path = folder / info.file
     model = onnx.load(str(path), load_external_data=False)
     max_seq_len = next(i for i in model.graph.input if i.name.startswith("past_key.")).type.tensor_type.shape.dim[2].dim_value
-    model.graph.output.append(helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["D+1", info.shape.vocab_size]))
-    engine = Engine(path, info, max_seq_len, graph=model.SerializeToString())
-    return EngineSlot(engine, NEVER_ALONE if info.role == "target" else AS_FED), max_seq_len
+    engine = EngineSlot(Engine(path, info, max_seq_len), NEVER_ALONE if info.role == "target" else AS_FED)
+    engine.read_logits(True)
+    return engine, max_seq_len
 
 
 def _nll(logits: np.ndarray, targets: list[int], rows: int = 64) -> list[float]:
@@ -226,7 +223,7 @@ def _nll(logits: np.ndarray, targets: list[int], rows: int = 64) -> list[float]:
 def _logits(engine: EngineSlot, ids: list[int]) -> np.ndarray:
     """[S, V] fp32 logits at every position of ids, from an empty cache."""
     engine.step(ids, total_len=len(ids), num_drafts=len(ids) - 1)
-    return engine.output(LOGITS)
+    return engine.logits()
 
 
 def _greedy(engine: EngineSlot, prompt: list[int], count: int) -> tuple[list[int], float]:

@@ -34,7 +34,7 @@ from ..validation import Request
 from . import protocol
 from .chat import ChatRequestError, SuppliedTemplate, load_chat_template
 from .metrics import Metrics
-from .protocol import CHAT, COMPLETIONS, ApiError, Reply, sse
+from .protocol import CHAT, COMPLETIONS, ApiError, Logprobs, Reply, sse
 from .scheduler import Job, Overloaded, Scheduler, Stopped, Unavailable
 from .tools import tool_parser
 
@@ -153,18 +153,19 @@ class Server:
             job = await self._submitted_unless_gone(http, request)
         except Exception as exc:  # a bug among them is answered (500, logged, counted) here, where the
             return self._refuse(endpoint, exc)  # connection stays usable: Starlette's last handler closes it
+        logprobs = "logprobs" in request.decoding
         reply = Reply(endpoint, self.settings.model, self.tool_parser if request.parse_tools else None,
-                      request.parallel_tool_calls)
+                      request.parallel_tool_calls, Logprobs(endpoint, self.decoder.tokenizer) if logprobs else None)
         if request.stream:
             return self._stream(endpoint, job, reply, request.include_usage)
         try:
-            text = await self._collect(job, http)
+            text, records = await self._collect(job, http, logprobs)
         except Stopped as stop:
             return self._refuse(endpoint, stop, job.started)
         except Exception as exc:
             return self._refuse(endpoint, exc)
         self.metrics.outcome(endpoint, "ok")
-        return JSONResponse(reply.whole(text, job.stats))
+        return JSONResponse(reply.whole(text, job.stats, records))
 
     async def _body_unless_cut(self, http: HttpRequest) -> bytes:
         """The request body, or Stopped("shutdown") once the grace period after SIGTERM ends before it has arrived: the
@@ -246,10 +247,14 @@ class Server:
         # a format whose tags are special tokens (Mistral's) is read from a text that keeps them, as vLLM reads it
         return replace(checked, special_tokens=True) if request.parse_tools and self.tool_parser.special_tokens else checked
 
-    async def _collect(self, job, http: HttpRequest) -> str:
-        """The whole text of a job, stopping it if the client disconnects first."""
-        async def join() -> str:
-            return "".join([delta async for delta in job])
+    async def _collect(self, job, http: HttpRequest, logprobs: bool) -> tuple[str, list]:
+        """The whole text of a job and (logprobs) its tokens' TokenLogprobs, stopping it if the client disconnects
+        first."""
+        async def join() -> tuple[str, list]:
+            items = [item async for item in job]
+            if not logprobs:
+                return "".join(items), []
+            return "".join(delta for delta, _ in items), [record for _, records in items for record in records]
 
         collecting = asyncio.ensure_future(join())
         leaving = asyncio.ensure_future(_disconnected(http))
@@ -275,19 +280,26 @@ class Server:
             if endpoint == CHAT:
                 yield sse(reply.chunk(first=True))
             try:
-                async for delta in job:
-                    if reply.tool_stream is None:
-                        yield sse(reply.chunk(delta))
-                    elif content := reply.tool_stream.feed(delta):
-                        yield sse(reply.chunk(content))
+                # With logprobs a job yields (delta, its tokens' records) after every token: records whose text is
+                # held back (a possible stop string, a tool call) go with the next chunk that has text, or the last.
+                held = []
+                async for item in job:
+                    delta, records = item if reply.logprobs else (item, ())
+                    held += records
+                    if delta and reply.tool_stream is not None:
+                        delta = reply.tool_stream.feed(delta)
+                    if delta:
+                        yield sse(reply.chunk(delta, records=held))
+                        held = []
                 calls = []
                 if reply.tool_stream is not None:
                     rest, calls = reply.tool_stream.end()
                     if rest:
-                        yield sse(reply.chunk(rest))
+                        yield sse(reply.chunk(rest, records=held))
+                        held = []
                     if calls:
                         yield sse(reply.tool_calls_chunk(calls))
-                yield sse(reply.chunk(stats=job.stats, called=bool(calls)))
+                yield sse(reply.chunk(stats=job.stats, called=bool(calls), records=held))
                 if include_usage:
                     yield sse(reply.usage_chunk(job.stats))
                 outcome = "ok"

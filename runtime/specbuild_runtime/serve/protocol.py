@@ -7,15 +7,21 @@ fits the context) is decided by the runtime's request validation, the one place 
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
+
+from tokenizers import Tokenizer
 
 from ..decode import Stats
 from ..errors import RequestError
-from ..validation import GREEDY_BELOW, check_sampling, whole
+from ..logprobs import TokenLogprobs
+from ..validation import GREEDY_BELOW, MAX_LOGPROBS, check_sampling, whole
 from .tools import PARSERS, ToolParser, checked_tools
 
 COMPLETIONS, CHAT = "completions", "chat"
@@ -24,9 +30,10 @@ DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: None}  # OpenAI's defaults; None: u
 # Fields each endpoint reads. "gamma" is specbuild's own: draft tokens per round, "auto" by default.
 DECODING = ("temperature", "top_p", "top_k", "seed", "stop", "gamma")
 FIELDS = {
-    COMPLETIONS: {"model", "prompt", "max_tokens", "stream", "stream_options", "n", *DECODING},
-    CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n", *DECODING,
-           "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "tools", "tool_choice"},
+    COMPLETIONS: {"model", "prompt", "max_tokens", "stream", "stream_options", "n", "logprobs", *DECODING},
+    CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n", "logprobs",
+           "top_logprobs", *DECODING, "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "tools",
+           "tool_choice"},
 }
 STREAM_OPTIONS = {"include_usage"}
 # Bookkeeping that does not change the output; safety_identifier and prompt_cache_key are what the openai
@@ -34,11 +41,11 @@ STREAM_OPTIONS = {"include_usage"}
 IGNORED = {"user", "safety_identifier", "prompt_cache_key", "metadata", "store"}
 # OpenAI parameters this server does not implement: refused unless left at their neutral value, never ignored
 # (tools and tool_choice only on completions: chat reads them).
-UNSUPPORTED = {"logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "presence_penalty",
+UNSUPPORTED = {"echo", "best_of", "suffix", "logit_bias", "presence_penalty",
                "frequency_penalty", "tools", "tool_choice", "functions", "function_call", "response_format",
                "parallel_tool_calls", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options"}
 
-FLAGS = {"logprobs", "echo", "parallel_tool_calls"}  # the unsupported parameters that are true/false
+FLAGS = {"echo", "parallel_tool_calls"}  # the unsupported parameters that are true/false
 # chat_template_kwargs that are not template variables, refused as vLLM refuses them or fails on them: vLLM (and
 # transformers) pass the request's object as keyword arguments of apply_chat_template, where these would choose
 # another template, tokenize differently or clash with the messages. add_generation_prompt and
@@ -169,7 +176,7 @@ def invalid(exc: Exception) -> ApiError:
     for runtime_name, api_name in RUNTIME_NAMES.items():
         if message.startswith(runtime_name):
             message = api_name + message[len(runtime_name):]
-    param = next((name for name in (*DECODING, "max_tokens", "prompt") if message.startswith((name, f"the {name}", f"a {name}"))),
+    param = next((name for name in (*DECODING, "max_tokens", "logprobs", "prompt") if message.startswith((name, f"the {name}", f"a {name}"))),
                  None)
     return ApiError(400, message, param)
 
@@ -182,7 +189,7 @@ class Request:
     prompt: str | list | None  # completions: text or token ids; chat: None (see messages)
     messages: list | None  # chat: the conversation, rendered with the bundle's template
     max_tokens: object  # checked by the runtime; None: until the context is full
-    decoding: dict  # temperature, top_p, top_k, seed, stop, gamma as the runtime names them
+    decoding: dict  # temperature, top_p, top_k, seed, stop, gamma, logprobs as the runtime names them
     stream: bool
     include_usage: bool
     # chat: ChatTemplate.render's add_generation_prompt, continue_final_message, variables and tools
@@ -229,7 +236,7 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
     if "temperature" not in decoding and shaping and defaults.greedy:
         raise ApiError(400, f"{shaping[0]} shapes sampling, and without a temperature this server decodes greedily "
                             f"({defaults.source}; OpenAI's default is 1): send a temperature too, e.g. 1", shaping[0])
-    decoding = {**defaults.values, **decoding}
+    decoding = {**defaults.values, **decoding, **_logprobs(endpoint, body)}
     max_tokens = _first_given(body, *(["max_completion_tokens"] if endpoint == CHAT else []), "max_tokens")
     for name in ("max_completion_tokens", "max_tokens") if endpoint == CHAT else ():
         try:  # checked here, where its own name is known (the runtime's errors say max_tokens), both if both given
@@ -254,6 +261,23 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
         return Request(CHAT, None, body["messages"], max_tokens, decoding, stream, include_usage, chat, parse_tools,
                        body.get("parallel_tool_calls") is not False)
     return Request(COMPLETIONS, _one_prompt(body), None, max_tokens, decoding, stream, include_usage)
+
+
+def _logprobs(endpoint: str, body: dict) -> dict:
+    """{"logprobs": the alternatives to show beside each token} where the request asks for logprobs, else {}:
+    completions' `logprobs` N (checked by the runtime), chat's `logprobs: true` with `top_logprobs` N (0 if absent)."""
+    if endpoint == COMPLETIONS:  # false (0 == False: by identity), which this server took for none before, stays none
+        value = body.get("logprobs")
+        return {} if value is None or value is False else {"logprobs": value}
+    wanted, top = _flag(body, "logprobs"), body.get("top_logprobs")
+    if top is not None:
+        try:
+            whole("top_logprobs", top, low=0, high=MAX_LOGPROBS)
+        except RequestError as exc:
+            raise ApiError(400, str(exc), "top_logprobs") from None
+        if not wanted:  # vLLM's refusal: top_logprobs alone would be ignored
+            raise ApiError(400, "top_logprobs needs logprobs: send \"logprobs\": true with it", "top_logprobs")
+    return {"logprobs": top or 0} if wanted else {}
 
 
 def _tools(body: dict, tool_parser: str | None) -> tuple[list[dict] | None, bool]:
@@ -296,11 +320,11 @@ def _first_given(body: dict, *names: str):
 
 
 def _neutral(name: str, value) -> bool:
-    """Whether an unsupported parameter is left as if absent (`"logprobs": null`, `"best_of": 1`, ...)."""
+    """Whether an unsupported parameter is left as if absent (`"echo": null`, `"best_of": 1`, ...)."""
     if value in NEUTRAL.get(name, []) and type(value) not in (int, float):  # True == 1 == 1.0: only the values listed
         return True
-    if type(value) in (int, float):  # completions' "logprobs": 0 asks for the chosen tokens' logprobs
-        return value == (1 if name == "best_of" else 0) and name != "logprobs"
+    if type(value) in (int, float):
+        return value == (1 if name == "best_of" else 0)
     if type(value) is bool:  # false is absent only where the parameter is a flag; a number given false is wrong
         return not value and name in FLAGS
     return value in (None, "", [], {})
@@ -350,24 +374,60 @@ def _template_variables(body: dict, generation_prompt: bool, continue_final: boo
     return {name: value for name, value in variables.items() if name not in flags}
 
 
+# vLLM's floor for a logprob in a response: -inf (a token the logits rule out) is no JSON number, OpenAI writes -9999.
+LOGPROB_FLOOR = -9999.0
+
+
+class Logprobs:
+    """A request's TokenLogprobs in OpenAI's shapes, as vLLM writes them: each token's text is its id decoded alone,
+    special tokens as written, and each logprob is at least LOGPROB_FLOOR. Completions: the legacy object, whose
+    top_logprobs map the N most probable tokens' texts (N: the request's) and the chosen token's (up to N + 1, as
+    OpenAI's API says) to their logprobs, and text_offset says where each token's text begins, counted over the
+    tokens' texts from `offset` (a stream's chunk: the text sent before it). Chat: `content` entries with each
+    token's UTF-8 bytes, whose top_logprobs are the N most probable tokens, the most probable first (vLLM lists the
+    chosen token first, then fewer of the others: OpenAI's shape is taken)."""
+
+    def __init__(self, endpoint: str, tokenizer: Tokenizer):
+        self.endpoint = endpoint
+        self._text = partial(tokenizer.decode, skip_special_tokens=False)
+
+    def of(self, records: Sequence[TokenLogprobs], offset: int = 0) -> dict:
+        if self.endpoint == CHAT:
+            return {"content": [{**self._entry(r.token_id, r.logprob),
+                                 "top_logprobs": [self._entry(token, logprob) for token, logprob in r.top]}
+                                for r in records]}
+        tokens = [self._text([r.token_id]) for r in records]
+        return {"tokens": tokens, "token_logprobs": [max(r.logprob, LOGPROB_FLOOR) for r in records],
+                "top_logprobs": [{self._text([token]): max(logprob, LOGPROB_FLOOR)
+                                  for token, logprob in ((r.token_id, r.logprob), *r.top)} for r in records],
+                "text_offset": list(itertools.accumulate(map(len, tokens), initial=offset))[:len(tokens)]}
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        text = self._text([token])
+        return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(text.encode("utf-8", "replace"))}
+
+
 class Reply:
     """Builds the bodies of one request's response: a whole one, or stream chunks. With `tool_parser` (a chat whose
     tool_choice is "auto": serve's --tool-call-parser), the text's tool calls are parsed out of it by that parser
     (see tools.py); a stream's text goes through `tool_stream`, and its calls come as tool_calls_chunk. Without
     `parallel_tool_calls`, the first call alone is answered (a model asked for one may write more: vLLM keeps the
-    first)."""
+    first). With `logprobs` (the request asks for them), each choice carries the logprobs of its tokens."""
 
     def __init__(self, endpoint: str, model: str, tool_parser: ToolParser | None = None,
-                 parallel_tool_calls: bool = True):
+                 parallel_tool_calls: bool = True, logprobs: Logprobs | None = None):
         self.endpoint, self.model = endpoint, model
         self.id = ("chatcmpl-" if endpoint == CHAT else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.parse_calls = tool_parser.parse if tool_parser else None
         self.tool_stream = tool_parser.stream() if tool_parser else None
         self.most_calls = None if parallel_tool_calls else 1
+        self.logprobs = logprobs
+        self.sent = 0  # characters of text streamed so far (completions' text_offset)
 
-    def whole(self, text: str, stats: Stats) -> dict:
+    def whole(self, text: str, stats: Stats, records: Sequence[TokenLogprobs] = ()) -> dict:
         finish = FINISH_REASONS[stats.finish_reason]
+        logprobs = self.logprobs.of(records) if self.logprobs else None
         if self.endpoint == CHAT:
             message = {"role": "assistant", "content": text}
             if self.parse_calls:
@@ -375,22 +435,25 @@ class Reply:
                 message = {"role": "assistant", "content": content,
                            **({TOOL_CALLS: calls[:self.most_calls]} if calls else {})}
                 finish = TOOL_CALLS if calls else finish
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return {**self._head("chat.completion" if self.endpoint == CHAT else "text_completion"),
                 "choices": [choice], "usage": usage(stats)}
 
     def chunk(self, text: str | None = None, stats: Stats | None = None, first: bool = False,
-              called: bool = False) -> dict:
-        """A delta of text; with `stats`, the closing chunk that carries the finish reason ("tool_calls" where
-        `called`: tool calls were sent)."""
+              called: bool = False, records: Sequence[TokenLogprobs] = ()) -> dict:
+        """A delta of text and the logprobs of the tokens `records` (those decoded since the last chunk); with
+        `stats`, the closing chunk that carries the finish reason ("tool_calls" where `called`: tool calls were
+        sent)."""
         finish = (TOOL_CALLS if called else FINISH_REASONS[stats.finish_reason]) if stats else None
+        logprobs = self.logprobs.of(records, self.sent) if self.logprobs and not first else None
         if self.endpoint == CHAT:
             delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        self.sent += len(text or "")
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice]}
 
     def tool_calls_chunk(self, calls: list[dict]) -> dict:

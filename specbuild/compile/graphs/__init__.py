@@ -37,15 +37,15 @@ __all__ = ["LOGITS", "build_decoder", "build_draft_steps", "build_sampler", "che
 
 
 def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_size: int | None = None,
-                  with_logits: bool = False, progress: Callable[[int], None] = lambda nbytes: None,
+                  progress: Callable[[int], None] = lambda nbytes: None,
                   sampling: bool = True, tokens: int | None = None, rope_switch: int = 0) -> ir.Model:
     """The engine graph for one model (see specbuild_runtime.manifest for its I/O contract).
 
     vocab_size: cut the embedding table and LM head to this many rows (a draft's padding rows past the
     target's vocabulary). tokens: a draft's only: cut them further to the tokenizer's ids (engine_vocab).
-    with_logits adds the fp32 `logits` [D+1, V] as an output, for tests.
-    sampling False: the greedy-only graph (no sampling inputs, no `probs`, no control flow), with the fp32
-    `logits` [D+1, V] as an output, from which the bundle's sampler (build_sampler) samples.
+    Every graph outputs the fp32 `logits` [D+1, V] its tail decides on: the runtime binds them for requests
+    that ask for logprobs alone, and the bundle's sampler (build_sampler) samples from those of the greedy-only
+    graph (sampling False: no sampling inputs, no `probs`, no control flow).
     rope_switch: a LongRoPE target's original length, below max_seq_len (load.rope_switch_length): the graph
     then holds both rotary tables and an input `long_rope` (0 or 1) choosing one for the call.
     """
@@ -67,8 +67,7 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
     hidden, presents, head = FAMILIES[spec.family](g, spec, ids, att, max_seq_len, vocab)
     accepted, next_token, probs, logits = verification(g, hidden, input_ids, num_drafts, lambda x: linear(g, x, head),
                                                        sampling_inputs, spec.final_softcap)
-    if with_logits or not sampling:
-        g.output(logits, LOGITS, FLOAT, ["D+1", vocab])
+    g.output(logits, LOGITS, FLOAT, ["D+1", vocab])
     g.output(accepted, "accepted", INT64, [])
     g.output(next_token, "next_token", INT64, [])
     if sampling:

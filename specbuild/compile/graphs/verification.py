@@ -13,7 +13,7 @@ from .builder import GraphBuilder
 FLOAT = ir.DataType.FLOAT
 DOUBLE = ir.DataType.DOUBLE
 INT64 = ir.DataType.INT64
-LOGITS = "logits"  # the fp32 [D+1, V] logits every decision is made from (an output only in test graphs)
+LOGITS = "logits"  # the fp32 [D+1, V] logits every decision is made from (an output of every engine graph)
 # next_token where the logits it is decided from hold NaN or +inf (an fp16 engine that overflows): no token is
 # right there, and the sampling tail would draw token 0 from NaN probabilities without a word.
 NOT_FINITE = -1

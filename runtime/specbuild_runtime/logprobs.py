@@ -1,0 +1,37 @@
+"""Each generated token's log-probability under the target, and the most probable alternatives, as vLLM reports
+them by default (logprobs_mode "raw_logprobs"): the log-softmax of the target's own logits for that token's row,
+before temperature, top-k and top-p shape the distribution a token is drawn from."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float  # log p(token_id); -inf for a token the logits rule out
+    top: tuple[tuple[int, float], ...]  # (token id, logprob) of the most probable tokens, most probable first
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
+    """The record of `token` drawn after a row of fp32 logits [V], with its `top` most probable tokens (ties: the lower
+    id first). The normalizer is the float32 exponentials' sum in float64 (float64 throughout took 4 ms a 152k row
+    here, this under 1 ms); each logprob is its logit less it, rounded to float32. A row's numbers depend on its
+    logits alone, which the target computes bit for bit alike however rows are grouped into calls (slot.Rows)."""
+    peak = logits.max()
+    log_z = float(peak) + math.log(np.exp(logits - peak).sum(dtype=np.float64))
+    best, top = (), min(top, len(logits))
+    if top:
+        # The top-th largest logit, then every id at or above it (ties at the cut all taken, before the ids choose)
+        cut = np.partition(logits, len(logits) - top)[len(logits) - top]
+        ids = np.flatnonzero(logits >= cut)
+        best = tuple((int(i), _less(logits[i], log_z)) for i in ids[np.lexsort((ids, -logits[ids]))][:top])
+    return TokenLogprobs(token, _less(logits[token], log_z), best)
+
+
+def _less(logit: np.float32, log_z: float) -> float:
+    return float(np.float32(float(logit) - log_z))

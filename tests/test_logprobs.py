@@ -1,0 +1,155 @@
+"""Each token's logprobs: the target's raw log-softmax for the row that decided it, whatever γ, the draft or the
+grouping of rows into calls, and only for requests that ask."""
+
+import asyncio
+import math
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import PROMPTS
+from specbuild.reference import load_reference
+from specbuild_runtime import RequestError, SpeculativeDecoder, Stats, TokenLogprobs
+from specbuild_runtime.logprobs import token_logprobs
+
+NEW_TOKENS = 23  # not a multiple of γ+1 for any γ tested: max-new-tokens lands inside a round
+
+
+def transformers_log_softmax(model, ids: list[int], tokens: list[int]) -> np.ndarray:
+    """torch.log_softmax of transformers' fp32 logits at the rows that predict each of tokens after ids."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1].float()
+    return torch.log_softmax(logits, dim=-1).numpy()
+
+
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=0.7, top_k=5, top_p=0.9, seed=3)], ids=["greedy", "sampled"])
+def test_logprobs_are_transformers_log_softmax_before_temperature_top_k_and_top_p(sampling, bundles, checkpoints,
+                                                                                    tokenizer):
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    model = load_reference(checkpoints("llama"))
+    for prompt in PROMPTS[:3]:
+        ids = tokenizer(prompt)["input_ids"]
+        result = decoder.generate(ids, NEW_TOKENS, gamma=3, logprobs=5, **sampling)
+        expected = transformers_log_softmax(model, ids, result.token_ids)
+        assert [r.token_id for r in result.logprobs] == result.token_ids
+        for record, row in zip(result.logprobs, expected):
+            assert record.logprob == pytest.approx(row[record.token_id], abs=1e-5)
+            assert [token for token, _ in record.top] == np.argsort(-row, kind="stable")[:5].tolist()
+            assert np.allclose([logprob for _, logprob in record.top], np.sort(row)[::-1][:5], atol=1e-5)
+
+
+@pytest.mark.parametrize("draft_seed", [0, 1], ids=["same draft", "unrelated draft"])
+def test_logprobs_are_the_same_bits_at_every_gamma_as_the_target_alone(draft_seed, bundles, tokenizer):
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=draft_seed), draft_steps=True)
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        alone = decoder.generate(ids, NEW_TOKENS, gamma=0, logprobs=20)
+        for gamma in (1, 2, 3, 5, 8, "auto"):
+            assert decoder.generate(ids, NEW_TOKENS, gamma=gamma, logprobs=20).logprobs == alone.logprobs, (gamma, prompt)
+
+
+def test_a_seeded_sampled_request_gets_the_same_logprobs_with_or_without_asking_for_them_at_any_gamma(bundles, tokenizer):
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    ids = tokenizer(PROMPTS[1])["input_ids"]
+    for gamma in (0, 2, "auto"):
+        plain = decoder.generate(ids, NEW_TOKENS, gamma=gamma, temperature=0.8, seed=5)
+        asked = decoder.generate(ids, NEW_TOKENS, gamma=gamma, temperature=0.8, seed=5, logprobs=0)
+        assert asked.token_ids == plain.token_ids and plain.logprobs is None
+        assert [r.token_id for r in asked.logprobs] == asked.token_ids and all(r.top == () for r in asked.logprobs)
+
+
+def test_a_request_after_one_with_logprobs_binds_the_outputs_a_fresh_slot_binds(bundles, tokenizer):
+    """A request that does not ask runs as before logprobs existed: the target's calls fetch no logits."""
+    fresh, used = (SpeculativeDecoder(bundles("llama", draft_seed=1)) for _ in range(2))
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    used.generate(ids, 8, gamma=3, logprobs=2)
+    outputs = []
+    for decoder in (fresh, used):
+        assert decoder.generate(ids, 8, gamma=3).token_ids == fresh.generate(ids, 8, gamma=3).token_ids
+        with decoder.slots.take() as slot:
+            outputs.append(len(slot.target.binding.get_outputs()))
+    assert outputs[0] == outputs[1]
+
+
+def test_stream_and_astream_yield_each_tokens_record_and_stream_request_pairs_them_with_their_text(bundles, tokenizer):
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    ids = tokenizer(PROMPTS[3])["input_ids"]
+    whole = decoder.generate(ids, NEW_TOKENS, logprobs=4)
+    assert list(decoder.stream(ids, NEW_TOKENS, logprobs=4)) == whole.logprobs
+
+    async def collected():
+        return [record async for record in decoder.astream(ids, NEW_TOKENS, logprobs=4)]
+    assert asyncio.run(collected()) == whole.logprobs
+    assert asyncio.run(decoder.agenerate(ids, NEW_TOKENS, logprobs=4)).logprobs == whole.logprobs
+    for every_token in (False, True):
+        pairs = list(decoder.stream_request(decoder.request(ids, NEW_TOKENS, logprobs=4), Stats(), every_token))
+        assert "".join(delta for delta, _ in pairs) == whole.text
+        assert [record for _, records in pairs for record in records] == whole.logprobs
+        if every_token:  # a pair after each token, then the text held back to the end, if any
+            assert [len(records) for _, records in pairs[:NEW_TOKENS]] == [1] * NEW_TOKENS
+        else:
+            assert all(delta for delta, _ in pairs)
+
+
+def test_a_stop_string_keeps_the_logprobs_of_the_tokens_up_to_the_one_that_completed_it(bundles, tokenizer):
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    ids = tokenizer(PROMPTS[2])["input_ids"]
+    free = decoder.generate(ids, NEW_TOKENS, logprobs=1)
+    stop = free.text[len(free.text) // 2:][:3]
+    cut = decoder.generate(ids, NEW_TOKENS, stop=[stop], logprobs=1)
+    assert cut.stats.finish_reason == "stop" and len(cut.token_ids) < len(free.token_ids)
+    assert cut.logprobs == free.logprobs[:len(cut.token_ids)]
+    pairs = list(decoder.stream_request(decoder.request(ids, NEW_TOKENS, stop=[stop], logprobs=1), Stats()))
+    assert [record for _, records in pairs for record in records] == cut.logprobs
+
+
+def test_a_bundle_compiled_before_engines_gave_logits_decodes_and_refuses_logprobs_in_one_line(bundles, tokenizer,
+                                                                                               tmp_path):
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(bundles("llama", draft_seed=1), old)
+    for file in ("target.onnx", "draft.onnx"):  # as compiled before: no logits output
+        model = onnx.load(str(old / file), load_external_data=False)
+        kept = [output for output in model.graph.output if output.name != "logits"]
+        del model.graph.output[:]
+        model.graph.output.extend(kept)
+        onnx.save(model, str(old / file))
+    decoder = SpeculativeDecoder(old, check_digests=False)
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    assert decoder.generate(ids, 8, gamma=3).token_ids == SpeculativeDecoder(bundles("llama", 1)).generate(ids, 8, gamma=3).token_ids
+    with pytest.raises(RequestError, match=r"^\S+ was compiled before its engines gave their logits, so it gives no "
+                                           r"logprobs: recompile it with `specbuild compile`$"):
+        decoder.generate(ids, 8, logprobs=0)
+
+
+@pytest.mark.parametrize("logprobs,message", [
+    (21, "logprobs must be from 0 to 20"), (-1, "logprobs must be from 0 to 20"), (True, "logprobs must be a whole number"),
+    (2.0, "logprobs must be a whole number"),
+])
+def test_logprobs_beyond_twenty_or_not_a_whole_number_are_refused(logprobs, message, bundles):
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    with pytest.raises(RequestError, match=message):
+        decoder.request("def f():", logprobs=logprobs)
+
+
+def test_a_records_top_breaks_ties_by_the_lower_id_and_a_ruled_out_token_is_minus_infinity():
+    logits = np.array([1.0, 3.0, 3.0, -np.inf, 3.0, 0.5], np.float32)
+    record = token_logprobs(logits, 3, top=2)
+    z = math.log(math.exp(1) + 3 * math.exp(3) + math.exp(0.5))
+    assert record == TokenLogprobs(3, -math.inf, ((1, pytest.approx(3 - z)), (2, pytest.approx(3 - z))))
+    assert token_logprobs(logits, 0, top=20).top[-1][0] == 3  # every token, however few
+
+
+def test_a_rows_logprobs_are_the_same_bits_wherever_the_row_sits_in_memory():
+    """Rows of a call's logits start at any offset where the vocabulary is no multiple of 16 (GPT-2's 50257): no
+    numpy kernel may round them by their alignment."""
+    row = (np.random.default_rng(0).standard_normal(50257) * 4).astype(np.float32)
+    expected = token_logprobs(row, 11, top=20)
+    for offset in range(1, 17):
+        buffer = np.zeros(offset + len(row), np.float32)
+        buffer[offset:] = row
+        assert token_logprobs(buffer[offset:], 11, top=20) == expected
