@@ -203,7 +203,7 @@ def cli(debug: bool) -> None:
 @click.option("--draft", type=folder_path, help="Draft checkpoint folder; must share the target's tokenizer.")
 @click.option("--output", "-o", type=folder_path, help="Bundle folder to write (written atomically).")
 @click.option("--gamma", type=Setting("gamma"), help=f"Most draft tokens per round when the runtime adapts γ (1 to {MAX_GAMMA}).  [default: 8]")
-@click.option("--max-seq-len", type=Setting("max_seq_len"), help="Context length the KV cache is allocated for.  [default: min(2048, target's)]")
+@click.option("--max-seq-len", type=Setting("max_seq_len"), help="Context length the KV cache is allocated for.  [default: min(2048, the longest the pair takes)]")
 @click.option("--recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="TOML recipe with these settings; options override it.")
 @click.option("--quantize", type=click.Choice(QUANTIZATIONS), help="Weight quantization of both engines.  [default: none]")
 @click.option("--target-quantize", type=click.Choice(QUANTIZATIONS), help="Override --quantize for the target.")
@@ -372,7 +372,8 @@ def inspect(bundle, as_json) -> None:
         return
     click.echo(f"bundle     {bundle}  (format v{manifest.format_version}, {manifest.created_by}, files intact)")
     gamma = f"max gamma  {manifest.gamma} (adaptive)   " if manifest.engines else ""  # TensorRT-LLM: its plans' draft length
-    click.echo(f"{gamma}max-seq-len {manifest.max_seq_len}   eos {manifest.eos_token_ids}")
+    longest = f" (of up to {manifest.context_limit})" if manifest.context_limit else ""  # older bundles do not say
+    click.echo(f"{gamma}max-seq-len {manifest.max_seq_len}{longest}   eos {manifest.eos_token_ids}")
     if manifest.build:
         click.echo(f"compiled   in {manifest.build['seconds']:.0f} s, peak memory {manifest.build['peak_rss_bytes'] / 2**30:.2f} GiB")
     for role, e in sorted(manifest.engines.items(), key=lambda item: item[0] != "target"):  # the target first

@@ -373,11 +373,12 @@ def test_a_phi3_longrope_engine_and_a_manifest_that_disagree_on_its_switch_are_r
 
 def test_a_phi3_longrope_targets_default_context_is_the_usual_one_past_its_original_length(checkpoints, tmp_path):
     """min(2048, max_position_embeddings) as for other targets (512 here): its engine switches tables at 16."""
-    from specbuild.compile.load import rope_switch_length
+    from specbuild.compile.load import longest_context, rope_switch_length
     from specbuild.compile.pipeline import _max_seq_len
 
     path = checkpoints("phi3", original_max_position_embeddings=16)
     target = load_checkpoint(path, "target")
-    assert _max_seq_len(CompileSettings(target=path, draft=path, output=tmp_path / "b"), target) == 512
+    assert _max_seq_len(CompileSettings(target=path, draft=path, output=tmp_path / "b"),
+                        longest_context(target, "target")) == 512
     assert rope_switch_length(target, "target", 512) == 16
     assert rope_switch_length(target, "target", 16) == rope_switch_length(target, "draft", 512) == 0

@@ -129,6 +129,13 @@ def a_nan_weight(folder: Path) -> None:
     save_file(tensors, weights, metadata={"format": "pt"})
 
 
+def a_larger_draft(paths: dict) -> None:
+    """A draft of the target's shape with a wider MLP: the pair as given the wrong way round."""
+    from conftest import make_checkpoint, make_tokenizer
+
+    paths["draft"] = make_checkpoint(Path(paths["tmp"]) / "larger", "llama", make_tokenizer(), 1, intermediate_size=256)
+
+
 def gemma_with_biases(paths: dict) -> None:
     """A target whose attention biases transformers reads and specbuild's Gemma graph does not."""
     from conftest import make_checkpoint, make_tokenizer
@@ -210,6 +217,7 @@ def config_edit(change: Callable[[dict], None]) -> Callable[[Path], None]:
 add_a_config_key = config_edit(lambda config: config.update(edited=True))
 falcon = config_edit(lambda config: config.update(architectures=["FalconForCausalLM"]))
 without_architectures = config_edit(lambda config: config.pop("architectures"))
+sliding_without_a_window = config_edit(lambda config: config.update(layer_types=["sliding_attention", "full_attention"]))
 pre_quantized = config_edit(lambda config: config.update(quantization_config={"quant_method": "awq", "bits": 4}))
 tied_beside_a_head = config_edit(lambda config: config.update(tie_word_embeddings=True))  # the head stays stored
 
@@ -298,7 +306,7 @@ CASES = [
     Case("`--gamma 0`", compile_args("{tmp}/bundle", "--gamma", "0"), 2, "from 1 to 32",
          "Give 1 to 32; target-only decoding is `generate --gamma 0`."),
     Case("`--max-seq-len 0` or `-5`", compile_args("{tmp}/bundle", "--max-seq-len", "-5"), 2, "2 or more",
-         "Give the context length to allocate, or leave it out for min(2048, the target's)."),
+         "Give the context length to allocate, or leave it out for min(2048, the longest the pair takes)."),
     Case("`--max-seq-len` not above `--gamma`", compile_args("{tmp}/bundle", "--max-seq-len", "3", "--gamma", "4"), 1,
          "context holds 3 tokens", "Give a `--max-seq-len` above `--gamma` (contexts are hundreds of tokens or more)."),
     Case("`--max-seq-len` beyond the model's positions", compile_args("{tmp}/bundle", "--max-seq-len", "4096"), 1,
@@ -382,7 +390,7 @@ CASES = [
          '"prompt" must be a non-empty string', 'Give each line as `{"prompt": "text"}`.',
          setup=write_file("prompts", b'{"prompt": 5}\n')),
     Case("a prompts file with a prompt longer than the bundle's context", ["bench", "{bundle}", "--prompts", "{prompts}",
-         "-n", "4"], 1, "prompt 2 of 2", "Shorten that prompt, or recompile with a larger `--max-seq-len`.",
+         "-n", "4"], 1, "prompt 2 of 2", "Shorten that prompt, or recompile with the `--max-seq-len` the message names.",
          setup=write_file("prompts", PROMPT + b'{"prompt": "' + b"x " * 300 + b'"}\n')),
     Case("`bench --plot out.txt` (a format matplotlib does not write)", ["bench", "{bundle}", "--plot", "{tmp}/out.txt"],
          2, "does not end in a format matplotlib writes", "Name the plot `.png` (or `.svg`, `.pdf`): checked before the run."),
@@ -425,9 +433,16 @@ CASES = [
          setup=lambda paths: (a_copy_of("target", plant_pickle)(paths), write_file("prompts", PROMPT)(paths))),
     Case("a checkpoint folder that does not exist", compile_args(), 1, "is not a folder",
          "Pass a Hugging Face checkpoint folder.", setup=lambda paths: shutil.rmtree(paths["target"])),
+    Case("a Hugging Face Hub model id as `--target` (`meta-llama/Llama-3.2-1B`)",
+         ["compile", "--target", "meta-llama/Llama-3.2-1B", "--draft", "{draft}", "-o", "{tmp}/bundle"], 1,
+         "hf download meta-llama/Llama-3.2-1B --local-dir DIR", "Download the model first and pass its folder: specbuild "
+         "reads local folders only."),
+    Case("a specbuild bundle as `--target` (or `--draft`)",
+         ["compile", "--target", "{bundle}", "--draft", "{draft}", "-o", "{tmp}/bundle"], 1, "is a specbuild bundle, not a "
+         "checkpoint", "Pass the checkpoint folder the bundle was compiled from (`specbuild inspect` names it)."),
     Case("a checkpoint without `config.json`", compile_args(), 1, "has no config.json",
          "Pass a Hugging Face checkpoint folder.", setup=a_copy_of("target", lambda f: (f / "config.json").unlink())),
-    Case("a checkpoint without weights", compile_args(), 1, "has no *.safetensors weights",
+    Case("a checkpoint without weights", compile_args(), 1, "has no *.safetensors weights; download or copy the whole",
          "Pass a complete checkpoint folder.",
          setup=a_copy_of("target", lambda f: next(f.glob("*.safetensors")).unlink())),
     Case("an architecture without a graph builder", compile_args(), 1, "which specbuild does not compile",
@@ -449,8 +464,14 @@ CASES = [
     Case("a tokenizer only as `tokenizer.model` (sentencepiece), no `tokenizer.json`", compile_args(), 1,
          "only as tokenizer.model", "`pip install sentencepiece` (transformers converts the file with it), or add the "
          "model's `tokenizer.json`.", setup=a_copy_of("target", sentencepiece_only)),
+    Case("target and draft swapped (a draft larger than the target)", compile_args(), 1, "more than the target",
+         "Give the model whose output you want as `--target` and a smaller one as `--draft`.", setup=a_larger_draft),
     Case("a draft with another tokenizer", compile_args(), 1, "different tokenizers",
          "Use a draft trained with the target's tokenizer (`specbuild distill` makes one).", setup=other_tokenizer),
+    Case("a draft (or target) whose `layer_types` slide without a `sliding_window`", compile_args(), 1,
+         "transformers cannot build its cache from its config.json", "Fix `layer_types`, `sliding_window` and "
+         "`attention_chunk_size` in the config.json the message names: transformers' own generate fails on it too.",
+         setup=a_copy_of("draft", sliding_without_a_window)),
     Case("truncated `*.safetensors`", compile_args(), 1, "model.safetensors",
          "Download or copy the checkpoint again.", setup=a_copy_of("draft", truncate_weights)),
     Case("`verify --target` (or `distill --target`) a checkpoint with a truncated `*.safetensors`",
@@ -496,7 +517,11 @@ CASES = [
          2, "give --chat too", "Add `--chat`: the template renders the prompt as a chat message; a plain prompt is sent "
          "as it is."),
     Case("a prompt longer than the bundle's context", ["generate", "{bundle}", "-p", "x " * 300, "-n", "4"], 1,
-         "--max-seq-len", "Shorten the prompt or recompile with a larger `--max-seq-len`."),
+         "--max-seq-len", "Shorten the prompt or recompile with the `--max-seq-len` the message names (at most the "
+         "longest context compile takes for these models)."),
+    Case("a prompt longer than any context of the bundle's models", ["generate", "{bundle}", "-p", "x " * 600, "-n", "4"],
+         1, "no context of these models can hold it", "Shorten the prompt to the length the message names: compile "
+         "refuses a longer context for these models."),
     Case("`--max-new-tokens 0`", ["generate", "{bundle}", "-p", "x", "-n", "0"], 2, "x>=1",
          "Ask for at least one token."),
     Case("`--temperature nan`", ["generate", "{bundle}", "-p", "x", "--temperature", "nan"], 2, "not a finite number",

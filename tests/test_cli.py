@@ -667,6 +667,17 @@ def test_output_to_a_full_disk_is_one_line_that_names_stdout(bundles, tmp_path):
     assert result.stderr.startswith("error: cannot write the output to stdout (No space left on device)"), result.stderr
 
 
+def test_inspect_shows_the_longest_context_the_pair_takes_where_the_manifest_records_it(bundles, tmp_path, cli):
+    old = tmp_path / "old"
+    shutil.copytree(bundles("llama"), old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["context_limit"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    before, today = cli.run([["inspect", str(old)], ["inspect", str(bundles("llama"))]])
+    assert "max-seq-len 256   eos" in before["stdout"], before["stdout"] + before["stderr"]
+    assert "max-seq-len 256 (of up to 512)   eos" in today["stdout"], today["stdout"]
+
+
 def test_inspect_says_which_engines_were_made_before_the_non_finite_check(bundles, tmp_path, cli):
     """An engine without not_finite_token (compiled before it) decodes token 0 from NaN logits: inspect says so and what
     to do; a bundle of today says nothing of it, and its engines use one rotary table (no rope_switch_length)."""

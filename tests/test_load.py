@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from conftest import make_checkpoint, save_bf16_shards
 from specbuild.compile.load import eos_token_ids, load_checkpoint
-from specbuild.errors import CheckpointError, UnsupportedModelError
+from specbuild.errors import CheckpointError, PairMismatchError, UnsupportedModelError
 
 
 @pytest.fixture
@@ -318,17 +318,20 @@ def test_a_partial_rotary_factor_transformers_cannot_apply_outside_phi3_is_refus
     assert "\n" not in str(caught.value)
 
 
-def test_a_config_transformers_cannot_build_a_cache_for_is_refused_in_one_line(tokenizer, tmp_path):
+@pytest.mark.parametrize("role", ["target", "draft"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_a_config_transformers_cannot_build_a_cache_for_is_refused_in_one_line(architecture, role, tokenizer, tmp_path):
     # sliding layer_types without a sliding_window: transformers' DynamicCache (asked which positions generate keeps)
-    # raised AttributeError, which compile showed as an internal error
+    # raised AttributeError, which compile showed as an internal error; only a Llama target was asked, so a draft, or a
+    # Qwen2 target (whose windows compile reads itself), compiled silently what transformers cannot generate with
     from specbuild.compile.load import check_context
 
-    ckpt = load_checkpoint(make_checkpoint(tmp_path, "llama", tokenizer, layer_types=["sliding_attention", "full_attention"]),
-                           "target")
+    ckpt = load_checkpoint(make_checkpoint(tmp_path, architecture, tokenizer, sliding_window=None,
+                                           layer_types=["sliding_attention", "full_attention"]), role)
     with pytest.raises(UnsupportedModelError, match="transformers cannot build its cache from its config.json") as caught:
-        check_context(ckpt, "target", 64)
+        check_context(ckpt, role, 64)
     # which of the two checkpoints, as the other config.json refusals say
-    assert str(caught.value).startswith(f"target checkpoint {tmp_path}: ")
+    assert str(caught.value).startswith(f"{role} checkpoint {tmp_path}: ")
     assert "\n" not in str(caught.value) and "layer_types" in str(caught.value)
 
 
@@ -365,3 +368,17 @@ def test_the_transformers_reference_runs_gemma2_eagerly_where_sdpa_would_drop_it
 
     monkeypatch.setattr(modeling_gemma2.Gemma2PreTrainedModel, "_supports_sdpa", True)  # as transformers 4's
     assert load_reference(checkpoints("gemma2")).config._attn_implementation == "eager"
+
+
+def test_a_draft_larger_than_the_target_is_refused_as_a_swapped_pair(checkpoints):
+    """Given the wrong way round, compile wrote a bundle that decoded the smaller model's text, slower than it alone."""
+    from specbuild.compile.load import validate_pair
+
+    small, large = checkpoints("llama"), checkpoints("llama", 1, intermediate_size=256)
+    with pytest.raises(PairMismatchError, match=r"more than the target .*; give the model whose output you want as "
+                                                r"--target and a smaller one as --draft") as caught:
+        validate_pair(load_checkpoint(small, "target"), load_checkpoint(large, "draft"))
+    assert "\n" not in str(caught.value)
+    validate_pair(load_checkpoint(large, "target"), load_checkpoint(small, "draft"))
+    validate_pair(load_checkpoint(small, "target"), load_checkpoint(small, "draft"))  # a pair of equals may test the runtime
+

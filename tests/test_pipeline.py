@@ -57,7 +57,7 @@ def test_compile_without_progress_draws_no_bar_even_on_a_terminal(checkpoints, t
 def test_a_draft_of_another_family_with_the_targets_tokenizer_files_is_accepted(checkpoints, tmp_path):
     """transformers loads the same tokenizer files with another unk token for a Qwen2 checkpoint than for a
     Llama one; decoding never reads unk (or pad), so the pair stands and decodes as the target alone does."""
-    target, draft = checkpoints("llama"), checkpoints("qwen2", 1)
+    target, draft = checkpoints("qwen2"), checkpoints("llama", 1)  # the Qwen2's q/k/v biases: the larger, the target
     assert (target / "tokenizer.json").read_bytes() == (draft / "tokenizer.json").read_bytes()
     compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", max_seq_len=64), show_progress=False)
     decoder = SpeculativeDecoder(tmp_path / "b")
@@ -262,6 +262,16 @@ def test_a_context_too_short_to_generate_is_refused_before_anything_is_written(m
         compile_bundle(CompileSettings(target=checkpoints("llama"), draft=checkpoints("llama"), output=tmp_path / "b",
                                        max_seq_len=max_seq_len), show_progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_default_context_stops_at_the_drafts_positions_and_the_manifest_records_the_pairs_limit(checkpoints,
+                                                                                                     tmp_path):
+    """A draft of fewer positions than the default context (min(2048, the target's 512)) made a compile without
+    --max-seq-len fail, asking for one; the runtime's advice on a too-long prompt stops at the recorded limit."""
+    manifest = compile_bundle(CompileSettings(target=checkpoints("llama"), draft=checkpoints(
+        "llama", 1, max_position_embeddings=128), output=tmp_path / "b", quality_report=False), show_progress=False)
+    assert manifest.max_seq_len == manifest.context_limit == 128
+    assert SpeculativeDecoder(tmp_path / "b").manifest.context_limit == 128
 
 
 @pytest.mark.parametrize("architecture, quantize, gathered", [

@@ -464,7 +464,7 @@ def test_a_chat_prompt_too_long_names_a_context_that_fits_it(server):
     reply = httpx.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x y " * 100}]})
     message = reply.json()["error"]["message"]
     prompt_tokens = int(message.split("the prompt has ")[1].split()[0])
-    assert reply.status_code == 400 and f"({prompt_tokens + 1} would fit this request)" in message, message
+    assert reply.status_code == 400 and f"({prompt_tokens + 1} would fit this request;" in message, message
 
 
 @pytest.mark.parametrize("endpoint, param", [("completions", "prompt"), ("chat/completions", "messages")])
@@ -480,9 +480,9 @@ def test_a_prompt_longer_than_any_tokenization_fits_is_refused_as_a_tokenized_on
 
     tokenized, early = refusal("x y " * 100), refusal("x" * 60_000)  # 400 tokens, at least 119 by byte
     assert {**early, "message": ""} == {**tokenized, "message": ""} and early["param"] == param
-    assert re.fullmatch(r"the prompt has at least (\d+) tokens but this bundle's context is 256; shorten the prompt, or "
-                        r"recompile with a larger --max-seq-len \(at least \d+ to fit this request\) within the model's "
-                        r"max_position_embeddings", early["message"]), early["message"]
+    assert re.fullmatch(r"the prompt has at least (\d+) tokens but this bundle's context is 256, and no context of these "
+                        r"models can hold it \(compile takes --max-seq-len 512 at most\); shorten the prompt to 512 "
+                        r"tokens or fewer", early["message"]), early["message"]
     assert tokenized["message"].startswith("the prompt has ") and "would fit this request" in tokenized["message"]
 
 
@@ -2426,7 +2426,7 @@ def test_generate_refuses_a_prompt_from_stdin_longer_than_any_tokenization_fits_
     run = subprocess.run([sys.executable, "-m", "specbuild", "generate", str(bundle), "-p", "-", "-n", "4", *chat],
                          input="x" * 60_000, capture_output=True, text=True)
     assert run.returncode == 1 and "has at least" in run.stderr and f"context is {MAX_SEQ_LEN}" in run.stderr, run.stderr
-    assert f"(at least {int(run.stderr.split('has at least ')[1].split()[0]) + 4} to fit" in run.stderr
+    assert "no context of these models can hold it (compile takes --max-seq-len 512 at most)" in run.stderr
 
 
 def test_an_empty_api_key_variable_is_refused_not_taken_for_no_key(bundle):

@@ -228,6 +228,7 @@ DAMAGE = [
     ("engines", {"target": {"role": "target"}}, "lacks engines.target."), ("engines.target", None, "engines.target must be an object"),
     ("engines.target.source", {"path": "x"}, "source lacks its path or sha256"),
     ("engines.target.precision", "fp8", "precision"), ("engines.target.shape.num_layers", "3", "num_layers must be"),
+    ("context_limit", 100, "context_limit is 100, below max_seq_len (256)"),
 ]
 
 
@@ -408,3 +409,37 @@ def test_a_list_of_token_ids_longer_than_the_context_is_refused_without_looking_
     assert str(refused.value) == str(checked.value) == (
         f"the prompt has {MAX_LEN + 1} tokens but this bundle's context is {MAX_LEN}; shorten the prompt, or recompile "
         f"with a larger --max-seq-len ({MAX_LEN + 4} would fit this request) within the model's max_position_embeddings")
+
+
+LIMIT = 2 * MAX_LEN
+
+
+@pytest.mark.parametrize("prompt_tokens, max_new_tokens, advice", [
+    (MAX_LEN + 1, 3, f"recompile with a larger --max-seq-len ({MAX_LEN + 4} would fit this request; these models "
+                     f"take up to {LIMIT})"),
+    (MAX_LEN + 1, LIMIT, f"recompile with --max-seq-len {LIMIT}, the most these models take ({MAX_LEN} new tokens "
+                         "after this prompt)"),
+    (LIMIT + 1, 3, f"no context of these models can hold it (compile takes --max-seq-len {LIMIT} at most); shorten "
+                   f"the prompt to {LIMIT} tokens or fewer"),
+], ids=["request-fits-the-limit", "request-passes-the-limit", "prompt-passes-the-limit"])
+def test_a_prompt_too_long_is_never_told_to_recompile_past_the_longest_context_compile_takes(
+        prompt_tokens, max_new_tokens, advice):
+    """The advice named the context the request needed, past the models' max_position_embeddings too, where compile
+    refuses: with the manifest's context_limit it names at most that, or says no context of these models fits."""
+    with pytest.raises(RequestError) as refused:
+        check([1] * prompt_tokens, max_new_tokens=max_new_tokens, context_limit=LIMIT)
+    assert str(refused.value) == (f"the prompt has {prompt_tokens} tokens but this bundle's context is {MAX_LEN}"
+                                  f"{'; shorten the prompt, or ' if prompt_tokens <= LIMIT else ', and '}{advice}")
+
+
+def test_a_bundle_made_before_its_context_limit_was_recorded_loads_and_hedges_its_advice(bundles, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(bundles("llama"), old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    assert manifest.pop("context_limit") == 512  # the models' max_position_embeddings
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    prompt = [1] * 300  # past the bundles' context of 256
+    with pytest.raises(RequestError, match=r"\(600 would fit this request\) within the model's max_position_embeddings$"):
+        SpeculativeDecoder(old).request(prompt, max_new_tokens=300)
+    with pytest.raises(RequestError, match=r"--max-seq-len 512, the most these models take \(213 new tokens after"):
+        SpeculativeDecoder(bundles("llama")).request(prompt, max_new_tokens=300)

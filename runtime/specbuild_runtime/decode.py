@@ -314,7 +314,7 @@ class SpeculativeDecoder:
         """A check refusing, before it is tokenized, text too long for the context with max_new_tokens (as request
         refuses a text prompt), for text tokenized elsewhere: a chat template's render (serve, generate --chat)."""
         return partial(check_text_fits, token_span=self.token_span, max_seq_len=self.max_seq_len,
-                       max_new_tokens=max_new_tokens)
+                       max_new_tokens=max_new_tokens, context_limit=self.manifest.context_limit)
 
     def request(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -326,7 +326,7 @@ class SpeculativeDecoder:
         return check_request(prompt, encode=self.encode, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
                              max_gamma=self.max_gamma, max_new_tokens=max_new_tokens, gamma=gamma,
                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
-                             logprobs=logprobs, token_span=self.token_span)
+                             logprobs=logprobs, token_span=self.token_span, context_limit=self.manifest.context_limit)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,

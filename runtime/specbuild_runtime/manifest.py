@@ -184,6 +184,9 @@ class Manifest:
     # for none): `serve` takes temperature, top_p and top_k from it for requests that omit them, as vLLM does.
     # None in bundles made before it.
     generation_config: dict | None = None
+    # The longest max_seq_len compile accepts for this pair (the models' positions, a LongRoPE target's original
+    # length, a window transformers' cache keeps): a too-long prompt's advice names no more. 0 in bundles made before it.
+    context_limit: int = 0
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
@@ -259,6 +262,8 @@ def _check_values(manifest: "Manifest") -> None:
     """What the types cannot say: ranges, and that every file the runtime opens is one the digests cover."""
     if manifest.max_seq_len < 2:
         raise ValueError(f"max_seq_len is {manifest.max_seq_len}; it must be 2 or more")
+    if manifest.context_limit and manifest.context_limit < manifest.max_seq_len:
+        raise ValueError(f"context_limit is {manifest.context_limit}, below max_seq_len ({manifest.max_seq_len})")
     if not 1 <= manifest.gamma <= MAX_GAMMA:
         raise ValueError(f"gamma is {manifest.gamma}; it must be from 1 to {MAX_GAMMA}")
     for rel in manifest.files:

@@ -97,9 +97,11 @@ class Request:
 
 def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_size: int, max_seq_len: int,
                   max_gamma: int, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
-                  seed=None, stop=None, logprobs=None, token_span: TokenSpan | None = None) -> Request:
+                  seed=None, stop=None, logprobs=None, token_span: TokenSpan | None = None,
+                  context_limit: int = 0) -> Request:
     """The request as plain checked values, or a RequestError naming the first value that is wrong. token_span: the
-    most text one token of `encode`'s tokenizer stands for, where a bound holds (text.token_span)."""
+    most text one token of `encode`'s tokenizer stands for, where a bound holds (text.token_span). context_limit: the
+    longest context compile accepts for the bundle's models (Manifest.context_limit; 0 where unknown)."""
     max_new_tokens = whole("max_new_tokens", max_new_tokens, low=1)
     if gamma != AUTO:
         if isinstance(gamma, str):
@@ -114,31 +116,46 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
     # Each id is a token: the list's length refuses it before a look at each id (2.7M of them, an 8 MB body, held the
     # GIL, and so serve's event loop, for 0.8 s); a batch of texts is told what a call takes (prompt_token_ids)
     if isinstance(prompt, (list, tuple)) and len(prompt) > max_seq_len and isinstance(prompt[0], (int, np.integer)):
-        raise too_long(len(prompt), max_seq_len, max_new_tokens)
-    prompt_ids = prompt_token_ids(prompt, encode, vocab_size,
-                                  lambda text: check_text_fits(text, token_span, max_seq_len, max_new_tokens))
+        raise too_long(len(prompt), max_seq_len, max_new_tokens, context_limit=context_limit)
+    prompt_ids = prompt_token_ids(prompt, encode, vocab_size, lambda text: check_text_fits(
+        text, token_span, max_seq_len, max_new_tokens, context_limit=context_limit))
     if len(prompt_ids) > max_seq_len:
-        raise too_long(len(prompt_ids), max_seq_len, max_new_tokens)
+        raise too_long(len(prompt_ids), max_seq_len, max_new_tokens, context_limit=context_limit)
     return Request(prompt_ids, max_new_tokens, gamma, Sampling(temperature, top_k, top_p, seed), stop_strings(stop),
                    logprobs=logprobs)
 
 
-def check_text_fits(text: str, token_span: TokenSpan | None, max_seq_len: int, max_new_tokens: int) -> None:
+def check_text_fits(text: str, token_span: TokenSpan | None, max_seq_len: int, max_new_tokens: int,
+                    context_limit: int = 0) -> None:
     """Refuses, before it is tokenized, text too long to encode to max_seq_len tokens or fewer, as no token stands for
     more than token_span of it. Tokenizing costs seconds a MB, and serve checks requests one at a time: an 8 MB prompt
     (a 128K context's body limit admits it) held every other request for 13 s, only to be refused."""
     fewest = token_span.fewest_tokens(text) if token_span else 0
     if fewest > max_seq_len:
-        raise too_long(fewest, max_seq_len, max_new_tokens, at_least=True)
+        raise too_long(fewest, max_seq_len, max_new_tokens, at_least=True, context_limit=context_limit)
 
 
-def too_long(tokens: int, max_seq_len: int, max_new_tokens: int, at_least: bool = False) -> RequestError:
-    """The refusal of a prompt of `tokens` tokens (`at_least`: of that many or more), longer than the context."""
+def too_long(tokens: int, max_seq_len: int, max_new_tokens: int, at_least: bool = False,
+             context_limit: int = 0) -> RequestError:
+    """The refusal of a prompt of `tokens` tokens (`at_least`: of that many or more), longer than the context. The
+    recompile it advises stays within context_limit, the longest context compile accepts for these models (0: a bundle
+    made before the manifest recorded it, whose models' limit is unknown here)."""
+    said = f"the prompt has {'at least ' * at_least}{tokens} tokens but this bundle's context is {max_seq_len}"
     need = tokens + max_new_tokens
+    if not context_limit:
+        fit = f"at least {need} to fit this request" if at_least else f"{need} would fit this request"
+        return RequestError(f"{said}; shorten the prompt, or recompile with a larger --max-seq-len ({fit}) within the "
+                            "model's max_position_embeddings")
+    if tokens > context_limit:
+        return RequestError(f"{said}, and no context of these models can hold it (compile takes --max-seq-len "
+                            f"{context_limit} at most); shorten the prompt to {context_limit} tokens or fewer")
+    if need > context_limit:
+        room = f"{'at most ' * at_least}{context_limit - tokens + 1} new tokens"
+        return RequestError(f"{said}; shorten the prompt, or recompile with --max-seq-len {context_limit}, the most "
+                            f"these models take ({room} after this prompt)")
     fit = f"at least {need} to fit this request" if at_least else f"{need} would fit this request"
-    return RequestError(f"the prompt has {'at least ' * at_least}{tokens} tokens but this bundle's context is "
-                        f"{max_seq_len}; shorten the prompt, or recompile with a larger --max-seq-len ({fit}) within the "
-                        "model's max_position_embeddings")
+    return RequestError(f"{said}; shorten the prompt, or recompile with a larger --max-seq-len ({fit}; these models "
+                        f"take up to {context_limit})")
 
 
 def check_sampling(temperature=0.0, top_k=0, top_p=1.0, vocab_size: int = 1) -> tuple[float, int, float]:

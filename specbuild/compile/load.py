@@ -11,6 +11,7 @@ import inspect
 import json
 import math
 import struct
+from collections.abc import Callable
 from importlib.util import find_spec
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from specbuild_runtime.errors import first_line
-from specbuild_runtime.manifest import ModelShape
+from specbuild_runtime.manifest import MANIFEST, ModelShape
 
 from ..errors import CheckpointError, PairMismatchError, UnsupportedModelError
 
@@ -185,9 +186,16 @@ def _digest(files: list[Path]) -> str:
 def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"{role} checkpoint {path} is not a folder; pass a Hugging Face checkpoint folder")
+        # specbuild never downloads: a Hub id given where a folder goes, as transformers takes either
+        hub_id = not path.exists() and not path.is_absolute() and len(path.parts) == 2 and not str(path).startswith(".")
+        raise CheckpointError(f"{role} checkpoint {path} is not a folder; pass a Hugging Face checkpoint folder" + (
+            f"; if {path} is a Hub model id, download it first (`hf download {path} --local-dir DIR`) and pass DIR"
+            if hub_id else ""))
     config_path = path / "config.json"
     if not config_path.is_file():
+        if (path / MANIFEST).is_file():  # the bundle compile wrote, given where its source goes
+            raise CheckpointError(f"{role} checkpoint {path} is a specbuild bundle, not a checkpoint; pass the Hugging Face "
+                                  f"checkpoint folder it was compiled from (`specbuild inspect {path}` names it)")
         raise CheckpointError(f"{role} checkpoint {path} has no config.json; pass a Hugging Face checkpoint folder")
     try:
         raw = json.loads(config_path.read_bytes())
@@ -285,7 +293,8 @@ def _weight_files(path: Path, role: str) -> list[Path]:
             f"{role} checkpoint {path} has only pickled weights (*.bin); specbuild reads safetensors only. "
             "Re-save it with `model.save_pretrained(dir, safe_serialization=True)`"
         )
-    raise CheckpointError(f"{role} checkpoint {path} has no *.safetensors weights")
+    raise CheckpointError(f"{role} checkpoint {path} has no *.safetensors weights; download or copy the whole "
+                          "checkpoint (config.json, tokenizer and *.safetensors) into one folder and pass that")
 
 
 def indexed_files(path: Path) -> list[Path]:
@@ -548,36 +557,46 @@ def _rope_model_spec(config, architecture: str, family: str, path: Path, role: s
 
 def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
     """UnsupportedModelError unless the model's positions reach max_seq_len, and, for the target, unless its engine
-    decodes as transformers does at every length up to max_seq_len (see longrope_length)."""
-    spec = ckpt.spec
+    decodes as transformers does at every length up to max_seq_len (see longrope_length). Of the limits max_seq_len
+    passes, the refusal names the shortest: a context within it meets the others too."""
+    exceeded = [(limit, refusal) for limit, refusal in _context_limits(ckpt, role) if limit < max_seq_len]
+    if exceeded:
+        raise UnsupportedModelError(min(exceeded, key=lambda pair: pair[0])[1](max_seq_len))
+
+
+def longest_context(ckpt: Checkpoint, role: str) -> int:
+    """The longest max_seq_len check_context accepts: what the default stops at and the runtime's advice names at most."""
+    return min(limit for limit, _ in _context_limits(ckpt, role))
+
+
+def _context_limits(ckpt: Checkpoint, role: str) -> list[tuple[int, Callable[[int], str]]]:
+    """Each length max_seq_len must not pass, with its refusal of a longer one; on equal limits the first is named."""
+    spec, limits = ckpt.spec, []
     original = longrope_length(ckpt.config)
     # The draft's rotation only changes which drafts are proposed, never the output. A Phi-3 target switches
-    # tables at runtime (rope_switch_length). Checked before the positions: the length it names is the shorter
-    # one, which a context past both would otherwise learn in a second refusal.
-    if (role == "target" and original is not None and original < max_seq_len and original <= spec.max_position_embeddings
-            and not rope_switch_length(ckpt, role, max_seq_len)):
-        raise UnsupportedModelError(
-            f"max_seq_len {max_seq_len} exceeds the target's LongRoPE original_max_position_embeddings ({original}): "
-            f"transformers' {ckpt.spec.architecture} rotates a sequence up to that length with the short factors and "
+    # tables at runtime (rope_switch_length).
+    if role == "target" and original is not None and not _switches_rope(ckpt):
+        limits.append((original, lambda n: (
+            f"max_seq_len {n} exceeds the target's LongRoPE original_max_position_embeddings ({original}): "
+            f"transformers' {spec.architecture} rotates a sequence up to that length with the short factors and "
             "later positions with the long ones, keeping the keys it cached with the short ones (only Phi-3 recomputes "
             "its cache there, which specbuild reproduces), so the bundle would decode other tokens; give --max-seq-len "
-            f"(or a recipe's max_seq_len) of {original} or less"
-        )
-    ignored = cached_window(ckpt, role) if role == "target" and spec.architecture not in WINDOWED else None
-    if ignored is not None and ignored < max_seq_len:
-        key = next((k for k in ("sliding_window", "attention_chunk_size") if getattr(ckpt.config, k, None) == ignored),
+            f"(or a recipe's max_seq_len) of {original} or less")))
+    # Asked of the draft too: a config.json transformers cannot build a cache for is refused in either role
+    window = cached_window(ckpt, role)
+    if window is not None and role == "target" and spec.architecture not in WINDOWED:
+        key = next((k for k in ("sliding_window", "attention_chunk_size") if getattr(ckpt.config, k, None) == window),
                    "sliding_window")
-        raise UnsupportedModelError(
-            f"max_seq_len {max_seq_len} exceeds the {key} ({ignored}) the target's config.json sets, which "
+        limits.append((window, lambda n: (
+            f"max_seq_len {n} exceeds the {key} ({window}) the target's config.json sets, which "
             f"transformers' {spec.architecture} attention ignores while its cache keeps only that many positions, so "
             f"its decoding past them follows no model; set \"{key}\": null in config.json, or give "
-            f"--max-seq-len (or a recipe's max_seq_len) of {ignored} or less")
-    if max_seq_len > spec.max_position_embeddings:
-        raise UnsupportedModelError(
-            f"max_seq_len {max_seq_len} exceeds the {role}'s max_position_embeddings "
-            f"({spec.max_position_embeddings}); give --max-seq-len (or a recipe's max_seq_len) of "
-            f"{spec.max_position_embeddings} or less"
-        )
+            f"--max-seq-len (or a recipe's max_seq_len) of {window} or less")))
+    positions = spec.max_position_embeddings
+    limits.append((positions, lambda n: (
+        f"max_seq_len {n} exceeds the {role}'s max_position_embeddings ({positions}); give --max-seq-len (or a "
+        f"recipe's max_seq_len) of {positions} or less")))
+    return limits
 
 
 def cached_window(ckpt: Checkpoint, role: str) -> int | None:
@@ -607,10 +626,14 @@ def rope_switch_length(ckpt: Checkpoint, role: str, max_seq_len: int) -> int:
     config's own original_max_position_embeddings) is the length that switches factors. Llama with
     longrope keeps the keys it cached with the short factors, which no re-feed reproduces: refused."""
     original = longrope_length(ckpt.config)
-    if (role != "target" or original is None or max_seq_len <= original or ckpt.spec.architecture != "Phi3ForCausalLM"
-            or getattr(ckpt.config, "original_max_position_embeddings", None) != original):
-        return 0
-    return original
+    return original if role == "target" and _switches_rope(ckpt) and max_seq_len > original else 0
+
+
+def _switches_rope(ckpt: Checkpoint) -> bool:
+    """Whether a target's engine may switch LongRoPE tables (rope_switch_length says why only Phi-3's)."""
+    original = longrope_length(ckpt.config)
+    return (original is not None and ckpt.spec.architecture == "Phi3ForCausalLM"
+            and getattr(ckpt.config, "original_max_position_embeddings", None) == original)
 
 
 def longrope_length(config) -> int | None:
@@ -650,6 +673,20 @@ def validate_pair(target: Checkpoint, draft: Checkpoint) -> None:
         )
     for ckpt in (target, draft):
         check_embedding_rows(ckpt.path, ckpt.spec.shape.vocab_size, t_vocab)
+    # A draft larger than the target only slows decoding, whose output is the target's: given so, the two were most
+    # likely swapped, and the bundle would serve the smaller model's text
+    if (size := _unpadded_parameters(draft)) > (target_size := _unpadded_parameters(target)):
+        raise PairMismatchError(
+            f"the draft {draft.path} has {size:,} parameters, more than the target {target.path} ({target_size:,}): the "
+            "bundle decodes the target's text, here the smaller model's, slower than that model alone; give the model "
+            "whose output you want as --target and a smaller one as --draft")
+
+
+def _unpadded_parameters(ckpt: Checkpoint) -> int:
+    """Its parameters but its embedding (and untied head) rows past its tokenizer's ids, which pad tables of one
+    family to other sizes (Qwen2.5 0.5B's 151936 rows, 7B's 152064)."""
+    padding = max(ckpt.spec.shape.vocab_size - ckpt.token_ids(), 0)
+    return ckpt.parameters() - padding * ckpt.spec.shape.hidden_size * (1 if ckpt.spec.tie_word_embeddings else 2)
 
 
 def check_embedding_rows(path: Path, rows: int, vocab: dict[str, int], role: str = "") -> None:

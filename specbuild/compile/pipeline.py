@@ -27,7 +27,7 @@ from .bundle import staged_bundle, write_manifest
 from .export import export_engine, write_sampler
 from .graphs import check_every_tensor_used
 from .graphs.verification import NOT_FINITE
-from .load import (Checkpoint, check_context, eos_token_ids, load_checkpoint, longrope_length, rope_switch_length,
+from .load import (Checkpoint, check_context, eos_token_ids, load_checkpoint, longest_context, rope_switch_length,
                    sampling_defaults, validate_pair)
 from .precision import DEFAULT_ACCURACY_LEVEL, Numerics
 from .quality import measure_quality, quality_texts
@@ -52,7 +52,8 @@ def _compile(settings: CompileSettings, stages: "_Stages") -> Manifest:
     target = load_checkpoint(settings.target, "target")
     draft = load_checkpoint(settings.draft, "draft")
     validate_pair(target, draft)
-    max_seq_len = _max_seq_len(settings, target)
+    context_limit = min(longest_context(target, "target"), longest_context(draft, "draft"))
+    max_seq_len = _max_seq_len(settings, context_limit)
     for role, ckpt in (("target", target), ("draft", draft)):
         check_context(ckpt, role, max_seq_len)
         check_every_tensor_used(ckpt, role, max_seq_len)
@@ -106,7 +107,7 @@ def _compile(settings: CompileSettings, stages: "_Stages") -> Manifest:
         save_tokenizer(target.tokenizer, folder / TOKENIZER_DIR)
         manifest = Manifest(engines=engines, max_seq_len=max_seq_len, gamma=settings.gamma, eos_token_ids=eos,
                             files={}, created_by=created_by(), tensorrt_llm=trtllm, sampler_file=sampler,
-                            generation_config=sampling_defaults(target))
+                            generation_config=sampling_defaults(target), context_limit=context_limit)
         manifest.build = stages.finish()  # all but the bundle's digests, which write_manifest takes next
         write_manifest(folder, manifest)
     return manifest
@@ -222,13 +223,10 @@ def check_sampler(path: Path, vocab: int) -> None:
                              "draft without mass; this is a specbuild bug, please report it")
 
 
-def _max_seq_len(settings: CompileSettings, target: Checkpoint) -> int:
-    # A LongRoPE target's default stops at its original length too (check_context says why), but for one whose
-    # engine switches tables there (Phi-3)
-    longest = target.spec.max_position_embeddings
-    if not rope_switch_length(target, "target", longest):
-        longest = min(longest, longrope_length(target.config) or longest)
-    max_seq_len = settings.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, longest)
+def _max_seq_len(settings: CompileSettings, context_limit: int) -> int:
+    # The default stops where check_context would refuse a longer one (a short draft, a LongRoPE target's original
+    # length, a window transformers' cache keeps)
+    max_seq_len = settings.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, context_limit)
     if settings.gamma >= max_seq_len:  # a round of γ drafts and the target's token must fit in the context
         raise SettingsError(f"gamma {settings.gamma} drafts a round but the context holds {max_seq_len} tokens; "
                             f"give a max_seq_len above {settings.gamma}, or a smaller gamma")
