@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from conftest import PROMPTS, make_tokenizer
 from specbuild_runtime import DeviceError, RequestError, SpeculativeDecoder, Stats, pool
+from specbuild_runtime.policy import FixedGamma
 from specbuild_runtime.slot import EngineSlot
 from specbuild_runtime.text import TextStream
 
@@ -1036,6 +1037,39 @@ def test_rounds_that_warm_up_or_capture_a_cuda_graph_leave_auto_gammas_costs_alo
     policy = decoder._policies[0][False]
     assert result.stats.rounds > 3 and policy.costs.target_alone is None and policy.costs.target_drafted is None
     assert policy.costs.rounds == [None] * (decoder.max_gamma + 1)
+
+
+def test_a_round_that_waited_on_another_threads_cuda_graph_warm_up_leaves_auto_gammas_costs_alone(bundle, monkeypatch):
+    """Captured calls take turns across threads (engine._CUDA_GRAPH_CALLS), so with --cuda-graphs and --parallel 2+ a
+    round also waits while another thread warms a graph up or captures it; the costs every slot shares took that
+    wait for the round's cost, where only this thread's own warm-ups were counted. Here a second thread's first
+    request (every graph warmed up anew) runs inside a round of a request whose own graphs are all captured."""
+    decoder = SpeculativeDecoder(bundle, parallel=2, cuda_graphs=True)
+    for engine in (decoder.target, decoder.draft):
+        engine.captures = True  # graph ids named as on CUDA (the CPU provider ignores them)
+    judged = []
+
+    class Recording(FixedGamma):
+        def observe(self, *args, timed: bool = True, **kwargs) -> None:
+            if threading.current_thread() is threading.main_thread():
+                judged.append(timed)
+
+    monkeypatch.setattr(decoder, "_policy", lambda slot, request: Recording(request.gamma))
+    for _ in range(3):  # every graph of this request warmed up twice and captured
+        decoder.generate(PROMPTS[0], 16, gamma=2)
+    draft, rounds = decoder._draft, iter(range(10**6))
+
+    def drafting(*args):
+        if threading.current_thread() is threading.main_thread() and next(rounds) == 2:
+            other = threading.Thread(target=decoder.generate, args=(PROMPTS[1], 8), kwargs={"gamma": 2})
+            other.start()
+            other.join()
+        return draft(*args)
+
+    monkeypatch.setattr(decoder, "_draft", drafting)
+    judged.clear()
+    decoder.generate(PROMPTS[0], 16, gamma=2)
+    assert len(judged) > 3 and judged[2] is False and all(judged[:2] + judged[3:]), judged
 
 
 # --- Refusing a prompt longer than the context without tokenizing it ----------------------------------------------

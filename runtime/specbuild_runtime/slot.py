@@ -164,16 +164,25 @@ def graph_id(engine: Engine, index: int, rows: int, num_drafts: int, total_len: 
     return (index * (MAX_REUSED_IDS + 1) + rows) * MAX_REUSED_IDS + num_drafts  # > 0: onnxruntime reserves 0
 
 
-# Per thread: the calls so far that warmed a CUDA graph up or captured it (see unsteady_calls).
-_UNSTEADY = threading.local()
+# The calls so far, in every thread, that warmed a CUDA graph up or captured it (see unsteady_calls).
+_unsteady = 0
+_UNSTEADY_LOCK = threading.Lock()  # CPU tests emulate captures without engine._CUDA_GRAPH_CALLS around them
 
 
 def unsteady_calls() -> int:
-    """How many calls of this thread ran a CUDA graph's warm-up runs or its capture: tens of times a replay's time
+    """How many calls, in any thread, ran a CUDA graph's warm-up runs or its capture: tens of times a replay's time
     (allocations, cuBLAS plans, the capture itself). Auto γ times rounds without them: on an H100 (2026-11-27) a
     one-shot generate priced every γ it had first timed during those calls so high that it kept γ 1 for 69 of
-    72 rounds, and decoded slower captured (611 tok/s) than uncaptured (626, γ 7 in most rounds)."""
-    return getattr(_UNSTEADY, "calls", 0)
+    72 rounds, and decoded slower captured (611 tok/s) than uncaptured (626, γ 7 in most rounds). Counted across
+    threads, not per thread: captured calls take turns (engine._CUDA_GRAPH_CALLS), so a round in one slot also
+    waits out another slot's warm-ups and captures, and the costs auto γ times are shared by every slot."""
+    return _unsteady
+
+
+def _count_unsteady() -> None:
+    global _unsteady
+    with _UNSTEADY_LOCK:
+        _unsteady += 1
 
 
 class CudaGraphs:
@@ -195,7 +204,7 @@ class CudaGraphs:
             runs = counts.get(graph, 0)
             if runs <= WARM_UP_RUNS:
                 counts[graph] = runs + 1
-                _UNSTEADY.calls = unsteady_calls() + 1
+                _count_unsteady()
                 if runs < WARM_UP_RUNS:
                     graph = -1
                 else:  # this run captures it
