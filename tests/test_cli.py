@@ -634,26 +634,31 @@ def test_ctrl_c_is_one_line_in_a_build_log(monkeypatch, capsys):
     assert exited.value.code == 130 and capsys.readouterr().err == "error: interrupted\n"
 
 
-def test_ctrl_c_while_the_command_imports_is_one_line_and_status_130():
-    """The entry point imported numpy and onnxruntime (most of a second) before main() took over: a Ctrl-C then
-    printed a traceback and ended the process by the signal. The interrupt is raised where onnxruntime would load,
-    under the entry point pyproject.toml installs."""
+@pytest.mark.parametrize("interrupt", ["KeyboardInterrupt", "ImportError('initialization failed') from KeyboardInterrupt()"],
+                         ids=["python-module", "extension-module"])
+@pytest.mark.parametrize("project, command, args", [(".", "specbuild", ["inspect", "bundle"]),
+                                                    ("runtime", "specbuild-serve", ["bundle"])])
+def test_ctrl_c_while_the_command_imports_is_one_line_and_status_130(interrupt, project, command, args):
+    """The entry points imported numpy and onnxruntime (most of a second) before main() took over: a Ctrl-C then
+    printed a traceback and ended the process by the signal. The interrupt is raised where onnxruntime's extension
+    module would load, under each entry point pyproject.toml installs: as Python raises it, or as that module's
+    loading (pybind11's) reports it, an ImportError from it."""
     import tomllib
     from pathlib import Path
 
-    module, _, function = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())[
-        "project"]["scripts"]["specbuild"].partition(":")
+    pyproject = Path(__file__).parents[1] / project / "pyproject.toml"
+    module, _, function = tomllib.loads(pyproject.read_text())["project"]["scripts"][command].partition(":")
     script = (
         "import sys\n"
         "class Interrupt:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'onnxruntime':\n"
-        "            raise KeyboardInterrupt\n"
+        "        if name == 'onnxruntime.capi.onnxruntime_pybind11_state':\n"
+        f"            raise {interrupt}\n"
         "sys.meta_path.insert(0, Interrupt())\n"
         f"from {module} import {function}\n"
         f"sys.exit({function}())\n"
     )
-    result = subprocess.run([sys.executable, "-c", script, "inspect", "bundle"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True)
     assert (result.returncode, result.stderr) == (130, "error: interrupted\n"), result.stderr[-2000:]
 
 

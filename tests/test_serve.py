@@ -605,7 +605,7 @@ def test_sigterm_ends_in_flight_streams_cleanly_and_exits(bundle, tmp_path):
 
 SERVE_COMMANDS = pytest.mark.parametrize("command", [
     [sys.executable, "-m", "specbuild", "serve"],
-    [sys.executable, "-c", "import sys; from specbuild_runtime.serve.cli import main; sys.argv[0] = 'specbuild-serve'; main()"],
+    [sys.executable, "-c", "import sys; from specbuild_runtime.serve.command import main; sys.argv[0] = 'specbuild-serve'; main()"],
 ], ids=["specbuild serve", "specbuild-serve"])
 
 
@@ -643,7 +643,7 @@ def test_dash_h_shows_the_help_as_on_every_specbuild_command(command):
 
 def test_specbuild_serves_usage_errors_are_one_line_as_specbuilds(tmp_path):
     """The standalone command a torch-free service runs printed click's three lines (usage, hint, error)."""
-    command = [sys.executable, "-c", "import sys; from specbuild_runtime.serve.cli import main; main()"]
+    command = [sys.executable, "-c", "import sys; from specbuild_runtime.serve.command import main; main()"]
     result = subprocess.run([*command, str(tmp_path), "--model-name", ""], capture_output=True, text=True)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "model-name" in lines[0], \
@@ -654,7 +654,7 @@ def test_specbuild_serve_says_its_version_as_specbuild_does():
     """A service that installs the runtime alone has only specbuild-serve to ask which version it runs."""
     from specbuild_runtime import __version__
 
-    command = [sys.executable, "-c", "import sys; from specbuild_runtime.serve.cli import main; main()"]
+    command = [sys.executable, "-c", "import sys; from specbuild_runtime.serve.command import main; main()"]
     result = subprocess.run([*command, "--version"], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout == f"specbuild-serve, version {__version__}\n", result.stderr
 
