@@ -1972,16 +1972,24 @@ def test_tools_reach_the_chat_template_as_transformers_passes_them(tool_choice, 
     assert ours == expected and '"name": "add"' in tokenizer.decode(expected)
 
 
+def streamed(stream, pieces) -> tuple[str, list[dict]]:
+    """The content and the calls a parser's stream sends for these pieces of a reply, to its end."""
+    content, calls = "", []
+    for piece in pieces:
+        sent, made = stream.feed(piece)
+        content, calls = content + sent, calls + made
+    rest, made = stream.end()
+    return content + rest, calls + made
+
+
 def streams_as_whole(reply: str, parse, stream_class) -> None:
-    """The reply fed to a parser's stream in pieces of 1, 2, 5 characters and whole: the content it sends and the
-    calls it ends with are what the parser makes of the whole reply."""
+    """The reply fed to a parser's stream in pieces of 1, 2, 5 characters and whole: the content and the calls it
+    sends are what the parser makes of the whole reply."""
     content, calls = parse(reply)
     for size in (1, 2, 5, len(reply)):
-        stream = stream_class()
-        sent = "".join(stream.feed(reply[i:i + size]) for i in range(0, len(reply), size))
-        rest, streamed = stream.end()
-        written = [call["function"] for call in streamed], [call["function"] for call in calls]  # ids differ
-        assert (sent + rest, written[0]) == (content or "", written[1]), size
+        sent, made = streamed(stream_class(), [reply[i:i + size] for i in range(0, len(reply), size)])
+        written = [call["function"] for call in made], [call["function"] for call in calls]  # ids differ
+        assert (sent, written[0]) == (content or "", written[1]), size
 
 
 def streamed_tool_calls(client, ask: dict) -> tuple[str, dict, str | None]:
@@ -2158,9 +2166,9 @@ def test_a_llama_reply_with_text_before_its_calls_streams_that_text_and_then_the
     from specbuild_runtime.serve.tools import Llama3JsonStream
 
     stream = Llama3JsonStream()
-    sent = "".join(stream.feed(piece) for piece in ("Let me ", "look: ", LLAMA_CALLING[:9], LLAMA_CALLING[9:]))
+    sent = [stream.feed(piece) for piece in ("Let me ", "look: ", LLAMA_CALLING[:9], LLAMA_CALLING[9:])]
     rest, calls = stream.end()
-    assert (sent, rest, call_list(calls)) == ("Let me look: ", "", CALLED)
+    assert (sent, rest, call_list(calls)) == ([("Let me ", []), ("look: ", []), ("", []), ("", [])], "", CALLED)
 
 
 def test_a_llama_reply_whose_braces_begin_no_call_streams_as_it_comes():
@@ -2168,7 +2176,7 @@ def test_a_llama_reply_whose_braces_begin_no_call_streams_as_it_comes():
     from specbuild_runtime.serve.tools import Llama3JsonStream
 
     stream = Llama3JsonStream()
-    assert [stream.feed(piece) for piece in ("  if x {", "\n  y();", "\n}")] == ["  if x ", "{\n  y();", "\n}"]
+    assert [stream.feed(piece)[0] for piece in ("  if x {", "\n  y();", "\n}")] == ["  if x ", "{\n  y();", "\n}"]
     assert stream.end() == ("", [])
 
 
@@ -2204,8 +2212,10 @@ def test_a_llama_reply_calling_tools_is_answered_with_tool_calls_streamed_or_not
 MISTRAL_CALLING = 'Let me look.[TOOL_CALLS]get_weather[ARGS]{"city": "Zürich"}[TOOL_CALLS]add[ARGS]{"a": 2, "b": 2}'
 MISTRAL_LISTING = ('Let me look. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Zürich"}}, '
                    '{"name": "add", "arguments": {"a": 2, "b": 2}}]')
-# What Llama 3.2 or 4 answers with the pythonic format
+# What Llama 3.2 or 4 answers with the pythonic format, and Llama 4 at times between its code markers (special
+# tokens: in the text where a tokenizer lacks them)
 PYTHONIC_CALLING = '[get_weather(city="Zürich"), add(a=2, b=2)]'
+LLAMA4_CALLING = f"<|python_start|>{PYTHONIC_CALLING}<|python_end|>"
 
 
 def test_a_mistral_reply_is_parsed_into_tool_calls_as_vllms_mistral_parser_parses_it():
@@ -2316,12 +2326,120 @@ def test_a_streamed_pythonic_reply_gives_the_content_and_calls_of_the_whole_repl
     streams_as_whole(reply, *PARSERS["pythonic"][:2])
 
 
+def test_a_llama4_pythonic_reply_is_parsed_into_tool_calls_as_vllms_llama4_pythonic_parser_parses_it():
+    """As pythonic's, where a reply that opens with <|python_start|> is read without it and without every
+    <|python_end|>: its calls, or else that text as content, as vLLM answers it."""
+    from specbuild_runtime.serve.tools import parse_llama4_pythonic, parse_pythonic
+
+    for text in (PYTHONIC_CALLING, LLAMA4_CALLING, "<|python_start|>" + PYTHONIC_CALLING,
+                 "<|python_start|>[get_weather(city=\"Zürich\"),<|python_end|> add(a=2, b=2)]"):
+        content, calls = parse_llama4_pythonic(text)
+        assert content is None and call_list(calls) == CALLED, text
+    assert parse_llama4_pythonic("<|python_start|>print(1)<|python_end|> Done.") == ("print(1) Done.", [])
+    for text in ("No call.", " " + LLAMA4_CALLING, PYTHONIC_CALLING + "<|python_end|>", "[f(a=-1)]"):
+        assert parse_llama4_pythonic(text) == parse_pythonic(text) == (text, []), text
+
+
+@pytest.mark.parametrize("reply", [LLAMA4_CALLING, PYTHONIC_CALLING, LLAMA4_CALLING[:-20],
+                                   "<|python_start|>print(1)<|python_end|> x", "<|python_start|>[f(a='<|python_end')]",
+                                   "<|python_start|>[f(a=1)]<|python_e", "<|python_st", "<|python_start|>",
+                                   "<|python_start|><|python_end|>[f(a=1)]", "<|x|>[f(a=1)]", "No call."],
+                         ids=["calls", "bare-calls", "cut-short", "code", "marker-like-text", "cut-in-marker",
+                              "cut-in-start", "bare-start", "empty-code", "other-marker", "text"])
+def test_a_streamed_llama4_pythonic_reply_gives_the_content_and_calls_of_the_whole_reply_wherever_its_deltas_break(
+        reply):
+    """Text that may be the start of a marker is held until a delta tells; the rest streams as pythonic's."""
+    from specbuild_runtime.serve.tools import PARSERS
+
+    streams_as_whole(reply, *PARSERS["llama4_pythonic"][:2])
+
+
+def test_a_streamed_mistral_reply_sends_each_call_once_the_next_tool_calls_tag_closes_it():
+    """vLLM streams each call as it forms; here each goes out whole once nothing later in the reply can change it:
+    a closed call's name and arguments end at the next tag, and a reply with a call has the content before its first
+    tag. The last one, which more arguments may follow, at the end."""
+    from specbuild_runtime.serve.tools import PARSERS
+
+    stream = PARSERS["mistral"].stream()
+    second = MISTRAL_CALLING.rindex("[TOOL_CALLS]")
+    assert stream.feed(MISTRAL_CALLING[:second]) == ("Let me look.", [])
+    assert stream.feed("[TOOL_") == ("", [])
+    content, calls = stream.feed("CALLS]ad")
+    assert content == "" and call_list(calls) == CALLED[:1]
+    assert stream.feed(MISTRAL_CALLING[second + len("[TOOL_CALLS]ad"):]) == ("", [])
+    rest, calls = stream.end()
+    assert rest == "" and call_list(calls) == CALLED[1:]
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_streams_calls_are_indexed_over_the_stream_and_without_parallel_tool_calls_the_first_alone(parallel):
+    """Calls sent in several chunks: each chunk's indexes go on from the last, and parallel_tool_calls false sends the
+    first call of the stream alone, as the reply unstreamed answers it."""
+    from specbuild_runtime.serve import protocol
+    from specbuild_runtime.serve.tools import PARSERS, parse_mistral
+
+    reply = protocol.Reply(protocol.CHAT, MODEL, PARSERS["mistral"], parallel_tool_calls=parallel)
+    calls = parse_mistral(MISTRAL_CALLING)[1]
+    chunks = [reply.tool_calls_chunk(calls[:1]), reply.tool_calls_chunk([]), reply.tool_calls_chunk(calls[1:])]
+    sent = [[call["index"] for call in chunk["choices"][0]["delta"]["tool_calls"]] if chunk else None
+            for chunk in chunks]
+    assert sent == ([[0], None, [1]] if parallel else [[0], None, None]) and reply.calls_sent == 2
+
+
 def test_a_pythonic_reply_that_begins_no_call_streams_as_it_comes():
     from specbuild_runtime.serve.tools import PythonicStream
 
     stream = PythonicStream()
-    assert [stream.feed(piece) for piece in ("", "[", "1, 2", "] x")] == ["", "", "[1, 2", "] x"]
+    assert [stream.feed(piece)[0] for piece in ("", "[", "1, 2", "] x")] == ["", "", "[1, 2", "] x"]
     assert stream.end() == ("", [])
+
+
+class HaltingDecoder(ScriptedDecoder):
+    """A ScriptedDecoder whose streams, once they have sent piece `halt_after`, wait for `resume` (`resumed` after)."""
+
+    halt_after = 0
+    resume = threading.Event()
+    resumed = False
+
+    def stream_request(self, request, stats, every_token=False):
+        for index, piece in enumerate(super().stream_request(request, stats, every_token)):
+            yield piece
+            if index == self.halt_after:
+                self.resume.wait(60)
+                self.resumed = True
+
+
+def test_a_streamed_mistral_reply_sends_a_closed_call_while_the_model_still_writes(bundle, monkeypatch):
+    """The first call reaches the openai client while the reply is still being decoded (the decoder halted just after
+    the tag that closes it), then the second at the end: the calls, content and finish reason unstreamed."""
+    from specbuild_runtime.serve import app
+    from specbuild_runtime.serve.chat import supplied_chat_template
+    from specbuild_runtime.serve.tools import PARSERS
+
+    monkeypatch.setattr(app, "tool_parser", lambda name, tokenizer: PARSERS[name])  # the [ARGS] form: no such token here
+    with in_process(bundle, HaltingDecoder, chat_template=supplied_chat_template(NAMING_TOOLS),
+                    tool_call_parser="mistral") as (url, decoder, _):
+        decoder.go.set()
+        decoder.pieces = [MISTRAL_CALLING[i:i + 3] for i in range(0, len(MISTRAL_CALLING), 3)]
+        decoder.halt_after = (MISTRAL_CALLING.rindex("[TOOL_CALLS]") + len("[TOOL_CALLS]") - 1) // 3
+        decoder.resume = threading.Event()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        chunks = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, ADD], max_tokens=4,
+                                                stream=True, **GREEDY)
+        content = ""
+        for chunk in chunks:
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            if delta.tool_calls:
+                break
+        assert not decoder.resumed and content == "Let me look."
+        assert [call.index for call in delta.tool_calls] == [0]
+        assert call_list(call.model_dump() for call in delta.tool_calls) == CALLED[:1]
+        decoder.resume.set()
+        rest = [chunk.choices[0] for chunk in chunks]
+    later = [call for choice in rest for call in choice.delta.tool_calls or []]
+    assert [call.index for call in later] == [1] and call_list(call.model_dump() for call in later) == CALLED[1:]
+    assert [choice.finish_reason for choice in rest if choice.finish_reason] == ["tool_calls"]
 
 
 class RecordingDecoder(ScriptedDecoder):
@@ -2335,10 +2453,12 @@ class RecordingDecoder(ScriptedDecoder):
 
 
 @pytest.mark.parametrize("parser, reply, content", [("mistral", MISTRAL_LISTING, "Let me look. "),
-                                                    ("pythonic", PYTHONIC_CALLING, None)])
+                                                    ("pythonic", PYTHONIC_CALLING, None),
+                                                    ("llama4_pythonic", LLAMA4_CALLING, None)])
 def test_mistral_and_pythonic_replies_calling_tools_are_answered_with_tool_calls_streamed_or_not(bundle, parser, reply,
                                                                                                content):
-    """With --tool-call-parser mistral (this bundle's tokenizer has no [ARGS]: the JSON list) or pythonic, the openai
+    """With --tool-call-parser mistral (this bundle's tokenizer has no [ARGS]: the JSON list), pythonic or
+    llama4_pythonic (its code markers: in the text, as this tokenizer has no such tokens), the openai
     client reads the calls, the content and finish_reason "tool_calls"; the mistral parser's requests are decoded
     keeping special tokens ([TOOL_CALLS] is one), as vLLM decodes them, and a tool_choice "none" request is not."""
     from openai.types.chat import ChatCompletionMessageToolCall
@@ -2370,13 +2490,22 @@ def test_enable_auto_tool_choice_is_vllms_spelling_and_needs_a_parser_as_in_vllm
     would turn on nothing, and vLLM refuses it too: one line, before the bundle loads."""
     from specbuild_runtime.serve.cli import serve_command
 
-    for parser in ("hermes", "llama3_json", "mistral", "pythonic"):
+    for parser in ("hermes", "llama3_json", "llama4_pythonic", "mistral", "pythonic"):
         context = serve_command.make_context("serve", [str(tmp_path), "--enable-auto-tool-choice", "--tool-call-parser",
                                                        parser])
         assert context.params["tool_call_parser"] == parser
     run = subprocess.run([sys.executable, "-m", "specbuild", "serve", str(tmp_path / "missing"), "--enable-auto-tool-choice"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "needs --tool-call-parser" in run.stderr, run.stderr
+
+
+def test_a_tool_call_parser_vllm_has_and_this_server_lacks_is_one_line_naming_the_ones_it_has(tmp_path):
+    """vLLM's names were a generic click error: a vLLM command line moved here is told which formats there are."""
+    run = subprocess.run([sys.executable, "-m", "specbuild", "serve", str(tmp_path), "--tool-call-parser", "xlam"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert ("xlam is a vLLM parser this server does not have; it reads hermes, llama3_json, llama4_pythonic, mistral, "
+            "pythonic") in run.stderr, run.stderr
 
 
 def test_a_tool_call_parser_whose_marking_tokens_the_tokenizer_lacks_is_refused_at_start_as_in_vllm(bundle):

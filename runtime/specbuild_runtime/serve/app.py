@@ -286,20 +286,22 @@ class Server:
                 async for item in job:
                     delta, records = item if reply.logprobs else (item, ())
                     held += records
+                    calls = []
                     if delta and reply.tool_stream is not None:
-                        delta = reply.tool_stream.feed(delta)
+                        delta, calls = reply.tool_stream.feed(delta)
                     if delta:
                         yield sse(reply.chunk(delta, records=held))
                         held = []
-                calls = []
+                    if calls and (chunk := reply.tool_calls_chunk(calls)):
+                        yield sse(chunk)
                 if reply.tool_stream is not None:
                     rest, calls = reply.tool_stream.end()
                     if rest:
                         yield sse(reply.chunk(rest, records=held))
                         held = []
-                    if calls:
-                        yield sse(reply.tool_calls_chunk(calls))
-                yield sse(reply.chunk(stats=job.stats, called=bool(calls), records=held))
+                    if calls and (chunk := reply.tool_calls_chunk(calls)):
+                        yield sse(chunk)
+                yield sse(reply.chunk(stats=job.stats, called=reply.calls_sent > 0, records=held))
                 if include_usage:
                     yield sse(reply.usage_chunk(job.stats))
                 outcome = "ok"

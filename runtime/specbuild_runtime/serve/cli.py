@@ -21,7 +21,7 @@ from ..engine import CAPTURED_BY_DEFAULT, DEVICES
 from ..errors import SpecbuildError
 from ..manifest import runtime_version
 from .protocol import GENERATION_CONFIG_MODES
-from .tools import PARSERS, missing_markers
+from .tools import PARSERS, VLLM_ONLY, missing_markers
 
 
 class Finite(click.FloatRange):
@@ -78,6 +78,16 @@ chat_template_option = click.option(
     help="Render chat messages with this jinja2 chat template instead of the bundle's (a bundle whose tokenizer has none "
          "gets one), as vLLM's --chat-template: a file, or else the template text itself (a value holding no '{', '}' "
          "or newline is taken for a path, and one that cannot be read is an error).  [default: the bundle's]")
+
+
+class ToolParserChoice(click.Choice):
+    """--tool-call-parser's formats: a name of vLLM's that this server lacks is told so, with the ones it has."""
+
+    def convert(self, value, param, ctx):
+        if value in VLLM_ONLY:
+            self.fail(f"{value} is a vLLM parser this server does not have; it reads {', '.join(self.choices)} (pick "
+                      "the format your model writes, or leave the option out)", param, ctx)
+        return super().convert(value, param, ctx)
 
 
 class Interruptible:
@@ -141,11 +151,12 @@ class InterruptibleCommand(Interruptible, click.Command):
                    "1: sampling); vllm: OpenAI's alone; greedy: none (greedy unless a request sends a temperature). "
                    "The start-up line says which apply.")
 @chat_template_option
-@click.option("--tool-call-parser", type=click.Choice(list(PARSERS)), default=None,
+@click.option("--tool-call-parser", type=ToolParserChoice(list(PARSERS)), default=None,
               help="Parse chat replies' tool calls in this format, as vLLM's --tool-call-parser: hermes reads "
                    "<tool_call>{...}</tool_call> (Qwen2.5, Qwen3, Hermes 2 Pro), llama3_json reads {\"name\": ..., "
                    "\"parameters\": {...}} (Llama 3.1, 3.2, 3.3 Instruct), mistral reads [TOOL_CALLS]... (Mistral, "
-                   "Mixtral Instruct), pythonic reads [name(key=value), ...] (Llama 3.2, Llama 4), into the response's "
+                   "Mixtral Instruct), pythonic reads [name(key=value), ...] (Llama 3.2, Llama 4), llama4_pythonic "
+                   "the same, also between <|python_start|> and <|python_end|> (Llama 4), into the response's "
                    "tool_calls, and lets requests send tools with tool_choice \"auto\" (the default where tools are "
                    "sent).  [default: none: such requests get 400; tool_choice \"none\" shows the tools and answers "
                    "text]")

@@ -424,6 +424,7 @@ class Reply:
         self.most_calls = None if parallel_tool_calls else 1
         self.logprobs = logprobs
         self.sent = 0  # characters of text streamed so far (completions' text_offset)
+        self.calls_sent = 0  # a stream's calls so far, those past most_calls counted too
 
     def whole(self, text: str, stats: Stats, records: Sequence[TokenLogprobs] = ()) -> dict:
         finish = FINISH_REASONS[stats.finish_reason]
@@ -456,9 +457,14 @@ class Reply:
         choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice]}
 
-    def tool_calls_chunk(self, calls: list[dict]) -> dict:
-        """A chat stream's tool calls, each whole in one delta (its "index" tells the client's accumulator which)."""
-        delta = {TOOL_CALLS: [{"index": index, **call} for index, call in enumerate(calls[:self.most_calls])]}
+    def tool_calls_chunk(self, calls: list[dict]) -> dict | None:
+        """A chat stream's next tool calls, each whole in one delta (its "index", counted over the stream, tells the
+        client's accumulator which); None where none is to be sent."""
+        first, self.calls_sent = self.calls_sent, self.calls_sent + len(calls)
+        kept = calls[:None if self.most_calls is None else max(0, self.most_calls - first)]
+        if not kept:
+            return None
+        delta = {TOOL_CALLS: [{"index": first + offset, **call} for offset, call in enumerate(kept)]}
         return {**self._head("chat.completion.chunk"),
                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
 

@@ -10,9 +10,12 @@ content and finish reason are vLLM's:
   with an [ARGS] token (v11 on), else `[TOOL_CALLS] [{"name": ..., "arguments": {...}}]`, as MistralToolParser
   reads a Hugging Face tokenizer's text;
 - `pythonic` (Llama 3.2 and 4, ToolACE): `[get_weather(city="Zürich"), add(a=2, b=2)]`, read with Python's ast
-  (never run), as PythonicToolParser.extract_tool_calls reads it.
-Each stream answers what the same reply unstreamed answers: its content streams until a call can begin, and the
-calls come whole at the end.
+  (never run), as PythonicToolParser.extract_tool_calls reads it;
+- `llama4_pythonic` (Llama 4): the same, where a reply opening with `<|python_start|>` is read without it and
+  without its `<|python_end|>`, as Llama4PythonicToolParser.extract_tool_calls reads it.
+Each stream answers what the same reply unstreamed answers: its content streams until a call can begin, and each
+call goes out whole once nothing later in the reply can change it or the content: in `mistral`'s newer form when the
+next `[TOOL_CALLS]` closes it; in every other format, at the end (see each stream for why).
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ PYTHON_TAG = "<|python_tag|>"
 BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 # Mistral's tokens, special: kept in the text for this parser, as vLLM keeps them (skip_special_tokens false)
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
+# Llama 4's markers around its code (special tokens: the runtime's text, as vLLM's, has them only where the
+# tokenizer lacks them)
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 # PythonicToolParser.TOOL_CALL_REGEX, which a reply must match before it is parsed, rewritten to match the same
 # strings (checked on millions) in linear time: vLLM's nested ".*" backtracks for over 30 s on a list of 24 calls
 # ending ", ]", where vLLM's regex module times out and Python's re cannot.
@@ -107,34 +113,43 @@ class HeldStream:
     begin (text that may be the start of them is held back until a later delta tells), and from there the text is
     held to the end and parsed whole. So a stream answers the calls, content and finish reason of the same reply
     unstreamed, also where what began as a call turns out not to be one (vLLM streams the calls as they form, and
-    cannot take back what it sent then). `_begins` says where calls may begin."""
+    cannot take back what it sent then). `_begins` says where calls may begin.
+
+    hermes and pythonic hold every call to the end: the whole reply is content, and none of its calls is one, where
+    any later block is no call (hermes), or any later element of the list is none or the list is cut short
+    (pythonic), as vLLM reads the whole reply; a call sent before then could not be taken back."""
 
     def __init__(self, parse: Callable[[str], tuple[str | None, list[dict]]]):
         self.parse = parse
         self.held = ""
         self.calling = False
 
-    def feed(self, delta: str) -> str:
-        """The content to send now for this delta of the reply's text."""
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        """The content and the calls to send now for this delta of the reply's text."""
         if self.calling:
             self.held += delta
-            return ""
+            return "", []
         text = self.held + delta
         at, keep = self._begins(text)
         if at >= 0:
             self.calling, self.held = True, text[at:]
-            return text[:at]
+            return text[:at], []
         self.held = text[len(text) - keep:]
-        return text[:len(text) - keep]
+        return text[:len(text) - keep], []
 
     def _begins(self, text: str) -> tuple[int, int]:
         """Where calls begin in the text not yet sent (-1: nowhere yet), and else how much of its end to hold."""
         raise NotImplementedError
 
     def end(self) -> tuple[str, list[dict]]:
-        """Once the reply has ended: the content still to send, and the calls."""
+        """Once the reply has ended: the content and the calls still to send."""
         calls = self.parse(self.held)[1] if self.calling else []
         return ("", calls) if calls else (self.held, [])
+
+
+def _partial(tag: str, text: str) -> int:
+    """How much of text's end may be the start of tag."""
+    return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)
 
 
 class TagStream(HeldStream):
@@ -145,9 +160,31 @@ class TagStream(HeldStream):
         self.tag = tag
 
     def _begins(self, text: str) -> tuple[int, int]:
-        tag = self.tag
-        keep = next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)
-        return text.find(tag), keep
+        return text.find(self.tag), _partial(self.tag, text)
+
+
+class MistralStream(TagStream):
+    """For parse_mistral, whose calls each follow a [TOOL_CALLS]: a call goes out once the next [TOOL_CALLS] closes
+    it. Nothing later changes a closed call (its name and arguments end at that tag), and once one call is made
+    the reply has calls, so its content is the text before the first tag, already sent."""
+
+    def __init__(self):
+        super().__init__(TOOL_CALLS, parse_mistral)
+        self.closed = 0  # where the held text's calls not yet sent begin: at a tag
+        self.sent = 0  # calls sent
+
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        content, _ = super().feed(delta)
+        last = self.held.rfind(TOOL_CALLS) if self.calling else -1
+        if last <= self.closed:
+            return content, []
+        calls = parse_mistral(self.held[self.closed:last])[1]
+        self.closed, self.sent = last, self.sent + len(calls)
+        return content, calls
+
+    def end(self) -> tuple[str, list[dict]]:
+        content, calls = super().end()
+        return content, calls[self.sent:]
 
 
 class PythonicStream(HeldStream):
@@ -203,19 +240,20 @@ class Llama3JsonStream:
         self.plain = False  # no call can come: the rest streams as content
         self.calling = False  # the first "{" begins a call: the rest is held to the end
 
-    def feed(self, delta: str) -> str:
-        """The content to send now for this delta of the reply's text."""
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        """The content and the calls to send now for this delta of the reply's text (the calls all come at the end:
+        any later "{" that begins no call makes the whole reply content, as vLLM reads it)."""
         self.text += delta
         if self.calling:
-            return ""
+            return "", []
         if not self.plain:
             first = self.text.find("{")
             if first >= 0:
                 self._judge(first)
             if not self.plain:
                 upto = len(self.text) if first < 0 else first
-                return self._release(upto) if _said(self.text[:upto]) else ""
-        return self._release(len(self.text))
+                return (self._release(upto) if _said(self.text[:upto]) else ""), []
+        return self._release(len(self.text)), []
 
     def _judge(self, first: int) -> None:
         after = self.text[first + 1:].lstrip()
@@ -239,7 +277,7 @@ class Llama3JsonStream:
         return content
 
     def end(self) -> tuple[str, list[dict]]:
-        """Once the reply has ended: the content still to send, and the calls."""
+        """Once the reply has ended: the content and the calls still to send."""
         content, calls = (self.text, []) if self.plain else parse_llama3_json(self.text)
         return ("", calls) if calls else (self.text[self.sent:], [])
 
@@ -317,6 +355,42 @@ def _literal(node: ast.expr):
     raise ValueError("a call's arguments are literals")
 
 
+def parse_llama4_pythonic(text: str) -> tuple[str | None, list[dict]]:
+    """A reply's content and tool calls, as vLLM's llama4_pythonic parser reads them: as parse_pythonic reads the
+    reply, or, where it opens with <|python_start|>, the text after it with every <|python_end|> left out (then
+    also the content, where it is no list of calls, as in vLLM)."""
+    if text.startswith(PYTHON_START):
+        text = text[len(PYTHON_START):].replace(PYTHON_END, "")
+    return parse_pythonic(text)
+
+
+class Llama4PythonicStream(PythonicStream):
+    """For parse_llama4_pythonic: a PythonicStream fed the text that parser reads, the opening <|python_start|> and
+    every <|python_end|> after it left out; what may still be the start of either is held until a delta tells."""
+
+    def __init__(self):
+        super().__init__()
+        self.raw = ""  # the reply's text not yet passed on
+        self.wrapped: bool | None = None  # whether the reply opens with <|python_start|> (None: not yet told)
+
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        self.raw += delta
+        if self.wrapped is None:
+            if len(self.raw) < len(PYTHON_START) and PYTHON_START.startswith(self.raw):
+                return "", []
+            self.wrapped = self.raw.startswith(PYTHON_START)
+            self.raw = self.raw[len(PYTHON_START):] if self.wrapped else self.raw
+        *before, rest = self.raw.split(PYTHON_END) if self.wrapped else [self.raw]
+        keep = _partial(PYTHON_END, rest) if self.wrapped else 0
+        self.raw = rest[len(rest) - keep:]
+        return super().feed("".join(before) + rest[:len(rest) - keep])
+
+    def end(self) -> tuple[str, list[dict]]:
+        content, _ = super().feed(self.raw)  # a marker's start that the reply ended in is text
+        rest, calls = super().end()
+        return content + rest, calls
+
+
 class ToolParser(NamedTuple):
     parse: Callable[[str], tuple[str | None, list[dict]]]  # a whole reply's content and calls
     stream: Callable[[], HeldStream | Llama3JsonStream]  # a streamed reply's, from its deltas
@@ -326,9 +400,17 @@ class ToolParser(NamedTuple):
 # serve --tool-call-parser: each format's parser
 PARSERS = {"hermes": ToolParser(parse_hermes, lambda: TagStream(START, parse_hermes)),
            "llama3_json": ToolParser(parse_llama3_json, Llama3JsonStream),
-           "mistral": ToolParser(parse_mistral, lambda: TagStream(TOOL_CALLS, parse_mistral), special_tokens=True),
+           "llama4_pythonic": ToolParser(parse_llama4_pythonic, Llama4PythonicStream),
+           "mistral": ToolParser(parse_mistral, MistralStream, special_tokens=True),
            "pythonic": ToolParser(parse_pythonic, PythonicStream)}
+# The older form's calls are one JSON list after one [TOOL_CALLS], held to the end: the list may continue, a later
+# element that is no call makes the whole reply content, and so does a second [TOOL_CALLS].
 MISTRAL_LIST = ToolParser(parse_mistral_list, lambda: TagStream(TOOL_CALLS, parse_mistral_list), special_tokens=True)
+# vLLM's other --tool-call-parser names (vllm/tool_parsers/__init__.py, 2026): refused by name, with the ones here.
+VLLM_ONLY = {"deepseek_v3", "deepseek_v31", "deepseek_v32", "ernie45", "functiongemma", "gigachat3", "glm45", "glm47",
+             "granite", "granite-20b-fc", "hunyuan_a13b", "internlm", "jamba", "kimi_k2", "llama4_json", "longcat",
+             "minimax", "minimax_m2", "olmo3", "openai", "phi4_mini_json", "qwen3_coder", "qwen3_xml", "seed_oss",
+             "step3", "step3p5", "xlam"}
 
 
 # The tokens that mark each format's calls, which vLLM's parser of that name looks up in the tokenizer's vocabulary and
