@@ -41,7 +41,7 @@ class CompileSettings:
     draft: Path
     output: Path
     gamma: int = DEFAULT_GAMMA
-    max_seq_len: int | None = None  # None: min(DEFAULT_MAX_SEQ_LEN, the target's max positions; LongRoPE's original but Phi-3's)
+    max_seq_len: int | None = None  # None: min(DEFAULT_MAX_SEQ_LEN, the longest the pair takes: pipeline._compile)
     quantize: str = "none"  # both engines, unless overridden per engine below
     target_quantize: str | None = None
     draft_quantize: str | None = None

@@ -437,6 +437,20 @@ def test_a_quantized_fp32_export_is_refused_before_anything_is_written(pairs, tm
     assert not out.exists()
 
 
+@pytest.mark.parametrize("max_seq_len", [None, 48], ids=["default", "given"])
+@pytest.mark.parametrize("backend", ["tensorrt-llm", "all"])
+def test_the_default_context_and_the_recorded_limit_stop_at_a_window_the_export_does_not_carry(backend, max_seq_len,
+                                                                                                tokenizer, tmp_path):
+    """The export refuses a context past a sliding window (TensorRT-LLM takes windows at run time): compile's default,
+    min(2048, max positions), was refused, and an `all` bundle's context_limit, which the runtime's advice on a
+    too-long prompt names, was the 512 positions that compile refuses for it."""
+    target = make_checkpoint(tmp_path / "target", "mistral", tokenizer, 0, sliding_window=64)
+    draft = make_checkpoint(tmp_path / "draft", "mistral", tokenizer, 1, sliding_window=48, num_hidden_layers=1)
+    manifest = compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", backend=backend,
+                                              max_seq_len=max_seq_len, quality_report=False), show_progress=False)
+    assert manifest.max_seq_len == manifest.context_limit == 48  # the draft's window: the export refuses past it too
+
+
 def test_an_fp16_export_refuses_a_weight_beyond_fp16_as_the_onnx_engines_do(pairs, tmp_path):
     """The rank files were cast with astype: a weight of 1e5 became inf without a word."""
     from test_bad_inputs import a_weight_beyond_fp16

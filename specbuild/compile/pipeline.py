@@ -52,7 +52,10 @@ def _compile(settings: CompileSettings, stages: "_Stages") -> Manifest:
     target = load_checkpoint(settings.target, "target")
     draft = load_checkpoint(settings.draft, "draft")
     validate_pair(target, draft)
-    context_limit = min(longest_context(target, "target"), longest_context(draft, "draft"))
+    limits = [longest_context(target, "target"), longest_context(draft, "draft")]
+    if settings.backend != "onnx":  # a window the export does not carry refuses a longer context (check_exportable)
+        limits += [window for ckpt in (target, draft) if (window := tensorrt_llm.sliding_window(ckpt))]
+    context_limit = min(limits)
     max_seq_len = _max_seq_len(settings, context_limit)
     for role, ckpt in (("target", target), ("draft", draft)):
         check_context(ckpt, role, max_seq_len)

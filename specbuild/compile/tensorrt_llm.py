@@ -150,13 +150,18 @@ def check_exportable(ckpt: Checkpoint, role: str, tp: int, max_seq_len: int) -> 
     if ckpt.spec.hidden_act not in activations:
         raise UnsupportedModelError(f"{role} checkpoint {ckpt.path}: activation {ckpt.spec.hidden_act!r}; --backend "
                                     f"tensorrt-llm exports {architecture} with {' or '.join(activations)}")
-    window = min((w for w in ckpt.spec.sliding_windows if w), default=None)
+    window = sliding_window(ckpt)
     if window and window < max_seq_len:
-        # TensorRT-LLM takes sliding windows at run time (max_attention_window_size), not from the checkpoint
         raise UnsupportedModelError(f"max_seq_len {max_seq_len} exceeds the {role}'s sliding window ({window}), which "
                                     "the TensorRT-LLM export does not carry over; give --max-seq-len (or a recipe's "
                                     f"max_seq_len) of {window} or less for the TensorRT-LLM export")
     rotary(ckpt)  # refuses a rope scaling TensorRT-LLM would compute differently
+
+
+def sliding_window(ckpt: Checkpoint) -> int | None:
+    """The shortest window of ckpt's layers (None: none), the longest context the export takes: TensorRT-LLM takes
+    sliding windows at run time (max_attention_window_size), not from the checkpoint."""
+    return min((w for w in ckpt.spec.sliding_windows if w), default=None)
 
 
 def rotary(ckpt: Checkpoint) -> tuple[float, dict | None]:
