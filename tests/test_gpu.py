@@ -230,6 +230,32 @@ def test_threads_on_a_cuda_decoder_get_their_sequential_outputs(precision_bundle
     assert got == expected
 
 
+@pytest.mark.parametrize("precision, cuda_graphs", [("fp32", None), ("fp16", True), ("fp16", False)],
+                         ids=["fp32", "fp16-cuda-graphs", "fp16-uncaptured"])
+def test_logprobs_on_cuda_are_the_same_bits_at_every_gamma_and_leave_later_requests_as_they_were(
+        precision, cuda_graphs, precision_bundles):
+    """The logits a request reads (a device buffer bound only while it asks, or the greedy-only graph's that its
+    CUDA graphs replay into) are its rows' whatever γ, and a request that does not ask decodes as before."""
+    decoder = SpeculativeDecoder(precision_bundles(precision), device="cuda", cuda_graphs=cuda_graphs)
+    for prompt in (PROMPTS[5], PROMPTS[3]):
+        plain = decoder.generate(prompt, NEW_TOKENS, 0).token_ids
+        alone = decoder.generate(prompt, NEW_TOKENS, 0, logprobs=5)
+        assert alone.token_ids == plain and [r.token_id for r in alone.logprobs] == plain
+        for gamma in (1, 4, "auto"):
+            assert decoder.generate(prompt, NEW_TOKENS, gamma, logprobs=5).logprobs == alone.logprobs, gamma
+            assert decoder.generate(prompt, NEW_TOKENS, gamma).token_ids == plain, gamma
+
+
+def test_fp32_logprobs_on_cuda_are_the_cpus_within_rounding(precision_bundles):
+    folder = precision_bundles("fp32")
+    gpu, cpu = (SpeculativeDecoder(folder, device=device).generate(PROMPTS[5], NEW_TOKENS, 3, logprobs=5)
+                for device in ("cuda", "cpu"))
+    assert gpu.token_ids == cpu.token_ids
+    for g, c in zip(gpu.logprobs, cpu.logprobs):
+        assert g.logprob == pytest.approx(c.logprob, abs=1e-4)
+        assert [p for _, p in g.top] == pytest.approx([p for _, p in c.top], abs=1e-4)
+
+
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_cuda_graphs_decode_the_tokens_of_uncaptured_calls(precision, precision_bundles):
     """cuda_graphs=True: the greedy-only graphs, each call shape run uncaptured (slot.WARM_UP_RUNS), then
