@@ -18,7 +18,7 @@ from conftest import make_checkpoint, make_tokenizer, on_a_terminal
 from test_bad_inputs import MARKER, plant_pickle
 from specbuild.acceptance import rounds
 from specbuild.demo import DEMO_RECIPE
-from specbuild.errors import CheckpointError, OutputError, TrainingError, UnsupportedModelError
+from specbuild.errors import CheckpointError, OutputError, PairMismatchError, TrainingError, UnsupportedModelError
 from specbuild.train import distill as distill_module
 from specbuild.train import divergence, generate
 from specbuild.train.distill import acceptance, alpha, distill, load_model, shrunk_config, target_references
@@ -676,11 +676,19 @@ def test_the_demo_corpus_keeps_code_and_drops_comments_and_docstrings():
     assert code_only("def broken(:\n    '''never closed\n") == "def broken(:\n    '''never closed\n"
 
 
-def test_an_init_draft_compile_would_refuse_is_refused_before_training(pair, tmp_path, monkeypatch):
+def test_an_init_draft_that_would_shorten_the_pairs_context_is_refused_before_training(pair, tmp_path, monkeypatch):
     monkeypatch.setattr(distill_module, "train_model", lambda *a, **k: pytest.fail("refused only after training"))
     short = make_checkpoint(tmp_path / "short", "llama", make_tokenizer(), max_position_embeddings=16, **SMALLER)
     with pytest.raises(TrainingError, match="max_position_embeddings 16"):
         distill(pair[0], tmp_path / "draft", init=short, minutes=0.01)
+
+
+def test_an_init_draft_larger_than_the_target_is_refused_before_training(pair, tmp_path, monkeypatch):
+    """compile refuses such a pair (load.check_draft_smaller): the two were likely swapped."""
+    monkeypatch.setattr(distill_module, "train_model", lambda *a, **k: pytest.fail("refused only after training"))
+    larger = make_checkpoint(tmp_path / "larger", "llama", make_tokenizer(), hidden_size=128, intermediate_size=256)
+    with pytest.raises(PairMismatchError, match="more than the target"):
+        distill(pair[0], tmp_path / "draft", init=larger, minutes=0.01)
 
 
 def test_a_large_text_file_is_read_only_as_far_as_prompts_need(tmp_path, monkeypatch):

@@ -652,6 +652,9 @@ def longrope_length(config) -> int | None:
     return None
 
 
+SWAPPED_ABOVE = 1.25  # a draft over this many times the target's parameters: the pair was given swapped
+
+
 def validate_pair(target: Checkpoint, draft: Checkpoint) -> None:
     """The draft must speak the target's tokenizer: the same token-to-id map. Its own bos and eos may differ
     (an instruct target's eos is <|im_end|> or <|eot_id|>, its base draft's <|endoftext|>): prompts are
@@ -673,20 +676,28 @@ def validate_pair(target: Checkpoint, draft: Checkpoint) -> None:
         )
     for ckpt in (target, draft):
         check_embedding_rows(ckpt.path, ckpt.spec.shape.vocab_size, t_vocab)
-    # A draft larger than the target only slows decoding, whose output is the target's: given so, the two were most
-    # likely swapped, and the bundle would serve the smaller model's text
-    if (size := _unpadded_parameters(draft)) > (target_size := _unpadded_parameters(target)):
+    check_draft_smaller(f"the draft {draft.path}", unpadded_parameters(draft.parameters(), draft.spec, draft.token_ids()),
+                        f"the target {target.path}",
+                        unpadded_parameters(target.parameters(), target.spec, target.token_ids()))
+
+
+def check_draft_smaller(draft: str, draft_size: int, target: str, target_size: int) -> None:
+    """A draft larger than the target only slows decoding, whose output is the target's: given so, the two were most
+    likely swapped, and the bundle would serve the smaller model's text (distill checks its draft so too). Pairs of
+    about one size (a draft with biases the target lacks, a tiny target's default shrink) are left alone: only a
+    clearly larger draft tells of a swap."""
+    if draft_size > SWAPPED_ABOVE * target_size:
         raise PairMismatchError(
-            f"the draft {draft.path} has {size:,} parameters, more than the target {target.path} ({target_size:,}): the "
-            "bundle decodes the target's text, here the smaller model's, slower than that model alone; give the model "
-            "whose output you want as --target and a smaller one as --draft")
+            f"{draft} has {draft_size:,} parameters, more than {target} ({target_size:,}): the bundle decodes the "
+            "target's text, here the smaller model's, slower than that model alone; give the model whose output you "
+            "want as --target and a smaller one as --draft")
 
 
-def _unpadded_parameters(ckpt: Checkpoint) -> int:
-    """Its parameters but its embedding (and untied head) rows past its tokenizer's ids, which pad tables of one
-    family to other sizes (Qwen2.5 0.5B's 151936 rows, 7B's 152064)."""
-    padding = max(ckpt.spec.shape.vocab_size - ckpt.token_ids(), 0)
-    return ckpt.parameters() - padding * ckpt.spec.shape.hidden_size * (1 if ckpt.spec.tie_word_embeddings else 2)
+def unpadded_parameters(parameters: int, spec: ModelSpec, token_ids: int) -> int:
+    """parameters (a tied head counted once) but the embedding (and untied head) rows past the tokenizer's ids, which
+    pad tables of one family to other sizes (Qwen2.5 0.5B's 151936 rows, 7B's 152064)."""
+    padding = max(spec.shape.vocab_size - token_ids, 0)
+    return parameters - padding * spec.shape.hidden_size * (1 if spec.tie_word_embeddings else 2)
 
 
 def check_embedding_rows(path: Path, rows: int, vocab: dict[str, int], role: str = "") -> None:

@@ -17,7 +17,8 @@ import torch
 from specbuild_runtime.errors import first_line
 
 from ..acceptance import expected_tokens_per_call, rounds, theoretical_speedup, until_eos
-from ..compile.load import check_architecture, check_embedding_rows, model_spec, quiet_transformers
+from ..compile.load import (check_architecture, check_draft_smaller, check_embedding_rows, model_spec, quiet_transformers,
+                             unpadded_parameters)
 from ..errors import CheckpointError, TrainingError
 from ..progress import bar, note
 from ..recipe import DEFAULT_MAX_SEQ_LEN
@@ -141,23 +142,30 @@ def _check_shape(config) -> None:
         raise TrainingError(f"--draft-config: num_attention_heads {heads} is no multiple of num_key_value_heads {kv_heads}")
 
 
-def _check_pair(draft_config, target_config, tokenizer, where: str) -> None:
+def _check_pair(draft, target, tokenizer, where: str) -> None:
     """What compile will check of the pair, checked before the minutes of training: a draft it supports,
-    embedding rows for every token, and the context compile gives the pair by default."""
-    architecture = (draft_config.architectures or ["<none>"])[0]
+    embedding rows for every token, a draft smaller than the target, and the context compile gives the pair by
+    default."""
+    architecture = (draft.config.architectures or ["<none>"])[0]
     check_architecture(architecture, where)
     try:
-        spec = model_spec(draft_config, architecture, Path(where), "draft")
+        spec = model_spec(draft.config, architecture, Path(where), "draft")
     except CheckpointError as exc:
         raise TrainingError(f"{exc}; choose another draft") from None
     if spec.shape.vocab_size < len(tokenizer):
         raise TrainingError(f"{where} has {spec.shape.vocab_size} embedding rows for the tokenizer's {len(tokenizer)} "
                             "tokens; give it at least as many")
-    context = min(DEFAULT_MAX_SEQ_LEN, model_spec(target_config, target_config.architectures[0], Path(where),
-                                                  "target").max_position_embeddings)
+    target_spec = model_spec(target.config, target.config.architectures[0], Path(where), "target")
+    token_ids = max(tokenizer.get_vocab().values()) + 1
+    check_draft_smaller(f"the draft ({where})", unpadded_parameters(parameter_count(draft), spec, token_ids), "the target",
+                        unpadded_parameters(parameter_count(target), target_spec, token_ids))
+    # compile would take the draft's positions as the pair's context: a draft shorter than the target makes a bundle
+    # of a shorter context than the target's own
+    context = min(DEFAULT_MAX_SEQ_LEN, target_spec.max_position_embeddings)
     if spec.max_position_embeddings < context:
-        raise TrainingError(f"{where} has max_position_embeddings {spec.max_position_embeddings}, below the {context} "
-                            "tokens of context compile gives the pair by default; give it at least as many")
+        raise TrainingError(f"{where} has max_position_embeddings {spec.max_position_embeddings}, so a bundle of the "
+                            f"pair would hold at most that many tokens, not the {context} compile gives the target by "
+                            "default; give it at least as many")
 
 
 def _shapes(target_config) -> list[tuple[int, int]]:
@@ -232,7 +240,7 @@ def build_draft(target, tokenizer, draft_config: dict | None, init: Path | None,
             raise TrainingError(f"the draft's config ({draft_config or 'the default shrink of the target'}) gives no "
                                 f"model transformers can build ({first_line(exc)}); choose other --draft-config values") from None
         # a draft that specbuild could not compile would be minutes of training for nothing
-        _check_pair(config, target.config, tokenizer, f"the draft of --draft-config {draft_config or '(default)'}")
+        _check_pair(draft, target, tokenizer, f"the draft of --draft-config {draft_config or '(default)'}")
         return plainly_generating(draft)  # as load_reference leaves a loaded one (the "draft" sequences)
     draft, draft_tokenizer = load_model(init, "draft")
     # Only the token-to-id map, as compile checks a pair (load.validate_pair): the draft is written with the
@@ -242,7 +250,7 @@ def build_draft(target, tokenizer, draft_config: dict | None, init: Path | None,
             f"draft {init} has a different tokenizer from the target ({len(draft_tokenizer)} vs {len(tokenizer)} "
             "tokens); distillation compares distributions token by token, so the draft must use the target's"
         )
-    _check_pair(draft.config, target.config, tokenizer, f"--init {init}")
+    _check_pair(draft, target, tokenizer, f"--init {init}")
     return draft
 
 
