@@ -19,9 +19,10 @@ import click
 
 from specbuild_runtime.engine import DEVICES, available_cpus
 from specbuild_runtime.errors import RequestError
+from specbuild_runtime.logprobs import LOGPROB_FLOOR
 from specbuild_runtime.serve.cli import (Finite, Interruptible, chat_template_option, cuda_graphs_option, draft_steps_option,
                                         run_command, serve_command, threads_option)
-from specbuild_runtime.validation import FLOAT32_MAX, GREEDY_BELOW, stop_strings
+from specbuild_runtime.validation import FLOAT32_MAX, GREEDY_BELOW, MAX_LOGPROBS, stop_strings
 
 from . import __version__
 from .bench.peers import KNOWN as PEERS
@@ -276,19 +277,24 @@ def cuda_line(manifest) -> str:
 @click.option("--stop", multiple=True, metavar="TEXT", callback=check_stops,
               help="End the output where it would contain TEXT (repeatable, up to 16; as the API's stop strings).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, stats) instead of streaming text.")
+@click.option("--logprobs", type=click.IntRange(0, MAX_LOGPROBS), metavar="N",
+              help="With --json: each token's logprob under the target and the N most probable tokens' (as the API's "
+                   "logprobs; -inf written -9999.0).")
 @device_option
 @cuda_graphs_option
 @draft_steps_option
 @threads_option(EVERY_CORE)
 @sampling_options()
-def generate(bundle, prompt, max_new_tokens, gamma, chat, chat_template, stop, as_json, device, cuda_graphs, draft_steps,
-             threads, **sampling) -> None:
+def generate(bundle, prompt, max_new_tokens, gamma, chat, chat_template, stop, as_json, logprobs, device, cuda_graphs,
+             draft_steps, threads, **sampling) -> None:
     """Continue a prompt with speculative decoding (greedy, or sampling with --temperature)."""
     from specbuild_runtime import SpeculativeDecoder, Stats
 
     check_sampling(sampling)
     if chat_template is not None and not chat:  # a plain prompt renders no template: it would be ignored
         raise click.UsageError("--chat-template applies to --chat: give --chat too")
+    if logprobs is not None and not as_json:
+        raise click.UsageError("--logprobs are printed in --json output: give --json too")
     use_threads(threads)
     decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs,
                                  draft_steps=draft_steps)
@@ -296,12 +302,16 @@ def generate(bundle, prompt, max_new_tokens, gamma, chat, chat_template, stop, a
     if chat:
         prompt, shown = chat_prompt(decoder, prompt, chat_template, max_new_tokens), ""
     if as_json:
-        result = decoder.generate(prompt, max_new_tokens, gamma, stop=list(stop), **sampling)
+        result = decoder.generate(prompt, max_new_tokens, gamma, stop=list(stop), logprobs=logprobs, **sampling)
+        records = {} if logprobs is None else {"logprobs": [
+            {"token_id": r.token_id, "logprob": max(r.logprob, LOGPROB_FLOOR),
+             "top": [[token, max(logprob, LOGPROB_FLOOR)] for token, logprob in r.top]} for r in result.logprobs]}
         click.echo(json.dumps({
             "text": result.text,
             "token_ids": result.token_ids,
             "prompt_token_ids": result.prompt_token_ids,
             "gamma": gamma,
+            **records,
             "stats": result.stats.to_dict(),
         }))
         return

@@ -554,6 +554,20 @@ def test_generate_stop_ends_the_output_where_the_api_stop_string_would(bundles):
     assert as_json["stats"]["finish_reason"] == "stop"
 
 
+def test_generate_json_gives_each_tokens_logprobs_as_the_api_does(bundles):
+    from specbuild_runtime import SpeculativeDecoder
+
+    bundle, prompt = bundles("llama", 1), "def add(a, b):"
+    expected = SpeculativeDecoder(bundle).generate(prompt, 8, logprobs=2)
+    as_json = json.loads(specbuild("generate", bundle, "-p", prompt, "-n", 8, "--json", "--logprobs", 2, check=True).stdout)
+    assert as_json["logprobs"] == [{"token_id": r.token_id, "logprob": r.logprob, "top": [list(t) for t in r.top]}
+                                   for r in expected.logprobs]
+    assert len(as_json["logprobs"]) == len(as_json["token_ids"]) == 8
+    assert "logprobs" not in json.loads(specbuild("generate", bundle, "-p", prompt, "-n", 2, "--json", check=True).stdout)
+    refused = specbuild("generate", bundle, "-p", prompt, "--logprobs", 2)
+    assert refused.returncode == 2 and "give --json too" in refused.stderr
+
+
 def test_the_cuda_graphs_help_names_every_architecture_captured_by_default():
     """The default it states is engine.CAPTURED_BY_DEFAULT's, which grew past Llama alone."""
     from specbuild_runtime.engine import CAPTURED_BY_DEFAULT

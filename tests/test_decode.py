@@ -650,6 +650,52 @@ def test_stop_strings_cut_the_text_before_the_earliest_match_as_openai_does(bund
     assert checked >= 10
 
 
+def test_include_stop_str_in_output_ends_the_text_after_the_stop_string_and_streams_it_unheld(bundle, free_text):
+    """vLLM's include_stop_str_in_output: the same tokens, the text cut after the earliest stop string instead of
+    before it; text that may become one is sent at once, since it is sent either way."""
+    decoder = SpeculativeDecoder(bundle)
+    checked = 0
+    for prompt, free in free_text.items():
+        for stops in ([piece(free.text, 10, 3)], [piece(free.text, 25, 2), piece(free.text, 12, 4)]):
+            expected_ids, before = first_stop(decoder, free.token_ids, stops)
+            if expected_ids == free.token_ids:
+                continue
+            text = decoder.tokenizer.decode(expected_ids)
+            end = min((text.find(s), -len(s)) for s in stops if s in text)
+            for gamma in (0, 4):
+                result = decoder.generate(prompt, 60, gamma, stop=stops, include_stop_str_in_output=True)
+                assert (result.token_ids, result.text) == (expected_ids, text[:end[0] - end[1]])
+                assert result.text.startswith(before) and result.stats.finish_reason == "stop"
+                deltas = list(decoder.stream_text(prompt, 60, gamma, stop=stops, include_stop_str_in_output=True))
+                assert "".join(deltas) == result.text
+                held = list(decoder.stream_text(prompt, 60, gamma, stop=stops))
+                assert len(deltas) > len(held) or len(stops[0]) == 1
+            checked += 1
+    assert checked >= 4
+
+
+def test_skip_special_tokens_false_shows_special_tokens_and_include_stop_the_eos(bundle):
+    """The tests' tokenizer has one special token, its eos: sampled past it (ignore_eos), it shows only where
+    skip_special_tokens is false; an eos that ends the request shows only with include_stop_str_in_output too."""
+    decoder = SpeculativeDecoder(bundle)
+    eos = decoder.tokenizer.token_to_id("<|endoftext|>")
+    options = dict(max_new_tokens=120, gamma=3, temperature=1.5)
+    seed = next(seed for seed in range(200) if eos in decoder.generate(PROMPTS[1], seed=seed, ignore_eos=True,
+                                                                        **options).token_ids[:-1])
+    shown = decoder.generate(PROMPTS[1], seed=seed, ignore_eos=True, skip_special_tokens=False, **options)
+    assert "<|endoftext|>" in shown.text == decoder.tokenizer.decode(shown.token_ids, skip_special_tokens=False)
+    skipped = decoder.generate(PROMPTS[1], seed=seed, ignore_eos=True, **options)
+    assert "<|endoftext|>" not in skipped.text == decoder.tokenizer.decode(shown.token_ids)
+    assert "".join(decoder.stream_text(PROMPTS[1], seed=seed, ignore_eos=True, skip_special_tokens=False,
+                                       **options)) == shown.text
+    ended = decoder.generate(PROMPTS[1], seed=seed, skip_special_tokens=False, **options)
+    assert ended.stats.finish_reason == "eos" and not ended.text.endswith("<|endoftext|>")
+    included = decoder.generate(PROMPTS[1], seed=seed, skip_special_tokens=False, include_stop_str_in_output=True,
+                                **options)
+    assert included.text == ended.text + "<|endoftext|>"
+    assert decoder.generate(PROMPTS[1], seed=seed, include_stop_str_in_output=True, **options).text == ended.text
+
+
 def test_the_eos_tokens_text_is_left_out_as_vllm_leaves_it_out(bundle, free_text):
     """An eos its tokenizer does not mark special (Phi-3's <|end|> first shipped so) decodes to text, which
     no surface shows: the text is the tokens' before it."""

@@ -63,6 +63,56 @@ def test_eos_inside_a_round_stops_exactly_where_transformers_stops(gamma, bundle
         assert result.token_ids[-1] == eos and result.stats.finish_reason == "eos"
 
 
+@pytest.mark.parametrize("gamma", [0, 1, 3, 8, "auto"])
+def test_ignore_eos_decodes_past_the_eos_exactly_as_transformers_does_without_one(gamma, bundles, checkpoints, tokenizer):
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=0))
+    model = load_reference(checkpoints("llama"))
+    for prompt in PROMPTS[:4]:
+        ids = tokenizer(prompt)["input_ids"]
+        free = transformers_greedy(model, ids, 30, [])
+        decoder.eos_token_ids = {free[5]}  # an eos the target emits mid-sequence, likely mid-round
+        assert decoder.generate(ids, 30, gamma).stats.finish_reason == "eos"  # the case is what it claims
+        result = decoder.generate(ids, 30, gamma, ignore_eos=True)
+        assert result.token_ids == free and result.stats.finish_reason == "max_new_tokens"
+        assert result.text == tokenizer.decode(free, skip_special_tokens=True)  # the eos's text too
+
+
+@pytest.mark.parametrize("gamma", [0, 1, 3, 8, "auto"])
+def test_stop_token_ids_stop_exactly_where_transformers_stops_at_them(gamma, bundles, checkpoints, tokenizer):
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=0))
+    model = load_reference(checkpoints("llama"))
+    for prompt in PROMPTS[:4]:
+        ids = tokenizer(prompt)["input_ids"]
+        free = transformers_greedy(model, ids, 30, [])
+        stops = [free[7], free[4]]
+        expected = transformers_greedy(model, ids, 30, stops)
+        result = decoder.generate(ids, 30, gamma, stop_token_ids=stops)
+        assert result.token_ids == expected and result.stats.finish_reason == "stop_token"
+        # the stop token's text is left out, as vLLM leaves it out, unless include_stop_str_in_output
+        assert result.text == tokenizer.decode(expected[:-1])
+        assert decoder.generate(ids, 30, gamma, stop_token_ids=stops, include_stop_str_in_output=True).text == \
+            tokenizer.decode(expected)
+
+
+@pytest.mark.parametrize("gamma", [0, 2, 5])
+def test_sampled_ignore_eos_and_stop_token_ids_only_move_where_a_seeded_run_ends(gamma, bundles, tokenizer):
+    """Neither changes a token's distribution: a seeded run draws the tokens the run without them draws, up to where
+    one of them ends it."""
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    sampling = dict(temperature=1.0, top_p=0.95, seed=5)
+    for prompt in PROMPTS[:3]:
+        ids = tokenizer(prompt)["input_ids"]
+        decoder.eos_token_ids = set()
+        free = decoder.generate(ids, 40, gamma, **sampling).token_ids
+        decoder.eos_token_ids = {free[9]}
+        ended = decoder.generate(ids, 40, gamma, **sampling)
+        assert ended.token_ids == free[:free.index(free[9]) + 1] and ended.stats.finish_reason == "eos"
+        assert decoder.generate(ids, 40, gamma, ignore_eos=True, **sampling).token_ids == free
+        decoder.eos_token_ids = set()
+        stopped = decoder.generate(ids, 40, gamma, stop_token_ids=[free[12]], **sampling)
+        assert stopped.token_ids == free[:free.index(free[12]) + 1] and stopped.stats.finish_reason == "stop_token"
+
+
 def test_stream_yields_the_same_tokens_as_generate(bundles, tokenizer):
     decoder = SpeculativeDecoder(bundles("gpt2", draft_seed=0))
     ids = tokenizer(PROMPTS[0])["input_ids"]

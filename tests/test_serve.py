@@ -48,7 +48,7 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 GREEDY = {"temperature": 0}  # sent: a request without one samples (serve --generation-config auto, OpenAI's default)
 SAMPLED = [dict(temperature=0.8, top_p=0.9, seed=7, gamma=2), dict(temperature=1.0, top_k=20, seed=3, gamma=3)]
-FINISH = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "context": "length"}
+FINISH = {"eos": "stop", "stop": "stop", "stop_token": "stop", "max_new_tokens": "length", "context": "length"}
 
 
 def with_template(folder: Path, form: str) -> Path:
@@ -250,6 +250,61 @@ def test_completions_logprobs_0_gives_the_chosen_tokens_alone_and_false_or_null_
         assert httpx.post(f"{server}/v1/completions", json={**body, "logprobs": none}).json()["choices"][0]["logprobs"] is None
 
 
+def sampled_past_an_eos(reference, prompt: str, sampling: dict) -> int:
+    """A seed whose sampled reply, run past eos tokens, holds one before its end."""
+    eos = reference.tokenizer.token_to_id("<|endoftext|>")
+    return next(seed for seed in range(200) if eos in reference.generate(prompt, seed=seed, ignore_eos=True,
+                                                                          **sampling).token_ids[:-1])
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_vllms_ignore_eos_and_skip_special_tokens_answer_what_generate_does_streamed_or_not(server, reference, bundle,
+                                                                                         endpoint):
+    from transformers import AutoTokenizer
+
+    prompt = PROMPTS[1]
+    messages = [{"role": "user", "content": prompt}]
+    ids = (reference.encode(prompt) if endpoint == "completions" else AutoTokenizer.from_pretrained(
+        bundle / "tokenizer").apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    sampling = dict(max_new_tokens=60, temperature=1.5, gamma=3)
+    seed = sampled_past_an_eos(reference, ids, sampling)
+    asked = {"prompt": prompt} if endpoint == "completions" else {"messages": messages}
+    asked |= {"max_tokens": 60, "temperature": 1.5, "gamma": 3, "seed": seed}
+    for options in ({}, {"ignore_eos": True}, {"ignore_eos": True, "skip_special_tokens": False, "logprobs": 0},
+                    {"include_stop_str_in_output": True, "skip_special_tokens": False}):
+        expected = reference.generate(ids, seed=seed, **options, **sampling)
+        body = {**asked, **options}
+        if endpoint == "chat/completions" and "logprobs" in options:
+            body |= {"logprobs": True, "top_logprobs": 0}
+        whole = httpx.post(f"{server}/v1/{endpoint}", json=body).json()
+        choice = whole["choices"][0]
+        text = choice["text"] if endpoint == "completions" else choice["message"]["content"]
+        assert (text, choice["finish_reason"]) == (expected.text, FINISH[expected.stats.finish_reason]), options
+        assert whole["usage"]["completion_tokens"] == len(expected.token_ids)
+        if "logprobs" in options:  # one per returned token, the eos decoded past included
+            count = len(choice["logprobs"]["tokens" if endpoint == "completions" else "content"])
+            assert count == len(expected.token_ids)
+        chunks = stream_events(server, endpoint, body)
+        streamed = "".join(c["text"] if endpoint == "completions" else c["delta"].get("content") or "" for c in chunks)
+        assert streamed == expected.text and chunks[-1]["finish_reason"] == choice["finish_reason"]
+    assert expected.stats.finish_reason == "eos" and expected.text.endswith("<|endoftext|>")  # the cases are as claimed
+
+
+def test_stop_token_ids_end_the_reply_with_stop_and_include_stop_str_in_output_keeps_the_stop(server, reference):
+    free = reference.generate(PROMPTS[0], max_new_tokens=30, temperature=0)
+    stops = [free.token_ids[6], free.token_ids[9]]
+    body = {"prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0, "stop_token_ids": stops}
+    for options in ({}, {"include_stop_str_in_output": True}, {"include_stop_str_in_output": True,
+                                                               "stop": [free.text[3:5]]}):
+        expected = reference.generate(PROMPTS[0], 30, temperature=0, stop_token_ids=stops, **options)
+        assert len(expected.token_ids) < len(free.token_ids)  # the case is what it claims
+        whole = httpx.post(f"{server}/v1/completions", json={**body, **options}).json()
+        assert whole["choices"][0]["text"] == expected.text and whole["choices"][0]["finish_reason"] == "stop"
+        assert whole["usage"]["completion_tokens"] == len(expected.token_ids)
+        chunks = stream_events(server, "completions", {**body, **options})
+        assert "".join(c["text"] for c in chunks) == expected.text and chunks[-1]["finish_reason"] == "stop"
+
+
 def test_streams_ask_a_proxy_in_front_not_to_buffer_their_events(server):
     """nginx buffers a proxied response unless it says otherwise: each event would wait for kilobytes more."""
     body = {"prompt": PROMPTS[0], "max_tokens": 4, "stream": True, **GREEDY}
@@ -394,6 +449,17 @@ BAD_REQUESTS = [
                           "tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
      "tools[0].function.parameters must be a JSON Schema object"),
     ("completions", {"prompt": "x", "tools": [WEATHER]}, "'tools' is not supported"),  # chat alone calls tools
+    ("completions", {"prompt": "x", "ignore_eos": 1}, "ignore_eos must be true or false"),
+    ("completions", {"prompt": "x", "stop_token_ids": [0, 10 ** 6]}, "stop_token_ids must be from 0 to"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop_token_ids": "0"},
+     "stop_token_ids must be a list"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "skip_special_tokens": "no"},
+     "skip_special_tokens must be true or false"),
+    ("completions", {"prompt": "x", "min_tokens": 4}, "min_tokens 4 is not supported"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "min_tokens": 1},
+     "min_tokens 1 is not supported"),
+    ("completions", {"prompt": "x", "spaces_between_special_tokens": False},
+     "spaces_between_special_tokens false is not supported"),
 ]
 
 
@@ -427,6 +493,10 @@ PARAMS = [
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": -1}, "top_logprobs"),
     ("completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
+    ("completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),  # not "stop", which it begins with
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "include_stop_str_in_output": 0},
+     "include_stop_str_in_output"),
+    ("completions", {"prompt": "x", "min_tokens": 2}, "min_tokens"),
 ]
 
 
@@ -445,7 +515,8 @@ def test_what_clients_send_by_default_asking_for_plain_text_is_accepted_as_if_ab
     for extra in ({"tool_choice": "none"}, {"response_format": {"type": "text"}}, {"modalities": ["text"]},
                   {"parallel_tool_calls": True}, {"parallel_tool_calls": False}, {"top_k": -1}, {"top_k": 0},
                   {"top_p": 1}, {"top_p": 1.0, "temperature": 0},
-                  {"tools": [WEATHER], "tool_choice": "none"}):  # shown (not by this template), answered as text
+                  {"tools": [WEATHER], "tool_choice": "none"},  # shown (not by this template), answered as text
+                  {"min_tokens": 0}, {"spaces_between_special_tokens": True}, {"skip_special_tokens": True}):
         reply = httpx.post(f"{server}/v1/chat/completions", json={**chat, **extra})
         assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == plain, (extra, reply.text)
 

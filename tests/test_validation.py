@@ -60,6 +60,12 @@ BAD = [  # (what, request fields, words the message must contain)
     ("seventeen stop strings", dict(stop=list("abcdefghijklmnopq")), f"at most {MAX_STOP_STRINGS}"),
     ("empty stop string", dict(stop=[""]), "empty"),
     ("stop not text", dict(stop=[1]), "stop"),
+    ("ignore_eos 1", dict(ignore_eos=1), "ignore_eos must be true or false"),
+    ("include_stop_str_in_output 'yes'", dict(include_stop_str_in_output="yes"), "include_stop_str_in_output"),
+    ("skip_special_tokens None", dict(skip_special_tokens=None), "skip_special_tokens must be true or false"),
+    ("stop_token_ids a number", dict(stop_token_ids=5), "stop_token_ids must be a list"),
+    ("stop_token_id = vocabulary size", dict(stop_token_ids=[1, V]), f"stop_token_ids must be from 0 to {V - 1}"),
+    ("float stop_token_id", dict(stop_token_ids=[1.0]), "stop_token_ids must be a whole number"),
 ]
 
 

@@ -77,7 +77,9 @@ class Stats:
     guessed: int = 0  # rounds without drafts whose target rows checked free guesses (see _speculate)
     guesses_accepted: int = 0  # guessed tokens the target accepted
     target_seconds: float = 0.0  # rounds only, the prompt's call excluded
-    finish_reason: str = ""  # "eos", "stop" (a stop string), "max_new_tokens", "context", or "abort" (closed before)
+    # "eos", "stop" (a stop string), "stop_token" (one of stop_token_ids), "max_new_tokens", "context", or "abort"
+    # (closed before)
+    finish_reason: str = ""
 
     def record_round(self, drafted: int, accepted: int, draft_seconds: float, target_seconds: float) -> None:
         self.rounds += 1
@@ -139,8 +141,11 @@ class Stats:
 
 @dataclass
 class Generation:
-    text: str  # the tokens' text as it follows the prompt's (text.TextStream), cut before a stop string, eos's left out
-    token_ids: list[int]  # every token generated, the one that completed a stop string (or the eos) included
+    # the tokens' text as it follows the prompt's (text.TextStream), cut before a stop string, the eos's or stop token's
+    # left out (unless include_stop_str_in_output)
+    text: str
+    # every token generated, the one that completed a stop string (or the eos or stop token) included
+    token_ids: list[int]
     prompt_token_ids: list[int]
     stats: Stats
     # (logprobs asked for) one per token of token_ids: its logprob under the target and the top alternatives
@@ -318,36 +323,46 @@ class SpeculativeDecoder:
 
     def request(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                stop: str | list[str] | None = None, logprobs: int | None = None) -> Request:
-        """The checked request (validation.check_request against this bundle), or a RequestError."""
+                stop: str | list[str] | None = None, logprobs: int | None = None, *, ignore_eos: bool = False,
+                stop_token_ids: list[int] | None = None, include_stop_str_in_output: bool = False,
+                skip_special_tokens: bool = True) -> Request:
+        """The checked request (validation.check_request against this bundle), or a RequestError. The keyword-only
+        options (which generate, stream, stream_text and their async forms pass on) are vLLM's SamplingParams':
+        ignore_eos decodes past eos tokens (to max_new_tokens or the context); a token of stop_token_ids ends the
+        request (finish_reason "stop_token"), as an eos does; include_stop_str_in_output ends the text with the stop
+        string, or the eos or stop token's text, instead of leaving it out; skip_special_tokens false shows special
+        tokens in the text."""
         if logprobs is not None and not self.target.has_logits:
             raise RequestError(f"{self.root} was compiled before its engines gave their logits, so it gives no logprobs: "
                                "recompile it with `specbuild compile`")
         return check_request(prompt, encode=self.encode, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
                              max_gamma=self.max_gamma, max_new_tokens=max_new_tokens, gamma=gamma,
                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
-                             logprobs=logprobs, token_span=self.token_span, context_limit=self.manifest.context_limit)
+                             logprobs=logprobs, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids,
+                             include_stop_str_in_output=include_stop_str_in_output,
+                             skip_special_tokens=skip_special_tokens, token_span=self.token_span,
+                             context_limit=self.manifest.context_limit)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 stop: str | list[str] | None = None, logprobs: int | None = None) -> Generation:
+                 stop: str | list[str] | None = None, logprobs: int | None = None, **options) -> Generation:
         """Decode a prompt (text or token ids) to its end: max_new_tokens, an eos token, a stop string or the
         context. gamma: "auto" (adaptive), 0 (the target alone) or drafts per round; temperature 0 is greedy
         (the target's own output, token for token), above 0 samples the target's distribution exactly.
         logprobs: 0 to 20 gives the Generation's `logprobs`, one TokenLogprobs per token: its logprob under the
-        target's raw distribution and that many most probable tokens'."""
-        request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs)
+        target's raw distribution and that many most probable tokens'. options: request's keyword-only ones."""
+        request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs, **options)
         *_, generation = self._generating(request)
         return generation
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                stop: str | list[str] | None = None, stats: Stats | None = None,
-               logprobs: int | None = None) -> Generator[int | TokenLogprobs, None, None]:
+               logprobs: int | None = None, **options) -> Generator[int | TokenLogprobs, None, None]:
         """Yields generated token ids as the target accepts them (up to the one that completes a stop
         string), or with logprobs (0 to 20) each token's TokenLogprobs (see generate); pass a Stats to read
         measurements. The request is checked now, the slot taken at the first token."""
-        request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs)
+        request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs, **options)
         return self._stream(request, Stats() if stats is None else stats)
 
     def _stream(self, request: Request, stats: Stats, halt: threading.Event | None = None) -> Generator:
@@ -360,10 +375,11 @@ class SpeculativeDecoder:
 
     def stream_text(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                    stop: str | list[str] | None = None, stats: Stats | None = None) -> Generator[str, None, None]:
+                    stop: str | list[str] | None = None, stats: Stats | None = None,
+                    **options) -> Generator[str, None, None]:
         """Yields text as it is decoded: the deltas join to exactly generate(...).text (a character split
         across tokens, or text that may still become a stop string, waits for the tokens that settle it)."""
-        request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
+        request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, **options)
         return self.stream_request(request, Stats() if stats is None else stats)
 
     def stream_request(self, request: Request, stats: Stats, every_token: bool = False,
@@ -394,31 +410,34 @@ class SpeculativeDecoder:
 
     async def agenerate(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                        stop: str | list[str] | None = None, logprobs: int | None = None) -> Generation:
+                        stop: str | list[str] | None = None, logprobs: int | None = None, **options) -> Generation:
         """generate for asyncio: decodes in one of the decoder's worker threads (see astream), so cancelling the
         awaiting task stops it within the round in progress and frees its slot, which generate cannot."""
-        check = partial(self.request, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs)
+        check = partial(self.request, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs,
+                        **options)
         async with aclosing(self._relay(check, self._generating, held=(None,))) as generation:
             return await anext(generation)
 
     def astream(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                 stop: str | list[str] | None = None, stats: Stats | None = None,
-                logprobs: int | None = None) -> AsyncGenerator[int | TokenLogprobs, None]:
+                logprobs: int | None = None, **options) -> AsyncGenerator[int | TokenLogprobs, None]:
         """stream for asyncio (`async for token_id in decoder.astream(...)`): the same tokens, decoded in one of
         the decoder's worker threads (relay.Relay), never on the event loop. The request is checked (off the loop)
         when iteration begins, and raises what stream would. Cancelling the consuming task, aclose(), or dropping
         the iterator stops decoding within the round in progress and frees the slot; a slow consumer does not
         hold the slot (decoding runs ahead of it, at most to the request's end)."""
-        check = partial(self.request, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs)
+        check = partial(self.request, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs,
+                        **options)
         stats = Stats() if stats is None else stats
         return self._relay(check, lambda request, halt: self._stream(request, stats, halt))
 
     def astream_text(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                     stop: str | list[str] | None = None, stats: Stats | None = None) -> AsyncGenerator[str, None]:
+                     stop: str | list[str] | None = None, stats: Stats | None = None,
+                     **options) -> AsyncGenerator[str, None]:
         """stream_text for asyncio, as astream is stream's."""
-        check = partial(self.request, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop)
+        check = partial(self.request, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, **options)
         stats = Stats() if stats is None else stats
         return self._relay(check, lambda request, halt: self.stream_request(request, stats, True, halt), held=("",))
 
@@ -444,12 +463,12 @@ class SpeculativeDecoder:
                 tokens.append(token)
                 yield None
         if not request.stop:  # nothing needs the text before the end: decoded once (~10 us a token saved)
-            text.extend(tokens[:-1] if stats.finish_reason == "eos" else tokens)
+            text.extend(tokens[:-1] if _leaves_out_last(request, stats) else tokens)
         _finish(text, stats)
         yield Generation(text.text, tokens, request.prompt_ids, stats, records)
 
     def _text(self, request: Request) -> TextStream:
-        return TextStream(self.tokenizer, request.stop, request.prompt_ids, request.special_tokens)
+        return TextStream(self.tokenizer, request.stop, request.prompt_ids, request.special_tokens, request.include_stop)
 
     def _run(self, request: Request, stats: Stats, text: TextStream | None, halt: threading.Event | None = None,
              records: list[TokenLogprobs] | None = None) -> Generator[int, None, None]:
@@ -458,9 +477,9 @@ class SpeculativeDecoder:
               closing(self._speculate(slot, request, stats, records)) as tokens):
             try:
                 for token in tokens:
-                    # An eos token is no part of the text, as vLLM and OpenAI leave it out: a tokenizer need not mark
-                    # it special (Phi-3's <|end|> first shipped unmarked), and decoding then shows it.
-                    if text is not None and stats.finish_reason != "eos":
+                    # An eos (or stop) token is no part of the text, as vLLM and OpenAI leave it out: a tokenizer need
+                    # not mark it special (Phi-3's <|end|> first shipped unmarked), and decoding then shows it.
+                    if text is not None and not _leaves_out_last(request, stats):
                         text.push(token)
                         if text.stopped:
                             stats.finish_reason = "stop"
@@ -539,8 +558,10 @@ class SpeculativeDecoder:
                 stats.generated_tokens += 1
                 stats.token_times.append(clock() - start)
                 # Said before the token is yielded: a consumer may close the stream once it has the last one.
-                if token in self.eos_token_ids:
+                if token in self.eos_token_ids and not request.ignore_eos:
                     stats.finish_reason = "eos"
+                elif token in request.stop_token_ids:
+                    stats.finish_reason = "stop_token"
                 elif stats.generated_tokens >= max_new_tokens:
                     stats.finish_reason = "max_new_tokens"
                 elif len(ids) > max_len:  # only a round's last token gets here: rounds draft within the room left
@@ -696,6 +717,12 @@ def _identity(folder: Path) -> tuple[int, int] | None:
     except OSError:
         return None
     return stat.st_dev, stat.st_ino
+
+
+def _leaves_out_last(request: Request, stats: Stats) -> bool:
+    """Whether the text leaves out the last token: the eos or stop token that ended the request, as vLLM leaves it
+    out unless include_stop_str_in_output."""
+    return stats.finish_reason in ("eos", "stop_token") and not request.include_stop
 
 
 def _finish(text: TextStream, stats: Stats) -> str:

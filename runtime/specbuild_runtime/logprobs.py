@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# vLLM's floor for a logprob it writes out: -inf (a token the logits rule out) is no JSON number, OpenAI writes -9999.
+LOGPROB_FLOOR = -9999.0
+
 
 @dataclass(frozen=True)
 class TokenLogprobs:

@@ -28,15 +28,17 @@ PROMPT_CONTEXT = 5
 class TextStream:
     """Feed token ids with `push`; `take()` returns the text that is safe to send. The concatenation of
     every `take()` and the final `finish()` is exactly `text`: the tokens' text as it follows the prompt's
-    (given prompt_ids), cut before the earliest stop string (as OpenAI's API cuts it). Text that could
-    still become a stop string is held back until it cannot. Special tokens are left out of the text unless
-    `special_tokens`."""
+    (given prompt_ids), cut before the earliest stop string (as OpenAI's API cuts it), or after it where
+    `include_stop` (vLLM's include_stop_str_in_output). Text that could still become a stop string is held back
+    until it cannot, unless it is to be sent anyway (`include_stop`). Special tokens are left out of the text
+    unless `special_tokens`."""
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), prompt_ids: Sequence[int] = (),
-                 special_tokens: bool = False):
+                 special_tokens: bool = False, include_stop: bool = False):
         self.tokenizer = tokenizer
         self._text_of = partial(tokenizer.decode, skip_special_tokens=not special_tokens)
         self.stop = stop
+        self.include_stop = include_stop
         # SentencePiece vocabularies with byte fallback hold all 256 byte tokens; others need no look per token.
         self._byte_fallback = tokenizer.token_to_id("<0x00>") is not None
         context = list(prompt_ids[-PROMPT_CONTEXT:])
@@ -68,7 +70,8 @@ class TextStream:
 
     def take(self) -> str:
         """Text that is complete and cannot become part of a stop string."""
-        end = len(self.text) if self.stopped or self.finished else len(self.text) - self._stop_prefix()
+        done = self.stopped or self.finished or self.include_stop
+        end = len(self.text) if done else len(self.text) - self._stop_prefix()
         delta, self._sent = self.text[self._sent:end], max(self._sent, end)
         return delta
 
@@ -109,11 +112,11 @@ class TextStream:
 
     def _cut(self, text: str) -> bool:
         """If text (self.text and more) holds a stop string that self.text did not, end the text before the
-        earliest one and stop."""
+        earliest one (after it, where include_stop) and stop."""
         searched = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
-        cuts = [i for i in (text.find(s, searched) for s in self.stop) if i >= 0]
+        cuts = [(i, len(s) * self.include_stop) for i, s in ((text.find(s, searched), s) for s in self.stop) if i >= 0]
         if cuts:
-            self.text = text[:min(cuts)]
+            self.text = text[:sum(min(cuts))]
             self.stopped = True
         return self.stopped
 

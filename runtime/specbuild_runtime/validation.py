@@ -93,15 +93,21 @@ class Request:
     stop: tuple[str, ...] = ()
     special_tokens: bool = False  # the text shows special tokens (vLLM's skip_special_tokens false)
     logprobs: int | None = None  # each token's logprob and this many alternatives' (logprobs.py); None: none
+    ignore_eos: bool = False  # an eos token ends nothing: decoding goes on to max_new_tokens or the context
+    stop_token_ids: frozenset[int] = frozenset()  # tokens that end the request when generated ("stop_token")
+    # the stop string, or the eos or stop token (decoded as any other), ends the text instead of being cut (vLLM's)
+    include_stop: bool = False
 
 
 def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_size: int, max_seq_len: int,
                   max_gamma: int, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
-                  seed=None, stop=None, logprobs=None, token_span: TokenSpan | None = None,
+                  seed=None, stop=None, logprobs=None, ignore_eos=False, stop_token_ids=None,
+                  include_stop_str_in_output=False, skip_special_tokens=True, token_span: TokenSpan | None = None,
                   context_limit: int = 0) -> Request:
-    """The request as plain checked values, or a RequestError naming the first value that is wrong. token_span: the
-    most text one token of `encode`'s tokenizer stands for, where a bound holds (text.token_span). context_limit: the
-    longest context compile accepts for the bundle's models (Manifest.context_limit; 0 where unknown)."""
+    """The request as plain checked values, or a RequestError naming the first value that is wrong. ignore_eos,
+    stop_token_ids, include_stop_str_in_output and skip_special_tokens mean what vLLM's SamplingParams says. token_span:
+    the most text one token of `encode`'s tokenizer stands for, where a bound holds (text.token_span). context_limit:
+    the longest context compile accepts for the bundle's models (Manifest.context_limit; 0 where unknown)."""
     max_new_tokens = whole("max_new_tokens", max_new_tokens, low=1)
     if gamma != AUTO:
         if isinstance(gamma, str):
@@ -113,6 +119,10 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
     if logprobs is not None:
         logprobs = whole("logprobs", logprobs, low=0, high=MAX_LOGPROBS, hint=" (the most probable tokens to show beside "
                                                                             "each token's own; None: no logprobs)")
+    ignore_eos = flag("ignore_eos", ignore_eos)
+    include_stop = flag("include_stop_str_in_output", include_stop_str_in_output)
+    special_tokens = not flag("skip_special_tokens", skip_special_tokens)
+    stop_token_ids = token_ids("stop_token_ids", stop_token_ids, vocab_size)
     # Each id is a token: the list's length refuses it before a look at each id (2.7M of them, an 8 MB body, held the
     # GIL, and so serve's event loop, for 0.8 s); a batch of texts is told what a call takes (prompt_token_ids)
     if isinstance(prompt, (list, tuple)) and len(prompt) > max_seq_len and isinstance(prompt[0], (int, np.integer)):
@@ -122,7 +132,7 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
     if len(prompt_ids) > max_seq_len:
         raise too_long(len(prompt_ids), max_seq_len, max_new_tokens, context_limit=context_limit)
     return Request(prompt_ids, max_new_tokens, gamma, Sampling(temperature, top_k, top_p, seed), stop_strings(stop),
-                   logprobs=logprobs)
+                   special_tokens, logprobs, ignore_eos, stop_token_ids, include_stop)
 
 
 def check_text_fits(text: str, token_span: TokenSpan | None, max_seq_len: int, max_new_tokens: int,
@@ -234,6 +244,23 @@ def stop_strings(stop) -> tuple[str, ...]:
             raise RequestError(f"a stop string has {len(s)} characters; at most {MAX_STOP_CHARS} are taken")
         utf8("stop string", s)
     return tuple(strings)
+
+
+def token_ids(name: str, ids, vocab_size: int) -> frozenset[int]:
+    """A list of token ids (None: none), each a whole number in [0, vocab_size)."""
+    if ids is None:
+        return frozenset()
+    if not isinstance(ids, (list, tuple)):
+        raise RequestError(f"{name} must be a list of token ids, not {shown(ids)}")
+    for token in ids:
+        whole(name, token, low=0, high=vocab_size - 1, hint=" (token ids of this bundle's vocabulary)")
+    return frozenset(int(token) for token in ids)
+
+
+def flag(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise RequestError(f"{name} must be true or false, not {shown(value)}")
+    return bool(value)
 
 
 def whole(name: str, value, low: int | None = None, high: int | None = None, hint: str = "") -> int:

@@ -20,20 +20,27 @@ from tokenizers import Tokenizer
 
 from ..decode import Stats
 from ..errors import RequestError
-from ..logprobs import TokenLogprobs
+from ..logprobs import LOGPROB_FLOOR, TokenLogprobs
 from ..validation import GREEDY_BELOW, MAX_LOGPROBS, check_sampling, whole
 from .tools import PARSERS, ToolParser, checked_tools
 
 COMPLETIONS, CHAT = "completions", "chat"
 DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: None}  # OpenAI's defaults; None: until the context is full
 
-# Fields each endpoint reads. "gamma" is specbuild's own: draft tokens per round, "auto" by default.
-DECODING = ("temperature", "top_p", "top_k", "seed", "stop", "gamma")
+# Fields each endpoint reads. "gamma" is specbuild's own: draft tokens per round, "auto" by default. The last four
+# are vLLM's SamplingParams' extras, which its server reads on both endpoints.
+DECODING = ("temperature", "top_p", "top_k", "seed", "stop", "gamma", "ignore_eos", "stop_token_ids",
+            "include_stop_str_in_output", "skip_special_tokens")
+# vLLM's extras whose only value here is the default: min_tokens needs the engines' graphs to mask the eos and stop
+# tokens (the target's distribution, verification included), and spaces_between_special_tokens false a decoder that
+# tokenizers' decode lacks.
+DEFAULT_ONLY = {"min_tokens": 0, "spaces_between_special_tokens": True}
 FIELDS = {
-    COMPLETIONS: {"model", "prompt", "max_tokens", "stream", "stream_options", "n", "logprobs", *DECODING},
+    COMPLETIONS: {"model", "prompt", "max_tokens", "stream", "stream_options", "n", "logprobs", *DECODING,
+                  *DEFAULT_ONLY},
     CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n", "logprobs",
-           "top_logprobs", *DECODING, "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "tools",
-           "tool_choice"},
+           "top_logprobs", *DECODING, *DEFAULT_ONLY, "chat_template_kwargs", "add_generation_prompt",
+           "continue_final_message", "tools", "tool_choice"},
 }
 STREAM_OPTIONS = {"include_usage"}
 # Bookkeeping that does not change the output; safety_identifier and prompt_cache_key are what the openai
@@ -66,7 +73,7 @@ NEUTRAL = {"tool_choice": ["none"], "response_format": [{"type": "text"}], "moda
 
 # The runtime's names for what the API calls otherwise, to name them back in error messages.
 RUNTIME_NAMES = {"max_new_tokens": "max_tokens"}
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "max_new_tokens": "length", "context": "length"}
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "stop_token": "stop", "max_new_tokens": "length", "context": "length"}
 TOOL_CALLS = "tool_calls"  # the finish reason of a reply whose calls were parsed, whatever ended it (vLLM's)
 
 
@@ -176,8 +183,9 @@ def invalid(exc: Exception) -> ApiError:
     for runtime_name, api_name in RUNTIME_NAMES.items():
         if message.startswith(runtime_name):
             message = api_name + message[len(runtime_name):]
-    param = next((name for name in (*DECODING, "max_tokens", "logprobs", "prompt") if message.startswith((name, f"the {name}", f"a {name}"))),
-                 None)
+    # the longest name first: "stop_token_ids ..." is no message about "stop"
+    names = sorted((*DECODING, "max_tokens", "logprobs", "prompt"), key=len, reverse=True)
+    param = next((name for name in names if message.startswith((name, f"the {name}", f"a {name}"))), None)
     return ApiError(400, message, param)
 
 
@@ -227,6 +235,7 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
     if unknown := sorted(set(options or {}) - STREAM_OPTIONS):
         raise ApiError(400, f"unrecognized stream_options argument: '{unknown[0]}'", "stream_options")
     include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
+    _default_only(body)
     decoding = {name: _runtime_value(name, body[name]) for name in DECODING if body.get(name) is not None}
     # Where the default temperature is greedy, a top_p or top_k that asks for a restriction would be ignored,
     # so it is refused, as the command line refuses it. (Values out of range are left to the runtime's checks,
@@ -261,6 +270,20 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
         return Request(CHAT, None, body["messages"], max_tokens, decoding, stream, include_usage, chat, parse_tools,
                        body.get("parallel_tool_calls") is not False)
     return Request(COMPLETIONS, _one_prompt(body), None, max_tokens, decoding, stream, include_usage)
+
+
+def _default_only(body: dict) -> None:
+    """Refuses a DEFAULT_ONLY field given any value but its default (null is absent)."""
+    value = body.get("min_tokens")
+    if value is not None and not (type(value) is int and value == 0):
+        raise ApiError(400, f"min_tokens {_json(value)} is not supported by this server (its engines cannot mask the "
+                            "eos and stop tokens, as the target's distribution and the drafts' verification would "
+                            "need); send 0 or leave it out", "min_tokens")
+    value = body.get("spaces_between_special_tokens")
+    if value is not None and value is not True:
+        raise ApiError(400, f"spaces_between_special_tokens {_json(value)} is not supported by this server (its "
+                            "tokenizer decodes special tokens one way); send true or leave it out",
+                       "spaces_between_special_tokens")
 
 
 def _logprobs(endpoint: str, body: dict) -> dict:
@@ -372,10 +395,6 @@ def _template_variables(body: dict, generation_prompt: bool, continue_final: boo
             raise ApiError(400, "chat_template_kwargs.tools is not taken: send the tools as the request's 'tools' "
                                 "field", "chat_template_kwargs")
     return {name: value for name, value in variables.items() if name not in flags}
-
-
-# vLLM's floor for a logprob in a response: -inf (a token the logits rule out) is no JSON number, OpenAI writes -9999.
-LOGPROB_FLOOR = -9999.0
 
 
 class Logprobs:
