@@ -92,7 +92,7 @@ def main() -> None:
                 feeds = {"logits": logits.astype(np.float32), "num_drafts": np.array(drafts, np.int64),
                          "input_ids": rng.integers(0, vocab, (1, rows)).astype(np.int64),
                          "temperature": np.array(0.7, np.float32), "top_k": np.array(0, np.int64),
-                         "top_p": np.array(top_p, np.float32), "draft_probs": q,
+                         "top_p": np.array(top_p, np.float32), "min_p": np.array(0, np.float32), "draft_probs": q,
                          "uniforms": rng.random(rows, dtype=np.float32)}
                 row[f"{case}_ms"] = timed(sampler, feeds, args.device, args.runs)
             print(json.dumps(row), flush=True)

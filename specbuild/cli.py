@@ -171,14 +171,14 @@ def check_stops(ctx, param, value: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def check_sampling(sampling: dict, seed: int | None = None) -> None:
-    """--top-k, --top-p and --seed shape sampling; without --temperature the decode is greedy and would drop them
+    """--top-k, --top-p, --min-p and --seed shape sampling; without --temperature the decode is greedy and would drop them
     (generate's default is greedy whatever the bundle's generation_config says: that is serve's). seed: the one
     given on the command line (bench's, whose default 0 is not given), else sampling's."""
     if sampling["temperature"] >= GREEDY_BELOW:
         return
     seed = sampling.get("seed") if seed is None else seed
     given = [name for name, set_ in (("--top-k", sampling["top_k"]), ("--top-p", sampling["top_p"] != 1.0),
-                                     ("--seed", seed is not None)) if set_]
+                                     ("--min-p", sampling.get("min_p", 0) > 0), ("--seed", seed is not None)) if set_]
     if not given:
         return
     names = (", ".join(given[:-1]) + " and " + given[-1] + " apply") if len(given) > 1 else f"{given[0]} applies"
@@ -285,6 +285,9 @@ def cuda_line(manifest) -> str:
 @draft_steps_option
 @threads_option(EVERY_CORE)
 @sampling_options()
+@click.option("--min-p", type=Finite(min=0, max=1), default=0.0, show_default=True,
+              help="Sample only from tokens at least this many times as probable as the most probable (0 = all), "
+                   "before --top-k and --top-p, as vLLM.")
 def generate(bundle, prompt, max_new_tokens, gamma, chat, chat_template, stop, as_json, logprobs, device, cuda_graphs,
              draft_steps, threads, **sampling) -> None:
     """Continue a prompt with speculative decoding (greedy, or sampling with --temperature)."""

@@ -568,6 +568,19 @@ def test_generate_json_gives_each_tokens_logprobs_as_the_api_does(bundles):
     assert refused.returncode == 2 and "give --json too" in refused.stderr
 
 
+def test_generate_min_p_samples_as_the_python_apis_min_p(bundles, cli):
+    from specbuild_runtime import SpeculativeDecoder
+
+    bundle, prompt = bundles("llama", 1), "def add(a, b):"
+    decoder = SpeculativeDecoder(bundle)
+    expected = decoder.generate(prompt, 16, temperature=1.5, seed=2, min_p=0.5).token_ids
+    assert expected != decoder.generate(prompt, 16, temperature=1.5, seed=2).token_ids  # it bites
+    ran, greedy = cli.run([["generate", str(bundle), "-p", prompt, "-n", "16", "--temperature", "1.5", "--seed", "2",
+                            "--min-p", "0.5", "--json"], ["generate", str(bundle), "-p", prompt, "--min-p", "0.5"]])
+    assert ran["status"] == 0 and json.loads(ran["stdout"])["token_ids"] == expected, ran
+    assert greedy["status"] == 2 and "--min-p applies to sampling: give --temperature too" in greedy["stderr"], greedy
+
+
 def test_the_cuda_graphs_help_names_every_architecture_captured_by_default():
     """The default it states is engine.CAPTURED_BY_DEFAULT's, which grew past Llama alone."""
     from specbuild_runtime.engine import CAPTURED_BY_DEFAULT

@@ -199,7 +199,7 @@ def test_each_engine_has_a_greedy_only_graph_and_the_draft_a_steps_graph_reading
         assert not [n.op_type for n in greedy.graph.node if any(a.type == a.GRAPH for a in n.attribute)]  # If, Loop, Scan
         assert [n.op_type for n in full.graph.node if n.op_type == "If"] == ["If"]  # the test sees what it looks for
         assert {i.name for i in full.graph.input} - {i.name for i in greedy.graph.input} == {
-            "temperature", "top_k", "top_p", "draft_probs", "uniforms"}
+            "temperature", "top_k", "top_p", "min_p", "draft_probs", "uniforms"}
         assert [o.name for o in greedy.graph.output if not o.name.startswith("present")] == ["logits", "accepted", "next_token"]
         shared, own = external(full), external(greedy)
         assert own and all(shared[name] == where for name, where in own.items()), role

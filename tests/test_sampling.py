@@ -118,6 +118,10 @@ CASES = {  # name: (bundle, decoding options, negative control)
     "auto gamma": ("draft", dict(gamma="auto", temperature=1.0), dict(temperature=1.5)),
     "padded draft vocabulary": ("padded", dict(gamma=4, temperature=1.0), WRONG_RULE),
     "target and draft padded alike": ("padded pair", dict(gamma=4, temperature=1.0), WRONG_RULE),
+    "min-p 0.1": ("draft", dict(gamma=4, temperature=1.0, min_p=0.1), WRONG_RULE),
+    # vLLM's order: min-p on the tempered distribution, then top-k, then top-p on what min-p left.
+    "min-p 0.05, top-k 8 and top-p 0.9 at temperature 0.8": (
+        "draft", dict(gamma=3, temperature=0.8, top_k=8, top_p=0.9, min_p=0.05), WRONG_RULE),
 }
 
 
@@ -139,10 +143,14 @@ class WrongAcceptanceRule:
         return getattr(self.rng, name)
 
 
-def transformed(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """The sampling distribution transformers' warpers define: [..., V] logits -> probabilities."""
+def transformed(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                min_p: float = 0.0) -> torch.Tensor:
+    """The sampling distribution transformers' warpers define: [..., V] logits -> probabilities, min-p first after
+    temperature, as vLLM's sampler applies it (transformers' own order puts it after top-p)."""
     shape = logits.shape
     scores = logits.reshape(-1, shape[-1]) / temperature
+    if min_p:
+        scores = tf.MinPLogitsWarper(min_p)(None, scores)
     if top_k:
         scores = tf.TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1:
@@ -171,7 +179,8 @@ def martingale_chi2(observed: np.ndarray, expected: np.ndarray) -> tuple[float, 
     return float(d[:df] @ np.linalg.solve(covariance[:df, :df], d[:df])), df
 
 
-def distribution_test(pair, bundle: str, samples: list[list[int]], temperature, top_k=0, top_p=1.0, **_) -> dict:
+def distribution_test(pair, bundle: str, samples: list[list[int]], temperature, top_k=0, top_p=1.0, min_p=0.0,
+                      **_) -> dict:
     """p-value of the samples against the target's distribution, and how many had probability zero."""
     target, draft = BUNDLES[bundle]
     tokens = torch.tensor(samples)
@@ -181,7 +190,7 @@ def distribution_test(pair, bundle: str, samples: list[list[int]], temperature, 
         # the draft's engine has the tokenizer's ids alone (its padding rows cut): q is 0 past them, and it
         # reads the target's padding ids as its last row
         q_logits = pair[draft](sequences.clamp(max=VOCAB - 1)).logits[:, len(PROMPT) - 1 : -1, :VOCAB].double()
-    p, q = transformed(p_logits, temperature, top_k, top_p), transformed(q_logits, temperature, top_k, top_p)
+    p, q = (transformed(logits, temperature, top_k, top_p, min_p) for logits in (p_logits, q_logits))
     q = torch.nn.functional.pad(q, (0, p.shape[-1] - q.shape[-1]))
     category = categories(p, q)
     count = (len(RANK_BINS) + 1) * 2
@@ -253,12 +262,65 @@ def test_top_p_one_and_top_k_zero_keep_the_whole_distribution(pair, sampled):
     assert result["tail"] > 100 and result["p"] > 1e-4, result
 
 
+def test_min_p_samples_the_same_distribution_target_only_as_speculatively(pair, sampled):
+    """gamma 0 (the target alone) and gamma 4 each follow the target's min-p distribution; min-p left out
+    (the old bundles' sampling) samples tokens that distribution gives probability 0."""
+    case = "min-p 0.1"
+    draft, options, _ = CASES[case]
+    decoder = SpeculativeDecoder(pair["bundles"][draft])
+    alone = distribution_test(pair, draft, sample(decoder, {**options, "gamma": 0})[0], **options)
+    speculative = distribution_test(pair, draft, sampled(case)[0], **options)
+    without = distribution_test(pair, draft, sample(decoder, {**options, "min_p": 0.0}, SAMPLES // 6)[0], **options)
+    assert alone["impossible"] == speculative["impossible"] == 0 and alone["p"] > 1e-4 and speculative["p"] > 1e-4
+    assert without["impossible"] > 0, without
+
+
+@pytest.mark.parametrize("options", [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 12, "top_p": 0.9}])
+def test_min_p_zero_samples_the_tokens_of_no_min_p(options, bundles, tokenizer):
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    for gamma in (0, 3):
+        assert (decoder.generate(ids, 30, gamma, seed=4, min_p=0.0, **options).token_ids
+                == decoder.generate(ids, 30, gamma, seed=4, **options).token_ids)
+
+
+def test_a_bundle_compiled_before_min_p_decodes_and_refuses_min_p_in_one_line(bundles, tokenizer, tmp_path):
+    import shutil
+
+    import onnx
+    from onnx import numpy_helper
+
+    from specbuild_runtime import RequestError
+    from specbuild_runtime.manifest import load_manifest
+
+    old = tmp_path / "old"
+    shutil.copytree(bundles("llama", draft_seed=1), old)
+    manifest = load_manifest(old)
+    for file in (manifest.sampler_file, *(info.file for info in manifest.engines.values())):
+        # as compiled before: no min_p input (its nodes read a constant 0, so they never drop a token)
+        model = onnx.load(str(old / file), load_external_data=False)
+        kept = [value for value in model.graph.input if value.name != "min_p"]
+        del model.graph.input[:]
+        model.graph.input.extend(kept)
+        model.graph.initializer.append(numpy_helper.from_array(np.array(0, np.float32), "min_p"))
+        onnx.save(model, str(old / file))
+    before, now = SpeculativeDecoder(old, check_digests=False), SpeculativeDecoder(bundles("llama", draft_seed=1))
+    assert not before.has_min_p and now.has_min_p
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    for options in ({}, {"temperature": 0.8, "top_p": 0.9, "seed": 2}):
+        assert before.generate(ids, 12, 3, **options).token_ids == now.generate(ids, 12, 3, **options).token_ids
+    with pytest.raises(RequestError, match=r"^\S+ was compiled before min_p sampling: recompile it with `specbuild "
+                                           r"compile`, or leave min_p out$"):
+        before.generate(ids, 8, temperature=1.0, min_p=0.1)
+
+
 def test_same_seed_reproduces_and_different_seeds_differ(bundles, tokenizer):
     decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
     ids = tokenizer(PROMPTS[0])["input_ids"]
-    runs = [decoder.generate(ids, 30, 3, temperature=1.0, seed=s).token_ids for s in (7, 7, 8)]
-    assert runs[0] == runs[1]
-    assert runs[0] != runs[2]
+    for options in ({}, {"min_p": 0.05}):
+        runs = [decoder.generate(ids, 30, 3, temperature=1.0, seed=s, **options).token_ids for s in (7, 7, 8)]
+        assert runs[0] == runs[1]
+        assert runs[0] != runs[2]
 
 
 @pytest.mark.parametrize("options", [{"temperature": 0.0}, {"temperature": 1.0, "top_k": 1},
@@ -283,11 +345,32 @@ def sampler_session():
                                 providers=["CPUExecutionProvider"])
 
 
+def kept(sampler, p: np.ndarray, temperature: float = 1.0, top_p: float = 1.0, min_p: float = 0.0) -> list[int]:
+    """The tokens the sampler's distribution keeps from p (no drafts)."""
+    inputs = {"logits": np.log(p).astype(np.float32)[None], "input_ids": np.zeros((1, 1), np.int64),
+              "num_drafts": np.array(0, np.int64), "temperature": np.array(temperature, np.float32),
+              "top_k": np.array(0, np.int64), "top_p": np.array(top_p, np.float32), "min_p": np.array(min_p, np.float32),
+              "draft_probs": np.zeros((0, len(p)), np.float32), "uniforms": np.array([0.5], np.float32)}
+    return np.flatnonzero(sampler.run(["probs"], inputs)[0]).tolist()
+
+
+def test_min_p_drops_what_vllm_drops_after_temperature_and_before_top_p():
+    """min_p keeps the tokens at least min_p times as probable as the most probable, of the tempered distribution;
+    top-p then takes its mass from what min-p kept (vLLM's order: transformers' min-p after top-p keeps 1, 3, 4)."""
+    sampler = sampler_session()
+    p = np.array([0.05, 0.5, 0.1, 0.2, 0.15])
+    assert kept(sampler, p, min_p=0.25) == [1, 3, 4]  # at least 0.125
+    assert kept(sampler, p, min_p=0.25, temperature=2.0) == [0, 1, 2, 3, 4]  # tempered: sqrt(0.05 / 0.5) > 0.25
+    assert kept(sampler, p, min_p=0.25, top_p=0.8) == [1, 3]  # 0.5 / 0.85 < 0.8 <= 0.7 / 0.85
+    assert kept(sampler, p, min_p=1.0) == [1]
+    assert kept(sampler, p, min_p=0.0) == [0, 1, 2, 3, 4]
+
+
 def draw(sampler, p: np.ndarray, u: float, top_p: float = 1.0) -> int:
     """The token the sampler draws from p with uniform u (no drafts, temperature 1)."""
     inputs = {"logits": np.log(p).astype(np.float32)[None], "input_ids": np.zeros((1, 1), np.int64),
               "num_drafts": np.array(0, np.int64), "temperature": np.array(1, np.float32),
-              "top_k": np.array(0, np.int64), "top_p": np.array(top_p, np.float32),
+              "top_k": np.array(0, np.int64), "top_p": np.array(top_p, np.float32), "min_p": np.array(0, np.float32),
               "draft_probs": np.zeros((0, len(p)), np.float32), "uniforms": np.array([u], np.float32)}
     return int(sampler.run(["next_token"], inputs)[0])
 
@@ -306,7 +389,7 @@ def test_drafts_stand_up_to_a_row_of_logits_that_is_not_finite_which_draws_no_to
         logits[row, 5] = bad
         inputs = {"logits": logits, "input_ids": np.array([[1, 3, 3]], np.int64), "num_drafts": np.array(2, np.int64),
                   "temperature": np.array(1, np.float32), "top_k": np.array(0, np.int64), "top_p": np.array(1, np.float32),
-                  "draft_probs": np.eye(2, vocab, 3, dtype=np.float32), "uniforms": np.full(3, 0.5, np.float32)}
+                  "min_p": np.array(0, np.float32), "draft_probs": np.eye(2, vocab, 3, dtype=np.float32), "uniforms": np.full(3, 0.5, np.float32)}
         assert [int(x) for x in sampler.run(["accepted", "next_token"], inputs)] == [accepted, NOT_FINITE]
 
 
@@ -358,7 +441,7 @@ def test_the_nucleus_is_the_whole_rankings_whether_its_top_candidates_hold_it_or
     sampler = sampler_session()
     inputs = {"logits": logits.astype(np.float32)[None], "input_ids": np.zeros((1, 1), np.int64),
               "num_drafts": np.array(0, np.int64), "temperature": np.array(1, np.float32),
-              "top_k": np.array(0, np.int64), "top_p": np.array(0.9, np.float32),
+              "top_k": np.array(0, np.int64), "top_p": np.array(0.9, np.float32), "min_p": np.array(0, np.float32),
               "draft_probs": np.zeros((0, vocab), np.float32), "uniforms": np.array([0.5], np.float32)}
     trimmed = sampler.run(["probs"], inputs)[0]
     ranked = np.sort(p)[::-1]

@@ -48,6 +48,7 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 GREEDY = {"temperature": 0}  # sent: a request without one samples (serve --generation-config auto, OpenAI's default)
 SAMPLED = [dict(temperature=0.8, top_p=0.9, seed=7, gamma=2), dict(temperature=1.0, top_k=20, seed=3, gamma=3)]
+MIN_P = dict(temperature=1.2, min_p=0.1, seed=5, gamma=3)
 FINISH = {"eos": "stop", "stop": "stop", "stop_token": "stop", "max_new_tokens": "length", "context": "length"}
 
 
@@ -140,12 +141,12 @@ def client(server):
 
 
 def api_settings(settings: dict) -> dict:
-    """The openai client's arguments for runtime settings: top_k and gamma travel in extra_body."""
-    extra = {k: settings[k] for k in ("top_k", "gamma") if k in settings}
+    """The openai client's arguments for runtime settings: top_k, min_p and gamma travel in extra_body."""
+    extra = {k: settings[k] for k in ("top_k", "min_p", "gamma") if k in settings}
     return {**{k: v for k, v in settings.items() if k not in extra}, **({"extra_body": extra} if extra else {})}
 
 
-@pytest.mark.parametrize("settings", [GREEDY, *SAMPLED], ids=["greedy", "top-p", "top-k"])
+@pytest.mark.parametrize("settings", [GREEDY, *SAMPLED, MIN_P], ids=["greedy", "top-p", "top-k", "min-p"])
 def test_completions_equal_generate_streamed_or_not(client, reference, settings):
     for prompt in PROMPTS[:3]:
         expected = reference.generate(prompt, max_new_tokens=24, **settings)
@@ -1620,7 +1621,7 @@ def test_inspect_says_what_serve_gives_requests_that_omit_sampling_fields(sampli
     (old / "manifest.json").write_text(json.dumps(manifest))
     sampled, plain, before = cli.run([["inspect", str(sampling_bundle)], ["inspect", str(bundle)], ["inspect", str(old)]])
     assert all(r["status"] == 0 for r in (sampled, plain, before)), (sampled["stderr"], before["stderr"])
-    assert ("serve      by default (--generation-config auto), requests without temperature/top_p/top_k get temperature 1.5, top_k 3 (from the bundle's "
+    assert ("serve      by default (--generation-config auto), requests without temperature/top_p/top_k/min_p get temperature 1.5, top_k 3 (from the bundle's "
             "generation_config); generation_config fields not applied: repetition_penalty 1.3") in sampled["stdout"]
     assert "get temperature 1 (OpenAI's defaults; the bundle's generation_config sets none" in plain["stdout"]
     assert "compiled before manifests recorded the generation_config: recompile it" in before["stdout"]
@@ -1659,12 +1660,13 @@ def test_generation_config_vllm_or_greedy_sets_the_bundles_defaults_aside(sampli
         temperature = {"vllm": 1.0, "greedy": 0.0}[mode]
         assert seeded(url) == reference.generate(PROMPTS[0], max_new_tokens=16, seed=3, temperature=temperature).text
         shaped = [httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2, name: value})
-                  for name, value in (("top_p", 0.9), ("top_k", 5))]
-        assert [reply.status_code for reply in shaped] == [{"vllm": 200, "greedy": 400}[mode]] * 2
+                  for name, value in (("top_p", 0.9), ("top_k", 5), ("min_p", 0.1))]
+        assert [reply.status_code for reply in shaped] == [{"vllm": 200, "greedy": 400}[mode]] * 3
         if mode == "greedy":
             assert "top_p shapes sampling, and without a temperature" in shaped[0].json()["error"]["message"]
             assert "(as --generation-config greedy asks" in shaped[0].json()["error"]["message"]
             assert "send a temperature too" in shaped[1].json()["error"]["message"]
+            assert "min_p shapes sampling, and without a temperature" in shaped[2].json()["error"]["message"]
 
 
 def test_the_start_up_line_names_the_defaults_and_what_of_the_generation_config_is_not_applied(sampling_bundle, tmp_path):
@@ -1673,7 +1675,7 @@ def test_the_start_up_line_names_the_defaults_and_what_of_the_generation_config_
         assert healthy(url)
     line = next(line for line in log.read_text().splitlines() if line.startswith("serving "))
     assert "; no chat template (/v1/chat/completions answers 400; --chat-template gives one); " in line, line
-    assert line.endswith("requests without temperature/top_p/top_k get temperature 1.5, top_k 3 (from the bundle's "
+    assert line.endswith("requests without temperature/top_p/top_k/min_p get temperature 1.5, top_k 3 (from the bundle's "
                          "generation_config); generation_config fields not applied: repetition_penalty 1.3"), line
 
 
@@ -1688,6 +1690,37 @@ def test_a_bundle_compiled_before_manifests_recorded_the_generation_config_serve
     server = Server(SpeculativeDecoder(old), Settings(model=MODEL))
     assert server.defaults.values == {"temperature": 1} and "recompile it" in str(server.defaults)
     asyncio.run(server.scheduler.close())
+
+
+def test_the_generation_configs_min_p_applies_to_requests_that_omit_it_as_in_vllm(sampling_bundle, tmp_path):
+    from specbuild_runtime import SpeculativeDecoder
+    from specbuild_runtime.serve.protocol import sampling_defaults
+
+    bundle = Path(shutil.copytree(sampling_bundle, tmp_path / "bundle"))
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["generation_config"]["min_p"] = 0.9
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    reference = SpeculativeDecoder(bundle)
+
+    def expected(**settings) -> str:
+        return reference.generate(PROMPTS[0], max_new_tokens=16, seed=3, temperature=1.5, top_k=3, **settings).text
+
+    assert expected(min_p=0.9) != expected()  # it bites
+    said = str(sampling_defaults(reference.manifest.generation_config, "auto", reference.has_min_p))
+    assert "get temperature 1.5, top_k 3, min_p 0.9 (from the bundle's generation_config)" in said
+    with in_process(bundle) as (url, decoder, _):
+        decoder.go.set()
+        assert seeded(url) == seeded(url, min_p=None) == expected(min_p=0.9)
+        assert seeded(url, min_p=0) == expected()
+
+
+def test_a_bundle_compiled_before_min_p_names_its_generation_configs_min_p_not_applied():
+    from specbuild_runtime.serve.protocol import sampling_defaults
+
+    defaults = sampling_defaults({"temperature": 0.7, "min_p": 0.05}, "auto", min_p=False)
+    assert defaults.values == {"temperature": 0.7}
+    assert defaults.ignored == ("min_p 0.05 (this bundle was compiled before min_p: recompile it to apply it)",)
+    assert sampling_defaults({"temperature": 0.7, "min_p": 0.05}, "auto").values == {"temperature": 0.7, "min_p": 0.05}
 
 
 def test_generation_config_values_this_server_cannot_apply_are_named_not_applied():

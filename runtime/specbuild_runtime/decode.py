@@ -311,6 +311,11 @@ class SpeculativeDecoder:
         return self.graphs_captured - before
 
     @property
+    def has_min_p(self) -> bool:
+        """Whether both engines sample with min_p (a bundle compiled before it has neither)."""
+        return self.target.has_min_p and self.draft.has_min_p
+
+    @property
     def graphs_captured(self) -> int:
         """CUDA graphs this decoder's engines have captured so far, in every thread."""
         return sum(engine.graphs_captured for engine in (self.target, self.draft, self.steps_engine) if engine is not None)
@@ -325,23 +330,27 @@ class SpeculativeDecoder:
                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                 stop: str | list[str] | None = None, logprobs: int | None = None, *, ignore_eos: bool = False,
                 stop_token_ids: list[int] | None = None, include_stop_str_in_output: bool = False,
-                skip_special_tokens: bool = True) -> Request:
+                skip_special_tokens: bool = True, min_p: float = 0.0) -> Request:
         """The checked request (validation.check_request against this bundle), or a RequestError. The keyword-only
         options (which generate, stream, stream_text and their async forms pass on) are vLLM's SamplingParams':
         ignore_eos decodes past eos tokens (to max_new_tokens or the context); a token of stop_token_ids ends the
         request (finish_reason "stop_token"), as an eos does; include_stop_str_in_output ends the text with the stop
         string, or the eos or stop token's text, instead of leaving it out; skip_special_tokens false shows special
-        tokens in the text."""
+        tokens in the text; min_p (as vLLM's and llama.cpp's) samples only tokens at least min_p times as probable as
+        the most probable, after temperature and before top_k and top_p (0: all)."""
         if logprobs is not None and not self.target.has_logits:
             raise RequestError(f"{self.root} was compiled before its engines gave their logits, so it gives no logprobs: "
                                "recompile it with `specbuild compile`")
+        if min_p and not self.has_min_p:
+            raise RequestError(f"{self.root} was compiled before min_p sampling: recompile it with `specbuild compile`, "
+                               "or leave min_p out")
         return check_request(prompt, encode=self.encode, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
                              max_gamma=self.max_gamma, max_new_tokens=max_new_tokens, gamma=gamma,
                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
                              logprobs=logprobs, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids,
                              include_stop_str_in_output=include_stop_str_in_output,
                              skip_special_tokens=skip_special_tokens, token_span=self.token_span,
-                             context_limit=self.manifest.context_limit)
+                             context_limit=self.manifest.context_limit, min_p=min_p)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -517,7 +526,8 @@ class SpeculativeDecoder:
         """The speculative loop over one slot. records: see _run; a token's comes from the row of the target's
         logits that decided it, computed alike whatever the round (slot.Rows), so γ and the draft change none."""
         sampling = request.sampling
-        slot.configure(sampling.temperature, sampling.top_k, sampling.top_p, logits=records is not None)
+        slot.configure(sampling.temperature, sampling.top_k, sampling.top_p, logits=records is not None,
+                       min_p=sampling.min_p)
         rng = sampling.generator()
         # n uniforms in [0, 1) a call: n-1 to judge drafts, the last to draw the next token.
         uniforms = (lambda n: None) if sampling.greedy else (lambda n: rng.random(n, dtype=np.float32))

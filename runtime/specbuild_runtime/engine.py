@@ -20,7 +20,7 @@ import onnxruntime as ort
 
 from .errors import BundleError, DeviceError, first_line
 from .manifest import EngineInfo, cache_names
-from .validation import LOGITS, check_engine_io, check_sampler_io
+from .validation import LOGITS, MIN_P, check_engine_io, check_sampler_io
 
 DEVICES = ("cpu", "cuda", "auto")
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -224,6 +224,7 @@ class Engine:
     device: "cpu" or "cuda" (see requested_device). graph: the engine's graph in memory (a test's), whose
     external weights are still read beside path. has_logits: its graph outputs the fp32 logits its
     decisions are made from (EngineSlot.logits reads them; engines compiled before that lack them).
+    has_min_p: it samples with a `min_p` input (engines and samplers compiled before min_p lack it).
     cuda_graphs: path is the engine's greedy-only graph (no sampling, no control flow); on CUDA, calls
     that name a graph id are captured once and replayed as CUDA graphs (see slot.graph_id).
     Such an engine samples with `sampler` (the bundle's), fed each call's logits; without one it cannot.
@@ -266,6 +267,7 @@ class Engine:
             self.sampling_session, self.sampling_devices = sampler.session, sampler.input_devices
         else:
             self.sampling_session = self.sampling_devices = None
+        self.has_min_p = self.sampling_devices is not None and MIN_P in self.sampling_devices
 
     def new_slot_index(self) -> int:
         """A number no other slot of this engine has: the slot's CUDA graphs are its own."""
@@ -274,7 +276,7 @@ class Engine:
 
 class Sampler:
     """The bundle's sampler (manifest.SAMPLER) as a session on a device: the engines' sampling tail, fed the
-    logits of an engine running its greedy-only graph. Its top-k and top-p choices are control flow, so its
+    logits of an engine running its greedy-only graph. Its min-p, top-k and top-p choices are control flow, so its
     calls are never captured (each engine call still is); it has no weights and serves both engines."""
 
     def __init__(self, path: Path, device: str = "cpu"):

@@ -35,6 +35,9 @@ float type (fp32, fp16 or bf16; see EngineInfo.precision):
          temperature    f32 []          0 = greedy; above 0 sample from softmax(logits / temperature)
          top_k          int64 []        keep the k most probable tokens (0 = all)
          top_p          f32 []          keep the smallest nucleus with this mass (1 = all)
+         min_p          f32 []          keep the tokens at least min_p times as probable as the most
+                                        probable (0 = all), before top_k and top_p. Engines and samplers
+                                        compiled before it lack it, and sample without min_p
          draft_probs    f32 [D, V]      the draft's distribution q at each draft (sampling; [0, V] greedy)
          uniforms       f32 [D+1]       random numbers: D to judge the drafts, one to draw the next token
          past_key.{i}, past_value.{i}   F [1, kv_heads, max_seq_len, head_dim], the KV buffers, bound

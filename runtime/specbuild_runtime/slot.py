@@ -21,6 +21,7 @@ import onnxruntime as ort
 from .engine import Engine
 from .errors import BundleError, DeviceError, RequestError, first_line
 from .manifest import LONG_ROPE, step_presents, step_total_len
+from .validation import MIN_P
 
 MAX_REUSED_IDS = 64  # calls of up to this many tokens (drafting, verifying) reuse one buffer per length
 # onnxruntime counts the runs before a capture per thread, not per graph: once a thread has run twice it
@@ -296,6 +297,7 @@ class EngineSlot:
             self._temperature = self._input("temperature", np.zeros((), np.float32), self._tail)
             self._top_k = self._input("top_k", np.zeros((), np.int64), self._tail)
             self._top_p = self._input("top_p", np.ones((), np.float32), self._tail)
+            self._min_p = self._input(MIN_P, np.zeros((), np.float32), self._tail) if engine.has_min_p else None
             self._uniforms: dict[int, Buffer] = {}  # drafts + 1 -> buffer
             # The sampled distribution ([V] when sampling, [0] when greedy): the target's is not read back;
             # the draft's goes into row j of probs_rows at draft step j.
@@ -305,19 +307,21 @@ class EngineSlot:
             self._no_drafts = Buffer(np.zeros((0, engine.vocab_size), np.float32), engine.sampling_devices["draft_probs"])
             self._configure(temperature=0.0)
 
-    def configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0) -> None:
-        """Greedy at temperature 0; otherwise sampling from softmax(logits/temperature) within top-k/top-p."""
+    def configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> None:
+        """Greedy at temperature 0; otherwise sampling from softmax(logits/temperature) within min-p/top-k/top-p."""
         with self.engine.calls:  # its copies to the device too (see engine._CUDA_GRAPH_CALLS)
-            self._configure(temperature, top_k, top_p)
+            self._configure(temperature, top_k, top_p, min_p)
 
-    def _configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0) -> None:
+    def _configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> None:
         if self._tail is None:
             if temperature > 0:
                 raise RequestError(f"engine {self.engine.path} runs its greedy-only graph without the bundle's sampler: "
                                    "it cannot sample; use temperature 0")
             return
         self.sampling = temperature > 0
-        for buffer, value in ((self._temperature, temperature), (self._top_k, top_k), (self._top_p, top_p)):
+        # An engine compiled before min_p has no such input; decode refuses min_p > 0 there (has_min_p).
+        settings = [(self._temperature, temperature), (self._top_k, top_k), (self._top_p, top_p)]
+        for buffer, value in settings + [(self._min_p, min_p)] * (self._min_p is not None):
             buffer.host[()] = value
             buffer.push()
         self._tail.bind_ortvalue_output("probs", self._probs[self.sampling].value)
@@ -640,8 +644,8 @@ class Slot:
         self.draft = EngineSlot(draft, AS_FED, probs_rows=q)
         self.draft_steps = DraftSteps(draft_steps, self.draft) if draft_steps else None
 
-    def configure(self, temperature: float, top_k: int, top_p: float, logits: bool = False) -> None:
+    def configure(self, temperature: float, top_k: int, top_p: float, logits: bool = False, min_p: float = 0.0) -> None:
         """A request's sampling settings; logits: the target's calls leave their logits for it to read."""
         for engine_slot in (self.target, self.draft):
-            engine_slot.configure(temperature, top_k, top_p)
+            engine_slot.configure(temperature, top_k, top_p, min_p)
         self.target.read_logits(logits)

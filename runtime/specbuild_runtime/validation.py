@@ -47,6 +47,7 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -103,7 +104,7 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
                   max_gamma: int, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
                   seed=None, stop=None, logprobs=None, ignore_eos=False, stop_token_ids=None,
                   include_stop_str_in_output=False, skip_special_tokens=True, token_span: TokenSpan | None = None,
-                  context_limit: int = 0) -> Request:
+                  context_limit: int = 0, min_p=0.0) -> Request:
     """The request as plain checked values, or a RequestError naming the first value that is wrong. ignore_eos,
     stop_token_ids, include_stop_str_in_output and skip_special_tokens mean what vLLM's SamplingParams says. token_span:
     the most text one token of `encode`'s tokenizer stands for, where a bound holds (text.token_span). context_limit:
@@ -114,7 +115,7 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
             raise RequestError(f"gamma must be {AUTO!r} or a whole number from 0 to {max_gamma}, not {shown(gamma)}")
         gamma = whole("gamma", gamma, low=0, high=max_gamma,
                       hint=f" (this bundle's most drafts per round; 0 = target only, {AUTO!r} adapts)")
-    temperature, top_k, top_p = check_sampling(temperature, top_k, top_p, vocab_size)
+    temperature, top_k, top_p, min_p = check_sampling(temperature, top_k, top_p, vocab_size, min_p)
     seed = None if seed is None else whole("seed", seed)
     if logprobs is not None:
         logprobs = whole("logprobs", logprobs, low=0, high=MAX_LOGPROBS, hint=" (the most probable tokens to show beside "
@@ -131,8 +132,8 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
         text, token_span, max_seq_len, max_new_tokens, context_limit=context_limit))
     if len(prompt_ids) > max_seq_len:
         raise too_long(len(prompt_ids), max_seq_len, max_new_tokens, context_limit=context_limit)
-    return Request(prompt_ids, max_new_tokens, gamma, Sampling(temperature, top_k, top_p, seed), stop_strings(stop),
-                   special_tokens, logprobs, ignore_eos, stop_token_ids, include_stop)
+    return Request(prompt_ids, max_new_tokens, gamma, Sampling(temperature, top_k, top_p, seed, min_p),
+                   stop_strings(stop), special_tokens, logprobs, ignore_eos, stop_token_ids, include_stop)
 
 
 def check_text_fits(text: str, token_span: TokenSpan | None, max_seq_len: int, max_new_tokens: int,
@@ -168,8 +169,10 @@ def too_long(tokens: int, max_seq_len: int, max_new_tokens: int, at_least: bool 
                         f"take up to {context_limit})")
 
 
-def check_sampling(temperature=0.0, top_k=0, top_p=1.0, vocab_size: int = 1) -> tuple[float, int, float]:
-    """(temperature, top_k, top_p) as the engines take them, or a RequestError naming the first that is wrong."""
+def check_sampling(temperature=0.0, top_k=0, top_p=1.0, vocab_size: int = 1,
+                   min_p=0.0) -> tuple[float, int, float, float]:
+    """(temperature, top_k, top_p, min_p) as the engines take them, or a RequestError naming the first that is
+    wrong. min_p in [0, 1], as vLLM's SamplingParams takes it."""
     temperature = real("temperature", temperature)
     if temperature < 0:
         raise RequestError(f"temperature must be 0 (greedy) or more, not {temperature}")
@@ -181,7 +184,10 @@ def check_sampling(temperature=0.0, top_k=0, top_p=1.0, vocab_size: int = 1) -> 
     top_p = max(top_p, FLOAT32_TINY)
     # A top_k above the vocabulary keeps every token, as 0 does; capping it keeps it an int64.
     top_k = min(whole("top_k", top_k, low=0, hint=" (0 = no limit)"), vocab_size)
-    return temperature, top_k, top_p
+    min_p = real("min_p", min_p)
+    if not 0 <= min_p <= 1:
+        raise RequestError(f"min_p must be in [0, 1] (0 = no limit), not {min_p}")
+    return temperature, top_k, top_p, min_p
 
 
 def prompt_token_ids(prompt: Prompt, encode: Callable[[str], list[int]], vocab_size: int,
@@ -301,6 +307,9 @@ INPUTS = {"input_ids": "tensor(int64)", "seqlens_k": "tensor(int32)", "total_len
           "num_drafts": "tensor(int64)"}
 SAMPLING_INPUTS = {"temperature": "tensor(float)", "top_k": "tensor(int64)", "top_p": "tensor(float)",
                    "draft_probs": "tensor(float)", "uniforms": "tensor(float)"}
+# Engines and samplers compiled before min_p lack its input; they still load, and sample without it.
+MIN_P = "min_p"
+LATER_SAMPLING_INPUTS = {MIN_P: "tensor(float)"}
 OUTPUTS = {"accepted": "tensor(int64)", "next_token": "tensor(int64)"}
 SAMPLING_OUTPUTS = {"probs": "tensor(float)"}
 LOGITS = "logits"  # the fp32 logits an engine graph decides on (manifest.py): a greedy-only graph's sampler reads them
@@ -330,6 +339,8 @@ def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int, g
           "greedy": {**INPUTS, **OUTPUTS, **GREEDY_OUTPUTS},
           "steps": {"input_ids": INPUTS["input_ids"], "seqlens_k": INPUTS["seqlens_k"], "drafts": "tensor(int64)",
                     **{step_total_len(j): INPUTS["total_len"] for j in range(steps)}}}[graph]
+    if graph == "engine":
+        io.update({name: onnx_type for name, onnx_type in LATER_SAMPLING_INPUTS.items() if name in inputs})
     if graph != "steps" and info.rope_switch_length:
         io[LONG_ROPE] = "tensor(int64)"
     elif LONG_ROPE in inputs:
@@ -360,7 +371,8 @@ def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int, g
 def check_sampler_io(path, inputs: dict, outputs: dict) -> None:
     """The sampler's inputs/outputs (name -> ONNX type) against the contract (manifest.py)."""
     expected = {**GREEDY_OUTPUTS, "input_ids": INPUTS["input_ids"], "num_drafts": INPUTS["num_drafts"],
-                **SAMPLING_INPUTS, **OUTPUTS, **SAMPLING_OUTPUTS}
+                **SAMPLING_INPUTS, **OUTPUTS, **SAMPLING_OUTPUTS,
+                **{name: onnx_type for name, onnx_type in LATER_SAMPLING_INPUTS.items() if name in inputs}}
     found = {**inputs, **outputs}
     wrong = next((name for name, onnx_type in expected.items() if found.get(name) != onnx_type), None)
     if wrong:

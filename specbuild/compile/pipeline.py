@@ -178,8 +178,9 @@ def check_engine(path: Path, info: EngineInfo, max_seq_len: int) -> None:
         feeds = {
             "input_ids": np.zeros((1, 1), np.int64), "seqlens_k": np.zeros(1, np.int32), "total_len": np.array(1, np.int32),
             "num_drafts": np.array(0, np.int64), "temperature": np.array(0, np.float32), "top_k": np.array(0, np.int64),
-            "top_p": np.array(1, np.float32), "draft_probs": np.zeros((0, vocab), np.float32),
-            "uniforms": np.zeros(1, np.float32), "long_rope": np.array(0, np.int64),
+            "top_p": np.array(1, np.float32), "min_p": np.array(0, np.float32),
+            "draft_probs": np.zeros((0, vocab), np.float32), "uniforms": np.zeros(1, np.float32),
+            "long_rope": np.array(0, np.int64),
             **{past: cache for past, _ in cache_names(shape.num_layers)},
         }
         feeds.update({i.name: np.array(1 + int(i.name.split(".")[1]), np.int32) for i in session.get_inputs()
@@ -214,7 +215,8 @@ def check_sampler(path: Path, vocab: int) -> None:
     logits[:, 0] = -np.inf
     feeds = {"logits": logits, "input_ids": np.zeros((1, 2), np.int64), "num_drafts": np.array(1, np.int64),
              "temperature": np.array(1, np.float32), "top_k": np.array(0, np.int64), "top_p": np.array(1, np.float32),
-             "draft_probs": np.eye(1, vocab, dtype=np.float32), "uniforms": np.full(2, 0.5, np.float32)}
+             "min_p": np.array(0, np.float32), "draft_probs": np.eye(1, vocab, dtype=np.float32),
+             "uniforms": np.full(2, 0.5, np.float32)}
     try:
         session = ort.InferenceSession(str(path), session_options(), providers=["CPUExecutionProvider"])
         accepted, next_token = session.run(["accepted", "next_token"], feeds)

@@ -27,9 +27,9 @@ from .tools import PARSERS, ToolParser, checked_tools
 COMPLETIONS, CHAT = "completions", "chat"
 DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: None}  # OpenAI's defaults; None: until the context is full
 
-# Fields each endpoint reads. "gamma" is specbuild's own: draft tokens per round, "auto" by default. The last four
+# Fields each endpoint reads. "gamma" is specbuild's own: draft tokens per round, "auto" by default. The last five
 # are vLLM's SamplingParams' extras, which its server reads on both endpoints.
-DECODING = ("temperature", "top_p", "top_k", "seed", "stop", "gamma", "ignore_eos", "stop_token_ids",
+DECODING = ("temperature", "top_p", "top_k", "seed", "stop", "gamma", "min_p", "ignore_eos", "stop_token_ids",
             "include_stop_str_in_output", "skip_special_tokens")
 # vLLM's extras whose only value here is the default: min_tokens needs the engines' graphs to mask the eos and stop
 # tokens (the target's distribution, verification included), and spaces_between_special_tokens false a decoder that
@@ -77,19 +77,19 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "stop_token": "stop", "max_new_
 TOOL_CALLS = "tool_calls"  # the finish reason of a reply whose calls were parsed, whatever ended it (vLLM's)
 
 
-# serve --generation-config: where a request that omits temperature, top_p or top_k gets them. vLLM's two modes
+# serve --generation-config: where a request that omits temperature, top_p, top_k or min_p gets them. vLLM's two modes
 # ("auto": the bundle's generation_config, else OpenAI's defaults; "vllm": OpenAI's defaults alone) and
 # "greedy", this server's earlier default (a request without a temperature decodes greedily).
 GENERATION_CONFIG_MODES = ("auto", "vllm", "greedy")
-SAMPLING = ("temperature", "top_p", "top_k")  # what a generation_config may set that this server has
-OPENAI_DEFAULTS = {"temperature": 1}  # top_p 1 and top_k 0 (no limit) are the runtime's own
+SAMPLING = ("temperature", "top_p", "top_k", "min_p")  # what a generation_config may set that this server has
+OPENAI_DEFAULTS = {"temperature": 1}  # top_p 1, top_k 0 and min_p 0 (no limit) are the runtime's own
 # generation_config values that change nothing here or in vLLM, left out of the start-up line's "not applied"
 NEUTRAL_GENERATION = {"do_sample": True, "repetition_penalty": 1, "min_p": 0}
 
 
 @dataclass(frozen=True)
 class Defaults:
-    """The temperature, top_p and top_k of requests that omit them, and where they come from (in words)."""
+    """The temperature, top_p, top_k and min_p of requests that omit them, and where they come from (in words)."""
 
     values: dict
     source: str  # e.g. "from the bundle's generation_config"
@@ -103,15 +103,16 @@ class Defaults:
         """For the start-up line: what requests that omit them get, from where, and what is not applied."""
         given = ", ".join(f"{name} {_json(value)}" for name, value in self.values.items()) or "greedy decoding"
         ignored = f"; generation_config fields not applied: {', '.join(self.ignored)}" if self.ignored else ""
-        return f"requests without temperature/top_p/top_k get {given} ({self.source}){ignored}"
+        return f"requests without temperature/top_p/top_k/min_p get {given} ({self.source}){ignored}"
 
 
-def sampling_defaults(generation_config: dict | None, mode: str) -> Defaults:
+def sampling_defaults(generation_config: dict | None, mode: str, min_p: bool = True) -> Defaults:
     """serve's Defaults under --generation-config `mode` for a bundle whose manifest records `generation_config`
     (None: compiled before manifests recorded it). As vLLM's server, a field the request omits (or sends null)
     comes from the model's generation_config, else from OpenAI's defaults; other fields vLLM takes from it
-    (min_p, repetition_penalty, max_new_tokens) this server does not have, and vLLM ignores do_sample (a
-    do_sample false with no temperature samples at 1 there too): those are named, never applied."""
+    (repetition_penalty, max_new_tokens) this server does not have, and vLLM ignores do_sample (a do_sample
+    false with no temperature samples at 1 there too): those are named, never applied. min_p False: the bundle
+    was compiled before min_p (SpeculativeDecoder.has_min_p), so its min_p is named too."""
     if mode == "greedy":
         return Defaults({}, "as --generation-config greedy asks")
     if mode == "vllm":
@@ -121,7 +122,11 @@ def sampling_defaults(generation_config: dict | None, mode: str) -> Defaults:
                                                "the generation_config: recompile it to apply its checkpoint's")
     taken, ignored = {}, []
     for name, value in generation_config.items():
-        if name in SAMPLING:
+        if _same(value, NEUTRAL_GENERATION.get(name, ...)):
+            continue
+        if name == "min_p" and not min_p:
+            ignored.append(f"min_p {_json(value)} (this bundle was compiled before min_p: recompile it to apply it)")
+        elif name in SAMPLING:
             value = _runtime_value(name, value)
             try:  # the runtime's checks: a value it refuses is named, as a request's would be
                 check_sampling(**{name: value})
@@ -129,7 +134,7 @@ def sampling_defaults(generation_config: dict | None, mode: str) -> Defaults:
                 ignored.append(f"{name} {_json(value)} ({exc})")
                 continue
             taken[name] = value
-        elif not _same(value, NEUTRAL_GENERATION.get(name, ...)):
+        else:
             ignored.append(f"{name} {_json(value)}")
     if "temperature" in taken:
         return Defaults(taken, "from the bundle's generation_config", tuple(ignored))
@@ -237,11 +242,12 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
     include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
     _default_only(body)
     decoding = {name: _runtime_value(name, body[name]) for name in DECODING if body.get(name) is not None}
-    # Where the default temperature is greedy, a top_p or top_k that asks for a restriction would be ignored,
+    # Where the default temperature is greedy, a top_p, top_k or min_p that asks for a restriction would be ignored,
     # so it is refused, as the command line refuses it. (Values out of range are left to the runtime's checks,
     # which name the range.)
-    top_p, top_k = decoding.get("top_p", 1), decoding.get("top_k", 0)
-    shaping = ["top_p"] * (type(top_p) in (int, float) and 0 < top_p < 1) + ["top_k"] * (type(top_k) is int and top_k > 0)
+    top_p, top_k, min_p = decoding.get("top_p", 1), decoding.get("top_k", 0), decoding.get("min_p", 0)
+    shaping = (["top_p"] * (type(top_p) in (int, float) and 0 < top_p < 1) + ["top_k"] * (type(top_k) is int and top_k > 0)
+               + ["min_p"] * (type(min_p) in (int, float) and 0 < min_p <= 1))
     if "temperature" not in decoding and shaping and defaults.greedy:
         raise ApiError(400, f"{shaping[0]} shapes sampling, and without a temperature this server decodes greedily "
                             f"({defaults.source}; OpenAI's default is 1): send a temperature too, e.g. 1", shaping[0])

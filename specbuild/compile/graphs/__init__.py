@@ -60,6 +60,7 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
         temperature=g.input("temperature", FLOAT, []),
         top_k=g.input("top_k", INT64, []),
         top_p=g.input("top_p", FLOAT, []),
+        min_p=g.input("min_p", FLOAT, []),
         draft_probs=g.input("draft_probs", FLOAT, ["D", vocab]),
         uniforms=g.input("uniforms", FLOAT, ["D+1"]),
     ) if sampling else None

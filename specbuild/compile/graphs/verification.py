@@ -20,9 +20,9 @@ NOT_FINITE = -1
 
 
 class SamplingInputs:
-    def __init__(self, temperature: ir.Value, top_k: ir.Value, top_p: ir.Value, draft_probs: ir.Value,
-                 uniforms: ir.Value):
-        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+    def __init__(self, temperature: ir.Value, top_k: ir.Value, top_p: ir.Value, min_p: ir.Value,
+                 draft_probs: ir.Value, uniforms: ir.Value):
+        self.temperature, self.top_k, self.top_p, self.min_p = temperature, top_k, top_p, min_p
         self.draft_probs, self.uniforms = draft_probs, uniforms
 
 
@@ -81,6 +81,7 @@ def build_sampler() -> ir.Model:
         temperature=g.input("temperature", FLOAT, []),
         top_k=g.input("top_k", INT64, []),
         top_p=g.input("top_p", FLOAT, []),
+        min_p=g.input("min_p", FLOAT, []),
         draft_probs=g.input("draft_probs", FLOAT, ["D", "V"]),
         uniforms=g.input("uniforms", FLOAT, ["D+1"]),
     )
@@ -104,7 +105,7 @@ def _host_top_k(g: GraphBuilder, s: SamplingInputs, input_ids: ir.Value) -> Samp
     """s with top_k as [1] on the host (TopK's k reads it there, and in the sampler so do the top-k If's
     conditions; in the engines' sampling branch they run on the device): see _on_host."""
     top_k = _on_host(g, s.top_k, _tokens(g, input_ids))
-    return SamplingInputs(s.temperature, top_k, s.top_p, s.draft_probs, s.uniforms)
+    return SamplingInputs(s.temperature, top_k, s.top_p, s.min_p, s.draft_probs, s.uniforms)
 
 
 def _tokens(g: GraphBuilder, input_ids: ir.Value) -> ir.Value:
@@ -255,12 +256,25 @@ def _cumsum(g: GraphBuilder, x: ir.Value, dtype=np.float32) -> ir.Value:
 
 
 def _transformed_probs(g: GraphBuilder, logits: ir.Value, s: SamplingInputs) -> ir.Value:
-    """softmax(logits / temperature) restricted to the top_k tokens (0 = all) and the top_p nucleus (1 = all).
+    """softmax(logits / temperature) restricted to the tokens at least min_p times as probable as the most
+    probable (0 = all), then to the top_k tokens (0 = all), then to the top_p nucleus (1 = all): vLLM's order
+    (vllm/v1/sample/sampler.py: temperature, then min_p among the argmax-invariant logits processors, then
+    top-k and top-p), where min_p's tokens are taken from the whole vocabulary, and top-p's mass after min_p.
 
-    Each restriction sorts the vocabulary, so each sits behind an If and costs nothing when it is off.
+    Each restriction sits behind an If and costs nothing when it is off (top-k and top-p sort the vocabulary).
     """
     scaled = g.op("Div", logits, s.temperature)
     vocab = g.op("Shape", logits, start=1, end=2)
+    # min_p as vLLM's MinPLogitsProcessor: a token whose probability is below min_p times its row's largest is dropped.
+    keep_min_p = g.branch("branch.min_p")
+    probs = keep_min_p.op("Softmax", scaled, axis=-1)
+    floor = keep_min_p.op("Mul", keep_min_p.op("ReduceMax", probs, keep_min_p.const([1]), keepdims=1), s.min_p)
+    dropped = keep_min_p.op("Where", keep_min_p.op("Less", probs, floor), keep_min_p.const(-np.inf, np.float32), scaled)
+    keep_min_p.output(dropped, "branch.min_p.scaled", FLOAT, None)
+    all_min_p = g.branch("branch.all_min_p")
+    all_min_p.output(scaled, "branch.all_min_p.scaled", FLOAT, None)
+    use_min_p = g.op("Greater", s.min_p, g.const(0.0, np.float32))
+    scaled = g.op("If", use_min_p, then_branch=keep_min_p.graph(), else_branch=all_min_p.graph())
     top_k = s.top_k  # [1], on the host (see _host_top_k)
     use_top_k = g.op("Squeeze", g.op("And", g.op("Greater", top_k, g.const([0])), g.op("Less", top_k, vocab)), g.const([0]))
     keep_k = g.branch("branch.top_k")
