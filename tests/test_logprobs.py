@@ -12,6 +12,7 @@ from conftest import PROMPTS
 from specbuild.reference import load_reference
 from specbuild_runtime import RequestError, SpeculativeDecoder, Stats, TokenLogprobs
 from specbuild_runtime.logprobs import token_logprobs
+from specbuild_runtime.slot import fixed_rows
 
 NEW_TOKENS = 23  # not a multiple of γ+1 for any γ tested: max-new-tokens lands inside a round
 
@@ -153,3 +154,50 @@ def test_a_rows_logprobs_are_the_same_bits_wherever_the_row_sits_in_memory():
         buffer = np.zeros(offset + len(row), np.float32)
         buffer[offset:] = row
         assert token_logprobs(buffer[offset:], 11, top=20) == expected
+
+
+def prompt_of(tokenizer, length: int) -> list[int]:
+    """The first `length` token ids of the test prompts joined."""
+    ids = tokenizer("\n".join(PROMPTS * 20))["input_ids"][:length]
+    assert len(ids) == length
+    return ids
+
+
+@pytest.mark.parametrize("rows", ["cpu", "fixed"], ids=["even calls (CPU)", "fixed rows (GPUs)"])
+def test_prompt_logprobs_are_transformers_log_softmax_for_prompts_short_long_and_near_the_context(rows, bundles,
+                                                                                                checkpoints, tokenizer):
+    bundle = bundles("llama", draft_seed=1)
+    probe = SpeculativeDecoder(bundle)
+    decoder = SpeculativeDecoder(bundle, target_rows=fixed_rows(probe.max_gamma) if rows == "fixed" else None)
+    model = load_reference(checkpoints("llama"))
+    # one token (nothing to score), fewer rows than a call, one call's, one more, and up to the last position
+    for length in (1, 2, 3, decoder.max_gamma, decoder.max_gamma + 1, decoder.max_gamma + 2, 61, decoder.max_seq_len):
+        ids = prompt_of(tokenizer, length)
+        result = decoder.generate(ids, 0, prompt_logprobs=3)
+        assert result.token_ids == [] and result.stats.finish_reason == "max_new_tokens"
+        assert result.prompt_logprobs[0] is None and len(result.prompt_logprobs) == length
+        expected = transformers_log_softmax(model, ids[:1], ids[1:])
+        for record, token, row in zip(result.prompt_logprobs[1:], ids[1:], expected):
+            assert record.token_id == token
+            assert record.logprob == pytest.approx(row[token], abs=1e-5), length
+            assert [t for t, _ in record.top] == np.argsort(-row, kind="stable")[:3].tolist()
+            assert np.allclose([logprob for _, logprob in record.top], np.sort(row)[::-1][:3], atol=1e-5)
+
+
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=0.8, seed=5)], ids=["greedy", "sampled"])
+def test_a_prompt_scores_the_bits_its_tokens_get_generated_and_generation_after_it_is_unchanged(sampling, bundles,
+                                                                                                 tokenizer):
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    for prompt in PROMPTS[:4]:
+        ids = tokenizer(prompt)["input_ids"]
+        plain = decoder.generate(ids, NEW_TOKENS, logprobs=2, **sampling)
+        scored = decoder.generate(ids, NEW_TOKENS, logprobs=2, prompt_logprobs=2, **sampling)
+        assert scored.token_ids == plain.token_ids and scored.logprobs == plain.logprobs
+        again = decoder.generate(ids + plain.token_ids, 0, prompt_logprobs=2)
+        assert again.prompt_logprobs[len(ids):] == plain.logprobs, prompt
+
+
+def test_max_new_tokens_0_is_refused_without_prompt_logprobs(bundles):
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    with pytest.raises(RequestError, match="max_new_tokens must be >= 1 .0 only with prompt_logprobs"):
+        decoder.generate("x", 0)

@@ -61,6 +61,17 @@ def test_speculative_output_equals_the_quantized_targets_own_greedy(mode, bundle
             assert decoder.generate(ids, NEW_TOKENS, gamma).token_ids == expected, (mode, gamma, prompt)
 
 
+@pytest.mark.parametrize("mode", VARIANTS)
+def test_a_quantized_targets_prompt_scores_the_bits_its_tokens_get_generated(mode, bundle, tokenizer):
+    """Where a row computed apart from the others rounds otherwise (int8 compute, blocks of 128): no call is odd."""
+    decoder = SpeculativeDecoder(bundle(target_quantize=mode, block_size=128))
+    # Prompts of one token aside: the call deciding their first token has one row (none before it to pair with).
+    for ids in (i for i in tokenizer(PROMPTS)["input_ids"] if len(i) > 1):
+        generated = decoder.generate(ids, NEW_TOKENS, logprobs=0)
+        scored = decoder.generate(ids + generated.token_ids, 0, prompt_logprobs=0)
+        assert scored.prompt_logprobs[len(ids):] == generated.logprobs, (mode, ids)
+
+
 @pytest.mark.parametrize("block_size", [128, 256])
 def test_an_int4_embedding_is_quantized_only_when_its_width_is_whole_blocks_and_either_way_decodes(block_size, bundle, tokenizer):
     """GatherBlockQuantized returns rows padded to whole blocks (128 -> 256 at 256), which the first layer

@@ -150,6 +150,8 @@ class Generation:
     stats: Stats
     # (logprobs asked for) one per token of token_ids: its logprob under the target and the top alternatives
     logprobs: list[TokenLogprobs] | None = field(default=None, repr=False)
+    # (prompt_logprobs asked for) one per token of prompt_token_ids, None for the first (nothing before it), as vLLM's
+    prompt_logprobs: list[TokenLogprobs | None] | None = field(default=None, repr=False)
 
 
 class SpeculativeDecoder:
@@ -330,15 +332,16 @@ class SpeculativeDecoder:
                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                 stop: str | list[str] | None = None, logprobs: int | None = None, *, ignore_eos: bool = False,
                 stop_token_ids: list[int] | None = None, include_stop_str_in_output: bool = False,
-                skip_special_tokens: bool = True, min_p: float = 0.0) -> Request:
+                skip_special_tokens: bool = True, min_p: float = 0.0, prompt_logprobs: int | None = None) -> Request:
         """The checked request (validation.check_request against this bundle), or a RequestError. The keyword-only
         options (which generate, stream, stream_text and their async forms pass on) are vLLM's SamplingParams':
         ignore_eos decodes past eos tokens (to max_new_tokens or the context); a token of stop_token_ids ends the
         request (finish_reason "stop_token"), as an eos does; include_stop_str_in_output ends the text with the stop
         string, or the eos or stop token's text, instead of leaving it out; skip_special_tokens false shows special
         tokens in the text; min_p (as vLLM's and llama.cpp's) samples only tokens at least min_p times as probable as
-        the most probable, after temperature and before top_k and top_p (0: all)."""
-        if logprobs is not None and not self.target.has_logits:
+        the most probable, after temperature and before top_k and top_p (0: all); prompt_logprobs (generate and
+        agenerate) scores the prompt as logprobs scores the tokens generated, and max_new_tokens may then be 0."""
+        if (logprobs is not None or prompt_logprobs is not None) and not self.target.has_logits:
             raise RequestError(f"{self.root} was compiled before its engines gave their logits, so it gives no logprobs: "
                                "recompile it with `specbuild compile`")
         if min_p and not self.has_min_p:
@@ -350,7 +353,7 @@ class SpeculativeDecoder:
                              logprobs=logprobs, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids,
                              include_stop_str_in_output=include_stop_str_in_output,
                              skip_special_tokens=skip_special_tokens, token_span=self.token_span,
-                             context_limit=self.manifest.context_limit, min_p=min_p)
+                             context_limit=self.manifest.context_limit, min_p=min_p, prompt_logprobs=prompt_logprobs)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -359,7 +362,8 @@ class SpeculativeDecoder:
         context. gamma: "auto" (adaptive), 0 (the target alone) or drafts per round; temperature 0 is greedy
         (the target's own output, token for token), above 0 samples the target's distribution exactly.
         logprobs: 0 to 20 gives the Generation's `logprobs`, one TokenLogprobs per token: its logprob under the
-        target's raw distribution and that many most probable tokens'. options: request's keyword-only ones."""
+        target's raw distribution and that many most probable tokens'. options: request's keyword-only ones;
+        prompt_logprobs=N gives the Generation's `prompt_logprobs` (None for the first token), to score text."""
         request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs, **options)
         *_, generation = self._generating(request)
         return generation
@@ -398,12 +402,17 @@ class SpeculativeDecoder:
         between any two tokens (a relay's stop: the async API's cancel, the server's deadlines). halt: once set
         while the request waits for a slot, it stops waiting (a RequestError) instead of taking one.
         A request with logprobs yields (delta, the TokenLogprobs of the tokens decoded since the last) pairs, and
-        one more at the end for tokens whose text never came (an eos, text a stop string cut)."""
+        one more at the end for tokens whose text never came (an eos, text a stop string cut). A request with
+        prompt_logprobs first yields ("", the TokenLogprobs of each prompt token after the first) once they are known."""
         text = self._text(request)
         records: list[TokenLogprobs] | None = None if request.logprobs is None else []
+        scored = None if request.prompt_logprobs is None else []
         given = 0
-        with closing(self._run(request, stats, text, halt, records)) as tokens:
+        with closing(self._run(request, stats, text, halt, records, scored)) as tokens:
             for _ in tokens:
+                if scored is not None:
+                    yield "", tuple(scored)
+                    scored = None
                 if (delta := text.take()) or every_token:
                     if records is None:
                         yield delta
@@ -411,6 +420,8 @@ class SpeculativeDecoder:
                         yield delta, tuple(records[given:])
                         given = len(records)
         rest = _finish(text, stats)
+        if scored is not None:  # nothing generated (max_new_tokens 0)
+            yield "", tuple(scored)
         if records is None:
             if rest:
                 yield rest
@@ -467,23 +478,26 @@ class SpeculativeDecoder:
         """generate's decoding: None after every token (where a relay may stop it), then the Generation."""
         stats, text, tokens = Stats(), self._text(request), []
         records: list[TokenLogprobs] | None = None if request.logprobs is None else []
-        with closing(self._run(request, stats, text if request.stop else None, halt, records)) as decoded:
+        scored = None if request.prompt_logprobs is None else []
+        with closing(self._run(request, stats, text if request.stop else None, halt, records, scored)) as decoded:
             for token in decoded:
                 tokens.append(token)
                 yield None
         if not request.stop:  # nothing needs the text before the end: decoded once (~10 us a token saved)
             text.extend(tokens[:-1] if _leaves_out_last(request, stats) else tokens)
         _finish(text, stats)
-        yield Generation(text.text, tokens, request.prompt_ids, stats, records)
+        yield Generation(text.text, tokens, request.prompt_ids, stats, records, None if scored is None else [None, *scored])
 
     def _text(self, request: Request) -> TextStream:
         return TextStream(self.tokenizer, request.stop, request.prompt_ids, request.special_tokens, request.include_stop)
 
     def _run(self, request: Request, stats: Stats, text: TextStream | None, halt: threading.Event | None = None,
-             records: list[TokenLogprobs] | None = None) -> Generator[int, None, None]:
-        """The request's tokens; records (logprobs asked for) gets each one's TokenLogprobs before it is yielded."""
+             records: list[TokenLogprobs] | None = None,
+             scored: list[TokenLogprobs] | None = None) -> Generator[int, None, None]:
+        """The request's tokens; records (logprobs asked for) gets each one's TokenLogprobs before it is yielded, and
+        scored (prompt_logprobs asked for) each prompt token's after the first, before the first token."""
         with (self.slots.take(halt, self._cached(request)) as slot,
-              closing(self._speculate(slot, request, stats, records)) as tokens):
+              closing(self._speculate(slot, request, stats, records, scored)) as tokens):
             try:
                 for token in tokens:
                     # An eos (or stop) token is no part of the text, as vLLM and OpenAI leave it out: a tokenizer need
@@ -521,11 +535,17 @@ class SpeculativeDecoder:
                                  PriorCosts(self.max_gamma, self._draft_cost))
         return self._policies[slot.index][not sampling.greedy]
 
-    def _speculate(self, slot: Slot, request: Request, stats: Stats,
-                   records: list[TokenLogprobs] | None) -> Generator[int, None, None]:
-        """The speculative loop over one slot. records: see _run; a token's comes from the row of the target's
+    def _speculate(self, slot: Slot, request: Request, stats: Stats, records: list[TokenLogprobs] | None,
+                   scored: list[TokenLogprobs] | None = None) -> Generator[int, None, None]:
+        """The speculative loop over one slot. records, scored: see _run; a token's comes from the row of the target's
         logits that decided it, computed alike whatever the round (slot.Rows), so γ and the draft change none."""
         sampling = request.sampling
+        stats.prompt_tokens = len(request.prompt_ids)
+        if scored is not None:
+            scored += self._score(slot, request.prompt_ids, request.prompt_logprobs)
+            if not request.max_new_tokens:
+                stats.finish_reason = "max_new_tokens"
+                return
         slot.configure(sampling.temperature, sampling.top_k, sampling.top_p, logits=records is not None,
                        min_p=sampling.min_p)
         rng = sampling.generator()
@@ -537,7 +557,6 @@ class SpeculativeDecoder:
         switch = target.rope_switch
         positions = self.max_gamma if request.gamma == AUTO else request.gamma
         ids = list(request.prompt_ids)
-        stats.prompt_tokens = len(ids)
         stats.accepted_at = [0] * positions
         stats.proposed_at = [0] * positions
         clock = time.perf_counter
@@ -547,8 +566,9 @@ class SpeculativeDecoder:
         # where the prompt leaves what the slot's cache holds (its target calls still re-feed what Rows asks for).
         # A sampled request's draft starts afresh: its distributions judge drafts, and its rows' bits depend on
         # how its calls grouped them (slot.AS_FED); greedy, drafts only decide how many tokens a round yields.
-        reused = target.prefix(ids, len(ids) - 1) if self.prefix_reuse else 0
-        stats.cached_prompt_tokens = reused
+        # A scored prompt's calls left all of it but the last token in the cache, as a round leaves it.
+        reused = len(ids) - 1 if scored is not None else target.prefix(ids, len(ids) - 1) if self.prefix_reuse else 0
+        stats.cached_prompt_tokens = 0 if scored is not None else reused
         _, token = target.step(ids[reused:], total_len=len(ids), uniforms=uniforms(1))
         new_tokens = [token]
         rows = target.logits() if records is not None else None  # row j decided new_tokens[j]
@@ -617,6 +637,27 @@ class SpeculativeDecoder:
             # called a draft whose logits always overflow every round, for nothing.
             policy.observe(asked, accepted, t1 - t0, t2 - t1, catching_up, held, timed=unsteady_calls() == unsteady)
             stats.record_round(k, accepted, t1 - t0, t2 - t1)
+
+    def _score(self, slot: Slot, ids: list[int], top: int) -> list[TokenLogprobs]:
+        """The TokenLogprobs of ids[1:], each from the target's row before it. A call returns the logits of its last
+        D+1 rows, so the prompt goes in calls whose D drafts are its own next tokens, D up to max γ: rows computed as
+        a round's (slot.Rows: a GPU's fixed max γ + 1 rows, the CPU's even calls), so a token scores what it would
+        score generated (README: Exactness). LongRoPE: no call spans the switch, each row rotates as decoding its
+        prefix rotates it (slot.EngineSlot._choose_rope). The cache then holds ids[:-1] at least."""
+        target, switch = slot.target, slot.target.rope_switch
+        slot.configure(0.0, 0, 1.0, logits=True)  # greedy: no random numbers drawn, the drafts' judgement read by nobody
+        records, start, last = [], 0, len(ids) - 1
+        while start < last:
+            end = min(len(ids), start + self.max_gamma + 1)
+            if switch and start < switch < end:
+                end = switch
+            if start == 0 and target.rows.even and end % 2 and end > 1:  # no row before the first to re-feed: an even call
+                end -= 1
+            target.step(ids[start:end], total_len=end, num_drafts=end - start - 1)
+            rows = target.logits()
+            records += (token_logprobs(row, ids[start + 1 + j], top) for j, row in enumerate(rows[:last - start]))
+            start = end
+        return records
 
     def _not_finite(self, token: int) -> BundleError:
         precision = self.manifest.engines["target"].precision

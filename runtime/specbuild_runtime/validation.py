@@ -98,18 +98,22 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()  # tokens that end the request when generated ("stop_token")
     # the stop string, or the eos or stop token (decoded as any other), ends the text instead of being cut (vLLM's)
     include_stop: bool = False
+    prompt_logprobs: int | None = None  # logprobs' records for each prompt token after the first (vLLM's)
 
 
 def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_size: int, max_seq_len: int,
                   max_gamma: int, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
                   seed=None, stop=None, logprobs=None, ignore_eos=False, stop_token_ids=None,
                   include_stop_str_in_output=False, skip_special_tokens=True, token_span: TokenSpan | None = None,
-                  context_limit: int = 0, min_p=0.0) -> Request:
+                  context_limit: int = 0, min_p=0.0, prompt_logprobs=None) -> Request:
     """The request as plain checked values, or a RequestError naming the first value that is wrong. ignore_eos,
-    stop_token_ids, include_stop_str_in_output and skip_special_tokens mean what vLLM's SamplingParams says. token_span:
-    the most text one token of `encode`'s tokenizer stands for, where a bound holds (text.token_span). context_limit:
-    the longest context compile accepts for the bundle's models (Manifest.context_limit; 0 where unknown)."""
-    max_new_tokens = whole("max_new_tokens", max_new_tokens, low=1)
+    stop_token_ids, include_stop_str_in_output, skip_special_tokens and prompt_logprobs mean what vLLM's SamplingParams
+    says. token_span: the most text one token of `encode`'s tokenizer stands for, where a bound holds (text.token_span).
+    context_limit: the longest context compile accepts for the bundle's models (Manifest.context_limit; 0 where
+    unknown)."""
+    # 0 tokens: the prompt scored, nothing generated (as vLLM's echo with max_tokens 0)
+    max_new_tokens = whole("max_new_tokens", max_new_tokens, low=0 if prompt_logprobs is not None else 1,
+                           hint="" if prompt_logprobs is not None else " (0 only with prompt_logprobs, to score the prompt)")
     if gamma != AUTO:
         if isinstance(gamma, str):
             raise RequestError(f"gamma must be {AUTO!r} or a whole number from 0 to {max_gamma}, not {shown(gamma)}")
@@ -124,6 +128,9 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
     include_stop = flag("include_stop_str_in_output", include_stop_str_in_output)
     special_tokens = not flag("skip_special_tokens", skip_special_tokens)
     stop_token_ids = token_ids("stop_token_ids", stop_token_ids, vocab_size)
+    if prompt_logprobs is not None:
+        prompt_logprobs = whole("prompt_logprobs", prompt_logprobs, low=0, high=MAX_LOGPROBS,
+                                hint=" (the most probable tokens to show beside each prompt token's own; None: none)")
     # Each id is a token: the list's length refuses it before a look at each id (2.7M of them, an 8 MB body, held the
     # GIL, and so serve's event loop, for 0.8 s); a batch of texts is told what a call takes (prompt_token_ids)
     if isinstance(prompt, (list, tuple)) and len(prompt) > max_seq_len and isinstance(prompt[0], (int, np.integer)):
@@ -133,7 +140,7 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
     if len(prompt_ids) > max_seq_len:
         raise too_long(len(prompt_ids), max_seq_len, max_new_tokens, context_limit=context_limit)
     return Request(prompt_ids, max_new_tokens, gamma, Sampling(temperature, top_k, top_p, seed, min_p),
-                   stop_strings(stop), special_tokens, logprobs, ignore_eos, stop_token_ids, include_stop)
+                   stop_strings(stop), special_tokens, logprobs, ignore_eos, stop_token_ids, include_stop, prompt_logprobs)
 
 
 def check_text_fits(text: str, token_span: TokenSpan | None, max_seq_len: int, max_new_tokens: int,
