@@ -306,6 +306,59 @@ def test_stop_token_ids_end_the_reply_with_stop_and_include_stop_str_in_output_k
         assert "".join(c["text"] for c in chunks) == expected.text and chunks[-1]["finish_reason"] == "stop"
 
 
+def test_lm_evals_loglikelihood_request_scores_the_continuation_as_transformers_does(server, bundle, tokenizer):
+    """lm-evaluation-harness's local-completions model: its request (token ids, echo, max_tokens 1, logprobs 1) and
+    its parse_logprobs, which sums token_logprobs[ctxlen:-1] and calls the continuation greedy where each of its
+    tokens' logprob is its top_logprobs' highest."""
+    import torch
+
+    from specbuild.reference import load_reference
+
+    model = load_reference(bundle.parent / "target")
+    for context, continuation in (("def add(a, b):\n", "    return a + b"), ("x", " = 1"), (PROMPTS[5], "import os")):
+        context_ids = tokenizer(context)["input_ids"]
+        ids = context_ids + tokenizer(continuation, add_special_tokens=False)["input_ids"]
+        body = {"model": MODEL, "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+                "echo": True}
+        choice = httpx.post(f"{server}/v1/completions", json=body).json()["choices"][0]
+        ctxlen = len(context_ids)
+        chosen, tops = choice["logprobs"]["token_logprobs"][ctxlen:-1], choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        with torch.no_grad():
+            rows = torch.log_softmax(model(torch.tensor([ids])).logits[0, ctxlen - 1:-1].float(), dim=-1)
+        expected = rows[torch.arange(len(ids) - ctxlen), torch.tensor(ids[ctxlen:])]
+        assert sum(chosen) == pytest.approx(float(expected.sum()), abs=1e-4)
+        assert all(tok == max(top.values()) for tok, top in zip(chosen, tops)) == bool(
+            (rows.argmax(-1) == torch.tensor(ids[ctxlen:])).all())
+        assert len(choice["logprobs"]["tokens"]) == len(ids) + 1  # the prompt's, then the generated one
+
+
+@pytest.mark.parametrize("prompt", [PROMPTS[2], "ids"], ids=["text", "token ids"])
+def test_completions_echo_begins_with_the_prompt_and_its_logprobs_streamed_or_not(prompt, server, reference):
+    ids = reference.encode(PROMPTS[2])
+    sent = ids if prompt == "ids" else prompt
+    text = reference.tokenizer.decode(ids, skip_special_tokens=False) if prompt == "ids" else prompt
+    for max_tokens in (0, 5):
+        expected = reference.generate(ids, max_tokens, logprobs=2, prompt_logprobs=2)
+        body = {"prompt": sent, "max_tokens": max_tokens, "logprobs": 2, "echo": True, **GREEDY}
+        first = legacy_logprobs(reference, [])
+        first.update(tokens=[reference.tokenizer.decode(ids[:1], skip_special_tokens=False)], token_logprobs=[None],
+                     top_logprobs=[None], text_offset=[0])
+        rest = legacy_logprobs(reference, expected.prompt_logprobs[1:] + expected.logprobs, len(first["tokens"][0]))
+        logprobs = {key: first[key] + rest[key] for key in first}
+        whole = httpx.post(f"{server}/v1/completions", json=body).json()
+        assert whole["choices"][0]["text"] == text + expected.text and whole["choices"][0]["logprobs"] == logprobs
+        assert whole["usage"]["prompt_tokens"] == len(ids) and whole["usage"]["completion_tokens"] == max_tokens
+        assert whole["choices"][0]["finish_reason"] == "length"
+        chunks = stream_events(server, "completions", body)
+        assert chunks[0]["text"] == text  # the prompt in a chunk of its own, as soon as it is scored
+        assert "".join(c["text"] for c in chunks) == text + expected.text
+        for key in ("tokens", "token_logprobs", "top_logprobs"):
+            assert [x for c in chunks for x in c["logprobs"][key]] == logprobs[key]
+        plain = httpx.post(f"{server}/v1/completions", json={**body, "logprobs": None}).json()["choices"][0]
+        assert plain["text"] == text + expected.text and plain["logprobs"] is None
+        assert "".join(c["text"] for c in stream_events(server, "completions", {**body, "logprobs": None})) == plain["text"]
+
+
 def test_streams_ask_a_proxy_in_front_not_to_buffer_their_events(server):
     """nginx buffers a proxied response unless it says otherwise: each event would wait for kilobytes more."""
     body = {"prompt": PROMPTS[0], "max_tokens": 4, "stream": True, **GREEDY}
@@ -360,7 +413,7 @@ BAD_REQUESTS = [
     ("completions", b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}", "temperature must be a finite number"),
     ("completions", b'{"prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}", "a number of more than 4300 digits"),
     ("completions", {"prompt": "x", "top_p": 2}, "top_p must be in (0, 1]"),
-    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens must be >= 1"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens must be >= 1, or 0 with echo: true"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
      "max_completion_tokens must be >= 1"),
     ("completions", {"prompt": "x", "seed": 1.5}, "seed must be a whole number"),
@@ -376,7 +429,8 @@ BAD_REQUESTS = [
      "unrecognized stream_options argument: 'inclde'"),
     ("completions", {"prompt": "x", "logprobs": 21}, "logprobs must be from 0 to 20"),
     ("completions", {"prompt": "x", "logprobs": True}, "logprobs must be a whole number"),
-    ("completions", {"prompt": "x", "logprobs": 1, "echo": True}, "'echo' is not supported"),  # the prompt's logprobs
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "'echo' is not supported"),
+    ("completions", {"prompt": "x", "echo": 1}, "echo must be true or false"),
     ("completions", {"prompt": "x", "top_logprobs": 2}, "unrecognized request argument: 'top_logprobs'"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      "top_logprobs needs logprobs: send \"logprobs\": true with it"),

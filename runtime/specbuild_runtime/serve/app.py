@@ -157,16 +157,24 @@ class Server:
         logprobs = "logprobs" in request.decoding
         reply = Reply(endpoint, self.settings.model, self.tool_parser if request.parse_tools else None,
                       request.parallel_tool_calls, Logprobs(endpoint, self.decoder.tokenizer) if logprobs else None)
+        echo = Echo(self._prompt_text(request, job.request.prompt_ids), job.request.prompt_ids[:1],
+                    "prompt_logprobs" in request.decoding) if request.echo else None
         if request.stream:
-            return self._stream(endpoint, job, reply, request.include_usage)
+            return self._stream(endpoint, job, reply, request.include_usage, echo)
         try:
-            text, records = await self._collect(job, http, logprobs)
+            text, records = await self._collect(job, http, logprobs, echo)
         except Stopped as stop:
             return self._refuse(endpoint, stop, job.started)
         except Exception as exc:
             return self._refuse(endpoint, exc)
         self.metrics.outcome(endpoint, "ok")
+        if echo:
+            return JSONResponse(reply.whole(echo.text + text, job.stats, records, echo.first))
         return JSONResponse(reply.whole(text, job.stats, records))
+
+    def _prompt_text(self, request: protocol.Request, ids: list[int]) -> str:
+        """The text an echo begins with: the prompt as sent, or its token ids decoded (vLLM's)."""
+        return request.prompt if isinstance(request.prompt, str) else self.decoder.tokenizer.decode(ids, skip_special_tokens=False)
 
     async def _body_unless_cut(self, http: HttpRequest) -> bytes:
         """The request body, or Stopped("shutdown") once the grace period after SIGTERM ends before it has arrived: the
@@ -248,11 +256,13 @@ class Server:
         # a format whose tags are special tokens (Mistral's) is read from a text that keeps them, as vLLM reads it
         return replace(checked, special_tokens=True) if request.parse_tools and self.tool_parser.special_tokens else checked
 
-    async def _collect(self, job, http: HttpRequest, logprobs: bool) -> tuple[str, list]:
-        """The whole text of a job and (logprobs) its tokens' TokenLogprobs, stopping it if the client disconnects
-        first."""
+    async def _collect(self, job, http: HttpRequest, logprobs: bool, echo: Echo | None = None) -> tuple[str, list]:
+        """The whole text of a job and (logprobs) its tokens' TokenLogprobs, an echo's prompt tokens' first, stopping it
+        if the client disconnects first."""
         async def join() -> tuple[str, list]:
             items = [item async for item in job]
+            if echo and echo.scored and not logprobs:  # scored only to end there (max_tokens 0)
+                items = items[1:]
             if not logprobs:
                 return "".join(items), []
             return "".join(delta for delta, _ in items), [record for _, records in items for record in records]
@@ -270,7 +280,7 @@ class Server:
             raise Stopped("cancelled")
         return collecting.result()
 
-    def _stream(self, endpoint: str, job, reply: Reply, include_usage: bool) -> EventStream:
+    def _stream(self, endpoint: str, job, reply: Reply, include_usage: bool, echo: Echo | None = None) -> EventStream:
         """The server-sent events of a streamed reply. However the response ends, EventStream then stops the job (a
         no-op once it finished; else its slot is freed after at most one delta) and counts its outcome: also when the
         events never started, the client gone before the response's first send."""
@@ -281,10 +291,14 @@ class Server:
             if endpoint == CHAT:
                 yield sse(reply.chunk(first=True))
             try:
+                items = aiter(job)
+                if echo:  # the prompt in a chunk of its own, as soon as it is scored (vLLM sends the first token with it)
+                    _, records = await anext(items) if echo.scored else ("", ())
+                    yield sse(reply.chunk(echo.text, records=records, unscored=echo.first))
                 # With logprobs a job yields (delta, its tokens' records) after every token: records whose text is
                 # held back (a possible stop string, a tool call) go with the next chunk that has text, or the last.
                 held = []
-                async for item in job:
+                async for item in items:
                     delta, records = item if reply.logprobs else (item, ())
                     held += records
                     calls = []
@@ -330,6 +344,16 @@ class Server:
             error = _as_api_error(exc)
             self.metrics.outcome(endpoint, OUTCOMES.get(error.status, "error"))
         return JSONResponse(error.body(), error.status, headers=error.headers)
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion's echoed prompt: its text, its first token (which has no logprob) and whether the job's first item
+    is ("", the TokenLogprobs of its other tokens) (runtime's stream_request with prompt_logprobs)."""
+
+    text: str
+    first: list[int]
+    scored: bool
 
 
 class Cors(CORSMiddleware):

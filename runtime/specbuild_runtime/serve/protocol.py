@@ -36,7 +36,7 @@ DECODING = ("temperature", "top_p", "top_k", "seed", "stop", "gamma", "min_p", "
 # tokenizers' decode lacks.
 DEFAULT_ONLY = {"min_tokens": 0, "spaces_between_special_tokens": True}
 FIELDS = {
-    COMPLETIONS: {"model", "prompt", "max_tokens", "stream", "stream_options", "n", "logprobs", *DECODING,
+    COMPLETIONS: {"model", "prompt", "max_tokens", "stream", "stream_options", "n", "logprobs", "echo", *DECODING,
                   *DEFAULT_ONLY},
     CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n", "logprobs",
            "top_logprobs", *DECODING, *DEFAULT_ONLY, "chat_template_kwargs", "add_generation_prompt",
@@ -47,7 +47,7 @@ STREAM_OPTIONS = {"include_usage"}
 # client tells users of `user`, which it deprecates, to send instead.
 IGNORED = {"user", "safety_identifier", "prompt_cache_key", "metadata", "store"}
 # OpenAI parameters this server does not implement: refused unless left at their neutral value, never ignored
-# (tools and tool_choice only on completions: chat reads them).
+# (tools and tool_choice only on completions: chat reads them; echo only on chat, as vLLM's chat echoes otherwise).
 UNSUPPORTED = {"echo", "best_of", "suffix", "logit_bias", "presence_penalty",
                "frequency_penalty", "tools", "tool_choice", "functions", "function_call", "response_format",
                "parallel_tool_calls", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options"}
@@ -209,6 +209,8 @@ class Request:
     chat: dict = field(default_factory=dict)
     parse_tools: bool = False  # chat: the reply's text is parsed for tool calls (tool_choice "auto")
     parallel_tool_calls: bool = True  # false: the first call alone is answered, as vLLM filters them
+    # completions: the reply begins with the prompt's text, and with logprobs its tokens' (decoding's prompt_logprobs)
+    echo: bool = False
 
 
 def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser: str | None = None) -> Request:
@@ -275,7 +277,13 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
                 "variables": _template_variables(body, generation_prompt, continue_final), "tools": tools}
         return Request(CHAT, None, body["messages"], max_tokens, decoding, stream, include_usage, chat, parse_tools,
                        body.get("parallel_tool_calls") is not False)
-    return Request(COMPLETIONS, _one_prompt(body), None, max_tokens, decoding, stream, include_usage)
+    echo = _flag(body, "echo")
+    if type(max_tokens) is int and max_tokens == 0 and not echo:
+        raise ApiError(400, "max_tokens must be >= 1, or 0 with echo: true (the prompt alone, with logprobs scored)",
+                       "max_tokens")
+    if echo and ("logprobs" in decoding or max_tokens == 0):  # max_tokens 0: the runtime's scoring, shown or not
+        decoding["prompt_logprobs"] = decoding.get("logprobs", 0)
+    return Request(COMPLETIONS, _one_prompt(body), None, max_tokens, decoding, stream, include_usage, echo=echo)
 
 
 def _default_only(body: dict) -> None:
@@ -416,15 +424,19 @@ class Logprobs:
         self.endpoint = endpoint
         self._text = partial(tokenizer.decode, skip_special_tokens=False)
 
-    def of(self, records: Sequence[TokenLogprobs], offset: int = 0) -> dict:
+    def of(self, records: Sequence[TokenLogprobs], offset: int = 0, unscored: Sequence[int] = ()) -> dict:
+        """unscored: token ids before the records', without logprobs (an echoed prompt's first: nothing precedes it),
+        whose entries are null as vLLM writes them."""
         if self.endpoint == CHAT:
             return {"content": [{**self._entry(r.token_id, r.logprob),
                                  "top_logprobs": [self._entry(token, logprob) for token, logprob in r.top]}
                                 for r in records]}
-        tokens = [self._text([r.token_id]) for r in records]
-        return {"tokens": tokens, "token_logprobs": [max(r.logprob, LOGPROB_FLOOR) for r in records],
-                "top_logprobs": [{self._text([token]): max(logprob, LOGPROB_FLOOR)
-                                  for token, logprob in ((r.token_id, r.logprob), *r.top)} for r in records],
+        tokens = [self._text([token]) for token in (*unscored, *(r.token_id for r in records))]
+        return {"tokens": tokens,
+                "token_logprobs": [None] * len(unscored) + [max(r.logprob, LOGPROB_FLOOR) for r in records],
+                "top_logprobs": [None] * len(unscored) + [{self._text([token]): max(logprob, LOGPROB_FLOOR)
+                                                         for token, logprob in ((r.token_id, r.logprob), *r.top)}
+                                                        for r in records],
                 "text_offset": list(itertools.accumulate(map(len, tokens), initial=offset))[:len(tokens)]}
 
     def _entry(self, token: int, logprob: float) -> dict:
@@ -451,9 +463,10 @@ class Reply:
         self.sent = 0  # characters of text streamed so far (completions' text_offset)
         self.calls_sent = 0  # a stream's calls so far, those past most_calls counted too
 
-    def whole(self, text: str, stats: Stats, records: Sequence[TokenLogprobs] = ()) -> dict:
+    def whole(self, text: str, stats: Stats, records: Sequence[TokenLogprobs] = (), unscored: Sequence[int] = ()) -> dict:
+        """unscored: see Logprobs.of."""
         finish = FINISH_REASONS[stats.finish_reason]
-        logprobs = self.logprobs.of(records) if self.logprobs else None
+        logprobs = self.logprobs.of(records, unscored=unscored) if self.logprobs else None
         if self.endpoint == CHAT:
             message = {"role": "assistant", "content": text}
             if self.parse_calls:
@@ -468,12 +481,12 @@ class Reply:
                 "choices": [choice], "usage": usage(stats)}
 
     def chunk(self, text: str | None = None, stats: Stats | None = None, first: bool = False,
-              called: bool = False, records: Sequence[TokenLogprobs] = ()) -> dict:
-        """A delta of text and the logprobs of the tokens `records` (those decoded since the last chunk); with
-        `stats`, the closing chunk that carries the finish reason ("tool_calls" where `called`: tool calls were
-        sent)."""
+              called: bool = False, records: Sequence[TokenLogprobs] = (), unscored: Sequence[int] = ()) -> dict:
+        """A delta of text and the logprobs of the tokens `records` (those decoded since the last chunk; unscored: see
+        Logprobs.of); with `stats`, the closing chunk that carries the finish reason ("tool_calls" where `called`: tool
+        calls were sent)."""
         finish = (TOOL_CALLS if called else FINISH_REASONS[stats.finish_reason]) if stats else None
-        logprobs = self.logprobs.of(records, self.sent) if self.logprobs and not first else None
+        logprobs = self.logprobs.of(records, self.sent, unscored) if self.logprobs and not first else None
         if self.endpoint == CHAT:
             delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
