@@ -233,6 +233,27 @@ def test_a_phi3_longrope_target_decodes_like_transformers_through_its_original_l
                 assert result.stats.finish_reason == "context"
 
 
+def test_a_phi3_longrope_targets_prompt_logprobs_are_each_prefixs_own_through_its_original_length(phi3_longrope,
+                                                                                                   tokenizer):
+    """Each prompt token scores what a cache-less forward over the tokens before it gives (short factors up to the
+    original length, long past it), as decoding it would: no scoring call spans the switch."""
+    import torch
+
+    from specbuild_runtime.slot import fixed_rows
+
+    bundle, target = phi3_longrope
+    model = load_reference(target)
+    normal = SpeculativeDecoder(bundle)
+    ids = phi3_prompt(tokenizer, PHI3_CONTEXT)
+    with torch.no_grad():
+        expected = [float(torch.log_softmax(model(torch.tensor([ids[:j]]), use_cache=False).logits[0, -1].float(), -1)[ids[j]])
+                    for j in range(1, len(ids))]
+    for decoder in (normal, SpeculativeDecoder(bundle, target_rows=fixed_rows(normal.max_gamma))):
+        for length in (16, 17, 30, PHI3_CONTEXT):
+            scored = decoder.generate(ids[:length], 0, prompt_logprobs=0).prompt_logprobs[1:]
+            assert [r.logprob for r in scored] == pytest.approx(expected[:length - 1], abs=1e-5), length
+
+
 def test_a_phi3_longrope_target_samples_as_its_own_distribution_through_its_original_length(phi3_longrope, tokenizer):
     """Target-only sampling draws each token from the target's distribution given the tokens before it, short
     factors then long, with the run's uniforms (the graph's rule: the first token whose running sum passes u);

@@ -11,6 +11,7 @@ import pytest
 from conftest import PROMPTS
 from specbuild.reference import load_reference
 from specbuild_runtime import RequestError, SpeculativeDecoder, Stats, TokenLogprobs
+from specbuild_runtime.decode import SCORED_ROWS
 from specbuild_runtime.logprobs import token_logprobs
 from specbuild_runtime.slot import fixed_rows
 
@@ -170,8 +171,8 @@ def test_prompt_logprobs_are_transformers_log_softmax_for_prompts_short_long_and
     probe = SpeculativeDecoder(bundle)
     decoder = SpeculativeDecoder(bundle, target_rows=fixed_rows(probe.max_gamma) if rows == "fixed" else None)
     model = load_reference(checkpoints("llama"))
-    # one token (nothing to score), fewer rows than a call, one call's, one more, and up to the last position
-    for length in (1, 2, 3, decoder.max_gamma, decoder.max_gamma + 1, decoder.max_gamma + 2, 61, decoder.max_seq_len):
+    # one token (nothing to score), fewer rows than a call, one call's, one more (a GPU's, the CPU's), and up to the end
+    for length in (1, 2, 3, *(n + k for n in (decoder.max_gamma + 1, SCORED_ROWS) for k in (-1, 0, 1)), decoder.max_seq_len):
         ids = prompt_of(tokenizer, length)
         result = decoder.generate(ids, 0, prompt_logprobs=3)
         assert result.token_ids == [] and result.stats.finish_reason == "max_new_tokens"

@@ -640,22 +640,25 @@ class SpeculativeDecoder:
 
     def _score(self, slot: Slot, ids: list[int], top: int) -> list[TokenLogprobs]:
         """The TokenLogprobs of ids[1:], each from the target's row before it. A call returns the logits of its last
-        D+1 rows, so the prompt goes in calls whose D drafts are its own next tokens, D up to max γ: rows computed as
-        a round's (slot.Rows: a GPU's fixed max γ + 1 rows, the CPU's even calls), so a token scores what it would
-        score generated (README: Exactness). LongRoPE: no call spans the switch, each row rotates as decoding its
-        prefix rotates it (slot.EngineSlot._choose_rope). The cache then holds ids[:-1] at least."""
+        D+1 rows, so the prompt goes in calls whose D drafts are its own next tokens: rows computed as a round's
+        (slot.Rows), so a token scores the bits it gets generated. Fixed rows (GPUs) and greedy-only graphs (whose
+        logits buffer a CUDA graph replays) take max γ drafts a call; the CPU's even calls any number: SCORED_ROWS
+        rows scored 1.5x as fast as max γ + 1 = 9 (a 12.5 MB fp32 target, 2 CPU cores). LongRoPE: no call spans the
+        switch, so each row rotates as decoding its prefix rotates it (slot.EngineSlot._choose_rope). The cache then
+        holds ids[:-1] at least."""
         target, switch = slot.target, slot.target.rope_switch
+        size = self.max_gamma + 1 if target.rows.fixed or target.engine.greedy_only else SCORED_ROWS
         slot.configure(0.0, 0, 1.0, logits=True)  # greedy: no random numbers drawn, the drafts' judgement read by nobody
         records, start, last = [], 0, len(ids) - 1
         while start < last:
-            end = min(len(ids), start + self.max_gamma + 1)
+            end = min(len(ids), start + size)
             if switch and start < switch < end:
                 end = switch
             if start == 0 and target.rows.even and end % 2 and end > 1:  # no row before the first to re-feed: an even call
                 end -= 1
             target.step(ids[start:end], total_len=end, num_drafts=end - start - 1)
-            rows = target.logits()
-            records += (token_logprobs(row, ids[start + 1 + j], top) for j, row in enumerate(rows[:last - start]))
+            logits = target.logits()  # row j: after position start + j
+            records += (token_logprobs(row, ids[start + 1 + j], top) for j, row in enumerate(logits[:last - start]))
             start = end
         return records
 
@@ -733,6 +736,9 @@ def uncaptured_because(manifest: Manifest) -> str:
             return "a LongRoPE target switching rotary tables not yet run captured on a GPU (--cuda-graphs asks for them)"
     return ""
 
+
+# Rows a call scoring a prompt computes on the CPU (see _score): even, and as many as a call's token buffer is reused for.
+SCORED_ROWS = MAX_REUSED_IDS
 
 # Free guesses per round: on the demo pair, rounds of guesses alone (no draft model) decoded at 1.48x
 # target-only with 1 guess, 1.54x with 2 and 4, and 1.26x with 8 (on the CPU every row costs ~9% of a call).

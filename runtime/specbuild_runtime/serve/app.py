@@ -292,7 +292,7 @@ class Server:
                 yield sse(reply.chunk(first=True))
             try:
                 items = aiter(job)
-                if echo:  # the prompt in a chunk of its own, as soon as it is scored (vLLM sends the first token with it)
+                if echo:  # the prompt in a chunk of its own (vLLM's also holds the first token's text)
                     _, records = await anext(items) if echo.scored else ("", ())
                     yield sse(reply.chunk(echo.text, records=records, unscored=echo.first))
                 # With logprobs a job yields (delta, its tokens' records) after every token: records whose text is
