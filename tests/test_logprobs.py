@@ -13,6 +13,7 @@ from specbuild.reference import load_reference
 from specbuild_runtime import RequestError, SpeculativeDecoder, Stats, TokenLogprobs
 from specbuild_runtime.decode import SCORED_ROWS
 from specbuild_runtime.logprobs import token_logprobs
+from specbuild_runtime.manifest import load_manifest
 from specbuild_runtime.slot import fixed_rows
 
 NEW_TOKENS = 23  # not a multiple of γ+1 for any γ tested: max-new-tokens lands inside a round
@@ -164,12 +165,15 @@ def prompt_of(tokenizer, length: int) -> list[int]:
     return ids
 
 
-@pytest.mark.parametrize("rows", ["cpu", "fixed"], ids=["even calls (CPU)", "fixed rows (GPUs)"])
+@pytest.mark.parametrize("rows", ["cpu", "fixed", "graphs"], ids=["even calls (CPU)", "fixed rows (GPUs)",
+                                                                  "fixed rows, greedy-only graphs (CUDA graphs)"])
 def test_prompt_logprobs_are_transformers_log_softmax_for_prompts_short_long_and_near_the_context(rows, bundles,
                                                                                                 checkpoints, tokenizer):
     bundle = bundles("llama", draft_seed=1)
-    probe = SpeculativeDecoder(bundle)
-    decoder = SpeculativeDecoder(bundle, target_rows=fixed_rows(probe.max_gamma) if rows == "fixed" else None)
+    decoder = SpeculativeDecoder(bundle, target_rows=fixed_rows(load_manifest(bundle).gamma) if rows != "cpu" else None,
+                                 cuda_graphs=rows == "graphs")
+    for engine in (decoder.target, decoder.draft) if rows == "graphs" else ():
+        engine.captures = True  # graph ids named as on CUDA
     model = load_reference(checkpoints("llama"))
     # one token (nothing to score), fewer rows than a call, one call's, one more (a GPU's, the CPU's), and up to the end
     for length in (1, 2, 3, *(n + k for n in (decoder.max_gamma + 1, SCORED_ROWS) for k in (-1, 0, 1)), decoder.max_seq_len):
@@ -185,10 +189,15 @@ def test_prompt_logprobs_are_transformers_log_softmax_for_prompts_short_long_and
             assert np.allclose([logprob for _, logprob in record.top], np.sort(row)[::-1][:3], atol=1e-5)
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["engine graphs", "greedy-only graphs and the sampler, fixed rows"])
 @pytest.mark.parametrize("sampling", [{}, dict(temperature=0.8, seed=5)], ids=["greedy", "sampled"])
-def test_a_prompt_scores_the_bits_its_tokens_get_generated_and_generation_after_it_is_unchanged(sampling, bundles,
-                                                                                                 tokenizer):
-    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+def test_a_prompt_scores_the_bits_its_tokens_get_generated_and_generation_after_it_is_unchanged(sampling, graphs,
+                                                                                                 bundles, tokenizer):
+    bundle = bundles("llama", draft_seed=1)
+    rows = fixed_rows(load_manifest(bundle).gamma) if graphs else None
+    decoder = SpeculativeDecoder(bundle, cuda_graphs=graphs, target_rows=rows)
+    for engine in (decoder.target, decoder.draft) if graphs else ():
+        engine.captures = True  # graph ids named as on CUDA
     for prompt in PROMPTS[:4]:
         ids = tokenizer(prompt)["input_ids"]
         plain = decoder.generate(ids, NEW_TOKENS, logprobs=2, **sampling)
