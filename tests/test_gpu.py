@@ -256,6 +256,26 @@ def test_fp32_logprobs_on_cuda_are_the_cpus_within_rounding(precision_bundles):
         assert [p for _, p in g.top] == pytest.approx([p for _, p in c.top], abs=1e-4)
 
 
+@pytest.mark.parametrize("precision, cuda_graphs", [("fp32", None), ("fp16", True), ("fp16", False)],
+                         ids=["fp32", "fp16-cuda-graphs", "fp16-uncaptured"])
+def test_prompt_logprobs_on_cuda_leave_generation_as_it_was_and_fp32_ones_are_the_cpus_within_rounding(
+        precision, cuda_graphs, precision_bundles):
+    """A prompt scored in calls of max γ + 1 rows (captured after the first) whose cache generation then goes on
+    from: the same tokens as the prompt computed whole, and (fp32) the CPU's logprobs within rounding."""
+    folder = precision_bundles(precision)
+    decoder = SpeculativeDecoder(folder, device="cuda", cuda_graphs=cuda_graphs)
+    prompt = PROMPTS[5] + PROMPTS[8]  # several calls' rows
+    for gamma in (0, 4, "auto"):
+        plain = decoder.generate(prompt, NEW_TOKENS, gamma).token_ids
+        assert decoder.generate(prompt, NEW_TOKENS, gamma, prompt_logprobs=5).token_ids == plain, gamma
+    if precision == "fp32":
+        gpu, cpu = (SpeculativeDecoder(folder, device=device).generate(prompt, 0, prompt_logprobs=5).prompt_logprobs[1:]
+                    for device in ("cuda", "cpu"))
+        for g, c in zip(gpu, cpu, strict=True):
+            assert g.logprob == pytest.approx(c.logprob, abs=1e-4)
+            assert [p for _, p in g.top] == pytest.approx([p for _, p in c.top], abs=1e-4)
+
+
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_cuda_graphs_decode_the_tokens_of_uncaptured_calls(precision, precision_bundles):
     """cuda_graphs=True: the greedy-only graphs, each call shape run uncaptured (slot.WARM_UP_RUNS), then

@@ -47,7 +47,7 @@ STREAM_OPTIONS = {"include_usage"}
 # client tells users of `user`, which it deprecates, to send instead.
 IGNORED = {"user", "safety_identifier", "prompt_cache_key", "metadata", "store"}
 # OpenAI parameters this server does not implement: refused unless left at their neutral value, never ignored
-# (tools and tool_choice only on completions: chat reads them; echo only on chat, as vLLM's chat echoes otherwise).
+# (tools and tool_choice only on completions: chat reads them; echo only on chat, where vLLM echoes the last message).
 UNSUPPORTED = {"echo", "best_of", "suffix", "logit_bias", "presence_penalty",
                "frequency_penalty", "tools", "tool_choice", "functions", "function_call", "response_format",
                "parallel_tool_calls", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options"}
