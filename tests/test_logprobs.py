@@ -211,3 +211,14 @@ def test_max_new_tokens_0_is_refused_without_prompt_logprobs(bundles):
     decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
     with pytest.raises(RequestError, match="max_new_tokens must be >= 1 .0 only with prompt_logprobs"):
         decoder.generate("x", 0)
+
+
+def test_streams_refuse_prompt_logprobs_which_generate_gives(bundles):
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    refusal = r"^prompt_logprobs come with generate and agenerate"
+    for stream in (decoder.stream, decoder.stream_text):
+        with pytest.raises(RequestError, match=refusal):
+            stream("x", prompt_logprobs=1)
+    for astream in (decoder.astream, decoder.astream_text):  # checked as iteration begins
+        with pytest.raises(RequestError, match=refusal):
+            asyncio.run(anext(astream("x", prompt_logprobs=1)))

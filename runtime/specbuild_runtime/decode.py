@@ -375,8 +375,15 @@ class SpeculativeDecoder:
         """Yields generated token ids as the target accepts them (up to the one that completes a stop
         string), or with logprobs (0 to 20) each token's TokenLogprobs (see generate); pass a Stats to read
         measurements. The request is checked now, the slot taken at the first token."""
-        request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs, **options)
+        request = self._streamed(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs, **options)
         return self._stream(request, Stats() if stats is None else stats)
+
+    def _streamed(self, *args, **options) -> Request:
+        """request(...) for a stream, whose items are the tokens generated: a prompt's logprobs would have no place."""
+        if options.get("prompt_logprobs") is not None:
+            raise RequestError("prompt_logprobs come with generate and agenerate (Generation.prompt_logprobs), not with a "
+                               "stream: score the prompt with generate(prompt, 0, prompt_logprobs=N)")
+        return self.request(*args, **options)
 
     def _stream(self, request: Request, stats: Stats, halt: threading.Event | None = None) -> Generator:
         """stream's tokens, or their TokenLogprobs where the request asks for logprobs."""
@@ -392,7 +399,7 @@ class SpeculativeDecoder:
                     **options) -> Generator[str, None, None]:
         """Yields text as it is decoded: the deltas join to exactly generate(...).text (a character split
         across tokens, or text that may still become a stop string, waits for the tokens that settle it)."""
-        request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, **options)
+        request = self._streamed(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, **options)
         return self.stream_request(request, Stats() if stats is None else stats)
 
     def stream_request(self, request: Request, stats: Stats, every_token: bool = False,
@@ -447,7 +454,7 @@ class SpeculativeDecoder:
         when iteration begins, and raises what stream would. Cancelling the consuming task, aclose(), or dropping
         the iterator stops decoding within the round in progress and frees the slot; a slow consumer does not
         hold the slot (decoding runs ahead of it, at most to the request's end)."""
-        check = partial(self.request, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs,
+        check = partial(self._streamed, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs,
                         **options)
         stats = Stats() if stats is None else stats
         return self._relay(check, lambda request, halt: self._stream(request, stats, halt))
@@ -457,7 +464,7 @@ class SpeculativeDecoder:
                      stop: str | list[str] | None = None, stats: Stats | None = None,
                      **options) -> AsyncGenerator[str, None]:
         """stream_text for asyncio, as astream is stream's."""
-        check = partial(self.request, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, **options)
+        check = partial(self._streamed, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, **options)
         stats = Stats() if stats is None else stats
         return self._relay(check, lambda request, halt: self.stream_request(request, stats, True, halt), held=("",))
 
