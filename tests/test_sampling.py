@@ -309,9 +309,14 @@ def test_a_bundle_compiled_before_min_p_decodes_and_refuses_min_p_in_one_line(bu
     ids = tokenizer(PROMPTS[0])["input_ids"]
     for options in ({}, {"temperature": 0.8, "top_p": 0.9, "seed": 2}):
         assert before.generate(ids, 12, 3, **options).token_ids == now.generate(ids, 12, 3, **options).token_ids
-    with pytest.raises(RequestError, match=r"^\S+ was compiled before min_p sampling: recompile it with `specbuild "
-                                           r"compile`, or leave min_p out$"):
+    from specbuild_runtime.serve.protocol import invalid
+
+    with pytest.raises(RequestError, match=r"^min_p needs a bundle compiled with min_p sampling; \S+ was compiled before "
+                                           r"it: recompile it with `specbuild compile`, or leave min_p out$") as refused:
         before.generate(ids, 8, temperature=1.0, min_p=0.1)
+    assert invalid(refused.value).param == "min_p"  # serve's 400 names the field, as for any other min_p
+    with pytest.raises(RequestError, match=r"^min_p must be a number"):  # checked as on any bundle, then refused
+        before.generate(ids, 8, temperature=1.0, min_p="0.1")
 
 
 def test_same_seed_reproduces_and_different_seeds_differ(bundles, tokenizer):

@@ -344,16 +344,18 @@ class SpeculativeDecoder:
         if (logprobs is not None or prompt_logprobs is not None) and not self.target.has_logits:
             raise RequestError(f"{self.root} was compiled before its engines gave their logits, so it gives no logprobs: "
                                "recompile it with `specbuild compile`")
-        if min_p and not self.has_min_p:
-            raise RequestError(f"{self.root} was compiled before min_p sampling: recompile it with `specbuild compile`, "
-                               "or leave min_p out")
-        return check_request(prompt, encode=self.encode, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
-                             max_gamma=self.max_gamma, max_new_tokens=max_new_tokens, gamma=gamma,
-                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
-                             logprobs=logprobs, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids,
-                             include_stop_str_in_output=include_stop_str_in_output,
-                             skip_special_tokens=skip_special_tokens, token_span=self.token_span,
-                             context_limit=self.manifest.context_limit, min_p=min_p, prompt_logprobs=prompt_logprobs)
+        request = check_request(prompt, encode=self.encode, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
+                                max_gamma=self.max_gamma, max_new_tokens=max_new_tokens, gamma=gamma,
+                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop,
+                                logprobs=logprobs, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids,
+                                include_stop_str_in_output=include_stop_str_in_output,
+                                skip_special_tokens=skip_special_tokens, token_span=self.token_span,
+                                context_limit=self.manifest.context_limit, min_p=min_p, prompt_logprobs=prompt_logprobs)
+        # Begins with the field's name, as validation's messages do: serve's 400 names it as its `param`.
+        if request.sampling.min_p and not self.has_min_p:
+            raise RequestError(f"min_p needs a bundle compiled with min_p sampling; {self.root} was compiled before it: "
+                               "recompile it with `specbuild compile`, or leave min_p out")
+        return request
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
