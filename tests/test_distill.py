@@ -684,11 +684,14 @@ def test_an_init_draft_that_would_shorten_the_pairs_context_is_refused_before_tr
 
 
 def test_an_init_draft_larger_than_the_target_is_refused_before_training(pair, tmp_path, monkeypatch):
-    """compile refuses such a pair (load.check_draft_smaller): the two were likely swapped."""
+    """compile refuses such a pair (load.check_draft_smaller): the two were likely swapped. The advice names distill's
+    options (it has no --draft)."""
     monkeypatch.setattr(distill_module, "train_model", lambda *a, **k: pytest.fail("refused only after training"))
     larger = make_checkpoint(tmp_path / "larger", "llama", make_tokenizer(), hidden_size=128, intermediate_size=256)
-    with pytest.raises(PairMismatchError, match="more than the target"):
+    with pytest.raises(PairMismatchError, match="more than the target.*a smaller one as --init$"):
         distill(pair[0], tmp_path / "draft", init=larger, minutes=0.01)
+    with pytest.raises(PairMismatchError, match="more than the target.*smaller --draft-config values$"):
+        distill(pair[0], tmp_path / "draft", draft_config={"hidden_size": 128, "intermediate_size": 256}, minutes=0.01)
 
 
 def test_a_large_text_file_is_read_only_as_far_as_prompts_need(tmp_path, monkeypatch):

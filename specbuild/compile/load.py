@@ -681,16 +681,17 @@ def validate_pair(target: Checkpoint, draft: Checkpoint) -> None:
                         unpadded_parameters(target.parameters(), target.spec, target.token_ids()))
 
 
-def check_draft_smaller(draft: str, draft_size: int, target: str, target_size: int) -> None:
+def check_draft_smaller(draft: str, draft_size: int, target: str, target_size: int,
+                        smaller: str = "a smaller one as --draft") -> None:
     """A draft larger than the target only slows decoding, whose output is the target's: given so, the two were most
     likely swapped, and the bundle would serve the smaller model's text (distill checks its draft so too). Pairs of
     about one size (a draft with biases the target lacks, a tiny target's default shrink) are left alone: only a
-    clearly larger draft tells of a swap."""
+    clearly larger draft tells of a swap. smaller: how the command at hand takes a smaller draft."""
     if draft_size > SWAPPED_ABOVE * target_size:
         raise PairMismatchError(
             f"{draft} has {draft_size:,} parameters, more than {target} ({target_size:,}): the bundle decodes the "
             "target's text, here the smaller model's, slower than that model alone; give the model whose output you "
-            "want as --target and a smaller one as --draft")
+            f"want as --target and {smaller}")
 
 
 def unpadded_parameters(parameters: int, spec: ModelSpec, token_ids: int) -> int:

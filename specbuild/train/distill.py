@@ -142,10 +142,10 @@ def _check_shape(config) -> None:
         raise TrainingError(f"--draft-config: num_attention_heads {heads} is no multiple of num_key_value_heads {kv_heads}")
 
 
-def _check_pair(draft, target, tokenizer, where: str) -> None:
+def _check_pair(draft, target, tokenizer, where: str, smaller: str) -> None:
     """What compile will check of the pair, checked before the minutes of training: a draft it supports,
     embedding rows for every token, a draft smaller than the target, and the context compile gives the pair by
-    default."""
+    default. smaller: how to give a smaller draft (distill has no --draft)."""
     architecture = (draft.config.architectures or ["<none>"])[0]
     check_architecture(architecture, where)
     try:
@@ -158,7 +158,7 @@ def _check_pair(draft, target, tokenizer, where: str) -> None:
     target_spec = model_spec(target.config, target.config.architectures[0], Path(where), "target")
     token_ids = max(tokenizer.get_vocab().values()) + 1
     check_draft_smaller(f"the draft ({where})", unpadded_parameters(parameter_count(draft), spec, token_ids), "the target",
-                        unpadded_parameters(parameter_count(target), target_spec, token_ids))
+                        unpadded_parameters(parameter_count(target), target_spec, token_ids), smaller)
     # compile would take the draft's positions as the pair's context: a draft shorter than the target makes a bundle
     # of a shorter context than the target's own
     context = min(DEFAULT_MAX_SEQ_LEN, target_spec.max_position_embeddings)
@@ -240,7 +240,8 @@ def build_draft(target, tokenizer, draft_config: dict | None, init: Path | None,
             raise TrainingError(f"the draft's config ({draft_config or 'the default shrink of the target'}) gives no "
                                 f"model transformers can build ({first_line(exc)}); choose other --draft-config values") from None
         # a draft that specbuild could not compile would be minutes of training for nothing
-        _check_pair(draft, target, tokenizer, f"the draft of --draft-config {draft_config or '(default)'}")
+        _check_pair(draft, target, tokenizer, f"the draft of --draft-config {draft_config or '(default)'}",
+                    "smaller --draft-config values")
         return plainly_generating(draft)  # as load_reference leaves a loaded one (the "draft" sequences)
     draft, draft_tokenizer = load_model(init, "draft")
     # Only the token-to-id map, as compile checks a pair (load.validate_pair): the draft is written with the
@@ -250,7 +251,7 @@ def build_draft(target, tokenizer, draft_config: dict | None, init: Path | None,
             f"draft {init} has a different tokenizer from the target ({len(draft_tokenizer)} vs {len(tokenizer)} "
             "tokens); distillation compares distributions token by token, so the draft must use the target's"
         )
-    _check_pair(draft, target, tokenizer, f"--init {init}")
+    _check_pair(draft, target, tokenizer, f"--init {init}", "a smaller one as --init")
     return draft
 
 
