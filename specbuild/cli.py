@@ -371,6 +371,19 @@ def quantized_line(engine: Path) -> str:
                                       for bits, block, level in sorted(settings)) if settings else "no MatMulNBits node"
 
 
+def samples_with_min_p(bundle: Path, manifest) -> bool:
+    """Whether the bundle's engines take min_p, as serve tells from them (SpeculativeDecoder.has_min_p): read from its
+    sampler's inputs, compiled with them (a bundle without a sampler was compiled before min_p too)."""
+    import onnx
+
+    from specbuild_runtime.validation import MIN_P
+
+    if not manifest.sampler_file:
+        return False
+    graph = onnx.load(str(bundle / manifest.sampler_file), load_external_data=False).graph
+    return any(value.name == MIN_P for value in graph.input)
+
+
 @cli.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
@@ -415,7 +428,7 @@ def inspect(bundle, as_json) -> None:
                                           else "none: compiled before it (CUDA graphs need a recompile)"))
         click.echo(f"{'on cuda':<10} {cuda_line(manifest)}")
         click.echo(f"{'serve':<10} by default (--generation-config auto), "
-                   f"{sampling_defaults(manifest.generation_config, 'auto')}")
+                   f"{sampling_defaults(manifest.generation_config, 'auto', samples_with_min_p(bundle, manifest))}")
     if manifest.tensorrt_llm:
         click.echo("\n".join(f"{'tensorrt':<10} {line}" for line in tensorrt_llm_lines(bundle, manifest.tensorrt_llm)))
     config = read_tokenizer_config(bundle / TOKENIZER_DIR)

@@ -172,6 +172,31 @@ def bundles(tmp_path_factory, checkpoints):
     return get
 
 
+def compiled_before_min_p(folder: Path) -> Path:
+    """The bundle in folder made as compiled before min_p: its engines and sampler without the min_p input (their nodes
+    read a constant 0, so they never drop a token), the manifest's digests following them."""
+    import json
+
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from specbuild_runtime.manifest import MANIFEST, load_manifest, sha256_file
+
+    manifest = load_manifest(folder, check_digests=False)
+    data = json.loads((folder / MANIFEST).read_text())
+    for file in (manifest.sampler_file, *(info.file for info in manifest.engines.values())):
+        model = onnx.load(str(folder / file), load_external_data=False)
+        kept = [value for value in model.graph.input if value.name != "min_p"]
+        del model.graph.input[:]
+        model.graph.input.extend(kept)
+        model.graph.initializer.append(numpy_helper.from_array(np.array(0, np.float32), "min_p"))
+        onnx.save(model, str(folder / file))
+        data["files"][file] = sha256_file(folder / file)
+    (folder / MANIFEST).write_text(json.dumps(data))
+    return folder
+
+
 def scale_head_beyond_fp16(folder):
     """A checkpoint with its LM head scaled 3e4-fold: every weight within fp16's range (65504), its logits
     (~5e4 a standard deviation) beyond it, as an fp16 engine of a model whose activations outgrow fp16 sees them."""

@@ -17,6 +17,8 @@ the samples (λ ≈ 260) is rejected at p < 1e-12 with probability 1 − 1e-12; 
 temperature 1.5 against the reference at 1, measured λ ≈ 340 on all of them.
 """
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -24,7 +26,7 @@ import transformers as tf
 from scipy.stats import chi2
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from conftest import PROMPTS
+from conftest import PROMPTS, compiled_before_min_p
 from specbuild.compile import compile_bundle
 from specbuild.recipe import CompileSettings
 from specbuild_runtime import SpeculativeDecoder
@@ -287,24 +289,10 @@ def test_min_p_zero_samples_the_tokens_of_no_min_p(options, bundles, tokenizer):
 def test_a_bundle_compiled_before_min_p_decodes_and_refuses_min_p_in_one_line(bundles, tokenizer, tmp_path):
     import shutil
 
-    import onnx
-    from onnx import numpy_helper
-
     from specbuild_runtime import RequestError
-    from specbuild_runtime.manifest import load_manifest
 
-    old = tmp_path / "old"
-    shutil.copytree(bundles("llama", draft_seed=1), old)
-    manifest = load_manifest(old)
-    for file in (manifest.sampler_file, *(info.file for info in manifest.engines.values())):
-        # as compiled before: no min_p input (its nodes read a constant 0, so they never drop a token)
-        model = onnx.load(str(old / file), load_external_data=False)
-        kept = [value for value in model.graph.input if value.name != "min_p"]
-        del model.graph.input[:]
-        model.graph.input.extend(kept)
-        model.graph.initializer.append(numpy_helper.from_array(np.array(0, np.float32), "min_p"))
-        onnx.save(model, str(old / file))
-    before, now = SpeculativeDecoder(old, check_digests=False), SpeculativeDecoder(bundles("llama", draft_seed=1))
+    old = compiled_before_min_p(Path(shutil.copytree(bundles("llama", draft_seed=1), tmp_path / "old")))
+    before, now = SpeculativeDecoder(old), SpeculativeDecoder(bundles("llama", draft_seed=1))
     assert not before.has_min_p and now.has_min_p
     ids = tokenizer(PROMPTS[0])["input_ids"]
     for options in ({}, {"temperature": 0.8, "top_p": 0.9, "seed": 2}):

@@ -26,7 +26,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import PROMPTS, make_checkpoint
+from conftest import PROMPTS, compiled_before_min_p, make_checkpoint
 
 MODEL = "demo"  # the name the README's examples use
 MAX_SEQ_LEN = 256
@@ -1679,6 +1679,21 @@ def test_inspect_says_what_serve_gives_requests_that_omit_sampling_fields(sampli
             "generation_config); generation_config fields not applied: repetition_penalty 1.3") in sampled["stdout"]
     assert "get temperature 1 (OpenAI's defaults; the bundle's generation_config sets none" in plain["stdout"]
     assert "compiled before manifests recorded the generation_config: recompile it" in before["stdout"]
+
+
+def test_inspect_names_the_generation_configs_min_p_not_applied_by_a_bundle_compiled_before_min_p(sampling_bundle, cli,
+                                                                                                 tmp_path):
+    """What serve's start-up line says (app.Server reads the engines' min_p input): inspect said such a bundle's
+    requests get the generation_config's min_p, which its engines cannot apply."""
+    old = compiled_before_min_p(Path(shutil.copytree(sampling_bundle, tmp_path / "old")))
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["generation_config"]["min_p"] = 0.05
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    inspected = cli.run([["inspect", str(old)]])[0]
+    assert inspected["status"] == 0, inspected["stderr"]
+    assert ("get temperature 1.5, top_k 3 (from the bundle's generation_config); generation_config fields not applied: "
+            "repetition_penalty 1.3, min_p 0.05 (this bundle was compiled before min_p: recompile it to apply it)"
+            ) in inspected["stdout"], inspected["stdout"]
 
 
 def test_requests_that_omit_sampling_fields_get_the_bundles_generation_config_and_theirs_win(sampling_bundle):
