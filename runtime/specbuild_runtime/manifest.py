@@ -189,6 +189,8 @@ class Manifest:
     generation_config: dict | None = None
     # The longest max_seq_len compile accepts for this pair (the models' positions, a LongRoPE target's original
     # length, a window transformers' cache keeps): a too-long prompt's advice names no more. 0 in bundles made before it.
+    # Written in every bundle since, it also makes a runtime from before it refuse them ("upgrade"): their sampling
+    # graphs take a min_p input such a runtime does not bind (its sampled requests failed as a device fault).
     context_limit: int = 0
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
