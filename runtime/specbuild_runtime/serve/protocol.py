@@ -67,6 +67,13 @@ RENDER_ARGUMENTS = {
                     "it is an argument of transformers' tokenization, not a template variable, and this server does "
                     "not take it"),
 }
+# What a field of the other endpoint or of vLLM's server, unknown here, is asked as instead: a client moving between
+# them sends these.
+INSTEAD = {
+    (COMPLETIONS, "top_logprobs"): 'completions ask for the N most probable tokens with "logprobs": N',
+    (COMPLETIONS, "prompt_logprobs"): '"echo": true with "logprobs": N gives the prompt\'s logprobs',
+    (CHAT, "prompt_logprobs"): 'a prompt\'s logprobs come from /v1/completions with "echo": true and "logprobs": N',
+}
 # Values that ask for nothing beyond plain text (clients send them by default): as if absent.
 NEUTRAL = {"tool_choice": ["none"], "response_format": [{"type": "text"}], "modalities": [["text"]],
            "parallel_tool_calls": [True]}
@@ -230,7 +237,8 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
         if name in UNSUPPORTED - FIELDS[endpoint] and not _neutral(name, value):
             raise ApiError(400, f"'{name}' is not supported by this server", name)
         if name not in FIELDS[endpoint] | IGNORED | UNSUPPORTED:
-            raise ApiError(400, f"unrecognized request argument: '{name}'", name)
+            instead = INSTEAD.get((endpoint, name))
+            raise ApiError(400, f"unrecognized request argument: '{name}'" + (f"; {instead}" if instead else ""), name)
     if body.get("model") not in (None, model):
         raise unknown_model(body["model"], model)
     if body.get("n") is not None and (type(body["n"]) is not int or body["n"] != 1):
@@ -306,6 +314,9 @@ def _logprobs(endpoint: str, body: dict) -> dict:
     if endpoint == COMPLETIONS:  # false (0 == False: by identity), which this server took for none before, stays none
         value = body.get("logprobs")
         return {} if value is None or value is False else {"logprobs": value}
+    if type(body.get("logprobs")) is int:  # completions' form, N alternatives, which chat spells otherwise
+        raise ApiError(400, f"chat's logprobs is true or false, not {body['logprobs']}: send \"logprobs\": true, "
+                            f"\"top_logprobs\": {body['logprobs']} for the {body['logprobs']} most probable tokens", "logprobs")
     wanted, top = _flag(body, "logprobs"), body.get("top_logprobs")
     if top is not None:
         try:
@@ -372,6 +383,11 @@ def _one_prompt(body: dict):
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        # vLLM answers a batch with a choice each, and lm-evaluation-harness sends batch_size of them a request
+        raise ApiError(400, f"prompt holds {len(prompt)} prompts, and this server answers one a request: send each in "
+                            "a request of its own, side by side (lm-evaluation-harness: batch_size=1, num_concurrent=N)",
+                       "prompt")
     if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt)):
         raise ApiError(400, "prompt must be a string or a list of token ids, one prompt per request", "prompt")
     return prompt
