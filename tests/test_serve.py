@@ -332,6 +332,33 @@ def test_lm_evals_loglikelihood_request_scores_the_continuation_as_transformers_
         assert len(choice["logprobs"]["tokens"]) == len(ids) + 1  # the prompt's, then the generated one
 
 
+def test_a_batch_of_prompts_gets_a_choice_each_as_its_own_request_would_with_the_usage_of_all(server, tokenizer):
+    """lm-evaluation-harness's batch_size=16 (its README's example): its requests hold that many prompts, as vLLM takes
+    them; more than the slots, so that some wait in the queue."""
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:6]] + [PROMPTS[6]]
+    for body in ({"echo": True, "max_tokens": 1, "logprobs": 1, "seed": 1234, **GREEDY},  # its loglikelihood request
+                 {"max_tokens": 8, "stop": ["\n\n"], **SAMPLED[0]}):
+        batch = httpx.post(f"{server}/v1/completions", json={**body, "prompt": prompts}).json()
+        alone = [httpx.post(f"{server}/v1/completions", json={**body, "prompt": p}).json() for p in prompts]
+        assert batch["choices"] == [{**a["choices"][0], "index": i} for i, a in enumerate(alone)]
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            assert batch["usage"][key] == sum(a["usage"][key] for a in alone)
+
+
+def test_a_batch_is_refused_whole_naming_the_prompt_that_is_wrong_and_frees_what_it_queued(server):
+    for prompts, message in (([PROMPTS[0], [10 ** 6]], "prompt 1 of 2: prompt token id 1000000"),
+                             ([PROMPTS[0], "def f(x):\n" * 200], "prompt 1 of 2: the prompt has"),
+                             (["x"] * 37, "prompt holds 37 prompts, more than this server takes at once "
+                                          "(--parallel + --max-queue: 36); send fewer a request"),
+                             (["x", "y"], "prompt holds 2 prompts, and this server streams one a request")):
+        body = {"prompt": prompts, "max_tokens": 200, "stream": "streams" in message}
+        reply = httpx.post(f"{server}/v1/completions", json=body)
+        assert reply.status_code == 400 and message in reply.json()["error"]["message"], reply.text
+        assert reply.json()["error"]["param"] == "prompt"
+    wait_until(lambda: metric_values(server)[("specbuild_slots_busy", ())] == 0, "the batch's first prompt to stop")
+    assert len(httpx.post(f"{server}/v1/completions", json={"prompt": ["x"] * 36, "max_tokens": 1}).json()["choices"]) == 36
+
+
 @pytest.mark.parametrize("prompt", [PROMPTS[2], "ids"], ids=["text", "token ids"])
 def test_completions_echo_begins_with_the_prompt_and_its_logprobs_streamed_or_not(prompt, server, reference):
     ids = reference.encode(PROMPTS[2])
@@ -436,10 +463,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "prompt_logprobs": 1}, "\"echo\": true with \"logprobs\": N gives the prompt's"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1},
      "come from /v1/completions with \"echo\": true"),
-    # lm-evaluation-harness's batch_size=2: vLLM answers a choice each
-    ("completions", {"prompt": [[1, 2], [3]], "echo": True, "max_tokens": 1, "logprobs": 1},
-     "prompt holds 2 prompts, and this server answers one a request: send each in a request of its own"),
-    ("completions", {"prompt": ["a", "b", "c"]}, "(lm-evaluation-harness: batch_size=1, num_concurrent=N)"),
+    ("completions", {"prompt": ["a", [1, "b"]]}, "prompt must be a string or a list of token ids, or a list of those"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      "top_logprobs needs logprobs: send \"logprobs\": true with it"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
@@ -1181,6 +1205,23 @@ def test_a_client_that_leaves_frees_its_slot_for_the_next_request(bundle, refere
         decoder.go.set()
         wait_until(lambda: metric_values(url)[("specbuild_slots_busy", ())] == 0, "the slot was freed")
         assert decoder.deltas[0] <= 2  # stopped right after the pause, not decoded to its 200 tokens
+        after = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0},
+                           timeout=60)
+        assert after.json()["choices"][0]["text"] == expected
+
+
+def test_a_client_that_leaves_a_batch_stops_every_prompt_of_it_decoding_or_queued(bundle, reference):
+    expected = reference.generate(PROMPTS[1], max_new_tokens=24).text
+    cancelled = ("specbuild_requests_total", (("endpoint", "completions"), ("outcome", "cancelled")))
+    with in_process(bundle) as (url, decoder, _):
+        with raw_post(url, "/v1/completions", {"prompt": PROMPTS[2:5], "max_tokens": 200, "temperature": 0}):
+            assert decoder.paused.acquire(timeout=60)  # the first prompt decoding in the only slot, two queued
+            wait_until(lambda: metric_values(url)[("specbuild_queue_depth", ())] == 2, "the batch's others queued")
+        wait_until(lambda: metric_values(url).get(cancelled) == 1, "the server saw the client leave")
+        assert metric_values(url)[("specbuild_queue_depth", ())] == 0
+        decoder.go.set()
+        wait_until(lambda: metric_values(url)[("specbuild_slots_busy", ())] == 0, "the slot was freed")
+        assert decoder.deltas == [decoder.deltas[0]] and decoder.deltas[0] <= 2  # the queued ones never decoded
         after = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0},
                            timeout=60)
         assert after.json()["choices"][0]["text"] == expected

@@ -148,29 +148,48 @@ class Server:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     async def _generate(self, endpoint: str, http: HttpRequest) -> Response:
+        jobs = []
         try:
             request = protocol.parse(endpoint, await self._body_unless_cut(http), self.settings.model, self.defaults,
                                      self.settings.tool_call_parser)
-            job = await self._submitted_unless_gone(http, request)
-        except Exception as exc:  # a bug among them is answered (500, logged, counted) here, where the
-            return self._refuse(endpoint, exc)  # connection stays usable: Starlette's last handler closes it
+            requests = [replace(request, prompt=prompt, batch=None) for prompt in request.batch or [request.prompt]]
+            if len(requests) > self.scheduler.parallel + self.settings.max_queue:  # else a 429 however long it waits
+                raise ApiError(400, f"prompt holds {len(requests)} prompts, more than this server takes at once "
+                                    f"(--parallel + --max-queue: {self.scheduler.parallel + self.settings.max_queue}); "
+                                    "send fewer a request", "prompt")
+            for index, one in enumerate(requests):  # each checked and queued as a request of its own
+                try:
+                    jobs.append(await self._submitted_unless_gone(http, one))
+                except ApiError as error:
+                    if request.batch and error.param == "prompt":
+                        error.message = f"prompt {index} of {len(requests)}: {error.message}"
+                    raise
+        except Exception as exc:  # a bug among them is answered (500, logged, counted) here, where the connection
+            self._stop(jobs)      # stays usable (Starlette's last handler closes it); a batch's prompts queued before
+            return self._refuse(endpoint, exc)  # the one refused stop
         logprobs = "logprobs" in request.decoding
         reply = Reply(endpoint, self.settings.model, self.tool_parser if request.parse_tools else None,
                       request.parallel_tool_calls, Logprobs(endpoint, self.decoder.tokenizer) if logprobs else None)
-        echo = Echo(self._prompt_text(request, job.request.prompt_ids), job.request.prompt_ids[:1],
-                    "prompt_logprobs" in request.decoding) if request.echo else None
+        echoes = [Echo(self._prompt_text(one, job.request.prompt_ids), job.request.prompt_ids[:1],
+                       "prompt_logprobs" in request.decoding) if request.echo else None for one, job in zip(requests, jobs)]
         if request.stream:
-            return self._stream(endpoint, job, reply, request.include_usage, echo)
+            return self._stream(endpoint, jobs[0], reply, request.include_usage, echoes[0])
         try:
-            text, records = await self._collect(job, http, logprobs, echo)
+            answers = await self._collect(jobs, http, logprobs, echoes)
         except Stopped as stop:
-            return self._refuse(endpoint, stop, job.started)
+            return self._refuse(endpoint, stop, any(job.started for job in jobs))
         except Exception as exc:
             return self._refuse(endpoint, exc)
+        finally:  # a no-op for those that finished; else the client left, or a batch's other prompt failed
+            self._stop(jobs)
         self.metrics.outcome(endpoint, "ok")
-        if echo:
-            return JSONResponse(reply.whole(echo.text + text, job.stats, records, echo.first))
-        return JSONResponse(reply.whole(text, job.stats, records))
+        answered = [(echo.text + text, job.stats, records, echo.first) if echo else (text, job.stats, records, ())
+                    for (text, records), job, echo in zip(answers, jobs, echoes)]
+        return JSONResponse(reply.batch(answered))
+
+    def _stop(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            self.scheduler.stop(job, "cancelled")
 
     def _prompt_text(self, request: protocol.Request, ids: list[int]) -> str:
         """The text an echo begins with: the prompt as sent, or its token ids decoded (vLLM's)."""
@@ -256,10 +275,10 @@ class Server:
         # a format whose tags are special tokens (Mistral's) is read from a text that keeps them, as vLLM reads it
         return replace(checked, special_tokens=True) if request.parse_tools and self.tool_parser.special_tokens else checked
 
-    async def _collect(self, job, http: HttpRequest, logprobs: bool, echo: Echo | None = None) -> tuple[str, list]:
-        """The whole text of a job and (logprobs) its tokens' TokenLogprobs, an echo's prompt tokens' first, stopping it
-        if the client disconnects first."""
-        async def join() -> tuple[str, list]:
+    async def _collect(self, jobs: list[Job], http: HttpRequest, logprobs: bool, echoes: list[Echo | None]) -> list:
+        """Each job's whole text and (logprobs) its tokens' TokenLogprobs, an echo's prompt tokens' first, or
+        Stopped("cancelled") if the client disconnects first."""
+        async def join(job, echo) -> tuple[str, list]:
             items = [item async for item in job]
             if echo and echo.scored and not logprobs:  # scored only to end there (max_tokens 0)
                 items = items[1:]
@@ -267,15 +286,14 @@ class Server:
                 return "".join(items), []
             return "".join(delta for delta, _ in items), [record for _, records in items for record in records]
 
-        collecting = asyncio.ensure_future(join())
+        collecting = asyncio.ensure_future(asyncio.gather(*map(join, jobs, echoes)))
         leaving = asyncio.ensure_future(_disconnected(http))
         try:
             await asyncio.wait({collecting, leaving}, return_when=asyncio.FIRST_COMPLETED)
         finally:  # also when this handler is cancelled
             leaving.cancel()
-            if not collecting.done():
+            if not collecting.done():  # the caller stops the jobs
                 collecting.cancel()
-                self.scheduler.stop(job, "cancelled")
         if not collecting.done():
             raise Stopped("cancelled")
         return collecting.result()

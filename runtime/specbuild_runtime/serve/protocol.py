@@ -218,6 +218,8 @@ class Request:
     parallel_tool_calls: bool = True  # false: the first call alone is answered, as vLLM filters them
     # completions: the reply begins with the prompt's text, and with logprobs its tokens' (decoding's prompt_logprobs)
     echo: bool = False
+    # completions sent several prompts: each is `prompt` of a request of its own, answered as a choice each (vLLM's)
+    batch: list | None = None
 
 
 def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser: str | None = None) -> Request:
@@ -291,7 +293,12 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
                        "max_tokens")
     if echo and ("logprobs" in decoding or max_tokens == 0):  # max_tokens 0: the runtime's scoring, shown or not
         decoding["prompt_logprobs"] = decoding.get("logprobs", 0)
-    return Request(COMPLETIONS, _one_prompt(body), None, max_tokens, decoding, stream, include_usage, echo=echo)
+    prompts = _prompts(body)
+    if len(prompts) > 1 and stream:
+        raise ApiError(400, f"prompt holds {len(prompts)} prompts, and this server streams one a request: send each in a "
+                            "request of its own, or these unstreamed", "prompt")
+    return Request(COMPLETIONS, prompts[0] if len(prompts) == 1 else None, None, max_tokens, decoding, stream,
+                   include_usage, echo=echo, batch=prompts if len(prompts) > 1 else None)
 
 
 def _default_only(body: dict) -> None:
@@ -378,19 +385,15 @@ def _neutral(name: str, value) -> bool:
     return value in (None, "", [], {})
 
 
-def _one_prompt(body: dict):
-    """Text or token ids; a list holding one of those is the same prompt (one prompt per request)."""
+def _prompts(body: dict) -> list:
+    """The prompts, each text or token ids: `prompt` is one of those or a list of them (a batch, as lm-evaluation-harness
+    sends batch_size of them), as OpenAI's and vLLM's APIs take it."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        # vLLM answers a batch with a choice each, and lm-evaluation-harness sends batch_size of them a request
-        raise ApiError(400, f"prompt holds {len(prompt)} prompts, and this server answers one a request: send each in "
-                            "a request of its own, side by side (lm-evaluation-harness: batch_size=1, num_concurrent=N)",
-                       "prompt")
-    if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt)):
-        raise ApiError(400, "prompt must be a string or a list of token ids, one prompt per request", "prompt")
-    return prompt
+    prompts = prompt if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt) else [prompt]
+    if not all(isinstance(p, str) or (isinstance(p, list) and not any(isinstance(t, (str, list)) for t in p))
+               for p in prompts):
+        raise ApiError(400, "prompt must be a string or a list of token ids, or a list of those", "prompt")
+    return prompts
 
 
 def _flag(body: dict, name: str, param: str | None = None, default: bool = False) -> bool:
@@ -481,6 +484,16 @@ class Reply:
 
     def whole(self, text: str, stats: Stats, records: Sequence[TokenLogprobs] = (), unscored: Sequence[int] = ()) -> dict:
         """unscored: see Logprobs.of."""
+        return self.batch([(text, stats, records, unscored)])
+
+    def batch(self, answers: Sequence[tuple[str, Stats, Sequence[TokenLogprobs], Sequence[int]]]) -> dict:
+        """The response to several prompts (completions): a choice each, by index, and the usage of them all, as vLLM's;
+        each answer as `whole` takes it."""
+        choices = [self._choice(index, *answer) for index, answer in enumerate(answers)]
+        return {**self._head("chat.completion" if self.endpoint == CHAT else "text_completion"),
+                "choices": choices, "usage": usage(*(stats for _, stats, _, _ in answers))}
+
+    def _choice(self, index: int, text: str, stats: Stats, records: Sequence[TokenLogprobs], unscored: Sequence[int]) -> dict:
         finish = FINISH_REASONS[stats.finish_reason]
         logprobs = self.logprobs.of(records, unscored=unscored) if self.logprobs else None
         if self.endpoint == CHAT:
@@ -490,11 +503,8 @@ class Reply:
                 message = {"role": "assistant", "content": content,
                            **({TOOL_CALLS: calls[:self.most_calls]} if calls else {})}
                 finish = TOOL_CALLS if calls else finish
-            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        return {**self._head("chat.completion" if self.endpoint == CHAT else "text_completion"),
-                "choices": [choice], "usage": usage(stats)}
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     def chunk(self, text: str | None = None, stats: Stats | None = None, first: bool = False,
               called: bool = False, records: Sequence[TokenLogprobs] = (), unscored: Sequence[int] = ()) -> dict:
@@ -531,11 +541,12 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
 
-def usage(stats: Stats) -> dict:
-    """OpenAI's usage; prompt_tokens_details.cached_tokens as OpenAI and vLLM report a prompt's cached prefix."""
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens}}
+def usage(*stats: Stats) -> dict:
+    """OpenAI's usage of one request's prompts; prompt_tokens_details.cached_tokens as OpenAI and vLLM report a prompt's
+    cached prefix."""
+    prompt, generated = sum(s.prompt_tokens for s in stats), sum(s.generated_tokens for s in stats)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
+            "prompt_tokens_details": {"cached_tokens": sum(s.cached_prompt_tokens for s in stats)}}
 
 
 # Characters str.splitlines() breaks at that JSON leaves raw: clients that read events with it (httpx's
