@@ -127,3 +127,23 @@ def test_the_command_line_synopsis_shows_every_option_of_every_command():
                       and not set(p.opts + p.secondary_opts) & shown.get(name, set())]
                for name, each in cli.commands.items()}
     assert not any(missing.values()), missing
+
+
+def test_the_command_line_synopsis_lists_each_options_choices_as_its_command_takes_them():
+    """A choice list (`--tool-call-parser hermes|...`) is the command's own: the synopsis lacked llama4_pythonic when
+    serve took it."""
+    import click
+
+    from specbuild.cli import cli
+
+    synopsis = README.read_text().split("## The command line")[1].split("```bash")[1].split("```")[0]
+    command, listed = None, 0
+    for line in filter(str.strip, synopsis.splitlines()):
+        if started := re.match(r"\s*specbuild (\w+)", line):
+            command = cli.commands[started[1]]
+        for flag, choices in re.findall(r"(--[a-z-]+) ([a-z0-9_-]+(?:\|[a-z0-9_-]+)+)(?![\w|])", line.partition("   #")[0]):
+            param = next(p for p in command.params if flag in p.opts)
+            assert isinstance(param.type, click.Choice), (command.name, flag)
+            assert set(choices.split("|")) == set(param.type.choices), (command.name, flag, choices)
+            listed += 1
+    assert listed >= 7  # --quantize, --precision, --backend, --device, --loss, --generation-config, --tool-call-parser
