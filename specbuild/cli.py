@@ -225,8 +225,8 @@ def cli(debug: bool) -> None:
               help="Print the written bundle's manifest as JSON (what inspect --json prints) instead of the summary. "
                    "How to print, not a build setting: no recipe key.")
 def compile_cmd(recipe, as_json, **options) -> None:
-    """Build an engine bundle: both models as ONNX (greedy verification inside the target's graph), and/or
-    as TensorRT-LLM checkpoints with the plans to build and serve them."""
+    """Build an engine bundle: both models as ONNX (the drafts' verification, greedy or sampled, inside the
+    target's graph), and/or as TensorRT-LLM checkpoints with the plans to build and serve them."""
     from .compile import compile_bundle
     from .errors import MissingSettingsError
     from .recipe import resolve_settings

@@ -184,7 +184,7 @@ class Manifest:
     tensorrt_llm: TensorRTLLMPart | None = None
     sampler_file: str = ""  # SAMPLER with ONNX engines ("" in bundles made before it)
     # The sampling fields the target's generation_config.json sets, as written ({"temperature": 0.6, ...}; {}
-    # for none): `serve` takes temperature, top_p and top_k from it for requests that omit them, as vLLM does.
+    # for none): `serve` takes temperature, top_p, top_k and min_p from it for requests that omit them, as vLLM does.
     # None in bundles made before it.
     generation_config: dict | None = None
     # The longest max_seq_len compile accepts for this pair (the models' positions, a LongRoPE target's original

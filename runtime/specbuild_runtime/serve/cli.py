@@ -125,7 +125,8 @@ class InterruptibleCommand(Interruptible, click.Command):
                    "shared. --max-num-seqs is vLLM's name for it.")
 @threads_option("cores (those a container's CPU limit grants, where fewer) / --parallel, at least 1")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
-              help="Requests that may wait for a slot or for their check (tokenizing); more get 429 with Retry-After.")
+              help="Requests that may wait for a slot or for their check (tokenizing), a batch's prompts each one; more "
+                   "get 429 with Retry-After, and a batch of over --parallel + this many prompts a 400.")
 @click.option("--timeout", type=Finite(min=0), default=600.0, show_default=True,
               help="Seconds a request may take from arrival to its last token (0 = no limit).")
 @click.option("--shutdown-timeout", type=Finite(min=0), default=30.0, show_default=True,
