@@ -346,8 +346,8 @@ def test_a_batch_of_prompts_gets_a_choice_each_as_its_own_request_would_with_the
 
 
 def test_a_batch_is_refused_whole_naming_the_prompt_that_is_wrong_and_frees_what_it_queued(server):
-    for prompts, message in (([PROMPTS[0], [10 ** 6]], "prompt 1 of 2: prompt token id 1000000"),
-                             ([PROMPTS[0], "def f(x):\n" * 200], "prompt 1 of 2: the prompt has"),
+    for prompts, message in (([PROMPTS[0], [10 ** 6]], "prompt 2 of 2 (index 1): prompt token id 1000000"),
+                             ([PROMPTS[0], "def f(x):\n" * 200], "prompt 2 of 2 (index 1): the prompt has"),
                              (["x"] * 37, "prompt holds 37 prompts, more than this server takes at once "
                                           "(--parallel + --max-queue: 36); send fewer a request"),
                              (["x", "y"], "prompt holds 2 prompts, and this server streams one a request")):

@@ -161,8 +161,10 @@ class Server:
                 try:
                     jobs.append(await self._submitted_unless_gone(http, one))
                 except ApiError as error:
+                    # counted from 1, as verify and bench count prompts (a reader takes "1 of 2" for the first),
+                    # with the index its choice would have had
                     if request.batch and error.param == "prompt":
-                        error.message = f"prompt {index} of {len(requests)}: {error.message}"
+                        error.message = f"prompt {index + 1} of {len(requests)} (index {index}): {error.message}"
                     raise
         except Exception as exc:  # a bug among them is answered (500, logged, counted) here, where the connection
             self._stop(jobs)      # stays usable (Starlette's last handler closes it); a batch's prompts queued before
