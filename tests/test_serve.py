@@ -456,7 +456,8 @@ BAD_REQUESTS = [
      "unrecognized stream_options argument: 'inclde'"),
     ("completions", {"prompt": "x", "logprobs": 21}, "logprobs must be from 0 to 20"),
     ("completions", {"prompt": "x", "logprobs": True}, "logprobs must be a whole number"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "'echo' is not supported"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True},
+     "'echo' is not supported by this server; send the rendered prompt to /v1/completions with \"echo\": true"),
     ("completions", {"prompt": "x", "echo": 1}, "echo must be true or false"),
     ("completions", {"prompt": "x", "top_logprobs": 2},
      "unrecognized request argument: 'top_logprobs'; completions ask for the N most probable tokens with \"logprobs\": N"),
@@ -537,7 +538,8 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
                           "tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
      "tools[0].function.parameters must be a JSON Schema object"),
-    ("completions", {"prompt": "x", "tools": [WEATHER]}, "'tools' is not supported"),  # chat alone calls tools
+    ("completions", {"prompt": "x", "tools": [WEATHER]},  # chat alone calls tools
+     "'tools' is not supported by this server; send tools to /v1/chat/completions"),
     ("completions", {"prompt": "x", "ignore_eos": 1}, "ignore_eos must be true or false"),
     ("completions", {"prompt": "x", "stop_token_ids": [0, 10 ** 6]}, "stop_token_ids must be from 0 to"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop_token_ids": "0"},

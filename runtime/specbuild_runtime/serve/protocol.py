@@ -67,12 +67,15 @@ RENDER_ARGUMENTS = {
                     "it is an argument of transformers' tokenization, not a template variable, and this server does "
                     "not take it"),
 }
-# What a field of the other endpoint or of vLLM's server, unknown here, is asked as instead: a client moving between
-# them sends these.
+# What a field of the other endpoint or of vLLM's server, unknown or unsupported here, is asked as instead: a client moving
+# between them sends these.
 INSTEAD = {
     (COMPLETIONS, "top_logprobs"): 'completions ask for the N most probable tokens with "logprobs": N',
     (COMPLETIONS, "prompt_logprobs"): '"echo": true with "logprobs": N gives the prompt\'s logprobs',
     (CHAT, "prompt_logprobs"): 'a prompt\'s logprobs come from /v1/completions with "echo": true and "logprobs": N',
+    (CHAT, "echo"): 'send the rendered prompt to /v1/completions with "echo": true',
+    (COMPLETIONS, "tools"): "send tools to /v1/chat/completions",
+    (COMPLETIONS, "tool_choice"): "send tools and tool_choice to /v1/chat/completions",
 }
 # Values that ask for nothing beyond plain text (clients send them by default): as if absent.
 NEUTRAL = {"tool_choice": ["none"], "response_format": [{"type": "text"}], "modalities": [["text"]],
@@ -236,11 +239,11 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name, value in body.items():
+        instead = f"; {INSTEAD[endpoint, name]}" if (endpoint, name) in INSTEAD else ""
         if name in UNSUPPORTED - FIELDS[endpoint] and not _neutral(name, value):
-            raise ApiError(400, f"'{name}' is not supported by this server", name)
+            raise ApiError(400, f"'{name}' is not supported by this server{instead}", name)
         if name not in FIELDS[endpoint] | IGNORED | UNSUPPORTED:
-            instead = INSTEAD.get((endpoint, name))
-            raise ApiError(400, f"unrecognized request argument: '{name}'" + (f"; {instead}" if instead else ""), name)
+            raise ApiError(400, f"unrecognized request argument: '{name}'{instead}", name)
     if body.get("model") not in (None, model):
         raise unknown_model(body["model"], model)
     if body.get("n") is not None and (type(body["n"]) is not int or body["n"] != 1):
