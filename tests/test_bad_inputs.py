@@ -464,7 +464,7 @@ CASES = [
     Case("a tokenizer only as `tokenizer.model` (sentencepiece), no `tokenizer.json`", compile_args(), 1,
          "only as tokenizer.model", "`pip install sentencepiece` (transformers converts the file with it), or add the "
          "model's `tokenizer.json`.", setup=a_copy_of("target", sentencepiece_only)),
-    Case("target and draft swapped (a draft larger than the target)", compile_args(), 1, "more than the target",
+    Case("target and draft swapped (a draft of over 1.25× the target's parameters)", compile_args(), 1, "more than the target",
          "Give the model whose output you want as `--target` and a smaller one as `--draft`.", setup=a_larger_draft),
     Case("a draft with another tokenizer", compile_args(), 1, "different tokenizers",
          "Use a draft trained with the target's tokenizer (`specbuild distill` makes one).", setup=other_tokenizer),
