@@ -2,7 +2,7 @@
 
 Every failure is one line on stderr starting with "error: ", and the exit status says whose it is:
 0 done; 1 an input, bundle or request is wrong (or `verify` found a divergence); 2 the command line is
-malformed (usage); 3 a bug in specbuild; 130 interrupted (Ctrl-C, or SIGTERM while writing a bundle or
+malformed (usage); 3 a bug in specbuild; 130 interrupted (Ctrl-C, or SIGTERM or SIGHUP while writing a bundle or
 checkpoint). A reader that closes stdout early (`| head`) ends the command quietly with 1 (click's way).
 `specbuild --debug ...` shows the traceback too.
 """
