@@ -1138,9 +1138,11 @@ def test_a_request_waiting_for_its_check_gets_503_at_its_timeout(bundle):
     however long that took. Its check held here past a 1 s timeout."""
     with in_process(bundle, timeout=1.0) as (url, decoder, _):
         decoder.checks.clear()
-        reply = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4}, timeout=30)
-        assert reply.status_code == 503 and "timeout" in reply.json()["error"]["message"]
-        assert reply.headers["Retry-After"] == "1"
+        for echo in (False, True):  # an echo's prompt text was read from the request its check never made: a 500
+            body = {"prompt": PROMPTS[0], "max_tokens": 4, "echo": echo}
+            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            assert reply.status_code == 503 and "timeout" in reply.json()["error"]["message"], (echo, reply.text)
+            assert reply.headers["Retry-After"] == "1"
 
 
 def test_a_request_waiting_for_its_check_is_answered_503_when_the_grace_period_ends(bundle, caplog):

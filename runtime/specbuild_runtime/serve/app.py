@@ -172,8 +172,11 @@ class Server:
         logprobs = "logprobs" in request.decoding
         reply = Reply(endpoint, self.settings.model, self.tool_parser if request.parse_tools else None,
                       request.parallel_tool_calls, Logprobs(endpoint, self.decoder.tokenizer) if logprobs else None)
+        # A job stopped while it waited for its check (--timeout, the drain's cut) has no request, and no echo: its
+        # iteration raises the Stopped that answers it.
         echoes = [Echo(self._prompt_text(one, job.request.prompt_ids), job.request.prompt_ids[:1],
-                       "prompt_logprobs" in request.decoding) if request.echo else None for one, job in zip(requests, jobs)]
+                       "prompt_logprobs" in request.decoding) if request.echo and job.request else None
+                  for one, job in zip(requests, jobs)]
         if request.stream:
             return self._stream(endpoint, jobs[0], reply, request.include_usage, echoes[0])
         try:
