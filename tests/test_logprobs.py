@@ -3,6 +3,7 @@ grouping of rows into calls, and only for requests that ask."""
 
 import asyncio
 import math
+import time
 
 import numpy as np
 import onnx
@@ -222,3 +223,11 @@ def test_streams_refuse_prompt_logprobs_which_generate_gives(bundles):
     for astream in (decoder.astream, decoder.astream_text):  # checked as iteration begins
         with pytest.raises(RequestError, match=refusal):
             asyncio.run(anext(astream("x", prompt_logprobs=1)))
+
+
+def test_a_scored_prompts_time_to_first_token_counts_its_scoring(bundles, tokenizer, monkeypatch):
+    """Scoring is the prompt's processing, which ttft_ms counts for a prompt not scored."""
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    score = decoder._score
+    monkeypatch.setattr(decoder, "_score", lambda *args: time.sleep(0.3) or score(*args))
+    assert decoder.generate(prompt_of(tokenizer, 20), 2, prompt_logprobs=0).stats.ttft_ms >= 300

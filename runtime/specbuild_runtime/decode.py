@@ -550,6 +550,8 @@ class SpeculativeDecoder:
         logits that decided it, computed alike whatever the round (slot.Rows), so γ and the draft change none."""
         sampling = request.sampling
         stats.prompt_tokens = len(request.prompt_ids)
+        clock = time.perf_counter
+        start = clock()  # before scoring, which processes the prompt as the first call does where none is scored
         if scored is not None:
             scored += self._score(slot, request.prompt_ids, request.prompt_logprobs)
             if not request.max_new_tokens:
@@ -568,8 +570,6 @@ class SpeculativeDecoder:
         ids = list(request.prompt_ids)
         stats.accepted_at = [0] * positions
         stats.proposed_at = [0] * positions
-        clock = time.perf_counter
-        start = clock()
         not_finite = self.manifest.engines["target"].not_finite_token
         # Cache lengths: the target holds ids[:-1] after each round; the draft lags and catches up. Each starts
         # where the prompt leaves what the slot's cache holds (its target calls still re-feed what Rows asks for).
