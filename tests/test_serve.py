@@ -345,6 +345,73 @@ def test_a_batch_of_prompts_gets_a_choice_each_as_its_own_request_would_with_the
             assert batch["usage"][key] == sum(a["usage"][key] for a in alone)
 
 
+def test_tokenize_gives_the_ids_a_completion_decodes_and_detokenize_their_text_as_vllms(server, bundle):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(bundle / "tokenizer")
+    prompt = PROMPTS[1]
+    reply = httpx.post(f"{server}/tokenize", json={"model": MODEL, "prompt": prompt, "return_token_strs": True}).json()
+    ids = hf(prompt)["input_ids"]
+    assert reply == {"count": len(ids), "max_model_len": MAX_SEQ_LEN, "tokens": ids,
+                     "token_strs": hf.convert_ids_to_tokens(ids)}
+    completion = httpx.post(f"{server}/v1/completions", json={"prompt": prompt, "max_tokens": 1, **GREEDY}).json()
+    assert completion["usage"]["prompt_tokens"] == reply["count"]
+    # lm-evaluation-harness's remote tokenizer: no special tokens, then its ids back to text
+    bare = httpx.post(f"{server}/tokenize", json={"prompt": "test", "add_special_tokens": False}).json()
+    assert bare["tokens"] == hf("test", add_special_tokens=False)["input_ids"] and bare["token_strs"] is None
+    with_eos = ids + [hf.eos_token_id]
+    assert httpx.post(f"{server}/detokenize", json={"tokens": with_eos}).json() == {
+        "prompt": hf.decode(with_eos, skip_special_tokens=False)}
+
+
+def test_tokenize_renders_messages_as_a_chat_completion_does(server, bundle):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(bundle / "tokenizer")
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    reply = httpx.post(f"{server}/tokenize", json={"messages": messages}).json()
+    assert reply["tokens"] == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
+    chat = httpx.post(f"{server}/v1/chat/completions", json={"messages": messages, "max_tokens": 1, **GREEDY}).json()
+    assert chat["usage"]["prompt_tokens"] == reply["count"]
+    prefill = httpx.post(f"{server}/tokenize", json={"messages": messages, "add_generation_prompt": False,
+                                                     "continue_final_message": True}).json()
+    assert hf.decode(prefill["tokens"], skip_special_tokens=False).endswith("def add(a, b):")
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
+    ("/tokenize", {"prompt": ["x"]}, "prompt"),
+    ("/tokenize", {"prompt": "x", "add_generation_prompt": True}, "add_generation_prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ x }}"}, "chat_template"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True,
+                   "continue_final_message": True}, "continue_final_message"),
+    ("/detokenize", {"tokens": [1, 10 ** 9]}, "tokens"),
+    ("/detokenize", {"tokens": "1 2"}, "tokens"),
+    ("/detokenize", {"tokens": [1], "model": "other"}, "model"),
+])
+def test_tokenize_and_detokenize_refuse_what_they_cannot_read_with_a_400_naming_it(server, path, body, param):
+    reply = httpx.post(f"{server}{path}", json=body)
+    assert reply.status_code == (404 if param == "model" else 400) and reply.json()["error"]["param"] == param
+
+
+def test_tokenizer_info_answers_only_when_enabled_and_lm_evals_remote_tokenizer_finds_what_it_reads(bundle):
+    """lm-evaluation-harness 0.4.13's local-completions (tokenizer_backend auto) uses the server's tokenizer where
+    /tokenizer_info has an eos_token and /tokenize answers tokens; it reads bos/eos/pad tokens and the chat template."""
+    with in_process(bundle) as (url, decoder, _):
+        off = httpx.get(f"{url}/tokenizer_info")
+        assert off.status_code == 404 and "--enable-tokenizer-info-endpoint" in off.json()["error"]["message"]
+    with in_process(bundle, tokenizer_info=True, api_key="s3cret") as (url, decoder, _):
+        for path in ("/tokenizer_info", "/tokenize", "/detokenize"):  # the key guards them, as the /v1 routes
+            assert httpx.request("GET" if path == "/tokenizer_info" else "POST", f"{url}{path}").status_code == 401
+        key = {"Authorization": "Bearer s3cret"}
+        info = httpx.get(f"{url}/tokenizer_info", headers=key).json()
+        assert info["eos_token"] == info["bos_token"] == "<|endoftext|>" and info["chat_template"] == CHAT_TEMPLATE
+        assert info["tokenizer_class"] == "PreTrainedTokenizerFast"
+        tokens = httpx.post(f"{url}/tokenize", json={"prompt": "test", "add_special_tokens": False}, headers=key).json()
+        assert isinstance(tokens["tokens"], list) and tokens["tokens"]
+
+
 def test_a_batch_is_refused_whole_naming_the_prompt_that_is_wrong_and_frees_what_it_queued(server):
     for prompts, message in (([PROMPTS[0], [10 ** 6]], "prompt 2 of 2 (index 1): prompt token id 1000000"),
                              ([PROMPTS[0], "def f(x):\n" * 200], "prompt 2 of 2 (index 1): the prompt has"),

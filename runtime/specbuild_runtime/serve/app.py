@@ -29,7 +29,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Match, Route
 
 from ..errors import BundleError, DeviceError, RequestError
-from ..manifest import TOKENIZER_DIR
+from ..decode import encode_ids
+from ..manifest import TOKENIZER_DIR, read_tokenizer_config
 from ..validation import Request
 from . import protocol
 from .chat import ChatRequestError, SuppliedTemplate, load_chat_template
@@ -63,6 +64,7 @@ class Settings:
     allowed_origins: tuple[str, ...] = ()  # origins whose web pages may call the API from a browser (CORS); "*": any
     chat_template: SuppliedTemplate | None = None  # rendered in place of the bundle's (--chat-template)
     tool_call_parser: str | None = None  # how chat replies' tool calls are parsed (--tool-call-parser); None: not
+    tokenizer_info: bool = False  # GET /tokenizer_info answers (--enable-tokenizer-info-endpoint, off as in vLLM)
 
 
 class Server:
@@ -83,6 +85,9 @@ class Server:
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/models", self.models),
                 Route("/v1/models/{model:path}", self.model),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"]),
+                Route("/tokenizer_info", self.tokenizer_info),
                 Route("/health", self.health),
                 Route("/metrics", self.metrics_page),
             ],
@@ -138,6 +143,54 @@ class Server:
     def _model_card(self) -> dict:
         return {"id": self.settings.model, "object": "model", "created": 0, "owned_by": "specbuild",
                 "max_model_len": self.decoder.max_seq_len}
+
+    async def tokenize(self, http: HttpRequest) -> Response:
+        """vLLM's /tokenize: a prompt's or a chat's token ids, as a completion or chat completion would decode them."""
+        try:
+            request = protocol.parse_tokenize(await self._body_unless_cut(http), self.settings.model)
+            tokens = await self.scheduler.run_check(partial(self._tokens, request))
+        except Exception as exc:
+            return self._refuse(TOKENIZE, exc)
+        self.metrics.outcome(TOKENIZE, "ok")
+        strings = [self.decoder.tokenizer.id_to_token(token) for token in tokens] if request.token_strs else None
+        return JSONResponse({"count": len(tokens), "max_model_len": self.decoder.max_seq_len, "tokens": tokens,
+                             "token_strs": strings})
+
+    def _tokens(self, request: protocol.Tokenize) -> list[int]:
+        if request.messages is None:
+            return encode_ids(self.decoder.tokenizer, request.prompt, request.add_special_tokens)
+        if self.chat_template is None:
+            raise ApiError(400, "this model's bundle has no chat template (its tokenizer has none), and the server was "
+                                "started without --chat-template: tokenize a prompt instead", "messages")
+        try:
+            text = self.chat_template.render(request.messages, **request.chat)
+        except RequestError as exc:
+            raise ApiError(400, str(exc), exc.param if isinstance(exc, ChatRequestError) else "messages") from None
+        return encode_ids(self.decoder.tokenizer, text, request.add_special_tokens)
+
+    async def detokenize(self, http: HttpRequest) -> Response:
+        """vLLM's /detokenize: the text of token ids, special tokens as written (as an echoed prompt's)."""
+        try:
+            tokens = protocol.parse_detokenize(await self._body_unless_cut(http), self.settings.model,
+                                               self.decoder.vocab_size)
+            text = await self.scheduler.run_check(partial(self.decoder.tokenizer.decode, tokens, skip_special_tokens=False))
+        except Exception as exc:
+            return self._refuse(DETOKENIZE, exc)
+        self.metrics.outcome(DETOKENIZE, "ok")
+        return JSONResponse({"prompt": text})
+
+    async def tokenizer_info(self, request: HttpRequest) -> Response:
+        """vLLM's /tokenizer_info: the bundle's tokenizer_config.json, special tokens as their text, with the chat
+        template the server renders; lm-evaluation-harness's remote tokenizer reads its special tokens there."""
+        if not self.settings.tokenizer_info:  # vLLM's default too: the template may be the operator's own
+            return JSONResponse(ApiError(404, "GET /tokenizer_info is off: start the server with "
+                                              "--enable-tokenizer-info-endpoint, as vLLM's").body(), 404)
+        config = read_tokenizer_config(self.decoder.root / TOKENIZER_DIR)
+        info = {name: _token_texts(value) for name, value in config.items() if name not in ("vocab_file", "merges_file")}
+        info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        if self.chat_template is not None:
+            info["chat_template"] = self.chat_template.source
+        return JSONResponse(info)
 
     async def health(self, request: HttpRequest) -> Response:
         if self.scheduler.draining:
@@ -395,14 +448,15 @@ class Cors(CORSMiddleware):
 
 
 class RequireApiKey:
-    """401 for a /v1 request without "Authorization: Bearer KEY", as vLLM's --api-key answers it; /health and
-    /metrics stay open to probes and scrapers."""
+    """401 for a /v1 or tokenizer request without "Authorization: Bearer KEY", as vLLM's --api-key answers a /v1 one;
+    /health and /metrics stay open to probes and scrapers. vLLM leaves /tokenize open, whose work (rendering a chat,
+    tokenizing up to a body's limit) takes the checking thread every request waits for."""
 
     def __init__(self, app, key: str):
         self.app, self.expected = app, key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in TOKENIZER_PATHS):
             given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
             scheme, _, token = given.partition(b" ")
             # The scheme in any case (RFC 6750); the key in constant time: none guessed byte by byte.
@@ -414,6 +468,8 @@ class RequireApiKey:
         await self.app(scope, receive, send)
 
 
+TOKENIZE, DETOKENIZE = "tokenize", "detokenize"  # the endpoints' names in the metrics
+TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 OUTCOMES = {400: "invalid", 404: "invalid", 413: "invalid", 429: "rejected", 503: "shutdown"}
 
 
@@ -550,13 +606,21 @@ class EventStream(StreamingResponse):
                 self.ended()
 
 
+def _token_texts(value):
+    """A tokenizer_config value with its special tokens (AddedToken objects, as saved) as their text, as vLLM gives them."""
+    if isinstance(value, dict):
+        return value["content"] if "content" in value else {key: _token_texts(item) for key, item in value.items()}
+    return [_token_texts(item) for item in value] if isinstance(value, list) else value
+
+
 async def _disconnected(http: HttpRequest) -> None:
     """Returns when the client has gone (the body is read by now, so the next ASGI message is the disconnect)."""
     while (await http.receive())["type"] != "http.disconnect":
         pass
 
 
-ENDPOINTS = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health and GET /metrics"
+ENDPOINTS = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize, POST /detokenize, "
+             "GET /tokenizer_info, GET /health and GET /metrics")
 
 
 async def _http_error(request: HttpRequest, exc: HTTPException) -> Response:

@@ -138,8 +138,8 @@ class InterruptibleCommand(Interruptible, click.Command):
               help="The model name clients send and /v1/models lists; --served-model-name is vLLM's name for it (one "
                    "name here).  [default: the bundle folder's name]")
 @click.option("--api-key", envvar="SPECBUILD_API_KEY", callback=lambda ctx, param, value: _api_key(value),
-              help="Require this key on /v1 routes ('Authorization: Bearer KEY', the openai client's api_key); "
-                   "/health and /metrics stay open.  [default: $SPECBUILD_API_KEY, else none]")
+              help="Require this key on /v1 routes and the tokenizer's ('Authorization: Bearer KEY', the openai "
+                   "client's api_key); /health and /metrics stay open.  [default: $SPECBUILD_API_KEY, else none]")
 @click.option("--allowed-origins", multiple=True, metavar="ORIGIN", callback=lambda ctx, param, value: _origins(value),
               help="Let web pages from this origin (e.g. http://localhost:3000) call the API from a browser (CORS); repeat "
                    "it for more, or give vLLM's JSON list; '*': any page.  [default: none]")
@@ -164,10 +164,15 @@ class InterruptibleCommand(Interruptible, click.Command):
 @click.option("--enable-auto-tool-choice", is_flag=True,
               help="vLLM's switch for tool_choice \"auto\", which --tool-call-parser turns on here: accepted so that "
                    "vLLM's command line runs unchanged, and refused without --tool-call-parser, as vLLM refuses it.")
+@click.option("--enable-tokenizer-info-endpoint", is_flag=True,
+              help="Answer GET /tokenizer_info (the tokenizer's config and the chat template, which lm-evaluation-harness "
+                   "reads to tokenize through the server), as vLLM's switch does; off, it is a 404.")
 def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel, threads, max_queue, timeout,
                   shutdown_timeout, max_connections, model_name, api_key, allowed_origins, check_digests,
-                  generation_config, chat_template, tool_call_parser, enable_auto_tool_choice) -> None:
-    """Serve a bundle over the OpenAI HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+                  generation_config, chat_template, tool_call_parser, enable_auto_tool_choice,
+                  enable_tokenizer_info_endpoint) -> None:
+    """Serve a bundle over the OpenAI HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /tokenize,
+    /detokenize, /health, /metrics."""
     if enable_auto_tool_choice and tool_call_parser is None:  # it would turn on nothing: a parser left out by mistake
         raise click.UsageError(f"--enable-auto-tool-choice needs --tool-call-parser ({'|'.join(PARSERS)}), as in vLLM")
     from ..decode import SpeculativeDecoder, graphs_by_default
@@ -195,7 +200,8 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
     settings = Settings(model=model_name or Path(bundle).resolve().name, max_queue=max_queue,
                         timeout=timeout or None, shutdown_timeout=shutdown_timeout, max_connections=max_connections,
                         api_key=api_key, generation_config=generation_config, allowed_origins=allowed_origins,
-                        chat_template=chat_template, tool_call_parser=tool_call_parser)
+                        chat_template=chat_template, tool_call_parser=tool_call_parser,
+                        tokenizer_info=enable_tokenizer_info_endpoint)
     server = Server(decoder, settings)
     if cuda_graphs is None and parallel > 1 and decoder.device == "cuda" and graphs_by_default(decoder.manifest, "cuda"):
         click.echo(f"CUDA graphs off with {parallel} slots: captured calls would take turns across them "

@@ -43,6 +43,9 @@ FIELDS = {
            "continue_final_message", "tools", "tool_choice"},
 }
 STREAM_OPTIONS = {"include_usage"}
+# /tokenize's fields for chat messages besides model, add_special_tokens and return_token_strs (vLLM's, less the
+# multimodal ones and chat_template, which vLLM takes only from a server that trusts requests' templates)
+TOKENIZE_CHAT = ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
 # Bookkeeping that does not change the output; safety_identifier and prompt_cache_key are what the openai
 # client tells users of `user`, which it deprecates, to send instead.
 IGNORED = {"user", "safety_identifier", "prompt_cache_key", "metadata", "store"}
@@ -227,17 +230,7 @@ class Request:
 
 def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser: str | None = None) -> Request:
     """The request `raw` as this server decodes it; `tool_parser` is serve's --tool-call-parser (None: none)."""
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
-    except ValueError:  # int() refuses a literal longer than Python's limit (sys.get_int_max_str_digits)
-        raise ApiError(400, f"the request body holds a number of more than {sys.get_int_max_str_digits()} digits, "
-                            "far beyond what any field takes; send a smaller number") from None
-    except RecursionError:
-        raise ApiError(400, "the request body nests JSON too deeply; send a flatter body") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+    body = _json_object(raw)
     for name, value in body.items():
         instead = f"; {INSTEAD[endpoint, name]}" if (endpoint, name) in INSTEAD else ""
         if name in UNSUPPORTED - FIELDS[endpoint] and not _neutral(name, value):
@@ -302,6 +295,82 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
                             "request of its own, or these unstreamed", "prompt")
     return Request(COMPLETIONS, prompts[0] if len(prompts) == 1 else None, None, max_tokens, decoding, stream,
                    include_usage, echo=echo, batch=prompts if len(prompts) > 1 else None)
+
+
+def _known_fields(body: dict, fields: set[str], model: str) -> None:
+    """Refuses a field outside `fields` and another model's name."""
+    if unknown := sorted(set(body) - fields):
+        raise ApiError(400, f"unrecognized request argument: '{unknown[0]}'", unknown[0])
+    if body.get("model") not in (None, model):
+        raise unknown_model(body["model"], model)
+
+
+@dataclass(frozen=True)
+class Tokenize:
+    """A /tokenize request, as vLLM's: a prompt (special tokens added unless add_special_tokens is false), or chat
+    messages rendered as a chat completion's (special tokens from the template alone unless it is true)."""
+
+    prompt: str | None
+    messages: list | None
+    add_special_tokens: bool
+    token_strs: bool  # return_token_strs: each token's vocabulary entry too
+    chat: dict = field(default_factory=dict)  # ChatTemplate.render's options, as Request.chat
+
+
+def parse_tokenize(raw: bytes, model: str) -> Tokenize:
+    body = _json_object(raw)
+    chat = "messages" in body
+    fields = {"model", "add_special_tokens", "return_token_strs", *(TOKENIZE_CHAT if chat else ("prompt",))}
+    if chat and "prompt" in body:
+        raise ApiError(400, "send 'prompt' or 'messages', not both", "prompt")
+    if body.get("chat_template") is not None:  # vLLM takes it only from a server started --trust-request-chat-template
+        raise ApiError(400, "a request's chat_template is not taken: the server's is rendered (its --chat-template)",
+                       "chat_template")
+    _known_fields({name: value for name, value in body.items() if name != "chat_template"}, fields, model)
+    add_special_tokens = _flag(body, "add_special_tokens", default=not chat)
+    token_strs = _flag(body, "return_token_strs")
+    if not chat:
+        if not isinstance(body.get("prompt"), str):
+            raise ApiError(400, "prompt must be a string (or send 'messages' to tokenize a chat)", "prompt")
+        return Tokenize(body["prompt"], None, add_special_tokens, token_strs)
+    generation_prompt = _flag(body, "add_generation_prompt", default=True)
+    continue_final = _flag(body, "continue_final_message")
+    if generation_prompt and continue_final:
+        raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true; send "
+                            "\"add_generation_prompt\": false with it", "continue_final_message")
+    try:
+        tools = checked_tools(body.get("tools"))
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "tools") from None
+    return Tokenize(None, body["messages"], add_special_tokens, token_strs,
+                    {"add_generation_prompt": generation_prompt, "continue_final_message": continue_final,
+                     "variables": _template_variables(body, generation_prompt, continue_final), "tools": tools})
+
+
+def parse_detokenize(raw: bytes, model: str, vocab_size: int) -> list[int]:
+    """The token ids of a /detokenize request, each one of the vocabulary's."""
+    body = _json_object(raw)
+    _known_fields(body, {"model", "tokens"}, model)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab_size for t in tokens):
+        raise ApiError(400, f"tokens must be a list of token ids, each from 0 to {vocab_size - 1}", "tokens")
+    return tokens
+
+
+def _json_object(raw: bytes) -> dict:
+    """The request body, a JSON object, or a 400 that says what is wrong with it."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+    except ValueError:  # int() refuses a literal longer than Python's limit (sys.get_int_max_str_digits)
+        raise ApiError(400, f"the request body holds a number of more than {sys.get_int_max_str_digits()} digits, "
+                            "far beyond what any field takes; send a smaller number") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests JSON too deeply; send a flatter body") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
 
 
 def _default_only(body: dict) -> None:

@@ -117,6 +117,13 @@ class Scheduler:
             self._waiting_changed()
         return job
 
+    async def run_check(self, work: Callable[[], object]) -> object:
+        """work() on the checking thread, after the checks before it: tokenizing for /tokenize and /detokenize holds as
+        much memory as a request's check, so it takes turns with them."""
+        if self.draining:
+            raise Unavailable("the server is shutting down")
+        return await asyncio.get_running_loop().run_in_executor(self._checker, work)
+
     def stop(self, job: Job, reason: str) -> None:
         """Stop a job that has not finished: its iterator raises Stopped(reason); a running one frees its slot
         after the token it is decoding. A no-op for a job already stopped or finished."""
