@@ -472,6 +472,23 @@ def test_stop_strings_cut_the_text_and_finish_with_stop(client, reference):
     assert "".join(c.choices[0].text for c in streamed) == expected.text
 
 
+def test_stop_reason_is_the_stop_string_or_stop_token_id_that_ended_the_reply_else_null_as_vllms(server, reference):
+    free = reference.generate(PROMPTS[0], max_new_tokens=30, temperature=0)
+    stop = free.text[10:13]
+    for endpoint, prompt in (("completions", {"prompt": PROMPTS[0]}),
+                             ("chat/completions", {"messages": [{"role": "user", "content": "def add(a, b):"}]})):
+        if endpoint != "completions":  # the chat's own reply, for its stop string and token
+            free = reference.generate(httpx.post(f"{server}/tokenize", json=prompt).json()["tokens"], 30, temperature=0)
+            stop = free.text[10:13]
+        for options, reason in (({"stop": ["\x00", stop]}, stop), ({"stop_token_ids": [free.token_ids[9], free.token_ids[6]]},
+                                                                  free.token_ids[6]), ({}, None)):
+            body = {**prompt, "max_tokens": 30, "temperature": 0, **options}
+            whole = httpx.post(f"{server}/v1/{endpoint}", json=body).json()["choices"][0]
+            assert (whole["finish_reason"], whole["stop_reason"]) == ("length" if reason is None else "stop", reason)
+            chunks = stream_events(server, endpoint, body)
+            assert [c["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [reason]
+
+
 def sixteen_clients_at_once(url: str, reference, timeout: float | None = None) -> tuple[list[str], list[str]]:
     """(what 16 concurrent clients got, what each would get decoding alone): greedy and sampled, streamed or not.
     timeout: seconds for each request (the openai client's own default: 600)."""

@@ -80,6 +80,7 @@ class Stats:
     # "eos", "stop" (a stop string), "stop_token" (one of stop_token_ids), "max_new_tokens", "context", or "abort"
     # (closed before)
     finish_reason: str = ""
+    stop_reason: str | int | None = None  # what ended it, as vLLM's: the stop string or stop token id; None otherwise
 
     def record_round(self, drafted: int, accepted: int, draft_seconds: float, target_seconds: float) -> None:
         self.rounds += 1
@@ -514,7 +515,7 @@ class SpeculativeDecoder:
                     if text is not None and not _leaves_out_last(request, stats):
                         text.push(token)
                         if text.stopped:
-                            stats.finish_reason = "stop"
+                            stats.finish_reason, stats.stop_reason = "stop", text.stop_string
                     yield token
                     self.slots.claim(slot)  # the thread that resumed the stream is now the one that can finish it
                     if stats.finish_reason == "stop":
@@ -600,7 +601,7 @@ class SpeculativeDecoder:
                 if token in self.eos_token_ids and not request.ignore_eos:
                     stats.finish_reason = "eos"
                 elif token in request.stop_token_ids:
-                    stats.finish_reason = "stop_token"
+                    stats.finish_reason, stats.stop_reason = "stop_token", token
                 elif stats.generated_tokens >= max_new_tokens:
                     stats.finish_reason = "max_new_tokens"
                 elif len(ids) > max_len:  # only a round's last token gets here: rounds draft within the room left
@@ -795,5 +796,5 @@ def _finish(text: TextStream, stats: Stats) -> str:
     """The stream's rest; its last bytes may have completed a stop string, which ends the request as "stop"."""
     rest = text.finish()
     if text.stopped:
-        stats.finish_reason = "stop"
+        stats.finish_reason, stats.stop_reason = "stop", text.stop_string
     return rest

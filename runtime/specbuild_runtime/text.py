@@ -54,6 +54,7 @@ class TextStream:
         self._ids = context  # the prompt's last tokens, then the generated ones
         self.text = ""
         self.stopped = False  # a stop string was found: text ends before it, push() no longer adds
+        self.stop_string: str | None = None  # the stop string found (the earliest)
         self.finished = False  # no token will follow: nothing is held back any more
         self._window = 0  # _ids[_window:] are decoded together, so a character split across tokens decodes whole
         self._read = len(context)  # _ids[:_read] are in text (or the prompt's)
@@ -114,9 +115,10 @@ class TextStream:
         """If text (self.text and more) holds a stop string that self.text did not, end the text before the
         earliest one (after it, where include_stop) and stop."""
         searched = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
-        cuts = [(i, len(s) * self.include_stop) for i, s in ((text.find(s, searched), s) for s in self.stop) if i >= 0]
+        cuts = [(i, len(s) * self.include_stop, s) for i, s in ((text.find(s, searched), s) for s in self.stop) if i >= 0]
         if cuts:
-            self.text = text[:sum(min(cuts))]
+            at, kept, self.stop_string = min(cuts)
+            self.text = text[:at + kept]
             self.stopped = True
         return self.stopped
 

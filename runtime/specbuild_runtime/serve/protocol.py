@@ -575,8 +575,9 @@ class Reply:
                 message = {"role": "assistant", "content": content,
                            **({TOOL_CALLS: calls[:self.most_calls]} if calls else {})}
                 finish = TOOL_CALLS if calls else finish
-            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish,
+                    "stop_reason": stats.stop_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stats.stop_reason}
 
     def chunk(self, text: str | None = None, stats: Stats | None = None, first: bool = False,
               called: bool = False, records: Sequence[TokenLogprobs] = (), unscored: Sequence[int] = ()) -> dict:
@@ -584,13 +585,14 @@ class Reply:
         Logprobs.of); with `stats`, the closing chunk that carries the finish reason ("tool_calls" where `called`: tool
         calls were sent)."""
         finish = (TOOL_CALLS if called else FINISH_REASONS[stats.finish_reason]) if stats else None
+        stop_reason = stats.stop_reason if stats else None
         logprobs = self.logprobs.of(records, self.sent, unscored) if self.logprobs and not first else None
         if self.endpoint == CHAT:
             delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         self.sent += len(text or "")
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
     def tool_calls_chunk(self, calls: list[dict]) -> dict | None:
@@ -602,7 +604,7 @@ class Reply:
             return None
         delta = {TOOL_CALLS: [{"index": first + offset, **call} for offset, call in enumerate(kept)]}
         return {**self._head("chat.completion.chunk"),
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None, "stop_reason": None}]}
 
     def usage_chunk(self, stats: Stats) -> dict:
         """stream_options.include_usage: a last chunk with no choices and the usage."""
