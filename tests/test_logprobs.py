@@ -3,6 +3,7 @@ grouping of rows into calls, and only for requests that ask."""
 
 import asyncio
 import math
+import threading
 import time
 
 import numpy as np
@@ -206,6 +207,28 @@ def test_a_prompt_scores_the_bits_its_tokens_get_generated_and_generation_after_
         assert scored.token_ids == plain.token_ids and scored.logprobs == plain.logprobs
         again = decoder.generate(ids + plain.token_ids, 0, prompt_logprobs=2)
         assert again.prompt_logprobs[len(ids):] == plain.logprobs, prompt
+
+
+def test_a_halt_stops_scoring_a_long_prompt_before_its_next_call(bundles, tokenizer, monkeypatch):
+    """A prompt's scoring is many target calls before its first token: a consumer's stop (the async API's cancel, the
+    server's client gone or deadline) is seen between them, as between tokens, and the slot comes back."""
+    from specbuild_runtime.slot import EngineSlot
+
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    ids = prompt_of(tokenizer, min(decoder.max_seq_len, 3 * SCORED_ROWS + 1))
+    halt, calls, step = threading.Event(), [], EngineSlot.step
+
+    def halting_in_the_first_call(slot, *args, **kwargs):
+        calls.append(args)
+        halt.set()  # as a relay's stop does, from another thread, while the call computes
+        return step(slot, *args, **kwargs)
+
+    monkeypatch.setattr(EngineSlot, "step", halting_in_the_first_call)
+    with pytest.raises(RequestError, match="stopped while its prompt was scored"):
+        list(decoder.stream_request(decoder.request(ids, 0, prompt_logprobs=1), Stats(), halt=halt))
+    assert len(calls) == 1
+    monkeypatch.undo()
+    assert len(decoder.generate(ids, 0, prompt_logprobs=1).prompt_logprobs) == len(ids)  # its slot is back
 
 
 def test_max_new_tokens_0_is_refused_without_prompt_logprobs(bundles):

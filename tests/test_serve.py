@@ -1108,10 +1108,10 @@ class PausingDecoder:
         self.checks.wait()
         return self._decoder.request(*args, **kwargs)
 
-    def stream_request(self, request, stats, every_token=False):
+    def stream_request(self, request, stats, every_token=False, halt=None):
         index = len(self.deltas)
         self.deltas.append(0)
-        for delta in self._decoder.stream_request(request, stats, every_token):
+        for delta in self._decoder.stream_request(request, stats, every_token, halt):
             self.deltas[index] += 1
             yield delta
             if self.deltas[index] == 1:
@@ -1125,8 +1125,8 @@ class ScriptedDecoder(PausingDecoder):
 
     pieces: list[str] = []
 
-    def stream_request(self, request, stats, every_token=False):
-        for _ in super().stream_request(request, stats, every_token):
+    def stream_request(self, request, stats, every_token=False, halt=None):
+        for _ in super().stream_request(request, stats, every_token, halt):
             pass
         yield from self.pieces
 
@@ -1296,6 +1296,40 @@ def test_a_client_that_leaves_frees_its_slot_for_the_next_request(bundle, refere
         after = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0},
                            timeout=60)
         assert after.json()["choices"][0]["text"] == expected
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_client_that_leaves_while_its_long_prompt_is_scored_stops_it_before_the_next_call(bundle, tokenizer, stream,
+                                                                                           monkeypatch):
+    """echo with logprobs scores the prompt in calls of up to 64 tokens, all before the first token: the server's stop
+    came only after the last of them."""
+    from specbuild_runtime.slot import EngineSlot
+
+    calls, scoring, go_on, step = [], threading.Semaphore(0), threading.Event(), EngineSlot.step
+
+    def held_first_call(slot, *args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            scoring.release()
+            go_on.wait(60)
+        return step(slot, *args, **kwargs)
+
+    ids = tokenizer("\n".join(PROMPTS * 20))["input_ids"][:MAX_SEQ_LEN - 1]  # 4 calls' worth
+    cancelled = ("specbuild_requests_total", (("endpoint", "completions"), ("outcome", "cancelled")))
+    with in_process(bundle) as (url, decoder, _):
+        monkeypatch.setattr(EngineSlot, "step", held_first_call)
+        with raw_post(url, "/v1/completions", {"prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 1,
+                                               "stream": stream, **GREEDY}):
+            assert scoring.acquire(timeout=60)
+        wait_until(lambda: metric_values(url).get(cancelled) == 1, "the server saw the client leave")
+        go_on.set()
+        wait_until(lambda: metric_values(url)[("specbuild_slots_busy", ())] == 0, "the slot was freed")
+        assert len(calls) == 1
+        monkeypatch.undo()
+        decoder.go.set()
+        after = httpx.post(f"{url}/v1/completions", json={"prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 1,
+                                                          **GREEDY}, timeout=60)
+        assert after.status_code == 200 and len(after.json()["choices"][0]["logprobs"]["tokens"]) == len(ids) + 1
 
 
 def test_a_client_that_leaves_a_batch_stops_every_prompt_of_it_decoding_or_queued(bundle, reference):
@@ -2392,10 +2426,10 @@ class ScriptedLogprobsDecoder(ScriptedDecoder):
     """A ScriptedDecoder whose streams, for a request with logprobs, pair each piece with a record of its own (token
     id: the piece's index), as the runtime pairs each token's text with its record."""
 
-    def stream_request(self, request, stats, every_token=False):
+    def stream_request(self, request, stats, every_token=False, halt=None):
         from specbuild_runtime import TokenLogprobs
 
-        for index, piece in enumerate(super().stream_request(request, stats, every_token)):
+        for index, piece in enumerate(super().stream_request(request, stats, every_token, halt)):
             yield piece, (TokenLogprobs(index, -1.0 - index, ()),)
 
 
@@ -2713,8 +2747,8 @@ class HaltingDecoder(ScriptedDecoder):
     resume = threading.Event()
     resumed = False
 
-    def stream_request(self, request, stats, every_token=False):
-        for index, piece in enumerate(super().stream_request(request, stats, every_token)):
+    def stream_request(self, request, stats, every_token=False, halt=None):
+        for index, piece in enumerate(super().stream_request(request, stats, every_token, halt)):
             yield piece
             if index == self.halt_after:
                 self.resume.wait(60)
@@ -2759,9 +2793,9 @@ class RecordingDecoder(ScriptedDecoder):
 
     streamed: list = []
 
-    def stream_request(self, request, stats, every_token=False):
+    def stream_request(self, request, stats, every_token=False, halt=None):
         self.streamed.append(request)
-        yield from super().stream_request(request, stats, every_token)
+        yield from super().stream_request(request, stats, every_token, halt)
 
 
 @pytest.mark.parametrize("parser, reply, content", [("mistral", MISTRAL_LISTING, "Let me look. "),

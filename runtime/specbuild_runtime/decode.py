@@ -507,7 +507,7 @@ class SpeculativeDecoder:
         """The request's tokens; records (logprobs asked for) gets each one's TokenLogprobs before it is yielded, and
         scored (prompt_logprobs asked for) each prompt token's after the first, before the first token."""
         with (self.slots.take(halt, self._cached(request)) as slot,
-              closing(self._speculate(slot, request, stats, records, scored)) as tokens):
+              closing(self._speculate(slot, request, stats, records, scored, halt)) as tokens):
             try:
                 for token in tokens:
                     # An eos (or stop) token is no part of the text, as vLLM and OpenAI leave it out: a tokenizer need
@@ -546,15 +546,17 @@ class SpeculativeDecoder:
         return self._policies[slot.index][not sampling.greedy]
 
     def _speculate(self, slot: Slot, request: Request, stats: Stats, records: list[TokenLogprobs] | None,
-                   scored: list[TokenLogprobs] | None = None) -> Generator[int, None, None]:
+                   scored: list[TokenLogprobs] | None = None,
+                   halt: threading.Event | None = None) -> Generator[int, None, None]:
         """The speculative loop over one slot. records, scored: see _run; a token's comes from the row of the target's
-        logits that decided it, computed alike whatever the round (slot.Rows), so γ and the draft change none."""
+        logits that decided it, computed alike whatever the round (slot.Rows), so γ and the draft change none. halt:
+        see _score."""
         sampling = request.sampling
         stats.prompt_tokens = len(request.prompt_ids)
         clock = time.perf_counter
         start = clock()  # before scoring, which processes the prompt as the first call does where none is scored
         if scored is not None:
-            scored += self._score(slot, request.prompt_ids, request.prompt_logprobs)
+            scored += self._score(slot, request.prompt_ids, request.prompt_logprobs, halt)
             if not request.max_new_tokens:
                 stats.finish_reason = "max_new_tokens"
                 return
@@ -648,19 +650,22 @@ class SpeculativeDecoder:
             policy.observe(asked, accepted, t1 - t0, t2 - t1, catching_up, held, timed=unsteady_calls() == unsteady)
             stats.record_round(k, accepted, t1 - t0, t2 - t1)
 
-    def _score(self, slot: Slot, ids: list[int], top: int) -> list[TokenLogprobs]:
+    def _score(self, slot: Slot, ids: list[int], top: int, halt: threading.Event | None = None) -> list[TokenLogprobs]:
         """The TokenLogprobs of ids[1:], each from the target's row before it. A call returns the logits of its last
         D+1 rows, so the prompt goes in calls whose D drafts are its own next tokens: rows computed as a round's
         (slot.Rows), so a token scores the bits it gets generated. Fixed rows (GPUs) and greedy-only graphs (whose
         logits buffer a CUDA graph replays) take max γ drafts a call; the CPU's even calls any number: SCORED_ROWS
         rows scored 1.5x as fast as max γ + 1 = 9 (a 12.5 MB fp32 target, 2 CPU cores). LongRoPE: no call spans the
         switch, so each row rotates as decoding its prefix rotates it (slot.EngineSlot._choose_rope). The cache then
-        holds ids[:-1] at least."""
+        holds ids[:-1] at least. Once `halt` is set, a RequestError before the next call: a long prompt's calls come
+        before the first token, where a consumer's stop (a client gone, a deadline) is otherwise first seen."""
         target, switch = slot.target, slot.target.rope_switch
         size = self.max_gamma + 1 if target.rows.fixed or target.engine.greedy_only else SCORED_ROWS
         slot.configure(0.0, 0, 1.0, logits=True)  # greedy: no random numbers drawn, the drafts' judgement read by nobody
         records, start, last = [], 0, len(ids) - 1
         while start < last:
+            if halt is not None and halt.is_set():
+                raise RequestError("the request was stopped while its prompt was scored")
             end = min(len(ids), start + size)
             if switch and start < switch < end:
                 end = switch

@@ -178,7 +178,8 @@ class Scheduler:
         job.started = True
         self._running.add(job)
         self.metrics.slots_busy.set(len(self._running))
-        deltas = partial(self.decoder.stream_request, job.request, job.stats, every_token=True)
+        # halt: a stop also ends the scoring of a long prompt (echo's logprobs), many calls before the first token
+        deltas = partial(self.decoder.stream_request, job.request, job.stats, every_token=True, halt=job.relay.halt)
         job.relay.start(self.decoder.workers, deltas, held=("",)).add_done_callback(lambda _: self._finished(job))
 
     def _finished(self, job: Job) -> None:
