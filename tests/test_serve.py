@@ -412,6 +412,38 @@ def test_tokenizer_info_answers_only_when_enabled_and_lm_evals_remote_tokenizer_
         assert isinstance(tokens["tokens"], list) and tokens["tokens"]
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_n_choices_are_each_the_request_alone_with_seed_plus_index_streamed_interleaved_or_not(server, endpoint):
+    """vLLM's n: choice i of a seeded request is that request with seed + i (vLLM seeds its child i so); the usage
+    counts the prompt once, as vLLM's."""
+    ask = {"prompt": PROMPTS[2]} if endpoint == "completions" else {"messages": [{"role": "user", "content": "fib"}]}
+    body = {**ask, "max_tokens": 12, "temperature": 0.9, "seed": 40, "stop": ["\n\n"]}
+    alone = [httpx.post(f"{server}/v1/{endpoint}", json={**body, "seed": 40 + i}).json() for i in range(3)]
+    whole = httpx.post(f"{server}/v1/{endpoint}", json={**body, "n": 3}).json()
+    assert whole["choices"] == [{**a["choices"][0], "index": i} for i, a in enumerate(alone)]
+    assert len({json.dumps(a["choices"][0]) for a in alone}) > 1  # the case is what it claims: choices differ
+    assert whole["usage"]["prompt_tokens"] == alone[0]["usage"]["prompt_tokens"]
+    assert whole["usage"]["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
+    with httpx.stream("POST", f"{server}/v1/{endpoint}",
+                      json={**body, "n": 3, "stream": True, "stream_options": {"include_usage": True}}) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["usage"] == whole["usage"] and len({e["id"] for e in events}) == 1
+    for i, a in enumerate(alone):
+        chunks = [c for e in events[:-1] for c in e["choices"] if c["index"] == i]
+        text = "".join(c["text"] if endpoint == "completions" else c["delta"].get("content") or "" for c in chunks)
+        expected = a["choices"][0]
+        assert text == (expected["text"] if endpoint == "completions" else expected["message"]["content"])
+        assert [c["finish_reason"] for c in chunks][-1] == expected["finish_reason"]
+    greedy = httpx.post(f"{server}/v1/{endpoint}", json={**body, **GREEDY, "n": 2}).json()["choices"]
+    assert {**greedy[0], "index": 1} == greedy[1]  # as vLLM: greedy choices are the same
+
+
+def test_n_beyond_what_the_server_takes_at_once_is_refused_naming_n(server):
+    reply = httpx.post(f"{server}/v1/completions", json={"prompt": ["a", "b"], "n": 20})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "n"
+    assert "asks for 40 choices (n 20 for each of 2 prompts)" in reply.json()["error"]["message"]
+
+
 def test_a_batch_is_refused_whole_naming_the_prompt_that_is_wrong_and_frees_what_it_queued(server):
     for prompts, message in (([PROMPTS[0], [10 ** 6]], "prompt 2 of 2 (index 1): prompt token id 1000000"),
                              ([PROMPTS[0], "def f(x):\n" * 200], "prompt 2 of 2 (index 1): the prompt has"),
@@ -533,9 +565,9 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [1, 2.5]}, "whole numbers"),
     ("completions", {"prompt": [10**6]}, "outside this bundle's vocabulary"),
     ("completions", {"prompt": "x", "stop": list("abcdefghijklmnopq")}, "at most 16 strings"),
-    ("completions", {"prompt": "x", "n": 2}, "n must be 1"),
-    ("completions", {"prompt": "x", "n": True}, "n must be 1"),
-    ("completions", {"prompt": "x", "n": 1.0}, "n must be 1"),
+    ("completions", {"prompt": "x", "n": 0}, "n must be a whole number of choices, 1 or more, not 0"),
+    ("completions", {"prompt": "x", "n": True}, "n must be a whole number of choices, 1 or more, not true"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 1.0}, "n must be a whole number of choices"),
     ("completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "inclde": 1}},
      "unrecognized stream_options argument: 'inclde'"),
     ("completions", {"prompt": "x", "logprobs": 21}, "logprobs must be from 0 to 20"),
@@ -1330,6 +1362,23 @@ def test_a_client_that_leaves_while_its_long_prompt_is_scored_stops_it_before_th
         after = httpx.post(f"{url}/v1/completions", json={"prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 1,
                                                           **GREEDY}, timeout=60)
         assert after.status_code == 200 and len(after.json()["choices"][0]["logprobs"]["tokens"]) == len(ids) + 1
+
+
+def test_a_client_that_leaves_a_stream_of_n_choices_stops_each_decoding_or_queued(bundle, reference):
+    expected = reference.generate(PROMPTS[1], max_new_tokens=24).text
+    cancelled = ("specbuild_requests_total", (("endpoint", "completions"), ("outcome", "cancelled")))
+    with in_process(bundle) as (url, decoder, _):  # one slot: the first choice decodes, the second waits for it
+        with raw_post(url, "/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 200, "stream": True, "n": 2,
+                                               "temperature": 0}):
+            assert decoder.paused.acquire(timeout=60)
+        wait_until(lambda: metric_values(url).get(cancelled) == 1, "the server saw the client leave")
+        decoder.go.set()
+        wait_until(lambda: metric_values(url)[("specbuild_slots_busy", ())] == 0, "the slot was freed")
+        assert decoder.deltas[0] <= 2 and len(decoder.deltas) == 1  # the first stopped, the second never began
+        assert metric_values(url)[("specbuild_queue_depth", ())] == 0
+        after = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0},
+                           timeout=60)
+        assert after.json()["choices"][0]["text"] == expected
 
 
 def test_a_client_that_leaves_a_batch_stops_every_prompt_of_it_decoding_or_queued(bundle, reference):

@@ -14,7 +14,7 @@ import asyncio
 import hmac
 import json
 import logging
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -205,19 +205,22 @@ class Server:
         try:
             request = protocol.parse(endpoint, await self._body_unless_cut(http), self.settings.model, self.defaults,
                                      self.settings.tool_call_parser)
-            requests = [replace(request, prompt=prompt, batch=None) for prompt in request.batch or [request.prompt]]
+            requests = request.choices()
             if len(requests) > self.scheduler.parallel + self.settings.max_queue:  # else a 429 however long it waits
-                raise ApiError(400, f"prompt holds {len(requests)} prompts, more than this server takes at once "
-                                    f"(--parallel + --max-queue: {self.scheduler.parallel + self.settings.max_queue}); "
-                                    "send fewer a request", "prompt")
+                asked = (f"the request asks for {len(requests)} choices (n {request.n} for each of "
+                         f"{len(requests) // request.n} prompts)" if request.n > 1 else f"prompt holds {len(requests)} prompts")
+                raise ApiError(400, f"{asked}, more than this server takes at once (--parallel + "
+                                    f"--max-queue: {self.scheduler.parallel + self.settings.max_queue}); send fewer a "
+                                    "request", "n" if request.n > 1 else "prompt")
             for index, one in enumerate(requests):  # each checked and queued as a request of its own
                 try:
                     jobs.append(await self._submitted_unless_gone(http, one))
                 except ApiError as error:
                     # counted from 1, as verify and bench count prompts (a reader takes "1 of 2" for the first),
-                    # with the index its choice would have had
+                    # with its index in the list of prompts
                     if request.batch and error.param == "prompt":
-                        error.message = f"prompt {index + 1} of {len(requests)} (index {index}): {error.message}"
+                        prompt = index // request.n
+                        error.message = f"prompt {prompt + 1} of {len(request.batch)} (index {prompt}): {error.message}"
                     raise
         except Exception as exc:  # a bug among them is answered (500, logged, counted) here, where the connection
             self._stop(jobs)      # stays usable (Starlette's last handler closes it); a batch's prompts queued before
@@ -231,7 +234,7 @@ class Server:
                        "prompt_logprobs" in request.decoding) if request.echo and job.request else None
                   for one, job in zip(requests, jobs)]
         if request.stream:
-            return self._stream(endpoint, jobs[0], reply, request.include_usage, echoes[0])
+            return self._stream(endpoint, jobs, reply, request.include_usage, echoes[0], request.n)
         try:
             answers = await self._collect(jobs, http, logprobs, echoes)
         except Stopped as stop:
@@ -243,7 +246,7 @@ class Server:
         self.metrics.outcome(endpoint, "ok")
         answered = [(echo.text + text, job.stats, records, echo.first) if echo else (text, job.stats, records, ())
                     for (text, records), job, echo in zip(answers, jobs, echoes)]
-        return JSONResponse(reply.batch(answered))
+        return JSONResponse(reply.batch(answered, request.n))
 
     def _stop(self, jobs: list[Job]) -> None:
         for job in jobs:
@@ -356,59 +359,69 @@ class Server:
             raise Stopped("cancelled")
         return collecting.result()
 
-    def _stream(self, endpoint: str, job, reply: Reply, include_usage: bool, echo: Echo | None = None) -> EventStream:
-        """The server-sent events of a streamed reply. However the response ends, EventStream then stops the job (a
-        no-op once it finished; else its slot is freed after at most one delta) and counts its outcome: also when the
-        events never started, the client gone before the response's first send."""
+    def _stream(self, endpoint: str, jobs: list[Job], reply: Reply, include_usage: bool, echo: Echo | None = None,
+                n: int = 1) -> EventStream:
+        """The server-sent events of a streamed reply, its choices' chunks interleaved as they come (vLLM's). However the
+        response ends, EventStream then stops the jobs (a no-op once they finished; else each slot is freed after at
+        most one delta) and counts its outcome: also when the events never started, the client gone before the
+        response's first send."""
         outcome = "cancelled"  # unless the events get to their end
 
         async def events():
             nonlocal outcome
-            if endpoint == CHAT:
-                yield sse(reply.chunk(first=True))
             try:
-                items = aiter(job)
-                if echo:  # the prompt in a chunk of its own (vLLM's also holds the first token's text)
-                    _, records = await anext(items) if echo.scored else ("", ())
-                    yield sse(reply.chunk(echo.text, records=records, unscored=echo.first))
-                # With logprobs a job yields (delta, its tokens' records) after every token: records whose text is
-                # held back (a possible stop string, a tool call) go with the next chunk that has text, or the last.
-                held = []
-                async for item in items:
-                    delta, records = item if reply.logprobs else (item, ())
-                    held += records
-                    calls = []
-                    if delta and reply.tool_stream is not None:
-                        delta, calls = reply.tool_stream.feed(delta)
-                    if delta:
-                        yield sse(reply.chunk(delta, records=held))
-                        held = []
-                    if calls and (chunk := reply.tool_calls_chunk(calls)):
-                        yield sse(chunk)
-                if reply.tool_stream is not None:
-                    rest, calls = reply.tool_stream.end()
-                    if rest:
-                        yield sse(reply.chunk(rest, records=held))
-                        held = []
-                    if calls and (chunk := reply.tool_calls_chunk(calls)):
-                        yield sse(chunk)
-                yield sse(reply.chunk(stats=job.stats, called=reply.calls_sent > 0, records=held))
+                choices = [self._choice_events(endpoint, job, reply.choice(index), echo) for index, job in enumerate(jobs)]
+                async with aclosing(_interleaved(choices)) as chunks:  # closed here: its pumps cancelled with it
+                    async for event in chunks:
+                        yield event
                 if include_usage:
-                    yield sse(reply.usage_chunk(job.stats))
+                    yield sse(reply.usage_chunk(*(job.stats for job in jobs), n=n))
                 outcome = "ok"
             except Stopped as stop:  # headers are sent: the error travels as an event, as vLLM sends it
                 outcome = stop.reason
-                yield sse(_stopped_error(stop, job.started).body())
+                yield sse(_stopped_error(stop, any(job.started for job in jobs)).body())
             except Exception as exc:
                 outcome = "error"
                 yield sse(_as_api_error(exc).body())
             yield sse("[DONE]")
 
         def ended() -> None:
-            self.scheduler.stop(job, "cancelled")
+            self._stop(jobs)
             self.metrics.outcome(endpoint, outcome)
 
         return EventStream(events(), ended)
+
+    @staticmethod
+    async def _choice_events(endpoint: str, job: Job, reply: Reply, echo: Echo | None):
+        """The events of one choice, to its closing chunk; raises Stopped, or the decoder's error."""
+        if endpoint == CHAT:
+            yield sse(reply.chunk(first=True))
+        items = aiter(job)
+        if echo:  # the prompt in a chunk of its own (vLLM's also holds the first token's text)
+            _, records = await anext(items) if echo.scored else ("", ())
+            yield sse(reply.chunk(echo.text, records=records, unscored=echo.first))
+        # With logprobs a job yields (delta, its tokens' records) after every token: records whose text is
+        # held back (a possible stop string, a tool call) go with the next chunk that has text, or the last.
+        held = []
+        async for item in items:
+            delta, records = item if reply.logprobs else (item, ())
+            held += records
+            calls = []
+            if delta and reply.tool_stream is not None:
+                delta, calls = reply.tool_stream.feed(delta)
+            if delta:
+                yield sse(reply.chunk(delta, records=held))
+                held = []
+            if calls and (chunk := reply.tool_calls_chunk(calls)):
+                yield sse(chunk)
+        if reply.tool_stream is not None:
+            rest, calls = reply.tool_stream.end()
+            if rest:
+                yield sse(reply.chunk(rest, records=held))
+                held = []
+            if calls and (chunk := reply.tool_calls_chunk(calls)):
+                yield sse(chunk)
+        yield sse(reply.chunk(stats=job.stats, called=reply.calls_sent > 0, records=held))
 
     def _refuse(self, endpoint: str, exc: Exception, started: bool = False) -> Response:
         if isinstance(exc, Stopped):
@@ -611,6 +624,35 @@ def _token_texts(value):
     if isinstance(value, dict):
         return value["content"] if "content" in value else {key: _token_texts(item) for key, item in value.items()}
     return [_token_texts(item) for item in value] if isinstance(value, list) else value
+
+
+async def _interleaved(streams: list):
+    """The items of several async generators as each comes (one generator's: its own, in turn). The first error
+    ends it, and closing it closes them all."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as items:
+            async for item in items:
+                yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream) -> None:
+        async with aclosing(stream) as items:
+            async for item in items:
+                await queue.put((item, None))
+
+    pumps = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    for each in pumps:
+        each.add_done_callback(lambda done: queue.put_nowait((None, done)))
+    try:
+        for _ in pumps:
+            while (got := await queue.get())[1] is None:
+                yield got[0]
+            if not got[1].cancelled() and got[1].exception():
+                raise got[1].exception()
+    finally:
+        for each in pumps:
+            each.cancel()
 
 
 async def _disconnected(http: HttpRequest) -> None:

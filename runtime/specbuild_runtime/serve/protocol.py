@@ -13,7 +13,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from tokenizers import Tokenizer
@@ -226,6 +226,14 @@ class Request:
     echo: bool = False
     # completions sent several prompts: each is `prompt` of a request of its own, answered as a choice each (vLLM's)
     batch: list | None = None
+    n: int = 1  # choices for each prompt, each decoded as a request of its own (a seed's choice i: seed + i, as vLLM's)
+
+    def choices(self) -> list[Request]:
+        """A request for each choice, by index: each prompt's n in turn, as vLLM numbers them."""
+        seed = self.decoding.get("seed")
+        return [replace(self, prompt=prompt, batch=None, n=1,
+                        decoding=self.decoding if seed is None else {**self.decoding, "seed": seed + i})
+                for prompt in self.batch or [self.prompt] for i in range(self.n)]
 
 
 def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser: str | None = None) -> Request:
@@ -239,8 +247,9 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
             raise ApiError(400, f"unrecognized request argument: '{name}'{instead}", name)
     if body.get("model") not in (None, model):
         raise unknown_model(body["model"], model)
-    if body.get("n") is not None and (type(body["n"]) is not int or body["n"] != 1):
-        raise ApiError(400, "n must be 1: this server returns one choice per request", "n")
+    n = 1 if body.get("n") is None else body["n"]
+    if type(n) is not int or n < 1:
+        raise ApiError(400, f"n must be a whole number of choices, 1 or more, not {_json(n)}", "n")
     stream = _flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict)):
@@ -282,7 +291,7 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
         chat = {"add_generation_prompt": generation_prompt, "continue_final_message": continue_final,
                 "variables": _template_variables(body, generation_prompt, continue_final), "tools": tools}
         return Request(CHAT, None, body["messages"], max_tokens, decoding, stream, include_usage, chat, parse_tools,
-                       body.get("parallel_tool_calls") is not False)
+                       body.get("parallel_tool_calls") is not False, n=n)
     echo = _flag(body, "echo")
     if type(max_tokens) is int and max_tokens == 0 and not echo:
         raise ApiError(400, "max_tokens must be >= 1, or 0 with echo: true (the prompt alone, with logprobs scored)",
@@ -294,7 +303,7 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
         raise ApiError(400, f"prompt holds {len(prompts)} prompts, and this server streams one a request: send each in a "
                             "request of its own, or these unstreamed", "prompt")
     return Request(COMPLETIONS, prompts[0] if len(prompts) == 1 else None, None, max_tokens, decoding, stream,
-                   include_usage, echo=echo, batch=prompts if len(prompts) > 1 else None)
+                   include_usage, echo=echo, batch=prompts if len(prompts) > 1 else None, n=n)
 
 
 def _known_fields(body: dict, fields: set[str], model: str) -> None:
@@ -547,6 +556,8 @@ class Reply:
         self.endpoint, self.model = endpoint, model
         self.id = ("chatcmpl-" if endpoint == CHAT else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.tool_parser = tool_parser
+        self.index = 0  # the choice a stream's chunks are of (see choice)
         self.parse_calls = tool_parser.parse if tool_parser else None
         self.tool_stream = tool_parser.stream() if tool_parser else None
         self.most_calls = None if parallel_tool_calls else 1
@@ -554,16 +565,22 @@ class Reply:
         self.sent = 0  # characters of text streamed so far (completions' text_offset)
         self.calls_sent = 0  # a stream's calls so far, those past most_calls counted too
 
+    def choice(self, index: int) -> Reply:
+        """The chunks of choice `index` of the same stream, with its own text offsets and tool calls."""
+        other = Reply(self.endpoint, self.model, self.tool_parser, self.most_calls is None, self.logprobs)
+        other.id, other.created, other.index = self.id, self.created, index
+        return other
+
     def whole(self, text: str, stats: Stats, records: Sequence[TokenLogprobs] = (), unscored: Sequence[int] = ()) -> dict:
         """unscored: see Logprobs.of."""
         return self.batch([(text, stats, records, unscored)])
 
-    def batch(self, answers: Sequence[tuple[str, Stats, Sequence[TokenLogprobs], Sequence[int]]]) -> dict:
-        """The response to several prompts (completions): a choice each, by index, and the usage of them all, as vLLM's;
-        each answer as `whole` takes it."""
+    def batch(self, answers: Sequence[tuple[str, Stats, Sequence[TokenLogprobs], Sequence[int]]], n: int = 1) -> dict:
+        """The response to several prompts (completions) or choices (n of each prompt in turn): a choice each, by index,
+        and the usage of them all, as vLLM's; each answer as `whole` takes it."""
         choices = [self._choice(index, *answer) for index, answer in enumerate(answers)]
         return {**self._head("chat.completion" if self.endpoint == CHAT else "text_completion"),
-                "choices": choices, "usage": usage(*(stats for _, stats, _, _ in answers))}
+                "choices": choices, "usage": usage(*(stats for _, stats, _, _ in answers), n=n)}
 
     def _choice(self, index: int, text: str, stats: Stats, records: Sequence[TokenLogprobs], unscored: Sequence[int]) -> dict:
         finish = FINISH_REASONS[stats.finish_reason]
@@ -589,10 +606,12 @@ class Reply:
         logprobs = self.logprobs.of(records, self.sent, unscored) if self.logprobs and not first else None
         if self.endpoint == CHAT:
             delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
+            choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                      "stop_reason": stop_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         self.sent += len(text or "")
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop_reason}
+        choice = {"index": self.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish,
+                  "stop_reason": stop_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
     def tool_calls_chunk(self, calls: list[dict]) -> dict | None:
@@ -604,23 +623,25 @@ class Reply:
             return None
         delta = {TOOL_CALLS: [{"index": first + offset, **call} for offset, call in enumerate(kept)]}
         return {**self._head("chat.completion.chunk"),
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None, "stop_reason": None}]}
+                "choices": [{"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None,
+                             "stop_reason": None}]}
 
-    def usage_chunk(self, stats: Stats) -> dict:
-        """stream_options.include_usage: a last chunk with no choices and the usage."""
+    def usage_chunk(self, *stats: Stats, n: int = 1) -> dict:
+        """stream_options.include_usage: a last chunk with no choices and the usage of every choice (see usage)."""
         kind = "chat.completion.chunk" if self.endpoint == CHAT else "text_completion"
-        return {**self._head(kind), "choices": [], "usage": usage(stats)}
+        return {**self._head(kind), "choices": [], "usage": usage(*stats, n=n)}
 
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
 
-def usage(*stats: Stats) -> dict:
-    """OpenAI's usage of one request's prompts; prompt_tokens_details.cached_tokens as OpenAI and vLLM report a prompt's
-    cached prefix."""
-    prompt, generated = sum(s.prompt_tokens for s in stats), sum(s.generated_tokens for s in stats)
+def usage(*stats: Stats, n: int = 1) -> dict:
+    """OpenAI's usage of one request's choices, `n` a prompt in turn: each prompt counted once, as vLLM counts it;
+    prompt_tokens_details.cached_tokens as OpenAI and vLLM report a prompt's cached prefix (its first choice's)."""
+    prompts, generated = stats[::n], sum(s.generated_tokens for s in stats)
+    prompt = sum(s.prompt_tokens for s in prompts)
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
-            "prompt_tokens_details": {"cached_tokens": sum(s.cached_prompt_tokens for s in stats)}}
+            "prompt_tokens_details": {"cached_tokens": sum(s.cached_prompt_tokens for s in prompts)}}
 
 
 # Characters str.splitlines() breaks at that JSON leaves raw: clients that read events with it (httpx's
