@@ -551,7 +551,7 @@ def test_generate_stop_ends_the_output_where_the_api_stop_string_would(bundles):
     streamed = specbuild("generate", bundle, "-p", prompt, "-n", 24, "--stop", stop, "--stop", "never there", check=True)
     as_json = json.loads(specbuild("generate", bundle, "-p", prompt, "-n", 24, "--stop", stop, "--json", check=True).stdout)
     assert streamed.stdout == prompt + expected + "\n" and as_json["text"] == expected
-    assert as_json["stats"]["finish_reason"] == "stop"
+    assert as_json["stats"]["finish_reason"] == "stop" and as_json["stats"]["stop_reason"] == stop
 
 
 def test_generate_json_gives_each_tokens_logprobs_as_the_api_does(bundles):

@@ -137,6 +137,7 @@ class Stats:
             "draft_step_ms": round(1e3 * self.draft_seconds / self.drafted, 4) if self.drafted else 0.0,
             "target_step_ms": round(1e3 * self.target_seconds / self.rounds, 4) if self.rounds else 0.0,
             "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
         }
 
 
