@@ -442,6 +442,9 @@ def test_n_beyond_what_the_server_takes_at_once_is_refused_naming_n(server):
     reply = httpx.post(f"{server}/v1/completions", json={"prompt": ["a", "b"], "n": 20})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "n"
     assert "asks for 40 choices (n 20 for each of 2 prompts)" in reply.json()["error"]["message"]
+    # refused before a request is built for each choice: building a million took the event loop over 5 s (2 CPU cores)
+    reply = httpx.post(f"{server}/v1/completions", json={"prompt": "a", "n": 10 ** 6}, timeout=2)
+    assert reply.status_code == 400 and "asks for 1000000 choices" in reply.json()["error"]["message"]
 
 
 def test_a_batch_is_refused_whole_naming_the_prompt_that_is_wrong_and_frees_what_it_queued(server):

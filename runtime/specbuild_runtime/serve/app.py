@@ -205,13 +205,15 @@ class Server:
         try:
             request = protocol.parse(endpoint, await self._body_unless_cut(http), self.settings.model, self.defaults,
                                      self.settings.tool_call_parser)
-            requests = request.choices()
-            if len(requests) > self.scheduler.parallel + self.settings.max_queue:  # else a 429 however long it waits
-                asked = (f"the request asks for {len(requests)} choices (n {request.n} for each of "
-                         f"{len(requests) // request.n} prompts)" if request.n > 1 else f"prompt holds {len(requests)} prompts")
+            # counted before the choices are built: an n of millions would take the event loop seconds and GBs
+            prompts = len(request.batch or [request.prompt])
+            if prompts * request.n > self.scheduler.parallel + self.settings.max_queue:  # else a 429 however long
+                asked = (f"the request asks for {prompts * request.n} choices (n {request.n} for each of {prompts} "
+                         "prompts)" if request.n > 1 else f"prompt holds {prompts} prompts")
                 raise ApiError(400, f"{asked}, more than this server takes at once (--parallel + "
                                     f"--max-queue: {self.scheduler.parallel + self.settings.max_queue}); send fewer a "
                                     "request", "n" if request.n > 1 else "prompt")
+            requests = request.choices()
             for index, one in enumerate(requests):  # each checked and queued as a request of its own
                 try:
                     jobs.append(await self._submitted_unless_gone(http, one))
