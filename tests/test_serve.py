@@ -438,6 +438,14 @@ def test_n_choices_are_each_the_request_alone_with_seed_plus_index_streamed_inte
     assert {**greedy[0], "index": 1} == greedy[1]  # as vLLM: greedy choices are the same
 
 
+@pytest.mark.parametrize("seed", ["7", True, 1.5, [1]], ids=["string", "bool", "float", "list"])
+def test_n_choices_refuse_a_seed_that_is_no_whole_number_as_one_choice_does(server, seed):
+    body = {"prompt": "a", "max_tokens": 1, "temperature": 1, "seed": seed}
+    one, several = (httpx.post(f"{server}/v1/completions", json={**body, "n": n}) for n in (1, 2))
+    assert one.status_code == several.status_code == 400, several.text
+    assert one.json()["error"] == several.json()["error"] and several.json()["error"]["param"] == "seed"
+
+
 def test_n_beyond_what_the_server_takes_at_once_is_refused_naming_n(server):
     reply = httpx.post(f"{server}/v1/completions", json={"prompt": ["a", "b"], "n": 20})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "n"

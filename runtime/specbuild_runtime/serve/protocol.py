@@ -231,8 +231,9 @@ class Request:
     def choices(self) -> list[Request]:
         """A request for each choice, by index: each prompt's n in turn, as vLLM numbers them."""
         seed = self.decoding.get("seed")
+        # a seed that is no int (true, "7") is left as sent, for the runtime's check to refuse as with n 1
         return [replace(self, prompt=prompt, batch=None, n=1,
-                        decoding=self.decoding if seed is None else {**self.decoding, "seed": seed + i})
+                        decoding=self.decoding if type(seed) is not int else {**self.decoding, "seed": seed + i})
                 for prompt in self.batch or [self.prompt] for i in range(self.n)]
 
 
