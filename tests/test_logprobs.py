@@ -209,6 +209,24 @@ def test_a_prompt_scores_the_bits_its_tokens_get_generated_and_generation_after_
         assert again.prompt_logprobs[len(ids):] == plain.logprobs, prompt
 
 
+def test_a_scored_prompt_leaves_the_logits_buffer_a_logprobs_request_makes_and_later_requests_unchanged(bundles,
+                                                                                                       tokenizer):
+    """Scoring on the CPU grows the buffer to SCORED_ROWS rows (~39 MB a slot at a 152k vocabulary): given back."""
+    fresh, scored = (SpeculativeDecoder(bundles("llama", draft_seed=1)) for _ in range(2))
+    ids = prompt_of(tokenizer, min(scored.max_seq_len, 2 * SCORED_ROWS + 1))
+    scored.generate(ids, 0, prompt_logprobs=1)
+    fresh_result = fresh.generate(ids, NEW_TOKENS, logprobs=2)
+    sizes = []
+    for decoder in (fresh, scored):
+        with decoder.slots.take() as slot:
+            sizes.append(slot.target._logits.host.nbytes)
+    assert sizes[0] == sizes[1]
+    for sampling in ({}, dict(temperature=0.8, seed=5)):
+        after = scored.generate(ids, NEW_TOKENS, logprobs=2, **sampling)
+        expected = fresh_result if not sampling else fresh.generate(ids, NEW_TOKENS, logprobs=2, **sampling)
+        assert after.token_ids == expected.token_ids and after.logprobs == expected.logprobs
+
+
 def test_a_halt_stops_scoring_a_long_prompt_before_its_next_call(bundles, tokenizer, monkeypatch):
     """A prompt's scoring is many target calls before its first token: a consumer's stop (the async API's cancel, the
     server's client gone or deadline) is seen between them, as between tokens, and the slot comes back."""

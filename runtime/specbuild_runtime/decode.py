@@ -664,18 +664,21 @@ class SpeculativeDecoder:
         size = self.max_gamma + 1 if target.rows.fixed or target.engine.greedy_only else SCORED_ROWS
         slot.configure(0.0, 0, 1.0, logits=True)  # greedy: no random numbers drawn, the drafts' judgement read by nobody
         records, start, last = [], 0, len(ids) - 1
-        while start < last:
-            if halt is not None and halt.is_set():
-                raise RequestError("the request was stopped while its prompt was scored")
-            end = min(len(ids), start + size)
-            if switch and start < switch < end:
-                end = switch
-            if start == 0 and target.rows.even and end % 2 and end > 1:  # no row before the first to re-feed: an even call
-                end -= 1
-            target.step(ids[start:end], total_len=end, num_drafts=end - start - 1)
-            logits = target.logits()  # row j: after position start + j
-            records += (token_logprobs(row, ids[start + 1 + j], top) for j, row in enumerate(logits[:last - start]))
-            start = end
+        try:
+            while start < last:
+                if halt is not None and halt.is_set():
+                    raise RequestError("the request was stopped while its prompt was scored")
+                end = min(len(ids), start + size)
+                if switch and start < switch < end:
+                    end = switch
+                if start == 0 and target.rows.even and end % 2 and end > 1:  # no row before the first to re-feed: an even call
+                    end -= 1
+                target.step(ids[start:end], total_len=end, num_drafts=end - start - 1)
+                logits = target.logits()  # row j: after position start + j
+                records += (token_logprobs(row, ids[start + 1 + j], top) for j, row in enumerate(logits[:last - start]))
+                start = end
+        finally:
+            target.release_logits()
         return records
 
     def _not_finite(self, token: int) -> BundleError:

@@ -426,6 +426,15 @@ class EngineSlot:
                 self.binding.bind_ortvalue_output("probs", self._probs[self.sampling].value)
             self._bound["logits"] = -1
 
+    def release_logits(self) -> None:
+        """Shrink an engine graph's logits buffer back to max drafts + 1 rows: scoring a prompt grows it (see
+        _bind_logits), and at 64 rows of a 152k vocabulary it would hold ~39 MB per slot for good. A greedy-only
+        graph's keeps its size and address, which its CUDA graphs replay."""
+        if self.engine.greedy_only or self._logits is None or len(self._logits.host) <= self._max_drafts + 1:
+            return
+        self._logits = Buffer(np.zeros((self._max_drafts + 1, self.engine.vocab_size), np.float32), self.engine.device)
+        self._bound["logits"] = -1  # the next call reading logits binds the new buffer before it writes
+
     def logits(self) -> np.ndarray:
         """A copy of the fp32 logits [D+1, V] of the last call (read_logits on): row j after input position S-D-1+j."""
         with self.engine.calls:  # a copy back from the device (see engine._CUDA_GRAPH_CALLS)
