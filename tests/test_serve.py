@@ -345,6 +345,28 @@ def test_a_batch_of_prompts_gets_a_choice_each_as_its_own_request_would_with_the
             assert batch["usage"][key] == sum(a["usage"][key] for a in alone)
 
 
+def test_a_streamed_batch_interleaves_each_prompts_chunks_which_join_to_its_unstreamed_choice(server, tokenizer):
+    """vLLM streams a batch's choices interleaved, each chunk naming its index, then one usage chunk for them all."""
+    prompts = [tokenizer(PROMPTS[0])["input_ids"], PROMPTS[1], PROMPTS[2]]
+    for body in ({"echo": True, "max_tokens": 3, "logprobs": 1, **GREEDY},
+                 {"max_tokens": 8, "stop": ["\n\n"], "n": 2, **SAMPLED[0]}):
+        whole = httpx.post(f"{server}/v1/completions", json={**body, "prompt": prompts}).json()
+        with httpx.stream("POST", f"{server}/v1/completions", json={
+                **body, "prompt": prompts, "stream": True, "stream_options": {"include_usage": True}}) as response:
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+        assert events[-1]["choices"] == []
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):  # the cache's share depends on the slots
+            assert events[-1]["usage"][key] == whole["usage"][key]
+        assert len(whole["choices"]) == len(prompts) * body.get("n", 1)
+        for expected in whole["choices"]:
+            chunks = [c for e in events[:-1] for c in e["choices"] if c["index"] == expected["index"]]
+            assert "".join(c["text"] for c in chunks) == expected["text"]
+            assert chunks[-1]["finish_reason"] == expected["finish_reason"]
+            if expected["logprobs"]:
+                for key in ("tokens", "token_logprobs"):
+                    assert [x for c in chunks for x in c["logprobs"][key]] == expected["logprobs"][key]
+
+
 def test_tokenize_gives_the_ids_a_completion_decodes_and_detokenize_their_text_as_vllms(server, bundle):
     from transformers import AutoTokenizer
 
@@ -459,9 +481,8 @@ def test_a_batch_is_refused_whole_naming_the_prompt_that_is_wrong_and_frees_what
     for prompts, message in (([PROMPTS[0], [10 ** 6]], "prompt 2 of 2 (index 1): prompt token id 1000000"),
                              ([PROMPTS[0], "def f(x):\n" * 200], "prompt 2 of 2 (index 1): the prompt has"),
                              (["x"] * 37, "prompt holds 37 prompts, more than this server takes at once "
-                                          "(--parallel + --max-queue: 36); send fewer a request"),
-                             (["x", "y"], "prompt holds 2 prompts, and this server streams one a request")):
-        body = {"prompt": prompts, "max_tokens": 200, "stream": "streams" in message}
+                                          "(--parallel + --max-queue: 36); send fewer a request")):
+        body = {"prompt": prompts, "max_tokens": 200}
         reply = httpx.post(f"{server}/v1/completions", json=body)
         assert reply.status_code == 400 and message in reply.json()["error"]["message"], reply.text
         assert reply.json()["error"]["param"] == "prompt"
@@ -1392,11 +1413,13 @@ def test_a_client_that_leaves_a_stream_of_n_choices_stops_each_decoding_or_queue
         assert after.json()["choices"][0]["text"] == expected
 
 
-def test_a_client_that_leaves_a_batch_stops_every_prompt_of_it_decoding_or_queued(bundle, reference):
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_client_that_leaves_a_batch_stops_every_prompt_of_it_decoding_or_queued(bundle, reference, stream):
     expected = reference.generate(PROMPTS[1], max_new_tokens=24).text
     cancelled = ("specbuild_requests_total", (("endpoint", "completions"), ("outcome", "cancelled")))
     with in_process(bundle) as (url, decoder, _):
-        with raw_post(url, "/v1/completions", {"prompt": PROMPTS[2:5], "max_tokens": 200, "temperature": 0}):
+        with raw_post(url, "/v1/completions", {"prompt": PROMPTS[2:5], "max_tokens": 200, "temperature": 0,
+                                               "stream": stream}):
             assert decoder.paused.acquire(timeout=60)  # the first prompt decoding in the only slot, two queued
             wait_until(lambda: metric_values(url)[("specbuild_queue_depth", ())] == 2, "the batch's others queued")
         wait_until(lambda: metric_values(url).get(cancelled) == 1, "the server saw the client leave")

@@ -236,7 +236,7 @@ class Server:
                        "prompt_logprobs" in request.decoding) if request.echo and job.request else None
                   for one, job in zip(requests, jobs)]
         if request.stream:
-            return self._stream(endpoint, jobs, reply, request.include_usage, echoes[0], request.n)
+            return self._stream(endpoint, jobs, reply, request.include_usage, echoes, request.n)
         try:
             answers = await self._collect(jobs, http, logprobs, echoes)
         except Stopped as stop:
@@ -361,9 +361,10 @@ class Server:
             raise Stopped("cancelled")
         return collecting.result()
 
-    def _stream(self, endpoint: str, jobs: list[Job], reply: Reply, include_usage: bool, echo: Echo | None = None,
+    def _stream(self, endpoint: str, jobs: list[Job], reply: Reply, include_usage: bool, echoes: list[Echo | None],
                 n: int = 1) -> EventStream:
-        """The server-sent events of a streamed reply, its choices' chunks interleaved as they come (vLLM's). However the
+        """The server-sent events of a streamed reply, its choices' chunks (a batch's prompts', n choices of each)
+        interleaved as they come, each naming its index (vLLM's); echoes: each job's. However the
         response ends, EventStream then stops the jobs (a no-op once they finished; else each slot is freed after at
         most one delta) and counts its outcome: also when the events never started, the client gone before the
         response's first send."""
@@ -372,7 +373,8 @@ class Server:
         async def events():
             nonlocal outcome
             try:
-                choices = [self._choice_events(endpoint, job, reply.choice(index), echo) for index, job in enumerate(jobs)]
+                choices = [self._choice_events(endpoint, job, reply.choice(index), echo)
+                           for index, (job, echo) in enumerate(zip(jobs, echoes))]
                 async with aclosing(_interleaved(choices)) as chunks:  # closed here: its pumps cancelled with it
                     async for event in chunks:
                         yield event

@@ -300,9 +300,6 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
     if echo and ("logprobs" in decoding or max_tokens == 0):  # max_tokens 0: the runtime's scoring, shown or not
         decoding["prompt_logprobs"] = decoding.get("logprobs", 0)
     prompts = _prompts(body)
-    if len(prompts) > 1 and stream:
-        raise ApiError(400, f"prompt holds {len(prompts)} prompts, and this server streams one a request: send each in a "
-                            "request of its own, or these unstreamed", "prompt")
     return Request(COMPLETIONS, prompts[0] if len(prompts) == 1 else None, None, max_tokens, decoding, stream,
                    include_usage, echo=echo, batch=prompts if len(prompts) > 1 else None, n=n)
 
