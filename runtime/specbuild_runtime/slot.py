@@ -273,7 +273,7 @@ class EngineSlot:
         # graph's sampler reads them, so they are bound to every call; an engine graph's only while logits are read
         # (read_logits), and its buffer is made then.
         self._max_drafts = max_drafts
-        self._logits = Buffer(np.zeros((max_drafts + 1, engine.vocab_size), np.float32), device) if engine.greedy_only else None
+        self._logits = self._logits_buffer(max_drafts + 1) if engine.greedy_only else None
         self._reading_logits = engine.greedy_only
         self.sampling = False
         # Sampling inputs and outputs are bound where the sampling happens: the engine graph's own sampling
@@ -414,7 +414,7 @@ class EngineSlot:
         if self.engine.greedy_only or on == self._reading_logits:
             return
         if self._logits is None:
-            self._logits = Buffer(np.zeros((self._max_drafts + 1, self.engine.vocab_size), np.float32), self.engine.device)
+            self._logits = self._logits_buffer(self._max_drafts + 1)
         self._reading_logits = on
         if not on:  # onnxruntime unbinds outputs all together: the others are bound again as they were
             self.binding.clear_binding_outputs()
@@ -432,8 +432,11 @@ class EngineSlot:
         graph's keeps its size and address, which its CUDA graphs replay."""
         if self.engine.greedy_only or self._logits is None or len(self._logits.host) <= self._max_drafts + 1:
             return
-        self._logits = Buffer(np.zeros((self._max_drafts + 1, self.engine.vocab_size), np.float32), self.engine.device)
+        self._logits = self._logits_buffer(self._max_drafts + 1)
         self._bound["logits"] = -1  # the next call reading logits binds the new buffer before it writes
+
+    def _logits_buffer(self, rows: int) -> Buffer:
+        return Buffer(np.zeros((rows, self.engine.vocab_size), np.float32), self.engine.device)
 
     def logits(self) -> np.ndarray:
         """A copy of the fp32 logits [D+1, V] of the last call (read_logits on): row j after input position S-D-1+j."""
@@ -547,7 +550,7 @@ class EngineSlot:
                 if self.engine.greedy_only:  # its CUDA graphs replay writes to this buffer's address
                     raise RuntimeError(f"{num_drafts} drafts, but this slot holds logits for at most "
                                        f"{len(self._logits.host) - 1}")
-                self._logits = Buffer(np.zeros((num_drafts + 1, self.engine.vocab_size), np.float32), self.engine.device)
+                self._logits = self._logits_buffer(num_drafts + 1)
             shape, pointer = [num_drafts + 1, self.engine.vocab_size], self._logits.value.data_ptr()
             self.binding.bind_output("logits", self._logits.device, 0, np.float32, shape, pointer)
             if self._tail is not None and self._tail is not self.binding:
