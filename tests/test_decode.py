@@ -713,6 +713,23 @@ def test_the_eos_tokens_text_is_left_out_as_vllm_leaves_it_out(bundle, free_text
         decoder.eos_token_ids = set(decoder.manifest.eos_token_ids)
 
 
+def test_an_eos_besides_the_tokenizers_reports_its_id_as_stop_reason_as_vllm_reports_generation_config_eos_ids(
+        bundle, free_text):
+    """Llama 3 Instruct's generation_config ends at [128001, 128008, 128009], its tokenizer's eos being 128009:
+    vLLM makes the other two stop_token_ids, whose id a reply they end reports; the tokenizer's eos reports none."""
+    decoder = SpeculativeDecoder(bundle)
+    assert decoder.tokenizer_eos == decoder.tokenizer.token_to_id("<|endoftext|>")
+    prompt, free = next(iter(free_text.items()))
+    ids = free.token_ids
+    n = next(n for n in range(5, len(ids)) if ids[n] not in ids[:n])
+    decoder.eos_token_ids = {decoder.tokenizer_eos, ids[n]}
+    ended = decoder.generate(prompt, 60, 3)
+    assert (ended.stats.finish_reason, ended.stats.stop_reason, ended.token_ids) == ("eos", ids[n], ids[:n + 1])
+    assert decoder.generate(prompt, 60, 3, ignore_eos=True).stats.stop_reason is None
+    decoder.tokenizer_eos = ids[n]
+    assert decoder.generate(prompt, 60, 3).stats.stop_reason is None
+
+
 def test_streamed_text_joins_to_exactly_the_generated_text(bundle, free_text):
     """Random weights emit arbitrary bytes: characters split across tokens are common here."""
     decoder = SpeculativeDecoder(bundle)

@@ -50,6 +50,14 @@ def load_tokenizer(path: Path) -> Tokenizer:
     return tokenizer
 
 
+def tokenizer_eos(tokenizer: Tokenizer, tokenizer_dir: Path) -> int | None:
+    """The id of tokenizer_config.json's eos_token (vLLM's model eos), None where it names none."""
+    config = read_tokenizer_config(tokenizer_dir)
+    token = config.get("eos_token") if isinstance(config, dict) else None
+    text = token.get("content") if isinstance(token, dict) else token
+    return tokenizer.token_to_id(text) if isinstance(text, str) else None
+
+
 def encode_ids(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     """tokenizer.encode(text).ids, computed without the GIL: tokenizers' encode holds it throughout (~2 s a MB here),
     so a long prompt checked in a thread (serve, the async API) froze the event loop and every other request's Python;
@@ -80,7 +88,8 @@ class Stats:
     # "eos", "stop" (a stop string), "stop_token" (one of stop_token_ids), "max_new_tokens", "context", or "abort"
     # (closed before)
     finish_reason: str = ""
-    stop_reason: str | int | None = None  # what ended it, as vLLM's: the stop string or stop token id; None otherwise
+    # what ended it, as vLLM's: the stop string, or the stop token id (an eos besides the tokenizer's too); else None
+    stop_reason: str | int | None = None
 
     def record_round(self, drafted: int, accepted: int, draft_seconds: float, target_seconds: float) -> None:
         self.rounds += 1
@@ -212,6 +221,9 @@ class SpeculativeDecoder:
         self.max_gamma = self.manifest.gamma
         self.eos_token_ids = set(self.manifest.eos_token_ids)
         self.tokenizer = load_tokenizer(self.root / TOKENIZER_DIR / "tokenizer.json")
+        # vLLM makes the generation_config's eos ids other than the tokenizer's stop_token_ids
+        # (SamplingParams.update_from_generation_config): a reply one of them ends reports it as its stop_reason
+        self.tokenizer_eos = tokenizer_eos(self.tokenizer, self.root / TOKENIZER_DIR)
         self.token_span = token_span(self.tokenizer)
         if draft_steps and not self.manifest.engines["draft"].steps_file:
             raise BundleError(f"{self.root} has no steps graph for its draft (compiled before it, or with max γ 1, where "
@@ -602,7 +614,7 @@ class SpeculativeDecoder:
                 stats.token_times.append(clock() - start)
                 # Said before the token is yielded: a consumer may close the stream once it has the last one.
                 if token in self.eos_token_ids and not request.ignore_eos:
-                    stats.finish_reason = "eos"
+                    stats.finish_reason, stats.stop_reason = "eos", None if token == self.tokenizer_eos else token
                 elif token in request.stop_token_ids:
                     stats.finish_reason, stats.stop_reason = "stop_token", token
                 elif stats.generated_tokens >= max_new_tokens:
