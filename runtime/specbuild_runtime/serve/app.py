@@ -14,6 +14,7 @@ import asyncio
 import hmac
 import json
 import logging
+from collections.abc import Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
 from functools import partial
@@ -30,6 +31,7 @@ from starlette.routing import Match, Route
 
 from ..errors import BundleError, DeviceError, RequestError
 from ..decode import encode_ids
+from ..logprobs import TokenLogprobs
 from ..manifest import TOKENIZER_DIR, read_tokenizer_config
 from ..validation import Request
 from . import protocol
@@ -213,8 +215,11 @@ class Server:
                 raise ApiError(400, f"{asked}, more than this server takes at once (--parallel + "
                                     f"--max-queue: {self.scheduler.parallel + self.settings.max_queue}); send fewer a "
                                     "request", "n" if request.n > 1 else "prompt")
-            requests = request.choices()
+            requests, submitted = request.choices(), []
             for index, one in enumerate(requests):  # each checked and queued as a request of its own
+                if index % request.n:
+                    one = _after_first(one, jobs[index - index % request.n])
+                submitted.append(one)
                 try:
                     jobs.append(await self._submitted_unless_gone(http, one))
                 except ApiError as error:
@@ -232,9 +237,12 @@ class Server:
                       request.parallel_tool_calls, Logprobs(endpoint, self.decoder.tokenizer) if logprobs else None)
         # A job stopped while it waited for its check (--timeout, the drain's cut) has no request, and no echo: its
         # iteration raises the Stopped that answers it.
+        # a prompt's choices share the logprobs its first choice scored
+        scores = [asyncio.get_running_loop().create_future() if logprobs else None for _ in requests[::request.n]]
         echoes = [Echo(self._prompt_text(one, job.request.prompt_ids), job.request.prompt_ids[:1],
-                       "prompt_logprobs" in request.decoding) if request.echo and job.request else None
-                  for one, job in zip(requests, jobs)]
+                       "prompt_logprobs" in sent.decoding, scores[index // request.n])
+                  if request.echo and job.request else None
+                  for index, (one, sent, job) in enumerate(zip(requests, submitted, jobs))]
         if request.stream:
             return self._stream(endpoint, jobs, reply, request.include_usage, echoes, request.n)
         try:
@@ -245,6 +253,9 @@ class Server:
             return self._refuse(endpoint, exc)
         finally:  # a no-op for those that finished; else the client left, or a batch's other prompt failed
             self._stop(jobs)
+            for score in scores:  # a choice still waiting for its prompt's logprobs, whose scoring failed, ends
+                if score is not None:
+                    score.cancel()
         self.metrics.outcome(endpoint, "ok")
         answered = [(echo.text + text, job.stats, records, echo.first) if echo else (text, job.stats, records, ())
                     for (text, records), job, echo in zip(answers, jobs, echoes)]
@@ -315,7 +326,7 @@ class Server:
         take a place in the queue."""
         decoder = self.decoder
         prompt = request.prompt
-        if request.endpoint == CHAT:
+        if request.endpoint == CHAT and prompt is None:  # else a choice after the first (_after_first)
             if self.chat_template is None:
                 raise ApiError(400, "this model's bundle has no chat template (its tokenizer has none), and the server "
                                     "was started without --chat-template: use /v1/completions with a prompt", "messages")
@@ -342,12 +353,12 @@ class Server:
         """Each job's whole text and (logprobs) its tokens' TokenLogprobs, an echo's prompt tokens' first, or
         Stopped("cancelled") if the client disconnects first."""
         async def join(job, echo) -> tuple[str, list]:
-            items = [item async for item in job]
-            if echo and echo.scored and not logprobs:  # scored only to end there (max_tokens 0)
-                items = items[1:]
+            items = aiter(job)
+            scored = await echo.prompt_logprobs(items) if echo else ()
+            items = [item async for item in items]
             if not logprobs:
                 return "".join(items), []
-            return "".join(delta for delta, _ in items), [record for _, records in items for record in records]
+            return "".join(delta for delta, _ in items), [*scored, *(record for _, records in items for record in records)]
 
         collecting = asyncio.ensure_future(asyncio.gather(*map(join, jobs, echoes)))
         leaving = asyncio.ensure_future(_disconnected(http))
@@ -402,8 +413,7 @@ class Server:
             yield sse(reply.chunk(first=True))
         items = aiter(job)
         if echo:  # the prompt in a chunk of its own (vLLM's also holds the first token's text)
-            _, records = await anext(items) if echo.scored else ("", ())
-            yield sse(reply.chunk(echo.text, records=records, unscored=echo.first))
+            yield sse(reply.chunk(echo.text, records=await echo.prompt_logprobs(items), unscored=echo.first))
         # With logprobs a job yields (delta, its tokens' records) after every token: records whose text is
         # held back (a possible stop string, a tool call) go with the next chunk that has text, or the last.
         held = []
@@ -441,12 +451,35 @@ class Server:
 
 @dataclass(frozen=True)
 class Echo:
-    """A completion's echoed prompt: its text, its first token (which has no logprob) and whether the job's first item
-    is ("", the TokenLogprobs of its other tokens) (runtime's stream_request with prompt_logprobs)."""
+    """A completion's echoed prompt: its text, its first token (which has no logprob), whether the job's first item
+    is ("", the TokenLogprobs of its other tokens) (runtime's stream_request with prompt_logprobs), and where those
+    records go to the prompt's other choices, which do not score it again (None: no logprobs asked for)."""
 
     text: str
     first: list[int]
     scored: bool
+    shared: asyncio.Future | None = None
+
+    async def prompt_logprobs(self, items) -> Sequence[TokenLogprobs]:
+        """The prompt's TokenLogprobs: the job's first item where it scored them, else those of the choice that did;
+        () where no logprobs are asked for. items: the job's, iterated."""
+        if self.scored:
+            _, records = await anext(items)
+            if self.shared is not None and not self.shared.done():
+                self.shared.set_result(records)
+            return records if self.shared is not None else ()
+        return await self.shared if self.shared is not None else ()
+
+
+def _after_first(choice: protocol.Request, first: Job) -> protocol.Request:
+    """A prompt's choice after its first, given that one's job: its prompt as the first's token ids, so it is not
+    rendered and tokenized again, and its prompt's logprobs the first's (Echo.shared), not scored again, unless
+    max_tokens 0 asks for nothing else."""
+    if first.request is None:  # stopped before its check, as this request is now
+        return choice
+    decoding = choice.decoding if choice.max_tokens == 0 else {
+        name: value for name, value in choice.decoding.items() if name != "prompt_logprobs"}
+    return replace(choice, prompt=first.request.prompt_ids, decoding=decoding)
 
 
 class Cors(CORSMiddleware):
