@@ -9,6 +9,7 @@ test says: no test waits on a clock to find the server in the state it checks.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 import signal
@@ -1266,6 +1267,39 @@ def test_a_prompts_n_choices_render_tokenize_and_score_it_once_yet_each_is_the_r
         renders.clear()
         assert len(httpx.post(f"{url}/v1/chat/completions", json={**chat, "n": 3}).json()["choices"]) == 3
         assert len(renders) == 1
+
+
+def with_bos(bundle: Path, folder: Path) -> Path:
+    """A copy of `bundle` whose tokenizer begins a text with its special token (a BOS, as Llama's adds), its manifest's
+    digest of the tokenizer made anew."""
+    from tokenizers import Tokenizer, processors
+
+    shutil.copytree(bundle, folder)
+    path = folder / "tokenizer" / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(path))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", tokenizer.token_to_id("<|endoftext|>"))])
+    tokenizer.save(str(path))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"]["tokenizer/tokenizer.json"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def test_add_special_tokens_adds_the_tokenizers_to_a_prompt_as_vllm_by_default_a_completions_not_a_chats(bundle, tmp_path):
+    with in_process(with_bos(bundle, tmp_path / "bos"), CheckCounter) as (url, _, _):
+        for endpoint, ask, default in (("completions", {"prompt": PROMPTS[1]}, True),
+                                       ("chat/completions", {"messages": [{"role": "user", "content": "fib"}]}, False)):
+            counts = []
+            for add in (True, False):
+                tokens = httpx.post(f"{url}/tokenize", json={**ask, "add_special_tokens": add}).json()["tokens"]
+                body = {**ask, "max_tokens": 1, **GREEDY, **({} if add == default else {"add_special_tokens": add})}
+                reply = httpx.post(f"{url}/v1/{endpoint}", json=body).json()
+                assert reply["usage"]["prompt_tokens"] == len(tokens), (endpoint, add, reply)
+                counts.append(len(tokens))
+            assert counts[0] == counts[1] + 1  # the case is what it claims: the BOS
+        reply = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "add_special_tokens": "no"})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "add_special_tokens"
 
 
 def error_of(event: str) -> dict:

@@ -333,9 +333,16 @@ class Server:
             # refused before tokenizing as decoder.request refuses a text prompt (without max_tokens: 1, as below)
             fits = decoder.fits(request.max_tokens or 1)
             try:
-                prompt = self.chat_template.prompt_ids(decoder.tokenizer, request.messages, fits, **request.chat)
+                prompt = self.chat_template.prompt_ids(decoder.tokenizer, request.messages, fits,
+                                                       request.add_special_tokens, **request.chat)
             except RequestError as exc:  # the rest (a message's shape, the template's refusal, its text) are the messages'
                 raise ApiError(400, str(exc), exc.param if isinstance(exc, ChatRequestError) else "messages") from None
+        elif isinstance(prompt, str) and not request.add_special_tokens:  # else the runtime's check tokenizes it
+            try:
+                decoder.fits(1)(prompt)  # refused before tokenizing, as decoder.request refuses a text prompt
+            except RequestError as exc:
+                raise protocol.invalid(exc) from None
+            prompt = encode_ids(decoder.tokenizer, prompt, add_special_tokens=False)
         max_tokens = request.max_tokens
         if max_tokens is None:  # until the context is full (the last token needs no room in the cache)
             max_tokens = max(1, decoder.max_seq_len - len(prompt) + 1)

@@ -135,14 +135,15 @@ class ChatTemplate:
         return text
 
     def prompt_ids(self, tokenizer, messages: list[dict], fits: Callable[[str], None] | None = None,
-                   **options) -> list[int]:
+                   add_special_tokens: bool = False, **options) -> list[int]:
         """The rendered prompt's token ids (a `tokenizers.Tokenizer`; `options` as render takes them): special
-        tokens come from the template's text, as transformers' apply_chat_template encodes it, none added. `fits`
-        may refuse the rendered text before it is tokenized (validation.check_text_fits)."""
+        tokens come from the template's text, as transformers' apply_chat_template encodes it, none added unless
+        `add_special_tokens` (vLLM's field). `fits` may refuse the rendered text before it is tokenized
+        (validation.check_text_fits)."""
         text = self.render(messages, **options)
         if fits:
             fits(text)
-        return encode_ids(tokenizer, text, add_special_tokens=False)
+        return encode_ids(tokenizer, text, add_special_tokens=add_special_tokens)
 
 
 def _tagged(message: dict) -> tuple[dict, str]:

@@ -37,10 +37,10 @@ DECODING = ("temperature", "top_p", "top_k", "seed", "stop", "gamma", "min_p", "
 DEFAULT_ONLY = {"min_tokens": 0, "spaces_between_special_tokens": True}
 FIELDS = {
     COMPLETIONS: {"model", "prompt", "max_tokens", "stream", "stream_options", "n", "logprobs", "echo", *DECODING,
-                  *DEFAULT_ONLY},
+                  *DEFAULT_ONLY, "add_special_tokens"},
     CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n", "logprobs",
            "top_logprobs", *DECODING, *DEFAULT_ONLY, "chat_template_kwargs", "add_generation_prompt",
-           "continue_final_message", "tools", "tool_choice"},
+           "continue_final_message", "tools", "tool_choice", "add_special_tokens"},
 }
 STREAM_OPTIONS = {"include_usage"}
 # /tokenize's fields for chat messages besides model, add_special_tokens and return_token_strs (vLLM's, less the
@@ -227,6 +227,9 @@ class Request:
     # completions sent several prompts: each is `prompt` of a request of its own, answered as a choice each (vLLM's)
     batch: list | None = None
     n: int = 1  # choices for each prompt, each decoded as a request of its own (a seed's choice i: seed + i, as vLLM's)
+    # a text prompt's tokens begin (and end) with the tokenizer's special tokens, a BOS say; vLLM's defaults: a
+    # completion's yes, a chat's no (its template writes them)
+    add_special_tokens: bool = True
 
     def choices(self) -> list[Request]:
         """A request for each choice, by index: each prompt's n in turn, as vLLM numbers them."""
@@ -258,6 +261,7 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
     if unknown := sorted(set(options or {}) - STREAM_OPTIONS):
         raise ApiError(400, f"unrecognized stream_options argument: '{unknown[0]}'", "stream_options")
     include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
+    add_special_tokens = _flag(body, "add_special_tokens", default=endpoint == COMPLETIONS)
     _default_only(body)
     decoding = {name: _runtime_value(name, body[name]) for name in DECODING if body.get(name) is not None}
     # Where the default temperature is greedy, a top_p, top_k or min_p that asks for a restriction would be ignored,
@@ -292,7 +296,7 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
         chat = {"add_generation_prompt": generation_prompt, "continue_final_message": continue_final,
                 "variables": _template_variables(body, generation_prompt, continue_final), "tools": tools}
         return Request(CHAT, None, body["messages"], max_tokens, decoding, stream, include_usage, chat, parse_tools,
-                       body.get("parallel_tool_calls") is not False, n=n)
+                       body.get("parallel_tool_calls") is not False, n=n, add_special_tokens=add_special_tokens)
     echo = _flag(body, "echo")
     if type(max_tokens) is int and max_tokens == 0 and not echo:
         raise ApiError(400, "max_tokens must be >= 1, or 0 with echo: true (the prompt alone, with logprobs scored)",
@@ -301,7 +305,8 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
         decoding["prompt_logprobs"] = decoding.get("logprobs", 0)
     prompts = _prompts(body)
     return Request(COMPLETIONS, prompts[0] if len(prompts) == 1 else None, None, max_tokens, decoding, stream,
-                   include_usage, echo=echo, batch=prompts if len(prompts) > 1 else None, n=n)
+                   include_usage, echo=echo, batch=prompts if len(prompts) > 1 else None, n=n,
+                   add_special_tokens=add_special_tokens)
 
 
 def _known_fields(body: dict, fields: set[str], model: str) -> None:
