@@ -254,6 +254,22 @@ def test_a_phi3_longrope_targets_prompt_logprobs_are_each_prefixs_own_through_it
             assert [r.logprob for r in scored] == pytest.approx(expected[:length - 1], abs=1e-5), length
 
 
+def test_a_phi3_longrope_targets_prompts_scored_over_each_other_get_the_bits_of_each_scored_whole(phi3_longrope,
+                                                                                                 tokenizer):
+    """Scoring's prefix reuse where the rotary table switches at 16 tokens: prompts sharing their head, longer and
+    shorter than the one scored before, on either side of the switch."""
+    bundle, _ = phi3_longrope
+    decoder, whole = SpeculativeDecoder(bundle), SpeculativeDecoder(bundle, prefix_reuse=False)
+    ids = phi3_prompt(tokenizer, PHI3_CONTEXT)
+    spared = []
+    for length in (30, 20, PHI3_CONTEXT, 12, 15, 16, 17):
+        scored = decoder.generate(ids[:length], 0, prompt_logprobs=2)
+        assert scored.prompt_logprobs == whole.generate(ids[:length], 0, prompt_logprobs=2).prompt_logprobs, length
+        spared.append(scored.stats.cached_prompt_tokens)
+    # Nothing across the switch: a cache written with one table holds no prefix of a prompt rotated with the other.
+    assert spared == [0, 19, 19, 0, 11, 14, 0]
+
+
 def test_a_phi3_longrope_target_samples_as_its_own_distribution_through_its_original_length(phi3_longrope, tokenizer):
     """Target-only sampling draws each token from the target's distribution given the tokens before it, short
     factors then long, with the run's uniforms (the graph's rule: the first token whose running sum passes u);

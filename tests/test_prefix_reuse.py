@@ -167,3 +167,80 @@ def test_a_new_chat_takes_the_slot_answered_longest_ago_among_equals(bundle):
     assert decoder.generate(decoder.encode(PROMPTS[3]), NEW_TOKENS).stats.cached_prompt_tokens == 0
     turn = decoder.generate([*ids, *output, *decoder.encode(PROMPTS[1])], NEW_TOKENS)
     assert turn.stats.cached_prompt_tokens >= len(ids) + len(output) - 1
+
+
+def scoring(decoder: SpeculativeDecoder, ids: list[int], top: int = 1):
+    return decoder.generate(ids, 0, prompt_logprobs=top)
+
+
+def context_and_choices(decoder) -> tuple[list[int], list[list[int]]]:
+    """A multiple-choice question as lm-evaluation-harness scores it: a context (odd, 150 tokens), then each choice
+    (choices that differ from their first token, of 1 to 9 tokens)."""
+    context = decoder.encode("\n".join(PROMPTS * 3))[:151]
+    choices = [decoder.encode(text) for text in ("import os", "x", "while True:", PROMPTS[4])]
+    assert len(context) == 151 and len({choice[0] for choice in choices}) == len(choices)
+    return context, choices
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["engine graphs", "greedy-only graphs (max γ + 1-row calls)"])
+def test_a_choice_scored_after_its_context_computes_only_its_own_rows_and_the_bits_of_one_scored_whole(bundle, graphs,
+                                                                                                     target_rows):
+    decoder = SpeculativeDecoder(bundle, cuda_graphs=graphs)
+    whole = SpeculativeDecoder(bundle, cuda_graphs=graphs, prefix_reuse=False)
+    context, choices = context_and_choices(decoder)
+    for n, choice in enumerate(choices):
+        target_rows.clear()
+        scored, rows = scoring(decoder, context + choice), sum(target_rows)
+        assert scored.prompt_logprobs == scoring(whole, context + choice).prompt_logprobs
+        if n:  # the context but its last token, whose row scores the choice's first token
+            assert scored.stats.cached_prompt_tokens == len(context) - 1
+            assert rows <= 2 * (len(choice) + 1)  # a row re-fed for an even call, at most, per call
+
+
+def test_a_prompt_equal_to_or_within_the_scored_one_computes_no_row_it_holds(bundle, target_rows):
+    decoder, whole = SpeculativeDecoder(bundle), SpeculativeDecoder(bundle, prefix_reuse=False)
+    context, choices = context_and_choices(decoder)
+    scoring(decoder, context + choices[0])
+    for prompt in (context + choices[0], context, context[:100] + choices[1]):
+        target_rows.clear()
+        scored, rows = scoring(decoder, prompt), sum(target_rows)
+        assert scored.prompt_logprobs == scoring(whole, prompt).prompt_logprobs
+        if prompt[-1] != choices[1][-1]:  # every row held: no target call
+            assert rows == 0 and scored.stats.cached_prompt_tokens == len(prompt) - 1
+        else:  # the choice's rows after the first 100 tokens
+            assert scored.stats.cached_prompt_tokens == 99 and rows <= len(choices[1]) + 2
+
+
+def test_another_prompt_or_top_scores_whole_and_a_generation_between_leaves_what_the_cache_still_holds(bundle,
+                                                                                                       target_rows):
+    """Records hold for the same tokens at the same top alone; rows they give are fed from where the cache (here
+    rewritten past the context by a generation) stops holding the prompt."""
+    decoder, whole = SpeculativeDecoder(bundle), SpeculativeDecoder(bundle, prefix_reuse=False)
+    context, choices = context_and_choices(decoder)
+    other = decoder.encode(PROMPTS[7])  # from its first token on another text
+    steps = [(context + choices[0], 1, 0), (other, 1, 0), (context + choices[1], 1, 0), (context + choices[1], 3, 0)]
+    for prompt, top, cached in steps:
+        scored = scoring(decoder, prompt, top)
+        assert scored.prompt_logprobs == scoring(whole, prompt, top).prompt_logprobs
+        assert scored.stats.cached_prompt_tokens == cached
+    decoder.generate(context + choices[0], NEW_TOKENS)
+    target_rows.clear()
+    scored, rows = scoring(decoder, context + choices[1], 3), sum(target_rows)
+    assert scored.prompt_logprobs == scoring(whole, context + choices[1], 3).prompt_logprobs
+    assert scored.stats.cached_prompt_tokens == len(context) and rows <= len(choices[1]) + 1
+
+
+def test_threads_scoring_choices_over_two_slots_get_the_bits_of_prompts_scored_whole(bundle):
+    from concurrent.futures import ThreadPoolExecutor
+
+    decoder, whole = SpeculativeDecoder(bundle, parallel=2), SpeculativeDecoder(bundle, prefix_reuse=False)
+    context, choices = context_and_choices(decoder)
+    questions = [context, context[40:], decoder.encode("\n".join(PROMPTS[::-1]))[:120]]
+    prompts = [question + choice for question in questions for choice in choices]
+
+    def question(q: int) -> list:
+        return [scoring(decoder, prompt).prompt_logprobs for prompt in prompts[q * len(choices):(q + 1) * len(choices)]]
+
+    with ThreadPoolExecutor(len(questions)) as threads:
+        scored = [records for each in threads.map(question, range(len(questions))) for records in each]
+    assert scored == [scoring(whole, prompt).prompt_logprobs for prompt in prompts]

@@ -321,6 +321,22 @@ def test_a_prompt_over_what_an_earlier_request_left_gets_the_logits_bits_of_a_fr
         assert np.array_equal(used.logits(), fresh.logits()), (settings, prompt_len)
 
 
+@pytest.mark.parametrize("settings", GROUPINGS, ids=["fp32", "int4", "int4-level0", "int8", "int4-bs128", "int8-bs256"])
+def test_choices_scored_after_their_context_get_the_bits_of_prompts_scored_whole(settings, bundle):
+    """Scoring's prefix reuse (decode._score) rests on a row's bits not depending on how calls grouped rows: contexts
+    of either parity, up to past two 64-row calls, each followed by choices of 1 to 9 tokens."""
+    folder = bundle(**settings)
+    decoder, whole = SpeculativeDecoder(folder), SpeculativeDecoder(folder, prefix_reuse=False)
+    rng = np.random.default_rng(2)
+    for context_len in (33, 100, 151):
+        context = rng.integers(1, 300, context_len).tolist()
+        for n in (1, 4, 9):
+            prompt = context + rng.integers(1, 300, n).tolist()
+            scored = decoder.generate(prompt, 0, prompt_logprobs=2)
+            assert scored.prompt_logprobs == whole.generate(prompt, 0, prompt_logprobs=2).prompt_logprobs, (context_len, n)
+            assert scored.stats.cached_prompt_tokens >= (context_len - 1 if n > 1 else 0)
+
+
 def test_one_token_calls_without_a_re_fed_row_would_differ(bundle):
     """The control: onnxruntime's one-row kernels round differently, so the rule above is needed."""
     prompt, rounds = list(range(5, 45)), [list(range(50, 55)), list(range(60, 69))]

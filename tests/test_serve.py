@@ -333,6 +333,39 @@ def test_lm_evals_loglikelihood_request_scores_the_continuation_as_transformers_
         assert len(choice["logprobs"]["tokens"]) == len(ids) + 1  # the prompt's, then the generated one
 
 
+def echoed_logprobs(decoder, ids: list[int]) -> dict:
+    """The completions logprobs of a prompt echoed with logprobs 1 and max_tokens 0, scored whole."""
+    records = decoder.generate(ids, 0, prompt_logprobs=1).prompt_logprobs
+    first = decoder.tokenizer.decode(ids[:1], skip_special_tokens=False)
+    rest = legacy_logprobs(decoder, records[1:], len(first))
+    return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_choices_after_their_context_score_from_the_cache_the_logprobs_of_prompts_scored_whole(parallel, bundle,
+                                                                                              tmp_path):
+    """lm-evaluation-harness's multiple choice: the context followed by each choice, one prompt a request or a batch of
+    them; each choice after the first computes only its own rows (prefix reuse), the bits of a prompt scored whole."""
+    from specbuild_runtime import SpeculativeDecoder
+
+    whole = SpeculativeDecoder(bundle, prefix_reuse=False)
+    contexts = [whole.encode("\n".join(PROMPTS * 3))[:151], whole.encode("\n".join(PROMPTS[::-1]))[:120]]
+    choices = [whole.encode(text) for text in ("import os", "x", "while True:", PROMPTS[4])]
+    prompts = [context + choice for context in contexts for choice in choices]
+    expected = [echoed_logprobs(whole, prompt) for prompt in prompts]
+    body = {"max_tokens": 0, "echo": True, "logprobs": 1, **GREEDY}
+    with specbuild_serve(bundle, tmp_path / "server.log", "--parallel", parallel) as (_, url):
+        alone = [httpx.post(f"{url}/v1/completions", json={**body, "prompt": prompt}).json() for prompt in prompts]
+        batch = httpx.post(f"{url}/v1/completions", json={**body, "prompt": prompts}).json()
+    assert [reply["choices"][0]["logprobs"] for reply in alone] == expected
+    assert [choice["logprobs"] for choice in batch["choices"]] == expected
+    cached = [reply["usage"]["prompt_tokens_details"]["cached_tokens"] for reply in alone]
+    assert cached == [held for context in contexts for held in (0, *[len(context) - 1] * 3)]
+    if parallel == 1:  # the batch's prompts in turn on one slot, which held the last of them
+        assert batch["usage"]["prompt_tokens_details"]["cached_tokens"] == sum(cached)
+
+
 def test_a_batch_of_prompts_gets_a_choice_each_as_its_own_request_would_with_the_usage_of_all(server, tokenizer):
     """lm-evaluation-harness's batch_size=16 (its README's example): its requests hold that many prompts, as vLLM takes
     them; more than the slots, so that some wait in the queue."""
