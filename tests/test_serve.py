@@ -673,6 +673,7 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
     ("chat/completions", {"messages": [{"role": "assistant", "content": "hi"}]}, "roles must alternate"),
     ("chat/completions", {"messages": [{"role": "user"}]}, "messages[0] has no 'content'"),
+    ("completions", b'{"prompt": "x\\ud800", "add_special_tokens": false}', "prompt is not valid UTF-8"),  # tokenized by serve
     ("chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content is not valid UTF-8"),
     ("chat/completions", b'{"messages": [{"role": "user", "content": "x"}, {"role": "\\ud800", "content": "y"}]}',
      "messages[1].role is not valid UTF-8"),

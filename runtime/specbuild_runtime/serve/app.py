@@ -33,7 +33,7 @@ from ..errors import BundleError, DeviceError, RequestError
 from ..decode import encode_ids
 from ..logprobs import TokenLogprobs
 from ..manifest import TOKENIZER_DIR, read_tokenizer_config
-from ..validation import Request
+from ..validation import Request, prompt_token_ids
 from . import protocol
 from .chat import ChatRequestError, SuppliedTemplate, load_chat_template
 from .metrics import Metrics
@@ -338,11 +338,11 @@ class Server:
             except RequestError as exc:  # the rest (a message's shape, the template's refusal, its text) are the messages'
                 raise ApiError(400, str(exc), exc.param if isinstance(exc, ChatRequestError) else "messages") from None
         elif isinstance(prompt, str) and not request.add_special_tokens:  # else the runtime's check tokenizes it
-            try:
-                decoder.fits(1)(prompt)  # refused before tokenizing, as decoder.request refuses a text prompt
+            try:  # checked (valid UTF-8, not too long to tokenize) as decoder.request checks a text prompt
+                prompt = prompt_token_ids(prompt, partial(encode_ids, decoder.tokenizer, add_special_tokens=False),
+                                          decoder.vocab_size, decoder.fits(1))
             except RequestError as exc:
                 raise protocol.invalid(exc) from None
-            prompt = encode_ids(decoder.tokenizer, prompt, add_special_tokens=False)
         max_tokens = request.max_tokens
         if max_tokens is None:  # until the context is full (the last token needs no room in the cache)
             max_tokens = max(1, decoder.max_seq_len - len(prompt) + 1)
