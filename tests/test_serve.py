@@ -438,6 +438,7 @@ def test_tokenize_renders_messages_as_a_chat_completion_does(server, bundle):
 @pytest.mark.parametrize("path, body, param", [
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
     ("/tokenize", {"prompt": ["x"]}, "prompt"),
+    ("/tokenize", b'{"prompt": "x\\ud800"}', "prompt"),  # half a surrogate pair, which no tokenizer takes
     ("/tokenize", {"prompt": "x", "add_generation_prompt": True}, "add_generation_prompt"),
     ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ x }}"}, "chat_template"),
     ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True,
@@ -447,7 +448,7 @@ def test_tokenize_renders_messages_as_a_chat_completion_does(server, bundle):
     ("/detokenize", {"tokens": [1], "model": "other"}, "model"),
 ])
 def test_tokenize_and_detokenize_refuse_what_they_cannot_read_with_a_400_naming_it(server, path, body, param):
-    reply = httpx.post(f"{server}{path}", json=body)
+    reply = httpx.post(f"{server}{path}", **({"content": body} if isinstance(body, bytes) else {"json": body}))
     assert reply.status_code == (404 if param == "model" else 400) and reply.json()["error"]["param"] == param
 
 

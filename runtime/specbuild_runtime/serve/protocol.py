@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from ..decode import Stats
 from ..errors import RequestError
 from ..logprobs import LOGPROB_FLOOR, TokenLogprobs
-from ..validation import GREEDY_BELOW, MAX_LOGPROBS, check_sampling, whole
+from ..validation import GREEDY_BELOW, MAX_LOGPROBS, check_sampling, utf8, whole
 from .tools import PARSERS, ToolParser, checked_tools
 
 COMPLETIONS, CHAT = "completions", "chat"
@@ -344,6 +344,10 @@ def parse_tokenize(raw: bytes, model: str) -> Tokenize:
     if not chat:
         if not isinstance(body.get("prompt"), str):
             raise ApiError(400, "prompt must be a string (or send 'messages' to tokenize a chat)", "prompt")
+        try:  # half a surrogate pair, which JSON carries, no tokenizer takes
+            utf8("prompt", body["prompt"])
+        except RequestError as exc:
+            raise invalid(exc) from None
         return Tokenize(body["prompt"], None, add_special_tokens, token_strs)
     generation_prompt = _flag(body, "add_generation_prompt", default=True)
     continue_final = _flag(body, "continue_final_message")
