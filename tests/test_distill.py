@@ -1012,3 +1012,14 @@ print((kib("VmHWM") - before) // 1024)
                          env={**os.environ, "PYTHONPATH": os.path.dirname(__file__)})
     assert run.returncode == 0, run.stderr
     assert int(run.stdout.split()[-1]) < 1200  # MiB: 1815 in one part, 772 in parts
+
+
+def test_distill_refuses_a_target_without_tokenizer_files(tmp_path):
+    """transformers 5 gives such a folder an empty tokenizer of its model_type's class (Qwen's here): distill trained
+    on prompts it encoded to nothing."""
+    target = make_checkpoint(tmp_path / "target", "qwen2", make_tokenizer())
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (target / name).unlink(missing_ok=True)
+    with pytest.raises(CheckpointError, match="target checkpoint .* has no usable tokenizer"):
+        distill(target, tmp_path / "draft", minutes=0.01)
+    assert not (tmp_path / "draft").exists()

@@ -221,7 +221,7 @@ def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
     config = _load_config(path, role)
     _check_rope_settings_read(config, raw, path, role)
     loaded = _loaded_tensors(config, entries, path, role)
-    tokenizer = _load_tokenizer(path, role)
+    tokenizer = load_tokenizer(path, role)
     try:
         spec = model_spec(config, architecture, path, role)
     except AttributeError as exc:  # e.g. a multimodal config (its text model's settings under text_config)
@@ -438,7 +438,7 @@ def _loaded_tensors(config, entries: dict[str, TensorEntry], path: Path, role: s
     return frozenset(loaded)
 
 
-def _load_tokenizer(path: Path, role: str):
+def load_tokenizer(path: Path, role: str):
     from transformers import AutoTokenizer
 
     try:
@@ -456,15 +456,21 @@ def _load_tokenizer(path: Path, role: str):
                        "sentencepiece` and compile again")
             raise CheckpointError(f"{role} checkpoint {path} has its tokenizer only as tokenizer.model (sentencepiece), "
                                   f"{why}, or add the tokenizer.json of the model's repository") from None
-        # Distilled drafts are often saved without one (save_pretrained writes the model alone).
-        copy = "; a draft speaks its target's tokenizer: copy the target's tokenizer files into it" if role == "draft" else ""
-        raise CheckpointError(
-            f"{role} checkpoint {path} has no usable tokenizer; it needs tokenizer.json "
-            f"or the tokenizer files its tokenizer_config.json names{copy}"
-        ) from None
+        raise _no_tokenizer(path, role) from None
+    # transformers 5 gives a folder without tokenizer files an empty tokenizer (one token) of the class its
+    # model_type maps to (Qwen's, Gemma's, GPT-2's): its bundle encoded every prompt to nothing.
+    if not any((path / name).is_file() for name in tokenizer.vocab_files_names.values()):
+        raise _no_tokenizer(path, role)
     if not getattr(tokenizer, "is_fast", False):
         raise CheckpointError(f"{role} checkpoint {path}: tokenizer has no fast (tokenizer.json) form")
     return tokenizer
+
+
+def _no_tokenizer(path: Path, role: str) -> CheckpointError:
+    # Distilled drafts are often saved without one (save_pretrained writes the model alone).
+    copy = "; a draft speaks its target's tokenizer: copy the target's tokenizer files into it" if role == "draft" else ""
+    return CheckpointError(f"{role} checkpoint {path} has no usable tokenizer; it needs tokenizer.json "
+                           f"or the tokenizer files its tokenizer_config.json names{copy}")
 
 
 def model_spec(config, architecture: str, path: Path, role: str) -> ModelSpec:

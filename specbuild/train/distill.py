@@ -17,8 +17,8 @@ import torch
 from specbuild_runtime.errors import first_line
 
 from ..acceptance import expected_tokens_per_call, rounds, theoretical_speedup, until_eos
-from ..compile.load import (check_architecture, check_draft_smaller, check_embedding_rows, model_spec, quiet_transformers,
-                             unpadded_parameters)
+from ..compile.load import (check_architecture, check_draft_smaller, check_embedding_rows, load_tokenizer, model_spec,
+                             quiet_transformers, unpadded_parameters)
 from ..errors import CheckpointError, TrainingError
 from ..progress import bar, note
 from ..recipe import DEFAULT_MAX_SEQ_LEN
@@ -40,8 +40,6 @@ GENERATION_SHARE = 0.3
 
 def load_model(path: Path, role: str):
     """A Hugging Face folder's model (fp32, eval mode, from safetensors only: never unpickled) and tokenizer."""
-    from transformers import AutoTokenizer
-
     path = Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{role} checkpoint {path} is not a Hugging Face folder (no config.json)")
@@ -52,11 +50,7 @@ def load_model(path: Path, role: str):
     check_memory(path, role)
     with note(f"loading the {role} checkpoint {path}"):  # an 8B target in fp32 is 32 GB to read and convert
         model = load_reference(path, role)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{role} checkpoint {path} has no usable tokenizer ({first_line(exc)})") from None
-    return model, tokenizer
+    return model, load_tokenizer(path, role)
 
 
 def check_memory(path: Path, role: str) -> None:
