@@ -237,6 +237,16 @@ def other_tokenizer(paths: dict) -> None:
     paths["draft"] = make_checkpoint(Path(paths["tmp"]) / "other", "llama", make_tokenizer(300, ("argparse.py",)))
 
 
+def a_draft_without_tokenizer_files(paths: dict) -> None:
+    """A Qwen-family draft saved with save_pretrained of the model alone: transformers 5 gives the folder an empty
+    tokenizer of its model_type's class instead of failing."""
+    from conftest import make_checkpoint, make_tokenizer
+
+    paths["draft"] = make_checkpoint(Path(paths["tmp"]) / "qwen", "qwen2", make_tokenizer(), 1, intermediate_size=64)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (paths["draft"] / name).unlink(missing_ok=True)
+
+
 def malformed_generation_config(folder: Path) -> None:
     (folder / "generation_config.json").write_text('{"eos_token_id": ')
 
@@ -466,6 +476,9 @@ CASES = [
          "model's `tokenizer.json`.", setup=a_copy_of("target", sentencepiece_only)),
     Case("target and draft swapped (a draft of over 1.25× the target's parameters)", compile_args(), 1, "more than the target",
          "Give the model whose output you want as `--target` and a smaller one as `--draft`.", setup=a_larger_draft),
+    Case("a draft (or target) saved without tokenizer files", compile_args(), 1, "has no usable tokenizer",
+         "Copy the model's tokenizer files (`tokenizer.json`, `tokenizer_config.json`) into the folder the message names (a draft takes its target's).",
+         setup=a_draft_without_tokenizer_files),
     Case("a draft with another tokenizer", compile_args(), 1, "different tokenizers",
          "Use a draft trained with the target's tokenizer (`specbuild distill` makes one).", setup=other_tokenizer),
     Case("a draft (or target) whose `layer_types` slide without a `sliding_window`", compile_args(), 1,
