@@ -502,6 +502,8 @@ CASES = [
     # --- bundles and requests ---------------------------------------------------------------------------
     Case("a folder that is not a bundle", ["generate", "{tmp}", "-p", "x"], 1, "manifest.json is missing",
          "Pass the folder `specbuild compile` wrote."),
+    Case("a bundle path that does not exist (a typo)", ["generate", "{tmp}/bundel", "-p", "x"], 1, "bundel does not exist",
+         "Pass the folder `specbuild compile --output` wrote."),
     Case("a checkpoint folder where a bundle goes", ["generate", "{target}", "-p", "x"], 1, "is a Hugging Face checkpoint",
          "Compile it with a draft first; pass the folder `specbuild compile` wrote."),
     Case("a bundle file changed after compiling", ["generate", "{bundle}", "-p", "x", "-n", "4"], 1, "corrupted",

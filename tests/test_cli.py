@@ -608,7 +608,7 @@ def test_a_seed_without_a_temperature_is_refused_as_top_k_is(tmp_path, cli):
         assert refused["status"] == 2, refused
         assert "--seed applies to sampling: give --temperature too" in refused["stderr"], refused
     assert small["status"] == 2 and "--seed applies to sampling, and --temperature 5e-06 is below" in small["stderr"], small
-    assert unseeded["status"] == 1 and "not a specbuild bundle" in unseeded["stderr"], unseeded
+    assert unseeded["status"] == 1 and "bundle does not exist" in unseeded["stderr"], unseeded
 
 
 # Records the size each command gives onnxruntime's shared pool, and torch's threads at exit.

@@ -334,6 +334,8 @@ def load_manifest(root: str | Path, check_digests: bool = True, require_engines:
         if (root / "config.json").is_file():  # the checkpoint a bundle is compiled from, given in its place
             raise BundleError(f"{root} is a Hugging Face checkpoint, not a specbuild bundle; compile it with a draft "
                               f"first: specbuild compile --target {root} --draft DRAFT_DIR --output BUNDLE")
+        if not root.exists():  # a typo: "manifest.json is missing" sent users looking inside a folder there is not
+            raise BundleError(f"{root} does not exist; pass the folder `specbuild compile --output` wrote")
         raise BundleError(f"{root} is not a specbuild bundle: {MANIFEST} is missing (build one with `specbuild compile`)")
     try:
         data = json.loads(path.read_bytes())
