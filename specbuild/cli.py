@@ -519,9 +519,14 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
                      "(alike and late: rounding; early: a bug)")
         click.echo(line)
     if not report["identical"] and report["quantization"] != "none" and not as_json:
+        from specbuild_runtime.manifest import load_manifest
+
+        # Compile measures only targets up to ~64M parameters: above, pointing at inspect found "not measured".
+        quality = load_manifest(bundle, check_digests=False).engines["target"].quality
+        measured = ("compile measured how far (specbuild inspect: quality)" if quality and "skipped" not in quality else
+                    f"compile did not measure how far ({quality.get('skipped', 'compiled with --no-quality-report')})")
         click.echo(f"note: the target engine is {report['quantization']}-quantized and transformers runs the checkpoint's "
-                   "own weights, so divergence is expected; compile measured how far (specbuild inspect: quality)",
-                   err=True)
+                   f"own weights, so divergence is expected; {measured}", err=True)
     if not report["same_source"] and not as_json:
         click.echo(f"note: {target} is not the checkpoint the bundle was compiled from (their sha256 differ)", err=True)
     if not report["identical"]:

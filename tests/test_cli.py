@@ -134,6 +134,33 @@ def test_verify_without_target_checks_against_the_checkpoint_the_manifest_record
     assert changed["status"] == 1 and "changed since (sha256 differs)" in changed["stderr"], changed
 
 
+def test_verify_of_a_quantized_target_says_whether_compile_measured_its_quality(checkpoints, tmp_path, cli, monkeypatch,
+                                                                            capsys):
+    """Compile measures targets of up to ~64M parameters: above (a Qwen3-0.6B), the note sent users to an inspect
+    line that said "not measured"."""
+    import specbuild.verify
+    from specbuild.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n")
+    bundles = {"measured": tmp_path / "measured", "unmeasured": tmp_path / "unmeasured"}
+    built = cli.run([["compile", "--target", str(checkpoints("llama")), "--draft", str(checkpoints("llama", 1)), "-o",
+                      str(bundle), "--max-seq-len", "64", "--target-quantize", "int4", *extra]
+                     for bundle, extra in zip(bundles.values(), ([], ["--no-quality-report"]))])
+    assert all(result["status"] == 0 for result in built), built
+    divergence = {"prompt_index": 0, "prompt": PROMPTS[0], "position": 0, "bundle_token": 1, "transformers_token": 2}
+    monkeypatch.setattr(specbuild.verify, "verify_bundle", lambda *args: {
+        "identical": False, "prompts": 1, "tokens": 0, "device": "cpu", "precision": "fp32", "quantization": "int4",
+        "same_source": True, "divergence": divergence, "divergences": [divergence]})
+    notes = {}
+    for name, bundle in bundles.items():
+        with pytest.raises(SystemExit):
+            main(["verify", str(bundle), "--prompts", str(prompts)])
+        notes[name] = capsys.readouterr().err
+    assert "compile measured how far (specbuild inspect: quality)" in notes["measured"], notes
+    assert "compile did not measure how far (compiled with --no-quality-report)" in notes["unmeasured"], notes
+
+
 def test_verify_decodes_transformers_plainly_whatever_the_generation_config_asks(checkpoints, tmp_path, cli):
     """Instruct checkpoints ship repetition penalties in generation_config.json, which generate() applies unless
     told otherwise; the runtime decodes the model's plain greedy choices, and so must its reference."""
