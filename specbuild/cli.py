@@ -288,6 +288,13 @@ def cuda_line(manifest) -> str:
 @click.option("--min-p", type=Finite(min=0, max=1), default=0.0, show_default=True,
               help="Sample only from tokens at least this many times as probable as the most probable (0 = all), "
                    "before --top-k and --top-p, as vLLM.")
+@click.option("--repetition-penalty", type=Float32(min=0, min_open=True), default=1.0, show_default=True,
+              help="Divide the positive logits of tokens in the prompt or the output so far by this, multiply their "
+                   "negative ones (1 = none), as transformers and vLLM; greedy or sampled.")
+@click.option("--presence-penalty", type=Finite(min=-2, max=2), default=0.0, show_default=True,
+              help="Subtract this from the logit of every token the output holds (0 = none), as OpenAI and vLLM.")
+@click.option("--frequency-penalty", type=Finite(min=-2, max=2), default=0.0, show_default=True,
+              help="Subtract this times its count in the output from each token's logit (0 = none), as OpenAI and vLLM.")
 def generate(bundle, prompt, max_new_tokens, gamma, chat, chat_template, stop, as_json, logprobs, device, cuda_graphs,
              draft_steps, threads, **sampling) -> None:
     """Continue a prompt with speculative decoding (greedy, or sampling with --temperature)."""
@@ -371,17 +378,16 @@ def quantized_line(engine: Path) -> str:
                                       for bits, block, level in sorted(settings)) if settings else "no MatMulNBits node"
 
 
-def samples_with_min_p(bundle: Path, manifest) -> bool:
-    """Whether the bundle's engines take min_p, as serve tells from them (SpeculativeDecoder.has_min_p): read from its
-    sampler's inputs, compiled with them (a bundle without a sampler was compiled before min_p too)."""
+def sampler_inputs(bundle: Path, manifest) -> set[str]:
+    """The inputs of the bundle's sampler, compiled with the engines: whether they take min_p and the penalties, as
+    serve tells from the engines (SpeculativeDecoder.has_min_p, has_penalties). A bundle without a sampler was
+    compiled before both."""
     import onnx
 
-    from specbuild_runtime.validation import MIN_P
-
     if not manifest.sampler_file:
-        return False
+        return set()
     graph = onnx.load(str(bundle / manifest.sampler_file), load_external_data=False).graph
-    return any(value.name == MIN_P for value in graph.input)
+    return {value.name for value in graph.input}
 
 
 @cli.command()
@@ -391,6 +397,7 @@ def inspect(bundle, as_json) -> None:
     """Show what a bundle holds: engines, shapes, settings, and whether its files are intact."""
     from specbuild_runtime.manifest import TOKENIZER_DIR, chat_template_source, load_manifest, read_tokenizer_config
     from specbuild_runtime.serve.protocol import sampling_defaults
+    from specbuild_runtime.validation import MIN_P, PENALTY_INPUTS
 
     manifest = load_manifest(bundle)
     if as_json:
@@ -427,8 +434,9 @@ def inspect(bundle, as_json) -> None:
         click.echo(f"{'sampler':<10} " + (f"{manifest.sampler_file} (how the greedy-only graphs sample)" if manifest.sampler_file
                                           else "none: compiled before it (CUDA graphs need a recompile)"))
         click.echo(f"{'on cuda':<10} {cuda_line(manifest)}")
-        click.echo(f"{'serve':<10} by default (--generation-config auto), "
-                   f"{sampling_defaults(manifest.generation_config, 'auto', samples_with_min_p(bundle, manifest))}")
+        taken = sampler_inputs(bundle, manifest)
+        defaults = sampling_defaults(manifest.generation_config, "auto", MIN_P in taken, PENALTY_INPUTS.keys() <= taken)
+        click.echo(f"{'serve':<10} by default (--generation-config auto), {defaults}")
     if manifest.tensorrt_llm:
         click.echo("\n".join(f"{'tensorrt':<10} {line}" for line in tensorrt_llm_lines(bundle, manifest.tensorrt_llm)))
     config = read_tokenizer_config(bundle / TOKENIZER_DIR)

@@ -175,22 +175,46 @@ def bundles(tmp_path_factory, checkpoints):
 def compiled_before_min_p(folder: Path) -> Path:
     """The bundle in folder made as compiled before min_p: its engines and sampler without the min_p input (their nodes
     read a constant 0, so they never drop a token), the manifest's digests following them."""
+    import numpy as np
+
+    from specbuild_runtime.manifest import load_manifest
+
+    manifest = load_manifest(folder, check_digests=False)
+    files = (manifest.sampler_file, *(info.file for info in manifest.engines.values()))
+    return without_inputs(folder, files, {"min_p": np.array(0, np.float32)})
+
+
+def compiled_before_penalties(folder: Path) -> Path:
+    """The bundle in folder made as compiled before the penalties: every graph without their inputs (its nodes read
+    neutral constants, shaped [1] to broadcast over any vocabulary), the manifest's digests following them."""
+    import numpy as np
+
+    from specbuild_runtime.manifest import load_manifest
+
+    manifest = load_manifest(folder, check_digests=False)
+    files = (manifest.sampler_file, *(f for info in manifest.engines.values() for f in (info.file, info.greedy_file)))
+    return without_inputs(folder, files, {"repetition_penalty": np.array(1, np.float32),
+                                          "presence_penalty": np.array(0, np.float32),
+                                          "frequency_penalty": np.array(0, np.float32),
+                                          "prompt_mask": np.zeros(1, np.bool_), "output_counts": np.zeros(1, np.float32)})
+
+
+def without_inputs(folder: Path, files, constants: dict) -> Path:
+    """The bundle in folder with the graph inputs named in constants made those constants in each file of files."""
     import json
 
-    import numpy as np
     import onnx
     from onnx import numpy_helper
 
-    from specbuild_runtime.manifest import MANIFEST, load_manifest, sha256_file
+    from specbuild_runtime.manifest import MANIFEST, sha256_file
 
-    manifest = load_manifest(folder, check_digests=False)
     data = json.loads((folder / MANIFEST).read_text())
-    for file in (manifest.sampler_file, *(info.file for info in manifest.engines.values())):
+    for file in files:
         model = onnx.load(str(folder / file), load_external_data=False)
-        kept = [value for value in model.graph.input if value.name != "min_p"]
+        kept = [value for value in model.graph.input if value.name not in constants]
         del model.graph.input[:]
         model.graph.input.extend(kept)
-        model.graph.initializer.append(numpy_helper.from_array(np.array(0, np.float32), "min_p"))
+        model.graph.initializer.extend(numpy_helper.from_array(value, name) for name, value in constants.items())
         onnx.save(model, str(folder / file))
         data["files"][file] = sha256_file(folder / file)
     (folder / MANIFEST).write_text(json.dumps(data))

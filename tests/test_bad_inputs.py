@@ -546,6 +546,11 @@ CASES = [
          "Give 0 (greedy) or a positive number up to 3.4e38."),
     Case("`--top-p 0` or above 1", ["generate", "{bundle}", "-p", "x", "--top-p", "0"], 2, "--top-p",
          "Give a number in (0, 1]; 1 keeps the whole distribution."),
+    Case("`--presence-penalty` or `--frequency-penalty` outside [-2, 2]",
+         ["generate", "{bundle}", "-p", "x", "--presence-penalty", "3"], 2, "--presence-penalty",
+         "Give a number in [-2, 2], as OpenAI's API takes it; 0 applies none."),
+    Case("`--repetition-penalty 0` (or below)", ["generate", "{bundle}", "-p", "x", "--repetition-penalty", "0"], 2,
+         "--repetition-penalty", "Give a number above 0; 1 applies none, above 1 discourages repeats."),
     Case("`--stop ''` (an empty stop string; also a seventeenth `--stop`)", ["generate", "{bundle}", "-p", "x", "--stop", ""], 2,
          "must not be empty", "Give each stop string some text, at most 16 of them."),
     Case("`--gamma` above the bundle's maximum", ["generate", "{bundle}", "-p", "x", "--gamma", "9"], 1, "gamma",
@@ -614,6 +619,10 @@ CASES = [
          call=lambda d, b: d.generate("x", 2.5)),
     Case("`temperature=float('nan')`", None, 1, "temperature", "Pass 0 (greedy) or a positive finite number.",
          call=lambda d, b: d.generate("x", 4, temperature=float("nan"))),
+    Case("`repetition_penalty=1.2` on a bundle compiled before penalties", None, 1,
+         "repetition_penalty needs a bundle compiled with sampling penalties",
+         "Recompile the bundle with `specbuild compile`, or leave the penalties at 1, 0 and 0.",
+         call=lambda d, b: type(d)(before_penalties(b)).generate("x", 4, repetition_penalty=1.2)),
     Case("`gamma=10**9`", None, 1, "gamma", "Pass `auto` or 0 to the bundle's max gamma.",
          call=lambda d, b: d.generate("x", 4, gamma=10**9)),
     Case('`device="gpu"`', None, 1, "device", 'Use "cpu", "cuda" or "auto".',
@@ -690,6 +699,13 @@ def test_the_planted_pickle_runs_code_when_unpickled(tmp_path):
     with open(tmp_path / "checkpoint" / "pytorch_model.bin", "rb") as f:
         pickle.load(f)  # noqa: S301 - the point of the control
     assert (tmp_path / MARKER).read_text() == "unpickled"
+
+
+def before_penalties(bundle: Path) -> Path:
+    """A copy of the bundle as compiled before the sampling penalties (conftest.compiled_before_penalties)."""
+    from conftest import compiled_before_penalties
+
+    return compiled_before_penalties(Path(shutil.copytree(bundle, bundle.parent / "before-penalties", dirs_exist_ok=True)))
 
 
 @pytest.mark.parametrize("case", params(kind_is_cli=False))

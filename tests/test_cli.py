@@ -608,6 +608,20 @@ def test_generate_min_p_samples_as_the_python_apis_min_p(bundles, cli):
     assert greedy["status"] == 2 and "--min-p applies to sampling: give --temperature too" in greedy["stderr"], greedy
 
 
+def test_generate_penalty_flags_decode_as_the_python_apis_penalties(bundles, cli):
+    from specbuild_runtime import SpeculativeDecoder
+
+    bundle, prompt = bundles("llama", 1), "def add(a, b):"
+    penalties = dict(repetition_penalty=1.4, presence_penalty=0.5, frequency_penalty=-0.3)
+    expected = SpeculativeDecoder(bundle).generate(prompt, 24, **penalties).token_ids
+    assert expected != SpeculativeDecoder(bundle).generate(prompt, 24).token_ids  # they bite
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in penalties.items()]
+    ran, refused = cli.run([["generate", str(bundle), "-p", prompt, "-n", "24", *flags, "--json"],
+                            ["generate", str(bundle), "-p", prompt, "--presence-penalty", "2.5"]])
+    assert ran["status"] == 0 and json.loads(ran["stdout"])["token_ids"] == expected, ran
+    assert refused["status"] == 2 and "2.5 is not in the range -2<=x<=2" in refused["stderr"], refused
+
+
 def test_the_cuda_graphs_help_names_every_architecture_captured_by_default():
     """The default it states is engine.CAPTURED_BY_DEFAULT's, which grew past Llama alone."""
     from specbuild_runtime.engine import CAPTURED_BY_DEFAULT

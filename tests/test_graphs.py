@@ -97,7 +97,8 @@ def test_verification_counts_leading_matching_drafts(checkpoints):
 # Inputs the CUDA provider's kernels read on the host (OrtMemTypeCPUInput in their kernel definitions).
 HOST_READS = {"TopK": (1,), "Slice": (1, 2, 3, 4), "Reshape": (1,), "Expand": (1,), "Unsqueeze": (1,), "Squeeze": (1,),
               "ConstantOfShape": (0,), "Tile": (1,), "If": (0,), "Range": (0, 1, 2), "Split": (1,), "ReduceSum": (1,),
-              "ReduceMax": (1,), "ReduceMin": (1,), "ReduceMean": (1,), "GroupQueryAttention": (6,)}
+              "ReduceMax": (1,), "ReduceMin": (1,), "ReduceMean": (1,), "GroupQueryAttention": (6,), "OneHot": (1, 2),
+              "CumSum": (1,)}
 
 
 def device_values_read_on_the_host(graph, outer_host=frozenset(), outer_small=frozenset(), path=""):

@@ -124,6 +124,10 @@ CASES = {  # name: (bundle, decoding options, negative control)
     # vLLM's order: min-p on the tempered distribution, then top-k, then top-p on what min-p left.
     "min-p 0.05, top-k 8 and top-p 0.9 at temperature 0.8": (
         "draft", dict(gamma=3, temperature=0.8, top_k=8, top_p=0.9, min_p=0.05), WRONG_RULE),
+    # vLLM's penalties on the target's raw logits, before temperature and top-k; the draft proposes unpenalised.
+    "repetition 1.5, presence 0.4 and frequency 0.3, top-k 10 at temperature 0.9": (
+        "draft", dict(gamma=4, temperature=0.9, top_k=10, repetition_penalty=1.5, presence_penalty=0.4,
+                      frequency_penalty=0.3), WRONG_RULE),
 }
 
 
@@ -181,14 +185,26 @@ def martingale_chi2(observed: np.ndarray, expected: np.ndarray) -> tuple[float, 
     return float(d[:df] @ np.linalg.solve(covariance[:df, :df], d[:df])), df
 
 
+def penalised(logits: torch.Tensor, tokens: torch.Tensor, repetition=1.0, presence=0.0, frequency=0.0) -> torch.Tensor:
+    """logits [N, T, V] of the positions that drew tokens [N, T] after PROMPT, with vLLM's penalties: repetition
+    (transformers' RepetitionPenaltyLogitsProcessor) over the prompt and the tokens before each position, presence and
+    frequency over those tokens."""
+    drawn = torch.nn.functional.one_hot(tokens, logits.shape[-1]).double()
+    counts = drawn.cumsum(1) - drawn  # the tokens before each position
+    seen = (counts > 0) | torch.isin(torch.arange(logits.shape[-1]), torch.tensor(PROMPT))
+    logits = torch.where(seen, torch.where(logits < 0, logits * repetition, logits / repetition), logits)
+    return logits - frequency * counts - presence * (counts > 0).double()
+
+
 def distribution_test(pair, bundle: str, samples: list[list[int]], temperature, top_k=0, top_p=1.0, min_p=0.0,
-                      **_) -> dict:
+                      repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, **_) -> dict:
     """p-value of the samples against the target's distribution, and how many had probability zero."""
     target, draft = BUNDLES[bundle]
     tokens = torch.tensor(samples)
     sequences = torch.cat([torch.tensor(PROMPT).expand(len(samples), -1), tokens], 1)
     with torch.no_grad():
-        p_logits = pair[target](sequences).logits[:, len(PROMPT) - 1 : -1].double()
+        p_logits = penalised(pair[target](sequences).logits[:, len(PROMPT) - 1 : -1].double(), tokens,
+                             repetition_penalty, presence_penalty, frequency_penalty)
         # the draft's engine has the tokenizer's ids alone (its padding rows cut): q is 0 past them, and it
         # reads the target's padding ids as its last row
         q_logits = pair[draft](sequences.clamp(max=VOCAB - 1)).logits[:, len(PROMPT) - 1 : -1, :VOCAB].double()
@@ -275,6 +291,20 @@ def test_min_p_samples_the_same_distribution_target_only_as_speculatively(pair, 
     without = distribution_test(pair, draft, sample(decoder, {**options, "min_p": 0.0}, SAMPLES // 6)[0], **options)
     assert alone["impossible"] == speculative["impossible"] == 0 and alone["p"] > 1e-4 and speculative["p"] > 1e-4
     assert without["impossible"] > 0, without
+
+
+def test_penalties_sample_the_same_distribution_target_only_as_speculatively(pair, sampled):
+    """gamma 0 (the target alone) and gamma 4 each follow the target's penalised distribution, which samples drawn
+    without the penalties do not."""
+    case = "repetition 1.5, presence 0.4 and frequency 0.3, top-k 10 at temperature 0.9"
+    draft, options, _ = CASES[case]
+    decoder = SpeculativeDecoder(pair["bundles"][draft])
+    alone = distribution_test(pair, draft, sample(decoder, {**options, "gamma": 0})[0], **options)
+    speculative = distribution_test(pair, draft, sampled(case)[0], **options)
+    unpenalised = {**options, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    without = distribution_test(pair, draft, sample(decoder, unpenalised, SAMPLES // 6)[0], **options)
+    assert alone["impossible"] == speculative["impossible"] == 0 and alone["p"] > 1e-4 and speculative["p"] > 1e-4
+    assert without["p"] < 1e-12, without
 
 
 @pytest.mark.parametrize("options", [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 12, "top_p": 0.9}])

@@ -27,7 +27,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import PROMPTS, compiled_before_min_p, make_checkpoint
+from conftest import PROMPTS, compiled_before_min_p, compiled_before_penalties, make_checkpoint
 
 MODEL = "demo"  # the name the README's examples use
 MAX_SEQ_LEN = 256
@@ -50,6 +50,9 @@ WEATHER = {"type": "function", "function": {
 GREEDY = {"temperature": 0}  # sent: a request without one samples (serve --generation-config auto, OpenAI's default)
 SAMPLED = [dict(temperature=0.8, top_p=0.9, seed=7, gamma=2), dict(temperature=1.0, top_k=20, seed=3, gamma=3)]
 MIN_P = dict(temperature=1.2, min_p=0.1, seed=5, gamma=3)
+# OpenAI's presence and frequency penalties, vLLM's repetition_penalty (an extra), greedy and sampled
+PENALISED = [dict(temperature=0, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3, gamma=3),
+             dict(temperature=0.9, presence_penalty=-0.5, frequency_penalty=0.8, repetition_penalty=0.8, seed=4, gamma=3)]
 FINISH = {"eos": "stop", "stop": "stop", "stop_token": "stop", "max_new_tokens": "length", "context": "length"}
 
 
@@ -142,12 +145,14 @@ def client(server):
 
 
 def api_settings(settings: dict) -> dict:
-    """The openai client's arguments for runtime settings: top_k, min_p and gamma travel in extra_body."""
-    extra = {k: settings[k] for k in ("top_k", "min_p", "gamma") if k in settings}
+    """The openai client's arguments for runtime settings: top_k, min_p, repetition_penalty and gamma travel in
+    extra_body."""
+    extra = {k: settings[k] for k in ("top_k", "min_p", "repetition_penalty", "gamma") if k in settings}
     return {**{k: v for k, v in settings.items() if k not in extra}, **({"extra_body": extra} if extra else {})}
 
 
-@pytest.mark.parametrize("settings", [GREEDY, *SAMPLED, MIN_P], ids=["greedy", "top-p", "top-k", "min-p"])
+@pytest.mark.parametrize("settings", [GREEDY, *SAMPLED, MIN_P, *PENALISED],
+                         ids=["greedy", "top-p", "top-k", "min-p", "greedy-penalties", "sampled-penalties"])
 def test_completions_equal_generate_streamed_or_not(client, reference, settings):
     for prompt in PROMPTS[:3]:
         expected = reference.generate(prompt, max_new_tokens=24, **settings)
@@ -171,7 +176,7 @@ def test_chat_renders_the_bundle_template_as_transformers_does(client, reference
                     {"role": "user", "content": [{"type": "text", "text": "and"}, {"type": "text", "text": "sub?"}]}]
     as_hf_sees_it = [*conversation[:2], {"role": "user", "content": "and\nsub?"}]  # text parts joined as vLLM joins them
     ids = hf.apply_chat_template(as_hf_sees_it, add_generation_prompt=True, tokenize=True, return_dict=False)
-    for settings in (GREEDY, SAMPLED[0]):
+    for settings in (GREEDY, SAMPLED[0], *PENALISED):
         expected = reference.generate(ids, max_new_tokens=20, **settings)
         whole = client.chat.completions.create(model=MODEL, messages=conversation, max_tokens=20, **api_settings(settings))
         assert whole.choices[0].message.content == expected.text and whole.choices[0].message.role == "assistant"
@@ -662,7 +667,10 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 3, "max_tokens": "x"},
      "max_tokens must be a whole number"),
     ("completions", {"prompt": "x", "top_k": -2}, "top_k must be >= 0"),
-    ("completions", {"prompt": "x", "presence_penalty": False}, "'presence_penalty' is not supported"),
+    ("completions", {"prompt": "x", "presence_penalty": False}, "presence_penalty must be a number, not False (bool)"),
+    ("completions", {"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty must be in [-2, 2] (0 = none), not 2.5"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0},
+     "repetition_penalty must be above 0 (1 = none), not 0.0"),
     ("completions", {"prompt": "x", "frobnicate": 1}, "unrecognized request argument: 'frobnicate'"),
     ("completions", b'{"prompt": "x", "fr\\ud800b": 1}', "unrecognized request argument: 'fr\\ud800b'"),
     ("completions", b'{"prompt": "x", "stream": true, "stream_options": {"\\udfff": 1}}',
@@ -2003,7 +2011,7 @@ def test_compile_keeps_the_chat_template_in_either_form(form, tmp_path, tokenize
 
 # --- Sampling defaults (serve --generation-config) -----------------------------------------------------------------
 
-# As instruct checkpoints ship it: sampling recommended, with a penalty this server does not have. Values that bite on
+# As instruct checkpoints ship it: sampling recommended, with a repetition penalty. Values that bite on
 # the test pair (a temperature of 1 or top_k of all would decode other text: test_the_bundles_... checks it).
 GENERATION_CONFIG = {"do_sample": True, "temperature": 1.5, "top_k": 3, "repetition_penalty": 1.3}
 
@@ -2041,8 +2049,9 @@ def test_inspect_says_what_serve_gives_requests_that_omit_sampling_fields(sampli
     (old / "manifest.json").write_text(json.dumps(manifest))
     sampled, plain, before = cli.run([["inspect", str(sampling_bundle)], ["inspect", str(bundle)], ["inspect", str(old)]])
     assert all(r["status"] == 0 for r in (sampled, plain, before)), (sampled["stderr"], before["stderr"])
-    assert ("serve      by default (--generation-config auto), requests without temperature/top_p/top_k/min_p get temperature 1.5, top_k 3 (from the bundle's "
-            "generation_config); generation_config fields not applied: repetition_penalty 1.3") in sampled["stdout"]
+    assert ("serve      by default (--generation-config auto), requests without temperature/top_p/top_k/min_p/"
+            "repetition_penalty get temperature 1.5, top_k 3, repetition_penalty 1.3 (from the bundle's generation_config)"
+            "\n") in sampled["stdout"]
     assert "get temperature 1 (OpenAI's defaults; the bundle's generation_config sets none" in plain["stdout"]
     assert "compiled before manifests recorded the generation_config: recompile it" in before["stdout"]
 
@@ -2057,9 +2066,24 @@ def test_inspect_names_the_generation_configs_min_p_not_applied_by_a_bundle_comp
     (old / "manifest.json").write_text(json.dumps(manifest))
     inspected = cli.run([["inspect", str(old)]])[0]
     assert inspected["status"] == 0, inspected["stderr"]
-    assert ("get temperature 1.5, top_k 3 (from the bundle's generation_config); generation_config fields not applied: "
-            "repetition_penalty 1.3, min_p 0.05 (this bundle was compiled before min_p: recompile it to apply it)"
+    assert ("get temperature 1.5, top_k 3, repetition_penalty 1.3 (from the bundle's generation_config); generation_config "
+            "fields not applied: min_p 0.05 (this bundle was compiled before min_p: recompile it to apply it)"
             ) in inspected["stdout"], inspected["stdout"]
+
+
+def test_a_bundle_compiled_before_penalties_names_its_generation_configs_repetition_penalty_not_applied(
+        sampling_bundle, cli, tmp_path):
+    """inspect, as serve's start-up line (app.Server reads the engines' inputs), and serve's defaults."""
+    from specbuild_runtime.serve.protocol import sampling_defaults
+
+    old = compiled_before_penalties(Path(shutil.copytree(sampling_bundle, tmp_path / "old")))
+    inspected = cli.run([["inspect", str(old)]])[0]
+    assert inspected["status"] == 0, inspected["stderr"]
+    assert ("get temperature 1.5, top_k 3 (from the bundle's generation_config); generation_config fields not applied: "
+            "repetition_penalty 1.3 (this bundle was compiled before sampling penalties: recompile it to apply it)"
+            ) in inspected["stdout"], inspected["stdout"]
+    defaults = sampling_defaults({"temperature": 0.7, "repetition_penalty": 1.1}, "auto", penalties=False)
+    assert defaults.values == {"temperature": 0.7} and len(defaults.ignored) == 1
 
 
 def test_requests_that_omit_sampling_fields_get_the_bundles_generation_config_and_theirs_win(sampling_bundle):
@@ -2069,18 +2093,21 @@ def test_requests_that_omit_sampling_fields_get_the_bundles_generation_config_an
 
     reference = SpeculativeDecoder(sampling_bundle)
 
-    def expected(**settings) -> str:
-        return reference.generate(PROMPTS[0], max_new_tokens=16, seed=3, **settings).text
+    def expected(repetition_penalty=1.3, **settings) -> str:
+        return reference.generate(PROMPTS[0], max_new_tokens=16, seed=3, repetition_penalty=repetition_penalty,
+                                  **settings).text
 
     from_config = expected(temperature=1.5, top_k=3)
     assert len({from_config, expected(), expected(temperature=1.5), expected(temperature=1.0, top_k=3)}) == 4
+    assert expected() != expected(1.0)  # the repetition penalty bites (greedy: sampled, top_k 3 rarely repeats a token)
     with in_process(sampling_bundle) as (url, decoder, _):
         decoder.go.set()
-        assert seeded(url) == seeded(url, temperature=None, top_k=None) == from_config
+        assert seeded(url) == seeded(url, temperature=None, top_k=None, repetition_penalty=None) == from_config
         assert seeded(url, temperature=0) == expected()
         assert seeded(url, top_k=0) == expected(temperature=1.5)
         assert seeded(url, temperature=1.0) == expected(temperature=1.0, top_k=3)
         assert seeded(url, top_p=0.5) == expected(temperature=1.5, top_k=3, top_p=0.5)  # top_p alone: sampled
+        assert seeded(url, temperature=0, repetition_penalty=1) == expected(1.0)
 
 
 @pytest.mark.parametrize("mode", ["vllm", "greedy"])
@@ -2110,8 +2137,8 @@ def test_the_start_up_line_names_the_defaults_and_what_of_the_generation_config_
         assert healthy(url)
     line = next(line for line in log.read_text().splitlines() if line.startswith("serving "))
     assert "; no chat template (/v1/chat/completions answers 400; --chat-template gives one); " in line, line
-    assert line.endswith("requests without temperature/top_p/top_k/min_p get temperature 1.5, top_k 3 (from the bundle's "
-                         "generation_config); generation_config fields not applied: repetition_penalty 1.3"), line
+    assert line.endswith("requests without temperature/top_p/top_k/min_p/repetition_penalty get temperature 1.5, top_k 3, "
+                         "repetition_penalty 1.3 (from the bundle's generation_config)"), line
 
 
 def test_a_bundle_compiled_before_manifests_recorded_the_generation_config_serves_with_openais_defaults(bundle, tmp_path):
@@ -2138,11 +2165,12 @@ def test_the_generation_configs_min_p_applies_to_requests_that_omit_it_as_in_vll
     reference = SpeculativeDecoder(bundle)
 
     def expected(**settings) -> str:
-        return reference.generate(PROMPTS[0], max_new_tokens=16, seed=3, temperature=1.5, top_k=3, **settings).text
+        return reference.generate(PROMPTS[0], max_new_tokens=16, seed=3, temperature=1.5, top_k=3, repetition_penalty=1.3,
+                                  **settings).text
 
     assert expected(min_p=0.9) != expected()  # it bites
     said = str(sampling_defaults(reference.manifest.generation_config, "auto", reference.has_min_p))
-    assert "get temperature 1.5, top_k 3, min_p 0.9 (from the bundle's generation_config)" in said
+    assert "get temperature 1.5, top_k 3, min_p 0.9, repetition_penalty 1.3 (from the bundle's generation_config)" in said
     with in_process(bundle) as (url, decoder, _):
         decoder.go.set()
         assert seeded(url) == seeded(url, min_p=None) == expected(min_p=0.9)

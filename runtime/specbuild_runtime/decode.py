@@ -32,7 +32,8 @@ from .relay import Relay
 from .slot import (MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, Rows, Slot, check_gpu_total_len, fixed_rows,
                    unsteady_calls)
 from .text import TextStream, token_span
-from .validation import AUTO, Prompt, Request, check_request, check_text_fits, check_vocabularies, whole
+from .validation import (AUTO, NO_PENALTIES, PENALTIES, Prompt, Request, check_request, check_text_fits, check_vocabularies,
+                         whole)
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
@@ -334,6 +335,12 @@ class SpeculativeDecoder:
         return self.target.has_min_p and self.draft.has_min_p
 
     @property
+    def has_penalties(self) -> bool:
+        """Whether the target decides with vLLM's penalties (a bundle compiled before them does not; the draft never
+        applies them: see slot.Slot.configure)."""
+        return self.target.has_penalties
+
+    @property
     def graphs_captured(self) -> int:
         """CUDA graphs this decoder's engines have captured so far, in every thread."""
         return sum(engine.graphs_captured for engine in (self.target, self.draft, self.steps_engine) if engine is not None)
@@ -348,7 +355,8 @@ class SpeculativeDecoder:
                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                 stop: str | list[str] | None = None, logprobs: int | None = None, *, ignore_eos: bool = False,
                 stop_token_ids: list[int] | None = None, include_stop_str_in_output: bool = False,
-                skip_special_tokens: bool = True, min_p: float = 0.0, prompt_logprobs: int | None = None) -> Request:
+                skip_special_tokens: bool = True, min_p: float = 0.0, prompt_logprobs: int | None = None,
+                repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> Request:
         """The checked request (validation.check_request against this bundle), or a RequestError. The keyword-only
         options (which generate, stream, stream_text and their async forms pass on) are vLLM's SamplingParams':
         ignore_eos decodes past eos tokens (to max_new_tokens or the context); a token of stop_token_ids ends the
@@ -356,7 +364,11 @@ class SpeculativeDecoder:
         string, or the eos or stop token's text, instead of leaving it out; skip_special_tokens false shows special
         tokens in the text; min_p (as vLLM's and llama.cpp's) samples only tokens at least min_p times as probable as
         the most probable, after temperature and before top_k and top_p (0: all); prompt_logprobs (generate and
-        agenerate) scores the prompt as logprobs scores the tokens generated, and max_new_tokens may then be 0."""
+        agenerate) scores the prompt as logprobs scores the tokens generated, and max_new_tokens may then be 0;
+        repetition_penalty (above 0; 1: none) divides the positive logits of tokens in the prompt or generated so far
+        and multiplies their negative ones, as transformers' and vLLM's; presence_penalty and frequency_penalty (in
+        [-2, 2]; 0: none) subtract, from each generated token's logit, the penalty once and the penalty times its
+        count, as OpenAI's and vLLM's. Penalties apply greedy and sampled, before temperature; logprobs stay raw."""
         if (logprobs is not None or prompt_logprobs is not None) and not self.target.has_logits:
             raise RequestError(f"{self.root} was compiled before its engines gave their logits, so it gives no logprobs: "
                                "recompile it with `specbuild compile`")
@@ -366,11 +378,18 @@ class SpeculativeDecoder:
                                 logprobs=logprobs, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids,
                                 include_stop_str_in_output=include_stop_str_in_output,
                                 skip_special_tokens=skip_special_tokens, token_span=self.token_span,
-                                context_limit=self.manifest.context_limit, min_p=min_p, prompt_logprobs=prompt_logprobs)
+                                context_limit=self.manifest.context_limit, min_p=min_p, prompt_logprobs=prompt_logprobs,
+                                repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty)
         # Begins with the field's name, as validation's messages do: serve's 400 names it as its `param`.
         if request.sampling.min_p and not self.has_min_p:
             raise RequestError(f"min_p needs a bundle compiled with min_p sampling; {self.root} was compiled before it: "
                                "recompile it with `specbuild compile`, or leave min_p out")
+        if request.sampling.penalties != NO_PENALTIES and not self.has_penalties:
+            name = next(name for name, value, neutral in zip(PENALTIES, request.sampling.penalties, NO_PENALTIES)
+                        if value != neutral)
+            raise RequestError(f"{name} needs a bundle compiled with sampling penalties; {self.root} was compiled before "
+                               "them: recompile it with `specbuild compile`, or leave the penalties out")
         return request
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
@@ -578,7 +597,7 @@ class SpeculativeDecoder:
                 stats.finish_reason = "max_new_tokens"
                 return
         slot.configure(sampling.temperature, sampling.top_k, sampling.top_p, logits=records is not None,
-                       min_p=sampling.min_p)
+                       min_p=sampling.min_p, penalties=sampling.penalties, prompt=request.prompt_ids)
         rng = sampling.generator()
         # n uniforms in [0, 1) a call: n-1 to judge drafts, the last to draw the next token.
         uniforms = (lambda n: None) if sampling.greedy else (lambda n: rng.random(n, dtype=np.float32))
@@ -615,6 +634,7 @@ class SpeculativeDecoder:
                 if follows is not None:
                     follows[ids[-1]] = token
                 ids.append(token)
+                target.count(token)
                 stats.generated_tokens += 1
                 stats.token_times.append(clock() - start)
                 # Said before the token is yielded: a consumer may close the stream once it has the last one.

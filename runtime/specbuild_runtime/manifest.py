@@ -5,8 +5,8 @@ A bundle is a folder:
     target.onnx(.data)      target engine: greedy verification built in
     draft.onnx(.data)       draft engine: same I/O, fed num_drafts = 0
     {role}.greedy.onnx      each engine's greedy-only graph, reading the weights from {role}.onnx.data:
-                            the I/O below without the sampling inputs and `probs` (and `logits` in
-                            every bundle that has one), and without control flow, so that onnxruntime
+                            the I/O below without the sampling inputs (the penalties' stay) and `probs`
+                            (and `logits` in every bundle that has one), and without control flow, so that onnxruntime
                             can capture its calls as CUDA graphs
     draft.steps.onnx        the draft's greedy drafting of K tokens in one call (K = the output's length),
                             reading draft.onnx.data: in input_ids, seqlens_k, total_len (step 0) and
@@ -15,7 +15,7 @@ A bundle is a folder:
                             present buffers: present_*.{i} for step 0, present_*.{i}.step{j} after it, all
                             bound to the same buffers. No control flow.
     sampler.onnx            the sampling tail alone (no weights), for decoders running the greedy-only
-                            graphs: in logits, input_ids, num_drafts and the sampling inputs below; out
+                            graphs: in logits, input_ids, num_drafts, the sampling and penalty inputs below; out
                             accepted, next_token, probs; the same nodes as the engines' sampling branch
     tokenizer/              the tokenizer both models share (tokenizer.json + HF side files)
     tensorrt-llm/, vllm/    compiled with --backend tensorrt-llm or all: TensorRT-LLM checkpoints and the
@@ -38,6 +38,16 @@ float type (fp32, fp16 or bf16; see EngineInfo.precision):
          min_p          f32 []          keep the tokens at least min_p times as probable as the most
                                         probable (0 = all), before top_k and top_p. Engines and samplers
                                         compiled before it lack it, and sample without min_p
+         repetition_penalty, presence_penalty, frequency_penalty   f32 []   vLLM's penalties (1, 0, 0: none),
+                                        applied to the raw logits before every decision, greedy or sampled
+                                        (the `logits` output stays raw): repetition over the prompt's and
+                                        the generated tokens, presence and frequency over the generated ones
+         prompt_mask    bool [V]        the request's prompt tokens (repetition counts them as seen)
+         output_counts  f32 [V]         each token's count among the tokens generated before this call's
+                                        drafts; row j adds drafts 0..j-1 to it in the graph. These five
+                                        are in every graph that decides (the greedy-only ones and the
+                                        sampler too) but a draft's steps graph; graphs compiled before them
+                                        lack all five, and decide without penalties
          draft_probs    f32 [D, V]      the draft's distribution q at each draft (sampling; [0, V] greedy)
          uniforms       f32 [D+1]       random numbers: D to judge the drafts, one to draw the next token
          past_key.{i}, past_value.{i}   F [1, kv_heads, max_seq_len, head_dim], the KV buffers, bound

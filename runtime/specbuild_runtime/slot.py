@@ -21,7 +21,7 @@ import onnxruntime as ort
 from .engine import Engine
 from .errors import BundleError, DeviceError, RequestError, first_line
 from .manifest import LONG_ROPE, step_presents, step_total_len
-from .validation import MIN_P
+from .validation import MIN_P, NO_PENALTIES, PENALTIES
 
 MAX_REUSED_IDS = 64  # calls of up to this many tokens (drafting, verifying) reuse one buffer per length
 # onnxruntime counts the runs before a capture per thread, not per graph: once a thread has run twice it
@@ -305,12 +305,49 @@ class EngineSlot:
                            False: Buffer(np.zeros(0, np.float32), device)}
             self._probs_rows, self._draft_probs = probs_rows, draft_probs
             self._no_drafts = Buffer(np.zeros((0, engine.vocab_size), np.float32), engine.sampling_devices["draft_probs"])
+        # vLLM's penalties (manifest.py), where the graphs take them: one set of host arrays, bound to each binding
+        # that decides (a greedy-only graph's and its sampler's), each a copy of its own where the device holds it.
+        # The tallies change only where a request is penalised (count), and are pushed before the next call.
+        self._penalty_values = {"repetition_penalty": np.ones((), np.float32), "presence_penalty": np.zeros((), np.float32),
+                                "frequency_penalty": np.zeros((), np.float32),
+                                "prompt_mask": np.zeros(engine.vocab_size, np.bool_),
+                                "output_counts": np.zeros(engine.vocab_size, np.float32)}
+        self._penalty_buffers = []
+        if engine.has_penalties:
+            bindings = [None] + ([self._tail] if self._tail is not None and self._tail is not self.binding else [])
+            self._penalty_buffers = [self._input(name, host, binding) for binding in bindings
+                                     for name, host in self._penalty_values.items()]
+        self._penalties_changed = self._tallied = False
+        if self._tail is not None:
             self._configure(temperature=0.0)
 
-    def configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> None:
-        """Greedy at temperature 0; otherwise sampling from softmax(logits/temperature) within min-p/top-k/top-p."""
+    def configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                  penalties: tuple[float, float, float] = NO_PENALTIES, prompt: list[int] = ()) -> None:
+        """Greedy at temperature 0; otherwise sampling from softmax(logits/temperature) within min-p/top-k/top-p.
+        penalties: (repetition, presence, frequency), applied to the logits first (neutral: NO_PENALTIES, the only
+        values an engine without has_penalties takes); prompt: the request's prompt ids, which repetition counts as
+        seen; the tokens generated are told with count."""
         with self.engine.calls:  # its copies to the device too (see engine._CUDA_GRAPH_CALLS)
+            self._penalise(penalties, prompt)
             self._configure(temperature, top_k, top_p, min_p)
+
+    def _penalise(self, penalties: tuple[float, float, float], prompt: list[int]) -> None:
+        values = self._penalty_values
+        if self._tallied:  # the last request's tokens
+            values["prompt_mask"][:] = False
+            values["output_counts"][:] = 0
+        self._tallied = penalties != NO_PENALTIES
+        if self._tallied:
+            values["prompt_mask"][prompt] = True
+        for name, value in zip(PENALTIES, penalties):
+            values[name][()] = value
+        self._penalties_changed = True
+
+    def count(self, token: int) -> None:
+        """One more generated token, which the penalties of the next calls count (a penalised request's, see configure)."""
+        if self._tallied:
+            self._penalty_values["output_counts"][token] += 1
+            self._penalties_changed = True
 
     def _configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> None:
         if self._tail is None:
@@ -472,6 +509,10 @@ class EngineSlot:
         if self._copies:
             for buffer in (self._total_len, self._seqlens_k, self._num_drafts):
                 buffer.push()
+        if self._penalties_changed:
+            for buffer in self._penalty_buffers:
+                buffer.push()
+            self._penalties_changed = False
         if self._long_rope is not None and self._long_rope.host[()] != self._use_long:  # changes once a sequence, at most
             self._long_rope.host[()] = int(self._use_long)
             self._long_rope.push()
@@ -656,8 +697,11 @@ class Slot:
         self.draft = EngineSlot(draft, AS_FED, probs_rows=q)
         self.draft_steps = DraftSteps(draft_steps, self.draft) if draft_steps else None
 
-    def configure(self, temperature: float, top_k: int, top_p: float, logits: bool = False, min_p: float = 0.0) -> None:
-        """A request's sampling settings; logits: the target's calls leave their logits for it to read."""
-        for engine_slot in (self.target, self.draft):
-            engine_slot.configure(temperature, top_k, top_p, min_p)
+    def configure(self, temperature: float, top_k: int, top_p: float, logits: bool = False, min_p: float = 0.0,
+                  penalties: tuple[float, float, float] = NO_PENALTIES, prompt: list[int] = ()) -> None:
+        """A request's sampling settings; logits: the target's calls leave their logits for it to read. penalties
+        (with the prompt's ids): the target's alone. The draft proposes from its unpenalised logits, and samples
+        from (and reports as q) the distribution it drew from: the target's judgement keeps the output exact."""
+        self.target.configure(temperature, top_k, top_p, min_p, penalties, prompt)
+        self.draft.configure(temperature, top_k, top_p, min_p)
         self.target.read_logits(logits)

@@ -38,6 +38,10 @@ GREEDY_BELOW = 1e-5
 Prompt = Union[str, Sequence[int], np.ndarray]
 
 
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+NO_PENALTIES = (1.0, 0.0, 0.0)  # the values of PENALTIES that change no logit
+
+
 @dataclass(frozen=True)
 class Sampling:
     """temperature 0 is greedy (check_request makes any below GREEDY_BELOW 0); a seed makes a sampled run
@@ -48,10 +52,18 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     min_p: float = 0.0
+    # vLLM's penalties, greedy or sampled (manifest.py): 1, 0 and 0 apply none
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalties(self) -> tuple[float, float, float]:
+        return self.repetition_penalty, self.presence_penalty, self.frequency_penalty
 
     def generator(self) -> np.random.Generator:
         """numpy's generator for the seed. numpy takes seeds >= 0 only: a negative seed -s draws from
@@ -105,7 +117,8 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
                   max_gamma: int, max_new_tokens=128, gamma=AUTO, temperature=0.0, top_k=0, top_p=1.0,
                   seed=None, stop=None, logprobs=None, ignore_eos=False, stop_token_ids=None,
                   include_stop_str_in_output=False, skip_special_tokens=True, token_span: TokenSpan | None = None,
-                  context_limit: int = 0, min_p=0.0, prompt_logprobs=None) -> Request:
+                  context_limit: int = 0, min_p=0.0, prompt_logprobs=None, repetition_penalty=1.0, presence_penalty=0.0,
+                  frequency_penalty=0.0) -> Request:
     """The request as plain checked values, or a RequestError naming the first value that is wrong. ignore_eos,
     stop_token_ids, include_stop_str_in_output, skip_special_tokens and prompt_logprobs mean what vLLM's SamplingParams
     says. token_span: the most text one token of `encode`'s tokenizer stands for, where a bound holds (text.token_span).
@@ -119,7 +132,8 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
             raise RequestError(f"gamma must be {AUTO!r} or a whole number from 0 to {max_gamma}, not {shown(gamma)}")
         gamma = whole("gamma", gamma, low=0, high=max_gamma,
                       hint=f" (this bundle's most drafts per round; 0 = target only, {AUTO!r} adapts)")
-    temperature, top_k, top_p, min_p = check_sampling(temperature, top_k, top_p, vocab_size, min_p)
+    temperature, top_k, top_p, min_p, *penalties = check_sampling(temperature, top_k, top_p, vocab_size, min_p,
+                                                                  repetition_penalty, presence_penalty, frequency_penalty)
     seed = None if seed is None else whole("seed", seed)
     if logprobs is not None:
         logprobs = whole("logprobs", logprobs, low=0, high=MAX_LOGPROBS, hint=" (the most probable tokens to show beside "
@@ -139,7 +153,7 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
         text, token_span, max_seq_len, max_new_tokens, context_limit=context_limit))
     if len(prompt_ids) > max_seq_len:
         raise too_long(len(prompt_ids), max_seq_len, max_new_tokens, context_limit=context_limit)
-    return Request(prompt_ids, max_new_tokens, gamma, Sampling(temperature, top_k, top_p, seed, min_p),
+    return Request(prompt_ids, max_new_tokens, gamma, Sampling(temperature, top_k, top_p, seed, min_p, *penalties),
                    stop_strings(stop), special_tokens, logprobs, ignore_eos, stop_token_ids, include_stop, prompt_logprobs)
 
 
@@ -176,10 +190,11 @@ def too_long(tokens: int, max_seq_len: int, max_new_tokens: int, at_least: bool 
                         f"take up to {context_limit})")
 
 
-def check_sampling(temperature=0.0, top_k=0, top_p=1.0, vocab_size: int = 1,
-                   min_p=0.0) -> tuple[float, int, float, float]:
-    """(temperature, top_k, top_p, min_p) as the engines take them, or a RequestError naming the first that is
-    wrong. min_p in [0, 1], as vLLM's SamplingParams takes it."""
+def check_sampling(temperature=0.0, top_k=0, top_p=1.0, vocab_size: int = 1, min_p=0.0, repetition_penalty=1.0,
+                   presence_penalty=0.0, frequency_penalty=0.0) -> tuple[float, int, float, float, float, float, float]:
+    """(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty) as the engines take
+    them, or a RequestError naming the first that is wrong. min_p in [0, 1], repetition_penalty above 0, presence and
+    frequency penalties in [-2, 2], as vLLM's SamplingParams takes them."""
     temperature = real("temperature", temperature)
     if temperature < 0:
         raise RequestError(f"temperature must be 0 (greedy) or more, not {temperature}")
@@ -194,7 +209,15 @@ def check_sampling(temperature=0.0, top_k=0, top_p=1.0, vocab_size: int = 1,
     min_p = real("min_p", min_p)
     if not 0 <= min_p <= 1:
         raise RequestError(f"min_p must be in [0, 1] (0 = no limit), not {min_p}")
-    return temperature, top_k, top_p, min_p
+    repetition_penalty = real("repetition_penalty", repetition_penalty)
+    if not repetition_penalty > 0:
+        raise RequestError(f"repetition_penalty must be above 0 (1 = none), not {repetition_penalty}")
+    additive = []
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        additive.append(real(name, value))
+        if not -2 <= additive[-1] <= 2:
+            raise RequestError(f"{name} must be in [-2, 2] (0 = none), not {additive[-1]}")
+    return temperature, top_k, top_p, min_p, repetition_penalty, *additive
 
 
 def prompt_token_ids(prompt: Prompt, encode: Callable[[str], list[int]], vocab_size: int,
@@ -317,6 +340,10 @@ SAMPLING_INPUTS = {"temperature": "tensor(float)", "top_k": "tensor(int64)", "to
 # Engines and samplers compiled before min_p lack its input; they still load, and sample without it.
 MIN_P = "min_p"
 LATER_SAMPLING_INPUTS = {MIN_P: "tensor(float)"}
+# vLLM's penalties (manifest.py), in every graph that decides a token but a draft's steps graph; graphs compiled
+# before them lack all five, and decide without penalties.
+PENALTY_INPUTS = {"repetition_penalty": "tensor(float)", "presence_penalty": "tensor(float)",
+                  "frequency_penalty": "tensor(float)", "prompt_mask": "tensor(bool)", "output_counts": "tensor(float)"}
 OUTPUTS = {"accepted": "tensor(int64)", "next_token": "tensor(int64)"}
 SAMPLING_OUTPUTS = {"probs": "tensor(float)"}
 LOGITS = "logits"  # the fp32 logits an engine graph decides on (manifest.py): a greedy-only graph's sampler reads them
@@ -348,6 +375,8 @@ def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int, g
                     **{step_total_len(j): INPUTS["total_len"] for j in range(steps)}}}[graph]
     if graph == "engine":
         io.update({name: onnx_type for name, onnx_type in LATER_SAMPLING_INPUTS.items() if name in inputs})
+    if graph != "steps" and PENALTY_INPUTS.keys() & inputs.keys():
+        io.update(PENALTY_INPUTS)
     if graph != "steps" and info.rope_switch_length:
         io[LONG_ROPE] = "tensor(int64)"
     elif LONG_ROPE in inputs:
@@ -379,7 +408,8 @@ def check_sampler_io(path, inputs: dict, outputs: dict) -> None:
     """The sampler's inputs/outputs (name -> ONNX type) against the contract (manifest.py)."""
     expected = {**GREEDY_OUTPUTS, "input_ids": INPUTS["input_ids"], "num_drafts": INPUTS["num_drafts"],
                 **SAMPLING_INPUTS, **OUTPUTS, **SAMPLING_OUTPUTS,
-                **{name: onnx_type for name, onnx_type in LATER_SAMPLING_INPUTS.items() if name in inputs}}
+                **{name: onnx_type for name, onnx_type in LATER_SAMPLING_INPUTS.items() if name in inputs},
+                **(PENALTY_INPUTS if PENALTY_INPUTS.keys() & inputs.keys() else {})}
     found = {**inputs, **outputs}
     wrong = next((name for name, onnx_type in expected.items() if found.get(name) != onnx_type), None)
     if wrong:

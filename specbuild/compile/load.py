@@ -731,7 +731,7 @@ def generation_config(ckpt: Checkpoint) -> dict:
 
 # The generation_config.json fields vLLM's OpenAI server takes as the defaults of requests that omit them
 # (ModelConfig.get_diff_sampling_param), and do_sample, which it does not read: serve applies those it has
-# (temperature, top_p, top_k) and names the others at start (runtime: serve.protocol.sampling_defaults).
+# (temperature, top_p, top_k, min_p, repetition_penalty) and names the others at start (runtime: serve.protocol.sampling_defaults).
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens", "do_sample")
 
 

@@ -180,7 +180,7 @@ def check_engine(path: Path, info: EngineInfo, max_seq_len: int) -> None:
             "num_drafts": np.array(0, np.int64), "temperature": np.array(0, np.float32), "top_k": np.array(0, np.int64),
             "top_p": np.array(1, np.float32), "min_p": np.array(0, np.float32),
             "draft_probs": np.zeros((0, vocab), np.float32), "uniforms": np.zeros(1, np.float32),
-            "long_rope": np.array(0, np.int64),
+            "long_rope": np.array(0, np.int64), **_no_penalties(vocab),
             **{past: cache for past, _ in cache_names(shape.num_layers)},
         }
         feeds.update({i.name: np.array(1 + int(i.name.split(".")[1]), np.int32) for i in session.get_inputs()
@@ -208,6 +208,13 @@ def _draft_steps(gamma: int) -> int:
     return steps if steps >= 2 else 0
 
 
+def _no_penalties(vocab: int) -> dict[str, np.ndarray]:
+    """The penalty inputs (specbuild_runtime.manifest) of a call without penalties."""
+    return {"repetition_penalty": np.array(1, np.float32), "presence_penalty": np.array(0, np.float32),
+            "frequency_penalty": np.array(0, np.float32), "prompt_mask": np.zeros(vocab, np.bool_),
+            "output_counts": np.zeros(vocab, np.float32)}
+
+
 def check_sampler(path: Path, vocab: int) -> None:
     """Prove the sampler runs before the bundle is published: one call judging a draft of token 0 that the
     target gives no mass (rejected), then drawing from the rest."""
@@ -216,7 +223,7 @@ def check_sampler(path: Path, vocab: int) -> None:
     feeds = {"logits": logits, "input_ids": np.zeros((1, 2), np.int64), "num_drafts": np.array(1, np.int64),
              "temperature": np.array(1, np.float32), "top_k": np.array(0, np.int64), "top_p": np.array(1, np.float32),
              "min_p": np.array(0, np.float32), "draft_probs": np.eye(1, vocab, dtype=np.float32),
-             "uniforms": np.full(2, 0.5, np.float32)}
+             "uniforms": np.full(2, 0.5, np.float32), **_no_penalties(vocab)}
     try:
         session = ort.InferenceSession(str(path), session_options(), providers=["CPUExecutionProvider"])
         accepted, next_token = session.run(["accepted", "next_token"], feeds)

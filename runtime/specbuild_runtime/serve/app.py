@@ -62,7 +62,8 @@ class Settings:
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
     max_connections: int = 1024  # open connections (and requests) at once; more get 503
     api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1 routes; None: open
-    generation_config: str = "auto"  # where requests that omit temperature/top_p/top_k/min_p get them (protocol.sampling_defaults)
+    # where requests that omit temperature/top_p/top_k/min_p/repetition_penalty get them (protocol.sampling_defaults)
+    generation_config: str = "auto"
     allowed_origins: tuple[str, ...] = ()  # origins whose web pages may call the API from a browser (CORS); "*": any
     chat_template: SuppliedTemplate | None = None  # rendered in place of the bundle's (--chat-template)
     tool_call_parser: str | None = None  # how chat replies' tool calls are parsed (--tool-call-parser); None: not
@@ -77,7 +78,7 @@ class Server:
         self.settings = settings
         self.chat_template = load_chat_template(decoder.root / TOKENIZER_DIR, settings.chat_template)
         self.defaults = protocol.sampling_defaults(decoder.manifest.generation_config, settings.generation_config,
-                                                   decoder.has_min_p)
+                                                   decoder.has_min_p, decoder.has_penalties)
         self.tool_parser = tool_parser(settings.tool_call_parser, decoder.tokenizer) if settings.tool_call_parser else None
         self.metrics = Metrics(decoder.slots.size)
         self.scheduler = Scheduler(decoder, settings.max_queue, settings.timeout, self.metrics)

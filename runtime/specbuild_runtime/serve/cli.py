@@ -147,10 +147,10 @@ class InterruptibleCommand(Interruptible, click.Command):
               help="Hash every bundle file at start against the manifest (~1.2 GB/s: 13 s for an 8B fp16 bundle); "
                    "skip it for a bundle checked where it was deployed (specbuild inspect checks them).")
 @click.option("--generation-config", type=click.Choice(GENERATION_CONFIG_MODES), default="auto", show_default=True,
-              help="Where a request that omits temperature, top_p, top_k or min_p gets them, as in vLLM: auto: the sampling "
-                   "defaults of the target's generation_config.json (compile records them), else OpenAI's (temperature "
-                   "1: sampling); vllm: OpenAI's alone; greedy: none (greedy unless a request sends a temperature). "
-                   "The start-up line says which apply.")
+              help="Where a request that omits temperature, top_p, top_k, min_p or repetition_penalty gets them, as in "
+                   "vLLM: auto: the sampling defaults of the target's generation_config.json (compile records them), else "
+                   "OpenAI's (temperature 1: sampling); vllm: OpenAI's alone; greedy: none (greedy unless a request sends "
+                   "a temperature). The start-up line says which apply.")
 @chat_template_option
 @click.option("--tool-call-parser", type=ToolParserChoice(list(PARSERS)), default=None,
               help="Parse chat replies' tool calls in this format, as vLLM's --tool-call-parser: hermes reads "

@@ -27,10 +27,10 @@ from .tools import PARSERS, ToolParser, checked_tools
 COMPLETIONS, CHAT = "completions", "chat"
 DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: None}  # OpenAI's defaults; None: until the context is full
 
-# Fields each endpoint reads. "gamma" is specbuild's own: draft tokens per round, "auto" by default. The last five
-# are vLLM's SamplingParams' extras, which its server reads on both endpoints.
-DECODING = ("temperature", "top_p", "top_k", "seed", "stop", "gamma", "min_p", "ignore_eos", "stop_token_ids",
-            "include_stop_str_in_output", "skip_special_tokens")
+# Fields each endpoint reads. "gamma" is specbuild's own: draft tokens per round, "auto" by default. min_p,
+# repetition_penalty and the last four are vLLM's SamplingParams' extras, which its server reads on both endpoints.
+DECODING = ("temperature", "top_p", "top_k", "seed", "stop", "gamma", "min_p", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
 # vLLM's extras whose only value here is the default: min_tokens needs the engines' graphs to mask the eos and stop
 # tokens (the target's distribution, verification included), and spaces_between_special_tokens false a decoder that
 # tokenizers' decode lacks.
@@ -51,9 +51,8 @@ TOKENIZE_CHAT = ("messages", "add_generation_prompt", "continue_final_message", 
 IGNORED = {"user", "safety_identifier", "prompt_cache_key", "metadata", "store"}
 # OpenAI parameters this server does not implement: refused unless left at their neutral value, never ignored
 # (tools and tool_choice only on completions: chat reads them; echo only on chat, where vLLM echoes the last message).
-UNSUPPORTED = {"echo", "best_of", "suffix", "logit_bias", "presence_penalty",
-               "frequency_penalty", "tools", "tool_choice", "functions", "function_call", "response_format",
-               "parallel_tool_calls", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options"}
+UNSUPPORTED = {"echo", "best_of", "suffix", "logit_bias", "tools", "tool_choice", "functions", "function_call",
+               "response_format", "parallel_tool_calls", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options"}
 
 FLAGS = {"echo", "parallel_tool_calls"}  # the unsupported parameters that are true/false
 # chat_template_kwargs that are not template variables, refused as vLLM refuses them or fails on them: vLLM (and
@@ -90,19 +89,21 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "stop_token": "stop", "max_new_
 TOOL_CALLS = "tool_calls"  # the finish reason of a reply whose calls were parsed, whatever ended it (vLLM's)
 
 
-# serve --generation-config: where a request that omits temperature, top_p, top_k or min_p gets them. vLLM's two modes
-# ("auto": the bundle's generation_config, else OpenAI's defaults; "vllm": OpenAI's defaults alone) and
+# serve --generation-config: where a request that omits temperature, top_p, top_k, min_p or repetition_penalty gets
+# them. vLLM's two modes ("auto": the bundle's generation_config, else OpenAI's defaults; "vllm": OpenAI's defaults alone) and
 # "greedy", this server's earlier default (a request without a temperature decodes greedily).
 GENERATION_CONFIG_MODES = ("auto", "vllm", "greedy")
-SAMPLING = ("temperature", "top_p", "top_k", "min_p")  # what a generation_config may set that this server has
-OPENAI_DEFAULTS = {"temperature": 1}  # top_p 1, top_k 0 and min_p 0 (no limit) are the runtime's own
+# what a generation_config may set that this server has (vLLM's get_diff_sampling_param takes these, and max_new_tokens)
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+OPENAI_DEFAULTS = {"temperature": 1}  # top_p 1, top_k 0, min_p 0 (no limit) and repetition_penalty 1 are the runtime's own
 # generation_config values that change nothing here or in vLLM, left out of the start-up line's "not applied"
 NEUTRAL_GENERATION = {"do_sample": True, "repetition_penalty": 1, "min_p": 0}
 
 
 @dataclass(frozen=True)
 class Defaults:
-    """The temperature, top_p, top_k and min_p of requests that omit them, and where they come from (in words)."""
+    """The temperature, top_p, top_k, min_p and repetition_penalty of requests that omit them, and where they come from
+    (in words)."""
 
     values: dict
     source: str  # e.g. "from the bundle's generation_config"
@@ -116,16 +117,16 @@ class Defaults:
         """For the start-up line: what requests that omit them get, from where, and what is not applied."""
         given = ", ".join(f"{name} {_json(value)}" for name, value in self.values.items()) or "greedy decoding"
         ignored = f"; generation_config fields not applied: {', '.join(self.ignored)}" if self.ignored else ""
-        return f"requests without temperature/top_p/top_k/min_p get {given} ({self.source}){ignored}"
+        return f"requests without temperature/top_p/top_k/min_p/repetition_penalty get {given} ({self.source}){ignored}"
 
 
-def sampling_defaults(generation_config: dict | None, mode: str, min_p: bool = True) -> Defaults:
+def sampling_defaults(generation_config: dict | None, mode: str, min_p: bool = True, penalties: bool = True) -> Defaults:
     """serve's Defaults under --generation-config `mode` for a bundle whose manifest records `generation_config`
     (None: compiled before manifests recorded it). As vLLM's server, a field the request omits (or sends null)
-    comes from the model's generation_config, else from OpenAI's defaults; other fields vLLM takes from it
-    (repetition_penalty, max_new_tokens) this server does not have, and vLLM ignores do_sample (a do_sample
-    false with no temperature samples at 1 there too): those are named, never applied. min_p False: the bundle
-    was compiled before min_p (SpeculativeDecoder.has_min_p), so its min_p is named too."""
+    comes from the model's generation_config, else from OpenAI's defaults; max_new_tokens, which vLLM takes from it
+    too, this server does not, and vLLM ignores do_sample (a do_sample false with no temperature samples at 1 there
+    too): those are named, never applied. min_p False: the bundle was compiled before min_p
+    (SpeculativeDecoder.has_min_p), so its min_p is named too; penalties False, its repetition_penalty alike."""
     if mode == "greedy":
         return Defaults({}, "as --generation-config greedy asks")
     if mode == "vllm":
@@ -139,6 +140,9 @@ def sampling_defaults(generation_config: dict | None, mode: str, min_p: bool = T
             continue
         if name == "min_p" and not min_p:
             ignored.append(f"min_p {_json(value)} (this bundle was compiled before min_p: recompile it to apply it)")
+        elif name == "repetition_penalty" and not penalties:
+            ignored.append(f"repetition_penalty {_json(value)} (this bundle was compiled before sampling penalties: "
+                           "recompile it to apply it)")
         elif name in SAMPLING:
             value = _runtime_value(name, value)
             try:  # the runtime's checks: a value it refuses is named, as a request's would be
@@ -149,6 +153,7 @@ def sampling_defaults(generation_config: dict | None, mode: str, min_p: bool = T
             taken[name] = value
         else:
             ignored.append(f"{name} {_json(value)}")
+    taken = {name: taken[name] for name in SAMPLING if name in taken}  # named in one order, whatever the file's
     if "temperature" in taken:
         return Defaults(taken, "from the bundle's generation_config", tuple(ignored))
     source = (f"{', '.join(taken)} from the bundle's generation_config, temperature OpenAI's default" if taken else

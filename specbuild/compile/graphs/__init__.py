@@ -28,7 +28,7 @@ from ..precision import Numerics
 from . import gemma, gpt2, llama
 from .builder import GraphBuilder
 from .layers import Attention, linear
-from .verification import LOGITS, SamplingInputs, build_sampler, verification
+from .verification import LOGITS, SamplingInputs, build_sampler, penalty_inputs, verification
 
 FAMILIES = {"llama": llama.body, "gemma": gemma.body, "gpt2": gpt2.body}
 INT64, INT32, FLOAT = ir.DataType.INT64, ir.DataType.INT32, ir.DataType.FLOAT
@@ -64,10 +64,11 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
         draft_probs=g.input("draft_probs", FLOAT, ["D", vocab]),
         uniforms=g.input("uniforms", FLOAT, ["D+1"]),
     ) if sampling else None
+    penalties = penalty_inputs(g, vocab)
     ids = _embeddable(g, g.op("Reshape", input_ids, g.const([-1])), vocab, vocab_size)  # [S]
     hidden, presents, head = FAMILIES[spec.family](g, spec, ids, att, max_seq_len, vocab)
     accepted, next_token, probs, logits = verification(g, hidden, input_ids, num_drafts, lambda x: linear(g, x, head),
-                                                       sampling_inputs, spec.final_softcap)
+                                                       sampling_inputs, spec.final_softcap, penalties)
     g.output(logits, LOGITS, FLOAT, ["D+1", vocab])
     g.output(accepted, "accepted", INT64, [])
     g.output(next_token, "next_token", INT64, [])

@@ -13,6 +13,7 @@ from .builder import GraphBuilder
 FLOAT = ir.DataType.FLOAT
 DOUBLE = ir.DataType.DOUBLE
 INT64 = ir.DataType.INT64
+BOOL = ir.DataType.BOOL
 LOGITS = "logits"  # the fp32 [D+1, V] logits every decision is made from (an output of every engine graph)
 # next_token where the logits it is decided from hold NaN or +inf (an fp16 engine that overflows): no token is
 # right there, and the sampling tail would draw token 0 from NaN probabilities without a word.
@@ -26,15 +27,38 @@ class SamplingInputs:
         self.draft_probs, self.uniforms = draft_probs, uniforms
 
 
+class Penalties:
+    """vLLM's sampling penalties (specbuild_runtime.manifest): repetition over the prompt's and the generated tokens,
+    presence and frequency over the generated ones. prompt_mask [V] bool: the prompt's tokens; output_counts [V]: how
+    often each token was generated before the call's drafts."""
+
+    def __init__(self, repetition: ir.Value, presence: ir.Value, frequency: ir.Value, prompt_mask: ir.Value,
+                 output_counts: ir.Value):
+        self.repetition, self.presence, self.frequency = repetition, presence, frequency
+        self.prompt_mask, self.output_counts = prompt_mask, output_counts
+
+
+def penalty_inputs(g: GraphBuilder, vocab) -> Penalties:
+    """The penalties' graph inputs (manifest.py), vocab: V's dimension (a number, or a name in the sampler)."""
+    return Penalties(repetition=g.input("repetition_penalty", FLOAT, []),
+                     presence=g.input("presence_penalty", FLOAT, []),
+                     frequency=g.input("frequency_penalty", FLOAT, []),
+                     prompt_mask=g.input("prompt_mask", BOOL, [vocab]),
+                     output_counts=g.input("output_counts", FLOAT, [vocab]))
+
+
 def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_drafts: ir.Value,
-                 head: Callable[[ir.Value], ir.Value], sampling: SamplingInputs | None, softcap: float | None = None):
+                 head: Callable[[ir.Value], ir.Value], sampling: SamplingInputs | None, softcap: float | None = None,
+                 penalties: Penalties | None = None):
     """The last D+1 hidden states -> (accepted drafts, next token, its distribution, logits).
 
     hidden [S, H]; head(x [R, H]) -> [R, V] is the model's LM head. Row j of the logits is the model's
     view after input position S-D-1+j, so it judges draft j (input position S-D+j). softcap: Gemma's
     final logit soft-capping, cap·tanh(logits/cap). temperature 0 takes the greedy branch, anything
     above the sampling branch. sampling None: the greedy tail alone, without an If (no distribution):
-    the greedy-only graph, which CUDA graphs can capture.
+    the greedy-only graph, which CUDA graphs can capture. penalties: every decision is made on the penalised
+    logits (_penalised; behind an If where sampling is given), the `logits` output stays the raw ones (logprobs are
+    vLLM's raw_logprobs). None: none (a draft's steps graph: the draft may propose from its raw logits).
     """
     drafts, drafts_1d = _drafts(g, input_ids, num_drafts)
     rows_1d = g.op("Add", drafts_1d, g.const([1]))
@@ -52,14 +76,16 @@ def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_dra
     logits.name = LOGITS
     finite = _finite_rows(g, logits)
     if sampling is None:
-        accepted, next_token = (_scalar(g, value) for value in _greedy_tail(g, logits, drafts, drafts_1d, finite))
+        decided = _penalised(g, logits, drafts, penalties) if penalties else logits
+        accepted, next_token = (_scalar(g, value) for value in _greedy_tail(g, decided, drafts, drafts_1d, finite))
         return accepted, next_token, None, logits
+    decided = _penalised_if_any(g, logits, drafts, penalties) if penalties else logits
     greedy = g.branch("branch.greedy")
-    _branch_outputs(greedy, *_greedy_tail(greedy, logits, drafts, drafts_1d, finite), greedy.const([], np.float32))
+    _branch_outputs(greedy, *_greedy_tail(greedy, decided, drafts, drafts_1d, finite), greedy.const([], np.float32))
     sample = g.branch("branch.sampling")
     # top_k is made a host value here, in the graph: a node inside a branch reads it as an outer value,
     # which onnxruntime never leaves on the CPU for the node's sake.
-    sampled = _sampling_tail(sample, logits, drafts, drafts_1d, _host_top_k(g, sampling, input_ids), finite)
+    sampled = _sampling_tail(sample, decided, drafts, drafts_1d, _host_top_k(g, sampling, input_ids), finite)
     _branch_outputs(sample, *sampled)
     is_sampling = g.op("Greater", sampling.temperature, g.const(0.0, np.float32))
     accepted, next_token, probs = g.op("If", is_sampling, outputs=3, then_branch=sample.graph(), else_branch=greedy.graph())
@@ -85,13 +111,57 @@ def build_sampler() -> ir.Model:
         draft_probs=g.input("draft_probs", FLOAT, ["D", "V"]),
         uniforms=g.input("uniforms", FLOAT, ["D+1"]),
     )
+    penalties = penalty_inputs(g, "V")
     drafts, drafts_1d = _drafts(g, input_ids, num_drafts)
-    accepted, next_token, probs = _sampling_tail(g, logits, drafts, drafts_1d, _host_top_k(g, sampling, input_ids),
-                                                 _finite_rows(g, logits))
+    accepted, next_token, probs = _sampling_tail(g, _penalised_if_any(g, logits, drafts, penalties), drafts, drafts_1d,
+                                                 _host_top_k(g, sampling, input_ids), _finite_rows(g, logits))
     g.output(_scalar(g, accepted), "accepted", INT64, [])
     g.output(_scalar(g, next_token), "next_token", INT64, [])
     g.output(probs, "probs", FLOAT, ["V"])
     return g.model()
+
+
+def _penalised(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, p: Penalties) -> ir.Value:
+    """logits [D+1, V] with vLLM's penalties applied as vLLM v1 applies them, to the raw logits before temperature,
+    min-p, top-k, top-p and the greedy argmax (vllm/v1/sample/sampler.py: apply_penalties; vllm/v1/sample/ops/
+    penalties.py: apply_all_penalties; vllm/model_executor/layers/utils.py: apply_penalties): repetition first,
+    transformers' RepetitionPenaltyLogitsProcessor (a seen token's logit times r where negative, else over r),
+    then logit - frequency·count, then - presence·(count > 0). Row j judges draft j after drafts 0..j-1, which
+    count as generated for it (vllm/v1/sample/rejection_sampler.py adds each position's earlier drafts to the
+    output tokens alike): an exclusive running sum of the drafts' one-hot rows on top of output_counts. So a row's
+    decision is the one the target alone makes at that position. Neutral values (1, 0, 0) leave every logit's bits
+    as they are: x·1, x/1 and x - 0 are exact."""
+    vocab = g.op("Shape", logits, start=1, end=2)  # [1] on the host: OneHot's depth and Expand's shape read it there
+    one_hot = g.op("OneHot", drafts, vocab, g.const([0.0, 1.0], np.float32), axis=-1)  # [D, V]
+    no_draft = g.op("Expand", g.const(0.0, np.float32), g.op("Concat", g.const([1]), vocab, axis=0))  # [1, V]
+    before = g.op("CumSum", g.op("Concat", one_hot, no_draft, axis=0), g.const(0), exclusive=1)  # [D+1, V]
+    counts = g.op("Add", before, p.output_counts)
+    generated = g.op("Greater", counts, g.const(0.0, np.float32))
+    seen = g.op("Cast", g.op("Or", generated, p.prompt_mask), to=FLOAT)
+    # Seen tokens' logits times r where negative (below), over r elsewhere (above), as x·times/over with each factor
+    # r or exactly 1: the bits of transformers' x·r and x/r. Arithmetic, not Where: onnxruntime's CPU Where took
+    # 12-30 ms on [9, 152k], 20-100x a Mul.
+    below = g.op("Mul", seen, g.op("Cast", g.op("Less", logits, g.const(0.0, np.float32)), to=FLOAT))
+    above = g.op("Sub", seen, below)
+    one = g.const(1.0, np.float32)
+    times = g.op("Max", g.op("Mul", below, p.repetition), g.op("Sub", one, below))
+    over = g.op("Max", g.op("Mul", above, p.repetition), g.op("Sub", one, above))
+    logits = g.op("Div", g.op("Mul", logits, times), over)
+    logits = g.op("Sub", logits, g.op("Mul", counts, p.frequency))
+    return g.op("Sub", logits, g.op("Mul", g.op("Cast", generated, to=FLOAT), p.presence))
+
+
+def _penalised_if_any(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, p: Penalties) -> ir.Value:
+    """_penalised behind an If that skips its [D+1, V] work where every penalty is neutral (the graphs with control
+    flow; a greedy-only graph, which CUDA graphs capture, always applies them)."""
+    neutral = g.op("And", g.op("And", g.op("Equal", p.repetition, g.const(1.0, np.float32)),
+                               g.op("Equal", p.presence, g.const(0.0, np.float32))),
+                   g.op("Equal", p.frequency, g.const(0.0, np.float32)))
+    apply = g.branch("branch.penalties")
+    apply.output(_penalised(apply, logits, drafts, p), "branch.penalties.logits", FLOAT, None)
+    raw = g.branch("branch.no_penalties")
+    raw.output(logits, "branch.no_penalties.logits", FLOAT, None)
+    return g.op("If", neutral, then_branch=raw.graph(), else_branch=apply.graph())
 
 
 def _drafts(g: GraphBuilder, input_ids: ir.Value, num_drafts: ir.Value) -> tuple[ir.Value, ir.Value]:

@@ -1,0 +1,105 @@
+"""vLLM's sampling penalties: repetition (transformers' processor), presence and frequency (OpenAI's), decided in
+every graph that decides a token, exact under speculative decoding (sampled: tests/test_sampling.py)."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import PROMPTS, compiled_before_penalties
+from specbuild.reference import load_reference, transformers_greedy
+from specbuild_runtime import SpeculativeDecoder
+
+NEW_TOKENS = 30
+GAMMAS = (0, 1, 3, 8, "auto")
+
+
+def decoders(folder):
+    """The engine graphs (their greedy branch, with the draft's steps graph) and the greedy-only graphs (which CUDA
+    graphs capture; on the CPU they run as they are)."""
+    return SpeculativeDecoder(folder, draft_steps=True), SpeculativeDecoder(folder, cuda_graphs=True)
+
+
+def penalised(logits: np.ndarray, prompt: list[int], generated: list[int], repetition=1.0, presence=0.0,
+              frequency=0.0) -> np.ndarray:
+    """One row of logits with vLLM's penalties, in numpy: the reference the graphs must agree with."""
+    counts = np.bincount(generated, minlength=len(logits)).astype(np.float32)
+    seen = (counts > 0) | np.isin(np.arange(len(logits)), prompt)
+    logits = np.where(seen, np.where(logits < 0, logits * np.float32(repetition), logits / np.float32(repetition)), logits)
+    return logits - counts * np.float32(frequency) - (counts > 0).astype(np.float32) * np.float32(presence)
+
+
+def target_alone(model, prompt: list[int], new_tokens: int, **penalties) -> list[int]:
+    """The target's greedy decoding with penalties, one transformers forward pass a token (no eos: the bundles'
+    tokenizer's eos ends both only where the reference reaches it too, and the tests pick prompts that run on)."""
+    tokens = []
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits = model(torch.tensor([prompt + tokens])).logits[0, -1].float().numpy()
+            tokens.append(int(penalised(logits, prompt, tokens, **penalties).argmax()))
+    return tokens
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+@pytest.mark.parametrize("draft", ["same", "unrelated"])
+def test_speculative_greedy_with_a_repetition_penalty_equals_transformers(penalty, draft, bundles, checkpoints,
+                                                                          tokenizer):
+    model = load_reference(checkpoints("llama"))
+    for decoder in decoders(bundles("llama", draft_seed=0 if draft == "same" else 1)):
+        for prompt in PROMPTS[:4]:
+            ids = tokenizer(prompt)["input_ids"]
+            expected = transformers_greedy(model, ids, NEW_TOKENS, [tokenizer.eos_token_id], repetition_penalty=penalty)
+            assert expected != transformers_greedy(model, ids, NEW_TOKENS, [tokenizer.eos_token_id])  # not hollow
+            for gamma in GAMMAS:
+                result = decoder.generate(ids, NEW_TOKENS, gamma, repetition_penalty=penalty)
+                assert result.token_ids == expected, (decoder.cuda_graphs, gamma, prompt)
+
+
+@pytest.mark.parametrize("penalties", [dict(presence_penalty=1.5), dict(frequency_penalty=0.8),
+                                       dict(presence_penalty=-0.5, frequency_penalty=1.2, repetition_penalty=1.2)])
+@pytest.mark.parametrize("draft", ["same", "unrelated"])
+def test_speculative_greedy_with_presence_and_frequency_penalties_equals_the_target_alone(penalties, draft, bundles,
+                                                                                         checkpoints, tokenizer):
+    model = load_reference(checkpoints("llama"))
+    reference = {name.removesuffix("_penalty"): value for name, value in penalties.items()}
+    for decoder in decoders(bundles("llama", draft_seed=0 if draft == "same" else 1)):
+        for prompt in PROMPTS[:3]:
+            ids = tokenizer(prompt)["input_ids"]
+            expected = target_alone(model, ids, NEW_TOKENS, **reference)
+            assert expected != target_alone(model, ids, NEW_TOKENS)  # not hollow
+            for gamma in GAMMAS:
+                result = decoder.generate(ids, NEW_TOKENS, gamma, ignore_eos=True, **penalties)
+                assert result.token_ids == expected, (decoder.cuda_graphs, gamma, prompt)
+
+
+def test_a_bundle_compiled_before_penalties_decodes_as_before_and_refuses_them_in_one_line(bundles, tokenizer, tmp_path):
+    import shutil
+
+    from specbuild_runtime import RequestError
+    from specbuild_runtime.serve.protocol import invalid
+
+    folder = bundles("llama", draft_seed=1)
+    old = compiled_before_penalties(shutil.copytree(folder, tmp_path / "old"))
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    for before, now in zip(decoders(old), decoders(folder)):
+        assert not before.target.has_penalties and now.target.has_penalties
+        for options in ({}, {"temperature": 0.8, "top_p": 0.9, "seed": 2}):
+            for gamma in (0, 3, "auto"):
+                assert (before.generate(ids, 20, gamma, **options).token_ids
+                        == now.generate(ids, 20, gamma, repetition_penalty=1.0, presence_penalty=0.0, **options).token_ids)
+        for name, value in (("repetition_penalty", 1.1), ("presence_penalty", 0.5), ("frequency_penalty", -1.0)):
+            with pytest.raises(RequestError, match=rf"^{name} needs a bundle compiled with sampling penalties; \S+ was "
+                                                   r"compiled before them: recompile it with `specbuild compile`, or "
+                                                   r"leave the penalties out$") as refused:
+                before.generate(ids, 8, **{name: value})
+            assert invalid(refused.value).param == name  # serve's 400 names the field
+
+
+def test_logprobs_stay_the_raw_logits_under_penalties(bundles, tokenizer):
+    """vLLM's raw_logprobs: a penalised request's tokens get the logprobs the target gives them unpenalised, as scoring
+    the same text as a prompt does."""
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=0))
+    ids = tokenizer(PROMPTS[1])["input_ids"]
+    penalised = decoder.generate(ids, 20, 3, logprobs=3, repetition_penalty=1.5, frequency_penalty=1.0)
+    assert penalised.token_ids != decoder.generate(ids, 20, 3).token_ids  # they bite
+    scored = decoder.generate(ids + penalised.token_ids, 0, prompt_logprobs=3).prompt_logprobs[len(ids):]
+    assert [(r.token_id, r.logprob, r.top) for r in penalised.logprobs] == [(r.token_id, r.logprob, r.top) for r in scored]
