@@ -295,6 +295,8 @@ def cuda_line(manifest) -> str:
               help="Subtract this from the logit of every token the output holds (0 = none), as OpenAI and vLLM.")
 @click.option("--frequency-penalty", type=Finite(min=-2, max=2), default=0.0, show_default=True,
               help="Subtract this times its count in the output from each token's logit (0 = none), as OpenAI and vLLM.")
+@click.option("--min-tokens", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Generate at least this many tokens before an eos or a stop token may end the output, as vLLM.")
 def generate(bundle, prompt, max_new_tokens, gamma, chat, chat_template, stop, as_json, logprobs, device, cuda_graphs,
              draft_steps, threads, **sampling) -> None:
     """Continue a prompt with speculative decoding (greedy, or sampling with --temperature)."""

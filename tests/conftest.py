@@ -185,8 +185,8 @@ def compiled_before_min_p(folder: Path) -> Path:
 
 
 def compiled_before_penalties(folder: Path) -> Path:
-    """The bundle in folder made as compiled before the penalties: every graph without their inputs (its nodes read
-    neutral constants, shaped [1] to broadcast over any vocabulary), the manifest's digests following them."""
+    """The bundle in folder made as compiled before the penalties and min_tokens: every graph without their inputs (its
+    nodes read neutral constants, shaped [1] to broadcast over any vocabulary), the manifest's digests following them."""
     import numpy as np
 
     from specbuild_runtime.manifest import load_manifest
@@ -196,7 +196,8 @@ def compiled_before_penalties(folder: Path) -> Path:
     return without_inputs(folder, files, {"repetition_penalty": np.array(1, np.float32),
                                           "presence_penalty": np.array(0, np.float32),
                                           "frequency_penalty": np.array(0, np.float32),
-                                          "prompt_mask": np.zeros(1, np.bool_), "output_counts": np.zeros(1, np.float32)})
+                                          "prompt_mask": np.zeros(1, np.bool_), "output_counts": np.zeros(1, np.float32),
+                                          "min_tokens_left": np.array(0, np.int64), "stop_tokens": np.zeros(1, np.bool_)})
 
 
 def without_inputs(folder: Path, files, constants: dict) -> Path:

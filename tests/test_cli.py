@@ -608,11 +608,11 @@ def test_generate_min_p_samples_as_the_python_apis_min_p(bundles, cli):
     assert greedy["status"] == 2 and "--min-p applies to sampling: give --temperature too" in greedy["stderr"], greedy
 
 
-def test_generate_penalty_flags_decode_as_the_python_apis_penalties(bundles, cli):
+def test_generate_penalty_and_min_tokens_flags_decode_as_the_python_apis(bundles, cli):
     from specbuild_runtime import SpeculativeDecoder
 
     bundle, prompt = bundles("llama", 1), "def add(a, b):"
-    penalties = dict(repetition_penalty=1.4, presence_penalty=0.5, frequency_penalty=-0.3)
+    penalties = dict(repetition_penalty=1.4, presence_penalty=0.5, frequency_penalty=-0.3, min_tokens=20)
     expected = SpeculativeDecoder(bundle).generate(prompt, 24, **penalties).token_ids
     assert expected != SpeculativeDecoder(bundle).generate(prompt, 24).token_ids  # they bite
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in penalties.items()]

@@ -1,5 +1,5 @@
-"""vLLM's sampling penalties: repetition (transformers' processor), presence and frequency (OpenAI's), decided in
-every graph that decides a token, exact under speculative decoding (sampled: tests/test_sampling.py)."""
+"""vLLM's sampling penalties, repetition (transformers' processor), presence and frequency (OpenAI's), and min_tokens:
+applied in every graph that decides a token, exact under speculative decoding (sampled: tests/test_sampling.py)."""
 
 import numpy as np
 import pytest
@@ -82,10 +82,16 @@ def test_a_bundle_compiled_before_penalties_decodes_as_before_and_refuses_them_i
     ids = tokenizer(PROMPTS[0])["input_ids"]
     for before, now in zip(decoders(old), decoders(folder)):
         assert not before.target.has_penalties and now.target.has_penalties
+        assert not before.target.has_min_tokens and now.target.has_min_tokens
         for options in ({}, {"temperature": 0.8, "top_p": 0.9, "seed": 2}):
             for gamma in (0, 3, "auto"):
                 assert (before.generate(ids, 20, gamma, **options).token_ids
                         == now.generate(ids, 20, gamma, repetition_penalty=1.0, presence_penalty=0.0, **options).token_ids)
+        with pytest.raises(RequestError, match=r"^min_tokens needs a bundle compiled with min_tokens; \S+ was compiled "
+                                               r"before it: recompile it with `specbuild compile`, or leave min_tokens out$"
+                           ) as refused:
+            before.generate(ids, 8, min_tokens=2)
+        assert invalid(refused.value).param == "min_tokens"
         for name, value in (("repetition_penalty", 1.1), ("presence_penalty", 0.5), ("frequency_penalty", -1.0)):
             with pytest.raises(RequestError, match=rf"^{name} needs a bundle compiled with sampling penalties; \S+ was "
                                                    r"compiled before them: recompile it with `specbuild compile`, or "
@@ -103,3 +109,23 @@ def test_logprobs_stay_the_raw_logits_under_penalties(bundles, tokenizer):
     assert penalised.token_ids != decoder.generate(ids, 20, 3).token_ids  # they bite
     scored = decoder.generate(ids + penalised.token_ids, 0, prompt_logprobs=3).prompt_logprobs[len(ids):]
     assert [(r.token_id, r.logprob, r.top) for r in penalised.logprobs] == [(r.token_id, r.logprob, r.top) for r in scored]
+
+
+@pytest.mark.parametrize("draft", ["same", "unrelated"])
+def test_min_tokens_keeps_the_eos_and_stop_tokens_out_exactly_as_transformers_min_new_tokens(draft, bundles, checkpoints,
+                                                                                           tokenizer):
+    """vLLM's min_tokens masks the eos and stop_token_ids in the rows deciding the first min_tokens tokens, drafts'
+    rows included: transformers' min_new_tokens with those tokens as its eos."""
+    model = load_reference(checkpoints("llama"))
+    for decoder in decoders(bundles("llama", draft_seed=0 if draft == "same" else 1)):
+        for prompt in PROMPTS[:3]:
+            ids = tokenizer(prompt)["input_ids"]
+            free = transformers_greedy(model, ids, NEW_TOKENS, [])
+            eos, stop = free[3], free[6]  # tokens the target emits early, mid-round
+            decoder.eos_token_ids = {eos}
+            expected = transformers_greedy(model, ids, NEW_TOKENS, [eos, stop], min_new_tokens=12)
+            assert len(expected) > 12 and expected[:7] != free[:7]  # not hollow: it held both back
+            for gamma in GAMMAS:
+                result = decoder.generate(ids, NEW_TOKENS, gamma, stop_token_ids=[stop], min_tokens=12)
+                assert result.token_ids == expected, (decoder.cuda_graphs, gamma, prompt)
+                assert result.token_ids[-1] in (eos, stop) or len(result.token_ids) == NEW_TOKENS

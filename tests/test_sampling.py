@@ -36,6 +36,7 @@ PADDING_ROWS = 8
 PROMPT = [3, 7, 1]
 SAMPLES, NEW_TOKENS = 60, 48
 RANK_BINS = [1, 2, 4, 8]  # ranks 0 | 1 | 2-3 | 4-7 | 8+ under p
+STOPPED = 22  # the min_tokens case holds back STOPPED and STOPPED + 1: 14% of the draws at temperature 1
 
 
 def word_tokenizer():
@@ -128,6 +129,9 @@ CASES = {  # name: (bundle, decoding options, negative control)
     "repetition 1.5, presence 0.4 and frequency 0.3, top-k 10 at temperature 0.9": (
         "draft", dict(gamma=4, temperature=0.9, top_k=10, repetition_penalty=1.5, presence_penalty=0.4,
                       frequency_penalty=0.3), WRONG_RULE),
+    # min_tokens holding back two stop tokens (which would end a sample) at every position
+    "min_tokens over every token, two stop tokens": (
+        "draft", dict(gamma=4, temperature=1.0, min_tokens=NEW_TOKENS, stop_token_ids=[STOPPED, STOPPED + 1]), WRONG_RULE),
 }
 
 
@@ -197,7 +201,8 @@ def penalised(logits: torch.Tensor, tokens: torch.Tensor, repetition=1.0, presen
 
 
 def distribution_test(pair, bundle: str, samples: list[list[int]], temperature, top_k=0, top_p=1.0, min_p=0.0,
-                      repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, **_) -> dict:
+                      repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0,
+                      stop_token_ids=(), **_) -> dict:
     """p-value of the samples against the target's distribution, and how many had probability zero."""
     target, draft = BUNDLES[bundle]
     tokens = torch.tensor(samples)
@@ -205,6 +210,7 @@ def distribution_test(pair, bundle: str, samples: list[list[int]], temperature, 
     with torch.no_grad():
         p_logits = penalised(pair[target](sequences).logits[:, len(PROMPT) - 1 : -1].double(), tokens,
                              repetition_penalty, presence_penalty, frequency_penalty)
+        p_logits[:, :min_tokens, list(stop_token_ids)] = -torch.inf
         # the draft's engine has the tokenizer's ids alone (its padding rows cut): q is 0 past them, and it
         # reads the target's padding ids as its last row
         q_logits = pair[draft](sequences.clamp(max=VOCAB - 1)).logits[:, len(PROMPT) - 1 : -1, :VOCAB].double()

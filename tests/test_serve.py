@@ -51,7 +51,7 @@ GREEDY = {"temperature": 0}  # sent: a request without one samples (serve --gene
 SAMPLED = [dict(temperature=0.8, top_p=0.9, seed=7, gamma=2), dict(temperature=1.0, top_k=20, seed=3, gamma=3)]
 MIN_P = dict(temperature=1.2, min_p=0.1, seed=5, gamma=3)
 # OpenAI's presence and frequency penalties, vLLM's repetition_penalty (an extra), greedy and sampled
-PENALISED = [dict(temperature=0, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3, gamma=3),
+PENALISED = [dict(temperature=0, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3, min_tokens=8, gamma=3),
              dict(temperature=0.9, presence_penalty=-0.5, frequency_penalty=0.8, repetition_penalty=0.8, seed=4, gamma=3)]
 FINISH = {"eos": "stop", "stop": "stop", "stop_token": "stop", "max_new_tokens": "length", "context": "length"}
 
@@ -145,9 +145,9 @@ def client(server):
 
 
 def api_settings(settings: dict) -> dict:
-    """The openai client's arguments for runtime settings: top_k, min_p, repetition_penalty and gamma travel in
-    extra_body."""
-    extra = {k: settings[k] for k in ("top_k", "min_p", "repetition_penalty", "gamma") if k in settings}
+    """The openai client's arguments for runtime settings: top_k, min_p, repetition_penalty, min_tokens and gamma travel
+    in extra_body."""
+    extra = {k: settings[k] for k in ("top_k", "min_p", "repetition_penalty", "min_tokens", "gamma") if k in settings}
     return {**{k: v for k, v in settings.items() if k not in extra}, **({"extra_body": extra} if extra else {})}
 
 
@@ -738,9 +738,10 @@ BAD_REQUESTS = [
      "stop_token_ids must be a list"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "skip_special_tokens": "no"},
      "skip_special_tokens must be true or false"),
-    ("completions", {"prompt": "x", "min_tokens": 4}, "min_tokens 4 is not supported"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "min_tokens": 1},
-     "min_tokens 1 is not supported"),
+    ("completions", {"prompt": "x", "min_tokens": -1}, "min_tokens must be from 0 to 16"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "min_tokens": 1.5},
+     "min_tokens must be a whole number"),
+    ("completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens must be from 0 to 4"),
     ("completions", {"prompt": "x", "spaces_between_special_tokens": False},
      "spaces_between_special_tokens false is not supported"),
 ]
@@ -779,7 +780,7 @@ PARAMS = [
     ("completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),  # not "stop", which it begins with
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "include_stop_str_in_output": 0},
      "include_stop_str_in_output"),
-    ("completions", {"prompt": "x", "min_tokens": 2}, "min_tokens"),
+    ("completions", {"prompt": "x", "min_tokens": -2}, "min_tokens"),
 ]
 
 

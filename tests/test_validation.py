@@ -60,6 +60,8 @@ BAD = [  # (what, request fields, words the message must contain)
     ("frequency_penalty above 2", dict(frequency_penalty=2.01), "frequency_penalty must be in [-2, 2] (0 = none)"),
     ("frequency_penalty not finite", dict(frequency_penalty=float("nan")), "frequency_penalty must be a finite number"),
     ("presence_penalty not a number", dict(presence_penalty="1"), "presence_penalty must be a number"),
+    ("min_tokens above max_new_tokens", dict(max_new_tokens=4, min_tokens=5), "min_tokens must be from 0 to 4"),
+    ("negative min_tokens", dict(min_tokens=-1), "min_tokens must be from 0 to"),
     ("float top_k", dict(top_k=1.0), "top_k"),
     ("float seed", dict(seed=1.5), "seed"),
     ("gamma above the bundle's", dict(gamma=MAX_GAMMA + 1), f"0 to {MAX_GAMMA}"),

@@ -356,7 +356,8 @@ class SpeculativeDecoder:
                 stop: str | list[str] | None = None, logprobs: int | None = None, *, ignore_eos: bool = False,
                 stop_token_ids: list[int] | None = None, include_stop_str_in_output: bool = False,
                 skip_special_tokens: bool = True, min_p: float = 0.0, prompt_logprobs: int | None = None,
-                repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> Request:
+                repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                min_tokens: int = 0) -> Request:
         """The checked request (validation.check_request against this bundle), or a RequestError. The keyword-only
         options (which generate, stream, stream_text and their async forms pass on) are vLLM's SamplingParams':
         ignore_eos decodes past eos tokens (to max_new_tokens or the context); a token of stop_token_ids ends the
@@ -368,7 +369,9 @@ class SpeculativeDecoder:
         repetition_penalty (above 0; 1: none) divides the positive logits of tokens in the prompt or generated so far
         and multiplies their negative ones, as transformers' and vLLM's; presence_penalty and frequency_penalty (in
         [-2, 2]; 0: none) subtract, from each generated token's logit, the penalty once and the penalty times its
-        count, as OpenAI's and vLLM's. Penalties apply greedy and sampled, before temperature; logprobs stay raw."""
+        count, as OpenAI's and vLLM's. Penalties apply greedy and sampled, before temperature; logprobs stay raw.
+        min_tokens (up to max_new_tokens) keeps the eos tokens (unless ignore_eos) and stop_token_ids out of the first
+        min_tokens tokens, as vLLM's (stop strings may still end it earlier)."""
         if (logprobs is not None or prompt_logprobs is not None) and not self.target.has_logits:
             raise RequestError(f"{self.root} was compiled before its engines gave their logits, so it gives no logprobs: "
                                "recompile it with `specbuild compile`")
@@ -380,7 +383,7 @@ class SpeculativeDecoder:
                                 skip_special_tokens=skip_special_tokens, token_span=self.token_span,
                                 context_limit=self.manifest.context_limit, min_p=min_p, prompt_logprobs=prompt_logprobs,
                                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                                frequency_penalty=frequency_penalty)
+                                frequency_penalty=frequency_penalty, min_tokens=min_tokens)
         # Begins with the field's name, as validation's messages do: serve's 400 names it as its `param`.
         if request.sampling.min_p and not self.has_min_p:
             raise RequestError(f"min_p needs a bundle compiled with min_p sampling; {self.root} was compiled before it: "
@@ -390,6 +393,9 @@ class SpeculativeDecoder:
                         if value != neutral)
             raise RequestError(f"{name} needs a bundle compiled with sampling penalties; {self.root} was compiled before "
                                "them: recompile it with `specbuild compile`, or leave the penalties out")
+        if request.sampling.min_tokens and not self.target.has_min_tokens:
+            raise RequestError(f"min_tokens needs a bundle compiled with min_tokens; {self.root} was compiled before it: "
+                               "recompile it with `specbuild compile`, or leave min_tokens out")
         return request
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
@@ -597,7 +603,9 @@ class SpeculativeDecoder:
                 stats.finish_reason = "max_new_tokens"
                 return
         slot.configure(sampling.temperature, sampling.top_k, sampling.top_p, logits=records is not None,
-                       min_p=sampling.min_p, penalties=sampling.penalties, prompt=request.prompt_ids)
+                       min_p=sampling.min_p, penalties=sampling.penalties, prompt=request.prompt_ids,
+                       min_tokens=sampling.min_tokens,
+                       stops=request.stop_token_ids | (set() if request.ignore_eos else self.eos_token_ids))
         rng = sampling.generator()
         # n uniforms in [0, 1) a call: n-1 to judge drafts, the last to draw the next token.
         uniforms = (lambda n: None) if sampling.greedy else (lambda n: rng.random(n, dtype=np.float32))

@@ -48,6 +48,10 @@ float type (fp32, fp16 or bf16; see EngineInfo.precision):
                                         are in every graph that decides (the greedy-only ones and the
                                         sampler too) but a draft's steps graph; graphs compiled before them
                                         lack all five, and decide without penalties
+         min_tokens_left int64 []       vLLM's min_tokens: rows j < min_tokens_left (the tokens generated
+                                        before min_tokens) give the stop_tokens -inf, in the same graphs
+         stop_tokens    bool [V]        the eos and stop tokens min_tokens holds back. Graphs compiled
+                                        before them lack both
          draft_probs    f32 [D, V]      the draft's distribution q at each draft (sampling; [0, V] greedy)
          uniforms       f32 [D+1]       random numbers: D to judge the drafts, one to draw the next token
          past_key.{i}, past_value.{i}   F [1, kv_heads, max_seq_len, head_dim], the KV buffers, bound

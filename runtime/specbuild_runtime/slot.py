@@ -21,7 +21,7 @@ import onnxruntime as ort
 from .engine import Engine
 from .errors import BundleError, DeviceError, RequestError, first_line
 from .manifest import LONG_ROPE, step_presents, step_total_len
-from .validation import MIN_P, NO_PENALTIES, PENALTIES
+from .validation import MIN_P, MIN_TOKENS_INPUTS, NO_PENALTIES, PENALTIES, PENALTY_INPUTS
 
 MAX_REUSED_IDS = 64  # calls of up to this many tokens (drafting, verifying) reuse one buffer per length
 # onnxruntime counts the runs before a capture per thread, not per graph: once a thread has run twice it
@@ -305,48 +305,58 @@ class EngineSlot:
                            False: Buffer(np.zeros(0, np.float32), device)}
             self._probs_rows, self._draft_probs = probs_rows, draft_probs
             self._no_drafts = Buffer(np.zeros((0, engine.vocab_size), np.float32), engine.sampling_devices["draft_probs"])
-        # vLLM's penalties (manifest.py), where the graphs take them: one set of host arrays, bound to each binding
-        # that decides (a greedy-only graph's and its sampler's), each a copy of its own where the device holds it.
-        # The tallies change only where a request is penalised (count), and are pushed before the next call.
+        # vLLM's penalties and min_tokens (manifest.py), where the graphs take them: one set of host arrays, bound to
+        # each binding that decides (a greedy-only graph's and its sampler's), each a copy of its own where the device
+        # holds it. They change only for a request that asks for them (count), and are pushed before the next call.
         self._penalty_values = {"repetition_penalty": np.ones((), np.float32), "presence_penalty": np.zeros((), np.float32),
                                 "frequency_penalty": np.zeros((), np.float32),
                                 "prompt_mask": np.zeros(engine.vocab_size, np.bool_),
-                                "output_counts": np.zeros(engine.vocab_size, np.float32)}
-        self._penalty_buffers = []
-        if engine.has_penalties:
-            bindings = [None] + ([self._tail] if self._tail is not None and self._tail is not self.binding else [])
-            self._penalty_buffers = [self._input(name, host, binding) for binding in bindings
-                                     for name, host in self._penalty_values.items()]
+                                "output_counts": np.zeros(engine.vocab_size, np.float32),
+                                "min_tokens_left": np.zeros((), np.int64), "stop_tokens": np.zeros(engine.vocab_size, np.bool_)}
+        bindings = [None] + ([self._tail] if self._tail is not None and self._tail is not self.binding else [])
+        taken = [*PENALTY_INPUTS] * engine.has_penalties + [*MIN_TOKENS_INPUTS] * engine.has_min_tokens
+        self._penalty_buffers = [self._input(name, self._penalty_values[name], binding) for binding in bindings
+                                 for name in taken]
         self._penalties_changed = self._tallied = False
         if self._tail is not None:
             self._configure(temperature=0.0)
 
     def configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                  penalties: tuple[float, float, float] = NO_PENALTIES, prompt: list[int] = ()) -> None:
+                  penalties: tuple[float, float, float] = NO_PENALTIES, prompt: list[int] = (), min_tokens: int = 0,
+                  stops: frozenset[int] = frozenset()) -> None:
         """Greedy at temperature 0; otherwise sampling from softmax(logits/temperature) within min-p/top-k/top-p.
         penalties: (repetition, presence, frequency), applied to the logits first (neutral: NO_PENALTIES, the only
         values an engine without has_penalties takes); prompt: the request's prompt ids, which repetition counts as
-        seen; the tokens generated are told with count."""
+        seen. min_tokens (0 where not has_min_tokens): the next tokens that may not be one of stops. The tokens
+        generated are told with count."""
         with self.engine.calls:  # its copies to the device too (see engine._CUDA_GRAPH_CALLS)
-            self._penalise(penalties, prompt)
+            self._penalise(penalties, prompt, min_tokens, stops)
             self._configure(temperature, top_k, top_p, min_p)
 
-    def _penalise(self, penalties: tuple[float, float, float], prompt: list[int]) -> None:
+    def _penalise(self, penalties: tuple[float, float, float], prompt: list[int], min_tokens: int,
+                  stops: frozenset[int]) -> None:
         values = self._penalty_values
         if self._tallied:  # the last request's tokens
             values["prompt_mask"][:] = False
             values["output_counts"][:] = 0
-        self._tallied = penalties != NO_PENALTIES
-        if self._tallied:
+            values["stop_tokens"][:] = False
+        self._tallied = penalties != NO_PENALTIES or min_tokens > 0
+        if penalties != NO_PENALTIES:
             values["prompt_mask"][prompt] = True
+        if min_tokens:
+            values["stop_tokens"][list(stops)] = True
+        values["min_tokens_left"][()] = min_tokens
         for name, value in zip(PENALTIES, penalties):
             values[name][()] = value
         self._penalties_changed = True
 
     def count(self, token: int) -> None:
-        """One more generated token, which the penalties of the next calls count (a penalised request's, see configure)."""
+        """One more generated token, which the penalties of the next calls count and min_tokens counts down (a request
+        that asks for either: see configure)."""
         if self._tallied:
-            self._penalty_values["output_counts"][token] += 1
+            values = self._penalty_values
+            values["output_counts"][token] += 1
+            values["min_tokens_left"][()] = max(0, int(values["min_tokens_left"]) - 1)
             self._penalties_changed = True
 
     def _configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> None:
@@ -698,10 +708,12 @@ class Slot:
         self.draft_steps = DraftSteps(draft_steps, self.draft) if draft_steps else None
 
     def configure(self, temperature: float, top_k: int, top_p: float, logits: bool = False, min_p: float = 0.0,
-                  penalties: tuple[float, float, float] = NO_PENALTIES, prompt: list[int] = ()) -> None:
+                  penalties: tuple[float, float, float] = NO_PENALTIES, prompt: list[int] = (), min_tokens: int = 0,
+                  stops: frozenset[int] = frozenset()) -> None:
         """A request's sampling settings; logits: the target's calls leave their logits for it to read. penalties
         (with the prompt's ids): the target's alone. The draft proposes from its unpenalised logits, and samples
-        from (and reports as q) the distribution it drew from: the target's judgement keeps the output exact."""
-        self.target.configure(temperature, top_k, top_p, min_p, penalties, prompt)
+        from (and reports as q) the distribution it drew from: the target's judgement keeps the output exact. min_tokens
+        (with the stop tokens it holds back): the target's alone, alike."""
+        self.target.configure(temperature, top_k, top_p, min_p, penalties, prompt, min_tokens, stops)
         self.draft.configure(temperature, top_k, top_p, min_p)
         self.target.read_logits(logits)

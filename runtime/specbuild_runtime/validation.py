@@ -56,6 +56,7 @@ class Sampling:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    min_tokens: int = 0  # the first min_tokens tokens are no eos or stop token (vLLM's)
 
     @property
     def greedy(self) -> bool:
@@ -118,7 +119,7 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
                   seed=None, stop=None, logprobs=None, ignore_eos=False, stop_token_ids=None,
                   include_stop_str_in_output=False, skip_special_tokens=True, token_span: TokenSpan | None = None,
                   context_limit: int = 0, min_p=0.0, prompt_logprobs=None, repetition_penalty=1.0, presence_penalty=0.0,
-                  frequency_penalty=0.0) -> Request:
+                  frequency_penalty=0.0, min_tokens=0) -> Request:
     """The request as plain checked values, or a RequestError naming the first value that is wrong. ignore_eos,
     stop_token_ids, include_stop_str_in_output, skip_special_tokens and prompt_logprobs mean what vLLM's SamplingParams
     says. token_span: the most text one token of `encode`'s tokenizer stands for, where a bound holds (text.token_span).
@@ -135,6 +136,8 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
     temperature, top_k, top_p, min_p, *penalties = check_sampling(temperature, top_k, top_p, vocab_size, min_p,
                                                                   repetition_penalty, presence_penalty, frequency_penalty)
     seed = None if seed is None else whole("seed", seed)
+    min_tokens = whole("min_tokens", min_tokens, low=0, high=max_new_tokens,
+                       hint=" (the tokens generated before an eos or stop token may end the request, at most max_new_tokens)")
     if logprobs is not None:
         logprobs = whole("logprobs", logprobs, low=0, high=MAX_LOGPROBS, hint=" (the most probable tokens to show beside "
                                                                             "each token's own; None: no logprobs)")
@@ -153,7 +156,7 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
         text, token_span, max_seq_len, max_new_tokens, context_limit=context_limit))
     if len(prompt_ids) > max_seq_len:
         raise too_long(len(prompt_ids), max_seq_len, max_new_tokens, context_limit=context_limit)
-    return Request(prompt_ids, max_new_tokens, gamma, Sampling(temperature, top_k, top_p, seed, min_p, *penalties),
+    return Request(prompt_ids, max_new_tokens, gamma, Sampling(temperature, top_k, top_p, seed, min_p, *penalties, min_tokens),
                    stop_strings(stop), special_tokens, logprobs, ignore_eos, stop_token_ids, include_stop, prompt_logprobs)
 
 
@@ -344,6 +347,8 @@ LATER_SAMPLING_INPUTS = {MIN_P: "tensor(float)"}
 # before them lack all five, and decide without penalties.
 PENALTY_INPUTS = {"repetition_penalty": "tensor(float)", "presence_penalty": "tensor(float)",
                   "frequency_penalty": "tensor(float)", "prompt_mask": "tensor(bool)", "output_counts": "tensor(float)"}
+# vLLM's min_tokens (manifest.py), where the penalties are, in graphs compiled since (before: all absent).
+MIN_TOKENS_INPUTS = {"min_tokens_left": "tensor(int64)", "stop_tokens": "tensor(bool)"}
 OUTPUTS = {"accepted": "tensor(int64)", "next_token": "tensor(int64)"}
 SAMPLING_OUTPUTS = {"probs": "tensor(float)"}
 LOGITS = "logits"  # the fp32 logits an engine graph decides on (manifest.py): a greedy-only graph's sampler reads them
@@ -375,8 +380,9 @@ def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int, g
                     **{step_total_len(j): INPUTS["total_len"] for j in range(steps)}}}[graph]
     if graph == "engine":
         io.update({name: onnx_type for name, onnx_type in LATER_SAMPLING_INPUTS.items() if name in inputs})
-    if graph != "steps" and PENALTY_INPUTS.keys() & inputs.keys():
-        io.update(PENALTY_INPUTS)
+    for later in (PENALTY_INPUTS, MIN_TOKENS_INPUTS):
+        if graph != "steps" and later.keys() & inputs.keys():
+            io.update(later)
     if graph != "steps" and info.rope_switch_length:
         io[LONG_ROPE] = "tensor(int64)"
     elif LONG_ROPE in inputs:
@@ -409,7 +415,8 @@ def check_sampler_io(path, inputs: dict, outputs: dict) -> None:
     expected = {**GREEDY_OUTPUTS, "input_ids": INPUTS["input_ids"], "num_drafts": INPUTS["num_drafts"],
                 **SAMPLING_INPUTS, **OUTPUTS, **SAMPLING_OUTPUTS,
                 **{name: onnx_type for name, onnx_type in LATER_SAMPLING_INPUTS.items() if name in inputs},
-                **(PENALTY_INPUTS if PENALTY_INPUTS.keys() & inputs.keys() else {})}
+                **{name: onnx_type for later in (PENALTY_INPUTS, MIN_TOKENS_INPUTS) if later.keys() & inputs.keys()
+                   for name, onnx_type in later.items()}}
     found = {**inputs, **outputs}
     wrong = next((name for name, onnx_type in expected.items() if found.get(name) != onnx_type), None)
     if wrong:

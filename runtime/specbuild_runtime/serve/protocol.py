@@ -28,13 +28,14 @@ COMPLETIONS, CHAT = "completions", "chat"
 DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: None}  # OpenAI's defaults; None: until the context is full
 
 # Fields each endpoint reads. "gamma" is specbuild's own: draft tokens per round, "auto" by default. min_p,
-# repetition_penalty and the last four are vLLM's SamplingParams' extras, which its server reads on both endpoints.
+# repetition_penalty, min_tokens and the last four are vLLM's SamplingParams' extras, which its server reads on both
+# endpoints.
 DECODING = ("temperature", "top_p", "top_k", "seed", "stop", "gamma", "min_p", "presence_penalty", "frequency_penalty",
-            "repetition_penalty", "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
-# vLLM's extras whose only value here is the default: min_tokens needs the engines' graphs to mask the eos and stop
-# tokens (the target's distribution, verification included), and spaces_between_special_tokens false a decoder that
+            "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
+            "skip_special_tokens")
+# vLLM's extras whose only value here is the default: spaces_between_special_tokens false needs a decoder that
 # tokenizers' decode lacks.
-DEFAULT_ONLY = {"min_tokens": 0, "spaces_between_special_tokens": True}
+DEFAULT_ONLY = {"spaces_between_special_tokens": True}
 FIELDS = {
     COMPLETIONS: {"model", "prompt", "max_tokens", "stream", "stream_options", "n", "logprobs", "echo", *DECODING,
                   *DEFAULT_ONLY, "add_special_tokens"},
@@ -396,11 +397,6 @@ def _json_object(raw: bytes) -> dict:
 
 def _default_only(body: dict) -> None:
     """Refuses a DEFAULT_ONLY field given any value but its default (null is absent)."""
-    value = body.get("min_tokens")
-    if value is not None and not (type(value) is int and value == 0):
-        raise ApiError(400, f"min_tokens {_json(value)} is not supported by this server (its engines cannot mask the "
-                            "eos and stop tokens, as the target's distribution and the drafts' verification would "
-                            "need); send 0 or leave it out", "min_tokens")
     value = body.get("spaces_between_special_tokens")
     if value is not None and value is not True:
         raise ApiError(400, f"spaces_between_special_tokens {_json(value)} is not supported by this server (its "

@@ -28,23 +28,27 @@ class SamplingInputs:
 
 
 class Penalties:
-    """vLLM's sampling penalties (specbuild_runtime.manifest): repetition over the prompt's and the generated tokens,
-    presence and frequency over the generated ones. prompt_mask [V] bool: the prompt's tokens; output_counts [V]: how
-    often each token was generated before the call's drafts."""
+    """vLLM's logits processors that change which token wins (specbuild_runtime.manifest): the penalties, repetition
+    over the prompt's and the generated tokens, presence and frequency over the generated ones (prompt_mask [V] bool:
+    the prompt's tokens; output_counts [V]: how often each token was generated before the call's drafts), and
+    min_tokens (stop_tokens [V] bool, the eos and stop tokens, are no choice for the next min_tokens_left tokens)."""
 
     def __init__(self, repetition: ir.Value, presence: ir.Value, frequency: ir.Value, prompt_mask: ir.Value,
-                 output_counts: ir.Value):
+                 output_counts: ir.Value, min_tokens_left: ir.Value, stop_tokens: ir.Value):
         self.repetition, self.presence, self.frequency = repetition, presence, frequency
         self.prompt_mask, self.output_counts = prompt_mask, output_counts
+        self.min_tokens_left, self.stop_tokens = min_tokens_left, stop_tokens
 
 
 def penalty_inputs(g: GraphBuilder, vocab) -> Penalties:
-    """The penalties' graph inputs (manifest.py), vocab: V's dimension (a number, or a name in the sampler)."""
+    """The processors' graph inputs (manifest.py), vocab: V's dimension (a number, or a name in the sampler)."""
     return Penalties(repetition=g.input("repetition_penalty", FLOAT, []),
                      presence=g.input("presence_penalty", FLOAT, []),
                      frequency=g.input("frequency_penalty", FLOAT, []),
                      prompt_mask=g.input("prompt_mask", BOOL, [vocab]),
-                     output_counts=g.input("output_counts", FLOAT, [vocab]))
+                     output_counts=g.input("output_counts", FLOAT, [vocab]),
+                     min_tokens_left=g.input("min_tokens_left", INT64, []),
+                     stop_tokens=g.input("stop_tokens", BOOL, [vocab]))
 
 
 def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_drafts: ir.Value,
@@ -129,8 +133,8 @@ def _penalised(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, p: Penalties
     then logit - frequency·count, then - presence·(count > 0). Row j judges draft j after drafts 0..j-1, which
     count as generated for it (vllm/v1/sample/rejection_sampler.py adds each position's earlier drafts to the
     output tokens alike): an exclusive running sum of the drafts' one-hot rows on top of output_counts. So a row's
-    decision is the one the target alone makes at that position. Neutral values (1, 0, 0) leave every logit's bits
-    as they are: x·1, x/1 and x - 0 are exact."""
+    decision is the one the target alone makes at that position. Then min_tokens. Neutral values (1, 0, 0, no
+    min_tokens left) leave every logit's bits as they are: x·1, x/1, x - 0 and min(x, +inf) are exact."""
     vocab = g.op("Shape", logits, start=1, end=2)  # [1] on the host: OneHot's depth and Expand's shape read it there
     one_hot = g.op("OneHot", drafts, vocab, g.const([0.0, 1.0], np.float32), axis=-1)  # [D, V]
     no_draft = g.op("Expand", g.const(0.0, np.float32), g.op("Concat", g.const([1]), vocab, axis=0))  # [1, V]
@@ -148,15 +152,29 @@ def _penalised(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, p: Penalties
     over = g.op("Max", g.op("Mul", above, p.repetition), g.op("Sub", one, above))
     logits = g.op("Div", g.op("Mul", logits, times), over)
     logits = g.op("Sub", logits, g.op("Mul", counts, p.frequency))
-    return g.op("Sub", logits, g.op("Mul", g.op("Cast", generated, to=FLOAT), p.presence))
+    logits = g.op("Sub", logits, g.op("Mul", g.op("Cast", generated, to=FLOAT), p.presence))
+    # min_tokens (vLLM's MinTokensLogitsProcessor): row j decides generated token min_tokens_left-before + j, so rows
+    # j < min_tokens_left keep the stop tokens out, as -inf (Min with -inf there, +inf elsewhere: x's own bits).
+    rows = g.op("Shape", logits, start=0, end=1)  # [1] on the host, Expand's shape
+    index = g.op("CumSum", g.op("Expand", g.const(1.0, np.float32), rows), g.const(0), exclusive=1)  # [D+1]: 0, 1, ...
+    early = g.op("Less", index, g.op("Cast", p.min_tokens_left, to=FLOAT))
+    ceiling = g.op("Max", _infinities(g, g.op("Unsqueeze", early, g.const([1]))), _infinities(g, p.stop_tokens))
+    return g.op("Min", logits, ceiling)
+
+
+def _infinities(g: GraphBuilder, mask: ir.Value) -> ir.Value:
+    """-inf where mask is true, +inf where false: log(1 - m) - log(m), exact (no Where: see _penalised)."""
+    m = g.op("Cast", mask, to=FLOAT)
+    return g.op("Sub", g.op("Log", g.op("Sub", g.const(1.0, np.float32), m)), g.op("Log", m))
 
 
 def _penalised_if_any(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, p: Penalties) -> ir.Value:
-    """_penalised behind an If that skips its [D+1, V] work where every penalty is neutral (the graphs with control
-    flow; a greedy-only graph, which CUDA graphs capture, always applies them)."""
+    """_penalised behind an If that skips its [D+1, V] work where every penalty is neutral and no min_tokens is left
+    (the graphs with control flow; a greedy-only graph, which CUDA graphs capture, always applies them)."""
     neutral = g.op("And", g.op("And", g.op("Equal", p.repetition, g.const(1.0, np.float32)),
                                g.op("Equal", p.presence, g.const(0.0, np.float32))),
-                   g.op("Equal", p.frequency, g.const(0.0, np.float32)))
+                   g.op("And", g.op("Equal", p.frequency, g.const(0.0, np.float32)),
+                        g.op("LessOrEqual", p.min_tokens_left, g.const(0))))
     apply = g.branch("branch.penalties")
     apply.output(_penalised(apply, logits, drafts, p), "branch.penalties.logits", FLOAT, None)
     raw = g.branch("branch.no_penalties")
