@@ -185,7 +185,7 @@ def compiled_before_min_p(folder: Path) -> Path:
 
 
 def compiled_before_penalties(folder: Path) -> Path:
-    """The bundle in folder made as compiled before the penalties and min_tokens: every graph without their inputs (its
+    """The bundle in folder made as compiled before the penalties, min_tokens and logit_bias: every graph without their inputs (its
     nodes read neutral constants, shaped [1] to broadcast over any vocabulary), the manifest's digests following them."""
     import numpy as np
 
@@ -197,7 +197,8 @@ def compiled_before_penalties(folder: Path) -> Path:
                                           "presence_penalty": np.array(0, np.float32),
                                           "frequency_penalty": np.array(0, np.float32),
                                           "prompt_mask": np.zeros(1, np.bool_), "output_counts": np.zeros(1, np.float32),
-                                          "min_tokens_left": np.array(0, np.int64), "stop_tokens": np.zeros(1, np.bool_)})
+                                          "min_tokens_left": np.array(0, np.int64), "stop_tokens": np.zeros(1, np.bool_),
+                                          "logit_bias": np.zeros(1, np.float32)})
 
 
 def without_inputs(folder: Path, files, constants: dict) -> Path:

@@ -20,8 +20,12 @@ def decoders(folder):
 
 
 def penalised(logits: np.ndarray, prompt: list[int], generated: list[int], repetition=1.0, presence=0.0,
-              frequency=0.0) -> np.ndarray:
-    """One row of logits with vLLM's penalties, in numpy: the reference the graphs must agree with."""
+              frequency=0.0, bias=None) -> np.ndarray:
+    """One row of logits with OpenAI's logit_bias ({token: bias}) and vLLM's penalties, in numpy: the reference the
+    graphs must agree with."""
+    logits = logits.copy()
+    for token, value in (bias or {}).items():
+        logits[token] += np.float32(value)
     counts = np.bincount(generated, minlength=len(logits)).astype(np.float32)
     seen = (counts > 0) | np.isin(np.arange(len(logits)), prompt)
     logits = np.where(seen, np.where(logits < 0, logits * np.float32(repetition), logits / np.float32(repetition)), logits)
@@ -87,6 +91,11 @@ def test_a_bundle_compiled_before_penalties_decodes_as_before_and_refuses_them_i
             for gamma in (0, 3, "auto"):
                 assert (before.generate(ids, 20, gamma, **options).token_ids
                         == now.generate(ids, 20, gamma, repetition_penalty=1.0, presence_penalty=0.0, **options).token_ids)
+        with pytest.raises(RequestError, match=r"^logit_bias needs a bundle compiled with logit_bias; \S+ was compiled "
+                                               r"before it: recompile it with `specbuild compile`, or leave logit_bias out$"
+                           ) as refused:
+            before.generate(ids, 8, logit_bias={5: 3.0})
+        assert invalid(refused.value).param == "logit_bias"
         with pytest.raises(RequestError, match=r"^min_tokens needs a bundle compiled with min_tokens; \S+ was compiled "
                                                r"before it: recompile it with `specbuild compile`, or leave min_tokens out$"
                            ) as refused:
@@ -129,3 +138,23 @@ def test_min_tokens_keeps_the_eos_and_stop_tokens_out_exactly_as_transformers_mi
                 result = decoder.generate(ids, NEW_TOKENS, gamma, stop_token_ids=[stop], min_tokens=12)
                 assert result.token_ids == expected, (decoder.cuda_graphs, gamma, prompt)
                 assert result.token_ids[-1] in (eos, stop) or len(result.token_ids) == NEW_TOKENS
+
+
+@pytest.mark.parametrize("draft", ["same", "unrelated"])
+def test_logit_bias_decodes_as_the_target_alone_with_the_biases_added(draft, bundles, checkpoints, tokenizer):
+    """OpenAI's logit_bias, before the penalties as vLLM adds it; a bias of -100 keeps a token out, +100 takes it."""
+    model = load_reference(checkpoints("llama"))
+    for decoder in decoders(bundles("llama", draft_seed=0 if draft == "same" else 1)):
+        for prompt in PROMPTS[:3]:
+            ids = tokenizer(prompt)["input_ids"]
+            for penalties in ({}, {"repetition_penalty": 1.3, "frequency_penalty": 0.4}):
+                reference = {name.removesuffix("_penalty"): value for name, value in penalties.items()}
+                free = target_alone(model, ids, NEW_TOKENS, **reference)
+                bias = {free[2]: -100.0, free[5]: -2.5, 40: 1.5}
+                expected = target_alone(model, ids, NEW_TOKENS, bias=bias, **reference)
+                assert free[2] not in expected and expected != free  # not hollow
+                for gamma in GAMMAS:
+                    result = decoder.generate(ids, NEW_TOKENS, gamma, ignore_eos=True, logit_bias=bias, **penalties)
+                    assert result.token_ids == expected, (decoder.cuda_graphs, gamma, prompt, penalties)
+        taken = decoder.generate(PROMPTS[0], 6, 3, logit_bias={7: 100.0}).token_ids
+        assert taken == [7] * 6

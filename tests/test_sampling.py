@@ -132,6 +132,10 @@ CASES = {  # name: (bundle, decoding options, negative control)
     # min_tokens holding back two stop tokens (which would end a sample) at every position
     "min_tokens over every token, two stop tokens": (
         "draft", dict(gamma=4, temperature=1.0, min_tokens=NEW_TOKENS, stop_token_ids=[STOPPED, STOPPED + 1]), WRONG_RULE),
+    # OpenAI's logit_bias, before the penalties
+    "logit_bias and a repetition penalty": (
+        "draft", dict(gamma=4, temperature=1.0, logit_bias={STOPPED: -2.0, 5: 1.5, 9: 0.8}, repetition_penalty=1.3),
+        WRONG_RULE),
 }
 
 
@@ -202,14 +206,16 @@ def penalised(logits: torch.Tensor, tokens: torch.Tensor, repetition=1.0, presen
 
 def distribution_test(pair, bundle: str, samples: list[list[int]], temperature, top_k=0, top_p=1.0, min_p=0.0,
                       repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0,
-                      stop_token_ids=(), **_) -> dict:
+                      stop_token_ids=(), logit_bias=None, **_) -> dict:
     """p-value of the samples against the target's distribution, and how many had probability zero."""
     target, draft = BUNDLES[bundle]
     tokens = torch.tensor(samples)
     sequences = torch.cat([torch.tensor(PROMPT).expand(len(samples), -1), tokens], 1)
     with torch.no_grad():
-        p_logits = penalised(pair[target](sequences).logits[:, len(PROMPT) - 1 : -1].double(), tokens,
-                             repetition_penalty, presence_penalty, frequency_penalty)
+        p_logits = pair[target](sequences).logits[:, len(PROMPT) - 1 : -1].double()
+        for token, bias in (logit_bias or {}).items():
+            p_logits[..., token] += bias
+        p_logits = penalised(p_logits, tokens, repetition_penalty, presence_penalty, frequency_penalty)
         p_logits[:, :min_tokens, list(stop_token_ids)] = -torch.inf
         # the draft's engine has the tokenizer's ids alone (its padding rows cut): q is 0 past them, and it
         # reads the target's padding ids as its last row

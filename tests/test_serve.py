@@ -742,6 +742,10 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "min_tokens": 1.5},
      "min_tokens must be a whole number"),
     ("completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens must be from 0 to 4"),
+    ("completions", {"prompt": "x", "logit_bias": {"the": 1}}, "logit_bias must be a whole number (a key"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}},
+     "logit_bias must hold biases in [-100, 100], as OpenAI's, not 101.0 (token 5)"),
+    ("completions", {"prompt": "x", "logit_bias": [5]}, "logit_bias must map token ids to biases"),
     ("completions", {"prompt": "x", "spaces_between_special_tokens": False},
      "spaces_between_special_tokens false is not supported"),
 ]
@@ -792,6 +796,17 @@ def test_a_400_names_the_field_at_fault_as_its_param(server, endpoint, body, par
     assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
 
 
+def test_logit_bias_as_openai_sends_it_biases_the_tokens_it_names(client, reference):
+    """Token ids as JSON strings (the openai client's dict[str, int]) on both endpoints."""
+    greedy = reference.generate(PROMPTS[0], max_new_tokens=12, temperature=0).token_ids
+    bias = {greedy[1]: -100, greedy[4]: 3}
+    expected = reference.generate(PROMPTS[0], max_new_tokens=12, temperature=0, logit_bias=bias)
+    assert expected.token_ids != greedy  # it bites
+    sent = {str(token): value for token, value in bias.items()}
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, logit_bias=sent)
+    assert whole.choices[0].text == expected.text
+
+
 def test_what_clients_send_by_default_asking_for_plain_text_is_accepted_as_if_absent(server, reference):
     """tool_choice "none", a text response_format, text modalities, parallel_tool_calls, vLLM's top_k -1, top_p 1."""
     chat = {"messages": [{"role": "user", "content": "def f(x):"}], "max_tokens": 8, "temperature": 0}
@@ -800,7 +815,8 @@ def test_what_clients_send_by_default_asking_for_plain_text_is_accepted_as_if_ab
                   {"parallel_tool_calls": True}, {"parallel_tool_calls": False}, {"top_k": -1}, {"top_k": 0},
                   {"top_p": 1}, {"top_p": 1.0, "temperature": 0},
                   {"tools": [WEATHER], "tool_choice": "none"},  # shown (not by this template), answered as text
-                  {"min_tokens": 0}, {"spaces_between_special_tokens": True}, {"skip_special_tokens": True}):
+                  {"min_tokens": 0}, {"spaces_between_special_tokens": True}, {"skip_special_tokens": True},
+                  {"logit_bias": {}}, {"logit_bias": None}, {"presence_penalty": 0}, {"frequency_penalty": 0.0}):
         reply = httpx.post(f"{server}/v1/chat/completions", json={**chat, **extra})
         assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == plain, (extra, reply.text)
 

@@ -357,7 +357,7 @@ class SpeculativeDecoder:
                 stop_token_ids: list[int] | None = None, include_stop_str_in_output: bool = False,
                 skip_special_tokens: bool = True, min_p: float = 0.0, prompt_logprobs: int | None = None,
                 repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                min_tokens: int = 0) -> Request:
+                min_tokens: int = 0, logit_bias: dict[int, float] | None = None) -> Request:
         """The checked request (validation.check_request against this bundle), or a RequestError. The keyword-only
         options (which generate, stream, stream_text and their async forms pass on) are vLLM's SamplingParams':
         ignore_eos decodes past eos tokens (to max_new_tokens or the context); a token of stop_token_ids ends the
@@ -371,7 +371,8 @@ class SpeculativeDecoder:
         [-2, 2]; 0: none) subtract, from each generated token's logit, the penalty once and the penalty times its
         count, as OpenAI's and vLLM's. Penalties apply greedy and sampled, before temperature; logprobs stay raw.
         min_tokens (up to max_new_tokens) keeps the eos tokens (unless ignore_eos) and stop_token_ids out of the first
-        min_tokens tokens, as vLLM's (stop strings may still end it earlier)."""
+        min_tokens tokens, as vLLM's (stop strings may still end it earlier); logit_bias ({token id: bias in [-100,
+        100]}, OpenAI's) adds each bias to its token's logit, before the penalties, as vLLM."""
         if (logprobs is not None or prompt_logprobs is not None) and not self.target.has_logits:
             raise RequestError(f"{self.root} was compiled before its engines gave their logits, so it gives no logprobs: "
                                "recompile it with `specbuild compile`")
@@ -383,7 +384,7 @@ class SpeculativeDecoder:
                                 skip_special_tokens=skip_special_tokens, token_span=self.token_span,
                                 context_limit=self.manifest.context_limit, min_p=min_p, prompt_logprobs=prompt_logprobs,
                                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                                frequency_penalty=frequency_penalty, min_tokens=min_tokens)
+                                frequency_penalty=frequency_penalty, min_tokens=min_tokens, logit_bias=logit_bias)
         # Begins with the field's name, as validation's messages do: serve's 400 names it as its `param`.
         if request.sampling.min_p and not self.has_min_p:
             raise RequestError(f"min_p needs a bundle compiled with min_p sampling; {self.root} was compiled before it: "
@@ -396,6 +397,9 @@ class SpeculativeDecoder:
         if request.sampling.min_tokens and not self.target.has_min_tokens:
             raise RequestError(f"min_tokens needs a bundle compiled with min_tokens; {self.root} was compiled before it: "
                                "recompile it with `specbuild compile`, or leave min_tokens out")
+        if request.sampling.logit_bias and not self.target.has_logit_bias:
+            raise RequestError(f"logit_bias needs a bundle compiled with logit_bias; {self.root} was compiled before it: "
+                               "recompile it with `specbuild compile`, or leave logit_bias out")
         return request
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
@@ -605,7 +609,8 @@ class SpeculativeDecoder:
         slot.configure(sampling.temperature, sampling.top_k, sampling.top_p, logits=records is not None,
                        min_p=sampling.min_p, penalties=sampling.penalties, prompt=request.prompt_ids,
                        min_tokens=sampling.min_tokens,
-                       stops=request.stop_token_ids | (set() if request.ignore_eos else self.eos_token_ids))
+                       stops=request.stop_token_ids | (set() if request.ignore_eos else self.eos_token_ids),
+                       logit_bias=sampling.logit_bias)
         rng = sampling.generator()
         # n uniforms in [0, 1) a call: n-1 to judge drafts, the last to draw the next token.
         uniforms = (lambda n: None) if sampling.greedy else (lambda n: rng.random(n, dtype=np.float32))

@@ -20,7 +20,8 @@ import onnxruntime as ort
 
 from .errors import BundleError, DeviceError, first_line
 from .manifest import EngineInfo, cache_names
-from .validation import LOGITS, MIN_P, MIN_TOKENS_INPUTS, PENALTY_INPUTS, check_engine_io, check_sampler_io
+from .validation import (LOGIT_BIAS_INPUTS, LOGITS, MIN_P, MIN_TOKENS_INPUTS, PENALTY_INPUTS, check_engine_io,
+                         check_sampler_io)
 
 DEVICES = ("cpu", "cuda", "auto")
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -225,8 +226,9 @@ class Engine:
     external weights are still read beside path. has_logits: its graph outputs the fp32 logits its
     decisions are made from (EngineSlot.logits reads them; engines compiled before that lack them).
     has_min_p: it samples with a `min_p` input (engines and samplers compiled before min_p lack it).
-    has_penalties, has_min_tokens: every graph it decides with takes vLLM's penalties (PENALTY_INPUTS), its min_tokens
-    (MIN_TOKENS_INPUTS); graphs compiled before them, and a draft's steps graph, lack them.
+    has_penalties, has_min_tokens, has_logit_bias: every graph it decides with takes vLLM's penalties (PENALTY_INPUTS),
+    its min_tokens (MIN_TOKENS_INPUTS), OpenAI's logit_bias; graphs compiled before them, and a draft's steps graph,
+    lack them.
     cuda_graphs: path is the engine's greedy-only graph (no sampling, no control flow); on CUDA, calls
     that name a graph id are captured once and replayed as CUDA graphs (see slot.graph_id).
     Such an engine samples with `sampler` (the bundle's), fed each call's logits; without one it cannot.
@@ -270,9 +272,9 @@ class Engine:
         else:
             self.sampling_session = self.sampling_devices = None
         self.has_min_p = self.sampling_devices is not None and MIN_P in self.sampling_devices
-        self.has_penalties, self.has_min_tokens = (
+        self.has_penalties, self.has_min_tokens, self.has_logit_bias = (
             all(name in self.input_devices and (self.sampling_devices is None or name in self.sampling_devices)
-                for name in inputs) for inputs in (PENALTY_INPUTS, MIN_TOKENS_INPUTS))
+                for name in inputs) for inputs in (PENALTY_INPUTS, MIN_TOKENS_INPUTS, LOGIT_BIAS_INPUTS))
 
     def new_slot_index(self) -> int:
         """A number no other slot of this engine has: the slot's CUDA graphs are its own."""

@@ -21,7 +21,7 @@ import onnxruntime as ort
 from .engine import Engine
 from .errors import BundleError, DeviceError, RequestError, first_line
 from .manifest import LONG_ROPE, step_presents, step_total_len
-from .validation import MIN_P, MIN_TOKENS_INPUTS, NO_PENALTIES, PENALTIES, PENALTY_INPUTS
+from .validation import LOGIT_BIAS_INPUTS, MIN_P, MIN_TOKENS_INPUTS, NO_PENALTIES, PENALTIES, PENALTY_INPUTS
 
 MAX_REUSED_IDS = 64  # calls of up to this many tokens (drafting, verifying) reuse one buffer per length
 # onnxruntime counts the runs before a capture per thread, not per graph: once a thread has run twice it
@@ -312,9 +312,11 @@ class EngineSlot:
                                 "frequency_penalty": np.zeros((), np.float32),
                                 "prompt_mask": np.zeros(engine.vocab_size, np.bool_),
                                 "output_counts": np.zeros(engine.vocab_size, np.float32),
-                                "min_tokens_left": np.zeros((), np.int64), "stop_tokens": np.zeros(engine.vocab_size, np.bool_)}
+                                "min_tokens_left": np.zeros((), np.int64), "stop_tokens": np.zeros(engine.vocab_size, np.bool_),
+                                "logit_bias": np.zeros(engine.vocab_size, np.float32)}
         bindings = [None] + ([self._tail] if self._tail is not None and self._tail is not self.binding else [])
-        taken = [*PENALTY_INPUTS] * engine.has_penalties + [*MIN_TOKENS_INPUTS] * engine.has_min_tokens
+        taken = ([*PENALTY_INPUTS] * engine.has_penalties + [*MIN_TOKENS_INPUTS] * engine.has_min_tokens
+                 + [*LOGIT_BIAS_INPUTS] * engine.has_logit_bias)
         self._penalty_buffers = [self._input(name, self._penalty_values[name], binding) for binding in bindings
                                  for name in taken]
         self._penalties_changed = self._tallied = False
@@ -323,24 +325,27 @@ class EngineSlot:
 
     def configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                   penalties: tuple[float, float, float] = NO_PENALTIES, prompt: list[int] = (), min_tokens: int = 0,
-                  stops: frozenset[int] = frozenset()) -> None:
+                  stops: frozenset[int] = frozenset(), logit_bias: tuple[tuple[int, float], ...] = ()) -> None:
         """Greedy at temperature 0; otherwise sampling from softmax(logits/temperature) within min-p/top-k/top-p.
         penalties: (repetition, presence, frequency), applied to the logits first (neutral: NO_PENALTIES, the only
         values an engine without has_penalties takes); prompt: the request's prompt ids, which repetition counts as
-        seen. min_tokens (0 where not has_min_tokens): the next tokens that may not be one of stops. The tokens
-        generated are told with count."""
+        seen. min_tokens (0 where not has_min_tokens): the next tokens that may not be one of stops. logit_bias: (token,
+        bias) pairs (none where not has_logit_bias). The tokens generated are told with count."""
         with self.engine.calls:  # its copies to the device too (see engine._CUDA_GRAPH_CALLS)
-            self._penalise(penalties, prompt, min_tokens, stops)
+            self._penalise(penalties, prompt, min_tokens, stops, logit_bias)
             self._configure(temperature, top_k, top_p, min_p)
 
     def _penalise(self, penalties: tuple[float, float, float], prompt: list[int], min_tokens: int,
-                  stops: frozenset[int]) -> None:
+                  stops: frozenset[int], logit_bias: tuple[tuple[int, float], ...]) -> None:
         values = self._penalty_values
         if self._tallied:  # the last request's tokens
             values["prompt_mask"][:] = False
             values["output_counts"][:] = 0
             values["stop_tokens"][:] = False
-        self._tallied = penalties != NO_PENALTIES or min_tokens > 0
+            values["logit_bias"][:] = 0
+        self._tallied = penalties != NO_PENALTIES or min_tokens > 0 or bool(logit_bias)
+        for token, bias in logit_bias:
+            values["logit_bias"][token] = bias
         if penalties != NO_PENALTIES:
             values["prompt_mask"][prompt] = True
         if min_tokens:
@@ -709,11 +714,11 @@ class Slot:
 
     def configure(self, temperature: float, top_k: int, top_p: float, logits: bool = False, min_p: float = 0.0,
                   penalties: tuple[float, float, float] = NO_PENALTIES, prompt: list[int] = (), min_tokens: int = 0,
-                  stops: frozenset[int] = frozenset()) -> None:
+                  stops: frozenset[int] = frozenset(), logit_bias: tuple[tuple[int, float], ...] = ()) -> None:
         """A request's sampling settings; logits: the target's calls leave their logits for it to read. penalties
         (with the prompt's ids): the target's alone. The draft proposes from its unpenalised logits, and samples
         from (and reports as q) the distribution it drew from: the target's judgement keeps the output exact. min_tokens
-        (with the stop tokens it holds back): the target's alone, alike."""
-        self.target.configure(temperature, top_k, top_p, min_p, penalties, prompt, min_tokens, stops)
+        (with the stop tokens it holds back) and logit_bias: the target's alone, alike."""
+        self.target.configure(temperature, top_k, top_p, min_p, penalties, prompt, min_tokens, stops, logit_bias)
         self.draft.configure(temperature, top_k, top_p, min_p)
         self.target.read_logits(logits)

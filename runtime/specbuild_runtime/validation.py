@@ -57,6 +57,7 @@ class Sampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_tokens: int = 0  # the first min_tokens tokens are no eos or stop token (vLLM's)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit): OpenAI's
 
     @property
     def greedy(self) -> bool:
@@ -119,7 +120,7 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
                   seed=None, stop=None, logprobs=None, ignore_eos=False, stop_token_ids=None,
                   include_stop_str_in_output=False, skip_special_tokens=True, token_span: TokenSpan | None = None,
                   context_limit: int = 0, min_p=0.0, prompt_logprobs=None, repetition_penalty=1.0, presence_penalty=0.0,
-                  frequency_penalty=0.0, min_tokens=0) -> Request:
+                  frequency_penalty=0.0, min_tokens=0, logit_bias=None) -> Request:
     """The request as plain checked values, or a RequestError naming the first value that is wrong. ignore_eos,
     stop_token_ids, include_stop_str_in_output, skip_special_tokens and prompt_logprobs mean what vLLM's SamplingParams
     says. token_span: the most text one token of `encode`'s tokenizer stands for, where a bound holds (text.token_span).
@@ -156,7 +157,8 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
         text, token_span, max_seq_len, max_new_tokens, context_limit=context_limit))
     if len(prompt_ids) > max_seq_len:
         raise too_long(len(prompt_ids), max_seq_len, max_new_tokens, context_limit=context_limit)
-    return Request(prompt_ids, max_new_tokens, gamma, Sampling(temperature, top_k, top_p, seed, min_p, *penalties, min_tokens),
+    return Request(prompt_ids, max_new_tokens, gamma, Sampling(temperature, top_k, top_p, seed, min_p, *penalties, min_tokens,
+                                                         check_logit_bias(logit_bias, vocab_size)),
                    stop_strings(stop), special_tokens, logprobs, ignore_eos, stop_token_ids, include_stop, prompt_logprobs)
 
 
@@ -285,6 +287,22 @@ def stop_strings(stop) -> tuple[str, ...]:
     return tuple(strings)
 
 
+def check_logit_bias(logit_bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias ({token id: bias}; None: none) as sorted (id, bias) pairs, each bias in [-100, 100]."""
+    if logit_bias is None:
+        return ()
+    if not isinstance(logit_bias, dict):
+        raise RequestError(f"logit_bias must map token ids to biases, not {shown(logit_bias)}")
+    pairs = []
+    for token, bias in logit_bias.items():
+        token = whole("logit_bias", token, low=0, high=vocab_size - 1, hint=" (a key: token ids of this bundle's vocabulary)")
+        bias = real("logit_bias", bias)
+        if not -100 <= bias <= 100:
+            raise RequestError(f"logit_bias must hold biases in [-100, 100], as OpenAI's, not {bias} (token {token})")
+        pairs.append((token, bias))
+    return tuple(sorted(pairs))
+
+
 def token_ids(name: str, ids, vocab_size: int) -> frozenset[int]:
     """A list of token ids (None: none), each a whole number in [0, vocab_size)."""
     if ids is None:
@@ -349,6 +367,7 @@ PENALTY_INPUTS = {"repetition_penalty": "tensor(float)", "presence_penalty": "te
                   "frequency_penalty": "tensor(float)", "prompt_mask": "tensor(bool)", "output_counts": "tensor(float)"}
 # vLLM's min_tokens (manifest.py), where the penalties are, in graphs compiled since (before: all absent).
 MIN_TOKENS_INPUTS = {"min_tokens_left": "tensor(int64)", "stop_tokens": "tensor(bool)"}
+LOGIT_BIAS_INPUTS = {"logit_bias": "tensor(float)"}  # OpenAI's logit_bias, alike
 OUTPUTS = {"accepted": "tensor(int64)", "next_token": "tensor(int64)"}
 SAMPLING_OUTPUTS = {"probs": "tensor(float)"}
 LOGITS = "logits"  # the fp32 logits an engine graph decides on (manifest.py): a greedy-only graph's sampler reads them
@@ -380,7 +399,7 @@ def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int, g
                     **{step_total_len(j): INPUTS["total_len"] for j in range(steps)}}}[graph]
     if graph == "engine":
         io.update({name: onnx_type for name, onnx_type in LATER_SAMPLING_INPUTS.items() if name in inputs})
-    for later in (PENALTY_INPUTS, MIN_TOKENS_INPUTS):
+    for later in (PENALTY_INPUTS, MIN_TOKENS_INPUTS, LOGIT_BIAS_INPUTS):
         if graph != "steps" and later.keys() & inputs.keys():
             io.update(later)
     if graph != "steps" and info.rope_switch_length:
@@ -415,7 +434,8 @@ def check_sampler_io(path, inputs: dict, outputs: dict) -> None:
     expected = {**GREEDY_OUTPUTS, "input_ids": INPUTS["input_ids"], "num_drafts": INPUTS["num_drafts"],
                 **SAMPLING_INPUTS, **OUTPUTS, **SAMPLING_OUTPUTS,
                 **{name: onnx_type for name, onnx_type in LATER_SAMPLING_INPUTS.items() if name in inputs},
-                **{name: onnx_type for later in (PENALTY_INPUTS, MIN_TOKENS_INPUTS) if later.keys() & inputs.keys()
+                **{name: onnx_type for later in (PENALTY_INPUTS, MIN_TOKENS_INPUTS, LOGIT_BIAS_INPUTS)
+                   if later.keys() & inputs.keys()
                    for name, onnx_type in later.items()}}
     found = {**inputs, **outputs}
     wrong = next((name for name, onnx_type in expected.items() if found.get(name) != onnx_type), None)

@@ -209,11 +209,11 @@ def _draft_steps(gamma: int) -> int:
 
 
 def _no_penalties(vocab: int) -> dict[str, np.ndarray]:
-    """The penalty and min_tokens inputs (specbuild_runtime.manifest) of a call without either."""
+    """The penalty, min_tokens and logit_bias inputs (specbuild_runtime.manifest) of a call without any."""
     return {"repetition_penalty": np.array(1, np.float32), "presence_penalty": np.array(0, np.float32),
             "frequency_penalty": np.array(0, np.float32), "prompt_mask": np.zeros(vocab, np.bool_),
             "output_counts": np.zeros(vocab, np.float32), "min_tokens_left": np.array(0, np.int64),
-            "stop_tokens": np.zeros(vocab, np.bool_)}
+            "stop_tokens": np.zeros(vocab, np.bool_), "logit_bias": np.zeros(vocab, np.float32)}
 
 
 def check_sampler(path: Path, vocab: int) -> None:

@@ -27,11 +27,12 @@ from .tools import PARSERS, ToolParser, checked_tools
 COMPLETIONS, CHAT = "completions", "chat"
 DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: None}  # OpenAI's defaults; None: until the context is full
 
-# Fields each endpoint reads. "gamma" is specbuild's own: draft tokens per round, "auto" by default. min_p,
+# Fields each endpoint reads. "gamma" is specbuild's own: draft tokens per round, "auto" by default. logit_bias and
+# the penalties are OpenAI's; min_p,
 # repetition_penalty, min_tokens and the last four are vLLM's SamplingParams' extras, which its server reads on both
 # endpoints.
 DECODING = ("temperature", "top_p", "top_k", "seed", "stop", "gamma", "min_p", "presence_penalty", "frequency_penalty",
-            "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
+            "repetition_penalty", "min_tokens", "logit_bias", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
             "skip_special_tokens")
 # vLLM's extras whose only value here is the default: spaces_between_special_tokens false needs a decoder that
 # tokenizers' decode lacks.
@@ -52,7 +53,7 @@ TOKENIZE_CHAT = ("messages", "add_generation_prompt", "continue_final_message", 
 IGNORED = {"user", "safety_identifier", "prompt_cache_key", "metadata", "store"}
 # OpenAI parameters this server does not implement: refused unless left at their neutral value, never ignored
 # (tools and tool_choice only on completions: chat reads them; echo only on chat, where vLLM echoes the last message).
-UNSUPPORTED = {"echo", "best_of", "suffix", "logit_bias", "tools", "tool_choice", "functions", "function_call",
+UNSUPPORTED = {"echo", "best_of", "suffix", "tools", "tool_choice", "functions", "function_call",
                "response_format", "parallel_tool_calls", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options"}
 
 FLAGS = {"echo", "parallel_tool_calls"}  # the unsupported parameters that are true/false
@@ -163,7 +164,11 @@ def sampling_defaults(generation_config: dict | None, mode: str, min_p: bool = T
 
 
 def _runtime_value(name: str, value):
-    """vLLM's top_k -1, "no limit" (its clients send it, generation_configs hold it), as the runtime's 0."""
+    """vLLM's top_k -1, "no limit" (its clients send it, generation_configs hold it), as the runtime's 0; logit_bias's
+    keys, token ids written as JSON strings, as ints (the runtime names any other key)."""
+    if name == "logit_bias" and isinstance(value, dict):
+        return {int(key) if isinstance(key, str) and key.isascii() and key.isdecimal() else key: bias
+                for key, bias in value.items()}
     return 0 if name == "top_k" and type(value) is int and value == -1 else value
 
 

@@ -31,13 +31,15 @@ class Penalties:
     """vLLM's logits processors that change which token wins (specbuild_runtime.manifest): the penalties, repetition
     over the prompt's and the generated tokens, presence and frequency over the generated ones (prompt_mask [V] bool:
     the prompt's tokens; output_counts [V]: how often each token was generated before the call's drafts), and
-    min_tokens (stop_tokens [V] bool, the eos and stop tokens, are no choice for the next min_tokens_left tokens)."""
+    min_tokens (stop_tokens [V] bool, the eos and stop tokens, are no choice for the next min_tokens_left tokens), and
+    OpenAI's logit_bias [V] (added to each token's logit)."""
 
     def __init__(self, repetition: ir.Value, presence: ir.Value, frequency: ir.Value, prompt_mask: ir.Value,
-                 output_counts: ir.Value, min_tokens_left: ir.Value, stop_tokens: ir.Value):
+                 output_counts: ir.Value, min_tokens_left: ir.Value, stop_tokens: ir.Value, logit_bias: ir.Value):
         self.repetition, self.presence, self.frequency = repetition, presence, frequency
         self.prompt_mask, self.output_counts = prompt_mask, output_counts
         self.min_tokens_left, self.stop_tokens = min_tokens_left, stop_tokens
+        self.logit_bias = logit_bias
 
 
 def penalty_inputs(g: GraphBuilder, vocab) -> Penalties:
@@ -48,7 +50,8 @@ def penalty_inputs(g: GraphBuilder, vocab) -> Penalties:
                      prompt_mask=g.input("prompt_mask", BOOL, [vocab]),
                      output_counts=g.input("output_counts", FLOAT, [vocab]),
                      min_tokens_left=g.input("min_tokens_left", INT64, []),
-                     stop_tokens=g.input("stop_tokens", BOOL, [vocab]))
+                     stop_tokens=g.input("stop_tokens", BOOL, [vocab]),
+                     logit_bias=g.input("logit_bias", FLOAT, [vocab]))
 
 
 def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_drafts: ir.Value,
@@ -133,9 +136,12 @@ def _penalised(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, p: Penalties
     then logit - frequency·count, then - presence·(count > 0). Row j judges draft j after drafts 0..j-1, which
     count as generated for it (vllm/v1/sample/rejection_sampler.py adds each position's earlier drafts to the
     output tokens alike): an exclusive running sum of the drafts' one-hot rows on top of output_counts. So a row's
-    decision is the one the target alone makes at that position. Then min_tokens. Neutral values (1, 0, 0, no
-    min_tokens left) leave every logit's bits as they are: x·1, x/1, x - 0 and min(x, +inf) are exact."""
+    decision is the one the target alone makes at that position. logit_bias comes first, and min_tokens last, as
+    vLLM applies both before the penalties (min_tokens' -inf is one in either order). Neutral values (1, 0, 0, no
+    min_tokens left, no bias) leave the logits as they are: x·1, x/1, x - 0 and min(x, +inf) are exact, x + 0 too
+    but for -0, which becomes +0 (the same argmax and probabilities)."""
     vocab = g.op("Shape", logits, start=1, end=2)  # [1] on the host: OneHot's depth and Expand's shape read it there
+    logits = g.op("Add", logits, p.logit_bias)
     one_hot = g.op("OneHot", drafts, vocab, g.const([0.0, 1.0], np.float32), axis=-1)  # [D, V]
     no_draft = g.op("Expand", g.const(0.0, np.float32), g.op("Concat", g.const([1]), vocab, axis=0))  # [1, V]
     before = g.op("CumSum", g.op("Concat", one_hot, no_draft, axis=0), g.const(0), exclusive=1)  # [D+1, V]
@@ -169,12 +175,14 @@ def _infinities(g: GraphBuilder, mask: ir.Value) -> ir.Value:
 
 
 def _penalised_if_any(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, p: Penalties) -> ir.Value:
-    """_penalised behind an If that skips its [D+1, V] work where every penalty is neutral and no min_tokens is left
+    """_penalised behind an If that skips its [D+1, V] work where every penalty is neutral, no min_tokens is left and
+    no token biased
     (the graphs with control flow; a greedy-only graph, which CUDA graphs capture, always applies them)."""
     neutral = g.op("And", g.op("And", g.op("Equal", p.repetition, g.const(1.0, np.float32)),
                                g.op("Equal", p.presence, g.const(0.0, np.float32))),
-                   g.op("And", g.op("Equal", p.frequency, g.const(0.0, np.float32)),
-                        g.op("LessOrEqual", p.min_tokens_left, g.const(0))))
+                   g.op("And", g.op("And", g.op("Equal", p.frequency, g.const(0.0, np.float32)),
+                                    g.op("LessOrEqual", p.min_tokens_left, g.const(0))),
+                        g.op("Equal", g.op("ReduceMax", g.op("Abs", p.logit_bias), keepdims=0), g.const(0.0, np.float32))))
     apply = g.branch("branch.penalties")
     apply.output(_penalised(apply, logits, drafts, p), "branch.penalties.logits", FLOAT, None)
     raw = g.branch("branch.no_penalties")
