@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 import onnx_ir as ir  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 
-from specbuild.compile.graphs import build_sampler  # noqa: E402
+from specbuild.compile.graphs import build_sampler, unprocessed  # noqa: E402
 from specbuild_runtime.engine import PROVIDERS, cuda_provider, session_options  # noqa: E402
 
 
@@ -93,7 +93,7 @@ def main() -> None:
                          "input_ids": rng.integers(0, vocab, (1, rows)).astype(np.int64),
                          "temperature": np.array(0.7, np.float32), "top_k": np.array(0, np.int64),
                          "top_p": np.array(top_p, np.float32), "min_p": np.array(0, np.float32), "draft_probs": q,
-                         "uniforms": rng.random(rows, dtype=np.float32)}
+                         "uniforms": rng.random(rows, dtype=np.float32), **unprocessed(vocab)}
                 row[f"{case}_ms"] = timed(sampler, feeds, args.device, args.runs)
             print(json.dumps(row), flush=True)
             results.append(row)

@@ -28,6 +28,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from conftest import PROMPTS, compiled_before_min_p
 from specbuild.compile import compile_bundle
+from specbuild.compile.graphs import unprocessed
 from specbuild.recipe import CompileSettings
 from specbuild_runtime import SpeculativeDecoder
 
@@ -385,7 +386,8 @@ def kept(sampler, p: np.ndarray, temperature: float = 1.0, top_p: float = 1.0, m
     inputs = {"logits": np.log(p).astype(np.float32)[None], "input_ids": np.zeros((1, 1), np.int64),
               "num_drafts": np.array(0, np.int64), "temperature": np.array(temperature, np.float32),
               "top_k": np.array(0, np.int64), "top_p": np.array(top_p, np.float32), "min_p": np.array(min_p, np.float32),
-              "draft_probs": np.zeros((0, len(p)), np.float32), "uniforms": np.array([0.5], np.float32)}
+              "draft_probs": np.zeros((0, len(p)), np.float32), "uniforms": np.array([0.5], np.float32),
+              **unprocessed(len(p))}
     return np.flatnonzero(sampler.run(["probs"], inputs)[0]).tolist()
 
 
@@ -406,7 +408,8 @@ def draw(sampler, p: np.ndarray, u: float, top_p: float = 1.0) -> int:
     inputs = {"logits": np.log(p).astype(np.float32)[None], "input_ids": np.zeros((1, 1), np.int64),
               "num_drafts": np.array(0, np.int64), "temperature": np.array(1, np.float32),
               "top_k": np.array(0, np.int64), "top_p": np.array(top_p, np.float32), "min_p": np.array(0, np.float32),
-              "draft_probs": np.zeros((0, len(p)), np.float32), "uniforms": np.array([u], np.float32)}
+              "draft_probs": np.zeros((0, len(p)), np.float32), "uniforms": np.array([u], np.float32),
+              **unprocessed(len(p))}
     return int(sampler.run(["next_token"], inputs)[0])
 
 
@@ -424,7 +427,8 @@ def test_drafts_stand_up_to_a_row_of_logits_that_is_not_finite_which_draws_no_to
         logits[row, 5] = bad
         inputs = {"logits": logits, "input_ids": np.array([[1, 3, 3]], np.int64), "num_drafts": np.array(2, np.int64),
                   "temperature": np.array(1, np.float32), "top_k": np.array(0, np.int64), "top_p": np.array(1, np.float32),
-                  "min_p": np.array(0, np.float32), "draft_probs": np.eye(2, vocab, 3, dtype=np.float32), "uniforms": np.full(3, 0.5, np.float32)}
+                  "min_p": np.array(0, np.float32), "draft_probs": np.eye(2, vocab, 3, dtype=np.float32), "uniforms": np.full(3, 0.5, np.float32),
+                  **unprocessed(vocab)}
         assert [int(x) for x in sampler.run(["accepted", "next_token"], inputs)] == [accepted, NOT_FINITE]
 
 
@@ -477,7 +481,8 @@ def test_the_nucleus_is_the_whole_rankings_whether_its_top_candidates_hold_it_or
     inputs = {"logits": logits.astype(np.float32)[None], "input_ids": np.zeros((1, 1), np.int64),
               "num_drafts": np.array(0, np.int64), "temperature": np.array(1, np.float32),
               "top_k": np.array(0, np.int64), "top_p": np.array(0.9, np.float32), "min_p": np.array(0, np.float32),
-              "draft_probs": np.zeros((0, vocab), np.float32), "uniforms": np.array([0.5], np.float32)}
+              "draft_probs": np.zeros((0, vocab), np.float32), "uniforms": np.array([0.5], np.float32),
+              **unprocessed(vocab)}
     trimmed = sampler.run(["probs"], inputs)[0]
     ranked = np.sort(p)[::-1]
     kept = int(((np.cumsum(ranked) - ranked) < 0.9).sum())

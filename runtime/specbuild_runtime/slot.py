@@ -305,9 +305,9 @@ class EngineSlot:
                            False: Buffer(np.zeros(0, np.float32), device)}
             self._probs_rows, self._draft_probs = probs_rows, draft_probs
             self._no_drafts = Buffer(np.zeros((0, engine.vocab_size), np.float32), engine.sampling_devices["draft_probs"])
-        # vLLM's penalties and min_tokens (manifest.py), where the graphs take them: one set of host arrays, bound to
-        # each binding that decides (a greedy-only graph's and its sampler's), each a copy of its own where the device
-        # holds it. They change only for a request that asks for them (count), and are pushed before the next call.
+        # vLLM's penalties, min_tokens and logit_bias (manifest.py), where the graphs take them: one set of host arrays,
+        # bound to each binding that decides (a greedy-only graph's and its sampler's), each a copy of its own where the
+        # device holds it. They change only for a request that asks for them (count), and are pushed before the next call.
         self._penalty_values = {"repetition_penalty": np.ones((), np.float32), "presence_penalty": np.zeros((), np.float32),
                                 "frequency_penalty": np.zeros((), np.float32),
                                 "prompt_mask": np.zeros(engine.vocab_size, np.bool_),

@@ -25,7 +25,7 @@ from ..recipe import DEFAULT_MAX_SEQ_LEN, CompileSettings
 from . import tensorrt_llm
 from .bundle import staged_bundle, write_manifest
 from .export import export_engine, write_sampler
-from .graphs import check_every_tensor_used
+from .graphs import check_every_tensor_used, unprocessed
 from .graphs.verification import NOT_FINITE
 from .load import (Checkpoint, check_context, eos_token_ids, load_checkpoint, longest_context, rope_switch_length,
                    sampling_defaults, validate_pair)
@@ -180,7 +180,7 @@ def check_engine(path: Path, info: EngineInfo, max_seq_len: int) -> None:
             "num_drafts": np.array(0, np.int64), "temperature": np.array(0, np.float32), "top_k": np.array(0, np.int64),
             "top_p": np.array(1, np.float32), "min_p": np.array(0, np.float32),
             "draft_probs": np.zeros((0, vocab), np.float32), "uniforms": np.zeros(1, np.float32),
-            "long_rope": np.array(0, np.int64), **_no_penalties(vocab),
+            "long_rope": np.array(0, np.int64), **unprocessed(vocab),
             **{past: cache for past, _ in cache_names(shape.num_layers)},
         }
         feeds.update({i.name: np.array(1 + int(i.name.split(".")[1]), np.int32) for i in session.get_inputs()
@@ -208,14 +208,6 @@ def _draft_steps(gamma: int) -> int:
     return steps if steps >= 2 else 0
 
 
-def _no_penalties(vocab: int) -> dict[str, np.ndarray]:
-    """The penalty, min_tokens and logit_bias inputs (specbuild_runtime.manifest) of a call without any."""
-    return {"repetition_penalty": np.array(1, np.float32), "presence_penalty": np.array(0, np.float32),
-            "frequency_penalty": np.array(0, np.float32), "prompt_mask": np.zeros(vocab, np.bool_),
-            "output_counts": np.zeros(vocab, np.float32), "min_tokens_left": np.array(0, np.int64),
-            "stop_tokens": np.zeros(vocab, np.bool_), "logit_bias": np.zeros(vocab, np.float32)}
-
-
 def check_sampler(path: Path, vocab: int) -> None:
     """Prove the sampler runs before the bundle is published: one call judging a draft of token 0 that the
     target gives no mass (rejected), then drawing from the rest."""
@@ -224,7 +216,7 @@ def check_sampler(path: Path, vocab: int) -> None:
     feeds = {"logits": logits, "input_ids": np.zeros((1, 2), np.int64), "num_drafts": np.array(1, np.int64),
              "temperature": np.array(1, np.float32), "top_k": np.array(0, np.int64), "top_p": np.array(1, np.float32),
              "min_p": np.array(0, np.float32), "draft_probs": np.eye(1, vocab, dtype=np.float32),
-             "uniforms": np.full(2, 0.5, np.float32), **_no_penalties(vocab)}
+             "uniforms": np.full(2, 0.5, np.float32), **unprocessed(vocab)}
     try:
         session = ort.InferenceSession(str(path), session_options(), providers=["CPUExecutionProvider"])
         accepted, next_token = session.run(["accepted", "next_token"], feeds)

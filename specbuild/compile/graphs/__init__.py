@@ -28,12 +28,13 @@ from ..precision import Numerics
 from . import gemma, gpt2, llama
 from .builder import GraphBuilder
 from .layers import Attention, linear
-from .verification import LOGITS, SamplingInputs, build_sampler, penalty_inputs, verification
+from .verification import LOGITS, SamplingInputs, build_sampler, penalty_inputs, unprocessed, verification
 
 FAMILIES = {"llama": llama.body, "gemma": gemma.body, "gpt2": gpt2.body}
 INT64, INT32, FLOAT = ir.DataType.INT64, ir.DataType.INT32, ir.DataType.FLOAT
 
-__all__ = ["LOGITS", "build_decoder", "build_draft_steps", "build_sampler", "check_every_tensor_used", "engine_vocab"]
+__all__ = ["LOGITS", "build_decoder", "build_draft_steps", "build_sampler", "check_every_tensor_used", "engine_vocab",
+           "unprocessed"]
 
 
 def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_size: int | None = None,

@@ -54,6 +54,14 @@ def penalty_inputs(g: GraphBuilder, vocab) -> Penalties:
                      logit_bias=g.input("logit_bias", FLOAT, [vocab]))
 
 
+def unprocessed(vocab: int) -> dict[str, np.ndarray]:
+    """Feeds of the inputs penalty_inputs makes for a call that applies none (a check's, a test's, a benchmark's)."""
+    return {"repetition_penalty": np.array(1, np.float32), "presence_penalty": np.array(0, np.float32),
+            "frequency_penalty": np.array(0, np.float32), "prompt_mask": np.zeros(vocab, np.bool_),
+            "output_counts": np.zeros(vocab, np.float32), "min_tokens_left": np.array(0, np.int64),
+            "stop_tokens": np.zeros(vocab, np.bool_), "logit_bias": np.zeros(vocab, np.float32)}
+
+
 def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_drafts: ir.Value,
                  head: Callable[[ir.Value], ir.Value], sampling: SamplingInputs | None, softcap: float | None = None,
                  penalties: Penalties | None = None):
