@@ -142,8 +142,15 @@ def test_resident_memory_after_concurrent_long_prompts_stays_near_the_kv_caches(
     assert resident_mib() - before < 256
 
 
+# vLLM's penalties, min_tokens and OpenAI's logit_bias at once: per-request inputs, some updated every token
+PENALISED = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.3, "min_tokens": 10,
+             "logit_bias": {5: 2.0, 40: -1.0}}
+
+
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["full-graphs", "greedy-only-graphs"])
-@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 5}])
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 5}, PENALISED,
+                                      {"temperature": 0.8, "seed": 5, **PENALISED}], ids=["greedy", "sampled",
+                                      "greedy-penalised", "sampled-penalised"])
 def test_the_device_data_flow_decodes_the_same_tokens_when_host_and_engine_memory_are_apart(bundle, sampling, cuda_graphs,
                                                                                             monkeypatch):
     """On a GPU each per-call buffer is a host array plus a device copy: every value written on the host must
@@ -154,6 +161,7 @@ def test_the_device_data_flow_decodes_the_same_tokens_when_host_and_engine_memor
 
     normal = SpeculativeDecoder(bundle)
     expected = {gamma: normal.generate(PROMPTS[5], NEW_TOKENS, gamma, **sampling).token_ids for gamma in (0, 1, 3, 4)}
+    expected_plain = {gamma: normal.generate(PROMPTS[5], NEW_TOKENS, gamma).token_ids for gamma in expected}
 
     def apart(self, host, device):
         self.host, self.device = host, device
@@ -165,6 +173,8 @@ def test_the_device_data_flow_decodes_the_same_tokens_when_host_and_engine_memor
                                      draft_steps=True)  # as on CUDA: γ 4 drafts in one call of the steps graph
     for gamma, tokens in expected.items():
         assert device_like.generate(PROMPTS[5], NEW_TOKENS, gamma, **sampling).token_ids == tokens, gamma
+        # the slot's next request, without penalties: the last one's tallies are cleared on the device too
+        assert device_like.generate(PROMPTS[5], NEW_TOKENS, gamma).token_ids == expected_plain[gamma], gamma
 
 
 @pytest.mark.parametrize("fed", ["max", "rows"])

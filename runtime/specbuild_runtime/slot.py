@@ -307,7 +307,8 @@ class EngineSlot:
             self._no_drafts = Buffer(np.zeros((0, engine.vocab_size), np.float32), engine.sampling_devices["draft_probs"])
         # vLLM's penalties, min_tokens and logit_bias (manifest.py), where the graphs take them: one set of host arrays,
         # bound to each binding that decides (a greedy-only graph's and its sampler's), each a copy of its own where the
-        # device holds it. They change only for a request that asks for them (count), and are pushed before the next call.
+        # device holds it. They change only for a request that asks for them, and those changed (configure: all; count:
+        # the counts) are pushed before the next call: the [V] ones are 0.15-0.6 MB each at a 152k vocabulary.
         self._penalty_values = {"repetition_penalty": np.ones((), np.float32), "presence_penalty": np.zeros((), np.float32),
                                 "frequency_penalty": np.zeros((), np.float32),
                                 "prompt_mask": np.zeros(engine.vocab_size, np.bool_),
@@ -317,9 +318,10 @@ class EngineSlot:
         bindings = [None] + ([self._tail] if self._tail is not None and self._tail is not self.binding else [])
         taken = ([*PENALTY_INPUTS] * engine.has_penalties + [*MIN_TOKENS_INPUTS] * engine.has_min_tokens
                  + [*LOGIT_BIAS_INPUTS] * engine.has_logit_bias)
-        self._penalty_buffers = [self._input(name, self._penalty_values[name], binding) for binding in bindings
+        self._penalty_buffers = [(name, self._input(name, self._penalty_values[name], binding)) for binding in bindings
                                  for name in taken]
-        self._penalties_changed = self._tallied = False
+        self._penalties_changed: set[str] = set()
+        self._tallied = False
         if self._tail is not None:
             self._configure(temperature=0.0)
 
@@ -353,7 +355,7 @@ class EngineSlot:
         values["min_tokens_left"][()] = min_tokens
         for name, value in zip(PENALTIES, penalties):
             values[name][()] = value
-        self._penalties_changed = True
+        self._penalties_changed = set(values)
 
     def count(self, token: int) -> None:
         """One more generated token, which the penalties of the next calls count and min_tokens counts down (a request
@@ -362,7 +364,7 @@ class EngineSlot:
             values = self._penalty_values
             values["output_counts"][token] += 1
             values["min_tokens_left"][()] = max(0, int(values["min_tokens_left"]) - 1)
-            self._penalties_changed = True
+            self._penalties_changed |= {"output_counts", "min_tokens_left"}
 
     def _configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> None:
         if self._tail is None:
@@ -525,9 +527,10 @@ class EngineSlot:
             for buffer in (self._total_len, self._seqlens_k, self._num_drafts):
                 buffer.push()
         if self._penalties_changed:
-            for buffer in self._penalty_buffers:
-                buffer.push()
-            self._penalties_changed = False
+            for name, buffer in self._penalty_buffers:
+                if name in self._penalties_changed:
+                    buffer.push()
+            self._penalties_changed = set()
         if self._long_rope is not None and self._long_rope.host[()] != self._use_long:  # changes once a sequence, at most
             self._long_rope.host[()] = int(self._use_long)
             self._long_rope.push()
