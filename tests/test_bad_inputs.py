@@ -237,14 +237,26 @@ def other_tokenizer(paths: dict) -> None:
     paths["draft"] = make_checkpoint(Path(paths["tmp"]) / "other", "llama", make_tokenizer(300, ("argparse.py",)))
 
 
-def a_draft_without_tokenizer_files(paths: dict) -> None:
-    """A Qwen-family draft saved with save_pretrained of the model alone: transformers 5 gives the folder an empty
-    tokenizer of its model_type's class instead of failing."""
+def without_tokenizer_files(folder: Path) -> Path:
+    """As save_pretrained of the model alone leaves a checkpoint (a pruned or layer-sliced draft, often)."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).unlink(missing_ok=True)
+    return folder
+
+
+def a_target_without_tokenizer_files(paths: dict) -> None:
+    """A Qwen-family one: transformers 5 gives the folder an empty tokenizer of its model_type's class instead of
+    failing."""
     from conftest import make_checkpoint, make_tokenizer
 
-    paths["draft"] = make_checkpoint(Path(paths["tmp"]) / "qwen", "qwen2", make_tokenizer(), 1, intermediate_size=64)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (paths["draft"] / name).unlink(missing_ok=True)
+    paths["target"] = without_tokenizer_files(make_checkpoint(Path(paths["tmp"]) / "qwen", "qwen2", make_tokenizer()))
+
+
+def a_draft_of_another_vocabulary_without_tokenizer_files(paths: dict) -> None:
+    from conftest import make_checkpoint, make_tokenizer
+
+    other = make_checkpoint(Path(paths["tmp"]) / "other", "llama", make_tokenizer(300, ("argparse.py",)))
+    paths["draft"] = without_tokenizer_files(other)
 
 
 def malformed_generation_config(folder: Path) -> None:
@@ -476,9 +488,17 @@ CASES = [
          "model's `tokenizer.json`.", setup=a_copy_of("target", sentencepiece_only)),
     Case("target and draft swapped (a draft of over 1.25× the target's parameters)", compile_args(), 1, "more than the target",
          "Give the model whose output you want as `--target` and a smaller one as `--draft`.", setup=a_larger_draft),
-    Case("a draft (or target) saved without tokenizer files", compile_args(), 1, "has no usable tokenizer",
-         "Copy the model's tokenizer files (`tokenizer.json`, `tokenizer_config.json`) into the folder the message names (a draft takes its target's).",
-         setup=a_draft_without_tokenizer_files),
+    Case("a draft saved without tokenizer files (a pruned or layer-sliced one: `save_pretrained` of the model alone)",
+         compile_args(), 0, "", "Nothing: it speaks the target's tokenizer, as in vLLM and TensorRT-LLM (compile checks its "
+         "embedding rows, and the bos, eos and pad ids of its config.json, against that tokenizer).",
+         setup=a_copy_of("draft", without_tokenizer_files)),
+    Case("a target saved without tokenizer files", compile_args(), 1, "has no usable tokenizer",
+         "Copy the model's tokenizer files (`tokenizer.json`, `tokenizer_config.json`) into the folder the message names.",
+         setup=a_target_without_tokenizer_files),
+    Case("a draft saved without tokenizer files whose embedding rows (or bos, eos, pad ids) do not fit the target's "
+         "tokenizer", compile_args(), 1, "has no tokenizer files",
+         "Use a draft trained with the target's tokenizer (one without tokenizer files is taken to speak the target's).",
+         setup=a_draft_of_another_vocabulary_without_tokenizer_files),
     Case("a draft with another tokenizer", compile_args(), 1, "different tokenizers",
          "Use a draft trained with the target's tokenizer (`specbuild distill` makes one).", setup=other_tokenizer),
     Case("a draft (or target) whose `layer_types` slide without a `sliding_window`", compile_args(), 1,

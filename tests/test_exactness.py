@@ -142,6 +142,34 @@ def test_free_guesses_in_rounds_without_drafts_keep_the_targets_output(bundles, 
     assert guessed > 100 and 0 < accepted < FREE_GUESSES * guessed
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_a_layer_sliced_draft_saved_without_tokenizer_files_decodes_exactly(architecture, checkpoints, tokenizer,
+                                                                            references, tmp_path):
+    """save_pretrained of a pruned or layer-sliced draft writes the model alone; vLLM and TensorRT-LLM give such a
+    draft the target's tokenizer, and compile refused it ('has no usable tokenizer')."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    target, draft = checkpoints(architecture), tmp_path / "draft"
+    draft.mkdir()
+    config = json.loads((target / "config.json").read_text())
+    sliced = {"num_hidden_layers": 1, **({"layer_types": config["layer_types"][:1]} if "layer_types" in config else {})}
+    (draft / "config.json").write_text(json.dumps({**config, **sliced}))
+    weights = load_file(target / "model.safetensors")
+    save_file({name: t for name, t in weights.items() if ".layers." not in name or ".layers.0." in name},
+              draft / "model.safetensors", metadata={"format": "pt"})
+    decoder = _pair_bundle(tmp_path, target, draft)
+    expected = references(architecture, target, tokenizer)
+    drafted = 0
+    for prompt in PROMPTS:
+        for gamma in (3, "auto"):
+            result = decoder.generate(tokenizer(prompt)["input_ids"], NEW_TOKENS, gamma)
+            assert result.token_ids == expected[prompt], (gamma, prompt)
+            drafted += result.stats.drafted
+    assert drafted, "the draft never drafted: this test is hollow"
+
+
 def _pair_bundle(tmp_path, target, draft, **settings):
     from specbuild.compile import compile_bundle
     from specbuild.recipe import CompileSettings

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -9,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import make_checkpoint, save_bf16_shards
-from specbuild.compile.load import eos_token_ids, load_checkpoint
+from conftest import VOCAB, make_checkpoint, save_bf16_shards
+from specbuild.compile.load import eos_token_ids, load_checkpoint, validate_pair
 from specbuild.errors import CheckpointError, PairMismatchError, UnsupportedModelError
 
 
@@ -288,16 +289,53 @@ def test_a_bundle_compiled_from_shards_beside_a_model_safetensors_is_told_which_
     assert recorded_source(engine, "target") == folder
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gpt2"])
-def test_a_draft_saved_without_a_tokenizer_is_told_to_take_its_targets(checkpoints, tmp_path, architecture):
-    """transformers 5 builds an empty tokenizer (one token) for a folder with none whose model_type it maps to a
-    tokenizer class (Qwen's, GPT-2's): compiled, it made a bundle that encodes every prompt to nothing."""
-    folder = tmp_path / "draft"
-    shutil.copytree(checkpoints(architecture), folder)
+def without_tokenizer_files(source: Path, folder: Path) -> Path:
+    """A copy of a checkpoint as save_pretrained of the model alone writes it (a pruned or layer-sliced draft)."""
+    shutil.copytree(source, folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (folder / name).unlink(missing_ok=True)
-    with pytest.raises(CheckpointError, match="copy the target's tokenizer files into it"):
+    return folder
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gpt2"])
+def test_a_target_saved_without_a_tokenizer_is_refused(checkpoints, tmp_path, architecture):
+    """transformers 5 builds an empty tokenizer (one token) for a folder with none whose model_type it maps to a
+    tokenizer class (Qwen's, GPT-2's): compiled, it made a bundle that encodes every prompt to nothing."""
+    folder = without_tokenizer_files(checkpoints(architecture), tmp_path / "target")
+    with pytest.raises(CheckpointError, match="target checkpoint .* has no usable tokenizer"):
+        load_checkpoint(folder, "target")
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "gpt2"])
+def test_a_draft_saved_without_a_tokenizer_takes_its_targets_not_the_empty_one_transformers_builds(
+        checkpoints, tmp_path, architecture):
+    folder = without_tokenizer_files(checkpoints(architecture, 1), tmp_path / "draft")
+    assert load_checkpoint(folder, "draft").tokenizer is None
+    validate_pair(load_checkpoint(checkpoints(architecture), "target"), load_checkpoint(folder, "draft"))
+
+
+def test_a_draft_with_broken_tokenizer_files_is_refused_not_taken_for_one_without(checkpoints, tmp_path):
+    folder = without_tokenizer_files(checkpoints("llama", 1), tmp_path / "draft")
+    (folder / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    with pytest.raises(CheckpointError, match="draft checkpoint .* has no usable tokenizer"):
         load_checkpoint(folder, "draft")
+
+
+@pytest.mark.parametrize("rows", [VOCAB - 20, 512])
+def test_a_draft_without_tokenizer_files_of_another_vocabulary_size_is_refused(checkpoints, tmp_path, rows):
+    """Fewer rows than the target's tokenizer has ids, or more than padding gives (a Qwen draft's 151936 for a Llama 3
+    target's 128256 ids): another tokenizer, which compile can no longer compare token by token."""
+    folder = without_tokenizer_files(checkpoints("llama", 1, vocab_size=rows), tmp_path / "draft")
+    with pytest.raises(PairMismatchError, match=f"has no tokenizer files.* its {rows} embedding rows do not fit"):
+        validate_pair(load_checkpoint(checkpoints("llama"), "target"), load_checkpoint(folder, "draft"))
+
+
+def test_a_draft_without_tokenizer_files_naming_an_eos_the_target_has_as_plain_text_is_refused(checkpoints, tmp_path):
+    folder = without_tokenizer_files(checkpoints("llama", 1), tmp_path / "draft")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": [0, 7]}))
+    with pytest.raises(PairMismatchError, match=r"config.json's eos_token_id\[1\] 7 is that tokenizer's .*, no special token"):
+        validate_pair(load_checkpoint(checkpoints("llama"), "target"), load_checkpoint(folder, "draft"))
 
 
 def test_phi3s_partial_rotary_factor_is_read_where_transformers_4_keeps_it(checkpoints):
@@ -375,7 +413,6 @@ def test_the_transformers_reference_runs_gemma2_eagerly_where_sdpa_would_drop_it
 
 def test_a_draft_larger_than_the_target_is_refused_as_a_swapped_pair(checkpoints):
     """Given the wrong way round, compile wrote a bundle that decoded the smaller model's text, slower than it alone."""
-    from specbuild.compile.load import validate_pair
 
     small, large = checkpoints("llama"), checkpoints("llama", 1, intermediate_size=256)
     with pytest.raises(PairMismatchError, match=r"more than the target .*; give the model whose output you want as "

@@ -109,6 +109,23 @@ def fixed_gamma(draft, gamma: int) -> None:
     config.assistant_confidence_threshold = 0.0  # 0 turns it off; None would mean the default
 
 
+def with_tokenizer(folder: Path, decoder, work: Path) -> Path:
+    """folder, or for a draft saved without tokenizer files (it speaks the target's) a folder in work of links to its
+    files and to the bundle's tokenizer: onnxruntime-genai's builder and llama.cpp's converter read one beside the
+    weights, and failed on such a draft."""
+    from specbuild_runtime.manifest import TOKENIZER_DIR
+
+    from ..compile.load import has_tokenizer_files
+
+    if has_tokenizer_files(folder):
+        return folder
+    view = work / f"{folder.name}-with-tokenizer"
+    view.mkdir()
+    for path in [*folder.iterdir(), *(decoder.root / TOKENIZER_DIR).iterdir()]:
+        (view / path.name).symlink_to(path.resolve())
+    return view
+
+
 def _onnxruntime_genai(decoder, source, prompts, max_new_tokens, gammas) -> list[dict]:
     """onnxruntime-genai on the bench's device, in peer_precision: its model builder on the source
     checkpoints, then target-only and its draft-model speculative decoding with max_draft_tokens = γ. (On a
@@ -121,7 +138,8 @@ def _onnxruntime_genai(decoder, source, prompts, max_new_tokens, gammas) -> list
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)
         for role in ("target", "draft"):
-            checkpoint = source(role)  # safetensors: its builder would fall back to unpickling *.bin
+            # safetensors: its builder would fall back to unpickling *.bin
+            checkpoint = with_tokenizer(source(role), decoder, work)
             with note(f"building the {role} with onnxruntime-genai's model builder"):
                 built = subprocess.run(
                     [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint),
@@ -220,7 +238,7 @@ def _llama_cpp(decoder, source, prompts, max_new_tokens, gammas) -> list[dict]:
         for role in ("target", "draft"):
             with note(f"converting the {role} to GGUF with llama.cpp's converter"):
                 built = subprocess.run([sys.executable, "-c", _CONVERT, "--outtype", "f32", "--outfile",
-                                        str(work / f"{role}.gguf"), str(source(role))],
+                                        str(work / f"{role}.gguf"), str(with_tokenizer(source(role), decoder, work))],
                                        capture_output=True, text=True)
             if built.returncode:
                 raise SpecbuildError(f"llama.cpp's converter failed on the {role}: {built.stderr.strip()[-300:]}")

@@ -94,7 +94,7 @@ class Checkpoint:
     path: Path
     spec: ModelSpec
     config: object  # transformers.PretrainedConfig, kept for rotary tables
-    tokenizer: object  # transformers.PreTrainedTokenizerFast
+    tokenizer: object | None  # transformers.PreTrainedTokenizerFast; None: a draft without one speaks the target's
     weight_files: list[Path]
     entries: dict[str, TensorEntry]  # every stored tensor, from the shards' headers
     loaded: frozenset[str]  # the stored tensors transformers loads into this config's model (the rest it ignores)
@@ -109,7 +109,7 @@ class Checkpoint:
 
     def token_ids(self) -> int:
         """How many ids its tokenizer gives (its largest + 1): embedding rows past them are padding."""
-        return max(self.tokenizer.get_vocab().values()) + 1
+        return token_ids(self.tokenizer)
 
     def parameters(self) -> int:
         """The model's parameters as transformers holds them (a tied head counted once)."""
@@ -221,7 +221,9 @@ def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
     config = _load_config(path, role)
     _check_rope_settings_read(config, raw, path, role)
     loaded = _loaded_tensors(config, entries, path, role)
-    tokenizer = load_tokenizer(path, role)
+    # A pruned or layer-sliced draft is often saved without one (save_pretrained of the model alone): it speaks the
+    # target's, as vLLM and TensorRT-LLM take it, and validate_pair checks it by what it has.
+    tokenizer = None if role == "draft" and not has_tokenizer_files(path) else load_tokenizer(path, role)
     try:
         spec = model_spec(config, architecture, path, role)
     except AttributeError as exc:  # e.g. a multimodal config (its text model's settings under text_config)
@@ -438,6 +440,20 @@ def _loaded_tensors(config, entries: dict[str, TensorEntry], path: Path, role: s
     return frozenset(loaded)
 
 
+# The files a tokenizer is saved in (transformers' names: the fast form, its config, sentencepiece's, GPT-2's pair)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+                   "merges.txt")
+
+
+def has_tokenizer_files(path: Path) -> bool:
+    return any((path / name).is_file() for name in TOKENIZER_FILES)
+
+
+def token_ids(tokenizer) -> int:
+    """How many ids a tokenizer gives (its largest + 1)."""
+    return max(tokenizer.get_vocab().values()) + 1
+
+
 def load_tokenizer(path: Path, role: str):
     from transformers import AutoTokenizer
 
@@ -467,7 +483,7 @@ def load_tokenizer(path: Path, role: str):
 
 
 def _no_tokenizer(path: Path, role: str) -> CheckpointError:
-    # Distilled drafts are often saved without one (save_pretrained writes the model alone).
+    # A draft's files are incomplete here (one without any speaks the target's: load_checkpoint)
     copy = "; a draft speaks its target's tokenizer: copy the target's tokenizer files into it" if role == "draft" else ""
     return CheckpointError(f"{role} checkpoint {path} has no usable tokenizer; it needs tokenizer.json "
                            f"or the tokenizer files its tokenizer_config.json names{copy}")
@@ -665,14 +681,16 @@ def validate_pair(target: Checkpoint, draft: Checkpoint) -> None:
     """The draft must speak the target's tokenizer: the same token-to-id map. Its own bos and eos may differ
     (an instruct target's eos is <|im_end|> or <|eot_id|>, its base draft's <|endoftext|>): prompts are
     encoded with the target's tokenizer and decoding stops at the target's eos ids, so the draft's are
-    never read.
+    never read. A draft without tokenizer files speaks the target's (check_draft_without_tokenizer).
 
     Embedding tables may differ in padding rows (Qwen2.5 0.5B has 151936, 7B 152064) as long as
     every token of the shared tokenizer has a row in both.
     """
-    t, d = target.tokenizer, draft.tokenizer
-    t_vocab, d_vocab = t.get_vocab(), d.get_vocab()
-    if t_vocab != d_vocab:
+    t_vocab = target.tokenizer.get_vocab()
+    if draft.tokenizer is None:
+        check_draft_without_tokenizer(draft.path, draft.spec.shape.vocab_size, target.tokenizer,
+                                      target.spec.shape.vocab_size, target.config)
+    elif t_vocab != (d_vocab := draft.tokenizer.get_vocab()):
         differing = sorted(set(t_vocab) ^ set(d_vocab) | {k for k in t_vocab.keys() & d_vocab.keys() if t_vocab[k] != d_vocab[k]})
         example = differing[0]
         raise PairMismatchError(
@@ -682,9 +700,51 @@ def validate_pair(target: Checkpoint, draft: Checkpoint) -> None:
         )
     for ckpt in (target, draft):
         check_embedding_rows(ckpt.path, ckpt.spec.shape.vocab_size, t_vocab)
-    check_draft_smaller(f"the draft {draft.path}", unpadded_parameters(draft.parameters(), draft.spec, draft.token_ids()),
-                        f"the target {target.path}",
-                        unpadded_parameters(target.parameters(), target.spec, target.token_ids()))
+    tokens = target.token_ids()  # the draft's too: it speaks the same tokenizer
+    check_draft_smaller(f"the draft {draft.path}", unpadded_parameters(draft.parameters(), draft.spec, tokens),
+                        f"the target {target.path}", unpadded_parameters(target.parameters(), target.spec, tokens))
+
+
+# Tables padded past a tokenizer's ids round up to a multiple of 64 or 128 (Qwen2.5's 151936 and 152064 rows for
+# 151665 ids, nanoGPT's GPT-2 of 50304 for 50257)
+PADDED_TO = 128
+SPECIAL_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def check_draft_without_tokenizer(path: Path, rows: int, target_tokenizer, target_rows: int, target_config) -> None:
+    """PairMismatchError unless a draft saved without tokenizer files can speak the target's tokenizer, as vLLM's (its
+    draft's ModelConfig takes the target's tokenizer) and TensorRT-LLM's (one tokenizer for both engines) drafts do.
+    Judged by what it has, as vLLM compares vocabulary sizes: a row for every id of the target's tokenizer and no more
+    than padding adds (up to the target's rows, or its ids rounded up to PADDED_TO), and bos, eos and pad ids in its
+    config.json that are special tokens of the target's or ids the target's config names (a base draft's eos is not
+    an instruct target's). distill checks an --init so."""
+    ids = token_ids(target_tokenizer)
+    padded = max(target_rows, -(-ids // PADDED_TO) * PADDED_TO)
+    taken = f"draft {path} has no tokenizer files, so it is taken to speak the target's tokenizer"
+    fix = "use a draft trained with the target's tokenizer"
+    if not ids <= rows <= padded:
+        raise PairMismatchError(f"{taken}, but its {rows} embedding rows do not fit that tokenizer's {ids} ids (the "
+                                f"target has {target_rows} rows): a draft of another vocabulary; {fix}")
+    special = {i for i, token in target_tokenizer.added_tokens_decoder.items() if token.special}
+    special |= set(target_tokenizer.all_special_ids)
+    special |= set(_special_ids({key: getattr(target_config, key, None) for key in SPECIAL_ID_KEYS}).values())
+    for key, value in _special_ids(json.loads((path / "config.json").read_bytes())).items():
+        if value not in special:
+            what = (f"that tokenizer's {target_tokenizer.convert_ids_to_tokens(value)!r}, no special token" if value < ids
+                    else "no id of that tokenizer")
+            raise PairMismatchError(f"{taken}, but its config.json's {key} {value} is {what}: a draft of another "
+                                    f"tokenizer; {fix}")
+
+
+def _special_ids(config: dict) -> dict[str, int]:
+    """The bos, eos and pad ids a config states, as "key" (or "key[i]" in a list of eos ids) -> id."""
+    found = {}
+    for key in SPECIAL_ID_KEYS:
+        value = config.get(key)
+        for i, item in enumerate(value) if isinstance(value, list) else [(None, value)]:
+            if isinstance(item, int) and not isinstance(item, bool) and item >= 0:
+                found[key if i is None else f"{key}[{i}]"] = item
+    return found
 
 
 def check_draft_smaller(draft: str, draft_size: int, target: str, target_size: int,

@@ -17,8 +17,8 @@ import torch
 from specbuild_runtime.errors import first_line
 
 from ..acceptance import expected_tokens_per_call, rounds, theoretical_speedup, until_eos
-from ..compile.load import (check_architecture, check_draft_smaller, check_embedding_rows, load_tokenizer, model_spec,
-                             quiet_transformers, unpadded_parameters)
+from ..compile.load import (check_architecture, check_draft_smaller, check_draft_without_tokenizer, check_embedding_rows,
+                             has_tokenizer_files, load_tokenizer, model_spec, quiet_transformers, unpadded_parameters)
 from ..errors import CheckpointError, TrainingError
 from ..progress import bar, note
 from ..recipe import DEFAULT_MAX_SEQ_LEN
@@ -39,7 +39,8 @@ GENERATION_SHARE = 0.3
 
 
 def load_model(path: Path, role: str):
-    """A Hugging Face folder's model (fp32, eval mode, from safetensors only: never unpickled) and tokenizer."""
+    """A Hugging Face folder's model (fp32, eval mode, from safetensors only: never unpickled) and tokenizer (None for
+    a draft saved without tokenizer files, which speaks the target's, as compile takes it)."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{role} checkpoint {path} is not a Hugging Face folder (no config.json)")
@@ -50,7 +51,7 @@ def load_model(path: Path, role: str):
     check_memory(path, role)
     with note(f"loading the {role} checkpoint {path}"):  # an 8B target in fp32 is 32 GB to read and convert
         model = load_reference(path, role)
-    return model, load_tokenizer(path, role)
+    return model, None if role == "draft" and not has_tokenizer_files(path) else load_tokenizer(path, role)
 
 
 def check_memory(path: Path, role: str) -> None:
@@ -240,7 +241,10 @@ def build_draft(target, tokenizer, draft_config: dict | None, init: Path | None,
     draft, draft_tokenizer = load_model(init, "draft")
     # Only the token-to-id map, as compile checks a pair (load.validate_pair): the draft is written with the
     # target's tokenizer, so its own bos and eos (a base model's, for an instruct target) are never read.
-    if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+    if draft_tokenizer is None:
+        check_draft_without_tokenizer(Path(init), draft.config.vocab_size, tokenizer, target.config.vocab_size,
+                                      target.config)
+    elif draft_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise CheckpointError(
             f"draft {init} has a different tokenizer from the target ({len(draft_tokenizer)} vs {len(tokenizer)} "
             "tokens); distillation compares distributions token by token, so the draft must use the target's"
@@ -433,9 +437,9 @@ def distill(
     """Distill a draft from the target at target_dir; write it (with the target's tokenizer) to output_dir
     only if its α at gamma on held-out prompts rose, and beats the draft it would replace there, or with force.
 
-    The draft starts from init (a checkpoint with the target's tokenizer) or from scratch with
-    shrunk_config(target config, draft_config). Prompts come from prompts_file (JSONL), else from spans
-    of the data texts (or of the text files at a data path), else from the target's own samples. minutes
+    The draft starts from init (a checkpoint of the target's tokenizer, saved with it or without tokenizer files) or
+    from scratch with shrunk_config(target config, draft_config). Prompts come from prompts_file (JSONL), else from
+    spans of the data texts (or of the text files at a data path), else from the target's own samples. minutes
     bounds generation and training together; measuring α before and after comes on top. output_dir may
     replace only an empty folder or, with overwrite, a checkpoint, and none of the inputs (checked first,
     so a refusal costs no training). Returns the report.
