@@ -662,8 +662,14 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}, "logprobs must be true or false"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
      "tool_choice \"auto\" needs tools"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-     "'response_format' is not supported"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json"}},
+     'response_format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '),
+    ("completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "a",
+                                                                                               "schema": {"type": 3}}}},
+     "response_format is not a grammar llguidance compiles:"),
+    ("completions", {"prompt": "x", "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "response_format and structured_outputs both ask for a format: send one of them"),
+    ("completions", {"prompt": "x", "structured_outputs": {"regex": "("}}, "structured_outputs is not a grammar"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 3, "max_tokens": "x"},
      "max_tokens must be a whole number"),
     ("completions", {"prompt": "x", "top_k": -2}, "top_k must be >= 0"),
@@ -785,6 +791,12 @@ PARAMS = [
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "include_stop_str_in_output": 0},
      "include_stop_str_in_output"),
     ("completions", {"prompt": "x", "min_tokens": -2}, "min_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "objec"}}}},
+     "response_format"),
+    ("completions", {"prompt": "x", "structured_outputs": {"json": 3}}, "structured_outputs"),
+    ("completions", {"prompt": "x", "structured_outputs": {"json_object": True}, "ignore_eos": True},
+     "structured_outputs"),
 ]
 
 
@@ -805,6 +817,50 @@ def test_logit_bias_as_openai_sends_it_biases_the_tokens_it_names(client, refere
     sent = {str(token): value for token, value in bias.items()}
     whole = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0, logit_bias=sent)
     assert whole.choices[0].text == expected.text
+
+
+def with_extra(settings: dict, **extra) -> dict:
+    """api_settings with more fields in extra_body (the openai client's completions take no response_format)."""
+    arguments = api_settings(settings)
+    return {**arguments, "extra_body": {**arguments.get("extra_body", {}), **extra}}
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("settings", [GREEDY, SAMPLED[0]], ids=["greedy", "sampled"])
+def test_response_format_decodes_what_generate_does_with_structured_outputs_on_both_endpoints_streamed_or_not(
+        client, reference, bundle, settings):
+    """OpenAI's response_format (json_schema, json_object) and vLLM's structured_outputs extra answer the reply
+    generate gives with the same grammar."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(bundle / "tokenizer")
+    messages = [{"role": "user", "content": "Who is Ada?"}]
+    ids = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    for response_format, structured in (
+            ({"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}, {"json": PERSON}),
+            ({"type": "json_object"}, {"json_object": True})):
+        expected = reference.generate(ids, max_new_tokens=24, structured_outputs=structured, **settings)
+        assert expected.text.startswith("{")  # it bites: the free reply is no JSON
+        whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                               response_format=response_format, **api_settings(settings))
+        assert whole.choices[0].message.content == expected.text
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, stream=True,
+                                                     response_format=response_format, **api_settings(settings)))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+        expected = reference.generate(PROMPTS[0], max_new_tokens=24, structured_outputs=structured, **settings)
+        for stream in (False, True):
+            reply = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, stream=stream,
+                                              **with_extra(settings, response_format=response_format))
+            text = "".join(c.choices[0].text for c in reply) if stream else reply.choices[0].text
+            assert text == expected.text
+    expected = reference.generate(PROMPTS[0], max_new_tokens=24, structured_outputs={"choice": ["yes", "no"]}, **settings)
+    reply = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24,
+                                      **with_extra(settings, structured_outputs={"choice": ["yes", "no"]}))
+    assert reply.choices[0].text == expected.text in ("yes", "no") and reply.choices[0].finish_reason == "stop"
 
 
 def test_what_clients_send_by_default_asking_for_plain_text_is_accepted_as_if_absent(server, reference):

@@ -14,7 +14,7 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, closing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import AsyncGenerator, Callable, Generator, Iterator
@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 
 from .engine import CAPTURED_BY_DEFAULT, Engine, Sampler, requested_device, use_shared_thread_pool
 from .errors import BundleError, DeviceError, RequestError, first_line
+from .grammar import Grammars, Guide, Structured, check_structured_outputs
 from .logprobs import TokenLogprobs, token_logprobs
 from .manifest import TOKENIZER_DIR, Manifest, load_manifest, read_tokenizer_config
 from .policy import GREEDY_DECAYS, SAMPLING_DECAYS, AdaptiveGamma, Costs, FixedGamma, PriorCosts
@@ -226,6 +227,8 @@ class SpeculativeDecoder:
         # (SamplingParams.update_from_generation_config): a reply one of them ends reports it as its stop_reason
         self.tokenizer_eos = tokenizer_eos(self.tokenizer, self.root / TOKENIZER_DIR)
         self.token_span = token_span(self.tokenizer)
+        self.grammars = Grammars(self.tokenizer.to_str(), self.manifest.engines["target"].shape.vocab_size,
+                                 list(self.eos_token_ids))
         if draft_steps and not self.manifest.engines["draft"].steps_file:
             raise BundleError(f"{self.root} has no steps graph for its draft (compiled before it, or with max γ 1, where "
                               "a round drafts one token anyway): rebuild it with `specbuild compile`, or leave "
@@ -357,7 +360,8 @@ class SpeculativeDecoder:
                 stop_token_ids: list[int] | None = None, include_stop_str_in_output: bool = False,
                 skip_special_tokens: bool = True, min_p: float = 0.0, prompt_logprobs: int | None = None,
                 repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                min_tokens: int = 0, logit_bias: dict[int, float] | None = None) -> Request:
+                min_tokens: int = 0, logit_bias: dict[int, float] | None = None,
+                structured_outputs: dict | Structured | None = None) -> Request:
         """The checked request (validation.check_request against this bundle), or a RequestError. The keyword-only
         options (which generate, stream, stream_text and their async forms pass on) are vLLM's SamplingParams':
         ignore_eos decodes past eos tokens (to max_new_tokens or the context); a token of stop_token_ids ends the
@@ -372,7 +376,9 @@ class SpeculativeDecoder:
         count, as OpenAI's and vLLM's. Penalties apply greedy and sampled, before temperature; logprobs stay raw.
         min_tokens (up to max_new_tokens) keeps the eos tokens (unless ignore_eos) and stop_token_ids out of the first
         min_tokens tokens, as vLLM's (stop strings may still end it earlier); logit_bias ({token id: bias in [-100,
-        100]}, OpenAI's) adds each bias to its token's logit, before the penalties, as vLLM."""
+        100]}, OpenAI's) adds each bias to its token's logit, before the penalties, as vLLM. structured_outputs (vLLM's:
+        one of {"json": a JSON schema}, {"json_object": True}, {"regex": ...}, {"choice": [strings]}, {"grammar": Lark or
+        GBNF}) decodes only what the grammar allows (grammar.py), greedy or sampled: the target's output under its mask."""
         if (logprobs is not None or prompt_logprobs is not None) and not self.target.has_logits:
             raise RequestError(f"{self.root} was compiled before its engines gave their logits, so it gives no logprobs: "
                                "recompile it with `specbuild compile`")
@@ -400,7 +406,23 @@ class SpeculativeDecoder:
         if request.sampling.logit_bias and not self.target.has_logit_bias:
             raise RequestError(f"logit_bias needs a bundle compiled with logit_bias; {self.root} was compiled before it: "
                                "recompile it with `specbuild compile`, or leave logit_bias out")
+        if structured_outputs is not None:
+            request = replace(request, structured=self._structured(request, structured_outputs))
         return request
+
+    def _structured(self, request: Request, structured_outputs: dict | Structured) -> Structured:
+        structured = (structured_outputs if isinstance(structured_outputs, Structured)
+                      else check_structured_outputs(structured_outputs))
+        field = structured.field
+        if not self.target.has_logit_bias:
+            raise RequestError(f"{field} needs a bundle compiled with logit_bias rows; {self.root} was compiled before "
+                               f"them: recompile it with `specbuild compile`, or leave {field} out")
+        # A grammar that has ended allows only an eos: past it, or with eos held back, no token would be left.
+        if request.ignore_eos or request.sampling.min_tokens:
+            raise RequestError(f"{field} ends where its grammar does, at an eos: leave "
+                               f"{'ignore_eos' if request.ignore_eos else 'min_tokens'} out of such a request")
+        self.grammars.guide(structured)  # a grammar this tokenizer cannot follow is refused here, not in a slot
+        return structured
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -611,6 +633,7 @@ class SpeculativeDecoder:
                        min_tokens=sampling.min_tokens,
                        stops=request.stop_token_ids | (set() if request.ignore_eos else self.eos_token_ids),
                        logit_bias=sampling.logit_bias)
+        guide = self.grammars.guide(request.structured) if request.structured else None
         rng = sampling.generator()
         # n uniforms in [0, 1) a call: n-1 to judge drafts, the last to draw the next token.
         uniforms = (lambda n: None) if sampling.greedy else (lambda n: rng.random(n, dtype=np.float32))
@@ -631,6 +654,8 @@ class SpeculativeDecoder:
         reused = len(ids) - 1 if scored is not None else target.prefix(ids, len(ids) - 1) if self.prefix_reuse else 0
         if scored is None:
             stats.cached_prompt_tokens = reused
+        if guide:
+            target.constrain(guide.masks([]))
         _, token = target.step(ids[reused:], total_len=len(ids), uniforms=uniforms(1))
         new_tokens = [token]
         rows = target.logits() if records is not None else None  # row j decided new_tokens[j]
@@ -648,6 +673,8 @@ class SpeculativeDecoder:
                     follows[ids[-1]] = token
                 ids.append(token)
                 target.count(token)
+                if guide:
+                    guide.advance(token)
                 stats.generated_tokens += 1
                 stats.token_times.append(clock() - start)
                 # Said before the token is yielded: a consumer may close the stream once it has the last one.
@@ -675,7 +702,7 @@ class SpeculativeDecoder:
             catching_up = len(ids) - draft_len > 2
             unsteady = unsteady_calls()
             t0 = clock()
-            drafts = self._draft(slot, ids[draft_len:], len(ids), k, uniforms, sampling.greedy)
+            drafts = self._draft(slot, ids[draft_len:], len(ids), k, uniforms, sampling.greedy, guide)
             asked, k = k, len(drafts)  # fewer where the draft's logits stopped being finite
             if drafts:
                 draft_len = len(ids) + k - 1
@@ -683,6 +710,8 @@ class SpeculativeDecoder:
             # two rows anyway: let them check free guesses instead, what followed these tokens last time.
             guesses = _guesses(follows, ids[-1], min(room, self.max_gamma, FREE_GUESSES)) if follows is not None else []
             proposed = drafts or guesses
+            if guide:  # on the host, in the round's time: the cost of a grammar
+                target.constrain(guide.masks(proposed))
             t1 = clock()
             accepted, token = target.step([ids[-1], *proposed], total_len=len(ids) + len(proposed),
                                           num_drafts=len(proposed), uniforms=uniforms(len(proposed) + 1))
@@ -751,20 +780,36 @@ class SpeculativeDecoder:
         return BundleError(f"the target's logits hold NaN or an infinity at generated token {token}: {why}")
 
     @staticmethod
-    def _draft(slot: Slot, feed: list[int], total_len: int, k: int, uniforms, greedy: bool) -> list[int]:
+    def _draft(slot: Slot, feed: list[int], total_len: int, k: int, uniforms, greedy: bool,
+               guide: Guide | None = None) -> list[int]:
         """k draft tokens; when sampling, the draft leaves their distributions in the slot's rows. Greedy,
-        each run of the steps graph's count of them is one call of it."""
-        drafts, steps = [], slot.draft_steps if greedy else None
-        while len(drafts) < k:
-            fed, j = feed if not drafts else [drafts[-1]], len(drafts)
-            if steps and k - j >= steps.count and len(fed) <= MAX_REUSED_IDS:
-                drafts += steps.step(fed, total_len + j)
-            else:
-                drafts.append(slot.draft.step(fed, total_len=total_len + j, uniforms=uniforms(1), probs_row=j)[1])
-            if (bad := slot.draft.engine.info.not_finite_token) in drafts:
-                # The draft's logits hold NaN or +inf (its fp16 engine overflows): it proposes what came before.
-                # The output is the target's either way; the drafts' cache is re-fed from the round's length.
-                return drafts[:drafts.index(bad)]
+        each run of the steps graph's count of them is one call of it. guide: each draft step is masked by the
+        request's grammar (one call a token: the steps graph takes no mask), and drafting stops after an eos or where
+        the grammar leaves the draft's vocabulary nothing."""
+        drafts, steps, consumed = [], slot.draft_steps if greedy and not guide else None, 0
+        try:
+            while len(drafts) < k:
+                fed, j = feed if not drafts else [drafts[-1]], len(drafts)
+                if guide:
+                    mask = guide.mask()
+                    if not mask[:slot.draft.engine.vocab_size].any():
+                        break
+                    slot.draft.constrain(mask[None])
+                if steps and k - j >= steps.count and len(fed) <= MAX_REUSED_IDS:
+                    drafts += steps.step(fed, total_len + j)
+                else:
+                    drafts.append(slot.draft.step(fed, total_len=total_len + j, uniforms=uniforms(1), probs_row=j)[1])
+                if (bad := slot.draft.engine.info.not_finite_token) in drafts:
+                    # The draft's logits hold NaN or +inf (its fp16 engine overflows): it proposes what came before.
+                    # The output is the target's either way; the drafts' cache is re-fed from the round's length.
+                    return drafts[:drafts.index(bad)]
+                if guide:
+                    if not guide.push(drafts[-1], mask):  # an eos: the request would end there
+                        break
+                    consumed += 1
+        finally:
+            if guide:
+                guide.pop(consumed)
         return drafts
 
 

@@ -21,7 +21,7 @@ import onnxruntime as ort
 from .engine import Engine
 from .errors import BundleError, DeviceError, RequestError, first_line
 from .manifest import LONG_ROPE, step_presents, step_total_len
-from .validation import LOGIT_BIAS_INPUTS, MIN_P, MIN_TOKENS_INPUTS, NO_PENALTIES, PENALTIES, PENALTY_INPUTS
+from .validation import LOGIT_BIAS, MIN_P, MIN_TOKENS_INPUTS, NO_PENALTIES, PENALTIES, PENALTY_INPUTS
 
 MAX_REUSED_IDS = 64  # calls of up to this many tokens (drafting, verifying) reuse one buffer per length
 # onnxruntime counts the runs before a capture per thread, not per graph: once a thread has run twice it
@@ -254,7 +254,7 @@ class EngineSlot:
         self._copies = not all(b.shared for b in (self._total_len, self._seqlens_k, self._num_drafts,
                                                    self._accepted, self._next_token))
         self._ids: dict[int, Buffer] = {}  # tokens per call -> buffer
-        self._bound = {"input_ids": 0, "uniforms": 0, "draft_probs": -1, "logits": -1}  # the size each is bound at
+        self._bound = {"input_ids": 0, "uniforms": 0, "draft_probs": -1, "logits": -1, "logit_bias": -1}  # the size each is bound at
         self._fed = [0] * engine.max_seq_len  # the token at each cache position, to re-feed (a list: cheaper per call)
         # A LongRoPE target past its original length (manifest: rope_switch_length): the table the next call rotates
         # with (its `long_rope` input) and the one the cache was written with (see step).
@@ -313,15 +313,22 @@ class EngineSlot:
                                 "frequency_penalty": np.zeros((), np.float32),
                                 "prompt_mask": np.zeros(engine.vocab_size, np.bool_),
                                 "output_counts": np.zeros(engine.vocab_size, np.float32),
-                                "min_tokens_left": np.zeros((), np.int64), "stop_tokens": np.zeros(engine.vocab_size, np.bool_),
-                                "logit_bias": np.zeros(engine.vocab_size, np.float32)}
+                                "min_tokens_left": np.zeros((), np.int64), "stop_tokens": np.zeros(engine.vocab_size, np.bool_)}
         bindings = [None] + ([self._tail] if self._tail is not None and self._tail is not self.binding else [])
-        taken = ([*PENALTY_INPUTS] * engine.has_penalties + [*MIN_TOKENS_INPUTS] * engine.has_min_tokens
-                 + [*LOGIT_BIAS_INPUTS] * engine.has_logit_bias)
+        taken = [*PENALTY_INPUTS] * engine.has_penalties + [*MIN_TOKENS_INPUTS] * engine.has_min_tokens
         self._penalty_buffers = [(name, self._input(name, self._penalty_values[name], binding)) for binding in bindings
                                  for name in taken]
         self._penalties_changed: set[str] = set()
         self._tallied = False
+        # logit_bias [rows, V]: row j is added to the call's row j of logits (OpenAI's logit_bias in every row; a
+        # grammar's mask too, for a request with one: constrain). Each call binds a view of its D+1 rows, one address
+        # per binding, as its CUDA graphs replay them; the rows are pushed only after they change.
+        self._bias = np.zeros((max_drafts + 1, engine.vocab_size), np.float32)
+        self._bias_buffers = [(binding or self.binding, Buffer(self._bias, (engine.input_devices if binding is None
+                                                                            else engine.sampling_devices)[LOGIT_BIAS]))
+                              for binding in bindings] if engine.has_logit_bias else []
+        self._logit_bias = np.zeros(engine.vocab_size, np.float32)  # the request's OpenAI logit_bias
+        self._bias_changed, self._constrained = True, False
         if self._tail is not None:
             self._configure(temperature=0.0)
 
@@ -344,10 +351,13 @@ class EngineSlot:
             values["prompt_mask"][:] = False
             values["output_counts"][:] = 0
             values["stop_tokens"][:] = False
-            values["logit_bias"][:] = 0
-        self._tallied = penalties != NO_PENALTIES or min_tokens > 0 or bool(logit_bias)
-        for token, bias in logit_bias:
-            values["logit_bias"][token] = bias
+        self._tallied = penalties != NO_PENALTIES or min_tokens > 0
+        if logit_bias or self._logit_bias.any() or self._constrained:
+            self._logit_bias[:] = 0
+            for token, bias in logit_bias:
+                self._logit_bias[token] = bias
+            self._bias[:] = self._logit_bias
+            self._bias_changed, self._constrained = True, False
         if penalties != NO_PENALTIES:
             values["prompt_mask"][prompt] = True
         if min_tokens:
@@ -356,6 +366,27 @@ class EngineSlot:
         for name, value in zip(PENALTIES, penalties):
             values[name][()] = value
         self._penalties_changed = set(values)
+
+    def constrain(self, mask: np.ndarray) -> None:
+        """A grammar's mask for the next deciding call's rows (a request with structured outputs): mask [D+1, V] bool,
+        true where row j may decide the token, applied as -inf bias where false (with the request's logit_bias). The
+        prompt's head calls bind row 0 too; nothing reads their decisions."""
+        rows, mask = len(mask), mask[:, :self.engine.vocab_size]  # a draft's vocabulary may be the smaller
+        if rows > len(self._bias):
+            self._grow_bias(rows)
+        np.copyto(self._bias[:rows], self._logit_bias)
+        self._bias[:rows][~mask] = -np.inf
+        self._bias_changed = self._constrained = True
+
+    def _grow_bias(self, rows: int) -> None:
+        """Room for calls of more rows than drafts + 1 (a scored prompt's, on engines that do not capture)."""
+        if self.engine.greedy_only:  # its CUDA graphs replay reads of the buffer's address
+            raise RuntimeError(f"{rows - 1} drafts, but this slot holds logit_bias rows for at most {len(self._bias) - 1}")
+        self._bias = np.concatenate([self._bias, np.broadcast_to(self._logit_bias, (rows - len(self._bias),
+                                                                                     self.engine.vocab_size))])
+        self._bias_buffers = [(binding, Buffer(self._bias, buffer.device)) for binding, buffer in self._bias_buffers]
+        self._bound["logit_bias"] = -1
+        self._bias_changed = True
 
     def count(self, token: int) -> None:
         """One more generated token, which the penalties of the next calls count and min_tokens counts down (a request
@@ -531,6 +562,8 @@ class EngineSlot:
                 if name in self._penalties_changed:
                     buffer.push()
             self._penalties_changed = set()
+        if self._bias_buffers:
+            self._bind_bias(num_drafts)
         if self._long_rope is not None and self._long_rope.host[()] != self._use_long:  # changes once a sequence, at most
             self._long_rope.host[()] = int(self._use_long)
             self._long_rope.push()
@@ -615,6 +648,19 @@ class EngineSlot:
             if self._tail is not None and self._tail is not self.binding:
                 self._tail.bind_input("logits", self._logits.device, 0, np.float32, shape, pointer)
             self._bound["logits"] = num_drafts
+
+    def _bind_bias(self, num_drafts: int) -> None:
+        """Bind logit_bias to the first D+1 rows (see __init__), pushed first where they changed."""
+        if num_drafts >= len(self._bias):
+            self._grow_bias(num_drafts + 1)
+        for binding, buffer in self._bias_buffers:
+            if self._bias_changed:
+                buffer.push()
+            if self._bound["logit_bias"] != num_drafts:
+                binding.bind_input(LOGIT_BIAS, buffer.device, 0, np.float32, [num_drafts + 1, self.engine.vocab_size],
+                                   buffer.value.data_ptr())
+        self._bias_changed = False
+        self._bound["logit_bias"] = num_drafts
 
     def _bind_uniforms(self, count: int, values: np.ndarray | None = None) -> None:
         if count not in self._uniforms:

@@ -17,6 +17,7 @@ from typing import Union
 import numpy as np
 
 from .errors import BundleError, RequestError
+from .grammar import Structured
 from .manifest import LONG_ROPE, cache_names, step_presents, step_total_len
 
 AUTO = "auto"
@@ -113,6 +114,7 @@ class Request:
     # the stop string, or the eos or stop token (decoded as any other), ends the text instead of being cut (vLLM's)
     include_stop: bool = False
     prompt_logprobs: int | None = None  # logprobs' records for each prompt token after the first (vLLM's)
+    structured: Structured | None = None  # the grammar the output follows (vLLM's structured_outputs; grammar.py)
 
 
 def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_size: int, max_seq_len: int,
@@ -367,7 +369,8 @@ PENALTY_INPUTS = {"repetition_penalty": "tensor(float)", "presence_penalty": "te
                   "frequency_penalty": "tensor(float)", "prompt_mask": "tensor(bool)", "output_counts": "tensor(float)"}
 # vLLM's min_tokens (manifest.py), where the penalties are, in graphs compiled since (before: all absent).
 MIN_TOKENS_INPUTS = {"min_tokens_left": "tensor(int64)", "stop_tokens": "tensor(bool)"}
-LOGIT_BIAS_INPUTS = {"logit_bias": "tensor(float)"}  # OpenAI's logit_bias, alike
+LOGIT_BIAS = "logit_bias"  # [1 or D+1, V]: OpenAI's logit_bias and a grammar's mask, alike
+LOGIT_BIAS_INPUTS = {LOGIT_BIAS: "tensor(float)"}
 OUTPUTS = {"accepted": "tensor(int64)", "next_token": "tensor(int64)"}
 SAMPLING_OUTPUTS = {"probs": "tensor(float)"}
 LOGITS = "logits"  # the fp32 logits an engine graph decides on (manifest.py): a greedy-only graph's sampler reads them
@@ -413,6 +416,8 @@ def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int, g
             fail(f"it has no {name!r} (the manifest says {shape.num_layers} layers)")
         if found[name][0] != onnx_type:
             fail(f"{name!r} is {found[name][0]}, the manifest's {info.precision} engine needs {onnx_type}")
+    if LOGIT_BIAS in inputs and len(inputs[LOGIT_BIAS][1]) != 2:  # [V]: compiled before grammars' per-row masks
+        fail(f"its {LOGIT_BIAS!r} input has one row for every decision, where the runtime gives each row its own")
     extra_layers = [name for name in inputs if name.startswith("past_") and name not in expected]
     if extra_layers:
         fail(f"it has {extra_layers[0]!r} beyond the manifest's {shape.num_layers} layers")

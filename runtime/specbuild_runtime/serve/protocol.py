@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from ..decode import Stats
 from ..errors import RequestError
+from ..grammar import check_structured_outputs
 from ..logprobs import LOGPROB_FLOOR, TokenLogprobs
 from ..validation import GREEDY_BELOW, MAX_LOGPROBS, check_sampling, utf8, whole
 from .tools import PARSERS, ToolParser, checked_tools
@@ -33,16 +34,17 @@ DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: None}  # OpenAI's defaults; None: u
 # endpoints.
 DECODING = ("temperature", "top_p", "top_k", "seed", "stop", "gamma", "min_p", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "min_tokens", "logit_bias", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
-            "skip_special_tokens")
+            "skip_special_tokens", "structured_outputs")
+RESPONSE_FORMAT = "response_format"  # OpenAI's structured outputs, read as the runtime's structured_outputs
 # vLLM's extras whose only value here is the default: spaces_between_special_tokens false needs a decoder that
 # tokenizers' decode lacks.
 DEFAULT_ONLY = {"spaces_between_special_tokens": True}
 FIELDS = {
     COMPLETIONS: {"model", "prompt", "max_tokens", "stream", "stream_options", "n", "logprobs", "echo", *DECODING,
-                  *DEFAULT_ONLY, "add_special_tokens"},
+                  *DEFAULT_ONLY, "add_special_tokens", RESPONSE_FORMAT},
     CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n", "logprobs",
            "top_logprobs", *DECODING, *DEFAULT_ONLY, "chat_template_kwargs", "add_generation_prompt",
-           "continue_final_message", "tools", "tool_choice", "add_special_tokens"},
+           "continue_final_message", "tools", "tool_choice", "add_special_tokens", RESPONSE_FORMAT},
 }
 STREAM_OPTIONS = {"include_usage"}
 # /tokenize's fields for chat messages besides model, add_special_tokens and return_token_strs (vLLM's, less the
@@ -54,7 +56,7 @@ IGNORED = {"user", "safety_identifier", "prompt_cache_key", "metadata", "store"}
 # OpenAI parameters this server does not implement: refused unless left at their neutral value, never ignored
 # (tools and tool_choice only on completions: chat reads them; echo only on chat, where vLLM echoes the last message).
 UNSUPPORTED = {"echo", "best_of", "suffix", "tools", "tool_choice", "functions", "function_call",
-               "response_format", "parallel_tool_calls", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options"}
+               "parallel_tool_calls", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options"}
 
 FLAGS = {"echo", "parallel_tool_calls"}  # the unsupported parameters that are true/false
 # chat_template_kwargs that are not template variables, refused as vLLM refuses them or fails on them: vLLM (and
@@ -82,7 +84,7 @@ INSTEAD = {
     (COMPLETIONS, "tool_choice"): "send tools and tool_choice to /v1/chat/completions",
 }
 # Values that ask for nothing beyond plain text (clients send them by default): as if absent.
-NEUTRAL = {"tool_choice": ["none"], "response_format": [{"type": "text"}], "modalities": [["text"]],
+NEUTRAL = {"tool_choice": ["none"], "modalities": [["text"]],
            "parallel_tool_calls": [True]}
 
 # The runtime's names for what the API calls otherwise, to name them back in error messages.
@@ -213,7 +215,7 @@ def invalid(exc: Exception) -> ApiError:
         if message.startswith(runtime_name):
             message = api_name + message[len(runtime_name):]
     # the longest name first: "stop_token_ids ..." is no message about "stop"
-    names = sorted((*DECODING, "max_tokens", "logprobs", "prompt"), key=len, reverse=True)
+    names = sorted((*DECODING, "max_tokens", "logprobs", "prompt", RESPONSE_FORMAT), key=len, reverse=True)
     param = next((name for name in names if message.startswith((name, f"the {name}", f"a {name}"))), None)
     return ApiError(400, message, param)
 
@@ -284,7 +286,7 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
     if "temperature" not in decoding and shaping and defaults.greedy:
         raise ApiError(400, f"{shaping[0]} shapes sampling, and without a temperature this server decodes greedily "
                             f"({defaults.source}; OpenAI's default is 1): send a temperature too, e.g. 1", shaping[0])
-    decoding = {**defaults.values, **decoding, **_logprobs(endpoint, body)}
+    decoding = {**defaults.values, **decoding, **_logprobs(endpoint, body), **_response_format(body)}
     max_tokens = _first_given(body, *(["max_completion_tokens"] if endpoint == CHAT else []), "max_tokens")
     for name in ("max_completion_tokens", "max_tokens") if endpoint == CHAT else ():
         try:  # checked here, where its own name is known (the runtime's errors say max_tokens), both if both given
@@ -318,6 +320,32 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
     return Request(COMPLETIONS, prompts[0] if len(prompts) == 1 else None, None, max_tokens, decoding, stream,
                    include_usage, echo=echo, batch=prompts if len(prompts) > 1 else None, n=n,
                    add_special_tokens=add_special_tokens)
+
+
+def _response_format(body: dict) -> dict:
+    """OpenAI's response_format as the runtime's checked structured_outputs (grammar.py), as vLLM reads it:
+    {"type": "json_object"} any JSON object, {"type": "json_schema", "json_schema": {"name", "schema", "strict"}} that
+    schema; {"type": "text"} (or none) nothing."""
+    value = body.get(RESPONSE_FORMAT)
+    kind = value.get("type") if isinstance(value, dict) else None
+    if value is None or kind == "text" and len(value) == 1:
+        return {}
+    spec = value.get("json_schema") if kind == "json_schema" else None
+    if kind == "json_object" and len(value) == 1:
+        structured = {"json_object": True}
+    elif isinstance(spec, dict) and isinstance(spec.get("schema"), dict):
+        structured = {"json": spec["schema"]}
+    else:
+        raise ApiError(400, 'response_format must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                            '"json_schema", "json_schema": {"name": ..., "schema": {...}}}, not ' + _json(value),
+                       RESPONSE_FORMAT)
+    if body.get("structured_outputs") is not None:
+        raise ApiError(400, "response_format and structured_outputs both ask for a format: send one of them",
+                       RESPONSE_FORMAT)
+    try:
+        return {"structured_outputs": check_structured_outputs(structured, RESPONSE_FORMAT)}
+    except RequestError as exc:
+        raise ApiError(400, str(exc), RESPONSE_FORMAT) from None
 
 
 def _known_fields(body: dict, fields: set[str], model: str) -> None:

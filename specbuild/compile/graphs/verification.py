@@ -32,7 +32,8 @@ class Penalties:
     over the prompt's and the generated tokens, presence and frequency over the generated ones (prompt_mask [V] bool:
     the prompt's tokens; output_counts [V]: how often each token was generated before the call's drafts), and
     min_tokens (stop_tokens [V] bool, the eos and stop tokens, are no choice for the next min_tokens_left tokens), and
-    OpenAI's logit_bias [V] (added to each token's logit)."""
+    logit_bias [1 or D+1, V], added to each row's logits (one row: to every row): OpenAI's logit_bias, and a grammar's
+    mask (-inf where row j's grammar state refuses the token: structured outputs)."""
 
     def __init__(self, repetition: ir.Value, presence: ir.Value, frequency: ir.Value, prompt_mask: ir.Value,
                  output_counts: ir.Value, min_tokens_left: ir.Value, stop_tokens: ir.Value, logit_bias: ir.Value):
@@ -51,7 +52,7 @@ def penalty_inputs(g: GraphBuilder, vocab) -> Penalties:
                      output_counts=g.input("output_counts", FLOAT, [vocab]),
                      min_tokens_left=g.input("min_tokens_left", INT64, []),
                      stop_tokens=g.input("stop_tokens", BOOL, [vocab]),
-                     logit_bias=g.input("logit_bias", FLOAT, [vocab]))
+                     logit_bias=g.input("logit_bias", FLOAT, ["bias_rows", vocab]))
 
 
 def unprocessed(vocab: int) -> dict[str, np.ndarray]:
@@ -59,7 +60,7 @@ def unprocessed(vocab: int) -> dict[str, np.ndarray]:
     return {"repetition_penalty": np.array(1, np.float32), "presence_penalty": np.array(0, np.float32),
             "frequency_penalty": np.array(0, np.float32), "prompt_mask": np.zeros(vocab, np.bool_),
             "output_counts": np.zeros(vocab, np.float32), "min_tokens_left": np.array(0, np.int64),
-            "stop_tokens": np.zeros(vocab, np.bool_), "logit_bias": np.zeros(vocab, np.float32)}
+            "stop_tokens": np.zeros(vocab, np.bool_), "logit_bias": np.zeros((1, vocab), np.float32)}
 
 
 def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_drafts: ir.Value,

@@ -1,0 +1,148 @@
+"""Structured outputs (guided decoding), as vLLM's `guidance` backend does them: a request's JSON schema, JSON object,
+regular expression, choice or grammar compiled by llguidance, whose matcher gives each step the tokens it allows.
+
+Exact under speculative decoding: a verification call's row j decides the token after the accepted ones and drafts
+0..j-1, so Guide.masks advances the matcher through the drafts on the host, takes the mask of each state, and rolls
+back. A draft the grammar refuses gets -inf in its own row, so the target rejects it (greedy: it is no argmax;
+sampled: p = 0), and the rows after it decide nothing. The draft proposes under the same grammar, one step a call
+(decode.SpeculativeDecoder._draft): unmasked, it would propose what the grammar refuses, and fewer drafts would hold.
+Either way the output is the target's under the mask: what q the draft samples from does not change it."""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from .errors import RequestError
+
+# vLLM's StructuredOutputsParams fields, one of which a request sets (its `json_object` is true or absent), and its
+# option for JSON: no whitespace but what the JSON needs.
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+COMPACT = "disable_any_whitespace"
+
+
+@dataclass(frozen=True)
+class Structured:
+    """A checked request's grammar: llguidance's serialized form, and which field asked for it (for messages)."""
+
+    grammar: str
+    field: str
+
+
+def check_structured_outputs(value, field: str = "structured_outputs") -> Structured | None:
+    """vLLM's structured_outputs ({"json": schema} or {"regex": ...}, {"choice": [...]}, {"grammar": lark or GBNF},
+    {"json_object": true}) as llguidance compiles it, or a RequestError naming field. JSON allows any whitespace between
+    tokens, as vLLM's default, unless disable_any_whitespace is true."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RequestError(f"{field} must be an object with one of {', '.join(KINDS)}, not {type(value).__name__}")
+    given = {key: spec for key, spec in value.items() if key != COMPACT and spec is not None and spec is not False}
+    unknown = sorted(set(value) - {*KINDS, COMPACT})
+    if unknown or len(given) != 1:
+        what = f"has {unknown[0]!r}" if unknown else f"sets {len(given)} of them"
+        raise RequestError(f"{field} must set exactly one of {', '.join(KINDS)}; it {what}")
+    (kind, spec), = given.items()
+    compact = value.get(COMPACT, False)
+    if not isinstance(compact, bool):
+        raise RequestError(f"{field}'s {COMPACT} must be true or false, not {type(compact).__name__}")
+    flexible = {"whitespace_flexible": not compact}
+    try:
+        if kind == "json_object":
+            if spec is not True:
+                raise ValueError(f"json_object must be true, not {json.dumps(spec)}")
+            grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=flexible)
+        elif kind == "json":
+            if not isinstance(spec, (dict, str)):
+                raise ValueError(f"json must be a JSON schema (an object), not {type(spec).__name__}")
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=flexible)
+        elif kind == "choice":
+            if not isinstance(spec, list) or not spec or not all(isinstance(c, str) for c in spec):
+                raise ValueError("choice must be a non-empty list of strings")
+            grammar = llguidance.grammar_from("choice", spec)
+        else:
+            if not isinstance(spec, str):
+                raise ValueError(f"{kind} must be a string, not {type(spec).__name__}")
+            grammar = llguidance.grammar_from(kind, spec)
+    except (ValueError, TypeError) as exc:
+        raise RequestError(f"{field} is not a grammar llguidance compiles: {_one_line(exc)}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise RequestError(f"{field} is not a grammar llguidance compiles: {_one_line(error)}")
+    return Structured(grammar, field)
+
+
+def _one_line(error) -> str:
+    return " ".join(str(error).split())
+
+
+class Grammars:
+    """A bundle's llguidance tokenizer (built on the first request with a grammar: ~1 s at a 150k vocabulary), and
+    the matchers of its requests. vocab_size: the target's, which may exceed the tokenizer's (padding rows that no
+    grammar allows); eos: the tokens that end a request, which a grammar allows where it may end."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos: list[int]):
+        self._source, self.vocab_size, self._eos = tokenizer_json, vocab_size, sorted(eos)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    def guide(self, structured: Structured) -> Guide:
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(self._source, n_vocab=self.vocab_size, eos_token=self._eos)
+        matcher = llguidance.LLMatcher(self._tokenizer, structured.grammar, log_level=0)
+        if matcher.is_error():
+            raise RequestError(f"{structured.field} is not a grammar llguidance compiles for this bundle's tokenizer: "
+                               f"{_one_line(matcher.get_error())}")
+        return Guide(matcher, self.vocab_size, set(self._eos))
+
+
+class Guide:
+    """One request's grammar state: the tokens generated so far, consumed."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos: set[int]):
+        self.matcher, self.vocab_size, self.eos = matcher, vocab_size, eos
+        self._bits = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
+
+    def masks(self, drafts: list[int]) -> np.ndarray:
+        """[D+1, V] bool: row j, the tokens allowed after the tokens consumed and drafts 0..j-1. Rows after a draft the
+        grammar refuses (or an eos, which ends the request) repeat its row: no decision reads them."""
+        masks = np.empty((len(drafts) + 1, self.vocab_size), np.bool_)
+        consumed = 0
+        for j in range(len(drafts) + 1):
+            masks[j] = self.mask()
+            if j == len(drafts) or not self.push(drafts[j], masks[j]):
+                masks[j + 1:] = masks[j]
+                break
+            consumed += 1
+        self.pop(consumed)
+        return masks
+
+    def mask(self) -> np.ndarray:
+        """[V] bool: the tokens the grammar allows next."""
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, self._bits)
+        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")  # token 32w + b is bit b of word w
+        return bits[:self.vocab_size].astype(np.bool_)
+
+    def push(self, token: int, mask: np.ndarray) -> bool:
+        """Consume a proposed token (pop takes it back) where mask, the current state's, allows it and it is no eos
+        (which ends the request: nothing follows it). Returns whether it did."""
+        if not mask[token] or token in self.eos:
+            return False
+        self.matcher.consume_token(token)
+        return True
+
+    def pop(self, count: int) -> None:
+        if count:
+            self.matcher.rollback(count)
+
+    def advance(self, token: int) -> None:
+        """A token the target decided under the mask (an eos ends the request: not consumed)."""
+        if token not in self.eos and not self.matcher.consume_token(token):
+            raise RuntimeError(f"the grammar refused token {token} that its mask allowed: "
+                               f"{_one_line(self.matcher.get_error())}")

@@ -1,0 +1,189 @@
+"""Structured outputs (grammar.py): the output is the target's under the grammar's mask at each step, whatever the
+drafts and γ (greedy: token for token; sampled: tests/test_sampling.py's χ² against the masked distribution)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import PROMPTS
+from specbuild.reference import load_reference
+from specbuild_runtime import RequestError, SpeculativeDecoder
+
+NEW_TOKENS = 40
+GAMMAS = (0, 1, 3, "auto")
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "ok": {"type": "boolean"}},
+          "required": ["name", "age", "ok"], "additionalProperties": False}
+FORMATS = [{"json": SCHEMA}, {"json": SCHEMA, "disable_any_whitespace": True}, {"json_object": True},
+           {"regex": r"(yes|no), [a-z]{2,5}\."},
+           {"choice": ["return a + b", "pass", "raise ValueError"]}]
+
+
+def decoders(folder):
+    """The engine graphs (greedy branch, the draft's steps graph) and the greedy-only graphs CUDA graphs capture."""
+    return SpeculativeDecoder(folder, draft_steps=True), SpeculativeDecoder(folder, cuda_graphs=True)
+
+
+def target_alone(model, guide, prompt: list[int], new_tokens: int, eos: set[int]) -> list[int]:
+    """The target's greedy decoding under the grammar: transformers' logits, the matcher's mask, one token a step."""
+    tokens = []
+    with torch.no_grad():
+        while len(tokens) < new_tokens:
+            logits = model(torch.tensor([prompt + tokens])).logits[0, -1].float().numpy()
+            token = int(np.where(guide.masks([])[0], logits, -np.inf).argmax())
+            tokens.append(token)
+            if token in eos:
+                break
+            guide.advance(token)
+    return tokens
+
+
+@pytest.mark.parametrize("structured", FORMATS, ids=lambda s: "-".join(s))
+@pytest.mark.parametrize("draft", ["same", "unrelated"])
+def test_greedy_structured_output_is_the_target_alone_under_the_grammar_mask(structured, draft, bundles, checkpoints,
+                                                                            tokenizer):
+    model = load_reference(checkpoints("llama"))
+    for decoder in decoders(bundles("llama", draft_seed=0 if draft == "same" else 1)):
+        checked, ended = decoder.request(PROMPTS[0], structured_outputs=structured).structured, 0
+        for prompt in PROMPTS[:3]:
+            ids = tokenizer(prompt)["input_ids"]
+            expected = target_alone(model, decoder.grammars.guide(checked), ids, NEW_TOKENS, decoder.eos_token_ids)
+            for gamma in GAMMAS:
+                result = decoder.generate(ids, NEW_TOKENS, gamma, structured_outputs=structured)
+                assert result.token_ids == expected, (decoder.cuda_graphs, gamma, prompt)
+            ended += result.stats.finish_reason == "eos"
+            if result.stats.finish_reason == "eos":
+                if "json" in structured:
+                    parsed = json.loads(result.text)
+                    assert set(parsed) == {"name", "age", "ok"} and 0 <= parsed["age"] <= 99
+                    assert " " not in result.text or "disable_any_whitespace" not in structured
+                elif "json_object" in structured:
+                    assert isinstance(json.loads(result.text), dict)
+                elif "choice" in structured:
+                    assert result.text in structured["choice"]
+        # not hollow: the random target writes whitespace on and on where JSON allows it, but ends the others
+        assert ended == 0 if "json" in structured and len(structured) == 1 else ended > 0
+
+
+# Each token's mask depends on the bytes before it; long enough that no sample reaches its end (an eos) in 24 tokens.
+ALTERNATING = {"regex": r"([ab][cd]){60}"}
+
+
+def masked_distributions(model, guides, prompt: list[int], samples: list[list[int]], temperature: float):
+    """[N, T, V] the target's distribution at each sampled position under the grammar's mask there, in float64."""
+    tokens = torch.tensor(samples)
+    with torch.no_grad():
+        logits = model(torch.cat([torch.tensor(prompt).expand(len(samples), -1), tokens], 1)).logits
+    logits = logits[:, len(prompt) - 1:-1].double() / temperature
+    for n, sampled in enumerate(samples):
+        guide = guides()
+        for t, token in enumerate(sampled):
+            logits[n, t, ~torch.from_numpy(guide.masks([])[0])] = -torch.inf
+            guide.advance(token)
+    return torch.softmax(logits, -1)
+
+
+def test_sampled_structured_output_follows_the_masked_target_distribution_and_a_wrong_sampler_is_caught(
+        bundles, checkpoints, tokenizer):
+    """χ² over every sampled token (tests/test_sampling.py's martingale test): categories by rank under the masked p,
+    crossed with whether p ≥ q (q: the draft's masked distribution); a wrong acceptance rule must be caught."""
+    from test_sampling import RANK_BINS, WrongAcceptanceRule, categories, martingale_chi2
+    from scipy.stats import chi2
+
+    folder = bundles("llama", draft_seed=1)
+    decoder = SpeculativeDecoder(folder)
+    target, draft = load_reference(checkpoints("llama")), load_reference(checkpoints("llama", 1))
+    checked = decoder.request(PROMPTS[0], structured_outputs=ALTERNATING).structured
+    ids, new_tokens, temperature = tokenizer(PROMPTS[0])["input_ids"], 24, 0.7
+
+    def sample(count, seed=0):
+        runs = [decoder.generate(ids, new_tokens, 4, temperature=temperature, seed=seed + s,
+                                 structured_outputs=ALTERNATING) for s in range(count)]
+        return [r.token_ids for r in runs], sum(r.stats.accepted for r in runs) / sum(r.stats.drafted for r in runs)
+
+    def p_value(samples):
+        p, q = (masked_distributions(model, lambda: decoder.grammars.guide(checked), ids, samples, temperature)
+                for model in (target, draft))
+        category, count = categories(p, q), (len(RANK_BINS) + 1) * 2
+        expected = torch.zeros(*p.shape[:-1], count, dtype=torch.float64).scatter_add_(-1, category, p)
+        tokens = torch.tensor(samples)
+        observed = torch.nn.functional.one_hot(category.gather(-1, tokens[..., None])[..., 0], count).double()
+        statistic, df = martingale_chi2(observed.reshape(-1, count).numpy(), expected.reshape(-1, count).numpy())
+        assert (p.gather(-1, tokens[..., None]) > 0).all(), "a token the grammar refuses"
+        return chi2.sf(statistic, df)
+
+    samples, acceptance = sample(80)
+    assert all(len(s) == new_tokens for s in samples) and 0.1 < acceptance < 0.95, acceptance
+    default_rng = np.random.default_rng
+    np.random.default_rng = lambda seed=None: WrongAcceptanceRule(default_rng(seed))
+    try:
+        wrong, _ = sample(20, seed=1000)
+    finally:
+        np.random.default_rng = default_rng
+    real, control = p_value(samples), p_value(wrong)
+    print(f"p {real:.3g}, control {control:.3g}, acceptance {acceptance:.2f}")
+    assert real > 1e-4 and control < 1e-12, (real, control)
+
+
+def test_a_bundle_without_logit_bias_rows_decodes_as_before_and_refuses_structured_outputs_in_one_line(
+        bundles, tokenizer, tmp_path):
+    import shutil
+
+    from conftest import compiled_before_penalties
+    from specbuild_runtime.serve.protocol import invalid
+
+    old = SpeculativeDecoder(compiled_before_penalties(shutil.copytree(bundles("llama", draft_seed=1), tmp_path / "old")))
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    assert old.generate(ids, 12, 3).token_ids == SpeculativeDecoder(bundles("llama", draft_seed=1)).generate(ids, 12, 3).token_ids
+    with pytest.raises(RequestError, match=r"^structured_outputs needs a bundle compiled with logit_bias rows; \S+ was "
+                                           r"compiled before them: recompile it with `specbuild compile`, or leave "
+                                           r"structured_outputs out$") as refused:
+        old.generate(ids, 8, structured_outputs={"json_object": True})
+    assert invalid(refused.value).param == "structured_outputs"
+
+
+def test_a_bundle_whose_logit_bias_has_one_row_for_all_is_refused_at_load_in_one_line(bundles, tmp_path):
+    """Compiled between logit_bias ([V]) and grammars' rows ([rows, V]): binding rows would fail inside a call."""
+    import shutil
+
+    import onnx
+
+    from specbuild_runtime import BundleError
+    from specbuild_runtime.manifest import MANIFEST, sha256_file
+
+    folder = shutil.copytree(bundles("llama", draft_seed=1), tmp_path / "one-row")
+    data = json.loads((folder / MANIFEST).read_text())
+    file = data["engines"]["target"]["file"]
+    model = onnx.load(str(folder / file), load_external_data=False)
+    bias = next(i for i in model.graph.input if i.name == "logit_bias")
+    del bias.type.tensor_type.shape.dim[0]
+    onnx.save(model, str(folder / file))
+    data["files"][file] = sha256_file(folder / file)
+    (folder / MANIFEST).write_text(json.dumps(data))
+    with pytest.raises(BundleError, match=r"^engine \S+ does not match the bundle's manifest: its 'logit_bias' input has "
+                                          r"one row for every decision, where the runtime gives each row its own; .*"
+                                          r"rebuild it with `specbuild compile`$"):
+        SpeculativeDecoder(folder)
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"json": 3}, "json must be a JSON schema (an object), not int"),
+    ({"regex": "("}, "invalid regex"),
+    ({"json": SCHEMA, "regex": "a"}, "must set exactly one of json, regex, choice, grammar, json_object; it sets 2"),
+    ({"guided_json": {}}, "it has 'guided_json'"),
+    ({"choice": []}, "choice must be a non-empty list of strings"),
+    ({"json_object": True, "disable_any_whitespace": "yes"}, "disable_any_whitespace must be true or false"),
+    ({"json": {"type": "objec"}}, "Invalid type: objec"),
+])
+def test_a_bad_structured_outputs_is_refused_in_one_line_naming_it(value, message, bundles):
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    with pytest.raises(RequestError, match=r"^structured_outputs") as refused:
+        decoder.request(PROMPTS[0], structured_outputs=value)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+    for options in ({"ignore_eos": True}, {"min_tokens": 2}):
+        with pytest.raises(RequestError, match=rf"^structured_outputs ends where its grammar does, at an eos: leave "
+                                               rf"{next(iter(options))} out of such a request$"):
+            decoder.request(PROMPTS[0], structured_outputs={"json_object": True}, **options)
