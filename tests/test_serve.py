@@ -670,6 +670,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
      "response_format and structured_outputs both ask for a format: send one of them"),
     ("completions", {"prompt": "x", "structured_outputs": {"regex": "("}}, "structured_outputs is not a grammar"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "guided_json": {}},
+     "unrecognized request argument: 'guided_json'; send \"structured_outputs\": {\"json\": ...}, as vLLM does now"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 3, "max_tokens": "x"},
      "max_tokens must be a whole number"),
     ("completions", {"prompt": "x", "top_k": -2}, "top_k must be >= 0"),

@@ -52,8 +52,10 @@ float type (fp32, fp16 or bf16; see EngineInfo.precision):
                                         before min_tokens) give the stop_tokens -inf, in the same graphs
          stop_tokens    bool [V]        the eos and stop tokens min_tokens holds back. Graphs compiled
                                         before them lack both
-         logit_bias     f32 [V]         OpenAI's logit_bias, added to the logits before the penalties, in
-                                        the same graphs (absent in those compiled before it)
+         logit_bias     f32 [R, V]      added to the logits before the penalties, row j to row j (R = D+1;
+                                        R = 1: to every row): OpenAI's logit_bias, and a grammar's mask
+                                        (-inf) for row j's state (structured outputs), in the same graphs
+                                        (absent in those compiled before it; [V] between the two: refused)
          draft_probs    f32 [D, V]      the draft's distribution q at each draft (sampling; [0, V] greedy)
          uniforms       f32 [D+1]       random numbers: D to judge the drafts, one to draw the next token
          past_key.{i}, past_value.{i}   F [1, kv_heads, max_seq_len, head_dim], the KV buffers, bound

@@ -82,6 +82,9 @@ INSTEAD = {
     (CHAT, "echo"): 'send the rendered prompt to /v1/completions with "echo": true',
     (COMPLETIONS, "tools"): "send tools to /v1/chat/completions",
     (COMPLETIONS, "tool_choice"): "send tools and tool_choice to /v1/chat/completions",
+    # vLLM's guided decoding fields before structured_outputs replaced them (its server no longer reads them)
+    **{(endpoint, f"guided_{kind}"): f'send "structured_outputs": {{"{kind}": ...}}, as vLLM does now'
+       for endpoint in (COMPLETIONS, CHAT) for kind in ("json", "regex", "choice", "grammar")},
 }
 # Values that ask for nothing beyond plain text (clients send them by default): as if absent.
 NEUTRAL = {"tool_choice": ["none"], "modalities": [["text"]],
