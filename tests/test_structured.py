@@ -187,3 +187,16 @@ def test_a_bad_structured_outputs_is_refused_in_one_line_naming_it(value, messag
         with pytest.raises(RequestError, match=rf"^structured_outputs ends where its grammar does, at an eos: leave "
                                                rf"{next(iter(options))} out of such a request$"):
             decoder.request(PROMPTS[0], structured_outputs={"json_object": True}, **options)
+
+
+def test_sampled_structured_output_is_the_same_through_the_bundles_sampler_as_in_the_engine_graphs(bundles, tokenizer):
+    """The greedy-only graphs (CUDA graphs') sample in the bundle's sampler, which takes the same logit_bias rows."""
+    engine_graphs, greedy_only = decoders(bundles("llama", draft_seed=1))
+    ids = tokenizer(PROMPTS[1])["input_ids"]
+    for structured in ({"json": SCHEMA, "disable_any_whitespace": True}, ALTERNATING):
+        for gamma in (0, 3, "auto"):
+            options = dict(temperature=0.9, top_k=20, seed=11, structured_outputs=structured)
+            expected = engine_graphs.generate(ids, 30, gamma, **options)
+            assert greedy_only.generate(ids, 30, gamma, **options).token_ids == expected.token_ids, (structured, gamma)
+            free = engine_graphs.generate(ids, 30, gamma, temperature=0.9, top_k=20, seed=11)
+            assert free.token_ids != expected.token_ids  # it bites
