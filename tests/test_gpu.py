@@ -476,3 +476,21 @@ def test_a_phi3_longrope_target_switches_tables_on_the_gpu_as_on_the_cpu(checkpo
                 got = decoder.generate(ids[:length], 64, gamma).token_ids
                 assert got == expected, (f"prompt of {length}, γ={gamma}, cuda_graphs={decoder.cuda_graphs}: token "
                                          f"{first_difference(got, expected)} differs from target-only uncaptured")
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["captured", "uncaptured"])
+def test_structured_outputs_on_cuda_decode_as_target_only_and_seeded_sampling_reproduces(cuda_graphs, precision_bundles):
+    """The grammar's logit_bias rows bound as views of one device buffer (slot.EngineSlot._bind_bias), which CUDA graphs
+    replay: speculative == target-only under the mask, and a seeded sampled run the same in a second pass."""
+    decoder = SpeculativeDecoder(precision_bundles("fp16"), device="cuda", cuda_graphs=cuda_graphs)
+    plain = decoder.generate(PROMPTS[5], NEW_TOKENS, 3).token_ids
+    for structured in ({"json_object": True, "disable_any_whitespace": True}, {"regex": r"(yes|no), [a-z]{2,9}\."}):
+        for prompt in (PROMPTS[5], PROMPTS[3]):
+            expected = decoder.generate(prompt, NEW_TOKENS, 0, structured_outputs=structured).token_ids
+            for gamma in (1, decoder.max_gamma, "auto"):
+                got = decoder.generate(prompt, NEW_TOKENS, gamma, structured_outputs=structured).token_ids
+                assert got == expected, f"{structured} γ={gamma}: token {first_difference(got, expected)} differs"
+            sampled = [decoder.generate(prompt, NEW_TOKENS, 3, structured_outputs=structured, **SAMPLED[1]).token_ids
+                       for _ in range(2)]
+            assert sampled[0] == sampled[1], structured
+    assert decoder.generate(PROMPTS[5], NEW_TOKENS, 3).token_ids == plain  # no mask left behind
