@@ -201,7 +201,8 @@ def cli(debug: bool) -> None:
 
 @cli.command("compile")
 @click.option("--target", type=folder_path, help="Target checkpoint folder (config.json, *.safetensors, tokenizer).")
-@click.option("--draft", type=folder_path, help="Draft checkpoint folder; must share the target's tokenizer.")
+@click.option("--draft", type=folder_path, help="Draft checkpoint folder; must share the target's tokenizer (a draft "
+              "without tokenizer files speaks the target's).")
 @click.option("--output", "-o", type=folder_path, help="Bundle folder to write (written atomically).")
 @click.option("--gamma", type=Setting("gamma"), help=f"Most draft tokens per round when the runtime adapts γ (1 to {MAX_GAMMA}).  [default: 8]")
 @click.option("--max-seq-len", type=Setting("max_seq_len"), help="Context length the KV cache is allocated for.  [default: min(2048, the longest the pair takes)]")
@@ -296,7 +297,8 @@ def cuda_line(manifest) -> str:
 @click.option("--frequency-penalty", type=Finite(min=-2, max=2), default=0.0, show_default=True,
               help="Subtract this times its count in the output from each token's logit (0 = none), as OpenAI and vLLM.")
 @click.option("--min-tokens", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Generate at least this many tokens before an eos or a stop token may end the output, as vLLM.")
+              help="Generate at least this many tokens before an eos may end the output, as vLLM's min_tokens (a --stop "
+                   "string may end it sooner, where vLLM waits).")
 def generate(bundle, prompt, max_new_tokens, gamma, chat, chat_template, stop, as_json, logprobs, device, cuda_graphs,
              draft_steps, threads, **sampling) -> None:
     """Continue a prompt with speculative decoding (greedy, or sampling with --temperature)."""
@@ -633,7 +635,8 @@ def check_plot_path(path: Path) -> None:
 @cli.command()
 @click.option("--target", required=True, type=folder_path, help="Target checkpoint folder (any supported architecture).")
 @click.option("--output", "-o", required=True, type=folder_path, help="Where to write the draft checkpoint (atomically).")
-@click.option("--init", type=folder_path, help="Start from this draft checkpoint (same tokenizer) instead of a new one.")
+@click.option("--init", type=folder_path, help="Start from this draft checkpoint (the target's tokenizer, or no tokenizer "
+              "files) instead of a new one.")
 @click.option("--draft-config", "draft_config", multiple=True, metavar="KEY=VALUE",
               help="Config overrides for a new draft, e.g. num_hidden_layers=2 (repeatable).  [default: <= 1/10 of the target]")
 @click.option("--minutes", type=Finite(min=0, min_open=True), default=5.0, show_default=True,

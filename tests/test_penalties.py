@@ -158,3 +158,13 @@ def test_logit_bias_decodes_as_the_target_alone_with_the_biases_added(draft, bun
                     assert result.token_ids == expected, (decoder.cuda_graphs, gamma, prompt, penalties)
         taken = decoder.generate(PROMPTS[0], 6, 3, logit_bias={7: 100.0}).token_ids
         assert taken == [7] * 6
+
+
+def test_a_stop_string_may_end_a_request_within_its_min_tokens(bundles):
+    """min_tokens holds back the eos and stop tokens only: a stop string still ends the text where it appears (vLLM's
+    detokenizer looks for one only after min_tokens; README and generate --help say so)."""
+    decoder = SpeculativeDecoder(bundles("llama"))
+    stop = decoder.generate(PROMPTS[0], 3, 0, ignore_eos=True).text.rstrip("\ufffd")  # the tiny model's bytes split
+    assert stop  # not hollow: a stop string to meet
+    result = decoder.generate(PROMPTS[0], NEW_TOKENS, 0, stop=stop, min_tokens=12)
+    assert result.stats.finish_reason == "stop" and len(result.token_ids) <= 3 and result.text == ""

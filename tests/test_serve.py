@@ -724,7 +724,8 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER], "tool_choice": "auto"},
      "start it with --tool-call-parser hermes"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER], "tool_choice": "required"},
-     "tool_choice \"required\" is not supported"),
+     "tool_choice \"required\" is not supported by this server: vLLM forces such a call with a JSON schema made from "
+     "the tools, which this server does not make"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
                           "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
      "tool_choice naming a function is not supported"),
@@ -754,6 +755,7 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}},
      "logit_bias must hold biases in [-100, 100], as OpenAI's, not 101.0 (token 5)"),
     ("completions", {"prompt": "x", "logit_bias": [5]}, "logit_bias must map token ids to biases"),
+    ("completions", {"prompt": "x", "suffix": "y"}, "'suffix' is not supported by this server"),
     ("completions", {"prompt": "x", "spaces_between_special_tokens": False},
      "spaces_between_special_tokens false is not supported"),
 ]

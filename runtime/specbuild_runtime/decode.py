@@ -378,7 +378,8 @@ class SpeculativeDecoder:
         min_tokens tokens, as vLLM's (stop strings may still end it earlier); logit_bias ({token id: bias in [-100,
         100]}, OpenAI's) adds each bias to its token's logit, before the penalties, as vLLM. structured_outputs (vLLM's:
         one of {"json": a JSON schema}, {"json_object": True}, {"regex": ...}, {"choice": [strings]}, {"grammar": Lark or
-        GBNF}) decodes only what the grammar allows (grammar.py), greedy or sampled: the target's output under its mask."""
+        GBNF}) decodes only what the grammar allows (grammar.py), greedy or sampled: the target's output under its mask; it ends
+        at an eos, so it refuses ignore_eos and min_tokens beside it."""
         if (logprobs is not None or prompt_logprobs is not None) and not self.target.has_logits:
             raise RequestError(f"{self.root} was compiled before its engines gave their logits, so it gives no logprobs: "
                                "recompile it with `specbuild compile`")

@@ -28,10 +28,9 @@ from .tools import PARSERS, ToolParser, checked_tools
 COMPLETIONS, CHAT = "completions", "chat"
 DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: None}  # OpenAI's defaults; None: until the context is full
 
-# Fields each endpoint reads. "gamma" is specbuild's own: draft tokens per round, "auto" by default. logit_bias and
-# the penalties are OpenAI's; min_p,
-# repetition_penalty, min_tokens and the last four are vLLM's SamplingParams' extras, which its server reads on both
-# endpoints.
+# Fields each endpoint reads. "gamma" is specbuild's own: draft tokens per round, "auto" by default. logit_bias,
+# presence_penalty and frequency_penalty are OpenAI's; min_p, repetition_penalty, min_tokens and the last five are vLLM's
+# SamplingParams' extras, which its server reads on both endpoints.
 DECODING = ("temperature", "top_p", "top_k", "seed", "stop", "gamma", "min_p", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "min_tokens", "logit_bias", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
             "skip_special_tokens", "structured_outputs")
@@ -464,7 +463,8 @@ def _tools(body: dict, tool_parser: str | None) -> tuple[list[dict] | None, bool
     """The tools the chat template shows, and whether the reply is parsed for calls, as vLLM decides them:
     tool_choice is "auto" where tools are sent without one (else "none"); "none" shows the tools all the same
     (vLLM's default) and leaves the reply as text; "auto" parses it, which needs the server's --tool-call-parser.
-    "required" and a named function vLLM forces with guided decoding, which this server does not have: refused."""
+    "required" and a named function vLLM forces with a JSON schema made from the tools, which this server does not make:
+    refused."""
     try:
         tools = checked_tools(body.get("tools"))
     except ValueError as exc:
@@ -484,8 +484,9 @@ def _tools(body: dict, tool_parser: str | None) -> tuple[list[dict] | None, bool
     if choice != "auto":
         which = "\"required\"" if choice == "required" else "naming a function"
         raise ApiError(400, f"tool_choice {which} is not supported by this server: vLLM forces such a call with "
-                            "guided decoding, which it does not have; send \"auto\" (the model decides, and the reply's "
-                            "calls are parsed) and ask for the call in the messages", "tool_choice")
+                            "a JSON schema made from the tools, which this server does not make; send \"auto\" (the "
+                            "model decides, and the reply's calls are parsed) and ask for the call in the messages",
+                     "tool_choice")
     if tool_parser is None:
         raise ApiError(400, "\"auto\" tool choice (the default where tools are sent) needs the server to parse the "
                             f"reply's tool calls: start it with --tool-call-parser {'|'.join(PARSERS)}, the "
