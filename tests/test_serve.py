@@ -867,6 +867,20 @@ def test_response_format_decodes_what_generate_does_with_structured_outputs_on_b
     assert reply.choices[0].text == expected.text in ("yes", "no") and reply.choices[0].finish_reason == "stop"
 
 
+def test_response_format_is_compiled_by_the_requests_check_not_on_the_event_loop_and_its_errors_name_it(reference):
+    """protocol.parse runs on the server's event loop, where llguidance's ~0.1 s a MB of schema stalled every stream;
+    the runtime's check (the checking thread) compiles it, as it does structured_outputs."""
+    from specbuild_runtime import RequestError
+    from specbuild_runtime.serve import protocol
+
+    body = {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": 3}}}}
+    request = protocol.parse(protocol.COMPLETIONS, json.dumps(body).encode(), MODEL,
+                             protocol.sampling_defaults(None, "greedy"))
+    with pytest.raises(RequestError, match=r"^response_format is not a grammar llguidance compiles: ") as refused:
+        reference.request("x", 8, **request.decoding)
+    assert protocol.invalid(refused.value).param == "response_format"
+
+
 def test_what_clients_send_by_default_asking_for_plain_text_is_accepted_as_if_absent(server, reference):
     """tool_choice "none", a text response_format, text modalities, parallel_tool_calls, vLLM's top_k -1, top_p 1."""
     chat = {"messages": [{"role": "user", "content": "def f(x):"}], "max_tokens": 8, "temperature": 0}

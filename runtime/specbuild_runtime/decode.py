@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 
 from .engine import CAPTURED_BY_DEFAULT, Engine, Sampler, requested_device, use_shared_thread_pool
 from .errors import BundleError, DeviceError, RequestError, first_line
-from .grammar import Grammars, Guide, Structured, check_structured_outputs
+from .grammar import Grammars, Guide, Structured, Unchecked, check_structured_outputs
 from .logprobs import TokenLogprobs, token_logprobs
 from .manifest import TOKENIZER_DIR, Manifest, load_manifest, read_tokenizer_config
 from .policy import GREEDY_DECAYS, SAMPLING_DECAYS, AdaptiveGamma, Costs, FixedGamma, PriorCosts
@@ -361,7 +361,7 @@ class SpeculativeDecoder:
                 skip_special_tokens: bool = True, min_p: float = 0.0, prompt_logprobs: int | None = None,
                 repetition_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                 min_tokens: int = 0, logit_bias: dict[int, float] | None = None,
-                structured_outputs: dict | Structured | None = None) -> Request:
+                structured_outputs: dict | Structured | Unchecked | None = None) -> Request:
         """The checked request (validation.check_request against this bundle), or a RequestError. The keyword-only
         options (which generate, stream, stream_text and their async forms pass on) are vLLM's SamplingParams':
         ignore_eos decodes past eos tokens (to max_new_tokens or the context); a token of stop_token_ids ends the
@@ -411,7 +411,7 @@ class SpeculativeDecoder:
             request = replace(request, structured=self._structured(request, structured_outputs))
         return request
 
-    def _structured(self, request: Request, structured_outputs: dict | Structured) -> Structured:
+    def _structured(self, request: Request, structured_outputs: dict | Structured | Unchecked) -> Structured:
         structured = (structured_outputs if isinstance(structured_outputs, Structured)
                       else check_structured_outputs(structured_outputs))
         field = structured.field

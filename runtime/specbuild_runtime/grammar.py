@@ -34,10 +34,22 @@ class Structured:
     field: str
 
 
+@dataclass(frozen=True)
+class Unchecked:
+    """A structured_outputs value sent under another field's name (serve's response_format), left for the request's
+    check to compile: llguidance takes ~0.1 s a MB of schema (2 busy CPU cores), which on serve's event loop stalled
+    every stream."""
+
+    value: dict
+    field: str
+
+
 def check_structured_outputs(value, field: str = "structured_outputs") -> Structured | None:
     """vLLM's structured_outputs ({"json": schema} or {"regex": ...}, {"choice": [...]}, {"grammar": lark or GBNF},
-    {"json_object": true}) as llguidance compiles it, or a RequestError naming field. JSON allows any whitespace between
-    tokens, as vLLM's default, unless disable_any_whitespace is true."""
+    {"json_object": true}) as llguidance compiles it, or a RequestError naming field (an Unchecked value's own). JSON
+    allows any whitespace between tokens, as vLLM's default, unless disable_any_whitespace is true."""
+    if isinstance(value, Unchecked):
+        value, field = value.value, value.field
     if value is None:
         return None
     if not isinstance(value, dict):

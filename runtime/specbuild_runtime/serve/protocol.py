@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from ..decode import Stats
 from ..errors import RequestError
-from ..grammar import check_structured_outputs
+from ..grammar import Unchecked
 from ..logprobs import LOGPROB_FLOOR, TokenLogprobs
 from ..validation import GREEDY_BELOW, MAX_LOGPROBS, check_sampling, utf8, whole
 from .tools import PARSERS, ToolParser, checked_tools
@@ -325,7 +325,8 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
 
 
 def _response_format(body: dict) -> dict:
-    """OpenAI's response_format as the runtime's checked structured_outputs (grammar.py), as vLLM reads it:
+    """OpenAI's response_format as the runtime's structured_outputs (grammar.py), as vLLM reads it, compiled by the
+    request's check on the checking thread:
     {"type": "json_object"} any JSON object, {"type": "json_schema", "json_schema": {"name", "schema", "strict"}} that
     schema; {"type": "text"} (or none) nothing."""
     value = body.get(RESPONSE_FORMAT)
@@ -344,10 +345,7 @@ def _response_format(body: dict) -> dict:
     if body.get("structured_outputs") is not None:
         raise ApiError(400, "response_format and structured_outputs both ask for a format: send one of them",
                        RESPONSE_FORMAT)
-    try:
-        return {"structured_outputs": check_structured_outputs(structured, RESPONSE_FORMAT)}
-    except RequestError as exc:
-        raise ApiError(400, str(exc), RESPONSE_FORMAT) from None
+    return {"structured_outputs": Unchecked(structured, RESPONSE_FORMAT)}
 
 
 def _known_fields(body: dict, fields: set[str], model: str) -> None:
