@@ -200,3 +200,41 @@ def test_sampled_structured_output_is_the_same_through_the_bundles_sampler_as_in
             assert greedy_only.generate(ids, 30, gamma, **options).token_ids == expected.token_ids, (structured, gamma)
             free = engine_graphs.generate(ids, 30, gamma, temperature=0.9, top_k=20, seed=11)
             assert free.token_ids != expected.token_ids  # it bites
+
+
+def test_structured_output_with_logit_bias_and_penalties_is_the_target_alone_under_all_three_and_leaves_the_slot_plain(
+        bundles, checkpoints, tokenizer):
+    """One logit_bias input carries the request's bias and the grammar's mask: the bias is kept under the mask, the
+    penalties apply after both (vLLM's order), and the next request on the slot (its prefix reused) has neither."""
+    from collections import Counter
+
+    model = load_reference(checkpoints("llama"))
+    structured, ids = {"regex": r"[a-e ]{5,30}\."}, tokenizer(PROMPTS[1])["input_ids"]
+    bias, (repetition, presence, frequency) = {tokenizer.convert_tokens_to_ids("c"): 4.0}, (1.3, 0.5, 0.3)
+    for decoder in decoders(bundles("llama", draft_seed=1)):
+        guide, tokens = decoder.grammars.guide(decoder.request(ids, structured_outputs=structured).structured), []
+        with torch.no_grad():
+            while len(tokens) < NEW_TOKENS:
+                logits = model(torch.tensor([ids + tokens])).logits[0, -1].float().numpy()
+                for token, value in bias.items():
+                    logits[token] += value
+                for token in {*ids, *tokens}:  # transformers' RepetitionPenaltyLogitsProcessor
+                    logits[token] = logits[token] * repetition if logits[token] < 0 else logits[token] / repetition
+                for token, count in Counter(tokens).items():
+                    logits[token] -= frequency * count + presence
+                tokens.append(int(np.where(guide.masks([])[0], logits, -np.inf).argmax()))
+                if tokens[-1] in decoder.eos_token_ids:
+                    break
+                guide.advance(tokens[-1])
+        plain = decoder.generate(ids, 12, 3).token_ids
+        for gamma in GAMMAS:
+            result = decoder.generate(ids, NEW_TOKENS, gamma, structured_outputs=structured, logit_bias=bias,
+                                      repetition_penalty=repetition, presence_penalty=presence,
+                                      frequency_penalty=frequency)
+            assert result.token_ids == tokens, (decoder.cuda_graphs, gamma)
+            assert decoder.generate(ids, 12, 3).token_ids == plain, (decoder.cuda_graphs, gamma)
+        # not hollow: the bias and the penalties each change the structured output
+        assert decoder.generate(ids, NEW_TOKENS, 3, structured_outputs=structured, logit_bias=bias).token_ids != tokens
+        assert decoder.generate(ids, NEW_TOKENS, 3, structured_outputs=structured, repetition_penalty=repetition,
+                                presence_penalty=presence, frequency_penalty=frequency).token_ids != tokens
+        assert decoder.generate(ids, 12, 3).token_ids == plain, decoder.cuda_graphs  # after a grammar without a bias
