@@ -881,6 +881,24 @@ def test_response_format_is_compiled_by_the_requests_check_not_on_the_event_loop
     assert protocol.invalid(refused.value).param == "response_format"
 
 
+def test_a_grammar_is_compiled_once_for_all_the_choices_of_a_prompt(bundle, monkeypatch):
+    """n choices share the first's checked grammar, as they share its prompt ids: each compile takes the checking
+    thread ~0.1 s a MB of schema."""
+    from specbuild_runtime import decode
+    from specbuild_runtime.grammar import check_structured_outputs
+
+    compiled = []
+    monkeypatch.setattr(decode, "check_structured_outputs",
+                        lambda value: compiled.append(value) or check_structured_outputs(value))
+    with in_process(bundle) as (url, decoder, _):
+        decoder.go.set()
+        for structured in ({"structured_outputs": {"regex": "(yes|no)!"}}, {"response_format": {"type": "json_object"}}):
+            body = {"prompt": PROMPTS[0], "max_tokens": 8, "n": 3, "temperature": 1, "seed": 1, **structured}
+            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+            assert len(reply["choices"]) == 3 and len(compiled) == 1, (reply, compiled)
+            compiled.clear()
+
+
 def test_what_clients_send_by_default_asking_for_plain_text_is_accepted_as_if_absent(server, reference):
     """tool_choice "none", a text response_format, text modalities, parallel_tool_calls, vLLM's top_k -1, top_p 1."""
     chat = {"messages": [{"role": "user", "content": "def f(x):"}], "max_tokens": 8, "temperature": 0}
