@@ -79,6 +79,23 @@ def test_a_tokenizer_saved_with_split_special_tokens_encodes_special_tokens_in_t
     assert SpeculativeDecoder(tmp_path / "b").encode(text) == expected != tokenizer(text)["input_ids"]
 
 
+def test_a_tokenizer_saved_with_truncation_and_padding_on_encodes_the_whole_prompt_as_transformers_does(checkpoints,
+                                                                                                      tmp_path):
+    """A tokenizer.json saved with truncation and padding on (a fine-tune's training settings): transformers turns
+    both off for a call that asks for neither; the runtime cut every prompt to 3 tokens and padded it to 40."""
+    target = tmp_path / "target"
+    shutil.copytree(checkpoints("llama"), target)
+    saved = tf.AutoTokenizer.from_pretrained(target)
+    saved.backend_tokenizer.enable_truncation(3)
+    saved.backend_tokenizer.enable_padding(length=40)
+    saved.save_pretrained(target)
+    compile_bundle(CompileSettings(target=target, draft=target, output=tmp_path / "b", max_seq_len=64), show_progress=False)
+    expected = tf.AutoTokenizer.from_pretrained(target)(PROMPTS[1])["input_ids"]
+    decoder = SpeculativeDecoder(tmp_path / "b")
+    assert decoder.encode(PROMPTS[1]) == expected and 3 < len(expected) < 40
+    assert decoder.generate(PROMPTS[1], 8, gamma=3).token_ids == decoder.generate(expected, 8, gamma=0).token_ids
+
+
 def test_a_base_draft_of_an_instruct_target_with_another_eos_is_accepted(checkpoints, tokenizer, tmp_path):
     """Qwen2.5-7B-Instruct's tokenizer ends at <|im_end|>, Qwen2.5-0.5B's at <|endoftext|>, over the same
     vocabulary (Llama 3.1 Instruct and base alike); the draft's eos is never read, and the pair was refused."""

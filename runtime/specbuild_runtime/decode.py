@@ -45,6 +45,11 @@ def load_tokenizer(path: Path) -> Tokenizer:
     except Exception as exc:
         raise BundleError(f"bundle file {path} cannot be loaded as a tokenizer ({first_line(exc)}); rebuild the bundle "
                           "with `specbuild compile`") from None
+    # A tokenizer.json saved with truncation or padding on (a fine-tune's training settings) would cut or pad every
+    # prompt here; transformers turns both off for a call that asks for neither (set_truncation_and_padding), and so
+    # encodes the whole prompt: the target's own output is that of the whole prompt.
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
     # transformers keeps split_special_tokens in tokenizer_config.json (tokenizer.json cannot say it): a tokenizer
     # saved with it encodes special tokens written in the text as text, in prompts and rendered chat templates alike.
     settings = read_tokenizer_config(path.parent)
