@@ -723,12 +723,20 @@ BAD_REQUESTS = [
      "start it with --tool-call-parser hermes"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER], "tool_choice": "auto"},
      "start it with --tool-call-parser hermes"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER], "tool_choice": "required"},
-     "tool_choice \"required\" is not supported by this server: vLLM forces such a call with a JSON schema made from "
-     "the tools, which this server does not make"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
-                          "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-     "tool_choice naming a function is not supported"),
+                          "tool_choice": {"type": "function", "function": {"name": "add"}}},
+     "tool_choice names the function \"add\", which is not among the tools (get_weather): name one of them"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+                          "tools": [WEATHER, {"type": "function",
+                                              "function": {"name": "f", "parameters": {"type": "nope"}}}]},
+     "tools[1].function.parameters is not a grammar llguidance compiles"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER], "tool_choice": "required",
+                          "response_format": {"type": "json_object"}},
+     "tool_choice \"required\" forces the reply's format, and response_format asks for another: send one of them"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": name, "parameters": {"$defs": {"Place": {"type": kind}}}}}
+        for name, kind in (("f", "string"), ("g", "integer"))]},
+     "tools[0] and tools[1] define $defs.Place differently"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER], "tool_choice": "always"},
      "tool_choice must be \"none\", \"auto\", \"required\""),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": WEATHER}, "tools must be a list"),
@@ -897,6 +905,80 @@ def test_a_grammar_is_compiled_once_for_all_the_choices_of_a_prompt(bundle, monk
             reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
             assert len(reply["choices"]) == 3 and len(compiled) == 1, (reply, compiled)
             compiled.clear()
+
+
+# Tools a forced call of the tiny model's fits in a few tokens: a short string, and a function without parameters
+CITY = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 4}}, "required": ["city"],
+    "additionalProperties": False}}}
+NOW = {"type": "function", "function": {"name": "now", "description": "The time."}}
+
+
+@pytest.mark.parametrize("settings", [GREEDY, SAMPLED[1]], ids=["greedy", "sampled"])
+def test_tool_choice_required_or_named_decodes_what_generate_does_with_vllms_schema_and_answers_calls_streamed_or_not(
+        client, reference, bundle, settings):
+    """tool_choice "required" decodes what generate does with vLLM's schema (a list of {"name", "parameters"}, anyOf
+    the tools, a function without parameters taking {} alone), a named function with its parameters' schema; the openai
+    client reads calls with ids, null content, finish_reason "tool_calls" for "required" and the reply's own for a
+    named function (vLLM's and OpenAI's "stop"), streamed or not, with no --tool-call-parser."""
+    from transformers import AutoTokenizer
+
+    from specbuild_runtime.serve.tools import NO_PARAMETERS, required_schema
+
+    hf = AutoTokenizer.from_pretrained(bundle / "tokenizer")
+    messages = [{"role": "user", "content": "Weather in Zürich?"}]
+    ids = hf.apply_chat_template(messages, tools=[CITY, NOW], add_generation_prompt=True, tokenize=True,
+                                 return_dict=False)
+    # the JSON's whitespace, which the grammar allows anywhere, biased away: a random model writes it to the end
+    spaces = {token: -100 for token in range(len(hf)) if hf.decode([token]).isspace()}
+    settings = {**settings, "logit_bias": spaces}
+    ask = dict(model=MODEL, messages=messages, tools=[CITY, NOW], max_tokens=64, **api_settings(settings))
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, schema in (("required", required_schema([CITY, NOW])), (named, CITY["function"]["parameters"]),
+                           ({"type": "function", "function": {"name": "now"}}, NO_PARAMETERS)):
+        expected = reference.generate(ids, max_new_tokens=64, structured_outputs={"json": schema}, **settings)
+        if choice == "required":
+            wanted = [(call["name"], call["parameters"]) for call in json.loads(expected.text)]
+            finish = "tool_calls"
+        else:
+            wanted = [(choice["function"]["name"], json.loads(expected.text))]
+            finish = FINISH[expected.stats.finish_reason]
+        reply = client.chat.completions.create(**ask, tool_choice=choice)
+        [answer] = reply.choices
+        assert (answer.message.content, answer.finish_reason) == (None, finish)
+        assert reply.usage.completion_tokens == len(expected.token_ids)
+        assert call_list(call.model_dump() for call in answer.message.tool_calls) == wanted
+        assert all(call.id.startswith("call_") and call.type == "function" for call in answer.message.tool_calls)
+        if choice != "required":  # the arguments as the model wrote them, as vLLM answers them
+            assert answer.message.tool_calls[0].function.arguments == expected.text
+        content, calls, streamed_finish = streamed_tool_calls(client, {**ask, "tool_choice": choice})
+        assert (content, streamed_finish) == ("", finish)
+        assert call_list(calls[index] for index in sorted(calls)) == wanted
+
+
+def test_a_required_reply_is_read_as_vllm_reads_it_and_parallel_tool_calls_false_keeps_its_first_call():
+    """Each element of the list is a call, its parameters the arguments; a reply cut short is content, with the
+    finish reason it ended with; tools [] makes "required" "none", as vLLM and OpenAI take it."""
+    from specbuild_runtime.decode import Stats
+    from specbuild_runtime.serve import protocol
+    from specbuild_runtime.serve.tools import REQUIRED
+
+    text = ('[{"name": "get_weather", "parameters": {"city": "Zürich"}}, '
+            '{"name": "add", "parameters": {"a": 2, "b": 2}}]')
+    stats = Stats(finish_reason="eos")
+    for parallel, wanted in ((True, CALLED), (False, CALLED[:1])):
+        message = protocol.Reply(protocol.CHAT, MODEL, REQUIRED, parallel).whole(text, stats)["choices"][0]
+        assert (message["message"]["content"], message["finish_reason"]) == (None, "tool_calls")
+        assert call_list(message["message"]["tool_calls"]) == wanted
+    cut = protocol.Reply(protocol.CHAT, MODEL, REQUIRED).whole(text[:30], Stats(finish_reason="max_new_tokens"))
+    assert cut["choices"][0]["message"] == {"role": "assistant", "content": text[:30]}
+    assert cut["choices"][0]["finish_reason"] == "length"
+    streams_as_whole(text, REQUIRED.parse, REQUIRED.stream)
+    streams_as_whole(text[:30], REQUIRED.parse, REQUIRED.stream)
+    body = {"messages": ASK, "tools": [], "tool_choice": "required"}
+    greedy = protocol.sampling_defaults(None, "greedy")
+    request = protocol.parse(protocol.CHAT, json.dumps(body).encode(), MODEL, greedy)
+    assert request.forced_calls is None and "structured_outputs" not in request.decoding
 
 
 def test_what_clients_send_by_default_asking_for_plain_text_is_accepted_as_if_absent(server, reference):
@@ -2854,6 +2936,26 @@ def test_a_llama_reply_whose_braces_begin_no_call_streams_as_it_comes():
     stream = Llama3JsonStream()
     assert [stream.feed(piece)[0] for piece in ("  if x {", "\n  y();", "\n}")] == ["  if x ", "{\n  y();", "\n}"]
     assert stream.end() == ("", [])
+
+
+def test_a_forced_reply_is_read_as_json_by_a_server_that_parses_another_format_streamed_or_not(bundle):
+    """With --tool-call-parser hermes, a tool_choice "required" reply is read as its JSON list, not for <tool_call>
+    blocks, as vLLM reads it."""
+    from specbuild_runtime.serve.chat import supplied_chat_template
+
+    listed = ('[{"name": "get_weather", "parameters": {"city": "Zürich"}}, '
+              '{"name": "add", "parameters": {"a": 2, "b": 2}}]')
+    with in_process(bundle, ScriptedDecoder, chat_template=supplied_chat_template(NAMING_TOOLS),
+                    tool_call_parser="hermes") as (url, decoder, _):
+        decoder.go.set()
+        decoder.pieces = [listed[i:i + 3] for i in range(0, len(listed), 3)]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        ask = dict(model=MODEL, messages=ASK, tools=[WEATHER, ADD], tool_choice="required", max_tokens=4, **GREEDY)
+        [choice] = client.chat.completions.create(**ask).choices
+        assert (choice.message.content, choice.finish_reason) == (None, "tool_calls")
+        assert call_list(call.model_dump() for call in choice.message.tool_calls) == CALLED
+        content, calls, finish = streamed_tool_calls(client, ask)
+        assert (content, finish) == ("", "tool_calls") and call_list(calls[i] for i in sorted(calls)) == CALLED
 
 
 def test_a_llama_reply_calling_tools_is_answered_with_tool_calls_streamed_or_not(bundle):

@@ -234,7 +234,8 @@ class Server:
             self._stop(jobs)      # stays usable (Starlette's last handler closes it); a batch's prompts queued before
             return self._refuse(endpoint, exc)  # the one refused stop
         logprobs = "logprobs" in request.decoding
-        reply = Reply(endpoint, self.settings.model, self.tool_parser if request.parse_tools else None,
+        reply = Reply(endpoint, self.settings.model,
+                      request.forced_calls or (self.tool_parser if request.parse_tools else None),
                       request.parallel_tool_calls, Logprobs(endpoint, self.decoder.tokenizer) if logprobs else None)
         # A job stopped while it waited for its check (--timeout, the drain's cut) has no request, and no echo: its
         # iteration raises the Stopped that answers it.

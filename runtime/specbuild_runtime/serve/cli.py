@@ -160,7 +160,7 @@ class InterruptibleCommand(Interruptible, click.Command):
                    "the same, also between <|python_start|> and <|python_end|> (Llama 4), into the response's "
                    "tool_calls, and lets requests send tools with tool_choice \"auto\" (the default where tools are "
                    "sent).  [default: none: such requests get 400; tool_choice \"none\" shows the tools and answers "
-                   "text]")
+                   "text; \"required\" and a named function need no parser]")
 @click.option("--enable-auto-tool-choice", is_flag=True,
               help="vLLM's switch for tool_choice \"auto\", which --tool-call-parser turns on here: accepted so that "
                    "vLLM's command line runs unchanged, and refused without --tool-call-parser, as vLLM refuses it.")

@@ -20,10 +20,10 @@ from tokenizers import Tokenizer
 
 from ..decode import Stats
 from ..errors import RequestError
-from ..grammar import Unchecked
+from ..grammar import Structured, Unchecked, check_structured_outputs
 from ..logprobs import LOGPROB_FLOOR, TokenLogprobs
 from ..validation import GREEDY_BELOW, MAX_LOGPROBS, check_sampling, utf8, whole
-from .tools import PARSERS, ToolParser, checked_tools
+from .tools import NO_PARAMETERS, PARSERS, REQUIRED, ToolParser, checked_tools, named_parser, required_schema
 
 COMPLETIONS, CHAT = "completions", "chat"
 DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: None}  # OpenAI's defaults; None: until the context is full
@@ -237,6 +237,8 @@ class Request:
     chat: dict = field(default_factory=dict)
     parse_tools: bool = False  # chat: the reply's text is parsed for tool calls (tool_choice "auto")
     parallel_tool_calls: bool = True  # false: the first call alone is answered, as vLLM filters them
+    # chat: tool_choice "required" or a named function: how the reply, forced by its grammar, is read as calls
+    forced_calls: ToolParser | None = None
     # completions: the reply begins with the prompt's text, and with logprobs its tokens' (decoding's prompt_logprobs)
     echo: bool = False
     # completions sent several prompts: each is `prompt` of a request of its own, answered as a choice each (vLLM's)
@@ -307,11 +309,19 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
             raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true (a new assistant "
                                 "turn, or the last message continued); add_generation_prompt is true unless sent "
                                 "false: send \"add_generation_prompt\": false with it", "continue_final_message")
-        tools, parse_tools = _tools(body, tool_parser)
+        tools, parse_tools, forced, grammar = _tools(body, tool_parser)
+        if grammar is not None:
+            if "structured_outputs" in decoding:  # vLLM refuses both too
+                asked = "structured_outputs" if body.get("structured_outputs") is not None else RESPONSE_FORMAT
+                which = "\"required\"" if body["tool_choice"] == "required" else "naming a function"
+                raise ApiError(400, f"tool_choice {which} forces the reply's format, and {asked} asks for another: "
+                                    "send one of them", "tool_choice")
+            decoding["structured_outputs"] = grammar
         chat = {"add_generation_prompt": generation_prompt, "continue_final_message": continue_final,
                 "variables": _template_variables(body, generation_prompt, continue_final), "tools": tools}
         return Request(CHAT, None, body["messages"], max_tokens, decoding, stream, include_usage, chat, parse_tools,
-                       body.get("parallel_tool_calls") is not False, n=n, add_special_tokens=add_special_tokens)
+                       body.get("parallel_tool_calls") is not False, n=n, add_special_tokens=add_special_tokens,
+                       forced_calls=forced)
     echo = _flag(body, "echo")
     if type(max_tokens) is int and max_tokens == 0 and not echo:
         raise ApiError(400, "max_tokens must be >= 1, or 0 with echo: true (the prompt alone, with logprobs scored)",
@@ -457,12 +467,13 @@ def _logprobs(endpoint: str, body: dict) -> dict:
     return {"logprobs": top or 0} if wanted else {}
 
 
-def _tools(body: dict, tool_parser: str | None) -> tuple[list[dict] | None, bool]:
-    """The tools the chat template shows, and whether the reply is parsed for calls, as vLLM decides them:
-    tool_choice is "auto" where tools are sent without one (else "none"); "none" shows the tools all the same
-    (vLLM's default) and leaves the reply as text; "auto" parses it, which needs the server's --tool-call-parser.
-    "required" and a named function vLLM forces with a JSON schema made from the tools, which this server does not make:
-    refused."""
+def _tools(body: dict, tool_parser: str | None) -> tuple[list[dict] | None, bool, ToolParser | None, Structured | None]:
+    """The tools the chat template shows, whether the reply is parsed for calls by --tool-call-parser, and the parser
+    and grammar of a call the request forces, as vLLM decides them: tool_choice is "auto" where tools are sent
+    without one (else "none"); "none" shows the tools all the same (vLLM's default) and leaves the reply as text;
+    "auto" parses it, which needs the server's --tool-call-parser. "required" and a named function force the reply
+    with a JSON schema made from the tools (tools.required_schema, or the function's parameters) and read it as JSON,
+    which needs no parser ("required" with tools [] is "none", as vLLM and OpenAI take it)."""
     try:
         tools = checked_tools(body.get("tools"))
     except ValueError as exc:
@@ -470,8 +481,8 @@ def _tools(body: dict, tool_parser: str | None) -> tuple[list[dict] | None, bool
     choice = body.get("tool_choice")
     if choice in (None, "", [], {}):  # as absent, as the other fields' empty values are (clients send them)
         choice = "auto" if tools else "none"
-    if choice == "none":
-        return tools, False
+    if choice == "none" or choice == "required" and body.get("tools") == []:
+        return tools, False, None, None
     named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
     if choice not in ("auto", "required") and not named:
         raise ApiError(400, f"tool_choice must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", "
@@ -479,19 +490,43 @@ def _tools(body: dict, tool_parser: str | None) -> tuple[list[dict] | None, bool
     if not tools:
         raise ApiError(400, f"tool_choice {_json(choice)} needs tools: send them as 'tools' (a list of functions), "
                             "as vLLM asks", "tool_choice")
-    if choice != "auto":
-        which = "\"required\"" if choice == "required" else "naming a function"
-        raise ApiError(400, f"tool_choice {which} is not supported by this server: vLLM forces such a call with "
-                            "a JSON schema made from the tools, which this server does not make; send \"auto\" (the "
-                            "model decides, and the reply's calls are parsed) and ask for the call in the messages",
-                     "tool_choice")
+    if choice == "required":
+        for index, tool in enumerate(tools):  # each alone first, where an error can name it
+            if tool["function"].get("parameters"):
+                _forced_grammar(tool["function"]["parameters"], f"tools[{index}].function.parameters")
+        try:
+            schema = required_schema(tools)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "tools") from None
+        return tools, False, REQUIRED, _forced_grammar(schema, "tools")
+    if named:
+        return tools, False, *_named(choice["function"].get("name"), tools)
     if tool_parser is None:
         raise ApiError(400, "\"auto\" tool choice (the default where tools are sent) needs the server to parse the "
                             f"reply's tool calls: start it with --tool-call-parser {'|'.join(PARSERS)}, the "
                             "model's format (vLLM's --enable-auto-tool-choice --tool-call-parser ...), or send "
-                            "\"tool_choice\": \"none\" to show the tools and get text",
+                            "\"tool_choice\": \"none\" to show the tools and get text, or \"required\" to force a call",
                      "tool_choice" if "tool_choice" in body else "tools")
-    return tools, True
+    return tools, True, None, None
+
+
+def _named(name, tools: list[dict]) -> tuple[ToolParser, Structured]:
+    """A tool_choice naming function `name`: its parser, and the grammar of its parameters."""
+    names = [tool["function"]["name"] for tool in tools]
+    if name not in names:
+        raise ApiError(400, f"tool_choice names the function {_json(name)}, which is not among the tools "
+                            f"({', '.join(names)}): name one of them", "tool_choice")
+    index = names.index(name)
+    parameters = tools[index]["function"].get("parameters") or NO_PARAMETERS
+    return named_parser(name), _forced_grammar(parameters, f"tools[{index}].function.parameters")
+
+
+def _forced_grammar(schema: dict, field: str) -> Structured:
+    """The grammar of a forced call; a schema llguidance cannot compile is a 400 that names `field`."""
+    try:
+        return check_structured_outputs({"json": schema}, field)
+    except RequestError as exc:
+        raise ApiError(400, str(exc), "tools") from None
 
 
 def _first_given(body: dict, *names: str):
@@ -634,7 +669,7 @@ class Reply:
                 content, calls = self.parse_calls(text)
                 message = {"role": "assistant", "content": content,
                            **({TOOL_CALLS: calls[:self.most_calls]} if calls else {})}
-                finish = TOOL_CALLS if calls else finish
+                finish = TOOL_CALLS if calls and self.tool_parser.calls_finish else finish
             return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish,
                     "stop_reason": stats.stop_reason}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stats.stop_reason}
@@ -644,6 +679,7 @@ class Reply:
         """A delta of text and the logprobs of the tokens `records` (those decoded since the last chunk; unscored: see
         Logprobs.of); with `stats`, the closing chunk that carries the finish reason ("tool_calls" where `called`: tool
         calls were sent)."""
+        called = called and self.tool_parser.calls_finish
         finish = (TOOL_CALLS if called else FINISH_REASONS[stats.finish_reason]) if stats else None
         stop_reason = stats.stop_reason if stats else None
         logprobs = self.logprobs.of(records, self.sent, unscored) if self.logprobs and not first else None

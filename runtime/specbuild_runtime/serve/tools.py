@@ -395,6 +395,8 @@ class ToolParser(NamedTuple):
     parse: Callable[[str], tuple[str | None, list[dict]]]  # a whole reply's content and calls
     stream: Callable[[], HeldStream | Llama3JsonStream]  # a streamed reply's, from its deltas
     special_tokens: bool = False  # the reply's text keeps its special tokens, the format's tags among them
+    # a reply with calls finishes "tool_calls"; false: as it ended ("stop"), as vLLM and OpenAI answer a named function
+    calls_finish: bool = True
 
 
 # serve --tool-call-parser: each format's parser
@@ -427,3 +429,62 @@ def tool_parser(name: str, tokenizer) -> ToolParser:
     """--tool-call-parser NAME for the bundle's tokenizer (a tokenizers.Tokenizer): mistral's format is the one its
     vocabulary tells, as vLLM tells it (no [ARGS] token: the JSON list of older models)."""
     return MISTRAL_LIST if name == "mistral" and tokenizer.token_to_id(ARGS) is None else PARSERS[name]
+
+
+# tool_choice "required" or a named function: the reply is forced into calls by a JSON schema made from the tools
+# (vLLM's get_json_schema_from_tools), and read as JSON by the server, whatever --tool-call-parser says (vLLM's
+# serving_chat reads these replies without its tool parser).
+# A function without parameters is called with an empty object: vLLM's schema for it, less its leave to add any
+# property (JSON Schema's default), which a model would use to invent arguments.
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def required_schema(tools: list[dict]) -> dict:
+    """tool_choice "required": a JSON list of one or more {"name", "parameters"} objects, each one of the tools'.
+    Each tool's $defs move to the list's, where its "#/$defs/..." references point from; a ValueError names two
+    tools whose $defs give one name two schemas, which vLLM refuses too."""
+    calls, defs, defined_by = [], {}, {}
+    for index, tool in enumerate(tools):
+        function = tool["function"]
+        parameters = dict(function.get("parameters") or NO_PARAMETERS)
+        own = parameters.pop("$defs", {})
+        if not isinstance(own, dict):
+            raise ValueError(f"tools[{index}].function.parameters.$defs must be an object of named schemas")
+        for name, schema in own.items():
+            if defs.setdefault(name, schema) != schema:
+                raise ValueError(f"tools[{defined_by[name]}] and tools[{index}] define $defs.{name} differently, which "
+                                 "one schema for tool_choice \"required\" cannot hold: rename one of them")
+            defined_by.setdefault(name, index)
+        calls.append({"properties": {"name": {"type": "string", "enum": [function["name"]]}, "parameters": parameters},
+                      "required": ["name", "parameters"]})
+    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+    return {**schema, "$defs": defs} if defs else schema
+
+
+def parse_required(text: str) -> tuple[str | None, list[dict]]:
+    """A tool_choice "required" reply: each {"name", "parameters"} of its list a call, with the parameters as its
+    arguments, as vLLM reads it. A reply cut short (max_tokens) is no list: it is content, with no calls."""
+    try:
+        calls = [_call(found["name"], found["parameters"]) for found in json.loads(text)]
+    except (ValueError, RecursionError, TypeError, KeyError):
+        return text, []
+    return (None, calls) if calls else (text, [])
+
+
+def named_parser(name: str) -> ToolParser:
+    """A tool_choice naming function `name`: the whole reply is its arguments, as vLLM answers it (also where
+    max_tokens cut them short)."""
+    def parse(text: str) -> tuple[str | None, list[dict]]:
+        return None, [_written_call(name, text)]
+    return ToolParser(parse, lambda: WholeStream(parse), calls_finish=False)
+
+
+class WholeStream(HeldStream):
+    """A reply forced into calls is held whole and parsed at its end (vLLM streams the arguments as they come; the
+    calls it ends with are the same)."""
+
+    def _begins(self, text: str) -> tuple[int, int]:
+        return 0, 0
+
+
+REQUIRED = ToolParser(parse_required, lambda: WholeStream(parse_required))
