@@ -116,6 +116,53 @@ class PromptText(click.ParamType):
         return value
 
 
+class TextOrFile(click.ParamType):
+    """Text, or with a leading @ the UTF-8 text of the file it names (a JSON schema or grammar is often long, as curl's
+    @FILE); as_json: parsed as JSON (a JSON schema)."""
+
+    def __init__(self, as_json: bool = False):
+        self.as_json = as_json
+        self.name = "JSON|@FILE" if as_json else "TEXT|@FILE"
+
+    def convert(self, value, param, ctx):
+        text = value
+        if value.startswith("@"):
+            try:
+                text = Path(value[1:]).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                self.fail(f"cannot read {value[1:]!r} ({getattr(exc, 'strerror', None) or exc}): give a readable UTF-8 "
+                          "file after @, or the text itself", param, ctx)
+        if not self.as_json:
+            return text
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            self.fail(f"is not JSON ({exc.msg}, line {exc.lineno} column {exc.colno}): give a JSON schema, or @FILE "
+                      "holding one", param, ctx)
+
+
+# generate's structured output flags, by the key of the runtime's structured_outputs each sets.
+STRUCTURED_FLAGS = {"json": "--json-schema", "regex": "--regex", "choice": "--choice", "grammar": "--grammar"}
+
+
+def structured_outputs(given: dict):
+    """The one structured output generate's flags ask for, given by the runtime's keys (grammar.Structured, whose
+    messages name the flag), None for none, or a usage error: two at once, or a grammar llguidance cannot compile
+    (checked before the bundle loads)."""
+    asked = {key: spec for key, spec in given.items() if spec is not None}
+    if len(asked) > 1:
+        raise click.UsageError(f"{' and '.join(map(STRUCTURED_FLAGS.get, asked))} each ask for a structured output: "
+                               "give one")
+    if not asked:
+        return None
+    from specbuild_runtime.grammar import check_structured_outputs
+
+    try:
+        return check_structured_outputs(asked, STRUCTURED_FLAGS[next(iter(asked))])
+    except RequestError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
 class Float32(Finite):
     """A number the engines take as float32, where one beyond its largest (3.4e38) is inf."""
 
@@ -299,12 +346,23 @@ def cuda_line(manifest) -> str:
 @click.option("--min-tokens", type=click.IntRange(min=0), default=0, show_default=True,
               help="Generate at least this many tokens before an eos may end the output, as vLLM's min_tokens (a --stop "
                    "string may end it sooner, where vLLM waits).")
+@click.option("--json-schema", type=TextOrFile(as_json=True),
+              help="Output only JSON this schema allows (JSON text, or @FILE), as vLLM's structured_outputs json.")
+@click.option("--regex", help="Output only text this regular expression matches, as vLLM's structured_outputs regex.")
+@click.option("--choice", multiple=True, metavar="TEXT",
+              help="Output exactly one of these texts (repeatable), as vLLM's structured_outputs choice.")
+@click.option("--grammar", type=TextOrFile(),
+              help="Output only what this Lark or GBNF grammar allows (text, or @FILE), as vLLM's structured_outputs "
+                   "grammar.")
 def generate(bundle, prompt, max_new_tokens, gamma, chat, chat_template, stop, as_json, logprobs, device, cuda_graphs,
-             draft_steps, threads, **sampling) -> None:
+             draft_steps, threads, json_schema, regex, choice, grammar, **sampling) -> None:
     """Continue a prompt with speculative decoding (greedy, or sampling with --temperature)."""
     from specbuild_runtime import SpeculativeDecoder, Stats
 
     check_sampling(sampling)
+    if structured := structured_outputs({"json": json_schema, "regex": regex, "choice": list(choice) or None,
+                                         "grammar": grammar}):
+        sampling["structured_outputs"] = structured
     if chat_template is not None and not chat:  # a plain prompt renders no template: it would be ignored
         raise click.UsageError("--chat-template applies to --chat: give --chat too")
     if logprobs is not None and not as_json:

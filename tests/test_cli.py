@@ -622,6 +622,41 @@ def test_generate_penalty_and_min_tokens_flags_decode_as_the_python_apis(bundles
     assert refused["status"] == 2 and "2.5 is not in the range -2<=x<=2" in refused["stderr"], refused
 
 
+def test_generate_structured_output_flags_decode_as_the_python_apis_structured_outputs(bundles, tmp_path, cli):
+    """Each flag is its structured_outputs key (a schema or grammar also from @FILE); two at once, bad JSON, an unreadable
+    file or a grammar llguidance refuses are usage errors of one line; a bundle without logit_bias rows names the flag."""
+    from conftest import compiled_before_penalties
+    from specbuild_runtime import SpeculativeDecoder
+
+    bundle, prompt = bundles("llama", 1), "def add(a, b):"
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    (tmp_path / "bad.json").write_text("{'type': 'object'}")
+    old = compiled_before_penalties(shutil.copytree(bundle, tmp_path / "old"))
+    asked = [(["--json-schema", f"@{tmp_path / 'schema.json'}"], {"json": schema}),
+             (["--regex", "(yes|no)!"], {"regex": "(yes|no)!"}),
+             (["--grammar", 'start: "a" "b"*'], {"grammar": 'start: "a" "b"*'}),
+             (["--choice", "pass", "--choice", "return a + b"], {"choice": ["pass", "return a + b"]})]
+    refused = [(["--json-schema", "{}", "--regex", "a"], "--json-schema and --regex each ask for a structured output: give one"),
+               (["--json-schema", f"@{tmp_path / 'bad.json'}"],
+                "'--json-schema': is not JSON (Expecting property name enclosed in double quotes, line 1 column 2)"),
+               (["--grammar", f"@{tmp_path / 'missing'}"], f"'--grammar': cannot read '{tmp_path / 'missing'}' (No such file"),
+               (["--regex", "("], "--regex is not a grammar llguidance compiles")]
+    generate = ["generate", str(bundle), "-p", prompt, "-n", "12", "--json"]
+    *results, too_old = cli.run([[*generate, *flags] for flags, _ in asked + refused] +
+                                [["generate", str(old), "-p", prompt, "--regex", "a"]])
+    decoder = SpeculativeDecoder(bundle)
+    for ran, (_, structured) in zip(results, asked):
+        assert ran["status"] == 0, ran["stderr"]
+        assert json.loads(ran["stdout"])["token_ids"] == decoder.generate(prompt, 12, structured_outputs=structured).token_ids
+    assert json.loads(results[len(asked) - 1]["stdout"])["text"] in ("pass", "return a + b")
+    for ran, (_, message) in zip(results[len(asked):], refused):
+        assert ran["status"] == 2 and message in ran["stderr"] and ran["stderr"].count("\n") == 1, (message, ran["stderr"])
+    assert too_old["status"] == 1 and too_old["stderr"] == (
+        f"error: --regex needs a bundle compiled with logit_bias rows; {old} was compiled before them: recompile it with "
+        "`specbuild compile`, or leave --regex out\n"), too_old["stderr"]
+
+
 def test_the_cuda_graphs_help_names_every_architecture_captured_by_default():
     """The default it states is engine.CAPTURED_BY_DEFAULT's, which grew past Llama alone."""
     from specbuild_runtime.engine import CAPTURED_BY_DEFAULT
