@@ -452,6 +452,32 @@ def sampler_inputs(bundle: Path, manifest) -> set[str]:
     return {value.name for value in graph.input}
 
 
+def features_line(bundle: Path, manifest, sampler: set[str]) -> str:
+    """Which request options that need a graph input the bundle's engines take (decode.request_features), told from
+    the names of their graphs' inputs and outputs as the runtime tells them, without loading weights: an option counts
+    where every graph a decoder may decide with takes it (the engine graph; where the bundle has them, the greedy-only
+    graph, sampled by the sampler, whose inputs are sampler)."""
+    import onnx
+
+    from specbuild_runtime.decode import request_features
+    from specbuild_runtime.engine import Takes, graph_takes
+
+    def takes(file: str, sampling: set[str] | None) -> Takes:
+        graph = onnx.load(str(bundle / file), load_external_data=False).graph
+        inputs = {value.name for value in graph.input}
+        return graph_takes(inputs, {value.name for value in graph.output}, inputs if sampling is None else sampling)
+
+    def engine(info) -> Takes:
+        each = [takes(info.file, None)] + ([takes(info.greedy_file, sampler)] if manifest.has_greedy_graphs else [])
+        return Takes(*map(all, zip(*each)))
+
+    features = request_features(engine(manifest.engines["target"]), engine(manifest.engines["draft"]))
+    line = "take " + (", ".join(name for name, taken in features.items() if taken) or "none")
+    if lacking := [name for name, taken in features.items() if not taken]:
+        line += f"; not {', '.join(lacking)} (compiled before them: recompile with `specbuild compile` to have them)"
+    return line
+
+
 @cli.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
@@ -499,6 +525,7 @@ def inspect(bundle, as_json) -> None:
         taken = sampler_inputs(bundle, manifest)
         defaults = sampling_defaults(manifest.generation_config, "auto", MIN_P in taken, PENALTY_INPUTS.keys() <= taken)
         click.echo(f"{'serve':<10} by default (--generation-config auto), {defaults}")
+        click.echo(f"{'requests':<10} {features_line(bundle, manifest, taken)}")
     if manifest.tensorrt_llm:
         click.echo("\n".join(f"{'tensorrt':<10} {line}" for line in tensorrt_llm_lines(bundle, manifest.tensorrt_llm)))
     config = read_tokenizer_config(bundle / TOKENIZER_DIR)

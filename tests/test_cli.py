@@ -801,3 +801,29 @@ def test_inspect_says_which_engines_were_made_before_the_non_finite_check(bundle
     assert len(made) == 1 and lines.index(next(line for line in lines if line.startswith("draft "))) < made[0], lines
     assert "recompile" in lines[made[0]]
     assert "non-finite" not in today["stdout"] and "rotary" not in today["stdout"]
+
+
+def test_inspect_says_which_request_options_the_engines_take_as_the_decoder_refuses_the_others(bundles, tmp_path, cli):
+    from conftest import compiled_before_min_p, compiled_before_penalties
+    from specbuild_runtime import RequestError, SpeculativeDecoder
+
+    today = bundles("llama")
+    no_min_p = compiled_before_min_p(shutil.copytree(today, tmp_path / "no-min-p"))
+    no_penalties = compiled_before_penalties(shutil.copytree(today, tmp_path / "no-penalties"))
+    options = {"logprobs": {"logprobs": 1}, "min_p": {"temperature": 1.0, "min_p": 0.1},
+               "penalties": {"repetition_penalty": 1.2}, "min_tokens": {"min_tokens": 1}, "logit_bias": {"logit_bias": {0: 1.0}},
+               "structured outputs": {"structured_outputs": {"choice": ["a"]}}}
+    lacking = {today: [], no_min_p: ["min_p"], no_penalties: ["penalties", "min_tokens", "logit_bias", "structured outputs"]}
+    for bundle, shown in zip(lacking, cli.run([["inspect", str(bundle)] for bundle in lacking])):
+        [line] = [line for line in shown["stdout"].splitlines() if line.startswith("requests ")]
+        taken = [name for name in options if name not in lacking[bundle]]
+        assert line == "requests   take " + ", ".join(taken) + (
+            f"; not {', '.join(lacking[bundle])} (compiled before them: recompile with `specbuild compile` to have them)"
+            if lacking[bundle] else ""), line
+        decoder = SpeculativeDecoder(bundle)
+        for name, option in options.items():  # what inspect says is what a request meets
+            if name in taken:
+                decoder.request(PROMPTS[0], 4, **option)
+            else:
+                with pytest.raises(RequestError, match="recompile it with `specbuild compile`"):
+                    decoder.request(PROMPTS[0], 4, **option)

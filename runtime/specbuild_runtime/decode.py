@@ -22,7 +22,7 @@ from typing import AsyncGenerator, Callable, Generator, Iterator
 import numpy as np
 from tokenizers import Tokenizer
 
-from .engine import CAPTURED_BY_DEFAULT, Engine, Sampler, requested_device, use_shared_thread_pool
+from .engine import CAPTURED_BY_DEFAULT, Engine, Sampler, Takes, requested_device, use_shared_thread_pool
 from .errors import BundleError, DeviceError, RequestError, first_line
 from .grammar import Grammars, Guide, Structured, Unchecked, check_structured_outputs
 from .logprobs import TokenLogprobs, token_logprobs
@@ -867,6 +867,13 @@ def uncaptured_because(manifest: Manifest) -> str:
         if e.rope_switch_length:  # Phi-3's replays were measured before its engine switched tables (long_rope)
             return "a LongRoPE target switching rotary tables not yet run captured on a GPU (--cuda-graphs asks for them)"
     return ""
+
+
+def request_features(target: Takes, draft: Takes) -> dict[str, bool]:
+    """Whether engines that take target's and draft's serve each request option a graph input carries, by the name
+    request's refusals give it (each False one it refuses): so `specbuild inspect` says beforehand what a bundle lacks."""
+    return {"logprobs": target.logits, "min_p": target.min_p and draft.min_p, "penalties": target.penalties,
+            "min_tokens": target.min_tokens, "logit_bias": target.logit_bias, "structured outputs": target.logit_bias}
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,10 @@ import os
 import re
 import threading
 import weakref
+from collections.abc import Collection
 from contextlib import nullcontext
 from pathlib import Path, PurePosixPath
+from typing import NamedTuple
 
 import onnxruntime as ort
 
@@ -219,6 +221,27 @@ def requested_device(device: str) -> str:
                       "lacks: install onnxruntime-gpu with `pip install './runtime[gpu]'` (in place of onnxruntime)")
 
 
+class Takes(NamedTuple):
+    """What a graph decides with, with the session that samples its logits: its fp32 logits (logprobs), min_p, vLLM's
+    penalties (PENALTY_INPUTS), min_tokens (MIN_TOKENS_INPUTS) and OpenAI's logit_bias (structured outputs' masks too);
+    graphs compiled before one lack it."""
+
+    logits: bool
+    min_p: bool
+    penalties: bool
+    min_tokens: bool
+    logit_bias: bool
+
+
+def graph_takes(inputs: Collection[str], outputs: Collection[str], sampling_inputs: Collection[str] | None) -> Takes:
+    """A graph's Takes from the names of its inputs and outputs, and of the inputs of the session that samples its
+    logits (its own; a greedy-only graph's sampler; None where nothing does: a steps graph, or no sampler), which
+    needs the sampling inputs too. From names alone, so `specbuild inspect` tells it without loading the weights."""
+    return Takes(LOGITS in outputs, sampling_inputs is not None and MIN_P in sampling_inputs,
+                 *(all(name in inputs and (sampling_inputs is None or name in sampling_inputs) for name in names)
+                   for names in (PENALTY_INPUTS, MIN_TOKENS_INPUTS, LOGIT_BIAS_INPUTS)))
+
+
 class Engine:
     """An engine file's session on a device, with what a slot needs to bind it.
 
@@ -262,7 +285,6 @@ class Engine:
         self.input_devices = _input_devices(self.session)
         # Attention runs where its cache is bound: the device, but the CPU for fp32 engines (README, GPU).
         self.gpu_attention = self.input_devices[self.cache_names[0][0]] == "cuda"
-        self.has_logits = LOGITS in outputs
         # The session that samples, and where it reads its inputs: the engine graph's own sampling branch, or
         # for a greedy-only graph the sampler (None: this engine cannot sample).
         if not self.greedy_only:
@@ -271,10 +293,8 @@ class Engine:
             self.sampling_session, self.sampling_devices = sampler.session, sampler.input_devices
         else:
             self.sampling_session = self.sampling_devices = None
-        self.has_min_p = self.sampling_devices is not None and MIN_P in self.sampling_devices
-        self.has_penalties, self.has_min_tokens, self.has_logit_bias = (
-            all(name in self.input_devices and (self.sampling_devices is None or name in self.sampling_devices)
-                for name in inputs) for inputs in (PENALTY_INPUTS, MIN_TOKENS_INPUTS, LOGIT_BIAS_INPUTS))
+        self.has_logits, self.has_min_p, self.has_penalties, self.has_min_tokens, self.has_logit_bias = graph_takes(
+            self.input_devices, outputs, self.sampling_devices)
 
     def new_slot_index(self) -> int:
         """A number no other slot of this engine has: the slot's CUDA graphs are its own."""
