@@ -147,6 +147,13 @@ PENALISED = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_pena
              "logit_bias": {5: 2.0, 40: -1.0}}
 
 
+def apart(self, host, device):
+    """slot.Buffer's __init__ with the engine's copy apart from the host array, as on a device."""
+    self.host, self.device = host, device
+    self.value = slot_module.ort.OrtValue.ortvalue_from_numpy(host.copy(), device, 0)
+    self.shared = False
+
+
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["full-graphs", "greedy-only-graphs"])
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 5}, PENALISED,
                                       {"temperature": 0.8, "seed": 5, **PENALISED}], ids=["greedy", "sampled",
@@ -157,24 +164,35 @@ def test_the_device_data_flow_decodes_the_same_tokens_when_host_and_engine_memor
     be pushed before a call and every output pulled after it. On the CPU they share memory, which hides a
     missing push or pull; here they are kept apart (as on a device) with fixed-row calls, and the tokens
     must not change (with the greedy-only graphs too, whose sampler writes the outputs after the call)."""
-    from specbuild_runtime import slot
-
     normal = SpeculativeDecoder(bundle)
     expected = {gamma: normal.generate(PROMPTS[5], NEW_TOKENS, gamma, **sampling).token_ids for gamma in (0, 1, 3, 4)}
     expected_plain = {gamma: normal.generate(PROMPTS[5], NEW_TOKENS, gamma).token_ids for gamma in expected}
-
-    def apart(self, host, device):
-        self.host, self.device = host, device
-        self.value = slot.ort.OrtValue.ortvalue_from_numpy(host.copy(), device, 0)
-        self.shared = False
-
-    monkeypatch.setattr(slot.Buffer, "__init__", apart)
+    monkeypatch.setattr(slot_module.Buffer, "__init__", apart)
     device_like = SpeculativeDecoder(bundle, target_rows=fixed_rows(normal.max_gamma), cuda_graphs=cuda_graphs,
                                      draft_steps=True)  # as on CUDA: γ 4 drafts in one call of the steps graph
     for gamma, tokens in expected.items():
         assert device_like.generate(PROMPTS[5], NEW_TOKENS, gamma, **sampling).token_ids == tokens, gamma
         # the slot's next request, without penalties: the last one's tallies are cleared on the device too
         assert device_like.generate(PROMPTS[5], NEW_TOKENS, gamma).token_ids == expected_plain[gamma], gamma
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["full-graphs", "greedy-only-graphs"])
+def test_a_request_without_penalties_pushes_none_of_their_vocabulary_sized_inputs_after_another_alike(bundle, cuda_graphs,
+                                                                                                       monkeypatch):
+    """prompt_mask, output_counts, stop_tokens and logit_bias are 0.15-0.6 MB each per binding at a 152k vocabulary:
+    a slot whose last request used none of them already holds their neutral values on the device."""
+    monkeypatch.setattr(slot_module.Buffer, "__init__", apart)
+    decoder = SpeculativeDecoder(bundle, cuda_graphs=cuda_graphs)
+    vocab = decoder.target.vocab_size
+    pushed, previous = [], None
+    push = slot_module.Buffer.push
+    monkeypatch.setattr(slot_module.Buffer, "push", lambda self: (pushed.append(self.host.shape), push(self)))
+    for options in ({}, {"temperature": 0.8, "seed": 5}, PENALISED, {}, {}):
+        pushed.clear()
+        decoder.generate(PROMPTS[5], 12, 3, **options)
+        widest = any(shape[-1:] == (vocab,) for shape in pushed)  # logit_bias's rows are [D+1, V]
+        assert widest == (options is PENALISED or previous is PENALISED), options
+        previous = options
 
 
 @pytest.mark.parametrize("fed", ["max", "rows"])

@@ -328,7 +328,7 @@ class EngineSlot:
                                                                             else engine.sampling_devices)[LOGIT_BIAS]))
                               for binding in bindings] if engine.has_logit_bias else []
         self._logit_bias = np.zeros(engine.vocab_size, np.float32)  # the request's OpenAI logit_bias
-        self._bias_changed, self._constrained = True, False
+        self._bias_changed, self._constrained = False, False  # each Buffer's copy was made from these zeros
         if self._tail is not None:
             self._configure(temperature=0.0)
 
@@ -346,8 +346,8 @@ class EngineSlot:
 
     def _penalise(self, penalties: tuple[float, float, float], prompt: list[int], min_tokens: int,
                   stops: frozenset[int], logit_bias: tuple[tuple[int, float], ...]) -> None:
-        values = self._penalty_values
-        if self._tallied:  # the last request's tokens
+        values, last = self._penalty_values, self._tallied
+        if last:  # the last request's tokens
             values["prompt_mask"][:] = False
             values["output_counts"][:] = 0
             values["stop_tokens"][:] = False
@@ -358,6 +358,8 @@ class EngineSlot:
                 self._logit_bias[token] = bias
             self._bias[:] = self._logit_bias
             self._bias_changed, self._constrained = True, False
+        if not (last or self._tallied):  # all neutral before and after: the device's copies hold them already
+            return
         if penalties != NO_PENALTIES:
             values["prompt_mask"][prompt] = True
         if min_tokens:
