@@ -344,8 +344,8 @@ def cuda_line(manifest) -> str:
 @click.option("--frequency-penalty", type=Finite(min=-2, max=2), default=0.0, show_default=True,
               help="Subtract this times its count in the output from each token's logit (0 = none), as OpenAI and vLLM.")
 @click.option("--min-tokens", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Generate at least this many tokens before an eos may end the output, as vLLM's min_tokens (a --stop "
-                   "string may end it sooner, where vLLM waits).")
+              help="Generate at least this many tokens before an eos or a --stop string may end the output, as vLLM's "
+                   "min_tokens.")
 @click.option("--json-schema", type=TextOrFile(as_json=True),
               help="Output only JSON this schema allows (JSON text, or @FILE), as vLLM's structured_outputs json.")
 @click.option("--regex", help="Output only text this regular expression matches, as vLLM's structured_outputs regex.")

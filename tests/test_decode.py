@@ -803,6 +803,28 @@ def test_text_is_held_back_exactly_while_its_end_may_begin_a_stop_string(text, s
     assert taken + stream.finish() == stream.text
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.text("ab\n", max_size=30), st.lists(st.text("ab\n", min_size=1, max_size=8), min_size=1, max_size=4),
+       st.integers(0, 12))
+def test_a_stop_string_counts_only_where_it_ends_after_the_first_min_tokens_tokens_text(text, stops, min_tokens):
+    """vLLM's detokenizer: no stop string is looked for until more than min_tokens tokens are generated, then from
+    len(stop) - 1 characters before their text's end (vllm/v1/engine/detokenizer.py)."""
+    tokenizer = character_tokenizer("ab\n")
+    stream = TextStream(tokenizer, tuple(stops), min_tokens=min_tokens)
+    for character in text:
+        stream.push(tokenizer.token_to_id(character))
+        if stream.stopped:
+            break
+    stream.finish()
+    expected = (text, False)
+    for end in range(min_tokens + 1, len(text) + 1):  # a character a token: the text after token `end`
+        found = [(i, s) for s in stops if (i := text[:end].find(s, max(0, min_tokens - len(s) + 1))) >= 0]
+        if found:
+            expected = (text[:min(found)[0]], True)
+            break
+    assert (stream.text, stream.stopped) == expected
+
+
 def sentencepiece_tokenizer():
     """Llama 2's decoder chain over a BPE trained here: its Strip (and Metaspace's "first" scheme) drop the
     space that begins whatever is decoded."""

@@ -380,11 +380,11 @@ class SpeculativeDecoder:
         [-2, 2]; 0: none) subtract, from each generated token's logit, the penalty once and the penalty times its
         count, as OpenAI's and vLLM's. Penalties apply greedy and sampled, before temperature; logprobs stay raw.
         min_tokens (up to max_new_tokens) keeps the eos tokens (unless ignore_eos) and stop_token_ids out of the first
-        min_tokens tokens, as vLLM's (stop strings may still end it earlier); logit_bias ({token id: bias in [-100,
-        100]}, OpenAI's) adds each bias to its token's logit, before the penalties, as vLLM. structured_outputs (vLLM's:
-        one of {"json": a JSON schema}, {"json_object": True}, {"regex": ...}, {"choice": [strings]}, {"grammar": Lark or
-        GBNF}) decodes only what the grammar allows (grammar.py), greedy or sampled: the target's output under its mask; it ends
-        at an eos, so it refuses ignore_eos and min_tokens beside it."""
+        min_tokens tokens, and a stop string ends it only past their text, as vLLM's; logit_bias ({token id: bias in
+        [-100, 100]}, OpenAI's) adds each bias to its token's logit, before the penalties, as vLLM. structured_outputs
+        (vLLM's: one of {"json": a JSON schema}, {"json_object": True}, {"regex": ...}, {"choice": [strings]}, {"grammar":
+        Lark or GBNF}) decodes only what the grammar allows (grammar.py), greedy or sampled: the target's output under its
+        mask; it ends at an eos, so it refuses ignore_eos and min_tokens beside it."""
         if (logprobs is not None or prompt_logprobs is not None) and not self.target.has_logits:
             raise RequestError(f"{self.root} was compiled before its engines gave their logits, so it gives no logprobs: "
                                "recompile it with `specbuild compile`")
@@ -571,7 +571,8 @@ class SpeculativeDecoder:
         yield Generation(text.text, tokens, request.prompt_ids, stats, records, None if scored is None else [None, *scored])
 
     def _text(self, request: Request) -> TextStream:
-        return TextStream(self.tokenizer, request.stop, request.prompt_ids, request.special_tokens, request.include_stop)
+        return TextStream(self.tokenizer, request.stop, request.prompt_ids, request.special_tokens, request.include_stop,
+                          request.sampling.min_tokens)
 
     def _run(self, request: Request, stats: Stats, text: TextStream | None, halt: threading.Event | None = None,
              records: list[TokenLogprobs] | None = None,

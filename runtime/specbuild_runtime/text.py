@@ -31,14 +31,17 @@ class TextStream:
     (given prompt_ids), cut before the earliest stop string (as OpenAI's API cuts it), or after it where
     `include_stop` (vLLM's include_stop_str_in_output). Text that could still become a stop string is held back
     until it cannot, unless it is to be sent anyway (`include_stop`). Special tokens are left out of the text
-    unless `special_tokens`."""
+    unless `special_tokens`. min_tokens: a stop string counts only where it ends after the text of the first
+    min_tokens tokens, as vLLM's detokenizer looks for one (vllm/v1/engine/detokenizer.py)."""
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), prompt_ids: Sequence[int] = (),
-                 special_tokens: bool = False, include_stop: bool = False):
+                 special_tokens: bool = False, include_stop: bool = False, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self._text_of = partial(tokenizer.decode, skip_special_tokens=not special_tokens)
         self.stop = stop
         self.include_stop = include_stop
+        self._held_back = min_tokens  # tokens still to push whose text no stop string may end in
+        self._held_text = 0  # characters of text those pushed so far make
         # SentencePiece vocabularies with byte fallback hold all 256 byte tokens; others need no look per token.
         self._byte_fallback = tokenizer.token_to_id("<0x00>") is not None
         context = list(prompt_ids[-PROMPT_CONTEXT:])
@@ -66,6 +69,7 @@ class TextStream:
     def extend(self, tokens: list[int]) -> None:
         """Several tokens at once: decoded in one call (a whole generation without stop strings)."""
         self._ids.extend(tokens)
+        self._held_back -= len(tokens)
         if not self.stopped:
             self._decode(final=False)
 
@@ -114,8 +118,12 @@ class TextStream:
     def _cut(self, text: str) -> bool:
         """If text (self.text and more) holds a stop string that self.text did not, end the text before the
         earliest one (after it, where include_stop) and stop."""
+        if self._held_back >= 0:
+            self._held_text = len(text)
+            return False
         searched = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
-        cuts = [(i, len(s) * self.include_stop, s) for i, s in ((text.find(s, searched), s) for s in self.stop) if i >= 0]
+        cuts = [(i, len(s) * self.include_stop, s) for i, s in
+                ((text.find(s, max(searched, self._held_text - len(s) + 1)), s) for s in self.stop) if i >= 0]
         if cuts:
             at, kept, self.stop_string = min(cuts)
             self.text = text[:at + kept]
