@@ -195,6 +195,28 @@ def test_a_request_without_penalties_pushes_none_of_their_vocabulary_sized_input
         previous = options
 
 
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["full-graphs", "greedy-only-graphs"])
+def test_only_penalties_push_the_counts_each_token_not_logit_bias_or_min_tokens_alone(bundle, cuda_graphs, monkeypatch):
+    """output_counts (0.6 MB a binding at a 152k vocabulary) changes nothing the graphs decide without a penalty: a
+    request with logit_bias or min_tokens alone pushes its vocabulary-sized inputs once, whatever its length."""
+    monkeypatch.setattr(slot_module.Buffer, "__init__", apart)
+    decoder = SpeculativeDecoder(bundle, cuda_graphs=cuda_graphs)
+    vocab = decoder.target.vocab_size
+    pushed = []
+    push = slot_module.Buffer.push
+    monkeypatch.setattr(slot_module.Buffer, "push", lambda self: (pushed.append(self.host.shape), push(self)))
+
+    def pushes(new_tokens: int, **options) -> int:
+        decoder.generate(PROMPTS[5], 16, 0, stop_token_ids=[3])  # the slot back to neutral values
+        pushed.clear()
+        decoder.generate(PROMPTS[5], new_tokens, 0, ignore_eos=True, **options)
+        return sum(shape[-1:] == (vocab,) for shape in pushed)  # logit_bias's rows are [D+1, V]
+
+    for options in ({"logit_bias": {5: 2.0}}, {"min_tokens": 3}):
+        assert pushes(4, **options) == pushes(16, **options) > 0, options
+    assert pushes(4, repetition_penalty=1.2) < pushes(16, repetition_penalty=1.2)  # the counts: each call
+
+
 @pytest.mark.parametrize("fed", ["max", "rows"])
 def test_cuda_graph_calls_decode_the_tokens_of_the_full_graphs_and_each_graph_id_names_one_call_shape(bundle, tokenizer,
                                                                                                      monkeypatch, fed):

@@ -329,6 +329,7 @@ class EngineSlot:
                               for binding in bindings] if engine.has_logit_bias else []
         self._logit_bias = np.zeros(engine.vocab_size, np.float32)  # the request's OpenAI logit_bias
         self._bias_changed, self._constrained = False, False  # each Buffer's copy was made from these zeros
+        self._counting: set[str] = set()  # the inputs count() changes: only those the request's processing reads
         if self._tail is not None:
             self._configure(temperature=0.0)
 
@@ -352,6 +353,8 @@ class EngineSlot:
             values["output_counts"][:] = 0
             values["stop_tokens"][:] = False
         self._tallied = penalties != NO_PENALTIES or min_tokens > 0
+        self._counting = {name for name, read in (("output_counts", penalties != NO_PENALTIES),
+                                                  ("min_tokens_left", min_tokens > 0)) if read}
         if logit_bias or self._logit_bias.any() or self._constrained:
             self._logit_bias[:] = 0
             for token, bias in logit_bias:
@@ -393,11 +396,14 @@ class EngineSlot:
     def count(self, token: int) -> None:
         """One more generated token, which the penalties of the next calls count and min_tokens counts down (a request
         that asks for either: see configure)."""
-        if self._tallied:
-            values = self._penalty_values
+        values = self._penalty_values
+        if "output_counts" in self._counting:
             values["output_counts"][token] += 1
-            values["min_tokens_left"][()] = max(0, int(values["min_tokens_left"]) - 1)
-            self._penalties_changed |= {"output_counts", "min_tokens_left"}
+        if "min_tokens_left" in self._counting:
+            values["min_tokens_left"][()] -= 1
+        self._penalties_changed |= self._counting
+        if not values["min_tokens_left"]:
+            self._counting.discard("min_tokens_left")
 
     def _configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> None:
         if self._tail is None:
