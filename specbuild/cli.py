@@ -465,7 +465,8 @@ def features_line(bundle: Path, manifest, sampler: set[str]) -> str:
     def takes(file: str, sampling: set[str] | None) -> Takes:
         graph = onnx.load(str(bundle / file), load_external_data=False).graph
         inputs = {value.name for value in graph.input}
-        return graph_takes(inputs, {value.name for value in graph.output}, inputs if sampling is None else sampling)
+        return graph_takes(inputs, {value.name for value in graph.output}, inputs if sampling is None else sampling,
+                           greedy_only=sampling is not None)
 
     def engine(info) -> Takes:
         each = [takes(info.file, None)] + ([takes(info.greedy_file, sampler)] if manifest.has_greedy_graphs else [])

@@ -173,3 +173,41 @@ def test_min_tokens_keeps_stop_strings_out_of_the_text_of_its_tokens_as_vllm(bun
     for gamma in (0, 3, "auto"):
         result = decoder.generate(ids, NEW_TOKENS, gamma, ignore_eos=True, stop=stop, min_tokens=10)
         assert result.text == free[:free.find(stop, len(head))] and result.stats.finish_reason == "stop", gamma
+
+
+def test_a_bundle_whose_greedy_only_graphs_take_the_penalties_decodes_under_cuda_graphs_and_refuses_them(bundles, tokenizer,
+                                                                                                          tmp_path):
+    """Bundles compiled with the penalties and before the sampler decided greedy calls: their greedy-only graphs take
+    the penalty, min_tokens and logit_bias inputs (here added unread, as onnxruntime still wants each bound) and their
+    sampler has no greedy branch: plain requests decode as before, these are refused in one line."""
+    import json
+    import shutil
+
+    import onnx
+
+    from specbuild_runtime import RequestError
+    from specbuild_runtime.manifest import MANIFEST, load_manifest, sha256_file
+
+    folder = bundles("llama", draft_seed=1)
+    old = shutil.copytree(folder, tmp_path / "old")
+    data = json.loads((old / MANIFEST).read_text())
+    for info in load_manifest(old).engines.values():
+        taken = [value for value in onnx.load(str(old / info.file), load_external_data=False).graph.input
+                 if value.name in ("repetition_penalty", "presence_penalty", "frequency_penalty", "prompt_mask",
+                                   "output_counts", "min_tokens_left", "stop_tokens", "logit_bias")]
+        assert len(taken) == 8
+        greedy = onnx.load(str(old / info.greedy_file), load_external_data=False)
+        greedy.graph.input.extend(taken)
+        onnx.save(greedy, str(old / info.greedy_file))
+        data["files"][info.greedy_file] = sha256_file(old / info.greedy_file)
+    (old / MANIFEST).write_text(json.dumps(data))
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    before, now = SpeculativeDecoder(old, cuda_graphs=True), SpeculativeDecoder(folder)
+    assert before.target.processes and not before.target.has_penalties and not before.draft.has_logit_bias
+    for options in ({}, {"temperature": 0.8, "top_p": 0.9, "seed": 2}):
+        for gamma in (0, 3):
+            assert before.generate(ids, 20, gamma, **options).token_ids == now.generate(ids, 20, gamma, **options).token_ids
+    for options in ({"repetition_penalty": 1.2}, {"min_tokens": 2}, {"logit_bias": {5: 3.0}},
+                    {"structured_outputs": {"choice": ["yes", "no"]}}):
+        with pytest.raises(RequestError, match="recompile it with `specbuild compile`"):
+            before.generate(ids, 8, **options)

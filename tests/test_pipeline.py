@@ -216,8 +216,10 @@ def test_each_engine_has_a_greedy_only_graph_and_the_draft_a_steps_graph_reading
         assert not [n.op_type for n in greedy.graph.node if any(a.type == a.GRAPH for a in n.attribute)]  # If, Loop, Scan
         # the test sees what it looks for: the penalties' If, then the sampling one
         assert [n.op_type for n in full.graph.node if n.op_type == "If"] == ["If", "If"]
+        # nor the penalties', min_tokens' or logit_bias' inputs: it decides on the raw logits (the sampler applies them)
         assert {i.name for i in full.graph.input} - {i.name for i in greedy.graph.input} == {
-            "temperature", "top_k", "top_p", "min_p", "draft_probs", "uniforms"}
+            "temperature", "top_k", "top_p", "min_p", "draft_probs", "uniforms", "repetition_penalty", "presence_penalty",
+            "frequency_penalty", "prompt_mask", "output_counts", "min_tokens_left", "stop_tokens", "logit_bias"}
         assert [o.name for o in greedy.graph.output if not o.name.startswith("present")] == ["logits", "accepted", "next_token"]
         shared, own = external(full), external(greedy)
         assert own and all(shared[name] == where for name, where in own.items()), role
@@ -236,7 +238,8 @@ def test_each_engine_has_a_greedy_only_graph_and_the_draft_a_steps_graph_reading
     assert [n.name for n in steps.graph.node if n.op_type == "GroupQueryAttention"].count("layers.0.attention") == 1
     sampler = onnx.load(str(out / manifest.sampler_file))  # how the greedy-only graphs sample: no weights
     assert manifest.sampler_file == "sampler.onnx" and sum(t.ByteSize() for t in sampler.graph.initializer) < 4096  # constants, no weight
-    assert {"logits", "input_ids", "uniforms"} <= {i.name for i in sampler.graph.input}
+    assert {"logits", "input_ids", "uniforms", "temperature", "logit_bias"} <= {i.name for i in sampler.graph.input}
+    assert [n.op_type for n in sampler.graph.node if n.op_type == "If"] == ["If", "If"]  # the penalties', greedy or sampled
 
 
 @pytest.mark.parametrize("gamma, steps", [(1, 0), (3, 3)])

@@ -187,7 +187,8 @@ def test_a_request_without_penalties_pushes_none_of_their_vocabulary_sized_input
     pushed, previous = [], None
     push = slot_module.Buffer.push
     monkeypatch.setattr(slot_module.Buffer, "push", lambda self: (pushed.append(self.host.shape), push(self)))
-    for options in ({}, {"temperature": 0.8, "seed": 5}, PENALISED, {}, {}):
+    sampled = {"temperature": 0.8, "seed": 5}  # after PENALISED: the greedy-only graphs' sampler runs, and is pushed to
+    for options in ({}, sampled, PENALISED, sampled, {}, {}):
         pushed.clear()
         decoder.generate(PROMPTS[5], 12, 3, **options)
         widest = any(shape[-1:] == (vocab,) for shape in pushed)  # logit_bias's rows are [D+1, V]
@@ -207,7 +208,8 @@ def test_only_penalties_push_the_counts_each_token_not_logit_bias_or_min_tokens_
     monkeypatch.setattr(slot_module.Buffer, "push", lambda self: (pushed.append(self.host.shape), push(self)))
 
     def pushes(new_tokens: int, **options) -> int:
-        decoder.generate(PROMPTS[5], 16, 0, stop_token_ids=[3])  # the slot back to neutral values
+        # the slot back to neutral values, pushed (sampled: the greedy-only graphs' sampler, which alone takes them, runs)
+        decoder.generate(PROMPTS[5], 16, 0, stop_token_ids=[3], temperature=0.5, seed=0)
         pushed.clear()
         decoder.generate(PROMPTS[5], new_tokens, 0, ignore_eos=True, **options)
         return sum(shape[-1:] == (vocab,) for shape in pushed)  # logit_bias's rows are [D+1, V]
@@ -286,6 +288,23 @@ def test_a_cuda_graph_decoder_samples_the_full_graphs_tokens_with_the_bundles_sa
         for seed, prompt in enumerate(PROMPTS[:3]):
             expected = normal.generate(prompt, NEW_TOKENS, gamma, seed=seed, **sampling).token_ids
             assert graphs.generate(prompt, NEW_TOKENS, gamma, seed=seed, **sampling).token_ids == expected, (gamma, seed)
+
+
+def test_a_cuda_graph_decoder_runs_the_sampler_only_for_requests_that_sample_or_process_their_logits(bundle,
+                                                                                                       monkeypatch):
+    """The greedy-only graphs decide on the raw logits, without the penalties' work over [D+1, V]: a plain greedy
+    request runs them alone, while the sampler decides each call of a request with penalties, min_tokens, logit_bias
+    or a grammar (greedy too), and of a sampled one (its tokens: the tests with cuda_graphs=True)."""
+    graphs = SpeculativeDecoder(bundle, cuda_graphs=True)
+    calls = []
+    run = slot_module.run
+    monkeypatch.setattr(slot_module, "run", lambda session, *args: (calls.append(session), run(session, *args))[1])
+    for options in ({}, {"repetition_penalty": 1.3}, {"min_tokens": 5}, {"logit_bias": {5: 2.0}},
+                    {"structured_outputs": {"choice": ["yes", "no"]}}, {"temperature": 0.8, "seed": 1}, {}):
+        calls.clear()
+        graphs.generate(PROMPTS[5], 8, 2, **options)
+        sampler_calls = sum(session is graphs.target.sampling_session for session in calls)
+        assert (sampler_calls > 0) == bool(options) and len(calls) > sampler_calls, options
 
 
 @pytest.mark.parametrize("missing", ["greedy_file", "sampler_file"])

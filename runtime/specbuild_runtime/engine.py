@@ -233,13 +233,22 @@ class Takes(NamedTuple):
     logit_bias: bool
 
 
-def graph_takes(inputs: Collection[str], outputs: Collection[str], sampling_inputs: Collection[str] | None) -> Takes:
+def graph_takes(inputs: Collection[str], outputs: Collection[str], sampling_inputs: Collection[str] | None,
+                greedy_only: bool = False) -> Takes:
     """A graph's Takes from the names of its inputs and outputs, and of the inputs of the session that samples its
-    logits (its own; a greedy-only graph's sampler; None where nothing does: a steps graph, or no sampler), which
-    needs the sampling inputs too. From names alone, so `specbuild inspect` tells it without loading the weights."""
+    logits (its own; a greedy-only graph's sampler; None where nothing does: a steps graph, or no sampler). From names
+    alone, so `specbuild inspect` tells it without loading the weights. A greedy-only graph decides on its raw logits:
+    its sampler decides the calls that apply the penalties, min_tokens or logit_bias (greedy ones too), so those are
+    the sampler's; one that takes them itself was compiled before the sampler had that greedy branch: refused."""
+    refused = sampling_inputs is None or (greedy_only and processes(inputs))
     return Takes(LOGITS in outputs, sampling_inputs is not None and MIN_P in sampling_inputs,
-                 *(all(name in inputs and (sampling_inputs is None or name in sampling_inputs) for name in names)
+                 *(not refused and all(name in sampling_inputs for name in names)
                    for names in (PENALTY_INPUTS, MIN_TOKENS_INPUTS, LOGIT_BIAS_INPUTS)))
+
+
+def processes(inputs: Collection[str]) -> bool:
+    """Whether a graph takes any of the penalty, min_tokens and logit_bias inputs (decides with them itself)."""
+    return any(name in inputs for name in (*PENALTY_INPUTS, *MIN_TOKENS_INPUTS, *LOGIT_BIAS_INPUTS))
 
 
 class Engine:
@@ -249,9 +258,10 @@ class Engine:
     external weights are still read beside path. has_logits: its graph outputs the fp32 logits its
     decisions are made from (EngineSlot.logits reads them; engines compiled before that lack them).
     has_min_p: it samples with a `min_p` input (engines and samplers compiled before min_p lack it).
-    has_penalties, has_min_tokens, has_logit_bias: every graph it decides with takes vLLM's penalties (PENALTY_INPUTS),
-    its min_tokens (MIN_TOKENS_INPUTS), OpenAI's logit_bias; graphs compiled before them, and a draft's steps graph,
-    lack them.
+    has_penalties, has_min_tokens, has_logit_bias: the graph that decides a call applying them (the engine graph, or
+    for a greedy-only graph the sampler) takes vLLM's penalties (PENALTY_INPUTS), its min_tokens (MIN_TOKENS_INPUTS),
+    OpenAI's logit_bias; graphs compiled before them, and a draft's steps graph, lack them. processes: its own graph
+    takes them (an engine graph with them; no greedy-only graph this compiler writes).
     cuda_graphs: path is the engine's greedy-only graph (no sampling, no control flow); on CUDA, calls
     that name a graph id are captured once and replayed as CUDA graphs (see slot.graph_id).
     Such an engine samples with `sampler` (the bundle's), fed each call's logits; without one it cannot.
@@ -293,8 +303,9 @@ class Engine:
             self.sampling_session, self.sampling_devices = sampler.session, sampler.input_devices
         else:
             self.sampling_session = self.sampling_devices = None
+        self.processes = processes(self.input_devices)
         self.has_logits, self.has_min_p, self.has_penalties, self.has_min_tokens, self.has_logit_bias = graph_takes(
-            self.input_devices, outputs, self.sampling_devices)
+            self.input_devices, outputs, self.sampling_devices, self.greedy_only)
 
     def new_slot_index(self) -> int:
         """A number no other slot of this engine has: the slot's CUDA graphs are its own."""

@@ -5,18 +5,22 @@ A bundle is a folder:
     target.onnx(.data)      target engine: greedy verification built in
     draft.onnx(.data)       draft engine: same I/O, fed num_drafts = 0
     {role}.greedy.onnx      each engine's greedy-only graph, reading the weights from {role}.onnx.data:
-                            the I/O below without the sampling inputs (the penalties' stay) and `probs`
-                            (and `logits` in every bundle that has one), and without control flow, so that onnxruntime
-                            can capture its calls as CUDA graphs
+                            the I/O below without the sampling, penalty, min_tokens and logit_bias
+                            inputs and `probs` (and `logits` in every bundle that has one): it decides
+                            on the raw logits, without control flow, so that onnxruntime can capture its
+                            calls as CUDA graphs (those compiled before the sampler's greedy branch take
+                            the penalty inputs and the rest, and decide with them)
     draft.steps.onnx        the draft's greedy drafting of K tokens in one call (K = the output's length),
                             reading draft.onnx.data: in input_ids, seqlens_k, total_len (step 0) and
                             total_len.{j} (step j, j = 1..K-1, each a call over one token), the past
                             buffers; out drafts int64 [K] (step j's argmax, fed to step j+1) and each step's
                             present buffers: present_*.{i} for step 0, present_*.{i}.step{j} after it, all
                             bound to the same buffers. No control flow.
-    sampler.onnx            the sampling tail alone (no weights), for decoders running the greedy-only
+    sampler.onnx            the deciding tail alone (no weights), for decoders running the greedy-only
                             graphs: in logits, input_ids, num_drafts, the sampling and penalty inputs below; out
-                            accepted, next_token, probs; the same nodes as the engines' sampling branch
+                            accepted, next_token, probs; the same nodes as the engines' penalties and their
+                            greedy and sampling branches (before the greedy branch: the sampling one alone),
+                            run for a call that samples or applies penalties, min_tokens or logit_bias
     tokenizer/              the tokenizer both models share (tokenizer.json + HF side files)
     tensorrt-llm/, vllm/    compiled with --backend tensorrt-llm or all: TensorRT-LLM checkpoints and the
                             plans to build, run and serve them (TensorRTLLMPart); no .onnx files with
@@ -45,9 +49,9 @@ float type (fp32, fp16 or bf16; see EngineInfo.precision):
          prompt_mask    bool [V]        the request's prompt tokens (repetition counts them as seen)
          output_counts  f32 [V]         each token's count among the tokens generated before this call's
                                         drafts; row j adds drafts 0..j-1 to it in the graph. These five
-                                        are in every graph that decides (the greedy-only ones and the
-                                        sampler too) but a draft's steps graph; graphs compiled before them
-                                        lack all five, and decide without penalties
+                                        are in the engine graphs and the sampler (not the greedy-only or
+                                        steps graphs); graphs compiled before them lack all five, and decide
+                                        without penalties
          min_tokens_left int64 []       vLLM's min_tokens: rows j < min_tokens_left (the tokens generated
                                         before min_tokens) give the stop_tokens -inf, in the same graphs
          stop_tokens    bool [V]        the eos and stop tokens min_tokens holds back. Graphs compiled

@@ -306,29 +306,33 @@ class EngineSlot:
             self._probs_rows, self._draft_probs = probs_rows, draft_probs
             self._no_drafts = Buffer(np.zeros((0, engine.vocab_size), np.float32), engine.sampling_devices["draft_probs"])
         # vLLM's penalties, min_tokens and logit_bias (manifest.py), where the graphs take them: one set of host arrays,
-        # bound to each binding that decides (a greedy-only graph's and its sampler's), each a copy of its own where the
-        # device holds it. They change only for a request that asks for them, and those changed (configure: all; count:
-        # the counts) are pushed before the next call: the [V] ones are 0.15-0.6 MB each at a 152k vocabulary.
+        # bound to each binding whose graph takes them (the engine graph, or a greedy-only graph's sampler, which then
+        # decides every call of a request that applies them: see _call), each a copy of its own where the device holds
+        # it. They change only for a request that asks for them, and those changed (configure: all; count: the counts)
+        # are pushed before the next call that applies them: the [V] ones are 0.15-0.6 MB each at a 152k vocabulary.
         self._penalty_values = {"repetition_penalty": np.ones((), np.float32), "presence_penalty": np.zeros((), np.float32),
                                 "frequency_penalty": np.zeros((), np.float32),
                                 "prompt_mask": np.zeros(engine.vocab_size, np.bool_),
                                 "output_counts": np.zeros(engine.vocab_size, np.float32),
                                 "min_tokens_left": np.zeros((), np.int64), "stop_tokens": np.zeros(engine.vocab_size, np.bool_)}
-        bindings = [None] + ([self._tail] if self._tail is not None and self._tail is not self.binding else [])
-        taken = [*PENALTY_INPUTS] * engine.has_penalties + [*MIN_TOKENS_INPUTS] * engine.has_min_tokens
-        self._penalty_buffers = [(name, self._input(name, self._penalty_values[name], binding)) for binding in bindings
-                                 for name in taken]
+        # A greedy-only graph compiled before its sampler decided such calls takes them too (engine.processes): bound,
+        # as its sampler's, to their neutral values, which the engine's has_* keep them at.
+        self._sampler_decides = self._tail not in (None, self.binding) and not engine.processes
+        bindings = ([(None, engine.input_devices)] if engine.processes else []) + (
+            [(self._tail, engine.sampling_devices)] if self._tail not in (None, self.binding) else [])
+        self._penalty_buffers = [(name, self._input(name, self._penalty_values[name], binding)) for binding, devices in bindings
+                                 for name in (*PENALTY_INPUTS, *MIN_TOKENS_INPUTS) if name in devices]
         self._penalties_changed: set[str] = set()
         self._tallied = False
         # logit_bias [rows, V]: row j is added to the call's row j of logits (OpenAI's logit_bias in every row; a
         # grammar's mask too, for a request with one: constrain). Each call binds a view of its D+1 rows, one address
         # per binding, as its CUDA graphs replay them; the rows are pushed only after they change.
         self._bias = np.zeros((max_drafts + 1, engine.vocab_size), np.float32)
-        self._bias_buffers = [(binding or self.binding, Buffer(self._bias, (engine.input_devices if binding is None
-                                                                            else engine.sampling_devices)[LOGIT_BIAS]))
-                              for binding in bindings] if engine.has_logit_bias else []
+        self._bias_buffers = [(binding or self.binding, Buffer(self._bias, devices[LOGIT_BIAS])) for binding, devices in bindings
+                              if LOGIT_BIAS in devices]
         self._logit_bias = np.zeros(engine.vocab_size, np.float32)  # the request's OpenAI logit_bias
         self._bias_changed, self._constrained = False, False  # each Buffer's copy was made from these zeros
+        self._biased = False  # the request has a logit_bias
         self._counting: set[str] = set()  # the inputs count() changes: only those the request's processing reads
         if self._tail is not None:
             self._configure(temperature=0.0)
@@ -361,6 +365,7 @@ class EngineSlot:
                 self._logit_bias[token] = bias
             self._bias[:] = self._logit_bias
             self._bias_changed, self._constrained = True, False
+        self._biased = bool(logit_bias)
         if not (last or self._tallied):  # all neutral before and after: the device's copies hold them already
             return
         if penalties != NO_PENALTIES:
@@ -443,7 +448,7 @@ class EngineSlot:
             first -= 1
         first = self._head(first, total_len, num_drafts, probs_row)
         self._redo_from = first if total_len - first < least else self.engine.max_seq_len
-        return self._run(first, total_len, num_drafts, uniforms, probs_row)
+        return self._run(first, total_len, num_drafts, uniforms, probs_row, True)  # the call that decides
 
     def _head(self, first: int, total_len: int, num_drafts: int, probs_row: int) -> int:
         """The calls before the one whose rows a decision reads (a prompt's chunks and head); returns its first row."""
@@ -549,15 +554,18 @@ class EngineSlot:
             held += 1
         return held
 
-    def _run(self, first: int, total_len: int, num_drafts: int, uniforms: np.ndarray | None, probs_row: int):
+    def _run(self, first: int, total_len: int, num_drafts: int, uniforms: np.ndarray | None, probs_row: int,
+             decides: bool = False):
+        """decides: a call whose token is read (not a prompt's head or chunk, nor a re-feed)."""
         self.kept = min(self.kept, first)
         with self.engine.calls:
-            result = self._call(first, total_len, num_drafts, uniforms, probs_row)
+            result = self._call(first, total_len, num_drafts, uniforms, probs_row, decides)
         if self.kept == first and not (self.rows.even and (total_len - first) % 2):
             self.kept = total_len
         return result
 
-    def _call(self, first: int, total_len: int, num_drafts: int, uniforms: np.ndarray | None, probs_row: int):
+    def _call(self, first: int, total_len: int, num_drafts: int, uniforms: np.ndarray | None, probs_row: int,
+              decides: bool):
         self._bind_ids(self._fed[first:total_len])
         self._total_len.host[()] = fed_total_len(self.engine, first, total_len)
         self._seqlens_k.host[0] = total_len - 1
@@ -565,13 +573,12 @@ class EngineSlot:
         if self._copies:
             for buffer in (self._total_len, self._seqlens_k, self._num_drafts):
                 buffer.push()
-        if self._penalties_changed:
-            for name, buffer in self._penalty_buffers:
-                if name in self._penalties_changed:
-                    buffer.push()
-            self._penalties_changed = set()
-        if self._bias_buffers:
-            self._bind_bias(num_drafts)
+        # A greedy-only graph decides on its raw logits: its sampler decides a call that samples or applies penalties,
+        # min_tokens or logit_bias (a grammar's rows too), which alone reads (and is pushed) their inputs then.
+        processed = self._tallied or (self._biased or self._constrained) and bool(self._bias_buffers)
+        sampler = decides and (self.sampling or processed and self._sampler_decides)
+        if not self._sampler_decides:
+            self._push_processing(num_drafts)
         if self._long_rope is not None and self._long_rope.host[()] != self._use_long:  # changes once a sequence, at most
             self._long_rope.host[()] = int(self._use_long)
             self._long_rope.push()
@@ -584,9 +591,11 @@ class EngineSlot:
         if self._reading_logits:
             self._bind_logits(num_drafts)
         run(self.engine.session, self.binding, self.engine.path, self._graph(total_len - first, num_drafts, total_len))
-        # The sampler's turn: the same nodes on the same logits (not for a prompt's head, whose token is not read).
-        if self.sampling and self._tail is not self.binding and uniforms is not None:
+        # The sampler's turn: the same nodes on the same logits.
+        if sampler and self._tail is not self.binding:
             self._feed_sampler(self._fed[total_len - num_drafts - 1:total_len], num_drafts)
+            if self._sampler_decides:
+                self._push_processing(num_drafts)
             run(self.engine.sampling_session, self._tail, self.engine.path)
         if not self._copies:
             return int(self._accepted.host), int(self._next_token.host)
@@ -656,6 +665,16 @@ class EngineSlot:
             if self._tail is not None and self._tail is not self.binding:
                 self._tail.bind_input("logits", self._logits.device, 0, np.float32, shape, pointer)
             self._bound["logits"] = num_drafts
+
+    def _push_processing(self, num_drafts: int) -> None:
+        """The penalty and min_tokens inputs that changed, pushed; logit_bias bound (see _bind_bias)."""
+        if self._penalties_changed:
+            for name, buffer in self._penalty_buffers:
+                if name in self._penalties_changed:
+                    buffer.push()
+            self._penalties_changed = set()
+        if self._bias_buffers:
+            self._bind_bias(num_drafts)
 
     def _bind_bias(self, num_drafts: int) -> None:
         """Bind logit_bias to the first D+1 rows (see __init__), pushed first where they changed."""

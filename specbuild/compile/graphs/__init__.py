@@ -45,8 +45,9 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
     vocab_size: cut the embedding table and LM head to this many rows (a draft's padding rows past the
     target's vocabulary). tokens: a draft's only: cut them further to the tokenizer's ids (engine_vocab).
     Every graph outputs the fp32 `logits` [D+1, V] its tail decides on: the runtime binds them for requests
-    that ask for logprobs alone, and the bundle's sampler (build_sampler) samples from those of the greedy-only
-    graph (sampling False: no sampling inputs, no `probs`, no control flow).
+    that ask for logprobs alone, and the bundle's sampler (build_sampler) decides from those of the greedy-only
+    graph where a request samples or applies penalties, min_tokens or logit_bias (sampling False: no sampling,
+    penalty or logit_bias inputs, no `probs`, no control flow).
     rope_switch: a LongRoPE target's original length, below max_seq_len (load.rope_switch_length): the graph
     then holds both rotary tables and an input `long_rope` (0 or 1) choosing one for the call.
     """
@@ -65,7 +66,7 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
         draft_probs=g.input("draft_probs", FLOAT, ["D", vocab]),
         uniforms=g.input("uniforms", FLOAT, ["D+1"]),
     ) if sampling else None
-    penalties = penalty_inputs(g, vocab)
+    penalties = penalty_inputs(g, vocab) if sampling else None  # the greedy-only graph's decisions: on the raw logits
     ids = _embeddable(g, g.op("Reshape", input_ids, g.const([-1])), vocab, vocab_size)  # [S]
     hidden, presents, head = FAMILIES[spec.family](g, spec, ids, att, max_seq_len, vocab)
     accepted, next_token, probs, logits = verification(g, hidden, input_ids, num_drafts, lambda x: linear(g, x, head),

@@ -71,10 +71,11 @@ def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_dra
     hidden [S, H]; head(x [R, H]) -> [R, V] is the model's LM head. Row j of the logits is the model's
     view after input position S-D-1+j, so it judges draft j (input position S-D+j). softcap: Gemma's
     final logit soft-capping, cap·tanh(logits/cap). temperature 0 takes the greedy branch, anything
-    above the sampling branch. sampling None: the greedy tail alone, without an If (no distribution):
-    the greedy-only graph, which CUDA graphs can capture. penalties: every decision is made on the penalised
-    logits (_penalised; behind an If where sampling is given), the `logits` output stays the raw ones (logprobs are
-    vLLM's raw_logprobs). None: none (a draft's steps graph: the draft may propose from its raw logits).
+    above the sampling branch. sampling None: the greedy tail alone on the raw logits, without an If (no
+    distribution) and without the penalties' work over [D+1, V]: the greedy-only graph, which CUDA graphs can capture
+    (the bundle's sampler decides a call that samples or applies penalties, min_tokens or logit_bias, on its logits).
+    penalties (with sampling): every decision is made on the penalised logits (_penalised, behind an If), the `logits`
+    output stays the raw ones (logprobs are vLLM's raw_logprobs).
     """
     drafts, drafts_1d = _drafts(g, input_ids, num_drafts)
     rows_1d = g.op("Add", drafts_1d, g.const([1]))
@@ -92,29 +93,34 @@ def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_dra
     logits.name = LOGITS
     finite = _finite_rows(g, logits)
     if sampling is None:
-        decided = _penalised(g, logits, drafts, penalties) if penalties else logits
-        accepted, next_token = (_scalar(g, value) for value in _greedy_tail(g, decided, drafts, drafts_1d, finite))
+        accepted, next_token = (_scalar(g, value) for value in _greedy_tail(g, logits, drafts, drafts_1d, finite))
         return accepted, next_token, None, logits
     decided = _penalised_if_any(g, logits, drafts, penalties) if penalties else logits
+    return (*_greedy_or_sampled(g, decided, input_ids, drafts, drafts_1d, sampling, finite), logits)
+
+
+def _greedy_or_sampled(g: GraphBuilder, logits: ir.Value, input_ids: ir.Value, drafts: ir.Value, drafts_1d: ir.Value,
+                       sampling: SamplingInputs, finite: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """(accepted, next token, probs) from logits: the greedy tail at temperature 0, the sampling tail above."""
     greedy = g.branch("branch.greedy")
-    _branch_outputs(greedy, *_greedy_tail(greedy, decided, drafts, drafts_1d, finite), greedy.const([], np.float32))
+    _branch_outputs(greedy, *_greedy_tail(greedy, logits, drafts, drafts_1d, finite), greedy.const([], np.float32))
     sample = g.branch("branch.sampling")
     # top_k is made a host value here, in the graph: a node inside a branch reads it as an outer value,
     # which onnxruntime never leaves on the CPU for the node's sake.
-    sampled = _sampling_tail(sample, decided, drafts, drafts_1d, _host_top_k(g, sampling, input_ids), finite)
+    sampled = _sampling_tail(sample, logits, drafts, drafts_1d, _host_top_k(g, sampling, input_ids), finite)
     _branch_outputs(sample, *sampled)
     is_sampling = g.op("Greater", sampling.temperature, g.const(0.0, np.float32))
-    accepted, next_token, probs = g.op("If", is_sampling, outputs=3, then_branch=sample.graph(), else_branch=greedy.graph())
-    return accepted, next_token, probs, logits
+    return g.op("If", is_sampling, outputs=3, then_branch=sample.graph(), else_branch=greedy.graph())
 
 
 def build_sampler() -> ir.Model:
-    """The bundle's sampler: the engines' sampling tail as a graph of its own, fed a call's fp32 `logits`
-    [D+1, V] (an output of every greedy-only graph) and the call's input_ids and num_drafts, with the
-    sampling inputs and outputs of the engine contract (specbuild_runtime.manifest). It is how a decoder
-    running the greedy-only graphs, which CUDA graphs can capture, samples: the same nodes on the same
-    logits, so the same tokens as the engine graphs' own sampling branch. No weights; V is symbolic, so
-    one sampler serves the target and a draft with a smaller vocabulary."""
+    """The bundle's sampler: the engines' deciding tail (the penalties, then greedy or sampled) as a graph of its own,
+    fed a call's fp32 `logits` [D+1, V] (an output of every greedy-only graph) and the call's input_ids and num_drafts,
+    with the sampling, penalty and logit_bias inputs and the outputs of the engine contract (specbuild_runtime.manifest).
+    It is how a decoder running the greedy-only graphs, which CUDA graphs can capture, samples or applies penalties,
+    min_tokens or logit_bias (greedy too, at temperature 0): the same nodes on the same logits, so the same tokens as
+    the engine graphs. No weights; V is symbolic, so one sampler serves the target and a draft with a smaller
+    vocabulary."""
     g = GraphBuilder("specbuild-sampler", None, None)
     logits = g.input(LOGITS, FLOAT, ["D+1", "V"])
     input_ids = g.input("input_ids", INT64, [1, "S"])
@@ -129,11 +135,11 @@ def build_sampler() -> ir.Model:
     )
     penalties = penalty_inputs(g, "V")
     drafts, drafts_1d = _drafts(g, input_ids, num_drafts)
-    accepted, next_token, probs = _sampling_tail(g, _penalised_if_any(g, logits, drafts, penalties), drafts, drafts_1d,
-                                                 _host_top_k(g, sampling, input_ids), _finite_rows(g, logits))
-    g.output(_scalar(g, accepted), "accepted", INT64, [])
-    g.output(_scalar(g, next_token), "next_token", INT64, [])
-    g.output(probs, "probs", FLOAT, ["V"])
+    accepted, next_token, probs = _greedy_or_sampled(g, _penalised_if_any(g, logits, drafts, penalties), input_ids, drafts,
+                                                     drafts_1d, sampling, _finite_rows(g, logits))
+    g.output(accepted, "accepted", INT64, [])
+    g.output(next_token, "next_token", INT64, [])
+    g.output(probs, "probs", FLOAT, ["V or 0"])
     return g.model()
 
 
@@ -185,8 +191,7 @@ def _infinities(g: GraphBuilder, mask: ir.Value) -> ir.Value:
 
 def _penalised_if_any(g: GraphBuilder, logits: ir.Value, drafts: ir.Value, p: Penalties) -> ir.Value:
     """_penalised behind an If that skips its [D+1, V] work where every penalty is neutral, no min_tokens is left and
-    no token biased
-    (the graphs with control flow; a greedy-only graph, which CUDA graphs capture, always applies them)."""
+    no token biased (the graphs with control flow: the engine graphs and the sampler)."""
     neutral = g.op("And", g.op("And", g.op("Equal", p.repetition, g.const(1.0, np.float32)),
                                g.op("Equal", p.presence, g.const(0.0, np.float32))),
                    g.op("And", g.op("And", g.op("Equal", p.frequency, g.const(0.0, np.float32)),
