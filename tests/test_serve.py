@@ -900,9 +900,12 @@ def test_a_grammar_is_compiled_once_for_all_the_choices_of_a_prompt(bundle, monk
                         lambda value: compiled.append(value) or check_structured_outputs(value))
     with in_process(bundle) as (url, decoder, _):
         decoder.go.set()
-        for structured in ({"structured_outputs": {"regex": "(yes|no)!"}}, {"response_format": {"type": "json_object"}}):
-            body = {"prompt": PROMPTS[0], "max_tokens": 8, "n": 3, "temperature": 1, "seed": 1, **structured}
-            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        chat = {"messages": [{"role": "user", "content": PROMPTS[0]}], "tools": [WEATHER, NOW]}
+        for endpoint, structured in (("completions", {"prompt": PROMPTS[0], "structured_outputs": {"regex": "(yes|no)!"}}),
+                                     ("completions", {"prompt": PROMPTS[0], "response_format": {"type": "json_object"}}),
+                                     ("chat/completions", {**chat, "tool_choice": "required"})):
+            body = {"max_tokens": 8, "n": 3, "temperature": 1, "seed": 1, **structured}
+            reply = httpx.post(f"{url}/v1/{endpoint}", json=body, timeout=60).json()
             assert len(reply["choices"]) == 3 and len(compiled) == 1, (reply, compiled)
             compiled.clear()
 
@@ -979,6 +982,23 @@ def test_a_required_reply_is_read_as_vllm_reads_it_and_parallel_tool_calls_false
     greedy = protocol.sampling_defaults(None, "greedy")
     request = protocol.parse(protocol.CHAT, json.dumps(body).encode(), MODEL, greedy)
     assert request.forced_calls is None and "structured_outputs" not in request.decoding
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}], ids=["required", "named"])
+def test_a_forced_tool_calls_schema_is_compiled_by_the_requests_check_not_on_the_event_loop_and_its_errors_name_the_tool(
+        reference, choice):
+    """tool_choice "required" or a named function: as response_format's, the schema made from the tools is compiled on
+    the checking thread, and a tool's parameters llguidance refuses are named in the 400, its param "tools"."""
+    from specbuild_runtime import RequestError
+    from specbuild_runtime.serve import protocol
+
+    tools = [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": choice}
+    request = protocol.parse(protocol.CHAT, json.dumps(body).encode(), MODEL, protocol.sampling_defaults(None, "greedy"))
+    with pytest.raises(RequestError, match=r"^tools\[1\]\.function\.parameters is not a grammar llguidance compiles: ") \
+            as refused:
+        reference.request("x", 8, **request.decoding)
+    assert protocol.invalid(refused.value).param == "tools"
 
 
 def test_what_clients_send_by_default_asking_for_plain_text_is_accepted_as_if_absent(server, reference):

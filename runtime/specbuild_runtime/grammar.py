@@ -36,12 +36,14 @@ class Structured:
 
 @dataclass(frozen=True)
 class Unchecked:
-    """A structured_outputs value sent under another field's name (serve's response_format), left for the request's
-    check to compile: llguidance takes ~0.1 s a MB of schema (2 busy CPU cores), which on serve's event loop stalled
-    every stream."""
+    """A structured_outputs value sent under another field's name (serve's response_format, or the schema of a call
+    its tool_choice forces), left for the request's check to compile: llguidance takes ~0.1 s a MB of schema (2 busy
+    CPU cores), which on serve's event loop stalled every stream. parts: the values the whole is made of, each compiled
+    alone only where the whole fails, so that the error names the one at fault (tools[i]) at no cost otherwise."""
 
     value: dict
     field: str
+    parts: tuple[Unchecked, ...] = ()
 
 
 def check_structured_outputs(value, field: str = "structured_outputs") -> Structured | None:
@@ -49,7 +51,12 @@ def check_structured_outputs(value, field: str = "structured_outputs") -> Struct
     {"json_object": true}) as llguidance compiles it, or a RequestError naming field (an Unchecked value's own). JSON
     allows any whitespace between tokens, as vLLM's default, unless disable_any_whitespace is true."""
     if isinstance(value, Unchecked):
-        value, field = value.value, value.field
+        try:
+            return check_structured_outputs(value.value, value.field)
+        except RequestError:
+            for part in value.parts:
+                check_structured_outputs(part)
+            raise
     if value is None:
         return None
     if not isinstance(value, dict):

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from ..decode import Stats
 from ..errors import RequestError
-from ..grammar import Structured, Unchecked, check_structured_outputs
+from ..grammar import Unchecked
 from ..logprobs import LOGPROB_FLOOR, TokenLogprobs
 from ..validation import GREEDY_BELOW, MAX_LOGPROBS, check_sampling, utf8, whole
 from .tools import NO_PARAMETERS, PARSERS, REQUIRED, ToolParser, checked_tools, named_parser, required_schema
@@ -217,7 +217,7 @@ def invalid(exc: Exception) -> ApiError:
         if message.startswith(runtime_name):
             message = api_name + message[len(runtime_name):]
     # the longest name first: "stop_token_ids ..." is no message about "stop"
-    names = sorted((*DECODING, "max_tokens", "logprobs", "prompt", RESPONSE_FORMAT), key=len, reverse=True)
+    names = sorted((*DECODING, "max_tokens", "logprobs", "prompt", RESPONSE_FORMAT, "tools"), key=len, reverse=True)
     param = next((name for name in names if message.startswith((name, f"the {name}", f"a {name}"))), None)
     return ApiError(400, message, param)
 
@@ -467,13 +467,13 @@ def _logprobs(endpoint: str, body: dict) -> dict:
     return {"logprobs": top or 0} if wanted else {}
 
 
-def _tools(body: dict, tool_parser: str | None) -> tuple[list[dict] | None, bool, ToolParser | None, Structured | None]:
+def _tools(body: dict, tool_parser: str | None) -> tuple[list[dict] | None, bool, ToolParser | None, Unchecked | None]:
     """The tools the chat template shows, whether the reply is parsed for calls by --tool-call-parser, and the parser
     and grammar of a call the request forces, as vLLM decides them: tool_choice is "auto" where tools are sent
     without one (else "none"); "none" shows the tools all the same (vLLM's default) and leaves the reply as text;
     "auto" parses it, which needs the server's --tool-call-parser. "required" and a named function force the reply
-    with a JSON schema made from the tools (tools.required_schema, or the function's parameters) and read it as JSON,
-    which needs no parser ("required" with tools [] is "none", as vLLM and OpenAI take it)."""
+    with a JSON schema made from the tools (tools.required_schema, or the function's parameters), which the request's
+    check compiles, and read it as JSON, which needs no parser ("required" with tools [] is "none", as vLLM and OpenAI take it)."""
     try:
         tools = checked_tools(body.get("tools"))
     except ValueError as exc:
@@ -491,14 +491,13 @@ def _tools(body: dict, tool_parser: str | None) -> tuple[list[dict] | None, bool
         raise ApiError(400, f"tool_choice {_json(choice)} needs tools: send them as 'tools' (a list of functions), "
                             "as vLLM asks", "tool_choice")
     if choice == "required":
-        for index, tool in enumerate(tools):  # each alone first, where an error can name it
-            if tool["function"].get("parameters"):
-                _forced_grammar(tool["function"]["parameters"], f"tools[{index}].function.parameters")
         try:
             schema = required_schema(tools)
         except ValueError as exc:
             raise ApiError(400, str(exc), "tools") from None
-        return tools, False, REQUIRED, _forced_grammar(schema, "tools")
+        parts = tuple(_forced_grammar(tool["function"]["parameters"], f"tools[{index}].function.parameters")
+                      for index, tool in enumerate(tools) if tool["function"].get("parameters"))
+        return tools, False, REQUIRED, Unchecked({"json": schema}, "tools", parts)
     if named:
         return tools, False, *_named(choice["function"].get("name"), tools)
     if tool_parser is None:
@@ -510,7 +509,7 @@ def _tools(body: dict, tool_parser: str | None) -> tuple[list[dict] | None, bool
     return tools, True, None, None
 
 
-def _named(name, tools: list[dict]) -> tuple[ToolParser, Structured]:
+def _named(name, tools: list[dict]) -> tuple[ToolParser, Unchecked]:
     """A tool_choice naming function `name`: its parser, and the grammar of its parameters."""
     names = [tool["function"]["name"] for tool in tools]
     if name not in names:
@@ -521,12 +520,10 @@ def _named(name, tools: list[dict]) -> tuple[ToolParser, Structured]:
     return named_parser(name), _forced_grammar(parameters, f"tools[{index}].function.parameters")
 
 
-def _forced_grammar(schema: dict, field: str) -> Structured:
-    """The grammar of a forced call; a schema llguidance cannot compile is a 400 that names `field`."""
-    try:
-        return check_structured_outputs({"json": schema}, field)
-    except RequestError as exc:
-        raise ApiError(400, str(exc), "tools") from None
+def _forced_grammar(schema: dict, field: str) -> Unchecked:
+    """The grammar of a forced call, for the request's check to compile; a schema llguidance cannot compile is a 400
+    that names `field` (invalid: its param "tools")."""
+    return Unchecked({"json": schema}, field)
 
 
 def _first_given(body: dict, *names: str):
