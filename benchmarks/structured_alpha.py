@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from compile_scale import tokenizer
+from layer_pair import tail_scale
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -40,12 +41,11 @@ def pair(scratch: Path) -> Path:
     config = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=len(tok), max_position_embeddings=512, eos_token_id=tok.eos_token_id)
     target = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=4, **config))
+    damped = tail_scale(1, 0.3)
     with torch.no_grad():
         for name, p in target.named_parameters():
             if p.dim() > 1:
-                p.normal_(0, 0.15)
-                if "layers.0." not in name and name.endswith(("o_proj.weight", "down_proj.weight")):
-                    p.mul_(0.3)
+                p.normal_(0, 0.15).mul_(damped(name))
     draft = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=1, **config))
     draft.load_state_dict(target.state_dict(), strict=False)
     for name, model in (("target", target), ("draft", draft)):
