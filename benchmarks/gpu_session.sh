@@ -7,6 +7,8 @@
 #   python3 -m pip download -q --no-deps -d .gpu/extra onnx-ir
 #   python3 -m pip download -q -d .gpu/extra --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 \
 #       --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 starlette uvicorn prometheus-client openai httpx
+#   python3 -m pip download -q --no-deps -d .gpu/extra --python-version 3.12 --only-binary=:all: \
+#       --platform manylinux_2_31_x86_64 llguidance==1.9.1   # the runtime's structured outputs import it
 #
 # A session now gets ~15 minutes of the machine in all (setup ~60-100 s of it): check, pairs and graphs
 # fit; peers only if a session has more. The machine goes back after ~30 s without a call, and a fresh one
@@ -110,6 +112,7 @@ check)
     fi
     python3 -m pip install -q --upgrade --no-deps --no-index --find-links .gpu/extra onnx-ir
     python3 -m pip install -q --no-index --find-links .gpu/extra starlette uvicorn prometheus-client openai httpx
+    python3 -m pip install -q --no-deps --no-index --find-links .gpu/extra llguidance
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
     step versions 60 python3 -c "import onnxruntime as o, torch, transformers; o.preload_dlls(); print(o.__version__, o.get_available_providers(), 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
     # onnxruntime-gpu lists TensorrtExecutionProvider: are TensorRT's libraries there to back it (a route to
