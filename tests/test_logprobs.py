@@ -145,7 +145,8 @@ def test_a_records_top_breaks_ties_by_the_lower_id_and_a_ruled_out_token_is_minu
     logits = np.array([1.0, 3.0, 3.0, -np.inf, 3.0, 0.5], np.float32)
     record = token_logprobs(logits, 3, top=2)
     z = math.log(math.exp(1) + 3 * math.exp(3) + math.exp(0.5))
-    assert record == TokenLogprobs(3, -math.inf, ((1, pytest.approx(3 - z)), (2, pytest.approx(3 - z))))
+    assert record == TokenLogprobs(3, -math.inf, ((1, pytest.approx(3 - z)), (2, pytest.approx(3 - z))), 6)
+    assert token_logprobs(logits, 2, top=0).rank == 3  # ties count, as vLLM ranks them
     assert token_logprobs(logits, 0, top=20).top[-1][0] == 3  # every token, however few
 
 

@@ -188,6 +188,34 @@ def test_chat_renders_the_bundle_template_as_transformers_does(client, reference
         assert chunks[-1].choices[0].finish_reason == FINISH[expected.stats.finish_reason]
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_stream_options_add_the_usage_chunk_unless_told_not_to_and_continuous_usage_stats_the_usage_to_every_chunk(
+        server, endpoint):
+    """vLLM's StreamOptions: include_usage is true unless sent false, and continuous_usage_stats (with it) gives each
+    chunk the usage of its choice so far: the prompt's tokens, the tokens decoded, their sum."""
+    ask = {"prompt": PROMPTS[0]} if endpoint == "completions" else {"messages": [{"role": "user", "content": PROMPTS[0]}]}
+
+    def chunks(options: dict) -> list[dict]:
+        body = {**ask, "max_tokens": 12, "temperature": 0, "stream": True, "stream_options": options}
+        with httpx.stream("POST", f"{server}/v1/{endpoint}", json=body) as response:
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        return [json.loads(event) for event in events[:-1]]
+
+    assert chunks({})[-1]["choices"] == [] and "usage" not in chunks({})[-2]
+    assert all(chunk["choices"] and "usage" not in chunk
+               for chunk in chunks({"include_usage": False, "continuous_usage_stats": True}))
+    *counted, last = chunks({"continuous_usage_stats": True})
+    usage = last["usage"]
+    decoded = [chunk["usage"]["completion_tokens"] for chunk in counted]
+    assert decoded == sorted(decoded) and decoded[-1] == usage["completion_tokens"] > 1
+    assert all(chunk["usage"] == {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": tokens,
+                                  "total_tokens": usage["prompt_tokens"] + tokens}
+               for chunk, tokens in zip(counted, decoded))
+    if endpoint == "chat/completions":  # the role's chunk, before any token
+        assert decoded[0] == 0
+
+
 def legacy_logprobs(decoder, records, offset: int = 0) -> dict:
     """OpenAI's completions logprobs for records, as vLLM writes them: each token's text decoded alone."""
     text = [decoder.tokenizer.decode([r.token_id], skip_special_tokens=False) for r in records]
@@ -404,6 +432,57 @@ def test_a_streamed_batch_interleaves_each_prompts_chunks_which_join_to_its_unst
             if expected["logprobs"]:
                 for key in ("tokens", "token_logprobs"):
                     assert [x for c in chunks for x in c["logprobs"][key]] == expected["logprobs"][key]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_return_token_ids_gives_the_prompts_and_the_replys_token_ids_streamed_or_not_as_vllms(server, endpoint):
+    """A whole response's choice has its tokens' ids (the eos among them, as usage counts it), the prompt's ids in a
+    completion's choice, at a chat's top; a stream sends the prompt's in its first chunk (a chat's top, a completion's
+    choice) and each chunk's tokens' ids; unasked, a whole response's fields are null, as vLLM's."""
+    ask = {"prompt": PROMPTS[2]} if endpoint == "completions" else {"messages": [{"role": "user", "content": PROMPTS[2]}]}
+    body = {**ask, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    whole = httpx.post(f"{server}/v1/{endpoint}", json=body).json()
+    [choice] = whole["choices"]
+    tokens = choice["token_ids"]
+    prompt = choice["prompt_token_ids"] if endpoint == "completions" else whole["prompt_token_ids"]
+    tokenize = {"model": MODEL, "add_special_tokens": endpoint == "completions", **ask}
+    assert prompt == httpx.post(f"{server}/tokenize", json=tokenize).json()["tokens"]
+    assert len(tokens) == whole["usage"]["completion_tokens"] and len(prompt) == whole["usage"]["prompt_tokens"]
+    with httpx.stream("POST", f"{server}/v1/{endpoint}", json={**body, "stream": True}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    first = chunks[0] if endpoint == "chat/completions" else chunks[0]["choices"][0]
+    assert first["prompt_token_ids"] == prompt
+    assert [token for chunk in chunks for token in chunk["choices"][0].get("token_ids", [])] == tokens
+    plain = httpx.post(f"{server}/v1/{endpoint}", json={**ask, "max_tokens": 2}).json()
+    assert plain["choices"][0]["token_ids"] is None
+    assert (plain["choices"][0] if endpoint == "completions" else plain)["prompt_token_ids"] is None
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_prompt_logprobs_are_vllms_each_prompt_tokens_logprob_rank_and_text_then_the_n_most_probable(server, reference,
+                                                                                                       endpoint):
+    """null for the first prompt token, then the prompt's token and the N most probable, each by its id, with its
+    logprob, its rank and its text; a completion's in each choice (n 2: the same), a chat's at the top."""
+    ask = {"prompt": PROMPTS[3]} if endpoint == "completions" else {"messages": [{"role": "user", "content": PROMPTS[3]}]}
+    whole = httpx.post(f"{server}/v1/{endpoint}", json={**ask, "max_tokens": 2, "temperature": 0, "n": 2,
+                                                        "prompt_logprobs": 2, "return_token_ids": True}).json()
+    choices = whole["choices"]
+    scores = choices[0]["prompt_logprobs"] if endpoint == "completions" else whole["prompt_logprobs"]
+    ids = choices[0]["prompt_token_ids"] if endpoint == "completions" else whole["prompt_token_ids"]
+    if endpoint == "completions":
+        assert choices[1]["prompt_logprobs"] == scores
+    expected = reference.generate(ids, 0, prompt_logprobs=2).prompt_logprobs
+    assert scores[0] is None and len(scores) == len(expected) == len(ids)
+    for entry, record in zip(scores[1:], expected[1:]):
+        wanted = {record.token_id: (record.logprob, record.rank), **{token: (logprob, rank) for rank, (token, logprob)
+                                                                     in enumerate(record.top, 1)}}
+        assert list(entry) == [str(token) for token in wanted]
+        for token, (logprob, rank) in wanted.items():
+            assert entry[str(token)] == {"logprob": pytest.approx(max(logprob, -9999.0)), "rank": rank,
+                                         "decoded_token": reference.tokenizer.decode([token], skip_special_tokens=False)}
+    if endpoint == "completions":  # echo's logprobs are the same scoring's: one or the other
+        refused = httpx.post(f"{server}/v1/completions", json={**ask, "echo": True, "logprobs": 1, "prompt_logprobs": 1})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
 
 
 def test_tokenize_gives_the_ids_a_completion_decodes_and_detokenize_their_text_as_vllms(server, bundle):
@@ -649,9 +728,12 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "echo": 1}, "echo must be true or false"),
     ("completions", {"prompt": "x", "top_logprobs": 2},
      "unrecognized request argument: 'top_logprobs'; completions ask for the N most probable tokens with \"logprobs\": N"),
-    ("completions", {"prompt": "x", "prompt_logprobs": 1}, "\"echo\": true with \"logprobs\": N gives the prompt's"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1},
-     "come from /v1/completions with \"echo\": true"),
+    ("completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True},
+     "prompt_logprobs are not available with stream: true (as in vLLM)"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1, "stream": True},
+     "prompt_logprobs are not available with stream: true (as in vLLM)"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "return_token_ids": "yes"},
+     "return_token_ids must be true or false"),
     ("completions", {"prompt": ["a", [1, "b"]]}, "prompt must be a string or a list of token ids, or a list of those"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
      "top_logprobs needs logprobs: send \"logprobs\": true with it"),
@@ -778,7 +860,7 @@ def test_bad_requests_get_400_with_a_message(server, endpoint, body, message):
         reply = httpx.post(f"{server}/v1/{endpoint}", content=content, headers={"Content-Type": "application/json"})
         assert reply.status_code == 400, reply.text
         error = reply.json()["error"]
-        assert message in error["message"] and error["type"] == "invalid_request_error"
+        assert message in error["message"] and error["type"] == "BadRequestError"
 
 
 PARAMS = [
@@ -974,7 +1056,7 @@ def test_a_required_reply_is_read_as_vllm_reads_it_and_parallel_tool_calls_false
         assert (message["message"]["content"], message["finish_reason"]) == (None, "tool_calls")
         assert call_list(message["message"]["tool_calls"]) == wanted
     cut = protocol.Reply(protocol.CHAT, MODEL, REQUIRED).whole(text[:30], Stats(finish_reason="max_new_tokens"))
-    assert cut["choices"][0]["message"] == {"role": "assistant", "content": text[:30]}
+    assert cut["choices"][0]["message"] == {"role": "assistant", "content": text[:30], "tool_calls": []}
     assert cut["choices"][0]["finish_reason"] == "length"
     streams_as_whole(text, REQUIRED.parse, REQUIRED.stream)
     streams_as_whole(text[:30], REQUIRED.parse, REQUIRED.stream)
@@ -982,6 +1064,40 @@ def test_a_required_reply_is_read_as_vllm_reads_it_and_parallel_tool_calls_false
     greedy = protocol.sampling_defaults(None, "greedy")
     request = protocol.parse(protocol.CHAT, json.dumps(body).encode(), MODEL, greedy)
     assert request.forced_calls is None and "structured_outputs" not in request.decoding
+
+
+def test_a_message_without_tool_calls_has_an_empty_list_of_them_tools_or_not_as_vllms():
+    from specbuild_runtime.decode import Stats
+    from specbuild_runtime.serve import protocol
+    from specbuild_runtime.serve.tools import PARSERS
+
+    for parser in (None, PARSERS["hermes"]):
+        reply = protocol.Reply(protocol.CHAT, MODEL, parser).whole("Hello.", Stats(finish_reason="eos"))
+        assert reply["choices"][0]["message"] == {"role": "assistant", "content": "Hello.", "tool_calls": []}
+
+
+def test_a_named_functions_call_streams_with_its_name_then_its_arguments_as_they_come_as_vllms():
+    """The first delta is the call (index, id, type, name, the reply's first text as its arguments), each later one
+    more of its arguments under the same index; finish_reason is the reply's, as unstreamed."""
+    from specbuild_runtime.decode import Stats
+    from specbuild_runtime.serve import protocol
+    from specbuild_runtime.serve.tools import named_parser
+
+    reply = protocol.Reply(protocol.CHAT, MODEL, named_parser("get_weather"))
+    pieces = ['{"city"', ': "Zü', 'rich"}']
+    deltas = []
+    for piece in pieces:
+        content, calls = reply.tool_stream.feed(piece)
+        assert content == ""
+        deltas.append(reply.tool_calls_chunk(calls)["choices"][0]["delta"]["tool_calls"])
+    assert reply.tool_stream.end() == ("", [])
+    [first], *rest = deltas
+    assert re.fullmatch(r"call_[0-9a-f]{24}", first.pop("id"))
+    assert first == {"index": 0, "type": "function", "function": {"name": "get_weather", "arguments": pieces[0]}}
+    assert rest == [[{"index": 0, "function": {"arguments": piece}}] for piece in pieces[1:]]
+    assert reply.chunk(stats=Stats(finish_reason="eos"), called=True)["choices"][0]["finish_reason"] == "stop"
+    _, [empty] = named_parser("now").stream().end()  # a reply without text calls it all the same, as unstreamed
+    assert empty["function"] == {"name": "now", "arguments": ""}
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}], ids=["required", "named"])
@@ -1060,6 +1176,20 @@ def test_another_model_name_is_404_and_models_lists_ours(server):
     assert httpx.get(f"{server}/v1/models/gpt-4").status_code == 404
 
 
+def test_errors_are_typed_as_vllm_types_them(server):
+    """vLLM's names for what its serving refuses (BadRequestError, NotFoundError for another model), the status's
+    phrase for what its routing refuses; code the status."""
+    def error(reply: httpx.Response) -> tuple:
+        body = reply.json()["error"]
+        return reply.status_code, body["type"], body["code"], body["param"]
+
+    assert error(httpx.post(f"{server}/v1/completions", json={"prompt": "x", "n": 0})) == (400, "BadRequestError", 400, "n")
+    assert error(httpx.post(f"{server}/v1/completions", json={"model": "gpt-4", "prompt": "x"})) == (
+        404, "NotFoundError", 404, "model")
+    assert error(httpx.post(f"{server}/v1/embeddings", json={"input": "x"})) == (404, "Not Found", 404, None)
+    assert error(httpx.get(f"{server}/v1/completions")) == (405, "Method Not Allowed", 405, None)
+
+
 def test_a_client_whose_base_url_lacks_v1_is_told_where_the_api_is(server):
     """Starlette's 404 said "Not Found" whatever the path, and its 405 "Method Not Allowed": a client configured
     without /v1 (the usual slip) could not tell a wrong address from a wrong server."""
@@ -1105,7 +1235,7 @@ def test_a_request_the_http_parser_cannot_read_is_an_openai_shaped_400(server, r
     status, headers, body = exchange(server, request_bytes)
     assert status.startswith("HTTP/1.1 400") and headers["content-type"] == "application/json"
     error = json.loads(body)["error"]
-    assert error["type"] == "invalid_request_error" and "not valid HTTP/1.1" in error["message"]
+    assert error["type"] == "BadRequestError" and "not valid HTTP/1.1" in error["message"]
 
 
 def test_a_malformed_body_arriving_after_its_response_logs_no_traceback(bundle, caplog):
@@ -1164,7 +1294,7 @@ def test_sigterm_ends_in_flight_streams_cleanly_and_exits(bundle, tmp_path):
     events = [first, *rest]
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
     last = json.loads(events[-2][len("data: "):])
-    assert last.get("error", {}).get("type") == "service_unavailable" or last["choices"][0]["finish_reason"]
+    assert last.get("error", {}).get("type") == "Service Unavailable" or last["choices"][0]["finish_reason"]
     assert "Traceback" not in log.read_text()
 
 
@@ -1427,10 +1557,10 @@ class PausingDecoder:
         self.checks.wait()
         return self._decoder.request(*args, **kwargs)
 
-    def stream_request(self, request, stats, every_token=False, halt=None):
+    def stream_request(self, request, stats, every_token=False, halt=None, token_ids=None):
         index = len(self.deltas)
         self.deltas.append(0)
-        for delta in self._decoder.stream_request(request, stats, every_token, halt):
+        for delta in self._decoder.stream_request(request, stats, every_token, halt, token_ids):
             self.deltas[index] += 1
             yield delta
             if self.deltas[index] == 1:
@@ -1444,8 +1574,8 @@ class ScriptedDecoder(PausingDecoder):
 
     pieces: list[str] = []
 
-    def stream_request(self, request, stats, every_token=False, halt=None):
-        for _ in super().stream_request(request, stats, every_token, halt):
+    def stream_request(self, request, stats, every_token=False, halt=None, token_ids=None):
+        for _ in super().stream_request(request, stats, every_token, halt, token_ids):
             pass
         yield from self.pieces
 
@@ -1942,7 +2072,7 @@ def test_timeout_ends_a_decoding_stream_and_a_queued_request(bundle):
             queued_events = [queued_first, *queued_rest]
         assert queued_events[-1] == "data: [DONE]" and error_of(queued_events[-2])["code"] == 503
         events = [first, *rest]
-        assert events[-1] == "data: [DONE]" and error_of(events[-2])["type"] == "timeout"
+        assert events[-1] == "data: [DONE]" and error_of(events[-2])["type"] == "Gateway Timeout"
 
 
 def test_a_request_that_decoded_past_the_timeout_is_not_resent_by_the_openai_client(bundle):
@@ -2037,7 +2167,7 @@ def test_an_idle_connection_beyond_max_connections_is_answered_503_at_once_and_c
                 reply += chunk
     head, body = reply.split(b"\r\n\r\n", 1)
     assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower()
-    assert json.loads(body)["error"]["type"] == "service_unavailable"
+    assert json.loads(body)["error"]["type"] == "Service Unavailable"
 
 
 def test_a_connection_refused_beyond_max_connections_leaves_the_served_ones_served(bundle):
@@ -2776,7 +2906,11 @@ def streamed_tool_calls(client, ask: dict) -> tuple[str, dict, str | None]:
     for chunk in client.chat.completions.create(**ask, stream=True):
         delta = chunk.choices[0].delta
         content += delta.content or ""
-        calls.update((call.index, call.model_dump()) for call in delta.tool_calls or [])
+        for call in delta.tool_calls or []:  # a delta with the index of a call sent before adds to its arguments
+            if call.index in calls:
+                calls[call.index]["function"]["arguments"] += call.function.arguments
+            else:
+                calls[call.index] = call.model_dump()
         finish = chunk.choices[0].finish_reason or finish
     return content, calls, finish
 
@@ -2858,11 +2992,11 @@ class ScriptedLogprobsDecoder(ScriptedDecoder):
     """A ScriptedDecoder whose streams, for a request with logprobs, pair each piece with a record of its own (token
     id: the piece's index), as the runtime pairs each token's text with its record."""
 
-    def stream_request(self, request, stats, every_token=False, halt=None):
+    def stream_request(self, request, stats, every_token=False, halt=None, token_ids=None):
         from specbuild_runtime import TokenLogprobs
 
-        for index, piece in enumerate(super().stream_request(request, stats, every_token, halt)):
-            yield piece, (TokenLogprobs(index, -1.0 - index, ()),)
+        for index, piece in enumerate(super().stream_request(request, stats, every_token, halt, token_ids)):
+            yield piece, (TokenLogprobs(index, -1.0 - index, (), 1),)
 
 
 def test_a_streamed_reply_calling_tools_sends_each_tokens_logprobs_once_those_of_held_text_at_the_end(bundle):
@@ -3199,8 +3333,8 @@ class HaltingDecoder(ScriptedDecoder):
     resume = threading.Event()
     resumed = False
 
-    def stream_request(self, request, stats, every_token=False, halt=None):
-        for index, piece in enumerate(super().stream_request(request, stats, every_token, halt)):
+    def stream_request(self, request, stats, every_token=False, halt=None, token_ids=None):
+        for index, piece in enumerate(super().stream_request(request, stats, every_token, halt, token_ids)):
             yield piece
             if index == self.halt_after:
                 self.resume.wait(60)
@@ -3245,9 +3379,9 @@ class RecordingDecoder(ScriptedDecoder):
 
     streamed: list = []
 
-    def stream_request(self, request, stats, every_token=False, halt=None):
+    def stream_request(self, request, stats, every_token=False, halt=None, token_ids=None):
         self.streamed.append(request)
-        yield from super().stream_request(request, stats, every_token, halt)
+        yield from super().stream_request(request, stats, every_token, halt, token_ids)
 
 
 @pytest.mark.parametrize("parser, reply, content", [("mistral", MISTRAL_LISTING, "Let me look. "),
@@ -3394,7 +3528,7 @@ def test_a_refused_browser_preflight_is_an_openai_shaped_400_naming_what_is_not_
             reply = httpx.options(f"{url}/v1/completions", headers={"Origin": origin, "Access-Control-Request-Method": method})
             assert reply.status_code == 400 and reply.headers["content-type"] == "application/json"
             error = reply.json()["error"]
-            assert error["type"] == "invalid_request_error" and f"refused ({refused} not allowed)" in error["message"]
+            assert error["type"] == "BadRequestError" and f"refused ({refused} not allowed)" in error["message"]
 
 
 def test_without_allowed_origins_no_web_page_may_call_the_api(server):

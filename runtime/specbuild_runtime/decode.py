@@ -478,20 +478,24 @@ class SpeculativeDecoder:
         return self.stream_request(request, Stats() if stats is None else stats)
 
     def stream_request(self, request: Request, stats: Stats, every_token: bool = False,
-                       halt: threading.Event | None = None) -> Generator[str, None, None]:
+                       halt: threading.Event | None = None,
+                       token_ids: list[int] | None = None) -> Generator[str, None, None]:
         """stream_text for a request already checked by request() (the server checks before queueing).
         every_token: also yield "" for a token whose text is held back, so that the consumer can stop
         between any two tokens (a relay's stop: the async API's cancel, the server's deadlines). halt: once set
         while the request waits for a slot, it stops waiting (a RequestError) instead of taking one.
         A request with logprobs yields (delta, the TokenLogprobs of the tokens decoded since the last) pairs, and
         one more at the end for tokens whose text never came (an eos, text a stop string cut). A request with
-        prompt_logprobs first yields ("", the TokenLogprobs of each prompt token after the first) once they are known."""
+        prompt_logprobs first yields ("", the TokenLogprobs of each prompt token after the first) once they are known.
+        token_ids: each token is appended to it before the item that holds its text (the server's return_token_ids)."""
         text = self._text(request)
         records: list[TokenLogprobs] | None = None if request.logprobs is None else []
         scored = None if request.prompt_logprobs is None else []
         given = 0
         with closing(self._run(request, stats, text, halt, records, scored)) as tokens:
-            for _ in tokens:
+            for token in tokens:
+                if token_ids is not None:
+                    token_ids.append(token)
                 if scored is not None:
                     yield "", tuple(scored)
                     scored = None

@@ -18,6 +18,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float  # log p(token_id); -inf for a token the logits rule out
     top: tuple[tuple[int, float], ...]  # (token id, logprob) of the most probable tokens, most probable first
+    rank: int  # the tokens at least as probable as token_id, it among them (vLLM's rank: 1 for the most probable)
 
 
 def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
@@ -33,7 +34,8 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
         cut = np.partition(logits, len(logits) - top)[len(logits) - top]
         ids = np.flatnonzero(logits >= cut)
         best = tuple((int(i), _less(logits[i], log_z)) for i in ids[np.lexsort((ids, -logits[ids]))][:top])
-    return TokenLogprobs(token, _less(logits[token], log_z), best)
+    rank = int(np.count_nonzero(logits >= logits[token]))
+    return TokenLogprobs(token, _less(logits[token], log_z), best, rank)
 
 
 def _less(logit: np.float32, log_z: float) -> float:

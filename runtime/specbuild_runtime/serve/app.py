@@ -187,7 +187,7 @@ class Server:
         template the server renders; lm-evaluation-harness's remote tokenizer reads its special tokens there."""
         if not self.settings.tokenizer_info:  # vLLM's default too: the template may be the operator's own
             return JSONResponse(ApiError(404, "GET /tokenizer_info is off: start the server with "
-                                              "--enable-tokenizer-info-endpoint, as vLLM's").body(), 404)
+                                              "--enable-tokenizer-info-endpoint, as vLLM's", routing=True).body(), 404)
         config = read_tokenizer_config(self.decoder.root / TOKENIZER_DIR)
         info = {name: _token_texts(value) for name, value in config.items() if name not in ("vocab_file", "merges_file")}
         info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
@@ -236,7 +236,9 @@ class Server:
         logprobs = "logprobs" in request.decoding
         reply = Reply(endpoint, self.settings.model,
                       request.forced_calls or (self.tool_parser if request.parse_tools else None),
-                      request.parallel_tool_calls, Logprobs(endpoint, self.decoder.tokenizer) if logprobs else None)
+                      request.parallel_tool_calls, Logprobs(endpoint, self.decoder.tokenizer) if logprobs else None,
+                      request.return_token_ids,
+                      Logprobs(endpoint, self.decoder.tokenizer) if request.prompt_logprobs else None)
         # A job stopped while it waited for its check (--timeout, the drain's cut) has no request, and no echo: its
         # iteration raises the Stopped that answers it.
         # a prompt's choices share the logprobs its first choice scored
@@ -246,7 +248,7 @@ class Server:
                   if request.echo and job.request else None
                   for index, (one, sent, job) in enumerate(zip(requests, submitted, jobs))]
         if request.stream:
-            return self._stream(endpoint, jobs, reply, request.include_usage, echoes, request.n)
+            return self._stream(endpoint, jobs, reply, request.include_usage, echoes, request.n, request.continuous_usage)
         try:
             answers = await self._collect(jobs, http, logprobs, echoes)
         except Stopped as stop:
@@ -259,8 +261,11 @@ class Server:
                 if score is not None:
                     score.cancel()
         self.metrics.outcome(endpoint, "ok")
-        answered = [(echo.text + text, job.stats, records, echo.first) if echo else (text, job.stats, records, ())
-                    for (text, records), job, echo in zip(answers, jobs, echoes)]
+        answered = [protocol.Answer(echo.text + text if echo else text, job.stats, records, echo.first if echo else (),
+                                    job.token_ids, job.request.prompt_ids,
+                                    # a prompt's choices after the first have the logprobs it scored
+                                    answers[index - index % request.n][2])
+                    for index, ((text, records, _), job, echo) in enumerate(zip(answers, jobs, echoes))]
         return JSONResponse(reply.batch(answered, request.n))
 
     def _stop(self, jobs: list[Job]) -> None:
@@ -359,15 +364,19 @@ class Server:
         return replace(checked, special_tokens=True) if request.parse_tools and self.tool_parser.special_tokens else checked
 
     async def _collect(self, jobs: list[Job], http: HttpRequest, logprobs: bool, echoes: list[Echo | None]) -> list:
-        """Each job's whole text and (logprobs) its tokens' TokenLogprobs, an echo's prompt tokens' first, or
-        Stopped("cancelled") if the client disconnects first."""
-        async def join(job, echo) -> tuple[str, list]:
+        """Each job's whole text, (logprobs) its tokens' TokenLogprobs, an echo's prompt tokens' first, and (vLLM's
+        prompt_logprobs, without echo) its prompt's TokenLogprobs, else None; or Stopped("cancelled") if the client
+        disconnects first."""
+        async def join(job, echo) -> tuple[str, list, Sequence[TokenLogprobs] | None]:
             items = aiter(job)
             scored = await echo.prompt_logprobs(items) if echo else ()
+            # the job's first item where it scored its prompt (a choice after its prompt's first has not)
+            prompt = (await anext(items))[1] if not echo and job.request and job.request.prompt_logprobs is not None else None
             items = [item async for item in items]
             if not logprobs:
-                return "".join(items), []
-            return "".join(delta for delta, _ in items), [*scored, *(record for _, records in items for record in records)]
+                return "".join(items), [], prompt
+            return ("".join(delta for delta, _ in items), [*scored, *(record for _, records in items for record in records)],
+                    prompt)
 
         collecting = asyncio.ensure_future(asyncio.gather(*map(join, jobs, echoes)))
         leaving = asyncio.ensure_future(_disconnected(http))
@@ -382,7 +391,7 @@ class Server:
         return collecting.result()
 
     def _stream(self, endpoint: str, jobs: list[Job], reply: Reply, include_usage: bool, echoes: list[Echo | None],
-                n: int = 1) -> EventStream:
+                n: int = 1, continuous_usage: bool = False) -> EventStream:
         """The server-sent events of a streamed reply, its choices' chunks (a batch's prompts', n choices of each)
         interleaved as they come, each naming its index (vLLM's); echoes: each job's. However the
         response ends, EventStream then stops the jobs (a no-op once they finished; else each slot is freed after at
@@ -393,7 +402,7 @@ class Server:
         async def events():
             nonlocal outcome
             try:
-                choices = [self._choice_events(endpoint, job, reply.choice(index), echo)
+                choices = [self._choice_events(endpoint, job, reply.choice(index), echo, continuous_usage)
                            for index, (job, echo) in enumerate(zip(jobs, echoes))]
                 async with aclosing(_interleaved(choices)) as chunks:  # closed here: its pumps cancelled with it
                     async for event in chunks:
@@ -416,35 +425,57 @@ class Server:
         return EventStream(events(), ended)
 
     @staticmethod
-    async def _choice_events(endpoint: str, job: Job, reply: Reply, echo: Echo | None):
-        """The events of one choice, to its closing chunk; raises Stopped, or the decoder's error."""
+    async def _choice_events(endpoint: str, job: Job, reply: Reply, echo: Echo | None, continuous_usage: bool = False):
+        """The events of one choice, to its closing chunk; raises Stopped, or the decoder's error. continuous_usage:
+        each chunk carries the usage of the choice so far (stream_options.continuous_usage_stats, vLLM's)."""
+        prompt_ids = job.request.prompt_ids if job.request else []
+        seen = 0  # the job's items read so far
+        ids_sent, first = 0, True
+
+        def event(chunk: dict | None, last: bool = False) -> bytes | None:
+            """The chunk's event, with the usage and the token ids of the tokens whose text has been read (the last
+            chunk: every token), as vLLM counts those it has sent."""
+            nonlocal ids_sent, first
+            if chunk is None:
+                return None
+            read = len(job.token_ids) if last else job.decoded[seen - 1] if seen else 0
+            if continuous_usage:
+                prompt = len(prompt_ids)
+                chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": read, "total_tokens": prompt + read}
+            chunk = reply.traced(chunk, job.token_ids[ids_sent:read], prompt_ids if first else None)
+            ids_sent, first = read, False
+            return sse(chunk)
+
         if endpoint == CHAT:
-            yield sse(reply.chunk(first=True))
+            yield event(reply.chunk(first=True))
         items = aiter(job)
         if echo:  # the prompt in a chunk of its own (vLLM's also holds the first token's text)
-            yield sse(reply.chunk(echo.text, records=await echo.prompt_logprobs(items), unscored=echo.first))
+            records = await echo.prompt_logprobs(items)
+            seen += echo.scored  # the job's first item, read there
+            yield event(reply.chunk(echo.text, records=records, unscored=echo.first))
         # With logprobs a job yields (delta, its tokens' records) after every token: records whose text is
         # held back (a possible stop string, a tool call) go with the next chunk that has text, or the last.
         held = []
         async for item in items:
+            seen += 1
             delta, records = item if reply.logprobs else (item, ())
             held += records
             calls = []
             if delta and reply.tool_stream is not None:
                 delta, calls = reply.tool_stream.feed(delta)
             if delta:
-                yield sse(reply.chunk(delta, records=held))
+                yield event(reply.chunk(delta, records=held))
                 held = []
-            if calls and (chunk := reply.tool_calls_chunk(calls)):
-                yield sse(chunk)
+            if calls and (chunk := event(reply.tool_calls_chunk(calls))):
+                yield chunk
         if reply.tool_stream is not None:
             rest, calls = reply.tool_stream.end()
             if rest:
-                yield sse(reply.chunk(rest, records=held))
+                yield event(reply.chunk(rest, records=held))
                 held = []
-            if calls and (chunk := reply.tool_calls_chunk(calls)):
-                yield sse(chunk)
-        yield sse(reply.chunk(stats=job.stats, called=reply.calls_sent > 0, records=held))
+            if calls and (chunk := event(reply.tool_calls_chunk(calls))):
+                yield chunk
+        yield event(reply.chunk(stats=job.stats, called=reply.calls_sent > 0, records=held), last=True)
 
     def _refuse(self, endpoint: str, exc: Exception, started: bool = False) -> Response:
         if isinstance(exc, Stopped):
@@ -724,7 +755,8 @@ async def _http_error(request: HttpRequest, exc: HTTPException) -> Response:
                     else f"this server serves {ENDPOINTS}"))
     elif exc.status_code == 405 and exc.headers and "Allow" in exc.headers:
         message = f"{method} is not allowed on {path}: send {exc.headers['Allow']}"
-    return JSONResponse(ApiError(exc.status_code, message).body(), exc.status_code, headers=exc.headers)  # 405's Allow
+    return JSONResponse(ApiError(exc.status_code, message, routing=True).body(), exc.status_code,
+                        headers=exc.headers)  # 405's Allow
 
 
 async def _internal_error(request: HttpRequest, exc: Exception) -> Response:

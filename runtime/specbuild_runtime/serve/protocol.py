@@ -15,6 +15,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
+from http import HTTPStatus
+from typing import NamedTuple
 
 from tokenizers import Tokenizer
 
@@ -38,14 +40,16 @@ RESPONSE_FORMAT = "response_format"  # OpenAI's structured outputs, read as the 
 # vLLM's extras whose only value here is the default: spaces_between_special_tokens false needs a decoder that
 # tokenizers' decode lacks.
 DEFAULT_ONLY = {"spaces_between_special_tokens": True}
+# vLLM's fields that add to the response: the prompt's logprobs, the prompt's and the reply's token ids
+TRACING = ("prompt_logprobs", "return_token_ids")
 FIELDS = {
     COMPLETIONS: {"model", "prompt", "max_tokens", "stream", "stream_options", "n", "logprobs", "echo", *DECODING,
-                  *DEFAULT_ONLY, "add_special_tokens", RESPONSE_FORMAT},
+                  *DEFAULT_ONLY, "add_special_tokens", RESPONSE_FORMAT, *TRACING},
     CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n", "logprobs",
            "top_logprobs", *DECODING, *DEFAULT_ONLY, "chat_template_kwargs", "add_generation_prompt",
-           "continue_final_message", "tools", "tool_choice", "add_special_tokens", RESPONSE_FORMAT},
+           "continue_final_message", "tools", "tool_choice", "add_special_tokens", RESPONSE_FORMAT, *TRACING},
 }
-STREAM_OPTIONS = {"include_usage"}
+STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 # /tokenize's fields for chat messages besides model, add_special_tokens and return_token_strs (vLLM's, less the
 # multimodal ones and chat_template, which vLLM takes only from a server that trusts requests' templates)
 TOKENIZE_CHAT = ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
@@ -76,8 +80,6 @@ RENDER_ARGUMENTS = {
 # between them sends these.
 INSTEAD = {
     (COMPLETIONS, "top_logprobs"): 'completions ask for the N most probable tokens with "logprobs": N',
-    (COMPLETIONS, "prompt_logprobs"): '"echo": true with "logprobs": N gives the prompt\'s logprobs',
-    (CHAT, "prompt_logprobs"): 'a prompt\'s logprobs come from /v1/completions with "echo": true and "logprobs": N',
     (CHAT, "echo"): 'send the rendered prompt to /v1/completions with "echo": true',
     (COMPLETIONS, "tools"): "send tools to /v1/chat/completions",
     (COMPLETIONS, "tool_choice"): "send tools and tool_choice to /v1/chat/completions",
@@ -185,18 +187,30 @@ def _json(value) -> str:
 
 
 class ApiError(Exception):
-    """An error answered as OpenAI answers them: {"error": {"message", "type", "param", "code"}}."""
+    """An error answered as vLLM answers them: {"error": {"message", "type", "param", "code"}}, its type vLLM's name
+    for the status (its create_error_response's) or, for a status vLLM names none for, the status's phrase ("Method
+    Not Allowed"), as vLLM types the errors its routing raises. routing: the phrase whatever the status (a path
+    served nowhere is vLLM's "Not Found", another model its "NotFoundError")."""
 
-    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-             413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable",
-             504: "timeout"}
+    TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
 
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None,
+                 routing: bool = False):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers or {}
+        self.routing = routing
+
+    @property
+    def type(self) -> str:
+        if self.status in self.TYPES and not self.routing:
+            return self.TYPES[self.status]
+        try:
+            return HTTPStatus(self.status).phrase
+        except ValueError:  # 499, a client gone: no phrase, and nobody reads it
+            return "Client Closed Request"
 
     def body(self) -> dict:
-        return {"error": {"message": _utf8(self.message), "type": self.TYPES.get(self.status, "error"),
+        return {"error": {"message": _utf8(self.message), "type": self.type,
                           "param": None if self.param is None else _utf8(self.param), "code": self.status}}
 
 
@@ -217,7 +231,8 @@ def invalid(exc: Exception) -> ApiError:
         if message.startswith(runtime_name):
             message = api_name + message[len(runtime_name):]
     # the longest name first: "stop_token_ids ..." is no message about "stop"
-    names = sorted((*DECODING, "max_tokens", "logprobs", "prompt", RESPONSE_FORMAT, "tools"), key=len, reverse=True)
+    names = sorted((*DECODING, "max_tokens", "logprobs", "prompt_logprobs", "prompt", RESPONSE_FORMAT, "tools"), key=len,
+                   reverse=True)
     param = next((name for name in names if message.startswith((name, f"the {name}", f"a {name}"))), None)
     return ApiError(400, message, param)
 
@@ -247,6 +262,9 @@ class Request:
     # a text prompt's tokens begin (and end) with the tokenizer's special tokens, a BOS say; vLLM's defaults: a
     # completion's yes, a chat's no (its template writes them)
     add_special_tokens: bool = True
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: every chunk carries the usage so far
+    return_token_ids: bool = False  # the response carries the prompt's and the reply's token ids
+    prompt_logprobs: bool = False  # the response carries the prompt's logprobs (decoding's prompt_logprobs: how many)
 
     def choices(self) -> list[Request]:
         """A request for each choice, by index: each prompt's n in turn, as vLLM numbers them."""
@@ -277,8 +295,12 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
         raise ApiError(400, "stream_options is an object, allowed only with stream: true", "stream_options")
     if unknown := sorted(set(options or {}) - STREAM_OPTIONS):
         raise ApiError(400, f"unrecognized stream_options argument: '{unknown[0]}'", "stream_options")
-    include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
+    # vLLM's StreamOptions: an object sent asks for the usage chunk unless it says otherwise, and its
+    # continuous_usage_stats (with that chunk only) for the usage so far in every chunk
+    include_usage = options is not None and _flag(options, "include_usage", "stream_options.include_usage", True)
+    continuous_usage = include_usage and _flag(options, "continuous_usage_stats", "stream_options.continuous_usage_stats")
     add_special_tokens = _flag(body, "add_special_tokens", default=endpoint == COMPLETIONS)
+    tracing = {"return_token_ids": _flag(body, "return_token_ids"), **_prompt_logprobs(body, stream)}
     _default_only(body)
     decoding = {name: _runtime_value(name, body[name]) for name in DECODING if body.get(name) is not None}
     # Where the default temperature is greedy, a top_p, top_k or min_p that asks for a restriction would be ignored,
@@ -291,6 +313,8 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
         raise ApiError(400, f"{shaping[0]} shapes sampling, and without a temperature this server decodes greedily "
                             f"({defaults.source}; OpenAI's default is 1): send a temperature too, e.g. 1", shaping[0])
     decoding = {**defaults.values, **decoding, **_logprobs(endpoint, body), **_response_format(body)}
+    if tracing["prompt_logprobs"]:
+        decoding["prompt_logprobs"] = body["prompt_logprobs"]
     max_tokens = _first_given(body, *(["max_completion_tokens"] if endpoint == CHAT else []), "max_tokens")
     for name in ("max_completion_tokens", "max_tokens") if endpoint == CHAT else ():
         try:  # checked here, where its own name is known (the runtime's errors say max_tokens), both if both given
@@ -321,8 +345,11 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
                 "variables": _template_variables(body, generation_prompt, continue_final), "tools": tools}
         return Request(CHAT, None, body["messages"], max_tokens, decoding, stream, include_usage, chat, parse_tools,
                        body.get("parallel_tool_calls") is not False, n=n, add_special_tokens=add_special_tokens,
-                       forced_calls=forced)
+                       forced_calls=forced, continuous_usage=continuous_usage, **tracing)
     echo = _flag(body, "echo")
+    if echo and tracing["prompt_logprobs"]:  # both would show the one scoring, each with its own N
+        raise ApiError(400, "prompt_logprobs and echo both ask for the prompt: send \"echo\": true with \"logprobs\": N "
+                            "for the prompt's logprobs in the text's, or prompt_logprobs without echo", "prompt_logprobs")
     if type(max_tokens) is int and max_tokens == 0 and not echo:
         raise ApiError(400, "max_tokens must be >= 1, or 0 with echo: true (the prompt alone, with logprobs scored)",
                        "max_tokens")
@@ -331,7 +358,17 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
     prompts = _prompts(body)
     return Request(COMPLETIONS, prompts[0] if len(prompts) == 1 else None, None, max_tokens, decoding, stream,
                    include_usage, echo=echo, batch=prompts if len(prompts) > 1 else None, n=n,
-                   add_special_tokens=add_special_tokens)
+                   add_special_tokens=add_special_tokens, continuous_usage=continuous_usage, **tracing)
+
+
+def _prompt_logprobs(body: dict, stream: bool) -> dict:
+    """{"prompt_logprobs": whether the response shows them}: vLLM's prompt_logprobs N (checked by the runtime), refused
+    on a stream but for 0, which a stream answers without them as vLLM's does."""
+    value = body.get("prompt_logprobs")
+    if value is not None and stream and not (type(value) is int and value == 0):
+        raise ApiError(400, "prompt_logprobs are not available with stream: true (as in vLLM): send the request "
+                            "unstreamed", "prompt_logprobs")
+    return {"prompt_logprobs": value is not None and not stream}
 
 
 def _response_format(body: dict) -> dict:
@@ -614,9 +651,31 @@ class Logprobs:
                                                         for r in records],
                 "text_offset": list(itertools.accumulate(map(len, tokens), initial=offset))[:len(tokens)]}
 
+    def prompt(self, records: Sequence[TokenLogprobs]) -> list:
+        """vLLM's prompt_logprobs: null for the first prompt token, then for each other one an object from token ids
+        to their {"logprob", "rank", "decoded_token"}: the prompt's token first, then the N most probable (ranks 1 to
+        N; the prompt's token once, where it is among them)."""
+        def entry(token: int, logprob: float, rank: int) -> dict:
+            return {"logprob": max(logprob, LOGPROB_FLOOR), "rank": rank, "decoded_token": self._text([token])}
+        return [None, *({str(r.token_id): entry(r.token_id, r.logprob, r.rank),
+                         **{str(token): entry(token, logprob, rank) for rank, (token, logprob) in enumerate(r.top, 1)}}
+                        for r in records)]
+
     def _entry(self, token: int, logprob: float) -> dict:
         text = self._text([token])
         return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(text.encode("utf-8", "replace"))}
+
+
+class Answer(NamedTuple):
+    """One choice's reply, whole: what Reply.batch answers for it."""
+
+    text: str
+    stats: Stats
+    records: Sequence[TokenLogprobs] = ()  # its tokens' logprobs, where asked for
+    unscored: Sequence[int] = ()  # see Logprobs.of
+    token_ids: Sequence[int] | None = None  # its tokens' ids (return_token_ids)
+    prompt_ids: Sequence[int] | None = None  # its prompt's token ids (return_token_ids)
+    prompt_records: Sequence[TokenLogprobs] | None = None  # its prompt's tokens' after the first (prompt_logprobs)
 
 
 class Reply:
@@ -624,10 +683,14 @@ class Reply:
     tool_choice is "auto": serve's --tool-call-parser), the text's tool calls are parsed out of it by that parser
     (see tools.py); a stream's text goes through `tool_stream`, and its calls come as tool_calls_chunk. Without
     `parallel_tool_calls`, the first call alone is answered (a model asked for one may write more: vLLM keeps the
-    first). With `logprobs` (the request asks for them), each choice carries the logprobs of its tokens."""
+    first). With `logprobs` (the request asks for them), each choice carries the logprobs of its tokens. With
+    `token_ids` (return_token_ids), a response carries its prompt's and its tokens' ids (see traced), and with
+    `prompt_logprobs` (asked for, unstreamed) its prompt's logprobs (Logprobs.prompt), as vLLM's; every whole response
+    has those fields, null where not asked for, as vLLM's."""
 
     def __init__(self, endpoint: str, model: str, tool_parser: ToolParser | None = None,
-                 parallel_tool_calls: bool = True, logprobs: Logprobs | None = None):
+                 parallel_tool_calls: bool = True, logprobs: Logprobs | None = None, token_ids: bool = False,
+                 prompt_logprobs: Logprobs | None = None):
         self.endpoint, self.model = endpoint, model
         self.id = ("chatcmpl-" if endpoint == CHAT else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -637,39 +700,68 @@ class Reply:
         self.tool_stream = tool_parser.stream() if tool_parser else None
         self.most_calls = None if parallel_tool_calls else 1
         self.logprobs = logprobs
+        self.token_ids = token_ids
+        self.prompt_logprobs = prompt_logprobs
         self.sent = 0  # characters of text streamed so far (completions' text_offset)
         self.calls_sent = 0  # a stream's calls so far, those past most_calls counted too
 
     def choice(self, index: int) -> Reply:
         """The chunks of choice `index` of the same stream, with its own text offsets and tool calls."""
-        other = Reply(self.endpoint, self.model, self.tool_parser, self.most_calls is None, self.logprobs)
+        other = Reply(self.endpoint, self.model, self.tool_parser, self.most_calls is None, self.logprobs, self.token_ids,
+                      self.prompt_logprobs)
         other.id, other.created, other.index = self.id, self.created, index
         return other
 
     def whole(self, text: str, stats: Stats, records: Sequence[TokenLogprobs] = (), unscored: Sequence[int] = ()) -> dict:
         """unscored: see Logprobs.of."""
-        return self.batch([(text, stats, records, unscored)])
+        return self.batch([Answer(text, stats, records, unscored)])
 
-    def batch(self, answers: Sequence[tuple[str, Stats, Sequence[TokenLogprobs], Sequence[int]]], n: int = 1) -> dict:
+    def batch(self, answers: Sequence[Answer], n: int = 1) -> dict:
         """The response to several prompts (completions) or choices (n of each prompt in turn): a choice each, by index,
-        and the usage of them all, as vLLM's; each answer as `whole` takes it."""
-        choices = [self._choice(index, *answer) for index, answer in enumerate(answers)]
+        and the usage of them all, as vLLM's. A chat's prompt fields are its first answer's (every choice has its
+        prompt)."""
+        choices = [self._choice(index, answer) for index, answer in enumerate(answers)]
+        prompt = {} if self.endpoint != CHAT else {"prompt_logprobs": self._scores(answers[0].prompt_records),
+                                                   "prompt_token_ids": self._ids(answers[0].prompt_ids)}
         return {**self._head("chat.completion" if self.endpoint == CHAT else "text_completion"),
-                "choices": choices, "usage": usage(*(stats for _, stats, _, _ in answers), n=n)}
+                "choices": choices, "usage": usage(*(answer.stats for answer in answers), n=n), **prompt}
 
-    def _choice(self, index: int, text: str, stats: Stats, records: Sequence[TokenLogprobs], unscored: Sequence[int]) -> dict:
+    def _choice(self, index: int, answer: Answer) -> dict:
+        stats = answer.stats
         finish = FINISH_REASONS[stats.finish_reason]
-        logprobs = self.logprobs.of(records, unscored=unscored) if self.logprobs else None
+        logprobs = self.logprobs.of(answer.records, unscored=answer.unscored) if self.logprobs else None
+        traced = {"token_ids": self._ids(answer.token_ids)}
         if self.endpoint == CHAT:
-            message = {"role": "assistant", "content": text}
-            if self.parse_calls:
-                content, calls = self.parse_calls(text)
-                message = {"role": "assistant", "content": content,
-                           **({TOOL_CALLS: calls[:self.most_calls]} if calls else {})}
-                finish = TOOL_CALLS if calls and self.tool_parser.calls_finish else finish
+            # "tool_calls": [] where there are none, tools or not, as vLLM's message always has it
+            content, calls = self.parse_calls(answer.text) if self.parse_calls else (answer.text, [])
+            message = {"role": "assistant", "content": content, TOOL_CALLS: calls[:self.most_calls]}
+            if calls and self.tool_parser.calls_finish:
+                finish = TOOL_CALLS
             return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish,
-                    "stop_reason": stats.stop_reason}
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stats.stop_reason}
+                    "stop_reason": stats.stop_reason, **traced}
+        return {"index": index, "text": answer.text, "logprobs": logprobs, "finish_reason": finish,
+                "stop_reason": stats.stop_reason, **traced, "prompt_logprobs": self._scores(answer.prompt_records),
+                "prompt_token_ids": self._ids(answer.prompt_ids)}
+
+    def _ids(self, ids: Sequence[int] | None) -> list[int] | None:
+        return list(ids) if self.token_ids and ids is not None else None
+
+    def _scores(self, records: Sequence[TokenLogprobs] | None) -> list | None:
+        return None if records is None else self.prompt_logprobs.prompt(records)
+
+    def traced(self, chunk: dict, token_ids: Sequence[int] = (), prompt_ids: Sequence[int] | None = None) -> dict:
+        """A stream's chunk with return_token_ids' fields, as vLLM's: the ids of the tokens read since the last chunk,
+        and the prompt's (`prompt_ids`: this is the first chunk of its choice) at the top of a chat's first chunk,
+        in a completion's choice."""
+        if not self.token_ids:
+            return chunk
+        if prompt_ids is not None and self.endpoint == CHAT:
+            return {**chunk, "prompt_token_ids": list(prompt_ids)}  # its role's chunk, before any token
+        [choice] = chunk["choices"]
+        choice["token_ids"] = list(token_ids)
+        if prompt_ids is not None:
+            choice["prompt_token_ids"] = list(prompt_ids)
+        return chunk
 
     def chunk(self, text: str | None = None, stats: Stats | None = None, first: bool = False,
               called: bool = False, records: Sequence[TokenLogprobs] = (), unscored: Sequence[int] = ()) -> dict:
@@ -691,13 +783,17 @@ class Reply:
         return {**self._head("text_completion"), "choices": [choice]}
 
     def tool_calls_chunk(self, calls: list[dict]) -> dict | None:
-        """A chat stream's next tool calls, each whole in one delta (its "index", counted over the stream, tells the
-        client's accumulator which); None where none is to be sent."""
-        first, self.calls_sent = self.calls_sent, self.calls_sent + len(calls)
-        kept = calls[:None if self.most_calls is None else max(0, self.most_calls - first)]
-        if not kept:
+        """A chat stream's next tool calls, each a call (with its id) or more arguments of the call before it (without
+        one), in one delta whose "index", counted over the stream, tells the client's accumulator which call; None
+        where none is to be sent."""
+        deltas = []
+        for call in calls:
+            self.calls_sent += "id" in call
+            if self.most_calls is None or self.calls_sent <= self.most_calls:
+                deltas.append({"index": self.calls_sent - 1, **call})
+        if not deltas:
             return None
-        delta = {TOOL_CALLS: [{"index": first + offset, **call} for offset, call in enumerate(kept)]}
+        delta = {TOOL_CALLS: deltas}
         return {**self._head("chat.completion.chunk"),
                 "choices": [{"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None,
                              "stop_reason": None}]}

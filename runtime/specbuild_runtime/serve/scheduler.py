@@ -15,6 +15,7 @@ import asyncio
 import collections
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
@@ -59,6 +60,10 @@ class Job:
     done: bool = False  # its worker returned and the slot is free
     timer: asyncio.TimerHandle | None = None
     check: asyncio.Future | None = None  # its check, while it is waited for
+    # The tokens decoded, and how many there were when each item was posted (by the worker, before it posts it): the
+    # ids and usage of the text read so far (return_token_ids, continuous_usage_stats), the worker being ahead of it.
+    token_ids: list[int] = field(default_factory=list)
+    decoded: list[int] = field(default_factory=list)
 
     def __aiter__(self) -> Relay:
         return self.relay
@@ -178,9 +183,18 @@ class Scheduler:
         job.started = True
         self._running.add(job)
         self.metrics.slots_busy.set(len(self._running))
+        job.relay.start(self.decoder.workers, partial(self._deltas, job), held=("",)).add_done_callback(
+            lambda _: self._finished(job))
+
+    def _deltas(self, job: Job):
+        """The job's items, each posted one (all but the held "") counted in job.decoded."""
         # halt: a stop also ends the scoring of a long prompt (echo's logprobs), many calls before the first token
-        deltas = partial(self.decoder.stream_request, job.request, job.stats, every_token=True, halt=job.relay.halt)
-        job.relay.start(self.decoder.workers, deltas, held=("",)).add_done_callback(lambda _: self._finished(job))
+        with closing(self.decoder.stream_request(job.request, job.stats, every_token=True, halt=job.relay.halt,
+                                                 token_ids=job.token_ids)) as items:
+            for item in items:
+                if item != "":
+                    job.decoded.append(len(job.token_ids))
+                yield item
 
     def _finished(self, job: Job) -> None:
         """On the loop, after the worker returned (the relay has ended the job's deltas): the slot is free; start

@@ -476,12 +476,34 @@ def named_parser(name: str) -> ToolParser:
     max_tokens cut them short)."""
     def parse(text: str) -> tuple[str | None, list[dict]]:
         return None, [_written_call(name, text)]
-    return ToolParser(parse, lambda: WholeStream(parse), calls_finish=False)
+    return ToolParser(parse, lambda: NamedStream(name), calls_finish=False)
+
+
+class NamedStream:
+    """A reply forced into the arguments of function `name`, streamed as vLLM streams it: the call (its id, type,
+    name, and the reply's first text as its arguments' beginning), then each later text as more of its arguments
+    (a delta without an id: the call before it continues). Nothing later changes what went out, as the whole
+    reply is the arguments."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.begun = False
+
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        if self.begun:
+            return "", [{"function": {"arguments": delta}}]
+        self.begun = True
+        return "", [_written_call(self.name, delta)]
+
+    def end(self) -> tuple[str, list[dict]]:
+        """A reply without text still calls the function, with empty arguments, as unstreamed."""
+        return "", ([] if self.begun else [_written_call(self.name, "")])
 
 
 class WholeStream(HeldStream):
-    """A reply forced into calls is held whole and parsed at its end (vLLM streams the arguments as they come; the
-    calls it ends with are the same)."""
+    """A reply forced into "required" calls is held whole and parsed at its end. vLLM streams each call as its name
+    and arguments form, but a reply max_tokens cuts short is content unstreamed, which calls sent could not take
+    back."""
 
     def _begins(self, text: str) -> tuple[int, int]:
         return 0, 0
