@@ -153,7 +153,8 @@ def test_group_query_attention_replayed_as_a_cuda_graph_matches_numpy(packed, kv
     every call over a cache: each replay must attend over seqlens_k's length. Passed on an H100 (2026-11-26,
     cuDNN's SDPA still on) fed max_seq_len: 4 query heads over 2 KV heads of 64, q, k and v apart and packed
     (those two on an H200 too), as many KV heads as query heads (mha, as GPT-2's) and the tests' tiny GPT-2's
-    heads of 16. Rows + 1 not yet run on a GPU."""
+    heads of 16. Since it was parametrized it had checked nothing: on the H100 (2026-11-27) every case stopped
+    at a TypeError before its first check, a list of inputs named `fed` hiding the parameter (now `feeds`)."""
     ort.preload_dlls()
     choose_attention_kernels()
     dtype, device = np.float16, "cuda"
@@ -182,9 +183,9 @@ def test_group_query_attention_replayed_as_a_cuda_graph_matches_numpy(packed, kv
         q = rng.standard_normal((rows, HEADS, head_dim)).astype(dtype)
         k, v = (rng.standard_normal((rows, kv_heads, head_dim)).astype(dtype) for _ in range(2))
         keys[first:total], values[first:total] = k, v
-        fed = [("query", np.concatenate([a.reshape(rows, -1) for a in (q, k, v)], axis=1))] if packed else [
+        feeds = [("query", np.concatenate([a.reshape(rows, -1) for a in (q, k, v)], axis=1))] if packed else [
             ("query", q), ("key", k), ("value", v)]
-        for name, array in fed:
+        for name, array in feeds:
             inputs[rows, name].update_inplace(np.ascontiguousarray(array.reshape(1, rows, -1)))
             binding.bind_ortvalue_input(name, inputs[rows, name])
         seqlens_k.update_inplace(np.array([total - 1], np.int32))
