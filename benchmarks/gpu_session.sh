@@ -33,11 +33,12 @@
 #   bash benchmarks/gpu_session.sh options # on that pair: the MatMuls under TunableOp, the kernels with
 #                                          # cuDNN's attention (off by default), the pair in int4 (uncaptured
 #                                          # and with CUDA graphs)                                  ~4 min
-#   bash benchmarks/gpu_session.sh splits  # on that pair: calls over a cache fed total_len = their rows + 1
-#                                          # (SPECBUILD_GPU_TOTAL_LEN=rows) against max_seq_len (the default):
-#                                          # GroupQueryAttention alone, the kernels, bench at contexts 64 and 1024
-#                                          # (one flash split instead of 4: no memsets or combine),
-#                                          # then GPU tests fed so                         ~2 min + ~3 min
+#   bash benchmarks/gpu_session.sh splits  # on that pair: calls over a cache fed total_len = the bucket that
+#                                          # holds them (SPECBUILD_GPU_TOTAL_LEN=bucket: 256, 512, 1024 or 2048)
+#                                          # against max_seq_len (the default): GroupQueryAttention alone, the
+#                                          # kernels, bench at contexts 64 and 1024 (at 64 one flash split
+#                                          # instead of 4: no memsets or combine), then GPU tests fed so
+#                                          #                                           ~2 min + ~3 min
 #   bash benchmarks/gpu_session.sh serve   # on that pair: `specbuild serve --device cuda`, 1 and 4 slots, with and
 #                                          # without CUDA graphs (captured calls take turns across slots; the
 #                                          # first requests pay each thread's captures), 16 streaming clients,
@@ -55,8 +56,9 @@
 # For a 15-minute session: the setup, `quick` (~6 min), then on the same warm machine `splits` (~5 min) and
 # `peers` or `graphs` with what is left (timeout_s: the budget left minus ~30 s; a call cut at its limit brings
 # back the steps it finished). On the H100 (2026-11-27) setup + `quick` took 329 s of the call, `big` 187 s,
-# `serve` 65 s and `options` 107 s (benchmarks/h100-2026-11-27): those four are measured; `splits`, `peers`
-# and `graphs`' second half (the 1.1B kernels with cuDNN's attention off, the default) are not, on the H100.
+# `serve` 65 s and `options` 107 s (benchmarks/h100-2026-11-27): those four are measured; `splits` ran once, fed
+# rows + 1 (since replaced by buckets; its time not kept); `peers` and `graphs`' second half (the 1.1B kernels with
+# cuDNN's attention off, the default) are not measured on the H100.
 #
 # A failing step is logged and the next one still runs: one call must bring back as much as it can.
 set -uo pipefail
@@ -208,13 +210,14 @@ options)
 splits)
     needs_pairs splits
     # Needs `pairs` first on the same machine. onnxruntime sizes flash attention's split-KV launch by the total_len
-    # it reads on the host: at max_seq_len 2048 it splits each layer 4 ways (2 memsets and a combine kernel a layer,
-    # ~8 us with their gaps at the 8B's times: ~0.17 ms of a 1.1B call, suspected); fed the call's rows + 1 it
-    # does not split (slot.GPU_TOTAL_LEN). Correct first (the kernel alone, captured too), then each way on the
-    # same machine: the kernels, and bench (its target step at contexts 64 and 1024 shows what one split costs
-    # where the cache is long). Not yet run.
-    step attention-rows 60 python3 -m pytest -m gpu tests/test_attention.py -k "rows"
-    for fed in max rows; do
+    # it reads on the host: at max_seq_len 2048 it splits each layer 4 ways (2 memsets and a combine kernel a layer).
+    # Fed the call's rows + 1 (H100, 2026-11-27) it did not split and a target-only call took 1.729 ms instead of
+    # 1.827, but decoded wrong: no less than the real length will do (slot.fed_total_len). Fed the bucket that
+    # holds the call (slot.GPU_TOTAL_LEN), it should not split up to 256 keys. Correct first (the kernel alone,
+    # captured too, a graph per bucket), then each way on the same machine: the kernels, and bench (its target
+    # step at context 64 should lose the split, at 1024 keep 4). Bucket not yet run.
+    step attention-bucket 60 python3 -m pytest -m gpu tests/test_attention.py -k "bucket"
+    for fed in max bucket; do
         step "kernels-fed-$fed" 90 env SPECBUILD_GPU_TOTAL_LEN=$fed python3 benchmarks/gpu_kernels.py "$bundle" -n 64 \
             --json "$out/kernels-fed-$fed.json"
         step "bench-fed-$fed" 120 env SPECBUILD_GPU_TOTAL_LEN=$fed python3 -m specbuild bench "$bundle" --device cuda \
@@ -226,10 +229,11 @@ splits)
     step kernels-no-flash-decode 90 env ORT_DISABLE_FLASH_DECODE=1 python3 benchmarks/gpu_kernels.py "$bundle" -n 64 \
         --json "$out/kernels-no-flash-decode.json"
     # Last (a call cut at its limit keeps the steps above): the GPU tests that hold tokens to transformers' and
-    # replays to uncaptured calls, every call over a cache fed its rows + 1.
-    step gpu-tests-rows 240 env SPECBUILD_GPU_TOTAL_LEN=rows python3 -m pytest -m gpu tests/test_gpu.py \
+    # replays to uncaptured calls, every call over a cache fed its bucket (their bundles' max_seq_len 256: buckets of
+    # 32, 64, 128 and 256).
+    step gpu-tests-bucket 240 env SPECBUILD_GPU_TOTAL_LEN=bucket python3 -m pytest -m gpu tests/test_gpu.py \
         -k "verify_on_cuda or decode_the_tokens_of_uncaptured or replay_the_tokens or steps_graph_drafts" \
-        --junitxml="$out/gpu-tests-rows.xml"
+        --junitxml="$out/gpu-tests-bucket.xml"
     ;;
 serve)
     needs_pairs serve

@@ -12,6 +12,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from specbuild_runtime.engine import PROVIDERS, choose_attention_kernels, session_options
+from specbuild_runtime.slot import total_len_buckets
 
 HEADS, KV_HEADS, HEAD_DIM, MAX_LEN = 4, 2, 64, 32  # head_dim of Llama-class models
 # (first position, total length) of each call: a prompt of 7, verification calls of 2 and 5 rows, a
@@ -73,13 +74,14 @@ DEVICES = [pytest.param("cpu", np.float32, id="cpu-fp32"), pytest.param("cpu", n
 
 
 @pytest.mark.parametrize("window", [None, 5], ids=["causal", "window-5"])
-@pytest.mark.parametrize("fed", ["real", "max", "rows"], ids=["total-len", "total-len-max", "total-len-rows"])
+@pytest.mark.parametrize("fed", ["real", "max", "bucket"], ids=["total-len", "total-len-max", "total-len-bucket"])
 @pytest.mark.parametrize("device,dtype", DEVICES)
 def test_group_query_attention_over_a_shared_cache_matches_numpy(device, dtype, fed, window):
-    """fed: what every call over the cache is fed as total_len: its real length, max_seq_len or its rows + 1,
-    as the runtime feeds it on a GPU (slot.fed_total_len, GPU_TOTAL_LEN), the lengths then coming from
-    seqlens_k alone. window: local_window_size, as the engines of sliding-window models set it (on CUDA not
-    checked against transformers otherwise)."""
+    """fed: what every call over the cache is fed as total_len: its real length, max_seq_len or the bucket
+    that holds it, as the runtime feeds it on a GPU (slot.fed_total_len, GPU_TOTAL_LEN), the lengths then
+    coming from seqlens_k alone; no less than the real length: fed its rows + 1, the call over positions 7..8
+    was off by ~2 on an H100 (2026-11-27, right on the CPU). window: local_window_size, as the engines of
+    sliding-window models set it (on CUDA not checked against transformers otherwise)."""
     attend_as_the_engines(device, dtype, fed, window)
 
 
@@ -98,8 +100,11 @@ def test_group_query_attention_on_cuda_ignores_what_the_cache_holds_past_its_len
 
 
 def fed_total_len(fed: str, first: int, total: int) -> int:
-    """What a call over positions first..total-1 is fed as total_len (see slot.fed_total_len)."""
-    return {"real": total, "max": MAX_LEN, "rows": total - first + 1}[fed] if first else total
+    """What a call over positions first..total-1 is fed as total_len (see slot.fed_total_len): with a cache of
+    32, buckets of 4, 8, 16 and 32."""
+    if not first or fed == "real":
+        return total
+    return MAX_LEN if fed == "max" else min(bucket for bucket in total_len_buckets(MAX_LEN) if bucket >= total)
 
 
 def attend_as_the_engines(device: str, dtype, fed: str, window: int | None, unwritten: float = 0.0) -> None:
@@ -137,7 +142,8 @@ def attend_as_the_engines(device: str, dtype, fed: str, window: int | None, unwr
 
 
 # Calls over the cache of one row count, as a CUDA graph replays one shape: 2 rows each (a verification of
-# one draft), rolling back once (rewriting 10..11), at lengths a capture never saw.
+# one draft), rolling back once (rewriting 10..11), at lengths a capture never saw, crossing from the bucket
+# of 16 to that of 32.
 CAPTURED_CALLS = [(7, 9), (9, 11), (11, 13), (10, 12), (12, 14), (14, 16), (16, 18), (18, 20)]
 
 
@@ -146,11 +152,12 @@ CAPTURED_CALLS = [(7, 9), (9, 11), (11, 13), (10, 12), (12, 14), (14, 16), (16, 
 @pytest.mark.parametrize("packed, kv_heads, head_dim", [(False, KV_HEADS, HEAD_DIM), (True, KV_HEADS, HEAD_DIM),
                                                       (True, HEADS, HEAD_DIM), (True, HEADS, 16)],
                          ids=["q-k-v", "packed-qkv", "mha", "mha-head-dim-16"])
-@pytest.mark.parametrize("fed", ["max", "rows"], ids=["total-len-max", "total-len-rows"])
+@pytest.mark.parametrize("fed", ["max", "bucket"], ids=["total-len-max", "total-len-bucket"])
 def test_group_query_attention_replayed_as_a_cuda_graph_matches_numpy(packed, kv_heads, head_dim, fed):
-    """GroupQueryAttention alone without rotary (as GPT-2's engines call it) captured once and replayed as a
-    CUDA graph, fed total_len = max_seq_len (or the call's rows + 1: slot.GPU_TOTAL_LEN) as the runtime feeds
-    every call over a cache: each replay must attend over seqlens_k's length. Passed on an H100 (2026-11-26,
+    """GroupQueryAttention alone without rotary (as GPT-2's engines call it) captured once per total_len fed
+    and replayed as a CUDA graph, fed total_len = max_seq_len (or the bucket that holds the call, a graph
+    each: slot.GPU_TOTAL_LEN) as the runtime feeds every call over a cache: each replay must attend over
+    seqlens_k's length. Passed on an H100 (2026-11-26,
     cuDNN's SDPA still on) fed max_seq_len: 4 query heads over 2 KV heads of 64, q, k and v apart and packed
     (those two on an H200 too), as many KV heads as query heads (mha, as GPT-2's) and the tests' tiny GPT-2's
     heads of 16. Since it was parametrized it had checked nothing: on the H100 (2026-11-27) every case stopped
@@ -189,12 +196,15 @@ def test_group_query_attention_replayed_as_a_cuda_graph_matches_numpy(packed, kv
             inputs[rows, name].update_inplace(np.ascontiguousarray(array.reshape(1, rows, -1)))
             binding.bind_ortvalue_input(name, inputs[rows, name])
         seqlens_k.update_inplace(np.array([total - 1], np.int32))
-        total_len.update_inplace(np.array(fed_total_len(fed, first, total), np.int32))
+        fed_len = fed_total_len(fed, first, total)
+        total_len.update_inplace(np.array(fed_len, np.int32))
         binding.bind_ortvalue_output("output", outputs[rows])
         run = ort.RunOptions()
-        run.add_run_config_entry("gpu_graph_id", "1" if first else "-1")  # the prompt's call is never captured
+        # A graph for each total_len fed (a replay keeps its capture's); the prompt's call is never captured.
+        run.add_run_config_entry("gpu_graph_id", str(fed_len) if first else "-1")
         session.run_with_iobinding(binding, run)
         got = outputs[rows].numpy()[0].astype(np.float64)
         expected = reference(q.astype(np.float64), keys, values, first)
         error = np.abs(got - expected).max()
-        assert error < 3e-3, f"call {index} over positions {first}..{total - 1} (captured calls from the 2nd of 2 rows on) off by {error:.2e}"
+        assert error < 3e-3, (f"call {index} over positions {first}..{total - 1} fed total_len {fed_len} (captured calls "
+                              f"from the 2nd of 2 rows on) off by {error:.2e}")

@@ -384,7 +384,7 @@ def test_a_bad_specbuild_gpu_total_len_is_one_line_where_a_decoder_starts(bundle
     result = subprocess.run([*run, "generate", str(bundles("llama")), "-p", "x", "-n", "2"], capture_output=True,
                             text=True, env=env)
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
-    assert result.stderr.startswith("error: SPECBUILD_GPU_TOTAL_LEN='row' is neither max nor rows"), result.stderr
+    assert result.stderr.startswith("error: SPECBUILD_GPU_TOTAL_LEN='row' is neither max nor bucket"), result.stderr
 
 
 def test_generate_to_a_stdout_that_cannot_spell_the_text_escapes_it(bundles):

@@ -219,30 +219,28 @@ def test_only_penalties_push_the_counts_each_token_not_logit_bias_or_min_tokens_
     assert pushes(4, repetition_penalty=1.2) < pushes(16, repetition_penalty=1.2)  # the counts: each call
 
 
-@pytest.mark.parametrize("fed", ["max", "rows"])
+@pytest.mark.parametrize("fed", ["max", "bucket"])
 def test_cuda_graph_calls_decode_the_tokens_of_the_full_graphs_and_each_graph_id_names_one_call_shape(bundle, tokenizer,
                                                                                                      monkeypatch, fed):
     """cuda_graphs=True runs the engines' greedy-only graphs with fixed-row target calls, each call naming the
     CUDA graph it replays as on a GPU (onnxruntime's CPU provider ignores the ids, so the bookkeeping runs
     here). A replay reads nothing on the host, so an id must always name the same slot, row count,
-    num_drafts and input buffer, at any length (total_len is fed as max_seq_len, or as the call's rows + 1:
-    slot.GPU_TOTAL_LEN); a prompt's first call (total_len == rows) and a call too
-    long for a reused buffer name none (-1), and every id runs uncaptured first (WARM_UP_RUNS)."""
+    num_drafts, input buffer and total_len, one that holds the call's length (max_seq_len, or the bucket
+    that holds it: slot.GPU_TOTAL_LEN); a prompt's first call (fed its own length, total_len == rows) and a
+    call too long for a reused buffer name none (-1), and every id runs uncaptured first (WARM_UP_RUNS)."""
     monkeypatch.setattr(slot_module, "GPU_TOTAL_LEN", fed)
     calls = []
     choose = EngineSlot._graph
 
-    def spy(self, rows, num_drafts, total_len):
-        options = choose(self, rows, num_drafts, total_len)
+    def spy(self, rows, num_drafts, fed_len):
+        options = choose(self, rows, num_drafts, fed_len)
         if options is None:  # the decoder without CUDA graphs
             return options
+        total_len = int(self._seqlens_k.host[0]) + 1
+        assert self._total_len.host[()] == fed_len >= total_len, (fed_len, total_len)
         buffer = self._ids[rows].value.data_ptr() if rows <= MAX_REUSED_IDS else None
-        graph = slot_module.graph_id(self.engine, self.index, rows, num_drafts, total_len)
-        if graph >= 0:  # a replay keeps its capture's total_len: one for all
-            assert self._total_len.host[()] == (self.engine.max_seq_len if fed == "max" else rows + 1), (
-                total_len, self._total_len.host)
-        calls.append((self.engine.info.role, graph,
-                      (self.index, rows, num_drafts, buffer), total_len,
+        graph = slot_module.graph_id(self.engine, self.index, rows, num_drafts, fed_len)
+        calls.append((self.engine.info.role, graph, (self.index, rows, num_drafts, buffer, fed_len), total_len,
                       int(options.get_run_config_entry("gpu_graph_id"))))
         return options
 
@@ -272,6 +270,11 @@ def test_cuda_graph_calls_decode_the_tokens_of_the_full_graphs_and_each_graph_id
     assert {index for (index, *_) in shapes.values()} == {0, 1}
     assert {role for role, _ in shapes} == {"target", "draft"}
     assert any(count > WARM_UP_RUNS for count in runs.values())  # some were replayed
+    fed_lens = {shape[-1] for shape in shapes.values()}
+    if fed == "max":
+        assert fed_lens == {graphs.max_seq_len}
+    else:  # calls in several buckets, each with graphs of its own
+        assert len(fed_lens) > 1 and fed_lens <= set(slot_module.total_len_buckets(graphs.max_seq_len)), fed_lens
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0.8}, {"temperature": 1.0, "top_k": 20},
@@ -362,24 +365,30 @@ def test_the_drafts_steps_graph_drafts_what_a_call_per_token_drafts(architecture
     assert steps_calls and all(lengths == [total + j for j in range(4)] for _, total, lengths in steps_calls)
 
 
-@pytest.mark.parametrize("fed", ["max", "rows"])
-def test_steps_graph_calls_feed_every_step_the_full_length_as_on_cuda(bundle, steps_calls, monkeypatch, fed):
+@pytest.mark.parametrize("fed", ["max", "bucket"])
+def test_steps_graph_calls_feed_every_step_the_length_that_holds_their_last_as_on_cuda(bundle, steps_calls, monkeypatch, fed):
     """As on CUDA (captures forced on; the CPU provider ignores graph ids): a steps call over a cache feeds
-    every step total_len = max_seq_len (a replay keeps its capture's total_len), or each step its rows + 1
-    (slot.GPU_TOTAL_LEN "rows": 2 for the steps after the first), and decodes the same tokens."""
+    every step total_len = max_seq_len (a replay keeps its capture's total_len), or every step the bucket that
+    holds its last step (slot.GPU_TOTAL_LEN "bucket"), and decodes the same tokens."""
     monkeypatch.setattr(slot_module, "GPU_TOTAL_LEN", fed)
     normal = SpeculativeDecoder(bundle)
     graphs = SpeculativeDecoder(bundle, cuda_graphs=True, target_rows=fixed_rows(normal.max_gamma), draft_steps=True)
     for engine in (graphs.target, graphs.draft, graphs.steps_engine):
         engine.captures = True
-    for prompt in (PROMPTS[3], PROMPTS[5]):
+    for prompt in (PROMPTS[3], PROMPTS[5], PROMPTS[4]):  # PROMPTS[4], γ 4: a call over 31..34, across 32
         for gamma in (4, 8):
             assert graphs.generate(prompt, NEW_TOKENS, gamma).token_ids == normal.generate(prompt, NEW_TOKENS, gamma).token_ids
     assert steps_calls
+    buckets = slot_module.total_len_buckets(graphs.max_seq_len)
+
+    def held(total_len: int) -> int:
+        return graphs.max_seq_len if fed == "max" else min(b for b in buckets if b >= total_len)
+
     for rows, total_len, lengths in steps_calls:
-        over_cache = [graphs.max_seq_len] * 4 if fed == "max" else [rows + 1, 2, 2, 2]
-        first = [total_len] if rows == total_len else over_cache[:1]  # a prompt's first call: its own length
-        assert lengths == first + over_cache[1:]
+        first = [total_len] if rows == total_len else [held(total_len + 3)]  # a prompt's first call: its own length
+        assert lengths == first + [held(total_len + 3)] * 3
+    if fed == "bucket":
+        assert any(held(total_len) < held(total_len + 3) for rows, total_len, _ in steps_calls if rows < total_len)
 
 
 @pytest.mark.parametrize("steps_file", [None, "draft.greedy.onnx"], ids=["compiled-before-it", "not-a-steps-graph"])

@@ -37,9 +37,13 @@ WARM_UP_RUNS = 2
 PREFILL_CHUNK = 256
 
 # The total_len a call over a cache is fed where it is not the real one (CUDA; see fed_total_len): "max" (the
-# cache's max_seq_len) or "rows" (the call's rows + 1). Set SPECBUILD_GPU_TOTAL_LEN=rows to try the latter.
-# Checked where a decoder starts (check_gpu_total_len): raised at import, a typo made every command a traceback.
+# cache's max_seq_len) or "bucket" (the smallest of TOTAL_LEN_BUCKETS lengths that holds the call). Set
+# SPECBUILD_GPU_TOTAL_LEN=bucket to try the latter. Checked where a decoder starts (check_gpu_total_len): raised at
+# import, a typo made every command a traceback.
 GPU_TOTAL_LEN = os.environ.get("SPECBUILD_GPU_TOTAL_LEN") or "max"
+# "bucket" feeds max_seq_len >> k for k < TOTAL_LEN_BUCKETS (2048: 256, 512, 1024, 2048), each with CUDA graphs of
+# its own: more buckets, more captures a call shape.
+TOTAL_LEN_BUCKETS = 4
 
 # What onnxruntime's messages say when a call found no memory (CUDA, the CPU allocator, the BFC arena).
 OUT_OF_MEMORY = ("out of memory", "bad_alloc", "bad allocation", "failed to allocate")
@@ -121,48 +125,64 @@ class Buffer:
 
 
 def check_gpu_total_len() -> None:
-    if GPU_TOTAL_LEN not in ("max", "rows"):
-        raise DeviceError(f"SPECBUILD_GPU_TOTAL_LEN={GPU_TOTAL_LEN!r} is neither max nor rows: set it to one of "
+    if GPU_TOTAL_LEN not in ("max", "bucket"):
+        raise DeviceError(f"SPECBUILD_GPU_TOTAL_LEN={GPU_TOTAL_LEN!r} is neither max nor bucket: set it to one of "
                           "them, or unset it")
 
 
-def fed_total_len(engine: Engine, first: int, total_len: int) -> int:
-    """The total_len a call feeding positions first..total_len-1 is fed.
+def total_len_buckets(max_seq_len: int) -> list[int]:
+    """What a call over a cache may be fed as total_len under GPU_TOTAL_LEN "bucket", longest first."""
+    return [max_seq_len >> k for k in range(TOTAL_LEN_BUCKETS)]
+
+
+def fed_total_len(engine: Engine, first: int, total_len: int, reach: int = 0) -> int:
+    """The total_len a call feeding positions first..total_len-1 is fed; reach: the longest total_len of the
+    call (a steps call feeds all its steps that of its last), if longer.
 
     GroupQueryAttention reads total_len on the host and sizes its kernels by it; the lengths it attends
     over come from seqlens_k on the device. A CUDA graph replays its capture's total_len (replays at
-    later lengths gave other tokens on an H100), so a call over a cache says the cache is full: one
-    kernel shape at every length. On the GPU uncaptured calls do the same, so that both run the same
-    kernels (measured so on the H100: the same tokens, the same speed uncaptured).
+    later lengths gave other tokens on an H100), so a call over a cache is fed one that holds many
+    lengths: max_seq_len (one kernel shape at every length), or under GPU_TOTAL_LEN "bucket" the smallest
+    of total_len_buckets that holds the call (graph_id: a graph per bucket). On the GPU uncaptured calls are
+    fed the same, so that both run the same kernels (measured so on the H100 fed max_seq_len: the same
+    tokens, the same speed uncaptured).
 
-    Any value from the call's rows + 1 up attends the same (only a call fed exactly its row count is a
-    prompt's first; tests/test_attention.py) on the CPU and in CUDA's flash, memory-efficient, cuDNN and XQA
-    kernels, which read the lengths from seqlens_k (onnxruntime's unfused fallback, for heads over 256 wide,
-    would take it as the key count). But flash attention splits each layer's keys by it (flash_api.cc,
-    num_splits_heuristic: 4 ways for 32 heads on 132 SMs at max_seq_len 2048), which costs two memsets and a
-    combine kernel a layer; at rows + 1 it does not split (GPU_TOTAL_LEN "rows").
+    Any value from the call's real total_len up attends the same (tests/test_attention.py), but not less on
+    CUDA: fed its rows + 1 (right on the CPU), a 2-row call over positions 7..8 was off by ~2 on an H100
+    (2026-11-27, onnxruntime 1.31.1, flash and memory-efficient attention alike), and a call at context 1024
+    cost what one at 64 did, as if it attended rows + 1 keys (suspected: 1.31.1's GetSequenceLengths takes
+    the fed total_len as max_total_sequence_length and bounds the lengths by it).
+    Flash attention splits each layer's keys by it (num_splits_heuristic: 4 ways at 2048 for 32 heads of 64
+    on 132 SMs, keys in blocks of 256), which costs two memsets and a combine kernel a layer; fed a bucket,
+    a call at 2048 does not split up to 256 keys (one block) and splits 2 ways up to 512 (heads of 128: blocks
+    of 128 keys). onnxruntime's unfused fallback (heads over 256 wide) would take it as the key count, as it
+    would max_seq_len.
     """
     full = first and (engine.gpu_attention or engine.captures)
     if not full:
         return total_len
-    return total_len - first + 1 if GPU_TOTAL_LEN == "rows" else engine.max_seq_len
+    if GPU_TOTAL_LEN == "max":
+        return engine.max_seq_len
+    return min(bucket for bucket in total_len_buckets(engine.max_seq_len) if bucket >= max(total_len, reach))
 
 
-def graph_id(engine: Engine, index: int, rows: int, num_drafts: int, total_len: int) -> int:
-    """The CUDA graph that slot `index`'s call of `rows` tokens (num_drafts of them drafts) on the engine
-    replays, or -1: none, it runs as usual. Ids are per session: a slot's engine and steps graph may reuse them.
+def graph_id(engine: Engine, index: int, rows: int, num_drafts: int, fed_len: int) -> int:
+    """The CUDA graph that slot `index`'s call of `rows` tokens (num_drafts of them drafts), fed total_len
+    fed_len, replays on the engine, or -1: none, it runs as usual. Ids are per session: a slot's engine and
+    steps graph may reuse them.
 
     A replay runs the kernels its capture recorded, at the same addresses, and reads nothing on the
-    host. So each (slot, rows, num_drafts) has a graph of its own: the rows and num_drafts set shapes
-    (and the host values computed from num_drafts), and each row count has its own input buffer (a
-    call of more than MAX_REUSED_IDS tokens gets a new one: never captured). GroupQueryAttention reads
-    total_len on the host to tell a prompt's first call (total_len == rows, no cache before it) from a
-    call over a cache: a first call is never captured, and every later one is fed the same total_len
-    (see fed_total_len), so one graph serves every length.
+    host. So each (slot, rows, num_drafts, fed_len) has a graph of its own: the rows and num_drafts set
+    shapes (and the host values computed from num_drafts), each row count has its own input buffer (a
+    call of more than MAX_REUSED_IDS tokens gets a new one: never captured), and GroupQueryAttention
+    reads total_len on the host. A prompt's first call (fed its own length, total_len == rows: no cache
+    before it) is never captured; every later one is fed one of total_len_buckets (see fed_total_len),
+    whose graph serves every length it holds.
     """
-    if not engine.captures or rows > MAX_REUSED_IDS or total_len == rows:
+    if not engine.captures or rows > MAX_REUSED_IDS or fed_len == rows:
         return -1
-    return (index * (MAX_REUSED_IDS + 1) + rows) * MAX_REUSED_IDS + num_drafts  # > 0: onnxruntime reserves 0
+    call = (index * (MAX_REUSED_IDS + 1) + rows) * MAX_REUSED_IDS + num_drafts  # > 0: onnxruntime reserves 0
+    return call * TOTAL_LEN_BUCKETS + total_len_buckets(engine.max_seq_len).index(fed_len)
 
 
 # The calls so far, in every thread, that warmed a CUDA graph up or captured it (see unsteady_calls).
@@ -567,7 +587,7 @@ class EngineSlot:
     def _call(self, first: int, total_len: int, num_drafts: int, uniforms: np.ndarray | None, probs_row: int,
               decides: bool):
         self._bind_ids(self._fed[first:total_len])
-        self._total_len.host[()] = fed_total_len(self.engine, first, total_len)
+        fed_len = self._total_len.host[()] = fed_total_len(self.engine, first, total_len)
         self._seqlens_k.host[0] = total_len - 1
         self._num_drafts.host[()] = num_drafts
         if self._copies:
@@ -590,7 +610,7 @@ class EngineSlot:
                 self._bind_row("probs", self._probs_rows, probs_row)
         if self._reading_logits:
             self._bind_logits(num_drafts)
-        run(self.engine.session, self.binding, self.engine.path, self._graph(total_len - first, num_drafts, total_len))
+        run(self.engine.session, self.binding, self.engine.path, self._graph(total_len - first, num_drafts, fed_len))
         # The sampler's turn: the same nodes on the same logits.
         if sampler and self._tail is not self.binding:
             self._feed_sampler(self._fed[total_len - num_drafts - 1:total_len], num_drafts)
@@ -602,8 +622,8 @@ class EngineSlot:
         # A call without drafts accepts none: one copy back (a wait for the device) fewer per draft step.
         return (int(self._accepted.pull()) if num_drafts else 0), int(self._next_token.pull())
 
-    def _graph(self, rows: int, num_drafts: int, total_len: int) -> ort.RunOptions | None:
-        return self._graphs.options(graph_id(self.engine, self.index, rows, num_drafts, total_len))
+    def _graph(self, rows: int, num_drafts: int, fed_len: int) -> ort.RunOptions | None:
+        return self._graphs.options(graph_id(self.engine, self.index, rows, num_drafts, fed_len))
 
     def _input(self, name: str, host: np.ndarray, binding: ort.IOBinding | None = None) -> Buffer:
         """A buffer bound as input name of the engine graph (binding None) or of the sampling binding."""
@@ -759,12 +779,15 @@ class DraftSteps:
                 self.binding.bind_ortvalue_input("input_ids", buffer.value)
                 self._bound_ids = rows
             self._lengths["seqlens_k"].host[0] = total_len - 1
-            for j in range(self.count):  # step j > 0 feeds one token, at position total_len + j - 1
-                fed = fed_total_len(self.engine, total_len + j - 1 if j else first, total_len + j)
-                self._lengths[step_total_len(j)].host[()] = fed
+            last = total_len + self.count - 1
+            # step j > 0 feeds one token, at position total_len + j - 1
+            fed = [fed_total_len(self.engine, total_len + j - 1 if j else first, total_len + j, last)
+                   for j in range(self.count)]
+            for j, length in enumerate(fed):
+                self._lengths[step_total_len(j)].host[()] = length
             for buffer in self._lengths.values():
                 buffer.push()
-            graph = graph_id(self.engine, self.index, rows, 0, total_len)
+            graph = graph_id(self.engine, self.index, rows, 0, fed[0])
             run(self.engine.session, self.binding, self.engine.path, self._graphs.options(graph))
             drafts = self._drafts.pull().tolist()
         draft._fed[first:total_len + self.count - 1] = [*tokens, *drafts[:-1]]
