@@ -201,6 +201,30 @@ def compiled_before_penalties(folder: Path) -> Path:
                                           "logit_bias": np.zeros(1, np.float32)})
 
 
+def compiled_before_drafts_took_logit_bias_alone(folder: Path) -> Path:
+    """The bundle in folder made as compiled before its draft's engine graph took logit_bias alone: it takes every
+    penalty, min_tokens and logit_bias input and decides behind the penalties' If, as the target's graph does, over the
+    same weights (an fp32 bundle without quantization), the manifest's digest following it."""
+    import json
+
+    from specbuild.compile.export import _write_sharing_weights
+    from specbuild.compile.graphs import build_decoder
+    from specbuild.compile.load import load_checkpoint
+    from specbuild.compile.precision import Numerics
+    from specbuild_runtime.manifest import MANIFEST, load_manifest, sha256_file
+
+    manifest = load_manifest(folder, check_digests=False)
+    info = manifest.engines["draft"]
+    target = load_checkpoint(manifest.engines["target"].source["path"], "target")
+    model = build_decoder(load_checkpoint(info.source["path"], "draft"), Numerics(), manifest.max_seq_len,
+                          target.spec.shape.vocab_size, tokens=target.token_ids(), penalties=True)
+    _write_sharing_weights(model, folder / info.file, folder / info.file)
+    data = json.loads((folder / MANIFEST).read_text())
+    data["files"][info.file] = sha256_file(folder / info.file)
+    (folder / MANIFEST).write_text(json.dumps(data))
+    return folder
+
+
 def without_inputs(folder: Path, files, constants: dict) -> Path:
     """The bundle in folder with the graph inputs named in constants made those constants in each file of files."""
     import json

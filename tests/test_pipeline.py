@@ -214,12 +214,13 @@ def test_each_engine_has_a_greedy_only_graph_and_the_draft_a_steps_graph_reading
         full = onnx.load(str(out / info.file), load_external_data=False)
         greedy = onnx.load(str(out / info.greedy_file), load_external_data=False)
         assert not [n.op_type for n in greedy.graph.node if any(a.type == a.GRAPH for a in n.attribute)]  # If, Loop, Scan
-        # the test sees what it looks for: the penalties' If, then the sampling one
-        assert [n.op_type for n in full.graph.node if n.op_type == "If"] == ["If", "If"]
+        # the test sees what it looks for: the target's penalties' If, then the sampling one
+        assert [n.op_type for n in full.graph.node if n.op_type == "If"] == ["If", "If"][role == "draft":]
         # nor the penalties', min_tokens' or logit_bias' inputs: it decides on the raw logits (the sampler applies them)
+        penalties = {"repetition_penalty", "presence_penalty", "frequency_penalty", "prompt_mask", "output_counts",
+                     "min_tokens_left", "stop_tokens"} if role == "target" else set()
         assert {i.name for i in full.graph.input} - {i.name for i in greedy.graph.input} == {
-            "temperature", "top_k", "top_p", "min_p", "draft_probs", "uniforms", "repetition_penalty", "presence_penalty",
-            "frequency_penalty", "prompt_mask", "output_counts", "min_tokens_left", "stop_tokens", "logit_bias"}
+            "temperature", "top_k", "top_p", "min_p", "draft_probs", "uniforms", "logit_bias", *penalties}
         assert [o.name for o in greedy.graph.output if not o.name.startswith("present")] == ["logits", "accepted", "next_token"]
         shared, own = external(full), external(greedy)
         assert own and all(shared[name] == where for name, where in own.items()), role

@@ -260,7 +260,8 @@ class Engine:
     has_min_p: it samples with a `min_p` input (engines and samplers compiled before min_p lack it).
     has_penalties, has_min_tokens, has_logit_bias: the graph that decides a call applying them (the engine graph, or
     for a greedy-only graph the sampler) takes vLLM's penalties (PENALTY_INPUTS), its min_tokens (MIN_TOKENS_INPUTS),
-    OpenAI's logit_bias; graphs compiled before them, and a draft's steps graph, lack them. processes: its own graph
+    OpenAI's logit_bias; graphs compiled before them, and a draft's steps graph, lack them, and a draft's engine graph
+    all but logit_bias (it proposes unpenalised, under a grammar's mask). processes: its own graph
     takes them (an engine graph with them; no greedy-only graph this compiler writes).
     cuda_graphs: path is the engine's greedy-only graph (no sampling, no control flow); on CUDA, calls
     that name a graph id are captured once and replayed as CUDA graphs (see slot.graph_id).

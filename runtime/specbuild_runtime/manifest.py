@@ -49,9 +49,10 @@ float type (fp32, fp16 or bf16; see EngineInfo.precision):
          prompt_mask    bool [V]        the request's prompt tokens (repetition counts them as seen)
          output_counts  f32 [V]         each token's count among the tokens generated before this call's
                                         drafts; row j adds drafts 0..j-1 to it in the graph. These five
-                                        are in the engine graphs and the sampler (not the greedy-only or
-                                        steps graphs); graphs compiled before them lack all five, and decide
-                                        without penalties
+                                        are in the target's engine graph and the sampler (not the draft's
+                                        engine graph, which proposes unpenalised, nor the greedy-only or
+                                        steps graphs; drafts compiled before it took them too); graphs
+                                        compiled before them lack all five, and decide without penalties
          min_tokens_left int64 []       vLLM's min_tokens: rows j < min_tokens_left (the tokens generated
                                         before min_tokens) give the stop_tokens -inf, in the same graphs
          stop_tokens    bool [V]        the eos and stop tokens min_tokens holds back. Graphs compiled
@@ -59,7 +60,8 @@ float type (fp32, fp16 or bf16; see EngineInfo.precision):
          logit_bias     f32 [R, V]      added to the logits before the penalties, row j to row j (R = D+1;
                                         R = 1: to every row): OpenAI's logit_bias, and a grammar's mask
                                         (-inf) for row j's state (structured outputs), in the same graphs
-                                        (absent in those compiled before it; [V] between the two: refused)
+                                        (absent in those compiled before it; [V] between the two: refused),
+                                        and in the draft's engine graph, alone: a grammar's mask
          draft_probs    f32 [D, V]      the draft's distribution q at each draft (sampling; [0, V] greedy)
          uniforms       f32 [D+1]       random numbers: D to judge the drafts, one to draw the next token
          past_key.{i}, past_value.{i}   F [1, kv_heads, max_seq_len, head_dim], the KV buffers, bound

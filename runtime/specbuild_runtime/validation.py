@@ -363,8 +363,9 @@ SAMPLING_INPUTS = {"temperature": "tensor(float)", "top_k": "tensor(int64)", "to
 # Engines and samplers compiled before min_p lack its input; they still load, and sample without it.
 MIN_P = "min_p"
 LATER_SAMPLING_INPUTS = {MIN_P: "tensor(float)"}
-# vLLM's penalties (manifest.py), in the engine graphs and the sampler (not the greedy-only or steps graphs); graphs compiled
-# before them lack all five, and decide without penalties.
+# vLLM's penalties (manifest.py), in the target's engine graph and the sampler (not the draft's engine graph, which takes
+# logit_bias alone, nor the greedy-only or steps graphs); graphs compiled before them lack all five, and decide without
+# penalties.
 PENALTY_INPUTS = {"repetition_penalty": "tensor(float)", "presence_penalty": "tensor(float)",
                   "frequency_penalty": "tensor(float)", "prompt_mask": "tensor(bool)", "output_counts": "tensor(float)"}
 # vLLM's min_tokens (manifest.py), where the penalties are, in graphs compiled since (before: all absent).

@@ -57,7 +57,7 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
                                                      "B", unit_scale=True) as bar:
         digest = pool.submit(ckpt.digest)
         model = build_decoder(ckpt, numerics, max_seq_len, vocab_size, progress=bar.update, tokens=tokens,
-                              rope_switch=rope_switch)
+                              rope_switch=rope_switch, penalties=role == "target")
         bar.total = sum(value.const_value.nbytes for value in model.graph.initializers.values()
                         if isinstance(value.const_value, ir.LazyTensor))
         gathered = _gathered_bytes(model)

@@ -28,7 +28,8 @@ from ..precision import Numerics
 from . import gemma, gpt2, llama
 from .builder import GraphBuilder
 from .layers import Attention, linear
-from .verification import LOGITS, SamplingInputs, build_sampler, penalty_inputs, unprocessed, verification
+from .verification import (LOGITS, SamplingInputs, build_sampler, logit_bias_input, penalty_inputs, unprocessed,
+                           verification)
 
 FAMILIES = {"llama": llama.body, "gemma": gemma.body, "gpt2": gpt2.body}
 INT64, INT32, FLOAT = ir.DataType.INT64, ir.DataType.INT32, ir.DataType.FLOAT
@@ -39,7 +40,8 @@ __all__ = ["LOGITS", "build_decoder", "build_draft_steps", "build_sampler", "che
 
 def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_size: int | None = None,
                   progress: Callable[[int], None] = lambda nbytes: None,
-                  sampling: bool = True, tokens: int | None = None, rope_switch: int = 0) -> ir.Model:
+                  sampling: bool = True, tokens: int | None = None, rope_switch: int = 0,
+                  penalties: bool = True) -> ir.Model:
     """The engine graph for one model (see specbuild_runtime.manifest for its I/O contract).
 
     vocab_size: cut the embedding table and LM head to this many rows (a draft's padding rows past the
@@ -47,7 +49,8 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
     Every graph outputs the fp32 `logits` [D+1, V] its tail decides on: the runtime binds them for requests
     that ask for logprobs alone, and the bundle's sampler (build_sampler) decides from those of the greedy-only
     graph where a request samples or applies penalties, min_tokens or logit_bias (sampling False: no sampling,
-    penalty or logit_bias inputs, no `probs`, no control flow).
+    penalty or logit_bias inputs, no `probs`, no control flow). penalties False (a draft's, which proposes
+    unpenalised): of the processing inputs, logit_bias alone (a grammar's mask), added to the logits it decides on.
     rope_switch: a LongRoPE target's original length, below max_seq_len (load.rope_switch_length): the graph
     then holds both rotary tables and an input `long_rope` (0 or 1) choosing one for the call.
     """
@@ -66,11 +69,12 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
         draft_probs=g.input("draft_probs", FLOAT, ["D", vocab]),
         uniforms=g.input("uniforms", FLOAT, ["D+1"]),
     ) if sampling else None
-    penalties = penalty_inputs(g, vocab) if sampling else None  # the greedy-only graph's decisions: on the raw logits
+    # sampling False: the greedy-only graph, which decides on the raw logits
+    processing = (penalty_inputs(g, vocab) if penalties else logit_bias_input(g, vocab)) if sampling else None
     ids = _embeddable(g, g.op("Reshape", input_ids, g.const([-1])), vocab, vocab_size)  # [S]
     hidden, presents, head = FAMILIES[spec.family](g, spec, ids, att, max_seq_len, vocab)
     accepted, next_token, probs, logits = verification(g, hidden, input_ids, num_drafts, lambda x: linear(g, x, head),
-                                                       sampling_inputs, spec.final_softcap, penalties)
+                                                       sampling_inputs, spec.final_softcap, processing)
     g.output(logits, LOGITS, FLOAT, ["D+1", vocab])
     g.output(accepted, "accepted", INT64, [])
     g.output(next_token, "next_token", INT64, [])

@@ -52,7 +52,12 @@ def penalty_inputs(g: GraphBuilder, vocab) -> Penalties:
                      output_counts=g.input("output_counts", FLOAT, [vocab]),
                      min_tokens_left=g.input("min_tokens_left", INT64, []),
                      stop_tokens=g.input("stop_tokens", BOOL, [vocab]),
-                     logit_bias=g.input("logit_bias", FLOAT, ["bias_rows", vocab]))
+                     logit_bias=logit_bias_input(g, vocab))
+
+
+def logit_bias_input(g: GraphBuilder, vocab) -> ir.Value:
+    """logit_bias [1 or D+1, V] (manifest.py), the one processing input a draft's engine graph takes alone."""
+    return g.input("logit_bias", FLOAT, ["bias_rows", vocab])
 
 
 def unprocessed(vocab: int) -> dict[str, np.ndarray]:
@@ -65,7 +70,7 @@ def unprocessed(vocab: int) -> dict[str, np.ndarray]:
 
 def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_drafts: ir.Value,
                  head: Callable[[ir.Value], ir.Value], sampling: SamplingInputs | None, softcap: float | None = None,
-                 penalties: Penalties | None = None):
+                 processing: Penalties | ir.Value | None = None):
     """The last D+1 hidden states -> (accepted drafts, next token, its distribution, logits).
 
     hidden [S, H]; head(x [R, H]) -> [R, V] is the model's LM head. Row j of the logits is the model's
@@ -74,8 +79,11 @@ def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_dra
     above the sampling branch. sampling None: the greedy tail alone on the raw logits, without an If (no
     distribution) and without the penalties' work over [D+1, V]: the greedy-only graph, which CUDA graphs can capture
     (the bundle's sampler decides a call that samples or applies penalties, min_tokens or logit_bias, on its logits).
-    penalties (with sampling): every decision is made on the penalised logits (_penalised, behind an If), the `logits`
-    output stays the raw ones (logprobs are vLLM's raw_logprobs).
+    processing (with sampling): a target's Penalties: every decision is made on the penalised logits (_penalised,
+    behind an If), the `logits` output stays the raw ones (logprobs are vLLM's raw_logprobs). A draft's: its logit_bias
+    input alone, added without the If, as it proposes unpenalised (specbuild_runtime.slot.Slot.configure) and its bias
+    is only ever a grammar's mask: the If's test of every input cost ~4 us of a ~60 us draft step (the demo draft, 2 CPU
+    cores), and under a grammar the penalties' nodes, ~40 us.
     """
     drafts, drafts_1d = _drafts(g, input_ids, num_drafts)
     rows_1d = g.op("Add", drafts_1d, g.const([1]))
@@ -95,7 +103,10 @@ def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_dra
     if sampling is None:
         accepted, next_token = (_scalar(g, value) for value in _greedy_tail(g, logits, drafts, drafts_1d, finite))
         return accepted, next_token, None, logits
-    decided = _penalised_if_any(g, logits, drafts, penalties) if penalties else logits
+    if isinstance(processing, Penalties):
+        decided = _penalised_if_any(g, logits, drafts, processing)
+    else:
+        decided = logits if processing is None else g.op("Add", logits, processing)
     return (*_greedy_or_sampled(g, decided, input_ids, drafts, drafts_1d, sampling, finite), logits)
 
 
