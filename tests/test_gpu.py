@@ -235,15 +235,42 @@ def test_threads_on_a_cuda_decoder_get_their_sequential_outputs(precision_bundle
 def test_logprobs_on_cuda_are_the_same_bits_at_every_gamma_and_leave_later_requests_as_they_were(
         precision, cuda_graphs, precision_bundles):
     """The logits a request reads (a device buffer bound only while it asks, or the greedy-only graph's that its
-    CUDA graphs replay into) are its rows' whatever γ, and a request that does not ask decodes as before."""
+    CUDA graphs replay into) are its rows' whatever γ, and a request that does not ask decodes as before. Max γ
+    takes the one-token prompt past max γ + 1 tokens in its first round, as auto may (a round of free guesses),
+    and its rows are then re-fed in a call of max γ + 1 rows (slot.Rows.fixed): re-fed in a call of one row, auto's
+    fp32 logprobs differed in their last bits on an H100 (2026-11-27), at token 5 of the one-token prompt."""
     decoder = SpeculativeDecoder(precision_bundles(precision), device="cuda", cuda_graphs=cuda_graphs)
     for prompt in (PROMPTS[5], PROMPTS[3]):
         plain = decoder.generate(prompt, NEW_TOKENS, 0).token_ids
         alone = decoder.generate(prompt, NEW_TOKENS, 0, logprobs=5)
         assert alone.token_ids == plain and [r.token_id for r in alone.logprobs] == plain
-        for gamma in (1, 4, "auto"):
-            assert decoder.generate(prompt, NEW_TOKENS, gamma, logprobs=5).logprobs == alone.logprobs, gamma
-            assert decoder.generate(prompt, NEW_TOKENS, gamma).token_ids == plain, gamma
+        for gamma in (1, 4, decoder.max_gamma, "auto"):
+            assert decoder.generate(prompt, NEW_TOKENS, gamma, logprobs=5).logprobs == alone.logprobs, (gamma, prompt)
+            assert decoder.generate(prompt, NEW_TOKENS, gamma).token_ids == plain, (gamma, prompt)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_rows_logits_on_cuda_are_the_same_bits_whatever_the_drafts_of_its_fixed_row_call(precision, precision_bundles):
+    """The LM head multiplies a call's last D+1 rows made even, at least two (graphs/verification.py), so under fixed
+    rows 2 to max γ + 1 rows as num_drafts D goes from 0 to max γ, where the layers below always multiply max γ + 1:
+    should cuBLAS round a row otherwise by how many it multiplies, a row's logits would follow the drafts of its call
+    (auto γ mixes every D). The last row of one call of max γ + 1 rows over the same tokens, at each D."""
+    import numpy as np
+
+    from specbuild_runtime.slot import EngineSlot, fixed_rows
+
+    decoder = SpeculativeDecoder(precision_bundles(precision), device="cuda", cuda_graphs=False)
+    target = EngineSlot(decoder.target, fixed_rows(decoder.max_gamma), max_drafts=decoder.max_gamma)
+    target.read_logits(True)
+    ids = decoder.encode(PROMPTS[5])
+    target.step(ids, total_len=len(ids))
+    last = {}
+    for drafts in range(decoder.max_gamma + 1):
+        target.step(ids[-drafts - 1:], total_len=len(ids), num_drafts=drafts)
+        last[drafts] = target.logits()[-1]
+    differ = {d: float(np.abs(row - last[0]).max()) for d, row in last.items() if not np.array_equal(row, last[0])}
+    assert not differ, (f"{precision}: the last row's logits at num_drafts -> largest difference from num_drafts 0: "
+                        f"{differ}: the LM head's row count (head_rows in verification.py) changes them")
 
 
 def test_fp32_logprobs_on_cuda_are_the_cpus_within_rounding(precision_bundles):

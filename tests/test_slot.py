@@ -66,6 +66,25 @@ def test_fixed_rows_after_a_short_prompt_recompute_from_the_start_until_the_cach
     assert all(total - first == 9 for first, total, _ in target_calls if total >= 9)
 
 
+@pytest.mark.parametrize("prompt", [[5], [5, 6, 7]])
+def test_fixed_rows_rewrite_a_short_prompts_cache_in_one_call_of_max_gamma_plus_one_rows_however_far_a_round_takes_it(
+        bundle, target_calls, prompt):
+    """Once the sequence holds R = max γ + 1 tokens, every position a call reads was last written by a call of R
+    rows, as a round growing it by one token leaves it, also where one round takes a short prompt's cache past R
+    (drafts or free guesses accepted: draft = target here). A head of the rows before the last R, re-fed in a call
+    of its own, wrote position 0 alone: on an H100 the fp32 logprobs of auto γ then differed in their last bits."""
+    rows = 9
+    decoder = SpeculativeDecoder(bundle, target_rows=fixed_rows(rows - 1))
+    for gamma in [*range(rows), "auto"]:
+        target_calls.clear()
+        decoder.generate(prompt, NEW_TOKENS, gamma)
+        written_by = {}  # position -> rows of the call that last wrote it
+        for first, total, _ in target_calls:
+            written_by.update(dict.fromkeys(range(first, total), total - first))
+            if total >= rows:
+                assert {written_by[p] for p in range(total)} == {rows}, (gamma, target_calls)
+
+
 def test_cpu_calls_compute_an_even_number_of_rows_re_feeding_one_where_needed(bundle, target_calls):
     """NEVER_ALONE: no row alone, none as a call's odd last row; an odd prompt is an even head and its last two
     rows, re-feeding the head's last."""

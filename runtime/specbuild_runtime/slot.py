@@ -75,7 +75,9 @@ class Rows:
         the new tokens are re-fed from the tokens the cache already holds, rewriting the same positions.
         A row computed in a call of fewer rows is re-fed by the next call too.
     fixed: calls compute exactly `least` rows; a longer call (a prompt) is split so that its last part
-        does, so every row any decision reads was computed in a call of that size.
+        does, so every row any decision reads was computed in a call of that size. A short prompt's rows,
+        written by calls of fewer, are re-fed in one of that size when a round takes the cache past it,
+        as rounds growing it a token at a time re-feed them.
     even: calls compute an even number of rows (one more re-fed row where the cache has it), and a call
         of an odd number without drafts (a prompt) is split into a head of all its rows but the last and a
         call of its last `least` (made even) rows, which re-feeds the head's last: every row of a prompt is
@@ -466,12 +468,13 @@ class EngineSlot:
         first = max(0, min(start, total_len - least, self._redo_from))
         if self.rows.even and (total_len - first) % 2 and first > 0:
             first -= 1
-        first = self._head(first, total_len, num_drafts, probs_row)
+        first = self._head(first, total_len, num_drafts, probs_row, start)
         self._redo_from = first if total_len - first < least else self.engine.max_seq_len
         return self._run(first, total_len, num_drafts, uniforms, probs_row, True)  # the call that decides
 
-    def _head(self, first: int, total_len: int, num_drafts: int, probs_row: int) -> int:
-        """The calls before the one whose rows a decision reads (a prompt's chunks and head); returns its first row."""
+    def _head(self, first: int, total_len: int, num_drafts: int, probs_row: int, start: int) -> int:
+        """The calls before the one whose rows a decision reads (a prompt's chunks and head); returns its first row.
+        start: the first position fed new tokens (rows before it are re-fed)."""
         least = self.rows.least
         if self.chunk and not num_drafts:  # chunked prefill, leaving at least `least` rows to the calls below
             while total_len - first >= self.chunk + least:
@@ -479,8 +482,11 @@ class EngineSlot:
                 first += self.chunk
         odd = (total_len - first) % 2
         if total_len - first > least and self.rows.fixed:
-            # A prompt's head: no decision reads its rows' call, and no later call re-feeds them.
-            self._run(first, total_len - least, 0, None, probs_row)
+            # A prompt's head: no decision reads its rows' call, and no later call re-feeds them. Rows re-fed (first <
+            # start: a short prompt's, which calls of fewer rows wrote) go in a call of `least` rows that the next one
+            # overlaps, as rounds growing the cache a token at a time leave them: a head of those before the last
+            # `least` alone would write them in a call of fewer rows (one row, where a round took the cache one past).
+            self._run(first, first + least if first < start else total_len - least, 0, None, probs_row)
             first = total_len - least
         elif total_len - first > least and self.rows.even and odd and not num_drafts:
             # An odd prompt: an even head, then its last rows in an even call that re-feeds the head's last
@@ -520,7 +526,7 @@ class EngineSlot:
         """Positions 0..end-1 again from the tokens the cache holds, no decision read, in the calls a prompt of
         them makes: the next call re-feeds its last rows in some modes and not in others (as many as its drafts
         leave), so those must hold the bits a call of the Rows' kind gives them, not an odd or a long call's."""
-        first = self._head(0, end, 0, 0)
+        first = self._head(0, end, 0, 0, 0)
         self._run(first, end, 0, None, 0)
         if end - first < self.rows.least:  # as a prompt's: re-fed by the next call
             self._redo_from = first
