@@ -458,6 +458,22 @@ def test_return_token_ids_gives_the_prompts_and_the_replys_token_ids_streamed_or
     assert (plain["choices"][0] if endpoint == "completions" else plain)["prompt_token_ids"] is None
 
 
+def test_a_streamed_echos_prompt_chunk_carries_none_of_the_replys_tokens_in_every_choice(server):
+    """The echoed prompt's chunk has no token of the reply: its ids and usage come with the chunk of its text, in the
+    choice that scored the prompt (echo's logprobs) as in those that share its scores."""
+    body = {"prompt": PROMPTS[3], "echo": True, "logprobs": 1, "max_tokens": 4, "n": 2, "temperature": 0,
+            "return_token_ids": True, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    choices = {}
+    for chunk in chunks[:-1]:
+        [choice] = chunk["choices"]
+        choices.setdefault(choice["index"], []).append((choice["text"], choice["token_ids"], chunk["usage"]["completion_tokens"]))
+    assert choices[0] == choices[1]
+    (echoed, ids, tokens), (text, text_ids, text_tokens), *_ = choices[0]
+    assert (echoed, ids, tokens) == (PROMPTS[3], [], 0) and text and len(text_ids) == text_tokens >= 1
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
 def test_prompt_logprobs_are_vllms_each_prompt_tokens_logprob_rank_and_text_then_the_n_most_probable(server, reference,
                                                                                                        endpoint):

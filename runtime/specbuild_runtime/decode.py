@@ -494,11 +494,11 @@ class SpeculativeDecoder:
         given = 0
         with closing(self._run(request, stats, text, halt, records, scored)) as tokens:
             for token in tokens:
-                if token_ids is not None:
-                    token_ids.append(token)
-                if scored is not None:
+                if scored is not None:  # before the token joins token_ids: this item holds none of its text
                     yield "", tuple(scored)
                     scored = None
+                if token_ids is not None:
+                    token_ids.append(token)
                 if (delta := text.take()) or every_token:
                     if records is None:
                         yield delta
