@@ -216,6 +216,20 @@ def test_stream_options_add_the_usage_chunk_unless_told_not_to_and_continuous_us
         assert decoded[0] == 0
 
 
+def test_stream_options_include_usage_sent_null_adds_no_usage_as_in_vllm():
+    """vLLM's StreamOptions default include_usage to true only where it is absent: a null sent is read as false."""
+    from specbuild_runtime.serve import protocol
+
+    def asked(options: dict) -> tuple[bool, bool]:
+        body = {"prompt": "x", "stream": True, "stream_options": options}
+        request = protocol.parse(protocol.COMPLETIONS, json.dumps(body).encode(), MODEL,
+                                 protocol.sampling_defaults(None, "greedy"))
+        return request.include_usage, request.continuous_usage
+
+    assert asked({"include_usage": None, "continuous_usage_stats": True}) == (False, False)
+    assert asked({"continuous_usage_stats": True}) == (True, True)
+
+
 def legacy_logprobs(decoder, records, offset: int = 0) -> dict:
     """OpenAI's completions logprobs for records, as vLLM writes them: each token's text decoded alone."""
     text = [decoder.tokenizer.decode([r.token_id], skip_special_tokens=False) for r in records]

@@ -295,9 +295,11 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
         raise ApiError(400, "stream_options is an object, allowed only with stream: true", "stream_options")
     if unknown := sorted(set(options or {}) - STREAM_OPTIONS):
         raise ApiError(400, f"unrecognized stream_options argument: '{unknown[0]}'", "stream_options")
-    # vLLM's StreamOptions: an object sent asks for the usage chunk unless it says otherwise, and its
-    # continuous_usage_stats (with that chunk only) for the usage so far in every chunk
-    include_usage = options is not None and _flag(options, "include_usage", "stream_options.include_usage", True)
+    # vLLM's StreamOptions: an object sent asks for the usage chunk unless it says otherwise (include_usage absent is
+    # true, null false, as vLLM reads it), and its continuous_usage_stats (with that chunk only) for the usage so far
+    # in every chunk
+    include_usage = options is not None and _flag(options, "include_usage", "stream_options.include_usage",
+                                                  "include_usage" not in options)
     continuous_usage = include_usage and _flag(options, "continuous_usage_stats", "stream_options.continuous_usage_stats")
     add_special_tokens = _flag(body, "add_special_tokens", default=endpoint == COMPLETIONS)
     tracing = {"return_token_ids": _flag(body, "return_token_ids"), **_prompt_logprobs(body, stream)}
