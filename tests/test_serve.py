@@ -1130,6 +1130,19 @@ def test_a_named_functions_call_streams_with_its_name_then_its_arguments_as_they
     assert empty["function"] == {"name": "now", "arguments": ""}
 
 
+def test_a_named_functions_streamed_arguments_carry_their_tokens_logprobs_beside_their_ids(server):
+    """Each chunk of the call's arguments has the logprobs of the tokens whose ids it carries, as vLLM's chunks do,
+    not the closing chunk all of them: they join to the unstreamed ones."""
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER], "max_tokens": 12,
+           "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "logprobs": True, **GREEDY}
+    chunks = stream_events(server, "chat/completions", {**ask, "return_token_ids": True})
+    whole = httpx.post(f"{server}/v1/chat/completions", json=ask).json()["choices"][0]
+    calls = [chunk for chunk in chunks if chunk["delta"].get("tool_calls")]
+    assert len(calls) > 1 and all(len(chunk["logprobs"]["content"]) == len(chunk["token_ids"]) for chunk in calls)
+    assert [entry for chunk in chunks if chunk["logprobs"] for entry in chunk["logprobs"]["content"]] == \
+        whole["logprobs"]["content"]
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}], ids=["required", "named"])
 def test_a_forced_tool_calls_schema_is_compiled_by_the_requests_check_not_on_the_event_loop_and_its_errors_name_the_tool(
         reference, choice):
@@ -3029,7 +3042,7 @@ class ScriptedLogprobsDecoder(ScriptedDecoder):
             yield piece, (TokenLogprobs(index, -1.0 - index, (), 1),)
 
 
-def test_a_streamed_reply_calling_tools_sends_each_tokens_logprobs_once_those_of_held_text_at_the_end(bundle):
+def test_a_streamed_reply_calling_tools_sends_each_tokens_logprobs_once_those_of_the_calls_with_the_calls(bundle):
     from specbuild_runtime.serve.chat import supplied_chat_template
 
     with in_process(bundle, ScriptedLogprobsDecoder, chat_template=supplied_chat_template(NAMING_TOOLS),
@@ -3044,7 +3057,8 @@ def test_a_streamed_reply_calling_tools_sends_each_tokens_logprobs_once_those_of
     assert [e["logprob"] for e in whole["logprobs"]["content"]] == sum(logprobs, [])
     content = [c for c in chunks if c["delta"].get("content")]  # "Let me look.\n" as it came, its pieces' records beside
     assert "".join(c["delta"]["content"] for c in content) == "Let me look.\n"
-    assert chunks[-1]["finish_reason"] == "tool_calls" and len(logprobs[-1]) > len(decoder.pieces) // 2  # the calls'
+    [calls] = [c for c in chunks if c["delta"].get("tool_calls")]  # held to the reply's end, their tokens' records too
+    assert len(calls["logprobs"]["content"]) > len(decoder.pieces) // 2 and chunks[-1]["finish_reason"] == "tool_calls"
 
 
 # What a Llama 3.1 model answers when it calls tools (its python tag, a special token, is not in the runtime's text)

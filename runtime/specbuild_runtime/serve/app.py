@@ -454,7 +454,7 @@ class Server:
             seen += echo.scored  # the job's first item, read there
             yield event(reply.chunk(echo.text, records=records, unscored=echo.first))
         # With logprobs a job yields (delta, its tokens' records) after every token: records whose text is
-        # held back (a possible stop string, a tool call) go with the next chunk that has text, or the last.
+        # held back (a possible stop string, a tool call) go with the next chunk that has text or calls, or the last.
         held = []
         async for item in items:
             seen += 1
@@ -466,15 +466,17 @@ class Server:
             if delta:
                 yield event(reply.chunk(delta, records=held))
                 held = []
-            if calls and (chunk := event(reply.tool_calls_chunk(calls))):
+            if calls and (chunk := event(reply.tool_calls_chunk(calls, held))):
                 yield chunk
+                held = []
         if reply.tool_stream is not None:
             rest, calls = reply.tool_stream.end()
             if rest:
                 yield event(reply.chunk(rest, records=held))
                 held = []
-            if calls and (chunk := event(reply.tool_calls_chunk(calls))):
+            if calls and (chunk := event(reply.tool_calls_chunk(calls, held))):
                 yield chunk
+                held = []
         yield event(reply.chunk(stats=job.stats, called=reply.calls_sent > 0, records=held), last=True)
 
     def _refuse(self, endpoint: str, exc: Exception, started: bool = False) -> Response:

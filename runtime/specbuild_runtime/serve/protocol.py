@@ -784,10 +784,10 @@ class Reply:
                   "stop_reason": stop_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
-    def tool_calls_chunk(self, calls: list[dict]) -> dict | None:
+    def tool_calls_chunk(self, calls: list[dict], records: Sequence[TokenLogprobs] = ()) -> dict | None:
         """A chat stream's next tool calls, each a call (with its id) or more arguments of the call before it (without
-        one), in one delta whose "index", counted over the stream, tells the client's accumulator which call; None
-        where none is to be sent."""
+        one), in one delta whose "index", counted over the stream, tells the client's accumulator which call, with
+        the logprobs of the tokens `records` (those whose text the calls hold); None where none is to be sent."""
         deltas = []
         for call in calls:
             self.calls_sent += "id" in call
@@ -796,8 +796,9 @@ class Reply:
         if not deltas:
             return None
         delta = {TOOL_CALLS: deltas}
+        logprobs = self.logprobs.of(records) if self.logprobs else None
         return {**self._head("chat.completion.chunk"),
-                "choices": [{"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None,
+                "choices": [{"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": None,
                              "stop_reason": None}]}
 
     def usage_chunk(self, *stats: Stats, n: int = 1) -> dict:
