@@ -1086,7 +1086,7 @@ def test_a_required_reply_is_read_as_vllm_reads_it_and_parallel_tool_calls_false
         assert (message["message"]["content"], message["finish_reason"]) == (None, "tool_calls")
         assert call_list(message["message"]["tool_calls"]) == wanted
     cut = protocol.Reply(protocol.CHAT, MODEL, REQUIRED).whole(text[:30], Stats(finish_reason="max_new_tokens"))
-    assert cut["choices"][0]["message"] == {"role": "assistant", "content": text[:30], "tool_calls": []}
+    assert cut["choices"][0]["message"] == {"role": "assistant", "content": text[:30]}
     assert cut["choices"][0]["finish_reason"] == "length"
     streams_as_whole(text, REQUIRED.parse, REQUIRED.stream)
     streams_as_whole(text[:30], REQUIRED.parse, REQUIRED.stream)
@@ -1096,14 +1096,19 @@ def test_a_required_reply_is_read_as_vllm_reads_it_and_parallel_tool_calls_false
     assert request.forced_calls is None and "structured_outputs" not in request.decoding
 
 
-def test_a_message_without_tool_calls_has_an_empty_list_of_them_tools_or_not_as_vllms():
+def test_a_message_without_tool_calls_has_no_tool_calls_tools_or_not_as_vllms_and_the_openai_client_reads_none():
+    """vLLM's "tool_calls": [] (before vllm-project/vllm#44105, which omits it) sent the openai client's callers
+    (`while message.tool_calls is not None: message.tool_calls[0]`) into a tool-call path that failed."""
+    from openai.types.chat import ChatCompletion
+
     from specbuild_runtime.decode import Stats
     from specbuild_runtime.serve import protocol
     from specbuild_runtime.serve.tools import PARSERS
 
     for parser in (None, PARSERS["hermes"]):
         reply = protocol.Reply(protocol.CHAT, MODEL, parser).whole("Hello.", Stats(finish_reason="eos"))
-        assert reply["choices"][0]["message"] == {"role": "assistant", "content": "Hello.", "tool_calls": []}
+        assert reply["choices"][0]["message"] == {"role": "assistant", "content": "Hello."}
+        assert ChatCompletion.model_validate(reply).choices[0].message.tool_calls is None
 
 
 def test_a_named_functions_call_streams_with_its_name_then_its_arguments_as_they_come_as_vllms():

@@ -734,9 +734,10 @@ class Reply:
         logprobs = self.logprobs.of(answer.records, unscored=answer.unscored) if self.logprobs else None
         traced = {"token_ids": self._ids(answer.token_ids)}
         if self.endpoint == CHAT:
-            # "tool_calls": [] where there are none, tools or not, as vLLM's message always has it
+            # No "tool_calls" where there are none, as vLLM since vllm-project/vllm#44105: the openai client reads
+            # an empty list as a reply that calls tools, and its callers index it
             content, calls = self.parse_calls(answer.text) if self.parse_calls else (answer.text, [])
-            message = {"role": "assistant", "content": content, TOOL_CALLS: calls[:self.most_calls]}
+            message = {"role": "assistant", "content": content, **({TOOL_CALLS: calls[:self.most_calls]} if calls else {})}
             if calls and self.tool_parser.calls_finish:
                 finish = TOOL_CALLS
             return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish,
