@@ -85,6 +85,28 @@ def test_fixed_rows_rewrite_a_short_prompts_cache_in_one_call_of_max_gamma_plus_
                 assert {written_by[p] for p in range(total)} == {rows}, (gamma, target_calls)
 
 
+def test_fixed_rows_write_every_position_of_a_call_feeding_more_than_twice_max_gamma_plus_one_after_a_short_cache(
+        bundle, target_calls):
+    """A call after a 1-token cache that feeds 29 more tokens (more than 2R, R = 9): its re-fed rows go in a call of R
+    rows only where the call that decides overlaps it; otherwise the head writes every row before the last R, as a
+    prompt's would (a head of R rows left positions 9..20 unwritten: another token, logits off by ~7)."""
+    import numpy as np
+
+    decoder, rows = SpeculativeDecoder(bundle), 9
+    ids = list(range(5, 35))
+    logits = []
+    for feeds in ([(ids[:1], 1), (ids[1:], len(ids))], [(ids, len(ids))]):  # after a 1-token cache, and fresh
+        target = EngineSlot(decoder.target, fixed_rows(rows - 1), max_drafts=rows - 1)
+        target.read_logits(True)
+        target_calls.clear()
+        for tokens, total_len in feeds:
+            target.step(tokens, total_len=total_len)
+        assert set().union(*(range(first, total) for first, total, _ in target_calls)) == set(range(len(ids))), target_calls
+        assert target_calls[-1][:2] == (len(ids) - rows, len(ids))
+        logits.append(target.logits())
+    np.testing.assert_allclose(*logits, atol=1e-4)
+
+
 def test_cpu_calls_compute_an_even_number_of_rows_re_feeding_one_where_needed(bundle, target_calls):
     """NEVER_ALONE: no row alone, none as a call's odd last row; an odd prompt is an even head and its last two
     rows, re-feeding the head's last."""

@@ -486,8 +486,12 @@ class EngineSlot:
             # start: a short prompt's, which calls of fewer rows wrote) go in a call of `least` rows that the next one
             # overlaps, as rounds growing the cache a token at a time leave them: a head of those before the last
             # `least` alone would write them in a call of fewer rows (one row, where a round took the cache one past).
-            self._run(first, first + least if first < start else total_len - least, 0, None, probs_row)
-            first = total_len - least
+            # Past 2 `least` rows from first (a step of more new tokens than `least` after a short cache: a caller's,
+            # never a round's), a call of `least` would leave rows before the last `least` unwritten: the head writes
+            # them all, as a prompt's.
+            end = total_len - least
+            self._run(first, max(end, first + least) if first < start else end, 0, None, probs_row)
+            first = end
         elif total_len - first > least and self.rows.even and odd and not num_drafts:
             # An odd prompt: an even head, then its last rows in an even call that re-feeds the head's last
             # (rewriting its bits): no row of it computed apart, so a cache any request wrote holds the same bits.
