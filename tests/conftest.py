@@ -116,6 +116,29 @@ def save_bf16_shards(source: Path, folder: Path) -> dict:
     return tensors
 
 
+def counted_compiles(monkeypatch) -> list[str]:
+    """The grammar compiles llguidance does from now on in this test, in order: "LLMatcher" (for a tokenizer) or
+    "validate_grammar" (without one)."""
+    import llguidance
+
+    real, compiles = llguidance.LLMatcher, []
+
+    class Counted:
+        grammar_from_json_schema = staticmethod(real.grammar_from_json_schema)
+
+        @staticmethod
+        def validate_grammar(grammar):
+            compiles.append("validate_grammar")
+            return real.validate_grammar(grammar)
+
+        def __new__(cls, *args, **kwargs):
+            compiles.append("LLMatcher")
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Counted)
+    return compiles
+
+
 class Terminal(io.StringIO):
     """A stderr that is a terminal, as tqdm asks (disable=None: bars where stderr.isatty() only)."""
 

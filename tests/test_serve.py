@@ -27,7 +27,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import PROMPTS, compiled_before_min_p, compiled_before_penalties, make_checkpoint
+from conftest import PROMPTS, compiled_before_min_p, compiled_before_penalties, counted_compiles, make_checkpoint
 
 MODEL = "demo"  # the name the README's examples use
 MAX_SEQ_LEN = 256
@@ -1002,14 +1002,9 @@ def test_response_format_is_compiled_by_the_requests_check_not_on_the_event_loop
 
 
 def test_a_grammar_is_compiled_once_for_all_the_choices_of_a_prompt(bundle, monkeypatch):
-    """n choices share the first's checked grammar, as they share its prompt ids: each compile takes the checking
+    """n choices share the first's compiled grammar, as they share its prompt ids: each compile takes the checking
     thread ~0.1 s a MB of schema."""
-    from specbuild_runtime import decode
-    from specbuild_runtime.grammar import check_structured_outputs
-
-    compiled = []
-    monkeypatch.setattr(decode, "check_structured_outputs",
-                        lambda value: compiled.append(value) or check_structured_outputs(value))
+    compiled = counted_compiles(monkeypatch)
     with in_process(bundle) as (url, decoder, _):
         decoder.go.set()
         chat = {"messages": [{"role": "user", "content": PROMPTS[0]}], "tools": [WEATHER, NOW]}
@@ -1018,7 +1013,7 @@ def test_a_grammar_is_compiled_once_for_all_the_choices_of_a_prompt(bundle, monk
                                      ("chat/completions", {**chat, "tool_choice": "required"})):
             body = {"max_tokens": 8, "n": 3, "temperature": 1, "seed": 1, **structured}
             reply = httpx.post(f"{url}/v1/{endpoint}", json=body, timeout=60).json()
-            assert len(reply["choices"]) == 3 and len(compiled) == 1, (reply, compiled)
+            assert len(reply["choices"]) == 3 and compiled == ["LLMatcher"], (reply, compiled)
             compiled.clear()
 
 
@@ -1196,6 +1191,26 @@ def test_a_chat_prompt_too_long_names_a_context_that_fits_it(server):
     assert reply.status_code == 400 and f"({prompt_tokens + 1} would fit this request;" in message, message
 
 
+@pytest.mark.parametrize("endpoint, prompt", [("completions", {"prompt": PROMPTS[2]}),
+                                              ("chat/completions", {"messages": [{"role": "user", "content": PROMPTS[2]}]})])
+def test_max_tokens_past_the_contexts_room_is_a_400_in_vllms_words_and_the_most_that_fits_decodes(server, endpoint, prompt):
+    """vLLM's server refuses max_tokens the context has no room for (its TokenizeParams' messages) where serve decoded to
+    the context and answered "length". The room: the context and the last token, which needs no place in the cache."""
+    url = f"{server}/v1/{endpoint}"
+    prompt_tokens = httpx.post(url, json={**prompt, "max_tokens": 1, **GREEDY}).json()["usage"]["prompt_tokens"]
+    room = MAX_SEQ_LEN + 1 - prompt_tokens
+    over = httpx.post(url, json={**prompt, "max_tokens": room + 1, **GREEDY})
+    assert over.status_code == 400 and over.json()["error"] == {
+        "message": f"You passed {prompt_tokens} input tokens and requested {room + 1} output tokens. However, the model's "
+                   f"context length is only {MAX_SEQ_LEN} tokens, resulting in a maximum input length of "
+                   f"{prompt_tokens - 1} tokens. Please reduce the length of the input prompt.",
+        "type": "BadRequestError", "param": "input_tokens", "code": 400}, over.text
+    beyond = httpx.post(url, json={**prompt, "max_completion_tokens" if "messages" in prompt else "max_tokens": 10**6})
+    assert beyond.status_code == 400 and beyond.json()["error"]["message"] == (
+        f"max_tokens=1000000 cannot be greater than max_model_len={MAX_SEQ_LEN}. Please request fewer output tokens.")
+    assert httpx.post(url, json={**prompt, "max_tokens": room, **GREEDY}).status_code == 200
+
+
 @pytest.mark.parametrize("endpoint, param", [("completions", "prompt"), ("chat/completions", "messages")])
 def test_a_prompt_longer_than_any_tokenization_fits_is_refused_as_a_tokenized_one_is(server, endpoint, param):
     """A prompt too long for the context by its length alone (text.token_span: more than the context's tokens, each
@@ -1332,7 +1347,7 @@ def test_sigterm_ends_in_flight_streams_cleanly_and_exits(bundle, tmp_path):
     one that finished first ends normally. Either way the client reads a complete stream."""
     log = tmp_path / "server.log"
     with specbuild_serve(bundle, log, "--shutdown-timeout", 0) as (process, url):
-        body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": MAX_SEQ_LEN, "stream": True, "temperature": 0}
+        body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": MAX_SEQ_LEN - 64, "stream": True, "temperature": 0}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as reply:
             lines = reply.iter_lines()
             first = next(line for line in lines if line)
@@ -1678,18 +1693,22 @@ def test_a_prompts_n_choices_render_tokenize_and_score_it_once_yet_each_is_the_r
     machine): each choice after a prompt's first takes its token ids and its prompt's logprobs from the first."""
     from specbuild_runtime.serve.chat import ChatTemplate
 
-    renders = []
-    render = ChatTemplate.render
+    from specbuild_runtime.serve import app
+
+    renders, encodes = [], []
+    render, encode = ChatTemplate.render, app.encode_ids
     monkeypatch.setattr(ChatTemplate, "render", lambda self, *a, **k: renders.append(1) or render(self, *a, **k))
+    monkeypatch.setattr(app, "encode_ids", lambda *a, **k: encodes.append(1) or encode(*a, **k))
     with in_process(bundle, CheckCounter) as (url, decoder, _):
         body = {"prompt": [PROMPTS[2], PROMPTS[0]], "max_tokens": 5, "temperature": 0.9, "seed": 40, "echo": True,
                 "logprobs": 2}
         alone = [httpx.post(f"{url}/v1/completions", json={**body, "prompt": prompt, "seed": 40 + i}).json()["choices"][0]
                  for prompt in body["prompt"] for i in range(3)]
         decoder.checked.clear()
+        encodes.clear()
         whole = httpx.post(f"{url}/v1/completions", json={**body, "n": 3}).json()["choices"]
         assert whole == [{**a, "index": i} for i, a in enumerate(alone)]
-        assert [(type(prompt), scored) for prompt, scored in decoder.checked] == [(str, 2), (list, None), (list, None)] * 2
+        assert [scored for _, scored in decoder.checked] == [2, None, None] * 2 and len(encodes) == 2
         chunks = stream_events(url, "completions", {**body, "n": 3})
         for i, a in enumerate(alone):
             mine = [c for c in chunks if c["index"] == i]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import PROMPTS
+from conftest import PROMPTS, counted_compiles
 from specbuild.reference import load_reference
 from specbuild_runtime import RequestError, SpeculativeDecoder
 
@@ -238,3 +238,57 @@ def test_structured_output_with_logit_bias_and_penalties_is_the_target_alone_und
         assert decoder.generate(ids, NEW_TOKENS, 3, structured_outputs=structured, repetition_penalty=repetition,
                                 presence_penalty=presence, frequency_penalty=frequency).token_ids != tokens
         assert decoder.generate(ids, 12, 3).token_ids == plain, decoder.cuda_graphs  # after a grammar without a bias
+
+
+def test_a_structured_request_compiles_its_grammar_once_and_each_decoding_starts_from_a_copy(bundles, tokenizer,
+                                                                                               monkeypatch):
+    """llguidance's compile (~0.6 s for a 670 KB schema at a 150k vocabulary) ran three times a request: the grammar's
+    validation, the request's check for this tokenizer and the slot's guide. Now once, in the check; each decoding
+    starts from a copy of its matcher, so a checked grammar decodes again alike (serve's n choices share it)."""
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    expected = decoder.generate(ids, NEW_TOKENS, 3, structured_outputs={"json": SCHEMA}).token_ids
+    compiles = counted_compiles(monkeypatch)
+    assert decoder.generate(ids, NEW_TOKENS, 3, structured_outputs={"json": SCHEMA}).token_ids == expected
+    assert compiles == ["LLMatcher"]
+    checked = decoder.request(ids, structured_outputs={"json": SCHEMA}).structured
+    for _ in range(2):
+        assert decoder.generate(ids, NEW_TOKENS, 3, structured_outputs=checked).token_ids == expected
+    assert compiles == ["LLMatcher"] * 2
+
+
+def test_an_eos_id_in_the_models_padding_rows_ends_a_structured_output_where_its_grammar_may_end(tokenizer, tmp_path):
+    """A generation_config's eos past the tokenizer, in the rows the model pads its vocabulary with (as Qwen's): building
+    llguidance's tokenizer raised ValueError (serve's 500). The grammar allows it where it may end, as the tokenizer's
+    eos, and no other padding row ever."""
+    from conftest import make_checkpoint
+    from specbuild.compile import compile_bundle
+    from specbuild.recipe import CompileSettings
+
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    padded_eos = vocab + 5
+    target, draft = (make_checkpoint(tmp_path / role, "llama", tokenizer, seed, vocab_size=vocab + 64,
+                                     eos_token_id=[eos, padded_eos]) for role, seed in (("target", 0), ("draft", 1)))
+    compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "bundle", max_seq_len=128),
+                   show_progress=False)
+    decoder = SpeculativeDecoder(tmp_path / "bundle")
+    assert decoder.eos_token_ids == {eos, padded_eos}
+    choice = {"choice": ["yes", "no"]}
+    guide = decoder.grammars.guide(decoder.request(PROMPTS[0], structured_outputs=choice).structured)
+    assert guide.masks([])[0][vocab:].sum() == 0
+    for token in tokenizer("yes")["input_ids"]:
+        guide.advance(token)
+    assert set(np.flatnonzero(guide.masks([])[0])) == {eos, padded_eos}  # the grammar has ended: an eos alone
+    result = decoder.generate(PROMPTS[0], 8, structured_outputs=choice)
+    assert result.text in ("yes", "no") and result.stats.finish_reason == "eos"
+
+
+def test_structured_outputs_on_a_bundle_whose_eos_ids_are_all_past_its_tokenizer_are_refused_in_one_line(tokenizer):
+    """llguidance needs an eos within the tokenizer, which it allows where a grammar may end."""
+    from specbuild_runtime.grammar import Grammars, check_structured_outputs
+
+    vocab = len(tokenizer)
+    grammars = Grammars(tokenizer.backend_tokenizer.to_str(), vocab, vocab + 64, [vocab + 5])
+    with pytest.raises(RequestError, match=rf"^structured outputs need an eos token within the tokenizer's {vocab} "
+                                           rf"tokens, and this bundle's eos ids \[{vocab + 5}\] are all past them"):
+        check_structured_outputs({"choice": ["yes"]}, compile=grammars.compile)

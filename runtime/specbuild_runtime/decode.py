@@ -232,8 +232,8 @@ class SpeculativeDecoder:
         # (SamplingParams.update_from_generation_config): a reply one of them ends reports it as its stop_reason
         self.tokenizer_eos = tokenizer_eos(self.tokenizer, self.root / TOKENIZER_DIR)
         self.token_span = token_span(self.tokenizer)
-        self.grammars = Grammars(self.tokenizer.to_str(), self.manifest.engines["target"].shape.vocab_size,
-                                 list(self.eos_token_ids))
+        self.grammars = Grammars(self.tokenizer.to_str(), self.tokenizer.get_vocab_size(with_added_tokens=True),
+                                 self.manifest.engines["target"].shape.vocab_size, list(self.eos_token_ids))
         if draft_steps and not self.manifest.engines["draft"].steps_file:
             raise BundleError(f"{self.root} has no steps graph for its draft (compiled before it, or with max γ 1, where "
                               "a round drafts one token anyway): rebuild it with `specbuild compile`, or leave "
@@ -417,9 +417,9 @@ class SpeculativeDecoder:
         return request
 
     def _structured(self, request: Request, structured_outputs: dict | Structured | Unchecked) -> Structured:
-        structured = (structured_outputs if isinstance(structured_outputs, Structured)
-                      else check_structured_outputs(structured_outputs))
-        field = structured.field
+        """The grammar compiled for this bundle's tokenizer, here, once (on serve's checking thread): the request's
+        slot starts from a copy of it (grammar.Structured), and a grammar this tokenizer cannot follow is refused here."""
+        field = getattr(structured_outputs, "field", "structured_outputs")
         if not self.target.has_logit_bias:
             raise RequestError(f"{field} needs a bundle compiled with logit_bias rows; {self.root} was compiled before "
                                f"them: recompile it with `specbuild compile`, or leave {field} out")
@@ -427,8 +427,7 @@ class SpeculativeDecoder:
         if request.ignore_eos or request.sampling.min_tokens:
             raise RequestError(f"{field} ends where its grammar does, at an eos: leave "
                                f"{'ignore_eos' if request.ignore_eos else 'min_tokens'} out of such a request")
-        self.grammars.guide(structured)  # a grammar this tokenizer cannot follow is refused here, not in a slot
-        return structured
+        return check_structured_outputs(structured_outputs, compile=self.grammars.compile)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,

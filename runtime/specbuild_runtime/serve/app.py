@@ -344,15 +344,18 @@ class Server:
                                                        request.add_special_tokens, **request.chat)
             except RequestError as exc:  # the rest (a message's shape, the template's refusal, its text) are the messages'
                 raise ApiError(400, str(exc), exc.param if isinstance(exc, ChatRequestError) else "messages") from None
-        elif isinstance(prompt, str) and not request.add_special_tokens:  # else the runtime's check tokenizes it
+        elif isinstance(prompt, str):  # tokenized here, for the room its max_tokens needs (below)
             try:  # checked (valid UTF-8, not too long to tokenize) as decoder.request checks a text prompt
-                prompt = prompt_token_ids(prompt, partial(encode_ids, decoder.tokenizer, add_special_tokens=False),
-                                          decoder.vocab_size, decoder.fits(1))
+                prompt = prompt_token_ids(prompt, partial(encode_ids, decoder.tokenizer,
+                                                          add_special_tokens=request.add_special_tokens),
+                                          decoder.vocab_size, decoder.fits(request.max_tokens or 1))
             except RequestError as exc:
                 raise protocol.invalid(exc) from None
         max_tokens = request.max_tokens
         if max_tokens is None:  # until the context is full (the last token needs no room in the cache)
             max_tokens = max(1, decoder.max_seq_len - len(prompt) + 1)
+        elif type(max_tokens) is int and len(prompt) <= decoder.max_seq_len:  # else the runtime's refusals say why
+            check_room(len(prompt), max_tokens, decoder.max_seq_len)
         try:
             checked = decoder.request(prompt, max_tokens, **request.decoding)
         except RequestError as exc:
@@ -511,6 +514,21 @@ class Echo:
                 self.shared.set_result(records)
             return records if self.shared is not None else ()
         return await self.shared if self.shared is not None else ()
+
+
+def check_room(prompt_tokens: int, max_tokens: int, max_seq_len: int) -> None:
+    """vLLM's 400 (its OpenAI server's TokenizeParams) for max_tokens past the context's room, in its words, which
+    clients read (the prompt to shorten), before the grammar is compiled. The room: the context and one more token,
+    which needs no place in the cache. The runtime's API, as vLLM's LLM class, decodes to the context instead."""
+    if max_tokens <= max_seq_len and prompt_tokens + max_tokens <= max_seq_len + 1:
+        return
+    if max_tokens > max_seq_len:
+        raise ApiError(400, f"max_tokens={max_tokens} cannot be greater than max_model_len={max_seq_len}. "
+                            "Please request fewer output tokens.", "max_tokens")
+    raise ApiError(400, f"You passed {prompt_tokens} input tokens and requested {max_tokens} output tokens. However, "
+                        f"the model's context length is only {max_seq_len} tokens, resulting in a maximum input length "
+                        f"of {max_seq_len + 1 - max_tokens} tokens. Please reduce the length of the input prompt.",
+                   "input_tokens")
 
 
 def _after_first(choice: protocol.Request, first: Job) -> protocol.Request:
