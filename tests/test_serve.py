@@ -798,6 +798,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "stream": "yes"}, "stream must be true or false"),
     ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "only with stream: true"),
     ("completions", {"prompt": "def f(x):\n" * 200}, f"this bundle's context is {MAX_SEQ_LEN}"),
+    ("completions", {"prompt": "def f(x):\n" * 200, "max_tokens": "8"}, "the prompt has at least"),  # tokenized by serve
     ("chat/completions", {"messages": []}, "non-empty list"),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
     ("chat/completions", {"messages": [{"role": "assistant", "content": "hi"}]}, "roles must alternate"),
