@@ -427,6 +427,24 @@ def test_an_int4_bundle_decodes_speculatively_as_target_only_on_cuda_captured_or
                                      f"{first_difference(got, expected)} differs from target-only, prompt {prompt!r}")
 
 
+def test_a_tied_int8_bundle_looks_up_its_8_bit_table_on_cuda_and_decodes_as_target_only(checkpoints, tmp_path):
+    """The int8 lookup is GatherBlockQuantized of 8 bits over the tied head's own table (Reshape -> MatMulNBits).
+    onnxruntime-genai's builder says its kernels read 4 bit only; onnxruntime's CUDA source (main, read on
+    2026-11-27) reads any bits: the lookup must run on the GPU (no copy) and decode as target-only. Not yet run
+    on a GPU."""
+    folder = tmp_path / "int8"
+    compile_bundle(CompileSettings(target=checkpoints("llama3", 0), draft=checkpoints("llama", 1), output=folder,
+                                   max_seq_len=256, precision="fp16", quantize="int8"), show_progress=False)
+    on_cpu, nodes, _ = _placement(folder / "target.greedy.onnx", tmp_path)
+    assert not [n.name for n in nodes if n.op_type.startswith("Memcpy")], f"its nodes on the CPU: {on_cpu}"
+    for cuda_graphs in (False, True):
+        decoder = SpeculativeDecoder(folder, device="cuda", cuda_graphs=cuda_graphs)
+        for prompt in PROMPTS[:4]:
+            expected = decoder.generate(prompt, NEW_TOKENS, 0).token_ids
+            for gamma in (1, 4, "auto"):
+                assert decoder.generate(prompt, NEW_TOKENS, gamma).token_ids == expected, (cuda_graphs, gamma, prompt)
+
+
 def test_a_draft_smaller_than_its_padded_target_decodes_on_cuda_captured_or_not(checkpoints, tokenizer, tmp_path):
     """Qwen2.5-0.5B drafting Qwen2.5-7B: the draft reads the target's padding ids as its last row (a Min on
     the ids, on the device: no copy in the graphs CUDA graphs capture)."""

@@ -300,6 +300,7 @@ def test_the_default_context_stops_at_the_drafts_positions_and_the_manifest_reco
     ("llama", "none", ["model.embed_tokens.weight"]),  # untied: the LM head is a table of its own
     ("llama", "int4", ["model.embed_tokens.weight"]),  # GatherBlockQuantized: data, scales, zero points
     ("llama3", "none", []),  # tied: the LM head reads the whole table
+    ("llama3", "int4", []),  # tied: the head's MatMulNBits reads the lookup's table through a Reshape
     ("gpt2", "none", ["transformer.wpe.weight"]),  # tied wte; learned positions are gathered
 ])
 def test_read_bytes_leave_out_the_tables_a_call_only_gathers_rows_from(architecture, quantize, gathered, checkpoints,

@@ -8,7 +8,7 @@ engine's float type):
 
     mode    linear layers and the LM head            embedding lookup
     int4    MatMulNBits, 4 bit                       GatherBlockQuantized, 4 bit
-    int8    MatMulNBits, 8 bit                       the engine's float type (unchanged)
+    int8    MatMulNBits, 8 bit                       GatherBlockQuantized, 8 bit
     none    Gemm in the engine's float type          Gather in the engine's float type
 
   * Blocks run along each output row's inputs (K), `block_size` (default 32) values each; asymmetric:
@@ -16,15 +16,14 @@ engine's float type):
     numbers come from onnxruntime's C++ quantizer (`quantize_matmul_4bits` / `_8bits`), the kernels its
     MatMulNBitsQuantizer calls. Each row's blocks are independent, so quantizing a slice of rows gives
     the same bits as quantizing the whole tensor.
-  * The int4 embedding table is quantized the same way and stored as [V, blocks·blob] uint8, the 4-bit
-    form GatherBlockQuantized reads (blocks along H). A tied table (the LM head is the embedding) is
-    then stored twice, 4 bit each: as the head's MatMulNBits weight and as the lookup's table. At int8
-    the lookup keeps the float table (GatherBlockQuantized's CUDA kernel reads 4 bit only, as
-    onnxruntime-genai's builder notes) and a tied head adds its 8-bit copy.
+  * The embedding table is quantized the same way and stored as [V, blocks·blob] uint8, the form
+    GatherBlockQuantized reads (blocks along H). A tied table (the LM head is the embedding) is stored
+    once: the head's MatMulNBits reads it through a Reshape (graphs/builder.py, GraphBuilder.quantized).
+    (An int8 lookup used to keep the float table beside the head's 8-bit copy, and int4 stored a tied
+    table twice: a Qwen3-0.6B-shaped int8 bundle was larger than its fp16 one.)
   * MatMulNBits pads K up to a multiple of block_size, so any hidden size works; block_size is a power
-    of two from 16 to 256 (onnxruntime's quantizer kernels take no other). GatherBlockQuantized does not:
-    it returns rows padded to whole blocks, so an int4 embedding table whose width is not a multiple of
-    block_size keeps the engine's float type, as at int8.
+    of two from 16 to 256 (onnxruntime's quantizer kernels take no other). GatherBlockQuantized returns
+    the padded rows, and a Slice cuts them to H.
   * accuracy_level is MatMulNBits' compute type, default 4 (int8 compute, activations quantized per row
     and block). It is the fast one on this AVX2 CPU: an int4 target decodes 2.2x faster than at level 0
     (fp32 compute, slower than the fp32 model here). Row by row it is as exact as level 0: MatMulNBits

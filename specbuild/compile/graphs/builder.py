@@ -151,17 +151,26 @@ class GraphBuilder:
     def quantized(self, weight: Weight, table: bool = False) -> list[ir.Value]:
         """[packed weight, scales, zero points] of the weight quantized in blocks along its rows (see
         quantize.py): packed [N, blocks, blob] for MatMulNBits, or [N, blocks·blob] for
-        GatherBlockQuantized (table=True)."""
-        name = _name(weight) + (".table" if table else "")
+        GatherBlockQuantized (table=True).
+
+        A weight asked for in both forms (a tied table) is stored once, in the form first asked for, and
+        read in the other through a Reshape. The lookup comes first, so a tied head reads the table: at
+        load onnxruntime folds the Reshape into a copy that MatMulNBits prepacks and drops, and the lookup
+        goes on reading rows of the mapped file (a Reshape of the head's form would keep its copy)."""
+        name = _name(weight)
         self.used.update(weight.names)
         n, k = weight.shape(self.ckpt)
         q = QuantizedRows(n, k, self.numerics.bits, self.numerics.block_size)
-        return self.computed(
-            [(f"{name}.q{q.bits}", ir.DataType.UINT8, (n, q.blocks * q.blob) if table else (n, q.blocks, q.blob)),
+        form = (n, q.blocks * q.blob) if table else (n, q.blocks, q.blob)
+        packed, scales, zero_points = self.computed(
+            [(f"{name}.q{q.bits}", ir.DataType.UINT8, form),
              (f"{name}.scales", self.numerics.ir_type, (n, q.blocks)),
              (f"{name}.zero_points", ir.DataType.UINT8, q.zero_point_shape)],
             lambda: self._quantize(weight, q),
         )
+        if tuple(packed.shape) != form:
+            packed = self.op("Reshape", packed, self.const(list(form)))
+        return [packed, scales, zero_points]
 
     def _quantize(self, weight: Weight, q: QuantizedRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         packed, scales, zero_points = q.empty()

@@ -20,12 +20,15 @@ def vocab_table(g: GraphBuilder, name: str, vocab_size: int) -> Weight:
 def embedding(g: GraphBuilder, ids: ir.Value, table: Weight) -> ir.Value:
     """ids [S] -> rows of the table [S, H]."""
     numerics = g.numerics
-    # GatherBlockQuantized returns rows padded to whole blocks, so a table of another width stays float.
-    if numerics.quantization == "int4" and table.shape(g.ckpt)[1] % numerics.block_size == 0:
-        data, scales, zero_points = g.quantized(table, table=True)
-        return g.op("GatherBlockQuantized", data, ids, scales, zero_points, domain=MS, gather_axis=0,
-                    quantize_axis=1, block_size=numerics.block_size, bits=4)
-    return g.op("Gather", g.weight(table), ids)
+    if numerics.quantization == "none":
+        return g.op("Gather", g.weight(table), ids)
+    data, scales, zero_points = g.quantized(table, table=True)
+    rows = g.op("GatherBlockQuantized", data, ids, scales, zero_points, domain=MS, gather_axis=0, quantize_axis=1,
+                block_size=numerics.block_size, bits=numerics.bits)
+    k = table.shape(g.ckpt)[1]
+    if k % numerics.block_size:  # the rows come back padded to whole blocks
+        rows = g.op("Slice", rows, g.const([0]), g.const([k]), g.const([1]))
+    return rows
 
 
 def linear(g: GraphBuilder, x: ir.Value, weight: Weight, bias: Weight | None = None) -> ir.Value:
