@@ -1,32 +1,62 @@
-"""α under structured outputs: the draft proposing under the grammar's mask (the runtime's way) against proposing from
-its own logits, unmasked (the steps graph's way), on a JSON-schema workload, and α without a grammar beside them.
+"""α, tokens per target call and speed-up over target-only decoding under sampling penalties and structured outputs,
+on any bundle (the demo's trained pair, say) or on a tiny random pair made here.
 
-A tiny random llama pair whose agreement is dialled as tests/test_sampling.py dials it: the draft is the target's first
-layer, the target's three later layers write 0.3 times their usual output. The output is the same either way (the
-target's under the mask: tests/test_structured.py); only how many drafts hold differs.
+The draft proposes unpenalised and under the grammar's mask (the runtime's way); the output is the target's either
+way (tests/test_penalties.py, tests/test_structured.py), so only how many drafts hold, and so the speed, differs.
+Each workload decodes the demo's prompts (specbuild.texts.measuring_prompts) target-only, at γ 4 and at auto, the
+modes taking turns prompt by prompt in one process (specbuild.bench.run_ours, as `specbuild bench`), --repeats times
+(speed-ups are the medians of each run's, α and τ pooled); a greedy one checks that every output equals the target-only
+one, token for token. Under a grammar the draft also proposes unmasked at γ 4 (from its own logits, as the steps graph
+would), after the others: its α beside the masked draft's.
 
-    python benchmarks/structured_alpha.py --scratch /tmp/structured --json structured.json
+    make demo   # once: the demo pair, compiled into .cache/demo/bundle
+    python benchmarks/structured_alpha.py --bundle .cache/demo/bundle --json structured.json
+    python benchmarks/structured_alpha.py --scratch /tmp/structured   # the tiny random pair
+
+The tiny pair's agreement is dialled as tests/test_sampling.py dials it: the draft is the target's first layer, the
+target's three later layers write 0.3 times their usual output.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import statistics
 from pathlib import Path
 
 from compile_scale import tokenizer
 from layer_pair import tail_scale
+from specbuild.bench import run_ours
+from specbuild.bench.bench import ModeResult
+from specbuild_runtime import SpeculativeDecoder
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},
                                            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4}},
           "required": ["name", "age", "tags"], "additionalProperties": False}
-PROMPTS = ["def add(a, b):\n    return", "Describe a person as JSON:", "class Stack:\n    def __init__(self):\n",
-           "import textwrap\n", "The answer is", "x = [1, 2, 3]\nprint(x"]
+# Up to 8 indented lines of lower-case calls and assignments: code the demo's model writes, without its colons,
+# quotes, capitals and blank lines.
+REGEX = r"((    )+[a-z_][a-z_0-9.(), =]*\n){1,8}"
+WORKLOADS = {
+    "greedy": {},
+    "repetition 1.1": {"repetition_penalty": 1.1},
+    "repetition 1.3": {"repetition_penalty": 1.3},
+    "presence 0.5": {"presence_penalty": 0.5},
+    "frequency 0.5": {"frequency_penalty": 0.5},
+    # Compact: with any whitespace allowed (vLLM's default) the demo's model writes whitespace to max_new_tokens.
+    "JSON schema": {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+    "regex": {"structured_outputs": {"regex": REGEX}},
+    "T 0.8": {"temperature": 0.8},
+    "T 0.8, repetition 1.1": {"temperature": 0.8, "repetition_penalty": 1.1},
+    "T 0.8, JSON schema": {"temperature": 0.8, "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+}
+GAMMAS = [0, 4, "auto"]
 
 
 def pair(scratch: Path) -> Path:
-    """Compile the pair (once) and return its bundle folder."""
+    """Compile the tiny random pair (once) and return its bundle folder."""
     import torch
     import transformers as tf
 
@@ -55,45 +85,97 @@ def pair(scratch: Path) -> Path:
     return bundle
 
 
-def alpha(decoder, options: dict, seeds: int) -> dict:
-    runs = [decoder.generate(prompt, 64, 4, seed=seed, **options) for prompt in PROMPTS for seed in range(seeds)]
-    accepted, drafted = sum(r.stats.accepted for r in runs), sum(r.stats.drafted for r in runs)
-    return {"alpha": round(accepted / max(drafted, 1), 3), "drafted": drafted,
-            "tokens": sum(len(r.token_ids) for r in runs), "texts": [r.text for r in runs[:2]]}
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scratch", type=Path, required=True, help="where the pair and its bundle go (a few MB)")
-    parser.add_argument("--seeds", type=int, default=4, help="sampled runs per prompt")
-    parser.add_argument("--json", type=Path, help="write the results here")
-    args = parser.parse_args()
-
-    from specbuild_runtime import SpeculativeDecoder
-
-    decoder = SpeculativeDecoder(pair(args.scratch))
+def unmasked(decoder, prompts: list[list[int]], max_new_tokens: int, options: dict, seed: int) -> ModeResult:
+    """run_ours at γ 4 with the draft proposing from its own logits, the grammar's mask left out."""
     masked_draft = SpeculativeDecoder._draft
 
     def unmasked_draft(slot, feed, total_len, k, uniforms, greedy, guide=None):
         return masked_draft(slot, feed, total_len, k, uniforms, greedy)
 
-    results = {}
-    for sampling, options in (("greedy", {"temperature": 0.0}), ("sampled T=1", {"temperature": 1.0})):
-        seeds = 1 if sampling == "greedy" else args.seeds
-        results[sampling] = {"no grammar": alpha(decoder, options, seeds),
-                             "masked draft": alpha(decoder, {**options, "structured_outputs": {"json": SCHEMA}}, seeds)}
-        SpeculativeDecoder._draft = staticmethod(unmasked_draft)
-        try:
-            results[sampling]["unmasked draft"] = alpha(decoder, {**options, "structured_outputs": {"json": SCHEMA}}, seeds)
-        finally:
-            SpeculativeDecoder._draft = staticmethod(masked_draft)
-        # Greedy, both give the target's tokens; sampled, the same distribution, drawn with other random numbers.
-        same = results[sampling]["masked draft"]["texts"] == results[sampling]["unmasked draft"]["texts"]
-        print(f"{sampling}: α {results[sampling]['no grammar']['alpha']} without a grammar, under the JSON schema "
-              f"{results[sampling]['masked draft']['alpha']} with the draft masked, "
-              f"{results[sampling]['unmasked draft']['alpha']} unmasked" + (f" (same texts: {same})" if seeds == 1 else ""))
+    SpeculativeDecoder._draft = staticmethod(unmasked_draft)
+    try:
+        mode = run_ours(decoder, prompts, max_new_tokens, [4], options, seed)[0]
+    finally:
+        SpeculativeDecoder._draft = staticmethod(masked_draft)
+    mode.system = "draft unmasked"
+    return mode
+
+
+def run(decoder, prompts: list[list[int]], max_new_tokens: int, options: dict, seed: int) -> list[ModeResult]:
+    """Target-only, γ 4 and auto taking turns prompt by prompt; under a grammar, then the unmasked draft."""
+    modes = run_ours(decoder, prompts, max_new_tokens, GAMMAS, options, seed)
+    if "structured_outputs" in options:
+        modes.append(unmasked(decoder, prompts, max_new_tokens, options, seed))
+    return modes
+
+
+def rows(runs: list[list[ModeResult]], greedy: bool) -> list[dict]:
+    """One row per mode, its requests pooled over the runs: α, τ (tokens per target call), tok/s, the median over
+    runs of its speed-up over the target-only mode of the same run and, greedy, whether every output was exact."""
+    out = []
+    for modes in zip(*runs):
+        pooled = ModeResult(modes[0].system, modes[0].gamma)
+        for mode in modes:
+            pooled.requests += mode.requests
+            pooled.outputs += mode.outputs
+        row = pooled.to_dict()
+        row.update(tokens=pooled.tokens, matches_target=all(mode.outputs == run[0].outputs
+                                                            for mode, run in zip(modes, runs)) if greedy else None,
+                   # the unmasked draft's runs are not interleaved with target-only: their speed is not comparable
+                   speedup=round(statistics.median(mode.tokens_per_second / run[0].tokens_per_second
+                                                   for mode, run in zip(modes, runs)), 3)
+                   if pooled.system == "specbuild" else None)
+        out.append(row)
+    return out
+
+
+def table(results: dict) -> str:
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+    lines = [f"{'workload':<24}{'mode':<16}{'tok/s':>8}{'speed-up':>10}{'α':>7}{'τ':>6}{'tokens':>8}  exact"]
+    for name, workload in results.items():
+        for row in workload:
+            mode = "target-only" if row["gamma"] == 0 else f"{row['system'].replace('specbuild', 'γ')} {row['gamma']}"
+            exact = {True: "yes", False: "NO", None: "-"}[row["matches_target"]]
+            lines.append(f"{name:<24}{mode:<16}{row['tokens_per_second']:>8.1f}{fmt(row['speedup'], '.2f'):>10}"
+                         f"{row['acceptance_rate'] if row['gamma'] else '-':>7}"
+                         f"{fmt(row['mean_accepted_tokens'], '.2f'):>6}{row['tokens']:>8}  {exact}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--bundle", type=Path, help="the bundle to measure (the demo's: .cache/demo/bundle)")
+    where.add_argument("--scratch", type=Path, help="make the tiny random pair and its bundle here (a few MB)")
+    parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt (the demo's 96)")
+    parser.add_argument("--seed", type=int, default=0, help="sampled: prompt i is seeded seed + i (auto unseeded)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of every workload; speed-ups are their medians")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args()
+
+    from specbuild.texts import measuring_prompts
+
+    bundle = args.bundle or pair(args.scratch)
+    # As `specbuild bench`: every mode decodes the same prompts whole, not a prefix the mode before left cached.
+    decoder = SpeculativeDecoder(bundle, shared_thread_pool=True, prefix_reuse=False)
+    prompts = [decoder.encode(text) for text in measuring_prompts()]
+    load = os.getloadavg()[0]
+    runs: dict[str, list] = {name: [] for name in WORKLOADS}
+    for _ in range(args.repeats):  # repeats outermost: a change in the machine's speed falls on every workload
+        for name, options in WORKLOADS.items():
+            runs[name].append(run(decoder, prompts, args.max_new_tokens, options, args.seed))
+    results = {name: rows(runs[name], not WORKLOADS[name].get("temperature")) for name in WORKLOADS}
+    print(f"{bundle}: {len(prompts)} prompts x {args.max_new_tokens} tokens, {platform.machine()} "
+          f"{os.cpu_count()} CPUs, load {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
+    print(table(results))
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        report = {"bundle": str(bundle), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                  "seed": args.seed, "repeats": args.repeats, "load": [round(load, 2), round(os.getloadavg()[0], 2)],
+                  "workloads": WORKLOADS, "results": results}
+        args.json.write_text(json.dumps(report, indent=2))
+    if any(row["matches_target"] is False for workload in results.values() for row in workload):
+        raise SystemExit("a greedy output differs from target-only decoding (exact: NO above): a bug, report it")
 
 
 if __name__ == "__main__":
