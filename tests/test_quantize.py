@@ -72,16 +72,19 @@ def test_a_quantized_targets_prompt_scores_the_bits_its_tokens_get_generated(mod
         assert scored.prompt_logprobs[len(ids):] == generated.logprobs, (mode, ids)
 
 
-@pytest.mark.parametrize("block_size", [128, 256])
-def test_an_int4_embedding_is_quantized_whether_or_not_its_width_is_whole_blocks_and_decodes(block_size, bundle, tokenizer):
+@pytest.mark.parametrize("mode, block_size", [("int4", 128), ("int4", 256), ("int8", 256)])
+def test_an_embedding_is_quantized_where_a_gpu_reads_it_as_the_cpu_does_and_either_way_decodes(mode, block_size, bundle,
+                                                                                               tokenizer):
     """GatherBlockQuantized returns rows padded to whole blocks (128 -> 256 at 256), which a Slice cuts to the
-    width the first layer takes; MatMulNBits pads K itself."""
-    decoder = SpeculativeDecoder(bundle(target_quantize="int4", block_size=block_size))
+    width the first layer takes; MatMulNBits pads K itself. At 4 bits a table of an odd number of blocks a row (one
+    here) stays float: onnxruntime's CUDA kernel would read its zero points from other rows' bytes (layers.embedding)."""
+    decoder = SpeculativeDecoder(bundle(target_quantize=mode, block_size=block_size))
     ops = {node.op_type for node in onnx.load(decoder.root / "target.onnx", load_external_data=False).graph.node}
-    assert {"MatMulNBits", "GatherBlockQuantized"} <= ops
+    assert "MatMulNBits" in ops and ("GatherBlockQuantized" in ops) == (mode == "int8")
     from specbuild.cli import quantized_line  # what `specbuild inspect` prints for it
 
-    assert quantized_line(decoder.root / "target.onnx") == f"MatMulNBits 4-bit, block size {block_size}, accuracy level 4"
+    bits = mode.removeprefix("int")
+    assert quantized_line(decoder.root / "target.onnx") == f"MatMulNBits {bits}-bit, block size {block_size}, accuracy level 4"
     ids = tokenizer(PROMPTS[0])["input_ids"]
     assert decoder.generate(ids, NEW_TOKENS, gamma=3).token_ids == decoder.generate(ids, NEW_TOKENS, gamma=0).token_ids
 

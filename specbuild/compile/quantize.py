@@ -7,7 +7,7 @@ memory bound. Policy (weights only; activations, norms, rotary tables and the KV
 engine's float type):
 
     mode    linear layers and the LM head            embedding lookup
-    int4    MatMulNBits, 4 bit                       GatherBlockQuantized, 4 bit
+    int4    MatMulNBits, 4 bit                       GatherBlockQuantized, 4 bit (even blocks a row, else float)
     int8    MatMulNBits, 8 bit                       GatherBlockQuantized, 8 bit
     none    Gemm in the engine's float type          Gather in the engine's float type
 
@@ -23,7 +23,8 @@ engine's float type):
     table twice: a Qwen3-0.6B-shaped int8 bundle was larger than its fp16 one.)
   * MatMulNBits pads K up to a multiple of block_size, so any hidden size works; block_size is a power
     of two from 16 to 256 (onnxruntime's quantizer kernels take no other). GatherBlockQuantized returns
-    the padded rows, and a Slice cuts them to H.
+    the padded rows, and a Slice cuts them to H. At 4 bit a row of an odd number of blocks keeps the float
+    table: onnxruntime's CUDA kernel reads 4-bit zero points as one run, not row by row (graphs/layers.py).
   * accuracy_level is MatMulNBits' compute type, default 4 (int8 compute, activations quantized per row
     and block). It is the fast one on this AVX2 CPU: an int4 target decodes 2.2x faster than at level 0
     (fp32 compute, slower than the fp32 model here). Row by row it is as exact as level 0: MatMulNBits

@@ -9,6 +9,7 @@ import functools
 import numpy as np
 import onnx_ir as ir
 
+from ..quantize import QuantizedRows
 from .builder import MS, GraphBuilder, Weight, w
 
 
@@ -20,14 +21,18 @@ def vocab_table(g: GraphBuilder, name: str, vocab_size: int) -> Weight:
 def embedding(g: GraphBuilder, ids: ir.Value, table: Weight) -> ir.Value:
     """ids [S] -> rows of the table [S, H]."""
     numerics = g.numerics
-    if numerics.quantization == "none":
+    q = None if numerics.quantization == "none" else QuantizedRows(*table.shape(g.ckpt), numerics.bits,
+                                                                    numerics.block_size)
+    # onnxruntime's CUDA kernel (gather_block_quantized.cu, 1.31) reads 4-bit zero points as one run of nibbles,
+    # block i of the table at nibble i; MatMulNBits' layout, which the CPU kernel reads, starts each row on a
+    # whole byte. They agree only for an even number of blocks a row: an odd one would decode other rows on a GPU.
+    if q is None or (q.bits == 4 and q.blocks % 2):
         return g.op("Gather", g.weight(table), ids)
     data, scales, zero_points = g.quantized(table, table=True)
     rows = g.op("GatherBlockQuantized", data, ids, scales, zero_points, domain=MS, gather_axis=0, quantize_axis=1,
-                block_size=numerics.block_size, bits=numerics.bits)
-    k = table.shape(g.ckpt)[1]
-    if k % numerics.block_size:  # the rows come back padded to whole blocks
-        rows = g.op("Slice", rows, g.const([0]), g.const([k]), g.const([1]))
+                block_size=q.block_size, bits=q.bits)
+    if q.k % q.block_size:  # the rows come back padded to whole blocks
+        rows = g.op("Slice", rows, g.const([0]), g.const([q.k]), g.const([1]))
     return rows
 
 
