@@ -1721,6 +1721,85 @@ def test_a_prompts_n_choices_render_tokenize_and_score_it_once_yet_each_is_the_r
         assert len(renders) == 1
 
 
+class TokenizerOnLoop:
+    """A tokenizer that counts its decodes on an event loop's thread."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self.decoded_on_loop = 0
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def decode(self, *args, **kwargs):
+        self.decoded_on_loop += on_loop()
+        return self._tokenizer.decode(*args, **kwargs)
+
+
+class DecodingOnLoop(PausingDecoder):
+    """A PausingDecoder that goes on at once, whose tokenizer (serve's, not its streams') is a TokenizerOnLoop."""
+
+    def __init__(self, decoder):
+        super().__init__(decoder)
+        self.go.set()
+        self.tokenizer = TokenizerOnLoop(decoder.tokenizer)
+
+
+def on_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def test_a_prompts_logprobs_are_decoded_and_encoded_off_the_event_loop(bundle, monkeypatch):
+    """A prompt's logprobs are a token text decoded for each of its tokens and its N most probable, then megabytes of
+    JSON: 0.5-1.0 s for 4000 tokens at prompt_logprobs 20 (a 152k vocabulary, this 2-core machine under load), in which
+    the event loop moved no other stream. Both run in a thread of the server's, and its JSON is encoded a piece at a
+    time, json's C encoder holding the GIL through a call: the loop decodes no token text, and encodes JSON no bigger
+    than a stream's closing chunk."""
+    encoded_on_loop, encode = [0], json.JSONEncoder.encode
+
+    def encoding(self, value):
+        text = encode(self, value)
+        if on_loop():
+            encoded_on_loop.append(len(text))
+        return text
+
+    monkeypatch.setattr(json.JSONEncoder, "encode", encoding)
+    prompt = " ".join(PROMPTS[:7])  # ~200 tokens
+    chat = {"messages": [{"role": "user", "content": prompt}], "prompt_logprobs": 5, "max_tokens": 1}
+    with in_process(bundle, DecodingOnLoop) as (url, decoder, _):
+        for endpoint, body in (("completions", {"prompt": prompt, "prompt_logprobs": 5, "max_tokens": 1}),
+                               ("chat/completions", chat),
+                               ("completions", {"prompt": prompt, "echo": True, "logprobs": 5, "max_tokens": 1}),
+                               ("completions", {"prompt": prompt, "echo": True, "logprobs": 5, "max_tokens": 0,
+                                                "stream": True})):
+            reply = httpx.post(f"{url}/v1/{endpoint}", json={**body, **GREEDY}, timeout=60)
+            assert reply.status_code == 200 and len(reply.content) > 20_000, reply.text
+            assert (decoder.tokenizer.decoded_on_loop, max(encoded_on_loop) < 1000) == (0, True), (endpoint, sorted(body))
+
+
+def test_serves_json_is_json_dumps_a_long_lists_item_a_call(monkeypatch):
+    """protocol.dumps writes what json.dumps writes, with Starlette's options or sse's, in calls of json.dumps no longer
+    than an item of a long list (a prompt token's logprobs): json's C encoder holds the GIL through a call, so a
+    response's JSON encoded whole in a thread stalled the event loop all the same."""
+    from specbuild_runtime.serve import protocol
+
+    entry = {"11": {"logprob": -0.5, "rank": 1, "decoded_token": "\u00e9\u2028"}, "7": None}
+    long = [None, *[entry] * protocol.LONG_LIST]
+    value = {"id": "x", "choices": [{"index": 0, "prompt_logprobs": long, "logprobs": {"tokens": ["a"] * 100,
+             "top_logprobs": [{"a": -1.0}] * 3}, "text": "\u00e9\u2028"}], "usage": {}, "empty": [], "n": [1, 2.5]}
+    calls, encode = [], json.JSONEncoder.encode
+    monkeypatch.setattr(json.JSONEncoder, "encode", lambda self, o: calls.append(len(encode(self, o))) or encode(self, o))
+    for options in ({"ensure_ascii": False}, {"ensure_ascii": False, "allow_nan": False, "separators": (",", ":")}):
+        calls.clear()
+        written = protocol.dumps(value, **options)
+        assert max(calls) <= len(json.dumps(entry, **options)) < len(written) // 20
+        assert written == json.dumps(value, **options)
+
+
 def with_bos(bundle: Path, folder: Path) -> Path:
     """A copy of `bundle` whose tokenizer begins a text with its special token (a BOS, as Llama's adds), its manifest's
     digest of the tokenizer made anew."""

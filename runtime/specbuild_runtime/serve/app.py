@@ -14,7 +14,8 @@ import asyncio
 import hmac
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
 from functools import partial
@@ -82,6 +83,9 @@ class Server:
         self.tool_parser = tool_parser(settings.tool_call_parser, decoder.tokenizer) if settings.tool_call_parser else None
         self.metrics = Metrics(decoder.slots.size)
         self.scheduler = Scheduler(decoder, settings.max_queue, settings.timeout, self.metrics)
+        # Builds whole responses and streams' echoed prompts (see _off_loop), one at a time as the loop did; not on the
+        # scheduler's checking thread, where a response would wait for the checks of long prompts queued before it.
+        self._builder = ThreadPoolExecutor(1, thread_name_prefix="specbuild-respond")
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -234,11 +238,11 @@ class Server:
             self._stop(jobs)      # stays usable (Starlette's last handler closes it); a batch's prompts queued before
             return self._refuse(endpoint, exc)  # the one refused stop
         logprobs = "logprobs" in request.decoding
+        texts = Logprobs(endpoint, self.decoder.tokenizer)  # one for both: it decodes each token's text once
         reply = Reply(endpoint, self.settings.model,
                       request.forced_calls or (self.tool_parser if request.parse_tools else None),
-                      request.parallel_tool_calls, Logprobs(endpoint, self.decoder.tokenizer) if logprobs else None,
-                      request.return_token_ids,
-                      Logprobs(endpoint, self.decoder.tokenizer) if request.prompt_logprobs else None)
+                      request.parallel_tool_calls, texts if logprobs else None, request.return_token_ids,
+                      texts if request.prompt_logprobs else None)
         # A job stopped while it waited for its check (--timeout, the drain's cut) has no request, and no echo: its
         # iteration raises the Stopped that answers it.
         # a prompt's choices share the logprobs its first choice scored
@@ -266,7 +270,13 @@ class Server:
                                     # a prompt's choices after the first have the logprobs it scored
                                     answers[index - index % request.n][2])
                     for index, ((text, records, _), job, echo) in enumerate(zip(answers, jobs, echoes))]
-        return JSONResponse(reply.batch(answered, request.n))
+        return await self._off_loop(lambda: Json(reply.batch(answered, request.n)))
+
+    async def _off_loop(self, build: Callable[[], object]) -> object:
+        """build() in the builder's thread: a response's logprobs are a token text decoded for each of a prompt's tokens
+        and its N most probable, then megabytes of JSON (0.5-1.0 s for 4000 tokens at prompt_logprobs 20, a 152k
+        vocabulary, 2 loaded cores), which on the event loop stalled every other stream meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._builder, build)
 
     def _stop(self, jobs: list[Job]) -> None:
         for job in jobs:
@@ -428,8 +438,7 @@ class Server:
 
         return EventStream(events(), ended)
 
-    @staticmethod
-    async def _choice_events(endpoint: str, job: Job, reply: Reply, echo: Echo | None, continuous_usage: bool = False):
+    async def _choice_events(self, endpoint: str, job: Job, reply: Reply, echo: Echo | None, continuous_usage: bool = False):
         """The events of one choice, to its closing chunk; raises Stopped, or the decoder's error. continuous_usage:
         each chunk carries the usage of the choice so far (stream_options.continuous_usage_stats, vLLM's)."""
         prompt_ids = job.request.prompt_ids if job.request else []
@@ -456,7 +465,7 @@ class Server:
         if echo:  # the prompt in a chunk of its own (vLLM's also holds the first token's text)
             records = await echo.prompt_logprobs(items)
             seen += echo.scored  # the job's first item, read there
-            yield event(reply.chunk(echo.text, records=records, unscored=echo.first))
+            yield await self._off_loop(lambda: event(reply.chunk(echo.text, records=records, unscored=echo.first)))
         # With logprobs a job yields (delta, its tokens' records) after every token: records whose text is
         # held back (a possible stop string, a tool call) go with the next chunk that has text or calls, or the last.
         held = []
@@ -683,6 +692,13 @@ def _refusing_beyond(http_protocol: type, max_connections: int) -> type:
             return super().eof_received()
 
     return Protocol
+
+
+class Json(JSONResponse):
+    """Starlette's JSON response, encoded by protocol.dumps: a piece at a time (see there)."""
+
+    def render(self, content) -> bytes:
+        return protocol.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 class Unread(JSONResponse):

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from functools import partial
+from functools import cache, partial
 from http import HTTPStatus
 from typing import NamedTuple
 
@@ -636,7 +636,8 @@ class Logprobs:
 
     def __init__(self, endpoint: str, tokenizer: Tokenizer):
         self.endpoint = endpoint
-        self._text = partial(tokenizer.decode, skip_special_tokens=False)
+        # the tokens' N most probable repeat the same ids, each decoded once a response (N + 1 texts a token)
+        self._text = cache(lambda token: tokenizer.decode([token], skip_special_tokens=False))
 
     def of(self, records: Sequence[TokenLogprobs], offset: int = 0, unscored: Sequence[int] = ()) -> dict:
         """unscored: token ids before the records', without logprobs (an echoed prompt's first: nothing precedes it),
@@ -645,10 +646,10 @@ class Logprobs:
             return {"content": [{**self._entry(r.token_id, r.logprob),
                                  "top_logprobs": [self._entry(token, logprob) for token, logprob in r.top]}
                                 for r in records]}
-        tokens = [self._text([token]) for token in (*unscored, *(r.token_id for r in records))]
+        tokens = [self._text(token) for token in (*unscored, *(r.token_id for r in records))]
         return {"tokens": tokens,
                 "token_logprobs": [None] * len(unscored) + [max(r.logprob, LOGPROB_FLOOR) for r in records],
-                "top_logprobs": [None] * len(unscored) + [{self._text([token]): max(logprob, LOGPROB_FLOOR)
+                "top_logprobs": [None] * len(unscored) + [{self._text(token): max(logprob, LOGPROB_FLOOR)
                                                          for token, logprob in ((r.token_id, r.logprob), *r.top)}
                                                         for r in records],
                 "text_offset": list(itertools.accumulate(map(len, tokens), initial=offset))[:len(tokens)]}
@@ -658,13 +659,13 @@ class Logprobs:
         to their {"logprob", "rank", "decoded_token"}: the prompt's token first, then the N most probable (ranks 1 to
         N; the prompt's token once, where it is among them)."""
         def entry(token: int, logprob: float, rank: int) -> dict:
-            return {"logprob": max(logprob, LOGPROB_FLOOR), "rank": rank, "decoded_token": self._text([token])}
+            return {"logprob": max(logprob, LOGPROB_FLOOR), "rank": rank, "decoded_token": self._text(token)}
         return [None, *({str(r.token_id): entry(r.token_id, r.logprob, r.rank),
                          **{str(token): entry(token, logprob, rank) for rank, (token, logprob) in enumerate(r.top, 1)}}
                         for r in records)]
 
     def _entry(self, token: int, logprob: float) -> dict:
-        text = self._text([token])
+        text = self._text(token)
         return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(text.encode("utf-8", "replace"))}
 
 
@@ -822,10 +823,31 @@ def usage(*stats: Stats, n: int = 1) -> dict:
 
 # Characters str.splitlines() breaks at that JSON leaves raw: clients that read events with it (httpx's
 # iter_lines, and httpx-sse over it) would cut an event inside a string holding one.
-LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+LINE_BREAKS = {"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"}
 
 
 def sse(payload: dict | str) -> bytes:
     """One server-sent event: `data: <json>` (or `data: [DONE]`) and a blank line."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False).translate(LINE_BREAKS)
+    data = payload if isinstance(payload, str) else dumps(payload, ensure_ascii=False)
+    # str.replace, not str.translate: translate took ~0.15 s, the GIL held, for an echoed prompt's 3 MB of logprobs
+    for line_break, escaped in LINE_BREAKS.items():
+        data = data.replace(line_break, escaped)
     return f"data: {data}\n\n".encode()
+
+
+LONG_LIST = 64  # a list that dumps encodes an item a call: a response's tokens', a prompt's (an item each)
+
+
+def dumps(value, **options) -> str:
+    """json.dumps(value, **options) (a dict's keys strings), a list of LONG_LIST items or more encoded an item a call,
+    the dicts and lists around it taken apart to reach it: json's C encoder holds the GIL through a call, so a
+    response's logprobs (megabytes: ~0.1 s for a 4096-token prompt's at prompt_logprobs 20) encoded in another thread
+    stalled the event loop all the same. Between calls the loop gets its turn."""
+    between, colon = options.get("separators") or (", ", ": ")
+    if isinstance(value, dict):
+        return "{" + between.join(json.dumps(key, **options) + colon + dumps(inner, **options)
+                                  for key, inner in value.items()) + "}"
+    if isinstance(value, list):
+        each = partial(json.dumps if len(value) >= LONG_LIST else dumps, **options)
+        return "[" + between.join(map(each, value)) + "]"
+    return json.dumps(value, **options)
