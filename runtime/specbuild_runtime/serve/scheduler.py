@@ -26,6 +26,9 @@ from ..validation import Request
 from .metrics import Metrics
 
 log = logging.getLogger("specbuild.serve")
+# stream_request's item for a token whose text is held back: the relay does not post it, and Job.decoded does not
+# count it (one definition: counted apart from what is posted, continuous usage would count tokens not yet read)
+HELD = ("",)
 
 
 class Overloaded(Exception):
@@ -183,16 +186,16 @@ class Scheduler:
         job.started = True
         self._running.add(job)
         self.metrics.slots_busy.set(len(self._running))
-        job.relay.start(self.decoder.workers, partial(self._deltas, job), held=("",)).add_done_callback(
+        job.relay.start(self.decoder.workers, partial(self._deltas, job), held=HELD).add_done_callback(
             lambda _: self._finished(job))
 
     def _deltas(self, job: Job):
-        """The job's items, each posted one (all but the held "") counted in job.decoded."""
+        """The job's items, each posted one (all but HELD) counted in job.decoded."""
         # halt: a stop also ends the scoring of a long prompt (echo's logprobs), many calls before the first token
         with closing(self.decoder.stream_request(job.request, job.stats, every_token=True, halt=job.relay.halt,
                                                  token_ids=job.token_ids)) as items:
             for item in items:
-                if item != "":
+                if item not in HELD:
                     job.decoded.append(len(job.token_ids))
                 yield item
 
