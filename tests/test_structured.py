@@ -283,12 +283,16 @@ def test_an_eos_id_in_the_models_padding_rows_ends_a_structured_output_where_its
     assert result.text in ("yes", "no") and result.stats.finish_reason == "eos"
 
 
-def test_structured_outputs_on_a_bundle_whose_eos_ids_are_all_past_its_tokenizer_are_refused_in_one_line(tokenizer):
-    """llguidance needs an eos within the tokenizer, which it allows where a grammar may end."""
-    from specbuild_runtime.grammar import Grammars, check_structured_outputs
+@pytest.mark.parametrize("field", ["structured_outputs", "response_format", "tools"])
+def test_structured_outputs_on_a_bundle_whose_eos_ids_are_all_past_its_tokenizer_are_refused_in_one_line_naming_the_field(
+        tokenizer, field):
+    """llguidance needs an eos within the tokenizer, which it allows where a grammar may end. The refusal begins with
+    the field the request used, as the other refusals of a grammar do (serve's 400 takes it for its param)."""
+    from specbuild_runtime.grammar import Grammars, Unchecked, check_structured_outputs
 
     vocab = len(tokenizer)
     grammars = Grammars(tokenizer.backend_tokenizer.to_str(), vocab, vocab + 64, [vocab + 5])
-    with pytest.raises(RequestError, match=rf"^structured outputs need an eos token within the tokenizer's {vocab} "
-                                           rf"tokens, and this bundle's eos ids \[{vocab + 5}\] are all past them"):
-        check_structured_outputs({"choice": ["yes"]}, compile=grammars.compile)
+    value = {"choice": ["yes"]} if field == "structured_outputs" else Unchecked({"json_object": True}, field)
+    with pytest.raises(RequestError, match=rf"^{field} needs an eos token within the tokenizer's {vocab} tokens, and "
+                                           rf"this bundle's eos ids \[{vocab + 5}\] are all past them .*: leave {field} "):
+        check_structured_outputs(value, compile=grammars.compile)

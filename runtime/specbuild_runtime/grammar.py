@@ -129,7 +129,7 @@ class Grammars:
     def compile(self, structured: Structured) -> Structured:
         """structured with its matcher compiled for this tokenizer: as it is where it has one already (the first of n
         choices', which the others share)."""
-        tokenizer = self._built()
+        tokenizer = self._built(structured.field)
         if structured.tokenizer is tokenizer:
             return structured
         matcher = llguidance.LLMatcher(tokenizer, structured.grammar, log_level=0)
@@ -142,14 +142,15 @@ class Grammars:
         matcher = self.compile(structured).matcher.deep_copy()
         return Guide(matcher, self.vocab_size, set(self._eos), tuple(e for e in self._eos if e >= self._tokens))
 
-    def _built(self) -> llguidance.LLTokenizer:
+    def _built(self, field: str) -> llguidance.LLTokenizer:
+        """field: the request's name for its grammar, which begins a refusal (serve's 400 names it as its param)."""
         with self._lock:
             if self._tokenizer is None:
                 within = [e for e in self._eos if e < self._tokens]
                 if not within:  # llguidance needs one: it allows it where a grammar may end, the others after it
-                    raise RequestError(f"structured outputs need an eos token within the tokenizer's {self._tokens} "
-                                       f"tokens, and this bundle's eos ids {self._eos} are all past them (padding rows): "
-                                       "leave the structured output out, or recompile with an eos the tokenizer has")
+                    raise RequestError(f"{field} needs an eos token within the tokenizer's {self._tokens} tokens, and "
+                                       f"this bundle's eos ids {self._eos} are all past them (padding rows): leave "
+                                       f"{field} out, or recompile with an eos the tokenizer has")
                 self._tokenizer = llguidance.LLTokenizer(self._source, n_vocab=self.vocab_size, eos_token=within)
             return self._tokenizer
 
