@@ -1119,8 +1119,8 @@ def test_rounds_that_warm_up_or_capture_a_cuda_graph_leave_auto_gammas_costs_alo
     monkeypatch.setattr(decode, "unsteady_calls", lambda: next(calls))
     decoder = SpeculativeDecoder(bundle)
     result = decoder.generate(PROMPTS[0], 24, "auto")
-    policy = decoder._policies[0][False]
-    assert result.stats.rounds > 3 and policy.costs.target_alone is None and policy.costs.target_drafted is None
+    policy = decoder._policies[0][(False, "plain")]
+    assert result.stats.rounds > 3 and policy.costs.target_alone is None
     assert policy.costs.rounds == [None] * (decoder.max_gamma + 1)
 
 

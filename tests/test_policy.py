@@ -3,7 +3,8 @@
 from specbuild_runtime import SpeculativeDecoder
 import random
 
-from specbuild_runtime.policy import GREEDY_DECAYS, MAX_PROBE_EVERY, PROBE_EVERY, SAMPLING_DECAYS, AdaptiveGamma, Costs
+from specbuild_runtime.policy import (GREEDY_DECAYS, MAX_PROBE_EVERY, PROBE_EVERY, SAMPLING_DECAYS, UNIT_ROUNDS, AdaptiveGamma,
+                                      Costs)
 
 from conftest import PROMPTS
 
@@ -28,7 +29,7 @@ def test_policy_drafts_the_most_when_every_draft_is_accepted():
 
 def test_policy_falls_back_to_target_only_and_probes_less_often_while_drafts_are_rejected():
     chosen = run_rounds(AdaptiveGamma(max_gamma=8, draft_cost=0.1), lambda r, j: False, rounds=400)
-    fallback = chosen.index(0)
+    fallback = chosen.index(0, UNIT_ROUNDS)  # after the rounds that time the unit of every cost (Costs.unit_untimed)
     assert fallback < 10 and set(chosen[fallback:]) == {0, 1}
     probes = [r for r in range(fallback, len(chosen)) if chosen[r] == 1]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
@@ -155,3 +156,27 @@ def test_rounds_that_warm_up_or_capture_cuda_graphs_do_not_price_gamma():
     γ it tried was first timed while its graphs were warmed up and captured. Those rounds now teach α, not costs."""
     assert set(capturing_rounds(timed_while_capturing=True)[-20:]) == {2}  # the trap, as it was: γ 2 tried first
     assert min(capturing_rounds(timed_while_capturing=False)[-20:]) >= 3  # γ 4-5 are best here (c 0.1, α 0.75)
+
+
+def test_a_round_without_drafts_is_timed_first_as_the_unit_every_cost_is_priced_in():
+    """Under a grammar a target call builds a mask on the host for each of its rows, and a draft step is a call and a
+    mask of its own: a target call after drafts is no stand-in for a round without drafts (4.3x one on the demo pair
+    under a JSON schema), and priced in it every γ looked cheap: here auto drafted on at α 0.4."""
+    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
+    chosen = []
+    for r in range(80):
+        k = policy.choose(limit=100)
+        accepted = next((j for j in range(k) if (r + j) % 5 >= 2), k)  # α 0.4
+        policy.observe(k, accepted, draft_seconds=0.3 * k, target_seconds=1 + 0.6 * k)
+        chosen.append(k)
+    assert chosen[:UNIT_ROUNDS] == [0] * UNIT_ROUNDS and chosen[-20:].count(0) >= 16
+
+
+def test_the_unit_starts_from_the_median_of_its_first_rounds_not_one_stretched_call():
+    """A request's first round under sampling and penalties once took 17 times the rounds after it (preemption, first
+    calls): the unit every cost is priced in, taken from it alone, made every γ look cheap for good."""
+    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
+    for seconds in (17.0, 1.0, 1.1, 0.9, 1.0):
+        assert policy.choose(limit=100) == 0
+        policy.observe(0, 0, draft_seconds=0.0, target_seconds=seconds)
+    assert policy.costs.target_alone == 1.0

@@ -296,3 +296,42 @@ def test_structured_outputs_on_a_bundle_whose_eos_ids_are_all_past_its_tokenizer
     with pytest.raises(RequestError, match=rf"^{field} needs an eos token within the tokenizer's {vocab} tokens, and "
                                            rf"this bundle's eos ids \[{vocab + 5}\] are all past them .*: leave {field} "):
         check_structured_outputs(value, compile=grammars.compile)
+
+
+def test_auto_gammas_round_costs_under_a_grammar_include_its_masks_and_are_kept_apart_from_plain_requests(
+        bundles, tokenizer, monkeypatch):
+    """A grammar builds a mask on the host for each row of a target call: part of that call's cost, in rounds without
+    drafts too, where it was left out of auto's unit (policy.Costs). And rounds under a grammar cost otherwise than
+    plain ones (drafts hold otherwise too): timed together, auto drafted under a JSON schema where it lost to target-only
+    (the demo pair). Here the clock moves only while masks are built, a second each call."""
+    from types import SimpleNamespace
+
+    from specbuild_runtime import decode
+    from specbuild_runtime.grammar import Guide
+
+    now, masks = [0.0], Guide.masks
+
+    def timed_masks(self, drafts):
+        now[0] += 1.0
+        return masks(self, drafts)
+
+    monkeypatch.setattr(Guide, "masks", timed_masks)
+    monkeypatch.setattr(decode.time, "perf_counter", lambda: now[0])
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    result = decoder.generate(ids, NEW_TOKENS, structured_outputs={"json": SCHEMA})
+    slot = SimpleNamespace(index=0)
+    costs = decoder._policy(slot, decoder.request(ids, structured_outputs={"json": SCHEMA})).costs
+    assert result.stats.gamma_rounds.get(0) and costs.target_alone == 1.0
+    assert all(costs.rounds[gamma] in (None, 1.0) for gamma in range(1, decoder.max_gamma + 1))
+    plain = decoder._policy(slot, decoder.request(ids)).costs
+    assert plain is not costs and plain.target_alone is None
+
+
+def test_auto_checks_no_free_guesses_under_a_grammar(bundles, tokenizer):
+    """Under a grammar each guess also costs a mask built on the host, and under the demo pair's JSON schema guesses held
+    0.08 tokens a round: auto's rounds without drafts, which should cost what target-only's do, cost more."""
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    result = decoder.generate(ids, NEW_TOKENS, structured_outputs={"regex": r"(ab ){8,20}\."})
+    assert result.stats.gamma_rounds.get(0, 0) > 4 and result.stats.guessed == 0

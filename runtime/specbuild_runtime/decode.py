@@ -266,13 +266,13 @@ class SpeculativeDecoder:
                               affinity=self.target.captures)
         # Adaptive γ: the costs of a round describe the machine and are shared; α follows the text a slot
         # decodes, so each slot keeps its own (carried over to its next request, as the pair's agreement
-        # is). Greedy and sampled decoding accept drafts differently: one of each per mode.
+        # is). Both differ by the request's kind (_kind): one of each per kind.
         self._draft_cost = draft_cost = self.draft.info.bytes_per_call / self.target.info.bytes_per_call
-        costs = {sampling: Costs(self.max_gamma, draft_cost) for sampling in (False, True)}
+        costs = {kind: Costs(self.max_gamma, draft_cost) for kind in KINDS}
         # Per slot, the last prompt it scored (see _score), whose records a prompt sharing its head reuses.
         self._scored: list[Scored | None] = [None] * parallel
-        self._policies = [{sampling: AdaptiveGamma(self.max_gamma, draft_cost, SAMPLING_DECAYS if sampling else GREEDY_DECAYS,
-                                                   costs[sampling]) for sampling in (False, True)}
+        self._policies = [{kind: AdaptiveGamma(self.max_gamma, draft_cost, SAMPLING_DECAYS if kind[0] else GREEDY_DECAYS,
+                                               costs[kind]) for kind in KINDS}
                           for _ in range(parallel)]
         # The threads the async API (and `specbuild serve`) decode in, started on first use: one per slot, and kept,
         # since onnxruntime keeps CUDA graphs per thread (SlotPool gives a thread its slot of last time again).
@@ -619,7 +619,7 @@ class SpeculativeDecoder:
         if sampling.seed is not None and not sampling.greedy:
             return AdaptiveGamma(self.max_gamma, self._draft_cost, SAMPLING_DECAYS,
                                  PriorCosts(self.max_gamma, self._draft_cost))
-        return self._policies[slot.index][not sampling.greedy]
+        return self._policies[slot.index][_kind(request)]
 
     def _speculate(self, slot: Slot, request: Request, stats: Stats, records: list[TokenLogprobs] | None,
                    scored: list[TokenLogprobs] | None = None,
@@ -671,8 +671,11 @@ class SpeculativeDecoder:
         rows = target.logits() if records is not None else None  # row j decided new_tokens[j]
         draft_len = slot.draft.prefix(ids, len(ids)) if self.prefix_reuse and sampling.greedy else 0
         # Auto mode, greedy: the token that last followed each token, for free guesses (see below; a
-        # guess is verified like a draft, so it cannot change the output).
-        follows = dict(zip(ids, ids[1:])) if request.gamma == AUTO and sampling.greedy else None
+        # guess is verified like a draft, so it cannot change the output). Not under a grammar, where each guess
+        # also costs a mask built on the host (guide.masks: 0.1 ms at the median, an eighth of a 2-row target call,
+        # the demo pair under a JSON schema on 2 busy cores), and there they held 0.08 tokens a round: auto's rounds
+        # without drafts, which should cost what target-only's do, cost more.
+        follows = dict(zip(ids, ids[1:])) if request.gamma == AUTO and sampling.greedy and not guide else None
         while True:
             for j, token in enumerate(new_tokens):
                 if token == not_finite:  # after the drafts judged on finite rows: where the target alone stops
@@ -713,6 +716,7 @@ class SpeculativeDecoder:
             unsteady = unsteady_calls()
             t0 = clock()
             drafts = self._draft(slot, ids[draft_len:], len(ids), k, uniforms, sampling.greedy, guide)
+            t1 = clock()
             asked, k = k, len(drafts)  # fewer where the draft's logits stopped being finite
             if drafts:
                 draft_len = len(ids) + k - 1
@@ -720,9 +724,10 @@ class SpeculativeDecoder:
             # two rows anyway: let them check free guesses instead, what followed these tokens last time.
             guesses = _guesses(follows, ids[-1], min(room, self.max_gamma, FREE_GUESSES)) if follows is not None else []
             proposed = drafts or guesses
-            if guide:  # on the host, in the round's time: the cost of a grammar
+            # The target's masks, built on the host, are part of its call's cost, in rounds without drafts too
+            # (auto's unit, policy.Costs): timed apart, they made γ 0 look cheap beside rounds with drafts.
+            if guide:
                 target.constrain(guide.masks(proposed))
-            t1 = clock()
             accepted, token = target.step([ids[-1], *proposed], total_len=len(ids) + len(proposed),
                                           num_drafts=len(proposed), uniforms=uniforms(len(proposed) + 1))
             t2 = clock()
@@ -896,6 +901,21 @@ SCORED_ROWS = MAX_REUSED_IDS
 # Free guesses per round: on the demo pair, rounds of guesses alone (no draft model) decoded at 1.48x
 # target-only with 1 guess, 1.54x with 2 and 4, and 1.26x with 8 (on the CPU every row costs ~9% of a call).
 FREE_GUESSES = 4
+
+
+# Request kinds, as _kind gives them: auto γ learns costs and α for each apart.
+KINDS = [(sampled, processing) for sampled in (False, True) for processing in ("plain", "processed", "structured")]
+
+
+def _kind(request: Request) -> tuple[bool, str]:
+    """Whether the request samples, and what its target's calls do beyond a plain one: penalties, min_tokens or
+    logit_bias process every row (with the bundle's sampler, where it decides); a grammar also builds a mask on the
+    host for every draft and target row. Rounds of each kind cost otherwise, and drafts hold otherwise (the draft
+    proposes unpenalised): shared with plain requests, costs and α timed there led auto to draft under penalties
+    and grammars where it lost to target-only."""
+    sampling = request.sampling
+    processed = sampling.penalties != NO_PENALTIES or sampling.min_tokens or sampling.logit_bias
+    return not sampling.greedy, "structured" if request.structured else "processed" if processed else "plain"
 
 
 def _guesses(follows: dict[int, int], token: int, count: int) -> list[int]:

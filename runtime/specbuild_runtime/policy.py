@@ -17,6 +17,7 @@ not pay: on the demo pair, where the draft agrees in patches, caps of 8, 16 and 
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 
 PROBE_EVERY = 8
@@ -46,6 +47,10 @@ COST_DECAY = 0.95
 # within ~15 calls, one stray call moves it by a few per cent.
 OUTLIER = 3.0
 PRIOR_EXTRA_TOKEN = 0.05  # the prior's cost of one more row in a target call, per draft
+# Rounds without drafts timed first, whose median starts the unit: one sample alone (taken whole, as the first of an
+# average is) was, under sampling and penalties on the demo pair (load 4), 17 times the median round without drafts,
+# and every γ looked cheaper than γ 0 from then on.
+UNIT_ROUNDS = 5
 
 
 def expected_tokens_per_call(alpha: float, gamma: int) -> float:
@@ -77,21 +82,20 @@ class Costs:
     call after drafting ran 0.11 ms slower than the same two rows without drafts; a 3-row target call
     cost what a 2-row one did and a 5-row one 27% more. The model before this one (1 + γ·c + (γ−1)·κ, c
     the average draft step, κ each further target row measured against a call without drafts) priced γ 2
-    above γ 1 although γ 2 was 8% faster. Costs describe the machine, not the text, so one set is shared
-    by every slot of a decoder; a lock keeps concurrent requests' updates whole."""
+    above γ 1 although γ 2 was 8% faster. Costs describe the machine and what a request's calls do (penalties,
+    a grammar's masks: decode._kind), not the text, so one set per kind is shared by every slot of a decoder; a
+    lock keeps concurrent requests' updates whole."""
 
     def __init__(self, max_gamma: int, draft_cost: float):
         self.lock = threading.Lock()
         self.prior_step = draft_cost + PRIOR_EXTRA_TOKEN  # a further draft, until timed: the weight-byte ratio
-        self.target_alone: float | None = None  # seconds of a target call without drafts
-        # seconds of a target call with drafts (about the same rows, and timed every round): the unit until
-        # a round without drafts is seen
-        self.target_drafted: float | None = None
+        self.target_alone: float | None = None  # seconds of a round without drafts: the unit
+        self.first_alone: list[float] = []  # its first UNIT_ROUNDS samples
         self.rounds: list[float | None] = [None] * (max_gamma + 1)  # seconds of a whole round at each γ
 
     def costs(self, limit: int) -> list[float]:
         """The cost of a round at γ = 0 … limit."""
-        unit = self.target_alone or self.target_drafted
+        unit = self.target_alone
         table = [1.0]
         for gamma in range(1, limit + 1):
             timed = self.rounds[gamma]
@@ -101,12 +105,22 @@ class Costs:
     def cost(self, gamma: int) -> float:
         return self.costs(gamma)[gamma]
 
+    @property
+    def unit_untimed(self) -> bool:
+        """Whether the unit still lacks UNIT_ROUNDS samples: AdaptiveGamma times them first, since every cost is
+        priced in it. The target call of a round with drafts stood in for it before, but computes more rows and,
+        under a grammar, builds a mask on the host for each (4.3x a round without drafts, the demo pair under a JSON
+        schema, load 6): priced in it every γ looked cheap, and auto drafted on without ever timing γ 0."""
+        return len(self.first_alone) < UNIT_ROUNDS
+
     def observe(self, drafted: int, draft_seconds: float, target_seconds: float, catching_up: bool) -> None:
         with self.lock:
-            if drafted == 0:
+            if drafted == 0 and self.unit_untimed:
+                self.first_alone.append(target_seconds)
+                self.target_alone = statistics.median(self.first_alone)
+            elif drafted == 0:
                 self.target_alone = _ema(self.target_alone, target_seconds)
             elif not catching_up:  # a catching-up draft also read tokens it had missed: not a round of γ
-                self.target_drafted = _ema(self.target_drafted, target_seconds)
                 self.rounds[drafted] = _ema(self.rounds[drafted], draft_seconds + target_seconds)
 
 
@@ -117,6 +131,10 @@ class PriorCosts(Costs):
 
     def observe(self, drafted: int, draft_seconds: float, target_seconds: float, catching_up: bool) -> None:
         pass
+
+    @property
+    def unit_untimed(self) -> bool:
+        return False  # never timed: its costs are the prior's, in no unit timed
 
 
 class AlphaEstimate:
@@ -171,6 +189,8 @@ class AdaptiveGamma:
     def choose(self, limit: int) -> int:
         a = min(self.alpha, 0.999)
         with self.costs.lock:  # one consistent view of the costs
+            if self.costs.unit_untimed:  # every cost is priced in it: timed first (Costs.unit_untimed)
+                return 0
             costs = self.costs.costs(min(self.max_gamma, limit))
         tokens = [1 + self.held / self.guessed_rounds] + [expected_tokens_per_call(a, g) for g in range(1, len(costs))]
         best = max(range(len(costs)), key=lambda gamma: tokens[gamma] / costs[gamma])
