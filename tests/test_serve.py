@@ -738,6 +738,12 @@ BAD_REQUESTS = [
     ("completions", b'{"prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}", "a number of more than 4300 digits"),
     ("completions", {"prompt": "x", "top_p": 2}, "top_p must be in (0, 1]"),
     ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens must be >= 1, or 0 with echo: true"),
+    # the runtime's own bounds would name its Python API's prompt_logprobs, which allows no 0 here, or say ">= 0"
+    ("completions", {"prompt": "x", "max_tokens": -1},
+     "max_tokens must be >= 1, or 0 with echo: true (the prompt alone, with logprobs scored), not -1"),
+    ("completions", {"prompt": "x", "max_tokens": -1, "echo": True, "logprobs": 1},
+     "max_tokens must be >= 1, or 0 with echo"),
+    ("completions", {"prompt": "x", "max_tokens": 1.5}, "max_tokens must be a whole number, not 1.5 (float)"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
      "max_completion_tokens must be >= 1"),
     ("completions", {"prompt": "x", "seed": 1.5}, "seed must be a whole number"),
@@ -798,7 +804,8 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "x", "stream": "yes"}, "stream must be true or false"),
     ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "only with stream: true"),
     ("completions", {"prompt": "def f(x):\n" * 200}, f"this bundle's context is {MAX_SEQ_LEN}"),
-    ("completions", {"prompt": "def f(x):\n" * 200, "max_tokens": "8"}, "the prompt has at least"),  # tokenized by serve
+    # max_tokens is checked before serve tokenizes the prompt for the room it needs
+    ("completions", {"prompt": "def f(x):\n" * 200, "max_tokens": "8"}, "max_tokens must be a whole number, not '8'"),
     ("chat/completions", {"messages": []}, "non-empty list"),
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
     ("chat/completions", {"messages": [{"role": "assistant", "content": "hi"}]}, "roles must alternate"),

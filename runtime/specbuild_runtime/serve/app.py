@@ -356,16 +356,15 @@ class Server:
                 raise ApiError(400, str(exc), exc.param if isinstance(exc, ChatRequestError) else "messages") from None
         elif isinstance(prompt, str):  # tokenized here, for the room its max_tokens needs (below)
             try:  # checked (valid UTF-8, not too long to tokenize) as decoder.request checks a text prompt
-                asked = request.max_tokens if type(request.max_tokens) is int else 1  # else refused by decoder.request
                 prompt = prompt_token_ids(prompt, partial(encode_ids, decoder.tokenizer,
                                                           add_special_tokens=request.add_special_tokens),
-                                          decoder.vocab_size, decoder.fits(asked))
+                                          decoder.vocab_size, decoder.fits(request.max_tokens or 1))
             except RequestError as exc:
                 raise protocol.invalid(exc) from None
         max_tokens = request.max_tokens
         if max_tokens is None:  # until the context is full (the last token needs no room in the cache)
             max_tokens = max(1, decoder.max_seq_len - len(prompt) + 1)
-        elif type(max_tokens) is int and len(prompt) <= decoder.max_seq_len:  # else the runtime's refusals say why
+        elif len(prompt) <= decoder.max_seq_len:  # else the runtime's refusals say why
             check_room(len(prompt), max_tokens, decoder.max_seq_len)
         try:
             checked = decoder.request(prompt, max_tokens, **request.decoding)

@@ -244,7 +244,7 @@ class Request:
     endpoint: str  # COMPLETIONS or CHAT
     prompt: str | list | None  # completions: text or token ids; chat: None (see messages)
     messages: list | None  # chat: the conversation, rendered with the bundle's template
-    max_tokens: object  # checked by the runtime; None: until the context is full
+    max_tokens: int | None  # a whole number, checked here; None: until the context is full
     decoding: dict  # temperature, top_p, top_k, seed, stop, gamma, logprobs as the runtime names them
     stream: bool
     include_usage: bool
@@ -352,9 +352,15 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
     if echo and tracing["prompt_logprobs"]:  # both would show the one scoring, each with its own N
         raise ApiError(400, "prompt_logprobs and echo both ask for the prompt: send \"echo\": true with \"logprobs\": N "
                             "for the prompt's logprobs in the text's, or prompt_logprobs without echo", "prompt_logprobs")
-    if type(max_tokens) is int and max_tokens == 0 and not echo:
-        raise ApiError(400, "max_tokens must be >= 1, or 0 with echo: true (the prompt alone, with logprobs scored)",
-                       "max_tokens")
+    # checked here, not by the runtime: its bounds speak of its Python API, where prompt_logprobs allows 0 tokens,
+    # which this endpoint's prompt_logprobs does not (echo does)
+    try:
+        whole("max_tokens", max_tokens)
+    except RequestError as exc:
+        raise ApiError(400, str(exc), "max_tokens") from None
+    if max_tokens < (0 if echo else 1):
+        raise ApiError(400, "max_tokens must be >= 1, or 0 with echo: true (the prompt alone, with logprobs scored), "
+                            f"not {max_tokens}", "max_tokens")
     if echo and ("logprobs" in decoding or max_tokens == 0):  # max_tokens 0: the runtime's scoring, shown or not
         decoding["prompt_logprobs"] = decoding.get("logprobs", 0)
     prompts = _prompts(body)
