@@ -444,9 +444,9 @@ class Server:
         seen = 0  # the job's items read so far
         ids_sent, first = 0, True
 
-        def event(chunk: dict | None, last: bool = False) -> bytes | None:
+        def event(chunk: dict | None, last: bool = False, encode: Callable[..., str] = json.dumps) -> bytes | None:
             """The chunk's event, with the usage and the token ids of the tokens whose text has been read (the last
-            chunk: every token), as vLLM counts those it has sent."""
+            chunk: every token), as vLLM counts those it has sent; encoded by `encode` (see sse)."""
             nonlocal ids_sent, first
             if chunk is None:
                 return None
@@ -456,7 +456,7 @@ class Server:
                 chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": read, "total_tokens": prompt + read}
             chunk = reply.traced(chunk, job.token_ids[ids_sent:read], prompt_ids if first else None)
             ids_sent, first = read, False
-            return sse(chunk)
+            return sse(chunk, encode)
 
         if endpoint == CHAT:
             yield event(reply.chunk(first=True))
@@ -464,7 +464,8 @@ class Server:
         if echo:  # the prompt in a chunk of its own (vLLM's also holds the first token's text)
             records = await echo.prompt_logprobs(items)
             seen += echo.scored  # the job's first item, read there
-            yield await self._off_loop(lambda: event(reply.chunk(echo.text, records=records, unscored=echo.first)))
+            yield await self._off_loop(lambda: event(reply.chunk(echo.text, records=records, unscored=echo.first),
+                                                     encode=protocol.dumps))
         # With logprobs a job yields (delta, its tokens' records) after every token: records whose text is
         # held back (a possible stop string, a tool call) go with the next chunk that has text or calls, or the last.
         held = []

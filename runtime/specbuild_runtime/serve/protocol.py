@@ -12,7 +12,7 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache, partial
 from http import HTTPStatus
@@ -832,9 +832,10 @@ def usage(*stats: Stats, n: int = 1) -> dict:
 LINE_BREAKS = {"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"}
 
 
-def sse(payload: dict | str) -> bytes:
-    """One server-sent event: `data: <json>` (or `data: [DONE]`) and a blank line."""
-    data = payload if isinstance(payload, str) else dumps(payload, ensure_ascii=False)
+def sse(payload: dict | str, encode: Callable[..., str] = json.dumps) -> bytes:
+    """One server-sent event: `data: <json>` (or `data: [DONE]`) and a blank line. encode: dumps for a chunk built off
+    the event loop; on it, a piece at a time only costs more (a token's chunk with logprobs 5: 115 µs vs 12.5)."""
+    data = payload if isinstance(payload, str) else encode(payload, ensure_ascii=False)
     # str.replace, not str.translate: translate took ~0.15 s, the GIL held, for an echoed prompt's 3 MB of logprobs
     for line_break, escaped in LINE_BREAKS.items():
         data = data.replace(line_break, escaped)
