@@ -13,7 +13,7 @@ from specbuild.compile.quantize import QuantizedRows, quantize_rows
 from specbuild.errors import CheckpointError
 from specbuild.recipe import CompileSettings
 from specbuild_runtime import SpeculativeDecoder, load_manifest
-from specbuild_runtime.slot import AS_FED, NEVER_ALONE
+from specbuild_runtime.slot import AS_FED, NEVER_ALONE, EngineSlot
 
 NEW_TOKENS = 23
 # hidden 128: MatMulNBits' K (the input width of every linear layer: 128 or the MLP's 256) is a multiple
@@ -215,6 +215,38 @@ def test_quality_report_measures_an_int4_engine(bundle, tokenizer):
     assert report["quant"]["quantization"] == "int4" and report["size_ratio"] < 0.4
     assert 1.0 < report["quant"]["perplexity"] < float("inf")
     assert 0.0 <= report["greedy_agreement"] <= 1.0 and report["quant"]["tokens_per_second"] > 0
+
+
+def held_out_report(bundle, tokenizer, settings):
+    """The quality report of the target built with settings against fp32, over a held-out text of 427 tokens:
+    a window of 256 (the bundles' max_seq_len) and one of 171, whose last call of 43 rows is odd (the target re-feeds
+    a row)."""
+    fp32, folder = bundle(), bundle(**settings)
+    heldout = tokenizer(" ".join(PROMPTS) * 8)["input_ids"][:427]
+    assert len(heldout) == 427
+    return quality_report(fp32, load_manifest(fp32).engines["target"], folder, load_manifest(folder).engines["target"],
+                          [tokenizer(PROMPTS[0])["input_ids"]], heldout, new_tokens=16)
+
+
+def test_a_quality_report_holds_the_logits_of_at_most_64_positions_whatever_its_window(bundle, tokenizer, monkeypatch):
+    rows = []
+    read = EngineSlot.logits
+    monkeypatch.setattr(EngineSlot, "logits", lambda self: rows.append(len(logits := read(self))) or logits)
+    report = held_out_report(bundle, tokenizer, {"target_quantize": "int8"})
+    assert report["fp32"]["perplexity"] and min(256, quality.HELDOUT_WINDOW) > 64
+    assert max(rows) == 64, rows  # [64, V] fp32: 39 MB at a 152k vocabulary, where a 512-token window held 311 MB
+
+
+@pytest.mark.parametrize("settings", [{"target_quantize": "int8"}, {"target_quantize": "int4", "block_size": 128}],
+                         ids=["int8", "int4-bs128"])
+def test_a_quality_report_scored_in_pieces_reports_what_one_call_per_window_did(settings, bundle, tokenizer, monkeypatch):
+    pieces = held_out_report(bundle, tokenizer, settings)
+    monkeypatch.setattr(quality, "SCORED_ROWS", 1 << 20)  # each window in one call, as before
+    whole = held_out_report(bundle, tokenizer, settings)
+    for report in (pieces, whole):
+        for engine in ("fp32", "quant"):
+            del report[engine]["tokens_per_second"]  # timed
+    assert pieces == whole
 
 
 def test_compile_reports_quality_and_acceptance_of_a_quantized_draft(wide, tmp_path):

@@ -4,6 +4,7 @@ measured against an fp32 engine of the same checkpoint, into the manifest."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,11 @@ from .gamma import draft_agreement
 from .precision import Numerics
 
 QUALITY_HELDOUT_TOKENS = 4096
-HELDOUT_WINDOW = 512  # tokens per teacher-forced window: bounds the [window, V] logits held at once
+HELDOUT_WINDOW = 512  # tokens per teacher-forced window, each from an empty cache
+# Positions per call when scoring a text: each row of a call cost ~6 MB of peak memory at a 152k vocabulary (about
+# ten [V] fp32 rows, across the two engines), so 512-token windows scored whole took a compile's peak from 1.9 to
+# 4.4 GB; in calls of 64 rows the report stays under the engine check's peak (a Qwen3-0.6B-shaped pair, 2026-11-27).
+SCORED_ROWS = 64
 # The report runs an fp32 engine of the same checkpoint beside the quantized one (written to the
 # compile's scratch folder) and decodes a few hundred tokens with each on the CPU: up to this size, that
 # takes a minute or so within the compile's memory bound; larger models get {"skipped": why} instead.
@@ -106,7 +111,7 @@ def quality_report(
     """Size, held-out perplexity, greedy agreement and decode speed of `quant` next to `fp32`.
 
     perplexity: teacher-forced over heldout_ids in windows of HELDOUT_WINDOW tokens (or max_seq_len if
-        shorter; each window from an empty cache; its first token is context only).
+        shorter; each window from an empty cache, SCORED_ROWS positions per call; its first token is context only).
     heldout_top1_agreement: share of held-out positions where both engines' argmax agree.
     greedy_agreement: per prompt, the first `new_tokens` greedy tokens of each engine compared position
         by position (free running: after the first divergence the two continue from different text),
@@ -133,9 +138,12 @@ def quality_report(
                 break
             argmaxes = []
             for key, engine in (("fp32", ref), ("quant", quant)):
-                logits = _logits(engine, chunk)[:-1]  # [S-1, V]: predictions of chunk[1:]
-                nll[key].extend(_nll(logits, chunk[1:]))
-                argmaxes.append(logits.argmax(-1))
+                argmax = []
+                for first, logits in _logits(engine, chunk):
+                    logits = logits[:len(chunk) - 1 - first]  # predictions of chunk[1:]: the last token is context only
+                    nll[key].extend(_nll(logits, chunk[first + 1:first + 1 + len(logits)]))
+                    argmax.append(logits.argmax(-1))
+                argmaxes.append(np.concatenate(argmax))
             same_top1.extend(argmaxes[0] == argmaxes[1])
             progress.update()
 
@@ -153,8 +161,8 @@ def quality_report(
             agreement.append(float(np.mean(np.asarray(ref_tokens) == np.asarray(quant_tokens))))
             identical += ref_tokens == quant_tokens
             if len(prompt) + budget - 1 <= max_seq_len:
-                along = _logits(quant, prompt + ref_tokens[:-1])[len(prompt) - 1:].argmax(-1)
-                teacher_forced.extend(along == np.asarray(ref_tokens))
+                along = np.concatenate([logits.argmax(-1) for _, logits in _logits(quant, prompt + ref_tokens[:-1])])
+                teacher_forced.extend(along[len(prompt) - 1:] == np.asarray(ref_tokens))
             progress.update()  # after the prompt's work: before it, the bar read 100% while the last one decoded
 
     for key, folder, info in (("fp32", fp32_folder, fp32_info), ("quant", quant_folder, quant_info)):
@@ -220,10 +228,14 @@ def _nll(logits: np.ndarray, targets: list[int], rows: int = 64) -> list[float]:
     return out
 
 
-def _logits(engine: EngineSlot, ids: list[int]) -> np.ndarray:
-    """[S, V] fp32 logits at every position of ids, from an empty cache."""
-    engine.step(ids, total_len=len(ids), num_drafts=len(ids) - 1)
-    return engine.logits()
+def _logits(engine: EngineSlot, ids: list[int]) -> Iterator[tuple[int, np.ndarray]]:
+    """(first, the fp32 logits [rows, V] at positions first, first + 1, ...) covering every position of ids from an
+    empty cache, SCORED_ROWS positions per call over the cache the calls before wrote: the memory of one call,
+    whatever len(ids). (The target's calls stay even: an odd last one re-feeds a row, see slot.Rows.)"""
+    for first in range(0, len(ids), SCORED_ROWS):
+        end = min(first + SCORED_ROWS, len(ids))
+        engine.step(ids[first:end], total_len=end, num_drafts=end - first - 1)
+        yield first, engine.logits()
 
 
 def _greedy(engine: EngineSlot, prompt: list[int], count: int) -> tuple[list[int], float]:
