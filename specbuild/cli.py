@@ -19,7 +19,7 @@ import click
 
 from specbuild_runtime.engine import DEVICES, available_cpus
 from specbuild_runtime.errors import RequestError
-from specbuild_runtime.logprobs import LOGPROB_FLOOR
+from specbuild_runtime.logprobs import floored
 from specbuild_runtime.serve.cli import (Finite, Interruptible, chat_template_option, cuda_graphs_option, draft_steps_option,
                                         run_command, serve_command, threads_option)
 from specbuild_runtime.validation import FLOAT32_MAX, GREEDY_BELOW, MAX_LOGPROBS, stop_strings
@@ -376,8 +376,8 @@ def generate(bundle, prompt, max_new_tokens, gamma, chat, chat_template, stop, a
     if as_json:
         result = decoder.generate(prompt, max_new_tokens, gamma, stop=list(stop), logprobs=logprobs, **sampling)
         records = {} if logprobs is None else {"logprobs": [
-            {"token_id": r.token_id, "logprob": max(r.logprob, LOGPROB_FLOOR),
-             "top": [[token, max(logprob, LOGPROB_FLOOR)] for token, logprob in r.top]} for r in result.logprobs]}
+            {"token_id": r.token_id, "logprob": floored(r.logprob),
+             "top": [[token, floored(logprob)] for token, logprob in r.top]} for r in result.logprobs]}
         click.echo(json.dumps({
             "text": result.text,
             "token_ids": result.token_ids,

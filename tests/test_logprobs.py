@@ -14,7 +14,7 @@ from conftest import PROMPTS
 from specbuild.reference import load_reference
 from specbuild_runtime import RequestError, SpeculativeDecoder, Stats, TokenLogprobs
 from specbuild_runtime.decode import SCORED_ROWS
-from specbuild_runtime.logprobs import token_logprobs
+from specbuild_runtime.logprobs import LOGPROB_FLOOR, floored, token_logprobs
 from specbuild_runtime.manifest import load_manifest
 from specbuild_runtime.slot import fixed_rows
 
@@ -148,6 +148,13 @@ def test_a_records_top_breaks_ties_by_the_lower_id_and_a_ruled_out_token_is_minu
     assert record == TokenLogprobs(3, -math.inf, ((1, pytest.approx(3 - z)), (2, pytest.approx(3 - z))), 6)
     assert token_logprobs(logits, 2, top=0).rank == 3  # ties count, as vLLM ranks them
     assert token_logprobs(logits, 0, top=20).top[-1][0] == 3  # every token, however few
+
+
+def test_a_row_holding_nan_or_plus_infinity_gives_nan_logprobs_written_as_the_floor_as_minus_infinity_is():
+    for row in ([1.0, np.nan, 3.0], [1.0, np.inf, 3.0]):
+        record = token_logprobs(np.array(row, np.float32), 0, top=1)
+        assert math.isnan(record.logprob) and floored(record.logprob) == LOGPROB_FLOOR
+    assert floored(-math.inf) == LOGPROB_FLOOR and floored(-1.5) == -1.5 and floored(-1e5) == LOGPROB_FLOOR
 
 
 def test_a_rows_logprobs_are_the_same_bits_wherever_the_row_sits_in_memory():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import re
 import signal
 import shutil
@@ -2313,6 +2314,49 @@ def test_a_target_whose_fp16_logits_overflow_is_a_500_saying_so_not_a_bug(overfl
     assert reply.status_code == 500 and "logits hold NaN or an infinity" in reply.json()["error"]["message"], reply.text
     failures = [record for record in caplog.records if record.name == "specbuild.serve"]
     assert len(failures) == 1 and not failures[0].exc_info, caplog.text
+
+
+def strict_json(text: str):
+    """text read as JSON by a strict parser: NaN and Infinity, which Python's json reads, refused."""
+    return json.loads(text, parse_constant=lambda constant: pytest.fail(f"{constant} is not JSON: {text[:300]}"))
+
+
+def test_a_prompt_scored_on_logits_that_overflow_writes_its_nan_logprobs_as_the_floor_streamed_or_not(overflowing):
+    """A prompt is scored whatever its rows hold (a generated token alone stops where the logits stop being finite),
+    so an fp16 target that overflows gives NaN logprobs. Written as -9999.0, as -inf is, the reply is valid JSON both
+    ways: a whole one was a 500 (allow_nan=False) and a stream's chunk held the token NaN."""
+    body = {"prompt": PROMPTS[1], "max_tokens": 0, "echo": True, "logprobs": 1, **GREEDY}  # lm-eval's scoring
+    with in_process(overflowing("target")) as (url, decoder, _):
+        decoder.go.set()
+        scored = decoder.generate(PROMPTS[1], 0, prompt_logprobs=1).prompt_logprobs[1:]
+        whole = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert scored and all(math.isnan(r.logprob) for r in scored)  # the case is what it claims
+    assert whole.status_code == 200, whole.text
+    logprobs = strict_json(whole.text)["choices"][0]["logprobs"]
+    assert logprobs["token_logprobs"] == [None] + [-9999.0] * len(scored)
+    assert all(value == -9999.0 for top in logprobs["top_logprobs"][1:] for value in top.values())
+    chunks = [strict_json(event)["choices"][0] for event in events[:-1]]
+    assert [x for c in chunks for x in c["logprobs"]["token_logprobs"]] == logprobs["token_logprobs"]
+
+
+def test_each_logprobs_shape_writes_nan_as_the_floor():
+    """Chat's and prompt_logprobs' shapes too, whose NaN no tiny bundle reaches through serve: an overflowing target
+    fails the request at its first generated token (above)."""
+    from types import SimpleNamespace
+
+    from specbuild_runtime import TokenLogprobs
+    from specbuild_runtime.serve.protocol import CHAT, COMPLETIONS, Logprobs
+
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: f"<{ids[0]}>")
+    records = [TokenLogprobs(5, math.nan, ((3, math.nan), (5, math.nan)), 2)]
+    chat, completions = Logprobs(CHAT, tokenizer), Logprobs(COMPLETIONS, tokenizer)
+    written = strict_json(json.dumps([chat.of(records), completions.of(records), completions.prompt(records)]))
+    [chosen] = written[0]["content"]
+    assert [entry["logprob"] for entry in (chosen, *chosen["top_logprobs"])] == [-9999.0] * 3
+    assert written[1]["token_logprobs"] == [-9999.0] and set(written[1]["top_logprobs"][0].values()) == {-9999.0}
+    assert {entry["logprob"] for entry in written[2][1].values()} == {-9999.0}
 
 
 def test_connections_beyond_max_connections_get_503(bundle):

@@ -13,6 +13,13 @@ import numpy as np
 LOGPROB_FLOOR = -9999.0
 
 
+def floored(logprob: float) -> float:
+    """logprob as written out: at least LOGPROB_FLOOR, and the floor for NaN too. NaN comes from a row that holds NaN
+    or +inf (an fp16 target overflowing), which a scored prompt's rows may (only a generated token stops there); the
+    floor keeps OpenAI's number, and a client summing a prompt's logprobs reads the row as improbable, not NaN."""
+    return LOGPROB_FLOOR if math.isnan(logprob) else max(logprob, LOGPROB_FLOOR)
+
+
 @dataclass(frozen=True)
 class TokenLogprobs:
     token_id: int

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 from ..decode import Stats
 from ..errors import RequestError
 from ..grammar import Unchecked
-from ..logprobs import LOGPROB_FLOOR, TokenLogprobs
+from ..logprobs import TokenLogprobs, floored
 from ..validation import GREEDY_BELOW, MAX_LOGPROBS, check_sampling, utf8, whole
 from .tools import NO_PARAMETERS, PARSERS, REQUIRED, ToolParser, checked_tools, named_parser, required_schema
 
@@ -633,12 +633,13 @@ def _template_variables(body: dict, generation_prompt: bool, continue_final: boo
 
 class Logprobs:
     """A request's TokenLogprobs in OpenAI's shapes, as vLLM writes them: each token's text is its id decoded alone,
-    special tokens as written, and each logprob is at least LOGPROB_FLOOR. Completions: the legacy object, whose
-    top_logprobs map the N most probable tokens' texts (N: the request's) and the chosen token's (up to N + 1, as
-    OpenAI's API says) to their logprobs, and text_offset says where each token's text begins, counted over the
-    tokens' texts from `offset` (a stream's chunk: the text sent before it). Chat: `content` entries with each
-    token's UTF-8 bytes, whose top_logprobs are the N most probable tokens, the most probable first (vLLM lists the
-    chosen token first, then fewer of the others: OpenAI's shape is taken)."""
+    special tokens as written, and each logprob floored (-inf and NaN written -9999.0, logprobs.floored), so that a
+    stream's chunks are valid JSON as a whole response is. Completions: the legacy object, whose top_logprobs map the
+    N most probable tokens' texts (N: the request's) and the chosen token's (up to N + 1, as OpenAI's API says) to
+    their logprobs, and text_offset says where each token's text begins, counted over the tokens' texts from `offset`
+    (a stream's chunk: the text sent before it). Chat: `content` entries with each token's UTF-8 bytes, whose
+    top_logprobs are the N most probable tokens, the most probable first (vLLM lists the chosen token first, then
+    fewer of the others: OpenAI's shape is taken)."""
 
     def __init__(self, endpoint: str, tokenizer: Tokenizer):
         self.endpoint = endpoint
@@ -654,8 +655,8 @@ class Logprobs:
                                 for r in records]}
         tokens = [self._text(token) for token in (*unscored, *(r.token_id for r in records))]
         return {"tokens": tokens,
-                "token_logprobs": [None] * len(unscored) + [max(r.logprob, LOGPROB_FLOOR) for r in records],
-                "top_logprobs": [None] * len(unscored) + [{self._text(token): max(logprob, LOGPROB_FLOOR)
+                "token_logprobs": [None] * len(unscored) + [floored(r.logprob) for r in records],
+                "top_logprobs": [None] * len(unscored) + [{self._text(token): floored(logprob)
                                                          for token, logprob in ((r.token_id, r.logprob), *r.top)}
                                                         for r in records],
                 "text_offset": list(itertools.accumulate(map(len, tokens), initial=offset))[:len(tokens)]}
@@ -665,14 +666,14 @@ class Logprobs:
         to their {"logprob", "rank", "decoded_token"}: the prompt's token first, then the N most probable (ranks 1 to
         N; the prompt's token once, where it is among them)."""
         def entry(token: int, logprob: float, rank: int) -> dict:
-            return {"logprob": max(logprob, LOGPROB_FLOOR), "rank": rank, "decoded_token": self._text(token)}
+            return {"logprob": floored(logprob), "rank": rank, "decoded_token": self._text(token)}
         return [None, *({str(r.token_id): entry(r.token_id, r.logprob, r.rank),
                          **{str(token): entry(token, logprob, rank) for rank, (token, logprob) in enumerate(r.top, 1)}}
                         for r in records)]
 
     def _entry(self, token: int, logprob: float) -> dict:
         text = self._text(token)
-        return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(text.encode("utf-8", "replace"))}
+        return {"token": text, "logprob": floored(logprob), "bytes": list(text.encode("utf-8", "replace"))}
 
 
 class Answer(NamedTuple):
