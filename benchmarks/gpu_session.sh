@@ -57,7 +57,7 @@
 # `peers` or `graphs` with what is left (timeout_s: the budget left minus ~30 s; a call cut at its limit brings
 # back the steps it finished). On the H100 (2026-11-27) setup + `quick` took 329 s of the call, `big` 187 s,
 # `serve` 65 s and `options` 107 s (benchmarks/h100-2026-11-27): those four are measured; `splits` ran once, fed
-# rows + 1 (since replaced by buckets; its time not kept); `peers` and `graphs`' second half (the 1.1B kernels with
+# rows + 1, in 178 s (since replaced by buckets; benchmarks/h100-2026-11-27-2); `peers` and `graphs`' second half (the 1.1B kernels with
 # cuDNN's attention off, the default) are not measured on the H100.
 #
 # A failing step is logged and the next one still runs: one call must bring back as much as it can.
@@ -223,11 +223,6 @@ splits)
         step "bench-fed-$fed" 120 env SPECBUILD_GPU_TOTAL_LEN=$fed python3 -m specbuild bench "$bundle" --device cuda \
             -n 128 --gamma 4 --prompts "$prompts8" --json "$out/bench-fed-$fed.json" --cuda-graphs
     done
-    # onnxruntime's source takes flash decoding (rotary and the cache append inside the flash kernel, no
-    # UnpackRoPEAppend a layer) for calls over a shared cache, yet the 8B's kernels (2026-11-27) show
-    # UnpackRoPEAppend: if these kernels equal kernels-fed-max's, flash decoding is not taken at 9 rows.
-    step kernels-no-flash-decode 90 env ORT_DISABLE_FLASH_DECODE=1 python3 benchmarks/gpu_kernels.py "$bundle" -n 64 \
-        --json "$out/kernels-no-flash-decode.json"
     # Last (a call cut at its limit keeps the steps above): the GPU tests that hold tokens to transformers' and
     # replays to uncaptured calls, every call over a cache fed its bucket (their bundles' max_seq_len 256: buckets of
     # 32, 64, 128 and 256).
