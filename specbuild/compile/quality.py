@@ -217,15 +217,12 @@ def _engine(folder: Path, info: EngineInfo) -> tuple[EngineSlot, int]:
     return engine, max_seq_len
 
 
-def _nll(logits: np.ndarray, targets: list[int], rows: int = 64) -> list[float]:
-    """-log softmax(logits)[target] per row, in float64, a few rows at a time (a row is V wide)."""
-    out = []
-    for start in range(0, len(targets), rows):
-        block = logits[start:start + rows].astype(np.float64)
-        block -= block.max(axis=-1, keepdims=True)
-        log_z = np.log(np.exp(block).sum(axis=-1))
-        out.extend(log_z - block[np.arange(len(block)), targets[start:start + rows]])
-    return out
+def _nll(logits: np.ndarray, targets: list[int]) -> list[float]:
+    """-log softmax(logits)[target] per row, in float64 (logits: one call's, at most SCORED_ROWS rows: see _logits)."""
+    block = logits.astype(np.float64)
+    block -= block.max(axis=-1, keepdims=True)
+    log_z = np.log(np.exp(block).sum(axis=-1))
+    return list(log_z - block[np.arange(len(block)), targets])
 
 
 def _logits(engine: EngineSlot, ids: list[int]) -> Iterator[tuple[int, np.ndarray]]:
