@@ -13,6 +13,7 @@ from specbuild.compile.quantize import QuantizedRows, quantize_rows
 from specbuild.errors import CheckpointError
 from specbuild.recipe import CompileSettings
 from specbuild_runtime import SpeculativeDecoder, load_manifest
+from specbuild_runtime.logprobs import token_logprobs
 from specbuild_runtime.slot import AS_FED, NEVER_ALONE, EngineSlot
 
 NEW_TOKENS = 23
@@ -241,12 +242,26 @@ def test_a_quality_report_holds_the_logits_of_at_most_64_positions_whatever_its_
                          ids=["int8", "int4-bs128"])
 def test_a_quality_report_scored_in_pieces_reports_what_one_call_per_window_did(settings, bundle, tokenizer, monkeypatch):
     pieces = held_out_report(bundle, tokenizer, settings)
-    monkeypatch.setattr(quality, "SCORED_ROWS", 1 << 20)  # each window in one call, as before
+    monkeypatch.setattr(quality, "SCORED_ROWS", 1 << 20)  # each window in one call, as before (an odd one: two even)
     whole = held_out_report(bundle, tokenizer, settings)
     for report in (pieces, whole):
         for engine in ("fp32", "quant"):
             del report[engine]["tokens_per_second"]  # timed
     assert pieces == whole
+
+
+def test_a_quality_reports_rows_are_the_bits_the_runtime_scores_a_prompt_with(bundle, checkpoints, tokenizer, tmp_path):
+    """The report scores as decode's _score does, each row read (the last too: the teacher-forced agreement's last
+    token): an int8 target (blocks of 128, where a row computed apart rounds otherwise) over an odd number of tokens
+    under SCORED_ROWS, whose first call must stay even, and a Phi-3 target whose LongRoPE switch (16) falls inside a
+    call of SCORED_ROWS, which must end there."""
+    phi3 = compiled(tmp_path / "phi3", checkpoints("phi3", original_max_position_embeddings=16))
+    text = tokenizer(" ".join(PROMPTS) * 4)["input_ids"]
+    for folder, ids in ((bundle(target_quantize="int8", block_size=128), text[:24]), (phi3, text[:101])):
+        engine, _ = _engine(folder, load_manifest(folder).engines["target"])
+        rows = np.concatenate([logits for _, logits in quality._logits(engine, ids[:-1])])
+        scored = SpeculativeDecoder(folder).generate(ids, 0, prompt_logprobs=20).prompt_logprobs[1:]
+        assert [token_logprobs(row, token, 20) for row, token in zip(rows, ids[1:], strict=True)] == scored, folder
 
 
 def test_compile_reports_quality_and_acceptance_of_a_quantized_draft(wide, tmp_path):
