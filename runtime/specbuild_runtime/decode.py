@@ -761,7 +761,7 @@ class SpeculativeDecoder:
         last prompt the slot scored, at the same top, are this prompt's for the tokens both share, and its calls
         start at the first row those records lack (one before the first token that differs: that row scores it)
         or the slot's cache lacks. Returns the records and how many leading tokens that spared."""
-        target, switch = slot.target, slot.target.rope_switch
+        target = slot.target
         size = self.max_gamma + 1 if target.rows.fixed or target.engine.greedy_only else SCORED_ROWS
         slot.configure(0.0, 0, 1.0, logits=True)  # greedy: no random numbers drawn, the drafts' judgement read by nobody
         known, start, last = self._scored[slot.index] if self.prefix_reuse else None, 0, len(ids) - 1
@@ -769,18 +769,12 @@ class SpeculativeDecoder:
             start = max(0, min(_leading_equal(known.ids, ids) - 1, target.prefix(ids, last)))
         records, spared = known.records[:start] if start else [], start
         try:
-            while start < last:
+            for start, end in target.scoring_calls(start, len(ids), size, until=last):
                 if halt is not None and halt.is_set():
                     raise RequestError("the request was stopped while its prompt was scored")
-                end = min(len(ids), start + size)
-                if switch and start < switch < end:
-                    end = switch
-                if start == 0 and target.rows.even and end % 2 and end > 1:  # no row before the first to re-feed: an even call
-                    end -= 1
                 target.step(ids[start:end], total_len=end, num_drafts=end - start - 1)
                 logits = target.logits()  # row j: after position start + j
                 records += (token_logprobs(row, ids[start + 1 + j], top) for j, row in enumerate(logits[:last - start]))
-                start = end
         finally:
             target.release_logits()
         if self.prefix_reuse:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -570,6 +571,22 @@ class EngineSlot:
         """A copy of the fp32 logits [D+1, V] of the last call (read_logits on): row j after input position S-D-1+j."""
         with self.engine.calls:  # a copy back from the device (see engine._CUDA_GRAPH_CALLS)
             return self._logits.pull()[:self._bound["logits"] + 1].copy()
+
+    def scoring_calls(self, start: int, length: int, size: int, until: int | None = None) -> Iterator[tuple[int, int]]:
+        """The calls (first, end) that feed positions start.. of a length-token sequence whose every row is read
+        (scoring a prompt, a quality report), at most size rows each, none starting at or past until (default
+        length); grouped so that each row gets the bits decoding gives it: no call spans the LongRoPE switch (one
+        that did would rotate its rows before the switch with the long table, _choose_rope), and with even rows a
+        first call of an odd count, having no row before it to re-feed, leaves its last row to the next call."""
+        until = length if until is None else until
+        while start < until:
+            end = min(length, start + size)
+            if self.rope_switch and start < self.rope_switch < end:
+                end = self.rope_switch
+            if start == 0 and self.rows.even and end % 2 and end > 1:
+                end -= 1
+            yield start, end
+            start = end
 
     def prefix(self, ids: list[int], limit: int) -> int:
         """How many leading tokens of ids (at most limit) this slot's cache holds as any call feeding them from

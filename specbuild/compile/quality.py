@@ -228,21 +228,11 @@ def _nll(logits: np.ndarray, targets: list[int]) -> list[float]:
 def _logits(engine: EngineSlot, ids: list[int]) -> Iterator[tuple[int, np.ndarray]]:
     """(first, the fp32 logits [rows, V] at positions first, first + 1, ...) covering every position of ids from an
     empty cache, SCORED_ROWS positions per call over the cache the calls before wrote: the memory of one call,
-    whatever len(ids). The calls are grouped as decode's _score groups a prompt's, so each row has the bits the
-    runtime decodes and scores it with: the target's calls stay even (a first call of an odd number of rows has no row
-    before it to re-feed: it leaves its last to the next call; a later odd one re-feeds a row, see slot.Rows), and no
-    call spans a LongRoPE switch (one that did would rotate its rows before the switch with the long table, the rows
-    of the calls before it with the short one: slot.EngineSlot._choose_rope)."""
-    first, switch = 0, engine.rope_switch
-    while first < len(ids):
-        end = min(first + SCORED_ROWS, len(ids))
-        if switch and first < switch < end:
-            end = switch
-        if first == 0 and engine.rows.even and end % 2 and end > 1:
-            end -= 1
+    whatever len(ids). Grouped as decode's _score groups a prompt's calls (EngineSlot.scoring_calls), so each row
+    has the bits the runtime decodes and scores it with."""
+    for first, end in engine.scoring_calls(0, len(ids), SCORED_ROWS):
         engine.step(ids[first:end], total_len=end, num_drafts=end - first - 1)
         yield first, engine.logits()
-        first = end
 
 
 def _greedy(engine: EngineSlot, prompt: list[int], count: int) -> tuple[list[int], float]:
