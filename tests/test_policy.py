@@ -34,7 +34,30 @@ def test_policy_falls_back_to_target_only_and_probes_less_often_while_drafts_are
     probes = [r for r in range(fallback, len(chosen)) if chosen[r] == 1]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert probes[0] - fallback == PROBE_EVERY - 1
-    assert gaps[:2] == [2 * PROBE_EVERY, 4 * PROBE_EVERY] and set(gaps[2:]) == {MAX_PROBE_EVERY}
+    assert gaps == doubling(len(gaps)) and gaps[-2:] == [MAX_PROBE_EVERY] * 2
+
+
+def doubling(count: int) -> list[int]:
+    """The waits between probes that each leave auto at 0: doubling from PROBE_EVERY up to MAX_PROBE_EVERY."""
+    return [min(PROBE_EVERY * 2 ** i, MAX_PROBE_EVERY) for i in range(1, count + 1)]
+
+
+def test_probes_that_hold_but_do_not_make_drafting_pay_come_less_often():
+    """Drafts that always agree but cost more than they yield (a draft call 1.2 target calls: under a grammar's masks
+    on the demo pair a round at γ 1 cost 1.8 units for 1.8 tokens), and each probe's draft call catches up on the
+    tokens it missed (2.6 units a probe there): every probe holds, yet auto stays at 0 after it, so the wait doubles
+    as if it had been rejected, until probes come at most once in 100 rounds (capped at 32, probes took 7-10% of auto's
+    time there)."""
+    policy = AdaptiveGamma(max_gamma=8, draft_cost=1.2)
+    chosen = []
+    for _ in range(600):
+        k = policy.choose(limit=100)
+        policy.observe(k, k, draft_seconds=1.2 * k, target_seconds=1.0, catching_up=k > 0)
+        chosen.append(k)
+    probes = [r for r, k in enumerate(chosen) if k]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert chosen[:UNIT_ROUNDS] == [0] * UNIT_ROUNDS and set(chosen) == {0, 1}
+    assert gaps == doubling(len(gaps)) and min(gaps[-2:]) >= 100
 
 
 def test_policy_recovers_when_the_draft_starts_agreeing():
