@@ -473,6 +473,25 @@ def test_return_token_ids_gives_the_prompts_and_the_replys_token_ids_streamed_or
     assert (plain["choices"][0] if endpoint == "completions" else plain)["prompt_token_ids"] is None
 
 
+def test_a_streamed_completions_choice_writes_every_field_of_vllms_null_where_unasked():
+    """vLLM's stream choice (CompletionResponseStreamChoice, written exclude_unset with each field set) has
+    prompt_token_ids and token_ids in every chunk, null unless return_token_ids fills them: the prompt's in its first."""
+    from specbuild_runtime.decode import Stats
+    from specbuild_runtime.serve import protocol
+
+    fields = ["index", "text", "logprobs", "finish_reason", "stop_reason", "prompt_token_ids", "token_ids"]
+    plain = protocol.Reply(protocol.COMPLETIONS, MODEL)
+    for chunk in (plain.chunk("a"), plain.chunk(stats=Stats(finish_reason="eos"))):
+        [choice] = plain.traced(chunk)["choices"]
+        assert list(choice) == fields and choice["prompt_token_ids"] is choice["token_ids"] is None
+    traced = protocol.Reply(protocol.COMPLETIONS, MODEL, token_ids=True)
+    [first] = traced.traced(traced.chunk("a"), [5], [1, 2])["choices"]
+    [later] = traced.traced(traced.chunk("b"), [6])["choices"]
+    assert (first["prompt_token_ids"], first["token_ids"], later["prompt_token_ids"], later["token_ids"]) == \
+        ([1, 2], [5], None, [6])
+    assert list(first) == list(later) == fields
+
+
 def test_a_streamed_echos_prompt_chunk_carries_none_of_the_replys_tokens_in_every_choice(server):
     """The echoed prompt's chunk has no token of the reply: its ids and usage come with the chunk of its text, in the
     choice that scored the prompt (echo's logprobs) as in those that share its scores."""
@@ -1825,6 +1844,18 @@ def test_serves_json_is_json_dumps_a_long_lists_item_a_call(monkeypatch):
         written = protocol.dumps(value, **options)
         assert max(calls) <= len(json.dumps(entry, **options)) < len(written) // 20
         assert written == json.dumps(value, **options)
+
+
+def test_serves_json_writes_a_number_true_false_or_null_key_as_json_dumps_does_a_string():
+    """A key that is no string is written as json.dumps writes it ({"1": ...}), not as its JSON ({1: ...}, which no
+    client parses); one json.dumps refuses is refused with its TypeError."""
+    from specbuild_runtime.serve import protocol
+
+    value = {1: "a", 2.5: {True: None, False: [1]}, None: -1, "s": {0: 1}}
+    for options in ({"ensure_ascii": False}, {"ensure_ascii": False, "allow_nan": False, "separators": (",", ":")}):
+        assert protocol.dumps(value, **options) == json.dumps(value, **options)
+    with pytest.raises(TypeError, match="keys must be str, int, float, bool or None, not tuple"):
+        protocol.dumps({(1, 2): 0})
 
 
 def with_bos(bundle: Path, folder: Path) -> Path:

@@ -789,8 +789,9 @@ class Reply:
                       "stop_reason": stop_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
         self.sent += len(text or "")
+        # vLLM writes its stream choice's every field, return_token_ids' null where not asked for or not this chunk's
         choice = {"index": self.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish,
-                  "stop_reason": stop_reason}
+                  "stop_reason": stop_reason, "prompt_token_ids": None, "token_ids": None}
         return {**self._head("text_completion"), "choices": [choice]}
 
     def tool_calls_chunk(self, calls: list[dict], records: Sequence[TokenLogprobs] = ()) -> dict | None:
@@ -847,15 +848,25 @@ LONG_LIST = 64  # a list that dumps encodes an item a call: a response's tokens'
 
 
 def dumps(value, **options) -> str:
-    """json.dumps(value, **options) (a dict's keys strings), a list of LONG_LIST items or more encoded an item a call,
+    """json.dumps(value, **options), a list of LONG_LIST items or more encoded an item a call,
     the dicts and lists around it taken apart to reach it: json's C encoder holds the GIL through a call, so a
     response's logprobs (megabytes: ~0.1 s for a 4096-token prompt's at prompt_logprobs 20) encoded in another thread
     stalled the event loop all the same. Between calls the loop gets its turn."""
     between, colon = options.get("separators") or (", ", ": ")
     if isinstance(value, dict):
-        return "{" + between.join(json.dumps(key, **options) + colon + dumps(inner, **options)
+        return "{" + between.join(_key(key, options) + colon + dumps(inner, **options)
                                   for key, inner in value.items()) + "}"
     if isinstance(value, list):
         each = partial(json.dumps if len(value) >= LONG_LIST else dumps, **options)
         return "[" + between.join(map(each, value)) + "]"
     return json.dumps(value, **options)
+
+
+def _key(key, options: dict) -> str:
+    """A dict's key as json.dumps writes it: a number, true, false or null as a string of its JSON ({1: x} as
+    {"1": x}, not the invalid {1: x})."""
+    if key is None or isinstance(key, (int, float)):
+        key = json.dumps(key, allow_nan=options.get("allow_nan", True))
+    elif not isinstance(key, str):
+        raise TypeError(f"keys must be str, int, float, bool or None, not {type(key).__name__}")  # json.dumps's words
+    return json.dumps(key, **options)
