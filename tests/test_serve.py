@@ -686,6 +686,19 @@ def test_completions_echo_begins_with_the_prompt_and_its_logprobs_streamed_or_no
         assert "".join(c["text"] for c in stream_events(server, "completions", {**body, "logprobs": None})) == plain["text"]
 
 
+def test_echo_under_return_token_ids_leaves_the_prompts_text_out_keeping_its_logprobs_streamed_or_not_as_vllms(server):
+    """vLLM blanks the echoed text where return_token_ids gives the prompt's ids; its tokens' logprobs stay."""
+    body = {"prompt": PROMPTS[2], "max_tokens": 5, "echo": True, "logprobs": 1, "return_token_ids": True, **GREEDY}
+    reply = httpx.post(f"{server}/v1/completions", json={**body, "echo": False}).json()["choices"][0]["text"]
+    [whole] = httpx.post(f"{server}/v1/completions", json=body).json()["choices"]
+    assert whole["text"] == reply
+    assert len(whole["logprobs"]["tokens"]) == len(whole["prompt_token_ids"]) + len(whole["token_ids"])
+    chunks = stream_events(server, "completions", body)
+    assert "".join(chunk["text"] for chunk in chunks) == reply
+    assert [token for chunk in chunks if chunk["logprobs"] for token in chunk["logprobs"]["tokens"]] == \
+        whole["logprobs"]["tokens"]
+
+
 def test_streams_ask_a_proxy_in_front_not_to_buffer_their_events(server):
     """nginx buffers a proxied response unless it says otherwise: each event would wait for kilobytes more."""
     body = {"prompt": PROMPTS[0], "max_tokens": 4, "stream": True, **GREEDY}

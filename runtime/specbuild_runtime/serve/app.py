@@ -247,7 +247,9 @@ class Server:
         # iteration raises the Stopped that answers it.
         # a prompt's choices share the logprobs its first choice scored
         scores = [asyncio.get_running_loop().create_future() if logprobs else None for _ in requests[::request.n]]
-        echoes = [Echo(self._prompt_text(one, job.request.prompt_ids), job.request.prompt_ids[:1],
+        # vLLM echoes no text under return_token_ids (the prompt's ids are there), its logprobs all the same
+        echoes = [Echo("" if request.return_token_ids else self._prompt_text(one, job.request.prompt_ids),
+                       job.request.prompt_ids[:1],
                        "prompt_logprobs" in sent.decoding, scores[index // request.n])
                   if request.echo and job.request else None
                   for index, (one, sent, job) in enumerate(zip(requests, submitted, jobs))]
