@@ -1775,6 +1775,10 @@ class TokenizerOnLoop:
         self.decoded_on_loop += on_loop()
         return self._tokenizer.decode(*args, **kwargs)
 
+    def id_to_token(self, token: int) -> str:
+        self.decoded_on_loop += on_loop()
+        return self._tokenizer.id_to_token(token)
+
 
 class DecodingOnLoop(PausingDecoder):
     """A PausingDecoder that goes on at once, whose tokenizer (serve's, not its streams') is a TokenizerOnLoop."""
@@ -1821,6 +1825,26 @@ def test_a_prompts_logprobs_are_decoded_and_encoded_off_the_event_loop(bundle, m
             assert (decoder.tokenizer.decoded_on_loop, max(encoded_on_loop) < 1000) == (0, True), (endpoint, sorted(body))
 
 
+def test_tokenizes_token_strs_and_json_are_built_off_the_event_loop(bundle, monkeypatch):
+    """A 1M-character prompt's token_strs and JSON (291k tokens at the demo's vocabulary) stalled every stream 0.6-1.0
+    s, its ids alone 80-130 ms (this 2-core machine, loaded): both are built in the server's thread, its JSON a piece at
+    a time, as a response's."""
+    encoded_on_loop, encode = [0], json.JSONEncoder.encode
+
+    def encoding(self, value):
+        text = encode(self, value)
+        if on_loop():
+            encoded_on_loop.append(len(text))
+        return text
+
+    monkeypatch.setattr(json.JSONEncoder, "encode", encoding)
+    body = {"model": MODEL, "prompt": PROMPTS[2] * 40, "return_token_strs": True}
+    with in_process(bundle, DecodingOnLoop) as (url, decoder, _):
+        reply = httpx.post(f"{url}/tokenize", json=body, timeout=60)
+    assert reply.status_code == 200 and len(reply.json()["token_strs"]) == reply.json()["count"] > 1000
+    assert (decoder.tokenizer.decoded_on_loop, max(encoded_on_loop) < 1000) == (0, True)
+
+
 def test_a_streams_token_chunks_are_each_encoded_on_the_event_loop_by_one_json_call(bundle, monkeypatch):
     """A token's chunk is built and encoded on the event loop: encoded a piece at a time (protocol.dumps, which pays off
     only off the loop) a chunk with logprobs 5 took 9 times as long there (115 µs vs 12.5), for every token of every
@@ -1842,20 +1866,23 @@ def test_a_streams_token_chunks_are_each_encoded_on_the_event_loop_by_one_json_c
 
 def test_serves_json_is_json_dumps_a_long_lists_item_a_call(monkeypatch):
     """protocol.dumps writes what json.dumps writes, with Starlette's options or sse's, in calls of json.dumps no longer
-    than an item of a long list (a prompt token's logprobs): json's C encoder holds the GIL through a call, so a
-    response's JSON encoded whole in a thread stalled the event loop all the same."""
+    than an item of a long list (a prompt token's logprobs) or SCALARS_A_CALL of a long list's numbers or strings (a
+    prompt's token ids): json's C encoder holds the GIL through a call, so a response's JSON encoded whole in a thread
+    stalled the event loop all the same."""
     from specbuild_runtime.serve import protocol
 
     entry = {"11": {"logprob": -0.5, "rank": 1, "decoded_token": "\u00e9\u2028"}, "7": None}
     long = [None, *[entry] * protocol.LONG_LIST]
-    value = {"id": "x", "choices": [{"index": 0, "prompt_logprobs": long, "logprobs": {"tokens": ["a"] * 100,
+    scalars = ["a", 1, None, -2.5] * protocol.SCALARS_A_CALL
+    value = {"id": "x", "choices": [{"index": 0, "prompt_logprobs": long, "logprobs": {"tokens": scalars,
              "top_logprobs": [{"a": -1.0}] * 3}, "text": "\u00e9\u2028"}], "usage": {}, "empty": [], "n": [1, 2.5]}
     calls, encode = [], json.JSONEncoder.encode
     monkeypatch.setattr(json.JSONEncoder, "encode", lambda self, o: calls.append(len(encode(self, o))) or encode(self, o))
     for options in ({"ensure_ascii": False}, {"ensure_ascii": False, "allow_nan": False, "separators": (",", ":")}):
         calls.clear()
         written = protocol.dumps(value, **options)
-        assert max(calls) <= len(json.dumps(entry, **options)) < len(written) // 20
+        slice_ = max(len(json.dumps(scalars[start:start + protocol.SCALARS_A_CALL], **options)) for start in range(4))
+        assert max(calls) <= max(len(json.dumps(entry, **options)), slice_) < len(written) // 3
         assert written == json.dumps(value, **options)
 
 
