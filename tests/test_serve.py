@@ -505,7 +505,8 @@ def test_a_streamed_echos_prompt_chunk_carries_none_of_the_replys_tokens_in_ever
         choices.setdefault(choice["index"], []).append((choice["text"], choice["token_ids"], chunk["usage"]["completion_tokens"]))
     assert choices[0] == choices[1]
     (echoed, ids, tokens), (text, text_ids, text_tokens), *_ = choices[0]
-    assert (echoed, ids, tokens) == (PROMPTS[3], [], 0) and text and len(text_ids) == text_tokens >= 1
+    # its text left out under return_token_ids, as vLLM's
+    assert (echoed, ids, tokens) == ("", [], 0) and text and len(text_ids) == text_tokens >= 1
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
@@ -530,9 +531,30 @@ def test_prompt_logprobs_are_vllms_each_prompt_tokens_logprob_rank_and_text_then
         for token, (logprob, rank) in wanted.items():
             assert entry[str(token)] == {"logprob": pytest.approx(max(logprob, -9999.0)), "rank": rank,
                                          "decoded_token": reference.tokenizer.decode([token], skip_special_tokens=False)}
-    if endpoint == "completions":  # echo's logprobs are the same scoring's: one or the other
-        refused = httpx.post(f"{server}/v1/completions", json={**ask, "echo": True, "logprobs": 1, "prompt_logprobs": 1})
-        assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_echo_shows_its_prompts_scores_as_prompt_logprobs_too_and_takes_prompt_logprobs_n_as_vllms(server):
+    """vLLM scores an echoed prompt with prompt_logprobs N where sent, else with logprobs N, and a whole response shows
+    that scoring as each choice's prompt_logprobs; the text's logprobs keep their own N alternatives at most."""
+    ask = {"prompt": PROMPTS[2], "max_tokens": 2, "n": 2, **GREEDY}
+
+    def choices(**body) -> list[dict]:
+        reply = httpx.post(f"{server}/v1/completions", json={**ask, **body})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"]
+
+    def prompt_logprobs(n: int) -> list:
+        return choices(prompt_logprobs=n)[0]["prompt_logprobs"]
+
+    echoed = choices(echo=True, logprobs=1)
+    assert len(prompt_logprobs(1)) > 10
+    assert [choice["prompt_logprobs"] for choice in echoed] == [prompt_logprobs(1)] * 2
+    both = choices(echo=True, logprobs=1, prompt_logprobs=3)
+    assert [choice["prompt_logprobs"] for choice in both] == [prompt_logprobs(3)] * 2
+    assert [choice["logprobs"] for choice in both] == [choice["logprobs"] for choice in echoed]
+    alone = choices(echo=True, prompt_logprobs=2)
+    assert [(choice["logprobs"], choice["prompt_logprobs"]) for choice in alone] == [(None, prompt_logprobs(2))] * 2
+    assert choices(echo=True, max_tokens=0)[0]["prompt_logprobs"] is None
 
 
 def test_tokenize_gives_the_ids_a_completion_decodes_and_detokenize_their_text_as_vllms(server, bundle):

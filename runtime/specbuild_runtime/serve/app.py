@@ -249,7 +249,8 @@ class Server:
         # A job stopped while it waited for its check (--timeout, the drain's cut) has no request, and no echo: its
         # iteration raises the Stopped that answers it.
         # a prompt's choices share the logprobs its first choice scored
-        scores = [asyncio.get_running_loop().create_future() if logprobs else None for _ in requests[::request.n]]
+        scores = [asyncio.get_running_loop().create_future() if logprobs or request.prompt_logprobs else None
+                  for _ in requests[::request.n]]
         # vLLM echoes no text under return_token_ids (the prompt's ids are there), its logprobs all the same
         echoes = [Echo("" if request.return_token_ids else self._prompt_text(one, job.request.prompt_ids),
                        job.request.prompt_ids[:1],
@@ -259,7 +260,7 @@ class Server:
         if request.stream:
             return self._stream(endpoint, jobs, reply, request.include_usage, echoes, request.n, request.continuous_usage)
         try:
-            answers = await self._collect(jobs, http, logprobs, echoes)
+            answers = await self._collect(jobs, http, logprobs, echoes, request.decoding.get("logprobs"))
         except Stopped as stop:
             return self._refuse(endpoint, stop, any(job.started for job in jobs))
         except Exception as exc:
@@ -381,19 +382,21 @@ class Server:
         # a format whose tags are special tokens (Mistral's) is read from a text that keeps them, as vLLM reads it
         return replace(checked, special_tokens=True) if request.parse_tools and self.tool_parser.special_tokens else checked
 
-    async def _collect(self, jobs: list[Job], http: HttpRequest, logprobs: bool, echoes: list[Echo | None]) -> list:
-        """Each job's whole text, (logprobs) its tokens' TokenLogprobs, an echo's prompt tokens' first, and (vLLM's
-        prompt_logprobs, without echo) its prompt's TokenLogprobs, else None; or Stopped("cancelled") if the client
-        disconnects first."""
+    async def _collect(self, jobs: list[Job], http: HttpRequest, logprobs: bool, echoes: list[Echo | None],
+                       top: int | None = None) -> list:
+        """Each job's whole text, (logprobs) its tokens' TokenLogprobs, an echo's prompt tokens' first (with `top`
+        alternatives at most: its prompt_logprobs may score more), and its prompt's TokenLogprobs where it scored them
+        (vLLM's prompt_logprobs, or echo's), else None; or Stopped("cancelled") if the client disconnects first."""
         async def join(job, echo) -> tuple[str, list, Sequence[TokenLogprobs] | None]:
             items = aiter(job)
-            scored = await echo.prompt_logprobs(items) if echo else ()
+            scored = await echo.prompt_logprobs(items) if echo else None
             # the job's first item where it scored its prompt (a choice after its prompt's first has not)
-            prompt = (await anext(items))[1] if not echo and job.request and job.request.prompt_logprobs is not None else None
+            prompt = (await anext(items))[1] if not echo and job.request and job.request.prompt_logprobs is not None else scored
             items = [item async for item in items]
             if not logprobs:
                 return "".join(items), [], prompt
-            return ("".join(delta for delta, _ in items), [*scored, *(record for _, records in items for record in records)],
+            shown = [replace(record, top=record.top[:top]) for record in scored or ()]
+            return ("".join(delta for delta, _ in items), [*shown, *(record for _, records in items for record in records)],
                     prompt)
 
         collecting = asyncio.ensure_future(asyncio.gather(*map(join, jobs, echoes)))
@@ -467,7 +470,7 @@ class Server:
             yield event(reply.chunk(first=True))
         items = aiter(job)
         if echo:  # the prompt in a chunk of its own (vLLM's also holds the first token's text)
-            records = await echo.prompt_logprobs(items)
+            records = await echo.prompt_logprobs(items) or ()
             seen += echo.scored  # the job's first item, read there
             yield await self._off_loop(lambda: event(reply.chunk(echo.text, records=records, unscored=echo.first),
                                                      encode=protocol.dumps))
@@ -520,15 +523,15 @@ class Echo:
     scored: bool
     shared: asyncio.Future | None = None
 
-    async def prompt_logprobs(self, items) -> Sequence[TokenLogprobs]:
+    async def prompt_logprobs(self, items) -> Sequence[TokenLogprobs] | None:
         """The prompt's TokenLogprobs: the job's first item where it scored them, else those of the choice that did;
-        () where no logprobs are asked for. items: the job's, iterated."""
+        None where neither logprobs nor prompt_logprobs are asked for. items: the job's, iterated."""
         if self.scored:
             _, records = await anext(items)
             if self.shared is not None and not self.shared.done():
                 self.shared.set_result(records)
-            return records if self.shared is not None else ()
-        return await self.shared if self.shared is not None else ()
+            return records
+        return await self.shared if self.shared is not None else None
 
 
 def check_room(prompt_tokens: int, max_tokens: int, max_seq_len: int) -> None:

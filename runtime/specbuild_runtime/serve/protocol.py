@@ -349,9 +349,6 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
                        body.get("parallel_tool_calls") is not False, n=n, add_special_tokens=add_special_tokens,
                        forced_calls=forced, continuous_usage=continuous_usage, **tracing)
     echo = _flag(body, "echo")
-    if echo and tracing["prompt_logprobs"]:  # both would show the one scoring, each with its own N
-        raise ApiError(400, "prompt_logprobs and echo both ask for the prompt: send \"echo\": true with \"logprobs\": N "
-                            "for the prompt's logprobs in the text's, or prompt_logprobs without echo", "prompt_logprobs")
     # checked here, not by the runtime: its bounds speak of its Python API, where prompt_logprobs allows 0 tokens,
     # which this endpoint's prompt_logprobs does not (echo does)
     try:
@@ -362,7 +359,10 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
         raise ApiError(400, "max_tokens must be >= 1, or 0 with echo: true (the prompt alone, with logprobs scored), "
                             f"not {max_tokens}", "max_tokens")
     if echo and ("logprobs" in decoding or max_tokens == 0):  # max_tokens 0: the runtime's scoring, shown or not
-        decoding["prompt_logprobs"] = decoding.get("logprobs", 0)
+        # vLLM's: a prompt_logprobs N sent scores the prompt (its text's logprobs then hold N alternatives at most),
+        # else the logprobs N, and a whole response shows them as prompt_logprobs too
+        decoding.setdefault("prompt_logprobs", decoding.get("logprobs", 0))
+        tracing["prompt_logprobs"] |= "logprobs" in decoding and not stream
     prompts = _prompts(body)
     return Request(COMPLETIONS, prompts[0] if len(prompts) == 1 else None, None, max_tokens, decoding, stream,
                    include_usage, echo=echo, batch=prompts if len(prompts) > 1 else None, n=n,
@@ -758,7 +758,8 @@ class Reply:
         return list(ids) if self.token_ids and ids is not None else None
 
     def _scores(self, records: Sequence[TokenLogprobs] | None) -> list | None:
-        return None if records is None else self.prompt_logprobs.prompt(records)
+        """None where not asked for: an echo's prompt is scored for its text's logprobs alone with max_tokens 0."""
+        return None if records is None or self.prompt_logprobs is None else self.prompt_logprobs.prompt(records)
 
     def traced(self, chunk: dict, token_ids: Sequence[int] = (), prompt_ids: Sequence[int] | None = None) -> dict:
         """A stream's chunk with return_token_ids' fields, as vLLM's: the ids of the tokens read since the last chunk,
