@@ -1064,9 +1064,11 @@ def test_response_format_is_compiled_by_the_requests_check_not_on_the_event_loop
     assert protocol.invalid(refused.value).param == "response_format"
 
 
-def test_a_grammar_is_compiled_once_for_all_the_choices_of_a_prompt(bundle, monkeypatch):
-    """n choices share the first's compiled grammar, as they share its prompt ids: each compile takes the checking
-    thread ~0.1 s a MB of schema."""
+def test_a_grammar_is_compiled_once_for_all_the_choices_of_a_prompt_and_the_requests_that_send_it_again(bundle,
+                                                                                                       monkeypatch):
+    """n choices share the first's compiled grammar, as they share its prompt ids, and a later request with the same
+    grammar, however it asks for it, shares it too (the decoder keeps it): each compile takes the checking thread
+    ~0.1 s a MB of schema."""
     compiled = counted_compiles(monkeypatch)
     with in_process(bundle) as (url, decoder, _):
         decoder.go.set()
@@ -1078,6 +1080,8 @@ def test_a_grammar_is_compiled_once_for_all_the_choices_of_a_prompt(bundle, monk
             reply = httpx.post(f"{url}/v1/{endpoint}", json=body, timeout=60).json()
             assert len(reply["choices"]) == 3 and compiled == ["LLMatcher"], (reply, compiled)
             compiled.clear()
+        again = {"prompt": PROMPTS[1], "max_tokens": 8, "structured_outputs": {"json_object": True}}
+        assert httpx.post(f"{url}/v1/completions", json=again, timeout=60).status_code == 200 and compiled == []
 
 
 # Tools a forced call of the tiny model's fits in a few tokens: a short string, and a function without parameters

@@ -240,21 +240,87 @@ def test_structured_output_with_logit_bias_and_penalties_is_the_target_alone_und
         assert decoder.generate(ids, 12, 3).token_ids == plain, decoder.cuda_graphs  # after a grammar without a bias
 
 
-def test_a_structured_request_compiles_its_grammar_once_and_each_decoding_starts_from_a_copy(bundles, tokenizer,
-                                                                                               monkeypatch):
-    """llguidance's compile (~0.6 s for a 670 KB schema at a 150k vocabulary) ran three times a request: the grammar's
-    validation, the request's check for this tokenizer and the slot's guide. Now once, in the check; each decoding
-    starts from a copy of its matcher, so a checked grammar decodes again alike (serve's n choices share it)."""
+def test_a_grammar_is_compiled_once_for_every_request_that_sends_it_and_each_decoding_starts_from_a_copy(
+        bundles, tokenizer, monkeypatch):
+    """llguidance's compile takes seconds for the largest schemas (README, Structured outputs), and services send the
+    same schema again and again: it ran once a request. Now the decoder keeps it, so a request that sends it again, or
+    a request checked once and decoded again (serve's n choices), compiles nothing and decodes alike."""
     decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
     ids = tokenizer(PROMPTS[0])["input_ids"]
     expected = decoder.generate(ids, NEW_TOKENS, 3, structured_outputs={"json": SCHEMA}).token_ids
     compiles = counted_compiles(monkeypatch)
     assert decoder.generate(ids, NEW_TOKENS, 3, structured_outputs={"json": SCHEMA}).token_ids == expected
-    assert compiles == ["LLMatcher"]
     checked = decoder.request(ids, structured_outputs={"json": SCHEMA}).structured
     for _ in range(2):
         assert decoder.generate(ids, NEW_TOKENS, 3, structured_outputs=checked).token_ids == expected
-    assert compiles == ["LLMatcher"] * 2
+    assert compiles == []
+    assert decoder.generate(ids, NEW_TOKENS, 3, structured_outputs={"regex": "[ab]+"}).token_ids != expected
+    assert compiles == ["LLMatcher"]
+
+
+def test_the_decoder_keeps_its_grammar_cache_most_recently_used_grammars_and_compiles_an_evicted_one_again(
+        bundles, tokenizer, monkeypatch):
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1), grammar_cache=2)
+    compiles = counted_compiles(monkeypatch)
+    choices = [{"choice": [word]} for word in ("alpha", "beta", "gamma")]
+    for index in (0, 1, 0, 2):  # alpha is used again before gamma arrives: beta is the least recently used
+        decoder.request(PROMPTS[0], structured_outputs=choices[index])
+    assert compiles == ["LLMatcher"] * 3
+    decoder.request(PROMPTS[0], structured_outputs=choices[0])
+    decoder.request(PROMPTS[0], structured_outputs=choices[2])
+    assert compiles == ["LLMatcher"] * 3
+    checked = decoder.request(PROMPTS[0], structured_outputs=choices[1]).structured  # evicts alpha
+    assert compiles == ["LLMatcher"] * 4
+    assert decoder.generate(PROMPTS[0], 8, structured_outputs=choices[0]).text == "alpha"
+    assert compiles == ["LLMatcher"] * 5
+    # a checked request whose grammar was evicted while it waited (serve's queue) compiles it again for its slot
+    decoder.request(PROMPTS[0], structured_outputs=choices[2])
+    guide = decoder.grammars.guide(checked)
+    assert compiles == ["LLMatcher"] * 7
+    assert set(np.flatnonzero(guide.masks([])[0])) == set(tokenizer("beta")["input_ids"][:1])
+    with pytest.raises(RequestError, match="^grammar_cache must be >= 1, not 0$"):
+        SpeculativeDecoder(bundles("llama", draft_seed=1), grammar_cache=0)
+
+
+def test_requests_in_many_threads_share_one_compiled_grammar_and_get_the_masks_of_a_fresh_compile(bundles, tokenizer,
+                                                                                                 monkeypatch):
+    """The kept matcher is only copied (llguidance's copies share its lexer behind a mutex, and build on it as they
+    go); each thread's guide walks the same tokens, drafts pushed and rolled back, as one compiled for it alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specbuild_runtime.grammar import Grammars
+
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    structured = {"json": SCHEMA}
+    decoder.request(PROMPTS[0], structured_outputs=structured)
+    fresh = Grammars(tokenizer.backend_tokenizer.to_str(), len(tokenizer), decoder.vocab_size,
+                     sorted(decoder.eos_token_ids))
+    guide = fresh.guide(decoder.request(PROMPTS[0], structured_outputs=structured).structured)
+    path, expected = [], []
+    while len(path) < 30:  # a walk through the grammar: a different allowed token each step, never an eos
+        allowed = [t for t in np.flatnonzero(guide.masks([])[0]) if t not in decoder.eos_token_ids]
+        if not allowed:
+            break
+        path.append(int(allowed[len(path) * 7 % len(allowed)]))
+        guide.advance(path[-1])
+    guide = fresh.guide(decoder.request(PROMPTS[0], structured_outputs=structured).structured)
+    for step, token in enumerate(path):
+        expected.append(guide.masks(path[step:step + 3]))
+        guide.advance(token)
+    compiles = counted_compiles(monkeypatch)
+
+    def walk(_):
+        guide = decoder.grammars.guide(decoder.request(PROMPTS[0], structured_outputs=structured).structured)
+        masks = []
+        for step, token in enumerate(path):
+            masks.append(guide.masks(path[step:step + 3]))
+            guide.advance(token)
+        return masks
+
+    with ThreadPoolExecutor(8) as pool:
+        for masks in pool.map(walk, range(32)):
+            assert all(np.array_equal(got, want) for got, want in zip(masks, expected, strict=True))
+    assert compiles == [] and len(path) == 30
 
 
 def test_an_eos_id_in_the_models_padding_rows_ends_a_structured_output_where_its_grammar_may_end(tokenizer, tmp_path):

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 
 from .engine import CAPTURED_BY_DEFAULT, Engine, Sampler, Takes, requested_device, use_shared_thread_pool
 from .errors import BundleError, DeviceError, RequestError, first_line
-from .grammar import Grammars, Guide, Structured, Unchecked, check_structured_outputs
+from .grammar import GRAMMAR_CACHE, Grammars, Guide, Structured, Unchecked, check_structured_outputs
 from .logprobs import TokenLogprobs, token_logprobs
 from .manifest import TOKENIZER_DIR, Manifest, load_manifest, read_tokenizer_config
 from .policy import GREEDY_DECAYS, SAMPLING_DECAYS, AdaptiveGamma, Costs, FixedGamma, PriorCosts
@@ -208,11 +208,13 @@ class SpeculativeDecoder:
     at fixed γ and no faster in auto (README, GPU). prefix_reuse: a request starts where the prompt leaves
     the tokens its slot's caches hold from earlier requests (a chat resending its conversation computes only
     what is new), where that is exact by construction (see reuses_prefixes); False computes every prompt whole.
+    grammar_cache: how many compiled grammars (structured_outputs) the decoder keeps for the requests that send them
+    again, the least recently used evicted first (grammar.Grammars).
     """
 
     def __init__(self, bundle: str | Path, device: str = "cpu", parallel: int = 1, shared_thread_pool: bool = False,
                  check_digests: bool = True, target_rows: Rows | None = None, cuda_graphs: bool | None = None,
-                 draft_steps: bool | None = None, prefix_reuse: bool = True):
+                 draft_steps: bool | None = None, prefix_reuse: bool = True, grammar_cache: int = GRAMMAR_CACHE):
         """shared_thread_pool: faster, but changes every onnxruntime session of the process
         (see engine.use_shared_thread_pool); for processes that only decode."""
         if shared_thread_pool:
@@ -233,7 +235,8 @@ class SpeculativeDecoder:
         self.tokenizer_eos = tokenizer_eos(self.tokenizer, self.root / TOKENIZER_DIR)
         self.token_span = token_span(self.tokenizer)
         self.grammars = Grammars(self.tokenizer.to_str(), self.tokenizer.get_vocab_size(with_added_tokens=True),
-                                 self.manifest.engines["target"].shape.vocab_size, list(self.eos_token_ids))
+                                 self.manifest.engines["target"].shape.vocab_size, list(self.eos_token_ids),
+                                 whole("grammar_cache", grammar_cache, low=1))
         if draft_steps and not self.manifest.engines["draft"].steps_file:
             raise BundleError(f"{self.root} has no steps graph for its draft (compiled before it, or with max γ 1, where "
                               "a round drafts one token anyway): rebuild it with `specbuild compile`, or leave "
@@ -417,8 +420,9 @@ class SpeculativeDecoder:
         return request
 
     def _structured(self, request: Request, structured_outputs: dict | Structured | Unchecked) -> Structured:
-        """The grammar compiled for this bundle's tokenizer, here, once (on serve's checking thread): the request's
-        slot starts from a copy of it (grammar.Structured), and a grammar this tokenizer cannot follow is refused here."""
+        """The grammar checked for this bundle's tokenizer, here (on serve's checking thread), where it is compiled
+        unless the decoder keeps it already (grammar.Grammars): a grammar this tokenizer cannot follow is refused here,
+        and the request's slot starts from a copy of the kept one."""
         field = getattr(structured_outputs, "field", "structured_outputs")
         if not self.target.has_logit_bias:
             raise RequestError(f"{field} needs a bundle compiled with logit_bias rows; {self.root} was compiled before "

@@ -10,11 +10,11 @@ Either way the output is the target's under the mask: what q the draft samples f
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import json
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import llguidance
 import llguidance.numpy
@@ -30,15 +30,11 @@ COMPACT = "disable_any_whitespace"
 
 @dataclass(frozen=True)
 class Structured:
-    """A checked request's grammar: llguidance's serialized form, and which field asked for it (for messages). Once a
-    decoder checked it (Grammars.compile), also the matcher compiled for that decoder's tokenizer, in the grammar's
-    start state, and that tokenizer: each decoding of the request starts from a copy of it (microseconds), so that
-    llguidance's compile (~0.6 s for a 670 KB schema at a 150k vocabulary, 2 busy CPU cores) runs once a request."""
+    """A checked request's grammar: llguidance's serialized form, and which field asked for it (for messages). Its
+    compiled matcher lives in the decoder's cache (Grammars), not here: a queued request holds its text alone."""
 
     grammar: str
     field: str
-    matcher: llguidance.LLMatcher | None = dataclasses.field(default=None, compare=False, repr=False)
-    tokenizer: llguidance.LLTokenizer | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -58,8 +54,9 @@ def check_structured_outputs(value, field: str = "structured_outputs",
     """vLLM's structured_outputs ({"json": schema} or {"regex": ...}, {"choice": [...]}, {"grammar": lark or GBNF},
     {"json_object": true}) as llguidance compiles it, or a RequestError naming field (an Unchecked value's own). JSON
     allows any whitespace between tokens, as vLLM's default, unless disable_any_whitespace is true. compile: a
-    decoder's (Grammars.compile), which compiles it for the decoder's tokenizer, once; without one (before a bundle
-    loads), llguidance checks the grammar alone. A Structured value is taken as checked, and compiled."""
+    decoder's (Grammars.compile), which compiles it for the decoder's tokenizer where it does not keep it already;
+    without one (before a bundle loads), llguidance checks the grammar alone. A Structured value is taken as checked,
+    and compiled."""
     if isinstance(value, Unchecked):
         try:
             return check_structured_outputs(value.value, value.field, compile)
@@ -114,33 +111,52 @@ def _one_line(error) -> str:
     return " ".join(str(error).split())
 
 
+# Compiled grammars a decoder keeps (serve's --grammar-cache). At a 152k-token tokenizer a 1.8 KB schema's holds
+# 0.24 MiB and a 726 KB one's 43 MiB (README, structured_outputs): 32 of those hold 1.4 GB. Not fewer: a service
+# cycling through more schemas than are kept would compile every one of them every time.
+GRAMMAR_CACHE = 32
+
+
 class Grammars:
     """A bundle's llguidance tokenizer (built on the first request with a grammar: ~1 s at a 150k vocabulary), for which
     it compiles its requests' grammars, and their guides. vocab_size: the target's, which may exceed the tokenizer's
     `tokens` (padding rows, which no grammar allows); eos: the tokens that end a request, which a grammar allows where
     it may end. llguidance takes eos ids within the tokenizer only: one in the padding rows (a generation_config's
-    past a tokenizer without that token) is allowed where the grammar may end, as the others are, by Guide.mask."""
+    past a tokenizer without that token) is allowed where the grammar may end, as the others are, by Guide.mask.
 
-    def __init__(self, tokenizer_json: str, tokens: int, vocab_size: int, eos: list[int]):
+    Compiled grammars are kept by their serialized grammar, the last `cache` used (LRU), as vLLM's xgrammar backend and
+    SGLang keep theirs: services send the same schema again and again, and llguidance's compile takes seconds for the
+    largest. Every request, on any thread, decodes from its own deep_copy of the kept matcher in its start state, which
+    no one advances; the copies share the matcher's lexer, which llguidance guards with a mutex and builds on as they
+    go."""
+
+    def __init__(self, tokenizer_json: str, tokens: int, vocab_size: int, eos: list[int], cache: int = GRAMMAR_CACHE):
         self._source, self._tokens, self.vocab_size, self._eos = tokenizer_json, tokens, vocab_size, sorted(eos)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
+        self._matcher = functools.lru_cache(maxsize=cache)(self._compiled)
 
     def compile(self, structured: Structured) -> Structured:
-        """structured with its matcher compiled for this tokenizer: as it is where it has one already (the first of n
-        choices', which the others share)."""
-        tokenizer = self._built(structured.field)
-        if structured.tokenizer is tokenizer:
-            return structured
-        matcher = llguidance.LLMatcher(tokenizer, structured.grammar, log_level=0)
-        if matcher.is_error():
-            raise RequestError(f"{structured.field} is not a grammar llguidance compiles: {_one_line(matcher.get_error())}")
-        return replace(structured, matcher=matcher, tokenizer=tokenizer)
+        """structured, checked: its grammar compiles for this tokenizer (or a RequestError naming its field), and is
+        kept for its guides."""
+        self._start(structured)
+        return structured
 
     def guide(self, structured: Structured) -> Guide:
-        """A guide from the grammar's start state (a copy of the compiled matcher: a request's n choices each take one)."""
-        matcher = self.compile(structured).matcher.deep_copy()
-        return Guide(matcher, self.vocab_size, set(self._eos), tuple(e for e in self._eos if e >= self._tokens))
+        """A guide from the grammar's start state: a copy of the kept matcher (compiled again where it was evicted)."""
+        return Guide(self._start(structured).deep_copy(), self.vocab_size, set(self._eos),
+                     tuple(e for e in self._eos if e >= self._tokens))
+
+    def _start(self, structured: Structured) -> llguidance.LLMatcher:
+        self._built(structured.field)
+        matcher = self._matcher(structured.grammar)
+        if matcher.is_error():
+            raise RequestError(f"{structured.field} is not a grammar llguidance compiles: {_one_line(matcher.get_error())}")
+        return matcher
+
+    def _compiled(self, grammar: str) -> llguidance.LLMatcher:
+        """Kept as compiled, errors too: a request that resends a bad grammar is refused without compiling it again."""
+        return llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
 
     def _built(self, field: str) -> llguidance.LLTokenizer:
         """field: the request's name for its grammar, which begins a refusal (serve's 400 names it as its param)."""

@@ -19,6 +19,7 @@ import click
 
 from ..engine import CAPTURED_BY_DEFAULT, DEVICES
 from ..errors import SpecbuildError
+from ..grammar import GRAMMAR_CACHE
 from ..manifest import runtime_version
 from .protocol import GENERATION_CONFIG_MODES
 from .tools import PARSERS, VLLM_ONLY, missing_markers
@@ -127,6 +128,10 @@ class InterruptibleCommand(Interruptible, click.Command):
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait for a slot or for their check (tokenizing), a batch's prompts each one; more "
                    "get 429 with Retry-After, and a batch of over --parallel + this many prompts a 400.")
+@click.option("--grammar-cache", type=click.IntRange(min=1), default=GRAMMAR_CACHE, show_default=True,
+              help="Compiled grammars (structured outputs, response_format, forced tool calls) kept for requests that "
+                   "send the same one again, the least recently used dropped first; the largest schemas hold tens of "
+                   "MB each.")
 @click.option("--timeout", type=Finite(min=0), default=600.0, show_default=True,
               help="Seconds a request may take from arrival to its last token (0 = no limit).")
 @click.option("--shutdown-timeout", type=Finite(min=0), default=30.0, show_default=True,
@@ -167,8 +172,8 @@ class InterruptibleCommand(Interruptible, click.Command):
 @click.option("--enable-tokenizer-info-endpoint", is_flag=True,
               help="Answer GET /tokenizer_info (the tokenizer's config and the chat template, which lm-evaluation-harness "
                    "reads to tokenize through the server), as vLLM's switch does; off, it is a 404.")
-def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel, threads, max_queue, timeout,
-                  shutdown_timeout, max_connections, model_name, api_key, allowed_origins, check_digests,
+def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel, threads, max_queue, grammar_cache,
+                  timeout, shutdown_timeout, max_connections, model_name, api_key, allowed_origins, check_digests,
                   generation_config, chat_template, tool_call_parser, enable_auto_tool_choice,
                   enable_tokenizer_info_endpoint) -> None:
     """Serve a bundle over the OpenAI HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /tokenize,
@@ -190,7 +195,7 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
     # cores a container's CPU limit grants, not the host's it sees.
     use_shared_thread_pool(threads or max(1, available_cpus() // parallel))
     decoder = SpeculativeDecoder(bundle, device=device, parallel=parallel, shared_thread_pool=True, cuda_graphs=cuda_graphs,
-                                 draft_steps=draft_steps, check_digests=check_digests)
+                                 draft_steps=draft_steps, check_digests=check_digests, grammar_cache=grammar_cache)
     missing = missing_markers(tool_call_parser, decoder.tokenizer) if tool_call_parser else []
     if missing:  # as vLLM refuses it: otherwise every reply would be answered as text, without a word
         raise click.ClickException(
