@@ -294,14 +294,20 @@ def _signals_ignored() -> Iterator[None]:
 # a distilled checkpoint) raise for a failed write: a plain Exception whose text ends in Rust's io::Error,
 # "No space left on device (os error 28)", the errno being only in the text.
 RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+# numpy's tofile (onnx_ir writes engines with it) says a short write in these words, without an errno.
+SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")
 
 
 def _disk_full(exc: Exception, folder: Path) -> int | None:
     """ENOSPC or EDQUOT where exc says the disk (or a quota) is full, else None: the errno (or a Rust
-    writer's), or ENOSPC for a short write that says no errno (numpy's tofile: "N requested and M written")
-    while the disk has under a MiB left (checked before the staging folder is removed)."""
+    writer's); for a write that says no errno, ENOSPC while the disk has under a MiB left (checked before the
+    staging folder is removed), else EDQUOT for numpy's short write: onnx_ir removes the engine it was writing
+    before this runs, so the space that engine filled shows free again, as under a quota's limit."""
     if isinstance(exc, OSError):
-        code = errno.ENOSPC if exc.errno is None and shutil.disk_usage(folder).free < 2**20 else exc.errno
+        code = exc.errno
+        if code is None:
+            code = (errno.ENOSPC if shutil.disk_usage(folder).free < 2**20 else
+                    errno.EDQUOT if SHORT_WRITE.fullmatch(str(exc)) else None)
     else:
         rust = RUST_OS_ERROR.search(str(exc))
         code = int(rust[1]) if rust else None

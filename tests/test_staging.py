@@ -399,3 +399,17 @@ def test_a_report_written_through_a_symlink_or_to_a_fifo_leaves_them_what_they_a
     reader.join(10)
     assert fifo.is_fifo() and got == ["to the reader"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link.json", "real.json"]
+
+
+def test_a_short_write_on_a_disk_that_shows_space_free_again_is_a_full_disk(tmp_path):
+    """An engine too large for the disk's free space was "error: 1048576 requested and 719872 written": numpy's
+    tofile says no errno, and onnx_ir removes the engine it was writing before the error reaches the staging
+    folder, so the disk no longer looked full."""
+    with pytest.raises(SpecbuildError, match=r"^no space left on the disk of .* while writing out \(nothing was "
+                                             r"written\); free some space or choose another output$"):
+        with staged_folder(tmp_path / "out"):
+            raise OSError("1048576 requested and 719872 written")
+    assert [p.name for p in tmp_path.iterdir()] == []
+    with pytest.raises(OSError, match="^a write that said no errno$"):  # others as raised
+        with staged_folder(tmp_path / "out"):
+            raise OSError("a write that said no errno")
