@@ -9,7 +9,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 from specbuild_runtime.errors import DeviceError, first_line
 
-from .compile.load import checkpoint_digest, digest_of_shards_beside, quiet_transformers
+from .compile.load import checkpoint_digest, digest_of_shards_beside, indexed_files, quiet_transformers, read_config_json
 from .errors import CheckpointError
 
 TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -45,6 +45,7 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
     if not (Path(path) / "config.json").is_file():
         raise CheckpointError(f"{role} checkpoint {path} is not a Hugging Face checkpoint folder (no config.json); "
                               "pass the folder the bundle was compiled from")
+    read_config_json(Path(path) / "config.json")  # transformers' own refusal would be followed by the "re-save" advice
     _check_index(Path(path), role)
     quiet_transformers()
     try:
@@ -87,18 +88,18 @@ def _check_index(path: Path, role: str) -> None:
     specbuild); the compiler needs only its weight_map, so such a checkpoint compiles and then fails here.
     Likewise shards without any index (a download that left out the JSON files), which the compiler reads
     and transformers does not: its error says no model.safetensors was found, and the line about pickles
-    that would follow it is no help."""
+    that would follow it is no help; as it is for an index that is not JSON or names a shard the folder lacks
+    (an interrupted download), which compile's reader tells in its own words."""
     if (path / "model.safetensors").is_file():
         return  # read alone, as compile reads it: an index beside it is left from another save, never read
     index = path / "model.safetensors.index.json"
-    if not index.is_file() and any(path.glob("*.safetensors")):
-        raise CheckpointError(f"{role} checkpoint {path} has safetensors shards but no {index.name}, without which "
-                              "transformers cannot load them; add the index from the model's repository")
-    try:
-        has_metadata = "metadata" in json.loads(index.read_bytes())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
-        return  # no index, or one transformers refuses with a message of its own
-    if not has_metadata:
+    if not index.is_file():
+        if any(path.glob("*.safetensors")):
+            raise CheckpointError(f"{role} checkpoint {path} has safetensors shards but no {index.name}, without which "
+                                  "transformers cannot load them; add the index from the model's repository")
+        return  # no weights at all: transformers says so
+    indexed_files(path)
+    if "metadata" not in json.loads(index.read_bytes()):
         raise CheckpointError(f"{index} has no \"metadata\", without which transformers cannot load the checkpoint; "
                               "add \"metadata\": {} to it")
 

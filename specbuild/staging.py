@@ -107,6 +107,10 @@ def _folders_made_for(output: Path) -> Iterator[None]:
         output.parent.mkdir(parents=True, exist_ok=True)  # what stands in the way, as mkdir tells it
     except OSError as exc:
         _remove_empty(made)
+        blocking = next((folder for folder in output.parents if os.path.lexists(folder) and not folder.is_dir()), None)
+        if blocking:  # mkdir says "File exists" or "Not a directory", naming the folder it could not make
+            raise OutputError(f"{blocking} is a file, so {output} cannot be made inside it; choose an output whose "
+                              "parent folders are folders") from None
         raise OutputError(f"cannot make the folder {exc.filename} for {output} ({exc.strerror}); choose an output "
                           "inside a folder you can write") from None
     try:

@@ -86,6 +86,36 @@ def garble_weights_header(folder: Path) -> None:
     weights.write_bytes(bytes(raw))
 
 
+def empty_weights(folder: Path) -> None:
+    next(folder.glob("*.safetensors")).write_bytes(b"")
+
+
+def garble_config(folder: Path) -> None:
+    (folder / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], ')
+
+
+def sharded_target(damage: Callable[[Path], None]) -> Callable[[dict], None]:
+    """paths["target"] replaced by a copy in two shards with an index, as large checkpoints come, then damaged."""
+
+    def setup(paths: dict) -> None:
+        from conftest import save_bf16_shards
+
+        copy = Path(paths["tmp"]) / "sharded"
+        save_bf16_shards(Path(paths["target"]), copy)
+        damage(copy)
+        paths["target"] = copy
+
+    return setup
+
+
+def drop_a_shard(folder: Path) -> None:
+    (folder / "model-00002-of-00002.safetensors").unlink()
+
+
+def garble_index(folder: Path) -> None:
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": ')
+
+
 def drop_a_tensor(folder: Path) -> None:
     from safetensors.numpy import load_file, save_file
 
@@ -300,6 +330,7 @@ def existing_bundle(paths: dict) -> None:
 NEW = compile_args()
 SAFE = "Re-save it with `model.save_pretrained(dir, safe_serialization=True)`: specbuild never unpickles."
 PROMPT = b'{"prompt": "def add(a, b):"}\n'
+VERIFY = ["verify", "{bundle}", "--target", "{target}", "--prompts", "{prompts}", "-n", "4"]
 CASES = [
     # --- where a compile writes ---------------------------------------------------------------------
     Case("`--output` is the target checkpoint", compile_args("{target}", "--overwrite"), 1,
@@ -319,6 +350,9 @@ CASES = [
          "Run from the folder above, or choose another output."),
     Case("`--output` a symbolic link that leads back to itself (`ln -s bundle bundle`)", compile_args("{tmp}/loop"), 1,
          "leads back to itself", "Remove the link (`rm`), or choose another output.", setup=a_link_loop),
+    Case("`--output` inside a file (`-o notes.txt/bundle`)", compile_args("{tmp}/notes.txt/bundle"), 1,
+         "notes.txt is a file, so", "Choose an output whose parent folders are folders.",
+         setup=write_file("notes.txt", b"keep me")),
     Case("a second compile to the same output while one runs", NEW, 1, "is writing",
          "Wait for the other compile to finish (the lock file `.NAME.lock` beside the output is released when it ends).",
          setup=hold_the_lock),
@@ -513,6 +547,17 @@ CASES = [
          setup=lambda paths: (a_copy_of("target", truncate_weights)(paths), write_file("prompts", PROMPT)(paths))),
     Case("corrupt `*.safetensors` header", compile_args(), 1, "model.safetensors",
          "Download or copy the checkpoint again.", setup=a_copy_of("draft", garble_weights_header)),
+    Case("an empty `*.safetensors` (a copy cut short before its first byte)", compile_args(), 1, "it has 0 bytes",
+         "Download or copy the checkpoint again.", setup=a_copy_of("draft", empty_weights)),
+    Case("a sharded checkpoint without a shard its index names (compile, or `verify`/`distill --target`)", VERIFY, 1,
+         "names model-00002-of-00002.safetensors, which is not in", "Download or copy the checkpoint again.",
+         setup=lambda paths: (sharded_target(drop_a_shard)(paths), write_file("prompts", PROMPT)(paths))),
+    Case("a `model.safetensors.index.json` that is not JSON (compile, or `verify`/`distill --target`)", VERIFY, 1,
+         "is not a safetensors index (JSONDecodeError", "Download or copy the checkpoint again.",
+         setup=lambda paths: (sharded_target(garble_index)(paths), write_file("prompts", PROMPT)(paths))),
+    Case("a `config.json` that is not JSON (compile, or `verify`/`distill --target`)", VERIFY, 1,
+         "config.json is not valid JSON", "Download or copy the checkpoint again.",
+         setup=lambda paths: (a_copy_of("target", garble_config)(paths), write_file("prompts", PROMPT)(paths))),
     Case("a tensor missing from the checkpoint", compile_args(), 1, "layers.1.mlp",
          "The checkpoint does not match its config.json: get a complete one.",
          setup=a_copy_of("draft", drop_a_tensor)),

@@ -197,13 +197,7 @@ def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
             raise CheckpointError(f"{role} checkpoint {path} is a specbuild bundle, not a checkpoint; pass the Hugging Face "
                                   f"checkpoint folder it was compiled from (`specbuild inspect {path}` names it)")
         raise CheckpointError(f"{role} checkpoint {path} has no config.json; pass a Hugging Face checkpoint folder")
-    try:
-        raw = json.loads(config_path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{config_path} is not valid JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{config_path} holds a JSON {type(raw).__name__}, not an object; pass a Hugging Face "
-                              "checkpoint folder")
+    raw = read_config_json(config_path)
     if not raw.get("architectures"):
         raise UnsupportedModelError(f"{config_path} names no architecture (no \"architectures\" list); give the model's "
                                     f"class, e.g. \"architectures\": [\"LlamaForCausalLM\"] (supported: "
@@ -233,6 +227,18 @@ def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
     ckpt = Checkpoint(path, spec, config, tokenizer, weight_files, entries, loaded)
     _check_tied_head(ckpt, role)
     return ckpt
+
+
+def read_config_json(config_path: Path) -> dict:
+    """config.json as a dict, or one line saying why it is not one."""
+    try:
+        raw = json.loads(config_path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{config_path} is not valid JSON ({exc}); download or copy the checkpoint again") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{config_path} holds a JSON {type(raw).__name__}, not an object; pass a Hugging Face "
+                              "checkpoint folder")
+    return raw
 
 
 def _check_tied_head(ckpt: Checkpoint, role: str) -> None:
@@ -306,10 +312,12 @@ def indexed_files(path: Path) -> list[Path]:
         weight_map = json.loads(index.read_bytes())["weight_map"]
         names = sorted(set(weight_map.values()))
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"{index} is not a safetensors index ({type(exc).__name__}: {exc})") from None
+        raise CheckpointError(f"{index} is not a safetensors index ({type(exc).__name__}: {exc}); download or copy the "
+                              "checkpoint again") from None
     missing = [n for n in names if not (path / n).is_file()]  # a folder of that name too
     if missing:
-        raise CheckpointError(f"{index} names {missing[0]}, which is not in {path}; the download is incomplete")
+        raise CheckpointError(f"{index} names {missing[0]}, which is not in {path}; the download is incomplete: "
+                              "download or copy the checkpoint again")
     return [path / n for n in names]
 
 
@@ -333,6 +341,8 @@ def _entries(files: list[Path], folder: Path) -> dict[str, TensorEntry]:
     for file in files:
         size = file.stat().st_size
         try:
+            if size < 8:  # a download cut before its header's length; struct's error would say only "error"
+                raise ValueError(f"it has {size} bytes, fewer than the 8 of its header's length")
             with open(file, "rb") as f:
                 (length,) = struct.unpack("<Q", f.read(8))
                 if length > size - 8:
