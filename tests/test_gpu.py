@@ -251,10 +251,10 @@ def test_logprobs_on_cuda_are_the_same_bits_at_every_gamma_and_leave_later_reque
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_a_rows_logits_on_cuda_are_the_same_bits_whatever_the_drafts_of_its_fixed_row_call(precision, precision_bundles):
-    """The LM head multiplies a call's last D+1 rows made even, at least two (graphs/verification.py), so under fixed
-    rows 2 to max γ + 1 rows as num_drafts D goes from 0 to max γ, where the layers below always multiply max γ + 1:
-    should cuBLAS round a row otherwise by how many it multiplies, a row's logits would follow the drafts of its call
-    (auto γ mixes every D). The last row of one call of max γ + 1 rows over the same tokens, at each D."""
+    """In a call of max γ + 1 rows the LM head multiplies them all at every num_drafts D (graphs/verification.py; in
+    bundles compiled before 2026-11-27 the last D+1 made even: 2 to max γ + 1 rows as D went from 0 to max γ): should
+    cuBLAS round a row otherwise by how many it multiplies, a row's logits would follow the drafts of its call (auto γ
+    mixes every D). The last row of one call of max γ + 1 rows over the same tokens, at each D."""
     import numpy as np
 
     from specbuild_runtime.slot import EngineSlot, fixed_rows

@@ -142,3 +142,39 @@ def test_no_engine_graph_reads_a_device_value_on_the_host(bundles):
         found = device_values_read_on_the_host(onnx.load(str(folder / file), load_external_data=False).graph)
         decisions = [f for f in found if "/If " in f] if file in (manifest.sampler_file, *(i.file for i in manifest.engines.values())) else []
         assert found == decisions, f"{file}: {[f for f in found if f not in decisions]}"
+
+
+def test_the_targets_lm_head_multiplies_every_row_of_a_fixed_row_call_whatever_its_drafts(bundles):
+    """On a GPU every target call has max γ + 1 rows (slot.fixed_rows), and a GEMM may round a row otherwise by how
+    many rows it multiplies: so the head's row count must not follow num_drafts either (test_gpu checks the bits)."""
+    import onnx
+    import onnxruntime as ort
+
+    from specbuild.compile.graphs import unprocessed
+    from specbuild_runtime import load_manifest
+    from specbuild_runtime.engine import session_options
+    from specbuild_runtime.manifest import cache_names
+
+    folder = bundles("llama", 1)
+    manifest = load_manifest(folder)
+    info, rows = manifest.engines["target"], manifest.gamma + 1
+    shape, vocab = info.shape, info.shape.vocab_size
+    feeds = {"input_ids": np.arange(1, rows + 1, dtype=np.int64)[None], "seqlens_k": np.array([rows - 1], np.int32),
+             "total_len": np.array(rows, np.int32), "temperature": np.array(0, np.float32),
+             "top_k": np.array(0, np.int64), "top_p": np.array(1, np.float32), "min_p": np.array(0, np.float32),
+             **unprocessed(vocab), **{past: np.zeros((1, shape.num_kv_heads, manifest.max_seq_len, shape.head_dim),
+                                                      np.float32) for past, _ in cache_names(shape.num_layers)}}
+    for file in (info.file, info.greedy_file):
+        model = onnx.load(str(folder / file))
+        made = {out: node for node in model.graph.node for out in node.output}
+        head = made[made["logits"].input[0]]  # logits: the head's last D+1 rows (a Slice; fp32, no softcap)
+        assert head.op_type == "Gemm", head.op_type
+        model.graph.output.append(onnx.ValueInfoProto(name=head.input[0]))
+        session = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
+        names = {i.name for i in session.get_inputs()}
+        multiplied = {}
+        for drafts in range(rows):
+            feeds.update(num_drafts=np.array(drafts, np.int64), draft_probs=np.zeros((drafts, vocab), np.float32),
+                         uniforms=np.zeros(drafts + 1, np.float32))
+            multiplied[drafts] = len(session.run([head.input[0]], {n: feeds[n] for n in names})[0])
+        assert set(multiplied.values()) == {rows}, f"{file}: num_drafts -> rows the head multiplies: {multiplied}"

@@ -104,7 +104,8 @@ NEVER_ALONE = Rows(2, even=True)
 def fixed_rows(max_gamma: int) -> Rows:
     """GPUs: libraries may pick different kernels for different row counts, so every target call computes
     max γ + 1 rows, as many as the largest verification (exact but for prompts shorter than that, whose
-    first calls compute fewer rows)."""
+    first calls compute fewer rows). The target's LM head multiplies all of them too, whatever the call's drafts
+    (specbuild/compile/graphs/verification.py; in bundles compiled before 2026-11-27 the last D+1 made even)."""
     return Rows(max_gamma + 1, fixed=True)
 
 

@@ -35,7 +35,7 @@ IN_FLIGHT_BYTES = 256 << 20
 
 def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, numerics: Numerics,
                   vocab_size: int | None = None, draft_steps: int = 0, tokens: int | None = None,
-                  rope_switch: int = 0) -> EngineInfo:
+                  rope_switch: int = 0, fixed_rows: int = 0) -> EngineInfo:
     """Writes {role}.onnx (+ {role}.onnx.data with the weights), {role}.greedy.onnx, the greedy-only graph
     over the same data file, and (draft_steps > 0) {role}.steps.onnx, which drafts that many tokens in one
     call, over it too; and describes them.
@@ -46,6 +46,8 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
     only, the tokenizer's ids, to which its table is cut as well (graphs.engine_vocab).
     rope_switch: a LongRoPE target's original length, below max_seq_len (load.rope_switch_length): both
     rotary tables, chosen per call (manifest: rope_switch_length).
+    fixed_rows: a target's max γ + 1, the rows of its calls on a GPU, all of which its LM head then multiplies
+    (graphs.build_decoder).
     A bar per engine shows bytes/s and ETA (where progress shows: progress.shown).
     """
     spec = ckpt.spec
@@ -57,14 +59,14 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
                                                      "B", unit_scale=True) as bar:
         digest = pool.submit(ckpt.digest)
         model = build_decoder(ckpt, numerics, max_seq_len, vocab_size, progress=bar.update, tokens=tokens,
-                              rope_switch=rope_switch, penalties=role == "target")
+                              rope_switch=rope_switch, penalties=role == "target", fixed_rows=fixed_rows)
         bar.total = sum(value.const_value.nbytes for value in model.graph.initializers.values()
                         if isinstance(value.const_value, ir.LazyTensor))
         gathered = _gathered_bytes(model)
         ir.save(model, folder / file, external_data=f"{file}.data", alignment=ALIGNMENT, max_workers=WORKERS,
                 max_in_flight_bytes=IN_FLIGHT_BYTES)
     graphs = {f"{role}.greedy.onnx": build_decoder(ckpt, numerics, max_seq_len, vocab_size, sampling=False, tokens=tokens,
-                                                   rope_switch=rope_switch)}
+                                                   rope_switch=rope_switch, fixed_rows=fixed_rows)}
     if draft_steps:
         graphs[f"{role}.steps.onnx"] = build_draft_steps(ckpt, numerics, max_seq_len, draft_steps, vocab_size, tokens)
     for name, model in graphs.items():

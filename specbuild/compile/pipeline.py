@@ -83,6 +83,7 @@ def _compile(settings: CompileSettings, stages: "_Stages") -> Manifest:
         engines = {role: export_engine(ckpt, role, folder, max_seq_len, numerics[role],
                                        vocab_size=target.spec.shape.vocab_size,
                                        draft_steps=_draft_steps(settings.gamma) if role == "draft" else 0,
+                                       fixed_rows=settings.gamma + 1 if role == "target" else 0,
                                        tokens=tokens if role == "draft" else None,
                                        rope_switch=rope_switch_length(ckpt, role, max_seq_len))
                    for role, ckpt in checkpoints.items() if onnx}

@@ -41,7 +41,7 @@ __all__ = ["LOGITS", "build_decoder", "build_draft_steps", "build_sampler", "che
 def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_size: int | None = None,
                   progress: Callable[[int], None] = lambda nbytes: None,
                   sampling: bool = True, tokens: int | None = None, rope_switch: int = 0,
-                  penalties: bool = True) -> ir.Model:
+                  penalties: bool = True, fixed_rows: int = 0) -> ir.Model:
     """The engine graph for one model (see specbuild_runtime.manifest for its I/O contract).
 
     vocab_size: cut the embedding table and LM head to this many rows (a draft's padding rows past the
@@ -53,6 +53,8 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
     unpenalised): of the processing inputs, logit_bias alone (a grammar's mask), added to the logits it decides on.
     rope_switch: a LongRoPE target's original length, below max_seq_len (load.rope_switch_length): the graph
     then holds both rotary tables and an input `long_rope` (0 or 1) choosing one for the call.
+    fixed_rows: a target's max γ + 1, the rows of its calls on a GPU: the LM head multiplies all of them at every
+    num_drafts (verification).
     """
     spec = ckpt.spec
     vocab = engine_vocab(ckpt, vocab_size, tokens)
@@ -74,7 +76,7 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
     ids = _embeddable(g, g.op("Reshape", input_ids, g.const([-1])), vocab, vocab_size)  # [S]
     hidden, presents, head = FAMILIES[spec.family](g, spec, ids, att, max_seq_len, vocab)
     accepted, next_token, probs, logits = verification(g, hidden, input_ids, num_drafts, lambda x: linear(g, x, head),
-                                                       sampling_inputs, spec.final_softcap, processing)
+                                                       sampling_inputs, spec.final_softcap, processing, fixed_rows)
     g.output(logits, LOGITS, FLOAT, ["D+1", vocab])
     g.output(accepted, "accepted", INT64, [])
     g.output(next_token, "next_token", INT64, [])

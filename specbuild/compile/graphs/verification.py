@@ -70,7 +70,7 @@ def unprocessed(vocab: int) -> dict[str, np.ndarray]:
 
 def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_drafts: ir.Value,
                  head: Callable[[ir.Value], ir.Value], sampling: SamplingInputs | None, softcap: float | None = None,
-                 processing: Penalties | ir.Value | None = None):
+                 processing: Penalties | ir.Value | None = None, fixed_rows: int = 0):
     """The last D+1 hidden states -> (accepted drafts, next token, its distribution, logits).
 
     hidden [S, H]; head(x [R, H]) -> [R, V] is the model's LM head. Row j of the logits is the model's
@@ -84,6 +84,8 @@ def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_dra
     input alone, added without the If, as it proposes unpenalised (specbuild_runtime.slot.Slot.configure) and its bias
     is only ever a grammar's mask: the If's test of every input cost ~4 us of a ~60 us draft step (the demo draft, 2 CPU
     cores), and under a grammar the penalties' nodes, ~40 us.
+    fixed_rows (a target's: max γ + 1, the rows of each of its calls on a GPU, specbuild_runtime.slot.fixed_rows): the
+    head multiplies every row of a call of that many rows, whatever its D.
     """
     drafts, drafts_1d = _drafts(g, input_ids, num_drafts)
     rows_1d = g.op("Add", drafts_1d, g.const([1]))
@@ -92,7 +94,14 @@ def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_dra
     # alone or as an odd last row, which some of onnxruntime's CPU kernels compute apart.
     head_rows = g.op("Max", g.op("Mul", g.op("Div", g.op("Add", rows_1d, g.const([1])), g.const([2])), g.const([2])),
                      g.const([2]))
-    tail = g.op("Slice", hidden, g.op("Neg", head_rows), g.const([2**62]), g.const([0]))  # [D+1 or D+2, H], fewer in a 1-token call
+    if fixed_rows:
+        # A GPU library may round a row otherwise by how many rows its GEMM multiplies, so a fixed-row call's head
+        # multiplies all of them at every D: else a row's logits would follow its call's drafts (auto γ mixes every
+        # D). Other calls keep the rows above, so the CPU's (even, never alone) cost no more head rows.
+        tokens = _tokens(g, input_ids)
+        head_rows = g.op("Where", g.op("Equal", tokens, g.const([fixed_rows])), tokens, head_rows)
+    # [D+1 or D+2, H] (a fixed-row call's: all), fewer in a 1-token call
+    tail = g.op("Slice", hidden, g.op("Neg", head_rows), g.const([2**62]), g.const([0]))
     rows = g.op("Slice", head(tail), g.op("Neg", rows_1d), g.const([2**62]), g.const([0]))  # [D+1, V]
     logits = rows if g.numerics.dtype == np.float32 else g.op("Cast", rows, to=FLOAT)
     if softcap:
