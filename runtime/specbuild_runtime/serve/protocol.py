@@ -764,15 +764,14 @@ class Reply:
     def traced(self, chunk: dict, token_ids: Sequence[int] = (), prompt_ids: Sequence[int] | None = None) -> dict:
         """A stream's chunk with return_token_ids' fields, as vLLM's: the ids of the tokens read since the last chunk,
         and the prompt's (`prompt_ids`: this is the first chunk of its choice) at the top of a chat's first chunk,
-        in a completion's choice."""
-        if not self.token_ids:
-            return chunk
+        in a completion's choice; null where not asked for, as vLLM writes them (a chat's first chunk has no
+        token_ids)."""
         if prompt_ids is not None and self.endpoint == CHAT:
-            return {**chunk, "prompt_token_ids": list(prompt_ids)}  # its role's chunk, before any token
+            return {**chunk, "prompt_token_ids": self._ids(prompt_ids)}  # its role's chunk, before any token
         [choice] = chunk["choices"]
-        choice["token_ids"] = list(token_ids)
+        choice["token_ids"] = self._ids(token_ids)
         if prompt_ids is not None:
-            choice["prompt_token_ids"] = list(prompt_ids)
+            choice["prompt_token_ids"] = self._ids(prompt_ids)
         return chunk
 
     def chunk(self, text: str | None = None, stats: Stats | None = None, first: bool = False,
@@ -786,9 +785,10 @@ class Reply:
         logprobs = self.logprobs.of(records, self.sent, unscored) if self.logprobs and not first else None
         if self.endpoint == CHAT:
             delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
-            choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
-                      "stop_reason": stop_reason}
-            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+            choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            # vLLM sets a chat chunk's stop_reason on its closing chunk alone, and writes no field it did not set
+            return {**self._head("chat.completion.chunk"),
+                    "choices": [{**choice, "stop_reason": stop_reason} if stats else choice]}
         self.sent += len(text or "")
         # vLLM writes its stream choice's every field, return_token_ids' null where not asked for or not this chunk's
         choice = {"index": self.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish,
@@ -809,8 +809,7 @@ class Reply:
         delta = {TOOL_CALLS: deltas}
         logprobs = self.logprobs.of(records) if self.logprobs else None
         return {**self._head("chat.completion.chunk"),
-                "choices": [{"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": None,
-                             "stop_reason": None}]}
+                "choices": [{"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}]}
 
     def usage_chunk(self, *stats: Stats, n: int = 1) -> dict:
         """stream_options.include_usage: a last chunk with no choices and the usage of every choice (see usage)."""
