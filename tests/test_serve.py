@@ -578,6 +578,20 @@ def test_echo_shows_its_prompts_scores_as_prompt_logprobs_too_and_takes_prompt_l
     assert choices(echo=True, max_tokens=0)[0]["prompt_logprobs"] is None
 
 
+def test_echos_text_logprobs_keep_the_first_logprobs_plus_one_of_its_prompt_logprobs_entries_as_vllms(server):
+    """vLLM's text logprobs keep the first logprobs + 1 entries of each prompt token's prompt_logprobs (the token, then
+    the most probable others): a token among the most probable shows one more alternative than logprobs N alone."""
+    made = httpx.post(f"{server}/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 8, "return_token_ids": True,
+                                                       **GREEDY}).json()["choices"][0]
+    ids = made["prompt_token_ids"] + made["token_ids"]  # the reply's tokens, greedy: each the most probable
+    body = {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1, "prompt_logprobs": 3, **GREEDY}
+    [choice] = httpx.post(f"{server}/v1/completions", json=body).json()["choices"]
+    entries = choice["prompt_logprobs"][1:]
+    assert sum(entry[str(token)]["rank"] == 1 for entry, token in zip(entries, ids[1:])) >= len(made["token_ids"])
+    assert choice["logprobs"]["top_logprobs"][1:] == [
+        dict((each["decoded_token"], each["logprob"]) for each in list(entry.values())[:2]) for entry in entries]
+
+
 def test_tokenize_gives_the_ids_a_completion_decodes_and_detokenize_their_text_as_vllms(server, bundle):
     from transformers import AutoTokenizer
 

@@ -385,8 +385,9 @@ class Server:
     async def _collect(self, jobs: list[Job], http: HttpRequest, logprobs: bool, echoes: list[Echo | None],
                        top: int | None = None) -> list:
         """Each job's whole text, (logprobs) its tokens' TokenLogprobs, an echo's prompt tokens' first (with `top`
-        alternatives at most: its prompt_logprobs may score more), and its prompt's TokenLogprobs where it scored them
-        (vLLM's prompt_logprobs, or echo's), else None; or Stopped("cancelled") if the client disconnects first."""
+        alternatives besides the token at most: its prompt_logprobs may score more), and its prompt's TokenLogprobs
+        where it scored them (vLLM's prompt_logprobs, or echo's), else None; or Stopped("cancelled") if the client
+        disconnects first."""
         async def join(job, echo) -> tuple[str, list, Sequence[TokenLogprobs] | None]:
             items = aiter(job)
             scored = await echo.prompt_logprobs(items) if echo else None
@@ -395,7 +396,10 @@ class Server:
             items = [item async for item in items]
             if not logprobs:
                 return "".join(items), [], prompt
-            shown = [replace(record, top=record.top[:top]) for record in scored or ()]
+            # vLLM keeps the first N + 1 of a prompt token's entries, itself first then the most probable others: where
+            # it is among the N most probable, a prompt_logprobs over N shows its N + 1st too
+            shown = [replace(record, top=[pair for pair in record.top if pair[0] != record.token_id][:top])
+                     for record in scored or ()]
             return ("".join(delta for delta, _ in items), [*shown, *(record for _, records in items for record in records)],
                     prompt)
 
