@@ -592,6 +592,16 @@ def test_echos_text_logprobs_keep_the_first_logprobs_plus_one_of_its_prompt_logp
         dict((each["decoded_token"], each["logprob"]) for each in list(entry.values())[:2]) for entry in entries]
 
 
+def test_a_streamed_echo_scores_its_prompt_with_a_prompt_logprobs_0_sent_as_an_unstreamed_one(server):
+    """vLLM scores an echoed prompt with prompt_logprobs 0 where sent (a stream takes 0), not with logprobs N: the
+    prompt's tokens show no alternative, streamed or not; the reply's token its N."""
+    body = {"prompt": PROMPTS[2], "max_tokens": 1, "echo": True, "logprobs": 2, "prompt_logprobs": 0, **GREEDY}
+    whole = httpx.post(f"{server}/v1/completions", json=body).json()["choices"][0]["logprobs"]["top_logprobs"]
+    streamed = [top for chunk in stream_events(server, "completions", body) if chunk["logprobs"]
+                for top in chunk["logprobs"]["top_logprobs"]]
+    assert streamed == whole and [len(top) for top in whole[1:-1]] == [1] * (len(whole) - 2) and len(whole[-1]) >= 2
+
+
 def test_tokenize_gives_the_ids_a_completion_decodes_and_detokenize_their_text_as_vllms(server, bundle):
     from transformers import AutoTokenizer
 

@@ -359,9 +359,10 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
         raise ApiError(400, "max_tokens must be >= 1, or 0 with echo: true (the prompt alone, with logprobs scored), "
                             f"not {max_tokens}", "max_tokens")
     if echo and ("logprobs" in decoding or max_tokens == 0):  # max_tokens 0: the runtime's scoring, shown or not
-        # vLLM's: a prompt_logprobs N sent scores the prompt (its text's logprobs then hold N alternatives at most),
-        # else the logprobs N, and a whole response shows them as prompt_logprobs too
-        decoding.setdefault("prompt_logprobs", decoding.get("logprobs", 0))
+        # vLLM's: a prompt_logprobs N sent scores the prompt (a stream's 0 too; its text's logprobs then hold N
+        # alternatives at most), else the logprobs N, and a whole response shows them as prompt_logprobs too
+        asked = body.get("prompt_logprobs")
+        decoding.setdefault("prompt_logprobs", decoding.get("logprobs", 0) if asked is None else asked)
         tracing["prompt_logprobs"] |= "logprobs" in decoding and not stream
     prompts = _prompts(body)
     return Request(COMPLETIONS, prompts[0] if len(prompts) == 1 else None, None, max_tokens, decoding, stream,
