@@ -1959,6 +1959,23 @@ def test_serves_json_is_json_dumps_a_long_lists_item_a_call(monkeypatch):
         assert written == json.dumps(value, **options)
 
 
+def test_serves_json_writes_a_long_list_of_numbers_or_strings_of_any_length_as_json_dumps_does():
+    """The slices of SCALARS_A_CALL join to json.dumps's text whatever the length (one short of a slice, a slice, one
+    over), nested or not, infinities written or refused as json.dumps writes or refuses them."""
+    from specbuild_runtime.serve import protocol
+
+    for length in (protocol.LONG_LIST - 1, protocol.LONG_LIST, protocol.SCALARS_A_CALL - 1, protocol.SCALARS_A_CALL,
+                   protocol.SCALARS_A_CALL + 1, 2 * protocol.SCALARS_A_CALL + 1):
+        items = [[i, -9999.0, "\u00e9", None, True][i % 5] for i in range(length)]
+        for value in (items, {"a": [items, items[:3]]}):
+            for options in ({"ensure_ascii": False}, {"ensure_ascii": False, "allow_nan": False, "separators": (",", ":")}):
+                assert protocol.dumps(value, **options) == json.dumps(value, **options), (length, options)
+        infinite = [*items, float("-inf")]
+        assert protocol.dumps(infinite) == json.dumps(infinite)
+        with pytest.raises(ValueError):
+            protocol.dumps(infinite, allow_nan=False)
+
+
 def test_serves_json_writes_a_number_true_false_or_null_key_as_json_dumps_does_a_string():
     """A key that is no string is written as json.dumps writes it ({"1": ...}), not as its JSON ({1: ...}, which no
     client parses); one json.dumps refuses is refused with its TypeError."""
