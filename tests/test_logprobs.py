@@ -274,6 +274,17 @@ def test_streams_refuse_prompt_logprobs_which_generate_gives(bundles):
             asyncio.run(anext(astream("x", prompt_logprobs=1)))
 
 
+def test_text_streams_refuse_logprobs_which_their_str_items_cannot_hold(bundles):
+    """stream_text and astream_text are typed to yield str: with logprobs they yielded stream_request's (text, records)
+    pairs instead, so a caller joining the deltas failed deep in its own code."""
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    refusal = r"^logprobs come with stream, astream and generate, not with stream_text: .*stream_request"
+    with pytest.raises(RequestError, match=refusal):
+        decoder.stream_text("x", logprobs=0)
+    with pytest.raises(RequestError, match=refusal):  # checked as iteration begins
+        asyncio.run(anext(decoder.astream_text("x", logprobs=0)))
+
+
 def test_a_scored_prompts_time_to_first_token_counts_its_scoring(bundles, tokenizer, monkeypatch):
     """Scoring is the prompt's processing, which ttft_ms counts for a prompt not scored."""
     decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
