@@ -307,7 +307,8 @@ def test_a_damaged_tokenizer_file_with_digests_unchecked_is_a_bundle_error(file,
 
 
 @pytest.mark.parametrize("version, advice", [(3, "upgrade specbuild-runtime to one that reads version 3"),
-                                             (1, "rebuild the bundle")])
+                                             (1, "rebuild the bundle"),
+                                             ("2", "has bundle format version '2' ")])  # not "version 2 ... reads 2"
 def test_a_bundle_of_another_format_version_says_which_side_to_upgrade(version, advice, bundles, tmp_path):
     """A service loading a bundle from a newer specbuild must learn to upgrade its runtime, not to rebuild the
     bundle (with what it has, it cannot); an older bundle is rebuilt."""

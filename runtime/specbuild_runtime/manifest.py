@@ -377,7 +377,7 @@ def load_manifest(root: str | Path, check_digests: bool = True, require_engines:
         advice = (f"upgrade specbuild-runtime to one that reads version {version}, or rebuild the bundle with the "
                   "`specbuild compile` that matches this runtime" if newer else
                   "rebuild the bundle with the `specbuild compile` that matches this runtime")
-        raise BundleError(f"{root} has bundle format version {version}{f' (made by {made_by})' if made_by else ''}, "
+        raise BundleError(f"{root} has bundle format version {version!r}{f' (made by {made_by})' if made_by else ''}, "
                           f"this runtime (specbuild-runtime {runtime_version()}) reads version {FORMAT_VERSION}; "
                           f"{advice}")
     try:
