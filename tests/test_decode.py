@@ -20,7 +20,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from conftest import PROMPTS, make_tokenizer
-from specbuild_runtime import DeviceError, RequestError, SpeculativeDecoder, Stats, pool
+from specbuild_runtime import DeviceError, RequestError, SpeculativeDecoder, Stats, TokenLogprobs, pool
 from specbuild_runtime.policy import FixedGamma
 from specbuild_runtime.slot import EngineSlot
 from specbuild_runtime.text import TextStream
@@ -1058,6 +1058,15 @@ def test_streams_are_typed_as_the_generators_whose_close_cancels_them():
     for name, kind in (("stream", Generator), ("stream_text", Generator), ("stream_request", Generator),
                        ("astream", AsyncGenerator), ("astream_text", AsyncGenerator)):
         assert typing.get_origin(typing.get_type_hints(getattr(SpeculativeDecoder, name))["return"]) is kind, name
+
+
+def test_a_streams_items_are_typed_token_ids_without_logprobs_and_their_records_with():
+    """`for token_id in decoder.stream(...)`: a caller's type checker reads the overloads, so the ids are ints (typed
+    int | TokenLogprobs, each needed a cast before a list[int] took it) and records where logprobs is given."""
+    for name in ("stream", "astream"):
+        hints = [typing.get_type_hints(overload) for overload in typing.get_overloads(getattr(SpeculativeDecoder, name))]
+        assert {(hint["logprobs"], typing.get_args(hint["return"])[0]) for hint in hints} == {
+            (type(None), int), (int, TokenLogprobs)}, name
 
 
 @pytest.mark.parametrize("cuda_graphs", [False, True])  # the engine graphs' own tail, or the greedy-only graphs + sampler

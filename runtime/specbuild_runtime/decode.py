@@ -17,7 +17,7 @@ from contextlib import aclosing, closing
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import AsyncGenerator, Callable, Generator, Iterator
+from typing import AsyncGenerator, Callable, Generator, Iterator, overload
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -446,6 +446,17 @@ class SpeculativeDecoder:
         *_, generation = self._generating(request)
         return generation
 
+    # A caller's type checker learns the items from logprobs: token ids without, TokenLogprobs with (astream too).
+    @overload
+    def stream(self, prompt: Prompt, max_new_tokens: int = ..., gamma: int | str = ..., temperature: float = ...,
+               top_k: int = ..., top_p: float = ..., seed: int | None = ..., stop: str | list[str] | None = ...,
+               stats: Stats | None = ..., logprobs: None = ..., **options) -> Generator[int, None, None]: ...
+
+    @overload
+    def stream(self, prompt: Prompt, max_new_tokens: int = ..., gamma: int | str = ..., temperature: float = ...,
+               top_k: int = ..., top_p: float = ..., seed: int | None = ..., stop: str | list[str] | None = ...,
+               stats: Stats | None = ..., *, logprobs: int, **options) -> Generator[TokenLogprobs, None, None]: ...
+
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                stop: str | list[str] | None = None, stats: Stats | None = None,
@@ -535,6 +546,16 @@ class SpeculativeDecoder:
                         **options)
         async with aclosing(self._relay(check, self._generating, held=(None,))) as generation:
             return await anext(generation)
+
+    @overload
+    def astream(self, prompt: Prompt, max_new_tokens: int = ..., gamma: int | str = ..., temperature: float = ...,
+                top_k: int = ..., top_p: float = ..., seed: int | None = ..., stop: str | list[str] | None = ...,
+                stats: Stats | None = ..., logprobs: None = ..., **options) -> AsyncGenerator[int, None]: ...
+
+    @overload
+    def astream(self, prompt: Prompt, max_new_tokens: int = ..., gamma: int | str = ..., temperature: float = ...,
+                top_k: int = ..., top_p: float = ..., seed: int | None = ..., stop: str | list[str] | None = ...,
+                stats: Stats | None = ..., *, logprobs: int, **options) -> AsyncGenerator[TokenLogprobs, None]: ...
 
     def astream(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
