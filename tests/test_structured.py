@@ -388,10 +388,10 @@ def test_auto_gammas_round_costs_under_a_grammar_include_its_masks_and_are_kept_
     result = decoder.generate(ids, NEW_TOKENS, structured_outputs={"json": SCHEMA})
     slot = SimpleNamespace(index=0)
     costs = decoder._policy(slot, decoder.request(ids, structured_outputs={"json": SCHEMA})).costs
-    assert result.stats.gamma_rounds.get(0) and costs.target_alone == 1.0
+    assert result.stats.gamma_rounds.get(0) and costs.rounds[0] == 1.0
     assert all(costs.rounds[gamma] in (None, 1.0) for gamma in range(1, decoder.max_gamma + 1))
     plain = decoder._policy(slot, decoder.request(ids)).costs
-    assert plain is not costs and plain.target_alone is None
+    assert plain is not costs and plain.rounds[0] is None
 
 
 def test_auto_checks_no_free_guesses_under_a_grammar(bundles, tokenizer):

@@ -52,16 +52,23 @@ COST_DECAY = 0.95
 # within ~15 calls, one stray call moves it by a few per cent.
 OUTLIER = 3.0
 PRIOR_EXTRA_TOKEN = 0.05  # the prior's cost of one more row in a target call, per draft
-# Rounds without drafts timed first, whose median starts the unit: one sample alone (taken whole, as the first of an
-# average is) was, under sampling and penalties on the demo pair (load 4), 17 times the median round without drafts,
-# and every γ looked cheaper than γ 0 from then on.
-UNIT_ROUNDS = 5
+# Rounds timed first at each γ (0 included), whose median starts its cost; until then a γ ≥ 1 is priced as if untimed.
+# One sample alone, taken whole as the first of an average is, priced a γ for good: a first round without drafts 17
+# times the median (sampling and penalties on the demo pair, load 4) made every γ look cheaper than γ 0; a first round
+# at γ 1 18 times the unit (load 9) priced out γ 1 and every untimed γ above it, and auto never timed γ 1 again (a
+# probe's round catches up, untimed).
+FIRST_ROUNDS = 5
+# Rounds after which a unit not timed since is timed afresh (FIRST_ROUNDS rounds without drafts): auto drafting on never
+# times it otherwise, and a unit whose first rounds all fell in a slow spell (~32 ms against ~0.6, load 9) priced every
+# γ cheap, so auto drafted at γ 8 under a JSON schema where target-only was faster. A γ ≥ 1 left untimed is not timed
+# afresh so: that would draft at each again, at the prior's price, every STALE_ROUNDS rounds auto sits at γ 0.
+STALE_ROUNDS = 256
 
 
 def expected_tokens_per_call(alpha: float, gamma: int) -> float:
     """τ = (1 − α^(γ+1)) / (1 − α): Leviathan et al.'s closed form when every draft token is accepted
-    independently with probability α; γ + 1 at α = 1. (The compiler's γ recommendation and distillation
-    use it too, through specbuild.acceptance.)"""
+    independently with probability α; γ + 1 at α = 1. (AdaptiveGamma.choose sums it term by term; the compiler's γ
+    recommendation and distillation use it, through specbuild.acceptance.)"""
     return gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
@@ -79,8 +86,9 @@ class FixedGamma:
 
 class Costs:
     """Running estimates of what a round costs at each γ, in units of a target call without drafts:
-    whole rounds (draft calls plus the target call) timed at that γ, and for a γ not yet timed the
-    nearest timed one below it plus prior_step per further draft (the weight-byte ratio, plus a row).
+    whole rounds (draft calls plus the target call) timed at that γ, from the median of its first FIRST_ROUNDS on, and
+    for a γ not yet timed so the nearest timed one below it plus prior_step per further draft (the weight-byte ratio,
+    plus a row).
 
     Measured per γ, because a round's cost is neither linear in γ nor split well between draft and
     target: on the demo pair a round's first draft step took 0.17 ms and each further one 0.05; the target
@@ -94,13 +102,15 @@ class Costs:
     def __init__(self, max_gamma: int, draft_cost: float):
         self.lock = threading.Lock()
         self.prior_step = draft_cost + PRIOR_EXTRA_TOKEN  # a further draft, until timed: the weight-byte ratio
-        self.target_alone: float | None = None  # seconds of a round without drafts: the unit
-        self.first_alone: list[float] = []  # its first UNIT_ROUNDS samples
-        self.rounds: list[float | None] = [None] * (max_gamma + 1)  # seconds of a whole round at each γ
+        # Seconds of a whole round at each γ (γ 0's: the unit), None until its first FIRST_ROUNDS are timed.
+        self.rounds: list[float | None] = [None] * (max_gamma + 1)
+        self.first: list[list[float]] = [[] for _ in range(max_gamma + 1)]  # each γ's first FIRST_ROUNDS samples
+        self.observed = 0  # rounds timed
+        self.unit_timed_at = 0  # self.observed when a round without drafts was last timed
 
     def costs(self, limit: int) -> list[float]:
         """The cost of a round at γ = 0 … limit."""
-        unit = self.target_alone
+        unit = self.rounds[0]
         table = [1.0]
         for gamma in range(1, limit + 1):
             timed = self.rounds[gamma]
@@ -112,21 +122,30 @@ class Costs:
 
     @property
     def unit_untimed(self) -> bool:
-        """Whether the unit still lacks UNIT_ROUNDS samples: AdaptiveGamma times them first, since every cost is
-        priced in it. The target call of a round with drafts stood in for it before, but computes more rows and,
-        under a grammar, builds a mask on the host for each (4.3x a round without drafts, the demo pair under a JSON
-        schema, load 6): priced in it every γ looked cheap, and auto drafted on without ever timing γ 0."""
-        return len(self.first_alone) < UNIT_ROUNDS
+        """Whether the unit lacks its FIRST_ROUNDS samples, first or again after STALE_ROUNDS rounds untimed:
+        AdaptiveGamma times them first, since every cost is priced in it. The target call of a round with drafts stood
+        in for it before, but computes more rows and, under a grammar, builds a mask on the host for each (4.3x a round
+        without drafts, the demo pair under a JSON schema, load 6): priced in it every γ looked cheap, and auto drafted
+        on without ever timing γ 0."""
+        return self.rounds[0] is None
 
     def observe(self, drafted: int, draft_seconds: float, target_seconds: float, catching_up: bool) -> None:
         with self.lock:
-            if drafted == 0 and self.unit_untimed:
-                self.first_alone.append(target_seconds)
-                self.target_alone = statistics.median(self.first_alone)
-            elif drafted == 0:
-                self.target_alone = _ema(self.target_alone, target_seconds)
-            elif not catching_up:  # a catching-up draft also read tokens it had missed: not a round of γ
-                self.rounds[drafted] = _ema(self.rounds[drafted], draft_seconds + target_seconds)
+            self.observed += 1
+            if self.observed - self.unit_timed_at > STALE_ROUNDS:
+                self.rounds[0], self.first[0] = None, []
+            if drafted and catching_up:  # a catching-up draft also read tokens it had missed: not a round of γ
+                return
+            if not drafted:
+                self.unit_timed_at = self.observed
+            seconds = draft_seconds + target_seconds
+            first = self.first[drafted]
+            if len(first) < FIRST_ROUNDS:
+                first.append(seconds)
+                if len(first) == FIRST_ROUNDS:
+                    self.rounds[drafted] = statistics.median(first)
+            else:
+                self.rounds[drafted] = _ema(self.rounds[drafted], seconds)
 
 
 class PriorCosts(Costs):
@@ -198,8 +217,15 @@ class AdaptiveGamma:
             if self.costs.unit_untimed:  # every cost is priced in it: timed first (Costs.unit_untimed)
                 return 0
             costs = self.costs.costs(min(self.max_gamma, limit))
-        tokens = [1 + self.held / self.guessed_rounds] + [expected_tokens_per_call(a, g) for g in range(1, len(costs))]
-        best = max(range(len(costs)), key=lambda gamma: tokens[gamma] / costs[gamma])
+        # γ 0 yields its token and the guesses that hold; γ ≥ 1, expected_tokens_per_call summed term by term (a call
+        # per γ took 1-2 µs of the ~8 that choose and observe took a round, against ~0.6 ms for a round at γ 0).
+        best, most = 0, 1 + self.held / self.guessed_rounds
+        tokens = term = 1.0
+        for gamma in range(1, len(costs)):
+            term *= a
+            tokens += term
+            if tokens / costs[gamma] > most:
+                best, most = gamma, tokens / costs[gamma]
         probed, self.probed = self.probed, False
         if best > 0:
             self.rounds_at_zero, self.probe_every = 0, PROBE_EVERY
