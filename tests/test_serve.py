@@ -1870,21 +1870,27 @@ def on_loop() -> bool:
     return True
 
 
-def test_a_prompts_logprobs_are_decoded_and_encoded_off_the_event_loop(bundle, monkeypatch):
+@pytest.fixture
+def encoded_on_loop(monkeypatch) -> list[int]:
+    """The lengths of the JSON texts json encodes on the event loop (0 first, for max)."""
+    lengths, encode = [0], json.JSONEncoder.encode
+
+    def encoding(self, value):
+        text = encode(self, value)
+        if on_loop():
+            lengths.append(len(text))
+        return text
+
+    monkeypatch.setattr(json.JSONEncoder, "encode", encoding)
+    return lengths
+
+
+def test_a_prompts_logprobs_are_decoded_and_encoded_off_the_event_loop(bundle, encoded_on_loop):
     """A prompt's logprobs are a token text decoded for each of its tokens and its N most probable, then megabytes of
     JSON: 0.5-1.0 s for 4000 tokens at prompt_logprobs 20 (a 152k vocabulary, this 2-core machine under load), in which
     the event loop moved no other stream. Both run in a thread of the server's, and its JSON is encoded a piece at a
     time, json's C encoder holding the GIL through a call: the loop decodes no token text, and encodes JSON no bigger
     than a stream's closing chunk."""
-    encoded_on_loop, encode = [0], json.JSONEncoder.encode
-
-    def encoding(self, value):
-        text = encode(self, value)
-        if on_loop():
-            encoded_on_loop.append(len(text))
-        return text
-
-    monkeypatch.setattr(json.JSONEncoder, "encode", encoding)
     prompt = " ".join(PROMPTS[:7])  # ~200 tokens
     chat = {"messages": [{"role": "user", "content": prompt}], "prompt_logprobs": 5, "max_tokens": 1}
     with in_process(bundle, DecodingOnLoop) as (url, decoder, _):
@@ -1898,19 +1904,10 @@ def test_a_prompts_logprobs_are_decoded_and_encoded_off_the_event_loop(bundle, m
             assert (decoder.tokenizer.decoded_on_loop, max(encoded_on_loop) < 1000) == (0, True), (endpoint, sorted(body))
 
 
-def test_tokenizes_token_strs_and_json_are_built_off_the_event_loop(bundle, monkeypatch):
+def test_tokenizes_token_strs_and_json_are_built_off_the_event_loop(bundle, encoded_on_loop):
     """A 1M-character prompt's token_strs and JSON (291k tokens at the demo's vocabulary) stalled every stream 0.6-1.0
     s, its ids alone 80-130 ms (this 2-core machine, loaded): both are built in the server's thread, its JSON a piece at
     a time, as a response's."""
-    encoded_on_loop, encode = [0], json.JSONEncoder.encode
-
-    def encoding(self, value):
-        text = encode(self, value)
-        if on_loop():
-            encoded_on_loop.append(len(text))
-        return text
-
-    monkeypatch.setattr(json.JSONEncoder, "encode", encoding)
     body = {"model": MODEL, "prompt": PROMPTS[2] * 40, "return_token_strs": True}
     with in_process(bundle, DecodingOnLoop) as (url, decoder, _):
         reply = httpx.post(f"{url}/tokenize", json=body, timeout=60)
