@@ -189,6 +189,25 @@ def test_a_bad_structured_outputs_is_refused_in_one_line_naming_it(value, messag
             decoder.request(PROMPTS[0], structured_outputs={"json_object": True}, **options)
 
 
+# A grammar whose Earley row after its "x" holds more items than llguidance's limit (max_items_in_row, 2000), as an
+# object schema of ~500 optional properties does at its first key; the drafts propose the "x" at γ >= 1.
+PAST_LIMITS = ('start: ("a" | "b" | "c") ("d" | "e") ("f" | "g") "x" alt\nalt: ' + " | ".join(f"r{i}" for i in range(2100))
+               + "\n" + "\n".join(f'r{i}: "k" "{i}"' for i in range(2100)))
+
+
+@pytest.mark.parametrize("options", [{}, {"temperature": 0.8, "seed": 0}], ids=["greedy", "sampled"])
+def test_a_grammar_past_llguidances_limits_mid_decoding_ends_the_request_in_one_line_naming_it(options, bundles):
+    """The mask allows a token whose consumption takes the parser past its limits: the request raised RuntimeError
+    (serve's 500), or, where a draft took it there, ended at an eos ("cdf", "stop") as though its output were complete."""
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=0))
+    for gamma in GAMMAS:
+        with pytest.raises(RequestError, match=r"^structured_outputs stopped llguidance mid-decoding \(Parser Error: "
+                                               r"Current row has 21\d\d items; max is 2000;.*\): simplify") as stopped:
+            decoder.generate(PROMPTS[0], NEW_TOKENS, gamma, structured_outputs={"grammar": PAST_LIMITS}, **options)
+        assert "\n" not in str(stopped.value)
+        assert decoder.generate(PROMPTS[0], 8, gamma, structured_outputs={"regex": "[ab]+"}, **options).text, gamma
+
+
 def test_sampled_structured_output_is_the_same_through_the_bundles_sampler_as_in_the_engine_graphs(bundles, tokenizer):
     """The greedy-only graphs (CUDA graphs') sample in the bundle's sampler, which takes the same logit_bias rows."""
     engine_graphs, greedy_only = decoders(bundles("llama", draft_seed=1))

@@ -145,7 +145,7 @@ class Grammars:
     def guide(self, structured: Structured) -> Guide:
         """A guide from the grammar's start state: a copy of the kept matcher (compiled again where it was evicted)."""
         return Guide(self._start(structured).deep_copy(), self.vocab_size, set(self._eos),
-                     tuple(e for e in self._eos if e >= self._tokens))
+                     tuple(e for e in self._eos if e >= self._tokens), structured.field)
 
     def _start(self, structured: Structured) -> llguidance.LLMatcher:
         self._built(structured.field)
@@ -172,10 +172,12 @@ class Grammars:
 
 
 class Guide:
-    """One request's grammar state: the tokens generated so far, consumed."""
+    """One request's grammar state: the tokens generated so far, consumed. field: the request's name for its grammar,
+    which begins the RequestError that ends a decoding past llguidance's limits (_check)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos: set[int], padding_eos: tuple[int, ...] = ()):
-        self.matcher, self.vocab_size, self.eos = matcher, vocab_size, eos
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos: set[int], padding_eos: tuple[int, ...] = (),
+                 field: str = "structured_outputs"):
+        self.matcher, self.vocab_size, self.eos, self.field = matcher, vocab_size, eos, field
         self._padding_eos = list(padding_eos)  # eos ids past the tokenizer, which llguidance does not take (Grammars)
         self._bits = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
 
@@ -196,6 +198,7 @@ class Guide:
     def mask(self) -> np.ndarray:
         """[V] bool: the tokens the grammar allows next."""
         llguidance.numpy.fill_next_token_bitmask(self.matcher, self._bits)
+        self._check()
         bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")  # token 32w + b is bit b of word w
         allowed = bits[:self.vocab_size].astype(np.bool_)
         if self._padding_eos:  # allowed where llguidance allows its own eos: where the grammar may end
@@ -208,6 +211,7 @@ class Guide:
         if not mask[token] or token in self.eos:
             return False
         self.matcher.consume_token(token)
+        self._check()
         return True
 
     def pop(self, count: int) -> None:
@@ -216,6 +220,17 @@ class Guide:
 
     def advance(self, token: int) -> None:
         """A token the target decided under the mask (an eos ends the request: not consumed)."""
-        if token not in self.eos and not self.matcher.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token} that its mask allowed: "
-                               f"{_one_line(self.matcher.get_error())}")
+        if token not in self.eos:
+            self.matcher.consume_token(token)
+            self._check()
+
+    def _check(self) -> None:
+        """llguidance stops a grammar that grows past its limits (ParserLimits: e.g. an Earley row of over 2000 items,
+        which an object of ~500 optional properties reaches at its first key) where a token that its mask allowed is
+        consumed, or where a mask is computed; a stopped matcher never recovers, and allows eos alone, which would end
+        the request as though its output were complete. Its error's first line says which limit (the rest is its
+        parser's state)."""
+        if self.matcher.is_error():
+            reason = self.matcher.get_error().strip().splitlines()[0]
+            raise RequestError(f"{self.field} stopped llguidance mid-decoding ({reason}): simplify its grammar (a JSON "
+                               f"schema: list more of an object's properties in its required)")
