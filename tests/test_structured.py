@@ -2,6 +2,7 @@
 drafts and γ (greedy: token for token; sampled: tests/test_sampling.py's χ² against the masked distribution)."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -340,6 +341,37 @@ def test_requests_in_many_threads_share_one_compiled_grammar_and_get_the_masks_o
         for masks in pool.map(walk, range(32)):
             assert all(np.array_equal(got, want) for got, want in zip(masks, expected, strict=True))
     assert compiles == [] and len(path) == 30
+
+
+def test_a_kept_grammar_whose_shared_lexer_reached_llguidances_limit_is_compiled_again(bundles, monkeypatch):
+    """The copies of a kept matcher build on the lexer they share, for as long as it is kept: once their walks take it
+    to llguidance's max_lexer_states (250k; here 500, for speed), every later copy's mask allowed eos alone (a reply
+    of "" ended at an eos, each request for that grammar until it was evicted), while the kept one's is_error stayed
+    false. The request whose walk reached the limit ends (a RequestError); the next one compiles the grammar again."""
+    import random
+
+    import llguidance
+
+    decoder, compiles = SpeculativeDecoder(bundles("llama", draft_seed=1)), counted_compiles(monkeypatch)
+    counted = llguidance.LLMatcher
+    monkeypatch.setattr(llguidance, "LLMatcher", lambda *args, **kwargs: counted(
+        *args, limits=llguidance.LLParserLimits(max_lexer_states=500), **kwargs))
+    structured, rng = {"regex": "[a-z]*a[a-z]{16}"}, random.Random(0)
+    checked = decoder.request(PROMPTS[0], structured_outputs=structured).structured
+    for walk in range(200):  # distinct walks, each a state of the lexer per byte, until one reaches the limit
+        guide = decoder.grammars.guide(checked)
+        try:
+            for _ in range(30):
+                guide.advance(int(rng.choice([t for t in np.flatnonzero(guide.mask()) if t not in guide.eos])))
+        except RequestError as stopped:
+            assert "lexer error: too many states" in str(stopped)
+            break
+    else:
+        pytest.fail("200 walks did not reach the limit")
+    assert compiles == ["LLMatcher"]
+    result = decoder.generate(PROMPTS[0], 12, 3, structured_outputs=structured)
+    assert result.stats.finish_reason == "max_new_tokens" and re.fullmatch("[a-z]+", result.text), result
+    assert compiles == ["LLMatcher"] * 2
 
 
 def test_an_eos_id_in_the_models_padding_rows_ends_a_structured_output_where_its_grammar_may_end(tokenizer, tmp_path):

@@ -10,9 +10,9 @@ Either way the output is the target's under the mask: what q the draft samples f
 
 from __future__ import annotations
 
-import functools
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -128,13 +128,14 @@ class Grammars:
     SGLang keep theirs: services send the same schema again and again, and llguidance's compile takes seconds for the
     largest. Every request, on any thread, decodes from its own deep_copy of the kept matcher in its start state, which
     no one advances; the copies share the matcher's lexer, which llguidance guards with a mutex and builds on as they
-    go."""
+    go, up to its limit (ParserLimits.max_lexer_states, 250k states of ~1-2 kB): a kept matcher whose lexer reached it
+    is compiled again (_spent)."""
 
     def __init__(self, tokenizer_json: str, tokens: int, vocab_size: int, eos: list[int], cache: int = GRAMMAR_CACHE):
         self._source, self._tokens, self.vocab_size, self._eos = tokenizer_json, tokens, vocab_size, sorted(eos)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
-        self._matcher = functools.lru_cache(maxsize=cache)(self._compiled)
+        self._cache, self._kept = cache, OrderedDict()  # grammar -> its matcher in its start state, the latest used last
 
     def compile(self, structured: Structured) -> Structured:
         """structured, checked: its grammar compiles for this tokenizer (or a RequestError naming its field), and is
@@ -149,14 +150,31 @@ class Grammars:
 
     def _start(self, structured: Structured) -> llguidance.LLMatcher:
         self._built(structured.field)
-        matcher = self._matcher(structured.grammar)
+        with self._lock:
+            matcher = self._kept.get(structured.grammar)
+            if matcher is not None:
+                self._kept.move_to_end(structured.grammar)
+        if matcher is None or self._spent(matcher):
+            # Kept as compiled, errors too: a request that resends a bad grammar is refused without compiling it again.
+            matcher = llguidance.LLMatcher(self._tokenizer, structured.grammar, log_level=0)
+            with self._lock:
+                self._kept[structured.grammar] = matcher
+                self._kept.move_to_end(structured.grammar)
+                while len(self._kept) > self._cache:
+                    self._kept.popitem(last=False)
         if matcher.is_error():
             raise RequestError(f"{structured.field} is not a grammar llguidance compiles: {_one_line(matcher.get_error())}")
         return matcher
 
-    def _compiled(self, grammar: str) -> llguidance.LLMatcher:
-        """Kept as compiled, errors too: a request that resends a bad grammar is refused without compiling it again."""
-        return llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+    def _spent(self, matcher: llguidance.LLMatcher) -> bool:
+        """Whether the lexer the kept matcher shares with its copies reached llguidance's limit through their walks:
+        every copy's mask then allows eos alone, while the kept matcher's is_error stays false. A copy's first mask
+        (0.2-0.5 ms at 152k tokens) is the one call that reports it."""
+        if matcher.is_error():
+            return False
+        probe = matcher.deep_copy()
+        llguidance.numpy.fill_next_token_bitmask(probe, llguidance.numpy.allocate_token_bitmask(1, self.vocab_size))
+        return probe.is_error()
 
     def _built(self, field: str) -> llguidance.LLTokenizer:
         """field: the request's name for its grammar, which begins a refusal (serve's 400 names it as its param)."""
