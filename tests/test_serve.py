@@ -1115,12 +1115,15 @@ def test_response_format_is_compiled_by_the_requests_check_not_on_the_event_loop
 def test_a_grammar_past_llguidances_limits_mid_decoding_is_a_400_naming_it_or_a_streams_error_event_not_a_500(server,
                                                                                                           gamma):
     """llguidance stops a grammar that grows past its limits at the token that takes it there, which its mask allowed:
-    the request's fault, as a bad grammar is (vLLM's 400, streamed as an error event before [DONE]), not the server's:
-    it was a 500 with llguidance's parser state and the whole grammar in its message, or a reply cut at an eos."""
+    the request's fault, as a bad grammar is (vLLM's 400, streamed as an error event before [DONE], counted as invalid),
+    not the server's: it was a 500 with llguidance's parser state and the whole grammar in its message, or a reply cut
+    at an eos."""
     from test_structured import PAST_LIMITS
 
     body = {"prompt": PROMPTS[0], "max_tokens": 16, "gamma": gamma, "structured_outputs": {"grammar": PAST_LIMITS},
             **GREEDY}
+    invalid = ("specbuild_requests_total", (("endpoint", "completions"), ("outcome", "invalid")))
+    counted = metric_values(server).get(invalid, 0)
     reply = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
     error = reply.json()["error"]
     assert reply.status_code == 400 and error["param"] == "structured_outputs", reply.text[:300]
@@ -1130,6 +1133,7 @@ def test_a_grammar_past_llguidances_limits_mid_decoding_is_a_400_naming_it_or_a_
         events = [line for line in streamed.iter_lines() if line.startswith("data: ")]
     assert streamed.status_code == 200 and events[-1] == "data: [DONE]"
     assert error_of(events[-2]) == error
+    assert metric_values(server)[invalid] == counted + 2  # the stream's too, not among the server's errors (500)
     assert httpx.post(f"{server}/v1/completions", json={**body, "structured_outputs": {"regex": "[ab]+"}},
                       timeout=60).status_code == 200
 

@@ -438,9 +438,10 @@ class Server:
             except Stopped as stop:  # headers are sent: the error travels as an event, as vLLM sends it
                 outcome = stop.reason
                 yield sse(_stopped_error(stop, any(job.started for job in jobs)).body())
-            except Exception as exc:
-                outcome = "error"
-                yield sse(_as_api_error(exc).body())
+            except Exception as exc:  # a 500, or a 400 for a grammar past llguidance's limits mid-decoding (grammar.Guide)
+                error = _as_api_error(exc)
+                outcome = OUTCOMES.get(error.status, "error")
+                yield sse(error.body())
             yield sse("[DONE]")
 
         def ended() -> None:
