@@ -237,3 +237,15 @@ def test_a_unit_first_timed_in_a_slow_spell_is_timed_again():
     decode_rounds(policy, FIRST_ROUNDS, lambda r, j: True, lambda r, k: (0.0, 50.0))
     chosen = decode_rounds(policy, STALE_ROUNDS + 100, lambda r, j: (r + j) % 5, lambda r, k: (0.5 * k, 1 + 1.5 * k))
     assert 0 not in chosen[:STALE_ROUNDS - FIRST_ROUNDS] and chosen[-50:].count(0) >= 40
+
+
+def test_a_draft_that_agrees_again_after_a_long_bad_stretch_is_drafted_with_soon_after_one_probe_holds():
+    """1000 rounds of drafts rejected leave probes MAX_PROBE_EVERY apart; then every draft holds, at 0.3 of a target
+    call each. The first probe that holds leaves α too low to draft (0.15 by the slow estimate), and when each held
+    probe that left auto at 0 doubled the wait, as one under a grammar's masks does, auto needed three probes
+    MAX_PROBE_EVERY apart to draft again (262-374 rounds); a probe that holds where the draft had been failing now
+    brings the next one after PROBE_EVERY rounds (22-134)."""
+    for flip in range(1000, 1000 + MAX_PROBE_EVERY, 16):
+        policy = AdaptiveGamma(max_gamma=8, draft_cost=0.3)
+        chosen = decode_rounds(policy, flip + 300, lambda r, j: r >= flip, lambda r, k: (0.3 * k, 1 + 0.03 * k))
+        assert max(chosen[flip:flip + MAX_PROBE_EVERY + 4 * PROBE_EVERY]) >= 2, flip

@@ -8,7 +8,8 @@ greedy, those rows check free guesses, which make a round without drafts worth 1
 What a round at γ costs, in target calls without drafts, is timed (`Costs`). AdaptiveGamma picks the
 γ (0 = target only) with the most tokens per unit of cost. While it sits at 0 it still drafts one token
 now and then (a probe) so it notices when the draft starts agreeing again: first after PROBE_EVERY rounds, and each probe
-after which it still does not draft, rejected or held, doubles the wait up to MAX_PROBE_EVERY. A probe costs a cold draft
+after which it still does not draft, rejected or held, doubles the wait up to MAX_PROBE_EVERY, but for one that holds
+where the draft had been failing (α below ½), which brings the next after PROBE_EVERY. A probe costs a cold draft
 call that catches up on the tokens the draft missed, plus a 2-token target call: with a probe every 8 rounds a draft that
 never agrees (α 0.02) decoded at 0.94x target-only, with the wait growing to 32 at 0.98x. Greedy on the demo pair, where
 the draft agrees in patches, caps of 8, 16 and 32 measured alike. Under a JSON schema there (2 busy CPU cores, medians)
@@ -17,6 +18,15 @@ yet a round at γ 1 cost 1.8 of them for 1.8 tokens: auto stayed at 0 after most
 was and the cap was 32: probes took 7-10% of auto's time under the schema and under T 0.8 + repetition 1.1. Counting
 held probes and capping at 128, they took ~3%; auto/target-only, medians of 21 interleaved runs (load 9-14, ±0.1 run
 to run): schema 0.95 -> 0.98, T 0.8 + repetition 1.1 0.91 -> 0.93, greedy plain 1.26 -> 1.35.
+But a draft that agrees again after a long bad stretch is then noticed late: its first probe that holds leaves α low
+(0.15 after 1000 rounds of rejected drafts), so several must hold before auto drafts, and doubled, each came
+MAX_PROBE_EVERY rounds after the last: at a draft step of 0.3 target calls auto drafted again 262-374 rounds after the
+draft began to agree (tests/test_policy.py; 40-56 when held probes left the wait as it was and the cap was 32).
+A probe that holds where the draft had been failing is news, so the next one comes after PROBE_EVERY: 22-134 rounds.
+Simulated (independent acceptance, a draft step 0.3 target calls and a further row 0.03, 128 switch points), the 300
+rounds after α went from 0.05 to 0.8 yielded 1.33 tokens a target call instead of 1.03 (1.35 before held probes doubled
+the wait); where probes hold at a rate drafting does not pay for (3 times in 10, at 0.3 a step) it costs 25 probes a
+1000 rounds instead of 8, 0.963x target-only instead of 0.987x (a probe's catch-up priced at 1.6 target calls).
 """
 
 from __future__ import annotations
@@ -202,6 +212,7 @@ class AdaptiveGamma:
         self.probe_every = PROBE_EVERY
         self.probing = False
         self.probed = False  # the last round was a probe: choose tells whether it led to drafting
+        self.news = False  # that probe held where the draft had been failing (α below ½)
 
     @property
     def estimate(self) -> AlphaEstimate:
@@ -230,7 +241,9 @@ class AdaptiveGamma:
         if best > 0:
             self.rounds_at_zero, self.probe_every = 0, PROBE_EVERY
         elif limit > 0:
-            if probed:  # the probe paid its catch-up for nothing, accepted or not
+            if probed and self.news:  # the draft may agree again: the next probe confirms it soon
+                self.probe_every = PROBE_EVERY
+            elif probed:  # the probe paid its catch-up for nothing, rejected, or held where drafting does not pay
                 self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
             self.rounds_at_zero += 1
             if self.rounds_at_zero >= self.probe_every:
@@ -248,6 +261,7 @@ class AdaptiveGamma:
             decay = self.estimates[0].decay
             self.held = decay * self.held + held
             self.guessed_rounds = decay * self.guessed_rounds + 1
+        self.news = self.probing and accepted == drafted and self.alpha < 0.5
         self.probed, self.probing = self.probing, False
         if drafted:
             for estimate in self.estimates:
