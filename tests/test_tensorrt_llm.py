@@ -347,8 +347,19 @@ def test_alpha_is_measured_for_a_tied_pair_within_the_limit_as_transformers_coun
     manifest = compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", max_seq_len=64,
                                               backend="tensorrt-llm"), show_progress=False)
     part = manifest.tensorrt_llm
-    assert sum(c["parameters"] for c in part.checkpoints.values()) > model  # the heads written out
+    assert sum(c["parameters"] for c in part.checkpoints.values()) == model  # the heads written out, counted once
     assert part.gamma["alpha"] is not None and "transformers" in part.gamma["method"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_tied_head_is_written_out_as_lm_head_and_counted_once(pairs, tmp_path, tp):
+    """TensorRT-LLM's converters write a tied head out as lm_head.weight (models/llama/convert.py), so this export
+    does; its summary counted those rows twice: a 2-layer Qwen3-0.6B shape at 342.63M params, 187.0M in ONNX's."""
+    target = pairs("llama3-rope")[0]  # tied embeddings
+    ckpt = load_checkpoint(target, "test")
+    written = tensorrt_llm.write_checkpoint(ckpt, tmp_path / "t", tmp_path / "scratch", tp, TARGET_VOCAB, "fp32", "none")
+    assert all("lm_head.weight" in load_file(tmp_path / "t" / f"rank{r}.safetensors") for r in range(tp))
+    assert written["parameters"] == ckpt.parameters() == tf.AutoModelForCausalLM.from_pretrained(target).num_parameters()
 
 
 def test_plans_that_serve_the_source_folders_say_they_are_not_quantized(pairs, tmp_path):

@@ -230,12 +230,11 @@ def write_checkpoint(ckpt: Checkpoint, out: Path, scratch: Path, tp: int, vocab:
     (out / "config.json").write_text(json.dumps(config, indent=2))
     files = [RankFile(out / f"rank{r}.safetensors", scratch / f"{out.name}-rank{r}.data") for r in range(tp)]
     names = set(ckpt.tensor_names())
-    parameters, step_bytes = 0, 0.0
+    step_bytes = 0.0
     # Bytes without a total (a tied head is written twice, the vocabulary padded): at 7B, minutes of a stage
     # whose bar would otherwise stand still.
     with bar(None, f"writing TensorRT-LLM {out.name} ({dtype_name})", "B", unit_scale=True) as progress:
         for tensor in gpt2_tensors(ckpt, names) if spec.family == "gpt2" else llama_tensors(ckpt, names):
-            parameters += sum(x.size for x in tensor.value) if tensor.split == QKV else tensor.value.size
             quantized = QUANT_ALGOS[quantization] and tensor.name.endswith(QUANTIZED_WEIGHTS)
             for file, part in zip(files, shard(tensor, layout, dtype)):
                 file.add(tensor.name, part)
@@ -252,7 +251,9 @@ def write_checkpoint(ckpt: Checkpoint, out: Path, scratch: Path, tp: int, vocab:
         "vocab_size": vocab,
         "source_vocab_size": shape.vocab_size,
         "lm_head_rows": layout.padded_vocab,
-        "parameters": int(parameters),
+        # as transformers counts them, as the ONNX engines' summary does: a tied head once, though written out
+        # as lm_head.weight (as TensorRT-LLM's own converters write it, models/llama/convert.py)
+        "parameters": ckpt.parameters(),
         # what a decoding step reads over all ranks once trtllm-build has quantized: the cost ratio
         # the plans use when no engine was timed
         "weight_bytes": int(step_bytes),
@@ -443,8 +444,6 @@ def measure_gamma(folder: Path, engines: dict[str, EngineInfo], target: Checkpoi
     byte_ratio = checkpoints["draft"]["weight_bytes"] / checkpoints["target"]["weight_bytes"]
     alpha = gamma_stage.measure_with_engines(folder, engines, prompt_ids, max_seq_len, eos) if engines else None
     how = "the ONNX engines on this CPU"
-    # The pair as transformers loads it: the exported checkpoints count a tied head twice (lm_head is written
-    # out), which put Qwen3-0.6B with a 2-layer draft (0.78B) over the limit.
     if alpha is None and target.parameters() + draft.parameters() <= gamma_stage.TRANSFORMERS_PARAMETER_LIMIT:
         how = "transformers on CPU"
         alpha = gamma_stage.measure_with_transformers(target.path, draft.path, prompt_ids, max_seq_len, eos,
