@@ -199,6 +199,8 @@ def check_replaceable(output: Path, overwrite: bool, is_kind: Callable[[Path], b
                           f"inside it as the output (e.g. {output / ('bundle' if 'bundle' in kind else 'draft')})")
     if not os.path.lexists(output):
         return
+    if output.exists() and not output.is_dir():  # "is not a bundle" would send one looking for a folder's contents
+        raise OutputError(f"{output} is a file, and a {kind} is a folder: move the file away or choose another output")
     if not (output.is_dir() and not output.is_symlink() and not any(output.iterdir())):  # an empty folder: fine
         if output.is_symlink() or not output.is_dir() or not is_kind(output):
             raise OutputError(f"{output} exists and is not a {kind}; --overwrite replaces only a {kind}: "

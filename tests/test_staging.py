@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from specbuild.staging import guarded_folder, replace_file, scratch_folder, staged_folder
+from specbuild.staging import check_output, guarded_folder, replace_file, scratch_folder, staged_folder
 from specbuild_runtime import SpecbuildError
 
 CRASH_DRIVER = Path(__file__).resolve().parent / "crash_driver.py"
@@ -413,3 +413,18 @@ def test_a_short_write_on_a_disk_that_shows_space_free_again_is_a_full_disk(tmp_
     with pytest.raises(OSError, match="^a write that said no errno$"):  # others as raised
         with staged_folder(tmp_path / "out"):
             raise OSError("a write that said no errno")
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_an_output_that_is_a_file_is_called_a_file(tmp_path, overwrite):
+    """-o notes.txt (or a recipe's output = "notes.txt") said "exists and is not a specbuild bundle; --overwrite
+    replaces only a specbuild bundle", which reads as a folder holding the wrong things."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep me")
+    said = r"^.*notes\.txt is a file, and a specbuild bundle is a folder: move the file away or choose another output$"
+    with pytest.raises(SpecbuildError, match=said):
+        check_output(notes, overwrite=overwrite, is_kind=lambda path: True, kind="specbuild bundle")
+    with pytest.raises(SpecbuildError, match=said):
+        with guarded_folder(notes, overwrite=overwrite, is_kind=lambda path: True, kind="specbuild bundle"):
+            pass
+    assert notes.read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
