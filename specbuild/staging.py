@@ -61,35 +61,47 @@ def replace_file(path: Path, text: str) -> None:
 def staged_folder(output: Path, check: Callable[[Path], None] = lambda output: None) -> Iterator[Path]:
     """Yields an empty staging folder beside `output`; on success it becomes `output`, on any failure
     it vanishes, with the empty folders made for it. check(output) runs while this process holds the output's
-    lock, before anything is written, and raises to refuse (e.g. an existing folder that must not be replaced)."""
+    lock, before anything is written, and raises to refuse (e.g. an existing folder that must not be replaced).
+    An interrupt (Ctrl-C, or a TERMINATING signal) before publishing is re-raised as a KeyboardInterrupt that
+    says what is at the output, once the staging folder is gone; the CLI prints it in place of "interrupted"."""
     output = resolved(output)
-    with _folders_made_for(output), _terminate_as_interrupt(), _locked(output):
-        _remove_stale(output)
-        check(output)
-        staging = output.parent / f".{output.name}.partial-{os.getpid()}"
-        scratch = scratch_folder(staging)
-        free = shutil.disk_usage(output.parent).free  # what a full disk's message says the build needed more than
-        try:
-            shutil.rmtree(staging, ignore_errors=True)  # this process's own, from an earlier failed call
-            staging.mkdir()
-            yield staging
-            shutil.rmtree(scratch, ignore_errors=True)
-            _make_readable(staging)
-            with _signals_ignored():
-                _publish(staging, output)
-        except Exception as exc:  # noqa: BLE001 - a full disk is told apart from the rest, which goes on as raised
-            full = _disk_full(exc, output.parent)
-            if full:
-                # A quota's limit is not the disk's free space, which then says nothing.
-                needed = ("" if full == errno.EDQUOT else
-                          f": it needed more than the {amount(free)} free there when it began")
-                raise OutputError(f"no space left on the disk of {output.parent} while writing {output.name}{needed} "
-                                  f"(nothing was written); free some space{_leftovers(output)} or "
-                                  "choose another output") from None
+    staging = output.parent / f".{output.name}.partial-{os.getpid()}"
+    scratch = scratch_folder(staging)
+    published = False
+    try:
+        with _folders_made_for(output), _terminate_as_interrupt(), _locked(output):
+            _remove_stale(output)
+            check(output)
+            free = shutil.disk_usage(output.parent).free  # what a full disk's message says the build needed more than
+            try:
+                shutil.rmtree(staging, ignore_errors=True)  # this process's own, from an earlier failed call
+                staging.mkdir()
+                yield staging
+                shutil.rmtree(scratch, ignore_errors=True)
+                _make_readable(staging)
+                with _signals_ignored():
+                    _publish(staging, output)
+                    published = True
+            except Exception as exc:  # noqa: BLE001 - a full disk is told apart from the rest, which goes on as raised
+                full = _disk_full(exc, output.parent)
+                if full:
+                    # A quota's limit is not the disk's free space, which then says nothing.
+                    needed = ("" if full == errno.EDQUOT else
+                              f": it needed more than the {amount(free)} free there when it began")
+                    raise OutputError(f"no space left on the disk of {output.parent} while writing {output.name}{needed} "
+                                      f"(nothing was written); free some space{_leftovers(output)} or "
+                                      "choose another output") from None
+                raise
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+                shutil.rmtree(staging, ignore_errors=True)
+    except KeyboardInterrupt:
+        # A second interrupt can cut the clean-up short: then the plain "interrupted", which claims nothing.
+        if published or os.path.lexists(staging) or os.path.lexists(scratch):
             raise
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-            shutil.rmtree(staging, ignore_errors=True)
+        where = "holds what it held before" if os.path.lexists(output) else "was not made"
+        raise KeyboardInterrupt(f"interrupted: nothing was written ({output} {where}); run the command again to "
+                                "write it") from None
 
 
 @contextmanager

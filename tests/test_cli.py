@@ -827,3 +827,38 @@ def test_inspect_says_which_request_options_the_engines_take_as_the_decoder_refu
             else:
                 with pytest.raises(RequestError, match="recompile it with `specbuild compile`"):
                     decoder.request(PROMPTS[0], 4, **option)
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new-output", "overwrite"])
+def test_ctrl_c_mid_compile_says_nothing_was_written_and_what_the_output_holds(checkpoints, bundles, tmp_path,
+                                                                              monkeypatch, capsys, existing):
+    """Ctrl-C while the draft's engine was written (the target's already staged) said only "error: interrupted",
+    which left a half-written bundle, or an old one lost, to be feared at the output."""
+    import signal
+
+    from specbuild.cli import main
+    from specbuild.compile import pipeline
+
+    target, draft, bundle = checkpoints("llama"), checkpoints("llama", 1), bundles("llama", 1)  # made uninterrupted
+    export = pipeline.export_engine
+
+    def interrupted_at_the_draft(ckpt, role, *args, **kwargs):
+        if role == "draft":
+            os.kill(os.getpid(), signal.SIGINT)
+        return export(ckpt, role, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "export_engine", interrupted_at_the_draft)
+    out = tmp_path / "bundle"
+    if existing:
+        shutil.copytree(bundle, out)
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main(["compile", "--target", str(target), "--draft", str(draft), "-o", str(out),
+              "--max-seq-len", "64", *(["--overwrite"] if existing else [])])
+    where = "holds what it held before" if existing else "was not made"
+    assert exited.value.code == 130
+    assert capsys.readouterr().err == (f"error: interrupted: nothing was written ({out.resolve()} {where}); run the "
+                                       "command again to write it\n")
+    assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["bundle"] if existing else [])

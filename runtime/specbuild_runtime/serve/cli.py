@@ -370,8 +370,11 @@ def run_command(command: click.Command, args: list[str] | None, prog_name: str, 
     except click.UsageError as exc:  # click's own show() is three lines (usage, hint, error)
         where = exc.ctx.command_path if exc.ctx else prog_name
         return fail(f"{exc.format_message()} (see '{where} --help')", EXIT_USAGE, trace=False)
-    except (click.exceptions.Abort, KeyboardInterrupt):  # click turns a KeyboardInterrupt (uvicorn's) into Abort
-        return fail("interrupted", EXIT_INTERRUPTED, trace=False)
+    except (click.exceptions.Abort, KeyboardInterrupt) as exc:  # click turns a KeyboardInterrupt (uvicorn's) into Abort
+        # A writer that knows what the interrupt left says so in the interrupt's text (specbuild's staged_folder).
+        interrupt = exc.__cause__ if isinstance(exc, click.exceptions.Abort) else exc
+        return fail(str(interrupt) if isinstance(interrupt, KeyboardInterrupt) and str(interrupt) else "interrupted",
+                    EXIT_INTERRUPTED, trace=False)
     except (click.ClickException, SpecbuildError) as exc:
         return fail(exc.format_message() if isinstance(exc, click.ClickException) else str(exc), EXIT_INPUT)
     except OSError as exc:
