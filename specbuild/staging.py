@@ -83,7 +83,7 @@ def staged_folder(output: Path, check: Callable[[Path], None] = lambda output: N
                     _publish(staging, output)
                     published = True
             except Exception as exc:  # noqa: BLE001 - a full disk is told apart from the rest, which goes on as raised
-                full = _disk_full(exc, output.parent)
+                full = _disk_full(exc)
                 if full:
                     # A quota's limit is not the disk's free space, which then says nothing.
                     needed = ("" if full == errno.EDQUOT else
@@ -91,6 +91,10 @@ def staged_folder(output: Path, check: Callable[[Path], None] = lambda output: N
                     raise OutputError(f"no space left on the disk of {output.parent} while writing {output.name}{needed} "
                                       f"(nothing was written); free some space{_leftovers(output)} or "
                                       "choose another output") from None
+                if isinstance(exc, OSError) and exc.errno == errno.EFBIG:  # free space would not help
+                    raise OutputError(f"a file of {output.name} is larger than {output.parent} lets a file be (FAT32 "
+                                      "stops at 4 GiB, `ulimit -f` sets a limit too) (nothing was written); choose "
+                                      "an output on another file system") from None
                 raise
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
@@ -312,20 +316,14 @@ def _signals_ignored() -> Iterator[None]:
 # a distilled checkpoint) raise for a failed write: a plain Exception whose text ends in Rust's io::Error,
 # "No space left on device (os error 28)", the errno being only in the text.
 RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
-# numpy's tofile (onnx_ir writes engines with it) says a short write in these words, without an errno.
-SHORT_WRITE = re.compile(r"\d+ requested and \d+ written")
 
 
-def _disk_full(exc: Exception, folder: Path) -> int | None:
-    """ENOSPC or EDQUOT where exc says the disk (or a quota) is full, else None: the errno (or a Rust
-    writer's); for a write that says no errno, ENOSPC while the disk has under a MiB left (checked before the
-    staging folder is removed), else EDQUOT for numpy's short write: onnx_ir removes the engine it was writing
-    before this runs, so the space that engine filled shows free again, as under a quota's limit."""
+def _disk_full(exc: Exception) -> int | None:
+    """ENOSPC or EDQUOT where exc says the disk (or a quota) is full, else None: the errno, or a Rust writer's.
+    Engines are written with the file's write (graphs/builder.py WrittenWithErrno), never numpy's tofile,
+    whose short write says no errno."""
     if isinstance(exc, OSError):
         code = exc.errno
-        if code is None:
-            code = (errno.ENOSPC if shutil.disk_usage(folder).free < 2**20 else
-                    errno.EDQUOT if SHORT_WRITE.fullmatch(str(exc)) else None)
     else:
         rust = RUST_OS_ERROR.search(str(exc))
         code = int(rust[1]) if rust else None
@@ -388,7 +386,7 @@ def _locked(output: Path) -> Iterator[None]:
         try:
             os.write(fd, str(os.getpid()).encode())
         except OSError as exc:  # refused now: distill would otherwise train for its minutes first
-            if _disk_full(exc, output.parent):
+            if _disk_full(exc):
                 raise OutputError(f"no space left on the disk of {output.parent}, not even for the lock file of "
                                   f"{output.name} (nothing was written); free some space or choose another "
                                   "output") from None

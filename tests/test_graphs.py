@@ -178,3 +178,19 @@ def test_the_targets_lm_head_multiplies_every_row_of_a_fixed_row_call_whatever_i
                          uniforms=np.zeros(drafts + 1, np.float32))
             multiplied[drafts] = len(session.run([head.input[0]], {n: feeds[n] for n in names})[0])
         assert set(multiplied.values()) == {rows}, f"{file}: num_drafts -> rows the head multiplies: {multiplied}"
+
+
+def test_every_initializer_written_onto_a_full_disk_fails_with_the_disks_errno(checkpoints):
+    """onnx_ir writes an ir.Tensor with numpy's tofile, whose short write says no errno ("1048576 requested and 0
+    written"), so the staging could not tell a full disk from a quota or a size limit (EFBIG), and whose last
+    buffered bytes fail unreported: a small tensor (a norm, a constant) onto a full disk raised nothing."""
+    import errno
+
+    model = build_decoder(load_checkpoint(checkpoints("llama"), "target"), Numerics(), MAX_LEN)
+    tensors = [value.const_value for value in model.graph.initializers.values() if value.const_value.nbytes]
+    assert min(t.nbytes for t in tensors) < 4096 < max(t.nbytes for t in tensors)  # buffered tails and direct writes
+    for tensor in tensors:
+        with pytest.raises(OSError) as failed:
+            with open("/dev/full", "r+b") as full:  # every write: ENOSPC
+                tensor.tofile(full)
+        assert failed.value.errno == errno.ENOSPC, (tensor.name, failed.value)

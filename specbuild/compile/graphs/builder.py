@@ -126,7 +126,7 @@ class GraphBuilder:
         self.outputs.append(value)
 
     def const(self, values, dtype=np.int64) -> ir.Value:
-        return self._initializer(f"const.{next(self._counter)}", ir.tensor(np.asarray(values, dtype=dtype)))
+        return self._initializer(f"const.{next(self._counter)}", WrittenWithErrno(np.asarray(values, dtype=dtype)))
 
     # -- weights (lazy): one initializer per weight and form, so a tied table is stored once ---------------
 
@@ -188,7 +188,7 @@ class GraphBuilder:
             def part(index: int) -> ir.Tensor:
                 array = np.ascontiguousarray(once.take(index)).reshape(tensors[index][2])
                 self.progress(array.nbytes)
-                return ir.Tensor(array)
+                return WrittenWithErrno(array)
 
             for index, (name, dtype, shape) in enumerate(tensors):
                 self._initializer(name, ir.LazyTensor(functools.partial(part, index), dtype, ir.Shape(shape)))
@@ -203,6 +203,17 @@ class GraphBuilder:
 def _name(weight: Weight) -> str:
     extra = f"(+{len(weight.names) - 1})" if len(weight.names) > 1 else ""
     return weight.names[0] + extra + ("+1" if weight.plus_one else "") + (f"[:{weight.rows}]" if weight.rows else "")
+
+
+class WrittenWithErrno(ir.Tensor):
+    """An ir.Tensor that onnx_ir writes with the file's own write. ir.Tensor's tofile is numpy's, which says a
+    short write without its errno ("N requested and M written"), so a full disk, a quota and a file system's
+    size limit (EFBIG) could not be told apart, and which drops the failure of its last buffered bytes (a
+    400-byte tensor onto /dev/full raised nothing). The file's write raises OSError with the errno, and a tail
+    it buffers fails at its flush or close, which onnx_ir does not swallow."""
+
+    def tofile(self, file) -> None:
+        file.write(np.ascontiguousarray(self.numpy()).reshape(-1).view(np.uint8).data)
 
 
 class _Once:
