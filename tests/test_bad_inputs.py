@@ -603,8 +603,8 @@ CASES = [
          "--max-seq-len", "Shorten the prompt or recompile with the `--max-seq-len` the message names (at most the "
          "longest context compile takes for these models)."),
     Case("a prompt longer than any context of the bundle's models", ["generate", "{bundle}", "-p", "x " * 600, "-n", "4"],
-         1, "no context of these models can hold it", "Shorten the prompt to the length the message names: compile "
-         "refuses a longer context for these models."),
+         1, "no context of these models can hold it", "Shorten the prompt to the bundle's context the message names, "
+         "or to the models' longest after recompiling with it: compile refuses a longer context for these models."),
     Case("`--max-new-tokens 0`", ["generate", "{bundle}", "-p", "x", "-n", "0"], 2, "x>=1",
          "Ask for at least one token."),
     Case("`--temperature nan`", ["generate", "{bundle}", "-p", "x", "--temperature", "nan"], 2, "not a finite number",

@@ -1366,8 +1366,9 @@ def test_a_prompt_longer_than_any_tokenization_fits_is_refused_as_a_tokenized_on
     tokenized, early = refusal("x y " * 100), refusal("x" * 60_000)  # 400 tokens, at least 119 by byte
     assert {**early, "message": ""} == {**tokenized, "message": ""} and early["param"] == param
     assert re.fullmatch(r"the prompt has at least (\d+) tokens but this bundle's context is 256, and no context of these "
-                        r"models can hold it \(compile takes --max-seq-len 512 at most\); shorten the prompt to 512 "
-                        r"tokens or fewer", early["message"]), early["message"]
+                        r"models can hold it \(compile takes --max-seq-len 512 at most\); shorten the prompt to 256 "
+                        r"tokens or fewer to fit this bundle, or to 512 or fewer after recompiling with --max-seq-len 512",
+                        early["message"]), early["message"]
     assert tokenized["message"].startswith("the prompt has ") and "would fit this request" in tokenized["message"]
 
 
@@ -3890,7 +3891,9 @@ def test_generate_refuses_a_prompt_from_stdin_longer_than_any_tokenization_fits_
     run = subprocess.run([sys.executable, "-m", "specbuild", "generate", str(bundle), "-p", "-", "-n", "4", *chat],
                          input="x" * 60_000, capture_output=True, text=True)
     assert run.returncode == 1 and "has at least" in run.stderr and f"context is {MAX_SEQ_LEN}" in run.stderr, run.stderr
-    assert "no context of these models can hold it (compile takes --max-seq-len 512 at most)" in run.stderr
+    assert ("no context of these models can hold it (compile takes --max-seq-len 512 at most); shorten the prompt to "
+            f"{MAX_SEQ_LEN} tokens or fewer to fit this bundle, or to 512 or fewer after recompiling with --max-seq-len "
+            "512") in run.stderr
 
 
 def test_an_empty_api_key_variable_is_refused_not_taken_for_no_key(bundle):

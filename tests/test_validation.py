@@ -442,7 +442,8 @@ LIMIT = 2 * MAX_LEN
     (MAX_LEN + 1, LIMIT, f"recompile with --max-seq-len {LIMIT}, the most these models take ({MAX_LEN} new tokens "
                          "after this prompt)"),
     (LIMIT + 1, 3, f"no context of these models can hold it (compile takes --max-seq-len {LIMIT} at most); shorten "
-                   f"the prompt to {LIMIT} tokens or fewer"),
+                   f"the prompt to {MAX_LEN} tokens or fewer to fit this bundle, or to {LIMIT} or fewer after "
+                   f"recompiling with --max-seq-len {LIMIT}"),
 ], ids=["request-fits-the-limit", "request-passes-the-limit", "prompt-passes-the-limit"])
 def test_a_prompt_too_long_is_never_told_to_recompile_past_the_longest_context_compile_takes(
         prompt_tokens, max_new_tokens, advice):
@@ -452,6 +453,16 @@ def test_a_prompt_too_long_is_never_told_to_recompile_past_the_longest_context_c
         check([1] * prompt_tokens, max_new_tokens=max_new_tokens, context_limit=LIMIT)
     assert str(refused.value) == (f"the prompt has {prompt_tokens} tokens but this bundle's context is {MAX_LEN}"
                                   f"{'; shorten the prompt, or ' if prompt_tokens <= LIMIT else ', and '}{advice}")
+
+
+def test_a_prompt_past_the_models_limit_is_told_the_length_this_bundle_takes():
+    """A prompt past the longest context of these models was told to shorten to that longest, which a bundle compiled
+    shorter still refused: it is told this bundle's context, and the models' limit only as a recompile's."""
+    with pytest.raises(RequestError) as refused:
+        check([1] * (MAX_LEN + 1), max_new_tokens=3, context_limit=MAX_LEN)
+    assert str(refused.value) == (f"the prompt has {MAX_LEN + 1} tokens but this bundle's context is {MAX_LEN}, and no "
+                                  f"context of these models can hold it (compile takes --max-seq-len {MAX_LEN} at most); "
+                                  f"shorten the prompt to {MAX_LEN} tokens or fewer to fit this bundle")
 
 
 def test_a_bundle_made_before_its_context_limit_was_recorded_loads_and_hedges_its_advice(bundles, tmp_path):

@@ -186,8 +186,12 @@ def too_long(tokens: int, max_seq_len: int, max_new_tokens: int, at_least: bool 
         return RequestError(f"{said}; shorten the prompt, or recompile with a larger --max-seq-len ({fit}) within the "
                             "model's max_position_embeddings")
     if tokens > context_limit:
+        # The models' limit alone would still be too long for a bundle compiled shorter than it.
+        recompile = (f", or to {context_limit} or fewer after recompiling with --max-seq-len {context_limit}"
+                     if max_seq_len < context_limit else "")
         return RequestError(f"{said}, and no context of these models can hold it (compile takes --max-seq-len "
-                            f"{context_limit} at most); shorten the prompt to {context_limit} tokens or fewer")
+                            f"{context_limit} at most); shorten the prompt to {max_seq_len} tokens or fewer to fit this "
+                            f"bundle{recompile}")
     if need > context_limit:
         room = f"{'at most ' * at_least}{context_limit - tokens + 1} new tokens"
         return RequestError(f"{said}; shorten the prompt, or recompile with --max-seq-len {context_limit}, the most "
