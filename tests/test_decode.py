@@ -603,6 +603,22 @@ def test_stats_hold_measurements_and_the_request_its_gamma(bundle):
     assert stats.drafted == 0 and set(stats.gamma_rounds) == {0} and stats.finish_reason == "max_new_tokens"
 
 
+def test_a_keyword_a_call_does_not_take_is_a_type_error_naming_that_call(bundle):
+    """Each passes its keyword options on to request(), so generate(..., stats=Stats()) said
+    "SpeculativeDecoder.request() got an unexpected keyword argument 'stats'", a method the caller never called."""
+    decoder = SpeculativeDecoder(bundle)
+    stats = r"got an unexpected keyword argument 'stats'; read the stats of the Generation it returns \(generation.stats\)$"
+    with pytest.raises(TypeError, match=rf"^generate\(\) {stats}"):
+        decoder.generate(PROMPTS[0], 4, stats=Stats())
+    with pytest.raises(TypeError, match=rf"^agenerate\(\) {stats}"):
+        asyncio.run(decoder.agenerate(PROMPTS[0], 4, stats=Stats()))
+    for call in ("generate", "stream", "stream_text", "astream", "astream_text"):
+        with pytest.raises(TypeError, match=rf"^{call}\(\) got an unexpected keyword argument 'seeds'; its keyword options "
+                                            r"are request\(\)'s$"):
+            getattr(decoder, call)(PROMPTS[0], 4, seeds=1)
+    assert decoder.slots.in_use == 0
+
+
 def test_a_generations_repr_shows_its_counts_not_a_time_per_token(bundle):
     result = SpeculativeDecoder(bundle).generate(PROMPTS[2], 40, gamma=2)
     shown = repr(result)

@@ -8,6 +8,7 @@ al. 2023). Drafts only decide how many tokens one target call produces.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import threading
 import time
@@ -442,7 +443,8 @@ class SpeculativeDecoder:
         logprobs: 0 to 20 gives the Generation's `logprobs`, one TokenLogprobs per token: its logprob under the
         target's raw distribution and that many most probable tokens'. options: request's keyword-only ones;
         prompt_logprobs=N gives the Generation's `prompt_logprobs` (None for the first token), to score text."""
-        request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs, **options)
+        request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs,
+                               **_request_options("generate", options))
         *_, generation = self._generating(request)
         return generation
 
@@ -464,7 +466,8 @@ class SpeculativeDecoder:
         """Yields generated token ids as the target accepts them (up to the one that completes a stop
         string), or with logprobs (0 to 20) each token's TokenLogprobs (see generate); pass a Stats to read
         measurements. The request is checked now, the slot taken at the first token."""
-        request = self._streamed(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs, **options)
+        request = self._streamed(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs,
+                                 **_request_options("stream", options))
         return self._stream(request, Stats() if stats is None else stats)
 
     def _streamed(self, *args, **options) -> Request:
@@ -497,7 +500,8 @@ class SpeculativeDecoder:
                     **options) -> Generator[str, None, None]:
         """Yields text as it is decoded: the deltas join to exactly generate(...).text (a character split
         across tokens, or text that may still become a stop string, waits for the tokens that settle it)."""
-        request = self._streamed_text(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, **options)
+        request = self._streamed_text(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop,
+                                      **_request_options("stream_text", options))
         return self.stream_request(request, Stats() if stats is None else stats)
 
     def stream_request(self, request: Request, stats: Stats, every_token: bool = False,
@@ -543,7 +547,7 @@ class SpeculativeDecoder:
         """generate for asyncio: decodes in one of the decoder's worker threads (see astream), so cancelling the
         awaiting task stops it within the round in progress and frees its slot, which generate cannot."""
         check = partial(self.request, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs,
-                        **options)
+                        **_request_options("agenerate", options))
         async with aclosing(self._relay(check, self._generating, held=(None,))) as generation:
             return await anext(generation)
 
@@ -567,7 +571,7 @@ class SpeculativeDecoder:
         the iterator stops decoding within the round in progress and frees the slot; a slow consumer does not
         hold the slot (decoding runs ahead of it, at most to the request's end)."""
         check = partial(self._streamed, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs,
-                        **options)
+                        **_request_options("astream", options))
         stats = Stats() if stats is None else stats
         return self._relay(check, lambda request, halt: self._stream(request, stats, halt))
 
@@ -576,7 +580,8 @@ class SpeculativeDecoder:
                      stop: str | list[str] | None = None, stats: Stats | None = None,
                      **options) -> AsyncGenerator[str, None]:
         """stream_text for asyncio, as astream is stream's."""
-        check = partial(self._streamed_text, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, **options)
+        check = partial(self._streamed_text, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop,
+                        **_request_options("astream_text", options))
         stats = Stats() if stats is None else stats
         return self._relay(check, lambda request, halt: self.stream_request(request, stats, True, halt), held=("",))
 
@@ -921,6 +926,20 @@ class Scored:
     ids: list[int]
     top: int
     records: list[TokenLogprobs]
+
+
+REQUEST_OPTIONS = frozenset(inspect.signature(SpeculativeDecoder.request).parameters) - {"self"}
+
+
+def _request_options(caller: str, options: dict) -> dict:
+    """The options caller passes on to request(), where a keyword it does not take would be a TypeError naming
+    request(), which the person never called: it names caller, and for generate's stats where they are."""
+    unknown = next((name for name in options if name not in REQUEST_OPTIONS), None)
+    if unknown is not None:
+        where = ("; read the stats of the Generation it returns (generation.stats)" if unknown == "stats" else
+                 "; its keyword options are request()'s")
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown!r}{where}")
+    return options
 
 
 # Rows a call scoring a prompt computes on the CPU (see _score): even, and as many as a call's token buffer is reused for.
