@@ -1085,6 +1085,36 @@ def test_a_streams_items_are_typed_token_ids_without_logprobs_and_their_records_
             (type(None), int), (int, TokenLogprobs)}, name
 
 
+CALL_FORMS = """
+from typing import AsyncGenerator, Generator, assert_type
+
+from specbuild_runtime import SpeculativeDecoder, Stats, TokenLogprobs
+
+decoder, maybe = SpeculativeDecoder("bundle"), int("0") or None
+assert_type(decoder.stream("x"), Generator[int, None, None])
+assert_type(decoder.stream("x", logprobs=None), Generator[int, None, None])
+assert_type(decoder.stream("x", logprobs=0), Generator[TokenLogprobs, None, None])
+assert_type(decoder.stream("x", 8, "auto", 0.0, 0, 1.0, None, None, Stats(), None), Generator[int, None, None])
+assert_type(decoder.stream("x", 8, "auto", 0.0, 0, 1.0, None, None, Stats(), 2), Generator[TokenLogprobs, None, None])
+assert_type(decoder.stream("x", logprobs=maybe), Generator[TokenLogprobs, None, None] | Generator[int, None, None])
+assert_type(decoder.astream("x"), AsyncGenerator[int, None])
+assert_type(decoder.astream("x", logprobs=0), AsyncGenerator[TokenLogprobs, None])
+assert_type(decoder.astream("x", 8, "auto", 0.0, 0, 1.0, None, None, None, 2), AsyncGenerator[TokenLogprobs, None])
+assert_type(decoder.astream("x", logprobs=maybe), AsyncGenerator[TokenLogprobs, None] | AsyncGenerator[int, None])
+"""
+
+
+def test_a_type_checker_types_a_streams_items_by_logprobs_in_every_call_form(tmp_path, monkeypatch):
+    """logprobs left out, None, an int, an int | None, by keyword or by position: mypy found no overload for an int
+    given by position, which the runtime takes."""
+    mypy = pytest.importorskip("mypy.api")
+    monkeypatch.setenv("MYPYPATH", str(Path(__file__).resolve().parent.parent / "runtime"))  # this tree's runtime
+    (tmp_path / "calls.py").write_text(CALL_FORMS)
+    report, errors, status = mypy.run(["--follow-imports=silent", "--cache-dir", str(tmp_path / "cache"),
+                                       str(tmp_path / "calls.py")])
+    assert status == 0, report + errors
+
+
 @pytest.mark.parametrize("cuda_graphs", [False, True])  # the engine graphs' own tail, or the greedy-only graphs + sampler
 @pytest.mark.parametrize("options", [dict(gamma=0), dict(gamma=4), dict(gamma="auto"),
                                      dict(gamma=0, temperature=0.8, seed=1), dict(gamma=4, temperature=0.8, seed=1)])

@@ -459,6 +459,11 @@ class SpeculativeDecoder:
                top_k: int = ..., top_p: float = ..., seed: int | None = ..., stop: str | list[str] | None = ...,
                stats: Stats | None = ..., *, logprobs: int, **options) -> Generator[TokenLogprobs, None, None]: ...
 
+    @overload  # logprobs by position: every argument before it given too
+    def stream(self, prompt: Prompt, max_new_tokens: int, gamma: int | str, temperature: float, top_k: int, top_p: float,
+               seed: int | None, stop: str | list[str] | None, stats: Stats | None, logprobs: int,
+               **options) -> Generator[TokenLogprobs, None, None]: ...
+
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                stop: str | list[str] | None = None, stats: Stats | None = None,
@@ -560,6 +565,11 @@ class SpeculativeDecoder:
     def astream(self, prompt: Prompt, max_new_tokens: int = ..., gamma: int | str = ..., temperature: float = ...,
                 top_k: int = ..., top_p: float = ..., seed: int | None = ..., stop: str | list[str] | None = ...,
                 stats: Stats | None = ..., *, logprobs: int, **options) -> AsyncGenerator[TokenLogprobs, None]: ...
+
+    @overload
+    def astream(self, prompt: Prompt, max_new_tokens: int, gamma: int | str, temperature: float, top_k: int,
+                top_p: float, seed: int | None, stop: str | list[str] | None, stats: Stats | None, logprobs: int,
+                **options) -> AsyncGenerator[TokenLogprobs, None]: ...
 
     def astream(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
