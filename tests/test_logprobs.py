@@ -278,10 +278,10 @@ def test_text_streams_refuse_logprobs_which_their_str_items_cannot_hold(bundles)
     """stream_text and astream_text are typed to yield str: with logprobs they yielded stream_request's (text, records)
     pairs instead, so a caller joining the deltas failed deep in its own code."""
     decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
-    refusal = r"^logprobs come with stream, astream and generate, not with stream_text: .*stream_request"
-    with pytest.raises(RequestError, match=refusal):
+    refusal = r"^logprobs come with stream, astream and generate, not with {}: .*stream_request"
+    with pytest.raises(RequestError, match=refusal.format("stream_text")):
         decoder.stream_text("x", logprobs=0)
-    with pytest.raises(RequestError, match=refusal):  # checked as iteration begins
+    with pytest.raises(RequestError, match=refusal.format("astream_text")):  # checked as iteration begins
         asyncio.run(anext(decoder.astream_text("x", logprobs=0)))
 
 

@@ -482,11 +482,11 @@ class SpeculativeDecoder:
                                "stream: score the prompt with generate(prompt, 0, prompt_logprobs=N)")
         return self.request(*args, **options)
 
-    def _streamed_text(self, *args, **options) -> Request:
-        """_streamed for stream_text and astream_text, whose items are text alone: a token's logprobs would have no place
-        (stream_request, the server's, pairs them with the text)."""
+    def _streamed_text(self, caller: str, *args, **options) -> Request:
+        """_streamed for stream_text and astream_text (caller), whose items are text alone: a token's logprobs would have
+        no place (stream_request, the server's, pairs them with the text)."""
         if options.get("logprobs") is not None:
-            raise RequestError("logprobs come with stream, astream and generate, not with stream_text: stream each token's "
+            raise RequestError(f"logprobs come with stream, astream and generate, not with {caller}: stream each token's "
                                "record with stream(..., logprobs=N), or (text, records) pairs with "
                                "stream_request(decoder.request(..., logprobs=N), stats)")
         return self._streamed(*args, **options)
@@ -505,7 +505,7 @@ class SpeculativeDecoder:
                     **options) -> Generator[str, None, None]:
         """Yields text as it is decoded: the deltas join to exactly generate(...).text (a character split
         across tokens, or text that may still become a stop string, waits for the tokens that settle it)."""
-        request = self._streamed_text(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop,
+        request = self._streamed_text("stream_text", prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop,
                                       **_request_options("stream_text", options))
         return self.stream_request(request, Stats() if stats is None else stats)
 
@@ -590,8 +590,8 @@ class SpeculativeDecoder:
                      stop: str | list[str] | None = None, stats: Stats | None = None,
                      **options) -> AsyncGenerator[str, None]:
         """stream_text for asyncio, as astream is stream's."""
-        check = partial(self._streamed_text, prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop,
-                        **_request_options("astream_text", options))
+        check = partial(self._streamed_text, "astream_text", prompt, max_new_tokens, gamma, temperature, top_k, top_p,
+                        seed, stop, **_request_options("astream_text", options))
         stats = Stats() if stats is None else stats
         return self._relay(check, lambda request, halt: self.stream_request(request, stats, True, halt), held=("",))
 
