@@ -73,6 +73,25 @@ def test_a_quantized_targets_prompt_scores_the_bits_its_tokens_get_generated(mod
         assert scored.prompt_logprobs[len(ids):] == generated.logprobs, (mode, ids)
 
 
+@pytest.mark.parametrize("max_gamma", [{"gamma": 3}, {}], ids=["max-gamma-3", "max-gamma-8"])
+def test_a_targets_fixed_row_head_leaves_every_cpu_rows_bits_at_every_gamma_and_prompt_length(max_gamma, bundle):
+    """The LM head multiplies every row of a call of max γ + 1 (for GPUs, graphs/verification.py). On the CPU such a
+    call is even (at max γ 3: a prompt's last 4 rows, where the head multiplied 2) or never made (at max γ 8: calls are
+    even), so no row is an odd last one, which int4 at block size 128 computes apart: each prompt of 1 to 2(max γ + 1) + 2
+    tokens decodes its target-only logprob bits at every γ, and scores them."""
+    decoder = SpeculativeDecoder(bundle(target_quantize="int4", block_size=128, **max_gamma), prefix_reuse=False)
+    rows = decoder.max_gamma + 1
+    rng = np.random.default_rng(rows)
+    for length in range(1, 2 * rows + 3):
+        ids = rng.integers(1, 300, length).tolist()
+        alone = decoder.generate(ids, NEW_TOKENS, gamma=0, logprobs=0)
+        for gamma in (*range(1, rows), "auto"):
+            assert decoder.generate(ids, NEW_TOKENS, gamma, logprobs=0).logprobs == alone.logprobs, (length, gamma)
+        if length > 1:  # a one-token prompt's first token comes from its one row, computed alone
+            scored = decoder.generate(ids + alone.token_ids, 0, prompt_logprobs=0).prompt_logprobs
+            assert scored[length:] == alone.logprobs, length
+
+
 @pytest.mark.parametrize("mode, block_size", [("int4", 128), ("int4", 256), ("int8", 256)])
 def test_an_embedding_is_quantized_where_a_gpu_reads_it_as_the_cpu_does_and_either_way_decodes(mode, block_size, bundle,
                                                                                                tokenizer):

@@ -97,7 +97,8 @@ def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_dra
     if fixed_rows:
         # A GPU library may round a row otherwise by how many rows its GEMM multiplies, so a fixed-row call's head
         # multiplies all of them at every D: else a row's logits would follow its call's drafts (auto γ mixes every
-        # D). Other calls keep the rows above, so the CPU's (even, never alone) cost no more head rows.
+        # D). Other calls keep the rows above. The CPU's calls are even, so one of that many rows (max γ odd: a prompt's
+        # last rows, whose head multiplied 2) multiplies an even count too: the same bits (tests/test_quantize.py).
         tokens = _tokens(g, input_ids)
         head_rows = g.op("Where", g.op("Equal", tokens, g.const([fixed_rows])), tokens, head_rows)
     # [D+1 or D+2, H] (a fixed-row call's: all), fewer in a 1-token call
