@@ -306,6 +306,23 @@ def overflowing(tmp_path_factory, checkpoints):
 
 
 @pytest.fixture(scope="session")
+def mypy_check(tmp_path_factory):
+    """mypy_check(*files) -> (status, report): the files type-checked against this tree's runtime, whose hints a
+    service's mypy reads (py.typed). One cache for the session: the runtime's modules are analysed once (~10 s of CPU),
+    not by each test. Skips the test where mypy is not installed (the test extras install it)."""
+    api = pytest.importorskip("mypy.api")
+    cache = tmp_path_factory.mktemp("mypy-cache")
+
+    def check(*files: Path) -> tuple[int, str]:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("MYPYPATH", str(Path(__file__).resolve().parent.parent / "runtime"))  # wherever one is installed
+            report, errors, status = api.run(["--follow-imports=silent", "--cache-dir", str(cache), *map(str, files)])
+        return status, report + errors
+
+    return check
+
+
+@pytest.fixture(scope="session")
 def cli():
     """One process that runs `specbuild` command lines for every test that asks: cli.run(entries, cwd,
     watch) (tests/cli_driver.py); the imports are paid once."""
