@@ -2,6 +2,7 @@
 
 from specbuild_runtime import SpeculativeDecoder
 import random
+import pytest
 
 from specbuild_runtime.policy import (GREEDY_DECAYS, MAX_PROBE_EVERY, PROBE_EVERY, SAMPLING_DECAYS, STALE_ROUNDS, FIRST_ROUNDS,
                                       AdaptiveGamma, Costs)
@@ -249,3 +250,16 @@ def test_a_draft_that_agrees_again_after_a_long_bad_stretch_is_drafted_with_soon
         policy = AdaptiveGamma(max_gamma=8, draft_cost=0.3)
         chosen = decode_rounds(policy, flip + 300, lambda r, j: r >= flip, lambda r, k: (0.3 * k, 1 + 0.03 * k))
         assert max(chosen[flip:flip + MAX_PROBE_EVERY + 4 * PROBE_EVERY]) >= 2, flip
+
+
+def test_costs_while_a_stale_unit_is_timed_again_are_the_priors():
+    """A unit untimed for STALE_ROUNDS rounds is dropped, to be timed afresh, while the γ above it keep their times:
+    Costs.cost divided them by the missing unit (a TypeError)."""
+    costs = Costs(max_gamma=2, draft_cost=0.1)
+    for drafted in (0, 1):
+        for _ in range(FIRST_ROUNDS):
+            costs.observe(drafted, 0.1 * drafted, 1.0, catching_up=False)
+    for _ in range(STALE_ROUNDS):
+        costs.observe(1, 0.1, 1.0, catching_up=False)
+    assert costs.unit_untimed and costs.rounds[1] is not None
+    assert costs.costs(2) == pytest.approx([1.0, 1 + costs.prior_step, 1 + 2 * costs.prior_step])

@@ -619,3 +619,10 @@ def test_a_python_error_inside_an_engine_call_stays_a_bug_not_a_device_error():
 
     with pytest.raises(TypeError):
         slot_module.run(Broken(), None, "bundle/target.onnx")
+
+
+def test_penalties_configured_without_a_prompt_count_no_token_as_the_prompts(bundle):
+    """configure's prompt defaults to (): as a NumPy index, () is the whole mask, so every token counted as seen."""
+    slot = EngineSlot(SpeculativeDecoder(bundle).target)
+    slot.configure(0.0, penalties=(1.5, 0.0, 0.0))
+    assert not slot._penalty_values["prompt_mask"].any()

@@ -13,7 +13,7 @@ import os
 import re
 import threading
 import weakref
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from contextlib import nullcontext
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
@@ -80,10 +80,10 @@ def cpu_quota() -> int | None:
     for folder, v2 in cgroup_folders("cpu"):
         try:
             if v2:
-                quota, _, period = (folder / "cpu.max").read_text().strip().partition(" ")
-                if quota == "max":
+                max_quota, _, max_period = (folder / "cpu.max").read_text().strip().partition(" ")
+                if max_quota == "max":
                     continue
-                quota, period = int(quota), int(period or 100_000)
+                quota, period = int(max_quota), int(max_period or 100_000)
             else:
                 quota = int((folder / "cpu.cfs_quota_us").read_text())
                 period = int((folder / "cpu.cfs_period_us").read_text())
@@ -117,11 +117,11 @@ def cgroup_folders(controller: str) -> list[tuple[Path, bool]]:
     return folders
 
 
-def _cgroup_mounts(lines: list[str]):
+def _cgroup_mounts(lines: list[str]) -> Iterator[tuple[str, list[str], str, str]]:
     """(file system type, super options, root, mount point) of each cgroup mount in mountinfo lines."""
     for line in lines:
-        fields, _, tail = line.partition(" - ")
-        fields, tail = fields.split(), tail.split()
+        before, _, after = line.partition(" - ")
+        fields, tail = before.split(), after.split()
         if len(fields) >= 5 and len(tail) >= 3 and tail[0] in ("cgroup", "cgroup2"):
             # mountinfo writes a space in a path as \040 (octal), as it does a tab, a newline and a backslash
             root, point = (re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), f) for f in fields[3:5])
@@ -241,8 +241,9 @@ def graph_takes(inputs: Collection[str], outputs: Collection[str], sampling_inpu
     its sampler decides the calls that apply the penalties, min_tokens or logit_bias (greedy ones too), so those are
     the sampler's; one that takes them itself was compiled before the sampler had that greedy branch: refused."""
     refused = sampling_inputs is None or (greedy_only and processes(inputs))
-    return Takes(LOGITS in outputs, sampling_inputs is not None and MIN_P in sampling_inputs,
-                 *(not refused and all(name in sampling_inputs for name in names)
+    sampling = sampling_inputs or ()
+    return Takes(LOGITS in outputs, MIN_P in sampling,
+                 *(not refused and all(name in sampling for name in names)
                    for names in (PENALTY_INPUTS, MIN_TOKENS_INPUTS, LOGIT_BIAS_INPUTS)))
 
 
@@ -303,10 +304,10 @@ class Engine:
         elif sampler is not None and not steps:
             self.sampling_session, self.sampling_devices = sampler.session, sampler.input_devices
         else:
-            self.sampling_session = self.sampling_devices = None
+            self.sampling_session, self.sampling_devices = None, {}
         self.processes = processes(self.input_devices)
         self.has_logits, self.has_min_p, self.has_penalties, self.has_min_tokens, self.has_logit_bias = graph_takes(
-            self.input_devices, outputs, self.sampling_devices, self.greedy_only)
+            self.input_devices, outputs, None if self.sampling_session is None else self.sampling_devices, self.greedy_only)
 
     def new_slot_index(self) -> int:
         """A number no other slot of this engine has: the slot's CUDA graphs are its own."""
@@ -347,7 +348,7 @@ def _session(path: Path, device: str, captures: bool, graph: bytes | None = None
     """An onnxruntime session of the file at path (or of graph, its weights read beside path) on device, or a
     one-line error."""
     options = session_options()
-    source = str(path)
+    source: str | bytes = str(path)
     if graph is not None:
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(Path(path).parent))
         source = graph

@@ -35,7 +35,8 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
     logits alone, which the target computes bit for bit alike however rows are grouped into calls (slot.Rows)."""
     peak = logits.max()
     log_z = float(peak) + math.log(np.exp(logits - peak).sum(dtype=np.float64))
-    best, top = (), min(top, len(logits))
+    best: tuple[tuple[int, float], ...] = ()
+    top = min(top, len(logits))
     if top:
         # The top-th largest logit, then every id at or above it (ties at the cut all taken, before the ids choose)
         cut = np.partition(logits, len(logits) - top)[len(logits) - top]

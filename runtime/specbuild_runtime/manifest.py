@@ -423,6 +423,7 @@ def chat_template_source(tokenizer_dir: Path, config: dict) -> tuple[str, str] |
     """The bundle's chat template and the file it is in (as "tokenizer/NAME"), or None where its tokenizer has
     none; `config` is its tokenizer_config.json (read_tokenizer_config). Here, not beside the renderer: inspect
     names the file without jinja2."""
+    source: object  # what the config holds: a template, named templates, or anything
     if (tokenizer_dir / CHAT_TEMPLATE_FILE).exists():
         source, name = (tokenizer_dir / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8"), CHAT_TEMPLATE_FILE
     else:

@@ -124,7 +124,8 @@ class Costs:
         table = [1.0]
         for gamma in range(1, limit + 1):
             timed = self.rounds[gamma]
-            table.append(timed / unit if timed is not None else table[-1] + self.prior_step)
+            # a unit untimed again after STALE_ROUNDS leaves the γ above it timed, in a unit no longer known
+            table.append(timed / unit if timed is not None and unit is not None else table[-1] + self.prior_step)
         return table
 
     def cost(self, gamma: int) -> float:

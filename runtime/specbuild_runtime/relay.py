@@ -9,7 +9,7 @@ import threading
 import time
 from concurrent.futures import Executor
 from contextlib import closing
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator
 
 END = object()  # the stream ended: the last item of a relay
 
@@ -44,7 +44,7 @@ class Relay:
     def stopped(self) -> bool:
         return self.halt.is_set()
 
-    def start(self, workers: Executor, stream: Callable[[], Iterator], held: tuple = ()) -> asyncio.Future:
+    def start(self, workers: Executor, stream: Callable[[], Generator], held: tuple = ()) -> asyncio.Future:
         """Iterate stream() in a worker. Items in `held` are not posted: they only let the worker stop between
         tokens ("" for a token whose text is held back). Returns the worker's future."""
         loop = asyncio.get_running_loop()
@@ -67,7 +67,7 @@ class Relay:
         self.stop()
         with self._lock:
             began = self._began
-        if began:
+        if began and self.worker is not None:  # began: start() set worker
             await asyncio.wait({self.worker})
 
     def __aiter__(self) -> Relay:
@@ -87,7 +87,7 @@ class Relay:
         """On the loop, once the worker returned: after its items (posted before), the end or its exception."""
         self._items.put_nowait(END if worker.cancelled() else worker.exception() or END)
 
-    def _run(self, post: Callable, stream: Callable[[], Iterator], held: tuple) -> None:
+    def _run(self, post: Callable, stream: Callable[[], Generator], held: tuple) -> None:
         """In a worker thread."""
         with self._lock:
             if self.halt.is_set():  # stopped while it waited for this thread: nothing decoded, no slot taken

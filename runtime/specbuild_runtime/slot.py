@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -362,7 +362,7 @@ class EngineSlot:
             self._configure(temperature=0.0)
 
     def configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                  penalties: tuple[float, float, float] = NO_PENALTIES, prompt: list[int] = (), min_tokens: int = 0,
+                  penalties: tuple[float, float, float] = NO_PENALTIES, prompt: Sequence[int] = (), min_tokens: int = 0,
                   stops: frozenset[int] = frozenset(), logit_bias: tuple[tuple[int, float], ...] = ()) -> None:
         """Greedy at temperature 0; otherwise sampling from softmax(logits/temperature) within min-p/top-k/top-p.
         penalties: (repetition, presence, frequency), applied to the logits first (neutral: NO_PENALTIES, the only
@@ -373,7 +373,7 @@ class EngineSlot:
             self._penalise(penalties, prompt, min_tokens, stops, logit_bias)
             self._configure(temperature, top_k, top_p, min_p)
 
-    def _penalise(self, penalties: tuple[float, float, float], prompt: list[int], min_tokens: int,
+    def _penalise(self, penalties: tuple[float, float, float], prompt: Sequence[int], min_tokens: int,
                   stops: frozenset[int], logit_bias: tuple[tuple[int, float], ...]) -> None:
         values, last = self._penalty_values, self._tallied
         if last:  # the last request's tokens
@@ -393,7 +393,7 @@ class EngineSlot:
         if not (last or self._tallied):  # all neutral before and after: the device's copies hold them already
             return
         if penalties != NO_PENALTIES:
-            values["prompt_mask"][prompt] = True
+            values["prompt_mask"][list(prompt)] = True  # a tuple index, () included, would be one element or all
         if min_tokens:
             values["stop_tokens"][list(stops)] = True
         values["min_tokens_left"][()] = min_tokens
@@ -840,7 +840,7 @@ class Slot:
         self.draft_steps = DraftSteps(draft_steps, self.draft) if draft_steps else None
 
     def configure(self, temperature: float, top_k: int, top_p: float, logits: bool = False, min_p: float = 0.0,
-                  penalties: tuple[float, float, float] = NO_PENALTIES, prompt: list[int] = (), min_tokens: int = 0,
+                  penalties: tuple[float, float, float] = NO_PENALTIES, prompt: Sequence[int] = (), min_tokens: int = 0,
                   stops: frozenset[int] = frozenset(), logit_bias: tuple[tuple[int, float], ...] = ()) -> None:
         """A request's sampling settings; logits: the target's calls leave their logits for it to read. penalties
         (with the prompt's ids): the target's alone. The draft proposes from its unpenalised logits, and samples

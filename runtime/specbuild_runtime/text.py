@@ -9,10 +9,10 @@ real U+FFFD at the end, read as an incomplete character) would never be sent.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from functools import partial
 
-import numpy as np
 from tokenizers import Tokenizer
 from tokenizers.pre_tokenizers import ByteLevel
 
@@ -252,8 +252,13 @@ def _shrink(normalizer: dict | None) -> int | None:
         return 1
     kind = normalizer["type"]
     if kind == "Sequence":
-        factors = [_shrink(part) for part in normalizer["normalizers"]]
-        return None if None in factors else int(np.prod(factors))
+        factors = []
+        for part in normalizer["normalizers"]:
+            factor = _shrink(part)
+            if factor is None:
+                return None
+            factors.append(factor)
+        return math.prod(factors)
     if kind == "Replace" and "String" in normalizer["pattern"] and normalizer["content"]:
         # an empty pattern inserts the content between characters: no shorter, where a 0 would be no bound at all
         return max(1, -(-len(normalizer["pattern"]["String"]) // len(normalizer["content"])))

@@ -136,8 +136,9 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
             raise RequestError(f"gamma must be {AUTO!r} or a whole number from 0 to {max_gamma}, not {shown(gamma)}")
         gamma = whole("gamma", gamma, low=0, high=max_gamma,
                       hint=f" (this bundle's most drafts per round; 0 = target only, {AUTO!r} adapts)")
-    temperature, top_k, top_p, min_p, *penalties = check_sampling(temperature, top_k, top_p, vocab_size, min_p,
-                                                                  repetition_penalty, presence_penalty, frequency_penalty)
+    (temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+     frequency_penalty) = check_sampling(temperature, top_k, top_p, vocab_size, min_p, repetition_penalty,
+                                         presence_penalty, frequency_penalty)
     seed = None if seed is None else whole("seed", seed)
     min_tokens = whole("min_tokens", min_tokens, low=0, high=max_new_tokens,
                        hint=" (the tokens generated before an eos or stop token may end the request, at most max_new_tokens)")
@@ -159,9 +160,10 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
         text, token_span, max_seq_len, max_new_tokens, context_limit=context_limit))
     if len(prompt_ids) > max_seq_len:
         raise too_long(len(prompt_ids), max_seq_len, max_new_tokens, context_limit=context_limit)
-    return Request(prompt_ids, max_new_tokens, gamma, Sampling(temperature, top_k, top_p, seed, min_p, *penalties, min_tokens,
-                                                         check_logit_bias(logit_bias, vocab_size)),
-                   stop_strings(stop), special_tokens, logprobs, ignore_eos, stop_token_ids, include_stop, prompt_logprobs)
+    sampling = Sampling(temperature, top_k, top_p, seed, min_p, repetition_penalty, presence_penalty, frequency_penalty,
+                        min_tokens, check_logit_bias(logit_bias, vocab_size))
+    return Request(prompt_ids, max_new_tokens, gamma, sampling, stop_strings(stop), special_tokens, logprobs, ignore_eos,
+                   stop_token_ids, include_stop, prompt_logprobs)
 
 
 def check_text_fits(text: str, token_span: TokenSpan | None, max_seq_len: int, max_new_tokens: int,
@@ -249,14 +251,14 @@ def prompt_token_ids(prompt: Prompt, encode: Callable[[str], list[int]], vocab_s
                                f"{prompt.dtype}")
         ids = prompt.tolist()
     elif isinstance(prompt, Sequence):
-        ids = list(prompt)
-        for index, token in enumerate(ids):
+        ids = []
+        for index, token in enumerate(prompt):
             if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
                 batch = ("; a call decodes one prompt: for several at once, call from threads (decoder with parallel "
                          "slots, see Threads in the README)" if isinstance(token, (str, list, tuple)) else "")
                 raise RequestError(f"prompt token ids must be whole numbers; item {index} is {shown(token)} "
                                    f"({type(token).__name__}){batch}")
-        ids = [int(token) for token in ids]
+            ids.append(int(token))
     else:
         raise RequestError(f"a prompt is text (str) or a list of token ids, not {type(prompt).__name__}")
     if not ids:
