@@ -308,15 +308,16 @@ def overflowing(tmp_path_factory, checkpoints):
 @pytest.fixture(scope="session")
 def mypy_check(tmp_path_factory):
     """mypy_check(*files) -> (status, report): the files type-checked against this tree's runtime, whose hints a
-    service's mypy reads (py.typed). One cache for the session: the runtime's modules are analysed once (~10 s of CPU),
-    not by each test. Skips the test where mypy is not installed (the test extras install it)."""
+    service's mypy reads (py.typed), with the project's config (pyproject's [tool.mypy]: its mypy_path is this tree's
+    runtime, wherever one is installed). One cache for the session: the runtime's modules are analysed once (~10 s of
+    CPU), not by each test. Skips the test where mypy is not installed (the test extras install it)."""
     api = pytest.importorskip("mypy.api")
     cache = tmp_path_factory.mktemp("mypy-cache")
+    config = Path(__file__).resolve().parent.parent / "pyproject.toml"
 
     def check(*files: Path) -> tuple[int, str]:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("MYPYPATH", str(Path(__file__).resolve().parent.parent / "runtime"))  # wherever one is installed
-            report, errors, status = api.run(["--follow-imports=silent", "--cache-dir", str(cache), *map(str, files)])
+        report, errors, status = api.run(["--config-file", str(config), "--follow-imports=silent", "--cache-dir",
+                                          str(cache), *map(str, files)])
         return status, report + errors
 
     return check

@@ -641,6 +641,7 @@ def test_tokenize_renders_messages_as_a_chat_completion_does(server, bundle):
     ("/tokenize", {"prompt": ["x"]}, "prompt"),
     ("/tokenize", b'{"prompt": "x\\ud800"}', "prompt"),  # half a surrogate pair, which no tokenizer takes
     ("/tokenize", {"prompt": "x", "add_generation_prompt": True}, "add_generation_prompt"),
+    ("/tokenize", {"messages": None}, "messages"),  # neither a prompt nor messages: once encoded as a prompt (a 500)
     ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ x }}"}, "chat_template"),
     ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True,
                    "continue_final_message": True}, "continue_final_message"),

@@ -18,7 +18,7 @@ from contextlib import aclosing, closing
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import AsyncGenerator, Callable, Generator, Iterator, overload
+from typing import AsyncGenerator, Callable, Generator, cast, overload
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -36,6 +36,9 @@ from .slot import (MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, Rows, Slot, check_
 from .text import TextStream, token_span
 from .validation import (AUTO, NO_PENALTIES, PENALTIES, Prompt, Request, check_request, check_text_fits, check_vocabularies,
                          whole)
+
+# stream_request's items: text, or where the request asks for logprobs (text, the records of the tokens since the last)
+TextItem = str | tuple[str, tuple[TokenLogprobs, ...]]
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
@@ -313,9 +316,10 @@ class SpeculativeDecoder:
         prompt = self.encode("def warm_up(x):\n    return x\n")[: max(1, self.max_seq_len - 2 * self.max_gamma - 3)]
         try:
             for gamma in range(self.max_gamma + 1):
-                for sampling in ({}, {"temperature": 1.0, "seed": 0}):
+                for temperature, seed in ((0.0, None), (1.0, 0)):
                     for _ in range(WARM_UP_RUNS + 1):  # a fixed γ leaves the adaptive policies as they were
-                        self.generate(prompt, max_new_tokens=2 * gamma + 3, gamma=gamma, **sampling)
+                        self.generate(prompt, max_new_tokens=2 * gamma + 3, gamma=gamma, temperature=temperature,
+                                      seed=seed)
         except BundleError as exc:  # an fp16 target that overflows: serve would stop at start-up on a request nobody sent
             raise BundleError(f"warming up (a short code prompt, before any request): {exc}") from None
         return self.graphs_captured - before
@@ -420,7 +424,7 @@ class SpeculativeDecoder:
             request = replace(request, structured=self._structured(request, structured_outputs))
         return request
 
-    def _structured(self, request: Request, structured_outputs: dict | Structured | Unchecked) -> Structured:
+    def _structured(self, request: Request, structured_outputs: dict | Structured | Unchecked) -> Structured | None:
         """The grammar checked for this bundle's tokenizer, here (on serve's checking thread), where it is compiled
         unless the decoder keeps it already (grammar.Grammars): a grammar this tokenizer cannot follow is refused here,
         and the request's slot starts from a copy of the kept one."""
@@ -446,6 +450,7 @@ class SpeculativeDecoder:
         request = self.request(prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop, logprobs,
                                **_request_options("generate", options))
         *_, generation = self._generating(request)
+        assert generation is not None  # _generating's last item
         return generation
 
     # A caller's type checker learns the items from logprobs: token ids without, TokenLogprobs with (astream too).
@@ -507,11 +512,12 @@ class SpeculativeDecoder:
         across tokens, or text that may still become a stop string, waits for the tokens that settle it)."""
         request = self._streamed_text("stream_text", prompt, max_new_tokens, gamma, temperature, top_k, top_p, seed, stop,
                                       **_request_options("stream_text", options))
-        return self.stream_request(request, Stats() if stats is None else stats)
+        # text alone: _streamed_text refused logprobs and prompt_logprobs, which pair records with it
+        return cast(Generator[str, None, None], self.stream_request(request, Stats() if stats is None else stats))
 
     def stream_request(self, request: Request, stats: Stats, every_token: bool = False,
                        halt: threading.Event | None = None,
-                       token_ids: list[int] | None = None) -> Generator[str, None, None]:
+                       token_ids: list[int] | None = None) -> Generator[TextItem, None, None]:
         """stream_text for a request already checked by request() (the server checks before queueing).
         every_token: also yield "" for a token whose text is held back, so that the consumer can stop
         between any two tokens (a relay's stop: the async API's cancel, the server's deadlines). halt: once set
@@ -522,7 +528,7 @@ class SpeculativeDecoder:
         token_ids: each token is appended to it before the item that holds its text (the server's return_token_ids)."""
         text = self._text(request)
         records: list[TokenLogprobs] | None = None if request.logprobs is None else []
-        scored = None if request.prompt_logprobs is None else []
+        scored: list[TokenLogprobs] | None = None if request.prompt_logprobs is None else []
         given = 0
         with closing(self._run(request, stats, text, halt, records, scored)) as tokens:
             for token in tokens:
@@ -595,7 +601,7 @@ class SpeculativeDecoder:
         stats = Stats() if stats is None else stats
         return self._relay(check, lambda request, halt: self.stream_request(request, stats, True, halt), held=("",))
 
-    async def _relay(self, check: Callable[[], Request], stream: Callable[[Request], Iterator],
+    async def _relay(self, check: Callable[[], Request], stream: Callable[[Request, threading.Event], Generator],
                      held: tuple = ()) -> AsyncGenerator:
         """The items of stream(check()) but `held`, decoded in a worker. The check runs in another thread: it
         tokenizes the prompt (milliseconds for a long one), and must not wait for a worker to come free."""
@@ -612,7 +618,7 @@ class SpeculativeDecoder:
         """generate's decoding: None after every token (where a relay may stop it), then the Generation."""
         stats, text, tokens = Stats(), self._text(request), []
         records: list[TokenLogprobs] | None = None if request.logprobs is None else []
-        scored = None if request.prompt_logprobs is None else []
+        scored: list[TokenLogprobs] | None = None if request.prompt_logprobs is None else []
         with closing(self._run(request, stats, text if request.stop else None, halt, records, scored)) as decoded:
             for token in decoded:
                 tokens.append(token)
@@ -663,7 +669,7 @@ class SpeculativeDecoder:
         depends on which random number judges which draft, so a seeded one under auto adapts to its own
         acceptance alone (policy.PriorCosts), not to timings and other requests: it reproduces."""
         sampling = request.sampling
-        if request.gamma != AUTO:
+        if isinstance(request.gamma, int):  # a fixed γ, not AUTO
             return FixedGamma(request.gamma)
         if sampling.seed is not None and not sampling.greedy:
             return AdaptiveGamma(self.max_gamma, self._draft_cost, SAMPLING_DECAYS,
@@ -680,7 +686,7 @@ class SpeculativeDecoder:
         stats.prompt_tokens = len(request.prompt_ids)
         clock = time.perf_counter
         start = clock()  # before scoring, which processes the prompt as the first call does where none is scored
-        if scored is not None:
+        if scored is not None and request.prompt_logprobs is not None:  # scored: prompt_logprobs asked
             prompt_records, stats.cached_prompt_tokens = self._score(slot, request.prompt_ids, request.prompt_logprobs,
                                                                      halt)
             scored += prompt_records
@@ -695,12 +701,13 @@ class SpeculativeDecoder:
         guide = self.grammars.guide(request.structured) if request.structured else None
         rng = sampling.generator()
         # n uniforms in [0, 1) a call: n-1 to judge drafts, the last to draw the next token.
-        uniforms = (lambda n: None) if sampling.greedy else (lambda n: rng.random(n, dtype=np.float32))
+        uniforms: Callable[[int], np.ndarray | None] = ((lambda n: None) if sampling.greedy else
+                                                        (lambda n: rng.random(n, dtype=np.float32)))
         policy = self._policy(slot, request)
         target = slot.target
         max_len, max_new_tokens = self.max_seq_len, request.max_new_tokens
         switch = target.rope_switch
-        positions = self.max_gamma if request.gamma == AUTO else request.gamma
+        positions = request.gamma if isinstance(request.gamma, int) else self.max_gamma
         ids = list(request.prompt_ids)
         stats.accepted_at = [0] * positions
         stats.proposed_at = [0] * positions
@@ -730,6 +737,7 @@ class SpeculativeDecoder:
                 if token == not_finite:  # after the drafts judged on finite rows: where the target alone stops
                     raise self._not_finite(stats.generated_tokens + 1)
                 if records is not None:
+                    assert rows is not None and request.logprobs is not None  # records: logprobs asked, logits read
                     records.append(token_logprobs(rows[j], token, request.logprobs))
                 if follows is not None:
                     follows[ids[-1]] = token
@@ -816,7 +824,7 @@ class SpeculativeDecoder:
         known, start, last = self._scored[slot.index] if self.prefix_reuse else None, 0, len(ids) - 1
         if known is not None and known.top == top:
             start = max(0, min(_leading_equal(known.ids, ids) - 1, target.prefix(ids, last)))
-        records, spared = known.records[:start] if start else [], start
+        records, spared = known.records[:start] if known is not None and start else [], start
         try:
             for start, end in target.scoring_calls(start, len(ids), size, until=last):
                 if halt is not None and halt.is_set():
@@ -844,7 +852,8 @@ class SpeculativeDecoder:
         each run of the steps graph's count of them is one call of it. guide: each draft step is masked by the
         request's grammar (one call a token: the steps graph takes no mask), and drafting stops after an eos or where
         the grammar leaves the draft's vocabulary nothing."""
-        drafts, steps, consumed = [], slot.draft_steps if greedy and not guide else None, 0
+        drafts: list[int] = []
+        steps, consumed = slot.draft_steps if greedy and not guide else None, 0
         try:
             while len(drafts) < k:
                 fed, j = feed if not drafts else [drafts[-1]], len(drafts)
@@ -977,9 +986,11 @@ def _kind(request: Request) -> tuple[bool, str]:
 
 def _guesses(follows: dict[int, int], token: int, count: int) -> list[int]:
     """Up to count tokens, each the one that followed the one before it last time (prompt lookup, by token)."""
-    guesses = []
-    while len(guesses) < count and (token := follows.get(token)) is not None:
-        guesses.append(token)
+    guesses: list[int] = []
+    guess = follows.get(token)
+    while len(guesses) < count and guess is not None:
+        guesses.append(guess)
+        guess = follows.get(guess)
     return guesses
 
 

@@ -79,20 +79,20 @@ def check_structured_outputs(value, field: str = "structured_outputs",
     compact = value.get(COMPACT, False)
     if not isinstance(compact, bool):
         raise RequestError(f"{field}'s {COMPACT} must be true or false, not {type(compact).__name__}")
-    flexible = {"whitespace_flexible": not compact}
     try:
         if kind == "json_object":
             if spec is not True:
                 raise ValueError(f"json_object must be true, not {json.dumps(spec)}")
-            grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=flexible)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}',
+                                                                    defaults={"whitespace_flexible": not compact})
         elif kind == "json":
             if not isinstance(spec, (dict, str)):
                 raise ValueError(f"json must be a JSON schema (an object), not {type(spec).__name__}")
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=flexible)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults={"whitespace_flexible": not compact})
         elif kind == "choice":
             if not isinstance(spec, list) or not spec or not all(isinstance(c, str) for c in spec):
                 raise ValueError("choice must be a non-empty list of strings")
-            grammar = llguidance.grammar_from("choice", spec)
+            grammar = llguidance.grammar_from("choice", json.dumps(spec))
         else:
             if not isinstance(spec, str):
                 raise ValueError(f"{kind} must be a string, not {type(spec).__name__}")
@@ -135,7 +135,9 @@ class Grammars:
         self._source, self._tokens, self.vocab_size, self._eos = tokenizer_json, tokens, vocab_size, sorted(eos)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
-        self._cache, self._kept = cache, OrderedDict()  # grammar -> its matcher in its start state, the latest used last
+        self._cache = cache
+        # grammar -> its matcher in its start state, the latest used last
+        self._kept: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
 
     def compile(self, structured: Structured) -> Structured:
         """structured, checked: its grammar compiles for this tokenizer (or a RequestError naming its field), and is
@@ -149,14 +151,14 @@ class Grammars:
                      tuple(e for e in self._eos if e >= self._tokens), structured.field)
 
     def _start(self, structured: Structured) -> llguidance.LLMatcher:
-        self._built(structured.field)
+        tokenizer = self._built(structured.field)
         with self._lock:
             matcher = self._kept.get(structured.grammar)
             if matcher is not None:
                 self._kept.move_to_end(structured.grammar)
         if matcher is None or self._spent(matcher):
             # Kept as compiled, errors too: a request that resends a bad grammar is refused without compiling it again.
-            matcher = llguidance.LLMatcher(self._tokenizer, structured.grammar, log_level=0)
+            matcher = llguidance.LLMatcher(tokenizer, structured.grammar, log_level=0)
             with self._lock:
                 self._kept[structured.grammar] = matcher
                 self._kept.move_to_end(structured.grammar)

@@ -38,7 +38,7 @@ class Relay:
         self._last: Any = None  # END or the exception iteration ended with: every later __anext__ ends so again
         self.finished = False  # set by the worker once the stream ended and every item was posted
         self.first_item_at: float | None = None  # time.monotonic() when the worker posted the first item
-        self.worker: asyncio.Future | None = None  # the worker's run: done once it returned, its slot free
+        self.worker: asyncio.Future  # from start(): the worker's run, done once it returned, its slot free
 
     @property
     def stopped(self) -> bool:
@@ -67,7 +67,7 @@ class Relay:
         self.stop()
         with self._lock:
             began = self._began
-        if began and self.worker is not None:  # began: start() set worker
+        if began:
             await asyncio.wait({self.worker})
 
     def __aiter__(self) -> Relay:

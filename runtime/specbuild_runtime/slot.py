@@ -302,7 +302,7 @@ class EngineSlot:
         self.sampling = False
         # Sampling inputs and outputs are bound where the sampling happens: the engine graph's own sampling
         # branch, or for a greedy-only graph the sampler, run after it on the call's logits.
-        self._tail = None
+        self._tail: ort.IOBinding | None = None
         if engine.sampling_session is engine.session:
             self._tail = self.binding
         elif engine.sampling_session is not None:
@@ -334,7 +334,7 @@ class EngineSlot:
         # decides every call of a request that applies them: see _call), each a copy of its own where the device holds
         # it. They change only for a request that asks for them, and those changed (configure: all; count: the counts)
         # are pushed before the next call that applies them: the [V] ones are 0.15-0.6 MB each at a 152k vocabulary.
-        self._penalty_values = {"repetition_penalty": np.ones((), np.float32), "presence_penalty": np.zeros((), np.float32),
+        self._penalty_values: dict[str, np.ndarray] = {"repetition_penalty": np.ones((), np.float32), "presence_penalty": np.zeros((), np.float32),
                                 "frequency_penalty": np.zeros((), np.float32),
                                 "prompt_mask": np.zeros(engine.vocab_size, np.bool_),
                                 "output_counts": np.zeros(engine.vocab_size, np.float32),
@@ -443,7 +443,9 @@ class EngineSlot:
         self.sampling = temperature > 0
         # An engine compiled before min_p has no such input; decode refuses min_p > 0 there (has_min_p).
         settings = [(self._temperature, temperature), (self._top_k, top_k), (self._top_p, top_p)]
-        for buffer, value in settings + [(self._min_p, min_p)] * (self._min_p is not None):
+        if self._min_p is not None:
+            settings.append((self._min_p, min_p))
+        for buffer, value in settings:
             buffer.host[()] = value
             buffer.push()
         self._tail.bind_ortvalue_output("probs", self._probs[self.sampling].value)
@@ -552,7 +554,7 @@ class EngineSlot:
                 self.binding.bind_ortvalue_output(present, buffer)
             self.binding.bind_ortvalue_output("accepted", self._accepted.value)
             self.binding.bind_ortvalue_output("next_token", self._next_token.value)
-            if self._tail is self.binding:
+            if self.engine.sampling_session is self.engine.session:  # the engine graph samples itself
                 self.binding.bind_ortvalue_output("probs", self._probs[self.sampling].value)
             self._bound["logits"] = -1
 
@@ -570,6 +572,7 @@ class EngineSlot:
 
     def logits(self) -> np.ndarray:
         """A copy of the fp32 logits [D+1, V] of the last call (read_logits on): row j after input position S-D-1+j."""
+        assert self._logits is not None  # made by read_logits(True), which reading logits takes
         with self.engine.calls:  # a copy back from the device (see engine._CUDA_GRAPH_CALLS)
             return self._logits.pull()[:self._bound["logits"] + 1].copy()
 
@@ -690,6 +693,7 @@ class EngineSlot:
 
     def _feed_sampler(self, tokens: list[int], num_drafts: int) -> None:
         """The sampler's input_ids (the call's last D+1 tokens) and num_drafts."""
+        assert self._tail is not None  # only an engine with a sampler feeds it
         count = len(tokens)
         if count not in self._sampler_ids:
             self._sampler_ids[count] = Buffer(np.zeros((1, count), np.int64), self.engine.sampling_devices["input_ids"])
@@ -702,6 +706,7 @@ class EngineSlot:
 
     def _bind_logits(self, num_drafts: int) -> None:
         """Bind the graph's logits output (and a greedy-only graph's sampler's input) to the first D+1 rows."""
+        assert self._logits is not None  # made by read_logits(True), which reading logits takes
         if self._bound["logits"] != num_drafts:
             if num_drafts >= len(self._logits.host):  # a view past the buffer: memory the call must not write
                 if self.engine.greedy_only:  # its CUDA graphs replay writes to this buffer's address
@@ -738,6 +743,7 @@ class EngineSlot:
         self._bound["logit_bias"] = num_drafts
 
     def _bind_uniforms(self, count: int, values: np.ndarray | None = None) -> None:
+        assert self._tail is not None  # only a sampling call binds them, and only a slot with a tail samples
         if count not in self._uniforms:
             self._uniforms[count] = Buffer(np.zeros(count, np.float32), self.engine.sampling_devices["uniforms"])
         buffer = self._uniforms[count]
@@ -750,6 +756,7 @@ class EngineSlot:
 
     def _bind_rows(self, name: str, rows: Buffer, count: int) -> None:
         """Bind input name to the first count rows of rows (a view: no copy, on any device)."""
+        assert self._tail is not None  # only a sampling call binds them, and only a slot with a tail samples
         if self._bound[name] != count:
             width = rows.host.shape[1]
             self._tail.bind_input(name, rows.device, 0, np.float32, [count, width], rows.value.data_ptr())
@@ -757,6 +764,7 @@ class EngineSlot:
 
     def _bind_row(self, name: str, rows: Buffer, row: int) -> None:
         """Bind output name ([V] of this engine's vocabulary) to the start of row `row` of rows."""
+        assert self._tail is not None  # only a sampling call binds them, and only a slot with a tail samples
         row_bytes = rows.host.shape[1] * rows.host.itemsize
         self._tail.bind_output(name, rows.device, 0, np.float32, [self.engine.vocab_size],
                                  rows.value.data_ptr() + row * row_bytes)

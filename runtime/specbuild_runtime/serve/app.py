@@ -14,11 +14,13 @@ import asyncio
 import hmac
 import json
 import logging
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import TypeVar
 
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
@@ -43,6 +45,7 @@ from .scheduler import Job, Overloaded, Scheduler, Stopped, Unavailable
 from .tools import tool_parser
 
 log = logging.getLogger("specbuild.serve")
+T = TypeVar("T")
 RETRY_AFTER = {"Retry-After": "1"}  # seconds; a slot frees up within one request's decoding time
 # The openai client (and other Stainless-made clients) resend a 5xx twice unless told not to by this header.
 NO_RETRY = {"x-should-retry": "false"}
@@ -98,7 +101,8 @@ class Server:
                 Route("/health", self.health),
                 Route("/metrics", self.metrics_page),
             ],
-            exception_handlers={HTTPException: _http_error, Exception: _internal_error},
+            # Starlette types every handler as taking any Exception, though it calls each with its own class's
+            exception_handlers={HTTPException: _http_error, Exception: _internal_error},  # type: ignore[dict-item]
             lifespan=self._lifespan,
             middleware=self._middleware(),
         )
@@ -124,7 +128,8 @@ class Server:
                                 ws="none",
                                 # uvicorn counts the newcomer too: max_connections are served, the next gets 503
                                 limit_concurrency=self.settings.max_connections + 1,
-                                timeout_graceful_shutdown=self.settings.shutdown_timeout + 5)  # a backstop: drain cuts first
+                                # a backstop: drain cuts first (uvicorn takes whole seconds)
+                                timeout_graceful_shutdown=math.ceil(self.settings.shutdown_timeout) + 5)
         return Uvicorn(config, self.scheduler, self.settings.shutdown_timeout)
 
     @asynccontextmanager
@@ -167,7 +172,7 @@ class Server:
         return await self._off_loop(build)
 
     def _tokens(self, request: protocol.Tokenize) -> list[int]:
-        if request.messages is None:
+        if request.prompt is not None:
             return encode_ids(self.decoder.tokenizer, request.prompt, request.add_special_tokens)
         if self.chat_template is None:
             raise ApiError(400, "this model's bundle has no chat template (its tokenizer has none), and the server was "
@@ -211,7 +216,7 @@ class Server:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     async def _generate(self, endpoint: str, http: HttpRequest) -> Response:
-        jobs = []
+        jobs: list[Job] = []
         try:
             request = protocol.parse(endpoint, await self._body_unless_cut(http), self.settings.model, self.defaults,
                                      self.settings.tool_call_parser)
@@ -271,14 +276,16 @@ class Server:
                 if score is not None:
                     score.cancel()
         self.metrics.outcome(endpoint, "ok")
-        answered = [protocol.Answer(echo.text + text if echo else text, job.stats, records, echo.first if echo else (),
-                                    job.token_ids, job.request.prompt_ids,
-                                    # a prompt's choices after the first have the logprobs it scored
-                                    answers[index - index % request.n][2])
-                    for index, ((text, records, _), job, echo) in enumerate(zip(answers, jobs, echoes))]
+        answered = []
+        for index, ((text, records, _), job, echo) in enumerate(zip(answers, jobs, echoes)):
+            assert job.request is not None  # collected: checked (a job stopped before its check raised in _collect)
+            answered.append(protocol.Answer(echo.text + text if echo else text, job.stats, records,
+                                            echo.first if echo else (), job.token_ids, job.request.prompt_ids,
+                                            # a prompt's choices after the first have the logprobs it scored
+                                            answers[index - index % request.n][2]))
         return await self._off_loop(lambda: Json(reply.batch(answered, request.n)))
 
-    async def _off_loop(self, build: Callable[[], object]) -> object:
+    async def _off_loop(self, build: Callable[[], T]) -> T:
         """build() in the builder's thread: a response's logprobs are a token text decoded for each of a prompt's tokens
         and its N most probable, then megabytes of JSON (0.5-1.0 s for 4000 tokens at prompt_logprobs 20, a 152k
         vocabulary, 2 loaded cores), which on the event loop stalled every other stream meanwhile."""
@@ -349,7 +356,7 @@ class Server:
         take a place in the queue."""
         decoder = self.decoder
         prompt = request.prompt
-        if request.endpoint == CHAT and prompt is None:  # else a choice after the first (_after_first)
+        if prompt is None:  # a chat's first choice (a choice after the first carries its ids: _after_first)
             if self.chat_template is None:
                 raise ApiError(400, "this model's bundle has no chat template (its tokenizer has none), and the server "
                                     "was started without --chat-template: use /v1/completions with a prompt", "messages")
@@ -380,7 +387,8 @@ class Server:
                 error.param = "messages"
             raise error from None
         # a format whose tags are special tokens (Mistral's) is read from a text that keeps them, as vLLM reads it
-        return replace(checked, special_tokens=True) if request.parse_tools and self.tool_parser.special_tokens else checked
+        tags_special = request.parse_tools and self.tool_parser is not None and self.tool_parser.special_tokens
+        return replace(checked, special_tokens=True) if tags_special else checked
 
     async def _collect(self, jobs: list[Job], http: HttpRequest, logprobs: bool, echoes: list[Echo | None],
                        top: int | None = None) -> list:
@@ -481,12 +489,12 @@ class Server:
                                                      encode=protocol.dumps))
         # With logprobs a job yields (delta, its tokens' records) after every token: records whose text is
         # held back (a possible stop string, a tool call) go with the next chunk that has text or calls, or the last.
-        held = []
+        held: list[TokenLogprobs] = []
         async for item in items:
             seen += 1
             delta, records = item if reply.logprobs else (item, ())
             held += records
-            calls = []
+            calls: list[dict] = []
             if delta and reply.tool_stream is not None:
                 delta, calls = reply.tool_stream.feed(delta)
             if delta:
@@ -732,9 +740,9 @@ class EventStream(StreamingResponse):
     first send leaves the generator unstarted, so closing it runs none of its code: under an ASGI 2.4 server, whose
     send raises OSError on a closed connection; `ended` is what stops the job there too."""
 
-    def __init__(self, events, ended):
+    def __init__(self, events: AsyncGenerator[str, None], ended: Callable[[], None]):
         super().__init__(events, headers=UNBUFFERED, media_type="text/event-stream")
-        self.ended = ended
+        self.events, self.ended = events, ended
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -743,7 +751,7 @@ class EventStream(StreamingResponse):
             pass
         finally:
             try:
-                await self.body_iterator.aclose()
+                await self.events.aclose()
             finally:
                 self.ended()
 

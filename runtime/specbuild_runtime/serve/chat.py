@@ -73,7 +73,7 @@ class ChatTemplate:
                               "or give one with --chat-template") from None
         self.takes_parts = _loops_over_content(env.parse(source))
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+    def render(self, messages: object, add_generation_prompt: bool = True, continue_final_message: bool = False,
                variables: dict | None = None, tools: list[dict] | None = None) -> str:
         """The prompt for `messages` (OpenAI chat format, checked here), ending where the assistant speaks: a new
         turn's header (add_generation_prompt), or inside the last message (continue_final_message). `variables`
@@ -134,7 +134,7 @@ class ChatTemplate:
              (" and 'chat_template_kwargs'" if variables else ""), text)
         return text
 
-    def prompt_ids(self, tokenizer, messages: list[dict], fits: Callable[[str], None] | None = None,
+    def prompt_ids(self, tokenizer, messages: object, fits: Callable[[str], None] | None = None,
                    add_special_tokens: bool = False, **options) -> list[int]:
         """The rendered prompt's token ids (a `tokenizers.Tokenizer`; `options` as render takes them): special
         tokens come from the template's text, as transformers' apply_chat_template encodes it, none added unless

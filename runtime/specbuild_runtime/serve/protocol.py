@@ -88,8 +88,8 @@ INSTEAD = {
        for endpoint in (COMPLETIONS, CHAT) for kind in ("json", "regex", "choice", "grammar")},
 }
 # Values that ask for nothing beyond plain text (clients send them by default): as if absent.
-NEUTRAL = {"tool_choice": ["none"], "modalities": [["text"]],
-           "parallel_tool_calls": [True]}
+NEUTRAL: dict[str, list] = {"tool_choice": ["none"], "modalities": [["text"]],
+                             "parallel_tool_calls": [True]}
 
 # The runtime's names for what the API calls otherwise, to name them back in error messages.
 RUNTIME_NAMES = {"max_new_tokens": "max_tokens"}
@@ -298,9 +298,11 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
     # vLLM's StreamOptions: an object sent asks for the usage chunk unless it says otherwise (include_usage absent is
     # true, null false, as vLLM reads it), and its continuous_usage_stats (with that chunk only) for the usage so far
     # in every chunk
-    include_usage = options is not None and _flag(options, "include_usage", "stream_options.include_usage",
-                                                  "include_usage" not in options)
-    continuous_usage = include_usage and _flag(options, "continuous_usage_stats", "stream_options.continuous_usage_stats")
+    include_usage = continuous_usage = False
+    if options is not None:
+        include_usage = _flag(options, "include_usage", "stream_options.include_usage", "include_usage" not in options)
+        continuous_usage = include_usage and _flag(options, "continuous_usage_stats",
+                                                   "stream_options.continuous_usage_stats")
     add_special_tokens = _flag(body, "add_special_tokens", default=endpoint == COMPLETIONS)
     tracing = {"return_token_ids": _flag(body, "return_token_ids"), **_prompt_logprobs(body, stream)}
     _default_only(body)
@@ -361,8 +363,8 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
     if echo and ("logprobs" in decoding or max_tokens == 0):  # max_tokens 0: the runtime's scoring, shown or not
         # vLLM's: a prompt_logprobs N sent scores the prompt (a stream's 0 too; its text's logprobs then hold N
         # alternatives at most), else the logprobs N, and a whole response shows them as prompt_logprobs too
-        asked = body.get("prompt_logprobs")
-        decoding.setdefault("prompt_logprobs", decoding.get("logprobs", 0) if asked is None else asked)
+        sent = body.get("prompt_logprobs")
+        decoding.setdefault("prompt_logprobs", decoding.get("logprobs", 0) if sent is None else sent)
         tracing["prompt_logprobs"] |= "logprobs" in decoding and not stream
     prompts = _prompts(body)
     return Request(COMPLETIONS, prompts[0] if len(prompts) == 1 else None, None, max_tokens, decoding, stream,
@@ -529,7 +531,8 @@ def _tools(body: dict, tool_parser: str | None) -> tuple[list[dict] | None, bool
         choice = "auto" if tools else "none"
     if choice == "none" or choice == "required" and body.get("tools") == []:
         return tools, False, None, None
-    named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    named = isinstance(function, dict)
     if choice not in ("auto", "required") and not named:
         raise ApiError(400, f"tool_choice must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", "
                             f"\"function\": {{\"name\": ...}}}}, not {_json(choice)}", "tool_choice")
@@ -544,8 +547,8 @@ def _tools(body: dict, tool_parser: str | None) -> tuple[list[dict] | None, bool
         parts = tuple(_forced_grammar(tool["function"]["parameters"], f"tools[{index}].function.parameters")
                       for index, tool in enumerate(tools) if tool["function"].get("parameters"))
         return tools, False, REQUIRED, Unchecked({"json": schema}, "tools", parts)
-    if named:
-        return tools, False, *_named(choice["function"].get("name"), tools)
+    if isinstance(function, dict):  # named
+        return tools, False, *_named(function.get("name"), tools)
     if tool_parser is None:
         raise ApiError(400, "\"auto\" tool choice (the default where tools are sent) needs the server to parse the "
                             f"reply's tool calls: start it with --tool-call-parser {'|'.join(PARSERS)}, the "
@@ -706,6 +709,7 @@ class Reply:
         self.id = ("chatcmpl-" if endpoint == CHAT else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.tool_parser = tool_parser
+        self.calls_finish = tool_parser is not None and tool_parser.calls_finish  # see ToolParser
         self.index = 0  # the choice a stream's chunks are of (see choice)
         self.parse_calls = tool_parser.parse if tool_parser else None
         self.tool_stream = tool_parser.stream() if tool_parser else None
@@ -747,7 +751,7 @@ class Reply:
             # an empty list as a reply that calls tools, and its callers index it
             content, calls = self.parse_calls(answer.text) if self.parse_calls else (answer.text, [])
             message = {"role": "assistant", "content": content, **({TOOL_CALLS: calls[:self.most_calls]} if calls else {})}
-            if calls and self.tool_parser.calls_finish:
+            if calls and self.calls_finish:
                 finish = TOOL_CALLS
             return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish,
                     "stop_reason": stats.stop_reason, **traced}
@@ -780,7 +784,7 @@ class Reply:
         """A delta of text and the logprobs of the tokens `records` (those decoded since the last chunk; unscored: see
         Logprobs.of); with `stats`, the closing chunk that carries the finish reason ("tool_calls" where `called`: tool
         calls were sent)."""
-        called = called and self.tool_parser.calls_finish
+        called = called and self.calls_finish
         finish = (TOOL_CALLS if called else FINISH_REASONS[stats.finish_reason]) if stats else None
         stop_reason = stats.stop_reason if stats else None
         logprobs = self.logprobs.of(records, self.sent, unscored) if self.logprobs and not first else None

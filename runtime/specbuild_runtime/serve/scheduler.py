@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
+from typing import Callable, TypeVar
 
 from ..decode import Stats
 from ..relay import Relay
@@ -26,6 +26,7 @@ from ..validation import Request
 from .metrics import Metrics
 
 log = logging.getLogger("specbuild.serve")
+T = TypeVar("T")
 # stream_request's item for a token whose text is held back: the relay does not post it, and Job.decoded does not
 # count it (one definition: counted apart from what is posted, continuous usage would count tokens not yet read)
 HELD = ("",)
@@ -125,7 +126,7 @@ class Scheduler:
             self._waiting_changed()
         return job
 
-    async def run_check(self, work: Callable[[], object]) -> object:
+    async def run_check(self, work: Callable[[], T]) -> T:
         """work() on the checking thread, after the checks before it: tokenizing for /tokenize and /detokenize holds as
         much memory as a request's check, so it takes turns with them."""
         if self.draining:

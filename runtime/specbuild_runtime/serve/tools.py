@@ -26,7 +26,7 @@ import re
 import uuid
 import warnings
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 START, END = "<tool_call>", "</tool_call>"
 # Llama 3's "code follows" token, before some of its calls: a special token, so the runtime's text (special tokens
@@ -335,11 +335,13 @@ def parse_pythonic(text: str) -> tuple[str | None, list[dict]]:
     try:
         with warnings.catch_warnings(action="ignore"):  # Python 3.12 warns of each "\d" in the model's strings
             listed = getattr(ast.parse(text).body[0], "value", None)
-        if not isinstance(listed, ast.List) or not all(isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
-                                                       for call in listed.elts):
+        if not isinstance(listed, ast.List):
             raise ValueError("a pythonic reply is a list of calls")
-        calls = [_call(call.func.id, {keyword.arg: _literal(keyword.value) for keyword in call.keywords})
-                 for call in listed.elts]
+        calls = []
+        for call in listed.elts:
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
+                raise ValueError("a pythonic reply is a list of calls")
+            calls.append(_call(call.func.id, {keyword.arg: _literal(keyword.value) for keyword in call.keywords}))
     except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
         return text, []
     return None, calls
@@ -348,8 +350,10 @@ def parse_pythonic(text: str) -> tuple[str | None, list[dict]]:
 def _literal(node: ast.expr):
     if isinstance(node, ast.Constant):
         return node.value
-    if isinstance(node, ast.Dict) and all(isinstance(key, ast.Constant) for key in node.keys):
-        return {key.value: _literal(value) for key, value in zip(node.keys, node.values)}
+    if isinstance(node, ast.Dict):
+        keys = [key for key in node.keys if isinstance(key, ast.Constant)]  # None: a **spread
+        if len(keys) == len(node.keys):
+            return {key.value: _literal(value) for key, value in zip(keys, node.values)}
     if isinstance(node, ast.List):
         return [_literal(element) for element in node.elts]
     raise ValueError("a call's arguments are literals")
@@ -368,7 +372,7 @@ class Llama4PythonicStream(PythonicStream):
     """For parse_llama4_pythonic: a PythonicStream fed the text that parser reads, the opening <|python_start|> and
     every <|python_end|> after it left out; what may still be the start of either is held until a delta tells."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.raw = ""  # the reply's text not yet passed on
         self.wrapped: bool | None = None  # whether the reply opens with <|python_start|> (None: not yet told)
@@ -391,9 +395,17 @@ class Llama4PythonicStream(PythonicStream):
         return content + rest, calls
 
 
+class DeltaStream(Protocol):
+    """A streamed reply's parser: the content and calls each delta completes, then those the end does."""
+
+    def feed(self, delta: str) -> tuple[str, list[dict]]: ...
+
+    def end(self) -> tuple[str, list[dict]]: ...
+
+
 class ToolParser(NamedTuple):
     parse: Callable[[str], tuple[str | None, list[dict]]]  # a whole reply's content and calls
-    stream: Callable[[], HeldStream | Llama3JsonStream]  # a streamed reply's, from its deltas
+    stream: Callable[[], DeltaStream]  # a streamed reply's, from its deltas
     special_tokens: bool = False  # the reply's text keeps its special tokens, the format's tags among them
     # a reply with calls finishes "tool_calls"; false: as it ended ("stop"), as vLLM and OpenAI answer a named function
     calls_finish: bool = True
@@ -443,7 +455,9 @@ def required_schema(tools: list[dict]) -> dict:
     """tool_choice "required": a JSON list of one or more {"name", "parameters"} objects, each one of the tools'.
     Each tool's $defs move to the list's, where its "#/$defs/..." references point from; a ValueError names two
     tools whose $defs give one name two schemas, which vLLM refuses too."""
-    calls, defs, defined_by = [], {}, {}
+    calls: list[dict] = []
+    defs: dict[str, object] = {}
+    defined_by: dict[str, int] = {}
     for index, tool in enumerate(tools):
         function = tool["function"]
         parameters = dict(function.get("parameters") or NO_PARAMETERS)
