@@ -265,7 +265,7 @@ class Server:
         if request.stream:
             return self._stream(endpoint, jobs, reply, request.include_usage, echoes, request.n, request.continuous_usage)
         try:
-            answers = await self._collect(jobs, http, logprobs, echoes, request.decoding.get("logprobs"))
+            answers = await self._collect(jobs, http, logprobs, echoes)
         except Stopped as stop:
             return self._refuse(endpoint, stop, any(job.started for job in jobs))
         except Exception as exc:
@@ -276,14 +276,22 @@ class Server:
                 if score is not None:
                     score.cancel()
         self.metrics.outcome(endpoint, "ok")
-        answered = []
-        for index, ((text, records, _), job, echo) in enumerate(zip(answers, jobs, echoes)):
-            assert job.request is not None  # collected: checked (a job stopped before its check raised in _collect)
-            answered.append(protocol.Answer(echo.text + text if echo else text, job.stats, records,
-                                            echo.first if echo else (), job.token_ids, job.request.prompt_ids,
-                                            # a prompt's choices after the first have the logprobs it scored
-                                            answers[index - index % request.n][2]))
-        return await self._off_loop(lambda: Json(reply.batch(answered, request.n)))
+        top = request.decoding.get("logprobs")
+
+        def build() -> Json:
+            answered = []
+            for index, ((text, shown, records, _), job, echo) in enumerate(zip(answers, jobs, echoes)):
+                assert job.request is not None  # collected: checked (a job stopped before its check raised in _collect)
+                # vLLM keeps the first N + 1 of a prompt token's entries, itself first then the most probable others:
+                # where it is among the N most probable, a prompt_logprobs over N shows its N + 1st too
+                shown = [replace(record, top=[pair for pair in record.top if pair[0] != record.token_id][:top])
+                         for record in shown or ()]
+                answered.append(protocol.Answer(echo.text + text if echo else text, job.stats, [*shown, *records],
+                                                echo.first if echo else (), job.token_ids, job.request.prompt_ids,
+                                                # a prompt's choices after the first have the logprobs it scored
+                                                answers[index - index % request.n][3]))
+            return Json(reply.batch(answered, request.n))
+        return await self._off_loop(build)
 
     async def _off_loop(self, build: Callable[[], T]) -> T:
         """build() in the builder's thread: a response's logprobs are a token text decoded for each of a prompt's tokens
@@ -390,25 +398,19 @@ class Server:
         tags_special = request.parse_tools and self.tool_parser is not None and self.tool_parser.special_tokens
         return replace(checked, special_tokens=True) if tags_special else checked
 
-    async def _collect(self, jobs: list[Job], http: HttpRequest, logprobs: bool, echoes: list[Echo | None],
-                       top: int | None = None) -> list:
-        """Each job's whole text, (logprobs) its tokens' TokenLogprobs, an echo's prompt tokens' first (with `top`
-        alternatives besides the token at most: its prompt_logprobs may score more), and its prompt's TokenLogprobs
-        where it scored them (vLLM's prompt_logprobs, or echo's), else None; or Stopped("cancelled") if the client
-        disconnects first."""
-        async def join(job, echo) -> tuple[str, list, Sequence[TokenLogprobs] | None]:
+    async def _collect(self, jobs: list[Job], http: HttpRequest, logprobs: bool, echoes: list[Echo | None]) -> list:
+        """Each job's whole text, (logprobs) an echo's prompt tokens' TokenLogprobs as scored (cut to the request's
+        logprobs where the response is built) and its tokens', and its prompt's TokenLogprobs where it scored them
+        (vLLM's prompt_logprobs, or echo's), else None; or Stopped("cancelled") if the client disconnects first."""
+        async def join(job, echo) -> tuple[str, Sequence[TokenLogprobs] | None, list, Sequence[TokenLogprobs] | None]:
             items = aiter(job)
             scored = await echo.prompt_logprobs(items) if echo else None
             # the job's first item where it scored its prompt (a choice after its prompt's first has not)
             prompt = (await anext(items))[1] if not echo and job.request and job.request.prompt_logprobs is not None else scored
             items = [item async for item in items]
             if not logprobs:
-                return "".join(items), [], prompt
-            # vLLM keeps the first N + 1 of a prompt token's entries, itself first then the most probable others: where
-            # it is among the N most probable, a prompt_logprobs over N shows its N + 1st too
-            shown = [replace(record, top=[pair for pair in record.top if pair[0] != record.token_id][:top])
-                     for record in scored or ()]
-            return ("".join(delta for delta, _ in items), [*shown, *(record for _, records in items for record in records)],
+                return "".join(items), None, [], prompt
+            return ("".join(delta for delta, _ in items), scored, [record for _, records in items for record in records],
                     prompt)
 
         collecting = asyncio.ensure_future(asyncio.gather(*map(join, jobs, echoes)))
