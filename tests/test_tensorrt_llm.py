@@ -424,6 +424,19 @@ def test_run_plan_feeds_the_prompt_as_given(pairs, tmp_path):
     assert "--no_prompt_template" in (out / manifest.tensorrt_llm.plans["run"]).read_text()
 
 
+@pytest.mark.parametrize("max_seq_len", [48, 64, 256, 2048])
+@pytest.mark.parametrize("gamma", [1, 4, 8])
+def test_run_plans_default_output_leaves_run_py_half_the_context_for_the_prompt(max_seq_len, gamma):
+    """run.py's draft-target loop asserts prompt + 2 x max_output_len <= the engine's max_seq_len
+    (run_dtm_ngram.py's max_input_len is prompt + output, and ModelRunnerCpp.from_dir adds the output again),
+    and asks the target for gamma + 1 tokens after up to prompt + output - 1 (ModelRunnerCpp._check_inputs)."""
+    run = tensorrt_llm.run_script(gamma, 1, max_seq_len, [2], 2)
+    output = int(re.search(r"MAX_OUTPUT_LEN:-(\d+)", run).group(1))
+    prompt = max_seq_len // 2
+    assert prompt + 2 * output <= max_seq_len and output >= gamma, (max_seq_len, gamma, output)
+    assert f"prompts of up to {max_seq_len - 2 * output} tokens" in run
+
+
 def test_run_plan_says_which_eos_ends_the_output_and_which_run_py_runs_past(pairs, tmp_path):
     """run.py's draft-target mode stops at one end id; Llama 3.1 Instruct's generation_config lists three."""
     target, draft = pairs("llama")

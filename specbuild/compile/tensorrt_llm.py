@@ -508,8 +508,13 @@ trtllm-build --checkpoint_dir target --output_dir engines/target {common} \\
 def run_script(gamma: int, tp: int, max_seq_len: int, eos: list[int], tokenizer_eos: int | None) -> str:
     """examples/run.py's draft-target mode (examples/draft_target_model/README.md): [draft_len, draft GPUs,
     target GPUs, use_logits]; each device list is as long as that engine's tp. run.py starts both engines
-    itself (ModelRunnerCpp in orchestrator mode, examples/run_dtm_pld.py), so no mpirun. The default output
-    length leaves half the engines' max_seq_len to the prompt. --no_prompt_template: run.py otherwise wraps
+    itself (ModelRunnerCpp in orchestrator mode, examples/run_dtm_pld.py), so no mpirun. Its draft-target loop
+    (examples/ngram/run_dtm_ngram.py) hands ModelRunnerCpp.from_dir a max_input_len of prompt + max_output_len,
+    to which from_dir adds max_output_len again and asserts the sum fits the engine's max_seq_len
+    (tensorrt_llm/runtime/model_runner_cpp.py), and each target call asks for γ + 1 tokens after up to
+    prompt + max_output_len - 1 (ModelRunnerCpp._check_inputs): the output must be at least γ, and prompt + twice
+    the output at most max_seq_len. The default output, a quarter of max_seq_len (at least γ, at most 128),
+    leaves the prompt half of it. --no_prompt_template: run.py otherwise wraps
     the text of some families (Qwen2ForCausalLM: examples/utils.py DEFAULT_PROMPT_TEMPLATES) in a chat
     template, so the engines would continue another prompt than the one given, as specbuild does not.
 
@@ -520,6 +525,7 @@ def run_script(gamma: int, tp: int, max_seq_len: int, eos: list[int], tokenizer_
     Instruct's generation_config lists 128001, 128008 and 128009): the script says which id ends it and
     which others it runs past. (run.py reads `if args.end_id`, so an END_ID of 0 falls back to the tokenizer's.)"""
     devices = "[" + ",".join(map(str, range(tp))) + "]"
+    output = min(128, max(gamma, max_seq_len // 4))
     end_id = tokenizer_eos if tokenizer_eos in eos else eos[0] if eos else None
     others = [e for e in eos if e != end_id]
     which = "the tokenizer's eos" if end_id == tokenizer_eos else "generation_config.json's first eos"
@@ -533,6 +539,8 @@ def run_script(gamma: int, tp: int, max_seq_len: int, eos: list[int], tokenizer_
 # Runs the engines build.sh made with TensorRT-LLM's examples/run.py in draft-target mode (written by
 # specbuild): the draft proposes {gamma} tokens, the target accepts those equal to its own greedy tokens.
 # Usage: TRTLLM_DIR=/path/to/TensorRT-LLM ./run.sh "def fibonacci(n):"
+# run.py's draft-target loop needs prompt + 2 x MAX_OUTPUT_LEN <= {max_seq_len} (the engines' max_seq_len) and
+# MAX_OUTPUT_LEN >= {gamma}: the default, {output}, takes prompts of up to {max_seq_len - 2 * output} tokens.
 {stops}set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 : "${{TRTLLM_DIR:?set TRTLLM_DIR to a TensorRT-LLM source checkout (for examples/run.py)}}"
@@ -541,7 +549,7 @@ python3 "$TRTLLM_DIR/examples/run.py" \\
   --tokenizer_dir "$here/../{TOKENIZER_DIR}" \\
   --draft_target_model_config "[{gamma},{devices},{devices},False]" \\
   --kv_cache_enable_block_reuse --kv_cache_free_gpu_memory_fraction 0.4 --no_prompt_template \\
-  --max_output_len "${{MAX_OUTPUT_LEN:-{min(128, max_seq_len // 2)}}}" --input_text "${{1:-def fibonacci(n):}}"{
+  --max_output_len "${{MAX_OUTPUT_LEN:-{output}}}" --input_text "${{1:-def fibonacci(n):}}"{
   "" if end_id is None else f' --end_id "${{END_ID:-{end_id}}}"'}
 """
 
