@@ -424,17 +424,38 @@ def test_run_plan_feeds_the_prompt_as_given(pairs, tmp_path):
     assert "--no_prompt_template" in (out / manifest.tensorrt_llm.plans["run"]).read_text()
 
 
+def run_plan_arguments(tmp_path: Path, script: str, **env) -> subprocess.CompletedProcess:
+    """run.sh against an examples/run.py that prints the arguments it was given, one a line."""
+    fake = tmp_path / "trtllm"
+    (fake / "examples").mkdir(parents=True, exist_ok=True)
+    (fake / "examples" / "run.py").write_text("import sys\nprint(*sys.argv[1:], sep='\\n')\n")
+    (tmp_path / "run.sh").write_text(script)
+    return subprocess.run(["bash", str(tmp_path / "run.sh"), "def f():"], capture_output=True, text=True,
+                          env={**os.environ, "TRTLLM_DIR": str(fake), **env})
+
+
 @pytest.mark.parametrize("max_seq_len", [48, 64, 256, 2048])
 @pytest.mark.parametrize("gamma", [1, 4, 8])
-def test_run_plans_default_output_leaves_run_py_half_the_context_for_the_prompt(max_seq_len, gamma):
-    """run.py's draft-target loop asserts prompt + 2 x max_output_len <= the engine's max_seq_len
-    (run_dtm_ngram.py's max_input_len is prompt + output, and ModelRunnerCpp.from_dir adds the output again),
-    and asks the target for gamma + 1 tokens after up to prompt + output - 1 (ModelRunnerCpp._check_inputs)."""
-    run = tensorrt_llm.run_script(gamma, 1, max_seq_len, [2], 2)
-    output = int(re.search(r"MAX_OUTPUT_LEN:-(\d+)", run).group(1))
-    prompt = max_seq_len // 2
-    assert prompt + 2 * output <= max_seq_len and output >= gamma, (max_seq_len, gamma, output)
-    assert f"prompts of up to {max_seq_len - 2 * output} tokens" in run
+def test_run_plan_gives_run_py_lengths_its_draft_target_loop_accepts(tmp_path, max_seq_len, gamma):
+    """run_dtm_ngram.py hands ModelRunnerCpp.from_dir a max_input_len of prompt + max_output_len, from_dir adds
+    max_output_len again and asserts the sum within the engine's max_seq_len, and each target call asks for
+    gamma + 1 tokens after up to prompt + output - 1 (_check_inputs); run.py keeps the first
+    --max_input_length tokens of a prompt (923 unless given). The default leaves the prompt half the context."""
+    result = run_plan_arguments(tmp_path, tensorrt_llm.run_script(gamma, 1, max_seq_len, [2], 2))
+    arguments = result.stdout.splitlines()
+    output = int(arguments[arguments.index("--max_output_len") + 1])
+    prompt = int(arguments[arguments.index("--max_input_length") + 1])
+    assert prompt + 2 * output == max_seq_len and output >= gamma and prompt >= max_seq_len // 2, arguments
+
+
+def test_run_plan_refuses_an_output_length_run_py_has_no_room_for_in_one_line(tmp_path):
+    script = tensorrt_llm.run_script(4, 1, 64, [2], 2)
+    for output in ("3", "32"):
+        result = run_plan_arguments(tmp_path, script, MAX_OUTPUT_LEN=output)
+        assert result.returncode == 2 and result.stdout == "", output
+        assert result.stderr.strip().splitlines() == [
+            f"run.sh: MAX_OUTPUT_LEN {output} leaves run.py no room; give one from 4 to 31"]
+    assert run_plan_arguments(tmp_path, script, MAX_OUTPUT_LEN="31").returncode == 0
 
 
 def test_run_plan_says_which_eos_ends_the_output_and_which_run_py_runs_past(pairs, tmp_path):

@@ -514,7 +514,8 @@ def run_script(gamma: int, tp: int, max_seq_len: int, eos: list[int], tokenizer_
     (tensorrt_llm/runtime/model_runner_cpp.py), and each target call asks for γ + 1 tokens after up to
     prompt + max_output_len - 1 (ModelRunnerCpp._check_inputs): the output must be at least γ, and prompt + twice
     the output at most max_seq_len. The default output, a quarter of max_seq_len (at least γ, at most 128),
-    leaves the prompt half of it. --no_prompt_template: run.py otherwise wraps
+    leaves the prompt half of it; --max_input_length says so to run.py, which otherwise keeps the first 923
+    tokens of a prompt (examples/run.py parse_input) however many fit. --no_prompt_template: run.py otherwise wraps
     the text of some families (Qwen2ForCausalLM: examples/utils.py DEFAULT_PROMPT_TEMPLATES) in a chat
     template, so the engines would continue another prompt than the one given, as specbuild does not.
 
@@ -540,16 +541,23 @@ def run_script(gamma: int, tp: int, max_seq_len: int, eos: list[int], tokenizer_
 # specbuild): the draft proposes {gamma} tokens, the target accepts those equal to its own greedy tokens.
 # Usage: TRTLLM_DIR=/path/to/TensorRT-LLM ./run.sh "def fibonacci(n):"
 # run.py's draft-target loop needs prompt + 2 x MAX_OUTPUT_LEN <= {max_seq_len} (the engines' max_seq_len) and
-# MAX_OUTPUT_LEN >= {gamma}: the default, {output}, takes prompts of up to {max_seq_len - 2 * output} tokens.
+# MAX_OUTPUT_LEN >= {gamma}; it keeps the first --max_input_length tokens of a prompt, which this script sets
+# to what fits: {max_seq_len - 2 * output} with the default MAX_OUTPUT_LEN, {output}.
 {stops}set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 : "${{TRTLLM_DIR:?set TRTLLM_DIR to a TensorRT-LLM source checkout (for examples/run.py)}}"
+output="${{MAX_OUTPUT_LEN:-{output}}}"
+if (( output < {gamma} || 2 * output >= {max_seq_len} )); then
+  echo "run.sh: MAX_OUTPUT_LEN $output leaves run.py no room; give one from {gamma} to {(max_seq_len - 1) // 2}" >&2
+  exit 2
+fi
 python3 "$TRTLLM_DIR/examples/run.py" \\
   --engine_dir "$here/engines/target" --draft_engine_dir "$here/engines/draft" \\
   --tokenizer_dir "$here/../{TOKENIZER_DIR}" \\
   --draft_target_model_config "[{gamma},{devices},{devices},False]" \\
   --kv_cache_enable_block_reuse --kv_cache_free_gpu_memory_fraction 0.4 --no_prompt_template \\
-  --max_output_len "${{MAX_OUTPUT_LEN:-{output}}}" --input_text "${{1:-def fibonacci(n):}}"{
+  --max_output_len "$output" --max_input_length "$(({max_seq_len} - 2 * output))" \\
+  --input_text "${{1:-def fibonacci(n):}}"{
   "" if end_id is None else f' --end_id "${{END_ID:-{end_id}}}"'}
 """
 
