@@ -359,7 +359,7 @@ class EngineSlot:
         self._biased = False  # the request has a logit_bias
         self._counting: set[str] = set()  # the inputs count() changes: only those the request's processing reads
         if self._tail is not None:
-            self._configure(temperature=0.0)
+            self._set_sampling(temperature=0.0)
 
     def configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                   penalties: tuple[float, float, float] = NO_PENALTIES, prompt: Sequence[int] = (), min_tokens: int = 0,
@@ -370,11 +370,12 @@ class EngineSlot:
         seen. min_tokens (0 where not has_min_tokens): the next tokens that may not be one of stops. logit_bias: (token,
         bias) pairs (none where not has_logit_bias). The tokens generated are told with count."""
         with self.engine.calls:  # its copies to the device too (see engine._CUDA_GRAPH_CALLS)
-            self._penalise(penalties, prompt, min_tokens, stops, logit_bias)
-            self._configure(temperature, top_k, top_p, min_p)
+            self._set_processing(penalties, prompt, min_tokens, stops, logit_bias)
+            self._set_sampling(temperature, top_k, top_p, min_p)
 
-    def _penalise(self, penalties: tuple[float, float, float], prompt: Sequence[int], min_tokens: int,
-                  stops: frozenset[int], logit_bias: tuple[tuple[int, float], ...]) -> None:
+    def _set_processing(self, penalties: tuple[float, float, float], prompt: Sequence[int], min_tokens: int,
+                        stops: frozenset[int], logit_bias: tuple[tuple[int, float], ...]) -> None:
+        """The host values of the penalties, min_tokens and logit_bias (pushed before the next call that applies them)."""
         values, last = self._penalty_values, self._tallied
         if last:  # the last request's tokens
             values["prompt_mask"][:] = False
@@ -434,7 +435,7 @@ class EngineSlot:
         if not values["min_tokens_left"]:
             self._counting.discard("min_tokens_left")
 
-    def _configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> None:
+    def _set_sampling(self, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> None:
         if self._tail is None:
             if temperature > 0:
                 raise RequestError(f"engine {self.engine.path} runs its greedy-only graph without the bundle's sampler: "
@@ -450,7 +451,7 @@ class EngineSlot:
             buffer.push()
         self._tail.bind_ortvalue_output("probs", self._probs[self.sampling].value)
         # Greedy calls read neither uniforms nor drafts' distributions: bind empty ones once.
-        self._bind_uniforms(1)
+        self._bind_uniforms(self._tail, 1)
         self._tail.bind_ortvalue_input("draft_probs", self._no_drafts.value)
         self._bound["draft_probs"] = -1
 
@@ -634,17 +635,18 @@ class EngineSlot:
             self._long_rope.host[()] = int(self._use_long)
             self._long_rope.push()
         if self.sampling:
-            self._bind_uniforms(num_drafts + 1, uniforms)
+            assert self._tail is not None  # only a slot with a tail samples (_set_sampling)
+            self._bind_uniforms(self._tail, num_drafts + 1, uniforms)
             if self._draft_probs is not None:
-                self._bind_rows("draft_probs", self._draft_probs, num_drafts)
+                self._bind_rows(self._tail, "draft_probs", self._draft_probs, num_drafts)
             if self._probs_rows is not None:
-                self._bind_row("probs", self._probs_rows, probs_row)
+                self._bind_row(self._tail, "probs", self._probs_rows, probs_row)
         if self._reading_logits:
             self._bind_logits(num_drafts)
         run(self.engine.session, self.binding, self.engine.path, self._graph(total_len - first, num_drafts, fed_len))
         # The sampler's turn: the same nodes on the same logits.
-        if sampler and self._tail is not self.binding:
-            self._feed_sampler(self._fed[total_len - num_drafts - 1:total_len], num_drafts)
+        if sampler and self._tail is not None and self._tail is not self.binding:
+            self._feed_sampler(self._tail, self._fed[total_len - num_drafts - 1:total_len], num_drafts)
             if self._sampler_decides:
                 self._push_processing(num_drafts)
             run(self.engine.sampling_session, self._tail, self.engine.path)
@@ -691,16 +693,15 @@ class EngineSlot:
             buffer.push()
         return buffer
 
-    def _feed_sampler(self, tokens: list[int], num_drafts: int) -> None:
+    def _feed_sampler(self, tail: ort.IOBinding, tokens: list[int], num_drafts: int) -> None:
         """The sampler's input_ids (the call's last D+1 tokens) and num_drafts."""
-        assert self._tail is not None  # only an engine with a sampler feeds it
         count = len(tokens)
         if count not in self._sampler_ids:
             self._sampler_ids[count] = Buffer(np.zeros((1, count), np.int64), self.engine.sampling_devices["input_ids"])
         buffer = self._sampler_ids[count]
         buffer.host[0] = tokens
         buffer.push()
-        self._tail.bind_ortvalue_input("input_ids", buffer.value)
+        tail.bind_ortvalue_input("input_ids", buffer.value)
         self._sampler_num_drafts.host[()] = num_drafts
         self._sampler_num_drafts.push()
 
@@ -742,8 +743,7 @@ class EngineSlot:
         self._bias_changed = False
         self._bound["logit_bias"] = num_drafts
 
-    def _bind_uniforms(self, count: int, values: np.ndarray | None = None) -> None:
-        assert self._tail is not None  # only a sampling call binds them, and only a slot with a tail samples
+    def _bind_uniforms(self, tail: ort.IOBinding, count: int, values: np.ndarray | None = None) -> None:
         if count not in self._uniforms:
             self._uniforms[count] = Buffer(np.zeros(count, np.float32), self.engine.sampling_devices["uniforms"])
         buffer = self._uniforms[count]
@@ -751,23 +751,20 @@ class EngineSlot:
             buffer.host[:] = values
             buffer.push()
         if self._bound["uniforms"] != count:
-            self._tail.bind_ortvalue_input("uniforms", buffer.value)
+            tail.bind_ortvalue_input("uniforms", buffer.value)
             self._bound["uniforms"] = count
 
-    def _bind_rows(self, name: str, rows: Buffer, count: int) -> None:
+    def _bind_rows(self, tail: ort.IOBinding, name: str, rows: Buffer, count: int) -> None:
         """Bind input name to the first count rows of rows (a view: no copy, on any device)."""
-        assert self._tail is not None  # only a sampling call binds them, and only a slot with a tail samples
         if self._bound[name] != count:
             width = rows.host.shape[1]
-            self._tail.bind_input(name, rows.device, 0, np.float32, [count, width], rows.value.data_ptr())
+            tail.bind_input(name, rows.device, 0, np.float32, [count, width], rows.value.data_ptr())
             self._bound[name] = count
 
-    def _bind_row(self, name: str, rows: Buffer, row: int) -> None:
+    def _bind_row(self, tail: ort.IOBinding, name: str, rows: Buffer, row: int) -> None:
         """Bind output name ([V] of this engine's vocabulary) to the start of row `row` of rows."""
-        assert self._tail is not None  # only a sampling call binds them, and only a slot with a tail samples
         row_bytes = rows.host.shape[1] * rows.host.itemsize
-        self._tail.bind_output(name, rows.device, 0, np.float32, [self.engine.vocab_size],
-                                 rows.value.data_ptr() + row * row_bytes)
+        tail.bind_output(name, rows.device, 0, np.float32, [self.engine.vocab_size], rows.value.data_ptr() + row * row_bytes)
 
 
 class DraftSteps:
