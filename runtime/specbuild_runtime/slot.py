@@ -278,7 +278,9 @@ class EngineSlot:
         self._copies = not all(b.shared for b in (self._total_len, self._seqlens_k, self._num_drafts,
                                                    self._accepted, self._next_token))
         self._ids: dict[int, Buffer] = {}  # tokens per call -> buffer
-        self._bound = {"input_ids": 0, "uniforms": 0, "draft_probs": -1, "logits": -1, "logit_bias": -1}  # the size each is bound at
+        # What each is bound for, so that a call rebinds only what changed: input_ids and uniforms their length (0: none
+        # yet, or input_ids a prompt's own buffer), the others num_drafts (-1: none yet, or draft_probs greedy's empty one).
+        self._bound = {"input_ids": 0, "uniforms": 0, "draft_probs": -1, "logits": -1, "logit_bias": -1}
         self._fed = [0] * engine.max_seq_len  # the token at each cache position, to re-feed (a list: cheaper per call)
         # A LongRoPE target past its original length (manifest: rope_switch_length): the table the next call rotates
         # with (its `long_rope` input) and the one the cache was written with (see step).
@@ -334,11 +336,11 @@ class EngineSlot:
         # decides every call of a request that applies them: see _call), each a copy of its own where the device holds
         # it. They change only for a request that asks for them, and those changed (configure: all; count: the counts)
         # are pushed before the next call that applies them: the [V] ones are 0.15-0.6 MB each at a 152k vocabulary.
-        self._penalty_values: dict[str, np.ndarray] = {"repetition_penalty": np.ones((), np.float32), "presence_penalty": np.zeros((), np.float32),
-                                "frequency_penalty": np.zeros((), np.float32),
-                                "prompt_mask": np.zeros(engine.vocab_size, np.bool_),
-                                "output_counts": np.zeros(engine.vocab_size, np.float32),
-                                "min_tokens_left": np.zeros((), np.int64), "stop_tokens": np.zeros(engine.vocab_size, np.bool_)}
+        self._penalty_values: dict[str, np.ndarray] = {
+            "repetition_penalty": np.ones((), np.float32), "presence_penalty": np.zeros((), np.float32),
+            "frequency_penalty": np.zeros((), np.float32), "prompt_mask": np.zeros(engine.vocab_size, np.bool_),
+            "output_counts": np.zeros(engine.vocab_size, np.float32), "min_tokens_left": np.zeros((), np.int64),
+            "stop_tokens": np.zeros(engine.vocab_size, np.bool_)}
         # A greedy-only graph compiled before its sampler decided such calls takes them too (engine.processes): bound,
         # as its sampler's, to their neutral values, which the engine's has_* keep them at.
         self._sampler_decides = self._tail not in (None, self.binding) and not engine.processes
@@ -834,7 +836,7 @@ class Slot:
     draft leaves its distributions for the target to judge (sampling)."""
 
     def __init__(self, index: int, target: Engine, draft: Engine, target_rows: Rows, max_gamma: int,
-                 draft_steps: Engine | None = None):
+                 steps_engine: Engine | None = None):
         self.index = index
         # Columns past the draft's vocabulary (when smaller than the target's) stay zero: q is a proper
         # distribution over the target's vocabulary.
@@ -842,7 +844,7 @@ class Slot:
              if target.sampling_session is not None else None)
         self.target = EngineSlot(target, target_rows, draft_probs=q, max_drafts=max_gamma)
         self.draft = EngineSlot(draft, AS_FED, probs_rows=q)
-        self.draft_steps = DraftSteps(draft_steps, self.draft) if draft_steps else None
+        self.draft_steps = DraftSteps(steps_engine, self.draft) if steps_engine else None
 
     def configure(self, temperature: float, top_k: int, top_p: float, logits: bool = False, min_p: float = 0.0,
                   penalties: tuple[float, float, float] = NO_PENALTIES, prompt: Sequence[int] = (), min_tokens: int = 0,
