@@ -170,8 +170,8 @@ _CUDA_GRAPH_CALLS = threading.Lock()
 # Architectures (and precisions) whose replayed calls were measured to give the tokens of uncaptured ones on a
 # GPU (tests/test_gpu.py: Llama fp16 and bf16 on an H200 and an H100; Qwen2 with a sliding window, Gemma 3, Phi-3
 # and GPT-2 fp16 on an H100, 2026-11-26, once cuDNN's attention was off, see choose_attention_kernels): CUDA
-# graphs are their default on CUDA (decode.graphs_by_default). The others replay only when asked (--cuda-graphs) until that test has run
-# for them too.
+# graphs are their default on CUDA (decode.graphs_by_default). The others replay only when asked (--cuda-graphs)
+# until that test has run for them too.
 CAPTURED_BY_DEFAULT = {"LlamaForCausalLM": ("fp16", "bf16"), "Qwen2ForCausalLM": ("fp16",), "Gemma3ForCausalLM": ("fp16",),
                        "Phi3ForCausalLM": ("fp16",), "GPT2LMHeadModel": ("fp16",)}  # architecture: precisions run
 
@@ -271,7 +271,7 @@ class Engine:
     """
 
     def __init__(self, path: Path, info: EngineInfo, max_seq_len: int, device: str = "cpu",
-                 graph: bytes | None = None, cuda_graphs: bool = False, sampler: "Sampler | None" = None,
+                 graph: bytes | None = None, cuda_graphs: bool = False, sampler: Sampler | None = None,
                  steps: bool = False):
         self.path, self.info, self.max_seq_len, self.device = Path(path), info, max_seq_len, device
         self.greedy_only = cuda_graphs or steps

@@ -106,7 +106,7 @@ class SlotPool:
                 self._free.append(slot)
                 self._changed.notify_all()  # whoever is first in line (notify() might wake another, who waits on)
 
-    def _wait_for_turn(self, me: int, ticket: object, halt: threading.Event | None = None) -> None:
+    def _wait_for_turn(self, me: int, ticket: object, halt: threading.Event | None) -> None:
         """Wait until a slot is free for this ticket: the earliest waiters take the free slots first, so a
         thread that just gave one back cannot take it again ahead of those already waiting."""
         refuse_at = None  # while this thread drove a busy slot's stream last: when to stop waiting for it

@@ -385,7 +385,7 @@ GREEDY_OUTPUTS = {LOGITS: "tensor(float)"}
 CACHE_TYPES = {"fp32": "tensor(float)", "fp16": "tensor(float16)", "bf16": "tensor(bfloat16)"}
 
 
-def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int, graph: str = "engine") -> int:
+def check_engine_io(path, inputs: dict, outputs: dict, info, max_seq_len: int, graph: str) -> int:
     """The manifest's description of an engine against one of its graphs' own inputs/outputs (name ->
     (ONNX type, shape)): an edited manifest fails here, at load, instead of inside a call. graph: "engine"
     (the engine file), "greedy" (its greedy-only graph) or "steps" (a draft's steps graph). Returns the
