@@ -724,7 +724,7 @@ class SpeculativeDecoder:
             target.constrain(guide.masks([]))
         _, token = target.step(ids[reused:], total_len=len(ids), uniforms=uniforms(1))
         new_tokens = [token]
-        rows = target.logits() if records is not None else None  # row j decided new_tokens[j]
+        logits = target.logits() if records is not None else None  # row j decided new_tokens[j]
         draft_len = slot.draft.prefix(ids, len(ids)) if self.prefix_reuse and sampling.greedy else 0
         # Auto mode, greedy: the token that last followed each token, for free guesses (see below; a
         # guess is verified like a draft, so it cannot change the output). Not under a grammar, where each guess
@@ -737,8 +737,8 @@ class SpeculativeDecoder:
                 if token == not_finite:  # after the drafts judged on finite rows: where the target alone stops
                     raise self._not_finite(stats.generated_tokens + 1)
                 if records is not None:
-                    assert rows is not None and request.logprobs is not None  # records: logprobs asked, logits read
-                    records.append(token_logprobs(rows[j], token, request.logprobs))
+                    assert logits is not None and request.logprobs is not None  # records: logprobs asked, logits read
+                    records.append(token_logprobs(logits[j], token, request.logprobs))
                 if follows is not None:
                     follows[ids[-1]] = token
                 ids.append(token)
@@ -790,7 +790,7 @@ class SpeculativeDecoder:
             t2 = clock()
             draft_len = min(draft_len, len(ids) + accepted)
             new_tokens = [*proposed[:accepted], token]
-            rows = target.logits() if records is not None else None
+            logits = target.logits() if records is not None else None
             # How many guesses held (in a round with drafts: would have, as far as its tokens tell).
             held = _leading_equal(guesses, new_tokens) if drafts else accepted
             if guesses and not drafts:  # α judges the draft model, which drafted nothing
