@@ -162,8 +162,7 @@ def fed_total_len(engine: Engine, first: int, total_len: int, reach: int = 0) ->
     of 128 keys). onnxruntime's unfused fallback (heads over 256 wide) would take it as the key count, as it
     would max_seq_len.
     """
-    full = first and (engine.gpu_attention or engine.captures)
-    if not full:
+    if not first or not (engine.gpu_attention or engine.captures):  # a prompt's first call, or attention on the CPU
         return total_len
     if GPU_TOTAL_LEN == "max":
         return engine.max_seq_len
