@@ -394,7 +394,7 @@ def test_the_drafts_steps_graph_drafts_what_a_call_per_token_drafts(architecture
     folder = bundles(architecture, draft_seed=1)
     one_by_one = SpeculativeDecoder(folder)  # the CPU's default
     steps = SpeculativeDecoder(folder, draft_steps=True)
-    assert steps.steps_engine.steps == 4 and one_by_one.steps_engine is None
+    assert steps.steps_engine.steps_per_call == 4 and one_by_one.steps_engine is None
     for prompt in (PROMPTS[3], PROMPTS[0], PROMPTS[5]):
         for gamma in (1, 4, 6, 8, "auto"):
             expected = one_by_one.generate(prompt, NEW_TOKENS, gamma)

@@ -267,7 +267,7 @@ class Engine:
     cuda_graphs: path is the engine's greedy-only graph (no sampling, no control flow); on CUDA, calls
     that name a graph id are captured once and replayed as CUDA graphs (see slot.graph_id).
     Such an engine samples with `sampler` (the bundle's), fed each call's logits; without one it cannot.
-    steps: path is a draft's steps graph (manifest.py), which drafts `self.steps` tokens a call, greedily.
+    steps: path is a draft's steps graph (manifest.py), which drafts `self.steps_per_call` tokens a call, greedily.
     """
 
     def __init__(self, path: Path, info: EngineInfo, max_seq_len: int, device: str = "cpu",
@@ -290,7 +290,7 @@ class Engine:
         self.session = _session(path, device, self.captures, graph)
         inputs = {i.name: (i.type, i.shape) for i in self.session.get_inputs()}
         outputs = {o.name: (o.type, o.shape) for o in self.session.get_outputs()}
-        self.steps = check_engine_io(path, inputs, outputs, info, max_seq_len,
+        self.steps_per_call = check_engine_io(path, inputs, outputs, info, max_seq_len,
                                      "steps" if steps else "greedy" if cuda_graphs else "engine")
         self.element_type = ELEMENT_TYPES[info.precision]
         self.cache_names = cache_names(info.shape.num_layers)

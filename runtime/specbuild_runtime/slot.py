@@ -283,7 +283,7 @@ class EngineSlot:
         self._fed = [0] * engine.max_seq_len  # the token at each cache position, to re-feed (a list: cheaper per call)
         # A LongRoPE target past its original length (manifest: rope_switch_length): the table the next call rotates
         # with (its `long_rope` input) and the one the cache was written with (see step).
-        self.rope_switch = engine.info.rope_switch_length if not engine.steps else 0
+        self.rope_switch = engine.info.rope_switch_length if not engine.steps_per_call else 0
         self._long_rope = self._input(LONG_ROPE, np.zeros((), np.int64)) if self.rope_switch else None
         self._use_long = self._cache_long = False
         self._redo_from = engine.max_seq_len  # the next call starts no later than this (see Rows)
@@ -775,7 +775,7 @@ class DraftSteps:
     the draft's own graph would (its steps compute the same rows), without the host between steps."""
 
     def __init__(self, engine: Engine, draft: EngineSlot):
-        self.engine, self.draft, self.count = engine, draft, engine.steps
+        self.engine, self.draft, self.count = engine, draft, engine.steps_per_call
         for name in ("input_ids", engine.cache_names[0][0]):
             # It reads the draft slot's token buffers and caches; bound on another device than the session reads
             # them from, they would be copied once, when bound, and then read stale.

@@ -277,7 +277,7 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
         "device": decoder.device,
         "cuda_graphs": decoder.cuda_graphs,  # the greedy-only graphs, captured on cuda (the sampler never)
         # tokens a greedy round's call of the draft's steps graph drafts (0: a call per draft token)
-        "draft_steps_per_call": decoder.steps_engine.steps if decoder.steps_engine else 0,
+        "draft_steps_per_call": decoder.steps_engine.steps_per_call if decoder.steps_engine else 0,
         "machine_bandwidth_gbs": round(bandwidth, 2),  # cpu: onnxruntime read; cuda: onnxruntime copy (read + write)
         "target_call_ms": round(1e3 * target_step, 4),
         "target_weight_mb": round(target_info.weight_bytes / 1e6, 2),
