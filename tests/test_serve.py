@@ -2183,6 +2183,48 @@ def test_a_client_that_leaves_frees_its_slot_for_the_next_request(bundle, refere
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_client_that_leaves_while_its_response_is_built_stops_the_build_at_its_next_piece(bundle, monkeypatch, stream):
+    """A response's logprobs are built and encoded in the server's one builder thread (~0.1 s for a 1000-token prompt's
+    echo at logprobs 20): one whose client had left ran to its end, every response after it waiting. Here the build
+    pauses at its first piece of JSON until the server has seen the client leave; the next response, built after it
+    in the same thread, is whole."""
+    from specbuild_runtime.serve import protocol
+
+    cancelled = ("specbuild_requests_total", (("endpoint", "completions"), ("outcome", "cancelled")))
+    building, resume = threading.Semaphore(0), threading.Event()
+    documents: list[int] = []  # the calls of dumps in the builder thread, a response's (or echo chunk's) each
+    depth = threading.local()
+    dumps = protocol.dumps
+
+    def pausing(value, *args, **options):
+        if not threading.current_thread().name.startswith("specbuild-respond"):
+            return dumps(value, *args, **options)
+        if getattr(depth, "now", 0) == 0:
+            documents.append(0)
+            if len(documents) == 1:
+                building.release()
+                resume.wait(60)
+        documents[-1] += 1
+        depth.now = getattr(depth, "now", 0) + 1
+        try:
+            return dumps(value, *args, **options)
+        finally:
+            depth.now -= 1
+
+    monkeypatch.setattr(protocol, "dumps", pausing)
+    body = {"prompt": " ".join(PROMPTS[:7]), "max_tokens": 1, "echo": True, "logprobs": 5, "stream": stream, **GREEDY}
+    with in_process(bundle) as (url, decoder, _):
+        decoder.go.set()
+        with raw_post(url, "/v1/completions", body):
+            assert building.acquire(timeout=60)
+        wait_until(lambda: metric_values(url).get(cancelled) == 1, "the server saw the client leave")
+        resume.set()
+        after = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=60)
+    assert after.status_code == 200 and len(after.json()["choices"][0]["logprobs"]["tokens"]) > 100
+    assert len(documents) == 2 and documents[0] == 1 < documents[1]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
 def test_a_client_that_leaves_while_its_long_prompt_is_scored_stops_it_before_the_next_call(bundle, tokenizer, stream,
                                                                                            monkeypatch):
     """echo with logprobs scores the prompt in calls of up to 64 tokens, all before the first token: the server's stop

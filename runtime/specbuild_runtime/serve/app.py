@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import math
+import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
@@ -163,13 +164,18 @@ class Server:
             tokens = await self.scheduler.run_check(partial(self._tokens, request))
         except Exception as exc:
             return self._refuse(TOKENIZE, exc)
-        self.metrics.outcome(TOKENIZE, "ok")
 
-        def build() -> Json:  # a 1M-character prompt's token_strs and JSON stalled every stream 0.6-1.0 s on the loop
+        # a 1M-character prompt's token_strs and JSON stalled every stream 0.6-1.0 s on the loop
+        def build(halt: Callable[[], None]) -> Json:
             strings = [self.decoder.tokenizer.id_to_token(token) for token in tokens] if request.token_strs else None
             return Json({"count": len(tokens), "max_model_len": self.decoder.max_seq_len, "tokens": tokens,
-                         "token_strs": strings})
-        return await self._off_loop(build)
+                         "token_strs": strings}, halt=halt)
+        try:
+            built = await self._off_loop(build, http)
+        except Stopped as stop:
+            return self._refuse(TOKENIZE, stop)
+        self.metrics.outcome(TOKENIZE, "ok")
+        return built
 
     def _tokens(self, request: protocol.Tokenize) -> list[int]:
         if request.prompt is not None:
@@ -275,10 +281,9 @@ class Server:
             for score in scores:  # a choice still waiting for its prompt's logprobs, whose scoring failed, ends
                 if score is not None:
                     score.cancel()
-        self.metrics.outcome(endpoint, "ok")
         top = request.decoding.get("logprobs")
 
-        def build() -> Json:
+        def build(halt: Callable[[], None]) -> Json:
             answered = []
             for index, ((text, shown, records, _), job, echo) in enumerate(zip(answers, jobs, echoes)):
                 assert job.request is not None  # collected: checked (a job stopped before its check raised in _collect)
@@ -290,14 +295,42 @@ class Server:
                                                 echo.first if echo else (), job.token_ids, job.request.prompt_ids,
                                                 # a prompt's choices after the first have the logprobs it scored
                                                 answers[index - index % request.n][3]))
-            return Json(reply.batch(answered, request.n))
-        return await self._off_loop(build)
+            return Json(reply.batch(answered, request.n), halt=halt)
+        try:
+            built = await self._off_loop(build, http)
+        except Stopped as stop:
+            return self._refuse(endpoint, stop, started=True)
+        self.metrics.outcome(endpoint, "ok")
+        return built
 
-    async def _off_loop(self, build: Callable[[], T]) -> T:
-        """build() in the builder's thread: a response's logprobs are a token text decoded for each of a prompt's tokens
-        and its N most probable, then megabytes of JSON (0.5-1.0 s for 4000 tokens at prompt_logprobs 20, a 152k
-        vocabulary, 2 loaded cores), which on the event loop stalled every other stream meanwhile."""
-        return await asyncio.get_running_loop().run_in_executor(self._builder, build)
+    async def _off_loop(self, build: Callable[[Callable[[], None]], T], http: HttpRequest | None = None) -> T:
+        """build(halt) in the builder's thread: a response's logprobs are a token text decoded for each of a prompt's
+        tokens and its N most probable, then megabytes of JSON (0.5-1.0 s for 4000 tokens at prompt_logprobs 20, a 152k
+        vocabulary, 2 loaded cores), which on the event loop stalled every other stream meanwhile. Raises
+        Stopped("cancelled") if the client (`http`'s) leaves first; a stream's client leaving cancels this call. Either
+        way a build not begun never runs, and one running stops at its next halt(), which raises: it ran to its end
+        (~0.1 s for a 1000-token prompt's echo at logprobs 20), every response after it waiting for the one thread."""
+        gone = threading.Event()
+
+        def halt() -> None:
+            if gone.is_set():
+                raise Stopped("cancelled")
+
+        building = asyncio.get_running_loop().run_in_executor(self._builder, build, halt)
+        waiting: set[asyncio.Future] = {building}
+        if http is not None:
+            waiting.add(asyncio.ensure_future(_disconnected(http)))
+        try:
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this handler is cancelled
+            for each in waiting - {building}:
+                each.cancel()
+            if not building.done():
+                gone.set()
+                building.cancel()
+        if building.cancelled():  # the client left first
+            raise Stopped("cancelled")
+        return building.result()
 
     def _stop(self, jobs: list[Job]) -> None:
         for job in jobs:
@@ -487,8 +520,8 @@ class Server:
         if echo:  # the prompt in a chunk of its own (vLLM's also holds the first token's text)
             records = await echo.prompt_logprobs(items) or ()
             seen += echo.scored  # the job's first item, read there
-            yield await self._off_loop(lambda: event(reply.chunk(echo.text, records=records, unscored=echo.first),
-                                                     encode=protocol.dumps))
+            yield await self._off_loop(lambda halt: event(reply.chunk(echo.text, records=records, unscored=echo.first),
+                                                          encode=partial(protocol.dumps, halt=halt)))
         # With logprobs a job yields (delta, its tokens' records) after every token: records whose text is
         # held back (a possible stop string, a tool call) go with the next chunk that has text or calls, or the last.
         held: list[TokenLogprobs] = []
@@ -718,10 +751,14 @@ def _refusing_beyond(http_protocol: type, max_connections: int) -> type:
 
 
 class Json(JSONResponse):
-    """Starlette's JSON response, encoded by protocol.dumps: a piece at a time (see there)."""
+    """Starlette's JSON response, encoded by protocol.dumps: a piece at a time, halt() called between (see there)."""
+
+    def __init__(self, content, halt: Callable[[], None], **kwargs):
+        self.halt = halt  # before Starlette's __init__, which renders the content
+        super().__init__(content, **kwargs)
 
     def render(self, content) -> bytes:
-        return protocol.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+        return protocol.dumps(content, self.halt, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 class Unread(JSONResponse):

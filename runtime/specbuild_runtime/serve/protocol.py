@@ -12,9 +12,9 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from functools import cache, partial
+from functools import cache
 from http import HTTPStatus
 from typing import NamedTuple
 
@@ -853,23 +853,34 @@ LONG_LIST = 64  # a list that dumps encodes an item a call: a response's tokens'
 SCALARS_A_CALL = 4096  # a long list of numbers or strings (/tokenize's), encoded this many a call: ~1 ms each
 
 
-def dumps(value, **options) -> str:
+def dumps(value, halt: Callable[[], None] = lambda: None, **options) -> str:
     """json.dumps(value, **options), a list of LONG_LIST items or more encoded an item a call,
     the dicts and lists around it taken apart to reach it: json's C encoder holds the GIL through a call, so a
     response's logprobs (megabytes: ~0.1 s for a 4096-token prompt's at prompt_logprobs 20) encoded in another thread
-    stalled the event loop all the same. Between calls the loop gets its turn."""
+    stalled the event loop all the same. Between calls the loop gets its turn, and halt() is called: it raises to stop
+    the encoding of a response whose client has left (app.Server._off_loop)."""
+    halt()
     between, colon = options.get("separators") or (", ", ": ")
     if isinstance(value, dict):
-        return "{" + between.join(_key(key, options) + colon + dumps(inner, **options)
+        return "{" + between.join(_key(key, options) + colon + dumps(inner, halt, **options)
                                   for key, inner in value.items()) + "}"
     if isinstance(value, list):
-        if len(value) >= LONG_LIST and not any(isinstance(item, (dict, list)) for item in value):
+        if len(value) < LONG_LIST:
+            return "[" + between.join(dumps(item, halt, **options) for item in value) + "]"
+        if not any(isinstance(item, (dict, list)) for item in value):
             # an item a call took 14 times as long as one call (1.7 s for a 291k-token prompt's ids and texts)
-            return "[" + between.join(json.dumps(value[start:start + SCALARS_A_CALL], **options)[1:-1]
-                                      for start in range(0, len(value), SCALARS_A_CALL)) + "]"
-        each = partial(json.dumps if len(value) >= LONG_LIST else dumps, **options)
-        return "[" + between.join(map(each, value)) + "]"
+            pieces = (json.dumps(value[start:start + SCALARS_A_CALL], **options)[1:-1]
+                      for start in range(0, len(value), SCALARS_A_CALL))
+        else:
+            pieces = (json.dumps(item, **options) for item in value)
+        return "[" + between.join(_halting(pieces, halt)) + "]"
     return json.dumps(value, **options)
+
+
+def _halting(pieces: Iterator[str], halt: Callable[[], None]) -> Iterator[str]:
+    for piece in pieces:
+        halt()
+        yield piece
 
 
 def _key(key, options: dict) -> str:
