@@ -9,6 +9,7 @@ test says: no test waits on a clock to find the server in the state it checks.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import json
 import math
@@ -2180,6 +2181,22 @@ def test_a_client_that_leaves_frees_its_slot_for_the_next_request(bundle, refere
         after = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0},
                            timeout=60)
         assert after.json()["choices"][0]["text"] == expected
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_client_that_leaves_before_its_whole_response_logs_no_traceback(bundle, caplog, n):
+    """A whole response waits for its choices' jobs together (asyncio.gather); the client leaving cancelled that
+    gather, which ends with a CancelledError as its exception, read by nobody: asyncio logged it with a traceback
+    ("_GatheringFuture exception was never retrieved") for every client that gave up waiting."""
+    cancelled = ("specbuild_requests_total", (("endpoint", "completions"), ("outcome", "cancelled")))
+    with in_process(bundle) as (url, decoder, _):
+        with raw_post(url, "/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 200, "n": n, "temperature": 0}):
+            assert decoder.paused.acquire(timeout=60)
+        wait_until(lambda: metric_values(url).get(cancelled) == 1, "the server saw the client leave")
+        decoder.go.set()
+        wait_until(lambda: metric_values(url)[("specbuild_slots_busy", ())] == 0, "the slot was freed")
+    gc.collect()  # asyncio reports an exception never retrieved when its future is collected
+    assert not [record for record in caplog.records if record.exc_info], caplog.text
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])

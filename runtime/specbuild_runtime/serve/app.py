@@ -454,6 +454,8 @@ class Server:
             leaving.cancel()
             if not collecting.done():  # the caller stops the jobs
                 collecting.cancel()
+                # a cancelled gather ends with the CancelledError as its exception, logged with a traceback unless read
+                collecting.add_done_callback(lambda gathered: gathered.cancelled() or gathered.exception())
         if not collecting.done():
             raise Stopped("cancelled")
         return collecting.result()
