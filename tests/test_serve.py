@@ -906,6 +906,9 @@ BAD_REQUESTS = [
     ("completions", b'{"prompt": "x", "stream": true, "stream_options": {"\\udfff": 1}}',
      "unrecognized stream_options argument: '\\udfff'"),
     ("completions", {"prompt": "x", "stream": "yes"}, "stream must be true or false"),
+    # chat reads it (false: the first call alone): a wrong value was "not supported by this server"
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": "no"},
+     "parallel_tool_calls must be true or false"),
     ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "only with stream: true"),
     ("completions", {"prompt": "def f(x):\n" * 200}, f"this bundle's context is {MAX_SEQ_LEN}"),
     # max_tokens is checked before serve tokenizes the prompt for the room it needs

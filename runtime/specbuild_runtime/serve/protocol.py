@@ -47,7 +47,8 @@ FIELDS = {
                   *DEFAULT_ONLY, "add_special_tokens", RESPONSE_FORMAT, *TRACING},
     CHAT: {"model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n", "logprobs",
            "top_logprobs", *DECODING, *DEFAULT_ONLY, "chat_template_kwargs", "add_generation_prompt",
-           "continue_final_message", "tools", "tool_choice", "add_special_tokens", RESPONSE_FORMAT, *TRACING},
+           "continue_final_message", "tools", "tool_choice", "parallel_tool_calls", "add_special_tokens", RESPONSE_FORMAT,
+           *TRACING},
 }
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 # /tokenize's fields for chat messages besides model, add_special_tokens and return_token_strs (vLLM's, less the
@@ -348,7 +349,7 @@ def parse(endpoint: str, raw: bytes, model: str, defaults: Defaults, tool_parser
         chat = {"add_generation_prompt": generation_prompt, "continue_final_message": continue_final,
                 "variables": _template_variables(body, generation_prompt, continue_final), "tools": tools}
         return Request(CHAT, None, body["messages"], max_tokens, decoding, stream, include_usage, chat, parse_tools,
-                       body.get("parallel_tool_calls") is not False, n=n, add_special_tokens=add_special_tokens,
+                       _flag(body, "parallel_tool_calls", default=True), n=n, add_special_tokens=add_special_tokens,
                        forced_calls=forced, continuous_usage=continuous_usage, **tracing)
     echo = _flag(body, "echo")
     # checked here, not by the runtime: its bounds speak of its Python API, where prompt_logprobs allows 0 tokens,
