@@ -17,6 +17,7 @@ the samples (λ ≈ 260) is rejected at p < 1e-12 with probability 1 − 1e-12; 
 temperature 1.5 against the reference at 1, measured λ ≈ 340 on all of them.
 """
 
+import importlib
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +134,9 @@ CASES = {  # name: (bundle, decoding options, negative control)
     # min_tokens holding back two stop tokens (which would end a sample) at every position
     "min_tokens over every token, two stop tokens": (
         "draft", dict(gamma=4, temperature=1.0, min_tokens=NEW_TOKENS, stop_token_ids=[STOPPED, STOPPED + 1]), WRONG_RULE),
+    # min_tokens ending mid-sample, so that rounds straddle it: rows past it let the stop tokens end the sample
+    "min_tokens ending mid-sample, two stop tokens": (
+        "draft", dict(gamma=4, temperature=1.0, min_tokens=12, stop_token_ids=[STOPPED, STOPPED + 1]), WRONG_RULE),
     # OpenAI's logit_bias, before the penalties
     "logit_bias and a repetition penalty": (
         "draft", dict(gamma=4, temperature=1.0, logit_bias={STOPPED: -2.0, 5: 1.5, 9: 0.8}, repetition_penalty=1.3),
@@ -208,9 +212,12 @@ def penalised(logits: torch.Tensor, tokens: torch.Tensor, repetition=1.0, presen
 def distribution_test(pair, bundle: str, samples: list[list[int]], temperature, top_k=0, top_p=1.0, min_p=0.0,
                       repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0,
                       stop_token_ids=(), logit_bias=None, **_) -> dict:
-    """p-value of the samples against the target's distribution, and how many had probability zero."""
+    """p-value of the samples (each up to its stop token, if it has one) against the target's distribution, and how
+    many had probability zero."""
     target, draft = BUNDLES[bundle]
-    tokens = torch.tensor(samples)
+    length = max(map(len, samples))
+    tokens = torch.tensor([s + [0] * (length - len(s)) for s in samples])
+    drew = torch.arange(length) < torch.tensor([[len(s)] for s in samples])  # [N, T]: not padding
     sequences = torch.cat([torch.tensor(PROMPT).expand(len(samples), -1), tokens], 1)
     with torch.no_grad():
         p_logits = pair[target](sequences).logits[:, len(PROMPT) - 1 : -1].double()
@@ -225,12 +232,12 @@ def distribution_test(pair, bundle: str, samples: list[list[int]], temperature, 
     q = torch.nn.functional.pad(q, (0, p.shape[-1] - q.shape[-1]))
     category = categories(p, q)
     count = (len(RANK_BINS) + 1) * 2
-    expected = torch.zeros(*p.shape[:-1], count, dtype=torch.float64).scatter_add_(-1, category, p)
-    observed = torch.nn.functional.one_hot(category.gather(-1, tokens[..., None])[..., 0], count).double()
-    statistic, df = martingale_chi2(observed.reshape(-1, count).numpy(), expected.reshape(-1, count).numpy())
+    expected = torch.zeros(*p.shape[:-1], count, dtype=torch.float64).scatter_add_(-1, category, p)[drew]
+    observed = torch.nn.functional.one_hot(category.gather(-1, tokens[..., None])[..., 0], count).double()[drew]
+    statistic, df = martingale_chi2(observed.numpy(), expected.numpy())
     return {"p": float(chi2.sf(statistic, df)), "statistic": statistic, "df": df,
-            "impossible": int((p.gather(-1, tokens[..., None]) == 0).sum()),
-            "tail": int(observed[..., -2:].sum())}  # tokens ranked 8th or lower
+            "impossible": int((p.gather(-1, tokens[..., None])[..., 0] == 0)[drew].sum()),
+            "tail": int(observed[:, -2:].sum())}  # tokens ranked 8th or lower
 
 
 def sample(decoder, options: dict, samples: int = SAMPLES) -> tuple[list[list[int]], dict]:
@@ -280,6 +287,8 @@ def test_speculative_samples_follow_the_target_distribution_and_a_wrong_sampler_
     assert real["impossible"] == 0, "sampled tokens the reference gives probability 0"
     if BUNDLES[draft][0] == "padded target":  # not hollow: the target's padding ids were sampled
         assert max(map(max, samples)) >= VOCAB
+    if options.get("min_tokens", NEW_TOKENS) < NEW_TOKENS:  # not hollow: stop tokens ended samples past min_tokens
+        assert sum(len(s) < NEW_TOKENS for s in samples) > SAMPLES // 2
     assert real["p"] > 1e-4, real
     assert control["p"] < 1e-12, control
 
@@ -389,6 +398,59 @@ def kept(sampler, p: np.ndarray, temperature: float = 1.0, top_p: float = 1.0, m
               "draft_probs": np.zeros((0, len(p)), np.float32), "uniforms": np.array([0.5], np.float32),
               **unprocessed(len(p))}
     return np.flatnonzero(sampler.run(["probs"], inputs)[0]).tolist()
+
+
+def row_judged(sampler, logits: np.ndarray, drafts: list[int], row: int, processing: dict) -> np.ndarray:
+    """The distribution the sampler decides row `row` of a call with drafts from (its `probs` output): drafts before
+    it accepted (u = 0), draft `row` rejected (q = 1 at it, u just below 1; past the last draft: the bonus row)."""
+    vocab = logits.shape[1]
+    q = np.eye(vocab, dtype=np.float32)[drafts]
+    uniforms = np.array([0.0] * row + [1 - 1e-7] * (len(drafts) + 1 - row), np.float32)
+    inputs = {"logits": logits, "input_ids": np.array([[1, *drafts]], np.int64),
+              "num_drafts": np.array(len(drafts), np.int64), "temperature": np.array(0.8, np.float32),
+              "top_k": np.array(0, np.int64), "top_p": np.array(1.0, np.float32), "min_p": np.array(0.0, np.float32),
+              "draft_probs": q, "uniforms": uniforms, **unprocessed(vocab), **processing}
+    accepted, probs = sampler.run(["accepted", "probs"], inputs)
+    assert accepted == row
+    return probs
+
+
+def test_each_sampled_row_is_judged_with_the_drafts_before_it_counted_as_the_target_alone_counts_them(monkeypatch):
+    """Leviathan et al.'s rule is exact when row j's p is the target-alone distribution after drafts 0..j-1: with
+    penalties, min_tokens and logit_bias, row j of a call with drafts (the p that judges draft j and that a rejection's
+    residual comes from; the bonus row after the last) is the distribution a call without drafts gives once those drafts
+    were generated (output_counts and min_tokens_left moved on by them). The greedy tests check argmaxes alone; here
+    every row's whole distribution, in the sampling branch. A sampler whose rows leave the drafts out is caught."""
+    vocab, drafts, stops = 16, [5, 9, 5, 12], [3, 11]
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 1.5, (len(drafts) + 1, vocab)).astype(np.float32)
+    bias = np.zeros((1, vocab), np.float32)
+    bias[0, [5, 11]] = 1.2, 0.7
+    counts = np.zeros(vocab, np.float32)
+    counts[[9, 2]] = 1, 2  # generated before the call
+
+    def processing(generated: list[int], left: int) -> dict:
+        return {"repetition_penalty": np.array(1.7, np.float32), "presence_penalty": np.array(0.6, np.float32),
+                "frequency_penalty": np.array(0.9, np.float32), "prompt_mask": np.isin(np.arange(vocab), [1, 7, 12]),
+                "output_counts": counts + np.bincount(generated, minlength=vocab).astype(np.float32),
+                "min_tokens_left": np.array(left, np.int64), "stop_tokens": np.isin(np.arange(vocab), stops),
+                "logit_bias": bias}
+
+    def rows(sampler) -> list[tuple[np.ndarray, np.ndarray]]:
+        # min_tokens 2 left: the stop tokens are held back in rows 0 and 1 alone
+        return [(row_judged(sampler, logits, drafts, j, processing([], 2)),
+                 row_judged(sampler, logits[j:j + 1], [], 0, processing(drafts[:j], 2 - j)))
+                for j in range(len(drafts) + 1)]
+
+    for j, (speculative, alone) in enumerate(rows(sampler_session())):
+        np.testing.assert_allclose(speculative, alone, rtol=1e-6, atol=1e-9, err_msg=f"row {j}")  # measured bit for bit
+        assert (speculative[stops] == 0).all() == (j < 2), j
+    verification = importlib.import_module("specbuild.compile.graphs.verification")
+    penalised = verification._penalised
+    monkeypatch.setattr(verification, "_penalised", lambda g, logits, drafts, p: penalised(
+        g, logits, g.op("Slice", drafts, g.const([0]), g.const([0])), p))
+    wrong = rows(sampler_session())
+    assert all(not np.allclose(speculative, alone, rtol=1e-3) for speculative, alone in wrong[1:])
 
 
 def test_min_p_drops_what_vllm_drops_after_temperature_and_before_top_p():

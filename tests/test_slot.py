@@ -319,8 +319,10 @@ def test_cuda_graph_calls_decode_the_tokens_of_the_full_graphs_and_each_graph_id
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0.8}, {"temperature": 1.0, "top_k": 20},
-                                      {"temperature": 0.7, "top_p": 0.9}, {"temperature": 1.2, "min_p": 0.1}],
-                         ids=["plain", "top_k", "top_p", "min_p"])
+                                      {"temperature": 0.7, "top_p": 0.9}, {"temperature": 1.2, "min_p": 0.1},
+                                      {"temperature": 0.9, "repetition_penalty": 1.3, "presence_penalty": 0.5,
+                                       "frequency_penalty": 0.4, "min_tokens": 6, "logit_bias": {5: 2.0}}],
+                         ids=["plain", "top_k", "top_p", "min_p", "processed"])
 def test_a_cuda_graph_decoder_samples_the_full_graphs_tokens_with_the_bundles_sampler(bundle, sampling):
     """The greedy-only graphs cannot sample; their logits go to the bundle's sampler, the same nodes as the
     full graphs' sampling branch: the same tokens for every seed and γ (graph ids named as on CUDA)."""
