@@ -15,6 +15,51 @@ def test_the_compiler_never_imports_training():
     assert not {m for m in modules if m.startswith("specbuild.train")}
 
 
+# The compiler's modules in the order its stages run (pipeline.STAGES), each after what it uses: graphs/ emits
+# nodes whose weights precision and quantize make as the engine is written; gamma measures α for quality and
+# the TensorRT-LLM export; bundle names the export's folder; pipeline runs them all.
+COMPILE_ORDER = ("load", "precision", "quantize", "graphs", "export", "gamma", "quality", "tensorrt_llm",
+                 "tensorrt_llm_reference", "bundle", "pipeline")
+# What the compiler serves, which it never imports (the layout's promise, README Layout)
+ABOVE_THE_COMPILER = ("specbuild.train", "specbuild.bench", "specbuild.cli", "specbuild.command", "specbuild.demo",
+                      "specbuild.verify")
+
+
+def specbuild_imports(path) -> set[str]:
+    """The specbuild modules a file imports anywhere in it, a function's own imports too (which sys.modules
+    after an import does not show)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    package = path.relative_to(root).with_suffix("").parts[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
+            module = ".".join(filter(None, [base, node.module]))
+            found |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return {name for name in found if name.split(".")[0] == "specbuild"}
+
+
+def test_each_compile_stage_imports_only_the_stages_before_it():
+    """A new engineer reads compile/ top down; load.py reached up into graphs/ for transformers' rotary module."""
+    from pathlib import Path
+
+    compile_dir = Path(__file__).resolve().parents[1] / "specbuild" / "compile"
+    modules = {path: path.relative_to(compile_dir).with_suffix("").parts[0] for path in compile_dir.rglob("*.py")
+               if path.name != "__init__.py" or path.parent != compile_dir}
+    assert set(modules.values()) == set(COMPILE_ORDER)
+    for path, stage in modules.items():
+        imported = specbuild_imports(path)
+        later = {name.split(".")[2] for name in imported if name.startswith("specbuild.compile.")} - set(
+            COMPILE_ORDER[:COMPILE_ORDER.index(stage) + 1])
+        assert not later, f"{path.name} imports {sorted(later)}"
+        assert not [name for name in imported if name.startswith(ABOVE_THE_COMPILER)], path.name
+
+
 def test_the_runtime_never_imports_torch():
     modules = imported_after("from specbuild_runtime import SpeculativeDecoder")
     assert "torch" not in modules and "transformers" not in modules

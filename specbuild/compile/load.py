@@ -11,6 +11,7 @@ import inspect
 import json
 import math
 import struct
+import sys
 from collections.abc import Callable
 from importlib.util import find_spec
 from dataclasses import dataclass
@@ -542,8 +543,6 @@ def _rope_model_spec(config, architecture: str, family: str, path: Path, role: s
     elif partial := next((r["partial_rotary_factor"] for r in ropes if r.get("partial_rotary_factor", 1.0) != 1.0), None):
         # The others rotate whole heads: their default rope ignores the factor, "proportional" pads its table with
         # unrotated dims, the other scalings shorten it (which transformers then fails to apply)
-        from .graphs.layers import rotary_module
-
         tables = rotary_module(architecture, config).named_buffers()
         if widths := {2 * len(t) for name, t in tables if name.endswith("inv_freq")} - {head_dim}:
             raise UnsupportedModelError(
@@ -585,6 +584,15 @@ def _rope_model_spec(config, architecture: str, family: str, path: Path, role: s
         attention_softcap=config.attn_logit_softcapping if architecture == "Gemma2ForCausalLM" else None,
         final_softcap=config.final_logit_softcapping if gemma else None,
     )
+
+
+def rotary_module(architecture: str, config):
+    """transformers' own rotary embedding module of this architecture (they differ: Phi-3's rotates part of
+    each head, Gemma 3's has a table per layer type)."""
+    import transformers
+
+    module = sys.modules[getattr(transformers, architecture).__module__]
+    return getattr(module, architecture.removesuffix("ForCausalLM") + "RotaryEmbedding")(config)
 
 
 def check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:

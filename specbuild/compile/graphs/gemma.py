@@ -11,10 +11,10 @@ import inspect
 
 import onnx_ir as ir
 
-from ..load import ModelSpec
+from ..load import ModelSpec, rotary_module
 from .builder import GraphBuilder, w
-from .layers import (Attention, attention, embedding, gated_mlp, head_norm, linear, rms_norm, rope, rotary_module,
-                     rotary_tables, skip_rms_norm, vocab_table)
+from .layers import (Attention, attention, embedding, gated_mlp, head_norm, linear, rms_norm, rope, rotary_tables,
+                     skip_rms_norm, vocab_table)
 
 
 def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_seq_len: int, vocab_size: int):

@@ -133,17 +133,6 @@ def head_norm(g: GraphBuilder, x: ir.Value, heads: int, head_dim: int, weight: W
     return g.op("Reshape", rms_norm(g, per_head, weight, eps), g.const([-1, heads * head_dim]))
 
 
-def rotary_module(architecture: str, config):
-    """transformers' own rotary embedding module of this architecture (they differ: Phi-3's rotates part of
-    each head, Gemma 3's has a table per layer type)."""
-    import sys
-
-    import transformers
-
-    module = sys.modules[getattr(transformers, architecture).__module__]
-    return getattr(module, architecture.removesuffix("ForCausalLM") + "RotaryEmbedding")(config)
-
-
 def rope(rotary_module, length: int, dtype: np.dtype, short: bool = False, **forward_kwargs) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin [length, rotary_dim/2] from the model's own transformers rotary module (so every rope
     scaling it knows is covered), as one forward call over `length` tokens computes them.
