@@ -18,7 +18,7 @@ def test_the_compiler_never_imports_training():
 # The compiler's modules in the order its stages run (pipeline.STAGES), each after what it uses: graphs/ emits
 # nodes whose weights precision and quantize make as the engine is written; gamma measures α for quality and
 # the TensorRT-LLM export; bundle names the export's folder; pipeline runs them all.
-COMPILE_ORDER = ("load", "precision", "quantize", "graphs", "export", "gamma", "quality", "tensorrt_llm",
+COMPILE_ORDER = ("load", "precision", "quantize", "graphs", "export", "gamma", "quality", "check", "tensorrt_llm",
                  "tensorrt_llm_reference", "bundle", "pipeline")
 # What the compiler serves, which it never imports (the layout's promise, README Layout)
 ABOVE_THE_COMPILER = ("specbuild.train", "specbuild.bench", "specbuild.cli", "specbuild.command", "specbuild.demo",
@@ -58,6 +58,17 @@ def test_each_compile_stage_imports_only_the_stages_before_it():
             COMPILE_ORDER[:COMPILE_ORDER.index(stage) + 1])
         assert not later, f"{path.name} imports {sorted(later)}"
         assert not [name for name in imported if name.startswith(ABOVE_THE_COMPILER)], path.name
+
+
+def test_only_the_compile_package_imports_its_pipeline():
+    """pipeline.py is the line of stages, not a place to borrow from: training saved its tokenizer with the
+    pipeline's helper, which belongs with the bundle it writes."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "specbuild"
+    borrowing = [str(path.relative_to(root)) for path in root.rglob("*.py") if path != root / "compile" / "__init__.py"
+                 and "specbuild.compile.pipeline" in specbuild_imports(path)]
+    assert borrowing == []
 
 
 def test_the_runtime_never_imports_torch():

@@ -1,5 +1,5 @@
-"""The stage "writing the bundle" (pipeline.STAGES): write the bundle without ever losing what was at the
-output path.
+"""The stage "writing the bundle" (pipeline.STAGES): the target's tokenizer and the manifest, written without
+ever losing what was at the output path.
 
 The bundle is built in a staging folder beside the output and published atomically (see
 `specbuild/staging.py`: lock, crash clean-up, exchange, and what may be replaced: nothing that is, holds
@@ -8,13 +8,15 @@ or lies inside an input, and with --overwrite only a folder that is a specbuild 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from specbuild_runtime.manifest import FORMAT, MANIFEST, Manifest, bundle_files
+from specbuild_runtime.manifest import FORMAT, MANIFEST, TOKENIZER_CONFIG, Manifest, bundle_files
 
+from .. import __version__
 from ..errors import OutputError
 from ..progress import bar
 from ..staging import guarded_folder
@@ -67,3 +69,34 @@ def write_manifest(folder: Path, manifest: Manifest) -> None:
     with bar(size, "hashing the bundle's files", "B", unit_scale=True) as progress:
         manifest.files = bundle_files(folder, progress.update)
     (folder / MANIFEST).write_text(manifest.to_json())
+
+
+def created_by() -> str:
+    """The manifest's created_by: the transformers version too, since the bundle's tokenizer encodes prompts as
+    that version does (transformers 5 rebuilds Llama 2's pre-tokenizer and adds Phi-3's BOS, where 4.57 did not)."""
+    return f"specbuild {__version__} (transformers {importlib.metadata.version('transformers')})"
+
+
+def save_tokenizer(tokenizer, folder: Path) -> None:
+    """The target's tokenizer files, loadable by transformers 4 as well as 5.
+
+    transformers 5 saves a plain tokenizers-backed tokenizer (what Llama 3 and others name
+    PreTrainedTokenizerFast) as "TokenizersBackend", a class transformers 4 does not have, and TensorRT-LLM's
+    examples/run.py (run.sh), on the transformers 4.57 TensorRT-LLM pins, then refuses the folder. Both
+    versions load such a tokenizer by its old name; the runtime reads tokenizer.json alone.
+
+    transformers 5 also saves the additional special tokens (Qwen's <|im_start|>, Gemma's <start_of_turn>,
+    Mistral's empty list) as an "extra_special_tokens" list, where transformers 4 reads that key as a dict of
+    named tokens and fails on a list ('list' object has no attribute 'keys'); both read the list under
+    "additional_special_tokens", transformers 4's name for it."""
+    tokenizer.save_pretrained(folder)
+    path = folder / TOKENIZER_CONFIG
+    # UTF-8, as transformers writes it, whatever the locale (the C locale without UTF-8 mode reads ASCII)
+    saved = json.loads(path.read_bytes())
+    config = dict(saved)
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if isinstance(config.get("extra_special_tokens"), list):
+        config["additional_special_tokens"] = config.pop("extra_special_tokens")
+    if config != saved:
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

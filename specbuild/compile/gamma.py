@@ -57,7 +57,7 @@ def measure_with_engines(folder: Path, engines: dict[str, EngineInfo], prompt_id
                          max_seq_len: int, eos_token_ids: list[int]) -> float | None:
     """α through the runtime's engines (draft_agreement). None unless both are fp32 (quantized or not;
     onnxruntime's CPU provider casts fp16 weights to fp32 on the way, holding many copies at once, see
-    pipeline.check_engine) and within ENGINE_BYTES_LIMIT."""
+    check.check_engine) and within ENGINE_BYTES_LIMIT."""
     if (any(info.precision != "fp32" for info in engines.values())
             or sum(info.weight_bytes for info in engines.values()) > ENGINE_BYTES_LIMIT):
         return None

@@ -250,7 +250,7 @@ def write_checkpoint(model, tokenizer, folder: Path) -> None:
     """The checkpoint's files into folder (a staging folder of guarded_folder)."""
     from transformers import GenerationConfig
 
-    from ..compile.pipeline import save_tokenizer  # as a bundle's: loadable by transformers 4 too
+    from ..compile.bundle import save_tokenizer  # as a bundle's: loadable by transformers 4 too
 
     eos = tokenizer.eos_token_id
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=eos)
