@@ -25,8 +25,10 @@ from specbuild_runtime.serve.cli import (Finite, Interruptible, chat_template_op
 from specbuild_runtime.validation import FLOAT32_MAX, GREEDY_BELOW, MAX_LOGPROBS, stop_strings
 
 from . import __version__
+from .bench.bench import DEFAULT_GAMMAS
 from .bench.peers import KNOWN as PEERS
-from .recipe import BACKENDS, DEFAULT_BLOCK_SIZE, MAX_GAMMA, MAX_SEED, PRECISIONS, QUANTIZATIONS, setting_problem
+from .recipe import (BACKENDS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, DEFAULT_GAMMA, DEFAULT_MAX_SEQ_LEN, MAX_GAMMA,
+                     MAX_SEED, PRECISIONS, QUANTIZATIONS, setting_problem)
 from .staging import replace_file
 
 # Whether main() runs as the `specbuild` command, which may drop interrupts once its work is done (see
@@ -39,6 +41,7 @@ device_option = click.option(
     "--device", type=click.Choice(DEVICES), default="cpu", show_default=True,
     help="Where the engines run: cuda needs onnxruntime-gpu (pip install './runtime[gpu]'); auto takes CUDA if present.")
 EVERY_CORE = "one per core, or per CPU a container's CPU limit grants where fewer"
+BENCH_GAMMAS = ",".join(map(str, DEFAULT_GAMMAS))  # bench --gamma's default, as the option takes it
 
 
 def use_threads(threads: int | None, torch_too: bool = False) -> None:
@@ -251,8 +254,8 @@ def cli(debug: bool) -> None:
 @click.option("--draft", type=folder_path, help="Draft checkpoint folder; must share the target's tokenizer (a draft "
               "without tokenizer files speaks the target's).")
 @click.option("--output", "-o", type=folder_path, help="Bundle folder to write (written atomically).")
-@click.option("--gamma", type=Setting("gamma"), help=f"Most draft tokens per round when the runtime adapts γ (1 to {MAX_GAMMA}).  [default: 8]")
-@click.option("--max-seq-len", type=Setting("max_seq_len"), help="Context length the KV cache is allocated for.  [default: min(2048, the longest the pair takes)]")
+@click.option("--gamma", type=Setting("gamma"), help=f"Most draft tokens per round when the runtime adapts γ (1 to {MAX_GAMMA}).  [default: {DEFAULT_GAMMA}]")
+@click.option("--max-seq-len", type=Setting("max_seq_len"), help=f"Context length the KV cache is allocated for.  [default: min({DEFAULT_MAX_SEQ_LEN}, the longest the pair takes)]")
 @click.option("--recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="TOML recipe with these settings; options override it.")
 @click.option("--quantize", type=click.Choice(QUANTIZATIONS), help="Weight quantization of both engines.  [default: none]")
 @click.option("--target-quantize", type=click.Choice(QUANTIZATIONS), help="Override --quantize for the target.")
@@ -261,7 +264,7 @@ def cli(debug: bool) -> None:
 @click.option("--accuracy-level", type=Setting("accuracy_level"),
               help="MatMulNBits compute type of quantized engines, 0 to 4: 4 = int8 compute (fast on CPU), 0 or 1 = fp32, "
                    "2 = fp16, 3 = bf16. "
-                   "Each keeps speculative output identical to the target's own.  [default: 4]")
+                   f"Each keeps speculative output identical to the target's own.  [default: {DEFAULT_ACCURACY_LEVEL}]")
 @click.option("--precision", type=click.Choice(PRECISIONS), help="Float type of the engines (fp16/bf16 for GPU).  [default: fp32]")
 @click.option("--quality-report/--no-quality-report", default=None, help="Measure quantized engines against fp32 into the manifest.  [default: on]")
 @click.option("--overwrite/--no-overwrite", default=None,
@@ -640,8 +643,8 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
 # No fixed γ leaves the draft's step cost, the theoretical bound and the peers' speculative rows unmeasured:
 # an empty list (an unset variable in a script) is a slip, and ran quietly without them.
 @click.option("--gamma", "gammas", type=CommaList(click.IntRange(1, MAX_GAMMA), empty=f"give at least one γ from 1 to "
-                                                                                     f"{MAX_GAMMA}, e.g. 1,2,4,8"),
-              default="1,2,4,8", show_default=True,
+                                                                                     f"{MAX_GAMMA}, e.g. {BENCH_GAMMAS}"),
+              default=BENCH_GAMMAS, show_default=True,
               help="Comma-separated fixed γ values (at least one, up to the bundle's max gamma) to measure beside "
                    "target-only and auto; the default stops at the bundle's max gamma.")
 @click.option("--peers", type=CommaList(click.Choice(PEERS)), default="",
@@ -678,7 +681,7 @@ def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, de
                                "which would be timed on every core: leave out --threads or those peers")
     use_threads(threads, torch_too="transformers" in peers)
     if click.get_current_context().get_parameter_source("gammas") is click.core.ParameterSource.DEFAULT:
-        gammas = None  # 1,2,4,8 up to what the bundle allows, which its manifest says
+        gammas = None  # DEFAULT_GAMMAS up to what the bundle allows, which its manifest says
     report = benchmark.bench(bundle, read_prompts(prompts or CODE_PROMPTS), max_new_tokens, gammas, peers, sampling,
                              device, cuda_graphs, draft_steps, seed)
     # The files first: a reader gone from stdout (`| true`, a `head` done early) ends the command at the table,

@@ -32,6 +32,7 @@ DEFAULT_GAMMA = 8
 DEFAULT_MAX_SEQ_LEN = 2048
 QUANTIZATIONS = ("none", "int8", "int4")
 DEFAULT_BLOCK_SIZE = 32
+DEFAULT_ACCURACY_LEVEL = 4  # MatMulNBits int8 compute: the fast one, exact row by row (see compile/quantize.py)
 BACKENDS = ("onnx", "tensorrt-llm", "all")
 
 
@@ -46,7 +47,7 @@ class CompileSettings:
     target_quantize: str | None = None
     draft_quantize: str | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
-    accuracy_level: int | None = None
+    accuracy_level: int | None = None  # None: DEFAULT_ACCURACY_LEVEL (kept unset: one given without quantization is refused)
     precision: str = "fp32"
     quality_report: bool = True
     overwrite: bool = False

@@ -84,6 +84,24 @@ def test_compile_json_is_no_recipe_key(tmp_path, cli):
     assert "not a build setting: no recipe key" in help_text
 
 
+def test_the_help_states_the_defaults_the_code_takes():
+    """Each default the help shows is read from the constant the compile (or bench) uses, not written again:
+    with the constants changed before the CLI is imported, the help changes with them."""
+    code = """
+import importlib, specbuild.recipe as recipe
+bench = importlib.import_module("specbuild.bench.bench")  # the package's `bench` is the function
+recipe.DEFAULT_GAMMA, recipe.DEFAULT_MAX_SEQ_LEN, recipe.DEFAULT_ACCURACY_LEVEL, bench.DEFAULT_GAMMAS = 5, 999, 1, (3, 6)
+from specbuild.cli import cli
+for command in ("compile", "bench"):
+    cli.main([command, "--help"], standalone_mode=False)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    shown = " ".join(result.stdout.split())  # click wraps the help
+    for default in ("[default: 5]", "[default: min(999, the longest the pair takes)]",
+                    "identical to the target's own. [default: 1]", "[default: 3,6]"):
+        assert default in shown
+
+
 def test_compile_says_nothing_of_transformers_notes_on_a_phi3_config(checkpoints, tmp_path):
     """transformers remarks on a Phi-3 config's original_max_position_embeddings as compile reads it: a line on
     stderr that is no error, where a pipeline reads one-line errors."""

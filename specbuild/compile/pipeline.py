@@ -15,7 +15,7 @@ from specbuild_runtime.manifest import TOKENIZER_DIR, Manifest
 from ..errors import SettingsError
 from ..progress import bar, shown
 from ..staging import scratch_folder
-from ..recipe import DEFAULT_MAX_SEQ_LEN, CompileSettings
+from ..recipe import DEFAULT_ACCURACY_LEVEL, DEFAULT_MAX_SEQ_LEN, CompileSettings
 from . import tensorrt_llm
 from .bundle import created_by, save_tokenizer, staged_bundle, write_manifest
 from .check import check_engines
@@ -23,7 +23,7 @@ from .export import export_engine, write_sampler
 from .graphs import check_every_tensor_used
 from .load import (Checkpoint, check_context, eos_token_ids, load_checkpoint, longest_context, rope_switch_length,
                    sampling_defaults, validate_pair)
-from .precision import DEFAULT_ACCURACY_LEVEL, Numerics
+from .precision import Numerics
 from .quality import measure_quality, quality_texts
 
 

@@ -21,11 +21,10 @@ import numpy as np
 import onnx_ir as ir
 
 from ..errors import CheckpointError, UnsupportedModelError
-from ..recipe import DEFAULT_BLOCK_SIZE, setting_problem
+from ..recipe import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, setting_problem
 from specbuild_runtime.errors import SpecbuildError
 
 FLOAT_TYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
-DEFAULT_ACCURACY_LEVEL = 4  # MatMulNBits int8 compute: the fast one, exact row by row (see quantize.py)
 CHUNK_BYTES = 16 << 20  # stored bytes read at a time: what converting or quantizing a tensor holds beside its result
 
 
