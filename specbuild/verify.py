@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from .compile.load import checkpoint_digest
+from .compile.reference import load_reference, recorded_source, transformers_greedy
 from .errors import CheckpointError
 from .progress import note, steps
-from .reference import load_reference, recorded_source, transformers_greedy
 from .texts import read_prompts
 
 

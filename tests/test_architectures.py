@@ -11,7 +11,7 @@ from specbuild.compile import compile_bundle
 from specbuild.compile.load import ARCHITECTURES, load_checkpoint
 from specbuild.errors import UnsupportedModelError
 from specbuild.recipe import CompileSettings
-from specbuild.reference import load_reference, transformers_greedy
+from specbuild.compile.reference import load_reference, transformers_greedy
 from specbuild_runtime import BundleError, SpeculativeDecoder
 
 # The families test_exactness.py does not cover; windows of 8 positions, so 40 tokens pass them.

@@ -140,7 +140,7 @@ def test_onnxruntime_genai_peer_matches_on_requests_that_end_at_an_eos(checkpoin
     such request read NO until the peer put it back. The eos here is a token the target writes early on."""
     from specbuild.compile import compile_bundle
     from specbuild.recipe import CompileSettings
-    from specbuild.reference import load_reference, transformers_greedy
+    from specbuild.compile.reference import load_reference, transformers_greedy
 
     ids = tokenizer("def add(a, b):")["input_ids"]
     eos = transformers_greedy(load_reference(checkpoints("llama")), ids, 8, [])[3]

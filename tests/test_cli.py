@@ -475,7 +475,7 @@ def test_a_reference_on_cuda_without_a_cuda_torch_is_a_device_error(checkpoints)
     """verify/bench peers on --device cuda need transformers on the GPU too: one line saying what to install."""
     import torch
 
-    from specbuild.reference import load_reference
+    from specbuild.compile.reference import load_reference
     from specbuild_runtime.errors import DeviceError
 
     if torch.cuda.is_available():

@@ -5,7 +5,7 @@ import shutil
 import pytest
 
 from conftest import PROMPTS
-from specbuild.reference import load_reference, transformers_greedy
+from specbuild.compile.reference import load_reference, transformers_greedy
 from specbuild_runtime import SpeculativeDecoder
 from specbuild_runtime.decode import FREE_GUESSES
 

@@ -97,7 +97,7 @@ def test_seeded_sampling_reproduces_on_cuda_for_every_gamma(precision, cuda_grap
 def test_fp32_bundle_gives_transformers_fp32_greedy_tokens_on_cuda(bundles, checkpoints, tokenizer):
     """use_tf32=0 (set by the runtime for fp32 engines) against transformers fp32 with TF32 off on the same GPU,
     loaded as `specbuild verify --device cuda` loads it."""
-    from specbuild.reference import load_reference, transformers_greedy
+    from specbuild.compile.reference import load_reference, transformers_greedy
 
     model = load_reference(checkpoints("llama"), device="cuda")
     decoder = SpeculativeDecoder(bundles("llama", draft_seed=1), device="cuda")

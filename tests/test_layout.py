@@ -15,11 +15,12 @@ def test_the_compiler_never_imports_training():
     assert not {m for m in modules if m.startswith("specbuild.train")}
 
 
-# The compiler's modules in the order its stages run (pipeline.STAGES), each after what it uses: graphs/ emits
-# nodes whose weights precision and quantize make as the engine is written; gamma measures α for quality and
-# the TensorRT-LLM export; bundle names the export's folder; pipeline runs them all.
-COMPILE_ORDER = ("load", "precision", "quantize", "graphs", "export", "gamma", "quality", "check", "tensorrt_llm",
-                 "tensorrt_llm_reference", "bundle", "pipeline")
+# The compiler's modules in the order its stages run (pipeline.STAGES), each after what it uses: reference runs a
+# checkpoint as transformers does (what verify, the peers, distill and gamma compare with); graphs/ emits nodes whose
+# weights precision and quantize make as the engine is written; gamma measures α for quality and the TensorRT-LLM
+# export; bundle names the export's folder; pipeline runs them all.
+COMPILE_ORDER = ("load", "reference", "precision", "quantize", "graphs", "export", "gamma", "quality", "check",
+                 "tensorrt_llm", "tensorrt_llm_reference", "bundle", "pipeline")
 # What the compiler serves, which it never imports (the layout's promise, README Layout)
 ABOVE_THE_COMPILER = ("specbuild.train", "specbuild.bench", "specbuild.cli", "specbuild.command", "specbuild.demo",
                       "specbuild.verify")
@@ -58,6 +59,20 @@ def test_each_compile_stage_imports_only_the_stages_before_it():
             COMPILE_ORDER[:COMPILE_ORDER.index(stage) + 1])
         assert not later, f"{path.name} imports {sorted(later)}"
         assert not [name for name in imported if name.startswith(ABOVE_THE_COMPILER)], path.name
+
+
+def test_what_the_compiler_imports_never_imports_the_compiler():
+    """The compiler stands on specbuild's shared modules (errors, progress, staging, recipe, texts, acceptance),
+    none of which imports it back: reference.py, transformers' side of every comparison, read checkpoints with
+    compile/load.py while compile/gamma.py imported it, a cycle between the package and the module."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "specbuild"
+    used = {name for path in (root / "compile").rglob("*.py") for name in specbuild_imports(path)
+            if not name.startswith("specbuild.compile")}
+    beneath = [path for path in root.glob("*.py") if f"specbuild.{path.stem}" in used]
+    assert beneath and not [path.name for path in beneath
+                            if any(name.startswith("specbuild.compile") for name in specbuild_imports(path))]
 
 
 def test_only_the_compile_package_imports_its_pipeline():

@@ -187,7 +187,7 @@ def test_unindexed_shards_holding_a_tensor_twice_are_refused_naming_both_files(s
 def test_an_index_without_metadata_is_refused_by_the_transformers_reference_in_one_line(sharded):
     """The compiler reads only the weight_map; transformers raised a KeyError (verify and bench called it a
     bug in specbuild). With the line's fix it loads."""
-    from specbuild.reference import load_reference
+    from specbuild.compile.reference import load_reference
 
     folder, _ = sharded
     index = folder / "model.safetensors.index.json"
@@ -203,7 +203,7 @@ def test_an_index_without_metadata_is_refused_by_the_transformers_reference_in_o
 def test_an_index_without_metadata_beside_a_model_safetensors_is_not_read(sharded, checkpoints):
     """transformers reads model.safetensors alone, as compile does: the index left beside it by another save is
     never read, and its missing "metadata" was refused as if transformers could not load the checkpoint."""
-    from specbuild.reference import load_reference
+    from specbuild.compile.reference import load_reference
 
     folder, _ = sharded
     index = folder / "model.safetensors.index.json"
@@ -216,7 +216,7 @@ def test_an_index_without_metadata_beside_a_model_safetensors_is_not_read(sharde
 def test_shards_without_their_index_are_refused_by_the_transformers_reference_naming_the_index(sharded):
     """The compiler reads them; transformers reads shards only through their index, and the refusal said to
     re-save pickled weights as safetensors."""
-    from specbuild.reference import load_reference
+    from specbuild.compile.reference import load_reference
 
     folder, _ = sharded
     (folder / "model.safetensors.index.json").unlink()
@@ -256,7 +256,7 @@ def test_a_model_safetensors_beside_an_index_is_read_as_transformers_reads_it(sh
     new shards and their index (compiled from the shards, while transformers, and so verify, runs
     model.safetensors), or an index of deleted shards beside a new model.safetensors (refused as an
     incomplete download)."""
-    from specbuild.reference import load_reference
+    from specbuild.compile.reference import load_reference
 
     folder, _ = sharded
     shutil.copy(checkpoints("llama", 1) / "model.safetensors", folder / "model.safetensors")
@@ -276,7 +276,7 @@ def test_a_bundle_compiled_from_shards_beside_a_model_safetensors_is_told_which_
     from types import SimpleNamespace
 
     from specbuild.compile.load import checkpoint_digest
-    from specbuild.reference import recorded_source
+    from specbuild.compile.reference import recorded_source
 
     folder, _ = sharded
     engine = SimpleNamespace(source={"path": str(folder), "sha256": checkpoint_digest(folder, "target")})
@@ -405,7 +405,7 @@ def test_the_transformers_reference_runs_gemma2_eagerly_where_sdpa_would_drop_it
     # compiler's γ measurement then compared the bundle with another model (a divergence at token 28 of a tiny one)
     from transformers.models.gemma2 import modeling_gemma2
 
-    from specbuild.reference import load_reference
+    from specbuild.compile.reference import load_reference
 
     monkeypatch.setattr(modeling_gemma2.Gemma2PreTrainedModel, "_supports_sdpa", True)  # as transformers 4's
     assert load_reference(checkpoints("gemma2")).config._attn_implementation == "eager"

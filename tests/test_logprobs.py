@@ -11,7 +11,7 @@ import onnx
 import pytest
 
 from conftest import PROMPTS
-from specbuild.reference import load_reference
+from specbuild.compile.reference import load_reference
 from specbuild_runtime import RequestError, SpeculativeDecoder, Stats, TokenLogprobs
 from specbuild_runtime.decode import SCORED_ROWS
 from specbuild_runtime.logprobs import LOGPROB_FLOOR, floored, token_logprobs

@@ -2,7 +2,7 @@
 
 from conftest import PROMPTS
 from specbuild.bench.peers import fixed_gamma
-from specbuild.reference import load_reference, transformers_greedy
+from specbuild.compile.reference import load_reference, transformers_greedy
 
 
 def test_the_assisted_peer_drafts_gamma_tokens_every_round(checkpoints, tokenizer, monkeypatch):

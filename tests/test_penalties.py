@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS, compiled_before_drafts_took_logit_bias_alone, compiled_before_penalties
-from specbuild.reference import load_reference, transformers_greedy
+from specbuild.compile.reference import load_reference, transformers_greedy
 from specbuild_runtime import SpeculativeDecoder
 
 NEW_TOKENS = 30

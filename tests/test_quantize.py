@@ -464,7 +464,7 @@ def test_quality_reports_the_acceptance_the_runtime_decodes_when_requests_end_at
     """The runtime ends a request at the target's first eos; rounds along the continuation after it are
     no request's. The target's eos here is a token it writes early on most measuring prompts."""
     from specbuild.compile.quality import quality_texts
-    from specbuild.reference import load_reference, transformers_greedy
+    from specbuild.compile.reference import load_reference, transformers_greedy
 
     prompts = quality_texts(tokenizer)[0]
     reference = load_reference(checkpoints("llama", 0, **WIDE))

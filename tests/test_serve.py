@@ -362,7 +362,7 @@ def test_lm_evals_loglikelihood_request_scores_the_continuation_as_transformers_
     tokens' logprob is its top_logprobs' highest."""
     import torch
 
-    from specbuild.reference import load_reference
+    from specbuild.compile.reference import load_reference
 
     model = load_reference(bundle.parent / "target")
     for context, continuation in (("def add(a, b):\n", "    return a + b"), ("x", " = 1"), (PROMPTS[5], "import os")):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS, counted_compiles
-from specbuild.reference import load_reference
+from specbuild.compile.reference import load_reference
 from specbuild_runtime import RequestError, SpeculativeDecoder
 
 NEW_TOKENS = 40

@@ -26,7 +26,7 @@ KNOWN = ("transformers", "onnxruntime-genai", "llama.cpp")
 
 def run_peers(peers: list[str], decoder, prompts: list[list[int]], max_new_tokens: int, gammas: list[int], baseline) -> list[dict]:
     """peers: names from KNOWN (the CLI checks them)."""
-    from ..reference import recorded_source
+    from ..compile.reference import recorded_source
 
     # Each role's checkpoint, checked against the manifest (its every weight read: seconds a GB) once for all peers
     source = functools.cache(lambda role: recorded_source(decoder.manifest.engines[role], role))
@@ -77,7 +77,7 @@ def _transformers(decoder, source, prompts, max_new_tokens, gammas) -> list[dict
     with note(f"loading the target and draft checkpoints in transformers ({precision})"):
         from transformers import StaticCache
 
-        from ..reference import load_reference, transformers_greedy
+        from ..compile.reference import load_reference, transformers_greedy
 
         target, draft = (load_reference(source(role), role, device, precision) for role in ("target", "draft"))
     eos = sorted(decoder.eos_token_ids)

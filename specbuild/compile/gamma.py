@@ -105,7 +105,7 @@ def measure_with_transformers(target_path: Path, draft_path: Path, prompt_ids: l
     tokens."""
     import torch
 
-    from ..reference import load_reference, transformers_greedy
+    from .reference import load_reference, transformers_greedy
 
     with note("loading the pair in transformers to measure α for γ"):
         target, draft = load_reference(target_path), load_reference(draft_path)

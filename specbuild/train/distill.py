@@ -19,10 +19,10 @@ from specbuild_runtime.errors import first_line
 from ..acceptance import expected_tokens_per_call, rounds, theoretical_speedup, until_eos
 from ..compile.load import (check_architecture, check_draft_smaller, check_draft_without_tokenizer, check_embedding_rows,
                              has_tokenizer_files, load_tokenizer, model_spec, quiet_transformers, unpadded_parameters)
+from ..compile.reference import load_reference, plainly_generating
 from ..errors import CheckpointError, TrainingError
 from ..progress import bar, note
 from ..recipe import DEFAULT_MAX_SEQ_LEN
-from ..reference import load_reference, plainly_generating
 from ..staging import guarded_folder
 from .divergence import distill_loss, parts
 from .generate import Sequence, continuation_logits, continue_prompts, eos_ids, pad_id, score, stop_at_tokenizer_eos

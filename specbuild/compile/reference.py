@@ -9,8 +9,8 @@ from pathlib import Path
 from safetensors import SafetensorError
 from specbuild_runtime.errors import DeviceError, first_line
 
-from .compile.load import checkpoint_digest, digest_of_shards_beside, indexed_files, quiet_transformers, read_config_json
-from .errors import CheckpointError
+from ..errors import CheckpointError
+from .load import checkpoint_digest, digest_of_shards_beside, indexed_files, quiet_transformers, read_config_json
 
 TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
