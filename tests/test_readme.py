@@ -159,3 +159,35 @@ def test_the_command_line_synopsis_lists_each_options_choices_as_its_command_tak
             assert set(choices.split("|")) == set(param.type.choices), (command.name, flag, choices)
             listed += 1
     assert listed >= 7  # --quantize, --precision, --backend, --device, --loss, --generation-config, --tool-call-parser
+
+
+def test_every_measured_table_says_when_it_was_measured():
+    """A figure without its date cannot be told from one the code has since moved: five tables (an earlier bench of
+    the demo pair, quantization, the 1.1B layer pair, compile at scale, the other families) said neither. The date
+    goes in the paragraph that introduces the table; the troubleshooting table is generated, not measured."""
+    lines = README.read_text().split("\n")
+    undated = []
+    for number, line in enumerate(lines):
+        if not line.startswith("|") or lines[number - 1].startswith("|"):
+            continue
+        above = number - 1
+        while not lines[above].strip():
+            above -= 1
+        paragraph = []
+        while lines[above].strip() and not lines[above].startswith("#"):
+            paragraph.append(lines[above])
+            above -= 1
+        if "troubleshooting: generated" not in " ".join(paragraph) and not re.search(r"\b20\d\d-\d\d-\d\d\b", " ".join(paragraph)):
+            undated.append(f"line {number + 1}: {line[:60]}")
+    assert undated == []
+
+
+def test_every_section_the_readme_points_to_in_italics_exists():
+    """`see *Name*` names a heading or a bold lead-in (`**Name.**`): "*on an H200*" named none, and the quick start's
+    list of where to read next is only as good as its names."""
+    text = README.read_text()
+    names = {name.rstrip(".") for name in re.findall(r"(?<![*\w])\*(?!\*)([^*\n]+?)(?<!\s)\*(?![*\w])", text)}
+    targets = [h.strip() for h in re.findall(r"^#+ (.+)$", text, re.M)]
+    targets += [b.strip().rstrip(".") for b in re.findall(r"\*\*([^*\n]+)\*\*", text)]
+    assert {"Adaptive γ", "GPU", "Troubleshooting"} <= names
+    assert sorted(name for name in names if not any(target.startswith(name) for target in targets)) == []
