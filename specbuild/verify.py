@@ -40,7 +40,7 @@ def verify_bundle(bundle: Path, target: Path | None, prompts_file: Path, max_new
     engine = decoder.manifest.engines["target"]
     recorded = target is None
     with note(f"loading the target checkpoint in transformers ({engine.precision})"):  # and its digest read
-        target = target or recorded_source(engine, "target")
+        target = target or recorded_source(engine, "target", "--target")
         model = load_reference(target, device=decoder.device, precision=engine.precision)
     precision = engine.precision
     rows = model.get_input_embeddings().num_embeddings

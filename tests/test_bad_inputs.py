@@ -459,6 +459,10 @@ CASES = [
          ["bench", "{bundle}", "--peers", "transformers", "--prompts", "{prompts}", "-n", "4", "--gamma", "1"], 1,
          "which no longer exists", "Put the checkpoint back where the message says, or recompile the bundle from "
          "where it is now.", setup=lambda paths: (source_elsewhere(None)(paths), write_file("prompts", PROMPT)(paths))),
+    Case("`verify` without `--target` when the bundle's source checkpoint has moved",
+         ["verify", "{bundle}", "--prompts", "{prompts}", "-n", "4"], 1, "or pass its folder as --target",
+         "Pass the checkpoint's new folder as `--target`, or put it back where the message says.",
+         setup=lambda paths: (source_elsewhere(None)(paths), write_file("prompts", PROMPT)(paths))),
     Case("`bench --peers transformers` when the bundle's source checkpoint has changed",
          ["bench", "{bundle}", "--peers", "transformers", "--prompts", "{prompts}", "-n", "4", "--gamma", "1"], 1,
          "have changed since", "Recompile the bundle from the checkpoint as it is now (peers would run another model).",

@@ -104,13 +104,15 @@ def _check_index(path: Path, role: str) -> None:
                               "add \"metadata\": {} to it")
 
 
-def recorded_source(engine, role: str) -> Path:
+def recorded_source(engine, role: str, option: str | None = None) -> Path:
     """The checkpoint an engine was compiled from, as the manifest records it, refused if it is gone or
-    has changed since: a peer would then run another model than the bundle's."""
+    has changed since: a peer would then run another model than the bundle's. option: the command's option that
+    names the checkpoint instead (verify's --target), the shortest way on where it has only moved."""
     path = Path(engine.source["path"])
     if not path.is_dir():
+        instead = f" or pass its folder as {option}" if option else ""
         raise CheckpointError(f"the bundle's {role} was compiled from {path}, which no longer exists; put the "
-                              "checkpoint back there (or recompile the bundle from where it is now)")
+                              f"checkpoint back there{instead} (or recompile the bundle from where it is now)")
     if checkpoint_digest(path, role) != engine.source["sha256"]:
         if digest_of_shards_beside(path) == engine.source["sha256"]:  # nothing changed but which files are read
             raise CheckpointError(
