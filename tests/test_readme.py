@@ -191,3 +191,13 @@ def test_every_section_the_readme_points_to_in_italics_exists():
     targets += [b.strip().rstrip(".") for b in re.findall(r"\*\*([^*\n]+)\*\*", text)]
     assert {"Adaptive γ", "GPU", "Troubleshooting"} <= names
     assert sorted(name for name in names if not any(target.startswith(name) for target in targets)) == []
+
+
+def test_the_readme_names_every_mode_of_the_gpu_session_script():
+    """A GPU session is 15 minutes, planned from the README's list of what `benchmarks/gpu_session.sh` runs: `splits`
+    was missing from it, and the list said "four calls" of ten modes."""
+    script = (README.parent / "benchmarks" / "gpu_session.sh").read_text()
+    modes = re.findall(r"^([a-z]+)\)$", script.split('case "${1:-}" in', 1)[1], re.M)
+    listed = README.read_text().split("## What is not tested here")[1].split("\n## ")[0]
+    assert len(modes) >= 10 and [mode for mode in modes if f"`{mode}" not in listed] == []
+    assert "four calls" not in README.read_text()
