@@ -23,6 +23,9 @@ But a draft that agrees again after a long bad stretch is then noticed late: its
 MAX_PROBE_EVERY rounds after the last: at a draft step of 0.3 target calls auto drafted again 262-374 rounds after the
 draft began to agree (tests/test_policy.py; 40-56 when held probes left the wait as it was and the cap was 32).
 A probe that holds where the draft had been failing is news, so the next one comes after PROBE_EVERY: 22-134 rounds.
+No probe comes while no γ would pay were every draft accepted (its cost above its γ + 1 tokens): no α a probe could show
+makes auto draft then. The demo pair under T 0.8 + repetition 1.1 on 2 cores at load 8 priced a round at γ 1 at 4.7
+rounds without drafts, yet probed about once a request (a catch-up on the prompt and the tokens since: 3.6-3.9 rounds).
 Simulated (independent acceptance, a draft step 0.3 target calls and a further row 0.03, 128 switch points), the 300
 rounds after α went from 0.05 to 0.8 yielded 1.33 tokens a target call instead of 1.03 (1.35 before held probes doubled
 the wait); where probes hold at a rate drafting does not pay for (3 times in 10, at 0.3 a step) it costs 25 probes a
@@ -247,7 +250,7 @@ class AdaptiveGamma:
             elif probed:  # the probe paid its catch-up for nothing, rejected, or held where drafting does not pay
                 self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
             self.rounds_at_zero += 1
-            if self.rounds_at_zero >= self.probe_every:
+            if self.rounds_at_zero >= self.probe_every and _drafting_could_pay(costs, most):
                 self.rounds_at_zero, self.probing = 0, True
                 return 1
         return best
@@ -269,6 +272,11 @@ class AdaptiveGamma:
                 estimate.observe(drafted, accepted)
         if timed:
             self.costs.observe(drafted, draft_seconds, target_seconds, catching_up)
+
+
+def _drafting_could_pay(costs: list[float], most: float) -> bool:
+    """Whether some γ would beat γ 0 were every draft accepted: if not, no α a probe could show makes auto draft."""
+    return any((gamma + 1) / cost > most for gamma, cost in enumerate(costs) if gamma)
 
 
 def _ema(old: float | None, new: float) -> float:
