@@ -931,15 +931,17 @@ def test_the_first_word_keeps_its_space_after_special_tokens_that_follow_a_byte_
 
 def test_a_seeded_sampled_request_reproduces_under_auto_gamma_whatever_ran_before(bundle):
     """Which γ a round uses changes which random number judges which draft: a seeded request's auto γ
-    follows its own acceptance alone, not timings or the slot's earlier requests."""
+    follows its own acceptance alone, not timings or the slot's earlier requests. The draft is the target here, so its
+    prior (the weight ratio, 1) says no γ could pay: each decoder is told a draft step costs a tenth, as a real draft's."""
     options = dict(gamma="auto", temperature=1.0, seed=5)
-    decoder = SpeculativeDecoder(bundle)
+    decoder, other = SpeculativeDecoder(bundle), SpeculativeDecoder(bundle, parallel=2)
+    decoder._draft_cost = other._draft_cost = 0.1
     first = decoder.generate(PROMPTS[1], NEW_TOKENS, **options)
     assert len(first.stats.gamma_rounds) > 1, "auto used one γ throughout: this test is hollow"
     for prompt in PROMPTS[:4]:  # unseeded traffic teaches the slot's own policy (and the shared costs)
         decoder.generate(prompt, NEW_TOKENS, gamma="auto", temperature=1.0)
     assert decoder.generate(PROMPTS[1], NEW_TOKENS, **options).token_ids == first.token_ids
-    assert SpeculativeDecoder(bundle, parallel=2).generate(PROMPTS[1], NEW_TOKENS, **options).token_ids == first.token_ids
+    assert other.generate(PROMPTS[1], NEW_TOKENS, **options).token_ids == first.token_ids
 
 
 def test_generated_text_follows_the_prompts_text_with_a_decoder_that_strips_a_leading_space(bundle):
