@@ -27,7 +27,8 @@ from specbuild_runtime.validation import FLOAT32_MAX, GREEDY_BELOW, MAX_LOGPROBS
 from . import __version__
 from .bench.bench import DEFAULT_GAMMAS
 from .bench.peers import KNOWN as PEERS
-from .recipe import (BACKENDS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, DEFAULT_GAMMA, DEFAULT_MAX_SEQ_LEN, MAX_GAMMA,
+from .recipe import (BACKENDS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, DEFAULT_GAMMA, DEFAULT_MAX_SEQ_LEN,
+                     DISTILL_BATCH_SIZE, DISTILL_GAMMA, DISTILL_MINUTES, DISTILL_OBJECTIVE, DISTILL_SEED, MAX_GAMMA,
                      MAX_SEED, PRECISIONS, QUANTIZATIONS, setting_problem)
 from .staging import replace_file
 
@@ -728,20 +729,21 @@ def check_plot_path(path: Path) -> None:
               "files) instead of a new one.")
 @click.option("--draft-config", "draft_config", multiple=True, metavar="KEY=VALUE",
               help="Config overrides for a new draft, e.g. num_hidden_layers=2 (repeatable).  [default: <= 1/10 of the target]")
-@click.option("--minutes", type=Finite(min=0, min_open=True), default=5.0, show_default=True,
+@click.option("--minutes", type=Finite(min=0, min_open=True), default=DISTILL_MINUTES, show_default=True,
               help="Time for making data and training (measuring α before and after comes on top).")
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help='JSONL prompts, one {"prompt": "..."} per line, as you will decode (a fourth are held out to measure α).')
 @click.option("--data", type=click.Path(exists=True, path_type=Path),
               help="Text file or folder whose spans serve as prompts.  [default (neither): the target's own samples]")
-@click.option("--gamma", type=click.IntRange(1, MAX_GAMMA), default=4, show_default=True, help="γ at which acceptance is measured.")
-@click.option("--loss", "objective", type=click.Choice(["tvd", "fkl", "rkl", "jsd"]), default="tvd", show_default=True,
-              help="Divergence of the draft's distribution from the target's: total variation, forward or reverse KL, "
-                   "Jensen-Shannon.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True,
+@click.option("--gamma", type=click.IntRange(1, MAX_GAMMA), default=DISTILL_GAMMA, show_default=True,
+              help="γ at which acceptance is measured.")
+@click.option("--loss", "objective", type=click.Choice(["tvd", "fkl", "rkl", "jsd"]), default=DISTILL_OBJECTIVE,
+              show_default=True, help="Divergence of the draft's distribution from the target's: total variation, "
+                                      "forward or reverse KL, Jensen-Shannon.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=DISTILL_BATCH_SIZE, show_default=True,
               help="Sequences per training step: a smaller batch holds less of the draft's training in memory and "
                    "trains more slowly (the target's fp32 weights need the same either way).")
-@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=DISTILL_SEED, show_default=True,
               help="Seed for a new draft's weights, the prompts made or picked and held out, and training's batches "
                    "(training stops at --minutes of wall-clock time, so runs differ in how far they get).")
 @click.option("--force", is_flag=True, help="Write the draft even if α did not rise.")

@@ -109,6 +109,13 @@ def _one_of(*choices: str) -> Callable[[object], str | None]:
 # numpy's none below 0 (distill --seed, the demo recipe's seed).
 MAX_SEED = 2**64 - 2
 
+# distill's defaults (train/distill.py), here so that its --help states them without importing torch
+DISTILL_MINUTES = 5.0
+DISTILL_GAMMA = 4
+DISTILL_OBJECTIVE = "tvd"
+DISTILL_BATCH_SIZE = 16
+DISTILL_SEED = 0
+
 
 def whole_number(low: int, high: int | None = None, powers_of_two: bool = False) -> Callable[[object], str | None]:
     kind = "a power of two" if powers_of_two else "a whole number"

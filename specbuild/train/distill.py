@@ -22,7 +22,8 @@ from ..compile.load import (check_architecture, check_draft_smaller, check_draft
 from ..compile.reference import load_reference, plainly_generating
 from ..errors import CheckpointError, TrainingError
 from ..progress import bar, note
-from ..recipe import DEFAULT_MAX_SEQ_LEN
+from ..recipe import (DEFAULT_MAX_SEQ_LEN, DISTILL_BATCH_SIZE, DISTILL_GAMMA, DISTILL_MINUTES, DISTILL_OBJECTIVE,
+                      DISTILL_SEED)
 from ..staging import guarded_folder
 from .divergence import distill_loss, parts
 from .generate import Sequence, continuation_logits, continue_prompts, eos_ids, pad_id, score, stop_at_tokenizer_eos
@@ -420,19 +421,19 @@ def distill(
     *,
     draft_config: dict | None = None,
     init: Path | None = None,
-    minutes: float = 5.0,  # as the command line
+    minutes: float = DISTILL_MINUTES,
     prompts_file: Path | None = None,
     data: list[str] | Path | None = None,
-    gamma: int = 4,
+    gamma: int = DISTILL_GAMMA,
     force: bool = False,
     overwrite: bool = False,
-    objective: str = "tvd",
+    objective: str = DISTILL_OBJECTIVE,
     kinds: tuple[str, ...] = ("sampled", "greedy"),
     generation_share: float = GENERATION_SHARE,
     heldout_prompts: int = 32,
-    batch_size: int = 16,
+    batch_size: int = DISTILL_BATCH_SIZE,
     lr: float = 1e-3,
-    seed: int = 0,
+    seed: int = DISTILL_SEED,
 ) -> dict:
     """Distill a draft from the target at target_dir; write it (with the target's tokenizer) to output_dir
     only if its α at gamma on held-out prompts rose, and beats the draft it would replace there, or with force.
