@@ -295,6 +295,26 @@ def test_compile_reports_quality_and_acceptance_of_a_quantized_draft(wide, tmp_p
     assert [p.name for p in tmp_path.iterdir()] == ["bundle"]  # the fp32 reference lived in scratch, now gone
 
 
+def test_measuring_quality_returns_its_reports_and_leaves_the_engines_it_reads_as_they_were(bundle, wide, tokenizer,
+                                                                                           tmp_path):
+    """A stage takes plain data and returns plain data (the pipeline puts the reports in the manifest): it wrote
+    them into the EngineInfo objects it was given."""
+    import copy
+
+    from specbuild.compile.load import eos_token_ids, load_checkpoint
+
+    folder = bundle(draft_quantize="int4")  # compiled without a report
+    manifest = load_manifest(folder)
+    given = copy.deepcopy(manifest.engines)
+    checkpoints = {role: load_checkpoint(wide, role) for role in ("target", "draft")}
+    (tmp_path / "scratch").mkdir()
+    reports = quality.measure_quality(folder, tmp_path / "scratch", manifest.engines, checkpoints, manifest.max_seq_len,
+                                      quality.quality_texts(tokenizer), eos_token_ids(checkpoints["target"]))
+    assert manifest.engines == given
+    assert list(reports) == ["draft"] and reports["draft"]["quant"]["quantization"] == "int4"
+    assert reports["draft"]["alpha"]["fp32"] == 1.0  # the draft is the target's own checkpoint
+
+
 def test_quality_report_is_skipped_above_its_size_limit(wide, tmp_path, monkeypatch):
     monkeypatch.setattr(quality, "QUALITY_MAX_REFERENCE_BYTES", 1000)
     manifest = compile_bundle(CompileSettings(target=wide, draft=wide, output=tmp_path / "b", max_seq_len=64,

@@ -85,7 +85,8 @@ def _compile(settings: CompileSettings, stages: "_Stages") -> Manifest:
 
         stages.start("measuring quantized engines")
         if texts:
-            measure_quality(folder, scratch, engines, checkpoints, max_seq_len, texts, eos)
+            for role, report in measure_quality(folder, scratch, engines, checkpoints, max_seq_len, texts, eos).items():
+                engines[role].quality = report
 
         stages.start("checking each engine")
         check_engines(folder, engines, sampler, max_seq_len)

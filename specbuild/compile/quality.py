@@ -1,5 +1,5 @@
 """The stage "measuring quantized engines" (pipeline.STAGES): what quantization cost each quantized engine,
-measured against an fp32 engine of the same checkpoint, into the manifest."""
+measured against an fp32 engine of the same checkpoint; the pipeline puts each report in the manifest."""
 
 from __future__ import annotations
 
@@ -35,32 +35,34 @@ QualityTexts = tuple[list[list[int]], list[int]]  # code prompts, held-out token
 
 
 def measure_quality(folder: Path, scratch: Path, engines: dict[str, EngineInfo], checkpoints: dict,
-                    max_seq_len: int, texts: QualityTexts, eos_token_ids: list[int]) -> None:
-    """Write each quantized engine's quality report (see quality_report) into its EngineInfo, against an
-    fp32 engine of the same checkpoint written to scratch; then, if the whole pair is small enough to
-    decode here, the pair's acceptance with and without quantization (report_acceptance_change)."""
+                    max_seq_len: int, texts: QualityTexts, eos_token_ids: list[int]) -> dict[str, dict]:
+    """Each quantized engine's quality report by role (see quality_report), against an fp32 engine of the
+    same checkpoint written to scratch; with it, if the whole pair is small enough to decode here, the
+    pair's acceptance with and without quantization under "alpha" (acceptance_change)."""
     prompts, heldout = texts
-    references = {}
+    reports, references = {}, {}
     for role, info in engines.items():
         if info.quantization == "none":
             continue
         too_large = _too_large_to_measure(info)
         if too_large:
-            info.quality = {"skipped": too_large}
+            reports[role] = {"skipped": too_large}
             continue
         # the rows the engine has, reading the target's ids past them as it does
         references[role] = export_engine(checkpoints[role], role, scratch, max_seq_len, Numerics(),
                                          vocab_size=engines["target"].shape.vocab_size, tokens=info.shape.vocab_size,
                                          rope_switch=info.rope_switch_length)
-        info.quality = quality_report(scratch, references[role], folder, info, prompts, heldout)
+        reports[role] = quality_report(scratch, references[role], folder, info, prompts, heldout)
     if not references:
-        return
+        return reports
     too_large = next(filter(None, map(_too_large_to_measure, engines.values())), None)
     if too_large:  # measuring α decodes with both engines: a large target would take hours on the CPU
-        for role in references:
-            engines[role].quality["alpha"] = {"skipped": f"the pair's other engine: {too_large}"}
+        alphas = {role: {"skipped": f"the pair's other engine: {too_large}"} for role in references}
     else:
-        report_acceptance_change(folder, engines, scratch, references, prompts, eos_token_ids)
+        alphas = acceptance_change(folder, engines, scratch, references, prompts, eos_token_ids)
+    for role, alpha in alphas.items():
+        reports[role]["alpha"] = alpha
+    return reports
 
 
 def _too_large_to_measure(info: EngineInfo) -> str | None:
@@ -73,19 +75,21 @@ def _too_large_to_measure(info: EngineInfo) -> str | None:
     return None
 
 
-def report_acceptance_change(folder: Path, engines: dict[str, EngineInfo], reference: Path,
-                             fp32: dict[str, EngineInfo], prompts: list[list[int]], eos_token_ids: list[int]) -> None:
-    """Add to each measured engine's quality report the pair's greedy acceptance α with and without
-    quantization (the other engine as built): what quantization did to the speed-up. fp32: the measured
-    roles' fp32 engines, in the folder `reference`; eos_token_ids: the bundle's, where its requests end."""
+def acceptance_change(folder: Path, engines: dict[str, EngineInfo], reference: Path, fp32: dict[str, EngineInfo],
+                      prompts: list[list[int]], eos_token_ids: list[int]) -> dict[str, dict]:
+    """For each measured role, the pair's greedy acceptance α with and without quantization of that role's
+    engine (the other engine as built): what quantization did to the speed-up. fp32: the measured roles'
+    fp32 engines, in the folder `reference`; eos_token_ids: the bundle's, where its requests end."""
     built = pair_acceptance(folder, engines["target"], folder, engines["draft"], prompts, eos_token_ids,
                             desc="measuring the pair's α as built")
+    change = {}
     for role in fp32:
         other = "draft" if role == "target" else "target"
         places = {role: (reference, fp32[role]), other: (folder, engines[other])}
         before = pair_acceptance(*places["target"], *places["draft"], prompts, eos_token_ids,
                                  desc=f"measuring the pair's α with an fp32 {role}")
-        engines[role].quality["alpha"] = {"gamma": ALPHA_GAMMA, "fp32": before, "quant": built}
+        change[role] = {"gamma": ALPHA_GAMMA, "fp32": before, "quant": built}
+    return change
 
 
 def quality_texts(tokenizer) -> QualityTexts:
