@@ -4,7 +4,7 @@ on any bundle (the demo's trained pair, say) or on a tiny random pair made here.
 The draft proposes unpenalised and under the grammar's mask (the runtime's way); the output is the target's either
 way (tests/test_penalties.py, tests/test_structured.py), so only how many drafts hold, and so the speed, differs.
 Each workload decodes the demo's prompts (specbuild.texts.measuring_prompts) target-only, at γ 4 and at auto, the
-modes taking turns prompt by prompt in one process (specbuild.bench.run_ours, as `specbuild bench`), --repeats times
+modes taking turns prompt by prompt in one process (specbuild.bench.bench.run_ours, as `specbuild bench`), --repeats times
 (speed-ups are the medians of each run's, α and τ pooled); a greedy one checks that every output equals the target-only
 one, token for token. Under a grammar the draft also proposes unmasked at γ 4 (from its own logits, as the steps graph
 would), after the others: its α beside the masked draft's.
@@ -28,8 +28,7 @@ from pathlib import Path
 
 from compile_scale import tokenizer
 from layer_pair import tail_scale
-from specbuild.bench import run_ours
-from specbuild.bench.bench import ModeResult
+from specbuild.bench.bench import ModeResult, run_ours
 from specbuild_runtime import SpeculativeDecoder
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},

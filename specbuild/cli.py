@@ -665,7 +665,7 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
 def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, device, cuda_graphs, draft_steps, threads,
           seed, **sampling) -> None:
     """Measure speculative vs target-only decoding (and peers) side by side, with the theoretical bound."""
-    from . import bench as benchmark
+    from .bench import bench as benchmark
     from .texts import CODE_PROMPTS, read_prompts
 
     to_stdout = json_out == Path("-")

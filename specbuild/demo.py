@@ -13,7 +13,7 @@ from specbuild_runtime import SpeculativeDecoder
 from specbuild_runtime.errors import BundleError, RequestError
 from specbuild_runtime.manifest import load_manifest
 
-from .bench import run_ours
+from .bench.bench import run_ours
 from .compile import compile_bundle
 from .compile.bundle import is_bundle
 from .errors import CheckpointError, OutputError, SettingsError, UnsupportedModelError

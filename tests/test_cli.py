@@ -89,8 +89,7 @@ def test_the_help_states_the_defaults_the_code_takes():
     again: with the constants changed before the CLI is imported, the help changes with them, and so do the
     defaults of distill's own function (which the CLI imports only when distill runs)."""
     code = """
-import importlib, inspect, specbuild.recipe as recipe
-bench = importlib.import_module("specbuild.bench.bench")  # the package's `bench` is the function
+import inspect, specbuild.bench.bench as bench, specbuild.recipe as recipe
 recipe.DEFAULT_GAMMA, recipe.DEFAULT_MAX_SEQ_LEN, recipe.DEFAULT_ACCURACY_LEVEL, bench.DEFAULT_GAMMAS = 5, 999, 1, (3, 6)
 recipe.DISTILL_MINUTES, recipe.DISTILL_GAMMA, recipe.DISTILL_OBJECTIVE = 2.5, 3, "jsd"
 recipe.DISTILL_BATCH_SIZE, recipe.DISTILL_SEED = 7, 11

@@ -86,6 +86,22 @@ def test_only_the_compile_package_imports_its_pipeline():
     assert borrowing == []
 
 
+def test_no_package_hides_a_module_of_its_own():
+    """`import specbuild.bench.bench as m` gave the function bench, which the package had bound over its module's
+    name, so tests reached the module through importlib; graphs/ did the same with its function verification."""
+    import importlib
+    import pkgutil
+
+    import specbuild
+
+    for found in pkgutil.walk_packages(specbuild.__path__, "specbuild."):
+        if found.name.endswith(".__main__"):  # runs the command
+            continue
+        module = importlib.import_module(found.name)
+        package, _, name = found.name.rpartition(".")
+        assert getattr(importlib.import_module(package), name) is module, found.name
+
+
 def test_the_runtime_never_imports_torch():
     modules = imported_after("from specbuild_runtime import SpeculativeDecoder")
     assert "torch" not in modules and "transformers" not in modules

@@ -29,7 +29,7 @@ from . import gemma, gpt2, llama
 from .builder import GraphBuilder
 from .layers import Attention, linear
 from .verification import (LOGITS, SamplingInputs, build_sampler, logit_bias_input, penalty_inputs, unprocessed,
-                           verification)
+                           verification_tail)
 
 FAMILIES = {"llama": llama.body, "gemma": gemma.body, "gpt2": gpt2.body}
 INT64, INT32, FLOAT = ir.DataType.INT64, ir.DataType.INT32, ir.DataType.FLOAT
@@ -75,8 +75,9 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
     processing = (penalty_inputs(g, vocab) if penalties else logit_bias_input(g, vocab)) if sampling else None
     ids = _embeddable(g, g.op("Reshape", input_ids, g.const([-1])), vocab, vocab_size)  # [S]
     hidden, presents, head = FAMILIES[spec.family](g, spec, ids, att, max_seq_len, vocab)
-    accepted, next_token, probs, logits = verification(g, hidden, input_ids, num_drafts, lambda x: linear(g, x, head),
-                                                       sampling_inputs, spec.final_softcap, processing, fixed_rows)
+    accepted, next_token, probs, logits = verification_tail(g, hidden, input_ids, num_drafts,
+                                                            lambda x: linear(g, x, head), sampling_inputs,
+                                                            spec.final_softcap, processing, fixed_rows)
     g.output(logits, LOGITS, FLOAT, ["D+1", vocab])
     g.output(accepted, "accepted", INT64, [])
     g.output(next_token, "next_token", INT64, [])
@@ -112,8 +113,8 @@ def build_draft_steps(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, st
         step_att = att.step(j, g.op("Add", att.seqlens_k, g.const([j], np.int32)) if j else att.seqlens_k, lengths[j])
         ids = _embeddable(g, g.op("Reshape", input_ids, g.const([-1])), vocab, vocab_size)
         hidden, presents, head = FAMILIES[spec.family](g, spec, ids, step_att, max_seq_len, vocab)
-        _, token, _, logits = verification(g, hidden, input_ids, no_drafts, lambda x: linear(g, x, head), None,
-                                           spec.final_softcap)
+        _, token, _, logits = verification_tail(g, hidden, input_ids, no_drafts, lambda x: linear(g, x, head), None,
+                                                spec.final_softcap)
         logits.name = f"{LOGITS}.step{j}"  # one name per value
         _cache_outputs(g, presents, step_presents(len(presents), j), att, numerics, max_seq_len)
         drafts.append(g.op("Reshape", token, g.const([1])))

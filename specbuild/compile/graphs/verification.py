@@ -68,9 +68,9 @@ def unprocessed(vocab: int) -> dict[str, np.ndarray]:
             "stop_tokens": np.zeros(vocab, np.bool_), "logit_bias": np.zeros((1, vocab), np.float32)}
 
 
-def verification(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_drafts: ir.Value,
-                 head: Callable[[ir.Value], ir.Value], sampling: SamplingInputs | None, softcap: float | None = None,
-                 processing: Penalties | ir.Value | None = None, fixed_rows: int = 0):
+def verification_tail(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_drafts: ir.Value,
+                      head: Callable[[ir.Value], ir.Value], sampling: SamplingInputs | None,
+                      softcap: float | None = None, processing: Penalties | ir.Value | None = None, fixed_rows: int = 0):
     """The last D+1 hidden states -> (accepted drafts, next token, its distribution, logits).
 
     hidden [S, H]; head(x [R, H]) -> [R, V] is the model's LM head. Row j of the logits is the model's
