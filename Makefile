@@ -21,7 +21,8 @@ $(STAMP): pyproject.toml runtime/pyproject.toml
 	# Here 2.13.0 resolves to a CPU build from local wheels; on public PyPI it is a CUDA build too, so set
 	# TORCH_INDEX=https://download.pytorch.org/whl/cpu there (make TORCH_INDEX=... test).
 	$(BIN)/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/pip install -q -e "./runtime[serve]" -e ".[test]"
+	# cpu: the CPU onnxruntime, which the test extra's onnxruntime-genai needs too (a GPU install: README, GPU).
+	$(BIN)/pip install -q -e "./runtime[serve]" -e ".[cpu,test]"
 	touch $(STAMP)
 
 clean:

@@ -790,6 +790,21 @@ def test_ctrl_c_while_the_command_imports_is_one_line_and_status_130(interrupt, 
     assert (result.returncode, result.stderr) == (130, "error: interrupted\n"), result.stderr[-2000:]
 
 
+def test_the_command_without_onnxruntime_says_in_one_line_which_to_install():
+    """Neither onnxruntime is a dependency (the cpu and gpu extras pick one: they break each other), so an install
+    without either extra has none: the command printed the runtime's ModuleNotFoundError under a traceback."""
+    import tomllib
+    from pathlib import Path
+
+    pyproject = Path(__file__).parents[1] / "pyproject.toml"
+    module, _, function = tomllib.loads(pyproject.read_text())["project"]["scripts"]["specbuild"].partition(":")
+    script = f"import sys\nsys.modules['onnxruntime'] = None\nfrom {module} import {function}\n{function}()\n"
+    result = subprocess.run([sys.executable, "-c", script, "inspect", "bundle"], capture_output=True, text=True)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr[-2000:]
+    assert result.stderr.startswith("error: specbuild-runtime needs onnxruntime: pip install './runtime[cpu]', or "
+                                    "'./runtime[gpu]'"), result.stderr
+
+
 def test_output_to_a_full_disk_is_one_line_that_names_stdout(bundles, tmp_path):
     """`> log` on a full disk said only "error: No space left on device": after compile, read as the bundle's disk
     though the bundle was written. (/dev/full: every write fails with ENOSPC.)"""

@@ -26,6 +26,18 @@ def test_cuda_without_the_cuda_provider_says_what_to_install(bundles):
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="this onnxruntime has the CUDA provider")
+def test_cuda_where_the_cpu_onnxruntime_overwrote_onnxruntime_gpu_says_how_to_undo_it(bundles, tmp_path, monkeypatch):
+    """Both installed (the GPU runtime beside the bench extra's onnxruntime-genai, which requires the CPU package), the
+    CPU one's files replace the GPU one's: the advice to install onnxruntime-gpu named what was already there."""
+    info = tmp_path / "onnxruntime_gpu-1.31.1.dist-info"  # what pip records of an installed onnxruntime-gpu
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: onnxruntime-gpu\nVersion: 1.31.1\n")
+    monkeypatch.syspath_prepend(tmp_path)
+    with pytest.raises(DeviceError, match=r"pip uninstall -y onnxruntime onnxruntime-gpu, then pip install '\./runtime\[gpu"):
+        SpeculativeDecoder(bundles("llama", draft_seed=1), device="cuda")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="this onnxruntime has the CUDA provider")
 def test_auto_runs_on_the_cpu_without_the_cuda_provider(bundles):
     decoder = SpeculativeDecoder(bundles("llama", draft_seed=1), device="auto")
     assert decoder.device == "cpu" and len(decoder.generate("x", 4).token_ids) == 4

@@ -112,6 +112,34 @@ def test_the_server_never_imports_torch():
     assert "torch" not in modules and "transformers" not in modules
 
 
+def test_each_package_takes_onnxruntime_or_onnxruntime_gpu_only_through_its_cpu_or_gpu_extra():
+    """The two install the same module and break each other (microsoft/onnxruntime#26996): while the compiler
+    required onnxruntime, `pip install -e './runtime[gpu]' -e .` installed both, the CPU package's files over the GPU
+    one's, and onnxruntime had no CUDA provider."""
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    root = Path(__file__).resolve().parents[1]
+    runtime = tomllib.loads((root / "runtime" / "pyproject.toml").read_text())["project"]
+
+    def onnxruntimes(requirements: list[str]) -> set[str]:
+        """The onnxruntime packages these install, through the runtime's extras too."""
+        names = set()
+        for requirement in map(Requirement, requirements):
+            if requirement.name == runtime["name"]:
+                extras = runtime["optional-dependencies"]
+                names |= onnxruntimes([each for extra in requirement.extras for each in extras[extra]])
+            names |= {requirement.name} & {"onnxruntime", "onnxruntime-gpu"}
+        return names
+
+    for project in (tomllib.loads((root / "pyproject.toml").read_text())["project"], runtime):
+        extras = project["optional-dependencies"]
+        assert onnxruntimes(project["dependencies"]) == set(), project["name"]
+        assert (onnxruntimes(extras["cpu"]), onnxruntimes(extras["gpu"])) == ({"onnxruntime"}, {"onnxruntime-gpu"})
+
+
 def test_the_wheel_carries_the_files_the_commands_read(tmp_path):
     """`specbuild demo` reads its recipe, bench and distill the packaged prompts: from a wheel too."""
     import shutil

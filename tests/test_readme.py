@@ -93,6 +93,23 @@ def test_python_version_is_stated_alike_in_the_readme_and_both_packages():
     assert stated == "3.11"  # tomllib and contextlib.chdir, used by the compiler, are new in 3.11
 
 
+def test_every_extra_the_readme_and_the_makefile_install_is_one_the_package_declares():
+    """pip only warns of an extra a package lacks and installs the rest: a GPU line naming a `gpu` extra the compiler
+    lacked would install without onnxruntime-gpu."""
+    import tomllib
+
+    root = README.parent
+    declared = {}
+    for folder, names in ((root, (".", "specbuild")), (root / "runtime", ("./runtime", "specbuild-runtime"))):
+        extras = set(tomllib.loads((folder / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+        declared |= dict.fromkeys(names, extras)
+    installs = re.findall(r"""['"](\.|\./runtime|specbuild|specbuild-runtime)\[([\w,-]+)\]['"]""",
+                          README.read_text() + (root / "Makefile").read_text())
+    assert ("./runtime", "gpu,serve") in installs and (".", "gpu") in installs and (".", "cpu,test") in installs
+    assert [f"{package}[{extra}]" for package, extras in installs for extra in extras.split(",")
+            if extra not in declared[package]] == []
+
+
 def test_the_command_line_synopsis_names_only_real_options_with_their_defaults():
     """Every option the synopsis in "The command line" shows is its command's (the comments' too: on verify,
     bench, serve), and a default shown as `[--option VALUE]` is the one the command applies."""

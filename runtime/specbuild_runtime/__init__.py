@@ -11,7 +11,7 @@ os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 
 if find_spec("onnxruntime") is None:  # the package's extras choose it: onnxruntime and onnxruntime-gpu conflict
     raise ModuleNotFoundError("specbuild-runtime needs onnxruntime: pip install './runtime[cpu]', or './runtime[gpu]' "
-                              "(onnxruntime-gpu) to run on CUDA")
+                              "(onnxruntime-gpu) to run on CUDA", name="onnxruntime")
 
 from typing import TYPE_CHECKING
 

@@ -15,6 +15,7 @@ import threading
 import weakref
 from collections.abc import Collection, Iterator
 from contextlib import nullcontext
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
@@ -217,6 +218,15 @@ def requested_device(device: str) -> str:
         return "cuda"
     if device == "auto":
         return "cpu"
+    try:
+        version("onnxruntime-gpu")
+    except PackageNotFoundError:
+        pass
+    else:  # whose module lists CUDA with or without a GPU: another onnxruntime wrote over it, installed after it
+        raise DeviceError("device 'cuda' needs onnxruntime's CUDA provider, which onnxruntime-gpu has but the CPU "
+                          "onnxruntime installed beside it (as onnxruntime-genai's requirement, say) replaced: pip "
+                          "uninstall -y onnxruntime onnxruntime-gpu, then pip install './runtime[gpu]' "
+                          "(onnxruntime-genai-cuda in place of onnxruntime-genai)")
     raise DeviceError(f"device 'cuda' needs onnxruntime's CUDA provider, which onnxruntime {ort.__version__} here "
                       "lacks: install onnxruntime-gpu with `pip install './runtime[gpu]'` (in place of onnxruntime)")
 
