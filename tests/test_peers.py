@@ -30,3 +30,21 @@ def test_the_assisted_peer_drafts_gamma_tokens_every_round(checkpoints, tokenize
         runs[threshold] = [n == min(3, len(ids) + 16 - length - 1) for n, length in drafted]
     assert len(runs["off"]) > 5 and all(runs["off"]), runs
     assert not all(runs[0.4]), runs  # with the threshold on, unsure drafts stop early
+
+
+def test_the_onnxruntime_genai_peer_missing_on_cuda_names_its_cuda_build(monkeypatch):
+    """onnxruntime-genai requires the CPU onnxruntime, which would replace onnxruntime-gpu's module: on CUDA the
+    peer asked for the package that takes CUDA away."""
+    import sys
+    from types import SimpleNamespace
+
+    import pytest
+
+    from specbuild.bench.peers import _onnxruntime_genai
+    from specbuild_runtime import SpecbuildError
+
+    monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)
+    for device, command in (("cpu", "pip install onnxruntime-genai`"), ("cuda", "pip install onnxruntime-genai-cuda`")):
+        with pytest.raises(SpecbuildError, match=command) as error:
+            _onnxruntime_genai(SimpleNamespace(device=device), None, [], 1, [])
+        assert "\n" not in str(error.value)

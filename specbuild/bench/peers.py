@@ -133,6 +133,9 @@ def _onnxruntime_genai(decoder, source, prompts, max_new_tokens, gammas) -> list
     try:
         import onnxruntime_genai as og
     except ImportError:
+        if decoder.device == "cuda":  # onnxruntime-genai requires the CPU onnxruntime, which replaces onnxruntime-gpu
+            raise SpecbuildError("the onnxruntime-genai peer on CUDA needs `pip install onnxruntime-genai-cuda` (not "
+                                 "onnxruntime-genai, which installs the CPU onnxruntime)") from None
         raise SpecbuildError("the onnxruntime-genai peer needs `pip install onnxruntime-genai`") from None
     precision = peer_precision(decoder)
     with tempfile.TemporaryDirectory() as work:
