@@ -2,16 +2,11 @@
 
 import os
 from importlib import import_module
-from importlib.util import find_spec
 
 # onnxruntime's Linux wheels (1.32) send usage telemetry from the first session on, and print a warning where
 # they cannot store a device id (a read-only HOME, as in many containers): a build step or an edge box should
 # do neither unasked. Set before onnxruntime first loads; an ORT_DISABLE_TELEMETRY in the environment wins.
 os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
-
-if find_spec("onnxruntime") is None:  # the package's extras choose it: onnxruntime and onnxruntime-gpu conflict
-    raise ModuleNotFoundError("specbuild-runtime needs onnxruntime: pip install './runtime[cpu]', or './runtime[gpu]' "
-                              "(onnxruntime-gpu) to run on CUDA", name="onnxruntime")
 
 from typing import TYPE_CHECKING
 

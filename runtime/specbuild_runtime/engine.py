@@ -19,7 +19,13 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
-import onnxruntime as ort
+try:
+    import onnxruntime as ort
+except ModuleNotFoundError as exc:  # the package's extras choose it: onnxruntime and onnxruntime-gpu conflict
+    if exc.name != "onnxruntime":
+        raise
+    raise ModuleNotFoundError("specbuild-runtime needs onnxruntime: pip install './runtime[cpu]', or './runtime[gpu]' "
+                              "(onnxruntime-gpu) to run on CUDA", name="onnxruntime") from None
 
 from .errors import BundleError, DeviceError, first_line
 from .manifest import EngineInfo, cache_names

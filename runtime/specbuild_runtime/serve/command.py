@@ -25,6 +25,12 @@ def run_main(module: str) -> None:
         # own and raises ImportError("import numpy failed") with nothing to tell it from a broken install.
         importlib.import_module("numpy")
         main_of = importlib.import_module(module).main
+    except ModuleNotFoundError as exc:
+        # Installed without the cpu or gpu extra (they pick onnxruntime or onnxruntime-gpu): engine.py's message says
+        # in one line which to install, a traceback would only bury it.
+        if exc.name != "onnxruntime":
+            raise
+        sys.exit(f"error: {exc}")
     except BaseException as exc:
         if not interrupted(exc):
             raise
