@@ -2244,6 +2244,34 @@ def test_a_client_that_leaves_while_its_response_is_built_stops_the_build_at_its
     assert len(documents) == 2 and documents[0] == 1 < documents[1]
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
+def test_a_response_whose_build_fails_is_a_500_counted_as_an_error_its_connection_kept(bundle, monkeypatch, caplog, path):
+    """A whole response is built off the loop (a tool parser reads the reply there): a bug there left the request
+    uncounted (its endpoint's outcomes no longer added up to its requests), and reached Starlette's last handler:
+    uvicorn logged its traceback a second time and closed the connection."""
+    from specbuild_runtime.serve import app
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(app, "Json", broken)
+    endpoint = "completions" if path == "/v1/completions" else "tokenize"
+    body = json.dumps({"prompt": PROMPTS[1], "max_tokens": 2, **GREEDY} if endpoint == "completions"
+                      else {"prompt": PROMPTS[1]}).encode()
+    with in_process(bundle) as (url, decoder, _):
+        decoder.go.set()
+        # and a second request on the same connection
+        status, _, rest = exchange(url, b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                                        b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                                   % (path.encode(), len(body), body))
+        outcomes = {labels: value for (name, labels), value in metric_values(url).items()
+                    if name == "specbuild_requests_total" and ("endpoint", endpoint) in labels}
+    assert status.startswith("HTTP/1.1 500") and b"internal error: RuntimeError: a bug" in rest
+    assert b"HTTP/1.1 200" in rest, rest
+    assert outcomes == {(("endpoint", endpoint), ("outcome", "error")): 1}, outcomes
+    assert len([record for record in caplog.records if record.exc_info]) == 1, caplog.text
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
 def test_a_client_that_leaves_while_its_long_prompt_is_scored_stops_it_before_the_next_call(bundle, tokenizer, stream,
                                                                                            monkeypatch):

@@ -172,8 +172,8 @@ class Server:
                          "token_strs": strings}, halt=halt)
         try:
             built = await self._off_loop(build, http)
-        except Stopped as stop:
-            return self._refuse(TOKENIZE, stop)
+        except Exception as exc:  # its client gone, or a bug: answered and counted here, the connection kept
+            return self._refuse(TOKENIZE, exc)
         self.metrics.outcome(TOKENIZE, "ok")
         return built
 
@@ -298,8 +298,8 @@ class Server:
             return Json(reply.batch(answered, request.n), halt=halt)
         try:
             built = await self._off_loop(build, http)
-        except Stopped as stop:
-            return self._refuse(endpoint, stop, started=True)
+        except Exception as exc:  # its client gone, or a bug (a tool parser's, reading the reply): answered and
+            return self._refuse(endpoint, exc, started=True)  # counted here, the connection kept
         self.metrics.outcome(endpoint, "ok")
         return built
 
