@@ -295,7 +295,7 @@ class Server:
                                                 echo.first if echo else (), job.token_ids, job.request.prompt_ids,
                                                 # a prompt's choices after the first have the logprobs it scored
                                                 answers[index - index % request.n][3]))
-            return Json(reply.batch(answered, request.n), halt=halt)
+            return Json(reply.batch(answered, request.n, halt), halt=halt)
         try:
             built = await self._off_loop(build, http)
         except Exception as exc:  # its client gone, or a bug (a tool parser's, reading the reply): answered and
@@ -522,8 +522,8 @@ class Server:
         if echo:  # the prompt in a chunk of its own (vLLM's also holds the first token's text)
             records = await echo.prompt_logprobs(items) or ()
             seen += echo.scored  # the job's first item, read there
-            yield await self._off_loop(lambda halt: event(reply.chunk(echo.text, records=records, unscored=echo.first),
-                                                          encode=partial(protocol.dumps, halt=halt)))
+            yield await self._off_loop(lambda halt: event(reply.chunk(echo.text, records=records, unscored=echo.first,
+                                                                      halt=halt), encode=partial(protocol.dumps, halt=halt)))
         # With logprobs a job yields (delta, its tokens' records) after every token: records whose text is
         # held back (a possible stop string, a tool call) go with the next chunk that has text or calls, or the last.
         held: list[TokenLogprobs] = []

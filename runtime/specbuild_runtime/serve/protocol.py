@@ -12,11 +12,11 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
 from http import HTTPStatus
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from tokenizers import Tokenizer
 
@@ -636,6 +636,13 @@ def _template_variables(body: dict, generation_prompt: bool, continue_final: boo
     return {name: value for name, value in variables.items() if name not in flags}
 
 
+T = TypeVar("T")
+
+
+def never() -> None:
+    """The halt() of a build nobody stops: see dumps."""
+
+
 class Logprobs:
     """A request's TokenLogprobs in OpenAI's shapes, as vLLM writes them: each token's text is its id decoded alone,
     special tokens as written, and each logprob floored (-inf and NaN written -9999.0, logprobs.floored), so that a
@@ -651,30 +658,31 @@ class Logprobs:
         # the tokens' N most probable repeat the same ids, each decoded once a response (N + 1 texts a token)
         self._text = cache(lambda token: tokenizer.decode([token], skip_special_tokens=False))
 
-    def of(self, records: Sequence[TokenLogprobs], offset: int = 0, unscored: Sequence[int] = ()) -> dict:
+    def of(self, records: Sequence[TokenLogprobs], offset: int = 0, unscored: Sequence[int] = (),
+           halt: Callable[[], None] = never) -> dict:
         """unscored: token ids before the records', without logprobs (an echoed prompt's first: nothing precedes it),
-        whose entries are null as vLLM writes them."""
+        whose entries are null as vLLM writes them. halt() is called before each token's texts (see dumps)."""
         if self.endpoint == CHAT:
             return {"content": [{**self._entry(r.token_id, r.logprob),
                                  "top_logprobs": [self._entry(token, logprob) for token, logprob in r.top]}
-                                for r in records]}
-        tokens = [self._text(token) for token in (*unscored, *(r.token_id for r in records))]
+                                for r in _halting(records, halt)]}
+        tokens = [self._text(token) for token in _halting((*unscored, *(r.token_id for r in records)), halt)]
         return {"tokens": tokens,
                 "token_logprobs": [None] * len(unscored) + [floored(r.logprob) for r in records],
                 "top_logprobs": [None] * len(unscored) + [{self._text(token): floored(logprob)
                                                          for token, logprob in ((r.token_id, r.logprob), *r.top)}
-                                                        for r in records],
+                                                        for r in _halting(records, halt)],
                 "text_offset": list(itertools.accumulate(map(len, tokens), initial=offset))[:len(tokens)]}
 
-    def prompt(self, records: Sequence[TokenLogprobs]) -> list:
+    def prompt(self, records: Sequence[TokenLogprobs], halt: Callable[[], None] = never) -> list:
         """vLLM's prompt_logprobs: null for the first prompt token, then for each other one an object from token ids
         to their {"logprob", "rank", "decoded_token"}: the prompt's token first, then the N most probable (ranks 1 to
-        N; the prompt's token once, where it is among them)."""
+        N; the prompt's token once, where it is among them). halt(): as of's."""
         def entry(token: int, logprob: float, rank: int) -> dict:
             return {"logprob": floored(logprob), "rank": rank, "decoded_token": self._text(token)}
         return [None, *({str(r.token_id): entry(r.token_id, r.logprob, r.rank),
                          **{str(token): entry(token, logprob, rank) for rank, (token, logprob) in enumerate(r.top, 1)}}
-                        for r in records)]
+                        for r in _halting(records, halt))]
 
     def _entry(self, token: int, logprob: float) -> dict:
         text = self._text(token)
@@ -732,20 +740,20 @@ class Reply:
         """unscored: see Logprobs.of."""
         return self.batch([Answer(text, stats, records, unscored)])
 
-    def batch(self, answers: Sequence[Answer], n: int = 1) -> dict:
+    def batch(self, answers: Sequence[Answer], n: int = 1, halt: Callable[[], None] = never) -> dict:
         """The response to several prompts (completions) or choices (n of each prompt in turn): a choice each, by index,
         and the usage of them all, as vLLM's. A chat's prompt fields are its first answer's (every choice has its
-        prompt)."""
-        choices = [self._choice(index, answer) for index, answer in enumerate(answers)]
-        prompt = {} if self.endpoint != CHAT else {"prompt_logprobs": self._scores(answers[0].prompt_records),
+        prompt). halt() is called before each token's logprobs texts (see Logprobs.of)."""
+        choices = [self._choice(index, answer, halt) for index, answer in enumerate(answers)]
+        prompt = {} if self.endpoint != CHAT else {"prompt_logprobs": self._scores(answers[0].prompt_records, halt),
                                                    "prompt_token_ids": self._ids(answers[0].prompt_ids)}
         return {**self._head("chat.completion" if self.endpoint == CHAT else "text_completion"),
                 "choices": choices, "usage": usage(*(answer.stats for answer in answers), n=n), **prompt}
 
-    def _choice(self, index: int, answer: Answer) -> dict:
+    def _choice(self, index: int, answer: Answer, halt: Callable[[], None]) -> dict:
         stats = answer.stats
         finish = FINISH_REASONS[stats.finish_reason]
-        logprobs = self.logprobs.of(answer.records, unscored=answer.unscored) if self.logprobs else None
+        logprobs = self.logprobs.of(answer.records, unscored=answer.unscored, halt=halt) if self.logprobs else None
         traced = {"token_ids": self._ids(answer.token_ids)}
         if self.endpoint == CHAT:
             # No "tool_calls" where there are none, as vLLM since vllm-project/vllm#44105: the openai client reads
@@ -757,15 +765,15 @@ class Reply:
             return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish,
                     "stop_reason": stats.stop_reason, **traced}
         return {"index": index, "text": answer.text, "logprobs": logprobs, "finish_reason": finish,
-                "stop_reason": stats.stop_reason, **traced, "prompt_logprobs": self._scores(answer.prompt_records),
+                "stop_reason": stats.stop_reason, **traced, "prompt_logprobs": self._scores(answer.prompt_records, halt),
                 "prompt_token_ids": self._ids(answer.prompt_ids)}
 
     def _ids(self, ids: Sequence[int] | None) -> list[int] | None:
         return list(ids) if self.token_ids and ids is not None else None
 
-    def _scores(self, records: Sequence[TokenLogprobs] | None) -> list | None:
+    def _scores(self, records: Sequence[TokenLogprobs] | None, halt: Callable[[], None]) -> list | None:
         """None where not asked for: an echo's prompt is scored for its text's logprobs alone with max_tokens 0."""
-        return None if records is None or self.prompt_logprobs is None else self.prompt_logprobs.prompt(records)
+        return None if records is None or self.prompt_logprobs is None else self.prompt_logprobs.prompt(records, halt)
 
     def traced(self, chunk: dict, token_ids: Sequence[int] = (), prompt_ids: Sequence[int] | None = None) -> dict:
         """A stream's chunk with return_token_ids' fields, as vLLM's: the ids of the tokens read since the last chunk,
@@ -781,14 +789,15 @@ class Reply:
         return chunk
 
     def chunk(self, text: str | None = None, stats: Stats | None = None, first: bool = False,
-              called: bool = False, records: Sequence[TokenLogprobs] = (), unscored: Sequence[int] = ()) -> dict:
-        """A delta of text and the logprobs of the tokens `records` (those decoded since the last chunk; unscored: see
-        Logprobs.of); with `stats`, the closing chunk that carries the finish reason ("tool_calls" where `called`: tool
-        calls were sent)."""
+              called: bool = False, records: Sequence[TokenLogprobs] = (), unscored: Sequence[int] = (),
+              halt: Callable[[], None] = never) -> dict:
+        """A delta of text and the logprobs of the tokens `records` (those decoded since the last chunk; unscored and
+        halt: see Logprobs.of); with `stats`, the closing chunk that carries the finish reason ("tool_calls" where
+        `called`: tool calls were sent)."""
         called = called and self.calls_finish
         finish = (TOOL_CALLS if called else FINISH_REASONS[stats.finish_reason]) if stats else None
         stop_reason = stats.stop_reason if stats else None
-        logprobs = self.logprobs.of(records, self.sent, unscored) if self.logprobs and not first else None
+        logprobs = self.logprobs.of(records, self.sent, unscored, halt) if self.logprobs and not first else None
         if self.endpoint == CHAT:
             delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
             choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -854,7 +863,7 @@ LONG_LIST = 64  # a list that dumps encodes an item a call: a response's tokens'
 SCALARS_A_CALL = 4096  # a long list of numbers or strings (/tokenize's), encoded this many a call: ~1 ms each
 
 
-def dumps(value, halt: Callable[[], None] = lambda: None, **options) -> str:
+def dumps(value, halt: Callable[[], None] = never, **options) -> str:
     """json.dumps(value, **options), a list of LONG_LIST items or more encoded an item a call,
     the dicts and lists around it taken apart to reach it: json's C encoder holds the GIL through a call, so a
     response's logprobs (megabytes: ~0.1 s for a 4096-token prompt's at prompt_logprobs 20) encoded in another thread
@@ -878,10 +887,10 @@ def dumps(value, halt: Callable[[], None] = lambda: None, **options) -> str:
     return json.dumps(value, **options)
 
 
-def _halting(pieces: Iterator[str], halt: Callable[[], None]) -> Iterator[str]:
-    for piece in pieces:
+def _halting(items: Iterable[T], halt: Callable[[], None]) -> Iterator[T]:
+    for item in items:
         halt()
-        yield piece
+        yield item
 
 
 def _key(key, options: dict) -> str:
