@@ -665,13 +665,13 @@ class Logprobs:
         if self.endpoint == CHAT:
             return {"content": [{**self._entry(r.token_id, r.logprob),
                                  "top_logprobs": [self._entry(token, logprob) for token, logprob in r.top]}
-                                for r in _halting(records, halt)]}
-        tokens = [self._text(token) for token in _halting((*unscored, *(r.token_id for r in records)), halt)]
+                                for r in halting(records, halt)]}
+        tokens = [self._text(token) for token in halting((*unscored, *(r.token_id for r in records)), halt)]
         return {"tokens": tokens,
                 "token_logprobs": [None] * len(unscored) + [floored(r.logprob) for r in records],
                 "top_logprobs": [None] * len(unscored) + [{self._text(token): floored(logprob)
                                                          for token, logprob in ((r.token_id, r.logprob), *r.top)}
-                                                        for r in _halting(records, halt)],
+                                                        for r in halting(records, halt)],
                 "text_offset": list(itertools.accumulate(map(len, tokens), initial=offset))[:len(tokens)]}
 
     def prompt(self, records: Sequence[TokenLogprobs], halt: Callable[[], None] = never) -> list:
@@ -682,7 +682,7 @@ class Logprobs:
             return {"logprob": floored(logprob), "rank": rank, "decoded_token": self._text(token)}
         return [None, *({str(r.token_id): entry(r.token_id, r.logprob, r.rank),
                          **{str(token): entry(token, logprob, rank) for rank, (token, logprob) in enumerate(r.top, 1)}}
-                        for r in _halting(records, halt))]
+                        for r in halting(records, halt))]
 
     def _entry(self, token: int, logprob: float) -> dict:
         text = self._text(token)
@@ -883,11 +883,12 @@ def dumps(value, halt: Callable[[], None] = never, **options) -> str:
                       for start in range(0, len(value), SCALARS_A_CALL))
         else:
             pieces = (json.dumps(item, **options) for item in value)
-        return "[" + between.join(_halting(pieces, halt)) + "]"
+        return "[" + between.join(halting(pieces, halt)) + "]"
     return json.dumps(value, **options)
 
 
-def _halting(items: Iterable[T], halt: Callable[[], None]) -> Iterator[T]:
+def halting(items: Iterable[T], halt: Callable[[], None]) -> Iterator[T]:
+    """items, halt() called before each: a build's loop that its client leaving stops (see dumps)."""
     for item in items:
         halt()
         yield item
