@@ -1071,7 +1071,7 @@ def test_auto_that_falls_back_to_the_cpu_refuses_more_slots_than_memory_holds_as
 
 
 def test_streams_are_typed_as_the_generators_whose_close_cancels_them():
-    """The README cancels a stream with close() (an async one with aclose()); the package is typed (py.typed), and
+    """docs/runtime.md cancels a stream with close() (an async one with aclose()); the package is typed (py.typed), and
     a type checker refuses those calls on an Iterator or AsyncIterator."""
     for name, kind in (("stream", Generator), ("stream_text", Generator), ("stream_request", Generator),
                        ("astream", AsyncGenerator), ("astream_text", AsyncGenerator)):

@@ -396,7 +396,7 @@ def test_the_distill_command_prints_only_its_one_line_on_stderr_for_a_phi3_targe
 
 
 # What a user at a terminal sees of each phase before, during and after training: on a 7B target each one is
-# minutes (README, distill), which a silent terminal would pass off as a hang.
+# minutes (docs/commands.md, distill), which a silent terminal would pass off as a hang.
 DISTILL_PHASES = ("loading the target checkpoint", "initialising the draft", "the target samples 4 held-out prompts",
                   "the target continues", "measuring α before training", "distill", "the target writes 64 sampled sequences",
                   "measuring α after training", "writing the draft to")

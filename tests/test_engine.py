@@ -53,7 +53,7 @@ def test_a_bf16_bundle_on_the_cpu_is_one_line_naming_the_way_out(checkpoints, tm
 
 
 def test_cuda_sessions_are_made_with_cudnns_attention_off_unless_the_user_chose(bundles, monkeypatch):
-    """GroupQueryAttention through cuDNN's SDPA decoded token 0 at times on an H100 (README, GPU: the attention
+    """GroupQueryAttention through cuDNN's SDPA decoded token 0 at times on an H100 (docs/gpu.md: the attention
     kernel); the GPU tests that caught it run only on a GPU machine, so this holds the switch in CI."""
     from specbuild_runtime import load_manifest
     from specbuild_runtime.engine import _session

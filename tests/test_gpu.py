@@ -1,9 +1,9 @@
 """On a GPU (onnxruntime's CUDA provider): exact, placed whole on the device, every precision runs.
 
 Skipped where onnxruntime has no CUDA provider (CI). Run them on a GPU machine with
-`python -m pytest -m gpu tests/test_gpu.py` after `pip install './runtime[gpu]'` (see README, GPU).
+`python -m pytest -m gpu tests/test_gpu.py` after `pip install './runtime[gpu]'` (see docs/gpu.md).
 Each failure message says what differed. Run on an H100 on 2026-11-24, an H200 and another H100 on 2026-11-26
-(README, GPU); every test here passed on the last, with cuDNN's attention off as the runtime now runs.
+(docs/gpu.md); every test here passed on the last, with cuDNN's attention off as the runtime now runs.
 """
 
 import re
@@ -157,7 +157,7 @@ def test_no_call_copies_between_host_and_gpu(graph, role, precision, precision_b
     """onnxruntime's own condition for CUDA graphs (inference_session.cc): no Memcpy node in the partitioned
     graph; nodes on the CPU provider are allowed only where they need no copy (shape arithmetic, which
     onnxruntime puts there itself). fp32 engines are the exception: GroupQueryAttention has CUDA kernels for
-    fp16 and bf16 only, so it runs on the CPU (README, GPU). The failure lists copies and CPU nodes. Both
+    fp16 and bf16 only, so it runs on the CPU (docs/gpu.md). The failure lists copies and CPU nodes. Both
     graphs of each engine: the full one, and the greedy-only one that CUDA graphs capture; and the draft's
     steps graph, captured too."""
     from specbuild_runtime import load_manifest
@@ -412,7 +412,7 @@ def test_a_cuda_server_gives_sixteen_concurrent_clients_their_sequential_outputs
 
 def test_an_int4_bundle_decodes_speculatively_as_target_only_on_cuda_captured_or_not(checkpoints, tmp_path):
     """fp16 activations over int4 weights (MatMulNBits; GatherBlockQuantized embeddings): a quarter of the bytes a
-    call reads, the way past what the fp16 GEMMs allow (README, GPU: where a target call goes)."""
+    call reads, the way past what the fp16 GEMMs allow (docs/gpu.md: where a target call goes)."""
     folder = tmp_path / "int4"
     compile_bundle(CompileSettings(target=checkpoints("llama", 0), draft=checkpoints("llama", 1), output=folder,
                                    max_seq_len=256, precision="fp16", quantize="int4"), show_progress=False)

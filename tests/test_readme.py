@@ -1,4 +1,4 @@
-"""The README's examples run, in order, against tiny checkpoints made here.
+"""The README's examples, then those of docs/, run in order against tiny checkpoints made here.
 
 A fenced block right after `<!-- example -->` is run: `bash` blocks line by line as `specbuild` command
 lines (through its entry point, in one process: tests/cli_driver.py; shell syntax is refused, so
@@ -15,12 +15,14 @@ import pytest
 from conftest import make_checkpoint
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+# The README first: its first example compiles the bundle the others use.
+PAGES = [README] + sorted((README.parent / "docs").glob("*.md"))
 EXAMPLE = re.compile(r"<!-- example(?:: (?P<file>\S+))? -->\s*\n```(?P<language>\w+)\n(?P<body>.*?)\n```", re.S)
 
 
 def examples() -> list[dict]:
-    found = [m.groupdict() | {"line": README.read_text()[: m.start()].count("\n") + 1}
-             for m in EXAMPLE.finditer(README.read_text())]
+    found = [m.groupdict() | {"line": (page.relative_to(README.parent).as_posix(), text[: m.start()].count("\n") + 1)}
+             for page in PAGES for text in [page.read_text()] for m in EXAMPLE.finditer(text)]
     assert found, "the README marks no examples"
     return found
 
@@ -36,7 +38,7 @@ def commands(body: str) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory, tokenizer, cli):
-    """Every example's entries run in one process in a fresh folder: {README line: [results]}."""
+    """Every example's entries run in one process in a fresh folder: {(page, line): [results]}."""
     folder = tmp_path_factory.mktemp("readme")
     # 2048 positions: the README's recipe asks for max_seq_len 1024.
     make_checkpoint(folder / "checkpoints" / "target", "llama", tokenizer, 0, max_position_embeddings=2048)
@@ -56,7 +58,7 @@ def ran(tmp_path_factory, tokenizer, cli):
     return by_example
 
 
-@pytest.mark.parametrize("example", [pytest.param(e, id=f"line-{e['line']}-{e['language']}")
+@pytest.mark.parametrize("example", [pytest.param(e, id=f"{e['line'][0]}-line-{e['line'][1]}-{e['language']}")
                                      for e in examples() if not e["file"]])
 def test_readme_example_runs(example, ran):
     for result in ran[example["line"]]:
@@ -78,7 +80,7 @@ def test_readme_python_examples_pass_mypy_as_a_service_checking_its_code_runs_it
     files = []
     for example in examples():
         if example["language"] == "python" and not example["file"]:
-            files.append(tmp_path / f"readme_line_{example['line']}.py")
+            files.append(tmp_path / f"{Path(example['line'][0]).stem.replace('-', '_')}_line_{example['line'][1]}.py")
             files[-1].write_text(example["body"] + "\n")
     assert files, "the README marks no Python examples"
     status, report = mypy_check(*files)
@@ -104,7 +106,7 @@ def test_every_extra_the_readme_and_the_makefile_install_is_one_the_package_decl
         extras = set(tomllib.loads((folder / "pyproject.toml").read_text())["project"]["optional-dependencies"])
         declared |= dict.fromkeys(names, extras)
     installs = re.findall(r"""['"](\.|\./runtime|specbuild|specbuild-runtime)\[([\w,-]+)\]['"]""",
-                          README.read_text() + (root / "Makefile").read_text())
+                          "".join(page.read_text() for page in PAGES) + (root / "Makefile").read_text())
     assert ("./runtime", "gpu,serve") in installs and (".", "gpu") in installs and (".", "cpu,test") in installs
     assert [f"{package}[{extra}]" for package, extras in installs for extra in extras.split(",")
             if extra not in declared[package]] == []
@@ -182,27 +184,28 @@ def test_every_measured_table_says_when_it_was_measured():
     """A figure without its date cannot be told from one the code has since moved: five tables (an earlier bench of
     the demo pair, quantization, the 1.1B layer pair, compile at scale, the other families) said neither. The date
     goes in the paragraph that introduces the table; the troubleshooting table is generated, not measured."""
-    lines = README.read_text().split("\n")
     undated = []
-    for number, line in enumerate(lines):
-        if not line.startswith("|") or lines[number - 1].startswith("|"):
-            continue
-        above = number - 1
-        while not lines[above].strip():
-            above -= 1
-        paragraph = []
-        while lines[above].strip() and not lines[above].startswith("#"):
-            paragraph.append(lines[above])
-            above -= 1
-        if "troubleshooting: generated" not in " ".join(paragraph) and not re.search(r"\b20\d\d-\d\d-\d\d\b", " ".join(paragraph)):
-            undated.append(f"line {number + 1}: {line[:60]}")
+    for page in PAGES:
+        lines = page.read_text().split("\n")
+        for number, line in enumerate(lines):
+            if not line.startswith("|") or lines[number - 1].startswith("|"):
+                continue
+            above = number - 1
+            while not lines[above].strip():
+                above -= 1
+            paragraph = []
+            while lines[above].strip() and not lines[above].startswith("#"):
+                paragraph.append(lines[above])
+                above -= 1
+            if "troubleshooting: generated" not in " ".join(paragraph) and not re.search(r"\b20\d\d-\d\d-\d\d\b", " ".join(paragraph)):
+                undated.append(f"{page.name} line {number + 1}: {line[:60]}")
     assert undated == []
 
 
 def test_every_section_the_readme_points_to_in_italics_exists():
-    """`see *Name*` names a heading or a bold lead-in (`**Name.**`): "*on an H200*" named none, and the quick start's
-    list of where to read next is only as good as its names."""
-    text = README.read_text()
+    """`see *Name*` names a heading or a bold lead-in (`**Name.**`) of the README or of docs/: "*on an H200*" named
+    none, and the quick start's list of where to read next is only as good as its names."""
+    text = "\n".join(page.read_text() for page in PAGES)
     names = {name.rstrip(".") for name in re.findall(r"(?<![*\w])\*(?!\*)([^*\n]+?)(?<!\s)\*(?![*\w])", text)}
     targets = [h.strip() for h in re.findall(r"^#+ (.+)$", text, re.M)]
     targets += [b.strip().rstrip(".") for b in re.findall(r"\*\*([^*\n]+)\*\*", text)]
@@ -210,11 +213,29 @@ def test_every_section_the_readme_points_to_in_italics_exists():
     assert sorted(name for name in names if not any(target.startswith(name) for target in targets)) == []
 
 
+def test_every_link_between_the_readme_and_docs_reaches_its_file_and_heading():
+    """The README's long sections moved to docs/: a link to a page or heading that moves again must not dangle.
+    Anchors are GitHub's: the heading lower-cased, punctuation dropped, spaces as hyphens."""
+    broken = []
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            anchors = ([re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+                        for h in re.findall(r"^#+ (.+)$", linked.read_text(), re.M)]
+                       if linked.suffix == ".md" and linked.is_file() else [])
+            if not linked.exists() or (anchor and anchor not in anchors):
+                broken.append(f"{page.name}: {target}")
+    assert broken == []
+
+
 def test_the_readme_names_every_mode_of_the_gpu_session_script():
-    """A GPU session is 15 minutes, planned from the README's list of what `benchmarks/gpu_session.sh` runs: `splits`
+    """A GPU session is 15 minutes, planned from the list (docs/not-tested.md) of what `benchmarks/gpu_session.sh` runs: `splits`
     was missing from it, and the list said "four calls" of ten modes."""
     script = (README.parent / "benchmarks" / "gpu_session.sh").read_text()
     modes = re.findall(r"^([a-z]+)\)$", script.split('case "${1:-}" in', 1)[1], re.M)
-    listed = README.read_text().split("## What is not tested here")[1].split("\n## ")[0]
+    listed = (README.parent / "docs" / "not-tested.md").read_text()
     assert len(modes) >= 10 and [mode for mode in modes if f"`{mode}" not in listed] == []
-    assert "four calls" not in README.read_text()
+    assert not [page.name for page in PAGES if "four calls" in page.read_text()]

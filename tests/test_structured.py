@@ -262,7 +262,7 @@ def test_structured_output_with_logit_bias_and_penalties_is_the_target_alone_und
 
 def test_a_grammar_is_compiled_once_for_every_request_that_sends_it_and_each_decoding_starts_from_a_copy(
         bundles, tokenizer, monkeypatch):
-    """llguidance's compile takes seconds for the largest schemas (README, Structured outputs), and services send the
+    """llguidance's compile takes seconds for the largest schemas (docs/runtime.md, structured_outputs), and services send the
     same schema again and again: it ran once a request. Now the decoder keeps it, so a request that sends it again, or
     a request checked once and decoded again (serve's n choices), compiles nothing and decodes alike."""
     decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))

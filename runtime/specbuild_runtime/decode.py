@@ -209,7 +209,7 @@ class SpeculativeDecoder:
     tokens a call, where a round drafts that many (the same drafts as a call per token). It is a second
     session of the draft's weights, so it costs their memory again: None (the default) uses it on CUDA,
     where a call per token waits for the host each time, and not on the CPU, where it decoded 3-4% faster
-    at fixed γ and no faster in auto (README, GPU). prefix_reuse: a request starts where the prompt leaves
+    at fixed γ and no faster in auto (docs/gpu.md). prefix_reuse: a request starts where the prompt leaves
     the tokens its slot's caches hold from earlier requests (a chat resending its conversation computes only
     what is new), where that is exact by construction (see reuses_prefixes); False computes every prompt whole.
     grammar_cache: how many compiled grammars (structured_outputs) the decoder keeps for the requests that send them
@@ -898,7 +898,7 @@ os.register_at_fork(after_in_child=_new_workers_in_child)
 def reuses_prefixes(target: Engine, rows: Rows) -> bool:
     """Whether a request may start over what its slot's target cache holds and decode what a fresh cache decodes,
     bit for bit: where a row's bits do not depend on how calls group rows. So on the CPU under an even rule
-    (slot.NEVER_ALONE: measured so, README Exactness), whose calls, prompts included, are all even. Not with
+    (slot.NEVER_ALONE: measured so, docs/how-it-works.md, Exactness), whose calls, prompts included, are all even. Not with
     fixed rows (GPUs): a prompt's head is one call of any size there, whose kernels may round otherwise than
     the max γ + 1-row calls that wrote the same positions in an earlier request."""
     return target.device == "cpu" and not (target.captures or target.gpu_attention) and rows.even and not rows.fixed
@@ -908,7 +908,7 @@ def graphs_by_default(manifest: Manifest, device: str, parallel: int = 1) -> boo
     """CUDA graphs unless asked otherwise: on CUDA, for bundles of the kind measured to replay exactly what
     uncaptured calls decode (tests/test_gpu.py on an H200 and an H100: unquantized engines of the architectures
     and precisions in engine.CAPTURED_BY_DEFAULT, with the greedy-only graphs; fp16 target-only decoded 1.4x as
-    fast), with one slot; nor on the CPU, where the greedy-only graphs gain little (README, GPU). Several slots
+    fast), with one slot; nor on the CPU, where the greedy-only graphs gain little (docs/gpu.md). Several slots
     decode uncaptured: captured calls take turns across slots (engine._CUDA_GRAPH_CALLS), and `serve --parallel 4`
     on an H100 (2026-11-27, 16 clients, the 1.1B pair) served 571 tok/s captured against 1092 uncaptured (one
     slot captured: 594)."""

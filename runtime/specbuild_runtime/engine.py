@@ -300,7 +300,7 @@ class Engine:
             raise BundleError(f"engine {path} is {info.precision}, which onnxruntime's CPU provider cannot run "
                               "(it has no bf16 MatMul): run it with device 'cuda', or rebuild with --precision fp32")
         if self.captures and info.precision == "fp32":
-            raise BundleError(f"engine {path} is fp32, whose attention onnxruntime runs on the CPU (README, GPU), so its "
+            raise BundleError(f"engine {path} is fp32, whose attention onnxruntime runs on the CPU (docs/gpu.md), so its "
                               "calls cannot be captured as CUDA graphs: rebuild with --precision fp16 or bf16, or run "
                               "without CUDA graphs")
         self.session = _session(path, device, self.captures, graph)
@@ -311,7 +311,7 @@ class Engine:
         self.element_type = ELEMENT_TYPES[info.precision]
         self.cache_names = cache_names(info.shape.num_layers)
         self.input_devices = _input_devices(self.session)
-        # Attention runs where its cache is bound: the device, but the CPU for fp32 engines (README, GPU).
+        # Attention runs where its cache is bound: the device, but the CPU for fp32 engines (docs/gpu.md).
         self.gpu_attention = self.input_devices[self.cache_names[0][0]] == "cuda"
         # The session that samples, and where it reads its inputs: the engine graph's own sampling branch, or
         # for a greedy-only graph the sampler (None: this engine cannot sample).

@@ -112,7 +112,7 @@ def _one_line(error) -> str:
 
 
 # Compiled grammars a decoder keeps (serve's --grammar-cache). At a 152k-token tokenizer a 1.8 KB schema's holds
-# 0.24 MiB and a 726 KB one's 43 MiB (README, structured_outputs): 32 of those hold 1.4 GB. Not fewer: a service
+# 0.24 MiB and a 726 KB one's 43 MiB (docs/runtime.md, structured_outputs): 32 of those hold 1.4 GB. Not fewer: a service
 # cycling through more schemas than are kept would compile every one of them every time.
 GRAMMAR_CACHE = 32
 

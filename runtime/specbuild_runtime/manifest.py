@@ -326,7 +326,7 @@ def require_onnx_engines(root: Path, manifest: Manifest) -> None:
     if not manifest.engines:
         plans = manifest.tensorrt_llm.plans if manifest.tensorrt_llm else {}
         raise BundleError(f"{root} holds only a TensorRT-LLM export, which this runtime does not run: build and run it "
-                          f"with {root / plans.get('build', '')} and {root / plans.get('run', '')} (README, TensorRT-LLM), "
+                          f"with {root / plans.get('build', '')} and {root / plans.get('run', '')} (docs/tensorrt-llm.md), "
                           "or compile with --backend onnx or all")
 
 

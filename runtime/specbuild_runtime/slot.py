@@ -259,7 +259,7 @@ class EngineSlot:
         kv_shape = [1, shape.num_kv_heads, engine.max_seq_len, shape.head_dim]
         # Past and present name the same buffer: GroupQueryAttention writes new positions in place. It sits
         # where attention reads it: the device, but host memory for fp32 engines on CUDA, whose attention
-        # runs on the CPU provider (README, GPU); elsewhere it would be copied whole both ways every call.
+        # runs on the CPU provider (docs/gpu.md); elsewhere it would be copied whole both ways every call.
         self.cache = []
         for past, present in engine.cache_names:
             buffer = ort.OrtValue.ortvalue_from_shape_and_type(kv_shape, engine.element_type, engine.input_devices[past], 0)

@@ -255,7 +255,7 @@ def prompt_token_ids(prompt: Prompt, encode: Callable[[str], list[int]], vocab_s
         for index, token in enumerate(prompt):
             if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
                 batch = ("; a call decodes one prompt: for several at once, call from threads (decoder with parallel "
-                         "slots, see Threads in the README)" if isinstance(token, (str, list, tuple)) else "")
+                         "slots, see Threads in docs/runtime.md)" if isinstance(token, (str, list, tuple)) else "")
                 raise RequestError(f"prompt token ids must be whole numbers; item {index} is {shown(token)} "
                                    f"({type(token).__name__}){batch}")
             ids.append(int(token))

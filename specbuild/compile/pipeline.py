@@ -35,7 +35,7 @@ def compile_bundle(settings: CompileSettings, show_progress: bool | None = None)
 
 
 # Tokens the draft's steps graph drafts per call (a round of more drafts makes more calls, of fewer adds
-# single steps): the fixed γ that decoded fastest on the H100 layer pair (README, GPU) and the demo pair.
+# single steps): the fixed γ that decoded fastest on the H100 layer pair (docs/gpu.md) and the demo pair.
 DRAFT_STEPS = 4
 STAGES = ("loading checkpoints", "writing engines", "measuring quantized engines", "checking each engine",
           "writing TensorRT-LLM checkpoints", "writing the bundle")

@@ -50,7 +50,7 @@ T = TypeVar("T")
 RETRY_AFTER = {"Retry-After": "1"}  # seconds; a slot frees up within one request's decoding time
 # The openai client (and other Stainless-made clients) resend a 5xx twice unless told not to by this header.
 NO_RETRY = {"x-should-retry": "false"}
-# nginx, the README's proxy for untrusted networks, buffers a proxied response by default: a stream's events would
+# nginx, docs/serving.md's proxy for untrusted networks, buffers a proxied response by default: a stream's events would
 # reach the client kilobytes at a time, or at its end. This header turns that off for the response alone.
 UNBUFFERED = {"X-Accel-Buffering": "no"}
 # A body may hold this many bytes per token of context (and a little for the rest): far more than any text

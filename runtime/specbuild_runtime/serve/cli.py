@@ -191,7 +191,7 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
     max_connections = _open_files_for(max_connections, explicit)
     listener = _listen(host, port)  # before loading: a taken port is refused at once, in one line
     # One pool for every session and slot, sized so that `parallel` calls at once fill the cores and no more:
-    # concurrent calls each running a pool of one thread per core fight over the cores (README, Serving). The
+    # concurrent calls each running a pool of one thread per core fight over the cores (docs/serving.md). The
     # cores a container's CPU limit grants, not the host's it sees.
     use_shared_thread_pool(threads or max(1, available_cpus() // parallel))
     decoder = SpeculativeDecoder(bundle, device=device, parallel=parallel, shared_thread_pool=True, cuda_graphs=cuda_graphs,
