@@ -266,9 +266,9 @@ def test_a_draft_that_agrees_again_after_a_long_bad_stretch_is_drafted_with_soon
         assert max(chosen[flip:flip + MAX_PROBE_EVERY + 4 * PROBE_EVERY]) >= 2, flip
 
 
-def test_costs_while_a_stale_unit_is_timed_again_are_the_priors():
-    """A unit untimed for STALE_ROUNDS rounds is dropped, to be timed afresh, while the γ above it keep their times:
-    Costs.cost divided them by the missing unit (a TypeError)."""
+def test_costs_while_a_stale_unit_is_timed_again_are_those_timed_in_the_unit_before():
+    """A unit untimed for STALE_ROUNDS rounds is dropped, to be timed afresh, while the γ above it keep their costs:
+    Costs.cost divided their seconds by the missing unit (a TypeError). Each is now a ratio to the unit of its time."""
     costs = Costs(max_gamma=2, draft_cost=0.1)
     for drafted in (0, 1):
         for _ in range(FIRST_ROUNDS):
@@ -276,4 +276,33 @@ def test_costs_while_a_stale_unit_is_timed_again_are_the_priors():
     for _ in range(STALE_ROUNDS):
         costs.observe(1, 0.1, 1.0, catching_up=False)
     assert costs.unit_untimed and costs.rounds[1] is not None
-    assert costs.costs(2) == pytest.approx([1.0, 1 + costs.prior_step, 1 + 2 * costs.prior_step])
+    assert costs.costs(2) == pytest.approx([1.0, 1.1, 1.1 + costs.prior_step])
+
+
+def spells(first: float, later: float, switch: int, step: float):
+    """A machine running every call `first` times as long before round `switch` and `later` times from it on; a draft
+    step costs `step` target calls, a further target row 0.03."""
+    return lambda r, k: ((first if r < switch else later) * step * k,
+                         (first if r < switch else later) * (1 + 0.03 * max(k - 1, 0)))
+
+
+@pytest.mark.parametrize("first, later", [(1, 1), (3, 3), (1, 3), (3, 1)])
+def test_whether_auto_drafts_does_not_depend_on_the_spell_in_which_each_gamma_was_first_timed(first, later):
+    """Rounds at γ were timed in seconds and compared with a unit timed later: timed while auto drafted in a spell three
+    times as slow, each γ cost 3 times its rounds once the unit was timed again in a fast one, and auto, back at γ 0 after
+    a stretch of rejected drafts, never drafted again though every γ paid twice over (the demo pair: four decoders in one
+    process learned a round at γ 1 to cost 1.96 to 5.11 rounds without drafts). Here drafts at 0.4 of a target call
+    agree, then none for 140 rounds (the machine changes speed meanwhile), then all again."""
+    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.4)
+    chosen = decode_rounds(policy, 500, lambda r, j: not 60 <= r < 200, spells(first, later, 100, 0.4))
+    assert chosen[-50:].count(0) <= 5
+
+
+def test_a_slow_spell_while_auto_drafts_does_not_price_drafting_out():
+    """Rounds with drafts timed in a spell three times as slow as the unit's last rounds: priced in that unit, every γ
+    looked 3 times its cost, and auto fell back to γ 0 (10 rounds here in seconds divided by a unit timed before; for good
+    as ratios to it: a γ auto does not draft at is not timed again). Drafts at a tenth of a target call agree 4 times in
+    5: drafting pays in any spell, and auto leaves it only to time the unit afresh after STALE_ROUNDS."""
+    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
+    chosen = decode_rounds(policy, STALE_ROUNDS + 200, lambda r, j: (r + j) % 5, spells(1, 3, 60, 0.1))
+    assert chosen[60:].count(0) <= FIRST_ROUNDS

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import statistics
 import threading
+from collections import deque
 
 PROBE_EVERY = 8
 MAX_PROBE_EVERY = 128
@@ -54,28 +55,28 @@ MAX_PROBE_EVERY = 128
 GREEDY_DECAYS = (0.7, 0.95)
 SAMPLING_DECAYS = (0.9,)
 ESTIMATE_SCORE_DECAY = 0.97
-# Costs change only with the machine, and single call times scatter by ±20% here: a fast average of them
-# swung the cost of a further target row between 0 and 0.2 and pushed auto into target-only rounds it
-# lost on (30-40% of rounds on an earlier demo pair, where auto then trailed fixed γ = 4 by 5-15%).
-COST_DECAY = 0.95
-# A call stretched by preemption on a shared machine once raised the estimated costs of drafting so far
-# within one request that auto never drafted again: its probes draft one token and update no cost (a
-# probe's draft call also catches up on missed tokens). So one sample may pull an estimate at most as far
-# as OUTLIER times the estimate would (costs are seconds, never near 0): a real change still shows
-# within ~15 calls, one stray call moves it by a few per cent.
-OUTLIER = 3.0
 PRIOR_EXTRA_TOKEN = 0.05  # the prior's cost of one more row in a target call, per draft
-# Rounds timed first at each γ (0 included), whose median starts its cost; until then a γ ≥ 1 is priced as if untimed.
-# One sample alone, taken whole as the first of an average is, priced a γ for good: a first round without drafts 17
-# times the median (sampling and penalties on the demo pair, load 4) made every γ look cheaper than γ 0; a first round
-# at γ 1 18 times the unit (load 9) priced out γ 1 and every untimed γ above it, and auto never timed γ 1 again (a
-# probe's round catches up, untimed).
+# Each γ's cost (0's included: the unit) is the median of the last FIRST_ROUNDS rounds timed at it; until then a γ ≥ 1
+# is priced as if untimed. One sample alone, taken whole as the first of an average was, priced a γ for good: a first
+# round without drafts 17 times the median (sampling and penalties on the demo pair, load 4) made every γ look cheaper
+# than γ 0; a first round at γ 1 18 times the unit (load 9) priced out γ 1 and every untimed γ above it, and auto never
+# timed γ 1 again (a probe's round catches up, untimed). The median of the last few, where a slow average (0.95, each
+# sample clipped at 3 times the estimate) took ~20 rounds, follows the machine within 3 rounds when a spell makes every
+# call 2-3 times as slow (2 busy cores: a round without drafts took 0.55-1.6 ms within one run): a round at γ is priced
+# in the unit of its spell.
 FIRST_ROUNDS = 5
 # Rounds after which a unit not timed since is timed afresh (FIRST_ROUNDS rounds without drafts): auto drafting on never
 # times it otherwise, and a unit whose first rounds all fell in a slow spell (~32 ms against ~0.6, load 9) priced every
 # γ cheap, so auto drafted at γ 8 under a JSON schema where target-only was faster. A γ ≥ 1 left untimed is not timed
 # afresh so: that would draft at each again, at the prior's price, every STALE_ROUNDS rounds auto sits at γ 0.
 STALE_ROUNDS = 256
+# Rounds after the unit was last timed within which a round at γ ≥ 1 is priced in it: each γ's cost is a ratio to the
+# unit of its time, since the γ 0 auto sits at keeps being timed while a γ it does not draft at is not, and rounds at γ
+# timed in seconds, divided by a unit timed later, cost what the machine's speed was at two moments: four auto decoders
+# in one process (the demo pair under T 0.8 + repetition 1.1, 2 cores at load 7-8) priced a round at γ 1 at 1.96, 3.32,
+# 3.97 and 5.11 rounds without drafts, and one drafted in ~6,600 of ~10,000 rounds, another in ~500. Later rounds at γ,
+# in a unit that may be of another spell, price nothing (a round is ~1 ms here, a spell lasts many).
+FRESH_ROUNDS = 32
 
 
 def expected_tokens_per_call(alpha: float, gamma: int) -> float:
@@ -99,9 +100,9 @@ class FixedGamma:
 
 class Costs:
     """Running estimates of what a round costs at each γ, in units of a target call without drafts:
-    whole rounds (draft calls plus the target call) timed at that γ, from the median of its first FIRST_ROUNDS on, and
-    for a γ not yet timed so the nearest timed one below it plus prior_step per further draft (the weight-byte ratio,
-    plus a row).
+    whole rounds (draft calls plus the target call) timed at that γ, the median of the last FIRST_ROUNDS, each priced in
+    the unit timed in the FRESH_ROUNDS rounds before it; for a γ not yet timed so the nearest timed one below it plus
+    prior_step per further draft (the weight-byte ratio, plus a row).
 
     Measured per γ, because a round's cost is neither linear in γ nor split well between draft and
     target: on the demo pair a round's first draft step took 0.17 ms and each further one 0.05; the target
@@ -115,20 +116,18 @@ class Costs:
     def __init__(self, max_gamma: int, draft_cost: float):
         self.lock = threading.Lock()
         self.prior_step = draft_cost + PRIOR_EXTRA_TOKEN  # a further draft, until timed: the weight-byte ratio
-        # Seconds of a whole round at each γ (γ 0's: the unit), None until its first FIRST_ROUNDS are timed.
+        # γ 0's seconds (the unit), then each γ's cost in units; None until FIRST_ROUNDS are timed.
         self.rounds: list[float | None] = [None] * (max_gamma + 1)
-        self.first: list[list[float]] = [[] for _ in range(max_gamma + 1)]  # each γ's first FIRST_ROUNDS samples
+        self.last: list[deque[float]] = [deque(maxlen=FIRST_ROUNDS) for _ in range(max_gamma + 1)]  # their samples
         self.observed = 0  # rounds timed
         self.unit_timed_at = 0  # self.observed when a round without drafts was last timed
 
     def costs(self, limit: int) -> list[float]:
         """The cost of a round at γ = 0 … limit."""
-        unit = self.rounds[0]
         table = [1.0]
         for gamma in range(1, limit + 1):
             timed = self.rounds[gamma]
-            # a unit untimed again after STALE_ROUNDS leaves the γ above it timed, in a unit no longer known
-            table.append(timed / unit if timed is not None and unit is not None else table[-1] + self.prior_step)
+            table.append(timed if timed is not None else table[-1] + self.prior_step)
         return table
 
     def cost(self, gamma: int) -> float:
@@ -147,19 +146,19 @@ class Costs:
         with self.lock:
             self.observed += 1
             if self.observed - self.unit_timed_at > STALE_ROUNDS:
-                self.rounds[0], self.first[0] = None, []
-            if drafted and catching_up:  # a catching-up draft also read tokens it had missed: not a round of γ
-                return
+                self.rounds[0] = None
+                self.last[0].clear()
+            seconds = draft_seconds + target_seconds
             if not drafted:
                 self.unit_timed_at = self.observed
-            seconds = draft_seconds + target_seconds
-            first = self.first[drafted]
-            if len(first) < FIRST_ROUNDS:
-                first.append(seconds)
-                if len(first) == FIRST_ROUNDS:
-                    self.rounds[drafted] = statistics.median(first)
+            elif catching_up or self.rounds[0] is None or self.observed - self.unit_timed_at > FRESH_ROUNDS:
+                return  # a catching-up draft also read tokens it had missed: not a round of γ; or no unit of its time
             else:
-                self.rounds[drafted] = _ema(self.rounds[drafted], seconds)
+                seconds /= self.rounds[0]
+            last = self.last[drafted]
+            last.append(seconds)
+            if len(last) == FIRST_ROUNDS:
+                self.rounds[drafted] = statistics.median(last)
 
 
 class PriorCosts(Costs):
@@ -277,10 +276,3 @@ class AdaptiveGamma:
 def _drafting_could_pay(costs: list[float], most: float) -> bool:
     """Whether some γ would beat γ 0 were every draft accepted: if not, no α a probe could show makes auto draft."""
     return any((gamma + 1) / cost > most for gamma, cost in enumerate(costs) if gamma)
-
-
-def _ema(old: float | None, new: float) -> float:
-    """The slow cost average, a sample clipped to OUTLIER times the estimate."""
-    if old is None:
-        return new
-    return COST_DECAY * old + (1 - COST_DECAY) * min(new, OUTLIER * old)
