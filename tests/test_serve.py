@@ -2244,6 +2244,33 @@ def test_a_client_that_leaves_while_its_response_is_built_stops_the_build_at_its
     assert len(documents) == 2 and documents[0] == 1 < documents[1]
 
 
+def _building() -> bool:
+    return threading.current_thread().name.startswith("specbuild-respond")
+
+
+class PausingInTheBuilder:
+    """A tokenizer whose `method`, first called in the response builder's thread, waits there until `resume` is set
+    (releasing `reached`); its later calls there are recorded in `after` (their first argument)."""
+
+    def __init__(self, tokenizer, method: str):
+        self._tokenizer, self._method = tokenizer, method
+        self.reached, self.resume, self.after = threading.Semaphore(0), threading.Event(), []
+
+    def __getattr__(self, name):
+        inner = getattr(self._tokenizer, name)
+        if name != self._method:
+            return inner
+
+        def paused(*args, **kwargs):
+            if _building() and not self.resume.is_set():
+                self.reached.release()
+                self.resume.wait(60)
+            elif _building():
+                self.after.append(args[0])
+            return inner(*args, **kwargs)
+        return paused
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
 def test_a_client_that_leaves_while_its_logprobs_texts_are_decoded_stops_the_build_before_its_json(bundle, monkeypatch,
                                                                                                   stream):
@@ -2255,46 +2282,27 @@ def test_a_client_that_leaves_while_its_logprobs_texts_are_decoded_stops_the_bui
     from specbuild_runtime.serve import protocol
 
     cancelled = ("specbuild_requests_total", (("endpoint", "completions"), ("outcome", "cancelled")))
-    decoding, resume = threading.Semaphore(0), threading.Event()
-    decoded_after, documents = [], []  # texts decoded in the builder thread once resumed; what it encodes
+    documents = []  # what the builder thread encodes
     dumps = protocol.dumps
 
-    def building() -> bool:
-        return threading.current_thread().name.startswith("specbuild-respond")
-
-    class Pausing:
-        def __init__(self, tokenizer):
-            self._tokenizer = tokenizer
-
-        def __getattr__(self, name):
-            return getattr(self._tokenizer, name)
-
-        def decode(self, *args, **kwargs):
-            if building() and not resume.is_set():
-                decoding.release()
-                resume.wait(60)
-            elif building():
-                decoded_after.append(args[0])
-            return self._tokenizer.decode(*args, **kwargs)
-
     def counted(value, *args, **options):
-        if building():
+        if _building():
             documents.append(value)
         return dumps(value, *args, **options)
 
     body = {"prompt": " ".join(PROMPTS[:7]), "max_tokens": 1, "echo": True, "logprobs": 5, "stream": stream, **GREEDY}
     with in_process(bundle) as (url, decoder, _):
         decoder.go.set()
-        decoder.tokenizer = Pausing(decoder.tokenizer)  # the texts' (serve's), not its streams'
+        decoder.tokenizer = pausing = PausingInTheBuilder(decoder.tokenizer, "decode")  # the texts', not its streams'
         monkeypatch.setattr(protocol, "dumps", counted)
         with raw_post(url, "/v1/completions", body):
-            assert decoding.acquire(timeout=60)
+            assert pausing.reached.acquire(timeout=60)
         wait_until(lambda: metric_values(url).get(cancelled) == 1, "the server saw the client leave")
-        resume.set()
+        pausing.resume.set()
         # built after it in the same thread, without texts of its own to decode
         after = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 1, **GREEDY}, timeout=60)
     assert after.status_code == 200 and after.json()["choices"][0]["text"]
-    assert len(decoded_after) <= 1 + 5, decoded_after
+    assert len(pausing.after) <= 1 + 5, pausing.after
     assert {document["id"] for document in documents if isinstance(document, dict) and "id" in document} == \
         {after.json()["id"]}
 
@@ -2307,43 +2315,24 @@ def test_a_client_that_leaves_while_its_token_strs_are_looked_up_stops_the_build
     from specbuild_runtime.serve import protocol
 
     cancelled = ("specbuild_requests_total", (("endpoint", "tokenize"), ("outcome", "cancelled")))
-    looking, resume = threading.Semaphore(0), threading.Event()
-    looked_up_after, documents = [], []  # in the builder thread once resumed; what it encodes
+    documents = []  # what the builder thread encodes
     dumps = protocol.dumps
 
-    def building() -> bool:
-        return threading.current_thread().name.startswith("specbuild-respond")
-
-    class Pausing:
-        def __init__(self, tokenizer):
-            self._tokenizer = tokenizer
-
-        def __getattr__(self, name):
-            return getattr(self._tokenizer, name)
-
-        def id_to_token(self, token: int) -> str:
-            if building() and not resume.is_set():
-                looking.release()
-                resume.wait(60)
-            elif building():
-                looked_up_after.append(token)
-            return self._tokenizer.id_to_token(token)
-
     def counted(value, *args, **options):
-        if building():
+        if _building():
             documents.append(value)
         return dumps(value, *args, **options)
 
     with in_process(bundle) as (url, decoder, _):
-        decoder.tokenizer = Pausing(decoder.tokenizer)
+        decoder.tokenizer = pausing = PausingInTheBuilder(decoder.tokenizer, "id_to_token")
         monkeypatch.setattr(protocol, "dumps", counted)
         with raw_post(url, "/tokenize", {"prompt": " ".join(PROMPTS[:7]), "return_token_strs": True}):
-            assert looking.acquire(timeout=60)
+            assert pausing.reached.acquire(timeout=60)
         wait_until(lambda: metric_values(url).get(cancelled) == 1, "the server saw the client leave")
-        resume.set()
+        pausing.resume.set()
         after = httpx.post(f"{url}/tokenize", json={"prompt": PROMPTS[0]}, timeout=60)  # built after it, no token_strs
     assert after.status_code == 200 and after.json()["tokens"]
-    assert len(looked_up_after) <= 1, looked_up_after
+    assert len(pausing.after) <= 1, pausing.after
     assert [document["tokens"] for document in documents if isinstance(document, dict) and "tokens" in document] == \
         [after.json()["tokens"]]
 
