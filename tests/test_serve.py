@@ -2248,6 +2248,20 @@ def _building() -> bool:
     return threading.current_thread().name.startswith("specbuild-respond")
 
 
+def encoded_in_the_builder(monkeypatch) -> list:
+    """What protocol.dumps encodes in the response builder's thread from now on."""
+    from specbuild_runtime.serve import protocol
+
+    documents, dumps = [], protocol.dumps
+
+    def recorded(value, *args, **options):
+        if _building():
+            documents.append(value)
+        return dumps(value, *args, **options)
+    monkeypatch.setattr(protocol, "dumps", recorded)
+    return documents
+
+
 class PausingInTheBuilder:
     """A tokenizer whose `method`, first called in the response builder's thread, waits there until `resume` is set
     (releasing `reached`); its later calls there are recorded in `after` (their first argument)."""
@@ -2279,22 +2293,12 @@ def test_a_client_that_leaves_while_its_logprobs_texts_are_decoded_stops_the_bui
     had left decoded them all, every response after it waiting, until its JSON's first piece stopped it. Here the first
     text decoded in the builder thread waits until the server has seen the client leave: a token's texts at most are
     decoded after it, and no JSON."""
-    from specbuild_runtime.serve import protocol
-
     cancelled = ("specbuild_requests_total", (("endpoint", "completions"), ("outcome", "cancelled")))
-    documents = []  # what the builder thread encodes
-    dumps = protocol.dumps
-
-    def counted(value, *args, **options):
-        if _building():
-            documents.append(value)
-        return dumps(value, *args, **options)
-
+    documents = encoded_in_the_builder(monkeypatch)
     body = {"prompt": " ".join(PROMPTS[:7]), "max_tokens": 1, "echo": True, "logprobs": 5, "stream": stream, **GREEDY}
     with in_process(bundle) as (url, decoder, _):
         decoder.go.set()
         decoder.tokenizer = pausing = PausingInTheBuilder(decoder.tokenizer, "decode")  # the texts', not its streams'
-        monkeypatch.setattr(protocol, "dumps", counted)
         with raw_post(url, "/v1/completions", body):
             assert pausing.reached.acquire(timeout=60)
         wait_until(lambda: metric_values(url).get(cancelled) == 1, "the server saw the client leave")
@@ -2312,20 +2316,10 @@ def test_a_client_that_leaves_while_its_token_strs_are_looked_up_stops_the_build
     152k vocabulary: 0.48 s and 0.23 s on a loaded 2-core machine): one whose client had left looked them all up,
     every response after it waiting. Here the first looked up in the builder thread waits until the server has seen
     the client leave: one more at most is looked up after it, and no JSON."""
-    from specbuild_runtime.serve import protocol
-
     cancelled = ("specbuild_requests_total", (("endpoint", "tokenize"), ("outcome", "cancelled")))
-    documents = []  # what the builder thread encodes
-    dumps = protocol.dumps
-
-    def counted(value, *args, **options):
-        if _building():
-            documents.append(value)
-        return dumps(value, *args, **options)
-
+    documents = encoded_in_the_builder(monkeypatch)
     with in_process(bundle) as (url, decoder, _):
         decoder.tokenizer = pausing = PausingInTheBuilder(decoder.tokenizer, "id_to_token")
-        monkeypatch.setattr(protocol, "dumps", counted)
         with raw_post(url, "/tokenize", {"prompt": " ".join(PROMPTS[:7]), "return_token_strs": True}):
             assert pausing.reached.acquire(timeout=60)
         wait_until(lambda: metric_values(url).get(cancelled) == 1, "the server saw the client leave")
