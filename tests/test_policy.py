@@ -4,8 +4,8 @@ from specbuild_runtime import SpeculativeDecoder
 import random
 import pytest
 
-from specbuild_runtime.policy import (GREEDY_DECAYS, MAX_PROBE_EVERY, PROBE_EVERY, SAMPLING_DECAYS, STALE_ROUNDS, FIRST_ROUNDS,
-                                      AdaptiveGamma, Costs)
+from specbuild_runtime.policy import (GREEDY_DECAYS, MAX_PROBE_EVERY, MAX_STALE_ROUNDS, PROBE_EVERY, SAMPLING_DECAYS,
+                                      STALE_ROUNDS, FIRST_ROUNDS, AdaptiveGamma, Costs)
 
 from conftest import PROMPTS
 
@@ -306,3 +306,28 @@ def test_a_slow_spell_while_auto_drafts_does_not_price_drafting_out():
     policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
     chosen = decode_rounds(policy, STALE_ROUNDS + 200, lambda r, j: (r + j) % 5, spells(1, 3, 60, 0.1))
     assert chosen[60:].count(0) <= FIRST_ROUNDS
+
+
+def dear_then_cheap(switch: int):
+    """A draft step that costs 3 target calls before round `switch` (a cold draft, a loaded machine), 0.1 from it on."""
+    return lambda r, k: ((3.0 if r < switch else 0.1) * k, 1 + 0.03 * max(k - 1, 0))
+
+
+def test_auto_drafts_again_once_a_spell_that_priced_every_gamma_out_is_over():
+    """Every γ timed above the γ + 1 tokens it could yield: no probe comes (no α would make drafting pay), and nothing
+    timed a γ ≥ 1 again, so auto stayed at γ 0 for the decoder's life though drafts agreed and cost a tenth of a target
+    call from round 3000 on. A γ priced out is timed afresh after a wait that doubles up to MAX_STALE_ROUNDS."""
+    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
+    chosen = decode_rounds(policy, 3000 + MAX_STALE_ROUNDS + 200, lambda r, j: True, dear_then_cheap(3000))
+    assert chosen[2500:3000] == [0] * 500 and chosen[-100:].count(0) <= FIRST_ROUNDS
+
+
+def test_where_drafting_never_pays_auto_times_only_gamma_1_again_and_less_and_less_often():
+    """The cost of re-timing where drafts agree but never pay (a step of 3 target calls): rounds at γ 1 alone (priced
+    out, it prices out every γ above it), FIRST_ROUNDS + 1 of them (the first catches up, untimed) each time, the waits
+    doubling to MAX_STALE_ROUNDS. Every γ dropped at once fell back to the prior, and auto drafted at γ 8, 7, … 1 to
+    time each again: 43 rounds of up to 25 units."""
+    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
+    chosen = decode_rounds(policy, 20000, lambda r, j: True, dear_then_cheap(20000))
+    later = chosen[1000:]
+    assert set(later) == {0, 1} and later.count(1) <= (FIRST_ROUNDS + 1) * (len(later) // MAX_STALE_ROUNDS + 2)

@@ -70,6 +70,16 @@ FIRST_ROUNDS = 5
 # γ cheap, so auto drafted at γ 8 under a JSON schema where target-only was faster. A γ ≥ 1 left untimed is not timed
 # afresh so: that would draft at each again, at the prior's price, every STALE_ROUNDS rounds auto sits at γ 0.
 STALE_ROUNDS = 256
+# A γ ≥ 1 priced out of reach (its cost above the γ + 1 tokens it could yield) is timed afresh so, the wait doubling
+# each time it is priced out again, up to MAX_STALE_ROUNDS: while every γ is priced out no probe comes
+# (_drafting_could_pay) and nothing else times them, so a spell in which drafting looked dear (a cold draft priced γ 1
+# at 3.9-11.3 rounds without drafts right after long stretches at γ 0) left auto at γ 0 for the decoder's life. Only
+# the lowest such γ goes stale (the one below it timed within reach): dropped together, every γ fell back to the prior
+# at once, and auto drafted at each to time it again (43 rounds of 1 + 3 γ units each where a draft step cost 3).
+# Simulated (a draft that agrees, its step 3 target calls, 50,000 rounds), re-timing γ 1 took 3.1 rounds in 1000,
+# 0.993x target-only (a cap of 1024: 5.9, 0.987x; 4096: 1.7, 0.996x), and once a step cost 0.1 auto drafted again
+# 304-1139 rounds later (never before).
+MAX_STALE_ROUNDS = 2048
 # Rounds after the unit was last timed within which a round at γ ≥ 1 is priced in it: each γ's cost is a ratio to the
 # unit of its time, since the γ 0 auto sits at keeps being timed while a γ it does not draft at is not, and rounds at γ
 # timed in seconds, divided by a unit timed later, cost what the machine's speed was at two moments: four auto decoders
@@ -120,7 +130,8 @@ class Costs:
         self.rounds: list[float | None] = [None] * (max_gamma + 1)
         self.last: list[deque[float]] = [deque(maxlen=FIRST_ROUNDS) for _ in range(max_gamma + 1)]  # their samples
         self.observed = 0  # rounds timed
-        self.unit_timed_at = 0  # self.observed when a round without drafts was last timed
+        self.timed_at = [0] * (max_gamma + 1)  # self.observed when a round at each γ was last timed
+        self.stale_after = [STALE_ROUNDS] * (max_gamma + 1)  # rounds untimed after which each γ's cost may be dropped
 
     def costs(self, limit: int) -> list[float]:
         """The cost of a round at γ = 0 … limit."""
@@ -142,23 +153,38 @@ class Costs:
         on without ever timing γ 0."""
         return self.rounds[0] is None
 
+    def _stale(self, gamma: int) -> bool:
+        """Whether γ's cost is dropped, to be timed afresh: untimed for stale_after[γ] rounds, the unit, or a γ ≥ 1
+        priced out of reach once the γ below it is timed within reach (MAX_STALE_ROUNDS)."""
+        if self.observed - self.timed_at[gamma] <= self.stale_after[gamma]:
+            return False
+        if not gamma:
+            return True
+        below, timed = 1.0 if gamma == 1 else self.rounds[gamma - 1], self.rounds[gamma]
+        return timed is not None and timed > gamma + 1 and below is not None and below <= gamma
+
     def observe(self, drafted: int, draft_seconds: float, target_seconds: float, catching_up: bool) -> None:
         with self.lock:
             self.observed += 1
-            if self.observed - self.unit_timed_at > STALE_ROUNDS:
-                self.rounds[0] = None
-                self.last[0].clear()
+            for gamma in range(len(self.rounds)):
+                if self._stale(gamma):
+                    self.rounds[gamma] = None
+                    self.last[gamma].clear()
+                    if gamma:  # out of reach when timed again, it waits longer
+                        self.stale_after[gamma] = min(2 * self.stale_after[gamma], MAX_STALE_ROUNDS)
             seconds = draft_seconds + target_seconds
-            if not drafted:
-                self.unit_timed_at = self.observed
-            elif catching_up or self.rounds[0] is None or self.observed - self.unit_timed_at > FRESH_ROUNDS:
-                return  # a catching-up draft also read tokens it had missed: not a round of γ; or no unit of its time
-            else:
+            if drafted:
+                # a catching-up draft also read tokens it had missed: not a round of γ; or no unit of its time
+                if catching_up or self.rounds[0] is None or self.observed - self.timed_at[0] > FRESH_ROUNDS:
+                    return
                 seconds /= self.rounds[0]
+            self.timed_at[drafted] = self.observed
             last = self.last[drafted]
             last.append(seconds)
             if len(last) == FIRST_ROUNDS:
-                self.rounds[drafted] = statistics.median(last)
+                self.rounds[drafted] = cost = statistics.median(last)
+                if drafted and cost <= drafted + 1:  # within reach: out of it later, it waits anew
+                    self.stale_after[drafted] = STALE_ROUNDS
 
 
 class PriorCosts(Costs):
