@@ -8,6 +8,7 @@ from conftest import PROMPTS
 from specbuild.compile.reference import load_reference, transformers_greedy
 from specbuild_runtime import SpeculativeDecoder
 from specbuild_runtime.decode import FREE_GUESSES
+from specbuild_runtime.slot import EngineSlot
 
 ARCHITECTURES = ["llama", "qwen2", "mistral", "gpt2"]
 NEW_TOKENS = 23  # not a multiple of γ+1 for any γ tested: max-new-tokens lands inside a round
@@ -140,6 +141,32 @@ def test_free_guesses_in_rounds_without_drafts_keep_the_targets_output(bundles, 
         assert auto.token_ids == decoder.generate(ids, 60, gamma=0).token_ids, prompt
         guessed, accepted = guessed + auto.stats.guessed, accepted + auto.stats.guesses_accepted
     assert guessed > 100 and 0 < accepted < FREE_GUESSES * guessed
+
+
+def test_a_full_chain_of_free_guesses_computes_no_target_row_beyond_its_tokens(bundles, tokenizer, monkeypatch):
+    """On the CPU a target call computes an even number of rows (slot.NEVER_ALONE), re-feeding one more row where its
+    tokens are odd: a round without drafts that checks a full chain of guesses feeds an even count, so that no row
+    is computed for evenness alone."""
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    rounds: list[list[int]] = []  # per round: its drafts, then its target call's verified tokens and rows
+    draft, run = SpeculativeDecoder._draft, EngineSlot._run
+
+    def drafting(*args, **kwargs):
+        drafts = draft(*args, **kwargs)
+        rounds.append([len(drafts)])
+        return drafts
+
+    def running(self, first, total_len, num_drafts, uniforms, probs_row, decides=False):
+        if decides and self.engine is decoder.target and rounds and len(rounds[-1]) == 1:
+            rounds[-1] += [num_drafts, total_len - first]
+        return run(self, first, total_len, num_drafts, uniforms, probs_row, decides)
+
+    monkeypatch.setattr(SpeculativeDecoder, "_draft", staticmethod(drafting))
+    monkeypatch.setattr(EngineSlot, "_run", running)
+    for prompt in PROMPTS:
+        decoder.generate(tokenizer(prompt)["input_ids"], 60, gamma="auto")
+    full = [rows for drafted, guesses, rows in rounds if not drafted and guesses == FREE_GUESSES]
+    assert full and set(full) == {FREE_GUESSES + 1}
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
