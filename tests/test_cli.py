@@ -790,11 +790,9 @@ def test_ctrl_c_while_the_command_imports_is_one_line_and_status_130(interrupt, 
     assert (result.returncode, result.stderr) == (130, "error: interrupted\n"), result.stderr[-2000:]
 
 
-@pytest.mark.parametrize("command", ["specbuild", "specbuild-serve"])
-def test_the_command_without_onnxruntime_says_in_one_line_which_to_install(command):
-    """Neither onnxruntime is a dependency (the cpu and gpu extras pick one: they break each other), so an install
-    without either extra has none: the command printed the runtime's ModuleNotFoundError under a traceback
-    (specbuild-serve's still did once specbuild's was caught: the check then ran when its package was imported)."""
+def run_entry_point(command: str, setup: str, *args: str) -> subprocess.CompletedProcess:
+    """command's entry point, as its pyproject.toml names it, run with args in a new interpreter after setup's
+    lines."""
     import tomllib
     from pathlib import Path
 
@@ -802,11 +800,34 @@ def test_the_command_without_onnxruntime_says_in_one_line_which_to_install(comma
     scripts = {**tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"],
                **tomllib.loads((root / "runtime" / "pyproject.toml").read_text())["project"]["scripts"]}
     module, _, function = scripts[command].partition(":")
-    script = f"import sys\nsys.modules['onnxruntime'] = None\nfrom {module} import {function}\n{function}()\n"
-    result = subprocess.run([sys.executable, "-c", script, "bundle"], capture_output=True, text=True)
+    script = f"import sys\n{setup}\nfrom {module} import {function}\n{function}()\n"
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("command", ["specbuild", "specbuild-serve"])
+def test_the_command_without_onnxruntime_says_in_one_line_which_to_install(command):
+    """Neither onnxruntime is a dependency (the cpu and gpu extras pick one: they break each other), so an install
+    without either extra has none: the command printed the runtime's ModuleNotFoundError under a traceback
+    (specbuild-serve's still did once specbuild's was caught: the check then ran when its package was imported)."""
+    result = run_entry_point(command, "sys.modules['onnxruntime'] = None", "bundle")
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr[-2000:]
     assert result.stderr.startswith("error: specbuild-runtime needs onnxruntime: pip install './runtime[cpu]', or "
                                     "'./runtime[gpu]'"), result.stderr
+
+
+@pytest.mark.parametrize("command, options", [("specbuild", ["generate", "--prompt", "def"]), ("specbuild-serve", [])])
+def test_the_command_on_an_onnxruntime_left_without_its_files_says_in_one_line_how_to_reinstall(command, options,
+                                                                                                 bundles, tmp_path):
+    """onnxruntime and onnxruntime-gpu both installed, uninstalling one removes the files both wrote and leaves
+    onnxruntime/capi/, which imports as an empty namespace package: every command said "internal error
+    (AttributeError: module 'onnxruntime' has no attribute ...); this is a bug in specbuild"."""
+    (tmp_path / "onnxruntime" / "capi").mkdir(parents=True)
+    setup = ("import importlib.machinery, importlib.util\n"
+             f"spec = importlib.machinery.PathFinder.find_spec('onnxruntime', [{str(tmp_path)!r}])\n"
+             "sys.modules['onnxruntime'] = importlib.util.module_from_spec(spec)")
+    result = run_entry_point(command, setup, *options, str(bundles("llama")))
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr[-2000:]
+    assert "pip uninstall -y onnxruntime onnxruntime-gpu, then pip install './runtime[cpu]'" in result.stderr
 
 
 def test_output_to_a_full_disk_is_one_line_that_names_stdout(bundles, tmp_path):

@@ -26,6 +26,13 @@ except ModuleNotFoundError as exc:  # the package's extras choose it: onnxruntim
         raise
     raise ModuleNotFoundError("specbuild-runtime needs onnxruntime: pip install './runtime[cpu]', or './runtime[gpu]' "
                               "(onnxruntime-gpu) to run on CUDA", name="onnxruntime") from None
+if not hasattr(ort, "InferenceSession"):
+    # Both installed, uninstalling one removes the files both wrote and leaves onnxruntime/capi/, an empty namespace
+    # package: each use of it would be an AttributeError, reported as a bug in specbuild
+    raise ModuleNotFoundError("onnxruntime is installed without its files (onnxruntime and onnxruntime-gpu write the "
+                              "same ones, and uninstalling either removes them): pip uninstall -y onnxruntime "
+                              "onnxruntime-gpu, then pip install './runtime[cpu]', or './runtime[gpu]' (onnxruntime-gpu) "
+                              "to run on CUDA", name="onnxruntime")
 
 from .errors import BundleError, DeviceError, first_line
 from .manifest import EngineInfo, cache_names
