@@ -193,7 +193,9 @@ def test_rounds_that_warm_up_or_capture_cuda_graphs_do_not_price_gamma():
     """On an H100 (2026-11-27) a one-shot generate with CUDA graphs kept γ 1 for 69 of 72 rounds at α 0.75: each
     γ it tried was first timed while its graphs were warmed up and captured. Those rounds now teach α, not costs."""
     assert set(capturing_rounds(timed_while_capturing=True)[-20:]) == {3}  # the trap: γ 1-3 priced by their captures
-    assert min(capturing_rounds(timed_while_capturing=False)[-20:]) >= 3  # γ 4-5 are best here (c 0.1, α 0.75)
+    # γ 4-5 are best here (c 0.1, α 0.75); one round without drafts may time the unit a γ not yet timed is priced in
+    later = capturing_rounds(timed_while_capturing=False)[-20:]
+    assert later.count(0) <= 1 and min(k for k in later if k) >= 3
 
 
 def test_a_round_without_drafts_is_timed_first_as_the_unit_every_cost_is_priced_in():
@@ -331,3 +333,22 @@ def test_where_drafting_never_pays_auto_times_only_gamma_1_again_and_less_and_le
     chosen = decode_rounds(policy, 20000, lambda r, j: True, dear_then_cheap(20000))
     later = chosen[1000:]
     assert set(later) == {0, 1} and later.count(1) <= (FIRST_ROUNDS + 1) * (len(later) // MAX_STALE_ROUNDS + 2)
+
+
+def test_auto_stops_drafting_within_a_few_dozen_rounds_where_each_round_costs_more_than_the_prior_said():
+    """A round at γ ≥ 1 is priced only in a unit timed in the FRESH_ROUNDS rounds before it: auto that moved, drafting
+    on, to a γ never timed once the unit was older kept the prior's price for it (a draft step a tenth of a target call)
+    until the unit went stale, and drafted in rounds 36-262 here, where a draft step costs 3 target calls. It now takes
+    a round without drafts first, and each γ is timed at what its rounds cost."""
+    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
+    chosen = decode_rounds(policy, STALE_ROUNDS, lambda r, j: True, lambda r, k: (3.0 * k, 1.0))
+    assert chosen[100:] == [0] * (STALE_ROUNDS - 100)
+
+
+def test_auto_climbing_gamma_after_the_draft_agrees_again_times_each_new_gamma_within_a_few_dozen_rounds():
+    """Back to drafting at γ 1 after a long stretch of rejected drafts, auto climbed to γ 2, 3, … once the unit was older
+    than FRESH_ROUNDS rounds: each stayed at the prior's price, untimed, and auto drafted at γ ≥ 2 in 261 of the 600 rounds
+    here, where γ 1 is best (a draft step 0.3 of a target call, each further target row a whole call)."""
+    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
+    chosen = decode_rounds(policy, 1600, lambda r, j: r >= 1000, lambda r, k: (0.3 * k, 1 + max(k - 1, 0)))
+    assert sum(k >= 2 for k in chosen[1000:]) <= 60

@@ -145,6 +145,11 @@ class Costs:
         return self.costs(gamma)[gamma]
 
     @property
+    def unit_fresh(self) -> bool:
+        """Whether the unit was timed in the FRESH_ROUNDS rounds before: a round at γ ≥ 1 is priced only in such a unit."""
+        return self.observed - self.timed_at[0] <= FRESH_ROUNDS
+
+    @property
     def unit_untimed(self) -> bool:
         """Whether the unit lacks its FIRST_ROUNDS samples, first or again after STALE_ROUNDS rounds untimed:
         AdaptiveGamma times them first, since every cost is priced in it. The target call of a round with drafts stood
@@ -175,7 +180,7 @@ class Costs:
             seconds = draft_seconds + target_seconds
             if drafted:
                 # a catching-up draft also read tokens it had missed: not a round of γ; or no unit of its time
-                if catching_up or self.rounds[0] is None or self.observed - self.timed_at[0] > FRESH_ROUNDS:
+                if catching_up or self.rounds[0] is None or not self.unit_fresh:
                     return
                 seconds /= self.rounds[0]
             self.timed_at[drafted] = self.observed
@@ -257,6 +262,7 @@ class AdaptiveGamma:
             if self.costs.unit_untimed:  # every cost is priced in it: timed first (Costs.unit_untimed)
                 return 0
             costs = self.costs.costs(min(self.max_gamma, limit))
+            unit_fresh = self.costs.unit_fresh  # always under PriorCosts, which counts no rounds
         # γ 0 yields its token and the guesses that hold; γ ≥ 1, expected_tokens_per_call summed term by term (a call
         # per γ took 1-2 µs of the ~8 that choose and observe took a round, against ~0.6 ms for a round at γ 0).
         best, most = 0, 1 + self.held / self.guessed_rounds
@@ -269,6 +275,11 @@ class AdaptiveGamma:
         probed, self.probed = self.probed, False
         if best > 0:
             self.rounds_at_zero, self.probe_every = 0, PROBE_EVERY
+            # A γ not timed yet, drafted at while no unit is fresh, went untimed and kept the prior's price until the unit
+            # went stale (STALE_ROUNDS): auto drafted for ~250 rounds at a γ whose rounds cost 4 units. A round without
+            # drafts times the unit first (another slot timing γ meanwhile only spares it).
+            if not unit_fresh and self.costs.rounds[best] is None:
+                return 0
         elif limit > 0:
             if probed and self.news:  # the draft may agree again: the next probe confirms it soon
                 self.probe_every = PROBE_EVERY
