@@ -819,7 +819,8 @@ def _key_value(item: str) -> tuple[str, object]:
               help="Where the demo pair and its bundle are kept between runs.")
 @click.option("--recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Recipe with the pair's [pair] and [compile] tables.  [default: the packaged specbuild/recipes/demo.toml]")
 @click.option("--prompt", "-p", type=PromptText(),
-              help="Code to complete; - reads it from stdin.  [default: the first of 8 bundled code prompts]")
+              help="Code to complete (the speed-up is then measured on it alone); - reads it from stdin.  "
+                   "[default: 8 bundled code prompts, all measured, the first shown]")
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=2), default=96, show_default=True,
               help="Tokens to generate per prompt (at least 2: decode speed is measured after the first).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
