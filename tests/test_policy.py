@@ -10,15 +10,17 @@ from specbuild_runtime.policy import (GREEDY_DECAYS, MAX_PROBE_EVERY, MAX_STALE_
 from conftest import PROMPTS
 
 
-def run_rounds(policy, alpha_pattern, rounds=60, draft_cost=0.1, extra_token_cost=0.03):
-    """Feeds the policy rounds where each draft is accepted per alpha_pattern(round); returns γ chosen."""
+def run_rounds(policy, alpha_pattern, rounds=60, draft_cost=0.1, extra_token_cost=0.03, catching_up=False):
+    """Feeds the policy rounds where each draft is accepted per alpha_pattern(round); returns γ chosen. catching_up:
+    every round with drafts is a catch-up (as a probe's is), which prices no γ."""
     chosen = []
     for r in range(rounds):
         k = policy.choose(limit=100)
         accepted = 0
         while accepted < k and alpha_pattern(r, accepted):
             accepted += 1
-        policy.observe(k, accepted, draft_seconds=k * draft_cost, target_seconds=1 + max(k - 1, 0) * extra_token_cost)
+        policy.observe(k, accepted, draft_seconds=k * draft_cost, target_seconds=1 + max(k - 1, 0) * extra_token_cost,
+                       catching_up=catching_up and k > 0)
         chosen.append(k)
     return chosen
 
@@ -49,12 +51,8 @@ def test_probes_that_hold_but_do_not_make_drafting_pay_come_less_often():
     tokens it missed (2.6 units a probe there): every probe holds, yet auto stays at 0 after it (α, 0.98, is short of
     the ~0.99 that would pay), so the wait doubles as if it had been rejected, until probes come at most once in 100
     rounds (capped at 32, probes took 7-10% of auto's time there)."""
-    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.94)
-    chosen = []
-    for _ in range(600):
-        k = policy.choose(limit=100)
-        policy.observe(k, k, draft_seconds=0.94 * k, target_seconds=1.0, catching_up=k > 0)
-        chosen.append(k)
+    chosen = run_rounds(AdaptiveGamma(max_gamma=8, draft_cost=0.94), lambda r, j: True, rounds=600, draft_cost=0.94,
+                        extra_token_cost=0, catching_up=True)
     probes = [r for r, k in enumerate(chosen) if k]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert chosen[:FIRST_ROUNDS] == [0] * FIRST_ROUNDS and set(chosen) == {0, 1}
@@ -66,12 +64,8 @@ def test_no_probes_where_drafting_would_not_pay_even_were_every_draft_accepted()
     no α a probe could show makes auto draft, and each probe was a catch-up paid for nothing (the demo pair under T 0.8
     and repetition 1.1, 2 cores at load 8: a round at γ 1 cost 4.7 rounds without drafts, and auto probed about once a
     request, its catch-ups 1-2% of its time)."""
-    policy = AdaptiveGamma(max_gamma=8, draft_cost=1.2)
-    chosen = []
-    for _ in range(600):
-        k = policy.choose(limit=100)
-        policy.observe(k, k, draft_seconds=1.2 * k, target_seconds=1.0, catching_up=k > 0)
-        chosen.append(k)
+    chosen = run_rounds(AdaptiveGamma(max_gamma=8, draft_cost=1.2), lambda r, j: True, rounds=600, draft_cost=1.2,
+                        extra_token_cost=0, catching_up=True)
     assert chosen == [0] * 600
 
 
