@@ -28,8 +28,8 @@ from . import __version__
 from .bench.bench import DEFAULT_GAMMAS
 from .bench.peers import KNOWN as PEERS
 from .recipe import (BACKENDS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, DEFAULT_GAMMA, DEFAULT_MAX_SEQ_LEN,
-                     DISTILL_BATCH_SIZE, DISTILL_GAMMA, DISTILL_MINUTES, DISTILL_OBJECTIVE, DISTILL_SEED, MAX_GAMMA,
-                     MAX_SEED, PRECISIONS, QUANTIZATIONS, setting_problem)
+                     DISTILL_BATCH_SIZE, DISTILL_GAMMA, DISTILL_MINUTES, DISTILL_OBJECTIVE, DISTILL_OBJECTIVES, DISTILL_SEED,
+                     MAX_GAMMA, MAX_SEED, PRECISIONS, QUANTIZATIONS, setting_problem)
 from .staging import replace_file
 
 # Whether main() runs as the `specbuild` command, which may drop interrupts once its work is done (see
@@ -737,7 +737,7 @@ def check_plot_path(path: Path) -> None:
               help="Text file or folder whose spans serve as prompts.  [default (neither): the target's own samples]")
 @click.option("--gamma", type=click.IntRange(1, MAX_GAMMA), default=DISTILL_GAMMA, show_default=True,
               help="γ at which acceptance is measured.")
-@click.option("--loss", "objective", type=click.Choice(["tvd", "fkl", "rkl", "jsd"]), default=DISTILL_OBJECTIVE,
+@click.option("--loss", "objective", type=click.Choice(DISTILL_OBJECTIVES), default=DISTILL_OBJECTIVE,
               show_default=True, help="Divergence of the draft's distribution from the target's: total variation, "
                                       "forward or reverse KL, Jensen-Shannon.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=DISTILL_BATCH_SIZE, show_default=True,

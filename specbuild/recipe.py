@@ -113,6 +113,8 @@ MAX_SEED = 2**64 - 2
 DISTILL_MINUTES = 5.0
 DISTILL_GAMMA = 4
 DISTILL_OBJECTIVE = "tvd"
+# distill --loss: the divergences train/divergence.py computes, in the order its --help names them
+DISTILL_OBJECTIVES = ("tvd", "fkl", "rkl", "jsd")
 DISTILL_BATCH_SIZE = 16
 DISTILL_SEED = 0
 

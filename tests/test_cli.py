@@ -87,12 +87,13 @@ def test_compile_json_is_no_recipe_key(tmp_path, cli):
 def test_the_help_states_the_defaults_the_code_takes():
     """Each default the help shows is read from the constant the compile (or bench, or distill) uses, not written
     again: with the constants changed before the CLI is imported, the help changes with them, and so do the
-    defaults of distill's own function (which the CLI imports only when distill runs)."""
+    defaults of distill's own function (which the CLI imports only when distill runs); distill's --loss choices
+    too, which the CLI wrote out beside train/divergence.py's table."""
     code = """
 import inspect, specbuild.bench.bench as bench, specbuild.recipe as recipe
 recipe.DEFAULT_GAMMA, recipe.DEFAULT_MAX_SEQ_LEN, recipe.DEFAULT_ACCURACY_LEVEL, bench.DEFAULT_GAMMAS = 5, 999, 1, (3, 6)
 recipe.DISTILL_MINUTES, recipe.DISTILL_GAMMA, recipe.DISTILL_OBJECTIVE = 2.5, 3, "jsd"
-recipe.DISTILL_BATCH_SIZE, recipe.DISTILL_SEED = 7, 11
+recipe.DISTILL_BATCH_SIZE, recipe.DISTILL_SEED, recipe.DISTILL_OBJECTIVES = 7, 11, ("jsd", "tvd")
 from specbuild.cli import cli
 for command in ("compile", "bench", "distill"):
     cli.main([command, "--help"], standalone_mode=False)
@@ -104,7 +105,7 @@ print(*(inspect.signature(distill).parameters[key].default for key in ("minutes"
     shown = " ".join(result.stdout.split())  # click wraps the help
     for default in ("[default: 5]", "[default: min(999, the longest the pair takes)]",
                     "identical to the target's own. [default: 1]", "[default: 3,6]", "[default: 2.5;",
-                    "measured. [default: 3;", "[default: jsd]", "[default: 7;", "[default: 11;"):
+                    "measured. [default: 3;", "--loss [jsd|tvd]", "[default: jsd]", "[default: 7;", "[default: 11;"):
         assert default in shown
     assert result.stdout.splitlines()[-1] == "2.5 3 jsd 7 11"
 

@@ -19,6 +19,7 @@ from test_bad_inputs import MARKER, plant_pickle
 from specbuild.acceptance import rounds
 from specbuild.demo import DEMO_RECIPE
 from specbuild.errors import CheckpointError, OutputError, PairMismatchError, TrainingError, UnsupportedModelError
+from specbuild.recipe import DISTILL_OBJECTIVES
 from specbuild.train import distill as distill_module
 from specbuild.train import divergence, generate
 from specbuild.train.distill import acceptance, alpha, distill, load_model, shrunk_config, target_references
@@ -924,6 +925,13 @@ def test_the_loss_and_its_gradients_are_those_of_the_head_at_every_position(chec
             results.append([loss, *torch.autograd.grad(loss, list(draft.parameters()))])
         for new, old in zip(*results):
             torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-7)
+
+
+def test_distill_offers_exactly_the_divergences_training_computes():
+    """The names live in recipe.py, where distill's --help reads them without importing torch; the table that
+    computes them lives here. A name in one and not the other is a --loss that crashes training or a
+    divergence no one can choose."""
+    assert set(divergence.DIVERGENCES) == set(DISTILL_OBJECTIVES)
 
 
 def test_the_drafts_head_runs_only_at_the_positions_the_loss_reads(checkpoints):

@@ -37,6 +37,7 @@ def kl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a * ((a + EPS).log() - (b + EPS).log())).sum(-1)
 
 
+# The names are recipe.DISTILL_OBJECTIVES, which distill --help lists without importing torch
 DIVERGENCES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "fkl": lambda p, q: kl(p, q),  # forward KL(target || draft): what classic distillation minimises
     "rkl": lambda p, q: kl(q, p),  # reverse KL(draft || target): mode-seeking
