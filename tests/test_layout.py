@@ -75,6 +75,17 @@ def test_what_the_compiler_imports_never_imports_the_compiler():
                             if any(name.startswith("specbuild.compile") for name in specbuild_imports(path))]
 
 
+def test_the_compile_stages_take_settings_checked_where_they_enter():
+    """recipe.py checks each setting once, by its rule in RULES: a recipe's value, a command-line option, a
+    CompileSettings built through the API. Numerics checked four of them again as the pipeline built it from
+    those checked settings: a second place to keep, raising another error than the first."""
+    from pathlib import Path
+
+    compile_dir = Path(__file__).resolve().parents[1] / "specbuild" / "compile"
+    rules = {"specbuild.recipe.setting_problem", "specbuild.recipe.RULES"}
+    assert not [path.name for path in compile_dir.rglob("*.py") if rules & specbuild_imports(path)]
+
+
 def test_only_the_compile_package_imports_its_pipeline():
     """pipeline.py is the line of stages, not a place to borrow from: training saved its tokenizer with the
     pipeline's helper, which belongs with the bundle it writes."""

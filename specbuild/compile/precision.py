@@ -21,8 +21,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ..errors import CheckpointError, UnsupportedModelError
-from ..recipe import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, setting_problem
-from specbuild_runtime.errors import SpecbuildError
+from ..recipe import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE
 
 FLOAT_TYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16)}
 CHUNK_BYTES = 16 << 20  # stored bytes read at a time: what converting or quantizing a tensor holds beside its result
@@ -30,18 +29,13 @@ CHUNK_BYTES = 16 << 20  # stored bytes read at a time: what converting or quanti
 
 @dataclass(frozen=True)
 class Numerics:
-    """How one engine computes: its float type and its weight quantization (see quantize.py)."""
+    """How one engine computes: its float type and its weight quantization (see quantize.py). Built from
+    settings recipe.py has checked (CompileSettings), so it checks nothing again."""
 
     precision: str = "fp32"
     quantization: str = "none"
     block_size: int = DEFAULT_BLOCK_SIZE
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL
-
-    def __post_init__(self):  # the settings' rules (recipe.RULES), for callers that build Numerics themselves
-        for setting, value in (("precision", self.precision), ("quantize", self.quantization),
-                               ("block_size", self.block_size), ("accuracy_level", self.accuracy_level)):
-            if problem := setting_problem(setting, value):
-                raise SpecbuildError(f"{setting} {problem}")
 
     @property
     def dtype(self) -> np.dtype:
