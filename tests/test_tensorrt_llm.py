@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
+import yaml
 from safetensors.numpy import load_file, save_file
 
 from conftest import PROMPTS, make_checkpoint
@@ -293,8 +294,10 @@ def test_backend_all_writes_both_and_inspect_lists_the_tensorrt_llm_part(pairs, 
     assert f"--speculative_decoding_mode draft_tokens_external --max_draft_len {part.gamma['gamma']}" in build
     assert f'--draft_target_model_config "[{part.gamma["gamma"]},[0,1],[0,1],False]"' in (out / part.plans["run"]).read_text()
     assert "--tensor-parallel-size 2" in (out / "vllm/serve.sh").read_text()
-    yaml = (out / part.plans["llm_api"]).read_text()
-    assert "decoding_type: DraftTarget" in yaml and f"max_draft_len: {part.gamma['gamma']}" in yaml
+    options = yaml.safe_load((out / part.plans["llm_api"]).read_text())
+    assert options["speculative_config"] == {"decoding_type": "Draft_Target", "max_draft_len": part.gamma["gamma"],
+                                             "speculative_model": str(draft.resolve())}
+    assert options["tensor_parallel_size"] == 2 and options["max_seq_len"] == 64
     ids = tokenizer(PROMPTS[0])["input_ids"]  # the ONNX half still decodes
     decoder = SpeculativeDecoder(out)
     assert decoder.generate(ids, 8, gamma=2).token_ids == decoder.generate(ids, 8, gamma=0).token_ids
@@ -456,6 +459,19 @@ def test_run_plan_refuses_an_output_length_run_py_has_no_room_for_in_one_line(tm
         assert result.stderr.strip().splitlines() == [
             f"run.sh: MAX_OUTPUT_LEN {output} leaves run.py no room; give one from 4 to 31"]
     assert run_plan_arguments(tmp_path, script, MAX_OUTPUT_LEN="31").returncode == 0
+
+
+@pytest.mark.parametrize("max_seq_len", [8192, 8193, 32768])
+def test_a_context_past_the_engines_tokens_a_step_is_fed_in_chunks(tmp_path, max_seq_len):
+    """build.sh leaves trtllm-build's --max_num_tokens at its 8192 (builder.py BuildConfig), which context FMHA
+    keeps below a longer max_input_len (_common.py check_max_num_tokens): a longer prompt runs only with
+    run.py's --enable_chunked_context. The LLM API's max_num_tokens is 8192 too (llm_args.py BaseLlmArgs), and
+    llm.py refuses a longer prompt without enable_chunked_prefill."""
+    longer = max_seq_len > 8192
+    arguments = run_plan_arguments(tmp_path, tensorrt_llm.run_script(4, 1, max_seq_len, [2], 2)).stdout.splitlines()
+    assert ("--enable_chunked_context" in arguments) == longer, arguments
+    options = yaml.safe_load(tensorrt_llm.llm_api_yaml(4, 1, max_seq_len, tmp_path / "target", tmp_path / "draft"))
+    assert options["max_seq_len"] == max_seq_len and options.get("enable_chunked_prefill", False) == longer
 
 
 def test_run_plan_says_which_eos_ends_the_output_and_which_run_py_runs_past(pairs, tmp_path):

@@ -69,6 +69,13 @@ NOT_EXPORTED = {
 FAMILIES = {"LlamaForCausalLM": None, "MistralForCausalLM": None, "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3", "GPT2LMHeadModel": None}
 
+# The tokens one engine step takes unless told otherwise: trtllm-build's --max_num_tokens (builder.py BuildConfig,
+# 008b2b8d) and the LLM API's max_num_tokens (llmapi/llm_args.py BaseLlmArgs, 00043967). A longer prompt goes in
+# chunks: trtllm-build leaves max_num_tokens below max_input_len when context FMHA is on, as
+# --use_paged_context_fmha has it (_common.py check_max_num_tokens, 0fccc5b9), and the LLM API refuses a prompt
+# past max_num_tokens unless chunked prefill is on (llmapi/llm.py _check_arguments).
+MAX_NUM_TOKENS = 8192
+
 REPLICATE, COLUMN, ROW, QKV, VOCAB = "replicate", "column", "row", "qkv", "vocab"
 
 
@@ -471,7 +478,7 @@ def write_plans(folder: Path, gamma: int, tp: int, max_seq_len: int, precision: 
     texts = {
         "build": build_script(gamma, max_seq_len, precision, origin),
         "run": run_script(gamma, tp, max_seq_len, eos, target.tokenizer.eos_token_id),
-        "llm_api": llm_api_yaml(gamma, tp, target.path.resolve(), draft.path.resolve(), unquantized),
+        "llm_api": llm_api_yaml(gamma, tp, max_seq_len, target.path.resolve(), draft.path.resolve(), unquantized),
         "vllm": vllm_script(gamma, tp, max_seq_len, DTYPES[precision][0], target, draft, unquantized, origin),
     }
     for key, text in texts.items():
@@ -524,8 +531,12 @@ def run_script(gamma: int, tp: int, max_seq_len: int, eos: list[int], tokenizer_
     request only at that id or its length, and checks --stop_words within each target call, not between
     rounds ("TODO: Check bad words and stop words criteria"), so no flag stops it at a second id (Llama 3.1
     Instruct's generation_config lists 128001, 128008 and 128009): the script says which id ends it and
-    which others it runs past. (run.py reads `if args.end_id`, so an END_ID of 0 falls back to the tokenizer's.)"""
+    which others it runs past. (run.py reads `if args.end_id`, so an END_ID of 0 falls back to the tokenizer's.)
+
+    Past MAX_NUM_TOKENS, --enable_chunked_context: the engines take that many tokens a step, and run.py hands the
+    flag to both runners (examples/ngram/run_dtm_ngram.py, 77bcb5a5)."""
     devices = "[" + ",".join(map(str, range(tp))) + "]"
+    chunked = " --enable_chunked_context" if max_seq_len > MAX_NUM_TOKENS else ""
     output = min(128, max(gamma, max_seq_len // 4))
     end_id = tokenizer_eos if tokenizer_eos in eos else eos[0] if eos else None
     others = [e for e in eos if e != end_id]
@@ -555,26 +566,31 @@ python3 "$TRTLLM_DIR/examples/run.py" \\
   --engine_dir "$here/engines/target" --draft_engine_dir "$here/engines/draft" \\
   --tokenizer_dir "$here/../{TOKENIZER_DIR}" \\
   --draft_target_model_config "[{gamma},{devices},{devices},False]" \\
-  --kv_cache_enable_block_reuse --kv_cache_free_gpu_memory_fraction 0.4 --no_prompt_template \\
+  --kv_cache_enable_block_reuse --kv_cache_free_gpu_memory_fraction 0.4 --no_prompt_template{chunked} \\
   --max_output_len "$output" --max_input_length "$(({max_seq_len} - 2 * output))" \\
   --input_text "${{1:-def fibonacci(n):}}"{
   "" if end_id is None else f' --end_id "${{END_ID:-{end_id}}}"'}
 """
 
 
-def llm_api_yaml(gamma: int, tp: int, target: Path, draft: Path, note: str = "") -> str:
+def llm_api_yaml(gamma: int, tp: int, max_seq_len: int, target: Path, draft: Path, note: str = "") -> str:
     """TensorRT-LLM 1.x's LLM API / trtllm-serve on the PyTorch backend, which runs draft-target from the
-    Hugging Face folders (docs/source/features/speculative-decoding.md; llmapi/llm_args.py
-    DraftTargetDecodingConfig)."""
+    Hugging Face folders (docs/source/features/speculative-decoding.md), to the bundle's context as the other
+    plans are. speculative_config is a pydantic union told apart by decoding_type, whose tag for draft-target is
+    "Draft_Target" (llmapi/llm_args.py DraftTargetDecodingConfig and SpeculativeConfig, 00043967); llm_args.py
+    maps no other spelling to it. TensorRT-LLM 1.0.x chose the class by name instead
+    (DecodingBaseConfig.from_dict), under "DraftTarget", with the draft in speculative_model_dir."""
+    chunked = "enable_chunked_prefill: true\n" if max_seq_len > MAX_NUM_TOKENS else ""
     return f"""# TensorRT-LLM LLM API options for draft-target speculative decoding (written by specbuild).
 # The PyTorch backend reads the source Hugging Face folders, not this bundle's checkpoints:
 #   trtllm-serve {shlex.quote(str(target))} --backend pytorch --extra_llm_api_options llm-api.yaml
 # (newer releases also call the option --config), or in Python: LLM(model=..., **yaml.safe_load(...)).
-# TensorRT-LLM 1.0.x names speculative_model speculative_model_dir (later releases take both).
+# TensorRT-LLM 1.0.x reads decoding_type DraftTarget and the draft from speculative_model_dir instead.
 {note}tensor_parallel_size: {tp}
-disable_overlap_scheduler: true
+max_seq_len: {max_seq_len}
+{chunked}disable_overlap_scheduler: true
 speculative_config:
-  decoding_type: DraftTarget
+  decoding_type: Draft_Target
   max_draft_len: {gamma}
   speculative_model: {json.dumps(str(draft))}
 """
