@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -2772,6 +2773,78 @@ def test_shutdown_cuts_a_stream_after_the_grace_period_with_a_clean_end(bundle):
         uvicorn.should_exit = True
         events = list(rest)
         assert events[-1] == "data: [DONE]" and "shutting down" in error_of(events[-2])["message"]
+
+
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_second_signal_while_draining_cuts_open_streams_at_once_with_a_clean_end(bundle, second):
+    """uvicorn quit at a second Ctrl-C without waiting: a stream still open was cut mid-body, no error event, no
+    [DONE] (httpx: "incomplete chunked read"); a second SIGTERM it ignored. Either now ends the grace period at once,
+    and a third is uvicorn's quit without waiting. The handler uvicorn installs for both signals is called here as the
+    signal would call it."""
+    with in_process(bundle, shutdown_timeout=600.0) as (url, decoder, uvicorn), streaming(url) as (_, rest):
+        assert decoder.paused.acquire(timeout=60)
+        uvicorn.handle_exit(signal.SIGINT, None)
+        wait_until(lambda: uvicorn.scheduler.draining, "the drain began")
+        uvicorn.handle_exit(second, None)
+        events = list(rest)
+        assert events[-1] == "data: [DONE]" and "shutting down" in error_of(events[-2])["message"]
+        assert not uvicorn.force_exit
+        uvicorn.handle_exit(second, None)
+        assert uvicorn.force_exit
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/tokenize", {"prompt": " ".join(PROMPTS[:7]), "return_token_strs": True}),
+    ("/v1/completions", {"prompt": " ".join(PROMPTS[:7]), "max_tokens": 1, "echo": True, "logprobs": 5, **GREEDY}),
+    ("/v1/completions", {"prompt": " ".join(PROMPTS[:7]), "max_tokens": 1, "echo": True, "logprobs": 5, "stream": True,
+                         **GREEDY}),
+], ids=["tokenize", "whole", "streamed"])
+def test_the_end_of_the_grace_period_stops_a_response_still_being_built(bundle, monkeypatch, path, body):
+    """A response built (its logprobs' texts, its JSON) past --shutdown-timeout + 5 s met uvicorn's backstop, which
+    cancelled it: a text/plain 500 (a stream: cut mid-body), counted under no outcome. The drain's cut now stops it
+    at its next token text or piece of JSON, as its client leaving does. Here the build's first token text waits
+    until the test has the answer."""
+    method = "id_to_token" if path == "/tokenize" else "decode"
+    with in_process(bundle, shutdown_timeout=0.0) as (url, decoder, uvicorn), ThreadPoolExecutor(1) as client:
+        decoder.go.set()
+        decoder.tokenizer = pausing = PausingInTheBuilder(decoder.tokenizer, method)
+        replying = client.submit(httpx.post, f"{url}{path}", json=body, timeout=60)
+        assert pausing.reached.acquire(timeout=60)
+        uvicorn.should_exit = True
+        try:
+            reply = replying.result()
+        finally:
+            pausing.resume.set()
+    if body.get("stream"):
+        events = [line for line in reply.text.splitlines() if line]
+        assert events[-1] == "data: [DONE]" and "shutting down" in error_of(events[-2])["message"]
+    else:
+        assert reply.status_code == 503 and "shutting down" in reply.json()["error"]["message"]
+    assert outcomes(uvicorn.scheduler) == {"shutdown": 1.0}
+
+
+def test_the_end_of_the_grace_period_answers_a_tokenize_still_waiting_for_the_checking_thread(bundle):
+    """/tokenize and /detokenize take their turn on the checking thread behind requests' checks (seconds each for the
+    longest prompts). The drain's cut stopped queued requests, not them: one still waiting at uvicorn's backstop
+    (--shutdown-timeout + 5 s) was cancelled there, a text/plain 500 counted under no outcome. Here a completion's
+    check holds the thread until the test has the answer."""
+    with in_process(bundle, shutdown_timeout=0.0) as (url, decoder, uvicorn), ThreadPoolExecutor(2) as client:
+        decoder.checks.clear()
+        completing = client.submit(httpx.post, f"{url}/v1/completions", json={"prompt": PROMPTS[0]}, timeout=60)
+        assert decoder.checking.acquire(timeout=60)
+        tokenizing = client.submit(httpx.post, f"{url}/tokenize", json={"prompt": PROMPTS[1]}, timeout=60)
+        wait_until(lambda: len(uvicorn.server_state.tasks) == 2, "the /tokenize request arrived")
+        uvicorn.should_exit = True
+        try:
+            replies = completing.result(), tokenizing.result()
+        finally:
+            decoder.checks.set()
+    assert [reply.status_code for reply in replies] == [503, 503]
+    assert all("shutting down" in reply.json()["error"]["message"] for reply in replies)
+    counted = {(s.labels["endpoint"], s.labels["outcome"]): s.value
+               for family in text_string_to_metric_families(uvicorn.scheduler.metrics.render().decode())
+               for s in family.samples if s.name == "specbuild_requests_total"}
+    assert counted == {("completions", "shutdown"): 1, ("tokenize", "shutdown"): 1}
 
 
 def test_chat_without_a_template_is_a_clear_400(bundles):

@@ -309,9 +309,11 @@ class Server:
         """build(halt) in the builder's thread: a response's logprobs are a token text decoded for each of a prompt's
         tokens and its N most probable, then megabytes of JSON (0.5-1.0 s for 4000 tokens at prompt_logprobs 20, a 152k
         vocabulary, 2 loaded cores), which on the event loop stalled every other stream meanwhile. Raises
-        Stopped("cancelled") if the client (`http`'s) leaves first; a stream's client leaving cancels this call. Either
-        way a build not begun never runs, and one running stops at its next halt(), which raises: it ran to its end
-        (~0.1 s for a 1000-token prompt's echo at logprobs 20), every response after it waiting for the one thread."""
+        Stopped("cancelled") if the client (`http`'s) leaves first, Stopped("shutdown") if the grace period after
+        SIGTERM ends first; a stream's client leaving cancels this call. Either way a build not begun never runs, and
+        one running stops at its next halt(), which raises: it ran to its end (~0.1 s for a 1000-token prompt's echo at
+        logprobs 20), every response after it waiting for the one thread, and one still running at uvicorn's backstop
+        (--shutdown-timeout + 5 s) was cancelled there: a text/plain 500, counted under no outcome."""
         gone = threading.Event()
 
         def halt() -> None:
@@ -319,19 +321,20 @@ class Server:
                 raise Stopped("cancelled")
 
         building = asyncio.get_running_loop().run_in_executor(self._builder, build, halt)
-        waiting: set[asyncio.Future] = {building}
+        cut = self.scheduler.until_cut()
+        waiting: set[asyncio.Future] = {building, cut}
         if http is not None:
             waiting.add(asyncio.ensure_future(_disconnected(http)))
         try:
-            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         finally:  # also when this handler is cancelled
             for each in waiting - {building}:
                 each.cancel()
             if not building.done():
                 gone.set()
                 building.cancel()
-        if building.cancelled():  # the client left first
-            raise Stopped("cancelled")
+        if building not in done:
+            raise Stopped("shutdown" if cut in done else "cancelled")
         return building.result()
 
     def _stop(self, jobs: list[Job]) -> None:
@@ -686,11 +689,38 @@ def _stopped_error(stop: Stopped, started: bool) -> ApiError:
 
 class Uvicorn(uvicorn.Server):
     """uvicorn, which on SIGTERM stops accepting connections and waits for open ones, told to drain the
-    scheduler first: requests still decoding after the grace period are stopped and answered cleanly."""
+    scheduler first: requests still decoding after the grace period are stopped and answered cleanly.
+
+    A second SIGINT or SIGTERM while it drains ends the grace period at once, every request answered as at its end;
+    a third quits without waiting (uvicorn's force quit: open streams end mid-body, without an error event or [DONE]).
+    uvicorn alone quit at the second Ctrl-C and ignored a second SIGTERM."""
 
     def __init__(self, config: uvicorn.Config, scheduler: Scheduler, grace: float):
         super().__init__(config)
         self.scheduler, self.grace = scheduler, grace
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop it serves on: a signal's handler runs outside it
+        self.cut_early = False
+
+    async def startup(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self.should_exit or self.loop is None:
+            super().handle_exit(sig, frame)
+        elif not self.cut_early:
+            self.cut_early = True
+            # through the loop: a signal's handler interrupts the loop's own code, which may hold the locks
+            # logging and stopping jobs take
+            self.loop.call_soon_threadsafe(self._cut_now)
+        else:
+            super().handle_exit(sig, frame)
+            self.force_exit = True
+
+    def _cut_now(self) -> None:
+        log.warning("a second signal: stopping every request now, as at the end of --shutdown-timeout; "
+                    "a third quits without answering them")
+        self.scheduler.cut_now()
 
     async def shutdown(self, sockets=None) -> None:
         self.scheduler.drain(self.grace)

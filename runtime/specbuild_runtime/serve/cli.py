@@ -135,7 +135,8 @@ class InterruptibleCommand(Interruptible, click.Command):
 @click.option("--timeout", type=Finite(min=0), default=600.0, show_default=True,
               help="Seconds a request may take from arrival to its last token (0 = no limit).")
 @click.option("--shutdown-timeout", type=Finite(min=0), default=30.0, show_default=True,
-              help="On SIGTERM, seconds in-flight requests get to finish before they are cut.")
+              help="On SIGTERM, seconds in-flight requests get to finish before they are cut (a second signal cuts "
+                   "them at once).")
 @click.option("--max-connections", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Open connections at once; more get 503 (slow or idle clients cannot exhaust the server's files).")
 @click.option("--model-name", "--served-model-name", "model_name", metavar="NAME",

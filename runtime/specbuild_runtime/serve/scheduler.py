@@ -128,10 +128,21 @@ class Scheduler:
 
     async def run_check(self, work: Callable[[], T]) -> T:
         """work() on the checking thread, after the checks before it: tokenizing for /tokenize and /detokenize holds as
-        much memory as a request's check, so it takes turns with them."""
+        much memory as a request's check, so it takes turns with them. Raises Stopped("shutdown") once the grace period
+        after shutdown ends first, as a queued request's job does (work not begun then never runs)."""
         if self.draining:
             raise Unavailable("the server is shutting down")
-        return await asyncio.get_running_loop().run_in_executor(self._checker, work)
+        checking = asyncio.get_running_loop().run_in_executor(self._checker, work)
+        cut = self.until_cut()
+        try:
+            await asyncio.wait({checking, cut}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when its handler is cancelled
+            cut.cancel()
+            if not checking.done():
+                checking.cancel()
+        if checking.cancelled():
+            raise Stopped("shutdown")
+        return checking.result()
 
     def stop(self, job: Job, reason: str) -> None:
         """Stop a job that has not finished: its iterator raises Stopped(reason); a running one frees its slot
@@ -152,6 +163,11 @@ class Scheduler:
         """On the loop, at shutdown: refuse new requests; stop those still queued or decoding after `grace` seconds."""
         self.draining = True
         asyncio.get_running_loop().call_later(grace, self._cut)
+
+    def cut_now(self) -> None:
+        """On the loop: end the grace period at once (a second signal while draining)."""
+        self.draining = True
+        self._cut()
 
     def until_cut(self) -> asyncio.Future:
         """A future of the running loop, done once the grace period after shutdown has ended (an asyncio.Event would
