@@ -5,6 +5,7 @@ import asyncio
 import math
 import threading
 import time
+from contextlib import closing
 
 import numpy as np
 import onnx
@@ -255,6 +256,17 @@ def test_a_halt_stops_scoring_a_long_prompt_before_its_next_call(bundles, tokeni
     assert len(calls) == 1
     monkeypatch.undo()
     assert len(decoder.generate(ids, 0, prompt_logprobs=1).prompt_logprobs) == len(ids)  # its slot is back
+
+
+def test_stream_requests_first_item_holds_the_prompt_logprobs_of_generate_but_the_first_tokens_none(bundles, tokenizer):
+    """Generation.prompt_logprobs, as vLLM's, begins with None for the first prompt token, which has nothing before it;
+    stream_request's first item leaves it out (docs/runtime.md): its records are those of prompt tokens 1 onwards."""
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    ids = prompt_of(tokenizer, 20)
+    expected = decoder.generate(ids, 2, prompt_logprobs=3).prompt_logprobs
+    with closing(decoder.stream_request(decoder.request(ids, 2, prompt_logprobs=3), Stats())) as items:
+        delta, records = next(items)
+    assert expected[0] is None and delta == "" and list(records) == expected[1:]
 
 
 def test_max_new_tokens_0_is_refused_without_prompt_logprobs(bundles):
