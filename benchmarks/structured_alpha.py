@@ -54,8 +54,9 @@ WORKLOADS = {
 GAMMAS = [0, 4, "auto"]
 
 
-def pair(scratch: Path) -> Path:
-    """Compile the tiny random pair (once) and return its bundle folder."""
+def pair(scratch: Path, scale: float = 0.3) -> Path:
+    """Compile the tiny random pair (once) and return its bundle folder; scale: the target's later layers' outputs
+    (0: the draft computes the target's logits; benchmarks/coupling.py dials α with it)."""
     import torch
     import transformers as tf
 
@@ -70,7 +71,7 @@ def pair(scratch: Path) -> Path:
     config = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=len(tok), max_position_embeddings=512, eos_token_id=tok.eos_token_id)
     target = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=4, **config))
-    damped = tail_scale(1, 0.3)
+    damped = tail_scale(1, scale)
     with torch.no_grad():
         for name, p in target.named_parameters():
             if p.dim() > 1:

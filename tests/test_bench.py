@@ -443,3 +443,72 @@ def test_structured_alpha_measures_every_workload_on_a_bundle_given(tmp_path, bu
     assert modes["T 0.8, repetition 1.1"] == [("specbuild", 0), ("specbuild", 4), ("specbuild", "auto")]
     assert all(row["matches_target"] for name in ("greedy", "presence 0.5", "JSON schema") for row in results[name])
     assert [results[name][1]["acceptance_rate"] for name in ("greedy", "JSON schema", "regex")] == [1.0, 1.0, 1.0]
+
+
+def test_coupling_gumbel_match_is_the_monte_carlo_rate_between_the_bound_and_one_minus_tv(monkeypatch):
+    """benchmarks/coupling.py's exact P(match) of Gumbel-max under shared noise (Daliri et al.'s drafter-invariant
+    coupling) against 10^6 noise draws, for pairs with full supports and with supports each missing tokens of the
+    other's; it can never beat rejection sampling's 1 − TV nor fall below (1 − TV) / (1 + TV)."""
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    from coupling import acceptance
+
+    rng = np.random.default_rng(0)
+    for trial in range(4):
+        logits = rng.normal(0, 2, 8)
+        p, q = np.exp(logits), np.exp(logits + rng.normal(0, 1, 8))
+        if trial % 2:
+            p[6:], q[:2] = 0, 0
+        p, q = p / p.sum(), q / q.sum()
+        level, match = (t.item() for t in acceptance(torch.tensor(p)[None], torch.tensor(q)[None]))
+        noise = rng.gumbel(size=(1_000_000, 8))
+        with np.errstate(divide="ignore"):
+            drawn = np.mean(np.argmax(np.log(p) + noise, 1) == np.argmax(np.log(q) + noise, 1))
+        assert abs(drawn - match) < 5 * np.sqrt(match * (1 - match) / len(noise)), (trial, drawn, match)
+        assert level / (2 - level) <= match <= level
+
+
+def test_coupling_in_graph_noise_is_gumbel_and_as_numpy_hashes_it(monkeypatch):
+    """The Squares hash coupling.py builds from onnxruntime's CUDA-supported ops (uint64 Mul, Add, Div) gives numpy's
+    reference noise on onnxruntime's CPU, and its noise is standard Gumbel (KS test) at a released vocabulary size."""
+    from pathlib import Path
+
+    import numpy as np
+    import onnxruntime as ort
+    from scipy.stats import kstest
+
+    from specbuild_runtime.engine import session_options
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    from coupling import row_counters, squares_graph, squares_noise
+
+    counters = row_counters(7, np.arange(3))
+    noise = squares_noise(counters, 151936)
+    session = ort.InferenceSession(squares_graph(151936), session_options(), providers=["CPUExecutionProvider"])
+    # close, not equal: onnxruntime's Log and numpy's may round differently; a wrong hash differs everywhere
+    assert np.allclose(session.run(None, {"row": counters[:, None]})[0], noise, rtol=1e-5, atol=1e-5)
+    assert kstest(noise.ravel(), "gumbel_r").pvalue > 1e-3
+    assert not np.array_equal(noise[0], noise[1])  # each position its own noise
+
+
+def test_coupling_compares_both_couplings_on_a_dialled_pair(tmp_path):
+    """benchmarks/coupling.py, kept from rotting, short, on structured_alpha's tiny pair dialled to scale 0 (the draft
+    computes the target's logits): both couplings accept every draft, and the noise timings ran (the in-graph hash
+    checked against numpy's first)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "coupling.py"
+    subprocess.run([sys.executable, str(script), "--scratch", str(tmp_path), "--scales", "0", "--prompts", "2", "-n", "6",
+                    "--temperatures", "0.7", "--noise-vocab", "1000", "--json", str(tmp_path / "coupling.json")],
+                   check=True, capture_output=True)
+    report = json.loads((tmp_path / "coupling.json").read_text())
+    (pair,) = report["pairs"]
+    assert [(row["top_k"], row["top_p"]) for row in pair["rows"]] == [(0, 1.0), (0, 0.95), (20, 1.0), (20, 0.95)]
+    assert all(abs(row["one_minus_tv"] - 1) < 1e-6 and abs(row["gumbel"] - 1) < 1e-6 for row in pair["rows"])
+    assert report["noise"]["numpy_host_ms"] > 0 and report["noise"]["onnxruntime_cpu_ms"] > 0
