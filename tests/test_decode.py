@@ -438,7 +438,7 @@ class PauseAfterFirstToken:
 
     def __init__(self, decoder):
         self.paused, self.go, self.tokens = threading.Event(), threading.Event(), []
-        run = decoder._run
+        run = decoder._decode_request
 
         def paused(*args):
             self.tokens.append(0)
@@ -449,7 +449,7 @@ class PauseAfterFirstToken:
                     self.paused.set()
                     self.go.wait()
 
-        decoder._run = paused
+        decoder._decode_request = paused
 
 
 async def streamed(decoder, prompt):

@@ -149,7 +149,7 @@ def test_a_full_chain_of_free_guesses_computes_no_target_row_beyond_its_tokens(b
     is computed for evenness alone."""
     decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
     rounds: list[list[int]] = []  # per round: its drafts, then its target call's verified tokens and rows
-    draft, run = SpeculativeDecoder._draft, EngineSlot._run
+    draft, run = SpeculativeDecoder._draft, EngineSlot._compute_rows
 
     def drafting(*args, **kwargs):
         drafts = draft(*args, **kwargs)
@@ -162,7 +162,7 @@ def test_a_full_chain_of_free_guesses_computes_no_target_row_beyond_its_tokens(b
         return run(self, first, total_len, num_drafts, uniforms, probs_row, decides)
 
     monkeypatch.setattr(SpeculativeDecoder, "_draft", staticmethod(drafting))
-    monkeypatch.setattr(EngineSlot, "_run", running)
+    monkeypatch.setattr(EngineSlot, "_compute_rows", running)
     for prompt in PROMPTS:
         decoder.generate(tokenizer(prompt)["input_ids"], 60, gamma="auto")
     full = [rows for drafted, guesses, rows in rounds if not drafted and guesses == FREE_GUESSES]

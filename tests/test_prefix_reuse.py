@@ -22,14 +22,14 @@ def bundle(bundles):
 def target_rows(monkeypatch):
     """[rows] of every target call: the work the target computes."""
     rows = []
-    run = EngineSlot._run
+    run = EngineSlot._compute_rows
 
     def spy(self, first, total_len, *args):
         if self.engine.info.role == "target":
             rows.append(total_len - first)
         return run(self, first, total_len, *args)
 
-    monkeypatch.setattr(EngineSlot, "_run", spy)
+    monkeypatch.setattr(EngineSlot, "_compute_rows", spy)
     return rows
 
 

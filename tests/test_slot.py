@@ -22,14 +22,14 @@ def bundle(bundles):
 def target_calls(monkeypatch):
     """(first position, total_len, num_drafts) of every target call."""
     calls = []
-    run = EngineSlot._run
+    run = EngineSlot._compute_rows
 
     def spy(self, first, total_len, num_drafts, *args):
         if self.engine.info.role == "target":
             calls.append((first, total_len, num_drafts))
         return run(self, first, total_len, num_drafts, *args)
 
-    monkeypatch.setattr(EngineSlot, "_run", spy)
+    monkeypatch.setattr(EngineSlot, "_compute_rows", spy)
     return calls
 
 
@@ -343,8 +343,9 @@ def test_a_cuda_graph_decoder_runs_the_sampler_only_for_requests_that_sample_or_
     or a grammar (greedy too), and of a sampled one (its tokens: the tests with cuda_graphs=True)."""
     graphs = SpeculativeDecoder(bundle, cuda_graphs=True)
     calls = []
-    run = slot_module.run
-    monkeypatch.setattr(slot_module, "run", lambda session, *args: (calls.append(session), run(session, *args))[1])
+    run = slot_module.run_session
+    monkeypatch.setattr(slot_module, "run_session",
+                        lambda session, *args: (calls.append(session), run(session, *args))[1])
     for options in ({}, {"repetition_penalty": 1.3}, {"min_tokens": 5}, {"logit_bias": {5: 2.0}},
                     {"structured_outputs": {"choice": ["yes", "no"]}}, {"temperature": 0.8, "seed": 1}, {}):
         calls.clear()
@@ -611,7 +612,7 @@ def test_an_engine_call_out_of_memory_says_what_to_decode_less_of():
             raise RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : CUDA failure 2: out of memory\nfile ...")
 
     with pytest.raises(DeviceError, match=r"CUDA failure 2: out of memory; the device ran out of memory: decode fewer"):
-        slot_module.run(OutOfMemory(), None, "bundle/target.onnx")
+        slot_module.run_session(OutOfMemory(), None, "bundle/target.onnx")
 
 
 def test_a_python_error_inside_an_engine_call_stays_a_bug_not_a_device_error():
@@ -620,7 +621,7 @@ def test_a_python_error_inside_an_engine_call_stays_a_bug_not_a_device_error():
             raise TypeError("run_with_iobinding(): incompatible function arguments")
 
     with pytest.raises(TypeError):
-        slot_module.run(Broken(), None, "bundle/target.onnx")
+        slot_module.run_session(Broken(), None, "bundle/target.onnx")
 
 
 def test_penalties_configured_without_a_prompt_count_no_token_as_the_prompts(bundle):

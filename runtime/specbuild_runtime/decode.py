@@ -500,9 +500,9 @@ class SpeculativeDecoder:
         """stream's tokens, or their TokenLogprobs where the request asks for logprobs."""
         text = self._text(request) if request.stop else None
         if request.logprobs is None:
-            return self._run(request, stats, text, halt)
+            return self._decode_request(request, stats, text, halt)
         records: list[TokenLogprobs] = []
-        return _each_newest(self._run(request, stats, text, halt, records), records)
+        return _each_newest(self._decode_request(request, stats, text, halt, records), records)
 
     def stream_text(self, prompt: Prompt, max_new_tokens: int = 128, gamma: int | str = AUTO,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -530,7 +530,7 @@ class SpeculativeDecoder:
         records: list[TokenLogprobs] | None = None if request.logprobs is None else []
         scored: list[TokenLogprobs] | None = None if request.prompt_logprobs is None else []
         given = 0
-        with closing(self._run(request, stats, text, halt, records, scored)) as tokens:
+        with closing(self._decode_request(request, stats, text, halt, records, scored)) as tokens:
             for token in tokens:
                 if scored is not None:  # before the token joins token_ids: this item holds none of its text
                     yield "", tuple(scored)
@@ -619,7 +619,8 @@ class SpeculativeDecoder:
         stats, text, tokens = Stats(), self._text(request), []
         records: list[TokenLogprobs] | None = None if request.logprobs is None else []
         scored: list[TokenLogprobs] | None = None if request.prompt_logprobs is None else []
-        with closing(self._run(request, stats, text if request.stop else None, halt, records, scored)) as decoded:
+        stopping = text if request.stop else None
+        with closing(self._decode_request(request, stats, stopping, halt, records, scored)) as decoded:
             for token in decoded:
                 tokens.append(token)
                 yield None
@@ -632,10 +633,11 @@ class SpeculativeDecoder:
         return TextStream(self.tokenizer, request.stop, request.prompt_ids, request.special_tokens, request.include_stop,
                           request.sampling.min_tokens)
 
-    def _run(self, request: Request, stats: Stats, text: TextStream | None, halt: threading.Event | None = None,
-             records: list[TokenLogprobs] | None = None,
-             scored: list[TokenLogprobs] | None = None) -> Generator[int, None, None]:
-        """The request's tokens; records (logprobs asked for) gets each one's TokenLogprobs before it is yielded, and
+    def _decode_request(self, request: Request, stats: Stats, text: TextStream | None,
+                        halt: threading.Event | None = None, records: list[TokenLogprobs] | None = None,
+                        scored: list[TokenLogprobs] | None = None) -> Generator[int, None, None]:
+        """The request's tokens, decoded in a slot taken from the pool (text, where given, follows them and ends the
+        request at a stop string); records (logprobs asked for) gets each one's TokenLogprobs before it is yielded, and
         scored (prompt_logprobs asked for) each prompt token's after the first, before the first token."""
         with (self.slots.take(halt, self._cached(request)) as slot,
               closing(self._speculate(slot, request, stats, records, scored, halt)) as tokens):
@@ -679,9 +681,9 @@ class SpeculativeDecoder:
     def _speculate(self, slot: Slot, request: Request, stats: Stats, records: list[TokenLogprobs] | None,
                    scored: list[TokenLogprobs] | None = None,
                    halt: threading.Event | None = None) -> Generator[int, None, None]:
-        """The speculative loop over one slot. records, scored: see _run; a token's comes from the row of the target's
-        logits that decided it, computed alike whatever the round (slot.Rows), so γ and the draft change none. halt:
-        see _score."""
+        """The speculative loop over one slot. records, scored: see _decode_request; a token's comes from the row of
+        the target's logits that decided it, computed alike whatever the round (slot.Rows), so γ and the draft change
+        none. halt: see _score."""
         sampling = request.sampling
         stats.prompt_tokens = len(request.prompt_ids)
         clock = time.perf_counter

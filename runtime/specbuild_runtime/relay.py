@@ -48,7 +48,7 @@ class Relay:
         """Iterate stream() in a worker. Items in `held` are not posted: they only let the worker stop between
         tokens ("" for a token whose text is held back). Returns the worker's future."""
         loop = asyncio.get_running_loop()
-        self.worker = loop.run_in_executor(workers, self._run, loop.call_soon_threadsafe, stream, held)
+        self.worker = loop.run_in_executor(workers, self._iterate, loop.call_soon_threadsafe, stream, held)
         self.worker.add_done_callback(self._returned)
         return self.worker
 
@@ -87,8 +87,8 @@ class Relay:
         """On the loop, once the worker returned: after its items (posted before), the end or its exception."""
         self._items.put_nowait(END if worker.cancelled() else worker.exception() or END)
 
-    def _run(self, post: Callable, stream: Callable[[], Generator], held: tuple) -> None:
-        """In a worker thread."""
+    def _iterate(self, post: Callable, stream: Callable[[], Generator], held: tuple) -> None:
+        """In a worker thread: stream()'s items posted to the loop (post), until it ends or halt is set."""
         with self._lock:
             if self.halt.is_set():  # stopped while it waited for this thread: nothing decoded, no slot taken
                 return

@@ -50,7 +50,8 @@ TOTAL_LEN_BUCKETS = 4
 OUT_OF_MEMORY = ("out of memory", "bad_alloc", "bad allocation", "failed to allocate")
 
 
-def run(session: ort.InferenceSession, binding: ort.IOBinding, path: Path, options: ort.RunOptions | None = None) -> None:
+def run_session(session: ort.InferenceSession, binding: ort.IOBinding, path: Path,
+                options: ort.RunOptions | None = None) -> None:
     """session.run_with_iobinding; a failure (onnxruntime raises untyped errors, with pages of detail) as one
     DeviceError naming the engine file `path`, with advice when the device ran out of memory."""
     try:
@@ -476,7 +477,7 @@ class EngineSlot:
             first -= 1
         first = self._head(first, total_len, num_drafts, probs_row, start)
         self._redo_from = first if total_len - first < least else self.engine.max_seq_len
-        return self._run(first, total_len, num_drafts, uniforms, probs_row, True)  # the call that decides
+        return self._compute_rows(first, total_len, num_drafts, uniforms, probs_row, True)  # the call that decides
 
     def _head(self, first: int, total_len: int, num_drafts: int, probs_row: int, start: int) -> int:
         """The calls before the one whose rows a decision reads (a prompt's chunks and head); returns its first row.
@@ -484,7 +485,7 @@ class EngineSlot:
         least = self.rows.least
         if self.chunk and not num_drafts:  # chunked prefill, leaving at least `least` rows to the calls below
             while total_len - first >= self.chunk + least:
-                self._run(first, first + self.chunk, 0, None, probs_row)
+                self._compute_rows(first, first + self.chunk, 0, None, probs_row)
                 first += self.chunk
         odd = (total_len - first) % 2
         if total_len - first > least and self.rows.fixed:
@@ -496,12 +497,12 @@ class EngineSlot:
             # never a round's), a call of `least` would leave rows before the last `least` unwritten: the head writes
             # them all, as a prompt's.
             end = total_len - least
-            self._run(first, max(end, first + least) if first < start else end, 0, None, probs_row)
+            self._compute_rows(first, max(end, first + least) if first < start else end, 0, None, probs_row)
             first = end
         elif total_len - first > least and self.rows.even and odd and not num_drafts:
             # An odd prompt: an even head, then its last rows in an even call that re-feeds the head's last
             # (rewriting its bits): no row of it computed apart, so a cache any request wrote holds the same bits.
-            self._run(first, total_len - 1, 0, None, probs_row)
+            self._compute_rows(first, total_len - 1, 0, None, probs_row)
             first = total_len - least - least % 2
         elif self.rows.even and odd and num_drafts and first == 0 and total_len >= num_drafts + 2:
             # A round that re-feeds a one-token prompt's row (computed alone) has no row before position 0 to re-feed:
@@ -509,7 +510,7 @@ class EngineSlot:
             # last of them, so that no row's bits come from an odd call (its last row computed apart).
             decided = total_len - num_drafts - 1  # the first row a decision reads
             first = decided if decided % 2 else decided - 1
-            self._run(0, first + 1, 0, None, probs_row)
+            self._compute_rows(0, first + 1, 0, None, probs_row)
         return first
 
     def _choose_rope(self, start: int, total_len: int) -> None:
@@ -537,7 +538,7 @@ class EngineSlot:
         them makes: the next call re-feeds its last rows in some modes and not in others (as many as its drafts
         leave), so those must hold the bits a call of the Rows' kind gives them, not an odd or a long call's."""
         first = self._head(0, end, 0, 0, 0)
-        self._run(first, end, 0, None, 0)
+        self._compute_rows(first, end, 0, None, 0)
         if end - first < self.rows.least:  # as a prompt's: re-fed by the next call
             self._redo_from = first
 
@@ -607,9 +608,11 @@ class EngineSlot:
             held += 1
         return held
 
-    def _run(self, first: int, total_len: int, num_drafts: int, uniforms: np.ndarray | None, probs_row: int,
+    def _compute_rows(self, first: int, total_len: int, num_drafts: int, uniforms: np.ndarray | None, probs_row: int,
              decides: bool = False):
-        """decides: a call whose token is read (not a prompt's head or chunk, nor a re-feed)."""
+        """One call over positions first..total_len-1, taking its turn where the engine's calls do (engine.calls),
+        with kept lowered first and raised once it completes. decides: a call whose token is read (not a prompt's
+        head or chunk, nor a re-feed)."""
         self.kept = min(self.kept, first)
         with self.engine.calls:
             result = self._call(first, total_len, num_drafts, uniforms, probs_row, decides)
@@ -644,13 +647,14 @@ class EngineSlot:
                 self._bind_row(self._tail, "probs", self._probs_rows, probs_row)
         if self._reading_logits:
             self._bind_logits(num_drafts)
-        run(self.engine.session, self.binding, self.engine.path, self._graph(total_len - first, num_drafts, fed_len))
+        graph = self._graph(total_len - first, num_drafts, fed_len)
+        run_session(self.engine.session, self.binding, self.engine.path, graph)
         # The sampler's turn: the same nodes on the same logits.
         if sampler and self._tail is not None and self._tail is not self.binding:
             self._feed_sampler(self._tail, self._fed[total_len - num_drafts - 1:total_len], num_drafts)
             if self._sampler_decides:
                 self._push_processing(num_drafts)
-            run(self.engine.sampling_session, self._tail, self.engine.path)
+            run_session(self.engine.sampling_session, self._tail, self.engine.path)
         if not self._copies:
             return int(self._accepted.host), int(self._next_token.host)
         # A call without drafts accepts none: one copy back (a wait for the device) fewer per draft step.
@@ -822,7 +826,7 @@ class DraftSteps:
             for buffer in self._lengths.values():
                 buffer.push()
             graph = graph_id(self.engine, self.index, rows, 0, fed[0])
-            run(self.engine.session, self.binding, self.engine.path, self._graphs.options(graph))
+            run_session(self.engine.session, self.binding, self.engine.path, self._graphs.options(graph))
             drafts = self._drafts.pull().tolist()
         draft._fed[first:total_len + self.count - 1] = [*tokens, *drafts[:-1]]
         if draft.kept == first:
