@@ -91,3 +91,34 @@ def test_a_process_forked_after_a_decoder_loaded_decodes_and_exits(bundles):
     result = subprocess.run([sys.executable, "-c", FORKED_CHILD_EXITS, str(bundles("llama", draft_seed=1))],
                             capture_output=True, text=True)
     assert result.stdout.strip() == "0", result.stdout + result.stderr  # -14: SIGALRM ended a child hung at exit
+
+
+# Each module given imported first in a fresh set of specbuild modules, without onnxruntime: what it raised, if anything.
+IMPORTED_FIRST = """
+import importlib, sys
+sys.modules["onnxruntime"] = None
+for name in sys.argv[1:]:
+    for loaded in [module for module in sys.modules if module.split(".")[0] in ("specbuild", "specbuild_runtime")]:
+        del sys.modules[loaded]
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        print(name, exc, sep=": ")
+"""
+
+
+def test_any_module_imported_first_without_onnxruntime_says_in_one_line_which_to_install():
+    """slot.py imported onnxruntime itself, before engine.py's check: imported first (as the compiler's quality and
+    gamma stages import it), a missing onnxruntime was Python's bare "import of onnxruntime halted"."""
+    import pkgutil
+
+    import specbuild_runtime
+
+    modules = [found.name for found in pkgutil.walk_packages(specbuild_runtime.__path__, "specbuild_runtime.")]
+    modules += ["specbuild.compile.check", "specbuild.compile.quantize", "specbuild.bench.bench"]
+    result = subprocess.run([sys.executable, "-c", IMPORTED_FIRST, *modules], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    refused = dict(line.split(": ", 1) for line in result.stdout.splitlines())
+    assert "specbuild_runtime.slot" in refused and "specbuild.compile.check" in refused, refused
+    for name, said in refused.items():
+        assert said.startswith("specbuild-runtime needs onnxruntime: pip install './runtime[cpu]'"), (name, said)

@@ -19,6 +19,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
+# The one import of onnxruntime (the runtime's other modules and the compiler's take `ort` from here), so that a
+# missing or half-uninstalled one is the one line below whichever module is imported first.
 try:
     import onnxruntime as ort
 except ModuleNotFoundError as exc:  # the package's extras choose it: onnxruntime and onnxruntime-gpu conflict

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
-from .engine import Engine
+from .engine import Engine, ort
 from .errors import BundleError, DeviceError, RequestError, first_line
 from .manifest import LONG_ROPE, step_presents, step_total_len
 from .validation import LOGIT_BIAS, MIN_P, MIN_TOKENS_INPUTS, NO_PENALTIES, PENALTIES, PENALTY_INPUTS

@@ -14,7 +14,7 @@ import numpy as np
 
 from specbuild_runtime import SpeculativeDecoder
 from specbuild_runtime.decode import AUTO, Stats
-from specbuild_runtime.engine import PROVIDERS, session_options
+from specbuild_runtime.engine import PROVIDERS, ort, session_options
 from specbuild_runtime.errors import RequestError, SpecbuildError
 from specbuild_runtime.slot import WARM_UP_RUNS
 
@@ -43,7 +43,6 @@ def measure_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 
 def _one_node_call(data: np.ndarray, device: str):
     """A call of a one-node graph over data [K, N], bound on the device (run_with_iobinding returns when the
     device is done): on the CPU a row of ones [1, K] times data, on CUDA an Identity."""
-    import onnxruntime as ort
     from onnx import helper
 
     shape, dtype = list(data.shape), helper.np_dtype_to_tensor_dtype(data.dtype)

@@ -6,9 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
-from specbuild_runtime.engine import session_options
+from specbuild_runtime.engine import ort, session_options
 from specbuild_runtime.errors import SpecbuildError, first_line
 from specbuild_runtime.manifest import EngineInfo, cache_names
 

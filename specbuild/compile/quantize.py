@@ -82,13 +82,14 @@ def quantize_rows(rows: np.ndarray, q: QuantizedRows, packed: np.ndarray, scales
                   zero_points: np.ndarray, name: str = "a weight") -> None:
     """Quantize rows [m, k] (any float type) of the weight `name` into the matching slices of
     packed/scales/zero_points."""
-    from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
+    from specbuild_runtime.engine import ort
 
     rows = rows.astype(np.float32, copy=False)
     # The kernel turns a NaN into ordinary numbers (a 4-bit engine then decodes text transformers never would).
     refuse_non_finite(rows, name)
 
-    kernel = quantize_matmul_4bits if q.bits == 4 else quantize_matmul_8bits
+    kernels = ort.capi._pybind_state
+    kernel = kernels.quantize_matmul_4bits if q.bits == 4 else kernels.quantize_matmul_8bits
     # The kernel takes the [k, m] (MatMul) layout in fp32; the tail of a last, partial block stays as the
     # caller zeroed it (QuantizedRows.empty), as with onnxruntime's MatMulNBitsQuantizer.
     kernel(packed, np.ascontiguousarray(rows.T), scales, zero_points, q.block_size, rows.shape[0], q.k, False)
