@@ -2,6 +2,9 @@
 project chooses by default: the cgroup files here are made up, under a folder that stands for /."""
 
 import os
+import subprocess
+import sys
+import warnings
 
 import onnxruntime as ort
 import pytest
@@ -86,6 +89,57 @@ def test_onnxruntimes_default_pools_follow_a_quota_and_stay_its_own_without_one(
         assert engine.session_options().intra_op_num_threads == threads
         engine.use_shared_thread_pool()
         assert sized.pop() == (threads, 1)
+
+
+def test_a_size_asked_of_the_shared_pool_once_it_exists_is_a_warning_and_no_size_shares_it(monkeypatch):
+    """onnxruntime makes the shared pool once per process: a later call's size was dropped without a word (it returned
+    a bool no caller read). A decoder's shared_thread_pool=True asks no size, and shares whichever pool exists."""
+    made = []
+    monkeypatch.setattr(ort.capi._pybind_state, "set_global_thread_pool_sizes", lambda *sizes: made.append(sizes))
+    monkeypatch.setattr(engine, "_SHARED_POOL", None)
+    engine.use_shared_thread_pool(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine.use_shared_thread_pool()
+        engine.use_shared_thread_pool(2)
+    with pytest.warns(RuntimeWarning, match=r"exists already \(2 threads\) and cannot be resized, so it does not get the 4"):
+        engine.use_shared_thread_pool(4)
+    assert made == [(2, 1)] and not engine.session_options().use_per_session_threads
+
+
+# Other code in the process makes onnxruntime's shared pool, then decoders load.
+OTHER_CODES_POOL = """
+import sys, warnings
+import onnxruntime as ort
+from specbuild_runtime import DeviceError, SpeculativeDecoder
+from specbuild_runtime.engine import use_shared_thread_pool
+ort.set_global_thread_pool_sizes(1, 1)
+try:
+    SpeculativeDecoder(sys.argv[1])
+except DeviceError as exc:
+    print("refused:", exc)
+print("shared:", SpeculativeDecoder(sys.argv[1], shared_thread_pool=True).generate("def", max_new_tokens=4).token_ids)
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    use_shared_thread_pool(2)
+print("warned:", *[warning.message for warning in said])
+"""
+
+
+def test_a_pool_other_code_made_is_shared_by_a_decoder_that_asks_and_refused_in_one_line_by_one_that_does_not(bundles):
+    """onnxruntime (1.32) lets a process make its shared pool once, then refuses every session with a pool of its own: a
+    decoder loaded after other code made it failed, shared_thread_pool=True or not, as "cannot load target.onnx:
+    <pybind11's signature> use_per_session_threads must be false when using a global thread pool; rebuild the bundle".
+    (A session made before it does not matter: it keeps its own pool, and the shared one is made after it.)"""
+    result = subprocess.run([sys.executable, "-c", OTHER_CODES_POOL, str(bundles("llama"))], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    refused, shared, warned = result.stdout.splitlines()
+    assert refused.startswith("refused: onnxruntime's shared thread pool was made in this process"), refused
+    assert refused.endswith("load the decoder with shared_thread_pool=True (or call "
+                            "specbuild_runtime.engine.use_shared_thread_pool() first)"), refused
+    assert shared.startswith("shared: [") and len(shared.split(",")) == 4, shared
+    assert "(sized by other code) and cannot be resized, so it does not get the 2 threads asked" in warned, warned
 
 
 def test_serves_default_threads_are_a_quotas_cpus_over_the_slots(tmp_path, host, monkeypatch):

@@ -12,6 +12,7 @@ import itertools
 import os
 import re
 import threading
+import warnings
 import weakref
 from collections.abc import Collection, Iterator
 from contextlib import nullcontext
@@ -155,27 +156,38 @@ def _ancestors(mounted: Path, mount_root: str, path: str) -> list[Path]:
     return [mounted.joinpath(*parts[:depth]) for depth in range(len(parts), -1, -1)]
 
 
-def use_shared_thread_pool(threads: int = 0) -> bool:
-    """Make every onnxruntime session in this process share one intra-op thread pool (opt-in) of
+def use_shared_thread_pool(threads: int = 0) -> None:
+    """Make every onnxruntime session this process makes from now on share one intra-op thread pool (opt-in) of
     `threads` threads (0: onnxruntime's default, one per physical core, or a CPU quota's CPUs where that is fewer:
     quota_threads; a server decoding several requests at once wants fewer).
 
     Fastest for a process that only decodes: the draft and the target run one after the other and
     one pool serves both (measured on 2 cores, demo pair: target-only 333 vs 273 tok/s, speculative
-    744 vs 616 tok/s). It changes the whole process: must run before its first onnxruntime session, and
-    every later session must set `use_per_session_threads = False`. False if it came too late.
+    744 vs 616 tok/s). It changes the whole process: every later session must set `use_per_session_threads =
+    False` (session_options does). Sessions made before keep their own pools. onnxruntime (1.32) makes the pool
+    once per process and never resizes it: where one exists (an earlier call's, or other code's
+    onnxruntime.set_global_thread_pool_sizes), the sessions share it, and a size asked that it may not have is a
+    RuntimeWarning (the tokens are the same; only the threads differ).
     """
     global _SHARED_POOL
     if _SHARED_POOL is None:
         try:
             ort.capi._pybind_state.set_global_thread_pool_sizes(threads or quota_threads(), 1)
-            _SHARED_POOL = True
-        except Exception:  # an onnxruntime environment exists already
-            _SHARED_POOL = False
-    return _SHARED_POOL
+            _SHARED_POOL = threads
+        except Exception as exc:  # onnxruntime raises its own untyped exceptions
+            if "already been created" not in str(exc):
+                raise
+            _SHARED_POOL = MADE_ELSEWHERE
+    if threads and threads != _SHARED_POOL:
+        size = {MADE_ELSEWHERE: "sized by other code", 0: "the default size"}.get(_SHARED_POOL, f"{_SHARED_POOL} threads")
+        warnings.warn(f"onnxruntime's shared thread pool exists already ({size}) and cannot be resized, so it does "
+                      f"not get the {threads} threads asked: ask for them before anything in the process makes it",
+                      RuntimeWarning, stacklevel=2)
 
 
-_SHARED_POOL: bool | None = None
+MADE_ELSEWHERE = -1  # the _SHARED_POOL of a pool other code made (onnxruntime.set_global_thread_pool_sizes)
+# The threads the process's shared pool was asked for here (0: the default size), or None while it has none.
+_SHARED_POOL: int | None = None
 # onnxruntime captures CUDA graphs in cudaStreamCaptureModeGlobal ("for now cuda graph can only work with a
 # single thread", cuda_graph.cc): a CUDA call from any other thread during a capture (a copy, an allocation)
 # breaks it. Every call of an engine that captures, with its copies, holds this lock, so these calls take
@@ -196,7 +208,7 @@ def session_options() -> ort.SessionOptions:
     """Options every onnxruntime session of this process must start from (the engines', and any other,
     such as the compiler's check): with the shared pool on, a session with threads of its own fails."""
     options = ort.SessionOptions()
-    if _SHARED_POOL:
+    if _SHARED_POOL is not None:
         options.use_per_session_threads = False
     else:
         # Each engine has its own pool: stop its threads spinning once a call returns, or they steal
@@ -386,6 +398,10 @@ def _session(path: Path, device: str, captures: bool, graph: bytes | None = None
         # enable_fallback=0: onnxruntime would otherwise move a failing session to the CPU, silently.
         session = ort.InferenceSession(source, options, providers=[provider], enable_fallback=0)
     except Exception as exc:  # onnxruntime raises its own untyped exceptions
+        if "use_per_session_threads" in str(exc):  # other code made the process's pool (use_shared_thread_pool's doc)
+            raise DeviceError("onnxruntime's shared thread pool was made in this process (set_global_thread_pool_sizes), "
+                              "and every later session must use it: load the decoder with shared_thread_pool=True "
+                              "(or call specbuild_runtime.engine.use_shared_thread_pool() first)") from None
         if captures:  # e.g. onnxruntime refusing to capture a graph with copies between host and device
             raise BundleError(f"onnxruntime cannot run engine {path} as CUDA graphs: {first_line(exc)}; run with "
                               "--no-cuda-graphs (cuda_graphs=False)") from None

@@ -17,7 +17,7 @@ class RequestError(SpecbuildError, ValueError):
 
 class DeviceError(SpecbuildError):
     """The device asked for is unknown, this onnxruntime cannot run on it, or an engine call failed on it
-    (e.g. out of memory)."""
+    (e.g. out of memory); or the process's onnxruntime refuses the engines' sessions (see engine._session)."""
 
 
 def first_line(exc: BaseException) -> str:
