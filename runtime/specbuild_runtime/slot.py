@@ -255,31 +255,8 @@ class EngineSlot:
         self.chunk = PREFILL_CHUNK if engine.device == "cpu" else 0  # rows per call of a long prompt (0: one call)
         self.index = engine.new_slot_index()  # tells this slot's CUDA graphs from the engine's other slots'
         self.binding = engine.session.io_binding()
-        shape, device = engine.info.shape, engine.device
-        kv_shape = [1, shape.num_kv_heads, engine.max_seq_len, shape.head_dim]
-        # Past and present name the same buffer: GroupQueryAttention writes new positions in place. It sits
-        # where attention reads it: the device, but host memory for fp32 engines on CUDA, whose attention
-        # runs on the CPU provider (docs/gpu.md); elsewhere it would be copied whole both ways every call.
-        self.cache = []
-        for past, present in engine.cache_names:
-            buffer = ort.OrtValue.ortvalue_from_shape_and_type(kv_shape, engine.element_type, engine.input_devices[past], 0)
-            self.binding.bind_ortvalue_input(past, buffer)
-            self.binding.bind_ortvalue_output(present, buffer)
-            self.cache.append(buffer)
-        # Per-call inputs are bound once and written in place: binding fresh arrays every call cost
-        # ~100 us on the CPU, a third of a draft step.
-        self._total_len = self._input("total_len", np.zeros((), np.int32))
-        self._seqlens_k = self._input("seqlens_k", np.zeros(1, np.int32))  # total_len - 1
-        self._num_drafts = self._input("num_drafts", np.zeros((), np.int64))
-        self._accepted = self._output("accepted", np.zeros((), np.int64))
-        self._next_token = self._output("next_token", np.zeros((), np.int64))
-        # On the CPU each buffer is its OrtValue's memory: nothing is copied per call.
-        self._copies = not all(b.shared for b in (self._total_len, self._seqlens_k, self._num_drafts,
-                                                   self._accepted, self._next_token))
-        self._ids: dict[int, Buffer] = {}  # tokens per call -> buffer
-        # What each is bound for, so that a call rebinds only what changed: input_ids and uniforms their length (0: none
-        # yet, or input_ids a prompt's own buffer), the others num_drafts (-1: none yet, or draft_probs greedy's empty one).
-        self._bound = {"input_ids": 0, "uniforms": 0, "draft_probs": -1, "logits": -1, "logit_bias": -1}
+        self.cache = self._bind_cache()
+        self._bind_call_values()
         self._fed = [0] * engine.max_seq_len  # the token at each cache position, to re-feed (a list: cheaper per call)
         # A LongRoPE target past its original length (manifest: rope_switch_length): the table the next call rotates
         # with (its `long_rope` input) and the one the cache was written with (see step).
@@ -301,40 +278,86 @@ class EngineSlot:
         self._logits = self._logits_buffer(max_drafts + 1) if engine.greedy_only else None
         self._reading_logits = engine.greedy_only
         self.sampling = False
-        # Sampling inputs and outputs are bound where the sampling happens: the engine graph's own sampling
-        # branch, or for a greedy-only graph the sampler, run after it on the call's logits.
-        self._tail: ort.IOBinding | None = None
-        if engine.sampling_session is engine.session:
-            self._tail = self.binding
-        elif engine.sampling_session is not None:
-            self._tail = engine.sampling_session.io_binding()
-            if engine.sampling_devices["logits"] != device:  # a view is copied once when bound, not each call
-                raise BundleError(f"the bundle's sampler reads logits from {engine.sampling_devices['logits']} memory, "
-                                  f"the engine {engine.path} writes them on {device}: rebuild it with `specbuild compile`")
-            # Its own token ids and num_drafts: onnxruntime copies an input bound on another device than its
-            # session reads it from when it is bound, not at each call, so sharing the engine's (whose devices
-            # may differ) could leave the sampler reading stale values. It reads only the last D+1 ids.
-            self._sampler_ids: dict[int, Buffer] = {}  # drafts + 1 -> buffer
-            self._sampler_num_drafts = self._input("num_drafts", np.zeros((), np.int64), self._tail)
-            self._tail.bind_ortvalue_output("accepted", self._accepted.value)
-            self._tail.bind_ortvalue_output("next_token", self._next_token.value)
+        self._tail = self._sampling_binding()
         if self._tail is not None:
-            self._temperature = self._input("temperature", np.zeros((), np.float32), self._tail)
-            self._top_k = self._input("top_k", np.zeros((), np.int64), self._tail)
-            self._top_p = self._input("top_p", np.ones((), np.float32), self._tail)
-            self._min_p = self._input(MIN_P, np.zeros((), np.float32), self._tail) if engine.has_min_p else None
-            self._uniforms: dict[int, Buffer] = {}  # drafts + 1 -> buffer
-            # The sampled distribution ([V] when sampling, [0] when greedy): the target's is not read back;
-            # the draft's goes into row j of probs_rows at draft step j.
-            self._probs = {True: Buffer(np.zeros(engine.vocab_size, np.float32), device),
-                           False: Buffer(np.zeros(0, np.float32), device)}
-            self._probs_rows, self._draft_probs = probs_rows, draft_probs
-            self._no_drafts = Buffer(np.zeros((0, engine.vocab_size), np.float32), engine.sampling_devices["draft_probs"])
-        # vLLM's penalties, min_tokens and logit_bias (manifest.py), where the graphs take them: one set of host arrays,
-        # bound to each binding whose graph takes them (the engine graph, or a greedy-only graph's sampler, which then
-        # decides every call of a request that applies them: see _call), each a copy of its own where the device holds
-        # it. They change only for a request that asks for them, and those changed (configure: all; count: the counts)
-        # are pushed before the next call that applies them: the [V] ones are 0.15-0.6 MB each at a 152k vocabulary.
+            self._bind_sampling(self._tail, probs_rows, draft_probs)
+            self._set_sampling(temperature=0.0)  # greedy until configured
+        self._bind_processing(max_drafts)
+
+    def _bind_cache(self) -> list[ort.OrtValue]:
+        """The KV cache's OrtValues, each bound as a layer's past and present: the same buffer, as GroupQueryAttention
+        writes new positions in place. It sits where attention reads it: the device, but host memory for fp32 engines
+        on CUDA, whose attention runs on the CPU provider (docs/gpu.md); elsewhere it would be copied whole both ways
+        every call."""
+        engine, shape = self.engine, self.engine.info.shape
+        kv_shape = [1, shape.num_kv_heads, engine.max_seq_len, shape.head_dim]
+        cache = []
+        for past, present in engine.cache_names:
+            buffer = ort.OrtValue.ortvalue_from_shape_and_type(kv_shape, engine.element_type, engine.input_devices[past], 0)
+            self.binding.bind_ortvalue_input(past, buffer)
+            self.binding.bind_ortvalue_output(present, buffer)
+            cache.append(buffer)
+        return cache
+
+    def _bind_call_values(self) -> None:
+        """The numbers every call feeds and returns, bound once and written in place: binding fresh arrays every call
+        cost ~100 us on the CPU, a third of a draft step. Token ids are bound per call length (_bind_ids)."""
+        self._total_len = self._input("total_len", np.zeros((), np.int32))
+        self._seqlens_k = self._input("seqlens_k", np.zeros(1, np.int32))  # total_len - 1
+        self._num_drafts = self._input("num_drafts", np.zeros((), np.int64))
+        self._accepted = self._output("accepted", np.zeros((), np.int64))
+        self._next_token = self._output("next_token", np.zeros((), np.int64))
+        # On the CPU each buffer is its OrtValue's memory: nothing is copied per call.
+        self._copies = not all(b.shared for b in (self._total_len, self._seqlens_k, self._num_drafts,
+                                                   self._accepted, self._next_token))
+        self._ids: dict[int, Buffer] = {}  # tokens per call -> buffer
+        # What each is bound for, so that a call rebinds only what changed: input_ids and uniforms their length (0: none
+        # yet, or input_ids a prompt's own buffer), the others num_drafts (-1: none yet, or draft_probs greedy's empty one).
+        self._bound = {"input_ids": 0, "uniforms": 0, "draft_probs": -1, "logits": -1, "logit_bias": -1}
+
+    def _sampling_binding(self) -> ort.IOBinding | None:
+        """Where the sampling inputs and outputs are bound: the engine graph's own binding (its sampling branch), for
+        a greedy-only graph the bundle's sampler's, run after it on the call's logits; None where nothing samples."""
+        engine = self.engine
+        if engine.sampling_session is engine.session:
+            return self.binding
+        if engine.sampling_session is None:
+            return None
+        tail = engine.sampling_session.io_binding()
+        if engine.sampling_devices["logits"] != engine.device:  # a view is copied once when bound, not each call
+            raise BundleError(f"the bundle's sampler reads logits from {engine.sampling_devices['logits']} memory, the "
+                              f"engine {engine.path} writes them on {engine.device}: rebuild it with `specbuild compile`")
+        # Its own token ids and num_drafts: onnxruntime copies an input bound on another device than its
+        # session reads it from when it is bound, not at each call, so sharing the engine's (whose devices
+        # may differ) could leave the sampler reading stale values. It reads only the last D+1 ids.
+        self._sampler_ids: dict[int, Buffer] = {}  # drafts + 1 -> buffer
+        self._sampler_num_drafts = self._input("num_drafts", np.zeros((), np.int64), tail)
+        tail.bind_ortvalue_output("accepted", self._accepted.value)
+        tail.bind_ortvalue_output("next_token", self._next_token.value)
+        return tail
+
+    def _bind_sampling(self, tail: ort.IOBinding, probs_rows: Buffer | None, draft_probs: Buffer | None) -> None:
+        """The sampling settings' inputs and the sampled distribution's output, on the binding that samples."""
+        engine = self.engine
+        self._temperature = self._input("temperature", np.zeros((), np.float32), tail)
+        self._top_k = self._input("top_k", np.zeros((), np.int64), tail)
+        self._top_p = self._input("top_p", np.ones((), np.float32), tail)
+        self._min_p = self._input(MIN_P, np.zeros((), np.float32), tail) if engine.has_min_p else None
+        self._uniforms: dict[int, Buffer] = {}  # drafts + 1 -> buffer
+        # The sampled distribution ([V] when sampling, [0] when greedy): the target's is not read back;
+        # the draft's goes into row j of probs_rows at draft step j.
+        self._probs = {True: Buffer(np.zeros(engine.vocab_size, np.float32), engine.device),
+                       False: Buffer(np.zeros(0, np.float32), engine.device)}
+        self._probs_rows, self._draft_probs = probs_rows, draft_probs
+        self._no_drafts = Buffer(np.zeros((0, engine.vocab_size), np.float32), engine.sampling_devices["draft_probs"])
+
+    def _bind_processing(self, max_drafts: int) -> None:
+        """vLLM's penalties, min_tokens and logit_bias (manifest.py), where the graphs take them: one set of host arrays,
+        bound to each binding whose graph takes them (the engine graph, or a greedy-only graph's sampler, which then
+        decides every call of a request that applies them: see _call), each a copy of its own where the device holds
+        it. They change only for a request that asks for them, and those changed (configure: all; count: the counts)
+        are pushed before the next call that applies them: the [V] ones are 0.15-0.6 MB each at a 152k vocabulary."""
+        engine = self.engine
         self._penalty_values: dict[str, np.ndarray] = {
             "repetition_penalty": np.ones((), np.float32), "presence_penalty": np.zeros((), np.float32),
             "frequency_penalty": np.zeros((), np.float32), "prompt_mask": np.zeros(engine.vocab_size, np.bool_),
@@ -359,8 +382,6 @@ class EngineSlot:
         self._bias_changed, self._constrained = False, False  # each Buffer's copy was made from these zeros
         self._biased = False  # the request has a logit_bias
         self._counting: set[str] = set()  # the inputs count() changes: only those the request's processing reads
-        if self._tail is not None:
-            self._set_sampling(temperature=0.0)
 
     def configure(self, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                   penalties: tuple[float, float, float] = NO_PENALTIES, prompt: Sequence[int] = (), min_tokens: int = 0,
