@@ -1,5 +1,6 @@
 """Each architecture's ONNX graph reproduces transformers' logits, through prefill, verification and rollback."""
 
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +23,12 @@ MAX_LEN = 64
 def run_graph(ckpt):
     """The graph as the runtime runs a target (in-place KV cache), with the `logits` it decides on."""
     spec = ckpt.spec
-    model_bytes = ir.serde.serialize_model(build_decoder(ckpt, Numerics(), MAX_LEN)).SerializeToString()
     info = EngineInfo(role="target", backend="onnx", file="graph.onnx", architecture=spec.architecture,
                       precision="fp32", quantization="none", shape=spec.shape, parameters=0, weight_bytes=0, source={})
-    engine = EngineSlot(Engine(Path("graph.onnx"), info, MAX_LEN, graph=model_bytes), NEVER_ALONE)
+    with tempfile.TemporaryDirectory() as folder:  # the session holds the graph once made
+        path = Path(folder) / info.file
+        path.write_bytes(ir.serde.serialize_model(build_decoder(ckpt, Numerics(), MAX_LEN)).SerializeToString())
+        engine = EngineSlot(Engine(path, info, MAX_LEN), NEVER_ALONE)
     engine.read_logits(True)
 
     def step(tokens, total_len, num_drafts):

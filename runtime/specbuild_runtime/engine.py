@@ -292,8 +292,7 @@ def processes(inputs: Collection[str]) -> bool:
 class Engine:
     """An engine file's session on a device, with what a slot needs to bind it.
 
-    device: "cpu" or "cuda" (see requested_device). graph: the engine's graph in memory (a test's), whose
-    external weights are still read beside path. has_logits: its graph outputs the fp32 logits its
+    device: "cpu" or "cuda" (see requested_device). has_logits: its graph outputs the fp32 logits its
     decisions are made from (EngineSlot.logits reads them; engines compiled before that lack them).
     has_min_p: it samples with a `min_p` input (engines and samplers compiled before min_p lack it).
     has_penalties, has_min_tokens, has_logit_bias: the graph that decides a call applying them (the engine graph, or
@@ -308,8 +307,7 @@ class Engine:
     """
 
     def __init__(self, path: Path, info: EngineInfo, max_seq_len: int, device: str = "cpu",
-                 graph: bytes | None = None, cuda_graphs: bool = False, sampler: Sampler | None = None,
-                 steps: bool = False):
+                 cuda_graphs: bool = False, sampler: Sampler | None = None, steps: bool = False):
         self.path, self.info, self.max_seq_len, self.device = Path(path), info, max_seq_len, device
         self.greedy_only = cuda_graphs or steps
         self.captures = cuda_graphs and device == "cuda"
@@ -324,7 +322,7 @@ class Engine:
             raise BundleError(f"engine {path} is fp32, whose attention onnxruntime runs on the CPU (docs/gpu.md), so its "
                               "calls cannot be captured as CUDA graphs: rebuild with --precision fp16 or bf16, or run "
                               "without CUDA graphs")
-        self.session = _session(path, device, self.captures, graph)
+        self.session = _session(path, device, self.captures)
         inputs = {i.name: (i.type, i.shape) for i in self.session.get_inputs()}
         outputs = {o.name: (o.type, o.shape) for o in self.session.get_outputs()}
         self.steps_per_call = check_engine_io(path, inputs, outputs, info, max_seq_len,
@@ -381,14 +379,9 @@ def _keep_sessions_in_child() -> None:
 os.register_at_fork(after_in_child=_keep_sessions_in_child)
 
 
-def _session(path: Path, device: str, captures: bool, graph: bytes | None = None) -> ort.InferenceSession:
-    """An onnxruntime session of the file at path (or of graph, its weights read beside path) on device, or a
-    one-line error."""
+def _session(path: Path, device: str, captures: bool) -> ort.InferenceSession:
+    """An onnxruntime session of the file at path on device, or a one-line error."""
     options = session_options()
-    source: str | bytes = str(path)
-    if graph is not None:
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(Path(path).parent))
-        source = graph
     # fp32 engines compute fp32 (the CUDA provider would use TF32 matmuls otherwise).
     cuda_options = {"use_tf32": "0", **({"enable_cuda_graph": "1"} if captures else {})}
     provider = (PROVIDERS[device], cuda_options if device == "cuda" else {})
@@ -396,7 +389,7 @@ def _session(path: Path, device: str, captures: bool, graph: bytes | None = None
         choose_attention_kernels()
     try:
         # enable_fallback=0: onnxruntime would otherwise move a failing session to the CPU, silently.
-        session = ort.InferenceSession(source, options, providers=[provider], enable_fallback=0)
+        session = ort.InferenceSession(str(path), options, providers=[provider], enable_fallback=0)
     except Exception as exc:  # onnxruntime raises its own untyped exceptions
         if "use_per_session_threads" in str(exc):  # other code made the process's pool (use_shared_thread_pool's doc)
             raise DeviceError("onnxruntime's shared thread pool was made in this process (set_global_thread_pool_sizes), "
