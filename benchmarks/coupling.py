@@ -43,7 +43,7 @@ from onnx import TensorProto, helper
 
 from specbuild.acceptance import expected_tokens_per_call, theoretical_speedup
 from specbuild.bench.bench import run_ours
-from specbuild.compile.quality import _engine, _logits
+from specbuild.compile.quality import every_logit, logits_engine
 from specbuild.texts import CODE_PROMPTS, read_prompts
 from specbuild_runtime import SpeculativeDecoder
 from specbuild_runtime.engine import cuda_provider, session_options
@@ -88,7 +88,7 @@ def best_speedup(alpha: float, c: float) -> tuple[int, float]:
 
 def all_logits(engine, ids: list[int], vocab: int) -> torch.Tensor:
     """[len(ids), vocab] logits after each position of ids, padded with −inf or cut to the target's vocabulary."""
-    rows = torch.from_numpy(np.concatenate([logits for _, logits in _logits(engine, ids)]))
+    rows = torch.from_numpy(np.concatenate([logits for _, logits in every_logit(engine, ids)]))
     if rows.shape[1] < vocab:
         return torch.nn.functional.pad(rows, (0, vocab - rows.shape[1]), value=-torch.inf)
     return rows[:, :vocab]
@@ -100,8 +100,8 @@ def measure(bundle: Path, prompts: list[str], max_new_tokens: int, gamma: int, t
     best speed-ups under each coupling."""
     # As bench: every mode decodes the same prompts whole, not a prefix the mode before left cached.
     decoder = SpeculativeDecoder(bundle, shared_thread_pool=True, prefix_reuse=False)
-    target, _ = _engine(bundle, decoder.manifest.engines["target"])
-    draft, _ = _engine(bundle, decoder.manifest.engines["draft"])
+    target, _ = logits_engine(bundle, decoder.manifest.engines["target"])
+    draft, _ = logits_engine(bundle, decoder.manifest.engines["draft"])
     ids = [decoder.encode(text) for text in prompts]
     rows, timed = [], []
     for temperature in temperatures:

@@ -7,7 +7,7 @@ import pytest
 from conftest import PROMPTS
 from specbuild.cli import quality_line
 from specbuild.compile import compile_bundle, quality
-from specbuild.compile.quality import _engine, quality_report
+from specbuild.compile.quality import logits_engine, quality_report
 from specbuild.compile.precision import FLOAT_TYPES, convert_into
 from specbuild.compile.quantize import QuantizedRows, quantize_rows
 from specbuild.errors import CheckpointError
@@ -277,8 +277,8 @@ def test_a_quality_reports_rows_are_the_bits_the_runtime_scores_a_prompt_with(bu
     phi3 = compiled(tmp_path / "phi3", checkpoints("phi3", original_max_position_embeddings=16))
     text = tokenizer(" ".join(PROMPTS) * 4)["input_ids"]
     for folder, ids in ((bundle(target_quantize="int8", block_size=128), text[:24]), (phi3, text[:101])):
-        engine, _ = _engine(folder, load_manifest(folder).engines["target"])
-        rows = np.concatenate([logits for _, logits in quality._logits(engine, ids[:-1])])
+        engine, _ = logits_engine(folder, load_manifest(folder).engines["target"])
+        rows = np.concatenate([logits for _, logits in quality.every_logit(engine, ids[:-1])])
         scored = SpeculativeDecoder(folder).generate(ids, 0, prompt_logprobs=20).prompt_logprobs[1:]
         assert [token_logprobs(row, token, 20) for row, token in zip(rows, ids[1:], strict=True)] == scored, folder
 
@@ -366,7 +366,7 @@ def logits_batched_and_one_by_one(folder, prompt, rounds, never_alone=True):
     """The target's logits for every token of `rounds`, fed as verification calls (one per round) and
     fed one token per call, each from the same prompt."""
     info = load_manifest(folder).engines["target"]
-    (batched, _), (one_by_one, _) = _engine(folder, info), _engine(folder, info)
+    (batched, _), (one_by_one, _) = logits_engine(folder, info), logits_engine(folder, info)
     one_by_one.rows = NEVER_ALONE if never_alone else AS_FED
     for engine in (batched, one_by_one):
         engine.step(prompt, len(prompt))
@@ -400,7 +400,7 @@ def test_a_prompt_over_what_an_earlier_request_left_gets_the_logits_bits_of_a_fr
     its first call and in the round after it, prompts and reused prefixes of either parity."""
     folder = bundle(**settings)
     info = load_manifest(folder).engines["target"]
-    (used, _), (fresh, _) = _engine(folder, info), _engine(folder, info)
+    (used, _), (fresh, _) = logits_engine(folder, info), logits_engine(folder, info)
     rng = np.random.default_rng(1)
     for prompt_len, rounds, new in ((9, (3, 5, 2), 7), (40, (2, 9), 6), (2, (3,), 1), (33, (5, 4), 2), (11, (2,), 40),
                                     (200, (3,), 31)):
@@ -508,7 +508,7 @@ def test_a_round_of_an_odd_number_of_rows_over_a_one_token_prompt_gets_the_bits_
     block size 128: another greedy token at γ 1 than at γ 0 for the one-token prompt [115] of the wide pair)."""
     folder = bundle(**settings)
     info = load_manifest(folder).engines["target"]
-    (rounds, _), (tokens, _) = _engine(folder, info), _engine(folder, info)
+    (rounds, _), (tokens, _) = logits_engine(folder, info), logits_engine(folder, info)
     rng = np.random.default_rng(0)
     for drafts in (1, 3, 1, 5):
         prompt, token, *proposed = rng.integers(1, 300, 2 + drafts).tolist()

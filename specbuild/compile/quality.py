@@ -124,8 +124,8 @@ def quality_report(
         (does not compound divergences).
     tokens_per_second: greedy decode of `new_tokens` tokens, prompt excluded, median over prompts.
     """
-    ref, max_seq_len = _engine(Path(fp32_folder), fp32_info)
-    quant, _ = _engine(Path(quant_folder), quant_info)
+    ref, max_seq_len = logits_engine(Path(fp32_folder), fp32_info)
+    quant, _ = logits_engine(Path(quant_folder), quant_info)
 
     report = {"new_tokens": new_tokens, "prompts": len(prompts_ids), "heldout_tokens": len(heldout_ids)}
     nll = {"fp32": [], "quant": []}
@@ -143,7 +143,7 @@ def quality_report(
             argmaxes = []
             for key, engine in (("fp32", ref), ("quant", quant)):
                 argmax = []
-                for first, logits in _logits(engine, chunk):
+                for first, logits in every_logit(engine, chunk):
                     logits = logits[:len(chunk) - 1 - first]  # predictions of chunk[1:]: the last token is context only
                     nll[key].extend(_nll(logits, chunk[first + 1:first + 1 + len(logits)]))
                     argmax.append(logits.argmax(-1))
@@ -165,7 +165,7 @@ def quality_report(
             agreement.append(float(np.mean(np.asarray(ref_tokens) == np.asarray(quant_tokens))))
             identical += ref_tokens == quant_tokens
             if len(prompt) + budget - 1 <= max_seq_len:
-                along = np.concatenate([logits.argmax(-1) for _, logits in _logits(quant, prompt + ref_tokens[:-1])])
+                along = np.concatenate([logits.argmax(-1) for _, logits in every_logit(quant, prompt + ref_tokens[:-1])])
                 teacher_forced.extend(along[len(prompt) - 1:] == np.asarray(ref_tokens))
             progress.update()  # after the prompt's work: before it, the bar read 100% while the last one decoded
 
@@ -196,8 +196,8 @@ def pair_acceptance(target_folder: Path, target: EngineInfo, draft_folder: Path,
     """Greedy speculative acceptance α (accepted / drafted) of this pair at a fixed γ, exactly as decoding
     would see it: the rounds of γ drafts along the target's own greedy continuation (gamma.draft_agreement),
     up to the round whose tokens reach one of eos_token_ids. None when no prompt leaves room to draft."""
-    target_engine, _ = _engine(Path(target_folder), target)
-    draft_engine, _ = _engine(Path(draft_folder), draft)
+    target_engine, _ = logits_engine(Path(target_folder), target)
+    draft_engine, _ = logits_engine(Path(draft_folder), draft)
     stops = set(eos_token_ids)
     accepted = drafted = 0
     agreements, continuations = draft_agreement(target_engine, draft_engine, prompts_ids, new_tokens, desc)
@@ -210,7 +210,7 @@ def pair_acceptance(target_folder: Path, target: EngineInfo, draft_folder: Path,
     return accepted / drafted if drafted else None
 
 
-def _engine(folder: Path, info: EngineInfo) -> tuple[EngineSlot, int]:
+def logits_engine(folder: Path, info: EngineInfo) -> tuple[EngineSlot, int]:
     """An engine file run as the runtime decodes with it (a target's rows never alone), its calls leaving the
     fp32 logits [D+1, V] they decide on (read after a step with .logits()), and its max_seq_len."""
     path = folder / info.file
@@ -222,14 +222,14 @@ def _engine(folder: Path, info: EngineInfo) -> tuple[EngineSlot, int]:
 
 
 def _nll(logits: np.ndarray, targets: list[int]) -> list[float]:
-    """-log softmax(logits)[target] per row, in float64 (logits: one call's, at most SCORED_ROWS rows: see _logits)."""
+    """-log softmax(logits)[target] per row, in float64 (logits: one call's, at most SCORED_ROWS rows: see every_logit)."""
     block = logits.astype(np.float64)
     block -= block.max(axis=-1, keepdims=True)
     log_z = np.log(np.exp(block).sum(axis=-1))
     return list(log_z - block[np.arange(len(block)), targets])
 
 
-def _logits(engine: EngineSlot, ids: list[int]) -> Iterator[tuple[int, np.ndarray]]:
+def every_logit(engine: EngineSlot, ids: list[int]) -> Iterator[tuple[int, np.ndarray]]:
     """(first, the fp32 logits [rows, V] at positions first, first + 1, ...) covering every position of ids from an
     empty cache, SCORED_ROWS positions per call over the cache the calls before wrote: the memory of one call,
     whatever len(ids). Grouped as decode's _score groups a prompt's calls (EngineSlot.scoring_calls), so each row
