@@ -107,6 +107,23 @@ def test_a_size_asked_of_the_shared_pool_once_it_exists_is_a_warning_and_no_size
     assert made == [(2, 1)] and not engine.session_options().use_per_session_threads
 
 
+def test_a_pool_made_at_a_quotas_size_takes_that_size_asked_later_without_a_warning(tmp_path, host, monkeypatch):
+    """A decoder's shared_thread_pool=True makes the pool at a binding quota's CPUs (quota_threads), then serve or
+    --threads asks for as many: the pool was recorded as "the default size", so that size was warned about as one it
+    "does not get", though the pool has it."""
+    made = []
+    monkeypatch.setattr(ort.capi._pybind_state, "set_global_thread_pool_sizes", lambda *sizes: made.append(sizes))
+    monkeypatch.setattr(engine, "_SHARED_POOL", None)
+    host(v2(tmp_path, "200000 100000"))
+    engine.use_shared_thread_pool()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine.use_shared_thread_pool(2)
+    with pytest.warns(RuntimeWarning, match=r"exists already \(2 threads\) and cannot be resized, so it does not get the 3"):
+        engine.use_shared_thread_pool(3)
+    assert made == [(2, 1)]
+
+
 # Other code in the process makes onnxruntime's shared pool, then decoders load.
 OTHER_CODES_POOL = """
 import sys, warnings

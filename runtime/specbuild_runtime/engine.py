@@ -172,8 +172,9 @@ def use_shared_thread_pool(threads: int = 0) -> None:
     global _SHARED_POOL
     if _SHARED_POOL is None:
         try:
-            ort.capi._pybind_state.set_global_thread_pool_sizes(threads or quota_threads(), 1)
-            _SHARED_POOL = threads
+            size = threads or quota_threads()
+            ort.capi._pybind_state.set_global_thread_pool_sizes(size, 1)
+            _SHARED_POOL = size  # a quota's CPUs too: a later call asking for as many gets them, with no warning
         except Exception as exc:  # onnxruntime raises its own untyped exceptions
             if "already been created" not in str(exc):
                 raise
@@ -186,7 +187,8 @@ def use_shared_thread_pool(threads: int = 0) -> None:
 
 
 MADE_ELSEWHERE = -1  # the _SHARED_POOL of a pool other code made (onnxruntime.set_global_thread_pool_sizes)
-# The threads the process's shared pool was asked for here (0: the default size), or None while it has none.
+# The threads the process's shared pool was made with here (0: onnxruntime's default size, where no CPU quota binds:
+# quota_threads), or None while it has none.
 _SHARED_POOL: int | None = None
 # onnxruntime captures CUDA graphs in cudaStreamCaptureModeGlobal ("for now cuda graph can only work with a
 # single thread", cuda_graph.cc): a CUDA call from any other thread during a capture (a copy, an allocation)
