@@ -346,3 +346,24 @@ def test_auto_climbing_gamma_after_the_draft_agrees_again_times_each_new_gamma_w
     policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
     chosen = decode_rounds(policy, 1600, lambda r, j: r >= 1000, lambda r, k: (0.3 * k, 1 + max(k - 1, 0)))
     assert sum(k >= 2 for k in chosen[1000:]) <= 60
+
+
+def first_of_two_in_five(r: int, j: int) -> bool:
+    """A draft whose first token holds in 2 rounds of 5 (probes come 8-128 rounds apart: at every remainder), no other."""
+    return j == 0 and r % 5 in (0, 2)
+
+
+def cheap_steps(r: int, k: int) -> tuple[float, float]:
+    """A round's seconds where a draft step costs a tenth of a target call, a further target row 0.03."""
+    return 0.1 * k, 1 + 0.03 * max(k - 1, 0)
+
+
+def test_auto_drafts_again_once_a_spell_that_priced_gamma_1_dear_but_within_reach_is_over():
+    """γ 1 timed dear in a spell (a draft step 0.9 target calls: 1.9 units for under 1.5 tokens), yet under the 2 tokens
+    it could yield, went untimed for good (probes catch up, untimed), and auto stayed at γ 0 though from round 1000 on a
+    round at γ 1 cost 1.1 units. γ 1 is timed afresh once no round with drafts is timed for MAX_STALE_ROUNDS."""
+    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
+    decode_rounds(policy, 1000, first_of_two_in_five, lambda r, k: (0.9 * k, 1 + 0.03 * max(k - 1, 0)))
+    assert 1.5 < policy.costs.cost(1) <= 2 and policy.costs.stale_after[1] == STALE_ROUNDS  # never priced out
+    chosen = decode_rounds(policy, MAX_STALE_ROUNDS + 300, first_of_two_in_five, cheap_steps)
+    assert chosen[-200:].count(0) <= 20
