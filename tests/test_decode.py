@@ -1211,6 +1211,29 @@ def test_a_round_that_waited_on_another_threads_cuda_graph_warm_up_leaves_auto_g
     assert len(judged) > 3 and judged[2] is False and all(judged[:2] + judged[3:]), judged
 
 
+def test_a_round_whose_draft_stopped_short_leaves_auto_gammas_costs_alone(bundle, monkeypatch):
+    """A draft stops before the γ asked (an eos or a grammar that leaves its vocabulary nothing, logits not finite): the
+    round drafted fewer tokens and computed fewer target rows than a round at that γ, whose cost it was taken for. Its
+    drafts count as rejected still; its time prices nothing."""
+    decoder = SpeculativeDecoder(bundle)
+    judged, cut = [], []
+
+    class Recording(FixedGamma):
+        def observe(self, drafted: int, *args, timed: bool = True, **kwargs) -> None:
+            judged.append(timed)
+
+    draft = decoder._draft
+
+    def stopping_short(slot, feed, total_len, k, *args):
+        cut.append(len(cut) % 2 == 1 and k > 1)  # every other round
+        return draft(slot, feed, total_len, 1 if cut[-1] else k, *args)
+
+    monkeypatch.setattr(decoder, "_policy", lambda slot, request: Recording(request.gamma))
+    monkeypatch.setattr(decoder, "_draft", stopping_short)
+    decoder.generate(PROMPTS[0], 24, gamma=3)
+    assert len(judged) > 3 and judged == [not short for short in cut]
+
+
 # --- Refusing a prompt longer than the context without tokenizing it ----------------------------------------------
 
 # Pieces of text that normalizers join (NFC/NFKC compose U+1F82 from 4 characters, a Hangul syllable from 3 jamo),

@@ -800,8 +800,10 @@ class SpeculativeDecoder:
                 stats.guesses_accepted += accepted
                 accepted = 0
             # The drafts asked for: those that never came count as rejected. Told of none, auto γ kept its α and
-            # called a draft whose logits always overflow every round, for nothing.
-            policy.observe(asked, accepted, t1 - t0, t2 - t1, catching_up, held, timed=unsteady_calls() == unsteady)
+            # called a draft whose logits always overflow every round, for nothing. Cut short (an eos drafted under a
+            # grammar, logits not finite), a round costs less than one at the γ asked, whose cost it would lower.
+            policy.observe(asked, accepted, t1 - t0, t2 - t1, catching_up, held,
+                           timed=unsteady_calls() == unsteady and k == asked)
             stats.record_round(k, accepted, t1 - t0, t2 - t1)
 
     def _score(self, slot: Slot, ids: list[int], top: int,
