@@ -361,9 +361,24 @@ def cheap_steps(r: int, k: int) -> tuple[float, float]:
 def test_auto_drafts_again_once_a_spell_that_priced_gamma_1_dear_but_within_reach_is_over():
     """γ 1 timed dear in a spell (a draft step 0.9 target calls: 1.9 units for under 1.5 tokens), yet under the 2 tokens
     it could yield, went untimed for good (probes catch up, untimed), and auto stayed at γ 0 though from round 1000 on a
-    round at γ 1 cost 1.1 units. γ 1 is timed afresh once no round with drafts is timed for MAX_STALE_ROUNDS."""
+    round at γ 1 cost 1.1 units. A γ within reach is timed afresh after MAX_STALE_ROUNDS rounds at the γ below it."""
     policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
     decode_rounds(policy, 1000, first_of_two_in_five, lambda r, k: (0.9 * k, 1 + 0.03 * max(k - 1, 0)))
     assert 1.5 < policy.costs.cost(1) <= 2 and policy.costs.stale_after[1] == STALE_ROUNDS  # never priced out
     chosen = decode_rounds(policy, MAX_STALE_ROUNDS + 300, first_of_two_in_five, cheap_steps)
     assert chosen[-200:].count(0) <= 20
+
+
+def test_auto_drafts_more_once_a_spell_that_priced_gamma_2_dear_but_within_reach_is_over():
+    """The same one γ up: in a spell where each draft after the first costs 1.2 target calls, γ 2 timed at 2.5 units kept
+    auto at γ 1 for good, every γ above it priced from it, though from round 1000 on a round at γ 4 yielded 5 tokens for
+    1.5 units. Each γ within reach is timed afresh after MAX_STALE_ROUNDS rounds at the γ below it."""
+    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
+
+    def first_four(r: int, j: int) -> bool:
+        return j < 4
+
+    decode_rounds(policy, 1000, first_four, lambda r, k: (0.3 * min(k, 1) + 1.2 * max(k - 1, 0), 1.0))
+    assert 2 < policy.costs.cost(2) <= 3 and policy.costs.stale_after[2] == STALE_ROUNDS  # never priced out
+    chosen = decode_rounds(policy, MAX_STALE_ROUNDS + 300, first_four, cheap_steps)
+    assert min(k for k in chosen[-200:] if k) >= 3
