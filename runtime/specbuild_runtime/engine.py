@@ -180,8 +180,8 @@ def use_shared_thread_pool(threads: int = 0) -> None:
                 raise
             _SHARED_POOL = MADE_ELSEWHERE
     if threads and threads != _SHARED_POOL:
-        size = {MADE_ELSEWHERE: "sized by other code", 0: "the default size"}.get(_SHARED_POOL, f"{_SHARED_POOL} threads")
-        warnings.warn(f"onnxruntime's shared thread pool exists already ({size}) and cannot be resized, so it does "
+        made = {MADE_ELSEWHERE: "sized by other code", 0: "the default size"}.get(_SHARED_POOL, f"{_SHARED_POOL} threads")
+        warnings.warn(f"onnxruntime's shared thread pool exists already ({made}) and cannot be resized, so it does "
                       f"not get the {threads} threads asked: ask for them before anything in the process makes it",
                       RuntimeWarning, stacklevel=2)
 
