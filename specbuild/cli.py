@@ -28,8 +28,8 @@ from . import __version__
 from .bench.bench import DEFAULT_GAMMAS
 from .bench.peers import KNOWN as PEERS
 from .recipe import (BACKENDS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, DEFAULT_GAMMA, DEFAULT_MAX_SEQ_LEN,
-                     DISTILL_BATCH_SIZE, DISTILL_GAMMA, DISTILL_MINUTES, DISTILL_OBJECTIVE, DISTILL_OBJECTIVES, DISTILL_SEED,
-                     MAX_GAMMA, MAX_SEED, PRECISIONS, QUANTIZATIONS, setting_problem)
+                     DISTILL_BATCH_SIZE, DISTILL_GAMMA, DISTILL_MINUTES, DISTILL_OBJECTIVE, DISTILL_OBJECTIVES,
+                     DISTILL_RULES, DISTILL_SEED, MAX_GAMMA, PRECISIONS, QUANTIZATIONS, RULES)
 from .staging import replace_file
 
 # Whether main() runs as the `specbuild` command, which may drop interrupts once its work is done (see
@@ -67,16 +67,15 @@ def use_threads(threads: int | None, torch_too: bool = False) -> None:
 
 
 class Setting(click.ParamType):
-    """A whole-number compile option, checked by the same rule as its recipe key (recipe.RULES)."""
+    """A compile option, checked by the same rule as its recipe key (recipe.RULES), or a distill option, by the rule
+    distill() checks its argument with (recipe.DISTILL_RULES); kind converts the text first."""
 
-    name = "integer"
-
-    def __init__(self, key: str):
-        self.key = key
+    def __init__(self, key: str, rules: dict = RULES, kind: click.ParamType = click.INT):
+        self.rule, self.kind, self.name = rules[key], kind, kind.name
 
     def convert(self, value, param, ctx):
-        value = click.INT.convert(value, param, ctx)
-        if problem := setting_problem(self.key, value):
+        value = self.kind.convert(value, param, ctx)
+        if problem := self.rule(value):
             self.fail(problem, param, ctx)
         return value
 
@@ -729,23 +728,24 @@ def check_plot_path(path: Path) -> None:
               "files) instead of a new one.")
 @click.option("--draft-config", "draft_config", multiple=True, metavar="KEY=VALUE",
               help="Config overrides for a new draft, e.g. num_hidden_layers=2 (repeatable).  [default: <= 1/10 of the target]")
-@click.option("--minutes", type=Finite(min=0, min_open=True), default=DISTILL_MINUTES, show_default=True,
+@click.option("--minutes", type=Setting("minutes", DISTILL_RULES, click.FLOAT), default=DISTILL_MINUTES, show_default=True,
               help="Time for making data and training (measuring α before and after comes on top).")
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help='JSONL prompts, one {"prompt": "..."} per line, as you will decode (a fourth are held out to measure α).')
 @click.option("--data", type=click.Path(exists=True, path_type=Path),
               help="Text file or folder whose spans serve as prompts.  [default (neither): the target's own samples]")
-@click.option("--gamma", type=click.IntRange(1, MAX_GAMMA), default=DISTILL_GAMMA, show_default=True,
-              help="γ at which acceptance is measured.")
+@click.option("--gamma", type=Setting("gamma", DISTILL_RULES), default=DISTILL_GAMMA, show_default=True,
+              help=f"γ at which acceptance is measured (1 to {MAX_GAMMA}).")
 @click.option("--loss", "objective", type=click.Choice(DISTILL_OBJECTIVES), default=DISTILL_OBJECTIVE,
               show_default=True, help="Divergence of the draft's distribution from the target's: total variation, "
                                       "forward or reverse KL, Jensen-Shannon.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=DISTILL_BATCH_SIZE, show_default=True,
+@click.option("--batch-size", type=Setting("batch_size", DISTILL_RULES), default=DISTILL_BATCH_SIZE, show_default=True,
               help="Sequences per training step: a smaller batch holds less of the draft's training in memory and "
                    "trains more slowly (the target's fp32 weights need the same either way).")
-@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=DISTILL_SEED, show_default=True,
-              help="Seed for a new draft's weights, the prompts made or picked and held out, and training's batches "
-                   "(training stops at --minutes of wall-clock time, so runs differ in how far they get).")
+@click.option("--seed", type=Setting("seed", DISTILL_RULES), default=DISTILL_SEED, show_default=True,
+              help="Seed (0 to 2**64 - 2) for a new draft's weights, the prompts made or picked and held out, and "
+                   "training's batches (training stops at --minutes of wall-clock time, so runs differ in how far they "
+                   "get).")
 @click.option("--force", is_flag=True, help="Write the draft even if α did not rise.")
 @click.option("--overwrite", is_flag=True, help="Replace the checkpoint at --output (never anything that is not a checkpoint).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")

@@ -159,6 +159,19 @@ RULES: dict[str, Callable[[object], str | None]] = {
 }
 RECIPE_KEYS = set(RULES) - {"recipe"}
 
+# distill's arguments a caller can give wrong, by the rule each is checked by: the distill command's number options as
+# they are parsed (--loss is a click.Choice of DISTILL_OBJECTIVES, as compile's choices are of theirs), a [pair] table's
+# distill keys as it is read, and train/distill.py's distill() before it loads anything (an unknown objective was a
+# KeyError once α had been measured before training, minutes in)
+DISTILL_RULES: dict[str, Callable[[object], str | None]] = {
+    "minutes": positive_number,
+    "gamma": whole_number(1, MAX_GAMMA),
+    "objective": _one_of(*DISTILL_OBJECTIVES),
+    "batch_size": whole_number(1),
+    "lr": positive_number,
+    "seed": whole_number(0, MAX_SEED),
+}
+
 
 def setting_problem(key: str, value) -> str | None:
     """What is wrong with value for setting key ("must be ..., not ..."), or None."""

@@ -104,8 +104,8 @@ print(*(inspect.signature(distill).parameters[key].default for key in ("minutes"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     shown = " ".join(result.stdout.split())  # click wraps the help
     for default in ("[default: 5]", "[default: min(999, the longest the pair takes)]",
-                    "identical to the target's own. [default: 1]", "[default: 3,6]", "[default: 2.5;",
-                    "measured. [default: 3;", "--loss [jsd|tvd]", "[default: jsd]", "[default: 7;", "[default: 11;"):
+                    "identical to the target's own. [default: 1]", "[default: 3,6]", "[default: 2.5]",
+                    "(1 to 32). [default: 3]", "--loss [jsd|tvd]", "[default: jsd]", "[default: 7]", "[default: 11]"):
         assert default in shown
     assert result.stdout.splitlines()[-1] == "2.5 3 jsd 7 11"
 

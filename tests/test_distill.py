@@ -19,7 +19,7 @@ from test_bad_inputs import MARKER, plant_pickle
 from specbuild.acceptance import rounds
 from specbuild.demo import DEMO_RECIPE
 from specbuild.errors import CheckpointError, OutputError, PairMismatchError, TrainingError, UnsupportedModelError
-from specbuild.recipe import DISTILL_OBJECTIVES
+from specbuild.recipe import DISTILL_OBJECTIVES, MAX_GAMMA
 from specbuild.train import distill as distill_module
 from specbuild.train import divergence, generate
 from specbuild.train.distill import acceptance, alpha, distill, load_model, shrunk_config, target_references
@@ -444,13 +444,44 @@ def passes_option_with_the_apis_default(monkeypatch, tmp_path, capsys, option: s
 
 def test_the_distill_command_trains_with_the_batch_size_given_and_the_functions_by_default(monkeypatch, tmp_path, capsys):
     """A smaller batch is the remedy for training that outgrows memory: the command had no way to ask for one."""
-    assert "x>=1" in passes_option_with_the_apis_default(monkeypatch, tmp_path, capsys, "--batch-size", "2", "0")
+    assert "1 or more" in passes_option_with_the_apis_default(monkeypatch, tmp_path, capsys, "--batch-size", "2", "0")
 
 
 def test_the_distill_command_takes_a_seed_as_bench_does_with_the_apis_default(monkeypatch, tmp_path, capsys):
     """distill's API takes a seed (the new draft's weights, its prompts, training's batches); the command had none.
     numpy's generators take no negative seed."""
     assert "--seed" in passes_option_with_the_apis_default(monkeypatch, tmp_path, capsys, "--seed", "7", "-1")
+
+
+WRONG_SETTINGS = [("objective", "kl"), ("minutes", 0), ("minutes", float("nan")), ("gamma", 0), ("gamma", MAX_GAMMA + 1),
+                  ("batch_size", 0), ("lr", -1e-3), ("seed", -1)]
+
+
+@pytest.mark.parametrize("key, value", WRONG_SETTINGS)
+def test_distill_refuses_a_wrong_setting_before_it_loads_anything(tmp_path, key, value):
+    """Called from Python with objective="kl", distill measured α before training (minutes on a large target)
+    and then failed with a KeyError; the other settings the command checks went unchecked. There is no target
+    here: a refusal that came after loading it would be a CheckpointError."""
+    with pytest.raises(TrainingError, match=f"^distill setting {key} must be ") as refused:
+        distill(tmp_path / "no target", tmp_path / "draft", **{key: value})
+    assert key != "objective" or ", ".join(DISTILL_OBJECTIVES) in str(refused.value)
+
+
+@pytest.mark.parametrize("option, value, key, given", [
+    ("--minutes", "0", "minutes", 0.0), ("--batch-size", "0", "batch_size", 0),
+    ("--gamma", str(MAX_GAMMA + 1), "gamma", MAX_GAMMA + 1), ("--seed", "-1", "seed", -1)])
+def test_the_distill_command_refuses_a_setting_in_the_functions_words(tmp_path, capsys, option, value, key, given):
+    """One rule each (recipe.DISTILL_RULES) for the command's number options and the function's arguments: the
+    command refused with click's ranges, a second check that could drift from the first. (--loss stays a
+    click.Choice of recipe.DISTILL_OBJECTIVES, the list the function's rule takes too.)"""
+    from specbuild.cli import main
+
+    with pytest.raises(TrainingError) as refused:
+        distill(tmp_path / "no target", tmp_path / "draft", **{key: given})
+    with pytest.raises(SystemExit) as exited:
+        main(["distill", "--target", str(tmp_path), "-o", str(tmp_path / "draft"), option, value])
+    assert exited.value.code == 2
+    assert str(refused.value).removeprefix(f"distill setting {key} ") in capsys.readouterr().err
 
 
 def test_distill_refuses_a_draft_with_another_tokenizer(pair, tmp_path):

@@ -14,10 +14,8 @@ import tokenize
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from specbuild_runtime.manifest import MAX_GAMMA
-
 from ..errors import TrainingError
-from ..recipe import MAX_SEED, at_line, positive_number, read_table, whole_number
+from ..recipe import DISTILL_RULES, at_line, positive_number, read_table, whole_number
 from ..staging import replace_file
 from ..texts import corpus_files, read_source
 from .distill import SHAPE_KEYS, distill
@@ -57,8 +55,10 @@ def _model_problem(table) -> str | None:
 PAIR_RULES = {
     "skip_dirs": lambda v: None if isinstance(v, list) and all(isinstance(d, str) for d in v) else "must be a list of folder names",
     "vocab_size": whole_number(256), "seq_len": whole_number(2), "batch_size": whole_number(1), "lr": positive_number,
-    "target_minutes": positive_number, "distill_minutes": positive_number, "distill_lr": positive_number,
-    "gamma": whole_number(1, MAX_GAMMA), "seed": whole_number(0, MAX_SEED),
+    "target_minutes": positive_number,
+    # what make_demo_pair passes distill, by distill's own rules (the seed seeds the target's training too)
+    "distill_minutes": DISTILL_RULES["minutes"], "distill_lr": DISTILL_RULES["lr"], "gamma": DISTILL_RULES["gamma"],
+    "seed": DISTILL_RULES["seed"],
     # LlamaConfig fields; a table without them would build LlamaConfig's defaults, a 7B model
     "target": _model_problem, "draft": _model_problem,
 }
