@@ -474,6 +474,16 @@ def test_a_context_past_the_engines_tokens_a_step_is_fed_in_chunks(tmp_path, max
     assert options["max_seq_len"] == max_seq_len and options.get("enable_chunked_prefill", False) == longer
 
 
+def test_the_llm_api_yaml_says_which_releases_read_its_decoding_type(tmp_path):
+    """Draft_Target is main's tag (llm_args.py SpeculativeConfig); releases up to 1.2.1 read the YAML through
+    DecodingBaseConfig.from_dict, which refuses it and knows only DraftTarget. The header named 1.0.x alone, so a
+    1.2.1 user met 'Invalid decoding type: Draft_Target' with no word of the fix."""
+    text = tensorrt_llm.llm_api_yaml(4, 1, 64, tmp_path / "target", tmp_path / "draft")
+    header = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
+    assert yaml.safe_load(text)["speculative_config"]["decoding_type"] == "Draft_Target"
+    assert "Releases up to 1.2.1 know only DraftTarget" in header and "write decoding_type: DraftTarget" in header
+
+
 def test_run_plan_says_which_eos_ends_the_output_and_which_run_py_runs_past(pairs, tmp_path):
     """run.py's draft-target mode stops at one end id; Llama 3.1 Instruct's generation_config lists three."""
     target, draft = pairs("llama")

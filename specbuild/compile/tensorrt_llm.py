@@ -576,16 +576,22 @@ python3 "$TRTLLM_DIR/examples/run.py" \\
 def llm_api_yaml(gamma: int, tp: int, max_seq_len: int, target: Path, draft: Path, note: str = "") -> str:
     """TensorRT-LLM 1.x's LLM API / trtllm-serve on the PyTorch backend, which runs draft-target from the
     Hugging Face folders (docs/source/features/speculative-decoding.md), to the bundle's context as the other
-    plans are. speculative_config is a pydantic union told apart by decoding_type, whose tag for draft-target is
-    "Draft_Target" (llmapi/llm_args.py DraftTargetDecodingConfig and SpeculativeConfig, 00043967); llm_args.py
-    maps no other spelling to it. TensorRT-LLM 1.0.x chose the class by name instead
-    (DecodingBaseConfig.from_dict), under "DraftTarget", with the draft in speculative_model_dir."""
+    plans are. On main, speculative_config is a pydantic union told apart by decoding_type, whose tag for
+    draft-target is "Draft_Target" (llmapi/llm_args.py DraftTargetDecodingConfig and SpeculativeConfig, 00043967;
+    the docs site's latest build, from 69de4a6, the same); llm_args.py maps no other spelling to it (it declares a
+    _decoding_type_alias that nothing in it sets). Releases up to 1.2.1 read the YAML through
+    update_llm_args_with_extra_dict, which hands speculative_config to DecodingBaseConfig.from_dict, whose table
+    names the class "DraftTarget" and refuses any other name (the docs site's 1.0.0/, 1.2.0/ and
+    1.2.1/_modules/tensorrt_llm/llmapi/llm_args.html, built from ae8270b, dbdb13b and 376f7e1); 1.0.0's
+    DecodingBaseConfig has speculative_model_dir and no speculative_model."""
     chunked = "enable_chunked_prefill: true\n" if max_seq_len > MAX_NUM_TOKENS else ""
     return f"""# TensorRT-LLM LLM API options for draft-target speculative decoding (written by specbuild).
 # The PyTorch backend reads the source Hugging Face folders, not this bundle's checkpoints:
 #   trtllm-serve {shlex.quote(str(target))} --backend pytorch --extra_llm_api_options llm-api.yaml
 # (newer releases also call the option --config), or in Python: LLM(model=..., **yaml.safe_load(...)).
-# TensorRT-LLM 1.0.x reads decoding_type DraftTarget and the draft from speculative_model_dir instead.
+# decoding_type Draft_Target is the spelling of TensorRT-LLM's main branch. Releases up to 1.2.1 know only
+# DraftTarget (DecodingBaseConfig.from_dict): with them, write decoding_type: DraftTarget, and with 1.0.x
+# speculative_model_dir for speculative_model.
 {note}tensor_parallel_size: {tp}
 max_seq_len: {max_seq_len}
 {chunked}disable_overlap_scheduler: true
