@@ -474,6 +474,18 @@ def test_a_context_past_the_engines_tokens_a_step_is_fed_in_chunks(tmp_path, max
     assert options["max_seq_len"] == max_seq_len and options.get("enable_chunked_prefill", False) == longer
 
 
+def test_the_build_plan_gathers_generation_logits_and_says_why_trtllm_build_calls_that_deprecated():
+    """trtllm-build warns on every build that --gather_generation_logits is deprecated (commands/build.py tests
+    hasattr on an option it always parses), yet run.py's draft-target loop reads it from both engines when logits
+    decide acceptance: build.sh said nothing of the warning, inviting a reader to drop the flag."""
+    script = tensorrt_llm.build_script(4, 64, "fp16")
+    commands = [line for line in script.splitlines() if line.startswith("trtllm-build")]
+    assert len(commands) == 2 and all("--gather_generation_logits" in command for command in commands)
+    comments = " ".join(line.lstrip("# ") for line in script.splitlines() if line.startswith("# "))
+    assert "--gather_generation_logits is deprecated on every build, given or not" in comments
+    assert "reads it from both engines when logits decide acceptance" in comments
+
+
 def test_the_llm_api_yaml_says_which_releases_read_its_decoding_type(tmp_path):
     """Draft_Target is main's tag (llm_args.py SpeculativeConfig); releases up to 1.2.1 read the YAML through
     DecodingBaseConfig.from_dict, which refuses it and knows only DraftTarget. The header named 1.0.x alone, so a

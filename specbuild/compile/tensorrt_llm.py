@@ -493,8 +493,14 @@ def write_plans(folder: Path, gamma: int, tp: int, max_seq_len: int, precision: 
 def build_script(gamma: int, max_seq_len: int, precision: str,
                  origin: str = "the gamma specbuild measured for this pair") -> str:
     """Both trtllm-build commands (examples/draft_target_model/README.md): the target built to verify
-    `gamma` external draft tokens per step. --gather_generation_logits on both because examples/
-    run_dtm_pld.py asserts it whenever tokens, not logits, decide acceptance."""
+    `gamma` external draft tokens per step. --gather_generation_logits on both: run.py's draft-target loop asserts
+    that both engines were built with it when logits decide acceptance (examples/ngram/run_dtm_ngram.py, 77bcb5a5:
+    the True that run.sh's --draft_target_model_config takes instead of False), reading it from the engine's own
+    config (ModelRunnerCpp.gather_generation_logits, runtime/model_runner_cpp.py 03832911), not from a runtime
+    option; examples/prompt_lookup/run_dtm_pld.py at c3a2348d asserted it when tokens decide (46ea5256 turned the
+    test round). trtllm-build calls the option deprecated in favour of the runtime's --output_generation_logits
+    on every build, given or not (commands/build.py 008b2b8d tests hasattr on an option parsed with a default),
+    and still builds it into the engine (BuildConfig gather_generation_logits)."""
     note = ("# These checkpoints are float32: TensorRT-LLM's fused attention kernels take fp16 or bf16, so if\n"
             "# trtllm-build refuses them, compile again with --precision fp16 or bf16.\n") if precision == "fp32" else ""
     common = (f"--gemm_plugin auto --use_paged_context_fmha enable --gather_generation_logits "
@@ -503,6 +509,8 @@ def build_script(gamma: int, max_seq_len: int, precision: str,
 # Builds this bundle's TensorRT-LLM engines for draft-target speculative decoding (written by specbuild).
 # Needs TensorRT-LLM (trtllm-build) and an NVIDIA GPU. Engines go to engines/draft and engines/target here;
 # the target verifies up to {gamma} draft tokens a step ({origin}).
+# trtllm-build warns that --gather_generation_logits is deprecated on every build, given or not; run.py's
+# draft-target loop reads it from both engines when logits decide acceptance (run.sh's False set to True).
 {note}set -euo pipefail
 cd "$(dirname "$0")"
 MAX_BATCH_SIZE="${{MAX_BATCH_SIZE:-1}}"
