@@ -295,7 +295,7 @@ def test_backend_all_writes_both_and_inspect_lists_the_tensorrt_llm_part(pairs, 
     assert f'--draft_target_model_config "[{part.gamma["gamma"]},[0,1],[0,1],False]"' in (out / part.plans["run"]).read_text()
     assert "--tensor-parallel-size 2" in (out / "vllm/serve.sh").read_text()
     options = yaml.safe_load((out / part.plans["llm_api"]).read_text())
-    assert options["speculative_config"] == {"decoding_type": "Draft_Target", "max_draft_len": part.gamma["gamma"],
+    assert options["speculative_config"] == {"decoding_type": "DraftTarget", "max_draft_len": part.gamma["gamma"],
                                              "speculative_model": str(draft.resolve())}
     assert options["tensor_parallel_size"] == 2 and options["max_seq_len"] == 64
     ids = tokenizer(PROMPTS[0])["input_ids"]  # the ONNX half still decodes
@@ -487,13 +487,13 @@ def test_the_build_plan_gathers_generation_logits_and_says_why_trtllm_build_call
 
 
 def test_the_llm_api_yaml_says_which_releases_read_its_decoding_type(tmp_path):
-    """Draft_Target is main's tag (llm_args.py SpeculativeConfig); releases up to 1.2.1 read the YAML through
-    DecodingBaseConfig.from_dict, which refuses it and knows only DraftTarget. The header named 1.0.x alone, so a
-    1.2.1 user met 'Invalid decoding type: Draft_Target' with no word of the fix."""
+    """Releases up to 1.2.1 read the YAML through DecodingBaseConfig.from_dict, which knows only DraftTarget (the
+    YAML's spelling); main's llm_args.py SpeculativeConfig knows only Draft_Target. The header says which line to
+    change for which."""
     text = tensorrt_llm.llm_api_yaml(4, 1, 64, tmp_path / "target", tmp_path / "draft")
     header = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
-    assert yaml.safe_load(text)["speculative_config"]["decoding_type"] == "Draft_Target"
-    assert "Releases up to 1.2.1 know only DraftTarget" in header and "write decoding_type: DraftTarget" in header
+    assert yaml.safe_load(text)["speculative_config"]["decoding_type"] == "DraftTarget"
+    assert "releases up to 1.2.1" in header and "write decoding_type: Draft_Target" in header
 
 
 def test_run_plan_says_which_eos_ends_the_output_and_which_run_py_runs_past(pairs, tmp_path):

@@ -591,20 +591,21 @@ def llm_api_yaml(gamma: int, tp: int, max_seq_len: int, target: Path, draft: Pat
     update_llm_args_with_extra_dict, which hands speculative_config to DecodingBaseConfig.from_dict, whose table
     names the class "DraftTarget" and refuses any other name (the docs site's 1.0.0/, 1.2.0/ and
     1.2.1/_modules/tensorrt_llm/llmapi/llm_args.html, built from ae8270b, dbdb13b and 376f7e1); 1.0.0's
-    DecodingBaseConfig has speculative_model_dir and no speculative_model."""
+    DecodingBaseConfig has speculative_model_dir and no speculative_model. The YAML takes the releases' spelling:
+    pip installs the latest release, not a pre-release."""
     chunked = "enable_chunked_prefill: true\n" if max_seq_len > MAX_NUM_TOKENS else ""
     return f"""# TensorRT-LLM LLM API options for draft-target speculative decoding (written by specbuild).
 # The PyTorch backend reads the source Hugging Face folders, not this bundle's checkpoints:
 #   trtllm-serve {shlex.quote(str(target))} --backend pytorch --extra_llm_api_options llm-api.yaml
 # (newer releases also call the option --config), or in Python: LLM(model=..., **yaml.safe_load(...)).
-# decoding_type Draft_Target is the spelling of TensorRT-LLM's main branch. Releases up to 1.2.1 know only
-# DraftTarget (DecodingBaseConfig.from_dict): with them, write decoding_type: DraftTarget, and with 1.0.x
-# speculative_model_dir for speculative_model.
+# decoding_type DraftTarget is the spelling of the releases up to 1.2.1 (DecodingBaseConfig.from_dict);
+# TensorRT-LLM's main branch (and pre-releases built from it) knows only Draft_Target: with it, write decoding_type: Draft_Target.
+# With 1.0.x write speculative_model_dir for speculative_model.
 {note}tensor_parallel_size: {tp}
 max_seq_len: {max_seq_len}
 {chunked}disable_overlap_scheduler: true
 speculative_config:
-  decoding_type: Draft_Target
+  decoding_type: DraftTarget
   max_draft_len: {gamma}
   speculative_model: {json.dumps(str(draft))}
 """
