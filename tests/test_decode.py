@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from conftest import PROMPTS, make_tokenizer
 from specbuild_runtime import DeviceError, RequestError, SpeculativeDecoder, Stats, TokenLogprobs, pool
-from specbuild_runtime.policy import FixedGamma
+from specbuild_runtime.policy import MAX_PROBE_EVERY, PROBE_EVERY, FixedGamma
 from specbuild_runtime.slot import EngineSlot
 from specbuild_runtime.text import TextStream
 
@@ -935,13 +935,24 @@ def test_a_seeded_sampled_request_reproduces_under_auto_gamma_whatever_ran_befor
     prior (the weight ratio, 1) says no γ could pay: each decoder is told a draft step costs a tenth, as a real draft's."""
     options = dict(gamma="auto", temperature=1.0, seed=5)
     decoder, other = SpeculativeDecoder(bundle), SpeculativeDecoder(bundle, parallel=2)
-    decoder._draft_cost = other._draft_cost = 0.1
+    decoder._prior_draft_cost = other._prior_draft_cost = 0.1
     first = decoder.generate(PROMPTS[1], NEW_TOKENS, **options)
     assert len(first.stats.gamma_rounds) > 1, "auto used one γ throughout: this test is hollow"
     for prompt in PROMPTS[:4]:  # unseeded traffic teaches the slot's own policy (and the shared costs)
         decoder.generate(prompt, NEW_TOKENS, gamma="auto", temperature=1.0)
     assert decoder.generate(PROMPTS[1], NEW_TOKENS, **options).token_ids == first.token_ids
     assert other.generate(PROMPTS[1], NEW_TOKENS, **options).token_ids == first.token_ids
+
+
+def test_a_seeded_request_its_prior_keeps_at_gamma_0_first_probes_after_as_many_rounds_as_a_warm_policy(bundle):
+    """A seeded sampled request's policy is fresh each time: probing after 8, then 16 and 32 rounds at γ 0, as a new
+    slot's does, each probe caught the draft up on the prompt and the tokens since, a tenth of the request's time on the
+    demo pair. A draft step priced at 0.7 of a target call (the demo pair's) keeps it at γ 0 at the prior's α."""
+    decoder = SpeculativeDecoder(bundle)
+    decoder._prior_draft_cost = 0.7
+    result = decoder.generate(PROMPTS[1], MAX_PROBE_EVERY - 1, gamma="auto", temperature=1.0, seed=5, ignore_eos=True)
+    assert result.stats.rounds > 2 * PROBE_EVERY, "the request ended before a probe was due: this test is hollow"
+    assert result.stats.gamma_rounds == {0: result.stats.rounds}
 
 
 def test_generated_text_follows_the_prompts_text_with_a_decoder_that_strips_a_leading_space(bundle):
@@ -1159,7 +1170,7 @@ def test_auto_gamma_stops_calling_a_draft_whose_fp16_logits_overflow(overflowing
     monkeypatch.setattr(EngineSlot, "step", counted)
     decoder = SpeculativeDecoder(overflowing("draft"))
     decoder.eos_token_ids = set()
-    decoder._draft_cost = 0.1  # a draft a tenth of its target, as drafts are (this pair's are alike): worth calling
+    decoder._prior_draft_cost = 0.1  # a draft a tenth of its target, as drafts are (this pair's are alike): worth calling
     result = decoder.generate(PROMPTS[0], 64, gamma="auto", temperature=0.8, seed=1)
     assert roles.count("draft") < result.stats.rounds // 4, (roles.count("draft"), result.stats.rounds)
 

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from specbuild_runtime.policy import (GREEDY_DECAYS, MAX_PROBE_EVERY, MAX_STALE_ROUNDS, PROBE_EVERY, SAMPLING_DECAYS,
-                                      STALE_ROUNDS, FIRST_ROUNDS, AdaptiveGamma, Costs)
+                                      STALE_ROUNDS, FIRST_ROUNDS, AdaptiveGamma, Costs, PriorCosts, prior_draft_cost)
 
 from conftest import PROMPTS
 
@@ -77,6 +77,29 @@ def test_policy_recovers_when_the_draft_starts_agreeing():
 def test_expensive_drafts_are_not_used_even_when_they_agree_half_the_time():
     chosen = run_rounds(AdaptiveGamma(max_gamma=8, draft_cost=0.9), lambda r, j: (r + j) % 2 == 0, draft_cost=0.9)
     assert chosen[-20:].count(0) >= 16
+
+
+def seeded_gammas(draft_bytes: int, target_bytes: int, alpha: float, rounds: int = 96) -> list[int]:
+    """The γs a seeded sampled request's policy (decode._policy: PriorCosts, never timed) chooses over a request whose
+    drafts are each accepted with probability alpha."""
+    rng, cost = random.Random(0), prior_draft_cost(draft_bytes, target_bytes)
+    policy = AdaptiveGamma(8, cost, SAMPLING_DECAYS, PriorCosts(8, cost))
+    return run_rounds(policy, lambda r, j: rng.random() < alpha, rounds)
+
+
+def test_a_seeded_request_prices_a_tiny_pairs_draft_by_its_calls_and_a_real_size_pairs_by_its_weights():
+    """A sampled draft step of the demo pair cost half a target call on 2 idle CPU cores and ~0.7 at load 9, where its
+    weights are a 23rd of the target's: priced by the weights, seeded auto drafted at γ 3-4 with α 0.42, ~0.7x
+    target-only. A TinyLlama-sized pair on a GPU reads its weights for most of a call (a step 0.13-0.2 of a target
+    call greedy, the ratio 0.21) and drafts (α 0.75 at T 0.8, 1.5x)."""
+    demo = 702_656, 16_516_096
+    tinyllama = 438_890_000, 2_072_050_000
+    assert 0.5 <= prior_draft_cost(*demo) <= 0.75
+    assert prior_draft_cost(*tinyllama) == pytest.approx(tinyllama[0] / tinyllama[1], rel=0.1)
+    demo_gammas = seeded_gammas(*demo, alpha=0.42)
+    assert sum(demo_gammas) / len(demo_gammas) < 0.5 and demo_gammas.count(0) > 0.8 * len(demo_gammas)
+    tinyllama_gammas = seeded_gammas(*tinyllama, alpha=0.75)
+    assert sum(tinyllama_gammas[16:]) / len(tinyllama_gammas[16:]) >= 2
 
 
 def test_auto_mode_uses_the_target_alone_with_an_unrelated_draft(bundles, tokenizer):

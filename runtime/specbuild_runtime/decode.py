@@ -28,7 +28,8 @@ from .errors import BundleError, DeviceError, RequestError, first_line
 from .grammar import GRAMMAR_CACHE, Grammars, Guide, Structured, Unchecked, check_structured_outputs
 from .logprobs import TokenLogprobs, token_logprobs
 from .manifest import TOKENIZER_DIR, Manifest, load_manifest, read_tokenizer_config
-from .policy import GREEDY_DECAYS, SAMPLING_DECAYS, AdaptiveGamma, Costs, FixedGamma, PriorCosts
+from .policy import (GREEDY_DECAYS, MAX_PROBE_EVERY, SAMPLING_DECAYS, AdaptiveGamma, Costs, FixedGamma, PriorCosts,
+                     prior_draft_cost)
 from .pool import SlotPool, check_memory
 from .relay import Relay
 from .slot import (MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, Rows, Slot, check_gpu_total_len, fixed_rows,
@@ -274,7 +275,9 @@ class SpeculativeDecoder:
         # Adaptive γ: the costs of a round describe the machine and are shared; α follows the text a slot
         # decodes, so each slot keeps its own (carried over to its next request, as the pair's agreement
         # is). Both differ by the request's kind (_kind): one of each per kind.
-        self._draft_cost = draft_cost = self.draft.info.bytes_per_call / self.target.info.bytes_per_call
+        draft_bytes, target_bytes = self.draft.info.bytes_per_call, self.target.info.bytes_per_call
+        self._draft_cost = draft_cost = draft_bytes / target_bytes
+        self._prior_draft_cost = prior_draft_cost(draft_bytes, target_bytes)  # a seeded sampled request's (_policy)
         costs = {kind: Costs(self.max_gamma, draft_cost) for kind in KINDS}
         # Per slot, the last prompt it scored (see _score), whose records a prompt sharing its head reuses.
         self._scored: list[Scored | None] = [None] * parallel
@@ -669,13 +672,17 @@ class SpeculativeDecoder:
     def _policy(self, slot: Slot, request: Request):
         """How the request's rounds choose γ. Greedy output is the target's whatever γ is; a sampled one
         depends on which random number judges which draft, so a seeded one under auto adapts to its own
-        acceptance alone (policy.PriorCosts), not to timings and other requests: it reproduces."""
+        acceptance alone (policy.PriorCosts), not to timings and other requests: it reproduces. Fresh, it has no probe
+        wait to carry over as a slot's policy does (MAX_PROBE_EVERY once the draft fails for long): where the prior
+        keeps it at γ 0 from the start, probes after 8, 16, 32 rounds each caught the draft up on the prompt and the
+        tokens since, 10% of the time (the demo pair at T 0.8 priced out of drafting, 2 CPU cores at load 9: 0.82x
+        target-only, 0.93x without probes), so its first comes after MAX_PROBE_EVERY, as a warm policy's would."""
         sampling = request.sampling
         if isinstance(request.gamma, int):  # a fixed γ, not AUTO
             return FixedGamma(request.gamma)
         if sampling.seed is not None and not sampling.greedy:
-            return AdaptiveGamma(self.max_gamma, self._draft_cost, SAMPLING_DECAYS,
-                                 PriorCosts(self.max_gamma, self._draft_cost))
+            return AdaptiveGamma(self.max_gamma, self._prior_draft_cost, SAMPLING_DECAYS,
+                                 PriorCosts(self.max_gamma, self._prior_draft_cost), probe_every=MAX_PROBE_EVERY)
         return self._policies[slot.index][_kind(request)]
 
     def _speculate(self, slot: Slot, request: Request, stats: Stats, records: list[TokenLogprobs] | None,

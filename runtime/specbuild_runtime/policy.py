@@ -56,6 +56,20 @@ GREEDY_DECAYS = (0.7, 0.95)
 SAMPLING_DECAYS = (0.9,)
 ESTIMATE_SCORE_DECAY = 0.97
 PRIOR_EXTRA_TOKEN = 0.05  # the prior's cost of one more row in a target call, per draft
+# What a call costs besides reading its weights (Python, onnxruntime's dispatch, sampling and penalties on the host),
+# as the weight bytes it could have read meanwhile: the prior a seeded sampled request prices rounds by, never timed
+# (PriorCosts), takes a draft step for (draft bytes + this) / (target bytes + this) of a target call. Tiny models pay
+# their calls' overhead, real-size ones read their weights. Sampled at T 0.8 on 2 CPU cores (2026-11-27): a draft step
+# of the demo pair (0.7 MB of weights against 16.5 MB, a ratio of 0.04) cost 0.46-0.55 target calls at γ 1-4 idle and
+# ~0.7 with its catch-ups at load 9, priced 0.68 (at 16 MiB, 0.51, seeded auto drafted at γ 1 where α was 0.62-0.66, at
+# 0.83x target-only; at 32, 0.99x, load 6); priced by the ratio, it drafted at γ 3-4 where α was 0.41, at 0.73-0.75x.
+# A 46M-parameter fp32 layer pair's (30 MB against 170, a ratio of 0.18) cost 0.12-0.36 (load 9), priced 0.31: seeded
+# auto kept its speed-up there (1.77x target-only, 1.81x by the ratio, α 0.75). On an H100 a TinyLlama-sized pair's
+# (0.44 GB against 2.07) cost 0.13-0.20 greedy and 0.29-0.60 sampled, priced 0.22 (0.21 by the ratio). A constant, not
+# a measurement, so that a seed reproduces across processes and machines: a cost timed at compile time and kept in the
+# manifest would too, but it is the compile machine's, under its load then, and older bundles lack it. (vLLM drafts a
+# fixed number of tokens; llama.cpp and transformers' assisted generation adapt to acceptance alone.)
+CALL_OVERHEAD_BYTES = 32 << 20
 # Each γ's cost (0's included: the unit) is the median of the last FIRST_ROUNDS rounds timed at it; until then a γ ≥ 1
 # is priced as if untimed. One sample alone, taken whole as the first of an average was, priced a γ for good: a first
 # round without drafts 17 times the median (sampling and penalties on the demo pair, load 4) made every γ look cheaper
@@ -95,6 +109,11 @@ MAX_STALE_ROUNDS = 2048
 # 3.97 and 5.11 rounds without drafts, and one drafted in ~6,600 of ~10,000 rounds, another in ~500. Later rounds at γ,
 # in a unit that may be of another spell, price nothing (a round is ~1 ms here, a spell lasts many).
 FRESH_ROUNDS = 32
+
+
+def prior_draft_cost(draft_bytes: int, target_bytes: int) -> float:
+    """A draft step's cost in target calls by the prior of a seeded sampled request (CALL_OVERHEAD_BYTES)."""
+    return (draft_bytes + CALL_OVERHEAD_BYTES) / (target_bytes + CALL_OVERHEAD_BYTES)
 
 
 def expected_tokens_per_call(alpha: float, gamma: int) -> float:
@@ -207,7 +226,10 @@ class Costs:
 class PriorCosts(Costs):
     """Round costs from the prior alone, never timed: a seeded sampled request under auto γ prices rounds so,
     and keeps its own α (a fresh AdaptiveGamma), so that the γ of each round, and with it which random
-    number judges which draft, follows from its seed alone: the request reproduces, as at a fixed γ."""
+    number judges which draft, follows from its seed alone: the request reproduces, as at a fixed γ. Its draft_cost
+    is prior_draft_cost's, the call's overhead included: nothing corrects it. Costs' own prior, the weight ratio, only
+    decides which γ a timed policy drafts at to time it, where a price too low costs a few rounds and finds the γs
+    that pay (a greedy draft step of the demo pair cost 0.33 target calls at γ 4, its first 0.43)."""
 
     def observe(self, drafted: int, draft_seconds: float, target_seconds: float, catching_up: bool) -> None:
         pass
@@ -247,7 +269,8 @@ class AdaptiveGamma:
     mode), used by one request at a time, while the costs are shared."""
 
     def __init__(self, max_gamma: int, draft_cost: float, alpha_decays: tuple[float, ...] = GREEDY_DECAYS,
-                 costs: Costs | None = None):
+                 costs: Costs | None = None, probe_every: int = PROBE_EVERY):
+        """probe_every: the rounds at γ 0 before the first probe (PROBE_EVERY again once it drafts)."""
         self.max_gamma = max_gamma
         self.estimates = [AlphaEstimate(decay) for decay in alpha_decays]
         self.costs = costs or Costs(max_gamma, draft_cost)
@@ -255,7 +278,7 @@ class AdaptiveGamma:
         # drafts, and counts in rounds with drafts how many would have held): what γ 0 yields beyond its token.
         self.held, self.guessed_rounds = 0.0, 1.0
         self.rounds_at_zero = 0  # since speculation stopped or the last probe
-        self.probe_every = PROBE_EVERY
+        self.probe_every = probe_every
         self.probing = False
         self.probed = False  # the last round was a probe: choose tells whether it led to drafting
         self.news = False  # that probe held where the draft had been failing (α below ½)
