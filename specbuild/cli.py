@@ -29,7 +29,7 @@ from .bench.bench import DEFAULT_GAMMAS
 from .bench.peers import KNOWN as PEERS
 from .recipe import (BACKENDS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, DEFAULT_GAMMA, DEFAULT_MAX_SEQ_LEN,
                      DISTILL_BATCH_SIZE, DISTILL_GAMMA, DISTILL_MINUTES, DISTILL_OBJECTIVE, DISTILL_OBJECTIVES,
-                     DISTILL_RULES, DISTILL_SEED, MAX_GAMMA, PRECISIONS, QUANTIZATIONS, RULES)
+                     DISTILL_RULES, DISTILL_SEED, MAX_GAMMA, PRECISIONS, QUANTIZATIONS, RULES, distill_conflict)
 from .staging import replace_file
 
 # Whether main() runs as the `specbuild` command, which may drop interrupts once its work is done (see
@@ -755,10 +755,10 @@ def distill(target, output, init, draft_config, minutes, prompts_file, data, gam
 
     The target continues prompts (yours, spans of your text, or its own samples); the draft learns the
     target's distribution at every token. The output is written only if α on held-out prompts rose."""
-    if init and draft_config:
-        raise click.UsageError("give either --init or --draft-config, not both")
-    if prompts_file and data:
-        raise click.UsageError("give either --prompts or --data, not both")
+    options = {param.name: param.opts[0] for param in click.get_current_context().command.params}
+    if problem := distill_conflict(dict(init=init, draft_config=draft_config, prompts_file=prompts_file, data=data),
+                                   options.__getitem__):
+        raise click.UsageError(problem)
     from .errors import TrainingError
     from .train.distill import distill as run_distill
 

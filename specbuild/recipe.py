@@ -117,6 +117,8 @@ DISTILL_OBJECTIVE = "tvd"
 DISTILL_OBJECTIVES = ("tvd", "fkl", "rkl", "jsd")
 DISTILL_BATCH_SIZE = 16
 DISTILL_SEED = 0
+# the sequences distill's training data may be made of (train/distill.py's DistillData)
+DISTILL_KINDS = ("sampled", "greedy", "draft")
 
 
 def whole_number(low: int, high: int | None = None, powers_of_two: bool = False) -> Callable[[object], str | None]:
@@ -137,6 +139,18 @@ def positive_number(value) -> str | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
         return f"must be a positive number, not {_shown(value)}"
     return None
+
+
+def fraction(value) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        return f"must be a number between 0 and 1 (neither included), not {_shown(value)}"
+    return None
+
+
+def _kinds(value) -> str | None:
+    if isinstance(value, (list, tuple)) and value and all(kind in DISTILL_KINDS for kind in value):
+        return None
+    return f"must be a non-empty list of {', '.join(DISTILL_KINDS)}; not {_shown(value)}"
 
 
 RULES: dict[str, Callable[[object], str | None]] = {
@@ -170,7 +184,27 @@ DISTILL_RULES: dict[str, Callable[[object], str | None]] = {
     "batch_size": whole_number(1),
     "lr": positive_number,
     "seed": whole_number(0, MAX_SEED),
+    # distill()'s alone (the command leaves them at their defaults): a kind it does not make failed once α had been
+    # measured, a share of 0 trained all the minutes on one set of sequences (and of 1 or more, a few steps), and no
+    # held-out prompts failed deep in the first measurement (max() of nothing) or, with data, held out nine
+    "kinds": _kinds,
+    "generation_share": fraction,
+    "heldout_prompts": whole_number(1),
 }
+
+# distill's arguments that exclude each other: a draft starts from a checkpoint or from a config, and prompts come from
+# a JSONL file or from text. Given both from Python, distill used the first and ignored the second.
+DISTILL_EXCLUSIVE = (("init", "draft_config"), ("prompts_file", "data"))
+
+
+def distill_conflict(given: dict, name: Callable[[str], str] = str) -> str | None:
+    """"give either A or B, not both" for the first pair of DISTILL_EXCLUSIVE that given holds both of (an empty value
+    is not given: the command's default --draft-config is ()), A and B as name calls them (an option, an argument);
+    else None. The distill command checks with it as it parses, distill() before it loads anything."""
+    for first, second in DISTILL_EXCLUSIVE:
+        if given.get(first) and given.get(second):
+            return f"give either {name(first)} or {name(second)}, not both"
+    return None
 
 
 def setting_problem(key: str, value) -> str | None:

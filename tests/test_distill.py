@@ -454,7 +454,13 @@ def test_the_distill_command_takes_a_seed_as_bench_does_with_the_apis_default(mo
 
 
 WRONG_SETTINGS = [("objective", "kl"), ("minutes", 0), ("minutes", float("nan")), ("gamma", 0), ("gamma", MAX_GAMMA + 1),
-                  ("batch_size", 0), ("lr", -1e-3), ("seed", -1)]
+                  ("batch_size", 0), ("lr", -1e-3), ("seed", -1),
+                  # a ValueError, a ZeroDivisionError and a ValueError on "s" once α had been measured
+                  ("kinds", ("bogus",)), ("kinds", ()), ("kinds", "sampled"),
+                  # all the minutes' training on one set of sequences; a few steps
+                  ("generation_share", 0.0), ("generation_share", 1.0),
+                  # max() of an empty sequence in the first measurement (the target's own samples)
+                  ("heldout_prompts", 0)]
 
 
 @pytest.mark.parametrize("key, value", WRONG_SETTINGS)
@@ -482,6 +488,27 @@ def test_the_distill_command_refuses_a_setting_in_the_functions_words(tmp_path, 
         main(["distill", "--target", str(tmp_path), "-o", str(tmp_path / "draft"), option, value])
     assert exited.value.code == 2
     assert str(refused.value).removeprefix(f"distill setting {key} ") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("first, second, options", [("init", "draft_config", ["--init", "--draft-config"]),
+                                                     ("prompts_file", "data", ["--prompts", "--data"])])
+def test_distill_refuses_arguments_that_exclude_each_other_as_the_command_does(tmp_path, capsys, first, second, options):
+    """From Python, distill started from init and ignored draft_config, and read prompts_file and ignored data, where the
+    command refused them: one check (recipe.distill_conflict) for both, each naming them its own way. There is no
+    target here: a refusal that came after loading it would be a CheckpointError."""
+    from specbuild.cli import main
+
+    given = {"init": tmp_path, "draft_config": {"num_hidden_layers": 1}, "prompts_file": tmp_path / "p.jsonl",
+             "data": tmp_path}
+    with pytest.raises(TrainingError, match=f"^give either {first} or {second}, not both$"):
+        distill(tmp_path / "no target", tmp_path / "draft", **{first: given[first], second: given[second]})
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n')
+    values = {"--init": str(tmp_path), "--draft-config": "num_hidden_layers=1", "--prompts": str(tmp_path / "p.jsonl"),
+              "--data": str(tmp_path)}
+    with pytest.raises(SystemExit) as exited:
+        main(["distill", "--target", str(tmp_path), "-o", str(tmp_path / "draft"),
+              *[part for option in options for part in (option, values[option])]])
+    assert exited.value.code == 2 and f"give either {options[0]} or {options[1]}, not both" in capsys.readouterr().err
 
 
 def test_distill_refuses_a_draft_with_another_tokenizer(pair, tmp_path):

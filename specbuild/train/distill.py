@@ -23,7 +23,7 @@ from ..compile.reference import load_reference, plainly_generating
 from ..errors import CheckpointError, TrainingError
 from ..progress import bar, note
 from ..recipe import (DEFAULT_MAX_SEQ_LEN, DISTILL_BATCH_SIZE, DISTILL_GAMMA, DISTILL_MINUTES, DISTILL_OBJECTIVE,
-                      DISTILL_RULES, DISTILL_SEED)
+                      DISTILL_RULES, DISTILL_SEED, distill_conflict)
 from ..staging import guarded_folder
 from .divergence import distill_loss, parts
 from .generate import Sequence, continuation_logits, continue_prompts, eos_ids, pad_id, score, stop_at_tokenizer_eos
@@ -445,10 +445,13 @@ def distill(
     replace only an empty folder or, with overwrite, a checkpoint, and none of the inputs (checked first,
     so a refusal costs no training). Returns the report.
     """
-    given = dict(minutes=minutes, gamma=gamma, objective=objective, batch_size=batch_size, lr=lr, seed=seed)
+    given = dict(minutes=minutes, gamma=gamma, objective=objective, batch_size=batch_size, lr=lr, seed=seed, kinds=kinds,
+                 generation_share=generation_share, heldout_prompts=heldout_prompts)
     for key, value in given.items():
         if problem := DISTILL_RULES[key](value):
             raise TrainingError(f"distill setting {key} {problem}")
+    if problem := distill_conflict(dict(init=init, draft_config=draft_config, prompts_file=prompts_file, data=data)):
+        raise TrainingError(problem)
     inputs = {"target": target_dir, "init": init, "prompts": prompts_file, "data": data if isinstance(data, Path) else None}
     check_checkpoint_output(output_dir, overwrite, inputs)
     settings = dict(draft_config=draft_config, init=init, minutes=minutes, prompts_file=prompts_file, data=data,
