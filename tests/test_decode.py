@@ -1245,6 +1245,33 @@ def test_a_round_whose_draft_stopped_short_leaves_auto_gammas_costs_alone(bundle
     assert len(judged) > 3 and judged == [not short for short in cut]
 
 
+def test_a_draft_that_stopped_at_an_eos_under_a_grammar_tells_alpha_of_no_failure(bundles, monkeypatch):
+    """Under a grammar the draft stops after an eos (_draft): nothing can follow it, so the γ asked beyond it was never
+    missed. Counted rejected, they told α of a failure in the round that ends nearly every such request (the demo pair
+    under a JSON schema: α at a request's start 0.75 rather than 0.78). The draft is the target here: every draft holds."""
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=0))
+    told, stopped = [], []
+
+    class Recording(FixedGamma):
+        def observe(self, drafted: int, accepted: int, *args, **kwargs) -> None:
+            told.append((drafted, accepted))
+
+    draft = decoder._draft
+
+    def recording(slot, feed, total_len, k, *args):
+        drafts = draft(slot, feed, total_len, k, *args)
+        stopped.append(0 < len(drafts) < k and drafts[-1] in decoder.eos_token_ids)
+        return drafts
+
+    monkeypatch.setattr(decoder, "_policy", lambda slot, request: Recording(request.gamma))
+    monkeypatch.setattr(decoder, "_draft", recording)
+    choices = {"choice": ["return a + b", "pass", "raise ValueError"]}
+    ends = [decoder.generate(prompt, 24, gamma=decoder.max_gamma, structured_outputs=choices).stats.finish_reason
+            for prompt in PROMPTS[:3]]
+    assert any(stopped) and ends == ["eos"] * 3
+    assert all(drafted == accepted for drafted, accepted in told), told
+
+
 # --- Refusing a prompt longer than the context without tokenizing it ----------------------------------------------
 
 # Pieces of text that normalizers join (NFC/NFKC compose U+1F82 from 4 characters, a Hangul syllable from 3 jamo),
