@@ -405,3 +405,13 @@ def test_auto_drafts_more_once_a_spell_that_priced_gamma_2_dear_but_within_reach
     assert 2 < policy.costs.cost(2) <= 3 and policy.costs.stale_after[2] == STALE_ROUNDS  # never priced out
     chosen = decode_rounds(policy, MAX_STALE_ROUNDS + 300, first_four, cheap_steps)
     assert min(k for k in chosen[-200:] if k) >= 3
+
+
+def test_a_gamma_auto_drafts_above_keeps_the_gammas_below_it_timed():
+    """Only a γ that holds auto below it is timed afresh after MAX_STALE_ROUNDS rounds: one auto left for a higher γ that
+    pays more is not too dear. Dropped whenever the unit was timed again (a round at γ 0, the γ below γ 1), γ 1 fell
+    back to the prior's price (a draft step a tenth of a target call, where it costs 0.35), drew auto down from γ 3-4,
+    and each γ it drafted at on the way up was dropped in turn: 55 rounds at γ 1 and 2 in 11,000 here."""
+    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
+    chosen = decode_rounds(policy, 12000, lambda r, j: j < 3, lambda r, k: (0.35 * k, 1 + 0.03 * max(k - 1, 0)))
+    assert min(k for k in chosen[1000:] if k) >= 3

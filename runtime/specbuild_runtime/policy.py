@@ -95,12 +95,16 @@ STALE_ROUNDS = 256
 # 304-1139 rounds later (never before). A γ timed within reach, yet too dear for the α of its time, held auto as surely:
 # no round times it while auto drafts below it (a draft step of 0.9 target calls in a spell priced γ 1 at 1.9 units for
 # ~1.4 tokens, and auto stayed at γ 0; further steps of 1.2 priced γ 2 at 2.5, and auto stayed at γ 1, every γ above
-# priced from it). Such a γ is timed afresh after MAX_STALE_ROUNDS rounds at the γ below it, a wait that stays (it may as
-# well be within reach when timed again). Simulated (steps of 0.1 from round 1000, a catch-up 3 steps; 6000 rounds, 4
-# seeds): at α 0.5 0.98-1.00x target-only became 1.25-1.28x, at α 0.8 0.99x became 1.89-1.92x (the best fixed γ: 1.21x,
-# 1.68x); where no γ pays (α 0.3-0.6, steps of 0.3-0.7, 50,000 rounds), 0.1-0.8% slower, re-timing γ 1 and γ 2 (each
-# re-timed at the prior's price draws auto on to the next): the demo pair under T 0.8 + repetition 1.1 drafted twice as
-# many rounds and decoded 0.94-1.01x as fast as before (medians of 5 interleaved A/Bs, 2 cores at load 2-11).
+# priced from it). Such a γ is timed afresh after MAX_STALE_ROUNDS rounds at the γ below it, a wait that stays (it may
+# as well be within reach when timed again): once no round at it or above has been timed for as long and the last was at
+# the γ below. Judged by its own rounds alone, a γ that auto left for a higher one that pays more was dropped too,
+# whenever a round came at the γ below (the unit timed afresh, every STALE_ROUNDS rounds), and its prior's price drew
+# auto down to time it and each γ on the way back up (tests/test_policy.py). Simulated (steps of 0.1 from round 1000, a
+# catch-up 3 steps; 6000 rounds, 4 seeds): at α 0.5 0.98-1.00x target-only became 1.25-1.28x, at α 0.8 0.99x became
+# 1.89-1.92x (the best fixed γ: 1.21x, 1.68x); where no γ pays (α 0.3-0.6, steps of 0.3-0.7, 50,000 rounds), 0.1-0.8%
+# slower, re-timing γ 1 and γ 2 (each re-timed at the prior's price draws auto on to the next): the demo pair under T
+# 0.8 + repetition 1.1 drafted twice as many rounds and decoded 0.94-1.01x as fast as before (medians of 5 interleaved
+# A/Bs, 2 cores at load 2-11).
 MAX_STALE_ROUNDS = 2048
 # Rounds after the unit was last timed within which a round at γ ≥ 1 is priced in it: each γ's cost is a ratio to the
 # unit of its time, since the γ 0 auto sits at keeps being timed while a γ it does not draft at is not, and rounds at γ
@@ -187,8 +191,8 @@ class Costs:
 
     def _stale(self, gamma: int) -> bool:
         """Whether γ's cost is dropped, to be timed afresh: untimed for stale_after[γ] rounds, the unit, or, once the γ
-        below it is timed within reach, a γ ≥ 1 priced out of reach, or one within reach untimed for MAX_STALE_ROUNDS
-        rounds once the round before was timed at the γ below."""
+        below it is timed within reach, a γ ≥ 1 priced out of reach, or one within reach where no round at it or above
+        has been timed for MAX_STALE_ROUNDS rounds and the round before was timed at the γ below."""
         if self.observed - self.timed_at[gamma] <= self.stale_after[gamma]:
             return False
         if not gamma:
@@ -196,7 +200,7 @@ class Costs:
         below, timed = 1.0 if gamma == 1 else self.rounds[gamma - 1], self.rounds[gamma]
         if timed is None or below is None or below > gamma:
             return False
-        return timed > gamma + 1 or (self.observed - self.timed_at[gamma] > MAX_STALE_ROUNDS
+        return timed > gamma + 1 or (self.observed - max(self.timed_at[gamma:]) > MAX_STALE_ROUNDS
                                      and self.timed_at[gamma - 1] == self.observed - 1)
 
     def observe(self, drafted: int, draft_seconds: float, target_seconds: float, catching_up: bool) -> None:
