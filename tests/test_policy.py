@@ -415,3 +415,21 @@ def test_a_gamma_auto_drafts_above_keeps_the_gammas_below_it_timed():
     policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
     chosen = decode_rounds(policy, 12000, lambda r, j: j < 3, lambda r, k: (0.35 * k, 1 + 0.03 * max(k - 1, 0)))
     assert min(k for k in chosen[1000:] if k) >= 3
+
+
+def test_a_gamma_priced_out_after_a_spell_that_timed_it_dear_but_within_reach_waits_stale_rounds_first():
+    """Timed afresh after MAX_STALE_ROUNDS rounds while within reach, γ 1 had its wait doubled as a γ priced out does:
+    priced out when timed again, it waited 2 * STALE_ROUNDS rounds, not STALE_ROUNDS, the first wait of a γ priced out."""
+    costs = Costs(max_gamma=4, draft_cost=0.1)
+
+    def rounds(count: int, gamma: int, seconds: float) -> None:
+        for _ in range(count):
+            costs.observe(gamma, 0.0, seconds, catching_up=False)
+
+    rounds(FIRST_ROUNDS, 0, 1.0)
+    rounds(FIRST_ROUNDS, 1, 1.9)  # within reach, too dear
+    rounds(MAX_STALE_ROUNDS + 1, 0, 1.0)
+    assert costs.rounds[1] is None
+    rounds(FIRST_ROUNDS, 1, 2.6)  # out of reach
+    rounds(STALE_ROUNDS + 1, 0, 1.0)
+    assert costs.rounds[1] is None

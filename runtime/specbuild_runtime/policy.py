@@ -208,10 +208,12 @@ class Costs:
             self.observed += 1
             for gamma in range(len(self.rounds)):
                 if self._stale(gamma):
+                    # priced out, and out of reach when timed again, it waits longer; dropped within reach, it waits
+                    # STALE_ROUNDS first if priced out then, as any γ
+                    if gamma and self.cost(gamma) > gamma + 1:
+                        self.stale_after[gamma] = min(2 * self.stale_after[gamma], MAX_STALE_ROUNDS)
                     self.rounds[gamma] = None
                     self.last[gamma].clear()
-                    if gamma:  # out of reach when timed again, it waits longer
-                        self.stale_after[gamma] = min(2 * self.stale_after[gamma], MAX_STALE_ROUNDS)
             seconds = draft_seconds + target_seconds
             if drafted:
                 # a catching-up draft also read tokens it had missed: not a round of γ; or no unit of its time
