@@ -1224,8 +1224,8 @@ def test_a_round_that_waited_on_another_threads_cuda_graph_warm_up_leaves_auto_g
 
 def test_a_round_whose_draft_stopped_short_leaves_auto_gammas_costs_alone(bundle, monkeypatch):
     """A draft stops before the γ asked (an eos or a grammar that leaves its vocabulary nothing, logits not finite): the
-    round drafted fewer tokens and computed fewer target rows than a round at that γ, whose cost it was taken for. Its
-    drafts count as rejected still; its time prices nothing."""
+    round drafted fewer tokens and computed fewer target rows than a round at that γ, whose cost it was taken for. The
+    drafts it never made count as rejected still, but past an eos (the next test); its time prices nothing."""
     decoder = SpeculativeDecoder(bundle)
     judged, cut = [], []
 

@@ -783,7 +783,7 @@ class SpeculativeDecoder:
             t0 = clock()
             drafts = self._draft(slot, ids[draft_len:], len(ids), k, uniforms, sampling.greedy, guide)
             t1 = clock()
-            asked, k = k, len(drafts)  # fewer where the draft's logits stopped being finite
+            asked, k = k, len(drafts)  # fewer where the draft stopped short: logits not finite, a grammar (_draft)
             if drafts:
                 draft_len = len(ids) + k - 1
             # A target call never computes one row alone (see slot.Rows), so a round without drafts pays for
