@@ -7,7 +7,8 @@ costs as much as a round with one in target rows (on a GPU every target call com
 greedy, those rows check free guesses, which make a round without drafts worth 1 + the guesses that hold.
 What a round at γ costs, in target calls without drafts, is timed (`Costs`). AdaptiveGamma picks the
 γ (0 = target only) with the most tokens per unit of cost. While it sits at 0 it still drafts one token
-now and then (a probe) so it notices when the draft starts agreeing again: first after PROBE_EVERY rounds, and each probe
+now and then (a probe) so it notices when the draft starts agreeing again: first after PROBE_EVERY rounds (a seeded
+request's fresh policy: MAX_PROBE_EVERY), and each probe
 after which it still does not draft, rejected or held, doubles the wait up to MAX_PROBE_EVERY, but for one that holds
 where the draft had been failing (α below ½), which brings the next after PROBE_EVERY. A probe costs a cold draft
 call that catches up on the tokens the draft missed, plus a 2-token target call: with a probe every 8 rounds a draft that
