@@ -18,14 +18,15 @@ from conftest import make_checkpoint, make_tokenizer, on_a_terminal
 from test_bad_inputs import MARKER, plant_pickle
 from specbuild.acceptance import rounds
 from specbuild.demo import DEMO_RECIPE
-from specbuild.errors import CheckpointError, OutputError, PairMismatchError, TrainingError, UnsupportedModelError
+from specbuild.errors import (CheckpointError, OutputError, PairMismatchError, SpecbuildError, TrainingError,
+                             UnsupportedModelError)
 from specbuild.recipe import DISTILL_OBJECTIVES, MAX_GAMMA
 from specbuild.train import distill as distill_module
 from specbuild.train import divergence, generate
 from specbuild.train.distill import acceptance, alpha, distill, load_model, shrunk_config, target_references
 from specbuild.train.generate import Sequence, continue_prompts, right_padded, score
-from specbuild.train.prompts import (HELDOUT_SHARE, SPAN_TOKENS, from_file, from_target, from_text, read_texts,
-                                     start_token)
+from specbuild.train.prompts import (HELDOUT_SHARE, SPAN_TOKENS, from_file, from_target, from_text, read_prompt_file,
+                                     read_texts, start_token)
 from specbuild.train.demo_pair import code_only, read_pair_recipe
 from specbuild.train.train import StepTuner, parameter_count
 
@@ -82,28 +83,28 @@ def test_rounds_end_where_the_request_does_however_far_the_continuation_runs():
 
 def test_a_prompts_file_holds_out_every_fourth_prompt(models, prompts_file):
     _, _, tokenizer = models
-    prompts = from_file(tokenizer, prompts_file, max_heldout=64)
+    prompts = from_file(tokenizer, read_prompt_file(prompts_file), max_heldout=64)
     encoded = tokenizer(PROMPTS)["input_ids"]
     assert prompts.heldout == [encoded[3], encoded[7]]
     assert prompts.train == [ids for i, ids in enumerate(encoded) if i not in (3, 7)]
 
 
-def test_a_prompts_file_of_one_prompt_is_refused(models, tmp_path):
+def test_a_prompts_file_of_one_prompt_is_refused(tmp_path):
     (tmp_path / "one.jsonl").write_text('{"prompt": "x"}\n')
     with pytest.raises(TrainingError, match="one prompt"):
-        from_file(models[2], tmp_path / "one.jsonl", max_heldout=64)
+        read_prompt_file(tmp_path / "one.jsonl")
 
 
 def test_a_prompt_repeated_in_the_file_never_trains_where_a_copy_is_held_out(models, tmp_path):
     _, _, tokenizer = models
     (tmp_path / "dup.jsonl").write_text("".join(f'{{"prompt": "{p}"}}\n' for p in ["a b", "c", "d", "a b", "e", "a b"]))
-    prompts = from_file(tokenizer, tmp_path / "dup.jsonl", max_heldout=64)
+    prompts = from_file(tokenizer, read_prompt_file(tmp_path / "dup.jsonl"), max_heldout=64)
     encoded = tokenizer(["a b", "c", "d", "e"])["input_ids"]
     assert prompts.heldout == [encoded[0]]  # the fourth line
     assert prompts.train == [encoded[1], encoded[2], encoded[3]]
     (tmp_path / "same.jsonl").write_text('{"prompt": "x"}\n' * 5)
     with pytest.raises(TrainingError, match="two or more distinct prompts"):
-        from_file(tokenizer, tmp_path / "same.jsonl", max_heldout=64)
+        from_file(tokenizer, read_prompt_file(tmp_path / "same.jsonl"), max_heldout=64)
 
 
 def test_text_spans_hold_out_the_last_tenth_of_every_file(models, tmp_path):
@@ -249,7 +250,7 @@ def test_alpha_ends_a_request_at_the_targets_eos_ids_as_its_bundle_does(pair, tm
     target_dir = tmp_path / "target"
     shutil.copytree(pair[0], target_dir)
     target, tokenizer = load_model(target_dir, "target")
-    heldout = from_file(tokenizer, prompts_file, 2).heldout
+    heldout = from_file(tokenizer, read_prompt_file(prompts_file), 2).heldout
     reference = target_references(target, heldout[:1], len(tokenizer))[0]
     other_eos = int(reference.tokens[reference.first + 5])  # one the target writes early in a held-out request
     if named_by == "generation_config":
@@ -520,6 +521,17 @@ def test_distill_refuses_arguments_that_exclude_each_other_as_the_command_does(t
         main(["distill", "--target", str(tmp_path), "-o", str(tmp_path / "draft"),
               *[part for option in options for part in (option, values[option])]])
     assert exited.value.code == 2 and f"give either {options[0]} or {options[1]}, not both" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lines, refused", [('{"prompt": "x"}\n', "has one prompt"),
+                                             ("x\n", 'is not a JSON object with a "prompt" field')])
+def test_distill_refuses_a_prompts_file_it_cannot_use_before_it_loads_the_target(tmp_path, lines, refused):
+    """A prompts file of one prompt, or not JSONL, was refused once the target had loaded and a new draft had been
+    initialised (minutes on a large target). There is no target here: a refusal that came after loading it would be
+    a CheckpointError."""
+    (tmp_path / "p.jsonl").write_text(lines)
+    with pytest.raises(SpecbuildError, match=refused):
+        distill(tmp_path / "no target", tmp_path / "draft", prompts_file=tmp_path / "p.jsonl")
 
 
 def test_distill_refuses_a_draft_with_another_tokenizer(pair, tmp_path):
@@ -835,7 +847,7 @@ def test_every_kind_of_sequence_fits_the_targets_positions(tmp_path, tokenizer):
 
     folder, prompts_file = short_gpt2(tmp_path, tokenizer)
     target, target_tokenizer = load_model(folder, "target")
-    prompts = choose_prompts(target, target_tokenizer, prompts_file, None, 1, 0)
+    prompts = choose_prompts(target, target_tokenizer, read_prompt_file(prompts_file), None, 1, 0)
     draft = build_draft(target, target_tokenizer, None, None, 0)
     made = DistillData(target, draft, prompts.train, len(target_tokenizer), kinds=("sampled", "greedy", "draft"),
                        share=1.0, batch_size=1)

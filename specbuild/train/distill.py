@@ -27,7 +27,8 @@ from ..recipe import (DEFAULT_MAX_SEQ_LEN, DISTILL_BATCH_SIZE, DISTILL_GAMMA, DI
 from ..staging import guarded_folder
 from .divergence import distill_loss, parts
 from .generate import Sequence, continuation_logits, continue_prompts, eos_ids, pad_id, score, stop_at_tokenizer_eos
-from .prompts import MAX_PROMPT_TOKENS, SPAN_TOKENS, Prompts, from_file, from_target, from_text, read_texts
+from .prompts import (MAX_PROMPT_TOKENS, SPAN_TOKENS, PromptFile, Prompts, from_file, from_target, from_text,
+                      read_prompt_file, read_texts)
 from .train import (CHECKPOINT, check_checkpoint_output, check_room, is_checkpoint, parameter_count, train_model,
                     write_checkpoint)
 
@@ -401,15 +402,16 @@ def alpha(counts: tuple[int, int]) -> float:
     return accepted / drafted if drafted else 0.0
 
 
-def choose_prompts(target, tokenizer, prompts_file: Path | None, data: list[str] | None, heldout: int, seed: int) -> Prompts:
+def choose_prompts(target, tokenizer, prompt_file: PromptFile | None, data: list[str] | None, heldout: int,
+                   seed: int) -> Prompts:
     # A prompt and its NEW_TOKENS continuation must fit the target's positions: GPT-2's table ends there
     # (an IndexError past it), and other models write what they were never trained to.
     context = target.config.max_position_embeddings
     if context < SPAN_TOKENS + NEW_TOKENS + 1:
         raise TrainingError(f"the target's max_position_embeddings {context} leaves no room for a prompt and the "
                             f"{NEW_TOKENS} tokens distill continues it by; it needs {SPAN_TOKENS + NEW_TOKENS + 1} or more")
-    if prompts_file is not None:
-        return from_file(tokenizer, prompts_file, heldout, max_tokens=min(MAX_PROMPT_TOKENS, context - NEW_TOKENS))
+    if prompt_file is not None:
+        return from_file(tokenizer, prompt_file, heldout, max_tokens=min(MAX_PROMPT_TOKENS, context - NEW_TOKENS))
     if data is not None:
         return from_text(tokenizer, data, heldout, seed)
     return from_target(target, tokenizer, heldout, seed)
@@ -480,6 +482,7 @@ def _distill(target_dir: Path, output_dir: Path, *, draft_config, init, minutes,
     """distill's work, its output locked: (report, draft, tokenizer)."""
     if isinstance(data, Path):
         data = read_texts(data, seed)
+    prompt_file = None if prompts_file is None else read_prompt_file(prompts_file)
     torch.manual_seed(seed)
     target, tokenizer = load_model(target_dir, "target")
     stop_at_tokenizer_eos(target, tokenizer)
@@ -491,7 +494,7 @@ def _distill(target_dir: Path, output_dir: Path, *, draft_config, init, minutes,
     draft = build_draft(target, tokenizer, draft_config, init, seed)
     check_room(draft, output_dir)
     vocab = len(tokenizer)
-    prompts = choose_prompts(target, tokenizer, prompts_file, data, heldout_prompts, seed)
+    prompts = choose_prompts(target, tokenizer, prompt_file, data, heldout_prompts, seed)
 
     started = time.monotonic()
     references = target_references(target, prompts.heldout, vocab)

@@ -38,11 +38,26 @@ def start_token(tokenizer) -> int:
     return tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
 
 
-def from_file(tokenizer, path: Path, max_heldout: int, max_tokens: int = MAX_PROMPT_TOKENS) -> Prompts:
-    """The prompts of a JSONL file (the format bench and verify read); every fourth is held out."""
+@dataclass(frozen=True)
+class PromptFile:
+    """The prompts of a JSONL file (the format bench and verify read), two or more. distill reads them before it loads
+    the target: a file it cannot use (not JSONL, one prompt) was refused once the target had loaded (minutes on a
+    large one)."""
+
+    path: Path
+    texts: list[str]
+
+
+def read_prompt_file(path: Path) -> PromptFile:
     texts = read_prompts(path)
     if len(texts) < 2:
         raise TrainingError(f"{path} has one prompt; distill needs two or more (some are held out to measure alpha)")
+    return PromptFile(Path(path), texts)
+
+
+def from_file(tokenizer, file: PromptFile, max_heldout: int, max_tokens: int = MAX_PROMPT_TOKENS) -> Prompts:
+    """A prompt file's prompts; every fourth is held out."""
+    path, texts = file.path, file.texts
     # Encoded as the runtime encodes a prompt (special tokens included), cut to the end the draft continues.
     encoded = [(ids or [start_token(tokenizer)])[-max_tokens:] for ids in tokenizer(texts)["input_ids"]]
     heldout = set(list(range(HELDOUT_EVERY - 1, len(texts), HELDOUT_EVERY))[:max_heldout]) or {len(texts) - 1}
