@@ -534,6 +534,17 @@ def test_distill_refuses_a_prompts_file_it_cannot_use_before_it_loads_the_target
         distill(tmp_path / "no target", tmp_path / "draft", prompts_file=tmp_path / "p.jsonl")
 
 
+@pytest.mark.parametrize("files, refused", [([], "no config.json"), (["config.json"], r"no \*\.safetensors weights")])
+def test_distill_refuses_an_init_that_is_no_checkpoint_before_it_loads_the_target(tmp_path, files, refused):
+    """An --init without config.json or safetensors was refused once the target had loaded (minutes on a large
+    one). There is no target here: a refusal that came after loading it would name the target."""
+    (tmp_path / "init").mkdir()
+    for name in files:
+        (tmp_path / "init" / name).write_text("{}")
+    with pytest.raises(CheckpointError, match=f"^draft checkpoint {tmp_path / 'init'} .*{refused}"):
+        distill(tmp_path / "no target", tmp_path / "draft", init=tmp_path / "init")
+
+
 def test_distill_refuses_a_draft_with_another_tokenizer(pair, tmp_path):
     other = make_checkpoint(tmp_path / "other", "llama", make_tokenizer(vocab_size=300), **SMALLER)
     with pytest.raises(CheckpointError, match="different tokenizer"):

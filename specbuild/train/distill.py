@@ -44,16 +44,22 @@ def load_model(path: Path, role: str):
     """A Hugging Face folder's model (fp32, eval mode, from safetensors only: never unpickled) and tokenizer (None for
     a draft saved without tokenizer files, which speaks the target's, as compile takes it)."""
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise CheckpointError(f"{role} checkpoint {path} is not a Hugging Face folder (no config.json)")
-    if not any(path.glob("*.safetensors")):
-        raise CheckpointError(f"{role} checkpoint {path} has no *.safetensors weights (distill never unpickles "
-                              "*.bin files; re-save it with save_pretrained(..., safe_serialization=True))")
+    check_checkpoint_files(path, role)
     quiet_transformers()  # before check_memory reads the config, which transformers may remark on
     check_memory(path, role)
     with note(f"loading the {role} checkpoint {path}"):  # an 8B target in fp32 is 32 GB to read and convert
         model = load_reference(path, role)
     return model, None if role == "draft" and not has_tokenizer_files(path) else load_tokenizer(path, role)
+
+
+def check_checkpoint_files(path: Path, role: str) -> None:
+    """CheckpointError where path holds no config.json or no safetensors weights: distill checks --init so before it
+    loads the target, which refused a wrong --init only after that load (minutes on a large target)."""
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{role} checkpoint {path} is not a Hugging Face folder (no config.json)")
+    if not any(path.glob("*.safetensors")):
+        raise CheckpointError(f"{role} checkpoint {path} has no *.safetensors weights (distill never unpickles "
+                              "*.bin files; re-save it with save_pretrained(..., safe_serialization=True))")
 
 
 def check_memory(path: Path, role: str) -> None:
@@ -483,6 +489,8 @@ def _distill(target_dir: Path, output_dir: Path, *, draft_config, init, minutes,
     if isinstance(data, Path):
         data = read_texts(data, seed)
     prompt_file = None if prompts_file is None else read_prompt_file(prompts_file)
+    if init is not None:
+        check_checkpoint_files(Path(init), "draft")
     torch.manual_seed(seed)
     target, tokenizer = load_model(target_dir, "target")
     stop_at_tokenizer_eos(target, tokenizer)
