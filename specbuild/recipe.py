@@ -300,7 +300,7 @@ def resolve_settings(recipe: Path | None, **options) -> CompileSettings:
     if missing:
         where = f"in [compile] of {recipe}" if recipe else "in a recipe"
         raise MissingSettingsError(f"missing {', '.join('--' + m for m in missing)} (give "
-                                   f"{'it' if len(missing) == 1 else 'them'} as options or {where})")
+                                   f"{'it as an option' if len(missing) == 1 else 'them as options'} or {where})")
     try:
         return CompileSettings(**values, recipe=recipe)
     except SettingsError as exc:

@@ -505,6 +505,17 @@ def test_quantize_on_the_command_line_wins_over_a_recipes_per_engine_quantizatio
     assert (settings.quantization("target"), settings.quantization("draft")) == ("int4", "int8")
 
 
+def test_compile_asks_for_one_missing_setting_as_an_option_and_for_several_as_options(tmp_path):
+    """It read "missing --output (give it as options or in a recipe)"."""
+    from specbuild.errors import MissingSettingsError
+    from specbuild.recipe import resolve_settings
+
+    with pytest.raises(MissingSettingsError, match=r"^missing --output \(give it as an option or in a recipe\)$"):
+        resolve_settings(None, target=tmp_path, draft=tmp_path)
+    with pytest.raises(MissingSettingsError, match=r"^missing --draft, --output \(give them as options or in a recipe\)$"):
+        resolve_settings(None, target=tmp_path)
+
+
 def test_a_recipe_may_start_with_a_bom_and_name_paths_from_home(tmp_path, monkeypatch):
     from specbuild.recipe import resolve_settings
 
