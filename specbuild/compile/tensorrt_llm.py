@@ -599,8 +599,8 @@ def llm_api_yaml(gamma: int, tp: int, max_seq_len: int, target: Path, draft: Pat
 #   trtllm-serve {shlex.quote(str(target))} --backend pytorch --extra_llm_api_options llm-api.yaml
 # (newer releases also call the option --config), or in Python: LLM(model=..., **yaml.safe_load(...)).
 # decoding_type DraftTarget is the spelling of the releases up to 1.2.1 (DecodingBaseConfig.from_dict);
-# TensorRT-LLM's main branch (and pre-releases built from it) knows only Draft_Target: with it, write decoding_type: Draft_Target.
-# With 1.0.x write speculative_model_dir for speculative_model.
+# TensorRT-LLM's main branch (and pre-releases built from it) knows only Draft_Target: with it, write
+# decoding_type: Draft_Target. With 1.0.x write speculative_model_dir for speculative_model.
 {note}tensor_parallel_size: {tp}
 max_seq_len: {max_seq_len}
 {chunked}disable_overlap_scheduler: true
