@@ -619,6 +619,34 @@ def test_draft_config_values_that_make_no_compilable_draft_are_refused_before_tr
         distill(pair[0], tmp_path / "draft", draft_config=overrides, minutes=0.01)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    ({"hiden_size": 64}, "^--draft-config hiden_size: the target's config.json has no such key"),
+    ({"num_hidden_layers": "abc"}, "^--draft-config num_hidden_layers='abc': must be of type int"),
+])
+def test_a_draft_config_key_or_value_the_target_cannot_take_is_refused_before_the_target_loads(pair, tmp_path,
+                                                                                              monkeypatch, overrides,
+                                                                                              message):
+    """Only config.json decides them, but they were refused after the target's weights had loaded (minutes on a
+    large target)."""
+    monkeypatch.setattr(distill_module, "load_model", lambda *a, **k: pytest.fail("refused only after loading"))
+    with pytest.raises(TrainingError, match=message):
+        distill(pair[0], tmp_path / "draft", draft_config=overrides, minutes=0.01)
+
+
+def test_a_new_draft_of_a_bf16_target_is_initialised_and_trained_in_fp32(pair, tmp_path):
+    """The new draft's config is read from config.json, which names most targets' dtype as bf16: transformers then
+    built the draft in bf16, where distill holds and trains both models in fp32."""
+    from specbuild.train.distill import build_draft, new_draft_config
+
+    target_dir = tmp_path / "target"
+    shutil.copytree(pair[0], target_dir)
+    config = json.loads((target_dir / "config.json").read_text())
+    (target_dir / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    target, tokenizer = load_model(target_dir, "target")
+    draft = build_draft(target, tokenizer, new_draft_config(target_dir, SMALLER), SMALLER, None, seed=0)
+    assert {p.dtype for p in draft.parameters()} == {torch.float32}
+
+
 def test_draft_config_takes_a_configs_own_names_and_transformers_aliases(checkpoints):
     from transformers import AutoConfig
 
@@ -633,25 +661,26 @@ def test_draft_config_may_ask_for_a_draft_deeper_than_the_default_one(checkpoint
     """Qwen's and Gemma's configs list every layer's attention (layer_types): cut to the default draft's depth,
     the list was too short for more layers, and distill refused such a --draft-config as no model transformers
     can build."""
-    from specbuild.train.distill import build_draft
+    from specbuild.train.distill import build_draft, new_draft_config
 
     target, tokenizer = load_model(checkpoints(architecture), "target")
     layers = target.config.num_hidden_layers
     assert shrunk_config(target.config).num_hidden_layers < layers
-    draft = build_draft(target, tokenizer, {"num_hidden_layers": layers}, None, seed=0)
+    deeper = {"num_hidden_layers": layers}
+    draft = build_draft(target, tokenizer, new_draft_config(checkpoints(architecture), deeper), deeper, None, seed=0)
     assert draft.config.num_hidden_layers == layers and draft.config.layer_types == target.config.layer_types
 
 
 def test_a_default_draft_of_a_longrope_target_takes_its_factors_at_its_own_heads_width(tmp_path, tokenizer):
     """Phi-3.5 and Phi-4-mini list a LongRoPE factor for each rotary pair of their heads; a default draft's heads
     are narrower, and sizing it failed in transformers (a RuntimeError, reported as a bug in specbuild)."""
-    from specbuild.train.distill import build_draft
+    from specbuild.train.distill import build_draft, new_draft_config
 
     factors = dict(short_factor=[1.0 + 0.01 * i for i in range(32)], long_factor=[2.0 + 0.05 * i for i in range(32)])
     folder = make_checkpoint(tmp_path / "phi3", "phi3", tokenizer, hidden_size=256, intermediate_size=512,
                              rope_scaling=dict(rope_type="longrope", **factors))  # heads of 128, half rotary: 32 pairs
     target, target_tokenizer = load_model(folder, "target")
-    draft = build_draft(target, target_tokenizer, None, None, seed=0)
+    draft = build_draft(target, target_tokenizer, new_draft_config(folder, None), None, None, seed=0)
     rope = draft.config.rope_parameters
     assert len(rope["short_factor"]) == len(rope["long_factor"]) < 32
     assert set(rope["short_factor"]) <= set(factors["short_factor"]) and rope["long_factor"][0] == factors["long_factor"][0]
@@ -854,12 +883,12 @@ def test_prompts_are_cut_to_what_the_targets_positions_hold_with_their_continuat
 def test_every_kind_of_sequence_fits_the_targets_positions(tmp_path, tokenizer):
     """A greedy or draft sequence continues a prefix of a sampled one, which may already fill the positions: it
     ran NEW_TOKENS past GPT-2's table (an IndexError, reported as a bug in specbuild) in the second set made."""
-    from specbuild.train.distill import DistillData, build_draft, choose_prompts
+    from specbuild.train.distill import DistillData, build_draft, choose_prompts, new_draft_config
 
     folder, prompts_file = short_gpt2(tmp_path, tokenizer)
     target, target_tokenizer = load_model(folder, "target")
     prompts = choose_prompts(target, target_tokenizer, read_prompt_file(prompts_file), None, 1, 0)
-    draft = build_draft(target, target_tokenizer, None, None, 0)
+    draft = build_draft(target, target_tokenizer, new_draft_config(folder, None), None, None, 0)
     made = DistillData(target, draft, prompts.train, len(target_tokenizer), kinds=("sampled", "greedy", "draft"),
                        share=1.0, batch_size=1)
     rng = np.random.default_rng(0)

@@ -387,8 +387,8 @@ def test_rope_settings_saved_where_this_transformers_does_not_read_them_are_refu
         def __init__(self, **kwargs):  # no rope_parameters argument, as transformers 4's
             super().__init__(**kwargs)
 
-    read = load._load_config
-    monkeypatch.setattr(load, "_load_config", lambda path, role: Transformers4LlamaConfig(**read(path, role).to_dict()))
+    read = load.load_config
+    monkeypatch.setattr(load, "load_config", lambda path, role: Transformers4LlamaConfig(**read(path, role).to_dict()))
     with pytest.raises(UnsupportedModelError, match="rope_parameters.*compile with transformers 5") as error:
         load_checkpoint(checkpoints("llama"), "target")
     assert "\n" not in str(error.value)

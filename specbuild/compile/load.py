@@ -213,7 +213,7 @@ def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
             "pass the unquantized checkpoint")
     weight_files = _weight_files(path, role)
     entries = _entries(weight_files, path)
-    config = _load_config(path, role)
+    config = load_config(path, role)
     _check_rope_settings_read(config, raw, path, role)
     loaded = _loaded_tensors(config, entries, path, role)
     # A pruned or layer-sliced draft is often saved without one (save_pretrained of the model alone): it speaks the
@@ -372,7 +372,7 @@ def _entries(files: list[Path], folder: Path) -> dict[str, TensorEntry]:
     return entries
 
 
-def _load_config(path: Path, role: str):
+def load_config(path: Path, role: str):
     from transformers import AutoConfig
 
     quiet_transformers()

@@ -18,7 +18,8 @@ from specbuild_runtime.errors import first_line
 
 from ..acceptance import expected_tokens_per_call, rounds, theoretical_speedup, until_eos
 from ..compile.load import (check_architecture, check_draft_smaller, check_draft_without_tokenizer, check_embedding_rows,
-                             has_tokenizer_files, load_tokenizer, model_spec, quiet_transformers, unpadded_parameters)
+                             has_tokenizer_files, load_config, load_tokenizer, model_spec, quiet_transformers,
+                             read_config_json, unpadded_parameters)
 from ..compile.reference import load_reference, plainly_generating
 from ..errors import CheckpointError, TrainingError
 from ..progress import bar, note
@@ -230,15 +231,26 @@ def _meta_parameters(config) -> int:
         return parameter_count(AutoModelForCausalLM.from_config(config))
 
 
-def build_draft(target, tokenizer, draft_config: dict | None, init: Path | None, seed: int):
+def new_draft_config(target_dir: Path, draft_config: dict | None):
+    """shrunk_config of the target's config.json alone: a --draft-config key the target lacks, or a value of the wrong
+    type, was refused only after the target's weights had loaded (minutes on a large target)."""
+    check_checkpoint_files(target_dir, "target")
+    read_config_json(target_dir / "config.json")  # says what is wrong with it in one line, as load_model does
+    return shrunk_config(load_config(target_dir, "target"), draft_config)
+
+
+def build_draft(target, tokenizer, config, draft_config: dict | None, init: Path | None, seed: int):
+    """The draft to train: a new one of config (new_draft_config's), or the checkpoint at init (config None)."""
     from transformers import AutoModelForCausalLM
 
     if init is None:
-        config = shrunk_config(target.config, draft_config)
         torch.manual_seed(seed)
         try:
             with note("initialising the draft"):  # random init of a target's tenth: seconds per billion parameters
-                draft = AutoModelForCausalLM.from_config(config)
+                # config is config.json's, not the loaded target's: its dtype (bf16 for most targets) and attention
+                # are taken from the target as load_model holds it (fp32; eager for Gemma 2's soft-capped scores)
+                draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype,
+                                                         attn_implementation=target.config._attn_implementation)
         except Exception as exc:  # transformers raises many types for a config it cannot build
             raise TrainingError(f"the draft's config ({draft_config or 'the default shrink of the target'}) gives no "
                                 f"model transformers can build ({first_line(exc)}); choose other --draft-config values") from None
@@ -489,8 +501,11 @@ def _distill(target_dir: Path, output_dir: Path, *, draft_config, init, minutes,
     if isinstance(data, Path):
         data = read_texts(data, seed)
     prompt_file = None if prompts_file is None else read_prompt_file(prompts_file)
-    if init is not None:
+    if init is None:
+        config = new_draft_config(Path(target_dir), draft_config)
+    else:
         check_checkpoint_files(Path(init), "draft")
+        config = None
     torch.manual_seed(seed)
     target, tokenizer = load_model(target_dir, "target")
     stop_at_tokenizer_eos(target, tokenizer)
@@ -499,7 +514,7 @@ def _distill(target_dir: Path, output_dir: Path, *, draft_config, init, minutes,
     # as compile refuses it (load.validate_pair); the draft's check below blamed the draft, and a draft given the rows
     # it asked for trained for minutes beside a target compile then refused
     check_embedding_rows(target_dir, target.config.vocab_size, tokenizer.get_vocab(), "target")
-    draft = build_draft(target, tokenizer, draft_config, init, seed)
+    draft = build_draft(target, tokenizer, config, draft_config, init, seed)
     check_room(draft, output_dir)
     vocab = len(tokenizer)
     prompts = choose_prompts(target, tokenizer, prompt_file, data, heldout_prompts, seed)
