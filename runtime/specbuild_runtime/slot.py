@@ -629,7 +629,7 @@ class EngineSlot:
         return held
 
     def _compute_rows(self, first: int, total_len: int, num_drafts: int, uniforms: np.ndarray | None, probs_row: int,
-             decides: bool = False):
+                      decides: bool = False):
         """One call over positions first..total_len-1, taking its turn where the engine's calls do (engine.calls),
         with kept lowered first and raised once it completes. decides: a call whose token is read (not a prompt's
         head or chunk, nor a re-feed)."""

@@ -349,17 +349,7 @@ class Server:
         """The request body, or Stopped("shutdown") once the grace period after SIGTERM ends before it has arrived: the
         drain stops jobs, and a client still sending its body (a slow upload) held the shutdown until uvicorn's backstop
         (--shutdown-timeout + 5 s), which cancelled the request as a 500 with a logged traceback."""
-        reading = asyncio.ensure_future(self._body(http))
-        cut = self.scheduler.until_cut()
-        try:
-            done, _ = await asyncio.wait({reading, cut}, return_when=asyncio.FIRST_COMPLETED)
-        finally:  # also when this handler is cancelled
-            cut.cancel()
-            if not reading.done():
-                reading.cancel()
-        if reading not in done:
-            raise Stopped("shutdown")
-        return reading.result()
+        return await self.scheduler.unless_cut(asyncio.ensure_future(self._body(http)))
 
     async def _submitted_unless_gone(self, http: HttpRequest, request: protocol.Request) -> Job:
         """The request's job, submitted once checked, or Stopped("cancelled") if its client leaves first. Tokenizing

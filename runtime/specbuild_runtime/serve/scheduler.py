@@ -132,17 +132,21 @@ class Scheduler:
         after shutdown ends first, as a queued request's job does (work not begun then never runs)."""
         if self.draining:
             raise Unavailable("the server is shutting down")
-        checking = asyncio.get_running_loop().run_in_executor(self._checker, work)
+        return await self.unless_cut(asyncio.get_running_loop().run_in_executor(self._checker, work))
+
+    async def unless_cut(self, awaited: asyncio.Future[T]) -> T:
+        """awaited's result, or Stopped("shutdown") once the grace period after shutdown ends first: awaited is then
+        cancelled, as it is when the caller is."""
         cut = self.until_cut()
         try:
-            await asyncio.wait({checking, cut}, return_when=asyncio.FIRST_COMPLETED)
-        finally:  # also when its handler is cancelled
+            done, _ = await asyncio.wait({awaited, cut}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when the caller is cancelled
             cut.cancel()
-            if not checking.done():
-                checking.cancel()
-        if checking.cancelled():
+            if not awaited.done():
+                awaited.cancel()
+        if awaited not in done:
             raise Stopped("shutdown")
-        return checking.result()
+        return awaited.result()
 
     def stop(self, job: Job, reason: str) -> None:
         """Stop a job that has not finished: its iterator raises Stopped(reason); a running one frees its slot
