@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import torch
 import transformers as tf
 from onnx import TensorProto, helper
@@ -46,7 +45,7 @@ from specbuild.bench.bench import run_ours
 from specbuild.compile.quality import every_logit, logits_engine
 from specbuild.texts import CODE_PROMPTS, read_prompts
 from specbuild_runtime import SpeculativeDecoder
-from specbuild_runtime.engine import cuda_provider, session_options
+from specbuild_runtime.engine import cuda_provider, ort, session_options
 from structured_alpha import pair
 
 RESTRICTIONS = {"": (0, 1.0), "top-p 0.95": (0, 0.95), "top-k 20": (20, 1.0), "top-k 20, top-p 0.95": (20, 0.95)}
@@ -217,10 +216,9 @@ def noise_cost(vocab: int, rows: int, repeats: int = 20) -> dict:
 
     result = {"vocab": vocab, "rows": rows, "numpy_host_ms": median_ms(host, repeats)}
     reference = squares_noise(counters, vocab)
-    model = squares_graph(vocab)
+    model, feed = squares_graph(vocab), {"row": counters[:, None]}
     for provider in ["CPUExecutionProvider"] + ["CUDAExecutionProvider"] * cuda_provider():
         session = ort.InferenceSession(model, session_options(), providers=[provider])
-        feed = {"row": counters[:, None]}
         if not np.allclose(session.run(None, feed)[0], reference, rtol=1e-5, atol=1e-5):
             raise SystemExit(f"the in-graph hash on {provider} differs from numpy's: a bug in this script, report it")
         result[f"onnxruntime_{provider.removesuffix('ExecutionProvider').lower()}_ms"] = median_ms(

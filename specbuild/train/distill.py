@@ -465,18 +465,16 @@ def distill(
     replace only an empty folder or, with overwrite, a checkpoint, and none of the inputs (checked first,
     so a refusal costs no training). Returns the report.
     """
-    given = dict(minutes=minutes, gamma=gamma, objective=objective, batch_size=batch_size, lr=lr, seed=seed, kinds=kinds,
-                 generation_share=generation_share, heldout_prompts=heldout_prompts)
-    for key, value in given.items():
-        if problem := DISTILL_RULES[key](value):
-            raise TrainingError(f"distill setting {key} {problem}")
-    if problem := distill_conflict(dict(init=init, draft_config=draft_config, prompts_file=prompts_file, data=data)):
-        raise TrainingError(problem)
-    inputs = {"target": target_dir, "init": init, "prompts": prompts_file, "data": data if isinstance(data, Path) else None}
-    check_checkpoint_output(output_dir, overwrite, inputs)
     settings = dict(draft_config=draft_config, init=init, minutes=minutes, prompts_file=prompts_file, data=data,
                     gamma=gamma, force=force, objective=objective, kinds=kinds, generation_share=generation_share,
                     heldout_prompts=heldout_prompts, batch_size=batch_size, lr=lr, seed=seed)
+    for key, rule in DISTILL_RULES.items():
+        if problem := rule(settings[key]):
+            raise TrainingError(f"distill setting {key} {problem}")
+    if problem := distill_conflict(settings):
+        raise TrainingError(problem)
+    inputs = {"target": target_dir, "init": init, "prompts": prompts_file, "data": data if isinstance(data, Path) else None}
+    check_checkpoint_output(output_dir, overwrite, inputs)
     try:
         # The output's lock is held while the draft trains: a second distill to it is refused at once, not after
         # its minutes (and SIGTERM unwinds as Ctrl-C does). A draft not written leaves the output as it was.
