@@ -119,12 +119,12 @@ def healthy(url: str) -> bool:
 
 
 @contextmanager
-def specbuild_serve(bundle: Path, log: Path, *options):
-    """`specbuild serve` in a subprocess on a free loopback port, ready once /health answers."""
+def specbuild_serve(bundle: Path, log: Path, *options, command: tuple[str, ...] = (sys.executable, "-m", "specbuild", "serve")):
+    """`specbuild serve` (or `command`) in a subprocess on a free loopback port, ready once /health answers."""
     port = free_port()
     with log.open("w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "specbuild", "serve", str(bundle), "--port", str(port),
-                                    "--model-name", MODEL, *map(str, options)], stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen([*command, str(bundle), "--port", str(port), "--model-name", MODEL, *map(str, options)],
+                                   stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: healthy(url), "/health answered", process=process, log=log)
@@ -132,7 +132,10 @@ def specbuild_serve(bundle: Path, log: Path, *options):
     finally:
         if process.poll() is None:
             process.terminate()
-            process.wait(60)
+            try:
+                process.wait(60)
+            finally:
+                process.kill()  # one that did not exit (a no-op once it did)
 
 
 @pytest.fixture(scope="module")
@@ -2791,6 +2794,102 @@ def test_a_second_signal_while_draining_cuts_open_streams_at_once_with_a_clean_e
         assert not uvicorn.force_exit
         uvicorn.handle_exit(second, None)
         assert uvicorn.force_exit
+
+
+# `specbuild serve` whose engine calls, while the file named by its first argument exists, hang until their run options
+# say terminate, then run: onnxruntime's own terminate check fails them (a stuck device, or a call of minutes).
+HANGING_SERVE = """
+import os, sys, time
+import onnxruntime
+from specbuild_runtime.serve.command import main
+
+run, hang = onnxruntime.InferenceSession.run_with_iobinding, sys.argv.pop(1)
+
+def run_with_iobinding(self, binding, options=None):
+    if os.path.exists(hang):
+        open(hang + ".reached", "w").close()
+    while os.path.exists(hang) and not (options is not None and options.terminate):
+        time.sleep(0.01)
+    return run(self, binding, options)
+
+onnxruntime.InferenceSession.run_with_iobinding = run_with_iobinding
+sys.argv[0] = "specbuild-serve"
+main()
+"""
+
+
+def test_the_end_of_the_grace_period_stops_an_engine_call_that_hangs_and_the_server_exits(bundle, tmp_path):
+    """A stopped request frees its slot after the engine call in progress: one that never returned (a stuck device, or
+    a very long prompt on a big model) held the shutdown for ever, through a second and a third signal, until SIGKILL.
+    The cut now terminates the calls in flight (onnxruntime's RunOptions.terminate): the stream ends cleanly, counted
+    as `shutdown`, and the process exits."""
+    log, hang = tmp_path / "server.log", tmp_path / "hang"
+    with specbuild_serve(bundle, log, "--shutdown-timeout", 0,
+                         command=(sys.executable, "-c", HANGING_SERVE, str(hang))) as (process, url):
+        hang.touch()
+        with streaming_request(url) as events:
+            wait_until(lambda: hang.with_suffix(".reached").exists(), "an engine call hung", process=process, log=log)
+            process.send_signal(signal.SIGTERM)
+            lines = list(events)
+        assert process.wait(60) in (0, -signal.SIGTERM), log.read_text()
+    assert lines[-1] == "data: [DONE]" and "shutting down" in error_of(lines[-2])["message"]
+    assert "Traceback" not in log.read_text()
+
+
+@contextmanager
+def streaming_request(url: str):
+    """A streamed completion's events, for a client that sends it before the server has decoded anything."""
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 20, "stream": True, "temperature": 0}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as reply:
+        yield (line for line in reply.iter_lines() if line)
+
+
+def test_the_end_of_the_grace_period_closes_a_connection_whose_client_does_not_read(bundle, tmp_path):
+    """A client that stops reading (its socket's buffers full) left the stream's send waiting on it: the server held
+    its shutdown until uvicorn's backstop, --shutdown-timeout + 5 s, which a second signal did not shorten (here 605 s
+    for a 600 s grace period). The cut now closes such a connection. The stream: a prompt's 64 choices, each 200
+    tokens with logprobs 20, ~8 MB, more than the buffers on both sides hold (4 MB at most on Linux, by default)."""
+    log, n = tmp_path / "server.log", 64
+    with specbuild_serve(bundle, log, "--shutdown-timeout", 600, "--parallel", 4, "--max-queue", n) as (process, url):
+        body = json.dumps({"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "n": n, "stream": True,
+                           "temperature": 0, "logprobs": 20}).encode()
+        with socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            host, port = url.removeprefix("http://").split(":")
+            client.connect((host, int(port)))
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+                           b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            first_tokens = ("specbuild_time_to_first_token_seconds_count", ())
+            wait_until(lambda: metric_values(url).get(first_tokens) == n, "every choice decoded", process=process, log=log)
+            process.send_signal(signal.SIGTERM)
+            wait_until(lambda: "Waiting for connections to close" in log.read_text(), "the drain began", process=process)
+            process.send_signal(signal.SIGTERM)  # the grace period ends now
+            assert process.wait(60) in (0, -signal.SIGTERM), log.read_text()
+    assert "Traceback" not in log.read_text() and "timeout graceful shutdown exceeded" not in log.read_text()
+
+
+def test_uvicorns_shutdown_lines_say_what_a_second_and_a_third_signal_do(bundle):
+    """uvicorn's "Waiting for connections to close. (CTRL+C to force quit)": here a second Ctrl-C ends the grace period,
+    and only a third quits without waiting."""
+    import logging
+
+    from specbuild_runtime import SpeculativeDecoder
+    from specbuild_runtime.serve.app import Server, Settings
+
+    uvicorn = Server(SpeculativeDecoder(bundle), Settings(model=MODEL, shutdown_timeout=30)).http_server("127.0.0.1", 0)
+
+    def said(message: str) -> str:
+        record = logging.LogRecord("uvicorn.error", logging.INFO, __file__, 0, message, None, None)
+        assert uvicorn._say_what_signals_do(record)
+        return record.getMessage()
+
+    assert said("Waiting for connections to close. (CTRL+C to force quit)") == (
+        "Waiting for connections to close (requests get --shutdown-timeout, 30 s, to finish; a second Ctrl-C or SIGTERM "
+        "stops them now, a third quits without waiting)")
+    uvicorn.scheduler.cut = True
+    assert said("Waiting for background tasks to complete. (CTRL+C to force quit)") == (
+        "Waiting for background tasks to complete (requests are stopped; a third Ctrl-C or SIGTERM quits without waiting)")
+    assert said("Shutting down") == "Shutting down"
 
 
 @pytest.mark.parametrize("path, body", [

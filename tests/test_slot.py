@@ -275,7 +275,7 @@ def test_cuda_graph_calls_decode_the_tokens_of_the_full_graphs_and_each_graph_id
 
     def spy(self, rows, num_drafts, fed_len):
         options = choose(self, rows, num_drafts, fed_len)
-        if options is None:  # the decoder without CUDA graphs
+        if not self.engine.captures:  # the decoder without CUDA graphs: its options name none
             return options
         total_len = int(self._seqlens_k.host[0]) + 1
         assert self._total_len.host[()] == fed_len >= total_len, (fed_len, total_len)
@@ -469,8 +469,8 @@ def test_a_thread_gets_back_the_slot_it_had_and_a_new_thread_a_slot_no_thread_ha
 
     from specbuild_runtime.pool import SlotPool
 
-    pool = SlotPool([SimpleNamespace(index=i) for i in range(3)], affinity=True)  # as for engines that capture
-    lifo = SlotPool([SimpleNamespace(index=i) for i in range(3)])
+    pool = SlotPool([SimpleNamespace(index=i, allow_calls=lambda: None) for i in range(3)], affinity=True)  # as for engines that capture
+    lifo = SlotPool([SimpleNamespace(index=i, allow_calls=lambda: None) for i in range(3)])
     done = threading.Event()  # workers stay alive until the end: a finished thread's ident may be reused
     workers = []
 
@@ -541,12 +541,12 @@ def test_a_new_thread_warms_up_its_own_graphs_even_under_an_ended_threads_id(bun
     not always: here every thread has the same id)."""
     import threading
 
-    from specbuild_runtime.slot import CudaGraphs
+    from specbuild_runtime.slot import CallOptions
 
     monkeypatch.setattr(threading, "get_ident", lambda: 1)
 
     decoder = forced_captures(bundle)
-    graphs, graph = CudaGraphs(decoder.target), 7
+    graphs, graph = CallOptions(decoder.target), 7
     named = []
 
     def runs():
@@ -604,6 +604,25 @@ def test_an_engine_call_onnxruntime_fails_is_one_device_error_and_the_decoder_de
         decoder.generate(ids, 12, gamma=3)
     monkeypatch.setattr(EngineSlot, "_graph", graph)
     assert decoder.generate(ids, 12, gamma=3).token_ids == before
+
+
+def test_terminate_calls_fails_the_engine_calls_of_the_slots_in_use_until_each_is_given_back(bundle):
+    """A server's shutdown stops the engine calls in flight (SlotPool.terminate_calls: onnxruntime's terminate flag, on
+    the slot's run options, set from another thread) so that a stuck call cannot hold it. Every later call of that
+    request fails too; the slot given back decodes exactly again, its kept prefix (a later prompt's reuse) included,
+    and a slot that was free is untouched."""
+    decoder = SpeculativeDecoder(bundle, parallel=2)
+    ids = decoder.encode(PROMPTS[0])
+    expected = decoder.generate(ids, 12, gamma=3).token_ids
+    held = decoder.stream(ids, 12, gamma=3)
+    next(held)  # in the slot that decoded the prompt before (prefix reuse prefers it)
+    decoder.slots.terminate_calls()
+    with pytest.raises(DeviceError, match="terminate"):
+        list(held)
+    assert decoder.generate(ids, 12, gamma=3).token_ids == expected
+    both = [decoder.stream(ids, 12, gamma=3) for _ in range(2)]
+    firsts = [next(stream) for stream in both]  # each in a slot of its own: the one terminated and the one free then
+    assert [[first, *stream] for first, stream in zip(firsts, both)] == [expected] * 2
 
 
 def test_an_engine_call_out_of_memory_says_what_to_decode_less_of():

@@ -51,6 +51,7 @@ class SlotPool:
 
     def __init__(self, slots: list[Slot], affinity: bool = False):
         self.size = len(slots)
+        self._slots = slots
         self.affinity = affinity
         self._free = slots[::-1]  # pop() takes slot 0 first
         self._owners: dict[int, int] = {}  # slot index -> thread ident
@@ -103,8 +104,20 @@ class SlotPool:
         finally:
             with self._changed:
                 del self._owners[slot.index]
+                # Its calls returned by now: a slot given back runs calls again. A call that failed left the cache's
+                # positions from its first on unreliable, and slot.kept (prefix reuse) below them.
+                slot.allow_calls()
                 self._free.append(slot)
                 self._changed.notify_all()  # whoever is first in line (notify() might wake another, who waits on)
+
+    def terminate_calls(self) -> None:
+        """From any thread: fail the engine call in progress of every slot in use, and each call its request makes
+        after it, until the request gives the slot back (a server's shutdown need not wait for a stuck or very long
+        call: serve's Scheduler, at the end of the grace period)."""
+        with self._changed:  # a slot given back meanwhile would keep its calls refused for the next request
+            for slot in self._slots:
+                if slot.index in self._owners:
+                    slot.terminate_calls()
 
     def _wait_for_turn(self, me: int, ticket: object, halt: threading.Event | None) -> None:
         """Wait until a slot is free for this ticket: the earliest waiters take the free slots first, so a

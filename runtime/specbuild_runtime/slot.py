@@ -209,35 +209,60 @@ def _count_unsteady() -> None:
         _unsteady += 1
 
 
-class CudaGraphs:
-    """The run options that name each CUDA graph of one slot's calls on one engine (None when the engine
-    does not capture); each graph id runs uncaptured WARM_UP_RUNS times per thread first."""
+class CallOptions:
+    """The run options of one slot's calls on one engine: where the engine captures CUDA graphs, one per graph id (each
+    names its graph, and runs uncaptured WARM_UP_RUNS times per thread first), else one for every call.
+
+    terminate() makes the call in progress fail (a DeviceError) between two of its nodes (onnxruntime's
+    RunOptions.terminate, set from another thread), and each call after it at once, until clear(): a stuck or very long
+    call need not hold a server's shutdown. onnxruntime may not stop a CUDA graph's replay (one launch) nor a node
+    midway; neither was tried on a GPU."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._run_options: dict[int, ort.RunOptions] = {}  # CUDA graph id -> the options that name it
+        self._run_options: dict[int | None, ort.RunOptions] = {}  # CUDA graph id (None: the engine does not capture)
         # Per thread, graph id -> runs so far, the capturing one included. A thread-local, not a dict keyed by
         # thread id: ids are reused once a thread ends, and a new thread must warm up its own graphs.
         self._warm_up = threading.local()
+        self._terminated = False
 
-    def options(self, graph: int) -> ort.RunOptions | None:
-        if not self.engine.captures:
-            return None
-        if graph >= 0:
-            counts = self._warm_up.__dict__.setdefault("runs", {})
-            runs = counts.get(graph, 0)
-            if runs <= WARM_UP_RUNS:
-                counts[graph] = runs + 1
-                _count_unsteady()
-                if runs < WARM_UP_RUNS:
-                    graph = -1
-                else:  # this run captures it
-                    self.engine.graphs_captured += 1
-        if graph not in self._run_options:
-            # An engine that captures runs a call without a graph id as graph 0: uncaptured calls say -1.
-            self._run_options[graph] = options = ort.RunOptions()
-            options.add_run_config_entry("gpu_graph_id", str(graph))
-        return self._run_options[graph]
+    def options(self, graph: int) -> ort.RunOptions:
+        key = self._graph(graph) if self.engine.captures else None
+        if key not in self._run_options:
+            self._run_options[key] = options = ort.RunOptions()
+            if key is not None:  # an engine that captures runs a call without a graph id as graph 0: uncaptured say -1
+                options.add_run_config_entry("gpu_graph_id", str(key))
+            # read after it is stored: a terminate() meanwhile either sees it there or has set _terminated before
+            options.terminate = self._terminated
+        return self._run_options[key]
+
+    def terminate(self) -> None:
+        """From any thread: stop the call in progress, and refuse the calls after it until clear()."""
+        self._terminated = True
+        for options in list(self._run_options.values()):
+            options.terminate = True
+
+    def clear(self) -> None:
+        """Let calls run again, once none runs (the options are shared by every later call of theirs)."""
+        if self._terminated:
+            self._terminated = False
+            for options in self._run_options.values():
+                options.terminate = False
+
+    def _graph(self, graph: int) -> int:
+        """The graph id a call runs as: -1 (uncaptured) for its thread's first WARM_UP_RUNS runs of it."""
+        if graph < 0:
+            return graph
+        counts = self._warm_up.__dict__.setdefault("runs", {})
+        runs = counts.get(graph, 0)
+        if runs > WARM_UP_RUNS:
+            return graph
+        counts[graph] = runs + 1
+        _count_unsteady()
+        if runs < WARM_UP_RUNS:
+            return -1
+        self.engine.graphs_captured += 1  # this run captures it
+        return graph
 
 
 class EngineSlot:
@@ -270,7 +295,7 @@ class EngineSlot:
         # begins with those tokens starts there (see prefix). Lowered before every call to its first position, so a
         # call that failed midway (a DeviceError) leaves only what was written before it.
         self.kept = 0
-        self._graphs = CudaGraphs(engine)
+        self.call_options = CallOptions(engine)
         # Every call writes its logits into the first D+1 rows: one address, as a CUDA graph replays it. A greedy-only
         # graph's sampler reads them, so they are bound to every call; an engine graph's only while logits are read
         # (read_logits), and its buffer is made then.
@@ -680,8 +705,8 @@ class EngineSlot:
         # A call without drafts accepts none: one copy back (a wait for the device) fewer per draft step.
         return (int(self._accepted.pull()) if num_drafts else 0), int(self._next_token.pull())
 
-    def _graph(self, rows: int, num_drafts: int, fed_len: int) -> ort.RunOptions | None:
-        return self._graphs.options(graph_id(self.engine, self.index, rows, num_drafts, fed_len))
+    def _graph(self, rows: int, num_drafts: int, fed_len: int) -> ort.RunOptions:
+        return self.call_options.options(graph_id(self.engine, self.index, rows, num_drafts, fed_len))
 
     def _input(self, name: str, host: np.ndarray, binding: ort.IOBinding | None = None) -> Buffer:
         """A buffer bound as input name of the engine graph (binding None) or of the sampling binding."""
@@ -821,7 +846,7 @@ class DraftSteps:
         self._drafts = Buffer(np.zeros(self.count, np.int64), engine.device)
         self.binding.bind_ortvalue_output("drafts", self._drafts.value)
         self._bound_ids = 0
-        self._graphs = CudaGraphs(engine)
+        self.call_options = CallOptions(engine)
 
     def step(self, tokens: list[int], total_len: int) -> list[int]:
         """Feed tokens (at most MAX_REUSED_IDS) at positions total_len-len(tokens)..total_len-1, then draft
@@ -846,7 +871,7 @@ class DraftSteps:
             for buffer in self._lengths.values():
                 buffer.push()
             graph = graph_id(self.engine, self.index, rows, 0, fed[0])
-            run_session(self.engine.session, self.binding, self.engine.path, self._graphs.options(graph))
+            run_session(self.engine.session, self.binding, self.engine.path, self.call_options.options(graph))
             drafts = self._drafts.pull().tolist()
         draft._fed[first:total_len + self.count - 1] = [*tokens, *drafts[:-1]]
         if draft.kept == first:
@@ -879,3 +904,16 @@ class Slot:
         self.target.configure(temperature, top_k, top_p, min_p, penalties, prompt, min_tokens, stops, logit_bias)
         self.draft.configure(temperature, top_k, top_p, min_p)
         self.target.read_logits(logits)
+
+    def terminate_calls(self) -> None:
+        """From any thread: fail its engine call in progress and those after it, until allow_calls() (CallOptions)."""
+        for calls in self._calls():
+            calls.terminate()
+
+    def allow_calls(self) -> None:
+        for calls in self._calls():
+            calls.clear()
+
+    def _calls(self) -> list[CallOptions]:
+        steps = [self.draft_steps.call_options] if self.draft_steps else []
+        return [self.target.call_options, self.draft.call_options, *steps]

@@ -677,6 +677,10 @@ def _stopped_error(stop: Stopped, started: bool) -> ApiError:
     return ApiError(499, "the client closed the connection")  # nobody reads this one
 
 
+UVICORN_LOG = logging.getLogger("uvicorn.error")  # uvicorn's own lines, its shutdown's among them
+FORCE_QUIT = ". (CTRL+C to force quit)"
+
+
 class Uvicorn(uvicorn.Server):
     """uvicorn, which on SIGTERM stops accepting connections and waits for open ones, told to drain the
     scheduler first: requests still decoding after the grace period are stopped and answered cleanly.
@@ -714,7 +718,35 @@ class Uvicorn(uvicorn.Server):
 
     async def shutdown(self, sockets=None) -> None:
         self.scheduler.drain(self.grace)
-        await super().shutdown(sockets)
+        cut = self.scheduler.until_cut()
+        cut.add_done_callback(self._close_unread)
+        UVICORN_LOG.addFilter(self._say_what_signals_do)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            UVICORN_LOG.removeFilter(self._say_what_signals_do)
+            cut.cancel()  # a future of this loop, which the next run's cut must not find
+
+    def _close_unread(self, cut: asyncio.Future) -> None:
+        """At the end of the grace period: a client that does not read (its socket's buffers full) held the shutdown
+        until uvicorn's backstop (--shutdown-timeout + 5 s; a second signal did not shorten it), the response's send
+        waiting for it. Its connection is closed now, the bytes it left unread dropped. Checked once: a response writes
+        as fast as its tokens come, so one whose buffers are not full by now fills them only in the instant after."""
+        if cut.cancelled():
+            return
+        for connection in list(self.server_state.connections):
+            if connection.transport.get_write_buffer_size():
+                connection.transport.abort()
+
+    def _say_what_signals_do(self, record: logging.LogRecord) -> bool:
+        """uvicorn's "Waiting for connections to close. (CTRL+C to force quit)" (and for background tasks), where a
+        second Ctrl-C ends the grace period (handle_exit): only a third quits without waiting."""
+        if isinstance(record.msg, str) and record.msg.endswith(FORCE_QUIT):
+            record.msg = record.msg.removesuffix(FORCE_QUIT) + (
+                " (requests are stopped; a third Ctrl-C or SIGTERM quits without waiting)" if self.scheduler.cut else
+                f" (requests get --shutdown-timeout, {self.grace:g} s, to finish; a second Ctrl-C or SIGTERM stops them "
+                "now, a third quits without waiting)")
+        return True
 
 
 UNREADABLE = json.dumps(ApiError(400, "the request is not valid HTTP/1.1: its request line, a header, its "

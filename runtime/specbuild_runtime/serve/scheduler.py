@@ -190,6 +190,9 @@ class Scheduler:
             if not waiter.done():
                 waiter.set_result(None)
         self._stop_all("shutdown")
+        # A stopped job frees its slot after the engine call in progress, which a stuck device or a very long call
+        # (a long prompt on a big model) could make hold the shutdown until SIGKILL: those calls fail now.
+        self.decoder.slots.terminate_calls()
 
     async def close(self) -> None:
         self._stop_all("shutdown")  # which cancels the checks not begun; the checking thread stays for the next loop
