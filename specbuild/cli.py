@@ -1,10 +1,11 @@
 """The `specbuild` command line: verbs for build pipelines (compile, verify) and for people (generate, inspect).
 
 Every failure is one line on stderr starting with "error: ", and the exit status says whose it is:
-0 done; 1 an input, bundle or request is wrong (or `verify` found a divergence); 2 the command line is
-malformed (usage); 3 a bug in specbuild; 130 interrupted (Ctrl-C, or SIGTERM or SIGHUP while writing a bundle or
-checkpoint). A reader that closes stdout early (`| head`) ends the command quietly with 1 (click's way).
-`specbuild --debug ...` shows the traceback too.
+0 done; 1 an input, bundle, output or request is wrong, a package is missing, or the command's check failed
+(`verify` found a divergence); 2 the command line is malformed (usage: a value, a missing option, options in
+conflict); 3 a bug in specbuild; 130 interrupted (Ctrl-C, or SIGTERM or SIGHUP while writing a bundle or
+checkpoint). docs/commands.md (Exit statuses) draws the line between 1 and 2. A reader that closes stdout early
+(`| head`) ends the command quietly with 1 (click's way). `specbuild --debug ...` shows the traceback too.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from .bench.bench import DEFAULT_GAMMAS
 from .bench.peers import KNOWN as PEERS
 from .recipe import (BACKENDS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, DEFAULT_GAMMA, DEFAULT_MAX_SEQ_LEN,
                      DISTILL_BATCH_SIZE, DISTILL_GAMMA, DISTILL_MINUTES, DISTILL_OBJECTIVE, DISTILL_OBJECTIVES,
-                     DISTILL_RULES, DISTILL_SEED, MAX_GAMMA, PRECISIONS, QUANTIZATIONS, RULES, distill_conflict)
+                     DISTILL_RULES, DISTILL_SEED, MAX_GAMMA, MAX_SEED, PRECISIONS, QUANTIZATIONS, RULES,
+                     distill_conflict)
 from .staging import replace_file
 
 # Whether main() runs as the `specbuild` command, which may drop interrupts once its work is done (see
@@ -296,15 +298,19 @@ def cli(debug: bool) -> None:
                    "How to print, not a build setting: no recipe key.")
 def compile_cmd(recipe, as_json, **options) -> None:
     """Build an engine bundle: both models as ONNX (the drafts' verification, greedy or sampled, inside the
-    target's graph), and/or as TensorRT-LLM checkpoints with the plans to build and serve them."""
+    target's graph), and/or as TensorRT-LLM checkpoints with the plans to build and serve them.
+
+    Give --target, --draft and --output, or a --recipe that names them."""
     from .compile import compile_bundle
-    from .errors import MissingSettingsError
+    from .errors import SettingsError
     from .recipe import resolve_settings
 
     try:
         settings = resolve_settings(recipe, **options)
-    except MissingSettingsError as exc:
-        if recipe is None:  # the command line alone is incomplete: malformed, as click's own missing options
+    except SettingsError as exc:
+        # Without a recipe, a setting missing or in conflict is the command line's alone (exit 2, as every command's
+        # options in conflict); with one, the recipe takes part: an input that is wrong (exit 1)
+        if recipe is None:
             raise click.UsageError(str(exc)) from None
         raise
     use_threads(None, torch_too=True)  # TensorRT-LLM's α for γ is measured in transformers
@@ -729,11 +735,11 @@ def writable_file(path: Path | None, option: str) -> None:
 
 
 def check_plot_path(path: Path) -> None:
-    """A usage error unless matplotlib is installed and writes the format path's suffix names."""
+    """An error unless matplotlib is installed and a usage error unless it writes the format path's suffix names."""
     try:
         from matplotlib.figure import Figure
-    except ImportError:
-        raise click.UsageError("--plot needs matplotlib: pip install matplotlib") from None
+    except ImportError:  # the installation lacks it, not the command line (exit 1, as serve without its extra)
+        raise click.ClickException("--plot needs matplotlib: pip install matplotlib") from None
     formats = Figure().canvas.get_supported_filetypes()
     if path.suffix.lstrip(".").lower() not in formats:
         raise click.BadParameter(f"{path} does not end in a format matplotlib writes ({', '.join('.' + f for f in sorted(formats))})",
@@ -744,7 +750,7 @@ def check_plot_path(path: Path) -> None:
 @click.option("--target", required=True, type=folder_path, help="Target checkpoint folder (any supported architecture).")
 @click.option("--output", "-o", required=True, type=folder_path, help="Where to write the draft checkpoint (atomically).")
 @click.option("--init", type=folder_path, help="Start from this draft checkpoint (the target's tokenizer, or no tokenizer "
-              "files) instead of a new one.")
+              "files) instead of a new one of --draft-config.")
 @click.option("--draft-config", "draft_config", type=KeyValue(), multiple=True,
               help="Config overrides for a new draft, e.g. num_hidden_layers=2 (repeatable).  [default: <= 1/10 of the target]")
 @click.option("--minutes", type=Setting("minutes", DISTILL_RULES, click.FLOAT), default=DISTILL_MINUTES, show_default=True,
@@ -752,7 +758,8 @@ def check_plot_path(path: Path) -> None:
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help='JSONL prompts, one {"prompt": "..."} per line, as you will decode (a fourth are held out to measure α).')
 @click.option("--data", type=click.Path(exists=True, path_type=Path),
-              help="Text file or folder whose spans serve as prompts.  [default (neither): the target's own samples]")
+              help="Text file or folder whose spans serve as prompts, instead of --prompts.  [default (neither): the "
+                   "target's own samples]")
 @click.option("--gamma", type=Setting("gamma", DISTILL_RULES), default=DISTILL_GAMMA, show_default=True,
               help=f"γ at which acceptance is measured (1 to {MAX_GAMMA}).")
 @click.option("--loss", "objective", type=click.Choice(DISTILL_OBJECTIVES), default=DISTILL_OBJECTIVE,
@@ -762,9 +769,9 @@ def check_plot_path(path: Path) -> None:
               help="Sequences per training step: a smaller batch holds less of the draft's training in memory and "
                    "trains more slowly (the target's fp32 weights need the same either way).")
 @click.option("--seed", type=Setting("seed", DISTILL_RULES), default=DISTILL_SEED, show_default=True,
-              help="Seed (0 to 2**64 - 2) for a new draft's weights, the prompts made or picked and held out, and "
-                   "training's batches (training stops at --minutes of wall-clock time, so runs differ in how far they "
-                   "get).")
+              help=f"Seed, a whole number from 0 to {MAX_SEED}, for a new draft's weights, the prompts made or picked "
+                   "and held out, and training's batches (training stops at --minutes of wall-clock time, so runs "
+                   "differ in how far they get).")
 @click.option("--force", is_flag=True, help="Write the draft even if α did not rise.")
 @click.option("--overwrite", is_flag=True, help="Replace the checkpoint at --output (never anything that is not a checkpoint).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")

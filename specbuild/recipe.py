@@ -64,6 +64,9 @@ class CompileSettings:
                 raise SettingsError(f"compile setting {f.name} {problem}")
             if f.name in PATH_FIELDS:
                 setattr(self, f.name, Path(value))
+        # The default max_seq_len is checked so once the checkpoints say what it is (pipeline._max_seq_len)
+        if self.max_seq_len is not None and (problem := round_problem(self.gamma, self.max_seq_len)):
+            raise SettingsError(problem, key="max_seq_len")
         if self.tp > 1 and self.backend == "onnx":
             raise SettingsError(f"tp {self.tp} splits the TensorRT-LLM export; add --backend tensorrt-llm or all "
                                 "(backend in a recipe)", key="tp")
@@ -205,6 +208,14 @@ def distill_conflict(given: dict, name: Callable[[str], str] = str) -> str | Non
         if given.get(first) and given.get(second):
             return f"give either {name(first)} or {name(second)}, not both"
     return None
+
+
+def round_problem(gamma: int, max_seq_len: int) -> str | None:
+    """Why a context of max_seq_len cannot hold a round of gamma drafts and the target's token, or None."""
+    if gamma < max_seq_len:
+        return None
+    return (f"gamma {gamma} drafts a round but the context holds {max_seq_len} tokens; give a max_seq_len above "
+            f"{gamma}, or a smaller gamma")
 
 
 def setting_problem(key: str, value) -> str | None:

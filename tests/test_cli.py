@@ -451,6 +451,58 @@ def test_usage_errors_are_one_line_with_exit_status_2(capsys):
     assert exited.value.code == 2 and err.count("\n") == 1 and "'--max-seq-len'" in err and "specbuild compile --help" in err
 
 
+COMPILE = ["compile", "--target", "target", "--draft", "draft", "-o", "bundle"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (COMPILE + ["--tp", "2"], "tp 2 splits the TensorRT-LLM export"),
+    (COMPILE + ["--block-size", "64"], "block_size and accuracy_level shape quantized engines"),
+    (COMPILE + ["--max-seq-len", "8", "--gamma", "8"], "the context holds 8 tokens"),
+    (["distill", "--target", "target", "-o", "draft", "--init", "draft", "--draft-config", "num_hidden_layers=1"],
+     "give either --init or --draft-config, not both"),
+    (["generate", "bundle", "-p", "x", "--logprobs", "2"], "give --json too"),
+    (["bench", "bundle", "--threads", "1", "--peers", "llama.cpp"], "leave out --threads or those peers"),
+    (["serve", "bundle", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+], ids=["compile-tp", "compile-block-size", "compile-max-seq-len", "distill", "generate", "bench", "serve"])
+def test_options_in_conflict_are_a_usage_error_in_every_command(args, says, tmp_path, monkeypatch, capsys):
+    """compile's exited 1, as if an input were wrong, where every other command's exit 2 (docs/commands.md, Exit
+    statuses); the command line alone is at fault, and it is refused before anything it names is read."""
+    from specbuild.cli import main
+
+    monkeypatch.chdir(tmp_path)  # where none of the paths exist
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and says in err and f"specbuild {args[0]} --help" in err, err
+
+
+@pytest.mark.parametrize("table, options", [("tp = 2\n", []), ("", ["--tp", "2"]), ("max_seq_len = 8\n", ["--gamma", "8"])],
+                         ids=["in-the-recipe", "with-an-option", "recipe-and-option"])
+def test_settings_in_conflict_where_a_recipe_takes_part_are_the_recipes_error(table, options, tmp_path, capsys):
+    """An input that is wrong (exit 1), as a wrong value in the recipe is; the message names the recipe's line where
+    the setting at fault is its own."""
+    from specbuild.cli import main
+
+    recipe = tmp_path / "pair.toml"
+    recipe.write_text(f'[compile]\ntarget = "target"\ndraft = "draft"\noutput = "bundle"\n{table}')
+    with pytest.raises(SystemExit) as exited:
+        main(["compile", "--recipe", str(recipe), *options])
+    err = capsys.readouterr().err
+    assert exited.value.code == 1 and err.count("\n") == 1 and "--help" not in err, err
+    assert (f"{recipe} line 5" in err) == bool(table), err
+
+
+def test_bench_plot_without_matplotlib_is_the_installations_error_not_the_command_lines(tmp_path, monkeypatch, capsys):
+    """It exited 2, as a malformed command line does, where serve without its extra exits 1."""
+    from specbuild.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # what an import of an absent package raises
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", str(tmp_path / "bundle"), "--plot", str(tmp_path / "plot.png")])
+    err = capsys.readouterr().err
+    assert exited.value.code == 1 and err == "error: --plot needs matplotlib: pip install matplotlib\n", err
+
+
 @pytest.mark.parametrize("gammas", ["", ","])
 def test_bench_with_no_fixed_gamma_is_a_usage_error(gammas, tmp_path):
     """An empty --gamma (a script's unset variable) ran without the draft's step cost, the bound or the

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -465,6 +466,19 @@ def test_the_distill_command_takes_a_seed_as_bench_does_with_the_apis_default(mo
     assert "--seed" in passes_option_with_the_apis_default(monkeypatch, tmp_path, capsys, "--seed", "7", "-1")
 
 
+def test_the_distill_commands_seed_help_gives_its_range_in_the_words_of_its_refusal(tmp_path, capsys):
+    """It wrote "0 to 2**64 - 2", Python's notation, where a refusal says "a whole number from 0 to 18446744073709551614"."""
+    from specbuild.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["distill", "--target", str(tmp_path), "-o", str(tmp_path / "draft"), "--seed", "-1"])
+    refused = re.search(r"a whole number from 0 to \d+", capsys.readouterr().err)[0]
+    with pytest.raises(SystemExit):
+        main(["distill", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert f"Seed, {refused}, for a new draft's weights" in shown and "**" not in shown
+
+
 WRONG_SETTINGS = [("objective", "kl"), ("minutes", 0), ("minutes", float("nan")), ("gamma", 0), ("gamma", MAX_GAMMA + 1),
                   ("batch_size", 0), ("lr", -1e-3), ("seed", -1),
                   # a ValueError, a ZeroDivisionError and a ValueError on "s" once α had been measured
@@ -636,14 +650,15 @@ def test_a_draft_config_key_or_value_the_target_cannot_take_is_refused_before_th
 def test_a_new_draft_of_a_bf16_target_is_initialised_and_trained_in_fp32(pair, tmp_path):
     """The new draft's config is read from config.json, which names most targets' dtype as bf16: transformers then
     built the draft in bf16, where distill holds and trains both models in fp32."""
-    from specbuild.train.distill import build_draft, new_draft_config
+    from specbuild.compile.load import load_config
+    from specbuild.train.distill import new_draft
 
     target_dir = tmp_path / "target"
     shutil.copytree(pair[0], target_dir)
     config = json.loads((target_dir / "config.json").read_text())
     (target_dir / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
     target, tokenizer = load_model(target_dir, "target")
-    draft = build_draft(target, tokenizer, new_draft_config(target_dir, SMALLER), SMALLER, None, seed=0)
+    draft = new_draft(target, tokenizer, shrunk_config(load_config(target_dir, "target"), SMALLER), SMALLER, seed=0)
     assert {p.dtype for p in draft.parameters()} == {torch.float32}
 
 
@@ -661,26 +676,29 @@ def test_draft_config_may_ask_for_a_draft_deeper_than_the_default_one(checkpoint
     """Qwen's and Gemma's configs list every layer's attention (layer_types): cut to the default draft's depth,
     the list was too short for more layers, and distill refused such a --draft-config as no model transformers
     can build."""
-    from specbuild.train.distill import build_draft, new_draft_config
+    from specbuild.compile.load import load_config
+    from specbuild.train.distill import new_draft
 
     target, tokenizer = load_model(checkpoints(architecture), "target")
     layers = target.config.num_hidden_layers
     assert shrunk_config(target.config).num_hidden_layers < layers
     deeper = {"num_hidden_layers": layers}
-    draft = build_draft(target, tokenizer, new_draft_config(checkpoints(architecture), deeper), deeper, None, seed=0)
+    draft = new_draft(target, tokenizer, shrunk_config(load_config(checkpoints(architecture), "target"), deeper), deeper,
+                      seed=0)
     assert draft.config.num_hidden_layers == layers and draft.config.layer_types == target.config.layer_types
 
 
 def test_a_default_draft_of_a_longrope_target_takes_its_factors_at_its_own_heads_width(tmp_path, tokenizer):
     """Phi-3.5 and Phi-4-mini list a LongRoPE factor for each rotary pair of their heads; a default draft's heads
     are narrower, and sizing it failed in transformers (a RuntimeError, reported as a bug in specbuild)."""
-    from specbuild.train.distill import build_draft, new_draft_config
+    from specbuild.compile.load import load_config
+    from specbuild.train.distill import new_draft
 
     factors = dict(short_factor=[1.0 + 0.01 * i for i in range(32)], long_factor=[2.0 + 0.05 * i for i in range(32)])
     folder = make_checkpoint(tmp_path / "phi3", "phi3", tokenizer, hidden_size=256, intermediate_size=512,
                              rope_scaling=dict(rope_type="longrope", **factors))  # heads of 128, half rotary: 32 pairs
     target, target_tokenizer = load_model(folder, "target")
-    draft = build_draft(target, target_tokenizer, new_draft_config(folder, None), None, None, seed=0)
+    draft = new_draft(target, target_tokenizer, shrunk_config(load_config(folder, "target")), None, seed=0)
     rope = draft.config.rope_parameters
     assert len(rope["short_factor"]) == len(rope["long_factor"]) < 32
     assert set(rope["short_factor"]) <= set(factors["short_factor"]) and rope["long_factor"][0] == factors["long_factor"][0]
@@ -752,9 +770,21 @@ def test_a_disk_without_room_for_the_draft_is_refused_before_training(pair, tmp_
     assert [p.name for p in tmp_path.iterdir()] == []
 
 
-def test_distill_reports_a_missing_target(tmp_path):
-    with pytest.raises(CheckpointError, match="not a Hugging Face folder"):
+def test_distill_says_a_target_or_init_that_does_not_exist_is_no_folder_as_compile_does(tmp_path, pair):
+    """It said "is not a Hugging Face folder (no config.json)" of a path that names nothing (a typo)."""
+    with pytest.raises(CheckpointError, match=r"target checkpoint \S*missing is not a folder; pass a Hugging Face"):
         distill(tmp_path / "missing", tmp_path / "draft", minutes=0.01)
+    with pytest.raises(CheckpointError, match=r"draft checkpoint \S*missing is not a folder; pass a Hugging Face"):
+        distill(pair[0], tmp_path / "draft", init=tmp_path / "missing", minutes=0.01)
+
+
+def test_distill_reads_the_targets_config_json_once(pair, tmp_path, cli):
+    """Stages took the target's path and read its config.json again: seven times in a run (the draft's config, the
+    memory check, the model's and the tokenizer's loads); it is read once and passed on."""
+    ran, = cli.run([["distill", "--target", str(pair[0]), "--output", str(tmp_path / "draft"), "--minutes", "0.01",
+                     "--force"]], watch=pair[0])
+    assert ran["status"] == 0, ran["stderr"]
+    assert ran["opened"].count(str(pair[0] / "config.json")) == 1, ran["opened"]
 
 
 def test_distill_overwrite_replaces_a_model_folder_not_any_folder_with_a_config_json(pair, tmp_path, monkeypatch):
@@ -883,12 +913,13 @@ def test_prompts_are_cut_to_what_the_targets_positions_hold_with_their_continuat
 def test_every_kind_of_sequence_fits_the_targets_positions(tmp_path, tokenizer):
     """A greedy or draft sequence continues a prefix of a sampled one, which may already fill the positions: it
     ran NEW_TOKENS past GPT-2's table (an IndexError, reported as a bug in specbuild) in the second set made."""
-    from specbuild.train.distill import DistillData, build_draft, choose_prompts, new_draft_config
+    from specbuild.compile.load import load_config
+    from specbuild.train.distill import DistillData, choose_prompts, new_draft
 
     folder, prompts_file = short_gpt2(tmp_path, tokenizer)
     target, target_tokenizer = load_model(folder, "target")
     prompts = choose_prompts(target, target_tokenizer, read_prompt_file(prompts_file), None, 1, 0)
-    draft = build_draft(target, target_tokenizer, new_draft_config(folder, None), None, None, 0)
+    draft = new_draft(target, target_tokenizer, shrunk_config(load_config(folder, "target")), None, 0)
     made = DistillData(target, draft, prompts.train, len(target_tokenizer), kinds=("sampled", "greedy", "draft"),
                        share=1.0, batch_size=1)
     rng = np.random.default_rng(0)

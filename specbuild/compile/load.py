@@ -184,8 +184,9 @@ def _digest(files: list[Path]) -> str:
     return h.hexdigest()
 
 
-def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
-    path = Path(path)
+def check_checkpoint_folder(path: Path, role: str) -> Path:
+    """path / "config.json", or CheckpointError where path is no folder (a Hub model id, a typo) or holds no
+    config.json (a bundle given where its source goes): what compile and distill refuse before they read anything."""
     if not path.is_dir():
         # specbuild never downloads: a Hub id given where a folder goes, as transformers takes either
         hub_id = not path.exists() and not path.is_absolute() and len(path.parts) == 2 and not str(path).startswith(".")
@@ -198,6 +199,12 @@ def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
             raise CheckpointError(f"{role} checkpoint {path} is a specbuild bundle, not a checkpoint; pass the Hugging Face "
                                   f"checkpoint folder it was compiled from (`specbuild inspect {path}` names it)")
         raise CheckpointError(f"{role} checkpoint {path} has no config.json; pass a Hugging Face checkpoint folder")
+    return config_path
+
+
+def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
+    path = Path(path)
+    config_path = check_checkpoint_folder(path, role)
     raw = read_config_json(config_path)
     if not raw.get("architectures"):
         raise UnsupportedModelError(f"{config_path} names no architecture (no \"architectures\" list); give the model's "
@@ -373,12 +380,15 @@ def _entries(files: list[Path], folder: Path) -> dict[str, TensorEntry]:
 
 
 def load_config(path: Path, role: str):
+    """The checkpoint's config as transformers reads it. A caller that needs it in several places reads it once here
+    and passes it on (distill: to its memory check, its new draft's config and the model's and tokenizer's loads)."""
     from transformers import AutoConfig
 
     quiet_transformers()
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=False, local_files_only=True)
     except Exception as exc:  # transformers raises many types for a bad config
+        read_config_json(path / "config.json")  # no JSON object at all: said in specbuild's one line, not transformers'
         raise CheckpointError(f"{role} checkpoint {path}: config.json cannot be read ({exc})") from None
 
 
@@ -465,11 +475,12 @@ def token_ids(tokenizer) -> int:
     return max(tokenizer.get_vocab().values()) + 1
 
 
-def load_tokenizer(path: Path, role: str):
+def load_tokenizer(path: Path, role: str, config=None):
+    """config: the checkpoint's (load_config's), which transformers otherwise reads from config.json again."""
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, config=config, trust_remote_code=False, local_files_only=True)
     except Exception as exc:  # transformers raises many types for missing or broken tokenizer files
         if (path / "tokenizer.model").is_file() and not (path / "tokenizer.json").is_file():
             # Older Llama 2 and Mistral repos: transformers converts the sentencepiece model with the

@@ -15,7 +15,7 @@ from specbuild_runtime.manifest import TOKENIZER_DIR, Manifest
 from ..errors import SettingsError
 from ..progress import bar, shown
 from ..staging import scratch_folder
-from ..recipe import DEFAULT_ACCURACY_LEVEL, DEFAULT_MAX_SEQ_LEN, CompileSettings
+from ..recipe import DEFAULT_ACCURACY_LEVEL, DEFAULT_MAX_SEQ_LEN, CompileSettings, round_problem
 from . import tensorrt_llm
 from .bundle import created_by, save_tokenizer, staged_bundle, write_manifest
 from .check import check_engines
@@ -117,9 +117,8 @@ def _max_seq_len(settings: CompileSettings, context_limit: int) -> int:
     # The default stops where check_context would refuse a longer one (a short draft, a LongRoPE target's original
     # length, a window transformers' cache keeps)
     max_seq_len = settings.max_seq_len or min(DEFAULT_MAX_SEQ_LEN, context_limit)
-    if settings.gamma >= max_seq_len:  # a round of γ drafts and the target's token must fit in the context
-        raise SettingsError(f"gamma {settings.gamma} drafts a round but the context holds {max_seq_len} tokens; "
-                            f"give a max_seq_len above {settings.gamma}, or a smaller gamma")
+    if problem := round_problem(settings.gamma, max_seq_len):
+        raise SettingsError(problem)
     return max_seq_len
 
 

@@ -10,7 +10,7 @@ from safetensors import SafetensorError
 from specbuild_runtime.errors import DeviceError, first_line
 
 from ..errors import CheckpointError
-from .load import checkpoint_digest, digest_of_shards_beside, indexed_files, quiet_transformers, read_config_json
+from .load import checkpoint_digest, digest_of_shards_beside, indexed_files, load_config
 
 TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -29,10 +29,11 @@ def transformers_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_t
     return out[0, len(prompt_ids):].tolist()
 
 
-def load_reference(path: Path, role: str = "target", device: str = "cpu", precision: str = "fp32"):
+def load_reference(path: Path, role: str = "target", device: str = "cpu", precision: str = "fp32", config=None):
     """A checkpoint as transformers runs it: safetensors only (never unpickled), local files only, no remote
     code; on device ("cpu" or "cuda") in precision (fp32, fp16 or bf16). fp32 on CUDA computes fp32 (TF32
-    off, as the runtime's fp32 engines run), which switches TF32 off for the whole process."""
+    off, as the runtime's fp32 engines run), which switches TF32 off for the whole process. config: its config as
+    load_config read it, where the caller holds it (config.json is then not read again)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -45,12 +46,14 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
     if not (Path(path) / "config.json").is_file():
         raise CheckpointError(f"{role} checkpoint {path} is not a Hugging Face checkpoint folder (no config.json); "
                               "pass the folder the bundle was compiled from")
-    read_config_json(Path(path) / "config.json")  # transformers' own refusal would be followed by the "re-save" advice
+    # read before the weights, as transformers' own refusal would be followed by the "re-save" advice
+    if config is None:
+        config = load_config(Path(path), role)
     _check_index(Path(path), role)
-    quiet_transformers()
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, TORCH_DTYPES[precision]), use_safetensors=True,
-                                                     local_files_only=True, trust_remote_code=False, **_attention(Path(path)))
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=getattr(torch, TORCH_DTYPES[precision]),
+                                                     use_safetensors=True, local_files_only=True, trust_remote_code=False,
+                                                     **_attention(config))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{role} checkpoint {path} cannot be loaded from safetensors ({first_line(exc)}); specbuild "
                               "never unpickles weights: re-save it with `save_pretrained(dir, safe_serialization=True)`") from None
@@ -60,14 +63,10 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
     return plainly_generating(model).to(device).eval()
 
 
-def _attention(path: Path) -> dict:
+def _attention(config) -> dict:
     """Gemma 2 soft-caps its attention scores, which sdpa cannot: transformers 5 runs it eagerly by itself, while
     transformers 4 (4.56, 4.57) picked sdpa and dropped the cap, and verify reported divergences of its own making."""
-    try:
-        gemma2 = json.loads((path / "config.json").read_bytes()).get("model_type") == "gemma2"
-    except (ValueError, AttributeError):  # not a JSON object: from_pretrained says so in its own words
-        gemma2 = False
-    return {"attn_implementation": "eager"} if gemma2 else {}
+    return {"attn_implementation": "eager"} if config.model_type == "gemma2" else {}
 
 
 def plainly_generating(model):

@@ -17,9 +17,9 @@ import torch
 from specbuild_runtime.errors import first_line
 
 from ..acceptance import expected_tokens_per_call, rounds, theoretical_speedup, until_eos
-from ..compile.load import (check_architecture, check_draft_smaller, check_draft_without_tokenizer, check_embedding_rows,
-                             has_tokenizer_files, load_config, load_tokenizer, model_spec, quiet_transformers,
-                             read_config_json, unpadded_parameters)
+from ..compile.load import (check_architecture, check_checkpoint_folder, check_draft_smaller, check_draft_without_tokenizer,
+                             check_embedding_rows, has_tokenizer_files, load_config, load_tokenizer, model_spec,
+                             unpadded_parameters)
 from ..compile.reference import load_reference, plainly_generating
 from ..errors import CheckpointError, TrainingError
 from ..progress import bar, note
@@ -41,29 +41,31 @@ GENERATION_BATCH = 64  # sequences per batched generate() call: the fastest per 
 GENERATION_SHARE = 0.3
 
 
-def load_model(path: Path, role: str):
+def load_model(path: Path, role: str, config=None):
     """A Hugging Face folder's model (fp32, eval mode, from safetensors only: never unpickled) and tokenizer (None for
-    a draft saved without tokenizer files, which speaks the target's, as compile takes it)."""
+    a draft saved without tokenizer files, which speaks the target's, as compile takes it). config: the folder's
+    config where the caller has read it (load_config), so that config.json is read once."""
     path = Path(path)
     check_checkpoint_files(path, role)
-    quiet_transformers()  # before check_memory reads the config, which transformers may remark on
-    check_memory(path, role)
+    if config is None:
+        config = load_config(path, role)
+    check_memory(config, path, role)
     with note(f"loading the {role} checkpoint {path}"):  # an 8B target in fp32 is 32 GB to read and convert
-        model = load_reference(path, role)
-    return model, None if role == "draft" and not has_tokenizer_files(path) else load_tokenizer(path, role)
+        model = load_reference(path, role, config=config)
+    return model, None if role == "draft" and not has_tokenizer_files(path) else load_tokenizer(path, role, config)
 
 
 def check_checkpoint_files(path: Path, role: str) -> None:
-    """CheckpointError where path holds no config.json or no safetensors weights: distill checks --init so before it
-    loads the target, which refused a wrong --init only after that load (minutes on a large target)."""
-    if not (path / "config.json").is_file():
-        raise CheckpointError(f"{role} checkpoint {path} is not a Hugging Face folder (no config.json)")
+    """CheckpointError where path is no folder, or holds no config.json or no safetensors weights: distill checks
+    --init so before it loads the target, which refused a wrong --init only after that load (minutes on a large
+    target)."""
+    check_checkpoint_folder(path, role)
     if not any(path.glob("*.safetensors")):
         raise CheckpointError(f"{role} checkpoint {path} has no *.safetensors weights (distill never unpickles "
                               "*.bin files; re-save it with save_pretrained(..., safe_serialization=True))")
 
 
-def check_memory(path: Path, role: str) -> None:
+def check_memory(config, path: Path, role: str) -> None:
     """TrainingError where this machine (or container) cannot hold even the checkpoint's weights as distill
     holds them, in fp32: the kernel would kill distill while it loads them, saying nothing of why.
 
@@ -72,12 +74,11 @@ def check_memory(path: Path, role: str) -> None:
     gradients and AdamW state and a step's logits making the rest. A checkpoint refused here would surely be
     killed; one let through may still be, by what training adds or by other processes' memory.
     """
-    from transformers import AutoConfig
     from specbuild_runtime.pool import memory_limit
 
     try:
-        need = 4 * _meta_parameters(AutoConfig.from_pretrained(path, local_files_only=True))
-    except Exception:  # a config transformers cannot build: loading it says why, in its own words
+        need = 4 * _meta_parameters(config)
+    except Exception:  # a config transformers cannot build a model of: loading it says why, in its own words
         return
     total, where = memory_limit()
     if need > total:
@@ -231,33 +232,29 @@ def _meta_parameters(config) -> int:
         return parameter_count(AutoModelForCausalLM.from_config(config))
 
 
-def new_draft_config(target_dir: Path, draft_config: dict | None):
-    """shrunk_config of the target's config.json alone: a --draft-config key the target lacks, or a value of the wrong
-    type, was refused only after the target's weights had loaded (minutes on a large target)."""
-    check_checkpoint_files(target_dir, "target")
-    read_config_json(target_dir / "config.json")  # says what is wrong with it in one line, as load_model does
-    return shrunk_config(load_config(target_dir, "target"), draft_config)
-
-
-def build_draft(target, tokenizer, config, draft_config: dict | None, init: Path | None, seed: int):
-    """The draft to train: a new one of config (new_draft_config's), or the checkpoint at init (config None)."""
+def new_draft(target, tokenizer, config, draft_config: dict | None, seed: int):
+    """A new draft of config (shrunk_config of the target's config and the draft_config overrides), checked as compile
+    will check the pair."""
     from transformers import AutoModelForCausalLM
 
-    if init is None:
-        torch.manual_seed(seed)
-        try:
-            with note("initialising the draft"):  # random init of a target's tenth: seconds per billion parameters
-                # config is config.json's, not the loaded target's: its dtype (bf16 for most targets) and attention
-                # are taken from the target as load_model holds it (fp32; eager for Gemma 2's soft-capped scores)
-                draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype,
-                                                         attn_implementation=target.config._attn_implementation)
-        except Exception as exc:  # transformers raises many types for a config it cannot build
-            raise TrainingError(f"the draft's config ({draft_config or 'the default shrink of the target'}) gives no "
-                                f"model transformers can build ({first_line(exc)}); choose other --draft-config values") from None
-        # a draft that specbuild could not compile would be minutes of training for nothing
-        _check_pair(draft, target, tokenizer, f"the draft of --draft-config {draft_config or '(default)'}",
-                    "smaller --draft-config values")
-        return plainly_generating(draft)  # as load_reference leaves a loaded one (the "draft" sequences)
+    torch.manual_seed(seed)
+    try:
+        with note("initialising the draft"):  # random init of a target's tenth: seconds per billion parameters
+            # config is config.json's, not the loaded target's: its dtype (bf16 for most targets) and attention
+            # are taken from the target as load_model holds it (fp32; eager for Gemma 2's soft-capped scores)
+            draft = AutoModelForCausalLM.from_config(config, dtype=target.dtype,
+                                                     attn_implementation=target.config._attn_implementation)
+    except Exception as exc:  # transformers raises many types for a config it cannot build
+        raise TrainingError(f"the draft's config ({draft_config or 'the default shrink of the target'}) gives no "
+                            f"model transformers can build ({first_line(exc)}); choose other --draft-config values") from None
+    # a draft that specbuild could not compile would be minutes of training for nothing
+    _check_pair(draft, target, tokenizer, f"the draft of --draft-config {draft_config or '(default)'}",
+                "smaller --draft-config values")
+    return plainly_generating(draft)  # as load_reference leaves a loaded one (the "draft" sequences)
+
+
+def init_draft(target, tokenizer, init: Path):
+    """The checkpoint at init as the draft to train, checked as compile will check the pair."""
     draft, draft_tokenizer = load_model(init, "draft")
     # Only the token-to-id map, as compile checks a pair (load.validate_pair): the draft is written with the
     # target's tokenizer, so its own bos and eos (a base model's, for an instruct target) are never read.
@@ -499,20 +496,22 @@ def _distill(target_dir: Path, output_dir: Path, *, draft_config, init, minutes,
     if isinstance(data, Path):
         data = read_texts(data, seed)
     prompt_file = None if prompts_file is None else read_prompt_file(prompts_file)
-    if init is None:
-        config = new_draft_config(Path(target_dir), draft_config)
-    else:
+    # An --init that is no checkpoint, and a --draft-config key the target lacks or a value of the wrong type, are
+    # refused before the target's weights load (minutes on a large target).
+    if init is not None:
         check_checkpoint_files(Path(init), "draft")
-        config = None
+    check_checkpoint_files(Path(target_dir), "target")
+    target_config = load_config(Path(target_dir), "target")  # the one read of its config.json: passed on from here
+    config = shrunk_config(target_config, draft_config) if init is None else None
     torch.manual_seed(seed)
-    target, tokenizer = load_model(target_dir, "target")
+    target, tokenizer = load_model(target_dir, "target", target_config)
     stop_at_tokenizer_eos(target, tokenizer)
     # its draft could not be compiled with it: refused before the minutes
     check_architecture((target.config.architectures or ["<none>"])[0], f"target checkpoint {target_dir}")
     # as compile refuses it (load.validate_pair); the draft's check below blamed the draft, and a draft given the rows
     # it asked for trained for minutes beside a target compile then refused
     check_embedding_rows(target_dir, target.config.vocab_size, tokenizer.get_vocab(), "target")
-    draft = build_draft(target, tokenizer, config, draft_config, init, seed)
+    draft = new_draft(target, tokenizer, config, draft_config, seed) if init is None else init_draft(target, tokenizer, init)
     check_room(draft, output_dir)
     vocab = len(tokenizer)
     prompts = choose_prompts(target, tokenizer, prompt_file, data, heldout_prompts, seed)
