@@ -38,6 +38,10 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 # Up to 8 indented lines of lower-case calls and assignments: code the demo's model writes, without its colons,
 # quotes, capitals and blank lines.
 REGEX = r"((    )+[a-z_][a-z_0-9.(), =]*\n){1,8}"
+# Choice-like grammars: replies of a few tokens, where most rounds' drafts stop at an eos short of the γ asked.
+CHOICES = ["return None", "raise NotImplementedError", "return self", "pass", "yield from self.items()"]
+ENUM = {"type": "object", "properties": {"kind": {"enum": ["function", "class", "module", "method"]}},
+        "required": ["kind"], "additionalProperties": False}
 WORKLOADS = {
     "greedy": {},
     "repetition 1.1": {"repetition_penalty": 1.1},
@@ -47,6 +51,10 @@ WORKLOADS = {
     # Compact: with any whitespace allowed (vLLM's default) the demo's model writes whitespace to max_new_tokens.
     "JSON schema": {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
     "regex": {"structured_outputs": {"regex": REGEX}},
+    "choice": {"structured_outputs": {"choice": CHOICES}},
+    "yes/no regex": {"structured_outputs": {"regex": "(yes|no)"}},
+    "date regex": {"structured_outputs": {"regex": r"\d{4}-\d{2}-\d{2}"}},
+    "enum schema": {"structured_outputs": {"json": ENUM, "disable_any_whitespace": True}},
     "T 0.8": {"temperature": 0.8},
     "T 0.8, repetition 1.1": {"temperature": 0.8, "repetition_penalty": 1.1},
     "T 0.8, JSON schema": {"temperature": 0.8, "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
@@ -143,6 +151,20 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def timed_costs(decoder) -> dict[str, list[float | None]]:
+    """Auto's costs of a round at each γ at the end, per kind of request that decoded (the kinds share them across
+    workloads: every grammar's greedy requests one table): None where no round at that γ was timed, so that the prior
+    (the weight-byte ratio a draft step) priced it. A round whose draft stopped short of the γ asked times nothing, so
+    under a grammar whose replies are a few tokens most γs stay untimed."""
+    tables = {}
+    for (sampled, processing), policy in decoder._policies[0].items():
+        rounds = policy.costs.rounds
+        if rounds[0] is not None:
+            tables[f"{'sampled' if sampled else 'greedy'} {processing}"] = [None if cost is None else round(cost, 3)
+                                                                            for cost in [1.0, *rounds[1:]]]
+    return tables
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     where = parser.add_mutually_exclusive_group(required=True)
@@ -169,10 +191,14 @@ def main() -> None:
     print(f"{bundle}: {len(prompts)} prompts x {args.max_new_tokens} tokens, {platform.machine()} "
           f"{os.cpu_count()} CPUs, load {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     print(table(results))
+    costs = timed_costs(decoder)
+    for kind, kind_costs in costs.items():
+        print(f"auto's costs of a round at γ 0-{decoder.max_gamma}, {kind} (rounds without drafts; - untimed, priced by the "
+              f"prior): {' '.join('-' if cost is None else f'{cost:.2f}' for cost in kind_costs)}")
     if args.json:
         report = {"bundle": str(bundle), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                   "seed": args.seed, "repeats": args.repeats, "load": [round(load, 2), round(os.getloadavg()[0], 2)],
-                  "workloads": WORKLOADS, "results": results}
+                  "workloads": WORKLOADS, "results": results, "auto_costs": costs}
         args.json.write_text(json.dumps(report, indent=2))
     if any(row["matches_target"] is False for workload in results.values() for row in workload):
         raise SystemExit("a greedy output differs from target-only decoding (exact: NO above): a bug, report it")

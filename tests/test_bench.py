@@ -429,7 +429,8 @@ def test_bench_writes_its_json_and_plot_though_stdout_is_gone(bundles, tmp_path)
 def test_structured_alpha_measures_every_workload_on_a_bundle_given(tmp_path, bundles):
     """benchmarks/structured_alpha.py (α under penalties and structured outputs, on the demo pair or any bundle), kept
     from rotting, short. With the draft equal to the target, greedy drafts all hold without a penalty, under a grammar
-    too (the draft proposes under the target's mask), and every greedy output is target-only's."""
+    too (the draft proposes under the target's mask), every greedy output is target-only's, and the report says which
+    γs auto timed by the end."""
     import subprocess
     import sys
     from pathlib import Path
@@ -437,11 +438,14 @@ def test_structured_alpha_measures_every_workload_on_a_bundle_given(tmp_path, bu
     script = Path(__file__).parents[1] / "benchmarks" / "structured_alpha.py"
     subprocess.run([sys.executable, str(script), "--bundle", str(bundles("llama", 0)), "--max-new-tokens", "6",
                     "--repeats", "1", "--json", str(tmp_path / "structured.json")], check=True, capture_output=True)
-    results = json.loads((tmp_path / "structured.json").read_text())["results"]
+    report = json.loads((tmp_path / "structured.json").read_text())
+    results = report["results"]
     modes = {name: [(row["system"], row["gamma"]) for row in rows] for name, rows in results.items()}
     assert modes["regex"] == [("specbuild", 0), ("specbuild", 4), ("specbuild", "auto"), ("draft unmasked", 4)]
     assert modes["T 0.8, repetition 1.1"] == [("specbuild", 0), ("specbuild", 4), ("specbuild", "auto")]
-    assert all(row["matches_target"] for name in ("greedy", "presence 0.5", "JSON schema") for row in results[name])
+    assert all(row["matches_target"] for name in ("greedy", "presence 0.5", "JSON schema", "choice", "enum schema")
+               for row in results[name])
+    assert report["auto_costs"]["greedy structured"][0] == 1.0  # the unit, then each γ's cost or None (untimed)
     assert [results[name][1]["acceptance_rate"] for name in ("greedy", "JSON schema", "regex")] == [1.0, 1.0, 1.0]
 
 
