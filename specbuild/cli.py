@@ -268,6 +268,8 @@ class Group(Interruptible, click.Group):
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")  # main() reads it
 def cli(debug: bool) -> None:
     """Compile a draft/target pair of Hugging Face checkpoints into a speculative-decoding bundle, and run it."""
+    if os.environ.get("NO_COLOR"):  # https://no-color.org, which click does not read: demo's completion was green
+        click.get_current_context().color = False
 
 
 @cli.command("compile")

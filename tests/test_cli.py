@@ -442,6 +442,23 @@ def test_a_damaged_demo_cache_says_which_folder_to_delete(damage, checkpoints, t
     assert "--overwrite" not in error and "download" not in error, error
 
 
+@pytest.mark.parametrize("no_color", ["1", ""])
+def test_no_color_set_keeps_the_demos_output_plain_on_a_terminal(no_color, monkeypatch):
+    """https://no-color.org: set and not empty, no ANSI colour; click reads only whether stdout is a terminal."""
+    from click.testing import CliRunner
+
+    import specbuild.demo
+    from specbuild.cli import cli
+
+    summary = {"prompt": "def f():", "completion": "\n    return 1", "prompts": 1, "acceptance_rate": 0.5,
+               "mean_accepted_tokens": 1.5, "target_only_tokens_per_second": 100.0,
+               "speculative_tokens_per_second": 150.0, "speedup": 1.5, "identical_to_target": True}
+    monkeypatch.setattr(specbuild.demo, "run_demo", lambda *args: summary)
+    result = CliRunner().invoke(cli, ["demo"], color=True, env={"NO_COLOR": no_color})  # color: as on a terminal
+    assert result.exit_code == 0, result.output
+    assert ("\x1b[" in result.output) == (not no_color), result.output
+
+
 def test_usage_errors_are_one_line_with_exit_status_2(capsys):
     from specbuild.cli import main
 
