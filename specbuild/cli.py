@@ -425,7 +425,7 @@ def generate(bundle, prompt, max_new_tokens, gamma, chat, chat_template, stop, a
             click.echo(delta, nl=False)
     finally:  # a decode that fails mid-way (an fp16 overflow, Ctrl-C): its error begins a line of its own
         click.echo()
-    click.echo(_stats_line(stats, gamma), err=True)
+    click.echo(_stats_line(stats, gamma, decoder.max_seq_len), err=True)
 
 
 def chat_prompt(decoder, text: str, supplied, max_new_tokens: int) -> list[int]:
@@ -449,11 +449,13 @@ def _token(token: int | None) -> str:
     return "(output ended)" if token is None else str(token)
 
 
-def _stats_line(stats, gamma) -> str:
+def _stats_line(stats, gamma, context: int) -> str:
     s = stats.to_dict()
     line = f"{s['generated_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s, ttft {s['ttft_ms']:.1f} ms"
     if stats.drafted:
         line += f", gamma {gamma}, acceptance {s['acceptance_rate']:.2f}, {s['mean_accepted_tokens']:.2f} tokens/round"
+    if stats.finish_reason == "context":  # fewer tokens than -n asked for, with no word why, read as a failure
+        line += f"; stopped: the bundle's context ({context} tokens) is full (compile's --max-seq-len)"
     return line
 
 

@@ -673,6 +673,15 @@ def test_generate_reads_the_prompt_from_stdin_given_a_dash(bundles):
     assert (piped["prompt_token_ids"], piped["token_ids"]) == (given["prompt_token_ids"], given["token_ids"])
 
 
+def test_generate_that_fills_the_context_before_its_max_new_tokens_says_so(bundles, cli):
+    """-n 100 on a 16-token context printed a few tokens and a stats line, as though that were all it was asked."""
+    bundle = str(bundles("llama", 1, max_seq_len=16))
+    full, short = cli.run([["generate", bundle, "-p", "import os", "-n", n] for n in ("100", "2")])
+    assert full["status"] == short["status"] == 0, (full, short)
+    assert "the bundle's context (16 tokens) is full" in full["stderr"], full["stderr"]
+    assert "context" not in short["stderr"], short["stderr"]
+
+
 def test_generate_stop_ends_the_output_where_the_api_stop_string_would(bundles):
     from specbuild_runtime import SpeculativeDecoder
 
