@@ -704,6 +704,9 @@ CASES = [
          call=lambda d, b: d.generate("x", 4, ignore_eos=True, structured_outputs={"choice": ["yes", "no"]})),
     Case("`gamma=10**9`", None, 1, "gamma", "Pass `auto` or 0 to the bundle's max gamma.",
          call=lambda d, b: d.generate("x", 4, gamma=10**9)),
+    Case("one `Stats` passed to a second call (`stream(..., stats=stats)` in a loop)", None, 1,
+         "pass a new Stats() to each call", "Pass a new `Stats()` to each call: one measures one request.",
+         call=lambda d, b: stream_twice(d)),
     Case('`device="gpu"`', None, 1, "device", 'Use "cpu", "cuda" or "auto".',
          call=lambda d, b: type(d)(b, device="gpu")),
 ]
@@ -785,6 +788,15 @@ def before_penalties(bundle: Path) -> Path:
     from conftest import compiled_before_penalties
 
     return compiled_before_penalties(Path(shutil.copytree(bundle, bundle.parent / "before-penalties", dirs_exist_ok=True)))
+
+
+def stream_twice(decoder) -> None:
+    """Two requests measured into one Stats: the second ended after one token, its finish_reason the first's."""
+    from specbuild_runtime import Stats
+
+    stats = Stats()
+    for _ in range(2):
+        list(decoder.stream("x", 4, gamma=0, stats=stats))
 
 
 @pytest.mark.parametrize("case", params(kind_is_cli=False))

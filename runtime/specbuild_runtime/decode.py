@@ -642,6 +642,9 @@ class SpeculativeDecoder:
         """The request's tokens, decoded in a slot taken from the pool (text, where given, follows them and ends the
         request at a stop string); records (logprobs asked for) gets each one's TokenLogprobs before it is yielded, and
         scored (prompt_logprobs asked for) each prompt token's after the first, before the first token."""
+        if stats != Stats():  # its counts would carry over: the second request ended after one token, unsaid
+            raise RequestError("stats holds another request's figures (a Stats measures one request); pass a new "
+                               "Stats() to each call")
         with (self.slots.take(halt, self._cached(request)) as slot,
               closing(self._speculate(slot, request, stats, records, scored, halt)) as tokens):
             try:
