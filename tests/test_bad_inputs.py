@@ -574,6 +574,9 @@ CASES = [
     # --- bundles and requests ---------------------------------------------------------------------------
     Case("a folder that is not a bundle", ["generate", "{tmp}", "-p", "x"], 1, "manifest.json is missing",
          "Pass the folder `specbuild compile` wrote."),
+    Case("a file of a bundle (`bundle/target.onnx`, as llama.cpp takes a `.gguf`) where the bundle goes",
+         ["generate", "{bundle}/target.onnx", "-p", "x"], 1, "is a file, not a bundle folder; pass the bundle folder "
+         "that holds it", "Pass the bundle's folder, the one holding `manifest.json`."),
     Case("a bundle path that does not exist (a typo)", ["generate", "{tmp}/bundel", "-p", "x"], 1, "bundel does not exist",
          "Pass the folder `specbuild compile --output` wrote."),
     Case("a checkpoint folder where a bundle goes", ["generate", "{target}", "-p", "x"], 1, "is a Hugging Face checkpoint",

@@ -360,6 +360,10 @@ def load_manifest(root: str | Path, check_digests: bool = True, require_engines:
                               f"first: specbuild compile --target {root} --draft DRAFT_DIR --output BUNDLE")
         if not root.exists():  # a typo: "manifest.json is missing" sent users looking inside a folder there is not
             raise BundleError(f"{root} does not exist; pass the folder `specbuild compile --output` wrote")
+        if root.is_file():  # one of a bundle's files, as llama.cpp takes a .gguf: "manifest.json is missing" misled
+            where = (f"the bundle folder that holds it, {root.parent}" if (root.parent / MANIFEST).is_file() else
+                     "the folder `specbuild compile --output` wrote")
+            raise BundleError(f"{root} is a file, not a bundle folder; pass {where}")
         raise BundleError(f"{root} is not a specbuild bundle: {MANIFEST} is missing (build one with `specbuild compile`)")
     try:
         data = json.loads(path.read_bytes())
