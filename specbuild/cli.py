@@ -390,6 +390,9 @@ def generate(bundle, prompt, max_new_tokens, gamma, chat, chat_template, stop, a
     from specbuild_runtime import SpeculativeDecoder, Stats
 
     check_sampling(sampling)
+    if sampling["min_tokens"] > max_new_tokens:  # the command line at odds with itself: exit 2, before the bundle loads
+        raise click.UsageError(f"--min-tokens {sampling['min_tokens']} is above --max-new-tokens {max_new_tokens}: give "
+                               "at most that many")
     if structured := structured_outputs({"json": json_schema, "regex": regex, "choice": list(choice) or None,
                                          "grammar": grammar}):
         sampling["structured_outputs"] = structured

@@ -626,6 +626,8 @@ CASES = [
          "Give a number in [-2, 2], as OpenAI's API takes it; 0 applies none."),
     Case("`--repetition-penalty 0` (or below)", ["generate", "{bundle}", "-p", "x", "--repetition-penalty", "0"], 2,
          "--repetition-penalty", "Give a number above 0; 1 applies none, above 1 discourages repeats."),
+    Case("`--min-tokens` above `--max-new-tokens`", ["generate", "{bundle}", "-p", "x", "-n", "2", "--min-tokens", "5"], 2,
+         "--min-tokens 5 is above --max-new-tokens 2", "Give at most `--max-new-tokens` as `--min-tokens`."),
     Case("`--stop ''` (an empty stop string; also a seventeenth `--stop`)", ["generate", "{bundle}", "-p", "x", "--stop", ""], 2,
          "must not be empty", "Give each stop string some text, at most 16 of them."),
     Case("`--gamma` above the bundle's maximum", ["generate", "{bundle}", "-p", "x", "--gamma", "9"], 1, "gamma",
