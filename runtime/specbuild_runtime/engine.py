@@ -163,7 +163,9 @@ def use_shared_thread_pool(threads: int = 0) -> None:
 
     Fastest for a process that only decodes: the draft and the target run one after the other and
     one pool serves both (measured on 2 cores, demo pair: target-only 333 vs 273 tok/s, speculative
-    744 vs 616 tok/s). It changes the whole process: every later session must set `use_per_session_threads =
+    744 vs 616 tok/s), while the cores are free: its threads spin and onnxruntime's Python API cannot stop them, so
+    where other work takes the cores one thread decodes faster (docs/performance.md, "On a busy machine"). It
+    changes the whole process: every later session must set `use_per_session_threads =
     False` (session_options does). Sessions made before keep their own pools. onnxruntime (1.32) makes the pool
     once per process and never resizes it: where one exists (an earlier call's, or other code's
     onnxruntime.set_global_thread_pool_sizes), the sessions share it, and a size asked that it may not have is a
