@@ -255,6 +255,20 @@ def test_verify_refuses_a_gamma_above_the_bundles_before_loading_the_target(bund
     assert result["status"] == 1 and "gamma must be from 0 to 8" in result["stderr"], result
 
 
+@pytest.mark.parametrize("given, says", [("no-such-checkpoint", "no-such-checkpoint is not a folder; pass a Hugging Face"),
+                                         ("bundle", "is a specbuild bundle, not a checkpoint")])
+def test_verify_says_a_target_that_is_no_folder_or_a_bundle_as_compile_and_distill_do(given, says, bundles, tmp_path,
+                                                                                       cli):
+    """load_reference kept its own check, which said "is not a Hugging Face checkpoint folder (no config.json)" of a
+    --target that does not exist (a typo) or is the bundle itself (load.check_checkpoint_folder tells each)."""
+    bundle = bundles("llama", 1)
+    target = bundle if given == "bundle" else tmp_path / given
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n")
+    [result] = cli.run([["verify", str(bundle), "--target", str(target), "--prompts", str(prompts), "-n", "2"]])
+    assert result["status"] == 1 and says in result["stderr"] and result["stderr"].count("\n") == 1, result
+
+
 def test_verify_holds_a_half_precision_bundle_against_transformers_in_its_precision(checkpoints, tmp_path, cli):
     """An fp16 bundle is compared with transformers fp16 (equal here, as tests/test_exactness.py shows); a
     divergence says where each leaves transformers fp32's output, to tell rounding from a bug."""

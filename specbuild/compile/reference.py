@@ -10,7 +10,7 @@ from safetensors import SafetensorError
 from specbuild_runtime.errors import DeviceError, first_line
 
 from ..errors import CheckpointError
-from .load import checkpoint_digest, digest_of_shards_beside, indexed_files, load_config
+from .load import check_checkpoint_folder, checkpoint_digest, digest_of_shards_beside, indexed_files, load_config
 
 TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -43,9 +43,7 @@ def load_reference(path: Path, role: str = "target", device: str = "cpu", precis
                               "(install a CUDA build of torch, or use --device cpu)")
         if precision == "fp32":
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    if not (Path(path) / "config.json").is_file():
-        raise CheckpointError(f"{role} checkpoint {path} is not a Hugging Face checkpoint folder (no config.json); "
-                              "pass the folder the bundle was compiled from")
+    check_checkpoint_folder(Path(path), role)  # no folder (a typo), a bundle given as its source, no config.json
     # read before the weights, as transformers' own refusal would be followed by the "re-save" advice
     if config is None:
         config = load_config(Path(path), role)
