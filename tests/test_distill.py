@@ -559,6 +559,16 @@ def test_distill_refuses_an_init_that_is_no_checkpoint_before_it_loads_the_targe
         distill(tmp_path / "no target", tmp_path / "draft", init=tmp_path / "init")
 
 
+def test_distill_refuses_an_init_whose_config_json_is_unreadable_before_it_loads_the_target(pair, tmp_path):
+    """The target's config.json was read before its weights load, the --init's only once they had (minutes on a large
+    target). There is no target here: a refusal that came after loading it would name the target."""
+    init = tmp_path / "init"
+    shutil.copytree(pair[1], init)
+    (init / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=f"^{init / 'config.json'} is not valid JSON"):
+        distill(tmp_path / "no target", tmp_path / "draft", init=init)
+
+
 def test_distill_refuses_a_draft_with_another_tokenizer(pair, tmp_path):
     other = make_checkpoint(tmp_path / "other", "llama", make_tokenizer(vocab_size=300), **SMALLER)
     with pytest.raises(CheckpointError, match="different tokenizer"):

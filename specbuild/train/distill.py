@@ -253,9 +253,10 @@ def new_draft(target, tokenizer, config, draft_config: dict | None, seed: int):
     return plainly_generating(draft)  # as load_reference leaves a loaded one (the "draft" sequences)
 
 
-def init_draft(target, tokenizer, init: Path):
-    """The checkpoint at init as the draft to train, checked as compile will check the pair."""
-    draft, draft_tokenizer = load_model(init, "draft")
+def init_draft(target, tokenizer, init: Path, config=None):
+    """The checkpoint at init as the draft to train, checked as compile will check the pair. config: its config, where
+    the caller has read it (load_config)."""
+    draft, draft_tokenizer = load_model(init, "draft", config)
     # Only the token-to-id map, as compile checks a pair (load.validate_pair): the draft is written with the
     # target's tokenizer, so its own bos and eos (a base model's, for an instruct target) are never read.
     if draft_tokenizer is None:
@@ -500,6 +501,7 @@ def _distill(target_dir: Path, output_dir: Path, *, draft_config, init, minutes,
     # refused before the target's weights load (minutes on a large target).
     if init is not None:
         check_checkpoint_files(Path(init), "draft")
+        init_config = load_config(Path(init), "draft")  # its one read too: a config.json that is no config refused here
     check_checkpoint_files(Path(target_dir), "target")
     target_config = load_config(Path(target_dir), "target")  # the one read of its config.json: passed on from here
     config = shrunk_config(target_config, draft_config) if init is None else None
@@ -511,7 +513,8 @@ def _distill(target_dir: Path, output_dir: Path, *, draft_config, init, minutes,
     # as compile refuses it (load.validate_pair); the draft's check below blamed the draft, and a draft given the rows
     # it asked for trained for minutes beside a target compile then refused
     check_embedding_rows(target_dir, target.config.vocab_size, tokenizer.get_vocab(), "target")
-    draft = new_draft(target, tokenizer, config, draft_config, seed) if init is None else init_draft(target, tokenizer, init)
+    draft = (new_draft(target, tokenizer, config, draft_config, seed) if init is None else
+             init_draft(target, tokenizer, init, init_config))
     check_room(draft, output_dir)
     vocab = len(tokenizer)
     prompts = choose_prompts(target, tokenizer, prompt_file, data, heldout_prompts, seed)
