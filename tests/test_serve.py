@@ -2868,6 +2868,48 @@ def test_the_end_of_the_grace_period_closes_a_connection_whose_client_does_not_r
     assert "Traceback" not in log.read_text() and "timeout graceful shutdown exceeded" not in log.read_text()
 
 
+def test_the_end_of_the_grace_period_keeps_a_connection_whose_client_reads_more_slowly_than_it_is_written(bundle,
+                                                                                                      monkeypatch):
+    """A client that reads more slowly than its response is written has unsent bytes at any instant, as one that does
+    not read has: closed at the cut, it lost the rest of a response it was reading (a raw client, SO_RCVBUF 4 KB,
+    reading ~400 KB/s of a 64-choice stream with logprobs 20, 8 MB, two SIGTERMs after its first MB at
+    --shutdown-timeout 600: 3.2 MB, and no error event or [DONE]). Only a connection whose unsent bytes stand still
+    from one look to the next is closed."""
+    import itertools
+
+    import uvicorn as uvicorn_module
+
+    from specbuild_runtime import SpeculativeDecoder
+    from specbuild_runtime.serve import app
+    from specbuild_runtime.serve.app import Server, Settings
+
+    monkeypatch.setattr(app, "UNREAD_LOOK", 0.05, raising=False)
+    uvicorn = Server(SpeculativeDecoder(bundle), Settings(model=MODEL, shutdown_timeout=0)).http_server("127.0.0.1", 0)
+
+    class Connection:  # uvicorn's protocol and its transport, as the shutdown sees them
+        def __init__(self, unsent):
+            self.transport, self.unsent = self, unsent
+
+        def get_write_buffer_size(self) -> int:
+            return next(self.unsent)
+
+        def get_extra_info(self, name: str):
+            return None
+
+        def abort(self) -> None:
+            uvicorn.server_state.connections.discard(self)
+
+    reading, stuck = Connection(itertools.count(4 << 20, -4096)), Connection(itertools.repeat(1 << 20))
+
+    async def wait_for_connections(self, sockets=None) -> None:  # uvicorn's shutdown, 2 s of it
+        await asyncio.sleep(2)
+
+    monkeypatch.setattr(uvicorn_module.Server, "shutdown", wait_for_connections)
+    uvicorn.server_state.connections.update({reading, stuck})
+    asyncio.run(uvicorn.shutdown())
+    assert uvicorn.server_state.connections == {reading}
+
+
 def test_uvicorns_shutdown_lines_say_what_a_second_and_a_third_signal_do(bundle):
     """uvicorn's "Waiting for connections to close. (CTRL+C to force quit)": here a second Ctrl-C ends the grace period,
     and only a third quits without waiting."""
