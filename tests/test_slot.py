@@ -625,6 +625,44 @@ def test_terminate_calls_fails_the_engine_calls_of_the_slots_in_use_until_each_i
     assert [[first, *stream] for first, stream in zip(firsts, both)] == [expected] * 2
 
 
+def test_terminate_calls_also_stops_the_samplers_call_in_progress(bundle, monkeypatch):
+    """The greedy-only graphs' sampler (CUDA graphs) decides a sampled call in a call of its own, after the engine's:
+    it ran without run options, so one stuck there (a stuck device) held a server's shutdown as a stuck engine call did
+    before terminate_calls, till SIGKILL."""
+    import threading
+    import time
+
+    import onnxruntime as ort
+
+    decoder = SpeculativeDecoder(bundle, cuda_graphs=True)
+    sampler, run = decoder.target.sampling_session, ort.InferenceSession.run_with_iobinding
+    assert sampler is not None and sampler is not decoder.target.session
+    reached, failed = threading.Event(), []
+
+    def stuck_sampler(self, binding, options=None):
+        if self is sampler:
+            reached.set()
+            given_up = time.monotonic() + 30
+            while not (options is not None and options.terminate) and time.monotonic() < given_up:
+                time.sleep(0.01)
+        return run(self, binding, options)
+
+    def decode() -> None:
+        try:
+            decoder.generate(PROMPTS[0], 12, gamma=3, temperature=0.8, seed=1)
+        except DeviceError as error:
+            failed.append(error)
+
+    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", stuck_sampler)
+    worker = threading.Thread(target=decode)
+    worker.start()
+    assert reached.wait(60)
+    began = time.monotonic()
+    decoder.slots.terminate_calls()
+    worker.join(60)
+    assert failed and time.monotonic() - began < 10, time.monotonic() - began
+
+
 def test_an_engine_call_out_of_memory_says_what_to_decode_less_of():
     class OutOfMemory:
         def run_with_iobinding(self, binding, options):

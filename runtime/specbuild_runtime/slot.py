@@ -228,13 +228,19 @@ class CallOptions:
 
     def options(self, graph: int) -> ort.RunOptions:
         key = self._graph(graph) if self.engine.captures else None
-        if key not in self._run_options:
-            self._run_options[key] = options = ort.RunOptions()
-            if key is not None:  # an engine that captures runs a call without a graph id as graph 0: uncaptured say -1
-                options.add_run_config_entry("gpu_graph_id", str(key))
-            # read after it is stored: a terminate() meanwhile either sees it there or has set _terminated before
-            options.terminate = self._terminated
-        return self._run_options[key]
+        return self._run_options.get(key) or self._add(key)
+
+    def uncaptured(self) -> ort.RunOptions:
+        """The options of a call that names no CUDA graph: the sampler's (a session that captures none)."""
+        return self._run_options.get(None) or self._add(None)
+
+    def _add(self, key: int | None) -> ort.RunOptions:
+        self._run_options[key] = options = ort.RunOptions()
+        if key is not None:  # an engine that captures runs a call without a graph id as graph 0: uncaptured say -1
+            options.add_run_config_entry("gpu_graph_id", str(key))
+        # read after it is stored: a terminate() meanwhile either sees it there or has set _terminated before
+        options.terminate = self._terminated
+        return options
 
     def terminate(self) -> None:
         """From any thread: stop the call in progress, and refuse the calls after it until clear()."""
@@ -699,7 +705,7 @@ class EngineSlot:
             self._feed_sampler(self._tail, self._fed[total_len - num_drafts - 1:total_len], num_drafts)
             if self._sampler_decides:
                 self._push_processing(num_drafts)
-            run_session(self.engine.sampling_session, self._tail, self.engine.path)
+            run_session(self.engine.sampling_session, self._tail, self.engine.path, self.call_options.uncaptured())
         if not self._copies:
             return int(self._accepted.host), int(self._next_token.host)
         # A call without drafts accepts none: one copy back (a wait for the device) fewer per draft step.
