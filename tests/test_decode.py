@@ -389,6 +389,45 @@ def test_a_stream_closed_at_the_token_that_filled_the_context_finishes_as_contex
     assert stats.finish_reason == "context"
 
 
+def test_one_stats_given_to_two_requests_waiting_for_a_slot_is_refused_to_the_second(bundle):
+    """Both checked their Stats before the wait, while it was still new: the second then decoded into the first's
+    figures and ended after one token, finish_reason "max_new_tokens", unsaid."""
+    decoder = SpeculativeDecoder(bundle)
+    holder = decoder.stream(PROMPTS[0], NEW_TOKENS, gamma=0)
+    next(holder)  # holds the only slot
+    stats, outcomes = Stats(), []
+
+    def decode():
+        try:
+            outcomes.append(len(list(decoder.stream(PROMPTS[1], 6, gamma=0, ignore_eos=True, stats=stats))))
+        except RequestError as error:
+            outcomes.append(str(error))
+
+    threads = [threading.Thread(target=decode) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.5)  # both wait for the slot
+    holder.close()
+    for thread in threads:
+        thread.join(60)
+    refused = [outcome for outcome in outcomes if isinstance(outcome, str)]
+    assert [outcome for outcome in outcomes if isinstance(outcome, int)] == [6], outcomes
+    assert len(refused) == 1 and "pass a new Stats() to each call" in refused[0], outcomes
+    assert stats.generated_tokens == 6, stats
+
+
+def test_a_new_stats_of_a_subclass_is_no_other_requests_figures(bundle):
+    """stats != Stats() held for every subclass (dataclass __eq__ compares one class only): a new one was refused."""
+    class Timed(Stats):
+        @property
+        def seconds(self) -> float:
+            return self.token_times[-1] if self.token_times else 0.0
+
+    stats = Timed()
+    assert len(list(SpeculativeDecoder(bundle).stream(PROMPTS[0], 4, gamma=0, ignore_eos=True, stats=stats))) == 4
+    assert stats.generated_tokens == 4 and stats.seconds > 0
+
+
 def test_a_stream_that_was_never_started_holds_no_slot(bundle):
     decoder = SpeculativeDecoder(bundle, parallel=1)
     unused = decoder.stream(PROMPTS[0], NEW_TOKENS)

@@ -15,7 +15,7 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, closing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 from typing import AsyncGenerator, Callable, Generator, cast, overload
@@ -642,9 +642,6 @@ class SpeculativeDecoder:
         """The request's tokens, decoded in a slot taken from the pool (text, where given, follows them and ends the
         request at a stop string); records (logprobs asked for) gets each one's TokenLogprobs before it is yielded, and
         scored (prompt_logprobs asked for) each prompt token's after the first, before the first token."""
-        if stats != Stats():  # its counts would carry over: the second request ended after one token, unsaid
-            raise RequestError("stats holds another request's figures (a Stats measures one request); pass a new "
-                               "Stats() to each call")
         with (self.slots.take(halt, self._cached(request)) as slot,
               closing(self._speculate(slot, request, stats, records, scored, halt)) as tokens):
             try:
@@ -695,7 +692,11 @@ class SpeculativeDecoder:
         the target's logits that decided it, computed alike whatever the round (slot.Rows), so γ and the draft change
         none. halt: see _score."""
         sampling = request.sampling
-        stats.prompt_tokens = len(request.prompt_ids)
+        with _CLAIMING:  # checked with a slot held and claimed at once: two requests queued with one Stats each found it new
+            if not _new(stats):  # its counts would carry over: the second request ended after one token, unsaid
+                raise RequestError("stats holds another request's figures (a Stats measures one request); pass a new "
+                                   "Stats() to each call")
+            stats.prompt_tokens = len(request.prompt_ids)  # at least 1 (request() refuses an empty prompt): claimed
         clock = time.perf_counter
         start = clock()  # before scoring, which processes the prompt as the first call does where none is scored
         if scored is not None and request.prompt_logprobs is not None:  # scored: prompt_logprobs asked
@@ -1037,6 +1038,17 @@ def _identity(folder: Path) -> tuple[int, int] | None:
     except OSError:
         return None
     return stat.st_dev, stat.st_ino
+
+
+_CLAIMING = threading.Lock()
+_FIELDS = [f.name for f in fields(Stats)]
+
+
+def _new(stats: Stats) -> bool:
+    """Whether stats holds no request's figures: its Stats fields as a new one's (a subclass's too, which
+    `stats == Stats()` never is: dataclass equality compares one class)."""
+    new = Stats()
+    return all(getattr(stats, name) == getattr(new, name) for name in _FIELDS)
 
 
 def _leaves_out_last(request: Request, stats: Stats) -> bool:
