@@ -1794,6 +1794,32 @@ class ScriptedDecoder(PausingDecoder):
         yield from self.pieces
 
 
+@pytest.mark.parametrize("no_color", ["1", ""])
+def test_no_color_set_keeps_the_servers_log_plain_on_a_terminal(no_color, bundle, monkeypatch):
+    """https://no-color.org, as the specbuild CLI reads it: uvicorn coloured its log levels wherever stdout is a
+    terminal (`INFO:` in green), NO_COLOR or not."""
+    import io
+    import logging
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    from specbuild_runtime import SpeculativeDecoder
+    from specbuild_runtime.serve.app import Server, Settings
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setenv("NO_COLOR", no_color)
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    for formatter in ("default", "access"):  # uvicorn writes use_colors into its module's own config, for good
+        monkeypatch.setitem(LOGGING_CONFIG["formatters"][formatter], "use_colors", None)
+    Server(SpeculativeDecoder(bundle), Settings(model=MODEL)).http_server("127.0.0.1", 0)
+    handler = logging.getLogger("uvicorn").handlers[0]
+    line = handler.format(logging.LogRecord("uvicorn.error", logging.INFO, __file__, 1, "started", None, None))
+    assert ("\x1b[" in line) == (not no_color), line
+
+
 @contextmanager
 def in_process(bundle: Path, wrapper: type = PausingDecoder, **settings):
     """The app on a PausingDecoder (or `wrapper`) with one slot, served by uvicorn in a thread on a free loopback

@@ -16,6 +16,7 @@ import hmac
 import json
 import logging
 import math
+import os
 import struct
 import termios
 import threading
@@ -133,7 +134,9 @@ class Server:
                                 # uvicorn counts the newcomer too: max_connections are served, the next gets 503
                                 limit_concurrency=self.settings.max_connections + 1,
                                 # a backstop: drain cuts first (uvicorn takes whole seconds)
-                                timeout_graceful_shutdown=math.ceil(self.settings.shutdown_timeout) + 5)
+                                timeout_graceful_shutdown=math.ceil(self.settings.shutdown_timeout) + 5,
+                                # https://no-color.org, as the CLI reads it: uvicorn colours wherever stdout is a terminal
+                                use_colors=False if os.environ.get("NO_COLOR") else None)
         return Uvicorn(config, self.scheduler, self.settings.shutdown_timeout)
 
     @asynccontextmanager
