@@ -11,7 +11,9 @@ reached 1.02x/1.18x/1.40x/1.99x/2.66x target-only at α 0.3/0.5/0.6/0.8/0.9 wher
 On a shared machine every call slows alike in spells, and while auto drafts the rounds without drafts are mostly
 requests' last (no room for a draft). With calls 3 times as slow in spells of ~100 rounds and requests of 20 rounds
 (5000 rounds, medians of 3 seeds, policy.py at 00a41fb), auto made 1.16x/1.42x/2.50x target-only at α 0.5/0.8/0.95
-where the best fixed γ made 1.31x/2.00x/3.19x: rounds at γ priced in a unit timed in another spell (issue 12).
+where the best fixed γ made 1.31x/2.00x/3.19x: rounds at γ priced in a unit timed in another spell (issue 12). A γ
+priced out whose target calls alone cost twice as much as before is timed again after 32 rounds (policy.SPELL): 1.28x/
+1.80x/2.62x (5 seeds), and unchanged without spells.
 
     python benchmarks/policy_sim.py --alphas 0.3,0.5,0.8 --c 0.16
     python benchmarks/policy_sim.py --slow 3 --spell-rounds 100 --request-rounds 20 --seeds 5  # a shared machine

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from specbuild_runtime.policy import (GREEDY_DECAYS, MAX_PROBE_EVERY, MAX_STALE_ROUNDS, PROBE_EVERY, SAMPLING_DECAYS,
-                                      STALE_ROUNDS, FIRST_ROUNDS, AdaptiveGamma, Costs, PriorCosts, prior_draft_cost)
+                                      STALE_ROUNDS, FIRST_ROUNDS, FRESH_ROUNDS, AdaptiveGamma, Costs, PriorCosts, prior_draft_cost)
 
 from conftest import PROMPTS
 
@@ -433,3 +433,43 @@ def test_a_gamma_priced_out_after_a_spell_that_timed_it_dear_but_within_reach_wa
     rounds(FIRST_ROUNDS, 1, 2.6)  # out of reach
     rounds(STALE_ROUNDS + 1, 0, 1.0)
     assert costs.rounds[1] is None
+
+
+def test_a_gamma_priced_out_in_a_slow_spell_while_auto_drafted_is_timed_again_within_a_few_dozen_rounds():
+    """While auto drafts, only a request's last round (no room for drafts) times the unit: rounds at γ timed in a spell
+    three times as slow were priced in the unit of the fast stretch before, every γ fell out of reach, and auto sat at
+    γ 0 for STALE_ROUNDS rounds (benchmarks/policy_sim.py --spell-rounds 100: 1.42x target-only at α 0.8 where γ 5 made
+    2.00x). Its target call alone twice what a round at that γ or above had cost in units says the machine was slow,
+    not the drafting dear: that γ is timed afresh after FRESH_ROUNDS rounds. Requests of 20 rounds, the spell in rounds
+    100-199, drafts at a tenth of a target call that agree 4 times in 5."""
+    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
+    chosen = []
+    for r in range(300):
+        k = policy.choose(limit=0 if r % 20 == 19 else 100)
+        accepted = next((j for j in range(k) if not (r + j) % 5), k)
+        speed = 3 if 100 <= r < 200 else 1
+        policy.observe(k, accepted, speed * 0.1 * k, speed * (1 + 0.03 * max(k - 1, 0)),
+                       catching_up=bool(k) and not (chosen and chosen[-1]))
+        chosen.append(k)
+    assert chosen[110:120].count(0) >= 5  # priced out in the spell, as before
+    assert chosen[200:].count(0) <= 100 // 20
+
+
+def test_a_gamma_whose_target_call_stays_dear_is_timed_again_after_fresh_rounds_only_once():
+    """A target call at γ 1 twice what it cost before, for good (a grammar's masks, a floor timed in a fast spell), not
+    in a spell: re-timed after FRESH_ROUNDS and priced out again, γ 1 waits as any γ priced out, the wait doubling,
+    instead of being timed afresh every FRESH_ROUNDS rounds where drafting does not pay."""
+    costs = Costs(max_gamma=4, draft_cost=0.1)
+
+    def rounds(count: int, gamma: int, seconds: float) -> None:
+        for _ in range(count):
+            costs.observe(gamma, 0.1 * gamma, seconds, catching_up=False)
+
+    rounds(FIRST_ROUNDS, 0, 1.0)
+    rounds(FIRST_ROUNDS, 1, 1.0)  # within reach
+    rounds(FIRST_ROUNDS, 1, 2.5)  # out of reach, its target call 2.5 times as dear
+    assert costs.stale_after[1] == FRESH_ROUNDS
+    rounds(FRESH_ROUNDS + 1, 0, 1.0)
+    assert costs.rounds[1] is None
+    rounds(FIRST_ROUNDS, 1, 2.5)
+    assert costs.stale_after[1] == 2 * FRESH_ROUNDS

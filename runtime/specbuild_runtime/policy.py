@@ -114,6 +114,17 @@ MAX_STALE_ROUNDS = 2048
 # 3.97 and 5.11 rounds without drafts, and one drafted in ~6,600 of ~10,000 rounds, another in ~500. Later rounds at γ,
 # in a unit that may be of another spell, price nothing (a round is ~1 ms here, a spell lasts many).
 FRESH_ROUNDS = 32
+# A γ ≥ 1 priced out of reach whose rounds' target calls alone cost SPELL times what those of a round at it or above
+# ever cost when priced (their median over FIRST_ROUNDS, in units) was timed in a slow spell, not found dear: it is
+# timed afresh after FRESH_ROUNDS rounds, not STALE_ROUNDS. While auto drafts only a request's last round (no room for
+# drafts) times the unit, so rounds in a spell 3 times as slow were priced in the unit of the fast stretch before it,
+# and auto sat at γ 0 for 256-2048 rounds (benchmarks/policy_sim.py, spells of ~100 rounds, requests of 20, 3 seeds:
+# 1.16x/1.42x/2.50x target-only at α 0.5/0.8/0.95 became 1.29x/1.82x/2.56x, the best fixed γ 1.31x/2.00x/3.19x; without
+# spells unchanged). Only the first time out of reach since it was within reach (its wait not yet doubled): a target call
+# dear for good (a grammar's masks, 4.3 units for a round at γ 1) or a floor timed in a fast spell re-times it once, then
+# it waits as before. Pairing each round with a round without drafts beside it instead (each ~1 ms on the demo pair)
+# priced γ by noise: under T 0.8 + repetition 1.1 it drafted at a γ too cheap, at 0.83-0.91x main's speed.
+SPELL = 2.0
 
 
 def prior_draft_cost(draft_bytes: int, target_bytes: int) -> float:
@@ -164,6 +175,8 @@ class Costs:
         self.observed = 0  # rounds timed
         self.timed_at = [0] * (max_gamma + 1)  # self.observed when a round at each γ was last timed
         self.stale_after = [STALE_ROUNDS] * (max_gamma + 1)  # rounds untimed after which each γ's cost may be dropped
+        self.calls: list[deque[float]] = [deque(maxlen=FIRST_ROUNDS) for _ in range(max_gamma + 1)]  # target calls, units
+        self.calls_floor = [math.inf] * (max_gamma + 1)  # each γ's cheapest median of them when priced (SPELL)
 
     def costs(self, limit: int) -> list[float]:
         """The cost of a round at γ = 0 … limit."""
@@ -215,12 +228,14 @@ class Costs:
                         self.stale_after[gamma] = min(2 * self.stale_after[gamma], MAX_STALE_ROUNDS)
                     self.rounds[gamma] = None
                     self.last[gamma].clear()
+                    self.calls[gamma].clear()
             seconds = draft_seconds + target_seconds
             if drafted:
                 # a catching-up draft also read tokens it had missed: not a round of γ; or no unit of its time
                 if catching_up or self.rounds[0] is None or not self.unit_fresh:
                     return
                 seconds /= self.rounds[0]
+                self.calls[drafted].append(target_seconds / self.rounds[0])
             self.timed_at[drafted] = self.observed
             last = self.last[drafted]
             last.append(seconds)
@@ -228,6 +243,12 @@ class Costs:
                 self.rounds[drafted] = cost = statistics.median(last)
                 if drafted and cost <= drafted + 1:  # within reach: out of it later, it waits anew
                     self.stale_after[drafted] = STALE_ROUNDS
+                if drafted:
+                    call = statistics.median(self.calls[drafted])
+                    if (cost > drafted + 1 and self.stale_after[drafted] == STALE_ROUNDS
+                            and call >= SPELL * min(self.calls_floor[drafted:])):  # priced in a slow spell
+                        self.stale_after[drafted] = FRESH_ROUNDS
+                    self.calls_floor[drafted] = min(self.calls_floor[drafted], call)
 
 
 class PriorCosts(Costs):
