@@ -122,8 +122,9 @@ FRESH_ROUNDS = 32
 # 1.16x/1.42x/2.50x target-only at α 0.5/0.8/0.95 became 1.29x/1.82x/2.56x, the best fixed γ 1.31x/2.00x/3.19x; without
 # spells unchanged). Only the first time out of reach since it was within reach (its wait not yet doubled): a target call
 # dear for good (a grammar's masks, 4.3 units for a round at γ 1) or a floor timed in a fast spell re-times it once, then
-# it waits as before. Pairing each round with a round without drafts beside it instead (each ~1 ms on the demo pair)
-# priced γ by noise: under T 0.8 + repetition 1.1 it drafted at a γ too cheap, at 0.83-0.91x main's speed.
+# it waits as after a first wait of STALE_ROUNDS (2 * STALE_ROUNDS, doubling). Pairing each round with a round without
+# drafts beside it instead (each ~1 ms on the demo pair) priced γ by noise: under T 0.8 + repetition 1.1 it drafted at a
+# γ too cheap, at 0.83-0.91x main's speed.
 SPELL = 2.0
 
 
@@ -223,9 +224,11 @@ class Costs:
             for gamma in range(len(self.rounds)):
                 if self._stale(gamma):
                     # priced out, and out of reach when timed again, it waits longer; dropped within reach, it waits
-                    # STALE_ROUNDS first if priced out then, as any γ
+                    # STALE_ROUNDS first if priced out then, as any γ. A wait of FRESH_ROUNDS (SPELL) stands for the
+                    # first STALE_ROUNDS: doubled from 32 it came back to STALE_ROUNDS, which reads as never doubled, and a
+                    # target call dear for good was timed afresh after 32, 64 and 128 rounds over and over
                     if gamma and self.cost(gamma) > gamma + 1:
-                        self.stale_after[gamma] = min(2 * self.stale_after[gamma], MAX_STALE_ROUNDS)
+                        self.stale_after[gamma] = min(2 * max(self.stale_after[gamma], STALE_ROUNDS), MAX_STALE_ROUNDS)
                     self.rounds[gamma] = None
                     self.last[gamma].clear()
                     self.calls[gamma].clear()
