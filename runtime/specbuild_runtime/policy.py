@@ -244,12 +244,12 @@ class Costs:
             last.append(seconds)
             if len(last) == FIRST_ROUNDS:
                 self.rounds[drafted] = cost = statistics.median(last)
-                if drafted and cost <= drafted + 1:  # within reach: out of it later, it waits anew
-                    self.stale_after[drafted] = STALE_ROUNDS
                 if drafted:
                     call = statistics.median(self.calls[drafted])
-                    if (cost > drafted + 1 and self.stale_after[drafted] == STALE_ROUNDS
-                            and call >= SPELL * min(self.calls_floor[drafted:])):  # priced in a slow spell
+                    if cost <= drafted + 1:  # within reach: out of it later, it waits anew
+                        self.stale_after[drafted] = STALE_ROUNDS
+                    elif (self.stale_after[drafted] == STALE_ROUNDS
+                          and call >= SPELL * min(self.calls_floor[drafted:])):  # priced in a slow spell
                         self.stale_after[drafted] = FRESH_ROUNDS
                     self.calls_floor[drafted] = min(self.calls_floor[drafted], call)
 
