@@ -120,8 +120,8 @@ FRESH_ROUNDS = 32
 # drafts) times the unit, so rounds in a spell 3 times as slow were priced in the unit of the fast stretch before it,
 # and auto sat at γ 0 for 256-2048 rounds (benchmarks/policy_sim.py, spells of ~100 rounds, requests of 20, 3 seeds:
 # 1.16x/1.42x/2.50x target-only at α 0.5/0.8/0.95 became 1.29x/1.82x/2.41x, 2.77x at α 0.95 over 15 seeds, the best
-# fixed γ 1.31x/2.00x/3.19x; without spells unchanged). Only the first time out of reach since it was within reach (its wait not yet doubled): a target call
-# dear for good (a grammar's masks, 4.3 units for a round at γ 1) or a floor timed in a fast spell re-times it once, then
+# fixed γ 1.31x/2.00x/3.19x; without spells unchanged). Only the first time out of reach since it was within reach
+# (its wait not yet doubled): a target call dear for good (a grammar's masks, 4.3 units for a round at γ 1) or a floor timed in a fast spell re-times it once, then
 # it waits as after a first wait of STALE_ROUNDS (2 * STALE_ROUNDS, doubling). Pairing each round with a round without
 # drafts beside it instead (each ~1 ms on the demo pair) priced γ by noise: under T 0.8 + repetition 1.1 it drafted at a
 # γ too cheap, at 0.83-0.91x main's speed.
