@@ -455,32 +455,12 @@ def test_a_gamma_priced_out_in_a_slow_spell_while_auto_drafted_is_timed_again_wi
     assert chosen[200:].count(0) <= 100 // 20
 
 
-def test_a_gamma_whose_target_call_stays_dear_is_timed_again_after_fresh_rounds_only_once():
-    """A target call at γ 1 twice what it cost before, for good (a grammar's masks, a floor timed in a fast spell), not
-    in a spell: re-timed after FRESH_ROUNDS and priced out again, γ 1 waits as any γ priced out after its first wait
-    (FRESH_ROUNDS stands for STALE_ROUNDS), the wait doubling, instead of being timed afresh every FRESH_ROUNDS rounds
-    where drafting does not pay."""
-    costs = Costs(max_gamma=4, draft_cost=0.1)
-
-    def rounds(count: int, gamma: int, seconds: float) -> None:
-        for _ in range(count):
-            costs.observe(gamma, 0.1 * gamma, seconds, catching_up=False)
-
-    rounds(FIRST_ROUNDS, 0, 1.0)
-    rounds(FIRST_ROUNDS, 1, 1.0)  # within reach
-    rounds(FIRST_ROUNDS, 1, 2.5)  # out of reach, its target call 2.5 times as dear
-    assert costs.stale_after[1] == FRESH_ROUNDS
-    rounds(FRESH_ROUNDS + 1, 0, 1.0)
-    assert costs.rounds[1] is None
-    rounds(FIRST_ROUNDS, 1, 2.5)
-    assert costs.stale_after[1] == 2 * STALE_ROUNDS  # as after a first wait of STALE_ROUNDS
-
-
 def test_a_gamma_whose_target_call_stays_dear_is_not_timed_again_every_few_dozen_rounds_for_good():
     """A target call at γ 1 dear for good (a grammar's masks) re-timed after FRESH_ROUNDS, priced out each time: its
     wait, doubled from FRESH_ROUNDS, came back to STALE_ROUNDS, which read as a wait not yet doubled, so the next pricing
     set FRESH_ROUNDS again; γ 1 was timed afresh after 32, 64 and 128 rounds over and over (107 times in 8192 rounds
-    where main timed it 6 times). Once early, then as main: STALE_ROUNDS doubling up to MAX_STALE_ROUNDS."""
+    where main timed it 6 times). Once early (FRESH_ROUNDS stands for the first STALE_ROUNDS), then as main: the wait
+    doubling up to MAX_STALE_ROUNDS."""
     costs = Costs(max_gamma=4, draft_cost=0.1)
 
     def rounds(count: int, gamma: int, seconds: float) -> None:
