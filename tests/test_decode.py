@@ -1311,6 +1311,28 @@ def test_a_draft_that_stopped_at_an_eos_under_a_grammar_tells_alpha_of_no_failur
     assert all(drafted == accepted for drafted, accepted in told), told
 
 
+def test_no_round_drafts_where_the_grammar_allows_only_an_eos(bundles, monkeypatch):
+    """Where the grammar allows only an eos, the target's call yields it whatever was drafted: a draft there would only
+    cost a draft call, which may first catch up on the whole prompt (a yes/no regex: most rounds that drafted were such
+    rounds). The output stays the target's."""
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=0))
+    asked = []
+    draft = decoder._draft
+
+    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None):
+        asked.append((guide.ended, k))
+        return draft(slot, feed, total_len, k, uniforms, greedy, guide)
+
+    monkeypatch.setattr(decoder, "_draft", recording)
+    choices = {"choice": ["return a + b", "pass", "raise ValueError"]}
+    for prompt in PROMPTS[:3]:
+        for gamma in (1, 2, "auto"):
+            expected = decoder.generate(prompt, 24, gamma=0, structured_outputs=choices).token_ids
+            assert decoder.generate(prompt, 24, gamma=gamma, structured_outputs=choices).token_ids == expected
+    assert any(ended for ended, k in asked)
+    assert [k for ended, k in asked if ended] == [0] * sum(ended for ended, k in asked), asked
+
+
 # --- Refusing a prompt longer than the context without tokenizing it ----------------------------------------------
 
 # Pieces of text that normalizers join (NFC/NFKC compose U+1F82 from 4 characters, a Hangul syllable from 3 jamo),

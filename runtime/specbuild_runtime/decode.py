@@ -779,6 +779,11 @@ class SpeculativeDecoder:
                 # call has rows on both sides (slot.EngineSlot._choose_rope), and the first call past it begins at that
                 # length (position O: the target's token of a round ending at O) in every mode.
                 room = min(room, switch - len(ids))
+            if guide and guide.ended:
+                # Only an eos may follow: drafted, it would yield the one token the target's call yields anyway, for a
+                # draft call that may catch up on the whole prompt first (26 of auto's 36 drafted rounds, greedy on the
+                # demo pair under a yes/no regex, where most replies are a word and the eos).
+                room = 0
             k = policy.choose(room)
             # A normal round feeds the draft the target's token (and the last accepted draft); more means
             # it is catching up on the prompt or on rounds without drafts.

@@ -201,6 +201,11 @@ class Guide:
         self._padding_eos = list(padding_eos)  # eos ids past the tokenizer, which llguidance does not take (Grammars)
         self._bits = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
 
+    @property
+    def ended(self) -> bool:
+        """Whether the grammar allows only an eos next (llguidance's is_stopped: ~1 µs, no mask computed)."""
+        return self.matcher.is_stopped()
+
     def masks(self, drafts: list[int]) -> np.ndarray:
         """[D+1, V] bool: row j, the tokens allowed after the tokens consumed and drafts 0..j-1. Rows after a draft the
         grammar refuses (or an eos, which ends the request) repeat its row: no decision reads them."""
