@@ -15,7 +15,7 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, closing
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import AsyncGenerator, Callable, Generator, cast, overload
@@ -693,10 +693,12 @@ class SpeculativeDecoder:
         none. halt: see _score."""
         sampling = request.sampling
         with _CLAIMING:  # checked with a slot held and claimed at once: two requests queued with one Stats each found it new
-            if not _new(stats):  # its counts would carry over: the second request ended after one token, unsaid
+            # A request's first figure, at least 1 (request() refuses an empty prompt), claims the Stats: its counts would
+            # carry over into a second request, which ended after one token, unsaid.
+            if stats.prompt_tokens:
                 raise RequestError("stats holds another request's figures (a Stats measures one request); pass a new "
                                    "Stats() to each call")
-            stats.prompt_tokens = len(request.prompt_ids)  # at least 1 (request() refuses an empty prompt): claimed
+            stats.prompt_tokens = len(request.prompt_ids)
         clock = time.perf_counter
         start = clock()  # before scoring, which processes the prompt as the first call does where none is scored
         if scored is not None and request.prompt_logprobs is not None:  # scored: prompt_logprobs asked
@@ -1046,14 +1048,6 @@ def _identity(folder: Path) -> tuple[int, int] | None:
 
 
 _CLAIMING = threading.Lock()
-_FIELDS = [f.name for f in fields(Stats)]
-
-
-def _new(stats: Stats) -> bool:
-    """Whether stats holds no request's figures: its Stats fields as a new one's (a subclass's too, which
-    `stats == Stats()` never is: dataclass equality compares one class)."""
-    new = Stats()
-    return all(getattr(stats, name) == getattr(new, name) for name in _FIELDS)
 
 
 def _leaves_out_last(request: Request, stats: Stats) -> bool:
