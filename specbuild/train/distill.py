@@ -44,11 +44,10 @@ GENERATION_SHARE = 0.3
 def load_model(path: Path, role: str, config=None):
     """A Hugging Face folder's model (fp32, eval mode, from safetensors only: never unpickled) and tokenizer (None for
     a draft saved without tokenizer files, which speaks the target's, as compile takes it). config: the folder's
-    config where the caller has read it (load_config), so that config.json is read once."""
+    config where the caller has checked the folder and read it (checked_config), so that config.json is read once."""
     path = Path(path)
-    check_checkpoint_files(path, role)
     if config is None:
-        config = load_config(path, role)
+        config = checked_config(path, role)
     check_memory(config, path, role)
     with note(f"loading the {role} checkpoint {path}"):  # an 8B target in fp32 is 32 GB to read and convert
         model = load_reference(path, role, config=config)
@@ -63,6 +62,12 @@ def check_checkpoint_files(path: Path, role: str) -> None:
     if not any(path.glob("*.safetensors")):
         raise CheckpointError(f"{role} checkpoint {path} has no *.safetensors weights (distill never unpickles "
                               "*.bin files; re-save it with save_pretrained(..., safe_serialization=True))")
+
+
+def checked_config(path: Path, role: str):
+    """The checkpoint's config (load_config), once check_checkpoint_files has found its folder usable."""
+    check_checkpoint_files(path, role)
+    return load_config(path, role)
 
 
 def check_memory(config, path: Path, role: str) -> None:
@@ -500,10 +505,8 @@ def _distill(target_dir: Path, output_dir: Path, *, draft_config, init, minutes,
     # An --init that is no checkpoint, and a --draft-config key the target lacks or a value of the wrong type, are
     # refused before the target's weights load (minutes on a large target).
     if init is not None:
-        check_checkpoint_files(Path(init), "draft")
-        init_config = load_config(Path(init), "draft")  # its one read too: a config.json that is no config refused here
-    check_checkpoint_files(Path(target_dir), "target")
-    target_config = load_config(Path(target_dir), "target")  # the one read of its config.json: passed on from here
+        init_config = checked_config(Path(init), "draft")  # its one read too: a config.json that is no config refused here
+    target_config = checked_config(Path(target_dir), "target")  # the one read of its config.json: passed on from here
     config = shrunk_config(target_config, draft_config) if init is None else None
     torch.manual_seed(seed)
     target, tokenizer = load_model(target_dir, "target", target_config)
