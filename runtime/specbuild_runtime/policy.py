@@ -121,8 +121,9 @@ FRESH_ROUNDS = 32
 # and auto sat at γ 0 for 256-2048 rounds (benchmarks/policy_sim.py, spells of ~100 rounds, requests of 20, 3 seeds:
 # 1.16x/1.42x/2.50x target-only at α 0.5/0.8/0.95 became 1.29x/1.82x/2.41x, 2.77x at α 0.95 over 15 seeds, the best
 # fixed γ 1.31x/2.00x/3.19x; without spells unchanged). Only the first time out of reach since it was within reach
-# (its wait not yet doubled): a target call dear for good (a grammar's masks, 4.3 units for a round at γ 1) or a floor timed in a fast spell re-times it once, then
-# it waits as after a first wait of STALE_ROUNDS (2 * STALE_ROUNDS, doubling). Pairing each round with a round without
+# (its wait not yet doubled): a target call dear for good (a grammar's masks, 4.3 units for a round at γ 1) or a floor
+# timed in a fast spell re-times it once, then it waits as after a first wait of STALE_ROUNDS (2 * STALE_ROUNDS,
+# doubling). Pairing each round with a round without
 # drafts beside it instead (each ~1 ms on the demo pair) priced γ by noise: under T 0.8 + repetition 1.1 it drafted at a
 # γ too cheap, at 0.83-0.91x main's speed.
 SPELL = 2.0
@@ -176,7 +177,8 @@ class Costs:
         self.observed = 0  # rounds timed
         self.timed_at = [0] * (max_gamma + 1)  # self.observed when a round at each γ was last timed
         self.stale_after = [STALE_ROUNDS] * (max_gamma + 1)  # rounds untimed after which each γ's cost may be dropped
-        self.calls: list[deque[float]] = [deque(maxlen=FIRST_ROUNDS) for _ in range(max_gamma + 1)]  # target calls, units
+        # each γ's last FIRST_ROUNDS target calls, in units (SPELL)
+        self.calls: list[deque[float]] = [deque(maxlen=FIRST_ROUNDS) for _ in range(max_gamma + 1)]
         self.calls_floor = [math.inf] * (max_gamma + 1)  # each γ's cheapest median of them when priced (SPELL)
 
     def costs(self, limit: int) -> list[float]:
@@ -225,8 +227,8 @@ class Costs:
                 if self._stale(gamma):
                     # priced out, and out of reach when timed again, it waits longer; dropped within reach, it waits
                     # STALE_ROUNDS first if priced out then, as any γ. A wait of FRESH_ROUNDS (SPELL) stands for the
-                    # first STALE_ROUNDS: doubled from 32 it came back to STALE_ROUNDS, which reads as never doubled, and a
-                    # target call dear for good was timed afresh after 32, 64 and 128 rounds over and over
+                    # first STALE_ROUNDS: doubled from 32 it came back to STALE_ROUNDS, which reads as never doubled,
+                    # and a target call dear for good was timed afresh after 32, 64 and 128 rounds over and over
                     if gamma and self.cost(gamma) > gamma + 1:
                         self.stale_after[gamma] = min(2 * max(self.stale_after[gamma], STALE_ROUNDS), MAX_STALE_ROUNDS)
                     self.rounds[gamma] = None
