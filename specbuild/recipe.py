@@ -46,10 +46,12 @@ class CompileSettings:
     quantize: str = "none"  # both engines, unless overridden per engine below
     target_quantize: str | None = None
     draft_quantize: str | None = None
-    block_size: int = DEFAULT_BLOCK_SIZE
-    accuracy_level: int | None = None  # None: DEFAULT_ACCURACY_LEVEL (kept unset: one given without quantization is refused)
+    # None: the default (DEFAULT_BLOCK_SIZE, DEFAULT_ACCURACY_LEVEL, a report where an engine is quantized), kept unset
+    # so that one given without quantization is refused, even at its default value
+    block_size: int | None = None
+    accuracy_level: int | None = None
     precision: str = "fp32"
-    quality_report: bool = True
+    quality_report: bool | None = None
     overwrite: bool = False
     backend: str = "onnx"  # "onnx" | "tensorrt-llm" | "all"
     tp: int = 1  # tensor-parallel ranks of the TensorRT-LLM export
@@ -71,11 +73,14 @@ class CompileSettings:
             raise SettingsError(f"tp {self.tp} splits the TensorRT-LLM export; add --backend tensorrt-llm or all "
                                 "(backend in a recipe)", key="tp")
         quantized = {self.quantization("target"), self.quantization("draft")} != {"none"}
-        shaping = [key for key, unset in (("block_size", DEFAULT_BLOCK_SIZE), ("accuracy_level", None))
-                   if getattr(self, key) != unset]
+        # quality_report false asks for no report where none is made: a recipe may keep it while quantize comes and goes
+        shaping = [key for key in ("block_size", "accuracy_level") if getattr(self, key) is not None]
+        if self.quality_report:
+            shaping.append("quality_report")
         if not quantized and shaping:
-            raise SettingsError("block_size and accuracy_level shape quantized engines; add --quantize int4|int8 "
-                                "(or --target-quantize / --draft-quantize; quantize in a recipe), or leave them out",
+            raise SettingsError("block_size and accuracy_level shape quantized engines, and quality_report measures "
+                                "them; add --quantize int4|int8 (or --target-quantize / --draft-quantize; quantize in "
+                                "a recipe), or leave them out",
                                 key=shaping[0])
 
     def quantization(self, role: str) -> str:

@@ -488,13 +488,16 @@ COMPILE = ["compile", "--target", "target", "--draft", "draft", "-o", "bundle"]
 @pytest.mark.parametrize("args, says", [
     (COMPILE + ["--tp", "2"], "tp 2 splits the TensorRT-LLM export"),
     (COMPILE + ["--block-size", "64"], "block_size and accuracy_level shape quantized engines"),
+    (COMPILE + ["--block-size", "32"], "block_size and accuracy_level shape quantized engines"),
+    (COMPILE + ["--quality-report"], "quality_report measures them"),
     (COMPILE + ["--max-seq-len", "8", "--gamma", "8"], "the context holds 8 tokens"),
     (["distill", "--target", "target", "-o", "draft", "--init", "draft", "--draft-config", "num_hidden_layers=1"],
      "give either --init or --draft-config, not both"),
     (["generate", "bundle", "-p", "x", "--logprobs", "2"], "give --json too"),
     (["bench", "bundle", "--threads", "1", "--peers", "llama.cpp"], "leave out --threads or those peers"),
     (["serve", "bundle", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
-], ids=["compile-tp", "compile-block-size", "compile-max-seq-len", "distill", "generate", "bench", "serve"])
+], ids=["compile-tp", "compile-block-size", "compile-default-block-size", "compile-quality-report", "compile-max-seq-len",
+        "distill", "generate", "bench", "serve"])
 def test_options_in_conflict_are_a_usage_error_in_every_command(args, says, tmp_path, monkeypatch, capsys):
     """compile's exited 1, as if an input were wrong, where every other command's exit 2 (docs/commands.md, Exit
     statuses); the command line alone is at fault, and it is refused before anything it names is read."""

@@ -15,7 +15,7 @@ from specbuild_runtime.manifest import TOKENIZER_DIR, Manifest
 from ..errors import SettingsError
 from ..progress import bar, shown
 from ..staging import scratch_folder
-from ..recipe import DEFAULT_ACCURACY_LEVEL, DEFAULT_MAX_SEQ_LEN, CompileSettings, round_problem
+from ..recipe import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, DEFAULT_MAX_SEQ_LEN, CompileSettings, round_problem
 from . import tensorrt_llm
 from .bundle import created_by, save_tokenizer, staged_bundle, write_manifest
 from .check import check_engines
@@ -55,14 +55,15 @@ def _compile(settings: CompileSettings, stages: "_Stages") -> Manifest:
         check_context(ckpt, role, max_seq_len)
         check_every_tensor_used(ckpt, role, max_seq_len)
     checkpoints: dict[str, Checkpoint] = {"target": target, "draft": draft}
-    numerics = {role: Numerics(settings.precision, settings.quantization(role), settings.block_size,
+    numerics = {role: Numerics(settings.precision, settings.quantization(role),
+                               DEFAULT_BLOCK_SIZE if settings.block_size is None else settings.block_size,
                                DEFAULT_ACCURACY_LEVEL if settings.accuracy_level is None else settings.accuracy_level)
                 for role in checkpoints}
     if settings.backend != "onnx":  # refused now rather than after the ONNX engines
         tensorrt_llm.check_pair(target, draft, max_seq_len, settings.tp, numerics, settings.backend)
     eos = eos_token_ids(target)  # read before the long stages: a malformed file fails here
     onnx = settings.backend != "tensorrt-llm"
-    measured = onnx and settings.quality_report and any(n.quantization != "none" for n in numerics.values())
+    measured = onnx and settings.quality_report is not False and any(n.quantization != "none" for n in numerics.values())
     texts = quality_texts(target.tokenizer) if measured else None
 
     with staged_bundle(settings.output, settings.overwrite, settings.inputs()) as folder:
