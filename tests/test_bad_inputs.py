@@ -58,6 +58,13 @@ def a_folder_with_a_file(paths: dict) -> None:
     (Path(paths["tmp"]) / "notes" / "todo.txt").write_text("keep me")
 
 
+def a_killed_compile(paths: dict) -> None:
+    """What a compile to {tmp}/bundle killed mid-way leaves: its staging folder, part-written (specbuild/staging.py)."""
+    staging = Path(paths["tmp"]) / ".bundle.partial-4242"
+    staging.mkdir()
+    (staging / "target.onnx").write_bytes(b"part of an engine")
+
+
 def a_link_loop(paths: dict) -> None:
     (Path(paths["tmp"]) / "loop").symlink_to("loop")
 
@@ -579,6 +586,14 @@ CASES = [
          "that holds it", "Pass the bundle's folder, the one holding `manifest.json`."),
     Case("a bundle path that does not exist (a typo)", ["generate", "{tmp}/bundel", "-p", "x"], 1, "bundel does not exist",
          "Pass the folder `specbuild compile --output` wrote."),
+    Case("the output of a compile killed mid-way", ["generate", "{tmp}/bundle", "-p", "x"], 1,
+         "bundle does not exist: a compile to it did not finish and left .bundle.partial-4242 beside it",
+         "Rerun that compile (it removes the folder it left), or delete that folder once no compile to it runs.",
+         setup=a_killed_compile),
+    Case("the staging folder a killed compile left (`.bundle.partial-PID`) where a bundle goes",
+         ["generate", "{tmp}/.bundle.partial-4242", "-p", "x"], 1, "is the staging folder of an unfinished compile to",
+         "Rerun that compile (it removes the folder) and pass its `--output`; or delete the folder once no compile to "
+         "that output runs.", setup=a_killed_compile),
     Case("a checkpoint folder where a bundle goes", ["generate", "{target}", "-p", "x"], 1, "is a Hugging Face checkpoint",
          "Compile it with a draft first; pass the folder `specbuild compile` wrote."),
     Case("a bundle file changed after compiling", ["generate", "{bundle}", "-p", "x", "-n", "4"], 1, "corrupted",

@@ -91,7 +91,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import glob
 import json
+import re
 import types
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -358,6 +360,8 @@ def load_manifest(root: str | Path, check_digests: bool = True, require_engines:
         if (root / "config.json").is_file():  # the checkpoint a bundle is compiled from, given in its place
             raise BundleError(f"{root} is a Hugging Face checkpoint, not a specbuild bundle; compile it with a draft "
                               f"first: specbuild compile --target {root} --draft DRAFT_DIR --output BUNDLE")
+        if unfinished := _unfinished_compile(root):
+            raise BundleError(unfinished)
         if not root.exists():  # a typo: "manifest.json is missing" sent users looking inside a folder there is not
             raise BundleError(f"{root} does not exist; pass the folder `specbuild compile --output` wrote")
         if root.is_file():  # one of a bundle's files, as llama.cpp takes a .gguf: "manifest.json is missing" misled
@@ -409,6 +413,31 @@ def runtime_version() -> str:
 
 
 # compile --overwrite replaces only a folder whose manifest says it is a bundle: not this one.
+# The folders a compile builds its bundle in beside its output (specbuild/staging.py), until it publishes it with a
+# rename: `.NAME.partial-PID` and its scratch space. A compile killed mid-way leaves them; the next compile to NAME
+# removes them.
+STAGING = re.compile(r"\.(?P<name>.+)\.partial-\d+(-scratch)?")
+
+
+def _unfinished_compile(root: Path) -> str | None:
+    """Why root holds no bundle where an unfinished compile explains it (root is one's staging folder, or its output
+    and only the staging folder is there), or None. "not a bundle" or "does not exist" alone left a user with a
+    killed compile's folder nowhere to go."""
+    if match := STAGING.fullmatch(root.name):
+        output = root.parent / match["name"]
+        return (f"{root} is the staging folder of an unfinished compile to {output}, not a bundle: rerun that compile "
+                f"(it removes the folder), and pass {output}; deleting the folder is safe once no compile to {output} "
+                "runs")
+    if root.exists():
+        return None
+    left = sorted(entry.name for entry in root.parent.glob(f".{glob.escape(root.name)}.partial-*")
+                  if (match := STAGING.fullmatch(entry.name)) and match["name"] == root.name)
+    if not left:
+        return None
+    return (f"{root} does not exist: a compile to it did not finish and left {left[0]} beside it; rerun that compile "
+            f"(it removes the folder); deleting the folder is safe once no compile to {root} runs")
+
+
 UNREADABLE_ADVICE = "rebuild the bundle with `specbuild compile` into a new folder (or delete this one first)"
 
 
