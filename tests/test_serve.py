@@ -2894,6 +2894,37 @@ def test_the_end_of_the_grace_period_closes_a_connection_whose_client_does_not_r
     assert "Traceback" not in log.read_text() and "timeout graceful shutdown exceeded" not in log.read_text()
 
 
+def test_a_stream_the_end_of_the_grace_period_closes_counts_as_shutdown(bundle, monkeypatch):
+    """A client that does not read holds a stream whose jobs had all finished; the cut closes its connection
+    (Uvicorn._close_unread). The server ended it, as it ends the requests it stops then: it counted as `ok` (uvicorn's
+    send dropped the events after the close without a word) or `cancelled`, by the race. The server's send buffer is
+    made small, so that a stream of 16 choices of 100 tokens, ~250 KB, fills it and uvicorn's."""
+    from specbuild_runtime.serve import app
+
+    monkeypatch.setattr(app, "UNREAD_LOOK", 0.05)
+    n = 16
+    body = json.dumps({"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 100, "ignore_eos": True, "n": n,
+                       "stream": True, "temperature": 0}).encode()
+    with in_process(bundle, shutdown_timeout=0.0, max_queue=n) as (url, decoder, uvicorn), socket.socket() as client:
+        decoder.go.set()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        host, port = url.removeprefix("http://").split(":")
+        client.connect((host, int(port)))
+        wait_until(lambda: uvicorn.server_state.connections, "the server took the connection")
+        for connection in uvicorn.server_state.connections:
+            connection.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+                       b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        first_tokens = ("specbuild_time_to_first_token_seconds_count", ())
+        wait_until(lambda: metric_values(url).get(first_tokens) == n, "every choice decoded")
+        uvicorn.should_exit = True
+        wait_until(lambda: not uvicorn.server_state.connections, "the connection was closed", deadline=30)
+    counted = {s.labels["outcome"]: s.value
+               for family in text_string_to_metric_families(uvicorn.scheduler.metrics.render().decode())
+               for s in family.samples if s.name == "specbuild_requests_total" and s.labels["endpoint"] == "completions"}
+    assert counted == {"shutdown": 1}
+
+
 def test_the_end_of_the_grace_period_keeps_a_connection_whose_client_reads_more_slowly_than_it_is_written(bundle,
                                                                                                       monkeypatch):
     """A client that reads more slowly than its response is written has unsent bytes at any instant, as one that does

@@ -277,7 +277,8 @@ class Server:
                   if request.echo and job.request else None
                   for index, (one, sent, job) in enumerate(zip(requests, submitted, jobs))]
         if request.stream:
-            return self._stream(endpoint, jobs, reply, request.include_usage, echoes, request.n, request.continuous_usage)
+            return self._stream(endpoint, http, jobs, reply, request.include_usage, echoes, request.n,
+                                request.continuous_usage)
         try:
             answers = await self._collect(jobs, http, logprobs, echoes)
         except Stopped as stop:
@@ -461,8 +462,8 @@ class Server:
             raise Stopped("cancelled")
         return collecting.result()
 
-    def _stream(self, endpoint: str, jobs: list[Job], reply: Reply, include_usage: bool, echoes: list[Echo | None],
-                n: int = 1, continuous_usage: bool = False) -> EventStream:
+    def _stream(self, endpoint: str, http: HttpRequest, jobs: list[Job], reply: Reply, include_usage: bool,
+                echoes: list[Echo | None], n: int = 1, continuous_usage: bool = False) -> EventStream:
         """The server-sent events of a streamed reply, its choices' chunks (a batch's prompts', n choices of each)
         interleaved as they come, each naming its index (vLLM's); echoes: each job's. However the
         response ends, EventStream then stops the jobs (a no-op once they finished; else each slot is freed after at
@@ -480,7 +481,9 @@ class Server:
                         yield event
                 if include_usage:
                     yield sse(reply.usage_chunk(*(job.stats for job in jobs), n=n))
-                outcome = "ok"
+                # uvicorn's send drops what comes after a connection closed, without a word: events queued by then
+                # reached this line as if sent
+                outcome = "cancelled" if await http.is_disconnected() else "ok"
             except Stopped as stop:  # headers are sent: the error travels as an event, as vLLM sends it
                 outcome = stop.reason
                 yield sse(_stopped_error(stop, any(job.started for job in jobs)).body())
@@ -492,7 +495,9 @@ class Server:
 
         def ended() -> None:
             self._stop(jobs)
-            self.metrics.outcome(endpoint, outcome)
+            # After the cut, a stream cut short was most likely closed by the server (Uvicorn._close_unread: a client
+            # that stopped reading) once its jobs had finished (or their Stopped says shutdown): no client that left
+            self.metrics.outcome(endpoint, "shutdown" if outcome == "cancelled" and self.scheduler.cut else outcome)
 
         return EventStream(events(), ended)
 
