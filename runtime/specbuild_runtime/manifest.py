@@ -89,9 +89,9 @@ to the target's V.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib.metadata
-import glob
 import json
 import re
 import types
@@ -412,7 +412,6 @@ def runtime_version() -> str:
         return "0+unknown"
 
 
-# compile --overwrite replaces only a folder whose manifest says it is a bundle: not this one.
 # The folders a compile builds its bundle in beside its output (specbuild/staging.py), until it publishes it with a
 # rename: `.NAME.partial-PID` and its scratch space. A compile killed mid-way leaves them; the next compile to NAME
 # removes them.
@@ -438,6 +437,7 @@ def _unfinished_compile(root: Path) -> str | None:
             f"(it removes the folder); deleting the folder is safe once no compile to {root} runs")
 
 
+# compile --overwrite replaces only a folder whose manifest says it is a bundle: not this one.
 UNREADABLE_ADVICE = "rebuild the bundle with `specbuild compile` into a new folder (or delete this one first)"
 
 
