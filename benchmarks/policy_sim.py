@@ -14,6 +14,8 @@ requests' last (no room for a draft). With calls 3 times as slow in spells of ~1
 where the best fixed γ made 1.31x/2.00x/3.19x: rounds at γ priced in a unit timed in another spell (issue 12). A γ
 priced out whose target calls alone cost twice as much as before is timed again after 32 rounds (policy.SPELL): 1.29x/
 1.82x/2.41x (the example's 3 seeds; at α 0.95 2.41x-2.77x as seeds go from 3 to 15), and unchanged without spells.
+A γ within reach timed in a spell held auto below it for up to 2048 rounds; timed again after 32 where its target calls
+cost twice those of the γ below: 1.29x/1.90x/2.86x (2.88x over 15 seeds), unchanged without spells.
 
     python benchmarks/policy_sim.py --alphas 0.3,0.5,0.8 --c 0.16
     python benchmarks/policy_sim.py --slow 3 --spell-rounds 100 --request-rounds 20 --seeds 5  # a shared machine

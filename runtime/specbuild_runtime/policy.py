@@ -123,9 +123,21 @@ FRESH_ROUNDS = 32
 # fixed γ 1.31x/2.00x/3.19x; without spells unchanged). Only the first time out of reach since it was within reach
 # (its wait not yet doubled): a target call dear for good (a grammar's masks, 4.3 units for a round at γ 1) or a floor
 # timed in a fast spell re-times it once, then it waits as after a first wait of STALE_ROUNDS (2 * STALE_ROUNDS,
-# doubling). Pairing each round with a round without
-# drafts beside it instead (each ~1 ms on the demo pair) priced γ by noise: under T 0.8 + repetition 1.1 it drafted at a
-# γ too cheap, at 0.83-0.91x main's speed.
+# doubling). Pairing each round with a round without drafts beside it instead (each ~1 ms on the demo pair) priced γ by
+# noise: under T 0.8 + repetition 1.1 it drafted at a γ too cheap, at 0.83-0.91x main's speed.
+# A γ timed in a spell yet within reach (γ 4 at 4.47 units, for up to 5 tokens) held auto at the γ below for
+# MAX_STALE_ROUNDS rounds: where its target calls cost SPELL times those of the γ below, timed since, it is timed
+# afresh after FRESH_ROUNDS rounds at that γ. Compared with the γ below, timed as the machine is now, not with the
+# cheapest ever: a call priced in a unit timed in a slow spell cost a third of a unit, every later γ then looked timed
+# in a spell, and a γ within reach was timed afresh every 33 rounds for good (tests/test_policy.py). One more row
+# costs a target call far less than twice (a 5-row call 27% more than a 3-row one on the demo pair, Costs), so once
+# timed beside the γ below it waits MAX_STALE_ROUNDS again. policy_sim as above, each of 9 seeds' auto/target-only,
+# median [range]: 1.28x [1.24-1.30]/1.83x [1.80-1.90]/2.65x [2.32-3.16] at α 0.5/0.8/0.95 became 1.28x
+# [1.26-1.31]/1.93x [1.84-1.97]/3.05x [2.47-3.19], better on 8 seeds of 9 at α 0.8 and 0.95 (policy_sim's 3 seeds:
+# 1.29x/1.90x/2.86x, 2.88x at α 0.95 over 15); without spells, and where no γ pays (a draft step of 0.7-1.2 target
+# calls), unchanged. The demo pair (2 cores at load 4-7, 6 runs of 40 interleaved reps, the medians of each run's
+# reps): as fast as without the rule, 0.91-1.04x greedy and 0.93-1.05x under T 0.8 + repetition 1.1 where an A/A gave
+# 0.96-1.04x and 0.98-1.04x; it fired 2-27 times a run.
 SPELL = 2.0
 
 
@@ -180,6 +192,7 @@ class Costs:
         # each γ's last FIRST_ROUNDS target calls, in units (SPELL)
         self.calls: list[deque[float]] = [deque(maxlen=FIRST_ROUNDS) for _ in range(max_gamma + 1)]
         self.calls_floor = [math.inf] * (max_gamma + 1)  # each γ's cheapest median of them when priced (SPELL)
+        self.calls_median = [1.0] * (max_gamma + 1)  # each γ's median of them when last priced (the unit's: 1)
 
     def costs(self, limit: int) -> list[float]:
         """The cost of a round at γ = 0 … limit."""
@@ -207,18 +220,21 @@ class Costs:
         return self.rounds[0] is None
 
     def _stale(self, gamma: int) -> bool:
-        """Whether γ's cost is dropped, to be timed afresh: untimed for stale_after[γ] rounds, the unit, or, once the γ
-        below it is timed within reach, a γ ≥ 1 priced out of reach, or one within reach where no round at it or above
-        has been timed for MAX_STALE_ROUNDS rounds and the round before was timed at the γ below."""
-        if self.observed - self.timed_at[gamma] <= self.stale_after[gamma]:
+        """Whether γ's cost is dropped, to be timed afresh: the unit untimed for stale_after[0] rounds, or, once the γ
+        below it is timed within reach, a γ ≥ 1 priced out of reach and untimed for stale_after[γ] rounds, or one within
+        reach where no round at it or above has been timed for MAX_STALE_ROUNDS rounds (FRESH_ROUNDS where its target
+        calls cost SPELL times those of the γ below) and the round before was timed at the γ below."""
+        if self.observed - self.timed_at[gamma] <= FRESH_ROUNDS:  # every wait below is at least as long
             return False
         if not gamma:
-            return True
+            return self.observed - self.timed_at[0] > self.stale_after[0]
         below, timed = 1.0 if gamma == 1 else self.rounds[gamma - 1], self.rounds[gamma]
         if timed is None or below is None or below > gamma:
             return False
-        return timed > gamma + 1 or (self.observed - max(self.timed_at[gamma:]) > MAX_STALE_ROUNDS
-                                     and self.timed_at[gamma - 1] == self.observed - 1)
+        if timed > gamma + 1:
+            return self.observed - self.timed_at[gamma] > self.stale_after[gamma]
+        wait = FRESH_ROUNDS if self.calls_median[gamma] >= SPELL * self.calls_median[gamma - 1] else MAX_STALE_ROUNDS
+        return self.observed - max(self.timed_at[gamma:]) > wait and self.timed_at[gamma - 1] == self.observed - 1
 
     def observe(self, drafted: int, draft_seconds: float, target_seconds: float, catching_up: bool) -> None:
         with self.lock:
@@ -247,7 +263,7 @@ class Costs:
             if len(last) == FIRST_ROUNDS:
                 self.rounds[drafted] = cost = statistics.median(last)
                 if drafted:
-                    call = statistics.median(self.calls[drafted])
+                    self.calls_median[drafted] = call = statistics.median(self.calls[drafted])
                     if cost <= drafted + 1:  # within reach: out of it later, it waits anew
                         self.stale_after[drafted] = STALE_ROUNDS
                     elif (self.stale_after[drafted] == STALE_ROUNDS
