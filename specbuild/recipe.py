@@ -82,6 +82,10 @@ class CompileSettings:
                                 "them; add --quantize int4|int8 (or --target-quantize / --draft-quantize; quantize in "
                                 "a recipe), or leave them out",
                                 key=shaping[0])
+        if self.backend == "tensorrt-llm" and shaping:  # no ONNX engine for them to shape or measure
+            raise SettingsError(f"{shaping[0]} applies to the ONNX engines, which backend tensorrt-llm does not build "
+                                "(trtllm-build quantizes per output channel); add --backend all (backend in a recipe), "
+                                "or leave it out", key=shaping[0])
 
     def quantization(self, role: str) -> str:
         own = self.target_quantize if role == "target" else self.draft_quantize

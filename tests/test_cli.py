@@ -483,6 +483,7 @@ def test_usage_errors_are_one_line_with_exit_status_2(capsys):
 
 
 COMPILE = ["compile", "--target", "target", "--draft", "draft", "-o", "bundle"]
+TENSORRT_LLM_INT4 = ["--backend", "tensorrt-llm", "--quantize", "int4", "--precision", "fp16"]
 
 
 @pytest.mark.parametrize("args, says", [
@@ -490,13 +491,16 @@ COMPILE = ["compile", "--target", "target", "--draft", "draft", "-o", "bundle"]
     (COMPILE + ["--block-size", "64"], "block_size and accuracy_level shape quantized engines"),
     (COMPILE + ["--block-size", "32"], "block_size and accuracy_level shape quantized engines"),
     (COMPILE + ["--quality-report"], "quality_report measures them"),
+    (COMPILE + TENSORRT_LLM_INT4 + ["--block-size", "64"], "block_size applies to the ONNX engines"),
+    (COMPILE + TENSORRT_LLM_INT4 + ["--quality-report"], "quality_report applies to the ONNX engines"),
     (COMPILE + ["--max-seq-len", "8", "--gamma", "8"], "the context holds 8 tokens"),
     (["distill", "--target", "target", "-o", "draft", "--init", "draft", "--draft-config", "num_hidden_layers=1"],
      "give either --init or --draft-config, not both"),
     (["generate", "bundle", "-p", "x", "--logprobs", "2"], "give --json too"),
     (["bench", "bundle", "--threads", "1", "--peers", "llama.cpp"], "leave out --threads or those peers"),
     (["serve", "bundle", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
-], ids=["compile-tp", "compile-block-size", "compile-default-block-size", "compile-quality-report", "compile-max-seq-len",
+], ids=["compile-tp", "compile-block-size", "compile-default-block-size", "compile-quality-report",
+        "compile-tensorrt-llm-block-size", "compile-tensorrt-llm-quality-report", "compile-max-seq-len",
         "distill", "generate", "bench", "serve"])
 def test_options_in_conflict_are_a_usage_error_in_every_command(args, says, tmp_path, monkeypatch, capsys):
     """compile's exited 1, as if an input were wrong, where every other command's exit 2 (docs/commands.md, Exit
