@@ -850,6 +850,17 @@ def test_a_manifest_this_user_cannot_read_says_so_not_that_it_is_broken(bundles,
     assert "Permission denied" in message and "not valid JSON" not in message and "rebuild" not in message, message
 
 
+def test_a_staging_folders_name_where_no_folder_is_does_not_exist(tmp_path):
+    """`.bundle.partial-4243` given where nothing is (its PID mistyped, or removed by the compile rerun since) was
+    called the staging folder of an unfinished compile, which sent the user looking for a folder there is not."""
+    from specbuild_runtime import SpecbuildError, load_manifest
+
+    with pytest.raises(SpecbuildError) as raised:
+        load_manifest(tmp_path / ".bundle.partial-4243")
+    assert str(raised.value) == f"{tmp_path / '.bundle.partial-4243'} does not exist; pass the folder `specbuild compile " \
+                                "--output` wrote"
+
+
 def troubleshooting_table() -> str:
     rows = ["| You gave | specbuild says | Exit | What to do |", "|---|---|---|---|"]
     for case in CASES:

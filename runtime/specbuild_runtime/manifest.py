@@ -422,13 +422,13 @@ def _unfinished_compile(root: Path) -> str | None:
     """Why root holds no bundle where an unfinished compile explains it (root is one's staging folder, or its output
     and only the staging folder is there), or None. "not a bundle" or "does not exist" alone left a user with a
     killed compile's folder nowhere to go."""
-    if match := STAGING.fullmatch(root.name):
+    if root.exists():  # a staging folder's name where nothing is was mistyped, or removed by a compile since
+        if not (match := STAGING.fullmatch(root.name)):
+            return None
         output = root.parent / match["name"]
         return (f"{root} is the staging folder of an unfinished compile to {output}, not a bundle: rerun that compile "
                 f"(it removes the folder), and pass {output}; deleting the folder is safe once no compile to {output} "
                 "runs")
-    if root.exists():
-        return None
     left = sorted(entry.name for entry in root.parent.glob(f".{glob.escape(root.name)}.partial-*")
                   if (match := STAGING.fullmatch(entry.name)) and match["name"] == root.name)
     if not left:
