@@ -502,8 +502,9 @@ def test_a_gamma_timed_dear_in_a_slow_spell_but_within_reach_is_timed_again_with
 def test_a_gamma_within_reach_is_not_timed_again_every_few_dozen_rounds_for_good_after_a_spell():
     """A target call priced in a unit timed in a slow spell costs a third of what it does (the cheapest a γ's calls
     ever cost, which the rule for γs priced out compares with): compared so, every γ timed later looked timed in a
-    spell, and a γ within reach above the one auto drafts at was timed afresh every few dozen rounds for good. Compared
-    with the γ below it, timed as the machine is, it waits MAX_STALE_ROUNDS, as before."""
+    spell, and a γ within reach above the one auto drafts at was timed afresh every few dozen rounds for good; compared
+    with the unit, so would a γ whose many rows cost SPELL units for good (rows dear on the host, as a grammar's masks).
+    Compared with the γ below it, timed as the machine is, it waits MAX_STALE_ROUNDS, as before."""
     costs = Costs(max_gamma=4, draft_cost=0.1)
 
     def rounds(count: int, gamma: int, seconds: float) -> None:
@@ -513,14 +514,16 @@ def test_a_gamma_within_reach_is_not_timed_again_every_few_dozen_rounds_for_good
     rounds(FIRST_ROUNDS, 0, 3.0)  # the unit timed in a slow spell
     rounds(FIRST_ROUNDS, 2, 1.0)  # γ 2's target call priced at a third of a unit
     rounds(FIRST_ROUNDS, 0, 1.0)
-    rounds(FIRST_ROUNDS, 1, 1.0)
-    rounds(FIRST_ROUNDS, 2, 1.3)  # within reach (1.5 units for up to 3 tokens), its call 1.3 times γ 1's
+    rounds(FIRST_ROUNDS, 1, 1.2)
+    rounds(FIRST_ROUNDS, 2, 2.1)  # within reach (2.3 units for up to 3 tokens), its call 1.75 times γ 1's
     waits, last = [], costs.observed
     for r in range(8192):
         if costs.rounds[2] is None:  # dropped: auto drafts at γ 2 again to time it
             waits.append(costs.observed - last)
-            rounds(FIRST_ROUNDS, 2, 1.3)
+            rounds(FIRST_ROUNDS, 2, 2.1)
             last = costs.observed
+        elif r % 20 == 19:  # a request's last round
+            rounds(1, 0, 1.0)
         else:
-            rounds(1, 0 if r % 20 == 19 else 1, 1.0)  # at γ 1, a request's last round at γ 0
+            rounds(1, 1, 1.2)
     assert waits and min(waits) > MAX_STALE_ROUNDS
