@@ -114,30 +114,23 @@ MAX_STALE_ROUNDS = 2048
 # 3.97 and 5.11 rounds without drafts, and one drafted in ~6,600 of ~10,000 rounds, another in ~500. Later rounds at γ,
 # in a unit that may be of another spell, price nothing (a round is ~1 ms here, a spell lasts many).
 FRESH_ROUNDS = 32
-# A γ ≥ 1 priced out of reach whose rounds' target calls alone cost SPELL times what those of a round at it or above
-# ever cost when priced (their median over FIRST_ROUNDS, in units) was timed in a slow spell, not found dear: it is
-# timed afresh after FRESH_ROUNDS rounds, not STALE_ROUNDS. While auto drafts only a request's last round (no room for
-# drafts) times the unit, so rounds in a spell 3 times as slow were priced in the unit of the fast stretch before it,
-# and auto sat at γ 0 for 256-2048 rounds (benchmarks/policy_sim.py, spells of ~100 rounds, requests of 20, 3 seeds:
-# 1.16x/1.42x/2.50x target-only at α 0.5/0.8/0.95 became 1.29x/1.82x/2.41x, 2.77x at α 0.95 over 15 seeds, the best
-# fixed γ 1.31x/2.00x/3.19x; without spells unchanged). Only the first time out of reach since it was within reach
-# (its wait not yet doubled): a target call dear for good (a grammar's masks, 4.3 units for a round at γ 1) or a floor
-# timed in a fast spell re-times it once, then it waits as after a first wait of STALE_ROUNDS (2 * STALE_ROUNDS,
-# doubling). Pairing each round with a round without drafts beside it instead (each ~1 ms on the demo pair) priced γ by
-# noise: under T 0.8 + repetition 1.1 it drafted at a γ too cheap, at 0.83-0.91x main's speed.
-# A γ timed in a spell yet within reach (γ 4 at 4.47 units, for up to 5 tokens) held auto at the γ below for
-# MAX_STALE_ROUNDS rounds: where its target calls cost SPELL times those of the γ below, timed since, it is timed
-# afresh after FRESH_ROUNDS rounds at that γ. Compared with the γ below, timed as the machine is now, not with the
-# cheapest ever: a call priced in a unit timed in a slow spell cost a third of a unit, every later γ then looked timed
-# in a spell, and a γ within reach was timed afresh every 33 rounds for good (tests/test_policy.py). One more row
-# costs a target call far less than twice (a 5-row call 27% more than a 3-row one on the demo pair, Costs), so once
-# timed beside the γ below it waits MAX_STALE_ROUNDS again. policy_sim as above, each of 9 seeds' auto/target-only,
-# median [range]: 1.28x [1.24-1.30]/1.83x [1.80-1.90]/2.65x [2.32-3.16] at α 0.5/0.8/0.95 became 1.28x
-# [1.26-1.31]/1.93x [1.84-1.97]/3.05x [2.47-3.19], better on 8 seeds of 9 at α 0.8 and 0.95 (policy_sim's 3 seeds:
-# 1.29x/1.90x/2.86x, 2.88x at α 0.95 over 15); without spells, and where no γ pays (a draft step of 0.7-1.2 target
-# calls), unchanged. The demo pair (2 cores at load 4-7, 6 runs of 40 interleaved reps, the medians of each run's
-# reps): as fast as without the rule, 0.91-1.04x greedy and 0.93-1.05x under T 0.8 + repetition 1.1 where an A/A gave
-# 0.96-1.04x and 0.98-1.04x; it fired 2-27 times a run.
+# A γ ≥ 1 priced out whose target calls alone cost SPELL times the cheapest those at it or above cost when priced (their
+# median over FIRST_ROUNDS, in units) was timed in a slow spell, not found dear: it is timed afresh after FRESH_ROUNDS
+# rounds, not STALE_ROUNDS. While auto drafts only a request's last round (no room for drafts) times the unit, so rounds
+# in a spell 3 times as slow were priced in the unit of the fast stretch before, and auto sat at γ 0 for 256-2048
+# rounds (benchmarks/policy_sim.py, whose docstring has the figures: at α 0.8, 1.42x target-only became 1.82x, the best
+# fixed γ 2.00x). Only the first time out of reach since it was within reach (its wait not yet doubled): a target call
+# dear for good (a grammar's masks, 4.3 units for a round at γ 1) or a floor timed in a fast spell re-times it once,
+# then it waits as after a first wait of STALE_ROUNDS. Pairing each round with a round without drafts beside it instead
+# (each ~1 ms on the demo pair) priced γ by noise: 0.83-0.91x main's speed under T 0.8 + repetition 1.1.
+# A γ within reach timed in a spell (γ 4 at 4.47 units, for up to 5 tokens) held auto at the γ below for
+# MAX_STALE_ROUNDS rounds: where its target calls cost SPELL times those of the γ below, timed since, it is timed afresh
+# after FRESH_ROUNDS rounds at that γ. Compared with the γ below, not with the cheapest ever (a call priced in a unit
+# timed in a slow spell cost a third of a unit, and every later γ looked timed in a spell) nor with the unit (a call of
+# many rows may cost SPELL units for good): either re-timed a γ within reach every few dozen rounds for good
+# (tests/test_policy.py). One more row costs far less than twice (Costs), so a γ timed beside the γ below waits
+# MAX_STALE_ROUNDS again. policy_sim, medians of 9 seeds: at α 0.8/0.95 1.83x/2.65x became 1.93x/3.05x, unchanged
+# without spells; the demo pair as fast as without it (0.91-1.04x where an A/A gave 0.96-1.04x).
 SPELL = 2.0
 
 
