@@ -374,6 +374,64 @@ def test_a_request_waiting_for_a_slot_collects_garbage_only_after_a_held_stream_
     assert result == [sequential[1]]
 
 
+def test_a_held_stream_that_stood_still_since_another_waiters_look_is_collected_at_the_next_look(monkeypatch):
+    """Several requests waiting look in turn, each half a second after the last look by any of them. Each compared the
+    slots with its own last look, so a stream that moved just before one waiter's look and then stood still looked
+    moved to every waiter that had last looked before that move: it came back a look later for each of them, and the
+    thread that had abandoned it (in a reference cycle) was refused meanwhile, after SAME_THREAD_PATIENCE (8 threads
+    on 2 slots, the demo pair: 8 of 300 requests). The test moves a clock and the held stream between two waiters'
+    looks."""
+    clock, collections = [0.0], []
+    monkeypatch.setattr(pool, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(pool, "gc", SimpleNamespace(collect=lambda: collections.append(clock[0])))
+    paused = {name: threading.Semaphore(0) for name in "ab"}
+    turn: list[str | None] = [None]
+    wait = pool.SlotPool._wait
+
+    def held_wait(self, timeout, halt):  # a waiter's pause between looks: until the test gives it its turn
+        me = threading.current_thread().name
+        if turn[0] == "all":
+            return wait(self, timeout, halt)
+        paused[me].release()
+        while turn[0] not in (me, "all"):
+            self._changed.wait(0.01)  # lets the other waiter in meanwhile
+        if turn[0] == me:
+            turn[0] = None
+
+    def look(waiter: str) -> None:
+        turn[0] = waiter
+        assert paused[waiter].acquire(timeout=60)
+
+    monkeypatch.setattr(pool.SlotPool, "_wait", held_wait)
+    slots = pool.SlotPool([SimpleNamespace(index=0, allow_calls=lambda: None)])
+    held = slots.take()
+    slot = held.__enter__()
+
+    def take_and_give_back() -> None:
+        with slots.take():
+            pass
+
+    waiters = [threading.Thread(target=take_and_give_back, name=name, daemon=True) for name in "ab"]
+    try:
+        for waiter in waiters:
+            waiter.start()
+            assert paused[waiter.name].acquire(timeout=60)
+        slots.claim(slot)  # the stream moves,
+        clock[0] = 1.0
+        look("a")
+        slots.claim(slot)  # and moves again,
+        clock[0] = 2.0
+        look("b")
+        clock[0] = 3.0  # and now stands still: a's look is the first since it stood still
+        look("a")
+        assert collections == [3.0]
+    finally:
+        turn[0] = "all"
+        held.__exit__(None, None, None)
+        for waiter in waiters:
+            waiter.join(60)
+
+
 def test_a_stream_closed_at_the_token_that_filled_the_context_finishes_as_context(bundle):
     """As at eos or max_new_tokens: a consumer that counted the context's room (as serve's chat default does)
     and closes at that token reads why decoding ended, not "abort"."""

@@ -58,6 +58,7 @@ class SlotPool:
         self._last: dict[int, int] = {}  # slot index -> the thread that took it last
         self._waiting: list[object] = []  # a ticket per take() in arrival order: slots go first come, first served
         self._collected = float("-inf")  # time.monotonic() of the last look for a collection (see COLLECT_EVERY)
+        self._seen: list[int] = []  # the slots' _moves at that look
         self._moves = [0] * self.size  # per slot, its takes and its stream's resumes: a stream standing still keeps it
         # A slot came free, a waiter left the line, or a held stream moved to another thread. Re-entrant: a
         # generator closed by the GC may release inside take().
@@ -123,17 +124,20 @@ class SlotPool:
         """Wait until a slot is free for this ticket: the earliest waiters take the free slots first, so a
         thread that just gave one back cannot take it again ahead of those already waiting."""
         refuse_at = None  # while this thread drove a busy slot's stream last: when to stop waiting for it
-        began, seen = time.monotonic(), list(self._moves)
+        began, at_begin = time.monotonic(), list(self._moves)
         while not (self._free and self._waiting.index(ticket) < len(self._free)):
             if halt is not None and halt.is_set():
                 raise RequestError("the request was stopped while it waited for a slot")
             now = time.monotonic()
             collect_at = max(began, self._collected) + COLLECT_EVERY
             if not self._free and now >= collect_at:
-                self._collected, moves = now, list(self._moves)
-                if any(a == b for a, b in zip(moves, seen)):  # one stood still since the last look: abandoned, maybe
+                # Since the last look by any waiter (or this one's start, if later): compared with this waiter's own
+                # last look, a stream that moved before another's look and stood still since looked moved, and came
+                # back a look later per waiter in line, its thread refused meanwhile.
+                seen = self._seen if self._collected > began else at_begin
+                self._collected, self._seen = now, list(self._moves)
+                if any(a == b for a, b in zip(self._seen, seen)):  # one stood still since: abandoned, maybe
                     gc.collect()  # closes unreachable streams in this thread: their slots come back (re-entrantly)
-                seen = moves
                 continue
             if self._free or me not in self._owners.values():  # free slots go to the waiters ahead first
                 refuse_at = None
