@@ -486,6 +486,23 @@ def test_a_new_stats_of_a_subclass_is_no_other_requests_figures(bundle):
     assert stats.generated_tokens == 4 and stats.seconds > 0
 
 
+@pytest.mark.parametrize("stats", [Stats, {}, None], ids=["the class", "a dict", "None"])
+def test_stats_or_a_request_of_another_type_is_a_request_error_that_leaves_the_slot_free(bundle, stats):
+    """stats=Stats (no parentheses) passed the check that a Stats is new, wrote the request's prompt_tokens into the
+    class and then failed on an attribute only instances have; a dict, or None given to stream_request, and a prompt
+    given to stream_request in place of a request, failed as AttributeErrors from the decoding loop."""
+    decoder = SpeculativeDecoder(bundle, parallel=1)
+    with pytest.raises(RequestError, match="stats must be a new Stats"):
+        next(decoder.stream_request(decoder.request(PROMPTS[0], 4), stats))
+    if stats is not None:
+        with pytest.raises(RequestError, match="stats must be a new Stats"):
+            next(decoder.stream(PROMPTS[0], 4, stats=stats))
+    with pytest.raises(RequestError, match=r"what decoder\.request\(\.\.\.\) returns"):
+        next(decoder.stream_request(PROMPTS[0], Stats()))
+    assert Stats.prompt_tokens == 0 and decoder.slots.in_use == 0
+    assert len(decoder.generate(PROMPTS[1], 5).token_ids) == 5
+
+
 def test_a_stream_that_was_never_started_holds_no_slot(bundle):
     decoder = SpeculativeDecoder(bundle, parallel=1)
     unused = decoder.stream(PROMPTS[0], NEW_TOKENS)

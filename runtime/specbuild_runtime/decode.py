@@ -36,7 +36,7 @@ from .slot import (MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, Rows, Slot, check_
                    unsteady_calls)
 from .text import TextStream, token_span
 from .validation import (AUTO, NO_PENALTIES, PENALTIES, Prompt, Request, check_request, check_text_fits, check_vocabularies,
-                         whole)
+                         shown, whole)
 
 # stream_request's items: text, or where the request asks for logprobs (text, the records of the tokens since the last)
 TextItem = str | tuple[str, tuple[TokenLogprobs, ...]]
@@ -529,6 +529,8 @@ class SpeculativeDecoder:
         one more at the end for tokens whose text never came (an eos, text a stop string cut). A request with
         prompt_logprobs first yields ("", the TokenLogprobs of each prompt token after the first) once they are known.
         token_ids: each token is appended to it before the item that holds its text (the server's return_token_ids)."""
+        if not isinstance(request, Request):
+            raise RequestError(f"stream_request streams what decoder.request(...) returns, not {shown(request)}")
         text = self._text(request)
         records: list[TokenLogprobs] | None = None if request.logprobs is None else []
         scored: list[TokenLogprobs] | None = None if request.prompt_logprobs is None else []
@@ -693,6 +695,9 @@ class SpeculativeDecoder:
         none. halt: see _score."""
         sampling = request.sampling
         with _CLAIMING:  # checked with a slot held and claimed at once: two requests queued with one Stats each found it new
+            # The class itself (stats=Stats) passed the check below, and the request wrote its figure into the class.
+            if not isinstance(stats, Stats):
+                raise RequestError(f"stats must be a new Stats() for each call, not {shown(stats)}")
             # A request's first figure, at least 1 (request() refuses an empty prompt), claims the Stats: its counts would
             # carry over into a second request, which ended after one token, unsaid.
             if stats.prompt_tokens:
