@@ -220,6 +220,14 @@ class Guide:
         self.pop(consumed)
         return masks
 
+    def forced(self, count: int) -> list[int]:
+        """Up to count tokens of the text the grammar forces next (llguidance's fast-forward tokens, ~5-70 µs): that
+        text's own tokenization, which the target may spell otherwise where the mask allows it, so they are proposals,
+        not decisions. Text, so never an eos."""
+        tokens = self.matcher.compute_ff_tokens()[:count] if count > 0 else []
+        self._check()
+        return tokens
+
     def mask(self) -> np.ndarray:
         """[V] bool: the tokens the grammar allows next."""
         llguidance.numpy.fill_next_token_bitmask(self.matcher, self._bits)
