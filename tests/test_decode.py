@@ -503,6 +503,18 @@ def test_stats_or_a_request_of_another_type_is_a_request_error_that_leaves_the_s
     assert len(decoder.generate(PROMPTS[1], 5).token_ids) == 5
 
 
+def test_stats_of_another_type_is_refused_before_the_request_waits_for_a_slot(bundle):
+    """Checked with a slot held, it waited for one first: another thread's request as long as every slot stayed busy,
+    and this one, whose stream holds the slot, was refused as a same-thread deadlock instead."""
+    decoder = SpeculativeDecoder(bundle, parallel=1)
+    with closing(decoder.stream(PROMPTS[0], NEW_TOKENS)) as held:
+        next(held)
+        with pytest.raises(RequestError, match="stats must be a new Stats"):
+            next(decoder.stream(PROMPTS[1], 4, stats={}))
+        with pytest.raises(RequestError, match="stats must be a new Stats"):
+            next(decoder.stream_request(decoder.request(PROMPTS[1], 4), None))
+
+
 def test_a_stream_that_was_never_started_holds_no_slot(bundle):
     decoder = SpeculativeDecoder(bundle, parallel=1)
     unused = decoder.stream(PROMPTS[0], NEW_TOKENS)

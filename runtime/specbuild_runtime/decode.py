@@ -644,6 +644,10 @@ class SpeculativeDecoder:
         """The request's tokens, decoded in a slot taken from the pool (text, where given, follows them and ends the
         request at a stop string); records (logprobs asked for) gets each one's TokenLogprobs before it is yielded, and
         scored (prompt_logprobs asked for) each prompt token's after the first, before the first token."""
+        # Before the wait for a slot, which may be long. The class itself (stats=Stats) would pass _speculate's check that
+        # a Stats is new, and the request would write its figure into the class.
+        if not isinstance(stats, Stats):
+            raise RequestError(f"stats must be a new Stats() for each call, not {shown(stats)}")
         with (self.slots.take(halt, self._cached(request)) as slot,
               closing(self._speculate(slot, request, stats, records, scored, halt)) as tokens):
             try:
@@ -695,9 +699,6 @@ class SpeculativeDecoder:
         none. halt: see _score."""
         sampling = request.sampling
         with _CLAIMING:  # checked with a slot held and claimed at once: two requests queued with one Stats each found it new
-            # The class itself (stats=Stats) passed the check below, and the request wrote its figure into the class.
-            if not isinstance(stats, Stats):
-                raise RequestError(f"stats must be a new Stats() for each call, not {shown(stats)}")
             # A request's first figure, at least 1 (request() refuses an empty prompt), claims the Stats: its counts would
             # carry over into a second request, which ended after one token, unsaid.
             if stats.prompt_tokens:
