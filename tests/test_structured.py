@@ -469,3 +469,18 @@ def test_auto_proposes_the_tokens_a_grammar_forces_without_a_draft_call(structur
         auto = decoder.generate(ids, NEW_TOKENS, "auto", structured_outputs=structured)
         assert auto.token_ids == alone.token_ids and alone.stats.finish_reason == "eos"
         assert auto.stats.drafted == 0 and auto.stats.guessed and auto.stats.rounds < alone.stats.rounds, prompt
+
+
+def test_auto_proposes_an_eos_a_grammar_spells_out_and_ends_where_target_only_does(bundles, tokenizer):
+    """Forced text that is the eos token's (a literal "<|endoftext|>") comes from llguidance as that eos, not as text:
+    proposed, the target takes it where target-only takes it, and the request ends there."""
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    structured = {"regex": r"a<\|endoftext\|>b"}
+    guide = decoder.grammars.guide(decoder.request(PROMPTS[0], structured_outputs=structured).structured)
+    guide.advance(tokenizer("a")["input_ids"][0])
+    assert guide.forced(8)[0] == tokenizer.eos_token_id
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    alone = decoder.generate(ids, NEW_TOKENS, 0, structured_outputs=structured)
+    auto = decoder.generate(ids, NEW_TOKENS, "auto", structured_outputs=structured)
+    assert auto.token_ids == alone.token_ids and auto.token_ids[-1] == tokenizer.eos_token_id
+    assert auto.stats.guesses_accepted  # the eos was proposed, and taken

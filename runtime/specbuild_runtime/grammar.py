@@ -223,7 +223,8 @@ class Guide:
     def forced(self, count: int) -> list[int]:
         """Up to count tokens of the text the grammar forces next (llguidance's fast-forward tokens, ~5-70 µs): that
         text's own tokenization, which the target may spell otherwise where the mask allows it, so they are proposals,
-        not decisions. Text, so never an eos."""
+        not decisions. Not only text: where the forced text is an eos token's (a regex with a literal "<|endoftext|>",
+        the tests' and the demo's eos), llguidance gives that eos, which masks consumes nothing past, as a draft eos."""
         tokens = self.matcher.compute_ff_tokens()[:count] if count > 0 else []
         self._check()
         return tokens
