@@ -58,6 +58,8 @@ WORKLOADS = {
     "T 0.8": {"temperature": 0.8},
     "T 0.8, repetition 1.1": {"temperature": 0.8, "repetition_penalty": 1.1},
     "T 0.8, JSON schema": {"temperature": 0.8, "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+    "T 0.8, choice": {"temperature": 0.8, "structured_outputs": {"choice": CHOICES}},
+    "T 0.8, enum schema": {"temperature": 0.8, "structured_outputs": {"json": ENUM, "disable_any_whitespace": True}},
 }
 GAMMAS = [0, 4, "auto"]
 

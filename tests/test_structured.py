@@ -11,6 +11,7 @@ import torch
 from conftest import PROMPTS, counted_compiles
 from specbuild.compile.reference import load_reference
 from specbuild_runtime import RequestError, SpeculativeDecoder
+from specbuild_runtime.grammar import Guide
 
 NEW_TOKENS = 40
 GAMMAS = (0, 1, 3, "auto")
@@ -87,12 +88,26 @@ def masked_distributions(model, guides, prompt: list[int], samples: list[list[in
     return torch.softmax(logits, -1)
 
 
+def chi2_p_value(p: torch.Tensor, q: torch.Tensor, samples: list[list[int]]) -> float:
+    """χ² over every sampled token (tests/test_sampling.py's martingale test): categories by rank under p [N, T, V],
+    crossed with whether p ≥ q."""
+    from test_sampling import RANK_BINS, categories, martingale_chi2
+    from scipy.stats import chi2
+
+    category, count = categories(p, q), (len(RANK_BINS) + 1) * 2
+    expected = torch.zeros(*p.shape[:-1], count, dtype=torch.float64).scatter_add_(-1, category, p)
+    tokens = torch.tensor(samples)
+    observed = torch.nn.functional.one_hot(category.gather(-1, tokens[..., None])[..., 0], count).double()
+    statistic, df = martingale_chi2(observed.reshape(-1, count).numpy(), expected.reshape(-1, count).numpy())
+    assert (p.gather(-1, tokens[..., None]) > 0).all(), "a token the grammar refuses"
+    return chi2.sf(statistic, df)
+
+
 def test_sampled_structured_output_follows_the_masked_target_distribution_and_a_wrong_sampler_is_caught(
         bundles, checkpoints, tokenizer):
-    """χ² over every sampled token (tests/test_sampling.py's martingale test): categories by rank under the masked p,
-    crossed with whether p ≥ q (q: the draft's masked distribution); a wrong acceptance rule must be caught."""
-    from test_sampling import RANK_BINS, WrongAcceptanceRule, categories, martingale_chi2
-    from scipy.stats import chi2
+    """χ² over every sampled token: categories by rank under the masked p, crossed with whether p ≥ q (q: the draft's
+    masked distribution); a wrong acceptance rule must be caught."""
+    from test_sampling import WrongAcceptanceRule
 
     folder = bundles("llama", draft_seed=1)
     decoder = SpeculativeDecoder(folder)
@@ -108,13 +123,7 @@ def test_sampled_structured_output_follows_the_masked_target_distribution_and_a_
     def p_value(samples):
         p, q = (masked_distributions(model, lambda: decoder.grammars.guide(checked), ids, samples, temperature)
                 for model in (target, draft))
-        category, count = categories(p, q), (len(RANK_BINS) + 1) * 2
-        expected = torch.zeros(*p.shape[:-1], count, dtype=torch.float64).scatter_add_(-1, category, p)
-        tokens = torch.tensor(samples)
-        observed = torch.nn.functional.one_hot(category.gather(-1, tokens[..., None])[..., 0], count).double()
-        statistic, df = martingale_chi2(observed.reshape(-1, count).numpy(), expected.reshape(-1, count).numpy())
-        assert (p.gather(-1, tokens[..., None]) > 0).all(), "a token the grammar refuses"
-        return chi2.sf(statistic, df)
+        return chi2_p_value(p, q, samples)
 
     samples, acceptance = sample(80)
     assert all(len(s) == new_tokens for s in samples) and 0.1 < acceptance < 0.95, acceptance
@@ -484,3 +493,99 @@ def test_auto_proposes_an_eos_a_grammar_spells_out_and_ends_where_target_only_do
     auto = decoder.generate(ids, NEW_TOKENS, "auto", structured_outputs=structured)
     assert auto.token_ids == alone.token_ids and auto.token_ids[-1] == tokenizer.eos_token_id
     assert auto.stats.guesses_accepted  # the eos was proposed, and taken
+
+
+class AcceptingAll:
+    """A numpy Generator whose uniforms for judging proposals are 0, so the target accepts every one its mask allows.
+    The last uniform of a call, which draws the next token, and draft calls (one uniform) are left alone."""
+
+    def __init__(self, rng):
+        self.rng = rng
+
+    def random(self, n, *args, **kwargs):
+        u = self.rng.random(n, *args, **kwargs)
+        if np.size(u) > 1:
+            u[:-1] = 0
+        return u
+
+    def __getattr__(self, name):
+        return getattr(self.rng, name)
+
+
+def lowest_allowed(guide: Guide, count: int) -> list[int]:
+    """Guide.forced's stand-in: up to count tokens, each the lowest id the mask allows after those before, which the
+    grammar does not force. llguidance's own forced tokens are always the one token the mask allows (716 of 716
+    proposals under structured_alpha's grammars on the demo pair), which the target accepts under any rule."""
+    tokens: list[int] = []
+    while len(tokens) < count:
+        mask = guide.mask()
+        if not guide.push(token := int(mask.argmax()), mask):
+            break
+        tokens.append(token)
+    guide.pop(len(tokens))
+    return tokens
+
+
+def test_sampled_proposals_of_a_certain_draft_follow_the_masked_target_distribution_and_accepting_them_is_caught(
+        bundles, checkpoints, tokenizer, monkeypatch):
+    """Sampled under auto, the tokens a grammar forces are judged as drafts of a draft certain of them (q one-hot at each):
+    accepted with probability p(x), else resampled from p without x. Proposed where the mask allows others too, the
+    output must follow the target's masked distribution (the χ² above, q the one-hot rows), and accepting them all, right
+    for greedy decoding, must be caught."""
+    monkeypatch.setattr(Guide, "forced", lowest_allowed)
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    target = load_reference(checkpoints("llama"))
+    checked = decoder.request(PROMPTS[0], structured_outputs=ALTERNATING).structured
+    ids, new_tokens, temperature = tokenizer(PROMPTS[0])["input_ids"], 24, 0.7
+
+    def sample(count, seed=0):
+        runs = [decoder.generate(ids, new_tokens, "auto", temperature=temperature, seed=seed + s,
+                                 structured_outputs=ALTERNATING) for s in range(count)]
+        assert not any(r.stats.drafted for r in runs)
+        return [r.token_ids for r in runs], sum(r.stats.guesses_accepted for r in runs) / sum(r.stats.rounds for r in runs)
+
+    def p_value(samples):
+        p = masked_distributions(target, lambda: decoder.grammars.guide(checked), ids, samples, temperature)
+        q = torch.zeros_like(p)
+        for n, sampled in enumerate(samples):
+            guide = decoder.grammars.guide(checked)
+            for t, token in enumerate(sampled):
+                q[n, t, lowest_allowed(guide, 1)] = 1
+                guide.advance(token)
+        return chi2_p_value(p, q, samples)
+
+    samples, held = sample(80)
+    with monkeypatch.context() as patched:
+        patched.setattr(np.random, "default_rng", lambda seed=None, rng=np.random.default_rng: AcceptingAll(rng(seed)))
+        wrong, _ = sample(20, seed=1000)
+    real, control = p_value(samples), p_value(wrong)
+    print(f"p {real:.3g}, control {control:.3g}, proposals accepted a round {held:.2f}")
+    assert 0.2 < held < 2 and real > 1e-4 and control < 1e-12, (real, control, held)
+
+
+@pytest.mark.parametrize("structured", [{"choice": ["raise NotImplementedError", "return self"]},
+                                        {"json": {"enum": ["function", "class"]}},
+                                        {"regex": r"a<\|endoftext\|>b"}], ids=lambda s: "-".join(s))
+def test_auto_sampled_proposes_the_tokens_a_grammar_forces_without_a_draft_call_and_a_seed_reproduces(
+        structured, bundles, tokenizer, monkeypatch):
+    """Sampled, as greedy, auto proposes the tokens a grammar forces (an eos it spells out too) with no draft call, judged
+    as a certain draft's (slot.propose_certain): fewer target calls than tokens. A seeded request decodes the same
+    tokens again."""
+    asked = []
+    draft = SpeculativeDecoder._draft
+
+    def counted(slot, feed, total_len, k, *rest):
+        asked.append(k)
+        return draft(slot, feed, total_len, k, *rest)
+
+    monkeypatch.setattr(SpeculativeDecoder, "_draft", staticmethod(counted))
+    decoder = SpeculativeDecoder(bundles("llama"))
+    for prompt in PROMPTS[:3]:
+        ids = tokenizer(prompt)["input_ids"]
+        seeded, again, unseeded = (decoder.generate(ids, NEW_TOKENS, "auto", temperature=0.8, seed=seed,
+                                                    structured_outputs=structured) for seed in (7, 7, None))
+        assert seeded.token_ids == again.token_ids, prompt
+        for result in (seeded, unseeded):
+            assert result.stats.finish_reason == "eos" and result.stats.drafted == 0, prompt
+            assert result.stats.guessed and result.stats.rounds < result.stats.generated_tokens, prompt
+    assert not any(asked)

@@ -753,12 +753,12 @@ class SpeculativeDecoder:
         # the demo pair under a JSON schema on 2 busy cores), and there they held 0.08 tokens a round: auto's rounds
         # without drafts, which should cost what target-only's do, cost more.
         follows = dict(zip(ids, ids[1:])) if request.gamma == AUTO and sampling.greedy and not guide else None
-        # Auto mode, greedy, under a grammar: where it forces the next tokens (the rest of a choice's word, a schema's
-        # keys), a round proposes them as free guesses instead of drafting (SGLang's jump-forward), with no draft call
-        # and no catch-up on the prompt, which replies of a few tokens never repaid (the demo pair: auto 0.84x
-        # target-only under a choice). Verified like drafts, they cannot change the output. Not sampled: the target
-        # judges proposals by the draft's distributions, which a guess has none of.
-        jump = request.gamma == AUTO and sampling.greedy and guide is not None
+        # Auto mode, under a grammar: where it forces the next tokens (the rest of a choice's word, a schema's keys), a
+        # round proposes them as free guesses instead of drafting (SGLang's jump-forward), with no draft call and no
+        # catch-up on the prompt, which replies of a few tokens never repaid (the demo pair: auto 0.84x target-only
+        # under a choice). Verified like drafts, they cannot change the output; sampled, as drafts of a draft certain
+        # of them (slot.propose_certain).
+        jump = request.gamma == AUTO and guide is not None
         while True:
             for j, token in enumerate(new_tokens):
                 if token == not_finite:  # after the drafts judged on finite rows: where the target alone stops
@@ -799,6 +799,8 @@ class SpeculativeDecoder:
                 # demo pair under a yes/no regex, where most replies are a word and the eos).
                 room = 0
             forced = guide.forced(min(room, self.max_gamma)) if guide and jump else []
+            if forced and not sampling.greedy:
+                slot.propose_certain(forced)
             k = 0 if forced else policy.choose(room)
             # A normal round feeds the draft the target's token (and the last accepted draft); more means
             # it is catching up on the prompt or on rounds without drafts.

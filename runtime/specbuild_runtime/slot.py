@@ -896,9 +896,25 @@ class Slot:
         # distribution over the target's vocabulary.
         q = (Buffer(np.zeros((max(max_gamma, 1), target.vocab_size), np.float32), target.sampling_devices["draft_probs"])
              if target.sampling_session is not None else None)
+        self._q = q
         self.target = EngineSlot(target, target_rows, draft_probs=q, max_drafts=max_gamma)
         self.draft = EngineSlot(draft, AS_FED, probs_rows=q)
         self.draft_steps = DraftSteps(steps_engine, self.draft) if steps_engine else None
+
+    def propose_certain(self, tokens: list[int]) -> None:
+        """Sampling: proposals that no draft sampled (a grammar's forced text), for the target's next call to judge as
+        drafts of a draft certain of them: q's first rows one-hot at them. Judged so (Leviathan et al.'s rule), each is
+        accepted with probability p(x) and the first rejected position resampled from p without x, so the output stays
+        the target's. The tokens are the tokenizer's ids, all within the draft's vocabulary (compile refuses a table
+        that lacks one: load.check_embedding_rows), whose columns the draft rewrites in each row it writes: q stays 0
+        past them."""
+        assert self._q is not None  # a sampled request's target samples (engine.sampling_session)
+        rows = self._q.host[:len(tokens)]
+        rows[:] = 0
+        rows[np.arange(len(tokens)), tokens] = 1
+        # On a device the draft writes its rows there, not into the host copy, whose stale rows this copies over them:
+        # harmless, as the draft writes each row a round's target reads first.
+        self._q.push()
 
     def configure(self, temperature: float, top_k: int, top_p: float, logits: bool = False, min_p: float = 0.0,
                   penalties: tuple[float, float, float] = NO_PENALTIES, prompt: Sequence[int] = (), min_tokens: int = 0,
