@@ -589,3 +589,25 @@ def test_auto_sampled_proposes_the_tokens_a_grammar_forces_without_a_draft_call_
             assert result.stats.finish_reason == "eos" and result.stats.drafted == 0, prompt
             assert result.stats.guessed and result.stats.rounds < result.stats.generated_tokens, prompt
     assert not any(asked)
+
+
+def test_auto_sampled_copies_the_rows_of_forced_tokens_to_the_device_in_its_turn_among_captured_calls(bundles, monkeypatch):
+    """onnxruntime captures CUDA graphs in global mode: a copy to the device from another thread during a capture breaks
+    it, so each copy of a slot whose engines capture holds engine.calls, the forced tokens' q rows (propose_certain) too."""
+    from test_slot import forced_captures
+
+    from specbuild_runtime.slot import Buffer
+
+    decoder = forced_captures(bundles("llama"))
+    turn, outside = decoder.target.calls, []
+    push = Buffer.push
+
+    def checked(buffer):
+        if not turn.locked():
+            outside.append(buffer.host.shape)
+        push(buffer)
+
+    monkeypatch.setattr(Buffer, "push", checked)
+    result = decoder.generate(PROMPTS[0], NEW_TOKENS, "auto", temperature=0.8, seed=3,
+                              structured_outputs={"choice": ["raise NotImplementedError", "return self"]})
+    assert result.stats.guessed and not outside, outside

@@ -913,8 +913,10 @@ class Slot:
         rows[:] = 0
         rows[np.arange(len(tokens)), tokens] = 1
         # On a device the draft writes its rows there, not into the host copy, whose stale rows this copies over them:
-        # harmless, as the draft writes each row a round's target reads first.
-        self._q.push()
+        # harmless, as the draft writes each row a round's target reads first. The copy takes its turn among captured
+        # calls (engine._CUDA_GRAPH_CALLS): made during another slot's capture, it would break that capture.
+        with self.target.engine.calls:
+            self._q.push()
 
     def configure(self, temperature: float, top_k: int, top_p: float, logits: bool = False, min_p: float = 0.0,
                   penalties: tuple[float, float, float] = NO_PENALTIES, prompt: Sequence[int] = (), min_tokens: int = 0,
