@@ -1,6 +1,7 @@
 """Adaptive γ: speculate while the draft agrees, fall back to the target alone when it does not."""
 
 from specbuild_runtime import SpeculativeDecoder
+import functools
 import random
 import pytest
 
@@ -417,15 +418,31 @@ def test_a_gamma_auto_drafts_above_keeps_the_gammas_below_it_timed():
     assert min(k for k in chosen[1000:] if k) >= 3
 
 
+def timed_rounds(costs: Costs, count: int, gamma: int, seconds: float, draft_step: float = 0.1) -> None:
+    """count rounds at γ whose target call took seconds, observed by costs (none catching up)."""
+    for _ in range(count):
+        costs.observe(gamma, draft_step * gamma, seconds, catching_up=False)
+
+
+def retiming_waits(costs: Costs, gamma: int, seconds: float, other_round) -> list[int]:
+    """Over 8192 rounds, the rounds between each time γ's cost is dropped (auto then drafts at γ again to time it, each
+    target call taking seconds); other_round(r) observes round r meanwhile."""
+    waits, last = [], costs.observed
+    for r in range(8192):
+        if costs.rounds[gamma] is None:
+            waits.append(costs.observed - last)
+            timed_rounds(costs, FIRST_ROUNDS, gamma, seconds)
+            last = costs.observed
+        else:
+            other_round(r)
+    return waits
+
+
 def test_a_gamma_priced_out_after_a_spell_that_timed_it_dear_but_within_reach_waits_stale_rounds_first():
     """Timed afresh after MAX_STALE_ROUNDS rounds while within reach, γ 1 had its wait doubled as a γ priced out does:
     priced out when timed again, it waited 2 * STALE_ROUNDS rounds, not STALE_ROUNDS, the first wait of a γ priced out."""
     costs = Costs(max_gamma=4, draft_cost=0.1)
-
-    def rounds(count: int, gamma: int, seconds: float) -> None:
-        for _ in range(count):
-            costs.observe(gamma, 0.0, seconds, catching_up=False)
-
+    rounds = functools.partial(timed_rounds, costs, draft_step=0.0)
     rounds(FIRST_ROUNDS, 0, 1.0)
     rounds(FIRST_ROUNDS, 1, 1.9)  # within reach, too dear
     rounds(MAX_STALE_ROUNDS + 1, 0, 1.0)
@@ -462,22 +479,11 @@ def test_a_gamma_whose_target_call_stays_dear_is_not_timed_again_every_few_dozen
     where main timed it 6 times). Once early (FRESH_ROUNDS stands for the first STALE_ROUNDS), then as main: the wait
     doubling up to MAX_STALE_ROUNDS."""
     costs = Costs(max_gamma=4, draft_cost=0.1)
-
-    def rounds(count: int, gamma: int, seconds: float) -> None:
-        for _ in range(count):
-            costs.observe(gamma, 0.1 * gamma, seconds, catching_up=False)
-
+    rounds = functools.partial(timed_rounds, costs)
     rounds(FIRST_ROUNDS, 0, 1.0)
     rounds(FIRST_ROUNDS, 1, 1.0)  # within reach
     rounds(FIRST_ROUNDS, 1, 2.5)  # out of reach, its target call 2.5 times as dear, for good
-    waits, last = [], costs.observed
-    for _ in range(8192):
-        if costs.rounds[1] is None:  # dropped: auto drafts at γ 1 again to time it
-            waits.append(costs.observed - last)
-            rounds(FIRST_ROUNDS, 1, 2.5)
-            last = costs.observed
-        else:
-            rounds(1, 0, 1.0)
+    waits = retiming_waits(costs, 1, 2.5, lambda r: rounds(1, 0, 1.0))
     assert waits == [FRESH_ROUNDS + 1, 2 * STALE_ROUNDS + 1, 4 * STALE_ROUNDS + 1] + [MAX_STALE_ROUNDS + 1] * 3
 
 
@@ -506,24 +512,12 @@ def test_a_gamma_within_reach_is_not_timed_again_every_few_dozen_rounds_for_good
     with the unit, so would a γ whose many rows cost SPELL units for good (rows dear on the host, as a grammar's masks).
     Compared with the γ below it, timed as the machine is, it waits MAX_STALE_ROUNDS, as before."""
     costs = Costs(max_gamma=4, draft_cost=0.1)
-
-    def rounds(count: int, gamma: int, seconds: float) -> None:
-        for _ in range(count):
-            costs.observe(gamma, 0.1 * gamma, seconds, catching_up=False)
-
+    rounds = functools.partial(timed_rounds, costs)
     rounds(FIRST_ROUNDS, 0, 3.0)  # the unit timed in a slow spell
     rounds(FIRST_ROUNDS, 2, 1.0)  # γ 2's target call priced at a third of a unit
     rounds(FIRST_ROUNDS, 0, 1.0)
     rounds(FIRST_ROUNDS, 1, 1.2)
     rounds(FIRST_ROUNDS, 2, 2.1)  # within reach (2.3 units for up to 3 tokens), its call 1.75 times γ 1's
-    waits, last = [], costs.observed
-    for r in range(8192):
-        if costs.rounds[2] is None:  # dropped: auto drafts at γ 2 again to time it
-            waits.append(costs.observed - last)
-            rounds(FIRST_ROUNDS, 2, 2.1)
-            last = costs.observed
-        elif r % 20 == 19:  # a request's last round
-            rounds(1, 0, 1.0)
-        else:
-            rounds(1, 1, 1.2)
+    # a request's last round at γ 0, the others at γ 1
+    waits = retiming_waits(costs, 2, 2.1, lambda r: rounds(1, 0, 1.0) if r % 20 == 19 else rounds(1, 1, 1.2))
     assert waits and min(waits) > MAX_STALE_ROUNDS
