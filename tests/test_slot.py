@@ -560,6 +560,23 @@ def test_a_new_thread_warms_up_its_own_graphs_even_under_an_ended_threads_id(bun
     assert decoder.target.graphs_captured == 2
 
 
+def test_every_engine_call_names_a_graph_id_so_onnxruntime_never_raises_looking_it_up(bundle, monkeypatch):
+    """onnxruntime 1.32's run_with_iobinding reads gpu_graph_id from the run options of every call, on the CPU too, and
+    where it is missing raises and catches a RuntimeError: ~32 µs a call, a quarter of a tiny target's round."""
+    named = []
+    run = slot_module.run_session
+
+    def recorded(session, binding, path, options=None):
+        named.append(options.get_run_config_entry("gpu_graph_id"))  # raises where missing
+        run(session, binding, path, options)
+
+    monkeypatch.setattr(slot_module, "run_session", recorded)
+    decoder = SpeculativeDecoder(bundle)
+    for gamma, sampling in ((0, {}), (2, {}), (2, {"temperature": 0.8, "seed": 1})):  # the sampler's calls too
+        decoder.generate(PROMPTS[0], 8, gamma, **sampling)
+    assert named and set(named) == {"-1"}
+
+
 def test_unsteady_calls_count_every_threads_warm_up_and_capture_runs_and_no_replay(bundle):
     """What auto γ leaves out of its costs (test_decode mocks this count): each graph id's first WARM_UP_RUNS + 1
     runs in a thread, which take tens of replays' time on a GPU. Another thread warms up its own graphs
