@@ -125,12 +125,13 @@ FRESH_ROUNDS = 32
 # (each ~1 ms on the demo pair) priced γ by noise: 0.83-0.91x main's speed under T 0.8 + repetition 1.1.
 # A γ within reach timed in a spell (γ 4 at 4.47 units, for up to 5 tokens) held auto at the γ below for
 # MAX_STALE_ROUNDS rounds: where its target calls cost SPELL times those of the γ below, timed since, it is timed afresh
-# after FRESH_ROUNDS rounds at that γ. Compared with the γ below, not with the cheapest ever (a call priced in a unit
+# after FRESH_ROUNDS rounds at the γ below. Compared with the γ below, not with the cheapest ever (a call priced in a unit
 # timed in a slow spell cost a third of a unit, and every later γ looked timed in a spell) nor with the unit (a call of
 # many rows may cost SPELL units for good): either re-timed a γ within reach every few dozen rounds for good
 # (tests/test_policy.py). One more row costs far less than twice (Costs), so a γ timed beside the γ below waits
 # MAX_STALE_ROUNDS again. policy_sim, medians of 9 seeds: at α 0.8/0.95 1.83x/2.65x became 1.93x/3.05x, unchanged
-# without spells; the demo pair as fast as without it (0.91-1.04x where an A/A gave 0.96-1.04x).
+# without spells; the demo pair as fast as without it (0.91-1.04x where an A/A gave 0.96-1.04x: 6 runs of 40
+# interleaved repetitions, greedy, 2 CPU cores at load 4-7).
 SPELL = 2.0
 
 
