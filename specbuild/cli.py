@@ -283,13 +283,13 @@ def cli(debug: bool) -> None:
 @click.option("--quantize", type=click.Choice(QUANTIZATIONS), help="Weight quantization of both engines.  [default: none]")
 @click.option("--target-quantize", type=click.Choice(QUANTIZATIONS), help="Override --quantize for the target.")
 @click.option("--draft-quantize", type=click.Choice(QUANTIZATIONS), help="Override --quantize for the draft.")
-@click.option("--block-size", type=Setting("block_size"), help=f"Quantization block size along the input dimension (a power of two from 16 to 256).  [default: {DEFAULT_BLOCK_SIZE}]")
+@click.option("--block-size", type=Setting("block_size"), help=f"Quantization block size of the ONNX engines along the input dimension (a power of two from 16 to 256; needs --quantize).  [default: {DEFAULT_BLOCK_SIZE}]")
 @click.option("--accuracy-level", type=Setting("accuracy_level"),
-              help="MatMulNBits compute type of quantized engines, 0 to 4: 4 = int8 compute (fast on CPU), 0 or 1 = fp32, "
+              help="MatMulNBits compute type of quantized ONNX engines (needs --quantize), 0 to 4: 4 = int8 compute (fast on CPU), 0 or 1 = fp32, "
                    "2 = fp16, 3 = bf16. "
                    f"Each keeps speculative output identical to the target's own.  [default: {DEFAULT_ACCURACY_LEVEL}]")
 @click.option("--precision", type=click.Choice(PRECISIONS), help="Float type of the engines (fp16/bf16 for GPU).  [default: fp32]")
-@click.option("--quality-report/--no-quality-report", default=None, help="Measure quantized engines against fp32 into the manifest.  [default: on]")
+@click.option("--quality-report/--no-quality-report", default=None, help="Measure quantized ONNX engines against fp32 into the manifest (needs --quantize).  [default: on]")
 @click.option("--overwrite/--no-overwrite", default=None,
               help="Replace the bundle at --output (never anything that is not a bundle); --no-overwrite undoes a recipe's.")
 @click.option("--backend", type=click.Choice(BACKENDS),

@@ -592,14 +592,17 @@ CASES = [
          "that holds it", "Pass the bundle's folder, the one holding `manifest.json`."),
     Case("a bundle path that does not exist (a typo)", ["generate", "{tmp}/bundel", "-p", "x"], 1, "bundel does not exist",
          "Pass the folder `specbuild compile --output` wrote."),
-    Case("the output of a compile killed mid-way", ["generate", "{tmp}/bundle", "-p", "x"], 1,
-         "bundle does not exist: a compile to it did not finish and left .bundle.partial-4242 beside it",
-         "Rerun that compile (it removes the folder it left), or delete that folder once no compile to it runs.",
+    Case("the output of a compile still running, or killed mid-way", ["generate", "{tmp}/bundle", "-p", "x"], 1,
+         "bundle does not exist yet: a compile to it has not finished (it runs still, or was killed) and left "
+         ".bundle.partial-4242 beside it",
+         "Wait for that compile, or rerun it if it was killed (it removes the folder it left); delete that folder only "
+         "once no compile to it runs.",
          setup=a_killed_compile),
-    Case("the staging folder a killed compile left (`.bundle.partial-PID`) where a bundle goes",
-         ["generate", "{tmp}/.bundle.partial-4242", "-p", "x"], 1, "is the staging folder of an unfinished compile to",
-         "Rerun that compile (it removes the folder) and pass its `--output`; or delete the folder once no compile to "
-         "that output runs.", setup=a_killed_compile),
+    Case("the staging folder of a compile still running or killed (`.bundle.partial-PID`) where a bundle goes",
+         ["generate", "{tmp}/.bundle.partial-4242", "-p", "x"], 1,
+         "is the staging folder of an unfinished compile to", "Pass that compile's `--output` once it finished, "
+         "rerunning it if it was killed (it removes the folder); delete the folder only once no compile to that output "
+         "runs.", setup=a_killed_compile),
     Case("a checkpoint folder where a bundle goes", ["generate", "{target}", "-p", "x"], 1, "is a Hugging Face checkpoint",
          "Compile it with a draft first; pass the folder `specbuild compile` wrote."),
     Case("a bundle file changed after compiling", ["generate", "{bundle}", "-p", "x", "-n", "4"], 1, "corrupted",
@@ -865,6 +868,19 @@ def test_a_staging_folders_name_where_no_folder_is_does_not_exist(tmp_path):
         load_manifest(tmp_path / ".bundle.partial-4243")
     assert str(raised.value) == f"{tmp_path / '.bundle.partial-4243'} does not exist; pass the folder `specbuild compile " \
                                 "--output` wrote"
+
+
+def test_a_bundle_path_whose_first_compile_still_runs_says_to_wait_for_it(tmp_path):
+    """While a first compile to it runs, its output is absent and its staging folder there, as after a kill: the
+    message said the compile did not finish and to rerun it, which a compile running beside it refuses."""
+    from specbuild.staging import staged_folder
+    from specbuild_runtime import SpecbuildError, load_manifest
+
+    with staged_folder(tmp_path / "bundle") as staging:
+        for given, advice in ((tmp_path / "bundle", "wait for it"), (staging, "once that compile finished")):
+            with pytest.raises(SpecbuildError) as raised:
+                load_manifest(given)
+            assert advice in str(raised.value), raised.value
 
 
 def troubleshooting_table() -> str:

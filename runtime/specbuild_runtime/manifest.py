@@ -426,15 +426,18 @@ def _unfinished_compile(root: Path) -> str | None:
         if not (match := STAGING.fullmatch(root.name)):
             return None
         output = root.parent / match["name"]
-        return (f"{root} is the staging folder of an unfinished compile to {output}, not a bundle: rerun that compile "
-                f"(it removes the folder), and pass {output}; deleting the folder is safe once no compile to {output} "
-                "runs")
+        return (f"{root} is the staging folder of an unfinished compile to {output} (running still, or killed), not a "
+                f"bundle: pass {output} once that compile finished, rerunning it if it was killed (it removes the "
+                f"folder); deleting the folder is safe once no compile to {output} runs")
     left = sorted(entry.name for entry in root.parent.glob(f".{glob.escape(root.name)}.partial-*")
                   if (match := STAGING.fullmatch(entry.name)) and match["name"] == root.name)
     if not left:
         return None
-    return (f"{root} does not exist: a compile to it did not finish and left {left[0]} beside it; rerun that compile "
-            f"(it removes the folder); deleting the folder is safe once no compile to {root} runs")
+    # While a compile runs, its output is absent too (on a first compile): "did not finish; rerun it" sent a user who
+    # ran generate beside it to start a second, which is refused.
+    return (f"{root} does not exist yet: a compile to it has not finished (it runs still, or was killed) and left "
+            f"{left[0]} beside it; wait for it, or rerun it if it was killed (it removes the folder); deleting the "
+            f"folder is safe once no compile to {root} runs")
 
 
 # compile --overwrite replaces only a folder whose manifest says it is a bundle: not this one.
