@@ -1632,3 +1632,16 @@ def test_a_tokenizer_that_can_drop_or_fuse_text_has_no_token_span(change, text):
             tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex("."), "isolated"), byte_level])
     assert len(tokenizer.encode(text).ids) <= 2
     assert token_span(tokenizer) is None
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("cuda_graphs", "no", "^cuda_graphs must be true or false, not 'no'$"),
+    ("prefix_reuse", None, "^prefix_reuse must be true or false, not None$"),
+    ("draft_steps", 1, "^draft_steps must be true or false, not 1$"),
+    ("target_rows", 5, r"^target_rows must be None or a slot.Rows \(slot.fixed_rows\(n\)\), not 5$"),
+])
+def test_a_decoder_option_of_another_type_is_one_line_before_anything_loads(bundles, option, value, message):
+    """cuda_graphs="no" counted as true (on the CPU it loaded the greedy graphs), prefix_reuse=None as false, and
+    target_rows=5 failed as an AttributeError from the slots."""
+    with pytest.raises(RequestError, match=message):
+        SpeculativeDecoder(bundles("llama"), **{option: value})

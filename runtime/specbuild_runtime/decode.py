@@ -36,7 +36,7 @@ from .slot import (MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, Rows, Slot, check_
                    unsteady_calls)
 from .text import TextStream, token_span
 from .validation import (AUTO, NO_PENALTIES, PENALTIES, Prompt, Request, check_request, check_text_fits, check_vocabularies,
-                         shown, whole)
+                         flag, shown, whole)
 
 # stream_request's items: text, or where the request asks for logprobs (text, the records of the tokens since the last)
 TextItem = str | tuple[str, tuple[TokenLogprobs, ...]]
@@ -222,6 +222,14 @@ class SpeculativeDecoder:
                  draft_steps: bool | None = None, prefix_reuse: bool = True, grammar_cache: int = GRAMMAR_CACHE):
         """shared_thread_pool: faster, but changes every onnxruntime session of the process
         (see engine.use_shared_thread_pool); for processes that only decode."""
+        # Checked before use: cuda_graphs="no" counted as true, target_rows=5 failed as an AttributeError at load.
+        shared_thread_pool = flag("shared_thread_pool", shared_thread_pool)
+        check_digests, prefix_reuse = flag("check_digests", check_digests), flag("prefix_reuse", prefix_reuse)
+        cuda_graphs = None if cuda_graphs is None else flag("cuda_graphs", cuda_graphs)
+        draft_steps = None if draft_steps is None else flag("draft_steps", draft_steps)
+        if target_rows is not None and not isinstance(target_rows, Rows):
+            raise RequestError(f"target_rows must be None or a slot.Rows (slot.fixed_rows(n)), not "
+                               f"{shown(target_rows)}")
         if shared_thread_pool:
             use_shared_thread_pool()
         parallel = whole("parallel", parallel, low=1)
