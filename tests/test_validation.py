@@ -108,6 +108,11 @@ def test_numpy_values_and_every_integer_seed_are_accepted():
     assert request.prompt_ids == [3, 4] and request.max_new_tokens == 5 and request.gamma == 2
     assert request.sampling.top_k == V  # above the vocabulary: every token, as 0
     assert type(request.prompt_ids[0]) is int
+    # stop_token_ids in any form a prompt's ids come in (they were refused as an array: "must be a list")
+    for ids in (np.array([3, 4], np.int64), {3, 4}, frozenset((3, 4))):
+        assert check(stop_token_ids=ids).stop_token_ids == {3, 4}
+    with pytest.raises(RequestError, match="stop_token_ids must be a whole number"):
+        check(stop_token_ids=np.array([3.0]))
 
 
 def test_numpy_half_floats_are_taken_without_a_warning():

@@ -315,7 +315,9 @@ def token_ids(name: str, ids, vocab_size: int) -> frozenset[int]:
     """A list of token ids (None: none), each a whole number in [0, vocab_size)."""
     if ids is None:
         return frozenset()
-    if not isinstance(ids, (list, tuple)):
+    if isinstance(ids, np.ndarray) and ids.ndim == 1:  # as a prompt may be; its floats are refused one by one below
+        ids = ids.tolist()
+    if not isinstance(ids, (list, tuple, set, frozenset)):
         raise RequestError(f"{name} must be a list of token ids, not {shown(ids)}")
     for token in ids:
         whole(name, token, low=0, high=vocab_size - 1, hint=" (token ids of this bundle's vocabulary)")
