@@ -220,29 +220,26 @@ class CallOptions:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._run_options: dict[int | None, ort.RunOptions] = {}  # CUDA graph id (None: the engine does not capture)
+        # by the CUDA graph id its calls name (-1: none, as every call of an engine that captures none names)
+        self._run_options: dict[int, ort.RunOptions] = {}
         # Per thread, graph id -> runs so far, the capturing one included. A thread-local, not a dict keyed by
         # thread id: ids are reused once a thread ends, and a new thread must warm up its own graphs.
         self._warm_up = threading.local()
         self._terminated = False
 
     def options(self, graph: int) -> ort.RunOptions:
-        key = self._graph(graph) if self.engine.captures else None
-        return self._run_options.get(key) or self._add(key)
-
-    def uncaptured(self) -> ort.RunOptions:
-        """The options of a call that names no CUDA graph: the sampler's (a session that captures none)."""
-        return self._run_options.get(None) or self._add(None)
-
-    def _add(self, key: int | None) -> ort.RunOptions:
-        self._run_options[key] = options = ort.RunOptions()
-        # An engine that captures runs a call without a graph id as graph 0: uncaptured say -1. So does every other
-        # call: onnxruntime 1.32's run_with_iobinding looks the id up each call, and a missing one raises and catches a
-        # RuntimeError, ~32 µs (the tiny pair's target call took ~120 µs of CPU a round with it, ~90 without).
-        options.add_run_config_entry("gpu_graph_id", "-1" if key is None else str(key))
-        # read after it is stored: a terminate() meanwhile either sees it there or has set _terminated before
-        options.terminate = self._terminated
-        return options
+        """graph: graph_id's, or -1 for a call that names none (the sampler's: a session that captures none)."""
+        key = self._graph(graph) if self.engine.captures else -1
+        if key not in self._run_options:
+            self._run_options[key] = options = ort.RunOptions()
+            # An engine that captures runs a call without a graph id as graph 0: uncaptured say -1. So does every
+            # other call: onnxruntime 1.32's run_with_iobinding looks the id up each call, and a missing one raises and
+            # catches a RuntimeError, ~32 µs (the tiny pair's target call took ~120 µs of CPU a round with it, ~90
+            # without).
+            options.add_run_config_entry("gpu_graph_id", str(key))
+            # read after it is stored: a terminate() meanwhile either sees it there or has set _terminated before
+            options.terminate = self._terminated
+        return self._run_options[key]
 
     def terminate(self) -> None:
         """From any thread: stop the call in progress, and refuse the calls after it until clear()."""
@@ -707,7 +704,7 @@ class EngineSlot:
             self._feed_sampler(self._tail, self._fed[total_len - num_drafts - 1:total_len], num_drafts)
             if self._sampler_decides:
                 self._push_processing(num_drafts)
-            run_session(self.engine.sampling_session, self._tail, self.engine.path, self.call_options.uncaptured())
+            run_session(self.engine.sampling_session, self._tail, self.engine.path, self.call_options.options(-1))
         if not self._copies:
             return int(self._accepted.host), int(self._next_token.host)
         # A call without drafts accepts none: one copy back (a wait for the device) fewer per draft step.
