@@ -1645,3 +1645,17 @@ def test_a_decoder_option_of_another_type_is_one_line_before_anything_loads(bund
     target_rows=5 failed as an AttributeError from the slots."""
     with pytest.raises(RequestError, match=message):
         SpeculativeDecoder(bundles("llama"), **{option: value})
+
+
+@pytest.mark.parametrize("option", ["parallel", "grammar_cache"])
+def test_a_decoder_count_below_one_is_refused_before_the_bundle_loads_or_the_process_changes(tmp_path, monkeypatch,
+                                                                                            option):
+    """parallel=0 was refused after shared_thread_pool had changed every later session of the process, grammar_cache=0
+    after the bundle and its tokenizer had loaded."""
+    import specbuild_runtime.decode as decode
+    done = []
+    monkeypatch.setattr(decode, "use_shared_thread_pool", lambda: done.append("shared pool"))
+    monkeypatch.setattr(decode, "load_manifest", lambda *args, **kwargs: done.append("bundle"))
+    with pytest.raises(RequestError, match=f"^{option} must be >= 1, not 0$"):
+        SpeculativeDecoder(tmp_path, shared_thread_pool=True, **{option: 0})
+    assert done == []

@@ -222,7 +222,9 @@ class SpeculativeDecoder:
                  draft_steps: bool | None = None, prefix_reuse: bool = True, grammar_cache: int = GRAMMAR_CACHE):
         """shared_thread_pool: faster, but changes every onnxruntime session of the process
         (see engine.use_shared_thread_pool); for processes that only decode."""
-        # Checked before use: cuda_graphs="no" counted as true, target_rows=5 failed as an AttributeError at load.
+        # Checked before use: cuda_graphs="no" counted as true, target_rows=5 failed as an AttributeError at load. And
+        # before anything loads or changes: parallel=0 was refused after the shared pool had changed the process.
+        parallel, grammar_cache = whole("parallel", parallel, low=1), whole("grammar_cache", grammar_cache, low=1)
         shared_thread_pool = flag("shared_thread_pool", shared_thread_pool)
         check_digests, prefix_reuse = flag("check_digests", check_digests), flag("prefix_reuse", prefix_reuse)
         cuda_graphs = None if cuda_graphs is None else flag("cuda_graphs", cuda_graphs)
@@ -232,7 +234,6 @@ class SpeculativeDecoder:
                                f"{shown(target_rows)}")
         if shared_thread_pool:
             use_shared_thread_pool()
-        parallel = whole("parallel", parallel, low=1)
         check_gpu_total_len()
         if not isinstance(bundle, (str, os.PathLike)):
             raise BundleError(f"bundle must be a path to a bundle folder, not {bundle!r:.40}")
@@ -249,7 +250,7 @@ class SpeculativeDecoder:
         self.token_span = token_span(self.tokenizer)
         self.grammars = Grammars(self.tokenizer.to_str(), self.tokenizer.get_vocab_size(with_added_tokens=True),
                                  self.manifest.engines["target"].shape.vocab_size, list(self.eos_token_ids),
-                                 whole("grammar_cache", grammar_cache, low=1))
+                                 grammar_cache)
         if draft_steps and not self.manifest.engines["draft"].steps_file:
             raise BundleError(f"{self.root} has no steps graph for its draft (compiled before it, or with max γ 1, where "
                               "a round drafts one token anyway): rebuild it with `specbuild compile`, or leave "
