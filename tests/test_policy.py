@@ -438,6 +438,20 @@ def retiming_waits(costs: Costs, gamma: int, seconds: float, other_round) -> lis
     return waits
 
 
+def spell_choices(rounds: int, accepted) -> list[int]:
+    """The γ auto chose each round: requests of 20 rounds, every call 3 times as slow in rounds 100-199, drafts at a
+    tenth of a target call; accepted(r, k): the drafts of round r at γ k the target takes."""
+    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
+    chosen: list[int] = []
+    for r in range(rounds):
+        k = policy.choose(limit=0 if r % 20 == 19 else 100)
+        speed = 3 if 100 <= r < 200 else 1
+        policy.observe(k, accepted(r, k), speed * 0.1 * k, speed * (1 + 0.03 * max(k - 1, 0)),
+                       catching_up=bool(k) and not (chosen and chosen[-1]))
+        chosen.append(k)
+    return chosen
+
+
 def test_a_gamma_priced_out_after_a_spell_that_timed_it_dear_but_within_reach_waits_stale_rounds_first():
     """Timed afresh after MAX_STALE_ROUNDS rounds while within reach, γ 1 had its wait doubled as a γ priced out does:
     priced out when timed again, it waited 2 * STALE_ROUNDS rounds, not STALE_ROUNDS, the first wait of a γ priced out."""
@@ -457,17 +471,9 @@ def test_a_gamma_priced_out_in_a_slow_spell_while_auto_drafted_is_timed_again_wi
     three times as slow were priced in the unit of the fast stretch before, every γ fell out of reach, and auto sat at
     γ 0 for STALE_ROUNDS rounds (benchmarks/policy_sim.py --spell-rounds 100: 1.42x target-only at α 0.8 where γ 5 made
     2.00x). Its target call alone twice what a round at that γ or above had cost in units says the machine was slow,
-    not the drafting dear: that γ is timed afresh after FRESH_ROUNDS rounds. Requests of 20 rounds, the spell in rounds
-    100-199, drafts at a tenth of a target call that agree 4 times in 5."""
-    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
-    chosen = []
-    for r in range(300):
-        k = policy.choose(limit=0 if r % 20 == 19 else 100)
-        accepted = next((j for j in range(k) if not (r + j) % 5), k)
-        speed = 3 if 100 <= r < 200 else 1
-        policy.observe(k, accepted, speed * 0.1 * k, speed * (1 + 0.03 * max(k - 1, 0)),
-                       catching_up=bool(k) and not (chosen and chosen[-1]))
-        chosen.append(k)
+    not the drafting dear: that γ is timed afresh after FRESH_ROUNDS rounds. The rounds of spell_choices, drafts agreeing
+    4 times in 5."""
+    chosen = spell_choices(300, lambda r, k: next((j for j in range(k) if not (r + j) % 5), k))
     assert chosen[110:120].count(0) >= 5  # priced out in the spell, as before
     assert chosen[200:].count(0) <= 100 // 20
 
@@ -493,14 +499,7 @@ def test_a_gamma_timed_dear_in_a_slow_spell_but_within_reach_is_timed_again_with
     MAX_STALE_ROUNDS rounds, where γ 5 is best (benchmarks/policy_sim.py: 1.82x target-only at α 0.8 where γ 5 made
     2.00x). A γ within reach whose target calls cost SPELL times those of the γ below it, timed since, is timed afresh
     after FRESH_ROUNDS rounds at the γ below. Four drafts of each round agree."""
-    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
-    chosen = []
-    for r in range(700):
-        k = policy.choose(limit=0 if r % 20 == 19 else 100)
-        speed = 3 if 100 <= r < 200 else 1
-        policy.observe(k, min(k, 4), speed * 0.1 * k, speed * (1 + 0.03 * max(k - 1, 0)),
-                       catching_up=bool(k) and not (chosen and chosen[-1]))
-        chosen.append(k)
+    chosen = spell_choices(700, lambda r, k: min(k, 4))
     assert chosen[130:150].count(0) >= 15  # every γ priced out in the spell, as before
     assert min(k for k in chosen[250:] if k) >= 4
 
