@@ -258,9 +258,9 @@ def new_draft(target, tokenizer, config, draft_config: dict | None, seed: int):
     return plainly_generating(draft)  # as load_reference leaves a loaded one (the "draft" sequences)
 
 
-def init_draft(target, tokenizer, init: Path, config=None):
-    """The checkpoint at init as the draft to train, checked as compile will check the pair. config: its config, where
-    the caller has read it (load_config)."""
+def init_draft(target, tokenizer, init: Path, config):
+    """The checkpoint at init as the draft to train, checked as compile will check the pair. config: its config, as
+    _distill read it before the target loaded (checked_config)."""
     draft, draft_tokenizer = load_model(init, "draft", config)
     # Only the token-to-id map, as compile checks a pair (load.validate_pair): the draft is written with the
     # target's tokenizer, so its own bos and eos (a base model's, for an instruct target) are never read.
