@@ -22,6 +22,9 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 FORMATS = [{"json": SCHEMA}, {"json": SCHEMA, "disable_any_whitespace": True}, {"json_object": True},
            {"regex": r"(yes|no), [a-z]{2,5}\."},
            {"choice": ["return a + b", "pass", "raise ValueError"]}]
+# grammars that force most of the reply (the rest of a choice's word, an enum's quotes), and one forcing the eos's text
+FORCING = [{"choice": ["raise NotImplementedError", "return self"]}, {"json": {"enum": ["function", "class"]}}]
+FORCED_EOS = {"regex": r"a<\|endoftext\|>b"}
 
 
 def decoders(folder):
@@ -464,8 +467,7 @@ def test_auto_checks_no_free_guesses_under_a_grammar(bundles, tokenizer):
     assert result.stats.gamma_rounds.get(0, 0) > 4 and result.stats.guessed == 0
 
 
-@pytest.mark.parametrize("structured", [{"choice": ["raise NotImplementedError", "return self"]},
-                                        {"json": {"enum": ["function", "class"]}}], ids=lambda s: "-".join(s))
+@pytest.mark.parametrize("structured", FORCING, ids=lambda s: "-".join(s))
 def test_auto_proposes_the_tokens_a_grammar_forces_without_a_draft_call(structured, bundles, tokenizer):
     """Where the grammar spells the reply out (the rest of a choice, an enum's quotes), auto proposes those tokens to the
     target with no draft call, and no catch-up on the prompt, which replies of a few tokens never repaid: on the demo pair
@@ -484,7 +486,7 @@ def test_auto_proposes_an_eos_a_grammar_spells_out_and_ends_where_target_only_do
     """Forced text that is the eos token's (a literal "<|endoftext|>") comes from llguidance as that eos, not as text:
     proposed, the target takes it where target-only takes it, and the request ends there."""
     decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
-    structured = {"regex": r"a<\|endoftext\|>b"}
+    structured = FORCED_EOS
     guide = decoder.grammars.guide(decoder.request(PROMPTS[0], structured_outputs=structured).structured)
     guide.advance(tokenizer("a")["input_ids"][0])
     assert guide.forced(8)[0] == tokenizer.eos_token_id
@@ -563,9 +565,7 @@ def test_sampled_proposals_of_a_certain_draft_follow_the_masked_target_distribut
     assert 0.2 < held < 2 and real > 1e-4 and control < 1e-12, (real, control, held)
 
 
-@pytest.mark.parametrize("structured", [{"choice": ["raise NotImplementedError", "return self"]},
-                                        {"json": {"enum": ["function", "class"]}},
-                                        {"regex": r"a<\|endoftext\|>b"}], ids=lambda s: "-".join(s))
+@pytest.mark.parametrize("structured", FORCING + [FORCED_EOS], ids=lambda s: "-".join(s))
 def test_auto_sampled_proposes_the_tokens_a_grammar_forces_without_a_draft_call_and_a_seed_reproduces(
         structured, bundles, tokenizer, monkeypatch):
     """Sampled, as greedy, auto proposes the tokens a grammar forces (an eos it spells out too) with no draft call, judged
@@ -609,5 +609,5 @@ def test_auto_sampled_copies_the_rows_of_forced_tokens_to_the_device_in_its_turn
 
     monkeypatch.setattr(Buffer, "push", checked)
     result = decoder.generate(PROMPTS[0], NEW_TOKENS, "auto", temperature=0.8, seed=3,
-                              structured_outputs={"choice": ["raise NotImplementedError", "return self"]})
+                              structured_outputs=FORCING[0])
     assert result.stats.guessed and not outside, outside
