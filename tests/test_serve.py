@@ -2940,7 +2940,7 @@ def test_the_end_of_the_grace_period_keeps_a_connection_whose_client_reads_more_
     from specbuild_runtime.serve import app
     from specbuild_runtime.serve.app import Server, Settings
 
-    monkeypatch.setattr(app, "UNREAD_LOOK", 0.05, raising=False)
+    monkeypatch.setattr(app, "UNREAD_LOOK", 0.05)
     uvicorn = Server(SpeculativeDecoder(bundle), Settings(model=MODEL, shutdown_timeout=0)).http_server("127.0.0.1", 0)
 
     class Connection:  # uvicorn's protocol and its transport, as the shutdown sees them
