@@ -54,19 +54,14 @@ def load_model(path: Path, role: str, config=None):
     return model, None if role == "draft" and not has_tokenizer_files(path) else load_tokenizer(path, role, config)
 
 
-def check_checkpoint_files(path: Path, role: str) -> None:
-    """CheckpointError where path is no folder, or holds no config.json or no safetensors weights: distill checks
-    --init so before it loads the target, which refused a wrong --init only after that load (minutes on a large
-    target)."""
+def checked_config(path: Path, role: str):
+    """The checkpoint's config (load_config), or CheckpointError where path is no folder, or holds no config.json or
+    no safetensors weights: distill checks --init so before it loads the target, which refused a wrong --init only
+    after that load (minutes on a large target)."""
     check_checkpoint_folder(path, role)
     if not any(path.glob("*.safetensors")):
         raise CheckpointError(f"{role} checkpoint {path} has no *.safetensors weights (distill never unpickles "
                               "*.bin files; re-save it with save_pretrained(..., safe_serialization=True))")
-
-
-def checked_config(path: Path, role: str):
-    """The checkpoint's config (load_config), once check_checkpoint_files has found its folder usable."""
-    check_checkpoint_files(path, role)
     return load_config(path, role)
 
 
