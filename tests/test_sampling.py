@@ -145,17 +145,18 @@ CASES = {  # name: (bundle, decoding options, negative control)
 
 
 class WrongAcceptanceRule:
-    """A numpy Generator whose uniforms for judging drafts are just below 1, so a draft x is accepted iff
-    p(x) ≥ q(x): the classic mistake (accept the likelier, never the rest). The last uniform of a call,
-    which draws the next token, and draft calls (one uniform) are left alone."""
+    """A numpy Generator whose uniforms for judging drafts are `judging`, by default just below 1, so a draft x is
+    accepted iff p(x) ≥ q(x): the classic mistake (accept the likelier, never the rest); at 0, every draft the target
+    allows is accepted, right for greedy decoding only. The last uniform of a call, which draws the next token, and
+    draft calls (one uniform) are left alone."""
 
-    def __init__(self, rng):
-        self.rng = rng
+    def __init__(self, rng, judging: float = np.float32(1 - 1e-7)):
+        self.rng, self.judging = rng, judging
 
     def random(self, n, *args, **kwargs):
         u = self.rng.random(n, *args, **kwargs)
         if np.size(u) > 1:
-            u[:-1] = np.float32(1 - 1e-7)
+            u[:-1] = self.judging
         return u
 
     def __getattr__(self, name):

@@ -497,23 +497,6 @@ def test_auto_proposes_an_eos_a_grammar_spells_out_and_ends_where_target_only_do
     assert auto.stats.guesses_accepted  # the eos was proposed, and taken
 
 
-class AcceptingAll:
-    """A numpy Generator whose uniforms for judging proposals are 0, so the target accepts every one its mask allows.
-    The last uniform of a call, which draws the next token, and draft calls (one uniform) are left alone."""
-
-    def __init__(self, rng):
-        self.rng = rng
-
-    def random(self, n, *args, **kwargs):
-        u = self.rng.random(n, *args, **kwargs)
-        if np.size(u) > 1:
-            u[:-1] = 0
-        return u
-
-    def __getattr__(self, name):
-        return getattr(self.rng, name)
-
-
 def lowest_allowed(guide: Guide, count: int) -> list[int]:
     """Guide.forced's stand-in: up to count tokens, each the lowest id the mask allows after those before, which the
     grammar does not force. llguidance's own forced tokens are always the one token the mask allows (716 of 716
@@ -534,6 +517,8 @@ def test_sampled_proposals_of_a_certain_draft_follow_the_masked_target_distribut
     accepted with probability p(x), else resampled from p without x. Proposed where the mask allows others too, the
     output must follow the target's masked distribution (the χ² above, q the one-hot rows), and accepting them all, right
     for greedy decoding, must be caught."""
+    from test_sampling import WrongAcceptanceRule
+
     monkeypatch.setattr(Guide, "forced", lowest_allowed)
     decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
     target = load_reference(checkpoints("llama"))
@@ -558,7 +543,8 @@ def test_sampled_proposals_of_a_certain_draft_follow_the_masked_target_distribut
 
     samples, held = sample(80)
     with monkeypatch.context() as patched:
-        patched.setattr(np.random, "default_rng", lambda seed=None, rng=np.random.default_rng: AcceptingAll(rng(seed)))
+        patched.setattr(np.random, "default_rng",  # proposals judged by uniforms of 0: each the mask allows accepted
+                        lambda seed=None, rng=np.random.default_rng: WrongAcceptanceRule(rng(seed), judging=0))
         wrong, _ = sample(20, seed=1000)
     real, control = p_value(samples), p_value(wrong)
     print(f"p {real:.3g}, control {control:.3g}, proposals accepted a round {held:.2f}")
