@@ -1137,6 +1137,18 @@ def test_a_runs_stats_add_up_to_its_tokens(bundle):
         assert s.rounds == sum(s.gamma_rounds.values()) and s.prompt_tokens == len(result.prompt_token_ids)
 
 
+def test_stats_count_the_drafts_the_target_accepted_after_the_token_that_ended_the_request(bundles):
+    """As vLLM's num_accepted_tokens and llama.cpp's n_draft_accepted: a round's drafts judge the draft whether or not
+    the request ends within the round, and generated_tokens counts only what was emitted (Stats' docstring)."""
+    decoder = SpeculativeDecoder(bundles("llama"))  # draft = target: every draft holds
+    tokens = decoder.generate(PROMPTS[0], NEW_TOKENS, gamma=4).token_ids
+    # The prompt's call emits token 0, each round of 4 drafts the next 5: token i is within a round where i % 5.
+    end = next(i for i, token in enumerate(tokens) if i % 5 and token not in {*tokens[:i], *decoder.eos_token_ids})
+    stats = decoder.generate(PROMPTS[0], NEW_TOKENS, gamma=4, stop_token_ids=[tokens[end]]).stats
+    assert stats.finish_reason == "stop_token" and stats.generated_tokens == end + 1
+    assert stats.accepted == stats.drafted == 4 * stats.rounds > end - stats.rounds and stats.acceptance_rate == 1.0
+
+
 def test_cuda_graphs_by_default_on_cuda_for_unquantized_fp16_and_bf16_bundles(bundle):
     """What a GPU decoder replays when cuda_graphs is left unset (checked on the manifest: no GPU here)."""
     from dataclasses import replace

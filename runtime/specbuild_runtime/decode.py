@@ -80,7 +80,10 @@ def encode_ids(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True)
 @dataclass
 class Stats:
     """What one request measured (what it asked for is its Request). α is over drafted tokens, τ over every
-    round, those without drafts (γ 0, free guesses) included."""
+    round, those without drafts (γ 0, free guesses) included. accepted (and accepted_at, α) counts the drafts the
+    target accepted, as vLLM's num_accepted_tokens and llama.cpp's n_draft_accepted do: in the round whose token ended
+    the request (an eos, a stop token or string), those after that token too, which are never emitted. They judge the
+    draft; generated_tokens (and τ) count what was emitted."""
 
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # leading prompt tokens the slot's target cache held already (prefix reuse)
