@@ -1125,6 +1125,16 @@ def test_stats_count_rounds_as_a_plain_reference_does(rounds):
     assert stats.target_seconds == pytest.approx(0.002 * len(rounds))
 
 
+@pytest.mark.parametrize("q", [150, -1, float("nan"), "50", None])
+@pytest.mark.parametrize("times", [[0.0, 0.1, 0.3], []], ids=["tokens", "none"])
+def test_an_itl_percentile_outside_0_to_100_is_one_request_error_whatever_the_stats_hold(q, times):
+    """150 raised numpy's "Percentiles must be in the range [0, 100]" from inside it ("50" a TypeError from its
+    arithmetic), and only where there were gaps to take it of: with fewer than two tokens it returned 0."""
+    with pytest.raises(RequestError, match="^q must be") as raised:
+        Stats(token_times=times).itl_ms(q)
+    assert "\n" not in str(raised.value)
+
+
 def test_a_runs_stats_add_up_to_its_tokens(bundle):
     decoder = SpeculativeDecoder(bundle)
     for prompt, options in REQUESTS:

@@ -36,7 +36,7 @@ from .slot import (MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, Rows, Slot, check_
                    unsteady_calls)
 from .text import TextStream, token_span
 from .validation import (AUTO, NO_PENALTIES, PENALTIES, Prompt, Request, check_request, check_text_fits, check_vocabularies,
-                         flag, shown, whole)
+                         flag, real, shown, whole)
 
 # stream_request's items: text, or where the request asks for logprobs (text, the records of the tokens since the last)
 TextItem = str | tuple[str, tuple[TokenLogprobs, ...]]
@@ -138,6 +138,9 @@ class Stats:
         return (len(self.token_times) - 1) / max(self.token_times[-1] - self.token_times[0], 1e-9)
 
     def itl_ms(self, q: float) -> float:
+        """The q-th percentile (0 to 100) of the times between tokens, in ms; 0 with fewer than two tokens."""
+        if not 0 <= real("q", q) <= 100:  # numpy's refusal came from deep inside it, and only with two tokens or more
+            raise RequestError(f"q must be from 0 to 100 (a percentile), not {shown(q)}")
         gaps = np.diff(self.token_times)
         return float(1e3 * np.percentile(gaps, q)) if len(gaps) else 0.0
 
