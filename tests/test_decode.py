@@ -1669,6 +1669,19 @@ def test_a_decoder_option_of_another_type_is_one_line_before_anything_loads(bund
         SpeculativeDecoder(bundles("llama"), **{option: value})
 
 
+@pytest.mark.parametrize("text, message", [
+    (None, r"^text must be a str \(encode takes one text\), not None \(NoneType\)$"),
+    (b"def f():", r"^text must be a str \(encode takes one text\), not b'def f\(\):' \(bytes\)$"),
+    (["def", "f"], r"^text must be a str \(encode takes one text\), not \['def', 'f'\] \(list\)$"),
+    ("x\ud800", r"^text is not valid UTF-8: surrogates not allowed at character 1 "),
+])
+def test_encode_of_anything_but_valid_text_is_one_request_error(bundle, text, message):
+    """tokenizers refused None, bytes and half a surrogate pair alike with "TextEncodeInput must be
+    Union[TextInputSequence, Tuple[InputSequence, InputSequence]]", a TypeError, and encoded two texts as a pair."""
+    with pytest.raises(RequestError, match=message):
+        SpeculativeDecoder(bundle).encode(text)
+
+
 @pytest.mark.parametrize("option", ["parallel", "grammar_cache"])
 def test_a_decoder_count_below_one_is_refused_before_the_bundle_loads_or_the_process_changes(tmp_path, monkeypatch,
                                                                                             option):

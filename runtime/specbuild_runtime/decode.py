@@ -36,7 +36,7 @@ from .slot import (MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, Rows, Slot, check_
                    unsteady_calls)
 from .text import TextStream, token_span
 from .validation import (AUTO, NO_PENALTIES, PENALTIES, Prompt, Request, check_request, check_text_fits, check_vocabularies,
-                         flag, real, shown, whole)
+                         flag, real, shown, utf8, whole)
 
 # stream_request's items: text, or where the request asks for logprobs (text, the records of the tokens since the last)
 TextItem = str | tuple[str, tuple[TokenLogprobs, ...]]
@@ -318,6 +318,10 @@ class SpeculativeDecoder:
 
     def encode(self, text: str) -> list[int]:
         """The token ids the bundle's tokenizer gives text, special tokens included (as generate reads a str)."""
+        # tokenizers' refusal of another type, or of half a surrogate pair, named neither; it encoded a list as a pair
+        if not isinstance(text, str):
+            raise RequestError(f"text must be a str (encode takes one text), not {shown(text)} ({type(text).__name__})")
+        utf8("text", text)
         return encode_ids(self.tokenizer, text)
 
     def warm_up(self) -> int:
