@@ -32,6 +32,10 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Callable, Iterator
 
+# The names of what a killed writer leaves: defined with the bundle format, since the runtime reads them too (a killed
+# compile's staging folder given where a bundle goes is told so), and it may not import the compiler.
+from specbuild_runtime.manifest import LEFTOVER
+
 from .errors import OutputError
 
 
@@ -333,10 +337,6 @@ def _disk_full(exc: Exception) -> int | None:
 def amount(size: int) -> str:
     """A size on disk as messages give it."""
     return f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
-
-
-# What a writer to an output (.NAME) leaves beside it when killed: its staging folder, its scratch, an old folder.
-LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>partial|old)-\d+(-scratch)?")
 
 
 def _leftovers(output: Path) -> str:

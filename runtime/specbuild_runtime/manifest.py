@@ -412,10 +412,10 @@ def runtime_version() -> str:
         return "0+unknown"
 
 
-# The folders a compile builds its bundle in beside its output (specbuild/staging.py), until it publishes it with a
-# rename: `.NAME.partial-PID` and its scratch space. A compile killed mid-way leaves them; the next compile to NAME
-# removes them.
-STAGING = re.compile(r"\.(?P<name>.+)\.partial-\d+(-scratch)?")
+# What a writer of an output NAME (specbuild/staging.py: a compile's bundle) leaves beside it when killed: the staging
+# folder it builds in until it publishes it with a rename (`.NAME.partial-PID`), its scratch space (`-scratch`), and the
+# old folder it set aside while publishing (`.NAME.old-PID`). The next writer to NAME removes them.
+LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>partial|old)-\d+(-scratch)?")
 
 
 def _unfinished_compile(root: Path) -> str | None:
@@ -423,14 +423,14 @@ def _unfinished_compile(root: Path) -> str | None:
     and only the staging folder is there), or None. "not a bundle" or "does not exist" alone left a user with a
     killed compile's folder nowhere to go."""
     if root.exists():  # a staging folder's name where nothing is was mistyped, or removed by a compile since
-        if not (match := STAGING.fullmatch(root.name)):
+        if not (match := LEFTOVER.fullmatch(root.name)) or match["kind"] != "partial":  # an old folder is a bundle
             return None
         output = root.parent / match["name"]
         return (f"{root} is the staging folder of an unfinished compile to {output} (running still, or killed), not a "
                 f"bundle: pass {output} once that compile finished, rerunning it if it was killed (it removes the "
                 f"folder); deleting the folder is safe once no compile to {output} runs")
     left = sorted(entry.name for entry in root.parent.glob(f".{glob.escape(root.name)}.partial-*")
-                  if (match := STAGING.fullmatch(entry.name)) and match["name"] == root.name)
+                  if (match := LEFTOVER.fullmatch(entry.name)) and match["name"] == root.name)
     if not left:
         return None
     # While a compile runs, its output is absent too (on a first compile): "did not finish; rerun it" sent a user who
