@@ -18,7 +18,7 @@ from contextlib import aclosing, closing
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import AsyncGenerator, Callable, Generator, cast, overload
+from typing import AsyncGenerator, Callable, ClassVar, Generator, cast, overload
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -105,6 +105,19 @@ class Stats:
     finish_reason: str = ""
     # what ended it, as vLLM's: the stop string, or the stop token id (an eos besides the tokenizer's too); else None
     stop_reason: str | int | None = None
+
+    # The class's, not a field: a Stats holding a lock could not be pickled or deep-copied.
+    _claiming: ClassVar[threading.Lock] = threading.Lock()
+
+    def claim(self, prompt_tokens: int) -> None:
+        """Make these the figures of a request of prompt_tokens tokens (at least 1: request() refuses an empty prompt),
+        or a RequestError where another request's are here: its counts would carry over into this one, which ended
+        after one token, unsaid. Checked and set at once: two requests queued with one Stats each found it new."""
+        with self._claiming:
+            if self.prompt_tokens:
+                raise RequestError("stats holds another request's figures (a Stats measures one request); pass a new "
+                                   "Stats() to each call")
+            self.prompt_tokens = prompt_tokens
 
     def record_round(self, drafted: int, accepted: int, draft_seconds: float, target_seconds: float) -> None:
         self.rounds += 1
@@ -717,13 +730,7 @@ class SpeculativeDecoder:
         the target's logits that decided it, computed alike whatever the round (slot.Rows), so γ and the draft change
         none. halt: see _score."""
         sampling = request.sampling
-        with _CLAIMING:  # checked with a slot held and claimed at once: two requests queued with one Stats each found it new
-            # A request's first figure, at least 1 (request() refuses an empty prompt), claims the Stats: its counts would
-            # carry over into a second request, which ended after one token, unsaid.
-            if stats.prompt_tokens:
-                raise RequestError("stats holds another request's figures (a Stats measures one request); pass a new "
-                                   "Stats() to each call")
-            stats.prompt_tokens = len(request.prompt_ids)
+        stats.claim(len(request.prompt_ids))
         clock = time.perf_counter
         start = clock()  # before scoring, which processes the prompt as the first call does where none is scored
         if scored is not None and request.prompt_logprobs is not None:  # scored: prompt_logprobs asked
@@ -1082,9 +1089,6 @@ def _identity(folder: Path) -> tuple[int, int] | None:
     except OSError:
         return None
     return stat.st_dev, stat.st_ino
-
-
-_CLAIMING = threading.Lock()
 
 
 def _leaves_out_last(request: Request, stats: Stats) -> bool:
