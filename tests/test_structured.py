@@ -497,6 +497,16 @@ def test_auto_proposes_an_eos_a_grammar_spells_out_and_ends_where_target_only_do
     assert auto.stats.guesses_accepted  # the eos was proposed, and taken
 
 
+@pytest.mark.parametrize("gamma", GAMMAS)
+def test_an_eos_tokens_text_in_a_schemas_const_is_that_eos_and_ends_the_reply_there(gamma, bundles):
+    """llguidance spells the text a grammar forces as the tokenizer encodes it, special tokens included: a const holding
+    "<|endoftext|>" allows that eos alone there, and the reply ends at it, its JSON unfinished (docs/runtime.md,
+    structured_outputs; vLLM's guidance backend builds the same llguidance tokenizer)."""
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    result = decoder.generate(PROMPTS[0], NEW_TOKENS, gamma, structured_outputs={"json": {"const": "x<|endoftext|>y"}})
+    assert result.text == '"x' and result.stats.finish_reason == "eos"
+
+
 def lowest_allowed(guide: Guide, count: int) -> list[int]:
     """Guide.forced's stand-in: up to count tokens, each the lowest id the mask allows after those before, which the
     grammar does not force. llguidance's own forced tokens are always the one token the mask allows (716 of 716
