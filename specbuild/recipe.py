@@ -86,6 +86,13 @@ class CompileSettings:
             raise SettingsError(f"{shaping[0]} applies to the ONNX engines, which backend tensorrt-llm does not build "
                                 "(trtllm-build quantizes per output channel); add --backend all (backend in a recipe), "
                                 "or leave it out", key=shaping[0])
+        if self.backend != "onnx" and self.precision == "fp32":
+            for role in ("target", "draft"):
+                if (quantization := self.quantization(role)) != "none":
+                    key = f"{role}_quantize" if getattr(self, f"{role}_quantize") else "quantize"
+                    raise SettingsError(f"the {role}'s {quantization} quantization (--quantize or --{role}-quantize) "
+                                        f"with --backend {self.backend} needs --precision fp16 or bf16 (precision in a "
+                                        "recipe): TensorRT-LLM's weight-only kernels take 16-bit activations", key=key)
 
     def quantization(self, role: str) -> str:
         own = self.target_quantize if role == "target" else self.draft_quantize

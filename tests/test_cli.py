@@ -493,6 +493,8 @@ TENSORRT_LLM_INT4 = ["--backend", "tensorrt-llm", "--quantize", "int4", "--preci
     (COMPILE + ["--quality-report"], "quality_report measures them"),
     (COMPILE + TENSORRT_LLM_INT4 + ["--block-size", "64"], "block_size applies to the ONNX engines"),
     (COMPILE + TENSORRT_LLM_INT4 + ["--quality-report"], "quality_report applies to the ONNX engines"),
+    (COMPILE + ["--backend", "tensorrt-llm", "--quantize", "int4"],
+     "int4 quantization (--quantize or --target-quantize) with --backend tensorrt-llm needs --precision fp16 or bf16"),
     (COMPILE + ["--max-seq-len", "8", "--gamma", "8"], "the context holds 8 tokens"),
     (["distill", "--target", "target", "-o", "draft", "--init", "draft", "--draft-config", "num_hidden_layers=1"],
      "give either --init or --draft-config, not both"),
@@ -500,7 +502,8 @@ TENSORRT_LLM_INT4 = ["--backend", "tensorrt-llm", "--quantize", "int4", "--preci
     (["bench", "bundle", "--threads", "1", "--peers", "llama.cpp"], "leave out --threads or those peers"),
     (["serve", "bundle", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
 ], ids=["compile-tp", "compile-block-size", "compile-default-block-size", "compile-quality-report",
-        "compile-tensorrt-llm-block-size", "compile-tensorrt-llm-quality-report", "compile-max-seq-len",
+        "compile-tensorrt-llm-block-size", "compile-tensorrt-llm-quality-report", "compile-tensorrt-llm-fp32-int4",
+        "compile-max-seq-len",
         "distill", "generate", "bench", "serve"])
 def test_options_in_conflict_are_a_usage_error_in_every_command(args, says, tmp_path, monkeypatch, capsys):
     """compile's exited 1, as if an input were wrong, where every other command's exit 2 (docs/commands.md, Exit
@@ -514,8 +517,10 @@ def test_options_in_conflict_are_a_usage_error_in_every_command(args, says, tmp_
     assert exited.value.code == 2 and err.count("\n") == 1 and says in err and f"specbuild {args[0]} --help" in err, err
 
 
-@pytest.mark.parametrize("table, options", [("tp = 2\n", []), ("", ["--tp", "2"]), ("max_seq_len = 8\n", ["--gamma", "8"])],
-                         ids=["in-the-recipe", "with-an-option", "recipe-and-option"])
+@pytest.mark.parametrize("table, options", [("tp = 2\n", []), ("", ["--tp", "2"]),
+                                            ("max_seq_len = 8\n", ["--gamma", "8"]),
+                                            ('quantize = "int4"\nbackend = "tensorrt-llm"\n', [])],
+                         ids=["in-the-recipe", "with-an-option", "recipe-and-option", "quantized-fp32-export"])
 def test_settings_in_conflict_where_a_recipe_takes_part_are_the_recipes_error(table, options, tmp_path, capsys):
     """An input that is wrong (exit 1), as a wrong value in the recipe is; the message names the recipe's line where
     the setting at fault is its own."""

@@ -189,17 +189,11 @@ def rotary(ckpt: Checkpoint) -> tuple[float, dict | None]:
     return float(base), {"type": kind, **params}
 
 
-def check_pair(target: Checkpoint, draft: Checkpoint, max_seq_len: int, tp: int, numerics: dict[str, Numerics],
-               backend: str) -> None:
-    """Refuse what cannot be exported before any engine is built. numerics: each role's precision and
-    quantization; backend: the --backend named in the error."""
+def check_pair(target: Checkpoint, draft: Checkpoint, max_seq_len: int, tp: int) -> None:
+    """Refuse what cannot be exported before any engine is built (a quantized fp32 export, which the settings
+    alone make, CompileSettings refuses)."""
     for role, ckpt in (("target", target), ("draft", draft)):
         check_exportable(ckpt, role, tp, max_seq_len)
-        quantization, precision = numerics[role].quantization, numerics[role].precision
-        if quantization != "none" and precision == "fp32":
-            raise UnsupportedModelError(f"the {role}'s {quantization} quantization (--quantize or --{role}-quantize) "
-                                        f"with --backend {backend} needs --precision fp16 or bf16: TensorRT-LLM's "
-                                        "weight-only kernels take 16-bit activations")
 
 
 def export_pair(target: Checkpoint, draft: Checkpoint, folder: Path, scratch: Path, engines: dict[str, EngineInfo],
