@@ -155,6 +155,17 @@ def a_longrope_target(paths: dict) -> None:
         original_max_position_embeddings=16))
 
 
+def a_weight_in_float64(folder: Path) -> None:
+    """One weight stored in a type specbuild does not read (float64; fp8 or int8 without a quantization_config too)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = next(folder.glob("*.safetensors"))
+    tensors = load_file(weights)
+    name = next(name for name in tensors if "layers.0.mlp.down_proj" in name)
+    tensors[name] = tensors[name].double()
+    save_file(tensors, weights, metadata={"format": "pt"})
+
+
 def a_nan_weight(folder: Path) -> None:
     """One NaN in a weight, as a diverged training run or a broken conversion leaves it."""
     from safetensors.torch import load_file, save_file
@@ -534,6 +545,11 @@ CASES = [
     Case("a pre-quantized checkpoint (AWQ, GPTQ, FP8)", compile_args(), 1, "pre-quantized",
          "Pass the fp32, fp16 or bf16 checkpoint; `--quantize int4|int8` quantizes it.",
          setup=a_copy_of("target", pre_quantized)),
+    Case("a checkpoint with weights stored in another type (float64; fp8, int8 or bool without a "
+         "`quantization_config`)", compile_args(), 1,
+         "is stored as float64; specbuild reads weights stored as fp32, fp16 or bf16",
+         "Save the checkpoint in fp32, fp16 or bf16 (`model.to(torch.bfloat16).save_pretrained(dir)`); `--quantize "
+         "int4|int8` quantizes it.", setup=a_copy_of("target", a_weight_in_float64)),
     Case("`tie_word_embeddings: true` beside a stored `lm_head.weight` of other values", compile_args(), 1,
          "ties the LM head to the embeddings", "Say which head is meant: `\"tie_word_embeddings\": false` keeps the stored "
          "one, removing `lm_head.weight` keeps the embeddings (transformers 4 and 5 differ here).",

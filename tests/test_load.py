@@ -238,6 +238,26 @@ def test_a_quantization_config_of_any_form_is_refused_as_pre_quantized(checkpoin
         load_checkpoint(folder, "target")
 
 
+@pytest.mark.parametrize("dtype, named", [(torch.float64, "float64"), (torch.float8_e4m3fn, "float8_e4m3fn"),
+                                          (torch.int8, "int8"), (torch.bool, "bool")])
+@pytest.mark.parametrize("tensor", ["model.layers.0.input_layernorm.weight", "model.layers.1.mlp.down_proj.weight"])
+def test_a_weight_stored_in_another_type_is_refused_at_load_naming_it(checkpoints, tmp_path, dtype, named, tensor):
+    """Refused when the engine wrote it before: minutes into a large compile, and a norm's (small enough for onnx_ir
+    to write inline) as an internal error, exit 3, reported as a bug in specbuild."""
+    from safetensors.torch import load_file
+
+    from specbuild.errors import UnsupportedModelError
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoints("llama"), folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors[tensor] = tensors[tensor].to(dtype)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError, match=f"target checkpoint {folder}: tensor '{tensor}' is stored as "
+                                                    f"{named}; specbuild reads weights stored as fp32, fp16 or bf16"):
+        load_checkpoint(folder, "target")
+
+
 def test_the_tokenizers_eos_ends_decoding_beside_generation_configs_as_vllm_stops_at_both(checkpoints, tmp_path):
     """A fine-tune whose generation_config.json still names its base model's eos (its turns end with the
     tokenizer's) would otherwise decode on to max_new_tokens."""

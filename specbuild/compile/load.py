@@ -76,6 +76,8 @@ SAFETENSORS_DTYPES = {
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
     "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
 }
+# Weights stored otherwise are refused at load: precision.py converts only these to an engine's type
+WEIGHT_DTYPES = {SAFETENSORS_DTYPES[name] for name in ("F32", "F16", "BF16")}
 INDEX = "model.safetensors.index.json"
 
 
@@ -445,6 +447,7 @@ def _loaded_tensors(config, entries: dict[str, TensorEntry], path: Path, role: s
                               f"({type(exc).__name__}: {first_line(exc)}); use the config.json that came with "
                               "these weights") from None
     prefix = model.base_model_prefix + "."
+    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     loaded = set()
     for name, parameter in model.state_dict().items():
         stored = name if name in entries else name.removeprefix(prefix)
@@ -455,6 +458,14 @@ def _loaded_tensors(config, entries: dict[str, TensorEntry], path: Path, role: s
                 f"{role} checkpoint {path}: tensor {name!r} has shape {list(entries[stored].shape)} but config.json "
                 f"implies {list(parameter.shape)}; the weights and config.json do not belong together: use the "
                 "config.json that came with these weights"
+            )
+        # Refused here, naming the tensor, rather than when the engine writes it: minutes in at 8B, and a small tensor
+        # (a norm) failed inside onnx_ir's serializer, reported as a bug in specbuild
+        if name in parameters and entries[stored].dtype not in WEIGHT_DTYPES:
+            raise UnsupportedModelError(
+                f"{role} checkpoint {path}: tensor {name!r} is stored as {entries[stored].dtype}; specbuild reads "
+                "weights stored as fp32, fp16 or bf16 (and quantizes them itself: --quantize int4|int8): save the "
+                "checkpoint in one of those, e.g. `model.to(torch.bfloat16).save_pretrained(dir)`"
             )
         entries[name] = entries.pop(stored)
         loaded.add(name)

@@ -62,7 +62,6 @@ def convert_into(rows: np.ndarray, out: np.ndarray, plus_one: bool = False, name
     """Write a slice of a stored tensor (the weight `name`) into out, the engine's float type: numpy casts
     element by element on assignment, with no temporary copy of the slice. plus_one adds 1 first (Gemma's
     norms scale by 1 + w, added in fp32 as transformers does; those are 1-D and small)."""
-    precision_name(rows.dtype)  # refuses fp8 and integer tensors with a clear error
     with np.errstate(over="ignore"):  # said below, in one line
         out[...] = rows.astype(np.float32) + 1.0 if plus_one else rows
     if all_finite(out):
