@@ -278,6 +278,27 @@ def test_the_recorded_peak_memory_is_the_compiles_not_the_processs(checkpoints, 
     assert 0 < manifest.build["peak_rss_bytes"] < peak_before - 2**29
 
 
+@pytest.mark.parametrize("value, precision, says", [(float("nan"), "fp32", "holds NaN: the checkpoint is damaged"),
+                                                    (1e5, "fp16", r"holds 1e\+05, beyond fp16's largest number")],
+                         ids=["nan", "beyond-fp16"])
+def test_a_bad_value_in_a_weight_onnx_ir_writes_inline_is_the_checkpoints_error(checkpoints, tmp_path, value, precision,
+                                                                              says):
+    """A norm of a tiny model (at most 256 bytes; at real size Qwen3's q and k norms in fp16) goes into the graph's
+    file, written by onnx_ir's serializer, which wrapped the error in its own: an internal error, exit 3."""
+    from safetensors.torch import load_file, save_file
+
+    from specbuild.errors import CheckpointError
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoints("llama"), folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.input_layernorm.weight"][0] = value
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"weight model.layers.0.input_layernorm.weight of {folder} {says}"):
+        compile_bundle(CompileSettings(target=folder, draft=checkpoints("llama", 1), output=tmp_path / "b",
+                                       max_seq_len=64, precision=precision), show_progress=False)
+
+
 @pytest.mark.parametrize("max_seq_len", [0, -5, 1])
 def test_a_context_too_short_to_generate_is_refused_before_anything_is_written(max_seq_len, checkpoints, tmp_path):
     with pytest.raises(SpecbuildError, match="max_seq_len must be a whole number, 2 or more"):

@@ -15,6 +15,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
+from specbuild_runtime.errors import SpecbuildError
 from specbuild_runtime.manifest import SAMPLER, EngineInfo
 
 from .. import progress
@@ -63,8 +64,11 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
         bar.total = sum(value.const_value.nbytes for value in model.graph.initializers.values()
                         if isinstance(value.const_value, ir.LazyTensor))
         gathered = _gathered_bytes(model)
-        ir.save(model, folder / file, external_data=f"{file}.data", alignment=ALIGNMENT, max_workers=WORKERS,
-                max_in_flight_bytes=IN_FLIGHT_BYTES)
+        try:
+            ir.save(model, folder / file, external_data=f"{file}.data", alignment=ALIGNMENT, max_workers=WORKERS,
+                    max_in_flight_bytes=IN_FLIGHT_BYTES)
+        except ir.serde.SerdeError as exc:
+            raise _own_error(exc) from None
     graphs = {f"{role}.greedy.onnx": build_decoder(ckpt, numerics, max_seq_len, vocab_size, sampling=False, tokens=tokens,
                                                    rope_switch=rope_switch, fixed_rows=fixed_rows)}
     if draft_steps:
@@ -92,6 +96,16 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
         source_dtype=precision_name(ckpt.float_dtype()),
         rope_switch_length=rope_switch,
     )
+
+
+def _own_error(exc: ir.serde.SerdeError) -> Exception:
+    """What a weight's computation raised, out of the SerdeErrors onnx_ir wraps it in where it writes the weight
+    into the graph's file itself (one of at most 256 bytes: a tiny model's norm, Qwen3's q and k norms in fp16):
+    a NaN weight was reported as a bug in specbuild, not as the checkpoint's. exc where there is none (its own bug)."""
+    cause: BaseException | None = exc
+    while isinstance(cause, ir.serde.SerdeError):
+        cause = cause.__cause__
+    return cause if isinstance(cause, SpecbuildError) else exc
 
 
 def _gathered_bytes(model: ir.Model) -> int:
