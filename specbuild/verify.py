@@ -39,38 +39,45 @@ def verify_bundle(bundle: Path, target: Path | None, prompts_file: Path, max_new
     decoder.request(encoded[0], 1, gamma)  # and --gamma (at most the bundle's maximum), not after the model loaded
     engine = decoder.manifest.engines["target"]
     recorded = target is None
-    with note(f"loading the target checkpoint in transformers ({engine.precision})"):  # and its digest read
-        target = target or recorded_source(engine, "target", "--target")
-        model = load_reference(target, device=decoder.device, precision=engine.precision)
+    if recorded:  # gone or changed: said before decoding
+        with note(f"reading the checkpoint {engine.source['path']} (sha256)"):
+            target = recorded_source(engine, "target", "--target")
+    # The bundle decodes every prompt first and is let go before transformers loads: the two at once held both
+    # models (16.5 GB resident verifying a Llama-3.2-1B-shaped fp32 bundle, 8.8 GB one after the other).
+    new_tokens, ours = [], []
+    for prompt_ids in steps(encoded, "decoding with the bundle", "prompt"):
+        # The bundle stops where its context is full, its last token needing no place in the cache (a prompt
+        # that fills the context still gets one, as generate gives it); transformers is held to the same length.
+        new_tokens.append(min(max_new_tokens, decoder.max_seq_len - len(prompt_ids) + 1))
+        ours.append(decoder.generate(prompt_ids, new_tokens[-1], gamma).token_ids)
+    device, eos = decoder.device, sorted(decoder.eos_token_ids)
+    del decoder
+    with note(f"loading the target checkpoint in transformers ({engine.precision})"):
+        model = load_reference(target, device=device, precision=engine.precision)
     precision = engine.precision
     rows = model.get_input_embeddings().num_embeddings
     if rows < engine.shape.vocab_size:
         raise CheckpointError(f"target checkpoint {target} has {rows} embedding rows but the bundle's vocabulary has "
                               f"{engine.shape.vocab_size} tokens: it is not the model this bundle was compiled from; "
                               f"pass --target {engine.source['path']}")
-    eos = sorted(decoder.eos_token_ids)
     tokens, divergences = 0, []
-    for index, (prompt, prompt_ids) in steps(list(enumerate(zip(prompts, encoded))),
-                                             "decoding with the bundle and with transformers", "prompt"):
-        # The bundle stops where its context is full, its last token needing no place in the cache (a prompt
-        # that fills the context still gets one, as generate gives it); transformers is held to the same length.
-        new_tokens = min(max_new_tokens, decoder.max_seq_len - len(prompt_ids) + 1)
-        ours = decoder.generate(prompt_ids, new_tokens, gamma).token_ids
-        theirs = transformers_greedy(model, prompt_ids, new_tokens, eos)
-        position = first_difference(ours, theirs)
+    for index, (prompt, prompt_ids) in steps(list(enumerate(zip(prompts, encoded))), "decoding with transformers",
+                                             "prompt"):
+        theirs = transformers_greedy(model, prompt_ids, new_tokens[index], eos)
+        position = first_difference(ours[index], theirs)
         if position is None:
-            tokens += len(ours)
+            tokens += len(ours[index])
             continue
         divergences.append({
             "prompt_index": index, "prompt": prompt, "position": position,
-            "bundle_token": ours[position] if position < len(ours) else None,
+            "bundle_token": ours[index][position] if position < len(ours[index]) else None,
             "transformers_token": theirs[position] if position < len(theirs) else None,
-            "outputs": (prompt_ids, new_tokens, ours, theirs),
+            "outputs": (prompt_ids, new_tokens[index], ours[index], theirs),
         })
     if divergences and precision != "fp32":
         del model  # its memory, before the fp32 copy loads
         with note("loading the target checkpoint in transformers (fp32)"):
-            fp32 = load_reference(target, device=decoder.device)
+            fp32 = load_reference(target, device=device)
         for d in steps(divergences, "decoding the diverging prompts with transformers in fp32", "prompt"):
             # Held to the bundle's context as the other two are: past it a GPT-2 runs out of positions, and
             # any model's longer output would count as one leaving the shorter ones at their end.
@@ -84,7 +91,7 @@ def verify_bundle(bundle: Path, target: Path | None, prompts_file: Path, max_new
     if not recorded:
         with note(f"reading the checkpoint {target} (sha256)"):
             same_source = checkpoint_digest(target, "target") == engine.source["sha256"]
-    report = {"identical": not divergences, "prompts": len(prompts), "tokens": tokens, "device": decoder.device,
+    report = {"identical": not divergences, "prompts": len(prompts), "tokens": tokens, "device": device,
               "precision": precision, "quantization": engine.quantization, "same_source": same_source}
     if divergences:
         report.update(divergence=divergences[0], divergences=divergences)
