@@ -28,7 +28,8 @@ from ..texts import measuring_prompts
 
 NEW_TOKENS = 32
 # Measuring decodes NEW_TOKENS per prompt on the CPU: transformers (fp32) when both models together have
-# at most this many parameters (4 GB of weights), the ONNX engines when theirs weigh at most ENGINE_BYTES_LIMIT
+# at most this many parameters (4 GB of weights; a 0.78B Qwen3-0.6B-shaped pair took 170-360 s on 2 cores, load
+# 3-5), the ONNX engines when theirs weigh at most ENGINE_BYTES_LIMIT
 # (memory-bound: ~0.4 s a step at 22 GB/s, two minutes in all); larger pairs would take many minutes.
 TRANSFORMERS_PARAMETER_LIMIT = 1_000_000_000
 ENGINE_BYTES_LIMIT = 8 << 30
