@@ -6,7 +6,8 @@ import random
 import pytest
 
 from specbuild_runtime.policy import (GREEDY_DECAYS, MAX_PROBE_EVERY, MAX_STALE_ROUNDS, PROBE_EVERY, SAMPLING_DECAYS,
-                                      STALE_ROUNDS, FIRST_ROUNDS, FRESH_ROUNDS, AdaptiveGamma, Costs, PriorCosts, prior_draft_cost)
+                                      STALE_ROUNDS, FIRST_ROUNDS, FREE_GUESSES, FRESH_ROUNDS, AdaptiveGamma, Costs,
+                                      PriorCosts, prior_draft_cost)
 
 from conftest import PROMPTS
 
@@ -520,3 +521,56 @@ def test_a_gamma_within_reach_is_not_timed_again_every_few_dozen_rounds_for_good
     # a request's last round at γ 0, the others at γ 1
     waits = retiming_waits(costs, 2, 2.1, lambda r: rounds(1, 0, 1.0) if r % 20 == 19 else rounds(1, 1, 1.2))
     assert waits and min(waits) > MAX_STALE_ROUNDS
+
+
+def guessing_rounds(policy, rounds: int, holding, chain_cost: float = 1.4) -> list[bool]:
+    """Rounds at γ 0 (a draft step dearer than a target call: no γ pays) as decode gives them to the policy: each checks
+    a chain of FREE_GUESSES guesses or the first alone (policy.chain), and holding(r) of the chain hold; a round with a
+    chain costs chain_cost rounds with the first alone, and tells of all its guesses where the first alone tells of two.
+    Returns whether each round checked a chain."""
+    chains = []
+    for r in range(rounds):
+        k = policy.choose(limit=100)
+        chain = policy.chain and not k
+        seen = FREE_GUESSES if chain else 2
+        held = min(holding(r), seen)
+        policy.observe(k, 0, 1.2 * k, chain_cost if chain else 1.0, catching_up=bool(k), held=held,
+                       chained=chain, seen=seen)
+        chains.append(chain)
+    return chains
+
+
+def test_auto_checks_a_chain_of_guesses_where_they_hold_in_runs_and_the_first_alone_where_they_seldom_hold():
+    """A chain's rows cost more than the first's two (~22% on the tiny random pair for 6 rows, where its guesses held
+    0.14 tokens a round): priced apart from the unit, a chain is checked where its further guesses pay their rows."""
+    seldom = guessing_rounds(AdaptiveGamma(max_gamma=8, draft_cost=1.2), 400, lambda r: r % 25 == 0)
+    assert seldom[FIRST_ROUNDS:2 * FIRST_ROUNDS + 1].count(True) >= FIRST_ROUNDS  # the chain's cost is timed first
+    assert seldom[100:].count(True) <= 2 * FIRST_ROUNDS  # then timed again now and then
+    repeating = guessing_rounds(AdaptiveGamma(max_gamma=8, draft_cost=1.2), 400, lambda r: 5 * (r % 10 != 0))
+    assert repeating[100:].count(False) <= 30
+
+
+def test_guesses_that_start_holding_in_a_run_get_a_chain_within_a_few_rounds():
+    """Rounds at γ 0 are chosen up to STRETCH at a time (choosing and observing each took ~5% of a round on the tiny
+    random pair), but a round whose guesses all held ends the stretch, and a chain comes as soon as it pays."""
+    policy = AdaptiveGamma(max_gamma=8, draft_cost=1.2)
+    assert not any(guessing_rounds(policy, 250, lambda r: 0)[100:])
+    assert guessing_rounds(policy, 4, lambda r: 5)[-1]
+
+
+def test_a_probe_that_holds_where_the_draft_fails_brings_one_early_probe_and_the_wait_stays_long():
+    """A held probe where α is below FAILING brought the next after PROBE_EVERY rounds and the waits doubled from there
+    again: 8, 16, 32, 64 and 128 rounds, each probe a catch-up (~3 rounds on the tiny random pair, where 4 probes in 10
+    held and a probe came every ~47 rounds). Now it brings one early probe, and the wait it leaves is the one before.
+    Drafts at 0.65 of a target call, rejected but for the first probe after round 1000."""
+    policy, held = AdaptiveGamma(max_gamma=8, draft_cost=0.65), []
+
+    def accepts(r: int, j: int) -> bool:
+        if r >= 1000 and not held:
+            held.append(r)
+            return True
+        return False
+
+    chosen = decode_rounds(policy, 1000 + 3 * MAX_PROBE_EVERY, accepts, lambda r, k: (0.65 * k, 1 + 0.03 * k))
+    probes = [r for r, k in enumerate(chosen) if k and r >= held[0]]
+    assert [b - a for a, b in zip(probes, probes[1:])][:2] == [PROBE_EVERY, MAX_PROBE_EVERY]

@@ -28,8 +28,8 @@ from .errors import BundleError, DeviceError, RequestError, first_line
 from .grammar import GRAMMAR_CACHE, Grammars, Guide, Structured, Unchecked, check_structured_outputs
 from .logprobs import TokenLogprobs, token_logprobs
 from .manifest import TOKENIZER_DIR, Manifest, load_manifest, read_tokenizer_config
-from .policy import (GREEDY_DECAYS, MAX_PROBE_EVERY, SAMPLING_DECAYS, AdaptiveGamma, Costs, FixedGamma, PriorCosts,
-                     prior_draft_cost)
+from .policy import (FREE_GUESSES, GREEDY_DECAYS, MAX_PROBE_EVERY, SAMPLING_DECAYS, AdaptiveGamma, Costs, FixedGamma,
+                     PriorCosts, prior_draft_cost)
 from .pool import SlotPool, check_memory
 from .relay import Relay
 from .slot import (MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, Rows, Slot, check_gpu_total_len, fixed_rows,
@@ -840,10 +840,12 @@ class SpeculativeDecoder:
                 draft_len = len(ids) + k - 1
             # A target call never computes one row alone (see slot.Rows), so a round without drafts pays for
             # two rows anyway: let them check free guesses instead, the grammar's forced tokens or what followed these
-            # tokens last time.
-            guesses = forced or (_guesses(follows, ids[-1], min(room, self.max_gamma, FREE_GUESSES))
+            # tokens last time, a chain of them or the first alone (policy.Costs.chain). A round that checks the first
+            # alone tells of the second too (its token): no more are looked up.
+            guesses = forced or (_guesses(follows, ids[-1], min(room, self.max_gamma,
+                                                                 FREE_GUESSES if drafts or policy.chain else 2))
                                  if follows is not None else [])
-            proposed = drafts or guesses
+            proposed = drafts or (guesses[:1] if guesses and not forced and not policy.chain else guesses)
             # The target's masks, built on the host, are part of its call's cost, in rounds without drafts too
             # (auto's unit, policy.Costs): timed apart, they made γ 0 look cheap beside rounds with drafts.
             if guide:
@@ -854,8 +856,9 @@ class SpeculativeDecoder:
             draft_len = min(draft_len, len(ids) + accepted)
             new_tokens = [*proposed[:accepted], token]
             logits = target.logits() if records is not None else None
-            # How many guesses held (in a round with drafts: would have, as far as its tokens tell).
-            held = _leading_equal(guesses, new_tokens) if drafts else accepted
+            # How many of the chain held (would have, where it drafted or checked the first guess alone) of those the
+            # round's tokens tell of.
+            held = _leading_equal(guesses, new_tokens) if guesses else None
             if guesses and not drafts:  # α judges the draft model, which drafted nothing
                 stats.guessed += 1
                 stats.guesses_accepted += accepted
@@ -869,7 +872,8 @@ class SpeculativeDecoder:
             ended = bool(guide and drafts and drafts[-1] in guide.eos)
             if not forced:  # the grammar chose that round, not the policy: its rows and masks price no γ
                 policy.observe(k if ended else asked, accepted, t1 - t0, t2 - t1, catching_up, held,
-                               timed=unsteady_calls() == unsteady and k == asked)
+                               timed=unsteady_calls() == unsteady and k == asked,
+                               chained=not drafts and len(proposed) > 1, seen=min(len(guesses), len(new_tokens)))
             stats.record_round(k, accepted, t1 - t0, t2 - t1)
 
     def _score(self, slot: Slot, ids: list[int], top: int,
@@ -1034,15 +1038,6 @@ def _request_options(caller: str, options: dict) -> dict:
 # Rows a call scoring a prompt computes on the CPU (see _score): even, and as many as a call's token buffer is reused for.
 SCORED_ROWS = MAX_REUSED_IDS
 
-# Free guesses per round: on the demo pair, rounds of guesses alone (no draft model) decoded at 1.48x
-# target-only with 1 guess, 1.54x with 2 and 4, and 1.26x with 8 (on the CPU every row costs ~9% of a call).
-# Odd: the round's token and its guesses then fill an even call (slot.NEVER_ALONE), where 4 guesses computed 6 rows,
-# the 6th re-fed for evenness alone. Greedy on the demo pair (8 prompts x 128 tokens, auto held at γ 0) 5 made 464
-# target calls of 2302 rows where 4 made 488 of 2440, and auto decoded 1.037x and 1.066x as fast (medians of two sets
-# of 30 interleaved runs in one process, 2 cores at load 2-3 and 4; faster in 26 and 21 of them).
-FREE_GUESSES = 5
-
-
 # Request kinds, as _kind gives them: auto γ learns costs and α for each apart.
 KINDS = [(sampled, processing) for sampled in (False, True) for processing in ("plain", "processed", "structured")]
 
@@ -1059,9 +1054,10 @@ def _kind(request: Request) -> tuple[bool, str]:
 
 
 def _guesses(follows: dict[int, int], token: int, count: int) -> list[int]:
-    """Up to count tokens, each the one that followed the one before it last time (prompt lookup, by token)."""
+    """Up to count tokens, each the one that followed the one before it last time (prompt lookup, by token); the token
+    itself where none has followed it yet (a run of it)."""
     guesses: list[int] = []
-    guess = follows.get(token)
+    guess: int | None = follows.get(token, token)
     while len(guesses) < count and guess is not None:
         guesses.append(guess)
         guess = follows.get(guess)

@@ -3,34 +3,31 @@
 With per-draft acceptance α, a round with γ drafts yields E(γ) = (1 - α^(γ+1)) / (1 - α) tokens
 (Leviathan et al. 2023) and costs γ draft steps plus one target call over γ+1 tokens, but never fewer
 than two: the target re-feeds the token before a lone one (see slot.Rows), so a round without drafts
-costs as much as a round with one in target rows (on a GPU every target call computes max γ + 1 rows);
-greedy, those rows check free guesses, which make a round without drafts worth 1 + the guesses that hold.
+costs as much as a round with one in target rows (on a GPU every target call computes max γ + 1 rows).
+Greedy, those rows check free guesses instead: the first of a chain, worth 1 + how often it holds, or the chain of
+FREE_GUESSES, whose further rows are priced apart (Costs.chain) and checked where what they yield pays for them.
 What a round at γ costs, in target calls without drafts, is timed (`Costs`). AdaptiveGamma picks the
-γ (0 = target only) with the most tokens per unit of cost. While it sits at 0 it still drafts one token
-now and then (a probe) so it notices when the draft starts agreeing again: first after PROBE_EVERY rounds (a seeded
-request's fresh policy: MAX_PROBE_EVERY), and each probe
-after which it still does not draft, rejected or held, doubles the wait up to MAX_PROBE_EVERY, but for one that holds
-where the draft had been failing (α below ½), which brings the next after PROBE_EVERY. A probe costs a cold draft
-call that catches up on the tokens the draft missed, plus a 2-token target call: with a probe every 8 rounds a draft that
-never agrees (α 0.02) decoded at 0.94x target-only, with the wait growing to 32 at 0.98x. Greedy on the demo pair, where
-the draft agrees in patches, caps of 8, 16 and 32 measured alike. Under a JSON schema there (2 busy CPU cores, medians)
-a probe cost 2.6 rounds without drafts (its draft call read ~27 missed tokens, each row a mask) and held 79% of the time,
-yet a round at γ 1 cost 1.8 of them for 1.8 tokens: auto stayed at 0 after most probes. Held probes left the wait as it
-was and the cap was 32: probes took 7-10% of auto's time under the schema and under T 0.8 + repetition 1.1. Counting
-held probes and capping at 128, they took ~3%; auto/target-only, medians of 21 interleaved runs (load 9-14, ±0.1 run
-to run): schema 0.95 -> 0.98, T 0.8 + repetition 1.1 0.91 -> 0.93, greedy plain 1.26 -> 1.35.
+γ (0 = target only) with the most tokens per unit of cost, and the rounds at γ 0 up to the next probe at once (STRETCH).
+
+While it sits at 0 it still drafts one token now and then (a probe) so it notices when the draft starts agreeing again:
+first after PROBE_EVERY rounds (a seeded request's fresh policy: MAX_PROBE_EVERY), and each probe after which it still
+does not draft, rejected or held, doubles the wait up to MAX_PROBE_EVERY. A probe costs a cold draft call that catches
+up on the tokens the draft missed, plus a 2-token target call: with a probe every 8 rounds a draft that never agrees
+(α 0.02) decoded at 0.94x target-only, with the wait growing to 32 at 0.98x. Under a JSON schema on the demo pair a
+probe cost 2.6 rounds without drafts and held 79% of the time, yet a round at γ 1 cost 1.8 of them for 1.8 tokens: with
+held probes leaving the wait as it was and a cap of 32, probes took 7-10% of auto's time there and under T 0.8 +
+repetition 1.1; counting held probes and capping at 128, ~3% (auto/target-only, medians of 21 interleaved runs, load
+9-14: schema 0.95 -> 0.98, T 0.8 + repetition 1.1 0.91 -> 0.93, greedy plain 1.26 -> 1.35).
 But a draft that agrees again after a long bad stretch is then noticed late: its first probe that holds leaves α low
-(0.15 after 1000 rounds of rejected drafts), so several must hold before auto drafts, and doubled, each came
-MAX_PROBE_EVERY rounds after the last: at a draft step of 0.3 target calls auto drafted again 262-374 rounds after the
-draft began to agree (tests/test_policy.py; 40-56 when held probes left the wait as it was and the cap was 32).
-A probe that holds where the draft had been failing is news, so the next one comes after PROBE_EVERY: 22-134 rounds.
+(0.15 after 1000 rounds of rejected drafts), so several must hold before auto drafts, each MAX_PROBE_EVERY rounds after
+the last: at a draft step of 0.3 target calls auto drafted again 262-374 rounds after the draft began to agree
+(tests/test_policy.py). A probe that holds where the draft had been failing (α below FAILING) is news, so one more
+comes after PROBE_EVERY rounds: 22-142. Only one: the wait is then as it was, since restarting it from PROBE_EVERY,
+where 4 probes in 10 held and drafting did not pay (structured_alpha's tiny random pair, α 0.39), brought a probe every
+~47 rounds, each a catch-up of ~3 rounds.
 No probe comes while no γ would pay were every draft accepted (its cost above its γ + 1 tokens): no α a probe could show
 makes auto draft then. The demo pair under T 0.8 + repetition 1.1 on 2 cores at load 8 priced a round at γ 1 at 4.7
 rounds without drafts, yet probed about once a request (a catch-up on the prompt and the tokens since: 3.6-3.9 rounds).
-Simulated (independent acceptance, a draft step 0.3 target calls and a further row 0.03, 128 switch points), the 300
-rounds after α went from 0.05 to 0.8 yielded 1.33 tokens a target call instead of 1.03 (1.35 before held probes doubled
-the wait); where probes hold at a rate drafting does not pay for (3 times in 10, at 0.3 a step) it costs 25 probes a
-1000 rounds instead of 8, 0.963x target-only instead of 0.987x (a probe's catch-up priced at 1.6 target calls).
 """
 
 from __future__ import annotations
@@ -42,6 +39,25 @@ from collections import deque
 
 PROBE_EVERY = 8
 MAX_PROBE_EVERY = 128
+# Free guesses a round without drafts checks at most (decode._speculate): on the demo pair, rounds of guesses alone (no
+# draft model) decoded at 1.48x target-only with 1 guess, 1.54x with 2 and 4, and 1.26x with 8 (on the CPU every row
+# costs ~9% of a call). Odd: the round's token and its guesses then fill an even call (slot.NEVER_ALONE), where 4
+# guesses computed 6 rows, the 6th re-fed for evenness alone. Greedy on the demo pair (8 prompts x 128 tokens, auto held
+# at γ 0) 5 made 464 target calls of 2302 rows where 4 made 488 of 2440, and auto decoded 1.037x and 1.066x as fast
+# (medians of two sets of 30 interleaved runs in one process, 2 cores at load 2-3 and 4; faster in 26 and 21 of them).
+FREE_GUESSES = 5
+# Rounds at γ 0 that choose gives at once, observed together at the next choose (but a round whose guesses stop or start
+# holding in a run ends them): on the decoding thread, between target calls, choose and observe took ~20 µs a round
+# (~2 µs in a loop) where the tiny random pair's target-only round took ~125 µs (2 cores at load 4). Auto there without
+# guesses or probes decoded at 0.92-0.93x target-only, 0.97-0.98x with choose and observe left out, and 0.96-0.98x
+# choosing STRETCH rounds at once (medians of 25 interleaved runs, load 2-5). Its rounds' observations are kept for the
+# next choose, which observes them first: what each teaches, it teaches in the same order.
+STRETCH = 16
+# α below which the draft is failing, so that a probe that holds is news. Simulated (draft steps of 0.65 target calls,
+# catch-ups of 3; α 0.2-0.5, where no γ pays): below ½, 9.5-11.8 probes a 1000 rounds, below ¼ 8.0-9.0 (the floor,
+# 1000 / MAX_PROBE_EVERY: 7.8), and a draft agreeing again after 1000 bad rounds drafted as soon (22-142 rounds after;
+# below 0.15, 142-262).
+FAILING = 0.25
 # Weight of the past in the estimate of α. Greedy agreement may come in runs (stretches of text both
 # models find predictable), where a fast average follows them within a few rounds, or as coin flips
 # (acceptance independent from round to round), where a fast average only chases noise. On an earlier
@@ -87,7 +103,7 @@ FIRST_ROUNDS = 5
 STALE_ROUNDS = 256
 # A γ ≥ 1 priced out of reach (its cost above the γ + 1 tokens it could yield) is timed afresh so, the wait doubling
 # each time it is priced out again, up to MAX_STALE_ROUNDS: while every γ is priced out no probe comes
-# (_drafting_could_pay) and nothing else times them, so a spell in which drafting looked dear (a cold draft priced γ 1
+# (AdaptiveGamma.choose) and nothing else times them, so a spell in which drafting looked dear (a cold draft priced γ 1
 # at 3.9-11.3 rounds without drafts right after long stretches at γ 0) left auto at γ 0 for the decoder's life. Only
 # the lowest such γ goes stale (the one below it timed within reach): dropped together, every γ fell back to the prior
 # at once, and auto drafted at each to time it again (43 rounds of 1 + 3 γ units each where a draft step cost 3).
@@ -155,7 +171,8 @@ class FixedGamma:
         return min(self.gamma, limit)
 
     def observe(self, drafted: int, accepted: int, draft_seconds: float, target_seconds: float,
-                catching_up: bool = False, held: int | None = None, timed: bool = True) -> None:
+                catching_up: bool = False, held: int | None = None, timed: bool = True, chained: bool = False,
+                seen: int | None = None) -> None:
         pass
 
 
@@ -187,17 +204,54 @@ class Costs:
         self.calls: list[deque[float]] = [deque(maxlen=FIRST_ROUNDS) for _ in range(max_gamma + 1)]
         self.calls_floor = [math.inf] * (max_gamma + 1)  # each γ's cheapest median of them when priced (SPELL)
         self.calls_median = [1.0] * (max_gamma + 1)  # each γ's median of them when last priced (the unit's: 1)
+        # A round at γ 0 whose target call checked a chain of free guesses, more rows than the unit's two, priced apart:
+        # priced as a round without drafts, whatever its guesses, the unit hid that rounds with the first alone cost
+        # less (on the tiny random pair a round of 6 rows among rounds of 2 cost ~22% more, and its guesses held 0.14
+        # tokens a round: auto decoded at 0.83x target-only). The cheapest of its last FIRST_ROUNDS in units: a call
+        # preempted takes ~5 ms where one takes ~1 (20-40% of them on the demo pair, 2 cores at load 3-5), and the
+        # median priced 6 rows at 3-6 units, the cheapest at 1.2-1.5 (1.3-1.4 in calls timed alone). None until timed,
+        # or once chain_stale_after rounds passed without one, a wait that doubles up to MAX_STALE_ROUNDS while no chain
+        # is chosen for what it yields.
+        self.chain: float | None = None
+        self.chains: deque[float] = deque(maxlen=FIRST_ROUNDS)
+        self.chain_timed_at = 0
+        self.chain_stale_after = STALE_ROUNDS
+        # The costs of γ ≥ 1, kept between the rounds that change them (rounds at γ 0, auto's most, leave them as they
+        # are): the costs table, a count of its changes (AdaptiveGamma.choose plans anew after one), and the first round
+        # at which one may be dropped.
+        self.table: list[float] = []
+        self.version = 0
+        self.due = math.inf
+        self._priced()
 
     def costs(self, limit: int) -> list[float]:
         """The cost of a round at γ = 0 … limit."""
-        table = [1.0]
-        for gamma in range(1, limit + 1):
-            timed = self.rounds[gamma]
-            table.append(timed if timed is not None else table[-1] + self.prior_step)
-        return table
+        return self.table[:limit + 1]
 
     def cost(self, gamma: int) -> float:
-        return self.costs(gamma)[gamma]
+        return self.table[gamma]
+
+    def _priced(self) -> None:
+        """After a cost changed or was dropped: the table, and the first round at which observe may drop one (_stale,
+        the chain's chain_stale_after). Each wait counts from the last round timed at it, or at γ or above: later rounds
+        there only make the waits longer."""
+        table = [1.0]
+        for timed in self.rounds[1:]:
+            table.append(timed if timed is not None else table[-1] + self.prior_step)
+        self.table, self.version = table, self.version + 1
+        due = self.timed_at[0] + self.stale_after[0]
+        if self.chain is not None:
+            due = min(due, self.chain_timed_at + self.chain_stale_after)
+        for gamma in range(1, len(self.rounds)):
+            timed = self.rounds[gamma]
+            if timed is None:
+                continue
+            if timed > gamma + 1:
+                due = min(due, self.timed_at[gamma] + self.stale_after[gamma])
+            else:
+                spell = self.calls_median[gamma] >= SPELL * self.calls_median[gamma - 1]
+                due = min(due, max(self.timed_at[gamma:]) + (FRESH_ROUNDS if spell else MAX_STALE_ROUNDS))
+        self.due = due + 1
 
     @property
     def unit_fresh(self) -> bool:
@@ -230,40 +284,64 @@ class Costs:
         wait = FRESH_ROUNDS if self.calls_median[gamma] >= SPELL * self.calls_median[gamma - 1] else MAX_STALE_ROUNDS
         return self.observed - max(self.timed_at[gamma:]) > wait and self.timed_at[gamma - 1] == self.observed - 1
 
-    def observe(self, drafted: int, draft_seconds: float, target_seconds: float, catching_up: bool) -> None:
+    def observe(self, drafted: int, draft_seconds: float, target_seconds: float, catching_up: bool,
+                chained: bool = False) -> None:
+        """chained: a round without drafts whose target call checked a chain of free guesses."""
         with self.lock:
-            self.observed += 1
-            for gamma in range(len(self.rounds)):
-                if self._stale(gamma):
-                    # priced out, and out of reach when timed again, it waits longer; dropped within reach, it waits
-                    # STALE_ROUNDS first if priced out then, as any γ. A wait of FRESH_ROUNDS (SPELL) stands for the
-                    # first STALE_ROUNDS: doubled from 32 it came back to STALE_ROUNDS, which reads as never doubled,
-                    # and a target call dear for good was timed afresh after 32, 64 and 128 rounds over and over
-                    if gamma and self.cost(gamma) > gamma + 1:
-                        self.stale_after[gamma] = min(2 * max(self.stale_after[gamma], STALE_ROUNDS), MAX_STALE_ROUNDS)
-                    self.rounds[gamma] = None
-                    self.last[gamma].clear()
-                    self.calls[gamma].clear()
+            self.observed = observed = self.observed + 1
+            if observed >= self.due:
+                if self.chain is not None and observed - self.chain_timed_at > self.chain_stale_after:
+                    self.chain, self.chain_stale_after = None, min(2 * self.chain_stale_after, MAX_STALE_ROUNDS)
+                    self.chains.clear()
+                for gamma in range(len(self.rounds)):
+                    if self._stale(gamma):
+                        # priced out, and out of reach when timed again, it waits longer; dropped within reach, it
+                        # waits STALE_ROUNDS first if priced out then, as any γ. A wait of FRESH_ROUNDS (SPELL) stands
+                        # for the first STALE_ROUNDS: doubled from 32 it came back to STALE_ROUNDS, which reads as
+                        # never doubled, and a target call dear for good was timed afresh after 32, 64 and 128 rounds
+                        # over and over
+                        if gamma and self.cost(gamma) > gamma + 1:
+                            self.stale_after[gamma] = min(2 * max(self.stale_after[gamma], STALE_ROUNDS),
+                                                          MAX_STALE_ROUNDS)
+                        self.rounds[gamma] = None
+                        self.last[gamma].clear()
+                        self.calls[gamma].clear()
+                self._priced()
             seconds = draft_seconds + target_seconds
-            if drafted:
-                # a catching-up draft also read tokens it had missed: not a round of γ; or no unit of its time
-                if catching_up or self.rounds[0] is None or not self.unit_fresh:
-                    return
-                seconds /= self.rounds[0]
-                self.calls[drafted].append(target_seconds / self.rounds[0])
-            self.timed_at[drafted] = self.observed
+            if not (drafted or chained):  # the unit: auto's most rounds, kept short
+                self.timed_at[0] = observed
+                last = self.last[0]
+                last.append(seconds)
+                if len(last) == FIRST_ROUNDS:
+                    self.rounds[0] = statistics.median(last)
+                return
+            # a catching-up draft also read tokens it had missed: not a round of γ; or no unit of its time
+            unit = self.rounds[0]
+            if drafted and catching_up or unit is None or not self.unit_fresh:
+                return
+            if chained:
+                if self.chain is not None:  # chosen for what it yields, not to time it: it pays
+                    self.chain_stale_after = STALE_ROUNDS
+                self.chain_timed_at = observed
+                self.chains.append(seconds / unit)
+                if len(self.chains) == FIRST_ROUNDS:
+                    self.chain = min(self.chains)
+                    self.due = min(self.due, observed + self.chain_stale_after + 1)
+                return
+            self.calls[drafted].append(target_seconds / unit)
+            self.timed_at[drafted] = observed
             last = self.last[drafted]
-            last.append(seconds)
+            last.append(seconds / unit)
             if len(last) == FIRST_ROUNDS:
                 self.rounds[drafted] = cost = statistics.median(last)
-                if drafted:
-                    self.calls_median[drafted] = call = statistics.median(self.calls[drafted])
-                    if cost <= drafted + 1:  # within reach: out of it later, it waits anew
-                        self.stale_after[drafted] = STALE_ROUNDS
-                    elif (self.stale_after[drafted] == STALE_ROUNDS
-                          and call >= SPELL * min(self.calls_floor[drafted:])):  # priced in a slow spell
-                        self.stale_after[drafted] = FRESH_ROUNDS
-                    self.calls_floor[drafted] = min(self.calls_floor[drafted], call)
+                self.calls_median[drafted] = call = statistics.median(self.calls[drafted])
+                if cost <= drafted + 1:  # within reach: out of it later, it waits anew
+                    self.stale_after[drafted] = STALE_ROUNDS
+                elif (self.stale_after[drafted] == STALE_ROUNDS
+                      and call >= SPELL * min(self.calls_floor[drafted:])):  # priced in a slow spell
+                    self.stale_after[drafted] = FRESH_ROUNDS
+                self.calls_floor[drafted] = min(self.calls_floor[drafted], call)
+                self._priced()
 
 
 class PriorCosts(Costs):
@@ -274,7 +352,8 @@ class PriorCosts(Costs):
     decides which γ a timed policy drafts at to time it, where a price too low costs a few rounds and finds the γs
     that pay (a greedy draft step of the demo pair cost 0.33 target calls at γ 4, its first 0.43)."""
 
-    def observe(self, drafted: int, draft_seconds: float, target_seconds: float, catching_up: bool) -> None:
+    def observe(self, drafted: int, draft_seconds: float, target_seconds: float, catching_up: bool,
+                chained: bool = False) -> None:
         pass
 
     @property
@@ -317,14 +396,26 @@ class AdaptiveGamma:
         self.max_gamma = max_gamma
         self.estimates = [AlphaEstimate(decay) for decay in alpha_decays]
         self.costs = costs or Costs(max_gamma, draft_cost)
-        # Free guesses that held per round (decode._speculate: greedy auto checks them in rounds without
-        # drafts, and counts in rounds with drafts how many would have held): what γ 0 yields beyond its token.
-        self.held, self.guessed_rounds = 0.0, 1.0
+        # Free guesses (decode._speculate: greedy auto checks them in rounds without drafts, and counts how many of a
+        # chain would have held, as far as the round's tokens tell): how often the first held, per round, and the
+        # guesses after a first that held, counted as drafts are (those that held, then the one that did not). What γ 0
+        # yields beyond its token with the first alone, and with a chain. A round that checks the first alone tells of
+        # the second too (its token), so the chain's worth is not its count up to 2: so counted, auto kept to the first
+        # alone on the demo pair, where its chains held ~1.4 tokens a round.
+        self.first, self.guessed_rounds = 0.0, 1.0
+        self.further_held, self.further_missed = 0.0, 1.0
+        self.held_decay = min(alpha_decays)  # guesses hold in runs (repeated text): the fastest average
+        self.chain = True  # whether the round at γ 0 that choose gave checks a chain of guesses, or the first alone
         self.rounds_at_zero = 0  # since speculation stopped or the last probe
         self.probe_every = probe_every
         self.probing = False
         self.probed = False  # the last round was a probe: choose tells whether it led to drafting
-        self.news = False  # that probe held where the draft had been failing (α below ½)
+        self.news = False  # that probe held where the draft had been failing (α below FAILING)
+        self.drafted_rounds = 0  # rounds observed with drafts: α changes with them alone
+        self.planned: tuple[int, int, int] | None = None  # the costs' version, drafted_rounds and γ limit of self.plan
+        self.plan = 0, 0.0, 0.0  # _plan's
+        self.stretch = 0  # further rounds at γ 0 that choose gave at once (STRETCH)
+        self.pending: list[tuple] | None = None  # their rounds, observed at the next choose (None: none given)
 
     @property
     def estimate(self) -> AlphaEstimate:
@@ -335,59 +426,101 @@ class AdaptiveGamma:
         return self.estimate.alpha
 
     def choose(self, limit: int) -> int:
-        a = min(self.alpha, 0.999)
-        with self.costs.lock:  # one consistent view of the costs
-            if self.costs.unit_untimed:  # every cost is priced in it: timed first (Costs.unit_untimed)
+        if self.stretch:
+            self.stretch -= 1
+            self.rounds_at_zero += 1
+            return 0
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            for args in pending:
+                self.observe(*args)
+        return self._choose(limit)
+
+    def _choose(self, limit: int) -> int:
+        costs = self.costs
+        with costs.lock:  # one consistent view of the costs
+            if costs.unit_untimed:  # every cost is priced in it: timed first (Costs.unit_untimed)
+                self.chain = False
                 return 0
-            costs = self.costs.costs(min(self.max_gamma, limit))
-            unit_fresh = self.costs.unit_fresh  # always under PriorCosts, which counts no rounds
-        # γ 0 yields its token and the guesses that hold; γ ≥ 1, expected_tokens_per_call summed term by term (a call
-        # per γ took 1-2 µs of the ~8 that choose and observe took a round, against ~0.6 ms for a round at γ 0).
-        best, most = 0, 1 + self.held / self.guessed_rounds
+            planned = costs.version, self.drafted_rounds, min(self.max_gamma, limit)
+            if planned != self.planned:  # neither α nor a cost changed (auto at γ 0): drafting yields what it did
+                self.planned, self.plan = planned, self._plan(costs.costs(planned[2]))
+            chain = costs.chain or 1.0  # untimed: priced as the unit, so that a chain times it
+        # γ 0 yields its token and the guesses that hold: the first's, or a chain's of FREE_GUESSES
+        first = self.first / self.guessed_rounds
+        further = expected_tokens_per_call(self.further_held / (self.further_held + self.further_missed),
+                                           FREE_GUESSES - 1)
+        chained = (1 + first * further) / chain
+        self.chain = chained >= 1 + first
+        most = max(chained, 1 + first)
+        best, rate, ceiling = self.plan
+        probed, self.probed = self.probed, False
+        if rate > most:
+            self.rounds_at_zero, self.probe_every = 0, PROBE_EVERY
+            # A γ not timed yet, drafted at while no unit is fresh, went untimed and kept the prior's price until the unit
+            # went stale (STALE_ROUNDS): auto drafted for ~250 rounds at a γ whose rounds cost 4 units. A round without
+            # drafts times the unit first (another slot timing γ meanwhile only spares it). Always fresh under
+            # PriorCosts, which counts no rounds.
+            if not costs.unit_fresh and costs.rounds[best] is None:
+                self.chain = False  # a round of the unit's two rows
+                return 0
+            return best
+        if limit > 0:
+            if probed and self.news:  # the draft may agree again: the next probe confirms it soon
+                self.rounds_at_zero = max(self.probe_every - PROBE_EVERY, 0)
+            elif probed:  # the probe paid its catch-up for nothing, rejected, or held where drafting does not pay
+                self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
+            self.rounds_at_zero += 1
+            # No probe while no γ would beat γ 0 were every draft accepted: no α a probe could show makes auto draft.
+            if self.rounds_at_zero >= self.probe_every and ceiling > most:
+                self.rounds_at_zero, self.probing = 0, True
+                return 1
+            # the rounds up to the next probe's, which is chosen in full
+            self.stretch = min(STRETCH, self.probe_every - self.rounds_at_zero if ceiling > most else STRETCH) - 1
+            self.pending = [] if self.stretch else None
+        return 0
+
+    def _plan(self, costs: list[float]) -> tuple[int, float, float]:
+        """The γ ≥ 1 that yields the most tokens a unit of cost, that many (0 for none), and the most any would were
+        every draft accepted; expected_tokens_per_call summed term by term."""
+        a = min(self.alpha, 0.999)
+        best, most = 0, 0.0
         tokens = term = 1.0
         for gamma in range(1, len(costs)):
             term *= a
             tokens += term
             if tokens / costs[gamma] > most:
                 best, most = gamma, tokens / costs[gamma]
-        probed, self.probed = self.probed, False
-        if best > 0:
-            self.rounds_at_zero, self.probe_every = 0, PROBE_EVERY
-            # A γ not timed yet, drafted at while no unit is fresh, went untimed and kept the prior's price until the unit
-            # went stale (STALE_ROUNDS): auto drafted for ~250 rounds at a γ whose rounds cost 4 units. A round without
-            # drafts times the unit first (another slot timing γ meanwhile only spares it).
-            if not unit_fresh and self.costs.rounds[best] is None:
-                return 0
-        elif limit > 0:
-            if probed and self.news:  # the draft may agree again: the next probe confirms it soon
-                self.probe_every = PROBE_EVERY
-            elif probed:  # the probe paid its catch-up for nothing, rejected, or held where drafting does not pay
-                self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
-            self.rounds_at_zero += 1
-            if self.rounds_at_zero >= self.probe_every and _drafting_could_pay(costs, most):
-                self.rounds_at_zero, self.probing = 0, True
-                return 1
-        return best
+        return best, most, max(((gamma + 1) / cost for gamma, cost in enumerate(costs) if gamma), default=0.0)
 
     def observe(self, drafted: int, accepted: int, draft_seconds: float, target_seconds: float,
-                catching_up: bool = False, held: int | None = None, timed: bool = True) -> None:
+                catching_up: bool = False, held: int | None = None, timed: bool = True, chained: bool = False,
+                seen: int | None = None) -> None:
         """catching_up: the draft's first call also read tokens it had missed (the prompt, or rounds
-        without drafts), so its time says little about a draft step. held: how many free guesses the
-        target accepted, or would have (None: not counted). timed False: the round's times say nothing of
-        its cost (a CUDA graph warmed up or captured in it: slot.unsteady_calls)."""
-        if held is not None:  # guesses hold in runs (repeated text): the fastest average
-            decay = self.estimates[0].decay
-            self.held = decay * self.held + held
+        without drafts), so its time says little about a draft step. held: how many leading free guesses of a chain
+        the target accepted, or would have, of the `seen` its tokens tell of (None: no guesses; seen None: held + 1).
+        timed False: the round's times say nothing of its cost (a CUDA graph warmed up or captured in it:
+        slot.unsteady_calls). chained: a round without drafts whose target call checked more guesses than the first
+        (Costs.chain)."""
+        if self.pending is not None:
+            self.pending.append((drafted, accepted, draft_seconds, target_seconds, catching_up, held, timed, chained,
+                                 seen))
+            if held is not None and (not held if self.chain else held == seen):
+                self.stretch = 0  # guesses that stop or start holding in a run: chosen afresh at once
+            return
+        if held is not None:
+            decay = self.held_decay
+            self.first = decay * self.first + (held > 0)
             self.guessed_rounds = decay * self.guessed_rounds + 1
-        self.news = self.probing and accepted == drafted and self.alpha < 0.5
+            if held:
+                self.further_held = decay * self.further_held + held - 1
+                self.further_missed = decay * self.further_missed + (seen is None or held < seen)
+        self.news = self.probing and accepted == drafted and self.alpha < FAILING
         self.probed, self.probing = self.probing, False
         if drafted:
+            self.drafted_rounds += 1
             for estimate in self.estimates:
                 estimate.observe(drafted, accepted)
         if timed:
-            self.costs.observe(drafted, draft_seconds, target_seconds, catching_up)
+            self.costs.observe(drafted, draft_seconds, target_seconds, catching_up, chained)
 
-
-def _drafting_could_pay(costs: list[float], most: float) -> bool:
-    """Whether some γ would beat γ 0 were every draft accepted: if not, no α a probe could show makes auto draft."""
-    return any((gamma + 1) / cost > most for gamma, cost in enumerate(costs) if gamma)
