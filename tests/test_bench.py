@@ -250,6 +250,20 @@ def test_policy_sim_runs_and_prints_a_line_per_alpha():
     assert [line.split(":")[0] for line in out.splitlines()] == ["α 0.5", "α 0.9"] and "best fixed γ" in out
 
 
+def test_auto_ab_runs_and_prints_a_line_per_mode(bundles):
+    """benchmarks/auto_ab.py (auto against target-only, one decoder a mode: docs/how-it-works.md, Where no γ pays),
+    kept from rotting, short."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "auto_ab.py"
+    out = subprocess.run([sys.executable, str(script), "--bundle", str(bundles("llama", 1)), "--modes", "0,auto,0",
+                          "--runs", "2", "--max-new-tokens", "4"], check=True, capture_output=True, text=True).stdout
+    lines = out.splitlines()
+    assert [line.split()[1] for line in lines[1:]] == ["0", "auto", "0"] and lines[1].split()[2] == "1.000x"
+
+
 @pytest.mark.parametrize("cuda", [False, True])
 def test_bench_warms_each_mode_up_on_every_prompt_with_cuda_graphs_on_cuda(cuda, bundles, monkeypatch):
     """So that the timed runs replay CUDA graphs captured in the warm-up; elsewhere the first prompt suffices."""

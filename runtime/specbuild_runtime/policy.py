@@ -177,7 +177,8 @@ class FixedGamma:
 
 
 class Costs:
-    """Running estimates of what a round costs at each γ, in units of a target call without drafts:
+    """Running estimates of what a round costs at each γ, in units of a target call without drafts (two rows; one that
+    checks a chain of guesses is priced apart, `chain`):
     whole rounds (draft calls plus the target call) timed at that γ, the median of the last FIRST_ROUNDS, each priced in
     the unit timed in the FRESH_ROUNDS rounds before it; for a γ not yet timed so the nearest timed one below it plus
     prior_step per further draft (the weight-byte ratio, plus a row).
