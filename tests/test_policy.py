@@ -574,3 +574,25 @@ def test_a_probe_that_holds_where_the_draft_fails_brings_one_early_probe_and_the
     chosen = decode_rounds(policy, 1000 + 3 * MAX_PROBE_EVERY, accepts, lambda r, k: (0.65 * k, 1 + 0.03 * k))
     probes = [r for r, k in enumerate(chosen) if k and r >= held[0]]
     assert [b - a for a, b in zip(probes, probes[1:])][:2] == [PROBE_EVERY, MAX_PROBE_EVERY]
+
+
+def test_rounds_at_gamma_0_leave_the_costs_unchecked_until_due_where_a_gamma_is_timed_above_a_dropped_one():
+    """Costs checks staleness only from the first round a cost may be dropped (Costs.due), and a plan stands while the
+    costs' table does. A γ timed above one dropped (or never timed: probes catch up and time none) is not dropped before
+    the γ below is priced again (_stale): counted due, it made every later round check every γ and every choose plan
+    anew (3,085 of these 5,120 rounds at γ 0)."""
+    costs = Costs(max_gamma=4, draft_cost=0.3)
+    for gamma, draft_seconds in ((0, 0.0), (2, 1.0), (1, 1.5)):  # γ 2 within reach, γ 1 priced out
+        for _ in range(FIRST_ROUNDS):
+            costs.observe(gamma, draft_seconds, 1.0, False)
+    checked = []
+    priced = costs._priced
+    costs._priced = lambda: checked.append(costs.observed) or priced()
+    for _ in range(20 * STALE_ROUNDS):
+        costs.observe(0, 0.0, 1.0, False)
+    assert costs.rounds[1] is None and costs.rounds[2] is not None, "γ 1 was not dropped: this test is hollow"
+    assert len(checked) < 20 * STALE_ROUNDS // 100 and costs.due > costs.observed
+    version = costs.version
+    for _ in range(4 * STALE_ROUNDS):
+        costs.observe(0, 0.0, 1.0, False)
+    assert costs.version == version

@@ -239,13 +239,16 @@ class Costs:
         table = [1.0]
         for timed in self.rounds[1:]:
             table.append(timed if timed is not None else table[-1] + self.prior_step)
-        self.table, self.version = table, self.version + 1
+        if table != self.table:  # a due check that dropped nothing leaves the plans as they were
+            self.table, self.version = table, self.version + 1
         due = self.timed_at[0] + self.stale_after[0]
         if self.chain is not None:
             due = min(due, self.chain_timed_at + self.chain_stale_after)
         for gamma in range(1, len(self.rounds)):
-            timed = self.rounds[gamma]
-            if timed is None:
+            below, timed = 1.0 if gamma == 1 else self.rounds[gamma - 1], self.rounds[gamma]
+            # not dropped before the γ below is priced within reach (_stale), which prices anew: counted due, a γ timed
+            # above one dropped or never timed (probes catch up: they time none) was due at every round from then on
+            if timed is None or below is None or below > gamma:
                 continue
             if timed > gamma + 1:
                 due = min(due, self.timed_at[gamma] + self.stale_after[gamma])
