@@ -450,6 +450,7 @@ class AdaptiveGamma:
             if planned != self.planned:  # neither α nor a cost changed (auto at γ 0): drafting yields what it did
                 self.planned, self.plan = planned, self._plan(costs.costs(planned[2]))
             chain = costs.chain or 1.0  # untimed: priced as the unit, so that a chain times it
+            priceable = costs.unit_fresh or costs.rounds[self.plan[0]] is not None  # a round at the best γ (below)
         # γ 0 yields its token and the guesses that hold: the first's, or a chain's of FREE_GUESSES
         first = self.first / self.guessed_rounds
         further = expected_tokens_per_call(self.further_held / (self.further_held + self.further_missed),
@@ -465,7 +466,7 @@ class AdaptiveGamma:
             # went stale (STALE_ROUNDS): auto drafted for ~250 rounds at a γ whose rounds cost 4 units. A round without
             # drafts times the unit first (another slot timing γ meanwhile only spares it). Always fresh under
             # PriorCosts, which counts no rounds.
-            if not costs.unit_fresh and costs.rounds[best] is None:
+            if not priceable:
                 self.chain = False  # a round of the unit's two rows
                 return 0
             return best
