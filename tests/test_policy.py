@@ -596,3 +596,26 @@ def test_rounds_at_gamma_0_leave_the_costs_unchecked_until_due_where_a_gamma_is_
     for _ in range(4 * STALE_ROUNDS):
         costs.observe(0, 0.0, 1.0, False)
     assert costs.version == version
+
+
+def test_rounds_at_gamma_0_chosen_a_stretch_at_once_teach_what_rounds_chosen_one_at_a_time_do(monkeypatch):
+    """choose gives the rounds at γ 0 up to the next probe at once (STRETCH) and observes them at the next choose, in
+    order: where nothing else times the costs meanwhile, auto chooses the γs it chose one round at a time, and far
+    fewer times anew; probes and a draft that agrees again included. Drafts at 0.65 of a target call, agreeing from
+    round 1500 on."""
+    import specbuild_runtime.policy as policy_module
+
+    def chosen() -> tuple[list[int], list[float], int, int, int]:
+        policy = AdaptiveGamma(max_gamma=8, draft_cost=0.65)
+        choose, chosen_apart = policy._choose, []
+        policy._choose = lambda limit: chosen_apart.append(limit) or choose(limit)
+        gammas = decode_rounds(policy, 2500, lambda r, j: r >= 1500 or (r + j) % 7 == 0,
+                               lambda r, k: (0.65 * k if r < 1500 else 0.1 * k, 1 + 0.03 * k + r % 11 / 100))
+        policy.choose(limit=100)  # observes what is left of a stretch
+        return gammas, policy.costs.table, policy.costs.observed, policy.probe_every, len(chosen_apart)
+
+    *stretched, apart = chosen()
+    assert stretched[0][1500:].count(0) < 500 and 1 in stretched[0][:1500], "auto never drafted: this test is hollow"
+    monkeypatch.setattr(policy_module, "STRETCH", 1)
+    *one_at_a_time, every = chosen()
+    assert one_at_a_time == stretched and apart < every - 1000
