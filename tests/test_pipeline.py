@@ -299,6 +299,27 @@ def test_a_bad_value_in_a_weight_onnx_ir_writes_inline_is_the_checkpoints_error(
                                        max_seq_len=64, precision=precision), show_progress=False)
 
 
+def test_a_bug_raised_while_onnx_ir_writes_a_weight_inline_keeps_what_raised_it(checkpoints, tmp_path, monkeypatch):
+    """Only the checkpoint's errors are taken out of onnx_ir's SerdeError: any other stays one, with its cause, which
+    `specbuild --debug` shows (raising it `from None` had cut the chain, leaving a traceback that ends in onnx_ir)."""
+    from specbuild.compile.graphs import builder
+
+    def convert_into(rows, out, plus_one=False, name="a weight"):
+        if "input_layernorm" in name:  # a norm of a tiny model: written inline
+            raise ZeroDivisionError("a bug")
+        real(rows, out, plus_one, name)
+
+    real = builder.convert_into
+    monkeypatch.setattr(builder, "convert_into", convert_into)
+    with pytest.raises(ir.serde.SerdeError) as raised:
+        compile_bundle(CompileSettings(target=checkpoints("llama"), draft=checkpoints("llama", 1),
+                                       output=tmp_path / "b", max_seq_len=64), show_progress=False)
+    chain = [raised.value]
+    while chain[-1].__cause__ is not None:
+        chain.append(chain[-1].__cause__)
+    assert isinstance(chain[-1], ZeroDivisionError), chain
+
+
 @pytest.mark.parametrize("max_seq_len", [0, -5, 1])
 def test_a_context_too_short_to_generate_is_refused_before_anything_is_written(max_seq_len, checkpoints, tmp_path):
     with pytest.raises(SpecbuildError, match="max_seq_len must be a whole number, 2 or more"):

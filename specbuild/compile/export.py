@@ -68,7 +68,9 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
             ir.save(model, folder / file, external_data=f"{file}.data", alignment=ALIGNMENT, max_workers=WORKERS,
                     max_in_flight_bytes=IN_FLIGHT_BYTES)
         except ir.serde.SerdeError as exc:
-            raise _own_error(exc) from None
+            if (own := _checkpoints_error(exc)) is None:
+                raise  # a bug: raised as it is, so that specbuild --debug shows what raised inside it
+            raise own from None
     graphs = {f"{role}.greedy.onnx": build_decoder(ckpt, numerics, max_seq_len, vocab_size, sampling=False, tokens=tokens,
                                                    rope_switch=rope_switch, fixed_rows=fixed_rows)}
     if draft_steps:
@@ -98,14 +100,14 @@ def export_engine(ckpt: Checkpoint, role: str, folder: Path, max_seq_len: int, n
     )
 
 
-def _own_error(exc: ir.serde.SerdeError) -> Exception:
+def _checkpoints_error(exc: ir.serde.SerdeError) -> SpecbuildError | None:
     """What a weight's computation raised, out of the SerdeErrors onnx_ir wraps it in where it writes the weight
     into the graph's file itself (one of at most 256 bytes: a tiny model's norm, Qwen3's q and k norms in fp16):
-    a NaN weight was reported as a bug in specbuild, not as the checkpoint's. exc where there is none (its own bug)."""
+    a NaN weight was reported as a bug in specbuild, not as the checkpoint's. None where it raised no SpecbuildError."""
     cause: BaseException | None = exc
     while isinstance(cause, ir.serde.SerdeError):
         cause = cause.__cause__
-    return cause if isinstance(cause, SpecbuildError) else exc
+    return cause if isinstance(cause, SpecbuildError) else None
 
 
 def _gathered_bytes(model: ir.Model) -> int:
