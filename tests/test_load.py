@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from conftest import VOCAB, make_checkpoint, save_bf16_shards
 from specbuild.compile.load import eos_token_ids, load_checkpoint, validate_pair
@@ -244,10 +244,6 @@ def test_a_quantization_config_of_any_form_is_refused_as_pre_quantized(checkpoin
 def test_a_weight_stored_in_another_type_is_refused_at_load_naming_it(checkpoints, tmp_path, dtype, named, tensor):
     """Refused when the engine wrote it before: minutes into a large compile, and a norm's (small enough for onnx_ir
     to write inline) as an internal error, exit 3, reported as a bug in specbuild."""
-    from safetensors.torch import load_file
-
-    from specbuild.errors import UnsupportedModelError
-
     folder = tmp_path / "ckpt"
     shutil.copytree(checkpoints("llama"), folder)
     tensors = load_file(folder / "model.safetensors")
@@ -256,6 +252,18 @@ def test_a_weight_stored_in_another_type_is_refused_at_load_naming_it(checkpoint
     with pytest.raises(UnsupportedModelError, match=f"target checkpoint {folder}: tensor '{tensor}' is stored as "
                                                     f"{named}; specbuild reads weights stored as fp32, fp16 or bf16"):
         load_checkpoint(folder, "target")
+
+
+def test_a_tensor_transformers_ignores_does_not_decide_the_type_the_weights_are_stored_in(checkpoints, tmp_path):
+    """Its bytes counted beside the weights': a float64 buffer outweighing an fp32 model refused the compile after
+    its engines were written ("weights stored as float64 are not supported"), though no weight was one."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoints("llama"), folder)
+    tensors = load_file(folder / "model.safetensors")
+    stored = sum(t.numel() * t.element_size() for t in tensors.values())
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(stored // 8 + 1, dtype=torch.float64)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    assert load_checkpoint(folder, "target").float_dtype() == np.float32
 
 
 def test_the_tokenizers_eos_ends_decoding_beside_generation_configs_as_vllm_stops_at_both(checkpoints, tmp_path):

@@ -156,13 +156,12 @@ class Checkpoint:
         return array
 
     def float_dtype(self) -> np.dtype:
-        """The float type most of the weights' bytes are stored in."""
+        """The type most of the weights' bytes are stored in: fp32, fp16 or bf16, the types load allows a weight.
+        The weights alone: a tensor transformers ignores (a rotary or mask buffer some checkpoints store), in
+        whatever type, is no part of the model."""
         totals: dict[np.dtype, int] = {}
-        for entry in self.entries.values():
-            if entry.dtype.kind == "f" or entry.dtype.kind == "V":  # ml_dtypes' bf16 and fp8 are kind V
-                totals[entry.dtype] = totals.get(entry.dtype, 0) + entry.end - entry.start
-        if not totals:
-            raise CheckpointError(f"{self.path} has no float weights")
+        for entry in map(self.entries.__getitem__, self.weights()):
+            totals[entry.dtype] = totals.get(entry.dtype, 0) + entry.end - entry.start
         return max(totals, key=totals.get)
 
     def digest(self) -> str:
