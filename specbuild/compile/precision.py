@@ -51,11 +51,9 @@ class Numerics:
 
 
 def precision_name(dtype: np.dtype) -> str:
-    """fp32 / fp16 / bf16 for a float numpy dtype (the manifest's names)."""
-    for name, known in FLOAT_TYPES.items():
-        if dtype == known:
-            return name
-    raise UnsupportedModelError(f"weights stored as {dtype} are not supported; specbuild reads fp32, fp16 and bf16 checkpoints")
+    """fp32 / fp16 / bf16 (the manifest's names) for one of FLOAT_TYPES: an engine's type, or the one its checkpoint's
+    weights are stored in, which load holds to these (load.WEIGHT_DTYPES)."""
+    return next(name for name, known in FLOAT_TYPES.items() if dtype == known)
 
 
 def convert_into(rows: np.ndarray, out: np.ndarray, plus_one: bool = False, name: str = "a weight") -> None:
