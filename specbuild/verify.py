@@ -81,9 +81,10 @@ def verify_bundle(bundle: Path, target: Path | None, prompts_file: Path, max_new
         for d in steps(divergences, "decoding the diverging prompts with transformers in fp32", "prompt"):
             # Held to the bundle's context as the other two are: past it a GPT-2 runs out of positions, and
             # any model's longer output would count as one leaving the shorter ones at their end.
-            prompt_ids, new_tokens, ours, theirs = d["outputs"]
-            reference = transformers_greedy(fp32, prompt_ids, new_tokens, eos)
-            d.update(transformers_vs_fp32=first_difference(theirs, reference), bundle_vs_fp32=first_difference(ours, reference))
+            prompt_ids, length, by_bundle, theirs = d["outputs"]  # not new_tokens, ours: the lists of every prompt
+            reference = transformers_greedy(fp32, prompt_ids, length, eos)
+            d.update(transformers_vs_fp32=first_difference(theirs, reference),
+                     bundle_vs_fp32=first_difference(by_bundle, reference))
     for d in divergences:
         del d["outputs"]
     # recorded_source compared the digest already: reading every weight again (seconds a GB) would say the same
