@@ -328,6 +328,29 @@ def test_a_context_too_short_to_generate_is_refused_before_anything_is_written(m
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("overwrite, says", [(False, "already holds a specbuild bundle"),
+                                              (True, "exists and is not a specbuild bundle")],
+                         ids=["a-bundle-without-overwrite", "a-folder-of-notes"])
+def test_an_output_compile_may_not_replace_is_refused_before_a_checkpoint_loads(checkpoints, tmp_path, monkeypatch,
+                                                                                overwrite, says):
+    """It was refused once the staging folder was taken, after both checkpoints had loaded (7 s at 0.6B)."""
+    from specbuild.compile import pipeline
+    from specbuild.errors import OutputError
+    from specbuild_runtime.manifest import FORMAT, MANIFEST
+
+    out = tmp_path / "out"
+    out.mkdir()
+    if not overwrite:
+        (out / MANIFEST).write_text(json.dumps({"format": FORMAT}))
+    (out / "notes.txt").write_text("keep me")
+    loaded = []
+    monkeypatch.setattr(pipeline, "load_checkpoint", lambda *args: loaded.append(args))
+    with pytest.raises(OutputError, match=says):
+        compile_bundle(CompileSettings(target=checkpoints("llama"), draft=checkpoints("llama", 1), output=out,
+                                       overwrite=overwrite), show_progress=False)
+    assert loaded == [] and (out / "notes.txt").read_text() == "keep me"
+
+
 def test_the_default_context_stops_at_the_drafts_positions_and_the_manifest_records_the_pairs_limit(checkpoints,
                                                                                                      tmp_path):
     """A draft of fewer positions than the default context (min(2048, the target's 512)) made a compile without
