@@ -413,7 +413,8 @@ def test_every_phase_of_distill_shows_progress_on_a_terminal(pair, tmp_path, mon
 
 
 def test_distill_prints_no_progress_where_stderr_is_no_terminal(pair, tmp_path, capsys):
-    """A build log or a pipeline reading one-line errors gets nothing on stderr from a run that succeeds."""
+    """A build log or a pipeline reading one-line errors gets nothing on stderr from a run that succeeds, where no
+    phase lasts a minute (progress.LOG_EVERY; test_progress.py has the lines of a longer one)."""
     distill(pair[0], tmp_path / "draft", draft_config=SMALLER, minutes=0.01, heldout_prompts=4, force=True)
     assert capsys.readouterr().err == ""
 

@@ -28,7 +28,7 @@ from .quality import measure_quality, quality_texts
 
 
 def compile_bundle(settings: CompileSettings, show_progress: bool | None = None) -> Manifest:
-    """show_progress None: progress bars on a terminal only (build logs stay clean)."""
+    """show_progress None: progress bars on a terminal, a line a minute from a longer phase elsewhere (progress.py)."""
     stages = len(STAGES) - (settings.backend == "onnx")  # an ONNX-only compile writes no TensorRT-LLM checkpoints
     with shown(show_progress), bar(stages, "", "stage") as stage_bar:
         return _compile(settings, _Stages(stage_bar))
