@@ -60,7 +60,7 @@ def verify_bundle(bundle: Path, target: Path | None, prompts_file: Path, max_new
         raise CheckpointError(f"target checkpoint {target} has {rows} embedding rows but the bundle's vocabulary has "
                               f"{engine.shape.vocab_size} tokens: it is not the model this bundle was compiled from; "
                               f"pass --target {engine.source['path']}")
-    tokens, divergences = 0, []
+    tokens, divergences, theirs_by_prompt = 0, [], {}  # transformers' tokens where they diverge, by prompt index
     for index, (prompt, prompt_ids) in steps(list(enumerate(zip(prompts, encoded))), "decoding with transformers",
                                              "prompt"):
         theirs = transformers_greedy(model, prompt_ids, new_tokens[index], eos)
@@ -72,8 +72,8 @@ def verify_bundle(bundle: Path, target: Path | None, prompts_file: Path, max_new
             "prompt_index": index, "prompt": prompt, "position": position,
             "bundle_token": ours[index][position] if position < len(ours[index]) else None,
             "transformers_token": theirs[position] if position < len(theirs) else None,
-            "outputs": (prompt_ids, new_tokens[index], ours[index], theirs),
         })
+        theirs_by_prompt[index] = theirs
     if divergences and precision != "fp32":
         del model  # its memory, before the fp32 copy loads
         with note("loading the target checkpoint in transformers (fp32)"):
@@ -81,12 +81,10 @@ def verify_bundle(bundle: Path, target: Path | None, prompts_file: Path, max_new
         for d in steps(divergences, "decoding the diverging prompts with transformers in fp32", "prompt"):
             # Held to the bundle's context as the other two are: past it a GPT-2 runs out of positions, and
             # any model's longer output would count as one leaving the shorter ones at their end.
-            prompt_ids, length, by_bundle, theirs = d["outputs"]  # not new_tokens, ours: the lists of every prompt
-            reference = transformers_greedy(fp32, prompt_ids, length, eos)
-            d.update(transformers_vs_fp32=first_difference(theirs, reference),
-                     bundle_vs_fp32=first_difference(by_bundle, reference))
-    for d in divergences:
-        del d["outputs"]
+            index = d["prompt_index"]
+            reference = transformers_greedy(fp32, encoded[index], new_tokens[index], eos)
+            d.update(transformers_vs_fp32=first_difference(theirs_by_prompt[index], reference),
+                     bundle_vs_fp32=first_difference(ours[index], reference))
     # recorded_source compared the digest already: reading every weight again (seconds a GB) would say the same
     same_source = recorded
     if not recorded:
