@@ -450,7 +450,8 @@ def test_structured_alpha_measures_every_workload_on_a_bundle_given(tmp_path, bu
     from pathlib import Path
 
     script = Path(__file__).parents[1] / "benchmarks" / "structured_alpha.py"
-    subprocess.run([sys.executable, str(script), "--bundle", str(bundles("llama", 0)), "--max-new-tokens", "6",
+    # 12 tokens: the JSON schema's first few are forced, proposed free rather than drafted
+    subprocess.run([sys.executable, str(script), "--bundle", str(bundles("llama", 0)), "--max-new-tokens", "12",
                     "--repeats", "1", "--json", str(tmp_path / "structured.json")], check=True, capture_output=True)
     report = json.loads((tmp_path / "structured.json").read_text())
     results = report["results"]

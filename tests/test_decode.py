@@ -1413,7 +1413,9 @@ def test_a_draft_that_stopped_at_an_eos_under_a_grammar_tells_alpha_of_no_failur
 
     monkeypatch.setattr(decoder, "_policy", lambda slot, request: Recording(request.gamma))
     monkeypatch.setattr(decoder, "_draft", recording)
-    choices = {"choice": ["return a + b", "pass", "raise ValueError"]}
+    # Choices that begin others: where one may end, the grammar forces no eos, nor is an eos all it allows (where the
+    # draft drafts none), so the draft drafts the eos.
+    choices = {"choice": ["return a + b", "return a", "pass", "pass a", "raise ValueError", "raise"]}
     ends = [decoder.generate(prompt, 24, gamma=decoder.max_gamma, structured_outputs=choices).stats.finish_reason
             for prompt in PROMPTS[:3]]
     assert any(stopped) and ends == ["eos"] * 3
@@ -1421,16 +1423,16 @@ def test_a_draft_that_stopped_at_an_eos_under_a_grammar_tells_alpha_of_no_failur
 
 
 def test_no_round_drafts_where_the_grammar_allows_only_an_eos(bundles, monkeypatch):
-    """Where the grammar allows only an eos, the target's call yields it whatever was drafted: a draft there would only
-    cost a draft call, which may first catch up on the whole prompt (a yes/no regex: most rounds that drafted were such
-    rounds). The output stays the target's."""
+    """Where the grammar allows only an eos, next or after the tokens it forces, the target's call yields it whatever
+    was drafted: a draft there would only cost a draft call, which may first catch up on the whole prompt (a yes/no
+    regex: most rounds that drafted were such rounds). The output stays the target's."""
     decoder = SpeculativeDecoder(bundles("llama", draft_seed=0))
     asked = []
     draft = decoder._draft
 
-    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None):
-        asked.append((guide.ended, k))
-        return draft(slot, feed, total_len, k, uniforms, greedy, guide)
+    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=()):
+        asked.append((guide.ends_after(forced), k))
+        return draft(slot, feed, total_len, k, uniforms, greedy, guide, forced)
 
     monkeypatch.setattr(decoder, "_draft", recording)
     choices = {"choice": ["return a + b", "pass", "raise ValueError"]}

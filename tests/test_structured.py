@@ -561,6 +561,129 @@ def test_sampled_proposals_of_a_certain_draft_follow_the_masked_target_distribut
     assert 0.2 < held < 2 and real > 1e-4 and control < 1e-12, (real, control, held)
 
 
+@pytest.mark.parametrize("gamma", [2, 3])
+def test_a_fixed_gamma_proposes_the_forced_tokens_then_drafts_after_them_in_one_target_call_as_target_only_decodes(
+        gamma, bundles, tokenizer, monkeypatch):
+    """A round proposes the tokens the grammar forces (a schema's keys and quotes), then the drafts the draft makes
+    after them (its first call reads them), all in one target call: a fixed γ proposes γ tokens a round, f of them
+    forced (but where the request ends within the forced run, or only an eos may follow it). Rounds that mix the two
+    decode what target-only does, the draft unrelated (its drafts rejected too)."""
+    from specbuild_runtime.slot import EngineSlot
+
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    rounds, verified = [], []
+    draft, step = decoder._draft, EngineSlot.step
+
+    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=()):
+        drafts = draft(slot, feed, total_len, k, uniforms, greedy, guide, forced)
+        rounds.append((len(forced), k, len(drafts), guide.ends_after(forced)))
+        return drafts
+
+    def verifying(self, tokens, total_len, num_drafts=0, *args, **kwargs):
+        if self.engine is decoder.target:
+            verified.append(num_drafts)
+        return step(self, tokens, total_len, num_drafts, *args, **kwargs)
+
+    monkeypatch.setattr(decoder, "_draft", recording)
+    monkeypatch.setattr(EngineSlot, "step", verifying)
+    structured, mixed = {"json": SCHEMA, "disable_any_whitespace": True}, 0
+    for prompt in PROMPTS[:3]:
+        ids = tokenizer(prompt)["input_ids"]
+        alone = decoder.generate(ids, NEW_TOKENS, 0, structured_outputs=structured)
+        rounds.clear(), verified.clear()
+        result = decoder.generate(ids, NEW_TOKENS, gamma, structured_outputs=structured)
+        assert result.token_ids == alone.token_ids and result.stats.finish_reason == "eos", prompt
+        assert verified[1:] == [forced + drafted for forced, _, drafted, _ in rounds], prompt  # [0]: the prompt's call
+        assert all(forced + asked == gamma or ends for forced, asked, _, ends in rounds), (prompt, rounds)
+        assert result.stats.guessed and result.stats.drafted and result.stats.rounds < alone.stats.rounds
+        mixed += sum(bool(forced and drafted) for forced, _, drafted, _ in rounds)
+    assert mixed
+
+
+def test_auto_drafts_after_a_forced_run_only_once_the_draft_has_read_the_prompt(bundles, tokenizer, monkeypatch):
+    """A draft call that first catches up on the whole prompt (a sampled request's draft always starts afresh) costs
+    more than a reply of a few tokens repays: auto proposes forced runs alone until the draft has read the prompt, in a
+    round that drafted without forced tokens, and drafts after them from then on. Here the policy drafts wherever it
+    may; the output stays target-only's."""
+    from specbuild_runtime.policy import FixedGamma
+
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1), prefix_reuse=False)
+    rounds = []
+    draft = decoder._draft
+
+    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=()):
+        rounds.append((total_len - len(feed), len(forced), k))  # the draft's cache's length, forced tokens, k
+        return draft(slot, feed, total_len, k, uniforms, greedy, guide, forced)
+
+    structured, mixed = {"json": SCHEMA, "disable_any_whitespace": True}, 0
+    for prompt in PROMPTS[:3]:
+        ids = tokenizer(prompt)["input_ids"]
+        alone = decoder.generate(ids, NEW_TOKENS, 0, structured_outputs=structured)
+        rounds.clear()
+        with monkeypatch.context() as patched:
+            patched.setattr(decoder, "_draft", recording)
+            patched.setattr(decoder, "_policy", lambda slot, request: FixedGamma(decoder.max_gamma))
+            auto = decoder.generate(ids, NEW_TOKENS, "auto", structured_outputs=structured)
+        assert auto.token_ids == alone.token_ids, prompt
+        assert rounds[0][1] and not rounds[0][2], (prompt, rounds)  # a forced run first, the prompt unread
+        assert all(held >= len(ids) for held, forced, asked in rounds if forced and asked), (prompt, rounds)
+        mixed += sum(bool(forced and asked) for held, forced, asked in rounds)
+    assert mixed
+
+
+def test_sampled_forced_tokens_then_drafts_follow_the_masked_target_distribution_and_misplaced_draft_rows_are_caught(
+        bundles, checkpoints, tokenizer, monkeypatch):
+    """Sampled, a round's forced tokens are judged by one-hot q rows (slot.propose_certain: rows 0..f-1) and the drafts
+    after them by the draft's own distributions, rows f..f+k-1. Here a token the mask allows but does not force is
+    proposed as forced each round (lowest_allowed), then 2 drafts at γ 3: the output must follow the target's masked
+    distribution (the χ² above), and the draft's rows written from row 0 (over the forced one's) must be caught, as must
+    accepting every proposal. A seeded request decodes the same tokens again."""
+    from test_sampling import WrongAcceptanceRule
+
+    from specbuild_runtime.slot import EngineSlot
+
+    monkeypatch.setattr(Guide, "forced", lambda guide, count: lowest_allowed(guide, min(count, 1)))
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    target = load_reference(checkpoints("llama"))
+    checked = decoder.request(PROMPTS[0], structured_outputs=ALTERNATING).structured
+    ids, new_tokens, temperature = tokenizer(PROMPTS[0])["input_ids"], 24, 0.7
+
+    def sample(count, seed=0):
+        runs = [decoder.generate(ids, new_tokens, 3, temperature=temperature, seed=seed + s,
+                                 structured_outputs=ALTERNATING) for s in range(count)]
+        return [r.token_ids for r in runs], runs
+
+    def p_value(samples):
+        p = masked_distributions(target, lambda: decoder.grammars.guide(checked), ids, samples, temperature)
+        q = torch.zeros_like(p)
+        for n, sampled in enumerate(samples):
+            guide = decoder.grammars.guide(checked)
+            for t, token in enumerate(sampled):
+                q[n, t, lowest_allowed(guide, 1)] = 1
+                guide.advance(token)
+        return chi2_p_value(p, q, samples)
+
+    samples, runs = sample(80)
+    drafted, accepted = sum(r.stats.drafted for r in runs), sum(r.stats.accepted for r in runs)
+    assert all(r.stats.guessed for r in runs) and 0.05 < accepted / drafted < 0.95, (accepted, drafted)
+    assert sample(1)[0] == samples[:1]
+    step = EngineSlot.step
+
+    def misplaced(self, tokens, total_len, num_drafts=0, uniforms=None, probs_row=0):  # rows 0..k-1, as before
+        return step(self, tokens, total_len, num_drafts, uniforms, max(probs_row - 1, 0))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(EngineSlot, "step", misplaced)
+        overwritten, _ = sample(20, seed=1000)
+    with monkeypatch.context() as patched:
+        patched.setattr(np.random, "default_rng",  # every proposal the mask allows accepted
+                        lambda seed=None, rng=np.random.default_rng: WrongAcceptanceRule(rng(seed), judging=0))
+        wrong, _ = sample(20, seed=2000)
+    real, control, rule = p_value(samples), p_value(overwritten), p_value(wrong)
+    print(f"p {real:.3g}, misplaced rows {control:.3g}, accepting all {rule:.3g}, α {accepted / drafted:.2f}")
+    assert real > 1e-4 and control < 1e-12 and rule < 1e-12, (real, control, rule)
+
+
 @pytest.mark.parametrize("structured", FORCING + [FORCED_EOS], ids=lambda s: "-".join(s))
 def test_auto_sampled_proposes_the_tokens_a_grammar_forces_without_a_draft_call_and_a_seed_reproduces(
         structured, bundles, tokenizer, monkeypatch):

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, closing
 from dataclasses import dataclass, field, replace
@@ -97,8 +98,10 @@ class Stats:
     token_times: list[float] = field(default_factory=list, repr=False)  # seconds since the call began
     gamma_rounds: dict[int, int] = field(default_factory=dict)  # γ used -> rounds
     draft_seconds: float = 0.0
-    guessed: int = 0  # rounds without drafts whose target rows checked free guesses (see _speculate)
-    guesses_accepted: int = 0  # guessed tokens the target accepted
+    # rounds whose target rows checked free proposals ahead of any drafts: a grammar's forced tokens, or free guesses in
+    # rounds without drafts (see _speculate)
+    guessed: int = 0
+    guesses_accepted: int = 0  # free proposals the target accepted
     target_seconds: float = 0.0  # rounds only, the prompt's call excluded
     # "eos", "stop" (a stop string), "stop_token" (one of stop_token_ids), "max_new_tokens", "context", or "abort"
     # (closed before)
@@ -779,12 +782,6 @@ class SpeculativeDecoder:
         # the demo pair under a JSON schema on 2 busy cores), and there they held 0.08 tokens a round: auto's rounds
         # without drafts, which should cost what target-only's do, cost more.
         follows = dict(zip(ids, ids[1:])) if request.gamma == AUTO and sampling.greedy and not guide else None
-        # Auto mode, under a grammar: where it forces the next tokens (the rest of a choice's word, a schema's keys), a
-        # round proposes them as free guesses instead of drafting (SGLang's jump-forward), with no draft call and no
-        # catch-up on the prompt, which replies of a few tokens never repaid (the demo pair under a choice, greedy: auto
-        # 0.95x target-only, 1.25x with them; docs/how-it-works.md, Forced tokens). Verified like drafts, they cannot
-        # change the output; sampled, as drafts of a draft certain of them (slot.propose_certain).
-        jump = request.gamma == AUTO and guide is not None
         while True:
             for j, token in enumerate(new_tokens):
                 if token == not_finite:  # after the drafts judged on finite rows: where the target alone stops
@@ -824,20 +821,38 @@ class SpeculativeDecoder:
                 # draft call that may catch up on the whole prompt first (26 of auto's 36 drafted rounds, greedy on the
                 # demo pair under a yes/no regex, where most replies are a word and the eos).
                 room = 0
-            forced = guide.forced(min(room, self.max_gamma)) if guide and jump else []
+            # Under a grammar, where it forces the next tokens (the rest of a choice's word, a schema's keys), a round
+            # proposes them first, free (SGLang's jump-forward), then what the draft drafts after them, in one target
+            # call: the draft reads them in its first call (docs/how-it-works.md, Forced tokens). In every mode, so a
+            # fixed γ proposes γ tokens a round, f of them forced. Verified like drafts, they cannot change the output;
+            # sampled, as drafts of a draft certain of them (slot.propose_certain).
+            forced = guide.forced(min(room, positions)) if guide else []
             if forced and not sampling.greedy:
                 slot.propose_certain(forced)
-            k = 0 if forced else policy.choose(room)
+            # Auto drafts after a forced run only once the draft has read the prompt: its first call would catch up on
+            # all of it (a sampled request's draft always starts afresh), which the policy does not price and replies
+            # of a few tokens never repay (on the demo pair under an enum schema at T 0.8, drafting there decoded at
+            # 2.10x target-only, proposing the run alone 2.42-2.50x: docs/how-it-works.md, Forced tokens); a round
+            # without forced tokens drafts first. No mode drafts after a forced eos, nor where only an eos may follow
+            # the run: the target's token after it is that eos, which a draft call would only propose.
+            limit = min(room, positions) - len(forced)
+            unread = request.gamma == AUTO and draft_len < len(request.prompt_ids)
+            if guide and forced and limit and (unread or guide.ends_after(forced)):
+                limit = 0
+            # A round of forced tokens alone is the grammar's, not the policy's: not asked (nor told, below). Both
+            # checks come only where drafts could follow: choose and ends_after take ~3 and ~11 us, 1-3% of a round of
+            # the tiny random pair's (0.4-1 ms, masks included).
+            k = policy.choose(limit) if limit or not forced else 0
             # A normal round feeds the draft the target's token (and the last accepted draft); more means
-            # it is catching up on the prompt or on rounds without drafts.
-            catching_up = len(ids) - draft_len > 2
+            # it is catching up on the prompt, on rounds without drafts or on forced tokens.
+            catching_up = len(ids) - draft_len > 2 or bool(forced)
             unsteady = unsteady_calls()
             t0 = clock()
-            drafts = self._draft(slot, ids[draft_len:], len(ids), k, uniforms, sampling.greedy, guide)
+            drafts = self._draft(slot, ids[draft_len:], len(ids), k, uniforms, sampling.greedy, guide, forced)
             t1 = clock()
             asked, k = k, len(drafts)  # fewer where the draft stopped short: logits not finite, a grammar (_draft)
             if drafts:
-                draft_len = len(ids) + k - 1
+                draft_len = len(ids) + len(forced) + k - 1
             # A target call never computes one row alone (see slot.Rows), so a round without drafts pays for
             # two rows anyway: let them check free guesses instead, the grammar's forced tokens or what followed these
             # tokens last time, a chain of them or the first alone (policy.Costs.chain). A round that checks the first
@@ -845,7 +860,7 @@ class SpeculativeDecoder:
             guesses = forced or (_guesses(follows, ids[-1], min(room, self.max_gamma,
                                                                  FREE_GUESSES if drafts or policy.chain else 2))
                                  if follows is not None else [])
-            proposed = drafts or (guesses[:1] if guesses and not forced and not policy.chain else guesses)
+            proposed = [*forced, *drafts] or (guesses[:1] if guesses and not policy.chain else guesses)
             # The target's masks, built on the host, are part of its call's cost, in rounds without drafts too
             # (auto's unit, policy.Costs): timed apart, they made γ 0 look cheap beside rounds with drafts.
             if guide:
@@ -859,10 +874,14 @@ class SpeculativeDecoder:
             # How many of the chain held (would have, where it drafted or checked the first guess alone) of those the
             # round's tokens tell of.
             held = _leading_equal(guesses, new_tokens) if guesses else None
-            if guesses and not drafts:  # α judges the draft model, which drafted nothing
+            # α judges the draft model, over its own drafts: those after the free proposals (forced tokens, or guesses
+            # in a round without drafts), judged where all of those were accepted.
+            free = len(proposed) - len(drafts)
+            judged = accepted >= free
+            if free:
                 stats.guessed += 1
-                stats.guesses_accepted += accepted
-                accepted = 0
+                stats.guesses_accepted += min(accepted, free)
+                accepted = max(accepted - free, 0)
             # The drafts asked for: those that never came count as rejected. Told of none, auto γ kept its α and
             # called a draft whose logits always overflow every round, for nothing. But after an eos drafted under a
             # grammar (_draft stops there) no token could follow, so none was missed: counted rejected, the round that
@@ -870,10 +889,15 @@ class SpeculativeDecoder:
             # prior: α 0.75 rather than 0.78 at a request's start, 5% more target calls). Cut short either way, a
             # round costs less than one at the γ asked, whose cost it would lower.
             ended = bool(guide and drafts and drafts[-1] in guide.eos)
-            if not forced:  # the grammar chose that round, not the policy: its rows and masks price no γ
-                policy.observe(k if ended else asked, accepted, t1 - t0, t2 - t1, catching_up, held,
+            # A round of forced tokens alone: the grammar chose it, not the policy. One with drafts after them tells α
+            # of its drafts (unless a forced token was rejected: then none was judged), but prices no γ: it is no round
+            # at γ k (f more target rows and masks; the draft's call read the f tokens), so a catch-up, untimed. Nor
+            # does it tell of guesses: the forced tokens come at any γ.
+            if not forced or (asked and judged):
+                policy.observe(k if ended else asked, accepted, t1 - t0, t2 - t1, catching_up, None if forced else held,
                                timed=unsteady_calls() == unsteady and k == asked,
-                               chained=not drafts and len(proposed) > 1, seen=min(len(guesses), len(new_tokens)))
+                               chained=not (forced or drafts) and len(proposed) > 1,
+                               seen=min(len(guesses), len(new_tokens)))
             stats.record_round(k, accepted, t1 - t0, t2 - t1)
 
     def _score(self, slot: Slot, ids: list[int], top: int,
@@ -921,14 +945,21 @@ class SpeculativeDecoder:
 
     @staticmethod
     def _draft(slot: Slot, feed: list[int], total_len: int, k: int, uniforms, greedy: bool,
-               guide: Guide | None = None) -> list[int]:
+               guide: Guide | None = None, forced: Sequence[int] = ()) -> list[int]:
         """k draft tokens; when sampling, the draft leaves their distributions in the slot's rows. Greedy,
         each run of the steps graph's count of them is one call of it. guide: each draft step is masked by the
         request's grammar (one call a token: the steps graph takes no mask), and drafting stops after an eos or where
-        the grammar leaves the draft's vocabulary nothing."""
+        the grammar leaves the draft's vocabulary nothing. forced: the grammar's forced tokens the round proposes first
+        (no eos among them): the draft reads them after feed and drafts after them, and its distributions go in the rows
+        after their one-hot ones (slot.propose_certain)."""
         drafts: list[int] = []
         steps, consumed = slot.draft_steps if greedy and not guide else None, 0
+        feed, total_len, first_row = [*feed, *forced], total_len + len(forced), len(forced)
         try:
+            if guide and k:
+                for token in forced:  # allowed: the grammar forces them
+                    guide.advance(token)
+                    consumed += 1
             while len(drafts) < k:
                 fed, j = feed if not drafts else [drafts[-1]], len(drafts)
                 if guide:
@@ -939,7 +970,8 @@ class SpeculativeDecoder:
                 if steps and k - j >= steps.count and len(fed) <= MAX_REUSED_IDS:
                     drafts += steps.step(fed, total_len + j)
                 else:
-                    drafts.append(slot.draft.step(fed, total_len=total_len + j, uniforms=uniforms(1), probs_row=j)[1])
+                    drafts.append(slot.draft.step(fed, total_len=total_len + j, uniforms=uniforms(1),
+                                                  probs_row=first_row + j)[1])
                 if (bad := slot.draft.engine.info.not_finite_token) in drafts:
                     # The draft's logits hold NaN or +inf (its fp16 engine overflows): it proposes what came before.
                     # The output is the target's either way; the drafts' cache is re-fed from the round's length.

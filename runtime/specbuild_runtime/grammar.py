@@ -229,6 +229,20 @@ class Guide:
         self._check()
         return tokens
 
+    def ends_after(self, tokens: list[int]) -> bool:
+        """Whether the request ends within tokens, ones the grammar allows in turn (forced's): at an eos among them, or
+        where only an eos may follow them. Consumed and rolled back, no mask computed (~µs a token)."""
+        consumed = 0
+        try:
+            for token in tokens:
+                if token in self.eos:
+                    return True
+                self.advance(token)
+                consumed += 1
+            return self.ended
+        finally:
+            self.pop(consumed)
+
     def mask(self) -> np.ndarray:
         """[V] bool: the tokens the grammar allows next."""
         llguidance.numpy.fill_next_token_bitmask(self.matcher, self._bits)
