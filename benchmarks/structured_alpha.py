@@ -1,17 +1,23 @@
 """α, tokens per target call and speed-up over target-only decoding under sampling penalties and structured outputs,
 on any bundle (the demo's trained pair, say) or on a tiny random pair made here.
 
-The draft proposes unpenalised and under the grammar's mask (the runtime's way); the output is the target's either
-way (tests/test_penalties.py, tests/test_structured.py), so only how many drafts hold, and so the speed, differs.
-Each workload decodes the demo's prompts (specbuild.texts.measuring_prompts) target-only, at γ 4 and at auto, the
-modes taking turns prompt by prompt in one process (specbuild.bench.bench.run_ours, as `specbuild bench`), --repeats times
-(speed-ups are the medians of each run's, α and τ pooled); a greedy one checks that every output equals the target-only
-one, token for token. Under a grammar the draft also proposes unmasked at γ 4 (from its own logits, as the steps graph
-would), after the others: its α beside the masked draft's.
+The draft proposes unpenalised and under the grammar's mask (the runtime's way); the output is the target's either way
+(tests/test_penalties.py, tests/test_structured.py), so only how many drafts hold, and so the speed, differs. Each
+workload (--workloads: some of them) decodes the demo's prompts (specbuild.texts.measuring_prompts) target-only and at
+each of --gammas (γ 4 and auto by default), the modes taking turns prompt by prompt in one process
+(specbuild.bench.bench.run_ours, as `specbuild bench`), --repeats times (speed-ups are the medians of each run's, α and
+τ pooled); a greedy one checks that every output equals the target-only one, token for token. Under a grammar the draft
+also proposes unmasked at γ 4 (from its own logits, as the steps graph would), after the others: its α beside the masked
+draft's.
 
     make demo   # once: the demo pair, compiled into .cache/demo/bundle
     python benchmarks/structured_alpha.py --bundle .cache/demo/bundle --json structured.json
     python benchmarks/structured_alpha.py --scratch /tmp/structured   # the tiny random pair
+    python benchmarks/structured_alpha.py --bundle B --gammas 0,2,auto --workloads "choice,T 0.8, choice"
+
+On a shared machine one process says little: to compare two versions of the code, run it in processes that take turns
+between their checkouts and a second copy of the old one (an A/A, whose spread is the noise), each with --json, and
+compare the medians over processes (docs/how-it-works.md, Forced tokens, was measured so).
 
 The tiny pair's agreement is dialled as tests/test_sampling.py dials it: the draft is the target's first layer, the
 target's three later layers write 0.3 times their usual output.
@@ -23,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 from pathlib import Path
 
@@ -60,8 +67,9 @@ WORKLOADS = {
     "T 0.8, JSON schema": {"temperature": 0.8, "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
     "T 0.8, choice": {"temperature": 0.8, "structured_outputs": {"choice": CHOICES}},
     "T 0.8, enum schema": {"temperature": 0.8, "structured_outputs": {"json": ENUM, "disable_any_whitespace": True}},
+    "T 0.8, date regex": {"temperature": 0.8, "structured_outputs": {"regex": r"\d{4}-\d{2}-\d{2}"}},
 }
-GAMMAS = [0, 4, "auto"]
+GAMMAS = "0,4,auto"  # --gammas by default
 
 
 def pair(scratch: Path, scale: float = 0.3) -> Path:
@@ -111,9 +119,11 @@ def unmasked(decoder, prompts: list[list[int]], max_new_tokens: int, options: di
     return mode
 
 
-def run(decoder, prompts: list[list[int]], max_new_tokens: int, options: dict, seed: int) -> list[ModeResult]:
-    """Target-only, γ 4 and auto taking turns prompt by prompt; under a grammar, then the unmasked draft."""
-    modes = run_ours(decoder, prompts, max_new_tokens, GAMMAS, options, seed)
+def run(decoder, prompts: list[list[int]], max_new_tokens: int, options: dict, seed: int,
+        gammas: list[int | str]) -> list[ModeResult]:
+    """The modes of gammas (target-only first) taking turns prompt by prompt; under a grammar, then the draft
+    unmasked."""
+    modes = run_ours(decoder, prompts, max_new_tokens, gammas, options, seed)
     if "structured_outputs" in options:
         modes.append(unmasked(decoder, prompts, max_new_tokens, options, seed))
     return modes
@@ -176,7 +186,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampled: prompt i is seeded seed + i (auto unseeded)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of every workload; speed-ups are their medians")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--gammas", default=GAMMAS, help="the modes, comma-separated: 0 (target-only, first), γs, auto")
+    parser.add_argument("--workloads", help=f"comma-separated names of some of: {', '.join(WORKLOADS)}")
     args = parser.parse_args()
+    gammas: list[int | str] = [g if g == "auto" else int(g) for g in args.gammas.split(",")]
+    workloads = WORKLOADS
+    if args.workloads:
+        names = re.split(r",(?! )", args.workloads)  # "T 0.8, choice" holds a comma and a space
+        if unknown := [name for name in names if name not in WORKLOADS]:
+            parser.error(f"no workload {unknown[0]!r}; there are: {', '.join(WORKLOADS)}")
+        workloads = {name: WORKLOADS[name] for name in names}
+    if gammas[0] != 0:
+        parser.error("--gammas must begin with 0: speed-ups are against target-only")
 
     from specbuild.texts import measuring_prompts
 
@@ -185,11 +206,11 @@ def main() -> None:
     decoder = SpeculativeDecoder(bundle, shared_thread_pool=True, prefix_reuse=False)
     prompts = [decoder.encode(text) for text in measuring_prompts()]
     load = os.getloadavg()[0]
-    runs: dict[str, list] = {name: [] for name in WORKLOADS}
+    runs: dict[str, list] = {name: [] for name in workloads}
     for _ in range(args.repeats):  # repeats outermost: a change in the machine's speed falls on every workload
-        for name, options in WORKLOADS.items():
-            runs[name].append(run(decoder, prompts, args.max_new_tokens, options, args.seed))
-    results = {name: rows(runs[name], not WORKLOADS[name].get("temperature")) for name in WORKLOADS}
+        for name, options in workloads.items():
+            runs[name].append(run(decoder, prompts, args.max_new_tokens, options, args.seed, gammas))
+    results = {name: rows(runs[name], not workloads[name].get("temperature")) for name in workloads}
     print(f"{bundle}: {len(prompts)} prompts x {args.max_new_tokens} tokens, {platform.machine()} "
           f"{os.cpu_count()} CPUs, load {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     print(table(results))
@@ -200,7 +221,7 @@ def main() -> None:
     if args.json:
         report = {"bundle": str(bundle), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                   "seed": args.seed, "repeats": args.repeats, "load": [round(load, 2), round(os.getloadavg()[0], 2)],
-                  "workloads": WORKLOADS, "results": results, "auto_costs": costs}
+                  "workloads": workloads, "results": results, "auto_costs": costs}
         args.json.write_text(json.dumps(report, indent=2))
     if any(row["matches_target"] is False for workload in results.values() for row in workload):
         raise SystemExit("a greedy output differs from target-only decoding (exact: NO above): a bug, report it")

@@ -464,6 +464,25 @@ def test_structured_alpha_measures_every_workload_on_a_bundle_given(tmp_path, bu
     assert [results[name][1]["acceptance_rate"] for name in ("greedy", "JSON schema", "regex")] == [1.0, 1.0, 1.0]
 
 
+def test_structured_alpha_measures_only_the_workloads_and_gammas_asked(tmp_path, bundles):
+    """--workloads (a name may hold ", ") and --gammas pick what an A/B measures; a name it lacks is refused, naming
+    those it has."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "structured_alpha.py"
+    command = [sys.executable, str(script), "--bundle", str(bundles("llama", 0)), "--max-new-tokens", "6", "--repeats",
+               "1", "--gammas", "0,2,auto", "--json", str(tmp_path / "structured.json"), "--workloads"]
+    subprocess.run([*command, "choice,T 0.8, choice"], check=True, capture_output=True)
+    results = json.loads((tmp_path / "structured.json").read_text())["results"]
+    assert {name: [(row["system"], row["gamma"]) for row in rows] for name, rows in results.items()} == {
+        name: [("specbuild", 0), ("specbuild", 2), ("specbuild", "auto"), ("draft unmasked", 4)]
+        for name in ("choice", "T 0.8, choice")}
+    refused = subprocess.run([*command, "choice,dates"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "no workload 'dates'; there are: greedy, " in refused.stderr
+
+
 def test_coupling_gumbel_match_is_the_monte_carlo_rate_between_the_bound_and_one_minus_tv(monkeypatch):
     """benchmarks/coupling.py's exact P(match) of Gumbel-max under shared noise (Daliri et al.'s drafter-invariant
     coupling) against 10^6 noise draws, for pairs with full supports and with supports each missing tokens of the
