@@ -521,6 +521,20 @@ def lowest_allowed(guide: Guide, count: int) -> list[int]:
     return tokens
 
 
+def proposed_lowest_p_value(target, grammars, checked, prompt: list[int], samples: list[list[int]],
+                            temperature: float) -> float:
+    """chi2_p_value of samples against the target's masked distributions, where lowest_allowed's token was proposed as
+    forced at each position (q one-hot there)."""
+    p = masked_distributions(target, lambda: grammars.guide(checked), prompt, samples, temperature)
+    q = torch.zeros_like(p)
+    for n, sampled in enumerate(samples):
+        guide = grammars.guide(checked)
+        for t, token in enumerate(sampled):
+            q[n, t, lowest_allowed(guide, 1)] = 1
+            guide.advance(token)
+    return chi2_p_value(p, q, samples)
+
+
 def test_sampled_proposals_of_a_certain_draft_follow_the_masked_target_distribution_and_accepting_them_is_caught(
         bundles, checkpoints, tokenizer, monkeypatch):
     """Sampled under auto, the tokens a grammar forces are judged as drafts of a draft certain of them (q one-hot at each):
@@ -542,14 +556,7 @@ def test_sampled_proposals_of_a_certain_draft_follow_the_masked_target_distribut
         return [r.token_ids for r in runs], sum(r.stats.guesses_accepted for r in runs) / sum(r.stats.rounds for r in runs)
 
     def p_value(samples):
-        p = masked_distributions(target, lambda: decoder.grammars.guide(checked), ids, samples, temperature)
-        q = torch.zeros_like(p)
-        for n, sampled in enumerate(samples):
-            guide = decoder.grammars.guide(checked)
-            for t, token in enumerate(sampled):
-                q[n, t, lowest_allowed(guide, 1)] = 1
-                guide.advance(token)
-        return chi2_p_value(p, q, samples)
+        return proposed_lowest_p_value(target, decoder.grammars, checked, ids, samples, temperature)
 
     samples, held = sample(80)
     with monkeypatch.context() as patched:
@@ -654,14 +661,7 @@ def test_sampled_forced_tokens_then_drafts_follow_the_masked_target_distribution
         return [r.token_ids for r in runs], runs
 
     def p_value(samples):
-        p = masked_distributions(target, lambda: decoder.grammars.guide(checked), ids, samples, temperature)
-        q = torch.zeros_like(p)
-        for n, sampled in enumerate(samples):
-            guide = decoder.grammars.guide(checked)
-            for t, token in enumerate(sampled):
-                q[n, t, lowest_allowed(guide, 1)] = 1
-                guide.advance(token)
-        return chi2_p_value(p, q, samples)
+        return proposed_lowest_p_value(target, decoder.grammars, checked, ids, samples, temperature)
 
     samples, runs = sample(80)
     drafted, accepted = sum(r.stats.drafted for r in runs), sum(r.stats.accepted for r in runs)
