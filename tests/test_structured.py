@@ -684,6 +684,95 @@ def test_sampled_forced_tokens_then_drafts_follow_the_masked_target_distribution
     assert real > 1e-4 and control < 1e-12 and rule < 1e-12, (real, control, rule)
 
 
+def mixed_rounds(decoder, monkeypatch, temperature: float):
+    """Decodes PROMPTS[:3] at γ 3 under ALTERNATING, each round proposing as forced one token the mask allows but does
+    not force (lowest_allowed: the target may reject it, as it never rejects llguidance's), then 2 drafts of an
+    unrelated draft. Returns, per request: its prompt and tokens; each round's first draft call's first position fed
+    and the positions the draft's cache held then, as fed; each round's forced tokens, drafts asked, drafts, tokens the
+    target accepted, and what the policy was told (None, or observe's arguments)."""
+    from specbuild_runtime.policy import FixedGamma
+    from specbuild_runtime.slot import EngineSlot
+
+    monkeypatch.setattr(Guide, "forced", lambda guide, count: lowest_allowed(guide, min(count, 1)))
+
+    class Told(FixedGamma):
+        def observe(self, *args, **kwargs):
+            rounds[-1][-1] = (args, kwargs)
+
+    draft, step = decoder._draft, EngineSlot.step
+    calls, rounds, cache, first = [], [], [], [False]
+
+    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=()):
+        first[0] = True
+        drafts = draft(slot, feed, total_len, k, uniforms, greedy, guide, forced)
+        rounds.append([len(forced), k, len(drafts), None, None])
+        return drafts
+
+    def stepping(self, tokens, total_len, num_drafts=0, *args, **kwargs):
+        result = step(self, tokens, total_len, num_drafts, *args, **kwargs)
+        if self.engine is decoder.target:
+            if rounds and rounds[-1][3] is None:
+                rounds[-1][3] = result[0]
+        else:
+            start = total_len - len(tokens)
+            if first[0]:  # a round's first: its later ones read its drafts
+                calls.append((start, list(cache)))
+                first[0] = False
+            cache[start:] = tokens
+        return result
+
+    monkeypatch.setattr(decoder, "_draft", recording)
+    monkeypatch.setattr(EngineSlot, "step", stepping)
+    monkeypatch.setattr(decoder, "_policy", lambda slot, request: Told(3))
+    requests = []
+    for n, prompt in enumerate(PROMPTS[:3]):
+        calls, rounds = [], []
+        cache.clear()
+        result = decoder.generate(prompt, NEW_TOKENS, 3, temperature=temperature, seed=n,
+                                  structured_outputs=ALTERNATING)
+        requests.append((result.prompt_token_ids + result.token_ids, calls, rounds))
+    return requests
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_after_a_round_whose_forced_token_or_draft_was_rejected_the_draft_is_fed_exactly_what_its_cache_lacks(
+        temperature, bundles, monkeypatch):
+    """A round's draft reads the forced tokens and all but its last draft; the target keeps those it accepts. The next
+    draft call must start at the first position where the draft's cache differs from the reply: later, and the draft
+    drafts from tokens the reply does not hold; earlier, it computes again what it has."""
+
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1), prefix_reuse=False)
+    seen = set()
+    for reply, calls, rounds in mixed_rounds(decoder, monkeypatch, temperature):
+        for start, cache in calls:
+            held = next((i for i, (a, b) in enumerate(zip(cache, reply)) if a != b), min(len(cache), len(reply)))
+            assert start == held, (start, held, reply, calls)
+        seen |= {"forced" if accepted < forced else "draft" for forced, _, drafted, accepted, _ in rounds
+                 if drafted and accepted < forced + drafted}
+    assert seen == {"forced", "draft"}  # rejected in rounds that drafted
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_a_round_with_forced_tokens_tells_the_policy_of_its_drafts_as_a_catch_up_and_nothing_where_one_was_rejected(
+        temperature, bundles, monkeypatch):
+    """The policy judges the draft: a round that drafted after forced tokens tells it of the drafts alone, as a catch-up
+    (the draft's call also read the forced tokens) with no guesses; one whose forced token was rejected judged no draft,
+    and one of forced tokens alone was the grammar's: neither tells it anything."""
+
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1), prefix_reuse=False)
+    seen = set()
+    for _, _, rounds in mixed_rounds(decoder, monkeypatch, temperature):
+        for forced, asked, drafted, accepted, told in rounds:
+            if forced and not (asked and accepted >= forced):
+                assert told is None, (forced, asked, accepted, told)
+                seen.add("rejected" if asked else "forced alone")
+            elif forced:
+                (told_drafted, told_accepted, _, _, catching_up, held), _ = told
+                assert (told_drafted, told_accepted, catching_up, held) == (asked, accepted - forced, True, None)
+                seen.add("told")
+    assert seen == {"rejected", "forced alone", "told"}
+
+
 @pytest.mark.parametrize("structured", FORCING + [FORCED_EOS], ids=lambda s: "-".join(s))
 def test_auto_sampled_proposes_the_tokens_a_grammar_forces_without_a_draft_call_and_a_seed_reproduces(
         structured, bundles, tokenizer, monkeypatch):
