@@ -603,6 +603,8 @@ def test_a_fixed_gamma_proposes_the_forced_tokens_then_drafts_after_them_in_one_
         assert verified[1:] == [forced + drafted for forced, _, drafted, _ in rounds], prompt  # [0]: the prompt's call
         assert all(forced + asked == gamma or ends for forced, asked, _, ends in rounds), (prompt, rounds)
         assert result.stats.guessed and result.stats.drafted and result.stats.rounds < alone.stats.rounds
+        # the mask allows a forced token alone: the target takes each (Guide.forced)
+        assert result.stats.guesses_accepted == sum(forced for forced, *_ in rounds), prompt
         mixed += sum(bool(forced and drafted) for forced, _, drafted, _ in rounds)
     assert mixed
 

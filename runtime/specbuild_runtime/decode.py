@@ -890,9 +890,10 @@ class SpeculativeDecoder:
             # round costs less than one at the γ asked, whose cost it would lower.
             ended = bool(guide and drafts and drafts[-1] in guide.eos)
             # A round of forced tokens alone: the grammar chose it, not the policy. One with drafts after them tells α
-            # of its drafts (unless a forced token was rejected: then none was judged), but prices no γ: it is no round
-            # at γ k (f more target rows and masks; the draft's call read the f tokens), so a catch-up, untimed. Nor
-            # does it tell of guesses: the forced tokens come at any γ.
+            # of its drafts (unless a forced token was rejected, which llguidance's masks have never let happen,
+            # Guide.forced: then none was judged), but prices no γ: it is no round at γ k (f more target rows and masks;
+            # the draft's call read the f tokens), so a catch-up, untimed. Nor does it tell of guesses: the forced
+            # tokens come at any γ.
             if not forced or (asked and judged):
                 policy.observe(k if ended else asked, accepted, t1 - t0, t2 - t1, catching_up, None if forced else held,
                                timed=unsteady_calls() == unsteady and k == asked,
