@@ -189,7 +189,9 @@ def main() -> None:
     parser.add_argument("--gammas", default=GAMMAS, help="the modes, comma-separated: 0 (target-only, first), γs, auto")
     parser.add_argument("--workloads", help=f"comma-separated names of some of: {', '.join(WORKLOADS)}")
     args = parser.parse_args()
-    gammas: list[int | str] = [g if g == "auto" else int(g) for g in args.gammas.split(",")]
+    gammas: list[int | str] = [g if g == "auto" else int(g) if g.isdigit() else "" for g in args.gammas.split(",")]
+    if "" in gammas:
+        parser.error(f"--gammas takes whole numbers and auto, comma-separated, not {args.gammas!r}")
     workloads = WORKLOADS
     if args.workloads:
         names = re.split(r",(?! )", args.workloads)  # "T 0.8, choice" holds a comma and a space

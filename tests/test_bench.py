@@ -466,7 +466,7 @@ def test_structured_alpha_measures_every_workload_on_a_bundle_given(tmp_path, bu
 
 def test_structured_alpha_measures_only_the_workloads_and_gammas_asked(tmp_path, bundles):
     """--workloads (a name may hold ", ") and --gammas pick what an A/B measures; a name it lacks is refused, naming
-    those it has."""
+    those it has, and a γ that is neither a whole number nor auto in one line."""
     import subprocess
     import sys
     from pathlib import Path
@@ -481,6 +481,9 @@ def test_structured_alpha_measures_only_the_workloads_and_gammas_asked(tmp_path,
         for name in ("choice", "T 0.8, choice")}
     refused = subprocess.run([*command, "choice,dates"], capture_output=True, text=True)
     assert refused.returncode == 2 and "no workload 'dates'; there are: greedy, " in refused.stderr
+    refused = subprocess.run([*command[:-1], "--gammas", "0,four"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--gammas takes whole numbers and auto, comma-separated, not '0,four'" in (
+        refused.stderr)
 
 
 def test_coupling_gumbel_match_is_the_monte_carlo_rate_between_the_bound_and_one_minus_tv(monkeypatch):
