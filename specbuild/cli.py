@@ -303,6 +303,8 @@ def compile_cmd(recipe, as_json, **options) -> None:
     target's graph), and/or as TensorRT-LLM checkpoints with the plans to build and serve them.
 
     Give --target, --draft and --output, or a --recipe that names them."""
+    from specbuild_runtime.manifest import where_it_runs
+
     from .compile import compile_bundle
     from .errors import SettingsError
     from .recipe import resolve_settings
@@ -326,6 +328,7 @@ def compile_cmd(recipe, as_json, **options) -> None:
     for role, e in manifest.engines.items():
         click.echo(f"  {role} {e.architecture} {e.parameters / 1e6:.1f}M params, ONNX {e.precision} quant={e.quantization}")
     if manifest.engines:
+        click.echo(f"  runs on: {where_it_runs(manifest)}")
         click.echo(f"  on cuda: {cuda_line(manifest)}")
     if manifest.tensorrt_llm:
         click.echo("  " + "\n  ".join(tensorrt_llm_lines(settings.output, manifest.tensorrt_llm)))
@@ -519,7 +522,8 @@ def features_line(bundle: Path, manifest, sampler: set[str]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def inspect(bundle, as_json) -> None:
     """Show what a bundle holds: engines, shapes, settings, and whether its files are intact."""
-    from specbuild_runtime.manifest import TOKENIZER_DIR, chat_template_source, load_manifest, read_tokenizer_config
+    from specbuild_runtime.manifest import (TOKENIZER_DIR, chat_template_source, load_manifest, read_tokenizer_config,
+                                            where_it_runs)
     from specbuild_runtime.serve.protocol import sampling_defaults
     from specbuild_runtime.validation import MIN_P, PENALTY_INPUTS
 
@@ -557,6 +561,7 @@ def inspect(bundle, as_json) -> None:
     if manifest.engines:
         click.echo(f"{'sampler':<10} " + (f"{manifest.sampler_file} (how the greedy-only graphs sample)" if manifest.sampler_file
                                           else "none: compiled before it (CUDA graphs need a recompile)"))
+        click.echo(f"{'runs on':<10} {where_it_runs(manifest)}")
         click.echo(f"{'on cuda':<10} {cuda_line(manifest)}")
         taken = sampler_inputs(bundle, manifest)
         defaults = sampling_defaults(manifest.generation_config, "auto", MIN_P in taken, PENALTY_INPUTS.keys() <= taken)

@@ -341,6 +341,16 @@ def hold_the_lock(paths: dict) -> None:
     paths["held"] = lock
 
 
+def bf16_bundle(paths: dict) -> None:
+    """paths["bundle"]: the target's bundle in bf16, which onnxruntime's CPU provider cannot load."""
+    from specbuild.compile import compile_bundle
+    from specbuild.recipe import CompileSettings
+
+    paths["bundle"] = Path(paths["tmp"]) / "bf16"
+    compile_bundle(CompileSettings(target=paths["target"], draft=paths["target"], output=paths["bundle"],
+                                   max_seq_len=64, precision="bf16"), show_progress=False)
+
+
 def existing_bundle(paths: dict) -> None:
     shutil.copytree(paths["bundle"], Path(paths["tmp"]) / "bundle")
 
@@ -632,6 +642,10 @@ CASES = [
          setup=a_copy_of("bundle", lambda f: (f / "manifest.json").write_text("{ not json"))),
     Case("a bundle missing an engine file", ["generate", "{bundle}", "-p", "x"], 1, "draft.onnx is missing",
          "Rebuild the bundle with `specbuild compile`.", setup=a_copy_of("bundle", lambda f: (f / "draft.onnx").unlink())),
+    Case("a bf16 bundle on the CPU (`generate`, `bench`, `serve`, `verify`)", ["generate", "{bundle}", "-p", "x"], 1,
+         "is bf16, which onnxruntime's CPU provider cannot run", "Run it on a CUDA GPU (`--device cuda`), or compile "
+         "it with `--precision fp32` for a CPU (`inspect` and compile's summary say where a bundle runs).",
+         setup=bf16_bundle),
     Case("an edited `manifest.json` (shapes that do not match the engines)", ["generate", "{bundle}", "-p", "x", "-n", "4"],
          1, "manifest", "Rebuild the bundle; never edit a manifest by hand.",
          setup=a_copy_of("bundle", edit_manifest_vocab)),

@@ -58,6 +58,7 @@ def test_compile_generate_inspect_round_trip(checkpoints, tmp_path, cli):
     # An fp32 build runs attention on the CPU on a GPU: compile says so where the choice is made, with the fix.
     assert "on cuda: uncaptured by default: the target is fp32" in compiled["stdout"]
     assert "for a GPU compile with --precision fp16 or bf16" in compiled["stdout"]
+    assert "runs on: a CPU or a CUDA GPU" in compiled["stdout"] and "runs on    a CPU or a CUDA GPU" in shown["stdout"]
 
 
 def test_compile_json_prints_what_inspect_json_prints(checkpoints, tmp_path, cli):

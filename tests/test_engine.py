@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import onnxruntime as ort
 import pytest
@@ -43,13 +44,74 @@ def test_auto_runs_on_the_cpu_without_the_cuda_provider(bundles):
     assert decoder.device == "cpu" and len(decoder.generate("x", 4).token_ids) == 4
 
 
-def test_a_bf16_bundle_on_the_cpu_is_one_line_naming_the_way_out(checkpoints, tmp_path):
-    target = checkpoints("llama")
-    compile_bundle(CompileSettings(target=target, draft=target, output=tmp_path / "bf16", max_seq_len=64,
-                                   precision="bf16"), show_progress=False)
-    with pytest.raises(BundleError, match="bf16.*device 'cuda'") as error:
-        SpeculativeDecoder(tmp_path / "bf16")
+@pytest.fixture(scope="module")
+def bf16_bundle(checkpoints, tmp_path_factory):
+    target, out = checkpoints("llama"), tmp_path_factory.mktemp("bf16") / "bundle"
+    compile_bundle(CompileSettings(target=target, draft=target, output=out, max_seq_len=64, precision="bf16"),
+                   show_progress=False)
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu", "auto"] if not HAS_CUDA else ["cpu"])
+def test_a_bf16_bundle_on_the_cpu_is_one_line_naming_the_way_out(bf16_bundle, device):
+    """onnxruntime's CPU provider (1.32) cannot load a bf16 graph (no bf16 Gemm): its own error was NOT_IMPLEMENTED."""
+    with pytest.raises(BundleError, match=r"target engine is bf16, .* CPU provider cannot run .* GPU \(--device cuda; "
+                                          r"device='cuda' in Python\), or compile it with --precision fp32 for a CPU"
+                       ) as error:
+        SpeculativeDecoder(bf16_bundle, device=device)
     assert "\n" not in str(error.value)
+
+
+def test_a_bf16_bundle_on_the_cpu_is_refused_before_its_digests_are_read(bf16_bundle, tmp_path):
+    """The digests read every byte (2.2 s of CPU for 2.5 GB, load_manifest), for nothing where the CPU cannot run it."""
+    import shutil
+
+    from specbuild_runtime import load_manifest
+
+    copy = tmp_path / "bundle"
+    shutil.copytree(bf16_bundle, copy)
+    data = copy / f"{load_manifest(copy).engines['target'].file}.data"
+    data.write_bytes(data.read_bytes()[::-1])  # its digest no longer matches
+    with pytest.raises(BundleError, match="is bf16"):
+        SpeculativeDecoder(copy)
+
+
+def test_a_bf16_engine_made_alone_on_the_cpu_is_the_same_line(bf16_bundle):
+    """An Engine made directly, or under "auto" once the CUDA provider failed to start, meets the CPU after the
+    manifest's check."""
+    from specbuild_runtime import load_manifest
+    from specbuild_runtime.engine import Engine
+
+    info = load_manifest(bf16_bundle).engines["target"]
+    with pytest.raises(BundleError, match="is bf16, which onnxruntime's CPU provider cannot run"):
+        Engine(bf16_bundle / info.file, info, 64)
+
+
+@pytest.mark.parametrize("command", [["generate", "-p", "x", "-n", "4"], ["bench", "-n", "4", "--gamma", "1"],
+                                     ["serve"], ["verify", "-n", "4"]])
+def test_every_command_that_decodes_refuses_a_bf16_bundle_on_the_cpu_in_one_line(bf16_bundle, command, tmp_path):
+    """Each in a process of its own, as a user runs it (where serve sizes onnxruntime's thread pool first)."""
+    from test_cli import specbuild
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    given = ["--prompts", prompts] if command[0] in ("bench", "verify") else []
+    result = specbuild(command[0], bf16_bundle, *command[1:], *given)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert "is bf16" in result.stderr and "--device cuda" in result.stderr and "--precision fp32" in result.stderr
+
+
+def test_compile_and_inspect_say_where_a_bundle_runs(bf16_bundle, bundles, cli):
+    from specbuild_runtime import load_manifest
+    from specbuild_runtime.manifest import where_it_runs
+
+    fp32 = load_manifest(bundles("llama", draft_seed=1))
+    engines = {role: replace(info, precision="fp16") for role, info in fp32.engines.items()}
+    assert where_it_runs(fp32) == "a CPU or a CUDA GPU"
+    assert where_it_runs(replace(fp32, engines=engines)).startswith("a CUDA GPU, or a CPU (fp16")
+    assert where_it_runs(load_manifest(bf16_bundle)).startswith("a CUDA GPU only: bf16")
+    inspected, = cli.run([["inspect", str(bf16_bundle)]])
+    assert "runs on    a CUDA GPU only: bf16" in inspected["stdout"]
 
 
 def test_cuda_sessions_are_made_with_cudnns_attention_off_unless_the_user_chose(bundles, monkeypatch):

@@ -261,7 +261,8 @@ class SpeculativeDecoder:
             raise BundleError(f"bundle must be a path to a bundle folder, not {bundle!r:.40}")
         self.root = Path(bundle)
         folder = _identity(self.root)
-        self.manifest = load_manifest(self.root, check_digests=check_digests, require_engines=True)
+        self.device = requested_device(device)
+        self.manifest = load_manifest(self.root, check_digests=check_digests, require_engines=True, device=self.device)
         self.max_seq_len = self.manifest.max_seq_len
         self.max_gamma = self.manifest.gamma
         self.eos_token_ids = set(self.manifest.eos_token_ids)
@@ -280,7 +281,6 @@ class SpeculativeDecoder:
         if cuda_graphs and not self.manifest.has_greedy_graphs:
             raise BundleError(f"{self.root} lacks the greedy-only graphs or the sampler, which CUDA graphs need (it was "
                               "compiled by an older specbuild): rebuild it with `specbuild compile`")
-        self.device = requested_device(device)
         self.cuda_graphs = graphs_by_default(self.manifest, self.device, parallel) if cuda_graphs is None else cuda_graphs
         slot_bytes = self.max_seq_len * sum(e.kv_bytes_per_position for e in self.manifest.engines.values())
         if self.device == "cpu":

@@ -38,7 +38,7 @@ if not hasattr(ort, "InferenceSession"):
                               "to run on CUDA", name="onnxruntime")
 
 from .errors import BundleError, DeviceError, first_line
-from .manifest import EngineInfo, cache_names
+from .manifest import EngineInfo, cache_names, can_run, cpu_refusal
 from .validation import (LOGIT_BIAS_INPUTS, LOGITS, MIN_P, MIN_TOKENS_INPUTS, PENALTY_INPUTS, check_engine_io,
                          check_sampler_io)
 
@@ -47,11 +47,6 @@ PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 # ONNX element types (onnx.TensorProto values; the runtime does not import onnx) of each cache precision.
 # bf16 has no numpy type: caches are allocated from these, never from numpy arrays.
 ELEMENT_TYPES = {"fp32": 1, "fp16": 10, "bf16": 16}
-
-
-def can_run(info: EngineInfo, device: str = "cpu") -> bool:
-    """Whether onnxruntime runs the engine on the device: its CPU provider has no bf16 MatMul."""
-    return not (device == "cpu" and info.precision == "bf16")
 
 
 # Where /proc and the cgroup file systems are read (tests point it at a folder of made-up ones).
@@ -319,9 +314,9 @@ class Engine:
         self.graphs_captured = 0  # CUDA graphs captured so far (bench: timed runs should replay, not capture)
         self._slots = itertools.count()
         self.vocab_size = info.shape.vocab_size
+        # Made alone, or under "auto" once CUDA failed to start: load_manifest refused such a bundle otherwise.
         if not can_run(info, device):
-            raise BundleError(f"engine {path} is {info.precision}, which onnxruntime's CPU provider cannot run "
-                              "(it has no bf16 MatMul): run it with device 'cuda', or rebuild with --precision fp32")
+            raise cpu_refusal(f"engine {path}", info.precision)
         if self.captures and info.precision == "fp32":
             raise BundleError(f"engine {path} is fp32, whose attention onnxruntime runs on the CPU (docs/gpu.md), so its "
                               "calls cannot be captured as CUDA graphs: rebuild with --precision fp16 or bf16, or run "

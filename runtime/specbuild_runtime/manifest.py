@@ -323,6 +323,31 @@ def _check_values(manifest: "Manifest") -> None:
         raise ValueError(f"eos_token_ids {manifest.eos_token_ids} are not token ids of the target's vocabulary")
 
 
+def can_run(info: EngineInfo, device: str = "cpu") -> bool:
+    """Whether onnxruntime runs the engine on the device: its CPU provider (1.32) has no bf16 Gemm or MatMul, so a bf16
+    graph fails to load there (NOT_IMPLEMENTED), where fp32, fp16 and quantized ones load and decode."""
+    return not (device == "cpu" and info.precision == "bf16")
+
+
+def cpu_refusal(what: str, precision: str) -> BundleError:
+    """The one line for an engine (what) the CPU provider cannot run, naming both ways out."""
+    return BundleError(f"{what} is {precision}, which onnxruntime's CPU provider cannot run (it has no {precision} "
+                       "Gemm): run it on a CUDA GPU (--device cuda; device='cuda' in Python), or compile it with "
+                       "--precision fp32 for a CPU")
+
+
+def where_it_runs(manifest: Manifest) -> str:
+    """Where the bundle's ONNX engines run, for compile's summary and inspect."""
+    precisions = {info.precision for info in manifest.engines.values()}
+    if not all(can_run(info) for info in manifest.engines.values()):
+        return ("a CUDA GPU only: bf16, which onnxruntime's CPU provider cannot run (compile with --precision fp32 for "
+                "a CPU)")
+    if "fp16" in precisions:
+        return ("a CUDA GPU, or a CPU (fp16 is for GPUs: the CPU provider has no fp16 Gemm and casts each weight to "
+                "fp32 as it reads it)")
+    return "a CPU or a CUDA GPU"
+
+
 def require_onnx_engines(root: Path, manifest: Manifest) -> None:
     """This runtime runs the ONNX engines; a bundle compiled with --backend tensorrt-llm alone has none."""
     if not manifest.engines:
@@ -349,9 +374,11 @@ def bundle_files(root: Path, hashed: typing.Callable[[int], None] | None = None)
     return digests
 
 
-def load_manifest(root: str | Path, check_digests: bool = True, require_engines: bool = False) -> Manifest:
+def load_manifest(root: str | Path, check_digests: bool = True, require_engines: bool = False,
+                  device: str | None = None) -> Manifest:
     """Read and check a bundle's manifest; every failure is a one-line BundleError. require_engines: the
-    caller runs the ONNX engines (a TensorRT-LLM-only bundle is refused)."""
+    caller runs the ONNX engines (a TensorRT-LLM-only bundle is refused). device: the caller runs them there (an
+    engine it cannot run is refused before the digests, which read every byte: 2.2 s of CPU for 2.5 GB)."""
     root = Path(root)
     path = root / MANIFEST
     if not path.is_file():
@@ -396,6 +423,10 @@ def load_manifest(root: str | Path, check_digests: bool = True, require_engines:
         raise BundleError(f"{path} cannot be used: {exc}; {advice}") from None
     if require_engines:
         require_onnx_engines(root, manifest)
+    refused = [role for role, info in manifest.engines.items() if device and not can_run(info, device)]
+    if refused:
+        role = "target" if "target" in refused else refused[0]
+        raise cpu_refusal(f"{root}'s {role} engine", manifest.engines[role].precision)
     if check_digests:
         # A caller that runs the ONNX engines never opens the TensorRT-LLM part: hashing it doubled the digest check
         # of a --backend all bundle (Qwen3-0.6B fp32: 2.5 GB of engines, 3.3 GB of TensorRT-LLM checkpoints; 2.2 ->

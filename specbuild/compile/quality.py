@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from specbuild_runtime.engine import Engine, can_run
+from specbuild_runtime.engine import Engine
 from specbuild_runtime.slot import AS_FED, NEVER_ALONE, EngineSlot
-from specbuild_runtime.manifest import EngineInfo
+from specbuild_runtime.manifest import EngineInfo, can_run
 
 from ..acceptance import rounds, until_eos
 from ..progress import bar
