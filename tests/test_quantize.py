@@ -1,5 +1,7 @@
 """Quantized and half-precision engines: speculative output still equals the (quantized) target's own greedy."""
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -522,3 +524,30 @@ def test_a_round_of_an_odd_number_of_rows_over_a_one_token_prompt_gets_the_bits_
             single.append(tokens.logits())
         assert np.array_equal(verified, np.concatenate(single)), (settings, drafts)
         assert rounds.kept == tokens.kept == 2 + drafts  # every position written by an even call: reusable
+
+
+def test_compiles_check_runs_a_quantized_engine_once_and_loads_its_other_graphs(bundle, monkeypatch):
+    """Each run of a quantized graph dequantizes every weight to fp32 (1.8-3 s at 0.6B); the greedy-only and steps
+    graphs hold the same weights and layers, so loading them proves what their runs would add. fp32 graphs all run."""
+    import specbuild.compile.check as check
+
+    ran, loaded = [], []
+
+    class Recorded(check.ort.InferenceSession):
+        def __init__(self, path, *args, **options):
+            super().__init__(path, *args, **options)
+            self.name = Path(path).name
+            loaded.append(self.name)
+
+        def run(self, *args, **options):
+            ran.append(self.name)
+            return super().run(*args, **options)
+
+    monkeypatch.setattr(check.ort, "InferenceSession", Recorded)
+    folder = bundle(target_quantize="int8")
+    manifest = load_manifest(folder)
+    check.check_engines(folder, manifest.engines, "", manifest.max_seq_len)
+    target, draft = manifest.engines["target"], manifest.engines["draft"]
+    assert (target.quantization, draft.quantization) == ("int8", "none")
+    assert sorted(loaded) == sorted([draft.file, draft.greedy_file, draft.steps_file, target.file, target.greedy_file])
+    assert sorted(ran) == sorted([target.file, draft.file, draft.greedy_file, draft.steps_file])

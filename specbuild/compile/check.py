@@ -20,19 +20,29 @@ from .graphs.verification import NOT_FINITE
 def check_engines(folder: Path, engines: dict[str, EngineInfo], sampler: str, max_seq_len: int) -> None:
     """check_engine for every graph of every engine in folder, then check_sampler for the sampler (if written)."""
     graphs = [(file, info) for info in engines.values() for file in (info.file, info.greedy_file, info.steps_file) if file]
-    # each one loaded and (fp32) run: at 7B, seconds to a minute apiece
+    # each one loaded and, fp32, run (a quantized engine's engine graph alone: check_engine): at 7B, seconds to a
+    # minute apiece
     for file, info in steps(graphs, "checking the engines' graphs", "graph"):
-        check_engine(folder / file, info, max_seq_len)
+        check_engine(folder / file, info, max_seq_len, run=info.quantization == "none" or file == info.file)
     if sampler:
         check_sampler(folder / sampler, engines["target"].shape.vocab_size)
 
 
-def check_engine(path: Path, info: EngineInfo, max_seq_len: int) -> None:
+def check_engine(path: Path, info: EngineInfo, max_seq_len: int, run: bool = True) -> None:
     """Prove the engine loads, and runs, before the bundle is published: onnxruntime's CPU provider loads
-    an fp32 or fp16 engine graph (a kernel for every node, every weight where the file says), and runs an
+    an fp32 or fp16 engine graph (a kernel for every node, every weight where the file says), and (run) runs an
     fp32 one (quantized or not) for a one-token prefill fed as specbuild_runtime.manifest's I/O contract
     says (the greedy-only graph: the inputs it has).
     A bf16 engine passed the ONNX checker when it was written; the CPU provider cannot even load it.
+
+    A quantized engine runs its engine graph alone (run False for the others); its greedy-only and steps graphs, the
+    same layers over the same weights with another head or a loop around them, are loaded. Without prepacking (below),
+    each MatMulNBits call dequantizes its whole weight to fp32 for an fp32 Gemm, so a run costs a dequantization of
+    the model: 1.8-3 s for a Qwen3-0.6B-shaped int8 or int4 target on this 2-core machine at load 2, 5 s at load 5,
+    where an fp32 run reads the mapped weights in place (2 s for all five graphs). Running the other two graphs as
+    well would prove again, of the same weights and kernels, what the engine graph's run proved
+    (docs/compile-at-scale.md: the check's time halved). The largest of those fp32 copies, the LM head's (0.6 GB at
+    0.6B, 2.2 GB at 7B), is the check's peak memory, as before.
 
     fp16 engines are loaded, not run. The CPU provider has no fp16 (or bf16) Gemm: it casts
     each weight to fp32 on its way through, and onnxruntime keeps most of those casts alive at once
@@ -50,7 +60,7 @@ def check_engine(path: Path, info: EngineInfo, max_seq_len: int) -> None:
     shape, vocab = info.shape, info.shape.vocab_size
     try:
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        if info.precision != "fp32":
+        if info.precision != "fp32" or not run:
             return
         cache = np.zeros((1, shape.num_kv_heads, max_seq_len, shape.head_dim), np.float32)
         feeds = {
