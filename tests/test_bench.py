@@ -74,6 +74,37 @@ def test_bench_seeds_prompt_i_of_every_fixed_gamma_with_seed_plus_i(bundles):
                                   for i, ids in enumerate(prompts)]
 
 
+def test_a_bench_of_a_minute_or_more_says_after_its_warm_up_how_long_it_will_decode(bundles, monkeypatch, capsys):
+    """At its defaults on a 0.6B on a CPU, an hour that nothing announced. The line's threshold is lowered so that a
+    tiny bundle's run says it too (a run under it prints nothing: test_every_phase_of_bench_...)."""
+    from specbuild.bench import bench as module
+    from specbuild_runtime import SpeculativeDecoder
+
+    decoder = SpeculativeDecoder(bundles("llama", 1))
+    monkeypatch.setattr(module, "SAY_DURATION_FROM", 0.0)
+    capsys.readouterr()
+    module.run_ours(decoder, [decoder.encode(p) for p in ("def f():", "import os", "x = 1")], 4, [0, 2, "auto"])
+    line, = capsys.readouterr().err.splitlines()
+    assert line.startswith("bench: about 1 min to decode 3 prompts × 4 tokens in 3 modes (the warm-up's prompt took ")
+    assert "--prompts" in line and "-n" in line and "--gamma" in line
+
+
+def test_bench_says_its_duration_from_the_warm_ups_seconds_a_prompt():
+    from specbuild.bench.bench import duration_line
+
+    line = duration_line(240.0, 24, 128, 6)
+    assert line.startswith("bench: about 1.6 h to decode 24 prompts × 128 tokens in 6 modes (the warm-up's prompt "
+                           "took 4.0 min in all 6)")
+    assert "about 2 min" in duration_line(5.0, 24, 128, 6) and "took 5 s" in duration_line(5.0, 24, 128, 6)
+
+
+def test_bench_help_says_what_a_run_decodes_and_how_to_shorten_it():
+    result = specbuild("bench", "--help", check=True)
+    text = " ".join(result.stdout.split())
+    assert "decode 24 prompts × 128 tokens in 6 modes: an hour or more of a CPU at 0.6B" in text
+    assert "--prompts (a file of fewer prompts), -n and --gamma shorten it" in text
+
+
 def test_bench_at_its_smallest_n_reports_instead_of_dividing_by_zero(bundles, tmp_path):
     """-n 2 (the least it takes) leaves one token after the first, which no round drafts for."""
     prompts = tmp_path / "p.jsonl"

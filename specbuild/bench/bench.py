@@ -6,6 +6,7 @@ on a shared machine, absolute times are rough.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,10 +160,14 @@ def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_toke
     # captured at its run WARM_UP_RUNS + 1; a capture costs a call's time many times over). Auto γ's choices
     # follow timings and may still meet a new shape while timed: the report counts those captures.
     warm, passes = (prompts, WARM_UP_RUNS + 1) if decoder.target.captures else (prompts[:1], 1)
+    started = time.perf_counter()
     for _ in progress.steps(range(passes), "warming up", "pass"):
         for gamma in gammas:
             for ids in warm:
                 decoder.generate(ids, max_new_tokens, gamma, **(sampling or {}))
+    per_prompt = (time.perf_counter() - started) / (passes * len(warm))
+    if per_prompt * len(prompts) >= SAY_DURATION_FROM:
+        print(duration_line(per_prompt, len(prompts), max_new_tokens, len(gammas)), file=sys.stderr, flush=True)
     # The bar moves between prompts, outside what is timed.
     modes = ", ".join(f"γ {gamma}" for gamma in gammas)
     for number, ids in progress.steps(list(enumerate(prompts)), f"decoding at {modes}", "prompt"):
@@ -175,6 +180,26 @@ def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_toke
             result.add(stats, tokens)
             result.captures += decoder.graphs_captured - before
     return results
+
+
+# A run expected to decode for at least this long says so after its warm-up; a shorter one prints nothing (progress.py).
+SAY_DURATION_FROM = progress.LOG_EVERY
+
+
+def duration_line(per_prompt: float, prompts: int, max_new_tokens: int, modes: int) -> str:
+    """What the timed decoding will take, from the warm-up's seconds a prompt (every mode), and how to shorten it: at
+    its defaults on a Qwen3-0.6B on a 2-core CPU, an hour or more, which nothing said before. The warm-up's one-off
+    costs make it high: a Qwen3-0.6B-shaped int8 target's warm-up (-n 32, 6 modes, load 5) foretold 120 s for 4
+    prompts that took 100 s."""
+    seconds = per_prompt * prompts
+    took = f"{per_prompt / 60:.1f} min" if per_prompt >= 60 else f"{per_prompt:.0f} s"
+    return (f"bench: about {_duration(seconds)} to decode {prompts} prompts × {max_new_tokens} tokens in {modes} modes "
+            f"(the warm-up's prompt took {took} in all {modes}), then the target's context timing and any peers; "
+            "shorten it with --prompts (a file of fewer prompts), -n (fewer tokens) or --gamma (fewer γ, fewer modes)")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{max(1, round(seconds / 60))} min"
 
 
 def context_latency(decoder: SpeculativeDecoder, short: int = 64, long: int = 1024, steps: int = 200) -> dict:
