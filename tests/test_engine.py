@@ -62,6 +62,22 @@ def test_a_bf16_bundle_on_the_cpu_is_one_line_naming_the_way_out(bf16_bundle, de
     assert "\n" not in str(error.value)
 
 
+def test_auto_takes_a_bf16_bundle_to_cuda_where_the_cuda_provider_is(bf16_bundle, monkeypatch):
+    """The CPU refusal waits for the device "auto" resolves to: with the CUDA provider, the engines load on CUDA."""
+    import specbuild_runtime.engine as engine
+
+    class Loading(Exception):
+        pass
+
+    def engines(decoder, draft_steps):
+        raise Loading(decoder.device)
+
+    monkeypatch.setattr(engine, "cuda_provider", lambda: True)
+    monkeypatch.setattr(SpeculativeDecoder, "_engines", engines)
+    with pytest.raises(Loading, match="cuda"):
+        SpeculativeDecoder(bf16_bundle, device="auto")
+
+
 def test_a_bf16_bundle_on_the_cpu_is_refused_before_its_digests_are_read(bf16_bundle, tmp_path):
     """The digests read every byte (2.2 s of CPU for 2.5 GB, load_manifest), for nothing where the CPU cannot run it."""
     import shutil
