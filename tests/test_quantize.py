@@ -551,3 +551,20 @@ def test_compiles_check_runs_a_quantized_engine_once_and_loads_its_other_graphs(
     assert (target.quantization, draft.quantization) == ("int8", "none")
     assert sorted(loaded) == sorted([draft.file, draft.greedy_file, draft.steps_file, target.file, target.greedy_file])
     assert sorted(ran) == sorted([target.file, draft.file, draft.greedy_file, draft.steps_file])
+
+
+@pytest.mark.parametrize("mode", VARIANTS)
+def test_a_quantized_pairs_greedy_only_and_steps_graphs_decode_as_its_engine_graphs(mode, bundle, tokenizer):
+    """compile's check only loads a quantized engine's greedy-only and steps graphs (check_engine), and a CPU decodes
+    with neither by default: here they run over quantized weights off a GPU. The steps graph drafts what the draft's
+    greedy-only calls would (the same accepted drafts); the target's greedy-only graph decodes the target's greedy."""
+    folder = bundle(target_quantize=mode, draft_quantize=mode)
+    plain, stepped = (SpeculativeDecoder(folder, cuda_graphs=True, draft_steps=steps) for steps in (False, True))
+    assert stepped.target.greedy_only and stepped.steps_engine is not None
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        expected = SpeculativeDecoder(folder).generate(ids, NEW_TOKENS, gamma=0).token_ids
+        for gamma in (1, 4):  # a round of 4 drafts or more calls the steps graph (pipeline.DRAFT_STEPS)
+            a, b = (decoder.generate(ids, NEW_TOKENS, gamma) for decoder in (plain, stepped))
+            assert a.token_ids == b.token_ids == expected, (mode, gamma, prompt)
+            assert a.stats.accepted == b.stats.accepted and b.stats.drafted > 0, (mode, gamma, prompt)

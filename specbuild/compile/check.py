@@ -39,10 +39,16 @@ def check_engine(path: Path, info: EngineInfo, max_seq_len: int, run: bool = Tru
     same layers over the same weights with another head or a loop around them, are loaded. Without prepacking (below),
     each MatMulNBits call dequantizes its whole weight to fp32 for an fp32 Gemm, so a run costs a dequantization of
     the model: 1.8-3 s for a Qwen3-0.6B-shaped int8 or int4 target on this 2-core machine at load 2, 5 s at load 5,
-    where an fp32 run reads the mapped weights in place (2 s for all five graphs). Running the other two graphs as
-    well would prove again, of the same weights and kernels, what the engine graph's run proved
-    (docs/compile-at-scale.md: the check's time halved). The largest of those fp32 copies, the LM head's (0.6 GB at
-    0.6B, 2.2 GB at 7B), is the check's peak memory, as before.
+    where an fp32 run reads the mapped weights in place (2 s for all five graphs); skipping the two roughly halved
+    the check (docs/compile-at-scale.md). Their runs proved the weights and kernels again, but not what only they
+    hold: the greedy-only graph's argmax tail and the steps graph's later steps, each fed the token before. The same
+    code builds them for an unquantized engine, whose graphs every fp32 compile runs, and
+    test_a_quantized_pairs_greedy_only_and_steps_graphs_decode_as_its_engine_graphs runs them quantized; a fault only
+    a quantized bundle's run of them shows ships, to a GPU, where the draft's steps graph is the default. Prepacking
+    made a quantized run faster (a 0.6B target's greedy-only graph: int8 2.75 -> 2.05 s, int4 3.27 -> 1.93 s, medians
+    of 3 interleaved, load 10-17; peak +0.06 GB) but keeps a packed copy of every weight at once (docs/performance.md:
+    1.0x the weights when decoding), not measured at 7B, so it stays off. The largest of the fp32 copies, the LM
+    head's (0.6 GB at 0.6B, 2.2 GB at 7B), is the check's peak memory, as before.
 
     fp16 engines are loaded, not run. The CPU provider has no fp16 (or bf16) Gemm: it casts
     each weight to fp32 on its way through, and onnxruntime keeps most of those casts alive at once
