@@ -619,3 +619,36 @@ def test_rounds_at_gamma_0_chosen_a_stretch_at_once_teach_what_rounds_chosen_one
     monkeypatch.setattr(policy_module, "STRETCH", 1)
     *one_at_a_time, every = chosen()
     assert one_at_a_time == stretched and apart < every - 1000
+
+
+def probes_at(policy, rounds: int, accepts) -> list[int]:
+    """The rounds decode_rounds gives a probe (γ 1 after a round at γ 0), drafts at 0.65 of a target call."""
+    chosen = decode_rounds(policy, rounds, accepts, lambda r, k: (0.65 * k, 1 + 0.03 * k))
+    return [r for r, k in enumerate(chosen) if k and not chosen[r - 1]]
+
+
+def test_a_probe_chosen_but_never_observed_is_no_probe_to_the_next_round(monkeypatch):
+    """A RequestError or a closed stream between choose and observe left `probing` set, and the next round observed
+    (the next request's first) was taken for a probe that left auto at γ 0: the wait doubled for a probe never made.
+    Rounds chosen one at a time, so that the next round is the last observed before choose decides (as one with
+    drafts is; in a stretch the rounds after it hid it)."""
+    import specbuild_runtime.policy as policy_module
+
+    monkeypatch.setattr(policy_module, "STRETCH", 1)
+    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.65)
+    probes_at(policy, 100, lambda r, j: False)
+    while policy.choose(limit=100) != 1:  # the probe, whose request then ends without observing it
+        policy.observe(0, 0, 0.0, 1.0)
+    wait = policy.probe_every
+    assert probes_at(policy, 3 * wait, lambda r, j: False)[0] == wait - 1
+
+
+def test_a_probe_that_holds_is_news_only_where_the_draft_fails_most_of_the_time():
+    """Drafts accepted 4 times in 10, at 0.65 of a target call: no γ pays, and held probes are common. Were a held
+    probe news below α ½ (FAILING), where α's estimate wanders, many would bring an early one: 1.4 times the floor's
+    probes (18,000 / MAX_PROBE_EVERY), 1.08 times below ¼."""
+    rng = random.Random(0)
+    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.65)
+    probes = probes_at(policy, 20_000, lambda r, j: rng.random() < 0.4)
+    steady = [r for r in probes if r >= 2_000]
+    assert len(steady) <= 1.15 * 18_000 / MAX_PROBE_EVERY  # 152 here; below ½, 198

@@ -56,7 +56,8 @@ STRETCH = 16
 # α below which the draft is failing, so that a probe that holds is news. Simulated (draft steps of 0.65 target calls,
 # catch-ups of 3; α 0.2-0.5, where no γ pays): below ½, 9.5-11.8 probes a 1000 rounds, below ¼ 8.0-9.0 (the floor,
 # 1000 / MAX_PROBE_EVERY: 7.8), and a draft agreeing again after 1000 bad rounds drafted as soon (22-142 rounds after;
-# below 0.15, 142-262).
+# below 0.15, 142-262). At α 0.4, where held probes are common, below ½ 1.4 times the floor's probes, below ¼ 1.08
+# (tests/test_policy.py).
 FAILING = 0.25
 # Weight of the past in the estimate of α. Greedy agreement may come in runs (stretches of text both
 # models find predictable), where a fast average follows them within a few rounds, or as coin flips
@@ -441,6 +442,9 @@ class AdaptiveGamma:
         return self._choose(limit)
 
     def _choose(self, limit: int) -> int:
+        # a probe chosen but never observed (a RequestError, a stream closed between choose and observe) is over: the
+        # next round observed is no probe
+        self.probing = False
         costs = self.costs
         with costs.lock:  # one consistent view of the costs
             if costs.unit_untimed:  # every cost is priced in it: timed first (Costs.unit_untimed)
