@@ -5,9 +5,9 @@ import functools
 import random
 import pytest
 
-from specbuild_runtime.policy import (GREEDY_DECAYS, MAX_PROBE_EVERY, MAX_STALE_ROUNDS, PROBE_EVERY, SAMPLING_DECAYS,
-                                      STALE_ROUNDS, FIRST_ROUNDS, FREE_GUESSES, FRESH_ROUNDS, AdaptiveGamma, Costs,
-                                      PriorCosts, prior_draft_cost)
+from specbuild_runtime.policy import (CATCH_UP_TOKEN, GREEDY_DECAYS, MAX_PROBE_EVERY, MAX_STALE_ROUNDS, PROBE_EVERY,
+                                      PROBE_SHARE, SAMPLING_DECAYS, STALE_ROUNDS, STRETCH, FIRST_ROUNDS, FREE_GUESSES,
+                                      FRESH_ROUNDS, AdaptiveGamma, Costs, PriorCosts, prior_draft_cost)
 
 from conftest import PROMPTS
 
@@ -608,7 +608,7 @@ def test_rounds_at_gamma_0_chosen_a_stretch_at_once_teach_what_rounds_chosen_one
     def chosen() -> tuple[list[int], list[float], int, int, int]:
         policy = AdaptiveGamma(max_gamma=8, draft_cost=0.65)
         choose, chosen_apart = policy._choose, []
-        policy._choose = lambda limit: chosen_apart.append(limit) or choose(limit)
+        policy._choose = lambda *args: chosen_apart.append(args) or choose(*args)
         gammas = decode_rounds(policy, 2500, lambda r, j: r >= 1500 or (r + j) % 7 == 0,
                                lambda r, k: (0.65 * k if r < 1500 else 0.1 * k, 1 + 0.03 * k + r % 11 / 100))
         policy.choose(limit=100)  # observes what is left of a stretch
@@ -652,3 +652,74 @@ def test_a_probe_that_holds_is_news_only_where_the_draft_fails_most_of_the_time(
     probes = probes_at(policy, 20_000, lambda r, j: rng.random() < 0.4)
     steady = [r for r in probes if r >= 2_000]
     assert len(steady) <= 1.15 * 18_000 / MAX_PROBE_EVERY  # 152 here; below ½, 198
+
+
+def test_a_draft_calls_cost_is_fitted_per_call_and_per_token_from_one_call_rounds():
+    """Rounds at γ 1 (a draft call reading 2 tokens) and probes catching up on 20-200 tokens, each call 0.3 units plus
+    0.01 a token: draft_call finds both, and prices a catch-up it never saw."""
+    costs = Costs(max_gamma=4, draft_cost=0.3)
+    assert costs.draft_call(100) == pytest.approx((costs.prior_step * (1 + 100 * CATCH_UP_TOKEN),
+                                                   costs.prior_step * CATCH_UP_TOKEN))
+    for _ in range(FIRST_ROUNDS):
+        costs.observe(0, 0.0, 1.0, catching_up=False)
+    for read in (2, 20, 2, 2, 200, 2, 60, 2, 2, 120):
+        costs.observe(1, 0.3 + 0.01 * read, 1.05, catching_up=read > 2, read=read)
+    assert costs.draft_call(500) == pytest.approx((5.3, 0.01))
+
+
+def test_a_due_probe_waits_for_a_catch_up_that_costs_a_hundredth_of_the_rounds_since():
+    """Where the draft keeps failing (probes MAX_PROBE_EVERY apart), a probe mid-request caught the draft up on the
+    prompt and every token since (on the tiny random pair 2-4 rounds without drafts, every ~104 rounds: ~3% of auto's
+    time): a due probe waits until its draft call costs at most PROBE_SHARE of the rounds at γ 0 since the last, as it
+    does at the next request's start, where the draft has the prompt alone to read."""
+    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.65)
+    probes_at(policy, 1000, lambda r, j: False)
+    assert policy.probe_every == MAX_PROBE_EVERY
+    while policy.rounds_at_zero < MAX_PROBE_EVERY:
+        assert policy.choose(limit=100, behind=policy.rounds_at_zero + 60) == 0
+        policy.observe(0, 0, 0.0, 1.0)
+    call, token = policy.costs.draft_call(0)
+    catch_up = int((PROBE_SHARE * MAX_PROBE_EVERY - call) / token)  # the most a probe now due may read
+    assert policy.choose(limit=100, behind=catch_up + 16) == 0  # mid-request: the stretch goes on
+    policy.observe(0, 0, 0.0, 1.0)
+    for _ in range(STRETCH - 1):
+        assert policy.choose(limit=100, behind=catch_up + 17) == 0
+        policy.observe(0, 0, 0.0, 1.0)
+    assert policy.choose(limit=100, behind=catch_up) == 1  # a request's start: the stretch ends, the probe comes
+
+
+def test_drafting_after_a_catch_up_waits_where_the_room_left_would_not_repay_it():
+    """A round that first catches the draft up on n tokens (after a stretch at γ 0 or a grammar's forced run) pays for
+    them: auto drafts there only where what drafting saves over the room left repays them."""
+    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.1)
+    decode_rounds(policy, 40, lambda r, j: True, lambda r, k: (0.1 * k, 1 + 0.03 * k))
+    assert policy.choose(limit=8, behind=2, room=8) == 8
+    policy.observe(8, 8, 0.8, 1.2)
+    assert policy.choose(limit=8, behind=2000, room=8) == 0
+    assert policy.choose(limit=8, behind=200, room=500) == 8
+
+
+def test_decode_tells_auto_the_catch_up_its_draft_would_read_and_the_room_left(bundles, tokenizer, monkeypatch):
+    """choose hears how many tokens the draft's first call would read: the whole prompt and the token after it at a
+    request's start (no prefix reused), 1-2 after a round with drafts, more after each round at γ 0; and the tokens the
+    request may still generate after the round's. A draft that is its target: greedy, no γ pays (a draft step costs a
+    target call); seeded at T 1 with a draft step priced at a tenth of one, auto drafts and every draft holds."""
+    heard: list[tuple[int, int, int]] = []
+    choose = AdaptiveGamma.choose
+
+    def told(self, limit, behind=0, room=None):
+        heard.append((behind, room, k := choose(self, limit, behind, room)))
+        return k
+
+    monkeypatch.setattr(AdaptiveGamma, "choose", told)
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    decoder = SpeculativeDecoder(bundles("llama"), prefix_reuse=False)
+    decoder._prior_draft_cost = 0.1
+    for options in ({}, dict(temperature=1.0, seed=0)):
+        heard.clear()
+        result = decoder.generate(ids, 40, gamma="auto", **options)
+        assert heard[0][:2] == (len(ids) + 1, 38) and len(heard) == result.stats.rounds
+        drafted = [k for _, _, k in heard]
+        assert min(drafted) > 0 if options else max(drafted) == 0
+        for (behind, room, k), (after, room_after, _) in zip(heard, heard[1:]):
+            assert (after <= 2 if k else after > behind) and room_after < room

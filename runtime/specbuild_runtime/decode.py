@@ -842,7 +842,8 @@ class SpeculativeDecoder:
             # A round of forced tokens alone is the grammar's, not the policy's: not asked (nor told, below). Both
             # checks come only where drafts could follow: choose and ends_after take ~3 and ~11 us, 1-3% of a round of
             # the tiny random pair's (0.4-1 ms, masks included).
-            k = policy.choose(limit) if limit or not forced else 0
+            behind = len(ids) - draft_len + len(forced)  # what the draft's first call would read
+            k = policy.choose(limit, behind, room) if limit or not forced else 0
             # A normal round feeds the draft the target's token (and the last accepted draft); more means
             # it is catching up on the prompt, on rounds without drafts or on forced tokens.
             catching_up = len(ids) - draft_len > 2 or bool(forced)
@@ -898,7 +899,7 @@ class SpeculativeDecoder:
                 policy.observe(k if ended else asked, accepted, t1 - t0, t2 - t1, catching_up, None if forced else held,
                                timed=unsteady_calls() == unsteady and k == asked,
                                chained=not (forced or drafts) and len(proposed) > 1,
-                               seen=min(len(guesses), len(new_tokens)))
+                               seen=min(len(guesses), len(new_tokens)), read=behind)
             stats.record_round(k, accepted, t1 - t0, t2 - t1)
 
     def _score(self, slot: Slot, ids: list[int], top: int,

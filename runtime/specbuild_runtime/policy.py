@@ -28,6 +28,9 @@ where 4 probes in 10 held and drafting did not pay (structured_alpha's tiny rand
 No probe comes while no γ would pay were every draft accepted (its cost above its γ + 1 tokens): no α a probe could show
 makes auto draft then. The demo pair under T 0.8 + repetition 1.1 on 2 cores at load 8 priced a round at γ 1 at 4.7
 rounds without drafts, yet probed about once a request (a catch-up on the prompt and the tokens since: 3.6-3.9 rounds).
+What a catch-up costs is priced (Costs.draft_call: per call + per token read): once probes come MAX_PROBE_EVERY apart a
+due one waits for a catch-up cheap enough (PROBE_SHARE), mostly a request's first round, and a round that would draft
+after a stretch at γ 0 drafts only where drafting saves more over the room left than the catch-up costs.
 """
 
 from __future__ import annotations
@@ -39,6 +42,15 @@ from collections import deque
 
 PROBE_EVERY = 8
 MAX_PROBE_EVERY = 128
+# Once probes come MAX_PROBE_EVERY apart (the draft keeps failing), a due probe waits until its draft call, the catch-up
+# on every token since the draft last ran (Costs.draft_call), costs at most this share of the rounds at γ 0 since the
+# last: mid-request that is the prompt and every token since, at a request's start the prompt alone. On the tiny random
+# pair (no γ pays) a probe came every ~104 rounds, mid-request, ~3% of auto's time; with this, at requests' starts
+# (fitted there in one process: a draft call 1.4 units + 0.056 a token; 17-59-token prompts) every ~360. Auto against
+# target-only (benchmarks/auto_ab.py, medians over processes taking turns with two copies of the code before, 2 cores):
+# 0.964x and 0.961x -> 0.987x (10 processes a side x 7 runs, load 2.6-3.8), 0.939x and 0.958x -> 0.989x (8 x 5, load
+# 3.4-5.3).
+PROBE_SHARE = 0.01
 # Free guesses a round without drafts checks at most (decode._speculate): on the demo pair, rounds of guesses alone (no
 # draft model) decoded at 1.48x target-only with 1 guess, 1.54x with 2 and 4, and 1.26x with 8 (on the CPU every row
 # costs ~9% of a call). Odd: the round's token and its guesses then fill an even call (slot.NEVER_ALONE), where 4
@@ -74,6 +86,18 @@ GREEDY_DECAYS = (0.7, 0.95)
 SAMPLING_DECAYS = (0.9,)
 ESTIMATE_SCORE_DECAY = 0.97
 PRIOR_EXTRA_TOKEN = 0.05  # the prior's cost of one more row in a target call, per draft
+# A draft call's cost grows with the tokens it reads: one that catches up (a probe, the first round with drafts after a
+# stretch at γ 0 or a forced run) reads every token since the draft last ran. Costs fits a call's cost in units as
+# per-call + per-token from the rounds whose draft made one call (γ 1: probes, where they catch up on 20-200 tokens,
+# and rounds at γ 1); until CATCH_UP_SAMPLES of them, spread over tokens counts CATCH_UP_SPREAD apart or more, the
+# prior prices a call at prior_step and each token it reads at CATCH_UP_TOKEN of that. Measured one call at a time (2
+# CPU cores, load 1): the tiny random pair's draft 62-74 µs for 1-8 tokens, 108 for 32, 173 for 64, 373 for 128 (~2.5
+# µs a token, 0.04 of a call; its round without drafts ~165 µs); the demo pair's 157-168 µs for 1-2, 536 for 32, 1047
+# for 64, 2015 for 128 (~15 µs a token, 0.1 of a call). Each sample counts CATCH_UP_DECAY of the one before.
+CATCH_UP_TOKEN = 0.05
+CATCH_UP_SAMPLES = 4
+CATCH_UP_SPREAD = 8
+CATCH_UP_DECAY = 0.95
 # What a call costs besides reading its weights (Python, onnxruntime's dispatch, sampling and penalties on the host),
 # as the weight bytes it could have read meanwhile: the prior a seeded sampled request prices rounds by, never timed
 # (PriorCosts), takes a draft step for (draft bytes + this) / (target bytes + this) of a target call. Tiny models pay
@@ -168,12 +192,12 @@ class FixedGamma:
     def __init__(self, gamma: int):
         self.gamma = gamma
 
-    def choose(self, limit: int) -> int:
+    def choose(self, limit: int, behind: int = 0, room: int | None = None) -> int:
         return min(self.gamma, limit)
 
     def observe(self, drafted: int, accepted: int, draft_seconds: float, target_seconds: float,
                 catching_up: bool = False, held: int | None = None, timed: bool = True, chained: bool = False,
-                seen: int | None = None) -> None:
+                seen: int | None = None, read: int = 0) -> None:
         pass
 
 
@@ -224,6 +248,9 @@ class Costs:
         self.table: list[float] = []
         self.version = 0
         self.due = math.inf
+        # A one-call draft's cost in units against the tokens it read (CATCH_UP_TOKEN): decayed sums of the samples'
+        # weight, tokens, tokens², cost and tokens × cost.
+        self.reads = [0.0] * 5
         self._priced()
 
     def costs(self, limit: int) -> list[float]:
@@ -232,6 +259,18 @@ class Costs:
 
     def cost(self, gamma: int) -> float:
         return self.table[gamma]
+
+    def draft_call(self, tokens: int) -> tuple[float, float]:
+        """A draft call that reads `tokens` tokens: its cost in units, and what each token it reads adds to it (the
+        fit of CATCH_UP_TOKEN, the prior's where it lacks samples)."""
+        weight, x, xx, y, xy = self.reads
+        token = self.prior_step * CATCH_UP_TOKEN
+        if weight < 1:
+            return self.prior_step + token * tokens, token
+        spread = weight * xx - x * x
+        if weight >= CATCH_UP_SAMPLES and spread >= (CATCH_UP_SPREAD * weight) ** 2:
+            token = max((weight * xy - x * y) / spread, 0.0)
+        return max((y - token * x) / weight, 0.0) + token * tokens, token
 
     def _priced(self) -> None:
         """After a cost changed or was dropped: the table, and the first round at which observe may drop one (_stale,
@@ -290,8 +329,9 @@ class Costs:
         return self.observed - max(self.timed_at[gamma:]) > wait and self.timed_at[gamma - 1] == self.observed - 1
 
     def observe(self, drafted: int, draft_seconds: float, target_seconds: float, catching_up: bool,
-                chained: bool = False) -> None:
-        """chained: a round without drafts whose target call checked a chain of free guesses."""
+                chained: bool = False, read: int = 0) -> None:
+        """chained: a round without drafts whose target call checked a chain of free guesses. read: the tokens the
+        round's first draft call read (0: not told)."""
         with self.lock:
             self.observed = observed = self.observed + 1
             if observed >= self.due:
@@ -320,9 +360,17 @@ class Costs:
                 if len(last) == FIRST_ROUNDS:
                     self.rounds[0] = statistics.median(last)
                 return
-            # a catching-up draft also read tokens it had missed: not a round of γ; or no unit of its time
             unit = self.rounds[0]
-            if drafted and catching_up or unit is None or not self.unit_fresh:
+            if unit is None or not self.unit_fresh:  # no unit of its time
+                return
+            if drafted == 1 and read:  # one draft call: a sample of draft_call, clipped as a preempted call would be
+                weight = self.reads[0]
+                cost = draft_seconds / unit
+                if weight >= CATCH_UP_SAMPLES:
+                    cost = min(cost, 3 * self.draft_call(read)[0])
+                sample = 1.0, read, read * read, cost, read * cost
+                self.reads = [CATCH_UP_DECAY * old + new for old, new in zip(self.reads, sample)]
+            if drafted and catching_up:  # its draft also read tokens it had missed: not a round of γ
                 return
             if chained:
                 if self.chain is not None:  # chosen for what it yields, not to time it: it pays
@@ -358,7 +406,7 @@ class PriorCosts(Costs):
     that pay (a greedy draft step of the demo pair cost 0.33 target calls at γ 4, its first 0.43)."""
 
     def observe(self, drafted: int, draft_seconds: float, target_seconds: float, catching_up: bool,
-                chained: bool = False) -> None:
+                chained: bool = False, read: int = 0) -> None:
         pass
 
     @property
@@ -420,6 +468,7 @@ class AdaptiveGamma:
         self.planned: tuple[int, int, int] | None = None  # the costs' version, drafted_rounds and γ limit of self.plan
         self.plan = 0, 0.0, 0.0  # _plan's
         self.stretch = 0  # further rounds at γ 0 that choose gave at once (STRETCH)
+        self.behind = 0  # the draft's catch-up at the last choose: a shorter one starts a request, and ends a stretch
         self.pending: list[tuple] | None = None  # their rounds, observed at the next choose (None: none given)
 
     @property
@@ -430,18 +479,22 @@ class AdaptiveGamma:
     def alpha(self) -> float:
         return self.estimate.alpha
 
-    def choose(self, limit: int) -> int:
-        if self.stretch:
+    def choose(self, limit: int, behind: int = 0, room: int | None = None) -> int:
+        """behind: the tokens the draft's first call would read, were it called (1-2 after a round with drafts, more
+        where it catches up); room: the tokens the request may generate after this round's (None: no end in sight)."""
+        if self.stretch and behind >= self.behind:
+            self.behind = behind
             self.stretch -= 1
             self.rounds_at_zero += 1
             return 0
+        self.behind, self.stretch = behind, 0
         if self.pending is not None:
             pending, self.pending = self.pending, None
             for args in pending:
                 self.observe(*args)
-        return self._choose(limit)
+        return self._choose(limit, behind, room)
 
-    def _choose(self, limit: int) -> int:
+    def _choose(self, limit: int, behind: int = 0, room: int | None = None) -> int:
         # a probe chosen but never observed (a RequestError, a stream closed between choose and observe) is over: the
         # next round observed is no probe
         self.probing = False
@@ -473,6 +526,13 @@ class AdaptiveGamma:
             if not priceable:
                 self.chain = False  # a round of the unit's two rows
                 return 0
+            # A round that catches up reads behind - 2 more tokens than one after drafting: worth it where drafting
+            # saves more over the room left, each token costing 1 / most units at γ 0 and 1 / rate drafting.
+            if behind > 2 and room is not None and (costs.draft_call(behind)[1] * (behind - 2)
+                                                    > room * (1 / most - 1 / rate)):
+                self.stretch = max(min(STRETCH, room) - 1, 0)
+                self.pending = [] if self.stretch else None
+                return 0
             return best
         if limit > 0:
             if probed and self.news:  # the draft may agree again: the next probe confirms it soon
@@ -481,11 +541,14 @@ class AdaptiveGamma:
                 self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
             self.rounds_at_zero += 1
             # No probe while no γ would beat γ 0 were every draft accepted: no α a probe could show makes auto draft.
-            if self.rounds_at_zero >= self.probe_every and ceiling > most:
+            due = self.rounds_at_zero >= self.probe_every and ceiling > most
+            if due and (self.probe_every < MAX_PROBE_EVERY
+                        or costs.draft_call(behind)[0] <= PROBE_SHARE * self.rounds_at_zero):
                 self.rounds_at_zero, self.probing = 0, True
                 return 1
-            # the rounds up to the next probe's, which is chosen in full
-            self.stretch = min(STRETCH, self.probe_every - self.rounds_at_zero if ceiling > most else STRETCH) - 1
+            # the rounds up to the next probe's, which is chosen in full; a due one waits for a cheaper catch-up
+            self.stretch = min(STRETCH, self.probe_every - self.rounds_at_zero if ceiling > most and not due
+                               else STRETCH) - 1
             self.pending = [] if self.stretch else None
         return 0
 
@@ -504,7 +567,7 @@ class AdaptiveGamma:
 
     def observe(self, drafted: int, accepted: int, draft_seconds: float, target_seconds: float,
                 catching_up: bool = False, held: int | None = None, timed: bool = True, chained: bool = False,
-                seen: int | None = None) -> None:
+                seen: int | None = None, read: int = 0) -> None:
         """catching_up: the draft's first call also read tokens it had missed (the prompt, or rounds
         without drafts), so its time says little about a draft step. held: how many leading free guesses of a chain
         the target accepted, or would have, of the `seen` its tokens tell of (None: no guesses; seen None: held + 1).
@@ -513,7 +576,7 @@ class AdaptiveGamma:
         (Costs.chain)."""
         if self.pending is not None:
             self.pending.append((drafted, accepted, draft_seconds, target_seconds, catching_up, held, timed, chained,
-                                 seen))
+                                 seen, read))
             if held is not None and (not held if self.chain else held == seen):
                 self.stretch = 0  # guesses that stop or start holding in a run: chosen afresh at once
             return
@@ -531,5 +594,5 @@ class AdaptiveGamma:
             for estimate in self.estimates:
                 estimate.observe(drafted, accepted)
         if timed:
-            self.costs.observe(drafted, draft_seconds, target_seconds, catching_up, chained)
+            self.costs.observe(drafted, draft_seconds, target_seconds, catching_up, chained, read)
 
