@@ -640,6 +640,59 @@ def test_auto_drafts_after_a_forced_run_only_once_the_draft_has_read_the_prompt(
     assert mixed
 
 
+
+def test_auto_counts_a_prompt_its_slots_draft_held_but_for_a_rounds_worth_as_read_and_drafts_after_a_forced_run(
+        bundles, tokenizer, monkeypatch):
+    """Prefix reuse: a chat's next turn finds all but its last tokens in the slot's draft cache, so its first forced
+    run is followed by drafts (the catch-up is a round's), not proposed alone as for a prompt the draft never read."""
+    from specbuild_runtime.policy import FixedGamma
+
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
+    rounds = []
+    draft = decoder._draft
+
+    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=()):
+        rounds.append((len(feed), len(forced), k))  # tokens the draft's call reads, forced tokens, k
+        return draft(slot, feed, total_len, k, uniforms, greedy, guide, forced)
+
+    structured = {"json": SCHEMA, "disable_any_whitespace": True}
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    alone = decoder.generate(ids, NEW_TOKENS, 0, structured_outputs=structured)
+    monkeypatch.setattr(decoder, "_draft", recording)
+    monkeypatch.setattr(decoder, "_policy", lambda slot, request: FixedGamma(decoder.max_gamma))
+    decoder.generate(ids[:-2], 4, 3)  # the draft's cache holds all but the prompt's last 2 tokens, no grammar
+    rounds.clear()
+    auto = decoder.generate(ids, NEW_TOKENS, "auto", structured_outputs=structured)
+    assert auto.token_ids == alone.token_ids
+    assert rounds[0][1] and rounds[0][2] and rounds[0][0] <= 3, rounds  # the prompt's last 2 and its first token
+
+
+@pytest.mark.parametrize("gamma", [4, "auto"])
+def test_no_round_drafts_after_a_forced_run_holding_a_stop_token(gamma, bundles, tokenizer, monkeypatch):
+    """A stop token among the forced tokens ends the reply there: a draft call after them would only be wasted."""
+    from specbuild_runtime.policy import FixedGamma
+
+    decoder = SpeculativeDecoder(bundles("llama", draft_seed=1), prefix_reuse=False)
+    rounds = []
+    draft = decoder._draft
+
+    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=()):
+        rounds.append((total_len, list(forced), k))
+        return draft(slot, feed, total_len, k, uniforms, greedy, guide, forced)
+
+    structured = {"json": SCHEMA, "disable_any_whitespace": True}
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    monkeypatch.setattr(decoder, "_draft", recording)
+    monkeypatch.setattr(decoder, "_policy", lambda slot, request: FixedGamma(decoder.max_gamma))
+    reply = decoder.generate(ids, NEW_TOKENS, gamma, structured_outputs=structured).token_ids
+    # a token of a run drafts followed, not in the reply before it: the rounds up to that run come again
+    stop = next(token for total, forced, k in rounds if k for token in forced if token not in reply[:total - len(ids)])
+    alone = decoder.generate(ids, NEW_TOKENS, 0, structured_outputs=structured, stop_token_ids=[stop])
+    rounds.clear()
+    result = decoder.generate(ids, NEW_TOKENS, gamma, structured_outputs=structured, stop_token_ids=[stop])
+    assert result.token_ids == alone.token_ids and result.stats.finish_reason == "stop_token"
+    assert any(stop in forced for _, forced, _ in rounds) and not any(k for _, forced, k in rounds if stop in forced)
+
 def test_sampled_forced_tokens_then_drafts_follow_the_masked_target_distribution_and_misplaced_draft_rows_are_caught(
         bundles, checkpoints, tokenizer, monkeypatch):
     """Sampled, a round's forced tokens are judged by one-hot q rows (slot.propose_certain: rows 0..f-1) and the drafts

@@ -830,14 +830,17 @@ class SpeculativeDecoder:
             if forced and not sampling.greedy:
                 slot.propose_certain(forced)
             # Auto drafts after a forced run only once the draft has read the prompt: its first call would catch up on
-            # all of it (a sampled request's draft always starts afresh), which the policy does not price and replies
-            # of a few tokens never repay (on the demo pair under an enum schema at T 0.8, drafting there decoded at
-            # 2.10x target-only, proposing the run alone 2.42-2.50x: docs/how-it-works.md, Forced tokens); a round
-            # without forced tokens drafts first. No mode drafts after a forced eos, nor where only an eos may follow
-            # the run: the target's token after it is that eos, which a draft call would only propose.
+            # all of it (a sampled request's draft always starts afresh), which the policy prices against the room
+            # max_new_tokens leaves, not the reply's, and replies of a few tokens never repay (on the demo pair under
+            # an enum schema at T 0.8, drafting there decoded at 1.75-2.10x target-only, proposing the run alone
+            # 2.29-2.50x: docs/how-it-works.md, Forced tokens); a round without forced tokens drafts first. A prompt
+            # whose slot's draft held all but a round's worth of it (prefix reuse) counts as read. No mode drafts
+            # after a forced eos or stop token, nor where only an eos may follow the run: the target's token after it
+            # ends the reply, which a draft call would only propose.
             limit = min(room, positions) - len(forced)
-            unread = request.gamma == AUTO and draft_len < len(request.prompt_ids)
-            if guide and forced and limit and (unread or guide.ends_after(forced)):
+            unread = request.gamma == AUTO and len(request.prompt_ids) - draft_len > 2
+            if guide and forced and limit and (unread or not request.stop_token_ids.isdisjoint(forced)
+                                               or guide.ends_after(forced)):
                 limit = 0
             # A round of forced tokens alone is the grammar's, not the policy's: not asked (nor told, below). Both
             # checks come only where drafts could follow: choose and ends_after take ~3 and ~11 us, 1-3% of a round of
