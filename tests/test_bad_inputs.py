@@ -728,6 +728,11 @@ CASES = [
          2, "printable ASCII", "Give the key as clients send it in their `Authorization: Bearer` header."),
     Case("`serve --model-name ''` (empty or only spaces)", ["serve", "{bundle}", "--model-name", ""], 2, "must not be empty",
          "Give the name clients send, or leave `--model-name` out to serve under the bundle folder's name."),
+    Case("a `vllm serve` option with no counterpart here (`serve --tensor-parallel-size 2`; also `-tp`, "
+         "`--max-model-len`, `--gpu-memory-utilization`, `--dtype`, `--quantization`, `--enforce-eager`)",
+         ["serve", "{bundle}", "--tensor-parallel-size", "2"], 2, "is vLLM's option, which this server does not take",
+         "Do what the message says instead: the context, precision and quantization are the bundle's (set by "
+         "`compile`), a bundle runs on one device, and `--no-cuda-graphs` is `--enforce-eager`."),
     Case("a prompts file with a `\\ud83d` escape (half of a surrogate pair, e.g. a cut emoji)",
          ["bench", "{bundle}", "--prompts", "{prompts}", "-n", "4"], 1, "is not valid UTF-8",
          "Escape both halves of the pair (`\\ud83d\\ude00`) or write the character itself.",

@@ -545,6 +545,23 @@ def test_options_in_conflict_are_a_usage_error_in_every_command(args, says, tmp_
     assert exited.value.code == 2 and err.count("\n") == 1 and says in err and f"specbuild {args[0]} --help" in err, err
 
 
+@pytest.mark.parametrize("option", ["--max-model-len=4096", "--tensor-parallel-size", "-tp", "--gpu-memory-utilization",
+                                    "--dtype", "--quantization", "--enforce-eager"])
+def test_a_vllm_serve_option_without_a_counterpart_says_what_to_do_instead_not_a_look_alike(option, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """click suggested '--parallel' for --tensor-parallel-size, which sets slots: a vLLM command line copied over
+    would have served with that many slots instead of refusing."""
+    from specbuild.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "bundle", option, "2"])
+    err = capsys.readouterr().err
+    name = option.split("=")[0]
+    assert exited.value.code == 2 and err.count("\n") == 1, err
+    assert f"{name} is vLLM's option, which this server does not take: " in err and "Did you mean" not in err, err
+
+
 @pytest.mark.parametrize("table, options", [("tp = 2\n", []), ("", ["--tp", "2"]),
                                             ("max_seq_len = 8\n", ["--gamma", "8"]),
                                             ('quantize = "int4"\nbackend = "tensorrt-llm"\n', [])],

@@ -109,8 +109,41 @@ class InterruptibleCommand(Interruptible, click.Command):
     pass
 
 
+# vLLM's serve options that this server does not take, each with what to do instead: click's own answer suggested a
+# look-alike (--tensor-parallel-size: "Did you mean '--parallel'?", which sets slots, not tensor parallelism).
+_ONE_DEVICE = ("a bundle's engines run on one device (--parallel, vLLM's --max-num-seqs, sets the requests decoded at "
+               "once): leave it out")
+VLLM_ONLY_OPTIONS = {
+    "--max-model-len": "the context is the bundle's, set by `specbuild compile --max-seq-len` (`specbuild inspect` "
+                       "shows it): leave it out",
+    "--tensor-parallel-size": _ONE_DEVICE,
+    "-tp": _ONE_DEVICE,
+    "--gpu-memory-utilization": "each of the --parallel slots reserves a whole context's KV cache at start, and a "
+                                "count memory cannot hold is refused: leave it out",
+    "--dtype": "the precision is the bundle's, set by `specbuild compile --precision`: leave it out",
+    "--quantization": "weights are quantized as the bundle is compiled (`specbuild compile --quantize`): leave it out",
+    "--enforce-eager": "give --no-cuda-graphs instead",
+}
+
+
+class ServeCommand(InterruptibleCommand):
+    """serve, where an unknown option that is vLLM's says what to do instead."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, list(args))
+        except click.NoSuchOption:
+            options = args[:args.index("--")] if "--" in args else args
+            vllm = next((name for name in (arg.split("=", 1)[0] for arg in options) if name in VLLM_ONLY_OPTIONS), None)
+            if vllm is None:
+                raise
+            raise click.UsageError(f"{vllm} is vLLM's option, which this server does not take: "
+                                   f"{VLLM_ONLY_OPTIONS[vllm]}", ctx) from None
+
+
 # -h as on every specbuild command: `specbuild serve` takes it from the group, specbuild-serve only from here.
-@click.command("serve", cls=InterruptibleCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.command("serve", cls=ServeCommand,
+               context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 # The runtime's version, the serve command's package: a service that installs it alone has no `specbuild --version`.
 @click.version_option(runtime_version(), prog_name="specbuild-serve")
 @click.argument("bundle", type=click.Path(path_type=Path))
