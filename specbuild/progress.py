@@ -92,10 +92,15 @@ class _Logged(tqdm):
 
     def _write_lines(self) -> None:
         while not self._closed.wait(LOG_EVERY):
-            meter = {**self.format_dict, "ncols": 0}
-            # A note counts nothing: how long it has run is its news. A bar's own format (train's time bar) has a
-            # {bar} this line leaves out; tqdm's default reads as that bar does.
-            meter["bar_format"] = NOTE + " [{elapsed}]" if meter["bar_format"] == NOTE else None
+            meter = {**self.format_dict, "ncols": 0}  # tqdm's default line, without its bar
+            # A note counts nothing: how long it has run is its news. A bar's own format (train's time bar) is kept
+            # without its {bar}, where ncols 0 would write the default instead: train's seconds counted as steps
+            # ("59.96891888400023/60.0 [01:00<00:00, 1.00s/it, loss=...]" in distill's log).
+            own = meter["bar_format"]
+            if own == NOTE:
+                meter["bar_format"] = NOTE + " [{elapsed}]"
+            elif own:
+                meter.update(bar_format=own.replace("|{bar}|", ""), ncols=None)
             with _WRITING, suppress(OSError, ValueError):  # stderr closed or gone: the phase goes on unseen
                 sys.stderr.write(tqdm.format_meter(**meter) + "\n")
                 sys.stderr.flush()

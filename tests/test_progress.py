@@ -52,6 +52,19 @@ def test_a_long_phase_off_a_terminal_writes_what_its_bar_reads_as_plain_lines(mo
     assert all(line.startswith("measuring α for γ:  38% 3/8 [") and "prompt/s]" in line for line in lines_of(log))
 
 
+def test_a_time_bar_off_a_terminal_writes_its_own_format_without_the_bar_not_seconds_as_steps(monkeypatch):
+    """distill's log read 'distill: 100% 59.96891888400023/60.0 [01:00<00:00, 1.00s/it, loss=0.002]'."""
+    from specbuild.train.train import time_bar
+
+    log = as_a_log(monkeypatch)
+    with time_bar(60.0, "distill") as bar:
+        bar.update(29.96891888400023)
+        bar.set_postfix(loss=0.002)
+        assert log.wrote.wait(timeout=60)
+    line = r"distill:  50% \d\d:\d\d<\d\d:\d\d, loss=0\.002"
+    assert all(re.fullmatch(line, text) for text in lines_of(log)), log.text
+
+
 def test_a_long_phase_with_no_steps_off_a_terminal_writes_how_long_it_has_run(monkeypatch):
     log = as_a_log(monkeypatch)
     with progress.note("loading the pair in transformers"):
