@@ -510,6 +510,21 @@ def test_usage_errors_are_one_line_with_exit_status_2(capsys):
     assert exited.value.code == 2 and err.count("\n") == 1 and "'--max-seq-len'" in err and "specbuild compile --help" in err
 
 
+@pytest.mark.parametrize("args", [["generate", "bundle", "-p", "def", "fib(n):"],
+                                  ["generate", "bundle", "-p", "x", "--choice", "yes", "no"]],
+                         ids=["unquoted", "choices"])
+def test_an_extra_argument_says_an_option_takes_one_value_to_quote_or_repeat(args, tmp_path, monkeypatch, capsys):
+    """click's 'Got unexpected extra argument (fib(n):)' named the word, not that the prompt wanted quotes."""
+    from specbuild.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1, err
+    assert f"Got unexpected extra argument ({args[-1]}): an option takes one value, so quote" in err, err
+
+
 COMPILE = ["compile", "--target", "target", "--draft", "draft", "-o", "bundle"]
 TENSORRT_LLM_INT4 = ["--backend", "tensorrt-llm", "--quantize", "int4", "--precision", "fp16"]
 

@@ -403,7 +403,11 @@ def run_command(command: click.Command, args: list[str] | None, prog_name: str, 
         return EXIT_USAGE
     except click.UsageError as exc:  # click's own show() is three lines (usage, hint, error)
         where = exc.ctx.command_path if exc.ctx else prog_name
-        return fail(f"{exc.format_message()} (see '{where} --help')", EXIT_USAGE, trace=False)
+        message = exc.format_message()
+        if message.startswith("Got unexpected extra argument"):  # an unquoted prompt, or `--choice yes no`
+            message += (": an option takes one value, so quote a value holding spaces (--prompt \"def fib(n):\") and "
+                        "repeat an option for several (--stop A --stop B)")
+        return fail(f"{message} (see '{where} --help')", EXIT_USAGE, trace=False)
     except (click.exceptions.Abort, KeyboardInterrupt) as exc:  # click turns a KeyboardInterrupt (uvicorn's) into Abort
         # A writer that knows what the interrupt left says so in the interrupt's text (specbuild's staged_folder).
         interrupt = exc.__cause__ if isinstance(exc, click.exceptions.Abort) else exc
