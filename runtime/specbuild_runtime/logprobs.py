@@ -34,7 +34,8 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
     here, this under 1 ms); each logprob is its logit less it, rounded to float32. A row's numbers depend on its
     logits alone, which the target computes bit for bit alike however rows are grouped into calls (slot.Rows)."""
     peak = logits.max()
-    log_z = float(peak) + math.log(np.exp(logits - peak).sum(dtype=np.float64))
+    with np.errstate(invalid="ignore"):  # a row holding +inf or NaN gives NaN logprobs, as documented: no warning
+        log_z = float(peak) + math.log(np.exp(logits - peak).sum(dtype=np.float64))
     best: tuple[tuple[int, float], ...] = ()
     top = min(top, len(logits))
     if top:
