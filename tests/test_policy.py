@@ -5,9 +5,9 @@ import functools
 import random
 import pytest
 
-from specbuild_runtime.policy import (CATCH_UP_TOKEN, GREEDY_DECAYS, MAX_PROBE_EVERY, MAX_STALE_ROUNDS, PROBE_EVERY,
-                                      PROBE_SHARE, SAMPLING_DECAYS, STALE_ROUNDS, STRETCH, FIRST_ROUNDS, FREE_GUESSES,
-                                      FRESH_ROUNDS, AdaptiveGamma, Costs, PriorCosts, prior_draft_cost)
+from specbuild_runtime.policy import (CATCH_UP_TOKEN, GREEDY_DECAYS, MAX_PROBE_EVERY, MAX_PROBE_WAIT, MAX_STALE_ROUNDS,
+                                      PROBE_EVERY, PROBE_SHARE, SAMPLING_DECAYS, STALE_ROUNDS, STRETCH, FIRST_ROUNDS,
+                                      FREE_GUESSES, FRESH_ROUNDS, AdaptiveGamma, Costs, PriorCosts, prior_draft_cost)
 
 from conftest import PROMPTS
 
@@ -723,3 +723,35 @@ def test_decode_tells_auto_the_catch_up_its_draft_would_read_and_the_room_left(b
         assert min(drafted) > 0 if options else max(drafted) == 0
         for (behind, room, k), (after, room_after, _) in zip(heard, heard[1:]):
             assert (after <= 2 if k else after > behind) and room_after < room
+
+
+def probes_in_one_request(policy, rounds: int, prompt: int) -> list[int]:
+    """The rounds a probe comes in one request of `rounds` rounds at γ 0 whose drafts are all rejected: the draft's
+    catch-up is the prompt and the token after it, then grows by a token a round until a probe reads it."""
+    probes, behind = [], prompt + 1
+    for r in range(rounds):
+        k = policy.choose(limit=100, behind=behind, room=10**6)
+        policy.observe(k, 0, 0.65 * k, 1.0, catching_up=behind > 2, read=behind if k else 0)
+        if k:
+            probes.append(r)
+        behind = 2 if k else behind + 1
+    return probes
+
+
+def test_a_due_probe_waits_no_longer_than_max_probe_wait_rounds_in_a_long_request():
+    """Mid-request a catch-up grows by a token a round, here priced at 0.05 draft steps of 0.65 (the prior): more than
+    PROBE_SHARE of a round, so a probe waiting for one that costs PROBE_SHARE of the rounds since never came again."""
+    policy = AdaptiveGamma(max_gamma=8, draft_cost=0.6)
+    probes = probes_in_one_request(policy, 6 * MAX_PROBE_WAIT, prompt=40)
+    steady = [r for r in probes if r > MAX_PROBE_WAIT]
+    assert len(steady) >= 4 and max(b - a for a, b in zip(steady, steady[1:])) <= MAX_PROBE_WAIT + 1
+
+
+def test_a_seeded_requests_policy_probes_every_max_probe_every_rounds_however_long_its_catch_up():
+    """A seeded request's policy (PriorCosts) is its own: no later request's start comes, where a catch-up would be
+    cheap, so its due probes do not wait for one. Priced so (a draft step of 0.68: the demo pair's prior), it never
+    probed once at γ 0."""
+    policy = AdaptiveGamma(8, 0.68, SAMPLING_DECAYS, PriorCosts(8, 0.68), probe_every=MAX_PROBE_EVERY)
+    probes = probes_in_one_request(policy, 1000, prompt=40)
+    assert len(probes) >= 1000 // MAX_PROBE_EVERY - 1
+    assert max(b - a for a, b in zip(probes, probes[1:])) <= MAX_PROBE_EVERY + 1

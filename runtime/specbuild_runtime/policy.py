@@ -29,7 +29,8 @@ No probe comes while no γ would pay were every draft accepted (its cost above i
 makes auto draft then. The demo pair under T 0.8 + repetition 1.1 on 2 cores at load 8 priced a round at γ 1 at 4.7
 rounds without drafts, yet probed about once a request (a catch-up on the prompt and the tokens since: 3.6-3.9 rounds).
 What a catch-up costs is priced (Costs.draft_call: per call + per token read): once probes come MAX_PROBE_EVERY apart a
-due one waits for a catch-up cheap enough (PROBE_SHARE), mostly a request's first round, and a round that would draft
+due one waits for a catch-up cheap enough (PROBE_SHARE), mostly a request's first round, up to MAX_PROBE_WAIT rounds
+(a seeded request's policy waits for none: no later request of its own comes), and a round that would draft
 after a stretch at γ 0 drafts only where drafting saves more over the room left than the catch-up costs.
 """
 
@@ -51,6 +52,15 @@ MAX_PROBE_EVERY = 128
 # 0.964x and 0.961x -> 0.987x (10 processes a side x 7 runs, load 2.6-3.8), 0.939x and 0.958x -> 0.989x (8 x 5, load
 # 3.4-5.3).
 PROBE_SHARE = 0.01
+# But no longer than until this many rounds at γ 0 since the last probe: within one request the catch-up grows by a
+# token a round, so where a token costs PROBE_SHARE of a round or more (the prior's 0.05 draft steps: from a step of
+# 0.2; the tiny random pair's fit 0.056) no wait mid-request makes it cheap enough, and a request longer than the wait,
+# or a seeded one (its own policy: no later request's start comes, PriorCosts.probe_wait), never probed again. Waiting
+# so long mid-request costs about what probing every MAX_PROBE_EVERY did, a token's price a round for the catch-up on
+# the tokens since (tiny pair: 1.4 + 0.056 x 1024 units every 1024 rounds, 5.7%; every 128, 6.7%), and notices a draft
+# agreeing again later; above the ~360-600 rounds after which the tiny random pair's short requests brought their
+# probes at a request's start.
+MAX_PROBE_WAIT = 1024
 # Free guesses a round without drafts checks at most (decode._speculate): on the demo pair, rounds of guesses alone (no
 # draft model) decoded at 1.48x target-only with 1 guess, 1.54x with 2 and 4, and 1.26x with 8 (on the CPU every row
 # costs ~9% of a call). Odd: the round's token and its guesses then fill an even call (slot.NEVER_ALONE), where 4
@@ -216,6 +226,10 @@ class Costs:
     above γ 1 although γ 2 was 8% faster. Costs describe the machine and what a request's calls do (penalties,
     a grammar's masks: decode._kind), not the text, so one set per kind is shared by every slot of a decoder; a
     lock keeps concurrent requests' updates whole."""
+
+    # The rounds at γ 0 a due probe waits at most for a cheap catch-up (AdaptiveGamma._choose): a decoder's policies
+    # outlive their requests, so the next request's start, where the draft has its prompt alone to read, may come first.
+    probe_wait = MAX_PROBE_WAIT
 
     def __init__(self, max_gamma: int, draft_cost: float):
         self.lock = threading.Lock()
@@ -405,6 +419,9 @@ class PriorCosts(Costs):
     decides which γ a timed policy drafts at to time it, where a price too low costs a few rounds and finds the γs
     that pay (a greedy draft step of the demo pair cost 0.33 target calls at γ 4, its first 0.43)."""
 
+    # a seeded request's policy is its own: a due probe waiting for a later request's start would wait for good
+    probe_wait = MAX_PROBE_EVERY
+
     def observe(self, drafted: int, draft_seconds: float, target_seconds: float, catching_up: bool,
                 chained: bool = False, read: int = 0) -> None:
         pass
@@ -542,13 +559,13 @@ class AdaptiveGamma:
             self.rounds_at_zero += 1
             # No probe while no γ would beat γ 0 were every draft accepted: no α a probe could show makes auto draft.
             due = self.rounds_at_zero >= self.probe_every and ceiling > most
-            if due and (self.probe_every < MAX_PROBE_EVERY
+            if due and (self.probe_every < MAX_PROBE_EVERY or self.rounds_at_zero >= costs.probe_wait
                         or costs.draft_call(behind)[0] <= PROBE_SHARE * self.rounds_at_zero):
                 self.rounds_at_zero, self.probing = 0, True
                 return 1
             # the rounds up to the next probe's, which is chosen in full; a due one waits for a cheaper catch-up
-            self.stretch = min(STRETCH, self.probe_every - self.rounds_at_zero if ceiling > most and not due
-                               else STRETCH) - 1
+            self.stretch = min(STRETCH, (costs.probe_wait if due else self.probe_every) - self.rounds_at_zero
+                               if ceiling > most else STRETCH) - 1
             self.pending = [] if self.stretch else None
         return 0
 
