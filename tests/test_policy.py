@@ -755,3 +755,18 @@ def test_a_seeded_requests_policy_probes_every_max_probe_every_rounds_however_lo
     probes = probes_in_one_request(policy, 1000, prompt=40)
     assert len(probes) >= 1000 // MAX_PROBE_EVERY - 1
     assert max(b - a for a, b in zip(probes, probes[1:])) <= MAX_PROBE_EVERY + 1
+
+
+def test_a_preempted_catch_up_moves_the_fitted_draft_call_by_less_than_twice():
+    """A probe's call reads 20-200 tokens, so one sample weighs on the per-token fit: a probe preempted on 2 busy cores
+    (20 times as slow), taken whole, priced a 500-token catch-up at 8.5 times its cost, and due probes waited and
+    catch-ups went unrepaid for dozens of probes; clipped at 3 times the fit, under 2 times."""
+    def fitted(slow: int | None) -> float:
+        costs = Costs(max_gamma=4, draft_cost=0.3)
+        for _ in range(FIRST_ROUNDS):
+            costs.observe(0, 0.0, 1.0, catching_up=False)
+        for i, read in enumerate((2, 20, 2, 2, 200, 2, 60, 2, 2, 120) * 3):
+            costs.observe(1, (0.3 + 0.01 * read) * (20 if i == slow else 1), 1.05, catching_up=read > 2, read=read)
+        return costs.draft_call(500)[0]
+
+    assert fitted(24) < 2 * fitted(None)
