@@ -640,7 +640,6 @@ def test_auto_drafts_after_a_forced_run_only_once_the_draft_has_read_the_prompt(
     assert mixed
 
 
-
 def test_auto_counts_a_prompt_its_slots_draft_held_but_for_a_rounds_worth_as_read_and_drafts_after_a_forced_run(
         bundles, tokenizer, monkeypatch):
     """Prefix reuse: a chat's next turn finds all but its last tokens in the slot's draft cache, so its first forced
@@ -692,6 +691,7 @@ def test_no_round_drafts_after_a_forced_run_holding_a_stop_token(gamma, bundles,
     result = decoder.generate(ids, NEW_TOKENS, gamma, structured_outputs=structured, stop_token_ids=[stop])
     assert result.token_ids == alone.token_ids and result.stats.finish_reason == "stop_token"
     assert any(stop in forced for _, forced, _ in rounds) and not any(k for _, forced, k in rounds if stop in forced)
+
 
 def test_sampled_forced_tokens_then_drafts_follow_the_masked_target_distribution_and_misplaced_draft_rows_are_caught(
         bundles, checkpoints, tokenizer, monkeypatch):
