@@ -99,11 +99,13 @@ PRIOR_EXTRA_TOKEN = 0.05  # the prior's cost of one more row in a target call, p
 # A draft call's cost grows with the tokens it reads: one that catches up (a probe, the first round with drafts after a
 # stretch at γ 0 or a forced run) reads every token since the draft last ran. Costs fits a call's cost in units as
 # per-call + per-token from the rounds whose draft made one call (γ 1: probes, where they catch up on 20-200 tokens,
-# and rounds at γ 1); until CATCH_UP_SAMPLES of them, spread over tokens counts CATCH_UP_SPREAD apart or more, the
-# prior prices a call at prior_step and each token it reads at CATCH_UP_TOKEN of that. Measured one call at a time (2
-# CPU cores, load 1): the tiny random pair's draft 62-74 µs for 1-8 tokens, 108 for 32, 173 for 64, 373 for 128 (~2.5
-# µs a token, 0.04 of a call; its round without drafts ~165 µs); the demo pair's 157-168 µs for 1-2, 536 for 32, 1047
-# for 64, 2015 for 128 (~15 µs a token, 0.1 of a call). Each sample counts CATCH_UP_DECAY of the one before.
+# and rounds at γ 1). Until their decayed weight reaches CATCH_UP_SAMPLES (the 5th sample: 4 weigh 3.7) with token
+# counts spread CATCH_UP_SPREAD or more (their weighted deviation), a token is priced at CATCH_UP_TOKEN of prior_step
+# and the call at the samples' mean less that (prior_step before any sample); until that weight no sample is clipped
+# (Costs.observe). Measured one call at a time (2 CPU cores, load 1): the tiny random pair's draft 62-74 µs for 1-8
+# tokens, 108 for 32, 173 for 64, 373 for 128 (~2.5 µs a token, 0.04 of a call; its round without drafts ~165 µs); the
+# demo pair's 157-168 µs for 1-2, 536 for 32, 1047 for 64, 2015 for 128 (~15 µs a token, 0.1 of a call). Each sample
+# counts CATCH_UP_DECAY of the one before.
 CATCH_UP_TOKEN = 0.05
 CATCH_UP_SAMPLES = 4
 CATCH_UP_SPREAD = 8
