@@ -4358,6 +4358,21 @@ def test_an_empty_api_key_variable_is_refused_not_taken_for_no_key(bundle):
     assert run.returncode == 2 and "SPECBUILD_API_KEY is set but empty" in run.stderr, run.stderr
 
 
+def test_the_start_up_line_says_a_server_beyond_loopback_without_an_api_key_is_open_to_the_network(bundle, tmp_path):
+    """--host 0.0.0.0 without --api-key served anyone who reached the port, and the start-up line read as on loopback."""
+    from specbuild_runtime.serve.cli import exposure
+
+    log = tmp_path / "server.log"
+    with specbuild_serve(bundle, log, "--host", "0.0.0.0") as (_, url):
+        assert healthy(url)
+    line = next(line for line in log.read_text().splitlines() if line.startswith("serving "))
+    assert ":" + url.rsplit(":", 1)[1] + " (open to the network without --api-key: anyone who reaches it may use it; " \
+        "give --api-key KEY, or --host 127.0.0.1): 1 slot(s)" in line, line
+    assert exposure("::", None) == exposure("192.168.1.5", None) == exposure("0.0.0.0", None)
+    assert exposure("127.0.0.1", None) == exposure("127.0.0.2", None) == exposure("::1", None) == ""
+    assert exposure("0.0.0.0", "s3cret") == ""
+
+
 PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization, content-type"}
 
 

@@ -4,6 +4,7 @@ the server's process: load the bundle, run uvicorn, drain on SIGTERM."""
 from __future__ import annotations
 
 import io
+import ipaddress
 import json
 import math
 import os
@@ -251,10 +252,19 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
         captured = decoder.warm_up_workers()
         click.echo(f"captured {captured} CUDA graphs in {time.perf_counter() - started:.1f} s", err=True)
     where = f"[{host}]" if ":" in host else host
-    click.echo(f"serving {settings.model!r} from {bundle} on http://{where}:{listener.getsockname()[1]}: "
-               f"{parallel} slot(s), queue {max_queue}; {chat_line(server.chat_template)}"
+    click.echo(f"serving {settings.model!r} from {bundle} on http://{where}:{listener.getsockname()[1]}"
+               f"{exposure(listener.getsockname()[0], api_key)}: {parallel} slot(s), queue {max_queue}; {chat_line(server.chat_template)}"
                f"{f'; tool calls parsed as {tool_call_parser}' if tool_call_parser else ''}; {server.defaults}", err=True)
     server.http_server(host, port).run(sockets=[listener])
+
+
+def exposure(address: str, api_key: str | None) -> str:
+    """A clause for the start-up line where the server listens beyond loopback (address: the bound one) without
+    --api-key: anyone who reaches the port may use it, which docs/serving.md advises against, and nothing said so."""
+    if api_key or ipaddress.ip_address(address).is_loopback:
+        return ""
+    return " (open to the network without --api-key: anyone who reaches it may use it; give --api-key KEY, or --host " \
+           "127.0.0.1)"
 
 
 def chat_line(template) -> str:
