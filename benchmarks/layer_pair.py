@@ -129,7 +129,8 @@ def main() -> None:
               f"{report.get('draft_step_ms', 0):.3f} ms ({100 * report.get('draft_bandwidth_fraction', 0):.0f}%)", flush=True)
         for row in report["results"][1:] + report.get("peers", []):
             bound = f" bound {row['theoretical_speedup']:.2f}x eff {row['efficiency']:.2f}" if "efficiency" in row else ""
-            print(f"  {row['system']:<30} γ {str(row['gamma']):>4}  α {row.get('acceptance_rate', 0):.2f}  "
+            alpha = row.get("acceptance_rate")  # none where nothing was drafted
+            print(f"  {row['system']:<30} γ {str(row['gamma']):>4}  α {'-' if alpha is None else f'{alpha:.2f}'}  "
                   f"{row.get('speedup', 0):.2f}x{bound}  exact {row.get('matches_target')}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(reports, indent=1))

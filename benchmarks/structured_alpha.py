@@ -158,7 +158,7 @@ def table(results: dict) -> str:
             mode = "target-only" if row["gamma"] == 0 else f"{row['system'].replace('specbuild', 'γ')} {row['gamma']}"
             exact = {True: "yes", False: "NO", None: "-"}[row["matches_target"]]
             lines.append(f"{name:<24}{mode:<16}{row['tokens_per_second']:>8.1f}{fmt(row['speedup'], '.2f'):>10}"
-                         f"{row['acceptance_rate'] if row['gamma'] else '-':>7}"
+                         f"{fmt(row['acceptance_rate'], ''):>7}"
                          f"{fmt(row['mean_accepted_tokens'], '.2f'):>6}{row['tokens']:>8}  {exact}")
     return "\n".join(lines)
 

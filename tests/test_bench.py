@@ -29,6 +29,8 @@ def test_bench_reports_every_mode_and_writes_json_and_plot(bundles, tmp_path):
     assert set(rows) == {"0", "1", "3", "auto"}
     assert all(r["matches_target"] for r in rows.values())
     assert rows["3"]["acceptance_rate"] == 1.0  # draft = target
+    assert rows["0"]["acceptance_rate"] is None and rows["0"]["guessed"] == rows["3"]["guessed"] == 0  # nothing drafted
+    assert rows["auto"]["guesses_accepted"] <= rows["auto"]["guessed"] * 8
     assert {"theoretical_speedup", "efficiency", "cost_ratio_c"} <= set(rows["3"])
     assert {"machine_bandwidth_gbs", "target_bandwidth_fraction", "context_growth_measured",
             "context_growth_predicted", "draft_bandwidth_fraction"} <= set(report)
@@ -386,6 +388,27 @@ def test_bench_says_when_peers_ran_other_weights_than_a_quantized_bundle():
     peers = [{"system": "transformers", "gamma": 0, "tokens_per_second": 9.0, "matches_target": False}]
     assert "unquantized source checkpoints" in format_table(table_report(peers, "int4"))
     assert "unquantized" not in format_table(table_report(peers))
+
+
+def test_bench_says_what_autos_free_guesses_held_where_it_never_drafted():
+    """Auto at γ 0 throughout read α 0.00 τ 5.00 and a speed-up beside "auto chose γ 0 in 6 rounds": the gain was its
+    free guesses, which neither the table nor --json said."""
+    from specbuild.bench.bench import ModeResult, format_table
+    from specbuild_runtime import Stats
+
+    auto = ModeResult("specbuild", "auto")
+    auto.add(Stats(rounds=6, gamma_rounds={0: 6}, guessed=6, guesses_accepted=24, token_times=[0.01 * i for i in range(31)]),
+             list(range(31)))
+    row = auto.to_dict()
+    assert row["acceptance_rate"] is None and row["mean_accepted_tokens"] == 5.0
+    assert row["guessed"] == 6 and row["guesses_accepted"] == 24
+    report = table_report([])
+    report["results"].append({**row, "speedup": 5.0})
+    lines = format_table(report).splitlines()
+    alpha = lines[0].index("α")
+    assert lines[3][alpha - 4:alpha + 1] == "    -", "\n".join(lines)
+    assert "auto chose γ 0 in 6 rounds; its free guesses held 24 tokens in 6 rounds (τ and the speed-up count them, " \
+        "α only drafts)" in lines, "\n".join(lines)
 
 
 def gpu_session(tmp_path, *args: str):

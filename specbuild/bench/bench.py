@@ -88,6 +88,8 @@ class ModeResult:
     rounds = property(lambda self: self._sum("rounds"))
     draft_seconds = property(lambda self: self._sum("draft_seconds"))
     target_seconds = property(lambda self: self._sum("target_seconds"))
+    guessed = property(lambda self: self._sum("guessed"))
+    guesses_accepted = property(lambda self: self._sum("guesses_accepted"))
 
     @property
     def tokens(self) -> int:
@@ -116,8 +118,9 @@ class ModeResult:
         return self.tokens / self.decode_seconds if self.decode_seconds else 0.0
 
     @property
-    def alpha(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
+    def alpha(self) -> float | None:
+        """None where nothing was drafted (target-only, or auto at γ 0 throughout): 0 read as every draft rejected."""
+        return self.accepted / self.drafted if self.drafted else None
 
     @property
     def tau(self) -> float:
@@ -137,8 +140,12 @@ class ModeResult:
             "ttft_ms": round(float(np.mean(ttft)), 3) if ttft else None,
             "itl_ms_p50": round(float(np.percentile(gaps, 50)), 3) if gaps else None,
             "itl_ms_p95": round(float(np.percentile(gaps, 95)), 3) if gaps else None,
-            "acceptance_rate": round(self.alpha, 4),
+            "acceptance_rate": round(self.alpha, 4) if self.alpha is not None else None,
             "mean_accepted_tokens": round(self.tau, 4) if self.rounds else None,
+            # auto's free guesses (docs/how-it-works.md): rounds that checked some, and the tokens they held, which τ
+            # and the speed-up count and α, over drafts alone, does not
+            "guessed": self.guessed,
+            "guesses_accepted": self.guesses_accepted,
             "per_position_acceptance": per_position,
             "draft_step_ms": round(1e3 * self.draft_seconds / self.drafted, 4) if self.drafted else None,
             "target_call_ms": round(1e3 * self.target_seconds / self.rounds, 4) if self.rounds else None,
@@ -380,8 +387,10 @@ def format_table(report: dict) -> str:
                      "run this short are noisy (efficiency above 1, say): give more prompts or a larger -n")
     auto = next((row for row in report["results"] if row["gamma"] == AUTO), None)
     if auto and auto.get("gamma_rounds"):
+        guesses = (f"; its free guesses held {auto['guesses_accepted']} tokens in {auto['guessed']} rounds (τ and the "
+                   "speed-up count them, α only drafts)") if auto.get("guessed") else ""
         lines.append("auto chose γ " + ", ".join(f"{gamma} in {rounds}" for gamma, rounds in auto["gamma_rounds"].items())
-                     + " rounds")
+                     + " rounds" + guesses)
     captured = {row["gamma"]: row["captures_while_timed"] for row in report["results"] if row.get("captures_while_timed")}
     if captured:
         lines.append("CUDA graphs captured while timed (slower rows than replays alone): "
