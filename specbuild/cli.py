@@ -458,8 +458,13 @@ def _token(token: int | None) -> str:
 def _stats_line(stats, gamma, context: int) -> str:
     s = stats.to_dict()
     line = f"{s['generated_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s, ttft {s['ttft_ms']:.1f} ms"
+    guesses = f"{stats.guesses_accepted} tokens from free guesses in {stats.guessed} rounds" if stats.guessed else ""
     if stats.drafted:
         line += f", gamma {gamma}, acceptance {s['acceptance_rate']:.2f}, {s['mean_accepted_tokens']:.2f} tokens/round"
+        line += f" ({guesses})" if guesses else ""
+    elif stats.rounds and gamma == "auto":  # said nothing of γ: auto read as broken, or as never tried
+        line += (f", gamma auto drafted nothing: decoded target-only{f', {guesses}' if guesses else ''}, "
+                 f"{s['mean_accepted_tokens']:.2f} tokens/round")
     if stats.finish_reason == "context":  # fewer tokens than -n asked for, with no word why, read as a failure
         line += f"; stopped: the bundle's context ({context} tokens) is full (compile's --max-seq-len)"
     return line

@@ -61,6 +61,25 @@ def test_compile_generate_inspect_round_trip(checkpoints, tmp_path, cli):
     assert "runs on: a CPU or a CUDA GPU" in compiled["stdout"] and "runs on    a CPU or a CUDA GPU" in shown["stdout"]
 
 
+def test_generates_stats_line_says_auto_decoded_target_only_and_what_its_free_guesses_held():
+    """Auto that never drafted gave a line without a word of γ, as if speculation were off or broken."""
+    from specbuild.cli import _stats_line
+    from specbuild_runtime import Stats
+
+    times = [0.01 * i for i in range(31)]
+    guessing = Stats(generated_tokens=31, rounds=6, gamma_rounds={0: 6}, guessed=6, guesses_accepted=24,
+                     token_times=times)
+    assert _stats_line(guessing, "auto", 256).endswith(
+        ", gamma auto drafted nothing: decoded target-only, 24 tokens from free guesses in 6 rounds, 5.00 tokens/round")
+    plain = Stats(generated_tokens=31, rounds=30, gamma_rounds={0: 30}, token_times=times)
+    assert _stats_line(plain, "auto", 256).endswith(", gamma auto drafted nothing: decoded target-only, 1.00 tokens/round")
+    assert _stats_line(plain, 0, 256).endswith("ttft 0.0 ms")  # target-only as asked: nothing to explain
+    drafting = Stats(generated_tokens=31, rounds=10, drafted=20, accepted=10, guessed=2, guesses_accepted=1,
+                     token_times=times)
+    assert _stats_line(drafting, "auto", 256).endswith(
+        ", gamma auto, acceptance 0.50, 3.00 tokens/round (1 tokens from free guesses in 2 rounds)")
+
+
 def test_compile_json_prints_what_inspect_json_prints(checkpoints, tmp_path, cli):
     """A pipeline reads the bundle compile wrote from its stdout, without running inspect after it: the manifest, as
     inspect --json prints it (and manifest.json holds it), nothing else on stdout."""
