@@ -200,15 +200,16 @@ class Float32(Finite):
 
 def sampling_options(temperature_help: str = "0 (or below 1e-5) decodes greedily; above, samples losslessly from "
                      "the target's distribution.",
-                     seed_help: str = "Seed for sampling (any integer): it reproduces a run exactly, at a fixed --gamma or auto.  "
-                                      "[default: none: each run samples anew]",
+                     seed_help: str = "Seed for sampling (any integer): it reproduces a run exactly, at a fixed "
+                                      "--gamma or auto; greedy decoding ignores it.  [default: none: each run samples "
+                                      "anew]",
                      seed_default: int | None = None):
     """--temperature/--top-k/--top-p/--seed, named as in the Python API."""
     def decorate(command):
         for option in reversed([
             click.option("--temperature", type=Float32(min=0), default=0.0, show_default=True, help=temperature_help),
-            click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
-                         help="Sample from the k most likely tokens (0 = all)."),
+            click.option("--top-k", type=click.IntRange(min=-1), default=0, show_default=True,
+                         help="Sample from the k most likely tokens (0 or -1, vLLM's: all)."),
             click.option("--top-p", type=Finite(min=0, max=1, min_open=True), default=1.0, show_default=True,
                          help="Sample from the smallest set of tokens holding this much probability."),
             click.option("--seed", type=int, default=seed_default, show_default=seed_default is not None, help=seed_help),
@@ -241,15 +242,15 @@ def check_stops(ctx, param, value: tuple[str, ...]) -> tuple[str, ...]:
     return value
 
 
-def check_sampling(sampling: dict, seed: int | None = None) -> None:
-    """--top-k, --top-p, --min-p and --seed shape sampling; without --temperature the decode is greedy and would drop them
-    (generate's default is greedy whatever the bundle's generation_config says: that is serve's). seed: the one
-    given on the command line (bench's, whose default 0 is not given), else sampling's."""
+def check_sampling(sampling: dict) -> None:
+    """--top-k, --top-p and --min-p shape sampling; without --temperature the decode is greedy and would drop them
+    (generate's default is greedy whatever the bundle's generation_config says: that is serve's). A --seed is taken
+    then, as vLLM and serve take a seed with temperature 0: it changes nothing, and a script that passes one at every
+    temperature, 0 included, runs."""
     if sampling["temperature"] >= GREEDY_BELOW:
         return
-    seed = sampling.get("seed") if seed is None else seed
-    given = [name for name, set_ in (("--top-k", sampling["top_k"]), ("--top-p", sampling["top_p"] != 1.0),
-                                     ("--min-p", sampling.get("min_p", 0) > 0), ("--seed", seed is not None)) if set_]
+    given = [name for name, set_ in (("--top-k", sampling["top_k"] > 0), ("--top-p", sampling["top_p"] != 1.0),
+                                     ("--min-p", sampling.get("min_p", 0) > 0)) if set_]
     if not given:
         return
     names = (", ".join(given[:-1]) + " and " + given[-1] + " apply") if len(given) > 1 else f"{given[0]} applies"
@@ -721,8 +722,7 @@ def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, de
     writable_file(plot_out, "--plot")
     if plot_out:
         check_plot_path(plot_out)
-    given = click.get_current_context().get_parameter_source("seed") is not click.core.ParameterSource.DEFAULT
-    check_sampling(sampling, seed if given else None)
+    check_sampling(sampling)
     if threads and (own := [peer for peer in peers if peer != "transformers"]):
         # Their rows would be timed on every core beside rows held to --threads: a comparison that misleads.
         raise click.UsageError(f"--threads bounds specbuild's and transformers' threads, not {' or '.join(own)}'s, "

@@ -892,19 +892,17 @@ def test_top_k_beside_a_temperature_too_small_to_sample_names_that_temperature(t
     assert refused["status"] == 2 and "--temperature 5e-06 is below 1e-05" in refused["stderr"], refused
 
 
-def test_a_seed_without_a_temperature_is_refused_as_top_k_is(tmp_path, cli):
-    """Greedy decoding draws no random numbers: a --seed without --temperature changed nothing and was taken silently
-    (generate's default is greedy whatever the bundle's generation_config says). bench's default seed 0 is no seed
-    given. Checked before the bundle loads: none is needed."""
-    bundle = str(tmp_path / "bundle")
-    greedy, small, benched, unseeded = cli.run([["generate", bundle, "-p", "x", "--seed", "1"],
-                                                ["generate", bundle, "-p", "x", "--temperature", "5e-6", "--seed", "1"],
-                                                ["bench", bundle, "--seed", "0"], ["bench", bundle]])
-    for refused in (greedy, benched):
-        assert refused["status"] == 2, refused
-        assert "--seed applies to sampling: give --temperature too" in refused["stderr"], refused
-    assert small["status"] == 2 and "--seed applies to sampling, and --temperature 5e-06 is below" in small["stderr"], small
-    assert unseeded["status"] == 1 and "bundle does not exist" in unseeded["stderr"], unseeded
+def test_a_seed_without_a_temperature_is_taken_and_changes_nothing_as_the_api_and_vllm_take_it(bundles, cli):
+    """A --seed with greedy decoding was refused, where serve, the Python API and vLLM take it (lm-evaluation-harness
+    sends one at temperature 0): a script passing one at every temperature, 0 included, failed at 0."""
+    bundle = str(bundles("llama", 1))
+    plain, seeded, small = cli.run([["generate", bundle, "-p", "x", "-n", "8", "--json"],
+                                    ["generate", bundle, "-p", "x", "-n", "8", "--seed", "1", "--json"],
+                                    ["generate", bundle, "-p", "x", "-n", "8", "--temperature", "5e-6", "--seed", "1",
+                                     "--json"]])
+    assert [run["status"] for run in (plain, seeded, small)] == [0, 0, 0], (seeded, small)
+    assert json.loads(seeded["stdout"])["token_ids"] == json.loads(small["stdout"])["token_ids"] == \
+        json.loads(plain["stdout"])["token_ids"]
 
 
 # Records the size each command gives onnxruntime's shared pool, and torch's threads at exit.

@@ -900,7 +900,7 @@ BAD_REQUESTS = [
      "unrecognized request argument: 'guided_json'; send \"structured_outputs\": {\"json\": ...}, as vLLM does now"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 3, "max_tokens": "x"},
      "max_tokens must be a whole number"),
-    ("completions", {"prompt": "x", "top_k": -2}, "top_k must be >= 0"),
+    ("completions", {"prompt": "x", "top_k": -2}, "top_k must be >= -1 (0 or -1 = no limit)"),
     ("completions", {"prompt": "x", "presence_penalty": False}, "presence_penalty must be a number, not False (bool)"),
     ("completions", {"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty must be in [-2, 2] (0 = none), not 2.5"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0},
@@ -3390,7 +3390,7 @@ def test_generation_config_values_this_server_cannot_apply_are_named_not_applied
 
     defaults = sampling_defaults({"temperature": -1, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
                                   "max_new_tokens": 512, "do_sample": False}, "auto")
-    assert defaults.values == {"temperature": 1, "top_k": 0} and not defaults.greedy
+    assert defaults.values == {"temperature": 1, "top_k": -1} and not defaults.greedy  # -1: vLLM's no limit
     assert defaults.ignored == ("temperature -1 (temperature must be 0 (greedy) or more, not -1.0)", "max_new_tokens 512",
                                 "do_sample false")
 

@@ -50,7 +50,7 @@ BAD = [  # (what, request fields, words the message must contain)
     ("negative temperature", dict(temperature=-0.1), "temperature"),
     ("top_p 0", dict(top_p=0.0), "top_p"),
     ("top_p above 1", dict(top_p=1.5), "top_p"),
-    ("negative top_k", dict(top_k=-1), "top_k"),
+    ("top_k below -1", dict(top_k=-2), "top_k must be >= -1 (0 or -1 = no limit)"),
     ("negative min_p", dict(min_p=-0.1), "min_p must be in [0, 1]"),
     ("min_p above 1", dict(min_p=1.5), "min_p must be in [0, 1]"),
     ("min_p not a number", dict(min_p="0.1"), "min_p must be a number"),
@@ -167,7 +167,7 @@ def reference_valid(prompt, max_new_tokens, gamma, temperature, top_k, top_p, se
             and (gamma == "auto" or (is_int(gamma) and 0 <= gamma <= MAX_GAMMA))
             and finite32(temperature) and temperature >= 0
             and finite32(top_p) and 0 < top_p <= 1
-            and is_int(top_k) and top_k >= 0
+            and is_int(top_k) and top_k >= -1
             and (seed is None or is_int(seed))
             and (stops is None or (isinstance(stops, list) and len(stops) <= MAX_STOP_STRINGS
                                    and all(isinstance(s, str) and s and utf8(s) for s in stops))))
@@ -205,6 +205,14 @@ def test_a_temperature_too_small_to_sample_with_decodes_greedily(bundles, temper
     greedy = decoder.generate(PROMPTS[0], 24, gamma=3)
     tiny = decoder.generate(PROMPTS[0], 24, gamma=3, temperature=temperature, seed=1)
     assert tiny.token_ids == greedy.token_ids and tiny.stats.finish_reason == greedy.stats.finish_reason
+
+
+def test_top_k_minus_1_keeps_every_token_as_0_does_as_vllm_takes_it(bundles):
+    """vLLM's "no limit": its clients send it; generate(top_k=-1) was refused."""
+    decoder = SpeculativeDecoder(bundles("llama"))
+    assert check(top_k=-1, temperature=1.0).sampling.top_k == 0
+    unlimited = decoder.generate(PROMPTS[0], 24, gamma=3, temperature=1.0, top_k=0, seed=1)
+    assert decoder.generate(PROMPTS[0], 24, gamma=3, temperature=1.0, top_k=-1, seed=1).token_ids == unlimited.token_ids
 
 
 @pytest.mark.parametrize("top_p", [1e-46, 5e-324])

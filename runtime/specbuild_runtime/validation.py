@@ -217,8 +217,9 @@ def check_sampling(temperature=0.0, top_k=0, top_p=1.0, vocab_size: int = 1, min
     if not 0 < top_p <= 1:
         raise RequestError(f"top_p must be in (0, 1], not {top_p}")
     top_p = max(top_p, FLOAT32_TINY)
-    # A top_k above the vocabulary keeps every token, as 0 does; capping it keeps it an int64.
-    top_k = min(whole("top_k", top_k, low=0, hint=" (0 = no limit)"), vocab_size)
+    # A top_k above the vocabulary keeps every token, as 0 does, and so does vLLM's -1 (its clients send it,
+    # generation_configs hold it); capping it keeps it an int64.
+    top_k = min(max(whole("top_k", top_k, low=-1, hint=" (0 or -1 = no limit)"), 0), vocab_size)
     min_p = real("min_p", min_p)
     if not 0 <= min_p <= 1:
         raise RequestError(f"min_p must be in [0, 1] (0 = no limit), not {min_p}")

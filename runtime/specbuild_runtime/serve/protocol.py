@@ -153,7 +153,6 @@ def sampling_defaults(generation_config: dict | None, mode: str, min_p: bool = T
             ignored.append(f"repetition_penalty {_json(value)} (this bundle was compiled before sampling penalties: "
                            "recompile it to apply it)")
         elif name in SAMPLING:
-            value = _runtime_value(name, value)
             try:  # the runtime's checks: a value it refuses is named, as a request's would be
                 check_sampling(**{name: value})
             except RequestError as exc:
@@ -171,12 +170,11 @@ def sampling_defaults(generation_config: dict | None, mode: str, min_p: bool = T
 
 
 def _runtime_value(name: str, value):
-    """vLLM's top_k -1, "no limit" (its clients send it, generation_configs hold it), as the runtime's 0; logit_bias's
-    keys, token ids written as JSON strings, as ints (the runtime names any other key)."""
+    """logit_bias's keys, token ids written as JSON strings, as ints (the runtime names any other key)."""
     if name == "logit_bias" and isinstance(value, dict):
         return {int(key) if isinstance(key, str) and key.isascii() and key.isdecimal() else key: bias
                 for key, bias in value.items()}
-    return 0 if name == "top_k" and type(value) is int and value == -1 else value
+    return value
 
 
 def _same(value, neutral) -> bool:
