@@ -1392,18 +1392,31 @@ def test_another_model_name_is_404_and_models_lists_ours(server):
     assert httpx.get(f"{server}/v1/models/gpt-4").status_code == 404
 
 
-def test_errors_are_typed_as_vllm_types_them(server):
-    """vLLM's names for what its serving refuses (BadRequestError, NotFoundError for another model), the status's
-    phrase for what its routing refuses; code the status."""
-    def error(reply: httpx.Response) -> tuple:
-        body = reply.json()["error"]
-        return reply.status_code, body["type"], body["code"], body["param"]
+def test_every_errors_type_names_the_exception_the_openai_client_raises_for_its_status(server, bundle):
+    """One convention, as vLLM's serving names its own (BadRequestError, NotFoundError): a path served nowhere was
+    "Not Found" beside "NotFoundError" for another model, a missing key "Unauthorized", a 503 "Service Unavailable";
+    code the status."""
+    def raised(client: openai.OpenAI, method: str, path: str, **body) -> tuple:
+        with pytest.raises(openai.APIStatusError) as error:
+            getattr(client, method)(path, cast_to=object, **({"body": body} if method == "post" else {}))
+        return error.value.status_code, type(error.value).__name__, error.value.body["type"], error.value.body["code"]
 
-    assert error(httpx.post(f"{server}/v1/completions", json={"prompt": "x", "n": 0})) == (400, "BadRequestError", 400, "n")
-    assert error(httpx.post(f"{server}/v1/completions", json={"model": "gpt-4", "prompt": "x"})) == (
-        404, "NotFoundError", 404, "model")
-    assert error(httpx.post(f"{server}/v1/embeddings", json={"input": "x"})) == (404, "Not Found", 404, None)
-    assert error(httpx.get(f"{server}/v1/completions")) == (405, "Method Not Allowed", 405, None)
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    for method, path, body, status in (("post", "/completions", {"prompt": "x", "n": 0}, 400),
+                                       ("post", "/completions", {"model": "gpt-4", "prompt": "x"}, 404),
+                                       ("post", "/embeddings", {"input": "x"}, 404),
+                                       ("get", "/completions", {}, 405),
+                                       ("post", "/completions", {"prompt": "x" * 1_000_000}, 413)):
+        code, exception, given, coded = raised(client, method, path, **body)
+        assert code == coded == status and given == exception, (path, body, given, exception)
+    with in_process(bundle, api_key="s3cret") as (url, decoder, _):
+        decoder.go.set()
+        assert raised(openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0), "get", "/models") == (
+            401, "AuthenticationError", "AuthenticationError", 401)
+    from specbuild_runtime.serve.protocol import ApiError
+
+    assert [ApiError(status, "").type for status in (429, 503, 504, 499)] == [
+        "RateLimitError", "InternalServerError", "InternalServerError", "APIStatusError"]
 
 
 def test_a_client_whose_base_url_lacks_v1_is_told_where_the_api_is(server):
@@ -1510,7 +1523,7 @@ def test_sigterm_ends_in_flight_streams_cleanly_and_exits(bundle, tmp_path):
     events = [first, *rest]
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
     last = json.loads(events[-2][len("data: "):])
-    assert last.get("error", {}).get("type") == "Service Unavailable" or last["choices"][0]["finish_reason"]
+    assert last.get("error", {}).get("type") == "InternalServerError" or last["choices"][0]["finish_reason"]
     assert "Traceback" not in log.read_text()
 
 
@@ -2642,7 +2655,7 @@ def test_timeout_ends_a_decoding_stream_and_a_queued_request(bundle):
             queued_events = [queued_first, *queued_rest]
         assert queued_events[-1] == "data: [DONE]" and error_of(queued_events[-2])["code"] == 503
         events = [first, *rest]
-        assert events[-1] == "data: [DONE]" and error_of(events[-2])["type"] == "Gateway Timeout"
+        assert events[-1] == "data: [DONE]" and error_of(events[-2])["type"] == "InternalServerError"
 
 
 def test_a_request_that_decoded_past_the_timeout_is_not_resent_by_the_openai_client(bundle):
@@ -2780,7 +2793,7 @@ def test_an_idle_connection_beyond_max_connections_is_answered_503_at_once_and_c
                 reply += chunk
     head, body = reply.split(b"\r\n\r\n", 1)
     assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower()
-    assert json.loads(body)["error"]["type"] == "Service Unavailable"
+    assert json.loads(body)["error"]["type"] == "InternalServerError"
 
 
 def test_a_connection_refused_beyond_max_connections_leaves_the_served_ones_served(bundle):

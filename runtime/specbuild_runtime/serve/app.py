@@ -213,7 +213,7 @@ class Server:
         template the server renders; lm-evaluation-harness's remote tokenizer reads its special tokens there."""
         if not self.settings.tokenizer_info:  # vLLM's default too: the template may be the operator's own
             return JSONResponse(ApiError(404, "GET /tokenizer_info is off: start the server with "
-                                              "--enable-tokenizer-info-endpoint, as vLLM's", routing=True).body(), 404)
+                                              "--enable-tokenizer-info-endpoint, as vLLM's").body(), 404)
         config = read_tokenizer_config(self.decoder.root / TOKENIZER_DIR)
         info = {name: _token_texts(value) for name, value in config.items() if name not in ("vocab_file", "merges_file")}
         info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
@@ -941,7 +941,7 @@ async def _http_error(request: HttpRequest, exc: HTTPException) -> Response:
                     else f"this server serves {ENDPOINTS}"))
     elif exc.status_code == 405 and exc.headers and "Allow" in exc.headers:
         message = f"{method} is not allowed on {path}: send {exc.headers['Allow']}"
-    return JSONResponse(ApiError(exc.status_code, message, routing=True).body(), exc.status_code,
+    return JSONResponse(ApiError(exc.status_code, message).body(), exc.status_code,
                         headers=exc.headers)  # 405's Allow
 
 

@@ -15,7 +15,6 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
-from http import HTTPStatus
 from typing import NamedTuple, TypeVar
 
 from tokenizers import Tokenizer
@@ -186,27 +185,21 @@ def _json(value) -> str:
 
 
 class ApiError(Exception):
-    """An error answered as vLLM answers them: {"error": {"message", "type", "param", "code"}}, its type vLLM's name
-    for the status (its create_error_response's) or, for a status vLLM names none for, the status's phrase ("Method
-    Not Allowed"), as vLLM types the errors its routing raises. routing: the phrase whatever the status (a path
-    served nowhere is vLLM's "Not Found", another model its "NotFoundError")."""
+    """An error answered as vLLM answers them: {"error": {"message", "type", "param", "code"}}, its type the name of
+    the exception the openai client raises for the status (its _make_status_error), as vLLM's create_error_response
+    names its own (BadRequestError, NotFoundError, InternalServerError), for every error alike: vLLM's routing and
+    API key typed theirs otherwise ("Not Found", "Unauthorized"), so one status had two types."""
 
-    TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+             409: "ConflictError", 422: "UnprocessableEntityError", 429: "RateLimitError"}
 
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None,
-                 routing: bool = False):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers or {}
-        self.routing = routing
 
     @property
     def type(self) -> str:
-        if self.status in self.TYPES and not self.routing:
-            return self.TYPES[self.status]
-        try:
-            return HTTPStatus(self.status).phrase
-        except ValueError:  # 499, a client gone: no phrase, and nobody reads it
-            return "Client Closed Request"
+        return self.TYPES.get(self.status) or ("InternalServerError" if self.status >= 500 else "APIStatusError")
 
     def body(self) -> dict:
         return {"error": {"message": _utf8(self.message), "type": self.type,
