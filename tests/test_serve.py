@@ -3435,6 +3435,21 @@ def test_readme_serving_examples_run_against_a_server(server):
     assert result.returncode == 0 and result.stdout.strip(), result.stderr
 
 
+def test_the_serving_docs_examples_run_against_a_server(server):
+    """docs/serving.md's tool call and structured output examples (marked `<!-- served example -->`): their requests
+    are answered, not refused; this tiny random model's replies may be cut short by max_tokens."""
+    page = (Path(__file__).parents[1] / "docs" / "serving.md").read_text()
+    blocks = re.findall(r"<!-- served example -->\n```(\w+)\n(.*?)```", page, re.S)
+    assert [language for language, _ in blocks] == ["bash", "python"]
+    for language, block in blocks:
+        command = ["bash", "-c"] if language == "bash" else [sys.executable, "-c"]
+        result = subprocess.run([*command, block.replace("http://localhost:8000", server)], capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode == 0 and result.stdout.strip() and '"error"' not in result.stdout, result
+        if language == "bash":  # the call, or (the random model writing JSON's whitespace on and on) cut short
+            assert json.loads(result.stdout)["choices"][0]["finish_reason"] in ("tool_calls", "length"), result.stdout
+
+
 def test_start_up_warms_every_worker_thread_up_in_a_slot_of_its_own(bundle):
     """CUDA graphs are kept per thread and per slot: serve's warm-up runs once on each worker thread,
     each in its own slot, which the thread then keeps (pool.SlotPool)."""
