@@ -397,8 +397,8 @@ def test_bench_says_what_autos_free_guesses_held_where_it_never_drafted():
     from specbuild_runtime import Stats
 
     auto = ModeResult("specbuild", "auto")
-    auto.add(Stats(rounds=6, gamma_rounds={0: 6}, guessed=6, guesses_accepted=24, token_times=[0.01 * i for i in range(31)]),
-             list(range(31)))
+    times = [0.01 * i for i in range(31)]
+    auto.add(Stats(rounds=6, gamma_rounds={0: 6}, guessed=6, guesses_accepted=24, token_times=times), list(range(31)))
     row = auto.to_dict()
     assert row["acceptance_rate"] is None and row["mean_accepted_tokens"] == 5.0
     assert row["guessed"] == 6 and row["guesses_accepted"] == 24

@@ -72,7 +72,8 @@ def test_generates_stats_line_says_auto_decoded_target_only_and_what_its_free_gu
     assert _stats_line(guessing, "auto", 256).endswith(
         ", gamma auto drafted nothing: decoded target-only, 24 tokens from free guesses in 6 rounds, 5.00 tokens/round")
     plain = Stats(generated_tokens=31, rounds=30, gamma_rounds={0: 30}, token_times=times)
-    assert _stats_line(plain, "auto", 256).endswith(", gamma auto drafted nothing: decoded target-only, 1.00 tokens/round")
+    assert _stats_line(plain, "auto", 256).endswith(
+        ", gamma auto drafted nothing: decoded target-only, 1.00 tokens/round")
     assert _stats_line(plain, 0, 256).endswith("ttft 0.0 ms")  # target-only as asked: nothing to explain
     drafting = Stats(generated_tokens=31, rounds=10, drafted=20, accepted=10, guessed=2, guesses_accepted=1,
                      token_times=times)

@@ -4387,7 +4387,7 @@ def test_an_empty_api_key_variable_is_refused_not_taken_for_no_key(bundle):
 
 
 def test_the_start_up_line_says_a_server_beyond_loopback_without_an_api_key_is_open_to_the_network(bundle, tmp_path):
-    """--host 0.0.0.0 without --api-key served anyone who reached the port, and the start-up line read as on loopback."""
+    """--host 0.0.0.0 without --api-key served anyone who reached the port; the start-up line read as on loopback."""
     from specbuild_runtime.serve.cli import exposure
 
     log = tmp_path / "server.log"

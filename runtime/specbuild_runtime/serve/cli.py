@@ -252,8 +252,9 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
         captured = decoder.warm_up_workers()
         click.echo(f"captured {captured} CUDA graphs in {time.perf_counter() - started:.1f} s", err=True)
     where = f"[{host}]" if ":" in host else host
-    click.echo(f"serving {settings.model!r} from {bundle} on http://{where}:{listener.getsockname()[1]}"
-               f"{exposure(listener.getsockname()[0], api_key)}: {parallel} slot(s), queue {max_queue}; {chat_line(server.chat_template)}"
+    address, bound_port = listener.getsockname()[:2]
+    click.echo(f"serving {settings.model!r} from {bundle} on http://{where}:{bound_port}{exposure(address, api_key)}: "
+               f"{parallel} slot(s), queue {max_queue}; {chat_line(server.chat_template)}"
                f"{f'; tool calls parsed as {tool_call_parser}' if tool_call_parser else ''}; {server.defaults}", err=True)
     server.http_server(host, port).run(sockets=[listener])
 
