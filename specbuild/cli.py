@@ -878,9 +878,12 @@ def demo(cache, recipe, prompt, max_new_tokens, as_json) -> None:
         click.echo(summary["prompt"] + click.style(f"[{len(completion)} whitespace characters]", fg="green"))
         click.echo("(the demo target, trained for minutes on 2 cores, often completes with blank lines; try --prompt)")
     click.echo("-" * 60)
+    # A short run (-n 4) may end before auto drafts at all: no α to give, which 0 would misstate.
+    alpha = summary["acceptance_rate"]
     click.echo(
-        f"acceptance α {summary['acceptance_rate']:.2f}, {summary['mean_accepted_tokens']:.2f} tokens per target call "
-        f"(adaptive γ), over {_count(summary['prompts'], 'prompt')}"
+        ("auto drafted nothing (target-only, with free guesses)" if alpha is None else f"acceptance α {alpha:.2f}")
+        + f", {summary['mean_accepted_tokens']:.2f} tokens per target call (adaptive γ), over "
+        f"{_count(summary['prompts'], 'prompt')}"
     )
     click.echo(
         f"target only {summary['target_only_tokens_per_second']:.0f} tok/s -> speculative "

@@ -109,7 +109,7 @@ def run_demo(cache: Path, recipe: Path, prompt: str | None, max_new_tokens: int)
         "prompt": texts[0],
         "completion": decoder.tokenizer.decode(speculative.outputs[0]),
         "identical_to_target": speculative.outputs == target_only.outputs,
-        "acceptance_rate": round(speculative.alpha, 3),
+        "acceptance_rate": None if speculative.alpha is None else round(speculative.alpha, 3),  # None: drafted nothing
         "mean_accepted_tokens": round(speculative.tau, 3),
         "target_only_tokens_per_second": round(target_only.tokens_per_second, 1),
         "speculative_tokens_per_second": round(speculative.tokens_per_second, 1),

@@ -521,6 +521,22 @@ def test_no_color_set_keeps_the_demos_output_plain_on_a_terminal(no_color, monke
     assert ("\x1b[" in result.output) == (not no_color), result.output
 
 
+def test_the_demo_says_auto_drafted_nothing_where_a_short_run_never_drafted(monkeypatch):
+    """A run too short for auto to draft has no α: the demo failed on it (exit 3) once bench's α became None there."""
+    from click.testing import CliRunner
+
+    import specbuild.demo
+    from specbuild.cli import cli
+
+    summary = {"prompt": "def f():", "completion": "\n    return 1", "prompts": 1, "acceptance_rate": None,
+               "mean_accepted_tokens": 1.0, "target_only_tokens_per_second": 100.0,
+               "speculative_tokens_per_second": 100.0, "speedup": 1.0, "identical_to_target": True}
+    monkeypatch.setattr(specbuild.demo, "run_demo", lambda *args: summary)
+    result = CliRunner().invoke(cli, ["demo"])
+    assert result.exit_code == 0, result.output
+    assert "auto drafted nothing (target-only, with free guesses), 1.00 tokens per target call" in result.output
+
+
 def test_usage_errors_are_one_line_with_exit_status_2(capsys):
     from specbuild.cli import main
 
