@@ -232,6 +232,13 @@ class GammaType(click.ParamType):
         self.fail(f"{value!r} is not 'auto' or a whole number, 0 or more", param, ctx)
 
 
+# generate's and chat's
+gamma_option = click.option(
+    "--gamma", type=GammaType(), default="auto", show_default=True,
+    help="Draft tokens per round, up to the bundle's max gamma (compile's --gamma; inspect shows it): 'auto' adapts to "
+         "the draft's acceptance, 0 is the target alone.")
+
+
 def check_stops(ctx, param, value: tuple[str, ...]) -> tuple[str, ...]:
     """--stop by the runtime's rule for stop strings (validation.stop_strings), before the bundle loads: an
     empty one, or a seventeenth, is a malformed option whatever the bundle, as click's own range checks are."""
@@ -350,9 +357,7 @@ def cuda_line(manifest) -> str:
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--prompt", "-p", required=True, type=PromptText(), help="Text to continue; - reads it from stdin.")
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=128, show_default=True, help="Stop after this many new tokens.")
-@click.option("--gamma", type=GammaType(), default="auto", show_default=True,
-              help="Draft tokens per round, up to the bundle's max gamma (compile's --gamma; inspect shows it): 'auto' "
-                   "adapts to the draft's acceptance, 0 is the target alone.")
+@gamma_option
 @click.option("--chat", is_flag=True, help="Send the prompt as a user message in the bundle's chat template (as serve's "
               "/v1/chat/completions renders it) and print the reply alone.")
 @chat_template_option
@@ -438,17 +443,9 @@ def generate(bundle, prompt, max_new_tokens, gamma, chat, chat_template, stop, a
 def chat_prompt(decoder, text: str, supplied, max_new_tokens: int) -> list[int]:
     """text as one user message in the bundle's chat template (or the one supplied, --chat-template), as token ids;
     refused before tokenizing where it cannot fit the context with max_new_tokens, as a text prompt is."""
-    from specbuild_runtime.manifest import TOKENIZER_DIR
+    from .chat import load_template
 
-    try:
-        from specbuild_runtime.serve.chat import load_chat_template
-    except ImportError as exc:  # jinja2, in the runtime's serve extra: an install, as serve's, not a command line
-        raise click.ClickException(f"--chat renders the chat template with jinja2 ({exc}): pip install "
-                                   "'specbuild-runtime[serve]'") from None
-    template = load_chat_template(decoder.root / TOKENIZER_DIR, supplied)
-    if template is None:  # what the bundle lacks, as a --gamma above its maximum (exit 1), not a malformed command line
-        raise click.ClickException("this bundle's tokenizer has no chat template; give one with --chat-template, or "
-                                   "the prompt as text, without --chat")
+    template = load_template(decoder, supplied, ", or the prompt as text, without --chat")
     return template.prompt_ids(decoder.tokenizer, [{"role": "user", "content": text}], decoder.fits(max_new_tokens))
 
 
@@ -890,6 +887,44 @@ def demo(cache, recipe, prompt, max_new_tokens, as_json) -> None:
         f"{summary['speculative_tokens_per_second']:.0f} tok/s: {summary['speedup']:.2f}x, output "
         + ("identical to the target's" if summary["identical_to_target"] else "DIFFERENT from the target's (a bug)")
     )
+
+
+@cli.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--system", metavar="TEXT", help="Begin each conversation with this system message.")
+@click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Stop each reply after this many tokens.")
+@gamma_option
+@chat_template_option
+@click.option("--stats", "show_stats", is_flag=True, help="After each reply, print its stats line on stderr, with the "
+              "prompt tokens the cache held from the turns before.")
+@device_option
+@cuda_graphs_option
+@draft_steps_option
+@threads_option(EVERY_CORE)
+@sampling_options()
+def chat(bundle, system, max_new_tokens, gamma, chat_template, show_stats, device, cuda_graphs, draft_steps, threads,
+         **sampling) -> None:
+    """Talk with a bundle: each line on stdin is your turn, the reply streams as it decodes.
+
+    The whole conversation is rendered with the bundle's chat template each turn (the cache already holds all but
+    the new turn). /reset starts a new conversation; /exit, Ctrl-D or Ctrl-C at the prompt ends; Ctrl-C during a
+    reply stops it."""
+    from specbuild_runtime import SpeculativeDecoder
+
+    from .chat import converse, load_template
+
+    check_sampling(sampling)
+    use_threads(threads)
+    decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs,
+                                 draft_steps=draft_steps)
+    template = load_template(decoder, chat_template, "")
+
+    def stats_line(stats) -> str:
+        return (f"prompt {stats.prompt_tokens} tokens ({stats.cached_prompt_tokens} cached), "
+                + _stats_line(stats, gamma, decoder.max_seq_len))
+
+    converse(decoder, template, system, max_new_tokens, gamma, stats_line if show_stats else None, **sampling)
 
 
 cli.add_command(serve_command)  # defined in the runtime, which a torch-free service installs alone

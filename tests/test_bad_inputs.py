@@ -655,6 +655,8 @@ CASES = [
     Case("`generate --chat` on a bundle whose tokenizer has no chat template", ["generate", "{bundle}", "-p", "x", "--chat"],
          1, "has no chat template", "Give one with `--chat-template` (as `serve` takes it), or the prompt as text, without "
          "`--chat` (the bundle is fine; its target has no chat template)."),
+    Case("`chat` on a bundle whose tokenizer has no chat template", ["chat", "{bundle}"], 1, "has no chat template",
+         "Give one with `--chat-template` (as `serve` takes it; the bundle is fine, its target has no chat template)."),
     Case("`--chat-template` a file that does not exist (`serve` or `generate --chat`)",
          ["serve", "{bundle}", "--chat-template", "{tmp}/templates/chatml.jinja"], 2, "looks like a file path",
          "Give the template's file, or the template text itself: a value without `{`, `}` or a newline is taken for a "

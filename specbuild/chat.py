@@ -1,0 +1,146 @@
+"""`specbuild chat`: a conversation at the terminal, as llama.cpp's `llama-cli -cnv` holds one. Each turn renders the
+whole conversation with the bundle's chat template (as a client of serve's /v1/chat/completions resends it); the
+decoder's prefix reuse finds the conversation so far in its slot's cache, so a turn computes little more than its own
+tokens (docs/runtime.md, *Prefix reuse*)."""
+
+from __future__ import annotations
+
+import importlib
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+
+import click
+
+from specbuild_runtime import Stats
+from specbuild_runtime.errors import RequestError
+
+RESET, EXIT = "/reset", "/exit"
+
+
+def load_template(decoder, supplied, instead: str):
+    """The bundle's chat template (or the one supplied, --chat-template); without one, an error that ends in
+    `instead`, what to do other than giving one."""
+    from specbuild_runtime.manifest import TOKENIZER_DIR
+
+    try:
+        from specbuild_runtime.serve.chat import load_chat_template
+    except ImportError as exc:  # jinja2, in the runtime's serve extra: an install, as serve's, not a command line
+        raise click.ClickException(f"chat templates render with jinja2 ({exc}): pip install "
+                                   "'specbuild-runtime[serve]'") from None
+    template = load_chat_template(decoder.root / TOKENIZER_DIR, supplied)
+    if template is None:  # what the bundle lacks, as a --gamma above its maximum (exit 1), not a malformed command line
+        raise click.ClickException("this bundle's tokenizer has no chat template; give one with --chat-template"
+                                   + instead)
+    return template
+
+
+class _Outgrown(Exception):
+    """The rendered conversation is longer than the bundle's context."""
+
+
+def converse(decoder, template, system: str | None, max_new_tokens: int, gamma,
+             stats_line: Callable[[Stats], str] | None, **sampling) -> None:
+    """Reads turns from stdin until /exit, end of input or Ctrl-C at the prompt, and streams each reply to stdout;
+    stats_line(stats), where given, is printed on stderr after each."""
+    if sys.stdin is None:  # the shell closed it (`<&-`): Python has no stdin object at all
+        raise click.UsageError("chat reads your turns from stdin, which is closed; run it on a terminal or pipe them "
+                               "in")
+    decoder.request([0], max_new_tokens, gamma, **sampling)  # refuses a --gamma above the bundle's before a turn
+    terminal = sys.stdin.isatty()
+    if terminal:
+        with suppress(ImportError):  # line editing and history for input(); Windows' Python has no readline
+            importlib.import_module("readline")
+        click.echo(f"{RESET} starts a new conversation, {EXIT} or Ctrl-D ends; Ctrl-C stops a reply", err=True)
+    opening = [{"role": "system", "content": system}] if system is not None else []
+    messages = list(opening)
+    while True:
+        try:
+            line = input("> ") if terminal else sys.stdin.readline()
+        except (EOFError, KeyboardInterrupt):
+            if terminal:  # the shell's prompt on a line of its own
+                click.echo()
+            return
+        if not terminal and not line:  # end of input
+            return
+        turn = line.rstrip("\r\n")
+        if turn.strip() == EXIT:
+            return
+        if turn.strip() == RESET:
+            messages = list(opening)
+            click.echo("(new conversation)", err=True)
+            continue
+        if not turn.strip():
+            continue
+        try:
+            prompt = _conversation_ids(decoder, template, [*messages, {"role": "user", "content": turn}],
+                                       max_new_tokens)
+        except _Outgrown:
+            click.echo(f"(this turn was not sent: the conversation would be longer than the bundle's context of "
+                       f"{decoder.max_seq_len} tokens; {RESET} starts a new one)", err=True)
+            continue
+        stats = Stats()
+        reply = _reply(decoder.stream_text(prompt, max_new_tokens, gamma, stats=stats, **sampling))
+        messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": reply}]
+        if stats_line:
+            click.echo(stats_line(stats), err=True)
+        if stats.finish_reason == "context":  # a reply cut short, told whether or not stats are shown
+            click.echo(f"(the reply stopped where the conversation filled the bundle's context of "
+                       f"{decoder.max_seq_len} tokens; {RESET} starts a new one)", err=True)
+
+
+def _conversation_ids(decoder, template, messages: list[dict], max_new_tokens: int) -> list[int]:
+    """The conversation rendered as the prompt of the assistant's next turn, as token ids; _Outgrown where it leaves
+    no room in the context for a token of reply (refused before tokenizing where the text alone is too long)."""
+    too_long = decoder.fits(max_new_tokens)
+
+    def fits(text: str) -> None:
+        try:
+            too_long(text)
+        except RequestError:  # told as a turn that does not fit, not as an error that ends the conversation
+            raise _Outgrown from None
+
+    ids = template.prompt_ids(decoder.tokenizer, messages, fits)
+    if len(ids) > decoder.max_seq_len:
+        raise _Outgrown
+    return ids
+
+
+def _reply(deltas) -> str:
+    """Streams the reply's text to stdout and returns it (what was shown, where Ctrl-C stopped it)."""
+    shown = []
+    try:
+        with _ctrl_c_sets() as stop:
+            for delta in deltas:
+                click.echo(delta, nl=False)
+                shown.append(delta)
+                if stop.is_set():
+                    break
+    finally:  # a decode that fails mid-way: its error begins a line of its own
+        deltas.close()  # aborts a reply Ctrl-C stopped: its slot is free, and its cache keeps what was decoded
+        click.echo()
+    return "".join(shown)
+
+
+@contextmanager
+def _ctrl_c_sets() -> Iterator[threading.Event]:
+    """An event Ctrl-C sets, for the reply to stop at its next text, rather than a KeyboardInterrupt raised wherever
+    the decoder is; a second Ctrl-C before then interrupts as usual (a prompt far too long to wait for). The handler
+    can only be set in the main thread, and one the process ignores stays ignored."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield stop
+        return
+
+    def interrupt(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield stop
+    finally:  # None: a handler set outside Python, which cannot be put back; the default is the nearest
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)

@@ -1,0 +1,189 @@
+"""`specbuild chat`: turns read from stdin, each rendered with the whole conversation before it, replies streamed.
+
+The tiny llama pair has no chat template of its own: --chat-template gives one, as a user of such a bundle would."""
+
+from __future__ import annotations
+
+import io
+import os
+import pty
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] | trim }}\n"
+            "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+N = 12  # tokens a reply
+
+
+@pytest.fixture(scope="module")
+def bundle(bundles):
+    return bundles("llama", 1)
+
+
+@pytest.fixture(scope="module")
+def reference(bundle):
+    """reply(messages, n): what the decoder alone, in a fresh slot, answers the conversation with; ids(messages)."""
+    from specbuild_runtime import SpeculativeDecoder
+    from specbuild_runtime.manifest import TOKENIZER_DIR
+    from specbuild_runtime.serve.chat import load_chat_template, supplied_chat_template
+
+    decoder = SpeculativeDecoder(bundle, prefix_reuse=False)
+    template = load_chat_template(bundle / TOKENIZER_DIR, supplied_chat_template(TEMPLATE))
+
+    class Reference:
+        @staticmethod
+        def ids(messages):
+            return template.prompt_ids(decoder.tokenizer, messages)
+
+        @staticmethod
+        def generation(messages, n=N):
+            return decoder.generate(template.prompt_ids(decoder.tokenizer, messages), n)
+
+    return Reference
+
+
+def chat(bundle, turns, *options, n=N):
+    from specbuild.cli import cli
+
+    return CliRunner().invoke(cli, ["chat", str(bundle), "--chat-template", TEMPLATE, "-n", str(n), *options],
+                              input=turns)
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+def prompts(stderr: str) -> list[tuple[int, int]]:
+    """(prompt tokens, of them cached) of each --stats line."""
+    return [(int(total), int(cached)) for total, cached in re.findall(r"^prompt (\d+) tokens \((\d+) cached\)", stderr,
+                                                                      re.MULTILINE)]
+
+
+def test_each_turn_renders_the_whole_conversation_and_finds_the_turns_before_in_the_cache(bundle, reference):
+    result = chat(bundle, "Write fib\nnow in C\n", "--stats")
+    assert result.exit_code == 0, result.output
+    first = reference.generation([user("Write fib")]).text
+    second = reference.generation([user("Write fib"), assistant(first), user("now in C")]).text
+    assert result.stdout == f"{first}\n{second}\n"
+    (first_prompt, none), (second_prompt, cached) = prompts(result.stderr)
+    assert none == 0 and first_prompt == len(reference.ids([user("Write fib")]))
+    assert first_prompt <= cached < second_prompt, result.stderr
+
+
+def test_reset_starts_a_new_conversation(bundle, reference):
+    result = chat(bundle, "Write fib\n/reset\nWrite fib\n", "--stats")
+    assert result.exit_code == 0, result.output
+    first = reference.generation([user("Write fib")]).text
+    assert result.stdout == f"{first}\n{first}\n"
+    assert "(new conversation)" in result.stderr
+    (first_prompt, _), (again, _) = prompts(result.stderr)
+    assert again == first_prompt
+
+
+def test_the_system_message_opens_the_conversation_and_survives_reset(bundle, reference):
+    result = chat(bundle, "Write fib\n/reset\nWrite fib\n", "--system", "Be brief.")
+    assert result.exit_code == 0, result.output
+    first = reference.generation([{"role": "system", "content": "Be brief."}, user("Write fib")]).text
+    assert result.stdout == f"{first}\n{first}\n"
+
+
+def test_a_turn_the_context_cannot_hold_is_not_sent_and_says_to_reset(bundle, reference):
+    long = " ".join(["word"] * 60)
+    assert len(reference.ids([user(long)])) + N < 256 < 2 * len(reference.ids([user(long)]))  # the bundle's context
+    result = chat(bundle, f"{long}\n{long}\n/reset\nWrite fib\n")
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.splitlines()
+    assert lines == ["(this turn was not sent: the conversation would be longer than the bundle's context of 256 "
+                     "tokens; /reset starts a new one)", "(new conversation)"], result.stderr
+    replies = [reference.generation([user(text)]).text for text in (long, "Write fib")]
+    assert result.stdout == f"{replies[0]}\n{replies[1]}\n"
+
+
+def test_a_reply_the_context_cuts_short_says_so(bundle, reference):
+    long = " ".join(["word"] * 60)
+    expected = reference.generation([user(long)], 256)
+    assert expected.stats.finish_reason == "context"  # the reply would run past the context: it stops there
+    result = chat(bundle, f"{long}\n", n=256)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == expected.text + "\n"
+    assert result.stderr == ("(the reply stopped where the conversation filled the bundle's context of 256 tokens; "
+                             "/reset starts a new one)\n")
+
+
+@pytest.mark.parametrize("turns", ["", "Write fib", "Write fib\n/exit\nnow in C\n"],
+                         ids=["nothing", "no-newline", "exit"])
+def test_end_of_input_or_exit_ends_the_conversation_with_status_0(bundle, reference, turns):
+    result = chat(bundle, turns)
+    assert result.exit_code == 0 and result.stderr == "", result.output
+    assert result.stdout == ("" if not turns else reference.generation([user("Write fib")]).text + "\n")
+
+
+def test_ctrl_c_during_a_reply_stops_it_and_keeps_what_was_shown(bundle, reference, monkeypatch):
+    """As llama-cli: the reply stops, the conversation goes on with it as far as it was shown."""
+    from specbuild_runtime import SpeculativeDecoder
+
+    stream_text = SpeculativeDecoder.stream_text
+
+    def interrupted_after_the_first_text(self, *args, **kwargs):
+        deltas = stream_text(self, *args, **kwargs)
+        if interrupted:
+            yield from deltas
+            return
+        interrupted.append(True)
+        yield next(deltas)
+        signal.raise_signal(signal.SIGINT)  # its handler runs before raise_signal returns
+        yield from deltas
+
+    interrupted: list[bool] = []
+    monkeypatch.setattr(SpeculativeDecoder, "stream_text", interrupted_after_the_first_text)
+    handler = signal.getsignal(signal.SIGINT)
+    result = chat(bundle, "Write fib\nnow in C\n", "--stats")
+    assert result.exit_code == 0, result.output
+    shown = result.stdout.split("\n")[0]
+    full = reference.generation([user("Write fib")]).text
+    assert shown and full.startswith(shown) and len(shown) < len(full)
+    second = reference.generation([user("Write fib"), assistant(shown), user("now in C")]).text
+    assert result.stdout == f"{shown}\n{second}\n"
+    assert interrupted and signal.getsignal(signal.SIGINT) is handler  # put back
+
+
+class Interrupted(io.RawIOBase):
+    """stdin on which Ctrl-C is pressed at the prompt."""
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        if len(buffer):
+            raise KeyboardInterrupt
+        return 0
+
+
+def test_ctrl_c_at_the_prompt_ends_the_conversation_with_status_0(bundle):
+    from specbuild.cli import cli
+
+    result = CliRunner().invoke(cli, ["chat", str(bundle), "--chat-template", TEMPLATE], input=Interrupted())
+    assert result.exit_code == 0 and result.output == "", result.output
+
+
+def test_on_a_terminal_it_prompts_and_ctrl_d_ends_it(bundle, reference):
+    """The process itself, its stdin a terminal: the prompt "> " before each turn, and Ctrl-D (end of input there)
+    ends it."""
+    main, terminal = pty.openpty()
+    os.write(main, b"Write fib\n\x04")  # the terminal holds them until read: Ctrl-D at a line's start is its end
+    run = subprocess.run([sys.executable, "-m", "specbuild", "chat", str(bundle), "--chat-template", TEMPLATE, "-n",
+                          str(N)], stdin=terminal, capture_output=True, text=True)
+    os.close(terminal)
+    os.close(main)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == f"> {reference.generation([user('Write fib')]).text}\n> \n"
+    assert "/reset starts a new conversation" in run.stderr
