@@ -4398,6 +4398,7 @@ def test_the_start_up_line_says_a_server_beyond_loopback_without_an_api_key_is_o
         "give --api-key KEY, or --host 127.0.0.1): 1 slot(s)" in line, line
     assert exposure("::", None) == exposure("192.168.1.5", None) == exposure("0.0.0.0", None)
     assert exposure("127.0.0.1", None) == exposure("127.0.0.2", None) == exposure("::1", None) == ""
+    assert exposure("::ffff:127.0.0.1", None) == "" and exposure("::ffff:192.168.1.5", None) == exposure("::", None)
     assert exposure("0.0.0.0", "s3cret") == ""
 
 

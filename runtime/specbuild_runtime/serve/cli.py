@@ -262,7 +262,9 @@ def serve_command(bundle, host, port, device, cuda_graphs, draft_steps, parallel
 def exposure(address: str, api_key: str | None) -> str:
     """A clause for the start-up line where the server listens beyond loopback (address: the bound one) without
     --api-key: anyone who reaches the port may use it, which docs/serving.md advises against, and nothing said so."""
-    if api_key or ipaddress.ip_address(address).is_loopback:
+    ip = ipaddress.ip_address(address)
+    # --host ::ffff:127.0.0.1 binds loopback, which Python before 3.13 does not call loopback in its IPv6 spelling
+    if api_key or (getattr(ip, "ipv4_mapped", None) or ip).is_loopback:
         return ""
     return " (open to the network without --api-key: anyone who reaches it may use it; give --api-key KEY, or --host " \
            "127.0.0.1)"
