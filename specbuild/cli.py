@@ -456,7 +456,8 @@ def _token(token: int | None) -> str:
 def _stats_line(stats, gamma, context: int) -> str:
     s = stats.to_dict()
     line = f"{s['generated_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s, ttft {s['ttft_ms']:.1f} ms"
-    guesses = f"{stats.guesses_accepted} tokens from free guesses in {stats.guessed} rounds" if stats.guessed else ""
+    guesses = (f"{_count(stats.guesses_accepted, 'token')} from free guesses in {_count(stats.guessed, 'round')}"
+               if stats.guessed else "")
     if stats.drafted:
         line += f", gamma {gamma}, acceptance {s['acceptance_rate']:.2f}, {s['mean_accepted_tokens']:.2f} tokens/round"
         line += f" ({guesses})" if guesses else ""

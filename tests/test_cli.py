@@ -78,7 +78,7 @@ def test_generates_stats_line_says_auto_decoded_target_only_and_what_its_free_gu
     drafting = Stats(generated_tokens=31, rounds=10, drafted=20, accepted=10, guessed=2, guesses_accepted=1,
                      token_times=times)
     assert _stats_line(drafting, "auto", 256).endswith(
-        ", gamma auto, acceptance 0.50, 3.00 tokens/round (1 tokens from free guesses in 2 rounds)")
+        ", gamma auto, acceptance 0.50, 3.00 tokens/round (1 token from free guesses in 2 rounds)")
 
 
 def test_compile_json_prints_what_inspect_json_prints(checkpoints, tmp_path, cli):
