@@ -6,6 +6,7 @@ tokens (docs/runtime.md, *Prefix reuse*)."""
 from __future__ import annotations
 
 import importlib
+import io
 import signal
 import sys
 import threading
@@ -49,6 +50,10 @@ def converse(decoder, template, system: str | None, max_new_tokens: int, gamma,
         raise click.UsageError("chat reads your turns from stdin, which is closed; run it on a terminal or pipe them "
                                "in")
     decoder.request([0], max_new_tokens, gamma, **sampling)  # refuses a --gamma above the bundle's before a turn
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        # A line that is not UTF-8 (a terminal set to Latin-1, a file in it) comes as lone surrogates, told and skipped
+        # below, instead of a UnicodeDecodeError that ends the conversation as a bug in specbuild.
+        sys.stdin.reconfigure(errors="surrogateescape")
     terminal = sys.stdin.isatty()
     if terminal:
         with suppress(ImportError):  # line editing and history for input(); Windows' Python has no readline
@@ -73,6 +78,12 @@ def converse(decoder, template, system: str | None, max_new_tokens: int, gamma,
             click.echo("(new conversation)", err=True)
             continue
         if not turn.strip():
+            continue
+        try:
+            turn.encode("utf-8")
+        except UnicodeEncodeError:
+            click.echo("(this turn was not sent: it is not valid UTF-8 text; set the terminal, or the file piped in, "
+                       "to UTF-8)", err=True)
             continue
         try:
             prompt = _conversation_ids(decoder, template, [*messages, {"role": "user", "content": turn}],

@@ -127,6 +127,20 @@ def test_end_of_input_or_exit_ends_the_conversation_with_status_0(bundle, refere
     assert result.stdout == ("" if not turns else reference.generation([user("Write fib")]).text + "\n")
 
 
+def test_a_turn_that_is_not_utf8_is_not_sent_and_the_conversation_goes_on(bundle, reference):
+    result = chat(bundle, b"caf\xe9\nWrite fib\n")
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ("(this turn was not sent: it is not valid UTF-8 text; set the terminal, or the file piped "
+                             "in, to UTF-8)\n")
+    assert result.stdout == reference.generation([user("Write fib")]).text + "\n"
+
+
+def test_empty_and_blank_lines_are_no_turns(bundle, reference):
+    result = chat(bundle, "\n  \t\nWrite fib\n\n")
+    assert result.exit_code == 0 and result.stderr == "", result.output
+    assert result.stdout == reference.generation([user("Write fib")]).text + "\n"
+
+
 def test_ctrl_c_during_a_reply_stops_it_and_keeps_what_was_shown(bundle, reference, monkeypatch):
     """As llama-cli: the reply stops, the conversation goes on with it as far as it was shown."""
     from specbuild_runtime import SpeculativeDecoder
