@@ -60,6 +60,8 @@ def converse(decoder, template, system: str | None, max_new_tokens: int, gamma,
             importlib.import_module("readline")
         click.echo(f"{RESET} starts a new conversation, {EXIT} or Ctrl-D ends; Ctrl-C stops a reply", err=True)
     opening = [{"role": "system", "content": system}] if system is not None else []
+    if opening:  # told now rather than after the first turn is typed, where it would end the conversation
+        _check_opening(decoder, template, opening, max_new_tokens)
     messages = list(opening)
     while True:
         try:
@@ -92,6 +94,9 @@ def converse(decoder, template, system: str | None, max_new_tokens: int, gamma,
             click.echo(f"(this turn was not sent: the conversation would be longer than the bundle's context of "
                        f"{decoder.max_seq_len} tokens; {RESET} starts a new one)", err=True)
             continue
+        except RequestError as exc:  # the template's own refusal (raise_exception) of what this turn holds
+            click.echo(f"(this turn was not sent: {exc})", err=True)
+            continue
         stats = Stats()
         reply = _reply(decoder.stream_text(prompt, max_new_tokens, gamma, stats=stats, **sampling))
         messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": reply}]
@@ -100,6 +105,19 @@ def converse(decoder, template, system: str | None, max_new_tokens: int, gamma,
         if stats.finish_reason == "context":  # a reply cut short, told whether or not stats are shown
             click.echo(f"(the reply stopped where the conversation filled the bundle's context of "
                        f"{decoder.max_seq_len} tokens; {RESET} starts a new one)", err=True)
+
+
+def _check_opening(decoder, template, opening: list[dict], max_new_tokens: int) -> None:
+    """Refuses a --system message that no turn could follow: one the template rejects (Gemma's has no system role),
+    or one that leaves no room in the context."""
+    try:
+        _conversation_ids(decoder, template, [*opening, {"role": "user", "content": "Hi"}], max_new_tokens)
+    except _Outgrown:
+        raise click.ClickException(f"--system leaves no room for a turn in the bundle's context of "
+                                   f"{decoder.max_seq_len} tokens; shorten it") from None
+    except RequestError as exc:
+        raise click.ClickException(f"--system: {exc}; leave --system out, or give a chat template that takes a system "
+                                   "message with --chat-template") from None
 
 
 def _conversation_ids(decoder, template, messages: list[dict], max_new_tokens: int) -> list[int]:

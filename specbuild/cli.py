@@ -916,6 +916,11 @@ def chat(bundle, system, max_new_tokens, gamma, chat_template, show_stats, devic
     from .chat import converse, load_template
 
     check_sampling(sampling)
+    if system is not None:
+        try:
+            system.encode("utf-8")
+        except UnicodeEncodeError:  # undecodable argv bytes, as PromptText refuses them in --prompt
+            raise click.BadParameter("is not valid UTF-8 text", param_hint="'--system'") from None
     use_threads(threads)
     decoder = SpeculativeDecoder(bundle, device=device, shared_thread_pool=True, cuda_graphs=cuda_graphs,
                                  draft_steps=draft_steps)

@@ -96,6 +96,36 @@ def test_the_system_message_opens_the_conversation_and_survives_reset(bundle, re
     assert result.stdout == f"{first}\n{first}\n"
 
 
+def test_a_system_message_the_template_refuses_ends_the_command_before_a_turn(bundle):
+    refusing = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+                + TEMPLATE)
+    result = chat(bundle, "Write fib\n", "--system", "Be brief.", "--chat-template", refusing)
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith("Error: --system: the chat template rejected the messages: System role not "
+                                    "supported; leave --system out"), result.stderr
+
+
+def test_a_system_message_that_is_not_utf8_is_a_malformed_command_line(bundle):
+    result = chat(bundle, "Write fib\n", "--system", "caf\udce9")  # as Python passes an undecodable argument on
+    assert result.exit_code == 2 and "'--system': is not valid UTF-8 text" in result.stderr, result.output
+
+
+def test_a_system_message_the_context_cannot_hold_ends_the_command_before_a_turn(bundle):
+    result = chat(bundle, "Write fib\n", "--system", " ".join(["word"] * 300))
+    assert result.exit_code == 1, result.output
+    assert result.stderr == ("Error: --system leaves no room for a turn in the bundle's context of 256 tokens; "
+                             "shorten it\n")
+
+
+def test_a_turn_the_template_refuses_is_not_sent_and_the_conversation_goes_on(bundle, reference):
+    refusing = ("{% if 'secret' in messages[-1]['content'] %}{{ raise_exception('no secrets') }}{% endif %}"
+                + TEMPLATE)
+    result = chat(bundle, "a secret\nWrite fib\n", "--chat-template", refusing)
+    assert result.exit_code == 0, result.output
+    assert result.stderr == "(this turn was not sent: the chat template rejected the messages: no secrets)\n"
+    assert result.stdout == reference.generation([user("Write fib")]).text + "\n"
+
+
 def test_a_turn_the_context_cannot_hold_is_not_sent_and_says_to_reset(bundle, reference):
     long = " ".join(["word"] * 60)
     assert len(reference.ids([user(long)])) + N < 256 < 2 * len(reference.ids([user(long)]))  # the bundle's context
