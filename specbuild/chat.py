@@ -90,9 +90,10 @@ def converse(decoder, template, system: str | None, max_new_tokens: int, gamma,
         try:
             prompt = _conversation_ids(decoder, template, [*messages, {"role": "user", "content": turn}],
                                        max_new_tokens)
-        except _Outgrown:
+        except _Outgrown:  # in a new conversation, /reset would change nothing
+            fix = f"{RESET} starts a new one" if len(messages) > len(opening) else "shorten the turn"
             click.echo(f"(this turn was not sent: the conversation would be longer than the bundle's context of "
-                       f"{decoder.max_seq_len} tokens; {RESET} starts a new one)", err=True)
+                       f"{decoder.max_seq_len} tokens; {fix})", err=True)
             continue
         except RequestError as exc:  # the template's own refusal (raise_exception) of what this turn holds
             click.echo(f"(this turn was not sent: {exc})", err=True)

@@ -138,6 +138,14 @@ def test_a_turn_the_context_cannot_hold_is_not_sent_and_says_to_reset(bundle, re
     assert result.stdout == f"{replies[0]}\n{replies[1]}\n"
 
 
+def test_a_first_turn_the_context_cannot_hold_says_to_shorten_it(bundle, reference):
+    result = chat(bundle, " ".join(["word"] * 300) + "\nWrite fib\n")
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ("(this turn was not sent: the conversation would be longer than the bundle's context of "
+                             "256 tokens; shorten the turn)\n")
+    assert result.stdout == reference.generation([user("Write fib")]).text + "\n"
+
+
 def test_a_reply_the_context_cuts_short_says_so(bundle, reference):
     long = " ".join(["word"] * 60)
     expected = reference.generation([user(long)], 256)
