@@ -142,11 +142,11 @@ def _reply(deltas) -> str:
     """Streams the reply's text to stdout and returns it (what was shown, where Ctrl-C stopped it)."""
     shown = []
     try:
-        with _ctrl_c_sets() as stop:
+        with _ctrl_c_presses() as presses:
             for delta in deltas:
                 click.echo(delta, nl=False)
                 shown.append(delta)
-                if stop.is_set():
+                if presses:
                     break
     finally:  # a decode that fails mid-way: its error begins a line of its own
         deltas.close()  # aborts a reply Ctrl-C stopped: its slot is free, and its cache keeps what was decoded
@@ -155,22 +155,24 @@ def _reply(deltas) -> str:
 
 
 @contextmanager
-def _ctrl_c_sets() -> Iterator[threading.Event]:
-    """An event Ctrl-C sets, for the reply to stop at its next text, rather than a KeyboardInterrupt raised wherever
-    the decoder is; a second Ctrl-C before then interrupts as usual (a prompt far too long to wait for). The handler
-    can only be set in the main thread, and one the process ignores stays ignored."""
-    stop = threading.Event()
+def _ctrl_c_presses() -> Iterator[list[int]]:
+    """A list each Ctrl-C adds to, for the reply to stop at its next text, rather than a KeyboardInterrupt raised
+    wherever the decoder is; a second Ctrl-C before then interrupts as usual (a prompt far too long to wait for). A
+    list, not a threading.Event: the handler runs in the main thread between any two bytecodes, Event.set's own
+    included, and a second Ctrl-C there would wait forever for the lock the first holds. The handler can only be set
+    in the main thread, and one the process ignores stays ignored."""
+    presses: list[int] = []
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        yield stop
+        yield presses
         return
 
     def interrupt(signum, frame):
-        if stop.is_set():
+        if presses:
             raise KeyboardInterrupt
-        stop.set()
+        presses.append(signum)
 
     previous = signal.signal(signal.SIGINT, interrupt)
     try:
-        yield stop
+        yield presses
     finally:  # None: a handler set outside Python, which cannot be put back; the default is the nearest
         signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)

@@ -208,6 +208,42 @@ def test_ctrl_c_during_a_reply_stops_it_and_keeps_what_was_shown(bundle, referen
     assert interrupted and signal.getsignal(signal.SIGINT) is handler  # put back
 
 
+def test_a_second_ctrl_c_during_a_reply_interrupts_the_command_and_puts_the_handler_back(bundle, monkeypatch):
+    from specbuild.cli import cli
+    from specbuild_runtime import SpeculativeDecoder
+
+    stream_text = SpeculativeDecoder.stream_text
+
+    def interrupted_twice(self, *args, **kwargs):
+        deltas = stream_text(self, *args, **kwargs)
+        yield next(deltas)
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # before the reply's next text: the first has not stopped it yet
+        yield from deltas
+
+    monkeypatch.setattr(SpeculativeDecoder, "stream_text", interrupted_twice)
+    handler = signal.getsignal(signal.SIGINT)
+    result = CliRunner().invoke(cli, ["chat", str(bundle), "--chat-template", TEMPLATE], input="Write fib\nnow in C\n",
+                                standalone_mode=False)
+    # click's Abort from the KeyboardInterrupt: run_command's exit 130, "interrupted"; the second turn never ran
+    assert isinstance(result.exception.__cause__, KeyboardInterrupt) and result.stdout.count("\n") == 1, result.output
+    assert signal.getsignal(signal.SIGINT) is handler
+
+
+def test_a_reply_that_fails_puts_the_ctrl_c_handler_back(bundle, monkeypatch):
+    from specbuild_runtime import SpeculativeDecoder
+
+    def failing(self, *args, **kwargs):
+        yield "x"
+        raise RuntimeError("the engine failed")
+
+    monkeypatch.setattr(SpeculativeDecoder, "stream_text", failing)
+    handler = signal.getsignal(signal.SIGINT)
+    result = chat(bundle, "Write fib\nnow in C\n")
+    assert isinstance(result.exception, RuntimeError) and result.stdout == "x\n", result.output
+    assert signal.getsignal(signal.SIGINT) is handler
+
+
 class Interrupted(io.RawIOBase):
     """stdin on which Ctrl-C is pressed at the prompt."""
 
