@@ -908,9 +908,9 @@ def chat(bundle, system, max_new_tokens, gamma, chat_template, show_stats, devic
          **sampling) -> None:
     """Talk with a bundle: each line on stdin is your turn, the reply streams as it decodes.
 
-    The whole conversation is rendered with the bundle's chat template each turn (the cache already holds all but
-    the new turn). /reset starts a new conversation; /exit, Ctrl-D or Ctrl-C at the prompt ends; Ctrl-C during a
-    reply stops it."""
+    The whole conversation is rendered with the bundle's chat template each turn (the cache holds the turns before
+    where their text tokenizes as it was decoded). /reset starts a new conversation; /exit, Ctrl-D or Ctrl-C at the
+    prompt ends; Ctrl-C during a reply stops it."""
     from specbuild_runtime import SpeculativeDecoder
 
     from .chat import converse, load_template
