@@ -31,6 +31,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import PROMPTS, compiled_before_min_p, compiled_before_penalties, counted_compiles, make_checkpoint
+from specbuild_runtime import runtime_version
 
 MODEL = "demo"  # the name the README's examples use
 MAX_SEQ_LEN = 256
@@ -4342,7 +4343,7 @@ def test_a_tool_call_parser_whose_marking_tokens_the_tokenizer_lacks_is_refused_
         assert f"marked by {token}, which this bundle's tokenizer has no token for" in run.stderr, run.stderr
 
 
-def test_an_api_key_guards_the_v1_routes_and_leaves_health_and_metrics_open(bundle):
+def test_an_api_key_guards_the_v1_routes_and_leaves_health_version_and_metrics_open(bundle):
     with in_process(bundle, api_key="s3cret") as (url, decoder, _):
         decoder.go.set()
         assert httpx.get(f"{url}/v1/models").status_code == 401
@@ -4351,6 +4352,7 @@ def test_an_api_key_guards_the_v1_routes_and_leaves_health_and_metrics_open(bund
         assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Basic s3cret"}).status_code == 401
         assert httpx.get(f"{url}/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200  # RFC 6750
         assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/metrics").status_code == 200
+        assert httpx.get(f"{url}/version").json() == {"version": runtime_version()}  # vLLM's, open as /health is
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
         reply = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=4, temperature=0)
         assert reply.choices[0].finish_reason == "length"

@@ -40,7 +40,7 @@ from starlette.routing import Match, Route
 from ..errors import BundleError, DeviceError, RequestError
 from ..decode import encode_ids
 from ..logprobs import TokenLogprobs
-from ..manifest import TOKENIZER_DIR, read_tokenizer_config
+from ..manifest import TOKENIZER_DIR, read_tokenizer_config, runtime_version
 from ..validation import Request, prompt_token_ids
 from . import protocol
 from .chat import ChatRequestError, SuppliedTemplate, load_chat_template
@@ -104,6 +104,7 @@ class Server:
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/tokenizer_info", self.tokenizer_info),
                 Route("/health", self.health),
+                Route("/version", self.version),
                 Route("/metrics", self.metrics_page),
             ],
             # Starlette types every handler as taking any Exception, though it calls each with its own class's
@@ -225,6 +226,10 @@ class Server:
         if self.scheduler.draining:
             return JSONResponse({"status": "shutting down"}, 503)
         return JSONResponse({"status": "ok"})
+
+    async def version(self, request: HttpRequest) -> Response:
+        """vLLM's GET /version: the runtime's, which decides what a bundle's engines are asked and answer."""
+        return JSONResponse({"version": runtime_version()})
 
     async def metrics_page(self, request: HttpRequest) -> Response:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
@@ -927,7 +932,7 @@ async def _disconnected(http: HttpRequest) -> None:
 
 
 ENDPOINTS = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize, POST /detokenize, "
-             "GET /tokenizer_info, GET /health and GET /metrics")
+             "GET /tokenizer_info, GET /health, GET /version and GET /metrics")
 
 
 async def _http_error(request: HttpRequest, exc: HTTPException) -> Response:
