@@ -6,8 +6,10 @@ Each failure message says what differed. Run on an H100 on 2026-11-24, an H200 a
 (docs/gpu.md); every test here passed on the last, with cuDNN's attention off as the runtime now runs.
 """
 
+import os
 import re
 
+import numpy as np
 import onnxruntime as ort
 import pytest
 
@@ -18,13 +20,28 @@ from specbuild.verify import first_difference
 from specbuild_runtime import SpeculativeDecoder
 from specbuild_runtime.engine import PROVIDERS, Engine, session_options
 
+# SPECBUILD_GPU_TESTS_ON=cpu runs the tests that take the `device` fixture on onnxruntime's CPU provider, and skips the
+# rest: on a machine without a GPU, a check that such a test is itself right before a GPU session spends minutes on it.
+ON = os.environ.get("SPECBUILD_GPU_TESTS_ON", "cuda")
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(PROVIDERS["cuda"] not in ort.get_available_providers(),
-                       reason="onnxruntime has no CUDA provider here (pip install './runtime[gpu]' on a GPU machine)"),
+    pytest.mark.skipif(PROVIDERS.get(ON) not in ort.get_available_providers(),
+                       reason=f"onnxruntime has no {ON} provider here (pip install './runtime[gpu]' on a GPU machine)"),
 ]
 NEW_TOKENS = 30
 SAMPLED = [dict(temperature=1.0, seed=5), dict(temperature=0.7, top_k=20, top_p=0.9, seed=6)]
+
+
+@pytest.fixture(autouse=True)
+def _cuda_only(request):
+    if ON != "cuda" and "device" not in request.fixturenames:
+        pytest.skip(f"SPECBUILD_GPU_TESTS_ON={ON}: this test runs on CUDA only")
+
+
+@pytest.fixture
+def device():
+    """The device of a test that can also run on the CPU provider (SPECBUILD_GPU_TESTS_ON)."""
+    return ON
 
 
 @pytest.fixture(scope="module")
@@ -570,3 +587,85 @@ def test_structured_outputs_on_cuda_decode_as_target_only_and_seeded_sampling_re
                        for _ in range(2)]
             assert sampled[0] == sampled[1], structured
     assert decoder.generate(PROMPTS[5], NEW_TOKENS, 3).token_ids == plain  # no mask left behind
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["captured", "uncaptured"])
+def test_sampled_forced_tokens_then_drafts_on_cuda_land_after_the_one_hot_rows_and_follow_the_masked_target(
+        cuda_graphs, device, precision_bundles, checkpoints, tokenizer, monkeypatch):
+    """A round at γ 3 proposes a grammar's forced tokens, then drafts after them in the same target call. Sampled,
+    slot.propose_certain writes one-hot q rows 0..f-1 into q's host copy and pushes all of it to the device, where the
+    draft then writes rows f..f+k-1: that push must land before the draft's rows, not over them. Each push here carries
+    -1 in the host's rows past f; read back from the device after each round that mixed the two, q must hold the
+    one-hot rows, then the draft's distributions (each giving its draft a positive probability), and the -1 nowhere the
+    target read. Then, as on the CPU (tests/test_structured.py): under a schema whose keys llguidance forces, greedy
+    decodes as target-only and a seeded request decodes the same tokens with and without the -1 rows; proposing one
+    token the mask allows as forced each round, the output follows the target's masked distribution (the χ²)."""
+    from test_structured import ALTERNATING, SCHEMA, lowest_allowed, proposed_lowest_p_value
+
+    from specbuild.compile.reference import load_reference
+    from specbuild_runtime.grammar import Guide
+    from specbuild_runtime.slot import EngineSlot, Slot
+
+    precision = "fp16" if device == "cuda" else "fp32"  # the CPU provider's emulation: its fp32 kernels
+    decoder = SpeculativeDecoder(precision_bundles(precision), device=device, cuda_graphs=cuda_graphs)
+    draft, step, propose_certain = decoder._draft, EngineSlot.step, Slot.propose_certain
+    rounds, pending, checked = [], [], []
+
+    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=()):
+        drafts = draft(slot, feed, total_len, k, uniforms, greedy, guide, forced)
+        rounds.append((list(forced), drafts))
+        pending[:] = [rounds[-1]]  # for the round's target call, the next
+        return drafts
+
+    def reading_q(self, tokens, total_len, num_drafts=0, *args, **kwargs):
+        result = step(self, tokens, total_len, num_drafts, *args, **kwargs)
+        if self.engine is decoder.target and pending and all(pending[-1]) and self.sampling:
+            forced, drafts = pending.pop()
+            f, k = len(forced), len(drafts)
+            q = self._draft_probs.value.numpy()  # the device's rows, not the host copy propose_certain pushed
+            assert num_drafts == f + k and (q[np.arange(f), forced] == 1).all() and (q[:f].sum(1) == 1).all(), (
+                f"the one-hot rows of {forced} are not rows 0..{f - 1} of q on {device}")
+            assert (q[f:f + k] >= 0).all() and np.allclose(q[f:f + k].sum(1), 1, atol=1e-3), (
+                f"q rows {f}..{f + k - 1} on {device} are not the draft's distributions (-1: the push landed last)")
+            assert (q[np.arange(f, f + k), drafts] > 0).all(), f"the drafts {drafts} are not drawn from q's rows"
+            checked.append((f, k))
+        elif self.engine is decoder.target:
+            pending.clear()
+        return result
+
+    def marked(slot, tokens):
+        slot._q.host[len(tokens):] = -1  # stale rows the draft must write over on the device
+        propose_certain(slot, tokens)
+
+    monkeypatch.setattr(decoder, "_draft", recording)
+    monkeypatch.setattr(EngineSlot, "step", reading_q)
+    structured, mixed = {"json": SCHEMA, "disable_any_whitespace": True}, 0
+    for prompt in (PROMPTS[0], PROMPTS[3]):
+        ids = tokenizer(prompt)["input_ids"]
+        alone = decoder.generate(ids, NEW_TOKENS, 0, structured_outputs=structured).token_ids
+        rounds.clear()
+        assert decoder.generate(ids, NEW_TOKENS, 3, structured_outputs=structured).token_ids == alone, prompt
+        mixed += sum(bool(forced and drafts) for forced, drafts in rounds)
+        seeded = decoder.generate(ids, NEW_TOKENS, 3, temperature=0.8, seed=4, structured_outputs=structured)
+        with monkeypatch.context() as patched:
+            patched.setattr(Slot, "propose_certain", marked)
+            again = decoder.generate(ids, NEW_TOKENS, 3, temperature=0.8, seed=4, structured_outputs=structured)
+        assert seeded.token_ids == again.token_ids and seeded.stats.guessed and seeded.stats.drafted, prompt
+    assert mixed and checked, (mixed, checked)
+
+    # The χ² of tests/test_structured.py's forced-then-drafts test, here: 80 requests of 24 tokens.
+    monkeypatch.setattr(Guide, "forced", lambda guide, count: lowest_allowed(guide, min(count, 1)))
+    monkeypatch.setattr(Slot, "propose_certain", marked)
+    target = load_reference(checkpoints("llama"))
+    checked_grammar = decoder.request(PROMPTS[0], structured_outputs=ALTERNATING).structured
+    ids, temperature, before = tokenizer(PROMPTS[0])["input_ids"], 0.7, len(checked)
+    runs = [decoder.generate(ids, 24, 3, temperature=temperature, seed=s, structured_outputs=ALTERNATING)
+            for s in range(80)]
+    samples = [r.token_ids for r in runs]
+    drafted, accepted = sum(r.stats.drafted for r in runs), sum(r.stats.accepted for r in runs)
+    assert all(len(s) == 24 for s in samples) and 0.05 < accepted / drafted < 0.95, (accepted, drafted)
+    assert len(checked) > before  # its mixed rounds' q rows read back too
+    p = proposed_lowest_p_value(target, decoder.grammars, checked_grammar, ids, samples, temperature)
+    print(f"{device} {precision} cuda_graphs={cuda_graphs}: p {p:.3g}, α {accepted / drafted:.2f}, "
+          f"{len(checked)} mixed rounds read back")
+    assert p > 1e-4, p
