@@ -9,6 +9,7 @@ measures its own against its own target-only.
 
     python benchmarks/auto_ab.py --scratch /tmp/structured --modes 0,auto,0   # structured_alpha's tiny random pair
     python benchmarks/auto_ab.py --bundle .cache/demo/bundle --modes 0,auto,0 --temperature 0.8
+    python benchmarks/auto_ab.py --bundle BUNDLE --device cuda --runs 3   # benchmarks/gpu_session.sh quick
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5, help="runs of every prompt in every mode; ratios are medians")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=0.0, help="above 0: sampled (prompt i seeded i, auto not)")
+    parser.add_argument("--device", default="cpu", help="where the engines run (cuda: CUDA graphs where the bundle's "
+                        "default)")
     parser.add_argument("--json", type=Path, help="append one line of results here")
     args = parser.parse_args()
 
@@ -42,7 +45,8 @@ def main() -> None:
     bundle = args.bundle or pair(args.scratch)
     modes: list[int | str] = [mode if mode == "auto" else int(mode) for mode in args.modes.split(",")]
     # As `specbuild bench`: every mode decodes the same prompts whole, not a prefix the mode before left cached.
-    decoders = [SpeculativeDecoder(bundle, shared_thread_pool=True, prefix_reuse=False) for _ in modes]
+    decoders = [SpeculativeDecoder(bundle, device=args.device, shared_thread_pool=True, prefix_reuse=False)
+                for _ in modes]
     prompts = [decoders[0].encode(text) for text in measuring_prompts()]
 
     def request(m: int, number: int):
@@ -83,7 +87,8 @@ def main() -> None:
               f"guessed {guessed[m]}, {held[m]} held")
     if args.json:
         with args.json.open("a") as out:
-            out.write(json.dumps({"bundle": str(bundle), "temperature": args.temperature, "modes": modes,
+            out.write(json.dumps({"bundle": str(bundle), "device": args.device, "temperature": args.temperature,
+                                  "modes": modes,
                                   "load": [round(load, 2), round(os.getloadavg()[0], 2)],
                                   "ratios": [statistics.median(r) for r in ratios]}) + "\n")
 

@@ -27,7 +27,8 @@
 #   bash benchmarks/gpu_session.sh graphs  # on that pair, one call, most telling first: bench with CUDA
 #                                          # graphs, with and without the draft's steps graph; one-shot
 #                                          # generate with and without them; sampling (temperature 0.8,
-#                                          # γ 2, 4) with and without them; the target's MatMuls alone
+#                                          # γ 2, 4) with and without them; auto against target-only and
+#                                          # forced rounds (as in quick); the target's MatMuls alone
 #                                          # (benchmarks/gpu_matmuls.py); its kernels (gpu_kernels.py);
 #                                          # bench and verify uncaptured                           ~5-8 min
 #   bash benchmarks/gpu_session.sh options # on that pair: the MatMuls under TunableOp, the kernels with
@@ -50,10 +51,12 @@
 #                                          # assisted), onnxruntime-genai's CUDA build               ~235 s
 #   bash benchmarks/gpu_session.sh quick   # check, pairs and graphs' first half (bench with CUDA graphs and
 #                                          # the steps graph, one-shot generate, sampled with CUDA graphs,
-#                                          # the sampler alone: benchmarks/gpu_sampler.py) in
-#                                          # one call (timeout_s 600; whatever it wrote comes back if cut)  ~5-6 min
+#                                          # the sampler alone: benchmarks/gpu_sampler.py; auto against
+#                                          # target-only greedy and at T 0.8: auto_ab.py, ~50 s; a grammar's
+#                                          # forced rounds and their q push: gpu_forced.py, ~20 s) in
+#                                          # one call (timeout_s 600; whatever it wrote comes back if cut)  ~6-7 min
 #
-# For a 15-minute session: the setup, `quick` (~6 min), then on the same warm machine `splits` (~5 min) and
+# For a 15-minute session: the setup, `quick` (~6-7 min), then on the same warm machine `splits` (~5 min) and
 # `peers` or `graphs` with what is left (timeout_s: the budget left minus ~30 s; a call cut at its limit brings
 # back the steps it finished). On the H100 (2026-11-27) setup + `quick` took 329 s of the call, `big` 187 s,
 # `serve` 65 s and `options` 107 s (benchmarks/h100-2026-11-27): those four are measured; `splits` ran once, fed
@@ -172,6 +175,19 @@ graphs)
     # The sampler alone at 32k and 152k vocabularies: blocked running sums against onnxruntime's quadratic
     # CUDA CumSum, top-p's 1024 candidates (2026-11-26, not yet run on a GPU; its placement: pytest -m gpu)
     step sampler 60 python3 benchmarks/gpu_sampler.py --device cuda --json "$out/sampler.json"
+    # Auto against target-only, greedy and at temperature 0.8 (benchmarks/auto_ab.py: a decoder a mode, whole requests
+    # taking turns; target-only twice, the A/A whose spread is the noise; the summary line is auto's): auto's "never
+    # below target-only" since its catch-up pricing (policy.Costs.draft_call) and its probes waiting for a request's
+    # start (2026-11-28, measured on the CPU only). ~25 s each, not yet run.
+    for t in 0 0.8; do
+        step "auto-ab-t$t" 90 python3 benchmarks/auto_ab.py --bundle "$bundle" --device cuda --modes 0,0,auto --runs 3 \
+            --max-new-tokens 64 --temperature "$t" --json "$out/auto-ab.json"
+    done
+    # A grammar's forced runs then drafts, sampled at γ 3: ms a round, each forced round's push of the whole q buffer
+    # (slot.Slot.propose_certain: max γ x V floats, 1 MB at this pair's 32k vocabulary) timed apart, and the push
+    # alone at a 152k vocabulary (4.9 MB): what pushing the forced rows alone would save (docs/not-tested.md). ~20 s,
+    # not yet run.
+    step forced 60 python3 benchmarks/gpu_forced.py "$bundle" --device cuda --runs 2 -n 48 --json "$out/forced.json"
     [ -n "${QUICK:-}" ] && exit 0  # quick: the rest another time
     # Where a CUDA-graph target call's time goes: its MatMuls alone against the copy rate.
     step matmuls 120 python3 benchmarks/gpu_matmuls.py --shape tinyllama-1.1b --rows 1,5,9 --json "$out/matmuls.json"
