@@ -43,13 +43,18 @@ class _Outgrown(Exception):
 
 
 def converse(decoder, template, system: str | None, max_new_tokens: int, gamma,
-             stats_line: Callable[[Stats], str] | None, **sampling) -> None:
-    """Reads turns from stdin until /exit, end of input or Ctrl-C at the prompt, and streams each reply to stdout;
-    stats_line(stats), where given, is printed on stderr after each."""
+             stats_line: Callable[[Stats], str] | None, **options) -> None:
+    """Reads turns from stdin until /exit, end of input or Ctrl-C at the prompt, and streams each reply to stdout,
+    each decoded with the request options given (sampling, stop strings: a stop string ends the reply, not the
+    conversation); stats_line(stats), where given, is printed on stderr after each."""
     if sys.stdin is None:  # the shell closed it (`<&-`): Python has no stdin object at all
         raise click.UsageError("chat reads your turns from stdin, which is closed; run it on a terminal or pipe them "
                                "in")
-    decoder.request([0], max_new_tokens, gamma, **sampling)  # refuses a --gamma above the bundle's before a turn
+    # Refuses what the bundle cannot do (a --gamma above its own, penalties it was compiled before) before a turn
+    decoder.request([0], max_new_tokens, gamma, **options)
+    opening = [{"role": "system", "content": system}] if system is not None else []
+    if opening:  # told now rather than after the first turn is typed, where it would end the conversation
+        _check_opening(decoder, template, opening, max_new_tokens)
     if isinstance(sys.stdin, io.TextIOWrapper):
         # A line that is not UTF-8 (a terminal set to Latin-1, a file in it) comes as lone surrogates, told and skipped
         # below, instead of a UnicodeDecodeError that ends the conversation as a bug in specbuild.
@@ -59,9 +64,6 @@ def converse(decoder, template, system: str | None, max_new_tokens: int, gamma,
         with suppress(ImportError):  # line editing and history for input(); Windows' Python has no readline
             importlib.import_module("readline")
         click.echo(f"{RESET} starts a new conversation, {EXIT} or Ctrl-D ends; Ctrl-C stops a reply", err=True)
-    opening = [{"role": "system", "content": system}] if system is not None else []
-    if opening:  # told now rather than after the first turn is typed, where it would end the conversation
-        _check_opening(decoder, template, opening, max_new_tokens)
     messages = list(opening)
     while True:
         try:
@@ -99,7 +101,7 @@ def converse(decoder, template, system: str | None, max_new_tokens: int, gamma,
             click.echo(f"(this turn was not sent: {exc})", err=True)
             continue
         stats = Stats()
-        reply = _reply(decoder.stream_text(prompt, max_new_tokens, gamma, stats=stats, **sampling))
+        reply = _reply(decoder.stream_text(prompt, max_new_tokens, gamma, stats=stats, **options))
         messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": reply}]
         if stats_line:
             click.echo(stats_line(stats), err=True)

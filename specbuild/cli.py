@@ -249,6 +249,43 @@ def check_stops(ctx, param, value: tuple[str, ...]) -> tuple[str, ...]:
     return value
 
 
+# generate's and chat's (in chat each reply is an output)
+stop_option = click.option(
+    "--stop", multiple=True, metavar="TEXT", callback=check_stops,
+    help="End the output where it would contain TEXT (repeatable, up to 16; as the API's stop strings).")
+
+
+def output_shaping_options(command):
+    """generate's and chat's --min-p, penalties and --min-tokens, named as in the Python API (bench's sampling is
+    sampling_options' alone)."""
+    for option in reversed([
+        click.option("--min-p", type=Finite(min=0, max=1), default=0.0, show_default=True,
+                     help="Sample only from tokens at least this many times as probable as the most probable "
+                          "(0 = all), before --top-k and --top-p, as vLLM."),
+        click.option("--repetition-penalty", type=Float32(min=0, min_open=True), default=1.0, show_default=True,
+                     help="Divide the positive logits of tokens in the prompt or the output so far by this, multiply "
+                          "their negative ones (1 = none), as transformers and vLLM; greedy or sampled."),
+        click.option("--presence-penalty", type=Finite(min=-2, max=2), default=0.0, show_default=True,
+                     help="Subtract this from the logit of every token the output holds (0 = none), as OpenAI and "
+                          "vLLM."),
+        click.option("--frequency-penalty", type=Finite(min=-2, max=2), default=0.0, show_default=True,
+                     help="Subtract this times its count in the output from each token's logit (0 = none), as OpenAI "
+                          "and vLLM."),
+        click.option("--min-tokens", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="Generate at least this many tokens before an eos or a --stop string may end the output, as "
+                          "vLLM's min_tokens."),
+    ]):
+        command = option(command)
+    return command
+
+
+def check_min_tokens(min_tokens: int, max_new_tokens: int) -> None:
+    """The command line at odds with itself: exit 2, before the bundle loads."""
+    if min_tokens > max_new_tokens:
+        raise click.UsageError(f"--min-tokens {min_tokens} is above --max-new-tokens {max_new_tokens}: give at most "
+                               "that many")
+
+
 def check_sampling(sampling: dict) -> None:
     """--top-k, --top-p and --min-p shape sampling; without --temperature the decode is greedy and would drop them
     (generate's default is greedy whatever the bundle's generation_config says: that is serve's). A --seed is taken
@@ -361,8 +398,7 @@ def cuda_line(manifest) -> str:
 @click.option("--chat", is_flag=True, help="Send the prompt as a user message in the bundle's chat template (as serve's "
               "/v1/chat/completions renders it) and print the reply alone.")
 @chat_template_option
-@click.option("--stop", multiple=True, metavar="TEXT", callback=check_stops,
-              help="End the output where it would contain TEXT (repeatable, up to 16; as the API's stop strings).")
+@stop_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (text, ids, stats) instead of streaming text.")
 @click.option("--logprobs", type=click.IntRange(0, MAX_LOGPROBS), metavar="N",
               help="With --json: each token's logprob under the target and the N most probable tokens' (as the API's "
@@ -372,19 +408,7 @@ def cuda_line(manifest) -> str:
 @draft_steps_option
 @threads_option(EVERY_CORE)
 @sampling_options()
-@click.option("--min-p", type=Finite(min=0, max=1), default=0.0, show_default=True,
-              help="Sample only from tokens at least this many times as probable as the most probable (0 = all), "
-                   "before --top-k and --top-p, as vLLM.")
-@click.option("--repetition-penalty", type=Float32(min=0, min_open=True), default=1.0, show_default=True,
-              help="Divide the positive logits of tokens in the prompt or the output so far by this, multiply their "
-                   "negative ones (1 = none), as transformers and vLLM; greedy or sampled.")
-@click.option("--presence-penalty", type=Finite(min=-2, max=2), default=0.0, show_default=True,
-              help="Subtract this from the logit of every token the output holds (0 = none), as OpenAI and vLLM.")
-@click.option("--frequency-penalty", type=Finite(min=-2, max=2), default=0.0, show_default=True,
-              help="Subtract this times its count in the output from each token's logit (0 = none), as OpenAI and vLLM.")
-@click.option("--min-tokens", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Generate at least this many tokens before an eos or a --stop string may end the output, as vLLM's "
-                   "min_tokens.")
+@output_shaping_options
 @click.option("--json-schema", type=TextOrFile(as_json=True),
               help="Output only JSON this schema allows (JSON text, or @FILE), as vLLM's structured_outputs json.")
 @click.option("--regex", help="Output only text this regular expression matches, as vLLM's structured_outputs regex.")
@@ -399,9 +423,7 @@ def generate(bundle, prompt, max_new_tokens, gamma, chat, chat_template, stop, a
     from specbuild_runtime import SpeculativeDecoder, Stats
 
     check_sampling(sampling)
-    if sampling["min_tokens"] > max_new_tokens:  # the command line at odds with itself: exit 2, before the bundle loads
-        raise click.UsageError(f"--min-tokens {sampling['min_tokens']} is above --max-new-tokens {max_new_tokens}: give "
-                               "at most that many")
+    check_min_tokens(sampling["min_tokens"], max_new_tokens)
     if structured := structured_outputs({"json": json_schema, "regex": regex, "choice": list(choice) or None,
                                          "grammar": grammar}):
         sampling["structured_outputs"] = structured
@@ -897,6 +919,7 @@ def demo(cache, recipe, prompt, max_new_tokens, as_json) -> None:
               help="Stop each reply after this many tokens.")
 @gamma_option
 @chat_template_option
+@stop_option
 @click.option("--stats", "show_stats", is_flag=True, help="After each reply, print its stats line on stderr, with the "
               "prompt tokens the cache held from the turns before.")
 @device_option
@@ -904,18 +927,20 @@ def demo(cache, recipe, prompt, max_new_tokens, as_json) -> None:
 @draft_steps_option
 @threads_option(EVERY_CORE)
 @sampling_options()
-def chat(bundle, system, max_new_tokens, gamma, chat_template, show_stats, device, cuda_graphs, draft_steps, threads,
-         **sampling) -> None:
+@output_shaping_options
+def chat(bundle, system, max_new_tokens, gamma, chat_template, stop, show_stats, device, cuda_graphs, draft_steps,
+         threads, **sampling) -> None:
     """Talk with a bundle: each line on stdin is your turn, the reply streams as it decodes.
 
     The whole conversation is rendered with the bundle's chat template each turn (the cache holds the turns before
     where their text tokenizes as it was decoded). /reset starts a new conversation; /exit, Ctrl-D or Ctrl-C at the
-    prompt ends; Ctrl-C during a reply stops it."""
+    prompt ends; Ctrl-C during a reply stops it, as a --stop string does."""
     from specbuild_runtime import SpeculativeDecoder
 
     from .chat import converse, load_template
 
     check_sampling(sampling)
+    check_min_tokens(sampling["min_tokens"], max_new_tokens)
     if system is not None:
         try:
             system.encode("utf-8")
@@ -930,7 +955,8 @@ def chat(bundle, system, max_new_tokens, gamma, chat_template, show_stats, devic
         return (f"prompt {stats.prompt_tokens} tokens ({stats.cached_prompt_tokens} cached), "
                 + _stats_line(stats, gamma, decoder.max_seq_len))
 
-    converse(decoder, template, system, max_new_tokens, gamma, stats_line if show_stats else None, **sampling)
+    converse(decoder, template, system, max_new_tokens, gamma, stats_line if show_stats else None, stop=list(stop),
+             **sampling)
 
 
 cli.add_command(serve_command)  # defined in the runtime, which a torch-free service installs alone

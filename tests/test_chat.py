@@ -8,6 +8,7 @@ import io
 import os
 import pty
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,8 +42,18 @@ def reference(bundle):
             return template.prompt_ids(decoder.tokenizer, messages)
 
         @staticmethod
-        def generation(messages, n=N):
-            return decoder.generate(template.prompt_ids(decoder.tokenizer, messages), n)
+        def generation(messages, n=N, **options):
+            return decoder.generate(template.prompt_ids(decoder.tokenizer, messages), n, **options)
+
+        @staticmethod
+        def replies(turns, **options):
+            """The reply to each turn, each rendered after the turns and replies before it."""
+            messages, replies = [], []
+            for turn in turns:
+                messages.append(user(turn))
+                replies.append(Reference.generation(messages, **options).text)
+                messages.append(assistant(replies[-1]))
+            return replies
 
     return Reference
 
@@ -60,6 +71,12 @@ def user(text):
 
 def assistant(text):
     return {"role": "assistant", "content": text}
+
+
+def flags(options: dict) -> list[str]:
+    """The command line's flags for the decoder's options (a list: the flag repeated)."""
+    return [f"--{name.replace('_', '-')}={each}" for name, value in options.items()
+            for each in (value if isinstance(value, list) else [value])]
 
 
 def prompts(stderr: str) -> list[tuple[int, int]]:
@@ -94,6 +111,62 @@ def test_the_system_message_opens_the_conversation_and_survives_reset(bundle, re
     assert result.exit_code == 0, result.output
     first = reference.generation([{"role": "system", "content": "Be brief."}, user("Write fib")]).text
     assert result.stdout == f"{first}\n{first}\n"
+
+
+@pytest.mark.parametrize("option, others", [
+    (dict(repetition_penalty=1.4), {}), (dict(presence_penalty=2.0), {}), (dict(frequency_penalty=-2.0), {}),
+    (dict(min_p=0.5), dict(temperature=1.5, seed=2)),
+], ids=["repetition-penalty", "presence-penalty", "frequency-penalty", "min-p"])
+def test_generates_sampling_options_decode_every_reply_as_the_decoder_given_them(bundle, reference, option, others):
+    """Each reply is the decoder's own, given the option, on the conversation rendered so far; and the option bites
+    (without it the replies differ), so that one left out of the request would be seen."""
+    expected = reference.replies(["Write fib", "now in C"], **others, **option)
+    assert expected != reference.replies(["Write fib", "now in C"], **others)
+    result = chat(bundle, "Write fib\nnow in C\n", *flags({**others, **option}))
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "".join(f"{reply}\n" for reply in expected)
+
+
+def test_a_stop_string_ends_the_reply_and_the_conversation_goes_on_with_the_reply_it_ended(bundle, reference):
+    full = reference.generation([user("Write fib")]).text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    expected = reference.replies(["Write fib", "now in C"], stop=[stop, "never there"])
+    assert stop not in expected[0] and len(expected[0]) < len(full)
+    result = chat(bundle, "Write fib\nnow in C\n", "--stop", stop, "--stop", "never there")
+    assert result.exit_code == 0 and result.stderr == "", result.output
+    assert result.stdout == f"{expected[0]}\n{expected[1]}\n"
+
+
+def test_min_tokens_keeps_a_stop_string_from_ending_a_reply_before_that_many_tokens(bundle, reference):
+    stop = reference.generation([user("Write fib")]).text[1:2]  # without --min-tokens, it ends the first reply at once
+    expected = reference.replies(["Write fib", "now in C"], stop=[stop], min_tokens=6)
+    assert expected != reference.replies(["Write fib", "now in C"], stop=[stop])
+    result = chat(bundle, "Write fib\nnow in C\n", "--stop", stop, "--min-tokens", "6")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"{expected[0]}\n{expected[1]}\n"
+
+
+@pytest.mark.parametrize("options, says", [
+    (["--min-p", "0.5"], "--min-p applies to sampling: give --temperature too"),
+    (["--repetition-penalty", "0"], "'--repetition-penalty': 0.0 is not in the range x>0"),
+    (["--presence-penalty", "2.5"], "'--presence-penalty': 2.5 is not in the range -2<=x<=2"),
+    (["--frequency-penalty=-3"], "'--frequency-penalty': -3.0 is not in the range -2<=x<=2"),
+    (["--min-tokens", "13"], f"--min-tokens 13 is above --max-new-tokens {N}"),
+    (["--stop", ""], "must not be empty"),
+], ids=["min-p-greedy", "repetition-penalty", "presence-penalty", "frequency-penalty", "min-tokens", "stop"])
+def test_a_bad_sampling_or_stop_option_is_a_malformed_command_line_refused_before_a_turn(bundle, options, says):
+    result = chat(bundle, "Write fib\n", *options)
+    assert result.exit_code == 2 and says in result.stderr and result.stdout == "", result.output
+
+
+def test_penalties_a_bundle_was_compiled_before_are_refused_before_a_turn(bundle, tmp_path):
+    from conftest import compiled_before_penalties
+    from specbuild_runtime.errors import RequestError
+
+    before = compiled_before_penalties(shutil.copytree(bundle, tmp_path / "before-penalties"))
+    result = chat(before, "Write fib\n", "--repetition-penalty", "1.2")  # main() makes it one line, exit 1
+    assert isinstance(result.exception, RequestError) and result.stdout == "", result.output
+    assert "repetition_penalty needs a bundle compiled with sampling penalties" in str(result.exception)
 
 
 def test_a_system_message_the_template_refuses_ends_the_command_before_a_turn(bundle):
