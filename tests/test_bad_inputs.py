@@ -359,6 +359,9 @@ NEW = compile_args()
 SAFE = "Re-save it with `model.save_pretrained(dir, safe_serialization=True)`: specbuild never unpickles."
 PROMPT = b'{"prompt": "def add(a, b):"}\n'
 VERIFY = ["verify", "{bundle}", "--target", "{target}", "--prompts", "{prompts}", "-n", "4"]
+CHAT_TEMPLATE = b"{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}<|assistant|>\n"
+NO_SYSTEM_ROLE = (b"{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                  b"{% endif %}" + CHAT_TEMPLATE)  # as Gemma's
 CASES = [
     # --- where a compile writes ---------------------------------------------------------------------
     Case("`--output` is the target checkpoint", compile_args("{target}", "--overwrite"), 1,
@@ -657,6 +660,16 @@ CASES = [
          "`--chat` (the bundle is fine; its target has no chat template)."),
     Case("`chat` on a bundle whose tokenizer has no chat template", ["chat", "{bundle}"], 1, "has no chat template",
          "Give one with `--chat-template` (as `serve` takes it; the bundle is fine, its target has no chat template)."),
+    Case("`chat --system` with a chat template that has no system role (Gemma's)",
+         ["chat", "{bundle}", "--chat-template", "{template}", "--system", "Be brief."], 1,
+         "--system: the chat template rejected the messages: System role not supported",
+         "Leave `--system` out (say it in your first turn), or give a template that takes a system message with "
+         "`--chat-template` (checked before the first turn).", setup=write_file("template", NO_SYSTEM_ROLE)),
+    Case("`chat --system` too long to leave room for a turn in the bundle's context",
+         ["chat", "{bundle}", "--chat-template", "{template}", "--system", "word " * 300], 1,
+         "--system leaves no room for a turn in the bundle's context of 256 tokens",
+         "Shorten it, or recompile with a larger `--max-seq-len` (checked before the first turn).",
+         setup=write_file("template", CHAT_TEMPLATE)),
     Case("`--chat-template` a file that does not exist (`serve` or `generate --chat`)",
          ["serve", "{bundle}", "--chat-template", "{tmp}/templates/chatml.jinja"], 2, "looks like a file path",
          "Give the template's file, or the template text itself: a value without `{`, `}` or a newline is taken for a "
