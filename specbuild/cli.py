@@ -28,6 +28,7 @@ from specbuild_runtime.validation import FLOAT32_MAX, GREEDY_BELOW, MAX_LOGPROBS
 from . import __version__
 from .bench.bench import DEFAULT_GAMMAS
 from .bench.peers import KNOWN as PEERS
+from .progress import count
 from .recipe import (BACKENDS, DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, DEFAULT_GAMMA, DEFAULT_MAX_SEQ_LEN,
                      DISTILL_BATCH_SIZE, DISTILL_GAMMA, DISTILL_MINUTES, DISTILL_OBJECTIVE, DISTILL_OBJECTIVES,
                      DISTILL_RULES, DISTILL_SEED, MAX_GAMMA, MAX_SEED, PRECISIONS, QUANTIZATIONS, RULES,
@@ -478,7 +479,7 @@ def _token(token: int | None) -> str:
 def _stats_line(stats, gamma, context: int) -> str:
     s = stats.to_dict()
     line = f"{s['generated_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s, ttft {s['ttft_ms']:.1f} ms"
-    guesses = (f"{_count(stats.guesses_accepted, 'token')} from free guesses in {_count(stats.guessed, 'round')}"
+    guesses = (f"{count(stats.guesses_accepted, 'token')} from free guesses in {count(stats.guessed, 'round')}"
                if stats.guessed else "")
     if stats.drafted:
         line += f", gamma {gamma}, acceptance {s['acceptance_rate']:.2f}, {s['mean_accepted_tokens']:.2f} tokens/round"
@@ -666,12 +667,13 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
     if as_json:
         click.echo(json.dumps(report))
     elif report["identical"]:
-        click.echo(f"identical: {_count(report['prompts'], 'prompt')}, {_count(report['tokens'], 'token')} match transformers "
-                   f"({report['precision']} on {report['device']})")
+        click.echo(f"identical: {count(report['prompts'], 'prompt')}, {count(report['tokens'], 'token')} match "
+                   f"transformers ({report['precision']} on {report['device']})")
     else:
         divergences, precision = report["divergences"], report["precision"]
         d = divergences[0]
-        others = f" (and {len(divergences) - 1} more of {_count(report['prompts'], 'prompt')})" if len(divergences) > 1 else ""
+        others = (f" (and {len(divergences) - 1} more of {count(report['prompts'], 'prompt')})"
+                  if len(divergences) > 1 else "")
         line = (f"DIVERGED on prompt {d['prompt_index'] + 1} ({d['prompt'][:40]!r}) at generated token {d['position']}{others}: "
                 f"bundle {_token(d['bundle_token'])} vs transformers {_token(d['transformers_token'])} "
                 f"({precision} on {report['device']})")
@@ -849,8 +851,8 @@ def distill(target, output, init, draft_config, minutes, prompts_file, data, gam
         click.echo(
             f"acceptance α at γ {gamma} on the held-out prompts: {report['alpha_before']:.3f} -> {report['alpha_after']:.3f} "
             f"({report['alpha_gain']:+.3f}) after {report['training']['seconds'] / 60:.1f} min "
-            f"({_count(made['sequences'], 'sequence')} made in {made['seconds'] / 60:.1f} min, "
-            f"{_count(report['training']['steps'], 'step')})"
+            f"({count(made['sequences'], 'sequence')} made in {made['seconds'] / 60:.1f} min, "
+            f"{count(report['training']['steps'], 'step')})"
         )
         click.echo(
             f"speed-up bound at γ {gamma} with c = {report['cost_ratio']:.3f} (draft/target parameters): "
@@ -867,10 +869,6 @@ def distill(target, output, init, draft_config, minutes, prompts_file, data, gam
                if replaced is not None and report["alpha_after"] > report["alpha_before"] else
                f"α did not rise ({rise}), so {output} was not written")
         raise TrainingError(f"{why}; train longer, give {more}, or --force to write it anyway")
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 @cli.command()
@@ -903,7 +901,7 @@ def demo(cache, recipe, prompt, max_new_tokens, as_json) -> None:
     click.echo(
         ("auto drafted nothing (target-only, with free guesses)" if alpha is None else f"acceptance α {alpha:.2f}")
         + f", {summary['mean_accepted_tokens']:.2f} tokens per target call (adaptive γ), over "
-        f"{_count(summary['prompts'], 'prompt')}"
+        f"{count(summary['prompts'], 'prompt')}"
     )
     click.echo(
         f"target only {summary['target_only_tokens_per_second']:.0f} tok/s -> speculative "

@@ -27,6 +27,12 @@ NOTE = "{desc}..."
 _shown: ContextVar[bool | None] = ContextVar("shown", default=None)
 
 
+def count(n: int, noun: str) -> str:
+    """'1 round', '2 rounds': a count in a line people read (the commands' summaries, bench's table); here, beside the
+    other lines for people, where both the command line and bench (which it imports) reach it."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 @contextmanager
 def shown(show: bool | None) -> Iterator[None]:
     """Bars made inside, on this thread, follow show unless given their own (None: on a terminal only)."""

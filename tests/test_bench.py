@@ -411,6 +411,20 @@ def test_bench_says_what_autos_free_guesses_held_where_it_never_drafted():
         "α only drafts)" in lines, "\n".join(lines)
 
 
+def test_bench_counts_one_round_or_token_of_auto_in_the_singular():
+    """It read "γ 0 in 1 rounds" and "held 1 tokens in 1 rounds"."""
+    from specbuild.bench.bench import ModeResult, format_table
+    from specbuild_runtime import Stats
+
+    auto = ModeResult("specbuild", "auto")
+    auto.add(Stats(rounds=3, gamma_rounds={0: 1, 2: 2}, guessed=1, guesses_accepted=1, token_times=[0.0, 0.01, 0.02]),
+             [0, 1, 2])
+    report = table_report([])
+    report["results"].append({**auto.to_dict(), "speedup": 1.0})
+    assert "auto chose γ 0 in 1 round, 2 in 2 rounds; its free guesses held 1 token in 1 round (τ and the speed-up " \
+        "count them, α only drafts)" in format_table(report).splitlines(), format_table(report)
+
+
 def gpu_session(tmp_path, *args: str):
     """benchmarks/gpu_session.sh run from a copy of the files it reads before its first step (the script itself
     and the code prompts), with the Python of these tests first on PATH: nothing else is there for a step to run."""

@@ -387,10 +387,11 @@ def format_table(report: dict) -> str:
                      "run this short are noisy (efficiency above 1, say): give more prompts or a larger -n")
     auto = next((row for row in report["results"] if row["gamma"] == AUTO), None)
     if auto and auto.get("gamma_rounds"):
-        guesses = (f"; its free guesses held {auto['guesses_accepted']} tokens in {auto['guessed']} rounds (τ and the "
-                   "speed-up count them, α only drafts)") if auto.get("guessed") else ""
-        lines.append("auto chose γ " + ", ".join(f"{gamma} in {rounds}" for gamma, rounds in auto["gamma_rounds"].items())
-                     + " rounds" + guesses)
+        guesses = (f"; its free guesses held {progress.count(auto['guesses_accepted'], 'token')} in "
+                   f"{progress.count(auto['guessed'], 'round')} (τ and the speed-up count them, α only drafts)"
+                   ) if auto.get("guessed") else ""
+        lines.append("auto chose γ " + ", ".join(f"{gamma} in {progress.count(rounds, 'round')}"
+                                                 for gamma, rounds in auto["gamma_rounds"].items()) + guesses)
     captured = {row["gamma"]: row["captures_while_timed"] for row in report["results"] if row.get("captures_while_timed")}
     if captured:
         lines.append("CUDA graphs captured while timed (slower rows than replays alone): "
