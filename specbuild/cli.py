@@ -280,6 +280,14 @@ def output_shaping_options(command):
     return command
 
 
+
+def decoding_options(command):
+    """generate's and chat's: where the engines run and how each reply is sampled and shaped."""
+    for option in reversed([device_option, cuda_graphs_option, draft_steps_option, threads_option(EVERY_CORE),
+                            sampling_options(), output_shaping_options]):
+        command = option(command)
+    return command
+
 def check_min_tokens(min_tokens: int, max_new_tokens: int) -> None:
     """The command line at odds with itself: exit 2, before the bundle loads."""
     if min_tokens > max_new_tokens:
@@ -404,12 +412,7 @@ def cuda_line(manifest) -> str:
 @click.option("--logprobs", type=click.IntRange(0, MAX_LOGPROBS), metavar="N",
               help="With --json: each token's logprob under the target and the N most probable tokens' (as the API's "
                    "logprobs; -inf written -9999.0).")
-@device_option
-@cuda_graphs_option
-@draft_steps_option
-@threads_option(EVERY_CORE)
-@sampling_options()
-@output_shaping_options
+@decoding_options
 @click.option("--json-schema", type=TextOrFile(as_json=True),
               help="Output only JSON this schema allows (JSON text, or @FILE), as vLLM's structured_outputs json.")
 @click.option("--regex", help="Output only text this regular expression matches, as vLLM's structured_outputs regex.")
@@ -920,12 +923,7 @@ def demo(cache, recipe, prompt, max_new_tokens, as_json) -> None:
 @stop_option
 @click.option("--stats", "show_stats", is_flag=True, help="After each reply, print its stats line on stderr, with the "
               "prompt tokens the cache held from the turns before.")
-@device_option
-@cuda_graphs_option
-@draft_steps_option
-@threads_option(EVERY_CORE)
-@sampling_options()
-@output_shaping_options
+@decoding_options
 def chat(bundle, system, max_new_tokens, gamma, chat_template, stop, show_stats, device, cuda_graphs, draft_steps,
          threads, **sampling) -> None:
     """Talk with a bundle: each line on stdin is your turn, the reply streams as it decodes.
