@@ -301,17 +301,22 @@ class Costs:
         if self.chain is not None:
             due = min(due, self.chain_timed_at + self.chain_stale_after)
         for gamma in range(1, len(self.rounds)):
-            below, timed = 1.0 if gamma == 1 else self.rounds[gamma - 1], self.rounds[gamma]
-            # not dropped before the γ below is priced within reach (_stale), which prices anew: counted due, a γ timed
-            # above one dropped or never timed (probes catch up: they time none) was due at every round from then on
-            if timed is None or below is None or below > gamma:
-                continue
-            if timed > gamma + 1:
-                due = min(due, self.timed_at[gamma] + self.stale_after[gamma])
-            else:
-                spell = self.calls_median[gamma] >= SPELL * self.calls_median[gamma - 1]
-                due = min(due, max(self.timed_at[gamma:]) + (FRESH_ROUNDS if spell else MAX_STALE_ROUNDS))
+            if (after := self._drop_after(gamma)) is not None:
+                due = min(due, after)
         self.due = due + 1
+
+    def _drop_after(self, gamma: int) -> int | None:
+        """The round after which γ ≥ 1 may be dropped (_stale), None while it may not: it waits for the γ below to be
+        priced within reach, which prices anew (counted due, a γ timed above one dropped or never timed — probes catch
+        up: they time none — was due at every round from then on). Priced out of reach, stale_after[γ] rounds after it
+        was timed; within reach, MAX_STALE_ROUNDS (FRESH_ROUNDS in a SPELL) after a round at it or above was."""
+        below, timed = 1.0 if gamma == 1 else self.rounds[gamma - 1], self.rounds[gamma]
+        if timed is None or below is None or below > gamma:
+            return None
+        if timed > gamma + 1:
+            return self.timed_at[gamma] + self.stale_after[gamma]
+        spell = self.calls_median[gamma] >= SPELL * self.calls_median[gamma - 1]
+        return max(self.timed_at[gamma:]) + (FRESH_ROUNDS if spell else MAX_STALE_ROUNDS)
 
     @property
     def unit_fresh(self) -> bool:
@@ -336,13 +341,12 @@ class Costs:
             return False
         if not gamma:
             return self.observed - self.timed_at[0] > self.stale_after[0]
-        below, timed = 1.0 if gamma == 1 else self.rounds[gamma - 1], self.rounds[gamma]
-        if timed is None or below is None or below > gamma:
+        after = self._drop_after(gamma)
+        if after is None or self.observed <= after:
             return False
-        if timed > gamma + 1:
-            return self.observed - self.timed_at[gamma] > self.stale_after[gamma]
-        wait = FRESH_ROUNDS if self.calls_median[gamma] >= SPELL * self.calls_median[gamma - 1] else MAX_STALE_ROUNDS
-        return self.observed - max(self.timed_at[gamma:]) > wait and self.timed_at[gamma - 1] == self.observed - 1
+        timed = self.rounds[gamma]
+        assert timed is not None  # _drop_after: priced
+        return timed > gamma + 1 or self.timed_at[gamma - 1] == self.observed - 1
 
     def observe(self, drafted: int, draft_seconds: float, target_seconds: float, catching_up: bool,
                 chained: bool = False, read: int = 0) -> None:
