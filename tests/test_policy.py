@@ -770,3 +770,27 @@ def test_a_preempted_catch_up_moves_the_fitted_draft_call_by_less_than_twice():
         return costs.draft_call(500)[0]
 
     assert fitted(24) < 2 * fitted(None)
+
+
+@pytest.mark.parametrize("slow", [10, 100])
+def test_a_preempted_first_probe_holds_back_later_probes_for_a_few_thousand_rounds_however_slow(slow):
+    """Where the draft keeps failing, a due probe waits for a request's start, where its catch-up (the prompt) costs
+    at most PROBE_SHARE of the rounds since: here 41 tokens, a draft call of 0.5 + 0.02 a token, every 200 rounds. The
+    fit starts from the first probes' calls, where the first, preempted on 2 busy cores (10-100 times as slow), had
+    nothing to be clipped against: taken whole, probes came up to MAX_PROBE_WAIT rounds apart until round 6,600 (x10),
+    14,000 (x20), 23,200 (x50) and 29,200 (x100: a call priced at 3.1 times its cost at 30,000). Clipped at 3 times the
+    price of the first five's median (3.6 times its cost here), it holds them back as a call that slow does: until round
+    4,400, however slow."""
+    def probes(slow: float) -> list[int]:
+        policy, found, behind = AdaptiveGamma(max_gamma=8, draft_cost=0.65), [], 0
+        for r in range(10_000):
+            room = 200 - r % 200
+            behind = 41 if room == 200 else behind
+            k = policy.choose(limit=min(8, room), behind=behind, room=room)
+            draft = k * (0.5 + 0.02 * behind) * (slow if k and not found else 1)
+            policy.observe(k, 0, draft, 1.0, catching_up=behind > 2, read=behind)
+            found += [r] * k
+            behind = 2 if k else behind + 1
+        return found
+
+    assert [r for r in probes(slow) if r >= 5000] == list(range(5000, 10_000, 200))

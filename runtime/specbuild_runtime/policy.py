@@ -99,15 +99,20 @@ PRIOR_EXTRA_TOKEN = 0.05  # the prior's cost of one more row in a target call, p
 # A draft call's cost grows with the tokens it reads: one that catches up (a probe, the first round with drafts after a
 # stretch at γ 0 or a forced run) reads every token since the draft last ran. Costs fits a call's cost in units as
 # per-call + per-token from the rounds whose draft made one call (γ 1: probes, where they catch up on 20-200 tokens,
-# and rounds at γ 1). Until their decayed weight reaches CATCH_UP_SAMPLES (the 5th sample: 4 weigh 3.7) with token
-# counts spread CATCH_UP_SPREAD or more (their weighted deviation), a token is priced at CATCH_UP_TOKEN of prior_step
-# and the call at the samples' mean less that (prior_step before any sample); until that weight no sample is clipped
-# (Costs.observe). Measured one call at a time (2 CPU cores, load 1): the tiny random pair's draft 62-74 µs for 1-8
-# tokens, 108 for 32, 173 for 64, 373 for 128 (~2.5 µs a token, 0.04 of a call; its round without drafts ~165 µs); the
-# demo pair's 157-168 µs for 1-2, 536 for 32, 1047 for 64, 2015 for 128 (~15 µs a token, 0.1 of a call). Each sample
-# counts CATCH_UP_DECAY of the one before.
+# and rounds at γ 1). Every sample is clipped at 3 times the price of a call like it (Costs.observe), as a preempted
+# call would be; the first CATCH_UP_SAMPLES wait until there are that many, priced meanwhile by their median, and are
+# then clipped at 3 times what it prices each at. Taken whole before there was a price to clip them against, a call
+# preempted on 2 busy cores (10-100 times as slow) among them priced calls by a mean it dominated for thousands of
+# rounds: where the draft kept failing (a draft call 1.3 units, a request's start every 200 rounds), due probes waited
+# up to MAX_PROBE_WAIT rounds for a start cheap enough until round 6,600-29,200; clipped so, until round 4,400, as after
+# a call 3.6 times as slow (tests/test_policy.py). Until the samples' token counts spread CATCH_UP_SPREAD or more (their
+# weighted deviation), a token is priced at CATCH_UP_TOKEN of prior_step and the call at the samples' (weighted) mean
+# less that (prior_step before any sample, their median before CATCH_UP_SAMPLES). Measured one call at a time
+# (2 CPU cores, load 1): the tiny random pair's draft 62-74 µs for 1-8 tokens, 108 for 32, 173 for 64, 373 for 128
+# (~2.5 µs a token, 0.04 of a call; its round without drafts ~165 µs); the demo pair's 157-168 µs for 1-2, 536 for 32,
+# 1047 for 64, 2015 for 128 (~15 µs a token, 0.1 of a call). Each sample counts CATCH_UP_DECAY of the one before.
 CATCH_UP_TOKEN = 0.05
-CATCH_UP_SAMPLES = 4
+CATCH_UP_SAMPLES = 5
 CATCH_UP_SPREAD = 8
 CATCH_UP_DECAY = 0.95
 # What a call costs besides reading its weights (Python, onnxruntime's dispatch, sampling and penalties on the host),
@@ -265,8 +270,9 @@ class Costs:
         self.version = 0
         self.due = math.inf
         # A one-call draft's cost in units against the tokens it read (CATCH_UP_TOKEN): decayed sums of the samples'
-        # weight, tokens, tokens², cost and tokens × cost.
+        # weight, tokens, tokens², cost and tokens × cost, and the samples not yet in them, (tokens, cost).
         self.reads = [0.0] * 5
+        self.unfitted: list[tuple[int, float]] = []
         self._priced()
 
     def costs(self, limit: int) -> list[float]:
@@ -281,10 +287,12 @@ class Costs:
         fit of CATCH_UP_TOKEN, the prior's where it lacks samples)."""
         weight, x, xx, y, xy = self.reads
         token = self.prior_step * CATCH_UP_TOKEN
-        if weight < 1:
-            return self.prior_step + token * tokens, token
+        if not weight:
+            call = (statistics.median(cost - token * read for read, cost in self.unfitted) if self.unfitted
+                    else self.prior_step)
+            return max(call, 0.0) + token * tokens, token
         spread = weight * xx - x * x
-        if weight >= CATCH_UP_SAMPLES and spread >= (CATCH_UP_SPREAD * weight) ** 2:
+        if spread >= (CATCH_UP_SPREAD * weight) ** 2:
             token = max((weight * xy - x * y) / spread, 0.0)
         return max((y - token * x) / weight, 0.0) + token * tokens, token
 
@@ -384,12 +392,14 @@ class Costs:
             if unit is None or not self.unit_fresh:  # no unit of its time
                 return
             if drafted == 1 and read:  # one draft call: a sample of draft_call, clipped as a preempted call would be
-                weight = self.reads[0]
-                cost = draft_seconds / unit
-                if weight >= CATCH_UP_SAMPLES:
-                    cost = min(cost, 3 * self.draft_call(read)[0])
-                sample = 1.0, read, read * read, cost, read * cost
-                self.reads = [CATCH_UP_DECAY * old + new for old, new in zip(self.reads, sample)]
+                self.unfitted.append((read, draft_seconds / unit))
+                if self.reads[0] or len(self.unfitted) == CATCH_UP_SAMPLES:
+                    most = [3 * self.draft_call(tokens)[0] for tokens, _ in self.unfitted]  # before any is fitted
+                    for (tokens, cost), clip in zip(self.unfitted, most):
+                        cost = min(cost, clip)
+                        sample = 1.0, tokens, tokens * tokens, cost, tokens * cost
+                        self.reads = [CATCH_UP_DECAY * old + new for old, new in zip(self.reads, sample)]
+                    self.unfitted.clear()
             if drafted and catching_up:  # its draft also read tokens it had missed: not a round of γ
                 return
             if chained:
