@@ -107,8 +107,8 @@ def unmasked(decoder, prompts: list[list[int]], max_new_tokens: int, options: di
     """run_ours at γ 4 with the draft proposing from its own logits, the grammar's mask left out."""
     masked_draft = SpeculativeDecoder._draft
 
-    def unmasked_draft(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=()):
-        return masked_draft(slot, feed, total_len, k, uniforms, greedy, forced=forced)
+    def unmasked_draft(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=(), halt=None):
+        return masked_draft(slot, feed, total_len, k, uniforms, greedy, forced=forced, halt=halt)
 
     SpeculativeDecoder._draft = staticmethod(unmasked_draft)
     try:

@@ -10,13 +10,14 @@ import io
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager, suppress
 
 import click
 
 from specbuild_runtime import Stats
 from specbuild_runtime.errors import RequestError
+from specbuild_runtime.slot import Halt
 
 RESET, EXIT = "/reset", "/exit"
 
@@ -100,8 +101,8 @@ def converse(decoder, template, system: str | None, max_new_tokens: int, gamma,
         except RequestError as exc:  # the template's own refusal (raise_exception) of what this turn holds
             click.echo(f"(this turn was not sent: {exc})", err=True)
             continue
-        stats = Stats()
-        reply = _reply(decoder.stream_text(prompt, max_new_tokens, gamma, stats=stats, **options))
+        stats, request = Stats(), decoder.request(prompt, max_new_tokens, gamma, **options)
+        reply = _reply(lambda halt: decoder.stream_request(request, stats, halt=halt))
         messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": reply}]
         if stats_line:
             click.echo(stats_line(stats), err=True)
@@ -140,30 +141,42 @@ def _conversation_ids(decoder, template, messages: list[dict], max_new_tokens: i
     return ids
 
 
-def _reply(deltas) -> str:
-    """Streams the reply's text to stdout and returns it (what was shown, where Ctrl-C stopped it)."""
+def _reply(stream: Callable[[Halt], Generator[str, None, None]]) -> str:
+    """Streams the reply's text, stream(halt)'s, to stdout and returns it (what was shown, where Ctrl-C stopped it)."""
     shown = []
-    try:
-        with _ctrl_c_presses() as presses:
+    with _ctrl_c_presses() as presses:
+        deltas = stream(presses)
+        try:
             for delta in deltas:
                 click.echo(delta, nl=False)
                 shown.append(delta)
                 if presses:
                     break
-    finally:  # a decode that fails mid-way: its error begins a line of its own
-        deltas.close()  # aborts a reply Ctrl-C stopped: its slot is free, and its cache keeps what was decoded
-        click.echo()
+        except RequestError:  # the decoder halted between a long prompt's chunks: stopped before its next text
+            if not presses:
+                raise
+        finally:  # a decode that fails mid-way: its error begins a line of its own
+            deltas.close()  # aborts a reply Ctrl-C stopped: its slot is free, and its cache keeps what was decoded
+            click.echo()
     return "".join(shown)
 
 
+class _Presses(list):
+    """Each Ctrl-C's signal number, and the decoder's halt (slot.Halt): it looks between a long prompt's chunks,
+    which on a CPU take seconds before the reply's first text."""
+
+    def is_set(self) -> bool:
+        return bool(self)
+
+
 @contextmanager
-def _ctrl_c_presses() -> Iterator[list[int]]:
-    """A list each Ctrl-C adds to, for the reply to stop at its next text, rather than a KeyboardInterrupt raised
-    wherever the decoder is; a second Ctrl-C before then interrupts as usual (a prompt far too long to wait for). A
-    list, not a threading.Event: the handler runs in the main thread between any two bytecodes, Event.set's own
-    included, and a second Ctrl-C there would wait forever for the lock the first holds. The handler can only be set
-    in the main thread, and one the process ignores stays ignored."""
-    presses: list[int] = []
+def _ctrl_c_presses() -> Iterator[_Presses]:
+    """A list each Ctrl-C adds to, for the reply to stop at its next text or the prompt's next chunk, rather than a
+    KeyboardInterrupt raised wherever the decoder is; a second Ctrl-C before then interrupts as usual. A list, not a
+    threading.Event: the handler runs in the main thread between any two bytecodes, Event.set's own included, and a
+    second Ctrl-C there would wait forever for the lock the first holds. The handler can only be set in the main
+    thread, and one the process ignores stays ignored."""
+    presses = _Presses()
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         yield presses
         return

@@ -256,10 +256,10 @@ def test_ctrl_c_during_a_reply_stops_it_and_keeps_what_was_shown(bundle, referen
     """As llama-cli: the reply stops, the conversation goes on with it as far as it was shown."""
     from specbuild_runtime import SpeculativeDecoder
 
-    stream_text = SpeculativeDecoder.stream_text
+    stream_request = SpeculativeDecoder.stream_request
 
     def interrupted_after_the_first_text(self, *args, **kwargs):
-        deltas = stream_text(self, *args, **kwargs)
+        deltas = stream_request(self, *args, **kwargs)
         if interrupted:
             yield from deltas
             return
@@ -269,7 +269,7 @@ def test_ctrl_c_during_a_reply_stops_it_and_keeps_what_was_shown(bundle, referen
         yield from deltas
 
     interrupted: list[bool] = []
-    monkeypatch.setattr(SpeculativeDecoder, "stream_text", interrupted_after_the_first_text)
+    monkeypatch.setattr(SpeculativeDecoder, "stream_request", interrupted_after_the_first_text)
     handler = signal.getsignal(signal.SIGINT)
     result = chat(bundle, "Write fib\nnow in C\n", "--stats")
     assert result.exit_code == 0, result.output
@@ -281,20 +281,49 @@ def test_ctrl_c_during_a_reply_stops_it_and_keeps_what_was_shown(bundle, referen
     assert interrupted and signal.getsignal(signal.SIGINT) is handler  # put back
 
 
+def test_ctrl_c_during_a_long_prompts_prefill_stops_the_turn_before_its_next_chunk(bundle, reference, monkeypatch):
+    """A long conversation or a pasted text on a CPU is seconds of prefill in chunks (slot.PREFILL_CHUNK) before the
+    reply's first text, where Ctrl-C acted: it stops the turn before the next chunk, as a reply stopped before its
+    text (the slot free, its cache keeping the chunk computed, the turn in the conversation with an empty reply)."""
+    from specbuild_runtime import slot
+
+    chunk, calls, compute_rows = 16, [], slot.EngineSlot._compute_rows
+
+    def interrupted_after_the_first_chunk(self, first, total_len, *args, **kwargs):
+        calls.append((first, total_len))
+        result = compute_rows(self, first, total_len, *args, **kwargs)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)  # its handler runs before raise_signal returns
+        return result
+
+    monkeypatch.setattr(slot, "PREFILL_CHUNK", chunk)
+    monkeypatch.setattr(slot.EngineSlot, "_compute_rows", interrupted_after_the_first_chunk)
+    pasted = " ".join(["word"] * 40)
+    handler = signal.getsignal(signal.SIGINT)
+    result = chat(bundle, f"{pasted}\nnow in C\n", "--stats")
+    assert result.exit_code == 0, result.output
+    assert calls[0] == (0, chunk) and len(reference.ids([user(pasted)])) > 3 * chunk
+    second = reference.generation([user(pasted), assistant(""), user("now in C")]).text
+    assert result.stdout == f"\n{second}\n"
+    (first_prompt, none), (_, cached) = prompts(result.stderr)
+    assert none == 0 and cached == chunk, result.stderr  # the next turn found the one chunk computed, and nothing more
+    assert signal.getsignal(signal.SIGINT) is handler
+
+
 def test_a_second_ctrl_c_during_a_reply_interrupts_the_command_and_puts_the_handler_back(bundle, monkeypatch):
     from specbuild.cli import cli
     from specbuild_runtime import SpeculativeDecoder
 
-    stream_text = SpeculativeDecoder.stream_text
+    stream_request = SpeculativeDecoder.stream_request
 
     def interrupted_twice(self, *args, **kwargs):
-        deltas = stream_text(self, *args, **kwargs)
+        deltas = stream_request(self, *args, **kwargs)
         yield next(deltas)
         signal.raise_signal(signal.SIGINT)
         signal.raise_signal(signal.SIGINT)  # before the reply's next text: the first has not stopped it yet
         yield from deltas
 
-    monkeypatch.setattr(SpeculativeDecoder, "stream_text", interrupted_twice)
+    monkeypatch.setattr(SpeculativeDecoder, "stream_request", interrupted_twice)
     handler = signal.getsignal(signal.SIGINT)
     result = CliRunner().invoke(cli, ["chat", str(bundle), "--chat-template", TEMPLATE], input="Write fib\nnow in C\n",
                                 standalone_mode=False)
@@ -310,7 +339,7 @@ def test_a_reply_that_fails_puts_the_ctrl_c_handler_back(bundle, monkeypatch):
         yield "x"
         raise RuntimeError("the engine failed")
 
-    monkeypatch.setattr(SpeculativeDecoder, "stream_text", failing)
+    monkeypatch.setattr(SpeculativeDecoder, "stream_request", failing)
     handler = signal.getsignal(signal.SIGINT)
     result = chat(bundle, "Write fib\nnow in C\n")
     assert isinstance(result.exception, RuntimeError) and result.stdout == "x\n", result.output

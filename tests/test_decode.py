@@ -645,6 +645,37 @@ def test_a_task_cancelled_while_its_request_waits_for_a_slot_ends_at_once_withou
     assert after.token_ids == sequential[1] and decoder.slots.in_use == 0
 
 
+@pytest.mark.parametrize("engine", ["target", "draft"])
+def test_a_halt_stops_a_long_prompts_chunked_prefill_before_its_next_chunk_and_the_slot_comes_back(bundle, sequential,
+                                                                                                   monkeypatch, engine):
+    """On the CPU a long prompt goes in chunks (slot.PREFILL_CHUNK): the target's before the first token, and a sampled
+    draft's, which starts afresh, in the first round. Seconds of calls after which a consumer's stop (the server's
+    client gone or deadline, chat's Ctrl-C) was first seen; now before the next chunk, as a stop while the prompt is
+    scored is (_score)."""
+    from specbuild_runtime import slot
+
+    monkeypatch.setattr(slot, "PREFILL_CHUNK", 8)
+    decoder = SpeculativeDecoder(bundle, parallel=1)
+    halted, halt, chunks, compute_rows = getattr(decoder, engine), threading.Event(), [], EngineSlot._compute_rows
+
+    def halting_after_a_chunk(self, first, total_len, num_drafts, *args, **kwargs):
+        result = compute_rows(self, first, total_len, num_drafts, *args, **kwargs)
+        if self.engine is halted and total_len - first == 8 and not num_drafts:
+            chunks.append(first)
+            halt.set()  # as a relay's stop does, from another thread, while the call computes
+        return result
+
+    monkeypatch.setattr(EngineSlot, "_compute_rows", halting_after_a_chunk)
+    prompt = "".join(PROMPTS[5:9])
+    assert len(decoder.encode(prompt)) > 4 * 8
+    stats = Stats()
+    with pytest.raises(RequestError, match="stopped while a long prompt was fed"):
+        list(decoder.stream_request(decoder.request(prompt, NEW_TOKENS, 2, 1.0, seed=0), stats, halt=halt))
+    assert chunks == [0] and stats.finish_reason == "abort" and stats.generated_tokens == (engine == "draft")
+    monkeypatch.undo()
+    assert decoder.generate(REQUESTS[1][0], NEW_TOKENS, **REQUESTS[1][1]).token_ids == sequential[1]  # the slot is back
+
+
 def test_a_slow_consumer_does_not_hold_its_slot(bundle, sequential):
     """Decoding runs ahead of a consumer that stops reading (to the request's end at most, as vLLM's AsyncLLM
     does), so a slot is free when its decoding ends, not when its slowest reader catches up."""
@@ -1430,9 +1461,9 @@ def test_no_round_drafts_where_the_grammar_allows_only_an_eos(bundles, monkeypat
     asked = []
     draft = decoder._draft
 
-    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=()):
+    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=(), halt=None):
         asked.append((guide.ends_after(forced), k))
-        return draft(slot, feed, total_len, k, uniforms, greedy, guide, forced)
+        return draft(slot, feed, total_len, k, uniforms, greedy, guide, forced, halt)
 
     monkeypatch.setattr(decoder, "_draft", recording)
     choices = {"choice": ["return a + b", "pass", "raise ValueError"]}

@@ -611,8 +611,8 @@ def test_sampled_forced_tokens_then_drafts_on_cuda_land_after_the_one_hot_rows_a
     draft, step, propose_certain = decoder._draft, EngineSlot.step, Slot.propose_certain
     rounds, pending, checked = [], [], []
 
-    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=()):
-        drafts = draft(slot, feed, total_len, k, uniforms, greedy, guide, forced)
+    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=(), halt=None):
+        drafts = draft(slot, feed, total_len, k, uniforms, greedy, guide, forced, halt)
         rounds.append((list(forced), drafts))
         pending[:] = [rounds[-1]]  # for the round's target call, the next
         return drafts

@@ -581,8 +581,8 @@ def test_a_fixed_gamma_proposes_the_forced_tokens_then_drafts_after_them_in_one_
     rounds, verified = [], []
     draft, step = decoder._draft, EngineSlot.step
 
-    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=()):
-        drafts = draft(slot, feed, total_len, k, uniforms, greedy, guide, forced)
+    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=(), halt=None):
+        drafts = draft(slot, feed, total_len, k, uniforms, greedy, guide, forced, halt)
         rounds.append((len(forced), k, len(drafts), guide.ends_after(forced)))
         return drafts
 
@@ -620,9 +620,9 @@ def test_auto_drafts_after_a_forced_run_only_once_the_draft_has_read_the_prompt(
     rounds = []
     draft = decoder._draft
 
-    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=()):
+    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=(), halt=None):
         rounds.append((total_len - len(feed), len(forced), k))  # the draft's cache's length, forced tokens, k
-        return draft(slot, feed, total_len, k, uniforms, greedy, guide, forced)
+        return draft(slot, feed, total_len, k, uniforms, greedy, guide, forced, halt)
 
     structured, mixed = {"json": SCHEMA, "disable_any_whitespace": True}, 0
     for prompt in PROMPTS[:3]:
@@ -650,9 +650,9 @@ def test_auto_counts_a_prompt_its_slots_draft_held_but_for_a_rounds_worth_as_rea
     rounds = []
     draft = decoder._draft
 
-    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=()):
+    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=(), halt=None):
         rounds.append((len(feed), len(forced), k))  # tokens the draft's call reads, forced tokens, k
-        return draft(slot, feed, total_len, k, uniforms, greedy, guide, forced)
+        return draft(slot, feed, total_len, k, uniforms, greedy, guide, forced, halt)
 
     structured = {"json": SCHEMA, "disable_any_whitespace": True}
     ids = tokenizer(PROMPTS[0])["input_ids"]
@@ -675,9 +675,9 @@ def test_no_round_drafts_after_a_forced_run_holding_a_stop_token(gamma, bundles,
     rounds = []
     draft = decoder._draft
 
-    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=()):
+    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=(), halt=None):
         rounds.append((total_len, list(forced), k))
-        return draft(slot, feed, total_len, k, uniforms, greedy, guide, forced)
+        return draft(slot, feed, total_len, k, uniforms, greedy, guide, forced, halt)
 
     structured = {"json": SCHEMA, "disable_any_whitespace": True}
     ids = tokenizer(PROMPTS[0])["input_ids"]
@@ -724,8 +724,8 @@ def test_sampled_forced_tokens_then_drafts_follow_the_masked_target_distribution
     assert sample(1)[0] == samples[:1]
     step = EngineSlot.step
 
-    def misplaced(self, tokens, total_len, num_drafts=0, uniforms=None, probs_row=0):  # rows 0..k-1, as before
-        return step(self, tokens, total_len, num_drafts, uniforms, max(probs_row - 1, 0))
+    def misplaced(self, tokens, total_len, num_drafts=0, uniforms=None, probs_row=0, halt=None):  # rows 0..k-1: before
+        return step(self, tokens, total_len, num_drafts, uniforms, max(probs_row - 1, 0), halt)
 
     with monkeypatch.context() as patched:
         patched.setattr(EngineSlot, "step", misplaced)
@@ -757,9 +757,9 @@ def mixed_rounds(decoder, monkeypatch, temperature: float):
     draft, step = decoder._draft, EngineSlot.step
     calls, rounds, cache, first = [], [], [], [False]
 
-    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=()):
+    def recording(slot, feed, total_len, k, uniforms, greedy, guide=None, forced=(), halt=None):
         first[0] = True
-        drafts = draft(slot, feed, total_len, k, uniforms, greedy, guide, forced)
+        drafts = draft(slot, feed, total_len, k, uniforms, greedy, guide, forced, halt)
         rounds.append([len(forced), k, len(drafts), None, None])
         return drafts
 

@@ -33,7 +33,7 @@ from .policy import (FREE_GUESSES, GREEDY_DECAYS, MAX_PROBE_EVERY, SAMPLING_DECA
                      PriorCosts, prior_draft_cost)
 from .pool import SlotPool, check_memory
 from .relay import Relay
-from .slot import (MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, Rows, Slot, check_gpu_total_len, fixed_rows,
+from .slot import (MAX_REUSED_IDS, NEVER_ALONE, WARM_UP_RUNS, Halt, Rows, Slot, check_gpu_total_len, fixed_rows,
                    unsteady_calls)
 from .text import TextStream, token_span
 from .validation import (AUTO, NO_PENALTIES, PENALTIES, Prompt, Request, check_request, check_text_fits, check_vocabularies,
@@ -534,7 +534,7 @@ class SpeculativeDecoder:
                                "stream_request(decoder.request(..., logprobs=N), stats)")
         return self._streamed(*args, **options)
 
-    def _stream(self, request: Request, stats: Stats, halt: threading.Event | None = None) -> Generator:
+    def _stream(self, request: Request, stats: Stats, halt: Halt | None = None) -> Generator:
         """stream's tokens, or their TokenLogprobs where the request asks for logprobs."""
         text = self._text(request) if request.stop else None
         if request.logprobs is None:
@@ -554,12 +554,14 @@ class SpeculativeDecoder:
         return cast(Generator[str, None, None], self.stream_request(request, Stats() if stats is None else stats))
 
     def stream_request(self, request: Request, stats: Stats, every_token: bool = False,
-                       halt: threading.Event | None = None,
+                       halt: Halt | None = None,
                        token_ids: list[int] | None = None) -> Generator[TextItem, None, None]:
         """stream_text for a request already checked by request() (the server checks before queueing).
         every_token: also yield "" for a token whose text is held back, so that the consumer can stop
-        between any two tokens (a relay's stop: the async API's cancel, the server's deadlines). halt: once set
-        while the request waits for a slot, it stops waiting (a RequestError) instead of taking one.
+        between any two tokens (a relay's stop: the async API's cancel, the server's deadlines). halt (slot.Halt): once
+        set while the request waits for a slot, it stops waiting (a RequestError) instead of taking one; once set while
+        a long prompt is scored or fed in chunks (the CPU's prefill, or the draft's catch-up on it), a RequestError
+        before the next call, where the consumer would otherwise first see its stop at the first token.
         A request with logprobs yields (delta, the TokenLogprobs of the tokens decoded since the last) pairs, and
         one more at the end for tokens whose text never came (an eos, text a stop string cut). A request with
         prompt_logprobs first yields ("", the TokenLogprobs of each prompt token after the first) once they are known.
@@ -654,7 +656,7 @@ class SpeculativeDecoder:
         finally:  # also when the consuming task is cancelled, or the iterator closed or collected
             await relay.close()
 
-    def _generating(self, request: Request, halt: threading.Event | None = None) -> Generator[Generation | None, None, None]:
+    def _generating(self, request: Request, halt: Halt | None = None) -> Generator[Generation | None, None, None]:
         """generate's decoding: None after every token (where a relay may stop it), then the Generation."""
         stats, text, tokens = Stats(), self._text(request), []
         records: list[TokenLogprobs] | None = None if request.logprobs is None else []
@@ -674,7 +676,7 @@ class SpeculativeDecoder:
                           request.sampling.min_tokens)
 
     def _decode_request(self, request: Request, stats: Stats, text: TextStream | None,
-                        halt: threading.Event | None = None, records: list[TokenLogprobs] | None = None,
+                        halt: Halt | None = None, records: list[TokenLogprobs] | None = None,
                         scored: list[TokenLogprobs] | None = None) -> Generator[int, None, None]:
         """The request's tokens, decoded in a slot taken from the pool (text, where given, follows them and ends the
         request at a stop string); records (logprobs asked for) gets each one's TokenLogprobs before it is yielded, and
@@ -699,6 +701,10 @@ class SpeculativeDecoder:
                         return
             except GeneratorExit:  # closed before its end (a consumer that stopped reading, a cancelled task)
                 stats.finish_reason = stats.finish_reason or "abort"
+                raise
+            except RequestError:  # halted between a long prompt's calls (_score, slot.EngineSlot.step): as if closed
+                if halt is not None and halt.is_set():
+                    stats.finish_reason = stats.finish_reason or "abort"
                 raise
 
     def _cached(self, request: Request) -> Callable[[Slot], int] | None:
@@ -728,10 +734,11 @@ class SpeculativeDecoder:
 
     def _speculate(self, slot: Slot, request: Request, stats: Stats, records: list[TokenLogprobs] | None,
                    scored: list[TokenLogprobs] | None = None,
-                   halt: threading.Event | None = None) -> Generator[int, None, None]:
+                   halt: Halt | None = None) -> Generator[int, None, None]:
         """The speculative loop over one slot. records, scored: see _decode_request; a token's comes from the row of
         the target's logits that decided it, computed alike whatever the round (slot.Rows), so γ and the draft change
-        none. halt: see _score."""
+        none. halt: see _score; a long prompt's chunks, the target's and the draft's, look at it too
+        (slot.EngineSlot.step)."""
         sampling = request.sampling
         stats.claim(len(request.prompt_ids))
         clock = time.perf_counter
@@ -772,7 +779,7 @@ class SpeculativeDecoder:
             stats.cached_prompt_tokens = reused
         if guide:
             target.constrain(guide.masks([]))
-        _, token = target.step(ids[reused:], total_len=len(ids), uniforms=uniforms(1))
+        _, token = target.step(ids[reused:], total_len=len(ids), uniforms=uniforms(1), halt=halt)
         new_tokens = [token]
         logits = target.logits() if records is not None else None  # row j decided new_tokens[j]
         draft_len = slot.draft.prefix(ids, len(ids)) if self.prefix_reuse and sampling.greedy else 0
@@ -852,7 +859,7 @@ class SpeculativeDecoder:
             catching_up = len(ids) - draft_len > 2 or bool(forced)
             unsteady = unsteady_calls()
             t0 = clock()
-            drafts = self._draft(slot, ids[draft_len:], len(ids), k, uniforms, sampling.greedy, guide, forced)
+            drafts = self._draft(slot, ids[draft_len:], len(ids), k, uniforms, sampling.greedy, guide, forced, halt)
             t1 = clock()
             asked, k = k, len(drafts)  # fewer where the draft stopped short: logits not finite, a grammar (_draft)
             if drafts:
@@ -906,7 +913,7 @@ class SpeculativeDecoder:
             stats.record_round(k, accepted, t1 - t0, t2 - t1)
 
     def _score(self, slot: Slot, ids: list[int], top: int,
-               halt: threading.Event | None = None) -> tuple[list[TokenLogprobs], int]:
+               halt: Halt | None = None) -> tuple[list[TokenLogprobs], int]:
         """The TokenLogprobs of ids[1:], each from the target's row before it. A call returns the logits of its last
         D+1 rows, so the prompt goes in calls whose D drafts are its own next tokens: rows computed as a round's
         (slot.Rows), so a token scores the bits it gets generated. Fixed rows (GPUs) and greedy-only graphs (whose
@@ -950,7 +957,7 @@ class SpeculativeDecoder:
 
     @staticmethod
     def _draft(slot: Slot, feed: list[int], total_len: int, k: int, uniforms, greedy: bool,
-               guide: Guide | None = None, forced: Sequence[int] = ()) -> list[int]:
+               guide: Guide | None = None, forced: Sequence[int] = (), halt: Halt | None = None) -> list[int]:
         """k draft tokens; when sampling, the draft leaves their distributions in the slot's rows. Greedy,
         each run of the steps graph's count of them is one call of it. guide: each draft step is masked by the
         request's grammar (one call a token: the steps graph takes no mask), and drafting stops after an eos or where
@@ -976,7 +983,7 @@ class SpeculativeDecoder:
                     drafts += steps.step(fed, total_len + j)
                 else:
                     drafts.append(slot.draft.step(fed, total_len=total_len + j, uniforms=uniforms(1),
-                                                  probs_row=first_row + j)[1])
+                                                  probs_row=first_row + j, halt=halt)[1])
                 if (bad := slot.draft.engine.info.not_finite_token) in drafts:
                     # The draft's logits hold NaN or +inf (its fp16 engine overflows): it proposes what came before.
                     # The output is the target's either way; the drafts' cache is re-fed from the round's length.

@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 
 from .engine import cgroup_folders
 from .errors import RequestError
-from .slot import Slot
+from .slot import Halt, Slot
 
 
 # Seconds a thread that drove a busy slot's stream last waits for another thread to resume that stream before
@@ -84,7 +84,7 @@ class SlotPool:
                 self._changed.notify_all()
 
     @contextmanager
-    def take(self, halt: threading.Event | None = None, prefer: Callable[[Slot], int] | None = None) -> Iterator[Slot]:
+    def take(self, halt: Halt | None = None, prefer: Callable[[Slot], int] | None = None) -> Iterator[Slot]:
         """A slot for the calling thread; a RequestError instead once `halt` is set while it waits. prefer: a
         score of a free slot for this request (without affinity), called with the pool's lock held."""
         me = threading.get_ident()
@@ -120,7 +120,7 @@ class SlotPool:
                 if slot.index in self._owners:
                     slot.terminate_calls()
 
-    def _wait_for_turn(self, me: int, ticket: object, halt: threading.Event | None) -> None:
+    def _wait_for_turn(self, me: int, ticket: object, halt: Halt | None) -> None:
         """Wait until a slot is free for this ticket: the earliest waiters take the free slots first, so a
         thread that just gave one back cannot take it again ahead of those already waiting."""
         refuse_at = None  # while this thread drove a busy slot's stream last: when to stop waiting for it
@@ -157,7 +157,7 @@ class SlotPool:
                 )
             self._wait(min(refuse_at, collect_at) - now, halt)
 
-    def _wait(self, timeout: float | None, halt: threading.Event | None) -> None:
+    def _wait(self, timeout: float | None, halt: Halt | None) -> None:
         """Wait for a change, at most timeout seconds, and while a halt event is given at most STOP_POLL (setting
         an event notifies no condition)."""
         if halt is not None:

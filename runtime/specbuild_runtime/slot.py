@@ -15,6 +15,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -35,6 +36,15 @@ WARM_UP_RUNS = 2
 # concurrent long prompt left its activations resident. Even, so the rows left keep the prompt's parity (see
 # Rows); the leading rows are never re-fed and no decision reads their call, in every mode alike. 0: one call.
 PREFILL_CHUNK = 256
+
+
+class Halt(Protocol):
+    """A consumer's stop, looked at between a long call's chunks (and by a request waiting for a slot, or scoring its
+    prompt): a relay's threading.Event, or anything that says without taking a lock, as chat's Ctrl-C handler must,
+    which may run between any two bytecodes, Event.set's own included."""
+
+    def is_set(self) -> bool: ...
+
 
 # The total_len a call over a cache is fed where it is not the real one (CUDA; see fed_total_len): "max" (the
 # cache's max_seq_len) or "bucket" (the smallest of TOTAL_LEN_BUCKETS lengths that holds the call). Set
@@ -510,13 +520,15 @@ class EngineSlot:
         self._bound["draft_probs"] = -1
 
     def step(self, tokens: list[int], total_len: int, num_drafts: int = 0, uniforms: np.ndarray | None = None,
-             probs_row: int = 0) -> tuple[int, int]:
+             probs_row: int = 0, halt: Halt | None = None) -> tuple[int, int]:
         """Feed tokens at positions total_len-len(tokens)..total_len-1; the last num_drafts are drafts.
 
         Greedy: returns (how many drafts equal this model's argmax, its argmax after them). Sampling:
         uniforms [num_drafts+1] are the random numbers, the drafts' distributions are rows 0..num_drafts-1
         of draft_probs; returns (accepted drafts, the token sampled after them), and a draft engine writes
-        the distribution it sampled from into row probs_row of probs_rows.
+        the distribution it sampled from into row probs_row of probs_rows. halt: once set, a RequestError before
+        the next chunk of a chunked prefill (a long prompt on the CPU, seconds of calls before a token): the cache
+        keeps the chunks computed, as after a call that failed.
         """
         start = total_len - len(tokens)
         self._fed[start:total_len] = tokens
@@ -527,16 +539,19 @@ class EngineSlot:
         first = max(0, min(start, total_len - least, self._redo_from))
         if self.rows.even and (total_len - first) % 2 and first > 0:
             first -= 1
-        first = self._head(first, total_len, num_drafts, probs_row, start)
+        first = self._head(first, total_len, num_drafts, probs_row, start, halt)
         self._redo_from = first if total_len - first < least else self.engine.max_seq_len
         return self._compute_rows(first, total_len, num_drafts, uniforms, probs_row, True)  # the call that decides
 
-    def _head(self, first: int, total_len: int, num_drafts: int, probs_row: int, start: int) -> int:
+    def _head(self, first: int, total_len: int, num_drafts: int, probs_row: int, start: int,
+              halt: Halt | None = None) -> int:
         """The calls before the one whose rows a decision reads (a prompt's chunks and head); returns its first row.
-        start: the first position fed new tokens (rows before it are re-fed)."""
+        start: the first position fed new tokens (rows before it are re-fed). halt: see step."""
         least = self.rows.least
         if self.chunk and not num_drafts:  # chunked prefill, leaving at least `least` rows to the calls below
             while total_len - first >= self.chunk + least:
+                if halt is not None and halt.is_set():
+                    raise RequestError("the request was stopped while a long prompt was fed to the model")
                 self._compute_rows(first, first + self.chunk, 0, None, probs_row)
                 first += self.chunk
         odd = (total_len - first) % 2
