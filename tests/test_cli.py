@@ -53,6 +53,7 @@ def test_compile_generate_inspect_round_trip(checkpoints, tmp_path, cli):
                                     "itl_ms_p50", "itl_ms_p95", "rounds"}
     assert result["gamma"] == "auto" and max(map(int, result["stats"]["gamma_rounds"])) <= 3
     assert json.loads(target_only["stdout"])["token_ids"] == result["token_ids"]
+    assert json.loads(target_only["stdout"])["stats"]["acceptance_rate"] is None  # nothing proposed: no α, not 0
     assert "Qwen2ForCausalLM" in shown["stdout"] and "max-seq-len 128" in shown["stdout"]
     assert "uncaptured by default: the target is fp32" in shown["stdout"]
     # An fp32 build runs attention on the CPU on a GPU: compile says so where the choice is made, with the fix.

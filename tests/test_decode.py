@@ -2,6 +2,8 @@
 
 import asyncio
 import gc
+import json
+import math
 import random
 import subprocess
 import sys
@@ -1152,8 +1154,22 @@ def test_stats_count_rounds_as_a_plain_reference_does(rounds):
     assert stats.gamma_rounds == dict(Counter(d for d, _ in rounds))
     assert stats.proposed_at == [sum(d > j for d, _ in rounds) for j in range(8)]
     assert stats.accepted_at == [sum(a > j for _, a in rounds) for j in range(8)]
-    assert stats.acceptance_rate == (accepted / drafted if drafted else 0.0)
+    if drafted:
+        assert stats.acceptance_rate == accepted / drafted
+    else:
+        assert math.isnan(stats.acceptance_rate) and stats.to_dict()["acceptance_rate"] is None
+    assert stats.to_dict()["per_position_acceptance"] == [round(a / p, 4) if p else None
+                                                          for a, p in zip(stats.accepted_at, stats.proposed_at)]
     assert stats.target_seconds == pytest.approx(0.002 * len(rounds))
+
+
+def test_a_request_that_proposed_no_draft_has_alpha_nan_and_null_in_its_json(bundle):
+    """α of no draft is undefined, not 0 (every draft rejected): NaN, a float as vLLM's spec-decode metrics give it,
+    and null in to_dict, as bench --json writes it (JSON has no NaN)."""
+    stats = SpeculativeDecoder(bundle).generate(PROMPTS[0], 8, gamma=0).stats
+    assert stats.rounds and not stats.drafted and math.isnan(stats.acceptance_rate)
+    figures = json.loads(json.dumps(stats.to_dict(), allow_nan=False))
+    assert figures["acceptance_rate"] is None and figures["per_position_acceptance"] == []
 
 
 @pytest.mark.parametrize("q", [150, -1, float("nan"), "50", None])

@@ -246,7 +246,7 @@ def sample(decoder, options: dict, samples: int = SAMPLES) -> tuple[list[list[in
     per_position = [r.stats.to_dict()["per_position_acceptance"] for r in runs]
     return [r.token_ids for r in runs], {
         "acceptance": sum(r.stats.accepted for r in runs) / max(sum(r.stats.drafted for r in runs), 1),
-        "runs_accepting_a_second_draft": sum(len(a) > 1 and a[1] > 0 for a in per_position),
+        "runs_accepting_a_second_draft": sum(len(a) > 1 and bool(a[1]) for a in per_position),  # None: never proposed
     }
 
 

@@ -1499,6 +1499,23 @@ def test_metrics_count_requests_tokens_and_acceptance(server, client):
     assert after[("specbuild_time_to_first_token_seconds_count", ())] > before.get(("specbuild_time_to_first_token_seconds_count", ()), 0)
 
 
+def test_the_acceptance_gauge_is_nan_until_a_draft_is_proposed_as_a_float_prometheus_reads():
+    """0 read as every draft rejected (requests at γ 0, or auto at γ 0 throughout, propose none). A gauge is a float:
+    prometheus_client writes NaN, which Prometheus stores, as vLLM's spec_decode_draft_acceptance_rate gauge was."""
+    from specbuild_runtime import Stats
+    from specbuild_runtime.serve.metrics import Metrics
+
+    def alpha(metrics: Metrics) -> float:
+        return next(s.value for family in text_string_to_metric_families(metrics.render().decode())
+                    for s in family.samples if s.name == "specbuild_acceptance_rate")
+
+    metrics = Metrics(1)
+    metrics.decoded(Stats(prompt_tokens=3, generated_tokens=5, rounds=4))  # target-only: nothing proposed
+    assert math.isnan(alpha(metrics))
+    metrics.decoded(Stats(prompt_tokens=3, generated_tokens=5, rounds=2, drafted=4, accepted=3))
+    assert alpha(metrics) == 0.75
+
+
 def test_metrics_count_the_prompt_tokens_taken_from_the_cache(server, client):
     hits = ("specbuild_prefix_cache_hits_total", ())
     before = metric_values(server).get(hits, 0)

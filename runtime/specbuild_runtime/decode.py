@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import os
 import threading
 import time
@@ -135,7 +136,9 @@ class Stats:
 
     @property
     def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
+        """α: accepted / proposed drafts; NaN where none were proposed (target-only, or auto at γ 0 throughout), as
+        vLLM's spec-decode metrics give it: 0 would read as every draft rejected. to_dict writes it null."""
+        return self.accepted / self.drafted if self.drafted else math.nan
 
     @property
     def mean_accepted_tokens(self) -> float:
@@ -161,15 +164,16 @@ class Stats:
         return float(1e3 * np.percentile(gaps, q)) if len(gaps) else 0.0
 
     def to_dict(self) -> dict:
-        per_position = [a / p if p else 0.0 for a, p in zip(self.accepted_at, self.proposed_at)]
+        # JSON has no NaN: an α of nothing proposed, the request's or a position's, is null
+        per_position = [round(a / p, 4) if p else None for a, p in zip(self.accepted_at, self.proposed_at)]
         return {
             "prompt_tokens": self.prompt_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "rounds": self.rounds,
-            "acceptance_rate": round(self.acceptance_rate, 4),
+            "acceptance_rate": round(self.acceptance_rate, 4) if self.drafted else None,
             "mean_accepted_tokens": round(self.mean_accepted_tokens, 4),
-            "per_position_acceptance": [round(x, 4) for x in per_position],
+            "per_position_acceptance": per_position,
             "tokens_per_second": round(self.tokens_per_second, 2),
             "ttft_ms": round(self.ttft_ms, 3),
             "itl_ms_p50": round(self.itl_ms(50), 3),

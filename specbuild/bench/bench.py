@@ -130,7 +130,8 @@ class ModeResult:
     def to_dict(self) -> dict:
         accepted_at = sum(np.array(stats.accepted_at, float) for stats in self.requests)
         proposed_at = sum(np.array(stats.proposed_at, float) for stats in self.requests)
-        per_position = (accepted_at / np.maximum(proposed_at, 1)).round(4).tolist() if self.drafted else []
+        per_position = ([round(a / p, 4) if p else None for a, p in zip(accepted_at.tolist(), proposed_at.tolist())]
+                        if self.drafted else [])  # null: a position never proposed (Stats.to_dict)
         ttft = [stats.ttft_ms for stats in self.requests]
         gaps = self.gaps_ms
         return {

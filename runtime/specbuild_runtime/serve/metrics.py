@@ -1,10 +1,14 @@
 """What `GET /metrics` shows, in Prometheus' text format (prometheus_client, one registry per server).
 
 Counters are totals since start; tokens/s is `rate(specbuild_generation_tokens_total[1m])`. α and τ are
-also given as gauges over all requests so far, for a person reading the page.
+also given as gauges over all requests so far, for a person reading the page: α NaN until a draft was proposed (Stats'
+rule; a gauge is a float, which prometheus_client writes `NaN` and Prometheus stores), as vLLM's
+spec_decode_draft_acceptance_rate gauge was.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -35,7 +39,7 @@ class Metrics:
         self._totals = dict(drafted=0, accepted=0, rounds=0, after_first=0)  # after_first: a request's tokens but its first
         t = self._totals
         Gauge("specbuild_acceptance_rate", "α: accepted / proposed draft tokens, all requests so far", registry=r) \
-            .set_function(lambda: t["accepted"] / t["drafted"] if t["drafted"] else 0.0)
+            .set_function(lambda: t["accepted"] / t["drafted"] if t["drafted"] else math.nan)
         Gauge("specbuild_mean_accepted_tokens", "τ: tokens per target call after the prompt's, all requests so far",
               registry=r).set_function(lambda: t["after_first"] / t["rounds"] if t["rounds"] else 0.0)
         self.ttft = Histogram("specbuild_time_to_first_token_seconds", "Arrival to first token, queueing included",
