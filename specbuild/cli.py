@@ -280,13 +280,13 @@ def output_shaping_options(command):
     return command
 
 
-
 def decoding_options(command):
     """generate's and chat's: where the engines run and how each reply is sampled and shaped."""
     for option in reversed([device_option, cuda_graphs_option, draft_steps_option, threads_option(EVERY_CORE),
                             sampling_options(), output_shaping_options]):
         command = option(command)
     return command
+
 
 def check_min_tokens(min_tokens: int, max_new_tokens: int) -> None:
     """The command line at odds with itself: exit 2, before the bundle loads."""
