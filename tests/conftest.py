@@ -41,6 +41,11 @@ ARCHITECTURES = {
                                                           sliding_window=8)),
     "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, dict(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=16,
                                                                sliding_window=8, sliding_window_pattern=2)),
+    # granite-3.3-2b's multipliers (its attention's scale 1/head_dim, not head_dim^-0.5) and tied head
+    "granite": (tf.GraniteConfig, tf.GraniteForCausalLM, dict(embedding_multiplier=12.0, residual_multiplier=0.22,
+                                                              attention_multiplier=1 / 16, logits_scaling=8.0,
+                                                              tie_word_embeddings=True)),
+    "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, {}),
 }
 
 PROMPTS = [

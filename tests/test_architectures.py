@@ -15,7 +15,7 @@ from specbuild.compile.reference import load_reference, transformers_greedy
 from specbuild_runtime import BundleError, SpeculativeDecoder
 
 # The families test_exactness.py does not cover; windows of 8 positions, so 40 tokens pass them.
-FAMILIES = ["llama3", "mistral-window", "qwen2-window", "qwen3", "phi3", "gemma2", "gemma3"]
+FAMILIES = ["llama3", "mistral-window", "qwen2-window", "qwen3", "phi3", "gemma2", "gemma3", "granite", "olmo2"]
 NEW_TOKENS = 40
 
 
@@ -76,6 +76,16 @@ def test_a_checkpoint_with_tensors_its_graph_would_not_read_is_refused_before_an
                                        output=out, max_seq_len=64), show_progress=False)
     assert unused in str(caught.value) and "\n" not in str(caught.value)
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("family", ["llama", "granite", "olmo2"])
+def test_an_activation_the_graphs_do_not_compute_is_refused_in_one_line(family, tokenizer, tmp_path):
+    """hidden_act, which transformers reads (its ACT2FN has relu): an engine with another MLP would compute another
+    model."""
+    with pytest.raises(UnsupportedModelError, match="activation 'relu' is not supported; specbuild's graphs compute "
+                                                    "gelu, gelu_new, gelu_pytorch_tanh, silu") as caught:
+        load_checkpoint(make_checkpoint(tmp_path, family, tokenizer, hidden_act="relu"), "target")
+    assert "\n" not in str(caught.value)
 
 
 def test_gpt2_attention_without_its_scale_is_refused(checkpoints):

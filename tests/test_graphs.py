@@ -49,14 +49,34 @@ def test_graph_logits_match_transformers_through_prefill_verify_and_rollback(arc
     ("gemma3", dict(attn_logit_softcapping=0.5)),  # Gemma 2's alone: Gemma 3 keeps it but never applies it
     ("llama", dict(head_dim=32, partial_rotary_factor=0.5)),  # Phi-3's alone: Llama's default rope rotates whole heads
     ("llama", dict(head_dim=32, rope_scaling=dict(rope_type="proportional", partial_rotary_factor=0.5))),  # padded table
+    ("llama", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.5,
+                   logits_scaling=8.0)),  # Granite's alone
+    ("olmo2", dict(mlp_bias=True, logits_scaling=8.0)),  # Llama's and Granite's: OLMo 2's MLP has no biases
 ], ids=["llama-final_logit_softcapping", "llama-sliding_window", "gemma3-attn_logit_softcapping",
-        "llama-partial_rotary_factor", "llama-proportional-partial_rotary_factor"])
+        "llama-partial_rotary_factor", "llama-proportional-partial_rotary_factor", "llama-granite_multipliers",
+        "olmo2-mlp_bias-logits_scaling"])
 def test_config_keys_transformers_code_does_not_read_leave_the_logits_as_transformers_computes_them(
         architecture, config, tokenizer, tmp_path):
     """A config.json may carry any key (transformers keeps it as an attribute): a setting of another family, which
     the graph applied (a softcap, a window) or choked on (partial rotary: a reshape error) where transformers'
     model of this architecture ignores it."""
     assert_logits_match_transformers(make_checkpoint(tmp_path, architecture, tokenizer, **config))
+
+
+@pytest.mark.parametrize("architecture,config", [
+    ("granite", dict(attention_bias=True, mlp_bias=True)),  # q, k, v, o and the MLP's three
+    ("olmo2", dict(attention_bias=True)),  # q, k, v and o
+])
+def test_the_biases_config_json_asks_for_reach_the_logits(architecture, config, tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folder = make_checkpoint(tmp_path, architecture, tokenizer, **config)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():  # transformers starts them at zero, which a graph without them computes as well
+        biases = [p.normal_(0, 0.2) for name, p in model.named_parameters() if name.endswith("bias")]
+    assert len(biases) == (7 if config.get("mlp_bias") else 4) * 2  # per layer, 2 layers
+    model.save_pretrained(folder)
+    assert_logits_match_transformers(folder)
 
 
 def assert_logits_match_transformers(folder):

@@ -42,6 +42,7 @@ FAMILIES = {  # name -> (conftest architecture, config overrides); TINY has 4 he
                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
                                                 "rope_theta": 500000.0}}),
     "linear-rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    "granite": ("granite", {}),  # its multipliers, as TensorRT-LLM's LLaMA model reads them
     "gpt2": ("gpt2", {}),
 }
 TOLERANCE = 1e-4
@@ -131,6 +132,19 @@ def test_rope_scaling_is_exported_and_matters(pairs, tokenizer, tmp_path):
     config = json.loads((checkpoint / "config.json").read_text())
     assert config["rotary_base"] == 500000.0 and config["rotary_scaling"]["type"] == "llama3"
     config["rotary_scaling"] = None  # negative control: the same weights without the scaling diverge
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    assert deviation(checkpoint, target, tokenizer) > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("key", ["embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                                 "output_multiplier_scale"])
+def test_each_granite_multiplier_is_exported_and_matters(pairs, tokenizer, tmp_path, key):
+    """Negative controls: the same weights without one of the multipliers (LLaMAConfig's default 1.0) diverge."""
+    target = pairs("granite")[0]
+    checkpoint = export(target, tmp_path / "t", 2)
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["architecture"] == "GraniteForCausalLM" and config[key] != 1.0
+    del config[key]
     (checkpoint / "config.json").write_text(json.dumps(config))
     assert deviation(checkpoint, target, tokenizer) > 100 * TOLERANCE
 
@@ -232,7 +246,7 @@ def test_a_qwen3_with_as_many_kv_as_query_heads_per_rank_is_refused(tokenizer, t
 def test_splits_tensorrt_llm_cannot_make_and_families_it_does_not_get_are_refused(pairs, checkpoints):
     with pytest.raises(UnsupportedModelError, match="--tp 3: .* 4 attention heads"):
         tensorrt_llm.check_exportable(load_checkpoint(pairs("llama")[0], "target"), "target", 3, 64)
-    for family in ("phi3", "gemma2", "gemma3"):
+    for family in ("phi3", "gemma2", "gemma3", "olmo2"):
         with pytest.raises(UnsupportedModelError, match="ForCausalLM, which --backend tensorrt-llm does not export: "):
             tensorrt_llm.check_exportable(load_checkpoint(checkpoints(family), "draft"), "draft", 1, 64)
     window = load_checkpoint(checkpoints("mistral-window"), "target")  # TensorRT-LLM sets windows at run time

@@ -34,6 +34,8 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "llama",  # Phi-3, Phi-3.5-mini, Phi-4-mini
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",  # Gemma 3 text (1B; the larger ones are multimodal)
+    "GraniteForCausalLM": "llama",  # Granite 3.x dense: Llama with µP multipliers
+    "Olmo2ForCausalLM": "olmo2",
     "GPT2LMHeadModel": "gpt2",
 }
 SUPPORTED_ACTIVATIONS = {"silu", "gelu_new", "gelu_pytorch_tanh", "gelu"}
@@ -67,6 +69,11 @@ class ModelSpec:
     qk_norm: bool = False  # an RMS norm on each q and k head (Qwen3, Gemma 3)
     attention_softcap: float | None = None  # cap·tanh(scores/cap) (Gemma 2)
     final_softcap: float | None = None  # the same on the logits (Gemma 2)
+    # Granite's µP multipliers: of the embeddings, of each block's output before its residual add, and the logits'
+    # divisor
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
 
 # safetensors dtype -> numpy dtype (bf16 and fp8 from ml_dtypes, which numpy lacks)
@@ -547,12 +554,13 @@ def model_spec(config, architecture: str, path: Path, role: str) -> ModelSpec:
     else:
         spec = _rope_model_spec(config, architecture, family, path, role)
     if spec.hidden_act not in SUPPORTED_ACTIVATIONS:
-        raise UnsupportedModelError(f"{role} checkpoint {path}: activation {spec.hidden_act!r} is not supported")
+        raise UnsupportedModelError(f"{role} checkpoint {path}: activation {spec.hidden_act!r} is not supported; "
+                                    f"specbuild's graphs compute {', '.join(sorted(SUPPORTED_ACTIVATIONS))}")
     return spec
 
 
 def _rope_model_spec(config, architecture: str, family: str, path: Path, role: str) -> ModelSpec:
-    """Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3: config.json names the same things alike, almost."""
+    """Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, Granite, OLMo 2: config.json names the same things alike, almost."""
     heads, layers = config.num_attention_heads, config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     rope = getattr(config, "rope_parameters", None) or {}
@@ -582,7 +590,7 @@ def _rope_model_spec(config, architecture: str, family: str, path: Path, role: s
     window = getattr(config, "sliding_window", None) if architecture in WINDOWED else None
     typed = getattr(config, "layer_types", None) if architecture in LAYER_TYPED else None
     layer_types = list(typed or ["sliding_attention" if window else "full_attention"] * layers)
-    gemma = family == "gemma"
+    gemma, granite = family == "gemma", architecture == "GraniteForCausalLM"
     return ModelSpec(
         architecture=architecture,
         family=family,
@@ -598,12 +606,17 @@ def _rope_model_spec(config, architecture: str, family: str, path: Path, role: s
         max_position_embeddings=config.max_position_embeddings,
         layer_types=layer_types,
         sliding_windows=[window if kind == "sliding_attention" and window else None for kind in layer_types],
-        attention_scale=(config.query_pre_attn_scalar if gemma else head_dim) ** -0.5,
+        attention_scale=(config.attention_multiplier if granite else
+                         (config.query_pre_attn_scalar if gemma else head_dim) ** -0.5),
         rotary_dim=rotary_dim,
         qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
         # transformers' Gemma 3 keeps attn_logit_softcapping but never passes it to its attention
         attention_softcap=config.attn_logit_softcapping if architecture == "Gemma2ForCausalLM" else None,
         final_softcap=config.final_logit_softcapping if gemma else None,
+        # transformers' Granite alone reads its multipliers (another family's config.json may carry them)
+        embedding_multiplier=config.embedding_multiplier if granite else 1.0,
+        residual_multiplier=config.residual_multiplier if granite else 1.0,
+        logits_scaling=config.logits_scaling if granite else 1.0,
     )
 
 

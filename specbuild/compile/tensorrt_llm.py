@@ -45,7 +45,7 @@ from specbuild_runtime.manifest import TOKENIZER_DIR, EngineInfo, TensorRTLLMPar
 from ..errors import ExternalToolError, UnsupportedModelError
 from ..progress import bar
 from . import gamma as gamma_stage
-from .load import Checkpoint
+from .load import Checkpoint, ModelSpec
 from .precision import Numerics, convert_into
 
 FOLDER = "tensorrt-llm"
@@ -64,10 +64,15 @@ NOT_EXPORTED = {
                          "attention windows and local rotary bases, which this export does not produce yet",
     "Phi3ForCausalLM": "TensorRT-LLM's Phi-3 model splits fused qkv_proj/gate_up_proj weights in its own "
                        "layout, which this export does not produce yet",
+    "Olmo2ForCausalLM": "TensorRT-LLM's checkpoint flow has no OLMo 2 model (no Olmo2ForCausalLM in "
+                        "tensorrt_llm/models/__init__.py MODEL_MAP), and its LLaMA model has no post-norm layers "
+                        "or whole-q/k norms to build one from",
 }
-# HF architecture -> the qwen_type TensorRT-LLM's QWen model needs (models/qwen/config.py), or None.
+# HF architecture -> the qwen_type TensorRT-LLM's QWen model needs (models/qwen/config.py), or None. MODEL_MAP
+# builds GraniteForCausalLM as its LLaMA model, which reads Granite's multipliers from config.json
+# (granite_multipliers).
 FAMILIES = {"LlamaForCausalLM": None, "MistralForCausalLM": None, "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3", "GPT2LMHeadModel": None}
+            "Qwen3ForCausalLM": "qwen3", "GraniteForCausalLM": None, "GPT2LMHeadModel": None}
 
 # The tokens one engine step takes unless told otherwise: trtllm-build's --max_num_tokens (builder.py BuildConfig,
 # 008b2b8d) and the LLM API's max_num_tokens (llmapi/llm_args.py BaseLlmArgs, 00043967). A longer prompt goes in
@@ -298,11 +303,28 @@ def trtllm_config(ckpt: Checkpoint, layout: Layout, dtype: str, quant_algo: str 
     if qwen_type:  # models/qwen/config.py QWenConfig: qwen_type is required, qwen3 has no attention bias
         return {**config, "qwen_type": qwen_type, "attn_bias": qwen_type == "qwen2", "use_logn_attn": False,
                 "seq_length": 8192}
-    return {**config, "attn_bias": spec.attention_bias}  # models/llama/config.py LLaMAConfig
+    # models/llama/config.py LLaMAConfig
+    multipliers = granite_multipliers(spec) if spec.architecture == "GraniteForCausalLM" else {}
+    return {**config, "attn_bias": spec.attention_bias, **multipliers}
+
+
+def granite_multipliers(spec: ModelSpec) -> dict:
+    """Granite's multipliers as TensorRT-LLM's LLaMA model applies them (models/llama/model.py, 04100fd): the
+    embeddings times embedding_multiplier, each block's output times residual_multiplier before its residual add,
+    attention with q_scaling = 1 / attention_multiplier, which its attention turns into a scale of
+    1 / (sqrt(head_size) * q_scaling) (so the scale transformers' attention_multiplier is, times sqrt(head_size)), and
+    the logits times output_multiplier_scale (models/modeling_utils.py DecoderModelForCausalLM). LLaMAConfig.
+    from_hugging_face makes the same conversion, except that it leaves an attention_multiplier of exactly 1.0 unscaled
+    (head_size^-0.5 instead of transformers' 1.0); written here, the checkpoint says the model's own scale. The
+    residual multiplier is skipped where trtllm-build fuses the residual add into the all-reduce (--reduce_fusion
+    enable, which build.sh leaves off)."""
+    return {"embedding_multiplier": spec.embedding_multiplier, "residual_multiplier": spec.residual_multiplier,
+            "attention_multiplier": spec.attention_scale * math.sqrt(spec.shape.head_dim),
+            "output_multiplier_scale": 1.0 / spec.logits_scaling}
 
 
 def llama_tensors(ckpt: Checkpoint, names: set[str]) -> Iterator[Out]:
-    """Llama, Mistral, Qwen2, Qwen3 (models/llama/convert.py get_prefix_and_param_name_map, models/qwen/
+    """Llama, Mistral, Qwen2, Qwen3, Granite (models/llama/convert.py get_prefix_and_param_name_map, models/qwen/
     convert.py). TensorRT-LLM's GatedMLP computes proj(act(fc(x)) * gate(x)) (layers/mlp.py), so mlp.fc
     holds gate_proj and mlp.gate holds up_proj. Each source tensor is read when its Out is asked for."""
     read, spec = ckpt.tensor, ckpt.spec

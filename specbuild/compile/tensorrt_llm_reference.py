@@ -22,7 +22,8 @@ from safetensors.numpy import load_file
 
 # layers/attention.py Attention(eps=1e-05): QWenDecoderLayer gives Qwen3's q/k norms no other eps.
 ATTENTION_NORM_EPS = 1e-5
-GATED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}  # GatedMLP, RmsNorm
+GATED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",  # GatedMLP, RmsNorm
+         "GraniteForCausalLM"}
 LAYER_NORM = {"GPT2LMHeadModel"}  # models/gpt: MLP, LayerNorm, learned absolute positions
 
 
@@ -36,16 +37,21 @@ def logits(folder: str | Path, input_ids: list[int]) -> np.ndarray:
     model = Ranks([load_file(folder / f"rank{r}.safetensors") for r in range(config["mapping"]["tp_size"])])
     gpt = config["architecture"] in LAYER_NORM
     positions = np.arange(len(input_ids))
-    x = model.whole("transformer.vocab_embedding.weight")[input_ids]
+    # LLaMAConfig's multipliers (Granite's; 1.0 by default): models/llama/model.py LLaMAModel, LLaMADecoderLayer
+    residual = config.get("residual_multiplier", 1.0)
+    x = model.whole("transformer.vocab_embedding.weight")[input_ids] * config.get("embedding_multiplier", 1.0)
     if gpt:
         x = x + model.whole("transformer.position_embedding.weight")[positions]
     rope = None if gpt else rotary_tables(config, positions)
     for i in range(config["num_hidden_layers"]):
         layer = f"transformer.layers.{i}."
-        x = x + attention(model.norm(x, layer + "input_layernorm", config), model, layer + "attention.", config, rope)
-        x = x + mlp(model.norm(x, layer + "post_layernorm", config), model, layer + "mlp.", config, gpt)
+        x = x + attention(model.norm(x, layer + "input_layernorm", config), model, layer + "attention.", config,
+                          rope) * residual
+        x = x + mlp(model.norm(x, layer + "post_layernorm", config), model, layer + "mlp.", config, gpt) * residual
     x = model.norm(x, "transformer.ln_f", config)
-    return np.concatenate(model.column(x, "lm_head"), axis=-1)[:, :config["vocab_size"]]
+    # models/modeling_utils.py DecoderModelForCausalLM: the logits times the config's output_multiplier_scale, if any
+    logits = np.concatenate(model.column(x, "lm_head"), axis=-1) * config.get("output_multiplier_scale", 1.0)
+    return logits[:, :config["vocab_size"]]
 
 
 class Ranks:
@@ -99,7 +105,8 @@ def attention(x: np.ndarray, model: Ranks, prefix: str, config: dict, rope) -> n
             q, k, v = np.split(qkv.reshape(tokens, -1, head_dim), [heads, heads + kv_heads], axis=1)
         if rope is not None:
             q, k = rotate(q, *rope), rotate(k, *rope)
-        q_scaling = config.get("q_scaling", 1.0)
+        # GPT's config gives q_scaling; LLaMA's Attention is given 1 / attention_multiplier (1.0 unless Granite's)
+        q_scaling = config["q_scaling"] if "q_scaling" in config else 1 / config.get("attention_multiplier", 1.0)
         k, v = np.repeat(k, heads // kv_heads, axis=1), np.repeat(v, heads // kv_heads, axis=1)  # GQA groups
         scores = np.einsum("shd,thd->hst", q, k) / (math.sqrt(head_dim) * q_scaling)
         scores += np.triu(np.full((tokens, tokens), -np.inf), 1)

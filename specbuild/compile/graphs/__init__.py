@@ -1,6 +1,6 @@
 """Stage 2: ONNX decoder graphs built straight from a checkpoint's tensors, verification in the tail.
 
-One builder per architecture family reads top to bottom like the model (llama.py, gemma.py, gpt2.py);
+One builder per architecture family reads top to bottom like the model (llama.py, gemma.py, olmo2.py, gpt2.py);
 layers.py holds the math they share, verification.py the tail. Attention is onnxruntime's
 GroupQueryAttention with the KV buffers shared between past and present: the runtime allocates them once
 for max_seq_len and the op writes new keys/values in place at positions past..total-1, so rejecting
@@ -25,13 +25,13 @@ from specbuild_runtime.manifest import LONG_ROPE, cache_names, step_presents, st
 from ...errors import UnsupportedModelError
 from ..load import Checkpoint
 from ..precision import Numerics
-from . import gemma, gpt2, llama
+from . import gemma, gpt2, llama, olmo2
 from .builder import GraphBuilder
 from .layers import Attention, linear
 from .verification import (LOGITS, SamplingInputs, build_sampler, logit_bias_input, penalty_inputs, unprocessed,
                            verification_tail)
 
-FAMILIES = {"llama": llama.body, "gemma": gemma.body, "gpt2": gpt2.body}
+FAMILIES = {"llama": llama.body, "gemma": gemma.body, "olmo2": olmo2.body, "gpt2": gpt2.body}
 INT64, INT32, FLOAT = ir.DataType.INT64, ir.DataType.INT32, ir.DataType.FLOAT
 
 __all__ = ["LOGITS", "build_decoder", "build_draft_steps", "build_sampler", "check_every_tensor_used", "engine_vocab",
@@ -77,7 +77,8 @@ def build_decoder(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, vocab_
     hidden, presents, head = FAMILIES[spec.family](g, spec, ids, att, max_seq_len, vocab)
     accepted, next_token, probs, logits = verification_tail(g, hidden, input_ids, num_drafts,
                                                             lambda x: linear(g, x, head), sampling_inputs,
-                                                            spec.final_softcap, processing, fixed_rows)
+                                                            spec.final_softcap, processing, fixed_rows,
+                                                            spec.logits_scaling)
     g.output(logits, LOGITS, FLOAT, ["D+1", vocab])
     g.output(accepted, "accepted", INT64, [])
     g.output(next_token, "next_token", INT64, [])
@@ -114,7 +115,7 @@ def build_draft_steps(ckpt: Checkpoint, numerics: Numerics, max_seq_len: int, st
         ids = _embeddable(g, g.op("Reshape", input_ids, g.const([-1])), vocab, vocab_size)
         hidden, presents, head = FAMILIES[spec.family](g, spec, ids, step_att, max_seq_len, vocab)
         _, token, _, logits = verification_tail(g, hidden, input_ids, no_drafts, lambda x: linear(g, x, head), None,
-                                                spec.final_softcap)
+                                                spec.final_softcap, logits_scaling=spec.logits_scaling)
         logits.name = f"{LOGITS}.step{j}"  # one name per value
         _cache_outputs(g, presents, step_presents(len(presents), j), att, numerics, max_seq_len)
         drafts.append(g.op("Reshape", token, g.const([1])))

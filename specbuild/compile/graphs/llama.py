@@ -1,6 +1,8 @@
 """Llama and the models that are Llama with a twist: Llama 3.x (rope scaling, tied embeddings), Mistral
 and Qwen2 (sliding windows), Qwen3 (an RMS norm on each q and k head), Phi-3 / Phi-4-mini (q, k, v and
-gate, up stored fused; LongRoPE; partial rotary). Pre-norm decoder layers: x + attention(norm(x)), then
+gate, up stored fused; LongRoPE; partial rotary), Granite (µP multipliers: embeddings scaled, each block's
+output scaled before its residual add, attention_multiplier as the attention's scale, logits divided by
+logits_scaling in the verification tail). Pre-norm decoder layers: x + attention(norm(x)), then
 x + mlp(norm(x))."""
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_se
     fused = spec.architecture == "Phi3ForCausalLM"
     rotary = _rotary(g, spec, max_seq_len, att.long_rope)
     embed = vocab_table(g, "model.embed_tokens.weight", vocab_size)
-    x = embedding(g, ids, embed)  # [S, H]
+    x = _scaled(g, embedding(g, ids, embed), spec.embedding_multiplier)  # [S, H]
     normed, residual = rms_norm(g, x, w("model.layers.0.input_layernorm.weight"), eps), x
     presents = []
     for i in range(shape.num_layers):
@@ -43,8 +45,8 @@ def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_se
         presents.append(present)
         # Llama's attention_bias includes o_proj; Qwen2 has q/k/v biases only.
         o_bias = w(p + "self_attn.o_proj.bias") if p + "self_attn.o_proj.bias" in g.ckpt.loaded else None
-        normed, residual = skip_rms_norm(g, linear(g, out, w(p + "self_attn.o_proj.weight"), o_bias), residual,
-                                         w(p + "post_attention_layernorm.weight"), eps)
+        attn = _scaled(g, linear(g, out, w(p + "self_attn.o_proj.weight"), o_bias), spec.residual_multiplier)
+        normed, residual = skip_rms_norm(g, attn, residual, w(p + "post_attention_layernorm.weight"), eps)
         m = p + "mlp."
         if fused:
             mlp = gated_mlp(g, normed, w(m + "gate_up_proj.weight"), w(m + "down_proj.weight"), spec.hidden_act)
@@ -54,9 +56,14 @@ def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_se
                             spec.hidden_act, bias("gate_proj", "up_proj"), bias("down_proj"))
         last = i == shape.num_layers - 1
         next_norm = "model.norm.weight" if last else f"model.layers.{i + 1}.input_layernorm.weight"
-        normed, residual = skip_rms_norm(g, mlp, residual, w(next_norm), eps)
+        normed, residual = skip_rms_norm(g, _scaled(g, mlp, spec.residual_multiplier), residual, w(next_norm), eps)
     head = embed if spec.tie_word_embeddings else vocab_table(g, "lm_head.weight", vocab_size)
     return normed, presents, head
+
+
+def _scaled(g: GraphBuilder, x: ir.Value, multiplier: float) -> ir.Value:
+    """x times Granite's multiplier, in the engine's type (transformers multiplies in the model's)."""
+    return x if multiplier == 1.0 else g.op("Mul", x, g.const(multiplier, g.numerics.dtype))
 
 
 def _rotary(g: GraphBuilder, spec: ModelSpec, max_seq_len: int, long_rope: ir.Value | None) -> tuple[ir.Value, ir.Value]:

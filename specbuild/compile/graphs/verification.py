@@ -70,7 +70,8 @@ def unprocessed(vocab: int) -> dict[str, np.ndarray]:
 
 def verification_tail(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, num_drafts: ir.Value,
                       head: Callable[[ir.Value], ir.Value], sampling: SamplingInputs | None,
-                      softcap: float | None = None, processing: Penalties | ir.Value | None = None, fixed_rows: int = 0):
+                      softcap: float | None = None, processing: Penalties | ir.Value | None = None, fixed_rows: int = 0,
+                      logits_scaling: float = 1.0):
     """The last D+1 hidden states -> (accepted drafts, next token, its distribution, logits).
 
     hidden [S, H]; head(x [R, H]) -> [R, V] is the model's LM head. Row j of the logits is the model's
@@ -85,7 +86,8 @@ def verification_tail(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, nu
     is only ever a grammar's mask: the If's test of every input cost ~4 us of a ~60 us draft step (the demo draft, 2 CPU
     cores), and under a grammar the penalties' nodes, ~40 us.
     fixed_rows (a target's: max γ + 1, the rows of each of its calls on a GPU, specbuild_runtime.slot.fixed_rows): the
-    head multiplies every row of a call of that many rows, whatever its D.
+    head multiplies every row of a call of that many rows, whatever its D. logits_scaling: Granite's, which divides
+    the logits.
     """
     drafts, drafts_1d = _drafts(g, input_ids, num_drafts)
     rows_1d = g.op("Add", drafts_1d, g.const([1]))
@@ -105,6 +107,8 @@ def verification_tail(g: GraphBuilder, hidden: ir.Value, input_ids: ir.Value, nu
     tail = g.op("Slice", hidden, g.op("Neg", head_rows), g.const([2**62]), g.const([0]))
     rows = g.op("Slice", head(tail), g.op("Neg", rows_1d), g.const([2**62]), g.const([0]))  # [D+1, V]
     logits = rows if g.numerics.dtype == np.float32 else g.op("Cast", rows, to=FLOAT)
+    if logits_scaling != 1.0:
+        logits = g.op("Div", logits, g.const(logits_scaling, np.float32))
     if softcap:
         cap = g.const(softcap, np.float32)
         logits = g.op("Mul", g.op("Tanh", g.op("Div", logits, cap)), cap)
