@@ -52,14 +52,17 @@ def test_graph_logits_match_transformers_through_prefill_verify_and_rollback(arc
     ("llama", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.5,
                    logits_scaling=8.0)),  # Granite's alone
     ("olmo2", dict(mlp_bias=True, logits_scaling=8.0)),  # Llama's and Granite's: OLMo 2's MLP has no biases
+    ("mistral", dict(attention_bias=True, mlp_bias=True)),  # Mistral's attention and MLP never have biases
+    ("qwen3", dict(mlp_bias=True)),  # Qwen's MLP neither
 ], ids=["llama-final_logit_softcapping", "llama-sliding_window", "gemma3-attn_logit_softcapping",
         "llama-partial_rotary_factor", "llama-proportional-partial_rotary_factor", "llama-granite_multipliers",
-        "olmo2-mlp_bias-logits_scaling"])
+        "olmo2-mlp_bias-logits_scaling", "mistral-attention_bias-mlp_bias", "qwen3-mlp_bias"])
 def test_config_keys_transformers_code_does_not_read_leave_the_logits_as_transformers_computes_them(
         architecture, config, tokenizer, tmp_path):
     """A config.json may carry any key (transformers keeps it as an attribute): a setting of another family, which
-    the graph applied (a softcap, a window) or choked on (partial rotary: a reshape error) where transformers'
-    model of this architecture ignores it."""
+    the graph applied (a softcap, a window) or choked on (partial rotary: a reshape error; biases Mistral's or
+    Qwen's model never has: "the checkpoint is incomplete") where transformers' model of this architecture ignores
+    it."""
     assert_logits_match_transformers(make_checkpoint(tmp_path, architecture, tokenizer, **config))
 
 

@@ -46,6 +46,10 @@ SUPPORTED_ACTIVATIONS = {"silu", "gelu_new", "gelu_pytorch_tanh", "gelu"}
 WINDOWED = {"MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
             "Gemma3ForCausalLM"}
 LAYER_TYPED = WINDOWED - {"Phi3ForCausalLM"}
+# Biases: mlp_bias reaches Llama's and Granite's MLPs alone; attention_bias every attention but Mistral's and Phi-3's,
+# which never have one (Qwen2's q, k and v always do).
+MLP_BIASED = {"LlamaForCausalLM", "GraniteForCausalLM"}
+ATTENTION_UNBIASED = {"MistralForCausalLM", "Phi3ForCausalLM"}
 
 
 @dataclass
@@ -599,9 +603,9 @@ def _rope_model_spec(config, architecture: str, family: str, path: Path, role: s
         intermediate_size=config.intermediate_size,
         norm_eps=config.rms_norm_eps,
         hidden_act=config.hidden_activation if gemma else config.hidden_act,
-        # Qwen2 always has q/k/v biases; Llama and Mistral say so in attention_bias.
-        attention_bias=architecture == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False)),
-        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        attention_bias=architecture == "Qwen2ForCausalLM" or (
+            architecture not in ATTENTION_UNBIASED and bool(getattr(config, "attention_bias", False))),
+        mlp_bias=architecture in MLP_BIASED and bool(getattr(config, "mlp_bias", False)),
         tie_word_embeddings=bool(config.tie_word_embeddings),
         max_position_embeddings=config.max_position_embeddings,
         layer_types=layer_types,
