@@ -773,14 +773,15 @@ def test_a_preempted_catch_up_moves_the_fitted_draft_call_by_less_than_twice():
 
 
 @pytest.mark.parametrize("slow", [10, 100])
-def test_a_preempted_first_probe_holds_back_later_probes_for_a_few_thousand_rounds_however_slow(slow):
+def test_a_preempted_first_probe_holds_later_probes_back_no_more_than_one_that_ran_alone(slow):
     """Where the draft keeps failing, a due probe waits for a request's start, where its catch-up (the prompt) costs
     at most PROBE_SHARE of the rounds since: here 41 tokens, a draft call of 0.5 + 0.02 a token, every 200 rounds. The
     fit starts from the first probes' calls, where the first, preempted on 2 busy cores (10-100 times as slow), had
     nothing to be clipped against: taken whole, probes came up to MAX_PROBE_WAIT rounds apart until round 6,600 (x10),
-    14,000 (x20), 23,200 (x50) and 29,200 (x100: a call priced at 3.1 times its cost at 30,000). Clipped at 3 times the
-    price of the first five's median (3.6 times its cost here), it holds them back as a call that slow does: until round
-    4,400, however slow."""
+    14,000 (x20), 23,200 (x50) and 29,200 (x100: a call priced at 3.1 times its cost at 30,000); clipped at 3 times
+    what the first five's median priced it at (the prior's price of a token, 0.035), 400 apart until round 4,800.
+    Clipped at 3 times what the other four price it at (their own median slope), they come every 200 rounds from
+    round 400, as where no call was preempted."""
     def probes(slow: float) -> list[int]:
         policy, found, behind = AdaptiveGamma(max_gamma=8, draft_cost=0.65), [], 0
         for r in range(10_000):
@@ -793,4 +794,32 @@ def test_a_preempted_first_probe_holds_back_later_probes_for_a_few_thousand_roun
             behind = 2 if k else behind + 1
         return found
 
-    assert [r for r in probes(slow) if r >= 5000] == list(range(5000, 10_000, 200))
+    alone = probes(1)
+    assert probes(slow) == alone and [r for r in alone if r >= 400] == list(range(400, 10_000, 200))
+
+
+@pytest.mark.parametrize("per_token", [0.1, 0.3])
+def test_a_draft_dearer_a_token_than_the_prior_prices_a_long_catch_up_at_its_cost_from_the_fifth_sample(per_token):
+    """The first five samples are clipped at 3 times what the other four price them at. Priced with the prior's token
+    (0.0175 of a unit here) in their stead, a draft's first 200-token catch-up at 0.1 of a unit a token was clipped to
+    0.59 of its cost, and a 500-token one priced at 0.58 of its cost after 5 samples and 0.89 after 20 (at 0.3 a
+    token: 0.21 and 0.78): a long catch-up looked cheap, probed for and caught up on where it does not pay."""
+    costs = Costs(max_gamma=4, draft_cost=0.3)
+    for _ in range(FIRST_ROUNDS):
+        costs.observe(0, 0.0, 1.0, catching_up=False)
+    for read in (2, 20, 2, 2, 200):
+        costs.observe(1, 0.3 + per_token * read, 1.05, catching_up=read > 2, read=read)
+    assert costs.draft_call(500)[0] == pytest.approx(0.3 + per_token * 500)
+
+
+@pytest.mark.parametrize("per_token", [0.0175, 0.1])
+def test_a_preempted_call_that_read_the_most_of_the_first_five_prices_calls_at_3_times_their_cost_at_most(per_token):
+    """Its own slopes to the others are 4 of the 7 pairs of reads 2, 2, 2, 20 and 200 far enough apart to price a
+    token (CATCH_UP_SPREAD): clipped at what the five price it at, the 200-token call 10 times as slow set their median
+    and priced a 500-token catch-up at 10.3-10.7 times its cost; at what the other four price it at, 3.1 times."""
+    costs = Costs(max_gamma=4, draft_cost=0.3)
+    for _ in range(FIRST_ROUNDS):
+        costs.observe(0, 0.0, 1.0, catching_up=False)
+    for read in (2, 20, 2, 2, 200):
+        costs.observe(1, (0.3 + per_token * read) * (10 if read == 200 else 1), 1.05, catching_up=read > 2, read=read)
+    assert costs.draft_call(500)[0] < 3.2 * (0.3 + per_token * 500)

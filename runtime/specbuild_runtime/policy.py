@@ -40,6 +40,7 @@ import math
 import statistics
 import threading
 from collections import deque
+from itertools import combinations
 
 PROBE_EVERY = 8
 MAX_PROBE_EVERY = 128
@@ -100,14 +101,14 @@ PRIOR_EXTRA_TOKEN = 0.05  # the prior's cost of one more row in a target call, p
 # stretch at γ 0 or a forced run) reads every token since the draft last ran. Costs fits a call's cost in units as
 # per-call + per-token from the rounds whose draft made one call (γ 1: probes, where they catch up on 20-200 tokens,
 # and rounds at γ 1). Every sample is clipped at 3 times the price of a call like it (Costs.observe), as a preempted
-# call would be; the first CATCH_UP_SAMPLES wait until there are that many, priced meanwhile by their median, and are
-# then clipped at 3 times what it prices each at. Taken whole before there was a price to clip them against, a call
-# preempted on 2 busy cores (10-100 times as slow) among them priced calls by a mean it dominated for thousands of
-# rounds: where the draft kept failing (a draft call 1.3 units, a request's start every 200 rounds), due probes waited
-# up to MAX_PROBE_WAIT rounds for a start cheap enough until round 6,600-29,200; clipped so, until round 4,400, as after
-# a call 3.6 times as slow (tests/test_policy.py). Until the samples' token counts spread CATCH_UP_SPREAD or more (their
-# weighted deviation), a token is priced at CATCH_UP_TOKEN of prior_step and the call at the samples' (weighted) mean
-# less that (prior_step before any sample, their median before CATCH_UP_SAMPLES). Measured one call at a time
+# call would be; the first CATCH_UP_SAMPLES wait until there are that many, priced meanwhile by their medians
+# (median_fit), and each is then clipped at 3 times what the other four price it at (Costs._clips). Taken whole before
+# there was a price to clip them against, a call preempted on 2 busy cores (10-100 times as slow) among them priced
+# calls by a mean it dominated for thousands of rounds: where the draft kept failing (a draft call 1.3 units, a
+# request's start every 200 rounds), due probes waited up to MAX_PROBE_WAIT rounds for a start cheap enough until round
+# 6,600-29,200; clipped so, they come as where none was preempted (tests/test_policy.py). Until the samples' token
+# counts spread CATCH_UP_SPREAD or more (their weighted deviation), a token is priced at CATCH_UP_TOKEN of prior_step
+# and the call at the samples' (weighted) mean less that (prior_step before any sample). Measured one call at a time
 # (2 CPU cores, load 1): the tiny random pair's draft 62-74 µs for 1-8 tokens, 108 for 32, 173 for 64, 373 for 128
 # (~2.5 µs a token, 0.04 of a call; its round without drafts ~165 µs); the demo pair's 157-168 µs for 1-2, 536 for 32,
 # 1047 for 64, 2015 for 128 (~15 µs a token, 0.1 of a call). Each sample counts CATCH_UP_DECAY of the one before.
@@ -218,6 +219,16 @@ class FixedGamma:
         pass
 
 
+def median_fit(samples: list[tuple[int, float]], token: float) -> tuple[float, float]:
+    """A draft call's cost fitted to (tokens read, cost) samples by medians (Theil-Sen's): each token at the median
+    slope between samples CATCH_UP_SPREAD tokens apart or more (`token` where none are), the call at the median of
+    what the samples cost besides."""
+    slopes = [(cost - other) / (read - fewer) for (read, cost), (fewer, other) in combinations(samples, 2)
+              if abs(read - fewer) >= CATCH_UP_SPREAD]
+    token = max(statistics.median(slopes), 0.0) if slopes else token
+    return max(statistics.median(cost - token * read for read, cost in samples), 0.0), token
+
+
 class Costs:
     """Running estimates of what a round costs at each γ, in units of a target call without drafts (two rows; one that
     checks a chain of guesses is priced apart, `chain`):
@@ -288,13 +299,25 @@ class Costs:
         weight, x, xx, y, xy = self.reads
         token = self.prior_step * CATCH_UP_TOKEN
         if not weight:
-            call = (statistics.median(cost - token * read for read, cost in self.unfitted) if self.unfitted
-                    else self.prior_step)
-            return max(call, 0.0) + token * tokens, token
+            call, token = median_fit(self.unfitted, token) if self.unfitted else (self.prior_step, token)
+            return call + token * tokens, token
         spread = weight * xx - x * x
         if spread >= (CATCH_UP_SPREAD * weight) ** 2:
             token = max((weight * xy - x * y) / spread, 0.0)
         return max((y - token * x) / weight, 0.0) + token * tokens, token
+
+    def _clips(self) -> list[float]:
+        """What each unfitted sample is clipped at: 3 times the fit's price of a call like it; each of the first
+        CATCH_UP_SAMPLES, 3 times what the others price it at (median_fit), whose medians a preempted one among them
+        moves little. Its own among them, a preempted call that read the most set the median slope (4 of the 7 pairs
+        of reads 2, 2, 2, 20, 200 far enough apart); the prior's token price in their stead clipped the first
+        catch-up of a draft dearer a token than the prior (0.1 of a unit, the prior 0.0175: 200 tokens to 0.59 of
+        its cost, and a 500-token one priced at 0.58 of its cost after the 5th sample, 0.89 after the 20th)."""
+        if self.reads[0]:
+            return [3 * self.draft_call(read)[0] for read, _ in self.unfitted]
+        token, samples = self.prior_step * CATCH_UP_TOKEN, self.unfitted
+        fits = [median_fit(samples[:i] + samples[i + 1:], token) for i in range(len(samples))]
+        return [3 * (call + slope * read) for (read, _), (call, slope) in zip(samples, fits)]
 
     def _priced(self) -> None:
         """After a cost changed or was dropped: the table, and the first round at which observe may drop one (_stale,
@@ -394,8 +417,7 @@ class Costs:
             if drafted == 1 and read:  # one draft call: a sample of draft_call, clipped as a preempted call would be
                 self.unfitted.append((read, draft_seconds / unit))
                 if self.reads[0] or len(self.unfitted) == CATCH_UP_SAMPLES:
-                    most = [3 * self.draft_call(tokens)[0] for tokens, _ in self.unfitted]  # before any is fitted
-                    for (tokens, cost), clip in zip(self.unfitted, most):
+                    for (tokens, cost), clip in zip(self.unfitted, self._clips()):
                         cost = min(cost, clip)
                         sample = 1.0, tokens, tokens * tokens, cost, tokens * cost
                         self.reads = [CATCH_UP_DECAY * old + new for old, new in zip(self.reads, sample)]
