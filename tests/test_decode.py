@@ -678,6 +678,62 @@ def test_a_halt_stops_a_long_prompts_chunked_prefill_before_its_next_chunk_and_t
     assert decoder.generate(REQUESTS[1][0], NEW_TOKENS, **REQUESTS[1][1]).token_ids == sequential[1]  # the slot is back
 
 
+@pytest.mark.parametrize("prefix_reuse", [True, False], ids=["prefix-reuse", "no-reuse"])
+@pytest.mark.parametrize("engine", ["target", "draft"])
+def test_the_requests_after_a_prefill_halted_half_way_decode_on_its_slot_as_on_a_fresh_decoder(bundle, monkeypatch,
+                                                                                              engine, prefix_reuse):
+    """A halt between chunks leaves the slot's cache holding two chunks of the prompt, the rest fed but not computed
+    (the target's prefill, or the greedy draft's catch-up, which reuses its cache): the next requests on that slot,
+    the same prompt greedy (from the chunks, where prefix reuse is on) and seeded, decode as a fresh decoder does,
+    token for token and draft for draft."""
+    from specbuild_runtime import slot
+
+    monkeypatch.setattr(slot, "PREFILL_CHUNK", 8)
+    decoder, fresh = (SpeculativeDecoder(bundle, parallel=1, prefix_reuse=prefix_reuse) for _ in range(2))
+    prompt = decoder.encode("".join(PROMPTS[4:9]))
+    assert len(prompt) > 64  # a greedy draft catches up in chunks past MAX_REUSED_IDS (its steps graph's feeds)
+    halted, halt, chunks, compute_rows = getattr(decoder, engine), threading.Event(), [], EngineSlot._compute_rows
+
+    def halting_after_two_chunks(self, first, total_len, num_drafts, *args, **kwargs):
+        result = compute_rows(self, first, total_len, num_drafts, *args, **kwargs)
+        if self.engine is halted and total_len - first == 8 and not num_drafts and not halt.is_set():
+            chunks.append(first)
+            if len(chunks) == 2:
+                halt.set()
+        return result
+
+    with monkeypatch.context() as patched:
+        patched.setattr(EngineSlot, "_compute_rows", halting_after_two_chunks)
+        with pytest.raises(RequestError, match="stopped while a long prompt was fed"):
+            list(decoder.stream_request(decoder.request(prompt, NEW_TOKENS, 3), Stats(), halt=halt))
+    (held,) = decoder.slots._slots
+    assert chunks == [0, 8] and getattr(held, engine).prefix(prompt, len(prompt)) == 16  # the chunks computed alone
+    for options in (dict(gamma=3), dict(gamma=2, temperature=1.0, seed=5)):
+        after, alone = (d.generate(prompt, NEW_TOKENS, **options) for d in (decoder, fresh))
+        assert after.token_ids == alone.token_ids
+        assert (after.stats.drafted, after.stats.accepted) == (alone.stats.drafted, alone.stats.accepted) > (0, 0)
+        if options == dict(gamma=3):
+            cached = (16 if engine == "target" else len(prompt) - 1) if prefix_reuse else 0
+            assert after.stats.cached_prompt_tokens == cached and alone.stats.cached_prompt_tokens == 0
+
+
+def halting_after_two_calls(self, first, *args, **kwargs):
+        result = compute_rows(self, first, *args, **kwargs)
+        if self.engine is decoder.target:
+            firsts.append(first)
+            if len(firsts) == 2:
+                halt.set()
+        return result
+
+    monkeypatch.setattr(EngineSlot, "_compute_rows", halting_after_two_calls)
+    with pytest.raises(RequestError, match="stopped while a long prompt was fed"):
+        list(decoder.stream_request(decoder.request(prompt, 4, 0), Stats(), halt=halt))
+    assert firsts == [0, 8]
+    firsts.clear()
+    assert decoder.generate(prompt, 4, 0).stats.cached_prompt_tokens == 16
+    assert firsts[0] == 16 - (len(prompt) - 16) % 2  # the last chunk's last row re-fed where the rest is odd (Rows)
+
+
 def test_a_slow_consumer_does_not_hold_its_slot(bundle, sequential):
     """Decoding runs ahead of a consumer that stops reading (to the request's end at most, as vLLM's AsyncLLM
     does), so a slot is free when its decoding ends, not when its slowest reader catches up."""
