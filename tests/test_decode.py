@@ -717,7 +717,21 @@ def test_the_requests_after_a_prefill_halted_half_way_decode_on_its_slot_as_on_a
             assert after.stats.cached_prompt_tokens == cached and alone.stats.cached_prompt_tokens == 0
 
 
-def halting_after_two_calls(self, first, *args, **kwargs):
+def test_a_prefill_halted_after_a_one_row_call_leaves_the_next_request_on_its_slot_the_chunks_it_computed(bundle,
+                                                                                                         monkeypatch):
+    """A one-token prompt's call computes one row, which the slot's next call re-feeds (slot.Rows: no row is computed
+    alone); a long prompt halted after two chunks left that mark in place, and the next request on the slot, told 16
+    of its tokens were cached, fed them all again."""
+    from specbuild_runtime import slot
+
+    monkeypatch.setattr(slot, "PREFILL_CHUNK", 8)
+    decoder = SpeculativeDecoder(bundle, parallel=1)
+    prompt = decoder.encode("".join(PROMPTS[4:9]))
+    assert len(decoder.encode(PROMPTS[3])) == 1
+    decoder.generate(PROMPTS[3], 1, 0)  # its only call, the prompt's, computes one row
+    halt, firsts, compute_rows = threading.Event(), [], EngineSlot._compute_rows
+
+    def halting_after_two_calls(self, first, *args, **kwargs):
         result = compute_rows(self, first, *args, **kwargs)
         if self.engine is decoder.target:
             firsts.append(first)

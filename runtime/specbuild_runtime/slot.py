@@ -551,6 +551,9 @@ class EngineSlot:
         if self.chunk and not num_drafts:  # chunked prefill, leaving at least `least` rows to the calls below
             while total_len - first >= self.chunk + least:
                 if halt is not None and halt.is_set():
+                    # The rows before `first` are chunks' now: a short call's that a prompt of one token left re-fed
+                    # (Rows), it would have the next request re-feed the chunks, all of its cached prompt
+                    self._redo_from = first
                     raise RequestError("the request was stopped while a long prompt was fed to the model")
                 self._compute_rows(first, first + self.chunk, 0, None, probs_row)
                 first += self.chunk
