@@ -823,3 +823,27 @@ def test_a_preempted_call_that_read_the_most_of_the_first_five_prices_calls_at_3
     for read in (2, 20, 2, 2, 200):
         costs.observe(1, (0.3 + per_token * read) * (10 if read == 200 else 1), 1.05, catching_up=read > 2, read=read)
     assert costs.draft_call(500)[0] < 3.2 * (0.3 + per_token * 500)
+
+
+def test_a_catch_up_priced_while_another_request_fits_the_first_samples_gets_a_price_not_an_error():
+    """Costs are shared by a decoder's slots, and AdaptiveGamma.choose prices a catch-up (draft_call) without their
+    lock: another request's observe may fit the first five samples between any two of its steps. Changed in place,
+    the samples it was reading were gone by its median (statistics.StatisticsError, the request failed)."""
+    costs = Costs(max_gamma=4, draft_cost=0.3)
+    for _ in range(FIRST_ROUNDS):
+        costs.observe(0, 0.0, 1.0, catching_up=False)
+    for read in (2, 20, 2, 2):
+        costs.observe(1, 0.3 + 0.02 * read, 1.05, catching_up=read > 2, read=read)
+
+    class Meanwhile(list):
+        """The samples so far, the fifth observed (by another thread) as draft_call first reads them."""
+
+        def __iter__(self):
+            if not observed:
+                observed.append(True)
+                costs.observe(1, 0.3 + 0.02 * 200, 1.05, catching_up=True, read=200)
+            return super().__iter__()
+
+    observed: list[bool] = []
+    costs.unfitted = Meanwhile(costs.unfitted)
+    assert costs.draft_call(100)[0] == pytest.approx(0.3 + 0.02 * 100) and observed and costs.reads[0]

@@ -281,7 +281,8 @@ class Costs:
         self.version = 0
         self.due = math.inf
         # A one-call draft's cost in units against the tokens it read (CATCH_UP_TOKEN): decayed sums of the samples'
-        # weight, tokens, tokens², cost and tokens × cost, and the samples not yet in them, (tokens, cost).
+        # weight, tokens, tokens², cost and tokens × cost, and the samples not yet in them, (tokens, cost). Each list is
+        # replaced, never changed: AdaptiveGamma.choose prices catch-ups (draft_call) without the lock.
         self.reads = [0.0] * 5
         self.unfitted: list[tuple[int, float]] = []
         self._priced()
@@ -299,7 +300,8 @@ class Costs:
         weight, x, xx, y, xy = self.reads
         token = self.prior_step * CATCH_UP_TOKEN
         if not weight:
-            call, token = median_fit(self.unfitted, token) if self.unfitted else (self.prior_step, token)
+            unfitted = self.unfitted  # read once: another request's observe may fit them meanwhile
+            call, token = median_fit(unfitted, token) if unfitted else (self.prior_step, token)
             return call + token * tokens, token
         spread = weight * xx - x * x
         if spread >= (CATCH_UP_SPREAD * weight) ** 2:
@@ -415,13 +417,13 @@ class Costs:
             if unit is None or not self.unit_fresh:  # no unit of its time
                 return
             if drafted == 1 and read:  # one draft call: a sample of draft_call, clipped as a preempted call would be
-                self.unfitted.append((read, draft_seconds / unit))
+                self.unfitted = [*self.unfitted, (read, draft_seconds / unit)]
                 if self.reads[0] or len(self.unfitted) == CATCH_UP_SAMPLES:
                     for (tokens, cost), clip in zip(self.unfitted, self._clips()):
                         cost = min(cost, clip)
                         sample = 1.0, tokens, tokens * tokens, cost, tokens * cost
                         self.reads = [CATCH_UP_DECAY * old + new for old, new in zip(self.reads, sample)]
-                    self.unfitted.clear()
+                    self.unfitted = []
             if drafted and catching_up:  # its draft also read tokens it had missed: not a round of γ
                 return
             if chained:
