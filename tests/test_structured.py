@@ -325,7 +325,7 @@ def test_requests_in_many_threads_share_one_compiled_grammar_and_get_the_masks_o
     decoder = SpeculativeDecoder(bundles("llama", draft_seed=1))
     structured = {"json": SCHEMA}
     decoder.request(PROMPTS[0], structured_outputs=structured)
-    fresh = Grammars(tokenizer.backend_tokenizer.to_str(), len(tokenizer), decoder.vocab_size,
+    fresh = Grammars(tokenizer.backend_tokenizer, len(tokenizer), decoder.vocab_size,
                      sorted(decoder.eos_token_ids))
     guide = fresh.guide(decoder.request(PROMPTS[0], structured_outputs=structured).structured)
     path, expected = [], []
@@ -420,7 +420,7 @@ def test_structured_outputs_on_a_bundle_whose_eos_ids_are_all_past_its_tokenizer
     from specbuild_runtime.grammar import Grammars, Unchecked, check_structured_outputs
 
     vocab = len(tokenizer)
-    grammars = Grammars(tokenizer.backend_tokenizer.to_str(), vocab, vocab + 64, [vocab + 5])
+    grammars = Grammars(tokenizer.backend_tokenizer, vocab, vocab + 64, [vocab + 5])
     value = {"choice": ["yes"]} if field == "structured_outputs" else Unchecked({"json_object": True}, field)
     with pytest.raises(RequestError, match=rf"^{field} needs an eos token within the tokenizer's {vocab} tokens, and "
                                            rf"this bundle's eos ids \[{vocab + 5}\] are all past them .*: leave {field} "):

@@ -275,7 +275,7 @@ class SpeculativeDecoder:
         # (SamplingParams.update_from_generation_config): a reply one of them ends reports it as its stop_reason
         self.tokenizer_eos = tokenizer_eos(self.tokenizer, self.root / TOKENIZER_DIR)
         self.token_span = token_span(self.tokenizer)
-        self.grammars = Grammars(self.tokenizer.to_str(), self.tokenizer.get_vocab_size(with_added_tokens=True),
+        self.grammars = Grammars(self.tokenizer, self.tokenizer.get_vocab_size(with_added_tokens=True),
                                  self.manifest.engines["target"].shape.vocab_size, list(self.eos_token_ids),
                                  grammar_cache)
         if draft_steps and not self.manifest.engines["draft"].steps_file:
