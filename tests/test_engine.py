@@ -92,6 +92,30 @@ def test_a_bf16_bundle_on_the_cpu_is_refused_before_its_digests_are_read(bf16_bu
         SpeculativeDecoder(copy)
 
 
+def test_a_truncated_weights_file_is_refused_in_the_digest_checks_words_though_it_loads_meanwhile(bundles, tmp_path):
+    """The weights are hashed while onnxruntime loads them (manifest.digests_checked), and onnxruntime fails first on
+    a file cut short: the digest check's line names the file, not onnxruntime's message about an offset."""
+    import shutil
+
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundles("llama", draft_seed=1), copy)
+    data = copy / "target.onnx.data"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(BundleError, match=r"target\.onnx\.data is corrupted \(sha256 differs"):
+        SpeculativeDecoder(copy)
+
+
+def test_a_damaged_tokenizer_is_refused_by_its_digest_before_it_is_parsed(bundles, tmp_path):
+    """Only the weights are hashed while the rest loads: the files that loading parses are checked before it."""
+    import shutil
+
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundles("llama", draft_seed=1), copy)
+    (copy / "tokenizer" / "tokenizer.json").write_text("{")
+    with pytest.raises(BundleError, match=r"tokenizer\.json is corrupted"):
+        SpeculativeDecoder(copy)
+
+
 def test_a_bf16_engine_made_alone_on_the_cpu_is_the_same_line(bf16_bundle):
     """An Engine made directly, or under "auto" once the CUDA provider failed to start, meets the CPU after the
     manifest's check."""

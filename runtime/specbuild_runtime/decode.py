@@ -29,7 +29,7 @@ from .engine import CAPTURED_BY_DEFAULT, Engine, Sampler, Takes, requested_devic
 from .errors import BundleError, DeviceError, RequestError, first_line
 from .grammar import GRAMMAR_CACHE, Grammars, Guide, Structured, Unchecked, check_structured_outputs
 from .logprobs import TokenLogprobs, token_logprobs
-from .manifest import TOKENIZER_DIR, Manifest, load_manifest, read_tokenizer_config
+from .manifest import TOKENIZER_DIR, Manifest, digests_checked, load_manifest, read_tokenizer_config
 from .policy import (FREE_GUESSES, GREEDY_DECAYS, MAX_PROBE_EVERY, SAMPLING_DECAYS, AdaptiveGamma, Costs, FixedGamma,
                      PriorCosts, prior_draft_cost)
 from .pool import SlotPool, check_memory
@@ -266,18 +266,10 @@ class SpeculativeDecoder:
         self.root = Path(bundle)
         folder = _identity(self.root)
         self.device = requested_device(device)
-        self.manifest = load_manifest(self.root, check_digests=check_digests, require_engines=True, device=self.device)
+        self.manifest = load_manifest(self.root, check_digests=False, require_engines=True, device=self.device)
         self.max_seq_len = self.manifest.max_seq_len
         self.max_gamma = self.manifest.gamma
         self.eos_token_ids = set(self.manifest.eos_token_ids)
-        self.tokenizer = load_tokenizer(self.root / TOKENIZER_DIR / "tokenizer.json")
-        # vLLM makes the generation_config's eos ids other than the tokenizer's stop_token_ids
-        # (SamplingParams.update_from_generation_config): a reply one of them ends reports it as its stop_reason
-        self.tokenizer_eos = tokenizer_eos(self.tokenizer, self.root / TOKENIZER_DIR)
-        self.token_span = token_span(self.tokenizer)
-        self.grammars = Grammars(self.tokenizer, self.tokenizer.get_vocab_size(with_added_tokens=True),
-                                 self.manifest.engines["target"].shape.vocab_size, list(self.eos_token_ids),
-                                 grammar_cache)
         if draft_steps and not self.manifest.engines["draft"].steps_file:
             raise BundleError(f"{self.root} has no steps graph for its draft (compiled before it, or with max γ 1, where "
                               "a round drafts one token anyway): rebuild it with `specbuild compile`, or leave "
@@ -289,15 +281,24 @@ class SpeculativeDecoder:
         slot_bytes = self.max_seq_len * sum(e.kv_bytes_per_position for e in self.manifest.engines.values())
         if self.device == "cpu":
             check_memory(parallel, slot_bytes)
-        try:
-            self.target, self.draft, self.steps_engine = self._engines(draft_steps)
-        except DeviceError:
-            if device != "auto":
-                raise
-            self.device = "cpu"  # the CUDA provider is installed but could not start: "auto" takes the CPU
-            self.cuda_graphs = bool(cuda_graphs)
-            check_memory(parallel, slot_bytes)
-            self.target, self.draft, self.steps_engine = self._engines(draft_steps)
+        with digests_checked(self.root, self.manifest, check_digests):
+            self.tokenizer = load_tokenizer(self.root / TOKENIZER_DIR / "tokenizer.json")
+            # vLLM makes the generation_config's eos ids other than the tokenizer's stop_token_ids
+            # (SamplingParams.update_from_generation_config): a reply one of them ends reports it as its stop_reason
+            self.tokenizer_eos = tokenizer_eos(self.tokenizer, self.root / TOKENIZER_DIR)
+            self.token_span = token_span(self.tokenizer)
+            self.grammars = Grammars(self.tokenizer, self.tokenizer.get_vocab_size(with_added_tokens=True),
+                                     self.manifest.engines["target"].shape.vocab_size, list(self.eos_token_ids),
+                                     grammar_cache)
+            try:
+                self.target, self.draft, self.steps_engine = self._engines(draft_steps)
+            except DeviceError:
+                if device != "auto":
+                    raise
+                self.device = "cpu"  # the CUDA provider is installed but could not start: "auto" takes the CPU
+                self.cuda_graphs = bool(cuda_graphs)
+                check_memory(parallel, slot_bytes)
+                self.target, self.draft, self.steps_engine = self._engines(draft_steps)
         if _identity(self.root) != folder:  # the engines may be another bundle's than the manifest checked
             raise BundleError(f"{self.root} was replaced while it loaded (a compile --overwrite finished meanwhile); "
                               "load it again")

@@ -94,8 +94,12 @@ import hashlib
 import importlib.metadata
 import json
 import re
+import threading
 import types
 import typing
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path, PurePosixPath
 
@@ -514,6 +518,47 @@ def tensorrt_llm_files(manifest: Manifest) -> frozenset[str]:
         return frozenset()
     folders = tuple(f"{PurePosixPath(c['dir']).as_posix()}/" for c in part.checkpoints.values() if isinstance(c.get("dir"), str))
     return frozenset(rel for rel in manifest.files if rel.startswith(folders) or rel in part.plans.values())
+
+
+def weight_files(manifest: Manifest) -> frozenset[str]:
+    """The engines' external data (each {file}.data, shared by its greedy-only and steps graphs): nearly every byte of
+    a bundle, which onnxruntime reads as numbers and never parses."""
+    return frozenset(f"{info.file}.data" for info in manifest.engines.values()) & manifest.files.keys()
+
+
+@contextmanager
+def digests_checked(root: Path, manifest: Manifest, check: bool = True) -> Iterator[None]:
+    """load_manifest's digest check (check_digests) for a caller that runs the ONNX engines and loads them in the body:
+    every file but the weights (weight_files) before it, the weights in a thread meanwhile, all by its end: Qwen3-0.6B
+    fp32's 1.95 s of hashing cost 0.84 s to the first token on 2 cores it nearly had to itself, beside a session
+    prepacking on one (docs/runtime.md, Cold start). What loading parses (graphs, tokenizer) is checked first;
+    onnxruntime reads the weights while they are hashed, and a damaged one is a wrong number, never a crash: the body's
+    result is refused in verify_digests' words all the same, which also replace a BundleError of the body's (a truncated
+    weights file that onnxruntime could not load)."""
+    if not check:
+        yield
+        return
+    weights = weight_files(manifest)
+    verify_digests(root, manifest, skip=tensorrt_llm_files(manifest) | weights)
+    checked: Future[None] = Future()
+
+    def hash_weights() -> None:
+        try:
+            verify_digests(root, manifest, skip=frozenset(manifest.files.keys() - weights))
+        except BaseException as exc:  # raised where the result is taken, as an executor's future does
+            checked.set_exception(exc)
+        else:
+            checked.set_result(None)
+    # A daemon, not waited for where the body fails otherwise (Ctrl-C, no GPU): the process may exit meanwhile.
+    threading.Thread(target=hash_weights, name="specbuild-digests", daemon=True).start()
+    try:
+        yield
+    except BundleError:
+        damaged = checked.exception()  # once hashed
+        if damaged is None:
+            raise
+        raise damaged from None
+    checked.result()
 
 
 def verify_digests(root: Path, manifest: Manifest, skip: frozenset[str] = frozenset()) -> None:
