@@ -2118,7 +2118,7 @@ def error_of(event: str) -> dict:
     return json.loads(event.removeprefix("data: "))["error"]
 
 
-def test_full_queue_answers_429_with_retry_after(bundle, reference):
+def test_full_queue_answers_429_with_retry_after_naming_the_limits_it_hit(bundle, reference):
     expected = reference.generate(PROMPTS[0], max_new_tokens=16).text
     results = []
     with in_process(bundle, max_queue=1) as (url, decoder, _), streaming(url) as (_, events):
@@ -2129,7 +2129,9 @@ def test_full_queue_answers_429_with_retry_after(bundle, reference):
         wait_until(lambda: metric_values(url)[("specbuild_queue_depth", ())] == 1, "the second request queued")
         full = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 16})
         assert full.status_code == 429 and full.headers["Retry-After"] == "1"
-        assert "busy" in full.json()["error"]["message"]
+        assert full.json()["error"]["message"] == (
+            "the server is busy: its places (--parallel 1, --max-queue 1) are all taken, 1 decoding and 1 waiting for "
+            "a slot or for their check; retry shortly")
         decoder.go.set()
         assert list(events)[-1] == "data: [DONE]"
         queued.join(60)

@@ -670,7 +670,7 @@ def _as_api_error(exc: Exception) -> ApiError:
     if isinstance(exc, RequestError):
         return protocol.invalid(exc)
     if isinstance(exc, Overloaded):
-        return ApiError(429, f"the server is busy ({exc}); retry shortly", headers=RETRY_AFTER)
+        return ApiError(429, f"the server is busy: {exc}; retry shortly", headers=RETRY_AFTER)
     if isinstance(exc, Unavailable):
         return ApiError(503, str(exc), headers=RETRY_AFTER)
     # The device's failure, or the bundle's (an fp16 engine whose logits overflow), not a bug: its line says which

@@ -98,8 +98,11 @@ class Scheduler:
         if self.draining:
             raise Unavailable("the server is shutting down")
         if len(self._running) + len(self._queue) + len(self._checking) >= self.parallel + self.max_queue:
-            raise Overloaded(f"{len(self._running)} of {self.parallel} slots are busy and "
-                             f"{len(self._queue) + len(self._checking)} requests are waiting")
+            # Every place counted, not the slots decoding alone: in a burst all may wait for their check, and "0 of 2
+            # slots are busy" answered a request refused as busy.
+            raise Overloaded(f"its places (--parallel {self.parallel}, --max-queue {self.max_queue}) are all taken, "
+                             f"{len(self._running)} decoding and {len(self._queue) + len(self._checking)} waiting for "
+                             "a slot or for their check")
         loop = asyncio.get_running_loop()
         job = Job(None, loop.time(), Stats())
         if self.timeout:
