@@ -2854,6 +2854,19 @@ def test_an_idle_connection_beyond_max_connections_is_answered_503_at_once_and_c
     assert json.loads(body)["error"]["type"] == "InternalServerError"
 
 
+def test_a_connection_refused_beyond_max_connections_is_counted_in_the_metrics(bundle):
+    """Such a connection is answered by the HTTP protocol, before the app: its client counted a 503 that the metrics
+    showed nowhere (1200 clients at once on the default limit: 176 of them)."""
+    with in_process(bundle, max_connections=1) as (url, decoder, _):
+        decoder.go.set()
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))), socket.create_connection((host, int(port))) as beyond:
+            beyond.settimeout(30)  # a guard
+            assert beyond.recv(65536).startswith(b"HTTP/1.1 503")
+        wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, "the connections were released")
+        assert metric_values(url)[("specbuild_refused_connections_total", ())] == 1
+
+
 def test_a_connection_refused_beyond_max_connections_leaves_the_served_ones_served(bundle):
     """A refused connection stayed among the ones uvicorn counts until it closed (up to REFUSED_LINGER), and uvicorn
     answers 503 to any request while those reach the limit: a client opening connections it never closed, one a

@@ -128,7 +128,8 @@ class Server:
     def http_server(self, host: str, port: int, log_level: str = "info") -> Uvicorn:
         """uvicorn serving this app until SIGTERM/SIGINT (or `should_exit`), then draining (see Uvicorn)."""
         config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
-                                http=_refusing_beyond(AutoHTTPProtocol, self.settings.max_connections),
+                                http=_refusing_beyond(AutoHTTPProtocol, self.settings.max_connections,
+                                                      self.metrics.refused_connections.inc),
                                 # no WebSocket routes: with `websockets` installed (uvicorn[standard]) an upgrade got an
                                 # empty text/plain 403 from uvicorn, where a plain request gets the JSON 404
                                 ws="none",
@@ -794,12 +795,13 @@ UNREADABLE = json.dumps(ApiError(400, "the request is not valid HTTP/1.1: its re
 REFUSED_LINGER = 1.0  # seconds
 
 
-def _refusing_beyond(http_protocol: type, max_connections: int) -> type:
+def _refusing_beyond(http_protocol: type, max_connections: int, refused: Callable[[], None]) -> type:
     """uvicorn's HTTP protocol, which answers 503 to a connection beyond max_connections only once it sends a request,
     and holds it open until then: idle connections past the limit each kept a file, until the process had none left
     (every accept then failed, asyncio logged each try, thousands of tracebacks a second, and new clients hung).
-    Such a connection is answered at once and closed, so it holds a file for at most REFUSED_LINGER seconds. The
-    protocol's own 400, for a request its parser cannot read, is OpenAI-shaped as the app's errors are."""
+    Such a connection is answered at once and closed, so it holds a file for at most REFUSED_LINGER seconds, and
+    refused() is called (the metrics count it). The protocol's own 400, for a request its parser cannot read, is
+    OpenAI-shaped as the app's errors are."""
     error = ApiError(503, f"the server has {max_connections} connections open, its --max-connections; retry shortly")
     body = json.dumps(error.body()).encode()
     refusal = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
@@ -823,6 +825,7 @@ def _refusing_beyond(http_protocol: type, max_connections: int) -> type:
             super().connection_made(transport)
             if len(self.connections) > max_connections:
                 self.refused = True
+                refused()
                 # Not counted as open: uvicorn refuses a request of a served connection while the connections it
                 # counts reach the limit, and a refused one lingering would make it answer the served ones 503 too
                 self.connections.discard(self)
