@@ -90,17 +90,19 @@ def expected_outputs(bundle: Path, jobs: list[dict], device: str = "cpu") -> tup
 
 
 @contextmanager
-def serving(bundle: Path, parallel: int, threads: int = 0, device: str = "cpu", cuda_graphs: str = "default"):
-    """A `specbuild serve` of the bundle; cuda_graphs: "on", "off" or "default" (the server's own choice).
-    Its log goes to a temporary file, shown if it does not start."""
+def serving(bundle: Path, parallel: int, threads: int = 0, device: str = "cpu", cuda_graphs: str = "default",
+            max_queue: int = 1024, more: tuple[str, ...] = ()):
+    """A `specbuild serve` of the bundle; cuda_graphs: "on", "off" or "default" (the server's own choice); more:
+    more of its command line. Its log goes to a temporary file, shown if it does not start."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    options = ["--threads", str(threads)] if threads else []
+    options = [*more, *(["--threads", str(threads)] if threads else [])]
     options += {"on": ["--cuda-graphs"], "off": ["--no-cuda-graphs"], "default": []}[cuda_graphs]
     with tempfile.TemporaryFile("w+") as log:
         process = subprocess.Popen([sys.executable, "-m", "specbuild", "serve", str(bundle), "--port", str(port),
-                                    "--parallel", str(parallel), "--max-queue", "1024", "--device", device, *options],
+                                    "--parallel", str(parallel), "--max-queue", str(max_queue), "--device", device,
+                                    *options],
                                    stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + (600 if device == "cuda" else 120)  # CUDA: start-up captures on every worker
