@@ -171,7 +171,7 @@ def test_a_halt_stops_a_long_prompts_prefill_before_its_next_chunk_and_the_slot_
         return run(self, first, total_len, *args)
 
     monkeypatch.setattr(EngineSlot, "_compute_rows", halting_in_the_first_chunk)
-    with pytest.raises(RequestError, match="stopped while its prompt was read"):
+    with pytest.raises(RequestError, match="stopped while a long prompt was fed"):
         list(decoder.stream_request(decoder.request(prompt, NEW_TOKENS), Stats(), halt=halt))
     assert calls == [(0, 8)]
     monkeypatch.undo()
