@@ -100,6 +100,18 @@ def make_checkpoint(folder: Path, architecture: str, tokenizer, seed: int = 0, *
     return folder
 
 
+def with_stored_biases(folder: Path, *projections: str) -> Path:
+    """folder's checkpoint with a random bias stored beside each projection's weight (e.g. "o_proj", "down_proj"),
+    whatever its config.json says: biases some other framework trained, which transformers' model may not have."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(tuple(f"{p}.weight" for p in projections))]:
+        tensors[name.removesuffix("weight") + "bias"] = torch.randn(tensors[name].shape[0])
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
 def save_bf16_shards(source: Path, folder: Path) -> dict:
     """Copy a checkpoint folder with its weights in bf16, split in two shards with an index, as large
     checkpoints come. Returns the bf16 tensors by name."""

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from conftest import PROMPTS, make_checkpoint
+from conftest import PROMPTS, make_checkpoint, with_stored_biases
 from specbuild.compile import compile_bundle
 from specbuild.compile.load import ARCHITECTURES, load_checkpoint
 from specbuild.errors import UnsupportedModelError
@@ -85,6 +85,23 @@ def test_an_activation_the_graphs_do_not_compute_is_refused_in_one_line(family, 
     with pytest.raises(UnsupportedModelError, match="activation 'relu' is not supported; specbuild's graphs compute "
                                                     "gelu, gelu_new, gelu_pytorch_tanh, silu") as caught:
         load_checkpoint(make_checkpoint(tmp_path, family, tokenizer, hidden_act="relu"), "target")
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("family,config,projections,named", [
+    ("mistral", {"attention_bias": True}, ("q_proj", "o_proj"), "attention_bias"),
+    ("mistral", {"mlp_bias": True}, ("down_proj",), "mlp_bias"),
+    ("phi3", {"attention_bias": True}, ("qkv_proj",), "attention_bias"),
+])
+def test_biases_stored_where_config_json_asks_for_ones_its_architecture_never_has_are_refused(
+        family, config, projections, named, tokenizer, tmp_path):
+    """transformers drops them (UNEXPECTED in its load report) and vLLM, which runs these as its Llama, adds them: two
+    models. The key without the tensors compiles as transformers runs it, as do the tensors with the key false
+    (test_graphs)."""
+    folder = with_stored_biases(make_checkpoint(tmp_path / family, family, tokenizer, **config), *projections)
+    said = f"stores biases .*{projections[0]}.bias.* asks for \\({named}\\) but transformers' .* \"{named}\": false"
+    with pytest.raises(UnsupportedModelError, match=said) as caught:
+        load_checkpoint(folder, "target")
     assert "\n" not in str(caught.value)
 
 

@@ -191,6 +191,14 @@ def gemma_with_biases(paths: dict) -> None:
     paths["target"] = make_checkpoint(Path(paths["tmp"]) / "gemma", "gemma2", make_tokenizer(), attention_bias=True)
 
 
+def mistral_with_biases(paths: dict) -> None:
+    """A Mistral target storing the o_proj biases its config.json asks for, which transformers' Mistral never has."""
+    from conftest import make_checkpoint, make_tokenizer, with_stored_biases
+
+    folder = make_checkpoint(Path(paths["tmp"]) / "mistral", "mistral", make_tokenizer(), attention_bias=True)
+    paths["target"] = with_stored_biases(folder, "o_proj")
+
+
 class WritesMarker:
     """Unpickled, it writes a file named marker: what a malicious checkpoint would do."""
 
@@ -573,6 +581,10 @@ CASES = [
     Case("tensors the architecture's graph would not read (a variant not supported)", compile_args(), 1,
          "does not use", "Use a checkpoint of a supported variant (the message names the first tensors left over).",
          setup=gemma_with_biases),
+    Case("biases stored in a Mistral or Phi-3 checkpoint whose config.json asks for them (`attention_bias`, "
+         "`mlp_bias`)", compile_args(), 1, "stores biases", "Remove those tensors, or set the key false in "
+         "config.json: transformers' model has no such biases and drops them (vLLM, running it as a Llama, adds "
+         "them).", setup=mistral_with_biases),
     Case("a tokenizer only as `tokenizer.model` (sentencepiece), no `tokenizer.json`", compile_args(), 1,
          "only as tokenizer.model", "`pip install sentencepiece` (transformers converts the file with it), or add the "
          "model's `tokenizer.json`.", setup=a_copy_of("target", sentencepiece_only)),

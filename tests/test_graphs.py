@@ -9,7 +9,7 @@ import torch
 
 import onnx_ir as ir
 
-from conftest import ARCHITECTURES, make_checkpoint
+from conftest import ARCHITECTURES, make_checkpoint, with_stored_biases
 from specbuild.compile.graphs import build_decoder
 from specbuild.compile.load import load_checkpoint
 from specbuild.compile.precision import Numerics
@@ -80,6 +80,18 @@ def test_the_biases_config_json_asks_for_reach_the_logits(architecture, config, 
     assert len(biases) == (7 if config.get("mlp_bias") else 4) * 2  # per layer, 2 layers
     model.save_pretrained(folder)
     assert_logits_match_transformers(folder)
+
+
+@pytest.mark.parametrize("architecture,config,projections", [
+    ("mistral", {}, ("q_proj", "o_proj", "down_proj")),  # Mistral's attention and MLP never have biases
+    ("qwen2", {"attention_bias": True}, ("o_proj",)),  # Qwen2's o_proj neither (its q, k and v always do)
+    ("qwen3", {"mlp_bias": True}, ("down_proj",)),  # nor Qwen3's MLP, in vLLM's Qwen3 too
+])
+def test_stored_biases_the_model_never_has_are_dropped_as_transformers_drops_them(architecture, config, projections,
+                                                                                  tokenizer, tmp_path):
+    """Where no loader reads them either (a Mistral whose config.json asks for them is refused: test_architectures)."""
+    folder = make_checkpoint(tmp_path, architecture, tokenizer, **config)
+    assert_logits_match_transformers(with_stored_biases(folder, *projections))
 
 
 def assert_logits_match_transformers(folder):

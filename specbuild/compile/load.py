@@ -50,6 +50,8 @@ LAYER_TYPED = WINDOWED - {"Phi3ForCausalLM"}
 # which never have one (Qwen2's q, k and v always do).
 MLP_BIASED = {"LlamaForCausalLM", "GraniteForCausalLM"}
 ATTENTION_UNBIASED = {"MistralForCausalLM", "Phi3ForCausalLM"}
+# Built as their Llama by vLLM (its registry; TensorRT-LLM's too for Mistral), which reads both keys all the same
+RUN_AS_LLAMA = {"MistralForCausalLM", "Phi3ForCausalLM"}
 
 
 @dataclass
@@ -246,6 +248,7 @@ def load_checkpoint(path: str | Path, role: str) -> Checkpoint:
                                     "text model these weights belong to") from None
     ckpt = Checkpoint(path, spec, config, tokenizer, weight_files, entries, loaded)
     _check_tied_head(ckpt, role)
+    _check_stored_biases(ckpt, role)
     return ckpt
 
 
@@ -281,6 +284,34 @@ def _check_tied_head(ckpt: Checkpoint, role: str) -> None:
                 "(tie_word_embeddings) but the weights hold an lm_head.weight with other values, which transformers "
                 "4 ignores and transformers 5 uses; set \"tie_word_embeddings\": false in config.json to use it, or "
                 "remove lm_head.weight from the weights to use the embeddings")
+
+
+def _check_stored_biases(ckpt: Checkpoint, role: str) -> None:
+    """UnsupportedModelError where config.json asks for biases transformers' model of the architecture never has
+    and the weights store them, in an architecture other loaders run as a Llama (RUN_AS_LLAMA): transformers drops
+    them (its load report lists them as UNEXPECTED), those loaders add them, and the engine would be one of the two
+    models without a word. Without such tensors the key is ignored, as transformers ignores it; with the key false,
+    or in another architecture (Qwen's MLP), every loader drops the tensors alike."""
+    spec = ckpt.spec
+    if spec.architecture not in RUN_AS_LLAMA:
+        return
+    asked = {key: module for key, module, built in (("attention_bias", ".self_attn.", spec.attention_bias),
+                                                    ("mlp_bias", ".mlp.", spec.mlp_bias))
+             if getattr(ckpt.config, key, False) and not built}
+    stems = {name.removesuffix(".weight") for name in ckpt.loaded}
+    dropped = sorted(name for name in ckpt.entries if name not in ckpt.loaded and name.endswith(".bias")
+                     and any(module in name for module in asked.values())
+                     # a bias of a projection the model has, stored with or without the base model's prefix
+                     and {name.removesuffix(".bias"), "model." + name.removesuffix(".bias")} & stems)
+    if dropped:
+        keys = [key for key, module in asked.items() if any(module in name for name in dropped)]
+        more = f" and {len(dropped) - 2} more" if len(dropped) > 2 else ""
+        unset = " and ".join(f'"{key}": false' for key in keys)
+        raise UnsupportedModelError(
+            f"{role} checkpoint {ckpt.path} stores biases ({', '.join(dropped[:2])}{more}) that config.json asks for "
+            f"({' and '.join(keys)}) but transformers' {spec.architecture} never has: transformers drops them, "
+            "vLLM (which runs it as its Llama) adds them, so which model is meant is unclear; remove those tensors, "
+            f"or set {unset} in config.json, to compile the model transformers runs")
 
 
 def check_architecture(architecture: str, what: str, config: dict | None = None) -> None:
