@@ -9,6 +9,8 @@ import functools
 import numpy as np
 import onnx_ir as ir
 
+from specbuild_runtime.manifest import ModelShape
+
 from ..quantize import QuantizedRows
 from .builder import MS, GraphBuilder, Weight, w
 
@@ -125,6 +127,13 @@ def attention(g: GraphBuilder, att: Attention, layer: int, q: ir.Value, k: ir.Va
         outputs=3, domain=MS, name=f"{att.prefix}layers.{layer}.attention", **attrs,
     )
     return g.op("Squeeze", out, g.const([0])), (present_key, present_value)
+
+
+def split_qkv(g: GraphBuilder, qkv: ir.Value, shape: ModelShape) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """A fused projection [S, (H+2KV)·hd] -> q [S, H·hd], k and v [S, KV·hd], for the norms some families apply
+    to q and k before attention."""
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    return g.op("Split", qkv, g.const([q, kv, kv]), outputs=3, axis=-1)
 
 
 def head_norm(g: GraphBuilder, x: ir.Value, heads: int, head_dim: int, weight: Weight, eps: float) -> ir.Value:

@@ -13,7 +13,7 @@ import onnx_ir as ir
 from ..load import ModelSpec, rotary_module
 from .builder import GraphBuilder, w
 from .layers import (Attention, attention, embedding, gated_mlp, head_norm, linear, rms_norm, rope, rotary_tables,
-                     skip_rms_norm, vocab_table)
+                     skip_rms_norm, split_qkv, vocab_table)
 
 
 def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_seq_len: int, vocab_size: int):
@@ -33,8 +33,7 @@ def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_se
             bias = w(*(p + f"self_attn.{n}_proj.bias" for n in "qkv")) if spec.attention_bias else None
             qkv = linear(g, normed, w(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")), bias)
         if spec.qk_norm:
-            q, k, v = g.op("Split", qkv, g.const([shape.num_heads * shape.head_dim, *[shape.num_kv_heads * shape.head_dim] * 2]),
-                           outputs=3, axis=-1)
+            q, k, v = split_qkv(g, qkv, shape)
             q = head_norm(g, q, shape.num_heads, shape.head_dim, w(p + "self_attn.q_norm.weight"), eps)
             k = head_norm(g, k, shape.num_kv_heads, shape.head_dim, w(p + "self_attn.k_norm.weight"), eps)
             out, present = attention(g, att, i, q, k, v, scale=spec.attention_scale, rotary=rotary,

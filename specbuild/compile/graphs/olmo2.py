@@ -8,7 +8,8 @@ import onnx_ir as ir
 
 from ..load import ModelSpec, rotary_module
 from .builder import GraphBuilder, w
-from .layers import Attention, attention, embedding, gated_mlp, linear, rms_norm, rope, rotary_tables, vocab_table
+from .layers import (Attention, attention, embedding, gated_mlp, linear, rms_norm, rope, rotary_tables, split_qkv,
+                     vocab_table)
 
 
 def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_seq_len: int, vocab_size: int):
@@ -25,8 +26,7 @@ def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_se
         bias = (lambda *names: w(*(p + f"self_attn.{n}_proj.bias" for n in names))) if spec.attention_bias else (
             lambda *names: None)
         qkv = linear(g, x, w(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")), bias(*"qkv"))
-        q, k, v = g.op("Split", qkv, g.const([shape.num_heads * shape.head_dim, *[shape.num_kv_heads * shape.head_dim] * 2]),
-                       outputs=3, axis=-1)
+        q, k, v = split_qkv(g, qkv, shape)
         q = rms_norm(g, q, w(p + "self_attn.q_norm.weight"), eps)
         k = rms_norm(g, k, w(p + "self_attn.k_norm.weight"), eps)
         out, present = attention(g, att, i, q, k, v, scale=spec.attention_scale, rotary=rotary)
@@ -34,7 +34,8 @@ def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_se
         attn = linear(g, out, w(p + "self_attn.o_proj.weight"), bias("o"))
         x = g.op("Add", x, rms_norm(g, attn, w(p + "post_attention_layernorm.weight"), eps))
         m = p + "mlp."
-        mlp = gated_mlp(g, x, w(m + "gate_proj.weight", m + "up_proj.weight"), w(m + "down_proj.weight"), spec.hidden_act)
+        mlp = gated_mlp(g, x, w(m + "gate_proj.weight", m + "up_proj.weight"), w(m + "down_proj.weight"),
+                        spec.hidden_act)
         x = g.op("Add", x, rms_norm(g, mlp, w(p + "post_feedforward_layernorm.weight"), eps))
     head = embed if spec.tie_word_embeddings else vocab_table(g, "lm_head.weight", vocab_size)
     return rms_norm(g, x, w("model.norm.weight"), eps), presents, head
