@@ -82,7 +82,8 @@ def test_other_families_decode_speculatively_as_target_only_on_cuda(architecture
     """fp16 bundles of the families beside Llama: GPT-2 (positions from seqlens_k, no rotary), a sliding
     window on some layers, Gemma 3 (soft-capping, a rotary table per layer type), Phi-3 (partial rotary), Granite
     (multipliers) and OLMo 2 (post-norm, whole-q/k norms; these two added 2026-11-28, not yet run on a GPU).
-    Their default, CUDA graphs (engine.CAPTURED_BY_DEFAULT); against uncaptured calls: the test further below."""
+    Their default: CUDA graphs where engine.CAPTURED_BY_DEFAULT lists the family, uncaptured calls for Granite and
+    OLMo 2 until the test further below (replays against uncaptured calls) has passed for them."""
     folder = tmp_path / architecture
     compile_bundle(CompileSettings(target=checkpoints(architecture, 0), draft=checkpoints(architecture, 1), output=folder,
                                    max_seq_len=256, precision="fp16"), show_progress=False)
