@@ -274,12 +274,24 @@ def test_a_checkpoint_saved_from_the_base_model_decodes_like_transformers(checkp
         assert transformers_argmax(model, ids, tokens) == tokens, prompt
 
 
-def test_an_fp16_bundle_decodes_through_the_runtime_like_transformers_in_fp16(checkpoints, tokenizer, tmp_path):
-    decoder = _pair_bundle(tmp_path, checkpoints("llama"), checkpoints("llama", 1), precision="fp16")
+@pytest.mark.parametrize("architecture", ["llama", "granite", "olmo2"])
+def test_an_fp16_bundle_decodes_through_the_runtime_like_transformers_in_fp16(architecture, checkpoints, tokenizer,
+                                                                              tmp_path):
+    """Granite's multipliers and OLMo 2's norms in fp16 too; the prompt's logprobs are transformers' (its argmax
+    alone would not see Granite's logits left undivided)."""
+    import torch
+
+    decoder = _pair_bundle(tmp_path, checkpoints(architecture), checkpoints(architecture, 1), precision="fp16")
     assert {info.precision for info in decoder.manifest.engines.values()} == {"fp16"}
-    model = load_reference(checkpoints("llama")).half()
+    model = load_reference(checkpoints(architecture)).half()
     for prompt in PROMPTS:
         ids = tokenizer(prompt)["input_ids"]
         for gamma in (0, 1, 3, "auto"):
             tokens = decoder.generate(ids, NEW_TOKENS, gamma).token_ids
             assert transformers_argmax(model, ids, tokens) == tokens, (gamma, prompt)
+        scored = [p.logprob for p in decoder.generate(ids, 1, 0, prompt_logprobs=0).prompt_logprobs[1:]]
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+        expected = logprobs[range(len(ids) - 1), ids[1:]].tolist()
+        # fp16 against fp16: at most 0.011 apart here (Llama; OLMo 2 0.0055, Granite 0.001), undivided logits O(1)
+        assert max((abs(a - b) for a, b in zip(scored, expected)), default=0) < 0.05, prompt
