@@ -22,9 +22,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from conftest import PROMPTS, make_tokenizer
-from specbuild_runtime import DeviceError, RequestError, SpeculativeDecoder, Stats, TokenLogprobs, pool
+from specbuild_runtime import DeviceError, RequestError, SpeculativeDecoder, Stats, TokenLogprobs, load_manifest, pool
 from specbuild_runtime.policy import MAX_PROBE_EVERY, PROBE_EVERY, FixedGamma
-from specbuild_runtime.slot import EngineSlot
+from specbuild_runtime.slot import EngineSlot, fixed_rows
 from specbuild_runtime.text import TextStream
 
 # (prompt, options): greedy with adaptive and fixed γ, and seeded sampling (at fixed γ here; auto below).
@@ -1809,6 +1809,17 @@ def test_a_decoder_option_of_another_type_is_one_line_before_anything_loads(bund
     target_rows=5 failed as an AttributeError from the slots."""
     with pytest.raises(RequestError, match=message):
         SpeculativeDecoder(bundles("llama"), **{option: value})
+
+
+def test_fixed_target_rows_too_few_for_the_bundles_gamma_are_one_line_before_the_engines_load(bundles, monkeypatch):
+    """fixed_rows(4) on a bundle of max γ 8 loaded, then failed in an onnxruntime Gather ("report it") at the first
+    round of 5 drafts or more."""
+    bundle = bundles("llama")
+    gamma = load_manifest(bundle).gamma
+    monkeypatch.setattr(SpeculativeDecoder, "_engines", lambda *args: pytest.fail("the engines loaded"))
+    with pytest.raises(RequestError, match=rf"^target_rows: fixed calls of {gamma} rows cannot verify the {gamma} "
+                                           rf"drafts this bundle's γ allows; pass slot.fixed_rows\({gamma}\)$"):
+        SpeculativeDecoder(bundle, target_rows=fixed_rows(gamma - 1))
 
 
 @pytest.mark.parametrize("text, message", [

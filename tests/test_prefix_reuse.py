@@ -4,7 +4,7 @@ requests, and decodes what a fresh decoder decodes."""
 import pytest
 
 from conftest import PROMPTS
-from specbuild_runtime import DeviceError, SpeculativeDecoder
+from specbuild_runtime import DeviceError, SpeculativeDecoder, load_manifest
 from specbuild_runtime.slot import EngineSlot, fixed_rows
 
 NEW_TOKENS = 20
@@ -133,7 +133,8 @@ def test_a_request_reuses_only_what_the_slot_it_lands_on_holds(bundle):
 def test_fixed_row_calls_and_the_opt_out_feed_every_prompt_whole(bundle):
     """GPUs' fixed rows: a prompt's head is one call of any size, whose kernels may round otherwise than the
     calls that wrote those positions before, so nothing is reused there."""
-    for decoder in (SpeculativeDecoder(bundle, target_rows=fixed_rows(4)), SpeculativeDecoder(bundle, prefix_reuse=False)):
+    fixed = SpeculativeDecoder(bundle, target_rows=fixed_rows(load_manifest(bundle).gamma))
+    for decoder in (fixed, SpeculativeDecoder(bundle, prefix_reuse=False)):
         first = decoder.generate(PROMPTS[0], NEW_TOKENS)
         assert decoder.generate(second_turn(decoder, first), NEW_TOKENS).stats.cached_prompt_tokens == 0
 

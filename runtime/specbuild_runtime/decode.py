@@ -269,6 +269,11 @@ class SpeculativeDecoder:
         self.manifest = load_manifest(self.root, check_digests=False, require_engines=True, device=self.device)
         self.max_seq_len = self.manifest.max_seq_len
         self.max_gamma = self.manifest.gamma
+        if target_rows is not None and target_rows.fixed and target_rows.least <= self.max_gamma:
+            # a verification of max γ drafts is max γ + 1 rows, which no call of fewer can hold (an onnxruntime Gather
+            # failed at γ 5 and up under fixed_rows(4), "report it")
+            raise RequestError(f"target_rows: fixed calls of {target_rows.least} rows cannot verify the "
+                               f"{self.max_gamma} drafts this bundle's γ allows; pass slot.fixed_rows({self.max_gamma})")
         self.eos_token_ids = set(self.manifest.eos_token_ids)
         if draft_steps and not self.manifest.engines["draft"].steps_file:
             raise BundleError(f"{self.root} has no steps graph for its draft (compiled before it, or with max γ 1, where "
