@@ -2,13 +2,11 @@
 the CUDA graphs each call names."""
 
 import json
-import threading
 
 import pytest
 
 from conftest import PROMPTS
-from specbuild_runtime import BundleError, DeviceError, RequestError, SpeculativeDecoder
-from specbuild_runtime.decode import Stats
+from specbuild_runtime import BundleError, DeviceError, SpeculativeDecoder
 from specbuild_runtime import slot as slot_module
 from specbuild_runtime.slot import MAX_REUSED_IDS, NEVER_ALONE, PREFILL_CHUNK, WARM_UP_RUNS, EngineSlot, fixed_rows
 
@@ -150,33 +148,6 @@ def test_a_long_prompt_is_fed_in_calls_of_prefill_chunk_rows_and_decodes_what_on
         assert whole.generate(prompt, NEW_TOKENS, gamma=0).token_ids == expected, length
         for gamma in (1, 2, 3, 8, "auto"):
             assert chunked.generate(prompt, NEW_TOKENS, gamma).token_ids == expected, (length, gamma)
-
-
-def test_a_halt_stops_a_long_prompts_prefill_before_its_next_chunk_and_the_slot_then_decodes_exactly(bundle,
-                                                                                                     monkeypatch):
-    """A long prompt's chunks (CPU) all come before its first token: a consumer's stop (the async API's cancel, the
-    server's client gone or deadline) was seen only after the last of them (a 1388-token prompt held a 66M target's slot
-    ~5 s after its client left). Now it is seen between two chunks; the slot keeps the chunks done, and the next request
-    on it decodes what a fresh decoder does."""
-    monkeypatch.setattr(slot_module, "PREFILL_CHUNK", 8)
-    decoder = SpeculativeDecoder(bundle)  # one slot: the next request gets the halted one's
-    prompt = [(7 * i) % 300 + 1 for i in range(41)]
-    expected = SpeculativeDecoder(bundle, prefix_reuse=False).generate(prompt, NEW_TOKENS).token_ids
-    halt, calls, run = threading.Event(), [], EngineSlot._compute_rows
-
-    def halting_in_the_first_chunk(self, first, total_len, *args):
-        if self.engine.info.role == "target":
-            calls.append((first, total_len))
-            halt.set()  # as a relay's stop does, from another thread, while the call computes
-        return run(self, first, total_len, *args)
-
-    monkeypatch.setattr(EngineSlot, "_compute_rows", halting_in_the_first_chunk)
-    with pytest.raises(RequestError, match="stopped while a long prompt was fed"):
-        list(decoder.stream_request(decoder.request(prompt, NEW_TOKENS), Stats(), halt=halt))
-    assert calls == [(0, 8)]
-    monkeypatch.undo()
-    after = decoder.generate(prompt, NEW_TOKENS)
-    assert after.token_ids == expected and after.stats.cached_prompt_tokens == 8  # the chunk done, reused
 
 
 def test_resident_memory_after_concurrent_long_prompts_stays_near_the_kv_caches(checkpoints, tmp_path):
