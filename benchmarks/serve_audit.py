@@ -66,6 +66,10 @@ def prompts(count: int) -> list[str]:
     return read_prompts(CODE_PROMPTS)[:count]
 
 
+# The server's --model-name in `burst`, which names it in each request (the server's own default is the bundle's folder
+# name: "bundle" worked for a bundle in a folder of that name alone, every request a 404 elsewhere).
+MODEL = "audit"
+
 # Given to the server with --chat-template (the demo bundle's tokenizer has none): ChatML, as Qwen's.
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -660,10 +664,10 @@ async def openai_burst(url: str, texts: list[str], expected: list[str], clients:
         try:
             if i % 2:
                 text = "".join([chunk.choices[0].text async for chunk in await client.completions.create(
-                    model="bundle", prompt=texts[job], max_tokens=max_tokens, temperature=0, stream=True)
+                    model=MODEL, prompt=texts[job], max_tokens=max_tokens, temperature=0, stream=True)
                     if chunk.choices])
             else:
-                text = (await client.completions.create(model="bundle", prompt=texts[job], max_tokens=max_tokens,
+                text = (await client.completions.create(model=MODEL, prompt=texts[job], max_tokens=max_tokens,
                                                         temperature=0)).choices[0].text
             key = "right text" if text == expected[job] else "wrong text"
             latencies.append(time.perf_counter() - start)
@@ -682,7 +686,8 @@ async def openai_burst(url: str, texts: list[str], expected: list[str], clients:
 def burst(args) -> dict:
     texts = prompts(args.prompts)
     runs = []
-    with serving(args.bundle, args.parallel, max_queue=args.max_queue, more=("--chat-template", CHATML)) as (_, url):
+    with serving(args.bundle, args.parallel, max_queue=args.max_queue,
+                 more=("--chat-template", CHATML, "--model-name", MODEL)) as (_, url):
         expected = reference_texts(args.bundle, url, texts, args.max_tokens)["completions"]
         for clients in args.clients:
             for retries in (0, 2):
