@@ -57,8 +57,19 @@ def metrics(url: str) -> dict:
 
 
 def outcome_counts(url: str) -> dict:
-    return {f"{dict(labels)['endpoint']}:{dict(labels)['outcome']}": int(value)
-            for (name, labels), value in metrics(url).items() if name == "specbuild_requests_total" and value}
+    """specbuild_requests_total by "endpoint:outcome", and the connections refused beyond --max-connections (answered
+    before any endpoint) as "refused_connections"."""
+    values = metrics(url)
+    counts = {f"{dict(labels)['endpoint']}:{dict(labels)['outcome']}": int(value)
+              for (name, labels), value in values.items() if name == "specbuild_requests_total" and value}
+    refused = int(values.get(("specbuild_refused_connections_total", ()), 0))
+    return {**counts, **({"refused_connections": refused} if refused else {})}
+
+
+def counted_since(url: str, before: dict) -> dict:
+    """outcome_counts(url) less `before`'s, the unchanged left out."""
+    after = outcome_counts(url)
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
 
 
 def prompts(count: int) -> list[str]:
@@ -230,9 +241,7 @@ def load(args) -> dict:
         for clients in args.clients:
             before = outcome_counts(url)
             run = asyncio.run(closed_loop(url, texts, expected, clients, args.requests, args.max_tokens))
-            after = outcome_counts(url)
-            run["metrics_outcomes"] = {k: after.get(k, 0) - before.get(k, 0) for k in after
-                                       if after.get(k, 0) != before.get(k, 0)}
+            run["metrics_outcomes"] = counted_since(url, before)
             run["load_average"] = load_average()
             run["rss_mib"] = round(rss_bytes(process.pid) / 2**20, 1)
             print(json.dumps(run), flush=True)
@@ -340,8 +349,7 @@ def leave(args) -> dict:
             for stream in (False, True):
                 report[f"client_timeout_0.3s_{'stream' if stream else 'whole'}"] = asyncio.run(
                     time_out_requests(url, 24, ids, 30, 0.3, stream))
-        after = outcome_counts(url)
-        report["metrics_outcomes"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        report["metrics_outcomes"] = counted_since(url, before)
         report["load_average"] = load_average()
     for name, value in report.items():
         print(name, json.dumps(value), flush=True)
@@ -691,7 +699,9 @@ def burst(args) -> dict:
         expected = reference_texts(args.bundle, url, texts, args.max_tokens)["completions"]
         for clients in args.clients:
             for retries in (0, 2):
+                before = outcome_counts(url)
                 runs.append(asyncio.run(openai_burst(url, texts, expected, clients, args.max_tokens, retries)))
+                runs[-1]["metrics_outcomes"] = counted_since(url, before)  # against what the clients got
                 runs[-1]["load_average"] = load_average()
                 print(json.dumps(runs[-1]), flush=True)
     return {"parallel": args.parallel, "max_queue": args.max_queue, "runs": runs}
