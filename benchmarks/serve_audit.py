@@ -3,7 +3,8 @@ vLLM's server is the reference where ours is silent). Each command prints its fi
 
     python benchmarks/serve_audit.py load BUNDLE --parallel 2 --clients 8,32,128
     python benchmarks/serve_audit.py burst BUNDLE --clients 8,32,128,256
-    python benchmarks/serve_audit.py leave BUNDLE [--prefill-only]
+    python benchmarks/serve_audit.py leave BUNDLE
+    python benchmarks/serve_audit.py leave BUNDLE --prefill-only --parallel 1
     python benchmarks/serve_audit.py signals BUNDLE
     python benchmarks/serve_audit.py soak BUNDLE --requests 5000
     python benchmarks/serve_audit.py abuse BUNDLE
@@ -12,15 +13,16 @@ vLLM's server is the reference where ours is silent). Each command prints its fi
 Retry-After, as the openai client does), completions and chat completions, streamed and not, greedy code prompts;
 every 200 checked against the same prompt decoded alone by SpeculativeDecoder.generate; latency and time to first
 token p50/p99 (waits after a 429 included), requests/s, GET /health's latency meanwhile (from a process of its own),
-and /metrics' outcomes against what the clients counted. `burst`: that many openai clients at once, with its
-retries (max_retries 2) and without. `leave`: a long prompt whose client gives up during its prefill (how long the
-next request waits for the slot), streams left mid-way, clients that time out while queued or decoding (how long
-until /metrics shows the slots free and the queue empty). `signals`: SIGTERM and SIGINT with streams and whole
-requests in flight, some queued, at two --shutdown-timeout values: what each client got, how long the server took
-to exit. `soak`: RSS over thousands of mixed requests (sampled, streams left, clients that give up, n 2, echo with
-logprobs, bad bodies), /health meanwhile, metrics against the clients' counts at the end. `abuse`: huge prompts,
-max_tokens past the context, n beyond the queue, malformed JSON in bulk, while well-formed clients go on: what each
-bad one got, and whether every good one got its right text.
+and /metrics' outcomes against what the clients counted. `burst`: that many openai clients at once, with its retries
+(max_retries 2) and without, and /metrics' counts against what they got. `leave`: a long prompt whose client gives
+up during its prefill (how long the next request waits for the slot: --parallel 1, or it takes another; a bundle
+that reads the prompt in under 0.2 s says so and has none to measure), streams left mid-way, clients that time out
+while queued or decoding (how long until /metrics shows the slots free and the queue empty). `signals`: SIGTERM and
+SIGINT with streams and whole requests in flight, some queued, at two --shutdown-timeout values: what each client
+got, how long the server took to exit. `soak`: RSS over thousands of mixed requests (sampled, streams left, clients
+that give up, n 2, echo with logprobs, bad bodies), /health meanwhile, metrics against the clients' counts at the
+end. `abuse`: huge prompts, max_tokens past the context, n beyond the queue, malformed JSON in bulk, while
+well-formed clients go on: what each bad one got, and whether every good one got its right text.
 """
 
 from __future__ import annotations

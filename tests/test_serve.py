@@ -2463,8 +2463,7 @@ def test_a_client_that_leaves_while_its_long_prompt_is_read_frees_the_slot_befor
                                                                                                  reference, stream,
                                                                                                  monkeypatch):
     """A long prompt is read (CPU) in chunks, all before its first token: the server's stop came only after the last
-    of them, its slot held meanwhile (a 1388-token prompt of a 66M target: the next request waited 4.5-6.2 s for it
-    after its client left at 0.2 s, 0.56-0.84 s now; benchmarks/serve_audit.py leave)."""
+    of them, its slot held meanwhile (docs/serving.md's *Under load*: a 1388-token prompt of a 66M target)."""
     from specbuild_runtime import slot as slot_module
     from specbuild_runtime.slot import EngineSlot
 
