@@ -218,7 +218,8 @@ class Scheduler:
 
     def _deltas(self, job: Job):
         """The job's items, each posted one (all but HELD) counted in job.decoded."""
-        # halt: a stop also ends the scoring of a long prompt (echo's logprobs), many calls before the first token
+        # halt: a stop also ends a long prompt's chunked prefill (CPU) or scoring (echo's logprobs), many calls before
+        # the first token
         with closing(self.decoder.stream_request(job.request, job.stats, every_token=True, halt=job.relay.halt,
                                                  token_ids=job.token_ids)) as items:
             for item in items:
