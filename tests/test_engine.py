@@ -1,6 +1,7 @@
 """Device choice: a clear line for every device that cannot be used, never a silent fallback to the CPU."""
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -105,15 +106,60 @@ def test_a_truncated_weights_file_is_refused_in_the_digest_checks_words_though_i
         SpeculativeDecoder(copy)
 
 
-def test_a_damaged_tokenizer_is_refused_by_its_digest_before_it_is_parsed(bundles, tmp_path):
-    """Only the weights are hashed while the rest loads: the files that loading parses are checked before it."""
+@pytest.mark.parametrize("damaged", ["tokenizer/tokenizer.json", "target.onnx"])
+def test_a_damaged_file_that_loading_parses_is_refused_by_its_digest_before_it_is_parsed(bundles, tmp_path, monkeypatch,
+                                                                                       damaged):
+    """Only the weights are hashed while the rest loads: the tokenizer and the graphs are checked before anything
+    parses them (the refusal alone held where the tokenizer was hashed in the thread: its parse failed as a BundleError
+    and the digest's line replaced it)."""
     import shutil
+
+    from specbuild_runtime import decode
+
+    def parsed(*args, **kwargs):
+        raise AssertionError("parsed before its digest was checked")
 
     copy = tmp_path / "bundle"
     shutil.copytree(bundles("llama", draft_seed=1), copy)
-    (copy / "tokenizer" / "tokenizer.json").write_text("{")
-    with pytest.raises(BundleError, match=r"tokenizer\.json is corrupted"):
+    (copy / damaged).write_bytes(b"{")
+    monkeypatch.setattr(decode, "load_tokenizer", parsed)
+    monkeypatch.setattr(decode.SpeculativeDecoder, "_engines", parsed)
+    with pytest.raises(BundleError, match=rf"{re.escape(damaged)} is corrupted"):
         SpeculativeDecoder(copy)
+
+
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt(), DeviceError("the CUDA provider could not start")])
+def test_the_weights_hashing_ends_with_a_load_that_failed_otherwise(bundles, monkeypatch, interruption):
+    """Ctrl-C or a DeviceError while the sessions load stops the digest thread and joins it: it read on, 1.7 s of CPU
+    for Qwen3-0.6B fp32's weights after the constructor had raised."""
+    import threading
+
+    from specbuild_runtime import decode, manifest
+
+    hashing, stopped = threading.Event(), []
+    real = manifest.sha256_file
+
+    def held(path, stop=None):
+        if stop is not None:  # the weights, in the digest thread: held there until the load fails
+            hashing.set()
+            stop.wait(timeout=60)
+            try:
+                return real(path, stop)
+            except manifest.HashingStopped:
+                stopped.append(path)
+                raise
+        return real(path, stop)
+
+    def engines(self, draft_steps):
+        assert hashing.wait(timeout=60)
+        raise interruption
+
+    monkeypatch.setattr(manifest, "sha256_file", held)
+    monkeypatch.setattr(decode.SpeculativeDecoder, "_engines", engines)
+    with pytest.raises(type(interruption)):
+        SpeculativeDecoder(bundles("llama", draft_seed=1))
+    assert not [thread for thread in threading.enumerate() if thread.name == "specbuild-digests"]
+    assert len(stopped) == 1
 
 
 def test_a_bf16_engine_made_alone_on_the_cpu_is_the_same_line(bf16_bundle):

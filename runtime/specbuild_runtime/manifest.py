@@ -98,7 +98,6 @@ import threading
 import types
 import typing
 from collections.abc import Iterator
-from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path, PurePosixPath
@@ -361,9 +360,23 @@ def require_onnx_engines(root: Path, manifest: Manifest) -> None:
                           "or compile with --backend onnx or all")
 
 
-def sha256_file(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+class HashingStopped(Exception):
+    """sha256_file's stop was set: the load it hashed for has failed, and no one will read the digest."""
+
+
+def sha256_file(path: Path, stop: threading.Event | None = None) -> str:
+    """The file's sha256, read a MiB at a time (hashlib.file_digest's loop, which cannot be stopped): stop, once another
+    thread sets it, ends the hashing at the next MiB (HashingStopped), where the load it was for failed meanwhile
+    (digests_checked) and the rest of a file of gigabytes would cost seconds of CPU for nothing."""
+    digest = hashlib.sha256()
+    buffer = bytearray(1 << 20)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while size := f.readinto(buffer):
+            if stop is not None and stop.is_set():
+                raise HashingStopped(path)
+            digest.update(view[:size])
+    return digest.hexdigest()
 
 
 def bundle_files(root: Path, hashed: typing.Callable[[int], None] | None = None) -> dict[str, str]:
@@ -534,41 +547,50 @@ def digests_checked(root: Path, manifest: Manifest, check: bool = True) -> Itera
     prepacking on one (docs/runtime.md, Cold start). What loading parses (graphs, tokenizer) is checked first;
     onnxruntime reads the weights while they are hashed, and a damaged one is a wrong number, never a crash: the body's
     result is refused in verify_digests' words all the same, which also replace a BundleError of the body's (a truncated
-    weights file that onnxruntime could not load)."""
+    weights file that onnxruntime could not load). Any other exception of the body's (Ctrl-C, a DeviceError) stops the
+    hashing, and the thread is joined before the exception leaves."""
     if not check:
         yield
         return
     weights = weight_files(manifest)
     verify_digests(root, manifest, skip=tensorrt_llm_files(manifest) | weights)
-    checked: Future[None] = Future()
+    stop = threading.Event()
+    failed: list[BaseException] = []
 
     def hash_weights() -> None:
         try:
-            verify_digests(root, manifest, skip=frozenset(manifest.files.keys() - weights))
-        except BaseException as exc:  # raised where the result is taken, as an executor's future does
-            checked.set_exception(exc)
-        else:
-            checked.set_result(None)
-    # A daemon, not waited for where the body fails otherwise (Ctrl-C, no GPU): the process may exit meanwhile.
-    threading.Thread(target=hash_weights, name="specbuild-digests", daemon=True).start()
+            verify_digests(root, manifest, skip=frozenset(manifest.files.keys() - weights), stop=stop)
+        except BaseException as exc:  # raised in the caller's thread once joined
+            failed.append(exc)
+    thread = threading.Thread(target=hash_weights, name="specbuild-digests")
+    thread.start()
     try:
-        yield
-    except BundleError:
-        damaged = checked.exception()  # once hashed
-        if damaged is None:
+        try:
+            yield
+        except BundleError:
+            thread.join()  # a damaged file explains the load's failure
+            if failed:
+                raise failed[0] from None
             raise
-        raise damaged from None
-    checked.result()
+        thread.join()
+        if failed:
+            raise failed[0]
+    finally:
+        # Where the body raised anything else (Ctrl-C, a DeviceError) or a join above was interrupted, the hashing
+        # ends with the load instead of reading on for seconds after the constructor raised.
+        stop.set()
+        thread.join()
 
 
-def verify_digests(root: Path, manifest: Manifest, skip: frozenset[str] = frozenset()) -> None:
+def verify_digests(root: Path, manifest: Manifest, skip: frozenset[str] = frozenset(),
+                   stop: threading.Event | None = None) -> None:
     for rel, expected in manifest.files.items():
         if rel in skip:
             continue
         path = root / rel
         if not path.is_file():
             raise BundleError(f"bundle file {path} {_not_a_file(path)}; rebuild the bundle with `specbuild compile`")
-        if sha256_file(path) != expected:
+        if sha256_file(path, stop) != expected:
             raise BundleError(
                 f"bundle file {path} is corrupted (sha256 differs from the manifest); rebuild the bundle "
                 "with `specbuild compile`"
