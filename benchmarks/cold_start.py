@@ -123,6 +123,8 @@ def main() -> None:
         kind, python, *model = rest.split(":", 2)
         if kind not in CHILDREN:
             parser.error(f"--run {spec}: the kind must be one of {', '.join(CHILDREN)}")
+        if not model and args.bundle is None:  # it loaded "None" and failed in the child, one run later
+            parser.error(f"--run {spec}: give the model (NAME=KIND:PYTHON:MODEL) or --bundle")
         variants.append((name, kind, python, model[0] if model else str(args.bundle)))
     load_before = os.getloadavg()
     runs: dict[str, list[dict]] = {name: [] for name, *_ in variants}
