@@ -48,8 +48,8 @@ def test_fixed_rows_decode_the_same_tokens_as_never_alone_for_every_gamma(bundle
 
 
 def test_fixed_rows_calls_compute_max_gamma_plus_one_rows(bundle, target_calls, tokenizer):
-    decoder = SpeculativeDecoder(bundle, target_rows=fixed_rows(4))
-    rows = 4 + 1
+    decoder = SpeculativeDecoder(bundle, target_rows=fixed_rows(8))  # the bundle's max γ
+    rows = 8 + 1
     prompt = tokenizer(PROMPTS[5])["input_ids"]
     assert len(prompt) > rows + 1
     decoder.generate(prompt, NEW_TOKENS, gamma=3)
