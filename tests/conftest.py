@@ -46,6 +46,10 @@ ARCHITECTURES = {
                                                               attention_multiplier=1 / 16, logits_scaling=8.0,
                                                               tie_word_embeddings=True)),
     "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, {}),
+    # OLMo 3 Think's rope: YaRN in the full layers (rope_scaling reaches them alone), none in the sliding ones
+    "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM, dict(
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128))),
 }
 
 PROMPTS = [

@@ -15,7 +15,8 @@ from specbuild.compile.reference import load_reference, transformers_greedy
 from specbuild_runtime import BundleError, SpeculativeDecoder
 
 # The families test_exactness.py does not cover; windows of 8 positions, so 40 tokens pass them.
-FAMILIES = ["llama3", "mistral-window", "qwen2-window", "qwen3", "phi3", "gemma2", "gemma3", "granite", "olmo2"]
+FAMILIES = ["llama3", "mistral-window", "qwen2-window", "qwen3", "phi3", "gemma2", "gemma3", "granite", "olmo2",
+            "olmo3"]
 NEW_TOKENS = 40
 
 

@@ -69,6 +69,7 @@ def test_config_keys_transformers_code_does_not_read_leave_the_logits_as_transfo
 @pytest.mark.parametrize("architecture,config", [
     ("granite", dict(attention_bias=True, mlp_bias=True)),  # q, k, v, o and the MLP's three
     ("olmo2", dict(attention_bias=True)),  # q, k, v and o
+    ("olmo3", dict(attention_bias=True)),
 ])
 def test_the_biases_config_json_asks_for_reach_the_logits(architecture, config, tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM

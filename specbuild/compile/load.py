@@ -36,6 +36,7 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma",  # Gemma 3 text (1B; the larger ones are multimodal)
     "GraniteForCausalLM": "llama",  # Granite 3.x dense: Llama with µP multipliers
     "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo2",  # OLMo 2's layers, some of them sliding-window ones
     "GPT2LMHeadModel": "gpt2",
 }
 SUPPORTED_ACTIVATIONS = {"silu", "gelu_new", "gelu_pytorch_tanh", "gelu"}
@@ -44,7 +45,7 @@ SUPPORTED_ACTIVATIONS = {"silu", "gelu_new", "gelu_pytorch_tanh", "gelu"}
 # Windowed attention (sliding_window), per layer where layer_types says so (transformers 5 runs a Mistral config.json
 # with layer_types as a Ministral, which reads them; Phi-3 windows every layer whatever layer_types says).
 WINDOWED = {"MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-            "Gemma3ForCausalLM"}
+            "Gemma3ForCausalLM", "Olmo3ForCausalLM"}
 LAYER_TYPED = WINDOWED - {"Phi3ForCausalLM"}
 # Biases: mlp_bias reaches Llama's and Granite's MLPs alone; attention_bias every attention but Mistral's and Phi-3's,
 # which never have one (Qwen2's q, k and v always do).
@@ -595,7 +596,7 @@ def model_spec(config, architecture: str, path: Path, role: str) -> ModelSpec:
 
 
 def _rope_model_spec(config, architecture: str, family: str, path: Path, role: str) -> ModelSpec:
-    """Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, Granite, OLMo 2: config.json names the same things alike, almost."""
+    """Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, Granite, OLMo 2/3: config.json names the same things alike, almost."""
     heads, layers = config.num_attention_heads, config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     rope = getattr(config, "rope_parameters", None) or {}

@@ -67,6 +67,9 @@ NOT_EXPORTED = {
     "Olmo2ForCausalLM": "TensorRT-LLM's checkpoint flow has no OLMo 2 model (no Olmo2ForCausalLM in "
                         "tensorrt_llm/models/__init__.py MODEL_MAP), and its LLaMA model has no post-norm layers "
                         "or whole-q/k norms to build one from",
+    "Olmo3ForCausalLM": "TensorRT-LLM's checkpoint flow has no OLMo 3 model (no Olmo3ForCausalLM in "
+                        "tensorrt_llm/models/__init__.py MODEL_MAP), and its LLaMA model has no post-norm layers, "
+                        "whole-q/k norms or rope parameters per layer type to build one from",
 }
 # HF architecture -> the qwen_type TensorRT-LLM's QWen model needs (models/qwen/config.py), or None. MODEL_MAP
 # builds GraniteForCausalLM as its LLaMA model, which reads Granite's multipliers from config.json

@@ -13,7 +13,7 @@ import onnx_ir as ir
 
 from ..load import ModelSpec, rotary_module
 from .builder import GraphBuilder, w
-from .layers import (Attention, attention, embedding, gated_mlp, head_norm, linear, rms_norm, rope, rotary_tables,
+from .layers import (Attention, attention, embedding, gated_mlp, head_norm, linear, rms_norm, rotary_by_layer_type,
                      skip_rms_norm, split_qkv, vocab_table)
 
 
@@ -55,18 +55,12 @@ def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_se
 def _rotary(g: GraphBuilder, spec: ModelSpec, max_seq_len: int) -> dict[str, tuple[ir.Value, ir.Value]]:
     """layer type -> cos/sin tables: one table for Gemma 2, one per layer type for Gemma 3 (its sliding
     layers have their own rope base, rope_local_base_freq)."""
-    module, dtype = rotary_module(spec.architecture, g.ckpt.config), g.numerics.dtype
-    types = sorted(set(spec.layer_types))
-    if spec.architecture == "Gemma2ForCausalLM":
-        cos, sin = rotary_tables(g, ["all"], spec.rotary_dim, max_seq_len, lambda: rope(module, max_seq_len, dtype))
-        return {kind: (cos, sin) for kind in types}
-    if "layer_type" in inspect.signature(module.forward).parameters:
-        compute = lambda: tuple(t for kind in types for t in rope(module, max_seq_len, dtype, layer_type=kind))  # noqa: E731
-    else:  # transformers 4 (TensorRT-LLM pins 4.57): Gemma3TextModel makes its sliding layers' module from a copy
-        # of the config with rope_local_base_freq as the base and no scaling (its rotary_emb_local)
-        local = copy.deepcopy(g.ckpt.config)
-        local.rope_theta, local.rope_scaling = local.rope_local_base_freq, {"rope_type": "default"}
-        modules = {"full_attention": module, "sliding_attention": rotary_module(spec.architecture, local)}
-        compute = lambda: tuple(t for kind in types for t in rope(modules[kind], max_seq_len, dtype))  # noqa: E731
-    tables = rotary_tables(g, types, spec.rotary_dim, max_seq_len, compute)
-    return {kind: (tables[2 * n], tables[2 * n + 1]) for n, kind in enumerate(types)}
+    module = rotary_module(spec.architecture, g.ckpt.config)
+    if spec.architecture == "Gemma2ForCausalLM" or "layer_type" in inspect.signature(module.forward).parameters:
+        return rotary_by_layer_type(g, spec, max_seq_len)
+    # transformers 4 (TensorRT-LLM pins 4.57): Gemma3TextModel makes its sliding layers' module from a copy of the
+    # config with rope_local_base_freq as the base and no scaling (its rotary_emb_local)
+    local = copy.deepcopy(g.ckpt.config)
+    local.rope_theta, local.rope_scaling = local.rope_local_base_freq, {"rope_type": "default"}
+    modules = {"full_attention": module, "sliding_attention": rotary_module(spec.architecture, local)}
+    return rotary_by_layer_type(g, spec, max_seq_len, modules)

@@ -5,12 +5,14 @@ MatMulNBits when the engine is quantized (see quantize.py)."""
 from __future__ import annotations
 
 import functools
+import inspect
 
 import numpy as np
 import onnx_ir as ir
 
 from specbuild_runtime.manifest import ModelShape
 
+from ..load import ModelSpec, rotary_module
 from ..quantize import QuantizedRows
 from .builder import MS, GraphBuilder, Weight, w
 
@@ -167,3 +169,23 @@ def rotary_tables(g: GraphBuilder, names: list[str], rotary_dim: int, length: in
     shape = (length, rotary_dim // 2)
     return g.computed([(f"rotary.{name}.{part}", g.numerics.ir_type, shape) for name in names for part in ("cos", "sin")],
                       compute)
+
+
+def rotary_by_layer_type(g: GraphBuilder, spec: ModelSpec, max_seq_len: int,
+                         modules: dict | None = None) -> dict[str, tuple[ir.Value, ir.Value]]:
+    """layer type -> cos/sin tables, as transformers' rotary module computes them: one per layer type where its forward
+    takes a layer_type (Gemma 3's and OLMo 3's in transformers 5, whose sliding layers rotate by rope parameters of
+    their own; OLMo 3's rope_scaling reaches its full layers alone), else one table for every layer. modules: a rotary
+    module per layer type, where transformers made one each (Gemma 3 in transformers 4)."""
+    module, dtype = rotary_module(spec.architecture, g.ckpt.config), g.numerics.dtype
+    types = sorted(set(spec.layer_types))
+    if modules:
+        per_type = lambda kind: rope(modules[kind], max_seq_len, dtype)  # noqa: E731
+    elif "layer_type" in inspect.signature(module.forward).parameters:
+        per_type = lambda kind: rope(module, max_seq_len, dtype, layer_type=kind)  # noqa: E731
+    else:
+        cos, sin = rotary_tables(g, ["all"], spec.rotary_dim, max_seq_len, lambda: rope(module, max_seq_len, dtype))
+        return {kind: (cos, sin) for kind in types}
+    tables = rotary_tables(g, types, spec.rotary_dim, max_seq_len,
+                           lambda: tuple(t for kind in types for t in per_type(kind)))
+    return {kind: (tables[2 * n], tables[2 * n + 1]) for n, kind in enumerate(types)}
