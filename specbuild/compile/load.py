@@ -621,8 +621,8 @@ def _rope_model_spec(config, architecture: str, family: str, path: Path, role: s
         )
     if getattr(config, "use_bidirectional_attention", False):
         raise UnsupportedModelError(f"{role} checkpoint {path}: bidirectional attention (an embedding model) cannot decode")
-    # layer_types (Qwen2/3, Gemma) says which layers slide; Mistral and Phi-3 slide everywhere if they slide, Llama
-    # nowhere (check_context refuses a target whose window, ignored here, transformers' cache would apply).
+    # layer_types (Qwen2/3, Gemma, OLMo 3) says which layers slide; Mistral and Phi-3 slide everywhere if they slide,
+    # Llama nowhere (check_context refuses a target whose window, ignored here, transformers' cache would apply).
     window = getattr(config, "sliding_window", None) if architecture in WINDOWED else None
     typed = getattr(config, "layer_types", None) if architecture in LAYER_TYPED else None
     layer_types = list(typed or ["sliding_attention" if window else "full_attention"] * layers)
