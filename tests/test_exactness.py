@@ -274,24 +274,45 @@ def test_a_checkpoint_saved_from_the_base_model_decodes_like_transformers(checkp
         assert transformers_argmax(model, ids, tokens) == tokens, prompt
 
 
-@pytest.mark.parametrize("architecture", ["llama", "granite", "olmo2"])
+# fp16 rounding changes how far a token's logit trails the top one by at most 0.059 here (transformers fp16 against
+# fp32, tokens within 3 of the top, teacher-forced on the engine's output: Llama; OLMo 2 0.020, OLMo 3 0.019, Granite
+# 0.0016; the fp16 engine's at most 0.029), so fp16 may order two tokens fp32 puts closer than 0.1 either way. Graph
+# bugs tried (OLMo 2's q_norm dropped or its eps 1e-2, Granite's MLP residual_multiplier dropped) diverge at 0.35-1.06.
+FP16_NEAR_TIE = 0.1
+
+
+@pytest.mark.parametrize("architecture", ["llama", "granite", "olmo2", "olmo3"])
 def test_an_fp16_bundle_decodes_through_the_runtime_like_transformers_in_fp16(architecture, checkpoints, tokenizer,
                                                                               tmp_path):
     """Granite's multipliers and OLMo 2's norms in fp16 too; the prompt's logprobs are transformers' (its argmax
-    alone would not see Granite's logits left undivided)."""
+    alone would not see Granite's logits left undivided). The tokens are transformers fp16's up to the first that
+    differs, which must be a near tie in fp32 (issue 12: rounding told apart from a bug); after it the two continue
+    different texts."""
+    import copy
+
     import torch
 
     decoder = _pair_bundle(tmp_path, checkpoints(architecture), checkpoints(architecture, 1), precision="fp16")
     assert {info.precision for info in decoder.manifest.engines.values()} == {"fp16"}
-    model = load_reference(checkpoints(architecture)).half()
+    exact = load_reference(checkpoints(architecture))
+    model = copy.deepcopy(exact).half()
     for prompt in PROMPTS:
         ids = tokenizer(prompt)["input_ids"]
         for gamma in (0, 1, 3, "auto"):
             tokens = decoder.generate(ids, NEW_TOKENS, gamma).token_ids
-            assert transformers_argmax(model, ids, tokens) == tokens, (gamma, prompt)
+            theirs = transformers_argmax(model, ids, tokens)
+            at = next((i for i, (a, b) in enumerate(zip(tokens, theirs)) if a != b), None)
+            if at is not None:
+                with torch.no_grad():
+                    row = exact(torch.tensor([ids + tokens[:at]])).logits[0, -1]
+                gap = max(float(row.max() - row[t]) for t in (tokens[at], theirs[at]))
+                assert gap < FP16_NEAR_TIE, (f"{gamma=} {prompt=}: token {at} is {tokens[at]}, transformers fp16's "
+                                             f"{theirs[at]}; fp32's top logit leads one of them by {gap:.4f}, "
+                                             f"beyond a rounding near tie ({FP16_NEAR_TIE})")
         scored = [p.logprob for p in decoder.generate(ids, 1, 0, prompt_logprobs=0).prompt_logprobs[1:]]
         with torch.no_grad():
             logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
         expected = logprobs[range(len(ids) - 1), ids[1:]].tolist()
-        # fp16 against fp16: at most 0.011 apart here (Llama; OLMo 2 0.0055, Granite 0.001), undivided logits O(1)
+        # fp16 against fp16: at most 0.011 apart here (Llama; OLMo 3 0.0063, OLMo 2 0.0055, Granite 0.001), undivided
+        # logits O(1)
         assert max((abs(a - b) for a, b in zip(scored, expected)), default=0) < 0.05, prompt
