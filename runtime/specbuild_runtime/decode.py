@@ -286,27 +286,35 @@ class SpeculativeDecoder:
         slot_bytes = self.max_seq_len * sum(e.kv_bytes_per_position for e in self.manifest.engines.values())
         if self.device == "cpu":
             check_memory(parallel, slot_bytes)
-        with digests_checked(self.root, self.manifest, check_digests):
-            self.tokenizer = load_tokenizer(self.root / TOKENIZER_DIR / "tokenizer.json")
-            # vLLM makes the generation_config's eos ids other than the tokenizer's stop_token_ids
-            # (SamplingParams.update_from_generation_config): a reply one of them ends reports it as its stop_reason
-            self.tokenizer_eos = tokenizer_eos(self.tokenizer, self.root / TOKENIZER_DIR)
-            self.token_span = token_span(self.tokenizer)
-            self.grammars = Grammars(self.tokenizer, self.tokenizer.get_vocab_size(with_added_tokens=True),
-                                     self.manifest.engines["target"].shape.vocab_size, list(self.eos_token_ids),
-                                     grammar_cache)
-            try:
-                self.target, self.draft, self.steps_engine = self._engines(draft_steps)
-            except DeviceError:
-                if device != "auto":
-                    raise
-                self.device = "cpu"  # the CUDA provider is installed but could not start: "auto" takes the CPU
-                self.cuda_graphs = bool(cuda_graphs)
-                check_memory(parallel, slot_bytes)
-                self.target, self.draft, self.steps_engine = self._engines(draft_steps)
+        replaced = BundleError(f"{self.root} was replaced while it loaded (a compile --overwrite finished meanwhile); "
+                               "load it again")
+        try:
+            with digests_checked(self.root, self.manifest, check_digests):
+                self.tokenizer = load_tokenizer(self.root / TOKENIZER_DIR / "tokenizer.json")
+                # vLLM makes the generation_config's eos ids other than the tokenizer's stop_token_ids
+                # (SamplingParams.update_from_generation_config): a reply one of them ends reports it as its stop_reason
+                self.tokenizer_eos = tokenizer_eos(self.tokenizer, self.root / TOKENIZER_DIR)
+                self.token_span = token_span(self.tokenizer)
+                self.grammars = Grammars(self.tokenizer, self.tokenizer.get_vocab_size(with_added_tokens=True),
+                                         self.manifest.engines["target"].shape.vocab_size, list(self.eos_token_ids),
+                                         grammar_cache)
+                try:
+                    self.target, self.draft, self.steps_engine = self._engines(draft_steps)
+                except DeviceError:
+                    if device != "auto":
+                        raise
+                    self.device = "cpu"  # the CUDA provider is installed but could not start: "auto" takes the CPU
+                    self.cuda_graphs = bool(cuda_graphs)
+                    check_memory(parallel, slot_bytes)
+                    self.target, self.draft, self.steps_engine = self._engines(draft_steps)
+        except BundleError:
+            # The weights are hashed while the engines load: a file gone or changed there, where a new bundle was
+            # swapped in at the path meanwhile, is the swap's doing, not a damaged bundle's
+            if _identity(self.root) != folder:
+                raise replaced from None
+            raise
         if _identity(self.root) != folder:  # the engines may be another bundle's than the manifest checked
-            raise BundleError(f"{self.root} was replaced while it loaded (a compile --overwrite finished meanwhile); "
-                              "load it again")
+            raise replaced
         self.vocab_size = self.target.vocab_size
         check_vocabularies(self.target, self.draft)
         rows = target_rows or (fixed_rows(self.max_gamma) if self.device == "cuda" else NEVER_ALONE)
