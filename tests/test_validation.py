@@ -387,6 +387,19 @@ def test_a_bundle_replaced_while_it_loads_is_refused_not_mixed(bundles, tmp_path
     SpeculativeDecoder(folder)  # loaded again: one folder throughout
 
 
+def test_a_bundle_file_gone_between_its_check_and_its_read_is_one_line(bundles, monkeypatch):
+    """A swap at the path between is_file and open (the weights are hashed while the engines load) raised the
+    digest thread's FileNotFoundError from the constructor, where a swap is refused as replaced (1 run in ~60)."""
+    from specbuild_runtime import manifest
+
+    def gone(path, stop=None):
+        raise FileNotFoundError(2, "No such file or directory", str(path))
+
+    monkeypatch.setattr(manifest, "sha256_file", gone)
+    with pytest.raises(BundleError, match=r"^bundle file .* cannot be read \(No such file or directory\); rebuild"):
+        SpeculativeDecoder(bundles("llama"))
+
+
 def test_a_stop_string_longer_than_any_real_one_is_refused(bundles):
     from specbuild_runtime.validation import MAX_STOP_CHARS
 

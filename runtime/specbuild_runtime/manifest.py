@@ -590,7 +590,12 @@ def verify_digests(root: Path, manifest: Manifest, skip: frozenset[str] = frozen
         path = root / rel
         if not path.is_file():
             raise BundleError(f"bundle file {path} {_not_a_file(path)}; rebuild the bundle with `specbuild compile`")
-        if sha256_file(path, stop) != expected:
+        try:
+            digest = sha256_file(path, stop)
+        except OSError as exc:  # gone since is_file (a bundle swapped in at its path) or unreadable
+            raise BundleError(f"bundle file {path} cannot be read ({exc.strerror}); rebuild the bundle with "
+                              "`specbuild compile`") from None
+        if digest != expected:
             raise BundleError(
                 f"bundle file {path} is corrupted (sha256 differs from the manifest); rebuild the bundle "
                 "with `specbuild compile`"
