@@ -44,7 +44,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_load import rss_bytes, serving  # noqa: E402
+from serve_load import rss_bytes, serving, sse_events  # noqa: E402
 
 
 def load_average() -> str:
@@ -124,10 +124,7 @@ async def completion(http: httpx.AsyncClient, url: str, body: dict, timeout: flo
             if status != 200:
                 error = json.loads(await response.aread())["error"]["message"]
             elif body.get("stream"):
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
+                async for event in sse_events(response):
                     if "error" in event:
                         error = event["error"]["message"]
                     elif event["choices"] and text_of(event["choices"][0]):
@@ -603,12 +600,9 @@ async def soak_run(url: str, pid: int, jobs: list[dict], expected: dict, clients
                         reply = json.loads(await response.aread())
                         text, usage = [reply["choices"][0]["text"]], reply["usage"]
                     else:
-                        async for line in response.aiter_lines():
-                            if not line.startswith("data: ") or line == "data: [DONE]":
-                                continue
+                        async for event in sse_events(response):
                             if job["leave"]:
                                 return count("left")
-                            event = json.loads(line[6:])
                             if event.get("usage"):
                                 usage = event["usage"]
                             elif event["choices"] and event["choices"][0].get("index", 0) == 0:

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -123,6 +124,13 @@ def serving(bundle: Path, parallel: int, threads: int = 0, device: str = "cpu", 
             process.wait(60)
 
 
+async def sse_events(response: httpx.Response) -> AsyncIterator[dict]:
+    """A streamed reply's events (its `data: ` lines but the closing [DONE]), as JSON."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 async def one_request(http: httpx.AsyncClient, url: str, job: dict) -> dict:
     """A streamed completion: its text, token count and the clients' timings."""
     start = time.perf_counter()
@@ -132,10 +140,7 @@ async def one_request(http: httpx.AsyncClient, url: str, job: dict) -> dict:
         if response.status_code != 200:
             failure = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
         else:
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
+            async for event in sse_events(response):
                 if "error" in event:
                     failure = event["error"]["message"]
                 elif event["choices"] and event["choices"][0]["text"]:
