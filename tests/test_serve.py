@@ -1854,14 +1854,15 @@ def test_no_color_set_keeps_the_servers_log_plain_on_a_terminal(no_color, bundle
 
 
 @contextmanager
-def in_process(bundle: Path, wrapper: type = PausingDecoder, **settings):
-    """The app on a PausingDecoder (or `wrapper`) with one slot, served by uvicorn in a thread on a free loopback
-    port."""
+def in_process(bundle: Path, wrapper: type = PausingDecoder, routes: tuple = (), **settings):
+    """The app on a PausingDecoder (or `wrapper`) with one slot, and `routes` beside its own, served by uvicorn in a
+    thread on a free loopback port."""
     from specbuild_runtime import SpeculativeDecoder
     from specbuild_runtime.serve.app import Server, Settings
 
     decoder = wrapper(SpeculativeDecoder(bundle, parallel=1))
     server = Server(decoder, Settings(model=MODEL, **settings))
+    server.app.router.routes.extend(routes)
     uvicorn = server.http_server("127.0.0.1", 0, log_level="warning")
     thread = threading.Thread(target=uvicorn.run)
     thread.start()
@@ -2880,6 +2881,68 @@ def test_a_connection_refused_beyond_max_connections_leaves_the_served_ones_serv
                 beyond.settimeout(30)  # a guard
                 assert beyond.recv(65536).startswith(b"HTTP/1.1 503")  # refused, and held open by its client
                 assert served.get(f"{url}/health").status_code == 200
+
+
+def test_handlers_still_running_after_their_clients_left_never_get_a_new_client_uvicorns_text_503(bundle):
+    """serve gave uvicorn limit_concurrency (--max-connections + 1), which counts the tasks of requests as well as the
+    connections: while handlers whose clients had left still ran, a new client's request got uvicorn's own 503,
+    text/plain "Service Unavailable", which no metric counted and an OpenAI client cannot read. Only the connections
+    are bounded now (refused in JSON and counted, tests above), and a handler left running refuses nobody."""
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    gate = threading.Event()
+
+    async def hold(request):  # a handler that does not look whether its client is still there
+        await asyncio.get_running_loop().run_in_executor(None, gate.wait)
+        return JSONResponse({})
+
+    with in_process(bundle, routes=(Route("/hold", hold),), max_connections=1) as (url, decoder, uvicorn):
+        decoder.go.set()
+        host, port = url.removeprefix("http://").split(":")
+        try:
+            for running in (1, 2):  # past what uvicorn's limit allowed: 2
+                with socket.create_connection((host, int(port))) as client:
+                    client.sendall(b"GET /hold HTTP/1.1\r\nhost: localhost\r\n\r\n")
+                    wait_until(lambda: len(uvicorn.server_state.tasks) == running, "the handler started")
+                wait_until(lambda: not uvicorn.server_state.connections, "the server saw its client leave")
+            reply = httpx.get(f"{url}/health")
+            assert reply.status_code == 200 and reply.json() == {"status": "ok"}, reply.text
+        finally:
+            gate.set()
+
+
+@pytest.mark.parametrize("path, body", [("/tokenize", {"prompt": PROMPTS[0]}), ("/detokenize", {"tokens": [5, 6, 7]})])
+def test_a_tokenize_whose_client_leaves_while_it_waits_for_the_checking_thread_gives_its_turn_up(bundle, monkeypatch,
+                                                                                                   path, body):
+    """/tokenize and /detokenize take turns with requests' checks on the checking thread. One whose client had left
+    waited for its turn all the same, and then tokenized (every request behind it waiting); now it is counted
+    cancelled at once and its work never runs."""
+    from specbuild_runtime.serve import app
+
+    encodes = []
+    encode = app.encode_ids
+    monkeypatch.setattr(app, "encode_ids", lambda *a, **k: encodes.append(1) or encode(*a, **k))
+    cancelled = ("specbuild_requests_total", (("endpoint", path[1:]), ("outcome", "cancelled")))
+    with in_process(bundle) as (url, decoder, uvicorn):
+        decoder.go.set()
+        decoder.checks.clear()
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as holder:  # its check holds the checking thread
+            completion = json.dumps({"prompt": [5, 6, 7], "max_tokens": 1}).encode()
+            holder.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
+                           b"content-length: %d\r\n\r\n%s" % (len(completion), completion))
+            assert decoder.checking.acquire(timeout=60)
+        wait_until(lambda: not uvicorn.server_state.tasks, "its handler saw its client leave")  # its check runs on
+        payload = json.dumps(body).encode()
+        with socket.create_connection((host, int(port))) as leaving:
+            leaving.sendall(b"POST %s HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
+                            b"content-length: %d\r\n\r\n%s" % (path.encode(), len(payload), payload))
+            wait_until(lambda: len(uvicorn.server_state.tasks) == 1, "the request waited for the checking thread")
+        wait_until(lambda: metric_values(url).get(cancelled) == 1, "the request was counted cancelled")
+        decoder.checks.set()
+        assert httpx.post(f"{url}{path}", json=body, timeout=60).status_code == 200  # after the checking thread's queue
+        assert encodes == ([1] if path == "/tokenize" else [])  # this one's alone
 
 
 def test_shutdown_cuts_a_stream_after_the_grace_period_with_a_clean_end(bundle):

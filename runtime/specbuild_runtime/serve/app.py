@@ -20,7 +20,7 @@ import os
 import struct
 import termios
 import threading
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
@@ -133,8 +133,11 @@ class Server:
                                 # no WebSocket routes: with `websockets` installed (uvicorn[standard]) an upgrade got an
                                 # empty text/plain 403 from uvicorn, where a plain request gets the JSON 404
                                 ws="none",
-                                # uvicorn counts the newcomer too: max_connections are served, the next gets 503
-                                limit_concurrency=self.settings.max_connections + 1,
+                                # None, as uvicorn's default: its limit also counted the tasks of requests whose
+                                # client had gone, and refused new ones in text/plain, counted nowhere, while those
+                                # reached it. _refusing_beyond bounds the connections, one request each at a time, and
+                                # every handler stops once its client leaves (_unless_gone, and Starlette's streams)
+                                limit_concurrency=None,
                                 # a backstop: drain cuts first (uvicorn takes whole seconds)
                                 timeout_graceful_shutdown=math.ceil(self.settings.shutdown_timeout) + 5,
                                 # https://no-color.org, as the CLI reads it: uvicorn colours wherever stdout is a terminal
@@ -169,7 +172,7 @@ class Server:
         """vLLM's /tokenize: a prompt's or a chat's token ids, as a completion or chat completion would decode them."""
         try:
             request = protocol.parse_tokenize(await self._body_unless_cut(http), self.settings.model)
-            tokens = await self.scheduler.run_check(partial(self._tokens, request))
+            tokens = await _unless_gone(http, self.scheduler.run_check(partial(self._tokens, request)))
         except Exception as exc:
             return self._refuse(TOKENIZE, exc)
 
@@ -204,7 +207,8 @@ class Server:
         try:
             tokens = protocol.parse_detokenize(await self._body_unless_cut(http), self.settings.model,
                                                self.decoder.vocab_size)
-            text = await self.scheduler.run_check(partial(self.decoder.tokenizer.decode, tokens, skip_special_tokens=False))
+            text = await _unless_gone(http, self.scheduler.run_check(partial(self.decoder.tokenizer.decode, tokens,
+                                                                             skip_special_tokens=False)))
         except Exception as exc:
             return self._refuse(DETOKENIZE, exc)
         self.metrics.outcome(DETOKENIZE, "ok")
@@ -369,17 +373,7 @@ class Server:
         (and rendering a chat) costs up to seconds for the longest bodies: the scheduler does it on its checking
         thread, one request at a time, each holding a place in its queue meanwhile. One whose client left kept that
         place until its turn, then was checked all the same, every request behind it waiting."""
-        submitting = asyncio.ensure_future(self.scheduler.submit(partial(self._checked, request)))
-        leaving = asyncio.ensure_future(_disconnected(http))
-        try:
-            done, _ = await asyncio.wait({submitting, leaving}, return_when=asyncio.FIRST_COMPLETED)
-        finally:  # also when this handler is cancelled
-            leaving.cancel()
-            if not submitting.done():
-                submitting.cancel()  # gives its place up; a check not begun never runs
-        if submitting not in done:
-            raise Stopped("cancelled")
-        return submitting.result()
+        return await _unless_gone(http, self.scheduler.submit(partial(self._checked, request)))
 
     async def _body(self, http: HttpRequest) -> bytes:
         """The request body, refused (413) once it is longer than any request that fits the context."""
@@ -926,6 +920,23 @@ async def _interleaved(streams: list):
     finally:
         for each in pumps:
             each.cancel()
+
+
+async def _unless_gone(http: HttpRequest, work: Awaitable[T]) -> T:
+    """work's result, or Stopped("cancelled") if the client (`http`'s, whose body is read) leaves first: work is then
+    cancelled, as it is when the caller is (a place on the checking thread given up: work not begun never runs). A
+    handler whose client had left waited for its turn there all the same, every request behind it waiting."""
+    working = asyncio.ensure_future(work)
+    leaving = asyncio.ensure_future(_disconnected(http))
+    try:
+        done, _ = await asyncio.wait({working, leaving}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled
+        leaving.cancel()
+        if not working.done():
+            working.cancel()
+    if working not in done:
+        raise Stopped("cancelled")
+    return working.result()
 
 
 async def _disconnected(http: HttpRequest) -> None:
