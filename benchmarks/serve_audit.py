@@ -7,6 +7,7 @@ vLLM's server is the reference where ours is silent). Each command prints its fi
     python benchmarks/serve_audit.py leave BUNDLE --prefill-only --parallel 1
     python benchmarks/serve_audit.py signals BUNDLE
     python benchmarks/serve_audit.py soak BUNDLE --requests 5000
+    python benchmarks/serve_audit.py soak BUNDLE --requests 100000 --minutes 10 --device cuda --parallel 4
     python benchmarks/serve_audit.py abuse BUNDLE
 
 `load`: closed-loop clients (each sends its next request once the last is answered; a 429 again after its
@@ -19,9 +20,12 @@ up during its prefill (how long the next request waits for the slot: --parallel 
 that reads the prompt in under 0.2 s says so and has none to measure), streams left mid-way, clients that time out
 while queued or decoding (how long until /metrics shows the slots free and the queue empty). `signals`: SIGTERM and
 SIGINT with streams and whole requests in flight, some queued, at two --shutdown-timeout values: what each client
-got, how long the server took to exit. `soak`: RSS over thousands of mixed requests (sampled, streams left, clients
-that give up, n 2, echo with logprobs, bad bodies), /health meanwhile, metrics against the clients' counts at the
-end. `abuse`: huge prompts, max_tokens past the context, n beyond the queue, malformed JSON in bulk, while
+got, how long the server took to exit. `soak`: the server's RSS (VmRSS) every --every requests over thousands of mixed
+requests (greedy and seeded sampling at a fixed γ or auto, streamed or not, n 2, logprobs, echo with logprobs, prompts
+of 2 tokens to most of the context, streams left, clients that give up, bad bodies), for --requests or --minutes, its
+growth after --warmup-requests; every greedy or seeded answer to a text prompt checked, /health meanwhile, metrics
+against the clients' counts at the end (the one soak of the server: `serve_memory.py decoder` soaks a decoder in
+threads). `abuse`: huge prompts, max_tokens past the context, n beyond the queue, malformed JSON in bulk, while
 well-formed clients go on: what each bad one got, and whether every good one got its right text.
 """
 
@@ -545,33 +549,43 @@ def abuse(args) -> dict:
 
 
 def soak_jobs(count: int, texts: list[str], max_seq_len: int, seed: int = 0) -> list[dict]:
-    """Mixed requests: greedy and seeded sampling, streamed or not, n 2, echo with logprobs, streams the client leaves
-    after its first event ("leave"), requests it gives up on after 50 ms ("give_up"), and bad bodies ("bad")."""
+    """Mixed requests, which change the shapes onnxruntime sees (its CPU arena and memory-pattern planner key on them):
+    greedy, and seeded sampling (top-p 0.95, at a fixed γ 4 or auto), streamed or not, n 2, logprobs, echo with
+    logprobs (scoring the prompt), prompts of 2 token ids to most of the context, streams the client leaves after its
+    first event ("leave"), requests it gives up on after 50 ms ("give_up"), and bad bodies ("bad"). "check": a text
+    prompt's, whose answer (its first choice's) has one right text: greedy, or sampled from a seed."""
     pick = random.Random(seed)
     out = []
-    for i in range(count):
+    for _ in range(count):
         job = {"prompt": pick.choice(texts), "max_tokens": pick.randint(1, 48), "temperature": 0,
                "stream": pick.random() < 0.5}
         kind = pick.random()
-        if kind < 0.2:
-            job.update(temperature=0.8, seed=i)
-        elif kind < 0.25:
-            job.update(n=2, temperature=0.8, seed=i)
+        if kind < 0.25:  # a few seeds and lengths, so that their right texts are few to compute
+            job.update(temperature=0.8, top_p=0.95, seed=pick.randrange(4), max_tokens=pick.choice((16, 48)),
+                       **({"gamma": 4} if pick.random() < 0.5 else {}), **({"n": 2} if kind < 0.05 else {}))
         elif kind < 0.3:
             job.update(echo=True, logprobs=2, stream=False)
         elif kind < 0.35:
-            job["prompt"] = [pick.randrange(1, 300) for _ in range(pick.randint(300, max_seq_len - 60))]
-        checked = job["temperature"] == 0 and "echo" not in job and isinstance(job["prompt"], str)
-        out.append({"body": job, "check": checked,
+            job["prompt"] = [pick.randrange(1, 300) for _ in range(pick.randint(2, max_seq_len - 60))]
+        elif kind < 0.45:
+            job["logprobs"] = pick.randint(0, 5)
+        out.append({"body": job, "check": "echo" not in job and isinstance(job["prompt"], str),
                     "leave": job["stream"] and pick.random() < 0.08, "give_up": pick.random() < 0.04,
                     "bad": pick.random() < 0.05})
     return out
 
 
-async def soak_run(url: str, pid: int, jobs: list[dict], expected: dict, clients: int, every: int) -> dict:
+def answer_key(body: dict) -> tuple:
+    """What decides a checked request's text."""
+    return tuple(body.get(name) for name in ("prompt", "max_tokens", "temperature", "top_p", "seed", "gamma"))
+
+
+async def soak_run(url: str, pid: int, jobs: list[dict], expected: dict, clients: int, every: int,
+                   seconds_limit: float | None) -> dict:
     counted: dict[str, int] = {}
-    wrong: list = []
-    rss = [(0, rss_bytes(pid))]
+    checked, wrong = 0, []
+    start = time.perf_counter()
+    rss = [(0, 0.0, rss_bytes(pid))]  # (requests done, seconds, bytes)
     usage_tokens = 0
     done = 0
     queue = iter(jobs)
@@ -581,7 +595,7 @@ async def soak_run(url: str, pid: int, jobs: list[dict], expected: dict, clients
 
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=clients + 2)) as http:
         async def one(job: dict) -> None:
-            nonlocal usage_tokens
+            nonlocal usage_tokens, checked
             body = dict(job["body"])
             if job["bad"]:
                 response = await http.post(f"{url}/v1/completions", content=json.dumps(body)[:-3])
@@ -611,46 +625,58 @@ async def soak_run(url: str, pid: int, jobs: list[dict], expected: dict, clients
                 return count("gave up")
             count("ok")
             usage_tokens += usage["completion_tokens"]
-            if job["check"] and "".join(text) != expected[(body["prompt"], body["max_tokens"])]:
-                wrong.append(body)
+            if job["check"]:
+                checked += 1
+                if "".join(text) != expected[answer_key(body)]:
+                    wrong.append(body)
 
         async def client() -> None:
             nonlocal done
             for job in queue:
+                if seconds_limit is not None and time.perf_counter() - start >= seconds_limit:
+                    return
                 await one(job)
                 done += 1
                 if done % every == 0:
-                    rss.append((done, rss_bytes(pid)))
+                    rss.append((done, round(time.perf_counter() - start, 1), rss_bytes(pid)))
 
-        start = time.perf_counter()
         with probing_health(url) as health:
             await asyncio.gather(*(client() for _ in range(clients)))
         seconds = time.perf_counter() - start
-    return {"clients": clients, "requests": len(jobs), "seconds": round(seconds, 1), "clients_counted": counted,
-            "wrong_text": len(wrong), "usage_completion_tokens_of_ok": usage_tokens,
+    return {"clients": clients, "requests": done, "seconds": round(seconds, 1), "clients_counted": counted,
+            "checked": checked, "wrong_text": len(wrong),
+            "usage_completion_tokens_of_ok": usage_tokens,
             "health_ms_p50_p99_max": [percentile_ms(health, 50), percentile_ms(health, 99),
                                       round(1e3 * max(health), 1)],
-            "rss_mib": [(n, round(b / 2**20, 1)) for n, b in rss]}
+            "rss_mib": [(n, t, round(b / 2**20, 1)) for n, t, b in rss]}
 
 
 def soak(args) -> dict:
     texts = prompts(args.prompts)
     from specbuild_runtime import SpeculativeDecoder
-    decoder = SpeculativeDecoder(args.bundle, shared_thread_pool=True)
+    decoder = SpeculativeDecoder(args.bundle, device=args.device, shared_thread_pool=True)
     jobs = soak_jobs(args.requests, texts, decoder.max_seq_len)
     expected = {}
     for job in jobs:
-        key = (job["body"]["prompt"], job["body"]["max_tokens"])
+        key = answer_key(job["body"])
         if job["check"] and key not in expected:
-            expected[key] = decoder.generate(key[0], max_new_tokens=key[1], temperature=0).text
+            prompt, max_tokens, temperature, top_p, seed, gamma = key
+            expected[key] = decoder.generate(prompt, max_new_tokens=max_tokens, temperature=temperature,
+                                             top_p=top_p or 1.0, seed=seed, gamma=gamma or "auto").text
     del decoder
-    with serving(args.bundle, args.parallel, max_queue=args.max_queue) as (process, url):
-        report = asyncio.run(soak_run(url, process.pid, jobs, expected, args.clients, args.every))
+    # vllm: a sampled request's omitted top_k, min_p and penalties are OpenAI's, as generate's, whatever the bundle's
+    # generation_config says
+    with serving(args.bundle, args.parallel, device=args.device, cuda_graphs=args.cuda_graphs, max_queue=args.max_queue,
+                 more=("--generation-config", "vllm")) as (process, url):
+        report = asyncio.run(soak_run(url, process.pid, jobs, expected, args.clients, args.every,
+                                      60 * args.minutes if args.minutes else None))
         values = metrics(url)
         report["metrics"] = {
             "outcomes": outcome_counts(url),
             "generation_tokens_total": values[("specbuild_generation_tokens_total", ())],
             "slots_busy": values[("specbuild_slots_busy", ())], "queue_depth": values[("specbuild_queue_depth", ())]}
+    warm = [mib for n, _, mib in report["rss_mib"] if n >= args.warmup_requests]
+    report["rss_growth_after_warmup"] = round((warm[-1] - warm[0]) / warm[0], 4) if len(warm) > 1 else None
     report["load_average"] = load_average()
     print(json.dumps(report), flush=True)
     return report
@@ -724,9 +750,16 @@ def main() -> None:
     commands.choices["burst"].add_argument("--clients", type=lambda s: [int(x) for x in s.split(",")],
                                            default=[8, 32, 128])
     commands.choices["leave"].add_argument("--prefill-only", action="store_true")
-    commands.choices["soak"].add_argument("--requests", type=int, default=3000)
-    commands.choices["soak"].add_argument("--clients", type=int, default=32)
-    commands.choices["soak"].add_argument("--every", type=int, default=250, help="sample RSS every this many requests")
+    soak_command = commands.choices["soak"]
+    soak_command.add_argument("--requests", type=int, default=3000)
+    soak_command.add_argument("--minutes", type=float, help="stop sending after this long, if before --requests")
+    soak_command.add_argument("--clients", type=int, default=32)
+    soak_command.add_argument("--every", type=int, default=250, help="sample RSS every this many requests")
+    soak_command.add_argument("--warmup-requests", type=int, default=500,
+                              help="RSS growth is measured from the first sample at or after this many requests")
+    soak_command.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    soak_command.add_argument("--cuda-graphs", choices=("on", "off", "default"), default="default",
+                              help="the server's CUDA graphs: on, off or its own choice")
     args = parser.parse_args()
     report = {"command": args.command, "bundle": str(args.bundle), "load_average_before": load_average(),
               **globals()[args.command](args)}

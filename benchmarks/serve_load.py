@@ -2,16 +2,15 @@
 
     python benchmarks/serve_load.py pair DIR                      # a random-weight pair with some agreement, compiled
     python benchmarks/serve_load.py throughput DIR/bundle --parallel 1,2,4 --json out.json
-    python benchmarks/serve_load.py soak DIR/bundle --minutes 10 --parallel 4 --json soak.json
     python benchmarks/serve_load.py throughput BUNDLE --device cuda --parallel 1,4 --cuda-graphs on,off
 
 `throughput` starts one `specbuild serve` per setting, in turns (settings alternate round by round, so
 drift in a shared machine's speed hits them alike), and drives each with the same concurrent streaming
 clients: tokens/s over the run, time to first token and inter-token latency (p50/p95, measured by the
-clients), and the ratio to `--parallel 1`. `soak` drives one server for minutes and samples its RSS.
-Every response is checked against `SpeculativeDecoder.generate` for the same prompt and settings,
-computed once beforehand in this process: greedy requests adapt γ, sampled ones fix γ and a seed, so
-each has exactly one right answer. Both write JSON.
+clients), and the ratio to `--parallel 1`. Every response is checked against `SpeculativeDecoder.generate` for the
+same prompt and settings, computed once beforehand in this process: greedy requests adapt γ, sampled ones fix γ and a
+seed, so each has exactly one right answer. It writes JSON. A server's memory over minutes of mixed requests:
+`serve_audit.py soak`.
 """
 
 from __future__ import annotations
@@ -232,43 +231,6 @@ def throughput(args) -> dict:
             "sequential_generate_tokens_per_second": sequential, "summary": summary, "runs": runs}
 
 
-def soak(args) -> dict:
-    jobs = workload(args)
-    expected, _ = expected_outputs(args.bundle, jobs, args.device)
-    parallel = args.parallel[0]
-    with serving(args.bundle, parallel, args.threads[0], args.device, args.cuda_graphs[0]) as (process, url):
-        samples = []
-        start = time.monotonic()
-
-        async def watch(stop: asyncio.Event) -> None:
-            while not stop.is_set():
-                samples.append((round(time.monotonic() - start, 1), rss_bytes(process.pid)))
-                try:
-                    await asyncio.wait_for(stop.wait(), args.rss_every)
-                except asyncio.TimeoutError:
-                    pass
-
-        async def run() -> dict:
-            stop = asyncio.Event()
-            watcher = asyncio.create_task(watch(stop))
-            end = start + 60 * args.minutes
-            result = await drive(url, jobs, expected, args.clients, lambda _: time.monotonic() >= end)
-            stop.set()
-            await watcher
-            return result
-
-        result = asyncio.run(run())
-    warm = [rss for t, rss in samples if t >= args.warmup_seconds]
-    growth = (warm[-1] - warm[0]) / warm[0] if len(warm) > 1 else None
-    report = {"parallel": parallel, "clients": args.clients, "minutes": args.minutes, **result,
-              "rss_mib_after_warmup": round(warm[0] / 2**20, 1), "rss_mib_end": round(warm[-1] / 2**20, 1),
-              "rss_mib_max": round(max(warm) / 2**20, 1), "rss_growth_after_warmup": round(growth, 4),
-              "rss_samples": samples}
-    print(f"soak: {format_result(result)}; RSS {report['rss_mib_after_warmup']} -> {report['rss_mib_end']} MiB "
-          f"({100 * growth:+.2f}% after {args.warmup_seconds} s of warm-up)")
-    return report
-
-
 def format_result(r: dict) -> str:
     return (f"{r['requests']} requests, {r['failed']} failed, {r['mismatched']} mismatched, {r['tokens_per_second']} tok/s, "
             f"TTFT p50/p95 {r['ttft_ms_p50']}/{r['ttft_ms_p95']} ms, ITL p50/p95 {r['itl_ms_p50']}/{r['itl_ms_p95']} ms, "
@@ -281,24 +243,20 @@ def main() -> None:
     pair = commands.add_parser("pair", help="make and compile the benchmark pair")
     pair.add_argument("out", type=Path)
     pair.add_argument("--damping", type=float, default=DAMPING)
-    for name in ("throughput", "soak"):
-        command = commands.add_parser(name)
-        command.add_argument("bundle", type=Path)
-        command.add_argument("--parallel", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
-        command.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[0],
-                             help="the server's --threads per setting (0: its default, cores / --parallel)")
-        command.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-        command.add_argument("--cuda-graphs", type=lambda s: s.split(","), default=["default"],
-                             help="the server's CUDA graphs per setting: on, off or default (comma-separated)")
-        command.add_argument("--clients", type=int, default=16)
-        command.add_argument("--prompts", type=int, default=24, help="code prompts; each is sent greedy and sampled")
-        command.add_argument("--max-tokens", type=int, default=96)
-        command.add_argument("--json", type=Path)
-    commands.choices["throughput"].add_argument("--requests", type=int, default=96)
-    commands.choices["throughput"].add_argument("--rounds", type=int, default=2)
-    commands.choices["soak"].add_argument("--minutes", type=float, default=10)
-    commands.choices["soak"].add_argument("--warmup-seconds", type=float, default=60)
-    commands.choices["soak"].add_argument("--rss-every", type=float, default=5)
+    command = commands.add_parser("throughput")
+    command.add_argument("bundle", type=Path)
+    command.add_argument("--parallel", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    command.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[0],
+                         help="the server's --threads per setting (0: its default, cores / --parallel)")
+    command.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    command.add_argument("--cuda-graphs", type=lambda s: s.split(","), default=["default"],
+                         help="the server's CUDA graphs per setting: on, off or default (comma-separated)")
+    command.add_argument("--clients", type=int, default=16)
+    command.add_argument("--prompts", type=int, default=24, help="code prompts; each is sent greedy and sampled")
+    command.add_argument("--max-tokens", type=int, default=96)
+    command.add_argument("--json", type=Path)
+    command.add_argument("--requests", type=int, default=96)
+    command.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     if args.command == "pair":
         make_pair(args.out, args.damping)
@@ -306,7 +264,7 @@ def main() -> None:
     if not set(args.cuda_graphs) <= {"on", "off", "default"}:
         parser.error(f"--cuda-graphs takes on, off or default, not {args.cuda_graphs}")
     report = {"command": args.command, "bundle": str(args.bundle), "device": args.device, "machine_cores": os.cpu_count(),
-              **(throughput(args) if args.command == "throughput" else soak(args))}
+              **throughput(args)}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

@@ -1,21 +1,19 @@
-"""Resident memory of a long-running `specbuild serve` (or of a SpeculativeDecoder in threads) over many mixed
-requests: does it plateau?
+"""Resident memory of a SpeculativeDecoder in threads over many mixed requests, as serve decodes them but without the
+server: does it plateau, and what holds it? (The server's own: `serve_audit.py soak`, whose mix holds this one.)
 
-    python benchmarks/serve_memory.py serve BUNDLE --requests 600 --parallel 1,2 --json serve.json
     python benchmarks/serve_memory.py decoder BUNDLE --requests 600 --parallel 2 --json decoder.json
 
 Requests mix what changes the shapes onnxruntime sees (its CPU arena and memory-pattern planner key on them):
 prompt lengths from a few tokens to most of the context, greedy and seeded sampling, streamed or not, logprobs,
 echo with logprobs (scoring the prompt), n = 2, and streams the client leaves after its first chunk. RSS
-(/proc/PID/status VmRSS) is sampled every --every requests; `decoder` also reports the Python heap
-(tracemalloc) and its largest growth by line between the first sample and the last, and the RSS once glibc's
-malloc_trim(0) has handed back the free memory malloc keeps: what is left is what the process still uses.
+(/proc/PID/status VmRSS) is sampled every --every requests, with the Python heap (tracemalloc); the report gives the
+heap's largest growth by line between the first sample and the last, and the RSS once glibc's malloc_trim(0) has
+handed back the free memory malloc keeps: what is left is what the process still uses.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ctypes
 import json
 import os
@@ -27,10 +25,8 @@ import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_load import rss_bytes, serving  # noqa: E402
+from serve_load import rss_bytes  # noqa: E402
 
 VOCAB = 300  # prompt token ids are drawn below this: every bundle's tokenizer knows them
 
@@ -56,47 +52,6 @@ def jobs(count: int, max_seq_len: int, seed: int = 0) -> list[dict]:
         job["leave"] = job["stream"] and pick.random() < 0.2
         out.append(job)
     return out
-
-
-async def send(http: httpx.AsyncClient, url: str, job: dict) -> str:
-    """One request; what came of it: "ok", "left" (a stream left after its first chunk) or "HTTP <status>"."""
-    body = {k: v for k, v in job.items() if k != "leave"}
-    async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            return f"HTTP {response.status_code}"
-        async for _ in response.aiter_lines():
-            if job["leave"]:
-                return "left"  # leaving the block closes the connection mid-stream
-    return "ok"
-
-
-def measure_serve(bundle: Path, parallel: int, work: list[dict], every: int) -> dict:
-    with serving(bundle, parallel) as (process, url):
-        samples, outcomes = [(0, rss_bytes(process.pid))], {}
-
-        async def run() -> None:
-            done = 0
-            limits = httpx.Limits(max_connections=parallel, max_keepalive_connections=parallel)
-            async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-                queue = iter(work)
-
-                async def client() -> None:
-                    nonlocal done
-                    for job in queue:
-                        outcome = await send(http, url, job)
-                        outcomes[outcome] = outcomes.get(outcome, 0) + 1
-                        done += 1
-                        if done % every == 0:
-                            samples.append((done, rss_bytes(process.pid)))
-
-                await asyncio.gather(*(client() for _ in range(parallel)))
-
-        start = time.perf_counter()
-        asyncio.run(run())
-        seconds = time.perf_counter() - start
-    return {"parallel": parallel, "seconds": round(seconds, 1), "outcomes": outcomes,
-            "rss_mib": [(n, round(rss / 2**20, 1)) for n, rss in samples]}
 
 
 def measure_decoder(bundle: Path, parallel: int, work: list[dict], every: int) -> dict:
@@ -154,7 +109,7 @@ def measure_decoder(bundle: Path, parallel: int, work: list[dict], every: int) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("where", choices=("serve", "decoder"))
+    parser.add_argument("where", choices=("decoder",))
     parser.add_argument("bundle", type=Path)
     parser.add_argument("--requests", type=int, default=600)
     parser.add_argument("--parallel", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
@@ -164,16 +119,14 @@ def main() -> None:
     args = parser.parse_args()
     max_seq_len = json.loads((args.bundle / "manifest.json").read_text())["max_seq_len"]
     work = jobs(args.requests, max_seq_len, args.seed)
-    measure = measure_serve if args.where == "serve" else measure_decoder
     runs = []
     for parallel in args.parallel:
-        runs.append(measure(args.bundle, parallel, work, args.every))
+        runs.append(measure_decoder(args.bundle, parallel, work, args.every))
         rss = runs[-1]["rss_mib"]
         print(f"{args.where} --parallel {parallel}: {runs[-1]['outcomes']} in {runs[-1]['seconds']} s; RSS MiB by requests: "
               + ", ".join(f"{n}: {mib}" for n, mib in rss), flush=True)
-        if "python_heap_mib" in runs[-1]:
-            print(f"  RSS after malloc_trim(0): {runs[-1]['rss_mib_after_malloc_trim']} MiB; Python heap MiB:",
-                  runs[-1]["python_heap_mib"], *runs[-1]["python_heap_growth_by_line"], sep="\n  ")
+        print(f"  RSS after malloc_trim(0): {runs[-1]['rss_mib_after_malloc_trim']} MiB; Python heap MiB:",
+              runs[-1]["python_heap_mib"], *runs[-1]["python_heap_growth_by_line"], sep="\n  ")
     if args.json:
         args.json.write_text(json.dumps({"where": args.where, "bundle": str(args.bundle), "machine_cores": os.cpu_count(),
                                          "requests": args.requests, "runs": runs}, indent=2))
