@@ -23,7 +23,7 @@ from specbuild_runtime.errors import RequestError
 from specbuild_runtime.logprobs import floored
 from specbuild_runtime.serve.cli import (Finite, Interruptible, chat_template_option, cuda_graphs_option, draft_steps_option,
                                         run_command, serve_command, threads_option)
-from specbuild_runtime.validation import FLOAT32_MAX, GREEDY_BELOW, MAX_LOGPROBS, stop_strings
+from specbuild_runtime.validation import FLOAT32_MAX, GREEDY_BELOW, MAX_LOGPROBS, RANDOM_SEED, stop_strings
 
 from . import __version__
 from .bench.bench import DEFAULT_GAMMAS
@@ -199,11 +199,24 @@ class Float32(Finite):
         return value
 
 
+class Seed(click.ParamType):
+    """A seed, 0 or more, or -1 (RANDOM_SEED): the runtime's check, made as the command line is parsed."""
+
+    name = "integer"
+
+    def convert(self, value, param, ctx):
+        number = click.INT.convert(value, param, ctx)
+        if number < RANDOM_SEED:
+            self.fail(f"{number} is not a seed: give a whole number >= 0, or -1 for a random seed (llama.cpp's)",
+                      param, ctx)
+        return number
+
+
 def sampling_options(temperature_help: str = "0 (or below 1e-5) decodes greedily; above, samples losslessly from "
                      "the target's distribution.",
-                     seed_help: str = "Seed for sampling (any integer): it reproduces a run exactly, at a fixed "
-                                      "--gamma or auto; greedy decoding ignores it.  [default: none: each run samples "
-                                      "anew]",
+                     seed_help: str = "Seed for sampling (0 or more): it reproduces a run exactly, at a fixed "
+                                      "--gamma or auto; greedy decoding ignores it; -1 samples with a random seed, as "
+                                      "llama.cpp's.  [default: none: each run samples anew]",
                      seed_default: int | None = None):
     """--temperature/--top-k/--top-p/--seed, named as in the Python API."""
     def decorate(command):
@@ -213,7 +226,8 @@ def sampling_options(temperature_help: str = "0 (or below 1e-5) decodes greedily
                          help="Sample from the k most likely tokens (0 or -1, vLLM's: all)."),
             click.option("--top-p", type=Finite(min=0, max=1, min_open=True), default=1.0, show_default=True,
                          help="Sample from the smallest set of tokens holding this much probability."),
-            click.option("--seed", type=int, default=seed_default, show_default=seed_default is not None, help=seed_help),
+            click.option("--seed", type=Seed(), default=seed_default, show_default=seed_default is not None,
+                         help=seed_help),
         ]):
             command = option(command)
         return command
@@ -723,7 +737,8 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False, path_type=Path), help="Write a plot here: PNG, SVG or PDF by the name's extension (needs matplotlib).")
 @sampling_options(temperature_help="Sample at this temperature instead of greedy decoding (auto γ unseeded, as most "
                                    "traffic is).",
-                  seed_help="Sampled fixed-γ rows seed prompt i with SEED + i, so every mode samples the same way.",
+                  seed_help="Sampled fixed-γ rows seed prompt i with SEED + i, so every mode samples the same way "
+                            "(-1: unseeded, as auto).",
                   seed_default=0)
 @device_option
 @cuda_graphs_option
@@ -756,7 +771,7 @@ def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, de
     if click.get_current_context().get_parameter_source("gammas") is click.core.ParameterSource.DEFAULT:
         gammas = None  # DEFAULT_GAMMAS up to what the bundle allows, which its manifest says
     report = benchmark.bench(bundle, read_prompts(prompts or CODE_PROMPTS), max_new_tokens, gammas, peers, sampling,
-                             device, cuda_graphs, draft_steps, seed)
+                             device, cuda_graphs, draft_steps, None if seed == RANDOM_SEED else seed)
     # The files first: a reader gone from stdout (`| true`, a `head` done early) ends the command at the table,
     # which lost minutes of measuring when they came after it.
     if json_out and not to_stdout:

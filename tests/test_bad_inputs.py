@@ -732,7 +732,11 @@ CASES = [
          ["generate", "{bundle}", "-p", "x", "-n", "4", "--temperature", "1", "--top-k", "-1"], 0, "",
          "Nothing: -1 keeps every token, as 0 does (also `top_k=-1` in the Python API and the server)."),
     Case("`--seed -1`", ["generate", "{bundle}", "-p", "x", "-n", "4", "--temperature", "1", "--seed", "-1"], 0, "",
-         "Nothing: any integer is a seed."),
+         "Nothing: -1 samples with a random seed, as llama.cpp's `--seed -1` and as no `--seed` (also `seed=-1` in "
+         "the Python API and a server request)."),
+    Case("`--seed` below -1", ["generate", "{bundle}", "-p", "x", "--temperature", "1", "--seed", "-2"], 2,
+         "is not a seed: give a whole number >= 0, or -1 for a random seed",
+         "Give a seed of 0 or more to reproduce a run, or -1 for a random one."),
     Case("a prompt that is not UTF-8", ["generate", "{bundle}", "-p", "\udcff\udcfe"], 2, "not valid UTF-8",
          "Pass text in UTF-8."),
     Case('demo recipe `[pair] lr = "fast"` (a string)', ["demo", "--cache", "{tmp}/cache", "--recipe", "{recipe}"], 1,

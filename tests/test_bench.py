@@ -76,6 +76,29 @@ def test_bench_seeds_prompt_i_of_every_fixed_gamma_with_seed_plus_i(bundles):
                                   for i, ids in enumerate(prompts)]
 
 
+def test_bench_seed_minus_one_leaves_every_row_unseeded(bundles, monkeypatch):
+    """--seed -1 (a random seed, as llama.cpp's) is bench's seed None: SEED + i made prompt i's rows seeds -1, 0, 1,
+    ..., the first random and the rest fixed."""
+    from click.testing import CliRunner
+
+    from specbuild.bench import bench as module
+    from specbuild.cli import cli
+    from specbuild_runtime import SpeculativeDecoder
+
+    decoder = SpeculativeDecoder(bundles("llama", 1))
+    seeds = []
+    stream = decoder.stream
+    monkeypatch.setattr(decoder, "stream", lambda *a, seed=None, **k: seeds.append(seed) or stream(*a, seed=seed, **k))
+    prompts = [decoder.encode(p) for p in ("def f():", "import os")]
+    module.run_ours(decoder, prompts, 4, [0, 2], {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, seed=None)
+    assert seeds == [None] * 4
+    given = []
+    monkeypatch.setattr(module, "bench", lambda *args: given.append(args[-1]) or {})
+    monkeypatch.setattr(module, "format_table", lambda report: "")
+    result = CliRunner().invoke(cli, ["bench", str(bundles("llama", 1)), "--temperature", "1", "--seed", "-1"])
+    assert result.exit_code == 0 and given == [None], result.output
+
+
 def test_a_bench_of_a_minute_or_more_says_after_its_warm_up_how_long_it_will_decode(bundles, monkeypatch, capsys):
     """At its defaults on a 0.6B on a CPU, an hour that nothing announced. The line's threshold is lowered so that a
     tiny bundle's run says it too (a run under it prints nothing: test_every_phase_of_bench_...)."""

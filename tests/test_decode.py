@@ -36,7 +36,7 @@ REQUESTS = [
     (PROMPTS[1], dict(gamma=2, temperature=1.0, seed=11)),
     (PROMPTS[3], dict(gamma=4, temperature=0.7, top_p=0.9, seed=12)),
     (PROMPTS[6], dict(gamma=0, temperature=1.0, top_k=20, seed=13)),
-    (PROMPTS[8], dict(gamma=1, temperature=1.3, seed=-14)),
+    (PROMPTS[8], dict(gamma=1, temperature=1.3, seed=14)),
 ]
 NEW_TOKENS = 40
 
@@ -89,7 +89,7 @@ def stress_requests(decoder, count: int, seed: int) -> list[tuple[str, list[int]
         options = dict(gamma=r.choice(["auto", "auto", 0, 1, 3, decoder.max_gamma]))
         if r.random() < 0.4:
             options.update(temperature=r.choice([0.7, 1.0]), top_k=r.choice([0, 20]), top_p=r.choice([1.0, 0.9]),
-                           seed=r.randrange(-99, 1000))
+                           seed=r.randrange(0, 1099))
         if r.random() < 0.4:
             options["stop"] = r.sample(["(", " =", "self", "e", "\n", " "], 2)
         requests.append((r.choice(ENDINGS), text[start:start + length], r.choice([1, 6, 30]), options, r.randrange(1, 8)))

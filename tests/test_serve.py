@@ -711,6 +711,35 @@ def test_n_choices_refuse_a_seed_that_is_no_whole_number_as_one_choice_does(serv
     assert one.json()["error"] == several.json()["error"] and several.json()["error"]["param"] == "seed"
 
 
+def test_a_requests_seed_minus_one_samples_every_choice_with_a_random_seed_as_llama_cpps_server(bundle):
+    """llama.cpp's server takes "seed": -1 (its default) for a random seed; here it was a fixed seed, and with n its
+    choice i was seeded -1 + i: choice 0 fixed at -1, choice 1 at 0, and so on."""
+    class Seeds(CheckCounter):
+        def __init__(self, decoder):
+            super().__init__(decoder)
+            self.seeds: list[int | None] = []
+
+        def request(self, *args, **kwargs):
+            checked = super().request(*args, **kwargs)
+            self.seeds.append(checked.sampling.seed)
+            return checked
+
+    with in_process(bundle, Seeds) as (url, decoder, _):
+        for seed, n, seeds in ((-1, 1, [None]), (-1, 3, [None] * 3), (5, 2, [5, 6])):
+            decoder.seeds.clear()
+            body = {"prompt": "a", "max_tokens": 2, "temperature": 1, "seed": seed, "n": n}
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+            assert decoder.seeds == seeds, (seed, n)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_seed_below_minus_one_is_a_400_naming_seed_and_what_minus_one_means(server, n):
+    reply = httpx.post(f"{server}/v1/completions", json={"prompt": "a", "max_tokens": 1, "temperature": 1, "seed": -2,
+                                                        "n": n})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "seed", reply.text
+    assert "-1: a random seed" in reply.json()["error"]["message"]
+
+
 def test_n_beyond_what_the_server_takes_at_once_is_refused_naming_n(server):
     reply = httpx.post(f"{server}/v1/completions", json={"prompt": ["a", "b"], "n": 20})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "n"

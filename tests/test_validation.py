@@ -102,9 +102,9 @@ def test_a_wrong_value_is_quoted_cut_short_not_whole():
         assert len(str(error.value)) < 300, str(error.value)[:300]
 
 
-def test_numpy_values_and_every_integer_seed_are_accepted():
+def test_numpy_values_and_seeds_of_any_size_are_accepted():
     request = check(np.array([3, 4], np.int32), max_new_tokens=np.int64(5), gamma=np.uint8(2), top_k=np.int16(10 ** 3),
-                    temperature=np.float32(0.5), seed=-(2 ** 70))
+                    temperature=np.float32(0.5), seed=2 ** 70)
     assert request.prompt_ids == [3, 4] and request.max_new_tokens == 5 and request.gamma == 2
     assert request.sampling.top_k == V  # above the vocabulary: every token, as 0
     assert type(request.prompt_ids[0]) is int
@@ -127,11 +127,23 @@ def test_numpy_half_floats_are_taken_without_a_warning():
 
 
 def test_seeds_of_any_size_reproduce_and_differ_from_each_other():
-    draws = {seed: check(seed=seed).sampling.generator().random(4).tolist()
-             for seed in (0, 1, -1, 2 ** 64 + 1, -(2 ** 64) - 1, 10 ** 40)}
+    draws = {seed: check(seed=seed).sampling.generator().random(4).tolist() for seed in (0, 1, 2 ** 64 + 1, 10 ** 40)}
     assert len({tuple(d) for d in draws.values()}) == len(draws)
     assert all(check(seed=seed).sampling.generator().random(4).tolist() == d for seed, d in draws.items())
-    assert draws[1] == np.random.default_rng(1).random(4).tolist()  # seeds >= 0 keep numpy's own streams
+    assert draws[1] == np.random.default_rng(1).random(4).tolist()  # numpy's own streams
+
+
+@pytest.mark.parametrize("seed", [-1, np.int64(-1)], ids=["int", "numpy"])
+def test_a_seed_of_minus_one_is_a_random_seed_as_llama_cpps(seed):
+    """llama.cpp's -1 (LLAMA_DEFAULT_SEED, its --seed's and its server's default): a random seed, as no seed. It was a
+    fixed seed of its own, which a llama.cpp user meant as random."""
+    assert check(seed=seed, temperature=1.0).sampling == check(temperature=1.0).sampling
+
+
+@pytest.mark.parametrize("seed", [-2, -(2 ** 70)])
+def test_a_seed_below_minus_one_is_refused_saying_what_minus_one_means(seed):
+    with pytest.raises(RequestError, match=r"^seed must be >= -1 \(-1: a random seed, as llama.cpp's\), not -"):
+        check(seed=seed)
 
 
 def is_int(x):
@@ -168,7 +180,7 @@ def reference_valid(prompt, max_new_tokens, gamma, temperature, top_k, top_p, se
             and finite32(temperature) and temperature >= 0
             and finite32(top_p) and 0 < top_p <= 1
             and is_int(top_k) and top_k >= -1
-            and (seed is None or is_int(seed))
+            and (seed is None or (is_int(seed) and seed >= -1))
             and (stops is None or (isinstance(stops, list) and len(stops) <= MAX_STOP_STRINGS
                                    and all(isinstance(s, str) and s and utf8(s) for s in stops))))
 

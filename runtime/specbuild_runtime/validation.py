@@ -39,6 +39,13 @@ GREEDY_BELOW = 1e-5
 Prompt = Union[str, Sequence[int], np.ndarray]
 
 
+# A seed of -1 samples with a random seed, as llama.cpp's -1 (its LLAMA_DEFAULT_SEED, 0xFFFFFFFF, the default of its
+# --seed and of its server's "seed") and as no seed (vLLM's None). Other negatives are refused: llama.cpp and vLLM
+# (torch's Generator.manual_seed) wrap them into unsigned seeds, which would not draw their numbers here all the same,
+# and seed + i (n's choices, bench's prompts) would reach -1 from below.
+RANDOM_SEED = -1
+SEED_HINT = " (-1: a random seed, as llama.cpp's)"
+
 PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 NO_PENALTIES = (1.0, 0.0, 0.0)  # the values of PENALTIES that change no logit
 
@@ -69,11 +76,8 @@ class Sampling:
         return self.repetition_penalty, self.presence_penalty, self.frequency_penalty
 
     def generator(self) -> np.random.Generator:
-        """numpy's generator for the seed. numpy takes seeds >= 0 only: a negative seed -s draws from
-        SeedSequence(s) with spawn key (1,), a stream of its own, so every integer is a distinct seed."""
-        if self.seed is None or self.seed >= 0:
-            return np.random.default_rng(self.seed)
-        return np.random.default_rng(np.random.SeedSequence(-self.seed, spawn_key=(1,)))
+        """numpy's generator for the seed (>= 0: check_request's), or a random one without a seed."""
+        return np.random.default_rng(self.seed)
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,9 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
     (temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
      frequency_penalty) = check_sampling(temperature, top_k, top_p, vocab_size, min_p, repetition_penalty,
                                          presence_penalty, frequency_penalty)
-    seed = None if seed is None else whole("seed", seed)
+    seed = None if seed is None else whole("seed", seed, low=RANDOM_SEED, hint=SEED_HINT)
+    if seed == RANDOM_SEED:
+        seed = None
     min_tokens = whole("min_tokens", min_tokens, low=0, high=max_new_tokens,
                        hint=" (the tokens generated before an eos or stop token may end the request, at most max_new_tokens)")
     if logprobs is not None:

@@ -157,9 +157,9 @@ class ModeResult:
 
 
 def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int,
-             gammas: list[int | str], sampling: dict | None = None, seed: int = 0) -> list[ModeResult]:
+             gammas: list[int | str], sampling: dict | None = None, seed: int | None = 0) -> list[ModeResult]:
     """Every mode (a γ, 0 or "auto") decodes every prompt (sampling: temperature, top_k, top_p; none: greedy;
-    prompt i seeded seed + i but under auto).
+    prompt i seeded seed + i but under auto; seed None: none seeded).
     Modes take turns prompt by prompt, so a change in the machine's speed during the run (a shared machine
     drifts by ±15%) falls on all of them alike."""
     results = [ModeResult("specbuild", gamma) for gamma in gammas]
@@ -184,7 +184,8 @@ def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_toke
             # Sampled auto unseeded: the policy of requests without a seed (timed costs, α learned across
             # requests), which most traffic uses; a seed would give the reproducible one (decoder._policy).
             tokens = list(decoder.stream(ids, max_new_tokens, result.gamma, **(sampling or {}),
-                                         seed=None if result.gamma == AUTO else seed + number, stats=stats))
+                                         seed=None if result.gamma == AUTO or seed is None else seed + number,
+                                         stats=stats))
             result.add(stats, tokens)
             result.captures += decoder.graphs_captured - before
     return results
@@ -247,7 +248,7 @@ DEFAULT_GAMMAS = (1, 2, 4, 8)
 
 def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[int] | None, peers: list[str],
           sampling: dict | None = None, device: str = "cpu", cuda_graphs: bool | None = None,
-          draft_steps: bool | None = None, seed: int = 0) -> dict:
+          draft_steps: bool | None = None, seed: int | None = 0) -> dict:
     """sampling: temperature, top_k, top_p (none: greedy). Sampled runs (temperature > 0) differ token-wise
     between modes by design: `matches_target` then says nothing, and α/speed-up are the figures to read.
     gammas None: DEFAULT_GAMMAS up to the bundle's maximum."""

@@ -23,7 +23,7 @@ from ..decode import Stats
 from ..errors import RequestError
 from ..grammar import Unchecked
 from ..logprobs import TokenLogprobs, floored
-from ..validation import GREEDY_BELOW, MAX_LOGPROBS, check_sampling, utf8, whole
+from ..validation import GREEDY_BELOW, MAX_LOGPROBS, RANDOM_SEED, check_sampling, utf8, whole
 from .tools import NO_PARAMETERS, PARSERS, REQUIRED, ToolParser, checked_tools, named_parser, required_schema
 
 COMPLETIONS, CHAT = "completions", "chat"
@@ -261,9 +261,12 @@ class Request:
     def choices(self) -> list[Request]:
         """A request for each choice, by index: each prompt's n in turn, as vLLM numbers them."""
         seed = self.decoding.get("seed")
-        # a seed that is no int (true, "7") is left as sent, for the runtime's check to refuse as with n 1
+        # a seed that is no int (true, "7") is left as sent, for the runtime's check to refuse as with n 1; -1 (a
+        # random seed) too, or choice 1 would be seeded 0
+        if type(seed) is not int or seed == RANDOM_SEED:
+            seed = None
         return [replace(self, prompt=prompt, batch=None, n=1,
-                        decoding=self.decoding if type(seed) is not int else {**self.decoding, "seed": seed + i})
+                        decoding=self.decoding if seed is None else {**self.decoding, "seed": seed + i})
                 for prompt in self.batch or [self.prompt] for i in range(self.n)]
 
 
