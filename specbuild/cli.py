@@ -624,16 +624,29 @@ def tensorrt_llm_lines(bundle: Path, part) -> list[str]:
     g = part.gamma
     how = (f"alpha {g['alpha']:.2f}, cost ratio {g['cost_ratio']:.2f}, expected {g['expected_speedup']:.2f}x; {g['method']}"
            if g["alpha"] is not None else g["method"])  # unmeasured, the method says so and why
-    lines = [f"TensorRT-LLM checkpoints, tp {part.tp_size}; draft length {g['gamma']} ({how})"]
-    for role, c in part.checkpoints.items():
-        quant = f", {c['quant_algo']} at build" if c["quant_algo"] else ""
-        lines.append(f"{role:<6} {c['dir']}/: {c['architecture']} {c['dtype']}{quant}, {c['parameters'] / 1e6:.2f}M params, "
-                     f"vocab {c['vocab_size']} (lm_head {c['lm_head_rows']} rows), {len(c['ranks'])} rank file(s)")
+    # A family the export does not take: the checkpoints entries say why, and only serving plans were written.
+    unexported = sorted(((role, c) for role, c in part.checkpoints.items() if "dir" not in c),
+                        key=lambda item: (not item[1].get("not_exported"), item[0] != "target"))  # one that says why
+    if unexported:
+        role, c = unexported[0]
+        plans = [Path(path).name for path in part.plans.values()]
+        lines = [f"no TensorRT-LLM checkpoints ({role} {c['architecture']}: {c['not_exported']}); wrote "
+                 f"{' and '.join(plans)}, which serve{'s' if len(plans) == 1 else ''} the source folders",
+                 f"tp {part.tp_size}; draft length {g['gamma']} ({how})"]
+    else:
+        lines = [f"TensorRT-LLM checkpoints, tp {part.tp_size}; draft length {g['gamma']} ({how})"]
+        for role, c in part.checkpoints.items():
+            quant = f", {c['quant_algo']} at build" if c["quant_algo"] else ""
+            lines.append(f"{role:<6} {c['dir']}/: {c['architecture']} {c['dtype']}{quant}, "
+                         f"{c['parameters'] / 1e6:.2f}M params, vocab {c['vocab_size']} (lm_head {c['lm_head_rows']} "
+                         f"rows), {len(c['ranks'])} rank file(s)")
     if g["expected_speedup"] is not None and g["expected_speedup"] < 1:
         lines.append("speculation is not expected to pay on this pair (expected speed-up below 1)")
     lines.append("plans  " + ", ".join(str(Path(bundle) / path) for path in part.plans.values()))
-    lines.append(f"engines {Path(bundle) / part.engines}" if part.engines else
-                 f"engines not built here (no trtllm-build on PATH): run {Path(bundle) / part.plans['build']} on a GPU machine")
+    if "build" in part.plans:
+        build = Path(bundle) / part.plans["build"]
+        lines.append(f"engines {Path(bundle) / part.engines}" if part.engines else
+                     f"engines not built here (no trtllm-build on PATH): run {build} on a GPU machine")
     return lines
 
 

@@ -155,6 +155,15 @@ def a_longrope_target(paths: dict) -> None:
         original_max_position_embeddings=16))
 
 
+def an_olmo2_pair(paths: dict) -> None:
+    """A pair of a family TensorRT-LLM's checkpoint flow has no model for (vLLM serves it from its folders)."""
+    from conftest import make_checkpoint, make_tokenizer
+
+    tokenizer = make_tokenizer()
+    for role, seed in (("target", 0), ("draft", 1)):
+        paths[role] = make_checkpoint(Path(paths["tmp"]) / f"olmo2-{role}", "olmo2", tokenizer, seed)
+
+
 def a_weight_in_float64(folder: Path) -> None:
     """One weight stored in a type specbuild does not read (float64; fp8 or int8 without a quantization_config too)."""
     from safetensors.torch import load_file, save_file
@@ -427,6 +436,11 @@ CASES = [
     Case("`--block-size`, `--accuracy-level` or `--quality-report` without quantizing, even at their defaults",
          compile_args("{tmp}/bundle", "--block-size", "64"), 2,
          "shape quantized engines", "Add `--quantize int4|int8` (or per engine), or leave them out."),
+    Case("`--backend tensorrt-llm` (or `all`) with a Phi-3, Gemma 2, Gemma 3, OLMo 2 or OLMo 3 pair",
+         compile_args("{tmp}/bundle", "--backend", "tensorrt-llm"), 0, "",
+         "Nothing: TensorRT-LLM's checkpoint flow has no model for the family, so the bundle holds only the plans that "
+         "serve the source folders (vLLM's, and for Phi-3 and Gemma 3 the PyTorch backend's), as compile says in one "
+         "line.", setup=an_olmo2_pair),
     Case("`--block-size`, `--accuracy-level` or `--quality-report` with `--backend tensorrt-llm`",
          compile_args("{tmp}/bundle", "--quantize", "int8", "--backend", "tensorrt-llm", "--quality-report"), 2,
          "applies to the ONNX engines, which backend tensorrt-llm does not build",

@@ -22,7 +22,7 @@ from conftest import PROMPTS, make_checkpoint
 from specbuild import cli
 from specbuild.compile import compile_bundle, gamma, tensorrt_llm
 from specbuild.compile import tensorrt_llm_reference as reference
-from specbuild.compile.load import load_checkpoint
+from specbuild.compile.load import ARCHITECTURES, load_checkpoint
 from specbuild.errors import ExternalToolError, SettingsError, UnsupportedModelError
 from specbuild.recipe import CompileSettings, resolve_settings
 from specbuild_runtime import SpeculativeDecoder
@@ -380,7 +380,7 @@ def test_a_tied_head_is_written_out_as_lm_head_and_counted_once(pairs, tmp_path,
 
 
 def test_plans_that_serve_the_source_folders_say_they_are_not_quantized(pairs, tmp_path):
-    target, draft = pairs("gpt2")
+    target, draft = pairs("llama")
     for quantize in ("none", "int8"):
         out = tmp_path / quantize
         compile_bundle(CompileSettings(target=target, draft=draft, output=out, max_seq_len=64, backend="tensorrt-llm",
@@ -612,3 +612,120 @@ def test_a_rank_file_on_a_full_disk_fails_with_the_disks_errno(tmp_path):
         rank.add("w", np.zeros((64, 1024), ml_dtypes.bfloat16))
         rank.data.flush()
     assert failed.value.errno == errno.ENOSPC
+
+
+# The plans each family gets from its source folders where TensorRT-LLM's checkpoint flow lacks it: the PyTorch
+# backend's (llm-api.yaml) where it has a model for the family, vLLM's (serve.sh) for all.
+SERVED_FROM_SOURCE = {"phi3": {"tensorrt-llm/llm-api.yaml", "vllm/serve.sh"},
+                      "gemma3": {"tensorrt-llm/llm-api.yaml", "vllm/serve.sh"},
+                      "gemma2": {"vllm/serve.sh"}, "olmo2": {"vllm/serve.sh"}, "olmo3": {"vllm/serve.sh"}}
+
+
+def test_every_family_says_whether_it_is_exported_and_which_plans_serve_its_source_folders():
+    """A family added to load.ARCHITECTURES (a mixture of experts, say) is refused in one line until both are said."""
+    assert set(ARCHITECTURES) == set(tensorrt_llm.FAMILIES) | set(tensorrt_llm.NOT_EXPORTED) == set(
+        tensorrt_llm.SOURCE_PLANS)
+    assert not set(tensorrt_llm.FAMILIES) & set(tensorrt_llm.NOT_EXPORTED)
+
+
+@pytest.mark.parametrize("family", SERVED_FROM_SOURCE)
+def test_a_family_the_checkpoint_flow_lacks_gets_the_plans_that_serve_its_source_folders(checkpoints, tmp_path,
+                                                                                          family):
+    target, draft = checkpoints(family, 0), checkpoints(family, 1)
+    out = tmp_path / "b"
+    compiled = specbuild("compile", "--target", target, "--draft", draft, "-o", out, "--max-seq-len", 64,
+                         "--backend", "tensorrt-llm")
+    assert compiled.returncode == 0, compiled.stderr
+    manifest = load_manifest(out)  # the digests checked
+    part = manifest.tensorrt_llm
+    assert set(part.plans.values()) == SERVED_FROM_SOURCE[family]
+    assert {rel for rel in manifest.files if rel.startswith(("tensorrt-llm/", "vllm/"))} == SERVED_FROM_SOURCE[family]
+    assert not (out / "tensorrt-llm" / "target").exists() and not (out / "tensorrt-llm" / "build.sh").exists()
+    architecture = load_checkpoint(target, "target").spec.architecture
+    assert part.checkpoints["target"]["not_exported"] == tensorrt_llm.NOT_EXPORTED[architecture]
+    assert part.checkpoints["draft"]["source"]["path"] == str(draft.resolve())
+    notice = [line for line in compiled.stdout.splitlines() if "no TensorRT-LLM checkpoints" in line]
+    assert len(notice) == 1 and tensorrt_llm.NOT_EXPORTED[architecture] in notice[0], compiled.stdout
+    assert all(Path(plan).name in notice[0] for plan in SERVED_FROM_SOURCE[family])
+    serve = (out / "vllm/serve.sh").read_text()
+    assert f"vllm serve {target.resolve()}" in serve and f'"model": "{draft.resolve()}"' in serve
+    shown = specbuild("inspect", out)
+    assert shown.returncode == 0 and all(plan in shown.stdout for plan in SERVED_FROM_SOURCE[family]), shown.stdout
+
+
+@pytest.mark.parametrize("family", ["granite", "gpt2"])
+def test_the_pytorch_backend_plan_is_left_out_for_an_exported_family_it_has_no_model_for(pairs, tmp_path, family):
+    """TensorRT-LLM's PyTorch backend refuses an architecture it registers no model for (Unknown architecture for
+    AutoModelForCausalLM); the checkpoint flow and vLLM take Granite and GPT-2."""
+    target, draft = pairs(family)
+    manifest = compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", max_seq_len=64,
+                                              backend="tensorrt-llm"), show_progress=False)
+    assert set(manifest.tensorrt_llm.plans) == {"build", "run", "vllm"}
+    assert not (tmp_path / "b" / "tensorrt-llm" / "llm-api.yaml").exists()
+    assert "tensorrt-llm/target/rank0.safetensors" in manifest.files
+
+
+@pytest.mark.parametrize("family,mixed", [("gemma2", True), ("gemma3", True), ("olmo3", True), ("olmo2", False),
+                                          ("phi3", False), ("mistral-window", False)])
+def test_the_vllm_plan_keeps_a_pair_that_mixes_window_and_full_layers_in_one_kv_cache_group(checkpoints, tmp_path,
+                                                                                              family, mixed):
+    """vLLM's draft path asserts that a draft's layers share one KV cache group, which its hybrid KV cache manager
+    splits by window kind; Phi-3 and Mistral window every layer."""
+    target, draft = checkpoints(family, 0), checkpoints(family, 1)
+    compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", max_seq_len=8, gamma=4,
+                                   backend="tensorrt-llm"), show_progress=False)
+    serve = (tmp_path / "b" / "vllm/serve.sh").read_text()
+    assert ("--disable-hybrid-kv-cache-manager" in serve) == mixed, serve
+
+
+@pytest.mark.parametrize("family,newer", [("phi3", True), ("gemma3", False)])
+def test_the_llm_api_plan_says_where_the_family_needs_a_release_after_1_0(checkpoints, tmp_path, family, newer):
+    target, draft = checkpoints(family, 0), checkpoints(family, 1)
+    compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", max_seq_len=8, gamma=4,
+                                   backend="tensorrt-llm"), show_progress=False)
+    text = (tmp_path / "b" / "tensorrt-llm/llm-api.yaml").read_text()
+    assert ("# Phi-3 needs a TensorRT-LLM release after 1.0.x" in text) == newer, text
+    assert yaml.safe_load(text)["speculative_config"]["speculative_model"] == str(draft.resolve())
+
+
+def test_a_pair_no_backend_serves_from_its_folders_is_refused_in_one_line(checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setitem(tensorrt_llm.SOURCE_PLANS, "Olmo2ForCausalLM", ())
+    target, draft = checkpoints("olmo2", 0), checkpoints("olmo2", 1)
+    with pytest.raises(UnsupportedModelError) as refused:
+        compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", max_seq_len=8, gamma=4,
+                                       backend="all"), show_progress=False)
+    assert "\n" not in str(refused.value) and str(refused.value).endswith(
+        "neither TensorRT-LLM's PyTorch backend nor vLLM serves both of the pair's families; use --backend onnx")
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_plans_only_export_keeps_the_context_past_a_window_the_serving_backends_carry(checkpoints, tmp_path):
+    """The checkpoint export caps the context at a window it does not carry; vLLM and the PyTorch backend read the
+    windows from config.json."""
+    target, draft = checkpoints("gemma2", 0), checkpoints("gemma2", 1)  # windows of 8, 512 positions
+    manifest = compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b",
+                                              backend="tensorrt-llm"), show_progress=False)
+    assert manifest.max_seq_len == 512
+
+
+def test_backend_all_writes_the_onnx_engines_and_the_serving_plans_of_an_unexported_family(checkpoints, tokenizer,
+                                                                                            tmp_path):
+    target, draft = checkpoints("gemma3", 0), checkpoints("gemma3", 1)
+    out = tmp_path / "b"
+    manifest = compile_bundle(CompileSettings(target=target, draft=draft, output=out, max_seq_len=64, backend="all"),
+                              show_progress=False)
+    assert set(manifest.engines) == {"target", "draft"}
+    assert set(manifest.tensorrt_llm.plans.values()) == SERVED_FROM_SOURCE["gemma3"]
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    decoder = SpeculativeDecoder(out)
+    assert decoder.generate(ids, 8, gamma=2).token_ids == decoder.generate(ids, 8, gamma=0).token_ids
+
+
+def test_a_serving_plans_only_bundle_is_refused_by_the_runtime_naming_its_plans(checkpoints, tmp_path):
+    target, draft = checkpoints("olmo2", 0), checkpoints("olmo2", 1)
+    out = tmp_path / "b"
+    compile_bundle(CompileSettings(target=target, draft=draft, output=out, max_seq_len=64, backend="tensorrt-llm"),
+                   show_progress=False)
+    said = "holds only plans that serve its source folders with TensorRT-LLM or vLLM, which this runtime does not run: "
+    with pytest.raises(BundleError, match=re.escape(f"{said}{out / 'vllm/serve.sh'} (")):
+        SpeculativeDecoder(out)

@@ -194,7 +194,9 @@ class TensorRTLLMPart:
     tp_size: int
     checkpoints: dict[str, dict]  # role -> {"dir", "architecture", "dtype", "quant_algo", "vocab_size",
     #   "parameters", "weight_bytes", "source", "ranks": [{"file", "attention_heads", "kv_heads",
-    #   "ffn_columns", "lm_head_rows"}]}: which source heads/columns/rows each rank holds
+    #   "ffn_columns", "lm_head_rows"}]}: which source heads/columns/rows each rank holds. A pair whose family
+    #   the export does not take: {"architecture", "not_exported" (why, "" for the exported one), "source"} alone,
+    #   no "dir", and plans only those that serve the source folders
     plans: dict[str, str]  # "build" | "run" | "llm_api" | "vllm" -> bundle-relative path
     gamma: dict  # {"gamma", "alpha", "cost_ratio", "expected_speedup", "method"} (older bundles: "weight_byte_ratio" too)
     engines: str | None = None  # where trtllm-build wrote the engines, when compile ran it
@@ -355,6 +357,10 @@ def require_onnx_engines(root: Path, manifest: Manifest) -> None:
     """This runtime runs the ONNX engines; a bundle compiled with --backend tensorrt-llm alone has none."""
     if not manifest.engines:
         plans = manifest.tensorrt_llm.plans if manifest.tensorrt_llm else {}
+        if plans and "build" not in plans:  # a family TensorRT-LLM's checkpoint flow lacks
+            raise BundleError(f"{root} holds only plans that serve its source folders with TensorRT-LLM or vLLM, which "
+                              f"this runtime does not run: {' or '.join(str(root / path) for path in plans.values())} "
+                              "(docs/tensorrt-llm.md), or compile with --backend onnx or all")
         raise BundleError(f"{root} holds only a TensorRT-LLM export, which this runtime does not run: build and run it "
                           f"with {root / plans.get('build', '')} and {root / plans.get('run', '')} (docs/tensorrt-llm.md), "
                           "or compile with --backend onnx or all")

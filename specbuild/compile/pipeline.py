@@ -50,7 +50,9 @@ def _compile(settings: CompileSettings, stages: "_Stages") -> Manifest:
         draft = load_checkpoint(settings.draft, "draft")
         validate_pair(target, draft)
         limits = [longest_context(target, "target"), longest_context(draft, "draft")]
-        if settings.backend != "onnx":  # a window the export does not carry refuses a longer context (check_exportable)
+        # a window the export does not carry refuses a longer context (check_exportable); the plans that serve the
+        # source folders alone carry the windows in config.json
+        if settings.backend != "onnx" and tensorrt_llm.exports(target, draft):
             limits += [window for ckpt in (target, draft) if (window := tensorrt_llm.sliding_window(ckpt))]
         context_limit = min(limits)
         max_seq_len = _max_seq_len(settings, context_limit)

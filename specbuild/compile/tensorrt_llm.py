@@ -35,7 +35,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -71,6 +71,24 @@ NOT_EXPORTED = {
                         "tensorrt_llm/models/__init__.py MODEL_MAP), and its LLaMA model has no post-norm layers, "
                         "whole-q/k norms or rope parameters per layer type to build one from",
 }
+# The plans that read the source Hugging Face folders (no TensorRT-LLM checkpoint), and the families each serves,
+# exported or not (docs/tensorrt-llm.md's table). LLM_API: TensorRT-LLM's PyTorch backend builds only the
+# architectures that register a model (tensorrt_llm/_torch/models/_arch_index.py MODEL_ARCH_TO_MODULE at 065ff9e9;
+# AutoModelForCausalLM raises "Unknown architecture" for any other, modeling_auto.py): no Gemma 2, Granite, OLMo 2,
+# OLMo 3 or GPT-2 (docs/source/models/supported-models.md at 00b6d5a2 lists Granite and OLMo 3 for its AutoDeploy
+# backend alone). VLLM: vLLM's registry has all eleven (vllm/model_executor/models/registry.py at 0002bff0; OLMo 3 as
+# its OLMo 2 model), and its draft_model method refuses no architecture of them (vllm/config/speculative.py
+# SpeculativeConfig: equal vocabulary sizes, no multimodal or M-RoPE model; vllm_script says where it would refuse).
+LLM_API, VLLM = "llm_api", "vllm"
+SOURCE_PLANS = {
+    "LlamaForCausalLM": (LLM_API, VLLM), "MistralForCausalLM": (LLM_API, VLLM), "Qwen2ForCausalLM": (LLM_API, VLLM),
+    "Qwen3ForCausalLM": (LLM_API, VLLM), "Phi3ForCausalLM": (LLM_API, VLLM), "Gemma3ForCausalLM": (LLM_API, VLLM),
+    "GraniteForCausalLM": (VLLM,), "GPT2LMHeadModel": (VLLM,), "Gemma2ForCausalLM": (VLLM,),
+    "Olmo2ForCausalLM": (VLLM,), "Olmo3ForCausalLM": (VLLM,),
+}
+# Families the plans' TensorRT-LLM 1.0 lacks on the PyTorch backend: Phi3ForCausalLM is not in 1.0.0's model list
+# (the docs site's 1.0.0/models/supported-models.html), and is in the later ones.
+NEWER_PYTORCH_BACKEND = {"Phi3ForCausalLM": "Phi-3"}
 # HF architecture -> the qwen_type TensorRT-LLM's QWen model needs (models/qwen/config.py), or None. MODEL_MAP
 # builds GraniteForCausalLM as its LLaMA model, which reads Granite's multipliers from config.json
 # (granite_multipliers).
@@ -136,18 +154,8 @@ def check_exportable(ckpt: Checkpoint, role: str, tp: int, max_seq_len: int) -> 
     if architecture not in FAMILIES:
         raise UnsupportedModelError(f"{role} checkpoint {ckpt.path} is a {architecture}; --backend tensorrt-llm "
                                     f"exports {', '.join(sorted(FAMILIES))}")
-    shape = ckpt.spec.shape
-    heads, kv, ffn = shape.num_heads, shape.num_kv_heads, ckpt.spec.intermediate_size
-    problem = None
-    if heads % tp:
-        problem = f"{heads} attention heads"
-    elif (kv < tp and tp % kv) or (kv >= tp and kv % tp):  # convert_utils.dup_kv_weight / split
-        problem = f"{kv} key/value heads (TensorRT-LLM repeats them only when they divide tp)"
-    elif ffn % tp:
-        problem = f"an MLP of {ffn} columns"
-    if problem:
-        raise UnsupportedModelError(f"--tp {tp}: the {role} ({ckpt.path}) has {problem}, which TensorRT-LLM cannot "
-                                    f"split over {tp} ranks; choose a --tp that divides it")
+    check_split(ckpt, role, tp, "TensorRT-LLM")
+    heads, kv = ckpt.spec.shape.num_heads, ckpt.spec.shape.num_kv_heads
     if architecture == "Qwen3ForCausalLM":
         if ckpt.spec.attention_bias:
             raise UnsupportedModelError(f"{role} checkpoint {ckpt.path}: a Qwen3 with attention biases; TensorRT-LLM's "
@@ -171,6 +179,41 @@ def check_exportable(ckpt: Checkpoint, role: str, tp: int, max_seq_len: int) -> 
                                     "the TensorRT-LLM export does not carry over; give --max-seq-len (or a recipe's "
                                     f"max_seq_len) of {window} or less for the TensorRT-LLM export")
     rotary(ckpt)  # refuses a rope scaling TensorRT-LLM would compute differently
+
+
+def check_split(ckpt: Checkpoint, role: str, tp: int, who: str) -> None:
+    """Refuse a --tp that does not divide the heads or the MLP: TensorRT-LLM's converters split them so
+    (convert_utils.dup_kv_weight / split), and vLLM's and the PyTorch backend's parallel layers as well."""
+    shape = ckpt.spec.shape
+    heads, kv, ffn = shape.num_heads, shape.num_kv_heads, ckpt.spec.intermediate_size
+    problem = None
+    if heads % tp:
+        problem = f"{heads} attention heads"
+    elif (kv < tp and tp % kv) or (kv >= tp and kv % tp):
+        problem = f"{kv} key/value heads (TensorRT-LLM repeats them only when they divide tp)"
+    elif ffn % tp:
+        problem = f"an MLP of {ffn} columns"
+    if problem:
+        raise UnsupportedModelError(f"--tp {tp}: the {role} ({ckpt.path}) has {problem}, which {who} cannot "
+                                    f"split over {tp} ranks; choose a --tp that divides it")
+
+
+def exports(target: Checkpoint, draft: Checkpoint) -> bool:
+    """Whether the pair gets TensorRT-LLM checkpoints (both families exported); otherwise only the plans that
+    serve its source folders (source_plans)."""
+    return all(ckpt.spec.architecture in FAMILIES for ckpt in (target, draft))
+
+
+def source_plans(target: Checkpoint, draft: Checkpoint) -> list[str]:
+    """The plans that serve the pair from its source folders: those whose backend serves both families."""
+    return [plan for plan in (LLM_API, VLLM)
+            if all(plan in SOURCE_PLANS.get(ckpt.spec.architecture, ()) for ckpt in (target, draft))]
+
+
+def not_exported(target: Checkpoint, draft: Checkpoint) -> tuple[str, Checkpoint]:
+    """The role and checkpoint of the first of the pair the checkpoint flow does not take (exports is False)."""
+    return next((role, ckpt) for role, ckpt in (("target", target), ("draft", draft))
+                if ckpt.spec.architecture not in FAMILIES)
 
 
 def sliding_window(ckpt: Checkpoint) -> int | None:
@@ -199,32 +242,60 @@ def rotary(ckpt: Checkpoint) -> tuple[float, dict | None]:
 
 def check_pair(target: Checkpoint, draft: Checkpoint, max_seq_len: int, tp: int) -> None:
     """Refuse what cannot be exported before any engine is built (a quantized fp32 export, which the settings
-    alone make, CompileSettings refuses)."""
+    alone make, CompileSettings refuses). A family the checkpoint flow lacks still gets the plans that serve
+    its source folders; refused only where no backend serves the pair."""
+    if exports(target, draft):
+        for role, ckpt in (("target", target), ("draft", draft)):
+            check_exportable(ckpt, role, tp, max_seq_len)
+        return
+    role, ckpt = not_exported(target, draft)
+    if not source_plans(target, draft):
+        architecture = ckpt.spec.architecture
+        why = NOT_EXPORTED.get(architecture, "no TensorRT-LLM model")
+        raise UnsupportedModelError(f"{role} checkpoint {ckpt.path} is a {architecture}, which --backend tensorrt-llm "
+                                    f"does not export: {why}; and neither TensorRT-LLM's PyTorch backend nor vLLM "
+                                    "serves both of the pair's families; use --backend onnx")
     for role, ckpt in (("target", target), ("draft", draft)):
-        check_exportable(ckpt, role, tp, max_seq_len)
+        check_split(ckpt, role, tp, "the serving plans")
 
 
 def export_pair(target: Checkpoint, draft: Checkpoint, folder: Path, scratch: Path, engines: dict[str, EngineInfo],
                 max_seq_len: int, tp: int, numerics: dict[str, Numerics], max_gamma: int,
                 eos: list[int]) -> TensorRTLLMPart:
     """Writes tensorrt-llm/{target,draft}/ and the plans into the bundle being built (check_pair has passed),
-    and runs trtllm-build when it is on PATH. engines: the ONNX engines built beside (they measure γ), or none;
-    eos: the bundle's eos ids (load.eos_token_ids), where γ's agreement ends and run.sh's output does."""
+    and runs trtllm-build when it is on PATH; for a pair the checkpoint flow does not take (exports), the plans
+    that serve its source folders alone, each role's checkpoints entry then saying why (no "dir"). engines: the
+    ONNX engines built beside (they measure γ), or none; eos: the bundle's eos ids (load.eos_token_ids), where
+    γ's agreement ends and run.sh's output does."""
     vocab, precision = target.spec.shape.vocab_size, numerics["target"].precision
     checkpoints = {}
+    exported = exports(target, draft)
     for role, ckpt in (("target", target), ("draft", draft)):
+        architecture = ckpt.spec.architecture
         checkpoints[role] = write_checkpoint(ckpt, folder / FOLDER / role, scratch, tp, vocab, precision,
                                              numerics[role].quantization,
-                                             target.token_ids() if role == "draft" else None)
+                                             target.token_ids() if role == "draft" else None) if exported else {
+            "architecture": architecture, "not_exported": NOT_EXPORTED.get(architecture, "")}
         # the ONNX engine hashed the same source already
         checkpoints[role]["source"] = engines[role].source if role in engines else source(ckpt)
-    recommended = measure_gamma(folder, engines, target, draft, checkpoints, max_seq_len, max_gamma, eos)
+    # c: the bytes a step reads, as trtllm-build will quantize them, or as the source folders are served
+    byte_ratio = (checkpoints["draft"]["weight_bytes"] / checkpoints["target"]["weight_bytes"] if exported else
+                  step_parameters(draft) / step_parameters(target))
+    recommended = measure_gamma(folder, engines, target, draft, byte_ratio, max_seq_len, max_gamma, eos)
     quantized = " and ".join(f"the {role} {numerics[role].quantization}" for role in ("target", "draft")
                           if numerics[role].quantization != "none")
+    kinds = [*(("build", "run") if exported else ()), *source_plans(target, draft)]
     plans = write_plans(folder, recommended["gamma"], tp, max_seq_len, precision, target, draft, eos, quantized,
-                        measured=recommended["alpha"] is not None)
-    built = run_build(folder / plans["build"]) if shutil.which("trtllm-build") else None
+                        measured=recommended["alpha"] is not None, kinds=kinds)
+    built = run_build(folder / plans["build"]) if "build" in plans and shutil.which("trtllm-build") else None
     return TensorRTLLMPart(tp_size=tp, checkpoints=checkpoints, plans=plans, gamma=recommended, engines=built)
+
+
+def step_parameters(ckpt: Checkpoint) -> int:
+    """The parameters a decoding step reads: all but the embedding tables it gathers a row from (an untied
+    one; a tied table is read whole as the head)."""
+    gathered = () if ckpt.spec.tie_word_embeddings else ("embed_tokens.weight", "wte.weight", "wpe.weight")
+    return sum(int(np.prod(ckpt.entries[name].shape)) for name in ckpt.weights() if not name.endswith(gathered))
 
 
 def write_checkpoint(ckpt: Checkpoint, out: Path, scratch: Path, tp: int, vocab: int, precision: str,
@@ -462,12 +533,11 @@ class RankFile:
 
 
 def measure_gamma(folder: Path, engines: dict[str, EngineInfo], target: Checkpoint, draft: Checkpoint,
-                  checkpoints: dict[str, dict], max_seq_len: int, max_gamma: int, eos: list[int]) -> dict:
+                  byte_ratio: float, max_seq_len: int, max_gamma: int, eos: list[int]) -> dict:
     """γ for the plans: α through the ONNX engines when fp32 ones were built, otherwise with transformers on
     CPU for pairs small enough; c from the weight bytes each step reads. Not c timed on this CPU: a GPU's
     step times are not its, and a timed c moved γ between identical builds (a pipeline caches the plans)."""
     prompt_ids = gamma_stage.prompts(target.tokenizer)
-    byte_ratio = checkpoints["draft"]["weight_bytes"] / checkpoints["target"]["weight_bytes"]
     alpha = gamma_stage.measure_with_engines(folder, engines, prompt_ids, max_seq_len, eos) if engines else None
     how = "the ONNX engines on this CPU"
     if alpha is None and target.parameters() + draft.parameters() <= gamma_stage.TRANSFORMERS_PARAMETER_LIMIT:
@@ -484,22 +554,31 @@ def measure_gamma(folder: Path, engines: dict[str, EngineInfo], target: Checkpoi
 
 def write_plans(folder: Path, gamma: int, tp: int, max_seq_len: int, precision: str,
                 target: Checkpoint, draft: Checkpoint, eos: list[int], quantized: str = "",
-                measured: bool = True) -> dict[str, str]:
-    """quantized: the quantization the checkpoints ask trtllm-build for ("the target int4 and ..."; ""
+                measured: bool = True, kinds: Sequence[str] = ("build", "run", LLM_API, VLLM)
+                ) -> dict[str, str]:
+    """kinds: the plans to write (build and run need the checkpoints; source_plans says which others serve the
+    pair). quantized: the quantization the checkpoints ask trtllm-build for ("the target int4 and ..."; ""
     for none), which the plans that serve the source folders (LLM API, vLLM) do not get. measured: whether α
     was measured, so that gamma is the pair's own rather than the bundle's max gamma."""
     origin = ("the gamma specbuild measured for this pair" if measured else
               "the bundle's max gamma: specbuild could not measure this pair's acceptance, see specbuild inspect")
     unquantized = (f"# Not quantized: this bundle's TensorRT-LLM checkpoints ask for {quantized} (trtllm-build\n"
                    "# quantizes them), but this plan serves the source folders' float weights.\n") if quantized else ""
-    plans = {"build": f"{FOLDER}/build.sh", "run": f"{FOLDER}/run.sh", "llm_api": f"{FOLDER}/llm-api.yaml",
-             "vllm": VLLM_PLAN}
-    texts = {
-        "build": build_script(gamma, max_seq_len, precision, origin),
-        "run": run_script(gamma, tp, max_seq_len, eos, target.tokenizer.eos_token_id),
-        "llm_api": llm_api_yaml(gamma, tp, max_seq_len, target.path.resolve(), draft.path.resolve(), unquantized),
-        "vllm": vllm_script(gamma, tp, max_seq_len, DTYPES[precision][0], target, draft, unquantized, origin),
+    paths = {"build": f"{FOLDER}/build.sh", "run": f"{FOLDER}/run.sh", LLM_API: f"{FOLDER}/llm-api.yaml",
+             VLLM: VLLM_PLAN}
+    plans = {key: path for key, path in paths.items() if key in kinds}
+    newer = sorted({NEWER_PYTORCH_BACKEND[c.spec.architecture] for c in (target, draft)
+                    if c.spec.architecture in NEWER_PYTORCH_BACKEND})
+    release = (f"# {' and '.join(newer)} needs a TensorRT-LLM release after 1.0.x, whose PyTorch backend has no "
+               "model for it.\n") if newer else ""
+    write = {
+        "build": lambda: build_script(gamma, max_seq_len, precision, origin),
+        "run": lambda: run_script(gamma, tp, max_seq_len, eos, target.tokenizer.eos_token_id),
+        LLM_API: lambda: llm_api_yaml(gamma, tp, max_seq_len, target.path.resolve(), draft.path.resolve(),
+                                      release + unquantized),
+        VLLM: lambda: vllm_script(gamma, tp, max_seq_len, DTYPES[precision][0], target, draft, unquantized, origin),
     }
+    texts = {key: write[key]() for key in plans}
     for key, text in texts.items():
         path = folder / plans[key]
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -634,20 +713,34 @@ def vllm_script(gamma: int, tp: int, max_seq_len: int, dtype: str, target: Check
                 note: str = "", origin: str = "the gamma specbuild measured for this pair") -> str:
     """vLLM's draft-model speculation (vllm/config/speculative.py SpeculativeConfig: method "draft_model",
     num_speculative_tokens; docs features/speculative_decoding/draft_model.md). V1 gained it with
-    vllm-project/vllm#24322, after v0.13.0 (which still refused draft models)."""
+    vllm-project/vllm#24322, after v0.13.0 (which still refused draft models).
+
+    A model whose layers mix sliding-window and full attention (Gemma 2 and 3, OLMo 3) gets a KV cache group per
+    kind from vLLM's hybrid KV cache manager (v1/core/kv_cache_utils.py), and its draft path asserts "All drafting
+    layers should belong to the same kv cache group" (SpecDecodeBaseProposer; vllm-project/vllm#33133, #49112:
+    gemma-3-1b with gemma-3-270m fails so; #33318, which lifted it, was closed unmerged). With the manager
+    disabled, unify_hybrid_kv_cache_specs keeps every layer's cache whole in one group (its test in
+    tests/v1/core/test_kv_cache_utils.py, "full + sliding, but disable_hybrid_kv_cache_manager"); the sliding
+    layers still attend within their windows. Such a pair's script disables it."""
     config = json.dumps({"model": str(draft.path.resolve()), "num_speculative_tokens": gamma, "method": "draft_model"})
     warning = note
     if target.spec.shape.vocab_size != draft.spec.shape.vocab_size:
         warning += (f"# The pair's embedding tables differ ({target.spec.shape.vocab_size} vs "
                    f"{draft.spec.shape.vocab_size} rows): vLLM's draft_model method\n# requires equal sizes "
                    "(SpeculativeConfig.verify_equal_vocab_size_if_draft_model) and will refuse them.\n")
+    hybrid = ""
+    if any(len({window is None for window in c.spec.sliding_windows}) > 1 for c in (target, draft)):
+        warning += ("# The pair mixes sliding-window and full-attention layers: vLLM's draft path takes a model's "
+                    "layers in one KV\n# cache group, which --disable-hybrid-kv-cache-manager makes (each layer's "
+                    "cache kept whole; the\n# sliding layers still attend within their windows).\n")
+        hybrid = " --disable-hybrid-kv-cache-manager"
     return f"""#!/usr/bin/env bash
 # Serves the pair with vLLM's draft-model speculative decoding (written by specbuild): {gamma} speculative
 # tokens ({origin}), tensor parallelism {tp}, on the source Hugging Face folders.
 # Needs a vLLM release whose --speculative-config takes "method": "draft_model" (after v0.13.0).
 {warning}set -euo pipefail
 exec vllm serve {shlex.quote(str(target.path.resolve()))} --tensor-parallel-size {tp} --dtype {dtype} \\
-  --max-model-len {max_seq_len} --speculative-config {shlex.quote(config)} "$@"
+  --max-model-len {max_seq_len}{hybrid} --speculative-config {shlex.quote(config)} "$@"
 """
 
 
