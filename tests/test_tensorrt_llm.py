@@ -699,6 +699,14 @@ def test_a_pair_no_backend_serves_from_its_folders_is_refused_in_one_line(checkp
     assert not (tmp_path / "b").exists()
 
 
+def test_a_tp_the_serving_plans_cannot_split_an_unexported_family_over_is_refused(checkpoints, tmp_path):
+    target, draft = checkpoints("phi3", 0), checkpoints("phi3", 1)  # 2 attention heads
+    with pytest.raises(UnsupportedModelError, match="--tp 4: the target .* has 2 attention heads, which vLLM or "
+                                                    "TensorRT-LLM's PyTorch backend cannot split over 4 ranks"):
+        compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", max_seq_len=8, gamma=4,
+                                       backend="tensorrt-llm", tp=4), show_progress=False)
+
+
 def test_a_plans_only_export_keeps_the_context_past_a_window_the_serving_backends_carry(checkpoints, tmp_path):
     """The checkpoint export caps the context at a window it does not carry; vLLM and the PyTorch backend read the
     windows from config.json."""

@@ -256,7 +256,7 @@ def check_pair(target: Checkpoint, draft: Checkpoint, max_seq_len: int, tp: int)
                                     f"does not export: {why}; and neither TensorRT-LLM's PyTorch backend nor vLLM "
                                     "serves both of the pair's families; use --backend onnx")
     for role, ckpt in (("target", target), ("draft", draft)):
-        check_split(ckpt, role, tp, "the serving plans")
+        check_split(ckpt, role, tp, "vLLM or TensorRT-LLM's PyTorch backend")
 
 
 def export_pair(target: Checkpoint, draft: Checkpoint, folder: Path, scratch: Path, engines: dict[str, EngineInfo],
