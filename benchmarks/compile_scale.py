@@ -114,6 +114,8 @@ def draft_config(config: dict) -> dict:
         pairs = int(64 * config.get("partial_rotary_factor", 1.0)) // 2
         small["rope_scaling"] = {**rope, "long_factor": rope["long_factor"][:pairs], "short_factor": rope["short_factor"][:pairs]}
     small.pop("max_window_layers", None)
+    if "layer_types" in config:  # one per layer (OLMo 3's, from the target's first layers)
+        small["layer_types"] = config["layer_types"][:2]
     return small
 
 
