@@ -441,6 +441,11 @@ CASES = [
          "Nothing: TensorRT-LLM's checkpoint flow has no model for the family, so the bundle holds only the plans that "
          "serve the source folders (vLLM's, and for Phi-3 and Gemma 3 the PyTorch backend's), as compile says in one "
          "line.", setup=an_olmo2_pair),
+    Case("`--quantize` (or per engine) with `--backend tensorrt-llm` and a Phi-3, Gemma 2, Gemma 3, OLMo 2 or OLMo 3 "
+         "pair", compile_args("{tmp}/bundle", "--backend", "tensorrt-llm", "--precision", "bf16", "--quantize", "int8"),
+         1, "writes no TensorRT-LLM checkpoints to quantize",
+         "Leave `--quantize` out (the plans serve the source folders' float weights), or use `--backend all` to "
+         "quantize the ONNX engines.", setup=an_olmo2_pair),
     Case("`--block-size`, `--accuracy-level` or `--quality-report` with `--backend tensorrt-llm`",
          compile_args("{tmp}/bundle", "--quantize", "int8", "--backend", "tensorrt-llm", "--quality-report"), 2,
          "applies to the ONNX engines, which backend tensorrt-llm does not build",

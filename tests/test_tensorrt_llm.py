@@ -737,3 +737,25 @@ def test_a_serving_plans_only_bundle_is_refused_by_the_runtime_naming_its_plans(
     said = "holds only plans that serve its source folders with TensorRT-LLM or vLLM, which this runtime does not run: "
     with pytest.raises(BundleError, match=re.escape(f"{said}{out / 'vllm/serve.sh'} (")):
         SpeculativeDecoder(out)
+
+
+def test_quantizing_only_the_checkpoints_of_a_pair_that_gets_none_is_refused_in_one_line(checkpoints, tmp_path):
+    """Nothing would be quantized: the plans serve the source folders' float weights."""
+    target, draft = checkpoints("olmo2", 0), checkpoints("olmo2", 1)
+    with pytest.raises(UnsupportedModelError) as refused:
+        compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", max_seq_len=8, gamma=4,
+                                       backend="tensorrt-llm", precision="bf16", draft_quantize="int8"),
+                       show_progress=False)
+    assert "\n" not in str(refused.value) and "writes no TensorRT-LLM checkpoints to quantize" in str(refused.value)
+    assert not (tmp_path / "b").exists()
+
+
+def test_the_serving_plans_of_a_quantized_pair_without_checkpoints_say_the_onnx_engines_hold_it(checkpoints,
+                                                                                               tmp_path):
+    target, draft = checkpoints("olmo2", 0), checkpoints("olmo2", 1)
+    compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", max_seq_len=8, gamma=4,
+                                   backend="all", precision="bf16", draft_quantize="int8", quality_report=False),
+                   show_progress=False)
+    serve = (tmp_path / "b" / "vllm/serve.sh").read_text()
+    assert ("# Not quantized: this bundle's ONNX engines hold the draft int8, and no TensorRT-LLM\n# checkpoints, but "
+            "this plan serves the source folders' float weights.\n") in serve, serve

@@ -66,7 +66,9 @@ def _compile(settings: CompileSettings, stages: "_Stages") -> Manifest:
                                    else settings.accuracy_level)
                     for role in checkpoints}
         if settings.backend != "onnx":  # refused now rather than after the ONNX engines
-            tensorrt_llm.check_pair(target, draft, max_seq_len, settings.tp)
+            quantized = any(n.quantization != "none" for n in numerics.values())
+            tensorrt_llm.check_pair(target, draft, max_seq_len, settings.tp,
+                                    quantized=quantized and settings.backend == "tensorrt-llm")
         eos = eos_token_ids(target)  # read before the long stages: a malformed file fails here
         onnx = settings.backend != "tensorrt-llm"
         measured = (onnx and settings.quality_report is not False

@@ -240,10 +240,11 @@ def rotary(ckpt: Checkpoint) -> tuple[float, dict | None]:
     return float(base), {"type": kind, **params}
 
 
-def check_pair(target: Checkpoint, draft: Checkpoint, max_seq_len: int, tp: int) -> None:
+def check_pair(target: Checkpoint, draft: Checkpoint, max_seq_len: int, tp: int, quantized: bool = False) -> None:
     """Refuse what cannot be exported before any engine is built (a quantized fp32 export, which the settings
     alone make, CompileSettings refuses). A family the checkpoint flow lacks still gets the plans that serve
-    its source folders; refused only where no backend serves the pair."""
+    its source folders; refused only where no backend serves the pair, or where quantized (--quantize asked
+    of the TensorRT-LLM checkpoints alone, --backend tensorrt-llm) would quantize nothing."""
     if exports(target, draft):
         for role, ckpt in (("target", target), ("draft", draft)):
             check_exportable(ckpt, role, tp, max_seq_len)
@@ -255,6 +256,11 @@ def check_pair(target: Checkpoint, draft: Checkpoint, max_seq_len: int, tp: int)
         raise UnsupportedModelError(f"{role} checkpoint {ckpt.path} is a {architecture}, which --backend tensorrt-llm "
                                     f"does not export: {why}; and neither TensorRT-LLM's PyTorch backend nor vLLM "
                                     "serves both of the pair's families; use --backend onnx")
+    if quantized:  # the serving plans read the source folders' float weights
+        raise UnsupportedModelError(f"--quantize: the {role} ({ckpt.path}) is a {ckpt.spec.architecture}, for which "
+                                    "--backend tensorrt-llm writes no TensorRT-LLM checkpoints to quantize, only plans "
+                                    "that serve the source folders' float weights; leave --quantize out, or use "
+                                    "--backend all to quantize the ONNX engines")
     for role, ckpt in (("target", target), ("draft", draft)):
         check_split(ckpt, role, tp, "vLLM or TensorRT-LLM's PyTorch backend")
 
@@ -557,13 +563,16 @@ def write_plans(folder: Path, gamma: int, tp: int, max_seq_len: int, precision: 
                 measured: bool = True, kinds: Sequence[str] = ("build", "run", LLM_API, VLLM)
                 ) -> dict[str, str]:
     """kinds: the plans to write (build and run need the checkpoints; source_plans says which others serve the
-    pair). quantized: the quantization the checkpoints ask trtllm-build for ("the target int4 and ..."; ""
-    for none), which the plans that serve the source folders (LLM API, vLLM) do not get. measured: whether α
-    was measured, so that gamma is the pair's own rather than the bundle's max gamma."""
+    pair). quantized: the bundle's quantization ("the target int4 and ..."; "" for none), which the checkpoints
+    ask trtllm-build for, or without checkpoints (--backend all) the ONNX engines hold; the plans that serve the
+    source folders (LLM API, vLLM) do not get it. measured: whether α was measured, so that gamma is the pair's
+    own rather than the bundle's max gamma."""
     origin = ("the gamma specbuild measured for this pair" if measured else
               "the bundle's max gamma: specbuild could not measure this pair's acceptance, see specbuild inspect")
-    unquantized = (f"# Not quantized: this bundle's TensorRT-LLM checkpoints ask for {quantized} (trtllm-build\n"
-                   "# quantizes them), but this plan serves the source folders' float weights.\n") if quantized else ""
+    held = (f"this bundle's TensorRT-LLM checkpoints ask for {quantized} (trtllm-build\n# quantizes them)"
+            if "build" in kinds else f"this bundle's ONNX engines hold {quantized}, and no TensorRT-LLM\n# checkpoints")
+    unquantized = (f"# Not quantized: {held}, but this plan serves the source folders' float weights.\n"
+                   if quantized else "")
     paths = {"build": f"{FOLDER}/build.sh", "run": f"{FOLDER}/run.sh", LLM_API: f"{FOLDER}/llm-api.yaml",
              VLLM: VLLM_PLAN}
     plans = {key: path for key, path in paths.items() if key in kinds}
