@@ -759,3 +759,20 @@ def test_the_serving_plans_of_a_quantized_pair_without_checkpoints_say_the_onnx_
     serve = (tmp_path / "b" / "vllm/serve.sh").read_text()
     assert ("# Not quantized: this bundle's ONNX engines hold the draft int8, and no TensorRT-LLM\n# checkpoints, but "
             "this plan serves the source folders' float weights.\n") in serve, serve
+
+
+@pytest.mark.parametrize("target_family,draft_family", [("olmo2", "olmo2"), ("gemma2", "gemma2"), ("gpt2", "olmo2")])
+def test_a_pair_without_checkpoints_costs_the_weights_a_step_reads_not_the_rows_it_gathers(checkpoints, tmp_path,
+                                                                                        target_family, draft_family):
+    """c for the plans that serve the source folders: every weight but the embedding tables a step reads one row
+    of (an untied token table, GPT-2's positions); a tied token table is read whole as the head."""
+    target, draft = checkpoints(target_family, 0), checkpoints(draft_family, 1, num_hidden_layers=1)
+    manifest = compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", max_seq_len=8,
+                                              gamma=4, backend="tensorrt-llm"), show_progress=False)
+
+    def read(folder):
+        model = tf.AutoModelForCausalLM.from_pretrained(folder)
+        tokens = 0 if model.config.tie_word_embeddings else model.get_input_embeddings().weight.numel()
+        positions = model.transformer.wpe.weight.numel() if model.config.model_type == "gpt2" else 0
+        return model.num_parameters() - tokens - positions
+    assert manifest.tensorrt_llm.gamma["cost_ratio"] == pytest.approx(read(draft) / read(target), abs=1e-4)

@@ -298,9 +298,9 @@ def export_pair(target: Checkpoint, draft: Checkpoint, folder: Path, scratch: Pa
 
 
 def step_parameters(ckpt: Checkpoint) -> int:
-    """The parameters a decoding step reads: all but the embedding tables it gathers a row from (an untied
-    one; a tied table is read whole as the head)."""
-    gathered = () if ckpt.spec.tie_word_embeddings else ("embed_tokens.weight", "wte.weight", "wpe.weight")
+    """The parameters a decoding step reads: all but the embedding tables it gathers a row from (GPT-2's
+    positions, and an untied token table; a tied one is read whole as the head)."""
+    gathered = ("wpe.weight",) if ckpt.spec.tie_word_embeddings else ("embed_tokens.weight", "wte.weight", "wpe.weight")
     return sum(int(np.prod(ckpt.entries[name].shape)) for name in ckpt.weights() if not name.endswith(gathered))
 
 
