@@ -776,3 +776,14 @@ def test_a_pair_without_checkpoints_costs_the_weights_a_step_reads_not_the_rows_
         positions = model.transformer.wpe.weight.numel() if model.config.model_type == "gpt2" else 0
         return model.num_parameters() - tokens - positions
     assert manifest.tensorrt_llm.gamma["cost_ratio"] == pytest.approx(read(draft) / read(target), abs=1e-4)
+
+
+def test_a_mixed_pairs_notice_names_the_family_without_checkpoints_and_why(checkpoints, tmp_path):
+    """A Llama target (exported) with an OLMo 2 draft (not): no checkpoints for either, the OLMo 2's reason said."""
+    target, draft = checkpoints("llama", 0), checkpoints("olmo2", 1)
+    manifest = compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", max_seq_len=8,
+                                              gamma=4, backend="tensorrt-llm"), show_progress=False)
+    assert manifest.tensorrt_llm.checkpoints["target"]["not_exported"] == ""
+    notice = cli.tensorrt_llm_lines(tmp_path / "b", manifest.tensorrt_llm)[0]
+    assert notice.startswith(f"no TensorRT-LLM checkpoints (draft Olmo2ForCausalLM: "
+                             f"{tensorrt_llm.NOT_EXPORTED['Olmo2ForCausalLM']}); wrote serve.sh"), notice
