@@ -361,7 +361,8 @@ def cli(debug: bool) -> None:
 @click.option("--overwrite/--no-overwrite", default=None,
               help="Replace the bundle at --output (never anything that is not a bundle); --no-overwrite undoes a recipe's.")
 @click.option("--backend", type=click.Choice(BACKENDS),
-              help="ONNX engines for this runtime, TensorRT-LLM checkpoints with build/run/serve plans, or both.  [default: onnx]")
+              help="ONNX engines for this runtime, TensorRT-LLM checkpoints with build/run/serve plans (only the "
+              "serve plans for a family without checkpoints: docs/tensorrt-llm.md), or both.  [default: onnx]")
 @click.option("--tp", type=Setting("tp"), help="Tensor-parallel ranks of the TensorRT-LLM checkpoints (GPUs per engine).  [default: 1]")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the written bundle's manifest as JSON (what inspect --json prints) instead of the summary. "
