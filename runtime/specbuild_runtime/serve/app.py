@@ -69,7 +69,7 @@ class Settings:
     max_queue: int = 64  # requests waiting for a slot before new ones get 429
     timeout: float | None = 600.0  # seconds from arrival to the last token; None: no limit
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
-    max_connections: int = 1024  # open connections (and requests) at once; more get 503
+    max_connections: int = 1024  # open connections at once; more get 503 (_refusing_beyond)
     api_key: str | None = None  # required as "Authorization: Bearer KEY" on /v1 routes; None: open
     # where requests that omit temperature/top_p/top_k/min_p/repetition_penalty get them (protocol.sampling_defaults)
     generation_config: str = "auto"
@@ -820,8 +820,8 @@ def _refusing_beyond(http_protocol: type, max_connections: int, refused: Callabl
             if len(self.connections) > max_connections:
                 self.refused = True
                 refused()
-                # Not counted as open: uvicorn refuses a request of a served connection while the connections it
-                # counts reach the limit, and a refused one lingering would make it answer the served ones 503 too
+                # Not counted as open: lingering, it would hold a place of the limit, and a newcomer would be
+                # refused while fewer than max_connections were served
                 self.connections.discard(self)
                 transport.write(refusal)
                 transport.write_eof()  # the 503, then the end; what the client sends is read and dropped (closing
