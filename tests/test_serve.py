@@ -2950,21 +2950,42 @@ def test_handlers_still_running_after_their_clients_left_never_get_a_new_client_
             gate.set()
 
 
-@pytest.mark.parametrize("path, body", [("/tokenize", {"prompt": PROMPTS[0]}), ("/detokenize", {"tokens": [5, 6, 7]})])
+class CountingTokenizer:
+    """A tokenizer that records the name of each call of `counted` (its other attributes are the tokenizer's)."""
+
+    def __init__(self, tokenizer, counted: tuple[str, ...]):
+        self.tokenizer, self.counted, self.calls = tokenizer, counted, []
+
+    def __getattr__(self, name):
+        method = getattr(self.tokenizer, name)
+        return (lambda *args, **kwargs: self.calls.append(name) or method(*args, **kwargs)) if name in self.counted \
+            else method
+
+
+@pytest.mark.parametrize("path, body, work", [("/tokenize", {"prompt": PROMPTS[0]}, "encode_batch"),
+                                              ("/detokenize", {"tokens": [5, 6, 7]}, "decode")])
 def test_a_tokenize_whose_client_leaves_while_it_waits_for_the_checking_thread_gives_its_turn_up(bundle, monkeypatch,
-                                                                                                   path, body):
+                                                                                                   path, body, work):
     """/tokenize and /detokenize take turns with requests' checks on the checking thread. One whose client had left
     waited for its turn all the same, and then tokenized (every request behind it waiting); now it is counted
     cancelled at once and its work never runs."""
-    from specbuild_runtime.serve import app
+    from specbuild_runtime.serve.scheduler import Scheduler
 
-    encodes = []
-    encode = app.encode_ids
-    monkeypatch.setattr(app, "encode_ids", lambda *a, **k: encodes.append(1) or encode(*a, **k))
+    waiting = []
+    run_check = Scheduler.run_check
+
+    async def recorded(self, call):
+        waiting.append(call)
+        return await run_check(self, call)
+
+    monkeypatch.setattr(Scheduler, "run_check", recorded)
     cancelled = ("specbuild_requests_total", (("endpoint", path[1:]), ("outcome", "cancelled")))
     with in_process(bundle) as (url, decoder, uvicorn):
         decoder.go.set()
         decoder.checks.clear()
+        # the server's own calls (/tokenize's encode, /detokenize's decode); a completion's check tokenizes in the
+        # decoder's
+        decoder.tokenizer = CountingTokenizer(decoder.tokenizer, ("encode_batch", "decode"))
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port))) as holder:  # its check holds the checking thread
             completion = json.dumps({"prompt": [5, 6, 7], "max_tokens": 1}).encode()
@@ -2976,11 +2997,11 @@ def test_a_tokenize_whose_client_leaves_while_it_waits_for_the_checking_thread_g
         with socket.create_connection((host, int(port))) as leaving:
             leaving.sendall(b"POST %s HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
                             b"content-length: %d\r\n\r\n%s" % (path.encode(), len(payload), payload))
-            wait_until(lambda: len(uvicorn.server_state.tasks) == 1, "the request waited for the checking thread")
+            wait_until(lambda: len(waiting) == 1, "the request waited for the checking thread")
         wait_until(lambda: metric_values(url).get(cancelled) == 1, "the request was counted cancelled")
         decoder.checks.set()
         assert httpx.post(f"{url}{path}", json=body, timeout=60).status_code == 200  # after the checking thread's queue
-        assert encodes == ([1] if path == "/tokenize" else [])  # this one's alone
+        assert decoder.tokenizer.calls == [work]  # this one's alone
 
 
 def test_shutdown_cuts_a_stream_after_the_grace_period_with_a_clean_end(bundle):
