@@ -46,7 +46,7 @@ from . import protocol
 from .chat import ChatRequestError, SuppliedTemplate, load_chat_template
 from .metrics import Metrics
 from .protocol import CHAT, COMPLETIONS, ApiError, Logprobs, Reply, sse
-from .scheduler import Job, Overloaded, Scheduler, Stopped, Unavailable
+from .scheduler import Job, Overloaded, Scheduler, Stopped, Unavailable, unless
 from .tools import tool_parser
 
 log = logging.getLogger("specbuild.serve")
@@ -926,17 +926,7 @@ async def _unless_gone(http: HttpRequest, work: Awaitable[T]) -> T:
     """work's result, or Stopped("cancelled") if the client (`http`'s, whose body is read) leaves first: work is then
     cancelled, as it is when the caller is (a place on the checking thread given up: work not begun never runs). A
     handler whose client had left waited for its turn there all the same, every request behind it waiting."""
-    working = asyncio.ensure_future(work)
-    leaving = asyncio.ensure_future(_disconnected(http))
-    try:
-        done, _ = await asyncio.wait({working, leaving}, return_when=asyncio.FIRST_COMPLETED)
-    finally:  # also when this handler is cancelled
-        leaving.cancel()
-        if not working.done():
-            working.cancel()
-    if working not in done:
-        raise Stopped("cancelled")
-    return working.result()
+    return await unless(work, _disconnected(http), "cancelled")
 
 
 async def _disconnected(http: HttpRequest) -> None:

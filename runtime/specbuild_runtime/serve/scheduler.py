@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 from ..decode import Stats
 from ..relay import Relay
@@ -30,6 +30,21 @@ T = TypeVar("T")
 # stream_request's item for a token whose text is held back: the relay does not post it, and Job.decoded does not
 # count it (one definition: counted apart from what is posted, continuous usage would count tokens not yet read)
 HELD = ("",)
+
+
+async def unless(work: Awaitable[T], stopper: Awaitable, reason: str) -> T:
+    """work's result, or Stopped(reason) once `stopper` is done first: work is then cancelled, as it is when the caller
+    is (an executor's call not begun never runs)."""
+    working, stopping = asyncio.ensure_future(work), asyncio.ensure_future(stopper)
+    try:
+        done, _ = await asyncio.wait({working, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when the caller is cancelled
+        stopping.cancel()
+        if not working.done():
+            working.cancel()
+    if working not in done:
+        raise Stopped(reason)
+    return working.result()
 
 
 class Overloaded(Exception):
@@ -137,19 +152,9 @@ class Scheduler:
             raise Unavailable("the server is shutting down")
         return await self.unless_cut(asyncio.get_running_loop().run_in_executor(self._checker, work))
 
-    async def unless_cut(self, awaited: asyncio.Future[T]) -> T:
-        """awaited's result, or Stopped("shutdown") once the grace period after shutdown ends first: awaited is then
-        cancelled, as it is when the caller is."""
-        cut = self.until_cut()
-        try:
-            done, _ = await asyncio.wait({awaited, cut}, return_when=asyncio.FIRST_COMPLETED)
-        finally:  # also when the caller is cancelled
-            cut.cancel()
-            if not awaited.done():
-                awaited.cancel()
-        if awaited not in done:
-            raise Stopped("shutdown")
-        return awaited.result()
+    async def unless_cut(self, awaited: Awaitable[T]) -> T:
+        """awaited's result, or Stopped("shutdown") once the grace period after shutdown ends first (see unless)."""
+        return await unless(awaited, self.until_cut(), "shutdown")
 
     def stop(self, job: Job, reason: str) -> None:
         """Stop a job that has not finished: its iterator raises Stopped(reason); a running one frees its slot
