@@ -153,16 +153,16 @@ async def one_request(http: httpx.AsyncClient, url: str, job: dict) -> dict:
             "tpot": (arrivals[-1] - arrivals[0]) / (tokens - 1) if tokens > 1 and arrivals else None}
 
 
-async def drive(url: str, jobs: list[dict], expected: list[str], clients: int, until) -> dict:
-    """`clients` concurrent clients, each sending requests back to back (client c starts at job c) while
-    until(requests sent so far) is false; every response is checked against its expected text."""
+async def drive(url: str, jobs: list[dict], expected: list[str], clients: int, requests: int) -> dict:
+    """`clients` concurrent clients, each sending requests back to back (client c starts at job c) until `requests`
+    were sent; every response is checked against its expected text."""
     results, mismatches, failures = [], [], []
     sent = 0
 
     async def client(c: int, http: httpx.AsyncClient) -> None:
         nonlocal sent
         i = c
-        while not until(sent):
+        while sent < requests:
             job = i % len(jobs)
             sent += 1
             i += clients
@@ -211,8 +211,8 @@ def throughput(args) -> dict:
             with serving(args.bundle, parallel, threads, args.device, graphs) as (_, url):
                 # A fresh server's first requests: with CUDA graphs, they pay for each thread's captures.
                 warm_up = asyncio.run(drive(url, jobs[:args.clients], expected[:args.clients], args.clients,
-                                            lambda n: n >= args.clients))
-                result = asyncio.run(drive(url, jobs, expected, args.clients, lambda n: n >= args.requests))
+                                            args.clients))
+                result = asyncio.run(drive(url, jobs, expected, args.clients, args.requests))
                 result["warm_up"] = {k: warm_up[k] for k in ("tokens_per_second", "ttft_ms_p50", "ttft_ms_p95", "failed",
                                                              "mismatched")}
             runs.setdefault(name, []).append(result)
