@@ -46,6 +46,10 @@ ARCHITECTURES = {
                                                               attention_multiplier=1 / 16, logits_scaling=8.0,
                                                               tie_word_embeddings=True)),
     "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, {}),
+    # Qwen3-30B-A3B's mixture in small (its renormalized top-8 of 128): top 2 of 8 experts, the middle layer's MLP dense
+    "qwen3moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(
+        num_hidden_layers=3, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        mlp_only_layers=[1], norm_topk_prob=True)),
     # OLMo 3 Think's rope: YaRN in the full layers (rope_scaling reaches them alone), none in the sliding ones
     "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM, dict(
         sliding_window=8, layer_types=["sliding_attention", "full_attention"],

@@ -77,14 +77,16 @@ def test_speculative_output_equals_target_only_on_cuda_for_every_gamma(precision
                                      f"target-only, prompt {prompt!r}")
 
 
-@pytest.mark.parametrize("architecture", ["gpt2", "qwen2-window", "gemma3", "phi3", "granite", "olmo2", "olmo3"])
+@pytest.mark.parametrize("architecture", ["gpt2", "qwen2-window", "gemma3", "phi3", "granite", "olmo2", "olmo3",
+                                          "qwen3moe"])
 def test_other_families_decode_speculatively_as_target_only_on_cuda(architecture, checkpoints, tmp_path):
     """fp16 bundles of the families beside Llama: GPT-2 (positions from seqlens_k, no rotary), a sliding
     window on some layers, Gemma 3 (soft-capping, a rotary table per layer type), Phi-3 (partial rotary), Granite
     (multipliers), OLMo 2 (post-norm, whole-q/k norms) and OLMo 3 (OLMo 2's layers with windows and a rotary table
-    per layer type; these three added 2026-11-28, not yet run on a GPU). Their default: CUDA graphs where
-    engine.CAPTURED_BY_DEFAULT lists the family, uncaptured calls for Granite and OLMo 2 and 3 until the test further
-    below (replays against uncaptured calls) has passed for them."""
+    per layer type; these three added 2026-11-28, not yet run on a GPU) and Qwen3-MoE (every expert on every row:
+    Gemms of the call's fixed rows, added 2026-11-28, not yet run on a GPU). Their default: CUDA graphs where
+    engine.CAPTURED_BY_DEFAULT lists the family, uncaptured calls for Granite, OLMo 2 and 3 and Qwen3-MoE until the
+    test further below (replays against uncaptured calls) has passed for them."""
     folder = tmp_path / architecture
     compile_bundle(CompileSettings(target=checkpoints(architecture, 0), draft=checkpoints(architecture, 1), output=folder,
                                    max_seq_len=256, precision="fp16"), show_progress=False)
@@ -519,12 +521,13 @@ def test_a_draft_smaller_than_its_padded_target_decodes_on_cuda_captured_or_not(
     assert max(emitted) >= vocab, "the target never emitted a padding id: this test is hollow"
 
 
-@pytest.mark.parametrize("architecture", ["qwen2-window", "gemma3", "phi3", "gpt2", "granite", "olmo2", "olmo3"])
+@pytest.mark.parametrize("architecture", ["qwen2-window", "gemma3", "phi3", "gpt2", "granite", "olmo2", "olmo3",
+                                          "qwen3moe"])
 def test_other_families_replay_the_tokens_of_uncaptured_calls(architecture, checkpoints, tmp_path):
     """As test_cuda_graphs_decode_the_tokens_of_uncaptured_calls, fp16: Qwen2 with a sliding window, Gemma 3,
     Phi-3 and GPT-2 (passed on an H100 with cuDNN's attention off, 2026-11-26: engine.CAPTURED_BY_DEFAULT; GPT-2
-    and Gemma 3 had replayed other tokens with it on); Granite and OLMo 2 and 3 not yet run (where they pass, they can
-    join CAPTURED_BY_DEFAULT)."""
+    and Gemma 3 had replayed other tokens with it on); Granite, OLMo 2 and 3 and Qwen3-MoE not yet run (where they pass,
+    they can join CAPTURED_BY_DEFAULT)."""
     folder = tmp_path / architecture
     compile_bundle(CompileSettings(target=checkpoints(architecture, 0), draft=checkpoints(architecture, 1),
                                    output=folder, max_seq_len=256, precision="fp16"), show_progress=False)

@@ -95,6 +95,21 @@ def test_stored_biases_the_model_never_has_are_dropped_as_transformers_drops_the
     assert_logits_match_transformers(with_stored_biases(folder, *projections))
 
 
+@pytest.mark.parametrize("config,sparse", [
+    (dict(norm_topk_prob=False), (0, 2)),  # the chosen experts' scores as the softmax over all of them gives them
+    (dict(decoder_sparse_step=2, mlp_only_layers=[]), (1,)),  # every second layer's MLP a mixture
+    (dict(num_experts_per_tok=3, mlp_only_layers=[0]), (1, 2)),
+], ids=["norm_topk_prob-false", "decoder_sparse_step-2", "top-3-mlp_only_layers-0"])
+def test_a_mixture_of_experts_routes_and_places_its_sparse_layers_as_transformers(config, sparse, tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folder = make_checkpoint(tmp_path, "qwen3moe", tokenizer, **config)
+    built = AutoModelForCausalLM.from_pretrained(folder).model.layers
+    assert load_checkpoint(folder, "target").spec.sparse_layers == sparse == tuple(
+        i for i, layer in enumerate(built) if hasattr(layer.mlp, "experts"))
+    assert_logits_match_transformers(folder)
+
+
 def assert_logits_match_transformers(folder):
     from transformers import AutoModelForCausalLM
 

@@ -441,6 +441,31 @@ def test_choices_scored_after_their_context_get_the_bits_of_prompts_scored_whole
             assert scored.stats.cached_prompt_tokens >= (context_len - 1 if n > 1 else 0)
 
 
+@pytest.mark.parametrize("mode", ["none", *VARIANTS])
+def test_a_mixture_of_experts_targets_rows_are_the_same_bits_however_grouped_and_its_experts_quantized(
+        mode, checkpoints, tokenizer, tmp_path):
+    """Which experts a row reaches depends on the row alone, and so do their arithmetic's bits: every expert computes
+    every row (layers.mixture_of_experts), so speculative output is the quantized target's own greedy output too."""
+    folder = compiled(tmp_path / "b", checkpoints("qwen3moe", 0, hidden_size=128, moe_intermediate_size=64),
+                      target_quantize=mode)
+    rng = np.random.default_rng(0)
+    for prompt_len in (1, 2, 9, 33):
+        prompt = rng.integers(1, 300, prompt_len).tolist()
+        rounds = [rng.integers(1, 300, n).tolist() for n in (3, 5, 2, 9)]
+        verified, single = logits_batched_and_one_by_one(folder, prompt, rounds)
+        assert np.array_equal(verified, single), prompt_len
+    decoder = SpeculativeDecoder(folder)
+    for prompt in PROMPTS[:4]:
+        ids = tokenizer(prompt)["input_ids"]
+        expected = decoder.generate(ids, NEW_TOKENS, gamma=0).token_ids
+        for gamma in (1, 3, 8):
+            assert decoder.generate(ids, NEW_TOKENS, gamma).token_ids == expected, (gamma, prompt)
+    graph = onnx.load(folder / "target.onnx", load_external_data=False).graph
+    float_experts = [i.name for i in graph.initializer if ".experts." in i.name and ".scales" not in i.name
+                     and i.data_type == onnx.TensorProto.FLOAT]
+    assert bool(float_experts) == (mode == "none"), float_experts
+
+
 def test_one_token_calls_without_a_re_fed_row_would_differ(bundle):
     """The control: onnxruntime's one-row kernels round differently, so the rule above is needed."""
     prompt, rounds = list(range(5, 45)), [list(range(50, 55)), list(range(60, 69))]

@@ -31,6 +31,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "llama",  # Qwen3's layers, their MLPs (all or some: decoder_sparse_step) mixtures of experts
     "Phi3ForCausalLM": "llama",  # Phi-3, Phi-3.5-mini, Phi-4-mini
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",  # Gemma 3 text (1B; the larger ones are multimodal)
@@ -45,8 +46,8 @@ SUPPORTED_ACTIVATIONS = {"silu", "gelu_new", "gelu_pytorch_tanh", "gelu"}
 # Windowed attention (sliding_window), per layer where layer_types says so (transformers 5 runs a Mistral config.json
 # with layer_types as a Ministral, which reads them; Phi-3 windows every layer whatever layer_types says).
 WINDOWED = {"MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-            "Gemma3ForCausalLM", "Olmo3ForCausalLM"}
-LAYER_TYPED = WINDOWED - {"Phi3ForCausalLM"}
+            "Gemma3ForCausalLM", "Olmo3ForCausalLM", "Qwen3MoeForCausalLM"}
+LAYER_TYPED = WINDOWED - {"Phi3ForCausalLM", "Qwen3MoeForCausalLM"}
 # Biases: mlp_bias reaches Llama's and Granite's MLPs alone; attention_bias every attention but Mistral's and Phi-3's,
 # which never have one (Qwen2's q, k and v always do).
 MLP_BIASED = {"LlamaForCausalLM", "GraniteForCausalLM"}
@@ -81,6 +82,14 @@ class ModelSpec:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # A mixture of experts (Qwen3-MoE): the layers whose MLP is one, each token's MLP the weighted sum of its
+    # experts_per_token highest-scoring experts' gated MLPs (expert_intermediate_size wide), the weights renormalized
+    # to sum to 1 where norm_topk_prob says so
+    sparse_layers: tuple[int, ...] = ()
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
 
 # safetensors dtype -> numpy dtype (bf16 and fp8 from ml_dtypes, which numpy lacks)
@@ -491,27 +500,52 @@ def _loaded_tensors(config, entries: dict[str, TensorEntry], path: Path, role: s
     prefix = model.base_model_prefix + "."
     parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     loaded = set()
-    for name, parameter in model.state_dict().items():
-        stored = name if name in entries else name.removeprefix(prefix)
-        if stored not in entries:
-            continue
-        if entries[stored].shape != tuple(parameter.shape):
-            raise CheckpointError(
-                f"{role} checkpoint {path}: tensor {name!r} has shape {list(entries[stored].shape)} but config.json "
-                f"implies {list(parameter.shape)}; the weights and config.json do not belong together: use the "
-                "config.json that came with these weights"
-            )
-        # Refused here, naming the tensor, rather than when the engine writes it: minutes in at 8B, and a small tensor
-        # (a norm) failed inside onnx_ir's serializer, reported as a bug in specbuild
-        if name in parameters and entries[stored].dtype not in WEIGHT_DTYPES:
-            raise UnsupportedModelError(
-                f"{role} checkpoint {path}: tensor {name!r} is stored as {entries[stored].dtype}; specbuild reads "
-                "weights stored as fp32, fp16 or bf16 (and quantizes them itself: --quantize int4|int8): save the "
-                "checkpoint in one of those, e.g. `model.to(torch.bfloat16).save_pretrained(dir)`"
-            )
-        entries[name] = entries.pop(stored)
-        loaded.add(name)
+    for model_name, parameter in model.state_dict().items():
+        for name, shape in _stored_parts(model_name, tuple(parameter.shape), entries, prefix, path, role):
+            stored = name if name in entries else name.removeprefix(prefix)
+            if stored not in entries:
+                continue
+            if entries[stored].shape != shape:
+                raise CheckpointError(
+                    f"{role} checkpoint {path}: tensor {name!r} has shape {list(entries[stored].shape)} but "
+                    f"config.json implies {list(shape)}; the weights and config.json do not belong together: use the "
+                    "config.json that came with these weights"
+                )
+            # Refused here, naming the tensor, rather than when the engine writes it: minutes in at 8B, and a small
+            # tensor (a norm) failed inside onnx_ir's serializer, reported as a bug in specbuild
+            if model_name in parameters and entries[stored].dtype not in WEIGHT_DTYPES:
+                raise UnsupportedModelError(
+                    f"{role} checkpoint {path}: tensor {name!r} is stored as {entries[stored].dtype}; specbuild reads "
+                    "weights stored as fp32, fp16 or bf16 (and quantizes them itself: --quantize int4|int8): save the "
+                    "checkpoint in one of those, e.g. `model.to(torch.bfloat16).save_pretrained(dir)`"
+                )
+            entries[name] = entries.pop(stored)
+            loaded.add(name)
     return frozenset(loaded)
+
+
+# transformers 5 holds a mixture's experts fused, gate_up_proj [E, 2I, H] (each expert's gate rows, then its up rows)
+# and down_proj [E, H, I], made at load from the projections of each expert that checkpoints store (released ones and
+# its own save_pretrained alike): experts.{e}.gate_proj.weight [I, H] and so on
+STORED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def _stored_parts(name: str, shape: tuple[int, ...], entries: dict[str, TensorEntry], prefix: str, path: Path,
+                  role: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The stored tensors (name, shape) transformers loads into the model's tensor `name` of that shape: itself, or
+    each expert's projections where it holds a mixture's experts fused."""
+    stem, _, fused = name.rpartition(".")
+    if not stem.endswith(".experts") or fused not in STORED_EXPERTS:
+        return [(name, shape)]
+    if name in entries or name.removeprefix(prefix) in entries:
+        raise UnsupportedModelError(
+            f"{role} checkpoint {path} stores its experts fused ({name!r}), as transformers 5 holds them in memory; "
+            "specbuild reads them as released checkpoints and save_pretrained store them, one tensor per expert and "
+            f"projection ({stem}.0.{STORED_EXPERTS[fused][0]}.weight, ...): save the model with save_pretrained")
+    experts, rows, columns = shape
+    projections = STORED_EXPERTS[fused]
+    return [(f"{stem}.{e}.{projection}.weight", (rows // len(projections), columns))
+            for e in range(experts) for projection in projections]
 
 
 # The files a tokenizer is saved in (transformers' names: the fast form, its config, sentencepiece's, GPT-2's pair)
@@ -627,6 +661,7 @@ def _rope_model_spec(config, architecture: str, family: str, path: Path, role: s
     typed = getattr(config, "layer_types", None) if architecture in LAYER_TYPED else None
     layer_types = list(typed or ["sliding_attention" if window else "full_attention"] * layers)
     gemma, granite = family == "gemma", architecture == "GraniteForCausalLM"
+    moe = architecture == "Qwen3MoeForCausalLM"
     return ModelSpec(
         architecture=architecture,
         family=family,
@@ -645,7 +680,7 @@ def _rope_model_spec(config, architecture: str, family: str, path: Path, role: s
         attention_scale=(config.attention_multiplier if granite else
                          (config.query_pre_attn_scalar if gemma else head_dim) ** -0.5),
         rotary_dim=rotary_dim,
-        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
         # transformers' Gemma 3 keeps attn_logit_softcapping but never passes it to its attention
         attention_softcap=config.attn_logit_softcapping if architecture == "Gemma2ForCausalLM" else None,
         final_softcap=config.final_logit_softcapping if gemma else None,
@@ -653,6 +688,13 @@ def _rope_model_spec(config, architecture: str, family: str, path: Path, role: s
         embedding_multiplier=config.embedding_multiplier if granite else 1.0,
         residual_multiplier=config.residual_multiplier if granite else 1.0,
         logits_scaling=config.logits_scaling if granite else 1.0,
+        # transformers' Qwen3MoeDecoderLayer's rule, restated: which layers hold its sparse block
+        sparse_layers=tuple(i for i in range(layers) if i not in config.mlp_only_layers and config.num_experts > 0
+                            and (i + 1) % config.decoder_sparse_step == 0) if moe else (),
+        experts=config.num_experts if moe else 0,
+        experts_per_token=config.num_experts_per_tok if moe else 0,
+        expert_intermediate_size=config.moe_intermediate_size if moe else 0,
+        norm_topk_prob=bool(config.norm_topk_prob) if moe else False,
     )
 
 

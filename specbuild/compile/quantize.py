@@ -11,6 +11,9 @@ engine's float type):
     int8    MatMulNBits, 8 bit                       GatherBlockQuantized, 8 bit
     none    Gemm in the engine's float type          Gather in the engine's float type
 
+    A mixture of experts' experts are linear layers like the others (graphs/layers.mixture_of_experts: all experts'
+    gate and up rows one weight, their down projections another); its router stays in the float type.
+
   * Blocks run along each output row's inputs (K), `block_size` (default 32) values each; asymmetric:
     a scale and a uint8 zero point per block, packed as MatMulNBits expects ([N, blocks, blob]). The
     numbers come from onnxruntime's C++ quantizer (`quantize_matmul_4bits` / `_8bits`), the kernels its

@@ -67,6 +67,7 @@ NOT_EXPORTED = {
     "Olmo2ForCausalLM": "TensorRT-LLM's checkpoint flow has no OLMo 2 model (no Olmo2ForCausalLM in "
                         "tensorrt_llm/models/__init__.py MODEL_MAP), and its LLaMA model has no post-norm layers "
                         "or whole-q/k norms to build one from",
+    "Qwen3MoeForCausalLM": "this export writes dense MLPs only, not a mixture of experts' router and experts",
     "Olmo3ForCausalLM": "TensorRT-LLM's checkpoint flow has no OLMo 3 model (no Olmo3ForCausalLM in "
                         "tensorrt_llm/models/__init__.py MODEL_MAP), and its LLaMA model has no post-norm layers, "
                         "whole-q/k norms or rope parameters per layer type to build one from",
@@ -76,15 +77,16 @@ NOT_EXPORTED = {
 # architectures that register a model (tensorrt_llm/_torch/models/_arch_index.py MODEL_ARCH_TO_MODULE at 065ff9e9;
 # AutoModelForCausalLM raises "Unknown architecture" for any other, modeling_auto.py): no Gemma 2, Granite, OLMo 2,
 # OLMo 3 or GPT-2 (docs/source/models/supported-models.md at 00b6d5a2 lists Granite and OLMo 3 for its AutoDeploy
-# backend alone). VLLM: vLLM's registry has all eleven (vllm/model_executor/models/registry.py at 0002bff0; OLMo 3 as
-# its OLMo 2 model), and its draft_model method refuses no architecture of them (vllm/config/speculative.py
+# backend alone); it has Qwen3-MoE (modeling_qwen3_moe) and Mixtral (modeling_mixtral), listed in 00b6d5a2's
+# supported-models.md without the AutoDeploy note. VLLM: vLLM's registry has all thirteen
+# (vllm/model_executor/models/registry.py at 0002bff0; OLMo 3 as its OLMo 2 model), and its draft_model method refuses no architecture of them (vllm/config/speculative.py
 # SpeculativeConfig: equal vocabulary sizes, no multimodal or M-RoPE model; vllm_script says where it would refuse).
 LLM_API, VLLM = "llm_api", "vllm"
 SOURCE_PLANS = {
     "LlamaForCausalLM": (LLM_API, VLLM), "MistralForCausalLM": (LLM_API, VLLM), "Qwen2ForCausalLM": (LLM_API, VLLM),
     "Qwen3ForCausalLM": (LLM_API, VLLM), "Phi3ForCausalLM": (LLM_API, VLLM), "Gemma3ForCausalLM": (LLM_API, VLLM),
     "GraniteForCausalLM": (VLLM,), "GPT2LMHeadModel": (VLLM,), "Gemma2ForCausalLM": (VLLM,),
-    "Olmo2ForCausalLM": (VLLM,), "Olmo3ForCausalLM": (VLLM,),
+    "Olmo2ForCausalLM": (VLLM,), "Olmo3ForCausalLM": (VLLM,), "Qwen3MoeForCausalLM": (LLM_API, VLLM),
 }
 # Families the plans' TensorRT-LLM 1.0 lacks on the PyTorch backend: Phi3ForCausalLM is not in 1.0.0's model list
 # (the docs site's 1.0.0/models/supported-models.html), and is in the later ones.

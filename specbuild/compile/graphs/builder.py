@@ -30,17 +30,21 @@ class Weight:
     """A 2-D weight in torch's [out, in] layout, made from checkpoint tensors when it is written: the
     tensors `names` stacked along their first axis (q, k and v into one projection), cut to the first
     `rows` rows (a draft's table cut to the target's vocabulary), plus one (Gemma's norms scale by 1 + w),
-    or transposed from a Conv1D's [in, out] (GPT-2). A 1-D weight (a norm, a bias) is one row."""
+    or transposed from a Conv1D's [in, out] (GPT-2); or, columns, the tensors side by side along their second axis
+    (a mixture's experts' down projections, one [H, E·I] weight). A 1-D weight (a norm, a bias) is one row."""
 
     names: tuple[str, ...]
     rows: int | None = None
     plus_one: bool = False
     conv1d: bool = False
+    columns: bool = False
 
     def shape(self, ckpt: Checkpoint) -> tuple[int, ...]:
         shapes = [ckpt.entry(name).shape for name in self.names]
         if len(shapes[0]) == 1:
             return (sum(s[0] for s in shapes),)
+        if self.columns:
+            return (shapes[0][0], sum(s[1] for s in shapes))
         if self.conv1d:
             shapes = [s[::-1] for s in shapes]
         rows = sum(s[0] for s in shapes)
@@ -52,6 +56,13 @@ class Weight:
         end = self.shape(ckpt)[0]
         if self.conv1d or len(self.shape(ckpt)) == 1:  # small: GPT-2's Conv1D weights, norms, biases
             yield 0, end, np.concatenate([ckpt.tensor(n).T if self.conv1d else ckpt.tensor(n) for n in self.names])
+            return
+        if self.columns:
+            width = self.shape(ckpt)[1] * ckpt.entry(self.names[0]).dtype.itemsize
+            step = max(1, chunk_bytes // width)
+            for start in range(0, end, step):
+                stop = min(start + step, end)
+                yield start, stop, np.concatenate([ckpt.tensor(n, rows=(start, stop)) for n in self.names], axis=1)
             return
         offset = 0
         for name in self.names:

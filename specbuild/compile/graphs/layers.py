@@ -88,6 +88,38 @@ def gated_mlp(g: GraphBuilder, x: ir.Value, gate_up: Weight, down: Weight, act: 
     return linear(g, g.op("Mul", activation(g, act, gate), up), down, down_bias)
 
 
+def mixture_of_experts(g: GraphBuilder, x: ir.Value, spec: ModelSpec, router: Weight, gate_up: Weight,
+                       down: Weight) -> ir.Value:
+    """x [S, H] -> [S, H]: each row through its spec.experts_per_token highest-scoring experts' gated MLPs, each
+    weighted by its score, summed. Scores are the softmax of the router's logits over all experts in fp32, the chosen
+    ones renormalized to sum to 1 where spec.norm_topk_prob says so, then in the engine's type (transformers' router).
+    gate_up: every expert's gate and up rows, expert after expert ([E·2I, H]); down: their down projections side by
+    side ([H, E·I]).
+
+    Computed densely: every expert's MLP on every row, its gated activations scaled by the row's weight for it
+    (0 for the experts not chosen), and one down projection over all of them. Two Gemms (MatMulNBits when quantized)
+    whose rows are computed alone whatever the call's other rows, as every other linear layer's, so a row's output
+    does not depend on how rows are grouped into a call. onnxruntime's MoE op, which multiplies the rows routed to
+    each expert together, does not keep that: on its CPU kernel (1.32, fp32, swiglu) rows differed by up to 1.8e-7
+    between calls of 1 to 16 rows and one of 300, which speculative decoding's calls of γ + 1 rows would turn into
+    other tokens at near ties. The price is E / experts_per_token times the expert arithmetic of a sparse kernel.
+    The router stays in the float type in a quantized engine, as transformers' fp32 softmax and the choice it makes
+    are the model's: quantized, a near tie between two experts would be decided by the quantization noise."""
+    experts, width = spec.experts, spec.expert_intermediate_size
+    logits = g.op("Gemm", x, g.weight(router), transB=1)  # [S, E]
+    scores = g.op("Softmax", g.op("Cast", logits, to=ir.DataType.FLOAT), axis=-1)
+    top, chosen = g.op("TopK", scores, g.const([spec.experts_per_token]), outputs=2, axis=-1)  # [S, k]
+    if spec.norm_topk_prob:
+        top = g.op("Div", top, g.op("ReduceSum", top, g.const([-1]), keepdims=1))
+    zeros = g.op("Expand", g.const([[0]], g.numerics.dtype), g.op("Shape", logits))
+    weights = g.op("ScatterElements", zeros, chosen, g.op("Cast", top, to=g.numerics.ir_type), axis=1)  # [S, E]
+    projected = g.op("Reshape", linear(g, x, gate_up), g.const([-1, experts, 2, width]))
+    gate, up = g.op("Split", projected, g.const([1, 1]), outputs=2, axis=2)  # [S, E, 1, I] each
+    gated = g.op("Mul", g.op("Mul", activation(g, spec.hidden_act, gate), up),
+                 g.op("Reshape", weights, g.const([-1, experts, 1, 1])))
+    return linear(g, g.op("Reshape", gated, g.const([-1, experts * width])), down)
+
+
 class Attention:
     """What every layer's attention shares: the length inputs, each layer's KV buffers, the model's shape."""
 
