@@ -40,26 +40,31 @@ TOKENIZER_VOCAB = 512  # the tokenizer only needs ids inside every model's vocab
 
 def parameter_shapes(config: dict, folder: Path) -> list[tuple[str, tuple[int, ...]]]:
     """Parameter names and shapes of this config, from transformers' own model built on the meta device
-    (no memory); tied tables appear once. Writes config.json into folder."""
+    (no memory), as checkpoints store them (a mixture's experts one tensor per expert and projection); tied tables
+    appear once. Writes config.json into folder."""
     import torch
     import transformers
+
+    from specbuild.compile.load import stored_parts
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
-    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    return [part for name, p in model.named_parameters()
+            for part in stored_parts(type(model).__name__, name, tuple(p.shape), {}, "", folder, "target")]
 
 
 def random_checkpoint(tensors: list[tuple[str, tuple[int, ...]]], folder: Path, tokenizer, seed: int = 0,
-                      scale: Callable[[str], float] = lambda name: 1.0) -> None:
+                      scale: Callable[[str], float] = lambda name: 1.0, zero: bool = False) -> None:
     """Random bf16 weights for these tensors (sharded, with an index) and a tokenizer, beside config.json.
 
     Values are drawn from one 64 MB pool of N(0, 0.02) bf16 numbers at an offset drawn from (seed, name):
     realistic numbers at the speed of a copy, and a tensor of the same name and seed has the same values in
     every checkpoint (layer_pair.py's draft is its target's first layers). scale(name) multiplies a tensor.
     The safetensors files are written by hand, header first and then tensor after tensor, because the
-    safetensors library only writes a shard from tensors all held in memory.
+    safetensors library only writes a shard from tensors all held in memory. zero: every weight 0, each shard a
+    sparse file (its data a hole: no disk for a checkpoint of 30B parameters; the compile's time is not a real one's).
     """
     rng = np.random.default_rng(seed)
     pool = (rng.standard_normal(32 << 20, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
@@ -84,6 +89,9 @@ def random_checkpoint(tensors: list[tuple[str, tuple[int, ...]]], folder: Path, 
         encoded += b" " * (-len(encoded) % 8)
         with open(folder / file, "wb") as f:
             f.write(struct.pack("<Q", len(encoded)) + encoded)
+            if zero:
+                f.truncate(f.tell() + offset)
+                continue
             for name, shape in members:
                 left = math.prod(shape)
                 start = int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()) % len(pool)
@@ -116,6 +124,8 @@ def draft_config(config: dict) -> dict:
     small.pop("max_window_layers", None)
     if "layer_types" in config:  # one per layer (OLMo 3's, from the target's first layers)
         small["layer_types"] = config["layer_types"][:2]
+    if config["model_type"] == "qwen3_moe":  # the pair users run: a dense Qwen3 draft of its vocabulary
+        small.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
     return small
 
 
@@ -160,13 +170,14 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def run(shape: str, precision: str, scratch: Path, builder: bool, keep: bool, tok, builder_limit: int | None) -> dict:
+def run(shape: str, precision: str, scratch: Path, builder: bool, keep: bool, tok, builder_limit: int | None,
+        zero: bool = False) -> dict:
     config = json.loads((CONFIGS / f"{shape}.json").read_text())
     target, draft = scratch / f"{shape}-target", scratch / f"{shape}-draft"
     made = time.perf_counter()
     tensors = parameter_shapes(config, target)
     if not (target / "model.safetensors.index.json").exists():  # else made by this run for another precision
-        random_checkpoint(tensors, target, tok)
+        random_checkpoint(tensors, target, tok, zero=zero)
     if not (draft / "model.safetensors.index.json").exists():
         random_checkpoint(parameter_shapes(draft_config(config), draft), draft, tok, seed=1)
     largest = max(2 * math.prod(s) for _, s in tensors)
@@ -218,6 +229,7 @@ def main() -> None:
     parser.add_argument("--builder-memory-limit-gb", type=float,
                         help="cap the builder's address space (it holds whole models in memory)")
     parser.add_argument("--keep", action="store_true", help="keep checkpoints and bundles (default: delete them)")
+    parser.add_argument("--zero", action="store_true", help="targets of all-zero weights in sparse files (no disk)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
 
@@ -227,7 +239,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         for precision in args.precisions.split(","):
             limit = int(args.builder_memory_limit_gb * 2**30) if args.builder_memory_limit_gb else None
-            result = run(shape, precision, args.scratch, args.builder, args.keep, tok, limit)
+            result = run(shape, precision, args.scratch, args.builder, args.keep, tok, limit, args.zero)
             results.append(result)
             print(json.dumps(result), flush=True)
         if not args.keep:

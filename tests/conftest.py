@@ -50,6 +50,9 @@ ARCHITECTURES = {
     "qwen3moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(
         num_hidden_layers=3, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         mlp_only_layers=[1], norm_topk_prob=True)),
+    # Mixtral's top 2, of 4 experts, past Mistral's sliding window
+    "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2,
+                                                              intermediate_size=64, sliding_window=8)),
     # OLMo 3 Think's rope: YaRN in the full layers (rope_scaling reaches them alone), none in the sliding ones
     "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM, dict(
         sliding_window=8, layer_types=["sliding_attention", "full_attention"],

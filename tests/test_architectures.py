@@ -16,7 +16,7 @@ from specbuild_runtime import BundleError, SpeculativeDecoder
 
 # The families test_exactness.py does not cover; windows of 8 positions, so 40 tokens pass them.
 FAMILIES = ["llama3", "mistral-window", "qwen2-window", "qwen3", "phi3", "gemma2", "gemma3", "granite", "olmo2",
-            "olmo3", "qwen3moe"]
+            "olmo3", "qwen3moe", "mixtral"]
 NEW_TOKENS = 40
 
 
@@ -38,7 +38,7 @@ def test_speculative_and_target_only_decoding_equal_transformers(family, checkpo
 
 
 @pytest.mark.parametrize("architecture,config,kind", [
-    ("MixtralForCausalLM", {"num_local_experts": 8}, "mixture of experts"),
+    ("OlmoeForCausalLM", {"num_experts": 64}, "mixture of experts"),
     ("Qwen2MoeForCausalLM", {"num_experts": 60}, "mixture of experts"),
     ("Gemma3ForConditionalGeneration", {"vision_config": {}}, "multimodal"),
     ("MambaForCausalLM", {}, "MambaForCausalLM"),
@@ -54,14 +54,15 @@ def test_an_unsupported_architecture_is_named_with_what_is_supported(architectur
     assert all(name in message for name in ARCHITECTURES)
 
 
-def test_experts_stored_fused_as_transformers_holds_them_are_refused_in_one_line(checkpoints, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3moe", "mixtral"])
+def test_experts_stored_fused_as_transformers_holds_them_are_refused_in_one_line(family, checkpoints, tmp_path):
     """Released checkpoints and save_pretrained store each expert's projections; a state_dict saved as it is holds
     transformers 5's fused [E, 2I, H] and [E, H, I] tensors instead."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     folder = tmp_path / "fused"
-    shutil.copytree(checkpoints("qwen3moe"), folder)
+    shutil.copytree(checkpoints(family), folder)
     save_file(AutoModelForCausalLM.from_pretrained(folder).state_dict(), folder / "model.safetensors")
     with pytest.raises(UnsupportedModelError, match="stores its experts fused .*save the model with save_pretrained"
                        ) as caught:

@@ -580,8 +580,8 @@ CASES = [
          "Pass a complete checkpoint folder.",
          setup=a_copy_of("target", lambda f: next(f.glob("*.safetensors")).unlink())),
     Case("an architecture without a graph builder", compile_args(), 1, "which specbuild does not compile",
-         "Use a checkpoint of an architecture the message lists (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Phi-3, "
-         "Gemma 2, Gemma 3, Granite, OLMo 2, OLMo 3 or GPT-2).", setup=a_copy_of("target", falcon)),
+         "Use a checkpoint of an architecture the message lists (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, "
+         "Phi-3, Gemma 2, Gemma 3, Granite, OLMo 2, OLMo 3 or GPT-2).", setup=a_copy_of("target", falcon)),
     Case("`config.json` without `architectures`", compile_args(), 1, "names no architecture",
          "Add the model's class to config.json, e.g. `\"architectures\": [\"LlamaForCausalLM\"]`.",
          setup=a_copy_of("target", without_architectures)),

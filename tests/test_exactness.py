@@ -10,7 +10,7 @@ from specbuild_runtime import SpeculativeDecoder
 from specbuild_runtime.decode import FREE_GUESSES
 from specbuild_runtime.slot import EngineSlot
 
-ARCHITECTURES = ["llama", "qwen2", "mistral", "gpt2", "granite", "olmo2", "olmo3", "qwen3moe"]
+ARCHITECTURES = ["llama", "qwen2", "mistral", "gpt2", "granite", "olmo2", "olmo3", "qwen3moe", "mixtral"]
 NEW_TOKENS = 23  # not a multiple of γ+1 for any γ tested: max-new-tokens lands inside a round
 
 

@@ -32,6 +32,7 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "llama",  # Qwen3's layers, their MLPs (all or some: decoder_sparse_step) mixtures of experts
+    "MixtralForCausalLM": "llama",  # Mistral's layers, every MLP a mixture of experts
     "Phi3ForCausalLM": "llama",  # Phi-3, Phi-3.5-mini, Phi-4-mini
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",  # Gemma 3 text (1B; the larger ones are multimodal)
@@ -44,14 +45,15 @@ SUPPORTED_ACTIVATIONS = {"silu", "gelu_new", "gelu_pytorch_tanh", "gelu"}
 # What transformers' code of each architecture reads of a config.json: a key it ignores is ignored here too, as a Llama
 # config's sliding_window or final_logit_softcapping is (a config.json may carry any key, which transformers keeps).
 # Windowed attention (sliding_window), per layer where layer_types says so (transformers 5 runs a Mistral config.json
-# with layer_types as a Ministral, which reads them; Phi-3 windows every layer whatever layer_types says).
+# with layer_types as a Ministral, which reads them; Phi-3 and Mixtral window every layer whatever layer_types says,
+# Qwen3-MoE every layer where use_sliding_window, its config dropping the window otherwise).
 WINDOWED = {"MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-            "Gemma3ForCausalLM", "Olmo3ForCausalLM", "Qwen3MoeForCausalLM"}
-LAYER_TYPED = WINDOWED - {"Phi3ForCausalLM", "Qwen3MoeForCausalLM"}
+            "Gemma3ForCausalLM", "Olmo3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"}
+LAYER_TYPED = WINDOWED - {"Phi3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"}
 # Biases: mlp_bias reaches Llama's and Granite's MLPs alone; attention_bias every attention but Mistral's and Phi-3's,
 # which never have one (Qwen2's q, k and v always do).
 MLP_BIASED = {"LlamaForCausalLM", "GraniteForCausalLM"}
-ATTENTION_UNBIASED = {"MistralForCausalLM", "Phi3ForCausalLM"}
+ATTENTION_UNBIASED = {"MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"}
 # Built as their Llama by vLLM (its registry; TensorRT-LLM's too for Mistral), which reads both keys all the same
 RUN_AS_LLAMA = {"MistralForCausalLM", "Phi3ForCausalLM"}
 
@@ -82,7 +84,7 @@ class ModelSpec:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
-    # A mixture of experts (Qwen3-MoE): the layers whose MLP is one, each token's MLP the weighted sum of its
+    # A mixture of experts (Qwen3-MoE, Mixtral): the layers whose MLP is one, each token's MLP the weighted sum of its
     # experts_per_token highest-scoring experts' gated MLPs (expert_intermediate_size wide), the weights renormalized
     # to sum to 1 where norm_topk_prob says so
     sparse_layers: tuple[int, ...] = ()
@@ -501,7 +503,8 @@ def _loaded_tensors(config, entries: dict[str, TensorEntry], path: Path, role: s
     parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     loaded = set()
     for model_name, parameter in model.state_dict().items():
-        for name, shape in _stored_parts(model_name, tuple(parameter.shape), entries, prefix, path, role):
+        for name, shape in stored_parts(type(model).__name__, model_name, tuple(parameter.shape), entries, prefix, path,
+                                        role):
             stored = name if name in entries else name.removeprefix(prefix)
             if stored not in entries:
                 continue
@@ -524,26 +527,31 @@ def _loaded_tensors(config, entries: dict[str, TensorEntry], path: Path, role: s
     return frozenset(loaded)
 
 
-# transformers 5 holds a mixture's experts fused, gate_up_proj [E, 2I, H] (each expert's gate rows, then its up rows)
-# and down_proj [E, H, I], made at load from the projections of each expert that checkpoints store (released ones and
-# its own save_pretrained alike): experts.{e}.gate_proj.weight [I, H] and so on
-STORED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+# Where checkpoints (released ones and transformers 5's save_pretrained alike) store a mixture's router and experts: the
+# layer's module, and each expert's gate, up and down projections (experts.{e}.gate_proj.weight [I, H] and so on).
+# transformers 5 renames Mixtral's block_sparse_moe to mlp at load and holds the experts fused, gate_up_proj [E, 2I, H]
+# (each expert's gate rows, then its up rows) and down_proj [E, H, I].
+MIXTURES = {"Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
+            "MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2")}
 
 
-def _stored_parts(name: str, shape: tuple[int, ...], entries: dict[str, TensorEntry], prefix: str, path: Path,
-                  role: str) -> list[tuple[str, tuple[int, ...]]]:
-    """The stored tensors (name, shape) transformers loads into the model's tensor `name` of that shape: itself, or
-    each expert's projections where it holds a mixture's experts fused."""
-    stem, _, fused = name.rpartition(".")
-    if not stem.endswith(".experts") or fused not in STORED_EXPERTS:
+def stored_parts(architecture: str, name: str, shape: tuple[int, ...], entries: dict[str, TensorEntry], prefix: str,
+                 path: Path, role: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The stored tensors (name, shape) transformers loads into the model's tensor `name` of that shape: itself, or,
+    in a mixture of experts, what MIXTURES says it is stored as."""
+    if architecture not in MIXTURES:
         return [(name, shape)]
+    module, gate, up, down = MIXTURES[architecture]
+    stem, _, fused = name.replace(".mlp.", f".{module}.").rpartition(".")
+    if not stem.endswith(".experts") or fused not in ("gate_up_proj", "down_proj"):
+        return [(f"{stem}.{fused}", shape)]
     if name in entries or name.removeprefix(prefix) in entries:
         raise UnsupportedModelError(
             f"{role} checkpoint {path} stores its experts fused ({name!r}), as transformers 5 holds them in memory; "
             "specbuild reads them as released checkpoints and save_pretrained store them, one tensor per expert and "
-            f"projection ({stem}.0.{STORED_EXPERTS[fused][0]}.weight, ...): save the model with save_pretrained")
+            f"projection ({stem}.0.{gate}.weight, ...): save the model with save_pretrained")
     experts, rows, columns = shape
-    projections = STORED_EXPERTS[fused]
+    projections = (gate, up) if fused == "gate_up_proj" else (down,)
     return [(f"{stem}.{e}.{projection}.weight", (rows // len(projections), columns))
             for e in range(experts) for projection in projections]
 
@@ -661,7 +669,7 @@ def _rope_model_spec(config, architecture: str, family: str, path: Path, role: s
     typed = getattr(config, "layer_types", None) if architecture in LAYER_TYPED else None
     layer_types = list(typed or ["sliding_attention" if window else "full_attention"] * layers)
     gemma, granite = family == "gemma", architecture == "GraniteForCausalLM"
-    moe = architecture == "Qwen3MoeForCausalLM"
+    moe, qwen3_moe = architecture in MIXTURES, architecture == "Qwen3MoeForCausalLM"
     return ModelSpec(
         architecture=architecture,
         family=family,
@@ -688,13 +696,14 @@ def _rope_model_spec(config, architecture: str, family: str, path: Path, role: s
         embedding_multiplier=config.embedding_multiplier if granite else 1.0,
         residual_multiplier=config.residual_multiplier if granite else 1.0,
         logits_scaling=config.logits_scaling if granite else 1.0,
-        # transformers' Qwen3MoeDecoderLayer's rule, restated: which layers hold its sparse block
-        sparse_layers=tuple(i for i in range(layers) if i not in config.mlp_only_layers and config.num_experts > 0
-                            and (i + 1) % config.decoder_sparse_step == 0) if moe else (),
-        experts=config.num_experts if moe else 0,
+        # transformers' Qwen3MoeDecoderLayer's rule, restated: which layers hold its sparse block (Mixtral's: every one)
+        sparse_layers=tuple(i for i in range(layers) if not qwen3_moe or (
+            i not in config.mlp_only_layers and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0)
+        ) if moe else (),
+        experts=config.num_local_experts if moe else 0,  # Qwen3-MoE's num_experts too (its config's attribute_map)
         experts_per_token=config.num_experts_per_tok if moe else 0,
-        expert_intermediate_size=config.moe_intermediate_size if moe else 0,
-        norm_topk_prob=bool(config.norm_topk_prob) if moe else False,
+        expert_intermediate_size=(config.moe_intermediate_size if qwen3_moe else config.intermediate_size) * moe,
+        norm_topk_prob=bool(config.norm_topk_prob) if qwen3_moe else moe,  # Mixtral's router always renormalizes
     )
 
 

@@ -68,6 +68,7 @@ NOT_EXPORTED = {
                         "tensorrt_llm/models/__init__.py MODEL_MAP), and its LLaMA model has no post-norm layers "
                         "or whole-q/k norms to build one from",
     "Qwen3MoeForCausalLM": "this export writes dense MLPs only, not a mixture of experts' router and experts",
+    "MixtralForCausalLM": "this export writes dense MLPs only, not a mixture of experts' router and experts",
     "Olmo3ForCausalLM": "TensorRT-LLM's checkpoint flow has no OLMo 3 model (no Olmo3ForCausalLM in "
                         "tensorrt_llm/models/__init__.py MODEL_MAP), and its LLaMA model has no post-norm layers, "
                         "whole-q/k norms or rope parameters per layer type to build one from",
@@ -87,6 +88,7 @@ SOURCE_PLANS = {
     "Qwen3ForCausalLM": (LLM_API, VLLM), "Phi3ForCausalLM": (LLM_API, VLLM), "Gemma3ForCausalLM": (LLM_API, VLLM),
     "GraniteForCausalLM": (VLLM,), "GPT2LMHeadModel": (VLLM,), "Gemma2ForCausalLM": (VLLM,),
     "Olmo2ForCausalLM": (VLLM,), "Olmo3ForCausalLM": (VLLM,), "Qwen3MoeForCausalLM": (LLM_API, VLLM),
+    "MixtralForCausalLM": (LLM_API, VLLM),
 }
 # Families the plans' TensorRT-LLM 1.0 lacks on the PyTorch backend: Phi3ForCausalLM is not in 1.0.0's model list
 # (the docs site's 1.0.0/models/supported-models.html), and is in the later ones.

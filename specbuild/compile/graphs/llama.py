@@ -1,9 +1,9 @@
 """Llama and the models that are Llama with a twist: Llama 3.x (rope scaling, tied embeddings), Mistral
 and Qwen2 (sliding windows), Qwen3 (an RMS norm on each q and k head), Phi-3 / Phi-4-mini (q, k, v and
-gate, up stored fused; LongRoPE; partial rotary), Qwen3-MoE (Qwen3's attention; the MLP of some or all layers a
-mixture of experts: layers.mixture_of_experts), Granite (µP multipliers: embeddings scaled, each block's
-output scaled before its residual add, attention_multiplier as the attention's scale, logits divided by
-logits_scaling in the verification tail). Pre-norm decoder layers: x + attention(norm(x)), then
+gate, up stored fused; LongRoPE; partial rotary), Qwen3-MoE and Mixtral (Qwen3's and Mistral's attention; the MLP
+of some or all layers a mixture of experts: layers.mixture_of_experts), Granite (µP multipliers: embeddings
+scaled, each block's output scaled before its residual add, attention_multiplier as the attention's scale, logits
+divided by logits_scaling in the verification tail). Pre-norm decoder layers: x + attention(norm(x)), then
 x + mlp(norm(x))."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ..load import ModelSpec, rotary_module
+from ..load import MIXTURES, ModelSpec, rotary_module
 from .builder import GraphBuilder, w
 from .layers import (Attention, attention, embedding, gated_mlp, head_norm, linear, mixture_of_experts, rms_norm, rope,
                      rotary_tables, skip_rms_norm, split_qkv, vocab_table)
@@ -49,11 +49,11 @@ def body(g: GraphBuilder, spec: ModelSpec, ids: ir.Value, att: Attention, max_se
         normed, residual = skip_rms_norm(g, attn, residual, w(p + "post_attention_layernorm.weight"), eps)
         m = p + "mlp."
         if i in spec.sparse_layers:
-            experts = range(spec.experts)
-            mlp = mixture_of_experts(
-                g, normed, spec, w(m + "gate.weight"),
-                w(*(f"{m}experts.{e}.{n}_proj.weight" for e in experts for n in ("gate", "up"))),
-                w(*(f"{m}experts.{e}.down_proj.weight" for e in experts), columns=True))
+            module, gate, up, down = MIXTURES[spec.architecture]
+            m, experts = p + module + ".", range(spec.experts)
+            mlp = mixture_of_experts(g, normed, spec, w(m + "gate.weight"),
+                                     w(*(f"{m}experts.{e}.{n}.weight" for e in experts for n in (gate, up))),
+                                     w(*(f"{m}experts.{e}.{down}.weight" for e in experts), columns=True))
         elif fused:
             mlp = gated_mlp(g, normed, w(m + "gate_up_proj.weight"), w(m + "down_proj.weight"), spec.hidden_act)
         else:
