@@ -99,10 +99,14 @@ def mixture_of_experts(g: GraphBuilder, x: ir.Value, spec: ModelSpec, router: We
     Computed densely: every expert's MLP on every row, its gated activations scaled by the row's weight for it
     (0 for the experts not chosen), and one down projection over all of them. Two Gemms (MatMulNBits when quantized)
     whose rows are computed alone whatever the call's other rows, as every other linear layer's, so a row's output
-    does not depend on how rows are grouped into a call. onnxruntime's MoE op, which multiplies the rows routed to
-    each expert together, does not keep that: on its CPU kernel (1.32, fp32, swiglu) rows differed by up to 1.8e-7
-    between calls of 1 to 16 rows and one of 300, which speculative decoding's calls of γ + 1 rows would turn into
-    other tokens at near ties. The price is E / experts_per_token times the expert arithmetic of a sparse kernel.
+    does not depend on how rows are grouped into a call (on a GPU, whose calls have a fixed number of rows, by
+    construction). onnxruntime's MoE op, which multiplies the rows routed to each expert together, does not keep
+    that: on its CPU kernel (1.32, fp32, swiglu) a row of Qwen3-30B-A3B's layer got other bits, up to 2.8e-7 apart,
+    in calls of 1 to 16 rows than in one of 64 (benchmarks/moe_block.py), which speculative decoding's calls of γ + 1
+    rows would turn into other tokens at near ties. The price is E / experts_per_token times a sparse kernel's expert
+    arithmetic (16 there) and every expert's weights read at every call: that layer took 240, 261 and 581 ms a call
+    of 2, 6 and 64 rows against the MoE op's 48, 120 and 163 (medians of 5, interleaved, load 3.3-4.0; a second
+    session of this form, the noise: 222, 281 and 491).
     The router stays in the float type in a quantized engine, as transformers' fp32 softmax and the choice it makes
     are the model's: quantized, a near tie between two experts would be decided by the quantization noise."""
     experts, width = spec.experts, spec.expert_intermediate_size
