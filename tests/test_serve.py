@@ -3004,6 +3004,50 @@ def test_a_tokenize_whose_client_leaves_while_it_waits_for_the_checking_thread_g
         assert decoder.tokenizer.calls == [work]  # this one's alone
 
 
+TOKENIZER_WORK = [("/tokenize", {"prompt": PROMPTS[0]}), ("/detokenize", {"tokens": [5, 6, 7]})]
+
+
+@pytest.mark.parametrize("path, body", TOKENIZER_WORK)
+def test_a_tokenize_waiting_for_the_checking_thread_takes_a_place_in_the_queue_and_shows_in_its_depth(bundle, path,
+                                                                                                       body):
+    """/tokenize and /detokenize waited for the checking thread in no queue the server bounds: a flood of them on open
+    connections (up to --max-connections) waited unseen, every request's check behind them. Now each takes a place as
+    a request waiting for its check does: beyond them a 429, of either kind. A completion's check holds the thread."""
+    depth = ("specbuild_queue_depth", ())
+    rejected = ("specbuild_requests_total", (("endpoint", path[1:]), ("outcome", "rejected")))
+    with in_process(bundle, max_queue=1) as (url, decoder, _), ThreadPoolExecutor(2) as client:
+        decoder.checks.clear()
+        completing = client.submit(httpx.post, f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4},
+                                   timeout=60)
+        assert decoder.checking.acquire(timeout=60)
+        waiting = client.submit(httpx.post, f"{url}{path}", json=body, timeout=60)
+        wait_until(lambda: metric_values(url)[depth] == 2, f"{path} counted as waiting")
+        for refused in (path, "/v1/completions"):  # one slot and one place in the queue taken
+            full = httpx.post(f"{url}{refused}", json=body if refused == path else {"prompt": PROMPTS[0]}, timeout=10)
+            assert full.status_code == 429 and full.headers["Retry-After"] == "1", full.text
+            assert "--max-queue 1" in full.json()["error"]["message"]
+        assert metric_values(url)[rejected] == 1
+        decoder.checks.set()
+        decoder.go.set()
+        assert [completing.result().status_code, waiting.result().status_code] == [200, 200]
+        assert metric_values(url)[depth] == 0
+
+
+@pytest.mark.parametrize("path, body", TOKENIZER_WORK)
+def test_a_tokenize_waiting_for_the_checking_thread_gets_503_at_its_timeout(bundle, path, body):
+    """--timeout did not bound /tokenize and /detokenize: one behind long prompts' checks waited however long they
+    took. A completion's check holds the thread here past a 1 s timeout (the completion's own answer: 503 too)."""
+    timeout = ("specbuild_requests_total", (("endpoint", path[1:]), ("outcome", "timeout")))
+    with in_process(bundle, timeout=1.0) as (url, decoder, _), ThreadPoolExecutor(1) as client:
+        decoder.checks.clear()
+        completing = client.submit(httpx.post, f"{url}/v1/completions", json={"prompt": PROMPTS[0]}, timeout=60)
+        assert decoder.checking.acquire(timeout=60)
+        reply = httpx.post(f"{url}{path}", json=body, timeout=30)
+        assert reply.status_code == 503 and "--timeout" in reply.json()["error"]["message"], reply.text
+        assert reply.headers["Retry-After"] == "1" and metric_values(url)[timeout] == 1
+        assert completing.result().status_code == 503
+
+
 def test_shutdown_cuts_a_stream_after_the_grace_period_with_a_clean_end(bundle):
     with in_process(bundle, shutdown_timeout=0.0) as (url, decoder, uvicorn), streaming(url) as (_, rest):
         assert decoder.paused.acquire(timeout=60)

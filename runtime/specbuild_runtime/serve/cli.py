@@ -160,14 +160,16 @@ class ServeCommand(InterruptibleCommand):
                    "shared. --max-num-seqs is vLLM's name for it.")
 @threads_option("cores (those a container's CPU limit grants, where fewer) / --parallel, at least 1")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
-              help="Requests that may wait for a slot or for their check (tokenizing), a batch's prompts each one; more "
+              help="Requests that may wait for a slot or for their check (tokenizing; /tokenize and /detokenize "
+                   "too), a batch's prompts each one; more "
                    "get 429 with Retry-After, and a batch of over --parallel + this many prompts a 400.")
 @click.option("--grammar-cache", type=click.IntRange(min=1), default=GRAMMAR_CACHE, show_default=True,
               help="Compiled grammars (structured outputs, response_format, forced tool calls) kept for requests that "
                    "send the same one again, the least recently used dropped first; the largest schemas hold tens of "
                    "MB each.")
 @click.option("--timeout", type=Finite(min=0), default=600.0, show_default=True,
-              help="Seconds a request may take from arrival to its last token (0 = no limit).")
+              help="Seconds a request may take from arrival to its last token (a /tokenize or /detokenize: to the "
+                   "end of its tokenizing; 0 = no limit).")
 @click.option("--shutdown-timeout", type=Finite(min=0), default=30.0, show_default=True,
               help="On SIGTERM, seconds in-flight requests get to finish before they are cut (a second signal cuts "
                    "them at once).")

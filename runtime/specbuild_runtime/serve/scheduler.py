@@ -110,6 +110,35 @@ class Scheduler:
         """Check a request (`check()` on the checking thread), then start decoding it or queue it. Raises Overloaded
         when every slot and queue place is taken, Unavailable when draining, and what `check` raises. A job stopped
         while it waited for its check (its deadline, the drain's cut) comes back stopped, as a queued one would."""
+        job, request = await self._checked(check)
+        if request is None:  # stopped while it waited: its iteration raises the Stopped, as a queued job's would
+            return job
+        job.request = request
+        if len(self._running) < self.parallel:
+            self._start(job)
+        else:
+            self._queue.append(job)
+            self._waiting_changed()
+        return job
+
+    async def run_check(self, work: Callable[[], T]) -> T:
+        """work() on the checking thread, as a request's check: tokenizing for /tokenize and /detokenize holds as much
+        memory as a request's check, so it takes a place (Overloaded when none is left), its turn and its --timeout
+        as one does, and raises Stopped as a job stopped before its check would ("timeout", "shutdown")."""
+        job, result = await self._checked(work)
+        if result is None:  # stopped while it waited
+            async for _ in job:  # raises the Stopped that stopped it, as a stopped job's iteration does
+                pass
+        assert result is not None  # else the loop above raised
+        job.done = True  # its deadline stops nothing now
+        if job.timer:
+            job.timer.cancel()
+        return result
+
+    async def _checked(self, work: Callable[[], T]) -> tuple[Job, T | None]:
+        """A job holding a place (a slot's or the queue's) while work() waits for the checking thread and runs there,
+        and work's result, or None where the job was stopped first (its deadline, the drain's cut). Raises Overloaded,
+        Unavailable, and what work raises."""
         if self.draining:
             raise Unavailable("the server is shutting down")
         if len(self._running) + len(self._queue) + len(self._checking) >= self.parallel + self.max_queue:
@@ -122,14 +151,12 @@ class Scheduler:
         job = Job(None, loop.time(), Stats())
         if self.timeout:
             job.timer = loop.call_at(job.arrival + self.timeout, self.stop, job, "timeout")
-        job.check = loop.run_in_executor(self._checker, check)
+        job.check = loop.run_in_executor(self._checker, work)
         self._checking.add(job)
         self._waiting_changed()
         try:
             await asyncio.wait({job.check})  # stop() cancels it: a check not begun never runs
-            if job.relay.stopped:  # while it waited: its iteration raises the Stopped, as a queued job's would
-                return job
-            job.request = job.check.result()
+            return job, None if job.relay.stopped else job.check.result()
         except BaseException:  # the check refused it, or this handler was cancelled: its deadline goes too
             self.stop(job, "cancelled")
             raise
@@ -137,20 +164,6 @@ class Scheduler:
             self._checking.discard(job)
             self._waiting_changed()
             job.check = None
-        if len(self._running) < self.parallel:
-            self._start(job)
-        else:
-            self._queue.append(job)
-            self._waiting_changed()
-        return job
-
-    async def run_check(self, work: Callable[[], T]) -> T:
-        """work() on the checking thread, after the checks before it: tokenizing for /tokenize and /detokenize holds as
-        much memory as a request's check, so it takes turns with them. Raises Stopped("shutdown") once the grace period
-        after shutdown ends first, as a queued request's job does (work not begun then never runs)."""
-        if self.draining:
-            raise Unavailable("the server is shutting down")
-        return await self.unless_cut(asyncio.get_running_loop().run_in_executor(self._checker, work))
 
     async def unless_cut(self, awaited: Awaitable[T]) -> T:
         """awaited's result, or Stopped("shutdown") once the grace period after shutdown ends first (see unless)."""
