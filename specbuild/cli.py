@@ -785,7 +785,7 @@ def bench(bundle, prompts, max_new_tokens, gammas, peers, json_out, plot_out, de
     if click.get_current_context().get_parameter_source("gammas") is click.core.ParameterSource.DEFAULT:
         gammas = None  # DEFAULT_GAMMAS up to what the bundle allows, which its manifest says
     report = benchmark.bench(bundle, read_prompts(prompts or CODE_PROMPTS), max_new_tokens, gammas, peers, sampling,
-                             device, cuda_graphs, draft_steps, None if seed == RANDOM_SEED else seed)
+                             device, cuda_graphs, draft_steps, seed)
     # The files first: a reader gone from stdout (`| true`, a `head` done early) ends the command at the table,
     # which lost minutes of measuring when they came after it.
     if json_out and not to_stdout:

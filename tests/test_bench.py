@@ -76,13 +76,11 @@ def test_bench_seeds_prompt_i_of_every_fixed_gamma_with_seed_plus_i(bundles):
                                   for i, ids in enumerate(prompts)]
 
 
-def test_bench_seed_minus_one_leaves_every_row_unseeded(bundles, monkeypatch):
-    """--seed -1 (a random seed, as llama.cpp's) is bench's seed None: SEED + i made prompt i's rows seeds -1, 0, 1,
-    ..., the first random and the rest fixed."""
-    from click.testing import CliRunner
-
+@pytest.mark.parametrize("seed", [None, -1])
+def test_bench_seed_minus_one_leaves_every_row_unseeded_as_the_command_lines(bundles, monkeypatch, seed):
+    """-1 is a random seed on the command line and in the runtime (llama.cpp's); the Python API's run_ours and
+    bench() seeded prompt i with -1 + i, the first random and the rest fixed. Now -1 is None there too."""
     from specbuild.bench import bench as module
-    from specbuild.cli import cli
     from specbuild_runtime import SpeculativeDecoder
 
     decoder = SpeculativeDecoder(bundles("llama", 1))
@@ -90,13 +88,19 @@ def test_bench_seed_minus_one_leaves_every_row_unseeded(bundles, monkeypatch):
     stream = decoder.stream
     monkeypatch.setattr(decoder, "stream", lambda *a, seed=None, **k: seeds.append(seed) or stream(*a, seed=seed, **k))
     prompts = [decoder.encode(p) for p in ("def f():", "import os")]
-    module.run_ours(decoder, prompts, 4, [0, 2], {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, seed=None)
+    module.run_ours(decoder, prompts, 4, [0, 2], {"temperature": 1.0, "top_k": 0, "top_p": 1.0}, seed=seed)
     assert seeds == [None] * 4
-    given = []
-    monkeypatch.setattr(module, "bench", lambda *args: given.append(args[-1]) or {})
-    monkeypatch.setattr(module, "format_table", lambda report: "")
-    result = CliRunner().invoke(cli, ["bench", str(bundles("llama", 1)), "--temperature", "1", "--seed", "-1"])
-    assert result.exit_code == 0 and given == [None], result.output
+
+
+def test_bench_refuses_a_seed_below_minus_one_in_one_line_before_loading_the_bundle(tmp_path):
+    from specbuild.bench.bench import run_ours
+    from specbuild_runtime.errors import RequestError
+
+    expected = r"^seed must be >= -1 \(-1: a random seed, as llama.cpp's\), not -2$"
+    with pytest.raises(RequestError, match=expected):  # a folder with no bundle: refused before it is read
+        bench(tmp_path, ["def f():"], 4, [1], [], {"temperature": 1.0}, seed=-2)
+    with pytest.raises(RequestError, match=expected):
+        run_ours(None, [[1, 2]], 4, [0], {"temperature": 1.0}, seed=-2)
 
 
 def test_a_bench_of_a_minute_or_more_says_after_its_warm_up_how_long_it_will_decode(bundles, monkeypatch, capsys):

@@ -143,9 +143,7 @@ def check_request(prompt: Prompt, *, encode: Callable[[str], list[int]], vocab_s
     (temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
      frequency_penalty) = check_sampling(temperature, top_k, top_p, vocab_size, min_p, repetition_penalty,
                                          presence_penalty, frequency_penalty)
-    seed = None if seed is None else whole("seed", seed, low=RANDOM_SEED, hint=SEED_HINT)
-    if seed == RANDOM_SEED:
-        seed = None
+    seed = check_seed(seed)
     min_tokens = whole("min_tokens", min_tokens, low=0, high=max_new_tokens,
                        hint=" (the tokens generated before an eos or stop token may end the request, at most max_new_tokens)")
     if logprobs is not None:
@@ -335,6 +333,12 @@ def flag(name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise RequestError(f"{name} must be true or false, not {shown(value)}")
     return bool(value)
+
+
+def check_seed(seed) -> int | None:
+    """A seed as the runtime takes it: a whole number >= 0, or None or -1 (RANDOM_SEED) for a random one (None)."""
+    seed = None if seed is None else whole("seed", seed, low=RANDOM_SEED, hint=SEED_HINT)
+    return None if seed == RANDOM_SEED else seed
 
 
 def whole(name: str, value, low: int | None = None, high: int | None = None, hint: str = "") -> int:

@@ -18,6 +18,7 @@ from specbuild_runtime.decode import AUTO, Stats
 from specbuild_runtime.engine import PROVIDERS, ort, session_options
 from specbuild_runtime.errors import RequestError, SpecbuildError
 from specbuild_runtime.slot import WARM_UP_RUNS
+from specbuild_runtime.validation import check_seed
 
 from .. import progress
 from ..acceptance import theoretical_speedup
@@ -159,9 +160,11 @@ class ModeResult:
 def run_ours(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int,
              gammas: list[int | str], sampling: dict | None = None, seed: int | None = 0) -> list[ModeResult]:
     """Every mode (a γ, 0 or "auto") decodes every prompt (sampling: temperature, top_k, top_p; none: greedy;
-    prompt i seeded seed + i but under auto; seed None: none seeded).
+    prompt i seeded seed + i but under auto; seed None or -1: none seeded, as the runtime's and the command line's -1,
+    a random seed; below -1 a RequestError).
     Modes take turns prompt by prompt, so a change in the machine's speed during the run (a shared machine
     drifts by ±15%) falls on all of them alike."""
+    seed = check_seed(seed)
     results = [ModeResult("specbuild", gamma) for gamma in gammas]
     # Warm-up: first-run allocations, policy state; with CUDA graphs on CUDA every prompt (a GPU decodes them in
     # seconds), WARM_UP_RUNS + 1 times, so that each call shape is captured before the timed runs (a shape is
@@ -251,7 +254,8 @@ def bench(bundle: Path, prompts: list[str], max_new_tokens: int, gammas: list[in
           draft_steps: bool | None = None, seed: int | None = 0) -> dict:
     """sampling: temperature, top_k, top_p (none: greedy). Sampled runs (temperature > 0) differ token-wise
     between modes by design: `matches_target` then says nothing, and α/speed-up are the figures to read.
-    gammas None: DEFAULT_GAMMAS up to the bundle's maximum."""
+    gammas None: DEFAULT_GAMMAS up to the bundle's maximum. seed: run_ours'."""
+    seed = check_seed(seed)  # refused before the bundle loads; -1 reported as what it is, unseeded
     sampling = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, **(sampling or {})}
     temperature = sampling["temperature"]
     with progress.note(f"loading the bundle {bundle}"):  # every file's digest checked, every engine's session made
