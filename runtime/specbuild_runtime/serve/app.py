@@ -681,7 +681,7 @@ def _stopped_error(stop: Stopped, started: bool) -> ApiError:
     if stop.reason == "timeout" and started:  # resent as it is, it would hold a slot as long again
         return ApiError(504, "decoding ran past the server's --timeout; ask for fewer tokens", headers=NO_RETRY)
     if stop.reason == "timeout":  # queued, or waiting for its check behind other requests' (tokenizing)
-        return ApiError(503, "the request waited past the server's --timeout without decoding (the server is busy)",
+        return ApiError(503, "the request waited past the server's --timeout for its turn (the server is busy)",
                         headers=RETRY_AFTER)
     if stop.reason == "shutdown":
         return ApiError(503, "the server is shutting down", headers=RETRY_AFTER)
