@@ -618,7 +618,9 @@ def test_a_rank_file_on_a_full_disk_fails_with_the_disks_errno(tmp_path):
 # backend's (llm-api.yaml) where it has a model for the family, vLLM's (serve.sh) for all.
 SERVED_FROM_SOURCE = {"phi3": {"tensorrt-llm/llm-api.yaml", "vllm/serve.sh"},
                       "gemma3": {"tensorrt-llm/llm-api.yaml", "vllm/serve.sh"},
-                      "gemma2": {"vllm/serve.sh"}, "olmo2": {"vllm/serve.sh"}, "olmo3": {"vllm/serve.sh"}}
+                      "gemma2": {"vllm/serve.sh"}, "olmo2": {"vllm/serve.sh"}, "olmo3": {"vllm/serve.sh"},
+                      "qwen3moe": {"tensorrt-llm/llm-api.yaml", "vllm/serve.sh"},
+                      "mixtral": {"tensorrt-llm/llm-api.yaml", "vllm/serve.sh"}}
 
 
 def test_every_family_says_whether_it_is_exported_and_which_plans_serve_its_source_folders():
@@ -666,7 +668,7 @@ def test_the_pytorch_backend_plan_is_left_out_for_an_exported_family_it_has_no_m
 
 
 @pytest.mark.parametrize("family,mixed", [("gemma2", True), ("gemma3", True), ("olmo3", True), ("olmo2", False),
-                                          ("phi3", False), ("mistral-window", False)])
+                                          ("phi3", False), ("mistral-window", False), ("mixtral", False)])
 def test_the_vllm_plan_keeps_a_pair_that_mixes_window_and_full_layers_in_one_kv_cache_group(checkpoints, tmp_path,
                                                                                               family, mixed):
     """vLLM's draft path asserts that a draft's layers share one KV cache group, which its hybrid KV cache manager

@@ -80,8 +80,9 @@ NOT_EXPORTED = {
 # OLMo 3 or GPT-2 (docs/source/models/supported-models.md at 00b6d5a2 lists Granite and OLMo 3 for its AutoDeploy
 # backend alone); it has Qwen3-MoE (modeling_qwen3_moe) and Mixtral (modeling_mixtral), listed in 00b6d5a2's
 # supported-models.md without the AutoDeploy note. VLLM: vLLM's registry has all thirteen
-# (vllm/model_executor/models/registry.py at 0002bff0; OLMo 3 as its OLMo 2 model), and its draft_model method refuses no architecture of them (vllm/config/speculative.py
-# SpeculativeConfig: equal vocabulary sizes, no multimodal or M-RoPE model; vllm_script says where it would refuse).
+# (vllm/model_executor/models/registry.py at 0002bff0; OLMo 3 as its OLMo 2 model), and its draft_model method refuses
+# no architecture of them (vllm/config/speculative.py SpeculativeConfig: equal vocabulary sizes, no multimodal or M-RoPE
+# model; vllm_script says where it would refuse).
 LLM_API, VLLM = "llm_api", "vllm"
 SOURCE_PLANS = {
     "LlamaForCausalLM": (LLM_API, VLLM), "MistralForCausalLM": (LLM_API, VLLM), "Qwen2ForCausalLM": (LLM_API, VLLM),
