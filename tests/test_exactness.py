@@ -298,12 +298,13 @@ FP16_NEAR_TIE = 0.1
 ROUTING_NEAR_TIE = 0.01
 
 
-def _routing_gaps(model, ids: list[int], k: int = 2) -> list[float]:
+def _routing_gaps(model, ids: list[int]) -> list[float]:
     """At each position of ids, the least gap between a router's k-th and k+1-th logit over the sparse layers, in the
     fp32 model (inf for a model without routers)."""
     import torch
 
-    if not hasattr(model.config, "num_experts_per_tok"):
+    k = getattr(model.config, "num_experts_per_tok", None)
+    if k is None:
         return [float("inf")] * len(ids)
     with torch.no_grad():
         routers = model(torch.tensor([ids]), output_router_logits=True).router_logits
@@ -311,7 +312,7 @@ def _routing_gaps(model, ids: list[int], k: int = 2) -> list[float]:
     return torch.stack([top[:, k - 1] - top[:, k] for top in tops]).min(0).values.tolist()
 
 
-@pytest.mark.parametrize("architecture", ["llama", "granite", "olmo2", "olmo3", "qwen3moe"])
+@pytest.mark.parametrize("architecture", ["llama", "granite", "olmo2", "olmo3", "qwen3moe", "mixtral"])
 def test_an_fp16_bundle_decodes_through_the_runtime_like_transformers_in_fp16(architecture, checkpoints, tokenizer,
                                                                               tmp_path):
     """Granite's multipliers and OLMo 2's norms in fp16 too; the prompt's logprobs are transformers' (its argmax
