@@ -389,6 +389,23 @@ def test_the_distill_command_says_in_one_line_that_it_wrote_nothing(pair, tmp_pa
     assert not (tmp_path / "draft").exists()
 
 
+def test_a_mixture_of_experts_target_distills_a_draft_its_bundle_decodes_exactly(checkpoints, tmp_path):
+    """The default draft is the target's own Qwen3-MoE, shrunk; saved by transformers 5, which holds the experts
+    fused, it must store them one tensor per expert, as compile reads them."""
+    from specbuild.compile import compile_bundle
+    from specbuild.recipe import CompileSettings
+    from specbuild_runtime import SpeculativeDecoder
+
+    target = checkpoints("qwen3moe")
+    result = distill_command("--target", target, "-o", tmp_path / "draft", "--minutes", "0.01", "--force")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "draft/config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    compile_bundle(CompileSettings(target=target, draft=tmp_path / "draft", output=tmp_path / "b", max_seq_len=64),
+                   show_progress=False)
+    decoder, prompt = SpeculativeDecoder(tmp_path / "b"), [1, 2, 3, 4]
+    assert decoder.generate(prompt, 12, gamma=3).token_ids == decoder.generate(prompt, 12, gamma=0).token_ids
+
+
 def test_the_distill_command_prints_only_its_one_line_on_stderr_for_a_phi3_target(checkpoints, tmp_path):
     """transformers remarks on a Phi-3 config's original_max_position_embeddings when distill first reads it (its size
     against memory), before anything quieted transformers: a second line on stderr beside the error."""
