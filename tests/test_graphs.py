@@ -110,6 +110,16 @@ def test_a_mixture_of_experts_routes_and_places_its_sparse_layers_as_transformer
     assert_logits_match_transformers(folder)
 
 
+@pytest.mark.parametrize("use_sliding_window", [True, False])
+def test_a_qwen3_moe_windows_every_layer_where_use_sliding_window_says(use_sliding_window, tokenizer, tmp_path):
+    """Its config drops sliding_window unless use_sliding_window; its attention then windows every layer (no
+    max_window_layers or layer_types, unlike Qwen2's and Qwen3's)."""
+    folder = make_checkpoint(tmp_path, "qwen3moe", tokenizer, use_sliding_window=use_sliding_window, sliding_window=6)
+    kind = "sliding_attention" if use_sliding_window else "full_attention"
+    assert load_checkpoint(folder, "target").spec.layer_types == [kind] * 3
+    assert_logits_match_transformers(folder)
+
+
 def assert_logits_match_transformers(folder):
     from transformers import AutoModelForCausalLM
 
