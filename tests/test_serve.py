@@ -3048,6 +3048,25 @@ def test_a_tokenize_waiting_for_the_checking_thread_gets_503_at_its_timeout(bund
         assert completing.result().status_code == 503
 
 
+def checks_only_scheduler(timeout: float | None = None):
+    """A Scheduler with one place (--parallel 1, --max-queue 0), for run_check alone: no decoder behind it."""
+    from types import SimpleNamespace
+
+    from specbuild_runtime.serve.metrics import Metrics
+    from specbuild_runtime.serve.scheduler import Scheduler
+
+    return Scheduler(SimpleNamespace(slots=SimpleNamespace(size=1)), 0, timeout, Metrics(1))
+
+
+def test_run_check_answers_a_work_that_returns_none_with_none():
+    """run_check took a result of None for its job stopped while it waited, and then waited for a Stopped that never
+    came: until its --timeout (a 503 for work done) or, without one, for ever."""
+    async def run():
+        return await asyncio.wait_for(checks_only_scheduler().run_check(lambda: None), 60)
+
+    assert asyncio.run(run()) is None
+
+
 def test_shutdown_cuts_a_stream_after_the_grace_period_with_a_clean_end(bundle):
     with in_process(bundle, shutdown_timeout=0.0) as (url, decoder, uvicorn), streaming(url) as (_, rest):
         assert decoder.paused.acquire(timeout=60)

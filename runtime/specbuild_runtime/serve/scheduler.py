@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Awaitable, Callable, TypeVar
+from typing import Awaitable, Callable, TypeVar, cast
 
 from ..decode import Stats
 from ..relay import Relay
@@ -111,7 +111,7 @@ class Scheduler:
         when every slot and queue place is taken, Unavailable when draining, and what `check` raises. A job stopped
         while it waited for its check (its deadline, the drain's cut) comes back stopped, as a queued one would."""
         job, request = await self._checked(check)
-        if request is None:  # stopped while it waited: its iteration raises the Stopped, as a queued job's would
+        if job.relay.stopped:  # while it waited: its iteration raises the Stopped, as a queued job's would
             return job
         job.request = request
         if len(self._running) < self.parallel:
@@ -126,19 +126,16 @@ class Scheduler:
         memory as a request's check, so it takes a place (Overloaded when none is left), its turn and its --timeout
         as one does, and raises Stopped as a job stopped before its check would ("timeout", "shutdown")."""
         job, result = await self._checked(work)
-        if result is None:  # stopped while it waited
-            async for _ in job:  # raises the Stopped that stopped it, as a stopped job's iteration does
-                pass
-        assert result is not None  # else the loop above raised
-        job.done = True  # its deadline stops nothing now
+        if job.relay.stopped:  # while it waited: raises the Stopped that stopped it, as a stopped job's iteration does
+            await anext(job.relay)
         if job.timer:
             job.timer.cancel()
-        return result
+        return cast(T, result)  # work's own, None too: whether the job was stopped is the job's to say
 
     async def _checked(self, work: Callable[[], T]) -> tuple[Job, T | None]:
         """A job holding a place (a slot's or the queue's) while work() waits for the checking thread and runs there,
-        and work's result, or None where the job was stopped first (its deadline, the drain's cut). Raises Overloaded,
-        Unavailable, and what work raises."""
+        and work's result; None where the job was stopped first (its deadline, the drain's cut: job.relay.stopped).
+        Raises Overloaded, Unavailable, and what work raises."""
         if self.draining:
             raise Unavailable("the server is shutting down")
         if len(self._running) + len(self._queue) + len(self._checking) >= self.parallel + self.max_queue:
