@@ -3067,6 +3067,39 @@ def test_run_check_answers_a_work_that_returns_none_with_none():
     assert asyncio.run(run()) is None
 
 
+@pytest.mark.parametrize("end", ["refused", "timeout", "cancelled"])
+def test_run_check_gives_its_place_back_however_it_ends(end):
+    """A /tokenize holds one of the --parallel + --max-queue places while it waits for the checking thread and
+    tokenizes: one kept after its work raised, its --timeout or its client leaving would shrink the server for good.
+    With one place, the next run_check gets it rather than Overloaded."""
+    from specbuild_runtime.serve.scheduler import Stopped
+
+    begun, release = threading.Event(), threading.Event()
+
+    def work() -> str:
+        begun.set()
+        release.wait()
+        if end == "refused":
+            raise ValueError("refused")
+        return "first"
+
+    async def run() -> str:
+        scheduler = checks_only_scheduler(0.05 if end == "timeout" else None)
+        first = asyncio.ensure_future(scheduler.run_check(work))
+        await asyncio.get_running_loop().run_in_executor(None, begun.wait)
+        scheduler.timeout = None  # the next call's: it waits for `work` to return
+        if end == "cancelled":
+            first.cancel()
+        if end == "refused":
+            release.set()
+        with pytest.raises({"refused": ValueError, "timeout": Stopped, "cancelled": asyncio.CancelledError}[end]):
+            await first
+        release.set()
+        return await scheduler.run_check(lambda: "next")
+
+    assert asyncio.run(run()) == "next"
+
+
 def test_shutdown_cuts_a_stream_after_the_grace_period_with_a_clean_end(bundle):
     with in_process(bundle, shutdown_timeout=0.0) as (url, decoder, uvicorn), streaming(url) as (_, rest):
         assert decoder.paused.acquire(timeout=60)
