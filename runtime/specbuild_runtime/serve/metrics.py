@@ -52,8 +52,8 @@ class Metrics:
         # it a client counted 176 503s of 1200 connections at once that the metrics showed nowhere.
         self.refused_connections = Counter("specbuild_refused_connections", "Connections beyond --max-connections, "
                                            "answered 503 as they opened", registry=r)
-        self.queue_depth = Gauge("specbuild_queue_depth", "Requests waiting for a slot or for their check (tokenizing)",
-                                 registry=r)
+        self.queue_depth = Gauge("specbuild_queue_depth", "Requests waiting for a slot or for their check "
+                                 "(tokenizing; /tokenize and /detokenize too)", registry=r)
         self.slots_busy = Gauge("specbuild_slots_busy", "Slots decoding a request", registry=r)
         Gauge("specbuild_slots", "Slots (--parallel)", registry=r).set(slots)
 
