@@ -53,14 +53,15 @@ def test_bench_samples_with_top_k_and_top_p_as_generate_does(bundles, tmp_path):
     assert greedy.returncode == 2 and "give --temperature too" in greedy.stderr
 
 
-def test_bench_json_without_a_file_prints_the_report_instead_of_the_table(bundles, tmp_path):
+@pytest.mark.parametrize("seed, reported", [(7, 7), (-1, None)])  # -1: a random seed, reported as none
+def test_bench_json_without_a_file_prints_the_report_instead_of_the_table(bundles, tmp_path, seed, reported):
     """--json is a flag as in every other command; --json FILE still writes the file beside the table."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "def add(a, b):"}\n')
     result = specbuild("bench", bundles("llama", 1), "--prompts", prompts, "-n", 6, "--gamma", "2", "--json",
-                       "--temperature", 0.8, "--seed", 7, check=True)
+                       "--temperature", 0.8, "--seed", seed, check=True)
     report = json.loads(result.stdout)
-    assert report["seed"] == 7 and {str(r["gamma"]) for r in report["results"]} == {"0", "2", "auto"}
+    assert report["seed"] == reported and {str(r["gamma"]) for r in report["results"]} == {"0", "2", "auto"}
 
 
 def test_bench_seeds_prompt_i_of_every_fixed_gamma_with_seed_plus_i(bundles):
