@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_checkpoint, make_tokenizer, on_a_terminal
+from conftest import ARCHITECTURES, make_checkpoint, make_tokenizer, on_a_terminal
 from test_bad_inputs import MARKER, plant_pickle
 from specbuild.acceptance import rounds
 from specbuild.demo import DEMO_RECIPE
@@ -389,21 +389,94 @@ def test_the_distill_command_says_in_one_line_that_it_wrote_nothing(pair, tmp_pa
     assert not (tmp_path / "draft").exists()
 
 
-def test_a_mixture_of_experts_target_distills_a_draft_its_bundle_decodes_exactly(checkpoints, tmp_path):
-    """The default draft is the target's own Qwen3-MoE, shrunk; saved by transformers 5, which holds the experts
-    fused, it must store them one tensor per expert, as compile reads them."""
+@pytest.mark.parametrize("target, overrides, architecture", [
+    ("qwen3moe", (), "Qwen3ForCausalLM"), ("mixtral", (), "MistralForCausalLM"),
+    ("qwen3moe", ("--draft-config", "model_type=qwen3_moe"), "Qwen3MoeForCausalLM")])
+def test_a_mixture_of_experts_target_distills_a_draft_its_bundle_decodes_exactly(checkpoints, tmp_path, target,
+                                                                                  overrides, architecture):
+    """The default draft is the dense sibling users pair with the mixture (Qwen3, Mistral); model_type=qwen3_moe still
+    asks for the target's own, shrunk, which transformers 5 holds fused and must save one tensor per expert, as
+    compile reads it."""
     from specbuild.compile import compile_bundle
     from specbuild.recipe import CompileSettings
     from specbuild_runtime import SpeculativeDecoder
 
-    target = checkpoints("qwen3moe")
-    result = distill_command("--target", target, "-o", tmp_path / "draft", "--minutes", "0.01", "--force")
+    target = checkpoints(target)
+    result = distill_command("--target", target, "-o", tmp_path / "draft", "--minutes", "0.01", "--force", *overrides)
     assert result.returncode == 0, result.stderr
-    assert json.loads((tmp_path / "draft/config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert json.loads((tmp_path / "draft/config.json").read_text())["architectures"] == [architecture]
     compile_bundle(CompileSettings(target=target, draft=tmp_path / "draft", output=tmp_path / "b", max_seq_len=64),
                    show_progress=False)
     decoder, prompt = SpeculativeDecoder(tmp_path / "b"), [1, 2, 3, 4]
     assert decoder.generate(prompt, 12, gamma=3).token_ids == decoder.generate(prompt, 12, gamma=0).token_ids
+
+
+@pytest.mark.parametrize("architecture, dense, windowed", [("qwen3moe", "Qwen3Config", False),
+                                                           ("qwen3moe", "Qwen3Config", True),
+                                                           ("mixtral", "MistralConfig", True)])
+def test_a_mixture_of_experts_targets_default_draft_is_its_dense_sibling_of_its_attention(checkpoints, architecture,
+                                                                                          dense, windowed):
+    """No expert or router key, the target's vocabulary, special tokens and attention (q/k norms and head_dim through
+    the class, rope, a window in every layer where the target windows them), checked as compile checks the pair."""
+    from specbuild.compile.load import load_config
+    from specbuild.train.distill import new_draft
+
+    folder = checkpoints(architecture, **({"use_sliding_window": True, "sliding_window": 8}
+                                          if windowed and architecture == "qwen3moe" else {}))
+    target_config = load_config(folder, "target")
+    config = shrunk_config(target_config)
+    assert type(config).__name__ == dense
+    assert not [key for key in config.to_dict() if "expert" in key or "router" in key or "moe" in key]
+    for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "rope_parameters", "rms_norm_eps",
+                "max_position_embeddings", "tie_word_embeddings"):
+        assert getattr(config, key) == getattr(target_config, key), key
+    assert config.sliding_window == (8 if windowed else None)
+    target, tokenizer = load_model(folder, "target")
+    draft = new_draft(target, tokenizer, config, None, seed=0)
+    assert getattr(draft.config, "layer_types", None) in (None, [
+        "sliding_attention" if windowed else "full_attention"] * draft.config.num_hidden_layers)
+    assert draft(input_ids=torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+
+
+@pytest.mark.parametrize("architecture", [a for a in ARCHITECTURES if a not in ("qwen3moe", "mixtral")] + ["gpt2"])
+def test_a_dense_targets_default_draft_is_of_its_own_config_class_and_keys(checkpoints, architecture):
+    """Only a mixture's draft is another model_type's: a dense target's default draft is shrunk from its own config
+    (as a comparison of every tiny and benchmark config's default draft before and after DENSE_SIBLINGS found,
+    byte for byte)."""
+    from specbuild.compile.load import load_config
+
+    target_config = load_config(checkpoints(architecture), "target")
+    config = shrunk_config(target_config)
+    assert type(config) is type(target_config) and config.to_dict().keys() == target_config.to_dict().keys()
+
+
+@pytest.mark.parametrize("architecture, overrides, message", [
+    ("qwen3moe", {"model_type": "mistral"},
+     "^--draft-config model_type='mistral': a new draft is of the target's model_type \\(qwen3_moe\\) or its dense "
+     "sibling's \\(qwen3, the default\\); to draft with another architecture, pass its checkpoint with --init$"),
+    ("qwen3moe", {"num_experts": 4},
+     "^--draft-config num_experts: the draft's qwen3 config \\(the dense sibling of the target's qwen3_moe; "
+     "model_type=qwen3_moe gives a mixture-of-experts draft\\) has no such key"),
+    ("mixtral", {"num_local_experts": 2}, "the draft's mistral config \\(the dense sibling of the target's mixtral"),
+])
+def test_a_mixture_targets_draft_config_is_checked_against_its_dense_draft_and_says_how_to_get_a_mixture(
+        checkpoints, architecture, overrides, message):
+    from specbuild.compile.load import load_config
+
+    with pytest.raises(TrainingError, match=message):
+        shrunk_config(load_config(checkpoints(architecture), "target"), overrides)
+
+
+def test_a_mixture_targets_draft_config_may_name_either_model_type(checkpoints):
+    """model_type=qwen3 names the default (nothing changes); model_type=qwen3_moe the target's own, with its expert
+    keys then taking overrides."""
+    from specbuild.compile.load import load_config
+
+    target_config = load_config(checkpoints("qwen3moe"), "target")
+    dense = shrunk_config(target_config, {"model_type": "qwen3"})
+    assert dense.to_json_string() == shrunk_config(target_config).to_json_string()
+    mixture = shrunk_config(target_config, {"model_type": "qwen3_moe", "num_experts": 4})
+    assert type(mixture) is type(target_config) and mixture.num_experts == 4
 
 
 def test_the_distill_command_prints_only_its_one_line_on_stderr_for_a_phi3_target(checkpoints, tmp_path):

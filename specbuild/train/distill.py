@@ -87,31 +87,35 @@ def check_memory(config, path: Path, role: str) -> None:
 
 
 def shrunk_config(target_config, overrides: dict | None = None):
-    """A config of the target's own model_type and vocabulary, shrunk to a draft, then overridden.
+    """A config of the target's model_type (a mixture of experts': its dense sibling's, DENSE_SIBLINGS, unless the
+    overrides name the target's own) and vocabulary, shrunk to a draft, then overridden.
 
     The default is the largest of a few narrower, shallower shapes with at most DRAFT_SHARE of the
     target's parameters (the smallest one when the embedding table alone is over that share).
     """
+    base = _draft_base(target_config, (overrides or {}).get("model_type"))
+    # Of a mixture's total parameters, not its active ones: the share keeps a draft step cheap next to a target call,
+    # and specbuild's call computes every expert (layers.mixture_of_experts), so it costs the total
     budget = DRAFT_SHARE * _meta_parameters(target_config)
-    candidates = [_shaped(target_config, hidden, layers) for hidden, layers in _shapes(target_config)]
+    candidates = [_shaped(base, hidden, layers) for hidden, layers in _shapes(base)]
     sized = sorted((_meta_parameters(c), i) for i, c in enumerate(candidates))
     fitting = [i for params, i in sized if params <= budget]
     config = candidates[fitting[-1] if fitting else sized[0][1]]
     known = config.to_dict()
+    own = base is target_config  # else a mixture's dense sibling, whose keys the messages must name as the draft's
     for key, value in (overrides or {}).items():
         key = config.attribute_map.get(key, key)  # GPT-2's n_layer is also num_hidden_layers, ...
         if key not in known:
             shape = [k for k in ("hidden_size", "n_embd", "intermediate_size", "n_inner", "num_hidden_layers", "n_layer",
                                  "num_attention_heads", "n_head", "num_key_value_heads", "head_dim") if k in known]
-            raise TrainingError(f"--draft-config {key}: the target's config.json has no such key (its shape keys: "
-                                f"{', '.join(shape)})")
+            where = ("the target's config.json" if own else f"the draft's {base.model_type} config (the dense sibling "
+                     f"of the target's {target_config.model_type}; model_type={target_config.model_type} gives a "
+                     "mixture-of-experts draft)")
+            raise TrainingError(f"--draft-config {key}: {where} has no such key (its shape keys: {', '.join(shape)})")
         current = known[key]
-        if key == "model_type" and value != current:  # the config's class stays the target's: a mislabeled draft
-            raise TrainingError(f"--draft-config model_type={value!r}: a new draft is of the target's model_type "
-                                f"({current}); to draft with another architecture, pass its checkpoint with --init")
         if current is not None and type(value) is not type(current) and not (type(current) is float and type(value) is int):
-            raise TrainingError(f"--draft-config {key}={value!r}: must be of type {type(current).__name__}, as the target's "
-                                f"{key} = {current!r} is")
+            raise TrainingError(f"--draft-config {key}={value!r}: must be of type {type(current).__name__}, as the "
+                                f"{'target' if own else 'draft'}'s {key} = {current!r} is")
         try:
             setattr(config, key, value)
         except Exception as exc:  # transformers' strict config classes check some values themselves
@@ -123,12 +127,51 @@ def shrunk_config(target_config, overrides: dict | None = None):
         # The target's pattern (Gemma's sliding and full layers, Qwen2's window layers) as deep as the draft: the
         # default shape's list is cut to its own depth, and a deeper num_hidden_layers outgrew it (an IndexError in
         # transformers, so distill refused every draft deeper than the default one of a Qwen or Gemma target)
-        pattern = target_config.layer_types
+        pattern = base.layer_types
         config.layer_types = [pattern[i % len(pattern)] for i in range(config.num_hidden_layers)]
     # to the heads the overrides made, from the target's lists (the default shape's are already thinned), unless the
     # overrides gave their own
-    _fit_rope_factors(config, None if {"rope_parameters", "rope_scaling"} & set(overrides or {}) else target_config)
+    _fit_rope_factors(config, None if {"rope_parameters", "rope_scaling"} & set(overrides or {}) else base)
     return config
+
+
+# A mixture of experts' model_type -> the dense one its default draft is: the pairs users run (Qwen3-30B-A3B with
+# Qwen3-0.6B, Mixtral with Mistral 7B), their attention the same. A shrunk mixture would cost a draft step what a
+# dense draft of its total parameters costs (every expert computes every row) while a token uses k of its experts.
+DENSE_SIBLINGS = {"qwen3_moe": "qwen3", "mixtral": "mistral"}
+
+
+def _draft_base(target_config, model_type):
+    """The config a new draft is shrunk from: the target's, or its dense sibling's where it is a mixture of experts
+    and model_type (--draft-config's, None where not given) does not name the target's own; TrainingError for a
+    model_type that is neither."""
+    own = target_config.model_type
+    sibling = DENSE_SIBLINGS.get(own)
+    if model_type not in (None, own, sibling):  # the config's class would stay the one chosen here: a mislabeled draft
+        either = (f"the target's model_type ({own}) or its dense sibling's ({sibling}, the default)" if sibling else
+                  f"the target's model_type ({own})")
+        raise TrainingError(f"--draft-config model_type={model_type!r}: a new draft is of {either}; to draft with "
+                            "another architecture, pass its checkpoint with --init")
+    return target_config if sibling is None or model_type == own else _dense_sibling(target_config, sibling)
+
+
+def _dense_sibling(target_config, model_type: str):
+    """target_config as a config of model_type: its every key that model_type's config has (vocabulary, special
+    tokens, head_dim, rope, window; Qwen3's q/k norms come with its class), none of the mixture's (experts, router),
+    and the mixture's window in every layer where it has one (Mixtral always, Qwen3-MoE where use_sliding_window),
+    which a dense Qwen3 would give only to the layers from max_window_layers on."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    keys = AutoConfig.for_model(model_type).to_dict()
+    kept = {key: value for key, value in target_config.to_dict().items() if key in keys and key != "model_type"}
+    kept["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
+    windowed = getattr(target_config, "sliding_window", None) is not None
+    if "layer_types" in keys:
+        kept["layer_types"] = ["sliding_attention" if windowed else "full_attention"] * target_config.num_hidden_layers
+        if windowed:
+            kept["max_window_layers"] = 0
+    return AutoConfig.for_model(model_type, **kept)
 
 
 # A Llama-style config's shape (GPT-2 reaches them through its config's attribute_map).
