@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -831,6 +832,26 @@ def test_longrope_factors_are_fitted_where_transformers_4_keeps_them():
     _fit_rope_factors(config)
     assert config.rope_scaling["short_factor"] == factors["short_factor"][::4]
     assert config.rope_scaling["long_factor"] == factors["long_factor"][::4] and config.rope_scaling["type"] == "longrope"
+
+
+RELEASED_SHAPES = Path(__file__).parents[1] / "benchmarks/configs"  # released checkpoints' config.json, transcribed
+
+
+@pytest.mark.parametrize("shape", sorted(path.name for path in RELEASED_SHAPES.glob("*.json")))
+def test_the_default_draft_of_every_released_shape_builds_and_runs_a_forward_pass(shape):
+    """Widths that were multiples of 32 alone split into heads of an odd width (672 in 10 heads of 67), which rotary
+    embeddings cannot pair: OLMo 3 7B's YaRN table failed while the candidates were sized, and compile refused Llama
+    3.2 1B's and Qwen2.5 7B's default drafts (heads of 67 and 65); distill made none of the three. The meta device
+    checks every shape without allocating a weight."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specbuild.compile.load import model_spec
+
+    config = shrunk_config(AutoConfig.for_model(**json.loads((RELEASED_SHAPES / shape).read_text())))
+    model_spec(config, config.architectures[0], Path(shape), "draft")  # as compile checks a draft (its head width, ...)
+    with torch.device("meta"):
+        logits = AutoModelForCausalLM.from_config(config)(input_ids=torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape == (1, 3, config.vocab_size)
 
 
 def test_a_target_with_fewer_embedding_rows_than_its_tokenizer_is_refused_as_compile_refuses_it(pair, tmp_path,

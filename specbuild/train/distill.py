@@ -218,14 +218,18 @@ def _check_pair(draft, target, tokenizer, where: str, smaller: str) -> None:
 
 def _shapes(target_config) -> list[tuple[int, int]]:
     layers = target_config.num_hidden_layers
-    hiddens = {max(64, target_config.hidden_size // d // 32 * 32) for d in (2, 3, 4, 6, 8)}
+    # A multiple of its heads' width (_head_dim), as shrunk_config takes the width to be hidden // heads: 672, a
+    # multiple of 32 only, was 10 heads of 67, which rotary embeddings cannot pair (OLMo 3's YaRN table failed while
+    # the candidates were sized) nor compile take (a multiple of 16: Llama 3.2 1B's default draft was refused)
+    hiddens = {max(64, hidden // _head_dim(hidden) * _head_dim(hidden))
+               for hidden in (target_config.hidden_size // d for d in (2, 3, 4, 6, 8))}
     depths = {max(1, layers // d) for d in (2, 3, 4, 6)}
     return [(h, n) for h in sorted(hiddens) for n in sorted(depths)]
 
 
 def _shaped(target_config, hidden: int, layers: int):
     config = copy.deepcopy(target_config)
-    head_dim = 64 if hidden >= 512 else 32
+    head_dim = _head_dim(hidden)
     heads = hidden // head_dim
     # generic names reach GPT-2's n_embd / n_layer / n_head through its config's attribute_map
     config.hidden_size, config.num_hidden_layers, config.num_attention_heads = hidden, layers, heads
@@ -242,6 +246,10 @@ def _shaped(target_config, hidden: int, layers: int):
         config.layer_types = config.layer_types[:layers]
     _fit_rope_factors(config)
     return config
+
+
+def _head_dim(hidden: int) -> int:
+    return 64 if hidden >= 512 else 32
 
 
 def _fit_rope_factors(config, source=None) -> None:
