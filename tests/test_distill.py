@@ -390,19 +390,20 @@ def test_the_distill_command_says_in_one_line_that_it_wrote_nothing(pair, tmp_pa
     assert not (tmp_path / "draft").exists()
 
 
-@pytest.mark.parametrize("target, overrides, architecture", [
-    ("qwen3moe", (), "Qwen3ForCausalLM"), ("mixtral", (), "MistralForCausalLM"),
-    ("qwen3moe", ("--draft-config", "model_type=qwen3_moe"), "Qwen3MoeForCausalLM")])
-def test_a_mixture_of_experts_target_distills_a_draft_its_bundle_decodes_exactly(checkpoints, tmp_path, target,
+@pytest.mark.parametrize("target, shape, overrides, architecture", [
+    ("qwen3moe", {}, (), "Qwen3ForCausalLM"), ("mixtral", {}, (), "MistralForCausalLM"),
+    ("qwen3moe", {"use_sliding_window": True, "sliding_window": 8}, (), "Qwen3ForCausalLM"),
+    ("qwen3moe", {}, ("--draft-config", "model_type=qwen3_moe"), "Qwen3MoeForCausalLM")])
+def test_a_mixture_of_experts_target_distills_a_draft_its_bundle_decodes_exactly(checkpoints, tmp_path, target, shape,
                                                                                   overrides, architecture):
-    """The default draft is the dense sibling users pair with the mixture (Qwen3, Mistral); model_type=qwen3_moe still
-    asks for the target's own, shrunk, which transformers 5 holds fused and must save one tensor per expert, as
-    compile reads it."""
+    """The default draft is the dense sibling users pair with the mixture (Qwen3, Mistral; windowed in every layer
+    where the mixture is, past the 16 tokens decoded); model_type=qwen3_moe still asks for the target's own, shrunk,
+    which transformers 5 holds fused and must save one tensor per expert, as compile reads it."""
     from specbuild.compile import compile_bundle
     from specbuild.recipe import CompileSettings
     from specbuild_runtime import SpeculativeDecoder
 
-    target = checkpoints(target)
+    target = checkpoints(target, **shape)
     result = distill_command("--target", target, "-o", tmp_path / "draft", "--minutes", "0.01", "--force", *overrides)
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "draft/config.json").read_text())["architectures"] == [architecture]
