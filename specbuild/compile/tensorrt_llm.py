@@ -150,15 +150,9 @@ class Out:
 
 
 def check_exportable(ckpt: Checkpoint, role: str, tp: int, max_seq_len: int) -> None:
-    """Refuse before anything is written: a family TensorRT-LLM does not get from here, a split it cannot
-    make, or attention it would compute differently."""
+    """Refuse before anything is written, for a family the checkpoint flow takes (exports; the others get only the
+    serving plans, check_pair): a split TensorRT-LLM cannot make, or attention it would compute differently."""
     architecture = ckpt.spec.architecture
-    if architecture in NOT_EXPORTED:
-        raise UnsupportedModelError(f"{role} checkpoint {ckpt.path} is a {architecture}, which --backend "
-                                    f"tensorrt-llm does not export: {NOT_EXPORTED[architecture]}; use --backend onnx")
-    if architecture not in FAMILIES:
-        raise UnsupportedModelError(f"{role} checkpoint {ckpt.path} is a {architecture}; --backend tensorrt-llm "
-                                    f"exports {', '.join(sorted(FAMILIES))}")
     check_split(ckpt, role, tp, "TensorRT-LLM")
     heads, kv = ckpt.spec.shape.num_heads, ckpt.spec.shape.num_kv_heads
     if architecture == "Qwen3ForCausalLM":
@@ -257,10 +251,9 @@ def check_pair(target: Checkpoint, draft: Checkpoint, max_seq_len: int, tp: int,
     role, ckpt = not_exported(target, draft)
     if not source_plans(target, draft):
         architecture = ckpt.spec.architecture
-        why = NOT_EXPORTED.get(architecture, "no TensorRT-LLM model")
         raise UnsupportedModelError(f"{role} checkpoint {ckpt.path} is a {architecture}, which --backend tensorrt-llm "
-                                    f"does not export: {why}; and neither TensorRT-LLM's PyTorch backend nor vLLM "
-                                    "serves both of the pair's families; use --backend onnx")
+                                    f"does not export: {NOT_EXPORTED[architecture]}; and neither TensorRT-LLM's "
+                                    "PyTorch backend nor vLLM serves both of the pair's families; use --backend onnx")
     if quantized:  # the serving plans read the source folders' float weights
         raise UnsupportedModelError(f"--quantize: the {role} ({ckpt.path}) is a {ckpt.spec.architecture}, for which "
                                     "--backend tensorrt-llm writes no TensorRT-LLM checkpoints to quantize, only plans "
