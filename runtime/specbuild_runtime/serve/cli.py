@@ -161,8 +161,8 @@ class ServeCommand(InterruptibleCommand):
 @threads_option("cores (those a container's CPU limit grants, where fewer) / --parallel, at least 1")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait for a slot or for their check (tokenizing; /tokenize and /detokenize "
-                   "too), a batch's prompts each one; more "
-                   "get 429 with Retry-After, and a batch of over --parallel + this many prompts a 400.")
+                   "too), a batch's prompts each one; more get 429 with Retry-After, and a batch of over --parallel "
+                   "+ this many prompts a 400.")
 @click.option("--grammar-cache", type=click.IntRange(min=1), default=GRAMMAR_CACHE, show_default=True,
               help="Compiled grammars (structured outputs, response_format, forced tool calls) kept for requests that "
                    "send the same one again, the least recently used dropped first; the largest schemas hold tens of "
