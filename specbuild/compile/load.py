@@ -702,7 +702,8 @@ def _rope_model_spec(config, architecture: str, family: str, path: Path, role: s
         ) if moe else (),
         experts=config.num_local_experts if moe else 0,  # Qwen3-MoE's num_experts too (its config's attribute_map)
         experts_per_token=config.num_experts_per_tok if moe else 0,
-        expert_intermediate_size=(config.moe_intermediate_size if qwen3_moe else config.intermediate_size) * moe,
+        expert_intermediate_size=(config.moe_intermediate_size if qwen3_moe else config.intermediate_size) if moe
+        else 0,
         norm_topk_prob=bool(config.norm_topk_prob) if qwen3_moe else moe,  # Mixtral's router always renormalizes
     )
 
