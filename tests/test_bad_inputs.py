@@ -436,13 +436,13 @@ CASES = [
     Case("`--block-size`, `--accuracy-level` or `--quality-report` without quantizing, even at their defaults",
          compile_args("{tmp}/bundle", "--block-size", "64"), 2,
          "shape quantized engines", "Add `--quantize int4|int8` (or per engine), or leave them out."),
-    Case("`--backend tensorrt-llm` (or `all`) with a Phi-3, Gemma 2, Gemma 3, OLMo 2 or OLMo 3 pair",
-         compile_args("{tmp}/bundle", "--backend", "tensorrt-llm"), 0, "",
-         "Nothing: TensorRT-LLM's checkpoint flow has no model for the family, so the bundle holds only the plans that "
-         "serve the source folders (vLLM's, and for Phi-3 and Gemma 3 the PyTorch backend's), as compile says in one "
-         "line.", setup=an_olmo2_pair),
-    Case("`--quantize` (or per engine) with `--backend tensorrt-llm` and a Phi-3, Gemma 2, Gemma 3, OLMo 2 or OLMo 3 "
-         "pair", compile_args("{tmp}/bundle", "--backend", "tensorrt-llm", "--precision", "bf16", "--quantize", "int8"),
+    Case("`--backend tensorrt-llm` (or `all`) with a Phi-3, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Qwen3-MoE or Mixtral "
+         "pair", compile_args("{tmp}/bundle", "--backend", "tensorrt-llm"), 0, "",
+         "Nothing: the TensorRT-LLM checkpoint export does not take the family, so the bundle holds only the plans that "
+         "serve the source folders (vLLM's, and for Phi-3, Gemma 3, Qwen3-MoE and Mixtral the PyTorch backend's), as "
+         "compile says in one line.", setup=an_olmo2_pair),
+    Case("`--quantize` (or per engine) with `--backend tensorrt-llm` and a Phi-3, Gemma 2, Gemma 3, OLMo 2, OLMo 3, "
+         "Qwen3-MoE or Mixtral pair", compile_args("{tmp}/bundle", "--backend", "tensorrt-llm", "--precision", "bf16", "--quantize", "int8"),
          1, "writes no TensorRT-LLM checkpoints to quantize",
          "Leave `--quantize` out (the plans serve the source folders' float weights), or use `--backend all` to "
          "quantize the ONNX engines.", setup=an_olmo2_pair),
