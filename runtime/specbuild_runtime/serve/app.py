@@ -366,7 +366,7 @@ class Server:
         """The request body, or Stopped("shutdown") once the grace period after SIGTERM ends before it has arrived: the
         drain stops jobs, and a client still sending its body (a slow upload) held the shutdown until uvicorn's backstop
         (--shutdown-timeout + 5 s), which cancelled the request as a 500 with a logged traceback."""
-        return await self.scheduler.unless_cut(asyncio.ensure_future(self._body(http)))
+        return await self.scheduler.unless_cut(self._body(http))
 
     async def _submitted_unless_gone(self, http: HttpRequest, request: protocol.Request) -> Job:
         """The request's job, submitted once checked, or Stopped("cancelled") if its client leaves first. Tokenizing
@@ -924,8 +924,7 @@ async def _interleaved(streams: list):
 
 async def _unless_gone(http: HttpRequest, work: Awaitable[T]) -> T:
     """work's result, or Stopped("cancelled") if the client (`http`'s, whose body is read) leaves first: work is then
-    cancelled, as it is when the caller is (a place on the checking thread given up: work not begun never runs). A
-    handler whose client had left waited for its turn there all the same, every request behind it waiting."""
+    cancelled, as it is when the caller is (a place on the checking thread given up: work not begun never runs)."""
     return await unless(work, _disconnected(http), "cancelled")
 
 
