@@ -44,8 +44,10 @@ FAMILIES = {  # name -> (conftest architecture, config overrides); TINY has 4 he
     "linear-rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
     "granite": ("granite", {}),  # its multipliers, as TensorRT-LLM's LLaMA model reads them
     "gpt2": ("gpt2", {}),
+    "gemma3": ("gemma3", {}),  # 3 layers: sliding, full, sliding; windows of 8, past which PROMPTS[5] runs
 }
 TOLERANCE = 1e-4
+CONTEXT = 128  # the context run.sh's windows are given for: past PROMPTS[5]
 
 
 def build(folder: Path, family: str, tokenizer, seed: int, **extra) -> Path:
@@ -90,9 +92,17 @@ def export(folder: Path, out: Path, tp: int, precision: str = "fp32", quantizati
     return out
 
 
-def deviation(checkpoint: Path, source: Path, tokenizer) -> float:
+def plan_windows(source: Path) -> list[int] | None:
+    """The per-layer windows run.sh gives a pair of two such models (None: no window within CONTEXT)."""
+    ckpt = load_checkpoint(source, "test")
+    return tensorrt_llm.attention_windows(ckpt, ckpt, CONTEXT)
+
+
+def deviation(checkpoint: Path, source: Path, tokenizer, whole_context: bool = False) -> float:
     ids = tokenizer(PROMPTS[5])["input_ids"]
-    ours, theirs = reference.logits(checkpoint, ids), transformers_logits(source, ids)
+    assert len(ids) <= CONTEXT
+    windows = None if whole_context else plan_windows(source)
+    ours, theirs = reference.logits(checkpoint, ids, windows), transformers_logits(source, ids)
     assert ours.shape == (len(ids), TARGET_VOCAB)
     # a draft's rows past its table: the mean of its rows, so the mean of its logits
     assert np.abs(ours[:, theirs.shape[1]:] - ours[:, :theirs.shape[1]].mean(-1, keepdims=True)).max(initial=0) <= TOLERANCE
@@ -230,10 +240,11 @@ def test_fewer_kv_heads_than_ranks_are_repeated_in_head_order(pairs, tmp_path):
     assert np.array_equal(qkv[0][16:], qkv[1][16:]) and not np.array_equal(qkv[1][16:], qkv[2][16:])
 
 
-def test_a_qwen3_with_as_many_kv_as_query_heads_per_rank_is_refused(tokenizer, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_a_qk_normalised_model_with_as_many_kv_as_query_heads_per_rank_is_refused(tokenizer, tmp_path, family):
     """TensorRT-LLM's q/k-normalised attention reads such a rank's qkv as per-head (q, k, v) triples; its
-    Qwen converter writes [q; k; v]. The reference, reading as TensorRT-LLM does, shows the mismatch."""
-    folder = build(tmp_path / "mha", "qwen3", tokenizer, 0, num_key_value_heads=4, vocab_size=TARGET_VOCAB)
+    Qwen and Gemma converters write [q; k; v]. The reference, reading as TensorRT-LLM does, shows the mismatch."""
+    folder = build(tmp_path / "mha", family, tokenizer, 0, num_key_value_heads=4, vocab_size=TARGET_VOCAB)
     ckpt = load_checkpoint(folder, "target")
     for tp in (1, 2):
         with pytest.raises(UnsupportedModelError, match=f"--tp {tp}.*choose a --tp"):
@@ -241,6 +252,76 @@ def test_a_qwen3_with_as_many_kv_as_query_heads_per_rank_is_refused(tokenizer, t
     tensorrt_llm.check_exportable(ckpt, "target", 4, 64)  # one head per rank: both readings agree
     assert deviation(export(folder, tmp_path / "tp4", 4), folder, tokenizer) <= TOLERANCE
     assert deviation(export(folder, tmp_path / "tp1", 1), folder, tokenizer) > 100 * TOLERANCE
+
+
+def test_a_gemma3_checkpoint_is_laid_out_as_tensorrt_llms_gemma_converter_writes_it(pairs, tmp_path):
+    target = pairs("gemma3")[0]
+    checkpoint = export(target, tmp_path / "t", 2)
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["use_parallel_embedding"] and config["_sliding_window_pattern"] == 2  # layers 0 and 2 slide
+    assert {"query_pre_attn_scalar", "final_logit_softcapping", "rope_local_base_freq", "sliding_window"} <= set(config)
+    source, ranks = load_file(target / "model.safetensors"), [load_file(checkpoint / f"rank{r}.safetensors")
+                                                              for r in range(2)]
+    assert ranks[1]["transformer.vocab_embedding.weight"].shape == (TARGET_VOCAB // 2, 64)  # split by rows
+    for r in range(2):  # Gemma's RMSNorm scales by 1 + weight, TensorRT-LLM's by its weight
+        assert np.array_equal(ranks[r]["transformer.layers.1.attention.k_layernorm.weight"],
+                              source["model.layers.1.self_attn.k_norm.weight"] + 1)
+
+
+@pytest.mark.parametrize("change", ["rope_local_base_freq", "_sliding_window_pattern", "norms"])
+def test_each_gemma3_rewrite_is_exported_and_matters(pairs, tokenizer, tmp_path, change):
+    """Negative controls: the local layers' rotary base, which layers are local, and the norms' added one."""
+    target = pairs("gemma3")[0]
+    checkpoint = export(target, tmp_path / "t", 2)
+    config = json.loads((checkpoint / "config.json").read_text())
+    if change == "norms":
+        for rank in checkpoint.glob("rank*.safetensors"):
+            tensors = load_file(rank)
+            save_file({name: value - 1 if "layernorm" in name or "ln_f" in name else value
+                       for name, value in tensors.items()}, rank)
+    else:
+        config[change] = config["rotary_base"] if change == "rope_local_base_freq" else 1  # 1: every layer global
+        (checkpoint / "config.json").write_text(json.dumps(config))
+    assert deviation(checkpoint, target, tokenizer) > 100 * TOLERANCE
+
+
+def test_gemma3_past_its_window_is_computed_only_with_the_windows_run_sh_gives(pairs, tokenizer, tmp_path):
+    """TensorRT-LLM takes each layer's window at run time: the checkpoint read with the whole context at every
+    layer diverges past the window of 8."""
+    target = pairs("gemma3")[0]
+    checkpoint = export(target, tmp_path / "t", 1)
+    assert plan_windows(target) == [8, CONTEXT]
+    assert deviation(checkpoint, target, tokenizer) <= TOLERANCE
+    assert deviation(checkpoint, target, tokenizer, whole_context=True) > 100 * TOLERANCE
+
+
+def test_run_plan_gives_each_gemma3_layer_its_window_past_it(pairs, tmp_path):
+    target, draft = pairs("gemma3")  # the draft's one layer slides, as the target's first
+    manifest = compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", max_seq_len=64,
+                                              gamma=4, backend="tensorrt-llm", tp=2), show_progress=False)
+    assert {"tensorrt-llm/target/rank1.safetensors", "tensorrt-llm/draft/rank1.safetensors"} <= set(manifest.files)
+    run = (tmp_path / "b" / "tensorrt-llm" / "run.sh").read_text()
+    assert "  --max_attention_window_size 8 64 \\\n" in run, run
+    assert tensorrt_llm.attention_windows(*(load_checkpoint(f, "x") for f in (target, draft)), 8) is None
+
+
+def test_gemma3_windows_one_run_py_list_cannot_give_both_engines_are_refused(checkpoints):
+    target = load_checkpoint(checkpoints("gemma3", 0), "target")
+    draft = load_checkpoint(checkpoints("gemma3", 1, sliding_window=4), "draft")
+    with pytest.raises(UnsupportedModelError, match="one --max_attention_window_size list; give --max-seq-len .* "
+                                                    "of 4 or less"):
+        tensorrt_llm.check_pair(target, draft, 64, 1)
+    tensorrt_llm.check_pair(target, draft, 4, 1)
+
+
+def test_the_default_context_passes_the_gemma3_windows_run_sh_carries_and_stops_at_those_it_cannot(checkpoints,
+                                                                                                  tmp_path):
+    target, draft = checkpoints("gemma3", 0), checkpoints("gemma3", 1)
+    apart = checkpoints("gemma3", 1, sliding_window=4)
+    assert tensorrt_llm.window_limit(load_checkpoint(target, "t"), load_checkpoint(apart, "d")) == 4
+    assert tensorrt_llm.window_limit(load_checkpoint(target, "t"), load_checkpoint(draft, "d")) is None
+    settings = CompileSettings(target=target, draft=draft, output=tmp_path / "b", backend="tensorrt-llm")
+    assert compile_bundle(settings, show_progress=False).max_seq_len == 512  # max_position_embeddings, past 8
 
 
 def test_splits_tensorrt_llm_cannot_make_and_windows_shorter_than_the_context_are_refused(pairs, checkpoints):
@@ -252,19 +333,22 @@ def test_splits_tensorrt_llm_cannot_make_and_windows_shorter_than_the_context_ar
         tensorrt_llm.check_exportable(window, "target", 1, 64)
 
 
-def test_bf16_export_writes_bf16_weights_that_still_compute_the_model(pairs, tokenizer, tmp_path):
-    target = pairs("qwen2")[0]
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_bf16_export_writes_bf16_weights_that_still_compute_the_model(pairs, tokenizer, tmp_path, family):
+    target = pairs(family)[0]
     checkpoint = export(target, tmp_path / "t", 2, precision="bf16")
     assert json.loads((checkpoint / "config.json").read_text())["dtype"] == "bfloat16"
     tensors = load_file(checkpoint / "rank1.safetensors")
     assert {t.dtype for t in tensors.values()} == {np.dtype(ml_dtypes.bfloat16)}
     ids = tokenizer(PROMPTS[5])["input_ids"]
-    ours, theirs = reference.logits(checkpoint, ids)[:, :TARGET_VOCAB], transformers_logits(target, ids)
+    ours = reference.logits(checkpoint, ids, plan_windows(target))[:, :TARGET_VOCAB]
+    theirs = transformers_logits(target, ids)
     assert np.abs(ours - theirs).max() < 0.05 * np.abs(theirs).max()
 
 
-def test_weight_only_quantization_is_left_to_trtllm_build_on_float_weights(pairs, tmp_path):
-    checkpoint = export(pairs("llama")[0], tmp_path / "t", 1, precision="fp16", quantization="int4")
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_weight_only_quantization_is_left_to_trtllm_build_on_float_weights(pairs, tmp_path, family):
+    checkpoint = export(pairs(family)[0], tmp_path / "t", 1, precision="fp16", quantization="int4")
     assert json.loads((checkpoint / "config.json").read_text())["quantization"]["quant_algo"] == "W4A16"
     assert {t.dtype for t in load_file(checkpoint / "rank0.safetensors").values()} == {np.dtype(np.float16)}
 
@@ -614,7 +698,6 @@ def test_a_rank_file_on_a_full_disk_fails_with_the_disks_errno(tmp_path):
 # The plans each family gets from its source folders where TensorRT-LLM's checkpoint flow lacks it: the PyTorch
 # backend's (llm-api.yaml) where it has a model for the family, vLLM's (serve.sh) for all.
 SERVED_FROM_SOURCE = {"phi3": {"tensorrt-llm/llm-api.yaml", "vllm/serve.sh"},
-                      "gemma3": {"tensorrt-llm/llm-api.yaml", "vllm/serve.sh"},
                       "gemma2": {"vllm/serve.sh"}, "olmo2": {"vllm/serve.sh"}, "olmo3": {"vllm/serve.sh"},
                       "qwen3moe": {"tensorrt-llm/llm-api.yaml", "vllm/serve.sh"},
                       "mixtral": {"tensorrt-llm/llm-api.yaml", "vllm/serve.sh"}}
@@ -715,14 +798,18 @@ def test_a_plans_only_export_keeps_the_context_past_a_window_the_serving_backend
     assert manifest.max_seq_len == 512
 
 
-def test_backend_all_writes_the_onnx_engines_and_the_serving_plans_of_an_unexported_family(checkpoints, tokenizer,
-                                                                                            tmp_path):
-    target, draft = checkpoints("gemma3", 0), checkpoints("gemma3", 1)
+def test_backend_all_writes_the_onnx_engines_and_the_serving_plans_of_an_unexported_gemma3(tokenizer, tmp_path):
+    """gemma-3-4b's linear rope scaling, of its full-attention layers alone: TensorRT-LLM would scale the
+    sliding-window layers too, so the pair gets the serving plans (and the ONNX engines) only."""
+    target, draft = (make_checkpoint(tmp_path / role, "gemma3", tokenizer, seed,
+                                     rope_scaling={"rope_type": "linear", "factor": 8.0})
+                     for seed, role in enumerate(("target", "draft")))
     out = tmp_path / "b"
     manifest = compile_bundle(CompileSettings(target=target, draft=draft, output=out, max_seq_len=64, backend="all"),
                               show_progress=False)
     assert set(manifest.engines) == {"target", "draft"}
-    assert set(manifest.tensorrt_llm.plans.values()) == SERVED_FROM_SOURCE["gemma3"]
+    assert set(manifest.tensorrt_llm.plans.values()) == {"tensorrt-llm/llm-api.yaml", "vllm/serve.sh"}
+    assert "sliding-window layers as well" in manifest.tensorrt_llm.checkpoints["target"]["not_exported"]
     ids = tokenizer(PROMPTS[0])["input_ids"]
     decoder = SpeculativeDecoder(out)
     assert decoder.generate(ids, 8, gamma=2).token_ids == decoder.generate(ids, 8, gamma=0).token_ids

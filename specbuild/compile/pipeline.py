@@ -53,7 +53,7 @@ def _compile(settings: CompileSettings, stages: "_Stages") -> Manifest:
         # a window the export does not carry refuses a longer context (check_exportable); the plans that serve the
         # source folders alone carry the windows in config.json
         if settings.backend != "onnx" and tensorrt_llm.exports(target, draft):
-            limits += [window for ckpt in (target, draft) if (window := tensorrt_llm.sliding_window(ckpt))]
+            limits += [limit] if (limit := tensorrt_llm.window_limit(target, draft)) else []
         context_limit = min(limits)
         max_seq_len = _max_seq_len(settings, context_limit)
         for role, ckpt in (("target", target), ("draft", draft)):

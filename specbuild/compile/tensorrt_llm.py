@@ -58,10 +58,8 @@ QUANT_ALGOS = {"none": None, "int8": "W8A16", "int4": "W4A16"}
 QUANTIZED_WEIGHTS = ("qkv.weight", "dense.weight", "fc.weight", "proj.weight", "gate.weight")
 # Families the ONNX path builds that this export does not, and why.
 NOT_EXPORTED = {
-    "Gemma2ForCausalLM": "TensorRT-LLM's Gemma converter rewrites norms and embeddings and needs per-layer "
-                         "attention windows at build time, which this export does not produce yet",
-    "Gemma3ForCausalLM": "TensorRT-LLM's Gemma converter rewrites norms and embeddings and needs per-layer "
-                         "attention windows and local rotary bases, which this export does not produce yet",
+    "Gemma2ForCausalLM": "TensorRT-LLM's Gemma model soft-caps Gemma 2's attention logits inside its attention "
+                         "kernels (max_attn_value), which this export's reference pass cannot check yet",
     "Phi3ForCausalLM": "TensorRT-LLM's Phi-3 model splits fused qkv_proj/gate_up_proj weights in its own "
                        "layout, which this export does not produce yet",
     "Olmo2ForCausalLM": "TensorRT-LLM's checkpoint flow has no OLMo 2 model (no Olmo2ForCausalLM in "
@@ -98,7 +96,8 @@ NEWER_PYTORCH_BACKEND = {"Phi3ForCausalLM": "Phi-3"}
 # builds GraniteForCausalLM as its LLaMA model, which reads Granite's multipliers from config.json
 # (granite_multipliers).
 FAMILIES = {"LlamaForCausalLM": None, "MistralForCausalLM": None, "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3", "GraniteForCausalLM": None, "GPT2LMHeadModel": None}
+            "Qwen3ForCausalLM": "qwen3", "GraniteForCausalLM": None, "GPT2LMHeadModel": None,
+            "Gemma3ForCausalLM": None}
 
 # The tokens one engine step takes unless told otherwise: trtllm-build's --max_num_tokens (builder.py BuildConfig,
 # 008b2b8d) and the LLM API's max_num_tokens (llmapi/llm_args.py BaseLlmArgs, 00043967). A longer prompt goes in
@@ -107,7 +106,7 @@ FAMILIES = {"LlamaForCausalLM": None, "MistralForCausalLM": None, "Qwen2ForCausa
 # past max_num_tokens unless chunked prefill is on (llmapi/llm.py _check_arguments).
 MAX_NUM_TOKENS = 8192
 
-REPLICATE, COLUMN, ROW, QKV, VOCAB = "replicate", "column", "row", "qkv", "vocab"
+REPLICATE, COLUMN, ROW, QKV, VOCAB, EMBEDDING = "replicate", "column", "row", "qkv", "vocab", "embedding"
 
 
 @dataclass(frozen=True)
@@ -168,10 +167,13 @@ def check_exportable(ckpt: Checkpoint, role: str, tp: int, max_seq_len: int) -> 
                                         "qkv in another layout than its Qwen converter writes; choose a --tp that "
                                         "leaves fewer key/value than query heads per rank")
     # functional.py ACT2FN: every GELU is the tanh approximation; the gated families' converters pass silu.
-    activations = ("gelu_new", "gelu_pytorch_tanh") if ckpt.spec.family == "gpt2" else ("silu",)
+    activations = ("gelu_new", "gelu_pytorch_tanh") if ckpt.spec.family in ("gpt2", "gemma") else ("silu",)
     if ckpt.spec.hidden_act not in activations:
         raise UnsupportedModelError(f"{role} checkpoint {ckpt.path}: activation {ckpt.spec.hidden_act!r}; --backend "
                                     f"tensorrt-llm exports {architecture} with {' or '.join(activations)}")
+    if architecture == "Gemma3ForCausalLM":
+        check_gemma3(ckpt, role, tp)  # its windows reach run.sh (attention_windows)
+        return
     window = sliding_window(ckpt)
     if window and window < max_seq_len:
         raise UnsupportedModelError(f"max_seq_len {max_seq_len} exceeds the {role}'s sliding window ({window}), which "
@@ -198,9 +200,17 @@ def check_split(ckpt: Checkpoint, role: str, tp: int, who: str) -> None:
 
 
 def exports(target: Checkpoint, draft: Checkpoint) -> bool:
-    """Whether the pair gets TensorRT-LLM checkpoints (both families exported); otherwise only the plans that
-    serve its source folders (source_plans)."""
-    return all(ckpt.spec.architecture in FAMILIES for ckpt in (target, draft))
+    """Whether the pair gets TensorRT-LLM checkpoints (both exported); otherwise only the plans that serve its
+    source folders (source_plans)."""
+    return not any(unexported(ckpt) for ckpt in (target, draft))
+
+
+def unexported(ckpt: Checkpoint) -> str:
+    """Why the checkpoint flow does not take ckpt ("" where it does): its family, or a Gemma 3's config."""
+    architecture = ckpt.spec.architecture
+    if architecture not in FAMILIES:
+        return NOT_EXPORTED[architecture]
+    return gemma3_unexported(ckpt) if architecture == "Gemma3ForCausalLM" else ""
 
 
 def source_plans(target: Checkpoint, draft: Checkpoint) -> list[str]:
@@ -211,8 +221,7 @@ def source_plans(target: Checkpoint, draft: Checkpoint) -> list[str]:
 
 def not_exported(target: Checkpoint, draft: Checkpoint) -> tuple[str, Checkpoint]:
     """The role and checkpoint of the first of the pair the checkpoint flow does not take (exports is False)."""
-    return next((role, ckpt) for role, ckpt in (("target", target), ("draft", draft))
-                if ckpt.spec.architecture not in FAMILIES)
+    return next((role, ckpt) for role, ckpt in (("target", target), ("draft", draft)) if unexported(ckpt))
 
 
 def sliding_window(ckpt: Checkpoint) -> int | None:
@@ -247,12 +256,13 @@ def check_pair(target: Checkpoint, draft: Checkpoint, max_seq_len: int, tp: int,
     if exports(target, draft):
         for role, ckpt in (("target", target), ("draft", draft)):
             check_exportable(ckpt, role, tp, max_seq_len)
+        attention_windows(target, draft, max_seq_len)  # refuses windows one run.py list cannot give both
         return
     role, ckpt = not_exported(target, draft)
     if not source_plans(target, draft):
         architecture = ckpt.spec.architecture
         raise UnsupportedModelError(f"{role} checkpoint {ckpt.path} is a {architecture}, which --backend tensorrt-llm "
-                                    f"does not export: {NOT_EXPORTED[architecture]}; and neither TensorRT-LLM's "
+                                    f"does not export: {unexported(ckpt)}; and neither TensorRT-LLM's "
                                     "PyTorch backend nor vLLM serves both of the pair's families; use --backend onnx")
     if quantized:  # the serving plans read the source folders' float weights
         raise UnsupportedModelError(f"--quantize: the {role} ({ckpt.path}) is a {ckpt.spec.architecture}, for which "
@@ -279,7 +289,7 @@ def export_pair(target: Checkpoint, draft: Checkpoint, folder: Path, scratch: Pa
         checkpoints[role] = write_checkpoint(ckpt, folder / FOLDER / role, scratch, tp, vocab, precision,
                                              numerics[role].quantization,
                                              target.token_ids() if role == "draft" else None) if exported else {
-            "architecture": architecture, "not_exported": NOT_EXPORTED.get(architecture, "")}
+            "architecture": architecture, "not_exported": unexported(ckpt)}
         # the ONNX engine hashed the same source already
         checkpoints[role]["source"] = engines[role].source if role in engines else source(ckpt)
     # c: the bytes a step reads, as trtllm-build will quantize them, or as the source folders are served
@@ -318,7 +328,9 @@ def write_checkpoint(ckpt: Checkpoint, out: Path, scratch: Path, tp: int, vocab:
     # Bytes without a total (a tied head is written twice, the vocabulary padded): at 7B, minutes of a stage
     # whose bar would otherwise stand still.
     with bar(None, f"writing TensorRT-LLM {out.name} ({dtype_name})", "B", unit_scale=True) as progress:
-        for tensor in gpt2_tensors(ckpt, names) if spec.family == "gpt2" else llama_tensors(ckpt, names):
+        tensors = (gemma3_tensors if spec.architecture == "Gemma3ForCausalLM" else
+                   gpt2_tensors if spec.family == "gpt2" else llama_tensors)
+        for tensor in tensors(ckpt, names):
             quantized = QUANT_ALGOS[quantization] and tensor.name.endswith(QUANTIZED_WEIGHTS)
             for file, part in zip(files, shard(tensor, layout, dtype)):
                 file.add(tensor.name, part)
@@ -373,6 +385,8 @@ def trtllm_config(ckpt: Checkpoint, layout: Layout, dtype: str, quant_algo: str 
         return {**config, "gpt_variant": "gpt2", "hidden_act": "gelu_new", "position_embedding_type": "learned_absolute",
                 "bias": True, "q_scaling": 1.0, "apply_query_key_layer_scaling": False, "rotary_pct": 1.0,
                 "qk_layernorm": False, "inner_layernorm": False, "norm_before_bmm1": False}
+    if spec.architecture == "Gemma3ForCausalLM":
+        return gemma3_config(ckpt, config)
     base, scaling = rotary(ckpt)
     config = {**config, "hidden_act": spec.hidden_act, "position_embedding_type": "rope_gpt_neox",
               "rotary_base": base, "rotary_scaling": scaling, "mlp_bias": spec.mlp_bias,
@@ -456,6 +470,139 @@ def gpt2_tensors(ckpt: Checkpoint, names: set[str]) -> Iterator[Out]:
     yield Out("lm_head.weight", VOCAB, read("lm_head.weight" if "lm_head.weight" in names else "transformer.wte.weight"))
 
 
+# Gemma 3 (text) as TensorRT-LLM's Gemma model builds it (tensorrt_llm/models/gemma/model.py, config.py and
+# convert.py; tensorrt_llm/layers/attention.py, as stored from NVIDIA/TensorRT-LLM's main with Gemma 3 in MODEL_MAP,
+# models/__init__.py at 02267d3d): GemmaConfig's Gemma3ConfigGroup fields in config.json, the layer i attending
+# locally where (i + 1) % _sliding_window_pattern, with rope_local_base_freq for its rotary base and the window
+# run.sh gives it; q/k norms, norms before and after each MLP, the embeddings times sqrt(hidden_size).
+
+
+def gemma3_rope(ckpt: Checkpoint) -> tuple[dict, dict]:
+    """(full, sliding) rope parameters: transformers 5 keeps one set per layer type, 4 the full layers' at the top
+    level and the sliding layers' base in rope_local_base_freq."""
+    config = ckpt.config
+    params = getattr(config, "rope_parameters", None) or {}
+    full = params.get("full_attention") or {"rope_theta": getattr(config, "rope_theta", 1e6),
+                                            **(getattr(config, "rope_scaling", None) or {})}
+    local = params.get("sliding_attention") or {"rope_theta": getattr(config, "rope_local_base_freq", 1e4)}
+    return full, local
+
+
+def gemma3_pattern(spec: ModelSpec) -> int | None:
+    """The _sliding_window_pattern whose rule gives exactly the layers' types (None: no pattern does)."""
+    types = spec.layer_types
+    return next((p for p in range(1, len(types) + 2)
+                 if all((kind == "sliding_attention") == bool((i + 1) % p) for i, kind in enumerate(types))), None)
+
+
+def gemma3_unexported(ckpt: Checkpoint) -> str:
+    """Why a Gemma 3 cannot be exported faithfully ("" where it can)."""
+    kinds = {params.get("rope_type", params.get("type", "default")) for params in gemma3_rope(ckpt)}
+    if kinds != {"default"}:
+        # Attention.create_attention_const_params builds the local tables with the one rotary_scaling, and
+        # GemmaConfig.from_hugging_face reads rotary_scaling, a key transformers' config has not, so its own
+        # converter drops the scaling from both kinds of layer.
+        scaled = ", ".join(sorted(kinds - {"default"}))
+        return (f"this Gemma 3 scales the rope of its full-attention layers alone ({scaled}), where TensorRT-LLM's "
+                "Gemma model applies one rotary scaling to its sliding-window layers as well")
+    if gemma3_pattern(ckpt.spec) is None:
+        return ("its layer_types do not follow TensorRT-LLM's Gemma rule, which makes layer i sliding-window where "
+                "(i + 1) % _sliding_window_pattern is not 0")
+    return ""
+
+
+def check_gemma3(ckpt: Checkpoint, role: str, tp: int) -> None:
+    heads, kv = ckpt.spec.shape.num_heads, ckpt.spec.shape.num_kv_heads
+    if heads // tp == max(kv // tp, 1) > 1:  # layers/attention.py qk_layernorm, as for Qwen3 (check_exportable)
+        raise UnsupportedModelError(f"--tp {tp}: the {role} ({ckpt.path}) would have {heads // tp} query and key/value "
+                                    "heads per rank, where TensorRT-LLM's q/k-normalised attention reads the fused "
+                                    "qkv in another layout than its Gemma converter writes; choose a --tp that "
+                                    "leaves fewer key/value than query heads per rank")
+
+
+def attention_windows(target: Checkpoint, draft: Checkpoint, max_seq_len: int) -> list[int] | None:
+    """run.sh's --max_attention_window_size, the positions each layer attends to (None: the whole context at every
+    layer). TensorRT-LLM takes a layer's window at run time, not from the checkpoint; a list shorter than the layers
+    repeats over them (the executor's KvCacheConfig max_attention_window), and run.py gives both engines the same
+    list (examples/ngram/run_dtm_ngram.py common_runner_kwargs, 77bcb5a5): the shortest list whose repetition is
+    both models' layers, refused where none is."""
+    per = [[min(w or max_seq_len, max_seq_len) for w in ckpt.spec.sliding_windows] for ckpt in (target, draft)]
+    if all(w == max_seq_len for windows in per for w in windows):
+        return None
+    both = _cycle(*per)
+    if both is None:
+        raise UnsupportedModelError(f"max_seq_len {max_seq_len} goes past the sliding windows of a pair whose layers "
+                                    f"window differently (the target's cycle {_cycle(per[0])}, the draft's "
+                                    f"{_cycle(per[1])}), where run.py gives both TensorRT-LLM engines one "
+                                    "--max_attention_window_size list; give --max-seq-len (or a recipe's max_seq_len) "
+                                    f"of {min(min(windows) for windows in per)} or less for the TensorRT-LLM export")
+    return both
+
+
+def _cycle(*models: list[int]) -> list[int] | None:
+    """The shortest list whose repetition is every model's per-layer windows (None: none is)."""
+    cycles = [windows[:n] for windows in models for n in range(1, len(windows) + 1)]
+    fitting = (cycle for cycle in cycles if all(w == cycle[i % len(cycle)] for ws in models for i, w in enumerate(ws)))
+    return min(fitting, key=len, default=None)
+
+
+def window_limit(target: Checkpoint, draft: Checkpoint) -> int | None:
+    """The longest context the export takes (None: any): the shortest window, unless run.sh carries the pair's
+    windows, as for a Gemma 3 pair that one list windows (attention_windows)."""
+    windows = [window for ckpt in (target, draft) if (window := sliding_window(ckpt))]
+    if not windows:
+        return None
+    past = max(windows) + 1
+    carried = all(ckpt.spec.architecture == "Gemma3ForCausalLM" for ckpt in (target, draft)) and _cycle(
+        *([min(w or past, past) for w in ckpt.spec.sliding_windows] for ckpt in (target, draft))) is not None
+    return None if carried else min(windows)
+
+
+def gemma3_config(ckpt: Checkpoint, config: dict) -> dict:
+    """GemmaConfig: Gemma3ConfigGroup's fields, and use_parallel_embedding, which GemmaConfig sets to tp > 1
+    whatever config.json says."""
+    spec = ckpt.spec
+    full, local = gemma3_rope(ckpt)
+    return {**config, "hidden_act": spec.hidden_act, "position_embedding_type": "rope_gpt_neox",
+            "rotary_base": float(full["rope_theta"]), "rotary_scaling": None, "attn_bias": spec.attention_bias,
+            "mlp_bias": False, "use_parallel_embedding": config["mapping"]["tp_size"] > 1, "inter_layernorms": True,
+            "query_pre_attn_scalar": ckpt.config.query_pre_attn_scalar, "final_logit_softcapping": spec.final_softcap,
+            "_sliding_window_pattern": gemma3_pattern(spec), "rope_local_base_freq": float(local["rope_theta"]),
+            "sliding_window": sliding_window(ckpt) or spec.max_position_embeddings}
+
+
+def gemma3_tensors(ckpt: Checkpoint, names: set[str]) -> Iterator[Out]:
+    """models/gemma/convert.py (HfParser, load_gemma_weights): every norm, q/k norms included, written as 1 + weight
+    (TensorRT-LLM's RmsNorm multiplies by its weight alone); the embedding table split by rows at tp > 1
+    (use_parallel_embedding), lm_head a copy of it."""
+    read, spec = ckpt.tensor, ckpt.spec
+
+    def norm(name: str) -> np.ndarray:
+        return read(name).astype(np.float32) + 1.0
+
+    yield Out("transformer.vocab_embedding.weight", EMBEDDING, read("model.embed_tokens.weight"))
+    for i in range(spec.shape.num_layers):
+        hf, trt = f"model.layers.{i}.", f"transformer.layers.{i}."
+        yield Out(trt + "input_layernorm.weight", REPLICATE, norm(hf + "input_layernorm.weight"))
+        yield Out(trt + "attention.qkv.weight", QKV, tuple(read(f"{hf}self_attn.{p}_proj.weight") for p in "qkv"))
+        if spec.attention_bias:
+            yield Out(trt + "attention.qkv.bias", QKV, tuple(read(f"{hf}self_attn.{p}_proj.bias") for p in "qkv"))
+            yield Out(trt + "attention.dense.bias", REPLICATE, read(hf + "self_attn.o_proj.bias"))
+        yield Out(trt + "attention.dense.weight", ROW, read(hf + "self_attn.o_proj.weight"))
+        yield Out(trt + "attention.q_layernorm.weight", REPLICATE, norm(hf + "self_attn.q_norm.weight"))
+        yield Out(trt + "attention.k_layernorm.weight", REPLICATE, norm(hf + "self_attn.k_norm.weight"))
+        for trt_norm, hf_norm in (("post_layernorm", "post_attention_layernorm"),
+                                  ("pre_feedforward_layernorm", "pre_feedforward_layernorm"),
+                                  ("post_feedforward_layernorm", "post_feedforward_layernorm")):
+            yield Out(f"{trt}{trt_norm}.weight", REPLICATE, norm(f"{hf}{hf_norm}.weight"))
+        yield Out(trt + "mlp.fc.weight", COLUMN, read(hf + "mlp.gate_proj.weight"))
+        yield Out(trt + "mlp.gate.weight", COLUMN, read(hf + "mlp.up_proj.weight"))
+        yield Out(trt + "mlp.proj.weight", ROW, read(hf + "mlp.down_proj.weight"))
+    yield Out("transformer.ln_f.weight", REPLICATE, norm("model.norm.weight"))
+    yield Out("lm_head.weight", VOCAB, read("lm_head.weight" if "lm_head.weight" in names else
+                                            "model.embed_tokens.weight"))
+
+
 def shard(tensor: Out, layout: Layout, dtype) -> list[np.ndarray]:
     """The tensor's part on each rank, in the export's float type."""
     tp = layout.tp
@@ -468,6 +615,8 @@ def shard(tensor: Out, layout: Layout, dtype) -> list[np.ndarray]:
     value = _cast(tensor.value, dtype, tensor.name)
     if tensor.name.endswith("vocab_embedding.weight"):
         value = rows(value, layout.vocab)  # the draft's table padded (or cut) to the target's vocabulary
+    if tensor.split == EMBEDDING:  # layers/embedding.py Embedding with tp_size > 1: ceil(vocab / tp) rows a rank
+        return np.split(rows(value, layout.padded_vocab), tp)
     if tensor.split == VOCAB:  # the draft's missing rows score the mean of its logits (module docstring)
         # so do its own padding rows, which no training reaches (distill trains the tokenizer's rows alone):
         # TensorRT-LLM would draft them, each a certain rejection, where they outrank every real token
@@ -580,7 +729,8 @@ def write_plans(folder: Path, gamma: int, tp: int, max_seq_len: int, precision: 
                "model for it.\n") if newer else ""
     write = {
         "build": lambda: build_script(gamma, max_seq_len, precision, origin),
-        "run": lambda: run_script(gamma, tp, max_seq_len, eos, target.tokenizer.eos_token_id),
+        "run": lambda: run_script(gamma, tp, max_seq_len, eos, target.tokenizer.eos_token_id,
+                                  attention_windows(target, draft, max_seq_len)),
         LLM_API: lambda: llm_api_yaml(gamma, tp, max_seq_len, target.path.resolve(), draft.path.resolve(),
                                       release + unquantized),
         VLLM: lambda: vllm_script(gamma, tp, max_seq_len, DTYPES[precision][0], target, draft, unquantized, origin),
@@ -625,7 +775,8 @@ trtllm-build --checkpoint_dir target --output_dir engines/target {common} \\
 """
 
 
-def run_script(gamma: int, tp: int, max_seq_len: int, eos: list[int], tokenizer_eos: int | None) -> str:
+def run_script(gamma: int, tp: int, max_seq_len: int, eos: list[int], tokenizer_eos: int | None,
+               windows: list[int] | None = None) -> str:
     """examples/run.py's draft-target mode (examples/draft_target_model/README.md): [draft_len, draft GPUs,
     target GPUs, use_logits]; each device list is as long as that engine's tp. run.py starts both engines
     itself (ModelRunnerCpp in orchestrator mode, examples/run_dtm_pld.py), so no mpirun. Its draft-target loop
@@ -647,8 +798,12 @@ def run_script(gamma: int, tp: int, max_seq_len: int, eos: list[int], tokenizer_
     which others it runs past. (run.py reads `if args.end_id`, so an END_ID of 0 falls back to the tokenizer's.)
 
     Past MAX_NUM_TOKENS, --enable_chunked_context: the engines take that many tokens a step, and run.py hands the
-    flag to both runners (examples/ngram/run_dtm_ngram.py, 77bcb5a5)."""
+    flag to both runners (examples/ngram/run_dtm_ngram.py, 77bcb5a5).
+
+    windows: the per-layer attention windows (attention_windows), as --max_attention_window_size, which run.py
+    hands both runners alike (run_dtm_ngram.py's common_runner_kwargs and common_generaion_kwargs)."""
     devices = "[" + ",".join(map(str, range(tp))) + "]"
+    window_flag = "" if windows is None else f"  --max_attention_window_size {' '.join(map(str, windows))} \\\n"
     chunked = " --enable_chunked_context" if max_seq_len > MAX_NUM_TOKENS else ""
     output = min(128, max(gamma, max_seq_len // 4))
     end_id = tokenizer_eos if tokenizer_eos in eos else eos[0] if eos else None
@@ -681,7 +836,7 @@ python3 "$TRTLLM_DIR/examples/run.py" \\
   --draft_target_model_config "[{gamma},{devices},{devices},False]" \\
   --kv_cache_enable_block_reuse --kv_cache_free_gpu_memory_fraction 0.4 --no_prompt_template{chunked} \\
   --max_output_len "$output" --max_input_length "$(({max_seq_len} - 2 * output))" \\
-  --input_text "${{1:-def fibonacci(n):}}"{
+{window_flag}  --input_text "${{1:-def fibonacci(n):}}"{
   "" if end_id is None else f' --end_id "${{END_ID:-{end_id}}}"'}
 """
 

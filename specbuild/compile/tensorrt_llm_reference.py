@@ -25,16 +25,20 @@ ATTENTION_NORM_EPS = 1e-5
 GATED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",  # GatedMLP, RmsNorm
          "GraniteForCausalLM"}
 LAYER_NORM = {"GPT2LMHeadModel"}  # models/gpt: MLP, LayerNorm, learned absolute positions
+GEMMA = {"Gemma3ForCausalLM"}  # models/gemma: GatedMLP, RmsNorm, norms around attention and MLP (gemma_layer)
 
 
-def logits(folder: str | Path, input_ids: list[int]) -> np.ndarray:
+def logits(folder: str | Path, input_ids: list[int], windows: list[int] | None = None) -> np.ndarray:
     """[len(input_ids), vocab_size] logits of a context pass from an empty cache (TensorRT-LLM's decoder
-    samples over vocab_size; lm_head's tp padding rows are dropped)."""
+    samples over vocab_size; lm_head's tp padding rows are dropped). windows: the engines' run-time
+    max_attention_window_size, repeated over the layers (None: the whole context at every layer)."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_bytes())
-    if config["architecture"] not in GATED | LAYER_NORM:
+    if config["architecture"] not in GATED | LAYER_NORM | GEMMA:
         raise ValueError(f"{folder}: no reference for {config['architecture']}")
     model = Ranks([load_file(folder / f"rank{r}.safetensors") for r in range(config["mapping"]["tp_size"])])
+    if config["architecture"] in GEMMA:
+        return gemma_logits(model, config, input_ids, windows)
     gpt = config["architecture"] in LAYER_NORM
     positions = np.arange(len(input_ids))
     # LLaMAConfig's multipliers (Granite's; 1.0 by default): models/llama/model.py LLaMAModel, LLaMADecoderLayer
@@ -51,6 +55,33 @@ def logits(folder: str | Path, input_ids: list[int]) -> np.ndarray:
     x = model.norm(x, "transformer.ln_f", config)
     # models/modeling_utils.py DecoderModelForCausalLM: the logits times the config's output_multiplier_scale, if any
     logits = np.concatenate(model.column(x, "lm_head"), axis=-1) * config.get("output_multiplier_scale", 1.0)
+    return logits[:, :config["vocab_size"]]
+
+
+def gemma_logits(model: Ranks, config: dict, input_ids: list[int], windows: list[int] | None) -> np.ndarray:
+    """models/gemma/model.py GemmaModel and GemmaDecoderLayer with inter_layernorms (no reduce fusion): the
+    embeddings times sqrt(hidden_size); post_layernorm normalises the attention's output before its residual add,
+    pre/post_feedforward_layernorm the MLP's input and output; layer i local where (i + 1) %
+    _sliding_window_pattern, rotating by rope_local_base_freq with the same rotary_scaling (Attention.
+    create_attention_const_params); the logits soft-capped by final_logit_softcapping (modeling_utils.py
+    DecoderModelForCausalLM)."""
+    positions = np.arange(len(input_ids))
+    parallel = config["use_parallel_embedding"]
+    x = model.embedding("transformer.vocab_embedding.weight", input_ids, parallel) * math.sqrt(config["hidden_size"])
+    ropes = {False: rotary_tables(config, positions),
+             True: rotary_tables({**config, "rotary_base": config["rope_local_base_freq"]}, positions)}
+    for i in range(config["num_hidden_layers"]):
+        layer = f"transformer.layers.{i}."
+        local = bool((i + 1) % config["_sliding_window_pattern"])
+        window = windows[i % len(windows)] if windows else None
+        h = attention(model.norm(x, layer + "input_layernorm", config), model, layer + "attention.", config,
+                      ropes[local], window)
+        x = x + model.norm(h, layer + "post_layernorm", config)
+        h = mlp(model.norm(x, layer + "pre_feedforward_layernorm", config), model, layer + "mlp.", config, False)
+        x = x + model.norm(h, layer + "post_feedforward_layernorm", config)
+    logits = np.concatenate(model.column(model.norm(x, "transformer.ln_f", config), "lm_head"), axis=-1)
+    if cap := config.get("final_logit_softcapping"):
+        logits = np.tanh(logits / cap) * cap
     return logits[:, :config["vocab_size"]]
 
 
@@ -74,6 +105,20 @@ class Ranks:
             raise ValueError(f"{name} differs between ranks although TensorRT-LLM holds it whole on each")
         return value
 
+    def embedding(self, name: str, ids: list[int], parallel: bool) -> np.ndarray:
+        """layers/embedding.py Embedding: whole on every rank, or (parallel, sharding dim 0) each rank looks up the
+        ids within its rows, zero for the others, and the all-reduce sums them."""
+        if not parallel:
+            return self.whole(name)[ids]
+        wanted = np.asarray(ids)
+        total = 0.0
+        for r, tensors in enumerate(self.ranks):
+            table = tensors[name]
+            local = wanted - r * len(table)
+            inside = (local >= 0) & (local < len(table))
+            total = total + np.where(inside[:, None], table[np.clip(local, 0, len(table) - 1)], 0.0)
+        return total
+
     def column(self, x: np.ndarray, name: str) -> list[np.ndarray]:
         """ColumnLinear: rank r computes its output slice x W_r^T + b_r."""
         return [x @ t[name + ".weight"].T + t.get(name + ".bias", 0.0) for t in self.ranks]
@@ -91,7 +136,7 @@ class Ranks:
         return rms_norm(x, weight, config["norm_epsilon"])  # RmsNorm
 
 
-def attention(x: np.ndarray, model: Ranks, prefix: str, config: dict, rope) -> np.ndarray:
+def attention(x: np.ndarray, model: Ranks, prefix: str, config: dict, rope, window: int | None = None) -> np.ndarray:
     tp = config["mapping"]["tp_size"]
     head_dim = config.get("head_size") or config["hidden_size"] // config["num_attention_heads"]
     heads = config["num_attention_heads"] // tp
@@ -99,17 +144,23 @@ def attention(x: np.ndarray, model: Ranks, prefix: str, config: dict, rope) -> n
     contexts = []
     for r, qkv in enumerate(model.column(x, prefix + "qkv")):
         tokens = len(qkv)
-        if config.get("qwen_type") in ("qwen3", "qwen3_moe"):  # models/qwen/model.py: qk_layernorm
+        # models/qwen/model.py and models/gemma/model.py: qk_layernorm (Gemma's Attention given no eps either)
+        if config.get("qwen_type") in ("qwen3", "qwen3_moe") or config["architecture"] in GEMMA:
             q, k, v = qk_normalised(qkv.reshape(tokens, -1, head_dim), heads, kv_heads, model.ranks[r], prefix)
         else:
             q, k, v = np.split(qkv.reshape(tokens, -1, head_dim), [heads, heads + kv_heads], axis=1)
         if rope is not None:
             q, k = rotate(q, *rope), rotate(k, *rope)
-        # GPT's config gives q_scaling; LLaMA's Attention is given 1 / attention_multiplier (1.0 unless Granite's)
-        q_scaling = config["q_scaling"] if "q_scaling" in config else 1 / config.get("attention_multiplier", 1.0)
+        # GPT's config gives q_scaling; Gemma's Attention sqrt(query_pre_attn_scalar / head_size); LLaMA's
+        # 1 / attention_multiplier (1.0 unless Granite's)
+        q_scaling = (config["q_scaling"] if "q_scaling" in config else
+                     math.sqrt(config["query_pre_attn_scalar"] / head_dim) if "query_pre_attn_scalar" in config else
+                     1 / config.get("attention_multiplier", 1.0))
         k, v = np.repeat(k, heads // kv_heads, axis=1), np.repeat(v, heads // kv_heads, axis=1)  # GQA groups
         scores = np.einsum("shd,thd->hst", q, k) / (math.sqrt(head_dim) * q_scaling)
         scores += np.triu(np.full((tokens, tokens), -np.inf), 1)
+        if window:  # a query sees the window's last positions, its own included
+            scores += np.tril(np.full((tokens, tokens), -np.inf), -window)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         contexts.append(np.einsum("hst,thd->shd", probs, v).reshape(tokens, -1))
@@ -184,4 +235,5 @@ def _gelu(x: np.ndarray) -> np.ndarray:  # functional.py gelu: the tanh approxim
     return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
 
 
-ACTIVATIONS = {"silu": lambda x: x / (1 + np.exp(-x)), "gelu": _gelu, "gelu_new": _gelu, "gelu_fast": _gelu}
+ACTIVATIONS = {"silu": lambda x: x / (1 + np.exp(-x)), "gelu": _gelu, "gelu_new": _gelu, "gelu_fast": _gelu,
+               "gelu_pytorch_tanh": _gelu}
