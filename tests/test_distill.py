@@ -791,6 +791,21 @@ def test_draft_config_may_ask_for_a_draft_deeper_than_the_default_one(checkpoint
     assert draft.config.num_hidden_layers == layers and draft.config.layer_types == target.config.layer_types
 
 
+@pytest.mark.parametrize("overrides, windows", [
+    ({"max_window_layers": 0}, [8]),
+    ({"num_hidden_layers": 3, "max_window_layers": 2}, [None, None, 8]),
+    ({"num_hidden_layers": 4}, [None, 8, 8, 8]),  # the target's rule (from layer 1 on), not its list repeated
+    ({"use_sliding_window": False}, [None])])
+def test_a_qwen2_drafts_window_keys_decide_which_of_its_layers_slide(checkpoints, overrides, windows):
+    """Qwen2 and Qwen3 slide the layers from max_window_layers on; their classes make layer_types of it only when a
+    config is built, and --draft-config's max_window_layers=N was set after and changed no layer."""
+    from specbuild.compile.load import load_config, model_spec
+
+    target_config = load_config(checkpoints("qwen2-window"), "target")  # 3 layers, the last two windowed
+    config = shrunk_config(target_config, overrides)
+    assert model_spec(config, "Qwen2ForCausalLM", Path("draft"), "draft").sliding_windows == windows
+
+
 def test_a_default_draft_of_a_longrope_target_takes_its_factors_at_its_own_heads_width(tmp_path, tokenizer):
     """Phi-3.5 and Phi-4-mini list a LongRoPE factor for each rotary pair of their heads; a default draft's heads
     are narrower, and sizing it failed in transformers (a RuntimeError, reported as a bug in specbuild)."""

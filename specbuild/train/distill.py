@@ -124,15 +124,28 @@ def shrunk_config(target_config, overrides: dict | None = None):
     if getattr(config, "head_dim", None) and "head_dim" not in (overrides or {}):
         config.head_dim = config.hidden_size // config.num_attention_heads
     if getattr(config, "layer_types", None) and "layer_types" not in (overrides or {}):
-        # The target's pattern (Gemma's sliding and full layers, Qwen2's window layers) as deep as the draft: the
-        # default shape's list is cut to its own depth, and a deeper num_hidden_layers outgrew it (an IndexError in
-        # transformers, so distill refused every draft deeper than the default one of a Qwen or Gemma target)
-        pattern = base.layer_types
-        config.layer_types = [pattern[i % len(pattern)] for i in range(config.num_hidden_layers)]
+        given = "max_window_layers" in (overrides or {})
+        if "max_window_layers" in known and (given or _rebuilt(base).layer_types == base.layer_types):
+            # Qwen2's and Qwen3's layers read layer_types alone, which their classes make of max_window_layers only
+            # when a config is built: set later, max_window_layers=N changed no layer, and a deeper draft repeated the
+            # target's list (full, slide, slide, full, ...) where its rule slides every layer from N on
+            config = _rebuilt(config)
+        else:
+            # The target's pattern (Gemma's sliding and full layers) as deep as the draft: the default shape's list is
+            # cut to its own depth, and a deeper num_hidden_layers outgrew it (an IndexError in transformers, so
+            # distill refused every draft deeper than the default one of a Gemma target)
+            pattern = base.layer_types
+            config.layer_types = [pattern[i % len(pattern)] for i in range(config.num_hidden_layers)]
     # to the heads the overrides made, from the target's lists (the default shape's are already thinned), unless the
     # overrides gave their own
     _fit_rope_factors(config, None if {"rope_parameters", "rope_scaling"} & set(overrides or {}) else base)
     return config
+
+
+def _rebuilt(config):
+    """config as its class builds it anew, its layer_types made of its window keys (use_sliding_window,
+    sliding_window, max_window_layers for Qwen2 and Qwen3; its window None where use_sliding_window is not)."""
+    return type(config).from_dict({**config.to_dict(), "layer_types": None})
 
 
 # A mixture of experts' model_type -> the dense one its default draft is: the pairs users run (Qwen3-30B-A3B with
