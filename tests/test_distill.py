@@ -25,7 +25,8 @@ from specbuild.errors import (CheckpointError, OutputError, PairMismatchError, S
 from specbuild.recipe import DISTILL_OBJECTIVES, MAX_GAMMA
 from specbuild.train import distill as distill_module
 from specbuild.train import divergence, generate
-from specbuild.train.distill import acceptance, alpha, distill, load_model, shrunk_config, target_references
+from specbuild.train.distill import (SHAPE_KEYS, acceptance, alpha, distill, load_model, shrunk_config,
+                                     target_references)
 from specbuild.train.generate import Sequence, continue_prompts, right_padded, score
 from specbuild.train.prompts import (HELDOUT_SHARE, SPAN_TOKENS, from_file, from_target, from_text, read_prompt_file,
                                      read_texts, start_token)
@@ -396,9 +397,9 @@ def test_the_distill_command_says_in_one_line_that_it_wrote_nothing(pair, tmp_pa
     ("qwen3moe", {}, ("--draft-config", "model_type=qwen3_moe"), "Qwen3MoeForCausalLM")])
 def test_a_mixture_of_experts_target_distills_a_draft_its_bundle_decodes_exactly(checkpoints, tmp_path, target, shape,
                                                                                   overrides, architecture):
-    """The default draft is the dense sibling users pair with the mixture (Qwen3, Mistral; windowed in every layer
-    where the mixture is, past the 16 tokens decoded); model_type=qwen3_moe still asks for the target's own, shrunk,
-    which transformers 5 holds fused and must save one tensor per expert, as compile reads it."""
+    """The default draft is the dense sibling users pair with the mixture (Qwen3, its head tied, and Mistral;
+    windowed in every layer where the mixture is, past the 16 tokens decoded); model_type=qwen3_moe still asks for the
+    target's own, shrunk, which transformers 5 holds fused and must save one tensor per expert, as compile reads it."""
     from specbuild.compile import compile_bundle
     from specbuild.recipe import CompileSettings
     from specbuild_runtime import SpeculativeDecoder
@@ -406,7 +407,9 @@ def test_a_mixture_of_experts_target_distills_a_draft_its_bundle_decodes_exactly
     target = checkpoints(target, **shape)
     result = distill_command("--target", target, "-o", tmp_path / "draft", "--minutes", "0.01", "--force", *overrides)
     assert result.returncode == 0, result.stderr
-    assert json.loads((tmp_path / "draft/config.json").read_text())["architectures"] == [architecture]
+    written = json.loads((tmp_path / "draft/config.json").read_text())
+    assert written["architectures"] == [architecture]
+    assert written["tie_word_embeddings"] is (architecture == "Qwen3ForCausalLM")  # a tied draft compiles and decodes
     compile_bundle(CompileSettings(target=target, draft=tmp_path / "draft", output=tmp_path / "b", max_seq_len=64),
                    show_progress=False)
     decoder, prompt = SpeculativeDecoder(tmp_path / "b"), [1, 2, 3, 4]
@@ -430,7 +433,7 @@ def test_a_mixture_of_experts_targets_default_draft_is_its_dense_sibling_of_its_
     assert type(config).__name__ == dense
     assert not [key for key in config.to_dict() if "expert" in key or "router" in key or "moe" in key]
     for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "rope_parameters", "rms_norm_eps",
-                "max_position_embeddings", "tie_word_embeddings"):
+                "max_position_embeddings"):
         assert getattr(config, key) == getattr(target_config, key), key
     assert config.sliding_window == (8 if windowed else None)
     target, tokenizer = load_model(folder, "target")
@@ -438,6 +441,22 @@ def test_a_mixture_of_experts_targets_default_draft_is_its_dense_sibling_of_its_
     assert getattr(draft.config, "layer_types", None) in (None, [
         "sliding_attention" if windowed else "full_attention"] * draft.config.num_hidden_layers)
     assert draft(input_ids=torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+
+
+@pytest.mark.parametrize("architecture, tied", [("qwen3moe", True), ("mixtral", False)])
+def test_a_mixture_targets_dense_sibling_ties_its_head_as_its_familys_small_releases_do(checkpoints, architecture,
+                                                                                         tied):
+    """Qwen3's 0.6B-4B tie their head to their embeddings, Mistral's releases never do (the mixtures never): a tied
+    draft of the same shape reads the same head each step and holds the table once. --draft-config unties it."""
+    from specbuild.compile.load import load_config
+
+    target_config = load_config(checkpoints(architecture), "target")
+    assert not target_config.tie_word_embeddings
+    config = shrunk_config(target_config)
+    assert config.tie_word_embeddings is tied
+    untied = shrunk_config(target_config, {"tie_word_embeddings": False})
+    assert not untied.tie_word_embeddings
+    assert [getattr(untied, key) for key in SHAPE_KEYS] == [getattr(config, key) for key in SHAPE_KEYS]
 
 
 @pytest.mark.parametrize("architecture", [a for a in ARCHITECTURES if a not in ("qwen3moe", "mixtral")] + ["gpt2"])
