@@ -23,7 +23,7 @@ from specbuild_runtime.errors import RequestError
 from specbuild_runtime.logprobs import floored
 from specbuild_runtime.serve.cli import (Finite, Interruptible, chat_template_option, cuda_graphs_option, draft_steps_option,
                                         run_command, serve_command, threads_option)
-from specbuild_runtime.validation import FLOAT32_MAX, GREEDY_BELOW, MAX_LOGPROBS, RANDOM_SEED, stop_strings
+from specbuild_runtime.validation import FLOAT32_MAX, GREEDY_BELOW, MAX_LOGPROBS, check_seed, stop_strings
 
 from . import __version__
 from .bench.bench import DEFAULT_GAMMAS
@@ -200,13 +200,17 @@ class Float32(Finite):
 
 
 class Seed(click.ParamType):
-    """A seed, 0 or more, or -1 (RANDOM_SEED): the runtime's check, made as the command line is parsed."""
+    """A seed as the runtime takes it (validation.check_seed), checked as the command line is parsed."""
 
     name = "integer"
 
     def convert(self, value, param, ctx):
         number = click.INT.convert(value, param, ctx)
-        if number < RANDOM_SEED:
+        try:
+            check_seed(number)
+        except RequestError:
+            # the command line's own words, which the README's troubleshooting table quotes (check_seed's name the
+            # API's argument: "seed must be >= -1")
             self.fail(f"{number} is not a seed: give a whole number >= 0, or -1 for a random seed (llama.cpp's)",
                       param, ctx)
         return number

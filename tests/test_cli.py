@@ -32,6 +32,25 @@ def test_a_streamed_generate_that_fails_midway_ends_its_text_with_a_newline(over
     assert result.stdout == PROMPTS[0] + "\n"
 
 
+@pytest.mark.parametrize("given", ["-3", "-2", "-1", "0", "7", str(2**70)])
+def test_the_seed_option_refuses_what_the_runtimes_check_refuses_in_the_words_the_readme_quotes(given):
+    """The option restated check_seed's rule (>= -1) on its own: the runtime's check now decides it."""
+    import click
+    from specbuild_runtime.errors import RequestError
+    from specbuild_runtime.validation import check_seed
+
+    from specbuild.cli import Seed
+
+    try:
+        check_seed(int(given))
+    except RequestError:
+        with pytest.raises(click.BadParameter, match=f"^{given} is not a seed: give a whole number >= 0, or -1 for a "
+                                                      "random seed"):
+            Seed().convert(given, None, None)
+    else:
+        assert Seed().convert(given, None, None) == int(given)
+
+
 def assert_no_bundle_left(output):
     assert not output.exists()
     assert not [p for p in output.parent.iterdir() if p.name.startswith(f".{output.name}.")]
