@@ -45,6 +45,11 @@ FAMILIES = {  # name -> (conftest architecture, config overrides); TINY has 4 he
     "granite": ("granite", {}),  # its multipliers, as TensorRT-LLM's LLaMA model reads them
     "gpt2": ("gpt2", {}),
     "gemma3": ("gemma3", {}),  # 3 layers: sliding, full, sliding; windows of 8, past which PROMPTS[5] runs
+    # mixtures, every layer sparse (TensorRT-LLM's QWen model has no dense layers among sparse ones): conftest's
+    # renormalized top 2 of 8 experts, and without the renormalization; Mixtral's top 2 of 4 without its window
+    "qwen3moe": ("qwen3moe", {"mlp_only_layers": []}),
+    "qwen3moe-unnormalized": ("qwen3moe", {"mlp_only_layers": [], "norm_topk_prob": False}),
+    "mixtral": ("mixtral", {"sliding_window": None}),
 }
 TOLERANCE = 1e-4
 CONTEXT = 128  # the context run.sh's windows are given for: past PROMPTS[5]
@@ -351,6 +356,67 @@ def test_weight_only_quantization_is_left_to_trtllm_build_on_float_weights(pairs
     checkpoint = export(pairs(family)[0], tmp_path / "t", 1, precision="fp16", quantization="int4")
     assert json.loads((checkpoint / "config.json").read_text())["quantization"]["quant_algo"] == "W4A16"
     assert {t.dtype for t in load_file(checkpoint / "rank0.safetensors").values()} == {np.dtype(np.float16)}
+
+
+@pytest.mark.parametrize("family", ["qwen3moe", "mixtral"])
+def test_a_mixture_is_written_as_the_converters_write_it_with_a_float32_router_left_unquantized(pairs, tokenizer,
+                                                                                                tmp_path, family):
+    """mlp.fc [experts, 2 x inter / tp, hidden], mlp.proj [experts, hidden, inter / tp] in the export's type, which
+    trtllm-build quantizes per expert (QUANTIZED_WEIGHTS); the router whole and float32, which it leaves alone."""
+    target = pairs(family)[0]
+    checkpoint = export(target, tmp_path / "t", 2, precision="fp16", quantization="int8")
+    config = json.loads((checkpoint / "config.json").read_text())
+    spec = load_checkpoint(target, "t").spec
+    assert config["quantization"]["quant_algo"] == "W8A16" and config["hidden_act"] == "swiglu"
+    assert config["mapping"]["moe_tp_size"] == 2 and config["mapping"]["moe_ep_size"] == 1
+    experts, inter, hidden = spec.experts, spec.expert_intermediate_size, spec.shape.hidden_size
+    for r in range(2):
+        tensors = load_file(checkpoint / f"rank{r}.safetensors")
+        layer = "transformer.layers.0.mlp."
+        assert tensors[layer + "router.weight"].dtype == np.float32 and tensors[layer + "router.weight"].shape == (
+            experts, hidden)
+        assert tensors[layer + "fc.weight"].shape == (experts, inter, hidden)  # half of 2 x inter
+        assert tensors[layer + "proj.weight"].shape == (experts, hidden, inter // 2)
+        assert {t.dtype for n, t in tensors.items() if not n.endswith("router.weight")} == {np.dtype(np.float16)}
+        assert not (layer + "router.weight").endswith(tensorrt_llm.QUANTIZED_WEIGHTS)
+    # fp16 rounding moves a token's top-k choice now and then, so transformers is given the same rounding: every
+    # weight but the float32 router
+    model = tf.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                p.copy_(p.half().float())
+        ids = tokenizer(PROMPTS[5])["input_ids"]
+        theirs = model(torch.tensor([ids])).logits[0].double().numpy()
+    assert np.abs(reference.logits(checkpoint, ids)[:, :TARGET_VOCAB] - theirs).max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("family,mode", [("qwen3moe", 1), ("qwen3moe-unnormalized", 0), ("mixtral", 1)])
+def test_a_mixtures_routing_and_expert_halves_are_exported_and_matter(pairs, tokenizer, tmp_path, family, mode):
+    """Negative controls: the other normalization_mode, or fc's halves swapped (gate rows first), diverge."""
+    target = pairs(family)[0]
+    checkpoint = export(target, tmp_path / "t", 1)
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["moe"]["normalization_mode"] == mode
+    config["moe"]["normalization_mode"] = 1 - mode
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    assert deviation(checkpoint, target, tokenizer) > 100 * TOLERANCE
+    config["moe"]["normalization_mode"] = mode
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    tensors = load_file(checkpoint / "rank0.safetensors")
+    for name in [n for n in tensors if n.endswith("mlp.fc.weight")]:
+        up, gate = np.split(tensors[name], 2, axis=1)
+        tensors[name] = np.concatenate([gate, up], axis=1)
+    save_file(tensors, checkpoint / "rank0.safetensors")
+    assert deviation(checkpoint, target, tokenizer) > 100 * TOLERANCE
+
+
+def test_a_qwen3_moe_with_dense_layers_among_sparse_ones_is_not_exported(checkpoints):
+    """conftest's qwen3moe keeps its middle layer's MLP dense, which TensorRT-LLM's QWen model cannot build."""
+    ckpt = load_checkpoint(checkpoints("qwen3moe", 0), "target")
+    assert ckpt.spec.sparse_layers == (0, 2)
+    assert tensorrt_llm.unexported(ckpt) == tensorrt_llm.DENSE_AMONG_SPARSE
+    assert not tensorrt_llm.exports(ckpt, ckpt)
 
 
 def test_tp_without_a_tensorrt_llm_backend_is_refused(pairs):
@@ -699,8 +765,7 @@ def test_a_rank_file_on_a_full_disk_fails_with_the_disks_errno(tmp_path):
 # backend's (llm-api.yaml) where it has a model for the family, vLLM's (serve.sh) for all.
 SERVED_FROM_SOURCE = {"phi3": {"tensorrt-llm/llm-api.yaml", "vllm/serve.sh"},
                       "gemma2": {"vllm/serve.sh"}, "olmo2": {"vllm/serve.sh"}, "olmo3": {"vllm/serve.sh"},
-                      "qwen3moe": {"tensorrt-llm/llm-api.yaml", "vllm/serve.sh"},
-                      "mixtral": {"tensorrt-llm/llm-api.yaml", "vllm/serve.sh"}}
+                      "qwen3moe": {"tensorrt-llm/llm-api.yaml", "vllm/serve.sh"}}  # (its dense middle layer)
 
 
 def test_every_family_says_whether_it_is_exported_and_which_plans_serve_its_source_folders():
@@ -723,11 +788,11 @@ def test_a_family_the_checkpoint_flow_lacks_gets_the_plans_that_serve_its_source
     assert set(part.plans.values()) == SERVED_FROM_SOURCE[family]
     assert {rel for rel in manifest.files if rel.startswith(("tensorrt-llm/", "vllm/"))} == SERVED_FROM_SOURCE[family]
     assert not (out / "tensorrt-llm" / "target").exists() and not (out / "tensorrt-llm" / "build.sh").exists()
-    architecture = load_checkpoint(target, "target").spec.architecture
-    assert part.checkpoints["target"]["not_exported"] == tensorrt_llm.NOT_EXPORTED[architecture]
+    why = tensorrt_llm.unexported(load_checkpoint(target, "target"))
+    assert why and part.checkpoints["target"]["not_exported"] == why
     assert part.checkpoints["draft"]["source"]["path"] == str(draft.resolve())
     notice = [line for line in compiled.stdout.splitlines() if "no TensorRT-LLM checkpoints" in line]
-    assert len(notice) == 1 and tensorrt_llm.NOT_EXPORTED[architecture] in notice[0], compiled.stdout
+    assert len(notice) == 1 and why in notice[0], compiled.stdout
     assert all(Path(plan).name in notice[0] for plan in SERVED_FROM_SOURCE[family])
     serve = (out / "vllm/serve.sh").read_text()
     assert f"vllm serve {target.resolve()}" in serve and f'"model": "{draft.resolve()}"' in serve

@@ -17,7 +17,10 @@ models/gpt/convert.py, all with models/convert_utils.py's split = torch.chunk):
   - row-parallel layers (attention.dense, mlp.proj) split their input columns; each rank's partial sum is
     all-reduced and the bias, kept whole on every rank, added once after (layers/linear.py RowLinear);
   - norms and the embedding table are whole on every rank (use_parallel_embedding false); lm_head is
-    zero-padded to a multiple of tp rows (_utils.pad_vocab_size) and split, its outputs gathered.
+    zero-padded to a multiple of tp rows (_utils.pad_vocab_size) and split, its outputs gathered;
+  - a mixture of experts (Qwen3-MoE, Mixtral) splits as mapping's default moe_tp_size = tp, moe_ep_size = 1 does
+    (mapping.py MappingBase): every rank holds every expert, each expert's MLP split as a dense one is
+    (moe_tp: the converters' split of w1/w3 on dim 1 and w2 on dim 2), and the float32 router is whole on each.
 A draft with fewer rows than the target's vocabulary gets the missing ones (vocab_size is the target's, so
 that both engines' logits line up). TensorRT-LLM samples over all vocab_size columns and masks only the tp
 padding past it (kernels/decodingCommon.cu addBiasSoftMax), so a missing lm_head row is the mean of the
@@ -45,7 +48,7 @@ from specbuild_runtime.manifest import TOKENIZER_DIR, EngineInfo, TensorRTLLMPar
 from ..errors import ExternalToolError, UnsupportedModelError
 from ..progress import bar
 from . import gamma as gamma_stage
-from .load import Checkpoint, ModelSpec
+from .load import MIXTURES, Checkpoint, ModelSpec
 from .precision import Numerics, convert_into
 
 FOLDER = "tensorrt-llm"
@@ -53,7 +56,11 @@ VLLM_PLAN = "vllm/serve.sh"
 DTYPES = {"fp32": ("float32", np.float32), "fp16": ("float16", np.float16), "bf16": ("bfloat16", ml_dtypes.bfloat16)}
 # Weight-only quantization is left to trtllm-build: with quant_algo set, PretrainedModel.from_checkpoint's
 # preprocess_weights quantizes every float weight whose name has one of these parts per output channel
-# (models/convert_utils.py weight_only_quantize_dict); lm_head and the embeddings stay in the float type.
+# (models/convert_utils.py weight_only_quantize_dict); lm_head and the embeddings stay in the float type. A mixture's
+# mlp.fc and mlp.proj [experts, out, in] are quantized per expert and output channel (weight_only_quantize
+# transposes the last two axes of a 3-D weight, the per_channel_scale [experts, out] layers/moe.py MOEWeightWrapper
+# loads); its mlp.router matches none of these, and stays float32 as the converters write it ("Router should never be
+# quantized", models/llama/convert.py).
 QUANT_ALGOS = {"none": None, "int8": "W8A16", "int4": "W4A16"}
 QUANTIZED_WEIGHTS = ("qkv.weight", "dense.weight", "fc.weight", "proj.weight", "gate.weight")
 # Families the ONNX path builds that this export does not, and why.
@@ -65,8 +72,6 @@ NOT_EXPORTED = {
     "Olmo2ForCausalLM": "TensorRT-LLM's checkpoint flow has no OLMo 2 model (no Olmo2ForCausalLM in "
                         "tensorrt_llm/models/__init__.py MODEL_MAP), and its LLaMA model has no post-norm layers "
                         "or whole-q/k norms to build one from",
-    "Qwen3MoeForCausalLM": "this export writes dense MLPs only, not a mixture of experts' router and experts",
-    "MixtralForCausalLM": "this export writes dense MLPs only, not a mixture of experts' router and experts",
     "Olmo3ForCausalLM": "TensorRT-LLM's checkpoint flow has no OLMo 3 model (no Olmo3ForCausalLM in "
                         "tensorrt_llm/models/__init__.py MODEL_MAP), and its LLaMA model has no post-norm layers, "
                         "whole-q/k norms or rope parameters per layer type to build one from",
@@ -94,10 +99,20 @@ SOURCE_PLANS = {
 NEWER_PYTORCH_BACKEND = {"Phi3ForCausalLM": "Phi-3"}
 # HF architecture -> the qwen_type TensorRT-LLM's QWen model needs (models/qwen/config.py), or None. MODEL_MAP
 # builds GraniteForCausalLM as its LLaMA model, which reads Granite's multipliers from config.json
-# (granite_multipliers).
+# (granite_multipliers), MixtralForCausalLM as its LLaMA model too, and Qwen3MoeForCausalLM as its QWen model.
 FAMILIES = {"LlamaForCausalLM": None, "MistralForCausalLM": None, "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3", "GraniteForCausalLM": None, "GPT2LMHeadModel": None,
-            "Gemma3ForCausalLM": None}
+            "Gemma3ForCausalLM": None, "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": None}
+# A Qwen3-MoE whose mlp_only_layers or decoder_sparse_step leave some layers dense: QWenConfig keeps both fields
+# (models/qwen/config.py on main, 2026), but QWenDecoderLayer builds a MOE in every layer once config.moe has
+# experts and reads neither (models/qwen/model.py), so the checkpoint flow has no dense layer to put them in.
+DENSE_AMONG_SPARSE = ("TensorRT-LLM's QWen model makes every layer's MLP a mixture of experts (QWenDecoderLayer reads "
+                      "no mlp_only_layers or decoder_sparse_step), and this checkpoint has dense layers among them")
+# MoeConfig.ExpertScaleNormalizationMode (layers/moe.py): RENORMALIZE takes the top-k router logits and softmaxes
+# them, which is softmax, top-k, then renormalization (transformers' norm_topk_prob, and Mixtral always); NONE
+# softmaxes all logits and keeps the top k as they are (norm_topk_prob false). QWenConfig.from_hugging_face writes
+# NONE for every Qwen3-MoE, norm_topk_prob true or not (Qwen3-30B-A3B's is true); this export writes the model's own.
+NONE, RENORMALIZE = 0, 1
 
 # The tokens one engine step takes unless told otherwise: trtllm-build's --max_num_tokens (builder.py BuildConfig,
 # 008b2b8d) and the LLM API's max_num_tokens (llmapi/llm_args.py BaseLlmArgs, 00043967). A longer prompt goes in
@@ -107,6 +122,7 @@ FAMILIES = {"LlamaForCausalLM": None, "MistralForCausalLM": None, "Qwen2ForCausa
 MAX_NUM_TOKENS = 8192
 
 REPLICATE, COLUMN, ROW, QKV, VOCAB, EMBEDDING = "replicate", "column", "row", "qkv", "vocab", "embedding"
+EXPERT_FC, EXPERT_PROJ = "expert_fc", "expert_proj"  # a mixture's [experts, out, in] weights, split per expert
 
 
 @dataclass(frozen=True)
@@ -120,6 +136,7 @@ class Layout:
     intermediate: int
     vocab: int  # rows of the exported tables: the target's vocabulary, for the draft as well
     tokens: int | None = None  # a draft's: lm_head rows past the tokenizer's ids (padding) score the mean logit
+    experts: int = 0  # a mixture's; intermediate is then each expert's width
 
     @property
     def padded_vocab(self) -> int:
@@ -134,18 +151,21 @@ class Layout:
             "file": f"rank{r}.safetensors",
             "attention_heads": [r * heads, (r + 1) * heads],
             "kv_heads": [(r * kv + j) // repeat for j in range(kv)],
-            "ffn_columns": [r * ffn, (r + 1) * ffn],
+            "ffn_columns": [r * ffn, (r + 1) * ffn],  # of each expert, in a mixture
             "lm_head_rows": [r * vocab, (r + 1) * vocab],
+            **({"experts": [0, self.experts]} if self.experts else {}),
         } for r in range(tp)]
 
 
 @dataclass
 class Out:
-    """One tensor of every rank file: its name, how it splits and its source value (q, k, v for QKV)."""
+    """One tensor of every rank file: its name, how it splits and its source value (q, k, v for QKV; up, gate for
+    EXPERT_FC); dtype: its own float type, where not the export's."""
 
     name: str
     split: str
-    value: np.ndarray | tuple[np.ndarray, np.ndarray, np.ndarray]
+    value: np.ndarray | tuple[np.ndarray, ...]
+    dtype: type | None = None
 
 
 def check_exportable(ckpt: Checkpoint, role: str, tp: int, max_seq_len: int) -> None:
@@ -154,7 +174,7 @@ def check_exportable(ckpt: Checkpoint, role: str, tp: int, max_seq_len: int) -> 
     architecture = ckpt.spec.architecture
     check_split(ckpt, role, tp, "TensorRT-LLM")
     heads, kv = ckpt.spec.shape.num_heads, ckpt.spec.shape.num_kv_heads
-    if architecture == "Qwen3ForCausalLM":
+    if architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         if ckpt.spec.attention_bias:
             raise UnsupportedModelError(f"{role} checkpoint {ckpt.path}: a Qwen3 with attention biases; TensorRT-LLM's "
                                         "QWen model builds Qwen3 without them (models/qwen/config.py)")
@@ -185,18 +205,36 @@ def check_exportable(ckpt: Checkpoint, role: str, tp: int, max_seq_len: int) -> 
 def check_split(ckpt: Checkpoint, role: str, tp: int, who: str) -> None:
     """Refuse a --tp that does not divide the heads or the MLP: TensorRT-LLM's converters split them so
     (convert_utils.dup_kv_weight / split), and vLLM's and the PyTorch backend's parallel layers as well."""
-    shape = ckpt.spec.shape
-    heads, kv, ffn = shape.num_heads, shape.num_kv_heads, ckpt.spec.intermediate_size
+    spec, shape = ckpt.spec, ckpt.spec.shape
+    heads, kv = shape.num_heads, shape.num_kv_heads
+    # each expert's MLP, and a dense layer's where any layer is dense (a Qwen3-MoE's mlp_only_layers)
+    widths = {ffn_width(spec)} | ({spec.intermediate_size} if len(spec.sparse_layers) < shape.num_layers else set())
     problem = None
     if heads % tp:
         problem = f"{heads} attention heads"
     elif (kv < tp and tp % kv) or (kv >= tp and kv % tp):
         problem = f"{kv} key/value heads (TensorRT-LLM repeats them only when they divide tp)"
-    elif ffn % tp:
-        problem = f"an MLP of {ffn} columns"
+    elif ffn := next((width for width in sorted(widths) if width % tp), None):
+        problem = f"an MLP of {ffn} columns" + (" per expert" if ffn == ffn_width(spec) and spec.experts else "")
     if problem:
         raise UnsupportedModelError(f"--tp {tp}: the {role} ({ckpt.path}) has {problem}, which {who} cannot "
                                     f"split over {tp} ranks; choose a --tp that divides it")
+
+
+def ffn_width(spec: ModelSpec) -> int:
+    """The MLP columns tensor parallelism splits: each expert's, in a mixture (the plans' backends split the same)."""
+    return spec.expert_intermediate_size if spec.experts else spec.intermediate_size
+
+
+def unexported(ckpt: Checkpoint) -> str:
+    """Why the checkpoint flow does not take ckpt ("" where it does): its family, a mixture's dense layers, or a
+    Gemma 3's config."""
+    spec = ckpt.spec
+    if spec.architecture not in FAMILIES:
+        return NOT_EXPORTED[spec.architecture]
+    if spec.experts and len(spec.sparse_layers) < spec.shape.num_layers:
+        return DENSE_AMONG_SPARSE
+    return gemma3_unexported(ckpt) if spec.architecture == "Gemma3ForCausalLM" else ""
 
 
 def exports(target: Checkpoint, draft: Checkpoint) -> bool:
@@ -205,23 +243,17 @@ def exports(target: Checkpoint, draft: Checkpoint) -> bool:
     return not any(unexported(ckpt) for ckpt in (target, draft))
 
 
-def unexported(ckpt: Checkpoint) -> str:
-    """Why the checkpoint flow does not take ckpt ("" where it does): its family, or a Gemma 3's config."""
-    architecture = ckpt.spec.architecture
-    if architecture not in FAMILIES:
-        return NOT_EXPORTED[architecture]
-    return gemma3_unexported(ckpt) if architecture == "Gemma3ForCausalLM" else ""
-
-
 def source_plans(target: Checkpoint, draft: Checkpoint) -> list[str]:
     """The plans that serve the pair from its source folders: those whose backend serves both families."""
     return [plan for plan in (LLM_API, VLLM)
             if all(plan in SOURCE_PLANS.get(ckpt.spec.architecture, ()) for ckpt in (target, draft))]
 
 
-def not_exported(target: Checkpoint, draft: Checkpoint) -> tuple[str, Checkpoint]:
-    """The role and checkpoint of the first of the pair the checkpoint flow does not take (exports is False)."""
-    return next((role, ckpt) for role, ckpt in (("target", target), ("draft", draft)) if unexported(ckpt))
+def not_exported(target: Checkpoint, draft: Checkpoint) -> tuple[str, Checkpoint, str]:
+    """The role and checkpoint of the first of the pair the checkpoint flow does not take (exports is False), and
+    why."""
+    return next((role, ckpt, why) for role, ckpt in (("target", target), ("draft", draft))
+                if (why := unexported(ckpt)))
 
 
 def sliding_window(ckpt: Checkpoint) -> int | None:
@@ -258,11 +290,11 @@ def check_pair(target: Checkpoint, draft: Checkpoint, max_seq_len: int, tp: int,
             check_exportable(ckpt, role, tp, max_seq_len)
         attention_windows(target, draft, max_seq_len)  # refuses windows one run.py list cannot give both
         return
-    role, ckpt = not_exported(target, draft)
+    role, ckpt, why = not_exported(target, draft)
     if not source_plans(target, draft):
         architecture = ckpt.spec.architecture
         raise UnsupportedModelError(f"{role} checkpoint {ckpt.path} is a {architecture}, which --backend tensorrt-llm "
-                                    f"does not export: {unexported(ckpt)}; and neither TensorRT-LLM's "
+                                    f"does not export: {why}; and neither TensorRT-LLM's "
                                     "PyTorch backend nor vLLM serves both of the pair's families; use --backend onnx")
     if quantized:  # the serving plans read the source folders' float weights
         raise UnsupportedModelError(f"--quantize: the {role} ({ckpt.path}) is a {ckpt.spec.architecture}, for which "
@@ -317,7 +349,8 @@ def write_checkpoint(ckpt: Checkpoint, out: Path, scratch: Path, tp: int, vocab:
     """config.json and rank{r}.safetensors in `out`, reading the source one tensor at a time. tokens: a
     draft's, the tokenizer's ids (Layout.tokens)."""
     spec, shape = ckpt.spec, ckpt.spec.shape
-    layout = Layout(tp, shape.num_heads, shape.num_kv_heads, shape.head_dim, spec.intermediate_size, vocab, tokens)
+    layout = Layout(tp, shape.num_heads, shape.num_kv_heads, shape.head_dim, ffn_width(spec), vocab, tokens,
+                    spec.experts)
     dtype_name, dtype = DTYPES[precision]
     config = trtllm_config(ckpt, layout, dtype_name, QUANT_ALGOS[quantization])
     out.mkdir(parents=True)
@@ -332,11 +365,14 @@ def write_checkpoint(ckpt: Checkpoint, out: Path, scratch: Path, tp: int, vocab:
                    gpt2_tensors if spec.family == "gpt2" else llama_tensors)
         for tensor in tensors(ckpt, names):
             quantized = QUANT_ALGOS[quantization] and tensor.name.endswith(QUANTIZED_WEIGHTS)
-            for file, part in zip(files, shard(tensor, layout, dtype)):
+            # a token's step reads its top-k experts' weights alone (the MoE plugin computes no other)
+            read = spec.experts_per_token / spec.experts if tensor.split in (EXPERT_FC, EXPERT_PROJ) else 1
+            for file, part in zip(files, shard(tensor, layout, tensor.dtype or dtype)):
                 file.add(tensor.name, part)
                 progress.update(part.nbytes)
                 if not tensor.name.endswith("embedding.weight"):  # a step reads one row of these
-                    step_bytes += part.size * ({"int8": 1, "int4": 0.5}[quantization] if quantized else part.itemsize)
+                    step_bytes += part.size * read * (
+                        {"int8": 1, "int4": 0.5}[quantization] if quantized else part.itemsize)
         for file in files:
             file.close()
     return {
@@ -376,7 +412,8 @@ def trtllm_config(ckpt: Checkpoint, layout: Layout, dtype: str, quant_algo: str 
         "intermediate_size": spec.intermediate_size,
         "norm_epsilon": spec.norm_eps,
         "max_position_embeddings": spec.max_position_embeddings,
-        "mapping": {"world_size": layout.tp, "tp_size": layout.tp, "pp_size": 1},
+        "mapping": {"world_size": layout.tp, "tp_size": layout.tp, "pp_size": 1,
+                    **({"moe_tp_size": layout.tp, "moe_ep_size": 1} if spec.experts else {})},
         "quantization": {"quant_algo": quant_algo, "kv_cache_quant_algo": None},
         "use_parallel_embedding": False,
         "embedding_sharding_dim": 0,
@@ -391,6 +428,8 @@ def trtllm_config(ckpt: Checkpoint, layout: Layout, dtype: str, quant_algo: str 
     config = {**config, "hidden_act": spec.hidden_act, "position_embedding_type": "rope_gpt_neox",
               "rotary_base": base, "rotary_scaling": scaling, "mlp_bias": spec.mlp_bias,
               "tie_word_embeddings": spec.tie_word_embeddings}  # lm_head.weight is written regardless
+    if spec.experts:
+        config.update(mixture(spec))
     qwen_type = FAMILIES[spec.architecture]
     if qwen_type:  # models/qwen/config.py QWenConfig: qwen_type is required, qwen3 has no attention bias
         return {**config, "qwen_type": qwen_type, "attn_bias": qwen_type == "qwen2", "use_logn_attn": False,
@@ -398,6 +437,20 @@ def trtllm_config(ckpt: Checkpoint, layout: Layout, dtype: str, quant_algo: str 
     # models/llama/config.py LLaMAConfig
     multipliers = granite_multipliers(spec) if spec.architecture == "GraniteForCausalLM" else {}
     return {**config, "attn_bias": spec.attention_bias, **multipliers}
+
+
+def mixture(spec: ModelSpec) -> dict:
+    """A mixture's config.json fields, as LLaMAConfig (Mixtral) and QWenConfig (qwen3_moe) from_hugging_face write
+    them: hidden_act swiglu, which the MOE layer needs to read mlp.fc as a gated pair (layers/moe.py init_experts),
+    and the moe dict (MoeConfig.from_dict; its other fields keep their defaults, which no converter changes for
+    these two). QWenDecoderLayer sizes qwen3_moe's experts by moe_intermediate_size (models/qwen/model.py on main);
+    intermediate_size is given the same width, which no layer of an all-sparse model reads otherwise, so that a
+    release whose QWen layer sizes them by intermediate_size builds the same shapes."""
+    return {"hidden_act": "swiglu", "intermediate_size": spec.expert_intermediate_size,
+            "moe": {"num_experts": spec.experts, "top_k": spec.experts_per_token,
+                    "normalization_mode": RENORMALIZE if spec.norm_topk_prob else NONE},
+            **({"moe_intermediate_size": spec.expert_intermediate_size, "moe_shared_expert_intermediate_size": 0}
+               if FAMILIES[spec.architecture] else {})}
 
 
 def granite_multipliers(spec: ModelSpec) -> dict:
@@ -416,11 +469,12 @@ def granite_multipliers(spec: ModelSpec) -> dict:
 
 
 def llama_tensors(ckpt: Checkpoint, names: set[str]) -> Iterator[Out]:
-    """Llama, Mistral, Qwen2, Qwen3, Granite (models/llama/convert.py get_prefix_and_param_name_map, models/qwen/
-    convert.py). TensorRT-LLM's GatedMLP computes proj(act(fc(x)) * gate(x)) (layers/mlp.py), so mlp.fc
-    holds gate_proj and mlp.gate holds up_proj. Each source tensor is read when its Out is asked for."""
+    """Llama, Mistral, Qwen2, Qwen3, Granite, Qwen3-MoE, Mixtral (models/llama/convert.py
+    get_prefix_and_param_name_map, models/qwen/convert.py). TensorRT-LLM's GatedMLP computes
+    proj(act(fc(x)) * gate(x)) (layers/mlp.py), so mlp.fc holds gate_proj and mlp.gate holds up_proj; a mixture's
+    layers hold experts instead (expert_tensors). Each source tensor is read when its Out is asked for."""
     read, spec = ckpt.tensor, ckpt.spec
-    qwen3 = spec.architecture == "Qwen3ForCausalLM"
+    qwen3 = spec.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     qkv_bias = FAMILIES[spec.architecture] == "qwen2" or (spec.attention_bias and not qwen3)
     dense_bias = spec.attention_bias and not FAMILIES[spec.architecture]  # the QWen model has none
     yield Out("transformer.vocab_embedding.weight", REPLICATE, read("model.embed_tokens.weight"))
@@ -437,6 +491,9 @@ def llama_tensors(ckpt: Checkpoint, names: set[str]) -> Iterator[Out]:
             yield Out(trt + "attention.q_layernorm.weight", REPLICATE, read(hf + "self_attn.q_norm.weight"))
             yield Out(trt + "attention.k_layernorm.weight", REPLICATE, read(hf + "self_attn.k_norm.weight"))
         yield Out(trt + "post_layernorm.weight", REPLICATE, read(hf + "post_attention_layernorm.weight"))
+        if spec.experts:
+            yield from expert_tensors(ckpt, hf, trt)
+            continue
         for part, source in (("fc", "gate_proj"), ("gate", "up_proj")):
             yield Out(f"{trt}mlp.{part}.weight", COLUMN, read(f"{hf}mlp.{source}.weight"))
             if spec.mlp_bias:
@@ -447,6 +504,22 @@ def llama_tensors(ckpt: Checkpoint, names: set[str]) -> Iterator[Out]:
     yield Out("transformer.ln_f.weight", REPLICATE, read("model.norm.weight"))
     # Tied embeddings: transformers saves no lm_head.weight; TensorRT-LLM is given one all the same.
     yield Out("lm_head.weight", VOCAB, read("lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight"))
+
+
+def expert_tensors(ckpt: Checkpoint, hf: str, trt: str) -> Iterator[Out]:
+    """One layer's mixture as the converters write it (models/llama/convert.py for Mixtral, models/qwen/convert.py
+    for qwen3_moe, alike): mlp.router.weight [experts, hidden] in float32; mlp.fc.weight [experts, 2 x inter, hidden],
+    each expert's up (w3) rows then its gate (w1) rows (torch.concat([w3, w1], dim=-2): the MOE layer's swiglu
+    applies silu to the second half, layers/moe.py init_experts); mlp.proj.weight [experts, hidden, inter] (w2)."""
+    module, gate, up, down = MIXTURES[ckpt.spec.architecture]
+    experts = range(ckpt.spec.experts)
+
+    def stacked(projection: str) -> np.ndarray:
+        return np.stack([ckpt.tensor(f"{hf}{module}.experts.{e}.{projection}.weight") for e in experts])
+
+    yield Out(trt + "mlp.router.weight", REPLICATE, ckpt.tensor(f"{hf}{module}.gate.weight"), np.float32)
+    yield Out(trt + "mlp.fc.weight", EXPERT_FC, (stacked(up), stacked(gate)))
+    yield Out(trt + "mlp.proj.weight", EXPERT_PROJ, stacked(down))
 
 
 def gpt2_tensors(ckpt: Checkpoint, names: set[str]) -> Iterator[Out]:
@@ -612,6 +685,9 @@ def shard(tensor: Out, layout: Layout, dtype) -> list[np.ndarray]:
             k, v = (np.repeat(x.reshape(layout.kv_heads, layout.head_dim, -1), tp // layout.kv_heads, axis=0)
                     .reshape(tp * layout.head_dim, *x.shape[1:]) for x in (k, v))
         return [np.concatenate(parts) for parts in zip(*(np.split(x, tp) for x in (q, k, v)))]
+    if tensor.split == EXPERT_FC:  # each of up and gate split on its rows (dim 1), then joined per rank
+        up, gate = (np.split(_cast(part, dtype, tensor.name), tp, axis=1) for part in tensor.value)
+        return [np.concatenate(parts, axis=1) for parts in zip(up, gate)]
     value = _cast(tensor.value, dtype, tensor.name)
     if tensor.name.endswith("vocab_embedding.weight"):
         value = rows(value, layout.vocab)  # the draft's table padded (or cut) to the target's vocabulary
@@ -628,6 +704,8 @@ def shard(tensor: Out, layout: Layout, dtype) -> list[np.ndarray]:
         return np.split(value, tp, axis=0)
     if tensor.split == ROW:
         return np.split(value, tp, axis=1)
+    if tensor.split == EXPERT_PROJ:
+        return np.split(value, tp, axis=2)
     return [value] * tp
 
 

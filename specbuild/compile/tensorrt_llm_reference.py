@@ -23,7 +23,7 @@ from safetensors.numpy import load_file
 # layers/attention.py Attention(eps=1e-05): QWenDecoderLayer gives Qwen3's q/k norms no other eps.
 ATTENTION_NORM_EPS = 1e-5
 GATED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",  # GatedMLP, RmsNorm
-         "GraniteForCausalLM"}
+         "GraniteForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"}  # (the last two: MOE, moe_experts)
 LAYER_NORM = {"GPT2LMHeadModel"}  # models/gpt: MLP, LayerNorm, learned absolute positions
 GEMMA = {"Gemma3ForCausalLM"}  # models/gemma: GatedMLP, RmsNorm, norms around attention and MLP (gemma_layer)
 
@@ -214,12 +214,42 @@ def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def mlp(x: np.ndarray, model: Ranks, prefix: str, config: dict, gpt: bool) -> np.ndarray:
+    if config.get("moe", {}).get("num_experts", 0) > 1:  # MoeConfig.has_moe: the layer is a MOE (every layer)
+        return moe_experts(x, model, prefix, config["moe"])
     act = ACTIVATIONS[config["hidden_act"]]
     if gpt:  # layers/mlp.py MLP: proj(act(fc(x)))
         inter = [act(h) for h in model.column(x, prefix + "fc")]
     else:  # GatedMLP: proj(act(fc(x)) * gate(x))
         inter = [act(f) * g for f, g in zip(model.column(x, prefix + "fc"), model.column(x, prefix + "gate"))]
     return model.row(inter, prefix + "proj")
+
+
+def moe_experts(x: np.ndarray, model: Ranks, prefix: str, moe: dict) -> np.ndarray:
+    """layers/moe.py MixtureOfExperts: the router (a float32 RowLinear, whole on each rank) scores every expert;
+    RENORMALIZE (1) softmaxes the top_k logits, NONE (0) keeps the top_k of the softmax over all. Each rank runs
+    every expert on its moe_tp slice: fc's first half of rows is the linear part, the second the gate that swiglu
+    passes through silu; proj's partial sums are all-reduced, each expert's output weighted by its score."""
+    logits = x @ model.whole(prefix + "router.weight").T
+    chosen = np.argsort(-logits, axis=-1, kind="stable")[:, :moe["top_k"]]
+    if moe["normalization_mode"] == 1:
+        scores = _softmax(np.take_along_axis(logits, chosen, -1))
+    elif moe["normalization_mode"] == 0:
+        scores = np.take_along_axis(_softmax(logits), chosen, -1)
+    else:
+        raise ValueError(f"no reference for MoE normalization_mode {moe['normalization_mode']}")
+    weights = np.zeros_like(logits)  # [tokens, experts]: 0 for an expert a token did not choose
+    np.put_along_axis(weights, chosen, scores, -1)
+    total = 0.0
+    for tensors in model.ranks:
+        linear, gate = np.split(np.einsum("th,eoh->teo", x, tensors[prefix + "fc.weight"]), 2, axis=-1)
+        total = total + np.einsum("teo,eho,te->th", ACTIVATIONS["silu"](gate) * linear,
+                                  tensors[prefix + "proj.weight"], weights)
+    return total
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
