@@ -290,6 +290,20 @@ def test_each_gemma3_rewrite_is_exported_and_matters(pairs, tokenizer, tmp_path,
     assert deviation(checkpoint, target, tokenizer) > 100 * TOLERANCE
 
 
+def test_a_gemma3_query_scale_and_final_soft_cap_are_exported_and_matter(tokenizer, tmp_path):
+    """The tiny gemma3 has query_pre_attn_scalar == head_dim and no soft-cap (as gemma-3-1b), where a wrong query
+    scale or a dropped cap would compute the same: here both differ, and dropping either from config.json
+    diverges."""
+    folder = build(tmp_path / "g", "gemma3", tokenizer, 0, vocab_size=TARGET_VOCAB, query_pre_attn_scalar=64,
+                   final_logit_softcapping=2.0)
+    checkpoint = export(folder, tmp_path / "t", 2)
+    assert deviation(checkpoint, folder, tokenizer) <= TOLERANCE
+    config = json.loads((checkpoint / "config.json").read_text())
+    for change in ({"query_pre_attn_scalar": 16}, {"final_logit_softcapping": None}):
+        (checkpoint / "config.json").write_text(json.dumps({**config, **change}))
+        assert deviation(checkpoint, folder, tokenizer) > 100 * TOLERANCE, change
+
+
 def test_gemma3_past_its_window_is_computed_only_with_the_windows_run_sh_gives(pairs, tokenizer, tmp_path):
     """TensorRT-LLM takes each layer's window at run time: the checkpoint read with the whole context at every
     layer diverges past the window of 8."""
