@@ -156,7 +156,7 @@ def a_longrope_target(paths: dict) -> None:
 
 
 def a_gemma3_pair_windowed_apart(paths: dict) -> None:
-    """A Gemma 3 pair whose sliding windows differ (8 and 4 positions), as gemma-3-1b's and gemma-3-4b's do."""
+    """A Gemma 3 pair whose sliding windows differ (8 and 4 positions), as a finetune's may from its partner's."""
     from conftest import make_checkpoint, make_tokenizer
 
     tokenizer = make_tokenizer()
@@ -452,8 +452,9 @@ CASES = [
          "Nothing: the TensorRT-LLM checkpoint export does not take the model, so the bundle holds only the plans that "
          "serve the source folders (vLLM's, and for Phi-3, Gemma 3 and Qwen3-MoE the PyTorch backend's), as "
          "compile says in one line.", setup=an_olmo2_pair),
-    Case("`--backend tensorrt-llm` (or `all`) with a Gemma 3 pair whose sliding windows differ (gemma-3-1b's 512 and "
-         "gemma-3-4b's 1024), past the shorter", compile_args("{tmp}/bundle", "--backend", "tensorrt-llm"), 1,
+    Case("`--backend tensorrt-llm` (or `all`) with a Gemma 3 pair whose sliding windows differ (a finetune's own "
+         "window: the released 270m and 1b share 512), past the shorter",
+         compile_args("{tmp}/bundle", "--backend", "tensorrt-llm"), 1,
          "one --max_attention_window_size list",
          "Give `--max-seq-len` of the shorter window or less (run.py gives both engines one list of windows), or use "
          "`--backend onnx`.", setup=a_gemma3_pair_windowed_apart),

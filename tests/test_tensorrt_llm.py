@@ -304,6 +304,31 @@ def test_a_gemma3_query_scale_and_final_soft_cap_are_exported_and_matter(tokeniz
         assert deviation(checkpoint, folder, tokenizer) > 100 * TOLERANCE, change
 
 
+def test_the_released_gemma_3_1b_shape_exports_and_with_gemma_3_4bs_rope_scaling_gets_the_serving_plans_only():
+    """benchmarks/configs/gemma-3-1b.json (no weights needed: these read the config alone). gemma-3-4b's linear
+    rope (factor 8, full-attention layers alone) and window of 1024 on the same shape: no checkpoints, so a 1b
+    drafting it never reaches the one-list refusal of windows."""
+    from types import SimpleNamespace
+
+    from specbuild.compile.load import model_spec
+
+    released = json.loads((Path(__file__).parents[1] / "benchmarks/configs/gemma-3-1b.json").read_text())
+
+    def shape(**changes):
+        config = tf.AutoConfig.for_model(**{**copy.deepcopy(released), **changes})
+        return SimpleNamespace(spec=model_spec(config, config.architectures[0], Path("g"), "target"), config=config,
+                               path=Path("g"))
+
+    one, four = shape(), shape(sliding_window=1024, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    assert tensorrt_llm.unexported(one) == "" and tensorrt_llm.gemma3_pattern(one.spec) == 6
+    for tp in (1, 2, 4):  # 4 query heads, 1 key/value head
+        tensorrt_llm.check_pair(one, one, 4096, tp)
+    assert tensorrt_llm.attention_windows(one, one, 4096) == [512] * 5 + [4096]
+    assert "sliding-window layers as well" in tensorrt_llm.unexported(four)
+    assert not tensorrt_llm.exports(four, one)
+    tensorrt_llm.check_pair(four, one, 4096, 1)
+
+
 def test_gemma3_past_its_window_is_computed_only_with_the_windows_run_sh_gives(pairs, tokenizer, tmp_path):
     """TensorRT-LLM takes each layer's window at run time: the checkpoint read with the whole context at every
     layer diverges past the window of 8."""

@@ -159,7 +159,7 @@ def attention(x: np.ndarray, model: Ranks, prefix: str, config: dict, rope, wind
         k, v = np.repeat(k, heads // kv_heads, axis=1), np.repeat(v, heads // kv_heads, axis=1)  # GQA groups
         scores = np.einsum("shd,thd->hst", q, k) / (math.sqrt(head_dim) * q_scaling)
         scores += np.triu(np.full((tokens, tokens), -np.inf), 1)
-        if window:  # a query sees the window's last positions, its own included
+        if window:  # row - W < col <= row: the context kernels' sliding mask (fmhaPackedMask.cu), as transformers'
             scores += np.tril(np.full((tokens, tokens), -np.inf), -window)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
