@@ -121,6 +121,9 @@ NONE, RENORMALIZE = 0, 1
 # past max_num_tokens unless chunked prefill is on (llmapi/llm.py _check_arguments).
 MAX_NUM_TOKENS = 8192
 
+# The families written with q/k norms (TensorRT-LLM's qk_layernorm) -> the converter whose layout this export writes.
+QK_NORM_CONVERTERS = {"Qwen3ForCausalLM": "Qwen", "Qwen3MoeForCausalLM": "Qwen", "Gemma3ForCausalLM": "Gemma"}
+
 REPLICATE, COLUMN, ROW, QKV, VOCAB, EMBEDDING = "replicate", "column", "row", "qkv", "vocab", "embedding"
 EXPERT_FC, EXPERT_PROJ = "expert_fc", "expert_proj"  # a mixture's [experts, out, in] weights, split per expert
 
@@ -174,26 +177,25 @@ def check_exportable(ckpt: Checkpoint, role: str, tp: int, max_seq_len: int) -> 
     architecture = ckpt.spec.architecture
     check_split(ckpt, role, tp, "TensorRT-LLM")
     heads, kv = ckpt.spec.shape.num_heads, ckpt.spec.shape.num_kv_heads
-    if architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
-        if ckpt.spec.attention_bias:
-            raise UnsupportedModelError(f"{role} checkpoint {ckpt.path}: a Qwen3 with attention biases; TensorRT-LLM's "
-                                        "QWen model builds Qwen3 without them (models/qwen/config.py)")
-        if heads // tp == max(kv // tp, 1) > 1:
-            # layers/attention.py, Attention.forward with qk_layernorm: when a rank has as many query as
-            # KV heads it reads the fused qkv as per-head (q, k, v) triples, the interleaved layout of
-            # models whose converters write it so; the QWen converter writes [q; k; v] as for GQA.
-            raise UnsupportedModelError(f"--tp {tp}: the {role} ({ckpt.path}) would have {heads // tp} query and key/value "
-                                        "heads per rank, where TensorRT-LLM's q/k-normalised attention reads the fused "
-                                        "qkv in another layout than its Qwen converter writes; choose a --tp that "
-                                        "leaves fewer key/value than query heads per rank")
+    if architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and ckpt.spec.attention_bias:
+        raise UnsupportedModelError(f"{role} checkpoint {ckpt.path}: a Qwen3 with attention biases; TensorRT-LLM's "
+                                    "QWen model builds Qwen3 without them (models/qwen/config.py)")
+    converter = QK_NORM_CONVERTERS.get(architecture)
+    if converter and heads // tp == max(kv // tp, 1) > 1:
+        # layers/attention.py, Attention.forward with qk_layernorm: when a rank has as many query as
+        # KV heads it reads the fused qkv as per-head (q, k, v) triples, the interleaved layout of
+        # models whose converters write it so; the QWen and Gemma converters write [q; k; v] as for GQA.
+        raise UnsupportedModelError(f"--tp {tp}: the {role} ({ckpt.path}) would have {heads // tp} query and key/value "
+                                    "heads per rank, where TensorRT-LLM's q/k-normalised attention reads the fused "
+                                    f"qkv in another layout than its {converter} converter writes; choose a --tp that "
+                                    "leaves fewer key/value than query heads per rank")
     # functional.py ACT2FN: every GELU is the tanh approximation; the gated families' converters pass silu.
     activations = ("gelu_new", "gelu_pytorch_tanh") if ckpt.spec.family in ("gpt2", "gemma") else ("silu",)
     if ckpt.spec.hidden_act not in activations:
         raise UnsupportedModelError(f"{role} checkpoint {ckpt.path}: activation {ckpt.spec.hidden_act!r}; --backend "
                                     f"tensorrt-llm exports {architecture} with {' or '.join(activations)}")
     if architecture == "Gemma3ForCausalLM":
-        check_gemma3(ckpt, role, tp)  # its windows reach run.sh (attention_windows)
-        return
+        return  # its windows reach run.sh (attention_windows); its rope is unscaled (gemma3_unexported)
     window = sliding_window(ckpt)
     if window and window < max_seq_len:
         raise UnsupportedModelError(f"max_seq_len {max_seq_len} exceeds the {role}'s sliding window ({window}), which "
@@ -582,15 +584,6 @@ def gemma3_unexported(ckpt: Checkpoint) -> str:
         return ("its layer_types do not follow TensorRT-LLM's Gemma rule, which makes layer i sliding-window where "
                 "(i + 1) % _sliding_window_pattern is not 0")
     return ""
-
-
-def check_gemma3(ckpt: Checkpoint, role: str, tp: int) -> None:
-    heads, kv = ckpt.spec.shape.num_heads, ckpt.spec.shape.num_kv_heads
-    if heads // tp == max(kv // tp, 1) > 1:  # layers/attention.py qk_layernorm, as for Qwen3 (check_exportable)
-        raise UnsupportedModelError(f"--tp {tp}: the {role} ({ckpt.path}) would have {heads // tp} query and key/value "
-                                    "heads per rank, where TensorRT-LLM's q/k-normalised attention reads the fused "
-                                    "qkv in another layout than its Gemma converter writes; choose a --tp that "
-                                    "leaves fewer key/value than query heads per rank")
 
 
 def attention_windows(target: Checkpoint, draft: Checkpoint, max_seq_len: int) -> list[int] | None:
