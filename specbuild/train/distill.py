@@ -157,8 +157,8 @@ DENSE_SIBLINGS = {"qwen3_moe": "qwen3", "mixtral": "mistral"}
 # and Qwen3-30B-A3B's draft keeps its shape (1024 wide, 24 layers: the largest, far under its budget) with 445M
 # parameters for 601M, the 156M-parameter table and its training state no longer held twice. A dense target's draft
 # keeps the target's own choice: untying, or tying an untied one, moves a table's worth of the budget to or from the
-# layers (tied, 8 of the 17 released configs' drafts change shape, Llama 3.1 8B's from 5 layers to 8, its step
-# reading 699M parameters for 536M), a costlier or cheaper step whose α nothing here measured.
+# layers (tied, 6 of the 8 untied released configs' drafts change shape, Llama 3.1 8B's from 5 layers to 8, its step
+# reading 699M parameters for 535M), a costlier or cheaper step whose α nothing here measured.
 TIED_SIBLINGS = {"qwen3"}
 
 
