@@ -814,7 +814,7 @@ def test_draft_config_may_ask_for_a_draft_deeper_than_the_default_one(checkpoint
     ({"max_window_layers": 0}, [8]),
     ({"num_hidden_layers": 3, "max_window_layers": 2}, [None, None, 8]),
     ({"num_hidden_layers": 4}, [None, 8, 8, 8]),  # the target's rule (from layer 1 on), not its list repeated
-    ({"use_sliding_window": False}, [None])])
+    ({"num_hidden_layers": 3, "use_sliding_window": False}, [None, None, None])])
 def test_a_qwen2_drafts_window_keys_decide_which_of_its_layers_slide(checkpoints, overrides, windows):
     """Qwen2 and Qwen3 slide the layers from max_window_layers on; their classes make layer_types of it only when a
     config is built, and --draft-config's max_window_layers=N was set after and changed no layer."""
@@ -823,6 +823,17 @@ def test_a_qwen2_drafts_window_keys_decide_which_of_its_layers_slide(checkpoints
     target_config = load_config(checkpoints("qwen2-window"), "target")  # 3 layers, the last two windowed
     config = shrunk_config(target_config, overrides)
     assert model_spec(config, "Qwen2ForCausalLM", Path("draft"), "draft").sliding_windows == windows
+
+
+def test_a_qwen2_target_listing_layer_types_of_no_rule_gives_a_deeper_draft_its_pattern(tmp_path, tokenizer):
+    """Only a list that is the class's rule is made anew of max_window_layers: a list of another pattern (sliding
+    first, as no max_window_layers makes it) is repeated to the draft's depth, as Gemma's is."""
+    from specbuild.compile.load import load_config, model_spec
+
+    listed = ["sliding_attention", "full_attention", "sliding_attention"]
+    target_config = load_config(make_checkpoint(tmp_path, "qwen2-window", tokenizer, layer_types=listed), "target")
+    config = shrunk_config(target_config, {"num_hidden_layers": 4})
+    assert model_spec(config, "Qwen2ForCausalLM", Path("draft"), "draft").sliding_windows == [8, None, 8, 8]
 
 
 def test_a_default_draft_of_a_longrope_target_takes_its_factors_at_its_own_heads_width(tmp_path, tokenizer):
