@@ -209,8 +209,8 @@ class Seed(click.ParamType):
         try:
             check_seed(number)
         except RequestError:
-            # the command line's own words, which the README's troubleshooting table quotes (check_seed's name the
-            # API's argument: "seed must be >= -1")
+            # the command line's own words, which the README's troubleshooting table quotes (check_seed's message
+            # names the API's argument: "seed must be >= -1")
             self.fail(f"{number} is not a seed: give a whole number >= 0, or -1 for a random seed (llama.cpp's)",
                       param, ctx)
         return number
