@@ -368,10 +368,12 @@ def test_the_default_context_passes_the_gemma3_windows_run_sh_carries_and_stops_
     assert compile_bundle(settings, show_progress=False).max_seq_len == 512  # max_position_embeddings, past 8
 
 
-def test_splits_tensorrt_llm_cannot_make_and_windows_shorter_than_the_context_are_refused(pairs, checkpoints):
+@pytest.mark.parametrize("windowed", ["mistral-window", "mixtral"])  # conftest's Mixtral keeps Mistral's window
+def test_splits_tensorrt_llm_cannot_make_and_windows_shorter_than_the_context_are_refused(pairs, checkpoints,
+                                                                                          windowed):
     with pytest.raises(UnsupportedModelError, match="--tp 3: .* 4 attention heads"):
         tensorrt_llm.check_exportable(load_checkpoint(pairs("llama")[0], "target"), "target", 3, 64)
-    window = load_checkpoint(checkpoints("mistral-window"), "target")  # TensorRT-LLM sets windows at run time
+    window = load_checkpoint(checkpoints(windowed), "target")  # TensorRT-LLM sets windows at run time
     tensorrt_llm.check_exportable(window, "target", 1, 8)
     with pytest.raises(UnsupportedModelError, match="max_seq_len 64 exceeds the target's sliding window \\(8\\)"):
         tensorrt_llm.check_exportable(window, "target", 1, 64)
@@ -409,6 +411,9 @@ def test_a_mixture_is_written_as_the_converters_write_it_with_a_float32_router_l
     assert config["quantization"]["quant_algo"] == "W8A16" and config["hidden_act"] == "swiglu"
     assert config["mapping"]["moe_tp_size"] == 2 and config["mapping"]["moe_ep_size"] == 1
     experts, inter, hidden = spec.experts, spec.expert_intermediate_size, spec.shape.hidden_size
+    # each expert's width, whichever of the two a release's QWenDecoderLayer reads (conftest's Qwen3-MoE has a wider
+    # dense intermediate_size)
+    assert config["intermediate_size"] == config.get("moe_intermediate_size", inter) == inter
     for r in range(2):
         tensors = load_file(checkpoint / f"rank{r}.safetensors")
         layer = "transformer.layers.0.mlp."
@@ -417,7 +422,8 @@ def test_a_mixture_is_written_as_the_converters_write_it_with_a_float32_router_l
         assert tensors[layer + "fc.weight"].shape == (experts, inter, hidden)  # half of 2 x inter
         assert tensors[layer + "proj.weight"].shape == (experts, hidden, inter // 2)
         assert {t.dtype for n, t in tensors.items() if not n.endswith("router.weight")} == {np.dtype(np.float16)}
-        assert not (layer + "router.weight").endswith(tensorrt_llm.QUANTIZED_WEIGHTS)
+        # weight_only_quantize_dict quantizes a weight whose name contains one of these
+        assert not any(part in layer + "router.weight" for part in tensorrt_llm.QUANTIZED_WEIGHTS)
     # fp16 rounding moves a token's top-k choice now and then, so transformers is given the same rounding: every
     # weight but the float32 router
     model = tf.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
@@ -448,6 +454,26 @@ def test_a_mixtures_routing_and_expert_halves_are_exported_and_matter(pairs, tok
         tensors[name] = np.concatenate([gate, up], axis=1)
     save_file(tensors, checkpoint / "rank0.safetensors")
     assert deviation(checkpoint, target, tokenizer) > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_a_mixtures_step_bytes_count_its_experts_at_top_k_over_experts(pairs, tmp_path, quantization):
+    """weight_bytes, the plans' c, is a one-token step's: the router and attention whole, each expert weight at
+    top_k / experts (conftest's Qwen3-MoE: 2 of 8), the embedding table not at all."""
+    target = pairs("qwen3moe")[0]
+    spec = load_checkpoint(target, "t").spec
+    written = tensorrt_llm.write_checkpoint(load_checkpoint(target, "t"), tmp_path / "t", tmp_path / "scratch", 2,
+                                            TARGET_VOCAB, "fp16", quantization)
+    bytes_of = {"none": 2, "int8": 1}[quantization]  # per element of a weight trtllm-build quantizes
+    expected = 0.0
+    for r in range(2):
+        for name, t in load_file(tmp_path / "t" / f"rank{r}.safetensors").items():
+            if name.endswith("embedding.weight"):
+                continue
+            size = t.size * (bytes_of if name.endswith(tensorrt_llm.QUANTIZED_WEIGHTS) else t.itemsize)
+            expected += size * (spec.experts_per_token / spec.experts if name.endswith(("mlp.fc.weight",
+                                                                                        "mlp.proj.weight")) else 1)
+    assert written["weight_bytes"] == int(expected)
 
 
 def test_a_qwen3_moe_with_dense_layers_among_sparse_ones_is_not_exported(checkpoints):
