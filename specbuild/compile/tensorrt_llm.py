@@ -367,7 +367,10 @@ def write_checkpoint(ckpt: Checkpoint, out: Path, scratch: Path, tp: int, vocab:
                    gpt2_tensors if spec.family == "gpt2" else llama_tensors)
         for tensor in tensors(ckpt, names):
             quantized = QUANT_ALGOS[quantization] and tensor.name.endswith(QUANTIZED_WEIGHTS)
-            # a token's step reads its top-k experts' weights alone (the MoE plugin computes no other)
+            # c's denominator, the target decoding alone, is a one-token step, which reads its top-k experts' weights
+            # alone (the MoE plugin computes no other). gamma's S(γ) takes a verification call of γ+1 rows to cost
+            # one such step, though it reads every expert any row chose, up to min(experts, (γ+1)·top_k): for a
+            # mixture target its γ and expected speedup are optimistic (figures in docs/tensorrt-llm.md).
             read = spec.experts_per_token / spec.experts if tensor.split in (EXPERT_FC, EXPERT_PROJ) else 1
             for file, part in zip(files, shard(tensor, layout, tensor.dtype or dtype)):
                 file.add(tensor.name, part)
