@@ -161,9 +161,7 @@ def attention(x: np.ndarray, model: Ranks, prefix: str, config: dict, rope, wind
         scores += np.triu(np.full((tokens, tokens), -np.inf), 1)
         if window:  # row - W < col <= row: the context kernels' sliding mask (fmhaPackedMask.cu), as transformers'
             scores += np.tril(np.full((tokens, tokens), -np.inf), -window)
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        contexts.append(np.einsum("hst,thd->shd", probs, v).reshape(tokens, -1))
+        contexts.append(np.einsum("hst,thd->shd", _softmax(scores), v).reshape(tokens, -1))
     return model.row(contexts, prefix + "dense")
 
 
