@@ -963,6 +963,7 @@ def test_quantizing_only_the_checkpoints_of_a_pair_that_gets_none_is_refused_in_
                                        backend="tensorrt-llm", precision="bf16", draft_quantize="int8"),
                        show_progress=False)
     assert "\n" not in str(refused.value) and "writes no TensorRT-LLM checkpoints to quantize" in str(refused.value)
+    assert tensorrt_llm.NOT_EXPORTED["Olmo2ForCausalLM"] in str(refused.value)  # why, not just which family
     assert not (tmp_path / "b").exists()
 
 

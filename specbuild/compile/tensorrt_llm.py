@@ -299,10 +299,10 @@ def check_pair(target: Checkpoint, draft: Checkpoint, max_seq_len: int, tp: int,
                                     f"does not export: {why}; and neither TensorRT-LLM's "
                                     "PyTorch backend nor vLLM serves both of the pair's families; use --backend onnx")
     if quantized:  # the serving plans read the source folders' float weights
-        raise UnsupportedModelError(f"--quantize: the {role} ({ckpt.path}) is a {ckpt.spec.architecture}, for which "
-                                    "--backend tensorrt-llm writes no TensorRT-LLM checkpoints to quantize, only plans "
-                                    "that serve the source folders' float weights; leave --quantize out, or use "
-                                    "--backend all to quantize the ONNX engines")
+        raise UnsupportedModelError(f"--quantize: --backend tensorrt-llm writes no TensorRT-LLM checkpoints to "
+                                    f"quantize for the {role} ({ckpt.path}; {why}), only plans that serve the source "
+                                    "folders' float weights; leave --quantize out, or use --backend all to quantize "
+                                    "the ONNX engines")
     for role, ckpt in (("target", target), ("draft", draft)):
         check_split(ckpt, role, tp, "vLLM or TensorRT-LLM's PyTorch backend")
 
