@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from specbuild_runtime.engine import DEVICES, available_cpus
 from specbuild_runtime.errors import RequestError
@@ -325,9 +326,11 @@ def check_sampling(sampling: dict) -> None:
     if not given:
         return
     names = (", ".join(given[:-1]) + " and " + given[-1] + " apply") if len(given) > 1 else f"{given[0]} applies"
-    if sampling["temperature"]:  # given, but too small to sample with: "give --temperature too" would puzzle
-        raise click.UsageError(f"{names} to sampling, and --temperature {sampling['temperature']:g} "
-                               f"is below {GREEDY_BELOW:g}, which decodes greedily: give a larger one (e.g. --temperature 1)")
+    # Given, 0 included, but too small to sample with: "give --temperature too" would puzzle
+    if click.get_current_context().get_parameter_source("temperature") is not ParameterSource.DEFAULT:
+        below = f" is below {GREEDY_BELOW:g}, which" if sampling["temperature"] else ""
+        raise click.UsageError(f"{names} to sampling, and --temperature {sampling['temperature']:g}{below} decodes "
+                               "greedily: give a larger one (e.g. --temperature 1)")
     raise click.UsageError(f"{names} to sampling: give --temperature too (e.g. --temperature 1)")
 
 

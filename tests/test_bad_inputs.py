@@ -761,6 +761,11 @@ CASES = [
          "is not 'auto' or a whole number", "Give `auto` or a whole number in digits."),
     Case("`--top-p` or `--top-k` without `--temperature`", ["generate", "{bundle}", "-p", "x", "--top-p", "0.9"], 2,
          "give --temperature too", "Add `--temperature` (1 samples from the model as it is); without it decoding is greedy."),
+    Case("`--top-k` (or `--top-p`, `--min-p`) with `--temperature 0`",
+         ["generate", "{bundle}", "-p", "x", "--temperature", "0", "--top-k", "5"], 2,
+         "--temperature 0 decodes greedily: give a larger one",
+         "Give a positive `--temperature` (1 samples from the model as it is), or leave `--top-k` out to decode "
+         "greedily."),
     Case("`--seed` without `--temperature` (generate or bench)",
          ["generate", "{bundle}", "-p", "x", "-n", "4", "--seed", "1"], 0, "",
          "Nothing: greedy decoding (the default) draws no random numbers, so the seed changes nothing (as in vLLM and "

@@ -929,6 +929,13 @@ def test_top_k_beside_a_temperature_too_small_to_sample_names_that_temperature(t
     assert refused["status"] == 2 and "--temperature 5e-06 is below 1e-05" in refused["stderr"], refused
 
 
+def test_top_k_beside_temperature_0_says_0_decodes_greedily_not_give_a_temperature(tmp_path, cli):
+    """--temperature 0 was given: "give --temperature too" told a user to give what they gave."""
+    [refused] = cli.run([["generate", str(tmp_path / "bundle"), "-p", "x", "--temperature", "0", "--top-p", "0.9"]])
+    assert refused["status"] == 2 and "--temperature 0 decodes greedily" in refused["stderr"], refused
+    assert "give --temperature too" not in refused["stderr"]
+
+
 def test_a_seed_without_a_temperature_is_taken_and_changes_nothing_as_the_api_and_vllm_take_it(bundles, cli):
     """A --seed with greedy decoding was refused, where serve, the Python API and vLLM take it (lm-evaluation-harness
     sends one at temperature 0): a script passing one at every temperature, 0 included, failed at 0."""
