@@ -22,8 +22,9 @@ from click.core import ParameterSource
 from specbuild_runtime.engine import DEVICES, available_cpus
 from specbuild_runtime.errors import RequestError
 from specbuild_runtime.logprobs import floored
-from specbuild_runtime.serve.cli import (Finite, Interruptible, chat_template_option, cuda_graphs_option, draft_steps_option,
-                                        run_command, serve_command, threads_option)
+from specbuild_runtime.serve.cli import (VLLM_ONLY_OPTIONS, Finite, Interruptible, InterruptibleCommand,
+                                        chat_template_option, cuda_graphs_option, draft_steps_option, run_command,
+                                        serve_command, threads_option)
 from specbuild_runtime.validation import FLOAT32_MAX, GREEDY_BELOW, MAX_LOGPROBS, check_seed, stop_strings
 
 from . import __version__
@@ -335,7 +336,25 @@ def check_sampling(sampling: dict) -> None:
 
 
 class Group(Interruptible, click.Group):
-    pass
+    command_class = InterruptibleCommand
+
+
+# Other tools' options that click answered with a look-alike (compile's --dtype: "Did you mean '--tp'?"; generate's
+# --max-model-len: "Did you mean '--max-new-tokens'?", the reply's length, not the context's), with what to do instead.
+COMPILE_FOREIGN = {
+    "--device": "is not compile's: its engines run on a CPU or a CUDA GPU, chosen as the bundle runs (generate, chat, "
+                "bench, verify or serve --device cuda); for a GPU compile with --precision fp16 or bf16",
+    "--dtype": "is vLLM's name for --precision here (fp32, fp16 or bf16)",
+    "--num-speculative-tokens": "is vLLM's name for --gamma here (the most drafts per round)",
+}
+
+
+def decoding_foreign(command: str) -> dict[str, str]:
+    """A decoding command's answers to vLLM's options: what serve says, and --gamma for its draft length."""
+    return {**{name: f"is vLLM's option, which specbuild {command} does not take: {VLLM_ONLY_OPTIONS[name]}"
+               for name in ("--dtype", "--max-model-len", "--quantization")},
+            "--num-speculative-tokens": "is vLLM's name for --gamma here (drafts per round, up to the bundle's max "
+                                        "gamma; auto adapts them)"}
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -347,7 +366,7 @@ def cli(debug: bool) -> None:
         click.get_current_context().color = False
 
 
-@cli.command("compile")
+@cli.command("compile", foreign=COMPILE_FOREIGN)
 @click.option("--target", type=folder_path, help="Target checkpoint folder (config.json, *.safetensors, tokenizer).")
 @click.option("--draft", type=folder_path, help="Draft checkpoint folder; must share the target's tokenizer (a draft "
               "without tokenizer files speaks the target's).")
@@ -421,7 +440,7 @@ def cuda_line(manifest) -> str:
     return f"uncaptured by default: {because}{advice}"
 
 
-@cli.command()
+@cli.command(foreign=decoding_foreign("generate"))
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--prompt", "-p", required=True, type=PromptText(), help="Text to continue; - reads it from stdin.")
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=128, show_default=True, help="Stop after this many new tokens.")
@@ -680,7 +699,7 @@ def quality_line(q: dict) -> str:
     return ", ".join(parts)
 
 
-@cli.command()
+@cli.command(foreign=decoding_foreign("verify"))
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--target", type=folder_path, help="The target checkpoint the bundle was built from.  [default: the folder "
               "the manifest records, if its files are unchanged]")
@@ -737,7 +756,7 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
         sys.exit(1)
 
 
-@cli.command()
+@cli.command(foreign=decoding_foreign("bench"))
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help='JSONL file, one {"prompt": "..."} per line.  [default: the bundled code prompts]')
@@ -950,7 +969,7 @@ def demo(cache, recipe, prompt, max_new_tokens, as_json) -> None:
     )
 
 
-@cli.command()
+@cli.command(foreign=decoding_foreign("chat"))
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--system", metavar="TEXT", help="Begin each conversation with this system message.")
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=512, show_default=True,

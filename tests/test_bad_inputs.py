@@ -476,6 +476,20 @@ CASES = [
          "missing --draft (give it", "Give `--target`, `--draft` and `--output`, or a recipe with them."),
     Case("an unknown option", compile_args("{tmp}/bundle", "--gama", "4"), 2, "No such option",
          "See `specbuild COMMAND --help`."),
+    Case("`compile --device cuda` (a device, as where the bundle runs)",
+         compile_args("{tmp}/bundle", "--device", "cuda"), 2,
+         "--device is not compile's: its engines run on a CPU or a CUDA GPU",
+         "Leave it out, and give `--device cuda` to generate, chat, bench, verify or serve; for a GPU compile with "
+         "`--precision fp16` (or bf16)."),
+    Case("vLLM's `--dtype` or `--num-speculative-tokens` to `compile`",
+         compile_args("{tmp}/bundle", "--dtype", "fp16"), 2,
+         "--dtype is vLLM's name for --precision here",
+         "Give `--precision` for `--dtype`, `--gamma` for `--num-speculative-tokens`."),
+    Case("vLLM's `--dtype`, `--max-model-len`, `--quantization` or `--num-speculative-tokens` to generate, chat, bench "
+         "or verify", ["generate", "{bundle}", "-p", "x", "--max-model-len", "4096"], 2,
+         "--max-model-len is vLLM's option, which specbuild generate does not take",
+         "Do what the message says: the context, precision and quantization are the bundle's (set by `compile`), and "
+         "`--gamma` is the draft length."),
     Case("a prompt with spaces, unquoted (`-p def fib(n):`), or several values after one option (`--choice yes no`)",
          ["generate", "{bundle}", "-p", "def", "fib(n):"], 2, "an option takes one value, so quote",
          'Quote the value (`-p "def fib(n):"`); repeat the option for each value (`--choice yes --choice no`).'),

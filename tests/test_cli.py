@@ -633,6 +633,28 @@ def test_a_vllm_serve_option_without_a_counterpart_says_what_to_do_instead_not_a
     assert f"{name} is vLLM's option, which this server does not take: " in err and "Did you mean" not in err, err
 
 
+@pytest.mark.parametrize("args, says", [
+    (["compile", "--device", "cuda"], "--device is not compile's: "),
+    (["compile", "--dtype=fp16"], "--dtype is vLLM's name for --precision here"),
+    (["compile", "--num-speculative-tokens", "4"], "--num-speculative-tokens is vLLM's name for --gamma here"),
+    (["generate", "bundle", "--dtype", "fp16"], "--dtype is vLLM's option, which specbuild generate does not take: "),
+    (["chat", "bundle", "--max-model-len", "4096"], "--max-model-len is vLLM's option, which specbuild chat does not "),
+    (["bench", "bundle", "--quantization", "awq"], "--quantization is vLLM's option, which specbuild bench does not "),
+    (["verify", "bundle", "--num-speculative-tokens", "4"], "--num-speculative-tokens is vLLM's name for --gamma here"),
+], ids=lambda value: value[0] if isinstance(value, list) else None)
+def test_another_tools_option_says_what_to_do_instead_not_a_look_alike(args, says, tmp_path, monkeypatch, capsys):
+    """click suggested '--tp' for compile's --dtype, '--recipe' for its --device and '--max-new-tokens' (the reply's
+    length) for generate's --max-model-len (the context's)."""
+    from specbuild.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1, err
+    assert says in err and "Did you mean" not in err, err
+
+
 @pytest.mark.parametrize("table, options", [("tp = 2\n", []), ("", ["--tp", "2"]),
                                             ("max_seq_len = 8\n", ["--gamma", "8"]),
                                             ('quantize = "int4"\nbackend = "tensorrt-llm"\n', [])],

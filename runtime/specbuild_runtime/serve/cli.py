@@ -107,11 +107,28 @@ class Interruptible:
 
 
 class InterruptibleCommand(Interruptible, click.Command):
-    pass
+    """A command whose unknown options that other tools take (foreign: the option -> the rest of its one line) say
+    what to do instead: click's own answer suggested a look-alike that does something else (serve's
+    --tensor-parallel-size: "Did you mean '--parallel'?", which sets slots, not tensor parallelism; compile's --dtype:
+    "Did you mean '--tp'?")."""
+
+    def __init__(self, *args, foreign: dict[str, str] | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.foreign = foreign or {}
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, list(args))
+        except click.NoSuchOption:
+            # Looked for in the arguments, not the error: click reads -tp as -t.
+            options = args[:args.index("--")] if "--" in args else args
+            name = next((name for name in (arg.split("=", 1)[0] for arg in options) if name in self.foreign), None)
+            if name is None:
+                raise
+            raise click.UsageError(f"{name} {self.foreign[name]}", ctx) from None
 
 
-# vLLM's serve options that this server does not take, each with what to do instead: click's own answer suggested a
-# look-alike (--tensor-parallel-size: "Did you mean '--parallel'?", which sets slots, not tensor parallelism).
+# vLLM's serve options that this server does not take, each with what to do instead.
 _ONE_DEVICE = ("a bundle's engines run on one device (--parallel, vLLM's --max-num-seqs, sets the requests decoded at "
                "once): leave it out")
 VLLM_ONLY_OPTIONS = {
@@ -127,23 +144,10 @@ VLLM_ONLY_OPTIONS = {
 }
 
 
-class ServeCommand(InterruptibleCommand):
-    """serve, where an unknown option that is vLLM's says what to do instead."""
-
-    def parse_args(self, ctx, args):
-        try:
-            return super().parse_args(ctx, list(args))
-        except click.NoSuchOption:
-            options = args[:args.index("--")] if "--" in args else args
-            vllm = next((name for name in (arg.split("=", 1)[0] for arg in options) if name in VLLM_ONLY_OPTIONS), None)
-            if vllm is None:
-                raise
-            raise click.UsageError(f"{vllm} is vLLM's option, which this server does not take: "
-                                   f"{VLLM_ONLY_OPTIONS[vllm]}", ctx) from None
-
-
 # -h as on every specbuild command: `specbuild serve` takes it from the group, specbuild-serve only from here.
-@click.command("serve", cls=ServeCommand,
+@click.command("serve", cls=InterruptibleCommand,
+               foreign={name: f"is vLLM's option, which this server does not take: {what}"
+                        for name, what in VLLM_ONLY_OPTIONS.items()},
                context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 # The runtime's version, the serve command's package: a service that installs it alone has no `specbuild --version`.
 @click.version_option(runtime_version(), prog_name="specbuild-serve")
