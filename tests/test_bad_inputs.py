@@ -599,6 +599,10 @@ CASES = [
          setup=lambda paths: (a_copy_of("target", plant_pickle)(paths), write_file("prompts", PROMPT)(paths))),
     Case("a checkpoint folder that does not exist", compile_args(), 1, "is not a folder",
          "Pass a Hugging Face checkpoint folder.", setup=lambda paths: shutil.rmtree(paths["target"])),
+    Case("a typo in a checkpoint's path, beside the checkpoint (`checkpoints/targt` for `checkpoints/target`)",
+         ["compile", "--target", "{target_parent}/targt", "--draft", "{draft}", "-o", "{tmp}/bundle"], 1,
+         "targt is not a folder; pass a Hugging Face checkpoint folder; did you mean ",
+         "Pass the folder the message names, if it is the one you meant."),
     Case("a Hugging Face Hub model id as `--target` (`meta-llama/Llama-3.2-1B`)",
          ["compile", "--target", "meta-llama/Llama-3.2-1B", "--draft", "{draft}", "-o", "{tmp}/bundle"], 1,
          "hf download meta-llama/Llama-3.2-1B --local-dir DIR", "Download the model first and pass its folder: specbuild "
@@ -691,6 +695,9 @@ CASES = [
          "that holds it", "Pass the bundle's folder, the one holding `manifest.json`."),
     Case("a bundle path that does not exist (a typo)", ["generate", "{tmp}/bundel", "-p", "x"], 1, "bundel does not exist",
          "Pass the folder `specbuild compile --output` wrote."),
+    Case("a typo in a bundle's path, beside the bundle (`bundlex` for `bundle`)", ["generate", "{bundle}x", "-p", "x"],
+         1, "wrote; did you mean ",
+         "Pass the folder the message names, if it is the one you meant."),
     Case("the output of a compile still running, or killed mid-way", ["generate", "{tmp}/bundle", "-p", "x"], 1,
          "bundle does not exist yet: a compile to it has not finished (it runs still, or was killed) and left "
          ".bundle.partial-4242 beside it",

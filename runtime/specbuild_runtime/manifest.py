@@ -89,6 +89,7 @@ to the target's V.
 
 from __future__ import annotations
 
+import difflib
 import glob
 import hashlib
 import importlib.metadata
@@ -398,6 +399,17 @@ def bundle_files(root: Path, hashed: typing.Callable[[int], None] | None = None)
     return digests
 
 
+def nearest(path: Path, holds: str) -> str:
+    """'; did you mean FOLDER?' for a path that does not exist where a folder beside it, named much as it, holds the
+    file `holds` (a bundle's manifest, a checkpoint's config.json): a typo is the likeliest reason; else ''."""
+    try:
+        beside = [p.name for p in path.parent.iterdir() if (p / holds).is_file()]
+    except OSError:  # no such parent, or one this user cannot list
+        return ""
+    near = difflib.get_close_matches(path.name, beside, n=1)
+    return f"; did you mean {path.parent / near[0]}?" if near else ""
+
+
 def load_manifest(root: str | Path, check_digests: bool = True, require_engines: bool = False,
                   device: str | None = None) -> Manifest:
     """Read and check a bundle's manifest; every failure is a one-line BundleError. require_engines: the
@@ -414,7 +426,8 @@ def load_manifest(root: str | Path, check_digests: bool = True, require_engines:
         if unfinished := _unfinished_compile(root):
             raise BundleError(unfinished)
         if not root.exists():  # a typo: "manifest.json is missing" sent users looking inside a folder there is not
-            raise BundleError(f"{root} does not exist; pass the folder `specbuild compile --output` wrote")
+            raise BundleError(f"{root} does not exist; pass the folder `specbuild compile --output` wrote"
+                              + nearest(root, MANIFEST))
         if root.is_file():  # one of a bundle's files, as llama.cpp takes a .gguf: "manifest.json is missing" misled
             where = (f"the bundle folder that holds it, {root.parent}" if (root.parent / MANIFEST).is_file() else
                      "the folder `specbuild compile --output` wrote")
