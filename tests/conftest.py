@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import signal
 import sys
 import sysconfig
 from pathlib import Path
@@ -15,6 +16,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 # Tiny models gain nothing from a second thread, and on a busy machine torch's spinning OpenMP threads
 # made a 2-layer forward pass 100x slower (260 ms vs 3 ms, measured here under load 8).
 torch.set_num_threads(1)
+
+# A shell without job control (a script's `make test &`) starts a background job with SIGINT ignored, and every
+# process it starts inherits that: the tests of Ctrl-C sent it to commands that could not see it (six failed, one
+# with status 3). A handler, unlike SIG_IGN, is not inherited: the commands these tests start get the default again.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 VOCAB = 320
 EOS = "<|endoftext|>"
