@@ -65,8 +65,13 @@ QUANT_ALGOS = {"none": None, "int8": "W8A16", "int4": "W4A16"}
 QUANTIZED_WEIGHTS = ("qkv.weight", "dense.weight", "fc.weight", "proj.weight", "gate.weight")
 # Families the ONNX path builds that this export does not, and why.
 NOT_EXPORTED = {
-    "Gemma2ForCausalLM": "TensorRT-LLM's Gemma model soft-caps Gemma 2's attention logits inside its attention "
-                         "kernels (max_attn_value), which this export's reference pass cannot check yet",
+    # Read at NVIDIA/TensorRT-LLM eea41b73 (common/attentionOp.cpp), 5b82ec07 (xqaParams.h), 89fd9b74
+    # (decoderXQAImplJIT.cpp), c8b9bfc7 (xqaDispatcher.cpp); the kernels that do take the cap apply it as
+    # transformers does (docs/tensorrt-llm.md, Gemma 2), so the refusal is XQA's alone.
+    "Gemma2ForCausalLM": "TensorRT-LLM's decoding steps run XQA kernels whenever its run-time heuristic expects a "
+                         "gain (AttentionOp::enqueueGeneration, XqaDispatcher::shouldUse), and XQA takes no "
+                         "attention soft-cap (XQAParams has none), so Gemma 2's attn_logit_softcapping would be "
+                         "dropped from some steps and kept in others",
     "Phi3ForCausalLM": "TensorRT-LLM's Phi-3 model splits fused qkv_proj/gate_up_proj weights in its own "
                        "layout, which this export does not produce yet",
     "Olmo2ForCausalLM": "TensorRT-LLM's checkpoint flow has no OLMo 2 model (no Olmo2ForCausalLM in "
