@@ -836,6 +836,50 @@ def test_a_qwen2_target_listing_layer_types_of_no_rule_gives_a_deeper_draft_its_
     assert model_spec(config, "Qwen2ForCausalLM", Path("draft"), "draft").sliding_windows == [8, None, 8, 8]
 
 
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@pytest.mark.parametrize("target, overrides, refusal", [
+    # the target's max_window_layers (the class's 28) is the 1-layer draft's depth or more: every layer stays full
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window=True slides no layer of the "
+     "1-layer draft; add max_window_layers=K .layers from K on slide.$"),
+    ("qwen2-window", {"sliding_window": 4}, "sliding_window=4 slides no layer of the 1-layer draft; add "
+     "max_window_layers=K"),
+    # without use_sliding_window, Qwen's class drops the window, here the target's too
+    ("qwen2", {"sliding_window": 8}, "add use_sliding_window=true and max_window_layers=K"),
+    ("qwen3", {"max_window_layers": 0}, "add use_sliding_window=true and sliding_window=N"),
+    ("qwen3moe", {"model_type": "qwen3_moe", "sliding_window": 8}, "add use_sliding_window=true$"),
+    ("olmo3", {"num_hidden_layers": 2, "layer_types": [FULL, FULL], "sliding_window": 4},
+     'sliding_window=4 slides no layer of the 2-layer draft; add layer_types listing "sliding_attention" layers'),
+    ("llama", {"sliding_window": 8}, r"remove it \(the draft's LlamaForCausalLM layers ignore it\)")])
+def test_a_draft_window_override_that_slides_no_layer_is_refused_naming_the_keys_it_needs(checkpoints, target,
+                                                                                         overrides, refusal):
+    """transformers' rules (Qwen's: layer i slides where use_sliding_window and i >= max_window_layers) left these
+    overrides without effect on the compiled draft, and distill trained it all the same."""
+    from specbuild.compile.load import load_config
+
+    target_config = load_config(checkpoints(target, **({"sliding_window": None} if target == "llama" else {})),
+                                "target")  # a Llama config.json with a window key, which Llama's layers never read
+    with pytest.raises(TrainingError, match=refusal):
+        shrunk_config(target_config, overrides)
+
+
+@pytest.mark.parametrize("target, overrides, windows", [
+    ("gemma3", {"num_hidden_layers": 4, "sliding_window_pattern": 4}, [8, 8, 8, None]),  # every 4th full; was 2nd
+    ("qwen2-window", {"use_sliding_window": False}, [None]),  # no window asked for, none had: taken
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}, [8]),
+    ("olmo3", {"num_hidden_layers": 2, "layer_types": [FULL, SLIDING], "sliding_window": 4}, [None, 4])])
+def test_a_draft_window_override_with_the_keys_it_needs_decides_the_compiled_windows(checkpoints, target, overrides,
+                                                                                      windows):
+    """Gemma 3's class makes layer_types of sliding_window_pattern only when a config is built, as Qwen's does of
+    max_window_layers: set after, it changed no layer."""
+    from specbuild.compile.load import load_config, model_spec
+
+    config = shrunk_config(load_config(checkpoints(target), "target"), overrides)
+    config = type(config).from_dict(config.to_dict())  # as compile reads the draft's config.json
+    assert model_spec(config, config.architectures[0], Path("draft"), "draft").sliding_windows == windows
+
+
 def test_a_default_draft_of_a_longrope_target_takes_its_factors_at_its_own_heads_width(tmp_path, tokenizer):
     """Phi-3.5 and Phi-4-mini list a LongRoPE factor for each rotary pair of their heads; a default draft's heads
     are narrower, and sizing it failed in transformers (a RuntimeError, reported as a bug in specbuild)."""

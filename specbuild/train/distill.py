@@ -8,6 +8,7 @@ number that decides; it is measured here exactly and cheaply with torch.
 from __future__ import annotations
 
 import copy
+import itertools
 import time
 from collections import Counter
 from pathlib import Path
@@ -100,11 +101,23 @@ def shrunk_config(target_config, overrides: dict | None = None):
     candidates = [_shaped(base, hidden, layers) for hidden, layers in _shapes(base)]
     sized = sorted((_meta_parameters(c), i) for i, c in enumerate(candidates))
     fitting = [i for params, i in sized if params <= budget]
-    config = candidates[fitting[-1] if fitting else sized[0][1]]
-    known = config.to_dict()
+    default = candidates[fitting[-1] if fitting else sized[0][1]]
+    # GPT-2's n_layer is also num_hidden_layers, ...
+    overrides = {default.attribute_map.get(key, key): value for key, value in (overrides or {}).items()}
+    config = _overridden(default, base, target_config, overrides)
+    _check_windows(default, base, target_config, overrides, config)
+    # to the heads the overrides made, from the target's lists (the default shape's are already thinned), unless the
+    # overrides gave their own
+    _fit_rope_factors(config, None if {"rope_parameters", "rope_scaling"} & set(overrides) else base)
+    return config
+
+
+def _overridden(default, base, target_config, overrides: dict):
+    """The default draft's config with the overrides set, its head_dim and layer_types following them."""
+    config = copy.deepcopy(default)
+    known = default.to_dict()
     own = base is target_config  # else a mixture's dense sibling, whose keys the messages must name as the draft's
-    for key, value in (overrides or {}).items():
-        key = config.attribute_map.get(key, key)  # GPT-2's n_layer is also num_hidden_layers, ...
+    for key, value in overrides.items():
         if key not in known:
             shape = [k for k in ("hidden_size", "n_embd", "intermediate_size", "n_inner", "num_hidden_layers", "n_layer",
                                  "num_attention_heads", "n_head", "num_key_value_heads", "head_dim") if k in known]
@@ -121,31 +134,93 @@ def shrunk_config(target_config, overrides: dict | None = None):
         except Exception as exc:  # transformers' strict config classes check some values themselves
             raise TrainingError(f"--draft-config {key}={value!r}: {first_line(exc)}") from None
     _check_shape(config)
-    if getattr(config, "head_dim", None) and "head_dim" not in (overrides or {}):
+    if getattr(config, "head_dim", None) and "head_dim" not in overrides:
         config.head_dim = config.hidden_size // config.num_attention_heads
-    if getattr(config, "layer_types", None) and "layer_types" not in (overrides or {}):
-        given = "max_window_layers" in (overrides or {})
-        if "max_window_layers" in known and (given or _rebuilt(base).layer_types == base.layer_types):
-            # Qwen2's and Qwen3's layers read layer_types alone, which their classes make of max_window_layers only
-            # when a config is built: set later, max_window_layers=N changed no layer, and a deeper draft repeated the
-            # target's list (full, slide, slide, full, ...) where its rule slides every layer from N on
+    if getattr(config, "layer_types", None) and "layer_types" not in overrides:
+        # The class's rule read anew where the target follows it or an override moves it: Qwen2's and Qwen3's layers
+        # read layer_types alone, which their classes make of max_window_layers (Gemma 3's of sliding_window_pattern)
+        # only when a config is built, so that an override set later changed no layer, and a draft deeper than the
+        # target repeated its list (full, slide, slide, full, ...) where Qwen's rule slides every layer from K on
+        defaults = {key: known[key] for key in overrides if key in WINDOW_KEYS}
+        if _rebuilt(base).layer_types == base.layer_types or (
+                _rebuilt(config).layer_types != _rebuilt(config, defaults).layer_types):
             config = _rebuilt(config)
         else:
-            # The target's pattern (Gemma's sliding and full layers) as deep as the draft: the default shape's list is
-            # cut to its own depth, and a deeper num_hidden_layers outgrew it (an IndexError in transformers, so
-            # distill refused every draft deeper than the default one of a Gemma target)
+            # The target's own pattern (no rule's) as deep as the draft: the default shape's list is cut to its own
+            # depth, and a deeper num_hidden_layers outgrew it (an IndexError in transformers)
             pattern = base.layer_types
             config.layer_types = [pattern[i % len(pattern)] for i in range(config.num_hidden_layers)]
-    # to the heads the overrides made, from the target's lists (the default shape's are already thinned), unless the
-    # overrides gave their own
-    _fit_rope_factors(config, None if {"rope_parameters", "rope_scaling"} & set(overrides or {}) else base)
     return config
 
 
-def _rebuilt(config):
-    """config as its class builds it anew, its layer_types made of its window keys (use_sliding_window,
-    sliding_window, max_window_layers for Qwen2 and Qwen3; its window None where use_sliding_window is not)."""
-    return type(config).from_dict({**config.to_dict(), "layer_types": None})
+def _rebuilt(config, changes: dict | None = None):
+    """config (with changes) as its class builds it anew, its layer_types made of its window keys (use_sliding_window,
+    sliding_window, max_window_layers for Qwen2 and Qwen3, whose window is None where use_sliding_window is not;
+    Gemma 3's sliding_window_pattern)."""
+    return type(config).from_dict({**config.to_dict(), **(changes or {}), "layer_types": None})
+
+
+# The keys, in any family's config, that decide which layers slide and how far: each with the advice that names it and
+# a value of it that lets windows in (Gemma 3's pattern is every k-th layer full; a layer_types list, all sliding, is
+# made at the draft's depth). An override of one that changes none of the compiled draft's windows is refused
+# (_check_windows), e.g. Qwen2's use_sliding_window=true where its max_window_layers, the target's, is at least the
+# draft's depth, which transformers' rule (layer i slides where i >= max_window_layers) leaves all full.
+WINDOW_KEYS = {"use_sliding_window": ("use_sliding_window=true", True),
+               "sliding_window": ("sliding_window=N", 4096),
+               "max_window_layers": ("max_window_layers=K (layers from K on slide)", 0),
+               "sliding_window_pattern": ("sliding_window_pattern=K (every K-th layer full)", 2),
+               "layer_types": ('layer_types listing "sliding_attention" layers', "sliding_attention")}
+
+
+def _check_windows(default, base, target_config, overrides: dict, config) -> None:
+    """TrainingError for an override of a window key that changes no layer's window as compile reads the draft,
+    naming the keys that would make it count. Refused rather than completed: which layers slide (Qwen's
+    max_window_layers=K) is the user's to choose, and transformers, vLLM and TGI would run the same config.json with
+    no window in those layers either, so a guess here would be a draft that reads differently from its config."""
+    windows = _windows(config) if WINDOW_KEYS.keys() & overrides.keys() else None
+    if windows is None:
+        return  # no window key given, or a draft compile cannot read (_check_pair says why)
+    known = default.to_dict()
+    for key, value in overrides.items():
+        off = value is None or value is False  # 0 is a max_window_layers
+        if key not in WINDOW_KEYS or value == known.get(key) or (off and not any(windows)):
+            continue  # what the draft had, or no window where none was asked for
+        if windows != _windows(_overridden(default, base, target_config, _without(overrides, key))):
+            continue
+        depth = config.num_hidden_layers
+        others = [k for k in WINDOW_KEYS if k in known and k != key]
+        fix = next((keys for n in range(1, len(others) + 1) for keys in itertools.combinations(others, n)
+                    if _counts(default, base, target_config, overrides, key, keys, depth)), None)
+        done = f"{'changes no window' if any(windows) else 'slides no layer'} of the {depth}-layer draft"
+        advice = (f"add {' and '.join(WINDOW_KEYS[k][0] for k in fix)}" if fix else
+                  f"remove it (the draft's {(config.architectures or [config.model_type])[0]} layers ignore it)")
+        raise TrainingError(f"--draft-config {key}={value!r} {done}; {advice}")
+
+
+def _counts(default, base, target_config, overrides: dict, key: str, keys: tuple[str, ...], depth: int) -> bool:
+    """Whether the override of key changes the draft's windows once keys are given values that let windows in."""
+    enabling = {k: [WINDOW_KEYS[k][1]] * depth if k == "layer_types" else WINDOW_KEYS[k][1] for k in keys}
+    given = {**overrides, **enabling}
+    try:
+        return (_windows(_overridden(default, base, target_config, given)) !=
+                _windows(_overridden(default, base, target_config, _without(given, key))))
+    except TrainingError:  # a value this config class refuses
+        return False
+
+
+def _without(overrides: dict, key: str) -> dict:
+    return {k: v for k, v in overrides.items() if k != key}
+
+
+def _windows(config) -> list[int | None] | None:
+    """Each layer's window as compile reads the draft's config.json (its class builds it anew, dropping a Qwen3-MoE's
+    window without use_sliding_window), or None where compile would refuse the draft."""
+    architecture = (config.architectures or [None])[0]
+    try:
+        read = type(config).from_dict(config.to_dict())
+        return model_spec(read, architecture, Path("draft"), "draft").sliding_windows
+    except (CheckpointError, KeyError):
+        return None
 
 
 # A mixture of experts' model_type -> the dense one its default draft is: the pairs users run (Qwen3-30B-A3B with
