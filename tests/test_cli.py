@@ -655,6 +655,32 @@ def test_another_tools_option_says_what_to_do_instead_not_a_look_alike(args, say
     assert says in err and "Did you mean" not in err, err
 
 
+def test_no_other_tools_option_a_command_answers_is_one_of_its_own():
+    """An answer is given only for an option click could not read, so one named as the command's own would never be
+    given, and a stale one would say the command does not take what it does."""
+    from specbuild.cli import cli
+    from specbuild_runtime.serve.cli import serve_command
+
+    for command in [*cli.commands.values(), serve_command]:
+        own = {name for param in command.params for name in param.opts + param.secondary_opts}
+        assert not own & set(getattr(command, "foreign", {})), command.name
+
+
+@pytest.mark.parametrize("args", [["generate", "bundle", "-p", "--dtype", "--temprature", "1"],
+                                  ["serve", "bundle", "--model-name", "-tp", "--prot", "1"]])
+def test_an_other_tools_option_given_as_a_value_is_not_answered_for_the_option_click_could_not_read(
+        args, tmp_path, monkeypatch, capsys):
+    """The arguments were searched for any of them: a prompt "--dtype" beside a mistyped option was told --dtype is
+    vLLM's option."""
+    from specbuild.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and f"No such option '{args[-2]}'" in err and "vLLM" not in err, err
+
+
 @pytest.mark.parametrize("table, options", [("tp = 2\n", []), ("", ["--tp", "2"]),
                                             ("max_seq_len = 8\n", ["--gamma", "8"]),
                                             ('quantize = "int4"\nbackend = "tensorrt-llm"\n', [])],

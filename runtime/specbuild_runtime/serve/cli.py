@@ -119,10 +119,12 @@ class InterruptibleCommand(Interruptible, click.Command):
     def parse_args(self, ctx, args):
         try:
             return super().parse_args(ctx, list(args))
-        except click.NoSuchOption:
-            # Looked for in the arguments, not the error: click reads -tp as -t.
-            options = args[:args.index("--")] if "--" in args else args
-            name = next((name for name in (arg.split("=", 1)[0] for arg in options) if name in self.foreign), None)
+        except click.NoSuchOption as exc:
+            # The option click could not read, not any argument (a prompt may be "--dtype"); it reads -tp as short
+            # options run together and names the first alone, -t.
+            unknown = exc.option_name
+            name = next((name for name in self.foreign if name == unknown or (
+                not unknown.startswith("--") and name.startswith(unknown) and name in args)), None)
             if name is None:
                 raise
             raise click.UsageError(f"{name} {self.foreign[name]}", ctx) from None
