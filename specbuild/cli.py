@@ -349,12 +349,13 @@ COMPILE_FOREIGN = {
 }
 
 
-def decoding_foreign(command: str) -> dict[str, str]:
-    """A decoding command's answers to vLLM's options: what serve says, and --gamma for its draft length."""
+def decoding_foreign(command: str, gamma: str = "drafts per round, up to the bundle's max gamma; auto adapts them"
+                     ) -> dict[str, str]:
+    """A decoding command's answers to vLLM's options: what serve says, and --gamma for its draft length (gamma:
+    what that command's --gamma takes)."""
     return {**{name: f"is vLLM's option, which specbuild {command} does not take: {VLLM_ONLY_OPTIONS[name]}"
-               for name in ("--dtype", "--max-model-len", "--quantization")},
-            "--num-speculative-tokens": "is vLLM's name for --gamma here (drafts per round, up to the bundle's max "
-                                        "gamma; auto adapts them)"}
+               for name in ("--dtype", "--max-model-len", "--quantization", "--enforce-eager")},
+            "--num-speculative-tokens": f"is vLLM's name for --gamma here ({gamma})"}
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -756,7 +757,8 @@ def verify(bundle, target, prompts, max_new_tokens, gamma, as_json, device, cuda
         sys.exit(1)
 
 
-@cli.command(foreign=decoding_foreign("bench"))
+# bench's --gamma is a list of fixed γ: auto is measured beside them, never given.
+@cli.command(foreign=decoding_foreign("bench", "the fixed drafts per round to measure beside auto, comma-separated"))
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help='JSONL file, one {"prompt": "..."} per line.  [default: the bundled code prompts]')

@@ -485,11 +485,11 @@ CASES = [
          compile_args("{tmp}/bundle", "--dtype", "fp16"), 2,
          "--dtype is vLLM's name for --precision here",
          "Give `--precision` for `--dtype`, `--gamma` for `--num-speculative-tokens`."),
-    Case("vLLM's `--dtype`, `--max-model-len`, `--quantization` or `--num-speculative-tokens` to generate, chat, bench "
-         "or verify", ["generate", "{bundle}", "-p", "x", "--max-model-len", "4096"], 2,
+    Case("vLLM's `--dtype`, `--max-model-len`, `--quantization`, `--enforce-eager` or `--num-speculative-tokens` to "
+         "generate, chat, bench or verify", ["generate", "{bundle}", "-p", "x", "--max-model-len", "4096"], 2,
          "--max-model-len is vLLM's option, which specbuild generate does not take",
-         "Do what the message says: the context, precision and quantization are the bundle's (set by `compile`), and "
-         "`--gamma` is the draft length."),
+         "Do what the message says: the context, precision and quantization are the bundle's (set by `compile`), "
+         "`--no-cuda-graphs` is `--enforce-eager`, and `--gamma` is the draft length."),
     Case("a prompt with spaces, unquoted (`-p def fib(n):`), or several values after one option (`--choice yes no`)",
          ["generate", "{bundle}", "-p", "def", "fib(n):"], 2, "an option takes one value, so quote",
          'Quote the value (`-p "def fib(n):"`); repeat the option for each value (`--choice yes --choice no`).'),

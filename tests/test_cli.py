@@ -641,6 +641,10 @@ def test_a_vllm_serve_option_without_a_counterpart_says_what_to_do_instead_not_a
     (["chat", "bundle", "--max-model-len", "4096"], "--max-model-len is vLLM's option, which specbuild chat does not "),
     (["bench", "bundle", "--quantization", "awq"], "--quantization is vLLM's option, which specbuild bench does not "),
     (["verify", "bundle", "--num-speculative-tokens", "4"], "--num-speculative-tokens is vLLM's name for --gamma here"),
+    (["bench", "bundle", "--num-speculative-tokens", "4"], "--gamma here (the fixed drafts per round to measure beside "
+                                                            "auto, comma-separated)"),
+    (["generate", "bundle", "--enforce-eager"], "--enforce-eager is vLLM's option, which specbuild generate does not "
+                                                "take: give --no-cuda-graphs instead"),
 ], ids=lambda value: value[0] if isinstance(value, list) else None)
 def test_another_tools_option_says_what_to_do_instead_not_a_look_alike(args, says, tmp_path, monkeypatch, capsys):
     """click suggested '--tp' for compile's --dtype, '--recipe' for its --device and '--max-new-tokens' (the reply's
