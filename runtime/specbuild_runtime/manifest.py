@@ -94,6 +94,7 @@ import glob
 import hashlib
 import importlib.metadata
 import json
+import os
 import re
 import threading
 import types
@@ -400,14 +401,24 @@ def bundle_files(root: Path, hashed: typing.Callable[[int], None] | None = None)
 
 
 def nearest(path: Path, holds: str) -> str:
-    """'; did you mean FOLDER?' for a path that does not exist where a folder beside it, named much as it, holds the
-    file `holds` (a bundle's manifest, a checkpoint's config.json): a typo is the likeliest reason; else ''."""
+    """'; did you mean FOLDER?' for a path that does not exist where one folder beside it, named much as it, holds
+    the file `holds` (a bundle's manifest, a checkpoint's config.json): a typo is the likeliest reason; else ''.
+    Not a name whose digits differ: another model, not a typo (Qwen3-1.7B for Qwen3-0.6B, bundle-int8 for
+    bundle-int4); not one of two: the user chooses. Names alone are compared; only the few near ones are looked
+    into, so a folder of thousands costs no stat (or unreadable folder's error) for each."""
     try:
-        beside = [p.name for p in path.parent.iterdir() if (p / holds).is_file()]
+        names = os.listdir(path.parent)
     except OSError:  # no such parent, or one this user cannot list
         return ""
-    near = difflib.get_close_matches(path.name, beside, n=1)
-    return f"; did you mean {path.parent / near[0]}?" if near else ""
+    # 0.8, not difflib's 0.6: one letter left out, added, changed or swapped in a name of 5 or more is 0.8 and up,
+    # where 0.6 took qwen3-draft for qwen3-target (0.61): it asked a compile's --target whether it meant the draft.
+    near = [name for name in difflib.get_close_matches(path.name, names, n=5, cutoff=0.8)
+            if _digits(name) == _digits(path.name) and os.path.isfile(path.parent / name / holds)]
+    return f"; did you mean {path.parent / near[0]}?" if len(near) == 1 else ""
+
+
+def _digits(name: str) -> str:
+    return re.sub(r"\D", "", name)
 
 
 def load_manifest(root: str | Path, check_digests: bool = True, require_engines: bool = False,
