@@ -484,3 +484,19 @@ def test_a_missing_paths_siblings_are_compared_by_name_and_only_the_near_ones_lo
     assert nearest(tmp_path / "targt", "config.json") == f"; did you mean {tmp_path / 'target'}?"
     assert looked == [tmp_path / "target" / "config.json"]
 
+
+def test_a_hub_id_whose_first_part_is_a_folder_here_is_told_to_download_when_no_checkpoint_is_a_typo_away(
+        tmp_path, monkeypatch):
+    """`hf download Qwen/Qwen3-1.7B --local-dir Qwen/Qwen3-1.7B` makes Qwen/ a folder; Qwen/Qwen3-0.6B is then
+    another model to download, not a typo (d623c87 dropped the advice there)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "Qwen" / "Qwen3-1.7B").mkdir(parents=True)
+    (tmp_path / "Qwen" / "Qwen3-1.7B" / "config.json").write_text("{}")
+    (tmp_path / "Qwen" / "Qwen3-8B").mkdir()
+    (tmp_path / "Qwen" / "Qwen3-8B" / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint("Qwen/Qwen3-0.6B", "target")
+    assert "hf download Qwen/Qwen3-0.6B --local-dir DIR" in str(refused.value), refused.value
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint("Qwen/Qwen3-8b", "target")
+    assert str(refused.value).endswith("; did you mean Qwen/Qwen3-8B?") and "hf download" not in str(refused.value)

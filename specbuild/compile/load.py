@@ -214,13 +214,15 @@ def check_checkpoint_folder(path: Path, role: str) -> Path:
     """path / "config.json", or CheckpointError where path is no folder (a Hub model id, a typo) or holds no
     config.json (a bundle given where its source goes): what compile and distill refuse before they read anything."""
     if not path.is_dir():
-        # specbuild never downloads: a Hub id given where a folder goes, as transformers takes either; one whose
-        # first part is a folder here (checkpoints/targt) is a typo, where the Hub's advice misled
-        hub_id = (not path.exists() and not path.is_absolute() and len(path.parts) == 2
-                  and not str(path).startswith(".") and not path.parent.is_dir())
+        # A checkpoint beside a typo (checkpoints/targt) is the likelier meaning; else a Hub id given where a folder
+        # goes (transformers takes either; specbuild never downloads), even where its first part is a folder here:
+        # `hf download --local-dir Qwen/Qwen3-1.7B` made one, and Qwen/Qwen3-0.6B beside it is another download.
+        near = "" if path.exists() else nearest(path, "config.json")
+        hub_id = (not near and not path.exists() and not path.is_absolute() and len(path.parts) == 2
+                  and not str(path).startswith("."))
         raise CheckpointError(f"{role} checkpoint {path} is not a folder; pass a Hugging Face checkpoint folder" + (
             f"; if {path} is a Hub model id, download it first (`hf download {path} --local-dir DIR`) and pass DIR"
-            if hub_id else nearest(path, "config.json") if not path.exists() else ""))
+            if hub_id else near))
     config_path = path / "config.json"
     if not config_path.is_file():
         if (path / MANIFEST).is_file():  # the bundle compile wrote, given where its source goes
