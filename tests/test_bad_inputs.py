@@ -165,6 +165,18 @@ def a_gemma3_pair_windowed_apart(paths: dict) -> None:
                                       sliding_window=window)
 
 
+def a_phi3_longrope_target(paths: dict) -> None:
+    """A Phi-3 target with LongRoPE whose original length (16) is below the case's --max-seq-len 64, without a
+    sliding window (which the TensorRT-LLM export would refuse first)."""
+    from conftest import make_checkpoint, make_tokenizer
+
+    paths["target"] = make_checkpoint(
+        Path(paths["tmp"]) / "phi3-longrope", "phi3", make_tokenizer(), sliding_window=None,
+        original_max_position_embeddings=16, rope_scaling=dict(
+            rope_type="longrope", short_factor=[1.0 + 0.1 * i for i in range(8)],
+            long_factor=[2.0 + 0.5 * i for i in range(8)], original_max_position_embeddings=16))
+
+
 def an_olmo2_pair(paths: dict) -> None:
     """A pair of a family TensorRT-LLM's checkpoint flow has no model for (vLLM serves it from its folders)."""
     from conftest import make_checkpoint, make_tokenizer
@@ -446,19 +458,26 @@ CASES = [
     Case("`--block-size`, `--accuracy-level` or `--quality-report` without quantizing, even at their defaults",
          compile_args("{tmp}/bundle", "--block-size", "64"), 2,
          "shape quantized engines", "Add `--quantize int4|int8` (or per engine), or leave them out."),
-    Case("`--backend tensorrt-llm` (or `all`) with a Phi-3, Gemma 2, OLMo 2 or OLMo 3 pair, a Gemma 3 with rope "
+    Case("`--backend tensorrt-llm` (or `all`) with a Gemma 2, OLMo 2 or OLMo 3 pair, a Gemma 3 with rope "
          "scaling (4b, 12b, 27b) or a Qwen3-MoE with dense layers among its sparse ones",
          compile_args("{tmp}/bundle", "--backend", "tensorrt-llm"), 0, "",
          "Nothing: the TensorRT-LLM checkpoint export does not take the model, so the bundle holds only the plans that "
-         "serve the source folders (vLLM's, and for Phi-3, Gemma 3 and Qwen3-MoE the PyTorch backend's), as "
+         "serve the source folders (vLLM's, and for Gemma 3 and Qwen3-MoE the PyTorch backend's), as "
          "compile says in one line.", setup=an_olmo2_pair),
+    Case("`--backend tensorrt-llm` (or `all`) with a Phi-3 LongRoPE target (Phi-3-mini-128k, Phi-3.5-mini, "
+         "Phi-4-mini) past its original length",
+         compile_args("{tmp}/bundle", "--backend", "tensorrt-llm"), 1,
+         "past which TensorRT-LLM's Phi-3 model rotates new tokens with the long factors",
+         "Give `--max-seq-len` of the length the message names or less (the default stops there), or use "
+         "`--backend onnx`, whose engine recomputes its cache there as transformers does.",
+         setup=a_phi3_longrope_target),
     Case("`--backend tensorrt-llm` (or `all`) with a Gemma 3 pair whose sliding windows differ (a finetune's own "
          "window: the released 270m and 1b share 512), past the shorter",
          compile_args("{tmp}/bundle", "--backend", "tensorrt-llm"), 1,
          "one --max_attention_window_size list",
          "Give `--max-seq-len` of the shorter window or less (run.py gives both engines one list of windows), or use "
          "`--backend onnx`.", setup=a_gemma3_pair_windowed_apart),
-    Case("`--quantize` (or per engine) with `--backend tensorrt-llm` and a Phi-3, Gemma 2, OLMo 2 or OLMo 3 pair, a "
+    Case("`--quantize` (or per engine) with `--backend tensorrt-llm` and a Gemma 2, OLMo 2 or OLMo 3 pair, a "
          "Gemma 3 with rope scaling or a Qwen3-MoE with dense layers among its sparse ones",
          compile_args("{tmp}/bundle", "--backend", "tensorrt-llm", "--precision", "bf16", "--quantize", "int8"),
          1, "writes no TensorRT-LLM checkpoints to quantize",

@@ -50,6 +50,15 @@ FAMILIES = {  # name -> (conftest architecture, config overrides); TINY has 4 he
     "qwen3moe": ("qwen3moe", {"mlp_only_layers": []}),
     "qwen3moe-unnormalized": ("qwen3moe", {"mlp_only_layers": [], "norm_topk_prob": False}),
     "mixtral": ("mixtral", {"sliding_window": None}),
+    # Phi-3 (fused qkv_proj and gate_up_proj): conftest's LongRoPE, within its original 256 positions, and partial
+    # rotary, on 4 heads of 32 dims and 2 KV heads, without its window; Phi-3-mini-4k's plain rope on whole heads of
+    # as many KV heads, tied as Phi-4-mini's
+    "phi3": ("phi3", {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": None,
+                      "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                       "long_factor": [2.0 + 0.5 * i for i in range(8)],
+                                       "original_max_position_embeddings": 256}}),
+    "phi3-rope": ("phi3", {"num_attention_heads": 4, "num_key_value_heads": 4, "sliding_window": None,
+                           "rope_scaling": None, "partial_rotary_factor": 1.0, "tie_word_embeddings": True}),
 }
 TOLERANCE = 1e-4
 CONTEXT = 128  # the context run.sh's windows are given for: past PROMPTS[5]
@@ -136,7 +145,7 @@ def test_bias_flags_say_exactly_which_biases_are_written(pairs, tmp_path, family
         expected = {"attention.qkv", "attention.dense", "mlp.fc", "mlp.proj"} if config["bias"] else set()
     else:  # LLaMA: attn_bias covers qkv and dense; QWen: qkv only (its Attention has dense_bias=False)
         attention = ({"attention.qkv"} if "qwen_type" in config else {"attention.qkv", "attention.dense"})
-        expected = (attention if config["attn_bias"] else set()) | (
+        expected = (attention if config.get("attn_bias") else set()) | (  # Phi-3: neither flag, no bias
             {"mlp.fc", "mlp.gate", "mlp.proj"} if config.get("mlp_bias") else set())
     assert written == expected, (config.get("attn_bias"), config.get("mlp_bias"), sorted(written))
 
@@ -379,7 +388,7 @@ def test_splits_tensorrt_llm_cannot_make_and_windows_shorter_than_the_context_ar
         tensorrt_llm.check_exportable(window, "target", 1, 64)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "phi3-rope"])
 def test_bf16_export_writes_bf16_weights_that_still_compute_the_model(pairs, tokenizer, tmp_path, family):
     target = pairs(family)[0]
     checkpoint = export(target, tmp_path / "t", 2, precision="bf16")
@@ -392,7 +401,7 @@ def test_bf16_export_writes_bf16_weights_that_still_compute_the_model(pairs, tok
     assert np.abs(ours - theirs).max() < 0.05 * np.abs(theirs).max()
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "phi3"])
 def test_weight_only_quantization_is_left_to_trtllm_build_on_float_weights(pairs, tmp_path, family):
     checkpoint = export(pairs(family)[0], tmp_path / "t", 1, precision="fp16", quantization="int4")
     assert json.loads((checkpoint / "config.json").read_text())["quantization"]["quant_algo"] == "W4A16"
@@ -474,6 +483,99 @@ def test_a_mixtures_step_bytes_count_its_experts_at_top_k_over_experts(pairs, tm
             expected += size * (spec.experts_per_token / spec.experts if name.endswith(("mlp.fc.weight",
                                                                                         "mlp.proj.weight")) else 1)
     assert written["weight_bytes"] == int(expected)
+
+
+def test_a_phi3_checkpoint_is_laid_out_as_tensorrt_llms_phi3_model_reads_it(pairs, tmp_path):
+    """config.json as Phi3Config reads it (LongRoPE's factors, rotary_pct, swiglu); each rank's mlp.fc holds its rows
+    of up_proj then its rows of gate_proj, the halves swiglu takes apart on that rank."""
+    target = pairs("phi3")[0]
+    checkpoint = export(target, tmp_path / "t", 2)
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["architecture"] == "Phi3ForCausalLM" and config["hidden_act"] == "swiglu"
+    assert config["position_embedding_type"] == "long_rope" and config["rotary_pct"] == 0.5
+    assert config["original_max_position_embeddings"] == 256 and len(config["longrope_scaling_long_factors"]) == 8
+    source = load_file(target / "model.safetensors")
+    for i in range(2):
+        gate, up = np.split(source[f"model.layers.{i}.mlp.gate_up_proj.weight"], 2)
+        for r in range(2):
+            fc = load_file(checkpoint / f"rank{r}.safetensors")[f"transformer.layers.{i}.mlp.fc.weight"]
+            assert np.array_equal(fc, np.concatenate([np.split(up, 2)[r], np.split(gate, 2)[r]])), (i, r)
+
+
+@pytest.mark.parametrize("family,change", [("phi3", "fc halves swapped"), ("phi3", "fc split in plain chunks"),
+                                           ("phi3", "short factors dropped"), ("phi3", "mscale dropped"),
+                                           ("phi3-rope", "half of each head rotated")])
+def test_each_phi3_rewrite_is_exported_and_matters(pairs, tokenizer, tmp_path, family, change):
+    """Negative controls: each rank's fc as [gate; up], or the whole [up; gate] split in plain chunks as the
+    converter's split_weights_tp splits it (rank 0 all up, rank 1 all gate); plain rope for LongRoPE's short table; no
+    mscale (max_position_embeddings the original length); rotary_pct 0.5 for whole heads."""
+    target = pairs(family)[0]
+    checkpoint = export(target, tmp_path / "t", 2)
+    config = json.loads((checkpoint / "config.json").read_text())
+    if change.startswith("fc"):
+        source = load_file(target / "model.safetensors")
+        ranks = [load_file(checkpoint / f"rank{r}.safetensors") for r in range(2)]
+        for i in range(2):
+            gate, up = np.split(source[f"model.layers.{i}.mlp.gate_up_proj.weight"], 2)
+            name = f"transformer.layers.{i}.mlp.fc.weight"
+            for r, tensors in enumerate(ranks):
+                tensors[name] = (np.concatenate(np.split(tensors[name], 2)[::-1]) if change == "fc halves swapped"
+                                 else np.split(np.concatenate([up, gate]), 2)[r])
+        for r, tensors in enumerate(ranks):
+            save_file(tensors, checkpoint / f"rank{r}.safetensors")
+    else:
+        config.update({"short factors dropped": {"position_embedding_type": "rope_gpt_neox"},
+                       "mscale dropped": {"max_position_embeddings": 256},
+                       "half of each head rotated": {"rotary_pct": 0.5}}[change])
+        (checkpoint / "config.json").write_text(json.dumps(config))
+    assert deviation(checkpoint, target, tokenizer) > 100 * TOLERANCE
+
+
+def test_a_phi3_longrope_target_is_exported_within_its_original_length_and_its_draft_past_it(tokenizer, tmp_path):
+    """TensorRT-LLM rotates a step by the long table once the batch's longest sequence passes the original length,
+    beside keys it cached with the short one, where transformers' Phi-3 recomputes them: a target past it is refused
+    (and the default context stops there); a draft, whose rotation changes only its proposals, is not. One context
+    pass past it computes as transformers does (the long table throughout, in both)."""
+    folder = build(tmp_path / "long", "phi3", tokenizer, 0, vocab_size=TARGET_VOCAB,
+                   original_max_position_embeddings=16,
+                   rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                 "long_factor": [2.0 + 0.5 * i for i in range(8)],
+                                 "original_max_position_embeddings": 16})
+    assert len(tokenizer(PROMPTS[5])["input_ids"]) > 16
+    assert deviation(export(folder, tmp_path / "t", 2), folder, tokenizer) <= TOLERANCE
+    ckpt = load_checkpoint(folder, "target")
+    with pytest.raises(UnsupportedModelError, match=r"max_seq_len 64 exceeds the target's LongRoPE "
+                                                    r"original_max_position_embeddings \(16\).* of 16 or less"):
+        tensorrt_llm.check_exportable(ckpt, "target", 1, 64)
+    tensorrt_llm.check_exportable(ckpt, "target", 1, 16)
+    tensorrt_llm.check_exportable(ckpt, "draft", 1, 64)
+    assert tensorrt_llm.context_limit(ckpt, ckpt) == 16
+
+
+def test_a_phi3_pair_gets_checkpoints_every_plan_and_a_default_context_within_the_targets_original_length(pairs,
+                                                                                                     tmp_path):
+    """The ONNX engine switches LongRoPE tables as transformers does (max_position_embeddings 512 for --backend
+    onnx); the TensorRT-LLM export stops at the original 256."""
+    target, draft = pairs("phi3")
+    manifest = compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", gamma=4, tp=2,
+                                              backend="tensorrt-llm"), show_progress=False)
+    assert manifest.max_seq_len == 256
+    assert set(manifest.tensorrt_llm.plans) == {"build", "run", tensorrt_llm.LLM_API, tensorrt_llm.VLLM}
+    assert {"tensorrt-llm/target/rank1.safetensors", "tensorrt-llm/draft/rank1.safetensors"} <= set(manifest.files)
+
+
+@pytest.mark.parametrize("overrides,says", [
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                       "original_max_position_embeddings": 256, "attention_factor": 1.5}}, "attention factor 1.5"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "rope_scaling": None},
+     "not hidden_size / num_attention_heads"),
+])
+def test_a_phi3_tensorrt_llms_phi3_model_would_compute_otherwise_gets_the_serving_plans_only(tokenizer, tmp_path,
+                                                                                           overrides, says):
+    """An attention factor other than the one its tables take from the lengths, heads not hidden_size /
+    num_attention_heads wide (transformers reads head_dim; its Attention is given none)."""
+    ckpt = load_checkpoint(make_checkpoint(tmp_path / "p", "phi3", tokenizer, **overrides), "target")
+    assert says in tensorrt_llm.unexported(ckpt) and not tensorrt_llm.exports(ckpt, ckpt)
 
 
 def test_a_qwen3_moe_with_dense_layers_among_sparse_ones_is_not_exported(checkpoints):
@@ -828,8 +930,7 @@ def test_a_rank_file_on_a_full_disk_fails_with_the_disks_errno(tmp_path):
 
 # The plans each family gets from its source folders where TensorRT-LLM's checkpoint flow lacks it: the PyTorch
 # backend's (llm-api.yaml) where it has a model for the family, vLLM's (serve.sh) for all.
-SERVED_FROM_SOURCE = {"phi3": {"tensorrt-llm/llm-api.yaml", "vllm/serve.sh"},
-                      "gemma2": {"vllm/serve.sh"}, "olmo2": {"vllm/serve.sh"}, "olmo3": {"vllm/serve.sh"},
+SERVED_FROM_SOURCE = {"gemma2": {"vllm/serve.sh"}, "olmo2": {"vllm/serve.sh"}, "olmo3": {"vllm/serve.sh"},
                       "qwen3moe": {"tensorrt-llm/llm-api.yaml", "vllm/serve.sh"}}  # (its dense middle layer)
 
 
@@ -912,11 +1013,11 @@ def test_a_pair_no_backend_serves_from_its_folders_is_refused_in_one_line(checkp
 
 
 def test_a_tp_the_serving_plans_cannot_split_an_unexported_family_over_is_refused(checkpoints, tmp_path):
-    target, draft = checkpoints("phi3", 0), checkpoints("phi3", 1)  # 2 attention heads
-    with pytest.raises(UnsupportedModelError, match="--tp 4: the target .* has 2 attention heads, which vLLM or "
-                                                    "TensorRT-LLM's PyTorch backend cannot split over 4 ranks"):
+    target, draft = checkpoints("olmo2", 0), checkpoints("olmo2", 1)  # 4 attention heads
+    with pytest.raises(UnsupportedModelError, match="--tp 3: the target .* has 4 attention heads, which vLLM or "
+                                                    "TensorRT-LLM's PyTorch backend cannot split over 3 ranks"):
         compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", max_seq_len=8, gamma=4,
-                                       backend="tensorrt-llm", tp=4), show_progress=False)
+                                       backend="tensorrt-llm", tp=3), show_progress=False)
 
 
 def test_a_plans_only_export_keeps_the_context_past_a_window_the_serving_backends_carry(checkpoints, tmp_path):

@@ -50,10 +50,10 @@ def _compile(settings: CompileSettings, stages: "_Stages") -> Manifest:
         draft = load_checkpoint(settings.draft, "draft")
         validate_pair(target, draft)
         limits = [longest_context(target, "target"), longest_context(draft, "draft")]
-        # a window the export does not carry refuses a longer context (check_exportable); the plans that serve the
-        # source folders alone carry the windows in config.json
+        # a window the export does not carry, or a Phi-3 target's LongRoPE switch, refuses a longer context
+        # (check_exportable); the plans that serve the source folders alone carry the windows in config.json
         if settings.backend != "onnx" and tensorrt_llm.exports(target, draft):
-            limits += [limit] if (limit := tensorrt_llm.window_limit(target, draft)) else []
+            limits += [limit] if (limit := tensorrt_llm.context_limit(target, draft)) else []
         context_limit = min(limits)
         max_seq_len = _max_seq_len(settings, context_limit)
         for role, ckpt in (("target", target), ("draft", draft)):

@@ -48,7 +48,7 @@ from specbuild_runtime.manifest import TOKENIZER_DIR, EngineInfo, TensorRTLLMPar
 from ..errors import ExternalToolError, UnsupportedModelError
 from ..progress import bar
 from . import gamma as gamma_stage
-from .load import MIXTURES, Checkpoint, ModelSpec
+from .load import MIXTURES, Checkpoint, ModelSpec, longrope_length, rotary_module
 from .precision import Numerics, convert_into
 
 FOLDER = "tensorrt-llm"
@@ -72,8 +72,6 @@ NOT_EXPORTED = {
                          "gain (AttentionOp::enqueueGeneration, XqaDispatcher::shouldUse), and XQA takes no "
                          "attention soft-cap (XQAParams has none), so Gemma 2's attn_logit_softcapping would be "
                          "dropped from some steps and kept in others",
-    "Phi3ForCausalLM": "TensorRT-LLM's Phi-3 model splits fused qkv_proj/gate_up_proj weights in its own "
-                       "layout, which this export does not produce yet",
     "Olmo2ForCausalLM": "TensorRT-LLM's checkpoint flow has no OLMo 2 model (no Olmo2ForCausalLM in "
                         "tensorrt_llm/models/__init__.py MODEL_MAP), and its LLaMA model has no post-norm layers "
                         "or whole-q/k norms to build one from",
@@ -107,7 +105,8 @@ NEWER_PYTORCH_BACKEND = {"Phi3ForCausalLM": "Phi-3"}
 # (granite_multipliers), MixtralForCausalLM as its LLaMA model too, and Qwen3MoeForCausalLM as its QWen model.
 FAMILIES = {"LlamaForCausalLM": None, "MistralForCausalLM": None, "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3", "GraniteForCausalLM": None, "GPT2LMHeadModel": None,
-            "Gemma3ForCausalLM": None, "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": None}
+            "Gemma3ForCausalLM": None, "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": None,
+            "Phi3ForCausalLM": None}
 # A Qwen3-MoE whose mlp_only_layers or decoder_sparse_step leave some layers dense: QWenConfig keeps both fields
 # (models/qwen/config.py on main, 2026), but QWenDecoderLayer builds a MOE in every layer once config.moe has
 # experts and reads neither (models/qwen/model.py), so the checkpoint flow has no dense layer to put them in.
@@ -131,6 +130,7 @@ QK_NORM_CONVERTERS = {"Qwen3ForCausalLM": "Qwen", "Qwen3MoeForCausalLM": "Qwen",
 
 REPLICATE, COLUMN, ROW, QKV, VOCAB, EMBEDDING = "replicate", "column", "row", "qkv", "vocab", "embedding"
 EXPERT_FC, EXPERT_PROJ = "expert_fc", "expert_proj"  # a mixture's [experts, out, in] weights, split per expert
+GATED_FC = "gated_fc"  # Phi-3's mlp.fc, [up; gate] on each rank (phi3_tensors)
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ class Layout:
 @dataclass
 class Out:
     """One tensor of every rank file: its name, how it splits and its source value (q, k, v for QKV; up, gate for
-    EXPERT_FC); dtype: its own float type, where not the export's."""
+    EXPERT_FC and GATED_FC); dtype: its own float type, where not the export's."""
 
     name: str
     split: str
@@ -206,7 +206,10 @@ def check_exportable(ckpt: Checkpoint, role: str, tp: int, max_seq_len: int) -> 
         raise UnsupportedModelError(f"max_seq_len {max_seq_len} exceeds the {role}'s sliding window ({window}), which "
                                     "the TensorRT-LLM export does not carry over; give --max-seq-len (or a recipe's "
                                     f"max_seq_len) of {window} or less for the TensorRT-LLM export")
-    rotary(ckpt)  # refuses a rope scaling TensorRT-LLM would compute differently
+    if architecture == "Phi3ForCausalLM":
+        phi3_check_context(ckpt, role, max_seq_len)  # its rope: phi3_unexported
+    else:
+        rotary(ckpt)  # refuses a rope scaling TensorRT-LLM would compute differently
 
 
 def check_split(ckpt: Checkpoint, role: str, tp: int, who: str) -> None:
@@ -241,7 +244,8 @@ def unexported(ckpt: Checkpoint) -> str:
         return NOT_EXPORTED[spec.architecture]
     if spec.experts and len(spec.sparse_layers) < spec.shape.num_layers:
         return DENSE_AMONG_SPARSE
-    return gemma3_unexported(ckpt) if spec.architecture == "Gemma3ForCausalLM" else ""
+    return (gemma3_unexported(ckpt) if spec.architecture == "Gemma3ForCausalLM" else
+            phi3_unexported(ckpt) if spec.architecture == "Phi3ForCausalLM" else "")
 
 
 def exports(target: Checkpoint, draft: Checkpoint) -> bool:
@@ -369,6 +373,7 @@ def write_checkpoint(ckpt: Checkpoint, out: Path, scratch: Path, tp: int, vocab:
     # whose bar would otherwise stand still.
     with bar(None, f"writing TensorRT-LLM {out.name} ({dtype_name})", "B", unit_scale=True) as progress:
         tensors = (gemma3_tensors if spec.architecture == "Gemma3ForCausalLM" else
+                   phi3_tensors if spec.architecture == "Phi3ForCausalLM" else
                    gpt2_tensors if spec.family == "gpt2" else llama_tensors)
         for tensor in tensors(ckpt, names):
             quantized = QUANT_ALGOS[quantization] and tensor.name.endswith(QUANTIZED_WEIGHTS)
@@ -434,6 +439,8 @@ def trtllm_config(ckpt: Checkpoint, layout: Layout, dtype: str, quant_algo: str 
                 "qk_layernorm": False, "inner_layernorm": False, "norm_before_bmm1": False}
     if spec.architecture == "Gemma3ForCausalLM":
         return gemma3_config(ckpt, config)
+    if spec.architecture == "Phi3ForCausalLM":
+        return phi3_config(ckpt, config)
     base, scaling = rotary(ckpt)
     config = {**config, "hidden_act": spec.hidden_act, "position_embedding_type": "rope_gpt_neox",
               "rotary_base": base, "rotary_scaling": scaling, "mlp_bias": spec.mlp_bias,
@@ -632,6 +639,12 @@ def window_limit(target: Checkpoint, draft: Checkpoint) -> int | None:
     return None if carried else min(windows)
 
 
+def context_limit(target: Checkpoint, draft: Checkpoint) -> int | None:
+    """The longest context the export takes (None: any): window_limit's, and a Phi-3 LongRoPE target's original
+    length (phi3_check_context)."""
+    return min(filter(None, (window_limit(target, draft), phi3_longrope_limit(target))), default=None)
+
+
 def gemma3_config(ckpt: Checkpoint, config: dict) -> dict:
     """GemmaConfig: Gemma3ConfigGroup's fields, and use_parallel_embedding, which GemmaConfig sets to tp > 1
     whatever config.json says."""
@@ -677,6 +690,108 @@ def gemma3_tensors(ckpt: Checkpoint, names: set[str]) -> Iterator[Out]:
                                             "model.embed_tokens.weight"))
 
 
+# Phi-3 (Phi3ForCausalLM: Phi-3-mini and -medium, Phi-3.5-mini, Phi-4, Phi-4-mini) as TensorRT-LLM's Phi-3 model
+# builds it (tensorrt_llm/models/phi3/model.py at 1479eaf5, config.py at 033f4067, convert.py at 89fd9b74,
+# split_weights.py at 7dfda15a; layers/attention.py, layers/mlp.py, functional.py RopeEmbeddingUtils): RmsNorms, no
+# biases, an MLP whose fc holds both halves of the gated pair (hidden_act swiglu), whole-rank embeddings; the rotary
+# part of each head (rotary_pct) rotates as rope_gpt_neox, by LongRoPE's short or long factors (long_rope) where the
+# config has them.
+
+
+def phi3_rope(ckpt: Checkpoint) -> dict:
+    """Phi3Config's rope fields, as from_hugging_face writes them, but long_rope for every LongRoPE config: the
+    converter keeps LongRoPE only where max_position_embeddings >= 128000 and rotates one with fewer positions without
+    its factors, as transformers does not; the model takes long_rope wherever config.json has the factors
+    (Phi3DecoderLayer asks hasattr(config, "longrope_scaling_short_factors"))."""
+    config, spec = ckpt.config, ckpt.spec
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    fields = {"position_embedding_type": "rope_gpt_neox", "rotary_scaling": None,
+              "rotary_base": float(params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0),
+              # Attention rotates int(head_size * rotary_pct) dims, as load.py reads partial_rotary_factor
+              "rotary_pct": spec.rotary_dim / spec.shape.head_dim}
+    if (original := longrope_length(config)) is not None:
+        fields.update(position_embedding_type="long_rope", original_max_position_embeddings=original,
+                      longrope_scaling_short_factors=list(params["short_factor"]),
+                      longrope_scaling_long_factors=list(params["long_factor"]))
+    return fields
+
+
+def phi3_mscale(max_positions: int, original: int) -> float:
+    """The factor Attention scales both LongRoPE tables by, when Phi3ForCausalLM gives it no mscale
+    (RopeEmbeddingUtils.create_sinusoidal_positions_long_rope_for_attention_plugin, _calc_mscale)."""
+    scale = max_positions / original
+    return 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(original))
+
+
+def phi3_unexported(ckpt: Checkpoint) -> str:
+    """Why TensorRT-LLM's Phi-3 model would compute a Phi-3 otherwise than transformers ("" where it would not)."""
+    shape = ckpt.spec.shape
+    if shape.head_dim * shape.num_heads != shape.hidden_size:
+        return (f"its heads of {shape.head_dim} dims are not hidden_size / num_attention_heads, which TensorRT-LLM's "
+                "Phi-3 model sizes them by (Phi3DecoderLayer gives its Attention no head size)")
+    # transformers' Phi3Config takes no rope scaling but LongRoPE (validate_rope), the one Phi3DecoderLayer hands on
+    if (original := longrope_length(ckpt.config)) is not None:
+        # transformers takes an attention_factor or factor from the config where given; TensorRT-LLM's table always
+        # derives its factor from the lengths
+        theirs = rotary_module(ckpt.spec.architecture, ckpt.config).attention_scaling
+        ours = phi3_mscale(ckpt.spec.max_position_embeddings, original)
+        if not math.isclose(theirs, ours, rel_tol=1e-6):
+            return (f"its LongRoPE attention factor {theirs:g}, where TensorRT-LLM's Phi-3 model scales its rotary "
+                    f"tables by {ours:g}, from max_position_embeddings / original_max_position_embeddings alone")
+    return ""
+
+
+def phi3_check_context(ckpt: Checkpoint, role: str, max_seq_len: int) -> None:
+    """Refuse a LongRoPE target past its original length: TensorRT-LLM rotates each step by the short or long
+    table as the batch's longest sequence is within original_max_position_embeddings or past it (layers/attention.py,
+    Attention.forward's select), keeping the keys it cached with the short one, where transformers' Phi-3 recomputes
+    its cache with the long one (load.rope_switch_length). A draft's rotation changes only its proposals."""
+    original = phi3_longrope_limit(ckpt)
+    if role == "target" and original is not None and original < max_seq_len:
+        raise UnsupportedModelError(
+            f"max_seq_len {max_seq_len} exceeds the target's LongRoPE original_max_position_embeddings ({original}), "
+            "past which TensorRT-LLM's Phi-3 model rotates new tokens with the long factors beside keys it cached with "
+            "the short ones, where transformers recomputes them; give --max-seq-len (or a recipe's max_seq_len) of "
+            f"{original} or less for the TensorRT-LLM export")
+
+
+def phi3_longrope_limit(ckpt: Checkpoint) -> int | None:
+    """A Phi-3's LongRoPE original length (None: another family, or no LongRoPE)."""
+    return longrope_length(ckpt.config) if ckpt.spec.architecture == "Phi3ForCausalLM" else None
+
+
+def phi3_config(ckpt: Checkpoint, config: dict) -> dict:
+    """Phi3Config: the rope fields (phi3_rope), hidden_act swiglu for silu (MLP then makes fc twice
+    intermediate_size wide), tie_word_embeddings (the converter writes lm_head.weight either way)."""
+    return {**config, "hidden_act": "swiglu", "tie_word_embeddings": ckpt.spec.tie_word_embeddings, **phi3_rope(ckpt)}
+
+
+def phi3_tensors(ckpt: Checkpoint, names: set[str]) -> Iterator[Out]:
+    """models/phi3/convert.py load_weights_from_hf_model: qkv_proj ([q; k; v]) is attention.qkv, split per rank as
+    every fused qkv is (split_weights_tp's split of q, k and v; each KV head repeated where there are fewer than
+    ranks, which its converter cannot split and the Attention layer reads as LLaMA's); gate_up_proj ([gate; up]) is
+    mlp.fc with its halves swapped to [up; gate], which MLP's swiglu reads on each rank as silu(second half) times the
+    first (layers/mlp.py, functional.py swiglu). split_weights_tp splits that fc in plain chunks, so that at tp 2 rank 0
+    would hold all of up and rank 1 all of gate, which that swiglu misreads; each rank gets its own rows of both
+    (GATED_FC) instead, as a mixture's fc is split."""
+    read, shape = ckpt.tensor, ckpt.spec.shape
+    q_rows, kv_rows = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    yield Out("transformer.vocab_embedding.weight", REPLICATE, read("model.embed_tokens.weight"))
+    for i in range(shape.num_layers):
+        hf, trt = f"model.layers.{i}.", f"transformer.layers.{i}."
+        yield Out(trt + "input_layernorm.weight", REPLICATE, read(hf + "input_layernorm.weight"))
+        qkv = read(hf + "self_attn.qkv_proj.weight")
+        yield Out(trt + "attention.qkv.weight", QKV, tuple(np.split(qkv, [q_rows, q_rows + kv_rows])))
+        yield Out(trt + "attention.dense.weight", ROW, read(hf + "self_attn.o_proj.weight"))
+        yield Out(trt + "post_layernorm.weight", REPLICATE, read(hf + "post_attention_layernorm.weight"))
+        gate, up = np.split(read(hf + "mlp.gate_up_proj.weight"), 2)
+        yield Out(trt + "mlp.fc.weight", GATED_FC, (up, gate))
+        yield Out(trt + "mlp.proj.weight", ROW, read(hf + "mlp.down_proj.weight"))
+    yield Out("transformer.ln_f.weight", REPLICATE, read("model.norm.weight"))
+    yield Out("lm_head.weight", VOCAB, read("lm_head.weight" if "lm_head.weight" in names else
+                                            "model.embed_tokens.weight"))
+
+
 def shard(tensor: Out, layout: Layout, dtype) -> list[np.ndarray]:
     """The tensor's part on each rank, in the export's float type."""
     tp = layout.tp
@@ -686,9 +801,9 @@ def shard(tensor: Out, layout: Layout, dtype) -> list[np.ndarray]:
             k, v = (np.repeat(x.reshape(layout.kv_heads, layout.head_dim, -1), tp // layout.kv_heads, axis=0)
                     .reshape(tp * layout.head_dim, *x.shape[1:]) for x in (k, v))
         return [np.concatenate(parts) for parts in zip(*(np.split(x, tp) for x in (q, k, v)))]
-    if tensor.split == EXPERT_FC:  # each of up and gate split on its rows (dim 1), then joined per rank
-        up, gate = (np.split(_cast(part, dtype, tensor.name), tp, axis=1) for part in tensor.value)
-        return [np.concatenate(parts, axis=1) for parts in zip(up, gate)]
+    if tensor.split in (EXPERT_FC, GATED_FC):  # each of up and gate split on its rows, then joined per rank
+        up, gate = (np.split(_cast(part, dtype, tensor.name), tp, axis=-2) for part in tensor.value)
+        return [np.concatenate(parts, axis=-2) for parts in zip(up, gate)]
     value = _cast(tensor.value, dtype, tensor.name)
     if tensor.name.endswith("vocab_embedding.weight"):
         value = rows(value, layout.vocab)  # the draft's table padded (or cut) to the target's vocabulary

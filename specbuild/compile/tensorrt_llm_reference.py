@@ -2,12 +2,13 @@
 the proof of an export that was written without TensorRT-LLM (tensorrt_llm.py).
 
 It reads config.json and every rank{r}.safetensors and runs the prompt through the model TensorRT-LLM
-builds from them (models/llama, models/qwen, models/gpt model.py), rank by rank as tensor parallelism
+builds from them (models/llama, qwen, gpt, gemma and phi3 model.py), rank by rank as tensor parallelism
 computes: a column-parallel layer (layers/linear.py ColumnLinear) gives each rank its own slice of the
 outputs; a row-parallel one (RowLinear) gives each rank a partial sum of all outputs, which the all-reduce
 adds, and adds its bias once after; lm_head's slices are gathered. Attention follows layers/attention.py
 (the fused qkv of a rank holds that rank's q, k then v heads) with the gpt_attention plugin's rotary
-embedding (rope_gpt_neox: the two halves of each head rotate together) and causal softmax(q k^T / sqrt(d)).
+embedding (rope_gpt_neox: the two halves of each head's rotary part rotate together) and causal
+softmax(q k^T / sqrt(d)).
 All arithmetic is float64 so that what is compared is the layout, not rounding.
 """
 
@@ -26,6 +27,7 @@ GATED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3For
          "GraniteForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"}  # (the last two: MOE, moe_experts)
 LAYER_NORM = {"GPT2LMHeadModel"}  # models/gpt: MLP, LayerNorm, learned absolute positions
 GEMMA = {"Gemma3ForCausalLM"}  # models/gemma: GatedMLP, RmsNorm, norms around attention and MLP (gemma_layer)
+PHI3 = {"Phi3ForCausalLM"}  # models/phi3: MLP with swiglu (fc holds up and gate), RmsNorm, partial and LongRoPE rotary
 
 
 def logits(folder: str | Path, input_ids: list[int], windows: list[int] | None = None) -> np.ndarray:
@@ -34,11 +36,13 @@ def logits(folder: str | Path, input_ids: list[int], windows: list[int] | None =
     max_attention_window_size, repeated over the layers (None: the whole context at every layer)."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_bytes())
-    if config["architecture"] not in GATED | LAYER_NORM | GEMMA:
+    if config["architecture"] not in GATED | LAYER_NORM | GEMMA | PHI3:
         raise ValueError(f"{folder}: no reference for {config['architecture']}")
     model = Ranks([load_file(folder / f"rank{r}.safetensors") for r in range(config["mapping"]["tp_size"])])
     if config["architecture"] in GEMMA:
         return gemma_logits(model, config, input_ids, windows)
+    if config["architecture"] in PHI3:  # Phi3DecoderLayer gives its Attention no head size: hidden_size / heads
+        config = {**config, "head_size": config["hidden_size"] // config["num_attention_heads"]}
     gpt = config["architecture"] in LAYER_NORM
     positions = np.arange(len(input_ids))
     # LLaMAConfig's multipliers (Granite's; 1.0 by default): models/llama/model.py LLaMAModel, LLaMADecoderLayer
@@ -179,9 +183,12 @@ def qk_normalised(qkv: np.ndarray, heads: int, kv_heads: int, tensors: dict, pre
 
 def rotary_tables(config: dict, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin [S, 1, d/2] as functional.py RopeEmbeddingUtils.create_sinusoidal_positions_for_attention_
-    plugin computes them (in float32) from rotary_base and rotary_scaling."""
-    dim = config.get("head_size") or config["hidden_size"] // config["num_attention_heads"]
+    plugin computes them (in float32) from rotary_base and rotary_scaling, d the rotary part of a head (rotary_pct)."""
+    head = config.get("head_size") or config["hidden_size"] // config["num_attention_heads"]
+    dim = int(head * config.get("rotary_pct", 1.0))
     base, scaling = config.get("rotary_base", 10000.0), config.get("rotary_scaling") or {}
+    if config.get("position_embedding_type") == "long_rope":
+        return long_rope_tables(config, positions, dim)
     kind = scaling.get("type", scaling.get("rope_type", "none"))
     scale = 1.0 / scaling["factor"] if kind == "linear" else 1.0
     inv_freq = scale / (base ** (np.arange(0, dim, 2) / dim)).astype(np.float32)
@@ -191,6 +198,22 @@ def rotary_tables(config: dict, positions: np.ndarray) -> tuple[np.ndarray, np.n
         raise ValueError(f"no reference for rotary scaling {kind!r}")
     angles = np.einsum("i,j->ij", positions.astype(np.float32), inv_freq, dtype=np.float32)[:, None, :]
     return np.cos(angles).astype(np.float64), np.sin(angles).astype(np.float64)
+
+
+def long_rope_tables(config: dict, positions: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """RopeEmbeddingUtils.create_sinusoidal_positions_long_rope_for_attention_plugin: inv_freq 1 / (factor *
+    base^(2i/d)) in float32, cos and sin times its _calc_mscale of max_position_embeddings / original (no mscale in
+    config.json: Phi3ForCausalLM gives its Attention none). Attention.forward takes the short table while the batch's
+    longest sequence is within original_max_position_embeddings, the long one past it: in a context pass from an
+    empty cache, the prompt's length."""
+    original = config["original_max_position_embeddings"]
+    scale = config["max_position_embeddings"] / original
+    mscale = np.float32(1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(original)))
+    kind = "short" if len(positions) <= original else "long"
+    factors = np.asarray(config[f"longrope_scaling_{kind}_factors"], np.float32)
+    inv_freq = 1 / (factors * (config["rotary_base"] ** (np.arange(0, dim, 2) / dim)).astype(np.float32))
+    angles = np.einsum("i,j->ij", positions.astype(np.float32), inv_freq, dtype=np.float32)[:, None, :]
+    return (np.cos(angles) * mscale).astype(np.float64), (np.sin(angles) * mscale).astype(np.float64)
 
 
 def llama3_scaling(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:
@@ -206,14 +229,20 @@ def llama3_scaling(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:
 
 
 def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """rope_gpt_neox: dims i and i + d/2 of each head rotate by the same angle."""
-    first, second = np.split(x, 2, axis=-1)
-    return np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    """rope_gpt_neox: dims i and i + d/2 of each head's first d (the rotary part) rotate by the same angle; the
+    others pass."""
+    dim = 2 * cos.shape[-1]
+    first, second = np.split(x[..., :dim], 2, axis=-1)
+    return np.concatenate([first * cos - second * sin, second * cos + first * sin, x[..., dim:]], axis=-1)
 
 
 def mlp(x: np.ndarray, model: Ranks, prefix: str, config: dict, gpt: bool) -> np.ndarray:
     if config.get("moe", {}).get("num_experts", 0) > 1:  # MoeConfig.has_moe: the layer is a MOE (every layer)
         return moe_experts(x, model, prefix, config["moe"])
+    if config["hidden_act"] == "swiglu":  # MLP: each rank's fc output halved, silu(second half) * first
+        inter = [up * ACTIVATIONS["silu"](gate) for up, gate in
+                 (np.split(h, 2, axis=-1) for h in model.column(x, prefix + "fc"))]
+        return model.row(inter, prefix + "proj")
     act = ACTIVATIONS[config["hidden_act"]]
     if gpt:  # layers/mlp.py MLP: proj(act(fc(x)))
         inter = [act(h) for h in model.column(x, prefix + "fc")]
