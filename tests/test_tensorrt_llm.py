@@ -94,9 +94,14 @@ def pairs(tmp_path_factory, tokenizer):
     return get
 
 
-def transformers_logits(folder: Path, ids: list[int]) -> np.ndarray:
+def transformers_logits(folder: Path, ids: list[int], rounded_to: torch.dtype | None = None) -> np.ndarray:
+    """rounded_to: the type the weights are rounded to first, as the export rounds them (a Gemma norm's 1 + w, which
+    gemma3_tensors writes); the model still computes in float32."""
     model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    gemma = model.config.model_type.startswith("gemma")
     with torch.no_grad():
+        for name, p in model.named_parameters() if rounded_to else ():
+            p.copy_((1 + p).to(rounded_to).float() - 1 if gemma and name.endswith("norm.weight") else p.to(rounded_to))
         return model(torch.tensor([ids])).logits[0].double().numpy()
 
 
@@ -388,8 +393,11 @@ def test_splits_tensorrt_llm_cannot_make_and_windows_shorter_than_the_context_ar
         tensorrt_llm.check_exportable(window, "target", 1, 64)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3", "phi3-rope"])
-def test_bf16_export_writes_bf16_weights_that_still_compute_the_model(pairs, tokenizer, tmp_path, family):
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "phi3", "phi3-rope"])
+def test_bf16_export_writes_bf16_weights_that_compute_the_model_with_its_weights_rounded(pairs, tokenizer, tmp_path,
+                                                                                        family):
+    """Against transformers with its weights rounded to bf16 as the export rounds them: what differs from the
+    float32 model (phi3's 6.6% of the largest logit) is that rounding alone, and a layout slip still shows."""
     target = pairs(family)[0]
     checkpoint = export(target, tmp_path / "t", 2, precision="bf16")
     assert json.loads((checkpoint / "config.json").read_text())["dtype"] == "bfloat16"
@@ -397,8 +405,7 @@ def test_bf16_export_writes_bf16_weights_that_still_compute_the_model(pairs, tok
     assert {t.dtype for t in tensors.values()} == {np.dtype(ml_dtypes.bfloat16)}
     ids = tokenizer(PROMPTS[5])["input_ids"]
     ours = reference.logits(checkpoint, ids, plan_windows(target))[:, :TARGET_VOCAB]
-    theirs = transformers_logits(target, ids)
-    assert np.abs(ours - theirs).max() < 0.05 * np.abs(theirs).max()
+    assert np.abs(ours - transformers_logits(target, ids, torch.bfloat16)).max() <= TOLERANCE
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "phi3"])
