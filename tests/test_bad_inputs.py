@@ -440,7 +440,8 @@ CASES = [
          "context holds 3 tokens", "Give a `--max-seq-len` above `--gamma` (contexts are hundreds of tokens or more)."),
     Case("`--max-seq-len` beyond the model's positions", compile_args("{tmp}/bundle", "--max-seq-len", "4096"), 1,
          "max_position_embeddings", "Use the largest length the message names, or less."),
-    Case("`--max-seq-len` beyond a LongRoPE target's original length (a Llama with rope_type longrope; Phi-3 compiles)",
+    Case("`--max-seq-len` beyond a LongRoPE target's original length (a Llama with rope_type longrope; Phi-3 compiles, "
+         "but for `--backend tensorrt-llm`: below)",
          compile_args(), 1,
          "LongRoPE original_max_position_embeddings", "Use the length the message names, or less (the default stops there).",
          setup=a_longrope_target),
