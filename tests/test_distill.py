@@ -851,7 +851,9 @@ FULL, SLIDING = "full_attention", "sliding_attention"
     ("qwen3moe", {"model_type": "qwen3_moe", "sliding_window": 8}, "add use_sliding_window=true$"),
     ("olmo3", {"num_hidden_layers": 2, "layer_types": [FULL, FULL], "sliding_window": 4},
      'sliding_window=4 slides no layer of the 2-layer draft; add layer_types listing "sliding_attention" layers'),
-    ("llama", {"sliding_window": 8}, r"remove it \(the draft's LlamaForCausalLM layers ignore it\)")])
+    ("llama", {"sliding_window": 8}, r"remove it \(no other window key of the draft's LlamaForCausalLM makes it "),
+    # the rule of every draft's depth: max_window_layers=2 slides no layer of a 1-layer one, whatever else is given
+    ("qwen3moe", {"max_window_layers": 2}, r"remove it \(no other window key of the draft's Qwen3ForCausalLM makes")])
 def test_a_draft_window_override_that_slides_no_layer_is_refused_naming_the_keys_it_needs(checkpoints, target,
                                                                                          overrides, refusal):
     """transformers' rules (Qwen's: layer i slides where use_sliding_window and i >= max_window_layers) left these
@@ -868,7 +870,9 @@ def test_a_draft_window_override_that_slides_no_layer_is_refused_naming_the_keys
     ("gemma3", {"num_hidden_layers": 4, "sliding_window_pattern": 4}, [8, 8, 8, None]),  # every 4th full; was 2nd
     ("qwen2-window", {"use_sliding_window": False}, [None]),  # no window asked for, none had: taken
     ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}, [8]),
-    ("olmo3", {"num_hidden_layers": 2, "layer_types": [FULL, SLIDING], "sliding_window": 4}, [None, 4])])
+    ("olmo3", {"num_hidden_layers": 2, "layer_types": [FULL, SLIDING], "sliding_window": 4}, [None, 4]),
+    # what Gemma 2's rule gives a 4-layer draft anyway, written out: the draft's own value, not a no-op to refuse
+    ("gemma2", {"num_hidden_layers": 4, "layer_types": [SLIDING, FULL] * 2, "sliding_window": 4}, [4, None, 4, None])])
 def test_a_draft_window_override_with_the_keys_it_needs_decides_the_compiled_windows(checkpoints, target, overrides,
                                                                                       windows):
     """Gemma 3's class makes layer_types of sliding_window_pattern only when a config is built, as Qwen's does of

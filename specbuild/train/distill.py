@@ -183,9 +183,12 @@ def _check_windows(default, base, target_config, overrides: dict, config) -> Non
     known = default.to_dict()
     for key, value in overrides.items():
         off = value is None or value is False  # 0 is a max_window_layers
-        if key not in WINDOW_KEYS or value == known.get(key) or (off and not any(windows)):
-            continue  # what the draft had, or no window where none was asked for
-        if windows != _windows(_overridden(default, base, target_config, _without(overrides, key))):
+        if key not in WINDOW_KEYS or (off and not any(windows)):
+            continue  # no window where none was asked for
+        # what the draft has without it, the other overrides applied: Gemma 2's rule gives a 4-layer draft the
+        # layer_types s f s f that a user may also write out
+        without = _overridden(default, base, target_config, _without(overrides, key))
+        if value == getattr(without, key, None) or windows != _windows(without):
             continue
         depth = config.num_hidden_layers
         others = [k for k in WINDOW_KEYS if k in known and k != key]
@@ -193,7 +196,8 @@ def _check_windows(default, base, target_config, overrides: dict, config) -> Non
                     if _counts(default, base, target_config, overrides, key, keys, depth)), None)
         done = f"{'changes no window' if any(windows) else 'slides no layer'} of the {depth}-layer draft"
         advice = (f"add {' and '.join(WINDOW_KEYS[k][0] for k in fix)}" if fix else
-                  f"remove it (the draft's {(config.architectures or [config.model_type])[0]} layers ignore it)")
+                  f"remove it (no other window key of the draft's {(config.architectures or [config.model_type])[0]} "
+                  "makes it count)")
         raise TrainingError(f"--draft-config {key}={value!r} {done}; {advice}")
 
 
