@@ -473,7 +473,7 @@ def test_a_dense_targets_default_draft_is_of_its_own_config_class_and_keys(check
 
 @pytest.mark.parametrize("architecture, overrides, message", [
     ("qwen3moe", {"model_type": "mistral"},
-     "^--draft-config model_type='mistral': a new draft is of the target's model_type \\(qwen3_moe\\) or its dense "
+     "^--draft-config model_type=mistral: a new draft is of the target's model_type \\(qwen3_moe\\) or its dense "
      "sibling's \\(qwen3, the default\\); to draft with another architecture, pass its checkpoint with --init$"),
     ("qwen3moe", {"num_experts": 4},
      "^--draft-config num_experts: the draft's qwen3 config \\(the dense sibling of the target's qwen3_moe; "
@@ -757,7 +757,7 @@ def test_draft_config_values_that_make_no_compilable_draft_are_refused_before_tr
 
 @pytest.mark.parametrize("overrides, message", [
     ({"hiden_size": 64}, "^--draft-config hiden_size: the target's config.json has no such key"),
-    ({"num_hidden_layers": "abc"}, "^--draft-config num_hidden_layers='abc': must be of type int"),
+    ({"num_hidden_layers": "abc"}, "^--draft-config num_hidden_layers=abc: must be of type int"),
 ])
 def test_a_draft_config_key_or_value_the_target_cannot_take_is_refused_before_the_target_loads(pair, tmp_path,
                                                                                               monkeypatch, overrides,
@@ -841,7 +841,7 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 
 @pytest.mark.parametrize("target, overrides, refusal", [
     # the target's max_window_layers (the class's 28) is the 1-layer draft's depth or more: every layer stays full
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window=True slides no layer of the "
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window=true slides no layer of the "
      "1-layer draft; add max_window_layers=K .layers from K on slide.$"),
     ("qwen2-window", {"sliding_window": 4}, "sliding_window=4 slides no layer of the 1-layer draft; add "
      "max_window_layers=K"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import time
 from collections import Counter
 from pathlib import Path
@@ -127,12 +128,12 @@ def _overridden(default, base, target_config, overrides: dict):
             raise TrainingError(f"--draft-config {key}: {where} has no such key (its shape keys: {', '.join(shape)})")
         current = known[key]
         if current is not None and type(value) is not type(current) and not (type(current) is float and type(value) is int):
-            raise TrainingError(f"--draft-config {key}={value!r}: must be of type {type(current).__name__}, as the "
-                                f"{'target' if own else 'draft'}'s {key} = {current!r} is")
+            raise TrainingError(f"--draft-config {key}={_typed(value)}: must be of type {type(current).__name__}, as "
+                                f"the {'target' if own else 'draft'}'s {key} = {_typed(current)} is")
         try:
             setattr(config, key, value)
         except Exception as exc:  # transformers' strict config classes check some values themselves
-            raise TrainingError(f"--draft-config {key}={value!r}: {first_line(exc)}") from None
+            raise TrainingError(f"--draft-config {key}={_typed(value)}: {first_line(exc)}") from None
     _check_shape(config)
     if getattr(config, "head_dim", None) and "head_dim" not in overrides:
         config.head_dim = config.hidden_size // config.num_attention_heads
@@ -151,6 +152,12 @@ def _overridden(default, base, target_config, overrides: dict):
             pattern = base.layer_types
             config.layer_types = [pattern[i % len(pattern)] for i in range(config.num_hidden_layers)]
     return config
+
+
+def _typed(value) -> str:
+    """value as typed after --draft-config KEY=: JSON (true, null, [...]) where the command line read it as JSON,
+    else the text itself; Python's True and None are not what the user wrote."""
+    return value if isinstance(value, str) else json.dumps(value, default=repr)
 
 
 def _rebuilt(config, changes: dict | None = None):
@@ -198,7 +205,7 @@ def _check_windows(default, base, target_config, overrides: dict, config) -> Non
         advice = (f"add {' and '.join(WINDOW_KEYS[k][0] for k in fix)}" if fix else
                   f"remove it (no other window key of the draft's {(config.architectures or [config.model_type])[0]} "
                   "makes it count)")
-        raise TrainingError(f"--draft-config {key}={value!r} {done}; {advice}")
+        raise TrainingError(f"--draft-config {key}={_typed(value)} {done}; {advice}")
 
 
 def _counts(default, base, target_config, overrides: dict, key: str, keys: tuple[str, ...], depth: int) -> bool:
@@ -250,8 +257,8 @@ def _draft_base(target_config, model_type):
     if model_type not in (None, own, sibling):  # the config's class would stay the one chosen here: a mislabeled draft
         either = (f"the target's model_type ({own}) or its dense sibling's ({sibling}, the default)" if sibling else
                   f"the target's model_type ({own})")
-        raise TrainingError(f"--draft-config model_type={model_type!r}: a new draft is of {either}; to draft with "
-                            "another architecture, pass its checkpoint with --init")
+        raise TrainingError(f"--draft-config model_type={_typed(model_type)}: a new draft is of {either}; to draft "
+                            "with another architecture, pass its checkpoint with --init")
     return target_config if sibling is None or model_type == own else _dense_sibling(target_config, sibling)
 
 
