@@ -872,7 +872,11 @@ def test_a_draft_window_override_that_slides_no_layer_is_refused_naming_the_keys
     ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}, [8]),
     ("olmo3", {"num_hidden_layers": 2, "layer_types": [FULL, SLIDING], "sliding_window": 4}, [None, 4]),
     # what Gemma 2's rule gives a 4-layer draft anyway, written out: the draft's own value, not a no-op to refuse
-    ("gemma2", {"num_hidden_layers": 4, "layer_types": [SLIDING, FULL] * 2, "sliding_window": 4}, [4, None, 4, None])])
+    ("gemma2", {"num_hidden_layers": 4, "layer_types": [SLIDING, FULL] * 2, "sliding_window": 4}, [4, None, 4, None]),
+    # null turns the window off where the class allows it: the type check refused it as not the target's int
+    ("mistral-window", {"sliding_window": None}, [None]), ("phi3", {"sliding_window": None}, [None]),
+    ("mixtral", {"sliding_window": None}, [None]),
+    ("gemma2", {"num_hidden_layers": 2, "layer_types": [FULL] * 2}, [None] * 2)])  # Gemma's way to turn it off
 def test_a_draft_window_override_with_the_keys_it_needs_decides_the_compiled_windows(checkpoints, target, overrides,
                                                                                       windows):
     """Gemma 3's class makes layer_types of sliding_window_pattern only when a config is built, as Qwen's does of
@@ -882,6 +886,19 @@ def test_a_draft_window_override_with_the_keys_it_needs_decides_the_compiled_win
     config = shrunk_config(load_config(checkpoints(target), "target"), overrides)
     config = type(config).from_dict(config.to_dict())  # as compile reads the draft's config.json
     assert model_spec(config, config.architectures[0], Path("draft"), "draft").sliding_windows == windows
+
+
+@pytest.mark.parametrize("target", ["gemma2", "gemma3", "olmo3"])
+def test_a_null_sliding_window_is_refused_where_the_draft_layers_need_a_window(checkpoints, target):
+    """Their classes take sliding_window=None, and their models fail on it in the first forward pass (a TypeError
+    or ValueError in transformers), whatever layer_types says."""
+    from specbuild.compile.load import load_config
+
+    refusal = (r"^--draft-config sliding_window=null: the draft's \w+ layers need a window; to turn it off, list "
+               "full_attention layers alone in layer_types")
+    for overrides in ({"sliding_window": None}, {"sliding_window": None, "layer_types": [FULL]}):  # depth 1
+        with pytest.raises(TrainingError, match=refusal):
+            shrunk_config(load_config(checkpoints(target), "target"), overrides)
 
 
 def test_a_default_draft_of_a_longrope_target_takes_its_factors_at_its_own_heads_width(tmp_path, tokenizer):

@@ -127,13 +127,19 @@ def _overridden(default, base, target_config, overrides: dict):
                      "mixture-of-experts draft)")
             raise TrainingError(f"--draft-config {key}: {where} has no such key (its shape keys: {', '.join(shape)})")
         current = known[key]
-        if current is not None and type(value) is not type(current) and not (type(current) is float and type(value) is int):
-            raise TrainingError(f"--draft-config {key}={_typed(value)}: must be of type {type(current).__name__}, as "
-                                f"the {'target' if own else 'draft'}'s {key} = {_typed(current)} is")
+        mistyped = current is not None and type(value) is not type(current) and not (
+            type(current) is float and type(value) is int)
+        typed = (f"must be of type {type(current).__name__}, as the {'target' if own else 'draft'}'s {key} = "
+                 f"{_typed(current)} is")
+        if mistyped and value is not None:
+            raise TrainingError(f"--draft-config {key}={_typed(value)}: {typed}")
         try:
+            # transformers' strict config classes check some values themselves, null among them: it passes where the
+            # field may be None, so that sliding_window=null turns a Mistral's, Phi-3's or Mixtral's window off
             setattr(config, key, value)
-        except Exception as exc:  # transformers' strict config classes check some values themselves
-            raise TrainingError(f"--draft-config {key}={_typed(value)}: {first_line(exc)}") from None
+        except Exception as exc:
+            reason = typed if mistyped else first_line(exc)
+            raise TrainingError(f"--draft-config {key}={_typed(value)}: {reason}") from None
     _check_shape(config)
     if getattr(config, "head_dim", None) and "head_dim" not in overrides:
         config.head_dim = config.hidden_size // config.num_attention_heads
@@ -151,6 +157,12 @@ def _overridden(default, base, target_config, overrides: dict):
             # depth, and a deeper num_hidden_layers outgrew it (an IndexError in transformers)
             pattern = base.layer_types
             config.layer_types = [pattern[i % len(pattern)] for i in range(config.num_hidden_layers)]
+    if "sliding_window" in overrides and overrides["sliding_window"] is None and hasattr(config, "layer_types") and (
+            not hasattr(config, "use_sliding_window")):
+        # Gemma's and OLMo 3's classes take the null, and their models fail on it in the first forward pass, all
+        # layers full or not; Qwen's switch their window off with use_sliding_window, Mistral's have no layer_types
+        raise TrainingError(f"--draft-config sliding_window=null: the draft's {config.model_type} layers need a "
+                            "window; to turn it off, list full_attention layers alone in layer_types instead")
     return config
 
 
