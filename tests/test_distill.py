@@ -836,6 +836,27 @@ def test_a_qwen2_target_listing_layer_types_of_no_rule_gives_a_deeper_draft_its_
     assert model_spec(config, "Qwen2ForCausalLM", Path("draft"), "draft").sliding_windows == [8, None, 8, 8]
 
 
+def test_a_window_override_reads_the_rule_anew_on_a_target_listing_layer_types_of_no_rule(tmp_path, tokenizer):
+    """Where the target's list is no rule's, its pattern is repeated, unless a window key the user gives moves the
+    rule's result: then the rule decides, as the draft's class reads its config.json."""
+    from specbuild.compile.load import load_config, model_spec
+
+    listed = ["sliding_attention", "full_attention", "sliding_attention"]
+    target_config = load_config(make_checkpoint(tmp_path, "qwen2-window", tokenizer, layer_types=listed), "target")
+    config = shrunk_config(target_config, {"num_hidden_layers": 4, "max_window_layers": 2})
+    assert model_spec(config, "Qwen2ForCausalLM", Path("draft"), "draft").sliding_windows == [None, None, 8, 8]
+
+
+@pytest.mark.parametrize("target, windows", [("gemma2", [8, None, 8, None]), ("gemma3", [8, None, 8, None])])
+def test_a_draft_deeper_than_a_gemma_target_alternates_as_its_class_does(checkpoints, target, windows):
+    """The 3-layer targets' s f s follows their class's rule (every 2nd layer full), so a 4-layer draft's list is
+    the rule's, not the target's list repeated (s f s s)."""
+    from specbuild.compile.load import load_config, model_spec
+
+    config = shrunk_config(load_config(checkpoints(target), "target"), {"num_hidden_layers": 4})
+    assert model_spec(config, config.architectures[0], Path("draft"), "draft").sliding_windows == windows
+
+
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
