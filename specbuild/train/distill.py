@@ -8,6 +8,7 @@ number that decides; it is measured here exactly and cheaply with torch.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import json
 import time
@@ -105,8 +106,9 @@ def shrunk_config(target_config, overrides: dict | None = None):
     default = candidates[fitting[-1] if fitting else sized[0][1]]
     # GPT-2's n_layer is also num_hidden_layers, ...
     overrides = {default.attribute_map.get(key, key): value for key, value in (overrides or {}).items()}
-    config = _overridden(default, base, target_config, overrides)
-    _check_windows(default, base, target_config, overrides, config)
+    draft = functools.partial(_overridden, default, base, target_config)  # _check_windows rebuilds it, keys moved
+    config = draft(overrides)
+    _check_windows(draft, overrides, config)
     # to the heads the overrides made, from the target's lists (the default shape's are already thinned), unless the
     # overrides gave their own
     _fit_rope_factors(config, None if {"rope_parameters", "rope_scaling"} & set(overrides) else base)
@@ -191,7 +193,7 @@ WINDOW_KEYS = {"use_sliding_window": ("use_sliding_window=true", True),
                "layer_types": ('layer_types listing "sliding_attention" layers', "sliding_attention")}
 
 
-def _check_windows(default, base, target_config, overrides: dict, config) -> None:
+def _check_windows(draft, overrides: dict, config) -> None:
     """TrainingError for an override of a window key that changes no layer's window as compile reads the draft,
     naming the keys that would make it count. Refused rather than completed: which layers slide (Qwen's
     max_window_layers=K) is the user's to choose, and transformers, vLLM and TGI would run the same config.json with
@@ -199,20 +201,20 @@ def _check_windows(default, base, target_config, overrides: dict, config) -> Non
     windows = _windows(config) if WINDOW_KEYS.keys() & overrides.keys() else None
     if windows is None:
         return  # no window key given, or a draft compile cannot read (_check_pair says why)
-    known = default.to_dict()
+    known = config.to_dict()
     for key, value in overrides.items():
         off = value is None or value is False  # 0 is a max_window_layers
         if key not in WINDOW_KEYS or (off and not any(windows)):
             continue  # no window where none was asked for
         # what the draft has without it, the other overrides applied: Gemma 2's rule gives a 4-layer draft the
         # layer_types s f s f that a user may also write out
-        without = _overridden(default, base, target_config, _without(overrides, key))
+        without = draft(_without(overrides, key))
         if value == getattr(without, key, None) or windows != _windows(without):
             continue
         depth = config.num_hidden_layers
         others = [k for k in WINDOW_KEYS if k in known and k != key]
         fix = next((keys for n in range(1, len(others) + 1) for keys in itertools.combinations(others, n)
-                    if _counts(default, base, target_config, overrides, key, keys, depth)), None)
+                    if _counts(draft, overrides, key, keys, depth)), None)
         done = f"{'changes no window' if any(windows) else 'slides no layer'} of the {depth}-layer draft"
         advice = (f"add {' and '.join(WINDOW_KEYS[k][0] for k in fix)}" if fix else
                   f"remove it (no other window key of the draft's {(config.architectures or [config.model_type])[0]} "
@@ -220,13 +222,12 @@ def _check_windows(default, base, target_config, overrides: dict, config) -> Non
         raise TrainingError(f"--draft-config {key}={_typed(value)} {done}; {advice}")
 
 
-def _counts(default, base, target_config, overrides: dict, key: str, keys: tuple[str, ...], depth: int) -> bool:
+def _counts(draft, overrides: dict, key: str, keys: tuple[str, ...], depth: int) -> bool:
     """Whether the override of key changes the draft's windows once keys are given values that let windows in."""
     enabling = {k: [WINDOW_KEYS[k][1]] * depth if k == "layer_types" else WINDOW_KEYS[k][1] for k in keys}
     given = {**overrides, **enabling}
     try:
-        return (_windows(_overridden(default, base, target_config, given)) !=
-                _windows(_overridden(default, base, target_config, _without(given, key))))
+        return _windows(draft(given)) != _windows(draft(_without(given, key)))
     except TrainingError:  # a value this config class refuses
         return False
 
