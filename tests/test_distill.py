@@ -922,6 +922,16 @@ def test_a_null_sliding_window_is_refused_where_the_draft_layers_need_a_window(c
             shrunk_config(load_config(checkpoints(target), "target"), overrides)
 
 
+def test_a_draft_layer_types_of_another_depth_is_refused_in_one_line(checkpoints):
+    """transformers' strict config class checks the list's length against num_hidden_layers only when a config is
+    built: the window check built one and its traceback escaped as a bug in specbuild."""
+    from specbuild.compile.load import load_config
+
+    with pytest.raises(TrainingError, match=r"^--draft-config: `num_hidden_layers` \(1\) must be equal to the number "
+                                            r"of `layer_types` \(2\)$"):
+        shrunk_config(load_config(checkpoints("gemma2"), "target"), {"layer_types": [FULL, FULL]})
+
+
 def test_a_default_draft_of_a_longrope_target_takes_its_factors_at_its_own_heads_width(tmp_path, tokenizer):
     """Phi-3.5 and Phi-4-mini list a LongRoPE factor for each rotary pair of their heads; a default draft's heads
     are narrower, and sizing it failed in transformers (a RuntimeError, reported as a bug in specbuild)."""
@@ -984,6 +994,19 @@ def test_the_default_draft_of_every_released_shape_builds_and_runs_a_forward_pas
     with torch.device("meta"):
         logits = AutoModelForCausalLM.from_config(config)(input_ids=torch.tensor([[1, 2, 3]])).logits
     assert logits.shape == (1, 3, config.vocab_size)
+
+
+def test_a_window_override_beside_heads_of_another_width_builds_a_longrope_draft():
+    """The window check builds the draft through its class, which refuses LongRoPE factors of other heads: they were
+    fitted only after it, and Phi-4-mini with 8 heads and a sliding_window failed in transformers' traceback."""
+    from transformers import AutoConfig
+
+    from specbuild.compile.load import model_spec
+
+    target_config = AutoConfig.for_model(**json.loads((RELEASED_SHAPES / "phi-4-mini.json").read_text()))
+    config = shrunk_config(target_config, {"num_attention_heads": 8, "num_key_value_heads": 8, "sliding_window": 4096})
+    windows = model_spec(config, "Phi3ForCausalLM", Path("draft"), "draft").sliding_windows
+    assert windows == [4096] * config.num_hidden_layers
 
 
 def test_a_target_with_fewer_embedding_rows_than_its_tokenizer_is_refused_as_compile_refuses_it(pair, tmp_path,

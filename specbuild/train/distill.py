@@ -109,9 +109,6 @@ def shrunk_config(target_config, overrides: dict | None = None):
     draft = functools.partial(_overridden, default, base, target_config)  # _check_windows rebuilds it, keys moved
     config = draft(overrides)
     _check_windows(draft, overrides, config)
-    # to the heads the overrides made, from the target's lists (the default shape's are already thinned), unless the
-    # overrides gave their own
-    _fit_rope_factors(config, None if {"rope_parameters", "rope_scaling"} & set(overrides) else base)
     return config
 
 
@@ -165,6 +162,10 @@ def _overridden(default, base, target_config, overrides: dict):
         # layers full or not; Qwen's switch their window off with use_sliding_window, Mistral's have no layer_types
         raise TrainingError(f"--draft-config sliding_window=null: the draft's {config.model_type} layers need a "
                             "window; to turn it off, list full_attention layers alone in layer_types instead")
+    # to the heads the overrides made, from the target's lists (the default shape's are already thinned), unless the
+    # overrides gave their own; here, not after, as the window checks build each probe through its class, which
+    # refuses factors of other heads (Phi-4-mini with 8 heads and sliding_window=4096: transformers' traceback)
+    _fit_rope_factors(config, None if {"rope_parameters", "rope_scaling"} & set(overrides) else base)
     return config
 
 
@@ -242,6 +243,9 @@ def _windows(config) -> list[int | None] | None:
     architecture = (config.architectures or [None])[0]
     try:
         read = type(config).from_dict(config.to_dict())
+    except Exception as exc:  # the class's checks of the whole config (a layer_types of another depth), in its cause
+        raise TrainingError(f"--draft-config: {first_line(exc.__cause__ or exc)}") from None
+    try:
         return model_spec(read, architecture, Path("draft"), "draft").sliding_windows
     except (CheckpointError, KeyError):
         return None
