@@ -20,7 +20,7 @@ def test_the_compiler_never_imports_training():
 # weights precision and quantize make as the engine is written; gamma measures α for quality and the TensorRT-LLM
 # export; bundle names the export's folder; pipeline runs them all.
 COMPILE_ORDER = ("load", "reference", "precision", "quantize", "graphs", "export", "gamma", "quality", "check",
-                 "tensorrt_llm", "tensorrt_llm_reference", "bundle", "pipeline")
+                 "tensorrt_llm", "bundle", "pipeline")
 # What the compiler serves, which it never imports (the layout's promise, README Layout)
 ABOVE_THE_COMPILER = ("specbuild.train", "specbuild.bench", "specbuild.cli", "specbuild.command", "specbuild.demo",
                       "specbuild.verify")

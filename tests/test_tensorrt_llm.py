@@ -20,9 +20,15 @@ from safetensors.numpy import load_file, save_file
 
 from conftest import PROMPTS, make_checkpoint
 from specbuild import cli
-from specbuild.compile import compile_bundle, gamma, tensorrt_llm
-from specbuild.compile import tensorrt_llm_reference as reference
+from specbuild.compile import compile_bundle, gamma
 from specbuild.compile.load import ARCHITECTURES, load_checkpoint
+from specbuild.compile.tensorrt_llm import families, reference
+from specbuild.compile.tensorrt_llm.checkpoint import QUANTIZED_WEIGHTS, RankFile, write_checkpoint
+from specbuild.compile.tensorrt_llm.gemma import gemma3_pattern
+from specbuild.compile.tensorrt_llm.layout import Layout
+from specbuild.compile.tensorrt_llm.plans import build_script, llm_api_yaml, run_script
+from specbuild.compile.tensorrt_llm.support import check_exportable, check_pair, context_limit, exports, unexported
+from specbuild.compile.tensorrt_llm.windows import attention_windows, window_limit
 from specbuild.errors import ExternalToolError, SettingsError, UnsupportedModelError
 from specbuild.recipe import CompileSettings, resolve_settings
 from specbuild_runtime import SpeculativeDecoder
@@ -106,15 +112,15 @@ def transformers_logits(folder: Path, ids: list[int], rounded_to: torch.dtype | 
 
 
 def export(folder: Path, out: Path, tp: int, precision: str = "fp32", quantization: str = "none") -> Path:
-    tensorrt_llm.write_checkpoint(load_checkpoint(folder, "test"), out, out.parent / "scratch", tp, TARGET_VOCAB,
-                                  precision, quantization)
+    write_checkpoint(load_checkpoint(folder, "test"), out, out.parent / "scratch", tp, TARGET_VOCAB,
+                     precision, quantization)
     return out
 
 
 def plan_windows(source: Path) -> list[int] | None:
     """The per-layer windows run.sh gives a pair of two such models (None: no window within CONTEXT)."""
     ckpt = load_checkpoint(source, "test")
-    return tensorrt_llm.attention_windows(ckpt, ckpt, CONTEXT)
+    return attention_windows(ckpt, ckpt, CONTEXT)
 
 
 def deviation(checkpoint: Path, source: Path, tokenizer, whole_context: bool = False) -> float:
@@ -228,8 +234,8 @@ def test_a_drafts_own_padding_rows_score_the_mean_logit_as_the_rows_it_lacks_do(
     assert theirs[:, :vocab].max() < 0 and (theirs.argmax(-1) >= vocab).all()
     for tp in (1, 2):
         out = tmp_path / f"tp{tp}"
-        tensorrt_llm.write_checkpoint(load_checkpoint(folder, "test"), out, out.parent / "scratch", tp, TARGET_VOCAB,
-                                      "fp32", "none", tokens=vocab)
+        write_checkpoint(load_checkpoint(folder, "test"), out, out.parent / "scratch", tp, TARGET_VOCAB,
+                         "fp32", "none", tokens=vocab)
         ours = reference.logits(out, ids)
         assert (ours.argmax(-1) == theirs[:, :vocab].argmax(-1)).all(), tp
 
@@ -252,7 +258,7 @@ def test_splitting_the_fused_qkv_in_plain_chunks_fails_the_reference(pairs, toke
 
 def test_fewer_kv_heads_than_ranks_are_repeated_in_head_order(pairs, tmp_path):
     checkpoint = export(pairs("llama")[0], tmp_path / "t", 4)
-    manifest_ranks = tensorrt_llm.Layout(4, 4, 2, 16, 128, TARGET_VOCAB).ranks()
+    manifest_ranks = Layout(4, 4, 2, 16, 128, TARGET_VOCAB).ranks()
     assert [r["kv_heads"] for r in manifest_ranks] == [[0], [0], [1], [1]]
     qkv = [load_file(checkpoint / f"rank{r}.safetensors")["transformer.layers.0.attention.qkv.weight"] for r in range(4)]
     assert all(q.shape == (16 + 2 * 16, 64) for q in qkv)  # one query, one key and one value head per rank
@@ -267,8 +273,8 @@ def test_a_qk_normalised_model_with_as_many_kv_as_query_heads_per_rank_is_refuse
     ckpt = load_checkpoint(folder, "target")
     for tp in (1, 2):
         with pytest.raises(UnsupportedModelError, match=f"--tp {tp}.*choose a --tp"):
-            tensorrt_llm.check_exportable(ckpt, "target", tp, 64)
-    tensorrt_llm.check_exportable(ckpt, "target", 4, 64)  # one head per rank: both readings agree
+            check_exportable(ckpt, "target", tp, 64)
+    check_exportable(ckpt, "target", 4, 64)  # one head per rank: both readings agree
     assert deviation(export(folder, tmp_path / "tp4", 4), folder, tokenizer) <= TOLERANCE
     assert deviation(export(folder, tmp_path / "tp1", 1), folder, tokenizer) > 100 * TOLERANCE
 
@@ -334,13 +340,13 @@ def test_the_released_gemma_3_1b_shape_exports_and_with_gemma_3_4bs_rope_scaling
                                path=Path("g"))
 
     one, four = shape(), shape(sliding_window=1024, rope_scaling={"rope_type": "linear", "factor": 8.0})
-    assert tensorrt_llm.unexported(one) == "" and tensorrt_llm.gemma3_pattern(one.spec) == 6
+    assert unexported(one) == "" and gemma3_pattern(one.spec) == 6
     for tp in (1, 2, 4):  # 4 query heads, 1 key/value head
-        tensorrt_llm.check_pair(one, one, 4096, tp)
-    assert tensorrt_llm.attention_windows(one, one, 4096) == [512] * 5 + [4096]
-    assert "sliding-window layers as well" in tensorrt_llm.unexported(four)
-    assert not tensorrt_llm.exports(four, one)
-    tensorrt_llm.check_pair(four, one, 4096, 1)
+        check_pair(one, one, 4096, tp)
+    assert attention_windows(one, one, 4096) == [512] * 5 + [4096]
+    assert "sliding-window layers as well" in unexported(four)
+    assert not exports(four, one)
+    check_pair(four, one, 4096, 1)
 
 
 def test_gemma3_past_its_window_is_computed_only_with_the_windows_run_sh_gives(pairs, tokenizer, tmp_path):
@@ -360,7 +366,7 @@ def test_run_plan_gives_each_gemma3_layer_its_window_past_it(pairs, tmp_path):
     assert {"tensorrt-llm/target/rank1.safetensors", "tensorrt-llm/draft/rank1.safetensors"} <= set(manifest.files)
     run = (tmp_path / "b" / "tensorrt-llm" / "run.sh").read_text()
     assert "  --max_attention_window_size 8 64 \\\n" in run, run
-    assert tensorrt_llm.attention_windows(*(load_checkpoint(f, "x") for f in (target, draft)), 8) is None
+    assert attention_windows(*(load_checkpoint(f, "x") for f in (target, draft)), 8) is None
 
 
 def test_gemma3_windows_one_run_py_list_cannot_give_both_engines_are_refused(checkpoints):
@@ -368,16 +374,16 @@ def test_gemma3_windows_one_run_py_list_cannot_give_both_engines_are_refused(che
     draft = load_checkpoint(checkpoints("gemma3", 1, sliding_window=4), "draft")
     with pytest.raises(UnsupportedModelError, match="one --max_attention_window_size list; give --max-seq-len .* "
                                                     "of 4 or less"):
-        tensorrt_llm.check_pair(target, draft, 64, 1)
-    tensorrt_llm.check_pair(target, draft, 4, 1)
+        check_pair(target, draft, 64, 1)
+    check_pair(target, draft, 4, 1)
 
 
 def test_the_default_context_passes_the_gemma3_windows_run_sh_carries_and_stops_at_those_it_cannot(checkpoints,
                                                                                                   tmp_path):
     target, draft = checkpoints("gemma3", 0), checkpoints("gemma3", 1)
     apart = checkpoints("gemma3", 1, sliding_window=4)
-    assert tensorrt_llm.window_limit(load_checkpoint(target, "t"), load_checkpoint(apart, "d")) == 4
-    assert tensorrt_llm.window_limit(load_checkpoint(target, "t"), load_checkpoint(draft, "d")) is None
+    assert window_limit(load_checkpoint(target, "t"), load_checkpoint(apart, "d")) == 4
+    assert window_limit(load_checkpoint(target, "t"), load_checkpoint(draft, "d")) is None
     settings = CompileSettings(target=target, draft=draft, output=tmp_path / "b", backend="tensorrt-llm")
     assert compile_bundle(settings, show_progress=False).max_seq_len == 512  # max_position_embeddings, past 8
 
@@ -386,11 +392,11 @@ def test_the_default_context_passes_the_gemma3_windows_run_sh_carries_and_stops_
 def test_splits_tensorrt_llm_cannot_make_and_windows_shorter_than_the_context_are_refused(pairs, checkpoints,
                                                                                           windowed):
     with pytest.raises(UnsupportedModelError, match="--tp 3: .* 4 attention heads"):
-        tensorrt_llm.check_exportable(load_checkpoint(pairs("llama")[0], "target"), "target", 3, 64)
+        check_exportable(load_checkpoint(pairs("llama")[0], "target"), "target", 3, 64)
     window = load_checkpoint(checkpoints(windowed), "target")  # TensorRT-LLM sets windows at run time
-    tensorrt_llm.check_exportable(window, "target", 1, 8)
+    check_exportable(window, "target", 1, 8)
     with pytest.raises(UnsupportedModelError, match="max_seq_len 64 exceeds the target's sliding window \\(8\\)"):
-        tensorrt_llm.check_exportable(window, "target", 1, 64)
+        check_exportable(window, "target", 1, 64)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma3", "phi3", "phi3-rope"])
@@ -439,7 +445,7 @@ def test_a_mixture_is_written_as_the_converters_write_it_with_a_float32_router_l
         assert tensors[layer + "proj.weight"].shape == (experts, hidden, inter // 2)
         assert {t.dtype for n, t in tensors.items() if not n.endswith("router.weight")} == {np.dtype(np.float16)}
         # weight_only_quantize_dict quantizes a weight whose name contains one of these
-        assert not any(part in layer + "router.weight" for part in tensorrt_llm.QUANTIZED_WEIGHTS)
+        assert not any(part in layer + "router.weight" for part in QUANTIZED_WEIGHTS)
     # fp16 rounding moves a token's top-k choice now and then, so transformers is given the same rounding: every
     # weight but the float32 router
     model = tf.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
@@ -478,15 +484,15 @@ def test_a_mixtures_step_bytes_count_its_experts_at_top_k_over_experts(pairs, tm
     top_k / experts (conftest's Qwen3-MoE: 2 of 8), the embedding table not at all."""
     target = pairs("qwen3moe")[0]
     spec = load_checkpoint(target, "t").spec
-    written = tensorrt_llm.write_checkpoint(load_checkpoint(target, "t"), tmp_path / "t", tmp_path / "scratch", 2,
-                                            TARGET_VOCAB, "fp16", quantization)
+    written = write_checkpoint(load_checkpoint(target, "t"), tmp_path / "t", tmp_path / "scratch", 2,
+                               TARGET_VOCAB, "fp16", quantization)
     bytes_of = {"none": 2, "int8": 1}[quantization]  # per element of a weight trtllm-build quantizes
     expected = 0.0
     for r in range(2):
         for name, t in load_file(tmp_path / "t" / f"rank{r}.safetensors").items():
             if name.endswith("embedding.weight"):
                 continue
-            size = t.size * (bytes_of if name.endswith(tensorrt_llm.QUANTIZED_WEIGHTS) else t.itemsize)
+            size = t.size * (bytes_of if name.endswith(QUANTIZED_WEIGHTS) else t.itemsize)
             expected += size * (spec.experts_per_token / spec.experts if name.endswith(("mlp.fc.weight",
                                                                                         "mlp.proj.weight")) else 1)
     assert written["weight_bytes"] == int(expected)
@@ -553,10 +559,10 @@ def test_a_phi3_longrope_target_is_exported_within_its_original_length_and_its_d
     ckpt = load_checkpoint(folder, "target")
     with pytest.raises(UnsupportedModelError, match=r"max_seq_len 64 exceeds the target's LongRoPE "
                                                     r"original_max_position_embeddings \(16\).* of 16 or less"):
-        tensorrt_llm.check_exportable(ckpt, "target", 1, 64)
-    tensorrt_llm.check_exportable(ckpt, "target", 1, 16)
-    tensorrt_llm.check_exportable(ckpt, "draft", 1, 64)
-    assert tensorrt_llm.context_limit(ckpt, ckpt) == 16
+        check_exportable(ckpt, "target", 1, 64)
+    check_exportable(ckpt, "target", 1, 16)
+    check_exportable(ckpt, "draft", 1, 64)
+    assert context_limit(ckpt, ckpt) == 16
 
 
 def test_a_phi3_pair_gets_checkpoints_every_plan_and_a_default_context_within_the_targets_original_length(pairs,
@@ -567,7 +573,7 @@ def test_a_phi3_pair_gets_checkpoints_every_plan_and_a_default_context_within_th
     manifest = compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", gamma=4, tp=2,
                                               backend="tensorrt-llm"), show_progress=False)
     assert manifest.max_seq_len == 256
-    assert set(manifest.tensorrt_llm.plans) == {"build", "run", tensorrt_llm.LLM_API, tensorrt_llm.VLLM}
+    assert set(manifest.tensorrt_llm.plans) == {"build", "run", families.LLM_API, families.VLLM}
     assert {"tensorrt-llm/target/rank1.safetensors", "tensorrt-llm/draft/rank1.safetensors"} <= set(manifest.files)
 
 
@@ -582,15 +588,15 @@ def test_a_phi3_tensorrt_llms_phi3_model_would_compute_otherwise_gets_the_servin
     """An attention factor other than the one its tables take from the lengths, heads not hidden_size /
     num_attention_heads wide (transformers reads head_dim; its Attention is given none)."""
     ckpt = load_checkpoint(make_checkpoint(tmp_path / "p", "phi3", tokenizer, **overrides), "target")
-    assert says in tensorrt_llm.unexported(ckpt) and not tensorrt_llm.exports(ckpt, ckpt)
+    assert says in unexported(ckpt) and not exports(ckpt, ckpt)
 
 
 def test_a_qwen3_moe_with_dense_layers_among_sparse_ones_is_not_exported(checkpoints):
     """conftest's qwen3moe keeps its middle layer's MLP dense, which TensorRT-LLM's QWen model cannot build."""
     ckpt = load_checkpoint(checkpoints("qwen3moe", 0), "target")
     assert ckpt.spec.sparse_layers == (0, 2)
-    assert tensorrt_llm.unexported(ckpt) == tensorrt_llm.DENSE_AMONG_SPARSE
-    assert not tensorrt_llm.exports(ckpt, ckpt)
+    assert unexported(ckpt) == families.DENSE_AMONG_SPARSE
+    assert not exports(ckpt, ckpt)
 
 
 def test_tp_without_a_tensorrt_llm_backend_is_refused(pairs):
@@ -695,7 +701,7 @@ def test_a_tied_head_is_written_out_as_lm_head_and_counted_once(pairs, tmp_path,
     does; its summary counted those rows twice: a 2-layer Qwen3-0.6B shape at 342.63M params, 187.0M in ONNX's."""
     target = pairs("llama3-rope")[0]  # tied embeddings
     ckpt = load_checkpoint(target, "test")
-    written = tensorrt_llm.write_checkpoint(ckpt, tmp_path / "t", tmp_path / "scratch", tp, TARGET_VOCAB, "fp32", "none")
+    written = write_checkpoint(ckpt, tmp_path / "t", tmp_path / "scratch", tp, TARGET_VOCAB, "fp32", "none")
     assert all("lm_head.weight" in load_file(tmp_path / "t" / f"rank{r}.safetensors") for r in range(tp))
     assert written["parameters"] == ckpt.parameters() == tf.AutoModelForCausalLM.from_pretrained(target).num_parameters()
 
@@ -779,7 +785,7 @@ def test_run_plan_gives_run_py_lengths_its_draft_target_loop_accepts(tmp_path, m
     max_output_len again and asserts the sum within the engine's max_seq_len, and each target call asks for
     gamma + 1 tokens after up to prompt + output - 1 (_check_inputs); run.py keeps the first
     --max_input_length tokens of a prompt (923 unless given). The default leaves the prompt half the context."""
-    result = run_plan_arguments(tmp_path, tensorrt_llm.run_script(gamma, 1, max_seq_len, [2], 2))
+    result = run_plan_arguments(tmp_path, run_script(gamma, 1, max_seq_len, [2], 2))
     arguments = result.stdout.splitlines()
     output = int(arguments[arguments.index("--max_output_len") + 1])
     prompt = int(arguments[arguments.index("--max_input_length") + 1])
@@ -787,7 +793,7 @@ def test_run_plan_gives_run_py_lengths_its_draft_target_loop_accepts(tmp_path, m
 
 
 def test_run_plan_refuses_an_output_length_run_py_has_no_room_for_in_one_line(tmp_path):
-    script = tensorrt_llm.run_script(4, 1, 64, [2], 2)
+    script = run_script(4, 1, 64, [2], 2)
     for output in ("3", "32"):
         result = run_plan_arguments(tmp_path, script, MAX_OUTPUT_LEN=output)
         assert result.returncode == 2 and result.stdout == "", output
@@ -803,9 +809,9 @@ def test_a_context_past_the_engines_tokens_a_step_is_fed_in_chunks(tmp_path, max
     run.py's --enable_chunked_context. The LLM API's max_num_tokens is 8192 too (llm_args.py BaseLlmArgs), and
     llm.py refuses a longer prompt without enable_chunked_prefill."""
     longer = max_seq_len > 8192
-    arguments = run_plan_arguments(tmp_path, tensorrt_llm.run_script(4, 1, max_seq_len, [2], 2)).stdout.splitlines()
+    arguments = run_plan_arguments(tmp_path, run_script(4, 1, max_seq_len, [2], 2)).stdout.splitlines()
     assert ("--enable_chunked_context" in arguments) == longer, arguments
-    options = yaml.safe_load(tensorrt_llm.llm_api_yaml(4, 1, max_seq_len, tmp_path / "target", tmp_path / "draft"))
+    options = yaml.safe_load(llm_api_yaml(4, 1, max_seq_len, tmp_path / "target", tmp_path / "draft"))
     assert options["max_seq_len"] == max_seq_len and options.get("enable_chunked_prefill", False) == longer
 
 
@@ -813,7 +819,7 @@ def test_the_build_plan_gathers_generation_logits_and_says_why_trtllm_build_call
     """trtllm-build warns on every build that --gather_generation_logits is deprecated (commands/build.py tests
     hasattr on an option it always parses), yet run.py's draft-target loop reads it from both engines when logits
     decide acceptance: build.sh said nothing of the warning, inviting a reader to drop the flag."""
-    script = tensorrt_llm.build_script(4, 64, "fp16")
+    script = build_script(4, 64, "fp16")
     commands = [line for line in script.splitlines() if line.startswith("trtllm-build")]
     assert len(commands) == 2 and all("--gather_generation_logits" in command for command in commands)
     comments = " ".join(line.lstrip("# ") for line in script.splitlines() if line.startswith("# "))
@@ -825,7 +831,7 @@ def test_the_llm_api_yaml_says_which_releases_read_its_decoding_type(tmp_path):
     """Releases up to 1.2.1 read the YAML through DecodingBaseConfig.from_dict, which knows only DraftTarget (the
     YAML's spelling); main's llm_args.py SpeculativeConfig knows only Draft_Target. The header says which line to
     change for which."""
-    text = tensorrt_llm.llm_api_yaml(4, 1, 64, tmp_path / "target", tmp_path / "draft")
+    text = llm_api_yaml(4, 1, 64, tmp_path / "target", tmp_path / "draft")
     header = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
     assert yaml.safe_load(text)["speculative_config"]["decoding_type"] == "DraftTarget"
     assert "releases up to 1.2.1" in header and "write decoding_type: Draft_Target" in header
@@ -926,8 +932,6 @@ def test_a_rank_file_on_a_full_disk_fails_with_the_disks_errno(tmp_path):
     """A quota's limit can come while the disk shows free space: only the errno tells the staging a full disk."""
     import errno
 
-    from specbuild.compile.tensorrt_llm import RankFile
-
     rank = RankFile(tmp_path / "rank0.safetensors", Path("/dev/full"))  # every write: ENOSPC
     with pytest.raises(OSError) as failed:
         rank.add("w", np.zeros((64, 1024), ml_dtypes.bfloat16))
@@ -943,9 +947,8 @@ SERVED_FROM_SOURCE = {"gemma2": {"vllm/serve.sh"}, "olmo2": {"vllm/serve.sh"}, "
 
 def test_every_family_says_whether_it_is_exported_and_which_plans_serve_its_source_folders():
     """A family added to load.ARCHITECTURES (a mixture of experts, say) is refused in one line until both are said."""
-    assert set(ARCHITECTURES) == set(tensorrt_llm.FAMILIES) | set(tensorrt_llm.NOT_EXPORTED) == set(
-        tensorrt_llm.SOURCE_PLANS)
-    assert not set(tensorrt_llm.FAMILIES) & set(tensorrt_llm.NOT_EXPORTED)
+    assert set(ARCHITECTURES) == set(families.FAMILIES) | set(families.NOT_EXPORTED) == set(families.SOURCE_PLANS)
+    assert not set(families.FAMILIES) & set(families.NOT_EXPORTED)
 
 
 @pytest.mark.parametrize("family", SERVED_FROM_SOURCE)
@@ -961,7 +964,7 @@ def test_a_family_the_checkpoint_flow_lacks_gets_the_plans_that_serve_its_source
     assert set(part.plans.values()) == SERVED_FROM_SOURCE[family]
     assert {rel for rel in manifest.files if rel.startswith(("tensorrt-llm/", "vllm/"))} == SERVED_FROM_SOURCE[family]
     assert not (out / "tensorrt-llm" / "target").exists() and not (out / "tensorrt-llm" / "build.sh").exists()
-    why = tensorrt_llm.unexported(load_checkpoint(target, "target"))
+    why = unexported(load_checkpoint(target, "target"))
     assert why and part.checkpoints["target"]["not_exported"] == why
     assert part.checkpoints["draft"]["source"]["path"] == str(draft.resolve())
     notice = [line for line in compiled.stdout.splitlines() if "no TensorRT-LLM checkpoints" in line]
@@ -1009,7 +1012,7 @@ def test_the_llm_api_plan_says_where_the_family_needs_a_release_after_1_0(checkp
 
 
 def test_a_pair_no_backend_serves_from_its_folders_is_refused_in_one_line(checkpoints, tmp_path, monkeypatch):
-    monkeypatch.setitem(tensorrt_llm.SOURCE_PLANS, "Olmo2ForCausalLM", ())
+    monkeypatch.setitem(families.SOURCE_PLANS, "Olmo2ForCausalLM", ())
     target, draft = checkpoints("olmo2", 0), checkpoints("olmo2", 1)
     with pytest.raises(UnsupportedModelError) as refused:
         compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", max_seq_len=8, gamma=4,
@@ -1071,7 +1074,7 @@ def test_quantizing_only_the_checkpoints_of_a_pair_that_gets_none_is_refused_in_
                                        backend="tensorrt-llm", precision="bf16", draft_quantize="int8"),
                        show_progress=False)
     assert "\n" not in str(refused.value) and "writes no TensorRT-LLM checkpoints to quantize" in str(refused.value)
-    assert tensorrt_llm.NOT_EXPORTED["Olmo2ForCausalLM"] in str(refused.value)  # why, not just which family
+    assert families.NOT_EXPORTED["Olmo2ForCausalLM"] in str(refused.value)  # why, not just which family
     assert not (tmp_path / "b").exists()
 
 
@@ -1111,4 +1114,4 @@ def test_a_mixed_pairs_notice_names_the_family_without_checkpoints_and_why(check
     assert manifest.tensorrt_llm.checkpoints["target"]["not_exported"] == ""
     notice = cli.tensorrt_llm_lines(tmp_path / "b", manifest.tensorrt_llm)[0]
     assert notice.startswith(f"no TensorRT-LLM checkpoints (draft Olmo2ForCausalLM: "
-                             f"{tensorrt_llm.NOT_EXPORTED['Olmo2ForCausalLM']}); wrote serve.sh"), notice
+                             f"{families.NOT_EXPORTED['Olmo2ForCausalLM']}); wrote serve.sh"), notice

@@ -1,5 +1,5 @@
 """A numpy forward pass over a TensorRT-LLM checkpoint, computed the way TensorRT-LLM's layers compute it:
-the proof of an export that was written without TensorRT-LLM (tensorrt_llm.py).
+the proof of an export that was written without TensorRT-LLM (the modules beside it).
 
 It reads config.json and every rank{r}.safetensors and runs the prompt through the model TensorRT-LLM
 builds from them (models/llama, qwen, gpt, gemma and phi3 model.py), rank by rank as tensor parallelism
