@@ -61,6 +61,24 @@ def test_each_compile_stage_imports_only_the_stages_before_it():
         assert not [name for name in imported if name.startswith(ABOVE_THE_COMPILER)], path.name
 
 
+# compile/tensorrt_llm/'s modules in its docstring's order, each after what it uses; the package runs them.
+TENSORRT_LLM_ORDER = ("families", "layout", "windows", "llama", "gpt2", "gemma", "phi3", "support", "checkpoint",
+                      "plans", "reference", "__init__")
+
+
+def test_each_tensorrt_llm_module_imports_only_the_modules_before_it():
+    """The export was one module of five jobs; split, it reads top down only while no module reaches below it (a
+    family's writer importing the checks that call it would be a cycle)."""
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "specbuild" / "compile" / "tensorrt_llm"
+    assert sorted(path.stem for path in package.glob("*.py")) == sorted(TENSORRT_LLM_ORDER)
+    for stem in TENSORRT_LLM_ORDER:
+        used = {name.split(".")[3] for name in specbuild_imports(package / f"{stem}.py")
+                if name.startswith("specbuild.compile.tensorrt_llm.")}
+        assert used <= set(TENSORRT_LLM_ORDER[:TENSORRT_LLM_ORDER.index(stem)]), f"{stem}.py imports {sorted(used)}"
+
+
 def test_what_the_compiler_imports_never_imports_the_compiler():
     """The compiler stands on specbuild's shared modules (errors, progress, staging, recipe, texts, acceptance),
     none of which imports it back: reference.py, transformers' side of every comparison, read checkpoints with
