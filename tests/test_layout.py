@@ -250,3 +250,18 @@ def test_the_readme_layout_names_every_module_and_benchmark():
         assert unnamed == [], folder
         named = set(re.findall(r"`([\w.-]+\.py)`", text)) - {path.name for path in entries}
         assert named == set(), folder
+
+
+def test_every_package_of_specbuild_is_listed_for_setuptools():
+    """pyproject.toml names its packages one by one, so a new subpackage left out is missing from a wheel (`pip
+    install .`) while an editable install, which reads the source folder, still imports it."""
+    import pkgutil
+    import tomllib
+    from pathlib import Path
+
+    import specbuild
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"specbuild"} | {m.name for m in pkgutil.walk_packages(specbuild.__path__, "specbuild.") if m.ispkg}
+    assert found <= listed  # listed also: prompts/ and recipes/, folders of package data
