@@ -1422,6 +1422,13 @@ def test_another_model_name_is_404_and_models_lists_ours(server):
     assert httpx.get(f"{server}/v1/models/gpt-4").status_code == 404
 
 
+def test_models_lists_ours_as_created_when_the_server_started_not_in_1970(server):
+    """created was 0; vLLM's is a timestamp."""
+    created = httpx.get(f"{server}/v1/models").json()["data"][0]["created"]
+    assert time.time() - 24 * 3600 < created <= time.time()
+    assert httpx.get(f"{server}/v1/models").json()["data"][0]["created"] == created  # the same each time
+
+
 def test_every_errors_type_names_the_exception_the_openai_client_raises_for_its_status(server, bundle):
     """One convention, as vLLM's serving names its own (BadRequestError, NotFoundError): a path served nowhere was
     "Not Found" beside "NotFoundError" for another model, a missing key "Unauthorized", a 503 "Service Unavailable";

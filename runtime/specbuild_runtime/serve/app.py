@@ -20,6 +20,7 @@ import os
 import struct
 import termios
 import threading
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
@@ -85,6 +86,8 @@ class Server:
     def __init__(self, decoder, settings: Settings):
         self.decoder = decoder
         self.settings = settings
+        # /v1/models' "created" (vLLM gives a timestamp too): a bundle records no build time, and 0 read as 1970
+        self.created = int(time.time())
         self.chat_template = load_chat_template(decoder.root / TOKENIZER_DIR, settings.chat_template)
         self.defaults = protocol.sampling_defaults(decoder.manifest.generation_config, settings.generation_config,
                                                    decoder.has_min_p, decoder.has_penalties)
@@ -165,7 +168,7 @@ class Server:
         return JSONResponse(self._model_card())
 
     def _model_card(self) -> dict:
-        return {"id": self.settings.model, "object": "model", "created": 0, "owned_by": "specbuild",
+        return {"id": self.settings.model, "object": "model", "created": self.created, "owned_by": "specbuild",
                 "max_model_len": self.decoder.max_seq_len}
 
     async def tokenize(self, http: HttpRequest) -> Response:
