@@ -510,6 +510,11 @@ CASES = [
          "--max-model-len is vLLM's option, which specbuild generate does not take",
          "Do what the message says: the context, precision and quantization are the bundle's (set by `compile`), "
          "`--no-cuda-graphs` is `--enforce-eager`, and `--gamma` is the draft length."),
+    Case("llama.cpp's `-ngl`, `-c`/`--ctx-size`, `-m`/`--model` or `--draft-max` to generate, chat, bench, verify or "
+         "serve", ["generate", "{bundle}", "-p", "x", "-ngl", "99"], 2,
+         "-ngl is llama.cpp's option, which specbuild generate does not take",
+         "Do what the message says: a bundle runs whole where `--device` says, its context is set by `compile`, it "
+         "is the first argument, and `--gamma` is the draft length."),
     Case("a prompt with spaces, unquoted (`-p def fib(n):`), or several values after one option (`--choice yes no`)",
          ["generate", "{bundle}", "-p", "def", "fib(n):"], 2, "an option takes one value, so quote",
          'Quote the value (`-p "def fib(n):"`); repeat the option for each value (`--choice yes --choice no`).'),

@@ -641,6 +641,11 @@ def test_a_vllm_serve_option_without_a_counterpart_says_what_to_do_instead_not_a
     (["chat", "bundle", "--max-model-len", "4096"], "--max-model-len is vLLM's option, which specbuild chat does not "),
     (["bench", "bundle", "--quantization", "awq"], "--quantization is vLLM's option, which specbuild bench does not "),
     (["verify", "bundle", "--num-speculative-tokens", "4"], "--num-speculative-tokens is vLLM's name for --gamma here"),
+    (["generate", "bundle", "-p", "x", "-ngl", "99"], "-ngl is llama.cpp's option, which specbuild generate does not "),
+    (["serve", "bundle", "-ngl", "99"], "-ngl is llama.cpp's option, which this server does not take: "),
+    (["chat", "bundle", "--ctx-size", "4096"], "--ctx-size is llama.cpp's option, which specbuild chat does not "),
+    (["bench", "bundle", "-m", "bundle"], "-m is llama.cpp's option, which specbuild bench does not take: "),
+    (["verify", "bundle", "--draft-max", "4"], "--draft-max is llama.cpp's name for --gamma here"),
     (["bench", "bundle", "--num-speculative-tokens", "4"], "--gamma here (the fixed drafts per round to measure beside "
                                                             "auto, comma-separated)"),
     (["generate", "bundle", "--enforce-eager"], "--enforce-eager is vLLM's option, which specbuild generate does not "
@@ -648,7 +653,7 @@ def test_a_vllm_serve_option_without_a_counterpart_says_what_to_do_instead_not_a
 ], ids=lambda value: value[0] if isinstance(value, list) else None)
 def test_another_tools_option_says_what_to_do_instead_not_a_look_alike(args, says, tmp_path, monkeypatch, capsys):
     """click suggested '--tp' for compile's --dtype, '--recipe' for its --device and '--max-new-tokens' (the reply's
-    length) for generate's --max-model-len (the context's)."""
+    length) for generate's --max-model-len (the context's), and read llama.cpp's -ngl 99 as -n gl."""
     from specbuild.cli import main
 
     monkeypatch.chdir(tmp_path)
@@ -671,7 +676,8 @@ def test_no_other_tools_option_a_command_answers_is_one_of_its_own():
 
 
 @pytest.mark.parametrize("args", [["generate", "bundle", "-p", "--dtype", "--temprature", "1"],
-                                  ["serve", "bundle", "--model-name", "-tp", "--prot", "1"]])
+                                  ["serve", "bundle", "--model-name", "-tp", "--prot", "1"],
+                                  ["generate", "bundle", "-p", "-ngl", "--temprature", "1"]])
 def test_an_other_tools_option_given_as_a_value_is_not_answered_for_the_option_click_could_not_read(
         args, tmp_path, monkeypatch, capsys):
     """The arguments were searched for any of them: a prompt "--dtype" beside a mistyped option was told --dtype is
@@ -683,6 +689,7 @@ def test_an_other_tools_option_given_as_a_value_is_not_answered_for_the_option_c
         main(args)
     err = capsys.readouterr().err
     assert exited.value.code == 2 and f"No such option '{args[-2]}'" in err and "vLLM" not in err, err
+    assert "llama.cpp" not in err, err
 
 
 @pytest.mark.parametrize("table, options", [("tp = 2\n", []), ("", ["--tp", "2"]),

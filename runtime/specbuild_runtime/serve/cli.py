@@ -119,11 +119,13 @@ class InterruptibleCommand(Interruptible, click.Command):
     def parse_args(self, ctx, args):
         try:
             return super().parse_args(ctx, list(args))
-        except click.NoSuchOption as exc:
-            # The option click could not read, not any argument (a prompt may be "--dtype"); it reads -tp as short
-            # options run together and names the first alone, -t.
-            unknown = exc.option_name
-            name = next((name for name in self.foreign if name == unknown or (
+        except (click.NoSuchOption, click.BadParameter) as exc:
+            # The option click could not read, or whose value it could not, not any argument (a prompt may be
+            # "--dtype"). It reads -tp as short options run together and names the first alone, -t, and -ngl 99 as
+            # -n gl where -n takes a value, then names -n's value as bad.
+            unread = ([exc.option_name] if isinstance(exc, click.NoSuchOption) else
+                      exc.param.opts if isinstance(exc.param, click.Option) else [])
+            name = next((name for name in self.foreign for unknown in unread if name == unknown or (
                 not unknown.startswith("--") and name.startswith(unknown) and name in args)), None)
             if name is None:
                 raise
@@ -145,11 +147,28 @@ VLLM_ONLY_OPTIONS = {
     "--enforce-eager": "give --no-cuda-graphs instead",
 }
 
+# llama.cpp's options (llama-cli's, llama-server's) that no specbuild command running a bundle takes, each with what to
+# do instead; its draft length (--draft-max) is each command's own. click answered --ctx-size with "Did you mean
+# '--max-connections'?" and -ngl 99 (read as -n gl) with "'gl' is not a valid integer".
+_WHOLE = "layers run where --device says; a bundle runs whole on one device (--device cuda: a GPU): leave it out"
+_BUNDLE = "the bundle's folder is the command's first argument: give it there, without the option"
+LLAMA_CPP_ONLY_OPTIONS = {
+    "-ngl": _WHOLE, "--n-gpu-layers": _WHOLE, "--gpu-layers": _WHOLE,
+    "-c": VLLM_ONLY_OPTIONS["--max-model-len"], "--ctx-size": VLLM_ONLY_OPTIONS["--max-model-len"],
+    "-m": _BUNDLE, "--model": _BUNDLE,
+}
+LLAMA_CPP_DRAFT_MAX = ("--draft-max", "--draft", "--draft-n")
+
 
 # -h as on every specbuild command: `specbuild serve` takes it from the group, specbuild-serve only from here.
 @click.command("serve", cls=InterruptibleCommand,
-               foreign={name: f"is vLLM's option, which this server does not take: {what}"
-                        for name, what in VLLM_ONLY_OPTIONS.items()},
+               foreign={**{name: f"is vLLM's option, which this server does not take: {what}"
+                           for name, what in VLLM_ONLY_OPTIONS.items()},
+                        **{name: f"is llama.cpp's option, which this server does not take: {what}"
+                           for name, what in LLAMA_CPP_ONLY_OPTIONS.items()},
+                        **{name: "is llama.cpp's option, which this server does not take: drafts per round adapt up "
+                                 "to the bundle's max gamma (`specbuild compile --gamma`): leave it out"
+                           for name in LLAMA_CPP_DRAFT_MAX}},
                context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 # The runtime's version, the serve command's package: a service that installs it alone has no `specbuild --version`.
 @click.version_option(runtime_version(), prog_name="specbuild-serve")
