@@ -85,6 +85,19 @@ class Setting(click.ParamType):
         return value
 
 
+class Precision(click.Choice):
+    """--precision, whose int8 and int4 say what gives them: click's answer listed fp32, fp16 and bf16 alone."""
+
+    def __init__(self) -> None:
+        super().__init__(PRECISIONS)
+
+    def convert(self, value, param, ctx):
+        if value in QUANTIZATIONS[1:]:  # onnxruntime-genai's model builder takes them as precisions (-p int4)
+            self.fail(f"{value!r} is a weight quantization, not a float type ({', '.join(PRECISIONS)}): give "
+                      f"--quantize {value}", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 class CommaList(click.ParamType):
     """Comma-separated values, each converted and checked by item_type; with `empty` (what to give
     instead) an empty list is refused, where it means nothing (none: it means none, as no peers)."""
@@ -386,7 +399,7 @@ def cli(debug: bool) -> None:
               help="MatMulNBits compute type of quantized ONNX engines (needs --quantize), 0 to 4: 4 = int8 compute (fast on CPU), 0 or 1 = fp32, "
                    "2 = fp16, 3 = bf16. "
                    f"Each keeps speculative output identical to the target's own.  [default: {DEFAULT_ACCURACY_LEVEL}]")
-@click.option("--precision", type=click.Choice(PRECISIONS), help="Float type of the engines (fp16/bf16 for GPU).  [default: fp32]")
+@click.option("--precision", type=Precision(), help="Float type of the engines (fp16/bf16 for GPU).  [default: fp32]")
 @click.option("--quality-report/--no-quality-report", default=None, help="Measure quantized ONNX engines against fp32 into the manifest (needs --quantize).  [default: on]")
 @click.option("--overwrite/--no-overwrite", default=None,
               help="Replace the bundle at --output (never anything that is not a bundle); --no-overwrite undoes a recipe's.")

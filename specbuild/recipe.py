@@ -124,6 +124,14 @@ def _one_of(*choices: str) -> Callable[[object], str | None]:
     return lambda value: None if value in choices else f"must be one of {', '.join(choices)}; not {_shown(value)}"
 
 
+def _precision(value) -> str | None:
+    # int8 and int4 are precisions in onnxruntime-genai's model builder (-p int4): here they are quantize's
+    if value in QUANTIZATIONS[1:]:
+        return (f"must be a float type ({', '.join(PRECISIONS)}), not {_shown(value)}: {value} is a weight "
+                f"quantization, quantize = \"{value}\"")
+    return _one_of(*PRECISIONS)(value)
+
+
 # The largest seed training takes: torch's generator takes up to 2**64 - 1 (the held-out samples draw with seed + 1),
 # numpy's none below 0 (distill --seed, the demo recipe's seed).
 MAX_SEED = 2**64 - 2
@@ -184,7 +192,7 @@ RULES: dict[str, Callable[[object], str | None]] = {
     "draft_quantize": _one_of(*QUANTIZATIONS),
     "block_size": whole_number(16, 256, powers_of_two=True),  # what onnxruntime's block quantizer kernels take
     "accuracy_level": whole_number(0, 4),
-    "precision": _one_of(*PRECISIONS),
+    "precision": _precision,
     "quality_report": _boolean,
     "overwrite": _boolean,
     "backend": _one_of(*BACKENDS),
