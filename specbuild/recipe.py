@@ -72,6 +72,11 @@ class CompileSettings:
         if self.tp > 1 and self.backend == "onnx":
             raise SettingsError(f"tp {self.tp} splits the TensorRT-LLM export; add --backend tensorrt-llm or all "
                                 "(backend in a recipe)", key="tp")
+        if self.quantize != "none" and self.target_quantize and self.draft_quantize:
+            # it quantized nothing without a word under two "none"s, and is as dead under two others
+            raise SettingsError(f"quantize {self.quantize} applies to neither engine: --target-quantize and "
+                                "--draft-quantize (target_quantize, draft_quantize in a recipe) override it for both; "
+                                "leave it out, or one of them", key="quantize")
         quantized = {self.quantization("target"), self.quantization("draft")} != {"none"}
         # quality_report false asks for no report where none is made: a recipe may keep it while quantize comes and goes
         shaping = [key for key in ("block_size", "accuracy_level") if getattr(self, key) is not None]

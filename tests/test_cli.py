@@ -595,6 +595,8 @@ TENSORRT_LLM_INT4 = ["--backend", "tensorrt-llm", "--quantize", "int4", "--preci
     (COMPILE + ["--backend", "tensorrt-llm", "--quantize", "int4"],
      "int4 quantization (--quantize or --target-quantize) with --backend tensorrt-llm needs --precision fp16 or bf16"),
     (COMPILE + ["--max-seq-len", "8", "--gamma", "8"], "the context holds 8 tokens"),
+    (COMPILE + ["--quantize", "int4", "--target-quantize", "none", "--draft-quantize", "none"],
+     "quantize int4 applies to neither engine"),
     (["distill", "--target", "target", "-o", "draft", "--init", "draft", "--draft-config", "num_hidden_layers=1"],
      "give either --init or --draft-config, not both"),
     (["generate", "bundle", "-p", "x", "--logprobs", "2"], "give --json too"),
@@ -602,7 +604,7 @@ TENSORRT_LLM_INT4 = ["--backend", "tensorrt-llm", "--quantize", "int4", "--preci
     (["serve", "bundle", "--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
 ], ids=["compile-tp", "compile-block-size", "compile-default-block-size", "compile-quality-report",
         "compile-tensorrt-llm-block-size", "compile-tensorrt-llm-quality-report", "compile-tensorrt-llm-fp32-int4",
-        "compile-max-seq-len",
+        "compile-max-seq-len", "compile-quantize-overridden-for-both",
         "distill", "generate", "bench", "serve"])
 def test_options_in_conflict_are_a_usage_error_in_every_command(args, says, tmp_path, monkeypatch, capsys):
     """compile's exited 1, as if an input were wrong, where every other command's exit 2 (docs/commands.md, Exit
