@@ -417,9 +417,9 @@ def compile_cmd(recipe, as_json, **options) -> None:
     Give --target, --draft and --output, or a --recipe that names them."""
     from specbuild_runtime.manifest import where_it_runs
 
-    from .compile import compile_bundle
     from .errors import SettingsError
     from .recipe import resolve_settings
+    from .staging import nothing_written, resolved
 
     try:
         settings = resolve_settings(recipe, **options)
@@ -429,7 +429,14 @@ def compile_cmd(recipe, as_json, **options) -> None:
         if recipe is None:
             raise click.UsageError(str(exc)) from None
         raise
-    use_threads(None, torch_too=True)  # TensorRT-LLM's α for γ is measured in transformers
+    try:
+        # torch and transformers load here (seconds on a busy machine), before staging can say what an interrupt
+        # left at the output: a Ctrl-C then said "interrupted" alone
+        from .compile import compile_bundle
+
+        use_threads(None, torch_too=True)  # TensorRT-LLM's α for γ is measured in transformers
+    except KeyboardInterrupt:
+        raise nothing_written(resolved(settings.output)) from None
     manifest = compile_bundle(settings)
     done()
     if as_json:

@@ -107,9 +107,14 @@ def staged_folder(output: Path, check: Callable[[Path], None] = lambda output: N
         # A second interrupt can cut the clean-up short: then the plain "interrupted", which claims nothing.
         if published or os.path.lexists(staging) or os.path.lexists(scratch):
             raise
-        where = "holds what it held before" if os.path.lexists(output) else "was not made"
-        raise KeyboardInterrupt(f"interrupted: nothing was written ({output} {where}); run the command again to "
-                                "write it") from None
+        raise nothing_written(output) from None
+
+
+def nothing_written(output: Path) -> KeyboardInterrupt:
+    """The interrupt that says what is at output (resolved), for one that came before anything was written there;
+    the CLI prints it in place of "interrupted"."""
+    where = "holds what it held before" if os.path.lexists(output) else "was not made"
+    return KeyboardInterrupt(f"interrupted: nothing was written ({output} {where}); run the command again to write it")
 
 
 @contextmanager

@@ -1225,3 +1225,24 @@ def test_ctrl_c_mid_compile_says_nothing_was_written_and_what_the_output_holds(c
                                        "command again to write it\n")
     assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == (["bundle"] if existing else [])
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new-output", "overwrite"])
+def test_ctrl_c_as_compile_loads_its_modules_says_nothing_was_written_as_later_ones_do(tmp_path, monkeypatch, capsys,
+                                                                                      existing):
+    """Before staging began (torch and transformers loading: seconds on a busy machine) it said only
+    "error: interrupted"."""
+    import signal
+
+    from specbuild import cli
+
+    monkeypatch.setattr(cli, "use_threads", lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGINT))
+    out = tmp_path / "bundle"
+    if existing:
+        out.mkdir()
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["compile", "--target", "t", "--draft", "d", "-o", str(out)])
+    where = "holds what it held before" if existing else "was not made"
+    assert exited.value.code == 130
+    assert capsys.readouterr().err == (f"error: interrupted: nothing was written ({out.resolve()} {where}); run the "
+                                       "command again to write it\n")
