@@ -214,6 +214,15 @@ def test_verify_lets_the_bundle_go_before_transformers_loads_the_target(bundles,
     assert len(made) == 1 and alive == []
 
 
+def test_verify_without_prompts_compares_the_bundled_code_prompts_as_bench_does(bundles, cli):
+    """--prompts was required, while bench fell back to these."""
+    from specbuild.texts import CODE_PROMPTS, read_prompts
+
+    [result] = cli.run([["verify", str(bundles("llama", 1)), "-n", "2", "--json"]])
+    assert result["status"] == 0, result
+    assert json.loads(result["stdout"])["prompts"] == len(read_prompts(CODE_PROMPTS)), result
+
+
 def test_verify_without_target_checks_against_the_checkpoint_the_manifest_records(checkpoints, tmp_path, cli):
     prompts, target, bundle = tmp_path / "prompts.jsonl", tmp_path / "target", tmp_path / "bundle"
     prompts.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n")
