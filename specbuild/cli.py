@@ -878,6 +878,12 @@ def check_plot_path(path: Path) -> None:
                                  param_hint="--plot")
 
 
+def alpha_digits(*values: float) -> int:
+    """Decimals to print distill's α values at: 3, or the report's 4 where 3 show two that differ as one (a draft is
+    written on any rise: "α 0.001 -> 0.001 (+0.000)" was followed by "wrote")."""
+    return 3 if len({f"{value:.3f}" for value in values}) == len(set(values)) else 4
+
+
 @cli.command()
 @click.option("--target", required=True, type=folder_path, help="Target checkpoint folder (any supported architecture).")
 @click.option("--output", "-o", required=True, type=folder_path, help="Where to write the draft checkpoint (atomically).")
@@ -936,9 +942,11 @@ def distill(target, output, init, draft_config, minutes, prompts_file, data, gam
                        "held out)")
         else:
             click.echo(f"prompts: the target's own samples from its start token ({report['heldout_prompts']} held out)")
+        d = alpha_digits(report["alpha_before"], report["alpha_after"])
         click.echo(
-            f"acceptance α at γ {gamma} on the held-out prompts: {report['alpha_before']:.3f} -> {report['alpha_after']:.3f} "
-            f"({report['alpha_gain']:+.3f}) after {report['training']['seconds'] / 60:.1f} min "
+            f"acceptance α at γ {gamma} on the held-out prompts: {report['alpha_before']:.{d}f} -> "
+            f"{report['alpha_after']:.{d}f} ({report['alpha_gain']:+.{d}f}) after "
+            f"{report['training']['seconds'] / 60:.1f} min "
             f"({count(made['sequences'], 'sequence')} made in {made['seconds'] / 60:.1f} min, "
             f"{count(report['training']['steps'], 'step')})"
         )
@@ -951,9 +959,11 @@ def distill(target, output, init, draft_config, minutes, prompts_file, data, gam
                        f"({report['draft_parameters'] / report['target_parameters']:.1%} of the target)")
     if not report["written"]:
         more = "more prompts like yours" if prompts_file or data else "--prompts like yours"
-        rise = f"{report['alpha_before']:.3f} -> {report['alpha_after']:.3f}"
         replaced = report["alpha_replaced"]
-        why = (f"α rose ({rise}) but not above the {replaced:.3f} of the draft at {output}, so it was not replaced"
+        d = alpha_digits(*(value for value in (report["alpha_before"], report["alpha_after"], replaced)
+                           if value is not None))
+        rise = f"{report['alpha_before']:.{d}f} -> {report['alpha_after']:.{d}f}"
+        why = (f"α rose ({rise}) but not above the {replaced:.{d}f} of the draft at {output}, so it was not replaced"
                if replaced is not None and report["alpha_after"] > report["alpha_before"] else
                f"α did not rise ({rise}), so {output} was not written")
         raise TrainingError(f"{why}; train longer, give {more}, or --force to write it anyway")

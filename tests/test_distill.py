@@ -567,6 +567,28 @@ def passes_option_with_the_apis_default(monkeypatch, tmp_path, capsys, option: s
     return capsys.readouterr().err
 
 
+@pytest.mark.parametrize("before, after, replaced, says", [
+    (0.0012, 0.0014, None, "0.0012 -> 0.0014 (+0.0002)"),
+    (0.25, 0.5, None, "0.250 -> 0.500 (+0.250)"),
+    (0.5, 0.5004, 0.5006, "α rose (0.5000 -> 0.5004) but not above the 0.5006 of the draft at"),
+], ids=["written", "written-far", "not-replaced"])
+def test_the_distill_command_prints_alpha_with_the_decimals_that_show_a_rise(monkeypatch, tmp_path, capsys, before,
+                                                                           after, replaced, says):
+    """A draft is written on any rise of α, which three decimals hid: "α 0.001 -> 0.001 (+0.000)", then "wrote"."""
+    from specbuild.cli import main
+
+    report = {"alpha_before": before, "alpha_after": after, "alpha_gain": round(after - before, 4),
+              "alpha_replaced": replaced, "written": replaced is None, "heldout_prompts": 32,
+              "generation": {"sequences": 64, "seconds": 60.0}, "training": {"seconds": 180.0, "steps": 10},
+              "cost_ratio": 0.1, "theoretical_speedup_before": 1.0, "theoretical_speedup_after": 1.0,
+              "draft_parameters": 10, "target_parameters": 100}
+    monkeypatch.setattr(distill_module, "distill", lambda *args, **kwargs: report)
+    with pytest.raises(SystemExit) as exited:
+        main(["distill", "--target", str(tmp_path), "-o", str(tmp_path / "draft")])
+    out, err = capsys.readouterr()
+    assert exited.value.code == (0 if replaced is None else 1) and says in out + err, (out, err)
+
+
 def test_the_distill_command_trains_with_the_batch_size_given_and_the_functions_by_default(monkeypatch, tmp_path, capsys):
     """A smaller batch is the remedy for training that outgrows memory: the command had no way to ask for one."""
     assert "1 or more" in passes_option_with_the_apis_default(monkeypatch, tmp_path, capsys, "--batch-size", "2", "0")
