@@ -884,7 +884,9 @@ def alpha_digits(*values: float) -> int:
     return 3 if len({f"{value:.3f}" for value in values}) == len(set(values)) else 4
 
 
-@cli.command()
+# click answered distill --dtype with "Did you mean '--data'?"
+@cli.command(foreign={"--dtype": "is not distill's: it holds the target and trains and writes the draft in fp32; the "
+                                 "bundle's float type is compile's --precision"})
 @click.option("--target", required=True, type=folder_path, help="Target checkpoint folder (any supported architecture).")
 @click.option("--output", "-o", required=True, type=folder_path, help="Where to write the draft checkpoint (atomically).")
 @click.option("--init", type=folder_path, help="Start from this draft checkpoint (the target's tokenizer, or no tokenizer "

@@ -521,6 +521,9 @@ CASES = [
          "-ngl is llama.cpp's option, which specbuild generate does not take",
          "Do what the message says: a bundle runs whole where `--device` says, its context is set by `compile`, it "
          "is the first argument, and `--gamma` is the draft length."),
+    Case("`distill --dtype bf16` (the draft's float type)", ["distill", "--target", "{target}", "-o", "{tmp}/draft",
+                                                            "--dtype", "bf16"], 2, "--dtype is not distill's",
+         "Leave it out: distill trains and writes the draft in fp32; give `compile --precision` for the bundle's."),
     Case("a prompt with spaces, unquoted (`-p def fib(n):`), or several values after one option (`--choice yes no`)",
          ["generate", "{bundle}", "-p", "def", "fib(n):"], 2, "an option takes one value, so quote",
          'Quote the value (`-p "def fib(n):"`); repeat the option for each value (`--choice yes --choice no`).'),

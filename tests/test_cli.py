@@ -657,6 +657,7 @@ def test_a_vllm_serve_option_without_a_counterpart_says_what_to_do_instead_not_a
     (["chat", "bundle", "--ctx-size", "4096"], "--ctx-size is llama.cpp's option, which specbuild chat does not "),
     (["bench", "bundle", "-m", "bundle"], "-m is llama.cpp's option, which specbuild bench does not take: "),
     (["verify", "bundle", "--draft-max", "4"], "--draft-max is llama.cpp's name for --gamma here"),
+    (["distill", "--dtype", "bf16"], "--dtype is not distill's: it holds the target and trains and writes the draft "),
     (["bench", "bundle", "--num-speculative-tokens", "4"], "--gamma here (the fixed drafts per round to measure beside "
                                                             "auto, comma-separated)"),
     (["generate", "bundle", "--enforce-eager"], "--enforce-eager is vLLM's option, which specbuild generate does not "
@@ -664,7 +665,8 @@ def test_a_vllm_serve_option_without_a_counterpart_says_what_to_do_instead_not_a
 ], ids=lambda value: value[0] if isinstance(value, list) else None)
 def test_another_tools_option_says_what_to_do_instead_not_a_look_alike(args, says, tmp_path, monkeypatch, capsys):
     """click suggested '--tp' for compile's --dtype, '--recipe' for its --device and '--max-new-tokens' (the reply's
-    length) for generate's --max-model-len (the context's), and read llama.cpp's -ngl 99 as -n gl."""
+    length) for generate's --max-model-len (the context's), '--data' for distill's --dtype, and read llama.cpp's -ngl
+    99 as -n gl."""
     from specbuild.cli import main
 
     monkeypatch.chdir(tmp_path)
