@@ -17,11 +17,10 @@ import numpy as np
 
 from ...progress import bar
 from ..load import Checkpoint
-from .families import FAMILIES
 from .gemma import gemma3_config, gemma3_tensors
-from .gpt2 import gpt2_tensors
+from .gpt2 import gpt2_config, gpt2_tensors
 from .layout import EXPERT_FC, EXPERT_PROJ, Layout, ffn_width, shard
-from .llama import granite_multipliers, llama_tensors, mixture, rotary
+from .llama import llama_config, llama_tensors
 from .phi3 import phi3_config, phi3_tensors
 
 FOLDER = "tensorrt-llm"
@@ -36,6 +35,11 @@ DTYPES = {"fp32": ("float32", np.float32), "fp16": ("float16", np.float16), "bf1
 # quantized", models/llama/convert.py).
 QUANT_ALGOS = {"none": None, "int8": "W8A16", "int4": "W4A16"}
 QUANTIZED_WEIGHTS = ("qkv.weight", "dense.weight", "fc.weight", "proj.weight", "gate.weight")
+# Each family's tensors and config.json fields as TensorRT-LLM's model for it reads them; every other family FAMILIES
+# takes is built as its LLaMA or QWen model.
+WRITERS = {"GPT2LMHeadModel": (gpt2_tensors, gpt2_config), "Gemma3ForCausalLM": (gemma3_tensors, gemma3_config),
+           "Phi3ForCausalLM": (phi3_tensors, phi3_config)}
+LLAMA = (llama_tensors, llama_config)
 
 
 def write_checkpoint(ckpt: Checkpoint, out: Path, scratch: Path, tp: int, vocab: int, precision: str,
@@ -55,10 +59,7 @@ def write_checkpoint(ckpt: Checkpoint, out: Path, scratch: Path, tp: int, vocab:
     # Bytes without a total (a tied head is written twice, the vocabulary padded): at 7B, minutes of a stage
     # whose bar would otherwise stand still.
     with bar(None, f"writing TensorRT-LLM {out.name} ({dtype_name})", "B", unit_scale=True) as progress:
-        tensors = (gemma3_tensors if spec.architecture == "Gemma3ForCausalLM" else
-                   phi3_tensors if spec.architecture == "Phi3ForCausalLM" else
-                   gpt2_tensors if spec.family == "gpt2" else llama_tensors)
-        for tensor in tensors(ckpt, names):
+        for tensor in WRITERS.get(spec.architecture, LLAMA)[0](ckpt, names):
             quantized = QUANT_ALGOS[quantization] and tensor.name.endswith(QUANTIZED_WEIGHTS)
             # c's denominator, the target decoding alone, is a one-token step, which reads its top-k experts' weights
             # alone (the MoE plugin computes no other). gamma's S(γ) takes a verification call of γ+1 rows to cost
@@ -96,6 +97,7 @@ def source(ckpt: Checkpoint) -> dict:
 
 
 def trtllm_config(ckpt: Checkpoint, layout: Layout, dtype: str, quant_algo: str | None) -> dict:
+    """config.json: PretrainedConfig's fields, then the family's own (WRITERS)."""
     spec, shape = ckpt.spec, ckpt.spec.shape
     config = {
         "architecture": spec.architecture,  # models/__init__.py MODEL_MAP keys on the HF name
@@ -116,27 +118,7 @@ def trtllm_config(ckpt: Checkpoint, layout: Layout, dtype: str, quant_algo: str 
         "use_parallel_embedding": False,
         "embedding_sharding_dim": 0,
     }
-    if spec.family == "gpt2":  # models/gpt/config.py GPTConfig.from_hugging_face
-        return {**config, "gpt_variant": "gpt2", "hidden_act": "gelu_new", "position_embedding_type": "learned_absolute",
-                "bias": True, "q_scaling": 1.0, "apply_query_key_layer_scaling": False, "rotary_pct": 1.0,
-                "qk_layernorm": False, "inner_layernorm": False, "norm_before_bmm1": False}
-    if spec.architecture == "Gemma3ForCausalLM":
-        return gemma3_config(ckpt, config)
-    if spec.architecture == "Phi3ForCausalLM":
-        return phi3_config(ckpt, config)
-    base, scaling = rotary(ckpt)
-    config = {**config, "hidden_act": spec.hidden_act, "position_embedding_type": "rope_gpt_neox",
-              "rotary_base": base, "rotary_scaling": scaling, "mlp_bias": spec.mlp_bias,
-              "tie_word_embeddings": spec.tie_word_embeddings}  # lm_head.weight is written regardless
-    if spec.experts:
-        config.update(mixture(spec))
-    qwen_type = FAMILIES[spec.architecture]
-    if qwen_type:  # models/qwen/config.py QWenConfig: qwen_type is required, qwen3 has no attention bias
-        return {**config, "qwen_type": qwen_type, "attn_bias": qwen_type == "qwen2", "use_logn_attn": False,
-                "seq_length": 8192}
-    # models/llama/config.py LLaMAConfig
-    multipliers = granite_multipliers(spec) if spec.architecture == "GraniteForCausalLM" else {}
-    return {**config, "attn_bias": spec.attention_bias, **multipliers}
+    return WRITERS.get(spec.architecture, LLAMA)[1](ckpt, config)
 
 
 class RankFile:

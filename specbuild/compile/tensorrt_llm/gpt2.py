@@ -1,4 +1,4 @@
-"""GPT-2's tensors (trtllm_config writes its config.json fields)."""
+"""GPT-2's tensors and config.json fields."""
 
 from __future__ import annotations
 
@@ -8,6 +8,13 @@ import numpy as np
 
 from ..load import Checkpoint
 from .layout import COLUMN, QKV, REPLICATE, ROW, VOCAB, Out
+
+
+def gpt2_config(ckpt: Checkpoint, config: dict) -> dict:
+    """models/gpt/config.py GPTConfig.from_hugging_face's fields."""
+    return {**config, "gpt_variant": "gpt2", "hidden_act": "gelu_new", "position_embedding_type": "learned_absolute",
+            "bias": True, "q_scaling": 1.0, "apply_query_key_layer_scaling": False, "rotary_pct": 1.0,
+            "qk_layernorm": False, "inner_layernorm": False, "norm_before_bmm1": False}
 
 
 def gpt2_tensors(ckpt: Checkpoint, names: set[str]) -> Iterator[Out]:

@@ -67,6 +67,25 @@ def granite_multipliers(spec: ModelSpec) -> dict:
             "output_multiplier_scale": 1.0 / spec.logits_scaling}
 
 
+def llama_config(ckpt: Checkpoint, config: dict) -> dict:
+    """LLaMAConfig (models/llama/config.py), or QWenConfig (models/qwen/config.py) for the families FAMILIES gives a
+    qwen_type: the rope (rotary), a mixture's fields (mixture) and Granite's multipliers (granite_multipliers)."""
+    spec = ckpt.spec
+    base, scaling = rotary(ckpt)
+    config = {**config, "hidden_act": spec.hidden_act, "position_embedding_type": "rope_gpt_neox",
+              "rotary_base": base, "rotary_scaling": scaling, "mlp_bias": spec.mlp_bias,
+              "tie_word_embeddings": spec.tie_word_embeddings}  # lm_head.weight is written regardless
+    if spec.experts:
+        config.update(mixture(spec))
+    qwen_type = FAMILIES[spec.architecture]
+    if qwen_type:  # models/qwen/config.py QWenConfig: qwen_type is required, qwen3 has no attention bias
+        return {**config, "qwen_type": qwen_type, "attn_bias": qwen_type == "qwen2", "use_logn_attn": False,
+                "seq_length": 8192}
+    # models/llama/config.py LLaMAConfig
+    multipliers = granite_multipliers(spec) if spec.architecture == "GraniteForCausalLM" else {}
+    return {**config, "attn_bias": spec.attention_bias, **multipliers}
+
+
 def llama_tensors(ckpt: Checkpoint, names: set[str]) -> Iterator[Out]:
     """Llama, Mistral, Qwen2, Qwen3, Granite, Qwen3-MoE, Mixtral (models/llama/convert.py
     get_prefix_and_param_name_map, models/qwen/convert.py). TensorRT-LLM's GatedMLP computes
