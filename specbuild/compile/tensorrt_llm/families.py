@@ -1,5 +1,6 @@
 """Which families TensorRT-LLM's checkpoint flow takes, which it does not and why, and which plans serve each
-family's source folders: the tables support.py checks a pair against."""
+family's source folders: the tables support.py checks a pair against, and llama.py (QWen's qwen_type) and plans.py
+(the PyTorch backend's release) write by."""
 
 from __future__ import annotations
 
