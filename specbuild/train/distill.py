@@ -148,9 +148,10 @@ def _overridden(default, base, target_config, overrides: dict):
         # only when a config is built, so that an override set later changed no layer, and a draft deeper than the
         # target repeated its list (full, slide, slide, full, ...) where Qwen's rule slides every layer from K on
         defaults = {key: known[key] for key in overrides if key in WINDOW_KEYS}
+        rebuilt = _rebuilt(config)
         if _rebuilt(base).layer_types == base.layer_types or (
-                _rebuilt(config).layer_types != _rebuilt(config, defaults).layer_types):
-            config = _rebuilt(config)
+                rebuilt.layer_types != _rebuilt(config, defaults).layer_types):
+            config = rebuilt
         else:
             # The target's own pattern (no rule's) as deep as the draft: the default shape's list is cut to its own
             # depth, and a deeper num_hidden_layers outgrew it (an IndexError in transformers)
