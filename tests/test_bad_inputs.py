@@ -460,10 +460,11 @@ CASES = [
          compile_args("{tmp}/bundle", "--block-size", "64"), 2,
          "shape quantized engines", "Add `--quantize int4|int8` (or per engine), or leave them out."),
     Case("`--backend tensorrt-llm` (or `all`) with a Gemma 2, OLMo 2 or OLMo 3 pair, a Gemma 3 with rope "
-         "scaling (4b, 12b, 27b) or a Qwen3-MoE with dense layers among its sparse ones",
+         "scaling (4b, 12b, 27b), a Phi-3 with its own LongRoPE attention factor or a Qwen3-MoE with dense layers "
+         "among its sparse ones",
          compile_args("{tmp}/bundle", "--backend", "tensorrt-llm"), 0, "",
          "Nothing: the TensorRT-LLM checkpoint export does not take the model, so the bundle holds only the plans that "
-         "serve the source folders (vLLM's, and for Gemma 3 and Qwen3-MoE the PyTorch backend's), as "
+         "serve the source folders (vLLM's, and for Gemma 3, Phi-3 and Qwen3-MoE the PyTorch backend's), as "
          "compile says in one line.", setup=an_olmo2_pair),
     Case("`--backend tensorrt-llm` (or `all`) with a Phi-3 LongRoPE target (Phi-3-mini-128k, Phi-3.5-mini, "
          "Phi-4-mini) past its original length",
@@ -479,7 +480,8 @@ CASES = [
          "Give `--max-seq-len` of the shorter window or less (run.py gives both engines one list of windows), or use "
          "`--backend onnx`.", setup=a_gemma3_pair_windowed_apart),
     Case("`--quantize` (or per engine) with `--backend tensorrt-llm` and a Gemma 2, OLMo 2 or OLMo 3 pair, a "
-         "Gemma 3 with rope scaling or a Qwen3-MoE with dense layers among its sparse ones",
+         "Gemma 3 with rope scaling, a Phi-3 with its own LongRoPE attention factor or a Qwen3-MoE with dense layers "
+         "among its sparse ones",
          compile_args("{tmp}/bundle", "--backend", "tensorrt-llm", "--precision", "bf16", "--quantize", "int8"),
          1, "writes no TensorRT-LLM checkpoints to quantize",
          "Leave `--quantize` out (the plans serve the source folders' float weights), or use `--backend all` to "
