@@ -653,6 +653,7 @@ def test_a_vllm_serve_option_without_a_counterpart_says_what_to_do_instead_not_a
     (["bench", "bundle", "--quantization", "awq"], "--quantization is vLLM's option, which specbuild bench does not "),
     (["verify", "bundle", "--num-speculative-tokens", "4"], "--num-speculative-tokens is vLLM's name for --gamma here"),
     (["generate", "bundle", "-p", "x", "-ngl", "99"], "-ngl is llama.cpp's option, which specbuild generate does not "),
+    (["generate", "bundle", "-p", "x", "-ngl", "99", "-n", "128"], "-ngl is llama.cpp's option, which specbuild "),
     (["serve", "bundle", "-ngl", "99"], "-ngl is llama.cpp's option, which this server does not take: "),
     (["chat", "bundle", "--ctx-size", "4096"], "--ctx-size is llama.cpp's option, which specbuild chat does not "),
     (["bench", "bundle", "-m", "bundle"], "-m is llama.cpp's option, which specbuild bench does not take: "),
@@ -703,6 +704,21 @@ def test_an_other_tools_option_given_as_a_value_is_not_answered_for_the_option_c
     err = capsys.readouterr().err
     assert exited.value.code == 2 and f"No such option '{args[-2]}'" in err and "vLLM" not in err, err
     assert "llama.cpp" not in err, err
+
+
+@pytest.mark.parametrize("args", [["generate", "bundle", "-p", "-ngl", "-n", "0"],
+                                  ["serve", "bundle", "--model-name", "-tp", "-tx"]])
+def test_an_other_tools_option_given_as_a_value_is_not_answered_for_an_option_click_could_not_read_beside_it(
+        args, tmp_path, monkeypatch, capsys):
+    """-n 0 beside a prompt "-ngl" was told -ngl is llama.cpp's (-ngl begins with the -n click named), and -tx
+    beside a model name "-tp" that -tp is vLLM's."""
+    from specbuild.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and ("'-n': 0 is not in the range" in err or "No such option '-t'" in err), err
 
 
 @pytest.mark.parametrize("table, options", [("tp = 2\n", []), ("", ["--tp", "2"]),

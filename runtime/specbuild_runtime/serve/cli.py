@@ -119,17 +119,27 @@ class InterruptibleCommand(Interruptible, click.Command):
     def parse_args(self, ctx, args):
         try:
             return super().parse_args(ctx, list(args))
-        except (click.NoSuchOption, click.BadParameter) as exc:
-            # The option click could not read, or whose value it could not, not any argument (a prompt may be
-            # "--dtype"). It reads -tp as short options run together and names the first alone, -t, and -ngl 99 as
-            # -n gl where -n takes a value, then names -n's value as bad.
-            unread = ([exc.option_name] if isinstance(exc, click.NoSuchOption) else
-                      exc.param.opts if isinstance(exc.param, click.Option) else [])
-            name = next((name for name in self.foreign for unknown in unread if name == unknown or (
-                not unknown.startswith("--") and name.startswith(unknown) and name in args)), None)
+        except click.UsageError:
+            name = self.foreign_given(ctx, args)
             if name is None:
                 raise
             raise click.UsageError(f"{name} {self.foreign[name]}", ctx) from None
+
+    def foreign_given(self, ctx, args) -> str | None:
+        """The first foreign option args give as an option, not as a value (a prompt may be "--dtype" or "-ngl"):
+        args parsed again with them declared, each with a value or none. Matched against the option click named
+        instead, -ngl 99 (read as -n gl) was told of for `-p -ngl -n 0`, and missed for `-ngl 99 -n 5`."""
+        parser = self.make_parser(ctx)
+        parser.ignore_unknown_options = True  # an unknown option before one of them (--temprature) does not hide it
+        foreign = {}
+        for name in self.foreign:
+            foreign[name] = click.Option([name], is_flag=False, flag_value="")
+            foreign[name].add_to_parser(parser, ctx)
+        try:
+            _, _, order = parser.parse_args(list(args))
+        except click.UsageError:  # click's own answer then (one of our options left without its value)
+            return None
+        return next((name for param in order for name, option in foreign.items() if param is option), None)
 
 
 # vLLM's serve options that this server does not take, each with what to do instead.
