@@ -894,8 +894,8 @@ def alpha_digits(*values: float) -> int:
 @click.option("--draft-config", "draft_config", type=KeyValue(), multiple=True,
               help="Config overrides for a new draft, e.g. num_hidden_layers=2 (repeatable).  [default: of the "
                    "target's model_type (a mixture of experts': its dense sibling's), of at most 1/10 of its "
-                   "parameters; for a target too small for that (a draft keeps the vocabulary and 64 of width), the "
-                   "smallest shape, a larger share (distill prints it)]")
+                   "parameters; for a target too small for that (a draft keeps the vocabulary and at least 64 of "
+                   "width), the smallest shape, a larger share (distill prints it)]")
 @click.option("--minutes", type=Setting("minutes", DISTILL_RULES, click.FLOAT), default=DISTILL_MINUTES, show_default=True,
               help="Time for making data and training (measuring α before and after comes on top).")
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
