@@ -336,6 +336,12 @@ def resolve_settings(recipe: Path | None, **options) -> CompileSettings:
         for key in ("target_quantize", "draft_quantize"):
             values.pop(key, None)
     values.update({k: v for k, v in options.items() if v is not None})
+    per_engine = ("target_quantize", "draft_quantize")
+    if (options.get("quantize") is None and any(options.get(key) for key in per_engine)
+            and all(values.get(key) for key in per_engine)):
+        # --target-quantize and --draft-quantize (one may be the recipe's) override a recipe's quantize for both
+        # engines, and win as the command line does: quantize dead beside both is refused where one place sets all three
+        values.pop("quantize", None)
     missing = [k for k in ("target", "draft", "output") if k not in values]
     if missing:
         where = f"in [compile] of {recipe}" if recipe else "in a recipe"

@@ -804,6 +804,21 @@ def test_quantize_on_the_command_line_wins_over_a_recipes_per_engine_quantizatio
     assert (settings.quantization("target"), settings.quantization("draft")) == ("int4", "int8")
 
 
+def test_per_engine_quantizations_on_the_command_line_win_over_a_recipes_quantize_for_both(tmp_path):
+    """7135dc3 refused a recipe's quantize = "int4" under --target-quantize int8 --draft-quantize none as applying to
+    neither engine, naming the recipe's line, where the command line's options win (as --quantize over a recipe's
+    per-engine ones)."""
+    from specbuild.recipe import resolve_settings
+
+    recipe = tmp_path / "pair.toml"
+    recipe.write_text('[compile]\ntarget = "t"\ndraft = "d"\noutput = "b"\nquantize = "int4"\n'
+                      'draft_quantize = "int8"\n')
+    for options in ({"target_quantize": "int8", "draft_quantize": "none"}, {"target_quantize": "none"}):
+        settings = resolve_settings(recipe, **options)
+        assert (settings.quantization("target"), settings.quantization("draft")) == (
+            options["target_quantize"], options.get("draft_quantize", "int8"))
+
+
 def test_compile_asks_for_one_missing_setting_as_an_option_and_for_several_as_options(tmp_path):
     """It read "missing --output (give it as options or in a recipe)"."""
     from specbuild.errors import MissingSettingsError
