@@ -22,9 +22,9 @@ from click.core import ParameterSource
 from specbuild_runtime.engine import DEVICES, available_cpus
 from specbuild_runtime.errors import RequestError
 from specbuild_runtime.logprobs import floored
-from specbuild_runtime.serve.cli import (LLAMA_CPP_DRAFT_MAX, LLAMA_CPP_ONLY_OPTIONS, VLLM_ONLY_OPTIONS, Finite,
-                                        Interruptible, InterruptibleCommand, chat_template_option, cuda_graphs_option,
-                                        draft_steps_option, run_command, serve_command, threads_option)
+from specbuild_runtime.serve.cli import (LLAMA_CPP_DRAFT_MAX, Finite, Interruptible, InterruptibleCommand,
+                                        chat_template_option, cuda_graphs_option, draft_steps_option, foreign_answers,
+                                        run_command, serve_command, threads_option)
 from specbuild_runtime.validation import FLOAT32_MAX, GREEDY_BELOW, MAX_LOGPROBS, check_seed, stop_strings
 
 from . import __version__
@@ -366,10 +366,8 @@ def decoding_foreign(command: str, gamma: str = "drafts per round, up to the bun
                      ) -> dict[str, str]:
     """A decoding command's answers to vLLM's and llama.cpp's options: what serve says, and --gamma for their draft
     length (gamma: what that command's --gamma takes)."""
-    return {**{name: f"is vLLM's option, which specbuild {command} does not take: {VLLM_ONLY_OPTIONS[name]}"
-               for name in ("--dtype", "--max-model-len", "--quantization", "--enforce-eager")},
-            **{name: f"is llama.cpp's option, which specbuild {command} does not take: {what}"
-               for name, what in LLAMA_CPP_ONLY_OPTIONS.items()},
+    vllm = ("--dtype", "--max-model-len", "--quantization", "--enforce-eager")
+    return {**foreign_answers(f"specbuild {command}", vllm),
             "--num-speculative-tokens": f"is vLLM's name for --gamma here ({gamma})",
             **{name: f"is llama.cpp's name for --gamma here ({gamma})" for name in LLAMA_CPP_DRAFT_MAX}}
 

@@ -170,12 +170,16 @@ LLAMA_CPP_ONLY_OPTIONS = {
 LLAMA_CPP_DRAFT_MAX = ("--draft-max", "--draft", "--draft-n")
 
 
+def foreign_answers(who: str, vllm: tuple[str, ...] = tuple(VLLM_ONLY_OPTIONS)) -> dict[str, str]:
+    """The answers of `who` (a command) to vLLM's options named in vllm and to llama.cpp's it does not take."""
+    return {**{name: f"is vLLM's option, which {who} does not take: {VLLM_ONLY_OPTIONS[name]}" for name in vllm},
+            **{name: f"is llama.cpp's option, which {who} does not take: {what}"
+               for name, what in LLAMA_CPP_ONLY_OPTIONS.items()}}
+
+
 # -h as on every specbuild command: `specbuild serve` takes it from the group, specbuild-serve only from here.
 @click.command("serve", cls=InterruptibleCommand,
-               foreign={**{name: f"is vLLM's option, which this server does not take: {what}"
-                           for name, what in VLLM_ONLY_OPTIONS.items()},
-                        **{name: f"is llama.cpp's option, which this server does not take: {what}"
-                           for name, what in LLAMA_CPP_ONLY_OPTIONS.items()},
+               foreign={**foreign_answers("this server"),
                         **{name: "is llama.cpp's option, which this server does not take: drafts per round adapt up "
                                  "to the bundle's max gamma (`specbuild compile --gamma`): leave it out"
                            for name in LLAMA_CPP_DRAFT_MAX}},
