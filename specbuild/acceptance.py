@@ -32,11 +32,12 @@ def rounds(agreement: list[bool], gamma: int, new_tokens: int | None = None, end
     return accepted, drafted
 
 
-def theoretical_speedup(tokens_per_call: float, gamma: int, cost_ratio: float) -> float:
+def theoretical_speedup(tokens_per_call: float, gamma: int, cost_ratio: float, call_cost: float = 1) -> float:
     """Leviathan et al.'s speed-up bound τ / (γc + 1): a round costs γ draft steps and one target step and
     yields τ tokens, with c the cost of a draft step over a target step. Bench passes the measured τ, which
-    needs no assumption about how acceptances are distributed."""
-    return tokens_per_call / (gamma * cost_ratio + 1)
+    needs no assumption about how acceptances are distributed. call_cost: the target's verification call over a
+    one-token step where that call costs more (a mixture of experts' reads the experts all its rows chose)."""
+    return tokens_per_call / (gamma * cost_ratio + call_cost)
 
 
 def until_eos(tokens: list[int], stops) -> list[int]:

@@ -599,6 +599,65 @@ def test_a_qwen3_moe_with_dense_layers_among_sparse_ones_is_not_exported(checkpo
     assert not exports(ckpt, ckpt)
 
 
+def test_a_mixture_targets_gamma_counts_the_experts_its_verification_call_reads(pairs, tmp_path, monkeypatch):
+    """S(γ) = tokens / (γc + T(γ+1)/T(1)), a call of n rows reading each layer's experts with 1 − (1 − k/E)^n of them
+    (rows routed independently and uniformly), reckoned here from the written rank files' bytes alone."""
+    target, draft = pairs("qwen3moe")
+    monkeypatch.setattr(gamma, "measure_with_transformers", lambda *args: 0.87)  # an α at which the two differ
+    manifest = compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", max_seq_len=64,
+                                              gamma=8, backend="tensorrt-llm", tp=2), show_progress=False)
+    k, e = 2, 8  # conftest's Qwen3-MoE
+
+    def read(role):  # (bytes a one-token step reads besides the experts, every expert's bytes)
+        sizes = [(name, t.nbytes) for r in range(2) for name, t in
+                 load_file(tmp_path / "b" / "tensorrt-llm" / role / f"rank{r}.safetensors").items()
+                 if not name.endswith("embedding.weight")]
+        experts = sum(size for name, size in sizes if name.endswith(("mlp.fc.weight", "mlp.proj.weight")))
+        return sum(size for _, size in sizes) - experts, experts
+    (dense, experts), (draft_dense, draft_experts) = read("target"), read("draft")
+    call = {n: dense + experts * (1 - (1 - k / e) ** n) for n in range(1, 10)}
+    c = (draft_dense + draft_experts * k / e) / call[1]
+    bound = {g: (1 - 0.87 ** (g + 1)) / 0.13 / (g * c + call[g + 1] / call[1]) for g in range(1, 9)}
+    flat = {g: (1 - 0.87 ** (g + 1)) / 0.13 / (g * c + 1) for g in range(1, 9)}
+    record = manifest.tensorrt_llm.gamma
+    assert record["gamma"] == max(bound, key=bound.get) < max(flat, key=flat.get)  # here 2, flat 3
+    assert record["expected_speedup"] == round(max(bound.values()), 3) and record["cost_ratio"] == round(c, 4)
+    assert "the experts its gamma + 1 rows choose" in record["method"]
+    assert f"--max_draft_len {record['gamma']}" in (tmp_path / "b" / manifest.tensorrt_llm.plans["build"]).read_text()
+
+
+def test_a_dense_targets_gamma_record_is_the_flat_bounds(pairs, tmp_path, monkeypatch):
+    """A dense target's call of γ + 1 rows costs one step: the record main wrote before mixtures' calls were counted."""
+    target, draft = pairs("llama")
+    monkeypatch.setattr(gamma, "measure_with_transformers", lambda *args: 0.9)
+    manifest = compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", max_seq_len=64,
+                                              gamma=8, backend="tensorrt-llm"), show_progress=False)
+    bytes_of = {role: manifest.tensorrt_llm.checkpoints[role]["weight_bytes"] for role in ("target", "draft")}
+    c = bytes_of["draft"] / bytes_of["target"]
+    flat = {g: (1 - 0.9 ** (g + 1)) / (0.1 * (c * g + 1)) for g in range(1, 9)}
+    assert manifest.tensorrt_llm.gamma == {
+        "gamma": max(flat, key=flat.get), "alpha": 0.9, "cost_ratio": round(c, 4),
+        "expected_speedup": round(max(flat.values()), 3),
+        "method": "alpha: transformers on CPU, greedy, packaged code prompts; c: weight bytes read per step"}
+    assert all("expert_bytes" not in record for record in manifest.tensorrt_llm.checkpoints.values())
+
+
+def test_a_plans_only_mixtures_step_counts_its_experts_at_top_k_over_experts(checkpoints, tmp_path, monkeypatch):
+    """conftest's Qwen3-MoE (a dense middle layer: no checkpoints) costs as its checkpoints would: c's steps read
+    each expert at top_k / experts, the call the experts its rows chose."""
+    target, draft = checkpoints("qwen3moe", 0), checkpoints("qwen3moe", 1, num_hidden_layers=1)
+    monkeypatch.setattr(gamma, "measure_with_transformers", lambda *args: 0.9)
+    manifest = compile_bundle(CompileSettings(target=target, draft=draft, output=tmp_path / "b", max_seq_len=8,
+                                              gamma=4, backend="tensorrt-llm"), show_progress=False)
+
+    def read(folder):
+        model = tf.AutoModelForCausalLM.from_pretrained(folder)
+        experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+        return model.num_parameters() - model.get_input_embeddings().weight.numel() - experts * (1 - 2 / 8)
+    assert manifest.tensorrt_llm.gamma["cost_ratio"] == pytest.approx(read(draft) / read(target), abs=1e-4)
+    assert "the experts its gamma + 1 rows choose" in manifest.tensorrt_llm.gamma["method"]
+
+
 def test_tp_without_a_tensorrt_llm_backend_is_refused(pairs):
     target, draft = pairs("llama")
     with pytest.raises(SpecbuildError, match="tp 2 splits the TensorRT-LLM export; add --backend"):
@@ -612,6 +671,15 @@ def test_recommended_gamma_maximises_the_speedup_bound():
     assert best["gamma"] == max(bound, key=bound.get) and best["expected_speedup"] == round(max(bound.values()), 3)
     assert gamma.recommend(0.8, 0.5, 8, "m")["gamma"] < best["gamma"]  # a costlier draft drafts less
     assert gamma.recommend(None, 0.1, 6, "m")["gamma"] == 6  # unmeasured: the bundle's max γ stands
+
+
+def test_a_mixture_whose_every_call_reads_every_expert_has_the_flat_bound():
+    """top_k = experts: a one-token step reads every expert already, so a call of any rows costs one step."""
+    every = gamma.expert_call_cost(3000.0, 2000.0, 8, 8)
+    for alpha, c in ((0.5, 0.3), (0.8, 0.05), (0.95, 0.2)):
+        assert all(gamma.expected_speedup(alpha, c, g, every) == gamma.expected_speedup(alpha, c, g)
+                   for g in range(1, 9))
+        assert gamma.recommend(alpha, c, 8, "m", every) == gamma.recommend(alpha, c, 8, "m")
 
 
 def specbuild(*args):

@@ -7,7 +7,10 @@ and costs γ draft steps plus one target call, so decoding runs
     S(γ) = (1 - α^(γ+1)) / ((1 - α) (γ c + 1))
 
 times faster than the target alone (Leviathan et al. 2023, "Fast Inference from Transformers via
-Speculative Decoding", eq. 1 and Theorem 3.8). The recommended γ maximises S over 1..max_gamma.
+Speculative Decoding", eq. 1 and Theorem 3.8). That takes the target's call of γ + 1 rows to cost one of its
+one-token steps, as a memory-bound dense target's does; a mixture of experts' call reads every expert any row chose,
+so for one the 1 becomes that call's cost over a step (expert_call_cost). The recommended γ maximises S over
+1..max_gamma.
 
 α is the share of positions where the draft's greedy token equals the target's along the target's own
 greedy continuation of the packaged code prompts, up to its first eos (where a request ends): under the model
@@ -17,6 +20,7 @@ above that share estimates α.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from specbuild_runtime.engine import Engine
 from specbuild_runtime.slot import AS_FED, NEVER_ALONE, EngineSlot
@@ -35,19 +39,41 @@ TRANSFORMERS_PARAMETER_LIMIT = 1_000_000_000
 ENGINE_BYTES_LIMIT = 8 << 30
 
 
-def expected_speedup(alpha: float, cost_ratio: float, gamma: int) -> float:
-    return theoretical_speedup(expected_tokens_per_call(alpha, gamma), gamma, cost_ratio)
+CallCost = Callable[[int], float]  # rows of a target call -> its cost over a one-token step
 
 
-def recommend(alpha: float | None, cost_ratio: float, max_gamma: int, method: str) -> dict:
-    """The manifest's record: the γ maximising S, what S it expects and how α and c were measured.
-    Without a measured α the bundle's max γ stands (the record says so)."""
+def flat(rows: int) -> float:
+    """A dense target's call: its weights are read once whatever the rows (memory-bound at these few rows)."""
+    return 1.0
+
+
+def expert_call_cost(step: float, experts: float, top_k: int, count: int) -> CallCost:
+    """A mixture target's call of n rows over its one-token step, T(n)/T(1) = (dense + experts · f(n)) / (dense +
+    experts · f(1)), from `step` (what a one-token step reads: all but the experts, and the experts at top_k / count)
+    and `experts` (every expert's weights; bytes or parameters, as step), f(n) = 1 − (1 − top_k/count)^n the share of
+    a layer's experts n rows read when each routes independently and uniformly. That routing is the one model needing
+    nothing measured on the target, and since rows that route alike (a text's consecutive tokens often do) share
+    experts, it bounds the share read from above: the truth lies between it and flat."""
+    dense = step - experts * top_k / count
+
+    def reads(rows: int) -> float:
+        return dense + experts * (1 - (1 - top_k / count) ** rows)
+    return lambda rows: reads(rows) / reads(1)
+
+
+def expected_speedup(alpha: float, cost_ratio: float, gamma: int, call_cost: CallCost = flat) -> float:
+    return theoretical_speedup(expected_tokens_per_call(alpha, gamma), gamma, cost_ratio, call_cost(gamma + 1))
+
+
+def recommend(alpha: float | None, cost_ratio: float, max_gamma: int, method: str, call_cost: CallCost = flat) -> dict:
+    """The manifest's record: the γ maximising S, what S it expects and how α and c were measured (and, in
+    `method`, the call cost). Without a measured α the bundle's max γ stands (the record says so)."""
     if alpha is None:
         return {"gamma": max_gamma, "alpha": None, "cost_ratio": cost_ratio, "expected_speedup": None,
                 "method": method}
-    gamma = max(range(1, max_gamma + 1), key=lambda g: expected_speedup(alpha, cost_ratio, g))
+    gamma = max(range(1, max_gamma + 1), key=lambda g: expected_speedup(alpha, cost_ratio, g, call_cost))
     return {"gamma": gamma, "alpha": round(alpha, 4), "cost_ratio": round(cost_ratio, 4),
-            "expected_speedup": round(expected_speedup(alpha, cost_ratio, gamma), 3), "method": method}
+            "expected_speedup": round(expected_speedup(alpha, cost_ratio, gamma, call_cost), 3), "method": method}
 
 
 def prompts(tokenizer) -> list[list[int]]:

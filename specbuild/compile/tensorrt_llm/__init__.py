@@ -56,10 +56,11 @@ def export_pair(target: Checkpoint, draft: Checkpoint, folder: Path, scratch: Pa
             "architecture": architecture, "not_exported": unexported(ckpt)}
         # the ONNX engine hashed the same source already
         checkpoints[role]["source"] = engines[role].source if role in engines else source(ckpt)
-    # c: the bytes a step reads, as trtllm-build will quantize them, or as the source folders are served
-    byte_ratio = (checkpoints["draft"]["weight_bytes"] / checkpoints["target"]["weight_bytes"] if exported else
-                  step_parameters(draft) / step_parameters(target))
-    recommended = measure_gamma(folder, engines, target, draft, byte_ratio, max_seq_len, max_gamma, eos)
+    # what a step reads (and of it a mixture's experts), as trtllm-build will quantize them, or as the source folders
+    # are served
+    steps = {role: (checkpoints[role]["weight_bytes"], checkpoints[role].get("expert_bytes", 0)) if exported else
+             step_parameters(ckpt) for role, ckpt in (("target", target), ("draft", draft))}
+    recommended = measure_gamma(folder, engines, target, draft, steps, max_seq_len, max_gamma, eos)
     quantized = " and ".join(f"the {role} {numerics[role].quantization}" for role in ("target", "draft")
                           if numerics[role].quantization != "none")
     kinds = [*(("build", "run") if exported else ()), *source_plans(target, draft)]

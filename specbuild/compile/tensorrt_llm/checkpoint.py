@@ -55,23 +55,24 @@ def write_checkpoint(ckpt: Checkpoint, out: Path, scratch: Path, tp: int, vocab:
     (out / "config.json").write_text(json.dumps(config, indent=2))
     files = [RankFile(out / f"rank{r}.safetensors", scratch / f"{out.name}-rank{r}.data") for r in range(tp)]
     names = set(ckpt.tensor_names())
-    step_bytes = 0.0
+    step_bytes = expert_bytes = 0.0
     # Bytes without a total (a tied head is written twice, the vocabulary padded): at 7B, minutes of a stage
     # whose bar would otherwise stand still.
     with bar(None, f"writing TensorRT-LLM {out.name} ({dtype_name})", "B", unit_scale=True) as progress:
         for tensor in WRITERS.get(spec.architecture, LLAMA)[0](ckpt, names):
             quantized = QUANT_ALGOS[quantization] and tensor.name.endswith(QUANTIZED_WEIGHTS)
             # c's denominator, the target decoding alone, is a one-token step, which reads its top-k experts' weights
-            # alone (the MoE plugin computes no other). gamma's S(γ) takes a verification call of γ+1 rows to cost
-            # one such step, though it reads every expert any row chose, up to min(experts, (γ+1)·top_k): for a
-            # mixture target its γ and expected speedup are optimistic (figures in docs/tensorrt-llm.md).
-            read = spec.experts_per_token / spec.experts if tensor.split in (EXPERT_FC, EXPERT_PROJ) else 1
+            # alone (the MoE plugin computes no other); a verification call reads every expert any of its rows
+            # chose, which gamma.expert_call_cost reckons from the experts' bytes apart.
+            expert = tensor.split in (EXPERT_FC, EXPERT_PROJ)
+            read = spec.experts_per_token / spec.experts if expert else 1
             for file, part in zip(files, shard(tensor, layout, tensor.dtype or dtype)):
                 file.add(tensor.name, part)
                 progress.update(part.nbytes)
                 if not tensor.name.endswith("embedding.weight"):  # a step reads one row of these
-                    step_bytes += part.size * read * (
-                        {"int8": 1, "int4": 0.5}[quantization] if quantized else part.itemsize)
+                    stored = part.size * ({"int8": 1, "int4": 0.5}[quantization] if quantized else part.itemsize)
+                    step_bytes += stored * read
+                    expert_bytes += stored if expert else 0
         for file in files:
             file.close()
     return {
@@ -88,6 +89,8 @@ def write_checkpoint(ckpt: Checkpoint, out: Path, scratch: Path, tp: int, vocab:
         # what a decoding step reads over all ranks once trtllm-build has quantized: the cost ratio
         # the plans use when no engine was timed
         "weight_bytes": int(step_bytes),
+        # a mixture's: every expert's weights, as quantized (the bytes a call whose rows chose them all reads)
+        **({"expert_bytes": int(expert_bytes)} if spec.experts else {}),
         "ranks": [{**rank, "file": f"{FOLDER}/{out.name}/{rank['file']}"} for rank in layout.ranks()],
     }
 

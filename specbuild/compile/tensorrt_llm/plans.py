@@ -30,18 +30,30 @@ VLLM_PLAN = "vllm/serve.sh"
 MAX_NUM_TOKENS = 8192
 
 
-def step_parameters(ckpt: Checkpoint) -> int:
-    """The parameters a decoding step reads: all but the embedding tables it gathers a row from (GPT-2's
-    positions, and an untied token table; a tied one is read whole as the head)."""
+def step_parameters(ckpt: Checkpoint) -> tuple[float, int]:
+    """The parameters a one-token decoding step reads, and of them a mixture's experts' all told (0 for a dense
+    model), as write_checkpoint's weight_bytes and expert_bytes count bytes: all but the embedding tables it gathers a
+    row from (GPT-2's positions, and an untied token table; a tied one is read whole as the head), each expert's at
+    top_k / experts (the serving engines' MoE kernels compute no other)."""
     gathered = ("wpe.weight",) if ckpt.spec.tie_word_embeddings else ("embed_tokens.weight", "wte.weight", "wpe.weight")
-    return sum(int(np.prod(ckpt.entries[name].shape)) for name in ckpt.weights() if not name.endswith(gathered))
+    sizes = {name: int(np.prod(ckpt.entries[name].shape)) for name in ckpt.weights() if not name.endswith(gathered)}
+    experts = sum(size for name, size in sizes.items() if ".experts." in name)  # load.MIXTURES: experts.{e}.<proj>
+    dense = sum(sizes.values()) - experts
+    return (dense + experts * ckpt.spec.experts_per_token / ckpt.spec.experts if experts else dense), experts
 
 
 def measure_gamma(folder: Path, engines: dict[str, EngineInfo], target: Checkpoint, draft: Checkpoint,
-                  byte_ratio: float, max_seq_len: int, max_gamma: int, eos: list[int]) -> dict:
+                  steps: dict[str, tuple[float, float]], max_seq_len: int, max_gamma: int, eos: list[int]) -> dict:
     """γ for the plans: α through the ONNX engines when fp32 ones were built, otherwise with transformers on
     CPU for pairs small enough; c from the weight bytes each step reads. Not c timed on this CPU: a GPU's
-    step times are not its, and a timed c moved γ between identical builds (a pipeline caches the plans)."""
+    step times are not its, and a timed c moved γ between identical builds (a pipeline caches the plans).
+    steps: role -> (what a one-token step reads, of it a mixture's experts all told: write_checkpoint's
+    weight_bytes and expert_bytes, or step_parameters); a mixture target's call costs the experts its rows chose."""
+    byte_ratio = steps["draft"][0] / steps["target"][0]
+    spec = target.spec
+    call_cost, calls = ((gamma_stage.expert_call_cost(*steps["target"], spec.experts_per_token, spec.experts),
+                         "; target call: the experts its gamma + 1 rows choose, each row routed independently and "
+                         "uniformly") if spec.experts else (gamma_stage.flat, ""))
     prompt_ids = gamma_stage.prompts(target.tokenizer)
     alpha = gamma_stage.measure_with_engines(folder, engines, prompt_ids, max_seq_len, eos) if engines else None
     how = "the ONNX engines on this CPU"
@@ -54,7 +66,7 @@ def measure_gamma(folder: Path, engines: dict[str, EngineInfo], target: Checkpoi
                                      "this CPU, no fp32 ONNX engines, or a context too short for the measuring "
                                      "prompts): the bundle's max gamma")
     return gamma_stage.recommend(alpha, byte_ratio, max_gamma, f"alpha: {how}, greedy, packaged code prompts; "
-                                 "c: weight bytes read per step")
+                                 f"c: weight bytes read per step{calls}", call_cost)
 
 
 def write_plans(folder: Path, gamma: int, tp: int, max_seq_len: int, precision: str,
