@@ -195,9 +195,9 @@ class TensorRTLLMPart:
 
     tp_size: int
     checkpoints: dict[str, dict]  # role -> {"dir", "architecture", "dtype", "quant_algo", "vocab_size",
-    #   "parameters", "weight_bytes", "source", "ranks": [{"file", "attention_heads", "kv_heads",
-    #   "ffn_columns", "lm_head_rows", and a mixture's "experts"}]}: which source heads/columns/rows (each expert's
-    #   columns, in a mixture) and experts each rank holds. A pair whose family
+    #   "parameters", "weight_bytes", a mixture's "expert_bytes", "source", "ranks": [{"file", "attention_heads",
+    #   "kv_heads", "ffn_columns", "lm_head_rows", and a mixture's "experts"}]}: which source heads/columns/rows
+    #   (each expert's columns, in a mixture) and experts each rank holds. A pair whose family
     #   the export does not take: {"architecture", "not_exported" (why, "" for the exported one), "source"} alone,
     #   no "dir", and plans only those that serve the source folders
     plans: dict[str, str]  # "build" | "run" | "llm_api" | "vllm" -> bundle-relative path
